@@ -1,0 +1,3 @@
+//! N-API glue: the only module that knows about Node.
+
+mod info;

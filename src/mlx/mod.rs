@@ -1,0 +1,17 @@
+//! Safe Rust over our C++ bridge to MLX (cpp/). Nothing outside this module
+//! touches raw handles.
+
+mod array;
+mod compile;
+mod ffi;
+mod io;
+mod ops;
+pub mod runtime;
+
+pub use array::{async_eval, eval, Array, Dtype, Element};
+pub use compile::Compiled;
+pub use io::{load_safetensors, save_safetensors};
+pub use ops::*;
+
+#[cfg(test)]
+mod tests;

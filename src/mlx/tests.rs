@@ -1,0 +1,186 @@
+//! Bridge tests: results checked against hand-computed values, and MLX
+//! failures arriving as errors carrying MLX's text instead of aborting.
+
+use super::*;
+use crate::error::ErrorKind;
+
+fn arr(v: &[f32], shape: &[i32]) -> Array {
+    Array::from_slice(v, shape).unwrap()
+}
+
+fn close(a: &[f32], b: &[f32], tol: f32) {
+    assert_eq!(a.len(), b.len(), "{a:?} vs {b:?}");
+    for (x, y) in a.iter().zip(b) {
+        assert!((x - y).abs() <= tol, "{a:?} vs {b:?}");
+    }
+}
+
+#[test]
+fn matmul_and_elementwise() {
+    let a = arr(&[1., 2., 3., 4.], &[2, 2]);
+    let b = arr(&[5., 6., 7., 8.], &[2, 2]);
+    assert_eq!(a.matmul(&b).unwrap().to_vec::<f32>().unwrap(), vec![19., 22., 43., 50.]);
+    assert_eq!(a.add(&b).unwrap().to_vec::<f32>().unwrap(), vec![6., 8., 10., 12.]);
+    assert_eq!(a.mul_scalar(0.5).unwrap().to_vec::<f32>().unwrap(), vec![0.5, 1., 1.5, 2.]);
+    assert_eq!(a.sum(&[1], false).unwrap().to_vec::<f32>().unwrap(), vec![3., 7.]);
+    assert_eq!(a.max(&[], false).unwrap().item::<f32>().unwrap(), 4.);
+    let s = arr(&[0.0], &[1]).sigmoid().unwrap().item::<f32>().unwrap();
+    assert_eq!(s, 0.5);
+}
+
+#[test]
+fn shapes_slices_and_concat() {
+    let a = arange(0., 12., 1., Dtype::Float32).unwrap().reshape(&[3, 4]).unwrap();
+    assert_eq!(a.shape(), vec![3, 4]);
+    let s = a.slice(&[1, 1], &[3, 3], &[1, 1]).unwrap();
+    assert_eq!(s.to_vec::<f32>().unwrap(), vec![5., 6., 9., 10.]);
+    let t = a.t().unwrap();
+    assert_eq!(t.shape(), vec![4, 3]);
+    assert_eq!(t.to_vec::<f32>().unwrap()[..3], [0., 4., 8.]);
+    let c = concatenate(&[&s, &s], 0).unwrap();
+    assert_eq!(c.shape(), vec![4, 2]);
+    let z = zeros(&[2, 2], Dtype::Float32).unwrap();
+    let u = z.slice_update(&arr(&[7.], &[1, 1]), &[1, 0], &[2, 1]).unwrap();
+    assert_eq!(u.to_vec::<f32>().unwrap(), vec![0., 0., 7., 0.]);
+    let parts = arange(0., 6., 1., Dtype::Float32).unwrap().split_equal(3, 0).unwrap();
+    assert_eq!(parts[2].to_vec::<f32>().unwrap(), vec![4., 5.]);
+    let idx = Array::from_slice(&[2i32, 0], &[2]).unwrap();
+    assert_eq!(a.take(&idx, 0).unwrap().to_vec::<f32>().unwrap()[..4], [8., 9., 10., 11.]);
+}
+
+#[test]
+fn dtype_casts_round_trip() {
+    let a = arr(&[1.5, -2.25, 3.0], &[3]);
+    let b = a.astype(Dtype::Bfloat16).unwrap();
+    assert_eq!(b.dtype(), Dtype::Bfloat16);
+    assert_eq!(b.nbytes(), 6);
+    assert_eq!(b.astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap(), vec![1.5, -2.25, 3.0]);
+    let bytes = b.to_bytes().unwrap();
+    let c = Array::from_bytes(&bytes, &[3], Dtype::Bfloat16).unwrap();
+    assert_eq!(c.to_vec::<f32>().unwrap(), vec![1.5, -2.25, 3.0]);
+    assert_eq!(a.to_vec::<i32>().unwrap(), vec![1, -2, 3]);
+}
+
+#[test]
+fn softmax_argmax_and_sampling() {
+    let l = arr(&[0., 0., 10., 0.], &[1, 4]);
+    let p = l.softmax(-1, true).unwrap().to_vec::<f32>().unwrap();
+    let e = 10f32.exp();
+    close(&p, &[1. / (3. + e), 1. / (3. + e), e / (3. + e), 1. / (3. + e)], 1e-6);
+    assert_eq!(l.argmax(-1, false).unwrap().to_vec::<u32>().unwrap(), vec![2]);
+    let part = arr(&[5., 1., 4., 2.], &[4]).argpartition(1, 0).unwrap().to_vec::<u32>().unwrap();
+    let mut low: Vec<u32> = part[..2].to_vec();
+    low.sort();
+    assert_eq!(low, vec![1, 3]);
+    let big = arr(&[-1e9, -1e9, 0., -1e9], &[1, 4]);
+    let key = random::key(7).unwrap();
+    assert_eq!(random::categorical(&big, -1, Some(&key)).unwrap().to_vec::<u32>().unwrap(), vec![2]);
+}
+
+#[test]
+fn nn_kernels_against_hand_values() {
+    // rms_norm([3, 4]) = x / sqrt(mean(x^2)) = x / sqrt(12.5)
+    let x = arr(&[3., 4.], &[1, 2]);
+    let w = arr(&[1., 2.], &[2]);
+    let r = rms_norm(&x, Some(&w), 0.0).unwrap().to_vec::<f32>().unwrap();
+    let d = 12.5f32.sqrt();
+    close(&r, &[3. / d, 8. / d], 1e-5);
+    // RoPE at offset 0 is the identity.
+    let q = arange(0., 4., 1., Dtype::Float32).unwrap().reshape(&[1, 1, 1, 4]).unwrap();
+    close(&rope(&q, 4, false, 10000., 1., 0).unwrap().to_vec::<f32>().unwrap(), &q.to_vec::<f32>().unwrap(), 1e-6);
+    // At position 1 with dims 2 the pair (x0, x1) turns by 1 radian.
+    let r = rope(&arr(&[1., 0.], &[1, 1, 1, 2]), 2, false, 10000., 1., 1).unwrap().to_vec::<f32>().unwrap();
+    close(&r, &[1f32.cos(), 1f32.sin()], 1e-6);
+    // Causal SDPA over one key returns that key's value.
+    let k = arr(&[1., 0., 0., 0.], &[1, 1, 1, 4]);
+    let v = arr(&[9., 8., 7., 6.], &[1, 1, 1, 4]);
+    let o = sdpa(&k, &k, &v, 0.5, Mask::Causal).unwrap().to_vec::<f32>().unwrap();
+    close(&o, &[9., 8., 7., 6.], 1e-6);
+    // Depthwise conv: kernel [1, 2] over [1, 2, 3] (valid) = [1*1+2*2, 2*1+3*2].
+    let xs = arr(&[1., 2., 3.], &[1, 3, 1]);
+    let k = arr(&[1., 2.], &[1, 2, 1]);
+    assert_eq!(conv1d(&xs, &k, 1, 0, 1, 1).unwrap().to_vec::<f32>().unwrap(), vec![5., 8.]);
+}
+
+#[test]
+fn quantize_round_trip_and_qmm() {
+    let w = random::normal(&[64, 128], Dtype::Float32, 0., 1., Some(&random::key(1).unwrap())).unwrap();
+    let x = random::normal(&[2, 128], Dtype::Float32, 0., 1., Some(&random::key(2).unwrap())).unwrap();
+    for (mode, bits, gs) in [(QuantMode::Affine, 8, 64), (QuantMode::Affine, 4, 32), (QuantMode::Mxfp4, 4, 32), (QuantMode::Mxfp8, 8, 32), (QuantMode::Nvfp4, 4, 16)] {
+        let q = QuantSpec { mode, bits, group_size: gs };
+        let (wq, s, b) = quantize(&w, q).unwrap();
+        assert_eq!(b.is_some(), mode.has_biases(), "{mode:?}");
+        let wd = dequantize(&wq, &s, b.as_ref(), q, None).unwrap();
+        let err = wd.sub(&w).unwrap().abs().unwrap().max(&[], false).unwrap().item::<f32>().unwrap();
+        assert!(err < 1.5, "{mode:?} {bits}: max err {err}");
+        let y = quantized_matmul(&x, &wq, &s, b.as_ref(), true, q).unwrap();
+        let y_ref = x.matmul(&wd.t().unwrap()).unwrap();
+        let d = y.sub(&y_ref).unwrap().abs().unwrap().max(&[], false).unwrap().item::<f32>().unwrap();
+        assert!(d < 1e-2, "{mode:?}: qmm vs dequantized matmul differ by {d}");
+    }
+}
+
+#[test]
+fn gather_mm_selects_experts() {
+    // Two "experts": identity and 2*identity; route row 0 to expert 1.
+    let eye = arr(&[1., 0., 0., 1.], &[2, 2]);
+    let w = stack(&[&eye, &eye.mul_scalar(2.).unwrap()], 0).unwrap();
+    let x = arr(&[3., 4.], &[1, 1, 2]);
+    let rhs = Array::from_slice(&[1u32], &[1]).unwrap();
+    let y = gather_mm(&x, &w, None, Some(&rhs), false).unwrap();
+    assert_eq!(y.to_vec::<f32>().unwrap(), vec![6., 8.]);
+}
+
+#[test]
+fn compile_matches_eager() {
+    let f = Compiled::new(|ins| Ok(vec![ins[0].mul(&ins[1])?.add_scalar(1.0)?.exp()?]), false).unwrap();
+    let a = arr(&[0.1, 0.2], &[2]);
+    let b = arr(&[3., 4.], &[2]);
+    let c = f.call(&[&a, &b]).unwrap();
+    let e = a.mul(&b).unwrap().add_scalar(1.0).unwrap().exp().unwrap();
+    close(&c[0].to_vec::<f32>().unwrap(), &e.to_vec::<f32>().unwrap(), 1e-6);
+    // A failing trace is an error, not an abort.
+    let bad = Compiled::new(|ins| Ok(vec![ins[0].reshape(&[7])?]), false).unwrap();
+    assert!(bad.call(&[&a]).is_err());
+}
+
+#[test]
+fn mlx_errors_carry_mlx_text() {
+    let a = arr(&[1., 2., 3., 4., 5., 6.], &[2, 3]);
+    let e = a.reshape(&[4, 2]).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::Mlx);
+    assert!(e.message.contains("reshape"), "{}", e.message);
+    let b = arr(&[1., 2.], &[1, 2]);
+    let e = a.matmul(&b).unwrap_err();
+    assert!(e.message.contains("matmul") || e.message.contains("shape"), "{}", e.message);
+    let e = a.add(&arr(&[1., 2.], &[2])).unwrap_err();
+    assert!(e.message.contains("broadcast"), "{}", e.message);
+    // The thread keeps working after errors.
+    assert_eq!(a.sum(&[], false).unwrap().item::<f32>().unwrap(), 21.);
+}
+
+#[test]
+fn safetensors_round_trip() {
+    let dir = std::env::temp_dir().join(format!("mlxlfm-st-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join("t.safetensors");
+    let a = arr(&[1., 2., 3.], &[3]).astype(Dtype::Bfloat16).unwrap();
+    save_safetensors(&p, &[("x.weight".into(), a)], &[("format".into(), "mlx".into())]).unwrap();
+    let (arrs, meta) = load_safetensors(&p).unwrap();
+    assert_eq!(meta.get("format").map(String::as_str), Some("mlx"));
+    assert_eq!(arrs[0].0, "x.weight");
+    assert_eq!(arrs[0].1.dtype(), Dtype::Bfloat16);
+    assert_eq!(arrs[0].1.to_vec::<f32>().unwrap(), vec![1., 2., 3.]);
+    let e = load_safetensors(&dir.join("missing.safetensors")).unwrap_err();
+    assert!(e.message.contains("missing.safetensors"), "{}", e.message);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn runtime_facts() {
+    assert_eq!(runtime::version(), "0.32.4");
+    let m = runtime::memory();
+    let _ = zeros(&[1024], Dtype::Float32).unwrap().eval();
+    assert!(runtime::memory().peak >= m.active);
+    assert!(["cpu", "cuda", "metal"].contains(&runtime::backend().name()));
+}
