@@ -835,4 +835,6 @@ function __napiStampBindingTarget(exportsObject, target) {
 // linked import resolves to `undefined`.
 module.exports.__napiBindingTarget = __napiStampBindingTarget(nativeBinding, __napiLoadedBindingTarget)
 module.exports = nativeBinding
+module.exports.Lfm2Model = nativeBinding.Lfm2Model
+module.exports.generateFixture = nativeBinding.generateFixture
 module.exports.mlxInfo = nativeBinding.mlxInfo

@@ -9,6 +9,102 @@
  */
 export declare const __napiBindingTarget: 'native' | 'wasm32-wasi' | 'wasm32-wasip1'
 
+/** A loaded LFM2 / LFM2-MoE model. Create it with `Lfm2Model.load(path)`. */
+export declare class Lfm2Model {
+  /** Loads a checkpoint directory (Hugging Face or MLX layout). */
+  static load(path: string, options?: LoadOptions | undefined | null): Promise<Lfm2Model>
+  /**
+   * Chats with the model: renders `messages` with the checkpoint's chat
+   * template and generates the assistant's reply.
+   */
+  chat(messages: Array<ChatMessage>, options?: GenerateOptions | undefined | null): Promise<ChatResult>
+  /**
+   * Raw completion without a chat template. A string is tokenized (adding
+   * the BOS token unless it is already there); an array of token ids is
+   * used exactly.
+   */
+  generate(prompt: string | Array<number>, options?: GenerateOptions | undefined | null): Promise<ChatResult>
+  /** The logits of the last position after running `tokenIds` (float32). */
+  logits(tokenIds: Array<number>): Promise<Float32Array>
+  /** What was loaded and how it runs. */
+  info(): ModelInfo
+  /** Frees the model once queued requests finish; later calls reject. */
+  close(): void
+}
+
+export interface ChatMessage {
+  /** "system", "user", "assistant" or "tool". */
+  role: string
+  content?: string
+  toolCalls?: Array<any>
+  toolCallId?: string
+  name?: string
+}
+
+export interface ChatResult {
+  text: string
+  /** "stop" (end-of-sequence or a stop string), "length" or "abort". */
+  finishReason: string
+  /** Completion token ids (without the end-of-sequence token). */
+  tokens: Array<number>
+  usage: Usage
+  metrics: Metrics
+}
+
+export interface FixtureOptions {
+  /** "tiny" (default), "tiny-moe", "lfm2-350m", "lfm2-1.2b" or "lfm2-8b-a1b". */
+  preset?: string
+  /** "f32" (default), "bf16" or "f16". */
+  dtype?: string
+  /** "hf" (default) or "mlx". */
+  layout?: string
+  seed?: number
+  /** Split weights into shards of at most this many bytes. */
+  maxShardBytes?: number
+  /** "full_attn_idxs" (default), "layer_types" or "both". */
+  attnStyle?: string
+  /** Put rope_theta in rope_parameters instead of the top level. */
+  ropeInParameters?: boolean
+  /** Leave num_key_value_heads out of config.json. */
+  omitNumKeyValueHeads?: boolean
+}
+
+/**
+ * Writes a random-weight checkpoint with a trained tokenizer and an
+ * LFM2-style chat template into `dir`. Runs off the JS thread.
+ */
+export declare function generateFixture(dir: string, options?: FixtureOptions | undefined | null): Promise<void>
+
+export interface GenerateOptions {
+  /** Most tokens to generate (default 256). */
+  maxTokens?: number
+  /** 0 (the default) is greedy. */
+  temperature?: number
+  topK?: number
+  topP?: number
+  minP?: number
+  repetitionPenalty?: number
+  /** Tokens the repetition penalty looks back over (default 20). */
+  repetitionContextSize?: number
+  /** Seed for reproducible sampling. */
+  seed?: number
+  /** Stop strings (not included in the result). */
+  stop?: string | Array<string>
+  /** Keep generating past end-of-sequence tokens. */
+  ignoreEos?: boolean
+  /** Tools in the OpenAI function shape, rendered by the chat template (chat only). */
+  tools?: Array<any>
+}
+
+export interface LoadOptions {
+  /** Cast floating-point weights: "float32", "float16" or "bfloat16". */
+  dtype?: string
+  /** Tokens per prefill chunk (default 2048). */
+  prefillChunkSize?: number
+  /** "cpu" or "gpu" (default: MLX's default device). */
+  device?: string
+}
+
 export interface MemoryInfo {
   /** Bytes held by live MLX arrays. */
   activeBytes: number
@@ -20,6 +116,20 @@ export interface MemoryInfo {
   limitBytes: number
   /** The device's total memory when MLX reports it, else 0. */
   deviceTotalBytes: number
+}
+
+export interface Metrics {
+  /** Time from the call reaching the model to the first token, in ms. */
+  ttftMs: number
+  /** Tokens actually run through the model during prefill. */
+  prefillTokens: number
+  /** prefillTokens divided by the prefill time. */
+  prefillTokensPerSecond: number
+  prefillMs: number
+  /** Tokens after the first, divided by the time after the first. */
+  decodeTokensPerSecond: number
+  decodeMs: number
+  totalMs: number
 }
 
 /** Facts about the MLX runtime this addon is linked against. */
@@ -34,4 +144,49 @@ export interface MlxInfo {
   defaultDevice: string
   deviceName: string
   memory: MemoryInfo
+}
+
+export interface ModelInfo {
+  path: string
+  /** "lfm2" or "lfm2_moe". */
+  modelType: string
+  /** "attention" or "conv" per layer. */
+  layerKinds: Array<string>
+  /** Activation dtype, e.g. "bfloat16". */
+  dtype: string
+  /** Quantized formats in use; empty for an unquantized checkpoint. */
+  quantization: Array<QuantizationInfo>
+  /** "flat" or "paged". */
+  cacheKind: string
+  /** "compiled" or "eager". */
+  decodePath: string
+  /** Why that decode path was chosen. */
+  decodePathReason: string
+  parameterCount: number
+  weightBytes: number
+  vocabSize: number
+  hiddenSize: number
+  numLayers: number
+  numExperts?: number
+  expertsPerToken?: number
+  eosTokenIds: Array<number>
+  hasChatTemplate: boolean
+  /** "cpu", "cuda" or "metal". */
+  backend: string
+  /** "cpu" or "gpu". */
+  device: string
+}
+
+export interface QuantizationInfo {
+  mode: string
+  bits: number
+  groupSize: number
+  /** How many projections use this format. */
+  projections: number
+}
+
+export interface Usage {
+  promptTokens: number
+  completionTokens: number
+  totalTokens: number
 }

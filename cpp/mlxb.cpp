@@ -303,6 +303,8 @@ int mlxb_binary(int op, mlxb_array a_, mlxb_array b_, mlxb_array* out) {
       case MLXB_GE: *out = wrap(mx::greater_equal(a, b)); break;
       case MLXB_LOGICAL_AND: *out = wrap(mx::logical_and(a, b)); break;
       case MLXB_LOGICAL_OR: *out = wrap(mx::logical_or(a, b)); break;
+      case MLXB_FLOOR_DIVIDE: *out = wrap(mx::floor_divide(a, b)); break;
+      case MLXB_REMAINDER: *out = wrap(mx::remainder(a, b)); break;
       default: throw std::invalid_argument("mlx-lfm bridge: unknown binary op " + std::to_string(op));
     }
   })

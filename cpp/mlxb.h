@@ -93,7 +93,7 @@ int mlxb_unary(int op, mlxb_array a, mlxb_array* out);
 
 enum {
   MLXB_ADD = 0, MLXB_SUB, MLXB_MUL, MLXB_DIV, MLXB_MAXIMUM, MLXB_MINIMUM, MLXB_POWER, MLXB_EQ, MLXB_NE,
-  MLXB_LT, MLXB_LE, MLXB_GT, MLXB_GE, MLXB_LOGICAL_AND, MLXB_LOGICAL_OR,
+  MLXB_LT, MLXB_LE, MLXB_GT, MLXB_GE, MLXB_LOGICAL_AND, MLXB_LOGICAL_OR, MLXB_FLOOR_DIVIDE, MLXB_REMAINDER,
 };
 int mlxb_binary(int op, mlxb_array a, mlxb_array b, mlxb_array* out);
 

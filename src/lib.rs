@@ -12,3 +12,6 @@ mod js;
 pub use error::{Error, ErrorKind, Result};
 pub mod fixture;
 pub mod text;
+pub mod engine;
+pub mod generate;
+pub mod model;

@@ -56,6 +56,8 @@ enum Binary {
     Ge,
     LogicalAnd,
     LogicalOr,
+    FloorDivide,
+    Remainder,
 }
 
 #[repr(i32)]
@@ -109,7 +111,8 @@ impl Array {
         maximum, maximum_scalar => Maximum, minimum, minimum_scalar => Minimum, power, power_scalar => Power,
         eq, eq_scalar => Eq, ne, ne_scalar => Ne, lt, lt_scalar => Lt, le, le_scalar => Le,
         gt, gt_scalar => Gt, ge, ge_scalar => Ge, logical_and, logical_and_scalar => LogicalAnd,
-        logical_or, logical_or_scalar => LogicalOr,
+        logical_or, logical_or_scalar => LogicalOr, floor_divide, floor_divide_scalar => FloorDivide,
+        remainder, remainder_scalar => Remainder,
     );
     reduce_methods!(sum => Sum, mean => Mean, max => Max, min => Min, prod => Prod, logsumexp => LogSumExp);
 

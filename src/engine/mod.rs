@@ -1,0 +1,183 @@
+//! A loaded model ready to serve: weights, tokenizer, stop tokens and the
+//! request entry points. Plain Rust (no Node types), driven by the worker
+//! thread in worker.rs, by `cargo test` and by the benchmark binary.
+
+pub mod worker;
+
+use crate::error::{Error, Result};
+use crate::generate::{self, GenerateParams, Generation, Observer};
+use crate::mlx::{runtime, Dtype};
+use crate::model::config::token_ids;
+use crate::model::{load_model, Lfm2Model, LoadOptions};
+use crate::text::{ChatMessage, Tokenizer};
+use serde_json::Value;
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+#[derive(Debug, Clone, Default)]
+pub struct EngineOptions {
+    pub dtype: Option<Dtype>,
+    /// Tokens per prefill chunk (default 2048).
+    pub prefill_chunk: Option<usize>,
+    /// "cpu" or "gpu"; default: MLX's default device.
+    pub device: Option<runtime::DeviceType>,
+}
+
+#[derive(Debug, Clone)]
+pub struct QuantSummary {
+    pub mode: String,
+    pub bits: i32,
+    pub group_size: i32,
+    pub projections: usize,
+}
+
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    pub path: PathBuf,
+    pub model_type: String,
+    pub layer_kinds: Vec<String>,
+    pub dtype: String,
+    pub quantization: Vec<QuantSummary>,
+    pub cache_kind: String,
+    pub decode_path: String,
+    pub decode_path_reason: String,
+    pub parameter_count: usize,
+    pub weight_bytes: usize,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub num_layers: usize,
+    pub num_experts: Option<usize>,
+    pub experts_per_token: Option<usize>,
+    pub eos_token_ids: Vec<u32>,
+    pub has_chat_template: bool,
+    pub backend: String,
+    pub device: String,
+}
+
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+pub struct Engine {
+    pub model: Lfm2Model,
+    pub tokenizer: Tokenizer,
+    pub eos: HashSet<u32>,
+    pub prefill_chunk: usize,
+    info: ModelInfo,
+}
+
+fn generation_config_eos(dir: &Path) -> Result<Vec<u32>> {
+    let p = dir.join("generation_config.json");
+    if !p.exists() {
+        return Ok(vec![]);
+    }
+    let text = std::fs::read_to_string(&p)?;
+    let v: Value = serde_json::from_str(&text)
+        .map_err(|e| Error::config(format!("{} is not valid JSON: {e}", p.display())))?;
+    token_ids(v.get("eos_token_id"), "eos_token_id", "generation_config.json")
+}
+
+impl Engine {
+    pub fn load(dir: &Path, opts: &EngineOptions) -> Result<Engine> {
+        if let Some(d) = opts.device {
+            runtime::set_default_device(d)?;
+        }
+        let tokenizer = Tokenizer::load(dir)?;
+        let loaded = load_model(dir, &LoadOptions { dtype: opts.dtype })?;
+        let model = loaded.model;
+        let c = &model.config;
+        let mut eos: HashSet<u32> = c.eos_token_ids.iter().copied().collect();
+        eos.extend(generation_config_eos(dir)?);
+        eos.extend(tokenizer.eos_token_ids());
+        if let Some(&bad) = eos.iter().find(|&&t| t as usize >= c.vocab_size) {
+            return Err(Error::config(format!("end-of-sequence id {bad} is outside vocab_size {}", c.vocab_size)));
+        }
+        let mut eos_sorted: Vec<u32> = eos.iter().copied().collect();
+        eos_sorted.sort();
+        let info = ModelInfo {
+            path: loaded.dir.clone(),
+            model_type: c.model_type.name().to_string(),
+            layer_kinds: c.attn_layers.iter().map(|&a| if a { "attention" } else { "conv" }.to_string()).collect(),
+            dtype: model.dtype.name().to_string(),
+            quantization: model
+                .registry
+                .summary()
+                .into_iter()
+                .map(|(s, n)| QuantSummary {
+                    mode: s.mode.name().to_string(),
+                    bits: s.bits,
+                    group_size: s.group_size,
+                    projections: n,
+                })
+                .collect(),
+            cache_kind: "flat".into(),
+            decode_path: "eager".into(),
+            decode_path_reason: "the compiled decode path is not built yet".into(),
+            parameter_count: model.parameter_count(),
+            weight_bytes: loaded.weight_bytes,
+            vocab_size: c.vocab_size,
+            hidden_size: c.hidden_size,
+            num_layers: c.num_layers,
+            num_experts: c.moe.as_ref().map(|m| m.num_experts),
+            experts_per_token: c.moe.as_ref().map(|m| m.experts_per_token),
+            eos_token_ids: eos_sorted,
+            has_chat_template: tokenizer.chat_template().is_some(),
+            backend: runtime::backend().name().to_string(),
+            device: match runtime::default_device() {
+                runtime::DeviceType::Cpu => "cpu".into(),
+                runtime::DeviceType::Gpu => "gpu".into(),
+            },
+        };
+        Ok(Engine { model, tokenizer, eos, prefill_chunk: opts.prefill_chunk.unwrap_or(2048).max(1), info })
+    }
+
+    pub fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn params(&self, mut p: GenerateParams) -> GenerateParams {
+        if p.prefill_chunk == 0 {
+            p.prefill_chunk = self.prefill_chunk;
+        }
+        p
+    }
+
+    pub fn chat_prompt(&self, messages: &[ChatMessage], tools: Option<&Value>) -> Result<Vec<u32>> {
+        if messages.is_empty() {
+            return Err(Error::invalid("messages is empty"));
+        }
+        self.tokenizer.apply_chat_template(messages, tools, true, None)
+    }
+
+    pub fn chat(
+        &mut self,
+        messages: &[ChatMessage],
+        tools: Option<&Value>,
+        params: GenerateParams,
+        observer: &mut dyn Observer,
+    ) -> Result<Generation> {
+        let started = Instant::now();
+        let prompt = self.chat_prompt(messages, tools)?;
+        let params = self.params(params);
+        generate::generate(&self.model, &self.tokenizer, &self.eos, &prompt, &params, observer, started)
+    }
+
+    pub fn generate(&mut self, prompt: Prompt, params: GenerateParams, observer: &mut dyn Observer) -> Result<Generation> {
+        let started = Instant::now();
+        let ids = match prompt {
+            Prompt::Text(t) => self.tokenizer.encode_for_generation(&t)?,
+            Prompt::Tokens(ids) => ids,
+        };
+        let params = self.params(params);
+        generate::generate(&self.model, &self.tokenizer, &self.eos, &ids, &params, observer, started)
+    }
+
+    /// The last position's logits for `ids`, in float32.
+    pub fn logits(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
+        let mut cache = self.model.new_cache();
+        let l = generate::prefill(&self.model, &mut cache, ids, self.prefill_chunk)?;
+        l.astype(Dtype::Float32)?.to_vec()
+    }
+}

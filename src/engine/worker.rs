@@ -1,0 +1,118 @@
+//! One dedicated thread per loaded model. MLX is not safe to drive from
+//! several threads at once, so the engine (and every array it owns) lives on
+//! this thread only; requests arrive as closures through a channel and run
+//! one at a time, in order.
+
+use super::{Engine, EngineOptions, ModelInfo};
+use crate::error::{Error, ErrorKind, Result};
+use crate::mlx::runtime;
+use parking_lot::Mutex;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::path::PathBuf;
+use std::sync::mpsc::{channel, Sender};
+use std::thread::JoinHandle;
+
+type Job = Box<dyn FnOnce(&mut Engine) + Send>;
+
+pub struct ModelWorker {
+    tx: Mutex<Option<Sender<Job>>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into())
+}
+
+impl ModelWorker {
+    /// Starts the thread and loads the model on it; `on_loaded` hears the
+    /// outcome (on the worker thread). On failure the thread exits and
+    /// nothing stays loaded.
+    pub fn spawn(
+        dir: PathBuf,
+        opts: EngineOptions,
+        on_loaded: impl FnOnce(Result<(ModelWorker, ModelInfo)>) + Send + 'static,
+    ) {
+        let (tx, rx) = channel::<Job>();
+        let (ready_tx, ready_rx) = channel::<JoinHandle<()>>();
+        let spawn = std::thread::Builder::new().name("mlx-lfm-model".into()).spawn(move || {
+            let loaded = catch_unwind(AssertUnwindSafe(|| -> Result<Engine> {
+                runtime::use_new_stream()?;
+                Engine::load(&dir, &opts)
+            }))
+            .unwrap_or_else(|p| Err(Error::new(ErrorKind::Mlx, format!("panic while loading: {}", panic_message(p)))));
+            let thread = ready_rx.recv().ok();
+            let mut engine = match loaded {
+                Ok(e) => e,
+                Err(e) => {
+                    on_loaded(Err(e));
+                    return;
+                }
+            };
+            let info = engine.info().clone();
+            on_loaded(Ok((ModelWorker { tx: Mutex::new(Some(tx)), thread }, info)));
+            while let Ok(job) = rx.recv() {
+                // A panicking job must not take the model down with it; the
+                // job's own wrapper reports the failure to its caller.
+                let _ = catch_unwind(AssertUnwindSafe(|| job(&mut engine)));
+            }
+        });
+        match spawn {
+            Ok(h) => {
+                let _ = ready_tx.send(h);
+            }
+            Err(e) => {
+                // The closure (and on_loaded) were dropped with the failed spawn.
+                eprintln!("mlx-lfm: could not start the model thread: {e}");
+            }
+        }
+    }
+
+    /// Queues `f`; its result (or a panic turned into an error) goes to
+    /// `reply`, exactly once, also when the model is closed.
+    pub fn run<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Engine) -> Result<T> + Send + 'static,
+        reply: impl FnOnce(Result<T>) + Send + 'static,
+    ) {
+        let slot = Arc::new(Mutex::new(Some(reply)));
+        let job_slot = slot.clone();
+        let job: Job = Box::new(move |engine| {
+            let r = catch_unwind(AssertUnwindSafe(|| f(engine)))
+                .unwrap_or_else(|p| Err(Error::new(ErrorKind::Mlx, format!("internal panic: {}", panic_message(p)))));
+            if let Some(reply) = job_slot.lock().take() {
+                reply(r);
+            }
+        });
+        let sent = match self.tx.lock().as_ref() {
+            Some(tx) => tx.send(job).is_ok(),
+            None => false,
+        };
+        if !sent {
+            if let Some(reply) = slot.lock().take() {
+                reply(Err(Error::new(ErrorKind::Closed, "this model has been closed")));
+            }
+        }
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.tx.lock().is_none()
+    }
+
+    /// Stops accepting work; queued jobs still run, then the thread frees the model.
+    pub fn close(&self) {
+        self.tx.lock().take();
+    }
+}
+
+impl Drop for ModelWorker {
+    fn drop(&mut self) {
+        self.tx.lock().take();
+        // Don't join: Drop may run on the JS thread, and the worker may be
+        // mid-request. It exits by itself once the queue is drained.
+        self.thread.take();
+    }
+}

@@ -1,0 +1,253 @@
+//! JS-facing option and result objects, and their conversion to and from
+//! the engine's plain Rust types.
+
+use super::model::js_error;
+use crate::engine::{self, EngineOptions};
+use crate::error::Error;
+use crate::generate::sampler::SamplingParams;
+use crate::generate::{GenerateParams, Generation};
+use crate::mlx::{runtime, Dtype};
+use napi::bindgen_prelude::*;
+use napi_derive::napi;
+
+#[napi(object)]
+pub struct LoadOptions {
+    /// Cast floating-point weights: "float32", "float16" or "bfloat16".
+    pub dtype: Option<String>,
+    /// Tokens per prefill chunk (default 2048).
+    pub prefill_chunk_size: Option<u32>,
+    /// "cpu" or "gpu" (default: MLX's default device).
+    pub device: Option<String>,
+}
+
+#[napi(object)]
+pub struct GenerateOptions {
+    /// Most tokens to generate (default 256).
+    pub max_tokens: Option<u32>,
+    /// 0 (the default) is greedy.
+    pub temperature: Option<f64>,
+    pub top_k: Option<u32>,
+    pub top_p: Option<f64>,
+    pub min_p: Option<f64>,
+    pub repetition_penalty: Option<f64>,
+    /// Tokens the repetition penalty looks back over (default 20).
+    pub repetition_context_size: Option<u32>,
+    /// Seed for reproducible sampling.
+    pub seed: Option<i64>,
+    /// Stop strings (not included in the result).
+    pub stop: Option<Either<String, Vec<String>>>,
+    /// Keep generating past end-of-sequence tokens.
+    pub ignore_eos: Option<bool>,
+    /// Tools in the OpenAI function shape, rendered by the chat template (chat only).
+    pub tools: Option<Vec<serde_json::Value>>,
+}
+
+#[napi(object)]
+pub struct ChatMessage {
+    /// "system", "user", "assistant" or "tool".
+    pub role: String,
+    pub content: Option<String>,
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    pub tool_call_id: Option<String>,
+    pub name: Option<String>,
+}
+
+#[napi(object)]
+pub struct Usage {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    pub total_tokens: u32,
+}
+
+#[napi(object)]
+pub struct Metrics {
+    /// Time from the call reaching the model to the first token, in ms.
+    pub ttft_ms: f64,
+    /// Tokens actually run through the model during prefill.
+    pub prefill_tokens: u32,
+    /// prefillTokens divided by the prefill time.
+    pub prefill_tokens_per_second: f64,
+    pub prefill_ms: f64,
+    /// Tokens after the first, divided by the time after the first.
+    pub decode_tokens_per_second: f64,
+    pub decode_ms: f64,
+    pub total_ms: f64,
+}
+
+#[napi(object)]
+pub struct ChatResult {
+    pub text: String,
+    /// "stop" (end-of-sequence or a stop string), "length" or "abort".
+    pub finish_reason: String,
+    /// Completion token ids (without the end-of-sequence token).
+    pub tokens: Vec<u32>,
+    pub usage: Usage,
+    pub metrics: Metrics,
+}
+
+#[napi(object)]
+pub struct QuantizationInfo {
+    pub mode: String,
+    pub bits: i32,
+    pub group_size: i32,
+    /// How many projections use this format.
+    pub projections: u32,
+}
+
+#[napi(object)]
+pub struct ModelInfo {
+    pub path: String,
+    /// "lfm2" or "lfm2_moe".
+    pub model_type: String,
+    /// "attention" or "conv" per layer.
+    pub layer_kinds: Vec<String>,
+    /// Activation dtype, e.g. "bfloat16".
+    pub dtype: String,
+    /// Quantized formats in use; empty for an unquantized checkpoint.
+    pub quantization: Vec<QuantizationInfo>,
+    /// "flat" or "paged".
+    pub cache_kind: String,
+    /// "compiled" or "eager".
+    pub decode_path: String,
+    /// Why that decode path was chosen.
+    pub decode_path_reason: String,
+    pub parameter_count: f64,
+    pub weight_bytes: f64,
+    pub vocab_size: u32,
+    pub hidden_size: u32,
+    pub num_layers: u32,
+    pub num_experts: Option<u32>,
+    pub experts_per_token: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+    pub has_chat_template: bool,
+    /// "cpu", "cuda" or "metal".
+    pub backend: String,
+    /// "cpu" or "gpu".
+    pub device: String,
+}
+
+pub fn engine_options(o: Option<LoadOptions>) -> Result<EngineOptions> {
+    let mut e = EngineOptions::default();
+    if let Some(o) = o {
+        if let Some(d) = o.dtype {
+            e.dtype = Some(Dtype::parse(&d).ok_or_else(|| {
+                js_error(Error::invalid(format!("dtype `{d}` is not valid; use float32, float16 or bfloat16")))
+            })?);
+        }
+        if let Some(c) = o.prefill_chunk_size {
+            if c == 0 {
+                return Err(js_error(Error::invalid("prefillChunkSize must be at least 1")));
+            }
+            e.prefill_chunk = Some(c as usize);
+        }
+        if let Some(d) = o.device {
+            e.device = Some(match d.as_str() {
+                "cpu" => runtime::DeviceType::Cpu,
+                "gpu" => runtime::DeviceType::Gpu,
+                _ => return Err(js_error(Error::invalid(format!("device `{d}` is not valid; use cpu or gpu")))),
+            });
+        }
+    }
+    Ok(e)
+}
+
+pub fn generate_params(o: Option<&GenerateOptions>) -> Result<GenerateParams> {
+    let mut p = GenerateParams { prefill_chunk: 0, ..Default::default() };
+    let Some(o) = o else { return Ok(p) };
+    if let Some(m) = o.max_tokens {
+        p.max_tokens = m as usize;
+    }
+    let s = &mut p.sampling;
+    *s = SamplingParams {
+        temperature: o.temperature.unwrap_or(0.0) as f32,
+        top_k: o.top_k.unwrap_or(0) as usize,
+        top_p: o.top_p.unwrap_or(1.0) as f32,
+        min_p: o.min_p.unwrap_or(0.0) as f32,
+        repetition_penalty: o.repetition_penalty.map(|x| x as f32),
+        repetition_context_size: o.repetition_context_size.unwrap_or(20) as usize,
+        seed: match o.seed {
+            Some(x) if x < 0 => return Err(js_error(Error::invalid(format!("seed must be >= 0, got {x}")))),
+            x => x.map(|x| x as u64),
+        },
+    };
+    s.validate().map_err(js_error)?;
+    if p.max_tokens == 0 {
+        return Err(js_error(Error::invalid("maxTokens must be at least 1")));
+    }
+    p.stop = match &o.stop {
+        None => vec![],
+        Some(Either::A(s)) => vec![s.clone()],
+        Some(Either::B(v)) => v.clone(),
+    };
+    p.ignore_eos = o.ignore_eos.unwrap_or(false);
+    Ok(p)
+}
+
+pub fn to_chat_messages(msgs: Vec<ChatMessage>) -> Result<Vec<crate::text::ChatMessage>> {
+    msgs.into_iter()
+        .enumerate()
+        .map(|(i, m)| {
+            if m.role.is_empty() {
+                return Err(js_error(Error::invalid(format!("messages[{i}].role is empty"))));
+            }
+            Ok(crate::text::ChatMessage {
+                role: m.role,
+                content: m.content.map(serde_json::Value::String),
+                tool_calls: m.tool_calls.map(serde_json::Value::Array),
+                tool_call_id: m.tool_call_id,
+                name: m.name,
+            })
+        })
+        .collect()
+}
+
+pub fn to_chat_result(g: Generation) -> ChatResult {
+    let m = &g.metrics;
+    ChatResult {
+        usage: Usage {
+            prompt_tokens: g.prompt_tokens as u32,
+            completion_tokens: g.completion_tokens as u32,
+            total_tokens: (g.prompt_tokens + g.completion_tokens) as u32,
+        },
+        metrics: Metrics {
+            ttft_ms: m.ttft_ms,
+            prefill_tokens: m.prefill_tokens as u32,
+            prefill_tokens_per_second: m.prefill_tokens_per_second,
+            prefill_ms: m.prefill_ms,
+            decode_tokens_per_second: m.decode_tokens_per_second,
+            decode_ms: m.decode_ms,
+            total_ms: m.total_ms,
+        },
+        finish_reason: g.finish_reason.name().to_string(),
+        tokens: g.tokens,
+        text: g.text,
+    }
+}
+
+pub fn to_model_info(i: &engine::ModelInfo) -> ModelInfo {
+    ModelInfo {
+        path: i.path.display().to_string(),
+        model_type: i.model_type.clone(),
+        layer_kinds: i.layer_kinds.clone(),
+        dtype: i.dtype.clone(),
+        quantization: i
+            .quantization
+            .iter()
+            .map(|q| QuantizationInfo { mode: q.mode.clone(), bits: q.bits, group_size: q.group_size, projections: q.projections as u32 })
+            .collect(),
+        cache_kind: i.cache_kind.clone(),
+        decode_path: i.decode_path.clone(),
+        decode_path_reason: i.decode_path_reason.clone(),
+        parameter_count: i.parameter_count as f64,
+        weight_bytes: i.weight_bytes as f64,
+        vocab_size: i.vocab_size as u32,
+        hidden_size: i.hidden_size as u32,
+        num_layers: i.num_layers as u32,
+        num_experts: i.num_experts.map(|x| x as u32),
+        experts_per_token: i.experts_per_token.map(|x| x as u32),
+        eos_token_ids: i.eos_token_ids.clone(),
+        has_chat_template: i.has_chat_template,
+        backend: i.backend.clone(),
+        device: i.device.clone(),
+    }
+}

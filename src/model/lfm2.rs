@@ -1,0 +1,321 @@
+//! The LFM2 model family: embedding, hybrid short-conv / attention decoder
+//! layers, final norm and tied head. The sparse-MoE feed-forward of
+//! LFM2-MoE lives in lfm2_moe.rs; everything else is shared.
+
+use super::cache::{LayerCache, ModelCache};
+use super::config::ModelConfig;
+use super::linear::{Embedding, Linear};
+use super::lfm2_moe::SparseMoe;
+use super::quant::QuantRegistry;
+use super::weights::TensorStore;
+use crate::error::{Error, Result};
+use crate::mlx::{self, concatenate, zeros, Array, Dtype, Mask};
+
+pub struct Attention {
+    pub q_proj: Linear,
+    pub k_proj: Linear,
+    pub v_proj: Linear,
+    pub out_proj: Linear,
+    pub q_norm: Array,
+    pub k_norm: Array,
+    pub n_heads: i32,
+    pub n_kv_heads: i32,
+    pub head_dim: i32,
+    pub scale: f32,
+    pub rope_theta: f32,
+    pub eps: f32,
+}
+
+impl Attention {
+    fn load(st: &mut TensorStore, reg: &QuantRegistry, p: &str, c: &ModelConfig) -> Result<Attention> {
+        let (d, hd) = (c.hidden_size, c.head_dim);
+        Ok(Attention {
+            q_proj: Linear::load(st, reg, &format!("{p}.q_proj"), d, c.num_heads * hd, false)?,
+            k_proj: Linear::load(st, reg, &format!("{p}.k_proj"), d, c.num_kv_heads * hd, false)?,
+            v_proj: Linear::load(st, reg, &format!("{p}.v_proj"), d, c.num_kv_heads * hd, false)?,
+            out_proj: Linear::load(st, reg, &format!("{p}.out_proj"), c.num_heads * hd, d, false)?,
+            q_norm: st.get_shaped(&format!("{p}.q_layernorm.weight"), &[hd as i32])?,
+            k_norm: st.get_shaped(&format!("{p}.k_layernorm.weight"), &[hd as i32])?,
+            n_heads: c.num_heads as i32,
+            n_kv_heads: c.num_kv_heads as i32,
+            head_dim: hd as i32,
+            scale: (hd as f32).powf(-0.5),
+            rope_theta: c.rope_theta,
+            eps: c.norm_eps,
+        })
+    }
+
+    fn forward(&self, x: &Array, cache: &mut super::cache::KvCache) -> Result<Array> {
+        let (b, t) = (x.dim(0), x.dim(1));
+        let hd = self.head_dim;
+        let q = self.q_proj.forward(x)?.reshape(&[b, t, self.n_heads, hd])?;
+        let k = self.k_proj.forward(x)?.reshape(&[b, t, self.n_kv_heads, hd])?;
+        let v = self.v_proj.forward(x)?.reshape(&[b, t, self.n_kv_heads, hd])?;
+        let q = mlx::rms_norm(&q, Some(&self.q_norm), self.eps)?.transpose(&[0, 2, 1, 3])?;
+        let k = mlx::rms_norm(&k, Some(&self.k_norm), self.eps)?.transpose(&[0, 2, 1, 3])?;
+        let v = v.transpose(&[0, 2, 1, 3])?;
+        let off = cache.offset as i32;
+        let q = mlx::rope(&q, hd, false, self.rope_theta, 1.0, off)?;
+        let k = mlx::rope(&k, hd, false, self.rope_theta, 1.0, off)?;
+        let (k, v) = cache.update_and_fetch(&k, &v)?;
+        let mask = if t > 1 { Mask::Causal } else { Mask::None };
+        let o = mlx::sdpa(&q, &k, &v, self.scale, mask)?;
+        let o = o.transpose(&[0, 2, 1, 3])?.reshape(&[b, t, self.n_heads * hd])?;
+        self.out_proj.forward(&o)
+    }
+}
+
+/// The double-gated short convolution ("LIV" operator).
+pub struct ShortConv {
+    pub in_proj: Linear,
+    pub out_proj: Linear,
+    /// Depthwise kernel in MLX layout `[D, L, 1]`.
+    pub conv_weight: Array,
+    pub conv_bias: Option<Array>,
+    pub kernel: i32,
+    pub dim: i32,
+}
+
+impl ShortConv {
+    fn load(st: &mut TensorStore, reg: &QuantRegistry, p: &str, c: &ModelConfig) -> Result<ShortConv> {
+        let d = c.hidden_size as i32;
+        let l = c.conv_kernel as i32;
+        let name = format!("{p}.conv.weight");
+        let w = st.get(&name)?;
+        // Hugging Face stores [D, 1, L]; MLX expects [D, L, 1].
+        let w = match w.shape().as_slice() {
+            [dd, 1, ll] if *dd == d && *ll == l => w.transpose(&[0, 2, 1])?,
+            [dd, ll, 1] if *dd == d && *ll == l => w,
+            s => {
+                return Err(Error::load(format!(
+                    "tensor `{name}` has shape {s:?}, expected [{d}, 1, {l}] (Hugging Face) or [{d}, {l}, 1] (MLX)"
+                )))
+            }
+        };
+        Ok(ShortConv {
+            in_proj: Linear::load(st, reg, &format!("{p}.in_proj"), d as usize, 3 * d as usize, c.conv_bias)?,
+            out_proj: Linear::load(st, reg, &format!("{p}.out_proj"), d as usize, d as usize, c.conv_bias)?,
+            conv_weight: w,
+            conv_bias: if c.conv_bias { Some(st.get_shaped(&format!("{p}.conv.bias"), &[d])?) } else { None },
+            kernel: l,
+            dim: d,
+        })
+    }
+
+    fn forward(&self, x: &Array, state: &mut Option<Array>) -> Result<Array> {
+        let bcx = self.in_proj.forward(x)?;
+        let parts = bcx.split_equal(3, -1)?;
+        let bx = parts[0].mul(&parts[2])?;
+        let keep = self.kernel - 1;
+        let prev = match state.take() {
+            Some(s) => s,
+            None => zeros(&[bx.dim(0), keep, self.dim], bx.dtype())?,
+        };
+        let padded = concatenate(&[&prev, &bx], 1)?;
+        let n = padded.dim(1);
+        *state = Some(padded.slice_axis(1, n - keep, n)?);
+        let mut conv = mlx::conv1d(&padded, &self.conv_weight, 1, 0, 1, self.dim)?;
+        if let Some(b) = &self.conv_bias {
+            conv = conv.add(b)?;
+        }
+        let y = parts[1].mul(&conv)?;
+        self.out_proj.forward(&y)
+    }
+}
+
+/// SwiGLU: `w2(silu(w1 x) * w3 x)`.
+pub struct Mlp {
+    pub w1: Linear,
+    pub w2: Linear,
+    pub w3: Linear,
+}
+
+impl Mlp {
+    fn load(st: &mut TensorStore, reg: &QuantRegistry, p: &str, d: usize, ff: usize) -> Result<Mlp> {
+        // LFM2 names them w1/w2/w3; LFM2-MoE checkpoints converted by mlx-lm use gate/down/up_proj.
+        let names = if st.has(&format!("{p}.gate_proj.weight")) {
+            ["gate_proj", "down_proj", "up_proj"]
+        } else {
+            ["w1", "w2", "w3"]
+        };
+        Ok(Mlp {
+            w1: Linear::load(st, reg, &format!("{p}.{}", names[0]), d, ff, false)?,
+            w2: Linear::load(st, reg, &format!("{p}.{}", names[1]), ff, d, false)?,
+            w3: Linear::load(st, reg, &format!("{p}.{}", names[2]), d, ff, false)?,
+        })
+    }
+
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        let g = self.w1.forward(x)?.silu()?;
+        self.w2.forward(&g.mul(&self.w3.forward(x)?)?)
+    }
+}
+
+pub enum Operator {
+    Attention(Attention),
+    Conv(ShortConv),
+}
+
+pub enum FeedForward {
+    Dense(Mlp),
+    Moe(SparseMoe),
+}
+
+pub struct Layer {
+    pub operator: Operator,
+    pub feed_forward: FeedForward,
+    pub operator_norm: Array,
+    pub ffn_norm: Array,
+}
+
+pub struct Lfm2Model {
+    pub config: ModelConfig,
+    pub embed: Embedding,
+    pub layers: Vec<Layer>,
+    pub final_norm: Array,
+    /// Only when embeddings are not tied.
+    pub lm_head: Option<Linear>,
+    pub registry: QuantRegistry,
+    /// The dtype activations run in.
+    pub dtype: Dtype,
+}
+
+impl Lfm2Model {
+    pub fn load(st: &mut TensorStore, config: ModelConfig, registry: QuantRegistry) -> Result<Lfm2Model> {
+        let c = &config;
+        let d = c.hidden_size;
+        let final_norm = st.get_shaped("model.embedding_norm.weight", &[d as i32])?;
+        let dtype = final_norm.dtype();
+        let embed = Embedding::load(st, &registry, "model.embed_tokens", c.vocab_size, d, dtype)?;
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for i in 0..c.num_layers {
+            let p = format!("model.layers.{i}");
+            let operator = if c.attn_layers[i] {
+                Operator::Attention(Attention::load(st, &registry, &format!("{p}.self_attn"), c)?)
+            } else {
+                Operator::Conv(ShortConv::load(st, &registry, &format!("{p}.conv"), c)?)
+            };
+            let feed_forward = if c.is_moe_layer(i) {
+                FeedForward::Moe(SparseMoe::load(st, &registry, &format!("{p}.feed_forward"), c)?)
+            } else {
+                FeedForward::Dense(Mlp::load(st, &registry, &format!("{p}.feed_forward"), d, c.ff_dim)?)
+            };
+            layers.push(Layer {
+                operator,
+                feed_forward,
+                operator_norm: st.get_shaped(&format!("{p}.operator_norm.weight"), &[d as i32])?,
+                ffn_norm: st.get_shaped(&format!("{p}.ffn_norm.weight"), &[d as i32])?,
+            });
+        }
+        let lm_head = if c.tie_word_embeddings && !st.has("lm_head.weight") {
+            None
+        } else {
+            Some(Linear::load(st, &registry, "lm_head", d, c.vocab_size, false)?)
+        };
+        Ok(Lfm2Model { config, embed, layers, final_norm, lm_head, registry, dtype })
+    }
+
+    /// Runs `ids` (`[B, T]` int32) through the model, advancing `cache`.
+    /// Returns logits for every position, or for the last only.
+    pub fn forward(&self, ids: &Array, cache: &mut ModelCache, last_only: bool) -> Result<Array> {
+        let mut h = self.forward_hidden(ids, cache)?;
+        if last_only {
+            let t = h.dim(1);
+            h = h.slice_axis(1, t - 1, t)?;
+        }
+        let h = mlx::rms_norm(&h, Some(&self.final_norm), self.config.norm_eps)?;
+        match &self.lm_head {
+            Some(head) => head.forward(&h),
+            None => self.embed.as_linear(&h),
+        }
+    }
+
+    /// The decoder stack without the final norm and head: `[B, T, D]`.
+    pub fn forward_hidden(&self, ids: &Array, cache: &mut ModelCache) -> Result<Array> {
+        let eps = self.config.norm_eps;
+        let mut h = self.embed.forward(ids)?;
+        for (layer, lc) in self.layers.iter().zip(cache.layers.iter_mut()) {
+            let x = mlx::rms_norm(&h, Some(&layer.operator_norm), eps)?;
+            let r = match (&layer.operator, lc) {
+                (Operator::Attention(a), LayerCache::Attention(kv)) => a.forward(&x, kv)?,
+                (Operator::Conv(c), LayerCache::Conv(s)) => c.forward(&x, s)?,
+                _ => return Err(Error::invalid("cache layout does not match the model's layers")),
+            };
+            h = h.add(&r)?;
+            let x = mlx::rms_norm(&h, Some(&layer.ffn_norm), eps)?;
+            let f = match &layer.feed_forward {
+                FeedForward::Dense(m) => m.forward(&x)?,
+                FeedForward::Moe(m) => m.forward(&x)?,
+            };
+            h = h.add(&f)?;
+        }
+        cache.pos += ids.dim(1) as usize;
+        Ok(h)
+    }
+
+    pub fn new_cache(&self) -> ModelCache {
+        ModelCache::new(&self.config.attn_layers)
+    }
+
+    /// Every weight array, for evaluation at load and memory accounting.
+    pub fn arrays(&self) -> Vec<&Array> {
+        let mut v: Vec<&Array> = self.embed.weight.arrays();
+        v.push(&self.final_norm);
+        if let Some(h) = &self.lm_head {
+            v.extend(h.arrays());
+        }
+        for l in &self.layers {
+            v.push(&l.operator_norm);
+            v.push(&l.ffn_norm);
+            match &l.operator {
+                Operator::Attention(a) => {
+                    for p in [&a.q_proj, &a.k_proj, &a.v_proj, &a.out_proj] {
+                        v.extend(p.arrays());
+                    }
+                    v.push(&a.q_norm);
+                    v.push(&a.k_norm);
+                }
+                Operator::Conv(c) => {
+                    v.extend(c.in_proj.arrays());
+                    v.extend(c.out_proj.arrays());
+                    v.push(&c.conv_weight);
+                    v.extend(c.conv_bias.as_ref());
+                }
+            }
+            match &l.feed_forward {
+                FeedForward::Dense(m) => {
+                    for p in [&m.w1, &m.w2, &m.w3] {
+                        v.extend(p.arrays());
+                    }
+                }
+                FeedForward::Moe(m) => v.extend(m.arrays()),
+            }
+        }
+        v
+    }
+
+    /// Logical parameter count (quantized weights counted unpacked).
+    pub fn parameter_count(&self) -> usize {
+        let mut n = self.embed.weight.params() + self.final_norm.size();
+        if let Some(h) = &self.lm_head {
+            n += h.weight.params();
+        }
+        for l in &self.layers {
+            n += l.operator_norm.size() + l.ffn_norm.size();
+            let lin = |p: &Linear| p.weight.params() + p.bias.as_ref().map(|b| b.size()).unwrap_or(0);
+            n += match &l.operator {
+                Operator::Attention(a) => {
+                    lin(&a.q_proj) + lin(&a.k_proj) + lin(&a.v_proj) + lin(&a.out_proj) + a.q_norm.size() + a.k_norm.size()
+                }
+                Operator::Conv(c) => {
+                    lin(&c.in_proj) + lin(&c.out_proj) + c.conv_weight.size() + c.conv_bias.as_ref().map(|b| b.size()).unwrap_or(0)
+                }
+            };
+            n += match &l.feed_forward {
+                FeedForward::Dense(m) => lin(&m.w1) + lin(&m.w2) + lin(&m.w3),
+                FeedForward::Moe(m) => m.parameter_count(),
+            };
+        }
+        n
+    }
+}

@@ -1,0 +1,238 @@
+//! LFM2-MoE's sparse feed-forward: a sigmoid router whose `expert_bias` only
+//! steers selection, and SwiGLU experts run through gathered matmuls.
+//!
+//! Expert dispatch:
+//! - many routed rows (prefill): rows are sorted by expert so each expert's
+//!   weights are read once (`sorted` gather kernels);
+//! - few rows (decode): direct gathered matmuls, no sort.
+//! MLX's CPU backend only runs `gather_mm` in float32. For a bf16/f16 model
+//! on CPU we therefore never call it: decode gathers just the k selected
+//! experts' weights and upcasts those (cost ~ active parameters), prefill
+//! groups rows by expert on the host and runs one ordinary matmul per expert
+//! in the model's own dtype. Nothing is converted at load, so memory stays
+//! that of the checkpoint.
+
+use super::config::ModelConfig;
+use super::linear::{load_weight, Linear, Weight};
+use super::quant::QuantRegistry;
+use super::weights::TensorStore;
+use crate::error::{Error, Result};
+use crate::mlx::{self, concatenate, runtime, stack, Array, Dtype};
+
+/// Routed rows at or above which the sorted path is used (mlx-lm's rule).
+const SORT_THRESHOLD: usize = 64;
+
+pub struct SparseMoe {
+    pub gate: Linear,
+    pub expert_bias: Option<Array>,
+    /// Stacked experts `[E, out, in]` (dense or quantized).
+    pub gate_proj: Weight,
+    pub up_proj: Weight,
+    pub down_proj: Weight,
+    pub num_experts: usize,
+    pub top_k: usize,
+    pub norm_topk_prob: bool,
+    pub routed_scaling_factor: f32,
+    /// Dense non-f32 experts on MLX's CPU backend (see the module note).
+    cpu_non_f32: bool,
+}
+
+fn stack_experts(st: &mut TensorStore, p: &str, names: &[&str], e: usize, out: i32, inp: i32) -> Result<Weight> {
+    let mut ws = Vec::with_capacity(e);
+    for i in 0..e {
+        let found = names.iter().map(|n| format!("{p}.experts.{i}.{n}.weight")).find(|n| st.has(n));
+        let name = found.ok_or_else(|| {
+            Error::load(format!("checkpoint is missing tensor `{p}.experts.{i}.{}.weight`", names[0]))
+        })?;
+        ws.push(st.get_shaped(&name, &[out, inp])?);
+    }
+    let refs: Vec<&Array> = ws.iter().collect();
+    Ok(Weight::Dense(stack(&refs, 0)?))
+}
+
+impl SparseMoe {
+    pub fn load(st: &mut TensorStore, reg: &QuantRegistry, p: &str, c: &ModelConfig) -> Result<SparseMoe> {
+        let m = c.moe.as_ref().expect("MoE layer in a dense config");
+        let (d, ff, e) = (c.hidden_size as i32, m.moe_ff_dim as i32, m.num_experts);
+        let (gate_proj, up_proj, down_proj) = if st.has(&format!("{p}.switch_mlp.gate_proj.weight")) {
+            let sp = format!("{p}.switch_mlp");
+            (
+                load_weight(st, reg, &format!("{sp}.gate_proj"), &[e as i32], ff, d)?,
+                load_weight(st, reg, &format!("{sp}.up_proj"), &[e as i32], ff, d)?,
+                load_weight(st, reg, &format!("{sp}.down_proj"), &[e as i32], d, ff)?,
+            )
+        } else {
+            (
+                stack_experts(st, p, &["w1", "gate_proj"], e, ff, d)?,
+                stack_experts(st, p, &["w3", "up_proj"], e, ff, d)?,
+                stack_experts(st, p, &["w2", "down_proj"], e, d, ff)?,
+            )
+        };
+        let expert_bias = if m.use_expert_bias {
+            // Selection is done in float32, like the reference.
+            Some(st.raw_shaped(&format!("{p}.expert_bias"), &[e as i32])?.astype(Dtype::Float32)?)
+        } else {
+            None
+        };
+        let dense_dtype = match &gate_proj {
+            Weight::Dense(w) => Some(w.dtype()),
+            Weight::Quant(_) => None,
+        };
+        Ok(SparseMoe {
+            gate: Linear::load(st, reg, &format!("{p}.gate"), d as usize, e, false)?,
+            expert_bias,
+            gate_proj,
+            up_proj,
+            down_proj,
+            num_experts: e,
+            top_k: m.experts_per_token,
+            norm_topk_prob: m.norm_topk_prob,
+            routed_scaling_factor: m.routed_scaling_factor,
+            cpu_non_f32: runtime::default_device() == runtime::DeviceType::Cpu
+                && dense_dtype.is_some_and(|dt| dt != Dtype::Float32),
+        })
+    }
+
+    /// Chosen experts `[B, T, k]` and their weights `[B, T, k]` (in x's dtype).
+    pub fn route(&self, x: &Array) -> Result<(Array, Array)> {
+        let k = self.top_k as i32;
+        let probs = self.gate.forward(x)?.sigmoid()?;
+        let select = match &self.expert_bias {
+            Some(b) => probs.astype(Dtype::Float32)?.add(b)?,
+            None => probs.clone(),
+        };
+        let e = self.num_experts as i32;
+        let inds = select.argpartition(e - k, -1)?.slice_axis(-1, e - k, e)?.stop_gradient()?;
+        let mut scores = probs.take_along_axis(&inds, -1)?;
+        if self.norm_topk_prob {
+            scores = scores.div(&scores.sum(&[-1], true)?.add_scalar(1e-6)?)?;
+        }
+        if self.routed_scaling_factor != 1.0 {
+            scores = scores.mul_scalar(self.routed_scaling_factor as f64)?;
+        }
+        Ok((inds, scores.astype(x.dtype())?))
+    }
+
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        let (inds, scores) = self.route(x)?;
+        let y = self.experts(x, &inds)?;
+        y.mul(&scores.expand_dims(-1)?)?.sum(&[-2], false)
+    }
+
+    /// SwiGLU of each row through each of its k experts: `[B, T, k, D]`.
+    pub fn experts(&self, x: &Array, inds: &Array) -> Result<Array> {
+        let (b, t, d) = (x.dim(0), x.dim(1), x.dim(2));
+        let k = self.top_k as i32;
+        let n = (b * t * k) as usize;
+        if self.cpu_non_f32 {
+            return if n >= SORT_THRESHOLD { self.host_grouped(x, inds) } else { self.gathered_upcast(x, inds) };
+        }
+        if n >= SORT_THRESHOLD {
+            let flat = inds.reshape(&[-1])?;
+            let order = flat.argsort(0)?;
+            let inv = order.argsort(0)?;
+            let rows = order.floor_divide_scalar(k as f64)?;
+            let xs = x.reshape(&[b * t, 1, d])?.take(&rows, 0)?;
+            let idx = flat.take(&order, 0)?;
+            let y = self.swiglu_gathered(&xs, &idx, true)?; // [n, 1, D]
+            y.take(&inv, 0)?.reshape(&[b, t, k, d])
+        } else {
+            let xe = x.reshape(&[b, t, 1, 1, d])?;
+            let y = self.swiglu_gathered(&xe, inds, false)?; // [B, T, k, 1, D]
+            y.squeeze(-2)
+        }
+    }
+
+    fn swiglu_gathered(&self, x: &Array, idx: &Array, sorted: bool) -> Result<Array> {
+        let g = gathered(&self.gate_proj, x, idx, sorted)?;
+        let u = gathered(&self.up_proj, x, idx, sorted)?;
+        gathered(&self.down_proj, &g.silu()?.mul(&u)?, idx, sorted)
+    }
+
+    /// Few rows on CPU with non-f32 experts: take the selected experts and
+    /// run them in float32.
+    fn gathered_upcast(&self, x: &Array, inds: &Array) -> Result<Array> {
+        let (b, t, d) = (x.dim(0), x.dim(1), x.dim(2));
+        let k = self.top_k as i32;
+        let flat = inds.reshape(&[-1])?;
+        let xs = x
+            .reshape(&[b * t, 1, 1, d])?
+            .broadcast_to(&[b * t, k, 1, d])?
+            .reshape(&[b * t * k, 1, d])?
+            .astype(Dtype::Float32)?;
+        let sel = |w: &Weight| -> Result<Array> {
+            match w {
+                Weight::Dense(w) => w.take(&flat, 0)?.astype(Dtype::Float32),
+                Weight::Quant(_) => unreachable!("quantized experts do not take the upcast path"),
+            }
+        };
+        let g = xs.matmul(&sel(&self.gate_proj)?.t()?)?;
+        let u = xs.matmul(&sel(&self.up_proj)?.t()?)?;
+        let y = g.silu()?.mul(&u)?.matmul(&sel(&self.down_proj)?.t()?)?;
+        y.astype(x.dtype())?.reshape(&[b, t, k, d])
+    }
+
+    /// Many rows on CPU with non-f32 experts: sort rows by expert, read the
+    /// per-expert counts on the host, one ordinary matmul chain per expert.
+    fn host_grouped(&self, x: &Array, inds: &Array) -> Result<Array> {
+        let (b, t, d) = (x.dim(0), x.dim(1), x.dim(2));
+        let k = self.top_k as i32;
+        let flat = inds.reshape(&[-1])?;
+        let order = flat.argsort(0)?;
+        let inv = order.argsort(0)?;
+        let sorted_ids: Vec<u32> = flat.take(&order, 0)?.to_vec()?;
+        let rows = order.floor_divide_scalar(k as f64)?;
+        let xs = x.reshape(&[b * t, d])?.take(&rows, 0)?;
+        let dense = |w: &Weight| -> Array {
+            match w {
+                Weight::Dense(w) => w.clone(),
+                Weight::Quant(_) => unreachable!("quantized experts do not take the host-grouped path"),
+            }
+        };
+        let (wg, wu, wd) = (dense(&self.gate_proj), dense(&self.up_proj), dense(&self.down_proj));
+        let mut outs = Vec::new();
+        let mut start = 0usize;
+        while start < sorted_ids.len() {
+            let e = sorted_ids[start] as i32;
+            let mut end = start;
+            while end < sorted_ids.len() && sorted_ids[end] as i32 == e {
+                end += 1;
+            }
+            let seg = xs.slice_axis(0, start as i32, end as i32)?;
+            let expert = |w: &Array| -> Result<Array> { w.slice_axis(0, e, e + 1)?.squeeze(0)?.t() };
+            let g = seg.matmul(&expert(&wg)?)?;
+            let u = seg.matmul(&expert(&wu)?)?;
+            outs.push(g.silu()?.mul(&u)?.matmul(&expert(&wd)?)?);
+            start = end;
+        }
+        let refs: Vec<&Array> = outs.iter().collect();
+        concatenate(&refs, 0)?.take(&inv, 0)?.reshape(&[b, t, k, d])
+    }
+
+    pub fn arrays(&self) -> Vec<&Array> {
+        let mut v = self.gate.arrays();
+        v.extend(self.expert_bias.as_ref());
+        for w in [&self.gate_proj, &self.up_proj, &self.down_proj] {
+            v.extend(w.arrays());
+        }
+        v
+    }
+
+    pub fn parameter_count(&self) -> usize {
+        self.gate.weight.params()
+            + self.expert_bias.as_ref().map(|b| b.size()).unwrap_or(0)
+            + self.gate_proj.params()
+            + self.up_proj.params()
+            + self.down_proj.params()
+    }
+}
+
+/// `x @ W[idx].T` through MLX's gathered kernels.
+fn gathered(w: &Weight, x: &Array, idx: &Array, sorted: bool) -> Result<Array> {
+    match w {
+        Weight::Dense(w) => mlx::gather_mm(x, &w.t()?, None, Some(idx), sorted),
+        Weight::Quant(q) => {
+            mlx::gather_qmm(x, &q.weight, &q.scales, q.biases.as_ref(), None, Some(idx), true, q.spec, sorted)
+        }
+    }
+}
