@@ -838,3 +838,4 @@ module.exports = nativeBinding
 module.exports.Lfm2Model = nativeBinding.Lfm2Model
 module.exports.generateFixture = nativeBinding.generateFixture
 module.exports.mlxInfo = nativeBinding.mlxInfo
+module.exports.mlxMatmul = nativeBinding.mlxMatmul

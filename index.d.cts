@@ -26,6 +26,18 @@ export declare class Lfm2Model {
   generate(prompt: string | Array<number>, options?: GenerateOptions | undefined | null): Promise<ChatResult>
   /** The logits of the last position after running `tokenIds` (float32). */
   logits(tokenIds: Array<number>): Promise<Float32Array>
+  /**
+   * Token ids for `text` (with the tokenizer's special tokens, e.g. BOS, unless
+   * `addSpecialTokens` is false).
+   */
+  tokenize(text: string, addSpecialTokens?: boolean | undefined | null): Promise<number[]>
+  /** Text for token ids (special tokens included unless `skipSpecialTokens`). */
+  detokenize(tokenIds: Array<number>, skipSpecialTokens?: boolean | undefined | null): Promise<string>
+  /**
+   * The prompt token ids `chat()` would run for `messages` (the checkpoint's
+   * chat template with the generation prompt appended).
+   */
+  applyChatTemplate(messages: Array<ChatMessage>, options?: GenerateOptions | undefined | null): Promise<number[]>
   /** What was loaded and how it runs. */
   info(): ModelInfo
   /** Frees the model once queued requests finish; later calls reject. */
@@ -145,6 +157,12 @@ export interface MlxInfo {
   deviceName: string
   memory: MemoryInfo
 }
+
+/**
+ * Multiplies two float32 matrices with MLX, off the JS thread (a
+ * self-check of the native stack; shape errors come back as MLX's message).
+ */
+export declare function mlxMatmul(a: Float32Array, aShape: Array<number>, b: Float32Array, bShape: Array<number>): Promise<Float32Array>
 
 export interface ModelInfo {
   path: string

@@ -13,6 +13,7 @@ use crate::text::{ChatMessage, Tokenizer};
 use serde_json::Value;
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 #[derive(Debug, Clone, Default)]
@@ -62,7 +63,7 @@ pub enum Prompt {
 
 pub struct Engine {
     pub model: Lfm2Model,
-    pub tokenizer: Tokenizer,
+    pub tokenizer: Arc<Tokenizer>,
     pub eos: HashSet<u32>,
     pub prefill_chunk: usize,
     info: ModelInfo,
@@ -81,10 +82,13 @@ fn generation_config_eos(dir: &Path) -> Result<Vec<u32>> {
 
 impl Engine {
     pub fn load(dir: &Path, opts: &EngineOptions) -> Result<Engine> {
+        if !dir.is_dir() {
+            return Err(Error::load(format!("model path {} is not a directory", dir.display())));
+        }
         if let Some(d) = opts.device {
             runtime::set_default_device(d)?;
         }
-        let tokenizer = Tokenizer::load(dir)?;
+        let tokenizer = Arc::new(Tokenizer::load(dir)?);
         let loaded = load_model(dir, &LoadOptions { dtype: opts.dtype })?;
         let model = loaded.model;
         let c = &model.config;

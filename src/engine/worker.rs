@@ -6,6 +6,7 @@
 use super::{Engine, EngineOptions, ModelInfo};
 use crate::error::{Error, ErrorKind, Result};
 use crate::mlx::runtime;
+use crate::text::Tokenizer;
 use parking_lot::Mutex;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
@@ -34,7 +35,7 @@ impl ModelWorker {
     pub fn spawn(
         dir: PathBuf,
         opts: EngineOptions,
-        on_loaded: impl FnOnce(Result<(ModelWorker, ModelInfo)>) + Send + 'static,
+        on_loaded: impl FnOnce(Result<(ModelWorker, ModelInfo, Arc<Tokenizer>)>) + Send + 'static,
     ) {
         let (tx, rx) = channel::<Job>();
         let (ready_tx, ready_rx) = channel::<JoinHandle<()>>();
@@ -53,7 +54,8 @@ impl ModelWorker {
                 }
             };
             let info = engine.info().clone();
-            on_loaded(Ok((ModelWorker { tx: Mutex::new(Some(tx)), thread }, info)));
+            let tokenizer = engine.tokenizer.clone();
+            on_loaded(Ok((ModelWorker { tx: Mutex::new(Some(tx)), thread }, info, tokenizer)));
             while let Ok(job) = rx.recv() {
                 // A panicking job must not take the model down with it; the
                 // job's own wrapper reports the failure to its caller.

@@ -1,4 +1,5 @@
 use crate::mlx::runtime;
+use napi::bindgen_prelude::{Env, Float32Array, Object};
 use napi_derive::napi;
 
 #[napi(object)]
@@ -47,4 +48,24 @@ pub fn mlx_info() -> MlxInfo {
             device_total_bytes: m.device_total as f64,
         },
     }
+}
+
+/// Multiplies two float32 matrices with MLX, off the JS thread (a
+/// self-check of the native stack; shape errors come back as MLX's message).
+#[napi(ts_return_type = "Promise<Float32Array>")]
+pub fn mlx_matmul(
+    env: &Env,
+    a: Float32Array,
+    a_shape: Vec<i32>,
+    b: Float32Array,
+    b_shape: Vec<i32>,
+) -> napi::Result<Object<'_>> {
+    let (a, b) = (a.to_vec(), b.to_vec());
+    super::model::off_thread(env, move || {
+        crate::mlx::runtime::use_new_stream()?;
+        let x = crate::mlx::Array::from_slice(&a, &a_shape)?;
+        let y = crate::mlx::Array::from_slice(&b, &b_shape)?;
+        let v: Vec<f32> = x.matmul(&y)?.to_vec()?;
+        Ok(Float32Array::new(v))
+    })
 }

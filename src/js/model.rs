@@ -15,11 +15,26 @@ pub(crate) fn js_error(e: crate::Error) -> napi::Error {
     napi::Error::new(Status::GenericFailure, e.to_string())
 }
 
+/// Runs `f` on a short-lived thread (tokenizer work that must not wait
+/// behind a generation on the model's worker, nor block the event loop).
+pub(crate) fn off_thread<'e, T: ToNapiValue + Send + 'static>(
+    env: &'e Env,
+    f: impl FnOnce() -> crate::Result<T> + Send + 'static,
+) -> Result<Object<'e>> {
+    let (deferred, promise) = env.create_deferred()?;
+    std::thread::spawn(move || match f() {
+        Ok(v) => deferred.resolve(move |_| Ok(v)),
+        Err(e) => deferred.reject(js_error(e)),
+    });
+    Ok(promise)
+}
+
 /// A loaded LFM2 / LFM2-MoE model. Create it with `Lfm2Model.load(path)`.
 #[napi]
 pub struct Lfm2Model {
     worker: Arc<ModelWorker>,
     info: engine::ModelInfo,
+    tokenizer: Arc<crate::text::Tokenizer>,
 }
 
 #[napi]
@@ -30,7 +45,9 @@ impl Lfm2Model {
         let opts = super::convert::engine_options(options)?;
         let (deferred, promise) = env.create_deferred()?;
         ModelWorker::spawn(PathBuf::from(path), opts, move |r| match r {
-            Ok((worker, info)) => deferred.resolve(move |_| Ok(Lfm2Model { worker: Arc::new(worker), info })),
+            Ok((worker, info, tokenizer)) => {
+                deferred.resolve(move |_| Ok(Lfm2Model { worker: Arc::new(worker), info, tokenizer }))
+            }
             Err(e) => deferred.reject(js_error(e)),
         });
         Ok(promise)
@@ -76,6 +93,31 @@ impl Lfm2Model {
             },
         );
         Ok(promise)
+    }
+
+    /// Token ids for `text` (with the tokenizer's special tokens, e.g. BOS, unless
+    /// `addSpecialTokens` is false).
+    #[napi(ts_return_type = "Promise<number[]>")]
+    pub fn tokenize<'e>(&self, env: &'e Env, text: String, add_special_tokens: Option<bool>) -> Result<Object<'e>> {
+        let tok = self.tokenizer.clone();
+        off_thread(env, move || tok.encode(&text, add_special_tokens.unwrap_or(true)))
+    }
+
+    /// Text for token ids (special tokens included unless `skipSpecialTokens`).
+    #[napi(ts_return_type = "Promise<string>")]
+    pub fn detokenize<'e>(&self, env: &'e Env, token_ids: Vec<u32>, skip_special_tokens: Option<bool>) -> Result<Object<'e>> {
+        let tok = self.tokenizer.clone();
+        off_thread(env, move || tok.decode(&token_ids, skip_special_tokens.unwrap_or(false)))
+    }
+
+    /// The prompt token ids `chat()` would run for `messages` (the checkpoint's
+    /// chat template with the generation prompt appended).
+    #[napi(ts_return_type = "Promise<number[]>")]
+    pub fn apply_chat_template<'e>(&self, env: &'e Env, messages: Vec<ChatMessage>, options: Option<GenerateOptions>) -> Result<Object<'e>> {
+        let msgs = to_chat_messages(messages)?;
+        let tools = options.and_then(|o| o.tools).map(serde_json::Value::Array);
+        let tok = self.tokenizer.clone();
+        off_thread(env, move || tok.apply_chat_template(&msgs, tools.as_ref(), true, None))
     }
 
     /// What was loaded and how it runs.

@@ -82,13 +82,19 @@ pub struct ChatTemplate {
 
 impl fmt::Debug for ChatTemplate {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ChatTemplate").field("source_len", &self.source.len()).finish()
+        f.debug_struct("ChatTemplate")
+            .field("source_len", &self.source.len())
+            .finish()
     }
 }
 
 /// Hugging Face's `tojson(x, ensure_ascii=False, indent=None, separators=None,
 /// sort_keys=False)`; positional arguments follow that order.
-fn tojson_filter(value: &Value, args: Rest<Value>, kwargs: Kwargs) -> std::result::Result<Value, minijinja::Error> {
+fn tojson_filter(
+    value: &Value,
+    args: Rest<Value>,
+    kwargs: Kwargs,
+) -> std::result::Result<Value, minijinja::Error> {
     const NAMES: [&str; 4] = ["ensure_ascii", "indent", "separators", "sort_keys"];
     if args.len() > NAMES.len() {
         return Err(minijinja::Error::new(
@@ -112,7 +118,11 @@ fn tojson_filter(value: &Value, args: Rest<Value>, kwargs: Kwargs) -> std::resul
         }
     }
     kwargs.assert_all_used()?;
-    let given = |v: &Option<Value>| v.as_ref().filter(|v| !v.is_none() && !v.is_undefined()).cloned();
+    let given = |v: &Option<Value>| {
+        v.as_ref()
+            .filter(|v| !v.is_none() && !v.is_undefined())
+            .cloned()
+    };
 
     let indent = match given(&slots[1]) {
         None => None,
@@ -122,7 +132,10 @@ fn tojson_filter(value: &Value, args: Rest<Value>, kwargs: Kwargs) -> std::resul
             None => {
                 return Err(minijinja::Error::new(
                     MjErrorKind::InvalidOperation,
-                    format!("tojson: indent must be an integer or a string, not {}", v.kind()),
+                    format!(
+                        "tojson: indent must be an integer or a string, not {}",
+                        v.kind()
+                    ),
                 ))
             }
         },
@@ -160,7 +173,10 @@ fn raise_exception(message: Option<Value>) -> std::result::Result<Value, minijin
         },
         None => "raise_exception() called".to_string(),
     };
-    Err(minijinja::Error::new(MjErrorKind::InvalidOperation, msg.clone()).with_source(RaisedException(msg)))
+    Err(
+        minijinja::Error::new(MjErrorKind::InvalidOperation, msg.clone())
+            .with_source(RaisedException(msg)),
+    )
 }
 
 fn strftime_now(format: String) -> String {
@@ -183,7 +199,11 @@ fn raised_message(err: &minijinja::Error) -> Option<String> {
 fn convert_error(err: &minijinja::Error, source: &str, stage: &str) -> Error {
     let location = match err.line() {
         Some(line) => {
-            let text = source.lines().nth(line.saturating_sub(1)).unwrap_or("").trim();
+            let text = source
+                .lines()
+                .nth(line.saturating_sub(1))
+                .unwrap_or("")
+                .trim();
             let mut snippet: String = text.chars().take(160).collect();
             if text.chars().count() > 160 {
                 snippet.push('…');
@@ -197,7 +217,9 @@ fn convert_error(err: &minijinja::Error, source: &str, stage: &str) -> Error {
         None => String::new(),
     };
     if let Some(msg) = raised_message(err) {
-        return Error::text(format!("chat template raised an exception: {msg}{location}"));
+        return Error::text(format!(
+            "chat template raised an exception: {msg}{location}"
+        ));
     }
     let mut detail = match err.detail() {
         Some(d) => format!("{}: {d}", err.kind()),
@@ -243,7 +265,10 @@ impl ChatTemplate {
         let shared: Arc<str> = Arc::from(source.as_str());
         env.add_template_owned(TEMPLATE_NAME, source)
             .map_err(|e| convert_error(&e, &shared, "syntax"))?;
-        Ok(ChatTemplate { env, source: shared })
+        Ok(ChatTemplate {
+            env,
+            source: shared,
+        })
     }
 
     /// The template text.
@@ -303,7 +328,10 @@ impl ChatTemplate {
                 Some(t) => Value::from_serialize(t),
             },
         );
-        ctx.insert("add_generation_prompt".into(), Value::from(add_generation_prompt));
+        ctx.insert(
+            "add_generation_prompt".into(),
+            Value::from(add_generation_prompt),
+        );
 
         let template = self
             .env

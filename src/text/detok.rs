@@ -86,7 +86,11 @@ impl StreamDecoder {
         self.emitted.push_str(&out);
         self.window.drain(..self.read);
         self.read = self.window.len();
-        self.prefix_text = if self.window.is_empty() { String::new() } else { self.decode(&self.window)? };
+        self.prefix_text = if self.window.is_empty() {
+            String::new()
+        } else {
+            self.decode(&self.window)?
+        };
         Ok(out)
     }
 

@@ -8,7 +8,9 @@ mod pyjson;
 mod strftime;
 pub mod tokenizer;
 
-pub use chat_template::{compile_cached, render_chat, ChatMessage, ChatTemplate, LFM2_CHAT_TEMPLATE};
+pub use chat_template::{
+    compile_cached, render_chat, ChatMessage, ChatTemplate, LFM2_CHAT_TEMPLATE,
+};
 pub use detok::StreamDecoder;
 pub use tokenizer::Tokenizer;
 

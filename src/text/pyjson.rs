@@ -41,7 +41,11 @@ impl DumpOptions {
     /// `(",", ": ")` when indenting.
     pub fn with_indent(indent: Option<String>) -> Self {
         let item = if indent.is_some() { "," } else { ", " };
-        DumpOptions { indent, item_separator: item.into(), ..Default::default() }
+        DumpOptions {
+            indent,
+            item_separator: item.into(),
+            ..Default::default()
+        }
     }
 }
 
@@ -82,7 +86,9 @@ fn write_value(
         ValueKind::None => out.push_str("null"),
         ValueKind::Bool => out.push_str(if value.is_true() { "true" } else { "false" }),
         ValueKind::Number => write_number(out, value),
-        ValueKind::String => write_string(out, value.as_str().unwrap_or_default(), opts.ensure_ascii),
+        ValueKind::String => {
+            write_string(out, value.as_str().unwrap_or_default(), opts.ensure_ascii)
+        }
         ValueKind::Seq | ValueKind::Iterable => {
             let items: Vec<Value> = value.try_iter()?.collect();
             write_array(out, &items, opts, level, depth)?;
@@ -147,7 +153,10 @@ fn key_string(key: &Value) -> Result<String, Error> {
         ValueKind::None => Ok("null".into()),
         _ => Err(Error::new(
             ErrorKind::InvalidOperation,
-            format!("tojson: keys must be str, int, float, bool or None, not {}", key.kind()),
+            format!(
+                "tojson: keys must be str, int, float, bool or None, not {}",
+                key.kind()
+            ),
         )),
     }
 }
@@ -208,10 +217,18 @@ pub(crate) fn py_float_repr(f: f64) -> String {
         return "NaN".into();
     }
     if f.is_infinite() {
-        return if f > 0.0 { "Infinity".into() } else { "-Infinity".into() };
+        return if f > 0.0 {
+            "Infinity".into()
+        } else {
+            "-Infinity".into()
+        };
     }
     if f == 0.0 {
-        return if f.is_sign_negative() { "-0.0".into() } else { "0.0".into() };
+        return if f.is_sign_negative() {
+            "-0.0".into()
+        } else {
+            "0.0".into()
+        };
     }
     // Rust's `{:e}` gives the shortest round-trip digits: "1.2345e-7".
     let sci = format!("{f:e}");
@@ -298,7 +315,10 @@ mod tests {
             "c": {}
         }));
         let s = dumps(&v, &DumpOptions::default()).unwrap();
-        assert_eq!(s, r#"{"b": [1, 2.0, true, null], "a": "<x> & 'y' \"z\" é\n", "c": {}}"#);
+        assert_eq!(
+            s,
+            r#"{"b": [1, 2.0, true, null], "a": "<x> & 'y' \"z\" é\n", "c": {}}"#
+        );
 
         let mut o = DumpOptions::with_indent(Some("  ".into()));
         o.sort_keys = true;
@@ -308,7 +328,13 @@ mod tests {
             "{\n  \"a\": \"<x> & 'y' \\\"z\\\" é\\n\",\n  \"b\": [\n    1,\n    2.0,\n    true,\n    null\n  ],\n  \"c\": {}\n}"
         );
 
-        let o = DumpOptions { ensure_ascii: true, ..Default::default() };
-        assert_eq!(dumps(&Value::from("é😀"), &o).unwrap(), r#""\u00e9\ud83d\ude00""#);
+        let o = DumpOptions {
+            ensure_ascii: true,
+            ..Default::default()
+        };
+        assert_eq!(
+            dumps(&Value::from("é😀"), &o).unwrap(),
+            r#""\u00e9\ud83d\ude00""#
+        );
     }
 }

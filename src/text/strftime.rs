@@ -74,7 +74,9 @@ impl DateTime {
 
     /// The current local time.
     pub fn now_local() -> Self {
-        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default();
         let epoch = now.as_secs() as i64;
         let micros = now.subsec_micros();
         local_time(epoch, micros).unwrap_or_else(|| DateTime::utc(epoch, micros))
@@ -135,10 +137,28 @@ fn local_time(_epoch: i64, _micros: u32) -> Option<DateTime> {
     None
 }
 
-const DAYS: [&str; 7] = ["Sunday", "Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday"];
+const DAYS: [&str; 7] = [
+    "Sunday",
+    "Monday",
+    "Tuesday",
+    "Wednesday",
+    "Thursday",
+    "Friday",
+    "Saturday",
+];
 const MONTHS: [&str; 12] = [
-    "January", "February", "March", "April", "May", "June", "July", "August", "September",
-    "October", "November", "December",
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
 ];
 
 /// ISO 8601 (year, week) of a date.
@@ -203,7 +223,10 @@ pub(crate) fn format(dt: &DateTime, fmt: &str) -> String {
             }
             out.push_str(&s);
         };
-        let hour12 = if dt.hour % 12 == 0 { 12 } else { dt.hour % 12 };
+        let hour12 = match dt.hour % 12 {
+            0 => 12,
+            h => h,
+        };
         match d {
             'a' => out.push_str(&DAYS[dt.weekday as usize % 7][..3]),
             'A' => out.push_str(DAYS[dt.weekday as usize % 7]),
@@ -234,11 +257,21 @@ pub(crate) fn format(dt: &DateTime, fmt: &str) -> String {
             'S' => num(&mut out, dt.second.into(), 2, '0'),
             't' => out.push('\t'),
             'T' | 'X' => out.push_str(&format(dt, "%H:%M:%S")),
-            'u' => num(&mut out, (if dt.weekday == 0 { 7 } else { dt.weekday }).into(), 1, '0'),
+            'u' => num(
+                &mut out,
+                (if dt.weekday == 0 { 7 } else { dt.weekday }).into(),
+                1,
+                '0',
+            ),
             'U' => num(&mut out, ((dt.yday + 7 - dt.weekday) / 7).into(), 2, '0'),
             'V' => num(&mut out, iso_week(dt).1.into(), 2, '0'),
             'w' => num(&mut out, dt.weekday.into(), 1, '0'),
-            'W' => num(&mut out, ((dt.yday + 7 - (dt.weekday + 6) % 7) / 7).into(), 2, '0'),
+            'W' => num(
+                &mut out,
+                ((dt.yday + 7 - (dt.weekday + 6) % 7) / 7).into(),
+                2,
+                '0',
+            ),
             'y' => num(&mut out, dt.year.rem_euclid(100), 2, '0'),
             'Y' => num(&mut out, dt.year, 1, '0'),
             // datetime.now() is naive: no offset, no zone name.
@@ -267,12 +300,21 @@ mod tests {
         assert_eq!((dt.year, dt.month, dt.day), (2024, 7, 26));
         assert_eq!((dt.hour, dt.minute, dt.second, dt.weekday), (13, 5, 9, 5));
         assert_eq!(format(&dt, "%d %b %Y"), "26 Jul 2024");
-        assert_eq!(format(&dt, "%A, %B %-d %Y %I:%M %p %j"), "Friday, July 26 2024 01:05 PM 208");
-        assert_eq!(format(&dt, "%F %T.%f%z%Z %%"), "2024-07-26 13:05:09.000042 %");
+        assert_eq!(
+            format(&dt, "%A, %B %-d %Y %I:%M %p %j"),
+            "Friday, July 26 2024 01:05 PM 208"
+        );
+        assert_eq!(
+            format(&dt, "%F %T.%f%z%Z %%"),
+            "2024-07-26 13:05:09.000042 %"
+        );
         assert_eq!(format(&dt, "%G-W%V-%u"), "2024-W30-5");
         // 2021-01-01 belongs to ISO week 53 of 2020.
         let dt = DateTime::utc(1_609_459_200, 0);
-        assert_eq!(format(&dt, "%Y-%m-%d %G %V %U %W"), "2021-01-01 2020 53 00 00");
+        assert_eq!(
+            format(&dt, "%Y-%m-%d %G %V %U %W"),
+            "2021-01-01 2020 53 00 00"
+        );
         // Leap day.
         let dt = DateTime::utc(951_782_400, 0);
         assert_eq!(format(&dt, "%Y-%m-%d %j"), "2000-02-29 060");

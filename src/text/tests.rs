@@ -44,7 +44,10 @@ fn tokenizer_json() -> &'static str {
         use tokenizers::processors::template::TemplateProcessing;
         use tokenizers::AddedToken;
 
-        let specials: Vec<AddedToken> = SPECIALS.iter().map(|s| AddedToken::from(*s, true)).collect();
+        let specials: Vec<AddedToken> = SPECIALS
+            .iter()
+            .map(|s| AddedToken::from(*s, true))
+            .collect();
         let mut trainer: TrainerWrapper = BpeTrainerBuilder::new()
             .show_progress(false)
             .vocab_size(400)
@@ -56,7 +59,8 @@ fn tokenizer_json() -> &'static str {
         let mut tk = tokenizers::Tokenizer::new(BPE::default());
         tk.with_pre_tokenizer(Some(ByteLevel::default().add_prefix_space(false)));
         tk.with_decoder(Some(ByteLevel::default()));
-        tk.train(&mut trainer, CORPUS.iter().copied()).expect("train BPE");
+        tk.train(&mut trainer, CORPUS.iter().copied())
+            .expect("train BPE");
         tk.add_special_tokens(&specials);
         let bos_id = tk.token_to_id("<|startoftext|>").unwrap();
         let post = TemplateProcessing::builder()
@@ -79,7 +83,8 @@ impl TempDir {
     fn new(tag: &str) -> TempDir {
         static COUNTER: AtomicUsize = AtomicUsize::new(0);
         let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!("mlx_lfm_text_{}_{tag}_{n}", std::process::id()));
+        let dir =
+            std::env::temp_dir().join(format!("mlx_lfm_text_{}_{tag}_{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         TempDir(dir)
@@ -103,7 +108,10 @@ fn checkpoint(tag: &str, config: Option<serde_json::Value>) -> TempDir {
     let dir = TempDir::new(tag);
     dir.write("tokenizer.json", tokenizer_json());
     if let Some(c) = config {
-        dir.write("tokenizer_config.json", &serde_json::to_string_pretty(&c).unwrap());
+        dir.write(
+            "tokenizer_config.json",
+            &serde_json::to_string_pretty(&c).unwrap(),
+        );
     }
     dir
 }
@@ -144,11 +152,17 @@ fn encode_decode_round_trip() {
         assert_eq!(with_bos[0], tok.token_to_id("<|startoftext|>").unwrap());
         assert_eq!(&with_bos[1..], &ids[..]);
         assert_eq!(&tok.decode(&with_bos, true).unwrap(), s);
-        assert_eq!(tok.decode(&with_bos, false).unwrap(), format!("<|startoftext|>{s}"));
+        assert_eq!(
+            tok.decode(&with_bos, false).unwrap(),
+            format!("<|startoftext|>{s}")
+        );
     }
     // Multi-byte characters really are split across tokens in this vocabulary.
     let ids = tok.encode("😀", false).unwrap();
-    assert!(ids.len() > 1, "emoji should need several byte-level tokens, got {ids:?}");
+    assert!(
+        ids.len() > 1,
+        "emoji should need several byte-level tokens, got {ids:?}"
+    );
 }
 
 #[test]
@@ -190,12 +204,21 @@ fn eos_and_template_fallbacks() {
         "special_tokens_map.json",
         r#"{"bos_token": {"content": "<|startoftext|>"}, "eos_token": "<|endoftext|>"}"#,
     );
-    dir.write("chat_template.jinja", "{{ bos_token }}J{{ messages | length }}");
+    dir.write(
+        "chat_template.jinja",
+        "{{ bos_token }}J{{ messages | length }}",
+    );
     let tok = Tokenizer::load(dir.path()).unwrap();
     assert_eq!(tok.bos_token(), Some("<|startoftext|>"));
-    assert_eq!(tok.eos_token_ids(), vec![tok.token_to_id("<|endoftext|>").unwrap()]);
+    assert_eq!(
+        tok.eos_token_ids(),
+        vec![tok.token_to_id("<|endoftext|>").unwrap()]
+    );
     let msgs = [ChatMessage::user("x")];
-    assert_eq!(tok.render_chat_template(&msgs, None, false, None).unwrap(), "<|startoftext|>J1");
+    assert_eq!(
+        tok.render_chat_template(&msgs, None, false, None).unwrap(),
+        "<|startoftext|>J1"
+    );
 
     // Both a config template and chat_template.jinja: the .jinja file wins.
     let mut config = lfm2_config();
@@ -212,19 +235,31 @@ fn eos_and_template_fallbacks() {
         {"name": "default", "template": "DEFAULT"}
     ]);
     let dir = checkpoint("list", Some(config.clone()));
-    assert_eq!(Tokenizer::load(dir.path()).unwrap().chat_template(), Some("DEFAULT"));
-    config["chat_template"] = json!([{"name": "rag", "template": "RAG"}, {"name": "x", "template": "X"}]);
+    assert_eq!(
+        Tokenizer::load(dir.path()).unwrap().chat_template(),
+        Some("DEFAULT")
+    );
+    config["chat_template"] =
+        json!([{"name": "rag", "template": "RAG"}, {"name": "x", "template": "X"}]);
     let dir = checkpoint("list2", Some(config));
-    assert_eq!(Tokenizer::load(dir.path()).unwrap().chat_template(), Some("RAG"));
+    assert_eq!(
+        Tokenizer::load(dir.path()).unwrap().chat_template(),
+        Some("RAG")
+    );
 
     // No template anywhere: a clear error pointing at raw prompts.
     let dir = checkpoint("none", Some(json!({"eos_token": "<|im_end|>"})));
     let tok = Tokenizer::load(dir.path()).unwrap();
     assert_eq!(tok.bos_token(), None);
     assert_eq!(tok.chat_template(), None);
-    let err = tok.apply_chat_template(&msgs, None, true, None).unwrap_err();
+    let err = tok
+        .apply_chat_template(&msgs, None, true, None)
+        .unwrap_err();
     assert_eq!(err.kind, ErrorKind::Text);
-    assert!(err.message.contains("no chat template") && err.message.contains("generate()"), "{err}");
+    assert!(
+        err.message.contains("no chat template") && err.message.contains("generate()"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -235,7 +270,9 @@ fn encode_for_generation_bos_logic() {
     assert_eq!(plain[0], bos);
     assert_eq!(&plain[1..], &tok.encode("Hello world", false).unwrap()[..]);
     // Already starts with the BOS: not doubled.
-    let pre = tok.encode_for_generation("<|startoftext|>Hello world").unwrap();
+    let pre = tok
+        .encode_for_generation("<|startoftext|>Hello world")
+        .unwrap();
     assert_eq!(pre, plain);
     assert_eq!(pre.iter().filter(|&&i| i == bos).count(), 1);
 
@@ -264,13 +301,24 @@ fn lfm2_template_renders_conversation() {
                 <|im_start|>user\nWhat is C. elegans?<|im_end|>\n\
                 <|im_start|>assistant\nIt's a tiny nematode.<|im_end|>\n\
                 <|im_start|>user\n你好 😀<|im_end|>\n";
-    assert_eq!(tok.render_chat_template(&msgs, None, false, None).unwrap(), base);
+    assert_eq!(
+        tok.render_chat_template(&msgs, None, false, None).unwrap(),
+        base
+    );
     let with_prompt = tok.render_chat_template(&msgs, None, true, None).unwrap();
     assert_eq!(with_prompt, format!("{base}<|im_start|>assistant\n"));
 
     // The same through the free function.
-    let free = render_chat(LFM2_CHAT_TEMPLATE, &msgs, None, true, Some("<|startoftext|>"), Some("<|im_end|>"), None)
-        .unwrap();
+    let free = render_chat(
+        LFM2_CHAT_TEMPLATE,
+        &msgs,
+        None,
+        true,
+        Some("<|startoftext|>"),
+        Some("<|im_end|>"),
+        None,
+    )
+    .unwrap();
     assert_eq!(free, with_prompt);
 
     // apply_chat_template encodes without adding another BOS.
@@ -286,7 +334,11 @@ fn lfm2_template_renders_conversation() {
     content_parts.content = Some(json!([{"type": "text", "text": "a<b"}]));
     let msgs = vec![
         ChatMessage::user("Hi"),
-        ChatMessage { role: "assistant".into(), content: None, ..Default::default() },
+        ChatMessage {
+            role: "assistant".into(),
+            content: None,
+            ..Default::default()
+        },
         ChatMessage::tool("{\"temp\": 21}"),
         content_parts,
     ];
@@ -307,8 +359,13 @@ fn lfm2_template_renders_tools() {
          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
         "raw_tool_string"
     ]);
-    let msgs = vec![ChatMessage::system("Be brief."), ChatMessage::user("Weather in Paris?")];
-    let out = tok.render_chat_template(&msgs, Some(&tools), true, None).unwrap();
+    let msgs = vec![
+        ChatMessage::system("Be brief."),
+        ChatMessage::user("Weather in Paris?"),
+    ];
+    let out = tok
+        .render_chat_template(&msgs, Some(&tools), true, None)
+        .unwrap();
     let expected = "<|startoftext|><|im_start|>system\nBe brief.\nList of tools: <|tool_list_start|>[\
         {\"name\": \"get_weather\", \"description\": \"Weather for a <city> & region\", \
         \"parameters\": {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}}, \"required\": [\"city\"]}}, \
@@ -317,14 +374,18 @@ fn lfm2_template_renders_tools() {
     assert_eq!(out, expected);
 
     // Tools without a system message get a system turn of their own.
-    let out = tok.render_chat_template(&msgs[1..], Some(&json!([{"name": "f"}])), false, None).unwrap();
+    let out = tok
+        .render_chat_template(&msgs[1..], Some(&json!([{"name": "f"}])), false, None)
+        .unwrap();
     assert_eq!(
         out,
         "<|startoftext|><|im_start|>system\nList of tools: <|tool_list_start|>[{\"name\": \"f\"}]<|tool_list_end|><|im_end|>\n\
          <|im_start|>user\nWeather in Paris?<|im_end|>\n"
     );
     // The tool-list tokens are single special tokens after encoding.
-    let ids = tok.apply_chat_template(&msgs, Some(&tools), true, None).unwrap();
+    let ids = tok
+        .apply_chat_template(&msgs, Some(&tools), true, None)
+        .unwrap();
     assert!(ids.contains(&tok.token_to_id("<|tool_list_start|>").unwrap()));
     assert!(ids.contains(&tok.token_to_id("<|tool_list_end|>").unwrap()));
 }
@@ -345,7 +406,8 @@ fn template_environment_matches_transformers() {
              {{ messages[0].get('name', 'anon') }}";
     assert_eq!(render(t).unwrap(), "Hello <b>&'x'|True|a+b|k=1|anon");
     // tojson does not HTML-escape and uses Python's separators.
-    let t = "{{ messages | tojson }}|{{ {'a': [1, 2.5, none, true]} | tojson }}|{{ 'é\"' | tojson }}";
+    let t =
+        "{{ messages | tojson }}|{{ {'a': [1, 2.5, none, true]} | tojson }}|{{ 'é\"' | tojson }}";
     assert_eq!(
         render(t).unwrap(),
         "[{\"role\": \"user\", \"content\": \"  Hello <b>&'x'  \"}]|{\"a\": [1, 2.5, null, true]}|\"é\\\"\""
@@ -353,13 +415,28 @@ fn template_environment_matches_transformers() {
     // tojson keyword arguments as in transformers.
     let t = "{{ {'b': 1, 'a': [1]} | tojson(indent=2, sort_keys=true) }}|{{ 'é' | tojson(ensure_ascii=true) }}|\
              {{ {'a': 1, 'b': 2} | tojson(separators=(',', ':')) }}";
-    assert_eq!(render(t).unwrap(), "{\n  \"a\": [\n    1\n  ],\n  \"b\": 1\n}|\"\\u00e9\"|{\"a\":1,\"b\":2}");
+    assert_eq!(
+        render(t).unwrap(),
+        "{\n  \"a\": [\n    1\n  ],\n  \"b\": 1\n}|\"\\u00e9\"|{\"a\":1,\"b\":2}"
+    );
     // Booleans print as Python does. Loop controls, bos/eos, add_generation_prompt, and tools/documents defined as none.
     let t = "{% for i in range(5) %}{% if i == 2 %}{% break %}{% endif %}{{ i }}{% endfor %}\
              {{ bos_token }}{{ eos_token }}{{ add_generation_prompt }}{{ tools is none }}{{ documents is none }}";
     assert_eq!(render(t).unwrap(), "01<s></s>TrueTrueTrue");
     // Unset specials are undefined (print as nothing).
-    assert_eq!(render_chat("[{{ bos_token }}]{{ bos_token is defined }}", &msgs, None, false, None, None, None).unwrap(), "[]False");
+    assert_eq!(
+        render_chat(
+            "[{{ bos_token }}]{{ bos_token is defined }}",
+            &msgs,
+            None,
+            false,
+            None,
+            None,
+            None
+        )
+        .unwrap(),
+        "[]False"
+    );
     // strftime_now.
     let year = render("{{ strftime_now('%Y') }}").unwrap();
     assert!(year.len() == 4 && year.starts_with("20"), "{year}");
@@ -367,8 +444,16 @@ fn template_environment_matches_transformers() {
     let mut extra = serde_json::Map::new();
     extra.insert("enable_thinking".into(), json!(false));
     extra.insert("bos_token".into(), json!("<BOS>"));
-    let out = render_chat("{{ bos_token }}{{ enable_thinking }}", &msgs, None, false, Some("<s>"), None, Some(&extra))
-        .unwrap();
+    let out = render_chat(
+        "{{ bos_token }}{{ enable_thinking }}",
+        &msgs,
+        None,
+        false,
+        Some("<s>"),
+        None,
+        Some(&extra),
+    )
+    .unwrap();
     assert_eq!(out, "<BOS>False");
     // Reserved names cannot be smuggled in through kwargs.
     let mut extra = serde_json::Map::new();
@@ -382,7 +467,9 @@ fn message_fields_are_omitted_when_none() {
     let msg = ChatMessage {
         role: "assistant".into(),
         content: None,
-        tool_calls: Some(json!([{"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}])),
+        tool_calls: Some(
+            json!([{"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]),
+        ),
         tool_call_id: None,
         name: Some("bot".into()),
     };
@@ -394,7 +481,9 @@ fn message_fields_are_omitted_when_none() {
          \"arguments\": {\"x\": 1}}}], \"name\": \"bot\"}|False|False"
     );
     // Messages deserialize from the usual JSON shape.
-    let m: ChatMessage = serde_json::from_value(json!({"role": "tool", "content": "ok", "tool_call_id": "c1"})).unwrap();
+    let m: ChatMessage =
+        serde_json::from_value(json!({"role": "tool", "content": "ok", "tool_call_id": "c1"}))
+            .unwrap();
     assert_eq!(m.tool_call_id.as_deref(), Some("c1"));
     assert_eq!(m.content, Some(json!("ok")));
 }
@@ -405,7 +494,10 @@ fn template_errors_carry_message_and_line() {
     let t = "{%- for m in messages -%}\n{%- if m.role != 'system' -%}\n{{- raise_exception('Only system messages, got ' + m.role) -}}\n{%- endif -%}\n{%- endfor -%}";
     let err = render_chat(t, &msgs, None, false, None, None, None).unwrap_err();
     assert_eq!(err.kind, ErrorKind::Text);
-    assert!(err.message.contains("Only system messages, got user"), "{err}");
+    assert!(
+        err.message.contains("Only system messages, got user"),
+        "{err}"
+    );
     assert!(err.message.contains("line 3"), "{err}");
     assert!(err.message.contains("raise_exception("), "{err}");
 
@@ -425,7 +517,9 @@ fn template_errors_carry_message_and_line() {
     let tok = Tokenizer::load(dir.path()).unwrap();
     assert!(!tok.encode("fine", true).unwrap().is_empty());
     for _ in 0..2 {
-        let err = tok.apply_chat_template(&msgs, None, true, None).unwrap_err();
+        let err = tok
+            .apply_chat_template(&msgs, None, true, None)
+            .unwrap_err();
         assert!(err.message.contains("syntax error"), "{err}");
     }
 }
@@ -443,12 +537,19 @@ fn missing_and_broken_files_are_named() {
     let dir = TempDir::new("missing");
     let err = Tokenizer::load(dir.path()).unwrap_err();
     assert_eq!(err.kind, ErrorKind::Load);
-    assert!(err.message.contains(&dir.path().join("tokenizer.json").display().to_string()), "{err}");
+    assert!(
+        err.message
+            .contains(&dir.path().join("tokenizer.json").display().to_string()),
+        "{err}"
+    );
 
     dir.write("tokenizer.json", "{ not json");
     let err = Tokenizer::load(dir.path()).unwrap_err();
     assert_eq!(err.kind, ErrorKind::Load);
-    assert!(err.message.contains("tokenizer.json") && err.message.contains("cannot parse"), "{err}");
+    assert!(
+        err.message.contains("tokenizer.json") && err.message.contains("cannot parse"),
+        "{err}"
+    );
 
     let dir = checkpoint("badconfig", None);
     dir.write("tokenizer_config.json", "{\"bos_token\": ");
@@ -457,7 +558,10 @@ fn missing_and_broken_files_are_named() {
 
     let dir = checkpoint("badlist", Some(json!({"chat_template": 3})));
     let err = Tokenizer::load(dir.path()).unwrap_err();
-    assert!(err.message.contains("tokenizer_config.json") && err.message.contains("chat_template"), "{err}");
+    assert!(
+        err.message.contains("tokenizer_config.json") && err.message.contains("chat_template"),
+        "{err}"
+    );
 }
 
 /// Streams `ids` one by one; checks no piece splits a character or shows
@@ -484,7 +588,9 @@ fn stream_decoder_matches_full_decode() {
     texts.push("Mixed: hello 你好 😀 café 世界 🎉 done. 🇫🇷👍🏽🧑‍🚀".repeat(3));
     for text in &texts {
         for skip in [false, true] {
-            let ids = tok.apply_chat_template(&[ChatMessage::user(text.clone())], None, true, None).unwrap();
+            let ids = tok
+                .apply_chat_template(&[ChatMessage::user(text.clone())], None, true, None)
+                .unwrap();
             let mut all = ids.clone();
             all.extend(tok.encode(text, false).unwrap());
             all.push(tok.token_to_id("<|im_end|>").unwrap());
@@ -493,7 +599,10 @@ fn stream_decoder_matches_full_decode() {
             assert_eq!(pieces.concat(), full);
             assert!(!full.contains('\u{FFFD}'));
             for p in &pieces {
-                assert!(!p.contains('\u{FFFD}'), "piece {p:?} has a replacement character");
+                assert!(
+                    !p.contains('\u{FFFD}'),
+                    "piece {p:?} has a replacement character"
+                );
             }
         }
     }
@@ -523,14 +632,17 @@ fn stream_decoder_holds_partial_characters() {
 
     // Garbage bytes (lone continuation bytes) do not stall the stream forever
     // and still add up to the full decode.
-    let mut ids: Vec<u32> = std::iter::repeat(byte_token(&tok, 0x80)).take(40).collect();
+    let mut ids: Vec<u32> = vec![byte_token(&tok, 0x80); 40];
     ids.extend(tok.encode("ok 你好", false).unwrap());
     let mut dec = StreamDecoder::new(&tok, false);
     let mut early = String::new();
     for &id in &ids[..40] {
         early.push_str(&dec.push(id).unwrap());
     }
-    assert!(!early.is_empty(), "invalid bytes must not be held back indefinitely");
+    assert!(
+        !early.is_empty(),
+        "invalid bytes must not be held back indefinitely"
+    );
     for &id in &ids[40..] {
         dec.push(id).unwrap();
     }
@@ -563,12 +675,23 @@ fn stream_decoder_window_stays_small() {
 fn byte_token(tok: &Tokenizer, byte: u8) -> u32 {
     // GPT-2 byte-to-unicode mapping: printable Latin-1 bytes map to
     // themselves, the rest to U+0100 upwards in order.
-    let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+    let printable = |b: u8| {
+        (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b)
+    };
     let c = if printable(byte) {
         byte as char
     } else {
         let offset = (0..byte).filter(|&b| !printable(b)).count() as u32;
         char::from_u32(0x100 + offset).unwrap()
     };
-    tok.token_to_id(&c.to_string()).unwrap_or_else(|| panic!("no token for byte {byte:#x}"))
+    tok.token_to_id(&c.to_string())
+        .unwrap_or_else(|| panic!("no token for byte {byte:#x}"))
+}
+
+#[test]
+fn types_are_thread_safe() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<Tokenizer>();
+    send_sync::<ChatTemplate>();
+    send_sync::<StreamDecoder>();
 }

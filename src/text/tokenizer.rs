@@ -45,7 +45,10 @@ impl std::fmt::Debug for Tokenizer {
 fn token_field(value: Option<&Json>) -> Option<String> {
     match value? {
         Json::String(s) => Some(s.clone()),
-        Json::Object(map) => map.get("content").and_then(Json::as_str).map(str::to_string),
+        Json::Object(map) => map
+            .get("content")
+            .and_then(Json::as_str)
+            .map(str::to_string),
         _ => None,
     }
 }
@@ -145,7 +148,8 @@ impl Tokenizer {
         let config = read_optional_json(&config_path)?.unwrap_or_default();
         let map_path = dir.join("special_tokens_map.json");
         let special_map = read_optional_json(&map_path)?.unwrap_or_default();
-        let special = |key: &str| token_field(config.get(key)).or_else(|| token_field(special_map.get(key)));
+        let special =
+            |key: &str| token_field(config.get(key)).or_else(|| token_field(special_map.get(key)));
 
         let jinja_path = dir.join("chat_template.jinja");
         let mut chat_template = read_optional_text(&jinja_path)?;
@@ -159,7 +163,12 @@ impl Tokenizer {
             }
         }
 
-        let mut tok = Tokenizer::from_parts(inner, special("bos_token"), special("eos_token"), chat_template);
+        let mut tok = Tokenizer::from_parts(
+            inner,
+            special("bos_token"),
+            special("eos_token"),
+            chat_template,
+        );
         tok.dir = dir.to_path_buf();
         tok.pad_token = special("pad_token");
         tok.unk_token = special("unk_token");
@@ -180,7 +189,11 @@ impl Tokenizer {
             .map(|(id, _)| id)
             .collect();
         let vocab_size = inner.get_vocab_size(true);
-        let eos_ids = eos_token.as_deref().and_then(|t| inner.token_to_id(t)).into_iter().collect();
+        let eos_ids = eos_token
+            .as_deref()
+            .and_then(|t| inner.token_to_id(t))
+            .into_iter()
+            .collect();
         Tokenizer {
             inner: Arc::new(inner),
             dir: PathBuf::new(),
@@ -215,9 +228,12 @@ impl Tokenizer {
     }
 
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
-        self.inner
-            .decode(ids, skip_special_tokens)
-            .map_err(|e| Error::text(format!("tokenizer failed to decode {} token(s): {e}", ids.len())))
+        self.inner.decode(ids, skip_special_tokens).map_err(|e| {
+            Error::text(format!(
+                "tokenizer failed to decode {} token(s): {e}",
+                ids.len()
+            ))
+        })
     }
 
     /// Encodes a raw prompt for generation, as mlx-lm does: special tokens

@@ -1,0 +1,133 @@
+#!/usr/bin/env node
+// mlx-lfm command line: chat with a model, inspect it, or generate a test checkpoint.
+'use strict';
+const fs = require('node:fs');
+const os = require('node:os');
+const path = require('node:path');
+const readline = require('node:readline');
+const { parseArgs } = require('node:util');
+
+const USAGE = `usage:
+  mlx-lfm chat [--model DIR] [--prompt TEXT] [--system TEXT] [--max-tokens N]
+               [--temperature T] [--top-p P] [--top-k K] [--min-p P] [--seed S]
+               [--repetition-penalty R]
+      One prompt with --prompt, otherwise an interactive chat (empty line or
+      Ctrl-D ends it). Without --model, a tiny random-weight model is generated
+      and used (it answers gibberish; it shows the pipeline works).
+  mlx-lfm info --model DIR
+  mlx-lfm fixture --out DIR [--preset tiny|tiny-moe|lfm2-350m|lfm2-1.2b|lfm2-8b-a1b]
+               [--dtype f32|bf16|f16] [--layout hf|mlx] [--seed N]`;
+
+function fail(msg) {
+  console.error(`mlx-lfm: ${msg}`);
+  process.exit(1);
+}
+
+function num(v, name, integer = false) {
+  if (v === undefined) return undefined;
+  const n = Number(v);
+  if (!Number.isFinite(n) || (integer && !Number.isInteger(n))) fail(`--${name} must be a${integer ? 'n integer' : ' number'}, got ${v}`);
+  return n;
+}
+
+function cacheDir() {
+  const base = process.env.XDG_CACHE_HOME || path.join(os.homedir(), '.cache');
+  return path.join(base, 'mlx-lfm');
+}
+
+async function demoModel(addon) {
+  const dir = path.join(cacheDir(), 'tiny-demo');
+  if (!fs.existsSync(path.join(dir, 'config.json'))) await addon.generateFixture(dir, { preset: 'tiny', dtype: 'f32' });
+  console.error(`mlx-lfm: no --model given; using a tiny generated model with random weights at ${dir}`);
+  console.error('         (its replies are gibberish; pass --model DIR for a real LFM2 checkpoint)');
+  return dir;
+}
+
+function printMetrics(r) {
+  const m = r.metrics;
+  console.error(
+    `[${r.finishReason}] prompt ${r.usage.promptTokens} tok, completion ${r.usage.completionTokens} tok | ` +
+      `TTFT ${m.ttftMs.toFixed(1)} ms | prefill ${m.prefillTokensPerSecond.toFixed(1)} tok/s | ` +
+      `decode ${m.decodeTokensPerSecond.toFixed(1)} tok/s | total ${m.totalMs.toFixed(1)} ms`,
+  );
+}
+
+async function chat(addon, v) {
+  const opts = {
+    maxTokens: num(v['max-tokens'], 'max-tokens', true) ?? 256,
+    temperature: num(v.temperature, 'temperature'),
+    topP: num(v['top-p'], 'top-p'),
+    topK: num(v['top-k'], 'top-k', true),
+    minP: num(v['min-p'], 'min-p'),
+    seed: num(v.seed, 'seed', true),
+    repetitionPenalty: num(v['repetition-penalty'], 'repetition-penalty'),
+  };
+  for (const k of Object.keys(opts)) if (opts[k] === undefined) delete opts[k];
+  const dir = v.model ?? (await demoModel(addon));
+  const model = await addon.Lfm2Model.load(dir);
+  const history = v.system ? [{ role: 'system', content: v.system }] : [];
+  const ask = async (text) => {
+    history.push({ role: 'user', content: text });
+    const r = await model.chat(history, opts);
+    history.push({ role: 'assistant', content: r.text });
+    console.log(r.text);
+    printMetrics(r);
+  };
+  if (v.prompt !== undefined) {
+    await ask(v.prompt);
+  } else {
+    const info = model.info();
+    console.error(`mlx-lfm: ${info.modelType} (${info.dtype}, ${info.backend}); empty line or Ctrl-D to quit`);
+    const rl = readline.createInterface({ input: process.stdin, output: process.stderr, terminal: process.stdin.isTTY });
+    rl.setPrompt('> ');
+    rl.prompt();
+    for await (const line of rl) {
+      if (!line.trim()) break;
+      await ask(line);
+      rl.prompt();
+    }
+    rl.close();
+  }
+  model.close();
+}
+
+async function main() {
+  const [cmd, ...argv] = process.argv.slice(2);
+  if (!cmd || cmd === '--help' || cmd === '-h') {
+    console.log(USAGE);
+    return;
+  }
+  let parsed;
+  try {
+    parsed = parseArgs({
+      args: argv,
+      options: {
+        model: { type: 'string' }, prompt: { type: 'string' }, system: { type: 'string' },
+        'max-tokens': { type: 'string' }, temperature: { type: 'string' }, 'top-p': { type: 'string' },
+        'top-k': { type: 'string' }, 'min-p': { type: 'string' }, seed: { type: 'string' },
+        'repetition-penalty': { type: 'string' }, out: { type: 'string' }, preset: { type: 'string' },
+        dtype: { type: 'string' }, layout: { type: 'string' },
+      },
+    });
+  } catch (e) {
+    fail(`${e.message}\n${USAGE}`);
+  }
+  const v = parsed.values;
+  const addon = require('./index.cjs');
+  if (cmd === 'chat') {
+    await chat(addon, v);
+  } else if (cmd === 'info') {
+    if (!v.model) fail('info needs --model DIR');
+    const model = await addon.Lfm2Model.load(v.model);
+    console.log(JSON.stringify({ mlx: addon.mlxInfo(), model: model.info() }, null, 2));
+    model.close();
+  } else if (cmd === 'fixture') {
+    if (!v.out) fail('fixture needs --out DIR');
+    await addon.generateFixture(v.out, { preset: v.preset, dtype: v.dtype, layout: v.layout, seed: num(v.seed, 'seed', true) });
+    console.log(`wrote ${v.out}`);
+  } else {
+    fail(`unknown command ${cmd}\n${USAGE}`);
+  }
+}
+
+main().catch((e) => fail(e.message));
