@@ -33,7 +33,7 @@ function hostTriple() {
 
 function ensureDeps() {
   if (fs.existsSync(path.join(root, 'node_modules', '@napi-rs', 'cli'))) return;
-  if (usingYarn) run('yarn', ['install', '--frozen-lockfile']);
+  if (usingYarn) run('yarn', ['install', '--frozen-lockfile', '--ignore-engines']);
   else run('npm', ['ci', '--no-audit', '--no-fund']);
 }
 
