@@ -40,7 +40,8 @@ function ensureDeps() {
 function build() {
   ensureDeps();
   const before = fs.readFileSync(path.join(root, 'index.d.cts'), 'utf8');
-  run(process.execPath, [require.resolve('@napi-rs/cli/dist/cli.js', { paths: [root] }),
+  const cliDir = path.dirname(require.resolve('@napi-rs/cli/package.json', { paths: [root] }));
+  run(process.execPath, [path.join(cliDir, 'dist', 'cli.js'),
     'build', '--platform', '--release', '--js', 'index.cjs', '--dts', 'index.d.cts']);
   return before;
 }
