@@ -115,6 +115,11 @@ export interface LoadOptions {
   prefillChunkSize?: number
   /** "cpu" or "gpu" (default: MLX's default device). */
   device?: string
+  /**
+   * "compiled" or "eager" (default: compiled when the model is eligible;
+   * MLX_LFM_DISABLE_COMPILED=1 turns it off).
+   */
+  decodePath?: string
 }
 
 export interface MemoryInfo {

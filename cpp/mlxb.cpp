@@ -155,7 +155,9 @@ int mlxb_array_from_data(const void* data, const int32_t* shape, int ndim, int d
 }
 
 int mlxb_array_scalar(double value, int dtype, mlxb_array* out) {
-  MLXB_TRY({ *out = wrap(mx::astype(mx::array(value, mx::float64), mlxb::to_dtype(dtype), mx::Device::cpu)); })
+  // Converted on the host at construction: no graph node, so scalars made here
+  // and inside compiled functions (cpp/decode.cpp) are the same constants.
+  MLXB_TRY({ *out = wrap(mx::array(value, mlxb::to_dtype(dtype))); })
 }
 
 int mlxb_array_to_host(mlxb_array a, void* dst, size_t len) {
@@ -249,7 +251,7 @@ int mlxb_zeros(const int32_t* shape, int ndim, int dtype, mlxb_array* out) {
 int mlxb_full(const int32_t* shape, int ndim, double value, int dtype, mlxb_array* out) {
   MLXB_TRY({
     auto dt = mlxb::to_dtype(dtype);
-    *out = wrap(mx::full(shape_of(shape, ndim), mx::astype(mx::array(value, mx::float64), dt, mx::Device::cpu), dt));
+    *out = wrap(mx::full(shape_of(shape, ndim), mx::array(value, dt), dt));
   })
 }
 int mlxb_arange(double start, double stop, double step, int dtype, mlxb_array* out) {
@@ -350,7 +352,7 @@ int mlxb_cumsum(mlxb_array a, int axis, int reverse, int inclusive, mlxb_array* 
 int mlxb_clip(mlxb_array a, double lo, double hi, mlxb_array* out) {
   MLXB_TRY({
     auto dt = A(a).dtype();
-    *out = wrap(mx::clip(A(a), mx::astype(mx::array(lo), dt), mx::astype(mx::array(hi), dt)));
+    *out = wrap(mx::clip(A(a), mx::array(lo, dt), mx::array(hi, dt)));
   })
 }
 

@@ -176,6 +176,41 @@ int mlxb_synchronize(void);
 int mlxb_device_name(char* buf, size_t len);
 size_t mlxb_device_total_memory(void);
 
+// ---- compiled decode step (cpp/decode.cpp) --------------------------------------
+typedef struct mlxb_decoder_s* mlxb_decoder;
+typedef struct {
+  int num_layers;
+  int hidden_size;
+  int num_heads;
+  int num_kv_heads;
+  int head_dim;
+  int conv_kernel;
+  float norm_eps;
+  float rope_theta;
+  float attn_scale;
+  int num_experts;
+  int experts_per_token;
+  int norm_topk_prob;
+  float routed_scaling_factor;
+  // MLX's CPU gather_mm is float32-only: dense non-f32 experts on CPU take
+  // the gather-and-upcast path.
+  int cpu_non_f32_experts;
+} mlxb_decoder_config;
+
+int mlxb_decoder_new(const mlxb_decoder_config* cfg, const uint8_t* attn_layers, const uint8_t* moe_layers,
+                     mlxb_decoder* out);
+// Names: "embed", "lm_head", "final_norm", "L{i}.op_norm", "L{i}.ffn_norm", projections "L{i}.{q,k,v,o,in,out,
+// w1,w2,w3,gate}" and experts "L{i}.{eg,eu,ed}" (each with ".weight" and, when quantized, ".scales"/".biases";
+// ".bias" for biased projections), "L{i}.{q_norm,k_norm,conv_w,conv_b,expert_bias}".
+int mlxb_decoder_add_weight(mlxb_decoder d, const char* name, mlxb_array a);
+// Registers a quantized projection (path without ".weight").
+int mlxb_decoder_set_quant(mlxb_decoder d, const char* path, const char* mode, int bits, int group_size);
+int mlxb_decoder_finalize(mlxb_decoder d);
+// Runs one decode step, compiled (compiled != 0) or as the same graph uncompiled.
+int mlxb_decoder_step(mlxb_decoder d, int compiled, const mlxb_array* ins, size_t n_in, mlxb_array* outs,
+                      size_t cap_out, size_t* n_out);
+void mlxb_decoder_free(mlxb_decoder d);
+
 #ifdef __cplusplus
 }
 #endif

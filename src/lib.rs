@@ -15,3 +15,5 @@ pub mod text;
 pub mod engine;
 pub mod generate;
 pub mod model;
+pub mod convert;
+pub mod compiled;

@@ -8,6 +8,14 @@ Reads one JSON request on stdin, writes one JSON answer on stdout.
   {"op": "encode", "model": DIR, "text": "..."} -> {"ids": [...]}  (mlx-lm's generate() encoding)
   {"op": "bench", "model": DIR, "prompt_len": P, "gen": G, "reps": R}
       -> {"prefill_tps": ..., "decode_tps": ..., "ttft_ms": ...}
+  {"op": "bench_suite", "model": DIR, "prompts": [[ids], ...], "gen": G, "reps": R,
+   "warmup": {"prompt": [ids], "gen": G2}, "prefill_step_size": 2048|null}
+      -> {"mlx_version", "mlx_lm_version", "default_device", "dtype", "params", "load_ms",
+          "warmup": run, "results": [{"prompt_len": P, "runs": [run, ...]}]}
+      where run = {"ttft_ms", "prefill_tps", "decode_tps", "decode_ms", "tokens",
+                   "total_ms", "peak_mem_bytes", "out_tokens"}. Each run goes through mlx-lm's own
+      generate_step (greedy, EOS never checked, so exactly G tokens), on a fresh cache.
+      Progress lines "BENCH-PROGRESS {json}" go to stderr.
 """
 import json
 import sys
@@ -57,9 +65,93 @@ def bench(model, p, g, reps):
     return best
 
 
+def _progress(**kv):
+    sys.stderr.write("BENCH-PROGRESS " + json.dumps(kv) + "\n")
+    sys.stderr.flush()
+
+
+def _timed_run(model, ids, gen, prefill_step_size, label):
+    """One generation through mlx-lm's generate_step, timed the way its users
+    see it: t0 just before the call, the first token when generate_step yields
+    it (prefill done and the first token read back), the last token when the
+    last one is read back. The prompt is an mx.array before t0, as it is for
+    generate()/stream_generate() callers."""
+    prompt = mx.array(ids, dtype=mx.uint32)
+    mx.eval(prompt)
+    kwargs = {"max_tokens": gen}
+    if prefill_step_size:
+        kwargs["prefill_step_size"] = prefill_step_size
+    mx.reset_peak_memory()
+    _progress(label=label, phase="prefill", prompt_len=len(ids))
+    t0 = time.perf_counter()
+    first = last = None
+    n = 0
+    toks = []
+    for tok, _ in generate_step(prompt, model, **kwargs):
+        last = time.perf_counter()
+        n += 1
+        toks.append(int(tok))
+        if first is None:
+            first = last
+            _progress(label=label, phase="decode", done=1, of=gen, ttft_ms=(first - t0) * 1000)
+        elif n % 16 == 0:
+            _progress(label=label, phase="decode", done=n, of=gen)
+    # generate_step queues one step past the last token it yields; let it finish
+    # (untimed) so it cannot spill into the next run's timing.
+    mx.synchronize()
+    ttft = first - t0
+    dec = last - first
+    return {
+        "ttft_ms": ttft * 1000,
+        "prefill_tps": len(ids) / ttft,
+        "decode_tps": (n - 1) / dec if n > 1 and dec > 0 else 0.0,
+        "decode_ms": dec * 1000,
+        "tokens": n,
+        "total_ms": (last - t0) * 1000,
+        "peak_mem_bytes": mx.get_peak_memory(),
+        "out_tokens": toks,
+    }
+
+
+def bench_suite(model, req, load_ms):
+    from mlx.utils import tree_flatten
+
+    import mlx_lm
+
+    gen = req["gen"]
+    reps = max(1, req.get("reps", 1))
+    step = req.get("prefill_step_size")
+    params = model.parameters()
+    leaves = [v for _, v in tree_flatten(params)]
+    dtypes = sorted({str(v.dtype) for v in leaves if mx.issubdtype(v.dtype, mx.floating)})
+    out = {
+        "mlx_version": mx.__version__,
+        "mlx_lm_version": getattr(mlx_lm, "__version__", "?"),
+        "default_device": str(mx.default_device()),
+        "dtype": ",".join(d.replace("mlx.core.", "") for d in dtypes),
+        "params": int(sum(v.size for v in leaves)),
+        "load_ms": load_ms,
+    }
+    _progress(phase="loaded", **out)
+    w = req.get("warmup")
+    if w:
+        out["warmup"] = _timed_run(model, w["prompt"], w["gen"], step, "warmup")
+    results = []
+    for ids in req["prompts"]:
+        runs = []
+        for r in range(reps):
+            runs.append(_timed_run(model, ids, gen, step, f"P={len(ids)} rep {r + 1}/{reps}"))
+            _progress(label=f"P={len(ids)} rep {r + 1}/{reps}", phase="done", run=runs[-1])
+        results.append({"prompt_len": len(ids), "runs": runs})
+    out["results"] = results
+    return out
+
+
 def main():
     req = json.load(sys.stdin)
+    t_load = time.perf_counter()
     model, tok = load(req["model"])
+    load_ms = (time.perf_counter() - t_load) * 1000
     op = req["op"]
     if op == "greedy":
         res = greedy(model, req["cases"])
@@ -74,6 +166,8 @@ def main():
         res = {"ids": tok.encode(text, add_special_tokens=add)}
     elif op == "bench":
         res = bench(model, req["prompt_len"], req["gen"], req.get("reps", 1))
+    elif op == "bench_suite":
+        res = bench_suite(model, req, load_ms)
     else:
         raise SystemExit(f"unknown op {op}")
     json.dump(res, sys.stdout)

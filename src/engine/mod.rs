@@ -5,7 +5,8 @@
 pub mod worker;
 
 use crate::error::{Error, Result};
-use crate::generate::{self, GenerateParams, Generation, Observer};
+use crate::compiled::CompiledDecoder;
+use crate::generate::{self, GenerateParams, Generation, Observer, Stepper};
 use crate::mlx::{runtime, Dtype};
 use crate::model::config::token_ids;
 use crate::model::{load_model, Lfm2Model, LoadOptions};
@@ -13,6 +14,7 @@ use crate::text::{ChatMessage, Tokenizer};
 use serde_json::Value;
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
+use parking_lot::Mutex;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -23,6 +25,29 @@ pub struct EngineOptions {
     pub prefill_chunk: Option<usize>,
     /// "cpu" or "gpu"; default: MLX's default device.
     pub device: Option<runtime::DeviceType>,
+    /// Force a decode path; default: compiled when eligible.
+    pub decode_path: Option<DecodePath>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodePath {
+    Compiled,
+    Eager,
+}
+
+/// Reads a boolean MLX_LFM_* variable; anything but the listed values is an
+/// error (a typo must not silently change behaviour).
+pub fn env_flag(name: &str) -> Result<Option<bool>> {
+    match std::env::var(name) {
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(_) => Err(Error::config(format!("{name} is not valid UTF-8; use 0 or 1"))),
+        Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
+            "" => Ok(None),
+            "1" | "true" | "yes" | "on" => Ok(Some(true)),
+            "0" | "false" | "no" | "off" => Ok(Some(false)),
+            _ => Err(Error::config(format!("{name}={v} is not valid; use 1/true/yes/on or 0/false/no/off"))),
+        },
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -63,10 +88,13 @@ pub enum Prompt {
 
 pub struct Engine {
     pub model: Lfm2Model,
+    pub compiled: Option<CompiledDecoder>,
     pub tokenizer: Arc<Tokenizer>,
     pub eos: HashSet<u32>,
     pub prefill_chunk: usize,
-    info: ModelInfo,
+    /// Shared with the JS object so runtime changes (a compiled-path
+    /// fallback) show in info().
+    info: Arc<Mutex<ModelInfo>>,
 }
 
 fn generation_config_eos(dir: &Path) -> Result<Vec<u32>> {
@@ -88,6 +116,7 @@ impl Engine {
         if let Some(d) = opts.device {
             runtime::set_default_device(d)?;
         }
+        let disabled = env_flag("MLX_LFM_DISABLE_COMPILED")?;
         let tokenizer = Arc::new(Tokenizer::load(dir)?);
         let loaded = load_model(dir, &LoadOptions { dtype: opts.dtype })?;
         let model = loaded.model;
@@ -98,6 +127,22 @@ impl Engine {
         if let Some(&bad) = eos.iter().find(|&&t| t as usize >= c.vocab_size) {
             return Err(Error::config(format!("end-of-sequence id {bad} is outside vocab_size {}", c.vocab_size)));
         }
+        let (compiled, decode_path_reason) = match (opts.decode_path, disabled) {
+            (Some(DecodePath::Eager), _) => (None, "eager requested by the decodePath load option".to_string()),
+            (None, Some(true)) => (None, "MLX_LFM_DISABLE_COMPILED=1".to_string()),
+            (forced, _) => match CompiledDecoder::new(&model) {
+                Ok(d) => (
+                    Some(d),
+                    if forced.is_some() {
+                        "compiled requested by the decodePath load option".to_string()
+                    } else {
+                        "default: the compiled step covers every layer of this model".to_string()
+                    },
+                ),
+                Err(e) if forced.is_some() => return Err(e.context("the compiled decode path was requested but could not be built")),
+                Err(e) => (None, format!("the compiled step could not be built ({}); using eager", e.message)),
+            },
+        };
         let mut eos_sorted: Vec<u32> = eos.iter().copied().collect();
         eos_sorted.sort();
         let info = ModelInfo {
@@ -117,8 +162,8 @@ impl Engine {
                 })
                 .collect(),
             cache_kind: "flat".into(),
-            decode_path: "eager".into(),
-            decode_path_reason: "the compiled decode path is not built yet".into(),
+            decode_path: if compiled.is_some() { "compiled" } else { "eager" }.into(),
+            decode_path_reason,
             parameter_count: model.parameter_count(),
             weight_bytes: loaded.weight_bytes,
             vocab_size: c.vocab_size,
@@ -134,11 +179,22 @@ impl Engine {
                 runtime::DeviceType::Gpu => "gpu".into(),
             },
         };
-        Ok(Engine { model, tokenizer, eos, prefill_chunk: opts.prefill_chunk.unwrap_or(2048).max(1), info })
+        Ok(Engine {
+            model,
+            compiled,
+            tokenizer,
+            eos,
+            prefill_chunk: opts.prefill_chunk.unwrap_or(2048).max(1),
+            info: Arc::new(Mutex::new(info)),
+        })
     }
 
-    pub fn info(&self) -> &ModelInfo {
-        &self.info
+    pub fn info(&self) -> ModelInfo {
+        self.info.lock().clone()
+    }
+
+    pub fn shared_info(&self) -> Arc<Mutex<ModelInfo>> {
+        self.info.clone()
     }
 
     fn params(&self, mut p: GenerateParams) -> GenerateParams {
@@ -165,7 +221,21 @@ impl Engine {
         let started = Instant::now();
         let prompt = self.chat_prompt(messages, tools)?;
         let params = self.params(params);
-        generate::generate(&self.model, &self.tokenizer, &self.eos, &prompt, &params, observer, started)
+        self.run(&prompt, &params, observer, started)
+    }
+
+    fn run(&mut self, prompt: &[u32], params: &GenerateParams, observer: &mut dyn Observer, started: Instant) -> Result<Generation> {
+        let mut stepper = Stepper::new(&self.model, self.compiled.as_ref());
+        let r = generate::generate(&mut stepper, &self.tokenizer, &self.eos, prompt, params, observer, started);
+        if let Some(e) = stepper.failure.take() {
+            // Reported once: the model stays on the eager path from now on.
+            eprintln!("mlx-lfm: the compiled decode step failed ({}); continuing on the eager path", e.message);
+            self.compiled = None;
+            let mut info = self.info.lock();
+            info.decode_path = "eager".into();
+            info.decode_path_reason = format!("the compiled step failed at run time: {}", e.message);
+        }
+        r
     }
 
     pub fn generate(&mut self, prompt: Prompt, params: GenerateParams, observer: &mut dyn Observer) -> Result<Generation> {
@@ -175,7 +245,7 @@ impl Engine {
             Prompt::Tokens(ids) => ids,
         };
         let params = self.params(params);
-        generate::generate(&self.model, &self.tokenizer, &self.eos, &ids, &params, observer, started)
+        self.run(&ids, &params, observer, started)
     }
 
     /// The last position's logits for `ids`, in float32.

@@ -35,7 +35,7 @@ impl ModelWorker {
     pub fn spawn(
         dir: PathBuf,
         opts: EngineOptions,
-        on_loaded: impl FnOnce(Result<(ModelWorker, ModelInfo, Arc<Tokenizer>)>) + Send + 'static,
+        on_loaded: impl FnOnce(Result<(ModelWorker, Arc<Mutex<ModelInfo>>, Arc<Tokenizer>)>) + Send + 'static,
     ) {
         let (tx, rx) = channel::<Job>();
         let (ready_tx, ready_rx) = channel::<JoinHandle<()>>();
@@ -53,7 +53,7 @@ impl ModelWorker {
                     return;
                 }
             };
-            let info = engine.info().clone();
+            let info = engine.shared_info();
             let tokenizer = engine.tokenizer.clone();
             on_loaded(Ok((ModelWorker { tx: Mutex::new(Some(tx)), thread }, info, tokenizer)));
             while let Ok(job) = rx.recv() {

@@ -5,6 +5,7 @@
 pub mod sampler;
 pub mod stop;
 
+use crate::compiled::CompiledDecoder;
 use crate::error::{Error, Result};
 use crate::mlx::{async_eval, eval, Array};
 use crate::model::{Lfm2Model, ModelCache};
@@ -124,9 +125,38 @@ pub fn prefill(model: &Lfm2Model, cache: &mut ModelCache, prompt: &[u32], chunk:
     }
 }
 
+/// Runs decode steps on the compiled path while it works; the first failure
+/// is kept (for the caller to report once) and the rest of the request, and
+/// every later step, runs eager.
+pub struct Stepper<'a> {
+    pub model: &'a Lfm2Model,
+    compiled: Option<&'a CompiledDecoder>,
+    pub failure: Option<Error>,
+}
+
+impl<'a> Stepper<'a> {
+    pub fn new(model: &'a Lfm2Model, compiled: Option<&'a CompiledDecoder>) -> Self {
+        Stepper { model, compiled, failure: None }
+    }
+
+    /// Logits `[1, V]` for one token `ids` (`[1, 1]`), advancing `cache`.
+    pub fn step(&mut self, ids: &Array, cache: &mut ModelCache) -> Result<Array> {
+        if let Some(c) = self.compiled {
+            match c.step(self.model, ids, cache, true) {
+                Ok(l) => return Ok(l),
+                Err(e) => {
+                    self.failure = Some(e);
+                    self.compiled = None;
+                }
+            }
+        }
+        self.model.forward(ids, cache, true)?.reshape(&[1, -1])
+    }
+}
+
 /// Generates a completion for `prompt` on a fresh cache.
 pub fn generate(
-    model: &Lfm2Model,
+    stepper: &mut Stepper,
     tokenizer: &Tokenizer,
     eos: &HashSet<u32>,
     prompt: &[u32],
@@ -134,13 +164,13 @@ pub fn generate(
     observer: &mut dyn Observer,
     started: Instant,
 ) -> Result<Generation> {
-    let mut cache = model.new_cache();
-    generate_with_cache(model, &mut cache, tokenizer, eos, prompt, params, observer, started)
+    let mut cache = stepper.model.new_cache();
+    generate_with_cache(stepper, &mut cache, tokenizer, eos, prompt, params, observer, started)
 }
 
 #[allow(clippy::too_many_arguments)]
 pub fn generate_with_cache(
-    model: &Lfm2Model,
+    stepper: &mut Stepper,
     cache: &mut ModelCache,
     tokenizer: &Tokenizer,
     eos: &HashSet<u32>,
@@ -162,6 +192,7 @@ pub fn generate_with_cache(
     let mut finish = FinishReason::Length;
     let mut hit_stop_string = false;
 
+    let model = stepper.model;
     let prefill_start = Instant::now();
     let logits = prefill(model, cache, prompt, params.prefill_chunk)?;
     let mut y = sampler.sample(&logits)?;
@@ -174,7 +205,7 @@ pub fn generate_with_cache(
         // Queue the next step before reading this token back.
         let next = if produced < params.max_tokens {
             let ids = y.reshape(&[1, 1])?;
-            let l = model.forward(&ids, cache, true)?.reshape(&[1, -1])?;
+            let l = stepper.step(&ids, cache)?;
             let n = sampler.sample(&l)?;
             async_eval(&[&n])?;
             Some(n)

@@ -18,6 +18,9 @@ pub struct LoadOptions {
     pub prefill_chunk_size: Option<u32>,
     /// "cpu" or "gpu" (default: MLX's default device).
     pub device: Option<String>,
+    /// "compiled" or "eager" (default: compiled when the model is eligible;
+    /// MLX_LFM_DISABLE_COMPILED=1 turns it off).
+    pub decode_path: Option<String>,
 }
 
 #[napi(object)]
@@ -139,6 +142,13 @@ pub fn engine_options(o: Option<LoadOptions>) -> Result<EngineOptions> {
                 return Err(js_error(Error::invalid("prefillChunkSize must be at least 1")));
             }
             e.prefill_chunk = Some(c as usize);
+        }
+        if let Some(p) = o.decode_path {
+            e.decode_path = Some(match p.as_str() {
+                "compiled" => engine::DecodePath::Compiled,
+                "eager" => engine::DecodePath::Eager,
+                _ => return Err(js_error(Error::invalid(format!("decodePath `{p}` is not valid; use compiled or eager")))),
+            });
         }
         if let Some(d) = o.device {
             e.device = Some(match d.as_str() {

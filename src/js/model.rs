@@ -33,7 +33,7 @@ pub(crate) fn off_thread<'e, T: ToNapiValue + Send + 'static>(
 #[napi]
 pub struct Lfm2Model {
     worker: Arc<ModelWorker>,
-    info: engine::ModelInfo,
+    info: Arc<parking_lot::Mutex<engine::ModelInfo>>,
     tokenizer: Arc<crate::text::Tokenizer>,
 }
 
@@ -123,7 +123,7 @@ impl Lfm2Model {
     /// What was loaded and how it runs.
     #[napi]
     pub fn info(&self) -> ModelInfo {
-        to_model_info(&self.info)
+        to_model_info(&self.info.lock())
     }
 
     /// Frees the model once queued requests finish; later calls reject.

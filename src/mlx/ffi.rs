@@ -129,3 +129,38 @@ extern "C" {
     pub fn mlxb_device_name(buf: *mut c_char, len: usize) -> c_int;
     pub fn mlxb_device_total_memory() -> usize;
 }
+
+#[repr(C)]
+pub struct mlxb_decoder_s {
+    _p: [u8; 0],
+}
+pub type DecoderPtr = *mut mlxb_decoder_s;
+
+/// Mirrors `mlxb_decoder_config` in cpp/mlxb.h.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct DecoderConfig {
+    pub num_layers: c_int,
+    pub hidden_size: c_int,
+    pub num_heads: c_int,
+    pub num_kv_heads: c_int,
+    pub head_dim: c_int,
+    pub conv_kernel: c_int,
+    pub norm_eps: f32,
+    pub rope_theta: f32,
+    pub attn_scale: f32,
+    pub num_experts: c_int,
+    pub experts_per_token: c_int,
+    pub norm_topk_prob: c_int,
+    pub routed_scaling_factor: f32,
+    pub cpu_non_f32_experts: c_int,
+}
+
+extern "C" {
+    pub fn mlxb_decoder_new(cfg: *const DecoderConfig, attn: *const u8, moe: *const u8, out: *mut DecoderPtr) -> c_int;
+    pub fn mlxb_decoder_add_weight(d: DecoderPtr, name: *const c_char, a: Handle) -> c_int;
+    pub fn mlxb_decoder_set_quant(d: DecoderPtr, path: *const c_char, mode: *const c_char, bits: c_int, gs: c_int) -> c_int;
+    pub fn mlxb_decoder_finalize(d: DecoderPtr) -> c_int;
+    pub fn mlxb_decoder_step(d: DecoderPtr, compiled: c_int, ins: *const Handle, n_in: usize, outs: *mut Handle, cap: usize, n_out: *mut usize) -> c_int;
+    pub fn mlxb_decoder_free(d: DecoderPtr);
+}

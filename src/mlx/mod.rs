@@ -15,3 +15,6 @@ pub use ops::*;
 
 #[cfg(test)]
 mod tests;
+
+mod decoder;
+pub use decoder::{DecoderConfig, DecoderHandle};

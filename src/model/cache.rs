@@ -3,7 +3,7 @@
 //! token), and the short-conv state per conv layer.
 
 use crate::error::Result;
-use crate::mlx::{concatenate, zeros, Array};
+use crate::mlx::{arange, concatenate, zeros, Array, Dtype};
 
 /// Tokens added to a KV cache's capacity each time it fills up.
 pub const KV_STEP: usize = 256;
@@ -20,43 +20,81 @@ impl KvCache {
         self.keys.as_ref().map(|k| k.dim(2) as usize).unwrap_or(0)
     }
 
-    /// Appends `k`, `v` (`[B, kv_heads, T, head_dim]`) and returns views of
-    /// everything cached so far.
-    pub fn update_and_fetch(&mut self, k: &Array, v: &Array) -> Result<(Array, Array)> {
-        let t = k.dim(2) as usize;
+    /// Makes room for `t` more tokens, growing by whole `KV_STEP`s.
+    fn reserve(&mut self, t: usize, like_k: &Array, like_v: &Array) -> Result<()> {
         let prev = self.offset;
-        if self.keys.is_none() || prev + t > self.capacity() {
-            let (b, h, dk, dv) = (k.dim(0), k.dim(1), k.dim(3), v.dim(3));
-            let n_steps = t.div_ceil(KV_STEP) as i32;
-            let new_k = zeros(&[b, h, n_steps * KV_STEP as i32, dk], k.dtype())?;
-            let new_v = zeros(&[b, h, n_steps * KV_STEP as i32, dv], v.dtype())?;
-            match (self.keys.take(), self.values.take()) {
-                (Some(ok), Some(ov)) => {
-                    let (ok, ov) = if prev % KV_STEP != 0 {
-                        (ok.slice_axis(2, 0, prev as i32)?, ov.slice_axis(2, 0, prev as i32)?)
-                    } else {
-                        (ok, ov)
-                    };
-                    self.keys = Some(concatenate(&[&ok, &new_k], 2)?);
-                    self.values = Some(concatenate(&[&ov, &new_v], 2)?);
-                }
-                _ => {
-                    self.keys = Some(new_k);
-                    self.values = Some(new_v);
-                }
+        if self.keys.is_some() && prev + t <= self.capacity() {
+            return Ok(());
+        }
+        let (b, h, dk, dv) = (like_k.dim(0), like_k.dim(1), like_k.dim(3), like_v.dim(3));
+        let n_steps = t.div_ceil(KV_STEP) as i32;
+        let new_k = zeros(&[b, h, n_steps * KV_STEP as i32, dk], like_k.dtype())?;
+        let new_v = zeros(&[b, h, n_steps * KV_STEP as i32, dv], like_v.dtype())?;
+        match (self.keys.take(), self.values.take()) {
+            (Some(ok), Some(ov)) => {
+                let (ok, ov) = if prev % KV_STEP != 0 {
+                    (ok.slice_axis(2, 0, prev as i32)?, ov.slice_axis(2, 0, prev as i32)?)
+                } else {
+                    (ok, ov)
+                };
+                self.keys = Some(concatenate(&[&ok, &new_k], 2)?);
+                self.values = Some(concatenate(&[&ov, &new_v], 2)?);
+            }
+            _ => {
+                self.keys = Some(new_k);
+                self.values = Some(new_v);
             }
         }
-        self.offset = prev + t;
-        let keys = self.keys.as_ref().unwrap();
-        let values = self.values.as_ref().unwrap();
-        let (b, h) = (k.dim(0), k.dim(1));
+        Ok(())
+    }
+
+    /// Writes `k`, `v` (`[B, kv_heads, T, head_dim]`) at the current offset.
+    fn write(&mut self, k: &Array, v: &Array) -> Result<()> {
+        let t = k.dim(2) as usize;
+        self.reserve(t, k, v)?;
+        let prev = self.offset as i32;
+        self.offset += t;
         let end = self.offset as i32;
-        let nk = keys.slice_update(k, &[0, 0, prev as i32, 0], &[b, h, end, k.dim(3)])?;
-        let nv = values.slice_update(v, &[0, 0, prev as i32, 0], &[b, h, end, v.dim(3)])?;
-        let out = (nk.slice_axis(2, 0, end)?, nv.slice_axis(2, 0, end)?);
+        let (b, h) = (k.dim(0), k.dim(1));
+        let nk = self.keys.as_ref().unwrap().slice_update(k, &[0, 0, prev, 0], &[b, h, end, k.dim(3)])?;
+        let nv = self.values.as_ref().unwrap().slice_update(v, &[0, 0, prev, 0], &[b, h, end, v.dim(3)])?;
         self.keys = Some(nk);
         self.values = Some(nv);
-        Ok(out)
+        Ok(())
+    }
+
+    /// Appends `k`, `v` and returns views of everything cached so far
+    /// (multi-token steps: prefill).
+    pub fn update_and_fetch(&mut self, k: &Array, v: &Array) -> Result<(Array, Array)> {
+        self.write(k, v)?;
+        let end = self.offset as i32;
+        Ok((self.keys.as_ref().unwrap().slice_axis(2, 0, end)?, self.values.as_ref().unwrap().slice_axis(2, 0, end)?))
+    }
+
+    /// Appends one token's `k`, `v` and returns the whole buffers with a
+    /// boolean mask of the filled positions (`[1, 1, 1, capacity]`). Decode
+    /// attends over fixed-size buffers so the compiled step (cpp/decode.cpp)
+    /// keeps static shapes; the eager step does the same so both agree
+    /// byte for byte.
+    pub fn update_decode(&mut self, k: &Array, v: &Array) -> Result<(Array, Array, Array)> {
+        self.write(k, v)?;
+        let cap = self.capacity() as i32;
+        let mask = decode_mask(cap, self.offset as i32 - 1)?;
+        Ok((self.keys.clone().unwrap(), self.values.clone().unwrap(), mask))
+    }
+
+    /// For the compiled step: make room for one more token and hand out the
+    /// buffers (allocating them shaped like `k`/`v` when empty).
+    pub fn buffers_for_step(&mut self, like_k: &Array, like_v: &Array) -> Result<(Array, Array)> {
+        self.reserve(1, like_k, like_v)?;
+        Ok((self.keys.clone().unwrap(), self.values.clone().unwrap()))
+    }
+
+    /// Takes back the buffers the compiled step wrote one token into.
+    pub fn commit_step(&mut self, keys: Array, values: Array) {
+        self.keys = Some(keys);
+        self.values = Some(values);
+        self.offset += 1;
     }
 
     /// Bytes held (the allocated capacity, not just the used part).
@@ -67,6 +105,11 @@ impl KvCache {
     pub fn arrays(&self) -> Vec<&Array> {
         self.keys.iter().chain(self.values.iter()).collect()
     }
+}
+
+/// `[1, 1, 1, cap]`: true at positions `0..=pos`.
+pub fn decode_mask(cap: i32, pos: i32) -> Result<Array> {
+    arange(0.0, cap as f64, 1.0, Dtype::Int32)?.lt(&Array::scalar(pos as f64 + 1.0, Dtype::Int32)?)?.reshape(&[1, 1, 1, cap])
 }
 
 #[derive(Clone)]

@@ -57,9 +57,13 @@ impl Attention {
         let off = cache.offset as i32;
         let q = mlx::rope(&q, hd, false, self.rope_theta, 1.0, off)?;
         let k = mlx::rope(&k, hd, false, self.rope_theta, 1.0, off)?;
-        let (k, v) = cache.update_and_fetch(&k, &v)?;
-        let mask = if t > 1 { Mask::Causal } else { Mask::None };
-        let o = mlx::sdpa(&q, &k, &v, self.scale, mask)?;
+        let o = if t > 1 {
+            let (k, v) = cache.update_and_fetch(&k, &v)?;
+            mlx::sdpa(&q, &k, &v, self.scale, Mask::Causal)?
+        } else {
+            let (k, v, mask) = cache.update_decode(&k, &v)?;
+            mlx::sdpa(&q, &k, &v, self.scale, Mask::Array(&mask))?
+        };
         let o = o.transpose(&[0, 2, 1, 3])?.reshape(&[b, t, self.n_heads * hd])?;
         self.out_proj.forward(&o)
     }

@@ -209,6 +209,11 @@ impl SparseMoe {
         concatenate(&refs, 0)?.take(&inv, 0)?.reshape(&[b, t, k, d])
     }
 
+    /// Whether the decode path must avoid gather_mm (see the module note).
+    pub fn cpu_non_f32(&self) -> bool {
+        self.cpu_non_f32
+    }
+
     pub fn arrays(&self) -> Vec<&Array> {
         let mut v = self.gate.arrays();
         v.extend(self.expert_bias.as_ref());

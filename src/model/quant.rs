@@ -35,15 +35,21 @@ fn spec_from(obj: &Map<String, Value>, what: &str, default_mode: QuantMode) -> R
         }
     };
     // MLX's defaults per mode, used when the config leaves a field out.
-    let (db, dg) = match mode {
+    let d = default_spec(mode);
+    let spec = QuantSpec { mode, bits: int("bits", Some(d.bits))?, group_size: int("group_size", Some(d.group_size))? };
+    validate_spec(&spec).map_err(|m| Error::config(format!("{what}: {m}")))?;
+    Ok(spec)
+}
+
+/// MLX's default bits and group size for `mode` (mlx.nn's `_defaults_for_mode`).
+pub fn default_spec(mode: QuantMode) -> QuantSpec {
+    let (bits, group_size) = match mode {
         QuantMode::Affine => (4, 64),
         QuantMode::Mxfp4 => (4, 32),
         QuantMode::Mxfp8 => (8, 32),
         QuantMode::Nvfp4 => (4, 16),
     };
-    let spec = QuantSpec { mode, bits: int("bits", Some(db))?, group_size: int("group_size", Some(dg))? };
-    validate_spec(&spec).map_err(|m| Error::config(format!("{what}: {m}")))?;
-    Ok(spec)
+    QuantSpec { mode, bits, group_size }
 }
 
 /// The combinations MLX's kernels accept.
