@@ -1,1 +1,101 @@
-fn main() {}
+//! mlx-lfm-bench: the engine without Node, for machines that have none (the
+//! H200 box) and for profiling. Prints one JSON object per measurement.
+//!
+//!   mlx-lfm-bench [--model DIR | --preset P --dtype D --out DIR] [--device cpu|gpu]
+//!                 [--prompts 512,4096] [--gen 256] [--paths compiled,eager] [--reps 3]
+
+use mlx_lfm::engine::{DecodePath, Engine, EngineOptions, Prompt};
+use mlx_lfm::generate::{GenerateParams, NoObserver};
+use mlx_lfm::mlx::runtime;
+use std::path::PathBuf;
+use std::time::Instant;
+
+fn arg(args: &[String], name: &str) -> Option<String> {
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("mlx-lfm-bench: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> mlx_lfm::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let device = match arg(&args, "--device").as_deref() {
+        Some("gpu") => Some(runtime::DeviceType::Gpu),
+        Some("cpu") => Some(runtime::DeviceType::Cpu),
+        None => None,
+        Some(d) => return Err(mlx_lfm::Error::invalid(format!("--device {d}: use cpu or gpu"))),
+    };
+    if let Some(d) = device {
+        runtime::set_default_device(d)?;
+    }
+    let dir = match arg(&args, "--model") {
+        Some(m) => PathBuf::from(m),
+        None => {
+            let preset = arg(&args, "--preset").unwrap_or_else(|| "lfm2-350m".into());
+            let dtype = arg(&args, "--dtype").unwrap_or_else(|| "bf16".into());
+            let out = PathBuf::from(arg(&args, "--out").unwrap_or_else(|| format!("/tmp/mlx-lfm-bench-{preset}-{dtype}")));
+            if !out.join("config.json").exists() {
+                let t = Instant::now();
+                mlx_lfm::fixture::generate_named(&preset, &out, &dtype, "hf", 0)?;
+                eprintln!("generated {preset} {dtype} at {} in {:.1}s", out.display(), t.elapsed().as_secs_f64());
+            }
+            out
+        }
+    };
+    let prompts: Vec<usize> = arg(&args, "--prompts")
+        .unwrap_or_else(|| "512".into())
+        .split(',')
+        .map(|s| s.parse().expect("--prompts takes comma-separated integers"))
+        .collect();
+    let gen: usize = arg(&args, "--gen").map(|s| s.parse().expect("--gen")).unwrap_or(128);
+    let reps: usize = arg(&args, "--reps").map(|s| s.parse().expect("--reps")).unwrap_or(2);
+    let paths = arg(&args, "--paths").unwrap_or_else(|| "compiled,eager".into());
+    println!(
+        "{}",
+        serde_json::json!({"mlx": runtime::version(), "backend": runtime::backend().name(), "device": runtime::device_name(), "model": dir})
+    );
+    for path in paths.split(',') {
+        let decode_path = match path {
+            "compiled" => DecodePath::Compiled,
+            "eager" => DecodePath::Eager,
+            p => return Err(mlx_lfm::Error::invalid(format!("--paths: unknown path {p}"))),
+        };
+        let t = Instant::now();
+        let mut eng = Engine::load(&dir, &EngineOptions { device, decode_path: Some(decode_path), ..Default::default() })?;
+        let load_s = t.elapsed().as_secs_f64();
+        let info = eng.info();
+        let vocab = info.vocab_size as u32;
+        let prompt_of = |n: usize, salt: u32| -> Vec<u32> {
+            (0..n as u32).map(|i| (i.wrapping_mul(2654435761).wrapping_add(salt) % (vocab.min(60000) - 10)) + 5).collect()
+        };
+        // Warm-up (compiles kernels and the decode graph).
+        let warm = GenerateParams { max_tokens: 8, ignore_eos: true, ..Default::default() };
+        eng.generate(Prompt::Tokens(prompt_of(64, 1)), warm, &mut NoObserver)?;
+        for &p in &prompts {
+            let mut best_prefill = 0f64;
+            let mut best_ttft = f64::MAX;
+            let mut best_decode = 0f64;
+            for r in 0..reps {
+                let params = GenerateParams { max_tokens: gen, ignore_eos: true, ..Default::default() };
+                let g = eng.generate(Prompt::Tokens(prompt_of(p, 7 + r as u32)), params, &mut NoObserver)?;
+                best_prefill = best_prefill.max(g.metrics.prefill_tokens_per_second);
+                best_ttft = best_ttft.min(g.metrics.ttft_ms);
+                best_decode = best_decode.max(g.metrics.decode_tokens_per_second);
+            }
+            println!(
+                "{}",
+                serde_json::json!({
+                    "path": path, "dtype": info.dtype, "quantization": info.quantization.iter().map(|q| format!("{}:{}:{}", q.mode, q.bits, q.group_size)).collect::<Vec<_>>(),
+                    "params": info.parameter_count, "prompt": p, "gen": gen, "load_s": load_s,
+                    "prefill_tps": best_prefill, "ttft_ms": best_ttft, "decode_tps": best_decode,
+                    "decode_ms_per_token": 1000.0 / best_decode,
+                })
+            );
+        }
+    }
+    Ok(())
+}
