@@ -16,7 +16,20 @@ const USAGE = `usage:
       and used (it answers gibberish; it shows the pipeline works).
   mlx-lfm info --model DIR
   mlx-lfm fixture --out DIR [--preset tiny|tiny-moe|lfm2-350m|lfm2-1.2b|lfm2-8b-a1b]
-               [--dtype f32|bf16|f16] [--layout hf|mlx] [--seed N]`;
+               [--dtype f32|bf16|f16] [--layout hf|mlx] [--seed N]
+  mlx-lfm convert --model DIR --out DIR [-q] [--q-mode affine|mxfp4|mxfp8|nvfp4]
+               [--q-bits N] [--q-group-size N] [--dtype float32|bfloat16|float16]
+               [--q-override PATH=BITS[:GROUP[:MODE]] | --q-override PATH=skip ...]
+      Writes an MLX-layout checkpoint (as mlx_lm.convert does) into a new or
+      empty --out. Quantizes when -q or any --q-* option is given (mode
+      affine by default; bits and group size default per mode). PATH matches
+      module paths (\`*\` is a wildcard; \`feed_forward.gate\` names every
+      router); the last matching --q-override wins.
+  mlx-lfm serve [--model DIR] [--port N] [--host 127.0.0.1] [--name ID]
+      OpenAI-compatible HTTP server: POST /v1/chat/completions, POST
+      /v1/completions (both with "stream": true too), GET /v1/models. --name is
+      the model id clients send (default: the model directory's name). Port
+      8080 unless given; 0 picks a free one.`;
 
 function fail(msg) {
   console.error(`mlx-lfm: ${msg}`);
@@ -91,6 +104,42 @@ async function chat(addon, v) {
   model.close();
 }
 
+async function convert(addon, v) {
+  if (!v.model || !v.out) fail('convert needs --model DIR and --out DIR');
+  const opts = { dtype: v.dtype, overrides: v['q-override'] };
+  if (v.quantize || v['q-mode'] || v['q-bits'] || v['q-group-size']) {
+    opts.mode = v['q-mode'] ?? 'affine';
+    opts.bits = num(v['q-bits'], 'q-bits', true);
+    opts.groupSize = num(v['q-group-size'], 'q-group-size', true);
+  } else if (v['q-override']) {
+    fail('--q-override needs quantization: give -q or --q-mode/--q-bits/--q-group-size');
+  }
+  for (const k of Object.keys(opts)) if (opts[k] === undefined) delete opts[k];
+  const r = await addon.convert(v.model, v.out, opts);
+  const formats = r.quantization.map((q) => `${q.mode} ${q.bits}-bit group ${q.groupSize} x${q.projections}`);
+  console.log(`wrote ${r.outDir}: ${r.modelType} (${r.sourceLayout} layout in), ${r.tensors} tensors, ` +
+    `${(r.weightBytes / 1e6).toFixed(1)} MB, ${r.bitsPerWeight.toFixed(3)} bits per weight`);
+  console.log(`  float dtype: ${r.dtype}; quantized: ${formats.length ? formats.join(', ') : 'nothing'}`);
+  for (const u of r.unquantized) if (r.globalQuantization) console.log(`  not quantized: ${u.path} (${u.reason})`);
+}
+
+async function serve(addon, v) {
+  const { listen } = require('./lib/server.cjs');
+  const dir = v.model ?? (await demoModel(addon));
+  const model = await addon.Lfm2Model.load(dir);
+  const modelId = v.name ?? path.basename(path.resolve(dir));
+  const port = num(v.port, 'port', true) ?? 8080;
+  const { server, url } = await listen({ model, modelId, log: (m) => console.error(`mlx-lfm: ${m}`) }, { port, host: v.host ?? '127.0.0.1' });
+  console.error(`mlx-lfm: serving ${modelId} at ${url} (Ctrl-C stops)`);
+  const stop = () => {
+    server.close();
+    server.closeAllConnections?.();
+    model.close();
+  };
+  process.once('SIGINT', stop);
+  process.once('SIGTERM', stop);
+}
+
 async function main() {
   const [cmd, ...argv] = process.argv.slice(2);
   if (!cmd || cmd === '--help' || cmd === '-h') {
@@ -107,6 +156,9 @@ async function main() {
         'top-k': { type: 'string' }, 'min-p': { type: 'string' }, seed: { type: 'string' },
         'repetition-penalty': { type: 'string' }, out: { type: 'string' }, preset: { type: 'string' },
         dtype: { type: 'string' }, layout: { type: 'string' },
+        quantize: { type: 'boolean', short: 'q' }, 'q-mode': { type: 'string' }, 'q-bits': { type: 'string' },
+        'q-group-size': { type: 'string' }, 'q-override': { type: 'string', multiple: true },
+        port: { type: 'string' }, host: { type: 'string' }, name: { type: 'string' },
       },
     });
   } catch (e) {
@@ -125,6 +177,10 @@ async function main() {
     if (!v.out) fail('fixture needs --out DIR');
     await addon.generateFixture(v.out, { preset: v.preset, dtype: v.dtype, layout: v.layout, seed: num(v.seed, 'seed', true) });
     console.log(`wrote ${v.out}`);
+  } else if (cmd === 'convert') {
+    await convert(addon, v);
+  } else if (cmd === 'serve') {
+    await serve(addon, v);
   } else {
     fail(`unknown command ${cmd}\n${USAGE}`);
   }

@@ -835,7 +835,11 @@ function __napiStampBindingTarget(exportsObject, target) {
 // linked import resolves to `undefined`.
 module.exports.__napiBindingTarget = __napiStampBindingTarget(nativeBinding, __napiLoadedBindingTarget)
 module.exports = nativeBinding
+module.exports.ChatSession = nativeBinding.ChatSession
+module.exports.GenerationStream = nativeBinding.GenerationStream
 module.exports.Lfm2Model = nativeBinding.Lfm2Model
+module.exports.convert = nativeBinding.convert
 module.exports.generateFixture = nativeBinding.generateFixture
 module.exports.mlxInfo = nativeBinding.mlxInfo
 module.exports.mlxMatmul = nativeBinding.mlxMatmul
+module.exports.parseToolCalls = nativeBinding.parseToolCalls

@@ -9,21 +9,103 @@
  */
 export declare const __napiBindingTarget: 'native' | 'wasm32-wasi' | 'wasm32-wasip1'
 
+declare global {
+  interface __NapiRsAsyncGenerator<TOwner, T, TReturn, TNext> {
+    next(...[value]: [] | [TNext]): globalThis.Promise<globalThis.IteratorResult<T, TReturn | undefined>>
+    return(...[value]: [] | [TReturn]): globalThis.Promise<globalThis.IteratorResult<T, TReturn | undefined>>
+    throw(exception?: unknown): globalThis.Promise<globalThis.IteratorResult<T, TReturn | undefined>>
+    [globalThis.Symbol.asyncIterator](): this
+  }
+}
+
+/**
+ * A conversation with one model. Turns run one at a time: `send` while a
+ * turn is in flight rejects.
+ */
+export declare class ChatSession {
+  /**
+   * Sends a user message (a string, or a whole message such as
+   * `{ role: 'tool', ... }`) and generates the reply; without one, replies
+   * to the history as it is (after `addToolResult`). The message and the
+   * reply (with its tool calls) join the history once the turn is over.
+   * A failed turn leaves the history unchanged; an aborted one keeps the
+   * partial reply (or nothing, if it was aborted before any text).
+   */
+  send(input?: string | ChatMessage | undefined | null, options?: GenerateOptions | undefined | null): Promise<ChatResult>
+  /** `send()` as a stream of events (see `Lfm2Model.chatStream`). */
+  sendStream(input?: string | ChatMessage | undefined | null, options?: GenerateOptions | undefined | null): GenerationStream
+  /**
+   * Adds the result of a tool call from the history (by its id) as a
+   * `tool` message; then `send()` lets the model answer with it.
+   * Non-string content is sent as JSON.
+   */
+  addToolResult(toolCallId: string, content: string | object): void
+  /**
+   * The conversation so far: the system prompt (if any) first, then every
+   * completed turn, tool calls and tool results included.
+   */
+  get history(): Array<ChatMessage>
+  /**
+   * Forgets the conversation (the system prompt, tools and defaults stay).
+   * A turn in flight still resolves but is not recorded.
+   */
+  reset(): void
+}
+
+/**
+ * A generation in progress. Iterate it with `for await (const ev of stream)`:
+ * `{ type: 'text', text }` events, then one `{ type: 'done', result }`.
+ * Breaking out of the loop stops the generation within one step. Text that
+ * arrives while the consumer is busy is merged into the next event.
+ *
+ * This type implements JavaScript's async iterable protocol.
+ * It can be used with `for await...of` loops.
+ *
+ * @see https://developer.mozilla.org/en-US/docs/Web/JavaScript/Reference/Iteration_protocols#the_async_iterator_and_async_iterable_protocols
+ */
+export declare class GenerationStream {
+  /**
+   * Stops the generation (as breaking out of the loop does); the stream
+   * then ends and `result()` resolves with `finishReason: 'abort'`.
+   */
+  cancel(): void
+  /**
+   * The final result, once generation is over (also after `cancel()` or a
+   * `break`); rejects if the request failed.
+   */
+  result(): Promise<ChatResult>
+  [globalThis.Symbol.asyncIterator](): globalThis.__NapiRsAsyncGenerator<GenerationStream, StreamTextEvent | StreamDoneEvent, void, undefined>
+}
+
 /** A loaded LFM2 / LFM2-MoE model. Create it with `Lfm2Model.load(path)`. */
 export declare class Lfm2Model {
   /** Loads a checkpoint directory (Hugging Face or MLX layout). */
   static load(path: string, options?: LoadOptions | undefined | null): Promise<Lfm2Model>
   /**
    * Chats with the model: renders `messages` with the checkpoint's chat
-   * template and generates the assistant's reply.
+   * template and generates the assistant's reply. Tool calls in the reply
+   * come back parsed in `toolCalls` (their markup is not in `text`).
    */
   chat(messages: Array<ChatMessage>, options?: GenerateOptions | undefined | null): Promise<ChatResult>
+  /**
+   * `chat()` as a stream of events: `for await (const ev of model.chatStream(messages))`
+   * gives `{ type: 'text', text }` deltas, then `{ type: 'done', result }`.
+   */
+  chatStream(messages: Array<ChatMessage>, options?: GenerateOptions | undefined | null): GenerationStream
   /**
    * Raw completion without a chat template. A string is tokenized (adding
    * the BOS token unless it is already there); an array of token ids is
    * used exactly.
    */
   generate(prompt: string | Array<number>, options?: GenerateOptions | undefined | null): Promise<ChatResult>
+  /** `generate()` as a stream of events (see `chatStream`). */
+  generateStream(prompt: string | Array<number>, options?: GenerateOptions | undefined | null): GenerationStream
+  /**
+   * A conversation that keeps its history (tool calls and results
+   * included) between turns. Each turn currently runs the whole history
+   * through the model again (no prefix cache yet).
+   */
+  createSession(options?: SessionOptions | undefined | null): ChatSession
   /** The logits of the last position after running `tokenIds` (float32). */
   logits(tokenIds: Array<number>): Promise<Float32Array>
   /**
@@ -54,13 +136,77 @@ export interface ChatMessage {
 }
 
 export interface ChatResult {
+  /** The reply; for chat, the text outside tool-call markers. */
   text: string
-  /** "stop" (end-of-sequence or a stop string), "length" or "abort". */
+  /**
+   * "stop" (end-of-sequence or a stop string), "length", "abort", or
+   * "tool_calls" (chat: the reply holds tool calls that all parsed and
+   * generation stopped normally).
+   */
   finishReason: string
   /** Completion token ids (without the end-of-sequence token). */
   tokens: Array<number>
   usage: Usage
   metrics: Metrics
+  /** Tool calls the model made (chat only), in the OpenAI shape. */
+  toolCalls?: Array<ToolCall>
+  /**
+   * Tool-call regions that could not be parsed (chat only); while there
+   * are any, `finishReason` is not "tool_calls".
+   */
+  toolCallErrors?: Array<ToolCallError>
+}
+
+/**
+ * Converts the LFM2 / LFM2-MoE checkpoint in `src` (Hugging Face or MLX
+ * layout) into an MLX-layout checkpoint in `out` (new or empty), cast and
+ * quantized as `options` say, the way mlx-lm's converter does. Runs off
+ * the JS thread.
+ */
+export declare function convert(src: string, out: string, options?: ConvertOptions | undefined | null): Promise<ConvertReport>
+
+export interface ConvertOptions {
+  /**
+   * "affine", "mxfp4", "mxfp8" or "nvfp4". Quantization happens when
+   * mode, bits or groupSize is given (mode defaults to "affine").
+   */
+  mode?: string
+  /** Defaults per mode: affine 4, mxfp4 4, mxfp8 8, nvfp4 4. */
+  bits?: number
+  /** Defaults per mode: affine 64, mxfp4 32, mxfp8 32, nvfp4 16. */
+  groupSize?: number
+  /** Cast float tensors (never expert_bias): "float32", "float16" or "bfloat16". */
+  dtype?: string
+  /** Per-module rules, as objects or as `PATH=BITS[:GROUP[:MODE]]` / `PATH=skip` strings. */
+  overrides?: Array<string | QuantOverrideOptions>
+  /** Largest safetensors shard in bytes (default 5 GiB, as mlx-lm). */
+  maxShardBytes?: number
+}
+
+export interface ConvertReport {
+  outDir: string
+  /** "lfm2" or "lfm2_moe". */
+  modelType: string
+  /** The source's layout: "hf" or "mlx". */
+  sourceLayout: string
+  /** Dtype of the unquantized float weights written. */
+  dtype: string
+  /** The recipe's global format; absent when not quantized. */
+  globalQuantization?: QuantSpecInfo
+  /** Formats used, with how many modules use each. */
+  quantization: Array<QuantizationInfo>
+  quantizedModules: number
+  /** Quantizable modules left unquantized, and why. */
+  unquantized: Array<UnquantizedModule>
+  /** Source tensors not written (a tied model's lm_head.weight). */
+  dropped: Array<string>
+  tensors: number
+  parameters: number
+  weightBytes: number
+  bitsPerWeight: number
+  /** Files written, and those copied from the source. */
+  files: Array<string>
+  copiedFiles: Array<string>
 }
 
 export interface FixtureOptions {
@@ -106,6 +252,12 @@ export interface GenerateOptions {
   ignoreEos?: boolean
   /** Tools in the OpenAI function shape, rendered by the chat template (chat only). */
   tools?: Array<any>
+  /**
+   * Aborting stops the request within one step (a prefill chunk or a
+   * decode step); it then resolves with `finishReason: 'abort'` and the
+   * text so far. An already-aborted signal resolves at once, doing no work.
+   */
+  signal?: AbortSignal
 }
 
 export interface LoadOptions {
@@ -200,12 +352,109 @@ export interface ModelInfo {
   device: string
 }
 
+/** Text split into plain text and tool calls (see `parseToolCalls`). */
+export interface ParsedToolCalls {
+  text: string
+  toolCalls: Array<ToolCall>
+  toolCallErrors: Array<ToolCallError>
+}
+
+/**
+ * Splits LFM2 output into plain text and tool calls, exactly as `chat()`
+ * does with a reply: `<|tool_call_start|>[name(arg=value, ...)]<|tool_call_end|>`
+ * regions (Python-literal values, or the JSON form) become OpenAI-shaped
+ * calls with fresh ids; regions that do not parse are reported with their
+ * raw text and what is wrong.
+ */
+export declare function parseToolCalls(text: string): ParsedToolCalls
+
 export interface QuantizationInfo {
   mode: string
   bits: number
   groupSize: number
   /** How many projections use this format. */
   projections: number
+}
+
+export interface QuantOverrideOptions {
+  /**
+   * Module path pattern: `*` matches anything; a pattern matches a path
+   * as a whole or as a dot-separated tail (`feed_forward.gate` names
+   * every router). The last matching override wins.
+   */
+  pattern: string
+  /** Leave matching modules unquantized. */
+  skip?: boolean
+  bits?: number
+  groupSize?: number
+  /** Defaults to the global mode. */
+  mode?: string
+}
+
+export interface QuantSpecInfo {
+  mode: string
+  bits: number
+  groupSize: number
+}
+
+export interface SessionOptions {
+  /** The system prompt, sent first on every turn. */
+  system?: string
+  /**
+   * Tools (OpenAI function shape) offered on every turn; a turn's own
+   * `tools` option replaces them for that turn.
+   */
+  tools?: Array<any>
+  /**
+   * Generation options for every turn; a turn's options override them
+   * one by one. (A `signal` belongs to a turn, not here.)
+   */
+  defaults?: GenerateOptions
+  /** Earlier conversation to continue from (without the system prompt). */
+  messages?: Array<ChatMessage>
+}
+
+/** The last event of a stream: the same result the non-streaming call gives. */
+export interface StreamDoneEvent {
+  type: 'done'
+  result: ChatResult
+}
+
+/** A text delta of a stream. */
+export interface StreamTextEvent {
+  type: 'text'
+  /**
+   * New text: whole characters, never a part of a stop string, never
+   * tool-call markup (chat).
+   */
+  text: string
+}
+
+/** A tool call in the OpenAI shape. */
+export interface ToolCall {
+  /** A fresh id (`call_...`); answer it with a tool message carrying this `toolCallId`. */
+  id: string
+  type: 'function'
+  function: ToolCallFunction
+}
+
+/** A tool call that could not be parsed. */
+export interface ToolCallError {
+  /** The region as generated, markers included. */
+  raw: string
+  /** What is wrong and where (an offset into the region's content). */
+  message: string
+}
+
+export interface ToolCallFunction {
+  name: string
+  /** The arguments as a JSON object string. */
+  arguments: string
+}
+
+export interface UnquantizedModule {
+  path: string
+  reason: string
 }
 
 export interface Usage {

@@ -275,19 +275,30 @@ function best(runs) {
 
 // ---------------------------------------------------------------- mlx-lfm
 
-async function benchLfm(addon, dir, prompts, warmupIds, o, progress) {
-  progress.next(`mlx-lfm: loading ${dir}`);
-  const tl = Date.now();
-  const model = await addon.Lfm2Model.load(dir);
-  const loadMs = Date.now() - tl;
-  const info = model.info();
-  progress.log(`mlx-lfm loaded in ${(loadMs / 1000).toFixed(1)} s: ${info.modelType}, ${fmtParams(info.parameterCount)} params, `
-    + `${info.dtype}, device ${info.device}, decode path ${info.decodePath}`);
-
-  const one = async (ids, gen) => {
+/** mlx-lfm in this process: Lfm2Model.generate on its worker thread. */
+class LfmRunner {
+  constructor(addon, dir) {
+    this.addon = addon;
+    this.dir = dir;
+    this.name = 'mlx-lfm';
+  }
+  async start() {
+    const tl = Date.now();
+    this.model = await this.addon.Lfm2Model.load(this.dir);
+    this.loadMs = Date.now() - tl;
+    const i = this.model.info();
+    this.info = {
+      modelType: i.modelType, dtype: i.dtype, parameterCount: i.parameterCount, weightBytes: i.weightBytes,
+      device: i.device, backend: i.backend, decodePath: i.decodePath, decodePathReason: i.decodePathReason,
+      cacheKind: i.cacheKind, numLayers: i.numLayers, hiddenSize: i.hiddenSize, vocabSize: i.vocabSize,
+    };
+    return `loaded in ${(this.loadMs / 1000).toFixed(1)} s: ${i.modelType}, ${fmtParams(i.parameterCount)} params, `
+      + `${i.dtype}, device ${i.device}, decode path ${i.decodePath}`;
+  }
+  async run(ids, gen) {
     const watch = cpuWatch(process.pid);
     const w0 = process.hrtime.bigint();
-    const r = await model.generate(ids, { maxTokens: gen, ignoreEos: true, temperature: 0 });
+    const r = await this.model.generate(ids, { maxTokens: gen, ignoreEos: true, temperature: 0 });
     const wallMs = Number(process.hrtime.bigint() - w0) / 1e6;
     const cpu = watch();
     const m = r.metrics;
@@ -306,36 +317,14 @@ async function benchLfm(addon, dir, prompts, warmupIds, o, progress) {
       outTokens: r.tokens,
       cpu,
     };
-  };
-
-  progress.next(`mlx-lfm warm-up: prefill ${warmupIds.length} tokens + decode ${o.warmup[1]} tokens`);
-  const warmup = await one(warmupIds, o.warmup[1]);
-  const results = [];
-  for (const ids of prompts) {
-    const runs = [];
-    for (let r = 0; r < o.reps; r++) {
-      const label = `P=${ids.length} rep ${r + 1}/${o.reps}`;
-      progress.next(`mlx-lfm ${label}: prefill ${ids.length} tokens + decode ${o.gen} tokens`);
-      const run = await one(ids, o.gen);
-      runs.push(run);
-      progress.log(`mlx-lfm ${label}: TTFT ${fmtNum(run.ttftMs / 1000)} s, prefill ${fmtNum(run.prefillTps)} tok/s, `
-        + `decode ${fmtNum(run.decodeTps)} tok/s${cpuNote(run.cpu)}`);
-    }
-    results.push({ promptLen: ids.length, runs });
   }
-  const mem = addon.mlxInfo().memory;
-  model.close();
-  return {
-    loadMs,
-    info: {
-      modelType: info.modelType, dtype: info.dtype, parameterCount: info.parameterCount, weightBytes: info.weightBytes,
-      device: info.device, backend: info.backend, decodePath: info.decodePath, decodePathReason: info.decodePathReason,
-      cacheKind: info.cacheKind, numLayers: info.numLayers, hiddenSize: info.hiddenSize, vocabSize: info.vocabSize,
-    },
-    peakMemBytes: mem.peakBytes,
-    warmup,
-    results,
-  };
+  close() {
+    if (this.model) {
+      this.peakMemBytes = this.addon.mlxInfo().memory.peakBytes;
+      this.model.close();
+      this.model = null;
+    }
+  }
 }
 
 // ---------------------------------------------------------------- mlx-lm
@@ -349,104 +338,117 @@ function pyrefDir() {
   return dir;
 }
 
-function benchRef(dir, prompts, warmupIds, o, progress) {
-  const py = process.env.MLX_LFM_PYTHON || 'python3';
-  const req = {
-    op: 'bench_suite',
-    model: dir,
-    prompts,
-    gen: o.gen,
-    reps: o.reps,
-    warmup: { prompt: warmupIds, gen: o.warmup[1] },
-    prefill_step_size: 2048,
-  };
-  progress.next(`mlx-lm: starting ${py} and loading ${dir}`);
-  return new Promise((resolve, reject) => {
+/**
+ * mlx-lm in a Python child (scripts/ref/mlx_lm_ref.py, op bench_serve): it
+ * loads the checkpoint once, then times one generate_step run per command
+ * (commands on fd 3, answers as stdout lines, progress on stderr).
+ */
+class RefRunner {
+  constructor(dir, progress) {
+    this.dir = dir;
+    this.progress = progress;
+    this.name = 'mlx-lm';
+    this.waiting = [];
+    this.errTail = '';
+    this.exited = null;
+  }
+  start() {
+    const py = process.env.MLX_LFM_PYTHON || 'python3';
     const child = spawn(py, [path.join(root, 'scripts', 'ref', 'mlx_lm_ref.py')], {
       cwd: root,
       env: { ...process.env, PYTHONPATH: pyrefDir(), TOKENIZERS_PARALLELISM: 'false', PYTHONUNBUFFERED: '1' },
-      stdio: ['pipe', 'pipe', 'pipe'],
+      stdio: ['pipe', 'pipe', 'pipe', 'pipe'],
     });
-    let out = '';
-    let errTail = '';
-    let watch = null;
-    const cpuByLabel = {};
-    let buf = '';
-    child.stdout.on('data', (d) => { out += d; });
-    child.stderr.on('data', (d) => {
-      buf += d;
+    this.child = child;
+    this.cmds = child.stdio[3];
+    let outBuf = '';
+    let errBuf = '';
+    child.stdout.on('data', (d) => {
+      outBuf += d;
       let nl;
-      while ((nl = buf.indexOf('\n')) >= 0) {
-        const line = buf.slice(0, nl);
-        buf = buf.slice(nl + 1);
+      while ((nl = outBuf.indexOf('\n')) >= 0) {
+        const line = outBuf.slice(0, nl);
+        outBuf = outBuf.slice(nl + 1);
+        if (!line.trim()) continue;
+        const w = this.waiting.shift();
+        let v;
+        try { v = JSON.parse(line); } catch (e) { if (w) w.reject(new Error(`mlx-lm reference: bad line ${line.slice(0, 200)}`)); continue; }
+        if (w) w.resolve(v);
+      }
+    });
+    child.stderr.on('data', (d) => {
+      errBuf += d;
+      let nl;
+      while ((nl = errBuf.indexOf('\n')) >= 0) {
+        const line = errBuf.slice(0, nl);
+        errBuf = errBuf.slice(nl + 1);
         if (line.startsWith('BENCH-PROGRESS ')) {
           let ev;
           try { ev = JSON.parse(line.slice(15)); } catch { continue; }
-          onEvent(ev);
+          this.onEvent(ev);
         } else {
-          errTail = (errTail + line + '\n').slice(-8000);
+          this.errTail = (this.errTail + line + '\n').slice(-8000);
         }
       }
     });
-    const onEvent = (ev) => {
-      const lbl = ev.label === 'warmup' ? 'warm-up' : ev.label;
-      if (ev.phase === 'prefill') {
-        progress.next(`mlx-lm ${lbl}: prefill ${ev.prompt_len} tokens`);
-        watch = cpuWatch(child.pid);
-      } else if (ev.phase === 'decode') {
-        const of = ev.label === 'warmup' ? o.warmup[1] : o.gen;
-        if (ev.done === 1) {
-          progress.set(`mlx-lm ${lbl}: first token after ${fmtNum(ev.ttft_ms / 1000)} s; decoding ${ev.done}/${of}`);
-        } else {
-          progress.set(`mlx-lm ${lbl}: decoding ${ev.done}/${of}`);
-        }
-      } else if (ev.phase === 'done') {
-        const r = ev.run;
-        const cpu = watch && watch();
-        cpuByLabel[ev.label] = cpu;
-        progress.log(`mlx-lm  ${lbl}: TTFT ${fmtNum(r.ttft_ms / 1000)} s, prefill ${fmtNum(r.prefill_tps)} tok/s, `
-          + `decode ${fmtNum(r.decode_tps)} tok/s${cpuNote(cpu)}`);
-      } else if (ev.phase === 'loaded') {
-        progress.log(`mlx-lm loaded in ${(ev.load_ms / 1000).toFixed(1)} s: ${fmtParams(ev.params)} params, ${ev.dtype}, `
-          + `${ev.default_device}, mlx ${ev.mlx_version}, mlx-lm ${ev.mlx_lm_version}`);
-      }
+    const failAll = (err) => {
+      for (const w of this.waiting.splice(0)) w.reject(err);
     };
-    child.on('error', (e) => reject(new Error(`could not run ${py}: ${e.message}`)));
-    child.on('close', (code, sig) => {
-      if (code !== 0) {
-        reject(new Error(`mlx-lm reference exited with ${sig || code}:\n${errTail}${buf}`));
-        return;
-      }
-      let res;
-      try { res = JSON.parse(out); } catch (e) { reject(new Error(`mlx-lm reference gave no JSON: ${e.message}\n${errTail}`)); return; }
-      const conv = (r) => ({
-        ttftMs: r.ttft_ms, prefillTps: r.prefill_tps, decodeTps: r.decode_tps, decodeMs: r.decode_ms,
-        tokens: r.tokens, totalMs: r.total_ms, peakMemBytes: r.peak_mem_bytes, outTokens: r.out_tokens,
-      });
-      for (const r of res.results) {
-        for (const run of r.runs) {
-          if (run.tokens !== o.gen) {
-            reject(new Error(`mlx-lm produced ${run.tokens} tokens, expected ${o.gen}`));
-            return;
-          }
-        }
-      }
-      resolve({
-        mlxVersion: res.mlx_version,
-        mlxLmVersion: res.mlx_lm_version,
-        defaultDevice: res.default_device,
-        dtype: res.dtype,
-        params: res.params,
-        loadMs: res.load_ms,
-        warmup: res.warmup && conv(res.warmup),
-        results: res.results.map((r) => ({
-          promptLen: r.prompt_len,
-          runs: r.runs.map((run, i) => ({ ...conv(run), cpu: cpuByLabel[`P=${r.prompt_len} rep ${i + 1}/${o.reps}`] || null })),
-        })),
-      });
+    child.on('error', (e) => {
+      this.exited = this.exited || { code: e.code || 'error' };
+      failAll(new Error(`could not run ${py}: ${e.message}`));
     });
-    child.stdin.end(JSON.stringify(req));
-  });
+    child.on('close', (code, sig) => {
+      this.exited = { code, sig };
+      failAll(new Error(`mlx-lm reference exited with ${sig || code}:\n${this.errTail}${errBuf}`));
+    });
+    this.cmds.on('error', () => {});
+    child.stdin.end(JSON.stringify({ op: 'bench_serve', model: this.dir, prefill_step_size: 2048 }));
+    return this.next().then((v) => {
+      const l = v.loaded;
+      this.info = {
+        mlxVersion: l.mlx_version, mlxLmVersion: l.mlx_lm_version, defaultDevice: l.default_device,
+        dtype: l.dtype, params: l.params,
+      };
+      this.loadMs = l.load_ms;
+      return `loaded in ${(l.load_ms / 1000).toFixed(1)} s: ${fmtParams(l.params)} params, ${l.dtype}, `
+        + `${l.default_device}, mlx ${l.mlx_version}, mlx-lm ${l.mlx_lm_version}`;
+    });
+  }
+  next() {
+    return new Promise((resolve, reject) => {
+      if (this.exited) reject(new Error(`mlx-lm reference exited with ${this.exited.sig || this.exited.code}:\n${this.errTail}`));
+      else this.waiting.push({ resolve, reject });
+    });
+  }
+  onEvent(ev) {
+    if (!this.label) return;
+    if (ev.phase === 'prefill') this.progress.set(`${this.label}: prefill ${ev.prompt_len} tokens`);
+    else if (ev.phase === 'decode' && ev.done === 1) {
+      this.progress.set(`${this.label}: first token after ${fmtNum(ev.ttft_ms / 1000)} s; decoding 1/${ev.of}`);
+    } else if (ev.phase === 'decode') this.progress.set(`${this.label}: decoding ${ev.done}/${ev.of}`);
+  }
+  async run(ids, gen, label) {
+    this.label = `mlx-lm ${label}`;
+    const watch = cpuWatch(this.child.pid);
+    const p = this.next();
+    this.cmds.write(JSON.stringify({ prompt: ids, gen, label }) + '\n');
+    const r = await p;
+    const cpu = watch();
+    this.label = null;
+    if (r.tokens !== gen) throw new Error(`mlx-lm produced ${r.tokens} tokens, expected ${gen}`);
+    return {
+      ttftMs: r.ttft_ms, prefillTps: r.prefill_tps, decodeTps: r.decode_tps, decodeMs: r.decode_ms,
+      tokens: r.tokens, totalMs: r.total_ms, peakMemBytes: r.peak_mem_bytes, outTokens: r.out_tokens, cpu,
+    };
+  }
+  close() {
+    if (!this.child || this.exited) return Promise.resolve();
+    return new Promise((resolve) => {
+      this.child.on('close', () => resolve());
+      this.cmds.end(JSON.stringify({ quit: true }) + '\n');
+    });
+  }
 }
 
 // ---------------------------------------------------------------- table
@@ -526,8 +528,9 @@ async function main() {
   const dir = o.model || cacheDir(o.preset, o.dtype);
   const want = { preset: o.preset, dtype: o.dtype, seed: 0 };
   const fixtureNeeded = needFixture && (o.regen || !fixtureReady(dir, want));
-  const perRuntime = 2 + o.prompts.length * o.reps; // load, warm-up, runs
-  const progress = new Progress((fixtureNeeded ? 1 : 0) + perRuntime * (o.skipRef ? 1 : 2));
+  const runtimes = o.skipRef ? 1 : 2;
+  // per runtime: load, warm-up, then one step per prompt and repetition
+  const progress = new Progress((fixtureNeeded ? 1 : 0) + runtimes * (2 + o.prompts.length * o.reps));
 
   const mi = addon.mlxInfo();
   console.log('mlx-lfm benchmark');
@@ -567,11 +570,43 @@ async function main() {
   console.log(`  warm-up: one ${o.warmup[0]}-token prompt, ${o.warmup[1]} tokens; then ${o.reps} measured rep(s) per prompt, best kept`);
   console.log('');
 
-  const lfm = await benchLfm(addon, dir, prompts, warmupIds, o, progress);
-  let ref = null;
-  if (!o.skipRef) {
-    ref = await benchRef(dir, prompts, warmupIds, o, progress);
+  // Both runtimes stay loaded and take turns (mlx-lfm, mlx-lm, then mlx-lm,
+  // mlx-lfm for the next measurement, ...), so a change in the machine's
+  // load during the run hits both alike. Never two at once.
+  const runners = [new LfmRunner(addon, dir)];
+  if (!o.skipRef) runners.push(new RefRunner(dir, progress));
+  const rec = new Map(runners.map((r) => [r, { warmup: null, results: prompts.map((ids) => ({ promptLen: ids.length, runs: [] })) }]));
+  const pad = (n) => n.padEnd(7);
+  try {
+    for (const r of runners) {
+      progress.next(`${r.name}: loading ${dir}`);
+      progress.log(`${pad(r.name)} ${await r.start()}`);
+    }
+    for (const r of runners) {
+      progress.next(`${r.name} warm-up: prefill ${warmupIds.length} tokens + decode ${o.warmup[1]} tokens`);
+      rec.get(r).warmup = await r.run(warmupIds, o.warmup[1], 'warm-up');
+    }
+    let k = 0;
+    for (let pi = 0; pi < prompts.length; pi++) {
+      for (let rep = 0; rep < o.reps; rep++, k++) {
+        const order = k % 2 === 0 ? runners : [...runners].reverse();
+        for (const r of order) {
+          const label = `P=${prompts[pi].length} rep ${rep + 1}/${o.reps}`;
+          progress.next(`${r.name} ${label}: prefill ${prompts[pi].length} tokens + decode ${o.gen} tokens`);
+          const run = await r.run(prompts[pi], o.gen, label);
+          rec.get(r).results[pi].runs.push(run);
+          progress.log(`${pad(r.name)} ${label}: TTFT ${fmtNum(run.ttftMs / 1000)} s, prefill ${fmtNum(run.prefillTps)} tok/s, `
+            + `decode ${fmtNum(run.decodeTps)} tok/s${cpuNote(run.cpu)}`);
+        }
+      }
+    }
+  } finally {
+    for (const r of runners) await r.close();
   }
+  const lfmR = runners[0];
+  const lfm = { loadMs: lfmR.loadMs, info: lfmR.info, peakMemBytes: lfmR.peakMemBytes, ...rec.get(lfmR) };
+  const refR = runners[1];
+  const ref = refR ? { loadMs: refR.loadMs, ...refR.info, ...rec.get(refR) } : null;
   progress.done();
 
   console.log('');

@@ -16,6 +16,22 @@ Reads one JSON request on stdin, writes one JSON answer on stdout.
                    "total_ms", "peak_mem_bytes", "out_tokens"}. Each run goes through mlx-lm's own
       generate_step (greedy, EOS never checked, so exactly G tokens), on a fresh cache.
       Progress lines "BENCH-PROGRESS {json}" go to stderr.
+  {"op": "bench_serve", "model": DIR, "prefill_step_size": 2048|null}
+      The same runs, one at a time, so a caller can interleave them with its own:
+      after loading it writes {"loaded": {mlx_version, mlx_lm_version, default_device,
+      dtype, params, load_ms}} as one stdout line, then reads commands, one JSON line
+      each, from file descriptor 3: {"prompt": [ids], "gen": G, "label": "..."} -> one
+      stdout line with the run (as in bench_suite); {"quit": true} or EOF ends it
+      (answer {"runs": N}).
+  {"op": "convert", "model": SRC, "out": DIR, "quantize": bool, "mode": M, "bits": B,
+   "group_size": G, "dtype": D|null, "overrides": [{"pattern", "skip"|"bits"/"group_size"/"mode"}]}
+      -> {"out": DIR}  mlx_lm.convert.convert(); overrides become its quant_predicate
+      (last matching pattern wins, else the model's own quant_predicate), with the pattern
+      rules of mlx-lfm's converter: `*` matches anything, a pattern matches the whole module
+      path or a tail of it that starts after a dot.
+  {"op": "batch", "requests": [request, ...]} -> {"results": [answer, ...]}  (one process;
+      a greedy request there may set "upcast_gather_mm": true, which from then on runs MLX's
+      gather_mm in float32 so that bf16 MoE models run on the CPU wheel: an emulation)
 """
 import json
 import sys
@@ -114,24 +130,10 @@ def _timed_run(model, ids, gen, prefill_step_size, label):
 
 
 def bench_suite(model, req, load_ms):
-    from mlx.utils import tree_flatten
-
-    import mlx_lm
-
     gen = req["gen"]
     reps = max(1, req.get("reps", 1))
     step = req.get("prefill_step_size")
-    params = model.parameters()
-    leaves = [v for _, v in tree_flatten(params)]
-    dtypes = sorted({str(v.dtype) for v in leaves if mx.issubdtype(v.dtype, mx.floating)})
-    out = {
-        "mlx_version": mx.__version__,
-        "mlx_lm_version": getattr(mlx_lm, "__version__", "?"),
-        "default_device": str(mx.default_device()),
-        "dtype": ",".join(d.replace("mlx.core.", "") for d in dtypes),
-        "params": int(sum(v.size for v in leaves)),
-        "load_ms": load_ms,
-    }
+    out = _suite_info(model, load_ms)
     _progress(phase="loaded", **out)
     w = req.get("warmup")
     if w:
@@ -147,8 +149,134 @@ def bench_suite(model, req, load_ms):
     return out
 
 
+def _suite_info(model, load_ms):
+    from mlx.utils import tree_flatten
+
+    import mlx_lm
+
+    leaves = [v for _, v in tree_flatten(model.parameters())]
+    dtypes = sorted({str(v.dtype) for v in leaves if mx.issubdtype(v.dtype, mx.floating)})
+    return {
+        "mlx_version": mx.__version__,
+        "mlx_lm_version": getattr(mlx_lm, "__version__", "?"),
+        "default_device": str(mx.default_device()),
+        "dtype": ",".join(d.replace("mlx.core.", "") for d in dtypes),
+        "params": int(sum(v.size for v in leaves)),
+        "load_ms": load_ms,
+    }
+
+
+def bench_serve(model, req, load_ms):
+    import os
+
+    step = req.get("prefill_step_size")
+    sys.stdout.write(json.dumps({"loaded": _suite_info(model, load_ms)}) + "\n")
+    sys.stdout.flush()
+    n = 0
+    with os.fdopen(3, "r") as cmds:
+        for line in cmds:
+            if not line.strip():
+                continue
+            c = json.loads(line)
+            if c.get("quit"):
+                break
+            r = _timed_run(model, c["prompt"], c["gen"], step, c.get("label", "run"))
+            n += 1
+            sys.stdout.write(json.dumps(r) + "\n")
+            sys.stdout.flush()
+    return {"runs": n}
+
+
+_MODE_DEFAULTS = {"affine": (4, 64), "mxfp4": (4, 32), "mxfp8": (8, 32), "nvfp4": (4, 16)}
+
+
+def _pattern_matches(pattern, path):
+    import re
+
+    rx = re.compile(".*".join(re.escape(p) for p in pattern.split("*")))
+    tails = [path] + [path[i + 1 :] for i, c in enumerate(path) if c == "."]
+    return any(rx.fullmatch(t) for t in tails)
+
+
+def convert_op(req):
+    import contextlib
+    from pathlib import Path
+
+    from mlx_lm.convert import convert
+    from mlx_lm.utils import _get_classes, load_config
+
+    mode, bits, gs = req.get("mode", "affine"), req.get("bits"), req.get("group_size")
+    overrides = req.get("overrides") or []
+    pred = None
+    if overrides:
+        model_class, _ = _get_classes(load_config(Path(req["model"])))
+        prop = getattr(model_class, "quant_predicate", None)
+        default = prop.fget(None) if isinstance(prop, property) else None
+        gbits, ggs = bits or _MODE_DEFAULTS[mode][0], gs or _MODE_DEFAULTS[mode][1]
+
+        def pred(path, module):
+            for o in reversed(overrides):
+                if _pattern_matches(o["pattern"], path):
+                    if o.get("skip"):
+                        return False
+                    m = o.get("mode") or mode
+                    b, g = (gbits, ggs) if m == mode else _MODE_DEFAULTS[m]
+                    return {"group_size": o.get("group_size") or g, "bits": o.get("bits") or b, "mode": m}
+            return default(path, module) if default else True
+
+    # mlx-lm prints progress on stdout, which carries our answer.
+    with contextlib.redirect_stdout(sys.stderr):
+        convert(
+            req["model"],
+            req["out"],
+            quantize=req.get("quantize", True),
+            q_group_size=gs,
+            q_bits=bits,
+            q_mode=mode,
+            dtype=req.get("dtype"),
+            quant_predicate=pred,
+        )
+    return {"out": req["out"]}
+
+
+def _upcast_gather_mm():
+    """MLX's CPU gather_mm is float32-only; this runs it in float32 on
+    upcast operands and casts the result back, so bf16/f16 MoE models run on
+    the CPU wheel (an emulation for tests, not mlx-lm's own behaviour)."""
+    orig = getattr(mx, "_mlx_lfm_gather_mm", mx.gather_mm)
+    mx._mlx_lfm_gather_mm = orig
+
+    def gather_mm(a, b, lhs_indices=None, rhs_indices=None, sorted_indices=False):
+        return orig(
+            a.astype(mx.float32),
+            b.astype(mx.float32),
+            lhs_indices=lhs_indices,
+            rhs_indices=rhs_indices,
+            sorted_indices=sorted_indices,
+        ).astype(a.dtype)
+
+    mx.gather_mm = gather_mm
+
+
+def _one(req):
+    op = req["op"]
+    if op == "convert":
+        return convert_op(req)
+    if req.get("upcast_gather_mm"):
+        _upcast_gather_mm()
+    model, tok = load(req["model"])
+    if op == "greedy":
+        return greedy(model, req["cases"])
+    raise SystemExit(f"op {op} is not available inside a batch")
+
+
 def main():
     req = json.load(sys.stdin)
+    if req["op"] in ("convert", "batch"):
+        reqs = req["requests"] if req["op"] == "batch" else [req]
+        res = [_one(r) for r in reqs]
+        json.dump({"results": res} if req["op"] == "batch" else res[0], sys.stdout)
+        return
     t_load = time.perf_counter()
     model, tok = load(req["model"])
     load_ms = (time.perf_counter() - t_load) * 1000
@@ -168,6 +296,8 @@ def main():
         res = bench(model, req["prompt_len"], req["gen"], req.get("reps", 1))
     elif op == "bench_suite":
         res = bench_suite(model, req, load_ms)
+    elif op == "bench_serve":
+        res = bench_serve(model, req, load_ms)
     else:
         raise SystemExit(f"unknown op {op}")
     json.dump(res, sys.stdout)

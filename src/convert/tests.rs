@@ -248,3 +248,31 @@ fn converts_hf_moe_and_loads() {
         let _ = fs::remove_dir_all(d);
     }
 }
+
+#[test]
+fn shards_like_mlx_lm_and_keeps_an_mlx_layout_source() {
+    let src = tmp("src_dense_mlx");
+    let mut f = FixtureSpec::new(Preset::Tiny);
+    f.layout = Layout::Mlx;
+    f.max_shard_bytes = Some(300_000);
+    fixture::generate(&f, &src).unwrap();
+    let out = tmp("out_dense_sharded");
+    let r = ConvertRecipe { max_shard_bytes: Some(200_000), ..Default::default() };
+    let rep = convert(&src, &out, &r).unwrap();
+    assert_eq!(rep.source_layout, "mlx");
+    assert_eq!(rep.dtype, "float32");
+    assert_eq!(rep.quantization, None);
+    assert!(rep.formats.is_empty());
+    let shards: Vec<&String> = rep.files.iter().filter(|f| f.ends_with(".safetensors")).collect();
+    assert!(shards.len() > 1, "{:?}", rep.files);
+    assert!(shards[0].starts_with("model-00001-of-"), "{:?}", shards);
+    let cfg: Value = serde_json::from_str(&fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert!(cfg.get("quantization").is_none());
+    let loaded = load_model(&out, &LoadOptions::default()).unwrap();
+    assert!(loaded.unused_tensors.is_empty());
+    assert!(loaded.model.registry.is_empty());
+    assert_eq!(loaded.weight_files.len(), shards.len());
+    for d in [src, out] {
+        let _ = fs::remove_dir_all(d);
+    }
+}

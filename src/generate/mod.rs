@@ -103,6 +103,30 @@ fn ms(d: std::time::Duration) -> f64 {
 /// logits (`[1, V]`), lazily. Intermediate chunks are evaluated so memory
 /// stays bounded by one chunk's activations.
 pub fn prefill(model: &Lfm2Model, cache: &mut ModelCache, prompt: &[u32], chunk: usize) -> Result<Array> {
+    match prefill_observed(model, cache, prompt, chunk, &mut NoObserver)? {
+        Prefill::Done(logits) => Ok(logits),
+        Prefill::Cancelled { .. } => Err(Error::invalid("prefill was cancelled")),
+    }
+}
+
+/// How a cancellable prefill ended.
+pub enum Prefill {
+    /// The last position's logits (`[1, V]`), lazy.
+    Done(Array),
+    /// `observer.cancelled()` said stop before this many tokens had run.
+    Cancelled { tokens_run: usize },
+}
+
+/// [`prefill`] that asks `observer.cancelled()` before every chunk (so an
+/// abort during a long prompt stops within one chunk). A cancelled prefill
+/// leaves `cache` partly filled; callers drop it.
+pub fn prefill_observed(
+    model: &Lfm2Model,
+    cache: &mut ModelCache,
+    prompt: &[u32],
+    chunk: usize,
+    observer: &mut dyn Observer,
+) -> Result<Prefill> {
     if prompt.is_empty() {
         return Err(Error::invalid("the prompt has no tokens"));
     }
@@ -113,11 +137,14 @@ pub fn prefill(model: &Lfm2Model, cache: &mut ModelCache, prompt: &[u32], chunk:
     let chunk = chunk.max(1);
     let mut start = 0;
     loop {
+        if observer.cancelled() {
+            return Ok(Prefill::Cancelled { tokens_run: start });
+        }
         let end = (start + chunk).min(prompt.len());
         let ids = Array::from_slice(&prompt[start..end], &[1, (end - start) as i32])?;
         if end == prompt.len() {
             let logits = model.forward(&ids, cache, true)?;
-            return logits.reshape(&[1, -1]);
+            return Ok(Prefill::Done(logits.reshape(&[1, -1])?));
         }
         model.forward_hidden(&ids, cache)?;
         eval(&cache.arrays())?;
@@ -194,7 +221,10 @@ pub fn generate_with_cache(
 
     let model = stepper.model;
     let prefill_start = Instant::now();
-    let logits = prefill(model, cache, prompt, params.prefill_chunk)?;
+    let logits = match prefill_observed(model, cache, prompt, params.prefill_chunk, observer)? {
+        Prefill::Done(logits) => logits,
+        Prefill::Cancelled { tokens_run } => return Ok(cancelled_in_prefill(prompt.len(), tokens_run, prefill_start, started)),
+    };
     let mut y = sampler.sample(&logits)?;
     async_eval(&[&y])?;
     let mut first_token_at: Option<Instant> = None;
@@ -231,11 +261,12 @@ pub fn generate_with_cache(
         }
         let safe = stops.safe_len(&text);
         if safe > streamed {
-            if !observer.on_text(&text[streamed..safe]) {
+            let go_on = observer.on_text(&text[streamed..safe]);
+            streamed = safe; // delivered either way
+            if !go_on {
                 finish = FinishReason::Abort;
                 break;
             }
-            streamed = safe;
         }
         if observer.cancelled() {
             finish = FinishReason::Abort;
@@ -246,8 +277,9 @@ pub fn generate_with_cache(
             None => break,
         }
     }
-    if !hit_stop_string {
-        // Flush bytes the decoder held back (an unfinished character at the end).
+    if !hit_stop_string && finish != FinishReason::Abort {
+        // Flush bytes the decoder held back (an unfinished character at the
+        // end; an aborted request keeps whole characters only).
         text.push_str(&decoder.finish()?);
         if let Some(at) = stops.find(&text) {
             text.truncate(at);
@@ -272,4 +304,25 @@ pub fn generate_with_cache(
         total_ms: ms(started.elapsed()),
     };
     Ok(Generation { text, tokens, finish_reason: finish, prompt_tokens: prompt.len(), completion_tokens, metrics })
+}
+
+/// The result of a request cancelled before its first token: no text, and
+/// metrics for the prefill chunks that did run.
+fn cancelled_in_prefill(prompt_tokens: usize, tokens_run: usize, prefill_start: Instant, started: Instant) -> Generation {
+    let prefill_ms = ms(prefill_start.elapsed());
+    Generation {
+        text: String::new(),
+        tokens: vec![],
+        finish_reason: FinishReason::Abort,
+        prompt_tokens,
+        completion_tokens: 0,
+        metrics: Metrics {
+            ttft_ms: 0.0,
+            prefill_tokens: tokens_run,
+            prefill_ms,
+            prefill_tokens_per_second: if prefill_ms > 0.0 { tokens_run as f64 / (prefill_ms / 1000.0) } else { 0.0 },
+            total_ms: ms(started.elapsed()),
+            ..Default::default()
+        },
+    }
 }

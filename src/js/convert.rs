@@ -7,6 +7,7 @@ use crate::error::Error;
 use crate::generate::sampler::SamplingParams;
 use crate::generate::{GenerateParams, Generation};
 use crate::mlx::{runtime, Dtype};
+use crate::text::tool_calls;
 use napi::bindgen_prelude::*;
 use napi_derive::napi;
 
@@ -23,8 +24,8 @@ pub struct LoadOptions {
     pub decode_path: Option<String>,
 }
 
-#[napi(object)]
-pub struct GenerateOptions {
+#[napi(object, object_to_js = false)]
+pub struct GenerateOptions<'env> {
     /// Most tokens to generate (default 256).
     pub max_tokens: Option<u32>,
     /// 0 (the default) is greedy.
@@ -43,9 +44,76 @@ pub struct GenerateOptions {
     pub ignore_eos: Option<bool>,
     /// Tools in the OpenAI function shape, rendered by the chat template (chat only).
     pub tools: Option<Vec<serde_json::Value>>,
+    /// Aborting stops the request within one step (a prefill chunk or a
+    /// decode step); it then resolves with `finishReason: 'abort'` and the
+    /// text so far. An already-aborted signal resolves at once, doing no work.
+    #[napi(ts_type = "AbortSignal")]
+    pub signal: Option<Object<'env>>,
+}
+
+/// The options without the signal: plain values that can be kept (session
+/// defaults) and merged.
+#[derive(Clone, Default)]
+pub struct OptionValues {
+    pub max_tokens: Option<u32>,
+    pub temperature: Option<f64>,
+    pub top_k: Option<u32>,
+    pub top_p: Option<f64>,
+    pub min_p: Option<f64>,
+    pub repetition_penalty: Option<f64>,
+    pub repetition_context_size: Option<u32>,
+    pub seed: Option<i64>,
+    pub stop: Option<Vec<String>>,
+    pub ignore_eos: Option<bool>,
+    pub tools: Option<Vec<serde_json::Value>>,
+}
+
+impl OptionValues {
+    pub fn from_options(o: Option<&GenerateOptions<'_>>) -> OptionValues {
+        let Some(o) = o else { return OptionValues::default() };
+        OptionValues {
+            max_tokens: o.max_tokens,
+            temperature: o.temperature,
+            top_k: o.top_k,
+            top_p: o.top_p,
+            min_p: o.min_p,
+            repetition_penalty: o.repetition_penalty,
+            repetition_context_size: o.repetition_context_size,
+            seed: o.seed,
+            stop: o.stop.as_ref().map(|s| match s {
+                Either::A(s) => vec![s.clone()],
+                Either::B(v) => v.clone(),
+            }),
+            ignore_eos: o.ignore_eos,
+            tools: o.tools.clone(),
+        }
+    }
+
+    /// `self` with every option that `over` sets replaced by `over`'s.
+    pub fn overlay(&self, over: &OptionValues) -> OptionValues {
+        OptionValues {
+            max_tokens: over.max_tokens.or(self.max_tokens),
+            temperature: over.temperature.or(self.temperature),
+            top_k: over.top_k.or(self.top_k),
+            top_p: over.top_p.or(self.top_p),
+            min_p: over.min_p.or(self.min_p),
+            repetition_penalty: over.repetition_penalty.or(self.repetition_penalty),
+            repetition_context_size: over.repetition_context_size.or(self.repetition_context_size),
+            seed: over.seed.or(self.seed),
+            stop: over.stop.clone().or_else(|| self.stop.clone()),
+            ignore_eos: over.ignore_eos.or(self.ignore_eos),
+            tools: over.tools.clone().or_else(|| self.tools.clone()),
+        }
+    }
+
+    /// The tools for the chat template.
+    pub fn tools_value(&self) -> Option<serde_json::Value> {
+        self.tools.clone().map(serde_json::Value::Array)
+    }
 }
 
 #[napi(object)]
+#[derive(Clone)]
 pub struct ChatMessage {
     /// "system", "user", "assistant" or "tool".
     pub role: String,
@@ -56,6 +124,7 @@ pub struct ChatMessage {
 }
 
 #[napi(object)]
+#[derive(Clone)]
 pub struct Usage {
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
@@ -63,6 +132,7 @@ pub struct Usage {
 }
 
 #[napi(object)]
+#[derive(Clone)]
 pub struct Metrics {
     /// Time from the call reaching the model to the first token, in ms.
     pub ttft_ms: f64,
@@ -78,14 +148,60 @@ pub struct Metrics {
 }
 
 #[napi(object)]
+#[derive(Clone)]
 pub struct ChatResult {
+    /// The reply; for chat, the text outside tool-call markers.
     pub text: String,
-    /// "stop" (end-of-sequence or a stop string), "length" or "abort".
+    /// "stop" (end-of-sequence or a stop string), "length", "abort", or
+    /// "tool_calls" (chat: the reply holds tool calls that all parsed and
+    /// generation stopped normally).
     pub finish_reason: String,
     /// Completion token ids (without the end-of-sequence token).
     pub tokens: Vec<u32>,
     pub usage: Usage,
     pub metrics: Metrics,
+    /// Tool calls the model made (chat only), in the OpenAI shape.
+    pub tool_calls: Option<Vec<ToolCall>>,
+    /// Tool-call regions that could not be parsed (chat only); while there
+    /// are any, `finishReason` is not "tool_calls".
+    pub tool_call_errors: Option<Vec<ToolCallError>>,
+}
+
+/// A tool call in the OpenAI shape.
+#[napi(object)]
+#[derive(Clone)]
+pub struct ToolCall {
+    /// A fresh id (`call_...`); answer it with a tool message carrying this `toolCallId`.
+    pub id: String,
+    #[napi(js_name = "type", ts_type = "'function'")]
+    pub kind: String,
+    pub function: ToolCallFunction,
+}
+
+#[napi(object)]
+#[derive(Clone)]
+pub struct ToolCallFunction {
+    pub name: String,
+    /// The arguments as a JSON object string.
+    pub arguments: String,
+}
+
+/// A tool call that could not be parsed.
+#[napi(object)]
+#[derive(Clone)]
+pub struct ToolCallError {
+    /// The region as generated, markers included.
+    pub raw: String,
+    /// What is wrong and where (an offset into the region's content).
+    pub message: String,
+}
+
+/// Text split into plain text and tool calls (see `parseToolCalls`).
+#[napi(object)]
+pub struct ParsedToolCalls {
+    pub text: String,
+    pub tool_calls: Vec<ToolCall>,
+    pub tool_call_errors: Vec<ToolCallError>,
 }
 
 #[napi(object)]
@@ -161,9 +277,8 @@ pub fn engine_options(o: Option<LoadOptions>) -> Result<EngineOptions> {
     Ok(e)
 }
 
-pub fn generate_params(o: Option<&GenerateOptions>) -> Result<GenerateParams> {
+pub fn generate_params(o: &OptionValues) -> Result<GenerateParams> {
     let mut p = GenerateParams { prefill_chunk: 0, ..Default::default() };
-    let Some(o) = o else { return Ok(p) };
     if let Some(m) = o.max_tokens {
         p.max_tokens = m as usize;
     }
@@ -184,11 +299,7 @@ pub fn generate_params(o: Option<&GenerateOptions>) -> Result<GenerateParams> {
     if p.max_tokens == 0 {
         return Err(js_error(Error::invalid("maxTokens must be at least 1")));
     }
-    p.stop = match &o.stop {
-        None => vec![],
-        Some(Either::A(s)) => vec![s.clone()],
-        Some(Either::B(v)) => v.clone(),
-    };
+    p.stop = o.stop.clone().unwrap_or_default();
     p.ignore_eos = o.ignore_eos.unwrap_or(false);
     Ok(p)
 }
@@ -211,9 +322,54 @@ pub fn to_chat_messages(msgs: Vec<ChatMessage>) -> Result<Vec<crate::text::ChatM
         .collect()
 }
 
+pub fn to_tool_calls(calls: Vec<tool_calls::ParsedCall>) -> Vec<ToolCall> {
+    calls
+        .into_iter()
+        .map(|c| ToolCall {
+            id: tool_calls::new_call_id(),
+            kind: "function".into(),
+            function: ToolCallFunction { arguments: c.arguments_json(), name: c.name },
+        })
+        .collect()
+}
+
+pub fn to_tool_call_errors(errors: Vec<tool_calls::ToolCallError>) -> Vec<ToolCallError> {
+    errors.into_iter().map(|e| ToolCallError { raw: e.raw, message: e.message }).collect()
+}
+
+/// The result of a chat request: tool calls parsed out of the text.
+pub fn to_chat_reply(g: Generation) -> ChatResult {
+    let out = tool_calls::parse_output(&g.text);
+    let mut r = to_chat_result(Generation { text: out.text, ..g });
+    if !out.calls.is_empty() && out.errors.is_empty() && r.finish_reason == "stop" {
+        r.finish_reason = "tool_calls".into();
+    }
+    if !out.calls.is_empty() {
+        r.tool_calls = Some(to_tool_calls(out.calls));
+    }
+    if !out.errors.is_empty() {
+        r.tool_call_errors = Some(to_tool_call_errors(out.errors));
+    }
+    r
+}
+
+/// What a request that was aborted before it started resolves with.
+pub fn aborted_result() -> ChatResult {
+    to_chat_result(Generation {
+        text: String::new(),
+        tokens: vec![],
+        finish_reason: crate::generate::FinishReason::Abort,
+        prompt_tokens: 0,
+        completion_tokens: 0,
+        metrics: Default::default(),
+    })
+}
+
 pub fn to_chat_result(g: Generation) -> ChatResult {
     let m = &g.metrics;
     ChatResult {
+        tool_calls: None,
+        tool_call_errors: None,
         usage: Usage {
             prompt_tokens: g.prompt_tokens as u32,
             completion_tokens: g.completion_tokens as u32,

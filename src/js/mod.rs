@@ -1,6 +1,10 @@
 //! N-API glue: the only module that knows about Node.
 
 mod convert;
+mod converter;
 mod fixture;
 mod info;
 mod model;
+mod session;
+mod stream;
+mod tools;

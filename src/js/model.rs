@@ -2,14 +2,123 @@
 //! thread, then queues the work on the model's worker thread and returns a
 //! promise that the worker settles; the event loop is never blocked.
 
-use super::convert::{generate_params, to_chat_messages, to_chat_result, to_model_info, ChatMessage, ChatResult, GenerateOptions, LoadOptions, ModelInfo};
+use super::convert::{
+    aborted_result, generate_params, to_chat_messages, to_chat_reply, to_chat_result, to_model_info, ChatMessage, ChatResult,
+    GenerateOptions, LoadOptions, ModelInfo, OptionValues,
+};
+use super::session::{ChatSession, SessionOptions};
+use super::stream::{release_hook_when_done, Abort, FlagObserver, GenerationStream, StreamObserver, StreamShared};
 use crate::engine::worker::ModelWorker;
 use crate::engine::{self, Prompt};
-use crate::generate::NoObserver;
+use crate::generate::{Generation, Observer};
+use crate::text::tool_calls::ToolCallSplitter;
 use napi::bindgen_prelude::*;
 use napi_derive::napi;
 use std::path::PathBuf;
 use std::sync::Arc;
+
+/// What a request resolves with, seen by a completion hook (a session's history).
+pub(crate) type Outcome = std::result::Result<ChatResult, crate::Error>;
+pub(crate) type OnDone = Box<dyn FnOnce(&Outcome) + Send>;
+
+/// A request's work on the worker: generation with an observer.
+pub(crate) type Job = Box<dyn FnOnce(&mut engine::Engine, &mut dyn Observer) -> crate::Result<Generation> + Send>;
+
+/// Runs `job` on the worker and returns the promise of its result. An
+/// already-aborted request resolves at once without queueing.
+pub(crate) fn run_request<'e>(
+    worker: &ModelWorker,
+    env: &'e Env,
+    abort: Abort,
+    chat: bool,
+    job: Job,
+    on_done: Option<OnDone>,
+) -> Result<Object<'e>> {
+    let (deferred, promise) = env.create_deferred()?;
+    let Abort { flag, hook } = abort;
+    let convert = if chat { to_chat_reply } else { to_chat_result };
+    let reply = move |r: Outcome| {
+        if let Some(cb) = on_done {
+            cb(&r);
+        }
+        deferred.resolve(move |env| {
+            if let Some(h) = hook {
+                h.release(&env);
+            }
+            r.map_err(js_error)
+        });
+    };
+    if flag.load(std::sync::atomic::Ordering::SeqCst) {
+        reply(Ok(aborted_result()));
+        return Ok(promise);
+    }
+    worker.run(
+        move |eng| {
+            let mut obs = FlagObserver(flag);
+            job(eng, &mut obs).map(convert)
+        },
+        reply,
+    );
+    Ok(promise)
+}
+
+/// Runs `job` on the worker, streaming its text.
+pub(crate) fn run_stream(
+    worker: &ModelWorker,
+    env: &Env,
+    abort: Abort,
+    chat: bool,
+    job: Job,
+    on_done: Option<OnDone>,
+) -> Result<GenerationStream> {
+    let Abort { flag, hook } = abort;
+    let shared = StreamShared::new(flag.clone());
+    if let Some(cb) = on_done {
+        shared.on_finish(cb);
+    }
+    release_hook_when_done(env, &shared, hook)?;
+    if flag.load(std::sync::atomic::Ordering::SeqCst) {
+        shared.finish(Ok(aborted_result()));
+        return Ok(GenerationStream::new(shared));
+    }
+    let convert = if chat { to_chat_reply } else { to_chat_result };
+    let feed = shared.clone();
+    let done = shared.clone();
+    worker.run(
+        move |eng| {
+            let mut obs = StreamObserver { shared: feed, splitter: chat.then(ToolCallSplitter::new) };
+            let r = job(eng, &mut obs);
+            obs.flush();
+            r.map(convert)
+        },
+        move |r| done.finish(r),
+    );
+    Ok(GenerationStream::new(shared))
+}
+
+/// Validated arguments of a chat request.
+struct ChatArgs {
+    messages: Vec<crate::text::ChatMessage>,
+    values: OptionValues,
+    params: crate::generate::GenerateParams,
+}
+
+fn chat_job(a: ChatArgs) -> Job {
+    let tools = a.values.tools_value();
+    Box::new(move |eng, obs| eng.chat(&a.messages, tools.as_ref(), a.params, obs))
+}
+
+fn generate_job(prompt: Either<String, Vec<u32>>, params: crate::generate::GenerateParams) -> Job {
+    let prompt = match prompt {
+        Either::A(s) => Prompt::Text(s),
+        Either::B(ids) => Prompt::Tokens(ids),
+    };
+    Box::new(move |eng, obs| eng.generate(prompt, params, obs))
+}
+
+fn signal<'a, 'e>(options: &'a Option<GenerateOptions<'e>>) -> Option<&'a Object<'e>> {
+    options.as_ref().and_then(|o| o.signal.as_ref())
+}
 
 pub(crate) fn js_error(e: crate::Error) -> napi::Error {
     napi::Error::new(Status::GenericFailure, e.to_string())
@@ -54,13 +163,22 @@ impl Lfm2Model {
     }
 
     /// Chats with the model: renders `messages` with the checkpoint's chat
-    /// template and generates the assistant's reply.
+    /// template and generates the assistant's reply. Tool calls in the reply
+    /// come back parsed in `toolCalls` (their markup is not in `text`).
     #[napi(ts_return_type = "Promise<ChatResult>")]
-    pub fn chat<'e>(&self, env: &'e Env, messages: Vec<ChatMessage>, options: Option<GenerateOptions>) -> Result<Object<'e>> {
-        let msgs = to_chat_messages(messages)?;
-        let tools = options.as_ref().and_then(|o| o.tools.clone()).map(serde_json::Value::Array);
-        let params = generate_params(options.as_ref())?;
-        self.queue(env, move |eng| eng.chat(&msgs, tools.as_ref(), params, &mut NoObserver).map(to_chat_result))
+    pub fn chat<'e>(&self, env: &'e Env, messages: Vec<ChatMessage>, options: Option<GenerateOptions<'e>>) -> Result<Object<'e>> {
+        let args = self.chat_args(messages, &options)?;
+        let abort = Abort::watch(env, signal(&options))?;
+        run_request(&self.worker, env, abort, true, chat_job(args), None)
+    }
+
+    /// `chat()` as a stream of events: `for await (const ev of model.chatStream(messages))`
+    /// gives `{ type: 'text', text }` deltas, then `{ type: 'done', result }`.
+    #[napi]
+    pub fn chat_stream(&self, env: &Env, messages: Vec<ChatMessage>, options: Option<GenerateOptions<'_>>) -> Result<GenerationStream> {
+        let args = self.chat_args(messages, &options)?;
+        let abort = Abort::watch(env, signal(&options))?;
+        run_stream(&self.worker, env, abort, true, chat_job(args), None)
     }
 
     /// Raw completion without a chat template. A string is tokenized (adding
@@ -71,14 +189,32 @@ impl Lfm2Model {
         &self,
         env: &'e Env,
         prompt: Either<String, Vec<u32>>,
-        options: Option<GenerateOptions>,
+        options: Option<GenerateOptions<'e>>,
     ) -> Result<Object<'e>> {
-        let prompt = match prompt {
-            Either::A(s) => Prompt::Text(s),
-            Either::B(ids) => Prompt::Tokens(ids),
-        };
-        let params = generate_params(options.as_ref())?;
-        self.queue(env, move |eng| eng.generate(prompt, params, &mut NoObserver).map(to_chat_result))
+        let params = generate_params(&OptionValues::from_options(options.as_ref()))?;
+        let abort = Abort::watch(env, signal(&options))?;
+        run_request(&self.worker, env, abort, false, generate_job(prompt, params), None)
+    }
+
+    /// `generate()` as a stream of events (see `chatStream`).
+    #[napi]
+    pub fn generate_stream(
+        &self,
+        env: &Env,
+        prompt: Either<String, Vec<u32>>,
+        options: Option<GenerateOptions<'_>>,
+    ) -> Result<GenerationStream> {
+        let params = generate_params(&OptionValues::from_options(options.as_ref()))?;
+        let abort = Abort::watch(env, signal(&options))?;
+        run_stream(&self.worker, env, abort, false, generate_job(prompt, params), None)
+    }
+
+    /// A conversation that keeps its history (tool calls and results
+    /// included) between turns. Each turn currently runs the whole history
+    /// through the model again (no prefix cache yet).
+    #[napi]
+    pub fn create_session(&self, options: Option<SessionOptions<'_>>) -> Result<ChatSession> {
+        ChatSession::new(self.worker.clone(), options)
     }
 
     /// The logits of the last position after running `tokenIds` (float32).
@@ -113,9 +249,9 @@ impl Lfm2Model {
     /// The prompt token ids `chat()` would run for `messages` (the checkpoint's
     /// chat template with the generation prompt appended).
     #[napi(ts_return_type = "Promise<number[]>")]
-    pub fn apply_chat_template<'e>(&self, env: &'e Env, messages: Vec<ChatMessage>, options: Option<GenerateOptions>) -> Result<Object<'e>> {
+    pub fn apply_chat_template<'e>(&self, env: &'e Env, messages: Vec<ChatMessage>, options: Option<GenerateOptions<'e>>) -> Result<Object<'e>> {
         let msgs = to_chat_messages(messages)?;
-        let tools = options.and_then(|o| o.tools).map(serde_json::Value::Array);
+        let tools = OptionValues::from_options(options.as_ref()).tools_value();
         let tok = self.tokenizer.clone();
         off_thread(env, move || tok.apply_chat_template(&msgs, tools.as_ref(), true, None))
     }
@@ -132,16 +268,10 @@ impl Lfm2Model {
         self.worker.close();
     }
 
-    fn queue<'e>(
-        &self,
-        env: &'e Env,
-        f: impl FnOnce(&mut engine::Engine) -> crate::Result<ChatResult> + Send + 'static,
-    ) -> Result<Object<'e>> {
-        let (deferred, promise) = env.create_deferred()?;
-        self.worker.run(f, move |r| match r {
-            Ok(v) => deferred.resolve(move |_| Ok(v)),
-            Err(e) => deferred.reject(js_error(e)),
-        });
-        Ok(promise)
+    fn chat_args(&self, messages: Vec<ChatMessage>, options: &Option<GenerateOptions<'_>>) -> Result<ChatArgs> {
+        let messages = to_chat_messages(messages)?;
+        let values = OptionValues::from_options(options.as_ref());
+        let params = generate_params(&values)?;
+        Ok(ChatArgs { messages, values, params })
     }
 }

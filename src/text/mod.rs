@@ -7,6 +7,7 @@ pub mod detok;
 mod pyjson;
 mod strftime;
 pub mod tokenizer;
+pub mod tool_calls;
 
 pub use chat_template::{
     compile_cached, render_chat, ChatMessage, ChatTemplate, LFM2_CHAT_TEMPLATE,

@@ -319,6 +319,10 @@ impl Tokenizer {
         extra: Option<&serde_json::Map<String, serde_json::Value>>,
     ) -> Result<String> {
         let template = self.compiled_template()?;
+        // Structured assistant tool calls become LFM2's tool-call text when
+        // the template does not render `tool_calls` itself.
+        let messages = super::tool_calls::inline_tool_calls(messages, template.source())?;
+        let messages = &messages[..];
         let mut specials: Vec<(&str, &str)> = Vec::with_capacity(4);
         for (name, value) in [
             ("bos_token", &self.bos_token),

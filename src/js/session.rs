@@ -1,0 +1,244 @@
+//! `ChatSession`: a conversation with a model that keeps its history.
+//!
+//! Each turn renders the system prompt, the history and the new message with
+//! the chat template and runs the whole prompt on the model's worker (a
+//! fresh cache per request: there is no prefix cache yet, so turns
+//! re-prefill). The session is the unit a prefix cache will attach to: its
+//! history only grows by completed turns, and `reset()` is where such a
+//! cache would be dropped.
+
+use super::convert::{
+    generate_params, to_chat_messages, ChatMessage, GenerateOptions, OptionValues, ToolCall,
+};
+use super::model::{js_error, run_request, run_stream, Job, OnDone, Outcome};
+use super::stream::{Abort, GenerationStream};
+use crate::engine::worker::ModelWorker;
+use crate::error::Error;
+use napi::bindgen_prelude::*;
+use napi_derive::napi;
+use parking_lot::Mutex;
+use serde_json::{json, Value};
+use std::sync::Arc;
+
+#[napi(object, object_to_js = false)]
+pub struct SessionOptions<'env> {
+    /// The system prompt, sent first on every turn.
+    pub system: Option<String>,
+    /// Tools (OpenAI function shape) offered on every turn; a turn's own
+    /// `tools` option replaces them for that turn.
+    pub tools: Option<Vec<serde_json::Value>>,
+    /// Generation options for every turn; a turn's options override them
+    /// one by one. (A `signal` belongs to a turn, not here.)
+    pub defaults: Option<GenerateOptions<'env>>,
+    /// Earlier conversation to continue from (without the system prompt).
+    pub messages: Option<Vec<ChatMessage>>,
+}
+
+struct SessionState {
+    system: Option<String>,
+    tools: Option<Vec<Value>>,
+    defaults: OptionValues,
+    history: Vec<ChatMessage>,
+    /// A turn is in flight.
+    busy: bool,
+    /// Bumped by `reset()`, so a turn that was in flight then is not recorded.
+    epoch: u64,
+}
+
+/// A conversation with one model. Turns run one at a time: `send` while a
+/// turn is in flight rejects.
+#[napi]
+pub struct ChatSession {
+    worker: Arc<ModelWorker>,
+    state: Arc<Mutex<SessionState>>,
+}
+
+fn message(role: &str, content: String) -> ChatMessage {
+    ChatMessage { role: role.into(), content: Some(content), tool_calls: None, tool_call_id: None, name: None }
+}
+
+fn tool_call_json(c: &ToolCall) -> Value {
+    json!({ "id": c.id, "type": c.kind, "function": { "name": c.function.name, "arguments": c.function.arguments } })
+}
+
+fn err(msg: impl Into<String>) -> napi::Error {
+    js_error(Error::invalid(msg.into()))
+}
+
+/// A validated turn, ready to run.
+struct Turn {
+    job: Job,
+    on_done: OnDone,
+}
+
+impl ChatSession {
+    pub fn new(worker: Arc<ModelWorker>, options: Option<SessionOptions<'_>>) -> Result<ChatSession> {
+        let mut state = SessionState {
+            system: None,
+            tools: None,
+            defaults: OptionValues::default(),
+            history: vec![],
+            busy: false,
+            epoch: 0,
+        };
+        if let Some(o) = options {
+            if o.defaults.as_ref().is_some_and(|d| d.signal.is_some()) {
+                return Err(err("defaults.signal is not supported: pass a signal to each send() instead"));
+            }
+            state.defaults = OptionValues::from_options(o.defaults.as_ref());
+            // Validate the defaults now rather than on the first turn.
+            generate_params(&state.defaults)?;
+            state.system = o.system;
+            state.tools = o.tools;
+            if let Some(m) = o.messages {
+                to_chat_messages(m.clone())?;
+                state.history = m;
+            }
+        }
+        Ok(ChatSession { worker, state: Arc::new(Mutex::new(state)) })
+    }
+
+    /// Checks the turn, marks the session busy and builds the work.
+    fn begin(&self, input: Option<Either<String, ChatMessage>>, options: &Option<GenerateOptions<'_>>) -> Result<Turn> {
+        let mut s = self.state.lock();
+        if s.busy {
+            return Err(err("a turn is already in progress on this session; wait for it (or abort it) first"));
+        }
+        let user = match input {
+            None => None,
+            Some(Either::A(text)) => Some(message("user", text)),
+            Some(Either::B(m)) => Some(m),
+        };
+        if user.is_none() && s.history.is_empty() {
+            return Err(err("the session has no messages yet: send() needs a message"));
+        }
+        let values = s.defaults.overlay(&OptionValues::from_options(options.as_ref()));
+        let params = generate_params(&values)?;
+        let tools = values.tools.clone().or_else(|| s.tools.clone()).map(Value::Array);
+        let mut all: Vec<ChatMessage> = Vec::with_capacity(s.history.len() + 2);
+        if let Some(sys) = &s.system {
+            all.push(message("system", sys.clone()));
+        }
+        all.extend(s.history.iter().cloned());
+        all.extend(user.iter().cloned());
+        let messages = to_chat_messages(all)?;
+        s.busy = true;
+        let epoch = s.epoch;
+        let state = self.state.clone();
+        let on_done: OnDone = Box::new(move |r: &Outcome| {
+            let mut s = state.lock();
+            if s.epoch != epoch {
+                return;
+            }
+            s.busy = false;
+            let Ok(r) = r else { return }; // a failed turn leaves the history as it was
+            let tool_calls = r.tool_calls.as_ref().map(|c| c.iter().map(tool_call_json).collect::<Vec<_>>());
+            if r.finish_reason == "abort" && r.text.is_empty() && tool_calls.is_none() {
+                return; // aborted before it said anything: as if never sent
+            }
+            s.history.extend(user);
+            let mut reply = message("assistant", r.text.clone());
+            reply.tool_calls = tool_calls;
+            s.history.push(reply);
+        });
+        let job: Job = Box::new(move |eng, obs| eng.chat(&messages, tools.as_ref(), params, obs));
+        Ok(Turn { job, on_done })
+    }
+
+    /// Undoes `begin` when the turn could not even be queued.
+    fn abandon(&self) {
+        self.state.lock().busy = false;
+    }
+}
+
+#[napi]
+impl ChatSession {
+    /// Sends a user message (a string, or a whole message such as
+    /// `{ role: 'tool', ... }`) and generates the reply; without one, replies
+    /// to the history as it is (after `addToolResult`). The message and the
+    /// reply (with its tool calls) join the history once the turn is over.
+    /// A failed turn leaves the history unchanged; an aborted one keeps the
+    /// partial reply (or nothing, if it was aborted before any text).
+    #[napi(ts_return_type = "Promise<ChatResult>")]
+    pub fn send<'e>(
+        &self,
+        env: &'e Env,
+        input: Option<Either<String, ChatMessage>>,
+        options: Option<GenerateOptions<'e>>,
+    ) -> Result<Object<'e>> {
+        let turn = self.begin(input, &options)?;
+        let started = Abort::watch(env, options.as_ref().and_then(|o| o.signal.as_ref()))
+            .and_then(|abort| run_request(&self.worker, env, abort, true, turn.job, Some(turn.on_done)));
+        if started.is_err() {
+            self.abandon();
+        }
+        started
+    }
+
+    /// `send()` as a stream of events (see `Lfm2Model.chatStream`).
+    #[napi]
+    pub fn send_stream(
+        &self,
+        env: &Env,
+        input: Option<Either<String, ChatMessage>>,
+        options: Option<GenerateOptions<'_>>,
+    ) -> Result<GenerationStream> {
+        let turn = self.begin(input, &options)?;
+        let started = Abort::watch(env, options.as_ref().and_then(|o| o.signal.as_ref()))
+            .and_then(|abort| run_stream(&self.worker, env, abort, true, turn.job, Some(turn.on_done)));
+        if started.is_err() {
+            self.abandon();
+        }
+        started
+    }
+
+    /// Adds the result of a tool call from the history (by its id) as a
+    /// `tool` message; then `send()` lets the model answer with it.
+    /// Non-string content is sent as JSON.
+    #[napi(ts_args_type = "toolCallId: string, content: string | object")]
+    pub fn add_tool_result(&self, tool_call_id: String, content: Value) -> Result<()> {
+        let mut s = self.state.lock();
+        if s.busy {
+            return Err(err("a turn is in progress on this session; add tool results once it is over"));
+        }
+        let name = s
+            .history
+            .iter()
+            .rev()
+            .filter(|m| m.role == "assistant")
+            .filter_map(|m| m.tool_calls.as_ref())
+            .flatten()
+            .find(|c| c.get("id").and_then(Value::as_str) == Some(tool_call_id.as_str()))
+            .map(|c| c.pointer("/function/name").and_then(Value::as_str).unwrap_or_default().to_string());
+        let Some(name) = name else {
+            return Err(err(format!("no tool call with id `{tool_call_id}` in this session's history")));
+        };
+        let content = match content {
+            Value::String(s) => s,
+            other => serde_json::to_string(&other).unwrap_or_default(),
+        };
+        let mut m = message("tool", content);
+        m.tool_call_id = Some(tool_call_id);
+        m.name = (!name.is_empty()).then_some(name);
+        s.history.push(m);
+        Ok(())
+    }
+
+    /// The conversation so far: the system prompt (if any) first, then every
+    /// completed turn, tool calls and tool results included.
+    #[napi(getter)]
+    pub fn history(&self) -> Vec<ChatMessage> {
+        let s = self.state.lock();
+        s.system.iter().map(|sys| message("system", sys.clone())).chain(s.history.iter().cloned()).collect()
+    }
+
+    /// Forgets the conversation (the system prompt, tools and defaults stay).
+    /// A turn in flight still resolves but is not recorded.
+    #[napi]
+    pub fn reset(&self) {
+        let mut s = self.state.lock();
+        s.history.clear();
+        s.epoch += 1;
+        s.busy = false;
+    }
+}
