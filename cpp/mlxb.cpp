@@ -162,8 +162,15 @@ int mlxb_array_scalar(double value, int dtype, mlxb_array* out) {
 
 int mlxb_array_to_host(mlxb_array a, void* dst, size_t len) {
   MLXB_TRY({
-    mx::array c = mx::contiguous(A(a));
+    // Evaluate (or wait for an async_eval of) the array itself first: adding a
+    // `contiguous` node before that would queue it behind whatever was
+    // scheduled since (the next decode step) and serialize host and device.
+    mx::array c = A(a);
     c.eval();
+    if (!c.flags().row_contiguous || c.data_size() != c.size()) {
+      c = mx::contiguous(c);
+      c.eval();
+    }
     if (c.nbytes() != len) {
       throw std::invalid_argument("to_host: destination holds " + std::to_string(len) + " bytes but the array has " +
                                   std::to_string(c.nbytes()));
