@@ -307,18 +307,6 @@ struct mlxb_decoder_s {
   Decoder d;
 };
 
-#define MLXB_TRY(...)                                    \
-  try {                                                  \
-    __VA_ARGS__;                                         \
-    return 0;                                            \
-  } catch (const std::exception& e) {                    \
-    mlxb::set_error(e.what());                           \
-    return 1;                                            \
-  } catch (...) {                                        \
-    mlxb::set_error("unknown C++ exception inside MLX"); \
-    return 1;                                            \
-  }
-
 extern "C" {
 
 int mlxb_decoder_new(const mlxb_decoder_config* cfg, const uint8_t* attn_layers, const uint8_t* moe_layers,

@@ -76,18 +76,6 @@ int from_dtype(mx::Dtype d) {
 using mlxb::A;
 using mlxb::wrap;
 
-#define MLXB_TRY(...)                                        \
-  try {                                                      \
-    __VA_ARGS__;                                                    \
-    return 0;                                                \
-  } catch (const std::exception& e) {                        \
-    mlxb::set_error(e.what());                               \
-    return 1;                                                \
-  } catch (...) {                                            \
-    mlxb::set_error("unknown C++ exception inside MLX");     \
-    return 1;                                                \
-  }
-
 namespace {
 
 mx::Shape shape_of(const int32_t* s, int n) { return mx::Shape(s, s + n); }

@@ -1,5 +1,5 @@
-// Shared by the bridge's translation units (the op bridge now, the compiled
-// decode step later): the handle layout and the dtype mapping.
+// Shared by the bridge's translation units (the op bridge, mlxb.cpp, and the
+// compiled decode step, decode.cpp): handle layout, dtype mapping, error macro.
 #pragma once
 
 #include "mlx/mlx.h"
@@ -8,6 +8,20 @@
 struct mlxb_array_s {
   mlx::core::array a;
 };
+
+// Wraps an entry point's body: C++ exceptions become a non-zero return and
+// the thread's error text, never an unwinding across the C ABI.
+#define MLXB_TRY(...)                                        \
+  try {                                                      \
+    __VA_ARGS__;                                             \
+    return 0;                                                \
+  } catch (const std::exception& e) {                        \
+    mlxb::set_error(e.what());                               \
+    return 1;                                                \
+  } catch (...) {                                            \
+    mlxb::set_error("unknown C++ exception inside MLX");     \
+    return 1;                                                \
+  }
 
 namespace mlxb {
 
