@@ -4,7 +4,8 @@
 use super::CompiledDecoder;
 use crate::fixture::{self, DType, FixtureSpec, Preset};
 use crate::generate::prefill;
-use crate::mlx::{Array, Dtype};
+use crate::convert::{convert, ConvertRecipe};
+use crate::mlx::{Array, Dtype, QuantMode};
 use crate::model::{load_model, LoadOptions, ModelCache};
 
 fn tmp(name: &str) -> std::path::PathBuf {
@@ -20,11 +21,30 @@ fn argmax(l: &Array) -> Array {
 }
 
 fn check_exact(preset: Preset, dtype: DType, name: &str) {
-    let dir = tmp(name);
+    check_exact_q(preset, dtype, None, name)
+}
+
+/// With `quant`, the generated checkpoint is first quantized by our converter
+/// (which writes what mlx-lm's converter writes).
+fn check_exact_q(preset: Preset, dtype: DType, quant: Option<(QuantMode, i32, i32)>, name: &str) {
+    let src = tmp(name);
     let mut spec = FixtureSpec::new(preset);
     spec.dtype = dtype;
-    fixture::generate(&spec, &dir).unwrap();
+    fixture::generate(&spec, &src).unwrap();
+    let dir = match quant {
+        None => src.clone(),
+        Some((mode, bits, gs)) => {
+            let out = tmp(&format!("{name}-q"));
+            std::fs::remove_dir_all(&out).ok();
+            let recipe = ConvertRecipe::quantized(mode, Some(bits), Some(gs)).unwrap();
+            convert(&src, &out, &recipe).unwrap();
+            out
+        }
+    };
     let m = load_model(&dir, &LoadOptions::default()).unwrap().model;
+    if quant.is_some() {
+        assert!(!m.registry.is_empty(), "{name}: nothing was quantized");
+    }
     let dec = CompiledDecoder::new(&m).unwrap();
     let prompt: Vec<u32> = (0..19).map(|i| (i * 31 + 5) % 700 + 1).collect();
     let mut c0: ModelCache = m.new_cache();
@@ -45,6 +65,26 @@ fn check_exact(preset: Preset, dtype: DType, name: &str) {
     assert_eq!(ce.pos, cc.pos);
     assert!(distinct.len() > 3, "{name}: degenerate greedy run");
     std::fs::remove_dir_all(&dir).ok();
+    std::fs::remove_dir_all(&src).ok();
+}
+
+/// Every quantized format, dense and MoE: each projection dispatched by the
+/// quant registry, compiled equal to eager byte for byte.
+#[test]
+fn quantized_modes_exact() {
+    let modes = [
+        (QuantMode::Affine, 4, 32),
+        (QuantMode::Affine, 8, 32),
+        (QuantMode::Mxfp4, 4, 32),
+        (QuantMode::Mxfp8, 8, 32),
+        (QuantMode::Nvfp4, 4, 16),
+    ];
+    for (mode, bits, gs) in modes {
+        for preset in [Preset::Tiny, Preset::TinyMoe] {
+            let name = format!("{}-{}{}-{}", preset.name(), mode.name(), bits, gs);
+            check_exact_q(preset, DType::BF16, Some((mode, bits, gs)), &name);
+        }
+    }
 }
 
 #[test]
