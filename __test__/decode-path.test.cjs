@@ -54,3 +54,24 @@ test('MLX_LFM_DISABLE_COMPILED=1 forces eager; an invalid value is an error nami
     assert.rejects(addon.Lfm2Model.load(dir), /MLX_LFM_DISABLE_COMPILED=maybe is not valid; use 1\/true\/yes\/on or 0\/false\/no\/off/));
   await assert.rejects(async () => addon.Lfm2Model.load(dir, { decodePath: 'fast' }), /decodePath `fast` is not valid; use compiled or eager/);
 });
+
+test('two models in one process keep their own compiled paths', async () => {
+  const dense = await fixture('tiny', { preset: 'tiny', dtype: 'f32' });
+  const moe = await fixture('tiny-moe', { preset: 'tiny-moe', dtype: 'f32' });
+  const a = await addon.Lfm2Model.load(dense);
+  const b = await addon.Lfm2Model.load(moe);
+  assert.equal(a.info().decodePath, 'compiled');
+  assert.equal(b.info().decodePath, 'compiled');
+  const opts = { maxTokens: 32, ignoreEos: true };
+  const soloA = (await a.generate([1, 2, 3], opts)).tokens;
+  const soloB = (await b.generate([1, 2, 3], opts)).tokens;
+  // Interleaved and concurrent: neither evicts nor disturbs the other.
+  for (let i = 0; i < 3; i++) {
+    const [ra, rb] = await Promise.all([a.generate([1, 2, 3], opts), b.generate([1, 2, 3], opts)]);
+    assert.deepEqual(ra.tokens, soloA);
+    assert.deepEqual(rb.tokens, soloB);
+  }
+  assert.notDeepEqual(soloA, soloB);
+  a.close();
+  b.close();
+});
