@@ -49,7 +49,8 @@ function cacheDir() {
 }
 
 async function demoModel(addon) {
-  const dir = path.join(cacheDir(), 'tiny-demo');
+  // Versioned, so a newer generator never reuses an older demo model.
+  const dir = path.join(cacheDir(), `tiny-demo-${require('./package.json').version}-${addon.mlxInfo().version}`);
   if (!fs.existsSync(path.join(dir, 'config.json'))) await addon.generateFixture(dir, { preset: 'tiny', dtype: 'f32' });
   console.error(`mlx-lfm: no --model given; using a tiny generated model with random weights at ${dir}`);
   console.error('         (its replies are gibberish; pass --model DIR for a real LFM2 checkpoint)');
