@@ -5,7 +5,7 @@ use crate::error::{Error, Result};
 use serde_json::{Map, Value};
 use std::path::Path;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ModelType {
     Lfm2,
     Lfm2Moe,
@@ -16,6 +16,15 @@ impl ModelType {
         match self {
             ModelType::Lfm2 => "lfm2",
             ModelType::Lfm2Moe => "lfm2_moe",
+        }
+    }
+
+    /// Also accepts `dense` / `moe` and `-` for `_` (command-line spellings).
+    pub fn parse(s: &str) -> Result<ModelType> {
+        match s.trim().to_ascii_lowercase().replace('-', "_").as_str() {
+            "lfm2" | "dense" => Ok(ModelType::Lfm2),
+            "lfm2_moe" | "moe" => Ok(ModelType::Lfm2Moe),
+            _ => Err(Error::invalid(format!("unknown model type {s:?} (expected lfm2 or lfm2_moe)"))),
         }
     }
 }
