@@ -272,6 +272,20 @@ export interface LoadOptions {
    * MLX_LFM_DISABLE_COMPILED=1 turns it off).
    */
   decodePath?: string
+  /**
+   * KV cache storage: "default" (full precision), "affine4" / "affine8"
+   * (MLX affine, group 64), "rotorquant" (IsoQuant 3-bit, dense rotation),
+   * "rotorquant-dense", "rotorquant-quaternion", or "rotorquant-adaptive"
+   * (the first and last `kvCacheFullPrecisionLayers` attention layers in
+   * full precision). Default: MLX_LFM_KV_CACHE, else "default". Quantized
+   * caches decode on the eager path.
+   */
+  kvCache?: string
+  /**
+   * For "rotorquant-adaptive": attention layers kept in full precision at
+   * each end (default 1; LFM2 has 6 attention layers).
+   */
+  kvCacheFullPrecisionLayers?: number
 }
 
 export interface MemoryInfo {
@@ -331,8 +345,17 @@ export interface ModelInfo {
   dtype: string
   /** Quantized formats in use; empty for an unquantized checkpoint. */
   quantization: Array<QuantizationInfo>
-  /** "flat" or "paged". */
+  /** "flat", "paged" or "quantized" (a kvCache other than "default"). */
   cacheKind: string
+  /** The kvCache setting in effect. */
+  kvCache: string
+  /**
+   * Per attention layer: what its KV cache stores ("default" = full
+   * precision, "affine4", "affine8", "rotorquant-dense", "rotorquant-quaternion").
+   */
+  kvCacheLayers: Array<string>
+  /** KV cache bytes per token over all attention layers. */
+  kvBytesPerToken: number
   /** "compiled" or "eager". */
   decodePath: string
   /** Why that decode path was chosen. */

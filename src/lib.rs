@@ -17,3 +17,4 @@ pub mod generate;
 pub mod model;
 pub mod convert;
 pub mod compiled;
+pub mod kvquant;

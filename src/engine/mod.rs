@@ -9,6 +9,8 @@ use crate::compiled::CompiledDecoder;
 use crate::generate::{self, GenerateParams, Generation, Observer, Stepper};
 use crate::mlx::{runtime, Dtype};
 use crate::model::config::token_ids;
+use crate::kvquant::KvCacheConfig;
+use crate::model::lfm2::Operator;
 use crate::model::{load_model, Lfm2Model, LoadOptions};
 use crate::text::{ChatMessage, Tokenizer};
 use serde_json::Value;
@@ -27,6 +29,12 @@ pub struct EngineOptions {
     pub device: Option<runtime::DeviceType>,
     /// Force a decode path; default: compiled when eligible.
     pub decode_path: Option<DecodePath>,
+    /// KV cache storage (`default`, `affine4`, `affine8`, `rotorquant`, ...;
+    /// see `kvquant::VALID_NAMES`); default: MLX_LFM_KV_CACHE, else `default`.
+    pub kv_cache: Option<String>,
+    /// `rotorquant-adaptive`: attention layers kept in full precision at
+    /// each end (default `kvquant::DEFAULT_FULL_PRECISION_LAYERS`).
+    pub kv_cache_full_precision_layers: Option<usize>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,6 +74,13 @@ pub struct ModelInfo {
     pub dtype: String,
     pub quantization: Vec<QuantSummary>,
     pub cache_kind: String,
+    /// The kvCache setting in effect ("default", "rotorquant-adaptive", ...).
+    pub kv_cache: String,
+    /// Per attention layer (in layer order): what its KV cache stores
+    /// ("default" = full precision, "affine4", "rotorquant-dense", ...).
+    pub kv_cache_layers: Vec<String>,
+    /// KV cache bytes one token takes over all attention layers (batch 1).
+    pub kv_bytes_per_token: usize,
     pub decode_path: String,
     pub decode_path_reason: String,
     pub parameter_count: usize,
@@ -108,10 +123,38 @@ fn generation_config_eos(dir: &Path) -> Result<Vec<u32>> {
     token_ids(v.get("eos_token_id"), "eos_token_id", "generation_config.json")
 }
 
+/// KV bytes per token over all attention layers (batch 1), as stored.
+pub fn kv_bytes_per_token(model: &Lfm2Model) -> usize {
+    model
+        .layers
+        .iter()
+        .enumerate()
+        .filter_map(|(i, l)| match &l.operator {
+            Operator::Attention(a) => {
+                let per_vector = match model.kv_codecs.get(i).and_then(|c| c.as_ref()) {
+                    Some(codec) => codec.bytes_per_vector(model.dtype),
+                    None => a.head_dim as usize * model.dtype.size(),
+                };
+                Some(2 * a.n_kv_heads as usize * per_vector)
+            }
+            Operator::Conv(_) => None,
+        })
+        .sum()
+}
+
 impl Engine {
     pub fn load(dir: &Path, opts: &EngineOptions) -> Result<Engine> {
         if !dir.is_dir() {
             return Err(Error::load(format!("model path {} is not a directory", dir.display())));
+        }
+        // Validated before anything else happens, so a bad name changes nothing.
+        let kv_cfg = KvCacheConfig::resolve(opts.kv_cache.as_deref(), opts.kv_cache_full_precision_layers)?;
+        if kv_cfg.kind.is_quantized() && opts.decode_path == Some(DecodePath::Compiled) {
+            return Err(Error::config(format!(
+                "decodePath `compiled` cannot be used with kvCache `{}`: the compiled step reads only the flat \
+                 full-precision cache; use decodePath `eager` or leave it unset",
+                kv_cfg.name
+            )));
         }
         if let Some(d) = opts.device {
             runtime::set_default_device(d)?;
@@ -119,7 +162,8 @@ impl Engine {
         let disabled = env_flag("MLX_LFM_DISABLE_COMPILED")?;
         let tokenizer = Arc::new(Tokenizer::load(dir)?);
         let loaded = load_model(dir, &LoadOptions { dtype: opts.dtype })?;
-        let model = loaded.model;
+        let mut model = loaded.model;
+        let kv_kinds = model.set_kv_cache(&kv_cfg)?;
         let c = &model.config;
         let mut eos: HashSet<u32> = c.eos_token_ids.iter().copied().collect();
         eos.extend(generation_config_eos(dir)?);
@@ -127,21 +171,32 @@ impl Engine {
         if let Some(&bad) = eos.iter().find(|&&t| t as usize >= c.vocab_size) {
             return Err(Error::config(format!("end-of-sequence id {bad} is outside vocab_size {}", c.vocab_size)));
         }
-        let (compiled, decode_path_reason) = match (opts.decode_path, disabled) {
-            (Some(DecodePath::Eager), _) => (None, "eager requested by the decodePath load option".to_string()),
-            (None, Some(true)) => (None, "MLX_LFM_DISABLE_COMPILED=1".to_string()),
-            (forced, _) => match CompiledDecoder::new(&model) {
-                Ok(d) => (
-                    Some(d),
-                    if forced.is_some() {
-                        "compiled requested by the decodePath load option".to_string()
-                    } else {
-                        "default: the compiled step covers every layer of this model".to_string()
-                    },
+        let (compiled, decode_path_reason) = if kv_cfg.kind.is_quantized() {
+            (
+                None,
+                format!(
+                    "kvCache `{}` keeps K/V quantized and the compiled step reads only the flat full-precision \
+                     cache, so decode runs eager",
+                    kv_cfg.name
                 ),
-                Err(e) if forced.is_some() => return Err(e.context("the compiled decode path was requested but could not be built")),
-                Err(e) => (None, format!("the compiled step could not be built ({}); using eager", e.message)),
-            },
+            )
+        } else {
+            match (opts.decode_path, disabled) {
+                (Some(DecodePath::Eager), _) => (None, "eager requested by the decodePath load option".to_string()),
+                (None, Some(true)) => (None, "MLX_LFM_DISABLE_COMPILED=1".to_string()),
+                (forced, _) => match CompiledDecoder::new(&model) {
+                    Ok(d) => (
+                        Some(d),
+                        if forced.is_some() {
+                            "compiled requested by the decodePath load option".to_string()
+                        } else {
+                            "default: the compiled step covers every layer of this model".to_string()
+                        },
+                    ),
+                    Err(e) if forced.is_some() => return Err(e.context("the compiled decode path was requested but could not be built")),
+                    Err(e) => (None, format!("the compiled step could not be built ({}); using eager", e.message)),
+                },
+            }
         };
         let mut eos_sorted: Vec<u32> = eos.iter().copied().collect();
         eos_sorted.sort();
@@ -161,7 +216,10 @@ impl Engine {
                     projections: n,
                 })
                 .collect(),
-            cache_kind: "flat".into(),
+            cache_kind: if kv_cfg.kind.is_quantized() { "quantized" } else { "flat" }.into(),
+            kv_cache: kv_cfg.name.clone(),
+            kv_cache_layers: kv_kinds.iter().flatten().map(|k| k.name()).collect(),
+            kv_bytes_per_token: kv_bytes_per_token(&model),
             decode_path: if compiled.is_some() { "compiled" } else { "eager" }.into(),
             decode_path_reason,
             parameter_count: model.parameter_count(),

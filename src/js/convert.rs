@@ -22,6 +22,16 @@ pub struct LoadOptions {
     /// "compiled" or "eager" (default: compiled when the model is eligible;
     /// MLX_LFM_DISABLE_COMPILED=1 turns it off).
     pub decode_path: Option<String>,
+    /// KV cache storage: "default" (full precision), "affine4" / "affine8"
+    /// (MLX affine, group 64), "rotorquant" (IsoQuant 3-bit, dense rotation),
+    /// "rotorquant-dense", "rotorquant-quaternion", or "rotorquant-adaptive"
+    /// (the first and last `kvCacheFullPrecisionLayers` attention layers in
+    /// full precision). Default: MLX_LFM_KV_CACHE, else "default". Quantized
+    /// caches decode on the eager path.
+    pub kv_cache: Option<String>,
+    /// For "rotorquant-adaptive": attention layers kept in full precision at
+    /// each end (default 1; LFM2 has 6 attention layers).
+    pub kv_cache_full_precision_layers: Option<u32>,
 }
 
 #[napi(object, object_to_js = false)]
@@ -224,8 +234,15 @@ pub struct ModelInfo {
     pub dtype: String,
     /// Quantized formats in use; empty for an unquantized checkpoint.
     pub quantization: Vec<QuantizationInfo>,
-    /// "flat" or "paged".
+    /// "flat", "paged" or "quantized" (a kvCache other than "default").
     pub cache_kind: String,
+    /// The kvCache setting in effect.
+    pub kv_cache: String,
+    /// Per attention layer: what its KV cache stores ("default" = full
+    /// precision, "affine4", "affine8", "rotorquant-dense", "rotorquant-quaternion").
+    pub kv_cache_layers: Vec<String>,
+    /// KV cache bytes per token over all attention layers.
+    pub kv_bytes_per_token: f64,
     /// "compiled" or "eager".
     pub decode_path: String,
     /// Why that decode path was chosen.
@@ -266,6 +283,8 @@ pub fn engine_options(o: Option<LoadOptions>) -> Result<EngineOptions> {
                 _ => return Err(js_error(Error::invalid(format!("decodePath `{p}` is not valid; use compiled or eager")))),
             });
         }
+        e.kv_cache = o.kv_cache;
+        e.kv_cache_full_precision_layers = o.kv_cache_full_precision_layers.map(|n| n as usize);
         if let Some(d) = o.device {
             e.device = Some(match d.as_str() {
                 "cpu" => runtime::DeviceType::Cpu,
@@ -402,6 +421,9 @@ pub fn to_model_info(i: &engine::ModelInfo) -> ModelInfo {
             .map(|q| QuantizationInfo { mode: q.mode.clone(), bits: q.bits, group_size: q.group_size, projections: q.projections as u32 })
             .collect(),
         cache_kind: i.cache_kind.clone(),
+        kv_cache: i.kv_cache.clone(),
+        kv_cache_layers: i.kv_cache_layers.clone(),
+        kv_bytes_per_token: i.kv_bytes_per_token as f64,
         decode_path: i.decode_path.clone(),
         decode_path_reason: i.decode_path_reason.clone(),
         parameter_count: i.parameter_count as f64,

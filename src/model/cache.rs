@@ -13,6 +13,9 @@ pub struct KvCache {
     keys: Option<Array>,
     values: Option<Array>,
     pub offset: usize,
+    /// A quantized cache (the `kvCache` load option) replaces the flat
+    /// buffers when set; `offset` mirrors its length. Eager decode only.
+    pub quant: Option<Box<crate::kvquant::QuantKvCache>>,
 }
 
 impl KvCache {
@@ -86,6 +89,9 @@ impl KvCache {
     /// For the compiled step: make room for one more token and hand out the
     /// buffers (allocating them shaped like `k`/`v` when empty).
     pub fn buffers_for_step(&mut self, like_k: &Array, like_v: &Array) -> Result<(Array, Array)> {
+        if self.quant.is_some() {
+            return Err(crate::error::Error::invalid("the compiled decode step cannot run over a quantized KV cache"));
+        }
         self.reserve(1, like_k, like_v)?;
         Ok((self.keys.clone().unwrap(), self.values.clone().unwrap()))
     }
@@ -97,13 +103,43 @@ impl KvCache {
         self.offset += 1;
     }
 
+    /// The flat cache's used K and V (`[B, kv_heads, offset, head_dim]`);
+    /// None when empty or quantized.
+    pub fn contents(&self) -> Result<Option<(Array, Array)>> {
+        match (&self.keys, &self.values, &self.quant) {
+            (Some(k), Some(v), None) if self.offset > 0 => {
+                let end = self.offset as i32;
+                Ok(Some((k.slice_axis(2, 0, end)?, v.slice_axis(2, 0, end)?)))
+            }
+            _ => Ok(None),
+        }
+    }
+
     /// Bytes held (the allocated capacity, not just the used part).
     pub fn nbytes(&self) -> usize {
-        self.keys.as_ref().map(|a| a.nbytes()).unwrap_or(0) + self.values.as_ref().map(|a| a.nbytes()).unwrap_or(0)
+        self.keys.as_ref().map(|a| a.nbytes()).unwrap_or(0)
+            + self.values.as_ref().map(|a| a.nbytes()).unwrap_or(0)
+            + self.quant.as_ref().map(|q| q.nbytes()).unwrap_or(0)
+    }
+
+    /// Bytes of the used positions only (allocated capacity aside).
+    pub fn used_bytes(&self) -> usize {
+        if let Some(q) = &self.quant {
+            return q.used_bytes();
+        }
+        let cap = self.capacity();
+        if cap == 0 {
+            return 0;
+        }
+        self.nbytes() / cap * self.offset
     }
 
     pub fn arrays(&self) -> Vec<&Array> {
-        self.keys.iter().chain(self.values.iter()).collect()
+        let mut v: Vec<&Array> = self.keys.iter().chain(self.values.iter()).collect();
+        if let Some(q) = &self.quant {
+            v.extend(q.arrays());
+        }
+        v
     }
 }
 
@@ -144,6 +180,18 @@ impl ModelCache {
             .map(|l| match l {
                 LayerCache::Attention(kv) => kv.nbytes(),
                 LayerCache::Conv(s) => s.as_ref().map(|a| a.nbytes()).unwrap_or(0),
+            })
+            .sum()
+    }
+
+    /// KV bytes of the used positions over all attention layers (allocated
+    /// capacity aside; conv state excluded).
+    pub fn kv_used_bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|l| match l {
+                LayerCache::Attention(kv) => kv.used_bytes(),
+                LayerCache::Conv(_) => 0,
             })
             .sum()
     }

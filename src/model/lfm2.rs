@@ -57,7 +57,13 @@ impl Attention {
         let off = cache.offset as i32;
         let q = mlx::rope(&q, hd, false, self.rope_theta, 1.0, off)?;
         let k = mlx::rope(&k, hd, false, self.rope_theta, 1.0, off)?;
-        let o = if t > 1 {
+        let o = if let Some(qc) = cache.quant.as_deref_mut() {
+            // Quantized KV cache (kvCache load option): deferred prefill,
+            // quantize on insert during decode; see src/kvquant/cache.rs.
+            let o = qc.attend(&q, &k, &v, self.scale)?;
+            cache.offset = qc.offset();
+            o
+        } else if t > 1 {
             let (k, v) = cache.update_and_fetch(&k, &v)?;
             mlx::sdpa(&q, &k, &v, self.scale, Mask::Causal)?
         } else {
@@ -182,6 +188,10 @@ pub struct Lfm2Model {
     pub registry: QuantRegistry,
     /// The dtype activations run in.
     pub dtype: Dtype,
+    /// Per layer, the codec of a quantized KV cache (`kvCache` load option);
+    /// `None` for conv layers and full-precision attention layers. Empty: all
+    /// flat. Set with [`Lfm2Model::set_kv_cache`].
+    pub kv_codecs: Vec<Option<crate::kvquant::Codec>>,
 }
 
 impl Lfm2Model {
@@ -216,7 +226,7 @@ impl Lfm2Model {
         } else {
             Some(Linear::load(st, &registry, "lm_head", d, c.vocab_size, false)?)
         };
-        Ok(Lfm2Model { config, embed, layers, final_norm, lm_head, registry, dtype })
+        Ok(Lfm2Model { config, embed, layers, final_norm, lm_head, registry, dtype, kv_codecs: vec![] })
     }
 
     /// Runs `ids` (`[B, T]` int32) through the model, advancing `cache`.
@@ -258,7 +268,32 @@ impl Lfm2Model {
     }
 
     pub fn new_cache(&self) -> ModelCache {
-        ModelCache::new(&self.config.attn_layers)
+        let mut c = ModelCache::new(&self.config.attn_layers);
+        for (lc, codec) in c.layers.iter_mut().zip(self.kv_codecs.iter()) {
+            if let (LayerCache::Attention(kv), Some(codec)) = (lc, codec) {
+                kv.quant = Some(Box::new(crate::kvquant::QuantKvCache::new(codec.clone())));
+            }
+        }
+        c
+    }
+
+    /// Chooses the KV cache every later [`Lfm2Model::new_cache`] builds.
+    /// Each attention layer gets a codec for its own head size. Returns the
+    /// per-layer kinds (`None` for conv layers). On error nothing changes.
+    pub fn set_kv_cache(&mut self, cfg: &crate::kvquant::KvCacheConfig) -> Result<Vec<Option<crate::kvquant::KvKind>>> {
+        let kinds = cfg.layer_kinds(&self.config.attn_layers)?;
+        let mut codecs = Vec::with_capacity(kinds.len());
+        for (i, (layer, kind)) in self.layers.iter().zip(&kinds).enumerate() {
+            codecs.push(match (&layer.operator, kind) {
+                (Operator::Attention(a), Some(k)) if k.is_quantized() => Some(
+                    crate::kvquant::Codec::new(*k, a.head_dim as usize)
+                        .map_err(|e| e.context(format!("attention layer {i}")))?,
+                ),
+                _ => None,
+            });
+        }
+        self.kv_codecs = if codecs.iter().any(|c| c.is_some()) { codecs } else { vec![] };
+        Ok(kinds)
     }
 
     /// Every weight array, for evaluation at load and memory accounting.
