@@ -135,8 +135,7 @@ impl CompiledDecoder {
         for lc in cache.layers.iter_mut() {
             match lc {
                 LayerCache::Attention(kv) => {
-                    let like = mlx::zeros(&kv_shape, model.dtype)?;
-                    let (k, v) = kv.buffers_for_step(&like, &like)?;
+                    let (k, v) = kv.buffers_for_step(|| mlx::zeros(&kv_shape, model.dtype))?;
                     ins.push(k);
                     ins.push(v);
                 }

@@ -87,12 +87,16 @@ impl KvCache {
     }
 
     /// For the compiled step: make room for one more token and hand out the
-    /// buffers (allocating them shaped like `k`/`v` when empty).
-    pub fn buffers_for_step(&mut self, like_k: &Array, like_v: &Array) -> Result<(Array, Array)> {
+    /// buffers. `like` (one token's K/V shape and dtype) is only built when
+    /// the buffers must grow, so a plain step allocates nothing here.
+    pub fn buffers_for_step(&mut self, like: impl FnOnce() -> Result<Array>) -> Result<(Array, Array)> {
         if self.quant.is_some() {
             return Err(crate::error::Error::invalid("the compiled decode step cannot run over a quantized KV cache"));
         }
-        self.reserve(1, like_k, like_v)?;
+        if self.keys.is_none() || self.offset + 1 > self.capacity() {
+            let l = like()?;
+            self.reserve(1, &l, &l)?;
+        }
         Ok((self.keys.clone().unwrap(), self.values.clone().unwrap()))
     }
 
