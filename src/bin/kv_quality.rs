@@ -103,7 +103,7 @@ fn argmax(l: &[f32]) -> u32 {
 /// layers hold the same K/V as `model`'s kvCache setting would after a
 /// deferred prefill.
 fn convert(model: &Lfm2Model, base: &ModelCache) -> Result<ModelCache> {
-    let mut c = base.clone();
+    let mut c = base.try_clone()?;
     for (i, lc) in c.layers.iter_mut().enumerate() {
         if let (LayerCache::Attention(kv), Some(Some(codec))) = (lc, model.kv_codecs.get(i)) {
             let (k, v) = kv.contents()?.expect("prefilled");
@@ -129,7 +129,7 @@ fn quality(model: &mut Lfm2Model, tokens: &[u32], steps: usize, backends: &[Stri
     let t = Instant::now();
     let mut ref_tokens = vec![argmax(&l0)];
     let mut ref_logp: Vec<Vec<f64>> = vec![];
-    let mut c = base.clone();
+    let mut c = base.try_clone()?;
     let mut default_bytes = 0;
     for s in 0..steps {
         let l = step(model, &mut c, ref_tokens[s])?;

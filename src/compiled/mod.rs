@@ -8,7 +8,7 @@ use crate::model::cache::LayerCache;
 use crate::model::lfm2::{FeedForward, Operator};
 use crate::model::lfm2_moe::SparseMoe;
 use crate::model::linear::{Linear, Weight};
-use crate::model::{Lfm2Model, ModelCache};
+use crate::model::{paged, Lfm2Model, ModelCache};
 
 /// The C++ decoder for one loaded model. Not Send: it lives on the model's
 /// worker thread, like every other MLX object of that model.
@@ -128,6 +128,9 @@ impl CompiledDecoder {
     /// and advances `cache`. `compiled = false` runs the same graph without
     /// `mx::compile` (used to prove the compiled step exact).
     pub fn step(&self, model: &Lfm2Model, ids: &Array, cache: &mut ModelCache, compiled: bool) -> Result<Array> {
+        if cache.paged.is_some() {
+            return self.step_paged(model, ids, cache, compiled);
+        }
         let c = &model.config;
         let pos = Array::scalar(cache.pos as f64, Dtype::Int32)?;
         let mut ins: Vec<Array> = vec![ids.clone(), pos];
@@ -139,17 +142,12 @@ impl CompiledDecoder {
                     ins.push(k);
                     ins.push(v);
                 }
-                LayerCache::Conv(s) => {
-                    let st = match s {
-                        Some(s) => s.clone(),
-                        None => mlx::zeros(&[1, c.conv_kernel as i32 - 1, c.hidden_size as i32], model.dtype)?,
-                    };
-                    ins.push(st);
-                }
+                LayerCache::Conv(s) => ins.push(conv_state(model, s)?),
+                LayerCache::Paged(_) => return Err(Error::invalid("paged layer in a flat cache")),
             }
         }
         let refs: Vec<&Array> = ins.iter().collect();
-        let outs = self.handle.step(compiled, &refs)?;
+        let outs = self.handle.step(compiled, false, &refs)?;
         if outs.len() != ins.len() - 1 {
             return Err(Error::mlx(format!("compiled decode returned {} arrays, expected {}", outs.len(), ins.len() - 1)));
         }
@@ -164,10 +162,84 @@ impl CompiledDecoder {
                     kv.commit_step(k, v);
                 }
                 LayerCache::Conv(s) => *s = Some(it.next().unwrap()),
+                LayerCache::Paged(_) => unreachable!("checked above"),
             }
         }
         cache.pos += 1;
         Ok(logits)
+    }
+
+    /// The step over a paged cache: the pools go in and come back (so MLX
+    /// can update them in place), with the padded block table and the
+    /// slot of the new position. Mirrors `Lfm2Model::forward_hidden`'s
+    /// paged decode op for op.
+    fn step_paged(&self, model: &Lfm2Model, ids: &Array, cache: &mut ModelCache, compiled: bool) -> Result<Array> {
+        let pos = cache.pos;
+        let seq = cache.paged.as_mut().unwrap();
+        if seq.len != pos {
+            return Err(Error::invalid("paged cache length does not match the cache position"));
+        }
+        seq.reserve(1)?;
+        let table = seq.table(pos + 1, true)?;
+        let (blk, off) = seq.slot(pos);
+        let slot = Array::from_slice(&[blk as i32, off as i32], &[2])?;
+        let pool_arc = seq.pool.clone();
+        let mut pool = pool_arc.lock();
+        let mut ins: Vec<Array> = vec![ids.clone(), Array::scalar(pos as f64, Dtype::Int32)?, table, slot];
+        for lc in cache.layers.iter() {
+            match lc {
+                LayerCache::Paged(i) => {
+                    ins.push(pool.keys(*i).clone());
+                    ins.push(pool.values(*i).clone());
+                }
+                LayerCache::Conv(s) => ins.push(conv_state(model, s)?),
+                LayerCache::Attention(_) => return Err(Error::invalid("flat attention layer in a paged cache")),
+            }
+        }
+        let refs: Vec<&Array> = ins.iter().collect();
+        let outs = self.handle.step(compiled, true, &refs)?;
+        drop(refs);
+        if outs.len() != ins.len() - 3 {
+            return Err(Error::mlx(format!("compiled paged decode returned {} arrays, expected {}", outs.len(), ins.len() - 3)));
+        }
+        drop(ins);
+        let mut it = outs.into_iter();
+        let logits = it.next().unwrap();
+        let mut states = vec![];
+        for lc in cache.layers.iter_mut() {
+            match lc {
+                LayerCache::Paged(i) => {
+                    let k = it.next().unwrap();
+                    let v = it.next().unwrap();
+                    pool.set_layer(*i, k, v);
+                }
+                LayerCache::Conv(s) => {
+                    let st = it.next().unwrap();
+                    states.push(st.clone());
+                    *s = Some(st);
+                }
+                LayerCache::Attention(_) => unreachable!("checked above"),
+            }
+        }
+        drop(pool);
+        let seq = cache.paged.as_mut().unwrap();
+        seq.len += 1;
+        cache.pos += 1;
+        if cache.pos % seq.block_size() == 0 {
+            let refs: Vec<&Array> = states.iter().collect();
+            let snap = if refs.is_empty() { mlx::zeros(&[1], model.dtype)? } else { paged::snapshot_of(&refs)? };
+            seq.keep_snapshot(cache.pos, snap.clone());
+            cache.push_fresh(snap);
+        }
+        Ok(logits)
+    }
+}
+
+fn conv_state(model: &Lfm2Model, s: &Option<Array>) -> Result<Array> {
+    let c = &model.config;
+    match s {
+        Some(s) => Ok(s.clone()),
+        None => mlx::zeros(&[1, c.conv_kernel as i32 - 1, c.hidden_size as i32], model.dtype),
     }
 }
 

@@ -11,6 +11,7 @@ use crate::mlx::{runtime, Dtype};
 use crate::model::config::token_ids;
 use crate::kvquant::KvCacheConfig;
 use crate::model::lfm2::Operator;
+use crate::model::paged::{self, PagedConfig, PagedStats};
 use crate::model::{load_model, Lfm2Model, LoadOptions};
 use crate::text::{ChatMessage, Tokenizer};
 use serde_json::Value;
@@ -35,6 +36,16 @@ pub struct EngineOptions {
     /// `rotorquant-adaptive`: attention layers kept in full precision at
     /// each end (default `kvquant::DEFAULT_FULL_PRECISION_LAYERS`).
     pub kv_cache_full_precision_layers: Option<usize>,
+    /// Paged KV cache with prefix reuse (true) or flat caches (false);
+    /// wins over config.json's `use_block_paged_cache`. Default: paged for
+    /// unquantized checkpoints, flat for quantized ones.
+    pub paged_cache: Option<bool>,
+    /// Tokens per paged block (default `paged::DEFAULT_BLOCK_SIZE`, or
+    /// config.json `paged_block_size`).
+    pub paged_block_size: Option<usize>,
+    /// Paged pool budget in MiB (default `paged::DEFAULT_BUDGET_MB`, or
+    /// config.json `paged_cache_budget_mb`).
+    pub paged_cache_budget_mb: Option<usize>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,7 +84,12 @@ pub struct ModelInfo {
     pub layer_kinds: Vec<String>,
     pub dtype: String,
     pub quantization: Vec<QuantSummary>,
+    /// "paged", "flat" or "quantized".
     pub cache_kind: String,
+    /// Why that cache was chosen.
+    pub cache_reason: String,
+    pub paged_block_size: Option<usize>,
+    pub paged_cache_budget_mb: Option<usize>,
     /// The kvCache setting in effect ("default", "rotorquant-adaptive", ...).
     pub kv_cache: String,
     /// Per attention layer (in layer order): what its KV cache stores
@@ -142,6 +158,78 @@ pub fn kv_bytes_per_token(model: &Lfm2Model) -> usize {
         .sum()
 }
 
+fn config_field<'a>(model: &'a Lfm2Model, k: &str) -> Option<&'a Value> {
+    model.config.raw.get(k).filter(|v| !v.is_null())
+}
+
+fn config_usize(model: &Lfm2Model, k: &str) -> Result<Option<usize>> {
+    match config_field(model, k) {
+        None => Ok(None),
+        Some(v) => v
+            .as_u64()
+            .filter(|&n| n > 0)
+            .map(|n| Some(n as usize))
+            .ok_or_else(|| Error::config(format!("config.json field `{k}` must be a positive integer, found {v}"))),
+    }
+}
+
+/// Paged or flat, and why. An explicit choice (load option, then
+/// config.json `use_block_paged_cache`) always wins; unset: paged for
+/// unquantized checkpoints, flat for quantized ones (the registry, built
+/// from the `.scales` tensors, says which).
+fn choose_cache(model: &Lfm2Model, opts: &EngineOptions, kv: &KvCacheConfig) -> Result<(Option<PagedConfig>, String)> {
+    let from_config = match config_field(model, "use_block_paged_cache") {
+        None => None,
+        Some(Value::Bool(b)) => Some(*b),
+        Some(v) => return Err(Error::config(format!("config.json field `use_block_paged_cache` must be true or false, found {v}"))),
+    };
+    let (paged, reason) = match (opts.paged_cache, from_config) {
+        (Some(p), _) => (p, format!("useBlockPagedCache: {p} (load option)")),
+        (None, Some(p)) => (p, format!("use_block_paged_cache: {p} in config.json")),
+        (None, None) if kv.kind.is_quantized() => {
+            (false, format!("kvCache `{}` keeps K/V quantized in per-sequence caches", kv.name))
+        }
+        (None, None) if !model.registry.is_empty() => (
+            false,
+            "default for quantized checkpoints: flat per-sequence caches (no prefix reuse); set useBlockPagedCache to \
+             change"
+                .to_string(),
+        ),
+        (None, None) => (true, "default for unquantized checkpoints: paged blocks with prefix reuse".to_string()),
+    };
+    if !paged {
+        return Ok((None, reason));
+    }
+    if kv.kind.is_quantized() {
+        return Err(Error::config(format!(
+            "the paged KV cache ({reason}) cannot be combined with kvCache `{}`; choose one",
+            kv.name
+        )));
+    }
+    let block_size = match opts.paged_block_size {
+        Some(b) => b,
+        None => config_usize(model, "paged_block_size")?.unwrap_or(paged::DEFAULT_BLOCK_SIZE),
+    };
+    let mb = match opts.paged_cache_budget_mb {
+        Some(b) => b,
+        None => config_usize(model, "paged_cache_budget_mb")?.unwrap_or(paged::DEFAULT_BUDGET_MB),
+    };
+    let cfg = PagedConfig { block_size, budget_bytes: mb.saturating_mul(1 << 20) };
+    cfg.validate()?;
+    Ok((Some(cfg), reason))
+}
+
+/// Ties a pool's prefix index to one model: its files, config and dtype.
+fn model_salt(dir: &Path, model: &Lfm2Model, weight_bytes: usize) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    dir.hash(&mut h);
+    serde_json::to_string(&model.config.raw).unwrap_or_default().hash(&mut h);
+    weight_bytes.hash(&mut h);
+    model.dtype.name().hash(&mut h);
+    h.finish()
+}
+
 impl Engine {
     pub fn load(dir: &Path, opts: &EngineOptions) -> Result<Engine> {
         if !dir.is_dir() {
@@ -164,6 +252,10 @@ impl Engine {
         let loaded = load_model(dir, &LoadOptions { dtype: opts.dtype })?;
         let mut model = loaded.model;
         let kv_kinds = model.set_kv_cache(&kv_cfg)?;
+        let (paged_cfg, cache_reason) = choose_cache(&model, opts, &kv_cfg)?;
+        if let Some(pc) = paged_cfg {
+            model.use_paged_cache(pc, model_salt(&loaded.dir, &model, loaded.weight_bytes))?;
+        }
         let c = &model.config;
         let mut eos: HashSet<u32> = c.eos_token_ids.iter().copied().collect();
         eos.extend(generation_config_eos(dir)?);
@@ -216,7 +308,17 @@ impl Engine {
                     projections: n,
                 })
                 .collect(),
-            cache_kind: if kv_cfg.kind.is_quantized() { "quantized" } else { "flat" }.into(),
+            cache_kind: if paged_cfg.is_some() {
+                "paged"
+            } else if kv_cfg.kind.is_quantized() {
+                "quantized"
+            } else {
+                "flat"
+            }
+            .into(),
+            cache_reason,
+            paged_block_size: paged_cfg.map(|p| p.block_size),
+            paged_cache_budget_mb: paged_cfg.map(|p| p.budget_bytes >> 20),
             kv_cache: kv_cfg.name.clone(),
             kv_cache_layers: kv_kinds.iter().flatten().map(|k| k.name()).collect(),
             kv_bytes_per_token: kv_bytes_per_token(&model),
@@ -245,6 +347,18 @@ impl Engine {
             prefill_chunk: opts.prefill_chunk.unwrap_or(2048).max(1),
             info: Arc::new(Mutex::new(info)),
         })
+    }
+
+    /// The paged pool's counters (None with flat caches).
+    pub fn cache_stats(&self) -> Option<PagedStats> {
+        self.model.paged.as_ref().map(|p| p.lock().stats())
+    }
+
+    /// Forgets every cached prefix no request is using.
+    pub fn clear_prefix_cache(&self) {
+        if let Some(p) = &self.model.paged {
+            p.lock().clear_cached();
+        }
     }
 
     pub fn info(&self) -> ModelInfo {
@@ -313,3 +427,6 @@ impl Engine {
         l.astype(Dtype::Float32)?.to_vec()
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -7,7 +7,7 @@ pub mod stop;
 
 use crate::compiled::CompiledDecoder;
 use crate::error::{Error, Result};
-use crate::mlx::{async_eval, eval, Array};
+use crate::mlx::{async_eval, Array};
 use crate::model::{Lfm2Model, ModelCache};
 use crate::text::{StreamDecoder, Tokenizer};
 use sampler::{Sampler, SamplingParams};
@@ -60,7 +60,10 @@ impl Default for GenerateParams {
 #[derive(Debug, Clone, Default)]
 pub struct Metrics {
     pub ttft_ms: f64,
+    /// Prompt tokens actually run (a prefix-cache hit's tokens excluded).
     pub prefill_tokens: usize,
+    /// Prompt tokens taken from the prefix cache instead of being run.
+    pub cached_tokens: usize,
     pub prefill_ms: f64,
     pub prefill_tokens_per_second: f64,
     pub decode_tokens: usize,
@@ -135,19 +138,24 @@ pub fn prefill_observed(
         return Err(Error::invalid(format!("token id {bad} is out of range for vocab_size {vocab}")));
     }
     let chunk = chunk.max(1);
-    let mut start = 0;
+    // A paged cache starts from the longest cached prefix (at least one
+    // token is always left to run, for the logits).
+    let cached = cache.attach_prefix(prompt)?;
+    let mut start = cached;
     loop {
         if observer.cancelled() {
-            return Ok(Prefill::Cancelled { tokens_run: start });
+            return Ok(Prefill::Cancelled { tokens_run: start - cached });
         }
         let end = (start + chunk).min(prompt.len());
         let ids = Array::from_slice(&prompt[start..end], &[1, (end - start) as i32])?;
         if end == prompt.len() {
             let logits = model.forward(&ids, cache, true)?;
+            cache.note_tokens(&prompt[start..end]);
             return Ok(Prefill::Done(logits.reshape(&[1, -1])?));
         }
         model.forward_hidden(&ids, cache)?;
-        eval(&cache.arrays())?;
+        cache.eval_state()?;
+        cache.note_tokens(&prompt[start..end]);
         start = end;
     }
 }
@@ -223,10 +231,15 @@ pub fn generate_with_cache(
     let prefill_start = Instant::now();
     let logits = match prefill_observed(model, cache, prompt, params.prefill_chunk, observer)? {
         Prefill::Done(logits) => logits,
-        Prefill::Cancelled { tokens_run } => return Ok(cancelled_in_prefill(prompt.len(), tokens_run, prefill_start, started)),
+        Prefill::Cancelled { tokens_run } => {
+            let mut g = cancelled_in_prefill(prompt.len(), tokens_run, prefill_start, started);
+            g.metrics.cached_tokens = cache.cached_tokens();
+            return Ok(g);
+        }
     };
+    let cached_tokens = cache.cached_tokens();
     let mut y = sampler.sample(&logits)?;
-    async_eval(&[&y])?;
+    eval_with(&y, cache)?;
     let mut first_token_at: Option<Instant> = None;
     let mut last_token_at: Instant;
 
@@ -237,12 +250,17 @@ pub fn generate_with_cache(
             let ids = y.reshape(&[1, 1])?;
             let l = stepper.step(&ids, cache)?;
             let n = sampler.sample(&l)?;
-            async_eval(&[&n])?;
+            eval_with(&n, cache)?;
             Some(n)
         } else {
             None
         };
         let tok: u32 = y.item()?;
+        if next.is_some() {
+            // `tok` was fed to the step just queued: a paged cache may now
+            // publish the block it completes.
+            cache.note_tokens(&[tok]);
+        }
         let now = Instant::now();
         first_token_at.get_or_insert(now);
         last_token_at = now;
@@ -293,17 +311,28 @@ pub fn generate_with_cache(
     let prefill_ms = ms(first - prefill_start);
     let decode_ms = ms(last_token_at - first);
     let decode_tokens = completion_tokens.saturating_sub(1);
+    let run = prompt.len() - cached_tokens;
     let metrics = Metrics {
         ttft_ms: ms(first - started),
-        prefill_tokens: prompt.len(),
+        prefill_tokens: run,
+        cached_tokens,
         prefill_ms,
-        prefill_tokens_per_second: if prefill_ms > 0.0 { prompt.len() as f64 / (prefill_ms / 1000.0) } else { 0.0 },
+        prefill_tokens_per_second: if prefill_ms > 0.0 { run as f64 / (prefill_ms / 1000.0) } else { 0.0 },
         decode_tokens,
         decode_ms,
         decode_tokens_per_second: if decode_ms > 0.0 { decode_tokens as f64 / (decode_ms / 1000.0) } else { 0.0 },
         total_ms: ms(started.elapsed()),
     };
     Ok(Generation { text, tokens, finish_reason: finish, prompt_tokens: prompt.len(), completion_tokens, metrics })
+}
+
+/// Queues `y` together with whatever the cache built alongside it (conv
+/// snapshots), so nothing is left as an unevaluated graph.
+fn eval_with(y: &Array, cache: &mut ModelCache) -> Result<()> {
+    let fresh = cache.take_fresh();
+    let mut all: Vec<&Array> = vec![y];
+    all.extend(fresh.iter());
+    async_eval(&all)
 }
 
 /// The result of a request cancelled before its first token: no text, and

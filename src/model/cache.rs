@@ -3,7 +3,8 @@
 //! token), and the short-conv state per conv layer.
 
 use crate::error::Result;
-use crate::mlx::{arange, concatenate, zeros, Array, Dtype};
+use super::paged::{PagedSeq, SharedPool};
+use crate::mlx::{arange, concatenate, eval, zeros, Array, Dtype};
 
 /// Tokens added to a KV cache's capacity each time it fills up.
 pub const KV_STEP: usize = 256;
@@ -155,16 +156,23 @@ pub fn decode_mask(cap: i32, pos: i32) -> Result<Array> {
 #[derive(Clone)]
 pub enum LayerCache {
     Attention(KvCache),
+    /// An attention layer whose K/V live in the paged pool
+    /// ([`ModelCache::paged`]); the index is the layer's attention ordinal.
+    Paged(usize),
     /// The last `L-1` rows of `B*x` (`[B, L-1, D]`); None before the first token.
     Conv(Option<Array>),
 }
 
 /// All caches of one sequence.
-#[derive(Clone)]
 pub struct ModelCache {
     pub layers: Vec<LayerCache>,
     /// Tokens run through the model so far (the next token's position).
     pub pos: usize,
+    /// The sequence's block table when its attention layers are paged.
+    pub paged: Option<PagedSeq>,
+    /// Arrays built during the last forward pass that nothing downstream
+    /// depends on (conv snapshots): evaluated with the step's own outputs.
+    fresh: Vec<Array>,
 }
 
 impl ModelCache {
@@ -175,7 +183,83 @@ impl ModelCache {
                 .map(|&a| if a { LayerCache::Attention(KvCache::default()) } else { LayerCache::Conv(None) })
                 .collect(),
             pos: 0,
+            paged: None,
+            fresh: vec![],
         }
+    }
+
+    /// A cache whose attention layers live in `pool`.
+    pub fn new_paged(attn_layers: &[bool], pool: SharedPool) -> ModelCache {
+        let mut ordinal = 0;
+        let layers = attn_layers
+            .iter()
+            .map(|&a| {
+                if a {
+                    ordinal += 1;
+                    LayerCache::Paged(ordinal - 1)
+                } else {
+                    LayerCache::Conv(None)
+                }
+            })
+            .collect();
+        ModelCache { layers, pos: 0, paged: Some(PagedSeq::new(pool)), fresh: vec![] }
+    }
+
+    /// A copy of a flat cache (paged sequences share blocks by prefix
+    /// instead; copying one is refused).
+    pub fn try_clone(&self) -> Result<ModelCache> {
+        if self.paged.is_some() {
+            return Err(crate::error::Error::invalid("a paged cache cannot be copied; share its prefix instead"));
+        }
+        Ok(ModelCache { layers: self.layers.clone(), pos: self.pos, paged: None, fresh: vec![] })
+    }
+
+    /// On an empty paged cache: takes the longest cached prefix of
+    /// `prompt` (K/V blocks and the conv states after them). Returns the
+    /// number of tokens that need not run.
+    pub fn attach_prefix(&mut self, prompt: &[u32]) -> Result<usize> {
+        let Some(seq) = self.paged.as_mut() else { return Ok(0) };
+        if self.pos != 0 {
+            return Ok(0);
+        }
+        let (n, snap) = seq.attach(prompt);
+        if n == 0 {
+            return Ok(0);
+        }
+        let snap = snap.expect("a prefix hit carries a conv snapshot");
+        let mut c = 0;
+        for lc in self.layers.iter_mut() {
+            if let LayerCache::Conv(s) = lc {
+                let st = snap.slice_axis(0, c, c + 1)?;
+                let (keep, d) = (st.dim(2), st.dim(3));
+                *s = Some(st.reshape(&[1, keep, d])?);
+                c += 1;
+            }
+        }
+        self.pos = n;
+        Ok(n)
+    }
+
+    /// Tokens the last [`ModelCache::attach_prefix`] took from the cache.
+    pub fn cached_tokens(&self) -> usize {
+        self.paged.as_ref().map(|s| s.cached_tokens).unwrap_or(0)
+    }
+
+    /// Tells a paged cache the ids of tokens just run (prefill chunks, and
+    /// decoded tokens once read back) so full blocks can be published.
+    pub fn note_tokens(&mut self, ids: &[u32]) {
+        if let Some(seq) = self.paged.as_mut() {
+            seq.note_tokens(ids);
+            seq.publish_ready();
+        }
+    }
+
+    pub fn push_fresh(&mut self, a: Array) {
+        self.fresh.push(a);
+    }
+
+    pub fn take_fresh(&mut self) -> Vec<Array> {
+        std::mem::take(&mut self.fresh)
     }
 
     pub fn nbytes(&self) -> usize {
@@ -183,6 +267,7 @@ impl ModelCache {
             .iter()
             .map(|l| match l {
                 LayerCache::Attention(kv) => kv.nbytes(),
+                LayerCache::Paged(_) => 0,
                 LayerCache::Conv(s) => s.as_ref().map(|a| a.nbytes()).unwrap_or(0),
             })
             .sum()
@@ -195,19 +280,37 @@ impl ModelCache {
             .iter()
             .map(|l| match l {
                 LayerCache::Attention(kv) => kv.used_bytes(),
-                LayerCache::Conv(_) => 0,
+                LayerCache::Paged(_) | LayerCache::Conv(_) => 0,
             })
             .sum()
     }
 
-    /// Every array the cache holds (to evaluate them together).
+    /// Every array the sequence holds (to evaluate them together); a paged
+    /// cache's pools are listed by [`ModelCache::eval_state`].
     pub fn arrays(&self) -> Vec<&Array> {
         self.layers
             .iter()
             .flat_map(|l| match l {
                 LayerCache::Attention(kv) => kv.arrays(),
+                LayerCache::Paged(_) => vec![],
                 LayerCache::Conv(s) => s.iter().collect(),
             })
+            .chain(self.fresh.iter())
             .collect()
+    }
+
+    /// Evaluates everything the cache holds, the shared pool included
+    /// (between prefill chunks, so memory stays bounded by one chunk).
+    pub fn eval_state(&mut self) -> Result<()> {
+        let pool = self.paged.as_ref().map(|s| s.pool.clone());
+        let guard = pool.as_ref().map(|p| p.lock());
+        let mut all = self.arrays();
+        if let Some(g) = &guard {
+            all.extend(g.layer_arrays());
+        }
+        eval(&all)?;
+        drop(guard);
+        self.fresh.clear();
+        Ok(())
     }
 }

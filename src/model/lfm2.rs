@@ -2,7 +2,10 @@
 //! layers, final norm and tied head. The sparse-MoE feed-forward of
 //! LFM2-MoE lives in lfm2_moe.rs; everything else is shared.
 
-use super::cache::{LayerCache, ModelCache};
+use super::cache::{decode_mask, LayerCache, ModelCache};
+use super::paged::{self, PagedConfig, PagedPool, PagedSeq, PoolShape, SharedPool};
+use parking_lot::Mutex;
+use std::sync::Arc;
 use super::config::ModelConfig;
 use super::linear::{Embedding, Linear};
 use super::lfm2_moe::SparseMoe;
@@ -73,6 +76,45 @@ impl Attention {
         let o = o.transpose(&[0, 2, 1, 3])?.reshape(&[b, t, self.n_heads * hd])?;
         self.out_proj.forward(&o)
     }
+
+    /// Attention over the paged pool: writes this call's K/V into the
+    /// sequence's blocks, then attends over the blocks in `table` (prefill:
+    /// exactly the used ones, causal; decode: a padded table with `mask`,
+    /// the same shapes and ops as the flat decode and the compiled step).
+    #[allow(clippy::too_many_arguments)]
+    fn forward_paged(
+        &self,
+        x: &Array,
+        pool: &mut PagedPool,
+        seq: &PagedSeq,
+        layer: usize,
+        start: usize,
+        table: &Array,
+        mask: Option<&Array>,
+    ) -> Result<Array> {
+        let (b, t) = (x.dim(0), x.dim(1));
+        let hd = self.head_dim;
+        let q = self.q_proj.forward(x)?.reshape(&[b, t, self.n_heads, hd])?;
+        let k = self.k_proj.forward(x)?.reshape(&[b, t, self.n_kv_heads, hd])?;
+        let v = self.v_proj.forward(x)?.reshape(&[b, t, self.n_kv_heads, hd])?;
+        let q = mlx::rms_norm(&q, Some(&self.q_norm), self.eps)?.transpose(&[0, 2, 1, 3])?;
+        let k = mlx::rms_norm(&k, Some(&self.k_norm), self.eps)?.transpose(&[0, 2, 1, 3])?;
+        let v = v.transpose(&[0, 2, 1, 3])?;
+        let q = mlx::rope(&q, hd, false, self.rope_theta, 1.0, start as i32)?;
+        let k = mlx::rope(&k, hd, false, self.rope_theta, 1.0, start as i32)?;
+        paged::write_prefill(pool, seq, layer, start, &k, &v)?;
+        let kg = paged::gather(pool.keys(layer), table)?;
+        let vg = paged::gather(pool.values(layer), table)?;
+        let o = match mask {
+            None => {
+                let end = (start + t as usize) as i32;
+                mlx::sdpa(&q, &kg.slice_axis(2, 0, end)?, &vg.slice_axis(2, 0, end)?, self.scale, Mask::Causal)?
+            }
+            Some(m) => mlx::sdpa(&q, &kg, &vg, self.scale, Mask::Array(m))?,
+        };
+        let o = o.transpose(&[0, 2, 1, 3])?.reshape(&[b, t, self.n_heads * hd])?;
+        self.out_proj.forward(&o)
+    }
 }
 
 /// The double-gated short convolution ("LIV" operator).
@@ -112,7 +154,10 @@ impl ShortConv {
         })
     }
 
-    fn forward(&self, x: &Array, state: &mut Option<Array>) -> Result<Array> {
+    /// `taps`: positions j (1..=T) of this call after which the state is
+    /// also wanted (paged-cache snapshots at block boundaries); those
+    /// states are pushed to `tapped` in order.
+    fn forward(&self, x: &Array, state: &mut Option<Array>, taps: &[i32], tapped: &mut Vec<Array>) -> Result<Array> {
         let bcx = self.in_proj.forward(x)?;
         let parts = bcx.split_equal(3, -1)?;
         let bx = parts[0].mul(&parts[2])?;
@@ -123,6 +168,11 @@ impl ShortConv {
         };
         let padded = concatenate(&[&prev, &bx], 1)?;
         let n = padded.dim(1);
+        // Row j of `padded` is input j - keep, so the state after j inputs
+        // is rows j..j+keep.
+        for &j in taps {
+            tapped.push(padded.slice_axis(1, j, j + keep)?);
+        }
         *state = Some(padded.slice_axis(1, n - keep, n)?);
         let mut conv = mlx::conv1d(&padded, &self.conv_weight, 1, 0, 1, self.dim)?;
         if let Some(b) = &self.conv_bias {
@@ -192,6 +242,9 @@ pub struct Lfm2Model {
     /// `None` for conv layers and full-precision attention layers. Empty: all
     /// flat. Set with [`Lfm2Model::set_kv_cache`].
     pub kv_codecs: Vec<Option<crate::kvquant::Codec>>,
+    /// The paged KV pool every new cache draws from; None: flat caches.
+    /// Set with [`Lfm2Model::use_paged_cache`].
+    pub paged: Option<SharedPool>,
 }
 
 impl Lfm2Model {
@@ -226,7 +279,7 @@ impl Lfm2Model {
         } else {
             Some(Linear::load(st, &registry, "lm_head", d, c.vocab_size, false)?)
         };
-        Ok(Lfm2Model { config, embed, layers, final_norm, lm_head, registry, dtype, kv_codecs: vec![] })
+        Ok(Lfm2Model { config, embed, layers, final_norm, lm_head, registry, dtype, kv_codecs: vec![], paged: None })
     }
 
     /// Runs `ids` (`[B, T]` int32) through the model, advancing `cache`.
@@ -247,12 +300,51 @@ impl Lfm2Model {
     /// The decoder stack without the final norm and head: `[B, T, D]`.
     pub fn forward_hidden(&self, ids: &Array, cache: &mut ModelCache) -> Result<Array> {
         let eps = self.config.norm_eps;
+        let t = ids.dim(1) as usize;
+        // Paged: blocks for the new positions first (an exhausted pool fails
+        // before anything is written), the attention table and decode mask
+        // once for all layers, and the block boundaries to snapshot at.
+        let mut table = None;
+        let mut mask = None;
+        let mut taps: Vec<i32> = vec![];
+        let start = cache.pos;
+        if let Some(seq) = cache.paged.as_mut() {
+            if seq.len != start {
+                return Err(Error::invalid("paged cache length does not match the cache position"));
+            }
+            seq.reserve(t)?;
+            let bs = seq.block_size();
+            taps = ((start / bs + 1) * bs..=start + t).step_by(bs).map(|p| (p - start) as i32).collect();
+            if t == 1 {
+                let tb = seq.table(start + 1, true)?;
+                mask = Some(decode_mask(tb.dim(0) * bs as i32, start as i32)?);
+                table = Some(tb);
+            } else {
+                table = Some(seq.table(start + t, false)?);
+            }
+        }
+        let pool_arc = cache.paged.as_ref().map(|s| s.pool.clone());
+        let mut pool = pool_arc.as_ref().map(|p| p.lock());
+        let mut tapped: Vec<Vec<Array>> = vec![];
         let mut h = self.embed.forward(ids)?;
         for (layer, lc) in self.layers.iter().zip(cache.layers.iter_mut()) {
             let x = mlx::rms_norm(&h, Some(&layer.operator_norm), eps)?;
             let r = match (&layer.operator, lc) {
                 (Operator::Attention(a), LayerCache::Attention(kv)) => a.forward(&x, kv)?,
-                (Operator::Conv(c), LayerCache::Conv(s)) => c.forward(&x, s)?,
+                (Operator::Attention(a), LayerCache::Paged(i)) => {
+                    let (Some(p), Some(seq), Some(tb)) = (pool.as_deref_mut(), cache.paged.as_ref(), table.as_ref()) else {
+                        return Err(Error::invalid("paged attention layer without a paged sequence"));
+                    };
+                    a.forward_paged(&x, p, seq, *i, start, tb, mask.as_ref())?
+                }
+                (Operator::Conv(c), LayerCache::Conv(s)) => {
+                    let mut got = vec![];
+                    let y = c.forward(&x, s, &taps, &mut got)?;
+                    if !taps.is_empty() {
+                        tapped.push(got);
+                    }
+                    y
+                }
                 _ => return Err(Error::invalid("cache layout does not match the model's layers")),
             };
             h = h.add(&r)?;
@@ -263,11 +355,28 @@ impl Lfm2Model {
             };
             h = h.add(&f)?;
         }
-        cache.pos += ids.dim(1) as usize;
+        drop(pool);
+        if let Some(seq) = cache.paged.as_mut() {
+            seq.len += t;
+            let mut snaps = vec![];
+            for (i, &j) in taps.iter().enumerate() {
+                let states: Vec<&Array> = tapped.iter().map(|per_tap| &per_tap[i]).collect();
+                let snap = if states.is_empty() { zeros(&[1], self.dtype)? } else { paged::snapshot_of(&states)? };
+                seq.keep_snapshot(start + j as usize, snap.clone());
+                snaps.push(snap);
+            }
+            for s in snaps {
+                cache.push_fresh(s);
+            }
+        }
+        cache.pos += t;
         Ok(h)
     }
 
     pub fn new_cache(&self) -> ModelCache {
+        if let Some(pool) = &self.paged {
+            return ModelCache::new_paged(&self.config.attn_layers, pool.clone());
+        }
         let mut c = ModelCache::new(&self.config.attn_layers);
         for (lc, codec) in c.layers.iter_mut().zip(self.kv_codecs.iter()) {
             if let (LayerCache::Attention(kv), Some(codec)) = (lc, codec) {
@@ -275,6 +384,27 @@ impl Lfm2Model {
             }
         }
         c
+    }
+
+    /// Makes every later [`Lfm2Model::new_cache`] a paged one drawing on a
+    /// new pool (`salt` keys its prefix index to this model).
+    pub fn use_paged_cache(&mut self, cfg: PagedConfig, salt: u64) -> Result<SharedPool> {
+        if !self.kv_codecs.is_empty() {
+            return Err(Error::config("the paged KV cache cannot be combined with a quantized kvCache"));
+        }
+        let c = &self.config;
+        let shape = PoolShape {
+            attn_layers: c.num_attention_layers(),
+            conv_layers: c.num_layers - c.num_attention_layers(),
+            kv_heads: c.num_kv_heads as i32,
+            head_dim: c.head_dim as i32,
+            conv_keep: c.conv_kernel as i32 - 1,
+            hidden: c.hidden_size as i32,
+            dtype: self.dtype,
+        };
+        let pool = Arc::new(Mutex::new(PagedPool::new(cfg, shape, salt)?));
+        self.paged = Some(pool.clone());
+        Ok(pool)
     }
 
     /// Chooses the KV cache every later [`Lfm2Model::new_cache`] builds.

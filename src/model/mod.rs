@@ -7,6 +7,7 @@ pub mod lfm2;
 pub mod lfm2_moe;
 pub mod linear;
 pub mod loader;
+pub mod paged;
 pub mod quant;
 pub mod weights;
 

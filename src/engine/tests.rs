@@ -1,0 +1,178 @@
+//! The paged cache through the engine: paged equals flat, a warm turn equals
+//! a cold run of the same prompt while running only the suffix, eviction
+//! under a tiny budget stays correct, and failed or cancelled requests give
+//! their blocks back.
+
+use super::{DecodePath, Engine, EngineOptions, Prompt};
+use crate::fixture::{self, FixtureSpec, Preset};
+use crate::generate::{GenerateParams, Generation, NoObserver, Observer};
+use std::path::PathBuf;
+
+fn fixture_dir(name: &str, preset: Preset) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("mlxlfm-engine-{}-{name}", std::process::id()));
+    std::fs::remove_dir_all(&d).ok();
+    fixture::generate(&FixtureSpec::new(preset), &d).unwrap();
+    d
+}
+
+fn engine(dir: &PathBuf, paged: bool, block: usize, budget_mb: usize, path: Option<DecodePath>) -> Engine {
+    let opts = EngineOptions {
+        paged_cache: Some(paged),
+        paged_block_size: Some(block),
+        paged_cache_budget_mb: Some(budget_mb),
+        decode_path: path,
+        prefill_chunk: Some(16),
+        ..Default::default()
+    };
+    Engine::load(dir, &opts).unwrap()
+}
+
+fn run(e: &mut Engine, prompt: &[u32], n: usize) -> Generation {
+    let p = GenerateParams { max_tokens: n, ignore_eos: true, ..Default::default() };
+    e.generate(Prompt::Tokens(prompt.to_vec()), p, &mut NoObserver).unwrap()
+}
+
+fn prompt(len: usize, seed: u32) -> Vec<u32> {
+    (0..len as u32).map(|i| (i * 37 + seed * 101 + 3) % 900 + 1).collect()
+}
+
+#[test]
+fn paged_gives_the_flat_tokens_on_both_decode_paths() {
+    let dir = fixture_dir("paged-flat", Preset::Tiny);
+    for path in [DecodePath::Eager, DecodePath::Compiled] {
+        let mut flat = engine(&dir, false, 16, 64, Some(path));
+        let mut paged = engine(&dir, true, 16, 64, Some(path));
+        assert_eq!(flat.info().cache_kind, "flat");
+        assert_eq!(paged.info().cache_kind, "paged");
+        for (len, seed) in [(5, 1), (40, 2), (100, 3)] {
+            let p = prompt(len, seed);
+            let a = run(&mut flat, &p, 48);
+            let b = run(&mut paged, &p, 48);
+            assert_eq!(a.tokens, b.tokens, "{path:?}, prompt of {len}");
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn warm_turn_equals_cold_run_and_counts_only_the_suffix() {
+    let dir = fixture_dir("warm", Preset::Tiny);
+    for path in [DecodePath::Eager, DecodePath::Compiled] {
+        let mut e = engine(&dir, true, 16, 64, Some(path));
+        // Turn 1, then turn 2 = turn 1's prompt + its reply + new tokens
+        // (the shape of a chat's next turn).
+        let p1 = prompt(70, 4);
+        let g1 = run(&mut e, &p1, 30);
+        let mut p2 = p1.clone();
+        p2.extend(&g1.tokens);
+        p2.extend(prompt(23, 5));
+        let warm = run(&mut e, &p2, 40);
+        // Turn 1 ran 70 + 29 fed tokens = 99 positions: 6 full blocks of 16.
+        assert_eq!(warm.metrics.cached_tokens, 96, "{path:?}");
+        assert_eq!(warm.metrics.prefill_tokens, p2.len() - 96);
+        assert_eq!(warm.prompt_tokens, p2.len());
+        e.clear_prefix_cache();
+        let cold = run(&mut e, &p2, 40);
+        assert_eq!(cold.metrics.cached_tokens, 0);
+        assert_eq!(cold.metrics.prefill_tokens, p2.len());
+        assert_eq!(warm.tokens, cold.tokens, "{path:?}: warm turn differs from the cold run");
+        // And both equal a flat engine that never caches anything.
+        let mut flat = engine(&dir, false, 16, 64, Some(path));
+        assert_eq!(run(&mut flat, &p2, 40).tokens, cold.tokens);
+        // The same prompt again: everything but the last token is cached.
+        let again = run(&mut e, &p2, 40);
+        assert_eq!(again.tokens, cold.tokens);
+        assert_eq!(again.metrics.cached_tokens, (p2.len() - 1) / 16 * 16);
+        // A prompt sharing only the first block reuses just that block.
+        let mut p3 = p2[..16].to_vec();
+        p3.extend(prompt(40, 9));
+        let g3 = run(&mut e, &p3, 8);
+        assert_eq!(g3.metrics.cached_tokens, 16);
+        assert_eq!(e.cache_stats().unwrap().blocks_in_use, 0, "finished requests hold no blocks");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn moe_warm_turn_equals_cold_run() {
+    let dir = fixture_dir("warm-moe", Preset::TinyMoe);
+    let mut e = engine(&dir, true, 8, 64, None);
+    let p1 = prompt(33, 6);
+    let g1 = run(&mut e, &p1, 20);
+    let mut p2 = p1.clone();
+    p2.extend(&g1.tokens);
+    p2.extend(prompt(9, 7));
+    let warm = run(&mut e, &p2, 24);
+    assert!(warm.metrics.cached_tokens >= 48, "cached {}", warm.metrics.cached_tokens);
+    e.clear_prefix_cache();
+    let cold = run(&mut e, &p2, 24);
+    assert_eq!(warm.tokens, cold.tokens);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn eviction_under_a_tiny_budget_stays_correct() {
+    let dir = fixture_dir("evict", Preset::Tiny);
+    // 1 MiB holds only a few hundred tokens of this model's K/V: every
+    // request below evicts earlier prefixes.
+    let mut small = engine(&dir, true, 16, 1, None);
+    let mut flat = engine(&dir, false, 16, 64, None);
+    let max_blocks = small.cache_stats().unwrap().max_blocks;
+    let max_tokens = max_blocks * 16;
+    assert!(max_tokens < 4000, "budget too large for the test: {max_tokens} tokens");
+    let len = max_tokens / 3;
+    for round in 0..2 {
+        for seed in 0..5 {
+            let p = prompt(len, 20 + seed);
+            let a = run(&mut small, &p, 16);
+            let b = run(&mut flat, &p, 16);
+            assert_eq!(a.tokens, b.tokens, "round {round}, prompt {seed}");
+        }
+    }
+    let s = small.cache_stats().unwrap();
+    assert!(s.evictions > 0, "nothing was evicted: {s:?}");
+    assert!(s.capacity_blocks <= s.max_blocks);
+    assert_eq!(s.blocks_in_use, 0);
+    // A prompt larger than the whole budget fails with a clear error and
+    // leaves the pool usable.
+    let huge = prompt(max_tokens + 64, 3);
+    let p = GenerateParams { max_tokens: 4, ignore_eos: true, ..Default::default() };
+    let err = small.generate(Prompt::Tokens(huge), p, &mut NoObserver).unwrap_err();
+    assert!(err.message.contains("paged KV cache is full"), "{}", err.message);
+    assert_eq!(small.cache_stats().unwrap().blocks_in_use, 0, "the failed request kept blocks");
+    let p = prompt(len, 40);
+    assert_eq!(run(&mut small, &p, 16).tokens, run(&mut flat, &p, 16).tokens);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+struct CancelAfter(usize);
+impl Observer for CancelAfter {
+    fn cancelled(&mut self) -> bool {
+        if self.0 == 0 {
+            return true;
+        }
+        self.0 -= 1;
+        false
+    }
+}
+
+#[test]
+fn cancelled_requests_return_their_blocks() {
+    let dir = fixture_dir("cancel", Preset::Tiny);
+    let mut e = engine(&dir, true, 16, 64, None);
+    let mut flat = engine(&dir, false, 16, 64, None);
+    let p = prompt(90, 11);
+    let params = GenerateParams { max_tokens: 50, ignore_eos: true, ..Default::default() };
+    // Cancelled during prefill (after 2 of 6 chunks), then during decode.
+    for polls in [2, 12] {
+        let g = e.generate(Prompt::Tokens(p.clone()), params.clone(), &mut CancelAfter(polls)).unwrap();
+        assert_eq!(g.finish_reason.name(), "abort");
+        assert_eq!(e.cache_stats().unwrap().blocks_in_use, 0);
+    }
+    // What a cancelled request published is sound: the next run reuses it
+    // and still gives the flat engine's tokens.
+    let g = run(&mut e, &p, 30);
+    assert!(g.metrics.cached_tokens > 0);
+    assert_eq!(g.tokens, run(&mut flat, &p, 30).tokens);
+    std::fs::remove_dir_all(&dir).ok();
+}

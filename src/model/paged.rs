@@ -1,0 +1,543 @@
+//! The paged KV cache: one block pool per loaded model, shared by every
+//! sequence, with content-addressed prefix reuse.
+//!
+//! - Storage: per attention layer a K and a V pool `[kv_heads, blocks,
+//!   block_size, head_dim]`; a sequence owns a block table. Blocks are
+//!   refcounted; the pool grows on demand up to a memory budget, then evicts
+//!   the least recently used block nobody references.
+//! - Prefix reuse: a full block is published under a hash chain over its
+//!   token ids (salted per model), so a later request whose prompt starts
+//!   with the same tokens takes those blocks instead of recomputing them.
+//!   The chain key is only an index: the block's own tokens and its parent's
+//!   key are compared on every hit, so a hash collision cannot serve wrong
+//!   K/V.
+//! - Conv layers keep no KV, and their state cannot be rebuilt from K/V, so
+//!   each published block carries a snapshot of every conv layer's state
+//!   after its last token. A hit restores that snapshot and runs only the
+//!   suffix through the model.
+
+use crate::error::{Error, Result};
+use crate::mlx::{concatenate, eval, stack, zeros, Array, Dtype};
+use parking_lot::Mutex;
+use std::cmp::Reverse;
+use std::collections::{BTreeSet, HashMap};
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
+
+/// Default tokens per block.
+pub const DEFAULT_BLOCK_SIZE: usize = 32;
+/// Default memory budget for the pool (K/V and conv snapshots).
+pub const DEFAULT_BUDGET_MB: usize = 2048;
+/// Decode attends over a block table padded to a multiple of this many
+/// tokens, so the compiled step's shapes change only every so often (the
+/// same step as the flat cache: equal shapes, equal results).
+pub const TABLE_STEP_TOKENS: usize = super::cache::KV_STEP;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PagedConfig {
+    pub block_size: usize,
+    pub budget_bytes: usize,
+}
+
+impl PagedConfig {
+    pub fn validate(&self) -> Result<()> {
+        if !(1..=4096).contains(&self.block_size) {
+            return Err(Error::config(format!(
+                "paged cache block size {} is out of range; use 1..4096 tokens",
+                self.block_size
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The shapes one pool serves.
+#[derive(Debug, Clone)]
+pub struct PoolShape {
+    pub attn_layers: usize,
+    pub conv_layers: usize,
+    pub kv_heads: i32,
+    pub head_dim: i32,
+    pub conv_keep: i32,
+    pub hidden: i32,
+    pub dtype: Dtype,
+}
+
+impl PoolShape {
+    fn block_bytes(&self, bs: usize) -> usize {
+        let kv = 2 * self.attn_layers * (self.kv_heads * self.head_dim) as usize * bs;
+        let snap = self.conv_layers * (self.conv_keep * self.hidden) as usize;
+        (kv + snap) * self.dtype.size()
+    }
+}
+
+const NONE: u32 = u32::MAX;
+
+#[derive(Default)]
+struct BlockMeta {
+    refs: u32,
+    /// Set while the block is in the prefix index.
+    key: Option<u64>,
+    parent_key: u64,
+    tokens: Vec<u32>,
+    /// Every conv layer's state after the block's last token,
+    /// `[conv_layers, 1, keep, hidden]`.
+    snapshot: Option<Array>,
+    depth: u32,
+    last_used: u64,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PagedStats {
+    pub block_size: usize,
+    pub capacity_blocks: usize,
+    pub max_blocks: usize,
+    pub blocks_in_use: usize,
+    pub blocks_cached: usize,
+    pub evictions: u64,
+    pub hits: u64,
+    pub hit_tokens: u64,
+}
+
+pub struct PagedPool {
+    cfg: PagedConfig,
+    shape: PoolShape,
+    max_blocks: usize,
+    salt: u64,
+    keys: Vec<Array>,
+    values: Vec<Array>,
+    meta: Vec<BlockMeta>,
+    free: Vec<u32>,
+    index: HashMap<u64, u32>,
+    /// Unreferenced published blocks, oldest first; deeper blocks of a chain
+    /// go before their parents on ties (a child is useless without them).
+    evictable: BTreeSet<(u64, Reverse<u32>, u32)>,
+    tick: u64,
+    evictions: u64,
+    hits: u64,
+    hit_tokens: u64,
+}
+
+pub type SharedPool = Arc<Mutex<PagedPool>>;
+
+fn chain_key(salt: u64, parent: u64, tokens: &[u32]) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    salt.hash(&mut h);
+    parent.hash(&mut h);
+    tokens.hash(&mut h);
+    h.finish()
+}
+
+impl PagedPool {
+    /// `salt` ties published blocks to one model (weights, dtype): a pool is
+    /// per model today, the salt keeps it so if pools are ever shared.
+    pub fn new(cfg: PagedConfig, shape: PoolShape, salt: u64) -> Result<PagedPool> {
+        cfg.validate()?;
+        let per_block = shape.block_bytes(cfg.block_size).max(1);
+        let max_blocks = (cfg.budget_bytes / per_block).min(NONE as usize - 1);
+        if max_blocks == 0 {
+            return Err(Error::config(format!(
+                "paged cache budget of {} bytes cannot hold one block of {} tokens ({per_block} bytes)",
+                cfg.budget_bytes, cfg.block_size
+            )));
+        }
+        Ok(PagedPool {
+            cfg,
+            shape,
+            max_blocks,
+            salt,
+            keys: vec![],
+            values: vec![],
+            meta: vec![],
+            free: vec![],
+            index: HashMap::new(),
+            evictable: BTreeSet::new(),
+            tick: 0,
+            evictions: 0,
+            hits: 0,
+            hit_tokens: 0,
+        })
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.cfg.block_size
+    }
+    pub fn max_blocks(&self) -> usize {
+        self.max_blocks
+    }
+    pub fn capacity(&self) -> usize {
+        self.meta.len()
+    }
+
+    pub fn stats(&self) -> PagedStats {
+        PagedStats {
+            block_size: self.cfg.block_size,
+            capacity_blocks: self.meta.len(),
+            max_blocks: self.max_blocks,
+            blocks_in_use: self.meta.iter().filter(|m| m.refs > 0).count(),
+            blocks_cached: self.index.len(),
+            evictions: self.evictions,
+            hits: self.hits,
+            hit_tokens: self.hit_tokens,
+        }
+    }
+
+    /// Bytes the pool holds now (allocated blocks and snapshots).
+    pub fn nbytes(&self) -> usize {
+        self.keys.iter().chain(&self.values).map(|a| a.nbytes()).sum::<usize>()
+            + self.meta.iter().filter_map(|m| m.snapshot.as_ref()).map(|a| a.nbytes()).sum::<usize>()
+    }
+
+    /// Grows the pool by at least one block, doubling while under budget.
+    fn grow(&mut self) -> Result<bool> {
+        let cap = self.meta.len();
+        if cap >= self.max_blocks {
+            return Ok(false);
+        }
+        let min_step = TABLE_STEP_TOKENS.div_ceil(self.cfg.block_size).max(1);
+        let new_cap = (cap * 2).max(cap + min_step).min(self.max_blocks);
+        let add = (new_cap - cap) as i32;
+        let s = &self.shape;
+        let (h, bs, d) = (s.kv_heads, self.cfg.block_size as i32, s.head_dim);
+        let fresh = zeros(&[h, add, bs, d], s.dtype)?;
+        let grow = |old: Option<&Array>| -> Result<Array> {
+            match old {
+                Some(o) => concatenate(&[o, &fresh], 1),
+                None => Ok(fresh.clone()),
+            }
+        };
+        let mut keys = Vec::with_capacity(s.attn_layers);
+        let mut values = Vec::with_capacity(s.attn_layers);
+        for i in 0..s.attn_layers {
+            keys.push(grow(self.keys.get(i))?);
+            values.push(grow(self.values.get(i))?);
+        }
+        // Materialise now so the old pools are freed, not kept in a graph.
+        let all: Vec<&Array> = keys.iter().chain(&values).collect();
+        eval(&all)?;
+        self.keys = keys;
+        self.values = values;
+        for b in (cap..new_cap).rev() {
+            self.free.push(b as u32);
+        }
+        self.meta.resize_with(new_cap, BlockMeta::default);
+        Ok(true)
+    }
+
+    fn unpublish(&mut self, b: u32) {
+        let m = &mut self.meta[b as usize];
+        if let Some(k) = m.key.take() {
+            if self.index.get(&k) == Some(&b) {
+                self.index.remove(&k);
+            }
+        }
+        m.snapshot = None;
+        m.tokens.clear();
+    }
+
+    /// One block for a sequence to write into (refcount 1).
+    fn alloc(&mut self) -> Result<u32> {
+        if self.free.is_empty() && !self.grow()? {
+            let Some(&victim) = self.evictable.iter().next() else {
+                return Err(Error::invalid(format!(
+                    "the paged KV cache is full: all {} blocks of {} tokens ({} MiB budget) are held by running \
+                     requests; raise pagedCacheBudgetMb, shorten the request, or run fewer at once",
+                    self.max_blocks,
+                    self.cfg.block_size,
+                    self.cfg.budget_bytes >> 20
+                )));
+            };
+            self.evictable.remove(&victim);
+            self.unpublish(victim.2);
+            self.evictions += 1;
+            self.free.push(victim.2);
+        }
+        let b = self.free.pop().expect("a free block after growing or evicting");
+        let m = &mut self.meta[b as usize];
+        m.refs = 1;
+        m.depth = 0;
+        Ok(b)
+    }
+
+    fn touch(&mut self, b: u32) {
+        self.tick += 1;
+        self.meta[b as usize].last_used = self.tick;
+    }
+
+    fn retain(&mut self, b: u32) {
+        let m = &self.meta[b as usize];
+        if m.refs == 0 {
+            self.evictable.remove(&(m.last_used, Reverse(m.depth), b));
+        }
+        self.meta[b as usize].refs += 1;
+        self.touch(b);
+    }
+
+    fn release(&mut self, b: u32) {
+        let m = &mut self.meta[b as usize];
+        debug_assert!(m.refs > 0, "block {b} released more often than taken");
+        m.refs = m.refs.saturating_sub(1);
+        if m.refs > 0 {
+            return;
+        }
+        if m.key.is_some() {
+            self.touch(b);
+            let m = &self.meta[b as usize];
+            self.evictable.insert((m.last_used, Reverse(m.depth), b));
+        } else {
+            self.unpublish(b);
+            self.free.push(b);
+        }
+    }
+
+    /// The longest run of published blocks that starts `tokens` and leaves
+    /// at least one token to run. Returns the blocks (taken) and the conv
+    /// snapshot after the last of them.
+    fn match_prefix(&mut self, tokens: &[u32]) -> (Vec<u32>, Option<Array>) {
+        let bs = self.cfg.block_size;
+        let mut parent = 0u64;
+        let mut found: Vec<u32> = vec![];
+        let mut snapshot = None;
+        let mut j = 0;
+        while (j + 1) * bs < tokens.len() {
+            let toks = &tokens[j * bs..(j + 1) * bs];
+            let key = chain_key(self.salt, parent, toks);
+            let Some(&b) = self.index.get(&key) else { break };
+            let m = &self.meta[b as usize];
+            if m.parent_key != parent || m.tokens != toks || m.snapshot.is_none() {
+                break;
+            }
+            snapshot = m.snapshot.clone();
+            found.push(b);
+            parent = key;
+            j += 1;
+        }
+        for &b in &found {
+            self.retain(b);
+        }
+        if !found.is_empty() {
+            self.hits += 1;
+            self.hit_tokens += (found.len() * bs) as u64;
+        }
+        (found, snapshot)
+    }
+
+    /// Puts a full block in the prefix index. A block whose content is
+    /// already published (two requests computed the same prefix) stays
+    /// private and is freed with its sequence.
+    fn publish(&mut self, b: u32, parent_key: u64, depth: u32, tokens: &[u32], snapshot: Array) -> u64 {
+        let key = chain_key(self.salt, parent_key, tokens);
+        if self.index.contains_key(&key) {
+            return key;
+        }
+        let m = &mut self.meta[b as usize];
+        m.key = Some(key);
+        m.parent_key = parent_key;
+        m.tokens = tokens.to_vec();
+        m.snapshot = Some(snapshot);
+        m.depth = depth;
+        self.index.insert(key, b);
+        key
+    }
+
+    /// Drops every published block nobody holds (tests, memory pressure).
+    pub fn clear_cached(&mut self) {
+        let victims: Vec<u32> = self.evictable.iter().map(|e| e.2).collect();
+        self.evictable.clear();
+        for b in victims {
+            self.unpublish(b);
+            self.free.push(b);
+        }
+    }
+
+    pub fn keys(&self, layer: usize) -> &Array {
+        &self.keys[layer]
+    }
+    pub fn values(&self, layer: usize) -> &Array {
+        &self.values[layer]
+    }
+    pub fn set_layer(&mut self, layer: usize, k: Array, v: Array) {
+        self.keys[layer] = k;
+        self.values[layer] = v;
+    }
+    pub fn layer_arrays(&self) -> Vec<&Array> {
+        self.keys.iter().chain(&self.values).collect()
+    }
+}
+
+/// One sequence's view of the pool: its block table and what is known about
+/// the tokens in it. Dropping it returns its blocks (so a cancelled or
+/// failed request gives them back without any extra path).
+pub struct PagedSeq {
+    pub pool: SharedPool,
+    pub blocks: Vec<u32>,
+    /// Positions written.
+    pub len: usize,
+    /// Token ids of positions `0..tokens.len()` as far as the host knows
+    /// them (a decoded token is known only after it is read back).
+    tokens: Vec<u32>,
+    /// Leading blocks that are in the index (taken from it or published).
+    published: usize,
+    parent_key: u64,
+    /// Conv snapshots of full blocks not yet published, by block index.
+    snaps: HashMap<usize, Array>,
+    /// Tokens taken from the prefix cache by the last [`PagedSeq::attach`].
+    pub cached_tokens: usize,
+    block_size: usize,
+}
+
+impl PagedSeq {
+    pub fn new(pool: SharedPool) -> PagedSeq {
+        let block_size = pool.lock().block_size();
+        PagedSeq {
+            pool,
+            blocks: vec![],
+            len: 0,
+            tokens: vec![],
+            published: 0,
+            parent_key: 0,
+            snaps: HashMap::new(),
+            cached_tokens: 0,
+            block_size,
+        }
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// On an empty sequence: takes the longest cached prefix of `prompt`.
+    /// Returns how many tokens are cached and, when any, the conv snapshot
+    /// to restore.
+    pub fn attach(&mut self, prompt: &[u32]) -> (usize, Option<Array>) {
+        debug_assert!(self.len == 0 && self.blocks.is_empty());
+        let mut pool = self.pool.lock();
+        let (blocks, snap) = pool.match_prefix(prompt);
+        let n = blocks.len() * self.block_size;
+        let mut parent = 0u64;
+        for j in 0..blocks.len() {
+            parent = chain_key(pool.salt, parent, &prompt[j * self.block_size..(j + 1) * self.block_size]);
+        }
+        drop(pool);
+        self.published = blocks.len();
+        self.blocks = blocks;
+        self.len = n;
+        self.tokens = prompt[..n].to_vec();
+        self.parent_key = parent;
+        self.cached_tokens = n;
+        (n, snap)
+    }
+
+    /// Allocates blocks so that `t` more positions fit.
+    pub fn reserve(&mut self, t: usize) -> Result<()> {
+        let need = (self.len + t).div_ceil(self.block_size);
+        if need > self.blocks.len() {
+            let mut pool = self.pool.lock();
+            while self.blocks.len() < need {
+                let b = pool.alloc()?;
+                self.blocks.push(b);
+            }
+        }
+        Ok(())
+    }
+
+    /// Host-known token ids for positions `len - ids.len() .. len`, after a
+    /// forward pass wrote them.
+    pub fn note_tokens(&mut self, ids: &[u32]) {
+        self.tokens.extend_from_slice(ids);
+    }
+
+    /// Keeps the conv snapshot for the block ending at position `end`.
+    pub fn keep_snapshot(&mut self, end: usize, snapshot: Array) {
+        debug_assert!(end % self.block_size == 0 && end > 0);
+        self.snaps.insert(end / self.block_size - 1, snapshot);
+    }
+
+    /// Publishes every full block whose tokens and snapshot are known.
+    pub fn publish_ready(&mut self) {
+        let bs = self.block_size;
+        let mut pool = None;
+        while self.published < self.blocks.len()
+            && (self.published + 1) * bs <= self.tokens.len().min(self.len)
+        {
+            let j = self.published;
+            let Some(snap) = self.snaps.remove(&j) else { break };
+            let p = pool.get_or_insert_with(|| self.pool.lock());
+            self.parent_key = p.publish(self.blocks[j], self.parent_key, j as u32, &self.tokens[j * bs..(j + 1) * bs], snap);
+            self.published += 1;
+        }
+    }
+
+    /// Snapshots waiting for their block's tokens (to evaluate them with
+    /// the step that produced them).
+    pub fn pending_snapshots(&self) -> Vec<&Array> {
+        self.snaps.values().collect()
+    }
+
+    /// The pool indices for attending over `0..upto` (prefill), or over a
+    /// table padded to `TABLE_STEP_TOKENS` (decode: the padding repeats
+    /// block 0 and is masked out).
+    pub fn table(&self, upto: usize, padded: bool) -> Result<Array> {
+        let used = upto.div_ceil(self.block_size).max(1);
+        let mut t: Vec<i32> = self.blocks[..used.min(self.blocks.len())].iter().map(|&b| b as i32).collect();
+        if padded {
+            let step = TABLE_STEP_TOKENS.div_ceil(self.block_size).max(1);
+            let n = t.len().div_ceil(step) * step;
+            let fill = t.first().copied().unwrap_or(0);
+            t.resize(n, fill);
+        }
+        Array::from_slice(&t, &[t.len() as i32])
+    }
+
+    /// `(block, offset)` of position `pos`.
+    pub fn slot(&self, pos: usize) -> (u32, usize) {
+        (self.blocks[pos / self.block_size], pos % self.block_size)
+    }
+}
+
+impl Drop for PagedSeq {
+    fn drop(&mut self) {
+        let mut pool = self.pool.lock();
+        for &b in &self.blocks {
+            pool.release(b);
+        }
+    }
+}
+
+/// Stacks per-conv-layer states (`[1, keep, hidden]` each) into one
+/// snapshot array that owns its memory.
+pub fn snapshot_of(states: &[&Array]) -> Result<Array> {
+    stack(states, 0)
+}
+
+/// Writes `k`/`v` (`[1, kv_heads, T, head_dim]`) for positions
+/// `start..start+T` of `seq` into attention layer `layer`'s pools.
+pub fn write_prefill(pool: &mut PagedPool, seq: &PagedSeq, layer: usize, start: usize, k: &Array, v: &Array) -> Result<()> {
+    let t = k.dim(2) as usize;
+    let bs = seq.block_size;
+    let (h, d) = (k.dim(1), k.dim(3));
+    let mut kp = pool.keys[layer].clone();
+    let mut vp = pool.values[layer].clone();
+    let mut p = start;
+    while p < start + t {
+        let (b, off) = seq.slot(p);
+        let n = (bs - off).min(start + t - p);
+        let (r0, r1) = ((p - start) as i32, (p - start + n) as i32);
+        let ks = k.slice_axis(2, r0, r1)?.reshape(&[h, 1, n as i32, d])?;
+        let vs = v.slice_axis(2, r0, r1)?.reshape(&[h, 1, n as i32, d])?;
+        let (b, off, n) = (b as i32, off as i32, n as i32);
+        kp = kp.slice_update(&ks, &[0, b, off, 0], &[h, b + 1, off + n, d])?;
+        vp = vp.slice_update(&vs, &[0, b, off, 0], &[h, b + 1, off + n, d])?;
+        p += n as usize;
+    }
+    pool.set_layer(layer, kp, vp);
+    Ok(())
+}
+
+/// The sequence's K or V for one layer through `table`:
+/// `[1, kv_heads, table_len * block_size, head_dim]`.
+pub fn gather(pool_arr: &Array, table: &Array) -> Result<Array> {
+    let g = pool_arr.take(table, 1)?;
+    let (h, n, bs, d) = (g.dim(0), g.dim(1), g.dim(2), g.dim(3));
+    g.reshape(&[1, h, n * bs, d])
+}
