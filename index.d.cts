@@ -120,10 +120,39 @@ export declare class Lfm2Model {
    * chat template with the generation prompt appended).
    */
   applyChatTemplate(messages: Array<ChatMessage>, options?: GenerateOptions | undefined | null): Promise<number[]>
+  /**
+   * The paged KV cache's counters, or null when this model uses flat
+   * caches. Runs after the requests queued before it.
+   */
+  cacheStats(): Promise<CacheStats | null>
+  /**
+   * Forgets every cached prefix no running request uses (the next
+   * request runs its whole prompt).
+   */
+  clearPrefixCache(): Promise<void>
   /** What was loaded and how it runs. */
   info(): ModelInfo
   /** Frees the model once queued requests finish; later calls reject. */
   close(): void
+}
+
+/** The paged pool's counters. */
+export interface CacheStats {
+  blockSize: number
+  /** Blocks allocated so far (the pool grows on demand). */
+  capacityBlocks: number
+  /** Blocks the budget allows. */
+  maxBlocks: number
+  /** Blocks held by running requests. */
+  blocksInUse: number
+  /** Blocks in the prefix index (reusable by later requests). */
+  blocksCached: number
+  evictions: number
+  /** Requests that reused a cached prefix, and the tokens they reused. */
+  hits: number
+  hitTokens: number
+  /** Bytes the pool holds (K/V blocks and conv snapshots). */
+  bytes: number
 }
 
 export interface ChatMessage {
@@ -286,6 +315,24 @@ export interface LoadOptions {
    * each end (default 1; LFM2 has 6 attention layers).
    */
   kvCacheFullPrecisionLayers?: number
+  /**
+   * Paged KV cache with cross-request prefix reuse (true) or flat
+   * per-request caches (false). Wins over config.json's
+   * `use_block_paged_cache`; default: paged for unquantized checkpoints,
+   * flat for quantized ones. `info().cacheKind` / `cacheReason` say which.
+   */
+  useBlockPagedCache?: boolean
+  /**
+   * Tokens per paged block (default 32, or config.json `paged_block_size`):
+   * prefixes are reused in whole blocks.
+   */
+  pagedBlockSize?: number
+  /**
+   * Memory the paged pool may use, in MiB (default 2048, or config.json
+   * `paged_cache_budget_mb`); least recently used cached prefixes are
+   * evicted beyond it.
+   */
+  pagedCacheBudgetMb?: number
 }
 
 export interface MemoryInfo {
@@ -306,6 +353,8 @@ export interface Metrics {
   ttftMs: number
   /** Tokens actually run through the model during prefill. */
   prefillTokens: number
+  /** Prompt tokens reused from the paged prefix cache (not run). */
+  cachedTokens: number
   /** prefillTokens divided by the prefill time. */
   prefillTokensPerSecond: number
   prefillMs: number
@@ -345,8 +394,14 @@ export interface ModelInfo {
   dtype: string
   /** Quantized formats in use; empty for an unquantized checkpoint. */
   quantization: Array<QuantizationInfo>
-  /** "flat", "paged" or "quantized" (a kvCache other than "default"). */
+  /** "paged", "flat" or "quantized" (a kvCache other than "default"). */
   cacheKind: string
+  /** Why that cache was chosen. */
+  cacheReason: string
+  /** Tokens per block of the paged cache (paged only). */
+  pagedBlockSize?: number
+  /** The paged pool's memory budget in MiB (paged only). */
+  pagedCacheBudgetMb?: number
   /** The kvCache setting in effect. */
   kvCache: string
   /**

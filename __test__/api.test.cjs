@@ -20,7 +20,10 @@ test('info describes the checkpoint', async () => {
   assert.equal(info.modelType, 'lfm2');
   assert.equal(info.dtype, 'float32');
   assert.deepEqual(info.quantization, []);
-  assert.equal(info.cacheKind, 'flat');
+  // Unquantized: the paged cache with prefix reuse by default.
+  assert.equal(info.cacheKind, 'paged');
+  assert.match(info.cacheReason, /default for unquantized checkpoints/);
+  assert.equal(info.pagedBlockSize, 32);
   assert.equal(info.layerKinds.length, info.numLayers);
   assert.ok(info.layerKinds.includes('attention') && info.layerKinds.includes('conv'));
   assert.ok(info.parameterCount > 100000);
@@ -35,7 +38,8 @@ test('chat returns text, tokens, usage and honest metrics', async () => {
   assert.equal(r.tokens.length, 12);
   assert.equal(r.usage.completionTokens, 12);
   assert.equal(r.usage.promptTokens, (await m.applyChatTemplate([{ role: 'user', content: 'Tell me a story.' }])).length);
-  assert.equal(r.metrics.prefillTokens, r.usage.promptTokens);
+  // Tokens run plus tokens reused from the prefix cache make the prompt.
+  assert.equal(r.metrics.prefillTokens + r.metrics.cachedTokens, r.usage.promptTokens);
   assert.equal(r.text, await m.detokenize(r.tokens));
   const t = r.metrics;
   assert.ok(t.ttftMs > 0 && t.totalMs >= t.ttftMs);

@@ -43,7 +43,7 @@ for (const name of NAMES) {
     assert.equal(info.kvCache, name);
     assert.equal(info.kvCacheLayers.length, info.layerKinds.filter((k) => k === 'attention').length);
     if (name === 'default') {
-      assert.equal(info.cacheKind, 'flat');
+      assert.equal(info.cacheKind, 'paged');
       assert.equal(info.decodePath, 'compiled');
       assert.deepEqual(info.kvCacheLayers, ['default', 'default']);
     } else {

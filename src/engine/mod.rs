@@ -354,6 +354,14 @@ impl Engine {
         self.model.paged.as_ref().map(|p| p.lock().stats())
     }
 
+    /// The counters and the bytes the pool holds.
+    pub fn cache_stats_with_bytes(&self) -> Option<(PagedStats, usize)> {
+        self.model.paged.as_ref().map(|p| {
+            let p = p.lock();
+            (p.stats(), p.nbytes())
+        })
+    }
+
     /// Forgets every cached prefix no request is using.
     pub fn clear_prefix_cache(&self) {
         if let Some(p) = &self.model.paged {

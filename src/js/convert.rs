@@ -32,6 +32,18 @@ pub struct LoadOptions {
     /// For "rotorquant-adaptive": attention layers kept in full precision at
     /// each end (default 1; LFM2 has 6 attention layers).
     pub kv_cache_full_precision_layers: Option<u32>,
+    /// Paged KV cache with cross-request prefix reuse (true) or flat
+    /// per-request caches (false). Wins over config.json's
+    /// `use_block_paged_cache`; default: paged for unquantized checkpoints,
+    /// flat for quantized ones. `info().cacheKind` / `cacheReason` say which.
+    pub use_block_paged_cache: Option<bool>,
+    /// Tokens per paged block (default 32, or config.json `paged_block_size`):
+    /// prefixes are reused in whole blocks.
+    pub paged_block_size: Option<u32>,
+    /// Memory the paged pool may use, in MiB (default 2048, or config.json
+    /// `paged_cache_budget_mb`); least recently used cached prefixes are
+    /// evicted beyond it.
+    pub paged_cache_budget_mb: Option<u32>,
 }
 
 #[napi(object, object_to_js = false)]
@@ -148,6 +160,8 @@ pub struct Metrics {
     pub ttft_ms: f64,
     /// Tokens actually run through the model during prefill.
     pub prefill_tokens: u32,
+    /// Prompt tokens reused from the paged prefix cache (not run).
+    pub cached_tokens: u32,
     /// prefillTokens divided by the prefill time.
     pub prefill_tokens_per_second: f64,
     pub prefill_ms: f64,
@@ -234,8 +248,14 @@ pub struct ModelInfo {
     pub dtype: String,
     /// Quantized formats in use; empty for an unquantized checkpoint.
     pub quantization: Vec<QuantizationInfo>,
-    /// "flat", "paged" or "quantized" (a kvCache other than "default").
+    /// "paged", "flat" or "quantized" (a kvCache other than "default").
     pub cache_kind: String,
+    /// Why that cache was chosen.
+    pub cache_reason: String,
+    /// Tokens per block of the paged cache (paged only).
+    pub paged_block_size: Option<u32>,
+    /// The paged pool's memory budget in MiB (paged only).
+    pub paged_cache_budget_mb: Option<u32>,
     /// The kvCache setting in effect.
     pub kv_cache: String,
     /// Per attention layer: what its KV cache stores ("default" = full
@@ -284,6 +304,15 @@ pub fn engine_options(o: Option<LoadOptions>) -> Result<EngineOptions> {
             });
         }
         e.kv_cache = o.kv_cache;
+        e.paged_cache = o.use_block_paged_cache;
+        if o.paged_block_size == Some(0) {
+            return Err(js_error(Error::invalid("pagedBlockSize must be at least 1")));
+        }
+        if o.paged_cache_budget_mb == Some(0) {
+            return Err(js_error(Error::invalid("pagedCacheBudgetMb must be at least 1")));
+        }
+        e.paged_block_size = o.paged_block_size.map(|n| n as usize);
+        e.paged_cache_budget_mb = o.paged_cache_budget_mb.map(|n| n as usize);
         e.kv_cache_full_precision_layers = o.kv_cache_full_precision_layers.map(|n| n as usize);
         if let Some(d) = o.device {
             e.device = Some(match d.as_str() {
@@ -397,6 +426,7 @@ pub fn to_chat_result(g: Generation) -> ChatResult {
         metrics: Metrics {
             ttft_ms: m.ttft_ms,
             prefill_tokens: m.prefill_tokens as u32,
+            cached_tokens: m.cached_tokens as u32,
             prefill_tokens_per_second: m.prefill_tokens_per_second,
             prefill_ms: m.prefill_ms,
             decode_tokens_per_second: m.decode_tokens_per_second,
@@ -406,6 +436,40 @@ pub fn to_chat_result(g: Generation) -> ChatResult {
         finish_reason: g.finish_reason.name().to_string(),
         tokens: g.tokens,
         text: g.text,
+    }
+}
+
+/// The paged pool's counters.
+#[napi(object)]
+pub struct CacheStats {
+    pub block_size: u32,
+    /// Blocks allocated so far (the pool grows on demand).
+    pub capacity_blocks: u32,
+    /// Blocks the budget allows.
+    pub max_blocks: u32,
+    /// Blocks held by running requests.
+    pub blocks_in_use: u32,
+    /// Blocks in the prefix index (reusable by later requests).
+    pub blocks_cached: u32,
+    pub evictions: f64,
+    /// Requests that reused a cached prefix, and the tokens they reused.
+    pub hits: f64,
+    pub hit_tokens: f64,
+    /// Bytes the pool holds (K/V blocks and conv snapshots).
+    pub bytes: f64,
+}
+
+pub fn to_cache_stats(s: &crate::model::paged::PagedStats, bytes: usize) -> CacheStats {
+    CacheStats {
+        block_size: s.block_size as u32,
+        capacity_blocks: s.capacity_blocks as u32,
+        max_blocks: s.max_blocks as u32,
+        blocks_in_use: s.blocks_in_use as u32,
+        blocks_cached: s.blocks_cached as u32,
+        evictions: s.evictions as f64,
+        hits: s.hits as f64,
+        hit_tokens: s.hit_tokens as f64,
+        bytes: bytes as f64,
     }
 }
 
@@ -421,6 +485,9 @@ pub fn to_model_info(i: &engine::ModelInfo) -> ModelInfo {
             .map(|q| QuantizationInfo { mode: q.mode.clone(), bits: q.bits, group_size: q.group_size, projections: q.projections as u32 })
             .collect(),
         cache_kind: i.cache_kind.clone(),
+        cache_reason: i.cache_reason.clone(),
+        paged_block_size: i.paged_block_size.map(|x| x as u32),
+        paged_cache_budget_mb: i.paged_cache_budget_mb.map(|x| x as u32),
         kv_cache: i.kv_cache.clone(),
         kv_cache_layers: i.kv_cache_layers.clone(),
         kv_bytes_per_token: i.kv_bytes_per_token as f64,

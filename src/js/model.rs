@@ -2,7 +2,7 @@
 //! thread, then queues the work on the model's worker thread and returns a
 //! promise that the worker settles; the event loop is never blocked.
 
-use super::convert::{
+use super::convert::{to_cache_stats, 
     aborted_result, generate_params, to_chat_messages, to_chat_reply, to_chat_result, to_model_info, ChatMessage, ChatResult,
     GenerateOptions, LoadOptions, ModelInfo, OptionValues,
 };
@@ -254,6 +254,39 @@ impl Lfm2Model {
         let tools = OptionValues::from_options(options.as_ref()).tools_value();
         let tok = self.tokenizer.clone();
         off_thread(env, move || tok.apply_chat_template(&msgs, tools.as_ref(), true, None))
+    }
+
+    /// The paged KV cache's counters, or null when this model uses flat
+    /// caches. Runs after the requests queued before it.
+    #[napi(ts_return_type = "Promise<CacheStats | null>")]
+    pub fn cache_stats<'e>(&self, env: &'e Env) -> Result<Object<'e>> {
+        let (deferred, promise) = env.create_deferred()?;
+        self.worker.run(
+            move |eng| Ok(eng.cache_stats_with_bytes()),
+            move |r| match r {
+                Ok(v) => deferred.resolve(move |_| Ok(v.map(|(s, b)| to_cache_stats(&s, b)))),
+                Err(e) => deferred.reject(js_error(e)),
+            },
+        );
+        Ok(promise)
+    }
+
+    /// Forgets every cached prefix no running request uses (the next
+    /// request runs its whole prompt).
+    #[napi(ts_return_type = "Promise<void>")]
+    pub fn clear_prefix_cache<'e>(&self, env: &'e Env) -> Result<Object<'e>> {
+        let (deferred, promise) = env.create_deferred()?;
+        self.worker.run(
+            move |eng| {
+                eng.clear_prefix_cache();
+                Ok(())
+            },
+            move |r| match r {
+                Ok(()) => deferred.resolve(|_| Ok(())),
+                Err(e) => deferred.reject(js_error(e)),
+            },
+        );
+        Ok(promise)
     }
 
     /// What was loaded and how it runs.
