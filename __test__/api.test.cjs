@@ -211,3 +211,21 @@ test('a model path from MLX_LFM_TEST_MODEL (a real checkpoint) chats', async (t)
   assert.match(r.text, /Paris/i);
   m.close();
 });
+
+test('a process that exits with several models loaded exits cleanly', async () => {
+  // Models used to be freed on their threads while the process was already
+  // running libmlx's static destructors (heap corruption, abort at exit, in
+  // about one exit in four with two models). Several exits to catch it.
+  const { spawnSync } = require('node:child_process');
+  const dir = await fixture('tiny', { preset: 'tiny', dtype: 'f32' });
+  const script = `
+    const addon = require(${JSON.stringify(require.resolve('../index.cjs'))});
+    (async () => {
+      const ms = [await addon.Lfm2Model.load(${JSON.stringify(dir)}), await addon.Lfm2Model.load(${JSON.stringify(dir)}, { useBlockPagedCache: false })];
+      for (const m of ms) await m.generate([5, 6, 7, 8], { maxTokens: 6, ignoreEos: true });
+    })();`;
+  for (let i = 0; i < 6; i++) {
+    const r = spawnSync(process.execPath, ['-e', script], { encoding: 'utf8' });
+    assert.equal(r.status, 0, `exit ${i + 1}: status ${r.status} signal ${r.signal}\n${r.stderr}`);
+  }
+});

@@ -15,10 +15,41 @@ use std::sync::mpsc::{channel, Sender};
 use std::thread::JoinHandle;
 
 type Job = Box<dyn FnOnce(&mut Engine) + Send>;
+type SharedSender = Arc<Mutex<Option<Sender<Job>>>>;
 
 pub struct ModelWorker {
-    tx: Mutex<Option<Sender<Job>>>,
+    tx: SharedSender,
     thread: Option<JoinHandle<()>>,
+}
+
+/// Every model thread still running, so the process can free the models
+/// before it exits. Without this, a model whose JS object is finalized at
+/// exit is freed on its thread while the main thread is already running
+/// libmlx's static destructors: heap corruption at exit.
+struct Live {
+    senders: Vec<(u64, SharedSender)>,
+    running: usize,
+    next_id: u64,
+}
+
+static LIVE: Mutex<Live> = Mutex::new(Live { senders: Vec::new(), running: 0, next_id: 0 });
+static LIVE_CHANGED: parking_lot::Condvar = parking_lot::Condvar::new();
+
+/// Closes every model's queue and waits (up to `timeout`) until their
+/// threads have finished the job at hand and freed their models. Called
+/// when the JS environment shuts down.
+pub fn shutdown_all(timeout: std::time::Duration) {
+    let deadline = std::time::Instant::now() + timeout;
+    let mut live = LIVE.lock();
+    for (_, tx) in live.senders.drain(..) {
+        tx.lock().take();
+    }
+    while live.running > 0 {
+        if LIVE_CHANGED.wait_until(&mut live, deadline).timed_out() {
+            eprintln!("mlx-lfm: {} model thread(s) still busy at exit", live.running);
+            break;
+        }
+    }
 }
 
 fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
@@ -38,6 +69,21 @@ impl ModelWorker {
         on_loaded: impl FnOnce(Result<(ModelWorker, Arc<Mutex<ModelInfo>>, Arc<Tokenizer>)>) + Send + 'static,
     ) {
         let (tx, rx) = channel::<Job>();
+        let tx: SharedSender = Arc::new(Mutex::new(Some(tx)));
+        let id = {
+            let mut live = LIVE.lock();
+            live.next_id += 1;
+            live.running += 1;
+            let id = live.next_id;
+            live.senders.push((id, tx.clone()));
+            id
+        };
+        let finished = move || {
+            let mut live = LIVE.lock();
+            live.senders.retain(|(i, _)| *i != id);
+            live.running -= 1;
+            LIVE_CHANGED.notify_all();
+        };
         let (ready_tx, ready_rx) = channel::<JoinHandle<()>>();
         let spawn = std::thread::Builder::new().name("mlx-lfm-model".into()).spawn(move || {
             let loaded = catch_unwind(AssertUnwindSafe(|| -> Result<Engine> {
@@ -49,18 +95,22 @@ impl ModelWorker {
             let mut engine = match loaded {
                 Ok(e) => e,
                 Err(e) => {
+                    tx.lock().take();
                     on_loaded(Err(e));
+                    finished();
                     return;
                 }
             };
             let info = engine.shared_info();
             let tokenizer = engine.tokenizer.clone();
-            on_loaded(Ok((ModelWorker { tx: Mutex::new(Some(tx)), thread }, info, tokenizer)));
+            on_loaded(Ok((ModelWorker { tx, thread }, info, tokenizer)));
             while let Ok(job) = rx.recv() {
                 // A panicking job must not take the model down with it; the
                 // job's own wrapper reports the failure to its caller.
                 let _ = catch_unwind(AssertUnwindSafe(|| job(&mut engine)));
             }
+            drop(engine);
+            finished();
         });
         match spawn {
             Ok(h) => {
@@ -68,6 +118,9 @@ impl ModelWorker {
             }
             Err(e) => {
                 // The closure (and on_loaded) were dropped with the failed spawn.
+                let mut live = LIVE.lock();
+                live.senders.retain(|(i, _)| *i != id);
+                live.running -= 1;
                 eprintln!("mlx-lfm: could not start the model thread: {e}");
             }
         }

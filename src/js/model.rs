@@ -146,12 +146,25 @@ pub struct Lfm2Model {
     tokenizer: Arc<crate::text::Tokenizer>,
 }
 
+/// Once per JS environment: free every model before the process exits
+/// (see engine::worker::shutdown_all).
+fn register_exit_hook(env: &Env) -> Result<()> {
+    static REGISTERED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if !REGISTERED.swap(true, std::sync::atomic::Ordering::SeqCst) {
+        env.add_env_cleanup_hook((), |_| {
+            crate::engine::worker::shutdown_all(std::time::Duration::from_secs(10));
+        })?;
+    }
+    Ok(())
+}
+
 #[napi]
 impl Lfm2Model {
     /// Loads a checkpoint directory (Hugging Face or MLX layout).
     #[napi(ts_return_type = "Promise<Lfm2Model>")]
     pub fn load(env: &Env, path: String, options: Option<LoadOptions>) -> Result<Object<'_>> {
         let opts = super::convert::engine_options(options)?;
+        register_exit_hook(env)?;
         let (deferred, promise) = env.create_deferred()?;
         ModelWorker::spawn(PathBuf::from(path), opts, move |r| match r {
             Ok((worker, info, tokenizer)) => {
