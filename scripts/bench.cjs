@@ -296,6 +296,10 @@ class LfmRunner {
       + `${i.dtype}, device ${i.device}, decode path ${i.decodePath}`;
   }
   async run(ids, gen) {
+    // Every measurement is a cold prompt: repetitions of the same prompt
+    // must not be served from the paged prefix cache (mlx-lm keeps nothing
+    // between runs either). Warm turns are measured by bench-turns.cjs.
+    await this.model.clearPrefixCache();
     const watch = cpuWatch(process.pid);
     const w0 = process.hrtime.bigint();
     const r = await this.model.generate(ids, { maxTokens: gen, ignoreEos: true, temperature: 0 });

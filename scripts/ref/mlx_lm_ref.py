@@ -86,7 +86,7 @@ def _progress(**kv):
     sys.stderr.flush()
 
 
-def _timed_run(model, ids, gen, prefill_step_size, label):
+def _timed_run(model, ids, gen, prefill_step_size, label, prompt_cache=None):
     """One generation through mlx-lm's generate_step, timed the way its users
     see it: t0 just before the call, the first token when generate_step yields
     it (prefill done and the first token read back), the last token when the
@@ -95,6 +95,8 @@ def _timed_run(model, ids, gen, prefill_step_size, label):
     prompt = mx.array(ids, dtype=mx.uint32)
     mx.eval(prompt)
     kwargs = {"max_tokens": gen}
+    if prompt_cache is not None:
+        kwargs["prompt_cache"] = prompt_cache
     if prefill_step_size:
         kwargs["prefill_step_size"] = prefill_step_size
     mx.reset_peak_memory()
@@ -146,6 +148,41 @@ def bench_suite(model, req, load_ms):
             _progress(label=f"P={len(ids)} rep {r + 1}/{reps}", phase="done", run=runs[-1])
         results.append({"prompt_len": len(ids), "runs": runs})
     out["results"] = results
+    return out
+
+
+def _ids(n, vocab, salt):
+    # The same ids as mlx-lfm-bench's conversation (src/bin/bench.rs).
+    m = min(vocab, 60000) - 10
+    return [((i * 2654435761 + salt * 40503) % (1 << 32)) % m + 5 for i in range(n)]
+
+
+def bench_turns(model, req, load_ms):
+    """The conversation of `mlx-lfm-bench --turns`: per turn the TTFT of a
+    cold run (fresh cache, whole prompt) and of a warm one that keeps one
+    prompt cache across turns and feeds only the tokens it has not seen (what
+    mlx_lm.chat does; LFM2's conv caches cannot be trimmed, so an exact
+    continuation is the only reuse mlx-lm has)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    vocab = req["vocab"]
+    step = req.get("prefill_step_size")
+    out = _suite_info(model, load_ms)
+    _timed_run(model, _ids(64, vocab, 999), 8, step, "warmup")
+    history = _ids(req["system"], vocab, 1)
+    cache = make_prompt_cache(model)
+    seen = 0
+    turns = []
+    for t in range(req["turns"]):
+        history = history + _ids(req["user"], vocab, 100 + t)
+        w = _timed_run(model, history[seen:], req["reply"], step, f"turn {t + 1} warm", prompt_cache=cache)
+        c = _timed_run(model, history, req["reply"], step, f"turn {t + 1} cold")
+        turns.append({"turn": t + 1, "prompt": len(history), "warm_ttft_ms": w["ttft_ms"], "warm_run": len(history) - seen,
+                      "cold_ttft_ms": c["ttft_ms"], "warm_decode_tps": w["decode_tps"]})
+        history = history + w["out_tokens"]
+        seen = next(c.offset for c in cache if hasattr(c, "offset"))
+        assert seen <= len(history), (seen, len(history))
+    out["turns"] = turns
     return out
 
 
@@ -296,6 +333,8 @@ def main():
         res = bench(model, req["prompt_len"], req["gen"], req.get("reps", 1))
     elif op == "bench_suite":
         res = bench_suite(model, req, load_ms)
+    elif op == "bench_turns":
+        res = bench_turns(model, req, load_ms)
     elif op == "bench_serve":
         res = bench_serve(model, req, load_ms)
     else:

@@ -3,6 +3,12 @@
 //!
 //!   mlx-lfm-bench [--model DIR | --preset P --dtype D --out DIR] [--device cpu|gpu]
 //!                 [--prompts 512,4096] [--gen 256] [--paths compiled,eager] [--reps 3]
+//!                 [--cache paged|flat]
+//!   mlx-lfm-bench --turns N [--system 1024] [--user 64] [--reply 64] [model args]
+//!     a token-level conversation: a system prompt, then N turns of user
+//!     tokens and a greedy reply; per turn the TTFT of a warm paged engine
+//!     (the conversation so far is in its prefix cache), a cold one (prefix
+//!     cache cleared before the turn) and a flat one.
 
 use mlx_lfm::engine::{DecodePath, Engine, EngineOptions, Prompt};
 use mlx_lfm::generate::{GenerateParams, NoObserver};
@@ -52,6 +58,16 @@ fn run() -> mlx_lfm::Result<()> {
         .map(|s| s.parse().expect("--prompts takes comma-separated integers"))
         .collect();
     let gen: usize = arg(&args, "--gen").map(|s| s.parse().expect("--gen")).unwrap_or(128);
+    let paged = match arg(&args, "--cache").as_deref() {
+        None => None,
+        Some("paged") => Some(true),
+        Some("flat") => Some(false),
+        Some(c) => return Err(mlx_lfm::Error::invalid(format!("--cache {c}: use paged or flat"))),
+    };
+    if let Some(n) = arg(&args, "--turns") {
+        let num = |k: &str, d: usize| arg(&args, k).map(|s| s.parse().expect("a number")).unwrap_or(d);
+        return turns(&dir, device, n.parse().expect("--turns"), num("--system", 1024), num("--user", 64), num("--reply", 64));
+    }
     let reps: usize = arg(&args, "--reps").map(|s| s.parse().expect("--reps")).unwrap_or(2);
     let paths = arg(&args, "--paths").unwrap_or_else(|| "compiled,eager".into());
     println!(
@@ -65,7 +81,8 @@ fn run() -> mlx_lfm::Result<()> {
             p => return Err(mlx_lfm::Error::invalid(format!("--paths: unknown path {p}"))),
         };
         let t = Instant::now();
-        let mut eng = Engine::load(&dir, &EngineOptions { device, decode_path: Some(decode_path), ..Default::default() })?;
+        let mut eng =
+            Engine::load(&dir, &EngineOptions { device, decode_path: Some(decode_path), paged_cache: paged, ..Default::default() })?;
         let load_s = t.elapsed().as_secs_f64();
         let info = eng.info();
         let vocab = info.vocab_size as u32;
@@ -89,13 +106,49 @@ fn run() -> mlx_lfm::Result<()> {
             println!(
                 "{}",
                 serde_json::json!({
-                    "path": path, "dtype": info.dtype, "quantization": info.quantization.iter().map(|q| format!("{}:{}:{}", q.mode, q.bits, q.group_size)).collect::<Vec<_>>(),
+                    "path": path, "cache": info.cache_kind, "dtype": info.dtype, "quantization": info.quantization.iter().map(|q| format!("{}:{}:{}", q.mode, q.bits, q.group_size)).collect::<Vec<_>>(),
                     "params": info.parameter_count, "prompt": p, "gen": gen, "load_s": load_s,
                     "prefill_tps": best_prefill, "ttft_ms": best_ttft, "decode_tps": best_decode,
                     "decode_ms_per_token": 1000.0 / best_decode,
                 })
             );
         }
+    }
+    Ok(())
+}
+
+fn ids(n: usize, vocab: u32, salt: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| (i.wrapping_mul(2654435761).wrapping_add(salt.wrapping_mul(40503)) % (vocab.min(60000) - 10)) + 5).collect()
+}
+
+/// Warm multi-turn TTFT against cold and flat, on the same conversation.
+fn turns(dir: &std::path::Path, device: Option<runtime::DeviceType>, n: usize, system: usize, user: usize, reply: usize) -> mlx_lfm::Result<()> {
+    let load = |paged: bool| Engine::load(dir, &EngineOptions { device, paged_cache: Some(paged), ..Default::default() });
+    let (mut warm, mut cold, mut flat) = (load(true)?, load(true)?, load(false)?);
+    let vocab = warm.info().vocab_size as u32;
+    let params = GenerateParams { max_tokens: reply, ignore_eos: true, ..Default::default() };
+    for e in [&mut warm, &mut cold, &mut flat] {
+        e.generate(Prompt::Tokens(ids(64, vocab, 999)), GenerateParams { max_tokens: 8, ..params.clone() }, &mut NoObserver)?;
+        e.clear_prefix_cache();
+    }
+    let mut history = ids(system, vocab, 1);
+    for t in 0..n {
+        history.extend(ids(user, vocab, 100 + t as u32));
+        let w = warm.generate(Prompt::Tokens(history.clone()), params.clone(), &mut NoObserver)?;
+        cold.clear_prefix_cache();
+        let c = cold.generate(Prompt::Tokens(history.clone()), params.clone(), &mut NoObserver)?;
+        let f = flat.generate(Prompt::Tokens(history.clone()), params.clone(), &mut NoObserver)?;
+        println!(
+            "{}",
+            serde_json::json!({
+                "turn": t + 1, "prompt": history.len(),
+                "warm_ttft_ms": w.metrics.ttft_ms, "warm_cached": w.metrics.cached_tokens, "warm_run": w.metrics.prefill_tokens,
+                "cold_ttft_ms": c.metrics.ttft_ms, "flat_ttft_ms": f.metrics.ttft_ms,
+                "warm_decode_tps": w.metrics.decode_tokens_per_second, "flat_decode_tps": f.metrics.decode_tokens_per_second,
+                "same_tokens": w.tokens == c.tokens && c.tokens == f.tokens,
+            })
+        );
+        history.extend(&w.tokens);
     }
     Ok(())
 }
