@@ -86,8 +86,8 @@ struct Decoder {
   mx::array final_norm{0.0f};
   std::vector<Layer> layers;
   mx::Dtype dtype = mx::float32;
-  std::uintptr_t compile_id = 0, compile_id_paged = 0;
-  std::function<std::vector<mx::array>(const std::vector<mx::array>&)> compiled, compiled_paged;
+  std::uintptr_t compile_id = 0;
+  std::function<std::vector<mx::array>(const std::vector<mx::array>&)> compiled;
   bool finalized = false;
 };
 
@@ -185,16 +185,14 @@ mx::array moe(const Decoder& d, const Layer& l, const mx::array& x) {
   return mx::sum(mx::multiply(y, mx::expand_dims(scores, -1)), std::vector<int>{-2}, false);
 }
 
-// inputs: token ids [1, 1], position (int32 scalar), [paged: the block table
-// (int32 [n]) and the write slot (int32 [2]: block, offset)], then in layer
-// order the K and V buffers (flat) or pools (paged) of an attention layer or
-// the state of a conv layer.
+// inputs: token ids [1, 1], position (int32 scalar), then in layer order the
+// K and V buffers of an attention layer or the state of a conv layer.
 // outputs: logits [1, V], then the new buffers and states in the same order.
-std::vector<mx::array> step(const Decoder& d, const std::vector<mx::array>& in, bool paged) {
+std::vector<mx::array> step(const Decoder& d, const std::vector<mx::array>& in) {
   const auto& c = d.cfg;
   const mx::array& ids = in[0];
   const mx::array& pos = in[1];
-  size_t next = paged ? 4 : 2;
+  size_t next = 2;
   std::vector<mx::array> new_state;
   float eps = c.norm_eps;
   int hd = c.head_dim;
@@ -215,35 +213,18 @@ std::vector<mx::array> step(const Decoder& d, const std::vector<mx::array>& in, 
       k = mx::fast::rope(k, hd, false, c.rope_theta, 1.0f, pos);
       const mx::array& kbuf = in[next++];
       const mx::array& vbuf = in[next++];
-      std::optional<mx::array> kn, vn, ka, va;
-      int cap = 0;
-      if (paged) {
-        // Pools [kv_heads, blocks, block_size, head_dim]; in[2] is the
-        // padded block table, in[3] the (block, offset) slot to write.
-        int kvh = kbuf.shape(0);
-        kn = mx::slice_update(kbuf, mx::reshape(k, {kvh, 1, 1, hd}), in[3], {1, 2});
-        vn = mx::slice_update(vbuf, mx::reshape(v, {kvh, 1, 1, hd}), in[3], {1, 2});
-        auto kg = mx::take(*kn, in[2], 1);
-        auto vg = mx::take(*vn, in[2], 1);
-        cap = kg.shape(1) * kg.shape(2);
-        ka = mx::reshape(kg, {1, kvh, cap, hd});
-        va = mx::reshape(vg, {1, kvh, cap, hd});
-      } else {
-        auto start = mx::reshape(pos, {1});
-        kn = mx::slice_update(kbuf, k, start, {2});
-        vn = mx::slice_update(vbuf, v, start, {2});
-        ka = kn;
-        va = vn;
-        cap = kbuf.shape(2);
-      }
+      auto start = mx::reshape(pos, {1});
+      auto kn = mx::slice_update(kbuf, k, start, {2});
+      auto vn = mx::slice_update(vbuf, v, start, {2});
+      int cap = kbuf.shape(2);
       auto mask = mx::reshape(mx::less(mx::arange(0.0, static_cast<double>(cap), 1.0, mx::int32),
                                        mx::add(pos, scalar(1.0, mx::int32))),
                               {1, 1, 1, cap});
-      auto o = mx::fast::scaled_dot_product_attention(q, *ka, *va, c.attn_scale, "array", mask);
+      auto o = mx::fast::scaled_dot_product_attention(q, kn, vn, c.attn_scale, "array", mask);
       o = mx::reshape(mx::transpose(o, {0, 2, 1, 3}), {b, t, c.num_heads * hd});
       r = l.o.apply(o);
-      new_state.push_back(*kn);
-      new_state.push_back(*vn);
+      new_state.push_back(kn);
+      new_state.push_back(vn);
     } else {
       auto bcx = l.in.apply(x);
       auto parts = mx::split(bcx, 3, -1);
@@ -315,11 +296,8 @@ void finalize(Decoder& d) {
   }
   d.weights.clear();  // the layers hold their arrays now
   d.compile_id = reinterpret_cast<std::uintptr_t>(&d) ^ (g_next_id.fetch_add(1) << 1);
-  d.compile_id_paged = reinterpret_cast<std::uintptr_t>(&d) ^ (g_next_id.fetch_add(1) << 1);
   Decoder* dp = &d;
-  d.compiled = mx::detail::compile([dp](const std::vector<mx::array>& in) { return step(*dp, in, false); }, d.compile_id);
-  d.compiled_paged =
-      mx::detail::compile([dp](const std::vector<mx::array>& in) { return step(*dp, in, true); }, d.compile_id_paged);
+  d.compiled = mx::detail::compile([dp](const std::vector<mx::array>& in) { return step(*dp, in); }, d.compile_id);
   d.finalized = true;
 }
 
@@ -357,14 +335,14 @@ int mlxb_decoder_set_quant(mlxb_decoder d, const char* path, const char* mode, i
 
 int mlxb_decoder_finalize(mlxb_decoder d) { MLXB_TRY({ finalize(d->d); }) }
 
-int mlxb_decoder_step(mlxb_decoder d, int compiled, int paged, const mlxb_array* ins, size_t n_in,
-                      mlxb_array* outs, size_t cap_out, size_t* n_out) {
+int mlxb_decoder_step(mlxb_decoder d, int compiled, const mlxb_array* ins, size_t n_in, mlxb_array* outs,
+                      size_t cap_out, size_t* n_out) {
   MLXB_TRY({
     if (!d->d.finalized) throw std::logic_error("compiled decode: step before finalize");
     std::vector<mx::array> in;
     in.reserve(n_in);
     for (size_t i = 0; i < n_in; ++i) in.push_back(A(ins[i]));
-    auto res = compiled ? (paged ? d->d.compiled_paged(in) : d->d.compiled(in)) : step(d->d, in, paged != 0);
+    auto res = compiled ? d->d.compiled(in) : step(d->d, in);
     if (res.size() > cap_out) throw std::invalid_argument("compiled decode: too many outputs for the caller");
     for (size_t i = 0; i < res.size(); ++i) outs[i] = wrap(res[i]);
     *n_out = res.size();
@@ -374,10 +352,7 @@ int mlxb_decoder_step(mlxb_decoder d, int compiled, int paged, const mlxb_array*
 void mlxb_decoder_free(mlxb_decoder d) {
   if (!d) return;
   try {
-    if (d->d.finalized) {
-      mx::detail::compile_erase(mx::detail::compile_cache(), d->d.compile_id);
-      mx::detail::compile_erase(mx::detail::compile_cache(), d->d.compile_id_paged);
-    }
+    if (d->d.finalized) mx::detail::compile_erase(mx::detail::compile_cache(), d->d.compile_id);
   } catch (...) {
   }
   delete d;

@@ -207,8 +207,8 @@ int mlxb_decoder_add_weight(mlxb_decoder d, const char* name, mlxb_array a);
 int mlxb_decoder_set_quant(mlxb_decoder d, const char* path, const char* mode, int bits, int group_size);
 int mlxb_decoder_finalize(mlxb_decoder d);
 // Runs one decode step, compiled (compiled != 0) or as the same graph uncompiled.
-int mlxb_decoder_step(mlxb_decoder d, int compiled, int paged, const mlxb_array* ins, size_t n_in,
-                      mlxb_array* outs, size_t cap_out, size_t* n_out);
+int mlxb_decoder_step(mlxb_decoder d, int compiled, const mlxb_array* ins, size_t n_in, mlxb_array* outs,
+                      size_t cap_out, size_t* n_out);
 void mlxb_decoder_free(mlxb_decoder d);
 
 #ifdef __cplusplus

@@ -79,8 +79,9 @@ async function main() {
   const warm = await load();
   const cold = await load();
   const params = { maxTokens: o.reply, ignoreEos: true };
+  // Warm-up at the conversation's sizes (kernels are built per shape).
   for (const m of [warm, cold]) {
-    await m.generate(ids(64, vocab, 999), { maxTokens: 8, ignoreEos: true });
+    for (const n of [64, o.system + o.user, o.user + o.reply]) await m.generate(ids(n, vocab, 999), { maxTokens: 8, ignoreEos: true });
     await m.clearPrefixCache();
   }
   const info = warm.info();

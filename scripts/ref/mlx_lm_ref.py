@@ -168,7 +168,8 @@ def bench_turns(model, req, load_ms):
     vocab = req["vocab"]
     step = req.get("prefill_step_size")
     out = _suite_info(model, load_ms)
-    _timed_run(model, _ids(64, vocab, 999), 8, step, "warmup")
+    for n in (64, req["system"] + req["user"], req["user"] + req["reply"]):
+        _timed_run(model, _ids(n, vocab, 999), 8, step, "warmup")
     history = _ids(req["system"], vocab, 1)
     cache = make_prompt_cache(model)
     seen = 0

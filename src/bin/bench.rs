@@ -127,8 +127,12 @@ fn turns(dir: &std::path::Path, device: Option<runtime::DeviceType>, n: usize, s
     let (mut warm, mut cold, mut flat) = (load(true)?, load(true)?, load(false)?);
     let vocab = warm.info().vocab_size as u32;
     let params = GenerateParams { max_tokens: reply, ignore_eos: true, ..Default::default() };
+    // Warm-up at the conversation's sizes (kernels are built per shape), on
+    // ids the conversation never uses.
     for e in [&mut warm, &mut cold, &mut flat] {
-        e.generate(Prompt::Tokens(ids(64, vocab, 999)), GenerateParams { max_tokens: 8, ..params.clone() }, &mut NoObserver)?;
+        for len in [64, system + user, user + reply] {
+            e.generate(Prompt::Tokens(ids(len, vocab, 999)), GenerateParams { max_tokens: 8, ..params.clone() }, &mut NoObserver)?;
+        }
         e.clear_prefix_cache();
     }
     let mut history = ids(system, vocab, 1);

@@ -147,7 +147,7 @@ impl CompiledDecoder {
             }
         }
         let refs: Vec<&Array> = ins.iter().collect();
-        let outs = self.handle.step(compiled, false, &refs)?;
+        let outs = self.handle.step(compiled, &refs)?;
         if outs.len() != ins.len() - 1 {
             return Err(Error::mlx(format!("compiled decode returned {} arrays, expected {}", outs.len(), ins.len() - 1)));
         }
@@ -169,10 +169,9 @@ impl CompiledDecoder {
         Ok(logits)
     }
 
-    /// The step over a paged cache: the pools go in and come back (so MLX
-    /// can update them in place), with the padded block table and the
-    /// slot of the new position. Mirrors `Lfm2Model::forward_hidden`'s
-    /// paged decode op for op.
+    /// The step over a paged cache: the same compiled function as the flat
+    /// step, run over the sequence's decode mirrors (see PagedSeq::views);
+    /// a block that fills is copied into the pool afterwards.
     fn step_paged(&self, model: &Lfm2Model, ids: &Array, cache: &mut ModelCache, compiled: bool) -> Result<Array> {
         let pos = cache.pos;
         let seq = cache.paged.as_mut().unwrap();
@@ -180,27 +179,24 @@ impl CompiledDecoder {
             return Err(Error::invalid("paged cache length does not match the cache position"));
         }
         seq.reserve(1)?;
-        let table = seq.table(pos + 1, true)?;
-        let (blk, off) = seq.slot(pos);
-        let slot = Array::from_slice(&[blk as i32, off as i32], &[2])?;
-        let pool_arc = seq.pool.clone();
-        let mut pool = pool_arc.lock();
-        let mut ins: Vec<Array> = vec![ids.clone(), Array::scalar(pos as f64, Dtype::Int32)?, table, slot];
+        seq.ensure_views(pos + 1)?;
+        let mut ins: Vec<Array> = vec![ids.clone(), Array::scalar(pos as f64, Dtype::Int32)?];
         for lc in cache.layers.iter() {
             match lc {
                 LayerCache::Paged(i) => {
-                    ins.push(pool.keys(*i).clone());
-                    ins.push(pool.values(*i).clone());
+                    let (k, v) = &seq.views[*i];
+                    ins.push(k.clone());
+                    ins.push(v.clone());
                 }
                 LayerCache::Conv(s) => ins.push(conv_state(model, s)?),
                 LayerCache::Attention(_) => return Err(Error::invalid("flat attention layer in a paged cache")),
             }
         }
         let refs: Vec<&Array> = ins.iter().collect();
-        let outs = self.handle.step(compiled, true, &refs)?;
+        let outs = self.handle.step(compiled, &refs)?;
         drop(refs);
-        if outs.len() != ins.len() - 3 {
-            return Err(Error::mlx(format!("compiled paged decode returned {} arrays, expected {}", outs.len(), ins.len() - 3)));
+        if outs.len() != ins.len() - 1 {
+            return Err(Error::mlx(format!("compiled paged decode returned {} arrays, expected {}", outs.len(), ins.len() - 1)));
         }
         drop(ins);
         let mut it = outs.into_iter();
@@ -211,7 +207,7 @@ impl CompiledDecoder {
                 LayerCache::Paged(i) => {
                     let k = it.next().unwrap();
                     let v = it.next().unwrap();
-                    pool.set_layer(*i, k, v);
+                    seq.views[*i] = (k, v);
                 }
                 LayerCache::Conv(s) => {
                     let st = it.next().unwrap();
@@ -221,9 +217,8 @@ impl CompiledDecoder {
                 LayerCache::Attention(_) => unreachable!("checked above"),
             }
         }
-        drop(pool);
-        let seq = cache.paged.as_mut().unwrap();
         seq.len += 1;
+        seq.after_decode_step()?;
         cache.pos += 1;
         if cache.pos % seq.block_size() == 0 {
             let refs: Vec<&Array> = states.iter().collect();

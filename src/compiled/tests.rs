@@ -90,12 +90,14 @@ fn check_exact_paged(preset: Preset, dtype: DType, quant: Option<(QuantMode, i32
     };
     let mut m = load_model(&dir, &LoadOptions::default()).unwrap().model;
     let dec = CompiledDecoder::new(&m).unwrap();
-    let prompt: Vec<u32> = (0..19).map(|i| (i * 31 + 5) % 700 + 1).collect();
+    // 200 + 64 positions: decode crosses the 256-token step where the
+    // decode mirrors are rebuilt from the pool.
+    let prompt: Vec<u32> = (0..200).map(|i| (i * 31 + 5) % 700 + 1).collect();
     let cfg = PagedConfig { block_size: 8, budget_bytes: 64 << 20 };
     let mut paged_cache = |m: &mut crate::model::Lfm2Model| {
         m.use_paged_cache(cfg, 7).unwrap();
         let mut c = m.new_cache();
-        let l = prefill(m, &mut c, &prompt, 8).unwrap();
+        let l = prefill(m, &mut c, &prompt, 64).unwrap();
         (c, l)
     };
     let (mut ce, l0) = paged_cache(&mut m);
@@ -103,7 +105,7 @@ fn check_exact_paged(preset: Preset, dtype: DType, quant: Option<(QuantMode, i32
     let (mut cc, _) = paged_cache(&mut m);
     m.paged = None;
     let mut cf = m.new_cache();
-    let lf = prefill(&m, &mut cf, &prompt, 8).unwrap();
+    let lf = prefill(&m, &mut cf, &prompt, 64).unwrap();
     assert_eq!(bytes(&l0), bytes(&lf), "{name}: paged prefill differs from flat");
     let mut tok = argmax(&l0);
     let mut distinct = std::collections::HashSet::new();
@@ -120,7 +122,8 @@ fn check_exact_paged(preset: Preset, dtype: DType, quant: Option<(QuantMode, i32
         distinct.insert(tok.item::<u32>().unwrap());
     }
     assert_eq!(ce.pos, cc.pos);
-    assert_eq!(cc.paged.as_ref().unwrap().len, 19 + 64);
+    assert_eq!(cc.paged.as_ref().unwrap().len, 200 + 64);
+    assert_eq!(cc.paged.as_ref().unwrap().view_cap, 512, "the mirrors were rebuilt past 256 tokens");
     assert!(distinct.len() > 3, "{name}: degenerate greedy run");
     std::fs::remove_dir_all(&dir).ok();
     std::fs::remove_dir_all(&src).ok();

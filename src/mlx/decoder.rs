@@ -34,14 +34,12 @@ impl DecoderHandle {
     pub fn finalize(&self) -> Result<()> {
         check(unsafe { ffi::mlxb_decoder_finalize(self.0) })
     }
-    /// `paged`: the inputs carry a block table and write slot and the
-    /// attention layers' pools (see cpp/decode.cpp).
-    pub fn step(&self, compiled: bool, paged: bool, ins: &[&Array]) -> Result<Vec<Array>> {
+    pub fn step(&self, compiled: bool, ins: &[&Array]) -> Result<Vec<Array>> {
         let hs: Vec<Handle> = ins.iter().map(|a| a.handle()).collect();
         let mut outs: Vec<Handle> = vec![std::ptr::null_mut(); ins.len() + 1];
         let mut n = 0usize;
         check(unsafe {
-            ffi::mlxb_decoder_step(self.0, compiled as i32, paged as i32, hs.as_ptr(), hs.len(), outs.as_mut_ptr(), outs.len(), &mut n)
+            ffi::mlxb_decoder_step(self.0, compiled as i32, hs.as_ptr(), hs.len(), outs.as_mut_ptr(), outs.len(), &mut n)
         })?;
         Ok(outs.into_iter().take(n).map(Array).collect())
     }

@@ -161,6 +161,6 @@ extern "C" {
     pub fn mlxb_decoder_add_weight(d: DecoderPtr, name: *const c_char, a: Handle) -> c_int;
     pub fn mlxb_decoder_set_quant(d: DecoderPtr, path: *const c_char, mode: *const c_char, bits: c_int, gs: c_int) -> c_int;
     pub fn mlxb_decoder_finalize(d: DecoderPtr) -> c_int;
-    pub fn mlxb_decoder_step(d: DecoderPtr, compiled: c_int, paged: c_int, ins: *const Handle, n_in: usize, outs: *mut Handle, cap: usize, n_out: *mut usize) -> c_int;
+    pub fn mlxb_decoder_step(d: DecoderPtr, compiled: c_int, ins: *const Handle, n_in: usize, outs: *mut Handle, cap: usize, n_out: *mut usize) -> c_int;
     pub fn mlxb_decoder_free(d: DecoderPtr);
 }

@@ -77,19 +77,21 @@ impl Attention {
         self.out_proj.forward(&o)
     }
 
-    /// Attention over the paged pool: writes this call's K/V into the
-    /// sequence's blocks, then attends over the blocks in `table` (prefill:
-    /// exactly the used ones, causal; decode: a padded table with `mask`,
-    /// the same shapes and ops as the flat decode and the compiled step).
+    /// Attention over the paged pool. Prefill writes its K/V into the
+    /// sequence's blocks and attends over exactly the used blocks (gathered,
+    /// causal); decode writes the token into the sequence's decode mirror
+    /// and attends over it with `mask` (the same shapes and ops as the flat
+    /// decode and the compiled step); full blocks reach the pool after the
+    /// step.
     #[allow(clippy::too_many_arguments)]
     fn forward_paged(
         &self,
         x: &Array,
         pool: &mut PagedPool,
-        seq: &PagedSeq,
+        seq: &mut PagedSeq,
         layer: usize,
         start: usize,
-        table: &Array,
+        table: Option<&Array>,
         mask: Option<&Array>,
     ) -> Result<Array> {
         let (b, t) = (x.dim(0), x.dim(1));
@@ -102,15 +104,24 @@ impl Attention {
         let v = v.transpose(&[0, 2, 1, 3])?;
         let q = mlx::rope(&q, hd, false, self.rope_theta, 1.0, start as i32)?;
         let k = mlx::rope(&k, hd, false, self.rope_theta, 1.0, start as i32)?;
-        paged::write_prefill(pool, seq, layer, start, &k, &v)?;
-        let kg = paged::gather(pool.keys(layer), table)?;
-        let vg = paged::gather(pool.values(layer), table)?;
-        let o = match mask {
-            None => {
+        let o = match (table, mask) {
+            (Some(tb), _) => {
+                paged::write_prefill(pool, seq, layer, start, &k, &v)?;
                 let end = (start + t as usize) as i32;
-                mlx::sdpa(&q, &kg.slice_axis(2, 0, end)?, &vg.slice_axis(2, 0, end)?, self.scale, Mask::Causal)?
+                let kg = paged::gather(pool.keys(layer), tb)?.slice_axis(2, 0, end)?;
+                let vg = paged::gather(pool.values(layer), tb)?.slice_axis(2, 0, end)?;
+                mlx::sdpa(&q, &kg, &vg, self.scale, Mask::Causal)?
             }
-            Some(m) => mlx::sdpa(&q, &kg, &vg, self.scale, Mask::Array(m))?,
+            (None, Some(m)) => {
+                let (vk, vv) = &seq.views[layer];
+                let (s, h) = (start as i32, self.n_kv_heads);
+                let vk = vk.slice_update(&k, &[0, 0, s, 0], &[1, h, s + 1, hd])?;
+                let vv = vv.slice_update(&v, &[0, 0, s, 0], &[1, h, s + 1, hd])?;
+                let o = mlx::sdpa(&q, &vk, &vv, self.scale, Mask::Array(m))?;
+                seq.views[layer] = (vk, vv);
+                o
+            }
+            (None, None) => return Err(Error::invalid("paged attention needs a table or a decode mask")),
         };
         let o = o.transpose(&[0, 2, 1, 3])?.reshape(&[b, t, self.n_heads * hd])?;
         self.out_proj.forward(&o)
@@ -316,10 +327,10 @@ impl Lfm2Model {
             let bs = seq.block_size();
             taps = ((start / bs + 1) * bs..=start + t).step_by(bs).map(|p| (p - start) as i32).collect();
             if t == 1 {
-                let tb = seq.table(start + 1, true)?;
-                mask = Some(decode_mask(tb.dim(0) * bs as i32, start as i32)?);
-                table = Some(tb);
+                seq.ensure_views(start + 1)?;
+                mask = Some(decode_mask(seq.view_cap as i32, start as i32)?);
             } else {
+                seq.drop_views()?;
                 table = Some(seq.table(start + t, false)?);
             }
         }
@@ -332,10 +343,10 @@ impl Lfm2Model {
             let r = match (&layer.operator, lc) {
                 (Operator::Attention(a), LayerCache::Attention(kv)) => a.forward(&x, kv)?,
                 (Operator::Attention(a), LayerCache::Paged(i)) => {
-                    let (Some(p), Some(seq), Some(tb)) = (pool.as_deref_mut(), cache.paged.as_ref(), table.as_ref()) else {
+                    let (Some(p), Some(seq)) = (pool.as_deref_mut(), cache.paged.as_mut()) else {
                         return Err(Error::invalid("paged attention layer without a paged sequence"));
                     };
-                    a.forward_paged(&x, p, seq, *i, start, tb, mask.as_ref())?
+                    a.forward_paged(&x, p, seq, *i, start, table.as_ref(), mask.as_ref())?
                 }
                 (Operator::Conv(c), LayerCache::Conv(s)) => {
                     let mut got = vec![];
@@ -358,6 +369,11 @@ impl Lfm2Model {
         drop(pool);
         if let Some(seq) = cache.paged.as_mut() {
             seq.len += t;
+            if t == 1 {
+                seq.after_decode_step()?;
+            } else {
+                seq.flushed = seq.len;
+            }
             let mut snaps = vec![];
             for (i, &j) in taps.iter().enumerate() {
                 let states: Vec<&Array> = tapped.iter().map(|per_tap| &per_tap[i]).collect();

@@ -194,7 +194,9 @@ impl PagedPool {
         if cap >= self.max_blocks {
             return Ok(false);
         }
-        let min_step = TABLE_STEP_TOKENS.div_ceil(self.cfg.block_size).max(1);
+        // Start at 4096 tokens' worth, then double: few growths (each copies
+        // the pool), and nothing allocated up front.
+        let min_step = 4096usize.div_ceil(self.cfg.block_size).max(1);
         let new_cap = (cap * 2).max(cap + min_step).min(self.max_blocks);
         let add = (new_cap - cap) as i32;
         let s = &self.shape;
@@ -384,6 +386,18 @@ pub struct PagedSeq {
     /// Tokens taken from the prefix cache by the last [`PagedSeq::attach`].
     pub cached_tokens: usize,
     block_size: usize,
+    /// Decode mirrors: per attention layer the sequence's K and V in
+    /// contiguous `[1, kv_heads, view_cap, head_dim]` buffers, gathered from
+    /// the blocks once when decode starts and grown like a flat cache. A
+    /// decode step writes and attends over the mirrors only, exactly as a
+    /// flat step does (the same compiled step, no gather per token, and the
+    /// pool is not an input of the compiled function, so pool growth never
+    /// retraces it); whole blocks are copied into the pool as they fill.
+    pub views: Vec<(Array, Array)>,
+    pub view_cap: usize,
+    /// Positions whose K/V are in the pool (the rest are only in the
+    /// mirrors).
+    pub flushed: usize,
 }
 
 impl PagedSeq {
@@ -399,7 +413,76 @@ impl PagedSeq {
             snaps: HashMap::new(),
             cached_tokens: 0,
             block_size,
+            views: vec![],
+            view_cap: 0,
+            flushed: 0,
         }
+    }
+
+    /// Makes sure the decode mirrors cover positions `0..upto`: built from
+    /// the pool (everything written so far is there when there are no
+    /// mirrors), grown by whole `TABLE_STEP_TOKENS` like a flat cache.
+    pub fn ensure_views(&mut self, upto: usize) -> Result<()> {
+        if !self.views.is_empty() {
+            if upto <= self.view_cap {
+                return Ok(());
+            }
+            let add = (upto - self.view_cap).div_ceil(TABLE_STEP_TOKENS) * TABLE_STEP_TOKENS;
+            let mut grown = Vec::with_capacity(self.views.len());
+            for (k, v) in &self.views {
+                let z = |a: &Array| zeros(&[1, a.dim(1), add as i32, a.dim(3)], a.dtype());
+                grown.push((concatenate(&[k, &z(k)?], 2)?, concatenate(&[v, &z(v)?], 2)?));
+            }
+            self.views = grown;
+            self.view_cap += add;
+            return Ok(());
+        }
+        debug_assert_eq!(self.flushed, self.len);
+        let table = self.table(upto, true)?;
+        let pool = self.pool.lock();
+        let n = pool.keys.len();
+        let mut views = Vec::with_capacity(n);
+        for i in 0..n {
+            views.push((gather(&pool.keys[i], &table)?, gather(&pool.values[i], &table)?));
+        }
+        drop(pool);
+        self.view_cap = table.dim(0) as usize * self.block_size;
+        self.views = views;
+        Ok(())
+    }
+
+    /// Copies positions `flushed..len` from the mirrors into the pool.
+    pub fn flush(&mut self) -> Result<()> {
+        if self.views.is_empty() || self.flushed >= self.len {
+            return Ok(());
+        }
+        let (from, to) = (self.flushed as i32, self.len as i32);
+        let pool_arc = self.pool.clone();
+        let mut pool = pool_arc.lock();
+        for (i, (k, v)) in self.views.iter().enumerate() {
+            let ks = k.slice_axis(2, from, to)?;
+            let vs = v.slice_axis(2, from, to)?;
+            write_prefill(&mut pool, self, i, self.flushed, &ks, &vs)?;
+        }
+        self.flushed = self.len;
+        Ok(())
+    }
+
+    /// After a decode step: a block that just filled goes to the pool.
+    pub fn after_decode_step(&mut self) -> Result<()> {
+        if self.len % self.block_size == 0 {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Before a multi-token step: the pool must hold everything, and the
+    /// mirrors go (prefill reads the blocks).
+    pub fn drop_views(&mut self) -> Result<()> {
+        self.flush()?;
+        self.views.clear();
+        self.view_cap = 0;
+        Ok(())
     }
 
     pub fn block_size(&self) -> usize {
@@ -422,6 +505,7 @@ impl PagedSeq {
         self.published = blocks.len();
         self.blocks = blocks;
         self.len = n;
+        self.flushed = n;
         self.tokens = prompt[..n].to_vec();
         self.parent_key = parent;
         self.cached_tokens = n;
@@ -458,7 +542,7 @@ impl PagedSeq {
         let bs = self.block_size;
         let mut pool = None;
         while self.published < self.blocks.len()
-            && (self.published + 1) * bs <= self.tokens.len().min(self.len)
+            && (self.published + 1) * bs <= self.tokens.len().min(self.len).min(self.flushed)
         {
             let j = self.published;
             let Some(snap) = self.snaps.remove(&j) else { break };
