@@ -167,7 +167,7 @@ impl ShortConv {
 
     /// `taps`: positions j (1..=T) of this call after which the state is
     /// also wanted (paged-cache snapshots at block boundaries); those
-    /// states are pushed to `tapped` in order.
+    /// states go to `tapped` as one `[1, taps * keep, D]` array.
     fn forward(&self, x: &Array, state: &mut Option<Array>, taps: &[i32], tapped: &mut Vec<Array>) -> Result<Array> {
         let bcx = self.in_proj.forward(x)?;
         let parts = bcx.split_equal(3, -1)?;
@@ -181,8 +181,11 @@ impl ShortConv {
         let n = padded.dim(1);
         // Row j of `padded` is input j - keep, so the state after j inputs
         // is rows j..j+keep.
-        for &j in taps {
-            tapped.push(padded.slice_axis(1, j, j + keep)?);
+        if !taps.is_empty() {
+            // One gather of every tap's rows (a kernel per layer, not per tap).
+            let rows: Vec<i32> = taps.iter().flat_map(|&j| j..j + keep).collect();
+            let idx = Array::from_slice(&rows, &[rows.len() as i32])?;
+            tapped.push(padded.take(&idx, 1)?);
         }
         *state = Some(padded.slice_axis(1, n - keep, n)?);
         let mut conv = mlx::conv1d(&padded, &self.conv_weight, 1, 0, 1, self.dim)?;
@@ -375,9 +378,15 @@ impl Lfm2Model {
                 seq.flushed = seq.len;
             }
             let mut snaps = vec![];
+            // [conv_layers, 1, taps * keep, D]: every layer's tapped states.
+            let layers: Vec<&Array> = tapped.iter().map(|per_layer| &per_layer[0]).collect();
+            let all = if layers.is_empty() || taps.is_empty() { None } else { Some(paged::snapshot_of(&layers)?) };
+            let keep = self.config.conv_kernel as i32 - 1;
             for (i, &j) in taps.iter().enumerate() {
-                let states: Vec<&Array> = tapped.iter().map(|per_tap| &per_tap[i]).collect();
-                let snap = if states.is_empty() { zeros(&[1], self.dtype)? } else { paged::snapshot_of(&states)? };
+                let snap = match &all {
+                    Some(a) => a.slice_axis(2, i as i32 * keep, (i as i32 + 1) * keep)?,
+                    None => zeros(&[1], self.dtype)?,
+                };
                 seq.keep_snapshot(start + j as usize, snap.clone());
                 snaps.push(snap);
             }

@@ -597,25 +597,56 @@ pub fn snapshot_of(states: &[&Array]) -> Result<Array> {
 /// Writes `k`/`v` (`[1, kv_heads, T, head_dim]`) for positions
 /// `start..start+T` of `seq` into attention layer `layer`'s pools.
 pub fn write_prefill(pool: &mut PagedPool, seq: &PagedSeq, layer: usize, start: usize, k: &Array, v: &Array) -> Result<()> {
-    let t = k.dim(2) as usize;
-    let bs = seq.block_size;
-    let (h, d) = (k.dim(1), k.dim(3));
     let mut kp = pool.keys[layer].clone();
     let mut vp = pool.values[layer].clone();
-    let mut p = start;
-    while p < start + t {
-        let (b, off) = seq.slot(p);
-        let n = (bs - off).min(start + t - p);
-        let (r0, r1) = ((p - start) as i32, (p - start + n) as i32);
-        let ks = k.slice_axis(2, r0, r1)?.reshape(&[h, 1, n as i32, d])?;
-        let vs = v.slice_axis(2, r0, r1)?.reshape(&[h, 1, n as i32, d])?;
-        let (b, off, n) = (b as i32, off as i32, n as i32);
-        kp = kp.slice_update(&ks, &[0, b, off, 0], &[h, b + 1, off + n, d])?;
-        vp = vp.slice_update(&vs, &[0, b, off, 0], &[h, b + 1, off + n, d])?;
-        p += n as usize;
+    for (p, n, b0, nb) in write_runs(seq, start, k.dim(2) as usize) {
+        kp = write_run(&kp, k, p - start, n, b0, nb, seq.block_size, p % seq.block_size)?;
+        vp = write_run(&vp, v, p - start, n, b0, nb, seq.block_size, p % seq.block_size)?;
     }
     pool.set_layer(layer, kp, vp);
     Ok(())
+}
+
+/// Positions `start..start+t` split into runs that land in consecutive
+/// pool blocks: `(position, tokens, first block, blocks)`. A run is one
+/// partial block, or whole blocks that follow each other in the pool (a
+/// fresh sequence's blocks usually do), so a chunk is written with a few
+/// updates instead of one per block (each is a kernel launch on a GPU).
+fn write_runs(seq: &PagedSeq, start: usize, t: usize) -> Vec<(usize, usize, u32, usize)> {
+    let bs = seq.block_size;
+    let end = start + t;
+    let mut runs: Vec<(usize, usize, u32, usize)> = vec![];
+    let mut p = start;
+    while p < end {
+        let (b, off) = seq.slot(p);
+        let n = (bs - off).min(end - p);
+        let whole = off == 0 && n == bs;
+        match runs.last_mut() {
+            Some(r) if whole && r.1 % bs == 0 && r.0 % bs == 0 && r.2 + r.3 as u32 == b => {
+                r.1 += n;
+                r.3 += 1;
+            }
+            _ => runs.push((p, n, b, 1)),
+        }
+        p += n;
+    }
+    runs
+}
+
+/// Writes rows `r0..r0+n` of `x` (`[1, kv_heads, T, head_dim]`) into `nb`
+/// consecutive blocks from `b0`, at offset `off` within the first.
+#[allow(clippy::too_many_arguments)]
+fn write_run(pool_arr: &Array, x: &Array, r0: usize, n: usize, b0: u32, nb: usize, bs: usize, off: usize) -> Result<Array> {
+    let (h, d) = (x.dim(1), x.dim(3));
+    let rows = x.slice_axis(2, r0 as i32, (r0 + n) as i32)?;
+    let (b0, nb32) = (b0 as i32, nb as i32);
+    if nb == 1 {
+        let (off, n) = (off as i32, n as i32);
+        let u = rows.reshape(&[h, 1, n, d])?;
+        return pool_arr.slice_update(&u, &[0, b0, off, 0], &[h, b0 + 1, off + n, d]);
+    }
+    let u = rows.reshape(&[h, nb32, bs as i32, d])?;
+    pool_arr.slice_update(&u, &[0, b0, 0, 0], &[h, b0 + nb32, bs as i32, d])
 }
 
 /// The sequence's K or V for one layer through `table`:
