@@ -105,6 +105,12 @@ impl Attention {
         let q = mlx::rope(&q, hd, false, self.rope_theta, 1.0, start as i32)?;
         let k = mlx::rope(&k, hd, false, self.rope_theta, 1.0, start as i32)?;
         let o = match (table, mask) {
+            // From position 0 this call's K/V are the whole sequence: attend
+            // over them directly (the same values the blocks now hold).
+            (Some(_), _) if start == 0 => {
+                paged::write_prefill(pool, seq, layer, start, &k, &v)?;
+                mlx::sdpa(&q, &k, &v, self.scale, Mask::Causal)?
+            }
             (Some(tb), _) => {
                 paged::write_prefill(pool, seq, layer, start, &k, &v)?;
                 let end = (start + t as usize) as i32;
