@@ -6,7 +6,8 @@ pub mod worker;
 
 use crate::error::{Error, Result};
 use crate::compiled::CompiledDecoder;
-use crate::generate::{self, GenerateParams, Generation, Observer, Stepper};
+use crate::generate::{self, GenerateParams, Generation, Observer, Sequence, Started, Stepper};
+use crate::mlx::Array;
 use crate::mlx::{runtime, Dtype};
 use crate::model::config::token_ids;
 use crate::kvquant::KvCacheConfig;
@@ -110,6 +111,46 @@ pub struct ModelInfo {
     pub has_chat_template: bool,
     pub backend: String,
     pub device: String,
+}
+
+/// A request for the continuous-batching scheduler (engine/worker.rs).
+pub struct Request {
+    /// Builds the prompt and parameters on the worker (chat template,
+    /// tokenizer) when the request starts.
+    pub prepare: Option<Box<dyn FnOnce(&mut Engine) -> Result<(Vec<u32>, GenerateParams)> + Send>>,
+    pub observer: Box<dyn Observer + Send>,
+    pub reply: Option<Box<dyn FnOnce(Result<Generation>) + Send>>,
+}
+
+impl Request {
+    fn succeed(mut self, g: Generation) {
+        self.observer.finished();
+        if let Some(r) = self.reply.take() {
+            r(Ok(g));
+        }
+    }
+    pub fn fail(mut self, e: Error) {
+        self.observer.finished();
+        if let Some(r) = self.reply.take() {
+            r(Err(e));
+        }
+    }
+}
+
+impl Drop for Request {
+    fn drop(&mut self) {
+        // Never leave a caller waiting (a panic unwinding through the
+        // scheduler drops requests it was holding).
+        if let Some(r) = self.reply.take() {
+            r(Err(Error::mlx("the request was dropped before it finished (internal error)")));
+        }
+    }
+}
+
+/// A request being generated.
+pub struct Active {
+    pub seq: Sequence,
+    pub req: Request,
 }
 
 pub enum Prompt {
@@ -377,7 +418,7 @@ impl Engine {
         self.info.clone()
     }
 
-    fn params(&self, mut p: GenerateParams) -> GenerateParams {
+    pub fn params(&self, mut p: GenerateParams) -> GenerateParams {
         if p.prefill_chunk == 0 {
             p.prefill_chunk = self.prefill_chunk;
         }
@@ -407,15 +448,117 @@ impl Engine {
     fn run(&mut self, prompt: &[u32], params: &GenerateParams, observer: &mut dyn Observer, started: Instant) -> Result<Generation> {
         let mut stepper = Stepper::new(&self.model, self.compiled.as_ref());
         let r = generate::generate(&mut stepper, &self.tokenizer, &self.eos, prompt, params, observer, started);
-        if let Some(e) = stepper.failure.take() {
-            // Reported once: the model stays on the eager path from now on.
+        let failure = stepper.failure.take();
+        self.note_failure(failure);
+        r
+    }
+
+    /// A compiled step that failed is reported once; the model stays on
+    /// the eager path from then on.
+    fn note_failure(&mut self, failure: Option<Error>) {
+        if let Some(e) = failure {
             eprintln!("mlx-lfm: the compiled decode step failed ({}); continuing on the eager path", e.message);
             self.compiled = None;
             let mut info = self.info.lock();
             info.decode_path = "eager".into();
             info.decode_path_reason = format!("the compiled step failed at run time: {}", e.message);
         }
-        r
+    }
+
+    /// Starts a request for continuous batching: prefills it and samples
+    /// its first token. Returns the running request, or None when it is
+    /// already over (cancelled during prefill, or failed: `reply` heard).
+    pub fn admit(&mut self, mut req: Request) -> Option<Active> {
+        let started = Instant::now();
+        let prepared = (req.prepare.take().expect("a request is admitted once"))(self);
+        let (prompt, params) = match prepared {
+            Ok(p) => p,
+            Err(e) => {
+                req.fail(e);
+                return None;
+            }
+        };
+        let params = self.params(params);
+        let cache = self.model.new_cache();
+        match Sequence::start(&self.model, cache, &self.tokenizer, &prompt, &params, req.observer.as_mut(), started) {
+            Ok(Started::Running(seq)) => Some(Active { seq, req }),
+            Ok(Started::Finished(g, _)) => {
+                req.succeed(g);
+                None
+            }
+            Err(e) => {
+                req.fail(e);
+                None
+            }
+        }
+    }
+
+    /// One decode step for every running request: a single request takes
+    /// the compiled step, several run as one batch (their projections, MLPs
+    /// and head shared; attention per sequence). Finished requests are
+    /// answered and removed.
+    pub fn step_active(&mut self, active: &mut Vec<Active>) {
+        let want: Vec<usize> = (0..active.len()).filter(|&i| active[i].seq.wants_next()).collect();
+        let mut nexts: Vec<Option<Array>> = (0..active.len()).map(|_| None).collect();
+        let stepped = if want.len() == 1 {
+            let i = want[0];
+            let mut stepper = Stepper::new(&self.model, self.compiled.as_ref());
+            let a = &mut active[i];
+            let r = a.seq.y.reshape(&[1, 1]).and_then(|ids| stepper.step(&ids, &mut a.seq.cache)).and_then(|l| a.seq.sample(&l));
+            let failure = stepper.failure.take();
+            self.note_failure(failure);
+            r.map(|n| nexts[i] = Some(n))
+        } else if want.len() > 1 {
+            self.step_batch(active, &want).map(|ns| {
+                for (i, n) in want.iter().zip(ns) {
+                    nexts[*i] = Some(n);
+                }
+            })
+        } else {
+            Ok(())
+        };
+        if let Err(e) = stepped {
+            // The step's caches are in an unknown state: every request in it fails.
+            for a in active.drain(..) {
+                a.req.fail(e.clone());
+            }
+            return;
+        }
+        let mut keep = Vec::with_capacity(active.len());
+        for (mut a, next) in active.drain(..).zip(nexts) {
+            match a.seq.accept(next, &self.eos, a.req.observer.as_mut()) {
+                Ok(true) => keep.push(a),
+                Ok(false) => {
+                    let Active { seq, mut req } = a;
+                    match seq.finish(req.observer.as_mut()) {
+                        Ok((g, _)) => req.succeed(g),
+                        Err(e) => req.fail(e),
+                    }
+                }
+                Err(e) => a.req.fail(e),
+            }
+        }
+        *active = keep;
+    }
+
+    fn step_batch(&mut self, active: &mut [Active], want: &[usize]) -> Result<Vec<Array>> {
+        let ids: Vec<Array> = want.iter().map(|&i| active[i].seq.y.reshape(&[1, 1])).collect::<Result<_>>()?;
+        let refs: Vec<&Array> = ids.iter().collect();
+        let ids = crate::mlx::concatenate(&refs, 0)?;
+        let mut caches: Vec<&mut crate::model::ModelCache> = active
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| want.contains(i))
+            .map(|(_, a)| &mut a.seq.cache)
+            .collect();
+        let logits = self.model.forward_batch(&ids, &mut caches)?;
+        drop(caches);
+        let mut out = Vec::with_capacity(want.len());
+        for (k, &i) in want.iter().enumerate() {
+            let l = logits.slice_axis(0, k as i32, k as i32 + 1)?;
+            out.push(active[i].seq.sample(&l)?);
+        }
+        Ok(out)
     }
 
     pub fn generate(&mut self, prompt: Prompt, params: GenerateParams, observer: &mut dyn Observer) -> Result<Generation> {

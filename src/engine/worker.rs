@@ -3,7 +3,7 @@
 //! this thread only; requests arrive as closures through a channel and run
 //! one at a time, in order.
 
-use super::{Engine, EngineOptions, ModelInfo};
+use super::{Active, Engine, EngineOptions, ModelInfo, Request};
 use crate::error::{Error, ErrorKind, Result};
 use crate::mlx::runtime;
 use crate::text::Tokenizer;
@@ -15,7 +15,15 @@ use std::sync::mpsc::{channel, Sender};
 use std::thread::JoinHandle;
 
 type Job = Box<dyn FnOnce(&mut Engine) + Send>;
-type SharedSender = Arc<Mutex<Option<Sender<Job>>>>;
+
+/// What the worker's queue carries: plain work on the engine, or a
+/// generation for the continuous-batching scheduler.
+enum Msg {
+    Run(Job),
+    Generate(Request),
+}
+
+type SharedSender = Arc<Mutex<Option<Sender<Msg>>>>;
 
 pub struct ModelWorker {
     tx: SharedSender,
@@ -68,7 +76,7 @@ impl ModelWorker {
         opts: EngineOptions,
         on_loaded: impl FnOnce(Result<(ModelWorker, Arc<Mutex<ModelInfo>>, Arc<Tokenizer>)>) + Send + 'static,
     ) {
-        let (tx, rx) = channel::<Job>();
+        let (tx, rx) = channel::<Msg>();
         let tx: SharedSender = Arc::new(Mutex::new(Some(tx)));
         let id = {
             let mut live = LIVE.lock();
@@ -104,11 +112,7 @@ impl ModelWorker {
             let info = engine.shared_info();
             let tokenizer = engine.tokenizer.clone();
             on_loaded(Ok((ModelWorker { tx, thread }, info, tokenizer)));
-            while let Ok(job) = rx.recv() {
-                // A panicking job must not take the model down with it; the
-                // job's own wrapper reports the failure to its caller.
-                let _ = catch_unwind(AssertUnwindSafe(|| job(&mut engine)));
-            }
+            schedule(&mut engine, rx);
             drop(engine);
             finished();
         });
@@ -143,13 +147,25 @@ impl ModelWorker {
             }
         });
         let sent = match self.tx.lock().as_ref() {
-            Some(tx) => tx.send(job).is_ok(),
+            Some(tx) => tx.send(Msg::Run(job)).is_ok(),
             None => false,
         };
         if !sent {
             if let Some(reply) = slot.lock().take() {
                 reply(Err(Error::new(ErrorKind::Closed, "this model has been closed")));
             }
+        }
+    }
+
+    /// Queues a generation; it joins the running batch at the next step.
+    /// Its reply is called exactly once, also when the model is closed.
+    pub fn generate(&self, req: Request) {
+        let rejected = match self.tx.lock().as_ref() {
+            Some(tx) => tx.send(Msg::Generate(req)).err().map(|e| e.0),
+            None => Some(Msg::Generate(req)),
+        };
+        if let Some(Msg::Generate(req)) = rejected {
+            req.fail(Error::new(ErrorKind::Closed, "this model has been closed"));
         }
     }
 
@@ -160,6 +176,60 @@ impl ModelWorker {
     /// Stops accepting work; queued jobs still run, then the thread frees the model.
     pub fn close(&self) {
         self.tx.lock().take();
+    }
+}
+
+/// The worker's loop: continuous batching. Queued work runs between decode
+/// steps; new generations are prefilled as they arrive and join the running
+/// ones, which advance one token per step together; each leaves the batch as
+/// soon as it finishes. With nothing running it sleeps on the queue.
+fn schedule(engine: &mut Engine, rx: std::sync::mpsc::Receiver<Msg>) {
+    use std::sync::mpsc::TryRecvError;
+    let mut active: Vec<Active> = Vec::new();
+    let mut open = true;
+    loop {
+        let msg = if active.is_empty() {
+            if !open {
+                break;
+            }
+            match rx.recv() {
+                Ok(m) => Some(m),
+                Err(_) => break,
+            }
+        } else if open {
+            match rx.try_recv() {
+                Ok(m) => Some(m),
+                Err(TryRecvError::Empty) => None,
+                Err(TryRecvError::Disconnected) => {
+                    open = false;
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        match msg {
+            Some(Msg::Run(job)) => {
+                // A panicking job must not take the model down with it; the
+                // job's own wrapper reports the failure to its caller.
+                let _ = catch_unwind(AssertUnwindSafe(|| job(engine)));
+                continue;
+            }
+            Some(Msg::Generate(req)) => {
+                match catch_unwind(AssertUnwindSafe(|| engine.admit(req))) {
+                    Ok(Some(a)) => active.push(a),
+                    Ok(None) => {}
+                    Err(p) => eprintln!("mlx-lfm: internal panic while starting a request: {}", panic_message(p)),
+                }
+                // Take every arrival before the next step so they share it.
+                continue;
+            }
+            None => {}
+        }
+        if catch_unwind(AssertUnwindSafe(|| engine.step_active(&mut active))).is_err() {
+            // The requests' replies fire as they are dropped.
+            active.clear();
+        }
     }
 }
 

@@ -93,6 +93,8 @@ pub trait Observer {
     fn cancelled(&mut self) -> bool {
         false
     }
+    /// Called once the generation is over, before its result is delivered.
+    fn finished(&mut self) {}
 }
 
 pub struct NoObserver;
@@ -214,116 +216,220 @@ pub fn generate_with_cache(
     observer: &mut dyn Observer,
     started: Instant,
 ) -> Result<Generation> {
-    if params.max_tokens == 0 {
-        return Err(Error::invalid("maxTokens must be at least 1"));
-    }
-    let mut sampler = Sampler::new(params.sampling.clone(), prompt)?;
-    let mut stops = StopStrings::new(&params.stop);
-    let mut decoder = StreamDecoder::new(tokenizer, false);
-    let mut text = String::new();
-    let mut streamed = 0usize;
-    let mut tokens: Vec<u32> = Vec::new();
-    let mut completion_tokens = 0usize;
-    let mut finish = FinishReason::Length;
-    let mut hit_stop_string = false;
-
-    let model = stepper.model;
-    let prefill_start = Instant::now();
-    let logits = match prefill_observed(model, cache, prompt, params.prefill_chunk, observer)? {
-        Prefill::Done(logits) => logits,
-        Prefill::Cancelled { tokens_run } => {
-            let mut g = cancelled_in_prefill(prompt.len(), tokens_run, prefill_start, started);
-            g.metrics.cached_tokens = cache.cached_tokens();
+    let owned = std::mem::replace(cache, ModelCache::new(&[]));
+    let mut seq = match Sequence::start(stepper.model, owned, tokenizer, prompt, params, observer, started)? {
+        Started::Running(s) => s,
+        Started::Finished(g, c) => {
+            *cache = c;
             return Ok(g);
         }
     };
-    let cached_tokens = cache.cached_tokens();
-    let mut y = sampler.sample(&logits)?;
-    eval_with(&y, cache)?;
-    let mut first_token_at: Option<Instant> = None;
-    let mut last_token_at: Instant;
-
     loop {
-        let produced = completion_tokens + 1;
         // Queue the next step before reading this token back.
-        let next = if produced < params.max_tokens {
-            let ids = y.reshape(&[1, 1])?;
-            let l = stepper.step(&ids, cache)?;
-            let n = sampler.sample(&l)?;
-            eval_with(&n, cache)?;
-            Some(n)
+        let next = if seq.wants_next() {
+            let ids = seq.y.reshape(&[1, 1])?;
+            let l = stepper.step(&ids, &mut seq.cache)?;
+            Some(seq.sample(&l)?)
         } else {
             None
         };
-        let tok: u32 = y.item()?;
+        if !seq.accept(next, eos, observer)? {
+            break;
+        }
+    }
+    let (g, c) = seq.finish(observer)?;
+    *cache = c;
+    Ok(g)
+}
+
+/// How [`Sequence::start`] ended.
+pub enum Started {
+    /// Prefill done, the first token sampled (not yet read back).
+    Running(Sequence),
+    /// Cancelled during prefill: the result, and the cache.
+    Finished(Generation, ModelCache),
+}
+
+/// One request's generation as a state machine, so a single request
+/// ([`generate_with_cache`]) and a batch of them (the engine's continuous
+/// batching) share the same sampling, stop and streaming logic.
+pub struct Sequence {
+    pub cache: ModelCache,
+    /// The sampled token not yet read back.
+    pub y: Array,
+    sampler: Sampler,
+    stops: StopStrings,
+    decoder: StreamDecoder,
+    text: String,
+    streamed: usize,
+    tokens: Vec<u32>,
+    completion_tokens: usize,
+    finish: FinishReason,
+    hit_stop_string: bool,
+    prompt_len: usize,
+    cached_tokens: usize,
+    max_tokens: usize,
+    ignore_eos: bool,
+    started: Instant,
+    prefill_start: Instant,
+    first_token_at: Option<Instant>,
+    last_token_at: Option<Instant>,
+}
+
+impl Sequence {
+    /// Prefills `prompt` into `cache` and samples the first token.
+    pub fn start(
+        model: &Lfm2Model,
+        mut cache: ModelCache,
+        tokenizer: &Tokenizer,
+        prompt: &[u32],
+        params: &GenerateParams,
+        observer: &mut dyn Observer,
+        started: Instant,
+    ) -> Result<Started> {
+        if params.max_tokens == 0 {
+            return Err(Error::invalid("maxTokens must be at least 1"));
+        }
+        let mut sampler = Sampler::new(params.sampling.clone(), prompt)?;
+        let prefill_start = Instant::now();
+        let logits = match prefill_observed(model, &mut cache, prompt, params.prefill_chunk, observer)? {
+            Prefill::Done(logits) => logits,
+            Prefill::Cancelled { tokens_run } => {
+                let mut g = cancelled_in_prefill(prompt.len(), tokens_run, prefill_start, started);
+                g.metrics.cached_tokens = cache.cached_tokens();
+                return Ok(Started::Finished(g, cache));
+            }
+        };
+        let cached_tokens = cache.cached_tokens();
+        let y = sampler.sample(&logits)?;
+        eval_with(&y, &mut cache)?;
+        Ok(Started::Running(Sequence {
+            cache,
+            y,
+            sampler,
+            stops: StopStrings::new(&params.stop),
+            decoder: StreamDecoder::new(tokenizer, false),
+            text: String::new(),
+            streamed: 0,
+            tokens: vec![],
+            completion_tokens: 0,
+            finish: FinishReason::Length,
+            hit_stop_string: false,
+            prompt_len: prompt.len(),
+            cached_tokens,
+            max_tokens: params.max_tokens,
+            ignore_eos: params.ignore_eos,
+            started,
+            prefill_start,
+            first_token_at: None,
+            last_token_at: None,
+        }))
+    }
+
+    /// Whether a step after the pending token is needed.
+    pub fn wants_next(&self) -> bool {
+        self.completion_tokens + 1 < self.max_tokens
+    }
+
+    /// Samples the next token from `logits` (`[1, V]`) and queues it with
+    /// whatever the cache built alongside.
+    pub fn sample(&mut self, logits: &Array) -> Result<Array> {
+        let n = self.sampler.sample(logits)?;
+        eval_with(&n, &mut self.cache)?;
+        Ok(n)
+    }
+
+    /// Reads the pending token back and handles it; `next` is the token of
+    /// the step queued after it (fed the pending one), if any. Returns
+    /// whether the generation goes on (then `next` is pending).
+    pub fn accept(&mut self, next: Option<Array>, eos: &HashSet<u32>, observer: &mut dyn Observer) -> Result<bool> {
+        let tok: u32 = self.y.item()?;
         if next.is_some() {
             // `tok` was fed to the step just queued: a paged cache may now
             // publish the block it completes.
-            cache.note_tokens(&[tok]);
+            self.cache.note_tokens(&[tok]);
         }
         let now = Instant::now();
-        first_token_at.get_or_insert(now);
-        last_token_at = now;
-        completion_tokens = produced;
-        if !params.ignore_eos && eos.contains(&tok) {
-            finish = FinishReason::Stop;
-            break;
+        self.first_token_at.get_or_insert(now);
+        self.last_token_at = Some(now);
+        self.completion_tokens += 1;
+        if !self.ignore_eos && eos.contains(&tok) {
+            self.finish = FinishReason::Stop;
+            return Ok(false);
         }
-        tokens.push(tok);
-        text.push_str(&decoder.push(tok)?);
-        if let Some(at) = stops.find(&text) {
-            text.truncate(at);
-            finish = FinishReason::Stop;
-            hit_stop_string = true;
-            break;
+        self.tokens.push(tok);
+        let piece = self.decoder.push(tok)?;
+        self.text.push_str(&piece);
+        if let Some(at) = self.stops.find(&self.text) {
+            self.text.truncate(at);
+            self.finish = FinishReason::Stop;
+            self.hit_stop_string = true;
+            return Ok(false);
         }
-        let safe = stops.safe_len(&text);
-        if safe > streamed {
-            let go_on = observer.on_text(&text[streamed..safe]);
-            streamed = safe; // delivered either way
+        let safe = self.stops.safe_len(&self.text);
+        if safe > self.streamed {
+            let go_on = observer.on_text(&self.text[self.streamed..safe]);
+            self.streamed = safe; // delivered either way
             if !go_on {
-                finish = FinishReason::Abort;
-                break;
+                self.finish = FinishReason::Abort;
+                return Ok(false);
             }
         }
         if observer.cancelled() {
-            finish = FinishReason::Abort;
-            break;
+            self.finish = FinishReason::Abort;
+            return Ok(false);
         }
         match next {
-            Some(n) => y = n,
-            None => break,
+            Some(n) => {
+                self.y = n;
+                Ok(true)
+            }
+            None => Ok(false),
         }
     }
-    if !hit_stop_string && finish != FinishReason::Abort {
-        // Flush bytes the decoder held back (an unfinished character at the
-        // end; an aborted request keeps whole characters only).
-        text.push_str(&decoder.finish()?);
-        if let Some(at) = stops.find(&text) {
-            text.truncate(at);
-            finish = FinishReason::Stop;
+
+    /// The result, and the cache (for callers that keep it).
+    pub fn finish(mut self, observer: &mut dyn Observer) -> Result<(Generation, ModelCache)> {
+        let mut finish = self.finish;
+        if !self.hit_stop_string && finish != FinishReason::Abort {
+            // Flush bytes the decoder held back (an unfinished character at
+            // the end; an aborted request keeps whole characters only).
+            self.text.push_str(&self.decoder.finish()?);
+            if let Some(at) = self.stops.find(&self.text) {
+                self.text.truncate(at);
+                finish = FinishReason::Stop;
+            }
         }
+        if self.text.len() > self.streamed {
+            observer.on_text(&self.text[self.streamed..]);
+        }
+        let last = self.last_token_at.unwrap_or_else(Instant::now);
+        let first = self.first_token_at.unwrap_or(last);
+        let prefill_ms = ms(first - self.prefill_start);
+        let decode_ms = ms(last - first);
+        let decode_tokens = self.completion_tokens.saturating_sub(1);
+        let run = self.prompt_len - self.cached_tokens;
+        let metrics = Metrics {
+            ttft_ms: ms(first - self.started),
+            prefill_tokens: run,
+            cached_tokens: self.cached_tokens,
+            prefill_ms,
+            prefill_tokens_per_second: if prefill_ms > 0.0 { run as f64 / (prefill_ms / 1000.0) } else { 0.0 },
+            decode_tokens,
+            decode_ms,
+            decode_tokens_per_second: if decode_ms > 0.0 { decode_tokens as f64 / (decode_ms / 1000.0) } else { 0.0 },
+            total_ms: ms(self.started.elapsed()),
+        };
+        let g = Generation {
+            text: self.text,
+            tokens: self.tokens,
+            finish_reason: finish,
+            prompt_tokens: self.prompt_len,
+            completion_tokens: self.completion_tokens,
+            metrics,
+        };
+        Ok((g, self.cache))
     }
-    if text.len() > streamed {
-        observer.on_text(&text[streamed..]);
-    }
-    let first = first_token_at.unwrap_or(last_token_at);
-    let prefill_ms = ms(first - prefill_start);
-    let decode_ms = ms(last_token_at - first);
-    let decode_tokens = completion_tokens.saturating_sub(1);
-    let run = prompt.len() - cached_tokens;
-    let metrics = Metrics {
-        ttft_ms: ms(first - started),
-        prefill_tokens: run,
-        cached_tokens,
-        prefill_ms,
-        prefill_tokens_per_second: if prefill_ms > 0.0 { run as f64 / (prefill_ms / 1000.0) } else { 0.0 },
-        decode_tokens,
-        decode_ms,
-        decode_tokens_per_second: if decode_ms > 0.0 { decode_tokens as f64 / (decode_ms / 1000.0) } else { 0.0 },
-        total_ms: ms(started.elapsed()),
-    };
-    Ok(Generation { text, tokens, finish_reason: finish, prompt_tokens: prompt.len(), completion_tokens, metrics })
 }
 
 /// Queues `y` together with whatever the cache built alongside it (conv

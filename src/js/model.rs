@@ -9,8 +9,8 @@ use super::convert::{to_cache_stats,
 use super::session::{ChatSession, SessionOptions};
 use super::stream::{release_hook_when_done, Abort, FlagObserver, GenerationStream, StreamObserver, StreamShared};
 use crate::engine::worker::ModelWorker;
-use crate::engine::{self, Prompt};
-use crate::generate::{Generation, Observer};
+use crate::engine;
+use crate::generate::Generation;
 use crate::text::tool_calls::ToolCallSplitter;
 use napi::bindgen_prelude::*;
 use napi_derive::napi;
@@ -21,8 +21,9 @@ use std::sync::Arc;
 pub(crate) type Outcome = std::result::Result<ChatResult, crate::Error>;
 pub(crate) type OnDone = Box<dyn FnOnce(&Outcome) + Send>;
 
-/// A request's work on the worker: generation with an observer.
-pub(crate) type Job = Box<dyn FnOnce(&mut engine::Engine, &mut dyn Observer) -> crate::Result<Generation> + Send>;
+/// A request's preparation on the worker: its prompt tokens and parameters
+/// (the generation itself is scheduled with the other running requests).
+pub(crate) type Job = Box<dyn FnOnce(&mut engine::Engine) -> crate::Result<(Vec<u32>, crate::generate::GenerateParams)> + Send>;
 
 /// Runs `job` on the worker and returns the promise of its result. An
 /// already-aborted request resolves at once without queueing.
@@ -52,13 +53,11 @@ pub(crate) fn run_request<'e>(
         reply(Ok(aborted_result()));
         return Ok(promise);
     }
-    worker.run(
-        move |eng| {
-            let mut obs = FlagObserver(flag);
-            job(eng, &mut obs).map(convert)
-        },
-        reply,
-    );
+    worker.generate(engine::Request {
+        prepare: Some(job),
+        observer: Box::new(FlagObserver(flag)),
+        reply: Some(Box::new(move |r: crate::Result<Generation>| reply(r.map(convert)))),
+    });
     Ok(promise)
 }
 
@@ -84,15 +83,11 @@ pub(crate) fn run_stream(
     let convert = if chat { to_chat_reply } else { to_chat_result };
     let feed = shared.clone();
     let done = shared.clone();
-    worker.run(
-        move |eng| {
-            let mut obs = StreamObserver { shared: feed, splitter: chat.then(ToolCallSplitter::new) };
-            let r = job(eng, &mut obs);
-            obs.flush();
-            r.map(convert)
-        },
-        move |r| done.finish(r),
-    );
+    worker.generate(engine::Request {
+        prepare: Some(job),
+        observer: Box::new(StreamObserver { shared: feed, splitter: chat.then(ToolCallSplitter::new) }),
+        reply: Some(Box::new(move |r: crate::Result<Generation>| done.finish(r.map(convert)))),
+    });
     Ok(GenerationStream::new(shared))
 }
 
@@ -105,15 +100,17 @@ struct ChatArgs {
 
 fn chat_job(a: ChatArgs) -> Job {
     let tools = a.values.tools_value();
-    Box::new(move |eng, obs| eng.chat(&a.messages, tools.as_ref(), a.params, obs))
+    Box::new(move |eng| Ok((eng.chat_prompt(&a.messages, tools.as_ref())?, a.params)))
 }
 
 fn generate_job(prompt: Either<String, Vec<u32>>, params: crate::generate::GenerateParams) -> Job {
-    let prompt = match prompt {
-        Either::A(s) => Prompt::Text(s),
-        Either::B(ids) => Prompt::Tokens(ids),
-    };
-    Box::new(move |eng, obs| eng.generate(prompt, params, obs))
+    Box::new(move |eng| {
+        let ids = match prompt {
+            Either::A(s) => eng.tokenizer.encode_for_generation(&s)?,
+            Either::B(ids) => ids,
+        };
+        Ok((ids, params))
+    })
 }
 
 fn signal<'a, 'e>(options: &'a Option<GenerateOptions<'e>>) -> Option<&'a Object<'e>> {

@@ -141,7 +141,7 @@ impl ChatSession {
             reply.tool_calls = tool_calls;
             s.history.push(reply);
         });
-        let job: Job = Box::new(move |eng, obs| eng.chat(&messages, tools.as_ref(), params, obs));
+        let job: Job = Box::new(move |eng| Ok((eng.chat_prompt(&messages, tools.as_ref())?, params)));
         Ok(Turn { job, on_done })
     }
 

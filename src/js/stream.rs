@@ -219,6 +219,10 @@ impl StreamObserver {
 }
 
 impl Observer for StreamObserver {
+    fn finished(&mut self) {
+        self.flush();
+    }
+
     fn on_text(&mut self, delta: &str) -> bool {
         match self.splitter.as_mut() {
             Some(s) => {

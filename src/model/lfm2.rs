@@ -48,7 +48,10 @@ impl Attention {
         })
     }
 
-    fn forward(&self, x: &Array, cache: &mut super::cache::KvCache) -> Result<Array> {
+    /// q, k, v (`[B, heads, T, head_dim]`) after the norms, with RoPE at
+    /// `offset`: an int for every row, or an array of one offset per row
+    /// (batched decode).
+    fn project(&self, x: &Array, offset: RopeOffset) -> Result<(Array, Array, Array)> {
         let (b, t) = (x.dim(0), x.dim(1));
         let hd = self.head_dim;
         let q = self.q_proj.forward(x)?.reshape(&[b, t, self.n_heads, hd])?;
@@ -57,24 +60,59 @@ impl Attention {
         let q = mlx::rms_norm(&q, Some(&self.q_norm), self.eps)?.transpose(&[0, 2, 1, 3])?;
         let k = mlx::rms_norm(&k, Some(&self.k_norm), self.eps)?.transpose(&[0, 2, 1, 3])?;
         let v = v.transpose(&[0, 2, 1, 3])?;
-        let off = cache.offset as i32;
-        let q = mlx::rope(&q, hd, false, self.rope_theta, 1.0, off)?;
-        let k = mlx::rope(&k, hd, false, self.rope_theta, 1.0, off)?;
-        let o = if let Some(qc) = cache.quant.as_deref_mut() {
+        let (q, k) = match offset {
+            RopeOffset::Int(off) => (
+                mlx::rope(&q, hd, false, self.rope_theta, 1.0, off)?,
+                mlx::rope(&k, hd, false, self.rope_theta, 1.0, off)?,
+            ),
+            RopeOffset::PerRow(offs) => (
+                mlx::rope_dyn(&q, hd, false, self.rope_theta, 1.0, offs)?,
+                mlx::rope_dyn(&k, hd, false, self.rope_theta, 1.0, offs)?,
+            ),
+        };
+        Ok((q, k, v))
+    }
+
+    /// `[B, heads, T, head_dim]` attention output back to `[B, T, D]`.
+    fn output(&self, o: &Array) -> Result<Array> {
+        let (b, t) = (o.dim(0), o.dim(2));
+        let o = o.transpose(&[0, 2, 1, 3])?.reshape(&[b, t, self.n_heads * self.head_dim])?;
+        self.out_proj.forward(&o)
+    }
+
+    fn forward(&self, x: &Array, cache: &mut super::cache::KvCache) -> Result<Array> {
+        let (q, k, v) = self.project(x, RopeOffset::Int(cache.offset as i32))?;
+        let o = self.attend_flat(&q, &k, &v, cache)?;
+        self.output(&o)
+    }
+
+    /// Attention over a flat (or quantized) cache, appending k/v.
+    fn attend_flat(&self, q: &Array, k: &Array, v: &Array, cache: &mut super::cache::KvCache) -> Result<Array> {
+        if let Some(qc) = cache.quant.as_deref_mut() {
             // Quantized KV cache (kvCache load option): deferred prefill,
             // quantize on insert during decode; see src/kvquant/cache.rs.
-            let o = qc.attend(&q, &k, &v, self.scale)?;
+            let o = qc.attend(q, k, v, self.scale)?;
             cache.offset = qc.offset();
-            o
-        } else if t > 1 {
-            let (k, v) = cache.update_and_fetch(&k, &v)?;
-            mlx::sdpa(&q, &k, &v, self.scale, Mask::Causal)?
+            Ok(o)
+        } else if q.dim(2) > 1 {
+            let (k, v) = cache.update_and_fetch(k, v)?;
+            mlx::sdpa(q, &k, &v, self.scale, Mask::Causal)
         } else {
-            let (k, v, mask) = cache.update_decode(&k, &v)?;
-            mlx::sdpa(&q, &k, &v, self.scale, Mask::Array(&mask))?
-        };
-        let o = o.transpose(&[0, 2, 1, 3])?.reshape(&[b, t, self.n_heads * hd])?;
-        self.out_proj.forward(&o)
+            let (k, v, mask) = cache.update_decode(k, v)?;
+            mlx::sdpa(q, &k, &v, self.scale, Mask::Array(&mask))
+        }
+    }
+
+    /// One decode token over a paged sequence's mirror for `layer`.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_mirror(&self, q: &Array, k: &Array, v: &Array, seq: &mut PagedSeq, layer: usize, pos: usize, mask: &Array) -> Result<Array> {
+        let (vk, vv) = &seq.views[layer];
+        let (s, h, hd) = (pos as i32, self.n_kv_heads, self.head_dim);
+        let vk = vk.slice_update(k, &[0, 0, s, 0], &[1, h, s + 1, hd])?;
+        let vv = vv.slice_update(v, &[0, 0, s, 0], &[1, h, s + 1, hd])?;
+        let o = mlx::sdpa(q, &vk, &vv, self.scale, Mask::Array(mask))?;
+        seq.views[layer] = (vk, vv);
+        Ok(o)
     }
 
     /// Attention over the paged pool. Prefill writes its K/V into the
@@ -94,16 +132,8 @@ impl Attention {
         table: Option<&Array>,
         mask: Option<&Array>,
     ) -> Result<Array> {
-        let (b, t) = (x.dim(0), x.dim(1));
-        let hd = self.head_dim;
-        let q = self.q_proj.forward(x)?.reshape(&[b, t, self.n_heads, hd])?;
-        let k = self.k_proj.forward(x)?.reshape(&[b, t, self.n_kv_heads, hd])?;
-        let v = self.v_proj.forward(x)?.reshape(&[b, t, self.n_kv_heads, hd])?;
-        let q = mlx::rms_norm(&q, Some(&self.q_norm), self.eps)?.transpose(&[0, 2, 1, 3])?;
-        let k = mlx::rms_norm(&k, Some(&self.k_norm), self.eps)?.transpose(&[0, 2, 1, 3])?;
-        let v = v.transpose(&[0, 2, 1, 3])?;
-        let q = mlx::rope(&q, hd, false, self.rope_theta, 1.0, start as i32)?;
-        let k = mlx::rope(&k, hd, false, self.rope_theta, 1.0, start as i32)?;
+        let t = x.dim(1);
+        let (q, k, v) = self.project(x, RopeOffset::Int(start as i32))?;
         let o = match (table, mask) {
             // From position 0 this call's K/V are the whole sequence: attend
             // over them directly (the same values the blocks now hold).
@@ -118,20 +148,16 @@ impl Attention {
                 let vg = paged::gather(pool.values(layer), tb)?.slice_axis(2, 0, end)?;
                 mlx::sdpa(&q, &kg, &vg, self.scale, Mask::Causal)?
             }
-            (None, Some(m)) => {
-                let (vk, vv) = &seq.views[layer];
-                let (s, h) = (start as i32, self.n_kv_heads);
-                let vk = vk.slice_update(&k, &[0, 0, s, 0], &[1, h, s + 1, hd])?;
-                let vv = vv.slice_update(&v, &[0, 0, s, 0], &[1, h, s + 1, hd])?;
-                let o = mlx::sdpa(&q, &vk, &vv, self.scale, Mask::Array(m))?;
-                seq.views[layer] = (vk, vv);
-                o
-            }
+            (None, Some(m)) => self.attend_mirror(&q, &k, &v, seq, layer, start, m)?,
             (None, None) => return Err(Error::invalid("paged attention needs a table or a decode mask")),
         };
-        let o = o.transpose(&[0, 2, 1, 3])?.reshape(&[b, t, self.n_heads * hd])?;
-        self.out_proj.forward(&o)
+        self.output(&o)
     }
+}
+
+enum RopeOffset<'a> {
+    Int(i32),
+    PerRow(&'a Array),
 }
 
 /// The double-gated short convolution ("LIV" operator).
@@ -402,6 +428,122 @@ impl Lfm2Model {
         }
         cache.pos += t;
         Ok(h)
+    }
+
+    /// One decode step for several sequences at once (continuous
+    /// batching): `ids` is `[B, 1]`, row i belonging to `caches[i]`. The
+    /// projections, MLPs/MoE, conv and head run once for the batch; each
+    /// row attends over its own cache (flat, quantized or paged mirror) with
+    /// its own position. Returns logits `[B, V]` and advances every cache.
+    pub fn forward_batch(&self, ids: &Array, caches: &mut [&mut ModelCache]) -> Result<Array> {
+        let eps = self.config.norm_eps;
+        let b = caches.len();
+        if ids.dim(0) as usize != b || ids.dim(1) != 1 {
+            return Err(Error::invalid("batched decode takes one token per sequence"));
+        }
+        let positions: Vec<usize> = caches.iter().map(|c| c.pos).collect();
+        // Per-row paged preparation and decode masks.
+        let mut masks: Vec<Option<Array>> = Vec::with_capacity(b);
+        for (c, &pos) in caches.iter_mut().zip(&positions) {
+            masks.push(match c.paged.as_mut() {
+                Some(seq) => {
+                    if seq.len != pos {
+                        return Err(Error::invalid("paged cache length does not match the cache position"));
+                    }
+                    seq.reserve(1)?;
+                    seq.ensure_views(pos + 1)?;
+                    Some(decode_mask(seq.view_cap as i32, pos as i32)?)
+                }
+                None => None,
+            });
+        }
+        let offsets: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
+        let offsets = Array::from_slice(&offsets, &[b as i32])?;
+        let keep = self.config.conv_kernel as i32 - 1;
+        let d = self.config.hidden_size as i32;
+        let mut h = self.embed.forward(ids)?;
+        for (li, layer) in self.layers.iter().enumerate() {
+            let x = mlx::rms_norm(&h, Some(&layer.operator_norm), eps)?;
+            let r = match &layer.operator {
+                Operator::Attention(a) => {
+                    let (q, k, v) = a.project(&x, RopeOffset::PerRow(&offsets))?;
+                    let mut outs = Vec::with_capacity(b);
+                    for (i, c) in caches.iter_mut().enumerate() {
+                        let r = |t: &Array| t.slice_axis(0, i as i32, i as i32 + 1);
+                        let (qi, ki, vi) = (r(&q)?, r(&k)?, r(&v)?);
+                        let c: &mut ModelCache = c;
+                        let o = match &mut c.layers[li] {
+                            LayerCache::Attention(kv) => a.attend_flat(&qi, &ki, &vi, kv)?,
+                            LayerCache::Paged(idx) => {
+                                let (idx, seq) = (*idx, c.paged.as_mut().expect("paged layer in a paged cache"));
+                                a.attend_mirror(&qi, &ki, &vi, seq, idx, positions[i], masks[i].as_ref().unwrap())?
+                            }
+                            LayerCache::Conv(_) => return Err(Error::invalid("cache layout does not match the model's layers")),
+                        };
+                        outs.push(o);
+                    }
+                    let refs: Vec<&Array> = outs.iter().collect();
+                    a.output(&concatenate(&refs, 0)?)?
+                }
+                Operator::Conv(cv) => {
+                    let mut states = Vec::with_capacity(b);
+                    for c in caches.iter() {
+                        states.push(match &c.layers[li] {
+                            LayerCache::Conv(Some(s)) => s.clone(),
+                            LayerCache::Conv(None) => zeros(&[1, keep, d], self.dtype)?,
+                            _ => return Err(Error::invalid("cache layout does not match the model's layers")),
+                        });
+                    }
+                    let refs: Vec<&Array> = states.iter().collect();
+                    let mut st = Some(concatenate(&refs, 0)?);
+                    let y = cv.forward(&x, &mut st, &[], &mut vec![])?;
+                    let st = st.expect("conv state after a step");
+                    for (i, c) in caches.iter_mut().enumerate() {
+                        c.layers[li] = LayerCache::Conv(Some(st.slice_axis(0, i as i32, i as i32 + 1)?));
+                    }
+                    y
+                }
+            };
+            h = h.add(&r)?;
+            let x = mlx::rms_norm(&h, Some(&layer.ffn_norm), eps)?;
+            let f = match &layer.feed_forward {
+                FeedForward::Dense(m) => m.forward(&x)?,
+                FeedForward::Moe(m) => m.forward(&x)?,
+            };
+            h = h.add(&f)?;
+        }
+        for c in caches.iter_mut() {
+            c.pos += 1;
+            let pos = c.pos;
+            let states: Vec<Array> = c
+                .layers
+                .iter()
+                .filter_map(|l| match l {
+                    LayerCache::Conv(Some(s)) => Some(s.clone()),
+                    _ => None,
+                })
+                .collect();
+            let mut snap = None;
+            if let Some(seq) = c.paged.as_mut() {
+                seq.len += 1;
+                seq.after_decode_step()?;
+                if pos % seq.block_size() == 0 {
+                    let refs: Vec<&Array> = states.iter().collect();
+                    let s = if refs.is_empty() { zeros(&[1], self.dtype)? } else { paged::snapshot_of(&refs)? };
+                    seq.keep_snapshot(pos, s.clone());
+                    snap = Some(s);
+                }
+            }
+            if let Some(s) = snap {
+                c.push_fresh(s);
+            }
+        }
+        let h = mlx::rms_norm(&h, Some(&self.final_norm), eps)?;
+        let logits = match &self.lm_head {
+            Some(head) => head.forward(&h)?,
+            None => self.embed.as_linear(&h)?,
+        };
+        logits.reshape(&[b as i32, -1])
     }
 
     pub fn new_cache(&self) -> ModelCache {
