@@ -128,7 +128,7 @@ test('model work never blocks the event loop', async () => {
   assert.ok(elapsed > 50, `generation too short (${elapsed} ms) to prove anything`);
 });
 
-test('concurrent calls on one model queue and do not corrupt each other', async () => {
+test('concurrent calls on one model are batched and do not corrupt each other', async () => {
   const m = await model();
   const prompts = [[1, 2, 3], [4, 5, 6, 7], [8], [9, 10, 11, 12, 13]];
   const seq = [];

@@ -293,3 +293,33 @@ test('a session keeps its history across turns, tool results included', async ()
   assert.deepEqual(t.history.map((x) => x.role), ['user', 'assistant', 'tool', 'assistant']);
   assert.throws(() => m.createSession({ defaults: { signal: AbortSignal.abort() } }), /defaults\.signal/);
 });
+
+test('concurrent streams run batched: one cancelled, one aborted, the others as if alone', async () => {
+  const m = await addon.Lfm2Model.load(await fixture('tiny', TINY));
+  const prompts = Array.from({ length: 6 }, (_, i) => Array.from({ length: 5 + 9 * i }, (_, j) => ((j * 31 + i * 7) % 800) + 3));
+  const opts = (i) => ({ maxTokens: 20 + 5 * i, ignoreEos: true });
+  const alone = [];
+  for (let i = 0; i < prompts.length; i++) alone.push((await m.generate(prompts[i], opts(i))).tokens);
+  await m.clearPrefixCache();
+  const ac = new AbortController();
+  const runs = prompts.map(async (p, i) => {
+    if (i === 1) {
+      // Leaves the batch by breaking out of its stream.
+      let n = 0;
+      for await (const ev of m.generateStream(p, opts(i))) if (ev.type === 'text' && ++n === 3) break;
+      return null;
+    }
+    if (i === 2) {
+      const r = m.generate(p, { ...opts(i), signal: ac.signal });
+      setTimeout(() => ac.abort(), 5);
+      return (await r).finishReason;
+    }
+    return (await drain(m.generateStream(p, opts(i)))).result.tokens;
+  });
+  const got = await Promise.all(runs);
+  assert.ok(['abort', 'length'].includes(got[2]));
+  for (const i of [0, 3, 4, 5]) assert.deepEqual(got[i], alone[i], `stream ${i} differs from its run alone`);
+  // And the model is sound afterwards.
+  assert.deepEqual((await m.generate(prompts[0], opts(0))).tokens, alone[0]);
+  assert.equal((await m.cacheStats()).blocksInUse, 0);
+});

@@ -85,12 +85,12 @@ if (cmd === 'demo') {
   const env = { ...process.env, MLX_LFM_PYREF: pyref };
   run('cargo', ['test', '--release', '--target', hostTriple(), '--lib'], { env });
   run(process.execPath, ['--test', '--test-concurrency=1', ...testFiles()], { env });
-} else if (cmd === 'bench' || cmd === 'bench-turns') {
+} else if (cmd === 'bench' || cmd === 'bench-turns' || cmd === 'bench-concurrent') {
   build();
   const pyref = ensureReference();
-  const script = cmd === 'bench' ? 'bench.cjs' : 'bench-turns.cjs';
+  const script = `${cmd}.cjs`;
   run(process.execPath, [path.join(root, 'scripts', script), ...rest], { env: { ...process.env, MLX_LFM_PYREF: pyref } });
 } else {
-  console.error('usage: node scripts/run.cjs demo|test|bench|bench-turns [args]');
+  console.error('usage: node scripts/run.cjs demo|test|bench|bench-turns|bench-concurrent [args]');
   process.exit(2);
 }

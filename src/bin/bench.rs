@@ -4,6 +4,9 @@
 //!   mlx-lfm-bench [--model DIR | --preset P --dtype D --out DIR] [--device cpu|gpu]
 //!                 [--prompts 512,4096] [--gen 256] [--paths compiled,eager] [--reps 3]
 //!                 [--cache paged|flat]
+//!   mlx-lfm-bench --concurrent N [--prompts 128] [--gen 64] [--reps 2] [model args]
+//!     aggregate tok/s of N requests run together (continuous batching)
+//!     against the same N one after another, same run.
 //!   mlx-lfm-bench --turns N [--system 1024] [--user 64] [--reply 64] [model args]
 //!     a token-level conversation: a system prompt, then N turns of user
 //!     tokens and a greedy reply; per turn the TTFT of a warm paged engine
@@ -64,6 +67,10 @@ fn run() -> mlx_lfm::Result<()> {
         Some("flat") => Some(false),
         Some(c) => return Err(mlx_lfm::Error::invalid(format!("--cache {c}: use paged or flat"))),
     };
+    if let Some(n) = arg(&args, "--concurrent") {
+        let reps: usize = arg(&args, "--reps").map(|s| s.parse().expect("--reps")).unwrap_or(2);
+        return concurrent(&dir, device, paged, n.parse().expect("--concurrent"), prompts[0], gen, reps);
+    }
     if let Some(n) = arg(&args, "--turns") {
         let num = |k: &str, d: usize| arg(&args, k).map(|s| s.parse().expect("a number")).unwrap_or(d);
         return turns(&dir, device, n.parse().expect("--turns"), num("--system", 1024), num("--user", 64), num("--reply", 64));
@@ -153,6 +160,71 @@ fn turns(dir: &std::path::Path, device: Option<runtime::DeviceType>, n: usize, s
             })
         );
         history.extend(&w.tokens);
+    }
+    Ok(())
+}
+
+/// N requests together (the engine's scheduler, as the worker drives it)
+/// against the same N sequentially.
+fn concurrent(
+    dir: &std::path::Path,
+    device: Option<runtime::DeviceType>,
+    paged: Option<bool>,
+    n: usize,
+    prompt: usize,
+    gen: usize,
+    reps: usize,
+) -> mlx_lfm::Result<()> {
+    use mlx_lfm::engine::Request;
+    let mut eng = Engine::load(dir, &EngineOptions { device, paged_cache: paged, ..Default::default() })?;
+    let info = eng.info();
+    let vocab = info.vocab_size as u32;
+    let params = GenerateParams { max_tokens: gen, ignore_eos: true, ..Default::default() };
+    let run_together = |eng: &mut Engine, prompts: &[Vec<u32>]| -> mlx_lfm::Result<()> {
+        let mut active = vec![];
+        for p in prompts {
+            let (p, params) = (p.clone(), params.clone());
+            let req = Request {
+                prepare: Some(Box::new(move |_| Ok((p, params)))),
+                observer: Box::new(NoObserver),
+                reply: Some(Box::new(|r| {
+                    if let Err(e) = r {
+                        eprintln!("mlx-lfm-bench: a request failed: {e}");
+                    }
+                })),
+            };
+            if let Some(a) = eng.admit(req) {
+                active.push(a);
+            }
+        }
+        while !active.is_empty() {
+            eng.step_active(&mut active);
+        }
+        Ok(())
+    };
+    let warm: Vec<Vec<u32>> = (0..n).map(|i| ids(prompt, vocab, 900 + i as u32)).collect();
+    run_together(&mut eng, &warm)?;
+    eng.generate(Prompt::Tokens(warm[0].clone()), params.clone(), &mut NoObserver)?;
+    for r in 0..reps {
+        let prompts: Vec<Vec<u32>> = (0..n).map(|i| ids(prompt, vocab, 1 + (r * 100 + i) as u32)).collect();
+        eng.clear_prefix_cache();
+        let t = Instant::now();
+        for p in &prompts {
+            eng.generate(Prompt::Tokens(p.clone()), params.clone(), &mut NoObserver)?;
+        }
+        let seq_s = t.elapsed().as_secs_f64();
+        eng.clear_prefix_cache();
+        let t = Instant::now();
+        run_together(&mut eng, &prompts)?;
+        let par_s = t.elapsed().as_secs_f64();
+        let total = (n * gen) as f64;
+        println!(
+            "{}",
+            serde_json::json!({
+                "concurrent": n, "prompt": prompt, "gen": gen, "cache": info.cache_kind, "dtype": info.dtype,
+                "sequential_tps": total / seq_s, "concurrent_tps": total / par_s, "ratio": seq_s / par_s,
+            })
+        );
     }
     Ok(())
 }
