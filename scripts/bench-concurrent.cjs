@@ -7,56 +7,16 @@
 //   greedy, EOS ignored. The prefix cache is cleared before each phase.
 'use strict';
 const path = require('node:path');
-const fs = require('node:fs');
-const os = require('node:os');
 
 const root = path.resolve(__dirname, '..');
+const { parseOptions, ids, checkpoint, vocabOf } = require('./bench-common.cjs');
 const USAGE = 'usage: npm run bench:concurrent -- [--model DIR | --preset P --dtype D] [--n 8] [--prompt 128] [--gen 64] [--reps 2]';
 
-function parse(argv) {
-  const o = { model: null, preset: 'lfm2-350m', dtype: 'bf16', n: 8, prompt: 128, gen: 64, reps: 2 };
-  for (let i = 0; i < argv.length; i++) {
-    const a = argv[i];
-    const v = () => {
-      if (i + 1 >= argv.length) throw new Error(`${a} needs a value`);
-      return argv[++i];
-    };
-    const int = () => {
-      const n = Number(v());
-      if (!Number.isInteger(n) || n < 1) throw new Error(`${a} wants a positive integer`);
-      return n;
-    };
-    switch (a) {
-      case '--model': o.model = path.resolve(v()); break;
-      case '--preset': o.preset = v(); break;
-      case '--dtype': o.dtype = v(); break;
-      case '--n': o.n = int(); break;
-      case '--prompt': o.prompt = int(); break;
-      case '--gen': o.gen = int(); break;
-      case '--reps': o.reps = int(); break;
-      case '--help': console.log(USAGE); process.exit(0); break;
-      default: throw new Error(`unknown option ${a}\n${USAGE}`);
-    }
-  }
-  return o;
-}
-
-function ids(n, vocab, salt) {
-  const m = Math.min(vocab, 60000) - 10;
-  const out = [];
-  for (let i = 0; i < n; i++) out.push((((i * 2654435761) % 2 ** 32 + salt * 40503) % 2 ** 32) % m + 5);
-  return out;
-}
-
 async function main() {
-  const o = parse(process.argv.slice(2));
+  const o = parseOptions(process.argv.slice(2), { model: '', preset: 'lfm2-350m', dtype: 'bf16', n: 8, prompt: 128, gen: 64, reps: 2 }, USAGE);
   const addon = require(path.join(root, 'index.cjs'));
-  let dir = o.model;
-  if (!dir) {
-    dir = path.join(os.homedir(), '.cache', 'mlx-lfm', 'bench', `${o.preset}-${o.dtype}`);
-    if (!fs.existsSync(path.join(dir, 'config.json'))) await addon.generateFixture(dir, { preset: o.preset, dtype: o.dtype, seed: 0 });
-  }
-  const vocab = JSON.parse(fs.readFileSync(path.join(dir, 'config.json'), 'utf8')).vocab_size;
+  const dir = await checkpoint(addon, o);
+  const vocab = vocabOf(dir);
   const m = await addon.Lfm2Model.load(dir);
   const info = m.info();
   const params = { maxTokens: o.gen, ignoreEos: true };

@@ -18,63 +18,20 @@
 // their ids agree as long as the greedy replies do.
 'use strict';
 const path = require('node:path');
-const fs = require('node:fs');
-const os = require('node:os');
 const { spawnSync } = require('node:child_process');
 
 const root = path.resolve(__dirname, '..');
+const { parseOptions, ids, checkpoint, vocabOf } = require('./bench-common.cjs');
 const USAGE = `usage: npm run bench:turns -- [--model DIR | --preset P --dtype D] [--turns 4] [--system 1024]
                               [--user 64] [--reply 32] [--block 32] [--skip-ref]`;
-
-function parse(argv) {
-  const o = { model: null, preset: 'lfm2-350m', dtype: 'bf16', turns: 4, system: 1024, user: 64, reply: 32, block: 32, skipRef: false };
-  for (let i = 0; i < argv.length; i++) {
-    const a = argv[i];
-    const v = () => {
-      if (i + 1 >= argv.length) throw new Error(`${a} needs a value`);
-      return argv[++i];
-    };
-    const int = () => {
-      const n = Number(v());
-      if (!Number.isInteger(n) || n < 1) throw new Error(`${a} wants a positive integer`);
-      return n;
-    };
-    switch (a) {
-      case '--model': o.model = path.resolve(v()); break;
-      case '--preset': o.preset = v(); break;
-      case '--dtype': o.dtype = v(); break;
-      case '--turns': o.turns = int(); break;
-      case '--system': o.system = int(); break;
-      case '--user': o.user = int(); break;
-      case '--reply': o.reply = int(); break;
-      case '--block': o.block = int(); break;
-      case '--skip-ref': o.skipRef = true; break;
-      case '--help': console.log(USAGE); process.exit(0); break;
-      default: throw new Error(`unknown option ${a}\n${USAGE}`);
-    }
-  }
-  return o;
-}
-
-// The shared id formula (src/bin/bench.rs `ids`, mlx_lm_ref.py `_ids`).
-function ids(n, vocab, salt) {
-  const m = Math.min(vocab, 60000) - 10;
-  const out = [];
-  for (let i = 0; i < n; i++) out.push((((i * 2654435761) % 2 ** 32 + salt * 40503) % 2 ** 32) % m + 5);
-  return out;
-}
 
 const f = (x) => (x >= 100 ? x.toFixed(0) : x.toFixed(1));
 
 async function main() {
-  const o = parse(process.argv.slice(2));
+  const o = parseOptions(process.argv.slice(2), { model: '', preset: 'lfm2-350m', dtype: 'bf16', turns: 4, system: 1024, user: 64, reply: 32, block: 32, skipRef: false }, USAGE);
   const addon = require(path.join(root, 'index.cjs'));
-  let dir = o.model;
-  if (!dir) {
-    dir = path.join(os.homedir(), '.cache', 'mlx-lfm', 'bench', `${o.preset}-${o.dtype}`);
-    if (!fs.existsSync(path.join(dir, 'config.json'))) await addon.generateFixture(dir, { preset: o.preset, dtype: o.dtype, seed: 0 });
-  }
-  const vocab = JSON.parse(fs.readFileSync(path.join(dir, 'config.json'), 'utf8')).vocab_size;
+  const dir = await checkpoint(addon, o);
+  const vocab = vocabOf(dir);
   const load = () => addon.Lfm2Model.load(dir, { useBlockPagedCache: true, pagedBlockSize: o.block });
   const warm = await load();
   const cold = await load();

@@ -27,7 +27,9 @@ fn check_exact(preset: Preset, dtype: DType, name: &str) {
 
 /// With `quant`, the generated checkpoint is first quantized by our converter
 /// (which writes what mlx-lm's converter writes).
-fn check_exact_q(preset: Preset, dtype: DType, quant: Option<(QuantMode, i32, i32)>, name: &str) {
+/// A generated checkpoint (`src`) and the one to load (`dir`: `src`, or
+/// its quantized conversion).
+fn checkpoint(preset: Preset, dtype: DType, quant: Option<(QuantMode, i32, i32)>, name: &str) -> (std::path::PathBuf, std::path::PathBuf) {
     let src = tmp(name);
     let mut spec = FixtureSpec::new(preset);
     spec.dtype = dtype;
@@ -42,6 +44,11 @@ fn check_exact_q(preset: Preset, dtype: DType, quant: Option<(QuantMode, i32, i3
             out
         }
     };
+    (src, dir)
+}
+
+fn check_exact_q(preset: Preset, dtype: DType, quant: Option<(QuantMode, i32, i32)>, name: &str) {
+    let (src, dir) = checkpoint(preset, dtype, quant, name);
     let m = load_model(&dir, &LoadOptions::default()).unwrap().model;
     if quant.is_some() {
         assert!(!m.registry.is_empty(), "{name}: nothing was quantized");
@@ -75,19 +82,7 @@ fn check_exact_q(preset: Preset, dtype: DType, quant: Option<(QuantMode, i32, i3
 /// cache gets its own pool so no prefix is shared between them.
 fn check_exact_paged(preset: Preset, dtype: DType, quant: Option<(QuantMode, i32, i32)>, name: &str) {
     use crate::model::paged::PagedConfig;
-    let src = tmp(name);
-    let mut spec = FixtureSpec::new(preset);
-    spec.dtype = dtype;
-    fixture::generate(&spec, &src).unwrap();
-    let dir = match quant {
-        None => src.clone(),
-        Some((mode, bits, gs)) => {
-            let out = tmp(&format!("{name}-q"));
-            std::fs::remove_dir_all(&out).ok();
-            convert(&src, &out, &ConvertRecipe::quantized(mode, Some(bits), Some(gs)).unwrap()).unwrap();
-            out
-        }
-    };
+    let (src, dir) = checkpoint(preset, dtype, quant, name);
     let mut m = load_model(&dir, &LoadOptions::default()).unwrap().model;
     let dec = CompiledDecoder::new(&m).unwrap();
     // 200 + 64 positions: decode crosses the 256-token step where the

@@ -274,6 +274,18 @@ pub struct Layer {
     pub ffn_norm: Array,
 }
 
+impl Layer {
+    /// `h + ffn(ffn_norm(h))`: the second half of every decoder layer.
+    fn feed_forward_residual(&self, h: &Array, eps: f32) -> Result<Array> {
+        let x = mlx::rms_norm(h, Some(&self.ffn_norm), eps)?;
+        let f = match &self.feed_forward {
+            FeedForward::Dense(m) => m.forward(&x)?,
+            FeedForward::Moe(m) => m.forward(&x)?,
+        };
+        h.add(&f)
+    }
+}
+
 pub struct Lfm2Model {
     pub config: ModelConfig,
     pub embed: Embedding,
@@ -393,13 +405,7 @@ impl Lfm2Model {
                 }
                 _ => return Err(Error::invalid("cache layout does not match the model's layers")),
             };
-            h = h.add(&r)?;
-            let x = mlx::rms_norm(&h, Some(&layer.ffn_norm), eps)?;
-            let f = match &layer.feed_forward {
-                FeedForward::Dense(m) => m.forward(&x)?,
-                FeedForward::Moe(m) => m.forward(&x)?,
-            };
-            h = h.add(&f)?;
+            h = layer.feed_forward_residual(&h.add(&r)?, eps)?;
         }
         drop(pool);
         if let Some(seq) = cache.paged.as_mut() {
@@ -504,13 +510,7 @@ impl Lfm2Model {
                     y
                 }
             };
-            h = h.add(&r)?;
-            let x = mlx::rms_norm(&h, Some(&layer.ffn_norm), eps)?;
-            let f = match &layer.feed_forward {
-                FeedForward::Dense(m) => m.forward(&x)?,
-                FeedForward::Moe(m) => m.forward(&x)?,
-            };
-            h = h.add(&f)?;
+            h = layer.feed_forward_residual(&h.add(&r)?, eps)?;
         }
         for c in caches.iter_mut() {
             c.pos += 1;
