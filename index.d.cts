@@ -145,7 +145,11 @@ export interface CacheStats {
   maxBlocks: number
   /** Blocks held by running requests. */
   blocksInUse: number
-  /** Blocks in the prefix index (reusable by later requests). */
+  /**
+   * Blocks reusable by later requests: full blocks in the prefix index,
+   * and the last partial block of recent requests (kept for a prompt that
+   * continues them exactly).
+   */
   blocksCached: number
   evictions: number
   /** Requests that reused a cached prefix, and the tokens they reused. */

@@ -91,7 +91,16 @@ test('a warm chat turn equals a cold run and runs only the suffix', async () => 
   const prompt2 = await m.applyChatTemplate(history);
   const warm = await m.chat(history, GREEDY);
   assert.ok(warm.metrics.cachedTokens >= 32, `only ${warm.metrics.cachedTokens} tokens reused`);
-  assert.equal(warm.metrics.cachedTokens % 16, 0);
+  // Reused: the longest common prefix with what turn 1 ran (its prompt and
+  // the reply tokens it fed), all of it when turn 2 continues turn 1
+  // exactly (its last partial block is kept), else in whole blocks. (The
+  // template re-tokenizes the reply's text, which need not give back the
+  // tokens a random-weight model sampled.)
+  const ran1 = (await m.applyChatTemplate(history.slice(0, 2))).concat(t1.tokens.slice(0, -1));
+  let common = 0;
+  while (common < ran1.length && common < prompt2.length - 1 && ran1[common] === prompt2[common]) common++;
+  const expected = common === ran1.length ? common : Math.floor(common / 16) * 16;
+  assert.equal(warm.metrics.cachedTokens, expected, `common prefix ${common} of ${ran1.length}`);
   assert.equal(warm.metrics.prefillTokens, prompt2.length - warm.metrics.cachedTokens);
   assert.equal(warm.usage.promptTokens, prompt2.length);
   const tps = warm.metrics.prefillTokensPerSecond;
@@ -120,7 +129,8 @@ test('a session keeps its cache warm between turns', async () => {
   for (const t of [t2, t3]) {
     assert.ok(t.metrics.cachedTokens > 0, 'the next turn reused the conversation so far');
     assert.equal(t.metrics.prefillTokens + t.metrics.cachedTokens, t.usage.promptTokens);
-    // Only the new turn (and at most one partial block) runs.
+    // Only the new turn runs, plus at most a block where the re-rendered
+    // reply stops matching the tokens the model sampled.
     assert.ok(t.metrics.prefillTokens < 16 + 40, `ran ${t.metrics.prefillTokens} tokens`);
   }
 });
@@ -143,5 +153,22 @@ test('aborted and failed requests give their blocks back', async () => {
   // The model still answers, and answers right.
   const flat = await addon.Lfm2Model.load(await tiny(), { useBlockPagedCache: false });
   assert.deepEqual((await m.generate(prompt, GREEDY)).tokens, (await flat.generate(prompt, GREEDY)).tokens);
+  assert.equal((await m.cacheStats()).blocksInUse, 0);
+});
+
+test('a prompt that continues a finished request exactly reuses all of it, its partial block included', async () => {
+  const m = await addon.Lfm2Model.load(await tiny(), { pagedBlockSize: 16 });
+  const p1 = Array.from({ length: 37 }, (_, i) => ((i * 19) % 700) + 3);
+  const g1 = await m.generate(p1, { maxTokens: 10, ignoreEos: true });
+  const p2 = p1.concat(g1.tokens, [11, 12, 13, 14, 15]);
+  const warm = await m.generate(p2, GREEDY);
+  // Turn 1 ran its 37 prompt tokens and fed 9 of its 10 tokens: 46
+  // positions, 2 whole blocks and 14 in a partial one.
+  assert.equal(warm.metrics.cachedTokens, 46);
+  assert.equal(warm.metrics.prefillTokens, p2.length - 46);
+  await m.clearPrefixCache();
+  const cold = await m.generate(p2, GREEDY);
+  assert.equal(cold.metrics.cachedTokens, 0);
+  assert.deepEqual(warm.tokens, cold.tokens);
   assert.equal((await m.cacheStats()).blocksInUse, 0);
 });

@@ -420,6 +420,8 @@ impl Sequence {
             decode_tokens_per_second: if decode_ms > 0.0 { decode_tokens as f64 / (decode_ms / 1000.0) } else { 0.0 },
             total_ms: ms(self.started.elapsed()),
         };
+        // The exact end of this conversation, for its next turn.
+        self.cache.keep_tail()?;
         let g = Generation {
             text: self.text,
             tokens: self.tokens,

@@ -449,7 +449,9 @@ pub struct CacheStats {
     pub max_blocks: u32,
     /// Blocks held by running requests.
     pub blocks_in_use: u32,
-    /// Blocks in the prefix index (reusable by later requests).
+    /// Blocks reusable by later requests: full blocks in the prefix index,
+    /// and the last partial block of recent requests (kept for a prompt that
+    /// continues them exactly).
     pub blocks_cached: u32,
     pub evictions: f64,
     /// Requests that reused a cached prefix, and the tokens they reused.

@@ -222,7 +222,7 @@ impl ModelCache {
         if self.pos != 0 {
             return Ok(0);
         }
-        let (n, snap) = seq.attach(prompt);
+        let (n, snap) = seq.attach(prompt)?;
         if n == 0 {
             return Ok(0);
         }
@@ -238,6 +238,24 @@ impl ModelCache {
         }
         self.pos = n;
         Ok(n)
+    }
+
+    /// At the end of a request: lets a paged cache keep the sequence's exact
+    /// end (its partial block and conv states) for a prompt that continues
+    /// it. A no-op for flat caches.
+    pub fn keep_tail(&mut self) -> Result<()> {
+        let states: Vec<&Array> = self
+            .layers
+            .iter()
+            .filter_map(|l| match l {
+                LayerCache::Conv(Some(s)) => Some(s),
+                _ => None,
+            })
+            .collect();
+        match self.paged.as_mut() {
+            Some(seq) => seq.keep_tail(&states),
+            None => Ok(()),
+        }
     }
 
     /// Tokens the last [`ModelCache::attach_prefix`] took from the cache.

@@ -116,7 +116,23 @@ pub struct PagedPool {
     evictions: u64,
     hits: u64,
     hit_tokens: u64,
+    /// The end of finished requests: their last, partial block and the conv
+    /// states after it, keyed by the chain key of the full blocks before
+    /// it. A later prompt that continues exactly (the next chat turn) takes
+    /// a copy and runs only what is new. Each holds a reference to its
+    /// block; they are dropped oldest first when blocks run out.
+    tails: HashMap<u64, Tail>,
 }
+
+struct Tail {
+    block: u32,
+    tokens: Vec<u32>,
+    snapshot: Array,
+    last_used: u64,
+}
+
+/// Most request ends kept for exact continuation.
+const MAX_TAILS: usize = 64;
 
 pub type SharedPool = Arc<Mutex<PagedPool>>;
 
@@ -156,6 +172,7 @@ impl PagedPool {
             evictions: 0,
             hits: 0,
             hit_tokens: 0,
+            tails: HashMap::new(),
         })
     }
 
@@ -174,8 +191,15 @@ impl PagedPool {
             block_size: self.cfg.block_size,
             capacity_blocks: self.meta.len(),
             max_blocks: self.max_blocks,
-            blocks_in_use: self.meta.iter().filter(|m| m.refs > 0).count(),
-            blocks_cached: self.index.len(),
+            // A kept request end holds one reference to its block; that is
+            // cache, not use.
+            blocks_in_use: self
+                .meta
+                .iter()
+                .enumerate()
+                .filter(|(b, m)| m.refs > self.tails.values().filter(|t| t.block as usize == *b).count() as u32)
+                .count(),
+            blocks_cached: self.index.len() + self.tails.len(),
             evictions: self.evictions,
             hits: self.hits,
             hit_tokens: self.hit_tokens,
@@ -186,6 +210,7 @@ impl PagedPool {
     pub fn nbytes(&self) -> usize {
         self.keys.iter().chain(&self.values).map(|a| a.nbytes()).sum::<usize>()
             + self.meta.iter().filter_map(|m| m.snapshot.as_ref()).map(|a| a.nbytes()).sum::<usize>()
+            + self.tails.values().map(|t| t.snapshot.nbytes()).sum::<usize>()
     }
 
     /// Grows the pool by at least one block, doubling while under budget.
@@ -239,26 +264,52 @@ impl PagedPool {
 
     /// One block for a sequence to write into (refcount 1).
     fn alloc(&mut self) -> Result<u32> {
-        if self.free.is_empty() && !self.grow()? {
-            let Some(&victim) = self.evictable.iter().next() else {
-                return Err(Error::invalid(format!(
-                    "the paged KV cache is full: all {} blocks of {} tokens ({} MiB budget) are held by running \
-                     requests; raise pagedCacheBudgetMb, shorten the request, or run fewer at once",
-                    self.max_blocks,
-                    self.cfg.block_size,
-                    self.cfg.budget_bytes >> 20
-                )));
-            };
-            self.evictable.remove(&victim);
-            self.unpublish(victim.2);
-            self.evictions += 1;
-            self.free.push(victim.2);
+        while self.free.is_empty() {
+            if self.grow()? {
+                continue;
+            }
+            if let Some(&victim) = self.evictable.iter().next() {
+                self.evictable.remove(&victim);
+                self.unpublish(victim.2);
+                self.evictions += 1;
+                self.free.push(victim.2);
+                continue;
+            }
+            if self.drop_oldest_tail() {
+                continue;
+            }
+            return Err(Error::invalid(format!(
+                "the paged KV cache is full: all {} blocks of {} tokens ({} MiB budget) are held by running \
+                 requests; raise pagedCacheBudgetMb, shorten the request, or run fewer at once",
+                self.max_blocks,
+                self.cfg.block_size,
+                self.cfg.budget_bytes >> 20
+            )));
         }
         let b = self.free.pop().expect("a free block after growing or evicting");
         let m = &mut self.meta[b as usize];
         m.refs = 1;
         m.depth = 0;
         Ok(b)
+    }
+
+    fn drop_oldest_tail(&mut self) -> bool {
+        let Some((&k, _)) = self.tails.iter().min_by_key(|(_, t)| t.last_used) else { return false };
+        let t = self.tails.remove(&k).expect("the tail just found");
+        self.release(t.block);
+        true
+    }
+
+    /// Keeps a finished request's end (see `tails`).
+    fn keep_tail(&mut self, parent_key: u64, block: u32, tokens: Vec<u32>, snapshot: Array) {
+        self.retain(block);
+        let last_used = self.tick;
+        if let Some(old) = self.tails.insert(parent_key, Tail { block, tokens, snapshot, last_used }) {
+            self.release(old.block);
+        }
+        while self.tails.len() > MAX_TAILS {
+            self.drop_oldest_tail();
+        }
     }
 
     fn touch(&mut self, b: u32) {
@@ -342,8 +393,9 @@ impl PagedPool {
         key
     }
 
-    /// Drops every published block nobody holds (tests, memory pressure).
+    /// Drops every published block nobody holds and every kept request end.
     pub fn clear_cached(&mut self) {
+        while self.drop_oldest_tail() {}
         let victims: Vec<u32> = self.evictable.iter().map(|e| e.2).collect();
         self.evictable.clear();
         for b in victims {
@@ -492,24 +544,78 @@ impl PagedSeq {
     /// On an empty sequence: takes the longest cached prefix of `prompt`.
     /// Returns how many tokens are cached and, when any, the conv snapshot
     /// to restore.
-    pub fn attach(&mut self, prompt: &[u32]) -> (usize, Option<Array>) {
+    pub fn attach(&mut self, prompt: &[u32]) -> Result<(usize, Option<Array>)> {
         debug_assert!(self.len == 0 && self.blocks.is_empty());
-        let mut pool = self.pool.lock();
-        let (blocks, snap) = pool.match_prefix(prompt);
-        let n = blocks.len() * self.block_size;
+        let bs = self.block_size;
+        let pool_arc = self.pool.clone();
+        let mut pool = pool_arc.lock();
+        let (blocks, mut snap) = pool.match_prefix(prompt);
+        let mut n = blocks.len() * bs;
         let mut parent = 0u64;
         for j in 0..blocks.len() {
-            parent = chain_key(pool.salt, parent, &prompt[j * self.block_size..(j + 1) * self.block_size]);
+            parent = chain_key(pool.salt, parent, &prompt[j * bs..(j + 1) * bs]);
         }
-        drop(pool);
         self.published = blocks.len();
         self.blocks = blocks;
+        self.parent_key = parent;
+        // The exact end of an earlier request that this prompt continues:
+        // copy its partial block (it stays the earlier request's) and take
+        // the conv states after it.
+        let tail = pool.tails.get(&parent).and_then(|t| {
+            let tl = t.tokens.len();
+            (n + tl < prompt.len() && prompt[n..n + tl] == t.tokens[..]).then(|| (t.block, tl, t.snapshot.clone()))
+        });
+        if let Some((src, tl, tail_snap)) = tail {
+            pool.retain(src); // not dropped while a block is found for the copy
+            let copied = pool.alloc().and_then(|b| {
+                for i in 0..pool.keys.len() {
+                    let copy = |a: &Array| -> Result<Array> {
+                        let (h, d) = (a.dim(0), a.dim(3));
+                        let rows = a.slice(&[0, src as i32, 0, 0], &[h, src as i32 + 1, tl as i32, d], &[1, 1, 1, 1])?;
+                        a.slice_update(&rows, &[0, b as i32, 0, 0], &[h, b as i32 + 1, tl as i32, d])
+                    };
+                    let (k, v) = (copy(&pool.keys[i])?, copy(&pool.values[i])?);
+                    pool.set_layer(i, k, v);
+                }
+                Ok(b)
+            });
+            pool.release(src);
+            let b = copied?;
+            let tick = pool.tick;
+            if let Some(t) = pool.tails.get_mut(&parent) {
+                t.last_used = tick;
+            }
+            pool.hit_tokens += tl as u64;
+            if n == 0 {
+                pool.hits += 1;
+            }
+            self.blocks.push(b);
+            n += tl;
+            snap = Some(tail_snap);
+        }
+        drop(pool);
         self.len = n;
         self.flushed = n;
         self.tokens = prompt[..n].to_vec();
-        self.parent_key = parent;
         self.cached_tokens = n;
-        (n, snap)
+        Ok((n, snap))
+    }
+
+    /// At the end of a request: keeps its last, partial block and the conv
+    /// states after it (`conv_states`, one per conv layer) for a prompt
+    /// that continues exactly. Only when every full block before it is in
+    /// the index (so its key is known) and every token in it is known.
+    pub fn keep_tail(&mut self, conv_states: &[&Array]) -> Result<()> {
+        let bs = self.block_size;
+        let full = self.len / bs;
+        if self.len % bs == 0 || self.published != full || self.tokens.len() < self.len {
+            return Ok(());
+        }
+        self.flush()?;
+        let snapshot = if conv_states.is_empty() { zeros(&[1], Dtype::Float32)? } else { snapshot_of(conv_states)? };
+        let tokens = self.tokens[full * bs..self.len].to_vec();
+        self.pool.lock().keep_tail(self.parent_key, self.blocks[full], tokens, snapshot);
+        Ok(())
     }
 
     /// Allocates blocks so that `t` more positions fit.
