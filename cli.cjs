@@ -60,7 +60,9 @@ async function demoModel(addon) {
 function printMetrics(r) {
   const m = r.metrics;
   console.error(
-    `[${r.finishReason}] prompt ${r.usage.promptTokens} tok, completion ${r.usage.completionTokens} tok | ` +
+    `[${r.finishReason}] prompt ${r.usage.promptTokens} tok` +
+      (m.cachedTokens > 0 ? ` (${m.cachedTokens} cached, ${m.prefillTokens} run)` : '') +
+      `, completion ${r.usage.completionTokens} tok | ` +
       `TTFT ${m.ttftMs.toFixed(1)} ms | prefill ${m.prefillTokensPerSecond.toFixed(1)} tok/s | ` +
       `decode ${m.decodeTokensPerSecond.toFixed(1)} tok/s | total ${m.totalMs.toFixed(1)} ms`,
   );
