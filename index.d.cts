@@ -102,8 +102,9 @@ export declare class Lfm2Model {
   generateStream(prompt: string | Array<number>, options?: GenerateOptions | undefined | null): GenerationStream
   /**
    * A conversation that keeps its history (tool calls and results
-   * included) between turns. Each turn currently runs the whole history
-   * through the model again (no prefix cache yet).
+   * included) between turns. With the paged cache a turn finds the
+   * conversation so far in the prefix cache and runs only what is new
+   * (`metrics.cachedTokens`).
    */
   createSession(options?: SessionOptions | undefined | null): ChatSession
   /** The logits of the last position after running `tokenIds` (float32). */

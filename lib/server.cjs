@@ -4,7 +4,8 @@
 //   POST /v1/completions        (prompt: a string or an array of token ids)
 //   GET  /v1/models, GET /v1/models/{id}
 //
-// Requests queue on the model's worker, one at a time (no batching yet). A
+// Concurrent requests are batched on the model's worker (continuous
+// batching), and a follow-up turn reuses the prefix cache. A
 // client that disconnects stops its generation (abort) and the server goes
 // on serving. Bad requests get OpenAI-style error bodies:
 //   { error: { message, type, param, code } }

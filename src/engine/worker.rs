@@ -1,7 +1,8 @@
 //! One dedicated thread per loaded model. MLX is not safe to drive from
 //! several threads at once, so the engine (and every array it owns) lives on
-//! this thread only; requests arrive as closures through a channel and run
-//! one at a time, in order.
+//! this thread only; work arrives through a channel. Generations are
+//! scheduled with continuous batching (see `schedule`); other work runs in
+//! order between decode steps.
 
 use super::{Active, Engine, EngineOptions, ModelInfo, Request};
 use crate::error::{Error, ErrorKind, Result};

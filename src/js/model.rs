@@ -220,8 +220,9 @@ impl Lfm2Model {
     }
 
     /// A conversation that keeps its history (tool calls and results
-    /// included) between turns. Each turn currently runs the whole history
-    /// through the model again (no prefix cache yet).
+    /// included) between turns. With the paged cache a turn finds the
+    /// conversation so far in the prefix cache and runs only what is new
+    /// (`metrics.cachedTokens`).
     #[napi]
     pub fn create_session(&self, options: Option<SessionOptions<'_>>) -> Result<ChatSession> {
         ChatSession::new(self.worker.clone(), options)

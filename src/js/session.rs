@@ -1,11 +1,10 @@
 //! `ChatSession`: a conversation with a model that keeps its history.
 //!
 //! Each turn renders the system prompt, the history and the new message with
-//! the chat template and runs the whole prompt on the model's worker (a
-//! fresh cache per request: there is no prefix cache yet, so turns
-//! re-prefill). The session is the unit a prefix cache will attach to: its
-//! history only grows by completed turns, and `reset()` is where such a
-//! cache would be dropped.
+//! the chat template and runs it on the model's worker. The paged prefix
+//! cache (the model's, shared by every request) finds the conversation so
+//! far, so a turn runs only its new tokens; the session's history only
+//! grows by completed turns, which keeps its prompts prefixes of each other.
 
 use super::convert::{
     generate_params, to_chat_messages, ChatMessage, GenerateOptions, OptionValues, ToolCall,
