@@ -6,7 +6,7 @@ pub mod worker;
 
 use crate::error::{Error, Result};
 use crate::compiled::CompiledDecoder;
-use crate::generate::{self, GenerateParams, Generation, Observer, Sequence, Started, Stepper};
+use crate::generate::{self, Advance, GenerateParams, Generation, Observer, Pending, Sequence, Started, Stepper};
 use crate::mlx::Array;
 use crate::mlx::{runtime, Dtype};
 use crate::model::config::token_ids;
@@ -145,6 +145,20 @@ impl Drop for Request {
             r(Err(Error::mlx("the request was dropped before it finished (internal error)")));
         }
     }
+}
+
+/// A request whose prompt is being prefilled.
+pub struct Prefilling {
+    pending: Pending,
+    req: Request,
+}
+
+/// Where a starting request stands after a prefill chunk.
+pub enum Admission {
+    Prefilling(Prefilling),
+    Running(Active),
+    /// Finished (cancelled during prefill) or failed; its reply was heard.
+    Over,
 }
 
 /// A request being generated.
@@ -468,27 +482,48 @@ impl Engine {
     /// Starts a request for continuous batching: prefills it and samples
     /// its first token. Returns the running request, or None when it is
     /// already over (cancelled during prefill, or failed: `reply` heard).
-    pub fn admit(&mut self, mut req: Request) -> Option<Active> {
+    pub fn admit(&mut self, req: Request) -> Option<Active> {
+        let mut p = self.begin(req)?;
+        loop {
+            match self.advance(p) {
+                Admission::Prefilling(next) => p = next,
+                Admission::Running(a) => return Some(a),
+                Admission::Over => return None,
+            }
+        }
+    }
+
+    /// Prepares a request (prompt, parameters, prefix-cache lookup) without
+    /// running it. None when that fails (`reply` heard).
+    pub fn begin(&mut self, mut req: Request) -> Option<Prefilling> {
         let started = Instant::now();
-        let prepared = (req.prepare.take().expect("a request is admitted once"))(self);
-        let (prompt, params) = match prepared {
-            Ok(p) => p,
+        let prepared = (req.prepare.take().expect("a request is begun once"))(self);
+        let pending = prepared.and_then(|(prompt, params)| {
+            let params = self.params(params);
+            Pending::new(&self.model, self.model.new_cache(), prompt, &params, started)
+        });
+        match pending {
+            Ok(p) => Some(Prefilling { pending: p, req }),
             Err(e) => {
                 req.fail(e);
-                return None;
+                None
             }
-        };
-        let params = self.params(params);
-        let cache = self.model.new_cache();
-        match Sequence::start(&self.model, cache, &self.tokenizer, &prompt, &params, req.observer.as_mut(), started) {
-            Ok(Started::Running(seq)) => Some(Active { seq, req }),
-            Ok(Started::Finished(g, _)) => {
+        }
+    }
+
+    /// Runs one prefill chunk of a starting request.
+    pub fn advance(&mut self, p: Prefilling) -> Admission {
+        let Prefilling { pending, mut req } = p;
+        match pending.advance(&self.model, &self.tokenizer, req.observer.as_mut()) {
+            Ok(Advance::More(pending)) => Admission::Prefilling(Prefilling { pending, req }),
+            Ok(Advance::Done(Started::Running(seq))) => Admission::Running(Active { seq, req }),
+            Ok(Advance::Done(Started::Finished(g, _))) => {
                 req.succeed(g);
-                None
+                Admission::Over
             }
             Err(e) => {
                 req.fail(e);
-                None
+                Admission::Over
             }
         }
     }

@@ -239,3 +239,51 @@ fn batched_decode_gives_each_request_its_own_tokens() {
     batched_equals_sequential(Preset::Tiny, false, "batch-flat");
     batched_equals_sequential(Preset::TinyMoe, true, "batch-moe");
 }
+
+/// A long prompt is prefilled a chunk per scheduler step: a running request
+/// keeps producing tokens meanwhile (here it finishes before the long
+/// prompt is read), and both give their solo tokens.
+#[test]
+fn a_long_prefill_does_not_stall_running_requests() {
+    use super::{Admission, Request};
+    use std::sync::{Arc, Mutex};
+    let dir = fixture_dir("interleave", Preset::Tiny);
+    let mut e = engine(&dir, true, 16, 64, None);
+    let (short, long) = (prompt(9, 1), prompt(200, 2));
+    let want_short = run(&mut e, &short, 6).tokens;
+    let want_long = run(&mut e, &long, 10).tokens;
+    e.clear_prefix_cache();
+    let got: Arc<Mutex<Vec<(usize, Vec<u32>)>>> = Arc::new(Mutex::new(vec![]));
+    let request = |id: usize, p: Vec<u32>, n: usize| {
+        let got = got.clone();
+        Request {
+            // prefill_chunk 0: the engine's (16 tokens here).
+            prepare: Some(Box::new(move |_| {
+                Ok((p, GenerateParams { max_tokens: n, ignore_eos: true, prefill_chunk: 0, ..Default::default() }))
+            })),
+            observer: Box::new(NoObserver),
+            reply: Some(Box::new(move |r| got.lock().unwrap().push((id, r.unwrap().tokens)))),
+        }
+    };
+    let mut active = vec![e.admit(request(0, short.clone(), 6)).unwrap()];
+    let mut starting = Some(e.begin(request(1, long.clone(), 10)).unwrap());
+    let mut chunks = 0;
+    while !active.is_empty() || starting.is_some() {
+        if let Some(p) = starting.take() {
+            chunks += 1;
+            match e.advance(p) {
+                Admission::Prefilling(p) => starting = Some(p),
+                Admission::Running(a) => active.push(a),
+                Admission::Over => panic!("the long request ended during prefill"),
+            }
+        }
+        if !active.is_empty() {
+            e.step_active(&mut active);
+        }
+    }
+    assert_eq!(chunks, 200usize.div_ceil(16), "one chunk per step");
+    let got = got.lock().unwrap();
+    assert_eq!(got[0], (0, want_short), "the short request finished first, with its solo tokens");
+    assert_eq!(got[1], (1, want_long));
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -4,7 +4,8 @@
 //! scheduled with continuous batching (see `schedule`); other work runs in
 //! order between decode steps.
 
-use super::{Active, Engine, EngineOptions, ModelInfo, Request};
+use super::{Active, Admission, Engine, EngineOptions, ModelInfo, Prefilling, Request};
+use std::collections::VecDeque;
 use crate::error::{Error, ErrorKind, Result};
 use crate::mlx::runtime;
 use crate::text::Tokenizer;
@@ -181,15 +182,20 @@ impl ModelWorker {
 }
 
 /// The worker's loop: continuous batching. Queued work runs between decode
-/// steps; new generations are prefilled as they arrive and join the running
-/// ones, which advance one token per step together; each leaves the batch as
-/// soon as it finishes. With nothing running it sleeps on the queue.
+/// steps; new generations are prefilled a chunk per step (the running ones
+/// advance meanwhile) and then join the running ones, which advance one token
+/// per step together; each leaves the batch as soon as it finishes. With
+/// nothing running it sleeps on the queue.
 fn schedule(engine: &mut Engine, rx: std::sync::mpsc::Receiver<Msg>) {
     use std::sync::mpsc::TryRecvError;
     let mut active: Vec<Active> = Vec::new();
+    // Requests being prefilled: one chunk of the first per step, so running
+    // requests keep producing tokens while a long prompt is read.
+    let mut starting: VecDeque<Prefilling> = VecDeque::new();
     let mut open = true;
     loop {
-        let msg = if active.is_empty() {
+        let idle = active.is_empty() && starting.is_empty();
+        let msg = if idle {
             if !open {
                 break;
             }
@@ -217,17 +223,25 @@ fn schedule(engine: &mut Engine, rx: std::sync::mpsc::Receiver<Msg>) {
                 continue;
             }
             Some(Msg::Generate(req)) => {
-                match catch_unwind(AssertUnwindSafe(|| engine.admit(req))) {
-                    Ok(Some(a)) => active.push(a),
+                match catch_unwind(AssertUnwindSafe(|| engine.begin(req))) {
+                    Ok(Some(p)) => starting.push_back(p),
                     Ok(None) => {}
                     Err(p) => eprintln!("mlx-lfm: internal panic while starting a request: {}", panic_message(p)),
                 }
-                // Take every arrival before the next step so they share it.
+                // Take every arrival before the next step.
                 continue;
             }
             None => {}
         }
-        if catch_unwind(AssertUnwindSafe(|| engine.step_active(&mut active))).is_err() {
+        if let Some(p) = starting.pop_front() {
+            match catch_unwind(AssertUnwindSafe(|| engine.advance(p))) {
+                Ok(Admission::Prefilling(p)) => starting.push_front(p),
+                Ok(Admission::Running(a)) => active.push(a),
+                Ok(Admission::Over) => {}
+                Err(p) => eprintln!("mlx-lfm: internal panic during a prefill: {}", panic_message(p)),
+            }
+        }
+        if !active.is_empty() && catch_unwind(AssertUnwindSafe(|| engine.step_active(&mut active))).is_err() {
             // The requests' replies fire as they are dropped.
             active.clear();
         }

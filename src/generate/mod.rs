@@ -139,26 +139,54 @@ pub fn prefill_observed(
     if let Some(&bad) = prompt.iter().find(|&&t| t >= vocab) {
         return Err(Error::invalid(format!("token id {bad} is out of range for vocab_size {vocab}")));
     }
-    let chunk = chunk.max(1);
-    // A paged cache starts from the longest cached prefix (at least one
-    // token is always left to run, for the logits).
-    let cached = cache.attach_prefix(prompt)?;
-    let mut start = cached;
+    let mut run = PrefillRun::new(cache, prompt, chunk)?;
     loop {
         if observer.cancelled() {
-            return Ok(Prefill::Cancelled { tokens_run: start - cached });
+            return Ok(Prefill::Cancelled { tokens_run: run.tokens_run() });
         }
-        let end = (start + chunk).min(prompt.len());
+        if let Some(logits) = run.step(model, cache, prompt)? {
+            return Ok(Prefill::Done(logits));
+        }
+    }
+}
+
+/// A prompt prefilled one chunk at a time (so a scheduler can run decode
+/// steps of other requests in between).
+pub struct PrefillRun {
+    start: usize,
+    cached: usize,
+    chunk: usize,
+}
+
+impl PrefillRun {
+    /// Attaches the longest cached prefix (paged caches; at least one token
+    /// is always left to run, for the logits).
+    pub fn new(cache: &mut ModelCache, prompt: &[u32], chunk: usize) -> Result<PrefillRun> {
+        let cached = cache.attach_prefix(prompt)?;
+        Ok(PrefillRun { start: cached, cached, chunk: chunk.max(1) })
+    }
+
+    pub fn tokens_run(&self) -> usize {
+        self.start - self.cached
+    }
+
+    /// Runs the next chunk; the last position's logits (`[1, V]`, lazy)
+    /// once the whole prompt has run. Intermediate chunks are evaluated so
+    /// memory stays bounded by one chunk's activations.
+    pub fn step(&mut self, model: &Lfm2Model, cache: &mut ModelCache, prompt: &[u32]) -> Result<Option<Array>> {
+        let (start, end) = (self.start, (self.start + self.chunk).min(prompt.len()));
         let ids = Array::from_slice(&prompt[start..end], &[1, (end - start) as i32])?;
         if end == prompt.len() {
             let logits = model.forward(&ids, cache, true)?;
             cache.note_tokens(&prompt[start..end]);
-            return Ok(Prefill::Done(logits.reshape(&[1, -1])?));
+            self.start = end;
+            return Ok(Some(logits.reshape(&[1, -1])?));
         }
         model.forward_hidden(&ids, cache)?;
         cache.eval_state()?;
         cache.note_tokens(&prompt[start..end]);
-        start = end;
+        self.start = end;
+        Ok(None)
     }
 }
 
@@ -242,6 +270,83 @@ pub fn generate_with_cache(
     Ok(g)
 }
 
+/// A request whose prompt is being prefilled, a chunk per
+/// [`Pending::advance`].
+pub struct Pending {
+    cache: ModelCache,
+    run: PrefillRun,
+    prompt: Vec<u32>,
+    sampler: Sampler,
+    params: GenerateParams,
+    started: Instant,
+    prefill_start: Instant,
+}
+
+/// What one [`Pending::advance`] left.
+pub enum Advance {
+    More(Pending),
+    Done(Started),
+}
+
+impl Pending {
+    pub fn new(model: &Lfm2Model, mut cache: ModelCache, prompt: Vec<u32>, params: &GenerateParams, started: Instant) -> Result<Pending> {
+        if params.max_tokens == 0 {
+            return Err(Error::invalid("maxTokens must be at least 1"));
+        }
+        if prompt.is_empty() {
+            return Err(Error::invalid("the prompt has no tokens"));
+        }
+        let vocab = model.config.vocab_size as u32;
+        if let Some(&bad) = prompt.iter().find(|&&t| t >= vocab) {
+            return Err(Error::invalid(format!("token id {bad} is out of range for vocab_size {vocab}")));
+        }
+        let sampler = Sampler::new(params.sampling.clone(), &prompt)?;
+        let prefill_start = Instant::now();
+        let run = PrefillRun::new(&mut cache, &prompt, params.prefill_chunk)?;
+        Ok(Pending { cache, run, prompt, sampler, params: params.clone(), started, prefill_start })
+    }
+
+    /// Runs the next prefill chunk (after asking `observer` whether to go
+    /// on); after the last one, samples the first token.
+    pub fn advance(mut self, model: &Lfm2Model, tokenizer: &Tokenizer, observer: &mut dyn Observer) -> Result<Advance> {
+        if observer.cancelled() {
+            let mut g = cancelled_in_prefill(self.prompt.len(), self.run.tokens_run(), self.prefill_start, self.started);
+            g.metrics.cached_tokens = self.cache.cached_tokens();
+            return Ok(Advance::Done(Started::Finished(g, self.cache)));
+        }
+        let Some(logits) = self.run.step(model, &mut self.cache, &self.prompt)? else {
+            return Ok(Advance::More(self));
+        };
+        let cached_tokens = self.cache.cached_tokens();
+        let mut cache = self.cache;
+        let mut sampler = self.sampler;
+        let y = sampler.sample(&logits)?;
+        eval_with(&y, &mut cache)?;
+        let params = self.params;
+        Ok(Advance::Done(Started::Running(Sequence {
+            cache,
+            y,
+            sampler,
+            stops: StopStrings::new(&params.stop),
+            decoder: StreamDecoder::new(tokenizer, false),
+            text: String::new(),
+            streamed: 0,
+            tokens: vec![],
+            completion_tokens: 0,
+            finish: FinishReason::Length,
+            hit_stop_string: false,
+            prompt_len: self.prompt.len(),
+            cached_tokens,
+            max_tokens: params.max_tokens,
+            ignore_eos: params.ignore_eos,
+            started: self.started,
+            prefill_start: self.prefill_start,
+            first_token_at: None,
+            last_token_at: None,
+        })))
+    }
+}
+
 /// How [`Sequence::start`] ended.
 pub enum Started {
     /// Prefill done, the first token sampled (not yet read back).
@@ -280,50 +385,20 @@ impl Sequence {
     /// Prefills `prompt` into `cache` and samples the first token.
     pub fn start(
         model: &Lfm2Model,
-        mut cache: ModelCache,
+        cache: ModelCache,
         tokenizer: &Tokenizer,
         prompt: &[u32],
         params: &GenerateParams,
         observer: &mut dyn Observer,
         started: Instant,
     ) -> Result<Started> {
-        if params.max_tokens == 0 {
-            return Err(Error::invalid("maxTokens must be at least 1"));
-        }
-        let mut sampler = Sampler::new(params.sampling.clone(), prompt)?;
-        let prefill_start = Instant::now();
-        let logits = match prefill_observed(model, &mut cache, prompt, params.prefill_chunk, observer)? {
-            Prefill::Done(logits) => logits,
-            Prefill::Cancelled { tokens_run } => {
-                let mut g = cancelled_in_prefill(prompt.len(), tokens_run, prefill_start, started);
-                g.metrics.cached_tokens = cache.cached_tokens();
-                return Ok(Started::Finished(g, cache));
+        let mut p = Pending::new(model, cache, prompt.to_vec(), params, started)?;
+        loop {
+            match p.advance(model, tokenizer, observer)? {
+                Advance::More(next) => p = next,
+                Advance::Done(s) => return Ok(s),
             }
-        };
-        let cached_tokens = cache.cached_tokens();
-        let y = sampler.sample(&logits)?;
-        eval_with(&y, &mut cache)?;
-        Ok(Started::Running(Sequence {
-            cache,
-            y,
-            sampler,
-            stops: StopStrings::new(&params.stop),
-            decoder: StreamDecoder::new(tokenizer, false),
-            text: String::new(),
-            streamed: 0,
-            tokens: vec![],
-            completion_tokens: 0,
-            finish: FinishReason::Length,
-            hit_stop_string: false,
-            prompt_len: prompt.len(),
-            cached_tokens,
-            max_tokens: params.max_tokens,
-            ignore_eos: params.ignore_eos,
-            started,
-            prefill_start,
-            first_token_at: None,
-            last_token_at: None,
-        }))
+        }
     }
 
     /// Whether a step after the pending token is needed.
