@@ -8,7 +8,7 @@ use crate::model::cache::LayerCache;
 use crate::model::lfm2::{FeedForward, Operator};
 use crate::model::lfm2_moe::SparseMoe;
 use crate::model::linear::{Linear, Weight};
-use crate::model::{paged, Lfm2Model, ModelCache};
+use crate::model::{Lfm2Model, ModelCache};
 
 /// The C++ decoder for one loaded model. Not Send: it lives on the model's
 /// worker thread, like every other MLX object of that model.
@@ -126,12 +126,12 @@ impl CompiledDecoder {
 
     /// One decode step for token `ids` (`[1, 1]`): returns logits `[1, V]`
     /// and advances `cache`. `compiled = false` runs the same graph without
-    /// `mx::compile` (used to prove the compiled step exact).
+    /// `mx::compile` (used to prove the compiled step exact). A flat cache
+    /// passes its K/V buffers; a paged one its decode mirrors (the same
+    /// shapes: one compiled function serves both).
     pub fn step(&self, model: &Lfm2Model, ids: &Array, cache: &mut ModelCache, compiled: bool) -> Result<Array> {
-        if cache.paged.is_some() {
-            return self.step_paged(model, ids, cache, compiled);
-        }
         let c = &model.config;
+        cache.begin_decode_token()?;
         let pos = Array::scalar(cache.pos as f64, Dtype::Int32)?;
         let mut ins: Vec<Array> = vec![ids.clone(), pos];
         let kv_shape = [1, c.num_kv_heads as i32, 1, c.head_dim as i32];
@@ -142,16 +142,25 @@ impl CompiledDecoder {
                     ins.push(k);
                     ins.push(v);
                 }
+                LayerCache::Paged(i) => {
+                    let seq = cache.paged.as_ref().ok_or_else(|| Error::invalid("paged layer without a paged sequence"))?;
+                    let (k, v) = &seq.views[*i];
+                    ins.push(k.clone());
+                    ins.push(v.clone());
+                }
                 LayerCache::Conv(s) => ins.push(conv_state(model, s)?),
-                LayerCache::Paged(_) => return Err(Error::invalid("paged layer in a flat cache")),
             }
         }
         let refs: Vec<&Array> = ins.iter().collect();
         let outs = self.handle.step(compiled, &refs)?;
+        drop(refs);
         if outs.len() != ins.len() - 1 {
             return Err(Error::mlx(format!("compiled decode returned {} arrays, expected {}", outs.len(), ins.len() - 1)));
         }
-        // Only now, with the whole step built, is the cache touched.
+        // Let go of the old buffers before the step runs, so MLX can update
+        // them in place; only now, with the whole step built, is the cache
+        // touched.
+        drop(ins);
         let mut it = outs.into_iter();
         let logits = it.next().unwrap();
         for lc in cache.layers.iter_mut() {
@@ -161,71 +170,14 @@ impl CompiledDecoder {
                     let v = it.next().unwrap();
                     kv.commit_step(k, v);
                 }
+                LayerCache::Paged(i) => {
+                    let kv = (it.next().unwrap(), it.next().unwrap());
+                    cache.paged.as_mut().expect("checked above").views[*i] = kv;
+                }
                 LayerCache::Conv(s) => *s = Some(it.next().unwrap()),
-                LayerCache::Paged(_) => unreachable!("checked above"),
             }
         }
-        cache.pos += 1;
-        Ok(logits)
-    }
-
-    /// The step over a paged cache: the same compiled function as the flat
-    /// step, run over the sequence's decode mirrors (see PagedSeq::views);
-    /// a block that fills is copied into the pool afterwards.
-    fn step_paged(&self, model: &Lfm2Model, ids: &Array, cache: &mut ModelCache, compiled: bool) -> Result<Array> {
-        let pos = cache.pos;
-        let seq = cache.paged.as_mut().unwrap();
-        if seq.len != pos {
-            return Err(Error::invalid("paged cache length does not match the cache position"));
-        }
-        seq.reserve(1)?;
-        seq.ensure_views(pos + 1)?;
-        let mut ins: Vec<Array> = vec![ids.clone(), Array::scalar(pos as f64, Dtype::Int32)?];
-        for lc in cache.layers.iter() {
-            match lc {
-                LayerCache::Paged(i) => {
-                    let (k, v) = &seq.views[*i];
-                    ins.push(k.clone());
-                    ins.push(v.clone());
-                }
-                LayerCache::Conv(s) => ins.push(conv_state(model, s)?),
-                LayerCache::Attention(_) => return Err(Error::invalid("flat attention layer in a paged cache")),
-            }
-        }
-        let refs: Vec<&Array> = ins.iter().collect();
-        let outs = self.handle.step(compiled, &refs)?;
-        drop(refs);
-        if outs.len() != ins.len() - 1 {
-            return Err(Error::mlx(format!("compiled paged decode returned {} arrays, expected {}", outs.len(), ins.len() - 1)));
-        }
-        drop(ins);
-        let mut it = outs.into_iter();
-        let logits = it.next().unwrap();
-        let mut states = vec![];
-        for lc in cache.layers.iter_mut() {
-            match lc {
-                LayerCache::Paged(i) => {
-                    let k = it.next().unwrap();
-                    let v = it.next().unwrap();
-                    seq.views[*i] = (k, v);
-                }
-                LayerCache::Conv(s) => {
-                    let st = it.next().unwrap();
-                    states.push(st.clone());
-                    *s = Some(st);
-                }
-                LayerCache::Attention(_) => unreachable!("checked above"),
-            }
-        }
-        seq.len += 1;
-        seq.after_decode_step()?;
-        cache.pos += 1;
-        if cache.pos % seq.block_size() == 0 {
-            let refs: Vec<&Array> = states.iter().collect();
-            let snap = if refs.is_empty() { mlx::zeros(&[1], model.dtype)? } else { paged::snapshot_of(&refs)? };
-            seq.keep_snapshot(cache.pos, snap.clone());
-            cache.push_fresh(snap);
-        }
+        cache.end_decode_token()?;
         Ok(logits)
     }
 }

@@ -240,6 +240,46 @@ impl ModelCache {
         Ok(n)
     }
 
+    /// Before a one-token decode step: a paged sequence gets room for the
+    /// token and its decode mirrors (see PagedSeq::views).
+    pub fn begin_decode_token(&mut self) -> Result<()> {
+        let pos = self.pos;
+        if let Some(seq) = self.paged.as_mut() {
+            if seq.len != pos {
+                return Err(crate::error::Error::invalid("paged cache length does not match the cache position"));
+            }
+            seq.reserve(1)?;
+            seq.ensure_views(pos + 1)?;
+        }
+        Ok(())
+    }
+
+    /// After a one-token decode step whose new conv states are in place:
+    /// advances the position; a paged sequence copies a block that just
+    /// filled into the pool and keeps the conv snapshot after it.
+    pub fn end_decode_token(&mut self) -> Result<()> {
+        self.pos += 1;
+        let pos = self.pos;
+        let Some(seq) = self.paged.as_mut() else { return Ok(()) };
+        seq.len += 1;
+        seq.after_decode_step()?;
+        if pos % seq.block_size() != 0 {
+            return Ok(());
+        }
+        let states: Vec<&Array> = self
+            .layers
+            .iter()
+            .filter_map(|l| match l {
+                LayerCache::Conv(Some(s)) => Some(s),
+                _ => None,
+            })
+            .collect();
+        let snap = super::paged::snapshot_of(&states)?;
+        seq.keep_snapshot(pos, snap.clone());
+        self.fresh.push(snap);
+        Ok(())
+    }
+
     /// At the end of a request: lets a paged cache keep the sequence's exact
     /// end (its partial block and conv states) for a prompt that continues
     /// it. A no-op for flat caches.

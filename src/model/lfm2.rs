@@ -418,12 +418,12 @@ impl Lfm2Model {
             let mut snaps = vec![];
             // [conv_layers, 1, taps * keep, D]: every layer's tapped states.
             let layers: Vec<&Array> = tapped.iter().map(|per_layer| &per_layer[0]).collect();
-            let all = if layers.is_empty() || taps.is_empty() { None } else { Some(paged::snapshot_of(&layers)?) };
+            let all = if layers.is_empty() { None } else { Some(paged::snapshot_of(&layers)?) };
             let keep = self.config.conv_kernel as i32 - 1;
             for (i, &j) in taps.iter().enumerate() {
                 let snap = match &all {
                     Some(a) => a.slice_axis(2, i as i32 * keep, (i as i32 + 1) * keep)?,
-                    None => zeros(&[1], self.dtype)?,
+                    None => paged::snapshot_of(&[])?,
                 };
                 seq.keep_snapshot(start + j as usize, snap.clone());
                 snaps.push(snap);
@@ -451,15 +451,9 @@ impl Lfm2Model {
         // Per-row paged preparation and decode masks.
         let mut masks: Vec<Option<Array>> = Vec::with_capacity(b);
         for (c, &pos) in caches.iter_mut().zip(&positions) {
-            masks.push(match c.paged.as_mut() {
-                Some(seq) => {
-                    if seq.len != pos {
-                        return Err(Error::invalid("paged cache length does not match the cache position"));
-                    }
-                    seq.reserve(1)?;
-                    seq.ensure_views(pos + 1)?;
-                    Some(decode_mask(seq.view_cap as i32, pos as i32)?)
-                }
+            c.begin_decode_token()?;
+            masks.push(match c.paged.as_ref() {
+                Some(seq) => Some(decode_mask(seq.view_cap as i32, pos as i32)?),
                 None => None,
             });
         }
@@ -513,30 +507,7 @@ impl Lfm2Model {
             h = layer.feed_forward_residual(&h.add(&r)?, eps)?;
         }
         for c in caches.iter_mut() {
-            c.pos += 1;
-            let pos = c.pos;
-            let states: Vec<Array> = c
-                .layers
-                .iter()
-                .filter_map(|l| match l {
-                    LayerCache::Conv(Some(s)) => Some(s.clone()),
-                    _ => None,
-                })
-                .collect();
-            let mut snap = None;
-            if let Some(seq) = c.paged.as_mut() {
-                seq.len += 1;
-                seq.after_decode_step()?;
-                if pos % seq.block_size() == 0 {
-                    let refs: Vec<&Array> = states.iter().collect();
-                    let s = if refs.is_empty() { zeros(&[1], self.dtype)? } else { paged::snapshot_of(&refs)? };
-                    seq.keep_snapshot(pos, s.clone());
-                    snap = Some(s);
-                }
-            }
-            if let Some(s) = snap {
-                c.push_fresh(s);
-            }
+            c.end_decode_token()?;
         }
         let h = mlx::rms_norm(&h, Some(&self.final_norm), eps)?;
         let logits = match &self.lm_head {

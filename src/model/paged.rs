@@ -612,7 +612,7 @@ impl PagedSeq {
             return Ok(());
         }
         self.flush()?;
-        let snapshot = if conv_states.is_empty() { zeros(&[1], Dtype::Float32)? } else { snapshot_of(conv_states)? };
+        let snapshot = snapshot_of(conv_states)?;
         let tokens = self.tokens[full * bs..self.len].to_vec();
         self.pool.lock().keep_tail(self.parent_key, self.blocks[full], tokens, snapshot);
         Ok(())
@@ -695,8 +695,12 @@ impl Drop for PagedSeq {
 }
 
 /// Stacks per-conv-layer states (`[1, keep, hidden]` each) into one
-/// snapshot array that owns its memory.
+/// snapshot array that owns its memory (a placeholder for a model without
+/// conv layers: there is nothing to restore).
 pub fn snapshot_of(states: &[&Array]) -> Result<Array> {
+    if states.is_empty() {
+        return zeros(&[1], Dtype::Float32);
+    }
     stack(states, 0)
 }
 
