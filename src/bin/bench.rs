@@ -93,19 +93,17 @@ fn run() -> mlx_lfm::Result<()> {
         let load_s = t.elapsed().as_secs_f64();
         let info = eng.info();
         let vocab = info.vocab_size as u32;
-        let prompt_of = |n: usize, salt: u32| -> Vec<u32> {
-            (0..n as u32).map(|i| (i.wrapping_mul(2654435761).wrapping_add(salt) % (vocab.min(60000) - 10)) + 5).collect()
-        };
+
         // Warm-up (compiles kernels and the decode graph).
         let warm = GenerateParams { max_tokens: 8, ignore_eos: true, ..Default::default() };
-        eng.generate(Prompt::Tokens(prompt_of(64, 1)), warm, &mut NoObserver)?;
+        eng.generate(Prompt::Tokens(ids(64, vocab, 1)), warm, &mut NoObserver)?;
         for &p in &prompts {
             let mut best_prefill = 0f64;
             let mut best_ttft = f64::MAX;
             let mut best_decode = 0f64;
             for r in 0..reps {
                 let params = GenerateParams { max_tokens: gen, ignore_eos: true, ..Default::default() };
-                let g = eng.generate(Prompt::Tokens(prompt_of(p, 7 + r as u32)), params, &mut NoObserver)?;
+                let g = eng.generate(Prompt::Tokens(ids(p, vocab, 7 + r as u32)), params, &mut NoObserver)?;
                 best_prefill = best_prefill.max(g.metrics.prefill_tokens_per_second);
                 best_ttft = best_ttft.min(g.metrics.ttft_ms);
                 best_decode = best_decode.max(g.metrics.decode_tokens_per_second);

@@ -132,14 +132,7 @@ pub fn prefill_observed(
     chunk: usize,
     observer: &mut dyn Observer,
 ) -> Result<Prefill> {
-    if prompt.is_empty() {
-        return Err(Error::invalid("the prompt has no tokens"));
-    }
-    let vocab = model.config.vocab_size as u32;
-    if let Some(&bad) = prompt.iter().find(|&&t| t >= vocab) {
-        return Err(Error::invalid(format!("token id {bad} is out of range for vocab_size {vocab}")));
-    }
-    let mut run = PrefillRun::new(cache, prompt, chunk)?;
+    let mut run = PrefillRun::new(model, cache, prompt, chunk)?;
     loop {
         if observer.cancelled() {
             return Ok(Prefill::Cancelled { tokens_run: run.tokens_run() });
@@ -159,9 +152,17 @@ pub struct PrefillRun {
 }
 
 impl PrefillRun {
-    /// Attaches the longest cached prefix (paged caches; at least one token
-    /// is always left to run, for the logits).
-    pub fn new(cache: &mut ModelCache, prompt: &[u32], chunk: usize) -> Result<PrefillRun> {
+    /// Checks the prompt's ids, then attaches the longest cached prefix
+    /// (paged caches; at least one token is always left to run, for the
+    /// logits).
+    pub fn new(model: &Lfm2Model, cache: &mut ModelCache, prompt: &[u32], chunk: usize) -> Result<PrefillRun> {
+        if prompt.is_empty() {
+            return Err(Error::invalid("the prompt has no tokens"));
+        }
+        let vocab = model.config.vocab_size as u32;
+        if let Some(&bad) = prompt.iter().find(|&&t| t >= vocab) {
+            return Err(Error::invalid(format!("token id {bad} is out of range for vocab_size {vocab}")));
+        }
         let cached = cache.attach_prefix(prompt)?;
         Ok(PrefillRun { start: cached, cached, chunk: chunk.max(1) })
     }
@@ -293,16 +294,9 @@ impl Pending {
         if params.max_tokens == 0 {
             return Err(Error::invalid("maxTokens must be at least 1"));
         }
-        if prompt.is_empty() {
-            return Err(Error::invalid("the prompt has no tokens"));
-        }
-        let vocab = model.config.vocab_size as u32;
-        if let Some(&bad) = prompt.iter().find(|&&t| t >= vocab) {
-            return Err(Error::invalid(format!("token id {bad} is out of range for vocab_size {vocab}")));
-        }
-        let sampler = Sampler::new(params.sampling.clone(), &prompt)?;
         let prefill_start = Instant::now();
-        let run = PrefillRun::new(&mut cache, &prompt, params.prefill_chunk)?;
+        let run = PrefillRun::new(model, &mut cache, &prompt, params.prefill_chunk)?;
+        let sampler = Sampler::new(params.sampling.clone(), &prompt)?;
         Ok(Pending { cache, run, prompt, sampler, params: params.clone(), started, prefill_start })
     }
 

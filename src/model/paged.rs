@@ -344,9 +344,9 @@ impl PagedPool {
     }
 
     /// The longest run of published blocks that starts `tokens` and leaves
-    /// at least one token to run. Returns the blocks (taken) and the conv
-    /// snapshot after the last of them.
-    fn match_prefix(&mut self, tokens: &[u32]) -> (Vec<u32>, Option<Array>) {
+    /// at least one token to run. Returns the blocks (taken), the conv
+    /// snapshot after the last of them and the chain key they end with.
+    fn match_prefix(&mut self, tokens: &[u32]) -> (Vec<u32>, Option<Array>, u64) {
         let bs = self.cfg.block_size;
         let mut parent = 0u64;
         let mut found: Vec<u32> = vec![];
@@ -372,7 +372,7 @@ impl PagedPool {
             self.hits += 1;
             self.hit_tokens += (found.len() * bs) as u64;
         }
-        (found, snapshot)
+        (found, snapshot, parent)
     }
 
     /// Puts a full block in the prefix index. A block whose content is
@@ -549,12 +549,8 @@ impl PagedSeq {
         let bs = self.block_size;
         let pool_arc = self.pool.clone();
         let mut pool = pool_arc.lock();
-        let (blocks, mut snap) = pool.match_prefix(prompt);
+        let (blocks, mut snap, parent) = pool.match_prefix(prompt);
         let mut n = blocks.len() * bs;
-        let mut parent = 0u64;
-        for j in 0..blocks.len() {
-            parent = chain_key(pool.salt, parent, &prompt[j * bs..(j + 1) * bs]);
-        }
         self.published = blocks.len();
         self.blocks = blocks;
         self.parent_key = parent;
