@@ -185,13 +185,18 @@ mx::array moe(const Decoder& d, const Layer& l, const mx::array& x) {
   return mx::sum(mx::multiply(y, mx::expand_dims(scores, -1)), std::vector<int>{-2}, false);
 }
 
-// inputs: token ids [1, 1], position (int32 scalar), then in layer order the
-// K and V buffers of an attention layer or the state of a conv layer.
-// outputs: logits [1, V], then the new buffers and states in the same order.
+// inputs: token ids [B, 1], the positions (an int32 scalar for one sequence,
+// int32 [B] for a batch of sequences at different positions), then in layer
+// order the K and V buffers of an attention layer ([B, kv_heads, cap,
+// head_dim]) or the state of a conv layer ([B, L-1, hidden]).
+// outputs: logits [B, V], then the new buffers and states in the same order.
 std::vector<mx::array> step(const Decoder& d, const std::vector<mx::array>& in) {
   const auto& c = d.cfg;
   const mx::array& ids = in[0];
   const mx::array& pos = in[1];
+  // A batch writes each row's token at its own position: one scatter per
+  // buffer, instead of one update per sequence.
+  const bool per_row = pos.ndim() == 1;
   size_t next = 2;
   std::vector<mx::array> new_state;
   float eps = c.norm_eps;
@@ -213,13 +218,22 @@ std::vector<mx::array> step(const Decoder& d, const std::vector<mx::array>& in) 
       k = mx::fast::rope(k, hd, false, c.rope_theta, 1.0f, pos);
       const mx::array& kbuf = in[next++];
       const mx::array& vbuf = in[next++];
-      auto start = mx::reshape(pos, {1});
-      auto kn = mx::slice_update(kbuf, k, start, {2});
-      auto vn = mx::slice_update(vbuf, v, start, {2});
       int cap = kbuf.shape(2);
-      auto mask = mx::reshape(mx::less(mx::arange(0.0, static_cast<double>(cap), 1.0, mx::int32),
-                                       mx::add(pos, scalar(1.0, mx::int32))),
-                              {1, 1, 1, cap});
+      auto cols = mx::arange(0.0, static_cast<double>(cap), 1.0, mx::int32);
+      mx::array kn{0.0f}, vn{0.0f}, mask{false};
+      if (per_row) {
+        auto rows = mx::arange(0.0, static_cast<double>(b), 1.0, mx::int32);
+        auto row_update = [&](const mx::array& x) { return mx::reshape(x, {b, 1, c.num_kv_heads, 1, hd}); };
+        kn = mx::scatter(kbuf, {rows, pos}, row_update(k), {0, 2});
+        vn = mx::scatter(vbuf, {rows, pos}, row_update(v), {0, 2});
+        mask = mx::reshape(mx::less(mx::reshape(cols, {1, cap}), mx::reshape(mx::add(pos, scalar(1.0, mx::int32)), {b, 1})),
+                           {b, 1, 1, cap});
+      } else {
+        auto start = mx::reshape(pos, {1});
+        kn = mx::slice_update(kbuf, k, start, {2});
+        vn = mx::slice_update(vbuf, v, start, {2});
+        mask = mx::reshape(mx::less(cols, mx::add(pos, scalar(1.0, mx::int32))), {1, 1, 1, cap});
+      }
       auto o = mx::fast::scaled_dot_product_attention(q, kn, vn, c.attn_scale, "array", mask);
       o = mx::reshape(mx::transpose(o, {0, 2, 1, 3}), {b, t, c.num_heads * hd});
       r = l.o.apply(o);
@@ -250,7 +264,7 @@ std::vector<mx::array> step(const Decoder& d, const std::vector<mx::array>& in) 
   }
   h = mx::fast::rms_norm(h, d.final_norm, eps);
   auto logits = d.lm_head ? d.lm_head->apply(h) : d.embed.apply(h);
-  std::vector<mx::array> out{mx::reshape(logits, {1, -1})};
+  std::vector<mx::array> out{mx::reshape(logits, {b, -1})};
   out.insert(out.end(), new_state.begin(), new_state.end());
   return out;
 }

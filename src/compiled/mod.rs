@@ -8,6 +8,7 @@ use crate::model::cache::LayerCache;
 use crate::model::lfm2::{FeedForward, Operator};
 use crate::model::lfm2_moe::SparseMoe;
 use crate::model::linear::{Linear, Weight};
+use crate::model::batch::DecodeBatch;
 use crate::model::{Lfm2Model, ModelCache};
 
 /// The C++ decoder for one loaded model. Not Send: it lives on the model's
@@ -178,6 +179,41 @@ impl CompiledDecoder {
             }
         }
         cache.end_decode_token()?;
+        Ok(logits)
+    }
+
+    /// One step for every row of `batch` (members in row order): `ids`
+    /// `[B, 1]`, `positions` each row's position. Returns logits `[B, V]`;
+    /// the batch holds the new state. The caches' own bookkeeping
+    /// (`begin/end_decode_token`) is the caller's.
+    pub fn step_batch(&self, ids: &Array, positions: &[i32], batch: &mut DecodeBatch, compiled: bool) -> Result<Array> {
+        let b = positions.len();
+        if b != batch.len() || ids.dim(0) as usize != b {
+            return Err(Error::invalid("batched decode: ids, positions and batch rows differ in number"));
+        }
+        let state = batch.take_state();
+        let n = state.len();
+        let mut ins: Vec<Array> = vec![ids.clone(), Array::from_slice(positions, &[b as i32])?];
+        ins.extend(state);
+        let refs: Vec<&Array> = ins.iter().collect();
+        let outs = self.handle.step(compiled, &refs);
+        drop(refs);
+        let outs = match outs {
+            Ok(o) if o.len() == n + 1 => o,
+            // Nothing ran: the batch gets its state back untouched.
+            Ok(o) => {
+                batch.put_state(ins.split_off(2));
+                return Err(Error::mlx(format!("compiled decode returned {} arrays, expected {}", o.len(), n + 1)));
+            }
+            Err(e) => {
+                batch.put_state(ins.split_off(2));
+                return Err(e);
+            }
+        };
+        drop(ins);
+        let mut it = outs.into_iter();
+        let logits = it.next().unwrap();
+        batch.put_state(it.collect());
         Ok(logits)
     }
 }

@@ -124,6 +124,123 @@ fn check_exact_paged(preset: Preset, dtype: DType, quant: Option<(QuantMode, i32
     std::fs::remove_dir_all(&src).ok();
 }
 
+/// The batched step over stacked caches: three sequences at different
+/// positions (one crossing 256, where every row's buffers grow), joined one
+/// by one and one leaving early. Compiled equals uncompiled byte for byte,
+/// and each row's logits equal its own single-sequence eager step; after
+/// the batch hands the caches back, single steps continue exactly.
+fn check_batch_exact(preset: Preset, dtype: DType, quant: Option<(QuantMode, i32, i32)>, paged: bool, name: &str) {
+    use crate::model::batch::{DecodeBatch, Member};
+    use crate::model::paged::PagedConfig;
+    let (src, dir) = checkpoint(preset, dtype, quant, name);
+    let mut m = load_model(&dir, &LoadOptions::default()).unwrap().model;
+    let dec = CompiledDecoder::new(&m).unwrap();
+    if paged {
+        m.use_paged_cache(PagedConfig { block_size: 8, budget_bytes: 64 << 20 }, 9).unwrap();
+    }
+    let prompts: Vec<Vec<u32>> = [(19, 1), (230, 2), (5, 3)]
+        .iter()
+        .map(|&(n, s)| (0..n).map(|i| (i * 31 + s * 97 + 5) % 700 + 1).collect())
+        .collect();
+    // Per sequence: the solo eager cache, and the caches of the compiled and
+    // the uncompiled batch.
+    let mut solo = vec![];
+    let mut cc = vec![];
+    let mut cu = vec![];
+    let mut toks = vec![];
+    for p in &prompts {
+        let mut fresh = || {
+            let mut c = m.new_cache();
+            let l = prefill(&m, &mut c, p, 64).unwrap();
+            (c, l)
+        };
+        let (c, l) = fresh();
+        toks.push(argmax(&l));
+        solo.push(c);
+        cc.push(fresh().0);
+        cu.push(fresh().0);
+    }
+    let shape = m.batch_shape();
+    let (mut bc, mut bu) = (DecodeBatch::default(), DecodeBatch::default());
+    let mut distinct = std::collections::HashSet::new();
+    for step in 0..48 {
+        // Sequence 2 joins at step 3; sequence 0 leaves after step 40.
+        let wanted = |i: usize| match i {
+            0 => step < 40,
+            2 => step >= 3,
+            _ => true,
+        };
+        let rows: Vec<usize> = (0..3).filter(|&i| wanted(i)).collect();
+        let mut batch_step = |caches: &mut Vec<ModelCache>, batch: &mut DecodeBatch, compiled: bool| {
+            for &i in &rows {
+                caches[i].begin_decode_token().unwrap();
+            }
+            let mut members: Vec<Member> =
+                caches.iter_mut().enumerate().map(|(i, c)| Member { id: i as u64, wanted: wanted(i), cache: c }).collect();
+            batch.reconcile(&shape, &mut members).unwrap();
+            let order: Vec<usize> = batch.ids().iter().map(|&id| id as usize).collect();
+            let ids: Vec<&Array> = order.iter().map(|&i| &toks[i]).collect();
+            let ids = crate::mlx::concatenate(&ids, 0).unwrap();
+            let pos: Vec<i32> = order.iter().map(|&i| caches[i].pos as i32).collect();
+            let l = dec.step_batch(&ids, &pos, batch, compiled).unwrap();
+            for &i in &order {
+                let c = &mut caches[i];
+                if let Some(bs) = c.paged.as_ref().map(|s| s.block_size()) {
+                    if (c.pos + 1) % bs == 0 {
+                        let upto = c.pos + 1;
+                        batch.sync(i as u64, c, upto).unwrap();
+                    }
+                }
+                c.end_decode_token().unwrap();
+            }
+            (order, l)
+        };
+        let (order, lc) = batch_step(&mut cc, &mut bc, true);
+        let (_, lu) = batch_step(&mut cu, &mut bu, false);
+        assert_eq!(order.len(), rows.len(), "{name}: batch rows at step {step}");
+        assert_eq!(bytes(&lc), bytes(&lu), "{name}: compiled batch differs from uncompiled at step {step}");
+        for (r, &i) in order.iter().enumerate() {
+            let ls = m.forward(&toks[i], &mut solo[i], true).unwrap().reshape(&[1, -1]).unwrap();
+            let row = lc.slice_axis(0, r as i32, r as i32 + 1).unwrap();
+            assert_eq!(argmax(&row).item::<u32>().unwrap(), argmax(&ls).item::<u32>().unwrap(), "{name}: row {i} at step {step}");
+            let diff = row.astype(Dtype::Float32).unwrap().sub(&ls.astype(Dtype::Float32).unwrap()).unwrap();
+            let worst = diff.abs().unwrap().max(&[0, 1], false).unwrap().item::<f32>().unwrap();
+            let scale = ls.astype(Dtype::Float32).unwrap().abs().unwrap().max(&[0, 1], false).unwrap().item::<f32>().unwrap();
+            // Batched matmuls accumulate in another order; bf16 rounds that
+            // at every layer.
+            let tol = scale * if dtype == DType::F32 { 1e-5 } else { 3e-2 };
+            assert!(worst <= tol, "{name}: row {i} at step {step} is {worst} from its solo step (scale {scale})");
+            toks[i] = argmax(&ls);
+            distinct.insert(toks[i].item::<u32>().unwrap());
+        }
+    }
+    assert!(distinct.len() > 3, "{name}: degenerate greedy run");
+    assert_eq!(cc[1].pos, 230 + 48, "{name}: sequence 1 crossed 256 positions in the batch");
+    // Dissolve: every row goes back to its own cache, and single compiled
+    // steps carry on exactly where the solo eager caches are.
+    let mut members: Vec<Member> = cc.iter_mut().enumerate().map(|(i, c)| Member { id: i as u64, wanted: false, cache: c }).collect();
+    bc.reconcile(&shape, &mut members).unwrap();
+    assert!(bc.is_empty());
+    for i in 0..3 {
+        for _ in 0..4 {
+            let ls = m.forward(&toks[i], &mut solo[i], true).unwrap().reshape(&[1, -1]).unwrap();
+            let lc = dec.step(&m, &toks[i], &mut cc[i], true).unwrap();
+            assert_eq!(argmax(&lc).item::<u32>().unwrap(), argmax(&ls).item::<u32>().unwrap(), "{name}: row {i} after the batch");
+            toks[i] = argmax(&ls);
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+    std::fs::remove_dir_all(&src).ok();
+}
+
+#[test]
+fn batched_step_exact() {
+    check_batch_exact(Preset::Tiny, DType::F32, None, false, "batch-dense-f32");
+    check_batch_exact(Preset::Tiny, DType::F32, None, true, "batch-dense-f32-paged");
+    check_batch_exact(Preset::TinyMoe, DType::BF16, None, true, "batch-moe-bf16-paged");
+    check_batch_exact(Preset::Tiny, DType::BF16, Some((QuantMode::Affine, 4, 32)), false, "batch-dense-q4");
+}
+
 /// Every quantized format, dense and MoE: each projection dispatched by the
 /// quant registry, compiled equal to eager byte for byte.
 #[test]

@@ -67,6 +67,12 @@ impl KvCache {
         Ok(())
     }
 
+    /// Appends `k`, `v` (a decode batch writing a sequence's new positions
+    /// back).
+    pub fn append(&mut self, k: &Array, v: &Array) -> Result<()> {
+        self.write(k, v)
+    }
+
     /// Appends `k`, `v` and returns views of everything cached so far
     /// (multi-token steps: prefill).
     pub fn update_and_fetch(&mut self, k: &Array, v: &Array) -> Result<(Array, Array)> {

@@ -517,6 +517,18 @@ impl Lfm2Model {
         logits.reshape(&[b as i32, -1])
     }
 
+    /// What a stacked decode batch needs to make empty rows.
+    pub fn batch_shape(&self) -> super::batch::BatchShape {
+        let c = &self.config;
+        super::batch::BatchShape {
+            kv_heads: c.num_kv_heads as i32,
+            head_dim: c.head_dim as i32,
+            conv_keep: c.conv_kernel as i32 - 1,
+            hidden: c.hidden_size as i32,
+            dtype: self.dtype,
+        }
+    }
+
     pub fn new_cache(&self) -> ModelCache {
         if let Some(pool) = &self.paged {
             return ModelCache::new_paged(&self.config.attn_layers, pool.clone());

@@ -1,6 +1,7 @@
 //! The model engine: configs, checkpoint loading, the LFM2 family and its
 //! caches. No Node types here.
 
+pub mod batch;
 pub mod cache;
 pub mod config;
 pub mod lfm2;

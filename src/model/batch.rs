@@ -1,0 +1,272 @@
+//! Decode batches: the caches of the sequences decoding together, stacked
+//! row by row, so that one compiled step (cpp/decode.cpp) advances them all
+//! with as many ops as a single sequence takes (each row's K/V written at its
+//! own position by one scatter per buffer, one attention call over all rows).
+//!
+//! While a sequence is in a batch its K/V and conv states live here; its own
+//! [`ModelCache`] keeps its position and paged bookkeeping but its buffers
+//! are stale from row `synced` on. [`DecodeBatch::sync`] writes a row back:
+//! when the sequence leaves (finishes, pauses, or the batch dissolves) and,
+//! for a paged cache, whenever it fills a block (the block and the conv
+//! snapshot after it go to the pool exactly as after a single-sequence step).
+//! Members change only between steps; joining appends rows, leaving removes
+//! them, so a steady batch rebuilds nothing.
+
+use super::cache::{LayerCache, KV_STEP};
+use super::ModelCache;
+use crate::error::{Error, Result};
+use crate::mlx::{concatenate, zeros, Array, Dtype};
+
+/// One running sequence as the batch sees it: its id, whether it takes the
+/// next step, and its cache.
+pub struct Member<'a> {
+    pub id: u64,
+    pub wanted: bool,
+    pub cache: &'a mut ModelCache,
+}
+
+struct Row {
+    id: u64,
+    /// Positions of this row already written back to the sequence's cache.
+    synced: usize,
+}
+
+/// The shape facts a batch needs to make empty rows.
+#[derive(Clone, Copy)]
+pub struct BatchShape {
+    pub kv_heads: i32,
+    pub head_dim: i32,
+    pub conv_keep: i32,
+    pub hidden: i32,
+    pub dtype: Dtype,
+}
+
+#[derive(Default)]
+pub struct DecodeBatch {
+    rows: Vec<Row>,
+    /// Positions every row's K/V buffers hold (a multiple of `KV_STEP`).
+    cap: usize,
+    /// In the compiled step's input order: K then V of each attention layer
+    /// (`[B, kv_heads, cap, head_dim]`), the state of each conv layer
+    /// (`[B, L-1, hidden]`).
+    state: Vec<Array>,
+}
+
+/// Whether a cache can decode inside a stacked batch (a quantized KV cache
+/// cannot: its codes are not plain K/V buffers).
+pub fn stackable(cache: &ModelCache) -> bool {
+    cache.layers.iter().all(|l| !matches!(l, LayerCache::Attention(kv) if kv.quant.is_some()))
+}
+
+impl DecodeBatch {
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+
+    /// Member ids in row order.
+    pub fn ids(&self) -> Vec<u64> {
+        self.rows.iter().map(|r| r.id).collect()
+    }
+
+    pub fn contains(&self, id: u64) -> bool {
+        self.rows.iter().any(|r| r.id == id)
+    }
+
+    /// Brings the batch to exactly the wanted members (at least two; fewer
+    /// dissolves it, every row written back). Rows of members that are not
+    /// wanted are written back and removed; rows of ids not among `members`
+    /// at all are removed (their sequences are gone). New members are
+    /// appended, and every row gets room for one more position. Every
+    /// wanted cache must have had `begin_decode_token`.
+    pub fn reconcile(&mut self, shape: &BatchShape, members: &mut [Member]) -> Result<()> {
+        let wanted = members.iter().filter(|m| m.wanted).count();
+        let mut keep = Vec::with_capacity(self.rows.len());
+        for (i, row) in self.rows.iter().enumerate() {
+            match members.iter_mut().find(|m| m.id == row.id) {
+                Some(m) if m.wanted && wanted >= 2 => keep.push(i as i32),
+                Some(m) => Self::write_back(&self.state, i, row.synced, m.cache, m.cache.pos)?,
+                None => {}
+            }
+        }
+        if wanted < 2 {
+            *self = DecodeBatch::default();
+            return Ok(());
+        }
+        if keep.len() < self.rows.len() {
+            let idx = Array::from_slice(&keep, &[keep.len() as i32])?;
+            self.state = self.state.iter().map(|a| a.take(&idx, 0)).collect::<Result<_>>()?;
+            let mut rows = std::mem::take(&mut self.rows);
+            self.rows = keep.iter().map(|&i| std::mem::replace(&mut rows[i as usize], Row { id: 0, synced: 0 })).collect();
+            if self.rows.is_empty() {
+                self.state.clear();
+            }
+        }
+        let need = members.iter().filter(|m| m.wanted).map(|m| m.cache.pos + 1).max().unwrap_or(1);
+        let cap = need.div_ceil(KV_STEP) * KV_STEP;
+        if cap > self.cap {
+            self.grow(cap)?;
+        } else if cap < self.cap {
+            // The longest rows left: attend over no more than the rest need.
+            for a in self.state.iter_mut().filter(|a| a.ndim() == 4) {
+                *a = a.slice_axis(2, 0, cap as i32)?;
+            }
+            self.cap = cap;
+        }
+        let mut joins: Vec<Vec<Array>> = vec![];
+        let present = self.ids();
+        for m in members.iter().filter(|m| m.wanted && !present.contains(&m.id)) {
+            joins.push(Self::row_of(shape, m.cache, self.cap)?);
+            self.rows.push(Row { id: m.id, synced: m.cache.pos });
+        }
+        if !joins.is_empty() {
+            let n = joins[0].len();
+            let mut state = Vec::with_capacity(n);
+            for j in 0..n {
+                let mut parts: Vec<&Array> = self.state.get(j).into_iter().collect();
+                parts.extend(joins.iter().map(|r| &r[j]));
+                state.push(concatenate(&parts, 0)?);
+            }
+            self.state = state;
+        }
+        Ok(())
+    }
+
+    /// Widens every row's K/V to `cap` positions.
+    fn grow(&mut self, cap: usize) -> Result<()> {
+        let add = (cap - self.cap) as i32;
+        if !self.rows.is_empty() {
+            for a in self.state.iter_mut() {
+                if a.ndim() == 4 {
+                    let z = zeros(&[a.dim(0), a.dim(1), add, a.dim(3)], a.dtype())?;
+                    *a = concatenate(&[a, &z], 2)?;
+                }
+            }
+        }
+        self.cap = cap;
+        Ok(())
+    }
+
+    /// One sequence's cache as batch rows (`[1, ...]` per state slot), its
+    /// K/V padded with zeros to `cap` positions.
+    fn row_of(shape: &BatchShape, cache: &ModelCache, cap: usize) -> Result<Vec<Array>> {
+        let pos = cache.pos;
+        let pad = |k: Array| -> Result<Array> {
+            let have = k.dim(2) as usize;
+            if have == cap {
+                return Ok(k);
+            }
+            let z = zeros(&[1, k.dim(1), (cap - have) as i32, k.dim(3)], k.dtype())?;
+            concatenate(&[&k, &z], 2)
+        };
+        let empty = || zeros(&[1, shape.kv_heads, cap as i32, shape.head_dim], shape.dtype);
+        let mut out = vec![];
+        for lc in &cache.layers {
+            match lc {
+                LayerCache::Attention(kv) => {
+                    if kv.quant.is_some() {
+                        return Err(Error::invalid("a quantized KV cache cannot join a stacked decode batch"));
+                    }
+                    if kv.offset != pos {
+                        return Err(Error::invalid("KV cache length does not match the cache position"));
+                    }
+                    match kv.contents()? {
+                        Some((k, v)) => {
+                            out.push(pad(k)?);
+                            out.push(pad(v)?);
+                        }
+                        None => {
+                            out.push(empty()?);
+                            out.push(empty()?);
+                        }
+                    }
+                }
+                LayerCache::Paged(i) => {
+                    let seq = cache.paged.as_ref().ok_or_else(|| Error::invalid("paged layer without a paged sequence"))?;
+                    let (k, v) = seq.views.get(*i).ok_or_else(|| Error::invalid("paged sequence has no decode mirror"))?;
+                    if pos == 0 {
+                        out.push(empty()?);
+                        out.push(empty()?);
+                    } else {
+                        out.push(pad(k.slice_axis(2, 0, pos as i32)?)?);
+                        out.push(pad(v.slice_axis(2, 0, pos as i32)?)?);
+                    }
+                }
+                LayerCache::Conv(s) => out.push(match s {
+                    Some(s) => s.clone(),
+                    None => zeros(&[1, shape.conv_keep, shape.hidden], shape.dtype)?,
+                }),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Writes row `i`'s positions `synced..upto` and its conv states back
+    /// into `cache` (whose buffers hold `0..synced`).
+    fn write_back(state: &[Array], i: usize, synced: usize, cache: &mut ModelCache, upto: usize) -> Result<()> {
+        let r = i as i32;
+        let cols = |a: &Array| a.slice(&[r, 0, synced as i32, 0], &[r + 1, a.dim(1), upto as i32, a.dim(3)], &[1, 1, 1, 1]);
+        let mut slot = 0;
+        let mut fresh = vec![];
+        for li in 0..cache.layers.len() {
+            match &mut cache.layers[li] {
+                LayerCache::Attention(kv) => {
+                    if upto > synced {
+                        kv.append(&cols(&state[slot])?, &cols(&state[slot + 1])?)?;
+                        fresh.extend(kv.arrays().into_iter().cloned());
+                    }
+                    slot += 2;
+                }
+                LayerCache::Paged(o) => {
+                    if upto > synced {
+                        let o = *o;
+                        let seq = cache.paged.as_mut().ok_or_else(|| Error::invalid("paged layer without a paged sequence"))?;
+                        seq.ensure_views(upto)?;
+                        let (k, v) = &seq.views[o];
+                        let (kc, vc) = (cols(&state[slot])?, cols(&state[slot + 1])?);
+                        let at = |a: &Array| ([0, 0, synced as i32, 0], [1, a.dim(1), upto as i32, a.dim(3)]);
+                        let (s, e) = at(k);
+                        let nk = k.slice_update(&kc, &s, &e)?;
+                        let (s, e) = at(v);
+                        let nv = v.slice_update(&vc, &s, &e)?;
+                        fresh.push(nk.clone());
+                        fresh.push(nv.clone());
+                        seq.views[o] = (nk, nv);
+                    }
+                    slot += 2;
+                }
+                LayerCache::Conv(s) => {
+                    *s = Some(state[slot].slice_axis(0, r, r + 1)?);
+                    slot += 1;
+                }
+            }
+        }
+        for a in fresh {
+            cache.push_fresh(a);
+        }
+        Ok(())
+    }
+
+    /// Writes back everything row `id` holds up to `upto` positions (its
+    /// sequence leaves now, or a paged cache is about to flush a block).
+    pub fn sync(&mut self, id: u64, cache: &mut ModelCache, upto: usize) -> Result<()> {
+        let i = self.rows.iter().position(|r| r.id == id).ok_or_else(|| Error::invalid("sequence is not in the batch"))?;
+        Self::write_back(&self.state, i, self.rows[i].synced, cache, upto)?;
+        self.rows[i].synced = upto;
+        Ok(())
+    }
+
+    /// Hands the stacked state to a step (the batch holds no reference
+    /// while it runs, so MLX can update the buffers in place).
+    pub fn take_state(&mut self) -> Vec<Array> {
+        std::mem::take(&mut self.state)
+    }
+
+    /// Takes back the state a step returned.
+    pub fn put_state(&mut self, state: Vec<Array>) {
+        self.state = state;
+    }
+
+    pub fn len(&self) -> usize {
+        self.rows.len()
+    }
+}
