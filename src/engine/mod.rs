@@ -11,6 +11,7 @@ use crate::mlx::Array;
 use crate::mlx::{runtime, Dtype};
 use crate::model::config::token_ids;
 use crate::kvquant::KvCacheConfig;
+use crate::model::batch::{self, DecodeBatch, Member};
 use crate::model::lfm2::Operator;
 use crate::model::paged::{self, PagedConfig, PagedStats};
 use crate::model::{load_model, Lfm2Model, LoadOptions};
@@ -163,6 +164,8 @@ pub enum Admission {
 
 /// A request being generated.
 pub struct Active {
+    /// Unique per engine: names the request's row in the decode batch.
+    pub id: u64,
     pub seq: Sequence,
     pub req: Request,
 }
@@ -181,6 +184,11 @@ pub struct Engine {
     /// Shared with the JS object so runtime changes (a compiled-path
     /// fallback) show in info().
     info: Arc<Mutex<ModelInfo>>,
+    /// The running requests' caches stacked for the compiled batched step.
+    batch: DecodeBatch,
+    next_id: u64,
+    /// Compiled batched steps run (tests check which path batches took).
+    pub(crate) stacked_steps: usize,
 }
 
 fn generation_config_eos(dir: &Path) -> Result<Vec<u32>> {
@@ -401,6 +409,9 @@ impl Engine {
             eos,
             prefill_chunk: opts.prefill_chunk.unwrap_or(2048).max(1),
             info: Arc::new(Mutex::new(info)),
+            batch: DecodeBatch::default(),
+            next_id: 0,
+            stacked_steps: 0,
         })
     }
 
@@ -516,7 +527,10 @@ impl Engine {
         let Prefilling { pending, mut req } = p;
         match pending.advance(&self.model, &self.tokenizer, req.observer.as_mut()) {
             Ok(Advance::More(pending)) => Admission::Prefilling(Prefilling { pending, req }),
-            Ok(Advance::Done(Started::Running(seq))) => Admission::Running(Active { seq, req }),
+            Ok(Advance::Done(Started::Running(seq))) => {
+                self.next_id += 1;
+                Admission::Running(Active { id: self.next_id, seq, req })
+            }
             Ok(Advance::Done(Started::Finished(g, _))) => {
                 req.succeed(g);
                 Admission::Over
@@ -529,31 +543,21 @@ impl Engine {
     }
 
     /// One decode step for every running request: a single request takes
-    /// the compiled step, several run as one batch (their projections, MLPs
-    /// and head shared; attention per sequence). Finished requests are
-    /// answered and removed.
+    /// the compiled step; several take the compiled batched step over their
+    /// stacked caches (see `model::batch`), or, on the eager path or with a
+    /// quantized KV cache, one eager forward with attention per sequence.
+    /// Finished requests are answered and removed.
     pub fn step_active(&mut self, active: &mut Vec<Active>) {
         let want: Vec<usize> = (0..active.len()).filter(|&i| active[i].seq.wants_next()).collect();
         let mut nexts: Vec<Option<Array>> = (0..active.len()).map(|_| None).collect();
-        let stepped = if want.len() == 1 {
-            let i = want[0];
-            let mut stepper = Stepper::new(&self.model, self.compiled.as_ref());
-            let a = &mut active[i];
-            let r = a.seq.y.reshape(&[1, 1]).and_then(|ids| stepper.step(&ids, &mut a.seq.cache)).and_then(|l| a.seq.sample(&l));
-            let failure = stepper.failure.take();
-            self.note_failure(failure);
-            r.map(|n| nexts[i] = Some(n))
-        } else if want.len() > 1 {
-            self.step_batch(active, &want).map(|ns| {
-                for (i, n) in want.iter().zip(ns) {
-                    nexts[*i] = Some(n);
-                }
-            })
-        } else {
-            Ok(())
-        };
+        let stepped = self.step_wanted(active, &want).map(|ns| {
+            for (i, n) in ns {
+                nexts[i] = Some(n);
+            }
+        });
         if let Err(e) = stepped {
             // The step's caches are in an unknown state: every request in it fails.
+            self.batch = DecodeBatch::default();
             for a in active.drain(..) {
                 a.req.fail(e.clone());
             }
@@ -564,8 +568,16 @@ impl Engine {
             match a.seq.accept(next, &self.eos, a.req.observer.as_mut()) {
                 Ok(true) => keep.push(a),
                 Ok(false) => {
-                    let Active { seq, mut req } = a;
-                    match seq.finish(req.observer.as_mut()) {
+                    // A request leaving the batch takes its K/V and conv
+                    // states back first (a paged cache keeps its end).
+                    let synced = if self.batch.contains(a.id) {
+                        let pos = a.seq.cache.pos;
+                        self.batch.sync(a.id, &mut a.seq.cache, pos)
+                    } else {
+                        Ok(())
+                    };
+                    let Active { seq, mut req, .. } = a;
+                    match synced.and_then(|_| seq.finish(req.observer.as_mut())) {
                         Ok((g, _)) => req.succeed(g),
                         Err(e) => req.fail(e),
                     }
@@ -576,7 +588,30 @@ impl Engine {
         *active = keep;
     }
 
-    fn step_batch(&mut self, active: &mut [Active], want: &[usize]) -> Result<Vec<Array>> {
+    /// Steps the requests `want` (indices into `active`); returns each
+    /// one's queued next token.
+    fn step_wanted(&mut self, active: &mut [Active], want: &[usize]) -> Result<Vec<(usize, Array)>> {
+        let stacked =
+            want.len() > 1 && self.compiled.is_some() && want.iter().all(|&i| batch::stackable(&active[i].seq.cache));
+        if stacked {
+            if let Some(out) = self.step_stacked(active, want)? {
+                return Ok(out);
+            }
+        }
+        // Every other step reads the sequences' own caches.
+        self.reconcile_batch(active, &[])?;
+        if want.len() == 1 {
+            let i = want[0];
+            let mut stepper = Stepper::new(&self.model, self.compiled.as_ref());
+            let a = &mut active[i];
+            let r = a.seq.y.reshape(&[1, 1]).and_then(|ids| stepper.step(&ids, &mut a.seq.cache)).and_then(|l| a.seq.sample(&l));
+            let failure = stepper.failure.take();
+            self.note_failure(failure);
+            return Ok(vec![(i, r?)]);
+        }
+        if want.is_empty() {
+            return Ok(vec![]);
+        }
         let ids: Vec<Array> = want.iter().map(|&i| active[i].seq.y.reshape(&[1, 1])).collect::<Result<_>>()?;
         let refs: Vec<&Array> = ids.iter().collect();
         let ids = crate::mlx::concatenate(&refs, 0)?;
@@ -591,9 +626,88 @@ impl Engine {
         let mut out = Vec::with_capacity(want.len());
         for (k, &i) in want.iter().enumerate() {
             let l = logits.slice_axis(0, k as i32, k as i32 + 1)?;
-            out.push(active[i].seq.sample(&l)?);
+            out.push((i, active[i].seq.sample(&l)?));
         }
         Ok(out)
+    }
+
+    /// The compiled batched step. None when the compiled step could not be
+    /// built (noted; the batch was given back intact and the caller falls
+    /// back to the eager batch).
+    fn step_stacked(&mut self, active: &mut [Active], want: &[usize]) -> Result<Option<Vec<(usize, Array)>>> {
+        for &i in want {
+            active[i].seq.cache.begin_decode_token()?;
+        }
+        self.reconcile_batch(active, want)?;
+        let rows = self.batch.ids();
+        let order: Vec<usize> = rows
+            .iter()
+            .map(|id| active.iter().position(|a| a.id == *id).ok_or_else(|| Error::invalid("batch row without a request")))
+            .collect::<Result<_>>()?;
+        let ids: Vec<Array> = order.iter().map(|&i| active[i].seq.y.reshape(&[1, 1])).collect::<Result<_>>()?;
+        let refs: Vec<&Array> = ids.iter().collect();
+        let ids = crate::mlx::concatenate(&refs, 0)?;
+        let positions: Vec<i32> = order.iter().map(|&i| active[i].seq.cache.pos as i32).collect();
+        let built = self.compiled.as_ref().expect("checked by the caller").step_batch(&ids, &positions, &mut self.batch, true);
+        let logits = match built {
+            Ok(l) => {
+                self.stacked_steps += 1;
+                l
+            }
+            Err(e) => {
+                self.note_failure(Some(e));
+                return Ok(None);
+            }
+        };
+        for (&i, &id) in order.iter().zip(&rows) {
+            let c = &mut active[i].seq.cache;
+            // A paged cache about to fill a block needs the block (and the
+            // conv states after it) back in its own buffers to publish it.
+            if let Some(bs) = c.paged.as_ref().map(|s| s.block_size()) {
+                if (c.pos + 1) % bs == 0 {
+                    let upto = c.pos + 1;
+                    self.batch.sync(id, c, upto)?;
+                }
+            }
+            c.end_decode_token()?;
+        }
+        let mut out = Vec::with_capacity(order.len());
+        // Greedy rows all at once: one argmax over the batch, not one per row.
+        let greedy = if order.iter().all(|&i| active[i].seq.is_greedy()) {
+            Some(logits.argmax(-1, false)?.astype(crate::mlx::Dtype::Uint32)?)
+        } else {
+            None
+        };
+        for (k, &i) in order.iter().enumerate() {
+            let k = k as i32;
+            out.push((
+                i,
+                match &greedy {
+                    Some(t) => t.slice_axis(0, k, k + 1)?,
+                    None => active[i].seq.draw(&logits.slice_axis(0, k, k + 1)?)?,
+                },
+            ));
+        }
+        let toks: Vec<&Array> = out.iter().map(|(_, t)| t).collect();
+        let mut caches: Vec<&mut crate::model::ModelCache> =
+            active.iter_mut().enumerate().filter(|(i, _)| want.contains(i)).map(|(_, a)| &mut a.seq.cache).collect();
+        generate::queue_tokens(&toks, &mut caches)?;
+        Ok(Some(out))
+    }
+
+    /// Makes the batch hold exactly the requests `want` (none: every row
+    /// goes back to its request's cache).
+    fn reconcile_batch(&mut self, active: &mut [Active], want: &[usize]) -> Result<()> {
+        if self.batch.is_empty() && want.len() < 2 {
+            return Ok(());
+        }
+        let shape = self.model.batch_shape();
+        let mut members: Vec<Member> = active
+            .iter_mut()
+            .enumerate()
+            .map(|(i, a)| Member { id: a.id, wanted: want.contains(&i), cache: &mut a.seq.cache })
+            .collect();
+        self.batch.reconcile(&shape, &mut members)
     }
 
     pub fn generate(&mut self, prompt: Prompt, params: GenerateParams, observer: &mut dyn Observer) -> Result<Generation> {

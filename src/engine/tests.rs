@@ -181,11 +181,11 @@ fn cancelled_requests_return_their_blocks() {
 /// Drives the continuous-batching scheduler directly: requests are admitted
 /// at different steps, stop at different lengths, and each must produce
 /// exactly the tokens it produces alone.
-fn batched_equals_sequential(preset: Preset, paged: bool, name: &str) {
+fn batched_equals_sequential(preset: Preset, paged: bool, path: DecodePath, name: &str) {
     use super::{Active, Request};
     use std::sync::{Arc, Mutex};
     let dir = fixture_dir(name, preset);
-    let mut e = engine(&dir, paged, 16, 64, None);
+    let mut e = engine(&dir, paged, 16, 64, Some(path));
     let jobs: Vec<(Vec<u32>, usize, usize)> = vec![
         // (prompt, max tokens, step at which it arrives)
         (prompt(30, 1), 40, 0),
@@ -194,8 +194,25 @@ fn batched_equals_sequential(preset: Preset, paged: bool, name: &str) {
         (prompt(18, 4), 25, 3),
         (prompt(50, 5), 20, 9),
         (prompt(3, 6), 30, 9),
+        // Crosses 256 positions inside the batch: every row's buffers grow.
+        (prompt(240, 7), 30, 2),
+        // Sampled (seeded) while it runs with greedy rows.
+        (prompt(20, 8), 24, 1),
     ];
-    let want: Vec<Vec<u32>> = jobs.iter().map(|(p, n, _)| run(&mut e, p, *n).tokens).collect();
+    let sampled = jobs.len() - 1;
+    let params = |i: usize, n: usize| {
+        let mut p = GenerateParams { max_tokens: n, ignore_eos: true, ..Default::default() };
+        if i == sampled {
+            p.sampling.temperature = 0.9;
+            p.sampling.seed = Some(5);
+        }
+        p
+    };
+    let want: Vec<Vec<u32>> = jobs
+        .iter()
+        .enumerate()
+        .map(|(i, (p, n, _))| e.generate(Prompt::Tokens(p.clone()), params(i, *n), &mut NoObserver).unwrap().tokens)
+        .collect();
     e.clear_prefix_cache();
     let got: Arc<Mutex<Vec<Option<Vec<u32>>>>> = Arc::new(Mutex::new(vec![None; jobs.len()]));
     let mut active: Vec<Active> = vec![];
@@ -204,9 +221,9 @@ fn batched_equals_sequential(preset: Preset, paged: bool, name: &str) {
     loop {
         for (i, (p, n, at)) in jobs.iter().enumerate() {
             if *at == step {
-                let (p, n, got) = (p.clone(), *n, got.clone());
+                let (p, got, params) = (p.clone(), got.clone(), params(i, *n));
                 let req = Request {
-                    prepare: Some(Box::new(move |_| Ok((p, GenerateParams { max_tokens: n, ignore_eos: true, ..Default::default() })))),
+                    prepare: Some(Box::new(move |_| Ok((p, params)))),
                     observer: Box::new(NoObserver),
                     reply: Some(Box::new(move |r| got.lock().unwrap()[i] = Some(r.unwrap().tokens))),
                 };
@@ -223,21 +240,41 @@ fn batched_equals_sequential(preset: Preset, paged: bool, name: &str) {
         step += 1;
     }
     assert!(max_batch >= 4, "{name}: at most {max_batch} requests ran together");
-    let got = got.lock().unwrap();
+    if path == DecodePath::Compiled {
+        assert!(e.stacked_steps > 20, "{name}: the compiled batched step ran {} times", e.stacked_steps);
+    } else {
+        assert_eq!(e.stacked_steps, 0, "{name}: the eager path took the compiled batched step");
+    }
+    let got = got.lock().unwrap().clone();
     for (i, w) in want.iter().enumerate() {
         assert_eq!(got[i].as_ref(), Some(w), "{name}: request {i} differs when batched");
     }
     if paged {
         assert_eq!(e.cache_stats().unwrap().blocks_in_use, 0);
+        // What the batch handed back to each request's cache (the blocks it
+        // filled, the conv states after them, the exact end) serves a
+        // continuation: every position the request ran is reused, and the
+        // tokens equal a cold run of the same prompt on a flat cache.
+        let mut cold = engine(&dir, false, 16, 64, Some(path));
+        for (i, (p, n, _)) in jobs.iter().enumerate() {
+            let mut cont = p.clone();
+            cont.extend(got[i].as_ref().unwrap());
+            cont.extend(prompt(5, 50 + i as u32));
+            let warm = run(&mut e, &cont, 6);
+            assert_eq!(warm.metrics.cached_tokens, p.len() + n - 1, "{name}: request {i}'s continuation reused");
+            assert_eq!(warm.tokens, run(&mut cold, &cont, 6).tokens, "{name}: request {i}'s continuation differs");
+        }
     }
     std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]
 fn batched_decode_gives_each_request_its_own_tokens() {
-    batched_equals_sequential(Preset::Tiny, true, "batch-paged");
-    batched_equals_sequential(Preset::Tiny, false, "batch-flat");
-    batched_equals_sequential(Preset::TinyMoe, true, "batch-moe");
+    for path in [DecodePath::Compiled, DecodePath::Eager] {
+        batched_equals_sequential(Preset::Tiny, true, path, &format!("batch-paged-{path:?}"));
+        batched_equals_sequential(Preset::Tiny, false, path, &format!("batch-flat-{path:?}"));
+        batched_equals_sequential(Preset::TinyMoe, true, path, &format!("batch-moe-{path:?}"));
+    }
 }
 
 /// A long prompt is prefilled a chunk per scheduler step: a running request

@@ -408,6 +408,16 @@ impl Sequence {
         Ok(n)
     }
 
+    /// [`Sequence::sample`] without queueing the work: a batch queues all
+    /// its rows' tokens at once (see [`queue_tokens`]).
+    pub fn draw(&mut self, logits: &Array) -> Result<Array> {
+        self.sampler.sample(logits)
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.sampler.is_greedy()
+    }
+
     /// Reads the pending token back and handles it; `next` is the token of
     /// the step queued after it (fed the pending one), if any. Returns
     /// whether the generation goes on (then `next` is pending).
@@ -505,6 +515,15 @@ impl Sequence {
 
 /// Queues `y` together with whatever the cache built alongside it (conv
 /// snapshots), so nothing is left as an unevaluated graph.
+/// Queues the evaluation of a batch's drawn tokens together with whatever
+/// their caches built alongside.
+pub fn queue_tokens(tokens: &[&Array], caches: &mut [&mut ModelCache]) -> Result<()> {
+    let fresh: Vec<Array> = caches.iter_mut().flat_map(|c| c.take_fresh()).collect();
+    let mut all: Vec<&Array> = tokens.to_vec();
+    all.extend(fresh.iter());
+    async_eval(&all)
+}
+
 fn eval_with(y: &Array, cache: &mut ModelCache) -> Result<()> {
     let fresh = cache.take_fresh();
     let mut all: Vec<&Array> = vec![y];

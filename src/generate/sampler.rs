@@ -85,6 +85,12 @@ impl Sampler {
         Ok(Sampler { params, key, window })
     }
 
+    /// Plain greedy: the token is the argmax and nothing else changes
+    /// (a batch of such rows takes one argmax for all).
+    pub fn is_greedy(&self) -> bool {
+        self.params.temperature == 0.0 && self.params.repetition_penalty.is_none()
+    }
+
     /// Draws the next token from `logits` (`[1, V]`); returns a lazy `[1]` uint32.
     pub fn sample(&mut self, logits: &Array) -> Result<Array> {
         let mut logits = logits.clone();
