@@ -1,7 +1,9 @@
 // Shared by bench-turns.cjs and bench-concurrent.cjs: option parsing, the
 // prompt-id formula (the same as src/bin/bench.rs `ids` and
-// mlx_lm_ref.py `_ids`), and the generated checkpoint to run on.
+// mlx_lm_ref.py `_ids`), the generated checkpoint to run on, and the mlx-lm
+// peer (scripts/ref/mlx_lm_ref.py in $MLX_LFM_PYREF, default .pyref/).
 'use strict';
+const { spawnSync } = require('node:child_process');
 const fs = require('node:fs');
 const os = require('node:os');
 const path = require('node:path');
@@ -56,4 +58,18 @@ function vocabOf(dir) {
   return JSON.parse(fs.readFileSync(path.join(dir, 'config.json'), 'utf8')).vocab_size;
 }
 
-module.exports = { parseOptions, ids, checkpoint, vocabOf };
+/** Runs one mlx_lm_ref.py request (`req.op`) and returns its JSON answer. */
+function mlxLm(req) {
+  const root = path.resolve(__dirname, '..');
+  const pyref = process.env.MLX_LFM_PYREF || path.join(root, '.pyref');
+  const r = spawnSync(process.env.MLX_LFM_PYTHON || 'python3', [path.join(root, 'scripts', 'ref', 'mlx_lm_ref.py')], {
+    input: JSON.stringify(req),
+    env: { ...process.env, PYTHONPATH: pyref, TOKENIZERS_PARALLELISM: 'false' },
+    encoding: 'utf8',
+    maxBuffer: 1 << 28,
+  });
+  if (r.status !== 0) throw new Error(`mlx-lm reference (${req.op}) failed:\n${(r.stderr || String(r.error)).slice(-4000)}`);
+  return JSON.parse(r.stdout);
+}
+
+module.exports = { parseOptions, ids, checkpoint, vocabOf, mlxLm };

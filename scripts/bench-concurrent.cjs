@@ -1,7 +1,9 @@
 #!/usr/bin/env node
 // `npm run bench:concurrent`: aggregate decode throughput of N concurrent
 // requests on one model (continuous batching) against the same N requests
-// one after another, through the JS API, in the same run.
+// one after another, through the JS API, and the same two phases with
+// mlx-lm (generate_step one after another, then its continuous batcher,
+// BatchGenerator), in the same run.
 //   tokens/s = all generated tokens / wall time from the first call to the
 //   last result. Every request: its own random prompt of P ids, G tokens,
 //   greedy, EOS ignored. The prefix cache is cleared before each phase.
@@ -9,11 +11,11 @@
 const path = require('node:path');
 
 const root = path.resolve(__dirname, '..');
-const { parseOptions, ids, checkpoint, vocabOf } = require('./bench-common.cjs');
-const USAGE = 'usage: npm run bench:concurrent -- [--model DIR | --preset P --dtype D] [--n 8] [--prompt 128] [--gen 64] [--reps 2]';
+const { parseOptions, ids, checkpoint, vocabOf, mlxLm } = require('./bench-common.cjs');
+const USAGE = 'usage: npm run bench:concurrent -- [--model DIR | --preset P --dtype D] [--n 8] [--prompt 128] [--gen 64] [--reps 2] [--skip-ref]';
 
 async function main() {
-  const o = parseOptions(process.argv.slice(2), { model: '', preset: 'lfm2-350m', dtype: 'bf16', n: 8, prompt: 128, gen: 64, reps: 2 }, USAGE);
+  const o = parseOptions(process.argv.slice(2), { model: '', preset: 'lfm2-350m', dtype: 'bf16', n: 8, prompt: 128, gen: 64, reps: 2, skipRef: false }, USAGE);
   const addon = require(path.join(root, 'index.cjs'));
   const dir = await checkpoint(addon, o);
   const vocab = vocabOf(dir);
@@ -45,8 +47,20 @@ async function main() {
     same &&= par.every((x, i) => x.tokens.join() === seq[i].tokens.join());
     console.log(`  rep ${r + 1}: sequential ${(n / seqS).toFixed(1)} tok/s (${seqS.toFixed(2)} s), concurrent ${(n / parS).toFixed(1)} tok/s (${parS.toFixed(2)} s)`);
   }
+  await m.close();
+  let ref = null;
+  if (!o.skipRef) {
+    const r = mlxLm({ op: 'bench_concurrent', model: dir, vocab, concurrent: o.n, prompt: o.prompt, gen: o.gen, reps: o.reps, prefill_step_size: 2048 });
+    ref = { seq: Math.max(...r.runs.map((x) => x.sequential_tps)), par: Math.max(...r.runs.map((x) => x.concurrent_tps)) };
+    r.runs.forEach((x, i) => console.log(`  mlx-lm rep ${i + 1}: sequential ${x.sequential_tps.toFixed(1)} tok/s, concurrent ${x.concurrent_tps.toFixed(1)} tok/s`));
+    console.log(`  mlx-lm ${r.mlx_lm_version} on MLX ${r.mlx_version} (${r.default_device})`);
+  }
   console.log('');
-  console.log(`aggregate: sequential ${bestSeq.toFixed(1)} tok/s, ${o.n} concurrent ${bestPar.toFixed(1)} tok/s: ${(bestPar / bestSeq).toFixed(2)}x`);
+  console.log(`mlx-lfm: sequential ${bestSeq.toFixed(1)} tok/s, ${o.n} concurrent ${bestPar.toFixed(1)} tok/s: ${(bestPar / bestSeq).toFixed(2)}x`);
+  if (ref) {
+    console.log(`mlx-lm:  sequential ${ref.seq.toFixed(1)} tok/s, ${o.n} concurrent ${ref.par.toFixed(1)} tok/s: ${(ref.par / ref.seq).toFixed(2)}x`);
+    console.log(`${o.n} concurrent, mlx-lfm vs mlx-lm: ${(bestPar / ref.par).toFixed(2)}x`);
+  }
   console.log(`same tokens as sequential: ${same ? 'yes' : 'no (bf16 batched matmuls can flip near-ties)'}`);
 }
 

@@ -18,10 +18,9 @@
 // their ids agree as long as the greedy replies do.
 'use strict';
 const path = require('node:path');
-const { spawnSync } = require('node:child_process');
 
 const root = path.resolve(__dirname, '..');
-const { parseOptions, ids, checkpoint, vocabOf } = require('./bench-common.cjs');
+const { parseOptions, ids, checkpoint, vocabOf, mlxLm } = require('./bench-common.cjs');
 const USAGE = `usage: npm run bench:turns -- [--model DIR | --preset P --dtype D] [--turns 4] [--system 1024]
                               [--user 64] [--reply 32] [--block 32] [--skip-ref]`;
 
@@ -58,16 +57,7 @@ async function main() {
   }
   let ref = null;
   if (!o.skipRef) {
-    const pyref = process.env.MLX_LFM_PYREF || path.join(root, '.pyref');
-    const req = { op: 'bench_turns', model: dir, vocab, system: o.system, user: o.user, reply: o.reply, turns: o.turns, prefill_step_size: 2048 };
-    const r = spawnSync(process.env.MLX_LFM_PYTHON || 'python3', [path.join(root, 'scripts', 'ref', 'mlx_lm_ref.py')], {
-      input: JSON.stringify(req),
-      env: { ...process.env, PYTHONPATH: pyref, TOKENIZERS_PARALLELISM: 'false' },
-      encoding: 'utf8',
-      maxBuffer: 1 << 28,
-    });
-    if (r.status !== 0) throw new Error(`mlx-lm reference failed:\n${r.stderr.slice(-4000)}`);
-    ref = JSON.parse(r.stdout);
+    ref = mlxLm({ op: 'bench_turns', model: dir, vocab, system: o.system, user: o.user, reply: o.reply, turns: o.turns, prefill_step_size: 2048 });
     console.log(`  mlx-lm ${ref.mlx_lm_version} on MLX ${ref.mlx_version} (${ref.default_device})`);
   }
   console.log('');

@@ -187,6 +187,48 @@ def bench_turns(model, req, load_ms):
     return out
 
 
+def bench_concurrent(model, req, load_ms):
+    """What `mlx-lfm-bench --concurrent N` measures, with mlx-lm: N prompts
+    one after another through generate_step, then the same N together through
+    mlx-lm's own continuous batcher (BatchGenerator), no stop tokens, greedy."""
+    from mlx_lm.generate import BatchGenerator
+
+    n, p, gen, vocab = req["concurrent"], req["prompt"], req["gen"], req["vocab"]
+    step = req.get("prefill_step_size")
+
+    def together(prompts):
+        g = BatchGenerator(model, stop_tokens=None, completion_batch_size=max(32, n), prefill_batch_size=n)
+        uids = g.insert(prompts, [gen] * len(prompts))
+        counts = {u: 0 for u in uids}
+        while responses := g.next_generated():
+            for r in responses:
+                counts[r.uid] += 1
+        mx.synchronize()
+        g.close()
+        return counts
+
+    warm = [_ids(p, vocab, 900 + i) for i in range(n)]
+    together(warm)
+    _timed_run(model, warm[0], gen, step, "warmup")
+    out = _suite_info(model, load_ms)
+    runs = []
+    for r in range(req.get("reps", 2)):
+        prompts = [_ids(p, vocab, 1 + r * 100 + i) for i in range(n)]
+        t = time.perf_counter()
+        for q in prompts:
+            _timed_run(model, q, gen, step, f"sequential {r}")
+        seq_s = time.perf_counter() - t
+        t = time.perf_counter()
+        counts = together(prompts)
+        par_s = time.perf_counter() - t
+        total = n * gen
+        runs.append({"concurrent": n, "prompt": p, "gen": gen, "sequential_tps": total / seq_s,
+                     "concurrent_tps": sum(counts.values()) / par_s, "ratio": seq_s / par_s,
+                     "tokens": sum(counts.values())})
+    out["runs"] = runs
+    return out
+
+
 def _suite_info(model, load_ms):
     from mlx.utils import tree_flatten
 
@@ -338,6 +380,8 @@ def main():
         res = bench_turns(model, req, load_ms)
     elif op == "bench_serve":
         res = bench_serve(model, req, load_ms)
+    elif op == "bench_concurrent":
+        res = bench_concurrent(model, req, load_ms)
     else:
         raise SystemExit(f"unknown op {op}")
     json.dump(res, sys.stdout)
