@@ -173,7 +173,7 @@ fn check_batch_exact(preset: Preset, dtype: DType, quant: Option<(QuantMode, i32
         let rows: Vec<usize> = (0..3).filter(|&i| wanted(i)).collect();
         let mut batch_step = |caches: &mut Vec<ModelCache>, batch: &mut DecodeBatch, compiled: bool| {
             for &i in &rows {
-                caches[i].begin_decode_token().unwrap();
+                caches[i].begin_batched_token().unwrap();
             }
             let mut members: Vec<Member> =
                 caches.iter_mut().enumerate().map(|(i, c)| Member { id: i as u64, wanted: wanted(i), cache: c }).collect();
@@ -197,6 +197,14 @@ fn check_batch_exact(preset: Preset, dtype: DType, quant: Option<(QuantMode, i32
         };
         let (order, lc) = batch_step(&mut cc, &mut bc, true);
         let (_, lu) = batch_step(&mut cu, &mut bu, false);
+        for &i in &order {
+            // The batch holds a member's running K/V; its cache no copy.
+            let own = match cc[i].paged.as_ref() {
+                Some(seq) => seq.views.len(),
+                None => cc[i].kv_used_bytes(),
+            };
+            assert_eq!(own, 0, "{name}: sequence {i} keeps its own K/V copy in the batch at step {step}");
+        }
         assert_eq!(order.len(), rows.len(), "{name}: batch rows at step {step}");
         assert_eq!(bytes(&lc), bytes(&lu), "{name}: compiled batch differs from uncompiled at step {step}");
         for (r, &i) in order.iter().enumerate() {

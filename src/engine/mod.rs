@@ -636,7 +636,7 @@ impl Engine {
     /// back to the eager batch).
     fn step_stacked(&mut self, active: &mut [Active], want: &[usize]) -> Result<Option<Vec<(usize, Array)>>> {
         for &i in want {
-            active[i].seq.cache.begin_decode_token()?;
+            active[i].seq.cache.begin_batched_token()?;
         }
         self.reconcile_batch(active, want)?;
         let rows = self.batch.ids();

@@ -3,16 +3,20 @@
 //! with as many ops as a single sequence takes (each row's K/V written at its
 //! own position by one scatter per buffer, one attention call over all rows).
 //!
-//! While a sequence is in a batch its K/V and conv states live here; its own
-//! [`ModelCache`] keeps its position and paged bookkeeping but its buffers
-//! are stale from row `synced` on. [`DecodeBatch::sync`] writes a row back:
-//! when the sequence leaves (finishes, pauses, or the batch dissolves) and,
-//! for a paged cache, whenever it fills a block (the block and the conv
-//! snapshot after it go to the pool exactly as after a single-sequence step).
-//! Members change only between steps; joining appends rows, leaving removes
-//! them, so a steady batch rebuilds nothing.
+//! While a sequence is in a batch its K/V and conv states live here, and
+//! only here: a flat cache gives up its buffers when it joins, a paged one
+//! its decode mirrors (the pool keeps what was flushed), so batching does
+//! not hold the running K/V twice. The sequence's own [`ModelCache`] keeps
+//! its position and paged bookkeeping. [`DecodeBatch::sync`] writes a row
+//! back from position `synced` on: when the sequence leaves (finishes,
+//! pauses, or the batch dissolves) and, for a paged cache, whenever it fills
+//! a block (the block goes straight to the pool and the conv snapshot after
+//! it is kept, exactly as after a single-sequence step). Members change only
+//! between steps; joining appends rows, leaving removes them, so a steady
+//! batch rebuilds nothing.
 
-use super::cache::{LayerCache, KV_STEP};
+use super::cache::{KvCache, LayerCache, KV_STEP};
+use super::paged::write_prefill;
 use super::ModelCache;
 use crate::error::{Error, Result};
 use crate::mlx::{concatenate, zeros, Array, Dtype};
@@ -27,7 +31,8 @@ pub struct Member<'a> {
 
 struct Row {
     id: u64,
-    /// Positions of this row already written back to the sequence's cache.
+    /// Positions of this row the sequence's own cache holds (a flat cache:
+    /// its buffers; a paged one: the pool).
     synced: usize,
 }
 
@@ -77,7 +82,7 @@ impl DecodeBatch {
     /// wanted are written back and removed; rows of ids not among `members`
     /// at all are removed (their sequences are gone). New members are
     /// appended, and every row gets room for one more position. Every
-    /// wanted cache must have had `begin_decode_token`.
+    /// wanted cache must have had `begin_batched_token`.
     pub fn reconcile(&mut self, shape: &BatchShape, members: &mut [Member]) -> Result<()> {
         let wanted = members.iter().filter(|m| m.wanted).count();
         let mut keep = Vec::with_capacity(self.rows.len());
@@ -114,9 +119,10 @@ impl DecodeBatch {
         }
         let mut joins: Vec<Vec<Array>> = vec![];
         let present = self.ids();
-        for m in members.iter().filter(|m| m.wanted && !present.contains(&m.id)) {
-            joins.push(Self::row_of(shape, m.cache, self.cap)?);
-            self.rows.push(Row { id: m.id, synced: m.cache.pos });
+        for m in members.iter_mut().filter(|m| m.wanted && !present.contains(&m.id)) {
+            let (row, synced) = Self::take_row(shape, m.cache, self.cap)?;
+            joins.push(row);
+            self.rows.push(Row { id: m.id, synced });
         }
         if !joins.is_empty() {
             let n = joins[0].len();
@@ -147,8 +153,10 @@ impl DecodeBatch {
     }
 
     /// One sequence's cache as batch rows (`[1, ...]` per state slot), its
-    /// K/V padded with zeros to `cap` positions.
-    fn row_of(shape: &BatchShape, cache: &ModelCache, cap: usize) -> Result<Vec<Array>> {
+    /// K/V padded with zeros to `cap` positions. The cache gives up its own
+    /// K/V copy (flat buffers, paged mirrors, after flushing them to the
+    /// pool); returns the rows and how many positions the cache still holds.
+    fn take_row(shape: &BatchShape, cache: &mut ModelCache, cap: usize) -> Result<(Vec<Array>, usize)> {
         let pos = cache.pos;
         let pad = |k: Array| -> Result<Array> {
             let have = k.dim(2) as usize;
@@ -159,6 +167,14 @@ impl DecodeBatch {
             concatenate(&[&k, &z], 2)
         };
         let empty = || zeros(&[1, shape.kv_heads, cap as i32, shape.head_dim], shape.dtype);
+        if let Some(seq) = cache.paged.as_mut() {
+            if seq.len != pos {
+                return Err(Error::invalid("paged cache length does not match the cache position"));
+            }
+            if pos > 0 {
+                seq.ensure_views(pos)?;
+            }
+        }
         let mut out = vec![];
         for lc in &cache.layers {
             match lc {
@@ -182,13 +198,15 @@ impl DecodeBatch {
                 }
                 LayerCache::Paged(i) => {
                     let seq = cache.paged.as_ref().ok_or_else(|| Error::invalid("paged layer without a paged sequence"))?;
-                    let (k, v) = seq.views.get(*i).ok_or_else(|| Error::invalid("paged sequence has no decode mirror"))?;
-                    if pos == 0 {
-                        out.push(empty()?);
-                        out.push(empty()?);
-                    } else {
-                        out.push(pad(k.slice_axis(2, 0, pos as i32)?)?);
-                        out.push(pad(v.slice_axis(2, 0, pos as i32)?)?);
+                    match seq.views.get(*i) {
+                        Some((k, v)) if pos > 0 => {
+                            out.push(pad(k.slice_axis(2, 0, pos as i32)?)?);
+                            out.push(pad(v.slice_axis(2, 0, pos as i32)?)?);
+                        }
+                        _ => {
+                            out.push(empty()?);
+                            out.push(empty()?);
+                        }
                     }
                 }
                 LayerCache::Conv(s) => out.push(match s {
@@ -197,16 +215,33 @@ impl DecodeBatch {
                 }),
             }
         }
-        Ok(out)
+        let synced = match cache.paged.as_mut() {
+            Some(seq) => {
+                seq.drop_views()?;
+                seq.flushed
+            }
+            None => {
+                for lc in cache.layers.iter_mut() {
+                    if let LayerCache::Attention(kv) = lc {
+                        *kv = KvCache::default();
+                    }
+                }
+                0
+            }
+        };
+        Ok((out, synced))
     }
 
-    /// Writes row `i`'s positions `synced..upto` and its conv states back
-    /// into `cache` (whose buffers hold `0..synced`).
+    /// Writes row `i`'s positions `synced..upto` back (flat: into the
+    /// cache's buffers; paged: into its blocks in the pool) and its conv
+    /// states.
     fn write_back(state: &[Array], i: usize, synced: usize, cache: &mut ModelCache, upto: usize) -> Result<()> {
         let r = i as i32;
         let cols = |a: &Array| a.slice(&[r, 0, synced as i32, 0], &[r + 1, a.dim(1), upto as i32, a.dim(3)], &[1, 1, 1, 1]);
         let mut slot = 0;
         let mut fresh = vec![];
+        let pool = cache.paged.as_ref().map(|s| s.pool.clone());
+        let mut pool = pool.as_ref().map(|p| p.lock());
         for li in 0..cache.layers.len() {
             match &mut cache.layers[li] {
                 LayerCache::Attention(kv) => {
@@ -218,19 +253,9 @@ impl DecodeBatch {
                 }
                 LayerCache::Paged(o) => {
                     if upto > synced {
-                        let o = *o;
-                        let seq = cache.paged.as_mut().ok_or_else(|| Error::invalid("paged layer without a paged sequence"))?;
-                        seq.ensure_views(upto)?;
-                        let (k, v) = &seq.views[o];
-                        let (kc, vc) = (cols(&state[slot])?, cols(&state[slot + 1])?);
-                        let at = |a: &Array| ([0, 0, synced as i32, 0], [1, a.dim(1), upto as i32, a.dim(3)]);
-                        let (s, e) = at(k);
-                        let nk = k.slice_update(&kc, &s, &e)?;
-                        let (s, e) = at(v);
-                        let nv = v.slice_update(&vc, &s, &e)?;
-                        fresh.push(nk.clone());
-                        fresh.push(nv.clone());
-                        seq.views[o] = (nk, nv);
+                        let seq = cache.paged.as_ref().ok_or_else(|| Error::invalid("paged layer without a paged sequence"))?;
+                        let pool = pool.as_mut().expect("a paged sequence has a pool");
+                        write_prefill(pool, seq, *o, synced, &cols(&state[slot])?, &cols(&state[slot + 1])?)?;
                     }
                     slot += 2;
                 }
@@ -238,6 +263,16 @@ impl DecodeBatch {
                     *s = Some(state[slot].slice_axis(0, r, r + 1)?);
                     slot += 1;
                 }
+            }
+        }
+        if let Some(pool) = pool.as_ref() {
+            // Evaluated with the step, so pool updates do not pile up.
+            fresh.extend(pool.layer_arrays().into_iter().cloned());
+        }
+        drop(pool);
+        if let Some(seq) = cache.paged.as_mut() {
+            if upto > synced {
+                seq.flushed = upto;
             }
         }
         for a in fresh {

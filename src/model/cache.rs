@@ -260,6 +260,20 @@ impl ModelCache {
         Ok(())
     }
 
+    /// Before a step of a stacked decode batch (model::batch), whose rows
+    /// are the sequences' K/V: a paged sequence only needs room for the
+    /// token in its blocks.
+    pub fn begin_batched_token(&mut self) -> Result<()> {
+        let pos = self.pos;
+        if let Some(seq) = self.paged.as_mut() {
+            if seq.len != pos {
+                return Err(crate::error::Error::invalid("paged cache length does not match the cache position"));
+            }
+            seq.reserve(1)?;
+        }
+        Ok(())
+    }
+
     /// After a one-token decode step whose new conv states are in place:
     /// advances the position; a paged sequence copies a block that just
     /// filled into the pool and keeps the conv snapshot after it.

@@ -441,6 +441,8 @@ impl Lfm2Model {
     /// projections, MLPs/MoE, conv and head run once for the batch; each
     /// row attends over its own cache (flat, quantized or paged mirror) with
     /// its own position. Returns logits `[B, V]` and advances every cache.
+    /// The eager path's batch (and the only one for quantized KV caches);
+    /// the compiled path stacks the caches instead (model::batch).
     pub fn forward_batch(&self, ids: &Array, caches: &mut [&mut ModelCache]) -> Result<Array> {
         let eps = self.config.norm_eps;
         let b = caches.len();
