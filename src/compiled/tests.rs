@@ -173,7 +173,7 @@ fn check_batch_exact(preset: Preset, dtype: DType, quant: Option<(QuantMode, i32
         let rows: Vec<usize> = (0..3).filter(|&i| wanted(i)).collect();
         let mut batch_step = |caches: &mut Vec<ModelCache>, batch: &mut DecodeBatch, compiled: bool| {
             for &i in &rows {
-                caches[i].begin_batched_token().unwrap();
+                caches[i].reserve_token().unwrap();
             }
             let mut members: Vec<Member> =
                 caches.iter_mut().enumerate().map(|(i, c)| Member { id: i as u64, wanted: wanted(i), cache: c }).collect();

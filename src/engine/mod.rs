@@ -548,7 +548,18 @@ impl Engine {
     /// quantized KV cache, one eager forward with attention per sequence.
     /// Finished requests are answered and removed.
     pub fn step_active(&mut self, active: &mut Vec<Active>) {
-        let want: Vec<usize> = (0..active.len()).filter(|&i| active[i].seq.wants_next()).collect();
+        // Room for the next token first: a request the paged pool cannot
+        // give a block fails alone, the others step.
+        let mut refused: Vec<(usize, Error)> = vec![];
+        let mut want: Vec<usize> = Vec::with_capacity(active.len());
+        for (i, a) in active.iter_mut().enumerate() {
+            if a.seq.wants_next() {
+                match a.seq.cache.reserve_token() {
+                    Ok(()) => want.push(i),
+                    Err(e) => refused.push((i, e)),
+                }
+            }
+        }
         let mut nexts: Vec<Option<Array>> = (0..active.len()).map(|_| None).collect();
         let stepped = self.step_wanted(active, &want).map(|ns| {
             for (i, n) in ns {
@@ -564,7 +575,11 @@ impl Engine {
             return;
         }
         let mut keep = Vec::with_capacity(active.len());
-        for (mut a, next) in active.drain(..).zip(nexts) {
+        for (i, (mut a, next)) in active.drain(..).zip(nexts).enumerate() {
+            if let Some(k) = refused.iter().position(|(j, _)| *j == i) {
+                a.req.fail(refused.swap_remove(k).1);
+                continue;
+            }
             match a.seq.accept(next, &self.eos, a.req.observer.as_mut()) {
                 Ok(true) => keep.push(a),
                 Ok(false) => {
@@ -635,9 +650,6 @@ impl Engine {
     /// built (noted; the batch was given back intact and the caller falls
     /// back to the eager batch).
     fn step_stacked(&mut self, active: &mut [Active], want: &[usize]) -> Result<Option<Vec<(usize, Array)>>> {
-        for &i in want {
-            active[i].seq.cache.begin_batched_token()?;
-        }
         self.reconcile_batch(active, want)?;
         let rows = self.batch.ids();
         let order: Vec<usize> = rows

@@ -324,3 +324,47 @@ fn a_long_prefill_does_not_stall_running_requests() {
     assert_eq!(got[1], (1, want_long));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Two requests decoding together when the paged pool has one free block
+/// left and both need a new one at the same step: the first gets it and
+/// finishes with its solo tokens; only the second fails, with the pool's
+/// error, and every block comes back.
+#[test]
+fn a_full_pool_fails_only_the_request_it_cannot_serve() {
+    use super::Request;
+    use std::sync::{Arc, Mutex};
+    let dir = fixture_dir("pool-full", Preset::Tiny);
+    for path in [DecodePath::Compiled, DecodePath::Eager] {
+        let mut e = engine(&dir, true, 16, 1, Some(path));
+        let m = e.cache_stats().unwrap().max_blocks;
+        // Prompts of whole blocks: both need block k+1 at their first step.
+        let (ka, kb) = ((m - 1) / 2, m - 1 - (m - 1) / 2);
+        let (pa, pb) = (prompt(16 * ka, 61), prompt(16 * kb, 62));
+        let mut roomy = engine(&dir, true, 16, 64, Some(path));
+        let want_a = run(&mut roomy, &pa, 12).tokens;
+        let got: Arc<Mutex<Vec<(usize, Result<Vec<u32>, String>)>>> = Arc::new(Mutex::new(vec![]));
+        let mut active = vec![];
+        for (id, p) in [(0, pa.clone()), (1, pb.clone())] {
+            let got = got.clone();
+            let req = Request {
+                prepare: Some(Box::new(move |_| Ok((p, GenerateParams { max_tokens: 12, ignore_eos: true, ..Default::default() })))),
+                observer: Box::new(NoObserver),
+                reply: Some(Box::new(move |r| got.lock().unwrap().push((id, r.map(|g| g.tokens).map_err(|e| e.message))))),
+            };
+            active.push(e.admit(req).expect("both prompts fit"));
+        }
+        assert_eq!(e.cache_stats().unwrap().blocks_in_use, m - 1, "{path:?}: one block left after both prefills");
+        while !active.is_empty() {
+            e.step_active(&mut active);
+        }
+        let got = got.lock().unwrap();
+        assert_eq!(got.len(), 2);
+        let b = got.iter().find(|(id, _)| *id == 1).unwrap();
+        let err = b.1.as_ref().expect_err("the second request cannot get a block");
+        assert!(err.contains("paged KV cache is full"), "{path:?}: {err}");
+        let a = got.iter().find(|(id, _)| *id == 0).unwrap();
+        assert_eq!(a.1.as_ref().ok(), Some(&want_a), "{path:?}: the first request is untouched by the second's failure");
+        assert_eq!(e.cache_stats().unwrap().blocks_in_use, 0, "{path:?}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -82,7 +82,7 @@ impl DecodeBatch {
     /// wanted are written back and removed; rows of ids not among `members`
     /// at all are removed (their sequences are gone). New members are
     /// appended, and every row gets room for one more position. Every
-    /// wanted cache must have had `begin_batched_token`.
+    /// wanted cache must have had `reserve_token`.
     pub fn reconcile(&mut self, shape: &BatchShape, members: &mut [Member]) -> Result<()> {
         let wanted = members.iter().filter(|m| m.wanted).count();
         let mut keep = Vec::with_capacity(self.rows.len());

@@ -249,21 +249,19 @@ impl ModelCache {
     /// Before a one-token decode step: a paged sequence gets room for the
     /// token and its decode mirrors (see PagedSeq::views).
     pub fn begin_decode_token(&mut self) -> Result<()> {
+        self.reserve_token()?;
         let pos = self.pos;
-        if let Some(seq) = self.paged.as_mut() {
-            if seq.len != pos {
-                return Err(crate::error::Error::invalid("paged cache length does not match the cache position"));
-            }
-            seq.reserve(1)?;
-            seq.ensure_views(pos + 1)?;
+        match self.paged.as_mut() {
+            Some(seq) => seq.ensure_views(pos + 1),
+            None => Ok(()),
         }
-        Ok(())
     }
 
-    /// Before a step of a stacked decode batch (model::batch), whose rows
-    /// are the sequences' K/V: a paged sequence only needs room for the
-    /// token in its blocks.
-    pub fn begin_batched_token(&mut self) -> Result<()> {
+    /// Makes room for one more token: a paged sequence gets the block it
+    /// needs (the pool refuses when every block is held by a running
+    /// request). Enough before a step of a stacked decode batch
+    /// (model::batch), whose rows are the sequences' K/V.
+    pub fn reserve_token(&mut self) -> Result<()> {
         let pos = self.pos;
         if let Some(seq) = self.paged.as_mut() {
             if seq.len != pos {
