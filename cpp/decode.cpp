@@ -10,9 +10,11 @@
 //
 // Every decoder object owns its weights and its compile id: two models in
 // one process each keep their own compiled function.
+#include <algorithm>
 #include <atomic>
 #include <map>
 #include <optional>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -89,6 +91,12 @@ struct Decoder {
   std::uintptr_t compile_id = 0;
   std::function<std::vector<mx::array>(const std::vector<mx::array>&)> compiled;
   bool finalized = false;
+  // (rows, cache capacity) of every shape traced so far. MLX keeps one trace
+  // per input shape for as long as the function lives and scans them on
+  // every call; batches of changing size over growing caches would pile up
+  // traces without end in a long-running server, so past cfg.max_traces
+  // they are all dropped and the shapes in use are traced again.
+  std::set<std::pair<int, int>> traced;
 };
 
 std::atomic<std::uintptr_t> g_next_id{1};
@@ -356,6 +364,22 @@ int mlxb_decoder_step(mlxb_decoder d, int compiled, const mlxb_array* ins, size_
     std::vector<mx::array> in;
     in.reserve(n_in);
     for (size_t i = 0; i < n_in; ++i) in.push_back(A(ins[i]));
+    if (compiled) {
+      std::pair<int, int> key{in.at(0).shape(0), 0};
+      for (size_t i = 2; i < in.size(); ++i) {
+        if (in[i].ndim() == 4) {
+          key.second = in[i].shape(2);
+          break;
+        }
+      }
+      if (!d->d.traced.count(key)) {
+        if (d->d.traced.size() >= static_cast<size_t>(std::max(1, d->d.cfg.max_traces))) {
+          mx::detail::compile_erase(mx::detail::compile_cache(), d->d.compile_id);
+          d->d.traced.clear();
+        }
+        d->d.traced.insert(key);
+      }
+    }
     auto res = compiled ? d->d.compiled(in) : step(d->d, in);
     if (res.size() > cap_out) throw std::invalid_argument("compiled decode: too many outputs for the caller");
     for (size_t i = 0; i < res.size(); ++i) outs[i] = wrap(res[i]);

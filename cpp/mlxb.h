@@ -195,6 +195,9 @@ typedef struct {
   // MLX's CPU gather_mm is float32-only: dense non-f32 experts on CPU take
   // the gather-and-upcast path.
   int cpu_non_f32_experts;
+  // Distinct (rows, cache capacity) shapes traced before the traces are
+  // dropped and started over (see decode.cpp).
+  int max_traces;
 } mlxb_decoder_config;
 
 int mlxb_decoder_new(const mlxb_decoder_config* cfg, const uint8_t* attn_layers, const uint8_t* moe_layers,

@@ -81,6 +81,9 @@ impl CompiledDecoder {
             norm_topk_prob: c.moe.as_ref().map(|m| m.norm_topk_prob as i32).unwrap_or(0),
             routed_scaling_factor: c.moe.as_ref().map(|m| m.routed_scaling_factor).unwrap_or(1.0),
             cpu_non_f32_experts: first_moe.map(|m| m.cpu_non_f32() as i32).unwrap_or(0),
+            // Decode batches of every size from 2 to 16 over caches up to
+            // 4k positions stay traced; beyond, traces start over.
+            max_traces: 256,
         };
         let mut cfg = cfg;
         tweak(&mut cfg);

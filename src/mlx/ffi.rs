@@ -154,6 +154,7 @@ pub struct DecoderConfig {
     pub norm_topk_prob: c_int,
     pub routed_scaling_factor: f32,
     pub cpu_non_f32_experts: c_int,
+    pub max_traces: c_int,
 }
 
 extern "C" {
