@@ -707,6 +707,12 @@ impl Engine {
         Ok(Some(out))
     }
 
+    /// Drops the decode batch without writing rows back (its requests are
+    /// gone: a step panicked).
+    pub fn forget_batch(&mut self) {
+        self.batch = DecodeBatch::default();
+    }
+
     /// Makes the batch hold exactly the requests `want` (none: every row
     /// goes back to its request's cache).
     fn reconcile_batch(&mut self, active: &mut [Active], want: &[usize]) -> Result<()> {

@@ -242,8 +242,10 @@ fn schedule(engine: &mut Engine, rx: std::sync::mpsc::Receiver<Msg>) {
             }
         }
         if !active.is_empty() && catch_unwind(AssertUnwindSafe(|| engine.step_active(&mut active))).is_err() {
-            // The requests' replies fire as they are dropped.
+            // The requests' replies fire as they are dropped; their batch
+            // rows go with them.
             active.clear();
+            engine.forget_batch();
         }
     }
 }
