@@ -178,7 +178,9 @@ fn concurrent(
     let info = eng.info();
     let vocab = info.vocab_size as u32;
     let params = GenerateParams { max_tokens: gen, ignore_eos: true, ..Default::default() };
-    let run_together = |eng: &mut Engine, prompts: &[Vec<u32>]| -> mlx_lfm::Result<()> {
+    // Returns the wall time of every scheduler step (all requests decoding
+    // together after their prefills).
+    let run_together = |eng: &mut Engine, prompts: &[Vec<u32>]| -> mlx_lfm::Result<Vec<f64>> {
         let mut active = vec![];
         for p in prompts {
             let (p, params) = (p.clone(), params.clone());
@@ -195,25 +197,40 @@ fn concurrent(
                 active.push(a);
             }
         }
+        let mut steps = vec![];
         while !active.is_empty() {
+            let t = Instant::now();
             eng.step_active(&mut active);
+            steps.push(t.elapsed().as_secs_f64() * 1000.0);
         }
-        Ok(())
+        Ok(steps)
+    };
+    let median = |v: &[f64]| {
+        let mut v = v.to_vec();
+        v.sort_by(|a, b| a.total_cmp(b));
+        v.get(v.len() / 2).copied().unwrap_or(0.0)
     };
     let warm: Vec<Vec<u32>> = (0..n).map(|i| ids(prompt, vocab, 900 + i as u32)).collect();
-    run_together(&mut eng, &warm)?;
+    // The first step at a new batch size traces the compiled step for it.
+    let first = run_together(&mut eng, &warm)?;
+    println!(
+        "{}",
+        serde_json::json!({"concurrent": n, "first_step_ms": first.first(), "median_step_ms_in_first_run": median(&first)})
+    );
     eng.generate(Prompt::Tokens(warm[0].clone()), params.clone(), &mut NoObserver)?;
     for r in 0..reps {
         let prompts: Vec<Vec<u32>> = (0..n).map(|i| ids(prompt, vocab, 1 + (r * 100 + i) as u32)).collect();
         eng.clear_prefix_cache();
         let t = Instant::now();
+        let mut solo = vec![];
         for p in &prompts {
-            eng.generate(Prompt::Tokens(p.clone()), params.clone(), &mut NoObserver)?;
+            let g = eng.generate(Prompt::Tokens(p.clone()), params.clone(), &mut NoObserver)?;
+            solo.push(1000.0 / g.metrics.decode_tokens_per_second.max(1e-9));
         }
         let seq_s = t.elapsed().as_secs_f64();
         eng.clear_prefix_cache();
         let t = Instant::now();
-        run_together(&mut eng, &prompts)?;
+        let steps = run_together(&mut eng, &prompts)?;
         let par_s = t.elapsed().as_secs_f64();
         let total = (n * gen) as f64;
         println!(
@@ -221,6 +238,7 @@ fn concurrent(
             serde_json::json!({
                 "concurrent": n, "prompt": prompt, "gen": gen, "cache": info.cache_kind, "dtype": info.dtype,
                 "sequential_tps": total / seq_s, "concurrent_tps": total / par_s, "ratio": seq_s / par_s,
+                "median_step_ms": median(&steps), "solo_step_ms": median(&solo),
             })
         );
     }
