@@ -132,6 +132,9 @@ async function serve(addon, v) {
   const model = await addon.Lfm2Model.load(dir);
   const modelId = v.name ?? path.basename(path.resolve(dir));
   const port = num(v.port, 'port', true) ?? 8080;
+  // Build the kernels concurrent requests need before the first client waits.
+  const warm = await model.warmUp();
+  if (warm != null) console.error(`mlx-lfm: warmed up in ${(warm / 1000).toFixed(1)} s`);
   const { server, url } = await listen({ model, modelId, log: (m) => console.error(`mlx-lfm: ${m}`) }, { port, host: v.host ?? '127.0.0.1' });
   console.error(`mlx-lfm: serving ${modelId} at ${url} (Ctrl-C stops)`);
   const stop = () => {

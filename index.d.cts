@@ -131,6 +131,15 @@ export declare class Lfm2Model {
    * request runs its whole prompt).
    */
   clearPrefixCache(): Promise<void>
+  /**
+   * Runs two short throwaway generations (together, then one alone) so
+   * that the first real requests do not pay for building kernels and
+   * compiled steps (on CUDA the first batched step compiles kernels for
+   * many seconds the first time on a machine). Resolves with the
+   * milliseconds it took, or null when requests were running (then it
+   * does nothing). `mlx-lfm serve` calls it before listening.
+   */
+  warmUp(): Promise<number | null>
   /** What was loaded and how it runs. */
   info(): ModelInfo
   /** Frees the model once queued requests finish; later calls reject. */

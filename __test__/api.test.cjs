@@ -139,6 +139,30 @@ test('concurrent calls on one model are batched and do not corrupt each other', 
   assert.deepEqual(Array.from(logits[0]), Array.from(logits[1]));
 });
 
+test('warmUp runs before requests, changes no result, and does nothing over running ones', async () => {
+  const dir = await fixture('tiny', TINY);
+  const cold = await addon.Lfm2Model.load(dir);
+  const warm = await addon.Lfm2Model.load(dir);
+  const ms = await warm.warmUp();
+  assert.equal(typeof ms, 'number');
+  assert.ok(ms > 0);
+  assert.equal((await warm.cacheStats()).blocksInUse, 0);
+  const params = { maxTokens: 24, ignoreEos: true };
+  const prompts = [[1, 2, 3, 4], [5, 6, 7]];
+  const want = [];
+  for (const p of prompts) want.push((await cold.generate(p, params)).tokens);
+  // Queued behind two running generations: it waits for its turn between
+  // steps, finds them batched, and leaves them alone.
+  const running = prompts.map((p) => warm.generate(p, params));
+  const during = warm.warmUp();
+  const got = await Promise.all(running);
+  assert.deepEqual(got.map((g) => g.tokens), want);
+  const d = await during;
+  assert.ok(d === null || typeof d === 'number');
+  cold.close();
+  warm.close();
+});
+
 test('bf16 checkpoints stay bf16 unless a dtype is requested', async () => {
   const dir = await fixture('tiny-bf16', { preset: 'tiny', dtype: 'bf16' });
   const m = await addon.Lfm2Model.load(dir);

@@ -368,3 +368,44 @@ fn a_full_pool_fails_only_the_request_it_cannot_serve() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// The warm-up runs a batched and a single step on throwaway prompts,
+/// changes no later result, holds no blocks after, and does nothing while
+/// requests are batched (their rows are not disturbed).
+#[test]
+fn warm_up_builds_the_batched_step_and_changes_nothing() {
+    use super::Request;
+    use std::sync::{Arc, Mutex};
+    let dir = fixture_dir("warm-up", Preset::Tiny);
+    let mut e = engine(&dir, true, 16, 64, None);
+    let mut fresh = engine(&dir, true, 16, 64, None);
+    let ms = e.warm_up().unwrap().expect("nothing was running");
+    assert!(ms > 0.0);
+    assert!(e.stacked_steps > 0, "the warm-up did not take the batched step");
+    assert_eq!(e.cache_stats().unwrap().blocks_in_use, 0);
+    let (pa, pb) = (prompt(40, 71), prompt(25, 72));
+    let (want_a, want_b) = (run(&mut fresh, &pa, 20).tokens, run(&mut fresh, &pb, 20).tokens);
+    let got: Arc<Mutex<Vec<(usize, Vec<u32>)>>> = Arc::new(Mutex::new(vec![]));
+    let mut active = vec![];
+    for (id, p) in [(0, pa.clone()), (1, pb.clone())] {
+        let got = got.clone();
+        let req = Request {
+            prepare: Some(Box::new(move |_| Ok((p, GenerateParams { max_tokens: 20, ignore_eos: true, ..Default::default() })))),
+            observer: Box::new(NoObserver),
+            reply: Some(Box::new(move |r| got.lock().unwrap().push((id, r.unwrap().tokens)))),
+        };
+        active.push(e.admit(req).unwrap());
+    }
+    let mut steps = 0;
+    while !active.is_empty() {
+        e.step_active(&mut active);
+        steps += 1;
+        if steps == 5 {
+            assert_eq!(e.warm_up().unwrap(), None, "a warm-up ran over a running batch");
+        }
+    }
+    let mut got = got.lock().unwrap().clone();
+    got.sort();
+    assert_eq!(got, vec![(0, want_a), (1, want_b)]);
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -300,6 +300,25 @@ impl Lfm2Model {
         Ok(promise)
     }
 
+    /// Runs two short throwaway generations (together, then one alone) so
+    /// that the first real requests do not pay for building kernels and
+    /// compiled steps (on CUDA the first batched step compiles kernels for
+    /// many seconds the first time on a machine). Resolves with the
+    /// milliseconds it took, or null when requests were running (then it
+    /// does nothing). `mlx-lfm serve` calls it before listening.
+    #[napi(ts_return_type = "Promise<number | null>")]
+    pub fn warm_up<'e>(&self, env: &'e Env) -> Result<Object<'e>> {
+        let (deferred, promise) = env.create_deferred()?;
+        self.worker.run(
+            move |eng| eng.warm_up(),
+            move |r| match r {
+                Ok(ms) => deferred.resolve(move |_| Ok(ms)),
+                Err(e) => deferred.reject(js_error(e)),
+            },
+        );
+        Ok(promise)
+    }
+
     /// What was loaded and how it runs.
     #[napi]
     pub fn info(&self) -> ModelInfo {
