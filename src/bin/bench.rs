@@ -178,6 +178,10 @@ fn concurrent(
     let info = eng.info();
     let vocab = info.vocab_size as u32;
     let params = GenerateParams { max_tokens: gen, ignore_eos: true, ..Default::default() };
+    // MLXLFM_PROFILE_STEP=k: step k of the first measured run is wrapped in
+    // cudaProfilerStart/Stop (for `ncu --profile-from-start off`).
+    let profile_step: Option<usize> = std::env::var("MLXLFM_PROFILE_STEP").ok().and_then(|v| v.parse().ok());
+    let profiling = std::cell::Cell::new(false);
     // Returns the wall time of every scheduler step (all requests decoding
     // together after their prefills).
     let run_together = |eng: &mut Engine, prompts: &[Vec<u32>]| -> mlx_lfm::Result<Vec<f64>> {
@@ -199,8 +203,17 @@ fn concurrent(
         }
         let mut steps = vec![];
         while !active.is_empty() {
+            let profiled = profile_step.is_some_and(|k| k == steps.len()) && profiling.get();
+            if profiled {
+                runtime::synchronize()?;
+                cuda_profiler(true);
+            }
             let t = Instant::now();
             eng.step_active(&mut active);
+            if profiled {
+                runtime::synchronize()?;
+                cuda_profiler(false);
+            }
             steps.push(t.elapsed().as_secs_f64() * 1000.0);
         }
         Ok(steps)
@@ -229,8 +242,10 @@ fn concurrent(
         }
         let seq_s = t.elapsed().as_secs_f64();
         eng.clear_prefix_cache();
+        profiling.set(r == 0);
         let t = Instant::now();
         let steps = run_together(&mut eng, &prompts)?;
+        profiling.set(false);
         let par_s = t.elapsed().as_secs_f64();
         let total = (n * gen) as f64;
         println!(
@@ -243,4 +258,27 @@ fn concurrent(
         );
     }
     Ok(())
+}
+
+/// cudaProfilerStart / Stop through the CUDA runtime MLX loaded (nothing
+/// when there is none): marks a region for `ncu --profile-from-start off`.
+fn cuda_profiler(start: bool) {
+    use std::ffi::{c_char, c_int, c_void};
+    extern "C" {
+        fn dlopen(name: *const c_char, flag: c_int) -> *mut c_void;
+        fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void;
+    }
+    unsafe {
+        let h = dlopen(c"libcudart.so.13".as_ptr(), 2);
+        if h.is_null() {
+            eprintln!("mlx-lfm-bench: no libcudart.so.13 to profile with");
+            return;
+        }
+        let name = if start { c"cudaProfilerStart" } else { c"cudaProfilerStop" };
+        let f = dlsym(h, name.as_ptr());
+        if !f.is_null() {
+            let f: extern "C" fn() -> c_int = std::mem::transmute(f);
+            f();
+        }
+    }
 }

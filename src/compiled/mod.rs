@@ -186,17 +186,17 @@ impl CompiledDecoder {
     }
 
     /// One step for every row of `batch` (members in row order): `ids`
-    /// `[B, 1]`, `positions` each row's position. Returns logits `[B, V]`;
+    /// `[B, 1]`, `positions` (int32 `[B]`) each row's position. Returns logits `[B, V]`;
     /// the batch holds the new state. The caches' own bookkeeping
     /// (`begin/end_decode_token`) is the caller's.
-    pub fn step_batch(&self, ids: &Array, positions: &[i32], batch: &mut DecodeBatch, compiled: bool) -> Result<Array> {
-        let b = positions.len();
+    pub fn step_batch(&self, ids: &Array, positions: &Array, batch: &mut DecodeBatch, compiled: bool) -> Result<Array> {
+        let b = positions.size();
         if b != batch.len() || ids.dim(0) as usize != b {
             return Err(Error::invalid("batched decode: ids, positions and batch rows differ in number"));
         }
         let state = batch.take_state();
         let n = state.len();
-        let mut ins: Vec<Array> = vec![ids.clone(), Array::from_slice(positions, &[b as i32])?];
+        let mut ins: Vec<Array> = vec![ids.clone(), positions.clone()];
         ins.extend(state);
         let refs: Vec<&Array> = ins.iter().collect();
         let outs = self.handle.step(compiled, &refs);

@@ -182,6 +182,7 @@ fn check_batch_exact(preset: Preset, dtype: DType, quant: Option<(QuantMode, i32
             let ids: Vec<&Array> = order.iter().map(|&i| &toks[i]).collect();
             let ids = crate::mlx::concatenate(&ids, 0).unwrap();
             let pos: Vec<i32> = order.iter().map(|&i| caches[i].pos as i32).collect();
+            let pos = Array::from_slice(&pos, &[pos.len() as i32]).unwrap();
             let l = dec.step_batch(&ids, &pos, batch, compiled).unwrap();
             for &i in &order {
                 let c = &mut caches[i];

@@ -656,10 +656,15 @@ impl Engine {
             .iter()
             .map(|id| active.iter().position(|a| a.id == *id).ok_or_else(|| Error::invalid("batch row without a request")))
             .collect::<Result<_>>()?;
-        let ids: Vec<Array> = order.iter().map(|&i| active[i].seq.y.reshape(&[1, 1])).collect::<Result<_>>()?;
-        let refs: Vec<&Array> = ids.iter().collect();
-        let ids = crate::mlx::concatenate(&refs, 0)?;
-        let positions: Vec<i32> = order.iter().map(|&i| active[i].seq.cache.pos as i32).collect();
+        let (ids, positions) = match self.batch.take_carry()? {
+            Some(carried) => carried,
+            None => {
+                let ids: Vec<Array> = order.iter().map(|&i| active[i].seq.y.reshape(&[1, 1])).collect::<Result<_>>()?;
+                let refs: Vec<&Array> = ids.iter().collect();
+                let positions: Vec<i32> = order.iter().map(|&i| active[i].seq.cache.pos as i32).collect();
+                (crate::mlx::concatenate(&refs, 0)?, Array::from_slice(&positions, &[positions.len() as i32])?)
+            }
+        };
         let built = self.compiled.as_ref().expect("checked by the caller").step_batch(&ids, &positions, &mut self.batch, true);
         let logits = match built {
             Ok(l) => {
@@ -704,6 +709,9 @@ impl Engine {
         let mut caches: Vec<&mut crate::model::ModelCache> =
             active.iter_mut().enumerate().filter(|(i, _)| want.contains(i)).map(|(_, a)| &mut a.seq.cache).collect();
         generate::queue_tokens(&toks, &mut caches)?;
+        if let Some(t) = greedy {
+            self.batch.set_carry(t, positions);
+        }
         Ok(Some(out))
     }
 

@@ -55,6 +55,11 @@ pub struct DecodeBatch {
     /// (`[B, kv_heads, cap, head_dim]`), the state of each conv layer
     /// (`[B, L-1, hidden]`).
     state: Vec<Array>,
+    /// The last step's greedy tokens (`[B]`) and positions (`[B]`, on the
+    /// device) with the rows they were for: when the rows are the same, the
+    /// next step's ids and positions come from them with no host round
+    /// trip (no per-row copies, no upload).
+    carry: Option<(Vec<u64>, Array, Array)>,
 }
 
 /// Whether a cache can decode inside a stacked batch (a quantized KV cache
@@ -288,6 +293,23 @@ impl DecodeBatch {
         Self::write_back(&self.state, i, self.rows[i].synced, cache, upto)?;
         self.rows[i].synced = upto;
         Ok(())
+    }
+
+    /// Keeps a step's greedy tokens and positions for the next step.
+    pub fn set_carry(&mut self, tokens: Array, positions: Array) {
+        self.carry = Some((self.ids(), tokens, positions));
+    }
+
+    /// The next step's ids (`[B, 1]`) and positions (`[B]`), when the last
+    /// step drew every row greedily and the rows have not changed since.
+    pub fn take_carry(&mut self) -> Result<Option<(Array, Array)>> {
+        match self.carry.take() {
+            Some((rows, tokens, positions)) if rows == self.ids() => {
+                let b = rows.len() as i32;
+                Ok(Some((tokens.reshape(&[b, 1])?, positions.add_scalar(1.0)?)))
+            }
+            _ => Ok(None),
+        }
     }
 
     /// Hands the stacked state to a step (the batch holds no reference
