@@ -187,16 +187,11 @@ fn concurrent(
     let run_together = |eng: &mut Engine, prompts: &[Vec<u32>]| -> mlx_lfm::Result<Vec<f64>> {
         let mut active = vec![];
         for p in prompts {
-            let (p, params) = (p.clone(), params.clone());
-            let req = Request {
-                prepare: Some(Box::new(move |_| Ok((p, params)))),
-                observer: Box::new(NoObserver),
-                reply: Some(Box::new(|r| {
-                    if let Err(e) = r {
-                        eprintln!("mlx-lfm-bench: a request failed: {e}");
-                    }
-                })),
-            };
+            let req = Request::tokens(p.clone(), params.clone(), |r| {
+                if let Err(e) = r {
+                    eprintln!("mlx-lfm-bench: a request failed: {e}");
+                }
+            });
             if let Some(a) = eng.admit(req) {
                 active.push(a);
             }

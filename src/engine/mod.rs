@@ -124,6 +124,15 @@ pub struct Request {
 }
 
 impl Request {
+    /// A request for a prompt already in token ids, nothing streamed.
+    pub fn tokens(prompt: Vec<u32>, params: GenerateParams, reply: impl FnOnce(Result<Generation>) + Send + 'static) -> Request {
+        Request {
+            prepare: Some(Box::new(move |_| Ok((prompt, params)))),
+            observer: Box::new(generate::NoObserver),
+            reply: Some(Box::new(reply)),
+        }
+    }
+
     fn succeed(mut self, g: Generation) {
         self.observer.finished();
         if let Some(r) = self.reply.take() {
@@ -732,15 +741,12 @@ impl Engine {
         for (i, n) in [(0u32, 3usize), (1, 6)] {
             let prompt: Vec<u32> = (0..8u32).map(|k| (k * 7 + i * 13 + 3) % vocab.max(1)).collect();
             let failed = failed.clone();
-            let req = Request {
-                prepare: Some(Box::new(move |_| Ok((prompt, GenerateParams { max_tokens: n, ignore_eos: true, ..Default::default() })))),
-                observer: Box::new(generate::NoObserver),
-                reply: Some(Box::new(move |r| {
-                    if let Err(e) = r {
-                        failed.lock().get_or_insert(e);
-                    }
-                })),
-            };
+            let params = GenerateParams { max_tokens: n, ignore_eos: true, ..Default::default() };
+            let req = Request::tokens(prompt, params, move |r| {
+                if let Err(e) = r {
+                    failed.lock().get_or_insert(e);
+                }
+            });
             active.extend(self.admit(req));
         }
         while !active.is_empty() {

@@ -222,11 +222,7 @@ fn batched_equals_sequential(preset: Preset, paged: bool, path: DecodePath, name
         for (i, (p, n, at)) in jobs.iter().enumerate() {
             if *at == step {
                 let (p, got, params) = (p.clone(), got.clone(), params(i, *n));
-                let req = Request {
-                    prepare: Some(Box::new(move |_| Ok((p, params)))),
-                    observer: Box::new(NoObserver),
-                    reply: Some(Box::new(move |r| got.lock().unwrap()[i] = Some(r.unwrap().tokens))),
-                };
+                let req = Request::tokens(p, params, move |r| got.lock().unwrap()[i] = Some(r.unwrap().tokens));
                 if let Some(a) = e.admit(req) {
                     active.push(a);
                 }
@@ -293,14 +289,9 @@ fn a_long_prefill_does_not_stall_running_requests() {
     let got: Arc<Mutex<Vec<(usize, Vec<u32>)>>> = Arc::new(Mutex::new(vec![]));
     let request = |id: usize, p: Vec<u32>, n: usize| {
         let got = got.clone();
-        Request {
-            // prefill_chunk 0: the engine's (16 tokens here).
-            prepare: Some(Box::new(move |_| {
-                Ok((p, GenerateParams { max_tokens: n, ignore_eos: true, prefill_chunk: 0, ..Default::default() }))
-            })),
-            observer: Box::new(NoObserver),
-            reply: Some(Box::new(move |r| got.lock().unwrap().push((id, r.unwrap().tokens)))),
-        }
+        // prefill_chunk 0: the engine's (16 tokens here).
+        let params = GenerateParams { max_tokens: n, ignore_eos: true, prefill_chunk: 0, ..Default::default() };
+        Request::tokens(p, params, move |r| got.lock().unwrap().push((id, r.unwrap().tokens)))
     };
     let mut active = vec![e.admit(request(0, short.clone(), 6)).unwrap()];
     let mut starting = Some(e.begin(request(1, long.clone(), 10)).unwrap());
@@ -346,11 +337,8 @@ fn a_full_pool_fails_only_the_request_it_cannot_serve() {
         let mut active = vec![];
         for (id, p) in [(0, pa.clone()), (1, pb.clone())] {
             let got = got.clone();
-            let req = Request {
-                prepare: Some(Box::new(move |_| Ok((p, GenerateParams { max_tokens: 12, ignore_eos: true, ..Default::default() })))),
-                observer: Box::new(NoObserver),
-                reply: Some(Box::new(move |r| got.lock().unwrap().push((id, r.map(|g| g.tokens).map_err(|e| e.message))))),
-            };
+            let params = GenerateParams { max_tokens: 12, ignore_eos: true, ..Default::default() };
+            let req = Request::tokens(p, params, move |r| got.lock().unwrap().push((id, r.map(|g| g.tokens).map_err(|e| e.message))));
             active.push(e.admit(req).expect("both prompts fit"));
         }
         assert_eq!(e.cache_stats().unwrap().blocks_in_use, m - 1, "{path:?}: one block left after both prefills");
@@ -389,11 +377,8 @@ fn warm_up_builds_the_batched_step_and_changes_nothing() {
     let mut active = vec![];
     for (id, p) in [(0, pa.clone()), (1, pb.clone())] {
         let got = got.clone();
-        let req = Request {
-            prepare: Some(Box::new(move |_| Ok((p, GenerateParams { max_tokens: 20, ignore_eos: true, ..Default::default() })))),
-            observer: Box::new(NoObserver),
-            reply: Some(Box::new(move |r| got.lock().unwrap().push((id, r.unwrap().tokens)))),
-        };
+        let params = GenerateParams { max_tokens: 20, ignore_eos: true, ..Default::default() };
+        let req = Request::tokens(p, params, move |r| got.lock().unwrap().push((id, r.unwrap().tokens)));
         active.push(e.admit(req).unwrap());
     }
     let mut steps = 0;
