@@ -149,7 +149,7 @@ fn check_batch_exact(preset: Preset, dtype: DType, quant: Option<(QuantMode, i32
     let mut cu = vec![];
     let mut toks = vec![];
     for p in &prompts {
-        let mut fresh = || {
+        let fresh = || {
             let mut c = m.new_cache();
             let l = prefill(&m, &mut c, p, 64).unwrap();
             (c, l)
@@ -171,7 +171,7 @@ fn check_batch_exact(preset: Preset, dtype: DType, quant: Option<(QuantMode, i32
             _ => true,
         };
         let rows: Vec<usize> = (0..3).filter(|&i| wanted(i)).collect();
-        let mut batch_step = |caches: &mut Vec<ModelCache>, batch: &mut DecodeBatch, compiled: bool| {
+        let batch_step = |caches: &mut Vec<ModelCache>, batch: &mut DecodeBatch, compiled: bool| {
             for &i in &rows {
                 caches[i].reserve_token().unwrap();
             }
