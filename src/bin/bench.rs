@@ -173,7 +173,7 @@ fn concurrent(
     gen: usize,
     reps: usize,
 ) -> mlx_lfm::Result<()> {
-    use mlx_lfm::engine::Request;
+    use mlx_lfm::engine::{Admission, Request};
     let mut eng = Engine::load(dir, &EngineOptions { device, paged_cache: paged, ..Default::default() })?;
     let info = eng.info();
     let vocab = info.vocab_size as u32;
@@ -185,15 +185,27 @@ fn concurrent(
     // Returns the wall time of every scheduler step (all requests decoding
     // together after their prefills).
     let run_together = |eng: &mut Engine, prompts: &[Vec<u32>]| -> mlx_lfm::Result<Vec<f64>> {
+        // As the model's worker schedules them: all arrive at once; short
+        // fresh prompts are prefilled together, the rest a chunk per step.
+        let mut waiting: std::collections::VecDeque<_> = prompts
+            .iter()
+            .filter_map(|p| {
+                eng.begin(Request::tokens(p.clone(), params.clone(), |r| {
+                    if let Err(e) = r {
+                        eprintln!("mlx-lfm-bench: a request failed: {e}");
+                    }
+                }))
+            })
+            .collect();
         let mut active = vec![];
-        for p in prompts {
-            let req = Request::tokens(p.clone(), params.clone(), |r| {
-                if let Err(e) = r {
-                    eprintln!("mlx-lfm-bench: a request failed: {e}");
+        while !waiting.is_empty() {
+            let group = eng.take_prefill_group(&mut waiting);
+            for a in eng.advance_group(group) {
+                match a {
+                    Admission::Prefilling(p) => waiting.push_front(p),
+                    Admission::Running(a) => active.push(a),
+                    Admission::Over => {}
                 }
-            });
-            if let Some(a) = eng.admit(req) {
-                active.push(a);
             }
         }
         let mut steps = vec![];

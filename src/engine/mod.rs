@@ -551,6 +551,67 @@ impl Engine {
         }
     }
 
+    /// The next prefill work from the waiting requests, in arrival order:
+    /// the first alone (one chunk of it), or, when it can be prefilled in a
+    /// batch, it and every other waiting request that can, as long as the
+    /// padded batch stays within one prefill chunk of tokens.
+    pub fn take_prefill_group(&self, waiting: &mut std::collections::VecDeque<Prefilling>) -> Vec<Prefilling> {
+        let mut first = match waiting.pop_front() {
+            Some(p) => p,
+            None => return vec![],
+        };
+        let fits = |p: &mut Prefilling| {
+            let n = p.pending.batchable_prompt().map(|x| x.len());
+            n.filter(|_| !p.req.observer.cancelled())
+        };
+        let Some(mut longest) = fits(&mut first) else { return vec![first] };
+        let mut group = vec![first];
+        let mut rest = std::collections::VecDeque::with_capacity(waiting.len());
+        while let Some(mut p) = waiting.pop_front() {
+            match fits(&mut p) {
+                Some(n) if (group.len() + 1) * longest.max(n) <= self.prefill_chunk => {
+                    longest = longest.max(n);
+                    group.push(p);
+                }
+                _ => rest.push_back(p),
+            }
+        }
+        *waiting = rest;
+        group
+    }
+
+    /// Runs a group from [`Engine::take_prefill_group`]: one prefill chunk
+    /// of a lone request, or the whole prompts of several in one batch.
+    pub fn advance_group(&mut self, mut group: Vec<Prefilling>) -> Vec<Admission> {
+        if group.len() <= 1 {
+            return group.pop().map(|p| vec![self.advance(p)]).unwrap_or_default();
+        }
+        let (pendings, reqs): (Vec<Pending>, Vec<Request>) = group.into_iter().map(|p| (p.pending, p.req)).unzip();
+        match generate::prefill_together(&self.model, &self.tokenizer, pendings) {
+            Ok(started) => started
+                .into_iter()
+                .zip(reqs)
+                .map(|(s, req)| match s {
+                    Started::Running(seq) => {
+                        self.next_id += 1;
+                        Admission::Running(Active { id: self.next_id, seq, req })
+                    }
+                    Started::Finished(g, _) => {
+                        req.succeed(g);
+                        Admission::Over
+                    }
+                })
+                .collect(),
+            Err(e) => reqs
+                .into_iter()
+                .map(|r| {
+                    r.fail(e.clone());
+                    Admission::Over
+                })
+                .collect(),
+        }
+    }
+
     /// One decode step for every running request: a single request takes
     /// the compiled step; several take the compiled batched step over their
     /// stacked caches (see `model::batch`), or, on the eager path or with a

@@ -394,3 +394,125 @@ fn warm_up_builds_the_batched_step_and_changes_nothing() {
     assert_eq!(got, vec![(0, want_a), (1, want_b)]);
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Several fresh prompts prefilled as one right-padded batch leave each
+/// cache as its own prefill would: the same next token and close logits,
+/// the same greedy continuation, and (paged) blocks and conv snapshots that
+/// serve a later prompt's prefix exactly.
+#[test]
+fn prefill_rows_equals_single_prefills() {
+    use crate::generate::prefill;
+    use crate::mlx::Dtype;
+    let dir = fixture_dir("prefill-rows", Preset::Tiny);
+    let argmax = |l: &crate::mlx::Array| l.argmax(-1, false).unwrap().astype(Dtype::Uint32).unwrap().reshape(&[1, 1]).unwrap();
+    for paged in [true, false] {
+        let e = engine(&dir, paged, 16, 64, Some(DecodePath::Eager));
+        let single = engine(&dir, paged, 16, 64, Some(DecodePath::Eager));
+        let prompts = [prompt(5, 81), prompt(40, 82), prompt(77, 83), prompt(1, 84)];
+        let mut rows: Vec<crate::model::ModelCache> = prompts.iter().map(|_| e.model.new_cache()).collect();
+        let ids: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
+        let mut refs: Vec<&mut crate::model::ModelCache> = rows.iter_mut().collect();
+        let lb = e.model.prefill_rows(&ids, &mut refs).unwrap();
+        drop(refs);
+        for (i, p) in prompts.iter().enumerate() {
+            rows[i].note_tokens(p);
+            let mut c = single.model.new_cache();
+            let ls = prefill(&single.model, &mut c, p, 512).unwrap();
+            let lr = lb.slice_axis(0, i as i32, i as i32 + 1).unwrap();
+            let diff = lr.sub(&ls).unwrap().abs().unwrap().max(&[0, 1], false).unwrap().item::<f32>().unwrap();
+            assert!(diff < 1e-3, "paged {paged}, prompt {i}: logits differ by {diff}");
+            let (mut tb, mut ts) = (argmax(&lr), argmax(&ls));
+            assert_eq!(rows[i].pos, p.len());
+            for step in 0..16 {
+                assert_eq!(tb.item::<u32>().unwrap(), ts.item::<u32>().unwrap(), "paged {paged}, prompt {i}, step {step}");
+                tb = argmax(&e.model.forward(&tb, &mut rows[i], true).unwrap().reshape(&[1, -1]).unwrap());
+                ts = argmax(&single.model.forward(&ts, &mut c, true).unwrap().reshape(&[1, -1]).unwrap());
+            }
+        }
+        drop(rows);
+        if paged {
+            // The 77-token prompt's four full blocks (and the conv states
+            // after them) serve a prompt that starts with it.
+            let mut cont = prompts[2].clone();
+            cont.extend(prompt(9, 85));
+            let mut e = e;
+            let mut cold = engine(&dir, false, 16, 64, Some(DecodePath::Eager));
+            let warm = run(&mut e, &cont, 8);
+            assert_eq!(warm.metrics.cached_tokens, 64);
+            assert_eq!(warm.tokens, run(&mut cold, &cont, 8).tokens);
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Arrivals at the same time: the fresh short prompts are prefilled as one
+/// batch (as many as fit one chunk of padded tokens), a prompt longer than
+/// a chunk and one that continues a cached prefix go alone, and every
+/// request gets its solo tokens.
+#[test]
+fn short_fresh_arrivals_are_prefilled_together() {
+    use super::{Admission, Request};
+    use std::collections::VecDeque;
+    use std::sync::{Arc, Mutex};
+    let dir = fixture_dir("prefill-group", Preset::Tiny);
+    for path in [DecodePath::Compiled, DecodePath::Eager] {
+        let opts = |paged: bool| EngineOptions {
+            paged_cache: Some(paged),
+            paged_block_size: Some(16),
+            decode_path: Some(path),
+            prefill_chunk: Some(128),
+            ..Default::default()
+        };
+        let mut e = Engine::load(&dir, &opts(true)).unwrap();
+        let mut cold = Engine::load(&dir, &opts(false)).unwrap();
+        let base = prompt(40, 90);
+        run(&mut e, &base, 4);
+        let mut cont = base.clone();
+        cont.extend(prompt(6, 91));
+        let jobs: Vec<(Vec<u32>, usize)> = vec![
+            (prompt(20, 92), 12),
+            (cont, 10),            // 32 tokens cached: alone
+            (prompt(33, 93), 9),
+            (prompt(300, 94), 6),  // longer than a chunk: alone, in chunks
+            (prompt(7, 95), 14),
+            (prompt(50, 96), 8),   // 4 x 50 padded tokens > 128: next group
+            (prompt(1, 97), 5),
+        ];
+        let want: Vec<Vec<u32>> = jobs.iter().map(|(p, n)| run(&mut cold, p, *n).tokens).collect();
+        let got: Arc<Mutex<Vec<Option<Vec<u32>>>>> = Arc::new(Mutex::new(vec![None; jobs.len()]));
+        let mut waiting: VecDeque<_> = jobs
+            .iter()
+            .enumerate()
+            .map(|(i, (p, n))| {
+                let got = got.clone();
+                let params = GenerateParams { max_tokens: *n, ignore_eos: true, ..Default::default() };
+                e.begin(Request::tokens(p.clone(), params, move |r| got.lock().unwrap()[i] = Some(r.unwrap().tokens))).unwrap()
+            })
+            .collect();
+        let (mut active, mut groups) = (vec![], vec![]);
+        while !waiting.is_empty() || !active.is_empty() {
+            let g = e.take_prefill_group(&mut waiting);
+            groups.push(g.len());
+            for a in e.advance_group(g) {
+                match a {
+                    Admission::Prefilling(p) => waiting.push_front(p),
+                    Admission::Running(a) => active.push(a),
+                    Admission::Over => {}
+                }
+            }
+            if !active.is_empty() {
+                e.step_active(&mut active);
+            }
+        }
+        // 20, 33, 7 and 1 together (4 x 33 = 132 > 128, so 20, 33, 7 first
+        // and 1 joins 50 later), the cached one and the long one alone.
+        assert_eq!(groups.iter().filter(|&&n| n > 1).count(), 2, "{path:?}: groups {groups:?}");
+        assert_eq!(groups.iter().copied().max(), Some(3), "{path:?}: groups {groups:?}");
+        let got = got.lock().unwrap();
+        for (i, w) in want.iter().enumerate() {
+            assert_eq!(got[i].as_ref(), Some(w), "{path:?}: request {i}");
+        }
+        assert_eq!(e.cache_stats().unwrap().blocks_in_use, 0);
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

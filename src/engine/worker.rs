@@ -189,7 +189,8 @@ impl ModelWorker {
 fn schedule(engine: &mut Engine, rx: std::sync::mpsc::Receiver<Msg>) {
     use std::sync::mpsc::TryRecvError;
     let mut active: Vec<Active> = Vec::new();
-    // Requests being prefilled: one chunk of the first per step, so running
+    // Requests being prefilled: one chunk of the first per step (or the
+    // whole prompts of several short fresh ones together), so running
     // requests keep producing tokens while a long prompt is read.
     let mut starting: VecDeque<Prefilling> = VecDeque::new();
     let mut open = true;
@@ -233,11 +234,18 @@ fn schedule(engine: &mut Engine, rx: std::sync::mpsc::Receiver<Msg>) {
             }
             None => {}
         }
-        if let Some(p) = starting.pop_front() {
-            match catch_unwind(AssertUnwindSafe(|| engine.advance(p))) {
-                Ok(Admission::Prefilling(p)) => starting.push_front(p),
-                Ok(Admission::Running(a)) => active.push(a),
-                Ok(Admission::Over) => {}
+        let group = engine.take_prefill_group(&mut starting);
+        if !group.is_empty() {
+            match catch_unwind(AssertUnwindSafe(|| engine.advance_group(group))) {
+                Ok(admitted) => {
+                    for a in admitted {
+                        match a {
+                            Admission::Prefilling(p) => starting.push_front(p),
+                            Admission::Running(a) => active.push(a),
+                            Admission::Over => {}
+                        }
+                    }
+                }
                 Err(p) => eprintln!("mlx-lfm: internal panic during a prefill: {}", panic_message(p)),
             }
         }

@@ -311,13 +311,26 @@ impl Pending {
         let Some(logits) = self.run.step(model, &mut self.cache, &self.prompt)? else {
             return Ok(Advance::More(self));
         };
+        Ok(Advance::Done(self.into_running(&logits, tokenizer)?))
+    }
+
+    /// The whole prompt when this request can be prefilled in a batch with
+    /// others (`prefill_together`): nothing run yet, nothing taken from the
+    /// prefix cache, the prompt within one chunk, full-precision KV.
+    pub fn batchable_prompt(&self) -> Option<&[u32]> {
+        let fresh = self.run.start == 0 && self.run.cached == 0 && self.prompt.len() <= self.run.chunk;
+        (fresh && crate::model::batch::stackable(&self.cache)).then_some(self.prompt.as_slice())
+    }
+
+    /// Samples the first token from the prompt's last logits (`[1, V]`).
+    fn into_running(self, logits: &Array, tokenizer: &Tokenizer) -> Result<Started> {
         let cached_tokens = self.cache.cached_tokens();
         let mut cache = self.cache;
         let mut sampler = self.sampler;
         let y = sampler.sample(&logits)?;
         eval_with(&y, &mut cache)?;
         let params = self.params;
-        Ok(Advance::Done(Started::Running(Sequence {
+        Ok(Started::Running(Sequence {
             cache,
             y,
             sampler,
@@ -337,8 +350,30 @@ impl Pending {
             prefill_start: self.prefill_start,
             first_token_at: None,
             last_token_at: None,
-        })))
+        }))
     }
+}
+
+/// Prefills requests together (each [`Pending::batchable_prompt`]) in one
+/// right-padded forward ([`Lfm2Model::prefill_rows`]) and samples each
+/// one's first token.
+pub fn prefill_together(model: &Lfm2Model, tokenizer: &Tokenizer, mut ps: Vec<Pending>) -> Result<Vec<Started>> {
+    let prompts: Vec<Vec<u32>> = ps
+        .iter()
+        .map(|p| p.batchable_prompt().map(|x| x.to_vec()).ok_or_else(|| Error::invalid("request cannot be prefilled in a batch")))
+        .collect::<Result<_>>()?;
+    let ids: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
+    let mut caches: Vec<&mut ModelCache> = ps.iter_mut().map(|p| &mut p.cache).collect();
+    let logits = model.prefill_rows(&ids, &mut caches)?;
+    drop(caches);
+    ps.into_iter()
+        .enumerate()
+        .map(|(i, mut p)| {
+            p.cache.note_tokens(&prompts[i]);
+            p.run.start = prompts[i].len();
+            p.into_running(&logits.slice_axis(0, i as i32, i as i32 + 1)?, tokenizer)
+        })
+        .collect()
 }
 
 /// How [`Sequence::start`] ended.

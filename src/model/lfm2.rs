@@ -436,6 +436,131 @@ impl Lfm2Model {
         Ok(h)
     }
 
+    /// Prefills several fresh sequences together (nothing cached yet, each
+    /// whole prompt in this one call): the prompts right-padded into one
+    /// `[B, T]` forward. Padding sits after each row's tokens, so causal
+    /// attention and the causal conv never let it reach a real token. Each
+    /// row's K/V (its own positions only), its conv states after its last
+    /// token and, for a paged cache, the conv snapshots at its block ends
+    /// go to its own cache, as a single prefill would leave them. Returns
+    /// each row's last-token logits `[B, V]`.
+    pub fn prefill_rows(&self, prompts: &[&[u32]], caches: &mut [&mut ModelCache]) -> Result<Array> {
+        let b = prompts.len();
+        let lens: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
+        let t = lens.iter().copied().max().unwrap_or(0);
+        if b == 0 || b != caches.len() || lens.contains(&0) {
+            return Err(Error::invalid("batched prefill takes one non-empty prompt per cache"));
+        }
+        let vocab = self.config.vocab_size as u32;
+        for (c, p) in caches.iter_mut().zip(prompts) {
+            if let Some(&bad) = p.iter().find(|&&id| id >= vocab) {
+                return Err(Error::invalid(format!("token id {bad} is out of range for vocab_size {vocab}")));
+            }
+            if c.pos != 0 {
+                return Err(Error::invalid("batched prefill takes fresh caches"));
+            }
+            if !super::batch::stackable(c) {
+                return Err(Error::invalid("a quantized KV cache is prefilled alone"));
+            }
+            if let Some(seq) = c.paged.as_mut() {
+                seq.reserve(p.len())?;
+            }
+        }
+        // Conv states are wanted after every row's last token and, for
+        // paged rows, after each of its full blocks: one gather per layer.
+        let mut taps: std::collections::BTreeSet<i32> = lens.iter().map(|&n| n as i32).collect();
+        for (c, &n) in caches.iter().zip(&lens) {
+            if let Some(bs) = c.paged.as_ref().map(|s| s.block_size()) {
+                taps.extend((bs..=n).step_by(bs).map(|e| e as i32));
+            }
+        }
+        let taps: Vec<i32> = taps.into_iter().collect();
+        let mut padded = vec![0u32; b * t];
+        for (i, p) in prompts.iter().enumerate() {
+            padded[i * t..i * t + p.len()].copy_from_slice(p);
+        }
+        let ids = Array::from_slice(&padded, &[b as i32, t as i32])?;
+        let eps = self.config.norm_eps;
+        let mut tapped: Vec<Array> = vec![];
+        let mut h = self.embed.forward(&ids)?;
+        for (li, layer) in self.layers.iter().enumerate() {
+            let x = mlx::rms_norm(&h, Some(&layer.operator_norm), eps)?;
+            let r = match &layer.operator {
+                Operator::Attention(a) => {
+                    let (q, k, v) = a.project(&x, RopeOffset::Int(0))?;
+                    let o = mlx::sdpa(&q, &k, &v, a.scale, Mask::Causal)?;
+                    for (i, c) in caches.iter_mut().enumerate() {
+                        let (r, n) = (i as i32, lens[i] as i32);
+                        let row = |a: &Array| a.slice(&[r, 0, 0, 0], &[r + 1, a.dim(1), n, a.dim(3)], &[1, 1, 1, 1]);
+                        let (kr, vr) = (row(&k)?, row(&v)?);
+                        let c: &mut ModelCache = c;
+                        match &mut c.layers[li] {
+                            LayerCache::Attention(kv) => kv.append(&kr, &vr)?,
+                            LayerCache::Paged(ord) => {
+                                let seq = c.paged.as_ref().ok_or_else(|| Error::invalid("paged layer without a paged sequence"))?;
+                                paged::write_prefill(&mut seq.pool.lock(), seq, *ord, 0, &kr, &vr)?;
+                            }
+                            LayerCache::Conv(_) => return Err(Error::invalid("cache layout does not match the model's layers")),
+                        }
+                    }
+                    a.output(&o)?
+                }
+                Operator::Conv(cv) => {
+                    let (mut state, mut got) = (None, vec![]);
+                    let y = cv.forward(&x, &mut state, &taps, &mut got)?;
+                    tapped.extend(got);
+                    y
+                }
+            };
+            h = layer.feed_forward_residual(&h.add(&r)?, eps)?;
+        }
+        // [conv layers, B, taps * keep, D]: a row's states after j tokens
+        // are its slice at tap j, in the snapshot layout ([layers, 1, keep, D]).
+        let keep = self.config.conv_kernel as i32 - 1;
+        let refs: Vec<&Array> = tapped.iter().collect();
+        let all = if refs.is_empty() { None } else { Some(mlx::stack(&refs, 0)?) };
+        for (i, c) in caches.iter_mut().enumerate() {
+            let n = lens[i];
+            let states_after = |j: usize| -> Result<Array> {
+                let Some(a) = &all else { return paged::snapshot_of(&[]) };
+                let s = taps.iter().position(|&x| x == j as i32).expect("every wanted position is tapped") as i32 * keep;
+                let r = i as i32;
+                a.slice(&[0, r, s, 0], &[a.dim(0), r + 1, s + keep, a.dim(3)], &[1, 1, 1, 1])
+            };
+            let end = states_after(n)?;
+            let mut conv = 0;
+            for lc in c.layers.iter_mut() {
+                if let LayerCache::Conv(s) = lc {
+                    *s = Some(end.slice_axis(0, conv, conv + 1)?.reshape(&[1, keep, end.dim(3)])?);
+                    conv += 1;
+                }
+            }
+            let mut snaps = vec![];
+            if let Some(seq) = c.paged.as_mut() {
+                seq.len = n;
+                seq.flushed = n;
+                for e in (seq.block_size()..=n).step_by(seq.block_size()) {
+                    let snap = states_after(e)?;
+                    seq.keep_snapshot(e, snap.clone());
+                    snaps.push(snap);
+                }
+            }
+            for s in snaps {
+                c.push_fresh(s);
+            }
+            c.pos = n;
+        }
+        let d = h.dim(2);
+        let rows: Vec<i32> = lens.iter().enumerate().map(|(i, &n)| (i * t + n - 1) as i32).collect();
+        let last = h.reshape(&[(b * t) as i32, d])?.take(&Array::from_slice(&rows, &[b as i32])?, 0)?.reshape(&[b as i32, 1, d])?;
+        let last = mlx::rms_norm(&last, Some(&self.final_norm), eps)?;
+        let logits = match &self.lm_head {
+            Some(head) => head.forward(&last)?,
+            None => self.embed.as_linear(&last)?,
+        };
+        logits.reshape(&[b as i32, -1])
+    }
+
     /// One decode step for several sequences at once (continuous
     /// batching): `ids` is `[B, 1]`, row i belonging to `caches[i]`. The
     /// projections, MLPs/MoE, conv and head run once for the batch; each
