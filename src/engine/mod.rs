@@ -582,11 +582,33 @@ impl Engine {
 
     /// Runs a group from [`Engine::take_prefill_group`]: one prefill chunk
     /// of a lone request, or the whole prompts of several in one batch.
-    pub fn advance_group(&mut self, mut group: Vec<Prefilling>) -> Vec<Admission> {
+    pub fn advance_group(&mut self, group: Vec<Prefilling>) -> Vec<Admission> {
         if group.len() <= 1 {
-            return group.pop().map(|p| vec![self.advance(p)]).unwrap_or_default();
+            return group.into_iter().map(|p| self.advance(p)).collect();
         }
-        let (pendings, reqs): (Vec<Pending>, Vec<Request>) = group.into_iter().map(|p| (p.pending, p.req)).unzip();
+        // Blocks first, in arrival order: a request the paged pool cannot
+        // hold fails alone, as it would prefilled by itself.
+        let mut out = vec![];
+        let mut ready = vec![];
+        for mut p in group {
+            match p.pending.reserve_prompt() {
+                Ok(()) => ready.push(p),
+                Err(e) => {
+                    p.req.fail(e);
+                    out.push(Admission::Over);
+                }
+            }
+        }
+        if ready.len() <= 1 {
+            out.extend(ready.into_iter().map(|p| self.advance(p)));
+            return out;
+        }
+        let (pendings, reqs): (Vec<Pending>, Vec<Request>) = ready.into_iter().map(|p| (p.pending, p.req)).unzip();
+        out.extend(self.prefill_group(pendings, reqs));
+        out
+    }
+
+    fn prefill_group(&mut self, pendings: Vec<Pending>, reqs: Vec<Request>) -> Vec<Admission> {
         match generate::prefill_together(&self.model, &self.tokenizer, pendings) {
             Ok(started) => started
                 .into_iter()

@@ -516,3 +516,59 @@ fn short_fresh_arrivals_are_prefilled_together() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A batched prefill whose last arrival the paged pool cannot hold: the
+/// others are prefilled together and finish with their solo tokens; only
+/// that one fails, with the pool's error.
+#[test]
+fn a_full_pool_fails_only_the_arrival_it_cannot_hold() {
+    use super::{Admission, Request};
+    use std::collections::VecDeque;
+    use std::sync::{Arc, Mutex};
+    let dir = fixture_dir("prefill-full", Preset::Tiny);
+    let opts = |budget: usize| EngineOptions {
+        paged_cache: Some(true),
+        paged_block_size: Some(16),
+        paged_cache_budget_mb: Some(budget),
+        prefill_chunk: Some(8192),
+        ..Default::default()
+    };
+    let mut e = Engine::load(&dir, &opts(1)).unwrap();
+    let mut roomy = Engine::load(&dir, &opts(64)).unwrap();
+    let m = e.cache_stats().unwrap().max_blocks;
+    // Two prompts leave one block free; the third needs three.
+    let (ka, kb) = ((m - 1) / 2, m - 1 - (m - 1) / 2);
+    let prompts = [prompt(16 * ka - 3, 101), prompt(16 * kb - 3, 102), prompt(48, 103)];
+    let want: Vec<Vec<u32>> = prompts[..2].iter().map(|p| run(&mut roomy, p, 2).tokens).collect();
+    let got: Arc<Mutex<Vec<Option<Result<Vec<u32>, String>>>>> = Arc::new(Mutex::new(vec![None, None, None]));
+    let mut waiting: VecDeque<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let got = got.clone();
+            let params = GenerateParams { max_tokens: 2, ignore_eos: true, ..Default::default() };
+            e.begin(Request::tokens(p.clone(), params, move |r| got.lock().unwrap()[i] = Some(r.map(|g| g.tokens).map_err(|e| e.message))))
+                .unwrap()
+        })
+        .collect();
+    let group = e.take_prefill_group(&mut waiting);
+    assert_eq!(group.len(), 3);
+    let mut active = vec![];
+    for a in e.advance_group(group) {
+        if let Admission::Running(a) = a {
+            active.push(a);
+        }
+    }
+    assert_eq!(active.len(), 2);
+    while !active.is_empty() {
+        e.step_active(&mut active);
+    }
+    let got = got.lock().unwrap();
+    for i in 0..2 {
+        assert_eq!(got[i].as_ref().unwrap().as_ref().ok(), Some(&want[i]), "request {i}");
+    }
+    let err = got[2].as_ref().unwrap().as_ref().expect_err("the third cannot be held");
+    assert!(err.contains("paged KV cache is full"), "{err}");
+    assert_eq!(e.cache_stats().unwrap().blocks_in_use, 0);
+    std::fs::remove_dir_all(&dir).ok();
+}

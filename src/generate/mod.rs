@@ -322,6 +322,15 @@ impl Pending {
         (fresh && crate::model::batch::stackable(&self.cache)).then_some(self.prompt.as_slice())
     }
 
+    /// Takes the paged blocks the whole prompt needs now (before a batched
+    /// prefill, so a request the pool cannot hold fails alone).
+    pub fn reserve_prompt(&mut self) -> Result<()> {
+        match self.cache.paged.as_mut() {
+            Some(seq) => seq.reserve(self.prompt.len() - self.run.start),
+            None => Ok(()),
+        }
+    }
+
     /// Samples the first token from the prompt's last logits (`[1, V]`).
     fn into_running(self, logits: &Array, tokenizer: &Tokenizer) -> Result<Started> {
         let cached_tokens = self.cache.cached_tokens();
