@@ -159,10 +159,7 @@ impl PrefillRun {
         if prompt.is_empty() {
             return Err(Error::invalid("the prompt has no tokens"));
         }
-        let vocab = model.config.vocab_size as u32;
-        if let Some(&bad) = prompt.iter().find(|&&t| t >= vocab) {
-            return Err(Error::invalid(format!("token id {bad} is out of range for vocab_size {vocab}")));
-        }
+        model.check_token_ids(prompt)?;
         let cached = cache.attach_prefix(prompt)?;
         Ok(PrefillRun { start: cached, cached, chunk: chunk.max(1) })
     }

@@ -436,6 +436,15 @@ impl Lfm2Model {
         Ok(h)
     }
 
+    /// Token ids the embedding has rows for.
+    pub fn check_token_ids(&self, ids: &[u32]) -> Result<()> {
+        let vocab = self.config.vocab_size as u32;
+        match ids.iter().find(|&&id| id >= vocab) {
+            Some(&bad) => Err(Error::invalid(format!("token id {bad} is out of range for vocab_size {vocab}"))),
+            None => Ok(()),
+        }
+    }
+
     /// Prefills several fresh sequences together (nothing cached yet, each
     /// whole prompt in this one call): the prompts right-padded into one
     /// `[B, T]` forward. Padding sits after each row's tokens, so causal
@@ -451,11 +460,8 @@ impl Lfm2Model {
         if b == 0 || b != caches.len() || lens.contains(&0) {
             return Err(Error::invalid("batched prefill takes one non-empty prompt per cache"));
         }
-        let vocab = self.config.vocab_size as u32;
         for (c, p) in caches.iter_mut().zip(prompts) {
-            if let Some(&bad) = p.iter().find(|&&id| id >= vocab) {
-                return Err(Error::invalid(format!("token id {bad} is out of range for vocab_size {vocab}")));
-            }
+            self.check_token_ids(p)?;
             if c.pos != 0 {
                 return Err(Error::invalid("batched prefill takes fresh caches"));
             }
