@@ -173,7 +173,7 @@ fn concurrent(
     gen: usize,
     reps: usize,
 ) -> mlx_lfm::Result<()> {
-    use mlx_lfm::engine::{Admission, Request};
+    use mlx_lfm::engine::Request;
     let mut eng = Engine::load(dir, &EngineOptions { device, paged_cache: paged, ..Default::default() })?;
     let info = eng.info();
     let vocab = info.vocab_size as u32;
@@ -199,14 +199,7 @@ fn concurrent(
             .collect();
         let mut active = vec![];
         while !waiting.is_empty() {
-            let group = eng.take_prefill_group(&mut waiting);
-            for a in eng.advance_group(group) {
-                match a {
-                    Admission::Prefilling(p) => waiting.push_front(p),
-                    Admission::Running(a) => active.push(a),
-                    Admission::Over => {}
-                }
-            }
+            eng.prefill_next(&mut waiting, &mut active);
         }
         let mut steps = vec![];
         while !active.is_empty() {

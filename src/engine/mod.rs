@@ -179,6 +179,13 @@ pub struct Active {
     pub req: Request,
 }
 
+/// The pending tokens of `active[rows]`, as the ids `[B, 1]` of a batch step.
+fn pending_ids(active: &[Active], rows: &[usize]) -> Result<Array> {
+    let ids: Vec<Array> = rows.iter().map(|&i| active[i].seq.y.reshape(&[1, 1])).collect::<Result<_>>()?;
+    let refs: Vec<&Array> = ids.iter().collect();
+    crate::mlx::concatenate(&refs, 0)
+}
+
 pub enum Prompt {
     Text(String),
     Tokens(Vec<u32>),
@@ -536,16 +543,23 @@ impl Engine {
         let Prefilling { pending, mut req } = p;
         match pending.advance(&self.model, &self.tokenizer, req.observer.as_mut()) {
             Ok(Advance::More(pending)) => Admission::Prefilling(Prefilling { pending, req }),
-            Ok(Advance::Done(Started::Running(seq))) => {
+            Ok(Advance::Done(s)) => self.admitted(s, req),
+            Err(e) => {
+                req.fail(e);
+                Admission::Over
+            }
+        }
+    }
+
+    /// A request whose prefill ended: running (with its batch id), or over.
+    fn admitted(&mut self, s: Started, req: Request) -> Admission {
+        match s {
+            Started::Running(seq) => {
                 self.next_id += 1;
                 Admission::Running(Active { id: self.next_id, seq, req })
             }
-            Ok(Advance::Done(Started::Finished(g, _))) => {
+            Started::Finished(g, _) => {
                 req.succeed(g);
-                Admission::Over
-            }
-            Err(e) => {
-                req.fail(e);
                 Admission::Over
             }
         }
@@ -580,6 +594,20 @@ impl Engine {
         group
     }
 
+    /// The scheduler's prefill work for one step: the next group of waiting
+    /// requests runs; the ones it starts join `active`, one still reading
+    /// its prompt goes back to the front of `waiting`.
+    pub fn prefill_next(&mut self, waiting: &mut std::collections::VecDeque<Prefilling>, active: &mut Vec<Active>) {
+        let group = self.take_prefill_group(waiting);
+        for a in self.advance_group(group) {
+            match a {
+                Admission::Prefilling(p) => waiting.push_front(p),
+                Admission::Running(a) => active.push(a),
+                Admission::Over => {}
+            }
+        }
+    }
+
     /// Runs a group from [`Engine::take_prefill_group`]: one prefill chunk
     /// of a lone request, or the whole prompts of several in one batch.
     pub fn advance_group(&mut self, group: Vec<Prefilling>) -> Vec<Admission> {
@@ -610,20 +638,7 @@ impl Engine {
 
     fn prefill_group(&mut self, pendings: Vec<Pending>, reqs: Vec<Request>) -> Vec<Admission> {
         match generate::prefill_together(&self.model, &self.tokenizer, pendings) {
-            Ok(started) => started
-                .into_iter()
-                .zip(reqs)
-                .map(|(s, req)| match s {
-                    Started::Running(seq) => {
-                        self.next_id += 1;
-                        Admission::Running(Active { id: self.next_id, seq, req })
-                    }
-                    Started::Finished(g, _) => {
-                        req.succeed(g);
-                        Admission::Over
-                    }
-                })
-                .collect(),
+            Ok(started) => started.into_iter().zip(reqs).map(|(s, req)| self.admitted(s, req)).collect(),
             Err(e) => reqs
                 .into_iter()
                 .map(|r| {
@@ -719,9 +734,7 @@ impl Engine {
         if want.is_empty() {
             return Ok(vec![]);
         }
-        let ids: Vec<Array> = want.iter().map(|&i| active[i].seq.y.reshape(&[1, 1])).collect::<Result<_>>()?;
-        let refs: Vec<&Array> = ids.iter().collect();
-        let ids = crate::mlx::concatenate(&refs, 0)?;
+        let ids = pending_ids(active, want)?;
         let mut caches: Vec<&mut crate::model::ModelCache> = active
             .iter_mut()
             .enumerate()
@@ -751,10 +764,8 @@ impl Engine {
         let (ids, positions) = match self.batch.take_carry()? {
             Some(carried) => carried,
             None => {
-                let ids: Vec<Array> = order.iter().map(|&i| active[i].seq.y.reshape(&[1, 1])).collect::<Result<_>>()?;
-                let refs: Vec<&Array> = ids.iter().collect();
                 let positions: Vec<i32> = order.iter().map(|&i| active[i].seq.cache.pos as i32).collect();
-                (crate::mlx::concatenate(&refs, 0)?, Array::from_slice(&positions, &[positions.len() as i32])?)
+                (pending_ids(active, &order)?, Array::from_slice(&positions, &[positions.len() as i32])?)
             }
         };
         let built = self.compiled.as_ref().expect("checked by the caller").step_batch(&ids, &positions, &mut self.batch, true);

@@ -4,7 +4,7 @@
 //! scheduled with continuous batching (see `schedule`); other work runs in
 //! order between decode steps.
 
-use super::{Active, Admission, Engine, EngineOptions, ModelInfo, Prefilling, Request};
+use super::{Active, Engine, EngineOptions, ModelInfo, Prefilling, Request};
 use std::collections::VecDeque;
 use crate::error::{Error, ErrorKind, Result};
 use crate::mlx::runtime;
@@ -234,19 +234,9 @@ fn schedule(engine: &mut Engine, rx: std::sync::mpsc::Receiver<Msg>) {
             }
             None => {}
         }
-        let group = engine.take_prefill_group(&mut starting);
-        if !group.is_empty() {
-            match catch_unwind(AssertUnwindSafe(|| engine.advance_group(group))) {
-                Ok(admitted) => {
-                    for a in admitted {
-                        match a {
-                            Admission::Prefilling(p) => starting.push_front(p),
-                            Admission::Running(a) => active.push(a),
-                            Admission::Over => {}
-                        }
-                    }
-                }
-                Err(p) => eprintln!("mlx-lfm: internal panic during a prefill: {}", panic_message(p)),
+        if !starting.is_empty() {
+            if let Err(p) = catch_unwind(AssertUnwindSafe(|| engine.prefill_next(&mut starting, &mut active))) {
+                eprintln!("mlx-lfm: internal panic during a prefill: {}", panic_message(p));
             }
         }
         if !active.is_empty() && catch_unwind(AssertUnwindSafe(|| engine.step_active(&mut active))).is_err() {

@@ -554,10 +554,9 @@ impl Sequence {
     }
 }
 
-/// Queues `y` together with whatever the cache built alongside it (conv
-/// snapshots), so nothing is left as an unevaluated graph.
-/// Queues the evaluation of a batch's drawn tokens together with whatever
-/// their caches built alongside.
+/// Queues the evaluation of drawn tokens together with whatever their
+/// caches built alongside (conv snapshots, rows written back), so nothing
+/// is left as an unevaluated graph.
 pub fn queue_tokens(tokens: &[&Array], caches: &mut [&mut ModelCache]) -> Result<()> {
     let fresh: Vec<Array> = caches.iter_mut().flat_map(|c| c.take_fresh()).collect();
     let mut all: Vec<&Array> = tokens.to_vec();
@@ -566,10 +565,7 @@ pub fn queue_tokens(tokens: &[&Array], caches: &mut [&mut ModelCache]) -> Result
 }
 
 fn eval_with(y: &Array, cache: &mut ModelCache) -> Result<()> {
-    let fresh = cache.take_fresh();
-    let mut all: Vec<&Array> = vec![y];
-    all.extend(fresh.iter());
-    async_eval(&all)
+    queue_tokens(&[y], &mut [cache])
 }
 
 /// The result of a request cancelled before its first token: no text, and

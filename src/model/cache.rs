@@ -52,8 +52,9 @@ impl KvCache {
         Ok(())
     }
 
-    /// Writes `k`, `v` (`[B, kv_heads, T, head_dim]`) at the current offset.
-    fn write(&mut self, k: &Array, v: &Array) -> Result<()> {
+    /// Writes `k`, `v` (`[B, kv_heads, T, head_dim]`) at the current offset
+    /// (also a decode batch or batched prefill handing a sequence its rows).
+    pub fn append(&mut self, k: &Array, v: &Array) -> Result<()> {
         let t = k.dim(2) as usize;
         self.reserve(t, k, v)?;
         let prev = self.offset as i32;
@@ -67,16 +68,10 @@ impl KvCache {
         Ok(())
     }
 
-    /// Appends `k`, `v` (a decode batch writing a sequence's new positions
-    /// back).
-    pub fn append(&mut self, k: &Array, v: &Array) -> Result<()> {
-        self.write(k, v)
-    }
-
     /// Appends `k`, `v` and returns views of everything cached so far
     /// (multi-token steps: prefill).
     pub fn update_and_fetch(&mut self, k: &Array, v: &Array) -> Result<(Array, Array)> {
-        self.write(k, v)?;
+        self.append(k, v)?;
         let end = self.offset as i32;
         Ok((self.keys.as_ref().unwrap().slice_axis(2, 0, end)?, self.values.as_ref().unwrap().slice_axis(2, 0, end)?))
     }
@@ -87,7 +82,7 @@ impl KvCache {
     /// keeps static shapes; the eager step does the same so both agree
     /// byte for byte.
     pub fn update_decode(&mut self, k: &Array, v: &Array) -> Result<(Array, Array, Array)> {
-        self.write(k, v)?;
+        self.append(k, v)?;
         let cap = self.capacity() as i32;
         let mask = decode_mask(cap, self.offset as i32 - 1)?;
         Ok((self.keys.clone().unwrap(), self.values.clone().unwrap(), mask))
@@ -152,6 +147,17 @@ impl KvCache {
         }
         v
     }
+}
+
+/// The conv layers' current states, in layer order.
+fn conv_states(layers: &[LayerCache]) -> Vec<&Array> {
+    layers
+        .iter()
+        .filter_map(|l| match l {
+            LayerCache::Conv(Some(s)) => Some(s),
+            _ => None,
+        })
+        .collect()
 }
 
 /// `[1, 1, 1, cap]`: true at positions `0..=pos`.
@@ -232,7 +238,14 @@ impl ModelCache {
         if n == 0 {
             return Ok(0);
         }
-        let snap = snap.expect("a prefix hit carries a conv snapshot");
+        self.restore_conv_states(&snap.expect("a prefix hit carries a conv snapshot"))?;
+        self.pos = n;
+        Ok(n)
+    }
+
+    /// Sets every conv layer's state from a snapshot
+    /// (`[conv_layers, 1, L-1, D]`, as `paged::snapshot_of` stacks them).
+    pub fn restore_conv_states(&mut self, snap: &Array) -> Result<()> {
         let mut c = 0;
         for lc in self.layers.iter_mut() {
             if let LayerCache::Conv(s) = lc {
@@ -242,8 +255,7 @@ impl ModelCache {
                 c += 1;
             }
         }
-        self.pos = n;
-        Ok(n)
+        Ok(())
     }
 
     /// Before a one-token decode step: a paged sequence gets room for the
@@ -284,15 +296,7 @@ impl ModelCache {
         if pos % seq.block_size() != 0 {
             return Ok(());
         }
-        let states: Vec<&Array> = self
-            .layers
-            .iter()
-            .filter_map(|l| match l {
-                LayerCache::Conv(Some(s)) => Some(s),
-                _ => None,
-            })
-            .collect();
-        let snap = super::paged::snapshot_of(&states)?;
+        let snap = super::paged::snapshot_of(&conv_states(&self.layers))?;
         seq.keep_snapshot(pos, snap.clone());
         self.fresh.push(snap);
         Ok(())
@@ -302,14 +306,7 @@ impl ModelCache {
     /// end (its partial block and conv states) for a prompt that continues
     /// it. A no-op for flat caches.
     pub fn keep_tail(&mut self) -> Result<()> {
-        let states: Vec<&Array> = self
-            .layers
-            .iter()
-            .filter_map(|l| match l {
-                LayerCache::Conv(Some(s)) => Some(s),
-                _ => None,
-            })
-            .collect();
+        let states = conv_states(&self.layers);
         match self.paged.as_mut() {
             Some(seq) => seq.keep_tail(&states),
             None => Ok(()),

@@ -348,7 +348,13 @@ impl Lfm2Model {
             let t = h.dim(1);
             h = h.slice_axis(1, t - 1, t)?;
         }
-        let h = mlx::rms_norm(&h, Some(&self.final_norm), self.config.norm_eps)?;
+        self.head(&h)
+    }
+
+    /// The final norm and the LM head (tied to the embedding when there
+    /// is none): logits `[B, T, V]` for hidden states `[B, T, D]`.
+    fn head(&self, h: &Array) -> Result<Array> {
+        let h = mlx::rms_norm(h, Some(&self.final_norm), self.config.norm_eps)?;
         match &self.lm_head {
             Some(head) => head.forward(&h),
             None => self.embed.as_linear(&h),
@@ -533,14 +539,7 @@ impl Lfm2Model {
                 let r = i as i32;
                 a.slice(&[0, r, s, 0], &[a.dim(0), r + 1, s + keep, a.dim(3)], &[1, 1, 1, 1])
             };
-            let end = states_after(n)?;
-            let mut conv = 0;
-            for lc in c.layers.iter_mut() {
-                if let LayerCache::Conv(s) = lc {
-                    *s = Some(end.slice_axis(0, conv, conv + 1)?.reshape(&[1, keep, end.dim(3)])?);
-                    conv += 1;
-                }
-            }
+            c.restore_conv_states(&states_after(n)?)?;
             let mut snaps = vec![];
             if let Some(seq) = c.paged.as_mut() {
                 seq.len = n;
@@ -559,12 +558,7 @@ impl Lfm2Model {
         let d = h.dim(2);
         let rows: Vec<i32> = lens.iter().enumerate().map(|(i, &n)| (i * t + n - 1) as i32).collect();
         let last = h.reshape(&[(b * t) as i32, d])?.take(&Array::from_slice(&rows, &[b as i32])?, 0)?.reshape(&[b as i32, 1, d])?;
-        let last = mlx::rms_norm(&last, Some(&self.final_norm), eps)?;
-        let logits = match &self.lm_head {
-            Some(head) => head.forward(&last)?,
-            None => self.embed.as_linear(&last)?,
-        };
-        logits.reshape(&[b as i32, -1])
+        self.head(&last)?.reshape(&[b as i32, -1])
     }
 
     /// One decode step for several sequences at once (continuous
@@ -642,12 +636,7 @@ impl Lfm2Model {
         for c in caches.iter_mut() {
             c.end_decode_token()?;
         }
-        let h = mlx::rms_norm(&h, Some(&self.final_norm), eps)?;
-        let logits = match &self.lm_head {
-            Some(head) => head.forward(&h)?,
-            None => self.embed.as_linear(&h)?,
-        };
-        logits.reshape(&[b as i32, -1])
+        self.head(&h)?.reshape(&[b as i32, -1])
     }
 
     /// What a stacked decode batch needs to make empty rows.
