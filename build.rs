@@ -51,7 +51,7 @@ fn main() {
         .flag_if_supported("-Wno-unused-parameter")
         .flag_if_supported("-Wno-sign-compare")
         .opt_level(2);
-    for f in ["cpp/mlxb.cpp", "cpp/decode.cpp"] {
+    for f in ["cpp/mlxb.cpp"] {
         build.file(f);
     }
     build.compile("mlxb");

@@ -49,20 +49,30 @@ test('chat returns text, tokens, usage and honest metrics', async () => {
 });
 
 test('generation stops on end-of-sequence tokens', async () => {
+  // The random-weight model may never sample its EOS: make one of the
+  // tokens it does produce an end-of-sequence id (generation_config.json
+  // adds to config.json's), so the stop is forced at a known step.
   const m = await model();
-  const eos = m.info().eosTokenIds[0];
-  // Find a prompt whose greedy continuation produces EOS quickly by forcing it:
-  // with ignoreEos the same run continues; without, it must stop at the EOS.
-  const free = await m.generate([1, 5, 9], { maxTokens: 64, ignoreEos: true });
-  const at = free.tokens.indexOf(eos);
-  const r = await m.generate([1, 5, 9], { maxTokens: 64 });
-  if (at >= 0) {
+  const free = await m.generate([1, 5, 9], { maxTokens: 24, ignoreEos: true });
+  const at = free.tokens.findIndex((t, i) => i >= 3 && free.tokens.indexOf(t) === i);
+  assert.ok(at >= 3, `no token first appears at step 3 or later in ${free.tokens}`);
+  const dir = await fixtureCopy('tiny', TINY, 'tiny-forced-eos');
+  const genCfg = path.join(dir, 'generation_config.json');
+  const cfg = JSON.parse(fs.readFileSync(genCfg, 'utf8'));
+  const original = [].concat(cfg.eos_token_id);
+  fs.writeFileSync(genCfg, JSON.stringify({ ...cfg, eos_token_id: [...original, free.tokens[at]] }));
+  const forced = await addon.Lfm2Model.load(dir);
+  try {
+    assert.ok(forced.info().eosTokenIds.includes(free.tokens[at]));
+    const r = await forced.generate([1, 5, 9], { maxTokens: 24 });
     assert.equal(r.finishReason, 'stop');
-    assert.deepEqual(r.tokens, free.tokens.slice(0, at));
-    assert.equal(r.usage.completionTokens, at + 1);
-  } else {
-    assert.equal(r.finishReason, 'length');
-    assert.deepEqual(r.tokens, free.tokens);
+    assert.deepEqual(r.tokens, free.tokens.slice(0, at), 'the EOS token itself is not returned');
+    assert.equal(r.usage.completionTokens, at + 1, 'the EOS is counted as generated');
+    const through = await forced.generate([1, 5, 9], { maxTokens: 24, ignoreEos: true });
+    assert.deepEqual(through.tokens, free.tokens, 'ignoreEos runs past it');
+    assert.equal(through.finishReason, 'length');
+  } finally {
+    forced.close();
   }
 });
 
@@ -157,8 +167,8 @@ test('warmUp runs before requests, changes no result, and does nothing over runn
   const during = warm.warmUp();
   const got = await Promise.all(running);
   assert.deepEqual(got.map((g) => g.tokens), want);
-  const d = await during;
-  assert.ok(d === null || typeof d === 'number');
+  // The generations were queued first, so the warm-up found them running.
+  assert.equal(await during, null);
   cold.close();
   warm.close();
 });

@@ -3,7 +3,7 @@ const test = require('node:test');
 const assert = require('node:assert/strict');
 const path = require('node:path');
 const { spawnSync } = require('node:child_process');
-const { fixture, root } = require('./helpers.cjs');
+const { addon, fixture, root } = require('./helpers.cjs');
 
 const cli = path.join(root, 'cli.cjs');
 
@@ -11,8 +11,16 @@ test('`mlx-lfm chat --model DIR --prompt TEXT` prints the reply and the metrics'
   const dir = await fixture('tiny', { preset: 'tiny', dtype: 'f32' });
   const r = spawnSync(process.execPath, [cli, 'chat', '--model', dir, '--prompt', 'Hello', '--max-tokens', '5'], { encoding: 'utf8' });
   assert.equal(r.status, 0, r.stderr);
-  assert.ok(r.stdout.trim().length > 0);
-  assert.match(r.stderr, /prompt \d+ tok, completion \d+ tok \| TTFT [\d.]+ ms \| prefill [\d.]+ tok\/s \| decode [\d.]+ tok\/s/);
+  // The reply printed is the model's own: the same request through the API.
+  const m = await addon.Lfm2Model.load(dir);
+  const want = await m.chat([{ role: 'user', content: 'Hello' }], { maxTokens: 5 });
+  m.close();
+  assert.ok(want.text.length > 0);
+  assert.equal(r.stdout.trim(), want.text.trim());
+  const metrics = r.stderr.match(/prompt (\d+) tok, completion (\d+) tok \| TTFT [\d.]+ ms \| prefill [\d.]+ tok\/s \| decode [\d.]+ tok\/s/);
+  assert.ok(metrics, r.stderr);
+  assert.equal(Number(metrics[1]), want.usage.promptTokens);
+  assert.equal(Number(metrics[2]), want.usage.completionTokens);
 });
 
 test('interactive chat keeps the conversation', async () => {

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "mlx/compile_impl.h"
 #include "mlx/mlx.h"
 #include "mlxb_internal.h"
 
@@ -19,6 +20,11 @@ namespace mx = mlx::core;
 
 struct mlxb_fn_s {
   std::function<std::vector<mx::array>(const std::vector<mx::array>&)> f;
+  std::uintptr_t id = 0;
+};
+
+struct mlxb_arrays_s {
+  std::vector<mx::array> v;
 };
 
 namespace {
@@ -144,7 +150,7 @@ int mlxb_array_from_data(const void* data, const int32_t* shape, int ndim, int d
 
 int mlxb_array_scalar(double value, int dtype, mlxb_array* out) {
   // Converted on the host at construction: no graph node, so scalars made here
-  // and inside compiled functions (cpp/decode.cpp) are the same constants.
+  // and inside compiled functions are the same constants.
   MLXB_TRY({ *out = wrap(mx::array(value, mlxb::to_dtype(dtype))); })
 }
 
@@ -218,6 +224,14 @@ int mlxb_slice(mlxb_array a, const int32_t* start, const int32_t* stop, const in
 int mlxb_slice_update(mlxb_array src, mlxb_array update, const int32_t* start, const int32_t* stop, int n,
                       mlxb_array* out) {
   MLXB_TRY({ *out = wrap(mx::slice_update(A(src), A(update), shape_of(start, n), shape_of(stop, n))); })
+}
+int mlxb_slice_update_dyn(mlxb_array src, mlxb_array update, mlxb_array start, const int32_t* axes, int n,
+                          mlxb_array* out) {
+  MLXB_TRY({ *out = wrap(mx::slice_update(A(src), A(update), A(start), std::vector<int>(axes, axes + n))); })
+}
+int mlxb_scatter(mlxb_array a, const mlxb_array* indices, const int32_t* axes, int n, mlxb_array updates,
+                 mlxb_array* out) {
+  MLXB_TRY({ *out = wrap(mx::scatter(A(a), vec_of(indices, n), A(updates), std::vector<int>(axes, axes + n))); })
 }
 int mlxb_concatenate(const mlxb_array* arrs, size_t n, int axis, mlxb_array* out) {
   MLXB_TRY({ *out = wrap(mx::concatenate(vec_of(arrs, n), axis)); })
@@ -433,42 +447,56 @@ int mlxb_random_normal(const int32_t* shape, int ndim, int dtype, float loc, flo
 }
 
 // ---- compile -----------------------------------------------------------------------------------
+int mlxb_arrays_push(mlxb_arrays v, mlxb_array a) { MLXB_TRY({ v->v.push_back(A(a)); }) }
+size_t mlxb_arrays_len(mlxb_arrays v) { return v->v.size(); }
+mlxb_array mlxb_arrays_take(mlxb_arrays v, size_t i) { return i < v->v.size() ? wrap(v->v[i]) : nullptr; }
+void mlxb_arrays_free(mlxb_arrays v) { delete v; }
+
 int mlxb_compile(mlxb_trace_cb cb, void* ctx, int shapeless, mlxb_fn* out) {
   MLXB_TRY({
     auto traced = [cb, ctx](const std::vector<mx::array>& ins) -> std::vector<mx::array> {
       std::vector<mlxb_array> handles;
       handles.reserve(ins.size());
       for (const auto& a : ins) handles.push_back(wrap(a));
-      std::vector<mlxb_array> outs(64, nullptr);
-      size_t n_out = 0;
-      int rc = cb(ctx, handles.data(), handles.size(), outs.data(), outs.size(), &n_out);
+      mlxb_arrays_s outs;
+      int rc = cb(ctx, handles.data(), handles.size(), &outs);
       for (auto h : handles) delete h;
-      std::vector<mx::array> result;
-      for (size_t i = 0; i < n_out; ++i) {
-        result.push_back(A(outs[i]));
-        delete outs[i];
-      }
       if (rc != 0) throw std::runtime_error(g_last_error);
-      return result;
+      return std::move(outs.v);
     };
-    *out = new mlxb_fn_s{mx::compile(std::function<std::vector<mx::array>(const std::vector<mx::array>&)>(traced),
-                                     shapeless != 0)};
+    auto* f = new mlxb_fn_s();
+    // The function's own address is its compile id: unique while it lives,
+    // and erased (every trace dropped) when it is freed, so two models, or
+    // a model loaded again at the same place, never share traces.
+    f->id = reinterpret_cast<std::uintptr_t>(f);
+    try {
+      f->f = mx::detail::compile(std::function<std::vector<mx::array>(const std::vector<mx::array>&)>(traced), f->id,
+                                 shapeless != 0);
+    } catch (...) {
+      delete f;
+      throw;
+    }
+    *out = f;
   })
 }
 
-int mlxb_fn_call(mlxb_fn f, const mlxb_array* ins, size_t n_in, mlxb_array* outs, size_t cap_out, size_t* n_out) {
+int mlxb_fn_call(mlxb_fn f, const mlxb_array* ins, size_t n_in, mlxb_arrays* out) {
   MLXB_TRY({
     auto res = f->f(vec_of(ins, n_in));
-    if (res.size() > cap_out) {
-      throw std::invalid_argument("compiled function returned " + std::to_string(res.size()) +
-                                  " outputs, more than the caller's " + std::to_string(cap_out));
-    }
-    for (size_t i = 0; i < res.size(); ++i) outs[i] = wrap(res[i]);
-    *n_out = res.size();
+    *out = new mlxb_arrays_s{std::move(res)};
   })
 }
 
-void mlxb_fn_free(mlxb_fn f) { delete f; }
+int mlxb_fn_clear(mlxb_fn f) { MLXB_TRY({ mx::detail::compile_erase(mx::detail::compile_cache(), f->id); }) }
+
+void mlxb_fn_free(mlxb_fn f) {
+  if (!f) return;
+  try {
+    mx::detail::compile_erase(mx::detail::compile_cache(), f->id);
+  } catch (...) {
+  }
+  delete f;
+}
 
 // ---- memory, devices, streams -----------------------------------------------------------------
 size_t mlxb_get_active_memory(void) { return mx::get_active_memory(); }

@@ -73,6 +73,12 @@ int mlxb_contiguous(mlxb_array a, mlxb_array* out);
 int mlxb_slice(mlxb_array a, const int32_t* start, const int32_t* stop, const int32_t* strides, int n, mlxb_array* out);
 int mlxb_slice_update(mlxb_array src, mlxb_array update, const int32_t* start, const int32_t* stop, int n,
                       mlxb_array* out);
+// Writes `update` into `src` at `start` (an int array, one entry per axis in
+// `axes`): the position can be an input of a compiled function.
+int mlxb_slice_update_dyn(mlxb_array src, mlxb_array update, mlxb_array start, const int32_t* axes, int n,
+                          mlxb_array* out);
+int mlxb_scatter(mlxb_array a, const mlxb_array* indices, const int32_t* axes, int n, mlxb_array updates,
+                 mlxb_array* out);
 int mlxb_concatenate(const mlxb_array* arrs, size_t n, int axis, mlxb_array* out);
 int mlxb_stack(const mlxb_array* arrs, size_t n, int axis, mlxb_array* out);
 int mlxb_split_equal(mlxb_array a, int parts, int axis, mlxb_array* outs);
@@ -142,14 +148,25 @@ int mlxb_random_normal(const int32_t* shape, int ndim, int dtype, float loc, flo
                        mlxb_array* out);
 
 // ---- compile ---------------------------------------------------------------------
-// The callback traces the function: it receives `n_in` input handles (borrowed)
-// and must store `*n_out` new handles into `outs` (capacity `cap_out`), which
-// the bridge takes ownership of. A non-zero return is an error whose text the
-// callback wrote through mlxb_set_error.
-typedef int (*mlxb_trace_cb)(void* ctx, const mlxb_array* ins, size_t n_in, mlxb_array* outs, size_t cap_out,
-                             size_t* n_out);
+// A list of arrays the bridge owns (a compiled function's outputs).
+typedef struct mlxb_arrays_s* mlxb_arrays;
+int mlxb_arrays_push(mlxb_arrays v, mlxb_array a);  // appends a reference; the caller keeps `a`
+size_t mlxb_arrays_len(mlxb_arrays v);
+mlxb_array mlxb_arrays_take(mlxb_arrays v, size_t i);  // a new handle to item i (NULL past the end)
+void mlxb_arrays_free(mlxb_arrays v);
+
+// The callback traces the function: it receives `n_in` input handles
+// (borrowed) and appends its outputs to `outs` with mlxb_arrays_push (as many
+// as it has). A non-zero return is an error whose text the callback wrote
+// through mlxb_set_error.
+typedef int (*mlxb_trace_cb)(void* ctx, const mlxb_array* ins, size_t n_in, mlxb_arrays outs);
+// Each compiled function has a compile id of its own; MLX keeps one trace per
+// input shape signature under it until mlxb_fn_clear or mlxb_fn_free.
 int mlxb_compile(mlxb_trace_cb cb, void* ctx, int shapeless, mlxb_fn* out);
-int mlxb_fn_call(mlxb_fn f, const mlxb_array* ins, size_t n_in, mlxb_array* outs, size_t cap_out, size_t* n_out);
+// `*out` is a new list of the outputs (free it with mlxb_arrays_free).
+int mlxb_fn_call(mlxb_fn f, const mlxb_array* ins, size_t n_in, mlxb_arrays* out);
+// Drops every trace of `f`; the next call traces again.
+int mlxb_fn_clear(mlxb_fn f);
 void mlxb_fn_free(mlxb_fn f);
 void mlxb_set_error(const char* msg);
 
@@ -176,43 +193,6 @@ int mlxb_synchronize(void);
 int mlxb_device_name(char* buf, size_t len);
 size_t mlxb_device_total_memory(void);
 
-// ---- compiled decode step (cpp/decode.cpp) --------------------------------------
-typedef struct mlxb_decoder_s* mlxb_decoder;
-typedef struct {
-  int num_layers;
-  int hidden_size;
-  int num_heads;
-  int num_kv_heads;
-  int head_dim;
-  int conv_kernel;
-  float norm_eps;
-  float rope_theta;
-  float attn_scale;
-  int num_experts;
-  int experts_per_token;
-  int norm_topk_prob;
-  float routed_scaling_factor;
-  // MLX's CPU gather_mm is float32-only: dense non-f32 experts on CPU take
-  // the gather-and-upcast path.
-  int cpu_non_f32_experts;
-  // Distinct (rows, cache capacity) shapes traced before the traces are
-  // dropped and started over (see decode.cpp).
-  int max_traces;
-} mlxb_decoder_config;
-
-int mlxb_decoder_new(const mlxb_decoder_config* cfg, const uint8_t* attn_layers, const uint8_t* moe_layers,
-                     mlxb_decoder* out);
-// Names: "embed", "lm_head", "final_norm", "L{i}.op_norm", "L{i}.ffn_norm", projections "L{i}.{q,k,v,o,in,out,
-// w1,w2,w3,gate}" and experts "L{i}.{eg,eu,ed}" (each with ".weight" and, when quantized, ".scales"/".biases";
-// ".bias" for biased projections), "L{i}.{q_norm,k_norm,conv_w,conv_b,expert_bias}".
-int mlxb_decoder_add_weight(mlxb_decoder d, const char* name, mlxb_array a);
-// Registers a quantized projection (path without ".weight").
-int mlxb_decoder_set_quant(mlxb_decoder d, const char* path, const char* mode, int bits, int group_size);
-int mlxb_decoder_finalize(mlxb_decoder d);
-// Runs one decode step, compiled (compiled != 0) or as the same graph uncompiled.
-int mlxb_decoder_step(mlxb_decoder d, int compiled, const mlxb_array* ins, size_t n_in, mlxb_array* outs,
-                      size_t cap_out, size_t* n_out);
-void mlxb_decoder_free(mlxb_decoder d);
 
 #ifdef __cplusplus
 }

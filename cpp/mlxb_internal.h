@@ -1,5 +1,5 @@
-// Shared by the bridge's translation units (the op bridge, mlxb.cpp, and the
-// compiled decode step, decode.cpp): handle layout, dtype mapping, error macro.
+// The bridge's handle layout, dtype mapping and error macro (kept apart from
+// mlxb.cpp so a custom-kernel translation unit can share them).
 #pragma once
 
 #include "mlx/mlx.h"

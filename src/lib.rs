@@ -15,6 +15,7 @@ pub mod text;
 pub mod engine;
 pub mod generate;
 pub mod model;
+pub mod cache;
 pub mod convert;
 pub mod compiled;
 pub mod kvquant;

@@ -1,7 +1,8 @@
 //! mlx-lfm-bench: the engine without Node, for machines that have none (the
 //! H200 box) and for profiling. Prints one JSON object per measurement.
 //!
-//!   mlx-lfm-bench [--model DIR | --preset P --dtype D --out DIR] [--device cpu|gpu]
+//!   mlx-lfm-bench [--model DIR | --preset P --dtype D [--quantize MODE:BITS:GROUP] --out DIR]
+//!                 [--device cpu|gpu]
 //!                 [--prompts 512,4096] [--gen 256] [--paths compiled,eager] [--reps 3]
 //!                 [--cache paged|flat]
 //!   mlx-lfm-bench --concurrent N [--prompts 128] [--gen 64] [--reps 2] [model args]
@@ -46,11 +47,37 @@ fn run() -> mlx_lfm::Result<()> {
         None => {
             let preset = arg(&args, "--preset").unwrap_or_else(|| "lfm2-350m".into());
             let dtype = arg(&args, "--dtype").unwrap_or_else(|| "bf16".into());
-            let out = PathBuf::from(arg(&args, "--out").unwrap_or_else(|| format!("/tmp/mlx-lfm-bench-{preset}-{dtype}")));
+            let quant = arg(&args, "--quantize");
+            let name = match &quant {
+                Some(q) => format!("/tmp/mlx-lfm-bench-{preset}-{dtype}-{}", q.replace(':', "-")),
+                None => format!("/tmp/mlx-lfm-bench-{preset}-{dtype}"),
+            };
+            let out = PathBuf::from(arg(&args, "--out").unwrap_or(name));
             if !out.join("config.json").exists() {
                 let t = Instant::now();
-                mlx_lfm::fixture::generate_named(&preset, &out, &dtype, "hf", 0)?;
-                eprintln!("generated {preset} {dtype} at {} in {:.1}s", out.display(), t.elapsed().as_secs_f64());
+                let src = match &quant {
+                    Some(_) => out.with_extension("src"),
+                    None => out.clone(),
+                };
+                mlx_lfm::fixture::generate_named(&preset, &src, &dtype, "hf", 0)?;
+                eprintln!("generated {preset} {dtype} at {} in {:.1}s", src.display(), t.elapsed().as_secs_f64());
+                if let Some(q) = &quant {
+                    // MODE:BITS:GROUP, e.g. affine:4:64, as our converter (and mlx-lm's) writes it.
+                    let parts: Vec<&str> = q.split(':').collect();
+                    let bad = || mlx_lfm::Error::invalid(format!("--quantize {q}: use MODE:BITS:GROUP, e.g. affine:4:64"));
+                    let (mode, bits, gs) = match parts.as_slice() {
+                        [m, b, g] => (
+                            mlx_lfm::mlx::QuantMode::parse(m).ok_or_else(bad)?,
+                            b.parse().map_err(|_| bad())?,
+                            g.parse().map_err(|_| bad())?,
+                        ),
+                        _ => return Err(bad()),
+                    };
+                    let recipe = mlx_lfm::convert::ConvertRecipe::quantized(mode, Some(bits), Some(gs))?;
+                    mlx_lfm::convert::convert(&src, &out, &recipe)?;
+                    std::fs::remove_dir_all(&src).ok();
+                    eprintln!("quantized to {q} at {} ({:.1}s in all)", out.display(), t.elapsed().as_secs_f64());
+                }
             }
             out
         }
@@ -173,7 +200,7 @@ fn concurrent(
     gen: usize,
     reps: usize,
 ) -> mlx_lfm::Result<()> {
-    use mlx_lfm::engine::Request;
+    use mlx_lfm::engine::{Request, Scheduler};
     let mut eng = Engine::load(dir, &EngineOptions { device, paged_cache: paged, ..Default::default() })?;
     let info = eng.info();
     let vocab = info.vocab_size as u32;
@@ -187,29 +214,27 @@ fn concurrent(
     let run_together = |eng: &mut Engine, prompts: &[Vec<u32>]| -> mlx_lfm::Result<Vec<f64>> {
         // As the model's worker schedules them: all arrive at once; short
         // fresh prompts are prefilled together, the rest a chunk per step.
-        let mut waiting: std::collections::VecDeque<_> = prompts
-            .iter()
-            .filter_map(|p| {
-                eng.begin(Request::tokens(p.clone(), params.clone(), |r| {
-                    if let Err(e) = r {
-                        eprintln!("mlx-lfm-bench: a request failed: {e}");
-                    }
-                }))
-            })
-            .collect();
-        let mut active = vec![];
-        while !waiting.is_empty() {
-            eng.prefill_next(&mut waiting, &mut active);
+        let mut sched = Scheduler::new();
+        for p in prompts {
+            let req = Request::tokens(p.clone(), params.clone(), |r| {
+                if let Err(e) = r {
+                    eprintln!("mlx-lfm-bench: a request failed: {e}");
+                }
+            });
+            sched.submit(eng, req);
+        }
+        while sched.prefilling() > 0 {
+            sched.prefill_next(eng);
         }
         let mut steps = vec![];
-        while !active.is_empty() {
+        while sched.running() > 0 {
             let profiled = profile_step.is_some_and(|k| k == steps.len()) && profiling.get();
             if profiled {
                 runtime::synchronize()?;
                 cuda_profiler(true);
             }
             let t = Instant::now();
-            eng.step_active(&mut active);
+            sched.step_active(eng);
             if profiled {
                 runtime::synchronize()?;
                 cuda_profiler(false);

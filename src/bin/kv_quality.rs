@@ -27,7 +27,7 @@ use mlx_lfm::generate::{prefill, GenerateParams, NoObserver};
 use mlx_lfm::kvquant::rotor::{self, HostRotation, Rng};
 use mlx_lfm::kvquant::{Codec, KvCacheConfig, KvKind, QuantKvCache, Rotation};
 use mlx_lfm::mlx::{eval, Array, Dtype};
-use mlx_lfm::model::cache::LayerCache;
+use mlx_lfm::cache::LayerCache;
 use mlx_lfm::model::{load_model, Lfm2Model, LoadOptions, ModelCache};
 use mlx_lfm::text::Tokenizer;
 use mlx_lfm::Result;

@@ -1,138 +1,88 @@
-//! The compiled decode path: registers a loaded model's weights (and its
-//! quant registry's per-projection formats) with the C++ decode step once,
-//! then runs one compiled call per token over the model's flat caches.
+//! The compiled decode path: `mx::compile` over the model's own Rust decode
+//! step ([`Lfm2Model::decode_step`], the same layers every other path runs),
+//! through the bridge's compile of a callback. MLX traces the step once per
+//! input shape signature (batch rows, cache capacity) and afterwards replays
+//! the fused graph: one call per token, with the K/V buffers and conv states
+//! passed in and returned so the graph is pure and MLX can update the
+//! buffers in place.
 
+use crate::cache::{DecodeBatch, LayerCache, ModelCache};
 use crate::error::{Error, Result};
 use crate::mlx::{self, Array, Dtype};
-use crate::model::cache::LayerCache;
-use crate::model::lfm2::{FeedForward, Operator};
-use crate::model::lfm2_moe::SparseMoe;
-use crate::model::linear::{Linear, Weight};
-use crate::model::batch::DecodeBatch;
-use crate::model::{Lfm2Model, ModelCache};
+use crate::model::Lfm2Model;
+use std::cell::Cell;
+use std::rc::Rc;
 
-/// The C++ decoder for one loaded model. Not Send: it lives on the model's
+/// Decode batches of every size from 2 to 16 over caches up to 4k positions
+/// stay traced; beyond, traces start over (see src/mlx/compile.rs).
+pub const MAX_TRACES: usize = 256;
+
+/// The compiled step of one loaded model. Not Send: it lives on the model's
 /// worker thread, like every other MLX object of that model.
-pub struct CompiledDecoder {
-    handle: mlx::DecoderHandle,
+pub struct CompiledStep {
+    f: mlx::Compiled,
+    /// The model being stepped, set only while a call runs: the trace reads
+    /// the weights through it (and keeps them as the graph's constants).
+    current: Rc<Cell<*const Lfm2Model>>,
+    /// The model the traces were built from: replaying them for another
+    /// would run that model's weights.
+    model_id: u64,
 }
 
-fn add_weight(d: &mlx::DecoderHandle, name: &str, a: &Array) -> Result<()> {
-    d.add_weight(name, a)
-}
-
-fn add_projection(d: &mlx::DecoderHandle, path: &str, w: &Weight) -> Result<()> {
-    match w {
-        Weight::Dense(a) => add_weight(d, &format!("{path}.weight"), a),
-        Weight::Quant(q) => {
-            add_weight(d, &format!("{path}.weight"), &q.weight)?;
-            add_weight(d, &format!("{path}.scales"), &q.scales)?;
-            if let Some(b) = &q.biases {
-                add_weight(d, &format!("{path}.biases"), b)?;
-            }
-            d.set_quant(path, q.spec)
-        }
-    }
-}
-
-fn add_linear(d: &mlx::DecoderHandle, path: &str, l: &Linear) -> Result<()> {
-    add_projection(d, path, &l.weight)?;
-    if let Some(b) = &l.bias {
-        add_weight(d, &format!("{path}.bias"), b)?;
-    }
-    Ok(())
-}
-
-fn add_moe(d: &mlx::DecoderHandle, p: &str, m: &SparseMoe) -> Result<()> {
-    add_linear(d, &format!("{p}gate"), &m.gate)?;
-    if let Some(b) = &m.expert_bias {
-        add_weight(d, &format!("{p}expert_bias"), b)?;
-    }
-    add_projection(d, &format!("{p}eg"), &m.gate_proj)?;
-    add_projection(d, &format!("{p}eu"), &m.up_proj)?;
-    add_projection(d, &format!("{p}ed"), &m.down_proj)
-}
-
-impl CompiledDecoder {
-    pub fn new(model: &Lfm2Model) -> Result<CompiledDecoder> {
-        Self::with_config(model, |_| {})
+impl CompiledStep {
+    pub fn new(model: &Lfm2Model) -> Result<CompiledStep> {
+        Self::build(model, MAX_TRACES, false)
     }
 
-    /// `tweak` edits the C++ config before use (tests break it on purpose).
-    pub(crate) fn with_config(model: &Lfm2Model, tweak: impl Fn(&mut mlx::DecoderConfig)) -> Result<CompiledDecoder> {
-        let c = &model.config;
-        let moe_layers: Vec<bool> = (0..c.num_layers).map(|i| c.is_moe_layer(i)).collect();
-        let first_moe = model.layers.iter().find_map(|l| match &l.feed_forward {
-            FeedForward::Moe(m) => Some(m),
-            _ => None,
-        });
-        let cfg = mlx::DecoderConfig {
-            num_layers: c.num_layers as i32,
-            hidden_size: c.hidden_size as i32,
-            num_heads: c.num_heads as i32,
-            num_kv_heads: c.num_kv_heads as i32,
-            head_dim: c.head_dim as i32,
-            conv_kernel: c.conv_kernel as i32,
-            norm_eps: c.norm_eps,
-            rope_theta: c.rope_theta,
-            attn_scale: (c.head_dim as f32).powf(-0.5),
-            num_experts: c.moe.as_ref().map(|m| m.num_experts as i32).unwrap_or(0),
-            experts_per_token: c.moe.as_ref().map(|m| m.experts_per_token as i32).unwrap_or(0),
-            norm_topk_prob: c.moe.as_ref().map(|m| m.norm_topk_prob as i32).unwrap_or(0),
-            routed_scaling_factor: c.moe.as_ref().map(|m| m.routed_scaling_factor).unwrap_or(1.0),
-            cpu_non_f32_experts: first_moe.map(|m| m.cpu_non_f32() as i32).unwrap_or(0),
-            // Decode batches of every size from 2 to 16 over caches up to
-            // 4k positions stay traced; beyond, traces start over.
-            max_traces: 256,
-        };
-        let mut cfg = cfg;
-        tweak(&mut cfg);
-        let d = mlx::DecoderHandle::new(&cfg, &c.attn_layers, &moe_layers)?;
-        add_projection(&d, "embed", &model.embed.weight)?;
-        if let Some(h) = &model.lm_head {
-            add_linear(&d, "lm_head", h)?;
-        }
-        add_weight(&d, "final_norm", &model.final_norm)?;
-        for (i, l) in model.layers.iter().enumerate() {
-            let p = format!("L{i}.");
-            add_weight(&d, &format!("{p}op_norm"), &l.operator_norm)?;
-            add_weight(&d, &format!("{p}ffn_norm"), &l.ffn_norm)?;
-            match &l.operator {
-                Operator::Attention(a) => {
-                    add_linear(&d, &format!("{p}q"), &a.q_proj)?;
-                    add_linear(&d, &format!("{p}k"), &a.k_proj)?;
-                    add_linear(&d, &format!("{p}v"), &a.v_proj)?;
-                    add_linear(&d, &format!("{p}o"), &a.out_proj)?;
-                    add_weight(&d, &format!("{p}q_norm"), &a.q_norm)?;
-                    add_weight(&d, &format!("{p}k_norm"), &a.k_norm)?;
+    /// `max_traces` distinct input shapes kept traced; `fail` makes every
+    /// trace fail (tests of the eager fallback).
+    pub(crate) fn build(model: &Lfm2Model, max_traces: usize, fail: bool) -> Result<CompiledStep> {
+        let current: Rc<Cell<*const Lfm2Model>> = Rc::new(Cell::new(std::ptr::null()));
+        let seen = current.clone();
+        let f = mlx::Compiled::bounded(
+            move |ins| {
+                let p = seen.get();
+                if p.is_null() {
+                    return Err(Error::mlx("the compiled decode step was traced outside a call"));
                 }
-                Operator::Conv(cv) => {
-                    add_linear(&d, &format!("{p}in"), &cv.in_proj)?;
-                    add_linear(&d, &format!("{p}out"), &cv.out_proj)?;
-                    add_weight(&d, &format!("{p}conv_w"), &cv.conv_weight)?;
-                    if let Some(b) = &cv.conv_bias {
-                        add_weight(&d, &format!("{p}conv_b"), b)?;
-                    }
+                if fail {
+                    return Err(Error::mlx("compiled decode: failure injected by a test"));
                 }
-            }
-            match &l.feed_forward {
-                FeedForward::Dense(m) => {
-                    add_linear(&d, &format!("{p}w1"), &m.w1)?;
-                    add_linear(&d, &format!("{p}w2"), &m.w2)?;
-                    add_linear(&d, &format!("{p}w3"), &m.w3)?;
-                }
-                FeedForward::Moe(m) => add_moe(&d, &p, m)?,
-            }
+                // SAFETY: `p` is set only for the duration of `run`, from a
+                // live `&Lfm2Model` that outlives the call.
+                unsafe { &*p }.decode_step(ins)
+            },
+            false,
+            max_traces,
+        )?;
+        Ok(CompiledStep { f, current, model_id: model.id })
+    }
+
+    /// Runs the step: compiled, or (`compiled = false`, to prove the
+    /// compiled step exact) the same function called directly.
+    fn run(&self, model: &Lfm2Model, ins: Vec<Array>, compiled: bool) -> Result<Vec<Array>> {
+        if !compiled {
+            return model.decode_step(&ins);
         }
-        d.finalize()?;
-        Ok(CompiledDecoder { handle: d })
+        if model.id != self.model_id {
+            return Err(Error::invalid("this compiled step belongs to another model"));
+        }
+        let refs: Vec<&Array> = ins.iter().collect();
+        self.current.set(model);
+        let r = self.f.call(&refs);
+        self.current.set(std::ptr::null());
+        r
+    }
+
+    /// Input shapes traced now.
+    pub fn traces(&self) -> usize {
+        self.f.traces()
     }
 
     /// One decode step for token `ids` (`[1, 1]`): returns logits `[1, V]`
-    /// and advances `cache`. `compiled = false` runs the same graph without
-    /// `mx::compile` (used to prove the compiled step exact). A flat cache
-    /// passes its K/V buffers; a paged one its decode mirrors (the same
-    /// shapes: one compiled function serves both).
+    /// and advances `cache`. A flat cache passes its K/V buffers; a paged
+    /// one its decode mirrors (the same shapes: one compiled function serves
+    /// both).
     pub fn step(&self, model: &Lfm2Model, ids: &Array, cache: &mut ModelCache, compiled: bool) -> Result<Array> {
         let c = &model.config;
         cache.begin_decode_token()?;
@@ -152,33 +102,33 @@ impl CompiledDecoder {
                     ins.push(k.clone());
                     ins.push(v.clone());
                 }
-                LayerCache::Conv(s) => ins.push(conv_state(model, s)?),
+                LayerCache::Conv(s) => ins.push(match s {
+                    Some(s) => s.clone(),
+                    None => mlx::zeros(&[1, c.conv_kernel as i32 - 1, c.hidden_size as i32], model.dtype)?,
+                }),
             }
         }
-        let refs: Vec<&Array> = ins.iter().collect();
-        let outs = self.handle.step(compiled, &refs)?;
-        drop(refs);
-        if outs.len() != ins.len() - 1 {
-            return Err(Error::mlx(format!("compiled decode returned {} arrays, expected {}", outs.len(), ins.len() - 1)));
+        let n = ins.len();
+        // `run` takes the inputs, so the old buffers are let go before the
+        // step runs and MLX can update them in place; only now, with the
+        // whole step built, is the cache touched.
+        let outs = self.run(model, ins, compiled)?;
+        if outs.len() != n - 1 {
+            return Err(Error::mlx(format!("compiled decode returned {} arrays, expected {}", outs.len(), n - 1)));
         }
-        // Let go of the old buffers before the step runs, so MLX can update
-        // them in place; only now, with the whole step built, is the cache
-        // touched.
-        drop(ins);
         let mut it = outs.into_iter();
-        let logits = it.next().unwrap();
+        let logits = it.next().expect("checked above");
         for lc in cache.layers.iter_mut() {
             match lc {
                 LayerCache::Attention(kv) => {
-                    let k = it.next().unwrap();
-                    let v = it.next().unwrap();
+                    let (k, v) = (it.next().expect("checked above"), it.next().expect("checked above"));
                     kv.commit_step(k, v);
                 }
                 LayerCache::Paged(i) => {
-                    let kv = (it.next().unwrap(), it.next().unwrap());
+                    let kv = (it.next().expect("checked above"), it.next().expect("checked above"));
                     cache.paged.as_mut().expect("checked above").views[*i] = kv;
                 }
-                LayerCache::Conv(s) => *s = Some(it.next().unwrap()),
+                LayerCache::Conv(s) => *s = Some(it.next().expect("checked above")),
             }
         }
         cache.end_decode_token()?;
@@ -186,46 +136,39 @@ impl CompiledDecoder {
     }
 
     /// One step for every row of `batch` (members in row order): `ids`
-    /// `[B, 1]`, `positions` (int32 `[B]`) each row's position. Returns logits `[B, V]`;
-    /// the batch holds the new state. The caches' own bookkeeping
-    /// (`begin/end_decode_token`) is the caller's.
-    pub fn step_batch(&self, ids: &Array, positions: &Array, batch: &mut DecodeBatch, compiled: bool) -> Result<Array> {
+    /// `[B, 1]`, `positions` (int32 `[B]`) each row's position. Returns
+    /// logits `[B, V]`; the batch holds the new state. The caches' own
+    /// bookkeeping (`begin/end_decode_token`) is the caller's.
+    pub fn step_batch(&self, model: &Lfm2Model, ids: &Array, positions: &Array, batch: &mut DecodeBatch, compiled: bool) -> Result<Array> {
         let b = positions.size();
         if b != batch.len() || ids.dim(0) as usize != b {
             return Err(Error::invalid("batched decode: ids, positions and batch rows differ in number"));
         }
         let state = batch.take_state();
         let n = state.len();
+        let kept = state.clone();
         let mut ins: Vec<Array> = vec![ids.clone(), positions.clone()];
         ins.extend(state);
-        let refs: Vec<&Array> = ins.iter().collect();
-        let outs = self.handle.step(compiled, &refs);
-        drop(refs);
+        let outs = self.run(model, ins, compiled);
         let outs = match outs {
-            Ok(o) if o.len() == n + 1 => o,
+            Ok(o) if o.len() == n + 1 => {
+                drop(kept);
+                o
+            }
             // Nothing ran: the batch gets its state back untouched.
             Ok(o) => {
-                batch.put_state(ins.split_off(2));
+                batch.put_state(kept);
                 return Err(Error::mlx(format!("compiled decode returned {} arrays, expected {}", o.len(), n + 1)));
             }
             Err(e) => {
-                batch.put_state(ins.split_off(2));
+                batch.put_state(kept);
                 return Err(e);
             }
         };
-        drop(ins);
         let mut it = outs.into_iter();
-        let logits = it.next().unwrap();
+        let logits = it.next().expect("checked above");
         batch.put_state(it.collect());
         Ok(logits)
-    }
-}
-
-fn conv_state(model: &Lfm2Model, s: &Option<Array>) -> Result<Array> {
-    let c = &model.config;
-    match s {
-        Some(s) => Ok(s.clone()),
-        None => mlx::zeros(&[1, c.conv_kernel as i32 - 1, c.hidden_size as i32], model.dtype),
     }
 }
 

@@ -1,7 +1,8 @@
 //! The compiled step is exact: over 64 greedy steps its logits equal, byte
-//! for byte, both the same graph run uncompiled and the Rust eager decode.
+//! for byte, both the same step function run uncompiled and the eager
+//! decode (which runs the same layers over the sequence's own cache).
 
-use super::CompiledDecoder;
+use super::CompiledStep;
 use crate::fixture::{self, DType, FixtureSpec, Preset};
 use crate::generate::prefill;
 use crate::convert::{convert, ConvertRecipe};
@@ -53,7 +54,7 @@ fn check_exact_q(preset: Preset, dtype: DType, quant: Option<(QuantMode, i32, i3
     if quant.is_some() {
         assert!(!m.registry.is_empty(), "{name}: nothing was quantized");
     }
-    let dec = CompiledDecoder::new(&m).unwrap();
+    let dec = CompiledStep::new(&m).unwrap();
     let prompt: Vec<u32> = (0..19).map(|i| (i * 31 + 5) % 700 + 1).collect();
     let mut c0: ModelCache = m.new_cache();
     let l0 = prefill(&m, &mut c0, &prompt, 8).unwrap();
@@ -81,15 +82,15 @@ fn check_exact_q(preset: Preset, dtype: DType, quant: Option<(QuantMode, i32, i3
 /// eager paged == eager flat, byte for byte, for 64 greedy steps. Each
 /// cache gets its own pool so no prefix is shared between them.
 fn check_exact_paged(preset: Preset, dtype: DType, quant: Option<(QuantMode, i32, i32)>, name: &str) {
-    use crate::model::paged::PagedConfig;
+    use crate::cache::paged::PagedConfig;
     let (src, dir) = checkpoint(preset, dtype, quant, name);
     let mut m = load_model(&dir, &LoadOptions::default()).unwrap().model;
-    let dec = CompiledDecoder::new(&m).unwrap();
+    let dec = CompiledStep::new(&m).unwrap();
     // 200 + 64 positions: decode crosses the 256-token step where the
     // decode mirrors are rebuilt from the pool.
     let prompt: Vec<u32> = (0..200).map(|i| (i * 31 + 5) % 700 + 1).collect();
     let cfg = PagedConfig { block_size: 8, budget_bytes: 64 << 20 };
-    let mut paged_cache = |m: &mut crate::model::Lfm2Model| {
+    let paged_cache = |m: &mut crate::model::Lfm2Model| {
         m.use_paged_cache(cfg, 7).unwrap();
         let mut c = m.new_cache();
         let l = prefill(m, &mut c, &prompt, 64).unwrap();
@@ -129,12 +130,12 @@ fn check_exact_paged(preset: Preset, dtype: DType, quant: Option<(QuantMode, i32
 /// by one and one leaving early. Compiled equals uncompiled byte for byte,
 /// and each row's logits equal its own single-sequence eager step; after
 /// the batch hands the caches back, single steps continue exactly.
-fn check_batch_exact(preset: Preset, dtype: DType, quant: Option<(QuantMode, i32, i32)>, paged: bool, max_traces: i32, name: &str) {
-    use crate::model::batch::{DecodeBatch, Member};
-    use crate::model::paged::PagedConfig;
+fn check_batch_exact(preset: Preset, dtype: DType, quant: Option<(QuantMode, i32, i32)>, paged: bool, max_traces: usize, name: &str) {
+    use crate::cache::batch::{DecodeBatch, Member};
+    use crate::cache::paged::PagedConfig;
     let (src, dir) = checkpoint(preset, dtype, quant, name);
     let mut m = load_model(&dir, &LoadOptions::default()).unwrap().model;
-    let dec = CompiledDecoder::with_config(&m, |c| c.max_traces = max_traces).unwrap();
+    let dec = CompiledStep::build(&m, max_traces, false).unwrap();
     if paged {
         m.use_paged_cache(PagedConfig { block_size: 8, budget_bytes: 64 << 20 }, 9).unwrap();
     }
@@ -183,7 +184,7 @@ fn check_batch_exact(preset: Preset, dtype: DType, quant: Option<(QuantMode, i32
             let ids = crate::mlx::concatenate(&ids, 0).unwrap();
             let pos: Vec<i32> = order.iter().map(|&i| caches[i].pos as i32).collect();
             let pos = Array::from_slice(&pos, &[pos.len() as i32]).unwrap();
-            let l = dec.step_batch(&ids, &pos, batch, compiled).unwrap();
+            let l = dec.step_batch(&m, &ids, &pos, batch, compiled).unwrap();
             for &i in &order {
                 let c = &mut caches[i];
                 if let Some(bs) = c.paged.as_ref().map(|s| s.block_size()) {
@@ -208,6 +209,7 @@ fn check_batch_exact(preset: Preset, dtype: DType, quant: Option<(QuantMode, i32
         }
         assert_eq!(order.len(), rows.len(), "{name}: batch rows at step {step}");
         assert_eq!(bytes(&lc), bytes(&lu), "{name}: compiled batch differs from uncompiled at step {step}");
+        assert!(dec.traces() <= max_traces, "{name}: {} traces kept, bound {max_traces}", dec.traces());
         for (r, &i) in order.iter().enumerate() {
             let ls = m.forward(&toks[i], &mut solo[i], true).unwrap().reshape(&[1, -1]).unwrap();
             let row = lc.slice_axis(0, r as i32, r as i32 + 1).unwrap();
@@ -303,8 +305,8 @@ fn a_failing_compiled_step_falls_back_to_eager_once() {
     fixture::generate(&FixtureSpec::new(Preset::Tiny), &dir).unwrap();
     let m = load_model(&dir, &LoadOptions::default()).unwrap().model;
     let tok = Tokenizer::load(&dir).unwrap();
-    // A head_dim the weights do not have: the step fails while being built.
-    let broken = CompiledDecoder::with_config(&m, |c| c.head_dim += 1).unwrap();
+    // Every trace fails: the step fails while being built.
+    let broken = CompiledStep::build(&m, super::MAX_TRACES, true).unwrap();
     let params = GenerateParams { max_tokens: 24, ignore_eos: true, ..Default::default() };
     let eos = Default::default();
     let prompt = [1u32, 2, 3, 4];

@@ -182,7 +182,7 @@ fn cancelled_requests_return_their_blocks() {
 /// at different steps, stop at different lengths, and each must produce
 /// exactly the tokens it produces alone.
 fn batched_equals_sequential(preset: Preset, paged: bool, path: DecodePath, name: &str) {
-    use super::{Active, Request};
+    use super::{Request, Scheduler};
     use std::sync::{Arc, Mutex};
     let dir = fixture_dir(name, preset);
     let mut e = engine(&dir, paged, 16, 64, Some(path));
@@ -215,7 +215,7 @@ fn batched_equals_sequential(preset: Preset, paged: bool, path: DecodePath, name
         .collect();
     e.clear_prefix_cache();
     let got: Arc<Mutex<Vec<Option<Vec<u32>>>>> = Arc::new(Mutex::new(vec![None; jobs.len()]));
-    let mut active: Vec<Active> = vec![];
+    let mut s = Scheduler::new();
     let mut max_batch = 0;
     let mut step = 0;
     loop {
@@ -223,23 +223,21 @@ fn batched_equals_sequential(preset: Preset, paged: bool, path: DecodePath, name
             if *at == step {
                 let (p, got, params) = (p.clone(), got.clone(), params(i, *n));
                 let req = Request::tokens(p, params, move |r| got.lock().unwrap()[i] = Some(r.unwrap().tokens));
-                if let Some(a) = e.admit(req) {
-                    active.push(a);
-                }
+                s.admit(&mut e, req);
             }
         }
-        if active.is_empty() && step > 9 {
+        if s.running() == 0 && step > 9 {
             break;
         }
-        max_batch = max_batch.max(active.len());
-        e.step_active(&mut active);
+        max_batch = max_batch.max(s.running());
+        s.step_active(&mut e);
         step += 1;
     }
     assert!(max_batch >= 4, "{name}: at most {max_batch} requests ran together");
     if path == DecodePath::Compiled {
-        assert!(e.stacked_steps > 20, "{name}: the compiled batched step ran {} times", e.stacked_steps);
+        assert!(s.stacked_steps > 20, "{name}: the compiled batched step ran {} times", s.stacked_steps);
     } else {
-        assert_eq!(e.stacked_steps, 0, "{name}: the eager path took the compiled batched step");
+        assert_eq!(s.stacked_steps, 0, "{name}: the eager path took the compiled batched step");
     }
     let got = got.lock().unwrap().clone();
     for (i, w) in want.iter().enumerate() {
@@ -278,7 +276,7 @@ fn batched_decode_gives_each_request_its_own_tokens() {
 /// prompt is read), and both give their solo tokens.
 #[test]
 fn a_long_prefill_does_not_stall_running_requests() {
-    use super::{Admission, Request};
+    use super::{Request, Scheduler};
     use std::sync::{Arc, Mutex};
     let dir = fixture_dir("interleave", Preset::Tiny);
     let mut e = engine(&dir, true, 16, 64, None);
@@ -293,21 +291,13 @@ fn a_long_prefill_does_not_stall_running_requests() {
         let params = GenerateParams { max_tokens: n, ignore_eos: true, prefill_chunk: 0, ..Default::default() };
         Request::tokens(p, params, move |r| got.lock().unwrap().push((id, r.unwrap().tokens)))
     };
-    let mut active = vec![e.admit(request(0, short.clone(), 6)).unwrap()];
-    let mut starting = Some(e.begin(request(1, long.clone(), 10)).unwrap());
+    let mut s = Scheduler::new();
+    assert!(s.admit(&mut e, request(0, short.clone(), 6)));
+    s.submit(&mut e, request(1, long.clone(), 10));
     let mut chunks = 0;
-    while !active.is_empty() || starting.is_some() {
-        if let Some(p) = starting.take() {
-            chunks += 1;
-            match e.advance(p) {
-                Admission::Prefilling(p) => starting = Some(p),
-                Admission::Running(a) => active.push(a),
-                Admission::Over => panic!("the long request ended during prefill"),
-            }
-        }
-        if !active.is_empty() {
-            e.step_active(&mut active);
-        }
+    while !s.is_idle() {
+        chunks += s.prefill_next(&mut e);
+        s.step_active(&mut e);
     }
     assert_eq!(chunks, 200usize.div_ceil(16), "one chunk per step");
     let got = got.lock().unwrap();
@@ -322,7 +312,7 @@ fn a_long_prefill_does_not_stall_running_requests() {
 /// error, and every block comes back.
 #[test]
 fn a_full_pool_fails_only_the_request_it_cannot_serve() {
-    use super::Request;
+    use super::{Request, Scheduler};
     use std::sync::{Arc, Mutex};
     let dir = fixture_dir("pool-full", Preset::Tiny);
     for path in [DecodePath::Compiled, DecodePath::Eager] {
@@ -334,16 +324,16 @@ fn a_full_pool_fails_only_the_request_it_cannot_serve() {
         let mut roomy = engine(&dir, true, 16, 64, Some(path));
         let want_a = run(&mut roomy, &pa, 12).tokens;
         let got: Arc<Mutex<Vec<(usize, Result<Vec<u32>, String>)>>> = Arc::new(Mutex::new(vec![]));
-        let mut active = vec![];
+        let mut s = Scheduler::new();
         for (id, p) in [(0, pa.clone()), (1, pb.clone())] {
             let got = got.clone();
             let params = GenerateParams { max_tokens: 12, ignore_eos: true, ..Default::default() };
             let req = Request::tokens(p, params, move |r| got.lock().unwrap().push((id, r.map(|g| g.tokens).map_err(|e| e.message))));
-            active.push(e.admit(req).expect("both prompts fit"));
+            assert!(s.admit(&mut e, req), "both prompts fit");
         }
         assert_eq!(e.cache_stats().unwrap().blocks_in_use, m - 1, "{path:?}: one block left after both prefills");
-        while !active.is_empty() {
-            e.step_active(&mut active);
+        while s.running() > 0 {
+            s.step_active(&mut e);
         }
         let got = got.lock().unwrap();
         assert_eq!(got.len(), 2);
@@ -362,31 +352,32 @@ fn a_full_pool_fails_only_the_request_it_cannot_serve() {
 /// requests are batched (their rows are not disturbed).
 #[test]
 fn warm_up_builds_the_batched_step_and_changes_nothing() {
-    use super::Request;
+    use super::{Request, Scheduler};
     use std::sync::{Arc, Mutex};
     let dir = fixture_dir("warm-up", Preset::Tiny);
     let mut e = engine(&dir, true, 16, 64, None);
     let mut fresh = engine(&dir, true, 16, 64, None);
-    let ms = e.warm_up().unwrap().expect("nothing was running");
+    let mut s = Scheduler::new();
+    let ms = s.warm_up(&mut e).unwrap().expect("nothing was running");
     assert!(ms > 0.0);
-    assert!(e.stacked_steps > 0, "the warm-up did not take the batched step");
+    assert!(s.stacked_steps > 0, "the warm-up did not take the batched step");
+    assert!(s.is_idle());
     assert_eq!(e.cache_stats().unwrap().blocks_in_use, 0);
     let (pa, pb) = (prompt(40, 71), prompt(25, 72));
     let (want_a, want_b) = (run(&mut fresh, &pa, 20).tokens, run(&mut fresh, &pb, 20).tokens);
     let got: Arc<Mutex<Vec<(usize, Vec<u32>)>>> = Arc::new(Mutex::new(vec![]));
-    let mut active = vec![];
     for (id, p) in [(0, pa.clone()), (1, pb.clone())] {
         let got = got.clone();
         let params = GenerateParams { max_tokens: 20, ignore_eos: true, ..Default::default() };
         let req = Request::tokens(p, params, move |r| got.lock().unwrap().push((id, r.unwrap().tokens)));
-        active.push(e.admit(req).unwrap());
+        assert!(s.admit(&mut e, req));
     }
     let mut steps = 0;
-    while !active.is_empty() {
-        e.step_active(&mut active);
+    while s.running() > 0 {
+        s.step_active(&mut e);
         steps += 1;
         if steps == 5 {
-            assert_eq!(e.warm_up().unwrap(), None, "a warm-up ran over a running batch");
+            assert_eq!(s.warm_up(&mut e).unwrap(), None, "a warm-up ran over a running batch");
         }
     }
     let mut got = got.lock().unwrap().clone();
@@ -451,8 +442,7 @@ fn prefill_rows_equals_single_prefills() {
 /// request gets its solo tokens.
 #[test]
 fn short_fresh_arrivals_are_prefilled_together() {
-    use super::{Admission, Request};
-    use std::collections::VecDeque;
+    use super::{Request, Scheduler};
     use std::sync::{Arc, Mutex};
     let dir = fixture_dir("prefill-group", Preset::Tiny);
     for path in [DecodePath::Compiled, DecodePath::Eager] {
@@ -480,29 +470,17 @@ fn short_fresh_arrivals_are_prefilled_together() {
         ];
         let want: Vec<Vec<u32>> = jobs.iter().map(|(p, n)| run(&mut cold, p, *n).tokens).collect();
         let got: Arc<Mutex<Vec<Option<Vec<u32>>>>> = Arc::new(Mutex::new(vec![None; jobs.len()]));
-        let mut waiting: VecDeque<_> = jobs
-            .iter()
-            .enumerate()
-            .map(|(i, (p, n))| {
-                let got = got.clone();
-                let params = GenerateParams { max_tokens: *n, ignore_eos: true, ..Default::default() };
-                e.begin(Request::tokens(p.clone(), params, move |r| got.lock().unwrap()[i] = Some(r.unwrap().tokens))).unwrap()
-            })
-            .collect();
-        let (mut active, mut groups) = (vec![], vec![]);
-        while !waiting.is_empty() || !active.is_empty() {
-            let g = e.take_prefill_group(&mut waiting);
-            groups.push(g.len());
-            for a in e.advance_group(g) {
-                match a {
-                    Admission::Prefilling(p) => waiting.push_front(p),
-                    Admission::Running(a) => active.push(a),
-                    Admission::Over => {}
-                }
-            }
-            if !active.is_empty() {
-                e.step_active(&mut active);
-            }
+        let mut s = Scheduler::new();
+        for (i, (p, n)) in jobs.iter().enumerate() {
+            let got = got.clone();
+            let params = GenerateParams { max_tokens: *n, ignore_eos: true, ..Default::default() };
+            s.submit(&mut e, Request::tokens(p.clone(), params, move |r| got.lock().unwrap()[i] = Some(r.unwrap().tokens)));
+        }
+        assert_eq!(s.prefilling(), jobs.len());
+        let mut groups = vec![];
+        while !s.is_idle() {
+            groups.push(s.prefill_next(&mut e));
+            s.step_active(&mut e);
         }
         // 20, 33, 7 and 1 together (4 x 33 = 132 > 128, so 20, 33, 7 first
         // and 1 joins 50 later), the cached one and the long one alone.
@@ -522,8 +500,7 @@ fn short_fresh_arrivals_are_prefilled_together() {
 /// that one fails, with the pool's error.
 #[test]
 fn a_full_pool_fails_only_the_arrival_it_cannot_hold() {
-    use super::{Admission, Request};
-    use std::collections::VecDeque;
+    use super::{Request, Scheduler};
     use std::sync::{Arc, Mutex};
     let dir = fixture_dir("prefill-full", Preset::Tiny);
     let opts = |budget: usize| EngineOptions {
@@ -541,27 +518,17 @@ fn a_full_pool_fails_only_the_arrival_it_cannot_hold() {
     let prompts = [prompt(16 * ka - 3, 101), prompt(16 * kb - 3, 102), prompt(48, 103)];
     let want: Vec<Vec<u32>> = prompts[..2].iter().map(|p| run(&mut roomy, p, 2).tokens).collect();
     let got: Arc<Mutex<Vec<Option<Result<Vec<u32>, String>>>>> = Arc::new(Mutex::new(vec![None, None, None]));
-    let mut waiting: VecDeque<_> = prompts
-        .iter()
-        .enumerate()
-        .map(|(i, p)| {
-            let got = got.clone();
-            let params = GenerateParams { max_tokens: 2, ignore_eos: true, ..Default::default() };
-            e.begin(Request::tokens(p.clone(), params, move |r| got.lock().unwrap()[i] = Some(r.map(|g| g.tokens).map_err(|e| e.message))))
-                .unwrap()
-        })
-        .collect();
-    let group = e.take_prefill_group(&mut waiting);
-    assert_eq!(group.len(), 3);
-    let mut active = vec![];
-    for a in e.advance_group(group) {
-        if let Admission::Running(a) = a {
-            active.push(a);
-        }
+    let mut s = Scheduler::new();
+    for (i, p) in prompts.iter().enumerate() {
+        let got = got.clone();
+        let params = GenerateParams { max_tokens: 2, ignore_eos: true, ..Default::default() };
+        s.submit(&mut e, Request::tokens(p.clone(), params, move |r| got.lock().unwrap()[i] = Some(r.map(|g| g.tokens).map_err(|e| e.message))));
     }
-    assert_eq!(active.len(), 2);
-    while !active.is_empty() {
-        e.step_active(&mut active);
+    assert_eq!(s.prefill_next(&mut e), 3, "the three arrivals are one prefill group");
+    assert_eq!(s.running(), 2);
+    assert_eq!(s.prefilling(), 0);
+    while s.running() > 0 {
+        s.step_active(&mut e);
     }
     let got = got.lock().unwrap();
     for i in 0..2 {

@@ -4,8 +4,7 @@
 //! scheduled with continuous batching (see `schedule`); other work runs in
 //! order between decode steps.
 
-use super::{Active, Engine, EngineOptions, ModelInfo, Prefilling, Request};
-use std::collections::VecDeque;
+use super::{Engine, EngineOptions, ModelInfo, Request, Scheduler};
 use crate::error::{Error, ErrorKind, Result};
 use crate::mlx::runtime;
 use crate::text::Tokenizer;
@@ -16,7 +15,7 @@ use std::path::PathBuf;
 use std::sync::mpsc::{channel, Sender};
 use std::thread::JoinHandle;
 
-type Job = Box<dyn FnOnce(&mut Engine) + Send>;
+type Job = Box<dyn FnOnce(&mut Engine, &mut Scheduler) + Send>;
 
 /// What the worker's queue carries: plain work on the engine, or a
 /// generation for the continuous-batching scheduler.
@@ -139,10 +138,20 @@ impl ModelWorker {
         f: impl FnOnce(&mut Engine) -> Result<T> + Send + 'static,
         reply: impl FnOnce(Result<T>) + Send + 'static,
     ) {
+        self.run_scheduled(move |engine, _| f(engine), reply)
+    }
+
+    /// [`ModelWorker::run`] for work that also needs the scheduler (the
+    /// warm-up, which must not run over live requests).
+    pub fn run_scheduled<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Engine, &mut Scheduler) -> Result<T> + Send + 'static,
+        reply: impl FnOnce(Result<T>) + Send + 'static,
+    ) {
         let slot = Arc::new(Mutex::new(Some(reply)));
         let job_slot = slot.clone();
-        let job: Job = Box::new(move |engine| {
-            let r = catch_unwind(AssertUnwindSafe(|| f(engine)))
+        let job: Job = Box::new(move |engine, sched| {
+            let r = catch_unwind(AssertUnwindSafe(|| f(engine, sched)))
                 .unwrap_or_else(|p| Err(Error::new(ErrorKind::Mlx, format!("internal panic: {}", panic_message(p)))));
             if let Some(reply) = job_slot.lock().take() {
                 reply(r);
@@ -188,15 +197,10 @@ impl ModelWorker {
 /// nothing running it sleeps on the queue.
 fn schedule(engine: &mut Engine, rx: std::sync::mpsc::Receiver<Msg>) {
     use std::sync::mpsc::TryRecvError;
-    let mut active: Vec<Active> = Vec::new();
-    // Requests being prefilled: one chunk of the first per step (or the
-    // whole prompts of several short fresh ones together), so running
-    // requests keep producing tokens while a long prompt is read.
-    let mut starting: VecDeque<Prefilling> = VecDeque::new();
+    let mut sched = Scheduler::new();
     let mut open = true;
     loop {
-        let idle = active.is_empty() && starting.is_empty();
-        let msg = if idle {
+        let msg = if sched.is_idle() {
             if !open {
                 break;
             }
@@ -220,30 +224,25 @@ fn schedule(engine: &mut Engine, rx: std::sync::mpsc::Receiver<Msg>) {
             Some(Msg::Run(job)) => {
                 // A panicking job must not take the model down with it; the
                 // job's own wrapper reports the failure to its caller.
-                let _ = catch_unwind(AssertUnwindSafe(|| job(engine)));
+                let _ = catch_unwind(AssertUnwindSafe(|| job(engine, &mut sched)));
                 continue;
             }
             Some(Msg::Generate(req)) => {
-                match catch_unwind(AssertUnwindSafe(|| engine.begin(req))) {
-                    Ok(Some(p)) => starting.push_back(p),
-                    Ok(None) => {}
-                    Err(p) => eprintln!("mlx-lfm: internal panic while starting a request: {}", panic_message(p)),
+                if let Err(p) = catch_unwind(AssertUnwindSafe(|| sched.submit(engine, req))) {
+                    eprintln!("mlx-lfm: internal panic while starting a request: {}", panic_message(p));
                 }
                 // Take every arrival before the next step.
                 continue;
             }
             None => {}
         }
-        if !starting.is_empty() {
-            if let Err(p) = catch_unwind(AssertUnwindSafe(|| engine.prefill_next(&mut starting, &mut active))) {
-                eprintln!("mlx-lfm: internal panic during a prefill: {}", panic_message(p));
-            }
+        if let Err(p) = catch_unwind(AssertUnwindSafe(|| sched.prefill_next(engine))) {
+            eprintln!("mlx-lfm: internal panic during a prefill: {}", panic_message(p));
         }
-        if !active.is_empty() && catch_unwind(AssertUnwindSafe(|| engine.step_active(&mut active))).is_err() {
+        if catch_unwind(AssertUnwindSafe(|| sched.step_active(engine))).is_err() {
             // The requests' replies fire as they are dropped; their batch
             // rows go with them.
-            active.clear();
-            engine.forget_batch();
+            sched.forget();
         }
     }
 }

@@ -5,7 +5,7 @@
 pub mod sampler;
 pub mod stop;
 
-use crate::compiled::CompiledDecoder;
+use crate::compiled::CompiledStep;
 use crate::error::{Error, Result};
 use crate::mlx::{async_eval, Array};
 use crate::model::{Lfm2Model, ModelCache};
@@ -193,12 +193,12 @@ impl PrefillRun {
 /// every later step, runs eager.
 pub struct Stepper<'a> {
     pub model: &'a Lfm2Model,
-    compiled: Option<&'a CompiledDecoder>,
+    compiled: Option<&'a CompiledStep>,
     pub failure: Option<Error>,
 }
 
 impl<'a> Stepper<'a> {
-    pub fn new(model: &'a Lfm2Model, compiled: Option<&'a CompiledDecoder>) -> Self {
+    pub fn new(model: &'a Lfm2Model, compiled: Option<&'a CompiledStep>) -> Self {
         Stepper { model, compiled, failure: None }
     }
 
@@ -316,7 +316,7 @@ impl Pending {
     /// prefix cache, the prompt within one chunk, full-precision KV.
     pub fn batchable_prompt(&self) -> Option<&[u32]> {
         let fresh = self.run.start == 0 && self.run.cached == 0 && self.prompt.len() <= self.run.chunk;
-        (fresh && crate::model::batch::stackable(&self.cache)).then_some(self.prompt.as_slice())
+        (fresh && crate::cache::batch::stackable(&self.cache)).then_some(self.prompt.as_slice())
     }
 
     /// Takes the paged blocks the whole prompt needs now (before a batched

@@ -461,7 +461,7 @@ pub struct CacheStats {
     pub bytes: f64,
 }
 
-pub fn to_cache_stats(s: &crate::model::paged::PagedStats, bytes: usize) -> CacheStats {
+pub fn to_cache_stats(s: &crate::cache::paged::PagedStats, bytes: usize) -> CacheStats {
     CacheStats {
         block_size: s.block_size as u32,
         capacity_blocks: s.capacity_blocks as u32,

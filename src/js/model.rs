@@ -309,8 +309,8 @@ impl Lfm2Model {
     #[napi(ts_return_type = "Promise<number | null>")]
     pub fn warm_up<'e>(&self, env: &'e Env) -> Result<Object<'e>> {
         let (deferred, promise) = env.create_deferred()?;
-        self.worker.run(
-            move |eng| eng.warm_up(),
+        self.worker.run_scheduled(
+            move |eng, sched| sched.warm_up(eng),
             move |r| match r {
                 Ok(ms) => deferred.resolve(move |_| Ok(ms)),
                 Err(e) => deferred.reject(js_error(e)),

@@ -20,7 +20,7 @@
 use super::codec::Codec;
 use crate::error::{Error, Result};
 use crate::mlx::{concatenate, sdpa, zeros, Array, Dtype, Mask};
-use crate::model::cache::KV_STEP;
+use crate::cache::KV_STEP;
 
 /// Counters for the amortisation and deferral tests.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

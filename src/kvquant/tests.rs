@@ -222,7 +222,7 @@ fn bytes_per_vector() {
     assert_eq!(c.used_bytes(), 301 * 8 * 2 * 26);
     assert_eq!(Codec::new(KvKind::Rotor(Rotation::Dense), 16).unwrap().bytes_per_vector(Dtype::Bfloat16), 8);
     let cap = c.nbytes() / (8 * 2 * 26);
-    assert!(cap >= 301 && cap % crate::model::cache::KV_STEP == 0);
+    assert!(cap >= 301 && cap % crate::cache::KV_STEP == 0);
 }
 
 #[test]
@@ -506,7 +506,7 @@ mod model {
     use super::*;
     use crate::fixture::{self, DType, FixtureSpec, Preset};
     use crate::generate::prefill;
-    use crate::model::cache::LayerCache;
+    use crate::cache::LayerCache;
     use crate::model::{load_model, Lfm2Model, LoadOptions};
 
     fn tiny(name: &str) -> Lfm2Model {

@@ -1,9 +1,18 @@
 //! `mx::compile` over a Rust closure: MLX traces the closure once per input
 //! shape signature and replays the fused graph afterwards.
+//!
+//! Each [`Compiled`] has a compile id of its own (the bridge's function
+//! object), erased when it is dropped. MLX keeps every trace for as long as
+//! the id lives and scans them on each call, so a function called with
+//! ever new shapes (decode batches of changing size over growing caches)
+//! would collect traces without end: past `max_traces` distinct input
+//! signatures all traces are dropped and the shapes in use are traced again.
 
-use super::array::{check, Array};
-use super::ffi::{self, FnHandle, Handle};
+use super::array::{check, Array, Dtype};
+use super::ffi::{self, ArraysHandle, FnHandle, Handle};
 use crate::error::Result;
+use std::cell::RefCell;
+use std::collections::HashSet;
 use std::ffi::CString;
 use std::os::raw::{c_int, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -15,31 +24,25 @@ type TraceFn = dyn Fn(&[Array]) -> Result<Vec<Array>>;
 pub struct Compiled {
     handle: FnHandle,
     _closure: Box<Box<TraceFn>>,
+    max_traces: usize,
+    /// Input signatures (shape and dtype of every input) traced so far.
+    traced: RefCell<HashSet<Vec<(Vec<i32>, Dtype)>>>,
 }
 
-extern "C" fn trampoline(
-    ctx: *mut c_void,
-    ins: *const Handle,
-    n_in: usize,
-    outs: *mut Handle,
-    cap_out: usize,
-    n_out: *mut usize,
-) -> c_int {
+extern "C" fn trampoline(ctx: *mut c_void, ins: *const Handle, n_in: usize, outs: ArraysHandle) -> c_int {
     let f = unsafe { &*(ctx as *const Box<TraceFn>) };
     // Inputs are borrowed: clone them into owned handles for the closure.
-    let inputs: Vec<Array> =
-        (0..n_in).map(|i| Array(unsafe { ffi::mlxb_array_clone(*ins.add(i)) })).collect();
+    let inputs: Vec<Array> = (0..n_in).map(|i| Array(unsafe { ffi::mlxb_array_clone(*ins.add(i)) })).collect();
     let res = catch_unwind(AssertUnwindSafe(|| f(&inputs)));
     let msg = match res {
-        Ok(Ok(v)) if v.len() <= cap_out => {
-            for (i, a) in v.into_iter().enumerate() {
-                unsafe { *outs.add(i) = a.handle() };
-                std::mem::forget(a);
-                unsafe { *n_out = i + 1 };
+        Ok(Ok(v)) => {
+            for a in &v {
+                if unsafe { ffi::mlxb_arrays_push(outs, a.handle()) } != 0 {
+                    return 1; // the bridge set the error
+                }
             }
             return 0;
         }
-        Ok(Ok(v)) => format!("compiled closure returned {} outputs (at most {cap_out})", v.len()),
         Ok(Err(e)) => e.message,
         Err(_) => "compiled closure panicked".to_string(),
     };
@@ -49,20 +52,44 @@ extern "C" fn trampoline(
 }
 
 impl Compiled {
+    /// No bound on traces (a function called with a few fixed shapes).
     pub fn new(f: impl Fn(&[Array]) -> Result<Vec<Array>> + 'static, shapeless: bool) -> Result<Compiled> {
+        Self::bounded(f, shapeless, usize::MAX)
+    }
+
+    /// At most `max_traces` input signatures kept traced (at least one).
+    pub fn bounded(f: impl Fn(&[Array]) -> Result<Vec<Array>> + 'static, shapeless: bool, max_traces: usize) -> Result<Compiled> {
         let closure: Box<Box<TraceFn>> = Box::new(Box::new(f));
         let mut handle: FnHandle = std::ptr::null_mut();
         let ctx = &*closure as *const Box<TraceFn> as *mut c_void;
         check(unsafe { ffi::mlxb_compile(trampoline, ctx, shapeless as c_int, &mut handle) })?;
-        Ok(Compiled { handle, _closure: closure })
+        Ok(Compiled { handle, _closure: closure, max_traces: max_traces.max(1), traced: RefCell::new(HashSet::new()) })
     }
 
     pub fn call(&self, inputs: &[&Array]) -> Result<Vec<Array>> {
+        if self.max_traces != usize::MAX {
+            let sig: Vec<(Vec<i32>, Dtype)> = inputs.iter().map(|a| (a.shape(), a.dtype())).collect();
+            let mut traced = self.traced.borrow_mut();
+            if !traced.contains(&sig) {
+                if traced.len() >= self.max_traces {
+                    check(unsafe { ffi::mlxb_fn_clear(self.handle) })?;
+                    traced.clear();
+                }
+                traced.insert(sig);
+            }
+        }
         let hs: Vec<Handle> = inputs.iter().map(|a| a.handle()).collect();
-        let mut outs: Vec<Handle> = vec![std::ptr::null_mut(); 64];
-        let mut n = 0usize;
-        check(unsafe { ffi::mlxb_fn_call(self.handle, hs.as_ptr(), hs.len(), outs.as_mut_ptr(), outs.len(), &mut n) })?;
-        Ok(outs.into_iter().take(n).map(Array).collect())
+        let mut outs: ArraysHandle = std::ptr::null_mut();
+        check(unsafe { ffi::mlxb_fn_call(self.handle, hs.as_ptr(), hs.len(), &mut outs) })?;
+        let n = unsafe { ffi::mlxb_arrays_len(outs) };
+        let v = (0..n).map(|i| Array(unsafe { ffi::mlxb_arrays_take(outs, i) })).collect();
+        unsafe { ffi::mlxb_arrays_free(outs) };
+        Ok(v)
+    }
+
+    /// Input signatures traced now (tests check the bound).
+    pub fn traces(&self) -> usize {
+        self.traced.borrow().len()
     }
 }
 

@@ -11,19 +11,17 @@ pub struct mlxb_array_s {
 pub struct mlxb_fn_s {
     _p: [u8; 0],
 }
+#[repr(C)]
+pub struct mlxb_arrays_s {
+    _p: [u8; 0],
+}
 pub type Handle = *mut mlxb_array_s;
 pub type FnHandle = *mut mlxb_fn_s;
+pub type ArraysHandle = *mut mlxb_arrays_s;
 
 pub type NamedArrayCb = extern "C" fn(ctx: *mut c_void, name: *const c_char, a: Handle);
 pub type KvCb = extern "C" fn(ctx: *mut c_void, key: *const c_char, value: *const c_char);
-pub type TraceCb = extern "C" fn(
-    ctx: *mut c_void,
-    ins: *const Handle,
-    n_in: usize,
-    outs: *mut Handle,
-    cap_out: usize,
-    n_out: *mut usize,
-) -> c_int;
+pub type TraceCb = extern "C" fn(ctx: *mut c_void, ins: *const Handle, n_in: usize, outs: ArraysHandle) -> c_int;
 
 extern "C" {
     pub fn mlxb_last_error() -> *const c_char;
@@ -64,6 +62,8 @@ extern "C" {
     pub fn mlxb_contiguous(a: Handle, out: *mut Handle) -> c_int;
     pub fn mlxb_slice(a: Handle, start: *const i32, stop: *const i32, strides: *const i32, n: c_int, out: *mut Handle) -> c_int;
     pub fn mlxb_slice_update(src: Handle, upd: Handle, start: *const i32, stop: *const i32, n: c_int, out: *mut Handle) -> c_int;
+    pub fn mlxb_slice_update_dyn(src: Handle, upd: Handle, start: Handle, axes: *const i32, n: c_int, out: *mut Handle) -> c_int;
+    pub fn mlxb_scatter(a: Handle, indices: *const Handle, axes: *const i32, n: c_int, updates: Handle, out: *mut Handle) -> c_int;
     pub fn mlxb_concatenate(arrs: *const Handle, n: usize, axis: c_int, out: *mut Handle) -> c_int;
     pub fn mlxb_stack(arrs: *const Handle, n: usize, axis: c_int, out: *mut Handle) -> c_int;
     pub fn mlxb_split_equal(a: Handle, parts: c_int, axis: c_int, outs: *mut Handle) -> c_int;
@@ -108,8 +108,13 @@ extern "C" {
     pub fn mlxb_random_uniform(shape: *const i32, ndim: c_int, dtype: c_int, key: Handle, out: *mut Handle) -> c_int;
     pub fn mlxb_random_normal(shape: *const i32, ndim: c_int, dtype: c_int, loc: f32, scale: f32, key: Handle, out: *mut Handle) -> c_int;
 
+    pub fn mlxb_arrays_push(v: ArraysHandle, a: Handle) -> c_int;
+    pub fn mlxb_arrays_len(v: ArraysHandle) -> usize;
+    pub fn mlxb_arrays_take(v: ArraysHandle, i: usize) -> Handle;
+    pub fn mlxb_arrays_free(v: ArraysHandle);
     pub fn mlxb_compile(cb: TraceCb, ctx: *mut c_void, shapeless: c_int, out: *mut FnHandle) -> c_int;
-    pub fn mlxb_fn_call(f: FnHandle, ins: *const Handle, n_in: usize, outs: *mut Handle, cap: usize, n_out: *mut usize) -> c_int;
+    pub fn mlxb_fn_call(f: FnHandle, ins: *const Handle, n_in: usize, out: *mut ArraysHandle) -> c_int;
+    pub fn mlxb_fn_clear(f: FnHandle) -> c_int;
     pub fn mlxb_fn_free(f: FnHandle);
 
     pub fn mlxb_get_active_memory() -> usize;
@@ -130,38 +135,3 @@ extern "C" {
     pub fn mlxb_device_total_memory() -> usize;
 }
 
-#[repr(C)]
-pub struct mlxb_decoder_s {
-    _p: [u8; 0],
-}
-pub type DecoderPtr = *mut mlxb_decoder_s;
-
-/// Mirrors `mlxb_decoder_config` in cpp/mlxb.h.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-pub struct DecoderConfig {
-    pub num_layers: c_int,
-    pub hidden_size: c_int,
-    pub num_heads: c_int,
-    pub num_kv_heads: c_int,
-    pub head_dim: c_int,
-    pub conv_kernel: c_int,
-    pub norm_eps: f32,
-    pub rope_theta: f32,
-    pub attn_scale: f32,
-    pub num_experts: c_int,
-    pub experts_per_token: c_int,
-    pub norm_topk_prob: c_int,
-    pub routed_scaling_factor: f32,
-    pub cpu_non_f32_experts: c_int,
-    pub max_traces: c_int,
-}
-
-extern "C" {
-    pub fn mlxb_decoder_new(cfg: *const DecoderConfig, attn: *const u8, moe: *const u8, out: *mut DecoderPtr) -> c_int;
-    pub fn mlxb_decoder_add_weight(d: DecoderPtr, name: *const c_char, a: Handle) -> c_int;
-    pub fn mlxb_decoder_set_quant(d: DecoderPtr, path: *const c_char, mode: *const c_char, bits: c_int, gs: c_int) -> c_int;
-    pub fn mlxb_decoder_finalize(d: DecoderPtr) -> c_int;
-    pub fn mlxb_decoder_step(d: DecoderPtr, compiled: c_int, ins: *const Handle, n_in: usize, outs: *mut Handle, cap: usize, n_out: *mut usize) -> c_int;
-    pub fn mlxb_decoder_free(d: DecoderPtr);
-}

@@ -15,6 +15,3 @@ pub use ops::*;
 
 #[cfg(test)]
 mod tests;
-
-mod decoder;
-pub use decoder::{DecoderConfig, DecoderHandle};

@@ -177,6 +177,22 @@ impl Array {
             ffi::mlxb_slice_update(self.handle(), update.handle(), start.as_ptr(), stop.as_ptr(), start.len() as i32, o)
         })
     }
+    /// `slice_update` at a start held in an int array (one entry per axis
+    /// in `axes`), so the position can be an input of a compiled function.
+    pub fn slice_update_dyn(&self, update: &Array, start: &Array, axes: &[i32]) -> Result<Array> {
+        make(|o| unsafe {
+            ffi::mlxb_slice_update_dyn(self.handle(), update.handle(), start.handle(), axes.as_ptr(), axes.len() as i32, o)
+        })
+    }
+    /// Writes `updates` at the points `indices` name along `axes` (one index
+    /// array per axis, broadcast together).
+    pub fn scatter(&self, indices: &[&Array], axes: &[i32], updates: &Array) -> Result<Array> {
+        if indices.len() != axes.len() {
+            return Err(Error::invalid("scatter takes one index array per axis"));
+        }
+        let hs: Vec<Handle> = indices.iter().map(|a| a.handle()).collect();
+        make(|o| unsafe { ffi::mlxb_scatter(self.handle(), hs.as_ptr(), axes.as_ptr(), axes.len() as i32, updates.handle(), o) })
+    }
     pub fn split_equal(&self, parts: usize, axis: i32) -> Result<Vec<Array>> {
         let mut hs: Vec<Handle> = vec![null_mut(); parts];
         check(unsafe { ffi::mlxb_split_equal(self.handle(), parts as i32, axis, hs.as_mut_ptr()) })?;

@@ -2,9 +2,9 @@
 //! steers selection, and SwiGLU experts run through gathered matmuls.
 //!
 //! Expert dispatch:
-//! - many routed rows (prefill): rows are sorted by expert so each expert's
-//!   weights are read once (`sorted` gather kernels);
-//! - few rows (decode): direct gathered matmuls, no sort.
+//! - many routed rows in a prefill: rows are sorted by expert so each
+//!   expert's weights are read once (`sorted` gather kernels);
+//! - few rows, and every decode step: direct gathered matmuls, no sort.
 //! MLX's CPU backend only runs `gather_mm` in float32. For a bf16/f16 model
 //! on CPU we therefore never call it: decode gathers just the k selected
 //! experts' weights and upcasts those (cost ~ active parameters), prefill
@@ -138,14 +138,18 @@ impl SparseMoe {
     pub fn experts(&self, x: &Array, inds: &Array) -> Result<Array> {
         let (b, t, d) = (x.dim(0), x.dim(1), x.dim(2));
         let k = self.top_k as i32;
-        let n = (b * t * k) as usize;
+        // Sorting pays only for many rows, and only in a prefill: a decode
+        // step (one token per row, however many rows) gathers directly. It
+        // must: the compiled step traces it, and the host-grouped path
+        // reads the expert counts back to the host.
+        let many = t > 1 && (b * t * k) as usize >= SORT_THRESHOLD;
         if self.cpu_non_f32 {
-            return if n >= SORT_THRESHOLD { self.host_grouped(x, inds) } else { self.gathered_upcast(x, inds) };
+            return if many { self.host_grouped(x, inds) } else { self.gathered_upcast(x, inds) };
         }
-        if n >= SORT_THRESHOLD && self.grouped_prefill {
+        if many && self.grouped_prefill {
             return self.host_grouped(x, inds);
         }
-        if n >= SORT_THRESHOLD {
+        if many {
             let flat = inds.reshape(&[-1])?;
             let order = flat.argsort(0)?;
             let inv = order.argsort(0)?;

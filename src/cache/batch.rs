@@ -1,7 +1,9 @@
 //! Decode batches: the caches of the sequences decoding together, stacked
-//! row by row, so that one compiled step (cpp/decode.cpp) advances them all
+//! row by row, so that one compiled step (src/compiled) advances them all
 //! with as many ops as a single sequence takes (each row's K/V written at its
 //! own position by one scatter per buffer, one attention call over all rows).
+//! [`StackedPass`] is that step's cache: K/V buffers and conv states passed
+//! in as arrays and returned new, which keeps the compiled graph pure.
 //!
 //! While a sequence is in a batch its K/V and conv states live here, and
 //! only here: a flat cache gives up its buffers when it joins, a paged one
@@ -15,11 +17,11 @@
 //! between steps; joining appends rows, leaving removes them, so a steady
 //! batch rebuilds nothing.
 
-use super::cache::{KvCache, LayerCache, KV_STEP};
-use super::paged::write_prefill;
-use super::ModelCache;
+use super::flat::{KvCache, KV_STEP};
+use super::sequence::{LayerCache, ModelCache};
+use super::{ConvShape, ForwardCache, Offset};
 use crate::error::{Error, Result};
-use crate::mlx::{concatenate, zeros, Array, Dtype};
+use crate::mlx::{self, arange, concatenate, zeros, Array, Dtype, Mask};
 
 /// One running sequence as the batch sees it: its id, whether it takes the
 /// next step, and its cache.
@@ -244,23 +246,11 @@ impl DecodeBatch {
         let r = i as i32;
         let cols = |a: &Array| a.slice(&[r, 0, synced as i32, 0], &[r + 1, a.dim(1), upto as i32, a.dim(3)], &[1, 1, 1, 1]);
         let mut slot = 0;
-        let mut fresh = vec![];
-        let pool = cache.paged.as_ref().map(|s| s.pool.clone());
-        let mut pool = pool.as_ref().map(|p| p.lock());
         for li in 0..cache.layers.len() {
             match &mut cache.layers[li] {
-                LayerCache::Attention(kv) => {
+                LayerCache::Attention(_) | LayerCache::Paged(_) => {
                     if upto > synced {
-                        kv.append(&cols(&state[slot])?, &cols(&state[slot + 1])?)?;
-                        fresh.extend(kv.arrays().into_iter().cloned());
-                    }
-                    slot += 2;
-                }
-                LayerCache::Paged(o) => {
-                    if upto > synced {
-                        let seq = cache.paged.as_ref().ok_or_else(|| Error::invalid("paged layer without a paged sequence"))?;
-                        let pool = pool.as_mut().expect("a paged sequence has a pool");
-                        write_prefill(pool, seq, *o, synced, &cols(&state[slot])?, &cols(&state[slot + 1])?)?;
+                        cache.store_kv(li, synced, &cols(&state[slot])?, &cols(&state[slot + 1])?)?;
                     }
                     slot += 2;
                 }
@@ -270,12 +260,17 @@ impl DecodeBatch {
                 }
             }
         }
-        if let Some(pool) = pool.as_ref() {
-            // Evaluated with the step, so pool updates do not pile up.
-            fresh.extend(pool.layer_arrays().into_iter().cloned());
+        // Evaluated with the step, so the copies do not pile up as graphs.
+        let mut fresh: Vec<Array> = vec![];
+        for lc in &cache.layers {
+            if let LayerCache::Attention(kv) = lc {
+                if upto > synced {
+                    fresh.extend(kv.arrays().into_iter().cloned());
+                }
+            }
         }
-        drop(pool);
         if let Some(seq) = cache.paged.as_mut() {
+            fresh.extend(seq.pool.lock().layer_arrays().into_iter().cloned());
             if upto > synced {
                 seq.flushed = upto;
             }
@@ -325,5 +320,105 @@ impl DecodeBatch {
 
     pub fn len(&self) -> usize {
         self.rows.len()
+    }
+}
+
+/// The cache of one decode step over stacked state: the step's inputs are
+/// the token ids, the positions and, in layer order, the K and V buffers of
+/// each attention layer (`[B, kv_heads, cap, head_dim]`) and the state of
+/// each conv layer (`[B, L-1, hidden]`); its outputs are the logits and the
+/// new state in the same order. One sequence passes an int32 scalar
+/// position (its flat buffers or paged mirrors as the state); a batch
+/// passes one position per row, and each row's token is written at its own
+/// position by one scatter per buffer.
+pub struct StackedPass {
+    pos: Array,
+    /// Per decoder layer, its first slot in `state`.
+    slots: Vec<usize>,
+    state: Vec<Array>,
+    /// The attention mask over the buffers, built once per pass.
+    mask: Option<Array>,
+}
+
+impl StackedPass {
+    pub fn new(attn_layers: &[bool], pos: Array, state: Vec<Array>) -> Result<StackedPass> {
+        let mut slots = Vec::with_capacity(attn_layers.len());
+        let mut n = 0;
+        for &a in attn_layers {
+            slots.push(n);
+            n += if a { 2 } else { 1 };
+        }
+        if state.len() != n {
+            return Err(Error::invalid(format!("a decode step takes {n} state arrays for this model, got {}", state.len())));
+        }
+        if pos.ndim() > 1 {
+            return Err(Error::invalid("decode positions must be a scalar or one per row"));
+        }
+        Ok(StackedPass { pos, slots, state, mask: None })
+    }
+
+    /// The new state, in input order.
+    pub fn into_state(self) -> Vec<Array> {
+        self.state
+    }
+
+    fn per_row(&self) -> bool {
+        self.pos.ndim() == 1
+    }
+
+    /// `[B or 1, 1, 1, cap]`: each row's positions up to its own.
+    fn mask(&mut self, b: i32, cap: i32) -> Result<Array> {
+        if let Some(m) = &self.mask {
+            if m.dim(3) == cap {
+                return Ok(m.clone());
+            }
+        }
+        let cols = arange(0.0, cap as f64, 1.0, Dtype::Int32)?;
+        let upto = self.pos.add_scalar(1.0)?;
+        let m = if self.per_row() {
+            cols.reshape(&[1, cap])?.lt(&upto.reshape(&[b, 1])?)?.reshape(&[b, 1, 1, cap])?
+        } else {
+            cols.lt(&upto)?.reshape(&[1, 1, 1, cap])?
+        };
+        self.mask = Some(m.clone());
+        Ok(m)
+    }
+}
+
+impl ForwardCache for StackedPass {
+    fn offset(&self) -> Offset<'_> {
+        Offset::Array(&self.pos)
+    }
+
+    fn attend(&mut self, layer: usize, q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Array> {
+        let slot = self.slots[layer];
+        let (kbuf, vbuf) = (&self.state[slot], &self.state[slot + 1]);
+        let (b, h, cap, hd) = (kbuf.dim(0), kbuf.dim(1), kbuf.dim(2), kbuf.dim(3));
+        let (kn, vn) = if self.per_row() {
+            let rows = arange(0.0, b as f64, 1.0, Dtype::Int32)?;
+            let upd = |x: &Array| x.reshape(&[b, 1, h, 1, hd]);
+            (
+                kbuf.scatter(&[&rows, &self.pos], &[0, 2], &upd(k)?)?,
+                vbuf.scatter(&[&rows, &self.pos], &[0, 2], &upd(v)?)?,
+            )
+        } else {
+            let start = self.pos.reshape(&[1])?;
+            (kbuf.slice_update_dyn(k, &start, &[2])?, vbuf.slice_update_dyn(v, &start, &[2])?)
+        };
+        let mask = self.mask(b, cap)?;
+        let o = mlx::sdpa(q, &kn, &vn, scale, Mask::Array(&mask))?;
+        self.state[slot] = kn;
+        self.state[slot + 1] = vn;
+        Ok(o)
+    }
+
+    fn conv_state(&mut self, layer: usize, _shape: ConvShape) -> Result<Array> {
+        Ok(self.state[self.slots[layer]].clone())
+    }
+
+    fn conv_update(&mut self, layer: usize, padded: &Array, keep: i32) -> Result<()> {
+        let n = padded.dim(1);
+        self.state[self.slots[layer]] = padded.slice_axis(1, n - keep, n)?;
+        Ok(())
     }
 }

@@ -31,7 +31,7 @@ pub const DEFAULT_BUDGET_MB: usize = 2048;
 /// Decode attends over a block table padded to a multiple of this many
 /// tokens, so the compiled step's shapes change only every so often (the
 /// same step as the flat cache: equal shapes, equal results).
-pub const TABLE_STEP_TOKENS: usize = super::cache::KV_STEP;
+pub const TABLE_STEP_TOKENS: usize = super::flat::KV_STEP;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PagedConfig {
@@ -438,6 +438,8 @@ pub struct PagedSeq {
     /// Tokens taken from the prefix cache by the last [`PagedSeq::attach`].
     pub cached_tokens: usize,
     block_size: usize,
+    /// Rows of a conv state (`L-1`), the width of a conv snapshot.
+    conv_keep: i32,
     /// Decode mirrors: per attention layer the sequence's K and V in
     /// contiguous `[1, kv_heads, view_cap, head_dim]` buffers, gathered from
     /// the blocks once when decode starts and grown like a flat cache. A
@@ -454,7 +456,10 @@ pub struct PagedSeq {
 
 impl PagedSeq {
     pub fn new(pool: SharedPool) -> PagedSeq {
-        let block_size = pool.lock().block_size();
+        let (block_size, conv_keep) = {
+            let p = pool.lock();
+            (p.block_size(), p.shape.conv_keep)
+        };
         PagedSeq {
             pool,
             blocks: vec![],
@@ -465,6 +470,7 @@ impl PagedSeq {
             snaps: HashMap::new(),
             cached_tokens: 0,
             block_size,
+            conv_keep,
             views: vec![],
             view_cap: 0,
             flushed: 0,
@@ -539,6 +545,10 @@ impl PagedSeq {
 
     pub fn block_size(&self) -> usize {
         self.block_size
+    }
+
+    pub fn conv_keep(&self) -> i32 {
+        self.conv_keep
     }
 
     /// On an empty sequence: takes the longest cached prefix of `prompt`.

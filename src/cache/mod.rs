@@ -1,0 +1,78 @@
+//! The caches: everything a forward pass reads and writes besides the
+//! weights. The layers (src/model/lfm2.rs) see only [`ForwardCache`], the
+//! way mlx-lm's layers see only `update_and_fetch`: which kind of cache a
+//! call runs over (flat, quantized, paged, a decode batch's stacked rows)
+//! is decided here, never in a layer.
+//!
+//! - `flat.rs`: [`KvCache`], one attention layer's K/V for one sequence
+//!   (or its quantized codes, src/kvquant), and the decode mask.
+//! - `sequence.rs`: [`ModelCache`], one sequence's caches and its position,
+//!   and [`SeqPass`], the pass over it (prefill chunks and eager decode).
+//! - `paged.rs`: the block pool shared by a model's sequences, with
+//!   prefix reuse, and a sequence's block table ([`PagedSeq`]).
+//! - `batch.rs`: [`DecodeBatch`], the running sequences stacked row by row,
+//!   and [`StackedPass`], the pass of one decode step over stacked state:
+//!   the compiled step (src/compiled) and the uncompiled one.
+//! - `rows.rs`: [`RowsPass`], one eager decode step over several
+//!   sequences' own caches, and [`PrefillRows`], right-padded prompts
+//!   prefilled together.
+
+pub mod batch;
+pub mod flat;
+pub mod paged;
+pub mod rows;
+pub mod sequence;
+
+pub use batch::{BatchShape, DecodeBatch, Member, StackedPass};
+pub use flat::{decode_mask, KvCache, KV_STEP};
+pub use paged::{PagedConfig, PagedPool, PagedSeq, PagedStats, SharedPool};
+pub use rows::{PrefillRows, RowsPass};
+pub use sequence::{LayerCache, ModelCache, SeqPass};
+
+use crate::error::Result;
+use crate::mlx::{zeros, Array, Dtype};
+
+/// Where a call's tokens sit, for RoPE.
+pub enum Offset<'a> {
+    /// Every row at the same position.
+    Int(i32),
+    /// An int32 array: a scalar (one sequence, the position an input of a
+    /// compiled step) or one position per row.
+    Array(&'a Array),
+}
+
+/// What an empty conv state looks like (`[batch, keep, dim]`).
+#[derive(Clone, Copy)]
+pub struct ConvShape {
+    pub batch: i32,
+    pub keep: i32,
+    pub dim: i32,
+    pub dtype: Dtype,
+}
+
+impl ConvShape {
+    pub fn zeros(&self) -> Result<Array> {
+        zeros(&[self.batch, self.keep, self.dim], self.dtype)
+    }
+}
+
+/// The cache one forward pass writes through. `layer` is the decoder
+/// layer's index in the model.
+pub trait ForwardCache {
+    /// The RoPE offset of this call's tokens.
+    fn offset(&self) -> Offset<'_>;
+
+    /// Stores attention layer `layer`'s K/V for this call (`[B, kv_heads,
+    /// T, head_dim]`, after RoPE) and attends `q` over everything the cache
+    /// holds for the layer. Returns `[B, heads, T, head_dim]`.
+    fn attend(&mut self, layer: usize, q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Array>;
+
+    /// Conv layer `layer`'s state before this call (`[B, keep, D]`; zeros
+    /// before the first token).
+    fn conv_state(&mut self, layer: usize, shape: ConvShape) -> Result<Array>;
+
+    /// Conv layer `layer`'s padded input (`[B, keep + T, D]`, the old state
+    /// first): the cache keeps the state after the call (the last `keep`
+    /// rows) and whatever else it needs (snapshots at block ends).
+    fn conv_update(&mut self, layer: usize, padded: &Array, keep: i32) -> Result<()>;
+}
