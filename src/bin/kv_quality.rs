@@ -104,9 +104,10 @@ fn argmax(l: &[f32]) -> u32 {
 /// deferred prefill.
 fn convert(model: &Lfm2Model, base: &ModelCache) -> Result<ModelCache> {
     let mut c = base.try_clone()?;
+    let len = c.pos;
     for (i, lc) in c.layers.iter_mut().enumerate() {
         if let (LayerCache::Attention(kv), Some(Some(codec))) = (lc, model.kv_codecs.get(i)) {
-            let (k, v) = kv.contents()?.expect("prefilled");
+            let (k, v) = kv.contents(len)?.expect("prefilled");
             kv.quant = Some(Box::new(QuantKvCache::with_pending(codec.clone(), &k, &v)?));
         }
     }
@@ -250,7 +251,7 @@ fn study(model: &Lfm2Model, tokens: &[u32]) -> Result<()> {
     let (mut sd, mut sq, mut rows) = (0.0, 0.0, 0);
     for (i, lc) in c.layers.iter().enumerate() {
         if let LayerCache::Attention(kv) = lc {
-            let (k, v) = kv.contents()?.expect("prefilled");
+            let (k, v) = kv.contents(c.pos)?.expect("prefilled");
             for (label, a) in [("K", k), ("V", v)] {
                 let data = a.astype(Dtype::Float32)?.to_vec::<f32>()?;
                 let all: Vec<Vec<f32>> = data.chunks(n).map(|c| c.to_vec()).collect();

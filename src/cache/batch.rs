@@ -175,11 +175,8 @@ impl DecodeBatch {
         };
         let empty = || zeros(&[1, shape.kv_heads, cap as i32, shape.head_dim], shape.dtype);
         if let Some(seq) = cache.paged.as_mut() {
-            if seq.len != pos {
-                return Err(Error::invalid("paged cache length does not match the cache position"));
-            }
             if pos > 0 {
-                seq.ensure_views(pos)?;
+                seq.ensure_views(pos, pos)?;
             }
         }
         let mut out = vec![];
@@ -189,10 +186,7 @@ impl DecodeBatch {
                     if kv.quant.is_some() {
                         return Err(Error::invalid("a quantized KV cache cannot join a stacked decode batch"));
                     }
-                    if kv.offset != pos {
-                        return Err(Error::invalid("KV cache length does not match the cache position"));
-                    }
-                    match kv.contents()? {
+                    match kv.contents(pos)? {
                         Some((k, v)) => {
                             out.push(pad(k)?);
                             out.push(pad(v)?);
@@ -205,7 +199,7 @@ impl DecodeBatch {
                 }
                 LayerCache::Paged(i) => {
                     let seq = cache.paged.as_ref().ok_or_else(|| Error::invalid("paged layer without a paged sequence"))?;
-                    match seq.views.get(*i) {
+                    match seq.view(*i) {
                         Some((k, v)) if pos > 0 => {
                             out.push(pad(k.slice_axis(2, 0, pos as i32)?)?);
                             out.push(pad(v.slice_axis(2, 0, pos as i32)?)?);
@@ -224,8 +218,8 @@ impl DecodeBatch {
         }
         let synced = match cache.paged.as_mut() {
             Some(seq) => {
-                seq.drop_views()?;
-                seq.flushed
+                seq.drop_views(pos)?;
+                seq.flushed()
             }
             None => {
                 for lc in cache.layers.iter_mut() {
@@ -272,7 +266,7 @@ impl DecodeBatch {
         if let Some(seq) = cache.paged.as_mut() {
             fresh.extend(seq.pool.lock().layer_arrays().into_iter().cloned());
             if upto > synced {
-                seq.flushed = upto;
+                seq.wrote(upto, true)?;
             }
         }
         for a in fresh {

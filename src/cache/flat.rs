@@ -9,13 +9,15 @@ use crate::mlx::{self, arange, concatenate, zeros, Array, Dtype, Mask};
 /// Tokens added to a KV cache's capacity each time it fills up.
 pub const KV_STEP: usize = 256;
 
+/// One attention layer's K/V. It keeps no length of its own: the sequence's
+/// position ([`super::ModelCache::pos`]) is the one counter, passed in as
+/// `len` (the positions held before the call).
 #[derive(Clone, Default)]
 pub struct KvCache {
     keys: Option<Array>,
     values: Option<Array>,
-    pub offset: usize,
     /// A quantized cache (the `kvCache` load option) replaces the flat
-    /// buffers when set; `offset` mirrors its length. Eager decode only.
+    /// buffers when set. Eager decode only.
     pub quant: Option<Box<crate::kvquant::QuantKvCache>>,
 }
 
@@ -24,10 +26,9 @@ impl KvCache {
         self.keys.as_ref().map(|k| k.dim(2) as usize).unwrap_or(0)
     }
 
-    /// Makes room for `t` more tokens, growing by whole `KV_STEP`s.
-    fn reserve(&mut self, t: usize, like_k: &Array, like_v: &Array) -> Result<()> {
-        let prev = self.offset;
-        if self.keys.is_some() && prev + t <= self.capacity() {
+    /// Makes room for `t` more tokens after `len`, growing by whole `KV_STEP`s.
+    fn reserve(&mut self, len: usize, t: usize, like_k: &Array, like_v: &Array) -> Result<()> {
+        if self.keys.is_some() && len + t <= self.capacity() {
             return Ok(());
         }
         let (b, h, dk, dv) = (like_k.dim(0), like_k.dim(1), like_k.dim(3), like_v.dim(3));
@@ -36,8 +37,8 @@ impl KvCache {
         let new_v = zeros(&[b, h, n_steps * KV_STEP as i32, dv], like_v.dtype())?;
         match (self.keys.take(), self.values.take()) {
             (Some(ok), Some(ov)) => {
-                let (ok, ov) = if prev % KV_STEP != 0 {
-                    (ok.slice_axis(2, 0, prev as i32)?, ov.slice_axis(2, 0, prev as i32)?)
+                let (ok, ov) = if len % KV_STEP != 0 {
+                    (ok.slice_axis(2, 0, len as i32)?, ov.slice_axis(2, 0, len as i32)?)
                 } else {
                     (ok, ov)
                 };
@@ -52,69 +53,69 @@ impl KvCache {
         Ok(())
     }
 
-    /// Writes `k`, `v` (`[B, kv_heads, T, head_dim]`) at the current offset
+    /// Writes `k`, `v` (`[B, kv_heads, T, head_dim]`) at position `len`
     /// (also a decode batch or batched prefill handing a sequence its rows).
-    pub fn append(&mut self, k: &Array, v: &Array) -> Result<()> {
+    pub fn append(&mut self, len: usize, k: &Array, v: &Array) -> Result<()> {
         let t = k.dim(2) as usize;
-        self.reserve(t, k, v)?;
-        let prev = self.offset as i32;
-        self.offset += t;
-        let end = self.offset as i32;
+        self.reserve(len, t, k, v)?;
+        let (start, end) = (len as i32, (len + t) as i32);
         let (b, h) = (k.dim(0), k.dim(1));
-        let nk = self.keys.as_ref().unwrap().slice_update(k, &[0, 0, prev, 0], &[b, h, end, k.dim(3)])?;
-        let nv = self.values.as_ref().unwrap().slice_update(v, &[0, 0, prev, 0], &[b, h, end, v.dim(3)])?;
+        let nk = self.keys.as_ref().unwrap().slice_update(k, &[0, 0, start, 0], &[b, h, end, k.dim(3)])?;
+        let nv = self.values.as_ref().unwrap().slice_update(v, &[0, 0, start, 0], &[b, h, end, v.dim(3)])?;
         self.keys = Some(nk);
         self.values = Some(nv);
         Ok(())
     }
 
-    /// Appends `k`, `v` and returns views of everything cached so far
-    /// (multi-token steps: prefill).
-    pub fn update_and_fetch(&mut self, k: &Array, v: &Array) -> Result<(Array, Array)> {
-        self.append(k, v)?;
-        let end = self.offset as i32;
+    /// Appends `k`, `v` at `len` and returns views of everything cached so
+    /// far (multi-token steps: prefill).
+    pub fn update_and_fetch(&mut self, len: usize, k: &Array, v: &Array) -> Result<(Array, Array)> {
+        self.append(len, k, v)?;
+        let end = (len + k.dim(2) as usize) as i32;
         Ok((self.keys.as_ref().unwrap().slice_axis(2, 0, end)?, self.values.as_ref().unwrap().slice_axis(2, 0, end)?))
     }
 
-    /// Appends one token's `k`, `v` and returns the whole buffers with a
-    /// boolean mask of the filled positions (`[1, 1, 1, capacity]`). Decode
-    /// attends over fixed-size buffers so the compiled step keeps static
-    /// shapes; the eager step does the same so both agree byte for byte.
-    pub fn update_decode(&mut self, k: &Array, v: &Array) -> Result<(Array, Array, Array)> {
-        self.append(k, v)?;
+    /// Appends one token's `k`, `v` at `len` and returns the whole buffers
+    /// with a boolean mask of the filled positions (`[1, 1, 1, capacity]`).
+    /// Decode attends over fixed-size buffers so the compiled step keeps
+    /// static shapes; the eager step does the same so both agree byte for
+    /// byte.
+    pub fn update_decode(&mut self, len: usize, k: &Array, v: &Array) -> Result<(Array, Array, Array)> {
+        self.append(len, k, v)?;
         let cap = self.capacity() as i32;
-        let mask = decode_mask(cap, self.offset as i32 - 1)?;
+        let mask = decode_mask(cap, len as i32)?;
         Ok((self.keys.clone().unwrap(), self.values.clone().unwrap(), mask))
     }
 
-    /// Stores this call's `k`, `v` and attends `q` over everything cached:
-    /// causal for several tokens (prefill), masked fixed-size buffers for
-    /// one (decode), or the quantized cache's own attention.
-    pub fn attend(&mut self, q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Array> {
+    /// Stores this call's `k`, `v` after `len` positions and attends `q`
+    /// over everything cached: causal for several tokens (prefill), masked
+    /// fixed-size buffers for one (decode), or the quantized cache's own
+    /// attention.
+    pub fn attend(&mut self, len: usize, q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Array> {
         if let Some(qc) = self.quant.as_deref_mut() {
             // Deferred prefill, quantize on insert during decode; see src/kvquant/cache.rs.
-            let o = qc.attend(q, k, v, scale)?;
-            self.offset = qc.offset();
-            Ok(o)
+            debug_assert_eq!(qc.offset(), len, "quantized KV cache out of step with its sequence");
+            qc.attend(q, k, v, scale)
         } else if q.dim(2) > 1 {
-            let (k, v) = self.update_and_fetch(k, v)?;
+            let (k, v) = self.update_and_fetch(len, k, v)?;
             mlx::sdpa(q, &k, &v, scale, Mask::Causal)
         } else {
-            let (k, v, mask) = self.update_decode(k, v)?;
+            let (k, v, mask) = self.update_decode(len, k, v)?;
             mlx::sdpa(q, &k, &v, scale, Mask::Array(&mask))
         }
     }
 
-    /// For the compiled step: make room for one more token and hand out the
-    /// buffers. `like` (one token's K/V shape and dtype) is only built when
-    /// the buffers must grow, so a plain step allocates nothing here.
-    pub fn buffers_for_step(&mut self, like: impl FnOnce() -> Result<Array>) -> Result<(Array, Array)> {
+    /// For the compiled step: make room for the token after `len` and hand
+    /// out the buffers. `like` (one token's K/V shape and dtype) is only
+    /// built when the buffers must grow, so a plain step allocates nothing
+    /// here.
+    pub fn buffers_for_step(&mut self, len: usize, like: impl FnOnce() -> Result<Array>) -> Result<(Array, Array)> {
         if self.quant.is_some() {
             return Err(crate::error::Error::invalid("the compiled decode step cannot run over a quantized KV cache"));
         }
-        if self.keys.is_none() || self.offset + 1 > self.capacity() {
+        if self.keys.is_none() || len + 1 > self.capacity() {
             let l = like()?;
-            self.reserve(1, &l, &l)?;
+            self.reserve(len, 1, &l, &l)?;
         }
         Ok((self.keys.clone().unwrap(), self.values.clone().unwrap()))
     }
@@ -123,15 +124,14 @@ impl KvCache {
     pub fn commit_step(&mut self, keys: Array, values: Array) {
         self.keys = Some(keys);
         self.values = Some(values);
-        self.offset += 1;
     }
 
-    /// The flat cache's used K and V (`[B, kv_heads, offset, head_dim]`);
-    /// None when empty or quantized.
-    pub fn contents(&self) -> Result<Option<(Array, Array)>> {
+    /// The used K and V of a flat cache holding `len` positions
+    /// (`[B, kv_heads, len, head_dim]`); None when empty or quantized.
+    pub fn contents(&self, len: usize) -> Result<Option<(Array, Array)>> {
         match (&self.keys, &self.values, &self.quant) {
-            (Some(k), Some(v), None) if self.offset > 0 => {
-                let end = self.offset as i32;
+            (Some(k), Some(v), None) if len > 0 => {
+                let end = len as i32;
                 Ok(Some((k.slice_axis(2, 0, end)?, v.slice_axis(2, 0, end)?)))
             }
             _ => Ok(None),
@@ -145,8 +145,8 @@ impl KvCache {
             + self.quant.as_ref().map(|q| q.nbytes()).unwrap_or(0)
     }
 
-    /// Bytes of the used positions only (allocated capacity aside).
-    pub fn used_bytes(&self) -> usize {
+    /// Bytes of `len` used positions (allocated capacity aside).
+    pub fn used_bytes(&self, len: usize) -> usize {
         if let Some(q) = &self.quant {
             return q.used_bytes();
         }
@@ -154,7 +154,7 @@ impl KvCache {
         if cap == 0 {
             return 0;
         }
-        self.nbytes() / cap * self.offset
+        self.nbytes() / cap * len
     }
 
     pub fn arrays(&self) -> Vec<&Array> {

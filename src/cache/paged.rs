@@ -421,12 +421,12 @@ impl PagedPool {
 
 /// One sequence's view of the pool: its block table and what is known about
 /// the tokens in it. Dropping it returns its blocks (so a cancelled or
-/// failed request gives them back without any extra path).
+/// failed request gives them back without any extra path). It keeps no
+/// length of its own: the sequence's position (`ModelCache::pos`) is passed
+/// in as `len`, and only the methods here change its fields.
 pub struct PagedSeq {
     pub pool: SharedPool,
-    pub blocks: Vec<u32>,
-    /// Positions written.
-    pub len: usize,
+    blocks: Vec<u32>,
     /// Token ids of positions `0..tokens.len()` as far as the host knows
     /// them (a decoded token is known only after it is read back).
     tokens: Vec<u32>,
@@ -447,11 +447,11 @@ pub struct PagedSeq {
     /// flat step does (the same compiled step, no gather per token, and the
     /// pool is not an input of the compiled function, so pool growth never
     /// retraces it); whole blocks are copied into the pool as they fill.
-    pub views: Vec<(Array, Array)>,
-    pub view_cap: usize,
+    views: Vec<(Array, Array)>,
+    view_cap: usize,
     /// Positions whose K/V are in the pool (the rest are only in the
     /// mirrors).
-    pub flushed: usize,
+    flushed: usize,
 }
 
 impl PagedSeq {
@@ -463,7 +463,6 @@ impl PagedSeq {
         PagedSeq {
             pool,
             blocks: vec![],
-            len: 0,
             tokens: vec![],
             published: 0,
             parent_key: 0,
@@ -480,7 +479,7 @@ impl PagedSeq {
     /// Makes sure the decode mirrors cover positions `0..upto`: built from
     /// the pool (everything written so far is there when there are no
     /// mirrors), grown by whole `TABLE_STEP_TOKENS` like a flat cache.
-    pub fn ensure_views(&mut self, upto: usize) -> Result<()> {
+    pub fn ensure_views(&mut self, len: usize, upto: usize) -> Result<()> {
         if !self.views.is_empty() {
             if upto <= self.view_cap {
                 return Ok(());
@@ -495,7 +494,7 @@ impl PagedSeq {
             self.view_cap += add;
             return Ok(());
         }
-        debug_assert_eq!(self.flushed, self.len);
+        debug_assert_eq!(self.flushed, len);
         let table = self.table(upto, true)?;
         let pool = self.pool.lock();
         let n = pool.keys.len();
@@ -510,11 +509,11 @@ impl PagedSeq {
     }
 
     /// Copies positions `flushed..len` from the mirrors into the pool.
-    pub fn flush(&mut self) -> Result<()> {
-        if self.views.is_empty() || self.flushed >= self.len {
+    fn flush(&mut self, len: usize) -> Result<()> {
+        if self.views.is_empty() || self.flushed >= len {
             return Ok(());
         }
-        let (from, to) = (self.flushed as i32, self.len as i32);
+        let (from, to) = (self.flushed as i32, len as i32);
         let pool_arc = self.pool.clone();
         let mut pool = pool_arc.lock();
         for (i, (k, v)) in self.views.iter().enumerate() {
@@ -522,22 +521,52 @@ impl PagedSeq {
             let vs = v.slice_axis(2, from, to)?;
             write_prefill(&mut pool, self, i, self.flushed, &ks, &vs)?;
         }
-        self.flushed = self.len;
+        self.flushed = len;
         Ok(())
     }
 
-    /// After a decode step: a block that just filled goes to the pool.
-    pub fn after_decode_step(&mut self) -> Result<()> {
-        if self.len % self.block_size == 0 {
-            self.flush()?;
+    /// After positions up to `len` were written: into the pool (a prefill,
+    /// or a decode batch's rows written back), or into the decode mirrors
+    /// (a decode step), where a block that just filled goes to the pool.
+    pub fn wrote(&mut self, len: usize, to_pool: bool) -> Result<()> {
+        if to_pool {
+            self.flushed = len;
+        } else if len % self.block_size == 0 {
+            self.flush(len)?;
         }
         Ok(())
     }
 
+    /// Positions whose K/V are in the pool.
+    pub fn flushed(&self) -> usize {
+        self.flushed
+    }
+
+    /// Attention layer `ord`'s decode mirrors (K, V), when built.
+    pub fn view(&self, ord: usize) -> Option<&(Array, Array)> {
+        self.views.get(ord)
+    }
+
+    /// Takes back a mirror a decode step wrote one token into.
+    pub fn set_view(&mut self, ord: usize, kv: (Array, Array)) {
+        self.views[ord] = kv;
+    }
+
+    /// Whether decode mirrors are held (a sequence inside a stacked decode
+    /// batch holds none: the batch row is its copy).
+    pub fn has_views(&self) -> bool {
+        !self.views.is_empty()
+    }
+
+    /// Positions the decode mirrors hold.
+    pub fn view_cap(&self) -> usize {
+        self.view_cap
+    }
+
     /// Before a multi-token step: the pool must hold everything, and the
     /// mirrors go (prefill reads the blocks).
-    pub fn drop_views(&mut self) -> Result<()> {
-        self.flush()?;
+    pub fn drop_views(&mut self, len: usize) -> Result<()> {
+        self.flush(len)?;
         self.views.clear();
         self.view_cap = 0;
         Ok(())
@@ -555,7 +584,7 @@ impl PagedSeq {
     /// Returns how many tokens are cached and, when any, the conv snapshot
     /// to restore.
     pub fn attach(&mut self, prompt: &[u32]) -> Result<(usize, Option<Array>)> {
-        debug_assert!(self.len == 0 && self.blocks.is_empty());
+        debug_assert!(self.flushed == 0 && self.blocks.is_empty());
         let bs = self.block_size;
         let pool_arc = self.pool.clone();
         let mut pool = pool_arc.lock();
@@ -600,7 +629,6 @@ impl PagedSeq {
             snap = Some(tail_snap);
         }
         drop(pool);
-        self.len = n;
         self.flushed = n;
         self.tokens = prompt[..n].to_vec();
         self.cached_tokens = n;
@@ -611,22 +639,22 @@ impl PagedSeq {
     /// states after it (`conv_states`, one per conv layer) for a prompt
     /// that continues exactly. Only when every full block before it is in
     /// the index (so its key is known) and every token in it is known.
-    pub fn keep_tail(&mut self, conv_states: &[&Array]) -> Result<()> {
+    pub fn keep_tail(&mut self, len: usize, conv_states: &[&Array]) -> Result<()> {
         let bs = self.block_size;
-        let full = self.len / bs;
-        if self.len % bs == 0 || self.published != full || self.tokens.len() < self.len {
+        let full = len / bs;
+        if len % bs == 0 || self.published != full || self.tokens.len() < len {
             return Ok(());
         }
-        self.flush()?;
+        self.flush(len)?;
         let snapshot = snapshot_of(conv_states)?;
-        let tokens = self.tokens[full * bs..self.len].to_vec();
+        let tokens = self.tokens[full * bs..len].to_vec();
         self.pool.lock().keep_tail(self.parent_key, self.blocks[full], tokens, snapshot);
         Ok(())
     }
 
-    /// Allocates blocks so that `t` more positions fit.
-    pub fn reserve(&mut self, t: usize) -> Result<()> {
-        let need = (self.len + t).div_ceil(self.block_size);
+    /// Allocates blocks so that `t` more positions fit after `len`.
+    pub fn reserve(&mut self, len: usize, t: usize) -> Result<()> {
+        let need = (len + t).div_ceil(self.block_size);
         if need > self.blocks.len() {
             let mut pool = self.pool.lock();
             while self.blocks.len() < need {
@@ -650,11 +678,11 @@ impl PagedSeq {
     }
 
     /// Publishes every full block whose tokens and snapshot are known.
-    pub fn publish_ready(&mut self) {
+    pub fn publish_ready(&mut self, len: usize) {
         let bs = self.block_size;
         let mut pool = None;
         while self.published < self.blocks.len()
-            && (self.published + 1) * bs <= self.tokens.len().min(self.len).min(self.flushed)
+            && (self.published + 1) * bs <= self.tokens.len().min(len).min(self.flushed)
         {
             let j = self.published;
             let Some(snap) = self.snaps.remove(&j) else { break };
@@ -772,3 +800,6 @@ pub fn gather(pool_arr: &Array, table: &Array) -> Result<Array> {
     let (h, n, bs, d) = (g.dim(0), g.dim(1), g.dim(2), g.dim(3));
     g.reshape(&[1, h, n * bs, d])
 }
+
+#[cfg(test)]
+mod tests;

@@ -94,7 +94,7 @@ impl<'a, 'c> PrefillRows<'a, 'c> {
                 return Err(Error::invalid("a quantized KV cache is prefilled alone"));
             }
             if let Some(seq) = c.paged.as_mut() {
-                seq.reserve(n)?;
+                seq.reserve(0, n)?;
                 let bs = seq.block_size();
                 taps.extend((bs..=n).step_by(bs).map(|e| e as i32));
             }
@@ -121,8 +121,7 @@ impl<'a, 'c> PrefillRows<'a, 'c> {
             c.restore_conv_states(&states_after(n)?)?;
             let mut snaps = vec![];
             if let Some(seq) = c.paged.as_mut() {
-                seq.len = n;
-                seq.flushed = n;
+                seq.wrote(n, true)?;
                 for e in (seq.block_size()..=n).step_by(seq.block_size()) {
                     let snap = states_after(e)?;
                     seq.keep_snapshot(e, snap.clone());

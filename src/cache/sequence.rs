@@ -119,7 +119,7 @@ impl ModelCache {
         self.reserve_token()?;
         let pos = self.pos;
         match self.paged.as_mut() {
-            Some(seq) => seq.ensure_views(pos + 1),
+            Some(seq) => seq.ensure_views(pos, pos + 1),
             None => Ok(()),
         }
     }
@@ -131,10 +131,7 @@ impl ModelCache {
     pub fn reserve_token(&mut self) -> Result<()> {
         let pos = self.pos;
         if let Some(seq) = self.paged.as_mut() {
-            if seq.len != pos {
-                return Err(crate::error::Error::invalid("paged cache length does not match the cache position"));
-            }
-            seq.reserve(1)?;
+            seq.reserve(pos, 1)?;
         }
         Ok(())
     }
@@ -146,8 +143,7 @@ impl ModelCache {
         self.pos += 1;
         let pos = self.pos;
         let Some(seq) = self.paged.as_mut() else { return Ok(()) };
-        seq.len += 1;
-        seq.after_decode_step()?;
+        seq.wrote(pos, false)?;
         if pos % seq.block_size() != 0 {
             return Ok(());
         }
@@ -163,7 +159,7 @@ impl ModelCache {
     pub fn keep_tail(&mut self) -> Result<()> {
         let states = conv_states(&self.layers);
         match self.paged.as_mut() {
-            Some(seq) => seq.keep_tail(&states),
+            Some(seq) => seq.keep_tail(self.pos, &states),
             None => Ok(()),
         }
     }
@@ -178,7 +174,7 @@ impl ModelCache {
     pub fn note_tokens(&mut self, ids: &[u32]) {
         if let Some(seq) = self.paged.as_mut() {
             seq.note_tokens(ids);
-            seq.publish_ready();
+            seq.publish_ready(self.pos);
         }
     }
 
@@ -207,7 +203,7 @@ impl ModelCache {
         self.layers
             .iter()
             .map(|l| match l {
-                LayerCache::Attention(kv) => kv.used_bytes(),
+                LayerCache::Attention(kv) => kv.used_bytes(self.pos),
                 LayerCache::Paged(_) | LayerCache::Conv(_) => 0,
             })
             .sum()
@@ -250,7 +246,7 @@ impl ModelCache {
     /// Flat caches append (`start` is their length).
     pub fn store_kv(&mut self, layer: usize, start: usize, k: &Array, v: &Array) -> Result<()> {
         match &mut self.layers[layer] {
-            LayerCache::Attention(kv) => kv.append(k, v),
+            LayerCache::Attention(kv) => kv.append(start, k, v),
             LayerCache::Paged(ord) => {
                 let seq = self.paged.as_ref().ok_or_else(|| Error::invalid("paged layer without a paged sequence"))?;
                 paged::write_prefill(&mut seq.pool.lock(), seq, *ord, start, k, v)
@@ -267,18 +263,15 @@ impl ModelCache {
         let start = self.pos;
         let (mut table, mut mask, mut taps) = (None, None, vec![]);
         if let Some(seq) = self.paged.as_mut() {
-            if seq.len != start {
-                return Err(Error::invalid("paged cache length does not match the cache position"));
-            }
-            seq.reserve(t)?;
+            seq.reserve(start, t)?;
             let bs = seq.block_size();
             // Conv states are snapshot after every block this pass fills.
             taps = ((start / bs + 1) * bs..=start + t).step_by(bs).map(|p| (p - start) as i32).collect();
             if t == 1 {
-                seq.ensure_views(start + 1)?;
-                mask = Some(decode_mask(seq.view_cap as i32, start as i32)?);
+                seq.ensure_views(start, start + 1)?;
+                mask = Some(decode_mask(seq.view_cap() as i32, start as i32)?);
             } else {
-                seq.drop_views()?;
+                seq.drop_views(start)?;
                 table = Some(seq.table(start + t, false)?);
             }
         }
@@ -326,12 +319,12 @@ impl SeqPass<'_> {
             // mask (the shapes and ops of the flat decode and the compiled
             // step); full blocks reach the pool in `finish`.
             (None, Some(mask)) => {
-                let (vk, vv) = &seq.views[ord];
+                let (vk, vv) = seq.view(ord).ok_or_else(|| Error::invalid("paged decode without its mirrors"))?;
                 let (s, h, hd) = (start as i32, k.dim(1), k.dim(3));
                 let vk = vk.slice_update(k, &[0, 0, s, 0], &[1, h, s + 1, hd])?;
                 let vv = vv.slice_update(v, &[0, 0, s, 0], &[1, h, s + 1, hd])?;
                 let o = mlx::sdpa(q, &vk, &vv, scale, Mask::Array(mask))?;
-                seq.views[ord] = (vk, vv);
+                seq.set_view(ord, (vk, vv));
                 Ok(o)
             }
             (None, None) => Err(Error::invalid("paged attention needs a table or a decode mask")),
@@ -345,12 +338,7 @@ impl SeqPass<'_> {
         let SeqPass { cache, start, t, taps, tapped, .. } = self;
         cache.pos += t;
         let Some(seq) = cache.paged.as_mut() else { return Ok(()) };
-        seq.len += t;
-        if t == 1 {
-            seq.after_decode_step()?;
-        } else {
-            seq.flushed = seq.len;
-        }
+        seq.wrote(cache.pos, t > 1)?;
         if taps.is_empty() {
             return Ok(());
         }
@@ -379,7 +367,7 @@ impl ForwardCache for SeqPass<'_> {
 
     fn attend(&mut self, layer: usize, q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Array> {
         match &mut self.cache.layers[layer] {
-            LayerCache::Attention(kv) => kv.attend(q, k, v, scale),
+            LayerCache::Attention(kv) => kv.attend(self.start, q, k, v, scale),
             LayerCache::Paged(ord) => {
                 let ord = *ord;
                 self.attend_paged(ord, q, k, v, scale)

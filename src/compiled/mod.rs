@@ -86,19 +86,19 @@ impl CompiledStep {
     pub fn step(&self, model: &Lfm2Model, ids: &Array, cache: &mut ModelCache, compiled: bool) -> Result<Array> {
         let c = &model.config;
         cache.begin_decode_token()?;
-        let pos = Array::scalar(cache.pos as f64, Dtype::Int32)?;
-        let mut ins: Vec<Array> = vec![ids.clone(), pos];
+        let pos = cache.pos;
+        let mut ins: Vec<Array> = vec![ids.clone(), Array::scalar(pos as f64, Dtype::Int32)?];
         let kv_shape = [1, c.num_kv_heads as i32, 1, c.head_dim as i32];
         for lc in cache.layers.iter_mut() {
             match lc {
                 LayerCache::Attention(kv) => {
-                    let (k, v) = kv.buffers_for_step(|| mlx::zeros(&kv_shape, model.dtype))?;
+                    let (k, v) = kv.buffers_for_step(pos, || mlx::zeros(&kv_shape, model.dtype))?;
                     ins.push(k);
                     ins.push(v);
                 }
                 LayerCache::Paged(i) => {
                     let seq = cache.paged.as_ref().ok_or_else(|| Error::invalid("paged layer without a paged sequence"))?;
-                    let (k, v) = &seq.views[*i];
+                    let (k, v) = seq.view(*i).ok_or_else(|| Error::invalid("paged decode without its mirrors"))?;
                     ins.push(k.clone());
                     ins.push(v.clone());
                 }
@@ -126,7 +126,7 @@ impl CompiledStep {
                 }
                 LayerCache::Paged(i) => {
                     let kv = (it.next().expect("checked above"), it.next().expect("checked above"));
-                    cache.paged.as_mut().expect("checked above").views[*i] = kv;
+                    cache.paged.as_mut().expect("checked above").set_view(*i, kv);
                 }
                 LayerCache::Conv(s) => *s = Some(it.next().expect("checked above")),
             }

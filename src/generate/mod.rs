@@ -322,8 +322,9 @@ impl Pending {
     /// Takes the paged blocks the whole prompt needs now (before a batched
     /// prefill, so a request the pool cannot hold fails alone).
     pub fn reserve_prompt(&mut self) -> Result<()> {
+        let pos = self.cache.pos;
         match self.cache.paged.as_mut() {
-            Some(seq) => seq.reserve(self.prompt.len() - self.run.start),
+            Some(seq) => seq.reserve(pos, self.prompt.len() - pos),
             None => Ok(()),
         }
     }
