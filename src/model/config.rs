@@ -67,6 +67,33 @@ pub struct ModelConfig {
     pub raw: Map<String, Value>,
 }
 
+/// The largest value each size field may take. Far above any LFM2 release
+/// (and small enough that every derived shape fits MLX's i32 dimensions and
+/// no buffer sized from it is absurd), checked before anything is allocated
+/// or cast: a config.json is input, and a hostile one must be an error, not
+/// an allocation that aborts the process.
+pub const LIMITS: &[(&str, u64)] = &[
+    ("vocab_size", 1 << 24),
+    ("hidden_size", 1 << 16),
+    ("block_dim", 1 << 16),
+    ("num_hidden_layers", 1024),
+    ("num_attention_heads", 4096),
+    ("num_key_value_heads", 4096),
+    ("conv_L_cache", 1024),
+    ("block_ff_dim", 1 << 20),
+    ("intermediate_size", 1 << 20),
+    ("block_multiple_of", 1 << 16),
+    ("max_position_embeddings", 1 << 27),
+    ("num_experts", 4096),
+    ("num_experts_per_tok", 256),
+    ("num_dense_layers", 1024),
+    ("moe_intermediate_size", 1 << 20),
+];
+
+fn limit(k: &str) -> u64 {
+    LIMITS.iter().find(|(n, _)| *n == k).map(|(_, l)| *l).unwrap_or(i32::MAX as u64)
+}
+
 struct Fields<'a> {
     m: &'a Map<String, Value>,
 }
@@ -75,11 +102,16 @@ impl<'a> Fields<'a> {
     fn get(&self, k: &str) -> Option<&'a Value> {
         self.m.get(k).filter(|v| !v.is_null())
     }
+    /// A non-negative integer no larger than the field's limit ([`LIMITS`]).
     fn usize_opt(&self, k: &str) -> Result<Option<usize>> {
         match self.get(k) {
             None => Ok(None),
             Some(v) => match v.as_u64() {
-                Some(n) => Ok(Some(n as usize)),
+                Some(n) if n <= limit(k) => Ok(Some(n as usize)),
+                Some(n) => Err(Error::config(format!(
+                    "config.json field `{k}` is {n}, more than the {} this engine accepts",
+                    limit(k)
+                ))),
                 None => Err(Error::config(format!("config.json field `{k}` must be a non-negative integer, found {v}"))),
             },
         }
@@ -94,13 +126,15 @@ impl<'a> Fields<'a> {
         }
         Ok(n)
     }
+    /// A number that stays finite as the f32 the model computes with.
     fn f64_opt(&self, k: &str) -> Result<Option<f64>> {
         match self.get(k) {
             None => Ok(None),
-            Some(v) => v
-                .as_f64()
-                .map(Some)
-                .ok_or_else(|| Error::config(format!("config.json field `{k}` must be a number, found {v}"))),
+            Some(v) => match v.as_f64() {
+                Some(x) if (x as f32).is_finite() => Ok(Some(x)),
+                Some(x) => Err(Error::config(format!("config.json field `{k}` is {x:?}, which is not finite as a float32"))),
+                None => Err(Error::config(format!("config.json field `{k}` must be a number, found {v}"))),
+            },
         }
     }
     fn bool_or(&self, k: &str, default: bool) -> Result<bool> {
@@ -118,12 +152,18 @@ pub fn token_ids(v: Option<&Value>, field: &str, file: &str) -> Result<Vec<u32>>
         None | Some(Value::Null) => Ok(vec![]),
         Some(Value::Number(n)) => n
             .as_u64()
-            .map(|x| vec![x as u32])
+            .and_then(|x| u32::try_from(x).ok())
+            .map(|x| vec![x])
             .ok_or_else(|| Error::config(format!("{file} field `{field}` must be a token id, found {n}"))),
-        Some(Value::Array(a)) => a
+        Some(Value::Array(a)) if a.len() <= 1024 => a
             .iter()
-            .map(|x| x.as_u64().map(|x| x as u32).ok_or_else(|| Error::config(format!("{file} field `{field}` has a non-integer entry {x}"))))
+            .map(|x| {
+                x.as_u64()
+                    .and_then(|x| u32::try_from(x).ok())
+                    .ok_or_else(|| Error::config(format!("{file} field `{field}` has an entry {x} that is not a token id")))
+            })
             .collect(),
+        Some(Value::Array(a)) => Err(Error::config(format!("{file} field `{field}` lists {} ids, more than 1024", a.len()))),
         Some(v) => Err(Error::config(format!("{file} field `{field}` must be an id or a list of ids, found {v}"))),
     }
 }
@@ -185,7 +225,7 @@ impl ModelConfig {
             }
         }
         let norm_eps = f.f64_opt("norm_eps")?.unwrap_or(1e-5);
-        if !(norm_eps > 0.0 && norm_eps < 1.0) {
+        if !((norm_eps as f32) > 0.0 && norm_eps < 1.0) {
             return Err(Error::config(format!("norm_eps must be in (0, 1), found {norm_eps}")));
         }
         let conv_kernel = f.usize_opt("conv_L_cache")?.unwrap_or(3);
@@ -200,18 +240,22 @@ impl ModelConfig {
                         Error::config("config.json needs `block_ff_dim` or `intermediate_size` for the feed-forward width")
                     })?,
                 };
+                let multiplier = f.f64_opt("block_ffn_dim_multiplier")?;
+                if let Some(m) = multiplier.filter(|m| !(*m > 0.0 && *m <= 16.0)) {
+                    return Err(Error::config(format!("block_ffn_dim_multiplier must be in (0, 16], found {m:?}")));
+                }
                 adjusted_ff_dim(
                     raw,
                     f.bool_or("block_auto_adjust_ff_dim", false)?,
-                    f.f64_opt("block_ffn_dim_multiplier")?,
+                    multiplier,
                     f.usize_opt("block_multiple_of")?.unwrap_or(256),
                 )
             }
             // LFM2-MoE dense layers use intermediate_size as is.
             ModelType::Lfm2Moe => f.positive("intermediate_size")?,
         };
-        if ff_dim == 0 {
-            return Err(Error::config("the feed-forward width works out to 0"));
+        if ff_dim == 0 || ff_dim as u64 > limit("intermediate_size") {
+            return Err(Error::config(format!("the feed-forward width works out to {ff_dim}")));
         }
         let rope_theta = match f.get("rope_parameters").and_then(|r| r.get("rope_theta")) {
             Some(v) => v
@@ -219,8 +263,8 @@ impl ModelConfig {
                 .ok_or_else(|| Error::config(format!("rope_parameters.rope_theta must be a number, found {v}")))?,
             None => f.f64_opt("rope_theta")?.unwrap_or(1_000_000.0),
         };
-        if rope_theta <= 0.0 {
-            return Err(Error::config(format!("rope_theta must be positive, found {rope_theta}")));
+        if !(rope_theta > 0.0 && rope_theta <= 1e12) {
+            return Err(Error::config(format!("rope_theta must be in (0, 1e12], found {rope_theta}")));
         }
         let attn_layers = Self::attention_layers(&f, num_layers)?;
         let moe = match model_type {
@@ -246,7 +290,10 @@ impl ModelConfig {
                     num_dense_layers,
                     norm_topk_prob: f.bool_or("norm_topk_prob", true)?,
                     use_expert_bias: f.bool_or("use_expert_bias", true)?,
-                    routed_scaling_factor: f.f64_opt("routed_scaling_factor")?.unwrap_or(1.0) as f32,
+                    routed_scaling_factor: match f.f64_opt("routed_scaling_factor")?.unwrap_or(1.0) {
+                        x if x > 0.0 && x <= 1e6 => x as f32,
+                        x => return Err(Error::config(format!("routed_scaling_factor must be in (0, 1e6], found {x}"))),
+                    },
                 })
             }
         };
@@ -293,15 +340,13 @@ impl ModelConfig {
                 .as_array()
                 .ok_or_else(|| Error::config(format!("full_attn_idxs must be a list of layer indices, found {v}")))?;
             for x in list {
-                let i = x
-                    .as_u64()
-                    .ok_or_else(|| Error::config(format!("full_attn_idxs has a non-integer entry {x}")))? as usize;
-                if i >= n {
+                let i = x.as_u64().ok_or_else(|| Error::config(format!("full_attn_idxs has a non-integer entry {x}")))?;
+                if i >= n as u64 {
                     return Err(Error::config(format!(
                         "full_attn_idxs entry {i} is out of range for num_hidden_layers {n}"
                     )));
                 }
-                attn[i] = true;
+                attn[i as usize] = true;
             }
         } else if let Some(v) = f.get("layer_types") {
             let list = v.as_array().ok_or_else(|| Error::config(format!("layer_types must be a list, found {v}")))?;
@@ -404,5 +449,40 @@ mod tests {
         m.insert("layer_types".into(), json!(["conv"]));
         m.remove("full_attn_idxs");
         assert!(ModelConfig::from_map(m).unwrap_err().message.contains("layer_types has 1 entries"));
+    }
+
+    /// Sizes are bounded before anything is allocated or cast (no abort on
+    /// 1e9 layers, no i32 wrap of 2^32 + 1024), floats must stay finite.
+    #[test]
+    fn absurd_sizes_and_floats_are_rejected_by_name() {
+        let cases: Vec<(&str, Value, &str)> = vec![
+            ("num_hidden_layers", json!(1_000_000_000u64), "`num_hidden_layers` is 1000000000, more than the 1024"),
+            ("vocab_size", json!((1u64 << 32) + 1024), "`vocab_size` is 4294968320"),
+            ("hidden_size", json!((1u64 << 32) + 64), "`hidden_size` is 4294967360"),
+            ("conv_L_cache", json!(1u64 << 40), "`conv_L_cache` is 1099511627776"),
+            ("block_ff_dim", json!(1u64 << 33), "`block_ff_dim` is 8589934592"),
+            ("max_position_embeddings", json!(u64::MAX), "`max_position_embeddings` is 18446744073709551615"),
+            ("rope_theta", json!(1e300), "`rope_theta` is 1e300, which is not finite"),
+            ("rope_theta", json!(-1.0), "rope_theta must be in (0, 1e12]"),
+            ("norm_eps", json!(1e-300), "norm_eps must be in (0, 1)"),
+            ("block_ffn_dim_multiplier", json!(1e30), "block_ffn_dim_multiplier must be in (0, 16]"),
+            ("eos_token_id", json!((1u64 << 32) + 5), "must be a token id, found 4294967301"),
+            ("eos_token_id", json!([1, 2.5]), "has an entry 2.5 that is not a token id"),
+            ("full_attn_idxs", json!([1, u64::MAX]), "entry 18446744073709551615 is out of range"),
+        ];
+        for (k, v, want) in cases {
+            let mut m = base();
+            m.insert(k.into(), v.clone());
+            let err = ModelConfig::from_map(m).expect_err(&format!("{k} = {v} was accepted")).message;
+            assert!(err.contains(want), "{k} = {v}: {err}");
+        }
+        let mut m = base();
+        m.insert("model_type".into(), json!("lfm2_moe"));
+        m.insert("intermediate_size".into(), json!(128));
+        m.insert("moe_intermediate_size".into(), json!(64));
+        m.insert("num_experts".into(), json!(1u64 << 31));
+        m.insert("num_experts_per_tok".into(), json!(2));
+        let err = ModelConfig::from_map(m).unwrap_err().message;
+        assert!(err.contains("`num_experts` is 2147483648"), "{err}");
     }
 }

@@ -84,7 +84,11 @@ impl SparseMoe {
         };
         let expert_bias = if m.use_expert_bias {
             // Selection is done in float32, like the reference.
-            Some(st.raw_shaped(&format!("{p}.expert_bias"), &[e as i32])?.astype(Dtype::Float32)?)
+            let b = st.raw_shaped(&format!("{p}.expert_bias"), &[e as i32])?;
+            if !b.dtype().is_float() {
+                return Err(Error::load(format!("tensor `{p}.expert_bias` has dtype {}; a floating-point tensor is expected", b.dtype())));
+            }
+            Some(b.astype(Dtype::Float32)?)
         } else {
             None
         };

@@ -45,6 +45,15 @@ pub fn load_weight(store: &mut TensorStore, reg: &QuantRegistry, path: &str, lea
             let groups = inp / spec.group_size;
             // mx/nv fp formats store scales as uint8 (e8m0 / e4m3): keep them raw.
             let scales = store.raw_shaped(&format!("{path}.scales"), &shape(groups))?;
+            let scales_ok = if spec.mode.has_biases() { scales.dtype().is_float() } else { scales.dtype() == Dtype::Uint8 };
+            if !scales_ok {
+                return Err(Error::load(format!(
+                    "quantized scales `{path}.scales` have dtype {}, which {} does not use ({})",
+                    scales.dtype(),
+                    spec.mode.name(),
+                    if spec.mode.has_biases() { "a floating-point dtype" } else { "uint8" }
+                )));
+            }
             let biases = if spec.mode.has_biases() {
                 Some(store.get_shaped(&format!("{path}.biases"), &shape(groups))?)
             } else {

@@ -48,40 +48,66 @@ pub fn validate_safetensors(path: &Path) -> Result<Vec<String>> {
     let v: Value = serde_json::from_slice(&header)
         .map_err(|e| Error::load(format!("{name} has a corrupt safetensors header: {e}")))?;
     let obj = v.as_object().ok_or_else(|| Error::load(format!("{name}: safetensors header is not an object")))?;
-    let mut data_end = 0u64;
+    let mut spans: Vec<(u64, u64, &str)> = Vec::new();
     let mut names = Vec::new();
     for (tname, info) in obj {
         if tname == "__metadata__" {
             continue;
         }
+        let bad = |what: String| Error::load(format!("{name}: tensor `{tname}` {what}"));
         let dt = info.get("dtype").and_then(Value::as_str).unwrap_or("?");
-        let size = st_dtype_size(dt)
-            .ok_or_else(|| Error::load(format!("{name}: tensor `{tname}` has unsupported dtype {dt}")))?;
-        let shape: Vec<u64> = info
-            .get("shape")
-            .and_then(Value::as_array)
-            .map(|a| a.iter().filter_map(Value::as_u64).collect())
-            .ok_or_else(|| Error::load(format!("{name}: tensor `{tname}` has no shape")))?;
-        let offs: Vec<u64> = info
-            .get("data_offsets")
-            .and_then(Value::as_array)
-            .map(|a| a.iter().filter_map(Value::as_u64).collect())
-            .filter(|o: &Vec<u64>| o.len() == 2)
-            .ok_or_else(|| Error::load(format!("{name}: tensor `{tname}` has no data_offsets")))?;
-        let want = shape.iter().product::<u64>() * size as u64;
+        let size = st_dtype_size(dt).ok_or_else(|| bad(format!("has unsupported dtype {dt}")))?;
+        let dims = info.get("shape").and_then(Value::as_array).ok_or_else(|| bad("has no shape".into()))?;
+        if dims.len() > 16 {
+            return Err(bad(format!("has {} dimensions", dims.len())));
+        }
+        let mut shape: Vec<u64> = Vec::with_capacity(dims.len());
+        for d in dims {
+            // MLX dimensions are int32: a negative, fractional or larger one
+            // is refused here, by name, not by MLX.
+            match d.as_u64().filter(|&x| x <= i32::MAX as u64) {
+                Some(x) => shape.push(x),
+                None => return Err(bad(format!("has dimension {d}, not an integer in 0..={}", i32::MAX))),
+            }
+        }
+        let offs = info.get("data_offsets").and_then(Value::as_array).ok_or_else(|| bad("has no data_offsets".into()))?;
+        let offs: Vec<u64> = match offs.as_slice() {
+            [a, b] => match (a.as_u64(), b.as_u64()) {
+                (Some(a), Some(b)) => vec![a, b],
+                _ => return Err(bad(format!("has data_offsets {offs:?}, not two byte offsets"))),
+            },
+            _ => return Err(bad(format!("has data_offsets {offs:?}, not two byte offsets"))),
+        };
+        let want = shape
+            .iter()
+            .try_fold(size as u64, |acc, &d| acc.checked_mul(d))
+            .ok_or_else(|| bad(format!("of shape {shape:?} {dt} is larger than any file")))?;
         if offs[1] < offs[0] || offs[1] - offs[0] != want {
-            return Err(Error::load(format!(
-                "{name}: tensor `{tname}` of shape {shape:?} {dt} needs {want} bytes but its offsets span {}",
+            return Err(bad(format!(
+                "of shape {shape:?} {dt} needs {want} bytes but its offsets span {}",
                 offs[1].saturating_sub(offs[0])
             )));
         }
-        data_end = data_end.max(offs[1]);
+        spans.push((offs[0], offs[1], tname.as_str()));
         names.push(tname.clone());
     }
-    let need = 8 + n + data_end;
-    if file_len < need {
+    // Tensors may not share bytes: one tensor's data read as another's
+    // would be a wrong model, not an error.
+    spans.sort();
+    for w in spans.windows(2) {
+        if w[1].0 < w[0].1 {
+            return Err(Error::load(format!(
+                "{name}: tensors `{}` and `{}` overlap (bytes {}..{} and {}..{})",
+                w[0].2, w[1].2, w[0].0, w[0].1, w[1].0, w[1].1
+            )));
+        }
+    }
+    let data_end = spans.iter().map(|s| s.1).max().unwrap_or(0);
+    let need = (8 + n).checked_add(data_end);
+    if need.is_none_or(|need| file_len < need) {
         return Err(Error::load(format!(
-            "{name} is truncated: the header describes {need} bytes but the file has {file_len}"
+            "{name} is truncated: the header describes {} bytes but the file has {file_len}",
+            need.map(|x| x.to_string()).unwrap_or_else(|| "more than 2^64".into())
         )));
     }
     Ok(names)
@@ -103,6 +129,16 @@ fn weight_files(dir: &Path) -> Result<(Vec<PathBuf>, Option<BTreeMap<String, Str
             let f = f
                 .as_str()
                 .ok_or_else(|| Error::load(format!("{}: weight_map[{k}] is not a file name", index.display())))?;
+            // A shard is a file inside the checkpoint folder: no absolute
+            // paths, no `..`, checked before any file is opened.
+            let inside = !f.is_empty()
+                && Path::new(f).components().all(|c| matches!(c, std::path::Component::Normal(_)));
+            if !inside {
+                return Err(Error::load(format!(
+                    "{}: weight_map[{k}] names {f:?}, which is not a file inside the checkpoint folder",
+                    index.display()
+                )));
+            }
             wm.insert(k.clone(), f.to_string());
         }
         let mut files: Vec<String> = wm.values().cloned().collect();
@@ -192,9 +228,17 @@ impl TensorStore {
         Ok(a)
     }
 
-    /// A floating-point tensor, cast if the store was opened with a cast.
+    /// A floating-point tensor (weights, norms, biases), cast if the store
+    /// was opened with a cast. Any other dtype is refused: an integer
+    /// embedding would load and generate nonsense without a word.
     pub fn get(&mut self, name: &str) -> Result<Array> {
         let a = self.raw(name)?;
+        if !a.dtype().is_float() {
+            return Err(Error::load(format!(
+                "tensor `{name}` has dtype {}; a floating-point tensor (float16, bfloat16 or float32) is expected",
+                a.dtype()
+            )));
+        }
         match self.cast {
             Some(dt) if a.dtype().is_float() && a.dtype() != dt => a.astype(dt),
             _ => Ok(a),
@@ -229,4 +273,97 @@ pub fn check_shape(name: &str, a: &Array, shape: &[i32]) -> Result<()> {
         return Err(Error::load(format!("tensor `{name}` has shape {s:?}, expected {shape:?}")));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fixture::{self, FixtureSpec, Preset};
+    use serde_json::json;
+
+    fn tmp(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("mlxlfm-weights-{}-{name}", std::process::id()));
+        std::fs::remove_dir_all(&d).ok();
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    /// A safetensors file with this header and `data` bytes after it.
+    fn file(dir: &Path, header: Value, data: usize) -> PathBuf {
+        let h = serde_json::to_vec(&header).unwrap();
+        let mut bytes = (h.len() as u64).to_le_bytes().to_vec();
+        bytes.extend(h);
+        bytes.extend(vec![0u8; data]);
+        let p = dir.join("model.safetensors");
+        std::fs::write(&p, bytes).unwrap();
+        p
+    }
+
+    fn err(dir: &Path, header: Value, data: usize) -> String {
+        validate_safetensors(&file(dir, header, data)).unwrap_err().message
+    }
+
+    #[test]
+    fn hostile_headers_are_refused_by_name() {
+        let d = tmp("headers");
+        let ok = json!({"a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}});
+        assert_eq!(validate_safetensors(&file(&d, ok, 16)).unwrap(), vec!["a".to_string()]);
+        // Offsets near 2^64: the span is right, the end wraps past the file check.
+        let top = u64::MAX - 15;
+        let e = err(&d, json!({"a": {"dtype": "U8", "shape": [15], "data_offsets": [top, top + 15]}}), 16);
+        assert!(e.contains("is truncated") && e.contains("more than 2^64"), "{e}");
+        // A byte count that wraps u64.
+        let big = i32::MAX;
+        let e = err(&d, json!({"a": {"dtype": "F64", "shape": [big, big, big, 8], "data_offsets": [0, 8]}}), 8);
+        assert!(e.contains("tensor `a`") && e.contains("larger than any file"), "{e}");
+        // Negative and fractional dimensions.
+        let e = err(&d, json!({"a": {"dtype": "F32", "shape": [-1, 4], "data_offsets": [0, 16]}}), 16);
+        assert!(e.contains("tensor `a` has dimension -1"), "{e}");
+        let e = err(&d, json!({"a": {"dtype": "F32", "shape": [2.5], "data_offsets": [0, 16]}}), 16);
+        assert!(e.contains("has dimension 2.5"), "{e}");
+        // Two tensors over the same bytes.
+        let e = err(
+            &d,
+            json!({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}),
+            12,
+        );
+        assert!(e.contains("tensors `a` and `b` overlap"), "{e}");
+        let e = err(&d, json!({"a": {"dtype": "F32", "shape": [2], "data_offsets": [-8, 0]}}), 8);
+        assert!(e.contains("not two byte offsets"), "{e}");
+        std::fs::remove_dir_all(&d).ok();
+    }
+
+    #[test]
+    fn a_shard_outside_the_folder_is_refused_before_any_file_is_opened() {
+        let d = tmp("escape");
+        for bad in ["../outside.safetensors", "/etc/passwd", "a/../../b.safetensors", ""] {
+            let index = json!({"weight_map": {"model.embed_tokens.weight": bad}});
+            std::fs::write(d.join("model.safetensors.index.json"), index.to_string()).unwrap();
+            let e = TensorStore::open(&d, None).err().expect("escaping shard accepted").message;
+            assert!(e.contains("not a file inside the checkpoint folder"), "{bad}: {e}");
+        }
+        std::fs::remove_dir_all(&d).ok();
+    }
+
+    /// An integer tensor where the model needs floats (the embedding) is an
+    /// error naming it, not a model that emits one token forever.
+    #[test]
+    fn a_tensor_of_the_wrong_dtype_for_its_role_is_refused() {
+        let d = tmp("role");
+        fixture::generate(&FixtureSpec::new(Preset::Tiny), &d).unwrap();
+        let path = d.join("model.safetensors");
+        let (arrays, _) = load_safetensors(&path).unwrap();
+        let arrays: Vec<(String, Array)> = arrays
+            .into_iter()
+            .map(|(n, a)| if n == "model.embed_tokens.weight" { (n, a.astype(Dtype::Int32).unwrap()) } else { (n, a) })
+            .collect();
+        save_safetensors_for_test(&path, &arrays);
+        let e = crate::model::load_model(&d, &Default::default()).err().expect("an int32 embedding loaded").message;
+        assert!(e.contains("`model.embed_tokens.weight` has dtype int32"), "{e}");
+        std::fs::remove_dir_all(&d).ok();
+    }
+
+    fn save_safetensors_for_test(path: &Path, arrays: &[(String, Array)]) {
+        crate::mlx::save_safetensors(path, arrays, &[]).unwrap();
+    }
 }
