@@ -94,7 +94,12 @@ impl KvCache {
     pub fn attend(&mut self, len: usize, q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Array> {
         if let Some(qc) = self.quant.as_deref_mut() {
             // Deferred prefill, quantize on insert during decode; see src/kvquant/cache.rs.
-            debug_assert_eq!(qc.offset(), len, "quantized KV cache out of step with its sequence");
+            if qc.offset() != len {
+                return Err(crate::error::Error::invalid(format!(
+                    "quantized KV cache holds {} positions, its sequence {len}",
+                    qc.offset()
+                )));
+            }
             qc.attend(q, k, v, scale)
         } else if q.dim(2) > 1 {
             let (k, v) = self.update_and_fetch(len, k, v)?;

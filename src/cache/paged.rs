@@ -423,7 +423,8 @@ impl PagedPool {
 /// the tokens in it. Dropping it returns its blocks (so a cancelled or
 /// failed request gives them back without any extra path). It keeps no
 /// length of its own: the sequence's position (`ModelCache::pos`) is passed
-/// in as `len`, and only the methods here change its fields.
+/// in as `len`, and only the methods here change its bookkeeping (the pool
+/// handle and the cached-token count are readable, never written, outside).
 pub struct PagedSeq {
     pub pool: SharedPool,
     blocks: Vec<u32>,
@@ -494,7 +495,12 @@ impl PagedSeq {
             self.view_cap += add;
             return Ok(());
         }
-        debug_assert_eq!(self.flushed, len);
+        if self.flushed != len {
+            return Err(Error::invalid(format!(
+                "paged decode mirrors built at position {len} while the pool holds {} positions",
+                self.flushed
+            )));
+        }
         let table = self.table(upto, true)?;
         let pool = self.pool.lock();
         let n = pool.keys.len();

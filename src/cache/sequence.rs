@@ -378,7 +378,9 @@ impl ForwardCache for SeqPass<'_> {
 
     fn conv_state(&mut self, layer: usize, shape: ConvShape) -> Result<Array> {
         match &mut self.cache.layers[layer] {
-            LayerCache::Conv(s) => match s.take() {
+            // Cloned, not taken: a pass that fails halfway leaves the state
+            // as it was (conv_update replaces it before anything runs).
+            LayerCache::Conv(s) => match s.clone() {
                 Some(s) => Ok(s),
                 None => shape.zeros(),
             },

@@ -30,8 +30,26 @@ pub struct CompiledStep {
 }
 
 impl CompiledStep {
+    /// Builds the step and traces it once for a lone sequence at the first
+    /// cache capacity (the shape the first decode step uses), so a model
+    /// whose step cannot be built fails here, at load, not at its first
+    /// token. Nothing is evaluated.
     pub fn new(model: &Lfm2Model) -> Result<CompiledStep> {
-        Self::build(model, MAX_TRACES, false)
+        let step = Self::build(model, MAX_TRACES, false)?;
+        let c = &model.config;
+        let cap = crate::cache::KV_STEP as i32;
+        let mut ins = vec![mlx::zeros(&[1, 1], Dtype::Uint32)?, Array::scalar(0.0, Dtype::Int32)?];
+        for &attn in &c.attn_layers {
+            if attn {
+                for _ in 0..2 {
+                    ins.push(mlx::zeros(&[1, c.num_kv_heads as i32, cap, c.head_dim as i32], model.dtype)?);
+                }
+            } else {
+                ins.push(mlx::zeros(&[1, c.conv_kernel as i32 - 1, c.hidden_size as i32], model.dtype)?);
+            }
+        }
+        step.run(model, ins, true)?;
+        Ok(step)
     }
 
     /// `max_traces` distinct input shapes kept traced; `fail` makes every
@@ -68,10 +86,16 @@ impl CompiledStep {
             return Err(Error::invalid("this compiled step belongs to another model"));
         }
         let refs: Vec<&Array> = ins.iter().collect();
+        // Cleared however the call ends (a panic unwinding through it too).
+        struct Current<'a>(&'a Cell<*const Lfm2Model>);
+        impl Drop for Current<'_> {
+            fn drop(&mut self) {
+                self.0.set(std::ptr::null());
+            }
+        }
         self.current.set(model);
-        let r = self.f.call(&refs);
-        self.current.set(std::ptr::null());
-        r
+        let _clear = Current(&self.current);
+        self.f.call(&refs)
     }
 
     /// Input shapes traced now.
@@ -109,9 +133,10 @@ impl CompiledStep {
             }
         }
         let n = ins.len();
-        // `run` takes the inputs, so the old buffers are let go before the
-        // step runs and MLX can update them in place; only now, with the
-        // whole step built, is the cache touched.
+        // `run` takes the inputs and the cache's old buffers are replaced
+        // below, before anything is evaluated (the token is queued by the
+        // caller), so MLX can update the buffers in place. The cache's state
+        // is only replaced once the whole step is built.
         let outs = self.run(model, ins, compiled)?;
         if outs.len() != n - 1 {
             return Err(Error::mlx(format!("compiled decode returned {} arrays, expected {}", outs.len(), n - 1)));
@@ -138,7 +163,8 @@ impl CompiledStep {
     /// One step for every row of `batch` (members in row order): `ids`
     /// `[B, 1]`, `positions` (int32 `[B]`) each row's position. Returns
     /// logits `[B, V]`; the batch holds the new state. The caches' own
-    /// bookkeeping (`begin/end_decode_token`) is the caller's.
+    /// bookkeeping is the caller's (`reserve_token` before, a block-end
+    /// `DecodeBatch::sync` and `end_decode_token` after; see the scheduler).
     pub fn step_batch(&self, model: &Lfm2Model, ids: &Array, positions: &Array, batch: &mut DecodeBatch, compiled: bool) -> Result<Array> {
         let b = positions.size();
         if b != batch.len() || ids.dim(0) as usize != b {

@@ -263,7 +263,7 @@ impl Engine {
                         if forced.is_some() {
                             "compiled requested by the decodePath load option".to_string()
                         } else {
-                            "default: the compiled step covers every layer of this model".to_string()
+                            "default: the compiled step was built and traced for this model at load".to_string()
                         },
                     ),
                     Err(e) if forced.is_some() => return Err(e.context("the compiled decode path was requested but could not be built")),

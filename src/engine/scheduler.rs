@@ -439,17 +439,31 @@ impl Scheduler {
         } else {
             None
         };
+        let finite = match &greedy {
+            Some(_) => Some(crate::generate::sampler::finite_rows(&logits)?),
+            None => None,
+        };
         for (k, &i) in order.iter().enumerate() {
             let k = k as i32;
             out.push((
                 i,
-                match &greedy {
-                    Some(t) => t.slice_axis(0, k, k + 1)?,
-                    None => active[i].seq.draw(&logits.slice_axis(0, k, k + 1)?)?,
+                match (&greedy, &finite) {
+                    (Some(t), Some(f)) => {
+                        active[i].seq.set_finite(f.slice_axis(0, k, k + 1)?);
+                        t.slice_axis(0, k, k + 1)?
+                    }
+                    _ => active[i].seq.draw(&logits.slice_axis(0, k, k + 1)?)?,
                 },
             ));
         }
-        let toks: Vec<&Array> = out.iter().map(|(_, t)| t).collect();
+        // The finiteness flags are evaluated with the tokens, not read later
+        // by a sync of their own.
+        let flags: Vec<Array> = match &finite {
+            Some(f) => vec![f.clone()],
+            None => order.iter().filter_map(|&i| active[i].seq.pending_finite().cloned()).collect(),
+        };
+        let mut toks: Vec<&Array> = out.iter().map(|(_, t)| t).collect();
+        toks.extend(flags.iter());
         let mut caches: Vec<&mut ModelCache> =
             active.iter_mut().enumerate().filter(|(i, _)| want.contains(i)).map(|(_, a)| &mut a.seq.cache).collect();
         generate::queue_tokens(&toks, &mut caches)?;

@@ -539,3 +539,46 @@ fn a_full_pool_fails_only_the_arrival_it_cannot_hold() {
     assert_eq!(e.cache_stats().unwrap().blocks_in_use, 0);
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Weights that make the logits NaN: every request fails naming the step
+/// (alone, eager or compiled, and in a batch) instead of streaming whatever
+/// argmax makes of NaN; the engine keeps serving after.
+#[test]
+fn non_finite_logits_are_an_error_naming_the_step() {
+    use super::{Request, Scheduler};
+    use crate::mlx::{load_safetensors, save_safetensors};
+    use std::sync::{Arc, Mutex};
+    let dir = fixture_dir("nan-logits", Preset::Tiny);
+    let file = dir.join("model.safetensors");
+    let (arrays, _) = load_safetensors(&file).unwrap();
+    let arrays: Vec<(String, crate::mlx::Array)> = arrays
+        .into_iter()
+        .map(|(n, a)| if n == "model.embedding_norm.weight" { let b = a.mul_scalar(f64::NAN).unwrap(); (n, b) } else { (n, a) })
+        .collect();
+    save_safetensors(&file, &arrays, &[]).unwrap();
+    for path in [DecodePath::Compiled, DecodePath::Eager] {
+        let mut e = engine(&dir, true, 16, 64, Some(path));
+        let params = GenerateParams { max_tokens: 8, ignore_eos: true, ..Default::default() };
+        let err = e.generate(Prompt::Tokens(prompt(10, 1)), params.clone(), &mut NoObserver).unwrap_err();
+        assert!(err.message.contains("non-finite logits (NaN or infinity) at generation step 1"), "{path:?}: {err}");
+        let got: Arc<Mutex<Vec<String>>> = Arc::new(Mutex::new(vec![]));
+        let mut s = Scheduler::new();
+        for i in 0..3 {
+            let got = got.clone();
+            let req = Request::tokens(prompt(12, 10 + i), params.clone(), move |r| {
+                got.lock().unwrap().push(r.map(|_| "finished".to_string()).unwrap_or_else(|e| e.message))
+            });
+            s.submit(&mut e, req);
+        }
+        while !s.is_idle() {
+            s.step(&mut e);
+        }
+        let got = got.lock().unwrap();
+        assert_eq!(got.len(), 3);
+        for m in got.iter() {
+            assert!(m.contains("non-finite logits"), "{path:?}: {m}");
+        }
+        assert_eq!(e.cache_stats().unwrap().blocks_in_use, 0, "{path:?}: the failed requests gave their blocks back");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -205,8 +205,12 @@ impl<'a> Stepper<'a> {
     /// Logits `[1, V]` for one token `ids` (`[1, 1]`), advancing `cache`.
     pub fn step(&mut self, ids: &Array, cache: &mut ModelCache) -> Result<Array> {
         if let Some(c) = self.compiled {
+            let pos = cache.pos;
             match c.step(self.model, ids, cache, true) {
                 Ok(l) => return Ok(l),
+                // The step failed after the cache took the token (its paged
+                // bookkeeping): running it again eagerly would store it twice.
+                Err(e) if cache.pos != pos => return Err(e),
                 Err(e) => {
                     self.failure = Some(e);
                     self.compiled = None;
@@ -335,11 +339,14 @@ impl Pending {
         let mut cache = self.cache;
         let mut sampler = self.sampler;
         let y = sampler.sample(&logits)?;
-        eval_with(&y, &mut cache)?;
+        let finite = sampler::finite_rows(logits)?;
+        queue_tokens(&[&y, &finite], &mut [&mut cache])?;
         let params = self.params;
         Ok(Started::Running(Sequence {
             cache,
             y,
+            y_finite: Some(finite),
+            next_finite: None,
             sampler,
             stops: StopStrings::new(&params.stop),
             decoder: StreamDecoder::new(tokenizer, false),
@@ -398,6 +405,10 @@ pub struct Sequence {
     pub cache: ModelCache,
     /// The sampled token not yet read back.
     pub y: Array,
+    /// Whether the logits `y` was drawn from were all finite (1) or not (0).
+    y_finite: Option<Array>,
+    /// The same for the token of the step queued after `y`.
+    next_finite: Option<Array>,
     sampler: Sampler,
     stops: StopStrings,
     decoder: StreamDecoder,
@@ -446,14 +457,31 @@ impl Sequence {
     /// whatever the cache built alongside.
     pub fn sample(&mut self, logits: &Array) -> Result<Array> {
         let n = self.sampler.sample(logits)?;
-        eval_with(&n, &mut self.cache)?;
+        let finite = sampler::finite_rows(logits)?;
+        queue_tokens(&[&n, &finite], &mut [&mut self.cache])?;
+        self.next_finite = Some(finite);
         Ok(n)
     }
 
     /// [`Sequence::sample`] without queueing the work: a batch queues all
-    /// its rows' tokens at once (see [`queue_tokens`]).
+    /// its rows' tokens at once (see [`queue_tokens`]), with
+    /// [`Sequence::pending_finite`].
     pub fn draw(&mut self, logits: &Array) -> Result<Array> {
-        self.sampler.sample(logits)
+        let n = self.sampler.sample(logits)?;
+        self.next_finite = Some(sampler::finite_rows(logits)?);
+        Ok(n)
+    }
+
+    /// For a token drawn outside [`Sequence::draw`] (a batch's shared
+    /// argmax): whether its logits were finite (`[1]`, see
+    /// `sampler::finite_rows`).
+    pub fn set_finite(&mut self, finite: Array) {
+        self.next_finite = Some(finite);
+    }
+
+    /// The finiteness flag of the token just drawn, to queue with it.
+    pub fn pending_finite(&self) -> Option<&Array> {
+        self.next_finite.as_ref()
     }
 
     pub fn is_greedy(&self) -> bool {
@@ -465,6 +493,15 @@ impl Sequence {
     /// whether the generation goes on (then `next` is pending).
     pub fn accept(&mut self, next: Option<Array>, eos: &HashSet<u32>, observer: &mut dyn Observer) -> Result<bool> {
         let tok: u32 = self.y.item()?;
+        if let Some(f) = self.y_finite.take() {
+            if f.item::<u32>()? == 0 {
+                return Err(Error::mlx(format!(
+                    "the model produced non-finite logits (NaN or infinity) at generation step {}: its weights or \
+                     the computation are broken",
+                    self.completion_tokens + 1
+                )));
+            }
+        }
         if next.is_some() {
             // `tok` was fed to the step just queued: a paged cache may now
             // publish the block it completes.
@@ -503,6 +540,7 @@ impl Sequence {
         match next {
             Some(n) => {
                 self.y = n;
+                self.y_finite = self.next_finite.take();
                 Ok(true)
             }
             None => Ok(false),

@@ -224,3 +224,13 @@ mod tests {
         assert!(e.message.contains("temperature"));
     }
 }
+
+/// Per row of `logits` (`[B, V]`), 1 when every value is finite, 0 when it
+/// holds a NaN or an infinity (`[B]` uint32, lazy: evaluated with the
+/// step's token and read with it, so it costs no extra sync).
+pub fn finite_rows(logits: &Array) -> Result<Array> {
+    // A row's sum is finite exactly when all of it is (NaN and ±inf
+    // propagate), and finite * 0 == 0 while NaN * 0 is not.
+    let s = logits.astype(Dtype::Float32)?.sum(&[-1], false)?;
+    s.mul_scalar(0.0)?.eq_scalar(0.0)?.astype(Dtype::Uint32)?.reshape(&[-1])
+}

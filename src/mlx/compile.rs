@@ -67,6 +67,7 @@ impl Compiled {
     }
 
     pub fn call(&self, inputs: &[&Array]) -> Result<Vec<Array>> {
+        let mut new_sig = None;
         if self.max_traces != usize::MAX {
             let sig: Vec<(Vec<i32>, Dtype)> = inputs.iter().map(|a| (a.shape(), a.dtype())).collect();
             let mut traced = self.traced.borrow_mut();
@@ -75,12 +76,16 @@ impl Compiled {
                     check(unsafe { ffi::mlxb_fn_clear(self.handle) })?;
                     traced.clear();
                 }
-                traced.insert(sig);
+                new_sig = Some(sig);
             }
         }
         let hs: Vec<Handle> = inputs.iter().map(|a| a.handle()).collect();
         let mut outs: ArraysHandle = std::ptr::null_mut();
         check(unsafe { ffi::mlxb_fn_call(self.handle, hs.as_ptr(), hs.len(), &mut outs) })?;
+        // Counted once traced: a failed trace leaves nothing behind to bound.
+        if let Some(sig) = new_sig {
+            self.traced.borrow_mut().insert(sig);
+        }
         let n = unsafe { ffi::mlxb_arrays_len(outs) };
         let v = (0..n).map(|i| Array(unsafe { ffi::mlxb_arrays_take(outs, i) })).collect();
         unsafe { ffi::mlxb_arrays_free(outs) };

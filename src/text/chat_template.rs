@@ -196,7 +196,19 @@ fn raised_message(err: &minijinja::Error) -> Option<String> {
 }
 
 /// Turns a minijinja error into our `Text` error, with the template line.
+/// Template instructions one render may run. LFM2's own template spends a
+/// few hundred per message and a few thousand per tool; this leaves room
+/// for conversations thousands of messages long, and stops a runaway loop
+/// within well under a second.
+pub const TEMPLATE_FUEL: u64 = 20_000_000;
+
 fn convert_error(err: &minijinja::Error, source: &str, stage: &str) -> Error {
+    if err.kind() == MjErrorKind::OutOfFuel {
+        return Error::text(format!(
+            "the chat template did not finish rendering within its limit of {TEMPLATE_FUEL} steps (a runaway loop, or \
+             far too many messages or tools)"
+        ));
+    }
     let location = match err.line() {
         Some(line) => {
             let text = source
@@ -257,6 +269,10 @@ impl ChatTemplate {
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_keep_trailing_newline(false);
+        // A render is bounded: a template (or messages) that loops for ever
+        // fails instead of holding the model's thread and every request
+        // queued behind it.
+        env.set_fuel(Some(TEMPLATE_FUEL));
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         minijinja_contrib::add_to_environment(&mut env);
         env.add_filter("tojson", tojson_filter);

@@ -695,3 +695,17 @@ fn types_are_thread_safe() {
     send_sync::<ChatTemplate>();
     send_sync::<StreamDecoder>();
 }
+
+/// A template that would loop 1e10 times stops with a clear error, fast,
+/// and the same compiled template renders a sane conversation after it.
+#[test]
+fn a_runaway_template_runs_out_of_fuel() {
+    let msgs = [ChatMessage::user("hi")];
+    let src = "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}";
+    let t = std::time::Instant::now();
+    let err = render_chat(src, &msgs, None, false, None, None, None).unwrap_err();
+    assert!(err.message.contains("did not finish rendering within its limit"), "{err}");
+    assert!(t.elapsed().as_secs_f64() < 30.0, "the fuel limit took {:?}", t.elapsed());
+    let ok = "{% for m in messages %}{{ m.role }}: {{ m.content }}{% endfor %}";
+    assert_eq!(render_chat(ok, &msgs, None, false, None, None, None).unwrap(), "user: hi");
+}
