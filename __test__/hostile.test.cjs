@@ -1,0 +1,109 @@
+// The bad-input corpus: checkpoints and templates damaged on purpose, each
+// generated from the tiny fixture. Every case must fail with an error that
+// names the problem, and the same process must then load a good model and
+// chat (nothing aborted, nothing left blocked).
+'use strict';
+const test = require('node:test');
+const assert = require('node:assert/strict');
+const fs = require('node:fs');
+const path = require('node:path');
+const { addon, fixture, fixtureCopy } = require('./helpers.cjs');
+
+const TINY = { preset: 'tiny', dtype: 'f32' };
+let n = 0;
+
+async function damaged(edit) {
+  const dir = await fixtureCopy('tiny', TINY, `hostile-${n++}`);
+  edit(dir);
+  return dir;
+}
+
+function editJson(file, f) {
+  const v = JSON.parse(fs.readFileSync(file, 'utf8'));
+  fs.writeFileSync(file, JSON.stringify(f(v) ?? v));
+}
+
+// Rewrites model.safetensors' header (the data bytes stay as they are).
+function editHeader(dir, f) {
+  const file = path.join(dir, 'model.safetensors');
+  const buf = fs.readFileSync(file);
+  const len = Number(buf.readBigUInt64LE(0));
+  const header = JSON.parse(buf.subarray(8, 8 + len).toString('utf8'));
+  f(header);
+  // Big offsets must survive as exact integers: JSON.stringify would round
+  // them, so they are written as raw text.
+  let text = JSON.stringify(header, (k, v) => (typeof v === 'bigint' ? `@@${v}@@` : v)).replace(/"@@(\d+)@@"/g, '$1');
+  const h = Buffer.from(text, 'utf8');
+  const head = Buffer.alloc(8);
+  head.writeBigUInt64LE(BigInt(h.length));
+  fs.writeFileSync(file, Buffer.concat([head, h, buf.subarray(8 + len)]));
+}
+
+async function stillServes() {
+  const m = await addon.Lfm2Model.load(await fixture('tiny', TINY));
+  const r = await m.chat([{ role: 'user', content: 'Hello' }], { maxTokens: 4, ignoreEos: true });
+  assert.equal(r.tokens.length, 4);
+  m.close();
+}
+
+const cases = [
+  ['num_hidden_layers 1e9', (d) => editJson(path.join(d, 'config.json'), (c) => { c.num_hidden_layers = 1e9; }),
+    /`num_hidden_layers` is 1000000000, more than the 1024/],
+  ['vocab_size 2^32 + 1024', (d) => editJson(path.join(d, 'config.json'), (c) => { c.vocab_size = 2 ** 32 + 1024; }),
+    /`vocab_size` is 4294968320/],
+  ['hidden_size 2^32 + 64', (d) => editJson(path.join(d, 'config.json'), (c) => { c.hidden_size = 2 ** 32 + 64; }),
+    /`hidden_size` is 4294967360/],
+  ['conv_L_cache 2^40', (d) => editJson(path.join(d, 'config.json'), (c) => { c.conv_L_cache = 2 ** 40; }),
+    /`conv_L_cache` is 1099511627776/],
+  ['rope_theta 1e300', (d) => editJson(path.join(d, 'config.json'), (c) => { c.rope_theta = 1e300; }),
+    /`rope_theta` is 1e300, which is not finite/],
+  ['eos_token_id 2^32 + 5', (d) => editJson(path.join(d, 'config.json'), (c) => { c.eos_token_id = 2 ** 32 + 5; }),
+    /must be a token id, found 4294967301/],
+  ['data_offsets near 2^64', (d) => editHeader(d, (h) => {
+    const [name, t] = Object.entries(h).find(([k]) => k !== '__metadata__');
+    const top = 18446744073709551615n;
+    const size = BigInt(t.data_offsets[1] - t.data_offsets[0]);
+    h[name].data_offsets = [top - size, top];
+  }), /is truncated: the header describes more than 2\^64 bytes/],
+  ['a negative dimension', (d) => editHeader(d, (h) => { h['model.embedding_norm.weight'].shape = [-1]; }),
+    /tensor `model.embedding_norm.weight` has dimension -1/],
+  ['overlapping tensors', (d) => editHeader(d, (h) => {
+    const a = h['model.embedding_norm.weight'];
+    const b = Object.entries(h).find(([k, t]) => k !== '__metadata__' && k !== 'model.embedding_norm.weight' && t.data_offsets[0] > a.data_offsets[1]);
+    const span = b[1].data_offsets[1] - b[1].data_offsets[0];
+    b[1].data_offsets = [a.data_offsets[0], a.data_offsets[0] + span];
+  }), /overlap/],
+  ['an int32 embedding', (d) => editHeader(d, (h) => { h['model.embed_tokens.weight'].dtype = 'I32'; }),
+    /tensor `model.embed_tokens.weight` has dtype int32; a floating-point tensor/],
+  ['a shard outside the folder', (d) => {
+    fs.renameSync(path.join(d, 'model.safetensors'), path.join(d, 'shard.safetensors'));
+    fs.writeFileSync(path.join(d, 'model.safetensors.index.json'), JSON.stringify({ weight_map: { 'model.embed_tokens.weight': '../../etc/passwd' } }));
+  }, /not a file inside the checkpoint folder/],
+];
+
+for (const [name, edit, want] of cases) {
+  test(`a checkpoint with ${name} is refused by name, and the process serves on`, async () => {
+    const dir = await damaged(edit);
+    await assert.rejects(addon.Lfm2Model.load(dir), (e) => {
+      assert.match(e.message, want);
+      return true;
+    });
+    await stillServes();
+  });
+}
+
+test('a runaway chat template fails its request quickly and does not block the model', async () => {
+  const dir = await damaged((d) => editJson(path.join(d, 'tokenizer_config.json'), (c) => {
+    c.chat_template = '{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}';
+  }));
+  for (const f of ['chat_template.jinja']) fs.rmSync(path.join(dir, f), { force: true });
+  const m = await addon.Lfm2Model.load(dir);
+  const t = Date.now();
+  await assert.rejects(m.chat([{ role: 'user', content: 'hi' }], { maxTokens: 2 }), /did not finish rendering within its limit/);
+  assert.ok(Date.now() - t < 30000);
+  // The same model answers the next request.
+  const r = await m.generate([1, 2, 3], { maxTokens: 3, ignoreEos: true });
+  assert.equal(r.tokens.length, 3);
+  m.close();
+  await stillServes();
+});
