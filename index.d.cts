@@ -287,7 +287,7 @@ export interface GenerateOptions {
   repetitionPenalty?: number
   /** Tokens the repetition penalty looks back over (default 20). */
   repetitionContextSize?: number
-  /** Seed for reproducible sampling. */
+  /** Seed for reproducible sampling (an integer from 0 to 2^53 - 1). */
   seed?: number
   /** Stop strings (not included in the result). */
   stop?: string | Array<string>
@@ -347,6 +347,12 @@ export interface LoadOptions {
    * evicted beyond it.
    */
   pagedCacheBudgetMb?: number
+  /**
+   * Positions a request may use, prompt plus generated tokens (default:
+   * config.json `max_position_embeddings`; only lower values are
+   * accepted). A longer request fails before any compute.
+   */
+  contextLength?: number
 }
 
 export interface MemoryInfo {
@@ -429,6 +435,8 @@ export interface ModelInfo {
   decodePath: string
   /** Why that decode path was chosen. */
   decodePathReason: string
+  /** Positions a request may use (prompt plus generated tokens). */
+  contextLength: number
   parameterCount: number
   weightBytes: number
   vocabSize: number

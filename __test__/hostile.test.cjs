@@ -107,3 +107,52 @@ test('a runaway chat template fails its request quickly and does not block the m
   m.close();
   await stillServes();
 });
+
+test('integer options are integers in range: never truncated or wrapped, and a bad one rejects the promise', async () => {
+  const m = await addon.Lfm2Model.load(await fixture('tiny', TINY));
+  const bad = [
+    [{ maxTokens: -1 }, /RangeError: maxTokens must be from 1/],
+    [{ maxTokens: 1e12 }, /RangeError: maxTokens must be from 1 to 134217728, found 1000000000000/],
+    [{ maxTokens: 2 ** 32 + 3 }, /RangeError: maxTokens/],
+    [{ maxTokens: 1.7 }, /TypeError: maxTokens must be an integer, found 1.7/],
+    [{ topK: -5 }, /RangeError: topK must be from 0/],
+    [{ repetitionContextSize: -1 }, /RangeError: repetitionContextSize/],
+    [{ seed: NaN }, /TypeError: seed must be an integer, found NaN/],
+    [{ seed: 1.5 }, /TypeError: seed must be an integer/],
+    [{ seed: 2 ** 64 }, /RangeError: seed must be from 0 to 9007199254740991/],
+  ];
+  for (const [opts, want] of bad) {
+    const p = m.generate([1, 2, 3], opts);
+    assert.ok(p instanceof Promise, `${JSON.stringify(opts)}: generate threw instead of rejecting`);
+    await assert.rejects(p, want, JSON.stringify(opts));
+    await assert.rejects(m.chat([{ role: 'user', content: 'hi' }], opts), want);
+  }
+  for (const ids of [[2 ** 32 + 5], [5.9], [NaN], [-1]]) {
+    await assert.rejects(m.generate(ids, { maxTokens: 2 }), /RangeError: prompt\[0\] is .*not a token id/, String(ids));
+    await assert.rejects(m.logits(ids), /RangeError: tokenIds\[0\]/);
+    await assert.rejects(m.detokenize(ids), /RangeError: tokenIds\[0\]/);
+  }
+  // An id the tokenizer does not know is an error, not silence.
+  await assert.rejects(m.detokenize([m.info().vocabSize + 100]), /is not in the tokenizer's vocabulary/);
+  // The model serves on.
+  const r = await m.generate([1, 2, 3], { maxTokens: 3, ignoreEos: true, seed: 7, topK: 5 });
+  assert.equal(r.tokens.length, 3);
+  m.close();
+});
+
+test('contextLength lowers the context; a request beyond it fails before any compute', async () => {
+  const dir = await fixture('tiny', TINY);
+  await assert.rejects(addon.Lfm2Model.load(dir, { contextLength: 1.5 }), /contextLength must be an integer from 1/);
+  await assert.rejects(addon.Lfm2Model.load(dir, { contextLength: 1e9 }), /contextLength must be an integer from 1 to 134217728/);
+  const full = await addon.Lfm2Model.load(dir);
+  const max = full.info().contextLength;
+  full.close();
+  await assert.rejects(addon.Lfm2Model.load(dir, { contextLength: max + 1 }), /is out of range: this model's max_position_embeddings/);
+  const m = await addon.Lfm2Model.load(dir, { contextLength: 32 });
+  assert.equal(m.info().contextLength, 32);
+  const prompt = Array.from({ length: 30 }, (_, i) => i + 5);
+  await assert.rejects(m.generate(prompt, { maxTokens: 8 }), /the prompt has 30 tokens and asks for up to 8 more, beyond the model's context length of 32/);
+  const r = await m.generate(prompt, { maxTokens: 2, ignoreEos: true });
+  assert.equal(r.tokens.length, 2);
+  m.close();
+});

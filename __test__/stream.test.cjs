@@ -162,9 +162,9 @@ test('an already-aborted signal resolves at once without queueing', async () => 
   assert.equal(result.finishReason, 'abort');
   busy.abort();
   assert.equal((await long).finishReason, 'abort');
-  // Bad options are still rejected, signal or not.
-  assert.throws(() => m.generate([1], { maxTokens: 0, signal }), /maxTokens/);
-  assert.throws(() => m.generate([1], { signal: {} }), /AbortSignal/);
+  // Bad options are still rejected (the promise, not a throw), signal or not.
+  await assert.rejects(m.generate([1], { maxTokens: 0, signal }), /maxTokens/);
+  await assert.rejects(m.generate([1], { signal: {} }), /AbortSignal/);
   assert.deepEqual((await m.generate([1, 2, 3], GREEDY)).tokens, await baselineTokens());
 });
 

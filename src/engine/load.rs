@@ -43,6 +43,9 @@ pub struct EngineOptions {
     /// Paged pool budget in MiB (default `paged::DEFAULT_BUDGET_MB`, or
     /// config.json `paged_cache_budget_mb`).
     pub paged_cache_budget_mb: Option<usize>,
+    /// Lowers the context length below config.json's
+    /// `max_position_embeddings` (prompt plus generated tokens).
+    pub context_length: Option<usize>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,6 +99,8 @@ pub struct ModelInfo {
     pub kv_bytes_per_token: usize,
     pub decode_path: String,
     pub decode_path_reason: String,
+    /// Positions a request may use (prompt plus generated tokens).
+    pub context_length: usize,
     pub parameter_count: usize,
     pub weight_bytes: usize,
     pub vocab_size: usize,
@@ -232,6 +237,15 @@ impl Engine {
         let tokenizer = Arc::new(Tokenizer::load(dir)?);
         let loaded = load_model(dir, &LoadOptions { dtype: opts.dtype })?;
         let mut model = loaded.model;
+        if let Some(n) = opts.context_length {
+            let max = model.config.max_position_embeddings;
+            if n == 0 || n > max {
+                return Err(Error::config(format!(
+                    "contextLength {n} is out of range: this model's max_position_embeddings is {max}"
+                )));
+            }
+            model.context_length = n;
+        }
         let kv_kinds = model.set_kv_cache(&kv_cfg)?;
         let (paged_cfg, cache_reason) = choose_cache(&model, opts, &kv_cfg)?;
         if let Some(pc) = paged_cfg {
@@ -305,6 +319,7 @@ impl Engine {
             kv_bytes_per_token: kv_bytes_per_token(&model),
             decode_path: if compiled.is_some() { "compiled" } else { "eager" }.into(),
             decode_path_reason,
+            context_length: model.context_length,
             parameter_count: model.parameter_count(),
             weight_bytes: loaded.weight_bytes,
             vocab_size: c.vocab_size,

@@ -582,3 +582,26 @@ fn non_finite_logits_are_an_error_naming_the_step() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A request that does not fit the context (config.json's, or a lower
+/// `contextLength`) fails before any compute, naming both lengths.
+#[test]
+fn a_request_beyond_the_context_length_fails_before_any_compute() {
+    let dir = fixture_dir("context", Preset::Tiny);
+    let mut e = Engine::load(&dir, &EngineOptions { context_length: Some(40), ..Default::default() }).unwrap();
+    assert_eq!(e.info().context_length, 40);
+    let p = |n: usize| GenerateParams { max_tokens: n, ignore_eos: true, ..Default::default() };
+    let err = e.generate(Prompt::Tokens(prompt(36, 1)), p(8), &mut NoObserver).unwrap_err();
+    assert!(
+        err.message.contains("the prompt has 36 tokens and asks for up to 8 more, beyond the model's context length of 40"),
+        "{err}"
+    );
+    assert_eq!(e.cache_stats().unwrap().blocks_in_use, 0);
+    assert_eq!(e.generate(Prompt::Tokens(prompt(32, 1)), p(8), &mut NoObserver).unwrap().tokens.len(), 8);
+    let max = e.model.config.max_position_embeddings;
+    for bad in [0, max + 1] {
+        let err = Engine::load(&dir, &EngineOptions { context_length: Some(bad), ..Default::default() }).err().unwrap();
+        assert!(err.message.contains(&format!("contextLength {bad} is out of range")), "{err}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

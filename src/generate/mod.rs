@@ -295,6 +295,17 @@ impl Pending {
         if params.max_tokens == 0 {
             return Err(Error::invalid("maxTokens must be at least 1"));
         }
+        // Checked before any compute: positions past the context would run
+        // (RoPE does not stop there) but mean nothing.
+        let ctx = model.context_length;
+        if prompt.len().saturating_add(params.max_tokens) > ctx {
+            return Err(Error::invalid(format!(
+                "the prompt has {} tokens and asks for up to {} more, beyond the model's context length of {ctx} \
+                 tokens; shorten the prompt or lower maxTokens",
+                prompt.len(),
+                params.max_tokens
+            )));
+        }
         let prefill_start = Instant::now();
         let run = PrefillRun::new(model, &mut cache, &prompt, params.prefill_chunk)?;
         let sampler = Sampler::new(params.sampling.clone(), &prompt)?;

@@ -44,22 +44,26 @@ pub struct LoadOptions {
     /// `paged_cache_budget_mb`); least recently used cached prefixes are
     /// evicted beyond it.
     pub paged_cache_budget_mb: Option<u32>,
+    /// Positions a request may use, prompt plus generated tokens (default:
+    /// config.json `max_position_embeddings`; only lower values are
+    /// accepted). A longer request fails before any compute.
+    pub context_length: Option<f64>,
 }
 
 #[napi(object, object_to_js = false)]
 pub struct GenerateOptions<'env> {
     /// Most tokens to generate (default 256).
-    pub max_tokens: Option<u32>,
+    pub max_tokens: Option<f64>,
     /// 0 (the default) is greedy.
     pub temperature: Option<f64>,
-    pub top_k: Option<u32>,
+    pub top_k: Option<f64>,
     pub top_p: Option<f64>,
     pub min_p: Option<f64>,
     pub repetition_penalty: Option<f64>,
     /// Tokens the repetition penalty looks back over (default 20).
-    pub repetition_context_size: Option<u32>,
-    /// Seed for reproducible sampling.
-    pub seed: Option<i64>,
+    pub repetition_context_size: Option<f64>,
+    /// Seed for reproducible sampling (an integer from 0 to 2^53 - 1).
+    pub seed: Option<f64>,
     /// Stop strings (not included in the result).
     pub stop: Option<Either<String, Vec<String>>>,
     /// Keep generating past end-of-sequence tokens.
@@ -77,14 +81,16 @@ pub struct GenerateOptions<'env> {
 /// defaults) and merged.
 #[derive(Clone, Default)]
 pub struct OptionValues {
-    pub max_tokens: Option<u32>,
+    // JS numbers as given: integers are checked (never truncated or
+    // wrapped) when the parameters are built.
+    pub max_tokens: Option<f64>,
     pub temperature: Option<f64>,
-    pub top_k: Option<u32>,
+    pub top_k: Option<f64>,
     pub top_p: Option<f64>,
     pub min_p: Option<f64>,
     pub repetition_penalty: Option<f64>,
-    pub repetition_context_size: Option<u32>,
-    pub seed: Option<i64>,
+    pub repetition_context_size: Option<f64>,
+    pub seed: Option<f64>,
     pub stop: Option<Vec<String>>,
     pub ignore_eos: Option<bool>,
     pub tools: Option<Vec<serde_json::Value>>,
@@ -267,6 +273,8 @@ pub struct ModelInfo {
     pub decode_path: String,
     /// Why that decode path was chosen.
     pub decode_path_reason: String,
+    /// Positions a request may use (prompt plus generated tokens).
+    pub context_length: u32,
     pub parameter_count: f64,
     pub weight_bytes: f64,
     pub vocab_size: u32,
@@ -314,6 +322,16 @@ pub fn engine_options(o: Option<LoadOptions>) -> Result<EngineOptions> {
         e.paged_block_size = o.paged_block_size.map(|n| n as usize);
         e.paged_cache_budget_mb = o.paged_cache_budget_mb.map(|n| n as usize);
         e.kv_cache_full_precision_layers = o.kv_cache_full_precision_layers.map(|n| n as usize);
+        if let Some(n) = o.context_length {
+            // A JS number: an integer in range, never truncated or wrapped.
+            if !(n.fract() == 0.0 && (1.0..=(1u64 << 27) as f64).contains(&n)) {
+                return Err(js_error(Error::invalid(format!(
+                    "contextLength must be an integer from 1 to {}, found {n}",
+                    1u64 << 27
+                ))));
+            }
+            e.context_length = Some(n as usize);
+        }
         if let Some(d) = o.device {
             e.device = Some(match d.as_str() {
                 "cpu" => runtime::DeviceType::Cpu,
@@ -325,28 +343,62 @@ pub fn engine_options(o: Option<LoadOptions>) -> Result<EngineOptions> {
     Ok(e)
 }
 
+/// An integer option in `lo..=hi`, from a JS number that must hold one
+/// exactly (1.7, -1, NaN and 2^32 + 3 are errors naming the option, not 1,
+/// 4294967295, 0 and 3).
+fn int_option(name: &str, v: Option<f64>, lo: u64, hi: u64) -> Result<Option<u64>> {
+    match v {
+        None => Ok(None),
+        Some(x) if x.fract() == 0.0 && x >= lo as f64 && x <= hi as f64 => Ok(Some(x as u64)),
+        Some(x) if !x.is_finite() || x.fract() != 0.0 => Err(napi::Error::new(
+            napi::Status::InvalidArg,
+            format!("TypeError: {name} must be an integer, found {x}"),
+        )),
+        Some(x) => Err(napi::Error::new(
+            napi::Status::InvalidArg,
+            format!("RangeError: {name} must be from {lo} to {hi}, found {x}"),
+        )),
+    }
+}
+
+/// Token ids from JS numbers: each an integer in `0..2^32`, never
+/// truncated (5.9) or wrapped (2^32 + 5).
+pub fn token_ids(name: &str, ids: Vec<f64>) -> Result<Vec<u32>> {
+    ids.into_iter()
+        .enumerate()
+        .map(|(i, x)| {
+            if x.fract() == 0.0 && (0.0..=u32::MAX as f64).contains(&x) {
+                Ok(x as u32)
+            } else {
+                Err(napi::Error::new(
+                    napi::Status::InvalidArg,
+                    format!("RangeError: {name}[{i}] is {x}, not a token id (an integer from 0 to 2^32 - 1)"),
+                ))
+            }
+        })
+        .collect()
+}
+
+/// Largest maxTokens (no context is longer, see `model::config::LIMITS`).
+const MAX_TOKENS: u64 = 1 << 27;
+
 pub fn generate_params(o: &OptionValues) -> Result<GenerateParams> {
     let mut p = GenerateParams { prefill_chunk: 0, ..Default::default() };
-    if let Some(m) = o.max_tokens {
+    if let Some(m) = int_option("maxTokens", o.max_tokens, 1, MAX_TOKENS)? {
         p.max_tokens = m as usize;
     }
     let s = &mut p.sampling;
     *s = SamplingParams {
         temperature: o.temperature.unwrap_or(0.0) as f32,
-        top_k: o.top_k.unwrap_or(0) as usize,
+        top_k: int_option("topK", o.top_k, 0, 1 << 24)?.unwrap_or(0) as usize,
         top_p: o.top_p.unwrap_or(1.0) as f32,
         min_p: o.min_p.unwrap_or(0.0) as f32,
         repetition_penalty: o.repetition_penalty.map(|x| x as f32),
-        repetition_context_size: o.repetition_context_size.unwrap_or(20) as usize,
-        seed: match o.seed {
-            Some(x) if x < 0 => return Err(js_error(Error::invalid(format!("seed must be >= 0, got {x}")))),
-            x => x.map(|x| x as u64),
-        },
+        repetition_context_size: int_option("repetitionContextSize", o.repetition_context_size, 1, 1 << 20)?.unwrap_or(20)
+            as usize,
+        seed: int_option("seed", o.seed, 0, (1u64 << 53) - 1)?,
     };
     s.validate().map_err(js_error)?;
-    if p.max_tokens == 0 {
-        return Err(js_error(Error::invalid("maxTokens must be at least 1")));
-    }
     p.stop = o.stop.clone().unwrap_or_default();
     p.ignore_eos = o.ignore_eos.unwrap_or(false);
     Ok(p)
@@ -495,6 +547,7 @@ pub fn to_model_info(i: &engine::ModelInfo) -> ModelInfo {
         kv_bytes_per_token: i.kv_bytes_per_token as f64,
         decode_path: i.decode_path.clone(),
         decode_path_reason: i.decode_path_reason.clone(),
+        context_length: i.context_length as u32,
         parameter_count: i.parameter_count as f64,
         weight_bytes: i.weight_bytes as f64,
         vocab_size: i.vocab_size as u32,

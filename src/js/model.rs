@@ -113,12 +113,28 @@ fn generate_job(prompt: Either<String, Vec<u32>>, params: crate::generate::Gener
     })
 }
 
+/// A prompt as text or as token ids checked to be ids.
+fn prompt_ids(prompt: Either<String, Vec<f64>>) -> Result<Either<String, Vec<u32>>> {
+    Ok(match prompt {
+        Either::A(s) => Either::A(s),
+        Either::B(ids) => Either::B(super::convert::token_ids("prompt", ids)?),
+    })
+}
+
 fn signal<'a, 'e>(options: &'a Option<GenerateOptions<'e>>) -> Option<&'a Object<'e>> {
     options.as_ref().and_then(|o| o.signal.as_ref())
 }
 
 pub(crate) fn js_error(e: crate::Error) -> napi::Error {
     napi::Error::new(Status::GenericFailure, e.to_string())
+}
+
+/// A promise already rejected with `e`: a Promise-returning method reports
+/// bad arguments by rejecting, never by throwing.
+pub(crate) fn rejected<'e>(env: &'e Env, e: napi::Error) -> Result<Object<'e>> {
+    let (deferred, promise) = env.create_deferred::<(), fn(Env) -> Result<()>>()?;
+    deferred.reject(e);
+    Ok(promise)
 }
 
 /// Runs `f` on a short-lived thread (tokenizer work that must not wait
@@ -160,7 +176,10 @@ impl Lfm2Model {
     /// Loads a checkpoint directory (Hugging Face or MLX layout).
     #[napi(ts_return_type = "Promise<Lfm2Model>")]
     pub fn load(env: &Env, path: String, options: Option<LoadOptions>) -> Result<Object<'_>> {
-        let opts = super::convert::engine_options(options)?;
+        let opts = match super::convert::engine_options(options) {
+            Ok(o) => o,
+            Err(e) => return rejected(env, e),
+        };
         register_exit_hook(env)?;
         let (deferred, promise) = env.create_deferred()?;
         ModelWorker::spawn(PathBuf::from(path), opts, move |r| match r {
@@ -177,8 +196,14 @@ impl Lfm2Model {
     /// come back parsed in `toolCalls` (their markup is not in `text`).
     #[napi(ts_return_type = "Promise<ChatResult>")]
     pub fn chat<'e>(&self, env: &'e Env, messages: Vec<ChatMessage>, options: Option<GenerateOptions<'e>>) -> Result<Object<'e>> {
-        let args = self.chat_args(messages, &options)?;
-        let abort = Abort::watch(env, signal(&options))?;
+        let args = match self.chat_args(messages, &options) {
+            Ok(a) => a,
+            Err(e) => return rejected(env, e),
+        };
+        let abort = match Abort::watch(env, signal(&options)) {
+            Ok(a) => a,
+            Err(e) => return rejected(env, e),
+        };
         run_request(&self.worker, env, abort, true, chat_job(args), None)
     }
 
@@ -198,11 +223,19 @@ impl Lfm2Model {
     pub fn generate<'e>(
         &self,
         env: &'e Env,
-        prompt: Either<String, Vec<u32>>,
+        prompt: Either<String, Vec<f64>>,
         options: Option<GenerateOptions<'e>>,
     ) -> Result<Object<'e>> {
-        let params = generate_params(&OptionValues::from_options(options.as_ref()))?;
-        let abort = Abort::watch(env, signal(&options))?;
+        let checked = generate_params(&OptionValues::from_options(options.as_ref()))
+            .and_then(|p| Ok((prompt_ids(prompt)?, p)));
+        let (prompt, params) = match checked {
+            Ok(x) => x,
+            Err(e) => return rejected(env, e),
+        };
+        let abort = match Abort::watch(env, signal(&options)) {
+            Ok(a) => a,
+            Err(e) => return rejected(env, e),
+        };
         run_request(&self.worker, env, abort, false, generate_job(prompt, params), None)
     }
 
@@ -211,10 +244,11 @@ impl Lfm2Model {
     pub fn generate_stream(
         &self,
         env: &Env,
-        prompt: Either<String, Vec<u32>>,
+        prompt: Either<String, Vec<f64>>,
         options: Option<GenerateOptions<'_>>,
     ) -> Result<GenerationStream> {
         let params = generate_params(&OptionValues::from_options(options.as_ref()))?;
+        let prompt = prompt_ids(prompt)?;
         let abort = Abort::watch(env, signal(&options))?;
         run_stream(&self.worker, env, abort, false, generate_job(prompt, params), None)
     }
@@ -230,7 +264,11 @@ impl Lfm2Model {
 
     /// The logits of the last position after running `tokenIds` (float32).
     #[napi(ts_return_type = "Promise<Float32Array>")]
-    pub fn logits<'e>(&self, env: &'e Env, token_ids: Vec<u32>) -> Result<Object<'e>> {
+    pub fn logits<'e>(&self, env: &'e Env, token_ids: Vec<f64>) -> Result<Object<'e>> {
+        let token_ids = match super::convert::token_ids("tokenIds", token_ids) {
+            Ok(t) => t,
+            Err(e) => return rejected(env, e),
+        };
         let (deferred, promise) = env.create_deferred()?;
         self.worker.run(
             move |eng| eng.logits(&token_ids),
@@ -252,9 +290,13 @@ impl Lfm2Model {
 
     /// Text for token ids (special tokens included unless `skipSpecialTokens`).
     #[napi(ts_return_type = "Promise<string>")]
-    pub fn detokenize<'e>(&self, env: &'e Env, token_ids: Vec<u32>, skip_special_tokens: Option<bool>) -> Result<Object<'e>> {
+    pub fn detokenize<'e>(&self, env: &'e Env, token_ids: Vec<f64>, skip_special_tokens: Option<bool>) -> Result<Object<'e>> {
+        let token_ids = match super::convert::token_ids("tokenIds", token_ids) {
+            Ok(t) => t,
+            Err(e) => return rejected(env, e),
+        };
         let tok = self.tokenizer.clone();
-        off_thread(env, move || tok.decode(&token_ids, skip_special_tokens.unwrap_or(false)))
+        off_thread(env, move || tok.decode_checked(&token_ids, skip_special_tokens.unwrap_or(false)))
     }
 
     /// The prompt token ids `chat()` would run for `messages` (the checkpoint's

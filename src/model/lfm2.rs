@@ -231,6 +231,10 @@ pub struct Lfm2Model {
     /// `None` for conv layers and full-precision attention layers. Empty: all
     /// flat. Set with [`Lfm2Model::set_kv_cache`].
     pub kv_codecs: Vec<Option<crate::kvquant::Codec>>,
+    /// Positions a sequence may use (prompt and generated tokens):
+    /// `max_position_embeddings`, or less with the `contextLength` load
+    /// option.
+    pub context_length: usize,
     /// The paged KV pool every new cache draws from; None: flat caches.
     /// Set with [`Lfm2Model::use_paged_cache`].
     pub paged: Option<SharedPool>,
@@ -270,7 +274,8 @@ impl Lfm2Model {
         };
         static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Ok(Lfm2Model { id, config, embed, layers, final_norm, lm_head, registry, dtype, kv_codecs: vec![], paged: None })
+        let context_length = config.max_position_embeddings;
+        Ok(Lfm2Model { id, config, embed, layers, final_norm, lm_head, registry, dtype, kv_codecs: vec![], context_length, paged: None })
     }
 
     /// The embedding and every decoder layer over `cache`, without the

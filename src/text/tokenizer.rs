@@ -247,6 +247,19 @@ impl Tokenizer {
         self.encode(prompt, add_special)
     }
 
+    /// [`Tokenizer::decode`] for ids from a caller: an id the tokenizer has
+    /// no token for is an error naming it (decode itself skips it without a
+    /// word, which generation relies on for a model's padded vocabulary).
+    pub fn decode_checked(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        if let Some(&bad) = ids.iter().find(|&&id| self.inner.id_to_token(id).is_none()) {
+            return Err(Error::invalid(format!(
+                "token id {bad} is not in the tokenizer's vocabulary ({} tokens)",
+                self.vocab_size
+            )));
+        }
+        self.decode(ids, skip_special_tokens)
+    }
+
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
     }
