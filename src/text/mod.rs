@@ -4,6 +4,7 @@
 
 pub mod chat_template;
 pub mod detok;
+mod message_text;
 mod pyjson;
 mod strftime;
 pub mod tokenizer;

@@ -26,6 +26,11 @@ pub struct Tokenizer {
     /// The compiled chat template, built on first use (a broken template must
     /// not stop raw-prompt generation).
     compiled: Arc<OnceLock<Result<Arc<ChatTemplate>>>>,
+    /// The text of every special (control) token, longest first.
+    special_texts: Arc<Vec<String>>,
+    /// The same tokenizer with special tokens encoded as plain text (for
+    /// text that came from messages), built on first use.
+    literal: Arc<OnceLock<tokenizers::Tokenizer>>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -182,12 +187,15 @@ impl Tokenizer {
         eos_token: Option<String>,
         chat_template: Option<String>,
     ) -> Tokenizer {
-        let special_ids: HashSet<u32> = inner
+        let specials: Vec<(u32, String)> = inner
             .get_added_tokens_decoder()
             .into_iter()
-            .filter(|(_, tok)| tok.special)
-            .map(|(id, _)| id)
+            .filter(|(_, tok)| tok.special && !tok.content.is_empty())
+            .map(|(id, tok)| (id, tok.content))
             .collect();
+        let special_ids: HashSet<u32> = specials.iter().map(|(id, _)| *id).collect();
+        let mut special_texts: Vec<String> = specials.into_iter().map(|(_, t)| t).collect();
+        special_texts.sort_by_key(|t| std::cmp::Reverse(t.len()));
         let vocab_size = inner.get_vocab_size(true);
         let eos_ids = eos_token
             .as_deref()
@@ -206,6 +214,8 @@ impl Tokenizer {
             vocab_size,
             chat_template: chat_template.map(Arc::from),
             compiled: Arc::new(OnceLock::new()),
+            special_texts: Arc::new(special_texts),
+            literal: Arc::new(OnceLock::new()),
         }
     }
 
@@ -361,6 +371,29 @@ impl Tokenizer {
         extra: Option<&serde_json::Map<String, serde_json::Value>>,
     ) -> Result<Vec<u32>> {
         let text = self.render_chat_template(messages, tools, add_generation_prompt, extra)?;
-        self.encode(&text, false)
+        if !super::message_text::carries_control_tokens(messages, &self.special_texts) {
+            return self.encode(&text, false);
+        }
+        // Some message holds a control token's text (`<|im_end|>` in user
+        // content): render again with every message string marked, and
+        // encode the marked spans with special tokens as plain text, so a
+        // message can never end its turn or open a system one.
+        let marked = super::message_text::mark(messages)?;
+        let marked_text = self.render_chat_template(&marked, tools, add_generation_prompt, extra)?;
+        let mut ids = Vec::new();
+        for (literal, part) in super::message_text::segments(&marked_text, &text)? {
+            if literal {
+                let lit = self.literal.get_or_init(|| {
+                    let mut t = (*self.inner).clone();
+                    t.set_encode_special_tokens(true);
+                    t
+                });
+                let enc = lit.encode(part, false).map_err(|e| Error::text(format!("tokenizer failed on message text: {e}")))?;
+                ids.extend_from_slice(enc.get_ids());
+            } else {
+                ids.extend(self.encode(part, false)?);
+            }
+        }
+        Ok(ids)
     }
 }
