@@ -140,7 +140,7 @@ export declare class Lfm2Model {
    * does nothing). `mlx-lfm serve` calls it before listening.
    */
   warmUp(): Promise<number | null>
-  /** What was loaded and how it runs. */
+  /** What was loaded and how it runs. Throws once the model is closed. */
   info(): ModelInfo
   /** Frees the model once queued requests finish; later calls reject. */
   close(): void

@@ -185,10 +185,19 @@ test('bf16 checkpoints stay bf16 unless a dtype is requested', async () => {
   f.close();
 });
 
-test('a closed model rejects further calls', async () => {
+test('a closed model rejects further calls, every one of them', async () => {
   const m = await addon.Lfm2Model.load(await fixture('tiny', TINY));
   m.close();
   await assert.rejects(m.generate([1], { maxTokens: 1 }), /closed/);
+  await assert.rejects(m.chat([{ role: 'user', content: 'hi' }]), /closed/);
+  await assert.rejects(m.logits([1, 2]), /closed/);
+  await assert.rejects(m.tokenize('hi'), /model closed/);
+  await assert.rejects(m.detokenize([1]), /model closed/);
+  await assert.rejects(m.applyChatTemplate([{ role: 'user', content: 'hi' }]), /model closed/);
+  await assert.rejects(m.cacheStats(), /closed/);
+  await assert.rejects(m.warmUp(), /closed/);
+  assert.throws(() => m.info(), /model closed/);
+  assert.throws(() => m.createSession(), /model closed/);
 });
 
 test('load errors name the problem, and a failed load leaves the process working', async () => {

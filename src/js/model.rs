@@ -259,6 +259,7 @@ impl Lfm2Model {
     /// (`metrics.cachedTokens`).
     #[napi]
     pub fn create_session(&self, options: Option<SessionOptions<'_>>) -> Result<ChatSession> {
+        self.open()?;
         ChatSession::new(self.worker.clone(), options)
     }
 
@@ -284,6 +285,9 @@ impl Lfm2Model {
     /// `addSpecialTokens` is false).
     #[napi(ts_return_type = "Promise<number[]>")]
     pub fn tokenize<'e>(&self, env: &'e Env, text: String, add_special_tokens: Option<bool>) -> Result<Object<'e>> {
+        if let Err(e) = self.open() {
+            return rejected(env, e);
+        }
         let tok = self.tokenizer.clone();
         off_thread(env, move || tok.encode(&text, add_special_tokens.unwrap_or(true)))
     }
@@ -291,7 +295,7 @@ impl Lfm2Model {
     /// Text for token ids (special tokens included unless `skipSpecialTokens`).
     #[napi(ts_return_type = "Promise<string>")]
     pub fn detokenize<'e>(&self, env: &'e Env, token_ids: Vec<f64>, skip_special_tokens: Option<bool>) -> Result<Object<'e>> {
-        let token_ids = match super::convert::token_ids("tokenIds", token_ids) {
+        let token_ids = match self.open().and_then(|_| super::convert::token_ids("tokenIds", token_ids)) {
             Ok(t) => t,
             Err(e) => return rejected(env, e),
         };
@@ -303,7 +307,10 @@ impl Lfm2Model {
     /// chat template with the generation prompt appended).
     #[napi(ts_return_type = "Promise<number[]>")]
     pub fn apply_chat_template<'e>(&self, env: &'e Env, messages: Vec<ChatMessage>, options: Option<GenerateOptions<'e>>) -> Result<Object<'e>> {
-        let msgs = to_chat_messages(messages)?;
+        let msgs = match self.open().and_then(|_| to_chat_messages(messages)) {
+            Ok(m) => m,
+            Err(e) => return rejected(env, e),
+        };
         let tools = OptionValues::from_options(options.as_ref()).tools_value();
         let tok = self.tokenizer.clone();
         off_thread(env, move || tok.apply_chat_template(&msgs, tools.as_ref(), true, None))
@@ -361,10 +368,19 @@ impl Lfm2Model {
         Ok(promise)
     }
 
-    /// What was loaded and how it runs.
+    /// What was loaded and how it runs. Throws once the model is closed.
     #[napi]
-    pub fn info(&self) -> ModelInfo {
-        to_model_info(&self.info.lock())
+    pub fn info(&self) -> Result<ModelInfo> {
+        self.open()?;
+        Ok(to_model_info(&self.info.lock()))
+    }
+
+    /// Ok while the model is open; "model closed" after `close()`.
+    fn open(&self) -> Result<()> {
+        if self.worker.is_closed() {
+            return Err(js_error(crate::Error::new(crate::ErrorKind::Closed, "this model has been closed")));
+        }
+        Ok(())
     }
 
     /// Frees the model once queued requests finish; later calls reject.
