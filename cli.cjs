@@ -26,10 +26,14 @@ const USAGE = `usage:
       module paths (\`*\` is a wildcard; \`feed_forward.gate\` names every
       router); the last matching --q-override wins.
   mlx-lfm serve [--model DIR] [--port N] [--host 127.0.0.1] [--name ID]
+               [--api-key KEY] [--cors ORIGIN]
       OpenAI-compatible HTTP server: POST /v1/chat/completions, POST
-      /v1/completions (both with "stream": true too), GET /v1/models. --name is
-      the model id clients send (default: the model directory's name). Port
-      8080 unless given; 0 picks a free one.`;
+      /v1/completions (both with "stream": true too), GET /v1/models, GET
+      /health. --name is the model id clients send (default: the model
+      directory's name). Port 8080 unless given; 0 picks a free one. With
+      --api-key (or MLX_LFM_API_KEY) every route but /health needs
+      "Authorization: Bearer KEY"; a --host other than loopback needs one.
+      --cors ORIGIN sends CORS headers for that origin (none otherwise).`;
 
 function fail(msg) {
   console.error(`mlx-lfm: ${msg}`);
@@ -127,7 +131,13 @@ async function convert(addon, v) {
 }
 
 async function serve(addon, v) {
-  const { listen } = require('./lib/server.cjs');
+  const { listen, isLoopback } = require('./lib/server.cjs');
+  const host = v.host ?? '127.0.0.1';
+  const apiKey = v['api-key'] ?? process.env.MLX_LFM_API_KEY ?? null;
+  // Before anything loads: an exposed server without a key is refused.
+  if (!isLoopback(host) && !apiKey) {
+    fail(`refusing to listen on ${host} without an API key: pass --api-key KEY or set MLX_LFM_API_KEY (or listen on 127.0.0.1)`);
+  }
   const dir = v.model ?? (await demoModel(addon));
   const model = await addon.Lfm2Model.load(dir);
   const modelId = v.name ?? path.basename(path.resolve(dir));
@@ -135,7 +145,11 @@ async function serve(addon, v) {
   // Build the kernels concurrent requests need before the first client waits.
   const warm = await model.warmUp();
   if (warm != null) console.error(`mlx-lfm: warmed up in ${(warm / 1000).toFixed(1)} s`);
-  const { server, url } = await listen({ model, modelId, log: (m) => console.error(`mlx-lfm: ${m}`) }, { port, host: v.host ?? '127.0.0.1' });
+  const options = { model, modelId, apiKey: apiKey || null, cors: v.cors ?? null, log: (m) => console.error(`mlx-lfm: ${m}`) };
+  const { server, url } = await listen(options, { port, host }).catch((e) => {
+    model.close();
+    fail(e.message);
+  });
   console.error(`mlx-lfm: serving ${modelId} at ${url} (Ctrl-C stops)`);
   const stop = () => {
     server.close();
@@ -165,6 +179,7 @@ async function main() {
         quantize: { type: 'boolean', short: 'q' }, 'q-mode': { type: 'string' }, 'q-bits': { type: 'string' },
         'q-group-size': { type: 'string' }, 'q-override': { type: 'string', multiple: true },
         port: { type: 'string' }, host: { type: 'string' }, name: { type: 'string' },
+        'api-key': { type: 'string' }, cors: { type: 'string' },
       },
     });
   } catch (e) {

@@ -271,3 +271,130 @@ test('`mlx-lfm serve` serves the model until stopped', async () => {
     assert.equal(await exited, 0);
   }
 });
+
+// A second server on the same model, with a key and CORS for one origin.
+async function keyed(extra = {}) {
+  const { model } = await setup();
+  return listen({ model, modelId: MODEL_ID, apiKey: 'sk-test-123456', cors: 'https://app.example', ...extra }, { port: 0 });
+}
+
+test('with an API key every route but /health needs it; the key compare is exact', async () => {
+  const { server, url } = await keyed();
+  try {
+    const base = url.replace(/\/v1$/, '');
+    const health = await fetch(`${base}/health`);
+    assert.equal(health.status, 200);
+    assert.deepEqual(await health.json(), { status: 'ok', model: MODEL_ID });
+    for (const auth of [undefined, 'Bearer wrong-key-000', 'Bearer sk-test-12345', 'sk-test-123456']) {
+      const r = await fetch(`${url}/models`, { headers: auth ? { authorization: auth } : {} });
+      assert.equal(r.status, 401, String(auth));
+      const body = await r.json();
+      assert.equal(body.error.code, 'invalid_api_key');
+      assert.equal(body.error.type, 'invalid_request_error');
+    }
+    const client = new OpenAI({ baseURL: url, apiKey: 'sk-test-123456', maxRetries: 0 });
+    assert.deepEqual((await client.models.list()).data.map((m) => m.id), [MODEL_ID]);
+    const r = await client.chat.completions.create({ model: MODEL_ID, messages: USER, max_tokens: 2, ignore_eos: true });
+    assert.equal(r.usage.completion_tokens, 2);
+    // CORS only for the named origin, preflight answered.
+    const pre = await fetch(`${url}/chat/completions`, { method: 'OPTIONS' });
+    assert.equal(pre.status, 204);
+    assert.equal(pre.headers.get('access-control-allow-origin'), 'https://app.example');
+  } finally {
+    server.close();
+    server.closeAllConnections();
+  }
+});
+
+test('no CORS headers by default, JSON bodies only, bad paths and limits are 4xx', async () => {
+  const { url } = await setup();
+  const r = await fetch(`${url}/models`);
+  assert.equal(r.headers.get('access-control-allow-origin'), null);
+  // A cross-site "simple request" (text/plain) cannot reach the model.
+  const plain = await fetch(`${url}/chat/completions`, { method: 'POST', body: JSON.stringify({ messages: USER }), headers: { 'content-type': 'text/plain' } });
+  assert.equal(plain.status, 415);
+  assert.equal((await plain.json()).error.code, 'unsupported_media_type');
+  const bad = await fetch(`${url}/models/%E0%A4%A`);
+  assert.equal(bad.status, 400);
+  assert.equal((await bad.json()).error.code, 'invalid_url');
+  const post = (body) => fetch(`${url}/chat/completions`, { method: 'POST', body: JSON.stringify(body), headers: { 'content-type': 'application/json' } });
+  for (const [body, param] of [
+    [{ messages: USER, max_tokens: 2 ** 32 + 1 }, 'max_tokens'],
+    [{ messages: USER, max_tokens: 1e12 }, 'max_tokens'],
+    [{ messages: USER, n: 2 }, 'n'],
+    [{ messages: USER, seed: 2 ** 64 }, 'seed'],
+  ]) {
+    const res = await post(body);
+    assert.equal(res.status, 400, JSON.stringify(body));
+    assert.equal((await res.json()).error.param, param);
+  }
+  // A prompt beyond the model's context is a 400 naming it, before any compute.
+  const long = 'word '.repeat(200000);
+  const res = await post({ messages: [{ role: 'user', content: long }], max_tokens: 4 });
+  assert.ok(res.status === 400 || res.status === 413, String(res.status));
+});
+
+test('an exposed address needs a key; a full queue answers 503 with Retry-After', async () => {
+  const { model } = await setup();
+  await assert.rejects(listen({ model, modelId: MODEL_ID }, { port: 0, host: '0.0.0.0' }), /refusing to listen on 0\.0\.0\.0 without an API key/);
+  const { server, url } = await listen({ model, modelId: MODEL_ID, maxQueued: 1 }, { port: 0 });
+  try {
+    const post = (body) => fetch(`${url}/chat/completions`, { method: 'POST', body: JSON.stringify(body), headers: { 'content-type': 'application/json' } });
+    const first = post({ messages: USER, max_tokens: 64, ignore_eos: true });
+    await new Promise((r) => setTimeout(r, 20));
+    const second = await post({ messages: USER, max_tokens: 2 });
+    assert.equal(second.status, 503);
+    assert.equal(second.headers.get('retry-after'), '1');
+    assert.equal((await second.json()).error.code, 'server_busy');
+    assert.equal((await first).status, 200);
+  } finally {
+    server.close();
+    server.closeAllConnections();
+  }
+});
+
+test('a streaming client that stops reading has its generation cancelled', async () => {
+  // A stub whose stream never ends, with 64 KiB text events: the socket
+  // fills at once when the client stops reading.
+  let cancelled = false;
+  let sent = 0;
+  const stub = {
+    chatStream() {
+      const big = 'x'.repeat(65536);
+      return {
+        cancel() {
+          cancelled = true;
+        },
+        async *[Symbol.asyncIterator]() {
+          while (!cancelled) {
+            sent++;
+            yield { type: 'text', text: big };
+            await new Promise((r) => setImmediate(r));
+          }
+        },
+      };
+    },
+  };
+  const { server } = await listen({ model: stub, modelId: 'stub', stallMs: 300 }, { port: 0 });
+  const net = require('node:net');
+  try {
+    const { port } = server.address();
+    const body = JSON.stringify({ messages: USER, stream: true });
+    const sock = net.connect(port, '127.0.0.1');
+    await new Promise((r) => sock.once('connect', r));
+    sock.write(`POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: ${Buffer.byteLength(body)}\r\n\r\n${body}`);
+    sock.pause(); // never read: the server's socket buffer fills
+    const t = Date.now();
+    while (!cancelled && Date.now() - t < 20000) await new Promise((r) => setTimeout(r, 50));
+    assert.ok(cancelled, 'the stream was not cancelled');
+    const events = sent;
+    await new Promise((r) => setTimeout(r, 200));
+    assert.ok(sent <= events + 1, 'events kept being produced after the cancel');
+    // Bounded: only what fit the socket buffers before the stall was sent.
+    assert.ok(sent < 2000, `${sent} events of 64 KiB were produced for a reader that took nothing`);
+    sock.destroy();
+  } finally {
+    server.close();
+    server.closeAllConnections();
+  }
+});

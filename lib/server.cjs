@@ -9,12 +9,24 @@
 // client that disconnects stops its generation (abort) and the server goes
 // on serving. Bad requests get OpenAI-style error bodies:
 //   { error: { message, type, param, code } }
+//
+// Safe to expose: with `apiKey` every route but GET /health needs
+// `Authorization: Bearer KEY`, and `listen` refuses a non-loopback address
+// without one; slow clients meet header, body and idle timeouts; requests
+// beyond `maxQueued` get 503 with Retry-After; a streaming client that stops
+// reading has its generation cancelled; no CORS headers unless `cors` names
+// an origin; POST bodies must be application/json.
 'use strict';
 const http = require('node:http');
-const { randomBytes } = require('node:crypto');
+const { createHash, randomBytes, timingSafeEqual } = require('node:crypto');
 
 const DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024;
 const DEFAULT_MAX_TOKENS = 2048;
+// Beyond any context a model here has (the engine refuses more anyway).
+const MAX_TOKENS_LIMIT = 2 ** 27;
+const DEFAULT_MAX_QUEUED = 64;
+// A streaming client that has not taken a write for this long is gone.
+const DEFAULT_STALL_MS = 30000;
 
 class ApiError extends Error {
   constructor(status, message, { type, param = null, code = null } = {}) {
@@ -88,16 +100,16 @@ function generationOptions(body, defaultMaxTokens) {
   }
   const opts = {
     maxTokens:
-      optNumber(body, 'max_completion_tokens', { integer: true, min: 1 }) ??
-      optNumber(body, 'max_tokens', { integer: true, min: 1 }) ??
+      optNumber(body, 'max_completion_tokens', { integer: true, min: 1, max: MAX_TOKENS_LIMIT }) ??
+      optNumber(body, 'max_tokens', { integer: true, min: 1, max: MAX_TOKENS_LIMIT }) ??
       defaultMaxTokens,
     temperature: optNumber(body, 'temperature', { min: 0, max: 2 }),
     topP: optNumber(body, 'top_p', { min: 0, max: 1, exclusiveMin: true }),
-    topK: optNumber(body, 'top_k', { integer: true, min: 0 }),
+    topK: optNumber(body, 'top_k', { integer: true, min: 0, max: 2 ** 24 }),
     minP: optNumber(body, 'min_p', { min: 0, max: 1 }),
     repetitionPenalty: optNumber(body, 'repetition_penalty', { min: 0, exclusiveMin: true }),
-    repetitionContextSize: optNumber(body, 'repetition_context_size', { integer: true, min: 1 }),
-    seed: optNumber(body, 'seed', { integer: true, min: 0 }),
+    repetitionContextSize: optNumber(body, 'repetition_context_size', { integer: true, min: 1, max: 2 ** 20 }),
+    seed: optNumber(body, 'seed', { integer: true, min: 0, max: Number.MAX_SAFE_INTEGER }),
     stop: optStop(body),
     ignoreEos: optBool(body, 'ignore_eos'),
   };
@@ -289,6 +301,7 @@ function sendJson(res, status, obj, extraHeaders = {}) {
 }
 
 function sendError(res, err) {
+  if (err.status === 503) res.setHeader('Retry-After', '1');
   if (res.headersSent) {
     // Mid-stream: an error event, then the end of the stream.
     if (!res.writableEnded && !res.destroyed) {
@@ -301,10 +314,16 @@ function sendError(res, err) {
   sendJson(res, err.status, err.body(), err.status === 413 ? { Connection: 'close' } : {});
 }
 
-/** Server-sent events with backpressure: waits for 'drain' when the socket is full. */
+/**
+ * Server-sent events with backpressure: waits for 'drain' when the socket is
+ * full. A client that takes nothing for `stallMs` is treated as gone: the
+ * connection is closed, which cancels its generation, so a reader that
+ * stops cannot make the server buffer without bound.
+ */
 class EventWriter {
-  constructor(res) {
+  constructor(res, stallMs = DEFAULT_STALL_MS) {
     this.res = res;
+    this.stallMs = stallMs;
     res.writeHead(200, { 'Content-Type': 'text/event-stream; charset=utf-8', 'Cache-Control': 'no-cache', Connection: 'keep-alive' });
     res.flushHeaders();
   }
@@ -318,10 +337,15 @@ class EventWriter {
     if (!this.res.write(`data: ${typeof obj === 'string' ? obj : JSON.stringify(obj)}\n\n`)) {
       await new Promise((resolve) => {
         const done = () => {
+          clearTimeout(timer);
           this.res.off('drain', done);
           this.res.off('close', done);
           resolve();
         };
+        const timer = setTimeout(() => {
+          this.res.destroy();
+          done();
+        }, this.stallMs);
         this.res.on('drain', done);
         this.res.on('close', done);
       });
@@ -337,8 +361,28 @@ class EventWriter {
  * An http.Server answering the OpenAI API with `model` (an Lfm2Model, or
  * anything with the same chat/chatStream/generate/generateStream methods).
  */
-function createServer({ model, modelId = 'mlx-lfm', maxBodyBytes = DEFAULT_MAX_BODY_BYTES, defaultMaxTokens = DEFAULT_MAX_TOKENS, log = () => {} } = {}) {
+/** Constant-time comparison of a presented key with the expected one. */
+function keyMatches(presented, expected) {
+  const h = (k) => createHash('sha256').update(String(k)).digest();
+  return timingSafeEqual(h(presented), h(expected));
+}
+
+function createServer({
+  model,
+  modelId = 'mlx-lfm',
+  maxBodyBytes = DEFAULT_MAX_BODY_BYTES,
+  defaultMaxTokens = DEFAULT_MAX_TOKENS,
+  apiKey = null,
+  cors = null,
+  maxQueued = DEFAULT_MAX_QUEUED,
+  stallMs = DEFAULT_STALL_MS,
+  log = () => {},
+} = {}) {
   if (!model) throw new TypeError('createServer needs { model }');
+  if (apiKey !== null && (typeof apiKey !== 'string' || apiKey.length < 8)) {
+    throw new TypeError('apiKey must be a string of at least 8 characters');
+  }
+  let inFlight = 0;
   const created = Math.floor(Date.now() / 1000);
   const modelObject = { id: modelId, object: 'model', created, owned_by: 'mlx-lfm' };
 
@@ -393,7 +437,7 @@ function createServer({ model, modelId = 'mlx-lfm', maxBodyBytes = DEFAULT_MAX_B
       return;
     }
     const events = model.chatStream(messages, opts);
-    const out = new EventWriter(res);
+    const out = new EventWriter(res, stallMs);
     res.on('close', () => stopStream(events));
     const chunk = (delta, finish = null) => ({
       id,
@@ -453,7 +497,7 @@ function createServer({ model, modelId = 'mlx-lfm', maxBodyBytes = DEFAULT_MAX_B
       return;
     }
     const events = model.generateStream(prompt, opts);
-    const out = new EventWriter(res);
+    const out = new EventWriter(res, stallMs);
     res.on('close', () => stopStream(events));
     const chunk = (text, finish = null) => ({
       id,
@@ -485,10 +529,38 @@ function createServer({ model, modelId = 'mlx-lfm', maxBodyBytes = DEFAULT_MAX_B
 
   async function handle(req, res) {
     const path = (req.url || '/').split('?')[0].replace(/\/+$/, '') || '/';
+    if (cors) {
+      res.setHeader('Access-Control-Allow-Origin', cors);
+      res.setHeader('Vary', 'Origin');
+      if (req.method === 'OPTIONS') {
+        res.writeHead(204, {
+          'Access-Control-Allow-Methods': 'GET, POST, OPTIONS',
+          'Access-Control-Allow-Headers': 'Authorization, Content-Type',
+          'Access-Control-Max-Age': '600',
+        });
+        res.end();
+        return;
+      }
+    }
+    if (path === '/health' && req.method === 'GET') {
+      sendJson(res, 200, { status: 'ok', model: modelId });
+      return;
+    }
+    if (apiKey !== null) {
+      const m = /^Bearer (.+)$/.exec(req.headers.authorization || '');
+      if (!m || !keyMatches(m[1], apiKey)) {
+        throw new ApiError(401, 'Incorrect or missing API key: send `Authorization: Bearer KEY`.', { code: 'invalid_api_key' });
+      }
+    }
     let handler;
     let route = routes[path];
     if (!route && path.startsWith('/v1/models/')) {
-      const id = decodeURIComponent(path.slice('/v1/models/'.length));
+      let id;
+      try {
+        id = decodeURIComponent(path.slice('/v1/models/'.length));
+      } catch {
+        throw invalid(`The request path ${path} is not valid percent-encoding.`, null, 'invalid_url');
+      }
       route = {
         GET: (q, s) => {
           if (id !== modelId) throw new ApiError(404, `The model '${id}' does not exist.`, { param: 'model', code: 'model_not_found' });
@@ -500,11 +572,35 @@ function createServer({ model, modelId = 'mlx-lfm', maxBodyBytes = DEFAULT_MAX_B
     handler = route[req.method];
     if (!handler) throw new ApiError(405, `Method ${req.method} is not allowed on ${path}; use ${Object.keys(route).join(', ')}.`, { code: 'method_not_allowed' });
     let body;
-    if (req.method === 'POST') body = parseJson(await readBody(req, maxBodyBytes));
+    if (req.method === 'POST') {
+      // Only JSON: a cross-site form or text/plain "simple request" cannot
+      // reach the model.
+      const type = String(req.headers['content-type'] || '').split(';')[0].trim().toLowerCase();
+      if (type !== 'application/json') {
+        throw new ApiError(415, `POST bodies must be sent as Content-Type: application/json, not ${type ? `'${type}'` : 'none'}.`, { code: 'unsupported_media_type' });
+      }
+      if (inFlight >= maxQueued) {
+        throw new ApiError(503, `The server is busy: ${inFlight} requests are queued or running; retry shortly.`, { type: 'server_error', code: 'server_busy' });
+      }
+      inFlight++;
+      try {
+        body = parseJson(await readBody(req, maxBodyBytes));
+        await handler(req, res, body);
+      } finally {
+        inFlight--;
+      }
+      return;
+    }
     await handler(req, res, body);
   }
 
-  const server = http.createServer((req, res) => {
+  const server = http.createServer({
+    // Slow clients: the headers within 10 s, the whole request within 60 s,
+    // an idle keep-alive connection closed after 5 s.
+    headersTimeout: 10000,
+    requestTimeout: 60000,
+    keepAliveTimeout: 5000,
+  }, (req, res) => {
     const started = Date.now();
     handle(req, res)
       .catch((e) => {
@@ -518,9 +614,23 @@ function createServer({ model, modelId = 'mlx-lfm', maxBodyBytes = DEFAULT_MAX_B
   return server;
 }
 
-/** Loads nothing: listens with `createServer(options)` on `port`/`host`; resolves once listening. */
-function listen(options, { port = 8080, host = '127.0.0.1' } = {}) {
+function isLoopback(host) {
+  return host === 'localhost' || host === '::1' || /^127\.\d+\.\d+\.\d+$/.test(host);
+}
+
+/**
+ * Loads nothing: listens with `createServer(options)` on `port`/`host`;
+ * resolves once listening. Anything but a loopback address needs an apiKey.
+ */
+function listen(options, { port = 8080, host = '127.0.0.1', maxConnections = 256 } = {}) {
+  if (!isLoopback(host) && !options.apiKey) {
+    return Promise.reject(new Error(
+      `refusing to listen on ${host} without an API key: anyone who can reach it could use the model. ` +
+        'Pass --api-key KEY (or set MLX_LFM_API_KEY), or listen on 127.0.0.1.',
+    ));
+  }
   const server = createServer(options);
+  server.maxConnections = maxConnections;
   return new Promise((resolve, reject) => {
     server.once('error', reject);
     server.listen(port, host, () => {
@@ -532,4 +642,4 @@ function listen(options, { port = 8080, host = '127.0.0.1' } = {}) {
   });
 }
 
-module.exports = { createServer, listen, ApiError };
+module.exports = { createServer, listen, isLoopback, ApiError };
