@@ -408,8 +408,28 @@ pub fn to_chat_messages(msgs: Vec<ChatMessage>) -> Result<Vec<crate::text::ChatM
     msgs.into_iter()
         .enumerate()
         .map(|(i, m)| {
-            if m.role.is_empty() {
-                return Err(js_error(Error::invalid(format!("messages[{i}].role is empty"))));
+            const ROLES: [&str; 4] = ["system", "user", "assistant", "tool"];
+            if !ROLES.contains(&m.role.as_str()) {
+                return Err(js_error(Error::invalid(format!(
+                    "messages[{i}].role is {:?}; use one of system, user, assistant or tool",
+                    m.role
+                ))));
+            }
+            // Only an assistant turn may be empty of text (it can hold only
+            // tool calls); anything else without content is a caller's slip
+            // the template would turn into an obscure error or silence.
+            let has_calls = m.tool_calls.as_ref().is_some_and(|c| !c.is_empty());
+            if m.content.is_none() && !(m.role == "assistant" && has_calls) {
+                return Err(js_error(Error::invalid(format!(
+                    "messages[{i}] ({}) has no content; give it `content` (a string){}",
+                    m.role,
+                    if m.role == "assistant" { " or `toolCalls`" } else { "" }
+                ))));
+            }
+            if m.role == "tool" && m.tool_call_id.is_none() && m.name.is_none() {
+                return Err(js_error(Error::invalid(format!(
+                    "messages[{i}] (tool) needs `toolCallId` (the id of the call it answers) or `name`"
+                ))));
             }
             Ok(crate::text::ChatMessage {
                 role: m.role,
