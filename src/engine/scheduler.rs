@@ -456,12 +456,9 @@ impl Scheduler {
                 },
             ));
         }
-        // The finiteness flags are evaluated with the tokens, not read later
-        // by a sync of their own.
-        let flags: Vec<Array> = match &finite {
-            Some(f) => vec![f.clone()],
-            None => order.iter().filter_map(|&i| active[i].seq.pending_finite().cloned()).collect(),
-        };
+        // Each row's finiteness flag (the very array its accept() reads) is
+        // evaluated with the tokens, so reading it costs no eval of its own.
+        let flags: Vec<Array> = order.iter().filter_map(|&i| active[i].seq.pending_finite().cloned()).collect();
         let mut toks: Vec<&Array> = out.iter().map(|(_, t)| t).collect();
         toks.extend(flags.iter());
         let mut caches: Vec<&mut ModelCache> =

@@ -614,10 +614,6 @@ pub fn queue_tokens(tokens: &[&Array], caches: &mut [&mut ModelCache]) -> Result
     async_eval(&all)
 }
 
-fn eval_with(y: &Array, cache: &mut ModelCache) -> Result<()> {
-    queue_tokens(&[y], &mut [cache])
-}
-
 /// The result of a request cancelled before its first token: no text, and
 /// metrics for the prefill chunks that did run.
 fn cancelled_in_prefill(prompt_tokens: usize, tokens_run: usize, prefill_start: Instant, started: Instant) -> Generation {

@@ -231,6 +231,11 @@ mod tests {
 pub fn finite_rows(logits: &Array) -> Result<Array> {
     // A row's sum is finite exactly when all of it is (NaN and ±inf
     // propagate), and finite * 0 == 0 while NaN * 0 is not.
-    let s = logits.astype(Dtype::Float32)?.sum(&[-1], false)?;
+    // Summed in the logits' own dtype when its range allows (only
+    // finiteness matters, and a float32 copy of a vocabulary-wide row costs
+    // a kernel per token); float16 would overflow summing a large
+    // vocabulary, so it is widened first.
+    let s = if logits.dtype() == Dtype::Float16 { logits.astype(Dtype::Float32)? } else { logits.clone() };
+    let s = s.sum(&[-1], false)?;
     s.mul_scalar(0.0)?.eq_scalar(0.0)?.astype(Dtype::Uint32)?.reshape(&[-1])
 }
