@@ -41,6 +41,14 @@ pub enum Offset<'a> {
     Array(&'a Array),
 }
 
+/// The conv states after each of `taps` (positions 1..=T of the call) in
+/// one gather: row j of `padded` is input j - keep, so the state after j
+/// inputs is rows j..j+keep. `[B, taps * keep, D]`.
+pub fn tap_states(padded: &Array, taps: &[i32], keep: i32) -> Result<Array> {
+    let rows: Vec<i32> = taps.iter().flat_map(|&j| j..j + keep).collect();
+    padded.take(&Array::from_slice(&rows, &[rows.len() as i32])?, 1)
+}
+
 /// What an empty conv state looks like (`[batch, keep, dim]`).
 #[derive(Clone, Copy)]
 pub struct ConvShape {

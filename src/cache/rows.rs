@@ -157,9 +157,7 @@ impl ForwardCache for PrefillRows<'_, '_> {
     }
 
     fn conv_update(&mut self, _layer: usize, padded: &Array, keep: i32) -> Result<()> {
-        let rows: Vec<i32> = self.taps.iter().flat_map(|&j| j..j + keep).collect();
-        let idx = Array::from_slice(&rows, &[rows.len() as i32])?;
-        self.tapped.push(padded.take(&idx, 1)?);
+        self.tapped.push(super::tap_states(padded, &self.taps, keep)?);
         Ok(())
     }
 }

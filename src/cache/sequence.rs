@@ -390,11 +390,7 @@ impl ForwardCache for SeqPass<'_> {
 
     fn conv_update(&mut self, layer: usize, padded: &Array, keep: i32) -> Result<()> {
         if !self.taps.is_empty() {
-            // Row j of `padded` is input j - keep, so the state after j
-            // inputs is rows j..j+keep: one gather of every tap's rows.
-            let rows: Vec<i32> = self.taps.iter().flat_map(|&j| j..j + keep).collect();
-            let idx = Array::from_slice(&rows, &[rows.len() as i32])?;
-            self.tapped.push(padded.take(&idx, 1)?);
+            self.tapped.push(super::tap_states(padded, &self.taps, keep)?);
         }
         let n = padded.dim(1);
         match &mut self.cache.layers[layer] {

@@ -48,7 +48,7 @@ impl CompiledStep {
                 ins.push(mlx::zeros(&[1, c.conv_kernel as i32 - 1, c.hidden_size as i32], model.dtype)?);
             }
         }
-        step.run(model, ins, true)?;
+        step.run(model, &ins, true)?;
         Ok(step)
     }
 
@@ -78,9 +78,9 @@ impl CompiledStep {
 
     /// Runs the step: compiled, or (`compiled = false`, to prove the
     /// compiled step exact) the same function called directly.
-    fn run(&self, model: &Lfm2Model, ins: Vec<Array>, compiled: bool) -> Result<Vec<Array>> {
+    fn run(&self, model: &Lfm2Model, ins: &[Array], compiled: bool) -> Result<Vec<Array>> {
         if !compiled {
-            return model.decode_step(&ins);
+            return model.decode_step(ins);
         }
         if model.id != self.model_id {
             return Err(Error::invalid("this compiled step belongs to another model"));
@@ -133,11 +133,13 @@ impl CompiledStep {
             }
         }
         let n = ins.len();
-        // `run` takes the inputs and the cache's old buffers are replaced
+        // The inputs are dropped and the cache's old buffers replaced
         // below, before anything is evaluated (the token is queued by the
         // caller), so MLX can update the buffers in place. The cache's state
         // is only replaced once the whole step is built.
-        let outs = self.run(model, ins, compiled)?;
+        let outs = self.run(model, &ins, compiled);
+        drop(ins);
+        let outs = outs?;
         if outs.len() != n - 1 {
             return Err(Error::mlx(format!("compiled decode returned {} arrays, expected {}", outs.len(), n - 1)));
         }
@@ -172,25 +174,23 @@ impl CompiledStep {
         }
         let state = batch.take_state();
         let n = state.len();
-        let kept = state.clone();
         let mut ins: Vec<Array> = vec![ids.clone(), positions.clone()];
         ins.extend(state);
-        let outs = self.run(model, ins, compiled);
-        let outs = match outs {
-            Ok(o) if o.len() == n + 1 => {
-                drop(kept);
-                o
-            }
+        let outs = match self.run(model, &ins, compiled) {
+            Ok(o) if o.len() == n + 1 => o,
             // Nothing ran: the batch gets its state back untouched.
             Ok(o) => {
-                batch.put_state(kept);
+                batch.put_state(ins.split_off(2));
                 return Err(Error::mlx(format!("compiled decode returned {} arrays, expected {}", o.len(), n + 1)));
             }
             Err(e) => {
-                batch.put_state(kept);
+                batch.put_state(ins.split_off(2));
                 return Err(e);
             }
         };
+        // The old buffers go before anything is evaluated, so MLX can
+        // update them in place.
+        drop(ins);
         let mut it = outs.into_iter();
         let logits = it.next().expect("checked above");
         batch.put_state(it.collect());

@@ -8,7 +8,7 @@
 //! would collect traces without end: past `max_traces` distinct input
 //! signatures all traces are dropped and the shapes in use are traced again.
 
-use super::array::{check, Array, Dtype};
+use super::array::{check, Array};
 use super::ffi::{self, ArraysHandle, FnHandle, Handle};
 use crate::error::Result;
 use std::cell::RefCell;
@@ -26,7 +26,7 @@ pub struct Compiled {
     _closure: Box<Box<TraceFn>>,
     max_traces: usize,
     /// Input signatures (shape and dtype of every input) traced so far.
-    traced: RefCell<HashSet<Vec<(Vec<i32>, Dtype)>>>,
+    traced: RefCell<HashSet<Vec<i32>>>,
 }
 
 extern "C" fn trampoline(ctx: *mut c_void, ins: *const Handle, n_in: usize, outs: ArraysHandle) -> c_int {
@@ -69,7 +69,15 @@ impl Compiled {
     pub fn call(&self, inputs: &[&Array]) -> Result<Vec<Array>> {
         let mut new_sig = None;
         if self.max_traces != usize::MAX {
-            let sig: Vec<(Vec<i32>, Dtype)> = inputs.iter().map(|a| (a.shape(), a.dtype())).collect();
+            // Every input's rank, dimensions and dtype, flattened (one
+            // allocation per call: this runs for every token).
+            let mut sig: Vec<i32> = Vec::with_capacity(inputs.len() * 6);
+            for a in inputs {
+                let shape = a.shape();
+                sig.push(shape.len() as i32);
+                sig.extend(shape);
+                sig.push(a.dtype() as i32);
+            }
             let mut traced = self.traced.borrow_mut();
             if !traced.contains(&sig) {
                 if traced.len() >= self.max_traces {
