@@ -128,12 +128,17 @@ fn run() -> mlx_lfm::Result<()> {
             let mut best_prefill = 0f64;
             let mut best_ttft = f64::MAX;
             let mut best_decode = 0f64;
+            // Every rep's figures too, so a caller can take a median (the
+            // same-run H200 benchmark compares medians across engines).
+            let (mut prefills, mut decodes) = (vec![], vec![]);
             for r in 0..reps {
                 let params = GenerateParams { max_tokens: gen, ignore_eos: true, ..Default::default() };
                 let g = eng.generate(Prompt::Tokens(ids(p, vocab, 7 + r as u32)), params, &mut NoObserver)?;
                 best_prefill = best_prefill.max(g.metrics.prefill_tokens_per_second);
                 best_ttft = best_ttft.min(g.metrics.ttft_ms);
                 best_decode = best_decode.max(g.metrics.decode_tokens_per_second);
+                prefills.push(g.metrics.prefill_tokens_per_second);
+                decodes.push(g.metrics.decode_tokens_per_second);
             }
             println!(
                 "{}",
@@ -142,6 +147,7 @@ fn run() -> mlx_lfm::Result<()> {
                     "params": info.parameter_count, "prompt": p, "gen": gen, "load_s": load_s,
                     "prefill_tps": best_prefill, "ttft_ms": best_ttft, "decode_tps": best_decode,
                     "decode_ms_per_token": 1000.0 / best_decode,
+                    "prefill_tps_runs": prefills, "decode_tps_runs": decodes,
                 })
             );
         }

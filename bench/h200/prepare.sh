@@ -1,0 +1,15 @@
+#!/bin/bash
+# Here, before the device calls of bench/h200/run.py: stages MLX's CUDA wheel
+# (split in two to fit the 64 MiB a call may carry), the llama.cpp source that
+# node-llama-cpp 3.22.1 ships with llama.cpp's converter, and our release
+# mlx-lfm-bench (built against the CPU wheel's headers; on the device the CUDA
+# libmlx of the same version is found through LD_LIBRARY_PATH).
+set -eu
+top=$(git rev-parse --show-toplevel); cd "$top"
+shared=${MLX_LFM_SHARED:-$top/../shared}
+[ -f .device/a/cuda.part.aa ] || bash "$shared/tools/stage-mlx-cuda.sh"
+[ -f .device/llama/llsrc.tgz ] || bash "$shared/tools/llama-anchor/prepare.sh"
+cargo build --release --target x86_64-unknown-linux-gnu --bin mlx-lfm-bench
+mkdir -p .device/bin
+cp target/x86_64-unknown-linux-gnu/release/mlx-lfm-bench .device/bin/
+du -sh .device/a .device/b .device/llama .device/bin

@@ -1,0 +1,408 @@
+#!/usr/bin/env python3
+"""The same-run H200 benchmark: mlx-lfm against llama.cpp and mlx-lm.
+
+llama.cpp is the revision node-llama-cpp 3.22.1 ships (what a Node user gets
+instead of us), built from source on the device with CUDA (sm_90) and fed
+GGUF files that llama.cpp's own converter makes from the very checkpoints our
+fixture generator writes; mlx-lm 0.32.2 runs on MLX CUDA 0.32.4, the MLX we
+link. Every engine runs on the same random weights with the real shapes, one
+after another per model (interleaved), in two rounds, so a ratio is never
+taken across machines or moments.
+
+Here (the development machine), once:
+    bash bench/h200/prepare.sh
+Then three calls of the device tool, back to back (the machine keeps /tmp
+while it is warm; each call stays under the 64 MiB a call may carry):
+    1. carry [".device/a", ".device/llama"]:  python3 bench/h200/run.py stage
+    2. carry [".device/b", ".device/bin"]:    python3 bench/h200/run.py round 1
+    3. carry [".device/bin"]:                 python3 bench/h200/run.py round 2 profile
+Each call leaves raw.jsonl (every measurement, tagged) and its logs in $OUT.
+Back here:
+    python3 bench/h200/run.py collect RAW.jsonl... > bench/results/DATE-h200-same-run.json
+
+Figures: median of each engine's repetitions within a round (llama-bench's
+own samples, mlx-lfm-bench's and mlx-lm's per-rep figures), prompts 512 and
+2048 (and 4096 for the 1.2B), 256 generated tokens, greedy; the batched
+figure is 16 concurrent 128-token prompts with 64 tokens each, set beside
+llama-batched-bench's decode rate at 16 sequences.
+"""
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+WORK = Path("/tmp/h200")
+CK = WORK / "ck"
+GGUF = WORK / "gguf"
+LLSRC = Path("/tmp/llsrc")
+LLBIN = LLSRC / "build" / "bin"
+SITE = Path("/tmp/site")
+OUT = Path(os.environ.get("OUT", "/tmp/h200/out"))
+RAW = WORK / "raw.jsonl"
+BENCH = ROOT / ".device" / "bin" / "mlx-lfm-bench"
+
+GEN = 256
+REPS = 3
+MODELS = {
+    # name: (preset, our checkpoint, llama.cpp quant type, prompts)
+    "lfm2-350m-bf16": ("lfm2-350m", None, "bf16", [512, 2048]),
+    "lfm2-1.2b-bf16": ("lfm2-1.2b", None, "bf16", [512, 2048, 4096]),
+    "lfm2-8b-a1b-q4": ("lfm2-8b-a1b", "affine:4:64", "q4_0", [512, 2048]),
+}
+BATCH = {"n": 16, "prompt": 128, "gen": 64}
+
+
+def log(*a):
+    print(time.strftime("%H:%M:%S"), *a, flush=True)
+
+
+def env():
+    """MLX CUDA and the CUDA libraries from the image's torch venv."""
+    e = dict(os.environ)
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia")
+    libs = []
+    if spec and spec.submodule_search_locations:
+        for base in spec.submodule_search_locations:
+            for d in sorted(Path(base).glob("*/lib")):
+                libs.append(str(d))
+    libs.append(str(SITE / "mlx" / "lib"))
+    e["LD_LIBRARY_PATH"] = ":".join(libs + [e.get("LD_LIBRARY_PATH", "")])
+    e["PYTHONPATH"] = str(SITE) + (":" + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
+    e["PYTHONUNBUFFERED"] = "1"
+    # Keep MLX's compiled kernels across the calls of one warm machine.
+    e.setdefault("MLX_PTX_CACHE_DIR", str(WORK / "ptx"))
+    return e
+
+
+def sh(cmd, log_name=None, check=True, **kw):
+    log("$", " ".join(map(str, cmd)))
+    r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=kw.pop("env", env()), **kw)
+    if log_name:
+        OUT.mkdir(parents=True, exist_ok=True)
+        with open(OUT / f"{log_name}.log", "a") as f:
+            f.write(f"$ {' '.join(map(str, cmd))}\n{r.stdout}\n--- stderr\n{r.stderr[-20000:]}\n")
+    if check and r.returncode != 0:
+        raise SystemExit(f"failed ({r.returncode}): {' '.join(map(str, cmd))}\n{r.stderr[-3000:]}")
+    return r
+
+
+def record(**kv):
+    WORK.mkdir(parents=True, exist_ok=True)
+    with open(RAW, "a") as f:
+        f.write(json.dumps(kv) + "\n")
+
+
+def stage():
+    """Call 1: the first half of the MLX CUDA wheel, and llama.cpp's build
+    started in the background (it takes ~5 minutes and runs on while the
+    next call generates and converts the checkpoints)."""
+    stage_dir = Path("/tmp/stage")
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    for p in (ROOT / ".device" / "a").iterdir():
+        shutil.copy(p, stage_dir / p.name)
+    WORK.mkdir(parents=True, exist_ok=True)
+    if not (LLBIN / "llama-bench").exists():
+        shutil.rmtree(LLSRC, ignore_errors=True)
+        sh(["tar", "xzf", ROOT / ".device" / "llama" / "llsrc.tgz", "-C", "/tmp"])
+        shutil.copy(ROOT / ".device" / "llama" / "convert_gguf.py", WORK / "convert_gguf.py")
+        script = (
+            f"cd {LLSRC} && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF "
+            "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF "
+            "-DCMAKE_BUILD_TYPE=Release > /tmp/h200/llcmake.log 2>&1 && "
+            "cmake --build build -j 14 --target llama-bench llama-quantize llama-batched-bench "
+            "> /tmp/h200/llbuild.log 2>&1; echo $? > /tmp/h200/llbuild.rc"
+        )
+        # setsid: the build outlives this call (the machine stays warm for the next).
+        subprocess.Popen(["setsid", "bash", "-c", script], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        log("llama.cpp build started in the background")
+    sh(["nvidia-smi", "--query-gpu=name,clocks.sm,clocks.mem,memory.used,memory.total", "--format=csv"], "device", check=False)
+
+
+def install():
+    """Call 2: the second half of the wheel, then MLX CUDA, MLX and mlx-lm
+    into /tmp/site."""
+    if (SITE / "mlx" / "lib" / "libmlx.so").exists():
+        return
+    b = ROOT / ".device" / "b"
+    whl = Path("/tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl")
+    with open(whl, "wb") as out:
+        for part in [Path("/tmp/stage/cuda.part.aa"), b / "cuda.part.ab"]:
+            out.write(part.read_bytes())
+    wheels = [str(whl)] + [str(p) for p in b.glob("*.whl")]
+    sh([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--target", SITE] + wheels,
+       env=dict(os.environ))
+
+
+def checkpoints():
+    """Our fixture generator writes every checkpoint (deterministic random
+    weights, real shapes); llama.cpp's converter turns the same files into
+    GGUF."""
+    CK.mkdir(parents=True, exist_ok=True)
+    for name, (preset, quant, lq, _) in MODELS.items():
+        src = CK / f"{preset}-bf16"
+        if not (src / "config.json").exists():
+            sh([BENCH, "--preset", preset, "--dtype", "bf16", "--out", src, "--device", "gpu",
+                "--prompts", "16", "--gen", "2", "--reps", "1", "--paths", "compiled"], "generate")
+        if quant and not (CK / name / "config.json").exists():
+            # The generator is deterministic: regenerating and converting gives
+            # our 4-bit checkpoint of exactly the weights llama.cpp quantizes.
+            sh([BENCH, "--preset", preset, "--dtype", "bf16", "--quantize", quant, "--out", CK / name,
+                "--device", "gpu", "--prompts", "16", "--gen", "2", "--reps", "1", "--paths", "compiled"], "generate")
+        g = GGUF / f"{name}.gguf"
+        if not g.exists():
+            GGUF.mkdir(parents=True, exist_ok=True)
+            bf = GGUF / f"{preset}-bf16.gguf"
+            if not bf.exists():
+                sh([sys.executable, WORK / "convert_gguf.py", "--llama-cpp", LLSRC, src, "--outtype", "bf16",
+                    "--outfile", bf], "convert", env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            if lq != "bf16":
+                wait_llama()
+                sh([LLBIN / "llama-quantize", bf, g, lq.upper(), "16"], "convert")
+                bf.unlink()
+            else:
+                bf.rename(g)
+
+
+def wait_llama():
+    rc = Path("/tmp/h200/llbuild.rc")
+    t = time.time()
+    while not rc.exists():
+        if time.time() - t > 480:
+            raise SystemExit("llama.cpp build did not finish in 8 minutes")
+        time.sleep(5)
+    if rc.read_text().strip() != "0":
+        shutil.copy("/tmp/h200/llbuild.log", OUT / "llbuild.log") if OUT.exists() else None
+        raise SystemExit("llama.cpp build failed:\n" + Path("/tmp/h200/llbuild.log").read_text()[-3000:])
+
+
+def ours_ck(name):
+    preset, quant, _, _ = MODELS[name]
+    return CK / name if quant else CK / f"{preset}-bf16"
+
+
+def run_llama(name, rnd):
+    wait_llama()
+    _, _, _, prompts = MODELS[name]
+    g = GGUF / f"{name}.gguf"
+    bench = [LLBIN / "llama-bench", "-m", g, "-fa", "1", "-r", str(REPS), "-o", "json"]
+    r = sh(bench + ["-p", ",".join(map(str, prompts)), "-n", "0"], f"llama-{name}")
+    for t in json.loads(r.stdout):
+        record(engine="llama.cpp", model=name, round=rnd, metric="prefill_tps", prompt=t["n_prompt"],
+               samples=t.get("samples_ts") or [t["avg_ts"]], build=t.get("build_commit"))
+    # Decode after the shortest prompt (-d: the KV cache holds that many
+    # tokens first), as our decode figure is taken after that prompt.
+    depth = min(prompts)
+    r = sh(bench + ["-p", "0", "-n", str(GEN), "-d", str(depth)], f"llama-{name}", check=False)
+    if r.returncode != 0:
+        depth = 0
+        r = sh(bench + ["-p", "0", "-n", str(GEN)], f"llama-{name}")
+    for t in json.loads(r.stdout):
+        record(engine="llama.cpp", model=name, round=rnd, metric="decode_tps", prompt=t.get("n_depth", depth),
+               samples=t.get("samples_ts") or [t["avg_ts"]])
+    b = BATCH
+    r = sh([LLBIN / "llama-batched-bench", "-m", g, "-fa", "on", "-c", str(b["n"] * (b["prompt"] + b["gen"]) + 256),
+            "-b", "2048", "-ub", "512", "-npp", str(b["prompt"]), "-ntg", str(b["gen"]), "-npl", f"1,{b['n']}",
+            "-ngl", "99"], f"llama-batched-{name}", check=False)
+    for line in r.stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 10 and cells[0].isdigit() and int(cells[2]) in (1, b["n"]):
+            # |PP|TG|B|N_KV|T_PP s|S_PP t/s|T_TG s|S_TG t/s|T s|S t/s|
+            record(engine="llama.cpp", model=name, round=rnd, metric=f"batch{cells[2]}_decode_tps",
+                   prompt=int(cells[0]), samples=[float(cells[7])])
+
+
+def run_ours(name, rnd):
+    _, _, _, prompts = MODELS[name]
+    r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--prompts", ",".join(map(str, prompts)),
+            "--gen", str(GEN), "--reps", str(REPS), "--paths", "compiled"], f"ours-{name}")
+    for line in r.stdout.splitlines():
+        j = json.loads(line)
+        if "prompt" not in j:
+            continue
+        record(engine="mlx-lfm", model=name, round=rnd, metric="prefill_tps", prompt=j["prompt"], samples=j["prefill_tps_runs"])
+        record(engine="mlx-lfm", model=name, round=rnd, metric="decode_tps", prompt=j["prompt"], samples=j["decode_tps_runs"],
+               cache=j["cache"])
+    b = BATCH
+    r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--concurrent", str(b["n"]), "--prompts", str(b["prompt"]),
+            "--gen", str(b["gen"]), "--reps", "2"], f"ours-batched-{name}")
+    steps, solo, agg = [], [], []
+    for line in r.stdout.splitlines():
+        j = json.loads(line)
+        if "median_step_ms" in j:
+            steps.append(b["n"] * 1000.0 / j["median_step_ms"])
+            solo.append(1000.0 / j["solo_step_ms"])
+            agg.append(j["concurrent_tps"])
+    record(engine="mlx-lfm", model=name, round=rnd, metric=f"batch{b['n']}_decode_tps", prompt=b["prompt"], samples=steps)
+    record(engine="mlx-lfm", model=name, round=rnd, metric="batch1_decode_tps", prompt=b["prompt"], samples=solo)
+    record(engine="mlx-lfm", model=name, round=rnd, metric=f"batch{b['n']}_end_to_end_tps", prompt=b["prompt"], samples=agg)
+
+
+def run_mlx_lm(name, rnd):
+    _, _, _, prompts = MODELS[name]
+    cfg = json.loads((ours_ck(name) / "config.json").read_text())
+    vocab = cfg["vocab_size"]
+    m = min(vocab, 60000) - 10
+    ids = lambda n, salt: [((i * 2654435761 + salt * 40503) % (1 << 32)) % m + 5 for i in range(n)]
+    req = {"op": "bench_suite", "model": str(ours_ck(name)), "gen": GEN, "reps": REPS,
+           "prompts": [ids(p, 7) for p in prompts], "warmup": {"prompt": ids(64, 1), "gen": 8}}
+    r = sh([sys.executable, ROOT / "scripts" / "ref" / "mlx_lm_ref.py"], f"mlx-lm-{name}", input=json.dumps(req))
+    res = json.loads(r.stdout)
+    for row in res["results"]:
+        record(engine="mlx-lm", model=name, round=rnd, metric="prefill_tps", prompt=row["prompt_len"],
+               samples=[x["prefill_tps"] for x in row["runs"]], device=res.get("default_device"))
+        record(engine="mlx-lm", model=name, round=rnd, metric="decode_tps", prompt=row["prompt_len"],
+               samples=[x["decode_tps"] for x in row["runs"]])
+
+
+def rounds(rnd):
+    install()
+    checkpoints()
+    for name in MODELS:
+        # Alternate which engine goes first so neither always meets a cold
+        # (or a warm) machine.
+        order = [run_llama, run_ours, run_mlx_lm]
+        if rnd % 2 == 0:
+            order.reverse()
+        for f in order:
+            try:
+                f(name, rnd)
+            except SystemExit as e:
+                log(f"{f.__name__} {name}: {e}")
+                record(engine=f.__name__, model=name, round=rnd, error=str(e)[-2000:])
+
+
+def profile():
+    """ncu over one compiled decode step of the 1.2B and the 8B-A1B (step 32
+    of a 512-token prompt, `--concurrent 1` drives the single-sequence
+    compiled step as generate does), and the wall time of the same step
+    without ncu, so host time = wall - GPU kernel time."""
+    for name in ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]:
+        rep = WORK / f"prof-{name}"
+        cmd = ["ncu", "--clock-control", "none", "--profile-from-start", "off", "-f", "-o", rep,
+               "--metrics", "gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum",
+               BENCH, "--model", ours_ck(name), "--device", "gpu", "--concurrent", "1", "--prompts", "512",
+               "--gen", "64", "--reps", "1"]
+        e = env()
+        e["MLXLFM_PROFILE_STEP"] = "32"
+        r = sh(cmd, f"ncu-{name}", check=False, env=e)
+        if r.returncode != 0:
+            record(engine="ncu", model=name, error=r.stderr[-2000:])
+            continue
+        csv = sh(["ncu", "--import", f"{rep}.ncu-rep", "--csv", "--page", "raw", "--print-units", "base",
+                  "--print-kernel-base", "function"], check=False)
+        (OUT / f"ncu-{name}.csv").write_text(csv.stdout)
+        record(engine="ncu", model=name, kernels=summarize_ncu(csv.stdout))
+        # The same step's wall time without ncu (median over 64 steps, 3 reps).
+        r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--concurrent", "1", "--prompts", "512",
+                "--gen", "64", "--reps", "3"], f"step-{name}", check=False)
+        walls = [json.loads(l)["solo_step_ms"] for l in r.stdout.splitlines() if "solo_step_ms" in l]
+        record(engine="ncu", model=name, step_wall_ms=walls)
+
+
+def summarize_ncu(text):
+    import csv as _csv
+    import io
+
+    rows = list(_csv.DictReader(io.StringIO(text)))
+    rows = [r for r in rows if r.get("Kernel Name") and r.get("gpu__time_duration.sum", "").replace(".", "").isdigit()]
+    per = {}
+    for r in rows:
+        k = r["Kernel Name"]
+        t = float(r["gpu__time_duration.sum"]) / 1000.0  # ns -> us
+        rd = float(r.get("dram__bytes_read.sum") or 0)
+        p = per.setdefault(k, {"n": 0, "us": 0.0, "read_bytes": 0.0, "under5": 0})
+        p["n"] += 1
+        p["us"] += t
+        p["read_bytes"] += rd
+        p["under5"] += t < 5
+    total = sum(p["us"] for p in per.values())
+    top = sorted(per.items(), key=lambda kv: -kv[1]["us"])
+    return {
+        "kernels": sum(p["n"] for p in per.values()),
+        "kernel_us": total,
+        "under_5us": sum(p["under5"] for p in per.values()),
+        "dram_read_bytes": sum(p["read_bytes"] for p in per.values()),
+        "by_kernel": [{"name": k, **v, "share": v["us"] / total if total else 0} for k, v in top],
+    }
+
+
+def collect(files):
+    rows = []
+    for f in files:
+        rows += [json.loads(l) for l in Path(f).read_text().splitlines() if l.strip()]
+    runs, errors, profiles = [], [], []
+    for r in rows:
+        if "error" in r:
+            errors.append(r)
+        elif r.get("engine") == "ncu":
+            profiles.append(r)
+        elif r.get("samples"):
+            runs.append({"model": r["model"], "engine": r["engine"], "metric": r["metric"], "prompt": r["prompt"],
+                         "round": r["round"], "value": statistics.median(r["samples"]), "samples": r["samples"]})
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    meta = next((r for r in rows if r.get("device")), {})
+    return {"commit": head, "date": time.strftime("%Y-%m-%d"), "device": "NVIDIA H200 (mlx-cuda-13 0.32.4)",
+            "gen": GEN, "reps_per_round": REPS, "value": "median of the round's repetitions",
+            "runs": runs, "ratios": ratios(runs), "profiles": profiles, "errors": errors}
+
+
+def ratios(runs):
+    """mlx-lfm / peer for each model, metric and prompt, per round (llama.cpp's
+    decode figure is at a depth equal to the shortest prompt, so it pairs
+    with ours after that prompt)."""
+    out = []
+    idx = {(r["engine"], r["model"], r["metric"], r["prompt"], r["round"]): r["value"] for r in runs}
+    for (eng, model, metric, prompt, rnd), v in sorted(idx.items(), key=str):
+        if eng != "mlx-lfm":
+            continue
+        for peer in ("llama.cpp", "mlx-lm"):
+            peer_v = idx.get((peer, model, metric, prompt, rnd))
+            if peer_v:
+                out.append({"model": model, "metric": metric, "prompt": prompt, "round": rnd, "peer": peer,
+                            "ratio": v / peer_v})
+    return out
+
+
+def main():
+    args = sys.argv[1:]
+    if not args:
+        print(__doc__)
+        return
+    OUT.mkdir(parents=True, exist_ok=True)
+    if args[0] == "collect":
+        json.dump(collect(args[1:]), sys.stdout, indent=1)
+        print()
+        return
+    i = 0
+    try:
+        while i < len(args):
+            a = args[i]
+            if a == "stage":
+                stage()
+            elif a == "round":
+                i += 1
+                rounds(int(args[i]))
+            elif a == "profile":
+                install()
+                profile()
+            else:
+                raise SystemExit(f"unknown step {a}")
+            i += 1
+    finally:
+        if RAW.exists():
+            shutil.copy(RAW, OUT / "raw.jsonl")
+        for p in [WORK / "llbuild.log"]:
+            if p.exists():
+                shutil.copy(p, OUT / p.name)
+
+
+if __name__ == "__main__":
+    main()
