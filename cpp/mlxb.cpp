@@ -498,6 +498,51 @@ void mlxb_fn_free(mlxb_fn f) {
   delete f;
 }
 
+// ---- custom GPU kernels ----------------------------------------------------------------
+struct mlxb_kernel_s {
+  mx::fast::CustomKernelFunction f;
+};
+
+int mlxb_cuda_kernel(const char* name, const char* const* input_names, size_t n_in, const char* const* output_names,
+                     size_t n_out, const char* source, const char* header, mlxb_kernel* out) {
+  MLXB_TRY({
+    std::vector<std::string> ins(input_names, input_names + n_in);
+    std::vector<std::string> outs(output_names, output_names + n_out);
+    auto f = mx::fast::cuda_kernel(name, ins, outs, source, header ? header : "", true, 0);
+    *out = new mlxb_kernel_s{std::move(f)};
+  })
+}
+
+int mlxb_kernel_call(mlxb_kernel k, const mlxb_array* ins, size_t n_in, const int32_t* out_shapes,
+                     const int* out_ndims, const int* out_dtypes, size_t n_out, const int32_t* grid,
+                     const int32_t* threadgroup, const char* const* targ_names, const int* targ_kinds,
+                     const int* targ_values, size_t n_targ, mlxb_arrays* outs) {
+  MLXB_TRY({
+    std::vector<mx::Shape> shapes;
+    std::vector<mx::Dtype> dtypes;
+    const int32_t* p = out_shapes;
+    for (size_t i = 0; i < n_out; i++) {
+      shapes.emplace_back(p, p + out_ndims[i]);
+      p += out_ndims[i];
+      dtypes.push_back(mlxb::to_dtype(out_dtypes[i]));
+    }
+    std::vector<std::pair<std::string, mx::fast::TemplateArg>> targs;
+    for (size_t i = 0; i < n_targ; i++) {
+      switch (targ_kinds[i]) {
+        case 0: targs.emplace_back(targ_names[i], targ_values[i]); break;
+        case 1: targs.emplace_back(targ_names[i], targ_values[i] != 0); break;
+        case 2: targs.emplace_back(targ_names[i], mlxb::to_dtype(targ_values[i])); break;
+        default: throw std::invalid_argument("mlx-lfm bridge: unknown template argument kind");
+      }
+    }
+    auto res = k->f(vec_of(ins, n_in), shapes, dtypes, {grid[0], grid[1], grid[2]},
+                    {threadgroup[0], threadgroup[1], threadgroup[2]}, targs, std::nullopt, false, {});
+    *outs = new mlxb_arrays_s{std::move(res)};
+  })
+}
+
+void mlxb_kernel_free(mlxb_kernel k) { delete k; }
+
 // ---- memory, devices, streams -----------------------------------------------------------------
 size_t mlxb_get_active_memory(void) { return mx::get_active_memory(); }
 size_t mlxb_get_peak_memory(void) { return mx::get_peak_memory(); }

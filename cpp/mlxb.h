@@ -170,6 +170,23 @@ int mlxb_fn_clear(mlxb_fn f);
 void mlxb_fn_free(mlxb_fn f);
 void mlxb_set_error(const char* msg);
 
+// ---- custom GPU kernels ------------------------------------------------------------
+// MLX's fast::cuda_kernel: `source` is a kernel body over the named inputs and
+// outputs, JIT-compiled by MLX at its first use. Only the CUDA backend runs it
+// (elsewhere the call fails with MLX's message).
+typedef struct mlxb_kernel_s* mlxb_kernel;
+int mlxb_cuda_kernel(const char* name, const char* const* input_names, size_t n_in, const char* const* output_names,
+                     size_t n_out, const char* source, const char* header, mlxb_kernel* out);
+// Outputs: `n_out` shapes concatenated in `out_shapes` (`out_ndims[i]` dims
+// each) with dtypes `out_dtypes`; grid and threadgroup as MLX takes them (grid
+// in threads). Template arguments: kind 0 int, 1 bool, 2 dtype code. `*outs`
+// is a new list (free it with mlxb_arrays_free).
+int mlxb_kernel_call(mlxb_kernel k, const mlxb_array* ins, size_t n_in, const int32_t* out_shapes,
+                     const int* out_ndims, const int* out_dtypes, size_t n_out, const int32_t* grid,
+                     const int32_t* threadgroup, const char* const* targ_names, const int* targ_kinds,
+                     const int* targ_values, size_t n_targ, mlxb_arrays* outs);
+void mlxb_kernel_free(mlxb_kernel k);
+
 // ---- memory, devices and streams -------------------------------------------------
 size_t mlxb_get_active_memory(void);
 size_t mlxb_get_peak_memory(void);

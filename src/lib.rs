@@ -23,3 +23,4 @@ pub mod cache;
 pub mod convert;
 pub mod compiled;
 pub mod kvquant;
+pub mod kernels;

@@ -16,6 +16,8 @@ while it is warm; each call stays under the 64 MiB a call may carry):
     1. carry [".device/a", ".device/llama"]:  python3 bench/h200/run.py stage
     2. carry [".device/b", ".device/bin"]:    python3 bench/h200/run.py round 1
     3. carry [".device/bin"]:                 python3 bench/h200/run.py round 2 profile
+(`kernels` runs the fused kernels' tests there, `ab` times each decode-step
+change against the stock ops on the same checkpoints.)
 Each call leaves raw.jsonl (every measurement, tagged) and its logs in $OUT.
 Back here:
     python3 bench/h200/run.py collect RAW.jsonl... > bench/results/DATE-h200-same-run.json
@@ -64,6 +66,8 @@ def log(*a):
 def env():
     """MLX CUDA and the CUDA libraries from the image's torch venv."""
     e = dict(os.environ)
+    if (WORK / "kernels-off").exists():
+        e["MLX_LFM_KERNELS"] = "0"
     import importlib.util
 
     spec = importlib.util.find_spec("nvidia")
@@ -99,7 +103,7 @@ def record(**kv):
         f.write(json.dumps(kv) + "\n")
 
 
-def stage():
+def stage(llama=True):
     """Call 1: the first half of the MLX CUDA wheel, and llama.cpp's build
     started in the background (it takes ~5 minutes and runs on while the
     next call generates and converts the checkpoints)."""
@@ -108,7 +112,7 @@ def stage():
     for p in (ROOT / ".device" / "a").iterdir():
         shutil.copy(p, stage_dir / p.name)
     WORK.mkdir(parents=True, exist_ok=True)
-    if not (LLBIN / "llama-bench").exists():
+    if llama and not (LLBIN / "llama-bench").exists():
         shutil.rmtree(LLSRC, ignore_errors=True)
         sh(["tar", "xzf", ROOT / ".device" / "llama" / "llsrc.tgz", "-C", "/tmp"])
         shutil.copy(ROOT / ".device" / "llama" / "convert_gguf.py", WORK / "convert_gguf.py")
@@ -141,14 +145,16 @@ def install():
        env=dict(os.environ))
 
 
-def checkpoints():
+def checkpoints(names=None, gguf=True):
     """Our fixture generator writes every checkpoint (deterministic random
     weights, real shapes); llama.cpp's converter turns the same files into
     GGUF."""
     CK.mkdir(parents=True, exist_ok=True)
     for name, (preset, quant, lq, _) in MODELS.items():
+        if names and name not in names:
+            continue
         src = CK / f"{preset}-bf16"
-        if not (src / "config.json").exists():
+        if (gguf or not quant) and not (src / "config.json").exists():
             sh([BENCH, "--preset", preset, "--dtype", "bf16", "--out", src, "--device", "gpu",
                 "--prompts", "16", "--gen", "2", "--reps", "1", "--paths", "compiled"], "generate")
         if quant and not (CK / name / "config.json").exists():
@@ -157,7 +163,7 @@ def checkpoints():
             sh([BENCH, "--preset", preset, "--dtype", "bf16", "--quantize", quant, "--out", CK / name,
                 "--device", "gpu", "--prompts", "16", "--gen", "2", "--reps", "1", "--paths", "compiled"], "generate")
         g = GGUF / f"{name}.gguf"
-        if not g.exists():
+        if gguf and not g.exists():
             GGUF.mkdir(parents=True, exist_ok=True)
             bf = GGUF / f"{preset}-bf16.gguf"
             if not bf.exists():
@@ -334,6 +340,45 @@ def summarize_ncu(text):
     }
 
 
+def kernels():
+    """Each fused kernel's tests against the stock ops (src/kernels/tests.rs),
+    on this GPU. If one fails, the benchmark runs with the kernels off
+    (MLX_LFM_KERNELS=0) and the failure is recorded."""
+    tests = sorted((ROOT / ".device" / "bin").glob("mlx_lfm-*"))
+    if not tests:
+        raise SystemExit("no test binary in .device/bin (bench/h200/prepare.sh builds it)")
+    r = sh([tests[0], "kernels::", "--test-threads", "1", "--nocapture"], "kernel-tests", check=False)
+    ok = r.returncode == 0 and "skipped" not in r.stderr
+    record(engine="tests", suite="kernels::", passed=ok, tail=(r.stdout + r.stderr)[-3000:])
+    if not ok:
+        (WORK / "kernels-off").write_text("1")
+    log("kernel tests", "passed" if ok else "FAILED: benchmark runs with MLX_LFM_KERNELS=0")
+
+
+AB = {
+    # What each change of the decode step buys, same machine, same minute.
+    "stock": {"MLX_LFM_FUSE_PROJECTIONS": "0", "MLX_LFM_KV_WRITE": "slice", "MLX_LFM_KERNELS": "0"},
+    "stacked-projections": {"MLX_LFM_KV_WRITE": "slice", "MLX_LFM_KERNELS": "0"},
+    "scatter-kv-write": {"MLX_LFM_FUSE_PROJECTIONS": "0", "MLX_LFM_KERNELS": "0"},
+    "no-kernels": {"MLX_LFM_KERNELS": "0"},
+    "all": {},
+}
+
+
+def ab():
+    for name in ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]:
+        for variant, extra in AB.items():
+            e = env()
+            e.update(extra)
+            r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--prompts", "512", "--gen", "128",
+                    "--reps", "3", "--paths", "compiled"], f"ab-{name}", check=False, env=e)
+            for line in r.stdout.splitlines():
+                j = json.loads(line)
+                if "prompt" in j:
+                    record(engine="ab", model=name, variant=variant, prefill=j["prefill_tps_runs"],
+                           decode=j["decode_tps_runs"])
+
+
 def collect(files):
     rows = []
     for f in files:
@@ -342,7 +387,7 @@ def collect(files):
     for r in rows:
         if "error" in r:
             errors.append(r)
-        elif r.get("engine") == "ncu":
+        elif r.get("engine") in ("ncu", "ab", "tests"):
             profiles.append(r)
         elif r.get("samples"):
             runs.append({"model": r["model"], "engine": r["engine"], "metric": r["metric"], "prompt": r["prompt"],
@@ -387,9 +432,18 @@ def main():
             a = args[i]
             if a == "stage":
                 stage()
+            elif a == "stage-mlx":
+                stage(llama=False)
             elif a == "round":
                 i += 1
                 rounds(int(args[i]))
+            elif a == "kernels":
+                install()
+                kernels()
+            elif a == "ab":
+                install()
+                checkpoints(["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"], gguf=False)
+                ab()
             elif a == "profile":
                 install()
                 profile()

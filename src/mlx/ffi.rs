@@ -15,6 +15,11 @@ pub struct mlxb_fn_s {
 pub struct mlxb_arrays_s {
     _p: [u8; 0],
 }
+#[repr(C)]
+pub struct mlxb_kernel_s {
+    _p: [u8; 0],
+}
+pub type KernelHandle = *mut mlxb_kernel_s;
 pub type Handle = *mut mlxb_array_s;
 pub type FnHandle = *mut mlxb_fn_s;
 pub type ArraysHandle = *mut mlxb_arrays_s;
@@ -116,6 +121,34 @@ extern "C" {
     pub fn mlxb_fn_call(f: FnHandle, ins: *const Handle, n_in: usize, out: *mut ArraysHandle) -> c_int;
     pub fn mlxb_fn_clear(f: FnHandle) -> c_int;
     pub fn mlxb_fn_free(f: FnHandle);
+
+    pub fn mlxb_cuda_kernel(
+        name: *const c_char,
+        input_names: *const *const c_char,
+        n_in: usize,
+        output_names: *const *const c_char,
+        n_out: usize,
+        source: *const c_char,
+        header: *const c_char,
+        out: *mut KernelHandle,
+    ) -> c_int;
+    pub fn mlxb_kernel_call(
+        k: KernelHandle,
+        ins: *const Handle,
+        n_in: usize,
+        out_shapes: *const i32,
+        out_ndims: *const c_int,
+        out_dtypes: *const c_int,
+        n_out: usize,
+        grid: *const i32,
+        threadgroup: *const i32,
+        targ_names: *const *const c_char,
+        targ_kinds: *const c_int,
+        targ_values: *const c_int,
+        n_targ: usize,
+        outs: *mut ArraysHandle,
+    ) -> c_int;
+    pub fn mlxb_kernel_free(k: KernelHandle);
 
     pub fn mlxb_get_active_memory() -> usize;
     pub fn mlxb_get_peak_memory() -> usize;

@@ -5,6 +5,7 @@ mod array;
 mod compile;
 mod ffi;
 mod io;
+pub mod kernel;
 mod ops;
 pub mod runtime;
 

@@ -16,7 +16,7 @@ use crate::cache::{
 use parking_lot::Mutex;
 use std::sync::Arc;
 use super::config::ModelConfig;
-use super::linear::{Embedding, Linear};
+use super::linear::{Embedding, Linear, Projections};
 use super::lfm2_moe::SparseMoe;
 use super::quant::QuantRegistry;
 use super::weights::TensorStore;
@@ -24,9 +24,8 @@ use crate::error::{Error, Result};
 use crate::mlx::{self, concatenate, Array, Dtype};
 
 pub struct Attention {
-    pub q_proj: Linear,
-    pub k_proj: Linear,
-    pub v_proj: Linear,
+    /// q, k and v (stacked into one matmul where they can be).
+    pub qkv: Projections,
     pub out_proj: Linear,
     pub q_norm: Array,
     pub k_norm: Array,
@@ -42,9 +41,11 @@ impl Attention {
     fn load(st: &mut TensorStore, reg: &QuantRegistry, p: &str, c: &ModelConfig) -> Result<Attention> {
         let (d, hd) = (c.hidden_size, c.head_dim);
         Ok(Attention {
-            q_proj: Linear::load(st, reg, &format!("{p}.q_proj"), d, c.num_heads * hd, false)?,
-            k_proj: Linear::load(st, reg, &format!("{p}.k_proj"), d, c.num_kv_heads * hd, false)?,
-            v_proj: Linear::load(st, reg, &format!("{p}.v_proj"), d, c.num_kv_heads * hd, false)?,
+            qkv: Projections::new(vec![
+                Linear::load(st, reg, &format!("{p}.q_proj"), d, c.num_heads * hd, false)?,
+                Linear::load(st, reg, &format!("{p}.k_proj"), d, c.num_kv_heads * hd, false)?,
+                Linear::load(st, reg, &format!("{p}.v_proj"), d, c.num_kv_heads * hd, false)?,
+            ])?,
             out_proj: Linear::load(st, reg, &format!("{p}.out_proj"), c.num_heads * hd, d, false)?,
             q_norm: st.get_shaped(&format!("{p}.q_layernorm.weight"), &[hd as i32])?,
             k_norm: st.get_shaped(&format!("{p}.k_layernorm.weight"), &[hd as i32])?,
@@ -62,9 +63,10 @@ impl Attention {
     fn project(&self, x: &Array, offset: Offset) -> Result<(Array, Array, Array)> {
         let (b, t) = (x.dim(0), x.dim(1));
         let hd = self.head_dim;
-        let q = self.q_proj.forward(x)?.reshape(&[b, t, self.n_heads, hd])?;
-        let k = self.k_proj.forward(x)?.reshape(&[b, t, self.n_kv_heads, hd])?;
-        let v = self.v_proj.forward(x)?.reshape(&[b, t, self.n_kv_heads, hd])?;
+        let qkv = self.qkv.forward(x)?;
+        let q = qkv[0].reshape(&[b, t, self.n_heads, hd])?;
+        let k = qkv[1].reshape(&[b, t, self.n_kv_heads, hd])?;
+        let v = qkv[2].reshape(&[b, t, self.n_kv_heads, hd])?;
         let q = mlx::rms_norm(&q, Some(&self.q_norm), self.eps)?.transpose(&[0, 2, 1, 3])?;
         let k = mlx::rms_norm(&k, Some(&self.k_norm), self.eps)?.transpose(&[0, 2, 1, 3])?;
         let v = v.transpose(&[0, 2, 1, 3])?;
@@ -154,9 +156,9 @@ impl ShortConv {
 
 /// SwiGLU: `w2(silu(w1 x) * w3 x)`.
 pub struct Mlp {
-    pub w1: Linear,
+    /// w1 and w3 (stacked into one matmul where they can be).
+    pub w13: Projections,
     pub w2: Linear,
-    pub w3: Linear,
 }
 
 impl Mlp {
@@ -168,15 +170,17 @@ impl Mlp {
             ["w1", "w2", "w3"]
         };
         Ok(Mlp {
-            w1: Linear::load(st, reg, &format!("{p}.{}", names[0]), d, ff, false)?,
+            w13: Projections::new(vec![
+                Linear::load(st, reg, &format!("{p}.{}", names[0]), d, ff, false)?,
+                Linear::load(st, reg, &format!("{p}.{}", names[2]), d, ff, false)?,
+            ])?,
             w2: Linear::load(st, reg, &format!("{p}.{}", names[1]), ff, d, false)?,
-            w3: Linear::load(st, reg, &format!("{p}.{}", names[2]), d, ff, false)?,
         })
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
-        let g = self.w1.forward(x)?.silu()?;
-        self.w2.forward(&g.mul(&self.w3.forward(x)?)?)
+        let gu = self.w13.forward(x)?;
+        self.w2.forward(&gu[0].silu()?.mul(&gu[1])?)
     }
 }
 
@@ -198,20 +202,34 @@ pub struct Layer {
 }
 
 impl Layer {
-    /// Decoder layer `index`: `h + op(op_norm(h))`, then `+ ffn(ffn_norm(.))`.
-    fn forward(&self, h: &Array, index: usize, cache: &mut dyn ForwardCache, eps: f32) -> Result<Array> {
-        let x = mlx::rms_norm(h, Some(&self.operator_norm), eps)?;
-        let r = match &self.operator {
-            Operator::Attention(a) => a.forward(&x, index, cache)?,
-            Operator::Conv(c) => c.forward(&x, index, cache)?,
-        };
-        let h = h.add(&r)?;
-        let x = mlx::rms_norm(&h, Some(&self.ffn_norm), eps)?;
-        let f = match &self.feed_forward {
-            FeedForward::Dense(m) => m.forward(&x)?,
-            FeedForward::Moe(m) => m.forward(&x)?,
-        };
-        h.add(&f)
+    /// The operator (short conv or attention) of decoder layer `index` on
+    /// its normed input.
+    fn operator(&self, x: &Array, index: usize, cache: &mut dyn ForwardCache) -> Result<Array> {
+        match &self.operator {
+            Operator::Attention(a) => a.forward(x, index, cache),
+            Operator::Conv(c) => c.forward(x, index, cache),
+        }
+    }
+
+    fn feed_forward(&self, x: &Array) -> Result<Array> {
+        match &self.feed_forward {
+            FeedForward::Dense(m) => m.forward(x),
+            FeedForward::Moe(m) => m.forward(x),
+        }
+    }
+}
+
+/// `h + r` (just `h` without `r`) and its RMSNorm with `w`: the residual
+/// add and the norm after it are one kernel where ours runs (src/kernels).
+fn add_norm(h: &Array, r: Option<&Array>, w: &Array, eps: f32) -> Result<(Array, Array)> {
+    match r {
+        None => Ok((h.clone(), mlx::rms_norm(h, Some(w), eps)?)),
+        Some(r) if crate::kernels::add_rms_norm::available(h, r, w) => crate::kernels::add_rms_norm::add_rms_norm(h, r, w, eps),
+        Some(r) => {
+            let s = h.add(r)?;
+            let y = mlx::rms_norm(&s, Some(w), eps)?;
+            Ok((s, y))
+        }
     }
 }
 
@@ -284,10 +302,21 @@ impl Lfm2Model {
     pub fn hidden(&self, ids: &Array, cache: &mut dyn ForwardCache) -> Result<Array> {
         let eps = self.config.norm_eps;
         let mut h = self.embed.forward(ids)?;
+        // Each layer is `h + op(op_norm(h))`, then `+ ffn(ffn_norm(.))`;
+        // the feed-forward's output is added where the next layer norms
+        // it, so every residual add meets the norm that follows it.
+        let mut pending: Option<Array> = None;
         for (i, layer) in self.layers.iter().enumerate() {
-            h = layer.forward(&h, i, cache, eps)?;
+            let (h1, x) = add_norm(&h, pending.as_ref(), &layer.operator_norm, eps)?;
+            let r = layer.operator(&x, i, cache)?;
+            let (h2, x) = add_norm(&h1, Some(&r), &layer.ffn_norm, eps)?;
+            pending = Some(layer.feed_forward(&x)?);
+            h = h2;
         }
-        Ok(h)
+        match pending {
+            Some(f) => h.add(&f),
+            None => Ok(h),
+        }
     }
 
     /// The final norm and the LM head (tied to the embedding when there
@@ -469,9 +498,8 @@ impl Lfm2Model {
             v.push(&l.ffn_norm);
             match &l.operator {
                 Operator::Attention(a) => {
-                    for p in [&a.q_proj, &a.k_proj, &a.v_proj, &a.out_proj] {
-                        v.extend(p.arrays());
-                    }
+                    v.extend(a.qkv.arrays());
+                    v.extend(a.out_proj.arrays());
                     v.push(&a.q_norm);
                     v.push(&a.k_norm);
                 }
@@ -484,9 +512,8 @@ impl Lfm2Model {
             }
             match &l.feed_forward {
                 FeedForward::Dense(m) => {
-                    for p in [&m.w1, &m.w2, &m.w3] {
-                        v.extend(p.arrays());
-                    }
+                    v.extend(m.w13.arrays());
+                    v.extend(m.w2.arrays());
                 }
                 FeedForward::Moe(m) => v.extend(m.arrays()),
             }
@@ -505,14 +532,14 @@ impl Lfm2Model {
             let lin = |p: &Linear| p.weight.params() + p.bias.as_ref().map(|b| b.size()).unwrap_or(0);
             n += match &l.operator {
                 Operator::Attention(a) => {
-                    lin(&a.q_proj) + lin(&a.k_proj) + lin(&a.v_proj) + lin(&a.out_proj) + a.q_norm.size() + a.k_norm.size()
+                    a.qkv.params() + lin(&a.out_proj) + a.q_norm.size() + a.k_norm.size()
                 }
                 Operator::Conv(c) => {
                     lin(&c.in_proj) + lin(&c.out_proj) + c.conv_weight.size() + c.conv_bias.as_ref().map(|b| b.size()).unwrap_or(0)
                 }
             };
             n += match &l.feed_forward {
-                FeedForward::Dense(m) => lin(&m.w1) + lin(&m.w2) + lin(&m.w3),
+                FeedForward::Dense(m) => m.w13.params() + lin(&m.w2),
                 FeedForward::Moe(m) => m.parameter_count(),
             };
         }

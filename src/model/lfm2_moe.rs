@@ -13,7 +13,7 @@
 //! that of the checkpoint.
 
 use super::config::ModelConfig;
-use super::linear::{load_weight, Linear, Weight};
+use super::linear::{fuse_projections, load_weight, split_widths, Linear, Weight};
 use super::quant::QuantRegistry;
 use super::weights::TensorStore;
 use crate::error::{Error, Result};
@@ -25,9 +25,9 @@ const SORT_THRESHOLD: usize = 64;
 pub struct SparseMoe {
     pub gate: Linear,
     pub expert_bias: Option<Array>,
-    /// Stacked experts `[E, out, in]` (dense or quantized).
-    pub gate_proj: Weight,
-    pub up_proj: Weight,
+    /// Stacked experts `[E, out, in]` (dense or quantized); gate and up
+    /// stacked into one where they can be.
+    pub gate_up: GateUp,
     pub down_proj: Weight,
     pub num_experts: usize,
     pub top_k: usize,
@@ -96,11 +96,15 @@ impl SparseMoe {
             Weight::Dense(w) => Some(w.dtype()),
             Weight::Quant(_) => None,
         };
+        let stacked = if fuse_projections() { Weight::stack_outputs(&[&gate_proj, &up_proj])? } else { None };
+        let gate_up = match stacked {
+            Some(w) => GateUp::Stacked(w, ff),
+            None => GateUp::Separate(gate_proj, up_proj),
+        };
         Ok(SparseMoe {
             gate: Linear::load(st, reg, &format!("{p}.gate"), d as usize, e, false)?,
             expert_bias,
-            gate_proj,
-            up_proj,
+            gate_up,
             down_proj,
             num_experts: e,
             top_k: m.experts_per_token,
@@ -112,8 +116,32 @@ impl SparseMoe {
         })
     }
 
-    /// Chosen experts `[B, T, k]` and their weights `[B, T, k]` (in x's dtype).
+    /// Chosen experts `[B, T, k]` and their weights `[B, T, k]` (in x's
+    /// dtype): one fused kernel on MLX's CUDA backend, the stock ops
+    /// elsewhere.
     pub fn route(&self, x: &Array) -> Result<(Array, Array)> {
+        if crate::kernels::moe_router::available(self.num_experts, self.top_k) && x.dtype().is_float() {
+            return self.route_fused(x);
+        }
+        self.route_stock(x)
+    }
+
+    pub(crate) fn route_fused(&self, x: &Array) -> Result<(Array, Array)> {
+        let (b, t) = (x.dim(0), x.dim(1));
+        let e = self.num_experts as i32;
+        let logits = self.gate.forward(x)?.reshape(&[b * t, e])?;
+        let bias = match &self.expert_bias {
+            Some(bias) => bias.clone(),
+            None => mlx::zeros(&[e], Dtype::Float32)?,
+        };
+        let scale = Array::from_slice(&[self.routed_scaling_factor], &[1])?;
+        let (inds, scores) = crate::kernels::moe_router::route(&logits, &bias, &scale, self.top_k, self.norm_topk_prob)?;
+        let k = self.top_k as i32;
+        Ok((inds.reshape(&[b, t, k])?, scores.reshape(&[b, t, k])?))
+    }
+
+    /// The router in MLX's stock ops (every backend but CUDA).
+    pub(crate) fn route_stock(&self, x: &Array) -> Result<(Array, Array)> {
         let k = self.top_k as i32;
         let probs = self.gate.forward(x)?.sigmoid()?;
         let select = match &self.expert_bias {
@@ -170,8 +198,7 @@ impl SparseMoe {
     }
 
     fn swiglu_gathered(&self, x: &Array, idx: &Array, sorted: bool) -> Result<Array> {
-        let g = gathered(&self.gate_proj, x, idx, sorted)?;
-        let u = gathered(&self.up_proj, x, idx, sorted)?;
+        let (g, u) = self.gate_up.apply(|w| gathered(w, x, idx, sorted))?;
         gathered(&self.down_proj, &g.silu()?.mul(&u)?, idx, sorted)
     }
 
@@ -192,8 +219,7 @@ impl SparseMoe {
                 Weight::Quant(_) => unreachable!("quantized experts do not take the upcast path"),
             }
         };
-        let g = xs.matmul(&sel(&self.gate_proj)?.t()?)?;
-        let u = xs.matmul(&sel(&self.up_proj)?.t()?)?;
+        let (g, u) = self.gate_up.apply(|w| xs.matmul(&sel(w)?.t()?))?;
         let y = g.silu()?.mul(&u)?.matmul(&sel(&self.down_proj)?.t()?)?;
         y.astype(x.dtype())?.reshape(&[b, t, k, d])
     }
@@ -221,8 +247,7 @@ impl SparseMoe {
                 end += 1;
             }
             let seg = xs.slice_axis(0, start as i32, end as i32)?;
-            let g = expert_apply(&self.gate_proj, e, &seg)?;
-            let u = expert_apply(&self.up_proj, e, &seg)?;
+            let (g, u) = self.gate_up.apply(|w| expert_apply(w, e, &seg))?;
             outs.push(expert_apply(&self.down_proj, e, &g.silu()?.mul(&u)?)?);
             start = end;
         }
@@ -238,18 +263,47 @@ impl SparseMoe {
     pub fn arrays(&self) -> Vec<&Array> {
         let mut v = self.gate.arrays();
         v.extend(self.expert_bias.as_ref());
-        for w in [&self.gate_proj, &self.up_proj, &self.down_proj] {
-            v.extend(w.arrays());
+        match &self.gate_up {
+            GateUp::Stacked(w, _) => v.extend(w.arrays()),
+            GateUp::Separate(g, u) => {
+                v.extend(g.arrays());
+                v.extend(u.arrays());
+            }
         }
+        v.extend(self.down_proj.arrays());
         v
     }
 
     pub fn parameter_count(&self) -> usize {
         self.gate.weight.params()
             + self.expert_bias.as_ref().map(|b| b.size()).unwrap_or(0)
-            + self.gate_proj.params()
-            + self.up_proj.params()
+            + match &self.gate_up {
+                GateUp::Stacked(w, _) => w.params(),
+                GateUp::Separate(g, u) => g.params() + u.params(),
+            }
             + self.down_proj.params()
+    }
+}
+
+/// The experts' gate and up projections, which read the same input:
+/// stacked along their output axis into one `[E, 2 * ff, in]` weight (one
+/// gathered matmul per step instead of two) unless they cannot be.
+pub enum GateUp {
+    Stacked(Weight, i32),
+    Separate(Weight, Weight),
+}
+
+impl GateUp {
+    /// `(gate, up)` outputs of `f` (a matmul of the weight it is given).
+    fn apply(&self, f: impl Fn(&Weight) -> Result<Array>) -> Result<(Array, Array)> {
+        match self {
+            GateUp::Stacked(w, ff) => {
+                let mut p = split_widths(&f(w)?, &[*ff, *ff])?;
+                let u = p.pop().expect("two widths");
+                Ok((p.pop().expect("two widths"), u))
+            }
+            GateUp::Separate(g, u) => Ok((f(g)?, f(u)?)),
+        }
     }
 }
 

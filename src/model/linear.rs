@@ -164,3 +164,144 @@ impl Embedding {
         self.weight.apply(x)
     }
 }
+
+/// Whether projections that read the same input are stacked into one at
+/// load (`MLX_LFM_FUSE_PROJECTIONS=0` keeps them apart, for A/B runs).
+pub fn fuse_projections() -> bool {
+    !matches!(std::env::var("MLX_LFM_FUSE_PROJECTIONS").ok().as_deref(), Some("0"))
+}
+
+impl Weight {
+    /// The weights stacked along their output axis (`[.., out, in]`), so one
+    /// matmul replaces several: each output row is still its own dot
+    /// product over the same input. None when they cannot be stacked (dense
+    /// next to quantized, different quantization, dtypes or input widths).
+    pub fn stack_outputs(parts: &[&Weight]) -> Result<Option<Weight>> {
+        let first = match parts.first() {
+            Some(w) => *w,
+            None => return Ok(None),
+        };
+        let same_tail = |a: &Array, b: &Array| {
+            let (sa, sb) = (a.shape(), b.shape());
+            sa.len() == sb.len() && a.dtype() == b.dtype() && sa[..sa.len() - 2] == sb[..sb.len() - 2] && sa.last() == sb.last()
+        };
+        let cat = |arrs: Vec<&Array>| -> Result<Array> {
+            let axis = arrs[0].ndim() as i32 - 2;
+            crate::mlx::concatenate(&arrs, axis)
+        };
+        match first {
+            Weight::Dense(w0) => {
+                let mut ws = vec![];
+                for p in parts {
+                    match p {
+                        Weight::Dense(w) if same_tail(w0, w) => ws.push(w),
+                        _ => return Ok(None),
+                    }
+                }
+                Ok(Some(Weight::Dense(cat(ws)?)))
+            }
+            Weight::Quant(q0) => {
+                let mut qs = vec![];
+                for p in parts {
+                    match p {
+                        Weight::Quant(q)
+                            if q.spec == q0.spec
+                                && same_tail(&q0.weight, &q.weight)
+                                && same_tail(&q0.scales, &q.scales)
+                                && q.biases.is_some() == q0.biases.is_some() =>
+                        {
+                            qs.push(q)
+                        }
+                        _ => return Ok(None),
+                    }
+                }
+                let biases = match q0.biases {
+                    Some(_) => Some(cat(qs.iter().map(|q| q.biases.as_ref().unwrap()).collect())?),
+                    None => None,
+                };
+                Ok(Some(Weight::Quant(Quantized {
+                    weight: cat(qs.iter().map(|q| &q.weight).collect())?,
+                    scales: cat(qs.iter().map(|q| &q.scales).collect())?,
+                    biases,
+                    spec: q0.spec,
+                })))
+            }
+        }
+    }
+
+    /// Output width (the `out` of `[.., out, in]`).
+    pub fn out_dim(&self) -> i32 {
+        match self {
+            Weight::Dense(w) => w.dim(-2),
+            Weight::Quant(q) => q.weight.dim(-2),
+        }
+    }
+}
+
+/// Projections of one input (attention's q, k, v; the MLP's gate and up):
+/// stacked into one matmul where they can be (one kernel instead of
+/// several on a decode step, and a larger one that reads memory faster),
+/// split back by output width.
+pub enum Projections {
+    Stacked { linear: Linear, widths: Vec<i32> },
+    Separate(Vec<Linear>),
+}
+
+impl Projections {
+    pub fn new(parts: Vec<Linear>) -> Result<Projections> {
+        if parts.len() < 2 || !fuse_projections() || parts.iter().any(|p| p.bias.is_some() != parts[0].bias.is_some()) {
+            return Ok(Projections::Separate(parts));
+        }
+        let weights: Vec<&Weight> = parts.iter().map(|p| &p.weight).collect();
+        let Some(weight) = Weight::stack_outputs(&weights)? else {
+            return Ok(Projections::Separate(parts));
+        };
+        let bias = match parts[0].bias {
+            Some(_) => {
+                let bs: Vec<&Array> = parts.iter().map(|p| p.bias.as_ref().unwrap()).collect();
+                Some(crate::mlx::concatenate(&bs, 0)?)
+            }
+            None => None,
+        };
+        let widths = parts.iter().map(|p| p.weight.out_dim()).collect();
+        Ok(Projections::Stacked { linear: Linear { weight, bias }, widths })
+    }
+
+    /// Each projection of `x`, in the order given to `new`.
+    pub fn forward(&self, x: &Array) -> Result<Vec<Array>> {
+        match self {
+            Projections::Separate(ps) => ps.iter().map(|p| p.forward(x)).collect(),
+            Projections::Stacked { linear, widths } => {
+                let y = linear.forward(x)?;
+                split_widths(&y, widths)
+            }
+        }
+    }
+
+    pub fn arrays(&self) -> Vec<&Array> {
+        match self {
+            Projections::Separate(ps) => ps.iter().flat_map(|p| p.arrays()).collect(),
+            Projections::Stacked { linear, .. } => linear.arrays(),
+        }
+    }
+
+    /// Logical parameters (weights and biases).
+    pub fn params(&self) -> usize {
+        let lin = |p: &Linear| p.weight.params() + p.bias.as_ref().map(|b| b.size()).unwrap_or(0);
+        match self {
+            Projections::Separate(ps) => ps.iter().map(lin).sum(),
+            Projections::Stacked { linear, .. } => lin(linear),
+        }
+    }
+}
+
+/// `y`'s last axis cut into consecutive pieces of `widths` (views, no copy).
+pub fn split_widths(y: &Array, widths: &[i32]) -> Result<Vec<Array>> {
+    let mut start = 0;
+    let mut out = Vec::with_capacity(widths.len());
+    for &w in widths {
+        out.push(y.slice_axis(-1, start, start + w)?);
+        start += w;
+    }
+    Ok(out)
+}

@@ -1,0 +1,125 @@
+//! LFM2-MoE's router in one kernel: sigmoid of the gate's logits, the
+//! selection-only expert bias, top-k, the chosen experts' probabilities
+//! normalised and scaled. The stock graph is ~10 launches per MoE layer
+//! (sigmoid, a cast, the bias add, an argpartition that MLX's CUDA backend
+//! runs as a single-block sort, the gather, sum, add, divide, cast): on the
+//! 8B-A1B that is ~220 small kernels a token.
+//!
+//! One warp per routed row: lane `l` holds experts `l, l + 32, ...`; k
+//! rounds of a warp-wide arg-max pick the experts in descending order of
+//! their selection score. Every step rounds to the model dtype where the
+//! stock ops would (the probabilities, their sum, the quotient), so the
+//! scores match the stock path's to the last bit or one rounding; the order
+//! of the k experts may differ from argpartition's (it is unspecified
+//! there), which only reorders a k-term sum.
+
+use crate::error::Result;
+use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
+use crate::mlx::{Array, Dtype};
+use std::sync::OnceLock;
+
+/// Experts per lane the kernel keeps in registers (so at most 128 experts).
+const MAX_PER_LANE: i32 = 4;
+const MAX_K: i32 = 8;
+
+const SOURCE: &str = r#"
+  constexpr int PER = (E + 31) / 32;
+  const int row = blockIdx.x;
+  const int lane = threadIdx.x;
+  float sel[PER];
+  float prob[PER];
+  bool used[PER];
+  for (int j = 0; j < PER; j++) {
+    const int e = lane + 32 * j;
+    if (e < E) {
+      const float g = static_cast<float>(logits[row * E + e]);
+      const T p = T(1.0f / (1.0f + expf(-g)));
+      prob[j] = static_cast<float>(p);
+      sel[j] = prob[j] + bias[e];
+      used[j] = false;
+    } else {
+      prob[j] = 0.0f;
+      sel[j] = -3.0e38f;
+      used[j] = true;
+    }
+  }
+  float picked[K];
+  int index[K];
+  for (int k = 0; k < K; k++) {
+    float best = -3.4e38f;
+    int bi = 0x7fffffff;
+    float bp = 0.0f;
+    for (int j = 0; j < PER; j++) {
+      const int e = lane + 32 * j;
+      if (!used[j] && (sel[j] > best || (sel[j] == best && e < bi))) {
+        best = sel[j];
+        bi = e;
+        bp = prob[j];
+      }
+    }
+    for (int off = 16; off > 0; off >>= 1) {
+      const float ob = __shfl_xor_sync(0xffffffffu, best, off);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, off);
+      const float op = __shfl_xor_sync(0xffffffffu, bp, off);
+      if (ob > best || (ob == best && oi < bi)) {
+        best = ob;
+        bi = oi;
+        bp = op;
+      }
+    }
+    for (int j = 0; j < PER; j++) {
+      if (lane + 32 * j == bi) used[j] = true;
+    }
+    picked[k] = bp;
+    index[k] = bi;
+  }
+  if (lane == 0) {
+    float denom = 1.0f;
+    if (NORM) {
+      float s = 0.0f;
+      for (int k = 0; k < K; k++) s += picked[k];
+      denom = static_cast<float>(T(static_cast<float>(T(s)) + 1e-6f));
+    }
+    const float f = scale[0];
+    for (int k = 0; k < K; k++) {
+      float v = picked[k];
+      if (NORM) v = static_cast<float>(T(v / denom));
+      if (f != 1.0f) v = static_cast<float>(T(v * f));
+      inds[row * K + k] = static_cast<uint32_t>(index[k]);
+      scores[row * K + k] = T(v);
+    }
+  }
+"#;
+
+fn kernel() -> Option<&'static CudaKernel> {
+    static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
+    K.get_or_init(|| CudaKernel::new("lfm_moe_router", &["logits", "bias", "scale"], &["inds", "scores"], SOURCE, "").ok())
+        .as_ref()
+}
+
+/// Whether the fused router serves `experts` and `k` on this backend.
+pub fn available(experts: usize, k: usize) -> bool {
+    cuda_kernels_enabled() && experts as i32 <= 32 * MAX_PER_LANE && k as i32 <= MAX_K && k >= 1 && k <= experts && kernel().is_some()
+}
+
+/// `logits` `[N, E]` (the gate's output, float dtype), `bias` `[E]`
+/// float32 (zeros when the model has none), `scale` `[1]` float32: the
+/// chosen experts `[N, k]` (uint32) and their weights `[N, k]` in the
+/// logits' dtype.
+pub fn route(logits: &Array, bias: &Array, scale: &Array, k: usize, norm: bool) -> Result<(Array, Array)> {
+    let (n, e) = (logits.dim(0), logits.dim(1));
+    let kern = kernel().ok_or_else(|| crate::error::Error::mlx("the fused MoE router kernel is not available"))?;
+    let dt = logits.dtype();
+    let k = k as i32;
+    let shape = [n, k];
+    let mut outs = kern.call(
+        &[logits, bias, scale],
+        &[(&shape, Dtype::Uint32), (&shape, dt)],
+        [32 * n, 1, 1],
+        [32, 1, 1],
+        &[("E", TemplateArg::Int(e)), ("K", TemplateArg::Int(k)), ("NORM", TemplateArg::Bool(norm)), ("T", TemplateArg::Dtype(dt))],
+    )?;
+    let scores = outs.pop().ok_or_else(|| crate::error::Error::mlx("router kernel: missing output"))?;
+    let inds = outs.pop().ok_or_else(|| crate::error::Error::mlx("router kernel: missing output"))?;
+    Ok((inds, scores))
+}

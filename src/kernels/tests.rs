@@ -1,0 +1,138 @@
+//! Each fused kernel against the stock-op path it replaces. They need MLX's
+//! CUDA backend (run them on the H200: bench/h200/kernels.sh); elsewhere
+//! they say so and pass without checking anything.
+
+use crate::engine::{DecodePath, Engine, EngineOptions, Prompt};
+use crate::fixture::{self, DType, FixtureSpec, Preset};
+use crate::generate::{GenerateParams, NoObserver};
+use crate::mlx::kernel::{cuda_kernels_enabled, with_stock_ops};
+use crate::mlx::Dtype;
+use crate::model::lfm2::FeedForward;
+use crate::model::{load_model, LoadOptions};
+
+fn skip(what: &str) -> bool {
+    if cuda_kernels_enabled() {
+        return false;
+    }
+    eprintln!("skipped {what}: the fused kernels run only on MLX's CUDA backend (this is {:?})", crate::mlx::runtime::backend());
+    true
+}
+
+fn tiny_moe(name: &str, dtype: DType) -> std::path::PathBuf {
+    tiny(Preset::TinyMoe, name, dtype)
+}
+
+fn tiny(preset: Preset, name: &str, dtype: DType) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("mlxlfm-kernels-{}-{name}", std::process::id()));
+    let mut spec = FixtureSpec::new(preset);
+    spec.dtype = dtype;
+    fixture::generate(&spec, &dir).unwrap();
+    dir
+}
+
+/// Per row: the same experts chosen, each with the stock path's weight to
+/// within one rounding of the model dtype.
+#[test]
+fn moe_router_kernel_matches_stock_ops() {
+    if skip("moe_router_kernel_matches_stock_ops") {
+        return;
+    }
+    for (dtype, tol) in [(DType::BF16, 8e-3f32), (DType::F32, 1e-6)] {
+        let dir = tiny_moe(&format!("router-{dtype:?}"), dtype);
+        let m = load_model(&dir, &LoadOptions::default()).unwrap().model;
+        let moe = m
+            .layers
+            .iter()
+            .find_map(|l| match &l.feed_forward {
+                FeedForward::Moe(moe) => Some(moe),
+                _ => None,
+            })
+            .expect("the tiny MoE fixture has MoE layers");
+        let d = m.config.hidden_size as i32;
+        // Rows of several scales, so that selection scores spread and tie.
+        let x = crate::mlx::random::normal(&[2, 97, d], Dtype::Float32, 0.0, 3.0, None).unwrap().astype(m.dtype).unwrap();
+        let (ki, ks) = moe.route_fused(&x).unwrap();
+        let (si, ss) = moe.route_stock(&x).unwrap();
+        let k = moe.top_k;
+        let ki: Vec<u32> = ki.astype(Dtype::Uint32).unwrap().to_vec().unwrap();
+        let si: Vec<u32> = si.astype(Dtype::Uint32).unwrap().to_vec().unwrap();
+        let ks: Vec<f32> = ks.astype(Dtype::Float32).unwrap().to_vec().unwrap();
+        let ss: Vec<f32> = ss.astype(Dtype::Float32).unwrap().to_vec().unwrap();
+        let mut worst = 0f32;
+        for row in 0..ki.len() / k {
+            let r = row * k..row * k + k;
+            let mut a: Vec<(u32, f32)> = ki[r.clone()].iter().copied().zip(ks[r.clone()].iter().copied()).collect();
+            let mut b: Vec<(u32, f32)> = si[r.clone()].iter().copied().zip(ss[r].iter().copied()).collect();
+            a.sort_by_key(|p| p.0);
+            b.sort_by_key(|p| p.0);
+            let ea: Vec<u32> = a.iter().map(|p| p.0).collect();
+            let eb: Vec<u32> = b.iter().map(|p| p.0).collect();
+            assert_eq!(ea, eb, "{dtype:?} row {row}: experts chosen differ");
+            for (p, q) in a.iter().zip(&b) {
+                worst = worst.max((p.1 - q.1).abs() / q.1.abs().max(1e-3));
+            }
+        }
+        assert!(worst <= tol, "{dtype:?}: router weights differ by {worst} (relative), more than {tol}");
+        // The kernel's output really is what the model routes with.
+        assert!(crate::kernels::moe_router::available(moe.num_experts, k));
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
+
+/// `h + r` and its RMSNorm: the sum within one rounding of MLX's add, the
+/// norm within one rounding of MLX's rms_norm after it, over widths that do
+/// and do not fill the block and for one row and many.
+#[test]
+fn add_rms_norm_kernel_matches_stock_ops() {
+    if skip("add_rms_norm_kernel_matches_stock_ops") {
+        return;
+    }
+    use crate::kernels::add_rms_norm::{add_rms_norm, available};
+    use crate::mlx::random::normal;
+    for (dt, tol) in [(Dtype::Bfloat16, 1.6e-2f32), (Dtype::Float16, 2e-3), (Dtype::Float32, 2e-6)] {
+        for (rows, d) in [(1, 2048), (37, 1024), (5, 100), (3, 1536)] {
+            let h = normal(&[rows, d], Dtype::Float32, 0.0, 4.0, None).unwrap().astype(dt).unwrap();
+            let r = normal(&[rows, d], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
+            let w = normal(&[d], Dtype::Float32, 1.0, 0.2, None).unwrap().astype(dt).unwrap();
+            assert!(available(&h, &r, &w));
+            let (ks, ky) = add_rms_norm(&h, &r, &w, 1e-5).unwrap();
+            let ss = h.add(&r).unwrap();
+            let sy = crate::mlx::rms_norm(&ss, Some(&w), 1e-5).unwrap();
+            let f = |a: &crate::mlx::Array| -> Vec<f32> { a.astype(Dtype::Float32).unwrap().to_vec().unwrap() };
+            let rel = |a: &[f32], b: &[f32]| {
+                a.iter().zip(b).map(|(x, y)| (x - y).abs() / y.abs().max(1e-2)).fold(0f32, f32::max)
+            };
+            let (ds, dy) = (rel(&f(&ks), &f(&ss)), rel(&f(&ky), &f(&sy)));
+            assert!(ds <= tol && dy <= tol, "{dt:?} [{rows}, {d}]: sum differs by {ds}, norm by {dy} (relative), over {tol}");
+            assert_eq!(ky.shape(), sy.shape());
+        }
+    }
+}
+
+/// 64 greedy tokens with the fused kernels equal those of the stock ops, on
+/// both decode paths (the compiled step traces the kernels in), for the
+/// dense and the MoE fixture.
+#[test]
+fn greedy_tokens_with_kernels_equal_stock_ops() {
+    if skip("greedy_tokens_with_kernels_equal_stock_ops") {
+        return;
+    }
+    for preset in [Preset::Tiny, Preset::TinyMoe] {
+        for dtype in [DType::BF16, DType::F32] {
+            let dir = tiny(preset, &format!("greedy-{preset:?}-{dtype:?}"), dtype);
+            let prompt: Vec<u32> = (0..37).map(|i| (i * 29 + 11) % 700 + 3).collect();
+            for path in [DecodePath::Compiled, DecodePath::Eager] {
+                let run = || {
+                    let mut eng = Engine::load(&dir, &EngineOptions { decode_path: Some(path), ..Default::default() }).unwrap();
+                    let params = GenerateParams { max_tokens: 64, ignore_eos: true, ..Default::default() };
+                    eng.generate(Prompt::Tokens(prompt.clone()), params, &mut NoObserver).unwrap().tokens
+                };
+                let fused = run();
+                let stock = with_stock_ops(run);
+                assert_eq!(fused.len(), 64);
+                assert_eq!(fused, stock, "{preset:?} {dtype:?} {path:?}: greedy tokens differ with the fused kernels");
+            }
+            std::fs::remove_dir_all(&dir).ok();
+        }
+    }
+}

@@ -1,0 +1,138 @@
+//! Custom GPU kernels through MLX's own custom-kernel API
+//! (`mlx::core::fast::cuda_kernel`): MLX JIT-compiles the kernel at its first
+//! use, schedules it on the stream like any other op, and traces it inside a
+//! compiled function. Only the CUDA backend runs these; callers decide
+//! through [`cuda_kernels_enabled`] and keep the stock ops everywhere else.
+
+use super::array::{check, Array, Dtype};
+use super::ffi::{self, ArraysHandle, Handle, KernelHandle};
+use super::runtime;
+use crate::error::{Error, Result};
+use std::ffi::CString;
+use std::os::raw::c_int;
+
+/// A compile-time constant handed to the kernel's source.
+#[derive(Clone, Copy, Debug)]
+pub enum TemplateArg {
+    Int(i32),
+    Bool(bool),
+    Dtype(Dtype),
+}
+
+/// One CUDA kernel: its body and the names of its inputs and outputs.
+pub struct CudaKernel {
+    raw: KernelHandle,
+    name: String,
+}
+
+// The handle is an immutable MLX function object; MLX itself is driven by
+// one thread per model, which is what calls it.
+unsafe impl Send for CudaKernel {}
+unsafe impl Sync for CudaKernel {}
+
+impl CudaKernel {
+    pub fn new(name: &str, inputs: &[&str], outputs: &[&str], source: &str, header: &str) -> Result<CudaKernel> {
+        let cs = |s: &str| CString::new(s).map_err(|_| Error::invalid(format!("kernel {name}: a NUL in its text")));
+        let ins: Vec<CString> = inputs.iter().map(|s| cs(s)).collect::<Result<_>>()?;
+        let outs: Vec<CString> = outputs.iter().map(|s| cs(s)).collect::<Result<_>>()?;
+        let in_p: Vec<*const std::os::raw::c_char> = ins.iter().map(|c| c.as_ptr()).collect();
+        let out_p: Vec<*const std::os::raw::c_char> = outs.iter().map(|c| c.as_ptr()).collect();
+        let (n, src, hdr) = (cs(name)?, cs(source)?, cs(header)?);
+        let mut raw: KernelHandle = std::ptr::null_mut();
+        check(unsafe {
+            ffi::mlxb_cuda_kernel(n.as_ptr(), in_p.as_ptr(), in_p.len(), out_p.as_ptr(), out_p.len(), src.as_ptr(), hdr.as_ptr(), &mut raw)
+        })?;
+        Ok(CudaKernel { raw, name: name.to_string() })
+    }
+
+    /// Runs the kernel (lazily, as any op): `outputs` are (shape, dtype),
+    /// `grid` counts threads (MLX divides by `block`).
+    pub fn call(
+        &self,
+        inputs: &[&Array],
+        outputs: &[(&[i32], Dtype)],
+        grid: [i32; 3],
+        block: [i32; 3],
+        template: &[(&str, TemplateArg)],
+    ) -> Result<Vec<Array>> {
+        let hs: Vec<Handle> = inputs.iter().map(|a| a.handle()).collect();
+        let shapes: Vec<i32> = outputs.iter().flat_map(|(s, _)| s.iter().copied()).collect();
+        let ndims: Vec<c_int> = outputs.iter().map(|(s, _)| s.len() as c_int).collect();
+        let dtypes: Vec<c_int> = outputs.iter().map(|(_, d)| *d as c_int).collect();
+        let names: Vec<CString> = template.iter().map(|(n, _)| CString::new(*n).unwrap_or_default()).collect();
+        let name_p: Vec<*const std::os::raw::c_char> = names.iter().map(|c| c.as_ptr()).collect();
+        let kinds: Vec<c_int> = template
+            .iter()
+            .map(|(_, a)| match a {
+                TemplateArg::Int(_) => 0,
+                TemplateArg::Bool(_) => 1,
+                TemplateArg::Dtype(_) => 2,
+            })
+            .collect();
+        let values: Vec<c_int> = template
+            .iter()
+            .map(|(_, a)| match a {
+                TemplateArg::Int(v) => *v,
+                TemplateArg::Bool(b) => *b as c_int,
+                TemplateArg::Dtype(d) => *d as c_int,
+            })
+            .collect();
+        let mut outs: ArraysHandle = std::ptr::null_mut();
+        check(unsafe {
+            ffi::mlxb_kernel_call(
+                self.raw,
+                hs.as_ptr(),
+                hs.len(),
+                shapes.as_ptr(),
+                ndims.as_ptr(),
+                dtypes.as_ptr(),
+                outputs.len(),
+                grid.as_ptr(),
+                block.as_ptr(),
+                name_p.as_ptr(),
+                kinds.as_ptr(),
+                values.as_ptr(),
+                template.len(),
+                &mut outs,
+            )
+        })
+        .map_err(|e| e.context(format!("custom kernel {}", self.name)))?;
+        let n = unsafe { ffi::mlxb_arrays_len(outs) };
+        let v = (0..n).map(|i| Array(unsafe { ffi::mlxb_arrays_take(outs, i) })).collect();
+        unsafe { ffi::mlxb_arrays_free(outs) };
+        Ok(v)
+    }
+}
+
+impl Drop for CudaKernel {
+    fn drop(&mut self) {
+        unsafe { ffi::mlxb_kernel_free(self.raw) }
+    }
+}
+
+/// Our CUDA kernels run only where they were written and tested: MLX's
+/// CUDA backend with the GPU as the default device. `MLX_LFM_KERNELS=0`
+/// turns them off (the stock ops then run, as on every other backend).
+pub fn cuda_kernels_enabled() -> bool {
+    if STOCK_ONLY.with(|s| s.get()) || matches!(std::env::var("MLX_LFM_KERNELS").ok().as_deref(), Some("0")) {
+        return false;
+    }
+    runtime::backend() == runtime::Backend::Cuda && runtime::default_device() == runtime::DeviceType::Gpu
+}
+
+thread_local! {
+    static STOCK_ONLY: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with our kernels off on this thread (tests compare both paths
+/// in one process; a model's traces keep what was on when they were built).
+pub fn with_stock_ops<R>(f: impl FnOnce() -> R) -> R {
+    struct Reset(bool);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            STOCK_ONLY.with(|s| s.set(self.0));
+        }
+    }
+    let _reset = Reset(STOCK_ONLY.with(|s| s.replace(true)));
+    f()
+}
