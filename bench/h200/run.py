@@ -14,8 +14,10 @@ Here (the development machine), once:
 Then three calls of the device tool, back to back (the machine keeps /tmp
 while it is warm; each call stays under the 64 MiB a call may carry):
     1. carry [".device/a", ".device/llama"]:  python3 bench/h200/run.py stage
-    2. carry [".device/b", ".device/bin"]:    python3 bench/h200/run.py round 1
-    3. carry [".device/bin"]:                 python3 bench/h200/run.py round 2 profile
+    2. carry [".device/b", ".device/bin"]:    python3 bench/h200/run.py checkpoints kernels
+    3. carry [".device/bin"]:                 python3 bench/h200/run.py round 1
+    4. carry [".device/bin"]:                 python3 bench/h200/run.py round 2
+    5. carry [".device/bin"]:                 python3 bench/h200/run.py profile
 (`kernels` runs the fused kernels' tests there, `ab` times each decode-step
 change against the stock ops on the same checkpoints.)
 Each call leaves raw.jsonl (every measurement, tagged) and its logs in $OUT.
@@ -158,10 +160,11 @@ def checkpoints(names=None, gguf=True):
             sh([BENCH, "--preset", preset, "--dtype", "bf16", "--out", src, "--device", "gpu",
                 "--prompts", "16", "--gen", "2", "--reps", "1", "--paths", "compiled"], "generate")
         if quant and not (CK / name / "config.json").exists():
-            # The generator is deterministic: regenerating and converting gives
-            # our 4-bit checkpoint of exactly the weights llama.cpp quantizes.
-            sh([BENCH, "--preset", preset, "--dtype", "bf16", "--quantize", quant, "--out", CK / name,
-                "--device", "gpu", "--prompts", "16", "--gen", "2", "--reps", "1", "--paths", "compiled"], "generate")
+            # Our converter quantizes the very bf16 files llama.cpp converts
+            # (without them, the deterministic generator makes them again).
+            frm = ["--from", src] if (src / "config.json").exists() else []
+            sh([BENCH, "--preset", preset, "--dtype", "bf16", "--quantize", quant, "--out", CK / name] + frm +
+               ["--device", "gpu", "--prompts", "16", "--gen", "2", "--reps", "1", "--paths", "compiled"], "generate")
         g = GGUF / f"{name}.gguf"
         if gguf and not g.exists():
             GGUF.mkdir(parents=True, exist_ok=True)
@@ -236,6 +239,20 @@ def run_ours(name, rnd):
         record(engine="mlx-lfm", model=name, round=rnd, metric="prefill_tps", prompt=j["prompt"], samples=j["prefill_tps_runs"])
         record(engine="mlx-lfm", model=name, round=rnd, metric="decode_tps", prompt=j["prompt"], samples=j["decode_tps_runs"],
                cache=j["cache"])
+    if name in AB_IN_ROUNDS:
+        # The same build with this session's decode-step changes off (the
+        # stock ops as before them), same minute: what the changes buy.
+        e = env()
+        e.update(AB["stock"])
+        r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--prompts", str(min(prompts)), "--gen", str(GEN),
+                "--reps", str(REPS), "--paths", "compiled"], f"ours-stock-{name}", check=False, env=e)
+        for line in r.stdout.splitlines():
+            j = json.loads(line)
+            if "prompt" in j:
+                record(engine="mlx-lfm-stock-ops", model=name, round=rnd, metric="decode_tps", prompt=j["prompt"],
+                       samples=j["decode_tps_runs"])
+                record(engine="mlx-lfm-stock-ops", model=name, round=rnd, metric="prefill_tps", prompt=j["prompt"],
+                       samples=j["prefill_tps_runs"])
     b = BATCH
     r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--concurrent", str(b["n"]), "--prompts", str(b["prompt"]),
             "--gen", str(b["gen"]), "--reps", "2"], f"ours-batched-{name}")
@@ -295,7 +312,7 @@ def profile():
         cmd = ["ncu", "--clock-control", "none", "--profile-from-start", "off", "-f", "-o", rep,
                "--metrics", "gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum",
                BENCH, "--model", ours_ck(name), "--device", "gpu", "--concurrent", "1", "--prompts", "512",
-               "--gen", "64", "--reps", "1"]
+               "--gen", "40", "--reps", "1"]
         e = env()
         e["MLXLFM_PROFILE_STEP"] = "32"
         r = sh(cmd, f"ncu-{name}", check=False, env=e)
@@ -317,13 +334,14 @@ def summarize_ncu(text):
     import csv as _csv
     import io
 
+    num = lambda v: float(v.replace(",", ""))  # ncu writes thousands separators
     rows = list(_csv.DictReader(io.StringIO(text)))
-    rows = [r for r in rows if r.get("Kernel Name") and r.get("gpu__time_duration.sum", "").replace(".", "").isdigit()]
+    rows = [r for r in rows if r.get("Kernel Name") and r.get("gpu__time_duration.sum", "").replace(",", "").replace(".", "").isdigit()]
     per = {}
     for r in rows:
         k = r["Kernel Name"]
-        t = float(r["gpu__time_duration.sum"]) / 1000.0  # ns -> us
-        rd = float(r.get("dram__bytes_read.sum") or 0)
+        t = num(r["gpu__time_duration.sum"]) / 1000.0  # ns -> us
+        rd = num(r.get("dram__bytes_read.sum") or "0")
         p = per.setdefault(k, {"n": 0, "us": 0.0, "read_bytes": 0.0, "under5": 0})
         p["n"] += 1
         p["us"] += t
@@ -357,12 +375,12 @@ def kernels():
 
 AB = {
     # What each change of the decode step buys, same machine, same minute.
-    "stock": {"MLX_LFM_FUSE_PROJECTIONS": "0", "MLX_LFM_KV_WRITE": "slice", "MLX_LFM_KERNELS": "0"},
-    "stacked-projections": {"MLX_LFM_KV_WRITE": "slice", "MLX_LFM_KERNELS": "0"},
-    "scatter-kv-write": {"MLX_LFM_FUSE_PROJECTIONS": "0", "MLX_LFM_KERNELS": "0"},
-    "no-kernels": {"MLX_LFM_KERNELS": "0"},
+    "stock": {"MLX_LFM_FUSE_PROJECTIONS": "0", "MLX_LFM_KERNELS": "0"},
+    "stacked-projections": {"MLX_LFM_KERNELS": "0"},
+    "scatter-kv-write": {"MLX_LFM_FUSE_PROJECTIONS": "0", "MLX_LFM_KERNELS": "0", "MLX_LFM_KV_WRITE": "scatter"},
     "all": {},
 }
+AB_IN_ROUNDS = ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]
 
 
 def ab():
@@ -422,6 +440,10 @@ def main():
         print(__doc__)
         return
     OUT.mkdir(parents=True, exist_ok=True)
+    if args[0] == "summarize-ncu":
+        json.dump(summarize_ncu(Path(args[1]).read_text()), sys.stdout, indent=1)
+        print()
+        return
     if args[0] == "collect":
         json.dump(collect(args[1:]), sys.stdout, indent=1)
         print()
@@ -440,6 +462,9 @@ def main():
             elif a == "kernels":
                 install()
                 kernels()
+            elif a == "checkpoints":
+                install()
+                checkpoints()
             elif a == "ab":
                 install()
                 checkpoints(["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"], gguf=False)

@@ -1,7 +1,7 @@
 //! mlx-lfm-bench: the engine without Node, for machines that have none (the
 //! H200 box) and for profiling. Prints one JSON object per measurement.
 //!
-//!   mlx-lfm-bench [--model DIR | --preset P --dtype D [--quantize MODE:BITS:GROUP] --out DIR]
+//!   mlx-lfm-bench [--model DIR | --preset P --dtype D [--quantize MODE:BITS:GROUP [--from DIR]] --out DIR]
 //!                 [--device cpu|gpu]
 //!                 [--prompts 512,4096] [--gen 256] [--paths compiled,eager] [--reps 3]
 //!                 [--cache paged|flat]
@@ -55,12 +55,18 @@ fn run() -> mlx_lfm::Result<()> {
             let out = PathBuf::from(arg(&args, "--out").unwrap_or(name));
             if !out.join("config.json").exists() {
                 let t = Instant::now();
-                let src = match &quant {
-                    Some(_) => out.with_extension("src"),
-                    None => out.clone(),
+                // --from DIR: quantize a checkpoint generated before (the
+                // same preset and dtype) instead of generating it again.
+                let from = arg(&args, "--from").map(PathBuf::from);
+                let src = match (&quant, &from) {
+                    (Some(_), Some(f)) => f.clone(),
+                    (Some(_), None) => out.with_extension("src"),
+                    (None, _) => out.clone(),
                 };
-                mlx_lfm::fixture::generate_named(&preset, &src, &dtype, "hf", 0)?;
-                eprintln!("generated {preset} {dtype} at {} in {:.1}s", src.display(), t.elapsed().as_secs_f64());
+                if from.is_none() || quant.is_none() {
+                    mlx_lfm::fixture::generate_named(&preset, &src, &dtype, "hf", 0)?;
+                    eprintln!("generated {preset} {dtype} at {} in {:.1}s", src.display(), t.elapsed().as_secs_f64());
+                }
                 if let Some(q) = &quant {
                     // MODE:BITS:GROUP, e.g. affine:4:64, as our converter (and mlx-lm's) writes it.
                     let parts: Vec<&str> = q.split(':').collect();
@@ -75,7 +81,9 @@ fn run() -> mlx_lfm::Result<()> {
                     };
                     let recipe = mlx_lfm::convert::ConvertRecipe::quantized(mode, Some(bits), Some(gs))?;
                     mlx_lfm::convert::convert(&src, &out, &recipe)?;
-                    std::fs::remove_dir_all(&src).ok();
+                    if from.is_none() {
+                        std::fs::remove_dir_all(&src).ok();
+                    }
                     eprintln!("quantized to {q} at {} ({:.1}s in all)", out.display(), t.elapsed().as_secs_f64());
                 }
             }

@@ -318,14 +318,14 @@ impl DecodeBatch {
 }
 
 /// How a lone sequence's decode step writes its token's K/V into the
-/// buffers: a scatter at its position (default), or a slice update at a
-/// dynamic start (`MLX_LFM_KV_WRITE=slice`). Both write the same values; on
-/// MLX's CUDA backend the dynamic slice update runs two kernels per buffer
-/// (an offset computation, then a dynamic-offset copy that ncu timed at
-/// ~24 µs for one token's 1 KB: 15% of a 1.2B step).
+/// buffers: a slice update at a dynamic start (default), or a scatter at its
+/// position (`MLX_LFM_KV_WRITE=scatter`). Both write the same values. ncu
+/// timed MLX CUDA's dynamic-offset copy at ~24 us per 1 KB token (15% of a
+/// 1.2B step), but a scatter measured no faster end to end on the H200
+/// (bench/results/2026-12-02-h200-early-ab.jsonl), so the option stays for A/B runs.
 fn kv_write_scatter() -> bool {
     static SCATTER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *SCATTER.get_or_init(|| !matches!(std::env::var("MLX_LFM_KV_WRITE").ok().as_deref(), Some("slice")))
+    *SCATTER.get_or_init(|| matches!(std::env::var("MLX_LFM_KV_WRITE").ok().as_deref(), Some("scatter")))
 }
 
 /// The cache of one decode step over stacked state: the step's inputs are

@@ -129,13 +129,13 @@ impl SparseMoe {
     pub(crate) fn route_fused(&self, x: &Array) -> Result<(Array, Array)> {
         let (b, t) = (x.dim(0), x.dim(1));
         let e = self.num_experts as i32;
-        let logits = self.gate.forward(x)?.reshape(&[b * t, e])?;
+        let probs = self.gate.forward(x)?.sigmoid()?.reshape(&[b * t, e])?;
         let bias = match &self.expert_bias {
             Some(bias) => bias.clone(),
             None => mlx::zeros(&[e], Dtype::Float32)?,
         };
         let scale = Array::from_slice(&[self.routed_scaling_factor], &[1])?;
-        let (inds, scores) = crate::kernels::moe_router::route(&logits, &bias, &scale, self.top_k, self.norm_topk_prob)?;
+        let (inds, scores) = crate::kernels::moe_router::route(&probs, &bias, &scale, self.top_k, self.norm_topk_prob)?;
         let k = self.top_k as i32;
         Ok((inds.reshape(&[b, t, k])?, scores.reshape(&[b, t, k])?))
     }
