@@ -318,14 +318,16 @@ impl DecodeBatch {
 }
 
 /// How a lone sequence's decode step writes its token's K/V into the
-/// buffers: a slice update at a dynamic start (default), or a scatter at its
-/// position (`MLX_LFM_KV_WRITE=scatter`). Both write the same values. ncu
-/// timed MLX CUDA's dynamic-offset copy at ~24 us per 1 KB token (15% of a
-/// 1.2B step), but a scatter measured no faster end to end on the H200
-/// (bench/results/2026-12-02-h200-early-ab.jsonl), so the option stays for A/B runs.
+/// buffers: a scatter at its position (default), or a slice update at a
+/// dynamic start (`MLX_LFM_KV_WRITE=slice`). Both write the same values. On
+/// MLX's CUDA backend the dynamic slice update is an offset kernel plus a
+/// dynamic-offset copy that ncu timed at ~28 us per 1 KB token; the scatter
+/// is one ~4.6 us kernel: a 1.2B step's GPU time 1,863 -> 1,550 us, 269 -> 257
+/// kernels (bench/results/2026-12-02-h200-ncu-scatter.log against
+/// 2026-12-02-h200-ncu-lfm2-1.2b-bf16.json, same build and checkpoint).
 fn kv_write_scatter() -> bool {
     static SCATTER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *SCATTER.get_or_init(|| matches!(std::env::var("MLX_LFM_KV_WRITE").ok().as_deref(), Some("scatter")))
+    *SCATTER.get_or_init(|| !matches!(std::env::var("MLX_LFM_KV_WRITE").ok().as_deref(), Some("slice")))
 }
 
 /// The cache of one decode step over stacked state: the step's inputs are
