@@ -179,3 +179,46 @@ test('messages must have a known role, and content unless they are an assistant 
   assert.ok(ok.length > 0);
   m.close();
 });
+
+// The memory MLX holds: after a long reply and clearPrefixCache(), active
+// memory is back to the model's weights (311 MB of a tiny model's long
+// reply used to stay: every block a decode step copied into the paged pool
+// stayed a lazy graph holding that step's K/V mirror alive).
+test('after a long generation and clearPrefixCache(), MLX active memory returns to the model\'s own size', async () => {
+  const dir = await fixture('tiny', TINY);
+  for (const decodePath of ['compiled', 'eager']) {
+    const before = addon.mlxInfo().memory.activeBytes;
+    const m = await addon.Lfm2Model.load(dir, { decodePath });
+    const weights = m.info().weightBytes;
+    const r = await m.generate([1, 2, 3], { maxTokens: 2000, ignoreEos: true });
+    assert.equal(r.tokens.length, 2000);
+    const mem = addon.mlxInfo().memory;
+    // Even while cached, the reply's K/V costs what it holds, not a copy per block.
+    assert.ok(mem.peakBytes - before < weights + 16 * 2 ** 20, `${decodePath}: peak ${mem.peakBytes - before} bytes over the start`);
+    await m.clearPrefixCache();
+    const after = addon.mlxInfo().memory;
+    assert.equal((await m.cacheStats()).bytes, 0);
+    assert.ok(after.activeBytes - before <= weights + 256 * 1024, `${decodePath}: ${after.activeBytes - before} bytes active for ${weights} of weights`);
+    assert.equal(after.cacheBytes, 0, 'MLX buffer cache emptied');
+    // The pool grows back on demand.
+    assert.equal((await m.generate([1, 2, 3], { maxTokens: 40, ignoreEos: true })).tokens.length, 40);
+    m.close();
+  }
+});
+
+test('RSS stays flat over many sequential chats', async () => {
+  require('node:v8').setFlagsFromString('--expose-gc');
+  const gc = require('node:vm').runInNewContext('gc');
+  const m = await addon.Lfm2Model.load(await fixture('tiny', TINY));
+  const rss = [];
+  for (let i = 0; i < 300; i++) {
+    await m.chat([{ role: 'user', content: `Hello number ${i}` }], { maxTokens: 8, ignoreEos: true });
+    if (i === 149 || i === 299) {
+      gc();
+      rss.push(process.memoryUsage().rss);
+    }
+  }
+  m.close();
+  const grew = rss[1] - rss[0];
+  assert.ok(grew < 20 * 2 ** 20, `RSS grew by ${(grew / 2 ** 20).toFixed(1)} MB over the last 150 chats`);
+});

@@ -60,10 +60,13 @@ impl Engine {
     }
 
     /// Forgets every cached prefix no request is using.
+    /// MLX's cache of freed buffers is emptied too: what a long request
+    /// used would otherwise stay allocated to the process.
     pub fn clear_prefix_cache(&self) {
         if let Some(p) = &self.model.paged {
             p.lock().clear_cached();
         }
+        crate::mlx::runtime::clear_cache();
     }
 
     pub fn info(&self) -> ModelInfo {
