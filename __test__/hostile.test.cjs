@@ -1,7 +1,10 @@
 // The bad-input corpus: checkpoints and templates damaged on purpose, each
 // generated from the tiny fixture. Every case must fail with an error that
 // names the problem, and the same process must then load a good model and
-// chat (nothing aborted, nothing left blocked).
+// chat (nothing aborted, nothing left blocked). Then hostile arguments
+// (numbers out of range, unknown keys, values of the wrong kind, control
+// tokens in messages, oversized prompts) and the memory a long or repeated
+// use leaves behind.
 'use strict';
 const test = require('node:test');
 const assert = require('node:assert/strict');
@@ -294,6 +297,8 @@ test('a wrongly typed argument rejects the promise with a TypeError naming it, i
   await rejectsAs(addon.Lfm2Model.load(dir, []), TypeError, /^options must be an object, found an array$/);
   await rejectsAs(addon.generateFixture(null), TypeError, /^dir must be a string/);
   await rejectsAs(addon.convert(dir, 1), TypeError, /^out must be a string/);
+  await rejectsAs(addon.mlxMatmul([1], [1, 1], new Float32Array([1]), [1, 1]), TypeError, /^a must be a Float32Array, found an array$/);
+  await rejectsAs(addon.mlxMatmul(new Float32Array([1]), [2 ** 32 + 1, 1], new Float32Array([1]), [1, 1]), RangeError, /^aShape\[0\] must be from 0/);
   // Errors found later, on the model's worker, stay plain Errors.
   await assert.rejects(m.chat([]), (e) => e.constructor === Error && /messages is empty/.test(e.message));
   const r = await m.generate([1, 2, 3], { maxTokens: 2, ignoreEos: true });
