@@ -26,14 +26,16 @@ const USAGE = `usage:
       module paths (\`*\` is a wildcard; \`feed_forward.gate\` names every
       router); the last matching --q-override wins.
   mlx-lfm serve [--model DIR] [--port N] [--host 127.0.0.1] [--name ID]
-               [--api-key KEY] [--cors ORIGIN]
+               [--api-key KEY] [--cors ORIGIN] [--max-prompt-tokens N]
       OpenAI-compatible HTTP server: POST /v1/chat/completions, POST
       /v1/completions (both with "stream": true too), GET /v1/models, GET
       /health. --name is the model id clients send (default: the model
       directory's name). Port 8080 unless given; 0 picks a free one. With
       --api-key (or MLX_LFM_API_KEY) every route but /health needs
       "Authorization: Bearer KEY"; a --host other than loopback needs one.
-      --cors ORIGIN sends CORS headers for that origin (none otherwise).`;
+      --cors ORIGIN sends CORS headers for that origin (none otherwise).
+      A request whose prompt has more than --max-prompt-tokens tokens
+      (default: the model's context length) is a 400 before any compute.`;
 
 function fail(msg) {
   console.error(`mlx-lfm: ${msg}`);
@@ -142,10 +144,12 @@ async function serve(addon, v) {
   const model = await addon.Lfm2Model.load(dir);
   const modelId = v.name ?? path.basename(path.resolve(dir));
   const port = num(v.port, 'port', true) ?? 8080;
+  const maxPromptTokens = num(v['max-prompt-tokens'], 'max-prompt-tokens', true) ?? null;
+  if (maxPromptTokens !== null && maxPromptTokens < 1) fail('--max-prompt-tokens must be at least 1');
   // Build the kernels concurrent requests need before the first client waits.
   const warm = await model.warmUp();
   if (warm != null) console.error(`mlx-lfm: warmed up in ${(warm / 1000).toFixed(1)} s`);
-  const options = { model, modelId, apiKey: apiKey || null, cors: v.cors ?? null, log: (m) => console.error(`mlx-lfm: ${m}`) };
+  const options = { model, modelId, apiKey: apiKey || null, cors: v.cors ?? null, maxPromptTokens, log: (m) => console.error(`mlx-lfm: ${m}`) };
   const { server, url } = await listen(options, { port, host }).catch((e) => {
     model.close();
     fail(e.message);
@@ -179,7 +183,7 @@ async function main() {
         quantize: { type: 'boolean', short: 'q' }, 'q-mode': { type: 'string' }, 'q-bits': { type: 'string' },
         'q-group-size': { type: 'string' }, 'q-override': { type: 'string', multiple: true },
         port: { type: 'string' }, host: { type: 'string' }, name: { type: 'string' },
-        'api-key': { type: 'string' }, cors: { type: 'string' },
+        'api-key': { type: 'string' }, cors: { type: 'string' }, 'max-prompt-tokens': { type: 'string' },
       },
     });
   } catch (e) {

@@ -259,6 +259,7 @@ export interface FixtureOptions {
   dtype?: string
   /** "hf" (default) or "mlx". */
   layout?: string
+  /** An integer from 0 to 2^32 - 1 (default 0). */
   seed?: number
   /** Split weights into shards of at most this many bytes. */
   maxShardBytes?: number
@@ -295,6 +296,20 @@ export interface GenerateOptions {
   ignoreEos?: boolean
   /** Tools in the OpenAI function shape, rendered by the chat template (chat only). */
   tools?: Array<any>
+  /**
+   * For trusted callers only (chat): control tokens written in message
+   * content and names (`<|im_end|>`, `<|im_start|>`, ...) become the
+   * special tokens they spell, as in the template's own markup. By
+   * default (false) they stay text, so a message cannot end its turn or
+   * open another one (prompt injection).
+   */
+  allowSpecialTokens?: boolean
+  /**
+   * Fails the request before any compute when its prompt has more tokens
+   * than this (a bound on what one request may cost, below the context
+   * length).
+   */
+  maxPromptTokens?: number
   /**
    * Aborting stops the request within one step (a prefill chunk or a
    * decode step); it then resolves with `finishReason: 'abort'` and the

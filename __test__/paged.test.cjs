@@ -68,7 +68,7 @@ test('bad paged settings are errors that name the field', async () => {
     c.use_block_paged_cache = 'yes';
   });
   await assert.rejects(async () => addon.Lfm2Model.load(bad), /use_block_paged_cache` must be true or false, found "yes"/);
-  await assert.rejects(async () => addon.Lfm2Model.load(dir, { pagedBlockSize: 0 }), /pagedBlockSize must be at least 1/);
+  await assert.rejects(async () => addon.Lfm2Model.load(dir, { pagedBlockSize: 0 }), /pagedBlockSize must be from 1/);
   await assert.rejects(async () => addon.Lfm2Model.load(dir, { pagedBlockSize: 5000 }), /block size 5000 is out of range/);
   await assert.rejects(
     async () => addon.Lfm2Model.load(dir, { useBlockPagedCache: true, kvCache: 'affine8' }),

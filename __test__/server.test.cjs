@@ -398,3 +398,120 @@ test('a streaming client that stops reading has its generation cancelled', async
     server.closeAllConnections();
   }
 });
+
+test('a prompt over the per-request limit is a 400 naming messages or prompt, before any compute, streamed or not', async () => {
+  const { model } = await setup();
+  let calls = 0;
+  // The real model, counting what reaches it.
+  const counted = {
+    chat: (m, o) => (calls++, model.chat(m, o)),
+    chatStream: (m, o) => (calls++, model.chatStream(m, o)),
+    generate: (p, o) => (calls++, model.generate(p, o)),
+    generateStream: (p, o) => (calls++, model.generateStream(p, o)),
+  };
+  const { server, url } = await listen({ model: counted, modelId: MODEL_ID, maxPromptTokens: 30 }, { port: 0 });
+  try {
+    const client = new OpenAI({ baseURL: url, apiKey: 'unused', maxRetries: 0 });
+    const long = [{ role: 'user', content: 'a long message that the chat template makes well over thirty tokens, '.repeat(3) }];
+    const tooLong = (param) => (e) => {
+      assert.ok(e instanceof OpenAI.BadRequestError, `${e.constructor.name}: ${e.message}`);
+      assert.equal(e.param, param);
+      assert.equal(e.code, 'prompt_too_long');
+      assert.match(e.message, /prompt has \d+ tokens, more than this server's limit of 30 per request/);
+      return true;
+    };
+    await assert.rejects(client.chat.completions.create({ model: MODEL_ID, messages: long, max_tokens: 2 }), tooLong('messages'));
+    // Streamed: the 400 comes before the event stream starts (not a 200 with an error event).
+    await assert.rejects(client.chat.completions.create({ model: MODEL_ID, messages: long, max_tokens: 2, stream: true }), tooLong('messages'));
+    const ids = Array.from({ length: 31 }, (_, i) => i + 5);
+    await assert.rejects(client.completions.create({ model: MODEL_ID, prompt: ids, max_tokens: 2 }), tooLong('prompt'));
+    await assert.rejects(client.completions.create({ model: MODEL_ID, prompt: ids, max_tokens: 2, stream: true }), tooLong('prompt'));
+    assert.equal(calls, 4);
+    // At the limit it runs.
+    const ok = await client.completions.create({ model: MODEL_ID, prompt: ids.slice(1), max_tokens: 2, ignore_eos: true });
+    assert.equal(ok.usage.prompt_tokens, 30);
+    const r = await client.chat.completions.create({ model: MODEL_ID, messages: USER, max_tokens: 2, ignore_eos: true, stream: true });
+    let text = 0;
+    for await (const c of r) text += c.choices.length;
+    assert.ok(text > 0);
+  } finally {
+    server.close();
+    server.closeAllConnections();
+  }
+});
+
+test('the prompt limit defaults to the model\'s context length; beyond the context is a 400 too', async () => {
+  const m = await addon.Lfm2Model.load(await fixture('tiny', TINY), { contextLength: 64 });
+  const { server, url } = await listen({ model: m, modelId: MODEL_ID }, { port: 0 });
+  try {
+    const client = new OpenAI({ baseURL: url, apiKey: 'unused', maxRetries: 0 });
+    const ids = (n) => Array.from({ length: n }, (_, i) => i + 5);
+    await assert.rejects(client.completions.create({ model: MODEL_ID, prompt: ids(65), max_tokens: 1 }), (e) => {
+      assert.equal(e.status, 400);
+      assert.equal(e.code, 'prompt_too_long');
+      assert.match(e.message, /limit of 64 per request/);
+      return true;
+    });
+    await assert.rejects(client.completions.create({ model: MODEL_ID, prompt: ids(60), max_tokens: 10 }), (e) => {
+      assert.equal(e.status, 400);
+      assert.equal(e.param, 'prompt');
+      assert.equal(e.code, 'context_length_exceeded');
+      return true;
+    });
+    const ok = await client.completions.create({ model: MODEL_ID, prompt: ids(60), max_tokens: 4, ignore_eos: true });
+    assert.equal(ok.usage.completion_tokens, 4);
+  } finally {
+    server.close();
+    server.closeAllConnections();
+    m.close();
+  }
+});
+
+test('slowloris: connections that never finish their headers or body are closed at the timeouts; others are served meanwhile', async () => {
+  const net = require('node:net');
+  const { model } = await setup();
+  const headersTimeout = 1000;
+  const requestTimeout = 2000;
+  const { server, url } = await listen({ model, modelId: MODEL_ID }, { port: 0, headersTimeout, requestTimeout });
+  const { port } = server.address();
+  const open = (first, trickle) => new Promise((resolve) => {
+    const sock = net.connect(port, '127.0.0.1', () => sock.write(first));
+    const t0 = Date.now();
+    let got = '';
+    let timer = null;
+    if (trickle) timer = setInterval(() => sock.writable && sock.write(trickle), 200);
+    sock.on('data', (d) => (got += d));
+    sock.on('error', () => {});
+    sock.on('close', () => {
+      clearInterval(timer);
+      resolve({ ms: Date.now() - t0, got });
+    });
+  });
+  try {
+    const partial = 'POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n';
+    const body = JSON.stringify({ messages: USER, max_tokens: 2 });
+    const slow = [
+      ...Array.from({ length: 20 }, () => open(partial)),
+      // One header byte at a time: still bounded by the headers timeout.
+      open(partial, 'X'),
+      // Headers complete, the body never: bounded by the request timeout.
+      open(`POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: ${body.length}\r\n\r\n${body.slice(0, 10)}`),
+    ];
+    // Meanwhile a normal client is served.
+    const client = new OpenAI({ baseURL: url, apiKey: 'unused', maxRetries: 0 });
+    const r = await client.chat.completions.create({ model: MODEL_ID, messages: USER, max_tokens: 2, ignore_eos: true });
+    assert.equal(r.usage.completion_tokens, 2);
+    const closed = await Promise.all(slow);
+    for (const [i, c] of closed.entries()) {
+      const limit = i === closed.length - 1 ? requestTimeout : headersTimeout;
+      // Closed by the timeout (not before it), within a check interval after it.
+      assert.ok(c.ms >= limit - 100 && c.ms < limit + 2500, `connection ${i} closed after ${c.ms} ms (timeout ${limit})`);
+      if (i < closed.length - 1) assert.match(c.got, /^HTTP\/1\.1 408/, `connection ${i}: ${JSON.stringify(c.got.slice(0, 40))}`);
+    }
+    // The server still serves.
+    assert.equal((await fetch(`${url.replace(/\/v1$/, '')}/health`)).status, 200);
+  } finally {
+    server.close();
+    server.closeAllConnections();
+  }
+});

@@ -267,7 +267,8 @@ test('a session keeps its history across turns, tool results included', async ()
 
   // One turn at a time.
   const pending = s.send('Fourth');
-  assert.throws(() => s.send('Fifth'), /already in progress/);
+  // A Promise-returning method rejects rather than throws, even for a busy session.
+  await assert.rejects(s.send('Fifth'), /already in progress/);
   await pending;
   assert.equal(s.history.length, 9);
 

@@ -13,9 +13,10 @@
 // Safe to expose: with `apiKey` every route but GET /health needs
 // `Authorization: Bearer KEY`, and `listen` refuses a non-loopback address
 // without one; slow clients meet header, body and idle timeouts; requests
-// beyond `maxQueued` get 503 with Retry-After; a streaming client that stops
-// reading has its generation cancelled; no CORS headers unless `cors` names
-// an origin; POST bodies must be application/json.
+// beyond `maxQueued` get 503 with Retry-After; a prompt over
+// `maxPromptTokens` is a 400 before any compute; a streaming client that
+// stops reading has its generation cancelled; no CORS headers unless `cors`
+// names an origin; POST bodies must be application/json.
 'use strict';
 const http = require('node:http');
 const { createHash, randomBytes, timingSafeEqual } = require('node:crypto');
@@ -27,6 +28,9 @@ const MAX_TOKENS_LIMIT = 2 ** 27;
 const DEFAULT_MAX_QUEUED = 64;
 // A streaming client that has not taken a write for this long is gone.
 const DEFAULT_STALL_MS = 30000;
+// Slow clients: the headers within 10 s, the whole request within 60 s, an
+// idle keep-alive connection closed after 5 s.
+const DEFAULT_TIMEOUTS = { headersTimeout: 10000, requestTimeout: 60000, keepAliveTimeout: 5000 };
 
 class ApiError extends Error {
   constructor(status, message, { type, param = null, code = null } = {}) {
@@ -249,10 +253,19 @@ function newId(prefix) {
   return `${prefix}-${randomBytes(12).toString('hex')}`;
 }
 
-/** Native errors: bad arguments and template/tokenizer problems are the caller's (400), the rest are ours (500). */
-function fromNative(e) {
+/**
+ * Native errors: bad arguments and template/tokenizer problems are the
+ * caller's (400), the rest are ours (500). A prompt over the limits names
+ * `promptParam` (`messages` or `prompt`).
+ */
+function fromNative(e, promptParam = null) {
   if (e instanceof ApiError) return e;
   const msg = String(e && e.message ? e.message : e);
+  const over = /the prompt has (\d+) tokens, more than maxPromptTokens \((\d+)\)/.exec(msg);
+  if (over) {
+    return invalid(`This request's prompt has ${over[1]} tokens, more than this server's limit of ${over[2]} per request.`, promptParam, 'prompt_too_long');
+  }
+  if (/beyond the model's context length/.test(msg)) return invalid(msg, promptParam, 'context_length_exceeded');
   if (/^(invalid argument|text error):/.test(msg) || (e && e.code === 'InvalidArg')) return invalid(msg);
   if (/^model closed:/.test(msg)) return new ApiError(503, msg, { type: 'server_error', code: 'model_closed' });
   return new ApiError(500, msg, { type: 'server_error' });
@@ -372,15 +385,28 @@ function createServer({
   modelId = 'mlx-lfm',
   maxBodyBytes = DEFAULT_MAX_BODY_BYTES,
   defaultMaxTokens = DEFAULT_MAX_TOKENS,
+  maxPromptTokens = null,
   apiKey = null,
   cors = null,
   maxQueued = DEFAULT_MAX_QUEUED,
   stallMs = DEFAULT_STALL_MS,
+  headersTimeout = DEFAULT_TIMEOUTS.headersTimeout,
+  requestTimeout = DEFAULT_TIMEOUTS.requestTimeout,
+  keepAliveTimeout = DEFAULT_TIMEOUTS.keepAliveTimeout,
   log = () => {},
 } = {}) {
   if (!model) throw new TypeError('createServer needs { model }');
   if (apiKey !== null && (typeof apiKey !== 'string' || apiKey.length < 8)) {
     throw new TypeError('apiKey must be a string of at least 8 characters');
+  }
+  // A request's prompt costs prefill time on the one model every client
+  // shares: bounded per request (default: the model's context length).
+  if (maxPromptTokens === null) maxPromptTokens = typeof model.info === 'function' ? model.info().contextLength : null;
+  if (maxPromptTokens !== null && !(Number.isInteger(maxPromptTokens) && maxPromptTokens >= 1)) {
+    throw new TypeError('maxPromptTokens must be a positive integer');
+  }
+  for (const [name, ms] of Object.entries({ headersTimeout, requestTimeout, keepAliveTimeout })) {
+    if (!(Number.isInteger(ms) && ms > 0)) throw new TypeError(`${name} must be a positive number of milliseconds`);
   }
   let inFlight = 0;
   const created = Math.floor(Date.now() / 1000);
@@ -403,10 +429,28 @@ function createServer({
     return ac;
   }
 
+  function limited(opts) {
+    if (maxPromptTokens !== null) opts.maxPromptTokens = maxPromptTokens;
+    return opts;
+  }
+
+  /**
+   * Starts a server-sent event response for `events`, once its first event
+   * is there: a request refused before generation (prompt limits, template
+   * errors) still gets its 4xx instead of an error event after a 200.
+   */
+  async function streamEvents(res, events) {
+    res.on('close', () => stopStream(events));
+    const it = events[Symbol.asyncIterator]();
+    const first = await it.next();
+    const out = new EventWriter(res, stallMs);
+    return { out, first, it };
+  }
+
   async function chatCompletions(req, res, body) {
     checkModel(body);
     const messages = chatMessages(body);
-    const opts = generationOptions(body, defaultMaxTokens);
+    const opts = limited(generationOptions(body, defaultMaxTokens));
     const tools = chatTools(body);
     if (tools) opts.tools = tools;
     responseFormat(body);
@@ -436,9 +480,7 @@ function createServer({
       });
       return;
     }
-    const events = model.chatStream(messages, opts);
-    const out = new EventWriter(res, stallMs);
-    res.on('close', () => stopStream(events));
+    const { out, first, it } = await streamEvents(res, model.chatStream(messages, opts));
     const chunk = (delta, finish = null) => ({
       id,
       object: 'chat.completion.chunk',
@@ -449,7 +491,8 @@ function createServer({
       ...(includeUsage ? { usage: null } : {}),
     });
     await out.send(chunk({ role: 'assistant', content: '' }));
-    for await (const ev of events) {
+    for (let next = first; !next.done; next = await it.next()) {
+      const ev = next.value;
       if (out.gone) break;
       if (ev.type === 'text') {
         await out.send(chunk({ content: ev.text }));
@@ -471,7 +514,7 @@ function createServer({
   async function completions(req, res, body) {
     checkModel(body);
     const prompt = completionPrompt(body);
-    const opts = generationOptions(body, defaultMaxTokens);
+    const opts = limited(generationOptions(body, defaultMaxTokens));
     if (body.echo) throw unsupported('echo', 'echo');
     if (body.suffix) throw unsupported('suffix', 'suffix');
     if (body.logprobs !== undefined && body.logprobs !== null) throw unsupported('logprobs', 'logprobs');
@@ -496,9 +539,7 @@ function createServer({
       });
       return;
     }
-    const events = model.generateStream(prompt, opts);
-    const out = new EventWriter(res, stallMs);
-    res.on('close', () => stopStream(events));
+    const { out, first, it } = await streamEvents(res, model.generateStream(prompt, opts));
     const chunk = (text, finish = null) => ({
       id,
       object: 'text_completion',
@@ -508,7 +549,8 @@ function createServer({
       choices: [{ index: 0, text, logprobs: null, finish_reason: finish }],
       ...(includeUsage ? { usage: null } : {}),
     });
-    for await (const ev of events) {
+    for (let next = first; !next.done; next = await it.next()) {
+      const ev = next.value;
       if (out.gone) break;
       if (ev.type === 'text') {
         await out.send(chunk(ev.text));
@@ -595,16 +637,18 @@ function createServer({
   }
 
   const server = http.createServer({
-    // Slow clients: the headers within 10 s, the whole request within 60 s,
-    // an idle keep-alive connection closed after 5 s.
-    headersTimeout: 10000,
-    requestTimeout: 60000,
-    keepAliveTimeout: 5000,
+    headersTimeout,
+    requestTimeout,
+    keepAliveTimeout,
+    // Node checks the header and request timeouts on this interval (30 s
+    // by default), so a 10 s headers timeout could let a slow client hold
+    // its connection for 40 s.
+    connectionsCheckingInterval: Math.min(1000, headersTimeout),
   }, (req, res) => {
     const started = Date.now();
     handle(req, res)
       .catch((e) => {
-        const err = fromNative(e);
+        const err = fromNative(e, req.url && req.url.includes('/chat/') ? 'messages' : 'prompt');
         if (err.status >= 500) log(`${req.method} ${req.url}: ${err.message}`);
         sendError(res, err);
         if (err.status === 413) req.resume();
@@ -622,14 +666,14 @@ function isLoopback(host) {
  * Loads nothing: listens with `createServer(options)` on `port`/`host`;
  * resolves once listening. Anything but a loopback address needs an apiKey.
  */
-function listen(options, { port = 8080, host = '127.0.0.1', maxConnections = 256 } = {}) {
+function listen(options, { port = 8080, host = '127.0.0.1', maxConnections = 256, ...timeouts } = {}) {
   if (!isLoopback(host) && !options.apiKey) {
     return Promise.reject(new Error(
       `refusing to listen on ${host} without an API key: anyone who can reach it could use the model. ` +
         'Pass --api-key KEY (or set MLX_LFM_API_KEY), or listen on 127.0.0.1.',
     ));
   }
-  const server = createServer(options);
+  const server = createServer({ ...options, ...timeouts });
   server.maxConnections = maxConnections;
   return new Promise((resolve, reject) => {
     server.once('error', reject);

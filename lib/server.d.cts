@@ -2,7 +2,7 @@ import type { Server } from 'node:http'
 import type { Lfm2Model } from '../index.cjs'
 
 /** What the server needs from a model: an `Lfm2Model`, or anything with the same methods. */
-export type ServedModel = Pick<Lfm2Model, 'chat' | 'chatStream' | 'generate' | 'generateStream'>
+export type ServedModel = Pick<Lfm2Model, 'chat' | 'chatStream' | 'generate' | 'generateStream'> & Partial<Pick<Lfm2Model, 'info'>>
 
 export interface ServerOptions {
   model: ServedModel
@@ -12,6 +12,24 @@ export interface ServerOptions {
   maxBodyBytes?: number
   /** `max_tokens` when a request gives none (default 2048). */
   defaultMaxTokens?: number
+  /**
+   * A request whose prompt has more tokens is a 400 (`prompt_too_long`, naming
+   * `messages` or `prompt`) before any compute. Default: the model's
+   * `info().contextLength` when it has `info()`, else no limit.
+   */
+  maxPromptTokens?: number | null
+  /** Every route but `GET /health` needs `Authorization: Bearer KEY` (at least 8 characters). */
+  apiKey?: string | null
+  /** Send CORS headers for this origin (none by default). */
+  cors?: string | null
+  /** POSTs beyond this many in flight get 503 with `Retry-After` (default 64). */
+  maxQueued?: number
+  /** A streaming client that takes no write for this long is disconnected and its generation cancelled (default 30000 ms). */
+  stallMs?: number
+  /** Timeouts against slow clients, in ms: the request headers (default 10000), the whole request (60000), an idle keep-alive connection (5000). */
+  headersTimeout?: number
+  requestTimeout?: number
+  keepAliveTimeout?: number
   /** Called with one line per request and per server error. */
   log?: (line: string) => void
 }
@@ -25,10 +43,14 @@ export interface ServerOptions {
  */
 export declare function createServer(options: ServerOptions): Server
 
-/** `createServer(options)` listening on `port` (default 8080; 0 picks one) and `host` (default 127.0.0.1). */
+/**
+ * `createServer(options)` listening on `port` (default 8080; 0 picks one) and `host` (default 127.0.0.1;
+ * any other address needs `apiKey`), with at most `maxConnections` connections (default 256). Timeouts
+ * given here override those in `options`.
+ */
 export declare function listen(
   options: ServerOptions,
-  where?: { port?: number; host?: string },
+  where?: { port?: number; host?: string; maxConnections?: number; headersTimeout?: number; requestTimeout?: number; keepAliveTimeout?: number },
 ): Promise<{ server: Server; port: number; url: string }>
 
 /** An error answered with an OpenAI error body. */

@@ -394,6 +394,9 @@ impl PagedPool {
     }
 
     /// Drops every published block nobody holds and every kept request end.
+    /// When no running request holds a block either, the pool's storage
+    /// goes too (it grows again on demand), so memory returns to the
+    /// model's own.
     pub fn clear_cached(&mut self) {
         while self.drop_oldest_tail() {}
         let victims: Vec<u32> = self.evictable.iter().map(|e| e.2).collect();
@@ -401,6 +404,12 @@ impl PagedPool {
         for b in victims {
             self.unpublish(b);
             self.free.push(b);
+        }
+        if self.meta.iter().all(|m| m.refs == 0) {
+            self.keys.clear();
+            self.values.clear();
+            self.meta.clear();
+            self.free.clear();
         }
     }
 

@@ -150,6 +150,12 @@ impl ModelCache {
         let snap = super::paged::snapshot_of(&conv_states(&self.layers))?;
         seq.keep_snapshot(pos, snap.clone());
         self.fresh.push(snap);
+        // The block just copied into the pool is evaluated with the next
+        // token: left lazy, each pool array would chain every flush of the
+        // request, each holding the decode mirror of its step alive
+        // (memory quadratic in the reply's length, kept until the next
+        // prefill happened to evaluate the pool).
+        self.fresh.extend(seq.pool.lock().layer_arrays().into_iter().cloned());
         Ok(())
     }
 
@@ -339,6 +345,11 @@ impl SeqPass<'_> {
         cache.pos += t;
         let Some(seq) = cache.paged.as_mut() else { return Ok(()) };
         seq.wrote(cache.pos, t > 1)?;
+        if t == 1 && cache.pos % seq.block_size() == 0 {
+            // A block went from the mirror to the pool: evaluated with the
+            // next token, as in `end_decode_token`.
+            cache.fresh.extend(seq.pool.lock().layer_arrays().into_iter().cloned());
+        }
         if taps.is_empty() {
             return Ok(());
         }

@@ -60,10 +60,13 @@ impl Engine {
     }
 
     /// Forgets every cached prefix no request is using.
+    /// MLX's cache of freed buffers is emptied too: what a long request
+    /// used would otherwise stay allocated to the process.
     pub fn clear_prefix_cache(&self) {
         if let Some(p) = &self.model.paged {
             p.lock().clear_cached();
         }
+        crate::mlx::runtime::clear_cache();
     }
 
     pub fn info(&self) -> ModelInfo {
@@ -81,11 +84,13 @@ impl Engine {
         p
     }
 
-    pub fn chat_prompt(&self, messages: &[ChatMessage], tools: Option<&Value>) -> Result<Vec<u32>> {
+    /// The prompt for `messages`. `trusted`: control tokens written in
+    /// message text become special tokens (see `Tokenizer::apply_chat_template_with`).
+    pub fn chat_prompt(&self, messages: &[ChatMessage], tools: Option<&Value>, trusted: bool) -> Result<Vec<u32>> {
         if messages.is_empty() {
             return Err(Error::invalid("messages is empty"));
         }
-        self.tokenizer.apply_chat_template(messages, tools, true, None)
+        self.tokenizer.apply_chat_template_with(messages, tools, true, None, trusted)
     }
 
     fn run(&mut self, prompt: &[u32], params: &GenerateParams, observer: &mut dyn Observer, started: Instant) -> Result<Generation> {

@@ -43,6 +43,9 @@ pub struct GenerateParams {
     /// Keep going past end-of-sequence tokens (benchmarks, parity tests).
     pub ignore_eos: bool,
     pub prefill_chunk: usize,
+    /// A request whose prompt is longer fails before any compute (a
+    /// server's bound on what one request may cost, below the context).
+    pub max_prompt_tokens: Option<usize>,
 }
 
 impl Default for GenerateParams {
@@ -53,6 +56,7 @@ impl Default for GenerateParams {
             stop: vec![],
             ignore_eos: false,
             prefill_chunk: 2048,
+            max_prompt_tokens: None,
         }
     }
 }
@@ -297,6 +301,12 @@ impl Pending {
         }
         // Checked before any compute: positions past the context would run
         // (RoPE does not stop there) but mean nothing.
+        if let Some(max) = params.max_prompt_tokens.filter(|&m| prompt.len() > m) {
+            return Err(Error::invalid(format!(
+                "the prompt has {} tokens, more than maxPromptTokens ({max}); shorten the prompt",
+                prompt.len()
+            )));
+        }
         let ctx = model.context_length;
         if prompt.len().saturating_add(params.max_tokens) > ctx {
             return Err(Error::invalid(format!(

@@ -1,6 +1,7 @@
 //! JS-facing option and result objects, and their conversion to and from
 //! the engine's plain Rust types.
 
+use super::args::{range_error, type_error};
 use super::model::js_error;
 use crate::engine::{self, EngineOptions};
 use crate::error::Error;
@@ -16,7 +17,7 @@ pub struct LoadOptions {
     /// Cast floating-point weights: "float32", "float16" or "bfloat16".
     pub dtype: Option<String>,
     /// Tokens per prefill chunk (default 2048).
-    pub prefill_chunk_size: Option<u32>,
+    pub prefill_chunk_size: Option<f64>,
     /// "cpu" or "gpu" (default: MLX's default device).
     pub device: Option<String>,
     /// "compiled" or "eager" (default: compiled when the model is eligible;
@@ -31,7 +32,7 @@ pub struct LoadOptions {
     pub kv_cache: Option<String>,
     /// For "rotorquant-adaptive": attention layers kept in full precision at
     /// each end (default 1; LFM2 has 6 attention layers).
-    pub kv_cache_full_precision_layers: Option<u32>,
+    pub kv_cache_full_precision_layers: Option<f64>,
     /// Paged KV cache with cross-request prefix reuse (true) or flat
     /// per-request caches (false). Wins over config.json's
     /// `use_block_paged_cache`; default: paged for unquantized checkpoints,
@@ -39,16 +40,31 @@ pub struct LoadOptions {
     pub use_block_paged_cache: Option<bool>,
     /// Tokens per paged block (default 32, or config.json `paged_block_size`):
     /// prefixes are reused in whole blocks.
-    pub paged_block_size: Option<u32>,
+    pub paged_block_size: Option<f64>,
     /// Memory the paged pool may use, in MiB (default 2048, or config.json
     /// `paged_cache_budget_mb`); least recently used cached prefixes are
     /// evicted beyond it.
-    pub paged_cache_budget_mb: Option<u32>,
+    pub paged_cache_budget_mb: Option<f64>,
     /// Positions a request may use, prompt plus generated tokens (default:
     /// config.json `max_position_embeddings`; only lower values are
     /// accepted). A longer request fails before any compute.
     pub context_length: Option<f64>,
 }
+
+/// `LoadOptions`' keys as JS spells them: any other key is an error
+/// naming the closest of these (napi's conversion would drop it silently).
+pub const LOAD_OPTION_KEYS: &[&str] = &[
+    "dtype",
+    "prefillChunkSize",
+    "device",
+    "decodePath",
+    "kvCache",
+    "kvCacheFullPrecisionLayers",
+    "useBlockPagedCache",
+    "pagedBlockSize",
+    "pagedCacheBudgetMb",
+    "contextLength",
+];
 
 #[napi(object, object_to_js = false)]
 pub struct GenerateOptions<'env> {
@@ -70,12 +86,40 @@ pub struct GenerateOptions<'env> {
     pub ignore_eos: Option<bool>,
     /// Tools in the OpenAI function shape, rendered by the chat template (chat only).
     pub tools: Option<Vec<serde_json::Value>>,
+    /// For trusted callers only (chat): control tokens written in message
+    /// content and names (`<|im_end|>`, `<|im_start|>`, ...) become the
+    /// special tokens they spell, as in the template's own markup. By
+    /// default (false) they stay text, so a message cannot end its turn or
+    /// open another one (prompt injection).
+    pub allow_special_tokens: Option<bool>,
+    /// Fails the request before any compute when its prompt has more tokens
+    /// than this (a bound on what one request may cost, below the context
+    /// length).
+    pub max_prompt_tokens: Option<f64>,
     /// Aborting stops the request within one step (a prefill chunk or a
     /// decode step); it then resolves with `finishReason: 'abort'` and the
     /// text so far. An already-aborted signal resolves at once, doing no work.
     #[napi(ts_type = "AbortSignal")]
     pub signal: Option<Object<'env>>,
 }
+
+/// `GenerateOptions`' keys as JS spells them (see `LOAD_OPTION_KEYS`).
+pub const GENERATE_OPTION_KEYS: &[&str] = &[
+    "maxTokens",
+    "temperature",
+    "topK",
+    "topP",
+    "minP",
+    "repetitionPenalty",
+    "repetitionContextSize",
+    "seed",
+    "stop",
+    "ignoreEos",
+    "tools",
+    "allowSpecialTokens",
+    "maxPromptTokens",
+    "signal",
+];
 
 /// The options without the signal: plain values that can be kept (session
 /// defaults) and merged.
@@ -94,6 +138,8 @@ pub struct OptionValues {
     pub stop: Option<Vec<String>>,
     pub ignore_eos: Option<bool>,
     pub tools: Option<Vec<serde_json::Value>>,
+    pub allow_special_tokens: Option<bool>,
+    pub max_prompt_tokens: Option<f64>,
 }
 
 impl OptionValues {
@@ -114,6 +160,8 @@ impl OptionValues {
             }),
             ignore_eos: o.ignore_eos,
             tools: o.tools.clone(),
+            allow_special_tokens: o.allow_special_tokens,
+            max_prompt_tokens: o.max_prompt_tokens,
         }
     }
 
@@ -131,12 +179,19 @@ impl OptionValues {
             stop: over.stop.clone().or_else(|| self.stop.clone()),
             ignore_eos: over.ignore_eos.or(self.ignore_eos),
             tools: over.tools.clone().or_else(|| self.tools.clone()),
+            allow_special_tokens: over.allow_special_tokens.or(self.allow_special_tokens),
+            max_prompt_tokens: over.max_prompt_tokens.or(self.max_prompt_tokens),
         }
     }
 
     /// The tools for the chat template.
     pub fn tools_value(&self) -> Option<serde_json::Value> {
         self.tools.clone().map(serde_json::Value::Array)
+    }
+
+    /// Whether message text may hold real special tokens (`allowSpecialTokens`).
+    pub fn trusted(&self) -> bool {
+        self.allow_special_tokens.unwrap_or(false)
     }
 }
 
@@ -150,6 +205,9 @@ pub struct ChatMessage {
     pub tool_call_id: Option<String>,
     pub name: Option<String>,
 }
+
+/// `ChatMessage`'s keys as JS spells them (see `LOAD_OPTION_KEYS`).
+pub const MESSAGE_KEYS: &[&str] = &["role", "content", "toolCalls", "toolCallId", "name"];
 
 #[napi(object)]
 #[derive(Clone)]
@@ -298,12 +356,7 @@ pub fn engine_options(o: Option<LoadOptions>) -> Result<EngineOptions> {
                 js_error(Error::invalid(format!("dtype `{d}` is not valid; use float32, float16 or bfloat16")))
             })?);
         }
-        if let Some(c) = o.prefill_chunk_size {
-            if c == 0 {
-                return Err(js_error(Error::invalid("prefillChunkSize must be at least 1")));
-            }
-            e.prefill_chunk = Some(c as usize);
-        }
+        e.prefill_chunk = int_option("prefillChunkSize", o.prefill_chunk_size, 1, 1 << 24)?.map(|n| n as usize);
         if let Some(p) = o.decode_path {
             e.decode_path = Some(match p.as_str() {
                 "compiled" => engine::DecodePath::Compiled,
@@ -313,25 +366,11 @@ pub fn engine_options(o: Option<LoadOptions>) -> Result<EngineOptions> {
         }
         e.kv_cache = o.kv_cache;
         e.paged_cache = o.use_block_paged_cache;
-        if o.paged_block_size == Some(0) {
-            return Err(js_error(Error::invalid("pagedBlockSize must be at least 1")));
-        }
-        if o.paged_cache_budget_mb == Some(0) {
-            return Err(js_error(Error::invalid("pagedCacheBudgetMb must be at least 1")));
-        }
-        e.paged_block_size = o.paged_block_size.map(|n| n as usize);
-        e.paged_cache_budget_mb = o.paged_cache_budget_mb.map(|n| n as usize);
-        e.kv_cache_full_precision_layers = o.kv_cache_full_precision_layers.map(|n| n as usize);
-        if let Some(n) = o.context_length {
-            // A JS number: an integer in range, never truncated or wrapped.
-            if !(n.fract() == 0.0 && (1.0..=(1u64 << 27) as f64).contains(&n)) {
-                return Err(js_error(Error::invalid(format!(
-                    "contextLength must be an integer from 1 to {}, found {n}",
-                    1u64 << 27
-                ))));
-            }
-            e.context_length = Some(n as usize);
-        }
+        e.paged_block_size = int_option("pagedBlockSize", o.paged_block_size, 1, 1 << 20)?.map(|n| n as usize);
+        e.paged_cache_budget_mb = int_option("pagedCacheBudgetMb", o.paged_cache_budget_mb, 1, 1 << 30)?.map(|n| n as usize);
+        e.kv_cache_full_precision_layers =
+            int_option("kvCacheFullPrecisionLayers", o.kv_cache_full_precision_layers, 0, 1 << 16)?.map(|n| n as usize);
+        e.context_length = int_option("contextLength", o.context_length, 1, MAX_TOKENS)?.map(|n| n as usize);
         if let Some(d) = o.device {
             e.device = Some(match d.as_str() {
                 "cpu" => runtime::DeviceType::Cpu,
@@ -346,18 +385,12 @@ pub fn engine_options(o: Option<LoadOptions>) -> Result<EngineOptions> {
 /// An integer option in `lo..=hi`, from a JS number that must hold one
 /// exactly (1.7, -1, NaN and 2^32 + 3 are errors naming the option, not 1,
 /// 4294967295, 0 and 3).
-fn int_option(name: &str, v: Option<f64>, lo: u64, hi: u64) -> Result<Option<u64>> {
+pub(crate) fn int_option(name: &str, v: Option<f64>, lo: u64, hi: u64) -> Result<Option<u64>> {
     match v {
         None => Ok(None),
         Some(x) if x.fract() == 0.0 && x >= lo as f64 && x <= hi as f64 => Ok(Some(x as u64)),
-        Some(x) if !x.is_finite() || x.fract() != 0.0 => Err(napi::Error::new(
-            napi::Status::InvalidArg,
-            format!("TypeError: {name} must be an integer, found {x}"),
-        )),
-        Some(x) => Err(napi::Error::new(
-            napi::Status::InvalidArg,
-            format!("RangeError: {name} must be from {lo} to {hi}, found {x}"),
-        )),
+        Some(x) if !x.is_finite() || x.fract() != 0.0 => Err(type_error(format!("{name} must be an integer, found {x}"))),
+        Some(x) => Err(range_error(format!("{name} must be from {lo} to {hi}, found {x}"))),
     }
 }
 
@@ -370,10 +403,7 @@ pub fn token_ids(name: &str, ids: Vec<f64>) -> Result<Vec<u32>> {
             if x.fract() == 0.0 && (0.0..=u32::MAX as f64).contains(&x) {
                 Ok(x as u32)
             } else {
-                Err(napi::Error::new(
-                    napi::Status::InvalidArg,
-                    format!("RangeError: {name}[{i}] is {x}, not a token id (an integer from 0 to 2^32 - 1)"),
-                ))
+                Err(range_error(format!("{name}[{i}] is {x}, not a token id (an integer from 0 to 2^32 - 1)")))
             }
         })
         .collect()
@@ -401,6 +431,7 @@ pub fn generate_params(o: &OptionValues) -> Result<GenerateParams> {
     s.validate().map_err(js_error)?;
     p.stop = o.stop.clone().unwrap_or_default();
     p.ignore_eos = o.ignore_eos.unwrap_or(false);
+    p.max_prompt_tokens = int_option("maxPromptTokens", o.max_prompt_tokens, 1, MAX_TOKENS)?.map(|n| n as usize);
     Ok(p)
 }
 

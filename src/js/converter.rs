@@ -1,7 +1,8 @@
 //! `convert`: an LFM2 / LFM2-MoE checkpoint to an (optionally quantized)
 //! MLX-layout checkpoint, off the JS thread. The work is crate::convert's.
 
-use super::convert::QuantizationInfo;
+use super::args::{self, rejected};
+use super::convert::{int_option, QuantizationInfo};
 use super::model::js_error;
 use crate::convert::{self, ConvertRecipe, OverrideAction, QuantOverride};
 use crate::error::Error;
@@ -18,11 +19,13 @@ pub struct QuantOverrideOptions {
     pub pattern: String,
     /// Leave matching modules unquantized.
     pub skip: Option<bool>,
-    pub bits: Option<i32>,
-    pub group_size: Option<i32>,
+    pub bits: Option<f64>,
+    pub group_size: Option<f64>,
     /// Defaults to the global mode.
     pub mode: Option<String>,
 }
+
+const OVERRIDE_KEYS: &[&str] = &["pattern", "skip", "bits", "groupSize", "mode"];
 
 #[napi(object)]
 pub struct ConvertOptions {
@@ -30,15 +33,22 @@ pub struct ConvertOptions {
     /// mode, bits or groupSize is given (mode defaults to "affine").
     pub mode: Option<String>,
     /// Defaults per mode: affine 4, mxfp4 4, mxfp8 8, nvfp4 4.
-    pub bits: Option<i32>,
+    pub bits: Option<f64>,
     /// Defaults per mode: affine 64, mxfp4 32, mxfp8 32, nvfp4 16.
-    pub group_size: Option<i32>,
+    pub group_size: Option<f64>,
     /// Cast float tensors (never expert_bias): "float32", "float16" or "bfloat16".
     pub dtype: Option<String>,
     /// Per-module rules, as objects or as `PATH=BITS[:GROUP[:MODE]]` / `PATH=skip` strings.
     pub overrides: Option<Vec<Either<String, QuantOverrideOptions>>>,
     /// Largest safetensors shard in bytes (default 5 GiB, as mlx-lm).
     pub max_shard_bytes: Option<f64>,
+}
+
+const CONVERT_OPTION_KEYS: &[&str] = &["mode", "bits", "groupSize", "dtype", "overrides", "maxShardBytes"];
+
+/// A quantization width or group size: a small integer, never wrapped.
+fn small_int(name: &str, v: Option<f64>) -> Result<Option<i32>> {
+    Ok(int_option(name, v, 1, 1 << 16)?.map(|n| n as i32))
 }
 
 #[napi(object)]
@@ -86,11 +96,38 @@ fn mode(s: &str, what: &str) -> crate::Result<QuantMode> {
         .ok_or_else(|| Error::invalid(format!("{what} `{s}` is not valid; use affine, mxfp4, mxfp8 or nvfp4")))
 }
 
-fn recipe(o: Option<ConvertOptions>) -> crate::Result<ConvertRecipe> {
+fn recipe(o: Option<ConvertOptions>) -> Result<ConvertRecipe> {
+    recipe_checked(o).map_err(|e| match e {
+        Checked::Js(e) => e,
+        Checked::Engine(e) => js_error(e),
+    })
+}
+
+/// Errors from our own checks (already JS errors) or the crate's.
+enum Checked {
+    Js(napi::Error),
+    Engine(Error),
+}
+
+impl From<Error> for Checked {
+    fn from(e: Error) -> Self {
+        Checked::Engine(e)
+    }
+}
+
+impl From<napi::Error> for Checked {
+    fn from(e: napi::Error) -> Self {
+        Checked::Js(e)
+    }
+}
+
+fn recipe_checked(o: Option<ConvertOptions>) -> std::result::Result<ConvertRecipe, Checked> {
     let Some(o) = o else { return Ok(ConvertRecipe::default()) };
-    let mut r = if o.mode.is_some() || o.bits.is_some() || o.group_size.is_some() {
+    let bits = small_int("bits", o.bits)?;
+    let group_size = small_int("groupSize", o.group_size)?;
+    let mut r = if o.mode.is_some() || bits.is_some() || group_size.is_some() {
         let m = mode(o.mode.as_deref().unwrap_or("affine"), "mode")?;
-        ConvertRecipe::quantized(m, o.bits, o.group_size)?
+        ConvertRecipe::quantized(m, bits, group_size)?
     } else {
         ConvertRecipe::default()
     };
@@ -108,31 +145,45 @@ fn recipe(o: Option<ConvertOptions>) -> crate::Result<ConvertRecipe> {
                         return Err(Error::invalid(format!(
                             "overrides[{i}] (`{}`) sets skip together with bits/groupSize/mode",
                             x.pattern
-                        )));
+                        ))
+                        .into());
                     }
                     OverrideAction::Skip
                 } else {
                     OverrideAction::Quantize {
                         mode: x.mode.as_deref().map(|m| mode(m, &format!("overrides[{i}].mode"))).transpose()?,
-                        bits: x.bits,
-                        group_size: x.group_size,
+                        bits: small_int(&format!("overrides[{i}].bits"), x.bits)?,
+                        group_size: small_int(&format!("overrides[{i}].groupSize"), x.group_size)?,
                     }
                 };
                 if x.pattern.trim().is_empty() {
-                    return Err(Error::invalid(format!("overrides[{i}].pattern is empty")));
+                    return Err(Error::invalid(format!("overrides[{i}].pattern is empty")).into());
                 }
                 QuantOverride { pattern: x.pattern, action }
             }
         });
     }
-    if let Some(b) = o.max_shard_bytes {
-        if !(b >= 1.0) {
-            return Err(Error::invalid(format!("maxShardBytes must be >= 1, got {b}")));
-        }
-        r.max_shard_bytes = Some(b as u64);
-    }
+    r.max_shard_bytes = int_option("maxShardBytes", o.max_shard_bytes, 1, 1 << 53)?;
     r.validate()?;
     Ok(r)
+}
+
+/// The options, with the keys of each override object checked too.
+fn convert_options(v: Option<Unknown>) -> Result<Option<ConvertOptions>> {
+    if let Some(raw) = v.as_ref().filter(|o| o.get_type().is_ok_and(|t| t == ValueType::Object)) {
+        // SAFETY: checked to be an object of the current call's environment.
+        let obj = unsafe { Object::from_napi_value(raw.value().env, raw.raw()) }?;
+        if let Some(list) = obj.get::<Unknown>("overrides")?.filter(args::is_array) {
+            // SAFETY: checked to be an array.
+            let arr = unsafe { Array::from_napi_value(list.value().env, list.raw()) }?;
+            for i in 0..arr.len() {
+                if let Some(x) = arr.get::<Unknown>(i)?.filter(|x| x.get_type().is_ok_and(|t| t == ValueType::Object)) {
+                    args::message::<QuantOverrideOptions>(&x, &format!("overrides[{i}]"), OVERRIDE_KEYS)?;
+                }
+            }
+        }
+    }
+    args::options(v, "", CONVERT_OPTION_KEYS)
 }
 
 fn report(r: convert::ConvertReport) -> ConvertReport {
@@ -168,9 +219,20 @@ fn report(r: convert::ConvertReport) -> ConvertReport {
 /// layout) into an MLX-layout checkpoint in `out` (new or empty), cast and
 /// quantized as `options` say, the way mlx-lm's converter does. Runs off
 /// the JS thread.
-#[napi(ts_return_type = "Promise<ConvertReport>")]
-pub fn convert(env: &Env, src: String, out: String, options: Option<ConvertOptions>) -> Result<Object<'_>> {
-    let recipe = recipe(options).map_err(js_error)?;
+#[napi(
+    ts_args_type = "src: string, out: string, options?: ConvertOptions | undefined | null",
+    ts_return_type = "Promise<ConvertReport>"
+)]
+pub fn convert<'e>(env: &'e Env, src: Unknown<'e>, out: Unknown<'e>, options: Option<Unknown<'e>>) -> Result<Object<'e>> {
+    let checked = (|| {
+        let src: String = args::value(&src, "src", "a string (a checkpoint directory)")?;
+        let out: String = args::value(&out, "out", "a string (a directory)")?;
+        Ok((src, out, recipe(convert_options(options)?)?))
+    })();
+    let (src, out, recipe) = match checked {
+        Ok(x) => x,
+        Err(e) => return rejected(env, e),
+    };
     let (deferred, promise) = env.create_deferred()?;
     std::thread::spawn(move || {
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {

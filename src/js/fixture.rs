@@ -1,6 +1,8 @@
 //! `generateFixture`: writes a deterministic random-weight LFM2 checkpoint
 //! (tests, the README demo and benchmarks use it; no real weights needed).
 
+use super::args::{self, rejected};
+use super::convert::int_option;
 use super::model::js_error;
 use crate::fixture::{self, AttnStyle, DType, FixtureSpec, Layout, Preset};
 use napi::bindgen_prelude::*;
@@ -15,7 +17,8 @@ pub struct FixtureOptions {
     pub dtype: Option<String>,
     /// "hf" (default) or "mlx".
     pub layout: Option<String>,
-    pub seed: Option<u32>,
+    /// An integer from 0 to 2^32 - 1 (default 0).
+    pub seed: Option<f64>,
     /// Split weights into shards of at most this many bytes.
     pub max_shard_bytes: Option<f64>,
     /// "full_attn_idxs" (default), "layer_types" or "both".
@@ -26,7 +29,11 @@ pub struct FixtureOptions {
     pub omit_num_key_value_heads: Option<bool>,
 }
 
-fn spec(o: Option<FixtureOptions>) -> crate::Result<FixtureSpec> {
+/// `FixtureOptions`' keys as JS spells them.
+const FIXTURE_OPTION_KEYS: &[&str] =
+    &["preset", "dtype", "layout", "seed", "maxShardBytes", "attnStyle", "ropeInParameters", "omitNumKeyValueHeads"];
+
+fn spec(o: Option<FixtureOptions>) -> Result<FixtureSpec> {
     let o = o.unwrap_or(FixtureOptions {
         preset: None,
         dtype: None,
@@ -37,29 +44,24 @@ fn spec(o: Option<FixtureOptions>) -> crate::Result<FixtureSpec> {
         rope_in_parameters: None,
         omit_num_key_value_heads: None,
     });
-    let mut s = FixtureSpec::new(Preset::parse(o.preset.as_deref().unwrap_or("tiny"))?);
+    let mut s = FixtureSpec::new(Preset::parse(o.preset.as_deref().unwrap_or("tiny")).map_err(js_error)?);
     if let Some(d) = o.dtype {
-        s.dtype = DType::parse(&d)?;
+        s.dtype = DType::parse(&d).map_err(js_error)?;
     }
     if let Some(l) = o.layout {
-        s.layout = Layout::parse(&l)?;
+        s.layout = Layout::parse(&l).map_err(js_error)?;
     }
-    s.seed = o.seed.unwrap_or(0) as u64;
-    if let Some(b) = o.max_shard_bytes {
-        if !(b >= 1.0) {
-            return Err(crate::Error::invalid(format!("maxShardBytes must be >= 1, got {b}")));
-        }
-        s.max_shard_bytes = Some(b as u64);
-    }
+    s.seed = int_option("seed", o.seed, 0, u32::MAX as u64)?.unwrap_or(0);
+    s.max_shard_bytes = int_option("maxShardBytes", o.max_shard_bytes, 1, 1 << 53)?;
     if let Some(a) = o.attn_style {
         s.attn_style = match a.as_str() {
             "full_attn_idxs" => AttnStyle::FullAttnIdxs,
             "layer_types" => AttnStyle::LayerTypes,
             "both" => AttnStyle::Both,
             _ => {
-                return Err(crate::Error::invalid(format!(
+                return Err(js_error(crate::Error::invalid(format!(
                     "attnStyle `{a}` is not valid; use full_attn_idxs, layer_types or both"
-                )))
+                ))))
             }
         };
     }
@@ -70,9 +72,14 @@ fn spec(o: Option<FixtureOptions>) -> crate::Result<FixtureSpec> {
 
 /// Writes a random-weight checkpoint with a trained tokenizer and an
 /// LFM2-style chat template into `dir`. Runs off the JS thread.
-#[napi(ts_return_type = "Promise<void>")]
-pub fn generate_fixture(env: &Env, dir: String, options: Option<FixtureOptions>) -> Result<Object<'_>> {
-    let spec = spec(options).map_err(js_error)?;
+#[napi(ts_args_type = "dir: string, options?: FixtureOptions | undefined | null", ts_return_type = "Promise<void>")]
+pub fn generate_fixture<'e>(env: &'e Env, dir: Unknown<'e>, options: Option<Unknown<'e>>) -> Result<Object<'e>> {
+    let checked = args::value::<String>(&dir, "dir", "a string (a directory)")
+        .and_then(|dir| Ok((dir, spec(args::options(options, "", FIXTURE_OPTION_KEYS)?)?)));
+    let (dir, spec) = match checked {
+        Ok(x) => x,
+        Err(e) => return rejected(env, e),
+    };
     let (deferred, promise) = env.create_deferred()?;
     std::thread::spawn(move || match fixture::generate(&spec, &PathBuf::from(dir)) {
         Ok(()) => deferred.resolve(|_| Ok(())),

@@ -1,5 +1,6 @@
 use crate::mlx::runtime;
-use napi::bindgen_prelude::{Env, Float32Array, Object};
+use super::args;
+use napi::bindgen_prelude::{Env, Float32Array, Object, Unknown};
 use napi_derive::napi;
 
 #[napi(object)]
@@ -52,15 +53,27 @@ pub fn mlx_info() -> MlxInfo {
 
 /// Multiplies two float32 matrices with MLX, off the JS thread (a
 /// self-check of the native stack; shape errors come back as MLX's message).
-#[napi(ts_return_type = "Promise<Float32Array>")]
-pub fn mlx_matmul(
-    env: &Env,
-    a: Float32Array,
-    a_shape: Vec<i32>,
-    b: Float32Array,
-    b_shape: Vec<i32>,
-) -> napi::Result<Object<'_>> {
-    let (a, b) = (a.to_vec(), b.to_vec());
+#[napi(
+    ts_args_type = "a: Float32Array, aShape: Array<number>, b: Float32Array, bShape: Array<number>",
+    ts_return_type = "Promise<Float32Array>"
+)]
+pub fn mlx_matmul<'e>(env: &'e Env, a: Unknown<'e>, a_shape: Unknown<'e>, b: Unknown<'e>, b_shape: Unknown<'e>) -> napi::Result<Object<'e>> {
+    let shape = |v: &Unknown, name: &str| -> napi::Result<Vec<i32>> {
+        let dims: Vec<f64> = args::value(v, name, "an array of dimensions")?;
+        dims.iter()
+            .enumerate()
+            .map(|(i, &d)| Ok(super::convert::int_option(&format!("{name}[{i}]"), Some(d), 0, i32::MAX as u64)?.unwrap_or(0) as i32))
+            .collect()
+    };
+    let checked = (|| {
+        let a: Float32Array = args::value(&a, "a", "a Float32Array")?;
+        let b: Float32Array = args::value(&b, "b", "a Float32Array")?;
+        Ok((a.to_vec(), shape(&a_shape, "aShape")?, b.to_vec(), shape(&b_shape, "bShape")?))
+    })();
+    let (a, a_shape, b, b_shape) = match checked {
+        Ok(x) => x,
+        Err(e) => return args::rejected(env, e),
+    };
     super::model::off_thread(env, move || {
         crate::mlx::runtime::use_new_stream()?;
         let x = crate::mlx::Array::from_slice(&a, &a_shape)?;

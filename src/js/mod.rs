@@ -1,5 +1,6 @@
 //! N-API glue: the only module that knows about Node.
 
+mod args;
 mod convert;
 mod converter;
 mod fixture;

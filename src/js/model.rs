@@ -2,11 +2,13 @@
 //! thread, then queues the work on the model's worker thread and returns a
 //! promise that the worker settles; the event loop is never blocked.
 
-use super::convert::{to_cache_stats, 
-    aborted_result, generate_params, to_chat_messages, to_chat_reply, to_chat_result, to_model_info, ChatMessage, ChatResult,
-    GenerateOptions, LoadOptions, ModelInfo, OptionValues,
+use super::args::{self, classed, rejected};
+use super::convert::{
+    aborted_result, generate_params, to_cache_stats, to_chat_messages, to_chat_reply, to_chat_result, to_model_info,
+    ChatMessage, ChatResult, GenerateOptions, LoadOptions, ModelInfo, OptionValues, GENERATE_OPTION_KEYS, LOAD_OPTION_KEYS,
+    MESSAGE_KEYS,
 };
-use super::session::{ChatSession, SessionOptions};
+use super::session::ChatSession;
 use super::stream::{release_hook_when_done, Abort, FlagObserver, GenerationStream, StreamObserver, StreamShared};
 use crate::engine::worker::ModelWorker;
 use crate::engine;
@@ -100,7 +102,18 @@ struct ChatArgs {
 
 fn chat_job(a: ChatArgs) -> Job {
     let tools = a.values.tools_value();
-    Box::new(move |eng| Ok((eng.chat_prompt(&a.messages, tools.as_ref())?, a.params)))
+    let trusted = a.values.trusted();
+    Box::new(move |eng| Ok((eng.chat_prompt(&a.messages, tools.as_ref(), trusted)?, a.params)))
+}
+
+/// A method's generation options, checked for unknown keys.
+pub(crate) fn generate_options<'e>(v: Option<Unknown<'e>>) -> Result<Option<GenerateOptions<'e>>> {
+    args::options(v, "", GENERATE_OPTION_KEYS)
+}
+
+/// A chat's messages, checked for unknown fields.
+pub(crate) fn chat_messages(v: &Unknown) -> Result<Vec<ChatMessage>> {
+    args::messages(v, "messages", MESSAGE_KEYS)
 }
 
 fn generate_job(prompt: Either<String, Vec<u32>>, params: crate::generate::GenerateParams) -> Job {
@@ -114,11 +127,16 @@ fn generate_job(prompt: Either<String, Vec<u32>>, params: crate::generate::Gener
 }
 
 /// A prompt as text or as token ids checked to be ids.
-fn prompt_ids(prompt: Either<String, Vec<f64>>) -> Result<Either<String, Vec<u32>>> {
-    Ok(match prompt {
-        Either::A(s) => Either::A(s),
-        Either::B(ids) => Either::B(super::convert::token_ids("prompt", ids)?),
-    })
+fn prompt_ids(prompt: &Unknown) -> Result<Either<String, Vec<u32>>> {
+    if args::is_string(prompt) {
+        return Ok(Either::A(args::value(prompt, "prompt", "a string")?));
+    }
+    Ok(Either::B(token_id_arg(prompt, "prompt")?))
+}
+
+/// Token ids from an argument.
+fn token_id_arg(v: &Unknown, name: &str) -> Result<Vec<u32>> {
+    super::convert::token_ids(name, args::numbers(v, name)?)
 }
 
 fn signal<'a, 'e>(options: &'a Option<GenerateOptions<'e>>) -> Option<&'a Object<'e>> {
@@ -127,14 +145,6 @@ fn signal<'a, 'e>(options: &'a Option<GenerateOptions<'e>>) -> Option<&'a Object
 
 pub(crate) fn js_error(e: crate::Error) -> napi::Error {
     napi::Error::new(Status::GenericFailure, e.to_string())
-}
-
-/// A promise already rejected with `e`: a Promise-returning method reports
-/// bad arguments by rejecting, never by throwing.
-pub(crate) fn rejected<'e>(env: &'e Env, e: napi::Error) -> Result<Object<'e>> {
-    let (deferred, promise) = env.create_deferred::<(), fn(Env) -> Result<()>>()?;
-    deferred.reject(e);
-    Ok(promise)
 }
 
 /// Runs `f` on a short-lived thread (tokenizer work that must not wait
@@ -174,10 +184,14 @@ fn register_exit_hook(env: &Env) -> Result<()> {
 #[napi]
 impl Lfm2Model {
     /// Loads a checkpoint directory (Hugging Face or MLX layout).
-    #[napi(ts_return_type = "Promise<Lfm2Model>")]
-    pub fn load(env: &Env, path: String, options: Option<LoadOptions>) -> Result<Object<'_>> {
-        let opts = match super::convert::engine_options(options) {
-            Ok(o) => o,
+    #[napi(ts_args_type = "path: string, options?: LoadOptions | undefined | null", ts_return_type = "Promise<Lfm2Model>")]
+    pub fn load<'e>(env: &'e Env, path: Unknown<'e>, options: Option<Unknown<'e>>) -> Result<Object<'e>> {
+        let checked = args::value::<String>(&path, "path", "a string (a checkpoint directory)").and_then(|path| {
+            let options: Option<LoadOptions> = args::options(options, "", LOAD_OPTION_KEYS)?;
+            Ok((path, super::convert::engine_options(options)?))
+        });
+        let (path, opts) = match checked {
+            Ok(x) => x,
             Err(e) => return rejected(env, e),
         };
         register_exit_hook(env)?;
@@ -194,9 +208,12 @@ impl Lfm2Model {
     /// Chats with the model: renders `messages` with the checkpoint's chat
     /// template and generates the assistant's reply. Tool calls in the reply
     /// come back parsed in `toolCalls` (their markup is not in `text`).
-    #[napi(ts_return_type = "Promise<ChatResult>")]
-    pub fn chat<'e>(&self, env: &'e Env, messages: Vec<ChatMessage>, options: Option<GenerateOptions<'e>>) -> Result<Object<'e>> {
-        let args = match self.chat_args(messages, &options) {
+    #[napi(
+        ts_args_type = "messages: Array<ChatMessage>, options?: GenerateOptions | undefined | null",
+        ts_return_type = "Promise<ChatResult>"
+    )]
+    pub fn chat<'e>(&self, env: &'e Env, messages: Unknown<'e>, options: Option<Unknown<'e>>) -> Result<Object<'e>> {
+        let (args, options) = match self.chat_args(&messages, options) {
             Ok(a) => a,
             Err(e) => return rejected(env, e),
         };
@@ -209,26 +226,26 @@ impl Lfm2Model {
 
     /// `chat()` as a stream of events: `for await (const ev of model.chatStream(messages))`
     /// gives `{ type: 'text', text }` deltas, then `{ type: 'done', result }`.
-    #[napi]
-    pub fn chat_stream(&self, env: &Env, messages: Vec<ChatMessage>, options: Option<GenerateOptions<'_>>) -> Result<GenerationStream> {
-        let args = self.chat_args(messages, &options)?;
-        let abort = Abort::watch(env, signal(&options))?;
-        run_stream(&self.worker, env, abort, true, chat_job(args), None)
+    #[napi(ts_args_type = "messages: Array<ChatMessage>, options?: GenerateOptions | undefined | null")]
+    pub fn chat_stream<'e>(&self, env: &'e Env, messages: Unknown<'e>, options: Option<Unknown<'e>>) -> Result<GenerationStream> {
+        (|| {
+            let (args, options) = self.chat_args(&messages, options)?;
+            let abort = Abort::watch(env, signal(&options))?;
+            run_stream(&self.worker, env, abort, true, chat_job(args), None)
+        })()
+        .map_err(|e| classed(env, e))
     }
 
     /// Raw completion without a chat template. A string is tokenized (adding
     /// the BOS token unless it is already there); an array of token ids is
     /// used exactly.
-    #[napi(ts_return_type = "Promise<ChatResult>")]
-    pub fn generate<'e>(
-        &self,
-        env: &'e Env,
-        prompt: Either<String, Vec<f64>>,
-        options: Option<GenerateOptions<'e>>,
-    ) -> Result<Object<'e>> {
-        let checked = generate_params(&OptionValues::from_options(options.as_ref()))
-            .and_then(|p| Ok((prompt_ids(prompt)?, p)));
-        let (prompt, params) = match checked {
+    #[napi(
+        ts_args_type = "prompt: string | Array<number>, options?: GenerateOptions | undefined | null",
+        ts_return_type = "Promise<ChatResult>"
+    )]
+    pub fn generate<'e>(&self, env: &'e Env, prompt: Unknown<'e>, options: Option<Unknown<'e>>) -> Result<Object<'e>> {
+        let checked = self.generate_args(&prompt, options);
+        let (prompt, params, options) = match checked {
             Ok(x) => x,
             Err(e) => return rejected(env, e),
         };
@@ -240,33 +257,33 @@ impl Lfm2Model {
     }
 
     /// `generate()` as a stream of events (see `chatStream`).
-    #[napi]
-    pub fn generate_stream(
-        &self,
-        env: &Env,
-        prompt: Either<String, Vec<f64>>,
-        options: Option<GenerateOptions<'_>>,
-    ) -> Result<GenerationStream> {
-        let params = generate_params(&OptionValues::from_options(options.as_ref()))?;
-        let prompt = prompt_ids(prompt)?;
-        let abort = Abort::watch(env, signal(&options))?;
-        run_stream(&self.worker, env, abort, false, generate_job(prompt, params), None)
+    #[napi(ts_args_type = "prompt: string | Array<number>, options?: GenerateOptions | undefined | null")]
+    pub fn generate_stream<'e>(&self, env: &'e Env, prompt: Unknown<'e>, options: Option<Unknown<'e>>) -> Result<GenerationStream> {
+        (|| {
+            let (prompt, params, options) = self.generate_args(&prompt, options)?;
+            let abort = Abort::watch(env, signal(&options))?;
+            run_stream(&self.worker, env, abort, false, generate_job(prompt, params), None)
+        })()
+        .map_err(|e| classed(env, e))
     }
 
     /// A conversation that keeps its history (tool calls and results
     /// included) between turns. With the paged cache a turn finds the
     /// conversation so far in the prefix cache and runs only what is new
     /// (`metrics.cachedTokens`).
-    #[napi]
-    pub fn create_session(&self, options: Option<SessionOptions<'_>>) -> Result<ChatSession> {
-        self.open()?;
-        ChatSession::new(self.worker.clone(), options)
+    #[napi(ts_args_type = "options?: SessionOptions | undefined | null")]
+    pub fn create_session<'e>(&self, env: &'e Env, options: Option<Unknown<'e>>) -> Result<ChatSession> {
+        (|| {
+            self.open()?;
+            ChatSession::new(self.worker.clone(), options)
+        })()
+        .map_err(|e| classed(env, e))
     }
 
     /// The logits of the last position after running `tokenIds` (float32).
-    #[napi(ts_return_type = "Promise<Float32Array>")]
-    pub fn logits<'e>(&self, env: &'e Env, token_ids: Vec<f64>) -> Result<Object<'e>> {
-        let token_ids = match super::convert::token_ids("tokenIds", token_ids) {
+    #[napi(ts_args_type = "tokenIds: Array<number>", ts_return_type = "Promise<Float32Array>")]
+    pub fn logits<'e>(&self, env: &'e Env, token_ids: Unknown<'e>) -> Result<Object<'e>> {
+        let token_ids = match token_id_arg(&token_ids, "tokenIds") {
             Ok(t) => t,
             Err(e) => return rejected(env, e),
         };
@@ -283,20 +300,35 @@ impl Lfm2Model {
 
     /// Token ids for `text` (with the tokenizer's special tokens, e.g. BOS, unless
     /// `addSpecialTokens` is false).
-    #[napi(ts_return_type = "Promise<number[]>")]
-    pub fn tokenize<'e>(&self, env: &'e Env, text: String, add_special_tokens: Option<bool>) -> Result<Object<'e>> {
-        if let Err(e) = self.open() {
-            return rejected(env, e);
-        }
+    #[napi(
+        ts_args_type = "text: string, addSpecialTokens?: boolean | undefined | null",
+        ts_return_type = "Promise<number[]>"
+    )]
+    pub fn tokenize<'e>(&self, env: &'e Env, text: Unknown<'e>, add_special_tokens: Option<Unknown<'e>>) -> Result<Object<'e>> {
+        let checked = self.open().and_then(|_| {
+            let text: String = args::value(&text, "text", "a string")?;
+            Ok((text, args::optional::<bool>(add_special_tokens, "addSpecialTokens", "a boolean")?))
+        });
+        let (text, add_special_tokens) = match checked {
+            Ok(x) => x,
+            Err(e) => return rejected(env, e),
+        };
         let tok = self.tokenizer.clone();
         off_thread(env, move || tok.encode(&text, add_special_tokens.unwrap_or(true)))
     }
 
     /// Text for token ids (special tokens included unless `skipSpecialTokens`).
-    #[napi(ts_return_type = "Promise<string>")]
-    pub fn detokenize<'e>(&self, env: &'e Env, token_ids: Vec<f64>, skip_special_tokens: Option<bool>) -> Result<Object<'e>> {
-        let token_ids = match self.open().and_then(|_| super::convert::token_ids("tokenIds", token_ids)) {
-            Ok(t) => t,
+    #[napi(
+        ts_args_type = "tokenIds: Array<number>, skipSpecialTokens?: boolean | undefined | null",
+        ts_return_type = "Promise<string>"
+    )]
+    pub fn detokenize<'e>(&self, env: &'e Env, token_ids: Unknown<'e>, skip_special_tokens: Option<Unknown<'e>>) -> Result<Object<'e>> {
+        let checked = self.open().and_then(|_| {
+            let ids = token_id_arg(&token_ids, "tokenIds")?;
+            Ok((ids, args::optional::<bool>(skip_special_tokens, "skipSpecialTokens", "a boolean")?))
+        });
+        let (token_ids, skip_special_tokens) = match checked {
+            Ok(x) => x,
             Err(e) => return rejected(env, e),
         };
         let tok = self.tokenizer.clone();
@@ -305,15 +337,19 @@ impl Lfm2Model {
 
     /// The prompt token ids `chat()` would run for `messages` (the checkpoint's
     /// chat template with the generation prompt appended).
-    #[napi(ts_return_type = "Promise<number[]>")]
-    pub fn apply_chat_template<'e>(&self, env: &'e Env, messages: Vec<ChatMessage>, options: Option<GenerateOptions<'e>>) -> Result<Object<'e>> {
-        let msgs = match self.open().and_then(|_| to_chat_messages(messages)) {
-            Ok(m) => m,
+    #[napi(
+        ts_args_type = "messages: Array<ChatMessage>, options?: GenerateOptions | undefined | null",
+        ts_return_type = "Promise<number[]>"
+    )]
+    pub fn apply_chat_template<'e>(&self, env: &'e Env, messages: Unknown<'e>, options: Option<Unknown<'e>>) -> Result<Object<'e>> {
+        let a = match self.open().and_then(|_| self.chat_args(&messages, options)) {
+            Ok((a, _)) => a,
             Err(e) => return rejected(env, e),
         };
-        let tools = OptionValues::from_options(options.as_ref()).tools_value();
+        let tools = a.values.tools_value();
+        let trusted = a.values.trusted();
         let tok = self.tokenizer.clone();
-        off_thread(env, move || tok.apply_chat_template(&msgs, tools.as_ref(), true, None))
+        off_thread(env, move || tok.apply_chat_template_with(&a.messages, tools.as_ref(), true, None, trusted))
     }
 
     /// The paged KV cache's counters, or null when this model uses flat
@@ -389,10 +425,24 @@ impl Lfm2Model {
         self.worker.close();
     }
 
-    fn chat_args(&self, messages: Vec<ChatMessage>, options: &Option<GenerateOptions<'_>>) -> Result<ChatArgs> {
-        let messages = to_chat_messages(messages)?;
+    /// Checks a chat's arguments (on the JS thread, before anything is queued).
+    fn chat_args<'e>(&self, messages: &Unknown<'e>, options: Option<Unknown<'e>>) -> Result<(ChatArgs, Option<GenerateOptions<'e>>)> {
+        let messages = to_chat_messages(chat_messages(messages)?)?;
+        let options = generate_options(options)?;
         let values = OptionValues::from_options(options.as_ref());
         let params = generate_params(&values)?;
-        Ok(ChatArgs { messages, values, params })
+        Ok((ChatArgs { messages, values, params }, options))
+    }
+
+    /// Checks a completion's arguments.
+    #[allow(clippy::type_complexity)]
+    fn generate_args<'e>(
+        &self,
+        prompt: &Unknown<'e>,
+        options: Option<Unknown<'e>>,
+    ) -> Result<(Either<String, Vec<u32>>, crate::generate::GenerateParams, Option<GenerateOptions<'e>>)> {
+        let options = generate_options(options)?;
+        let params = generate_params(&OptionValues::from_options(options.as_ref()))?;
+        Ok((prompt_ids(prompt)?, params, options))
     }
 }

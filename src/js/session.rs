@@ -6,10 +6,12 @@
 //! far, so a turn runs only its new tokens; the session's history only
 //! grows by completed turns, which keeps its prompts prefixes of each other.
 
+use super::args::{self, classed, rejected};
 use super::convert::{
-    generate_params, to_chat_messages, ChatMessage, GenerateOptions, OptionValues, ToolCall,
+    generate_params, to_chat_messages, ChatMessage, GenerateOptions, OptionValues, ToolCall, GENERATE_OPTION_KEYS,
+    MESSAGE_KEYS,
 };
-use super::model::{js_error, run_request, run_stream, Job, OnDone, Outcome};
+use super::model::{generate_options, js_error, run_request, run_stream, Job, OnDone, Outcome};
 use super::stream::{Abort, GenerationStream};
 use crate::engine::worker::ModelWorker;
 use crate::error::Error;
@@ -32,6 +34,10 @@ pub struct SessionOptions<'env> {
     /// Earlier conversation to continue from (without the system prompt).
     pub messages: Option<Vec<ChatMessage>>,
 }
+
+/// `SessionOptions`' keys as JS spells them (`defaults` holds
+/// `GenerateOptions`' keys, `messages` messages).
+pub const SESSION_OPTION_KEYS: &[&str] = &["system", "tools", "defaults", "messages"];
 
 struct SessionState {
     system: Option<String>,
@@ -71,7 +77,18 @@ struct Turn {
 }
 
 impl ChatSession {
-    pub fn new(worker: Arc<ModelWorker>, options: Option<SessionOptions<'_>>) -> Result<ChatSession> {
+    pub fn new(worker: Arc<ModelWorker>, options: Option<Unknown<'_>>) -> Result<ChatSession> {
+        // The nested objects are checked from the raw object, which the
+        // typed conversion below would not show.
+        if let Some(raw) = options.filter(|o| o.get_type().is_ok_and(|t| t == ValueType::Object)) {
+            // SAFETY: checked to be an object of the current call's environment.
+            let obj = unsafe { Object::from_napi_value(raw.value().env, raw.raw()) }?;
+            let _: Option<GenerateOptions> = args::options(obj.get("defaults")?, "defaults", GENERATE_OPTION_KEYS)?;
+            if let Some(m) = obj.get::<Unknown>("messages")?.filter(|m| m.get_type().is_ok_and(|t| t != ValueType::Undefined)) {
+                args::messages::<ChatMessage>(&m, "messages", MESSAGE_KEYS)?;
+            }
+        }
+        let options: Option<SessionOptions> = args::options(options, "", SESSION_OPTION_KEYS)?;
         let mut state = SessionState {
             system: None,
             tools: None,
@@ -98,16 +115,16 @@ impl ChatSession {
     }
 
     /// Checks the turn, marks the session busy and builds the work.
-    fn begin(&self, input: Option<Either<String, ChatMessage>>, options: &Option<GenerateOptions<'_>>) -> Result<Turn> {
+    fn begin(&self, input: Option<Unknown>, options: &Option<GenerateOptions<'_>>) -> Result<Turn> {
+        let user = match input.filter(|v| v.get_type().is_ok_and(|t| t != ValueType::Undefined && t != ValueType::Null)) {
+            None => None,
+            Some(v) if v.get_type()? == ValueType::String => Some(message("user", args::value(&v, "input", "a string")?)),
+            Some(v) => Some(args::message::<ChatMessage>(&v, "the message", MESSAGE_KEYS)?),
+        };
         let mut s = self.state.lock();
         if s.busy {
             return Err(err("a turn is already in progress on this session; wait for it (or abort it) first"));
         }
-        let user = match input {
-            None => None,
-            Some(Either::A(text)) => Some(message("user", text)),
-            Some(Either::B(m)) => Some(m),
-        };
         if user.is_none() && s.history.is_empty() {
             return Err(err("the session has no messages yet: send() needs a message"));
         }
@@ -121,6 +138,7 @@ impl ChatSession {
         all.extend(s.history.iter().cloned());
         all.extend(user.iter().cloned());
         let messages = to_chat_messages(all)?;
+        let trusted = values.trusted();
         s.busy = true;
         let epoch = s.epoch;
         let state = self.state.clone();
@@ -140,7 +158,7 @@ impl ChatSession {
             reply.tool_calls = tool_calls;
             s.history.push(reply);
         });
-        let job: Job = Box::new(move |eng| Ok((eng.chat_prompt(&messages, tools.as_ref())?, params)));
+        let job: Job = Box::new(move |eng| Ok((eng.chat_prompt(&messages, tools.as_ref(), trusted)?, params)));
         Ok(Turn { job, on_done })
     }
 
@@ -158,37 +176,38 @@ impl ChatSession {
     /// reply (with its tool calls) join the history once the turn is over.
     /// A failed turn leaves the history unchanged; an aborted one keeps the
     /// partial reply (or nothing, if it was aborted before any text).
-    #[napi(ts_return_type = "Promise<ChatResult>")]
-    pub fn send<'e>(
-        &self,
-        env: &'e Env,
-        input: Option<Either<String, ChatMessage>>,
-        options: Option<GenerateOptions<'e>>,
-    ) -> Result<Object<'e>> {
-        let turn = self.begin(input, &options)?;
+    #[napi(
+        ts_args_type = "input?: string | ChatMessage | undefined | null, options?: GenerateOptions | undefined | null",
+        ts_return_type = "Promise<ChatResult>"
+    )]
+    pub fn send<'e>(&self, env: &'e Env, input: Option<Unknown<'e>>, options: Option<Unknown<'e>>) -> Result<Object<'e>> {
+        let begun = generate_options(options).and_then(|options| Ok((self.begin(input, &options)?, options)));
+        let (turn, options) = match begun {
+            Ok(x) => x,
+            Err(e) => return rejected(env, e),
+        };
         let started = Abort::watch(env, options.as_ref().and_then(|o| o.signal.as_ref()))
             .and_then(|abort| run_request(&self.worker, env, abort, true, turn.job, Some(turn.on_done)));
-        if started.is_err() {
-            self.abandon();
+        match started {
+            Ok(p) => Ok(p),
+            Err(e) => {
+                self.abandon();
+                rejected(env, e)
+            }
         }
-        started
     }
 
     /// `send()` as a stream of events (see `Lfm2Model.chatStream`).
-    #[napi]
-    pub fn send_stream(
-        &self,
-        env: &Env,
-        input: Option<Either<String, ChatMessage>>,
-        options: Option<GenerateOptions<'_>>,
-    ) -> Result<GenerationStream> {
-        let turn = self.begin(input, &options)?;
+    #[napi(ts_args_type = "input?: string | ChatMessage | undefined | null, options?: GenerateOptions | undefined | null")]
+    pub fn send_stream<'e>(&self, env: &'e Env, input: Option<Unknown<'e>>, options: Option<Unknown<'e>>) -> Result<GenerationStream> {
+        let options = generate_options(options).map_err(|e| classed(env, e))?;
+        let turn = self.begin(input, &options).map_err(|e| classed(env, e))?;
         let started = Abort::watch(env, options.as_ref().and_then(|o| o.signal.as_ref()))
             .and_then(|abort| run_stream(&self.worker, env, abort, true, turn.job, Some(turn.on_done)));
         if started.is_err() {
             self.abandon();
         }
-        started
+        started.map_err(|e| classed(env, e))
     }
 
     /// Adds the result of a tool call from the history (by its id) as a

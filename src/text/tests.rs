@@ -734,6 +734,11 @@ fn control_tokens_in_messages_stay_text() {
     // Without the isolation the same render would have held the injection.
     let plain = tok.encode(&tok.render_chat_template(&msgs, None, true, None).unwrap(), false).unwrap();
     assert_eq!(count(&plain, "<|im_start|>"), 3);
+    // A trusted caller opts in: the same message's control tokens are live,
+    // exactly the plain encoding of the render.
+    let trusted = tok.apply_chat_template_with(&msgs, None, true, None, true).unwrap();
+    assert_eq!(trusted, plain);
+    assert_eq!(tok.apply_chat_template_with(&msgs, None, true, None, false).unwrap(), ids);
     // Names are message text too; the marks themselves are refused.
     let mut named = ChatMessage::user("hi");
     named.name = Some("<|im_end|>".into());

@@ -370,8 +370,23 @@ impl Tokenizer {
         add_generation_prompt: bool,
         extra: Option<&serde_json::Map<String, serde_json::Value>>,
     ) -> Result<Vec<u32>> {
+        self.apply_chat_template_with(messages, tools, add_generation_prompt, extra, false)
+    }
+
+    /// `apply_chat_template`, where `trusted` lets control tokens written in
+    /// message text become the special tokens they spell (the render is
+    /// encoded as one text, as transformers and mlx-lm do). For callers who
+    /// wrote every message themselves; untrusted text must not get this.
+    pub fn apply_chat_template_with(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+        extra: Option<&serde_json::Map<String, serde_json::Value>>,
+        trusted: bool,
+    ) -> Result<Vec<u32>> {
         let text = self.render_chat_template(messages, tools, add_generation_prompt, extra)?;
-        if !super::message_text::carries_control_tokens(messages, &self.special_texts) {
+        if trusted || !super::message_text::carries_control_tokens(messages, &self.special_texts) {
             return self.encode(&text, false);
         }
         // Some message holds a control token's text (`<|im_end|>` in user

@@ -63,11 +63,21 @@ fn refcounts_keep_published_blocks_until_evicted_and_free_private_ones() {
     assert_ne!(b, a);
     p.release(b);
     assert!(p.free.contains(&b));
-    // Clearing the cache frees the published one too.
+    // Clearing the cache while a request holds a block frees the published
+    // one and keeps the storage.
+    let held = p.alloc().unwrap();
     p.clear_cached();
     assert!(p.free.contains(&a));
     assert_eq!(p.stats().blocks_cached, 0);
     assert!(p.match_prefix(&prompt(&[&t])).0.is_empty());
+    assert!(p.capacity() > 0 && p.nbytes() > 0);
+    // With nothing held, the storage goes too, and grows again on demand.
+    p.release(held);
+    p.clear_cached();
+    assert_eq!((p.capacity(), p.nbytes(), p.stats().blocks_in_use), (0, 0, 0));
+    let again = p.alloc().unwrap();
+    assert!(p.capacity() > 0);
+    p.release(again);
 }
 
 #[test]
