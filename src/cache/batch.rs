@@ -318,8 +318,9 @@ impl DecodeBatch {
 }
 
 /// How a lone sequence's decode step writes its token's K/V into the
-/// buffers: a scatter at its position (default), or a slice update at a
-/// dynamic start (`MLX_LFM_KV_WRITE=slice`). Both write the same values. On
+/// buffers: a scatter at its position (the default on MLX's CUDA backend,
+/// where it was measured), or a slice update at a dynamic start (the default
+/// elsewhere; `MLX_LFM_KV_WRITE=scatter|slice` chooses). Both write the same values. On
 /// MLX's CUDA backend the dynamic slice update is an offset kernel plus a
 /// dynamic-offset copy that ncu timed at ~28 us per 1 KB token; the scatter
 /// is one ~4.6 us kernel: a 1.2B step's GPU time 1,863 -> 1,550 us, 269 -> 257
@@ -327,7 +328,11 @@ impl DecodeBatch {
 /// 2026-12-02-h200-ncu-lfm2-1.2b-bf16.json, same build and checkpoint).
 fn kv_write_scatter() -> bool {
     static SCATTER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *SCATTER.get_or_init(|| !matches!(std::env::var("MLX_LFM_KV_WRITE").ok().as_deref(), Some("slice")))
+    *SCATTER.get_or_init(|| match std::env::var("MLX_LFM_KV_WRITE").ok().as_deref() {
+        Some("scatter") => true,
+        Some("slice") => false,
+        _ => crate::mlx::runtime::backend() == crate::mlx::runtime::Backend::Cuda,
+    })
 }
 
 /// The cache of one decode step over stacked state: the step's inputs are

@@ -96,7 +96,7 @@ pub fn add_rms_norm(h: &Array, r: &Array, w: &Array, eps: f32) -> Result<(Array,
     let mut outs = kern.call(
         &[h, r, w, &eps],
         &[(&shape, dt), (&shape, dt)],
-        [block * rows.max(1), 1, 1],
+        [block.checked_mul(rows).ok_or_else(|| Error::invalid("too many rows for the add + RMSNorm kernel"))?, 1, 1],
         [block, 1, 1],
         &[("D", TemplateArg::Int(d)), ("BLOCK", TemplateArg::Int(block)), ("T", TemplateArg::Dtype(dt))],
     )?;

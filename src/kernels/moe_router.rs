@@ -45,12 +45,15 @@ const SOURCE: &str = r#"
   float picked[K];
   int index[K];
   for (int k = 0; k < K; k++) {
-    float best = -3.4e38f;
-    int bi = 0x7fffffff;
+    // No lane holding an unused expert yields none (bi stays NONE), so a
+    // NaN or -inf score can never leave an out-of-range expert id.
+    constexpr int NONE = 0x7fffffff;
+    float best = 0.0f;
+    int bi = NONE;
     float bp = 0.0f;
     for (int j = 0; j < PER; j++) {
       const int e = lane + 32 * j;
-      if (!used[j] && (sel[j] > best || (sel[j] == best && e < bi))) {
+      if (!used[j] && (bi == NONE || sel[j] > best || (sel[j] == best && e < bi))) {
         best = sel[j];
         bi = e;
         bp = prob[j];
@@ -60,7 +63,7 @@ const SOURCE: &str = r#"
       const float ob = __shfl_xor_sync(0xffffffffu, best, off);
       const int oi = __shfl_xor_sync(0xffffffffu, bi, off);
       const float op = __shfl_xor_sync(0xffffffffu, bp, off);
-      if (ob > best || (ob == best && oi < bi)) {
+      if (oi != NONE && (bi == NONE || ob > best || (ob == best && oi < bi))) {
         best = ob;
         bi = oi;
         bp = op;
@@ -77,9 +80,10 @@ const SOURCE: &str = r#"
     if (NORM) {
       float s = 0.0f;
       for (int k = 0; k < K; k++) s += picked[k];
-      denom = static_cast<float>(T(static_cast<float>(T(s)) + 1e-6f));
+      // The stock ops add and multiply by scalars made in the model dtype.
+      denom = static_cast<float>(T(static_cast<float>(T(s)) + static_cast<float>(T(1e-6f))));
     }
-    const float f = scale[0];
+    const float f = static_cast<float>(T(scale[0]));
     for (int k = 0; k < K; k++) {
       float v = picked[k];
       if (NORM) v = static_cast<float>(T(v / denom));
@@ -107,6 +111,9 @@ pub fn available(experts: usize, k: usize) -> bool {
 /// in the probabilities' dtype.
 pub fn route(probs: &Array, bias: &Array, scale: &Array, k: usize, norm: bool) -> Result<(Array, Array)> {
     let (n, e) = (probs.dim(0), probs.dim(1));
+    if n == 0 {
+        return Err(crate::error::Error::invalid("the MoE router kernel takes at least one row"));
+    }
     let kern = kernel().ok_or_else(|| crate::error::Error::mlx("the fused MoE router kernel is not available"))?;
     let dt = probs.dtype();
     let k = k as i32;
@@ -114,7 +121,7 @@ pub fn route(probs: &Array, bias: &Array, scale: &Array, k: usize, norm: bool) -
     let mut outs = kern.call(
         &[probs, bias, scale],
         &[(&shape, Dtype::Uint32), (&shape, dt)],
-        [32 * n, 1, 1],
+        [n.checked_mul(32).ok_or_else(|| crate::error::Error::invalid("too many rows for the router kernel"))?, 1, 1],
         [32, 1, 1],
         &[("E", TemplateArg::Int(e)), ("K", TemplateArg::Int(k)), ("NORM", TemplateArg::Bool(norm)), ("T", TemplateArg::Dtype(dt))],
     )?;

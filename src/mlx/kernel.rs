@@ -59,7 +59,10 @@ impl CudaKernel {
         let shapes: Vec<i32> = outputs.iter().flat_map(|(s, _)| s.iter().copied()).collect();
         let ndims: Vec<c_int> = outputs.iter().map(|(s, _)| s.len() as c_int).collect();
         let dtypes: Vec<c_int> = outputs.iter().map(|(_, d)| *d as c_int).collect();
-        let names: Vec<CString> = template.iter().map(|(n, _)| CString::new(*n).unwrap_or_default()).collect();
+        let names: Vec<CString> = template
+            .iter()
+            .map(|(n, _)| CString::new(*n).map_err(|_| Error::invalid(format!("kernel {}: a NUL in a template name", self.name))))
+            .collect::<Result<_>>()?;
         let name_p: Vec<*const std::os::raw::c_char> = names.iter().map(|c| c.as_ptr()).collect();
         let kinds: Vec<c_int> = template
             .iter()
@@ -114,10 +117,12 @@ impl Drop for CudaKernel {
 /// CUDA backend with the GPU as the default device. `MLX_LFM_KERNELS=0`
 /// turns them off (the stock ops then run, as on every other backend).
 pub fn cuda_kernels_enabled() -> bool {
-    if STOCK_ONLY.with(|s| s.get()) || matches!(std::env::var("MLX_LFM_KERNELS").ok().as_deref(), Some("0")) {
-        return false;
-    }
-    runtime::backend() == runtime::Backend::Cuda && runtime::default_device() == runtime::DeviceType::Gpu
+    // Read once: the eager path asks twice per layer per token.
+    static CUDA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let cuda = *CUDA.get_or_init(|| {
+        !matches!(std::env::var("MLX_LFM_KERNELS").ok().as_deref(), Some("0")) && runtime::backend() == runtime::Backend::Cuda
+    });
+    cuda && !STOCK_ONLY.with(|s| s.get()) && runtime::default_device() == runtime::DeviceType::Gpu
 }
 
 thread_local! {

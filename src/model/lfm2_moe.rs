@@ -137,7 +137,10 @@ impl SparseMoe {
         let scale = Array::from_slice(&[self.routed_scaling_factor], &[1])?;
         let (inds, scores) = crate::kernels::moe_router::route(&probs, &bias, &scale, self.top_k, self.norm_topk_prob)?;
         let k = self.top_k as i32;
-        Ok((inds.reshape(&[b, t, k])?, scores.reshape(&[b, t, k])?))
+        // The gate may be stored in another dtype than the activations
+        // (an f32 router beside bf16 layers): weights in x's dtype, as the
+        // stock path returns them.
+        Ok((inds.reshape(&[b, t, k])?, scores.reshape(&[b, t, k])?.astype(x.dtype())?))
     }
 
     /// The router in MLX's stock ops (every backend but CUDA).
@@ -322,6 +325,14 @@ fn expert_apply(w: &Weight, e: i32, x: &Array) -> Result<Array> {
 /// `x @ W[idx].T` through MLX's gathered kernels.
 fn gathered(w: &Weight, x: &Array, idx: &Array, sorted: bool) -> Result<Array> {
     match w {
+        // MLX's CPU gather_mm is float32-only. Dense non-f32 experts reach
+        // here only beside quantized ones (a projection too narrow for the
+        // group size stays dense: tiny checkpoints); all-dense ones take the
+        // cheaper upcast of just the chosen experts (`cpu_non_f32`).
+        Weight::Dense(w) if w.dtype() != Dtype::Float32 && runtime::default_device() == runtime::DeviceType::Cpu => {
+            let f = mlx::gather_mm(&x.astype(Dtype::Float32)?, &w.astype(Dtype::Float32)?.t()?, None, Some(idx), sorted)?;
+            f.astype(x.dtype())
+        }
         Weight::Dense(w) => mlx::gather_mm(x, &w.t()?, None, Some(idx), sorted),
         Weight::Quant(q) => {
             mlx::gather_qmm(x, &q.weight, &q.scales, q.biases.as_ref(), None, Some(idx), true, q.spec, sorted)
@@ -357,5 +368,49 @@ mod tests {
         let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
         assert!(d < 1e-4, "grouped vs gathered prefill logits differ by {d}");
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// A bf16 MoE quantized at group 64 keeps its experts' 32-wide
+    /// down_proj dense (too narrow to quantize) beside quantized gate/up.
+    /// On MLX's CPU backend, whose gather_mm is float32-only, it failed
+    /// with "[GatherMM::eval] Currently only supports float32"; now its
+    /// prefill through the sorted gather equals the per-expert matmuls of
+    /// the grouped prefill (to bf16 rounding), and it decodes.
+    #[test]
+    fn quantized_bf16_moe_with_dense_experts_runs_on_cpu() {
+        use crate::convert::{convert, ConvertRecipe};
+        use crate::fixture::DType;
+        use crate::mlx::{Dtype, QuantMode};
+        let base = std::env::temp_dir().join(format!("mlxlfm-moe-mixed-{}", std::process::id()));
+        let (src, dir) = (base.join("src"), base.join("q4"));
+        let mut spec = FixtureSpec::new(Preset::TinyMoe);
+        spec.dtype = DType::BF16;
+        fixture::generate(&spec, &src).unwrap();
+        convert(&src, &dir, &ConvertRecipe::quantized(QuantMode::Affine, Some(4), Some(64)).unwrap()).unwrap();
+        let prompt: Vec<u32> = (0..70).map(|i| (i * 17 + 5) % 500 + 1).collect();
+        let mut m = load_model(&dir, &LoadOptions::default()).unwrap().model;
+        let mixed = m.layers.iter().any(|l| match &l.feed_forward {
+            FeedForward::Moe(moe) => matches!(moe.down_proj, super::Weight::Dense(_)) && !moe.cpu_non_f32(),
+            _ => false,
+        });
+        assert!(mixed, "the fixture no longer mixes dense and quantized experts");
+        let mut run = |grouped: bool| -> Vec<f32> {
+            for l in m.layers.iter_mut() {
+                if let FeedForward::Moe(moe) = &mut l.feed_forward {
+                    moe.grouped_prefill = grouped;
+                }
+            }
+            let mut c = m.new_cache();
+            let logits = prefill(&m, &mut c, &prompt, 512).unwrap();
+            let ids = crate::mlx::Array::from_slice(&[7u32], &[1, 1]).unwrap();
+            let next = m.forward(&ids, &mut c, true).unwrap().astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap();
+            assert!(next.iter().all(|x| x.is_finite()));
+            logits.astype(Dtype::Float32).unwrap().to_vec().unwrap()
+        };
+        let (gathered, grouped) = (run(false), run(true));
+        let scale = grouped.iter().fold(0f32, |a, x| a.max(x.abs()));
+        let d = gathered.iter().zip(&grouped).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(d <= 0.02 * scale, "sorted-gather vs grouped prefill logits differ by {d} (scale {scale})");
+        std::fs::remove_dir_all(&base).ok();
     }
 }

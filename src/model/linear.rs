@@ -208,7 +208,11 @@ impl Weight {
                             if q.spec == q0.spec
                                 && same_tail(&q0.weight, &q.weight)
                                 && same_tail(&q0.scales, &q.scales)
-                                && q.biases.is_some() == q0.biases.is_some() =>
+                                && match (&q0.biases, &q.biases) {
+                                    (Some(a), Some(b)) => same_tail(a, b),
+                                    (None, None) => true,
+                                    _ => false,
+                                } =>
                         {
                             qs.push(q)
                         }
@@ -249,7 +253,8 @@ pub enum Projections {
 
 impl Projections {
     pub fn new(parts: Vec<Linear>) -> Result<Projections> {
-        if parts.len() < 2 || !fuse_projections() || parts.iter().any(|p| p.bias.is_some() != parts[0].bias.is_some()) {
+        let bias_dtype = |p: &Linear| p.bias.as_ref().map(|b| b.dtype());
+        if parts.len() < 2 || !fuse_projections() || parts.iter().any(|p| bias_dtype(p) != bias_dtype(&parts[0])) {
             return Ok(Projections::Separate(parts));
         }
         let weights: Vec<&Weight> = parts.iter().map(|p| &p.weight).collect();

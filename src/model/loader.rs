@@ -36,18 +36,19 @@ pub fn load_model(dir: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
     let mut store = TensorStore::open(dir, opts.dtype)?;
     let registry = QuantRegistry::build(config.quantization.as_ref(), &store)?;
     let model = Lfm2Model::load(&mut store, config, registry)?;
+    let (weight_files, unused_tensors) = (store.files.clone(), store.unused());
+    // The store holds every tensor as read; the model may hold a derived
+    // array instead (projections stacked into one, a cast). Dropped before
+    // anything is evaluated, the tensors read only to be stacked are freed
+    // chunk by chunk, so peak memory stays about that of the weights.
+    drop(store);
     let arrays = model.arrays();
-    // Evaluate in slices so an I/O error names a point of failure early and
-    // peak memory stays that of the weights.
+    // Evaluate in slices so an I/O error names a point of failure early.
     for chunk in arrays.chunks(64) {
         eval(chunk).map_err(|e| e.context(format!("reading weights from {}", dir.display())))?;
     }
+    // What the stacked tensors were read into went to MLX's buffer cache.
+    crate::mlx::runtime::clear_cache();
     let weight_bytes = arrays.iter().map(|a| a.nbytes()).sum();
-    Ok(LoadedModel {
-        weight_files: store.files.clone(),
-        unused_tensors: store.unused(),
-        model,
-        dir: dir.to_path_buf(),
-        weight_bytes,
-    })
+    Ok(LoadedModel { weight_files, unused_tensors, model, dir: dir.to_path_buf(), weight_bytes })
 }

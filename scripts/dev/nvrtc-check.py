@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""Compiles our CUDA kernel bodies (src/kernels/*.rs) with NVRTC on a machine
+without a GPU, wrapped as MLX's fast::cuda_kernel wraps them (inputs, then
+outputs, template constants first), for each dtype we instantiate. It only
+proves the text compiles; correctness is src/kernels/tests.rs on a GPU.
+
+    python3 -m pip install --target /tmp/nvrtc "nvidia-cuda-nvrtc==13.*" \
+        "nvidia-cuda-runtime==13.*" "nvidia-cuda-cccl==13.*"
+    python3 scripts/dev/nvrtc-check.py /tmp/nvrtc
+"""
+import ctypes
+import re
+import sys
+from pathlib import Path
+
+root = Path(__file__).resolve().parents[2]
+base = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/nvrtc") / "nvidia" / "cu13"
+nvrtc = ctypes.CDLL(str(base / "lib" / "libnvrtc.so.13"))
+inc = base / "include"
+
+PRELUDE = """
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cooperative_groups.h>
+typedef unsigned int uint32_t;
+"""
+CTYPE = {"bfloat16": "__nv_bfloat16", "float16": "__half", "float32": "float"}
+
+KERNELS = {
+    # file: (inputs with their element types, outputs, template constants)
+    "add_rms_norm.rs": (
+        [("h", "T"), ("r", "T"), ("w", "T"), ("eps", "float")],
+        [("s", "T"), ("y", "T")],
+        lambda dt: [("D", 2048), ("BLOCK", 256)],
+    ),
+    "moe_router.rs": (
+        [("probs", "T"), ("bias", "float"), ("scale", "float")],
+        [("inds", "uint32_t"), ("scores", "T")],
+        lambda dt: [("E", 32), ("K", 4), ("NORM", "true")],
+    ),
+}
+
+
+def body_and_header(path):
+    text = path.read_text()
+    src = re.search(r'const SOURCE: &str = r#"(.*?)"#;', text, re.S).group(1)
+    hdr = re.search(r'const HEADER: &str = "(.*?)";', text)
+    return src, (hdr.group(1).replace("\\n", "\n") if hdr else "")
+
+
+def compile_one(name, code):
+    prog = ctypes.c_void_p()
+    rc = nvrtc.nvrtcCreateProgram(ctypes.byref(prog), code.encode(), name.encode(), 0, None, None)
+    assert rc == 0, rc
+    opts = [b"--gpu-architecture=compute_90", b"-std=c++17", b"-I" + str(inc).encode(),
+            b"-I" + str(inc / "cccl").encode()]
+    arr = (ctypes.c_char_p * len(opts))(*opts)
+    rc = nvrtc.nvrtcCompileProgram(prog, len(opts), arr)
+    size = ctypes.c_size_t()
+    nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    nvrtc.nvrtcGetProgramLog(prog, log)
+    return rc, log.value.decode(errors="replace")
+
+
+failed = 0
+for file, (ins, outs, targs) in KERNELS.items():
+    src, hdr = body_and_header(root / "src" / "kernels" / file)
+    for dt, ct in CTYPE.items():
+        params = [f"const {t.replace('T', ct) if t == 'T' else t}* {n}" for n, t in ins]
+        params += [f"{t.replace('T', ct) if t == 'T' else t}* {n}" for n, t in outs]
+        consts = "".join(f"  constexpr {'bool' if isinstance(v, str) else 'int'} {k} = {v};\n" for k, v in targs(dt))
+        code = (PRELUDE + hdr + "namespace cg = cooperative_groups;\n"
+                + f'extern "C" __global__ void k({", ".join(params)}) {{\n{consts}  using T = {ct};\n{src}\n}}\n')
+        rc, log = compile_one(f"{file}-{dt}.cu", code)
+        status = "ok" if rc == 0 else "FAILED"
+        print(f"{file} T={dt}: {status}")
+        if rc != 0 or "warning" in log:
+            print(log)
+        failed += rc != 0
+sys.exit(1 if failed else 0)
