@@ -43,8 +43,11 @@ pub fn load_model(dir: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
     // chunk by chunk, so peak memory stays about that of the weights.
     drop(store);
     let arrays = model.arrays();
-    // Evaluate in slices so an I/O error names a point of failure early.
-    for chunk in arrays.chunks(64) {
+    // Evaluate in small slices: an I/O error names a point of failure
+    // early, and only a few stacked projections' source tensors are alive
+    // at once (LFM2-350M bf16, 709 MB of weights: peak at load with
+    // slices of 8: 728 MB, against 873 MB with slices of 64).
+    for chunk in arrays.chunks(8) {
         eval(chunk).map_err(|e| e.context(format!("reading weights from {}", dir.display())))?;
     }
     // What the stacked tensors were read into went to MLX's buffer cache.
