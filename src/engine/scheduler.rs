@@ -19,9 +19,14 @@ use std::time::Instant;
 
 /// A request for the scheduler.
 pub struct Request {
-    /// Builds the prompt and parameters on the worker (chat template,
-    /// tokenizer) when the request starts.
+    /// Builds the prompt and parameters on the worker when the request
+    /// starts.
     pub prepare: Option<Box<dyn FnOnce(&mut Engine) -> Result<(Vec<u32>, GenerateParams)> + Send>>,
+    /// Builds them without the engine (the chat template, the tokenizer):
+    /// run by the model's render thread before the request reaches the
+    /// worker (see src/engine/worker.rs), so a slow render never stalls
+    /// the requests the worker is running.
+    pub render: Option<Box<dyn FnOnce() -> Result<(Vec<u32>, GenerateParams)> + Send>>,
     pub observer: Box<dyn Observer + Send>,
     pub reply: Option<Box<dyn FnOnce(Result<Generation>) + Send>>,
 }
@@ -31,8 +36,22 @@ impl Request {
     pub fn tokens(prompt: Vec<u32>, params: GenerateParams, reply: impl FnOnce(Result<Generation>) + Send + 'static) -> Request {
         Request {
             prepare: Some(Box::new(move |_| Ok((prompt, params)))),
+            render: None,
             observer: Box::new(generate::NoObserver),
             reply: Some(Box::new(reply)),
+        }
+    }
+
+    /// Runs `render` (a panic becomes an error) and leaves its outcome for
+    /// the worker as `prepare`: the request then fails or starts in its
+    /// turn, as if rendered there.
+    pub(crate) fn render_now(&mut self) {
+        if let Some(render) = self.render.take() {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(render)).unwrap_or_else(|p| {
+                let msg = p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned());
+                Err(Error::mlx(format!("internal panic while rendering the prompt: {}", msg.unwrap_or_default())))
+            });
+            self.prepare = Some(Box::new(move |_| r));
         }
     }
 
@@ -169,7 +188,13 @@ impl Scheduler {
     /// running it. None when that fails (`reply` heard).
     fn begin(&mut self, e: &mut Engine, mut req: Request) -> Option<Prefilling> {
         let started = Instant::now();
-        let prepared = (req.prepare.take().expect("a request is begun once"))(e);
+        // A request handed to the scheduler without the worker's render
+        // thread (the benchmark, tests) is rendered here.
+        req.render_now();
+        let prepared = match req.prepare.take() {
+            Some(prepare) => prepare(e),
+            None => Err(Error::invalid("a request with nothing to run")),
+        };
         let pending = prepared.and_then(|(prompt, params)| {
             let params = e.params(params);
             Pending::new(&e.model, e.model.new_cache(), prompt, &params, started)

@@ -605,3 +605,52 @@ fn a_request_beyond_the_context_length_fails_before_any_compute() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A request's prompt is rendered off the worker (the model's render
+/// thread), so a slow render (a hostile template or a huge request) does not
+/// stall the requests already running: one that is decoding finishes while
+/// the next one's render still sleeps. Before, the render ran on the worker
+/// in the request's turn and held every running request for its length.
+#[test]
+fn a_slow_render_does_not_stall_running_requests() {
+    use super::worker::ModelWorker;
+    use super::Request;
+    use std::sync::mpsc::channel;
+    use std::time::{Duration, Instant};
+    let dir = fixture_dir("render", Preset::Tiny);
+    let (ltx, lrx) = channel();
+    ModelWorker::spawn(dir.clone(), EngineOptions::default(), move |r| {
+        ltx.send(r.map(|(w, _, _)| w)).ok();
+    });
+    let worker = lrx.recv().unwrap().unwrap();
+    let (dtx, drx) = channel::<(&str, Instant, bool)>();
+    let params = GenerateParams { max_tokens: 48, ignore_eos: true, ..Default::default() };
+    let a = dtx.clone();
+    worker.generate(Request::tokens(prompt(12, 1), params.clone(), move |r| {
+        a.send(("running", Instant::now(), r.is_ok())).ok();
+    }));
+    let render_end = std::sync::Arc::new(parking_lot::Mutex::new(None::<Instant>));
+    let end = render_end.clone();
+    let slow_prompt = prompt(12, 2);
+    let b = dtx.clone();
+    worker.generate(Request {
+        prepare: None,
+        render: Some(Box::new(move || {
+            std::thread::sleep(Duration::from_millis(1500));
+            *end.lock() = Some(Instant::now());
+            Ok((slow_prompt, params))
+        })),
+        observer: Box::new(NoObserver),
+        reply: Some(Box::new(move |r| {
+            b.send(("rendered", Instant::now(), r.is_ok())).ok();
+        })),
+    });
+    let first = drx.recv_timeout(Duration::from_secs(60)).unwrap();
+    let second = drx.recv_timeout(Duration::from_secs(60)).unwrap();
+    assert_eq!((first.0, first.2), ("running", true), "the running request finishes first");
+    assert_eq!((second.0, second.2), ("rendered", true));
+    let rendered_at = render_end.lock().expect("the render ran");
+    assert!(first.1 < rendered_at, "the running request waited for another request's render");
+    worker.close();
+    std::fs::remove_dir_all(&dir).ok();
+}

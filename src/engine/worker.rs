@@ -77,8 +77,29 @@ impl ModelWorker {
         opts: EngineOptions,
         on_loaded: impl FnOnce(Result<(ModelWorker, Arc<Mutex<ModelInfo>>, Arc<Tokenizer>)>) + Send + 'static,
     ) {
-        let (tx, rx) = channel::<Msg>();
+        let (tx, front_rx) = channel::<Msg>();
         let tx: SharedSender = Arc::new(Mutex::new(Some(tx)));
+        // Everything sent to the model passes a render thread first, in
+        // order: it renders chat templates and tokenizes prompts (CPU work
+        // bounded by the template's fuel, seconds for a hostile 4 MiB
+        // request) so the worker's running requests never wait on it, and
+        // forwards every message unchanged otherwise. When the model is
+        // closed its queue ends, and then the worker's.
+        let (wtx, rx) = channel::<Msg>();
+        let front = std::thread::Builder::new().name("mlx-lfm-render".into()).spawn(move || {
+            for mut msg in front_rx {
+                if let Msg::Generate(req) = &mut msg {
+                    req.render_now();
+                }
+                if let Err(std::sync::mpsc::SendError(Msg::Generate(req))) = wtx.send(msg) {
+                    req.fail(Error::new(ErrorKind::Closed, "this model has been closed"));
+                }
+            }
+        });
+        if let Err(e) = front {
+            on_loaded(Err(Error::mlx(format!("could not start the model's render thread: {e}"))));
+            return;
+        }
         let id = {
             let mut live = LIVE.lock();
             live.next_id += 1;

@@ -25,7 +25,9 @@ pub(crate) type OnDone = Box<dyn FnOnce(&Outcome) + Send>;
 
 /// A request's preparation on the worker: its prompt tokens and parameters
 /// (the generation itself is scheduled with the other running requests).
-pub(crate) type Job = Box<dyn FnOnce(&mut engine::Engine) -> crate::Result<(Vec<u32>, crate::generate::GenerateParams)> + Send>;
+/// Builds a request's prompt and parameters: run by the model's render
+/// thread, off the worker (src/engine/worker.rs).
+pub(crate) type Job = Box<dyn FnOnce() -> crate::Result<(Vec<u32>, crate::generate::GenerateParams)> + Send>;
 
 /// Runs `job` on the worker and returns the promise of its result. An
 /// already-aborted request resolves at once without queueing.
@@ -56,7 +58,8 @@ pub(crate) fn run_request<'e>(
         return Ok(promise);
     }
     worker.generate(engine::Request {
-        prepare: Some(job),
+        prepare: None,
+        render: Some(job),
         observer: Box::new(FlagObserver(flag)),
         reply: Some(Box::new(move |r: crate::Result<Generation>| reply(r.map(convert)))),
     });
@@ -86,7 +89,8 @@ pub(crate) fn run_stream(
     let feed = shared.clone();
     let done = shared.clone();
     worker.generate(engine::Request {
-        prepare: Some(job),
+        prepare: None,
+        render: Some(job),
         observer: Box::new(StreamObserver { shared: feed, splitter: chat.then(ToolCallSplitter::new) }),
         reply: Some(Box::new(move |r: crate::Result<Generation>| done.finish(r.map(convert)))),
     });
@@ -100,10 +104,23 @@ struct ChatArgs {
     params: crate::generate::GenerateParams,
 }
 
-fn chat_job(a: ChatArgs) -> Job {
+fn chat_job(a: ChatArgs, tokenizer: Arc<crate::text::Tokenizer>) -> Job {
     let tools = a.values.tools_value();
     let trusted = a.values.trusted();
-    Box::new(move |eng| Ok((eng.chat_prompt(&a.messages, tools.as_ref(), trusted)?, a.params)))
+    Box::new(move || Ok((chat_prompt(&tokenizer, &a.messages, tools.as_ref(), trusted)?, a.params)))
+}
+
+/// The prompt ids `chat()` runs for `messages`.
+pub(crate) fn chat_prompt(
+    tokenizer: &crate::text::Tokenizer,
+    messages: &[crate::text::ChatMessage],
+    tools: Option<&serde_json::Value>,
+    trusted: bool,
+) -> crate::Result<Vec<u32>> {
+    if messages.is_empty() {
+        return Err(crate::Error::invalid("messages is empty"));
+    }
+    tokenizer.apply_chat_template_with(messages, tools, true, None, trusted)
 }
 
 /// A method's generation options, checked for unknown keys.
@@ -116,10 +133,10 @@ pub(crate) fn chat_messages(v: &Unknown) -> Result<Vec<ChatMessage>> {
     args::messages(v, "messages", MESSAGE_KEYS)
 }
 
-fn generate_job(prompt: Either<String, Vec<u32>>, params: crate::generate::GenerateParams) -> Job {
-    Box::new(move |eng| {
+fn generate_job(prompt: Either<String, Vec<u32>>, params: crate::generate::GenerateParams, tokenizer: Arc<crate::text::Tokenizer>) -> Job {
+    Box::new(move || {
         let ids = match prompt {
-            Either::A(s) => eng.tokenizer.encode_for_generation(&s)?,
+            Either::A(s) => tokenizer.encode_for_generation(&s)?,
             Either::B(ids) => ids,
         };
         Ok((ids, params))
@@ -221,7 +238,7 @@ impl Lfm2Model {
             Ok(a) => a,
             Err(e) => return rejected(env, e),
         };
-        run_request(&self.worker, env, abort, true, chat_job(args), None)
+        run_request(&self.worker, env, abort, true, chat_job(args, self.tokenizer.clone()), None)
     }
 
     /// `chat()` as a stream of events: `for await (const ev of model.chatStream(messages))`
@@ -231,7 +248,7 @@ impl Lfm2Model {
         (|| {
             let (args, options) = self.chat_args(&messages, options)?;
             let abort = Abort::watch(env, signal(&options))?;
-            run_stream(&self.worker, env, abort, true, chat_job(args), None)
+            run_stream(&self.worker, env, abort, true, chat_job(args, self.tokenizer.clone()), None)
         })()
         .map_err(|e| classed(env, e))
     }
@@ -253,7 +270,7 @@ impl Lfm2Model {
             Ok(a) => a,
             Err(e) => return rejected(env, e),
         };
-        run_request(&self.worker, env, abort, false, generate_job(prompt, params), None)
+        run_request(&self.worker, env, abort, false, generate_job(prompt, params, self.tokenizer.clone()), None)
     }
 
     /// `generate()` as a stream of events (see `chatStream`).
@@ -262,7 +279,7 @@ impl Lfm2Model {
         (|| {
             let (prompt, params, options) = self.generate_args(&prompt, options)?;
             let abort = Abort::watch(env, signal(&options))?;
-            run_stream(&self.worker, env, abort, false, generate_job(prompt, params), None)
+            run_stream(&self.worker, env, abort, false, generate_job(prompt, params, self.tokenizer.clone()), None)
         })()
         .map_err(|e| classed(env, e))
     }
@@ -275,7 +292,7 @@ impl Lfm2Model {
     pub fn create_session<'e>(&self, env: &'e Env, options: Option<Unknown<'e>>) -> Result<ChatSession> {
         (|| {
             self.open()?;
-            ChatSession::new(self.worker.clone(), options)
+            ChatSession::new(self.worker.clone(), self.tokenizer.clone(), options)
         })()
         .map_err(|e| classed(env, e))
     }

@@ -55,6 +55,7 @@ struct SessionState {
 #[napi]
 pub struct ChatSession {
     worker: Arc<ModelWorker>,
+    tokenizer: Arc<crate::text::Tokenizer>,
     state: Arc<Mutex<SessionState>>,
 }
 
@@ -77,7 +78,7 @@ struct Turn {
 }
 
 impl ChatSession {
-    pub fn new(worker: Arc<ModelWorker>, options: Option<Unknown<'_>>) -> Result<ChatSession> {
+    pub fn new(worker: Arc<ModelWorker>, tokenizer: Arc<crate::text::Tokenizer>, options: Option<Unknown<'_>>) -> Result<ChatSession> {
         // The nested objects are checked from the raw object, which the
         // typed conversion below would not show.
         if let Some(raw) = options.filter(|o| o.get_type().is_ok_and(|t| t == ValueType::Object)) {
@@ -111,7 +112,7 @@ impl ChatSession {
                 state.history = m;
             }
         }
-        Ok(ChatSession { worker, state: Arc::new(Mutex::new(state)) })
+        Ok(ChatSession { worker, tokenizer, state: Arc::new(Mutex::new(state)) })
     }
 
     /// Checks the turn, marks the session busy and builds the work.
@@ -158,7 +159,8 @@ impl ChatSession {
             reply.tool_calls = tool_calls;
             s.history.push(reply);
         });
-        let job: Job = Box::new(move |eng| Ok((eng.chat_prompt(&messages, tools.as_ref(), trusted)?, params)));
+        let tokenizer = self.tokenizer.clone();
+        let job: Job = Box::new(move || Ok((super::model::chat_prompt(&tokenizer, &messages, tools.as_ref(), trusted)?, params)));
         Ok(Turn { job, on_done })
     }
 

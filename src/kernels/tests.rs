@@ -1,5 +1,5 @@
 //! Each fused kernel against the stock-op path it replaces. They need MLX's
-//! CUDA backend (run them on the H200: bench/h200/kernels.sh); elsewhere
+//! CUDA backend (on the H200: `python3 bench/h200/run.py kernels`); elsewhere
 //! they say so and pass without checking anything.
 
 use crate::engine::{DecodePath, Engine, EngineOptions, Prompt};
