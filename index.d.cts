@@ -411,6 +411,17 @@ export interface MlxInfo {
   defaultDevice: string
   deviceName: string
   memory: MemoryInfo
+  /**
+   * Which native package was loaded: "mlx-lfm-linux-x64-gnu-cuda",
+   * "mlx-lfm-linux-x64-gnu", ..., or "local build" (a `.node` next to
+   * the package, as `npm run build` leaves it).
+   */
+  binding?: string
+  /**
+   * Why that one (e.g. "MLX_LFM_BACKEND=cpu", "the CUDA package is
+   * installed and an NVIDIA GPU is present", or why CUDA was not used).
+   */
+  bindingReason?: string
 }
 
 /**

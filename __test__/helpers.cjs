@@ -5,7 +5,7 @@ const fs = require('node:fs');
 const os = require('node:os');
 const path = require('node:path');
 const { spawnSync } = require('node:child_process');
-const addon = require('../index.cjs');
+const addon = require('../main.cjs');
 
 const root = path.resolve(__dirname, '..');
 const fixtureRoot = path.join(os.tmpdir(), `mlx-lfm-test-${process.pid}`);

@@ -1,7 +1,7 @@
 #!/usr/bin/env node
-// The README's commands: `npm run demo` / `yarn demo`, `npm test` / `yarn test`,
+// The README's commands: `npm run demo`, `npm test` (yarn runs them too),
 // `npm run bench`. Each installs and builds what it needs by itself, so they
-// work on a fresh clone: npm/yarn dependencies, the MLX wheel (through
+// work on a fresh clone: npm dependencies, the MLX wheel (through
 // build.rs), the addon, and for tests and benchmarks the mlx-lm reference.
 'use strict';
 const { spawnSync } = require('node:child_process');
@@ -9,8 +9,6 @@ const fs = require('node:fs');
 const path = require('node:path');
 
 const root = path.resolve(__dirname, '..');
-const agent = process.env.npm_config_user_agent || '';
-const usingYarn = agent.startsWith('yarn');
 
 function run(cmd, args, opts = {}) {
   console.error(`\n$ ${cmd} ${args.join(' ')}`);
@@ -33,8 +31,9 @@ function hostTriple() {
 
 function ensureDeps() {
   if (fs.existsSync(path.join(root, 'node_modules', '@napi-rs', 'cli'))) return;
-  if (usingYarn) run('yarn', ['install', '--frozen-lockfile', '--ignore-engines']);
-  else run('npm', ['ci', '--no-audit', '--no-fund']);
+  // One lockfile (package-lock.json), also when invoked through yarn: a
+  // second one drifted from it.
+  run('npm', ['ci', '--no-audit', '--no-fund']);
 }
 
 function build() {
@@ -58,8 +57,10 @@ function ensureReference() {
   const want = fs.readFileSync(req, 'utf8');
   if (fs.existsSync(stamp) && fs.readFileSync(stamp, 'utf8') === want) return dir;
   fs.rmSync(dir, { recursive: true, force: true });
+  // A --target install touches no system packages: pip's warning about
+  // running as root (CI machines do) does not apply.
   run(python(), ['-m', 'pip', 'install', '--quiet', '--disable-pip-version-check', '--no-deps',
-    '--target', dir, '-r', req]);
+    '--target', dir, '-r', req], { env: { ...process.env, PIP_ROOT_USER_ACTION: 'ignore' } });
   fs.writeFileSync(stamp, want);
   return dir;
 }
@@ -85,12 +86,14 @@ if (cmd === 'demo') {
   const env = { ...process.env, MLX_LFM_PYREF: pyref };
   run('cargo', ['test', '--release', '--target', hostTriple(), '--lib'], { env });
   run(process.execPath, ['--test', '--test-concurrency=1', ...testFiles()], { env });
+} else if (cmd === 'build') {
+  build();
 } else if (cmd === 'bench' || cmd === 'bench-turns' || cmd === 'bench-concurrent') {
   build();
   const pyref = ensureReference();
   const script = `${cmd}.cjs`;
   run(process.execPath, [path.join(root, 'scripts', script), ...rest], { env: { ...process.env, MLX_LFM_PYREF: pyref } });
 } else {
-  console.error('usage: node scripts/run.cjs demo|test|bench|bench-turns|bench-concurrent [args]');
+  console.error('usage: node scripts/run.cjs demo|test|build|bench|bench-turns|bench-concurrent [args]');
   process.exit(2);
 }

@@ -27,6 +27,13 @@ pub struct MlxInfo {
     pub default_device: String,
     pub device_name: String,
     pub memory: MemoryInfo,
+    /// Which native package was loaded: "mlx-lfm-linux-x64-gnu-cuda",
+    /// "mlx-lfm-linux-x64-gnu", ..., or "local build" (a `.node` next to
+    /// the package, as `npm run build` leaves it).
+    pub binding: Option<String>,
+    /// Why that one (e.g. "MLX_LFM_BACKEND=cpu", "the CUDA package is
+    /// installed and an NVIDIA GPU is present", or why CUDA was not used).
+    pub binding_reason: Option<String>,
 }
 
 /// Facts about the MLX runtime this addon is linked against.
@@ -41,6 +48,9 @@ pub fn mlx_info() -> MlxInfo {
             runtime::DeviceType::Gpu => "gpu".into(),
         },
         device_name: runtime::device_name(),
+        // Filled in by main.cjs, which chose the package before loading it.
+        binding: None,
+        binding_reason: None,
         memory: MemoryInfo {
             active_bytes: m.active as f64,
             peak_bytes: m.peak as f64,
