@@ -6,6 +6,7 @@ mod converter;
 mod fixture;
 mod info;
 mod model;
+mod progress;
 mod session;
 mod stream;
 mod tools;
