@@ -419,7 +419,8 @@ async function serve(addon, v) {
     fail(e.message);
   });
   const i = model.info();
-  console.error(`mlx-lfm: serving ${modelId} (${i.decodePath} decode, ${i.cacheKind} cache, ${i.kvCache} KV) at ${url} (Ctrl-C stops)`);
+  console.error(`mlx-lfm: ${i.modelType} ${i.dtype} on ${i.backend}: ${i.decodePath} decode, ${i.cacheKind} cache, ${i.kvCache} KV`);
+  console.error(`mlx-lfm: serving ${modelId} at ${url} (Ctrl-C stops)`);
   const stop = () => {
     server.close();
     server.closeAllConnections?.();
