@@ -170,10 +170,10 @@ export interface CacheStats {
 }
 
 export interface ChatMessage {
-  /** "system", "user", "assistant" or "tool". */
-  role: string
+  role: 'system' | 'user' | 'assistant' | 'tool'
   content?: string
-  toolCalls?: Array<any>
+  /** An assistant turn's tool calls (as a chat result's `toolCalls`). */
+  toolCalls?: Array<ToolCall>
   toolCallId?: string
   name?: string
 }
@@ -186,7 +186,7 @@ export interface ChatResult {
    * "tool_calls" (chat: the reply holds tool calls that all parsed and
    * generation stopped normally).
    */
-  finishReason: string
+  finishReason: 'stop' | 'length' | 'abort' | 'tool_calls'
   /** Completion token ids (without the end-of-sequence token). */
   tokens: Array<number>
   usage: Usage
@@ -213,13 +213,13 @@ export interface ConvertOptions {
    * "affine", "mxfp4", "mxfp8" or "nvfp4". Quantization happens when
    * mode, bits or groupSize is given (mode defaults to "affine").
    */
-  mode?: string
+  mode?: 'affine' | 'mxfp4' | 'mxfp8' | 'nvfp4'
   /** Defaults per mode: affine 4, mxfp4 4, mxfp8 8, nvfp4 4. */
   bits?: number
   /** Defaults per mode: affine 64, mxfp4 32, mxfp8 32, nvfp4 16. */
   groupSize?: number
   /** Cast float tensors (never expert_bias): "float32", "float16" or "bfloat16". */
-  dtype?: string
+  dtype?: 'float32' | 'float16' | 'bfloat16' | 'f32' | 'f16' | 'bf16'
   /** Per-module rules, as objects or as `PATH=BITS[:GROUP[:MODE]]` / `PATH=skip` strings. */
   overrides?: Array<string | QuantOverrideOptions>
   /** Largest safetensors shard in bytes (default 5 GiB, as mlx-lm). */
@@ -228,12 +228,11 @@ export interface ConvertOptions {
 
 export interface ConvertReport {
   outDir: string
-  /** "lfm2" or "lfm2_moe". */
-  modelType: string
-  /** The source's layout: "hf" or "mlx". */
-  sourceLayout: string
+  modelType: 'lfm2' | 'lfm2_moe'
+  /** The source's layout. */
+  sourceLayout: 'hf' | 'mlx'
   /** Dtype of the unquantized float weights written. */
-  dtype: string
+  dtype: 'float32' | 'float16' | 'bfloat16'
   /** The recipe's global format; absent when not quantized. */
   globalQuantization?: QuantSpecInfo
   /** Formats used, with how many modules use each. */
@@ -254,21 +253,37 @@ export interface ConvertReport {
 
 export interface FixtureOptions {
   /** "tiny" (default), "tiny-moe", "lfm2-350m", "lfm2-1.2b" or "lfm2-8b-a1b". */
-  preset?: string
+  preset?: 'tiny' | 'tiny-moe' | 'lfm2-350m' | 'lfm2-1.2b' | 'lfm2-8b-a1b'
   /** "f32" (default), "bf16" or "f16". */
-  dtype?: string
+  dtype?: 'f32' | 'bf16' | 'f16' | 'float32' | 'float16' | 'bfloat16'
   /** "hf" (default) or "mlx". */
-  layout?: string
+  layout?: 'hf' | 'mlx'
   /** An integer from 0 to 2^32 - 1 (default 0). */
   seed?: number
   /** Split weights into shards of at most this many bytes. */
   maxShardBytes?: number
   /** "full_attn_idxs" (default), "layer_types" or "both". */
-  attnStyle?: string
+  attnStyle?: 'full_attn_idxs' | 'layer_types' | 'both'
   /** Put rope_theta in rope_parameters instead of the top level. */
   ropeInParameters?: boolean
   /** Leave num_key_value_heads out of config.json. */
   omitNumKeyValueHeads?: boolean
+}
+
+export interface FunctionDefinition {
+  name: string
+  description?: string
+  /** A JSON Schema for the arguments. */
+  parameters?: Record<string, unknown>
+}
+
+/**
+ * A tool offered to the model, in the OpenAI function shape (only the
+ * type: `tools` are handed to the chat template as given).
+ */
+export interface FunctionTool {
+  type: 'function'
+  function: FunctionDefinition
 }
 
 /**
@@ -295,7 +310,7 @@ export interface GenerateOptions {
   /** Keep generating past end-of-sequence tokens. */
   ignoreEos?: boolean
   /** Tools in the OpenAI function shape, rendered by the chat template (chat only). */
-  tools?: Array<any>
+  tools?: Array<FunctionTool>
   /**
    * For trusted callers only (chat): control tokens written in message
    * content and names (`<|im_end|>`, `<|im_start|>`, ...) become the
@@ -319,17 +334,20 @@ export interface GenerateOptions {
 }
 
 export interface LoadOptions {
-  /** Cast floating-point weights: "float32", "float16" or "bfloat16". */
-  dtype?: string
+  /**
+   * Cast floating-point weights: "float32", "float16" or "bfloat16"
+   * (or their short names).
+   */
+  dtype?: 'float32' | 'float16' | 'bfloat16' | 'f32' | 'f16' | 'bf16'
   /** Tokens per prefill chunk (default 2048). */
   prefillChunkSize?: number
   /** "cpu" or "gpu" (default: MLX's default device). */
-  device?: string
+  device?: 'cpu' | 'gpu'
   /**
    * "compiled" or "eager" (default: compiled when the model is eligible;
    * MLX_LFM_DISABLE_COMPILED=1 turns it off).
    */
-  decodePath?: string
+  decodePath?: 'compiled' | 'eager'
   /**
    * KV cache storage: "default" (full precision), "affine4" / "affine8"
    * (MLX affine, group 64), "rotorquant" (IsoQuant 3-bit, dense rotation),
@@ -338,7 +356,7 @@ export interface LoadOptions {
    * full precision). Default: MLX_LFM_KV_CACHE, else "default". Quantized
    * caches decode on the eager path.
    */
-  kvCache?: string
+  kvCache?: 'default' | 'affine4' | 'affine8' | 'rotorquant' | 'rotorquant-dense' | 'rotorquant-quaternion' | 'rotorquant-adaptive'
   /**
    * For "rotorquant-adaptive": attention layers kept in full precision at
    * each end (default 1; LFM2 has 6 attention layers).
@@ -368,6 +386,25 @@ export interface LoadOptions {
    * accepted). A longer request fails before any compute.
    */
   contextLength?: number
+  /**
+   * Called on the JS thread as the weights are read and evaluated (after
+   * every few tensors), then once with phase "ready" just before the
+   * promise resolves. `loadedBytes` only grows and ends equal to
+   * `totalBytes`. If it throws, the load stops and rejects with that error.
+   */
+  onProgress?: (progress: LoadProgress) => void
+}
+
+/** How far a load is (see `LoadOptions.onProgress`). */
+export interface LoadProgress {
+  /**
+   * Bytes of weights in memory so far (as the model holds them: cast
+   * and stacked).
+   */
+  loadedBytes: number
+  totalBytes: number
+  /** "weights" while they are read, "ready" once the model can be used. */
+  phase: 'weights' | 'ready'
 }
 
 export interface MemoryInfo {
@@ -405,10 +442,10 @@ export declare function mlxInfo(): MlxInfo
 export interface MlxInfo {
   /** MLX library version, e.g. "0.32.4". */
   version: string
-  /** Which libmlx build is loaded: "cpu", "cuda" or "metal". */
-  backend: string
-  /** MLX's default device: "cpu" or "gpu". */
-  defaultDevice: string
+  /** Which libmlx build is loaded. */
+  backend: 'cpu' | 'cuda' | 'metal'
+  /** MLX's default device. */
+  defaultDevice: 'cpu' | 'gpu'
   deviceName: string
   memory: MemoryInfo
   /**
@@ -432,16 +469,15 @@ export declare function mlxMatmul(a: Float32Array, aShape: Array<number>, b: Flo
 
 export interface ModelInfo {
   path: string
-  /** "lfm2" or "lfm2_moe". */
-  modelType: string
-  /** "attention" or "conv" per layer. */
-  layerKinds: Array<string>
-  /** Activation dtype, e.g. "bfloat16". */
-  dtype: string
+  modelType: 'lfm2' | 'lfm2_moe'
+  /** Per layer. */
+  layerKinds: Array<'attention' | 'conv'>
+  /** Activation dtype. */
+  dtype: 'float32' | 'float16' | 'bfloat16'
   /** Quantized formats in use; empty for an unquantized checkpoint. */
   quantization: Array<QuantizationInfo>
-  /** "paged", "flat" or "quantized" (a kvCache other than "default"). */
-  cacheKind: string
+  /** "quantized" is a kvCache other than "default". */
+  cacheKind: 'paged' | 'flat' | 'quantized'
   /** Why that cache was chosen. */
   cacheReason: string
   /** Tokens per block of the paged cache (paged only). */
@@ -449,16 +485,12 @@ export interface ModelInfo {
   /** The paged pool's memory budget in MiB (paged only). */
   pagedCacheBudgetMb?: number
   /** The kvCache setting in effect. */
-  kvCache: string
-  /**
-   * Per attention layer: what its KV cache stores ("default" = full
-   * precision, "affine4", "affine8", "rotorquant-dense", "rotorquant-quaternion").
-   */
-  kvCacheLayers: Array<string>
+  kvCache: 'default' | 'affine4' | 'affine8' | 'rotorquant' | 'rotorquant-dense' | 'rotorquant-quaternion' | 'rotorquant-adaptive'
+  /** Per attention layer: what its KV cache stores ("default" = full precision). */
+  kvCacheLayers: Array<'default' | 'affine4' | 'affine8' | 'rotorquant-dense' | 'rotorquant-quaternion'>
   /** KV cache bytes per token over all attention layers. */
   kvBytesPerToken: number
-  /** "compiled" or "eager". */
-  decodePath: string
+  decodePath: 'compiled' | 'eager'
   /** Why that decode path was chosen. */
   decodePathReason: string
   /** Positions a request may use (prompt plus generated tokens). */
@@ -472,10 +504,8 @@ export interface ModelInfo {
   expertsPerToken?: number
   eosTokenIds: Array<number>
   hasChatTemplate: boolean
-  /** "cpu", "cuda" or "metal". */
-  backend: string
-  /** "cpu" or "gpu". */
-  device: string
+  backend: 'cpu' | 'cuda' | 'metal'
+  device: 'cpu' | 'gpu'
 }
 
 /** Text split into plain text and tool calls (see `parseToolCalls`). */
@@ -495,7 +525,7 @@ export interface ParsedToolCalls {
 export declare function parseToolCalls(text: string): ParsedToolCalls
 
 export interface QuantizationInfo {
-  mode: string
+  mode: 'affine' | 'mxfp4' | 'mxfp8' | 'nvfp4'
   bits: number
   groupSize: number
   /** How many projections use this format. */
@@ -514,11 +544,11 @@ export interface QuantOverrideOptions {
   bits?: number
   groupSize?: number
   /** Defaults to the global mode. */
-  mode?: string
+  mode?: 'affine' | 'mxfp4' | 'mxfp8' | 'nvfp4'
 }
 
 export interface QuantSpecInfo {
-  mode: string
+  mode: 'affine' | 'mxfp4' | 'mxfp8' | 'nvfp4'
   bits: number
   groupSize: number
 }
@@ -530,7 +560,7 @@ export interface SessionOptions {
    * Tools (OpenAI function shape) offered on every turn; a turn's own
    * `tools` option replaces them for that turn.
    */
-  tools?: Array<any>
+  tools?: Array<FunctionTool>
   /**
    * Generation options for every turn; a turn's options override them
    * one by one. (A `signal` belongs to a turn, not here.)

@@ -243,6 +243,51 @@ test('load errors name the problem, and a failed load leaves the process working
   ok.close();
 });
 
+test('onProgress reports the weights as they load, then "ready", all before load resolves', async () => {
+  const dir = await fixture('tiny', TINY);
+  const seen = [];
+  const m = await addon.Lfm2Model.load(dir, { onProgress: (p) => seen.push(p) });
+  const total = m.info().weightBytes;
+  m.close();
+  // The tiny model has more than 8 arrays: several chunks, each reported.
+  assert.ok(seen.length >= 3, JSON.stringify(seen));
+  assert.deepEqual(Object.keys(seen[0]).sort(), ['loadedBytes', 'phase', 'totalBytes']);
+  assert.equal(seen[0].loadedBytes, 0);
+  for (const [i, p] of seen.entries()) {
+    assert.equal(p.totalBytes, total, `report ${i}`);
+    if (i > 0) assert.ok(p.loadedBytes >= seen[i - 1].loadedBytes, `report ${i} went back: ${JSON.stringify(seen)}`);
+  }
+  assert.deepEqual(seen.map((p) => p.phase), [...Array(seen.length - 1).fill('weights'), 'ready']);
+  const last = seen.at(-1);
+  assert.equal(last.loadedBytes, last.totalBytes);
+  // The last weights report already has everything.
+  assert.equal(seen.at(-2).loadedBytes, total);
+});
+
+test('onProgress: a non-function is a TypeError, and a throw rejects the load with it', async () => {
+  const dir = await fixture('tiny', TINY);
+  await assert.rejects(addon.Lfm2Model.load(dir, { onProgress: 'yes' }), {
+    name: 'TypeError',
+    message: 'options.onProgress must be a function, found a string',
+  });
+  await assert.rejects(addon.Lfm2Model.load(dir, { onProgres: () => {} }), /unknown option `onProgres` \(did you mean `onProgress`\?\)/);
+  let calls = 0;
+  await assert.rejects(
+    addon.Lfm2Model.load(dir, {
+      onProgress: () => {
+        calls++;
+        throw new Error('progress bar broke');
+      },
+    }),
+    /progress bar broke/,
+  );
+  assert.ok(calls >= 1);
+  // The process still loads models afterwards.
+  const ok = await addon.Lfm2Model.load(dir, { onProgress: () => {} });
+  assert.equal((await ok.generate([1, 2], { maxTokens: 2, ignoreEos: true })).tokens.length, 2);
+  ok.close();
+});
+
 test('a model path from MLX_LFM_TEST_MODEL (a real checkpoint) chats', async (t) => {
   const dir = process.env.MLX_LFM_TEST_MODEL;
   if (!dir) {

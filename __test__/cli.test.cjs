@@ -40,3 +40,149 @@ test('the CLI reports bad input and exits non-zero', () => {
   assert.equal(b.status, 1);
   assert.match(b.stderr, /--max-tokens must be an integer/);
 });
+
+const run = (args, opts = {}) => spawnSync(process.execPath, [cli, ...args], { encoding: 'utf8', ...opts });
+
+test('--version prints the package version and MLX\'s version and backend', () => {
+  const r = run(['--version']);
+  assert.equal(r.status, 0, r.stderr);
+  const info = addon.mlxInfo();
+  assert.equal(r.stdout.trim(), `mlx-lfm ${require('../package.json').version} (MLX ${info.version}, ${info.backend} backend, default device ${info.defaultDevice})`);
+});
+
+test('--help for each command lists its flags', () => {
+  const expect = {
+    chat: ['--model', '--prompt', '--system', '--max-tokens', '--temperature', '--top-p', '--top-k', '--min-p', '--seed', '--repetition-penalty', '--dtype', '--kv-cache', '--decode-path', '--paged', '--no-paged', '--device', '--context-length'],
+    info: ['--model', '--dtype', '--kv-cache', '--decode-path', '--paged', '--no-paged', '--device', '--context-length'],
+    fixture: ['--out', '--preset', '--dtype', '--layout', '--seed'],
+    serve: ['--model', '--port', '--host', '--name', '--api-key', '--cors', '--max-prompt-tokens', '--dtype', '--kv-cache', '--decode-path', '--paged', '--no-paged', '--device', '--context-length'],
+    convert: ['--model', '--out', '--quantize', '--q-mode', '--q-bits', '--q-group-size', '--dtype', '--q-override'],
+    bench: ['--model', '--prompt-tokens', '--gen', '--reps', '--dtype', '--kv-cache', '--decode-path', '--paged', '--no-paged', '--device', '--context-length'],
+  };
+  for (const [cmd, flags] of Object.entries(expect)) {
+    for (const form of [[cmd, '--help'], [cmd, '-h'], ['help', cmd]]) {
+      const r = run(form);
+      assert.equal(r.status, 0, `${form.join(' ')}: ${r.stderr}`);
+      assert.match(r.stdout, new RegExp(`^usage: mlx-lfm ${cmd} `), form.join(' '));
+      const listed = [...r.stdout.matchAll(/^\s+(?:-\w, )?(--[\w-]+)/gm)].map((m) => m[1]);
+      assert.deepEqual(listed, [...flags, '--help'], form.join(' '));
+    }
+  }
+  const top = run(['--help']);
+  assert.equal(top.status, 0);
+  for (const cmd of Object.keys(expect)) assert.match(top.stdout, new RegExp(`^  mlx-lfm ${cmd} `, 'm'));
+});
+
+test('unknown flags and commands are errors naming the closest valid one', () => {
+  const cases = [
+    [['chat', '--max-tokenz', '3'], 'unknown flag --max-tokenz for chat (did you mean --max-tokens?)'],
+    [['serve', '--kv-cach=affine8'], 'unknown flag --kv-cach for serve (did you mean --kv-cache?)'],
+    [['bench', '--prompt-token', '5'], 'unknown flag --prompt-token for bench (did you mean --prompt-tokens?)'],
+    [['info', '--frobnicate'], 'unknown flag --frobnicate for info; see mlx-lfm info --help'],
+    [['chta'], 'unknown command chta (did you mean chat?)'],
+    [['--verison'], 'unknown command --verison (did you mean --version?)'],
+    [['chat', '--dtype', 'float64'], '--dtype must be one of float32, float16, bfloat16, f32, f16, bf16; got `float64`'],
+    [['chat', '--paged', '--no-paged'], '--paged and --no-paged contradict each other; give one'],
+    [['chat', '--prompt'], '--prompt needs a value (TEXT)'],
+    [['bench'], 'bench needs --model DIR'],
+  ];
+  for (const [args, message] of cases) {
+    const r = run(args);
+    assert.equal(r.status, 1, args.join(' '));
+    assert.equal(r.stderr.split('\n')[0], `mlx-lfm: ${message}`, args.join(' '));
+  }
+});
+
+test('chat streams its reply and passes the load options', async () => {
+  const dir = await fixture('tiny', { preset: 'tiny', dtype: 'f32' });
+  // 40 tokens of reply arrive in more than one write while the process runs
+  // (a reply printed at the end would be one).
+  const { spawn } = require('node:child_process');
+  const child = spawn(process.execPath, [cli, 'chat', '--model', dir, '--prompt', 'Hello', '--max-tokens', '40',
+    '--no-paged', '--decode-path', 'eager', '--dtype', 'bf16', '--kv-cache', 'affine8', '--context-length', '512']);
+  const chunks = [];
+  let stderr = '';
+  child.stdout.on('data', (d) => chunks.push(d.toString()));
+  child.stderr.on('data', (d) => (stderr += d));
+  const code = await new Promise((resolve) => child.on('close', resolve));
+  assert.equal(code, 0, stderr);
+  const m = await addon.Lfm2Model.load(dir, { useBlockPagedCache: false, decodePath: 'eager', dtype: 'bf16', kvCache: 'affine8', contextLength: 512 });
+  const stream = m.chatStream([{ role: 'user', content: 'Hello' }], { maxTokens: 40 });
+  const deltas = [];
+  for await (const ev of stream) if (ev.type === 'text') deltas.push(ev.text);
+  const want = await stream.result();
+  m.close();
+  assert.equal(chunks.join(''), `${want.text}\n`);
+  assert.ok(deltas.length > 1 && chunks.length > 1, `streamed in ${chunks.length} writes`);
+  assert.match(stderr, new RegExp(`prompt ${want.usage.promptTokens} tok, completion ${want.usage.completionTokens} tok`));
+});
+
+test('info takes the load options, and loading shows progress lines without a terminal', async () => {
+  const dir = await fixture('tiny', { preset: 'tiny', dtype: 'f32' });
+  const r = run(['info', '--model', dir, '--no-paged', '--decode-path', 'eager', '--device', 'cpu', '--context-length', '256']);
+  assert.equal(r.status, 0, r.stderr);
+  const { model } = JSON.parse(r.stdout);
+  assert.equal(model.cacheKind, 'flat');
+  assert.equal(model.decodePath, 'eager');
+  assert.equal(model.device, 'cpu');
+  assert.equal(model.contextLength, 256);
+  const lines = r.stderr.trim().split('\n');
+  assert.ok(!r.stderr.includes('\r'), 'no carriage returns without a TTY');
+  const pct = lines.filter((l) => l.startsWith('mlx-lfm: loading weights')).map((l) => Number(/(\d+)%/.exec(l)[1]));
+  assert.equal(pct[0], 0);
+  assert.equal(pct.at(-1), 100);
+  assert.deepEqual(pct, [...pct].sort((a, b) => a - b));
+  assert.match(lines.at(-1), /^mlx-lfm: loaded [\d.]+ MB of weights in [\d.]+ s$/);
+});
+
+test('loading draws a progress bar on a terminal', { skip: spawnSync('script', ['--version']).status !== 0 && 'no `script` to make a terminal' }, async () => {
+  const dir = await fixture('tiny', { preset: 'tiny', dtype: 'f32' });
+  // `script` runs the CLI on a pseudo-terminal (stderr.isTTY) and copies what it wrote.
+  const cmd = [process.execPath, cli, 'info', '--model', dir].map((a) => `'${a}'`).join(' ');
+  const r = spawnSync('script', ['-qec', cmd, '/dev/null'], { encoding: 'utf8' });
+  assert.equal(r.status, 0, r.stdout + r.stderr);
+  assert.match(r.stdout, /\rloading weights \[[#.]{30}\] +\d+% [\d.]+\/[\d.]+ MB/);
+  assert.match(r.stdout, /\r\x1b\[Kmlx-lfm: loaded [\d.]+ MB of weights/);
+  assert.doesNotMatch(r.stdout, /mlx-lfm: loading weights \d+%/);
+});
+
+test('bench prints prefill and decode tok/s with progress', async () => {
+  const dir = await fixture('tiny', { preset: 'tiny', dtype: 'f32' });
+  const r = run(['bench', '--model', dir, '--prompt-tokens', '48', '--gen', '12', '--reps', '2', '--decode-path', 'eager']);
+  assert.equal(r.status, 0, r.stderr);
+  assert.match(r.stdout, /^prefill: [\d.]+ tok\/s \(48 tokens, [\d.]+ ms\)\ndecode: [\d.]+ tok\/s \(12 tokens, [\d.]+ ms\)\nttft: [\d.]+ ms\n$/);
+  assert.ok(Number(/prefill: ([\d.]+)/.exec(r.stdout)[1]) > 0 && Number(/decode: ([\d.]+)/.exec(r.stdout)[1]) > 0);
+  assert.match(r.stderr, /eager decode/);
+  assert.match(r.stderr, /run 1\/2: prefill 48 tokens, decode 12\n.*run 1\/2: prefill [\d.]+ tok\/s, decode [\d.]+ tok\/s/);
+  assert.match(r.stderr, /run 2\/2: prefill [\d.]+ tok\/s/);
+  const over = run(['bench', '--model', dir, '--prompt-tokens', '200000', '--gen', '1']);
+  assert.equal(over.status, 1);
+  assert.match(over.stderr, /--prompt-tokens 200000 plus --gen 1 exceed the model's context length \(128000\)/);
+});
+
+test('serve takes the load options', async () => {
+  const dir = await fixture('tiny', { preset: 'tiny', dtype: 'f32' });
+  const { spawn } = require('node:child_process');
+  const child = spawn(process.execPath, [cli, 'serve', '--model', dir, '--port', '0', '--no-paged', '--decode-path', 'eager', '--kv-cache', 'affine4']);
+  let stderr = '';
+  const url = await new Promise((resolve, reject) => {
+    child.stderr.on('data', (d) => {
+      stderr += d;
+      const m = /serving \S+ at (\S+)/.exec(stderr);
+      if (m) resolve(m[1]);
+    });
+    child.on('close', (code) => reject(new Error(`serve exited ${code}: ${stderr}`)));
+  });
+  try {
+    assert.match(stderr, /: eager decode, quantized cache, affine4 KV\n/);
+    const res = await fetch(`${url}/chat/completions`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json' },
+      body: JSON.stringify({ messages: [{ role: 'user', content: 'hi' }], max_tokens: 3 }),
+    });
+    assert.equal(res.status, 200);
+    assert.equal((await res.json()).object, 'chat.completion');
+  } finally {
+    child.kill('SIGTERM');
+  }
+});

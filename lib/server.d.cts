@@ -48,10 +48,24 @@ export declare function createServer(options: ServerOptions): Server
  * any other address needs `apiKey`), with at most `maxConnections` connections (default 256). Timeouts
  * given here override those in `options`.
  */
-export declare function listen(
-  options: ServerOptions,
-  where?: { port?: number; host?: string; maxConnections?: number; headersTimeout?: number; requestTimeout?: number; keepAliveTimeout?: number },
-): Promise<{ server: Server; port: number; url: string }>
+export declare function listen(options: ServerOptions, where?: ListenOptions): Promise<{ server: Server; port: number; url: string }>
+
+/** Where `listen()` listens. */
+export interface ListenOptions {
+  /** Default 8080; 0 picks a free port. */
+  port?: number
+  /** Default 127.0.0.1; anything but a loopback address needs `apiKey`. */
+  host?: string
+  /** Default 256. */
+  maxConnections?: number
+  /** Override `ServerOptions`' timeouts (ms). */
+  headersTimeout?: number
+  requestTimeout?: number
+  keepAliveTimeout?: number
+}
+
+/** Whether `host` is a loopback address (`localhost`, `::1`, `127.x.y.z`): listening there needs no API key. */
+export declare function isLoopback(host: string): boolean
 
 /** An error answered with an OpenAI error body. */
 export declare class ApiError extends Error {

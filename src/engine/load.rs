@@ -10,7 +10,7 @@ use crate::kvquant::KvCacheConfig;
 use crate::mlx::{runtime, Dtype};
 use crate::model::config::token_ids;
 use crate::model::lfm2::Operator;
-use crate::model::{load_model, Lfm2Model, LoadOptions};
+use crate::model::{load_model, Lfm2Model, LoadOptions, Progress};
 use crate::text::Tokenizer;
 use parking_lot::Mutex;
 use serde_json::Value;
@@ -46,6 +46,8 @@ pub struct EngineOptions {
     /// Lowers the context length below config.json's
     /// `max_position_embeddings` (prompt plus generated tokens).
     pub context_length: Option<usize>,
+    /// Told the bytes of weights evaluated so far (see `model::Progress`).
+    pub progress: Option<Progress>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -235,7 +237,7 @@ impl Engine {
         }
         let disabled = env_flag("MLX_LFM_DISABLE_COMPILED")?;
         let tokenizer = Arc::new(Tokenizer::load(dir)?);
-        let loaded = load_model(dir, &LoadOptions { dtype: opts.dtype })?;
+        let loaded = load_model(dir, &LoadOptions { dtype: opts.dtype, progress: opts.progress.clone() })?;
         let mut model = loaded.model;
         if let Some(n) = opts.context_length {
             let max = model.config.max_position_embeddings;

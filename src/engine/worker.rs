@@ -116,11 +116,15 @@ impl ModelWorker {
         };
         let (ready_tx, ready_rx) = channel::<JoinHandle<()>>();
         let spawn = std::thread::Builder::new().name("mlx-lfm-model".into()).spawn(move || {
+            let mut opts = opts;
             let loaded = catch_unwind(AssertUnwindSafe(|| -> Result<Engine> {
                 runtime::use_new_stream()?;
                 Engine::load(&dir, &opts)
             }))
             .unwrap_or_else(|p| Err(Error::new(ErrorKind::Mlx, format!("panic while loading: {}", panic_message(p)))));
+            // This thread lives as long as the model: the progress callback
+            // (a JS function behind it) is let go as soon as the load is over.
+            opts.progress = None;
             let thread = ready_rx.recv().ok();
             let mut engine = match loaded {
                 Ok(e) => e,

@@ -108,7 +108,7 @@ fn suggestion(prefix: &str, near: Option<&str>, valid: &[&str]) -> String {
 }
 
 /// The JS type of `v` for messages ("a string", "an array", "null").
-fn kind_of(v: &Unknown) -> String {
+pub(crate) fn kind_of(v: &Unknown) -> String {
     if is_array(v) {
         return "an array".into();
     }

@@ -12,16 +12,20 @@ use crate::text::tool_calls;
 use napi::bindgen_prelude::*;
 use napi_derive::napi;
 
-#[napi(object)]
-pub struct LoadOptions {
-    /// Cast floating-point weights: "float32", "float16" or "bfloat16".
+#[napi(object, object_to_js = false)]
+pub struct LoadOptions<'env> {
+    /// Cast floating-point weights: "float32", "float16" or "bfloat16"
+    /// (or their short names).
+    #[napi(ts_type = "'float32' | 'float16' | 'bfloat16' | 'f32' | 'f16' | 'bf16'")]
     pub dtype: Option<String>,
     /// Tokens per prefill chunk (default 2048).
     pub prefill_chunk_size: Option<f64>,
     /// "cpu" or "gpu" (default: MLX's default device).
+    #[napi(ts_type = "'cpu' | 'gpu'")]
     pub device: Option<String>,
     /// "compiled" or "eager" (default: compiled when the model is eligible;
     /// MLX_LFM_DISABLE_COMPILED=1 turns it off).
+    #[napi(ts_type = "'compiled' | 'eager'")]
     pub decode_path: Option<String>,
     /// KV cache storage: "default" (full precision), "affine4" / "affine8"
     /// (MLX affine, group 64), "rotorquant" (IsoQuant 3-bit, dense rotation),
@@ -29,6 +33,7 @@ pub struct LoadOptions {
     /// (the first and last `kvCacheFullPrecisionLayers` attention layers in
     /// full precision). Default: MLX_LFM_KV_CACHE, else "default". Quantized
     /// caches decode on the eager path.
+    #[napi(ts_type = "'default' | 'affine4' | 'affine8' | 'rotorquant' | 'rotorquant-dense' | 'rotorquant-quaternion' | 'rotorquant-adaptive'")]
     pub kv_cache: Option<String>,
     /// For "rotorquant-adaptive": attention layers kept in full precision at
     /// each end (default 1; LFM2 has 6 attention layers).
@@ -49,6 +54,24 @@ pub struct LoadOptions {
     /// config.json `max_position_embeddings`; only lower values are
     /// accepted). A longer request fails before any compute.
     pub context_length: Option<f64>,
+    /// Called on the JS thread as the weights are read and evaluated (after
+    /// every few tensors), then once with phase "ready" just before the
+    /// promise resolves. `loadedBytes` only grows and ends equal to
+    /// `totalBytes`. If it throws, the load stops and rejects with that error.
+    #[napi(ts_type = "(progress: LoadProgress) => void")]
+    pub on_progress: Option<Unknown<'env>>,
+}
+
+/// How far a load is (see `LoadOptions.onProgress`).
+#[napi(object, object_from_js = false)]
+pub struct LoadProgress {
+    /// Bytes of weights in memory so far (as the model holds them: cast
+    /// and stacked).
+    pub loaded_bytes: f64,
+    pub total_bytes: f64,
+    /// "weights" while they are read, "ready" once the model can be used.
+    #[napi(ts_type = "'weights' | 'ready'")]
+    pub phase: String,
 }
 
 /// `LoadOptions`' keys as JS spells them: any other key is an error
@@ -64,6 +87,7 @@ pub const LOAD_OPTION_KEYS: &[&str] = &[
     "pagedBlockSize",
     "pagedCacheBudgetMb",
     "contextLength",
+    "onProgress",
 ];
 
 #[napi(object, object_to_js = false)]
@@ -85,6 +109,7 @@ pub struct GenerateOptions<'env> {
     /// Keep generating past end-of-sequence tokens.
     pub ignore_eos: Option<bool>,
     /// Tools in the OpenAI function shape, rendered by the chat template (chat only).
+    #[napi(ts_type = "Array<FunctionTool>")]
     pub tools: Option<Vec<serde_json::Value>>,
     /// For trusted callers only (chat): control tokens written in message
     /// content and names (`<|im_end|>`, `<|im_start|>`, ...) become the
@@ -198,9 +223,11 @@ impl OptionValues {
 #[napi(object)]
 #[derive(Clone)]
 pub struct ChatMessage {
-    /// "system", "user", "assistant" or "tool".
+    #[napi(ts_type = "'system' | 'user' | 'assistant' | 'tool'")]
     pub role: String,
     pub content: Option<String>,
+    /// An assistant turn's tool calls (as a chat result's `toolCalls`).
+    #[napi(ts_type = "Array<ToolCall>")]
     pub tool_calls: Option<Vec<serde_json::Value>>,
     pub tool_call_id: Option<String>,
     pub name: Option<String>,
@@ -243,6 +270,7 @@ pub struct ChatResult {
     /// "stop" (end-of-sequence or a stop string), "length", "abort", or
     /// "tool_calls" (chat: the reply holds tool calls that all parsed and
     /// generation stopped normally).
+    #[napi(ts_type = "'stop' | 'length' | 'abort' | 'tool_calls'")]
     pub finish_reason: String,
     /// Completion token ids (without the end-of-sequence token).
     pub tokens: Vec<u32>,
@@ -274,6 +302,26 @@ pub struct ToolCallFunction {
     pub arguments: String,
 }
 
+/// A tool offered to the model, in the OpenAI function shape (only the
+/// type: `tools` are handed to the chat template as given).
+#[napi(object)]
+#[allow(dead_code)] // never built: it exists for its TypeScript declaration
+pub struct FunctionTool {
+    #[napi(js_name = "type", ts_type = "'function'")]
+    pub kind: String,
+    pub function: FunctionDefinition,
+}
+
+#[napi(object)]
+#[allow(dead_code)] // as FunctionTool
+pub struct FunctionDefinition {
+    pub name: String,
+    pub description: Option<String>,
+    /// A JSON Schema for the arguments.
+    #[napi(ts_type = "Record<string, unknown>")]
+    pub parameters: Option<serde_json::Value>,
+}
+
 /// A tool call that could not be parsed.
 #[napi(object)]
 #[derive(Clone)]
@@ -294,6 +342,7 @@ pub struct ParsedToolCalls {
 
 #[napi(object)]
 pub struct QuantizationInfo {
+    #[napi(ts_type = "'affine' | 'mxfp4' | 'mxfp8' | 'nvfp4'")]
     pub mode: String,
     pub bits: i32,
     pub group_size: i32,
@@ -304,15 +353,18 @@ pub struct QuantizationInfo {
 #[napi(object)]
 pub struct ModelInfo {
     pub path: String,
-    /// "lfm2" or "lfm2_moe".
+    #[napi(ts_type = "'lfm2' | 'lfm2_moe'")]
     pub model_type: String,
-    /// "attention" or "conv" per layer.
+    /// Per layer.
+    #[napi(ts_type = "Array<'attention' | 'conv'>")]
     pub layer_kinds: Vec<String>,
-    /// Activation dtype, e.g. "bfloat16".
+    /// Activation dtype.
+    #[napi(ts_type = "'float32' | 'float16' | 'bfloat16'")]
     pub dtype: String,
     /// Quantized formats in use; empty for an unquantized checkpoint.
     pub quantization: Vec<QuantizationInfo>,
-    /// "paged", "flat" or "quantized" (a kvCache other than "default").
+    /// "quantized" is a kvCache other than "default".
+    #[napi(ts_type = "'paged' | 'flat' | 'quantized'")]
     pub cache_kind: String,
     /// Why that cache was chosen.
     pub cache_reason: String,
@@ -321,13 +373,14 @@ pub struct ModelInfo {
     /// The paged pool's memory budget in MiB (paged only).
     pub paged_cache_budget_mb: Option<u32>,
     /// The kvCache setting in effect.
+    #[napi(ts_type = "'default' | 'affine4' | 'affine8' | 'rotorquant' | 'rotorquant-dense' | 'rotorquant-quaternion' | 'rotorquant-adaptive'")]
     pub kv_cache: String,
-    /// Per attention layer: what its KV cache stores ("default" = full
-    /// precision, "affine4", "affine8", "rotorquant-dense", "rotorquant-quaternion").
+    /// Per attention layer: what its KV cache stores ("default" = full precision).
+    #[napi(ts_type = "Array<'default' | 'affine4' | 'affine8' | 'rotorquant-dense' | 'rotorquant-quaternion'>")]
     pub kv_cache_layers: Vec<String>,
     /// KV cache bytes per token over all attention layers.
     pub kv_bytes_per_token: f64,
-    /// "compiled" or "eager".
+    #[napi(ts_type = "'compiled' | 'eager'")]
     pub decode_path: String,
     /// Why that decode path was chosen.
     pub decode_path_reason: String,
@@ -342,12 +395,14 @@ pub struct ModelInfo {
     pub experts_per_token: Option<u32>,
     pub eos_token_ids: Vec<u32>,
     pub has_chat_template: bool,
-    /// "cpu", "cuda" or "metal".
+    #[napi(ts_type = "'cpu' | 'cuda' | 'metal'")]
     pub backend: String,
-    /// "cpu" or "gpu".
+    #[napi(ts_type = "'cpu' | 'gpu'")]
     pub device: String,
 }
 
+/// The engine's options (all but `onProgress`, which `Lfm2Model::load`
+/// turns into the engine's progress report).
 pub fn engine_options(o: Option<LoadOptions>) -> Result<EngineOptions> {
     let mut e = EngineOptions::default();
     if let Some(o) = o {

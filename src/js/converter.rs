@@ -22,6 +22,7 @@ pub struct QuantOverrideOptions {
     pub bits: Option<f64>,
     pub group_size: Option<f64>,
     /// Defaults to the global mode.
+    #[napi(ts_type = "'affine' | 'mxfp4' | 'mxfp8' | 'nvfp4'")]
     pub mode: Option<String>,
 }
 
@@ -31,12 +32,14 @@ const OVERRIDE_KEYS: &[&str] = &["pattern", "skip", "bits", "groupSize", "mode"]
 pub struct ConvertOptions {
     /// "affine", "mxfp4", "mxfp8" or "nvfp4". Quantization happens when
     /// mode, bits or groupSize is given (mode defaults to "affine").
+    #[napi(ts_type = "'affine' | 'mxfp4' | 'mxfp8' | 'nvfp4'")]
     pub mode: Option<String>,
     /// Defaults per mode: affine 4, mxfp4 4, mxfp8 8, nvfp4 4.
     pub bits: Option<f64>,
     /// Defaults per mode: affine 64, mxfp4 32, mxfp8 32, nvfp4 16.
     pub group_size: Option<f64>,
     /// Cast float tensors (never expert_bias): "float32", "float16" or "bfloat16".
+    #[napi(ts_type = "'float32' | 'float16' | 'bfloat16' | 'f32' | 'f16' | 'bf16'")]
     pub dtype: Option<String>,
     /// Per-module rules, as objects or as `PATH=BITS[:GROUP[:MODE]]` / `PATH=skip` strings.
     pub overrides: Option<Vec<Either<String, QuantOverrideOptions>>>,
@@ -53,6 +56,7 @@ fn small_int(name: &str, v: Option<f64>) -> Result<Option<i32>> {
 
 #[napi(object)]
 pub struct QuantSpecInfo {
+    #[napi(ts_type = "'affine' | 'mxfp4' | 'mxfp8' | 'nvfp4'")]
     pub mode: String,
     pub bits: i32,
     pub group_size: i32,
@@ -67,11 +71,13 @@ pub struct UnquantizedModule {
 #[napi(object)]
 pub struct ConvertReport {
     pub out_dir: String,
-    /// "lfm2" or "lfm2_moe".
+    #[napi(ts_type = "'lfm2' | 'lfm2_moe'")]
     pub model_type: String,
-    /// The source's layout: "hf" or "mlx".
+    /// The source's layout.
+    #[napi(ts_type = "'hf' | 'mlx'")]
     pub source_layout: String,
     /// Dtype of the unquantized float weights written.
+    #[napi(ts_type = "'float32' | 'float16' | 'bfloat16'")]
     pub dtype: String,
     /// The recipe's global format; absent when not quantized.
     pub global_quantization: Option<QuantSpecInfo>,

@@ -12,16 +12,20 @@ use std::path::PathBuf;
 #[napi(object)]
 pub struct FixtureOptions {
     /// "tiny" (default), "tiny-moe", "lfm2-350m", "lfm2-1.2b" or "lfm2-8b-a1b".
+    #[napi(ts_type = "'tiny' | 'tiny-moe' | 'lfm2-350m' | 'lfm2-1.2b' | 'lfm2-8b-a1b'")]
     pub preset: Option<String>,
     /// "f32" (default), "bf16" or "f16".
+    #[napi(ts_type = "'f32' | 'bf16' | 'f16' | 'float32' | 'float16' | 'bfloat16'")]
     pub dtype: Option<String>,
     /// "hf" (default) or "mlx".
+    #[napi(ts_type = "'hf' | 'mlx'")]
     pub layout: Option<String>,
     /// An integer from 0 to 2^32 - 1 (default 0).
     pub seed: Option<f64>,
     /// Split weights into shards of at most this many bytes.
     pub max_shard_bytes: Option<f64>,
     /// "full_attn_idxs" (default), "layer_types" or "both".
+    #[napi(ts_type = "'full_attn_idxs' | 'layer_types' | 'both'")]
     pub attn_style: Option<String>,
     /// Put rope_theta in rope_parameters instead of the top level.
     pub rope_in_parameters: Option<bool>,

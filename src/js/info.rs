@@ -21,9 +21,11 @@ pub struct MemoryInfo {
 pub struct MlxInfo {
     /// MLX library version, e.g. "0.32.4".
     pub version: String,
-    /// Which libmlx build is loaded: "cpu", "cuda" or "metal".
+    /// Which libmlx build is loaded.
+    #[napi(ts_type = "'cpu' | 'cuda' | 'metal'")]
     pub backend: String,
-    /// MLX's default device: "cpu" or "gpu".
+    /// MLX's default device.
+    #[napi(ts_type = "'cpu' | 'gpu'")]
     pub default_device: String,
     pub device_name: String,
     pub memory: MemoryInfo,

@@ -204,20 +204,29 @@ impl Lfm2Model {
     #[napi(ts_args_type = "path: string, options?: LoadOptions | undefined | null", ts_return_type = "Promise<Lfm2Model>")]
     pub fn load<'e>(env: &'e Env, path: Unknown<'e>, options: Option<Unknown<'e>>) -> Result<Object<'e>> {
         let checked = args::value::<String>(&path, "path", "a string (a checkpoint directory)").and_then(|path| {
-            let options: Option<LoadOptions> = args::options(options, "", LOAD_OPTION_KEYS)?;
-            Ok((path, super::convert::engine_options(options)?))
+            let mut options: Option<LoadOptions> = args::options(options, "", LOAD_OPTION_KEYS)?;
+            let reporter = match options.as_mut().and_then(|o| o.on_progress.take()) {
+                Some(f) => Some(super::progress::Reporter::new(&f)?),
+                None => None,
+            };
+            Ok((path, super::convert::engine_options(options)?, reporter))
         });
-        let (path, opts) = match checked {
+        let (path, mut opts, reporter) = match checked {
             Ok(x) => x,
             Err(e) => return rejected(env, e),
         };
         register_exit_hook(env)?;
         let (deferred, promise) = env.create_deferred()?;
-        ModelWorker::spawn(PathBuf::from(path), opts, move |r| match r {
+        opts.progress = reporter.as_ref().map(|r| r.engine_progress());
+        let settle = move |r: Result<_>| match r {
             Ok((worker, info, tokenizer)) => {
                 deferred.resolve(move |_| Ok(Lfm2Model { worker: Arc::new(worker), info, tokenizer }))
             }
-            Err(e) => deferred.reject(js_error(e)),
+            Err(e) => deferred.reject(e),
+        };
+        ModelWorker::spawn(PathBuf::from(path), opts, move |r| match reporter {
+            Some(reporter) => reporter.finish(r, settle),
+            None => settle(r.map_err(js_error)),
         });
         Ok(promise)
     }

@@ -27,6 +27,7 @@ pub struct SessionOptions<'env> {
     pub system: Option<String>,
     /// Tools (OpenAI function shape) offered on every turn; a turn's own
     /// `tools` option replaces them for that turn.
+    #[napi(ts_type = "Array<FunctionTool>")]
     pub tools: Option<Vec<serde_json::Value>>,
     /// Generation options for every turn; a turn's options override them
     /// one by one. (A `signal` belongs to a turn, not here.)

@@ -14,4 +14,4 @@ pub mod weights;
 pub use crate::cache::ModelCache;
 pub use config::{ModelConfig, ModelType};
 pub use lfm2::Lfm2Model;
-pub use loader::{load_model, LoadOptions, LoadedModel};
+pub use loader::{load_model, LoadOptions, LoadedModel, Progress};
