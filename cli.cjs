@@ -478,8 +478,8 @@ async function bench(addon, v) {
 function version() {
   let mlx;
   try {
-    const m = require('./index.cjs').mlxInfo();
-    mlx = `MLX ${m.version}, ${m.backend} backend, default device ${m.defaultDevice}`;
+    const m = require('./main.cjs').mlxInfo();
+    mlx = `MLX ${m.version}, ${m.backend} backend, default device ${m.defaultDevice}, native package: ${m.binding}`;
   } catch (e) {
     mlx = `native addon not loaded: ${e.message.split('\n')[0]}`;
   }
@@ -508,7 +508,7 @@ async function main() {
     console.log(commandHelp(cmd));
     return;
   }
-  await COMMANDS[cmd].run(require('./index.cjs'), values);
+  await COMMANDS[cmd].run(require('./main.cjs'), values);
 }
 
 main().catch((e) => fail(e.message));

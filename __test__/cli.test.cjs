@@ -47,7 +47,7 @@ test('--version prints the package version and MLX\'s version and backend', () =
   const r = run(['--version']);
   assert.equal(r.status, 0, r.stderr);
   const info = addon.mlxInfo();
-  assert.equal(r.stdout.trim(), `mlx-lfm ${require('../package.json').version} (MLX ${info.version}, ${info.backend} backend, default device ${info.defaultDevice})`);
+  assert.equal(r.stdout.trim(), `mlx-lfm ${require('../package.json').version} (MLX ${info.version}, ${info.backend} backend, default device ${info.defaultDevice}, native package: ${info.binding})`);
 });
 
 test('--help for each command lists its flags', () => {

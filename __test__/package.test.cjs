@@ -85,6 +85,11 @@ test('the packed packages install with npm alone and chat', { skip: !supported &
     assert.match(got.reason, /mlx-lfm-linux-x64-gnu-cuda is not installed/);
     assert.ok(got.from.startsWith(path.join(app, 'node_modules', 'mlx-lfm')), got.from);
 
+    // The installed CLI runs through the same entry.
+    const ver = spawnSync('node', [path.join(app, 'node_modules', 'mlx-lfm', 'cli.cjs'), '--version'], { cwd: app, env, encoding: 'utf8' });
+    assert.strictEqual(ver.status, 0, ver.stderr);
+    assert.match(ver.stdout, /^mlx-lfm 0\.1\.0 \(MLX 0\.32\.4, cpu backend, default device cpu, native package: mlx-lfm-linux-x64-gnu\)$/m);
+
     // A CUDA package that cannot load (here: not a shared object at all, as
     // when its CUDA libraries are missing) falls back to the CPU one, saying why.
     const fake = path.join(app, 'node_modules', 'mlx-lfm-linux-x64-gnu-cuda');
@@ -110,4 +115,35 @@ test('the packed packages install with npm alone and chat', { skip: !supported &
   } finally {
     fs.rmSync(tmp, { recursive: true, force: true });
   }
+});
+
+// Every platform package, the ones this machine cannot build too (a Mac's
+// darwin-arm64): named, versioned and restricted as npm and our loader
+// expect, carrying the .node the loader asks for and MLX's libraries.
+test('every npm/ platform package is laid out for the loader', () => {
+  const rootPkg = require('../package.json');
+  const expect = {
+    'linux-x64-gnu': { os: 'linux', cpu: 'x64', node: 'linux-x64-gnu', libc: 'glibc' },
+    'linux-x64-gnu-cuda': { os: 'linux', cpu: 'x64', node: 'linux-x64-gnu', libc: 'glibc' },
+    'linux-arm64-gnu': { os: 'linux', cpu: 'arm64', node: 'linux-arm64-gnu', libc: 'glibc' },
+    'darwin-arm64': { os: 'darwin', cpu: 'arm64', node: 'darwin-arm64' },
+  };
+  assert.deepStrictEqual(fs.readdirSync(path.join(root, 'npm')).sort(), Object.keys(expect).sort());
+  for (const [dir, e] of Object.entries(expect)) {
+    const pkg = JSON.parse(fs.readFileSync(path.join(root, 'npm', dir, 'package.json'), 'utf8'));
+    assert.strictEqual(pkg.name, `mlx-lfm-${dir}`, dir);
+    assert.strictEqual(pkg.version, rootPkg.version, dir);
+    assert.deepStrictEqual(pkg.os, [e.os], dir);
+    assert.deepStrictEqual(pkg.cpu, [e.cpu], dir);
+    if (e.libc) assert.deepStrictEqual(pkg.libc, [e.libc], dir);
+    assert.strictEqual(pkg.main, `mlx-lfm.${e.node}.node`, dir);
+    assert.ok(pkg.files.includes(pkg.main) && pkg.files.includes('mlx/lib/'), `${dir}: files ${pkg.files}`);
+    assert.ok(fs.existsSync(path.join(root, 'npm', dir, 'README.md')), dir);
+  }
+  // The loader asks for exactly these packages (plus -cuda on linux-x64).
+  const { PLATFORMS } = require('../lib/backend.cjs');
+  assert.deepStrictEqual(
+    [...Object.values(PLATFORMS), 'linux-x64-gnu-cuda'].sort(),
+    Object.keys(expect).sort(),
+  );
 });

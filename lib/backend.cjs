@@ -105,4 +105,4 @@ function load() {
   }
 }
 
-module.exports = { choose, load };
+module.exports = { choose, load, PLATFORMS };

@@ -30,10 +30,16 @@ function hostTriple() {
 }
 
 function ensureDeps() {
-  if (fs.existsSync(path.join(root, 'node_modules', '@napi-rs', 'cli'))) return;
+  // Installed again whenever the lockfile changed since the last install
+  // (a pull that adds a devDependency), not only when node_modules is gone.
+  const lock = fs.readFileSync(path.join(root, 'package-lock.json'));
+  const hash = require('node:crypto').createHash('sha256').update(lock).digest('hex');
+  const stamp = path.join(root, 'node_modules', '.mlx-lfm-lock-sha256');
+  if (fs.existsSync(stamp) && fs.readFileSync(stamp, 'utf8') === hash) return;
   // One lockfile (package-lock.json), also when invoked through yarn: a
   // second one drifted from it.
   run('npm', ['ci', '--no-audit', '--no-fund']);
+  fs.writeFileSync(stamp, hash);
 }
 
 function build() {

@@ -11,9 +11,6 @@
 pub mod error;
 pub mod mlx;
 
-// Under `cargo test` napi-rs registers no exports, so the glue's functions
-// look unused there; Node drives them (__test__/).
-#[cfg_attr(test, allow(dead_code))]
 mod js;
 
 pub use error::{Error, ErrorKind, Result};
