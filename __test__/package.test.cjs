@@ -61,6 +61,10 @@ test('the packed packages install with npm alone and chat', { skip: !supported &
       encoding: 'utf8',
     });
     assert.strictEqual(inst.status, 0, inst.stderr);
+    // The installed .node finds MLX beside it only, never in this build's tree.
+    const installed = fs.readFileSync(path.join(app, 'node_modules', 'mlx-lfm-linux-x64-gnu', 'mlx-lfm.linux-x64-gnu.node'));
+    assert.ok(installed.includes(Buffer.from('$ORIGIN/mlx/lib\0')), 'RUNPATH $ORIGIN/mlx/lib');
+    assert.ok(!installed.includes(Buffer.from('$ORIGIN/mlx/lib:')), 'the RUNPATH still names the build tree after $ORIGIN');
 
     fs.writeFileSync(
       path.join(app, 'chat.cjs'),

@@ -68,6 +68,7 @@ function layout(dir, mlxRoot) {
     if (e !== 'package.json' && e !== 'README.md') fs.rmSync(path.join(pkgDir, e), { recursive: true });
   }
   fs.copyFileSync(path.join(root, nodeFile), path.join(pkgDir, nodeFile));
+  dropBuildRunpath(path.join(pkgDir, nodeFile));
   const carried = [nodeFile, 'mlx/lib/'];
   fs.mkdirSync(path.join(pkgDir, 'mlx'), { recursive: true });
   fs.cpSync(path.join(mlxRoot, 'mlx', 'lib'), path.join(pkgDir, 'mlx', 'lib'), { recursive: true });
@@ -91,6 +92,37 @@ function layout(dir, mlxRoot) {
     }
   }
   return pkgDir;
+}
+
+/**
+ * The build gives the .node two library paths: its own folder's mlx/lib
+ * (what a package uses) and, after it, the build machine's MLX (what a
+ * clone uses). A published .node keeps only the first: the second names a
+ * folder of the machine that built it, which on a user's machine is absent
+ * or, worse, another MLX.
+ */
+function dropBuildRunpath(file) {
+  if (process.platform === 'darwin') {
+    // The LC_RPATH entries other than @loader_path's are the build's.
+    const out = spawnSync('otool', ['-l', file], { encoding: 'utf8' }).stdout || '';
+    for (const m of out.matchAll(/path (\/[^ ]+) \(offset/g)) {
+      const r = spawnSync('install_name_tool', ['-delete_rpath', m[1], file], { encoding: 'utf8' });
+      if (r.status !== 0) throw new Error(`install_name_tool -delete_rpath ${m[1]} failed: ${r.stderr}`);
+    }
+    return;
+  }
+  // ELF: RUNPATH is one NUL-terminated string in .dynstr,
+  // "$ORIGIN/mlx/lib:/build/.../mlx/lib". Ending it at the colon (one byte,
+  // so no offset moves) leaves "$ORIGIN/mlx/lib".
+  const buf = fs.readFileSync(file);
+  const head = Buffer.from('$ORIGIN/mlx/lib:/');
+  const at = buf.indexOf(head);
+  if (at < 0) {
+    if (buf.includes(Buffer.from('$ORIGIN/mlx/lib\0'))) return; // already portable
+    throw new Error(`${file}: no RUNPATH starting "$ORIGIN/mlx/lib"; was it built by build.rs?`);
+  }
+  buf[at + head.length - 2] = 0;
+  fs.writeFileSync(file, buf);
 }
 
 function cpuMlxRoot() {
