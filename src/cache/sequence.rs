@@ -42,6 +42,15 @@ pub struct ModelCache {
     fresh: Vec<Array>,
 }
 
+/// A decode step that filled a block copied it from the mirror into the
+/// pool; the pool's arrays are evaluated with the next token. Left lazy,
+/// each pool array would chain every flush of the request, each holding the
+/// decode mirror of its step alive (memory quadratic in the reply's length,
+/// kept until the next prefill happened to evaluate the pool).
+fn queue_flushed_block(fresh: &mut Vec<Array>, seq: &PagedSeq) {
+    fresh.extend(seq.pool.lock().layer_arrays().into_iter().cloned());
+}
+
 impl ModelCache {
     pub fn new(attn_layers: &[bool]) -> ModelCache {
         ModelCache {
@@ -150,12 +159,7 @@ impl ModelCache {
         let snap = super::paged::snapshot_of(&conv_states(&self.layers))?;
         seq.keep_snapshot(pos, snap.clone());
         self.fresh.push(snap);
-        // The block just copied into the pool is evaluated with the next
-        // token: left lazy, each pool array would chain every flush of the
-        // request, each holding the decode mirror of its step alive
-        // (memory quadratic in the reply's length, kept until the next
-        // prefill happened to evaluate the pool).
-        self.fresh.extend(seq.pool.lock().layer_arrays().into_iter().cloned());
+        queue_flushed_block(&mut self.fresh, seq);
         Ok(())
     }
 
@@ -346,9 +350,7 @@ impl SeqPass<'_> {
         let Some(seq) = cache.paged.as_mut() else { return Ok(()) };
         seq.wrote(cache.pos, t > 1)?;
         if t == 1 && cache.pos % seq.block_size() == 0 {
-            // A block went from the mirror to the pool: evaluated with the
-            // next token, as in `end_decode_token`.
-            cache.fresh.extend(seq.pool.lock().layer_arrays().into_iter().cloned());
+            queue_flushed_block(&mut cache.fresh, seq);
         }
         if taps.is_empty() {
             return Ok(());

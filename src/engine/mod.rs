@@ -22,9 +22,8 @@ use crate::error::{Error, Result};
 use crate::generate::{self, GenerateParams, Generation, Observer, Stepper};
 use crate::mlx::Dtype;
 use crate::model::Lfm2Model;
-use crate::text::{ChatMessage, Tokenizer};
+use crate::text::Tokenizer;
 use parking_lot::Mutex;
-use serde_json::Value;
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Instant;
@@ -82,15 +81,6 @@ impl Engine {
             p.prefill_chunk = self.prefill_chunk;
         }
         p
-    }
-
-    /// The prompt for `messages`. `trusted`: control tokens written in
-    /// message text become special tokens (see `Tokenizer::apply_chat_template_with`).
-    pub fn chat_prompt(&self, messages: &[ChatMessage], tools: Option<&Value>, trusted: bool) -> Result<Vec<u32>> {
-        if messages.is_empty() {
-            return Err(Error::invalid("messages is empty"));
-        }
-        self.tokenizer.apply_chat_template_with(messages, tools, true, None, trusted)
     }
 
     fn run(&mut self, prompt: &[u32], params: &GenerateParams, observer: &mut dyn Observer, started: Instant) -> Result<Generation> {

@@ -84,17 +84,18 @@ pub fn available(h: &Array, r: &Array, w: &Array) -> bool {
         && kernel().is_some()
 }
 
-/// `(h + r, rms_norm(h + r) * w)`, both shaped like `h`.
-pub fn add_rms_norm(h: &Array, r: &Array, w: &Array, eps: f32) -> Result<(Array, Array)> {
+/// `(h + r, rms_norm(h + r) * w)`, both shaped like `h`; `eps` is a float32
+/// `[1]` array (the model makes it once: a scalar here would be uploaded
+/// twice per layer per token on the eager path).
+pub fn add_rms_norm(h: &Array, r: &Array, w: &Array, eps: &Array) -> Result<(Array, Array)> {
     let kern = kernel().ok_or_else(|| Error::mlx("the fused add + RMSNorm kernel is not available"))?;
     let shape = h.shape();
     let d = *shape.last().ok_or_else(|| Error::invalid("add_rms_norm of a scalar"))?;
     let rows: i32 = shape[..shape.len() - 1].iter().product();
-    let eps = Array::from_slice(&[eps], &[1])?;
     let dt = h.dtype();
     let block = block_for(d, 16 / dt.size() as i32);
     let mut outs = kern.call(
-        &[h, r, w, &eps],
+        &[h, r, w, eps],
         &[(&shape, dt), (&shape, dt)],
         [block.checked_mul(rows).ok_or_else(|| Error::invalid("too many rows for the add + RMSNorm kernel"))?, 1, 1],
         [block, 1, 1],

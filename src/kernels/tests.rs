@@ -95,7 +95,8 @@ fn add_rms_norm_kernel_matches_stock_ops() {
             let r = normal(&[rows, d], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
             let w = normal(&[d], Dtype::Float32, 1.0, 0.2, None).unwrap().astype(dt).unwrap();
             assert!(available(&h, &r, &w));
-            let (ks, ky) = add_rms_norm(&h, &r, &w, 1e-5).unwrap();
+            let eps = crate::mlx::Array::from_slice(&[1e-5f32], &[1]).unwrap();
+            let (ks, ky) = add_rms_norm(&h, &r, &w, &eps).unwrap();
             let ss = h.add(&r).unwrap();
             let sy = crate::mlx::rms_norm(&ss, Some(&w), 1e-5).unwrap();
             let f = |a: &crate::mlx::Array| -> Vec<f32> { a.astype(Dtype::Float32).unwrap().to_vec().unwrap() };

@@ -221,10 +221,12 @@ impl Layer {
 
 /// `h + r` (just `h` without `r`) and its RMSNorm with `w`: the residual
 /// add and the norm after it are one kernel where ours runs (src/kernels).
-fn add_norm(h: &Array, r: Option<&Array>, w: &Array, eps: f32) -> Result<(Array, Array)> {
+fn add_norm(h: &Array, r: Option<&Array>, w: &Array, eps: f32, eps_array: &Array) -> Result<(Array, Array)> {
     match r {
         None => Ok((h.clone(), mlx::rms_norm(h, Some(w), eps)?)),
-        Some(r) if crate::kernels::add_rms_norm::available(h, r, w) => crate::kernels::add_rms_norm::add_rms_norm(h, r, w, eps),
+        Some(r) if crate::kernels::add_rms_norm::available(h, r, w) => {
+            crate::kernels::add_rms_norm::add_rms_norm(h, r, w, eps_array)
+        }
         Some(r) => {
             let s = h.add(r)?;
             let y = mlx::rms_norm(&s, Some(w), eps)?;
@@ -253,6 +255,9 @@ pub struct Lfm2Model {
     /// `max_position_embeddings`, or less with the `contextLength` load
     /// option.
     pub context_length: usize,
+    /// `config.norm_eps` as a float32 `[1]` array, for the fused add +
+    /// RMSNorm kernel.
+    pub norm_eps: Array,
     /// The paged KV pool every new cache draws from; None: flat caches.
     /// Set with [`Lfm2Model::use_paged_cache`].
     pub paged: Option<SharedPool>,
@@ -293,7 +298,21 @@ impl Lfm2Model {
         static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let context_length = config.max_position_embeddings;
-        Ok(Lfm2Model { id, config, embed, layers, final_norm, lm_head, registry, dtype, kv_codecs: vec![], context_length, paged: None })
+        let norm_eps = Array::from_slice(&[config.norm_eps], &[1])?;
+        Ok(Lfm2Model {
+            id,
+            config,
+            embed,
+            layers,
+            final_norm,
+            lm_head,
+            registry,
+            dtype,
+            kv_codecs: vec![],
+            context_length,
+            norm_eps,
+            paged: None,
+        })
     }
 
     /// The embedding and every decoder layer over `cache`, without the
@@ -307,9 +326,9 @@ impl Lfm2Model {
         // it, so every residual add meets the norm that follows it.
         let mut pending: Option<Array> = None;
         for (i, layer) in self.layers.iter().enumerate() {
-            let (h1, x) = add_norm(&h, pending.as_ref(), &layer.operator_norm, eps)?;
+            let (h1, x) = add_norm(&h, pending.as_ref(), &layer.operator_norm, eps, &self.norm_eps)?;
             let r = layer.operator(&x, i, cache)?;
-            let (h2, x) = add_norm(&h1, Some(&r), &layer.ffn_norm, eps)?;
+            let (h2, x) = add_norm(&h1, Some(&r), &layer.ffn_norm, eps, &self.norm_eps)?;
             pending = Some(layer.feed_forward(&x)?);
             h = h2;
         }

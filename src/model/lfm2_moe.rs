@@ -37,6 +37,9 @@ pub struct SparseMoe {
     cpu_non_f32: bool,
     /// Prefill groups rows per expert on the host (see `host_grouped`).
     pub grouped_prefill: bool,
+    /// The fused router's selection bias (zeros without one) and scale,
+    /// made once rather than uploaded per layer per token.
+    router_consts: (Array, Array),
 }
 
 fn stack_experts(st: &mut TensorStore, p: &str, names: &[&str], e: usize, out: i32, inp: i32) -> Result<Weight> {
@@ -101,6 +104,13 @@ impl SparseMoe {
             Some(w) => GateUp::Stacked(w, ff),
             None => GateUp::Separate(gate_proj, up_proj),
         };
+        let router_consts = (
+            match &expert_bias {
+                Some(b) => b.clone(),
+                None => mlx::zeros(&[e as i32], Dtype::Float32)?,
+            },
+            Array::from_slice(&[m.routed_scaling_factor], &[1])?,
+        );
         Ok(SparseMoe {
             gate: Linear::load(st, reg, &format!("{p}.gate"), d as usize, e, false)?,
             expert_bias,
@@ -113,6 +123,7 @@ impl SparseMoe {
             cpu_non_f32: runtime::default_device() == runtime::DeviceType::Cpu
                 && dense_dtype.is_some_and(|dt| dt != Dtype::Float32),
             grouped_prefill: grouped_prefill()?,
+            router_consts,
         })
     }
 
@@ -130,12 +141,8 @@ impl SparseMoe {
         let (b, t) = (x.dim(0), x.dim(1));
         let e = self.num_experts as i32;
         let probs = self.gate.forward(x)?.sigmoid()?.reshape(&[b * t, e])?;
-        let bias = match &self.expert_bias {
-            Some(bias) => bias.clone(),
-            None => mlx::zeros(&[e], Dtype::Float32)?,
-        };
-        let scale = Array::from_slice(&[self.routed_scaling_factor], &[1])?;
-        let (inds, scores) = crate::kernels::moe_router::route(&probs, &bias, &scale, self.top_k, self.norm_topk_prob)?;
+        let (bias, scale) = &self.router_consts;
+        let (inds, scores) = crate::kernels::moe_router::route(&probs, bias, scale, self.top_k, self.norm_topk_prob)?;
         let k = self.top_k as i32;
         // The gate may be stored in another dtype than the activations
         // (an f32 router beside bf16 layers): weights in x's dtype, as the
