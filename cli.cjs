@@ -457,6 +457,12 @@ async function bench(addon, v) {
   console.error('mlx-lfm: warming up (building kernels)');
   const warm = await model.warmUp();
   if (warm != null) console.error(`mlx-lfm: warmed up in ${(warm / 1000).toFixed(1)} s`);
+  // One unmeasured run of the measured shape: on CUDA, MLX compiles kernels
+  // per shape the first time it meets one (seen on the H200: the first
+  // 512-token prefill ran at 1.3k tok/s, the next at 65-92k), which would
+  // otherwise land in the first measured run.
+  console.error(`mlx-lfm: warm run: prefill ${promptTokens} tokens, decode ${gen} (not measured)`);
+  await model.generate(prompt(0), opts);
   const runs = [];
   for (let run = 1; run <= reps; run++) {
     console.error(`mlx-lfm: run ${run}/${reps}: prefill ${promptTokens} tokens, decode ${gen}`);

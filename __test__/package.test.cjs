@@ -110,6 +110,16 @@ test('the packed packages install with npm alone and chat', { skip: !supported &
     assert.deepStrictEqual(JSON.parse(noGpu.stdout).slice(0, 2), ['mlx-lfm-linux-x64-gnu', 'the CUDA package is installed but no NVIDIA GPU was found']);
     const forced = spawnSync('node', ['-e', info], { cwd: app, env: { ...env, MLX_LFM_BACKEND: 'cpu', MLX_LFM_NVIDIA_GPU: '1' }, encoding: 'utf8' });
     assert.deepStrictEqual(JSON.parse(forced.stdout).slice(0, 2), ['mlx-lfm-linux-x64-gnu', 'MLX_LFM_BACKEND=cpu']);
+    // With no CPU package to fall back to, the error says what CUDA needs.
+    const cpuDir = path.join(app, 'node_modules', 'mlx-lfm-linux-x64-gnu');
+    fs.renameSync(cpuDir, `${cpuDir}.aside`);
+    try {
+      const alone = spawnSync('node', ['-e', "require('mlx-lfm')"], { cwd: app, env: { ...env, MLX_LFM_NVIDIA_GPU: '1' }, encoding: 'utf8' });
+      assert.notStrictEqual(alone.status, 0);
+      assert.match(alone.stderr, /mlx-lfm-linux-x64-gnu-cuda could not load \(.*\): MLX's CUDA build needs the NVIDIA driver and the CUDA 13 libraries .* on LD_LIBRARY_PATH, and no CPU package \(mlx-lfm-linux-x64-gnu\) is installed/);
+    } finally {
+      fs.renameSync(`${cpuDir}.aside`, cpuDir);
+    }
     fs.rmSync(fake, { recursive: true });
 
     // Asking for CUDA without its package is an error that says how to get it.

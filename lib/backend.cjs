@@ -96,6 +96,16 @@ function load() {
   try {
     return [attempt(choice), choice];
   } catch (e) {
+    if (!choice.fallback && choice.package && choice.package.endsWith('-cuda')) {
+      // Nothing to fall back to: say what the CUDA build needs, not only
+      // which library the dynamic loader missed.
+      const first = (e && e.message ? e.message : String(e)).split('\n')[0];
+      throw new Error(
+        `${choice.package} could not load (${first}): MLX's CUDA build needs the NVIDIA driver and the CUDA 13 ` +
+          'libraries (cuBLAS, cuDNN 9, NCCL, NVRTC, cuFFT, cuSOLVER) on LD_LIBRARY_PATH, and no CPU package ' +
+          `(${choice.package.replace(/-cuda$/, '')}) is installed to fall back to`,
+      );
+    }
     if (!choice.fallback) throw e;
     // index.cjs failed half way: let the retry evaluate it afresh.
     delete require.cache[require.resolve(path.join(root, 'index.cjs'))];

@@ -72,6 +72,15 @@ function layout(dir, mlxRoot) {
   const carried = [nodeFile, 'mlx/lib/'];
   fs.mkdirSync(path.join(pkgDir, 'mlx'), { recursive: true });
   fs.cpSync(path.join(mlxRoot, 'mlx', 'lib'), path.join(pkgDir, 'mlx', 'lib'), { recursive: true });
+  // MLX's CUDA build compiles kernels at run time (NVRTC) and looks for the
+  // CCCL headers its wheel bundles at <libmlx's folder>/../include/cccl;
+  // without them every JIT kernel (gathers, our fused kernels) fails to
+  // compile on the user's GPU.
+  const cccl = path.join(mlxRoot, 'mlx', 'include', 'cccl');
+  if (fs.existsSync(cccl)) {
+    fs.cpSync(cccl, path.join(pkgDir, 'mlx', 'include', 'cccl'), { recursive: true });
+    carried.push('mlx/include/cccl/');
+  }
   for (const d of fs.readdirSync(mlxRoot)) {
     if (d.endsWith('.libs')) {
       fs.cpSync(path.join(mlxRoot, d), path.join(pkgDir, d), { recursive: true });
@@ -136,7 +145,7 @@ function cpuMlxRoot() {
 /** MLX's CUDA 13 wheel unpacked into .mlx/cuda-<version>/ (downloaded with pip when not given). */
 function cudaMlxRoot() {
   const dir = path.join(root, '.mlx', `cuda-${MLX_VERSION}`);
-  if (fs.existsSync(path.join(dir, 'mlx', 'lib', 'libmlx.so'))) return dir;
+  if (fs.existsSync(path.join(dir, 'mlx', 'lib', 'libmlx.so')) && fs.existsSync(path.join(dir, 'mlx', 'include', 'cccl'))) return dir;
   let wheel = process.env.MLX_LFM_CUDA_WHEEL;
   if (!wheel) {
     const dl = fs.mkdtempSync(path.join(os.tmpdir(), 'mlx-cuda-'));
@@ -151,7 +160,7 @@ function cudaMlxRoot() {
   // A wheel is a zip; Python's zipfile is the unzip every machine here has.
   run(process.env.MLX_LFM_PYTHON || 'python3', ['-c',
     'import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); ' +
-    "[z.extract(n, sys.argv[2]) for n in z.namelist() if n.startswith(('mlx/lib/', 'mlx_cuda_13.libs/'))]",
+    "[z.extract(n, sys.argv[2]) for n in z.namelist() if n.startswith(('mlx/lib/', 'mlx/include/cccl/', 'mlx_cuda_13.libs/'))]",
     wheel, partial]);
   fs.rmSync(dir, { recursive: true, force: true });
   fs.renameSync(partial, dir);
