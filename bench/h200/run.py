@@ -307,7 +307,7 @@ def profile():
     of a 512-token prompt, `--concurrent 1` drives the single-sequence
     compiled step as generate does), and the wall time of the same step
     without ncu, so host time = wall - GPU kernel time."""
-    for name in ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]:
+    for name in ab_models():
         rep = WORK / f"prof-{name}"
         cmd = ["ncu", "--clock-control", "none", "--profile-from-start", "off", "-f", "-o", rep,
                "--metrics", "gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum",
@@ -378,13 +378,20 @@ AB = {
     "stock": {"MLX_LFM_FUSE_PROJECTIONS": "0", "MLX_LFM_KERNELS": "0"},
     "stacked-projections": {"MLX_LFM_KERNELS": "0"},
     "scatter-kv-write": {"MLX_LFM_FUSE_PROJECTIONS": "0", "MLX_LFM_KERNELS": "0", "MLX_LFM_KV_WRITE": "scatter"},
+    "all-but-short-conv-kernel": {"MLX_LFM_SHORT_CONV_KERNEL": "0"},
     "all": {},
 }
 AB_IN_ROUNDS = ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]
 
 
+def ab_models():
+    # H200_MODELS=lfm2-1.2b-bf16,... narrows `ab` and `profile` (a device call has 10 minutes).
+    names = os.environ.get("H200_MODELS")
+    return names.split(",") if names else ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]
+
+
 def ab():
-    for name in ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]:
+    for name in ab_models():
         for variant, extra in AB.items():
             e = env()
             e.update(extra)
@@ -467,7 +474,7 @@ def main():
                 checkpoints()
             elif a == "ab":
                 install()
-                checkpoints(["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"], gguf=False)
+                checkpoints(ab_models(), gguf=False)
                 ab()
             elif a == "profile":
                 install()

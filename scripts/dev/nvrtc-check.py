@@ -33,6 +33,11 @@ KERNELS = {
         [("s", "T"), ("y", "T")],
         lambda dt: [("D", 2048), ("BLOCK", 256)],
     ),
+    "short_conv.rs": (
+        [("bcx", "T"), ("state", "T"), ("w", "T")],
+        [("padded", "T"), ("y", "T")],
+        lambda dt: [("D", 2048), ("KEEP", 2)],
+    ),
     "moe_router.rs": (
         [("probs", "T"), ("bias", "float"), ("scale", "float")],
         [("inds", "uint32_t"), ("scores", "T")],

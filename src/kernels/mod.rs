@@ -6,6 +6,7 @@
 
 pub mod add_rms_norm;
 pub mod moe_router;
+pub mod short_conv;
 
 #[cfg(test)]
 mod tests;

@@ -137,3 +137,41 @@ fn greedy_tokens_with_kernels_equal_stock_ops() {
         }
     }
 }
+
+/// The fused short-conv decode step against the stock ops it replaces: the
+/// padded window the cache keeps bit for bit, `C * conv` within one
+/// rounding (float32 within TF32's, which MLX's conv may use), for one row
+/// and several, at LFM2's kernel size 3 and at 4.
+#[test]
+fn short_conv_kernel_matches_stock_ops() {
+    if skip("short_conv_kernel_matches_stock_ops") {
+        return;
+    }
+    use crate::kernels::short_conv::{available, conv_step};
+    use crate::mlx::random::normal;
+    use crate::mlx::{concatenate, conv1d, Array};
+    let f = |a: &Array| -> Vec<f32> { a.astype(Dtype::Float32).unwrap().to_vec().unwrap() };
+    for (dt, tol) in [(Dtype::Bfloat16, 1.6e-2f32), (Dtype::Float16, 2e-3), (Dtype::Float32, 4e-3)] {
+        for (b, d, l) in [(1, 2048, 3), (4, 1024, 3), (3, 96, 4)] {
+            let bcx = normal(&[b, 1, 3 * d], Dtype::Float32, 0.0, 1.5, None).unwrap().astype(dt).unwrap();
+            let state = normal(&[b, l - 1, d], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
+            let w = normal(&[d, l], Dtype::Float32, 0.0, 0.5, None).unwrap().astype(dt).unwrap();
+            assert!(available(&bcx, &state, &w, false), "{dt:?} [{b}, {d}, {l}]");
+            assert!(!available(&bcx, &state, &w, true), "a conv bias keeps the stock ops");
+            let (kp, ky) = conv_step(&bcx, &state, &w).unwrap();
+            let parts = bcx.split_equal(3, -1).unwrap();
+            let bx = parts[0].mul(&parts[2]).unwrap();
+            let sp = concatenate(&[&state, &bx], 1).unwrap();
+            let conv = conv1d(&sp, &w.reshape(&[d, l, 1]).unwrap(), 1, 0, 1, d).unwrap();
+            let sy = parts[1].mul(&conv).unwrap();
+            assert_eq!(kp.shape(), sp.shape());
+            assert_eq!(ky.shape(), sy.shape());
+            assert_eq!(f(&kp), f(&sp), "{dt:?} [{b}, {d}, {l}]: the padded window differs");
+            let (a, e) = (f(&ky), f(&sy));
+            // Relative to the value or 1, whichever is larger: values near zero come
+            // from cancelling terms of size ~1, whose rounding is what is compared.
+            let worst = a.iter().zip(&e).map(|(x, y)| (x - y).abs() / y.abs().max(1.0)).fold(0f32, f32::max);
+            assert!(worst <= tol, "{dt:?} [{b}, {d}, {l}]: C * conv differs by {worst} (relative), over {tol}");
+        }
+    }
+}

@@ -104,6 +104,8 @@ pub struct ShortConv {
     pub out_proj: Linear,
     /// Depthwise kernel in MLX layout `[D, L, 1]`.
     pub conv_weight: Array,
+    /// The same weights as `[D, L]`, what the fused decode step reads.
+    pub conv_weight_dl: Array,
     pub conv_bias: Option<Array>,
     pub kernel: i32,
     pub dim: i32,
@@ -126,6 +128,7 @@ impl ShortConv {
             }
         };
         Ok(ShortConv {
+            conv_weight_dl: w.reshape(&[d, l])?,
             in_proj: Linear::load(st, reg, &format!("{p}.in_proj"), d as usize, 3 * d as usize, c.conv_bias)?,
             out_proj: Linear::load(st, reg, &format!("{p}.out_proj"), d as usize, d as usize, c.conv_bias)?,
             conv_weight: w,
@@ -138,12 +141,24 @@ impl ShortConv {
     /// Conv layer `layer`: its state comes from and goes back to the cache.
     fn forward(&self, x: &Array, layer: usize, cache: &mut dyn ForwardCache) -> Result<Array> {
         let bcx = self.in_proj.forward(x)?;
+        let keep = self.kernel - 1;
+        let shape = ConvShape { batch: bcx.dim(0), keep, dim: self.dim, dtype: bcx.dtype() };
+        let prev = cache.conv_state(layer, shape)?;
+        if crate::kernels::short_conv::available(&bcx, &prev, &self.conv_weight_dl, self.conv_bias.is_some()) {
+            // Decode on CUDA: everything between the two projections in one
+            // launch.
+            let (padded, y) = crate::kernels::short_conv::conv_step(&bcx, &prev, &self.conv_weight_dl)?;
+            cache.conv_update(layer, &padded, keep)?;
+            return self.out_proj.forward(&y);
+        }
+        self.conv_stock(&bcx, &prev, layer, cache)
+    }
+
+    fn conv_stock(&self, bcx: &Array, prev: &Array, layer: usize, cache: &mut dyn ForwardCache) -> Result<Array> {
+        let keep = self.kernel - 1;
         let parts = bcx.split_equal(3, -1)?;
         let bx = parts[0].mul(&parts[2])?;
-        let keep = self.kernel - 1;
-        let shape = ConvShape { batch: bx.dim(0), keep, dim: self.dim, dtype: bx.dtype() };
-        let prev = cache.conv_state(layer, shape)?;
-        let padded = concatenate(&[&prev, &bx], 1)?;
+        let padded = concatenate(&[prev, &bx], 1)?;
         cache.conv_update(layer, &padded, keep)?;
         let mut conv = mlx::conv1d(&padded, &self.conv_weight, 1, 0, 1, self.dim)?;
         if let Some(b) = &self.conv_bias {

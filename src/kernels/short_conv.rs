@@ -1,0 +1,97 @@
+//! One decode step of LFM2's double-gated short convolution in one kernel:
+//! from in_proj's output `[B, 1, 3D]` (B, C, x) and the conv state `[B, L-1,
+//! D]`, `bx = B * x`, the padded window `[state; bx]` (which the cache keeps
+//! its last L-1 rows of, and snapshots at block ends, exactly as from the
+//! stock path's concatenate), the depthwise conv over it and `y = C * conv`.
+//! The stock graph spends a multiply, a concatenate (two copies), the
+//! grouped conv and a second multiply per conv layer and token; the 1.2B
+//! has ten conv layers.
+//!
+//! One thread per (row, channel). Rounding follows the stock ops: `bx` is
+//! rounded to the model dtype before the window holds it, the conv sums in
+//! float32 and is rounded once, then the gate multiply rounds again.
+
+use crate::error::{Error, Result};
+use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
+use crate::mlx::{Array, Dtype};
+use std::sync::OnceLock;
+
+const SOURCE: &str = r#"
+  const size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const size_t b = i / D;
+  const int d = static_cast<int>(i - b * D);
+  const T* row = bcx + b * 3 * D;
+  const T* st = state + b * KEEP * D;
+  T* pad = padded + b * (KEEP + 1) * D;
+  const T* wd = w + static_cast<size_t>(d) * (KEEP + 1);
+  float acc = 0.0f;
+  for (int j = 0; j < KEEP; j++) {
+    const T v = st[j * D + d];
+    pad[j * D + d] = v;
+    acc += static_cast<float>(wd[j]) * static_cast<float>(v);
+  }
+  const T bx = T(static_cast<float>(row[d]) * static_cast<float>(row[2 * D + d]));
+  pad[KEEP * D + d] = bx;
+  acc += static_cast<float>(wd[KEEP]) * static_cast<float>(bx);
+  y[b * D + d] = T(static_cast<float>(row[D + d]) * static_cast<float>(T(acc)));
+"#;
+
+fn kernel() -> Option<&'static CudaKernel> {
+    static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
+    K.get_or_init(|| CudaKernel::new("lfm_short_conv_step", &["bcx", "state", "w"], &["padded", "y"], SOURCE, "").ok())
+        .as_ref()
+}
+
+/// Threads per block: a power of two dividing D, so the grid is exactly
+/// B * D threads and no thread needs a bounds check.
+fn block_for(d: i32) -> Option<i32> {
+    [256, 128, 64, 32].into_iter().find(|b| d % b == 0)
+}
+
+/// Whether the fused step serves these operands: one token per row, the
+/// state and weights in the activations' dtype, no conv bias (LFM2 has
+/// none; a checkpoint with one keeps the stock ops).
+pub fn available(bcx: &Array, state: &Array, w: &Array, has_bias: bool) -> bool {
+    // MLX_LFM_SHORT_CONV_KERNEL=0 keeps this one kernel off (the H200
+    // benchmark's A/B of what it buys); MLX_LFM_KERNELS=0 turns all off.
+    static ON: OnceLock<bool> = OnceLock::new();
+    if !*ON.get_or_init(|| std::env::var("MLX_LFM_SHORT_CONV_KERNEL").ok().as_deref() != Some("0")) {
+        return false;
+    }
+    let dt = bcx.dtype();
+    if !cuda_kernels_enabled() || has_bias || !dt.is_float() || dt == Dtype::Float64 {
+        return false;
+    }
+    if bcx.ndim() != 3 || state.ndim() != 3 || w.ndim() != 2 || bcx.dim(1) != 1 {
+        return false;
+    }
+    let (b, d, l) = (bcx.dim(0), w.dim(0), w.dim(1));
+    bcx.dim(2) == 3 * d
+        && state.shape() == [b, l - 1, d]
+        && state.dtype() == dt
+        && w.dtype() == dt
+        && l >= 2
+        && b > 0
+        && block_for(d).is_some()
+        && kernel().is_some()
+}
+
+/// `(padded [B, L, D], y [B, 1, D])` for in_proj's output `bcx`, the state
+/// before the token and the depthwise weights `w` (`[D, L]`).
+pub fn conv_step(bcx: &Array, state: &Array, w: &Array) -> Result<(Array, Array)> {
+    let kern = kernel().ok_or_else(|| Error::mlx("the fused short-conv kernel is not available"))?;
+    let (b, d, l) = (bcx.dim(0), w.dim(0), w.dim(1));
+    let block = block_for(d).ok_or_else(|| Error::invalid(format!("short-conv kernel: width {d} is not a multiple of 32")))?;
+    let threads = b.checked_mul(d).ok_or_else(|| Error::invalid("too many rows for the short-conv kernel"))?;
+    let dt = bcx.dtype();
+    let mut outs = kern.call(
+        &[bcx, state, w],
+        &[(&[b, l, d], dt), (&[b, 1, d], dt)],
+        [threads, 1, 1],
+        [block, 1, 1],
+        &[("D", TemplateArg::Int(d)), ("KEEP", TemplateArg::Int(l - 1)), ("T", TemplateArg::Dtype(dt))],
+    )?;
+    let y = outs.pop().ok_or_else(|| Error::mlx("short-conv kernel: missing output"))?;
+    let padded = outs.pop().ok_or_else(|| Error::mlx("short-conv kernel: missing output"))?;
+    Ok((padded, y))
+}
