@@ -379,6 +379,7 @@ AB = {
     "stacked-projections": {"MLX_LFM_KERNELS": "0"},
     "scatter-kv-write": {"MLX_LFM_FUSE_PROJECTIONS": "0", "MLX_LFM_KERNELS": "0", "MLX_LFM_KV_WRITE": "scatter"},
     "all-but-short-conv-kernel": {"MLX_LFM_SHORT_CONV_KERNEL": "0"},
+    "all-but-decode-attention-kernel": {"MLX_LFM_DECODE_ATTENTION_KERNEL": "0"},
     "all": {},
 }
 AB_IN_ROUNDS = ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]

@@ -22,7 +22,11 @@ PRELUDE = """
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cooperative_groups.h>
+#include <cuda/std/array>
+#include <cuda/std/limits>
 typedef unsigned int uint32_t;
+typedef int int32_t;
+using Shape = cuda::std::array<int32_t, 8>;
 """
 CTYPE = {"bfloat16": "__nv_bfloat16", "float16": "__half", "float32": "float"}
 
@@ -32,6 +36,11 @@ KERNELS = {
         [("h", "T"), ("r", "T"), ("w", "T"), ("eps", "float")],
         [("s", "T"), ("y", "T")],
         lambda dt: [("D", 2048), ("BLOCK", 256)],
+    ),
+    "decode_attention.rs": (
+        [("q", "T"), ("k", "T"), ("v", "T"), ("mask", "bool")],
+        [("out", "T")],
+        lambda dt: [("HD", 64), ("SCALE_BITS", 1040187392)],
     ),
     "short_conv.rs": (
         [("bcx", "T"), ("state", "T"), ("w", "T")],
@@ -72,7 +81,12 @@ failed = 0
 for file, (ins, outs, targs) in KERNELS.items():
     src, hdr = body_and_header(root / "src" / "kernels" / file)
     for dt, ct in CTYPE.items():
-        params = [f"const {t.replace('T', ct) if t == 'T' else t}* {n}" for n, t in ins]
+        params = []
+        for n, t in ins:
+            params.append(f"const {t.replace('T', ct) if t == 'T' else t}* {n}")
+            # MLX adds an input's shape argument when the source names it.
+            if f"{n}_shape" in src:
+                params.append(f"const __grid_constant__ Shape {n}_shape")
         params += [f"{t.replace('T', ct) if t == 'T' else t}* {n}" for n, t in outs]
         consts = "".join(f"  constexpr {'bool' if isinstance(v, str) else 'int'} {k} = {v};\n" for k, v in targs(dt))
         code = (PRELUDE + hdr + "namespace cg = cooperative_groups;\n"

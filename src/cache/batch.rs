@@ -21,7 +21,7 @@ use super::flat::{KvCache, KV_STEP};
 use super::sequence::{LayerCache, ModelCache};
 use super::{ConvShape, ForwardCache, Offset};
 use crate::error::{Error, Result};
-use crate::mlx::{self, arange, concatenate, zeros, Array, Dtype, Mask};
+use crate::mlx::{arange, concatenate, zeros, Array, Dtype};
 
 /// One running sequence as the batch sees it: its id, whether it takes the
 /// next step, and its cache.
@@ -422,7 +422,7 @@ impl ForwardCache for StackedPass {
             (kbuf.slice_update_dyn(k, &start, &[2])?, vbuf.slice_update_dyn(v, &start, &[2])?)
         };
         let mask = self.mask(b, cap)?;
-        let o = mlx::sdpa(q, &kn, &vn, scale, Mask::Array(&mask))?;
+        let o = crate::kernels::decode_attention::sdpa_masked(q, &kn, &vn, scale, &mask)?;
         self.state[slot] = kn;
         self.state[slot + 1] = vn;
         Ok(o)

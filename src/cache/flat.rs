@@ -106,7 +106,7 @@ impl KvCache {
             mlx::sdpa(q, &k, &v, scale, Mask::Causal)
         } else {
             let (k, v, mask) = self.update_decode(len, k, v)?;
-            mlx::sdpa(q, &k, &v, scale, Mask::Array(&mask))
+            crate::kernels::decode_attention::sdpa_masked(q, &k, &v, scale, &mask)
         }
     }
 

@@ -333,7 +333,7 @@ impl SeqPass<'_> {
                 let (s, h, hd) = (start as i32, k.dim(1), k.dim(3));
                 let vk = vk.slice_update(k, &[0, 0, s, 0], &[1, h, s + 1, hd])?;
                 let vv = vv.slice_update(v, &[0, 0, s, 0], &[1, h, s + 1, hd])?;
-                let o = mlx::sdpa(q, &vk, &vv, scale, Mask::Array(mask))?;
+                let o = crate::kernels::decode_attention::sdpa_masked(q, &vk, &vv, scale, mask)?;
                 seq.set_view(ord, (vk, vv));
                 Ok(o)
             }

@@ -5,6 +5,7 @@
 //! skipped elsewhere, and every other backend keeps the stock ops.
 
 pub mod add_rms_norm;
+pub mod decode_attention;
 pub mod moe_router;
 pub mod short_conv;
 

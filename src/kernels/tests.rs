@@ -175,3 +175,44 @@ fn short_conv_kernel_matches_stock_ops() {
         }
     }
 }
+
+/// One query token over a masked K/V buffer against MLX's sdpa with the
+/// same boolean mask: GQA groups of 1 and 4, a mask shared by the rows and
+/// one per row, head sizes 16, 64 and 128, buffers of 256 to 1,024
+/// positions partly filled; within one rounding of the model dtype
+/// (float32: within TF32's, which MLX's fallback GEMM may use).
+#[test]
+fn decode_attention_kernel_matches_stock_ops() {
+    if skip("decode_attention_kernel_matches_stock_ops") {
+        return;
+    }
+    use crate::kernels::decode_attention::{available, sdpa_masked};
+    use crate::mlx::random::normal;
+    use crate::mlx::{arange, sdpa, Array, Mask};
+    let f = |a: &Array| -> Vec<f32> { a.astype(Dtype::Float32).unwrap().to_vec().unwrap() };
+    for (dt, tol) in [(Dtype::Bfloat16, 1.6e-2f32), (Dtype::Float16, 2e-3), (Dtype::Float32, 4e-3)] {
+        // (rows, heads, kv heads, head size, buffer, filled per row)
+        let cases: [(i32, i32, i32, i32, i32, &[i32]); 4] = [
+            (1, 32, 8, 64, 768, &[513]),
+            (3, 4, 2, 64, 256, &[1, 100, 256]),
+            (2, 8, 8, 128, 1024, &[700, 701]),
+            (1, 4, 2, 16, 256, &[37]),
+        ];
+        for (b, h, kvh, hd, n, filled) in cases {
+            let q = normal(&[b, h, 1, hd], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
+            let k = normal(&[b, kvh, n, hd], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
+            let v = normal(&[b, kvh, n, hd], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
+            let cols = arange(0.0, n as f64, 1.0, Dtype::Int32).unwrap().reshape(&[1, n]).unwrap();
+            let upto = Array::from_slice(filled, &[filled.len() as i32, 1]).unwrap();
+            let mask = cols.lt(&upto).unwrap().reshape(&[filled.len() as i32, 1, 1, n]).unwrap();
+            let scale = 1.0 / (hd as f32).sqrt();
+            assert!(available(&q, &k, &v, &mask), "{dt:?} {b}x{h}/{kvh}x{hd} over {n}");
+            let got = sdpa_masked(&q, &k, &v, scale, &mask).unwrap();
+            let want = sdpa(&q, &k, &v, scale, Mask::Array(&mask)).unwrap();
+            assert_eq!(got.shape(), want.shape());
+            let (a, e) = (f(&got), f(&want));
+            let worst = a.iter().zip(&e).map(|(x, y)| (x - y).abs() / y.abs().max(1.0)).fold(0f32, f32::max);
+            assert!(worst <= tol, "{dt:?} {b}x{h}/{kvh}x{hd} over {n} ({filled:?}): differs by {worst}, over {tol}");
+        }
+    }
+}
