@@ -198,6 +198,8 @@ export interface ChatResult {
    * are any, `finishReason` is not "tool_calls".
    */
   toolCallErrors?: Array<ToolCallError>
+  /** One entry per token of `tokens` (with the `logprobs` option). */
+  logprobs?: Array<TokenLogprob>
 }
 
 /**
@@ -307,6 +309,27 @@ export interface GenerateOptions {
   seed?: number
   /** Stop strings (not included in the result). */
   stop?: string | Array<string>
+  /**
+   * OpenAI's presence penalty (-2 to 2): subtracted from the logit of
+   * every token among the last `repetitionContextSize` tokens (prompt
+   * included, as mlx-lm does).
+   */
+  presencePenalty?: number
+  /**
+   * OpenAI's frequency penalty (-2 to 2): subtracted once per occurrence
+   * in that window.
+   */
+  frequencyPenalty?: number
+  /** Token id (a key such as "42") -> a bias from -100 to 100 added to its logit. */
+  logitBias?: Record<string, number>
+  /**
+   * Give the result (and stream events) a `logprobs` entry per token:
+   * the log-softmax of the logits after logit bias and penalties, before
+   * temperature and top-p / min-p / top-k.
+   */
+  logprobs?: boolean
+  /** With `logprobs`: the most likely alternatives per token (0 to 20). */
+  topLogprobs?: number
   /** Keep generating past end-of-sequence tokens. */
   ignoreEos?: boolean
   /** Tools in the OpenAI function shape, rendered by the chat template (chat only). */
@@ -581,9 +604,25 @@ export interface StreamTextEvent {
   type: 'text'
   /**
    * New text: whole characters, never a part of a stop string, never
-   * tool-call markup (chat).
+   * tool-call markup (chat). Empty when the event only carries
+   * `logprobs` (text held back, e.g. while it may start a stop string).
    */
   text: string
+  /**
+   * With the `logprobs` option: the entries of the tokens generated since
+   * the previous event (a token's text may come in a later event).
+   */
+  logprobs?: Array<TokenLogprob>
+}
+
+/** A generated token's log-probability (see `GenerateOptions.logprobs`). */
+export interface TokenLogprob {
+  token: number
+  /** The token alone, decoded. */
+  text: string
+  logprob: number
+  /** The most likely tokens at this step, most likely first (`topLogprobs` of them). */
+  topLogprobs: Array<TopLogprob>
 }
 
 /** A tool call in the OpenAI shape. */
@@ -606,6 +645,12 @@ export interface ToolCallFunction {
   name: string
   /** The arguments as a JSON object string. */
   arguments: string
+}
+
+export interface TopLogprob {
+  token: number
+  text: string
+  logprob: number
 }
 
 export interface UnquantizedModule {

@@ -86,6 +86,21 @@ pub struct Generation {
     /// Tokens the model produced, including a final end-of-sequence token.
     pub completion_tokens: usize,
     pub metrics: Metrics,
+    /// One entry per completion token (when `logprobs` was asked for).
+    pub logprobs: Option<Vec<TokenLogprob>>,
+}
+
+/// A generated token's log-probability (see `sampler` for which
+/// distribution) and the most likely alternatives at its step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub token: u32,
+    /// The token alone, decoded (special tokens spelled out; a token that
+    /// holds part of a character shows U+FFFD).
+    pub text: String,
+    pub logprob: f32,
+    /// Most likely first.
+    pub top: Vec<(u32, String, f32)>,
 }
 
 /// What a caller hears during generation; returning false cancels.
@@ -93,6 +108,9 @@ pub trait Observer {
     fn on_text(&mut self, _delta: &str) -> bool {
         true
     }
+    /// A completion token's log-probabilities (when asked for), heard
+    /// before the text it adds.
+    fn on_logprob(&mut self, _entry: &TokenLogprob) {}
     /// Polled between steps (prefill chunks and decode steps).
     fn cancelled(&mut self) -> bool {
         false
@@ -318,6 +336,7 @@ impl Pending {
         }
         let prefill_start = Instant::now();
         let run = PrefillRun::new(model, &mut cache, &prompt, params.prefill_chunk)?;
+        params.sampling.validate_vocab(model.config.vocab_size)?;
         let sampler = Sampler::new(params.sampling.clone(), &prompt)?;
         Ok(Pending { cache, run, prompt, sampler, params: params.clone(), started, prefill_start })
     }
@@ -361,13 +380,20 @@ impl Pending {
         let mut sampler = self.sampler;
         let y = sampler.sample(&logits)?;
         let finite = sampler::finite_rows(logits)?;
-        queue_tokens(&[&y, &finite], &mut [&mut cache])?;
+        let lp = sampler.take_logprobs();
+        let mut queued = vec![&y, &finite];
+        queued.extend(lp.iter().flat_map(|l| l.arrays()));
+        queue_tokens(&queued, &mut [&mut cache])?;
         let params = self.params;
         Ok(Started::Running(Sequence {
             cache,
             y,
             y_finite: Some(finite),
             next_finite: None,
+            y_logprobs: lp,
+            next_logprobs: None,
+            logprobs: params.sampling.logprobs.then(Vec::new),
+            tokenizer: tokenizer.clone(),
             sampler,
             stops: StopStrings::new(&params.stop),
             decoder: StreamDecoder::new(tokenizer, false),
@@ -430,6 +456,12 @@ pub struct Sequence {
     y_finite: Option<Array>,
     /// The same for the token of the step queued after `y`.
     next_finite: Option<Array>,
+    /// The log-probabilities of `y`'s draw, and of the next (when asked for).
+    y_logprobs: Option<sampler::LogprobArrays>,
+    next_logprobs: Option<sampler::LogprobArrays>,
+    logprobs: Option<Vec<TokenLogprob>>,
+    /// For the text of log-probability entries.
+    tokenizer: Tokenizer,
     sampler: Sampler,
     stops: StopStrings,
     decoder: StreamDecoder,
@@ -477,19 +509,21 @@ impl Sequence {
     /// Samples the next token from `logits` (`[1, V]`) and queues it with
     /// whatever the cache built alongside.
     pub fn sample(&mut self, logits: &Array) -> Result<Array> {
-        let n = self.sampler.sample(logits)?;
-        let finite = sampler::finite_rows(logits)?;
-        queue_tokens(&[&n, &finite], &mut [&mut self.cache])?;
-        self.next_finite = Some(finite);
+        let n = self.draw(logits)?;
+        let extras = self.pending_extras();
+        let mut queued = vec![&n];
+        queued.extend(extras.iter());
+        queue_tokens(&queued, &mut [&mut self.cache])?;
         Ok(n)
     }
 
     /// [`Sequence::sample`] without queueing the work: a batch queues all
     /// its rows' tokens at once (see [`queue_tokens`]), with
-    /// [`Sequence::pending_finite`].
+    /// [`Sequence::pending_extras`].
     pub fn draw(&mut self, logits: &Array) -> Result<Array> {
         let n = self.sampler.sample(logits)?;
         self.next_finite = Some(sampler::finite_rows(logits)?);
+        self.next_logprobs = self.sampler.take_logprobs();
         Ok(n)
     }
 
@@ -500,9 +534,12 @@ impl Sequence {
         self.next_finite = Some(finite);
     }
 
-    /// The finiteness flag of the token just drawn, to queue with it.
-    pub fn pending_finite(&self) -> Option<&Array> {
-        self.next_finite.as_ref()
+    /// What was computed with the token just drawn and is read with it
+    /// (its finiteness flag, its log-probabilities), to queue with it.
+    pub fn pending_extras(&self) -> Vec<Array> {
+        let mut v: Vec<Array> = self.next_finite.iter().cloned().collect();
+        v.extend(self.next_logprobs.iter().flat_map(|l| l.arrays()).cloned());
+        v
     }
 
     pub fn is_greedy(&self) -> bool {
@@ -537,6 +574,13 @@ impl Sequence {
             return Ok(false);
         }
         self.tokens.push(tok);
+        if let Some(lp) = self.y_logprobs.take() {
+            let entry = self.logprob_entry(tok, &lp)?;
+            observer.on_logprob(&entry);
+            if let Some(all) = self.logprobs.as_mut() {
+                all.push(entry);
+            }
+        }
         let piece = self.decoder.push(tok)?;
         self.text.push_str(&piece);
         if let Some(at) = self.stops.find(&self.text) {
@@ -562,10 +606,22 @@ impl Sequence {
             Some(n) => {
                 self.y = n;
                 self.y_finite = self.next_finite.take();
+                self.y_logprobs = self.next_logprobs.take();
                 Ok(true)
             }
             None => Ok(false),
         }
+    }
+
+    fn logprob_entry(&self, tok: u32, lp: &sampler::LogprobArrays) -> Result<TokenLogprob> {
+        let (logprob, top) = lp.read()?;
+        let text = |id: u32| self.tokenizer.decode(&[id], false);
+        Ok(TokenLogprob {
+            token: tok,
+            text: text(tok)?,
+            logprob,
+            top: top.into_iter().map(|(id, l)| Ok((id, text(id)?, l))).collect::<Result<_>>()?,
+        })
     }
 
     /// The result, and the cache (for callers that keep it).
@@ -609,6 +665,7 @@ impl Sequence {
             prompt_tokens: self.prompt_len,
             completion_tokens: self.completion_tokens,
             metrics,
+            logprobs: self.logprobs,
         };
         Ok((g, self.cache))
     }
@@ -634,6 +691,7 @@ fn cancelled_in_prefill(prompt_tokens: usize, tokens_run: usize, prefill_start: 
         finish_reason: FinishReason::Abort,
         prompt_tokens,
         completion_tokens: 0,
+        logprobs: None,
         metrics: Metrics {
             ttft_ms: 0.0,
             prefill_tokens: tokens_run,

@@ -5,7 +5,7 @@ use super::args::{range_error, type_error};
 use super::model::js_error;
 use crate::engine::{self, EngineOptions};
 use crate::error::Error;
-use crate::generate::sampler::SamplingParams;
+use crate::generate::sampler::{SamplingParams, MAX_TOP_LOGPROBS};
 use crate::generate::{GenerateParams, Generation};
 use crate::mlx::{runtime, Dtype};
 use crate::text::tool_calls;
@@ -106,6 +106,21 @@ pub struct GenerateOptions<'env> {
     pub seed: Option<f64>,
     /// Stop strings (not included in the result).
     pub stop: Option<Either<String, Vec<String>>>,
+    /// OpenAI's presence penalty (-2 to 2): subtracted from the logit of
+    /// every token among the last `repetitionContextSize` tokens (prompt
+    /// included, as mlx-lm does).
+    pub presence_penalty: Option<f64>,
+    /// OpenAI's frequency penalty (-2 to 2): subtracted once per occurrence
+    /// in that window.
+    pub frequency_penalty: Option<f64>,
+    /// Token id (a key such as "42") -> a bias from -100 to 100 added to its logit.
+    pub logit_bias: Option<std::collections::HashMap<String, f64>>,
+    /// Give the result (and stream events) a `logprobs` entry per token:
+    /// the log-softmax of the logits after logit bias and penalties, before
+    /// temperature and top-p / min-p / top-k.
+    pub logprobs: Option<bool>,
+    /// With `logprobs`: the most likely alternatives per token (0 to 20).
+    pub top_logprobs: Option<f64>,
     /// Keep generating past end-of-sequence tokens.
     pub ignore_eos: Option<bool>,
     /// Tools in the OpenAI function shape, rendered by the chat template (chat only).
@@ -139,6 +154,11 @@ pub const GENERATE_OPTION_KEYS: &[&str] = &[
     "repetitionContextSize",
     "seed",
     "stop",
+    "presencePenalty",
+    "frequencyPenalty",
+    "logitBias",
+    "logprobs",
+    "topLogprobs",
     "ignoreEos",
     "tools",
     "allowSpecialTokens",
@@ -161,6 +181,11 @@ pub struct OptionValues {
     pub repetition_context_size: Option<f64>,
     pub seed: Option<f64>,
     pub stop: Option<Vec<String>>,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub logit_bias: Option<std::collections::HashMap<String, f64>>,
+    pub logprobs: Option<bool>,
+    pub top_logprobs: Option<f64>,
     pub ignore_eos: Option<bool>,
     pub tools: Option<Vec<serde_json::Value>>,
     pub allow_special_tokens: Option<bool>,
@@ -183,6 +208,11 @@ impl OptionValues {
                 Either::A(s) => vec![s.clone()],
                 Either::B(v) => v.clone(),
             }),
+            presence_penalty: o.presence_penalty,
+            frequency_penalty: o.frequency_penalty,
+            logit_bias: o.logit_bias.clone(),
+            logprobs: o.logprobs,
+            top_logprobs: o.top_logprobs,
             ignore_eos: o.ignore_eos,
             tools: o.tools.clone(),
             allow_special_tokens: o.allow_special_tokens,
@@ -202,6 +232,11 @@ impl OptionValues {
             repetition_context_size: over.repetition_context_size.or(self.repetition_context_size),
             seed: over.seed.or(self.seed),
             stop: over.stop.clone().or_else(|| self.stop.clone()),
+            presence_penalty: over.presence_penalty.or(self.presence_penalty),
+            frequency_penalty: over.frequency_penalty.or(self.frequency_penalty),
+            logit_bias: over.logit_bias.clone().or_else(|| self.logit_bias.clone()),
+            logprobs: over.logprobs.or(self.logprobs),
+            top_logprobs: over.top_logprobs.or(self.top_logprobs),
             ignore_eos: over.ignore_eos.or(self.ignore_eos),
             tools: over.tools.clone().or_else(|| self.tools.clone()),
             allow_special_tokens: over.allow_special_tokens.or(self.allow_special_tokens),
@@ -281,6 +316,37 @@ pub struct ChatResult {
     /// Tool-call regions that could not be parsed (chat only); while there
     /// are any, `finishReason` is not "tool_calls".
     pub tool_call_errors: Option<Vec<ToolCallError>>,
+    /// One entry per token of `tokens` (with the `logprobs` option).
+    pub logprobs: Option<Vec<TokenLogprob>>,
+}
+
+/// A generated token's log-probability (see `GenerateOptions.logprobs`).
+#[napi(object)]
+#[derive(Clone)]
+pub struct TokenLogprob {
+    pub token: u32,
+    /// The token alone, decoded.
+    pub text: String,
+    pub logprob: f64,
+    /// The most likely tokens at this step, most likely first (`topLogprobs` of them).
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+#[napi(object)]
+#[derive(Clone)]
+pub struct TopLogprob {
+    pub token: u32,
+    pub text: String,
+    pub logprob: f64,
+}
+
+pub fn to_token_logprob(e: &crate::generate::TokenLogprob) -> TokenLogprob {
+    TokenLogprob {
+        token: e.token,
+        text: e.text.clone(),
+        logprob: e.logprob as f64,
+        top_logprobs: e.top.iter().map(|(t, s, l)| TopLogprob { token: *t, text: s.clone(), logprob: *l as f64 }).collect(),
+    }
 }
 
 /// A tool call in the OpenAI shape.
@@ -482,12 +548,44 @@ pub fn generate_params(o: &OptionValues) -> Result<GenerateParams> {
         repetition_context_size: int_option("repetitionContextSize", o.repetition_context_size, 1, 1 << 20)?.unwrap_or(20)
             as usize,
         seed: int_option("seed", o.seed, 0, (1u64 << 53) - 1)?,
+        presence_penalty: o.presence_penalty.unwrap_or(0.0) as f32,
+        frequency_penalty: o.frequency_penalty.unwrap_or(0.0) as f32,
+        logit_bias: logit_bias(o.logit_bias.as_ref())?,
+        logprobs: o.logprobs.unwrap_or(false) || o.top_logprobs.is_some_and(|n| n > 0.0),
+        top_logprobs: int_option("topLogprobs", o.top_logprobs, 0, MAX_TOP_LOGPROBS as u64)?.unwrap_or(0) as usize,
     };
+    for (name, v) in [("presencePenalty", o.presence_penalty), ("frequencyPenalty", o.frequency_penalty)] {
+        if v.is_some_and(|x| !x.is_finite()) {
+            return Err(range_error(format!("{name} must be from -2 to 2, found {}", v.unwrap_or_default())));
+        }
+    }
     s.validate().map_err(js_error)?;
     p.stop = o.stop.clone().unwrap_or_default();
     p.ignore_eos = o.ignore_eos.unwrap_or(false);
     p.max_prompt_tokens = int_option("maxPromptTokens", o.max_prompt_tokens, 1, MAX_TOKENS)?.map(|n| n as usize);
     Ok(p)
+}
+
+/// `logitBias` keys as token ids (each an integer string; the vocabulary
+/// bound is checked once the model is known), in id order.
+fn logit_bias(b: Option<&std::collections::HashMap<String, f64>>) -> Result<Vec<(u32, f32)>> {
+    let Some(b) = b else { return Ok(vec![]) };
+    let mut out = b
+        .iter()
+        .map(|(k, &v)| {
+            let id = k
+                .parse::<u32>()
+                .ok()
+                .filter(|id| id.to_string() == *k)
+                .ok_or_else(|| type_error(format!("logitBias key `{k}` is not a token id (an integer from 0 to 2^32 - 1)")))?;
+            if !(-100.0..=100.0).contains(&v) {
+                return Err(range_error(format!("logitBias[{k}] must be from -100 to 100, found {v}")));
+            }
+            Ok((id, v as f32))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    out.sort_by_key(|e| e.0);
+    Ok(out)
 }
 
 pub fn to_chat_messages(msgs: Vec<ChatMessage>) -> Result<Vec<crate::text::ChatMessage>> {
@@ -568,6 +666,7 @@ pub fn aborted_result() -> ChatResult {
         prompt_tokens: 0,
         completion_tokens: 0,
         metrics: Default::default(),
+        logprobs: None,
     })
 }
 
@@ -592,6 +691,7 @@ pub fn to_chat_result(g: Generation) -> ChatResult {
             total_ms: m.total_ms,
         },
         finish_reason: g.finish_reason.name().to_string(),
+        logprobs: g.logprobs.as_ref().map(|v| v.iter().map(to_token_logprob).collect()),
         tokens: g.tokens,
         text: g.text,
     }
