@@ -185,8 +185,10 @@ export interface ChatResult {
    * "stop" (end-of-sequence or a stop string), "length", "abort", or
    * "tool_calls" (chat: the reply holds tool calls that all parsed and
    * generation stopped normally).
+   * "constraint": the jsonSchema / grammar / regex / toolChoice allowed
+   * no further token (the output is incomplete).
    */
-  finishReason: 'stop' | 'length' | 'abort' | 'tool_calls'
+  finishReason: 'stop' | 'length' | 'abort' | 'tool_calls' | 'constraint'
   /** Completion token ids (without the end-of-sequence token). */
   tokens: Array<number>
   usage: Usage
@@ -330,6 +332,24 @@ export interface GenerateOptions {
   logprobs?: boolean
   /** With `logprobs`: the most likely alternatives per token (0 to 20). */
   topLogprobs?: number
+  /**
+   * The output is JSON valid against this schema (llguidance's JSON
+   * schema support; compact unless the schema's `x-guidance` says
+   * otherwise). A bad schema rejects before any compute.
+   */
+  jsonSchema?: Record<string, unknown> | boolean
+  /** The output matches this grammar (llguidance's Lark dialect). */
+  grammar?: string
+  /** The whole output matches this regular expression. */
+  regex?: string
+  /**
+   * Chat with `tools`: "auto" (the default: the model may call tools),
+   * "none" (tools are not offered), "required" (the reply is one or more
+   * tool calls, their arguments valid against the tools' parameter
+   * schemas), or a tool's name (`{ name }` or OpenAI's
+   * `{ type: 'function', function: { name } }`: exactly one call to it).
+   */
+  toolChoice?: 'auto' | 'none' | 'required' | { name: string } | { type: 'function'; function: { name: string } }
   /** Keep generating past end-of-sequence tokens. */
   ignoreEos?: boolean
   /** Tools in the OpenAI function shape, rendered by the chat template (chat only). */

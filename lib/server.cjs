@@ -222,28 +222,52 @@ function chatMessages(body) {
   });
 }
 
+/** `tools` and `tool_choice` as library options ({ tools, toolChoice }). */
 function chatTools(body) {
   const tools = body.tools;
   const choice = body.tool_choice;
+  let toolChoice;
   if (choice !== undefined && choice !== null && choice !== 'auto' && choice !== 'none') {
-    if (typeof choice === 'string' && choice !== 'required') throw invalid(`Invalid value for 'tool_choice': '${choice}'.`, 'tool_choice', 'invalid_value');
-    throw unsupported('tool_choice', "tool_choice other than 'auto' or 'none'");
-  }
-  if (tools === undefined || tools === null) return undefined;
-  if (!Array.isArray(tools)) throw wrongType('tools', 'an array', tools);
-  tools.forEach((t, i) => {
-    if (!t || typeof t !== 'object' || t.type !== 'function' || !t.function || typeof t.function.name !== 'string') {
-      throw invalid(`Invalid 'tools[${i}]': expected { type: 'function', function: { name, description?, parameters? } }.`, `tools[${i}]`, 'invalid_value');
+    if (typeof choice === 'string') {
+      if (choice !== 'required') throw invalid(`Invalid value for 'tool_choice': '${choice}'.`, 'tool_choice', 'invalid_value');
+      toolChoice = 'required';
+    } else if (choice && typeof choice === 'object' && !Array.isArray(choice) && choice.type === 'function' && choice.function && typeof choice.function.name === 'string') {
+      toolChoice = { name: choice.function.name };
+    } else {
+      throw wrongType('tool_choice', "'auto', 'none', 'required' or { type: 'function', function: { name } }", choice);
     }
-  });
-  if (choice === 'none' || tools.length === 0) return undefined;
-  return tools;
+  }
+  if (tools !== undefined && tools !== null) {
+    if (!Array.isArray(tools)) throw wrongType('tools', 'an array', tools);
+    tools.forEach((t, i) => {
+      if (!t || typeof t !== 'object' || t.type !== 'function' || !t.function || typeof t.function.name !== 'string') {
+        throw invalid(`Invalid 'tools[${i}]': expected { type: 'function', function: { name, description?, parameters? } }.`, `tools[${i}]`, 'invalid_value');
+      }
+    });
+  }
+  const offered = choice !== 'none' && Array.isArray(tools) && tools.length > 0 ? tools : undefined;
+  if (toolChoice && !offered) throw invalid(`'tool_choice' ${JSON.stringify(choice)} needs 'tools'.`, 'tool_choice', 'invalid_value');
+  if (toolChoice && toolChoice.name && !offered.some((t) => t.function.name === toolChoice.name)) {
+    throw invalid(`'tool_choice' names the function '${toolChoice.name}', which is not in 'tools'.`, 'tool_choice', 'invalid_value');
+  }
+  return { tools: offered, toolChoice };
 }
 
+/** `response_format` as library options: json_object and json_schema constrain the output. */
 function responseFormat(body) {
   const rf = body.response_format;
-  if (rf === undefined || rf === null) return;
-  if (typeof rf !== 'object' || rf.type !== 'text') throw unsupported('response_format', "response_format other than { type: 'text' }");
+  if (rf === undefined || rf === null) return {};
+  if (typeof rf !== 'object' || Array.isArray(rf)) throw wrongType('response_format', 'an object', rf);
+  if (rf.type === 'text') return {};
+  if (rf.type === 'json_object') return { jsonSchema: { type: 'object' } };
+  if (rf.type === 'json_schema') {
+    const js = rf.json_schema;
+    if (!js || typeof js !== 'object' || Array.isArray(js)) throw wrongType('response_format.json_schema', 'an object like { name, schema, strict }', js);
+    const schema = js.schema ?? {};
+    if (typeof schema !== 'object' || Array.isArray(schema) || schema === null) throw wrongType('response_format.json_schema.schema', 'a JSON schema (an object)', schema);
+    return { jsonSchema: schema };
+  }
+  throw invalid(`Invalid value for 'response_format.type': ${JSON.stringify(rf.type)}; use 'text', 'json_object' or 'json_schema'.`, 'response_format', 'invalid_value');
 }
 
 /** The prompts of a completion request: a string, token ids, or a list of either. */
@@ -351,6 +375,8 @@ function fromNative(e, promptParam = null) {
   }
   if (/beyond the model's context length/.test(msg)) return invalid(msg, promptParam, 'context_length_exceeded');
   if (/logitBias names token id/.test(msg)) return invalid(msg, 'logit_bias', 'invalid_value');
+  if (/^invalid argument: jsonSchema is not valid/.test(msg)) return invalid(msg, 'response_format', 'invalid_schema');
+  if (/^invalid argument: toolChoice is not valid/.test(msg)) return invalid(msg, 'tools', 'invalid_schema');
   if (/^(invalid argument|text error):/.test(msg) || (e && e.code === 'InvalidArg')) return invalid(msg);
   if (/^model closed:/.test(msg)) return new ApiError(503, msg, { type: 'server_error', code: 'model_closed' });
   return new ApiError(500, msg, { type: 'server_error' });
@@ -582,9 +608,11 @@ function createServer({
     const messages = chatMessages(body);
     const opts = limited({ ...generationOptions(body, defaultMaxTokens), ...chatLogprobOptions(body) });
     const n = choiceCount(body);
-    const tools = chatTools(body);
+    const { tools, toolChoice } = chatTools(body);
     if (tools) opts.tools = tools;
-    responseFormat(body);
+    if (toolChoice) opts.toolChoice = toolChoice;
+    Object.assign(opts, responseFormat(body));
+    if (opts.jsonSchema && opts.toolChoice) throw invalid("'response_format' json and a forcing 'tool_choice' cannot be used together.", 'response_format', 'invalid_value');
     const { stream, includeUsage } = streamFlags(body);
     const id = newId('chatcmpl');
     const now = Math.floor(Date.now() / 1000);

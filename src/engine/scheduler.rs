@@ -197,7 +197,8 @@ impl Scheduler {
         };
         let pending = prepared.and_then(|(prompt, params)| {
             let params = e.params(params);
-            Pending::new(&e.model, e.model.new_cache(), prompt, &params, started)
+            let guide = e.guide_for(&params)?;
+            Pending::new(&e.model, guide.as_deref(), e.model.new_cache(), prompt, &params, started)
         });
         match pending {
             Ok(p) => Some(Prefilling { pending: p, req }),

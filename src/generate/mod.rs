@@ -2,6 +2,7 @@
 //! (step t+1 is queued before token t is read back, as mlx-lm does),
 //! sampling, stop conditions and honest timing.
 
+pub mod constraint;
 pub mod sampler;
 pub mod stop;
 
@@ -10,6 +11,7 @@ use crate::error::{Error, Result};
 use crate::mlx::{async_eval, Array};
 use crate::model::{Lfm2Model, ModelCache};
 use crate::text::{StreamDecoder, Tokenizer};
+use constraint::{Constraint, Guide};
 use sampler::{Sampler, SamplingParams};
 use std::collections::HashSet;
 use std::time::Instant;
@@ -23,6 +25,9 @@ pub enum FinishReason {
     Length,
     /// The caller cancelled.
     Abort,
+    /// The constraint (schema, grammar) allowed no further token, or the
+    /// parser failed: the output is incomplete.
+    Constraint,
 }
 
 impl FinishReason {
@@ -31,6 +36,7 @@ impl FinishReason {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
             FinishReason::Abort => "abort",
+            FinishReason::Constraint => "constraint",
         }
     }
 }
@@ -46,6 +52,9 @@ pub struct GenerateParams {
     /// A request whose prompt is longer fails before any compute (a
     /// server's bound on what one request may cost, below the context).
     pub max_prompt_tokens: Option<usize>,
+    /// What the output must match (compiled into a [`constraint::Constraint`]
+    /// before any compute).
+    pub grammar: Option<constraint::Grammar>,
 }
 
 impl Default for GenerateParams {
@@ -57,6 +66,7 @@ impl Default for GenerateParams {
             ignore_eos: false,
             prefill_chunk: 2048,
             max_prompt_tokens: None,
+            grammar: None,
         }
     }
 }
@@ -243,9 +253,12 @@ impl<'a> Stepper<'a> {
     }
 }
 
-/// Generates a completion for `prompt` on a fresh cache.
+/// Generates a completion for `prompt` on a fresh cache (`guide`: for a
+/// request with a grammar).
+#[allow(clippy::too_many_arguments)]
 pub fn generate(
     stepper: &mut Stepper,
+    guide: Option<&Guide>,
     tokenizer: &Tokenizer,
     eos: &HashSet<u32>,
     prompt: &[u32],
@@ -254,12 +267,13 @@ pub fn generate(
     started: Instant,
 ) -> Result<Generation> {
     let mut cache = stepper.model.new_cache();
-    generate_with_cache(stepper, &mut cache, tokenizer, eos, prompt, params, observer, started)
+    generate_with_cache(stepper, guide, &mut cache, tokenizer, eos, prompt, params, observer, started)
 }
 
 #[allow(clippy::too_many_arguments)]
 pub fn generate_with_cache(
     stepper: &mut Stepper,
+    guide: Option<&Guide>,
     cache: &mut ModelCache,
     tokenizer: &Tokenizer,
     eos: &HashSet<u32>,
@@ -269,7 +283,7 @@ pub fn generate_with_cache(
     started: Instant,
 ) -> Result<Generation> {
     let owned = std::mem::replace(cache, ModelCache::new(&[]));
-    let mut seq = match Sequence::start(stepper.model, owned, tokenizer, prompt, params, observer, started)? {
+    let mut seq = match Sequence::start(stepper.model, guide, owned, tokenizer, prompt, params, observer, started)? {
         Started::Running(s) => s,
         Started::Finished(g, c) => {
             *cache = c;
@@ -301,6 +315,7 @@ pub struct Pending {
     run: PrefillRun,
     prompt: Vec<u32>,
     sampler: Sampler,
+    constraint: Option<Constraint>,
     params: GenerateParams,
     started: Instant,
     prefill_start: Instant,
@@ -313,7 +328,16 @@ pub enum Advance {
 }
 
 impl Pending {
-    pub fn new(model: &Lfm2Model, mut cache: ModelCache, prompt: Vec<u32>, params: &GenerateParams, started: Instant) -> Result<Pending> {
+    /// `guide`: the model's vocabulary for a request with a grammar
+    /// (compiled here, before any compute).
+    pub fn new(
+        model: &Lfm2Model,
+        guide: Option<&Guide>,
+        mut cache: ModelCache,
+        prompt: Vec<u32>,
+        params: &GenerateParams,
+        started: Instant,
+    ) -> Result<Pending> {
         if params.max_tokens == 0 {
             return Err(Error::invalid("maxTokens must be at least 1"));
         }
@@ -338,7 +362,12 @@ impl Pending {
         let run = PrefillRun::new(model, &mut cache, &prompt, params.prefill_chunk)?;
         params.sampling.validate_vocab(model.config.vocab_size)?;
         let sampler = Sampler::new(params.sampling.clone(), &prompt)?;
-        Ok(Pending { cache, run, prompt, sampler, params: params.clone(), started, prefill_start })
+        let constraint = match (&params.grammar, guide) {
+            (None, _) => None,
+            (Some(g), Some(guide)) => Some(Constraint::compile(guide, g)?),
+            (Some(g), None) => return Err(Error::invalid(format!("{} is not available on this path", g.option_name()))),
+        };
+        Ok(Pending { cache, run, prompt, sampler, constraint, params: params.clone(), started, prefill_start })
     }
 
     /// Runs the next prefill chunk (after asking `observer` whether to go
@@ -378,7 +407,14 @@ impl Pending {
         let cached_tokens = self.cache.cached_tokens();
         let mut cache = self.cache;
         let mut sampler = self.sampler;
-        let y = sampler.sample(&logits)?;
+        let mut constraint = self.constraint;
+        let y = match constraint.as_mut() {
+            Some(c) => {
+                let mask = c.mask()?.ok_or_else(|| Error::invalid("the constraint allows no first token"))?;
+                sampler.draw_processed(&Constraint::apply(&sampler.process(logits)?, &mask)?)?
+            }
+            None => sampler.sample(logits)?,
+        };
         let finite = sampler::finite_rows(logits)?;
         let lp = sampler.take_logprobs();
         let mut queued = vec![&y, &finite];
@@ -395,6 +431,7 @@ impl Pending {
             logprobs: params.sampling.logprobs.then(Vec::new),
             tokenizer: tokenizer.clone(),
             sampler,
+            constraint,
             stops: StopStrings::new(&params.stop),
             decoder: StreamDecoder::new(tokenizer, false),
             text: String::new(),
@@ -463,6 +500,11 @@ pub struct Sequence {
     /// For the text of log-probability entries.
     tokenizer: Tokenizer,
     sampler: Sampler,
+    /// With a grammar: the step's token is drawn in `accept`, once the
+    /// token before it is read back and the parser has computed the mask
+    /// (while the device runs the step's forward); the step hands over its
+    /// processed logits instead of a token.
+    constraint: Option<Constraint>,
     stops: StopStrings,
     decoder: StreamDecoder,
     text: String,
@@ -483,8 +525,10 @@ pub struct Sequence {
 
 impl Sequence {
     /// Prefills `prompt` into `cache` and samples the first token.
+    #[allow(clippy::too_many_arguments)]
     pub fn start(
         model: &Lfm2Model,
+        guide: Option<&Guide>,
         cache: ModelCache,
         tokenizer: &Tokenizer,
         prompt: &[u32],
@@ -492,7 +536,7 @@ impl Sequence {
         observer: &mut dyn Observer,
         started: Instant,
     ) -> Result<Started> {
-        let mut p = Pending::new(model, cache, prompt.to_vec(), params, started)?;
+        let mut p = Pending::new(model, guide, cache, prompt.to_vec(), params, started)?;
         loop {
             match p.advance(model, tokenizer, observer)? {
                 Advance::More(next) => p = next,
@@ -521,8 +565,12 @@ impl Sequence {
     /// its rows' tokens at once (see [`queue_tokens`]), with
     /// [`Sequence::pending_extras`].
     pub fn draw(&mut self, logits: &Array) -> Result<Array> {
-        let n = self.sampler.sample(logits)?;
         self.next_finite = Some(sampler::finite_rows(logits)?);
+        if self.constraint.is_some() {
+            // Drawn in `accept` (see `constraint`): the forward runs now.
+            return self.sampler.process(logits);
+        }
+        let n = self.sampler.sample(logits)?;
         self.next_logprobs = self.sampler.take_logprobs();
         Ok(n)
     }
@@ -543,7 +591,7 @@ impl Sequence {
     }
 
     pub fn is_greedy(&self) -> bool {
-        self.sampler.is_greedy()
+        self.sampler.is_greedy() && self.constraint.is_none()
     }
 
     /// Reads the pending token back and handles it; `next` is the token of
@@ -572,6 +620,14 @@ impl Sequence {
         if !self.ignore_eos && eos.contains(&tok) {
             self.finish = FinishReason::Stop;
             return Ok(false);
+        }
+        let mut complete = false;
+        if let Some(c) = self.constraint.as_mut() {
+            if c.commit(tok).is_err() {
+                self.finish = FinishReason::Constraint;
+                return Ok(false);
+            }
+            complete = c.is_done();
         }
         self.tokens.push(tok);
         if let Some(lp) = self.y_logprobs.take() {
@@ -602,7 +658,23 @@ impl Sequence {
             self.finish = FinishReason::Abort;
             return Ok(false);
         }
+        if complete {
+            // The grammar allows nothing more: the output is whole.
+            self.finish = FinishReason::Stop;
+            return Ok(false);
+        }
         match next {
+            Some(n) if self.constraint.is_some() => match self.draw_constrained(&n)? {
+                Some(y) => {
+                    self.y = y;
+                    self.y_finite = self.next_finite.take();
+                    Ok(true)
+                }
+                None => {
+                    self.finish = FinishReason::Constraint;
+                    Ok(false)
+                }
+            },
             Some(n) => {
                 self.y = n;
                 self.y_finite = self.next_finite.take();
@@ -611,6 +683,18 @@ impl Sequence {
             }
             None => Ok(false),
         }
+    }
+
+    /// Draws the token from a step's processed `logits` under the
+    /// constraint's mask and queues it; None when no token is allowed.
+    fn draw_constrained(&mut self, logits: &Array) -> Result<Option<Array>> {
+        let Some(mask) = self.constraint.as_mut().expect("constrained").mask()? else { return Ok(None) };
+        let y = self.sampler.draw_processed(&Constraint::apply(logits, &mask)?)?;
+        self.y_logprobs = self.sampler.take_logprobs();
+        let mut queued = vec![&y];
+        queued.extend(self.y_logprobs.iter().flat_map(|l| l.arrays()));
+        async_eval(&queued)?;
+        Ok(Some(y))
     }
 
     fn logprob_entry(&self, tok: u32, lp: &sampler::LogprobArrays) -> Result<TokenLogprob> {

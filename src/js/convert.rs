@@ -6,6 +6,7 @@ use super::model::js_error;
 use crate::engine::{self, EngineOptions};
 use crate::error::Error;
 use crate::generate::sampler::{SamplingParams, MAX_TOP_LOGPROBS};
+use crate::generate::constraint::Grammar;
 use crate::generate::{GenerateParams, Generation};
 use crate::mlx::{runtime, Dtype};
 use crate::text::tool_calls;
@@ -121,6 +122,22 @@ pub struct GenerateOptions<'env> {
     pub logprobs: Option<bool>,
     /// With `logprobs`: the most likely alternatives per token (0 to 20).
     pub top_logprobs: Option<f64>,
+    /// The output is JSON valid against this schema (llguidance's JSON
+    /// schema support; compact unless the schema's `x-guidance` says
+    /// otherwise). A bad schema rejects before any compute.
+    #[napi(ts_type = "Record<string, unknown> | boolean")]
+    pub json_schema: Option<serde_json::Value>,
+    /// The output matches this grammar (llguidance's Lark dialect).
+    pub grammar: Option<String>,
+    /// The whole output matches this regular expression.
+    pub regex: Option<String>,
+    /// Chat with `tools`: "auto" (the default: the model may call tools),
+    /// "none" (tools are not offered), "required" (the reply is one or more
+    /// tool calls, their arguments valid against the tools' parameter
+    /// schemas), or a tool's name (`{ name }` or OpenAI's
+    /// `{ type: 'function', function: { name } }`: exactly one call to it).
+    #[napi(ts_type = "'auto' | 'none' | 'required' | { name: string } | { type: 'function'; function: { name: string } }")]
+    pub tool_choice: Option<serde_json::Value>,
     /// Keep generating past end-of-sequence tokens.
     pub ignore_eos: Option<bool>,
     /// Tools in the OpenAI function shape, rendered by the chat template (chat only).
@@ -159,6 +176,10 @@ pub const GENERATE_OPTION_KEYS: &[&str] = &[
     "logitBias",
     "logprobs",
     "topLogprobs",
+    "jsonSchema",
+    "grammar",
+    "regex",
+    "toolChoice",
     "ignoreEos",
     "tools",
     "allowSpecialTokens",
@@ -186,6 +207,10 @@ pub struct OptionValues {
     pub logit_bias: Option<std::collections::HashMap<String, f64>>,
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<f64>,
+    pub json_schema: Option<serde_json::Value>,
+    pub grammar: Option<String>,
+    pub regex: Option<String>,
+    pub tool_choice: Option<serde_json::Value>,
     pub ignore_eos: Option<bool>,
     pub tools: Option<Vec<serde_json::Value>>,
     pub allow_special_tokens: Option<bool>,
@@ -213,6 +238,10 @@ impl OptionValues {
             logit_bias: o.logit_bias.clone(),
             logprobs: o.logprobs,
             top_logprobs: o.top_logprobs,
+            json_schema: o.json_schema.clone(),
+            grammar: o.grammar.clone(),
+            regex: o.regex.clone(),
+            tool_choice: o.tool_choice.clone(),
             ignore_eos: o.ignore_eos,
             tools: o.tools.clone(),
             allow_special_tokens: o.allow_special_tokens,
@@ -237,6 +266,10 @@ impl OptionValues {
             logit_bias: over.logit_bias.clone().or_else(|| self.logit_bias.clone()),
             logprobs: over.logprobs.or(self.logprobs),
             top_logprobs: over.top_logprobs.or(self.top_logprobs),
+            json_schema: over.json_schema.clone().or_else(|| self.json_schema.clone()),
+            grammar: over.grammar.clone().or_else(|| self.grammar.clone()),
+            regex: over.regex.clone().or_else(|| self.regex.clone()),
+            tool_choice: over.tool_choice.clone().or_else(|| self.tool_choice.clone()),
             ignore_eos: over.ignore_eos.or(self.ignore_eos),
             tools: over.tools.clone().or_else(|| self.tools.clone()),
             allow_special_tokens: over.allow_special_tokens.or(self.allow_special_tokens),
@@ -244,8 +277,11 @@ impl OptionValues {
         }
     }
 
-    /// The tools for the chat template.
+    /// The tools for the chat template (none with `toolChoice: 'none'`).
     pub fn tools_value(&self) -> Option<serde_json::Value> {
+        if self.tool_choice.as_ref().and_then(|c| c.as_str()) == Some("none") {
+            return None;
+        }
         self.tools.clone().map(serde_json::Value::Array)
     }
 
@@ -305,7 +341,9 @@ pub struct ChatResult {
     /// "stop" (end-of-sequence or a stop string), "length", "abort", or
     /// "tool_calls" (chat: the reply holds tool calls that all parsed and
     /// generation stopped normally).
-    #[napi(ts_type = "'stop' | 'length' | 'abort' | 'tool_calls'")]
+    /// "constraint": the jsonSchema / grammar / regex / toolChoice allowed
+    /// no further token (the output is incomplete).
+    #[napi(ts_type = "'stop' | 'length' | 'abort' | 'tool_calls' | 'constraint'")]
     pub finish_reason: String,
     /// Completion token ids (without the end-of-sequence token).
     pub tokens: Vec<u32>,
@@ -563,7 +601,74 @@ pub fn generate_params(o: &OptionValues) -> Result<GenerateParams> {
     p.stop = o.stop.clone().unwrap_or_default();
     p.ignore_eos = o.ignore_eos.unwrap_or(false);
     p.max_prompt_tokens = int_option("maxPromptTokens", o.max_prompt_tokens, 1, MAX_TOKENS)?.map(|n| n as usize);
+    p.grammar = grammar(o)?;
     Ok(p)
+}
+
+/// The constraint the options ask for (at most one of jsonSchema, grammar,
+/// regex and a forcing toolChoice).
+fn grammar(o: &OptionValues) -> Result<Option<Grammar>> {
+    let mut found: Vec<Grammar> = vec![];
+    if let Some(s) = &o.json_schema {
+        if !s.is_object() && !s.is_boolean() {
+            return Err(type_error("jsonSchema must be a JSON schema (an object)"));
+        }
+        found.push(Grammar::JsonSchema(s.clone()));
+    }
+    if let Some(g) = &o.grammar {
+        found.push(Grammar::Lark(g.clone()));
+    }
+    if let Some(r) = &o.regex {
+        found.push(Grammar::Regex(r.clone()));
+    }
+    if let Some(c) = &o.tool_choice {
+        if let Some(g) = tool_choice(c, o.tools.as_deref())? {
+            found.push(g);
+        }
+    }
+    if found.len() > 1 {
+        let names: Vec<&str> = found.iter().map(|g| g.option_name()).collect();
+        return Err(type_error(format!("{} cannot be used together; give one", names.join(" and "))));
+    }
+    Ok(found.pop())
+}
+
+/// `toolChoice` as a constraint (None for "auto" and "none").
+fn tool_choice(c: &serde_json::Value, tools: Option<&[serde_json::Value]>) -> Result<Option<Grammar>> {
+    use serde_json::Value;
+    let named = match c {
+        Value::String(s) if s == "auto" || s == "none" => return Ok(None),
+        Value::String(s) if s == "required" => None,
+        Value::Object(m) => {
+            let name = m.get("name").or_else(|| m.get("function").and_then(|f| f.get("name")));
+            match name.and_then(|n| n.as_str()) {
+                Some(n) => Some(n.to_string()),
+                None => return Err(type_error("toolChoice must be 'auto', 'none', 'required', { name } or { type: 'function', function: { name } }")),
+            }
+        }
+        _ => return Err(type_error(format!("toolChoice must be 'auto', 'none', 'required' or {{ name }}, found {c}"))),
+    };
+    let tools = tools.filter(|t| !t.is_empty()).ok_or_else(|| type_error("toolChoice 'required' or a named tool needs `tools`"))?;
+    let mut out = vec![];
+    for (i, t) in tools.iter().enumerate() {
+        let f = t.get("function").unwrap_or(t);
+        let name = f.get("name").and_then(|n| n.as_str()).ok_or_else(|| type_error(format!("tools[{i}] has no function name")))?;
+        if named.as_deref().is_some_and(|n| n != name) {
+            continue;
+        }
+        // A tool without parameters takes none.
+        let params = f
+            .get("parameters")
+            .cloned()
+            .unwrap_or_else(|| serde_json::json!({ "type": "object", "properties": {}, "additionalProperties": false }));
+        out.push((name.to_string(), params));
+    }
+    if let Some(n) = &named {
+        if out.is_empty() {
+            return Err(range_error(format!("toolChoice names `{n}`, which is not one of the tools")));
+        }
+    }
+    Ok(Some(Grammar::ToolCalls { tools: out, single: named.is_some() }))
 }
 
 /// `logitBias` keys as token ids (each an integer string; the vocabulary
