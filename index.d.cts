@@ -343,7 +343,9 @@ export interface GenerateOptions {
   /** The whole output matches this regular expression. */
   regex?: string
   /**
-   * Chat with `tools`: "auto" (the default: the model may call tools),
+   * Chat with `tools`: unset (free: the model may call tools), "auto"
+   * (free, but a call the model starts is completed under the tools'
+   * schemas),
    * "none" (tools are not offered), "required" (the reply is one or more
    * tool calls, their arguments valid against the tools' parameter
    * schemas), or a tool's name (`{ name }` or OpenAI's

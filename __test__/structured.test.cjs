@@ -224,3 +224,33 @@ test('server: response_format json_schema / json_object and tool_choice, with 40
     server.closeAllConnections();
   }
 });
+
+test("toolChoice 'auto': free text, but a call the model starts is completed under the tools' schemas", async () => {
+  const m = await load();
+  const msgs = [{ role: 'user', content: 'Weather in Paris?' }];
+  const id = (await m.tokenize('<|tool_call_start|>', false))[0];
+  assert.equal((await m.tokenize('<|tool_call_start|>', false)).length, 1);
+  // Bias the start marker up so the random model opens calls often, and
+  // compare with the same requests without the 'auto' constraint.
+  let calls = 0;
+  let malformedFree = 0;
+  for (let seed = 0; seed < 6; seed++) {
+    const opts = { tools, temperature: 1, seed, maxTokens: 150, logitBias: { [id]: 12 } };
+    const auto = await m.chat(msgs, { ...opts, toolChoice: 'auto' });
+    // Only a call cut off by maxTokens may be unparsed.
+    for (const e of auto.toolCallErrors ?? []) {
+      assert.equal(auto.finishReason, 'length', JSON.stringify(auto));
+      assert.ok(!e.raw.includes('<|tool_call_end|>'), e.raw);
+    }
+    for (const c of auto.toolCalls ?? []) {
+      calls++;
+      const schema = c.function.name === 'get_weather' ? tools[0].function.parameters : { type: 'object', maxProperties: 0 };
+      assert.ok(ajv.validate(schema, JSON.parse(c.function.arguments)), c.function.arguments);
+    }
+    const free = await m.chat(msgs, opts);
+    if (free.toolCallErrors) malformedFree++;
+  }
+  assert.ok(calls >= 3, `only ${calls} calls were completed (${malformedFree} malformed free runs)`);
+  // Without it the same model writes malformed calls: the check above means something.
+  assert.ok(malformedFree >= 3, `only ${malformedFree} free runs had malformed calls`);
+});

@@ -246,6 +246,8 @@ function chatTools(body) {
     });
   }
   const offered = choice !== 'none' && Array.isArray(tools) && tools.length > 0 ? tools : undefined;
+  // An explicit 'auto' completes a call the model starts under the tools' schemas.
+  if (choice === 'auto' && offered) toolChoice = 'auto';
   if (toolChoice && !offered) throw invalid(`'tool_choice' ${JSON.stringify(choice)} needs 'tools'.`, 'tool_choice', 'invalid_value');
   if (toolChoice && toolChoice.name && !offered.some((t) => t.function.name === toolChoice.name)) {
     throw invalid(`'tool_choice' names the function '${toolChoice.name}', which is not in 'tools'.`, 'tool_choice', 'invalid_value');

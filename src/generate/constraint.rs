@@ -31,6 +31,9 @@ pub enum Grammar {
     /// markers) to these tools: (name, JSON schema of the arguments).
     /// `single`: exactly one call.
     ToolCalls { tools: Vec<(String, Value)>, single: bool },
+    /// Free output, but a tool call the model starts (its start marker) is
+    /// completed under the tools' schemas (`toolChoice: 'auto'`).
+    ToolCallsAuto { tools: Vec<(String, Value)> },
 }
 
 impl Grammar {
@@ -40,7 +43,7 @@ impl Grammar {
             Grammar::JsonSchema(_) => "jsonSchema",
             Grammar::Lark(_) => "grammar",
             Grammar::Regex(_) => "regex",
-            Grammar::ToolCalls { .. } => "toolChoice",
+            Grammar::ToolCalls { .. } | Grammar::ToolCallsAuto { .. } => "toolChoice",
         }
     }
 }
@@ -165,7 +168,8 @@ impl Guide {
             }
             Grammar::Lark(l) => TopLevelGrammar::from_lark(l.clone()),
             Grammar::Regex(r) => TopLevelGrammar::from_regex(r),
-            Grammar::ToolCalls { tools, single } => {
+            Grammar::ToolCalls { tools, .. } | Grammar::ToolCallsAuto { tools } => {
+                let single = matches!(g, Grammar::ToolCalls { single: true, .. });
                 let (Some(start), Some(end)) = (self.tool_start, self.tool_end) else {
                     return Err(Error::invalid(format!(
                         "toolChoice needs the tokenizer's {TOOL_CALL_START} and {TOOL_CALL_END} tokens; this model has none"
@@ -186,17 +190,20 @@ impl Guide {
                     })
                     .collect();
                 let mut list = json!({ "type": "array", "items": { "anyOf": calls }, "minItems": 1 });
-                if *single {
+                if single {
                     list["maxItems"] = json!(1);
                 }
                 let schema = serde_json::to_string(&compact(list)).map_err(|e| Error::invalid(e.to_string()))?;
-                TopLevelGrammar::from_lark(format!("start: <[{start}]> %json {schema} <[{end}]>"))
+                // 'auto' takes over after the model wrote the start marker.
+                let opening = if matches!(g, Grammar::ToolCallsAuto { .. }) { String::new() } else { format!("<[{start}]> ") };
+                TopLevelGrammar::from_lark(format!("start: {opening}%json {schema} <[{end}]>"))
             }
         })
     }
 }
 
 /// One request's parser state.
+#[derive(Clone)]
 pub struct Constraint {
     matcher: Matcher,
     vocab: usize,
@@ -267,5 +274,22 @@ impl Constraint {
     /// The output is complete: the grammar allows nothing more.
     pub fn is_done(&self) -> bool {
         self.matcher.is_stopped()
+    }
+}
+
+/// `toolChoice: 'auto'`: the parser for a tool call (compiled up front),
+/// started when the model writes the start marker.
+pub struct ToolWatch {
+    pub start: u32,
+    pub template: Constraint,
+    /// The processed logits of the last free draw: redrawn under the mask
+    /// when the token before it turns out to be the start marker.
+    pub stash: Option<Array>,
+}
+
+impl ToolWatch {
+    pub fn new(guide: &Guide, g: &Grammar) -> Result<ToolWatch> {
+        let start = guide.tool_start.ok_or_else(|| Error::invalid(format!("toolChoice needs the tokenizer's {TOOL_CALL_START} token")))?;
+        Ok(ToolWatch { start, template: Constraint::compile(guide, g)?, stash: None })
     }
 }

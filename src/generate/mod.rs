@@ -11,7 +11,7 @@ use crate::error::{Error, Result};
 use crate::mlx::{async_eval, Array};
 use crate::model::{Lfm2Model, ModelCache};
 use crate::text::{StreamDecoder, Tokenizer};
-use constraint::{Constraint, Guide};
+use constraint::{Constraint, Guide, ToolWatch};
 use sampler::{Sampler, SamplingParams};
 use std::collections::HashSet;
 use std::time::Instant;
@@ -316,6 +316,7 @@ pub struct Pending {
     prompt: Vec<u32>,
     sampler: Sampler,
     constraint: Option<Constraint>,
+    watch: Option<ToolWatch>,
     params: GenerateParams,
     started: Instant,
     prefill_start: Instant,
@@ -362,12 +363,14 @@ impl Pending {
         let run = PrefillRun::new(model, &mut cache, &prompt, params.prefill_chunk)?;
         params.sampling.validate_vocab(model.config.vocab_size)?;
         let sampler = Sampler::new(params.sampling.clone(), &prompt)?;
-        let constraint = match (&params.grammar, guide) {
-            (None, _) => None,
-            (Some(g), Some(guide)) => Some(Constraint::compile(guide, g)?),
+        let (mut constraint, mut watch) = (None, None);
+        match (&params.grammar, guide) {
+            (None, _) => {}
+            (Some(g @ constraint::Grammar::ToolCallsAuto { .. }), Some(guide)) => watch = Some(ToolWatch::new(guide, g)?),
+            (Some(g), Some(guide)) => constraint = Some(Constraint::compile(guide, g)?),
             (Some(g), None) => return Err(Error::invalid(format!("{} is not available on this path", g.option_name()))),
-        };
-        Ok(Pending { cache, run, prompt, sampler, constraint, params: params.clone(), started, prefill_start })
+        }
+        Ok(Pending { cache, run, prompt, sampler, constraint, watch, params: params.clone(), started, prefill_start })
     }
 
     /// Runs the next prefill chunk (after asking `observer` whether to go
@@ -408,12 +411,18 @@ impl Pending {
         let mut cache = self.cache;
         let mut sampler = self.sampler;
         let mut constraint = self.constraint;
-        let y = match constraint.as_mut() {
-            Some(c) => {
+        let mut watch = self.watch;
+        let y = match (constraint.as_mut(), watch.as_mut()) {
+            (Some(c), _) => {
                 let mask = c.mask()?.ok_or_else(|| Error::invalid("the constraint allows no first token"))?;
                 sampler.draw_processed(&Constraint::apply(&sampler.process(logits)?, &mask)?)?
             }
-            None => sampler.sample(logits)?,
+            (None, Some(w)) => {
+                let l = sampler.process(logits)?;
+                w.stash = Some(l.clone());
+                sampler.draw_processed(&l)?
+            }
+            (None, None) => sampler.sample(logits)?,
         };
         let finite = sampler::finite_rows(logits)?;
         let lp = sampler.take_logprobs();
@@ -432,6 +441,7 @@ impl Pending {
             tokenizer: tokenizer.clone(),
             sampler,
             constraint,
+            watch,
             stops: StopStrings::new(&params.stop),
             decoder: StreamDecoder::new(tokenizer, false),
             text: String::new(),
@@ -505,6 +515,8 @@ pub struct Sequence {
     /// (while the device runs the step's forward); the step hands over its
     /// processed logits instead of a token.
     constraint: Option<Constraint>,
+    /// `toolChoice: 'auto'`: starts a constraint at a tool call's start marker.
+    watch: Option<ToolWatch>,
     stops: StopStrings,
     decoder: StreamDecoder,
     text: String,
@@ -570,6 +582,13 @@ impl Sequence {
             // Drawn in `accept` (see `constraint`): the forward runs now.
             return self.sampler.process(logits);
         }
+        if let Some(w) = self.watch.as_mut() {
+            let l = self.sampler.process(logits)?;
+            w.stash = Some(l.clone());
+            let n = self.sampler.draw_processed(&l)?;
+            self.next_logprobs = self.sampler.take_logprobs();
+            return Ok(n);
+        }
         let n = self.sampler.sample(logits)?;
         self.next_logprobs = self.sampler.take_logprobs();
         Ok(n)
@@ -591,7 +610,7 @@ impl Sequence {
     }
 
     pub fn is_greedy(&self) -> bool {
-        self.sampler.is_greedy() && self.constraint.is_none()
+        self.sampler.is_greedy() && self.constraint.is_none() && self.watch.is_none()
     }
 
     /// Reads the pending token back and handles it; `next` is the token of
@@ -629,6 +648,9 @@ impl Sequence {
             }
             complete = c.is_done();
         }
+        // 'auto' tools: the model opened a call; the token drawn after the
+        // marker (freely, already queued) is drawn again under the call's grammar.
+        let opened = self.constraint.is_none() && self.watch.as_ref().is_some_and(|w| w.start == tok);
         self.tokens.push(tok);
         if let Some(lp) = self.y_logprobs.take() {
             let entry = self.logprob_entry(tok, &lp)?;
@@ -658,10 +680,46 @@ impl Sequence {
             self.finish = FinishReason::Abort;
             return Ok(false);
         }
+        if complete && self.watch.is_some() {
+            // The call is whole; free text again. The step queued under
+            // the constraint handed over its logits: draw from them freely.
+            self.constraint = None;
+            return match next {
+                Some(n) => {
+                    self.watch.as_mut().expect("watching").stash = Some(n.clone());
+                    let y = self.sampler.draw_processed(&n)?;
+                    self.y_logprobs = self.sampler.take_logprobs();
+                    let mut queued = vec![&y];
+                    queued.extend(self.y_logprobs.iter().flat_map(|l| l.arrays()));
+                    async_eval(&queued)?;
+                    self.y = y;
+                    self.y_finite = self.next_finite.take();
+                    Ok(true)
+                }
+                None => Ok(false),
+            };
+        }
         if complete {
             // The grammar allows nothing more: the output is whole.
             self.finish = FinishReason::Stop;
             return Ok(false);
+        }
+        if opened && next.is_some() {
+            let w = self.watch.as_mut().expect("watching");
+            let stash = w.stash.take().ok_or_else(|| Error::invalid("no logits kept for the tool call (internal error)"))?;
+            self.constraint = Some(w.template.clone());
+            self.next_logprobs = None;
+            return match self.draw_constrained(&stash)? {
+                Some(y) => {
+                    self.y = y;
+                    self.y_finite = self.next_finite.take();
+                    Ok(true)
+                }
+                None => {
+                    self.finish = FinishReason::Constraint;
+                    Ok(false)
+                }
+            };
         }
         match next {
             Some(n) if self.constraint.is_some() => match self.draw_constrained(&n)? {

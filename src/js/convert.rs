@@ -131,7 +131,9 @@ pub struct GenerateOptions<'env> {
     pub grammar: Option<String>,
     /// The whole output matches this regular expression.
     pub regex: Option<String>,
-    /// Chat with `tools`: "auto" (the default: the model may call tools),
+    /// Chat with `tools`: unset (free: the model may call tools), "auto"
+    /// (free, but a call the model starts is completed under the tools'
+    /// schemas),
     /// "none" (tools are not offered), "required" (the reply is one or more
     /// tool calls, their arguments valid against the tools' parameter
     /// schemas), or a tool's name (`{ name }` or OpenAI's
@@ -626,6 +628,11 @@ fn grammar(o: &OptionValues) -> Result<Option<Grammar>> {
             found.push(g);
         }
     }
+    // 'auto' only watches for a call: another constraint wins (its output
+    // can never hold the start marker).
+    if found.len() > 1 {
+        found.retain(|g| !matches!(g, Grammar::ToolCallsAuto { .. }));
+    }
     if found.len() > 1 {
         let names: Vec<&str> = found.iter().map(|g| g.option_name()).collect();
         return Err(type_error(format!("{} cannot be used together; give one", names.join(" and "))));
@@ -637,7 +644,10 @@ fn grammar(o: &OptionValues) -> Result<Option<Grammar>> {
 fn tool_choice(c: &serde_json::Value, tools: Option<&[serde_json::Value]>) -> Result<Option<Grammar>> {
     use serde_json::Value;
     let named = match c {
-        Value::String(s) if s == "auto" || s == "none" => return Ok(None),
+        Value::String(s) if s == "none" => return Ok(None),
+        // Without tools there is no call to complete.
+        Value::String(s) if s == "auto" && tools.is_none_or(|t| t.is_empty()) => return Ok(None),
+        Value::String(s) if s == "auto" => None,
         Value::String(s) if s == "required" => None,
         Value::Object(m) => {
             let name = m.get("name").or_else(|| m.get("function").and_then(|f| f.get("name")));
@@ -667,6 +677,9 @@ fn tool_choice(c: &serde_json::Value, tools: Option<&[serde_json::Value]>) -> Re
         if out.is_empty() {
             return Err(range_error(format!("toolChoice names `{n}`, which is not one of the tools")));
         }
+    }
+    if c.as_str() == Some("auto") {
+        return Ok(Some(Grammar::ToolCallsAuto { tools: out }));
     }
     Ok(Some(Grammar::ToolCalls { tools: out, single: named.is_some() }))
 }
