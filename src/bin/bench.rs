@@ -218,7 +218,8 @@ fn turns(dir: &std::path::Path, device: Option<runtime::DeviceType>, n: usize, s
 /// a regex of words. Temperature 1, ignore_eos; a constraint's output may
 /// end before `gen` tokens (its grammar complete), so each figure is tokens
 /// after the first over the time after the first (the engine's decode
-/// tok/s), the median of `reps` runs.
+/// tok/s), the median of `reps` runs; batched, the tokens all requests
+/// made after their first over the decode steps' wall time.
 fn constrained(
     dir: &std::path::Path,
     device: Option<runtime::DeviceType>,
@@ -261,23 +262,27 @@ fn constrained(
     for (_, g) in &cases {
         eng.generate(Prompt::Tokens(ids(32, vocab, 999)), GenerateParams { max_tokens: 8, ..params(g, 1) }, &mut NoObserver)?;
     }
-    for (name, g) in &cases {
-        let (mut tps, mut toks) = (vec![], vec![]);
-        for r in 0..reps {
+    // Cases interleaved rep by rep, so a load that drifts during the run
+    // (a shared machine) weighs on all of them alike.
+    let n = cases.len();
+    let (mut tps, mut toks, mut batch_tps) = (vec![vec![]; n], vec![vec![]; n], vec![vec![]; n]);
+    for r in 0..reps {
+        for (c, (_, g)) in cases.iter().enumerate() {
             eng.clear_prefix_cache();
             let out = eng.generate(Prompt::Tokens(ids(32, vocab, 7 + r as u32)), params(g, r as u64), &mut NoObserver)?;
-            tps.push(out.metrics.decode_tokens_per_second);
-            toks.push(out.completion_tokens as f64);
+            tps[c].push(out.metrics.decode_tokens_per_second);
+            toks[c].push(out.completion_tokens as f64);
         }
-        // `batch` requests together: tokens over wall time of the decode steps.
-        let mut batch_tps = vec![];
-        for r in 0..reps {
+        // `batch` requests together: tokens after each one's first over
+        // the wall time of the decode steps.
+        for (c, (_, g)) in cases.iter().enumerate() {
             eng.clear_prefix_cache();
             let made = Arc::new(Mutex::new(0usize));
             let mut sched = Scheduler::new();
             for i in 0..batch {
                 let made = made.clone();
-                let req = Request::tokens(ids(32, vocab, 50 + (r * batch + i) as u32), params(g, (r * batch + i) as u64), move |res| match res {
+                let seed = (r * batch + i) as u64;
+                let req = Request::tokens(ids(32, vocab, 50 + seed as u32), params(g, seed), move |res| match res {
                     Ok(o) => *made.lock().unwrap() += o.completion_tokens.saturating_sub(1),
                     Err(e) => eprintln!("mlx-lfm-bench: a request failed: {e}"),
                 });
@@ -286,18 +291,23 @@ fn constrained(
             while sched.prefilling() > 0 {
                 sched.prefill_next(&mut eng);
             }
+            // The first decode step samples nothing new for a request's count.
             let t = Instant::now();
             while sched.running() > 0 {
                 sched.step_active(&mut eng);
             }
-            batch_tps.push(*made.lock().unwrap() as f64 / t.elapsed().as_secs_f64());
+            batch_tps[c].push(*made.lock().unwrap() as f64 / t.elapsed().as_secs_f64());
         }
+    }
+    for (c, (name, _)) in cases.iter().enumerate() {
         println!(
             "{}",
             serde_json::json!({
-                "case": name, "gen": gen, "reps": reps, "decode_tps": median(&mut tps), "decode_tps_runs": tps,
-                "completion_tokens_runs": toks, "batch": batch, "batch_decode_tps": median(&mut batch_tps),
-                "batch_decode_tps_runs": batch_tps,
+                "case": name, "gen": gen, "reps": reps, "decode_tps": median(&mut tps[c].clone()), "decode_tps_runs": tps[c],
+                "completion_tokens_runs": toks[c], "batch": batch, "batch_decode_tps": median(&mut batch_tps[c].clone()),
+                "batch_decode_tps_runs": batch_tps[c],
+                "vs_free_decode": median(&mut tps[c].clone()) / median(&mut tps[0].clone()),
+                "vs_free_batch": median(&mut batch_tps[c].clone()) / median(&mut batch_tps[0].clone()),
             })
         );
     }
