@@ -185,8 +185,10 @@ export interface ChatResult {
    * "stop" (end-of-sequence or a stop string), "length", "abort", or
    * "tool_calls" (chat: the reply holds tool calls that all parsed and
    * generation stopped normally).
+   * "constraint": the jsonSchema / grammar / regex / toolChoice allowed
+   * no further token (the output is incomplete).
    */
-  finishReason: 'stop' | 'length' | 'abort' | 'tool_calls'
+  finishReason: 'stop' | 'length' | 'abort' | 'tool_calls' | 'constraint'
   /** Completion token ids (without the end-of-sequence token). */
   tokens: Array<number>
   usage: Usage
@@ -198,6 +200,8 @@ export interface ChatResult {
    * are any, `finishReason` is not "tool_calls".
    */
   toolCallErrors?: Array<ToolCallError>
+  /** One entry per token of `tokens` (with the `logprobs` option). */
+  logprobs?: Array<TokenLogprob>
 }
 
 /**
@@ -307,6 +311,47 @@ export interface GenerateOptions {
   seed?: number
   /** Stop strings (not included in the result). */
   stop?: string | Array<string>
+  /**
+   * OpenAI's presence penalty (-2 to 2): subtracted from the logit of
+   * every token among the last `repetitionContextSize` tokens (prompt
+   * included, as mlx-lm does).
+   */
+  presencePenalty?: number
+  /**
+   * OpenAI's frequency penalty (-2 to 2): subtracted once per occurrence
+   * in that window.
+   */
+  frequencyPenalty?: number
+  /** Token id (a key such as "42") -> a bias from -100 to 100 added to its logit. */
+  logitBias?: Record<string, number>
+  /**
+   * Give the result (and stream events) a `logprobs` entry per token:
+   * the log-softmax of the logits after logit bias and penalties, before
+   * temperature and top-p / min-p / top-k.
+   */
+  logprobs?: boolean
+  /** With `logprobs`: the most likely alternatives per token (0 to 20). */
+  topLogprobs?: number
+  /**
+   * The output is JSON valid against this schema (llguidance's JSON
+   * schema support; compact unless the schema's `x-guidance` says
+   * otherwise). A bad schema rejects before any compute.
+   */
+  jsonSchema?: Record<string, unknown> | boolean
+  /** The output matches this grammar (llguidance's Lark dialect). */
+  grammar?: string
+  /** The whole output matches this regular expression. */
+  regex?: string
+  /**
+   * Chat with `tools`: unset (free: the model may call tools), "auto"
+   * (free, but a call the model starts is completed under the tools'
+   * schemas),
+   * "none" (tools are not offered), "required" (the reply is one or more
+   * tool calls, their arguments valid against the tools' parameter
+   * schemas), or a tool's name (`{ name }` or OpenAI's
+   * `{ type: 'function', function: { name } }`: exactly one call to it).
+   */
+  toolChoice?: 'auto' | 'none' | 'required' | { name: string } | { type: 'function'; function: { name: string } }
   /** Keep generating past end-of-sequence tokens. */
   ignoreEos?: boolean
   /** Tools in the OpenAI function shape, rendered by the chat template (chat only). */
@@ -581,9 +626,25 @@ export interface StreamTextEvent {
   type: 'text'
   /**
    * New text: whole characters, never a part of a stop string, never
-   * tool-call markup (chat).
+   * tool-call markup (chat). Empty when the event only carries
+   * `logprobs` (text held back, e.g. while it may start a stop string).
    */
   text: string
+  /**
+   * With the `logprobs` option: the entries of the tokens generated since
+   * the previous event (a token's text may come in a later event).
+   */
+  logprobs?: Array<TokenLogprob>
+}
+
+/** A generated token's log-probability (see `GenerateOptions.logprobs`). */
+export interface TokenLogprob {
+  token: number
+  /** The token alone, decoded. */
+  text: string
+  logprob: number
+  /** The most likely tokens at this step, most likely first (`topLogprobs` of them). */
+  topLogprobs: Array<TopLogprob>
 }
 
 /** A tool call in the OpenAI shape. */
@@ -606,6 +667,12 @@ export interface ToolCallFunction {
   name: string
   /** The arguments as a JSON object string. */
   arguments: string
+}
+
+export interface TopLogprob {
+  token: number
+  text: string
+  logprob: number
 }
 
 export interface UnquantizedModule {

@@ -30,6 +30,6 @@ test('assigning finishReason a value it never has does not compile', () => {
   assert.equal(r.status, 2);
   assert.equal(
     r.out,
-    `__test__/types/wrong-finish-reason.ts(7,3): error TS2322: Type '"done"' is not assignable to type '"length" | "stop" | "abort" | "tool_calls"'.`,
+    `__test__/types/wrong-finish-reason.ts(7,3): error TS2322: Type '"done"' is not assignable to type '"length" | "stop" | "abort" | "tool_calls" | "constraint"'.`,
   );
 });

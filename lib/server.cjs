@@ -1,7 +1,11 @@
 // OpenAI-compatible HTTP server over one loaded Lfm2Model (plain node:http).
 //
 //   POST /v1/chat/completions   (stream: server-sent events)
-//   POST /v1/completions        (prompt: a string or an array of token ids)
+//   POST /v1/completions        (prompt: a string, token ids, or a list of either)
+//
+// `n` choices per prompt are n requests with the same prompt: the paged
+// prefix cache shares the prompt and the scheduler batches their decode.
+// Logprobs are those of the tokens as drawn (see the library's `logprobs`).
 //   GET  /v1/models, GET /v1/models/{id}
 //
 // Concurrent requests are batched on the model's worker (continuous
@@ -91,18 +95,43 @@ function unsupported(param, what) {
   return invalid(`${what} is not supported by this server.`, param, 'unsupported_parameter');
 }
 
+// Choices per prompt, and choices per request (prompts times n): each is
+// a request on the model.
+const MAX_N = 16;
+const MAX_CHOICES = 64;
+
+function choiceCount(body, prompts = 1) {
+  const n = optNumber(body, 'n', { integer: true, min: 1, max: MAX_N }) ?? 1;
+  if (n * prompts > MAX_CHOICES) {
+    throw invalid(`This request asks for ${n * prompts} choices (${prompts} prompts times n = ${n}); the limit is ${MAX_CHOICES}.`, 'n', 'invalid_value');
+  }
+  return n;
+}
+
+/** `logit_bias`: token id (a decimal string) -> a bias from -100 to 100. */
+function logitBias(body) {
+  const v = body.logit_bias;
+  if (v === undefined || v === null) return undefined;
+  if (typeof v !== 'object' || Array.isArray(v)) throw wrongType('logit_bias', 'an object mapping token ids to biases', v);
+  const out = {};
+  for (const [k, b] of Object.entries(v)) {
+    if (!/^(0|[1-9][0-9]{0,9})$/.test(k) || Number(k) > 2 ** 32 - 1) {
+      throw invalid(`Invalid 'logit_bias': the key '${k}' is not a token id.`, 'logit_bias', 'invalid_value');
+    }
+    if (typeof b !== 'number' || !Number.isFinite(b) || b < -100 || b > 100) {
+      throw invalid(`Invalid 'logit_bias' for token ${k}: ${JSON.stringify(b)} is not a number from -100 to 100.`, 'logit_bias', 'invalid_value');
+    }
+    out[k] = b;
+  }
+  return Object.keys(out).length ? out : undefined;
+}
+
 /** Generation options shared by both endpoints, from OpenAI parameters (plus top_k, min_p, repetition_penalty). */
 function generationOptions(body, defaultMaxTokens) {
-  const n = optNumber(body, 'n', { integer: true, min: 1 });
-  if (n !== undefined && n !== 1) throw unsupported('n', 'n other than 1');
-  for (const key of ['presence_penalty', 'frequency_penalty']) {
-    const v = optNumber(body, key, { min: -2, max: 2 });
-    if (v) throw unsupported(key, `A non-zero ${key}`);
-  }
-  if (body.logit_bias !== undefined && body.logit_bias !== null && Object.keys(body.logit_bias).length) {
-    throw unsupported('logit_bias', 'logit_bias');
-  }
   const opts = {
+    presencePenalty: optNumber(body, 'presence_penalty', { min: -2, max: 2 }),
+    frequencyPenalty: optNumber(body, 'frequency_penalty', { min: -2, max: 2 }),
+    logitBias: logitBias(body),
     maxTokens:
       optNumber(body, 'max_completion_tokens', { integer: true, min: 1, max: MAX_TOKENS_LIMIT }) ??
       optNumber(body, 'max_tokens', { integer: true, min: 1, max: MAX_TOKENS_LIMIT }) ??
@@ -193,41 +222,122 @@ function chatMessages(body) {
   });
 }
 
+/** `tools` and `tool_choice` as library options ({ tools, toolChoice }). */
 function chatTools(body) {
   const tools = body.tools;
   const choice = body.tool_choice;
+  let toolChoice;
   if (choice !== undefined && choice !== null && choice !== 'auto' && choice !== 'none') {
-    if (typeof choice === 'string' && choice !== 'required') throw invalid(`Invalid value for 'tool_choice': '${choice}'.`, 'tool_choice', 'invalid_value');
-    throw unsupported('tool_choice', "tool_choice other than 'auto' or 'none'");
-  }
-  if (tools === undefined || tools === null) return undefined;
-  if (!Array.isArray(tools)) throw wrongType('tools', 'an array', tools);
-  tools.forEach((t, i) => {
-    if (!t || typeof t !== 'object' || t.type !== 'function' || !t.function || typeof t.function.name !== 'string') {
-      throw invalid(`Invalid 'tools[${i}]': expected { type: 'function', function: { name, description?, parameters? } }.`, `tools[${i}]`, 'invalid_value');
+    if (typeof choice === 'string') {
+      if (choice !== 'required') throw invalid(`Invalid value for 'tool_choice': '${choice}'.`, 'tool_choice', 'invalid_value');
+      toolChoice = 'required';
+    } else if (choice && typeof choice === 'object' && !Array.isArray(choice) && choice.type === 'function' && choice.function && typeof choice.function.name === 'string') {
+      toolChoice = { name: choice.function.name };
+    } else {
+      throw wrongType('tool_choice', "'auto', 'none', 'required' or { type: 'function', function: { name } }", choice);
     }
-  });
-  if (choice === 'none' || tools.length === 0) return undefined;
-  return tools;
+  }
+  if (tools !== undefined && tools !== null) {
+    if (!Array.isArray(tools)) throw wrongType('tools', 'an array', tools);
+    tools.forEach((t, i) => {
+      if (!t || typeof t !== 'object' || t.type !== 'function' || !t.function || typeof t.function.name !== 'string') {
+        throw invalid(`Invalid 'tools[${i}]': expected { type: 'function', function: { name, description?, parameters? } }.`, `tools[${i}]`, 'invalid_value');
+      }
+    });
+  }
+  const offered = choice !== 'none' && Array.isArray(tools) && tools.length > 0 ? tools : undefined;
+  // An explicit 'auto' completes a call the model starts under the tools' schemas.
+  if (choice === 'auto' && offered) toolChoice = 'auto';
+  if (toolChoice && !offered) throw invalid(`'tool_choice' ${JSON.stringify(choice)} needs 'tools'.`, 'tool_choice', 'invalid_value');
+  if (toolChoice && toolChoice.name && !offered.some((t) => t.function.name === toolChoice.name)) {
+    throw invalid(`'tool_choice' names the function '${toolChoice.name}', which is not in 'tools'.`, 'tool_choice', 'invalid_value');
+  }
+  return { tools: offered, toolChoice };
 }
 
+/** `response_format` as library options: json_object and json_schema constrain the output. */
 function responseFormat(body) {
   const rf = body.response_format;
-  if (rf === undefined || rf === null) return;
-  if (typeof rf !== 'object' || rf.type !== 'text') throw unsupported('response_format', "response_format other than { type: 'text' }");
+  if (rf === undefined || rf === null) return {};
+  if (typeof rf !== 'object' || Array.isArray(rf)) throw wrongType('response_format', 'an object', rf);
+  if (rf.type === 'text') return {};
+  if (rf.type === 'json_object') return { jsonSchema: { type: 'object' } };
+  if (rf.type === 'json_schema') {
+    const js = rf.json_schema;
+    if (!js || typeof js !== 'object' || Array.isArray(js)) throw wrongType('response_format.json_schema', 'an object like { name, schema, strict }', js);
+    const schema = js.schema ?? {};
+    if (typeof schema !== 'object' || Array.isArray(schema) || schema === null) throw wrongType('response_format.json_schema.schema', 'a JSON schema (an object)', schema);
+    return { jsonSchema: schema };
+  }
+  throw invalid(`Invalid value for 'response_format.type': ${JSON.stringify(rf.type)}; use 'text', 'json_object' or 'json_schema'.`, 'response_format', 'invalid_value');
 }
 
-function completionPrompt(body) {
-  let p = body.prompt;
+/** The prompts of a completion request: a string, token ids, or a list of either. */
+function completionPrompts(body) {
+  const p = body.prompt;
   if (p === undefined || p === null) throw invalid("Missing required parameter: 'prompt'.", 'prompt', 'missing_required_parameter');
   const isTokens = (a) => Array.isArray(a) && a.length > 0 && a.every((t) => Number.isInteger(t) && t >= 0);
-  if (Array.isArray(p) && p.length === 1 && (typeof p[0] === 'string' || isTokens(p[0]))) p = p[0];
-  if (typeof p === 'string') return p;
-  if (isTokens(p)) return p;
-  if (Array.isArray(p) && p.length > 1 && p.every((x) => typeof x === 'string' || isTokens(x))) {
-    throw unsupported('prompt', 'More than one prompt per request');
+  if (typeof p === 'string') return [p];
+  if (isTokens(p)) return [p];
+  if (Array.isArray(p) && p.length > 0 && p.every((x) => typeof x === 'string' || isTokens(x))) return p;
+  throw wrongType('prompt', 'a string, an array of token ids, or an array of those', p);
+}
+
+const bytesOf = (s) => [...Buffer.from(s, 'utf8')];
+
+/** Chat's `logprobs`/`top_logprobs` as library options. */
+function chatLogprobOptions(body) {
+  const on = optBool(body, 'logprobs') ?? false;
+  const top = optNumber(body, 'top_logprobs', { integer: true, min: 0, max: 20 });
+  if (top && !on) throw invalid("'top_logprobs' needs 'logprobs' set to true.", 'top_logprobs', 'invalid_value');
+  return on ? { logprobs: true, topLogprobs: top ?? 0 } : {};
+}
+
+/** Library logprob entries in chat's shape ({ content: [...] }), or null. */
+function chatLogprobs(entries) {
+  if (!entries) return null;
+  return {
+    content: entries.map((e) => ({
+      token: e.text,
+      logprob: e.logprob,
+      bytes: bytesOf(e.text),
+      top_logprobs: e.topLogprobs.map((t) => ({ token: t.text, logprob: t.logprob, bytes: bytesOf(t.text) })),
+    })),
+    refusal: null,
+  };
+}
+
+/** Library logprob entries in the legacy completions shape; `offset` is the text offset of the first. */
+function completionLogprobs(entries, offset) {
+  if (!entries) return null;
+  const textOffset = [];
+  for (const e of entries) {
+    textOffset.push(offset);
+    offset += e.text.length;
   }
-  throw wrongType('prompt', 'a string or an array of token ids', p);
+  return {
+    tokens: entries.map((e) => e.text),
+    token_logprobs: entries.map((e) => e.logprob),
+    top_logprobs: entries.map((e) => Object.fromEntries(e.topLogprobs.map((t) => [t.text, t.logprob]))),
+    text_offset: textOffset,
+  };
+}
+
+/** The options of choice `j` of n: a given seed becomes seed + j, so choices differ yet reproduce. */
+function choiceOptions(opts, j) {
+  if (j === 0 || opts.seed === undefined) return opts;
+  return { ...opts, seed: (opts.seed + j) % Number.MAX_SAFE_INTEGER };
+}
+
+/** Usage of several choices: each distinct prompt counted once. */
+function sumUsage(results, n) {
+  let prompt = 0;
+  let completion = 0;
+  results.forEach((r, i) => {
+    if (i % n === 0) prompt += r.usage.promptTokens;
+    completion += r.usage.completionTokens;
+  });
+  return { prompt_tokens: prompt, completion_tokens: completion, total_tokens: prompt + completion };
 }
 
 function toOpenAIToolCalls(calls) {
@@ -266,6 +376,9 @@ function fromNative(e, promptParam = null) {
     return invalid(`This request's prompt has ${over[1]} tokens, more than this server's limit of ${over[2]} per request.`, promptParam, 'prompt_too_long');
   }
   if (/beyond the model's context length/.test(msg)) return invalid(msg, promptParam, 'context_length_exceeded');
+  if (/logitBias names token id/.test(msg)) return invalid(msg, 'logit_bias', 'invalid_value');
+  if (/^invalid argument: jsonSchema is not valid/.test(msg)) return invalid(msg, 'response_format', 'invalid_schema');
+  if (/^invalid argument: toolChoice is not valid/.test(msg)) return invalid(msg, 'tools', 'invalid_schema');
   if (/^(invalid argument|text error):/.test(msg) || (e && e.code === 'InvalidArg')) return invalid(msg);
   if (/^model closed:/.test(msg)) return new ApiError(503, msg, { type: 'server_error', code: 'model_closed' });
   return new ApiError(500, msg, { type: 'server_error' });
@@ -435,89 +548,156 @@ function createServer({
   }
 
   /**
-   * Starts a server-sent event response for `events`, once its first event
-   * is there: a request refused before generation (prompt limits, template
-   * errors) still gets its 4xx instead of an error event after a 200.
+   * Starts the streams of a request's choices (`jobs`, n per prompt, made
+   * by `make`). The first choice of each prompt runs alone until its first
+   * event (its prefill is done by then), so the other n - 1 find the prompt
+   * in the paged prefix cache instead of running it again, and decode
+   * batched with it. Resolves once every stream has its first event: a
+   * request refused before generation (prompt limits, template errors)
+   * fails here (the others stopped), before any response is sent.
    */
-  async function streamEvents(res, events) {
-    res.on('close', () => stopStream(events));
-    const it = events[Symbol.asyncIterator]();
-    const first = await it.next();
-    const out = new EventWriter(res, stallMs);
-    return { out, first, it };
+  async function startChoices(res, jobs, n, make) {
+    const streams = [];
+    const its = [];
+    const firsts = [];
+    res.on('close', () => streams.forEach((s) => s && stopStream(s)));
+    const open = async (k) => {
+      streams[k] = make(jobs[k]);
+      its[k] = streams[k][Symbol.asyncIterator]();
+      firsts[k] = await its[k].next();
+    };
+    const keys = jobs.map((_, k) => k);
+    try {
+      await Promise.all(keys.filter((k) => k % n === 0).map(open));
+      await Promise.all(keys.filter((k) => k % n !== 0).map(open));
+    } catch (e) {
+      streams.forEach((s) => s && stopStream(s));
+      throw e;
+    }
+    return { streams, its, firsts };
+  }
+
+  /**
+   * Runs started choices to the end: `onEvent(k, ev, out)` per event of
+   * choice k, written to a server-sent event response when `stream`.
+   * Returns the response writer (or null) and each choice's result.
+   */
+  async function runChoices(res, started, stream, onEvent = async () => {}) {
+    const { streams, its, firsts } = started;
+    const out = stream ? new EventWriter(res, stallMs) : null;
+    const results = new Array(streams.length).fill(null);
+    try {
+      await Promise.all(its.map(async (it, k) => {
+        for (let next = firsts[k]; !next.done; next = await it.next()) {
+          if (out && out.gone) {
+            stopStream(streams[k]);
+            break;
+          }
+          if (next.value.type === 'done') results[k] = next.value.result;
+          await onEvent(k, next.value, out);
+        }
+      }));
+    } catch (e) {
+      // One choice failed: the request fails, the others stop.
+      streams.forEach(stopStream);
+      throw e;
+    }
+    return { out, results };
   }
 
   async function chatCompletions(req, res, body) {
     checkModel(body);
     const messages = chatMessages(body);
-    const opts = limited(generationOptions(body, defaultMaxTokens));
-    const tools = chatTools(body);
+    const opts = limited({ ...generationOptions(body, defaultMaxTokens), ...chatLogprobOptions(body) });
+    const n = choiceCount(body);
+    const { tools, toolChoice } = chatTools(body);
     if (tools) opts.tools = tools;
-    responseFormat(body);
-    if (body.logprobs) throw unsupported('logprobs', 'logprobs');
+    if (toolChoice) opts.toolChoice = toolChoice;
+    Object.assign(opts, responseFormat(body));
+    if (opts.jsonSchema && opts.toolChoice) throw invalid("'response_format' json and a forcing 'tool_choice' cannot be used together.", 'response_format', 'invalid_value');
     const { stream, includeUsage } = streamFlags(body);
     const id = newId('chatcmpl');
     const now = Math.floor(Date.now() / 1000);
     const ac = abortOnDisconnect(res);
     opts.signal = ac.signal;
+    const jobs = Array.from({ length: n }, (_, j) => choiceOptions(opts, j));
     if (!stream) {
-      const r = await model.chat(messages, opts);
-      if (ac.signal.aborted) return;
-      const message = { role: 'assistant', content: r.text, refusal: null };
-      if (r.toolCalls && r.toolCalls.length) {
-        message.tool_calls = toOpenAIToolCalls(r.toolCalls);
-        if (!r.text) message.content = null;
-      }
-      if (r.toolCallErrors && r.toolCallErrors.length) message.tool_call_errors = r.toolCallErrors;
+      let rs;
+      if (n === 1) rs = [await model.chat(messages, opts)];
+      else rs = (await runChoices(res, await startChoices(res, jobs, n, (o) => model.chatStream(messages, o)), false)).results;
+      if (ac.signal.aborted || rs.some((r) => !r)) return;
+      const choices = rs.map((r, index) => {
+        const message = { role: 'assistant', content: r.text, refusal: null };
+        if (r.toolCalls && r.toolCalls.length) {
+          message.tool_calls = toOpenAIToolCalls(r.toolCalls);
+          if (!r.text) message.content = null;
+        }
+        if (r.toolCallErrors && r.toolCallErrors.length) message.tool_call_errors = r.toolCallErrors;
+        return { index, message, logprobs: chatLogprobs(r.logprobs), finish_reason: finishReason(r) };
+      });
       sendJson(res, 200, {
         id,
         object: 'chat.completion',
         created: now,
         model: modelId,
         system_fingerprint: null,
-        choices: [{ index: 0, message, logprobs: null, finish_reason: finishReason(r) }],
-        usage: usage(r),
+        choices,
+        usage: sumUsage(rs, n),
       });
       return;
     }
-    const { out, first, it } = await streamEvents(res, model.chatStream(messages, opts));
-    const chunk = (delta, finish = null) => ({
+    const chunk = (index, delta, finish = null, logprobs = null) => ({
       id,
       object: 'chat.completion.chunk',
       created: now,
       model: modelId,
       system_fingerprint: null,
-      choices: [{ index: 0, delta, logprobs: null, finish_reason: finish }],
+      choices: [{ index, delta, logprobs, finish_reason: finish }],
       ...(includeUsage ? { usage: null } : {}),
     });
-    await out.send(chunk({ role: 'assistant', content: '' }));
-    for (let next = first; !next.done; next = await it.next()) {
-      const ev = next.value;
-      if (out.gone) break;
+    const started = await startChoices(res, jobs, n, (o) => model.chatStream(messages, o));
+    const opened = new Set();
+    const { out, results } = await runChoices(res, started, true, async (k, ev, w) => {
+      if (!opened.has(k)) {
+        opened.add(k);
+        await w.send(chunk(k, { role: 'assistant', content: '' }));
+      }
       if (ev.type === 'text') {
-        await out.send(chunk({ content: ev.text }));
-        continue;
+        await w.send(chunk(k, { content: ev.text }, null, chatLogprobs(ev.logprobs)));
+        return;
       }
       const r = ev.result;
       if (r.toolCalls && r.toolCalls.length) {
-        await out.send(chunk({ tool_calls: toOpenAIToolCalls(r.toolCalls).map((c, index) => ({ index, ...c })) }));
+        await w.send(chunk(k, { tool_calls: toOpenAIToolCalls(r.toolCalls).map((c, index) => ({ index, ...c })) }));
       }
-      const last = chunk({}, finishReason(r));
+      const last = chunk(k, {}, finishReason(r));
       if (r.toolCallErrors && r.toolCallErrors.length) last.choices[0].tool_call_errors = r.toolCallErrors;
-      await out.send(last);
-      if (includeUsage) await out.send({ id, object: 'chat.completion.chunk', created: now, model: modelId, system_fingerprint: null, choices: [], usage: usage(r) });
+      await w.send(last);
+    });
+    if (includeUsage && results.every(Boolean)) {
+      await out.send({ id, object: 'chat.completion.chunk', created: now, model: modelId, system_fingerprint: null, choices: [], usage: sumUsage(results, n) });
     }
     await out.send('[DONE]');
     out.end();
   }
 
+  /** The text of a prompt as given (token ids decoded), for `echo`. */
+  async function promptText(p) {
+    if (typeof p === 'string') return p;
+    if (typeof model.detokenize !== 'function') throw unsupported('echo', 'echo of token-id prompts');
+    return model.detokenize(p);
+  }
+
   async function completions(req, res, body) {
     checkModel(body);
-    const prompt = completionPrompt(body);
+    const prompts = completionPrompts(body);
     const opts = limited(generationOptions(body, defaultMaxTokens));
-    if (body.echo) throw unsupported('echo', 'echo');
+    const n = choiceCount(body, prompts.length);
+    const echo = optBool(body, 'echo') ?? false;
     if (body.suffix) throw unsupported('suffix', 'suffix');
-    if (body.logprobs !== undefined && body.logprobs !== null) throw unsupported('logprobs', 'logprobs');
+    const lp = optNumber(body, 'logprobs', { integer: true, min: 0, max: 5 });
+    if (lp !== undefined) Object.assign(opts, { logprobs: true, topLogprobs: lp });
+    if (echo && lp !== undefined) throw unsupported('logprobs', 'logprobs together with echo (the prompt tokens have none here)');
     const bestOf = optNumber(body, 'best_of', { integer: true, min: 1 });
     if (bestOf !== undefined && bestOf !== 1) throw unsupported('best_of', 'best_of other than 1');
     const { stream, includeUsage } = streamFlags(body);
@@ -525,39 +705,58 @@ function createServer({
     const now = Math.floor(Date.now() / 1000);
     const ac = abortOnDisconnect(res);
     opts.signal = ac.signal;
+    // Choice k is prompt floor(k / n), sample k % n.
+    const jobs = prompts.flatMap((p) => Array.from({ length: n }, (_, j) => ({ prompt: p, opts: choiceOptions(opts, j) })));
+    const echoes = echo ? await Promise.all(prompts.map(promptText)) : null;
+    const prefix = (k) => (echoes ? echoes[Math.floor(k / n)] : '');
     if (!stream) {
-      const r = await model.generate(prompt, opts);
-      if (ac.signal.aborted) return;
+      let rs;
+      if (jobs.length === 1) rs = [await model.generate(jobs[0].prompt, jobs[0].opts)];
+      else rs = (await runChoices(res, await startChoices(res, jobs, n, (j) => model.generateStream(j.prompt, j.opts)), false)).results;
+      if (ac.signal.aborted || rs.some((r) => !r)) return;
       sendJson(res, 200, {
         id,
         object: 'text_completion',
         created: now,
         model: modelId,
         system_fingerprint: null,
-        choices: [{ index: 0, text: r.text, logprobs: null, finish_reason: finishReason(r) }],
-        usage: usage(r),
+        choices: rs.map((r, index) => ({
+          index,
+          text: prefix(index) + r.text,
+          logprobs: completionLogprobs(r.logprobs, prefix(index).length),
+          finish_reason: finishReason(r),
+        })),
+        usage: sumUsage(rs, n),
       });
       return;
     }
-    const { out, first, it } = await streamEvents(res, model.generateStream(prompt, opts));
-    const chunk = (text, finish = null) => ({
+    const chunk = (index, text, finish = null, logprobs = null) => ({
       id,
       object: 'text_completion',
       created: now,
       model: modelId,
       system_fingerprint: null,
-      choices: [{ index: 0, text, logprobs: null, finish_reason: finish }],
+      choices: [{ index, text, logprobs, finish_reason: finish }],
       ...(includeUsage ? { usage: null } : {}),
     });
-    for (let next = first; !next.done; next = await it.next()) {
-      const ev = next.value;
-      if (out.gone) break;
-      if (ev.type === 'text') {
-        await out.send(chunk(ev.text));
-        continue;
+    const offsets = jobs.map((_, k) => prefix(k).length);
+    const echoed = new Set();
+    const started = await startChoices(res, jobs, n, (j) => model.generateStream(j.prompt, j.opts));
+    const { out, results } = await runChoices(res, started, true, async (k, ev, w) => {
+      if (echoes && !echoed.has(k)) {
+        echoed.add(k);
+        await w.send(chunk(k, prefix(k)));
       }
-      await out.send(chunk('', finishReason(ev.result)));
-      if (includeUsage) await out.send({ id, object: 'text_completion', created: now, model: modelId, choices: [], usage: usage(ev.result) });
+      if (ev.type === 'text') {
+        const logprobs = completionLogprobs(ev.logprobs, offsets[k]);
+        if (ev.logprobs) offsets[k] += ev.logprobs.reduce((sum, e) => sum + e.text.length, 0);
+        await w.send(chunk(k, ev.text, null, logprobs));
+        return;
+      }
+      await w.send(chunk(k, '', finishReason(ev.result)));
+    });
+    if (includeUsage && results.every(Boolean)) {
+      await out.send({ id, object: 'text_completion', created: now, model: modelId, choices: [], usage: sumUsage(results, n) });
     }
     await out.send('[DONE]');
     out.end();

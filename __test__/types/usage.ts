@@ -49,15 +49,21 @@ async function main(dir: string): Promise<void> {
     case 'stop':
     case 'length':
     case 'abort':
+    case 'constraint':
       console.log(r.text)
       break
     default: {
       // Every finishReason is handled above: this only compiles while the
-      // union is exactly those four.
+      // union is exactly those five.
       const never: never = r.finishReason
       throw new Error(never)
     }
   }
+  const forced = await model.chat(messages, { tools, toolChoice: { name: 'get_weather' }, logprobs: true, topLogprobs: 2 })
+  for (const e of forced.logprobs ?? []) console.log(e.token, e.text, e.logprob, e.topLogprobs.map((t) => t.logprob))
+  const json = await model.generate('Data:', { jsonSchema: { type: 'object' }, presencePenalty: 0.5, logitBias: { '42': -100 } })
+  const other = await model.generate([1, 2], { regex: '[0-9]+', grammar: undefined, toolChoice: 'none', frequencyPenalty: 0.1 })
+  console.log(json.text, other.text)
   for await (const ev of model.chatStream(messages, { tools })) {
     if (ev.type === 'text') process.stdout.write(ev.text)
     else console.log(ev.result.finishReason)

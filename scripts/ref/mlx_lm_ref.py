@@ -29,6 +29,12 @@ Reads one JSON request on stdin, writes one JSON answer on stdout.
       (last matching pattern wins, else the model's own quant_predicate), with the pattern
       rules of mlx-lfm's converter: `*` matches anything, a pattern matches the whole module
       path or a tail of it that starts after a dot.
+  {"op": "processed", "model": DIR, "cases": [{"prompt": [ids], "max_tokens": N, "logit_bias": {id: b},
+   "repetition_penalty": R|null, "presence_penalty": P|null, "frequency_penalty": F|null,
+   "context_size": C, "top": K}]}
+      -> {"results": [{"tokens": [...], "logprobs": [lp of each token], "top": [[[id, lp], ...K]]}]}
+      greedy through mlx-lm's generate_step with make_logits_processors (all three penalties
+      over the same window of C tokens); logprobs as generate_step yields them.
   {"op": "batch", "requests": [request, ...]} -> {"results": [answer, ...]}  (one process;
       a greedy request there may set "upcast_gather_mm": true, which from then on runs MLX's
       gather_mm in float32 so that bf16 MoE models run on the CPU wheel: an emulation)
@@ -52,6 +58,34 @@ def greedy(model, cases):
         for tok, _ in generate_step(prompt, model, max_tokens=c["max_tokens"]):
             toks.append(int(tok))
         out.append({"tokens": toks, "logits": logits[0].tolist()})
+    return {"results": out}
+
+
+def processed(model, cases):
+    from mlx_lm.sample_utils import make_logits_processors
+
+    out = []
+    for c in cases:
+        c_size = c.get("context_size", 20)
+        procs = make_logits_processors(
+            logit_bias={int(k): float(v) for k, v in (c.get("logit_bias") or {}).items()} or None,
+            repetition_penalty=c.get("repetition_penalty"),
+            repetition_context_size=c_size,
+            presence_penalty=c.get("presence_penalty"),
+            presence_context_size=c_size,
+            frequency_penalty=c.get("frequency_penalty"),
+            frequency_context_size=c_size,
+        )
+        prompt = mx.array(c["prompt"], dtype=mx.uint32)
+        toks, lps, tops = [], [], []
+        k = c.get("top", 0)
+        for tok, lp in generate_step(prompt, model, max_tokens=c["max_tokens"], logits_processors=procs):
+            lp = lp.astype(mx.float32)
+            toks.append(int(tok))
+            lps.append(float(lp[int(tok)]))
+            order = mx.argsort(-lp)[:k].tolist()
+            tops.append([[int(i), float(lp[i])] for i in order])
+        out.append({"tokens": toks, "logprobs": lps, "top": tops})
     return {"results": out}
 
 
@@ -363,6 +397,8 @@ def main():
     op = req["op"]
     if op == "greedy":
         res = greedy(model, req["cases"])
+    elif op == "processed":
+        res = processed(model, req["cases"])
     elif op == "chat_prompt":
         ids = tok.apply_chat_template(req["messages"], tools=req.get("tools"), add_generation_prompt=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):

@@ -8,6 +8,10 @@
 //!   mlx-lfm-bench --concurrent N [--prompts 128] [--gen 64] [--reps 2] [model args]
 //!     aggregate tok/s of N requests run together (continuous batching)
 //!     against the same N one after another, same run.
+//!   mlx-lfm-bench --constrained [--gen 128] [--reps 3] [--batch 4] [model args]
+//!     decode tok/s under a JSON schema and a regex (llguidance masks)
+//!     against free sampling, same engine, same run: one request alone,
+//!     then `--batch` requests together (each row its own mask).
 //!   mlx-lfm-bench --turns N [--system 1024] [--user 64] [--reply 64] [model args]
 //!     a token-level conversation: a system prompt, then N turns of user
 //!     tokens and a greedy reply; per turn the TTFT of a warm paged engine
@@ -105,6 +109,10 @@ fn run() -> mlx_lfm::Result<()> {
     if let Some(n) = arg(&args, "--concurrent") {
         let reps: usize = arg(&args, "--reps").map(|s| s.parse().expect("--reps")).unwrap_or(2);
         return concurrent(&dir, device, paged, n.parse().expect("--concurrent"), prompts[0], gen, reps);
+    }
+    if args.iter().any(|a| a == "--constrained") {
+        let num = |k: &str, d: usize| arg(&args, k).map(|s| s.parse().expect("a number")).unwrap_or(d);
+        return constrained(&dir, device, paged, num("--gen", 128), num("--reps", 3), num("--batch", 4));
     }
     if let Some(n) = arg(&args, "--turns") {
         let num = |k: &str, d: usize| arg(&args, k).map(|s| s.parse().expect("a number")).unwrap_or(d);
@@ -205,6 +213,107 @@ fn turns(dir: &std::path::Path, device: Option<runtime::DeviceType>, n: usize, s
 
 /// N requests together (the engine's scheduler, as the worker drives it)
 /// against the same N sequentially.
+/// Free sampling against two constraints: a JSON object with a long
+/// string (nearly every token allowed inside it: the costliest masks) and
+/// a regex of words. Temperature 1, ignore_eos; a constraint's output may
+/// end before `gen` tokens (its grammar complete), so each figure is tokens
+/// after the first over the time after the first (the engine's decode
+/// tok/s), the median of `reps` runs; batched, the tokens all requests
+/// made after their first over the decode steps' wall time.
+fn constrained(
+    dir: &std::path::Path,
+    device: Option<runtime::DeviceType>,
+    paged: Option<bool>,
+    gen: usize,
+    reps: usize,
+    batch: usize,
+) -> mlx_lfm::Result<()> {
+    use mlx_lfm::engine::{Request, Scheduler};
+    use mlx_lfm::generate::constraint::Grammar;
+    use std::sync::{Arc, Mutex};
+    let mut eng = Engine::load(dir, &EngineOptions { device, paged_cache: paged, ..Default::default() })?;
+    let info = eng.info();
+    let vocab = info.vocab_size as u32;
+    println!(
+        "{}",
+        serde_json::json!({"mlx": runtime::version(), "backend": runtime::backend().name(), "device": runtime::device_name(),
+            "model": dir, "params": info.parameter_count, "dtype": info.dtype, "vocab": vocab, "decode_path": info.decode_path})
+    );
+    let cases: Vec<(&str, Option<Grammar>)> = vec![
+        ("free", None),
+        ("json_schema", Some(Grammar::JsonSchema(serde_json::json!({
+            "type": "object",
+            "properties": { "title": { "type": "string", "maxLength": 8 }, "body": { "type": "string" } },
+            "required": ["title", "body"], "additionalProperties": false
+        })))),
+        ("regex", Some(Grammar::Regex("([a-z]+ )+".into()))),
+    ];
+    let params = |g: &Option<Grammar>, seed: u64| {
+        let mut p = GenerateParams { max_tokens: gen, ignore_eos: true, grammar: g.clone(), ..Default::default() };
+        p.sampling.temperature = 1.0;
+        p.sampling.seed = Some(seed);
+        p
+    };
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(|a, b| a.total_cmp(b));
+        v.get(v.len() / 2).copied().unwrap_or(0.0)
+    };
+    // Warm-up: kernels, the compiled steps, the llguidance vocabulary.
+    for (_, g) in &cases {
+        eng.generate(Prompt::Tokens(ids(32, vocab, 999)), GenerateParams { max_tokens: 8, ..params(g, 1) }, &mut NoObserver)?;
+    }
+    // Cases interleaved rep by rep, so a load that drifts during the run
+    // (a shared machine) weighs on all of them alike.
+    let n = cases.len();
+    let (mut tps, mut toks, mut batch_tps) = (vec![vec![]; n], vec![vec![]; n], vec![vec![]; n]);
+    for r in 0..reps {
+        for (c, (_, g)) in cases.iter().enumerate() {
+            eng.clear_prefix_cache();
+            let out = eng.generate(Prompt::Tokens(ids(32, vocab, 7 + r as u32)), params(g, r as u64), &mut NoObserver)?;
+            tps[c].push(out.metrics.decode_tokens_per_second);
+            toks[c].push(out.completion_tokens as f64);
+        }
+        // `batch` requests together: tokens after each one's first over
+        // the wall time of the decode steps.
+        for (c, (_, g)) in cases.iter().enumerate() {
+            eng.clear_prefix_cache();
+            let made = Arc::new(Mutex::new(0usize));
+            let mut sched = Scheduler::new();
+            for i in 0..batch {
+                let made = made.clone();
+                let seed = (r * batch + i) as u64;
+                let req = Request::tokens(ids(32, vocab, 50 + seed as u32), params(g, seed), move |res| match res {
+                    Ok(o) => *made.lock().unwrap() += o.completion_tokens.saturating_sub(1),
+                    Err(e) => eprintln!("mlx-lfm-bench: a request failed: {e}"),
+                });
+                sched.submit(&mut eng, req);
+            }
+            while sched.prefilling() > 0 {
+                sched.prefill_next(&mut eng);
+            }
+            // The first decode step samples nothing new for a request's count.
+            let t = Instant::now();
+            while sched.running() > 0 {
+                sched.step_active(&mut eng);
+            }
+            batch_tps[c].push(*made.lock().unwrap() as f64 / t.elapsed().as_secs_f64());
+        }
+    }
+    for (c, (name, _)) in cases.iter().enumerate() {
+        println!(
+            "{}",
+            serde_json::json!({
+                "case": name, "gen": gen, "reps": reps, "decode_tps": median(&mut tps[c].clone()), "decode_tps_runs": tps[c],
+                "completion_tokens_runs": toks[c], "batch": batch, "batch_decode_tps": median(&mut batch_tps[c].clone()),
+                "batch_decode_tps_runs": batch_tps[c],
+                "vs_free_decode": median(&mut tps[c].clone()) / median(&mut tps[0].clone()),
+                "vs_free_batch": median(&mut batch_tps[c].clone()) / median(&mut batch_tps[0].clone()),
+            })
+        );
+    }
+    Ok(())
+}
+
 fn concurrent(
     dir: &std::path::Path,
     device: Option<runtime::DeviceType>,

@@ -311,9 +311,9 @@ fn a_failing_compiled_step_falls_back_to_eager_once() {
     let eos = Default::default();
     let prompt = [1u32, 2, 3, 4];
     let mut eager = Stepper::new(&m, None);
-    let want = generate(&mut eager, &tok, &eos, &prompt, &params, &mut NoObserver, std::time::Instant::now()).unwrap();
+    let want = generate(&mut eager, None, &tok, &eos, &prompt, &params, &mut NoObserver, std::time::Instant::now()).unwrap();
     let mut s = Stepper::new(&m, Some(&broken));
-    let got = generate(&mut s, &tok, &eos, &prompt, &params, &mut NoObserver, std::time::Instant::now()).unwrap();
+    let got = generate(&mut s, None, &tok, &eos, &prompt, &params, &mut NoObserver, std::time::Instant::now()).unwrap();
     assert_eq!(got.tokens, want.tokens);
     assert!(s.failure.is_some(), "the failure must be kept for reporting");
     std::fs::remove_dir_all(&dir).ok();

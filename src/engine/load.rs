@@ -344,6 +344,7 @@ impl Engine {
             eos,
             prefill_chunk: opts.prefill_chunk.unwrap_or(2048).max(1),
             info: Arc::new(Mutex::new(info)),
+            guide: None,
         })
     }
 

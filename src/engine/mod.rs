@@ -19,6 +19,7 @@ pub use scheduler::{Request, Scheduler};
 use crate::cache::paged::PagedStats;
 use crate::compiled::CompiledStep;
 use crate::error::{Error, Result};
+use crate::generate::constraint::Guide;
 use crate::generate::{self, GenerateParams, Generation, Observer, Stepper};
 use crate::mlx::Dtype;
 use crate::model::Lfm2Model;
@@ -42,6 +43,9 @@ pub struct Engine {
     /// Shared with the JS object so runtime changes (a compiled-path
     /// fallback) show in info().
     pub(crate) info: Arc<Mutex<ModelInfo>>,
+    /// The vocabulary for constrained decoding, built by the first request
+    /// with a grammar.
+    pub(crate) guide: Option<Arc<Guide>>,
 }
 
 impl Engine {
@@ -83,9 +87,23 @@ impl Engine {
         p
     }
 
+    /// The constrained-decoding vocabulary when `params` has a grammar.
+    pub fn guide_for(&mut self, params: &GenerateParams) -> Result<Option<Arc<Guide>>> {
+        if params.grammar.is_none() {
+            return Ok(None);
+        }
+        if self.guide.is_none() {
+            let mut eos: Vec<u32> = self.eos.iter().copied().collect();
+            eos.sort_unstable();
+            self.guide = Some(Arc::new(Guide::new(&self.tokenizer, self.model.config.vocab_size, &eos)?));
+        }
+        Ok(self.guide.clone())
+    }
+
     fn run(&mut self, prompt: &[u32], params: &GenerateParams, observer: &mut dyn Observer, started: Instant) -> Result<Generation> {
+        let guide = self.guide_for(params)?;
         let mut stepper = Stepper::new(&self.model, self.compiled.as_ref());
-        let r = generate::generate(&mut stepper, &self.tokenizer, &self.eos, prompt, params, observer, started);
+        let r = generate::generate(&mut stepper, guide.as_deref(), &self.tokenizer, &self.eos, prompt, params, observer, started);
         let failure = stepper.failure.take();
         self.note_failure(failure);
         r

@@ -197,7 +197,8 @@ impl Scheduler {
         };
         let pending = prepared.and_then(|(prompt, params)| {
             let params = e.params(params);
-            Pending::new(&e.model, e.model.new_cache(), prompt, &params, started)
+            let guide = e.guide_for(&params)?;
+            Pending::new(&e.model, guide.as_deref(), e.model.new_cache(), prompt, &params, started)
         });
         match pending {
             Ok(p) => Some(Prefilling { pending: p, req }),
@@ -483,7 +484,7 @@ impl Scheduler {
         }
         // Each row's finiteness flag (the very array its accept() reads) is
         // evaluated with the tokens, so reading it costs no eval of its own.
-        let flags: Vec<Array> = order.iter().filter_map(|&i| active[i].seq.pending_finite().cloned()).collect();
+        let flags: Vec<Array> = order.iter().flat_map(|&i| active[i].seq.pending_extras()).collect();
         let mut toks: Vec<&Array> = out.iter().map(|(_, t)| t).collect();
         toks.extend(flags.iter());
         let mut caches: Vec<&mut ModelCache> =

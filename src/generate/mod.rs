@@ -2,6 +2,7 @@
 //! (step t+1 is queued before token t is read back, as mlx-lm does),
 //! sampling, stop conditions and honest timing.
 
+pub mod constraint;
 pub mod sampler;
 pub mod stop;
 
@@ -10,6 +11,7 @@ use crate::error::{Error, Result};
 use crate::mlx::{async_eval, Array};
 use crate::model::{Lfm2Model, ModelCache};
 use crate::text::{StreamDecoder, Tokenizer};
+use constraint::{Constraint, Guide, ToolWatch};
 use sampler::{Sampler, SamplingParams};
 use std::collections::HashSet;
 use std::time::Instant;
@@ -23,6 +25,9 @@ pub enum FinishReason {
     Length,
     /// The caller cancelled.
     Abort,
+    /// The constraint (schema, grammar) allowed no further token, or the
+    /// parser failed: the output is incomplete.
+    Constraint,
 }
 
 impl FinishReason {
@@ -31,6 +36,7 @@ impl FinishReason {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
             FinishReason::Abort => "abort",
+            FinishReason::Constraint => "constraint",
         }
     }
 }
@@ -46,6 +52,9 @@ pub struct GenerateParams {
     /// A request whose prompt is longer fails before any compute (a
     /// server's bound on what one request may cost, below the context).
     pub max_prompt_tokens: Option<usize>,
+    /// What the output must match (compiled into a [`constraint::Constraint`]
+    /// before any compute).
+    pub grammar: Option<constraint::Grammar>,
 }
 
 impl Default for GenerateParams {
@@ -57,6 +66,7 @@ impl Default for GenerateParams {
             ignore_eos: false,
             prefill_chunk: 2048,
             max_prompt_tokens: None,
+            grammar: None,
         }
     }
 }
@@ -86,6 +96,21 @@ pub struct Generation {
     /// Tokens the model produced, including a final end-of-sequence token.
     pub completion_tokens: usize,
     pub metrics: Metrics,
+    /// One entry per completion token (when `logprobs` was asked for).
+    pub logprobs: Option<Vec<TokenLogprob>>,
+}
+
+/// A generated token's log-probability (see `sampler` for which
+/// distribution) and the most likely alternatives at its step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub token: u32,
+    /// The token alone, decoded (special tokens spelled out; a token that
+    /// holds part of a character shows U+FFFD).
+    pub text: String,
+    pub logprob: f32,
+    /// Most likely first.
+    pub top: Vec<(u32, String, f32)>,
 }
 
 /// What a caller hears during generation; returning false cancels.
@@ -93,6 +118,9 @@ pub trait Observer {
     fn on_text(&mut self, _delta: &str) -> bool {
         true
     }
+    /// A completion token's log-probabilities (when asked for), heard
+    /// before the text it adds.
+    fn on_logprob(&mut self, _entry: &TokenLogprob) {}
     /// Polled between steps (prefill chunks and decode steps).
     fn cancelled(&mut self) -> bool {
         false
@@ -225,9 +253,12 @@ impl<'a> Stepper<'a> {
     }
 }
 
-/// Generates a completion for `prompt` on a fresh cache.
+/// Generates a completion for `prompt` on a fresh cache (`guide`: for a
+/// request with a grammar).
+#[allow(clippy::too_many_arguments)]
 pub fn generate(
     stepper: &mut Stepper,
+    guide: Option<&Guide>,
     tokenizer: &Tokenizer,
     eos: &HashSet<u32>,
     prompt: &[u32],
@@ -236,12 +267,13 @@ pub fn generate(
     started: Instant,
 ) -> Result<Generation> {
     let mut cache = stepper.model.new_cache();
-    generate_with_cache(stepper, &mut cache, tokenizer, eos, prompt, params, observer, started)
+    generate_with_cache(stepper, guide, &mut cache, tokenizer, eos, prompt, params, observer, started)
 }
 
 #[allow(clippy::too_many_arguments)]
 pub fn generate_with_cache(
     stepper: &mut Stepper,
+    guide: Option<&Guide>,
     cache: &mut ModelCache,
     tokenizer: &Tokenizer,
     eos: &HashSet<u32>,
@@ -251,7 +283,7 @@ pub fn generate_with_cache(
     started: Instant,
 ) -> Result<Generation> {
     let owned = std::mem::replace(cache, ModelCache::new(&[]));
-    let mut seq = match Sequence::start(stepper.model, owned, tokenizer, prompt, params, observer, started)? {
+    let mut seq = match Sequence::start(stepper.model, guide, owned, tokenizer, prompt, params, observer, started)? {
         Started::Running(s) => s,
         Started::Finished(g, c) => {
             *cache = c;
@@ -283,6 +315,8 @@ pub struct Pending {
     run: PrefillRun,
     prompt: Vec<u32>,
     sampler: Sampler,
+    constraint: Option<Constraint>,
+    watch: Option<ToolWatch>,
     params: GenerateParams,
     started: Instant,
     prefill_start: Instant,
@@ -295,7 +329,16 @@ pub enum Advance {
 }
 
 impl Pending {
-    pub fn new(model: &Lfm2Model, mut cache: ModelCache, prompt: Vec<u32>, params: &GenerateParams, started: Instant) -> Result<Pending> {
+    /// `guide`: the model's vocabulary for a request with a grammar
+    /// (compiled here, before any compute).
+    pub fn new(
+        model: &Lfm2Model,
+        guide: Option<&Guide>,
+        mut cache: ModelCache,
+        prompt: Vec<u32>,
+        params: &GenerateParams,
+        started: Instant,
+    ) -> Result<Pending> {
         if params.max_tokens == 0 {
             return Err(Error::invalid("maxTokens must be at least 1"));
         }
@@ -318,8 +361,16 @@ impl Pending {
         }
         let prefill_start = Instant::now();
         let run = PrefillRun::new(model, &mut cache, &prompt, params.prefill_chunk)?;
+        params.sampling.validate_vocab(model.config.vocab_size)?;
         let sampler = Sampler::new(params.sampling.clone(), &prompt)?;
-        Ok(Pending { cache, run, prompt, sampler, params: params.clone(), started, prefill_start })
+        let (mut constraint, mut watch) = (None, None);
+        match (&params.grammar, guide) {
+            (None, _) => {}
+            (Some(g @ constraint::Grammar::ToolCallsAuto { .. }), Some(guide)) => watch = Some(ToolWatch::new(guide, g)?),
+            (Some(g), Some(guide)) => constraint = Some(Constraint::compile(guide, g)?),
+            (Some(g), None) => return Err(Error::invalid(format!("{} is not available on this path", g.option_name()))),
+        }
+        Ok(Pending { cache, run, prompt, sampler, constraint, watch, params: params.clone(), started, prefill_start })
     }
 
     /// Runs the next prefill chunk (after asking `observer` whether to go
@@ -359,16 +410,38 @@ impl Pending {
         let cached_tokens = self.cache.cached_tokens();
         let mut cache = self.cache;
         let mut sampler = self.sampler;
-        let y = sampler.sample(&logits)?;
+        let mut constraint = self.constraint;
+        let mut watch = self.watch;
+        let y = match (constraint.as_mut(), watch.as_mut()) {
+            (Some(c), _) => {
+                let mask = c.mask()?.ok_or_else(|| Error::invalid("the constraint allows no first token"))?;
+                sampler.draw_processed(&Constraint::apply(&sampler.process(logits)?, &mask)?)?
+            }
+            (None, Some(w)) => {
+                let l = sampler.process(logits)?;
+                w.stash = Some(l.clone());
+                sampler.draw_processed(&l)?
+            }
+            (None, None) => sampler.sample(logits)?,
+        };
         let finite = sampler::finite_rows(logits)?;
-        queue_tokens(&[&y, &finite], &mut [&mut cache])?;
+        let lp = sampler.take_logprobs();
+        let mut queued = vec![&y, &finite];
+        queued.extend(lp.iter().flat_map(|l| l.arrays()));
+        queue_tokens(&queued, &mut [&mut cache])?;
         let params = self.params;
         Ok(Started::Running(Sequence {
             cache,
             y,
             y_finite: Some(finite),
             next_finite: None,
+            y_logprobs: lp,
+            next_logprobs: None,
+            logprobs: params.sampling.logprobs.then(Vec::new),
+            tokenizer: tokenizer.clone(),
             sampler,
+            constraint,
+            watch,
             stops: StopStrings::new(&params.stop),
             decoder: StreamDecoder::new(tokenizer, false),
             text: String::new(),
@@ -430,7 +503,20 @@ pub struct Sequence {
     y_finite: Option<Array>,
     /// The same for the token of the step queued after `y`.
     next_finite: Option<Array>,
+    /// The log-probabilities of `y`'s draw, and of the next (when asked for).
+    y_logprobs: Option<sampler::LogprobArrays>,
+    next_logprobs: Option<sampler::LogprobArrays>,
+    logprobs: Option<Vec<TokenLogprob>>,
+    /// For the text of log-probability entries.
+    tokenizer: Tokenizer,
     sampler: Sampler,
+    /// With a grammar: the step's token is drawn in `accept`, once the
+    /// token before it is read back and the parser has computed the mask
+    /// (while the device runs the step's forward); the step hands over its
+    /// processed logits instead of a token.
+    constraint: Option<Constraint>,
+    /// `toolChoice: 'auto'`: starts a constraint at a tool call's start marker.
+    watch: Option<ToolWatch>,
     stops: StopStrings,
     decoder: StreamDecoder,
     text: String,
@@ -451,8 +537,10 @@ pub struct Sequence {
 
 impl Sequence {
     /// Prefills `prompt` into `cache` and samples the first token.
+    #[allow(clippy::too_many_arguments)]
     pub fn start(
         model: &Lfm2Model,
+        guide: Option<&Guide>,
         cache: ModelCache,
         tokenizer: &Tokenizer,
         prompt: &[u32],
@@ -460,7 +548,7 @@ impl Sequence {
         observer: &mut dyn Observer,
         started: Instant,
     ) -> Result<Started> {
-        let mut p = Pending::new(model, cache, prompt.to_vec(), params, started)?;
+        let mut p = Pending::new(model, guide, cache, prompt.to_vec(), params, started)?;
         loop {
             match p.advance(model, tokenizer, observer)? {
                 Advance::More(next) => p = next,
@@ -477,19 +565,32 @@ impl Sequence {
     /// Samples the next token from `logits` (`[1, V]`) and queues it with
     /// whatever the cache built alongside.
     pub fn sample(&mut self, logits: &Array) -> Result<Array> {
-        let n = self.sampler.sample(logits)?;
-        let finite = sampler::finite_rows(logits)?;
-        queue_tokens(&[&n, &finite], &mut [&mut self.cache])?;
-        self.next_finite = Some(finite);
+        let n = self.draw(logits)?;
+        let extras = self.pending_extras();
+        let mut queued = vec![&n];
+        queued.extend(extras.iter());
+        queue_tokens(&queued, &mut [&mut self.cache])?;
         Ok(n)
     }
 
     /// [`Sequence::sample`] without queueing the work: a batch queues all
     /// its rows' tokens at once (see [`queue_tokens`]), with
-    /// [`Sequence::pending_finite`].
+    /// [`Sequence::pending_extras`].
     pub fn draw(&mut self, logits: &Array) -> Result<Array> {
-        let n = self.sampler.sample(logits)?;
         self.next_finite = Some(sampler::finite_rows(logits)?);
+        if self.constraint.is_some() {
+            // Drawn in `accept` (see `constraint`): the forward runs now.
+            return self.sampler.process(logits);
+        }
+        if let Some(w) = self.watch.as_mut() {
+            let l = self.sampler.process(logits)?;
+            w.stash = Some(l.clone());
+            let n = self.sampler.draw_processed(&l)?;
+            self.next_logprobs = self.sampler.take_logprobs();
+            return Ok(n);
+        }
+        let n = self.sampler.sample(logits)?;
+        self.next_logprobs = self.sampler.take_logprobs();
         Ok(n)
     }
 
@@ -500,13 +601,16 @@ impl Sequence {
         self.next_finite = Some(finite);
     }
 
-    /// The finiteness flag of the token just drawn, to queue with it.
-    pub fn pending_finite(&self) -> Option<&Array> {
-        self.next_finite.as_ref()
+    /// What was computed with the token just drawn and is read with it
+    /// (its finiteness flag, its log-probabilities), to queue with it.
+    pub fn pending_extras(&self) -> Vec<Array> {
+        let mut v: Vec<Array> = self.next_finite.iter().cloned().collect();
+        v.extend(self.next_logprobs.iter().flat_map(|l| l.arrays()).cloned());
+        v
     }
 
     pub fn is_greedy(&self) -> bool {
-        self.sampler.is_greedy()
+        self.sampler.is_greedy() && self.constraint.is_none() && self.watch.is_none()
     }
 
     /// Reads the pending token back and handles it; `next` is the token of
@@ -536,7 +640,25 @@ impl Sequence {
             self.finish = FinishReason::Stop;
             return Ok(false);
         }
+        let mut complete = false;
+        if let Some(c) = self.constraint.as_mut() {
+            if c.commit(tok).is_err() {
+                self.finish = FinishReason::Constraint;
+                return Ok(false);
+            }
+            complete = c.is_done();
+        }
+        // 'auto' tools: the model opened a call; the token drawn after the
+        // marker (freely, already queued) is drawn again under the call's grammar.
+        let opened = self.constraint.is_none() && self.watch.as_ref().is_some_and(|w| w.start == tok);
         self.tokens.push(tok);
+        if let Some(lp) = self.y_logprobs.take() {
+            let entry = self.logprob_entry(tok, &lp)?;
+            observer.on_logprob(&entry);
+            if let Some(all) = self.logprobs.as_mut() {
+                all.push(entry);
+            }
+        }
         let piece = self.decoder.push(tok)?;
         self.text.push_str(&piece);
         if let Some(at) = self.stops.find(&self.text) {
@@ -558,14 +680,90 @@ impl Sequence {
             self.finish = FinishReason::Abort;
             return Ok(false);
         }
+        if complete && self.watch.is_some() {
+            // The call is whole; free text again. The step queued under
+            // the constraint handed over its logits: draw from them freely.
+            self.constraint = None;
+            return match next {
+                Some(n) => {
+                    self.watch.as_mut().expect("watching").stash = Some(n.clone());
+                    let y = self.sampler.draw_processed(&n)?;
+                    self.y_logprobs = self.sampler.take_logprobs();
+                    let mut queued = vec![&y];
+                    queued.extend(self.y_logprobs.iter().flat_map(|l| l.arrays()));
+                    async_eval(&queued)?;
+                    self.y = y;
+                    self.y_finite = self.next_finite.take();
+                    Ok(true)
+                }
+                None => Ok(false),
+            };
+        }
+        if complete {
+            // The grammar allows nothing more: the output is whole.
+            self.finish = FinishReason::Stop;
+            return Ok(false);
+        }
+        if opened && next.is_some() {
+            let w = self.watch.as_mut().expect("watching");
+            let stash = w.stash.take().ok_or_else(|| Error::invalid("no logits kept for the tool call (internal error)"))?;
+            self.constraint = Some(w.template.clone());
+            self.next_logprobs = None;
+            return match self.draw_constrained(&stash)? {
+                Some(y) => {
+                    self.y = y;
+                    self.y_finite = self.next_finite.take();
+                    Ok(true)
+                }
+                None => {
+                    self.finish = FinishReason::Constraint;
+                    Ok(false)
+                }
+            };
+        }
         match next {
+            Some(n) if self.constraint.is_some() => match self.draw_constrained(&n)? {
+                Some(y) => {
+                    self.y = y;
+                    self.y_finite = self.next_finite.take();
+                    Ok(true)
+                }
+                None => {
+                    self.finish = FinishReason::Constraint;
+                    Ok(false)
+                }
+            },
             Some(n) => {
                 self.y = n;
                 self.y_finite = self.next_finite.take();
+                self.y_logprobs = self.next_logprobs.take();
                 Ok(true)
             }
             None => Ok(false),
         }
+    }
+
+    /// Draws the token from a step's processed `logits` under the
+    /// constraint's mask and queues it; None when no token is allowed.
+    fn draw_constrained(&mut self, logits: &Array) -> Result<Option<Array>> {
+        let Some(mask) = self.constraint.as_mut().expect("constrained").mask()? else { return Ok(None) };
+        let y = self.sampler.draw_processed(&Constraint::apply(logits, &mask)?)?;
+        self.y_logprobs = self.sampler.take_logprobs();
+        let mut queued = vec![&y];
+        queued.extend(self.y_logprobs.iter().flat_map(|l| l.arrays()));
+        async_eval(&queued)?;
+        Ok(Some(y))
+    }
+
+    fn logprob_entry(&self, tok: u32, lp: &sampler::LogprobArrays) -> Result<TokenLogprob> {
+        let (logprob, top) = lp.read()?;
+        let text = |id: u32| self.tokenizer.decode(&[id], false);
+        Ok(TokenLogprob {
+            token: tok,
+            text: text(tok)?,
+            logprob,
+            top: top.into_iter().map(|(id, l)| Ok((id, text(id)?, l))).collect::<Result<_>>()?,
+        })
     }
 
     /// The result, and the cache (for callers that keep it).
@@ -609,6 +807,7 @@ impl Sequence {
             prompt_tokens: self.prompt_len,
             completion_tokens: self.completion_tokens,
             metrics,
+            logprobs: self.logprobs,
         };
         Ok((g, self.cache))
     }
@@ -634,6 +833,7 @@ fn cancelled_in_prefill(prompt_tokens: usize, tokens_run: usize, prefill_start: 
         finish_reason: FinishReason::Abort,
         prompt_tokens,
         completion_tokens: 0,
+        logprobs: None,
         metrics: Metrics {
             ttft_ms: 0.0,
             prefill_tokens: tokens_run,

@@ -1,8 +1,13 @@
 //! Token sampling on the device, with the semantics of mlx-lm's sampler:
-//! logits processors (repetition penalty over a context window), then
-//! log-probabilities filtered by top-p, min-p and top-k, then a categorical
-//! draw at the given temperature. Greedy when temperature is 0. Everything is
-//! lazy so the next step can be queued before the current token is read.
+//! logits processors (logit bias, then the repetition, presence and
+//! frequency penalties over a context window), then log-probabilities
+//! filtered by top-p, min-p and top-k, then a categorical draw at the given
+//! temperature. Greedy when temperature is 0. Everything is lazy so the next
+//! step can be queued before the current token is read.
+//!
+//! Reported log-probabilities are mlx-lm's: the log-softmax of the logits
+//! after the processors (bias and penalties, and a constraint's mask) and
+//! before temperature and the top-p / min-p / top-k filters.
 
 use crate::error::{Error, Result};
 use crate::mlx::{self, concatenate, random, Array, Dtype};
@@ -16,6 +21,17 @@ pub struct SamplingParams {
     pub repetition_penalty: Option<f32>,
     pub repetition_context_size: usize,
     pub seed: Option<u64>,
+    /// Subtracted from the logit of every token in the penalty window
+    /// (the last `repetition_context_size` tokens), once (0 = off).
+    pub presence_penalty: f32,
+    /// Subtracted once per occurrence in that window (0 = off).
+    pub frequency_penalty: f32,
+    /// Added to the logits of these token ids.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Report each drawn token's log-probability.
+    pub logprobs: bool,
+    /// And the most likely alternatives at each step (0..=20).
+    pub top_logprobs: usize,
 }
 
 impl Default for SamplingParams {
@@ -28,6 +44,11 @@ impl Default for SamplingParams {
             repetition_penalty: None,
             repetition_context_size: 20,
             seed: None,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            logit_bias: vec![],
+            logprobs: false,
+            top_logprobs: 0,
         }
     }
 }
@@ -52,7 +73,82 @@ impl SamplingParams {
         if self.repetition_context_size == 0 {
             return bad("repetitionContextSize must be at least 1".into());
         }
+        for (name, v) in [("presencePenalty", self.presence_penalty), ("frequencyPenalty", self.frequency_penalty)] {
+            if !(-2.0..=2.0).contains(&v) {
+                return bad(format!("{name} must be from -2 to 2, got {v}"));
+            }
+        }
+        for &(id, b) in &self.logit_bias {
+            if !(-100.0..=100.0).contains(&b) {
+                return bad(format!("logitBias[{id}] must be from -100 to 100, got {b}"));
+            }
+        }
+        if self.top_logprobs > MAX_TOP_LOGPROBS {
+            return bad(format!("topLogprobs must be from 0 to {MAX_TOP_LOGPROBS}, got {}", self.top_logprobs));
+        }
         Ok(())
+    }
+
+    /// Checks the ids that name tokens against the vocabulary (known only
+    /// once a model is loaded).
+    pub fn validate_vocab(&self, vocab: usize) -> Result<()> {
+        match self.logit_bias.iter().find(|(id, _)| *id as usize >= vocab) {
+            Some((id, _)) => Err(Error::invalid(format!(
+                "logitBias names token id {id}, but the vocabulary has {vocab} tokens (ids 0 to {})",
+                vocab.saturating_sub(1)
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether any logits processor runs before the draw.
+    fn processes(&self) -> bool {
+        self.repetition_penalty.is_some() || self.penalizes_presence() || !self.logit_bias.is_empty()
+    }
+
+    fn penalizes_presence(&self) -> bool {
+        self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
+    }
+
+    /// Whether the window of recent tokens is kept.
+    fn keeps_window(&self) -> bool {
+        self.repetition_penalty.is_some() || self.penalizes_presence()
+    }
+}
+
+/// The most alternatives a step reports (OpenAI's bound).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// One drawn token's log-probability and the top alternatives, lazy (read
+/// back with the token).
+pub struct LogprobArrays {
+    /// `[1]` float32.
+    pub token: Array,
+    /// `[k]` uint32 ids and `[k]` float32 log-probabilities, unordered.
+    pub top: Option<(Array, Array)>,
+}
+
+impl LogprobArrays {
+    /// The arrays to evaluate with the token.
+    pub fn arrays(&self) -> Vec<&Array> {
+        let mut v = vec![&self.token];
+        if let Some((i, l)) = &self.top {
+            v.push(i);
+            v.push(l);
+        }
+        v
+    }
+
+    /// Reads them back: the token's log-probability and the alternatives,
+    /// most likely first.
+    pub fn read(&self) -> Result<(f32, Vec<(u32, f32)>)> {
+        let lp = self.token.item::<f32>()?;
+        let mut top = vec![];
+        if let Some((i, l)) = &self.top {
+            top = i.to_vec::<u32>()?.into_iter().zip(l.to_vec::<f32>()?).collect();
+            top.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        }
+        Ok((lp, top))
     }
 }
 
@@ -61,6 +157,10 @@ pub struct Sampler {
     key: Option<Array>,
     /// The penalty window on the device (so it can include tokens not yet read back).
     window: Option<Array>,
+    /// The logit bias as ids `[1, n]` and values `[1, n]`, uploaded once.
+    bias: Option<(Array, Array)>,
+    /// The last draw's log-probabilities (when asked for).
+    last_logprobs: Option<LogprobArrays>,
 }
 
 impl Sampler {
@@ -76,27 +176,73 @@ impl Sampler {
         } else {
             None
         };
-        let window = if params.repetition_penalty.is_some() && !context.is_empty() {
+        let window = if params.keeps_window() && !context.is_empty() {
             let tail = &context[context.len().saturating_sub(params.repetition_context_size)..];
             Some(Array::from_slice(tail, &[tail.len() as i32])?)
         } else {
             None
         };
-        Ok(Sampler { params, key, window })
+        let bias = if params.logit_bias.is_empty() {
+            None
+        } else {
+            let n = params.logit_bias.len() as i32;
+            let ids: Vec<u32> = params.logit_bias.iter().map(|b| b.0).collect();
+            let vals: Vec<f32> = params.logit_bias.iter().map(|b| b.1).collect();
+            Some((Array::from_slice(&ids, &[1, n])?, Array::from_slice(&vals, &[1, n])?))
+        };
+        Ok(Sampler { params, key, window, bias, last_logprobs: None })
     }
 
     /// Plain greedy: the token is the argmax and nothing else changes
     /// (a batch of such rows takes one argmax for all).
     pub fn is_greedy(&self) -> bool {
-        self.params.temperature == 0.0 && self.params.repetition_penalty.is_none()
+        self.params.temperature == 0.0 && !self.params.processes() && !self.params.logprobs
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// The log-probabilities of the last draw, once (None unless asked for).
+    pub fn take_logprobs(&mut self) -> Option<LogprobArrays> {
+        self.last_logprobs.take()
+    }
+
+    /// The logits processors: logit bias, then the penalties over the window
+    /// (mlx-lm's order).
+    pub fn process(&self, logits: &Array) -> Result<Array> {
+        let mut logits = logits.clone();
+        if let Some((ids, vals)) = &self.bias {
+            let sel = logits.take_along_axis(ids, -1)?;
+            logits = logits.put_along_axis(ids, &sel.add(&vals.astype(sel.dtype())?)?, -1)?;
+        }
+        if let Some(w) = &self.window {
+            if let Some(penalty) = self.params.repetition_penalty {
+                logits = apply_repetition_penalty(&logits, w, penalty)?;
+            }
+            if self.params.penalizes_presence() {
+                logits = apply_presence_penalties(&logits, w, self.params.presence_penalty, self.params.frequency_penalty)?;
+            }
+        }
+        Ok(logits)
     }
 
     /// Draws the next token from `logits` (`[1, V]`); returns a lazy `[1]` uint32.
     pub fn sample(&mut self, logits: &Array) -> Result<Array> {
-        let mut logits = logits.clone();
-        if let (Some(penalty), Some(w)) = (self.params.repetition_penalty, &self.window) {
-            logits = apply_repetition_penalty(&logits, w, penalty)?;
-        }
+        let logits = self.process(logits)?;
+        self.draw_processed(&logits)
+    }
+
+    /// [`Sampler::sample`] on logits already through [`Sampler::process`]
+    /// (and any constraint's mask).
+    pub fn draw_processed(&mut self, logits: &Array) -> Result<Array> {
+        let logits = logits.clone();
+        let lp_all = if self.params.logprobs {
+            let l = logits.astype(Dtype::Float32)?;
+            Some(l.sub(&l.logsumexp(&[-1], true)?)?)
+        } else {
+            None
+        };
         let tok = if self.params.temperature == 0.0 {
             logits.argmax(-1, false)?
         } else {
@@ -117,7 +263,10 @@ impl Sampler {
             random::categorical(&lp.mul_scalar(1.0 / self.params.temperature as f64)?, -1, Some(&sub))?
         };
         let tok = tok.astype(Dtype::Uint32)?;
-        if self.params.repetition_penalty.is_some() {
+        if let Some(lp) = lp_all {
+            self.last_logprobs = Some(logprobs_of(&lp, &tok, self.params.top_logprobs)?);
+        }
+        if self.params.keeps_window() {
             let w = match &self.window {
                 Some(w) => concatenate(&[w, &tok], 0)?,
                 None => tok.clone(),
@@ -137,6 +286,35 @@ fn apply_repetition_penalty(logits: &Array, window: &Array, penalty: f32) -> Res
     let zero = Array::scalar(0.0, sel.dtype())?;
     let pen = mlx::where_(&sel.lt(&zero)?, &sel.mul_scalar(penalty as f64)?, &sel.div_scalar(penalty as f64)?)?;
     logits.put_along_axis(&idx, &pen, -1)
+}
+
+/// OpenAI's presence and frequency penalties over the window, as mlx-lm
+/// applies them: `presence` once per distinct token, `frequency` once per
+/// occurrence.
+fn apply_presence_penalties(logits: &Array, window: &Array, presence: f32, frequency: f32) -> Result<Array> {
+    let idx = window.reshape(&[1, -1])?;
+    let sel = logits.take_along_axis(&idx, -1)?;
+    // Occurrences of each window entry in the window ([1, n]): every
+    // duplicate then writes the same value back.
+    let counts = idx.reshape(&[-1, 1])?.eq(&idx)?.astype(sel.dtype())?.sum(&[0], true)?;
+    let pen = sel.sub_scalar(presence as f64)?.sub(&counts.mul_scalar(frequency as f64)?)?;
+    logits.put_along_axis(&idx, &pen, -1)
+}
+
+/// The drawn token's entry of `lp` (`[1, V]` log-probabilities) and the `k`
+/// largest.
+fn logprobs_of(lp: &Array, tok: &Array, k: usize) -> Result<LogprobArrays> {
+    let token = lp.take_along_axis(&tok.astype(Dtype::Uint32)?.reshape(&[1, 1])?, -1)?.reshape(&[1])?;
+    let top = if k > 0 {
+        let v = lp.dim(-1);
+        let k = (k as i32).min(v);
+        let ids = lp.neg()?.argpartition(k - 1, -1)?.slice_axis(-1, 0, k)?;
+        let vals = lp.take_along_axis(&ids, -1)?.reshape(&[-1])?;
+        Some((ids.astype(Dtype::Uint32)?.reshape(&[-1])?, vals))
+    } else {
+        None
+    };
+    Ok(LogprobArrays { token, top })
 }
 
 fn neg_inf() -> Result<Array> {
@@ -214,6 +392,69 @@ mod tests {
         let mut s = Sampler::new(neg, &[0]).unwrap();
         // A negative logit is multiplied: -1 -> -2, so token 1 (-1.5) wins.
         assert_eq!(s.sample(&logits(&[-1.0, -1.5])).unwrap().item::<u32>().unwrap(), 1);
+    }
+
+    /// log-softmax computed here on the CPU, in f64.
+    fn log_softmax(v: &[f32]) -> Vec<f64> {
+        let m = v.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let z: f64 = v.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln() + m;
+        v.iter().map(|&x| x as f64 - z).collect()
+    }
+
+    #[test]
+    fn bias_and_penalties_change_the_logits_as_mlx_lm_does() {
+        let p = SamplingParams {
+            logit_bias: vec![(0, 1.5), (3, -2.0)],
+            presence_penalty: 0.5,
+            frequency_penalty: 0.25,
+            logprobs: true,
+            top_logprobs: 2,
+            ..Default::default()
+        };
+        // Window (prompt tail): token 1 twice, token 2 once.
+        let mut s = Sampler::new(p, &[1, 2, 1]).unwrap();
+        let raw = [0.1f32, 3.0, 2.0, 1.0];
+        let out = s.process(&logits(&raw)).unwrap().to_vec::<f32>().unwrap();
+        let want = [0.1 + 1.5, 3.0 - 0.5 - 2.0 * 0.25, 2.0 - 0.5 - 0.25, 1.0 - 2.0];
+        for (o, w) in out.iter().zip(want) {
+            assert!((o - w).abs() < 1e-6, "{out:?} vs {want:?}");
+        }
+        // Greedy on the processed logits: token 1 (2.0) ties none; token 0 is 1.6.
+        let tok = s.sample(&logits(&raw)).unwrap();
+        assert_eq!(tok.item::<u32>().unwrap(), 1);
+        let (lp, top) = s.take_logprobs().unwrap().read().unwrap();
+        let reference = log_softmax(&want);
+        assert!((lp as f64 - reference[1]).abs() < 1e-5, "{lp} vs {}", reference[1]);
+        assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 0]);
+        assert!((top[1].1 as f64 - reference[0]).abs() < 1e-5);
+        // The drawn token joined the window: token 1 now occurs 3 times.
+        let out = s.process(&logits(&raw)).unwrap().to_vec::<f32>().unwrap();
+        assert!((out[1] - (3.0 - 0.5 - 0.75)).abs() < 1e-6, "{out:?}");
+    }
+
+    #[test]
+    fn sampled_logprobs_are_of_the_drawn_token() {
+        let p = SamplingParams { temperature: 1.0, seed: Some(7), logprobs: true, top_logprobs: 20, ..Default::default() };
+        let raw = [0.3f32, 1.0, -0.5, 0.9, 0.0];
+        let reference = log_softmax(&raw);
+        let mut s = Sampler::new(p, &[]).unwrap();
+        for _ in 0..10 {
+            let t = s.sample(&logits(&raw)).unwrap().item::<u32>().unwrap();
+            let (lp, top) = s.take_logprobs().unwrap().read().unwrap();
+            assert!((lp as f64 - reference[t as usize]).abs() < 1e-5);
+            // More asked for than the vocabulary holds: all of it, in order.
+            assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 3, 0, 4, 2]);
+        }
+    }
+
+    #[test]
+    fn new_params_are_range_checked() {
+        let e = SamplingParams { presence_penalty: 2.5, ..Default::default() }.validate().unwrap_err();
+        assert!(e.message.contains("presencePenalty"), "{}", e.message);
+        let e = SamplingParams { top_logprobs: 21, ..Default::default() }.validate().unwrap_err();
+        assert!(e.message.contains("topLogprobs"), "{}", e.message);
+        let e = SamplingParams { logit_bias: vec![(9, 1.0)], ..Default::default() }.validate_vocab(9).unwrap_err();
+        assert!(e.message.contains("logitBias") && e.message.contains('9'), "{}", e.message);
     }
 
     #[test]

@@ -5,7 +5,8 @@ use super::args::{range_error, type_error};
 use super::model::js_error;
 use crate::engine::{self, EngineOptions};
 use crate::error::Error;
-use crate::generate::sampler::SamplingParams;
+use crate::generate::sampler::{SamplingParams, MAX_TOP_LOGPROBS};
+use crate::generate::constraint::Grammar;
 use crate::generate::{GenerateParams, Generation};
 use crate::mlx::{runtime, Dtype};
 use crate::text::tool_calls;
@@ -106,6 +107,39 @@ pub struct GenerateOptions<'env> {
     pub seed: Option<f64>,
     /// Stop strings (not included in the result).
     pub stop: Option<Either<String, Vec<String>>>,
+    /// OpenAI's presence penalty (-2 to 2): subtracted from the logit of
+    /// every token among the last `repetitionContextSize` tokens (prompt
+    /// included, as mlx-lm does).
+    pub presence_penalty: Option<f64>,
+    /// OpenAI's frequency penalty (-2 to 2): subtracted once per occurrence
+    /// in that window.
+    pub frequency_penalty: Option<f64>,
+    /// Token id (a key such as "42") -> a bias from -100 to 100 added to its logit.
+    pub logit_bias: Option<std::collections::HashMap<String, f64>>,
+    /// Give the result (and stream events) a `logprobs` entry per token:
+    /// the log-softmax of the logits after logit bias and penalties, before
+    /// temperature and top-p / min-p / top-k.
+    pub logprobs: Option<bool>,
+    /// With `logprobs`: the most likely alternatives per token (0 to 20).
+    pub top_logprobs: Option<f64>,
+    /// The output is JSON valid against this schema (llguidance's JSON
+    /// schema support; compact unless the schema's `x-guidance` says
+    /// otherwise). A bad schema rejects before any compute.
+    #[napi(ts_type = "Record<string, unknown> | boolean")]
+    pub json_schema: Option<serde_json::Value>,
+    /// The output matches this grammar (llguidance's Lark dialect).
+    pub grammar: Option<String>,
+    /// The whole output matches this regular expression.
+    pub regex: Option<String>,
+    /// Chat with `tools`: unset (free: the model may call tools), "auto"
+    /// (free, but a call the model starts is completed under the tools'
+    /// schemas),
+    /// "none" (tools are not offered), "required" (the reply is one or more
+    /// tool calls, their arguments valid against the tools' parameter
+    /// schemas), or a tool's name (`{ name }` or OpenAI's
+    /// `{ type: 'function', function: { name } }`: exactly one call to it).
+    #[napi(ts_type = "'auto' | 'none' | 'required' | { name: string } | { type: 'function'; function: { name: string } }")]
+    pub tool_choice: Option<serde_json::Value>,
     /// Keep generating past end-of-sequence tokens.
     pub ignore_eos: Option<bool>,
     /// Tools in the OpenAI function shape, rendered by the chat template (chat only).
@@ -139,6 +173,15 @@ pub const GENERATE_OPTION_KEYS: &[&str] = &[
     "repetitionContextSize",
     "seed",
     "stop",
+    "presencePenalty",
+    "frequencyPenalty",
+    "logitBias",
+    "logprobs",
+    "topLogprobs",
+    "jsonSchema",
+    "grammar",
+    "regex",
+    "toolChoice",
     "ignoreEos",
     "tools",
     "allowSpecialTokens",
@@ -161,6 +204,15 @@ pub struct OptionValues {
     pub repetition_context_size: Option<f64>,
     pub seed: Option<f64>,
     pub stop: Option<Vec<String>>,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub logit_bias: Option<std::collections::HashMap<String, f64>>,
+    pub logprobs: Option<bool>,
+    pub top_logprobs: Option<f64>,
+    pub json_schema: Option<serde_json::Value>,
+    pub grammar: Option<String>,
+    pub regex: Option<String>,
+    pub tool_choice: Option<serde_json::Value>,
     pub ignore_eos: Option<bool>,
     pub tools: Option<Vec<serde_json::Value>>,
     pub allow_special_tokens: Option<bool>,
@@ -183,6 +235,15 @@ impl OptionValues {
                 Either::A(s) => vec![s.clone()],
                 Either::B(v) => v.clone(),
             }),
+            presence_penalty: o.presence_penalty,
+            frequency_penalty: o.frequency_penalty,
+            logit_bias: o.logit_bias.clone(),
+            logprobs: o.logprobs,
+            top_logprobs: o.top_logprobs,
+            json_schema: o.json_schema.clone(),
+            grammar: o.grammar.clone(),
+            regex: o.regex.clone(),
+            tool_choice: o.tool_choice.clone(),
             ignore_eos: o.ignore_eos,
             tools: o.tools.clone(),
             allow_special_tokens: o.allow_special_tokens,
@@ -202,6 +263,15 @@ impl OptionValues {
             repetition_context_size: over.repetition_context_size.or(self.repetition_context_size),
             seed: over.seed.or(self.seed),
             stop: over.stop.clone().or_else(|| self.stop.clone()),
+            presence_penalty: over.presence_penalty.or(self.presence_penalty),
+            frequency_penalty: over.frequency_penalty.or(self.frequency_penalty),
+            logit_bias: over.logit_bias.clone().or_else(|| self.logit_bias.clone()),
+            logprobs: over.logprobs.or(self.logprobs),
+            top_logprobs: over.top_logprobs.or(self.top_logprobs),
+            json_schema: over.json_schema.clone().or_else(|| self.json_schema.clone()),
+            grammar: over.grammar.clone().or_else(|| self.grammar.clone()),
+            regex: over.regex.clone().or_else(|| self.regex.clone()),
+            tool_choice: over.tool_choice.clone().or_else(|| self.tool_choice.clone()),
             ignore_eos: over.ignore_eos.or(self.ignore_eos),
             tools: over.tools.clone().or_else(|| self.tools.clone()),
             allow_special_tokens: over.allow_special_tokens.or(self.allow_special_tokens),
@@ -209,8 +279,11 @@ impl OptionValues {
         }
     }
 
-    /// The tools for the chat template.
+    /// The tools for the chat template (none with `toolChoice: 'none'`).
     pub fn tools_value(&self) -> Option<serde_json::Value> {
+        if self.tool_choice.as_ref().and_then(|c| c.as_str()) == Some("none") {
+            return None;
+        }
         self.tools.clone().map(serde_json::Value::Array)
     }
 
@@ -270,7 +343,9 @@ pub struct ChatResult {
     /// "stop" (end-of-sequence or a stop string), "length", "abort", or
     /// "tool_calls" (chat: the reply holds tool calls that all parsed and
     /// generation stopped normally).
-    #[napi(ts_type = "'stop' | 'length' | 'abort' | 'tool_calls'")]
+    /// "constraint": the jsonSchema / grammar / regex / toolChoice allowed
+    /// no further token (the output is incomplete).
+    #[napi(ts_type = "'stop' | 'length' | 'abort' | 'tool_calls' | 'constraint'")]
     pub finish_reason: String,
     /// Completion token ids (without the end-of-sequence token).
     pub tokens: Vec<u32>,
@@ -281,6 +356,37 @@ pub struct ChatResult {
     /// Tool-call regions that could not be parsed (chat only); while there
     /// are any, `finishReason` is not "tool_calls".
     pub tool_call_errors: Option<Vec<ToolCallError>>,
+    /// One entry per token of `tokens` (with the `logprobs` option).
+    pub logprobs: Option<Vec<TokenLogprob>>,
+}
+
+/// A generated token's log-probability (see `GenerateOptions.logprobs`).
+#[napi(object)]
+#[derive(Clone)]
+pub struct TokenLogprob {
+    pub token: u32,
+    /// The token alone, decoded.
+    pub text: String,
+    pub logprob: f64,
+    /// The most likely tokens at this step, most likely first (`topLogprobs` of them).
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+#[napi(object)]
+#[derive(Clone)]
+pub struct TopLogprob {
+    pub token: u32,
+    pub text: String,
+    pub logprob: f64,
+}
+
+pub fn to_token_logprob(e: &crate::generate::TokenLogprob) -> TokenLogprob {
+    TokenLogprob {
+        token: e.token,
+        text: e.text.clone(),
+        logprob: e.logprob as f64,
+        top_logprobs: e.top.iter().map(|(t, s, l)| TopLogprob { token: *t, text: s.clone(), logprob: *l as f64 }).collect(),
+    }
 }
 
 /// A tool call in the OpenAI shape.
@@ -482,12 +588,122 @@ pub fn generate_params(o: &OptionValues) -> Result<GenerateParams> {
         repetition_context_size: int_option("repetitionContextSize", o.repetition_context_size, 1, 1 << 20)?.unwrap_or(20)
             as usize,
         seed: int_option("seed", o.seed, 0, (1u64 << 53) - 1)?,
+        presence_penalty: o.presence_penalty.unwrap_or(0.0) as f32,
+        frequency_penalty: o.frequency_penalty.unwrap_or(0.0) as f32,
+        logit_bias: logit_bias(o.logit_bias.as_ref())?,
+        logprobs: o.logprobs.unwrap_or(false) || o.top_logprobs.is_some_and(|n| n > 0.0),
+        top_logprobs: int_option("topLogprobs", o.top_logprobs, 0, MAX_TOP_LOGPROBS as u64)?.unwrap_or(0) as usize,
     };
+    for (name, v) in [("presencePenalty", o.presence_penalty), ("frequencyPenalty", o.frequency_penalty)] {
+        if v.is_some_and(|x| !x.is_finite()) {
+            return Err(range_error(format!("{name} must be from -2 to 2, found {}", v.unwrap_or_default())));
+        }
+    }
     s.validate().map_err(js_error)?;
     p.stop = o.stop.clone().unwrap_or_default();
     p.ignore_eos = o.ignore_eos.unwrap_or(false);
     p.max_prompt_tokens = int_option("maxPromptTokens", o.max_prompt_tokens, 1, MAX_TOKENS)?.map(|n| n as usize);
+    p.grammar = grammar(o)?;
     Ok(p)
+}
+
+/// The constraint the options ask for (at most one of jsonSchema, grammar,
+/// regex and a forcing toolChoice).
+fn grammar(o: &OptionValues) -> Result<Option<Grammar>> {
+    let mut found: Vec<Grammar> = vec![];
+    if let Some(s) = &o.json_schema {
+        if !s.is_object() && !s.is_boolean() {
+            return Err(type_error("jsonSchema must be a JSON schema (an object)"));
+        }
+        found.push(Grammar::JsonSchema(s.clone()));
+    }
+    if let Some(g) = &o.grammar {
+        found.push(Grammar::Lark(g.clone()));
+    }
+    if let Some(r) = &o.regex {
+        found.push(Grammar::Regex(r.clone()));
+    }
+    if let Some(c) = &o.tool_choice {
+        if let Some(g) = tool_choice(c, o.tools.as_deref())? {
+            found.push(g);
+        }
+    }
+    // 'auto' only watches for a call: another constraint wins (its output
+    // can never hold the start marker).
+    if found.len() > 1 {
+        found.retain(|g| !matches!(g, Grammar::ToolCallsAuto { .. }));
+    }
+    if found.len() > 1 {
+        let names: Vec<&str> = found.iter().map(|g| g.option_name()).collect();
+        return Err(type_error(format!("{} cannot be used together; give one", names.join(" and "))));
+    }
+    Ok(found.pop())
+}
+
+/// `toolChoice` as a constraint (None for "auto" and "none").
+fn tool_choice(c: &serde_json::Value, tools: Option<&[serde_json::Value]>) -> Result<Option<Grammar>> {
+    use serde_json::Value;
+    let named = match c {
+        Value::String(s) if s == "none" => return Ok(None),
+        // Without tools there is no call to complete.
+        Value::String(s) if s == "auto" && tools.is_none_or(|t| t.is_empty()) => return Ok(None),
+        Value::String(s) if s == "auto" => None,
+        Value::String(s) if s == "required" => None,
+        Value::Object(m) => {
+            let name = m.get("name").or_else(|| m.get("function").and_then(|f| f.get("name")));
+            match name.and_then(|n| n.as_str()) {
+                Some(n) => Some(n.to_string()),
+                None => return Err(type_error("toolChoice must be 'auto', 'none', 'required', { name } or { type: 'function', function: { name } }")),
+            }
+        }
+        _ => return Err(type_error(format!("toolChoice must be 'auto', 'none', 'required' or {{ name }}, found {c}"))),
+    };
+    let tools = tools.filter(|t| !t.is_empty()).ok_or_else(|| type_error("toolChoice 'required' or a named tool needs `tools`"))?;
+    let mut out = vec![];
+    for (i, t) in tools.iter().enumerate() {
+        let f = t.get("function").unwrap_or(t);
+        let name = f.get("name").and_then(|n| n.as_str()).ok_or_else(|| type_error(format!("tools[{i}] has no function name")))?;
+        if named.as_deref().is_some_and(|n| n != name) {
+            continue;
+        }
+        // A tool without parameters takes none.
+        let params = f
+            .get("parameters")
+            .cloned()
+            .unwrap_or_else(|| serde_json::json!({ "type": "object", "properties": {}, "additionalProperties": false }));
+        out.push((name.to_string(), params));
+    }
+    if let Some(n) = &named {
+        if out.is_empty() {
+            return Err(range_error(format!("toolChoice names `{n}`, which is not one of the tools")));
+        }
+    }
+    if c.as_str() == Some("auto") {
+        return Ok(Some(Grammar::ToolCallsAuto { tools: out }));
+    }
+    Ok(Some(Grammar::ToolCalls { tools: out, single: named.is_some() }))
+}
+
+/// `logitBias` keys as token ids (each an integer string; the vocabulary
+/// bound is checked once the model is known), in id order.
+fn logit_bias(b: Option<&std::collections::HashMap<String, f64>>) -> Result<Vec<(u32, f32)>> {
+    let Some(b) = b else { return Ok(vec![]) };
+    let mut out = b
+        .iter()
+        .map(|(k, &v)| {
+            let id = k
+                .parse::<u32>()
+                .ok()
+                .filter(|id| id.to_string() == *k)
+                .ok_or_else(|| type_error(format!("logitBias key `{k}` is not a token id (an integer from 0 to 2^32 - 1)")))?;
+            if !(-100.0..=100.0).contains(&v) {
+                return Err(range_error(format!("logitBias[{k}] must be from -100 to 100, found {v}")));
+            }
+            Ok((id, v as f32))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    out.sort_by_key(|e| e.0);
+    Ok(out)
 }
 
 pub fn to_chat_messages(msgs: Vec<ChatMessage>) -> Result<Vec<crate::text::ChatMessage>> {
@@ -568,6 +784,7 @@ pub fn aborted_result() -> ChatResult {
         prompt_tokens: 0,
         completion_tokens: 0,
         metrics: Default::default(),
+        logprobs: None,
     })
 }
 
@@ -592,6 +809,7 @@ pub fn to_chat_result(g: Generation) -> ChatResult {
             total_ms: m.total_ms,
         },
         finish_reason: g.finish_reason.name().to_string(),
+        logprobs: g.logprobs.as_ref().map(|v| v.iter().map(to_token_logprob).collect()),
         tokens: g.tokens,
         text: g.text,
     }

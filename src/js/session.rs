@@ -130,9 +130,12 @@ impl ChatSession {
         if user.is_none() && s.history.is_empty() {
             return Err(err("the session has no messages yet: send() needs a message"));
         }
-        let values = s.defaults.overlay(&OptionValues::from_options(options.as_ref()));
+        let mut values = s.defaults.overlay(&OptionValues::from_options(options.as_ref()));
+        if values.tools.is_none() {
+            values.tools = s.tools.clone();
+        }
         let params = generate_params(&values)?;
-        let tools = values.tools.clone().or_else(|| s.tools.clone()).map(Value::Array);
+        let tools = values.tools_value();
         let mut all: Vec<ChatMessage> = Vec::with_capacity(s.history.len() + 2);
         if let Some(sys) = &s.system {
             all.push(message("system", sys.clone()));

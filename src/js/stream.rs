@@ -13,7 +13,7 @@
 //! for JS (other requests queue behind it on the same model), and memory
 //! stays bounded by the reply's text.
 
-use super::convert::ChatResult;
+use super::convert::{to_token_logprob, ChatResult, TokenLogprob};
 use super::model::js_error;
 use crate::generate::Observer;
 use crate::text::tool_calls::ToolCallSplitter;
@@ -105,8 +105,12 @@ pub struct StreamTextEvent {
     #[napi(js_name = "type", ts_type = "'text'")]
     pub kind: String,
     /// New text: whole characters, never a part of a stop string, never
-    /// tool-call markup (chat).
+    /// tool-call markup (chat). Empty when the event only carries
+    /// `logprobs` (text held back, e.g. while it may start a stop string).
     pub text: String,
+    /// With the `logprobs` option: the entries of the tokens generated since
+    /// the previous event (a token's text may come in a later event).
+    pub logprobs: Option<Vec<TokenLogprob>>,
 }
 
 /// The last event of a stream: the same result the non-streaming call gives.
@@ -123,6 +127,7 @@ type Listener = Box<dyn FnOnce(&Outcome) + Send>;
 #[derive(Default)]
 struct StreamState {
     pending: String,
+    pending_logprobs: Vec<TokenLogprob>,
     outcome: Option<Outcome>,
     /// The done event (or the error) has been handed out.
     finished: bool,
@@ -164,6 +169,19 @@ impl StreamShared {
         Self::wake(wakers);
     }
 
+    /// Appends a token's log-probabilities (worker thread).
+    pub fn push_logprob(&self, entry: &crate::generate::TokenLogprob) {
+        let wakers = {
+            let mut s = self.state.lock();
+            if s.closed {
+                return;
+            }
+            s.pending_logprobs.push(to_token_logprob(entry));
+            std::mem::take(&mut s.wakers)
+        };
+        Self::wake(wakers);
+    }
+
     /// Records the final outcome, tells the listeners, wakes the consumer.
     pub fn finish(&self, outcome: Outcome) {
         let wakers = {
@@ -195,6 +213,7 @@ impl StreamShared {
             let mut s = self.state.lock();
             s.closed = true;
             s.pending.clear();
+            s.pending_logprobs.clear();
             std::mem::take(&mut s.wakers)
         };
         Self::wake(wakers);
@@ -235,6 +254,9 @@ impl Observer for StreamObserver {
     }
     fn cancelled(&mut self) -> bool {
         self.shared.cancel.load(Ordering::Relaxed)
+    }
+    fn on_logprob(&mut self, entry: &crate::generate::TokenLogprob) {
+        self.shared.push_logprob(entry);
     }
 }
 
@@ -289,9 +311,11 @@ impl Future for NextEvent {
         if s.closed || s.finished {
             return Poll::Ready(Ok(None));
         }
-        if !s.pending.is_empty() {
+        if !s.pending.is_empty() || !s.pending_logprobs.is_empty() {
             let text = std::mem::take(&mut s.pending);
-            return Poll::Ready(Ok(Some(Either::A(StreamTextEvent { kind: "text".into(), text }))));
+            let lp = std::mem::take(&mut s.pending_logprobs);
+            let logprobs = (!lp.is_empty()).then_some(lp);
+            return Poll::Ready(Ok(Some(Either::A(StreamTextEvent { kind: "text".into(), text, logprobs }))));
         }
         if let Some(o) = &s.outcome {
             let o = o.clone();
