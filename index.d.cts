@@ -50,6 +50,15 @@ export declare class ChatSession {
    * A turn in flight still resolves but is not recorded.
    */
   reset(): void
+  /**
+   * Saves the conversation and the model's state at its end to `file`
+   * (written to a temporary name, then renamed into place), for
+   * `model.loadSession(file)` in this or a later process. With the paged
+   * cache the state usually comes from the prefix cache; with flat
+   * caches the history is run through the model once. Rejects while a
+   * turn is in flight.
+   */
+  save(file: string): Promise<SaveResult>
 }
 
 /**
@@ -107,6 +116,17 @@ export declare class Lfm2Model {
    * (`metrics.cachedTokens`).
    */
   createSession(options?: SessionOptions | undefined | null): ChatSession
+  /**
+   * Restores a session saved with `session.save(file)`: its conversation,
+   * and the model's state at its end, so the next turn runs only what is
+   * new (`metrics.cachedTokens` is the restored length). The file must
+   * come from a model with the same fingerprint (`info().fingerprint`:
+   * config, weights, tokenizer, chat template, KV cache kind); another
+   * model's file, another format version or a damaged file is an error
+   * and nothing is loaded. `options.defaults` sets the generation
+   * defaults (they are not saved).
+   */
+  loadSession(file: string, options?: LoadSessionOptions | undefined | null): Promise<ChatSession>
   /** The logits of the last position after running `tokenIds` (float32). */
   logits(tokenIds: Array<number>): Promise<Float32Array>
   /**
@@ -407,6 +427,11 @@ export interface LoadProgress {
   phase: 'weights' | 'ready'
 }
 
+export interface LoadSessionOptions {
+  /** Generation options for every turn (see `SessionOptions.defaults`). */
+  defaults?: GenerateOptions
+}
+
 export interface MemoryInfo {
   /** Bytes held by live MLX arrays. */
   activeBytes: number
@@ -504,6 +529,12 @@ export interface ModelInfo {
   expertsPerToken?: number
   eosTokenIds: Array<number>
   hasChatTemplate: boolean
+  /**
+   * SHA-256 (hex) over the model's config, weight headers, tokenizer,
+   * chat template and KV cache kind: saved sessions and prefix blocks on
+   * disk are only used by a model with the same fingerprint.
+   */
+  fingerprint: string
   backend: 'cpu' | 'cuda' | 'metal'
   device: 'cpu' | 'gpu'
 }
@@ -551,6 +582,14 @@ export interface QuantSpecInfo {
   mode: 'affine' | 'mxfp4' | 'mxfp8' | 'nvfp4'
   bits: number
   groupSize: number
+}
+
+/** What `session.save()` resolves with. */
+export interface SaveResult {
+  /** Tokens of history whose state the file holds. */
+  tokens: number
+  /** The file's size. */
+  bytes: number
 }
 
 export interface SessionOptions {

@@ -707,6 +707,29 @@ impl PagedSeq {
         }
     }
 
+    /// The conv states after each full block of `tokens` (the tokens of
+    /// this sequence's first positions): the sequence's own snapshot where
+    /// its block is not published yet, else the published one (its own
+    /// block, or the block already indexed for the same content).
+    pub fn block_snapshots(&self, tokens: &[u32]) -> Result<Vec<Array>> {
+        let bs = self.block_size;
+        let pool = self.pool.lock();
+        let mut parent = 0u64;
+        let mut out = Vec::with_capacity(tokens.len() / bs);
+        for j in 0..tokens.len() / bs {
+            let toks = &tokens[j * bs..(j + 1) * bs];
+            let key = chain_key(pool.salt, parent, toks);
+            let published = || {
+                let m = &pool.meta[*pool.index.get(&key)? as usize];
+                (m.parent_key == parent && m.tokens == toks).then(|| m.snapshot.clone()).flatten()
+            };
+            let snap = self.snaps.get(&j).cloned().or_else(published);
+            out.push(snap.ok_or_else(|| Error::invalid(format!("the paged cache no longer holds the conv states after block {j}")))?);
+            parent = key;
+        }
+        Ok(out)
+    }
+
     /// Snapshots waiting for their block's tokens (to evaluate them with
     /// the step that produced them).
     pub fn pending_snapshots(&self) -> Vec<&Array> {

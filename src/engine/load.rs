@@ -2,6 +2,7 @@
 //! options, which cache (paged or flat, quantized KV), which decode path
 //! (compiled or eager, and why), the stop tokens, and what `info()` says.
 
+use super::fingerprint::Fingerprint;
 use super::Engine;
 use crate::cache::paged::{self, PagedConfig};
 use crate::compiled::CompiledStep;
@@ -112,6 +113,8 @@ pub struct ModelInfo {
     pub experts_per_token: Option<usize>,
     pub eos_token_ids: Vec<u32>,
     pub has_chat_template: bool,
+    /// The model fingerprint's hash (see fingerprint.rs).
+    pub fingerprint: String,
     pub backend: String,
     pub device: String,
 }
@@ -207,15 +210,15 @@ fn choose_cache(model: &Lfm2Model, opts: &EngineOptions, kv: &KvCacheConfig) -> 
     Ok((Some(cfg), reason))
 }
 
-/// Ties a pool's prefix index to one model: its files, config and dtype.
-fn model_salt(dir: &Path, model: &Lfm2Model, weight_bytes: usize) -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    dir.hash(&mut h);
-    serde_json::to_string(&model.config.raw).unwrap_or_default().hash(&mut h);
-    weight_bytes.hash(&mut h);
-    model.dtype.name().hash(&mut h);
-    h.finish()
+/// The cache part of the fingerprint: the compute dtype and what the KV
+/// cache keeps per attention layer.
+fn cache_identity(model: &Lfm2Model, paged: Option<PagedConfig>, kv_kinds: &[String]) -> String {
+    let kind = match paged {
+        Some(p) => format!("paged, {}-token blocks", p.block_size),
+        None if kv_kinds.iter().any(|k| k != "default") => format!("flat, kvCache {}", kv_kinds.join("/")),
+        None => "flat".to_string(),
+    };
+    format!("{} {kind}", model.dtype.name())
 }
 
 impl Engine {
@@ -250,8 +253,17 @@ impl Engine {
         }
         let kv_kinds = model.set_kv_cache(&kv_cfg)?;
         let (paged_cfg, cache_reason) = choose_cache(&model, opts, &kv_cfg)?;
+        let kv_names: Vec<String> = kv_kinds.iter().flatten().map(|k| k.name()).collect();
+        let fingerprint = Fingerprint::compute(
+            &loaded.dir,
+            &loaded.weight_files,
+            tokenizer.chat_template(),
+            cache_identity(&model, paged_cfg, &kv_names),
+        )?;
         if let Some(pc) = paged_cfg {
-            model.use_paged_cache(pc, model_salt(&loaded.dir, &model, loaded.weight_bytes))?;
+            // Salted by the fingerprint: blocks are only ever found by the
+            // model (and cache layout) that wrote them.
+            model.use_paged_cache(pc, fingerprint.salt())?;
         }
         let c = &model.config;
         let mut eos: HashSet<u32> = c.eos_token_ids.iter().copied().collect();
@@ -317,7 +329,8 @@ impl Engine {
             paged_block_size: paged_cfg.map(|p| p.block_size),
             paged_cache_budget_mb: paged_cfg.map(|p| p.budget_bytes >> 20),
             kv_cache: kv_cfg.name.clone(),
-            kv_cache_layers: kv_kinds.iter().flatten().map(|k| k.name()).collect(),
+            kv_cache_layers: kv_names,
+            fingerprint: fingerprint.hash.clone(),
             kv_bytes_per_token: kv_bytes_per_token(&model),
             decode_path: if compiled.is_some() { "compiled" } else { "eager" }.into(),
             decode_path_reason,
@@ -344,6 +357,9 @@ impl Engine {
             eos,
             prefill_chunk: opts.prefill_chunk.unwrap_or(2048).max(1),
             info: Arc::new(Mutex::new(info)),
+            fingerprint,
+            resumes: Default::default(),
+            next_resume: 0,
         })
     }
 

@@ -9,7 +9,9 @@
 //!   membership, step dispatch).
 //! - worker.rs: the model's thread and its message loop.
 
+pub mod fingerprint;
 mod load;
+pub mod session_file;
 pub mod scheduler;
 pub mod worker;
 
@@ -42,6 +44,12 @@ pub struct Engine {
     /// Shared with the JS object so runtime changes (a compiled-path
     /// fallback) show in info().
     pub(crate) info: Arc<Mutex<ModelInfo>>,
+    pub fingerprint: fingerprint::Fingerprint,
+    /// Restored session states waiting for their session's first turn
+    /// (flat caches only; a paged restore goes into the prefix cache), by
+    /// the id `loadSession` gave the session.
+    pub(crate) resumes: std::collections::HashMap<u64, session_file::Resume>,
+    pub(crate) next_resume: u64,
 }
 
 impl Engine {

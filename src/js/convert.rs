@@ -395,6 +395,10 @@ pub struct ModelInfo {
     pub experts_per_token: Option<u32>,
     pub eos_token_ids: Vec<u32>,
     pub has_chat_template: bool,
+    /// SHA-256 (hex) over the model's config, weight headers, tokenizer,
+    /// chat template and KV cache kind: saved sessions and prefix blocks on
+    /// disk are only used by a model with the same fingerprint.
+    pub fingerprint: String,
     #[napi(ts_type = "'cpu' | 'cuda' | 'metal'")]
     pub backend: String,
     #[napi(ts_type = "'cpu' | 'gpu'")]
@@ -663,6 +667,7 @@ pub fn to_model_info(i: &engine::ModelInfo) -> ModelInfo {
         experts_per_token: i.experts_per_token.map(|x| x as u32),
         eos_token_ids: i.eos_token_ids.clone(),
         has_chat_template: i.has_chat_template,
+        fingerprint: i.fingerprint.clone(),
         backend: i.backend.clone(),
         device: i.device.clone(),
     }
