@@ -187,6 +187,17 @@ export interface CacheStats {
   hitTokens: number
   /** Bytes the pool holds (K/V blocks and conv snapshots). */
   bytes: number
+  /**
+   * With `prefixCacheDir`: blocks read back from disk, lookups the disk
+   * could not answer, bytes of block files, files removed for the
+   * budget, blocks written, and unusable files removed.
+   */
+  diskHits?: number
+  diskMisses?: number
+  diskBytes?: number
+  diskEvictions?: number
+  diskWrites?: number
+  diskDamaged?: number
 }
 
 export interface ChatMessage {
@@ -406,6 +417,19 @@ export interface LoadOptions {
    * accepted). A longer request fails before any compute.
    */
   contextLength?: number
+  /**
+   * A directory for the paged prefix cache's disk tier: blocks evicted
+   * from memory, and every cached block when the model closes, are
+   * written there (keyed by the model fingerprint), and a later process
+   * loading the same model with the same directory reuses them. Needs
+   * the paged cache.
+   */
+  prefixCacheDir?: string
+  /**
+   * The disk tier's budget in MiB (default 4096); least recently used
+   * block files are removed beyond it.
+   */
+  prefixCacheDiskMb?: number
   /**
    * Called on the JS thread as the weights are read and evaluated (after
    * every few tensors), then once with phase "ready" just before the

@@ -4,6 +4,7 @@
 
 use super::fingerprint::Fingerprint;
 use super::Engine;
+use crate::cache::paged::disk::DiskTier;
 use crate::cache::paged::{self, PagedConfig};
 use crate::compiled::CompiledStep;
 use crate::error::{Error, Result};
@@ -47,9 +48,18 @@ pub struct EngineOptions {
     /// Lowers the context length below config.json's
     /// `max_position_embeddings` (prompt plus generated tokens).
     pub context_length: Option<usize>,
+    /// A directory for the paged prefix cache's disk tier (blocks evicted
+    /// from memory and every published block at close, found again by a
+    /// later process); None: memory only.
+    pub prefix_cache_dir: Option<PathBuf>,
+    /// The disk tier's budget in MiB (default `DEFAULT_DISK_MB`).
+    pub prefix_cache_disk_mb: Option<usize>,
     /// Told the bytes of weights evaluated so far (see `model::Progress`).
     pub progress: Option<Progress>,
 }
+
+/// The prefix cache's default disk budget (MiB).
+pub const DEFAULT_DISK_MB: usize = 4096;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DecodePath {
@@ -263,7 +273,18 @@ impl Engine {
         if let Some(pc) = paged_cfg {
             // Salted by the fingerprint: blocks are only ever found by the
             // model (and cache layout) that wrote them.
-            model.use_paged_cache(pc, fingerprint.salt())?;
+            let pool = model.use_paged_cache(pc, fingerprint.salt())?;
+            if let Some(dir) = &opts.prefix_cache_dir {
+                let mb = opts.prefix_cache_disk_mb.unwrap_or(DEFAULT_DISK_MB);
+                pool.lock().attach_disk(DiskTier::open(dir, (mb as u64) << 20, &fingerprint.hash)?);
+            }
+        } else if opts.prefix_cache_dir.is_some() {
+            return Err(Error::config(format!(
+                "prefixCacheDir needs the paged KV cache, and this model uses flat caches ({cache_reason})"
+            )));
+        }
+        if opts.prefix_cache_disk_mb.is_some() && opts.prefix_cache_dir.is_none() {
+            return Err(Error::config("prefixCacheDiskMb is set without prefixCacheDir; give the directory too"));
         }
         let c = &model.config;
         let mut eos: HashSet<u32> = c.eos_token_ids.iter().copied().collect();

@@ -66,6 +66,14 @@ impl Engine {
         })
     }
 
+    /// Writes every published prefix block to the disk tier (if any) and
+    /// waits for the writes: the model is closing.
+    pub fn persist_prefix_cache(&self) {
+        if let Some(p) = &self.model.paged {
+            p.lock().persist();
+        }
+    }
+
     /// Forgets every cached prefix no request is using.
     /// MLX's cache of freed buffers is emptied too: what a long request
     /// used would otherwise stay allocated to the process.

@@ -54,7 +54,7 @@ pub struct Loaded {
     pub resume: Option<u64>,
 }
 
-fn st_dtype(d: Dtype) -> Result<StDtype> {
+pub(crate) fn st_dtype(d: Dtype) -> Result<StDtype> {
     Ok(match d {
         Dtype::Float32 => StDtype::F32,
         Dtype::Float16 => StDtype::F16,
@@ -68,7 +68,7 @@ fn st_dtype(d: Dtype) -> Result<StDtype> {
     })
 }
 
-fn mlx_dtype(d: StDtype) -> Option<Dtype> {
+pub(crate) fn mlx_dtype(d: StDtype) -> Option<Dtype> {
     Some(match d {
         StDtype::F32 => Dtype::Float32,
         StDtype::F16 => Dtype::Float16,

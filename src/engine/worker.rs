@@ -139,6 +139,8 @@ impl ModelWorker {
             let tokenizer = engine.tokenizer.clone();
             on_loaded(Ok((ModelWorker { tx, thread }, info, tokenizer)));
             schedule(&mut engine, rx);
+            // Closing: the prefix cache's blocks go to its disk tier first.
+            let _ = catch_unwind(AssertUnwindSafe(|| engine.persist_prefix_cache()));
             drop(engine);
             finished();
         });
