@@ -132,6 +132,19 @@ pub struct PagedPool {
     /// Where evicted blocks go, and where lookups that miss in memory look
     /// next (see disk.rs).
     disk: Option<DiskTier>,
+    /// Evicted blocks on their way to the disk tier.
+    spills: Vec<Spill>,
+}
+
+/// A block leaving memory for disk: its identity, and its K/V (per layer K
+/// then V) and snapshot, evaluated asynchronously.
+struct Spill {
+    key: u64,
+    parent_key: u64,
+    depth: u32,
+    tokens: Vec<u32>,
+    kv: Vec<Array>,
+    snapshot: Array,
 }
 
 struct Tail {
@@ -185,6 +198,7 @@ impl PagedPool {
             disk_hit_tokens: 0,
             tails: HashMap::new(),
             disk: None,
+            spills: vec![],
         })
     }
 
@@ -193,54 +207,70 @@ impl PagedPool {
         self.disk = Some(disk);
     }
 
-    /// A host copy of published block `b` (K/V of every layer, its conv
-    /// snapshot), for the disk tier.
-    fn host_block(&self, b: u32) -> Result<HostBlock> {
-        let m = &self.meta[b as usize];
-        let key = m.key.ok_or_else(|| Error::invalid("only published blocks go to disk"))?;
-        let snap = m.snapshot.as_ref().ok_or_else(|| Error::invalid("a published block without its conv snapshot"))?;
-        let (h, bs, d) = (self.shape.kv_heads, self.cfg.block_size as i32, self.shape.head_dim);
-        let bi = b as i32;
-        let mut kv = Vec::with_capacity(2 * self.keys.len());
-        for i in 0..self.keys.len() {
-            for pool in [&self.keys[i], &self.values[i]] {
-                let a = pool.slice(&[0, bi, 0, 0], &[h, bi + 1, bs, d], &[1, 1, 1, 1])?.contiguous()?;
-                kv.push((vec![h as usize, 1, bs as usize, d as usize], a.to_bytes()?));
-            }
-        }
-        let snap = snap.contiguous()?;
-        Ok(HostBlock {
-            key,
-            parent_key: m.parent_key,
-            depth: m.depth,
-            tokens: m.tokens.clone(),
-            dtype: crate::engine::session_file::st_dtype(self.shape.dtype)?,
-            kv,
-            snapshot: (
-                crate::engine::session_file::st_dtype(snap.dtype())?,
-                snap.shape().iter().map(|&x| x as usize).collect(),
-                snap.to_bytes()?,
-            ),
-        })
-    }
-
-    /// Queues block `b` for the disk tier unless it is there already. A
-    /// block that cannot be copied is skipped (it is a cache).
-    fn spill(&self, b: u32) {
+    /// Queues published block `b` for the disk tier (unless it is there
+    /// already): its K/V and snapshot are sliced out and evaluated
+    /// asynchronously, so the step that evicted it does not wait for the
+    /// copy; [`PagedPool::drain_spills`] hands the bytes to the writer
+    /// thread after the step. The slices hold the pool's arrays as they
+    /// were, so the block may be overwritten meanwhile.
+    fn spill(&mut self, b: u32) {
         let Some(disk) = &self.disk else { return };
-        let Some(key) = self.meta[b as usize].key else { return };
+        let m = &self.meta[b as usize];
+        let (Some(key), Some(snapshot)) = (m.key, m.snapshot.clone()) else { return };
         if disk.has(key) {
             return;
         }
-        match self.host_block(b) {
-            Ok(hb) => disk.write(hb),
+        let (h, bs, d) = (self.shape.kv_heads, self.cfg.block_size as i32, self.shape.head_dim);
+        let bi = b as i32;
+        let sliced = (|| -> Result<Vec<Array>> {
+            let mut kv = Vec::with_capacity(2 * self.keys.len());
+            for i in 0..self.keys.len() {
+                for pool in [&self.keys[i], &self.values[i]] {
+                    kv.push(pool.slice(&[0, bi, 0, 0], &[h, bi + 1, bs, d], &[1, 1, 1, 1])?.contiguous()?);
+                }
+            }
+            let refs: Vec<&Array> = kv.iter().chain(std::iter::once(&snapshot)).collect();
+            crate::mlx::async_eval(&refs)?;
+            Ok(kv)
+        })();
+        match sliced {
+            Ok(kv) => self.spills.push(Spill { key, parent_key: m.parent_key, depth: m.depth, tokens: m.tokens.clone(), kv, snapshot }),
             Err(e) => eprintln!("mlx-lfm: a prefix-cache block could not be copied for the disk: {}", e.message),
         }
     }
 
+    /// Hands the blocks queued by `spill` to the disk writer as host bytes.
+    pub fn drain_spills(&mut self) {
+        let Some(disk) = &self.disk else { return };
+        for s in self.spills.drain(..) {
+            let host = (|| -> Result<HostBlock> {
+                let st = crate::engine::session_file::st_dtype;
+                let shape = |a: &Array| a.shape().iter().map(|&x| x as usize).collect::<Vec<_>>();
+                Ok(HostBlock {
+                    key: s.key,
+                    parent_key: s.parent_key,
+                    depth: s.depth,
+                    tokens: s.tokens,
+                    dtype: st(self.shape.dtype)?,
+                    kv: s.kv.iter().map(|a| Ok((shape(a), a.to_bytes()?))).collect::<Result<_>>()?,
+                    snapshot: (st(s.snapshot.dtype())?, shape(&s.snapshot), s.snapshot.contiguous()?.to_bytes()?),
+                })
+            })();
+            match host {
+                Ok(hb) => disk.write(hb),
+                Err(e) => eprintln!("mlx-lfm: a prefix-cache block could not be copied for the disk: {}", e.message),
+            }
+        }
+    }
+
+    /// Whether blocks wait in [`PagedPool::drain_spills`].
+    pub fn has_spills(&self) -> bool {
+        !self.spills.is_empty()
+    }
+
     /// Writes every published block to the disk tier and waits for the
     /// writes (at close).
-    pub fn persist(&self) {
+    pub fn persist(&mut self) {
         if self.disk.is_none() {
             return;
         }
@@ -249,6 +279,7 @@ impl PagedPool {
         for b in blocks {
             self.spill(b);
         }
+        self.drain_spills();
         if let Some(d) = &self.disk {
             d.flush();
         }

@@ -74,6 +74,17 @@ impl Engine {
         }
     }
 
+    /// Hands blocks evicted during the last step to the disk tier's writer
+    /// (their copies were started asynchronously when they were evicted).
+    pub fn drain_spills(&self) {
+        if let Some(p) = &self.model.paged {
+            let mut p = p.lock();
+            if p.has_spills() {
+                p.drain_spills();
+            }
+        }
+    }
+
     /// Forgets every cached prefix no request is using.
     /// MLX's cache of freed buffers is emptied too: what a long request
     /// used would otherwise stay allocated to the process.
