@@ -113,6 +113,14 @@ test('damaged, truncated and foreign files are skipped with one warning and remo
   const fourth = run(dir, options, [PROMPT]);
   assert.ok(fourth.out[0].metrics.cachedTokens >= 8);
   assert.equal(fourth.out[0].text, first.out[0].text);
+
+  // A file far larger than a block is refused before it is read.
+  for (const f of blockFiles(cache)) fs.writeFileSync(path.join(cache, f), Buffer.alloc(8 << 20, 1));
+  const fifth = run(dir, options, [PROMPT]);
+  assert.equal(fifth.out[0].metrics.cachedTokens, 0);
+  assert.equal(fifth.stats.diskDamaged, 1);
+  assert.match(fifth.stderr, /is unusable: it is 8388608 bytes, more than a block of this model/);
+  assert.equal(fifth.out[0].text, first.out[0].text);
 });
 
 test('the directory stays within prefixCacheDiskMb: least recently used files go', async () => {

@@ -301,7 +301,9 @@ impl PagedPool {
                 && b.kv.iter().all(|(shape, bytes)| *shape == [h, 1, bs, d] && bytes.len() == h * bs * d * s.dtype.size())
                 && b.snapshot.1 == snap_shape
         };
-        let hb = disk.read(key, parent, toks, &expect)?;
+        // The block's bytes, and room for its metadata (the tokens as JSON).
+        let max_len = (self.shape.block_bytes(bs) * 2 + bs * 16 + (64 << 10)) as u64;
+        let hb = disk.read(key, parent, toks, max_len, &expect)?;
         let arrays = (|| -> Result<(Vec<Array>, Array)> {
             let shape = [h as i32, 1, bs as i32, d as i32];
             let kv = hb.kv.iter().map(|(_, bytes)| Array::from_bytes(bytes, &shape, s.dtype)).collect::<Result<Vec<_>>>()?;

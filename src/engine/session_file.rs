@@ -240,8 +240,26 @@ impl Engine {
     /// into the paged prefix cache, or kept for the session's next turn.
     /// Nothing is installed unless the whole file checks out.
     pub fn load_session(&mut self, path: &Path) -> Result<Loaded> {
-        let bytes = std::fs::read(path).map_err(|e| io_err(path, "read the session file", e))?;
         let bad = |what: String| Error::invalid(format!("{} is not a usable session file: {what}", path.display()));
+        // Bounded before it is read: the K/V and conv states of a whole
+        // context (at 4 bytes a value, conv states as often as every token),
+        // and room for the metadata.
+        let size = std::fs::metadata(path).map_err(|e| io_err(path, "read the session file", e))?.len();
+        let conv_bytes: usize = self
+            .model
+            .layers
+            .iter()
+            .filter_map(|l| match &l.operator {
+                Operator::Conv(c) => Some((c.kernel.max(1) - 1) as usize * c.dim as usize * 4),
+                Operator::Attention(_) => None,
+            })
+            .sum();
+        let per_token = (super::kv_bytes_per_token(&self.model) * 2 + conv_bytes) as u64;
+        let limit = (self.model.context_length as u64).saturating_mul(per_token).saturating_add(64 << 20);
+        if size > limit {
+            return Err(bad(format!("it is {size} bytes, more than a whole context of this model could need ({limit})")));
+        }
+        let bytes = std::fs::read(path).map_err(|e| io_err(path, "read the session file", e))?;
         let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| bad(format!("{e} (truncated or not a safetensors file)")))?;
         let meta = header.metadata().clone().unwrap_or_default();
         let get = |k: &str| meta.get(k).ok_or_else(|| bad(format!("its metadata lacks `{k}`")));

@@ -197,10 +197,28 @@ impl DiskTier {
     /// Reads the block with `key` whose parent is `parent_key` and whose
     /// tokens are `tokens`. None when there is no such file; a file that
     /// does not hold exactly that block of this model is removed.
-    pub fn read(&self, key: u64, parent_key: u64, tokens: &[u32], expect: &dyn Fn(&HostBlock) -> bool) -> Option<HostBlock> {
+    /// `max_len` bounds the file's size (a block of this model and its
+    /// metadata) before it is read.
+    pub fn read(&self, key: u64, parent_key: u64, tokens: &[u32], max_len: u64, expect: &dyn Fn(&HostBlock) -> bool) -> Option<HostBlock> {
         let path = self.shared.lock().dir.join(file_name(key));
-        let bytes = match std::fs::read(&path) {
-            Ok(b) => b,
+        let read = std::fs::metadata(&path).and_then(|m| {
+            if m.len() > max_len {
+                Ok(Err(Error::invalid(format!("it is {} bytes, more than a block of this model ({max_len})", m.len()))))
+            } else {
+                std::fs::read(&path).map(Ok)
+            }
+        });
+        let bytes = match read {
+            Ok(Ok(b)) => b,
+            Ok(Err(e)) => {
+                warn_once(&self.warned, &format!("prefix-cache file {} is unusable: {}", path.display(), e.message));
+                let _ = std::fs::remove_file(&path);
+                let mut s = self.shared.lock();
+                s.entries.remove(&path);
+                s.stats.damaged += 1;
+                s.stats.misses += 1;
+                return None;
+            }
             Err(_) => {
                 let mut s = self.shared.lock();
                 s.stats.misses += 1;
