@@ -22,6 +22,8 @@ const LOAD_FLAGS = {
   'no-paged': { boolean: true, help: 'flat per-request KV caches instead' },
   device: { arg: 'DEVICE', choices: ['cpu', 'gpu'], help: "MLX device (default: MLX's default)" },
   'context-length': { arg: 'N', int: true, help: "positions a request may use (default: the model's)" },
+  'prefix-cache-dir': { arg: 'DIR', help: 'keep prefix-cache blocks on disk here too, reused after a restart (paged cache)' },
+  'prefix-cache-disk-mb': { arg: 'N', int: true, help: 'disk budget for --prefix-cache-dir in MiB (default 4096)' },
 };
 
 const MODEL_FLAG = { model: { arg: 'DIR', help: 'checkpoint directory (Hugging Face or MLX layout)' } };
@@ -304,6 +306,8 @@ async function load(addon, dir, v) {
     useBlockPagedCache: v.paged ? true : v['no-paged'] ? false : undefined,
     device: v.device,
     contextLength: v['context-length'],
+    prefixCacheDir: v['prefix-cache-dir'],
+    prefixCacheDiskMb: v['prefix-cache-disk-mb'],
     onProgress: progressReporter(),
   };
   for (const k of Object.keys(opts)) if (opts[k] === undefined) delete opts[k];

@@ -50,6 +50,15 @@ export declare class ChatSession {
    * A turn in flight still resolves but is not recorded.
    */
   reset(): void
+  /**
+   * Saves the conversation and the model's state at its end to `file`
+   * (written to a temporary name, then renamed into place), for
+   * `model.loadSession(file)` in this or a later process. With the paged
+   * cache the state usually comes from the prefix cache; with flat
+   * caches the history is run through the model once. Rejects while a
+   * turn is in flight.
+   */
+  save(file: string): Promise<SaveResult>
 }
 
 /**
@@ -107,6 +116,17 @@ export declare class Lfm2Model {
    * (`metrics.cachedTokens`).
    */
   createSession(options?: SessionOptions | undefined | null): ChatSession
+  /**
+   * Restores a session saved with `session.save(file)`: its conversation,
+   * and the model's state at its end, so the next turn runs only what is
+   * new (`metrics.cachedTokens` is the restored length). The file must
+   * come from a model with the same fingerprint (`info().fingerprint`:
+   * config, weights, tokenizer, chat template, KV cache kind); another
+   * model's file, another format version or a damaged file is an error
+   * and nothing is loaded. `options.defaults` sets the generation
+   * defaults (they are not saved).
+   */
+  loadSession(file: string, options?: LoadSessionOptions | undefined | null): Promise<ChatSession>
   /** The logits of the last position after running `tokenIds` (float32). */
   logits(tokenIds: Array<number>): Promise<Float32Array>
   /**
@@ -167,6 +187,17 @@ export interface CacheStats {
   hitTokens: number
   /** Bytes the pool holds (K/V blocks and conv snapshots). */
   bytes: number
+  /**
+   * With `prefixCacheDir`: blocks read back from disk, lookups the disk
+   * could not answer, bytes of block files, files removed for the
+   * budget, blocks written, and unusable files removed.
+   */
+  diskHits?: number
+  diskMisses?: number
+  diskBytes?: number
+  diskEvictions?: number
+  diskWrites?: number
+  diskDamaged?: number
 }
 
 export interface ChatMessage {
@@ -432,6 +463,19 @@ export interface LoadOptions {
    */
   contextLength?: number
   /**
+   * A directory for the paged prefix cache's disk tier: blocks evicted
+   * from memory, and every cached block when the model closes, are
+   * written there (keyed by the model fingerprint), and a later process
+   * loading the same model with the same directory reuses them. Needs
+   * the paged cache.
+   */
+  prefixCacheDir?: string
+  /**
+   * The disk tier's budget in MiB (default 4096); least recently used
+   * block files are removed beyond it.
+   */
+  prefixCacheDiskMb?: number
+  /**
    * Called on the JS thread as the weights are read and evaluated (after
    * every few tensors), then once with phase "ready" just before the
    * promise resolves. `loadedBytes` only grows and ends equal to
@@ -450,6 +494,11 @@ export interface LoadProgress {
   totalBytes: number
   /** "weights" while they are read, "ready" once the model can be used. */
   phase: 'weights' | 'ready'
+}
+
+export interface LoadSessionOptions {
+  /** Generation options for every turn (see `SessionOptions.defaults`). */
+  defaults?: GenerateOptions
 }
 
 export interface MemoryInfo {
@@ -549,6 +598,12 @@ export interface ModelInfo {
   expertsPerToken?: number
   eosTokenIds: Array<number>
   hasChatTemplate: boolean
+  /**
+   * SHA-256 (hex) over the model's config, weight headers, tokenizer,
+   * chat template and KV cache kind: saved sessions and prefix blocks on
+   * disk are only used by a model with the same fingerprint.
+   */
+  fingerprint: string
   backend: 'cpu' | 'cuda' | 'metal'
   device: 'cpu' | 'gpu'
 }
@@ -596,6 +651,14 @@ export interface QuantSpecInfo {
   mode: 'affine' | 'mxfp4' | 'mxfp8' | 'nvfp4'
   bits: number
   groupSize: number
+}
+
+/** What `session.save()` resolves with. */
+export interface SaveResult {
+  /** Tokens of history whose state the file holds. */
+  tokens: number
+  /** The file's size. */
+  bytes: number
 }
 
 export interface SessionOptions {

@@ -52,12 +52,12 @@ test('--version prints the package version and MLX\'s version and backend', () =
 
 test('--help for each command lists its flags', () => {
   const expect = {
-    chat: ['--model', '--prompt', '--system', '--max-tokens', '--temperature', '--top-p', '--top-k', '--min-p', '--seed', '--repetition-penalty', '--dtype', '--kv-cache', '--decode-path', '--paged', '--no-paged', '--device', '--context-length'],
-    info: ['--model', '--dtype', '--kv-cache', '--decode-path', '--paged', '--no-paged', '--device', '--context-length'],
+    chat: ['--model', '--prompt', '--system', '--max-tokens', '--temperature', '--top-p', '--top-k', '--min-p', '--seed', '--repetition-penalty', '--dtype', '--kv-cache', '--decode-path', '--paged', '--no-paged', '--device', '--context-length', '--prefix-cache-dir', '--prefix-cache-disk-mb'],
+    info: ['--model', '--dtype', '--kv-cache', '--decode-path', '--paged', '--no-paged', '--device', '--context-length', '--prefix-cache-dir', '--prefix-cache-disk-mb'],
     fixture: ['--out', '--preset', '--dtype', '--layout', '--seed'],
-    serve: ['--model', '--port', '--host', '--name', '--api-key', '--cors', '--max-prompt-tokens', '--dtype', '--kv-cache', '--decode-path', '--paged', '--no-paged', '--device', '--context-length'],
+    serve: ['--model', '--port', '--host', '--name', '--api-key', '--cors', '--max-prompt-tokens', '--dtype', '--kv-cache', '--decode-path', '--paged', '--no-paged', '--device', '--context-length', '--prefix-cache-dir', '--prefix-cache-disk-mb'],
     convert: ['--model', '--out', '--quantize', '--q-mode', '--q-bits', '--q-group-size', '--dtype', '--q-override'],
-    bench: ['--model', '--prompt-tokens', '--gen', '--reps', '--dtype', '--kv-cache', '--decode-path', '--paged', '--no-paged', '--device', '--context-length'],
+    bench: ['--model', '--prompt-tokens', '--gen', '--reps', '--dtype', '--kv-cache', '--decode-path', '--paged', '--no-paged', '--device', '--context-length', '--prefix-cache-dir', '--prefix-cache-disk-mb'],
   };
   for (const [cmd, flags] of Object.entries(expect)) {
     for (const form of [[cmd, '--help'], [cmd, '-h'], ['help', cmd]]) {
@@ -184,5 +184,50 @@ test('serve takes the load options', async () => {
     assert.equal((await res.json()).object, 'chat.completion');
   } finally {
     child.kill('SIGTERM');
+  }
+});
+
+test('serve --prefix-cache-dir: a restarted server reuses the blocks the first one wrote at exit', async () => {
+  const dir = await fixture('tiny', { preset: 'tiny', dtype: 'f32' });
+  const fs = require('node:fs');
+  const os = require('node:os');
+  const cache = fs.mkdtempSync(path.join(os.tmpdir(), 'mlx-lfm-serve-disk-'));
+  const { spawn } = require('node:child_process');
+  const content = 'Tell me a long story about the sea, the mountains, the rivers and the people who live by them.';
+  async function once() {
+    const child = spawn(process.execPath, [cli, 'serve', '--model', dir, '--port', '0', '--prefix-cache-dir', cache, '--prefix-cache-disk-mb', '64']);
+    let stderr = '';
+    const exited = new Promise((resolve) => child.on('close', resolve));
+    const url = await new Promise((resolve, reject) => {
+      child.stderr.on('data', (d) => {
+        stderr += d;
+        const m = /serving \S+ at (\S+)/.exec(stderr);
+        if (m) resolve(m[1]);
+      });
+      child.on('close', (code) => reject(new Error(`serve exited ${code}: ${stderr}`)));
+    });
+    try {
+      const res = await fetch(`${url}/chat/completions`, {
+        method: 'POST',
+        headers: { 'content-type': 'application/json' },
+        body: JSON.stringify({ messages: [{ role: 'user', content }], max_tokens: 6, ignore_eos: true }),
+      });
+      assert.equal(res.status, 200);
+      return await res.json();
+    } finally {
+      child.kill('SIGTERM');
+      await exited;
+    }
+  }
+  try {
+    const first = await once();
+    assert.equal(first.usage.prompt_tokens_details.cached_tokens, 0);
+    assert.ok(first.usage.prompt_tokens > 33, `${first.usage.prompt_tokens} prompt tokens: at least one full block`);
+    assert.ok(fs.readdirSync(cache).some((f) => f.endsWith('.blk')), 'blocks written at exit');
+    const second = await once();
+    assert.ok(second.usage.prompt_tokens_details.cached_tokens >= 32, JSON.stringify(second.usage));
+    assert.equal(second.choices[0].message.content, first.choices[0].message.content);
+  } finally {
+    fs.rmSync(cache, { recursive: true, force: true });
   }
 });

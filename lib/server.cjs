@@ -350,7 +350,13 @@ function finishReason(r) {
 }
 
 function usage(r) {
-  return { prompt_tokens: r.usage.promptTokens, completion_tokens: r.usage.completionTokens, total_tokens: r.usage.totalTokens };
+  return {
+    prompt_tokens: r.usage.promptTokens,
+    completion_tokens: r.usage.completionTokens,
+    total_tokens: r.usage.totalTokens,
+    // OpenAI's field: prompt tokens served from the prefix cache (memory or disk).
+    prompt_tokens_details: { cached_tokens: r.metrics?.cachedTokens ?? 0 },
+  };
 }
 
 // Stops a stream whose client left (GenerationStream.cancel(), or return() of any async iterator).

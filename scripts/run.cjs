@@ -94,12 +94,12 @@ if (cmd === 'demo') {
   run(process.execPath, ['--test', '--test-concurrency=1', ...testFiles()], { env });
 } else if (cmd === 'build') {
   build();
-} else if (cmd === 'bench' || cmd === 'bench-turns' || cmd === 'bench-concurrent') {
+} else if (cmd === 'bench' || cmd === 'bench-turns' || cmd === 'bench-concurrent' || cmd === 'bench-restart') {
   build();
   const pyref = ensureReference();
   const script = `${cmd}.cjs`;
   run(process.execPath, [path.join(root, 'scripts', script), ...rest], { env: { ...process.env, MLX_LFM_PYREF: pyref } });
 } else {
-  console.error('usage: node scripts/run.cjs demo|test|build|bench|bench-turns|bench-concurrent [args]');
+  console.error('usage: node scripts/run.cjs demo|test|build|bench|bench-turns|bench-concurrent|bench-restart [args]');
   process.exit(2);
 }

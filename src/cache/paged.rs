@@ -16,8 +16,11 @@
 //!   after its last token. A hit restores that snapshot and runs only the
 //!   suffix through the model.
 
+pub mod disk;
+
 use crate::error::{Error, Result};
 use crate::mlx::{concatenate, eval, stack, zeros, Array, Dtype};
+use disk::{DiskStats, DiskTier, HostBlock};
 use parking_lot::Mutex;
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, HashMap};
@@ -97,6 +100,8 @@ pub struct PagedStats {
     pub evictions: u64,
     pub hits: u64,
     pub hit_tokens: u64,
+    /// The disk tier's counters, when the pool has one.
+    pub disk: Option<DiskStats>,
 }
 
 pub struct PagedPool {
@@ -116,12 +121,30 @@ pub struct PagedPool {
     evictions: u64,
     hits: u64,
     hit_tokens: u64,
+    /// Tokens of prefix hits that were read back from disk.
+    disk_hit_tokens: u64,
     /// The end of finished requests: their last, partial block and the conv
     /// states after it, keyed by the chain key of the full blocks before
     /// it. A later prompt that continues exactly (the next chat turn) takes
     /// a copy and runs only what is new. Each holds a reference to its
     /// block; they are dropped oldest first when blocks run out.
     tails: HashMap<u64, Tail>,
+    /// Where evicted blocks go, and where lookups that miss in memory look
+    /// next (see disk.rs).
+    disk: Option<DiskTier>,
+    /// Evicted blocks on their way to the disk tier.
+    spills: Vec<Spill>,
+}
+
+/// A block leaving memory for disk: its identity, and its K/V (per layer K
+/// then V) and snapshot, evaluated asynchronously.
+struct Spill {
+    key: u64,
+    parent_key: u64,
+    depth: u32,
+    tokens: Vec<u32>,
+    kv: Vec<Array>,
+    snapshot: Array,
 }
 
 struct Tail {
@@ -172,8 +195,141 @@ impl PagedPool {
             evictions: 0,
             hits: 0,
             hit_tokens: 0,
+            disk_hit_tokens: 0,
             tails: HashMap::new(),
+            disk: None,
+            spills: vec![],
         })
+    }
+
+    /// Gives the pool a disk tier.
+    pub fn attach_disk(&mut self, disk: DiskTier) {
+        self.disk = Some(disk);
+    }
+
+    /// Queues published block `b` for the disk tier (unless it is there
+    /// already): its K/V and snapshot are sliced out and evaluated
+    /// asynchronously, so the step that evicted it does not wait for the
+    /// copy; [`PagedPool::drain_spills`] hands the bytes to the writer
+    /// thread after the step. The slices hold the pool's arrays as they
+    /// were, so the block may be overwritten meanwhile.
+    fn spill(&mut self, b: u32) {
+        let Some(disk) = &self.disk else { return };
+        let m = &self.meta[b as usize];
+        let (Some(key), Some(snapshot)) = (m.key, m.snapshot.clone()) else { return };
+        if disk.has(key) {
+            return;
+        }
+        let (h, bs, d) = (self.shape.kv_heads, self.cfg.block_size as i32, self.shape.head_dim);
+        let bi = b as i32;
+        let sliced = (|| -> Result<Vec<Array>> {
+            let mut kv = Vec::with_capacity(2 * self.keys.len());
+            for i in 0..self.keys.len() {
+                for pool in [&self.keys[i], &self.values[i]] {
+                    kv.push(pool.slice(&[0, bi, 0, 0], &[h, bi + 1, bs, d], &[1, 1, 1, 1])?.contiguous()?);
+                }
+            }
+            let refs: Vec<&Array> = kv.iter().chain(std::iter::once(&snapshot)).collect();
+            crate::mlx::async_eval(&refs)?;
+            Ok(kv)
+        })();
+        match sliced {
+            Ok(kv) => self.spills.push(Spill { key, parent_key: m.parent_key, depth: m.depth, tokens: m.tokens.clone(), kv, snapshot }),
+            Err(e) => eprintln!("mlx-lfm: a prefix-cache block could not be copied for the disk: {}", e.message),
+        }
+    }
+
+    /// Hands the blocks queued by `spill` to the disk writer as host bytes.
+    pub fn drain_spills(&mut self) {
+        let Some(disk) = &self.disk else { return };
+        for s in self.spills.drain(..) {
+            let host = (|| -> Result<HostBlock> {
+                let st = crate::engine::session_file::st_dtype;
+                let shape = |a: &Array| a.shape().iter().map(|&x| x as usize).collect::<Vec<_>>();
+                Ok(HostBlock {
+                    key: s.key,
+                    parent_key: s.parent_key,
+                    depth: s.depth,
+                    tokens: s.tokens,
+                    dtype: st(self.shape.dtype)?,
+                    kv: s.kv.iter().map(|a| Ok((shape(a), a.to_bytes()?))).collect::<Result<_>>()?,
+                    snapshot: (st(s.snapshot.dtype())?, shape(&s.snapshot), s.snapshot.contiguous()?.to_bytes()?),
+                })
+            })();
+            match host {
+                Ok(hb) => disk.write(hb),
+                Err(e) => eprintln!("mlx-lfm: a prefix-cache block could not be copied for the disk: {}", e.message),
+            }
+        }
+    }
+
+    /// Whether blocks wait in [`PagedPool::drain_spills`].
+    pub fn has_spills(&self) -> bool {
+        !self.spills.is_empty()
+    }
+
+    /// Writes every published block to the disk tier and waits for the
+    /// writes (at close).
+    pub fn persist(&mut self) {
+        if self.disk.is_none() {
+            return;
+        }
+        let mut blocks: Vec<u32> = self.index.values().copied().collect();
+        blocks.sort();
+        for b in blocks {
+            self.spill(b);
+        }
+        self.drain_spills();
+        if let Some(d) = &self.disk {
+            d.flush();
+        }
+    }
+
+    /// Block `j` of a prompt from the disk tier, into a fresh pool block
+    /// (published, held once). None when the disk has no usable copy.
+    fn load_from_disk(&mut self, parent: u64, j: usize, toks: &[u32], key: u64) -> Option<u32> {
+        let disk = self.disk.as_ref()?;
+        let s = &self.shape;
+        let (h, bs, d) = (s.kv_heads as usize, self.cfg.block_size, s.head_dim as usize);
+        let dtype = crate::engine::session_file::st_dtype(s.dtype).ok()?;
+        let snap_shape: Vec<usize> =
+            if s.conv_layers == 0 { vec![1] } else { vec![s.conv_layers, 1, s.conv_keep as usize, s.hidden as usize] };
+        let layers = s.attn_layers;
+        let expect = |b: &HostBlock| {
+            b.dtype == dtype
+                && b.kv.len() == 2 * layers
+                && b.kv.iter().all(|(shape, bytes)| *shape == [h, 1, bs, d] && bytes.len() == h * bs * d * s.dtype.size())
+                && b.snapshot.1 == snap_shape
+        };
+        // The block's bytes, and room for its metadata (the tokens as JSON).
+        let max_len = (self.shape.block_bytes(bs) * 2 + bs * 16 + (64 << 10)) as u64;
+        let hb = disk.read(key, parent, toks, max_len, &expect)?;
+        let arrays = (|| -> Result<(Vec<Array>, Array)> {
+            let shape = [h as i32, 1, bs as i32, d as i32];
+            let kv = hb.kv.iter().map(|(_, bytes)| Array::from_bytes(bytes, &shape, s.dtype)).collect::<Result<Vec<_>>>()?;
+            let (sd, ss, sb) = &hb.snapshot;
+            let sdt = crate::engine::session_file::mlx_dtype(*sd).ok_or_else(|| Error::invalid("snapshot dtype"))?;
+            let sshape: Vec<i32> = ss.iter().map(|&x| x as i32).collect();
+            Ok((kv, Array::from_bytes(sb, &sshape, sdt)?))
+        })();
+        let (kv, snap) = arrays.ok()?;
+        let b = self.alloc().ok()?;
+        let bi = b as i32;
+        let (hi, bsi, di) = (h as i32, bs as i32, d as i32);
+        let written = (|| -> Result<()> {
+            for i in 0..layers {
+                let k = self.keys[i].slice_update(&kv[2 * i], &[0, bi, 0, 0], &[hi, bi + 1, bsi, di])?;
+                let v = self.values[i].slice_update(&kv[2 * i + 1], &[0, bi, 0, 0], &[hi, bi + 1, bsi, di])?;
+                self.set_layer(i, k, v);
+            }
+            Ok(())
+        })();
+        if written.is_err() {
+            self.release(b);
+            return None;
+        }
+        self.publish(b, parent, j as u32, toks, snap);
+        Some(b)
     }
 
     pub fn block_size(&self) -> usize {
@@ -203,6 +359,7 @@ impl PagedPool {
             evictions: self.evictions,
             hits: self.hits,
             hit_tokens: self.hit_tokens,
+            disk: self.disk.as_ref().map(|d| d.stats()),
         }
     }
 
@@ -270,6 +427,7 @@ impl PagedPool {
             }
             if let Some(&victim) = self.evictable.iter().next() {
                 self.evictable.remove(&victim);
+                self.spill(victim.2);
                 self.unpublish(victim.2);
                 self.evictions += 1;
                 self.free.push(victim.2);
@@ -355,18 +513,29 @@ impl PagedPool {
         while (j + 1) * bs < tokens.len() {
             let toks = &tokens[j * bs..(j + 1) * bs];
             let key = chain_key(self.salt, parent, toks);
-            let Some(&b) = self.index.get(&key) else { break };
-            let m = &self.meta[b as usize];
-            if m.parent_key != parent || m.tokens != toks || m.snapshot.is_none() {
-                break;
-            }
-            snapshot = m.snapshot.clone();
+            let b = match self.index.get(&key) {
+                Some(&b) => {
+                    let m = &self.meta[b as usize];
+                    if m.parent_key != parent || m.tokens != toks || m.snapshot.is_none() {
+                        break;
+                    }
+                    // Taken as found: a block read from disk below must not
+                    // evict it.
+                    self.retain(b);
+                    b
+                }
+                None => match self.load_from_disk(parent, j, toks, key) {
+                    Some(b) => {
+                        self.disk_hit_tokens += bs as u64;
+                        b
+                    }
+                    None => break,
+                },
+            };
+            snapshot = self.meta[b as usize].snapshot.clone();
             found.push(b);
             parent = key;
             j += 1;
-        }
-        for &b in &found {
-            self.retain(b);
         }
         if !found.is_empty() {
             self.hits += 1;
@@ -705,6 +874,29 @@ impl PagedSeq {
             self.parent_key = p.publish(self.blocks[j], self.parent_key, j as u32, &self.tokens[j * bs..(j + 1) * bs], snap);
             self.published += 1;
         }
+    }
+
+    /// The conv states after each full block of `tokens` (the tokens of
+    /// this sequence's first positions): the sequence's own snapshot where
+    /// its block is not published yet, else the published one (its own
+    /// block, or the block already indexed for the same content).
+    pub fn block_snapshots(&self, tokens: &[u32]) -> Result<Vec<Array>> {
+        let bs = self.block_size;
+        let pool = self.pool.lock();
+        let mut parent = 0u64;
+        let mut out = Vec::with_capacity(tokens.len() / bs);
+        for j in 0..tokens.len() / bs {
+            let toks = &tokens[j * bs..(j + 1) * bs];
+            let key = chain_key(pool.salt, parent, toks);
+            let published = || {
+                let m = &pool.meta[*pool.index.get(&key)? as usize];
+                (m.parent_key == parent && m.tokens == toks).then(|| m.snapshot.clone()).flatten()
+            };
+            let snap = self.snaps.get(&j).cloned().or_else(published);
+            out.push(snap.ok_or_else(|| Error::invalid(format!("the paged cache no longer holds the conv states after block {j}")))?);
+            parent = key;
+        }
+        Ok(out)
     }
 
     /// Snapshots waiting for their block's tokens (to evaluate them with

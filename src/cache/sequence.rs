@@ -40,6 +40,9 @@ pub struct ModelCache {
     /// Arrays built during the last forward pass that nothing downstream
     /// depends on (conv snapshots): evaluated with the step's own outputs.
     fresh: Vec<Array>,
+    /// Positions restored from a saved session (a flat cache's counterpart
+    /// of the prefix cache's hit), reported as cached tokens.
+    pub restored: usize,
 }
 
 /// A decode step that filled a block copied it from the mirror into the
@@ -61,6 +64,7 @@ impl ModelCache {
             pos: 0,
             paged: None,
             fresh: vec![],
+            restored: 0,
         }
     }
 
@@ -78,7 +82,7 @@ impl ModelCache {
                 }
             })
             .collect();
-        ModelCache { layers, pos: 0, paged: Some(PagedSeq::new(pool)), fresh: vec![] }
+        ModelCache { layers, pos: 0, paged: Some(PagedSeq::new(pool)), fresh: vec![], restored: 0 }
     }
 
     /// A copy of a flat cache (paged sequences share blocks by prefix
@@ -87,7 +91,7 @@ impl ModelCache {
         if self.paged.is_some() {
             return Err(crate::error::Error::invalid("a paged cache cannot be copied; share its prefix instead"));
         }
-        Ok(ModelCache { layers: self.layers.clone(), pos: self.pos, paged: None, fresh: vec![] })
+        Ok(ModelCache { layers: self.layers.clone(), pos: self.pos, paged: None, fresh: vec![], restored: self.restored })
     }
 
     /// On an empty paged cache: takes the longest cached prefix of
@@ -176,7 +180,7 @@ impl ModelCache {
 
     /// Tokens the last [`ModelCache::attach_prefix`] took from the cache.
     pub fn cached_tokens(&self) -> usize {
-        self.paged.as_ref().map(|s| s.cached_tokens).unwrap_or(0)
+        self.paged.as_ref().map(|s| s.cached_tokens).unwrap_or(self.restored)
     }
 
     /// Tells a paged cache the ids of tokens just run (prefill chunks, and

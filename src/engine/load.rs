@@ -2,7 +2,9 @@
 //! options, which cache (paged or flat, quantized KV), which decode path
 //! (compiled or eager, and why), the stop tokens, and what `info()` says.
 
+use super::fingerprint::Fingerprint;
 use super::Engine;
+use crate::cache::paged::disk::DiskTier;
 use crate::cache::paged::{self, PagedConfig};
 use crate::compiled::CompiledStep;
 use crate::error::{Error, Result};
@@ -46,9 +48,18 @@ pub struct EngineOptions {
     /// Lowers the context length below config.json's
     /// `max_position_embeddings` (prompt plus generated tokens).
     pub context_length: Option<usize>,
+    /// A directory for the paged prefix cache's disk tier (blocks evicted
+    /// from memory and every published block at close, found again by a
+    /// later process); None: memory only.
+    pub prefix_cache_dir: Option<PathBuf>,
+    /// The disk tier's budget in MiB (default `DEFAULT_DISK_MB`).
+    pub prefix_cache_disk_mb: Option<usize>,
     /// Told the bytes of weights evaluated so far (see `model::Progress`).
     pub progress: Option<Progress>,
 }
+
+/// The prefix cache's default disk budget (MiB).
+pub const DEFAULT_DISK_MB: usize = 4096;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DecodePath {
@@ -112,6 +123,8 @@ pub struct ModelInfo {
     pub experts_per_token: Option<usize>,
     pub eos_token_ids: Vec<u32>,
     pub has_chat_template: bool,
+    /// The model fingerprint's hash (see fingerprint.rs).
+    pub fingerprint: String,
     pub backend: String,
     pub device: String,
 }
@@ -207,15 +220,15 @@ fn choose_cache(model: &Lfm2Model, opts: &EngineOptions, kv: &KvCacheConfig) -> 
     Ok((Some(cfg), reason))
 }
 
-/// Ties a pool's prefix index to one model: its files, config and dtype.
-fn model_salt(dir: &Path, model: &Lfm2Model, weight_bytes: usize) -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    dir.hash(&mut h);
-    serde_json::to_string(&model.config.raw).unwrap_or_default().hash(&mut h);
-    weight_bytes.hash(&mut h);
-    model.dtype.name().hash(&mut h);
-    h.finish()
+/// The cache part of the fingerprint: the compute dtype and what the KV
+/// cache keeps per attention layer.
+fn cache_identity(model: &Lfm2Model, paged: Option<PagedConfig>, kv_kinds: &[String]) -> String {
+    let kind = match paged {
+        Some(p) => format!("paged, {}-token blocks", p.block_size),
+        None if kv_kinds.iter().any(|k| k != "default") => format!("flat, kvCache {}", kv_kinds.join("/")),
+        None => "flat".to_string(),
+    };
+    format!("{} {kind}", model.dtype.name())
 }
 
 impl Engine {
@@ -250,8 +263,28 @@ impl Engine {
         }
         let kv_kinds = model.set_kv_cache(&kv_cfg)?;
         let (paged_cfg, cache_reason) = choose_cache(&model, opts, &kv_cfg)?;
+        let kv_names: Vec<String> = kv_kinds.iter().flatten().map(|k| k.name()).collect();
+        let fingerprint = Fingerprint::compute(
+            &loaded.dir,
+            &loaded.weight_files,
+            tokenizer.chat_template(),
+            cache_identity(&model, paged_cfg, &kv_names),
+        )?;
         if let Some(pc) = paged_cfg {
-            model.use_paged_cache(pc, model_salt(&loaded.dir, &model, loaded.weight_bytes))?;
+            // Salted by the fingerprint: blocks are only ever found by the
+            // model (and cache layout) that wrote them.
+            let pool = model.use_paged_cache(pc, fingerprint.salt())?;
+            if let Some(dir) = &opts.prefix_cache_dir {
+                let mb = opts.prefix_cache_disk_mb.unwrap_or(DEFAULT_DISK_MB);
+                pool.lock().attach_disk(DiskTier::open(dir, (mb as u64) << 20, &fingerprint.hash)?);
+            }
+        } else if opts.prefix_cache_dir.is_some() {
+            return Err(Error::config(format!(
+                "prefixCacheDir needs the paged KV cache, and this model uses flat caches ({cache_reason})"
+            )));
+        }
+        if opts.prefix_cache_disk_mb.is_some() && opts.prefix_cache_dir.is_none() {
+            return Err(Error::config("prefixCacheDiskMb is set without prefixCacheDir; give the directory too"));
         }
         let c = &model.config;
         let mut eos: HashSet<u32> = c.eos_token_ids.iter().copied().collect();
@@ -317,7 +350,8 @@ impl Engine {
             paged_block_size: paged_cfg.map(|p| p.block_size),
             paged_cache_budget_mb: paged_cfg.map(|p| p.budget_bytes >> 20),
             kv_cache: kv_cfg.name.clone(),
-            kv_cache_layers: kv_kinds.iter().flatten().map(|k| k.name()).collect(),
+            kv_cache_layers: kv_names,
+            fingerprint: fingerprint.hash.clone(),
             kv_bytes_per_token: kv_bytes_per_token(&model),
             decode_path: if compiled.is_some() { "compiled" } else { "eager" }.into(),
             decode_path_reason,
@@ -345,6 +379,9 @@ impl Engine {
             prefill_chunk: opts.prefill_chunk.unwrap_or(2048).max(1),
             info: Arc::new(Mutex::new(info)),
             guide: None,
+            fingerprint,
+            resumes: Default::default(),
+            next_resume: 0,
         })
     }
 

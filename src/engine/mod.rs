@@ -9,7 +9,9 @@
 //!   membership, step dispatch).
 //! - worker.rs: the model's thread and its message loop.
 
+pub mod fingerprint;
 mod load;
+pub mod session_file;
 pub mod scheduler;
 pub mod worker;
 
@@ -46,6 +48,12 @@ pub struct Engine {
     /// The vocabulary for constrained decoding, built by the first request
     /// with a grammar.
     pub(crate) guide: Option<Arc<Guide>>,
+    pub fingerprint: fingerprint::Fingerprint,
+    /// Restored session states waiting for their session's first turn
+    /// (flat caches only; a paged restore goes into the prefix cache), by
+    /// the id `loadSession` gave the session.
+    pub(crate) resumes: std::collections::HashMap<u64, session_file::Resume>,
+    pub(crate) next_resume: u64,
 }
 
 impl Engine {
@@ -60,6 +68,25 @@ impl Engine {
             let p = p.lock();
             (p.stats(), p.nbytes())
         })
+    }
+
+    /// Writes every published prefix block to the disk tier (if any) and
+    /// waits for the writes: the model is closing.
+    pub fn persist_prefix_cache(&self) {
+        if let Some(p) = &self.model.paged {
+            p.lock().persist();
+        }
+    }
+
+    /// Hands blocks evicted during the last step to the disk tier's writer
+    /// (their copies were started asynchronously when they were evicted).
+    pub fn drain_spills(&self) {
+        if let Some(p) = &self.model.paged {
+            let mut p = p.lock();
+            if p.has_spills() {
+                p.drain_spills();
+            }
+        }
     }
 
     /// Forgets every cached prefix no request is using.

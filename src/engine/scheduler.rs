@@ -29,6 +29,9 @@ pub struct Request {
     pub render: Option<Box<dyn FnOnce() -> Result<(Vec<u32>, GenerateParams)> + Send>>,
     pub observer: Box<dyn Observer + Send>,
     pub reply: Option<Box<dyn FnOnce(Result<Generation>) + Send>>,
+    /// A restored session's kept state to continue from (see
+    /// `Engine::load_session`), used when the prompt continues its history.
+    pub resume: Option<u64>,
 }
 
 impl Request {
@@ -39,6 +42,7 @@ impl Request {
             render: None,
             observer: Box::new(generate::NoObserver),
             reply: Some(Box::new(reply)),
+            resume: None,
         }
     }
 
@@ -195,10 +199,12 @@ impl Scheduler {
             Some(prepare) => prepare(e),
             None => Err(Error::invalid("a request with nothing to run")),
         };
+        let resume = req.resume.take();
         let pending = prepared.and_then(|(prompt, params)| {
             let params = e.params(params);
             let guide = e.guide_for(&params)?;
-            Pending::new(&e.model, guide.as_deref(), e.model.new_cache(), prompt, &params, started)
+            let cache = e.take_resume(resume, &prompt).unwrap_or_else(|| e.model.new_cache());
+            Pending::new(&e.model, guide.as_deref(), cache, prompt, &params, started)
         });
         match pending {
             Ok(p) => Some(Prefilling { pending: p, req }),

@@ -641,6 +641,7 @@ fn a_slow_render_does_not_stall_running_requests() {
             Ok((slow_prompt, params))
         })),
         observer: Box::new(NoObserver),
+        resume: None,
         reply: Some(Box::new(move |r| {
             b.send(("rendered", Instant::now(), r.is_ok())).ok();
         })),

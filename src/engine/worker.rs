@@ -139,6 +139,8 @@ impl ModelWorker {
             let tokenizer = engine.tokenizer.clone();
             on_loaded(Ok((ModelWorker { tx, thread }, info, tokenizer)));
             schedule(&mut engine, rx);
+            // Closing: the prefix cache's blocks go to its disk tier first.
+            let _ = catch_unwind(AssertUnwindSafe(|| engine.persist_prefix_cache()));
             drop(engine);
             finished();
         });
@@ -250,6 +252,7 @@ fn schedule(engine: &mut Engine, rx: std::sync::mpsc::Receiver<Msg>) {
                 // A panicking job must not take the model down with it; the
                 // job's own wrapper reports the failure to its caller.
                 let _ = catch_unwind(AssertUnwindSafe(|| job(engine, &mut sched)));
+                let _ = catch_unwind(AssertUnwindSafe(|| engine.drain_spills()));
                 continue;
             }
             Some(Msg::Generate(req)) => {
@@ -269,6 +272,8 @@ fn schedule(engine: &mut Engine, rx: std::sync::mpsc::Receiver<Msg>) {
             // rows go with them.
             sched.forget();
         }
+        // After the step, not inside it: blocks it evicted go to disk.
+        let _ = catch_unwind(AssertUnwindSafe(|| engine.drain_spills()));
     }
 }
 

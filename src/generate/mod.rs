@@ -192,7 +192,13 @@ impl PrefillRun {
             return Err(Error::invalid("the prompt has no tokens"));
         }
         model.check_token_ids(prompt)?;
-        let cached = cache.attach_prefix(prompt)?;
+        // A cache restored from a saved session already holds a prefix of
+        // the prompt (the caller checked which).
+        let cached = if cache.restored > 0 && cache.pos == cache.restored && cache.pos < prompt.len() {
+            cache.pos
+        } else {
+            cache.attach_prefix(prompt)?
+        };
         Ok(PrefillRun { start: cached, cached, chunk: chunk.max(1) })
     }
 

@@ -55,6 +55,15 @@ pub struct LoadOptions<'env> {
     /// config.json `max_position_embeddings`; only lower values are
     /// accepted). A longer request fails before any compute.
     pub context_length: Option<f64>,
+    /// A directory for the paged prefix cache's disk tier: blocks evicted
+    /// from memory, and every cached block when the model closes, are
+    /// written there (keyed by the model fingerprint), and a later process
+    /// loading the same model with the same directory reuses them. Needs
+    /// the paged cache.
+    pub prefix_cache_dir: Option<String>,
+    /// The disk tier's budget in MiB (default 4096); least recently used
+    /// block files are removed beyond it.
+    pub prefix_cache_disk_mb: Option<f64>,
     /// Called on the JS thread as the weights are read and evaluated (after
     /// every few tensors), then once with phase "ready" just before the
     /// promise resolves. `loadedBytes` only grows and ends equal to
@@ -88,6 +97,8 @@ pub const LOAD_OPTION_KEYS: &[&str] = &[
     "pagedBlockSize",
     "pagedCacheBudgetMb",
     "contextLength",
+    "prefixCacheDir",
+    "prefixCacheDiskMb",
     "onProgress",
 ];
 
@@ -501,6 +512,10 @@ pub struct ModelInfo {
     pub experts_per_token: Option<u32>,
     pub eos_token_ids: Vec<u32>,
     pub has_chat_template: bool,
+    /// SHA-256 (hex) over the model's config, weight headers, tokenizer,
+    /// chat template and KV cache kind: saved sessions and prefix blocks on
+    /// disk are only used by a model with the same fingerprint.
+    pub fingerprint: String,
     #[napi(ts_type = "'cpu' | 'cuda' | 'metal'")]
     pub backend: String,
     #[napi(ts_type = "'cpu' | 'gpu'")]
@@ -532,6 +547,13 @@ pub fn engine_options(o: Option<LoadOptions>) -> Result<EngineOptions> {
         e.kv_cache_full_precision_layers =
             int_option("kvCacheFullPrecisionLayers", o.kv_cache_full_precision_layers, 0, 1 << 16)?.map(|n| n as usize);
         e.context_length = int_option("contextLength", o.context_length, 1, MAX_TOKENS)?.map(|n| n as usize);
+        if let Some(d) = o.prefix_cache_dir {
+            if d.is_empty() {
+                return Err(js_error(Error::invalid("prefixCacheDir is empty; give a directory")));
+            }
+            e.prefix_cache_dir = Some(std::path::PathBuf::from(d));
+        }
+        e.prefix_cache_disk_mb = int_option("prefixCacheDiskMb", o.prefix_cache_disk_mb, 1, 1 << 30)?.map(|n| n as usize);
         if let Some(d) = o.device {
             e.device = Some(match d.as_str() {
                 "cpu" => runtime::DeviceType::Cpu,
@@ -835,6 +857,15 @@ pub struct CacheStats {
     pub hit_tokens: f64,
     /// Bytes the pool holds (K/V blocks and conv snapshots).
     pub bytes: f64,
+    /// With `prefixCacheDir`: blocks read back from disk, lookups the disk
+    /// could not answer, bytes of block files, files removed for the
+    /// budget, blocks written, and unusable files removed.
+    pub disk_hits: Option<f64>,
+    pub disk_misses: Option<f64>,
+    pub disk_bytes: Option<f64>,
+    pub disk_evictions: Option<f64>,
+    pub disk_writes: Option<f64>,
+    pub disk_damaged: Option<f64>,
 }
 
 pub fn to_cache_stats(s: &crate::cache::paged::PagedStats, bytes: usize) -> CacheStats {
@@ -848,6 +879,12 @@ pub fn to_cache_stats(s: &crate::cache::paged::PagedStats, bytes: usize) -> Cach
         hits: s.hits as f64,
         hit_tokens: s.hit_tokens as f64,
         bytes: bytes as f64,
+        disk_hits: s.disk.as_ref().map(|d| d.hits as f64),
+        disk_misses: s.disk.as_ref().map(|d| d.misses as f64),
+        disk_bytes: s.disk.as_ref().map(|d| d.bytes as f64),
+        disk_evictions: s.disk.as_ref().map(|d| d.evictions as f64),
+        disk_writes: s.disk.as_ref().map(|d| d.writes as f64),
+        disk_damaged: s.disk.as_ref().map(|d| d.damaged as f64),
     }
 }
 
@@ -881,6 +918,7 @@ pub fn to_model_info(i: &engine::ModelInfo) -> ModelInfo {
         experts_per_token: i.experts_per_token.map(|x| x as u32),
         eos_token_ids: i.eos_token_ids.clone(),
         has_chat_template: i.has_chat_template,
+        fingerprint: i.fingerprint.clone(),
         backend: i.backend.clone(),
         device: i.device.clone(),
     }

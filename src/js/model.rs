@@ -38,6 +38,7 @@ pub(crate) fn run_request<'e>(
     chat: bool,
     job: Job,
     on_done: Option<OnDone>,
+    resume: Option<u64>,
 ) -> Result<Object<'e>> {
     let (deferred, promise) = env.create_deferred()?;
     let Abort { flag, hook } = abort;
@@ -62,6 +63,7 @@ pub(crate) fn run_request<'e>(
         render: Some(job),
         observer: Box::new(FlagObserver(flag)),
         reply: Some(Box::new(move |r: crate::Result<Generation>| reply(r.map(convert)))),
+        resume,
     });
     Ok(promise)
 }
@@ -74,6 +76,7 @@ pub(crate) fn run_stream(
     chat: bool,
     job: Job,
     on_done: Option<OnDone>,
+    resume: Option<u64>,
 ) -> Result<GenerationStream> {
     let Abort { flag, hook } = abort;
     let shared = StreamShared::new(flag.clone());
@@ -93,6 +96,7 @@ pub(crate) fn run_stream(
         render: Some(job),
         observer: Box::new(StreamObserver { shared: feed, splitter: chat.then(ToolCallSplitter::new) }),
         reply: Some(Box::new(move |r: crate::Result<Generation>| done.finish(r.map(convert)))),
+        resume,
     });
     Ok(GenerationStream::new(shared))
 }
@@ -247,7 +251,7 @@ impl Lfm2Model {
             Ok(a) => a,
             Err(e) => return rejected(env, e),
         };
-        run_request(&self.worker, env, abort, true, chat_job(args, self.tokenizer.clone()), None)
+        run_request(&self.worker, env, abort, true, chat_job(args, self.tokenizer.clone()), None, None)
     }
 
     /// `chat()` as a stream of events: `for await (const ev of model.chatStream(messages))`
@@ -257,7 +261,7 @@ impl Lfm2Model {
         (|| {
             let (args, options) = self.chat_args(&messages, options)?;
             let abort = Abort::watch(env, signal(&options))?;
-            run_stream(&self.worker, env, abort, true, chat_job(args, self.tokenizer.clone()), None)
+            run_stream(&self.worker, env, abort, true, chat_job(args, self.tokenizer.clone()), None, None)
         })()
         .map_err(|e| classed(env, e))
     }
@@ -279,7 +283,7 @@ impl Lfm2Model {
             Ok(a) => a,
             Err(e) => return rejected(env, e),
         };
-        run_request(&self.worker, env, abort, false, generate_job(prompt, params, self.tokenizer.clone()), None)
+        run_request(&self.worker, env, abort, false, generate_job(prompt, params, self.tokenizer.clone()), None, None)
     }
 
     /// `generate()` as a stream of events (see `chatStream`).
@@ -288,7 +292,7 @@ impl Lfm2Model {
         (|| {
             let (prompt, params, options) = self.generate_args(&prompt, options)?;
             let abort = Abort::watch(env, signal(&options))?;
-            run_stream(&self.worker, env, abort, false, generate_job(prompt, params, self.tokenizer.clone()), None)
+            run_stream(&self.worker, env, abort, false, generate_job(prompt, params, self.tokenizer.clone()), None, None)
         })()
         .map_err(|e| classed(env, e))
     }
@@ -304,6 +308,40 @@ impl Lfm2Model {
             ChatSession::new(self.worker.clone(), self.tokenizer.clone(), options)
         })()
         .map_err(|e| classed(env, e))
+    }
+
+    /// Restores a session saved with `session.save(file)`: its conversation,
+    /// and the model's state at its end, so the next turn runs only what is
+    /// new (`metrics.cachedTokens` is the restored length). The file must
+    /// come from a model with the same fingerprint (`info().fingerprint`:
+    /// config, weights, tokenizer, chat template, KV cache kind); another
+    /// model's file, another format version or a damaged file is an error
+    /// and nothing is loaded. `options.defaults` sets the generation
+    /// defaults (they are not saved).
+    #[napi(
+        ts_args_type = "file: string, options?: LoadSessionOptions | undefined | null",
+        ts_return_type = "Promise<ChatSession>"
+    )]
+    pub fn load_session<'e>(&self, env: &'e Env, file: Unknown<'e>, options: Option<Unknown<'e>>) -> Result<Object<'e>> {
+        let checked = self.open().and_then(|_| {
+            let file: String = args::value(&file, "file", "a string (a file path)")?;
+            let defaults = ChatSession::load_defaults(options)?;
+            Ok((file, defaults))
+        });
+        let (file, defaults) = match checked {
+            Ok(x) => x,
+            Err(e) => return rejected(env, e),
+        };
+        let (deferred, promise) = env.create_deferred()?;
+        let (worker, tokenizer) = (self.worker.clone(), self.tokenizer.clone());
+        self.worker.run(
+            move |eng| eng.load_session(std::path::Path::new(&file)),
+            move |r| match r.and_then(|l| ChatSession::restored(worker, tokenizer, defaults, l)) {
+                Ok(session) => deferred.resolve(move |_| Ok(session)),
+                Err(e) => deferred.reject(js_error(e)),
+            },
+        );
+        Ok(promise)
     }
 
     /// The logits of the last position after running `tokenIds` (float32).

@@ -36,6 +36,21 @@ pub struct SessionOptions<'env> {
     pub messages: Option<Vec<ChatMessage>>,
 }
 
+#[napi(object, object_to_js = false)]
+pub struct LoadSessionOptions<'env> {
+    /// Generation options for every turn (see `SessionOptions.defaults`).
+    pub defaults: Option<GenerateOptions<'env>>,
+}
+
+/// What `session.save()` resolves with.
+#[napi(object)]
+pub struct SaveResult {
+    /// Tokens of history whose state the file holds.
+    pub tokens: u32,
+    /// The file's size.
+    pub bytes: f64,
+}
+
 /// `SessionOptions`' keys as JS spells them (`defaults` holds
 /// `GenerateOptions`' keys, `messages` messages).
 pub const SESSION_OPTION_KEYS: &[&str] = &["system", "tools", "defaults", "messages"];
@@ -49,6 +64,8 @@ struct SessionState {
     busy: bool,
     /// Bumped by `reset()`, so a turn that was in flight then is not recorded.
     epoch: u64,
+    /// A restored session's state kept on the worker for its next turn.
+    resume: Option<u64>,
 }
 
 /// A conversation with one model. Turns run one at a time: `send` while a
@@ -76,6 +93,22 @@ fn err(msg: impl Into<String>) -> napi::Error {
 struct Turn {
     job: Job,
     on_done: OnDone,
+    resume: Option<u64>,
+}
+
+/// A message as saved in a session file.
+fn message_json(m: &ChatMessage) -> Value {
+    json!({ "role": m.role, "content": m.content, "tool_calls": m.tool_calls, "tool_call_id": m.tool_call_id, "name": m.name })
+}
+
+fn message_from_json(v: &Value) -> crate::Result<ChatMessage> {
+    let s = |k: &str| v.get(k).and_then(Value::as_str).map(String::from);
+    let role = s("role").ok_or_else(|| Error::invalid("a saved message has no role"))?;
+    let tool_calls = match v.get("tool_calls") {
+        Some(Value::Array(a)) => Some(a.clone()),
+        _ => None,
+    };
+    Ok(ChatMessage { role, content: s("content"), tool_calls, tool_call_id: s("tool_call_id"), name: s("name") })
 }
 
 impl ChatSession {
@@ -98,6 +131,7 @@ impl ChatSession {
             history: vec![],
             busy: false,
             epoch: 0,
+            resume: None,
         };
         if let Some(o) = options {
             if o.defaults.as_ref().is_some_and(|d| d.signal.is_some()) {
@@ -165,7 +199,63 @@ impl ChatSession {
         });
         let tokenizer = self.tokenizer.clone();
         let job: Job = Box::new(move || Ok((super::model::chat_prompt(&tokenizer, &messages, tools.as_ref(), trusted)?, params)));
-        Ok(Turn { job, on_done })
+        let resume = s.resume.take();
+        Ok(Turn { job, on_done, resume })
+    }
+
+    /// `loadSession`'s options: only `defaults`.
+    pub(crate) fn load_defaults(options: Option<Unknown<'_>>) -> Result<OptionValues> {
+        if let Some(raw) = options.filter(|o| o.get_type().is_ok_and(|t| t == ValueType::Object)) {
+            // SAFETY: checked to be an object of the current call's environment.
+            let obj = unsafe { Object::from_napi_value(raw.value().env, raw.raw()) }?;
+            let _: Option<GenerateOptions> = args::options(obj.get("defaults")?, "defaults", GENERATE_OPTION_KEYS)?;
+        }
+        let options: Option<LoadSessionOptions> = args::options(options, "", &["defaults"])?;
+        let defaults = options.as_ref().and_then(|o| o.defaults.as_ref());
+        if defaults.is_some_and(|d| d.signal.is_some()) {
+            return Err(err("defaults.signal is not supported: pass a signal to each send() instead"));
+        }
+        let values = OptionValues::from_options(defaults);
+        generate_params(&values)?;
+        Ok(values)
+    }
+
+    /// A session restored by `loadSession` (on the worker thread).
+    pub(crate) fn restored(
+        worker: Arc<ModelWorker>,
+        tokenizer: Arc<crate::text::Tokenizer>,
+        defaults: OptionValues,
+        loaded: crate::engine::session_file::Loaded,
+    ) -> crate::Result<ChatSession> {
+        let app = &loaded.app;
+        let parsed = (|| -> crate::Result<SessionState> {
+            let history = match app.get("messages") {
+                Some(Value::Array(a)) => a.iter().map(message_from_json).collect::<crate::Result<Vec<_>>>()?,
+                _ => return Err(Error::invalid("the session file's metadata has no messages")),
+            };
+            let tools = match app.get("tools") {
+                Some(Value::Array(a)) => Some(a.clone()),
+                _ => None,
+            };
+            let system = app.get("system").and_then(Value::as_str).map(String::from);
+            Ok(SessionState { system, tools, defaults, history, busy: false, epoch: 0, resume: loaded.resume })
+        })();
+        match parsed {
+            Ok(state) => Ok(ChatSession { worker, tokenizer, state: Arc::new(Mutex::new(state)) }),
+            Err(e) => {
+                if let Some(id) = loaded.resume {
+                    worker.run(move |eng| Ok(eng.drop_resume(id)), |_: crate::Result<()>| {});
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Lets go of a kept restored state.
+    fn drop_resume(&self, id: Option<u64>) {
+        if let Some(id) = id {
+            self.worker.run(move |eng| Ok(eng.drop_resume(id)), |_: crate::Result<()>| {});
+        }
     }
 
     /// Undoes `begin` when the turn could not even be queued.
@@ -193,7 +283,7 @@ impl ChatSession {
             Err(e) => return rejected(env, e),
         };
         let started = Abort::watch(env, options.as_ref().and_then(|o| o.signal.as_ref()))
-            .and_then(|abort| run_request(&self.worker, env, abort, true, turn.job, Some(turn.on_done)));
+            .and_then(|abort| run_request(&self.worker, env, abort, true, turn.job, Some(turn.on_done), turn.resume));
         match started {
             Ok(p) => Ok(p),
             Err(e) => {
@@ -209,7 +299,7 @@ impl ChatSession {
         let options = generate_options(options).map_err(|e| classed(env, e))?;
         let turn = self.begin(input, &options).map_err(|e| classed(env, e))?;
         let started = Abort::watch(env, options.as_ref().and_then(|o| o.signal.as_ref()))
-            .and_then(|abort| run_stream(&self.worker, env, abort, true, turn.job, Some(turn.on_done)));
+            .and_then(|abort| run_stream(&self.worker, env, abort, true, turn.job, Some(turn.on_done), turn.resume));
         if started.is_err() {
             self.abandon();
         }
@@ -264,5 +354,61 @@ impl ChatSession {
         s.history.clear();
         s.epoch += 1;
         s.busy = false;
+        let resume = s.resume.take();
+        drop(s);
+        self.drop_resume(resume);
+    }
+
+    /// Saves the conversation and the model's state at its end to `file`
+    /// (written to a temporary name, then renamed into place), for
+    /// `model.loadSession(file)` in this or a later process. With the paged
+    /// cache the state usually comes from the prefix cache; with flat
+    /// caches the history is run through the model once. Rejects while a
+    /// turn is in flight.
+    #[napi(ts_args_type = "file: string", ts_return_type = "Promise<SaveResult>")]
+    pub fn save<'e>(&self, env: &'e Env, file: Unknown<'e>) -> Result<Object<'e>> {
+        let prepared = args::value::<String>(&file, "file", "a string (a file path)").and_then(|file| {
+            let s = self.state.lock();
+            if s.busy {
+                return Err(err("a turn is in progress on this session; save it once the turn is over"));
+            }
+            if s.history.is_empty() {
+                return Err(err("the session has no history yet: send() a message before saving"));
+            }
+            let mut all: Vec<ChatMessage> = s.system.iter().map(|sys| message("system", sys.clone())).collect();
+            all.extend(s.history.iter().cloned());
+            let messages = to_chat_messages(all)?;
+            let app = json!({
+                "system": s.system,
+                "tools": s.tools,
+                "messages": s.history.iter().map(message_json).collect::<Vec<_>>(),
+            });
+            Ok((file, messages, s.tools.clone().map(Value::Array), s.defaults.trusted(), app))
+        });
+        let (file, messages, tools, trusted, app) = match prepared {
+            Ok(x) => x,
+            Err(e) => return rejected(env, e),
+        };
+        let (deferred, promise) = env.create_deferred()?;
+        let tokenizer = self.tokenizer.clone();
+        self.worker.run(
+            move |eng| {
+                // The history as the next turn's prompt begins (no generation prompt).
+                let tokens = tokenizer.apply_chat_template_with(&messages, tools.as_ref(), false, None, trusted)?;
+                eng.save_session(&tokens, &app, std::path::Path::new(&file))
+            },
+            move |r| match r {
+                Ok(saved) => deferred.resolve(move |_| Ok(SaveResult { tokens: saved.tokens as u32, bytes: saved.bytes as f64 })),
+                Err(e) => deferred.reject(js_error(e)),
+            },
+        );
+        Ok(promise)
+    }
+}
+
+impl Drop for ChatSession {
+    fn drop(&mut self) {
+        let resume = self.state.lock().resume.take();
+        self.drop_resume(resume);
     }
 }
