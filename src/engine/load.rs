@@ -48,6 +48,9 @@ pub struct EngineOptions {
     pub context_length: Option<usize>,
     /// Told the bytes of weights evaluated so far (see `model::Progress`).
     pub progress: Option<Progress>,
+    /// Tensor parallel: the group this process is one rank of; it loads
+    /// and runs only its shard. None (or a group of one): the whole model.
+    pub group: Option<crate::mlx::distributed::Group>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -114,6 +117,9 @@ pub struct ModelInfo {
     pub has_chat_template: bool,
     pub backend: String,
     pub device: String,
+    /// Ranks the model is split over (1: one process) and this one's rank.
+    pub world_size: usize,
+    pub rank: usize,
 }
 
 fn generation_config_eos(dir: &Path) -> Result<Vec<u32>> {
@@ -237,7 +243,7 @@ impl Engine {
         }
         let disabled = env_flag("MLX_LFM_DISABLE_COMPILED")?;
         let tokenizer = Arc::new(Tokenizer::load(dir)?);
-        let loaded = load_model(dir, &LoadOptions { dtype: opts.dtype, progress: opts.progress.clone() })?;
+        let loaded = load_model(dir, &LoadOptions { dtype: opts.dtype, progress: opts.progress.clone(), group: opts.group.clone() })?;
         let mut model = loaded.model;
         if let Some(n) = opts.context_length {
             let max = model.config.max_position_embeddings;
@@ -336,6 +342,8 @@ impl Engine {
                 runtime::DeviceType::Cpu => "cpu".into(),
                 runtime::DeviceType::Gpu => "gpu".into(),
             },
+            world_size: model.world_size(),
+            rank: model.rank(),
         };
         Ok(Engine {
             model,
