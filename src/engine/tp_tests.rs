@@ -82,6 +82,36 @@ fn compute(e: &mut Engine) -> crate::Result<Value> {
     Ok(json!({ "tokens": g.tokens, "logits": logits, "batch": batch }))
 }
 
+/// The bridge's other collectives, as a rank sees them.
+fn collectives(g: &Group) -> crate::Result<Value> {
+    let r = g.rank() as i32;
+    let mine = Array::from_slice(&[r, 10 + r], &[2])?;
+    let gathered: Vec<i32> = g.all_gather(&mine)?.to_vec()?;
+    let max: Vec<i32> = g.all_max(&mine)?.to_vec()?;
+    let from_root = g.broadcast(&[7 + r, -3 * r])?;
+    let text = if r == 0 { "rank 0's bytes: ünïcode, 19 long".as_bytes().to_vec() } else { b"ignored".to_vec() };
+    let bytes = String::from_utf8(g.broadcast_bytes(&text)?).unwrap();
+    let empty = g.broadcast_bytes(if r == 0 { b"" } else { b"xyz" })?;
+    // Point to point, rank 0 first: it sends to rank 1 and then receives
+    // from it; rank 1 does the reverse (a send completes only once its
+    // peer receives).
+    let other = 1 - g.rank().min(1);
+    let out = Array::from_slice(&[100 + r], &[1])?;
+    let got = if r == 0 {
+        crate::mlx::eval(&[&g.send(&out, other)?])?;
+        g.recv(&[1], Dtype::Int32, other)?
+    } else {
+        let got = g.recv(&[1], Dtype::Int32, other)?;
+        crate::mlx::eval(&[&got])?;
+        crate::mlx::eval(&[&g.send(&out, other)?])?;
+        got
+    };
+    Ok(json!({
+        "gathered": gathered, "max": max, "fromRoot": from_root, "bytes": bytes, "empty": empty.len(),
+        "received": got.to_vec::<i32>()?,
+    }))
+}
+
 /// Counts decode steps into a file, so the parent knows the ranks are
 /// mid-generation.
 struct Progress(PathBuf, usize);
@@ -111,6 +141,7 @@ fn tp_rank() {
         match job["mode"].as_str().unwrap() {
             "compare" => {
                 let mut v = compute(&mut e)?;
+                v["collectives"] = collectives(e.model.shard.as_ref().map(|s| &s.group).expect("a sharded model"))?;
                 v["worldSize"] = json!(info.world_size);
                 v["rank"] = json!(info.rank);
                 v["weightBytes"] = json!(info.weight_bytes);
@@ -205,7 +236,14 @@ impl Ranks {
         self.outs
             .iter()
             .map(|o| {
-                let text = std::fs::read_to_string(o).unwrap_or_else(|_| panic!("{} was not written", o.display()));
+                let text = std::fs::read_to_string(o).unwrap_or_else(|_| {
+                    let err: String = self
+                        .outs
+                        .iter()
+                        .map(|o| format!("{}:\n{}", o.display(), std::fs::read_to_string(o.with_extension("stderr")).unwrap_or_default()))
+                        .collect();
+                    panic!("{} was not written; the ranks' stderr:\n{err}", o.display())
+                });
                 serde_json::from_str(&text).unwrap()
             })
             .collect()
@@ -227,9 +265,21 @@ fn max_diff(a: &Value, b: &Value) -> f64 {
         .fold(0.0, f64::max)
 }
 
-fn parity(preset: Preset, name: &str) {
-    let dir = fixture_dir(name, preset);
-    for (paged, compiled) in [(false, true), (true, false)] {
+fn parity(preset: Preset, name: &str, quant: Option<(crate::mlx::QuantMode, i32, i32)>) {
+    let mut dir = fixture_dir(name, preset);
+    let mut cases = vec![(false, true), (true, false)];
+    if let Some((mode, bits, group)) = quant {
+        let q = dir.with_extension("q");
+        std::fs::remove_dir_all(&q).ok();
+        let recipe = crate::convert::ConvertRecipe::quantized(mode, Some(bits), Some(group)).unwrap();
+        crate::convert::convert(&dir, &q, &recipe).unwrap();
+        std::fs::remove_dir_all(&dir).ok();
+        dir = q;
+        // Quantized checkpoints default to flat caches; one case is enough
+        // for the split on group boundaries.
+        cases = vec![(false, true)];
+    }
+    for (paged, compiled) in cases {
         let path = if compiled { DecodePath::Compiled } else { DecodePath::Eager };
         let mut one = engine(&dir, paged, path, None).unwrap();
         assert_eq!(one.info().world_size, 1);
@@ -254,18 +304,34 @@ fn parity(preset: Preset, name: &str) {
             assert!(d < 1e-4, "{case}: rank {r}'s logits differ from one process by {d}");
         }
         assert!(want["batch"].as_array().unwrap().iter().all(|t| t.as_array().unwrap().len() == GEN));
+        for (r, g) in got.iter().enumerate() {
+            let c = &g["collectives"];
+            assert_eq!(c["gathered"], json!([0, 10, 1, 11]), "rank {r}");
+            assert_eq!(c["max"], json!([1, 11]), "rank {r}");
+            assert_eq!(c["fromRoot"], json!([7, 0]), "rank {r}");
+            assert_eq!(c["bytes"], "rank 0's bytes: ünïcode, 19 long", "rank {r}");
+            assert_eq!(c["empty"], 0, "rank {r}");
+            assert_eq!(c["received"], json!([100 + (1 - r as i32)]), "rank {r}");
+        }
     }
     std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]
 fn two_ranks_match_one_process_dense() {
-    parity(Preset::Tiny, "dense");
+    parity(Preset::Tiny, "dense", None);
 }
 
 #[test]
 fn two_ranks_match_one_process_moe() {
-    parity(Preset::TinyMoe, "moe");
+    parity(Preset::TinyMoe, "moe", None);
+}
+
+#[test]
+fn two_ranks_match_one_process_quantized() {
+    // affine 4-bit in groups of 32: row-sharded inputs of 64 and 192 split
+    // into 32 and 96 per rank, whole groups.
+    parity(Preset::Tiny, "quant", Some((crate::mlx::QuantMode::Affine, 4, 32)));
 }
 
 #[test]
