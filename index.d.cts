@@ -393,6 +393,16 @@ export interface LoadOptions {
    * `totalBytes`. If it throws, the load stops and rejects with that error.
    */
   onProgress?: (progress: LoadProgress) => void
+  /**
+   * Tensor parallelism: join the MLX distributed group this process was
+   * started in (`ring` reads MLX_HOSTFILE and MLX_RANK, as `mlx.launch`
+   * sets them) and load only this rank's shard. Every rank must then make
+   * the same calls in the same order (greedy or seeded sampling), as with
+   * mlx-lm's sharded models. A rank that never joins fails the load after
+   * MLX_LFM_TP_TIMEOUT_S (default 300); `info().worldSize` and `rank` say
+   * where this process stands.
+   */
+  distributed?: 'ring' | 'nccl' | 'jaccl' | 'mpi' | 'any'
 }
 
 /** How far a load is (see `LoadOptions.onProgress`). */
@@ -506,6 +516,10 @@ export interface ModelInfo {
   hasChatTemplate: boolean
   backend: 'cpu' | 'cuda' | 'metal'
   device: 'cpu' | 'gpu'
+  /** Processes the model is split over (1 unless loaded with `distributed`). */
+  worldSize: number
+  /** This process's rank in that group (0 alone). */
+  rank: number
 }
 
 /** Text split into plain text and tool calls (see `parseToolCalls`). */

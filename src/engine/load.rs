@@ -51,6 +51,9 @@ pub struct EngineOptions {
     /// Tensor parallel: the group this process is one rank of; it loads
     /// and runs only its shard. None (or a group of one): the whole model.
     pub group: Option<crate::mlx::distributed::Group>,
+    /// Tensor parallel by backend name: join the group this process was
+    /// started in (when `group` is not given).
+    pub distributed: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -243,7 +246,14 @@ impl Engine {
         }
         let disabled = env_flag("MLX_LFM_DISABLE_COMPILED")?;
         let tokenizer = Arc::new(Tokenizer::load(dir)?);
-        let loaded = load_model(dir, &LoadOptions { dtype: opts.dtype, progress: opts.progress.clone(), group: opts.group.clone() })?;
+        let group = match (&opts.group, &opts.distributed) {
+            (Some(g), _) => Some(g.clone()),
+            (None, Some(b)) => {
+                Some(crate::mlx::distributed::Group::init_within(b, crate::mlx::distributed::watchdog::timeout())?)
+            }
+            (None, None) => None,
+        };
+        let loaded = load_model(dir, &LoadOptions { dtype: opts.dtype, progress: opts.progress.clone(), group })?;
         let mut model = loaded.model;
         if let Some(n) = opts.context_length {
             let max = model.config.max_position_embeddings;

@@ -60,6 +60,15 @@ pub struct LoadOptions<'env> {
     /// `totalBytes`. If it throws, the load stops and rejects with that error.
     #[napi(ts_type = "(progress: LoadProgress) => void")]
     pub on_progress: Option<Unknown<'env>>,
+    /// Tensor parallelism: join the MLX distributed group this process was
+    /// started in (`ring` reads MLX_HOSTFILE and MLX_RANK, as `mlx.launch`
+    /// sets them) and load only this rank's shard. Every rank must then make
+    /// the same calls in the same order (greedy or seeded sampling), as with
+    /// mlx-lm's sharded models. A rank that never joins fails the load after
+    /// MLX_LFM_TP_TIMEOUT_S (default 300); `info().worldSize` and `rank` say
+    /// where this process stands.
+    #[napi(ts_type = "'ring' | 'nccl' | 'jaccl' | 'mpi' | 'any'")]
+    pub distributed: Option<String>,
 }
 
 /// How far a load is (see `LoadOptions.onProgress`).
@@ -88,6 +97,7 @@ pub const LOAD_OPTION_KEYS: &[&str] = &[
     "pagedCacheBudgetMb",
     "contextLength",
     "onProgress",
+    "distributed",
 ];
 
 #[napi(object, object_to_js = false)]
@@ -399,6 +409,10 @@ pub struct ModelInfo {
     pub backend: String,
     #[napi(ts_type = "'cpu' | 'gpu'")]
     pub device: String,
+    /// Processes the model is split over (1 unless loaded with `distributed`).
+    pub world_size: u32,
+    /// This process's rank in that group (0 alone).
+    pub rank: u32,
 }
 
 /// The engine's options (all but `onProgress`, which `Lfm2Model::load`
@@ -426,6 +440,15 @@ pub fn engine_options(o: Option<LoadOptions>) -> Result<EngineOptions> {
         e.kv_cache_full_precision_layers =
             int_option("kvCacheFullPrecisionLayers", o.kv_cache_full_precision_layers, 0, 1 << 16)?.map(|n| n as usize);
         e.context_length = int_option("contextLength", o.context_length, 1, MAX_TOKENS)?.map(|n| n as usize);
+        if let Some(b) = o.distributed {
+            if !crate::mlx::distributed::BACKENDS.contains(&b.as_str()) {
+                return Err(js_error(Error::invalid(format!(
+                    "distributed `{b}` is not valid; use {}",
+                    crate::mlx::distributed::BACKENDS.join(", ")
+                ))));
+            }
+            e.distributed = Some(b);
+        }
         if let Some(d) = o.device {
             e.device = Some(match d.as_str() {
                 "cpu" => runtime::DeviceType::Cpu,
@@ -665,5 +688,7 @@ pub fn to_model_info(i: &engine::ModelInfo) -> ModelInfo {
         has_chat_template: i.has_chat_template,
         backend: i.backend.clone(),
         device: i.device.clone(),
+        world_size: i.world_size as u32,
+        rank: i.rank as u32,
     }
 }

@@ -181,7 +181,7 @@ impl Group {
 /// (`MLX_LFM_TP_TIMEOUT_S`, default 300 s; a rank that is alive never
 /// takes that long over one prefill chunk or decode step) ends the process
 /// with a message saying why, instead of hanging the caller forever.
-pub(crate) mod watchdog {
+pub mod watchdog {
     use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::*};
     use std::sync::OnceLock;
     use std::time::{Duration, Instant};
