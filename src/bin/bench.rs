@@ -296,10 +296,10 @@ fn concurrent(
     // The first step at a new batch size traces the compiled step for it.
     let first = run_together(&mut eng, &warm)?;
     if rank0 {
-    println!(
-        "{}",
-        serde_json::json!({"concurrent": n, "tensor_parallel": tp, "first_step_ms": first.first(), "median_step_ms_in_first_run": median(&first)})
-    );
+        println!(
+            "{}",
+            serde_json::json!({"concurrent": n, "tensor_parallel": tp, "first_step_ms": first.first(), "median_step_ms_in_first_run": median(&first)})
+        );
     }
     eng.generate(Prompt::Tokens(warm[0].clone()), params.clone(), &mut NoObserver)?;
     for r in 0..reps {

@@ -10,6 +10,7 @@
 //! - worker.rs: the model's thread and its message loop.
 
 mod load;
+pub mod lockstep;
 pub mod scheduler;
 pub mod worker;
 
@@ -66,6 +67,17 @@ impl Engine {
             p.lock().clear_cached();
         }
         crate::mlx::runtime::clear_cache();
+    }
+
+    /// The group when this process is rank 0 of a tensor-parallel model:
+    /// it decides, and tells the other ranks first (see lockstep.rs).
+    pub fn leader(&self) -> Option<crate::mlx::distributed::Group> {
+        self.model.shard.as_ref().filter(|s| s.rank == 0).map(|s| s.group.clone())
+    }
+
+    /// The group when this process is another rank: it only follows.
+    pub fn follower(&self) -> Option<crate::mlx::distributed::Group> {
+        self.model.shard.as_ref().filter(|s| s.rank != 0).map(|s| s.group.clone())
     }
 
     pub fn info(&self) -> ModelInfo {

@@ -82,6 +82,91 @@ fn compute(e: &mut Engine) -> crate::Result<Value> {
     Ok(json!({ "tokens": g.tokens, "logits": logits, "batch": batch }))
 }
 
+/// The worker as a server runs it: rank 0 takes 4 requests arriving a
+/// little apart (so its batches depend on timing) and one it cancels
+/// mid-way; the other ranks run the `follow` job.
+fn serve(dir: &Path, paged: bool, path: DecodePath, rank: usize) -> crate::Result<Value> {
+    use super::worker::ModelWorker;
+    let group = Group::init_within("ring", Duration::from_secs(60))?;
+    let opts = EngineOptions {
+        paged_cache: Some(paged),
+        paged_block_size: Some(16),
+        decode_path: Some(path),
+        prefill_chunk: Some(16),
+        group: Some(group),
+        ..Default::default()
+    };
+    let (tx, rx) = std::sync::mpsc::channel();
+    ModelWorker::spawn(dir.to_path_buf(), opts, move |r| {
+        let _ = tx.send(r.map(|(w, _, _)| w));
+    });
+    let worker = rx.recv().unwrap()?;
+    if rank != 0 {
+        let (tx, rx) = std::sync::mpsc::channel();
+        worker.run_scheduled(
+            |eng, _| match eng.follower() {
+                Some(g) => super::lockstep::follow(eng, &g),
+                None => Err(crate::Error::invalid("not a follower")),
+            },
+            move |r| {
+                let _ = tx.send(r);
+            },
+        );
+        rx.recv().unwrap()?;
+        // A follower refuses requests of its own.
+        let (tx, rx) = std::sync::mpsc::channel();
+        worker.generate(Request::tokens(prompt(5, 1), greedy(), move |r| {
+            let _ = tx.send(r.err().map(|e| e.message));
+        }));
+        let refused = rx.recv().unwrap();
+        worker.close();
+        return Ok(json!({ "followed": true, "refused": refused }));
+    }
+    let (tx, rx) = std::sync::mpsc::channel();
+    for i in 0..4usize {
+        let tx = tx.clone();
+        worker.generate(Request::tokens(prompt(9 + 7 * i, 10 + i as u32), greedy(), move |r| {
+            let _ = tx.send((i, r.map(|g| g.tokens).map_err(|e| e.message)));
+        }));
+        std::thread::sleep(Duration::from_millis(15 * i as u64));
+    }
+    // A request its client abandons after a few tokens.
+    struct StopAfter(usize);
+    impl Observer for StopAfter {
+        fn cancelled(&mut self) -> bool {
+            self.0 = self.0.saturating_sub(1);
+            self.0 == 0
+        }
+    }
+    let mut req = Request::tokens(prompt(12, 40), GenerateParams { max_tokens: 1000, ignore_eos: true, ..Default::default() }, {
+        let tx = tx.clone();
+        move |r| {
+            let _ = tx.send((4, r.map(|g| g.tokens).map_err(|e| e.message)));
+        }
+    });
+    req.observer = Box::new(StopAfter(6));
+    worker.generate(req);
+    drop(tx);
+    let mut batch = vec![Value::Null; 5];
+    for (i, r) in rx {
+        batch[i] = match r {
+            Ok(t) => json!(t),
+            Err(e) => json!({ "error": e }),
+        };
+    }
+    // A request after the batch: the followers are still in step.
+    let (tx, rx) = std::sync::mpsc::channel();
+    worker.generate(Request::tokens(prompt(23, 1), greedy(), move |r| {
+        let _ = tx.send(r.map(|g| g.tokens).map_err(|e| e.message));
+    }));
+    let tokens = rx.recv().unwrap().map_err(crate::Error::mlx)?;
+    // The worker announces the end to the followers once its queue is
+    // done: wait for it (as the addon does when Node exits).
+    worker.close();
+    super::worker::shutdown_all(Duration::from_secs(60));
+    Ok(json!({ "batch": batch, "tokens": tokens }))
+}
+
 /// The bridge's other collectives, as a rank sees them.
 fn collectives(g: &Group) -> crate::Result<Value> {
     let r = g.rank() as i32;
@@ -153,6 +238,10 @@ fn tp_rank() {
                 let mut obs = Progress(out.with_extension("progress"), 0);
                 e.generate(Prompt::Tokens(prompt(8, 3)), params, &mut obs)?;
                 Ok(json!({ "finished": true }))
+            }
+            "serve" => {
+                drop(e);
+                serve(&dir, paged, path, rank)
             }
             m => panic!("unknown mode {m}"),
         }
@@ -332,6 +421,28 @@ fn two_ranks_match_one_process_quantized() {
     // affine 4-bit in groups of 32: row-sharded inputs of 64 and 192 split
     // into 32 and 96 per rank, whole groups.
     parity(Preset::Tiny, "quant", Some((crate::mlx::QuantMode::Affine, 4, 32)));
+}
+
+#[test]
+fn two_ranks_serve_as_rank_0_decides() {
+    let dir = fixture_dir("serve", Preset::Tiny);
+    for (paged, compiled) in [(false, true), (true, false)] {
+        let path = if compiled { DecodePath::Compiled } else { DecodePath::Eager };
+        let want = compute(&mut engine(&dir, paged, path, None).unwrap()).unwrap();
+        let job = json!({ "mode": "serve", "dir": dir.to_str().unwrap(), "paged": paged, "compiled": compiled });
+        let got = start(2, "serve", job).results(Duration::from_secs(300));
+        let case = format!("paged {paged}, compiled {compiled}");
+        assert!(got[0].get("error").is_none(), "{case}: rank 0 failed: {}", got[0]["error"]);
+        assert!(got[1].get("error").is_none(), "{case}: rank 1 failed: {}", got[1]["error"]);
+        assert_eq!(got[1]["followed"], true);
+        assert!(got[1]["refused"].as_str().unwrap().contains("it follows rank 0"), "{}", got[1]["refused"]);
+        let batch = got[0]["batch"].as_array().unwrap();
+        assert_eq!(json!(batch[..4]), want["batch"], "{case}: 4 requests served by 2 ranks differ from one process");
+        let cancelled = batch[4].as_array().unwrap_or_else(|| panic!("{case}: {}", batch[4]));
+        assert!(cancelled.len() < 1000, "{case}: the cancelled request ran to the end");
+        assert_eq!(got[0]["tokens"], want["tokens"], "{case}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]
