@@ -140,6 +140,14 @@ export declare class Lfm2Model {
    * does nothing). `mlx-lfm serve` calls it before listening.
    */
   warmUp(): Promise<number | null>
+  /**
+   * On a rank other than 0 of a tensor-parallel model (loaded with
+   * `distributed`): runs rank 0's requests, as rank 0 announces them,
+   * until rank 0's model is closed (resolves) or the group fails
+   * (rejects). Rank 0 takes every request; a follower takes none of its
+   * own. Rejects on rank 0 and on a model of one process.
+   */
+  follow(): Promise<void>
   /** What was loaded and how it runs. Throws once the model is closed. */
   info(): ModelInfo
   /** Frees the model once queued requests finish; later calls reject. */
