@@ -152,3 +152,41 @@ test('`mlx-lfm serve --tensor-parallel 2` reports worldSize and answers 4 concur
     assert.equal(await exited, 0, err);
   }
 });
+
+test('a rank killed while `serve --tensor-parallel 2` generates stops the server with a message, not a hang', async () => {
+  const dir = await fixture('tiny', TINY);
+  const child = spawn(process.execPath, [path.join(root, 'cli.cjs'), 'serve', '--model', dir, '--port', '0', '--no-paged', '--tensor-parallel', '2', '--name', 'tp'], {
+    stdio: ['ignore', 'ignore', 'pipe'],
+    env: { ...process.env, MLX_LFM_TP_TIMEOUT_S: '20' },
+  });
+  let err = '';
+  const exited = new Promise((resolve) => child.once('exit', (code) => resolve(code)));
+  const url = await new Promise((resolve, reject) => {
+    child.stderr.on('data', (d) => {
+      err += d;
+      const m = /serving tp at (http:\/\/\S+)/.exec(err);
+      if (m) resolve(m[1]);
+    });
+    child.once('exit', (code) => reject(new Error(`serve exited with ${code}: ${err}`)));
+  });
+  // A long generation; once it runs, the follower (the one `follow` child
+  // of this server) is killed.
+  const reply = fetch(`${url}/chat/completions`, {
+    method: 'POST',
+    headers: { 'content-type': 'application/json' },
+    body: JSON.stringify({ model: 'tp', messages: [{ role: 'user', content: 'hi' }], max_tokens: 100000, ignore_eos: true }),
+  }).then(async (r) => r.status, (e) => e.message);
+  await new Promise((r) => setTimeout(r, 1500));
+  const ps = require('node:child_process').spawnSync('pgrep', ['-P', String(child.pid), '-f', 'cli.cjs follow'], { encoding: 'utf8' });
+  const follower = Number(ps.stdout.trim().split('\n')[0]);
+  assert.ok(follower > 0, `no follower found: ${ps.stdout} ${ps.stderr}`);
+  const killedAt = Date.now();
+  process.kill(follower, 'SIGKILL');
+  const timer = setTimeout(() => child.kill('SIGKILL'), 60_000);
+  const code = await exited;
+  clearTimeout(timer);
+  assert.ok(Date.now() - killedAt < 45_000, 'the server took too long to stop');
+  assert.notEqual(code, 0);
+  assert.match(err, /rank 1 exited \(SIGKILL\) while serving; stopping/);
+  assert.notEqual(await reply, 200);
+});
