@@ -135,6 +135,22 @@ impl Group {
         make(|o| unsafe { ffi::mlxb_dist_recv(shape.as_ptr(), shape.len() as i32, dtype as i32, src as i32, self.raw(), o) })
     }
 
+    /// Rank 0's `x` on every rank, lazily (an all_sum to which the other
+    /// ranks add zeros). Same shape and dtype on every rank. The zeros are
+    /// made from `x` (a select, so a NaN in it stays out) so that they come
+    /// after whatever `x` needs: with plain zeros this all_sum could run
+    /// before the collectives `x` depends on on one rank and after them on
+    /// another, and the group would deadlock.
+    pub fn broadcast_array(&self, x: &Array) -> Result<Array> {
+        if self.rank == 0 {
+            self.all_sum(x)
+        } else {
+            let never = Array::from_slice(&[false], &[1])?;
+            let zero = Array::scalar(0.0, x.dtype())?;
+            self.all_sum(&super::where_(&never, x, &zero)?)
+        }
+    }
+
     /// Rank 0's `values` on every rank (the others pass what they like, of
     /// the same length: it is ignored): an all_sum to which only rank 0
     /// contributes, so it is exact for integers.

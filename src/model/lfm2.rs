@@ -404,9 +404,16 @@ impl Lfm2Model {
     /// is none): logits `[B, T, V]` for hidden states `[B, T, D]`.
     pub fn head(&self, h: &Array) -> Result<Array> {
         let h = mlx::rms_norm(h, Some(&self.final_norm), self.config.norm_eps)?;
-        match &self.lm_head {
-            Some(head) => head.forward(&h),
-            None => self.embed.as_linear(&h),
+        let logits = match &self.lm_head {
+            Some(head) => head.forward(&h)?,
+            None => self.embed.as_linear(&h)?,
+        };
+        // Tensor parallel: every rank samples from rank 0's logits, so the
+        // tokens are rank 0's even if a reduction rounded differently on
+        // another rank (the others' own head is then never computed).
+        match &self.shard {
+            Some(s) => s.group.broadcast_array(&logits),
+            None => Ok(logits),
         }
     }
 
