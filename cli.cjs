@@ -86,9 +86,24 @@ const COMMANDS = {
       'api-key': { arg: 'KEY', help: 'require this bearer key (or set MLX_LFM_API_KEY)' },
       cors: { arg: 'ORIGIN', help: 'send CORS headers for this origin (none by default)' },
       'max-prompt-tokens': { arg: 'N', int: true, help: "longer prompts are a 400 before any compute (default: the model's context length)" },
+      'tensor-parallel': { arg: 'N', int: true, help: 'split the model over N ranks (default 1); this process is rank 0 and serves' },
+      backend: { arg: 'NAME', choices: ['ring', 'nccl', 'jaccl', 'any'], help: 'MLX distributed backend for --tensor-parallel (default ring)' },
+      hostfile: { arg: 'FILE', help: "MLX's hostfile (a JSON list per rank of \"ip:port\"); default: N ranks on loopback" },
       ...LOAD_FLAGS,
     },
     run: serve,
+  },
+  follow: {
+    usage: 'mlx-lfm follow --model DIR [--backend NAME] [options]',
+    about:
+      'A rank other than 0 of `serve --tensor-parallel N` (serve starts the local ones itself): joins the group that ' +
+      'MLX_HOSTFILE and MLX_RANK describe, loads its shard and runs what rank 0 announces until rank 0 stops.',
+    flags: {
+      ...MODEL_FLAG,
+      backend: { arg: 'NAME', choices: ['ring', 'nccl', 'jaccl', 'any'], help: 'MLX distributed backend (default ring)' },
+      ...LOAD_FLAGS,
+    },
+    run: follow,
   },
   convert: {
     usage: 'mlx-lfm convert --model DIR --out DIR [-q] [--q-mode MODE] [--q-bits N] [--q-group-size N] [--dtype DTYPE] [--q-override RULE ...]',
@@ -298,8 +313,9 @@ function progressReporter() {
   };
 }
 
-async function load(addon, dir, v) {
+async function load(addon, dir, v, distributed) {
   const opts = {
+    distributed,
     dtype: v.dtype,
     kvCache: v['kv-cache'],
     decodePath: v['decode-path'],
@@ -411,7 +427,13 @@ async function serve(addon, v) {
   const maxPromptTokens = v['max-prompt-tokens'] ?? null;
   if (maxPromptTokens !== null && maxPromptTokens < 1) fail('--max-prompt-tokens must be at least 1');
   const dir = v.model ?? (await demoModel(addon));
-  const model = await load(addon, dir, v);
+  const tp = v['tensor-parallel'] ?? 1;
+  if (tp < 1) fail('--tensor-parallel must be at least 1');
+  const ranks = tp > 1 ? await startRanks(dir, v, tp) : null;
+  const model = await load(addon, dir, v, tp > 1 ? v.backend ?? 'ring' : undefined).catch((e) => {
+    ranks?.stop();
+    throw e;
+  });
   const modelId = v.name ?? path.basename(path.resolve(dir));
   const port = v.port ?? 8080;
   // Build the kernels concurrent requests need before the first client waits.
@@ -424,14 +446,99 @@ async function serve(addon, v) {
   });
   const i = model.info();
   console.error(`mlx-lfm: ${i.modelType} ${i.dtype} on ${i.backend}: ${i.decodePath} decode, ${i.cacheKind} cache, ${i.kvCache} KV`);
+  if (tp > 1) console.error(`mlx-lfm: tensor parallel over ${i.worldSize} ranks (${v.backend ?? 'ring'}); this is rank ${i.rank}`);
   console.error(`mlx-lfm: serving ${modelId} at ${url} (Ctrl-C stops)`);
   const stop = () => {
     server.close();
     server.closeAllConnections?.();
     model.close();
   };
+  // A rank that ends while serving leaves a group that cannot compute:
+  // stop rather than answer with a broken model.
+  ranks?.onExit((r, code) => {
+    console.error(`mlx-lfm: rank ${r} exited (${code}) while serving; stopping`);
+    stop();
+    process.exitCode = 1;
+  });
   process.once('SIGINT', stop);
   process.once('SIGTERM', stop);
+}
+
+/** MLX's hostfile for `serve --tensor-parallel N`: the given one, or N ports on loopback. */
+function freePort() {
+  const net = require('node:net');
+  return new Promise((resolve, reject) => {
+    const s = net.createServer();
+    s.once('error', reject);
+    s.listen(0, '127.0.0.1', () => {
+      const { port } = s.address();
+      s.close(() => resolve(port));
+    });
+  });
+}
+
+async function hostfileFor(v, n) {
+  if (v.hostfile) {
+    let hosts;
+    try {
+      hosts = JSON.parse(fs.readFileSync(v.hostfile, 'utf8'));
+    } catch (e) {
+      fail(`--hostfile ${v.hostfile}: ${e.message}`);
+    }
+    if (!Array.isArray(hosts) || hosts.length !== n) fail(`--hostfile ${v.hostfile} must list ${n} ranks (one array of "ip:port" per rank)`);
+    return { file: path.resolve(v.hostfile), hosts };
+  }
+  const os = require('node:os');
+  const hosts = [];
+  // Ports the OS hands out free now; MLX binds them when the ranks start.
+  for (let r = 0; r < n; r++) hosts.push([`127.0.0.1:${await freePort()}`]);
+  const file = path.join(os.tmpdir(), `mlx-lfm-hosts-${process.pid}.json`);
+  fs.writeFileSync(file, JSON.stringify(hosts));
+  process.once('exit', () => fs.rmSync(file, { force: true }));
+  return { file, hosts };
+}
+
+/** Starts ranks 1..n-1 of a tensor-parallel serve: `mlx-lfm follow` on this machine for loopback hosts. */
+async function startRanks(dir, v, n) {
+  const { spawn } = require('node:child_process');
+  const { file, hosts } = await hostfileFor(v, n);
+  process.env.MLX_HOSTFILE = file;
+  process.env.MLX_RANK = '0';
+  const args = [__filename, 'follow', '--model', dir, '--backend', v.backend ?? 'ring'];
+  for (const k of ['dtype', 'kv-cache', 'decode-path', 'device', 'context-length']) if (v[k] !== undefined) args.push(`--${k}`, String(v[k]));
+  if (v.paged) args.push('--paged');
+  if (v['no-paged']) args.push('--no-paged');
+  const children = [];
+  let onExit = () => {};
+  let stopping = false;
+  for (let r = 1; r < n; r++) {
+    const local = hosts[r].every((h) => /^(127\.\d+\.\d+\.\d+|localhost|\[::1\]):\d+$/.test(h));
+    if (!local) {
+      console.error(`mlx-lfm: start rank ${r} on ${hosts[r].join(', ')} yourself: MLX_HOSTFILE=<this hostfile> MLX_RANK=${r} mlx-lfm follow --model ${dir} --backend ${v.backend ?? 'ring'}`);
+      continue;
+    }
+    const child = spawn(process.execPath, args, { env: { ...process.env, MLX_RANK: String(r) }, stdio: ['ignore', 'inherit', 'inherit'] });
+    child.on('exit', (code, signal) => {
+      if (!stopping && (code !== 0 || signal)) onExit(r, signal ?? code);
+    });
+    children.push(child);
+  }
+  process.once('exit', () => children.forEach((c) => c.exitCode === null && c.kill()));
+  return {
+    onExit: (f) => (onExit = f),
+    stop: () => {
+      stopping = true;
+      children.forEach((c) => c.kill());
+    },
+  };
+}
+
+async function follow(addon, v) {
+  if (!v.model) fail('follow needs --model DIR');
+  if (process.env.MLX_RANK === undefined) fail('follow runs as a rank of `serve --tensor-parallel N`: MLX_RANK and MLX_HOSTFILE must be set');
+  const model = await load(addon, v.model, v, v.backend ?? 'ring');
+  await model.follow();
+  model.close();
 }
 
 function median(xs) {

@@ -160,6 +160,14 @@ export declare class Lfm2Model {
    * does nothing). `mlx-lfm serve` calls it before listening.
    */
   warmUp(): Promise<number | null>
+  /**
+   * On a rank other than 0 of a tensor-parallel model (loaded with
+   * `distributed`): runs rank 0's requests, as rank 0 announces them,
+   * until rank 0's model is closed (resolves) or the group fails
+   * (rejects). Rank 0 takes every request; a follower takes none of its
+   * own. Rejects on rank 0 and on a model of one process.
+   */
+  follow(): Promise<void>
   /** What was loaded and how it runs. Throws once the model is closed. */
   info(): ModelInfo
   /** Frees the model once queued requests finish; later calls reject. */
@@ -482,6 +490,16 @@ export interface LoadOptions {
    * `totalBytes`. If it throws, the load stops and rejects with that error.
    */
   onProgress?: (progress: LoadProgress) => void
+  /**
+   * Tensor parallelism: join the MLX distributed group this process was
+   * started in (`ring` reads MLX_HOSTFILE and MLX_RANK, as `mlx.launch`
+   * sets them) and load only this rank's shard. Every rank must then make
+   * the same calls in the same order (greedy or seeded sampling), as with
+   * mlx-lm's sharded models. A rank that never joins fails the load after
+   * MLX_LFM_TP_TIMEOUT_S (default 300); `info().worldSize` and `rank` say
+   * where this process stands.
+   */
+  distributed?: 'ring' | 'nccl' | 'jaccl' | 'mpi' | 'any'
 }
 
 /** How far a load is (see `LoadOptions.onProgress`). */
@@ -606,6 +624,10 @@ export interface ModelInfo {
   fingerprint: string
   backend: 'cpu' | 'cuda' | 'metal'
   device: 'cpu' | 'gpu'
+  /** Processes the model is split over (1 unless loaded with `distributed`). */
+  worldSize: number
+  /** This process's rank in that group (0 alone). */
+  rank: number
 }
 
 /** Text split into plain text and tool calls (see `parseToolCalls`). */

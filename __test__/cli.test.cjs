@@ -55,7 +55,8 @@ test('--help for each command lists its flags', () => {
     chat: ['--model', '--prompt', '--system', '--max-tokens', '--temperature', '--top-p', '--top-k', '--min-p', '--seed', '--repetition-penalty', '--dtype', '--kv-cache', '--decode-path', '--paged', '--no-paged', '--device', '--context-length', '--prefix-cache-dir', '--prefix-cache-disk-mb'],
     info: ['--model', '--dtype', '--kv-cache', '--decode-path', '--paged', '--no-paged', '--device', '--context-length', '--prefix-cache-dir', '--prefix-cache-disk-mb'],
     fixture: ['--out', '--preset', '--dtype', '--layout', '--seed'],
-    serve: ['--model', '--port', '--host', '--name', '--api-key', '--cors', '--max-prompt-tokens', '--dtype', '--kv-cache', '--decode-path', '--paged', '--no-paged', '--device', '--context-length', '--prefix-cache-dir', '--prefix-cache-disk-mb'],
+    serve: ['--model', '--port', '--host', '--name', '--api-key', '--cors', '--max-prompt-tokens', '--tensor-parallel', '--backend', '--hostfile', '--dtype', '--kv-cache', '--decode-path', '--paged', '--no-paged', '--device', '--context-length', '--prefix-cache-dir', '--prefix-cache-disk-mb'],
+    follow: ['--model', '--backend', '--dtype', '--kv-cache', '--decode-path', '--paged', '--no-paged', '--device', '--context-length', '--prefix-cache-dir', '--prefix-cache-disk-mb'],
     convert: ['--model', '--out', '--quantize', '--q-mode', '--q-bits', '--q-group-size', '--dtype', '--q-override'],
     bench: ['--model', '--prompt-tokens', '--gen', '--reps', '--dtype', '--kv-cache', '--decode-path', '--paged', '--no-paged', '--device', '--context-length', '--prefix-cache-dir', '--prefix-cache-disk-mb'],
   };

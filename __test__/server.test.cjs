@@ -286,7 +286,7 @@ test('with an API key every route but /health needs it; the key compare is exact
     const base = url.replace(/\/v1$/, '');
     const health = await fetch(`${base}/health`);
     assert.equal(health.status, 200);
-    assert.deepEqual(await health.json(), { status: 'ok', model: MODEL_ID });
+    assert.deepEqual(await health.json(), { status: 'ok', model: MODEL_ID, worldSize: 1 });
     for (const auth of [undefined, 'Bearer wrong-key-000', 'Bearer sk-test-12345', 'sk-test-123456']) {
       const r = await fetch(`${url}/models`, { headers: auth ? { authorization: auth } : {} });
       assert.equal(r.status, 401, String(auth));

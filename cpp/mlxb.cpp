@@ -426,6 +426,43 @@ int mlxb_conv1d(mlxb_array x, mlxb_array w, int stride, int padding, int dilatio
   MLXB_TRY({ *out = wrap(mx::conv1d(A(x), A(w), stride, padding, dilation, groups)); })
 }
 
+// ---- distributed -------------------------------------------------------------------------
+struct mlxb_group_s {
+  mx::distributed::Group g;
+};
+
+int mlxb_dist_is_available(const char* backend) {
+  try {
+    return mx::distributed::is_available(backend) ? 1 : 0;
+  } catch (...) {
+    return 0;
+  }
+}
+int mlxb_dist_init(const char* backend, int strict, mlxb_group* out) {
+  MLXB_TRY({ *out = new mlxb_group_s{mx::distributed::init(strict != 0, backend)}; })
+}
+void mlxb_group_free(mlxb_group g) { delete g; }
+int mlxb_group_rank(mlxb_group g) { return g->g.rank(); }
+int mlxb_group_size(mlxb_group g) { return g->g.size(); }
+int mlxb_all_sum(mlxb_array x, mlxb_group g, mlxb_array* out) {
+  MLXB_TRY({ *out = wrap(mx::distributed::all_sum(A(x), g->g)); })
+}
+int mlxb_all_max(mlxb_array x, mlxb_group g, mlxb_array* out) {
+  MLXB_TRY({ *out = wrap(mx::distributed::all_max(A(x), g->g)); })
+}
+int mlxb_all_gather(mlxb_array x, mlxb_group g, mlxb_array* out) {
+  MLXB_TRY({ *out = wrap(mx::distributed::all_gather(A(x), g->g)); })
+}
+int mlxb_dist_send(mlxb_array x, int dst, mlxb_group g, mlxb_array* out) {
+  MLXB_TRY({ *out = wrap(mx::distributed::send(A(x), dst, g->g)); })
+}
+int mlxb_dist_recv(const int32_t* shape, int ndim, int dtype, int src, mlxb_group g, mlxb_array* out) {
+  MLXB_TRY({
+    mx::Shape s(shape, shape + ndim);
+    *out = wrap(mx::distributed::recv(s, mlxb::to_dtype(dtype), src, g->g));
+  })
+}
+
 // ---- random ----------------------------------------------------------------------------------
 int mlxb_random_key(uint64_t seed, mlxb_array* out) { MLXB_TRY({ *out = wrap(mx::random::key(seed)); }) }
 int mlxb_random_split(mlxb_array key, mlxb_array* out_a, mlxb_array* out_b) {

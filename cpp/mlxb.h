@@ -147,6 +147,23 @@ int mlxb_random_uniform(const int32_t* shape, int ndim, int dtype, mlxb_array ke
 int mlxb_random_normal(const int32_t* shape, int ndim, int dtype, float loc, float scale, mlxb_array key /*nullable*/,
                        mlxb_array* out);
 
+// ---- distributed (mlx::core::distributed) ------------------------------------------
+// A process group; collectives over it are ordinary lazy ops.
+typedef struct mlxb_group_s* mlxb_group;
+// 1 when MLX was built with `backend` ("ring", "nccl", "jaccl", "mpi", "any").
+int mlxb_dist_is_available(const char* backend);
+// Joins the group the backend's environment describes (for ring: MLX_HOSTFILE
+// and MLX_RANK). strict: fail rather than fall back to a group of one.
+int mlxb_dist_init(const char* backend, int strict, mlxb_group* out);
+void mlxb_group_free(mlxb_group g);
+int mlxb_group_rank(mlxb_group g);
+int mlxb_group_size(mlxb_group g);
+int mlxb_all_sum(mlxb_array x, mlxb_group g, mlxb_array* out);
+int mlxb_all_max(mlxb_array x, mlxb_group g, mlxb_array* out);
+int mlxb_all_gather(mlxb_array x, mlxb_group g, mlxb_array* out);
+int mlxb_dist_send(mlxb_array x, int dst, mlxb_group g, mlxb_array* out);
+int mlxb_dist_recv(const int32_t* shape, int ndim, int dtype, int src, mlxb_group g, mlxb_array* out);
+
 // ---- compile ---------------------------------------------------------------------
 // A list of arrays the bridge owns (a compiled function's outputs).
 typedef struct mlxb_arrays_s* mlxb_arrays;

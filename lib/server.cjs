@@ -521,6 +521,8 @@ function createServer({
   // A request's prompt costs prefill time on the one model every client
   // shares: bounded per request (default: the model's context length).
   if (maxPromptTokens === null) maxPromptTokens = typeof model.info === 'function' ? model.info().contextLength : null;
+  // Ranks the model is split over (tensor parallelism); 1 for one process.
+  const worldSize = typeof model.info === 'function' ? model.info().worldSize ?? 1 : 1;
   if (maxPromptTokens !== null && !(Number.isInteger(maxPromptTokens) && maxPromptTokens >= 1)) {
     throw new TypeError('maxPromptTokens must be a positive integer');
   }
@@ -790,7 +792,7 @@ function createServer({
       }
     }
     if (path === '/health' && req.method === 'GET') {
-      sendJson(res, 200, { status: 'ok', model: modelId });
+      sendJson(res, 200, { status: 'ok', model: modelId, worldSize });
       return;
     }
     if (apiKey !== null) {

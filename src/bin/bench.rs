@@ -12,6 +12,11 @@
 //!     decode tok/s under a JSON schema and a regex (llguidance masks)
 //!     against free sampling, same engine, same run: one request alone,
 //!     then `--batch` requests together (each row its own mask).
+//!   mlx-lfm-bench --tensor-parallel N [--backend ring] [any of the above]
+//!     the same measurement with the model split over N ranks: N local
+//!     processes of this binary joined by MLX's `ring` backend over
+//!     loopback (MLX_HOSTFILE / MLX_RANK, as mlx.launch sets them); rank 0
+//!     prints. N = 1 is the plain single process.
 //!   mlx-lfm-bench --turns N [--system 1024] [--user 64] [--reply 64] [model args]
 //!     a token-level conversation: a system prompt, then N turns of user
 //!     tokens and a greedy reply; per turn the TTFT of a warm paged engine
@@ -94,6 +99,20 @@ fn run() -> mlx_lfm::Result<()> {
             out
         }
     };
+    let tp: usize = arg(&args, "--tensor-parallel").map(|s| s.parse().expect("--tensor-parallel takes a count")).unwrap_or(1);
+    if tp == 0 {
+        return Err(mlx_lfm::Error::invalid("--tensor-parallel must be at least 1"));
+    }
+    let group = if tp > 1 {
+        if std::env::var("MLX_RANK").is_err() {
+            return launch(&args, &dir, tp);
+        }
+        let backend = arg(&args, "--backend").unwrap_or_else(|| "ring".into());
+        Some(mlx_lfm::mlx::distributed::Group::init_within(&backend, std::time::Duration::from_secs(120))?)
+    } else {
+        None
+    };
+    let rank0 = group.as_ref().is_none_or(|g| g.rank() == 0);
     let prompts: Vec<usize> = arg(&args, "--prompts")
         .unwrap_or_else(|| "512".into())
         .split(',')
@@ -108,7 +127,7 @@ fn run() -> mlx_lfm::Result<()> {
     };
     if let Some(n) = arg(&args, "--concurrent") {
         let reps: usize = arg(&args, "--reps").map(|s| s.parse().expect("--reps")).unwrap_or(2);
-        return concurrent(&dir, device, paged, n.parse().expect("--concurrent"), prompts[0], gen, reps);
+        return concurrent(&dir, device, paged, n.parse().expect("--concurrent"), prompts[0], gen, reps, group);
     }
     if args.iter().any(|a| a == "--constrained") {
         let num = |k: &str, d: usize| arg(&args, k).map(|s| s.parse().expect("a number")).unwrap_or(d);
@@ -120,10 +139,12 @@ fn run() -> mlx_lfm::Result<()> {
     }
     let reps: usize = arg(&args, "--reps").map(|s| s.parse().expect("--reps")).unwrap_or(2);
     let paths = arg(&args, "--paths").unwrap_or_else(|| "compiled,eager".into());
-    println!(
-        "{}",
-        serde_json::json!({"mlx": runtime::version(), "backend": runtime::backend().name(), "device": runtime::device_name(), "model": dir})
-    );
+    if rank0 {
+        println!(
+            "{}",
+            serde_json::json!({"mlx": runtime::version(), "backend": runtime::backend().name(), "device": runtime::device_name(), "model": dir, "tensor_parallel": tp})
+        );
+    }
     for path in paths.split(',') {
         let decode_path = match path {
             "compiled" => DecodePath::Compiled,
@@ -131,8 +152,10 @@ fn run() -> mlx_lfm::Result<()> {
             p => return Err(mlx_lfm::Error::invalid(format!("--paths: unknown path {p}"))),
         };
         let t = Instant::now();
-        let mut eng =
-            Engine::load(&dir, &EngineOptions { device, decode_path: Some(decode_path), paged_cache: paged, ..Default::default() })?;
+        let mut eng = Engine::load(
+            &dir,
+            &EngineOptions { device, decode_path: Some(decode_path), paged_cache: paged, group: group.clone(), ..Default::default() },
+        )?;
         let load_s = t.elapsed().as_secs_f64();
         let info = eng.info();
         let vocab = info.vocab_size as u32;
@@ -156,9 +179,13 @@ fn run() -> mlx_lfm::Result<()> {
                 prefills.push(g.metrics.prefill_tokens_per_second);
                 decodes.push(g.metrics.decode_tokens_per_second);
             }
+            if !rank0 {
+                continue;
+            }
             println!(
                 "{}",
                 serde_json::json!({
+                    "tensor_parallel": tp, "weight_bytes_per_rank": info.weight_bytes,
                     "path": path, "cache": info.cache_kind, "dtype": info.dtype, "quantization": info.quantization.iter().map(|q| format!("{}:{}:{}", q.mode, q.bits, q.group_size)).collect::<Vec<_>>(),
                     "params": info.parameter_count, "prompt": p, "gen": gen, "load_s": load_s,
                     "prefill_tps": best_prefill, "ttft_ms": best_ttft, "decode_tps": best_decode,
@@ -322,9 +349,12 @@ fn concurrent(
     prompt: usize,
     gen: usize,
     reps: usize,
+    group: Option<mlx_lfm::mlx::distributed::Group>,
 ) -> mlx_lfm::Result<()> {
     use mlx_lfm::engine::{Request, Scheduler};
-    let mut eng = Engine::load(dir, &EngineOptions { device, paged_cache: paged, ..Default::default() })?;
+    let rank0 = group.as_ref().is_none_or(|g| g.rank() == 0);
+    let tp = group.as_ref().map(|g| g.size()).unwrap_or(1);
+    let mut eng = Engine::load(dir, &EngineOptions { device, paged_cache: paged, group, ..Default::default() })?;
     let info = eng.info();
     let vocab = info.vocab_size as u32;
     let params = GenerateParams { max_tokens: gen, ignore_eos: true, ..Default::default() };
@@ -374,10 +404,12 @@ fn concurrent(
     let warm: Vec<Vec<u32>> = (0..n).map(|i| ids(prompt, vocab, 900 + i as u32)).collect();
     // The first step at a new batch size traces the compiled step for it.
     let first = run_together(&mut eng, &warm)?;
-    println!(
-        "{}",
-        serde_json::json!({"concurrent": n, "first_step_ms": first.first(), "median_step_ms_in_first_run": median(&first)})
-    );
+    if rank0 {
+        println!(
+            "{}",
+            serde_json::json!({"concurrent": n, "tensor_parallel": tp, "first_step_ms": first.first(), "median_step_ms_in_first_run": median(&first)})
+        );
+    }
     eng.generate(Prompt::Tokens(warm[0].clone()), params.clone(), &mut NoObserver)?;
     for r in 0..reps {
         let prompts: Vec<Vec<u32>> = (0..n).map(|i| ids(prompt, vocab, 1 + (r * 100 + i) as u32)).collect();
@@ -396,10 +428,13 @@ fn concurrent(
         profiling.set(false);
         let par_s = t.elapsed().as_secs_f64();
         let total = (n * gen) as f64;
+        if !rank0 {
+            continue;
+        }
         println!(
             "{}",
             serde_json::json!({
-                "concurrent": n, "prompt": prompt, "gen": gen, "cache": info.cache_kind, "dtype": info.dtype,
+                "concurrent": n, "tensor_parallel": tp, "prompt": prompt, "gen": gen, "cache": info.cache_kind, "dtype": info.dtype,
                 "sequential_tps": total / seq_s, "concurrent_tps": total / par_s, "ratio": seq_s / par_s,
                 "median_step_ms": median(&steps), "solo_step_ms": median(&solo),
             })
@@ -428,5 +463,45 @@ fn cuda_profiler(start: bool) {
             let f: extern "C" fn() -> c_int = std::mem::transmute(f);
             f();
         }
+    }
+}
+
+/// Starts `n` ranks of this same command over MLX's ring backend on
+/// loopback and waits for them; rank 0's output is ours. Every rank must
+/// finish: one that fails fails the run.
+fn launch(args: &[String], dir: &std::path::Path, n: usize) -> mlx_lfm::Result<()> {
+    use std::process::{Command, Stdio};
+    let ports: Vec<u16> = (0..n)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()))
+        .collect::<std::io::Result<_>>()?;
+    let hosts: Vec<Vec<String>> = ports.iter().map(|p| vec![format!("127.0.0.1:{p}")]).collect();
+    let hostfile = std::env::temp_dir().join(format!("mlx-lfm-bench-hosts-{}.json", std::process::id()));
+    std::fs::write(&hostfile, serde_json::to_string(&hosts).unwrap())?;
+    // The checkpoint exists by now: the ranks read it rather than generate it.
+    let mut child_args: Vec<String> = args[1..].to_vec();
+    child_args.extend(["--model".into(), dir.display().to_string()]);
+    let exe = std::env::current_exe()?;
+    let mut children = vec![];
+    for r in 0..n {
+        let child = Command::new(&exe)
+            .args(&child_args)
+            .env("MLX_HOSTFILE", &hostfile)
+            .env("MLX_RANK", r.to_string())
+            .stdout(if r == 0 { Stdio::inherit() } else { Stdio::null() })
+            .spawn()?;
+        children.push(child);
+    }
+    let mut failed = vec![];
+    for (r, mut c) in children.into_iter().enumerate() {
+        let status = c.wait()?;
+        if !status.success() {
+            failed.push(format!("rank {r}: {status}"));
+        }
+    }
+    std::fs::remove_file(&hostfile).ok();
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(mlx_lfm::Error::mlx(format!("tensor-parallel ranks failed: {}", failed.join(", "))))
     }
 }

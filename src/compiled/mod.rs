@@ -42,10 +42,10 @@ impl CompiledStep {
         for &attn in &c.attn_layers {
             if attn {
                 for _ in 0..2 {
-                    ins.push(mlx::zeros(&[1, c.num_kv_heads as i32, cap, c.head_dim as i32], model.dtype)?);
+                    ins.push(mlx::zeros(&[1, model.local_kv_heads(), cap, c.head_dim as i32], model.dtype)?);
                 }
             } else {
-                ins.push(mlx::zeros(&[1, c.conv_kernel as i32 - 1, c.hidden_size as i32], model.dtype)?);
+                ins.push(mlx::zeros(&[1, c.conv_kernel as i32 - 1, model.local_conv_dim()], model.dtype)?);
             }
         }
         step.run(model, &ins, true)?;
@@ -112,7 +112,7 @@ impl CompiledStep {
         cache.begin_decode_token()?;
         let pos = cache.pos;
         let mut ins: Vec<Array> = vec![ids.clone(), Array::scalar(pos as f64, Dtype::Int32)?];
-        let kv_shape = [1, c.num_kv_heads as i32, 1, c.head_dim as i32];
+        let kv_shape = [1, model.local_kv_heads(), 1, c.head_dim as i32];
         for lc in cache.layers.iter_mut() {
             match lc {
                 LayerCache::Attention(kv) => {
@@ -128,7 +128,7 @@ impl CompiledStep {
                 }
                 LayerCache::Conv(s) => ins.push(match s {
                     Some(s) => s.clone(),
-                    None => mlx::zeros(&[1, c.conv_kernel as i32 - 1, c.hidden_size as i32], model.dtype)?,
+                    None => mlx::zeros(&[1, c.conv_kernel as i32 - 1, model.local_conv_dim()], model.dtype)?,
                 }),
             }
         }

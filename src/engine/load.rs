@@ -56,6 +56,12 @@ pub struct EngineOptions {
     pub prefix_cache_disk_mb: Option<usize>,
     /// Told the bytes of weights evaluated so far (see `model::Progress`).
     pub progress: Option<Progress>,
+    /// Tensor parallel: the group this process is one rank of; it loads
+    /// and runs only its shard. None (or a group of one): the whole model.
+    pub group: Option<crate::mlx::distributed::Group>,
+    /// Tensor parallel by backend name: join the group this process was
+    /// started in (when `group` is not given).
+    pub distributed: Option<String>,
 }
 
 /// The prefix cache's default disk budget (MiB).
@@ -127,6 +133,9 @@ pub struct ModelInfo {
     pub fingerprint: String,
     pub backend: String,
     pub device: String,
+    /// Ranks the model is split over (1: one process) and this one's rank.
+    pub world_size: usize,
+    pub rank: usize,
 }
 
 fn generation_config_eos(dir: &Path) -> Result<Vec<u32>> {
@@ -250,7 +259,14 @@ impl Engine {
         }
         let disabled = env_flag("MLX_LFM_DISABLE_COMPILED")?;
         let tokenizer = Arc::new(Tokenizer::load(dir)?);
-        let loaded = load_model(dir, &LoadOptions { dtype: opts.dtype, progress: opts.progress.clone() })?;
+        let group = match (&opts.group, &opts.distributed) {
+            (Some(g), _) => Some(g.clone()),
+            (None, Some(b)) => {
+                Some(crate::mlx::distributed::Group::init_within(b, crate::mlx::distributed::watchdog::timeout())?)
+            }
+            (None, None) => None,
+        };
+        let loaded = load_model(dir, &LoadOptions { dtype: opts.dtype, progress: opts.progress.clone(), group })?;
         let mut model = loaded.model;
         if let Some(n) = opts.context_length {
             let max = model.config.max_position_embeddings;
@@ -370,6 +386,8 @@ impl Engine {
                 runtime::DeviceType::Cpu => "cpu".into(),
                 runtime::DeviceType::Gpu => "gpu".into(),
             },
+            world_size: model.world_size(),
+            rank: model.rank(),
         };
         Ok(Engine {
             model,

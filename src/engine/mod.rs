@@ -12,6 +12,7 @@
 pub mod fingerprint;
 mod load;
 pub mod session_file;
+pub mod lockstep;
 pub mod scheduler;
 pub mod worker;
 
@@ -99,6 +100,17 @@ impl Engine {
         crate::mlx::runtime::clear_cache();
     }
 
+    /// The group when this process is rank 0 of a tensor-parallel model:
+    /// it decides, and tells the other ranks first (see lockstep.rs).
+    pub fn leader(&self) -> Option<crate::mlx::distributed::Group> {
+        self.model.shard.as_ref().filter(|s| s.rank == 0).map(|s| s.group.clone())
+    }
+
+    /// The group when this process is another rank: it only follows.
+    pub fn follower(&self) -> Option<crate::mlx::distributed::Group> {
+        self.model.shard.as_ref().filter(|s| s.rank != 0).map(|s| s.group.clone())
+    }
+
     pub fn info(&self) -> ModelInfo {
         self.info.lock().clone()
     }
@@ -168,3 +180,5 @@ impl Engine {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tp_tests;

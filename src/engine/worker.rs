@@ -225,6 +225,11 @@ impl ModelWorker {
 fn schedule(engine: &mut Engine, rx: std::sync::mpsc::Receiver<Msg>) {
     use std::sync::mpsc::TryRecvError;
     let mut sched = Scheduler::new();
+    // Tensor parallel: rank 0 announces what it does (lockstep.rs); the
+    // other ranks take no requests of their own (their `follow` job
+    // replays rank 0's).
+    let leader = engine.leader();
+    let follower = engine.follower().map(|g| g.rank());
     let mut open = true;
     loop {
         let msg = if sched.is_idle() {
@@ -256,6 +261,23 @@ fn schedule(engine: &mut Engine, rx: std::sync::mpsc::Receiver<Msg>) {
                 continue;
             }
             Some(Msg::Generate(req)) => {
+                if let Some(rank) = follower {
+                    req.fail(Error::invalid(format!(
+                        "this process is rank {rank} of a tensor-parallel group: it follows rank 0, which takes the requests"
+                    )));
+                    continue;
+                }
+                let req = match &leader {
+                    Some(g) => match super::lockstep::lead_request(engine, g, req) {
+                        Ok(Some(r)) => r,
+                        Ok(None) => continue,
+                        Err(e) => {
+                            eprintln!("mlx-lfm: could not reach the other ranks: {}", e.message);
+                            continue;
+                        }
+                    },
+                    None => req,
+                };
                 if let Err(p) = catch_unwind(AssertUnwindSafe(|| sched.submit(engine, req))) {
                     eprintln!("mlx-lfm: internal panic while starting a request: {}", panic_message(p));
                 }
@@ -263,6 +285,14 @@ fn schedule(engine: &mut Engine, rx: std::sync::mpsc::Receiver<Msg>) {
                 continue;
             }
             None => {}
+        }
+        if let Some(g) = &leader {
+            if let Err(e) = super::lockstep::announce(g, &super::lockstep::Command::Step) {
+                // The group is broken: nothing can run any more.
+                eprintln!("mlx-lfm: could not reach the other ranks: {}", e.message);
+                sched.forget();
+                continue;
+            }
         }
         if let Err(p) = catch_unwind(AssertUnwindSafe(|| sched.prefill_next(engine))) {
             eprintln!("mlx-lfm: internal panic during a prefill: {}", panic_message(p));
@@ -274,6 +304,9 @@ fn schedule(engine: &mut Engine, rx: std::sync::mpsc::Receiver<Msg>) {
         }
         // After the step, not inside it: blocks it evicted go to disk.
         let _ = catch_unwind(AssertUnwindSafe(|| engine.drain_spills()));
+    }
+    if let Some(g) = &leader {
+        let _ = super::lockstep::announce(g, &super::lockstep::Command::Close);
     }
 }
 

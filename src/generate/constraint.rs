@@ -19,7 +19,7 @@ use std::sync::Arc;
 use toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 
 /// What the output must match.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum Grammar {
     /// A JSON schema (generated compactly unless its `x-guidance` says otherwise).
     JsonSchema(Value),

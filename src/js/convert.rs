@@ -70,6 +70,15 @@ pub struct LoadOptions<'env> {
     /// `totalBytes`. If it throws, the load stops and rejects with that error.
     #[napi(ts_type = "(progress: LoadProgress) => void")]
     pub on_progress: Option<Unknown<'env>>,
+    /// Tensor parallelism: join the MLX distributed group this process was
+    /// started in (`ring` reads MLX_HOSTFILE and MLX_RANK, as `mlx.launch`
+    /// sets them) and load only this rank's shard. Every rank must then make
+    /// the same calls in the same order (greedy or seeded sampling), as with
+    /// mlx-lm's sharded models. A rank that never joins fails the load after
+    /// MLX_LFM_TP_TIMEOUT_S (default 300); `info().worldSize` and `rank` say
+    /// where this process stands.
+    #[napi(ts_type = "'ring' | 'nccl' | 'jaccl' | 'mpi' | 'any'")]
+    pub distributed: Option<String>,
 }
 
 /// How far a load is (see `LoadOptions.onProgress`).
@@ -100,6 +109,7 @@ pub const LOAD_OPTION_KEYS: &[&str] = &[
     "prefixCacheDir",
     "prefixCacheDiskMb",
     "onProgress",
+    "distributed",
 ];
 
 #[napi(object, object_to_js = false)]
@@ -520,6 +530,10 @@ pub struct ModelInfo {
     pub backend: String,
     #[napi(ts_type = "'cpu' | 'gpu'")]
     pub device: String,
+    /// Processes the model is split over (1 unless loaded with `distributed`).
+    pub world_size: u32,
+    /// This process's rank in that group (0 alone).
+    pub rank: u32,
 }
 
 /// The engine's options (all but `onProgress`, which `Lfm2Model::load`
@@ -554,6 +568,15 @@ pub fn engine_options(o: Option<LoadOptions>) -> Result<EngineOptions> {
             e.prefix_cache_dir = Some(std::path::PathBuf::from(d));
         }
         e.prefix_cache_disk_mb = int_option("prefixCacheDiskMb", o.prefix_cache_disk_mb, 1, 1 << 30)?.map(|n| n as usize);
+        if let Some(b) = o.distributed {
+            if !crate::mlx::distributed::BACKENDS.contains(&b.as_str()) {
+                return Err(js_error(Error::invalid(format!(
+                    "distributed `{b}` is not valid; use {}",
+                    crate::mlx::distributed::BACKENDS.join(", ")
+                ))));
+            }
+            e.distributed = Some(b);
+        }
         if let Some(d) = o.device {
             e.device = Some(match d.as_str() {
                 "cpu" => runtime::DeviceType::Cpu,
@@ -921,5 +944,7 @@ pub fn to_model_info(i: &engine::ModelInfo) -> ModelInfo {
         fingerprint: i.fingerprint.clone(),
         backend: i.backend.clone(),
         device: i.device.clone(),
+        world_size: i.world_size as u32,
+        rank: i.rank as u32,
     }
 }

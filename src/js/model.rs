@@ -2,6 +2,7 @@
 //! thread, then queues the work on the model's worker thread and returns a
 //! promise that the worker settles; the event loop is never blocked.
 
+use crate::engine::lockstep;
 use super::args::{self, classed, rejected};
 use super::convert::{
     aborted_result, generate_params, to_cache_stats, to_chat_messages, to_chat_reply, to_chat_result, to_model_info,
@@ -353,7 +354,12 @@ impl Lfm2Model {
         };
         let (deferred, promise) = env.create_deferred()?;
         self.worker.run(
-            move |eng| eng.logits(&token_ids),
+            move |eng| {
+                if let Some(g) = eng.leader() {
+                    lockstep::announce(&g, &lockstep::Command::Logits(token_ids.clone()))?;
+                }
+                eng.logits(&token_ids)
+            },
             move |r| match r {
                 Ok(v) => deferred.resolve(move |_| Ok(Float32Array::new(v))),
                 Err(e) => deferred.reject(js_error(e)),
@@ -438,6 +444,9 @@ impl Lfm2Model {
         let (deferred, promise) = env.create_deferred()?;
         self.worker.run(
             move |eng| {
+                if let Some(g) = eng.leader() {
+                    lockstep::announce(&g, &lockstep::Command::ClearPrefixCache)?;
+                }
                 eng.clear_prefix_cache();
                 Ok(())
             },
@@ -459,9 +468,37 @@ impl Lfm2Model {
     pub fn warm_up<'e>(&self, env: &'e Env) -> Result<Object<'e>> {
         let (deferred, promise) = env.create_deferred()?;
         self.worker.run_scheduled(
-            move |eng, sched| sched.warm_up(eng),
+            move |eng, sched| {
+                if let Some(g) = eng.leader() {
+                    lockstep::announce(&g, &lockstep::Command::WarmUp)?;
+                }
+                sched.warm_up(eng)
+            },
             move |r| match r {
                 Ok(ms) => deferred.resolve(move |_| Ok(ms)),
+                Err(e) => deferred.reject(js_error(e)),
+            },
+        );
+        Ok(promise)
+    }
+
+    /// On a rank other than 0 of a tensor-parallel model (loaded with
+    /// `distributed`): runs rank 0's requests, as rank 0 announces them,
+    /// until rank 0's model is closed (resolves) or the group fails
+    /// (rejects). Rank 0 takes every request; a follower takes none of its
+    /// own. Rejects on rank 0 and on a model of one process.
+    #[napi(ts_return_type = "Promise<void>")]
+    pub fn follow<'e>(&self, env: &'e Env) -> Result<Object<'e>> {
+        let (deferred, promise) = env.create_deferred()?;
+        self.worker.run_scheduled(
+            move |eng, _| match eng.follower() {
+                Some(g) => lockstep::follow(eng, &g),
+                None => Err(crate::error::Error::invalid(
+                    "follow() is for ranks other than 0 of a model loaded with `distributed`; this process takes requests itself",
+                )),
+            },
+            move |r| match r {
+                Ok(()) => deferred.resolve(|_| Ok(())),
                 Err(e) => deferred.reject(js_error(e)),
             },
         );

@@ -227,6 +227,7 @@ impl Array {
         let a = if self.dtype() == T::DTYPE { self.clone() } else { self.astype(T::DTYPE)? };
         let mut out = vec![T::default(); a.size()];
         check(unsafe {
+            let _watch = super::distributed::watchdog::enter();
             ffi::mlxb_array_to_host(a.0, out.as_mut_ptr() as *mut _, out.len() * std::mem::size_of::<T>())
         })?;
         Ok(out)
@@ -235,6 +236,7 @@ impl Array {
     /// Evaluates and copies the raw bytes (in the array's own dtype).
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
         let mut out = vec![0u8; self.nbytes()];
+        let _watch = super::distributed::watchdog::enter();
         check(unsafe { ffi::mlxb_array_to_host(self.0, out.as_mut_ptr() as *mut _, out.len()) })?;
         Ok(out)
     }
@@ -250,10 +252,12 @@ impl Array {
 
 pub fn eval(arrays: &[&Array]) -> Result<()> {
     let hs: Vec<Handle> = arrays.iter().map(|a| a.0).collect();
+    let _watch = super::distributed::watchdog::enter();
     check(unsafe { ffi::mlxb_eval(hs.as_ptr(), hs.len()) })
 }
 
 pub fn async_eval(arrays: &[&Array]) -> Result<()> {
     let hs: Vec<Handle> = arrays.iter().map(|a| a.0).collect();
+    let _watch = super::distributed::watchdog::enter();
     check(unsafe { ffi::mlxb_async_eval(hs.as_ptr(), hs.len()) })
 }

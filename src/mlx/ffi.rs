@@ -19,6 +19,11 @@ pub struct mlxb_arrays_s {
 pub struct mlxb_kernel_s {
     _p: [u8; 0],
 }
+#[repr(C)]
+pub struct mlxb_group_s {
+    _p: [u8; 0],
+}
+pub type GroupHandle = *mut mlxb_group_s;
 pub type KernelHandle = *mut mlxb_kernel_s;
 pub type Handle = *mut mlxb_array_s;
 pub type FnHandle = *mut mlxb_fn_s;
@@ -29,6 +34,17 @@ pub type KvCb = extern "C" fn(ctx: *mut c_void, key: *const c_char, value: *cons
 pub type TraceCb = extern "C" fn(ctx: *mut c_void, ins: *const Handle, n_in: usize, outs: ArraysHandle) -> c_int;
 
 extern "C" {
+    pub fn mlxb_dist_is_available(backend: *const c_char) -> c_int;
+    pub fn mlxb_dist_init(backend: *const c_char, strict: c_int, out: *mut GroupHandle) -> c_int;
+    pub fn mlxb_group_free(g: GroupHandle);
+    pub fn mlxb_group_rank(g: GroupHandle) -> c_int;
+    pub fn mlxb_group_size(g: GroupHandle) -> c_int;
+    pub fn mlxb_all_sum(x: Handle, g: GroupHandle, out: *mut Handle) -> c_int;
+    pub fn mlxb_all_max(x: Handle, g: GroupHandle, out: *mut Handle) -> c_int;
+    pub fn mlxb_all_gather(x: Handle, g: GroupHandle, out: *mut Handle) -> c_int;
+    pub fn mlxb_dist_send(x: Handle, dst: c_int, g: GroupHandle, out: *mut Handle) -> c_int;
+    pub fn mlxb_dist_recv(shape: *const i32, ndim: c_int, dtype: c_int, src: c_int, g: GroupHandle, out: *mut Handle) -> c_int;
+
     pub fn mlxb_last_error() -> *const c_char;
     pub fn mlxb_version() -> *const c_char;
     pub fn mlxb_set_error(msg: *const c_char);

@@ -3,6 +3,7 @@
 
 mod array;
 mod compile;
+pub mod distributed;
 mod ffi;
 mod io;
 pub mod kernel;

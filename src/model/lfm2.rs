@@ -16,7 +16,7 @@ use crate::cache::{
 use parking_lot::Mutex;
 use std::sync::Arc;
 use super::config::ModelConfig;
-use super::linear::{Embedding, Linear, Projections};
+use super::linear::{reduce, Embedding, Linear, Projections, Shard, Split};
 use super::lfm2_moe::SparseMoe;
 use super::quant::QuantRegistry;
 use super::weights::TensorStore;
@@ -35,26 +35,38 @@ pub struct Attention {
     pub scale: f32,
     pub rope_theta: f32,
     pub eps: f32,
+    /// Tensor parallel: this rank's heads only; out_proj's partial sums are
+    /// joined over the group.
+    pub shard: Option<Shard>,
 }
 
 impl Attention {
-    fn load(st: &mut TensorStore, reg: &QuantRegistry, p: &str, c: &ModelConfig) -> Result<Attention> {
+    /// Over several ranks each keeps a contiguous group of KV heads and the
+    /// query heads that read them (q/k/v column-sharded, out_proj
+    /// row-sharded): a query head's KV head stays on its rank.
+    fn load(st: &mut TensorStore, reg: &QuantRegistry, p: &str, c: &ModelConfig, shard: Option<&Shard>) -> Result<Attention> {
         let (d, hd) = (c.hidden_size, c.head_dim);
+        let (cols, rows) = match shard {
+            Some(s) => (Split::Out { shard: s, chunks: 1 }, Split::In(s)),
+            None => (Split::Whole, Split::Whole),
+        };
+        let ranks = shard.map(|s| s.size).unwrap_or(1);
         Ok(Attention {
             qkv: Projections::new(vec![
-                Linear::load(st, reg, &format!("{p}.q_proj"), d, c.num_heads * hd, false)?,
-                Linear::load(st, reg, &format!("{p}.k_proj"), d, c.num_kv_heads * hd, false)?,
-                Linear::load(st, reg, &format!("{p}.v_proj"), d, c.num_kv_heads * hd, false)?,
+                Linear::load_split(st, reg, &format!("{p}.q_proj"), d, c.num_heads * hd, false, cols)?,
+                Linear::load_split(st, reg, &format!("{p}.k_proj"), d, c.num_kv_heads * hd, false, cols)?,
+                Linear::load_split(st, reg, &format!("{p}.v_proj"), d, c.num_kv_heads * hd, false, cols)?,
             ])?,
-            out_proj: Linear::load(st, reg, &format!("{p}.out_proj"), c.num_heads * hd, d, false)?,
+            out_proj: Linear::load_split(st, reg, &format!("{p}.out_proj"), c.num_heads * hd, d, false, rows)?,
             q_norm: st.get_shaped(&format!("{p}.q_layernorm.weight"), &[hd as i32])?,
             k_norm: st.get_shaped(&format!("{p}.k_layernorm.weight"), &[hd as i32])?,
-            n_heads: c.num_heads as i32,
-            n_kv_heads: c.num_kv_heads as i32,
+            n_heads: (c.num_heads / ranks) as i32,
+            n_kv_heads: (c.num_kv_heads / ranks) as i32,
             head_dim: hd as i32,
             scale: (hd as f32).powf(-0.5),
             rope_theta: c.rope_theta,
             eps: c.norm_eps,
+            shard: shard.cloned(),
         })
     }
 
@@ -87,7 +99,7 @@ impl Attention {
     fn output(&self, o: &Array) -> Result<Array> {
         let (b, t) = (o.dim(0), o.dim(2));
         let o = o.transpose(&[0, 2, 1, 3])?.reshape(&[b, t, self.n_heads * self.head_dim])?;
-        self.out_proj.forward(&o)
+        reduce(&self.shard, self.out_proj.forward(&o)?)
     }
 
     /// Attention layer `layer` over whatever cache the pass runs on.
@@ -108,11 +120,16 @@ pub struct ShortConv {
     pub conv_weight_dl: Array,
     pub conv_bias: Option<Array>,
     pub kernel: i32,
+    /// Channels this rank convolves (all of them on one rank).
     pub dim: i32,
+    pub shard: Option<Shard>,
 }
 
 impl ShortConv {
-    fn load(st: &mut TensorStore, reg: &QuantRegistry, p: &str, c: &ModelConfig) -> Result<ShortConv> {
+    /// The conv is depthwise, so over several ranks each keeps a slice of
+    /// the channels: its part of in_proj's B, C and x blocks, of the conv
+    /// kernel and bias, and of out_proj's inputs (row-sharded).
+    fn load(st: &mut TensorStore, reg: &QuantRegistry, p: &str, c: &ModelConfig, shard: Option<&Shard>) -> Result<ShortConv> {
         let d = c.hidden_size as i32;
         let l = c.conv_kernel as i32;
         let name = format!("{p}.conv.weight");
@@ -127,14 +144,31 @@ impl ShortConv {
                 )))
             }
         };
+        let conv_bias = if c.conv_bias { Some(st.get_shaped(&format!("{p}.conv.bias"), &[d])?) } else { None };
+        let (cols, rows, local) = match shard {
+            Some(s) => (Split::Out { shard: s, chunks: 3 }, Split::In(s), s.part("hidden_size (conv channels)", d as usize)? as i32),
+            None => (Split::Whole, Split::Whole, d),
+        };
+        // This rank's channels (a gather: the full kernel can be freed).
+        let channels = |a: Array| -> Result<Array> {
+            match shard {
+                Some(s) => {
+                    let idx: Vec<i32> = (s.rank as i32 * local..(s.rank as i32 + 1) * local).collect();
+                    a.take(&Array::from_slice(&idx, &[local])?, 0)
+                }
+                None => Ok(a),
+            }
+        };
+        let w = channels(w)?;
         Ok(ShortConv {
-            conv_weight_dl: w.reshape(&[d, l])?,
-            in_proj: Linear::load(st, reg, &format!("{p}.in_proj"), d as usize, 3 * d as usize, c.conv_bias)?,
-            out_proj: Linear::load(st, reg, &format!("{p}.out_proj"), d as usize, d as usize, c.conv_bias)?,
+            in_proj: Linear::load_split(st, reg, &format!("{p}.in_proj"), d as usize, 3 * d as usize, c.conv_bias, cols)?,
+            out_proj: Linear::load_split(st, reg, &format!("{p}.out_proj"), d as usize, d as usize, c.conv_bias, rows)?,
+            conv_weight_dl: w.reshape(&[local, l])?,
             conv_weight: w,
-            conv_bias: if c.conv_bias { Some(st.get_shaped(&format!("{p}.conv.bias"), &[d])?) } else { None },
+            conv_bias: conv_bias.map(channels).transpose()?,
             kernel: l,
-            dim: d,
+            dim: local,
+            shard: shard.cloned(),
         })
     }
 
@@ -149,7 +183,7 @@ impl ShortConv {
             // launch.
             let (padded, y) = crate::kernels::short_conv::conv_step(&bcx, &prev, &self.conv_weight_dl)?;
             cache.conv_update(layer, &padded, keep)?;
-            return self.out_proj.forward(&y);
+            return reduce(&self.shard, self.out_proj.forward(&y)?);
         }
         self.conv_stock(&bcx, &prev, layer, cache)
     }
@@ -165,7 +199,7 @@ impl ShortConv {
             conv = conv.add(b)?;
         }
         let y = parts[1].mul(&conv)?;
-        self.out_proj.forward(&y)
+        reduce(&self.shard, self.out_proj.forward(&y)?)
     }
 }
 
@@ -174,28 +208,35 @@ pub struct Mlp {
     /// w1 and w3 (stacked into one matmul where they can be).
     pub w13: Projections,
     pub w2: Linear,
+    /// Tensor parallel: w1/w3 column-sharded, w2 row-sharded.
+    pub shard: Option<Shard>,
 }
 
 impl Mlp {
-    fn load(st: &mut TensorStore, reg: &QuantRegistry, p: &str, d: usize, ff: usize) -> Result<Mlp> {
+    fn load(st: &mut TensorStore, reg: &QuantRegistry, p: &str, d: usize, ff: usize, shard: Option<&Shard>) -> Result<Mlp> {
         // LFM2 names them w1/w2/w3; LFM2-MoE checkpoints converted by mlx-lm use gate/down/up_proj.
         let names = if st.has(&format!("{p}.gate_proj.weight")) {
             ["gate_proj", "down_proj", "up_proj"]
         } else {
             ["w1", "w2", "w3"]
         };
+        let (cols, rows) = match shard {
+            Some(s) => (Split::Out { shard: s, chunks: 1 }, Split::In(s)),
+            None => (Split::Whole, Split::Whole),
+        };
         Ok(Mlp {
             w13: Projections::new(vec![
-                Linear::load(st, reg, &format!("{p}.{}", names[0]), d, ff, false)?,
-                Linear::load(st, reg, &format!("{p}.{}", names[2]), d, ff, false)?,
+                Linear::load_split(st, reg, &format!("{p}.{}", names[0]), d, ff, false, cols)?,
+                Linear::load_split(st, reg, &format!("{p}.{}", names[2]), d, ff, false, cols)?,
             ])?,
-            w2: Linear::load(st, reg, &format!("{p}.{}", names[1]), ff, d, false)?,
+            w2: Linear::load_split(st, reg, &format!("{p}.{}", names[1]), ff, d, false, rows)?,
+            shard: shard.cloned(),
         })
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let gu = self.w13.forward(x)?;
-        self.w2.forward(&gu[0].silu()?.mul(&gu[1])?)
+        reduce(&self.shard, self.w2.forward(&gu[0].silu()?.mul(&gu[1])?)?)
     }
 }
 
@@ -276,12 +317,33 @@ pub struct Lfm2Model {
     /// The paged KV pool every new cache draws from; None: flat caches.
     /// Set with [`Lfm2Model::use_paged_cache`].
     pub paged: Option<SharedPool>,
+    /// This process's part of a tensor-parallel model (None on one rank):
+    /// its layers hold only their heads, channels and expert widths, and
+    /// its caches only those heads' K/V and those channels' conv state.
+    pub shard: Option<Shard>,
 }
 
 impl Lfm2Model {
-    pub fn load(st: &mut TensorStore, config: ModelConfig, registry: QuantRegistry) -> Result<Lfm2Model> {
+    /// Loads the model, or with `shard` this rank's part of it (the embedding,
+    /// norms, head and MoE routers are replicated). A config that the group
+    /// cannot split evenly is refused here, naming the field.
+    pub fn load(st: &mut TensorStore, config: ModelConfig, registry: QuantRegistry, shard: Option<Shard>) -> Result<Lfm2Model> {
         let c = &config;
         let d = c.hidden_size;
+        if let Some(s) = &shard {
+            s.part("num_key_value_heads", c.num_kv_heads)?;
+            s.part("num_attention_heads", c.num_heads)?;
+            if c.attn_layers.iter().any(|a| !a) {
+                s.part("hidden_size (conv channels)", c.hidden_size)?;
+            }
+            if (0..c.num_layers).any(|i| !c.is_moe_layer(i)) {
+                s.part("the feed-forward width", c.ff_dim)?;
+            }
+            if let Some(m) = &c.moe {
+                s.part("moe_intermediate_size", m.moe_ff_dim)?;
+            }
+        }
+        let sh = shard.as_ref();
         let final_norm = st.get_shaped("model.embedding_norm.weight", &[d as i32])?;
         let dtype = final_norm.dtype();
         let embed = Embedding::load(st, &registry, "model.embed_tokens", c.vocab_size, d, dtype)?;
@@ -289,14 +351,14 @@ impl Lfm2Model {
         for i in 0..c.num_layers {
             let p = format!("model.layers.{i}");
             let operator = if c.attn_layers[i] {
-                Operator::Attention(Attention::load(st, &registry, &format!("{p}.self_attn"), c)?)
+                Operator::Attention(Attention::load(st, &registry, &format!("{p}.self_attn"), c, sh)?)
             } else {
-                Operator::Conv(ShortConv::load(st, &registry, &format!("{p}.conv"), c)?)
+                Operator::Conv(ShortConv::load(st, &registry, &format!("{p}.conv"), c, sh)?)
             };
             let feed_forward = if c.is_moe_layer(i) {
-                FeedForward::Moe(SparseMoe::load(st, &registry, &format!("{p}.feed_forward"), c)?)
+                FeedForward::Moe(SparseMoe::load(st, &registry, &format!("{p}.feed_forward"), c, sh)?)
             } else {
-                FeedForward::Dense(Mlp::load(st, &registry, &format!("{p}.feed_forward"), d, c.ff_dim)?)
+                FeedForward::Dense(Mlp::load(st, &registry, &format!("{p}.feed_forward"), d, c.ff_dim, sh)?)
             };
             layers.push(Layer {
                 operator,
@@ -327,6 +389,7 @@ impl Lfm2Model {
             context_length,
             norm_eps,
             paged: None,
+            shard,
         })
     }
 
@@ -357,9 +420,16 @@ impl Lfm2Model {
     /// is none): logits `[B, T, V]` for hidden states `[B, T, D]`.
     pub fn head(&self, h: &Array) -> Result<Array> {
         let h = mlx::rms_norm(h, Some(&self.final_norm), self.config.norm_eps)?;
-        match &self.lm_head {
-            Some(head) => head.forward(&h),
-            None => self.embed.as_linear(&h),
+        let logits = match &self.lm_head {
+            Some(head) => head.forward(&h)?,
+            None => self.embed.as_linear(&h)?,
+        };
+        // Tensor parallel: every rank samples from rank 0's logits, so the
+        // tokens are rank 0's even if a reduction rounded differently on
+        // another rank (the others' own head is then never computed).
+        match &self.shard {
+            Some(s) => s.group.broadcast_array(&logits),
+            None => Ok(logits),
         }
     }
 
@@ -455,14 +525,33 @@ impl Lfm2Model {
         Ok(out)
     }
 
+    /// The group size the model is split over (1: not split).
+    pub fn world_size(&self) -> usize {
+        self.shard.as_ref().map(|s| s.size).unwrap_or(1)
+    }
+
+    pub fn rank(&self) -> usize {
+        self.shard.as_ref().map(|s| s.rank).unwrap_or(0)
+    }
+
+    /// KV heads this rank's caches hold.
+    pub fn local_kv_heads(&self) -> i32 {
+        (self.config.num_kv_heads / self.world_size()) as i32
+    }
+
+    /// Conv channels this rank's caches hold.
+    pub fn local_conv_dim(&self) -> i32 {
+        (self.config.hidden_size / self.world_size()) as i32
+    }
+
     /// What a stacked decode batch needs to make empty rows.
     pub fn batch_shape(&self) -> BatchShape {
         let c = &self.config;
         BatchShape {
-            kv_heads: c.num_kv_heads as i32,
+            kv_heads: self.local_kv_heads(),
             head_dim: c.head_dim as i32,
             conv_keep: c.conv_kernel as i32 - 1,
-            hidden: c.hidden_size as i32,
+            hidden: self.local_conv_dim(),
             dtype: self.dtype,
         }
     }
@@ -490,10 +579,10 @@ impl Lfm2Model {
         let shape = PoolShape {
             attn_layers: c.num_attention_layers(),
             conv_layers: c.num_layers - c.num_attention_layers(),
-            kv_heads: c.num_kv_heads as i32,
+            kv_heads: self.local_kv_heads(),
             head_dim: c.head_dim as i32,
             conv_keep: c.conv_kernel as i32 - 1,
-            hidden: c.hidden_size as i32,
+            hidden: self.local_conv_dim(),
             dtype: self.dtype,
         };
         let pool = Arc::new(Mutex::new(PagedPool::new(cfg, shape, salt)?));

@@ -13,7 +13,7 @@
 //! that of the checkpoint.
 
 use super::config::ModelConfig;
-use super::linear::{fuse_projections, load_weight, split_widths, Linear, Weight};
+use super::linear::{fuse_projections, load_weight, reduce, split_weight, split_widths, Linear, Shard, Split, Weight};
 use super::quant::QuantRegistry;
 use super::weights::TensorStore;
 use crate::error::{Error, Result};
@@ -40,6 +40,11 @@ pub struct SparseMoe {
     /// The fused router's selection bias (zeros without one) and scale,
     /// made once rather than uploaded per layer per token.
     router_consts: (Array, Array),
+    /// Tensor parallel: every expert's hidden width is split across the
+    /// ranks (gate/up column-sharded, down row-sharded) with the router
+    /// replicated, so each rank runs the same routing over its slice of
+    /// every chosen expert and one all_sum per layer joins them.
+    pub shard: Option<Shard>,
 }
 
 fn stack_experts(st: &mut TensorStore, p: &str, names: &[&str], e: usize, out: i32, inp: i32) -> Result<Weight> {
@@ -68,7 +73,7 @@ fn grouped_prefill() -> Result<bool> {
 }
 
 impl SparseMoe {
-    pub fn load(st: &mut TensorStore, reg: &QuantRegistry, p: &str, c: &ModelConfig) -> Result<SparseMoe> {
+    pub fn load(st: &mut TensorStore, reg: &QuantRegistry, p: &str, c: &ModelConfig, shard: Option<&Shard>) -> Result<SparseMoe> {
         let m = c.moe.as_ref().expect("MoE layer in a dense config");
         let (d, ff, e) = (c.hidden_size as i32, m.moe_ff_dim as i32, m.num_experts);
         let (gate_proj, up_proj, down_proj) = if st.has(&format!("{p}.switch_mlp.gate_proj.weight")) {
@@ -84,6 +89,18 @@ impl SparseMoe {
                 stack_experts(st, p, &["w3", "up_proj"], e, ff, d)?,
                 stack_experts(st, p, &["w2", "down_proj"], e, d, ff)?,
             )
+        };
+        let (gate_proj, up_proj, down_proj, ff) = match shard {
+            Some(s) => {
+                let cols = Split::Out { shard: s, chunks: 1 };
+                (
+                    split_weight(gate_proj, &format!("{p} gate_proj"), 1, ff, d, cols)?,
+                    split_weight(up_proj, &format!("{p} up_proj"), 1, ff, d, cols)?,
+                    split_weight(down_proj, &format!("{p} down_proj"), 1, d, ff, Split::In(s))?,
+                    ff / s.size as i32,
+                )
+            }
+            None => (gate_proj, up_proj, down_proj, ff),
         };
         let expert_bias = if m.use_expert_bias {
             // Selection is done in float32, like the reference.
@@ -124,6 +141,7 @@ impl SparseMoe {
                 && dense_dtype.is_some_and(|dt| dt != Dtype::Float32),
             grouped_prefill: grouped_prefill()?,
             router_consts,
+            shard: shard.cloned(),
         })
     }
 
@@ -173,7 +191,7 @@ impl SparseMoe {
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let (inds, scores) = self.route(x)?;
         let y = self.experts(x, &inds)?;
-        y.mul(&scores.expand_dims(-1)?)?.sum(&[-2], false)
+        reduce(&self.shard, y.mul(&scores.expand_dims(-1)?)?.sum(&[-2], false)?)
     }
 
     /// SwiGLU of each row through each of its k experts: `[B, T, k, D]`.

@@ -4,7 +4,82 @@
 use super::quant::QuantRegistry;
 use super::weights::TensorStore;
 use crate::error::{Error, Result};
+use crate::mlx::distributed::Group;
 use crate::mlx::{self, Array, Dtype, QuantSpec};
+
+/// This process's part of a tensor-parallel model: rank `rank` of `size`
+/// in `group`, whose `all_sum` joins the partial results of row-sharded
+/// projections. Only models over more than one rank have one.
+#[derive(Clone, Debug)]
+pub struct Shard {
+    pub group: Group,
+    pub rank: usize,
+    pub size: usize,
+}
+
+impl Shard {
+    pub fn new(group: Group) -> Shard {
+        Shard { rank: group.rank(), size: group.size(), group }
+    }
+
+    /// `count` (of `what`) split evenly, or an error naming them.
+    pub fn part(&self, what: &str, count: usize) -> Result<usize> {
+        if count % self.size != 0 {
+            return Err(Error::config(format!(
+                "tensor parallelism over {} ranks needs {what} ({count}) to be divisible by {}",
+                self.size, self.size
+            )));
+        }
+        Ok(count / self.size)
+    }
+}
+
+/// The all_sum that joins row-sharded partial outputs (nothing on one rank).
+pub fn reduce(shard: &Option<Shard>, y: Array) -> Result<Array> {
+    match shard {
+        Some(s) => s.group.all_sum(&y),
+        None => Ok(y),
+    }
+}
+
+/// How a projection (`[.., out, in]`) is cut across ranks.
+#[derive(Clone, Copy)]
+pub enum Split<'a> {
+    /// Every rank holds all of it.
+    Whole,
+    /// Column-parallel: this rank keeps its part of each of `chunks` equal
+    /// consecutive blocks of output rows (3 for the conv's B/C/x), so the
+    /// local output is the same blocks, narrower.
+    Out { shard: &'a Shard, chunks: usize },
+    /// Row-parallel: this rank keeps its slice of the input axis; the
+    /// outputs are partial sums, joined by an all_sum (a bias is kept on
+    /// rank 0 only, so it is added once).
+    In(&'a Shard),
+}
+
+/// `a` restricted to `idx` along `axis`: a gather, so the result owns new
+/// memory and the full tensor it came from can be freed after load (a
+/// slice would be a view that keeps all of it alive).
+fn take_owned(a: &Array, idx: &[i32], axis: i32) -> Result<Array> {
+    a.take(&Array::from_slice(idx, &[idx.len() as i32])?, axis)
+}
+
+/// Indices of this rank's rows: its `1/size` of each of `chunks` blocks of `n`.
+fn out_rows(path: &str, n: i32, chunks: usize, s: &Shard) -> Result<Vec<i32>> {
+    let block = n as usize / chunks;
+    if n as usize % chunks != 0 || block % s.size != 0 {
+        return Err(Error::config(format!(
+            "tensor parallelism over {} ranks cannot split the {n} outputs of `{path}` ({chunks} block(s))",
+            s.size
+        )));
+    }
+    let w = block / s.size;
+    Ok((0..chunks).flat_map(|c| (c * block + s.rank * w..c * block + (s.rank + 1) * w).map(|i| i as i32)).collect())
+}
+
+fn in_range(start: i32, len: i32) -> Vec<i32> {
+    (start..start + len).collect()
+}
 
 #[derive(Clone)]
 pub struct Quantized {
@@ -19,6 +94,74 @@ pub enum Weight {
     /// `[out, in]`, used as `x @ w.T`.
     Dense(Array),
     Quant(Quantized),
+}
+
+/// Loads this rank's part (`split`) of `<path>.weight`, whose logical shape
+/// is `lead ++ [out, in]`. Quantized weights split on group boundaries.
+pub fn load_weight_split(
+    store: &mut TensorStore,
+    reg: &QuantRegistry,
+    path: &str,
+    lead: &[i32],
+    out: i32,
+    inp: i32,
+    split: Split,
+) -> Result<Weight> {
+    let w = load_weight(store, reg, path, lead, out, inp)?;
+    split_weight(w, path, lead.len(), out, inp, split)
+}
+
+/// This rank's part (`split`) of `w` (logical shape `lead ++ [out, in]`,
+/// `lead_len` leading axes).
+pub fn split_weight(w: Weight, path: &str, lead_len: usize, out: i32, inp: i32, split: Split) -> Result<Weight> {
+    let lead = vec![0; lead_len];
+    match split {
+        Split::Whole => Ok(w),
+        Split::Out { shard, chunks } => {
+            let rows = out_rows(path, out, chunks, shard)?;
+            let axis = lead.len() as i32;
+            Ok(match w {
+                Weight::Dense(a) => Weight::Dense(take_owned(&a, &rows, axis)?),
+                Weight::Quant(q) => Weight::Quant(Quantized {
+                    weight: take_owned(&q.weight, &rows, axis)?,
+                    scales: take_owned(&q.scales, &rows, axis)?,
+                    biases: q.biases.as_ref().map(|b| take_owned(b, &rows, axis)).transpose()?,
+                    spec: q.spec,
+                }),
+            })
+        }
+        Split::In(s) => {
+            let axis = lead.len() as i32 + 1;
+            let local = inp / s.size as i32;
+            if inp % s.size as i32 != 0 {
+                return Err(Error::config(format!(
+                    "tensor parallelism over {} ranks cannot split the {inp} inputs of `{path}`",
+                    s.size
+                )));
+            }
+            let r = s.rank as i32;
+            Ok(match w {
+                Weight::Dense(a) => Weight::Dense(take_owned(&a, &in_range(r * local, local), axis)?),
+                Weight::Quant(q) => {
+                    let gs = q.spec.group_size;
+                    if local % gs != 0 || (local * q.spec.bits) % 32 != 0 {
+                        return Err(Error::config(format!(
+                            "tensor parallelism over {} ranks cannot split `{path}`: {local} inputs per rank is not a \
+                             whole number of quantization groups of {gs}",
+                            s.size
+                        )));
+                    }
+                    let (words, groups) = (local * q.spec.bits / 32, local / gs);
+                    Weight::Quant(Quantized {
+                        weight: take_owned(&q.weight, &in_range(r * words, words), axis)?,
+                        scales: take_owned(&q.scales, &in_range(r * groups, groups), axis)?,
+                        biases: q.biases.as_ref().map(|b| take_owned(b, &in_range(r * groups, groups), axis)).transpose()?,
+                        spec: q.spec,
+                    })
+                }
+            })
+        }
+    }
 }
 
 /// Loads `<path>.weight` of logical shape `lead ++ [out, in]`, quantized when
@@ -108,8 +251,31 @@ pub struct Linear {
 
 impl Linear {
     pub fn load(store: &mut TensorStore, reg: &QuantRegistry, path: &str, inp: usize, out: usize, bias: bool) -> Result<Linear> {
-        let weight = load_weight(store, reg, path, &[], out as i32, inp as i32)?;
-        let bias = if bias { Some(store.get_shaped(&format!("{path}.bias"), &[out as i32])?) } else { None };
+        Linear::load_split(store, reg, path, inp, out, bias, Split::Whole)
+    }
+
+    /// This rank's part of the projection (see [`Split`]).
+    pub fn load_split(
+        store: &mut TensorStore,
+        reg: &QuantRegistry,
+        path: &str,
+        inp: usize,
+        out: usize,
+        bias: bool,
+        split: Split,
+    ) -> Result<Linear> {
+        let weight = load_weight_split(store, reg, path, &[], out as i32, inp as i32, split)?;
+        let bias = if bias {
+            let b = store.get_shaped(&format!("{path}.bias"), &[out as i32])?;
+            match split {
+                Split::Whole => Some(b),
+                Split::Out { shard, chunks } => Some(take_owned(&b, &out_rows(path, out as i32, chunks, shard)?, 0)?),
+                Split::In(s) if s.rank == 0 => Some(b),
+                Split::In(_) => None,
+            }
+        } else {
+            None
+        };
         Ok(Linear { weight, bias })
     }
 

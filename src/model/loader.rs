@@ -29,6 +29,9 @@ pub struct LoadOptions {
     /// Cast floating-point weights to this dtype (default: keep the checkpoint's).
     pub dtype: Option<Dtype>,
     pub progress: Option<Progress>,
+    /// Tensor parallel: load this rank's shard for this group (a group of
+    /// one loads the whole model, as without one).
+    pub group: Option<crate::mlx::distributed::Group>,
 }
 
 pub struct LoadedModel {
@@ -50,7 +53,8 @@ pub fn load_model(dir: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
     let config = ModelConfig::from_file(&cfg_path)?;
     let mut store = TensorStore::open(dir, opts.dtype)?;
     let registry = QuantRegistry::build(config.quantization.as_ref(), &store)?;
-    let model = Lfm2Model::load(&mut store, config, registry)?;
+    let shard = opts.group.as_ref().filter(|g| g.size() > 1).map(|g| super::linear::Shard::new(g.clone()));
+    let model = Lfm2Model::load(&mut store, config, registry, shard)?;
     let (weight_files, unused_tensors) = (store.files.clone(), store.unused());
     // The store holds every tensor as read; the model may hold a derived
     // array instead (projections stacked into one, a cast). Dropped before

@@ -1,0 +1,192 @@
+// Tensor parallelism from JavaScript: two Node processes load the tiny
+// checkpoint with `distributed: 'ring'` (MLX_HOSTFILE / MLX_RANK over
+// loopback, as mlx.launch sets them); rank 0 takes the calls, rank 1 runs
+// model.follow(); rank 0 gets what one process gets, and info() says where
+// each stands. Then `mlx-lfm serve --tensor-parallel 2` answers 4
+// concurrent requests as one process does. (The Rust tests in
+// src/engine/tp_tests.rs compare logits, paged caches, MoE and quantized
+// models, a dead rank and an unsplittable config.)
+'use strict';
+const test = require('node:test');
+const assert = require('node:assert/strict');
+const fs = require('node:fs');
+const net = require('node:net');
+const os = require('node:os');
+const path = require('node:path');
+const { spawn } = require('node:child_process');
+const { addon, fixture, root } = require('./helpers.cjs');
+
+const TINY = { preset: 'tiny', dtype: 'f32' };
+const GREEDY = { maxTokens: 32, ignoreEos: true };
+const PROMPT = [5, 17, 300, 42, 8, 99, 250, 7, 61];
+const MESSAGES = [{ role: 'user', content: 'Say something about rivers.' }];
+
+// What rank 0 (and the single process) runs; rank 1 follows.
+const SCRIPT = `
+const addon = require(${JSON.stringify(path.join(root, 'main.cjs'))});
+(async () => {
+  const opts = JSON.parse(process.argv[2]);
+  const m = await addon.Lfm2Model.load(process.argv[1], opts);
+  const info = m.info();
+  if (info.rank > 0) {
+    const refused = await m.generate([1, 2, 3], { maxTokens: 2 }).then(() => null, (e) => e.message);
+    await m.follow();
+    process.stdout.write(JSON.stringify({ worldSize: info.worldSize, rank: info.rank, weightBytes: info.weightBytes, refused }));
+    m.close();
+    return;
+  }
+  await m.clearPrefixCache();
+  const tokens = (await m.generate(${JSON.stringify(PROMPT)}, ${JSON.stringify(GREEDY)})).tokens;
+  const chat = await m.chat(${JSON.stringify(MESSAGES)}, ${JSON.stringify(GREEDY)});
+  const seeded = (await m.generate(${JSON.stringify(PROMPT)}, { maxTokens: 16, ignoreEos: true, temperature: 0.8, seed: 7 })).tokens;
+  process.stdout.write(JSON.stringify({ worldSize: info.worldSize, rank: info.rank, weightBytes: info.weightBytes, tokens, text: chat.text, seeded }));
+  m.close();
+})().catch((e) => { process.stderr.write(String(e && e.message)); process.exit(1); });
+`;
+
+function freePort() {
+  return new Promise((resolve, reject) => {
+    const s = net.createServer();
+    s.once('error', reject);
+    s.listen(0, '127.0.0.1', () => {
+      const { port } = s.address();
+      s.close(() => resolve(port));
+    });
+  });
+}
+
+function runRank(dir, opts, env) {
+  return new Promise((resolve) => {
+    const child = spawn(process.execPath, ['-e', SCRIPT, dir, JSON.stringify(opts)], {
+      env: { ...process.env, ...env, MLX_LFM_TP_TIMEOUT_S: '60' },
+    });
+    let out = '';
+    let err = '';
+    child.stdout.on('data', (d) => (out += d));
+    child.stderr.on('data', (d) => (err += d));
+    const timer = setTimeout(() => child.kill('SIGKILL'), 180_000);
+    child.on('exit', (code) => {
+      clearTimeout(timer);
+      resolve({ code, out, err });
+    });
+  });
+}
+
+test('two ranks with distributed: ring: rank 0 gives one process\'s tokens, text and samples while rank 1 follows; info() says where each stands', async () => {
+  const dir = await fixture('tiny', TINY);
+  const opts = { useBlockPagedCache: false };
+  const one = await runRank(dir, opts, {});
+  assert.equal(one.code, 0, one.err);
+  const want = JSON.parse(one.out);
+  assert.equal(want.worldSize, 1);
+  assert.equal(want.rank, 0);
+
+  const tmp = fs.mkdtempSync(path.join(os.tmpdir(), 'mlx-lfm-tp-'));
+  try {
+    const hostfile = path.join(tmp, 'hosts.json');
+    fs.writeFileSync(hostfile, JSON.stringify([[`127.0.0.1:${await freePort()}`], [`127.0.0.1:${await freePort()}`]]));
+    const ranks = await Promise.all(
+      [0, 1].map((r) => runRank(dir, { ...opts, distributed: 'ring' }, { MLX_HOSTFILE: hostfile, MLX_RANK: String(r) })),
+    );
+    ranks.forEach((r, i) => {
+      assert.equal(r.code, 0, `rank ${i}: ${r.err}`);
+      const got = JSON.parse(r.out);
+      assert.equal(got.worldSize, 2);
+      assert.equal(got.rank, i);
+      assert.ok(got.weightBytes < want.weightBytes, `rank ${i} holds ${got.weightBytes} of ${want.weightBytes} bytes`);
+    });
+    const [lead, follower] = ranks.map((r) => JSON.parse(r.out));
+    assert.deepEqual(lead.tokens, want.tokens, 'greedy tokens');
+    assert.equal(lead.text, want.text, 'chat text');
+    assert.deepEqual(lead.seeded, want.seeded, 'seeded sampling');
+    assert.match(follower.refused, /rank 1 of a tensor-parallel group: it follows rank 0/);
+  } finally {
+    fs.rmSync(tmp, { recursive: true, force: true });
+  }
+});
+
+test('distributed takes only a backend MLX knows', async () => {
+  const dir = await fixture('tiny', TINY);
+  await assert.rejects(addon.Lfm2Model.load(dir, { distributed: 'tcp' }), /distributed `tcp` is not valid; use ring, nccl, jaccl, mpi, any/);
+});
+
+test('`mlx-lfm serve --tensor-parallel 2` reports worldSize and answers 4 concurrent requests as one process', async () => {
+  const dir = await fixture('tiny', TINY);
+  const one = await addon.Lfm2Model.load(dir, { useBlockPagedCache: false });
+  const prompts = ['Tell me about rivers.', 'Name a color.', 'Count to five.', 'What is a cat?'];
+  const want = [];
+  for (const p of prompts) want.push((await one.chat([{ role: 'user', content: p }], { maxTokens: 16, ignoreEos: true })).text);
+  one.close();
+  const child = spawn(process.execPath, [path.join(root, 'cli.cjs'), 'serve', '--model', dir, '--port', '0', '--no-paged', '--tensor-parallel', '2', '--name', 'tp'], {
+    stdio: ['ignore', 'ignore', 'pipe'],
+    env: { ...process.env, MLX_LFM_TP_TIMEOUT_S: '60' },
+  });
+  let err = '';
+  try {
+    const url = await new Promise((resolve, reject) => {
+      child.stderr.on('data', (d) => {
+        err += d;
+        const m = /serving tp at (http:\/\/\S+)/.exec(err);
+        if (m) resolve(m[1]);
+      });
+      child.on('exit', (code) => reject(new Error(`serve exited with ${code}: ${err}`)));
+    });
+    const base = url.replace(/\/v1$/, '');
+    assert.deepEqual(await (await fetch(`${base}/health`)).json(), { status: 'ok', model: 'tp', worldSize: 2 });
+    const answers = await Promise.all(
+      prompts.map(async (p) => {
+        const r = await fetch(`${url}/chat/completions`, {
+          method: 'POST',
+          headers: { 'content-type': 'application/json' },
+          body: JSON.stringify({ model: 'tp', messages: [{ role: 'user', content: p }], max_tokens: 16, ignore_eos: true, temperature: 0 }),
+        });
+        const body = await r.json();
+        assert.equal(r.status, 200, JSON.stringify(body));
+        return body.choices[0].message.content;
+      }),
+    );
+    assert.deepEqual(answers, want);
+  } finally {
+    const exited = new Promise((resolve) => child.once('exit', resolve));
+    child.kill('SIGTERM');
+    assert.equal(await exited, 0, err);
+  }
+});
+
+test('a rank killed while `serve --tensor-parallel 2` generates stops the server with a message, not a hang', async () => {
+  const dir = await fixture('tiny', TINY);
+  const child = spawn(process.execPath, [path.join(root, 'cli.cjs'), 'serve', '--model', dir, '--port', '0', '--no-paged', '--tensor-parallel', '2', '--name', 'tp'], {
+    stdio: ['ignore', 'ignore', 'pipe'],
+    env: { ...process.env, MLX_LFM_TP_TIMEOUT_S: '20' },
+  });
+  let err = '';
+  const exited = new Promise((resolve) => child.once('exit', (code) => resolve(code)));
+  const url = await new Promise((resolve, reject) => {
+    child.stderr.on('data', (d) => {
+      err += d;
+      const m = /serving tp at (http:\/\/\S+)/.exec(err);
+      if (m) resolve(m[1]);
+    });
+    child.once('exit', (code) => reject(new Error(`serve exited with ${code}: ${err}`)));
+  });
+  // A long generation; once it runs, the follower (the one `follow` child
+  // of this server) is killed.
+  const reply = fetch(`${url}/chat/completions`, {
+    method: 'POST',
+    headers: { 'content-type': 'application/json' },
+    body: JSON.stringify({ model: 'tp', messages: [{ role: 'user', content: 'hi' }], max_tokens: 100000, ignore_eos: true }),
+  }).then(async (r) => r.status, (e) => e.message);
+  await new Promise((r) => setTimeout(r, 1500));
+  const ps = require('node:child_process').spawnSync('pgrep', ['-P', String(child.pid), '-f', 'cli.cjs follow'], { encoding: 'utf8' });
+  const follower = Number(ps.stdout.trim().split('\n')[0]);
+  assert.ok(follower > 0, `no follower found: ${ps.stdout} ${ps.stderr}`);
+  const killedAt = Date.now();
+  process.kill(follower, 'SIGKILL');
+  const timer = setTimeout(() => child.kill('SIGKILL'), 60_000);
+  const code = await exited;
+  clearTimeout(timer);
+  assert.ok(Date.now() - killedAt < 45_000, 'the server took too long to stop');
+  assert.notEqual(code, 0);
+  assert.match(err, /rank 1 exited \(SIGKILL\) while serving; stopping/);
+  assert.notEqual(await reply, 200);
+});
