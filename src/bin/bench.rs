@@ -326,6 +326,34 @@ fn constrained(
             batch_tps[c].push(*made.lock().unwrap() as f64 / t.elapsed().as_secs_f64());
         }
     }
+    // The CPU cost of the constraint alone, without the model: per step,
+    // the mask (llguidance's computation and the array handed to MLX) and
+    // the commit of a token drawn uniformly from the allowed ones.
+    let mut mask_ms = vec![None; n];
+    for (c, (_, g)) in cases.iter().enumerate() {
+        let Some(g) = g else { continue };
+        let guide = eng.guide_for(&params(&Some(g.clone()), 0))?.expect("a grammar");
+        let mut con = mlx_lfm::generate::constraint::Constraint::compile(&guide, g)?;
+        let (mut spent, mut steps, mut rng) = (0f64, 0usize, 0x9E37_79B9_7F4A_7C15u64);
+        while steps < 200 {
+            let t = Instant::now();
+            let Some(mask) = con.mask()? else { break };
+            mask.eval()?;
+            spent += t.elapsed().as_secs_f64();
+            let allowed: Vec<u32> =
+                mask.to_vec::<bool>()?.iter().enumerate().filter(|(_, &b)| b).map(|(i, _)| i as u32).collect();
+            rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let tok = allowed[(rng >> 33) as usize % allowed.len()];
+            let t = Instant::now();
+            con.commit(tok)?;
+            spent += t.elapsed().as_secs_f64();
+            steps += 1;
+            if con.is_done() {
+                con = mlx_lfm::generate::constraint::Constraint::compile(&guide, g)?;
+            }
+        }
+        mask_ms[c] = Some(spent * 1000.0 / steps.max(1) as f64);
+    }
     for (c, (name, _)) in cases.iter().enumerate() {
         println!(
             "{}",
@@ -335,6 +363,7 @@ fn constrained(
                 "batch_decode_tps_runs": batch_tps[c],
                 "vs_free_decode": median(&mut tps[c].clone()) / median(&mut tps[0].clone()),
                 "vs_free_batch": median(&mut batch_tps[c].clone()) / median(&mut batch_tps[0].clone()),
+                "mask_and_commit_ms_per_token": mask_ms[c],
             })
         );
     }
