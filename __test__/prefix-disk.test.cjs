@@ -77,6 +77,38 @@ test('restart reuse: a second process finds the first one\'s blocks and gives th
   assert.equal(other.stats.diskDamaged, 0);
 });
 
+test('processes sharing one directory at the same time never read a half-written block', async () => {
+  const dir = await fixture('tiny', TINY);
+  const cache = path.join(tmp, 'shared');
+  // A 1 MiB pool: blocks are spilled while the processes run, so reads
+  // and writes of the same files overlap.
+  const options = { pagedBlockSize: 4, pagedCacheBudgetMb: 1, prefixCacheDir: cache };
+  const { execFile } = require('node:child_process');
+  const runAsync = (prompts) =>
+    new Promise((resolve, reject) =>
+      execFile(process.execPath, ['-e', CHILD, JSON.stringify({ dir, options, prompts })], (err, stdout, stderr) =>
+        err ? reject(new Error(stderr)) : resolve({ ...JSON.parse(stdout), stderr }),
+      ),
+    );
+  const longs = [0, 1, 2].map((k) => Array.from({ length: 400 }, (_, i) => 1 + ((i * 13 + k * 71) % 250)));
+  const long = longs[0];
+  // Four processes at once: each reads what the others have finished
+  // writing (or nothing) while they write the same blocks.
+  for (let round = 0; round < 2; round++) {
+    const rs = await Promise.all([0, 1, 2, 3].map(() => runAsync([...longs, long, PROMPT])));
+    for (const r of rs) {
+      assert.equal(r.stats.diskDamaged, 0);
+      assert.equal(r.stderr, '');
+      assert.equal(r.out[4].text, rs[0].out[4].text);
+      assert.equal(r.out[3].text, rs[0].out[0].text);
+    }
+    if (round === 1) assert.ok(rs.some((r) => r.stats.diskHits > 0));
+  }
+  assert.deepEqual(fs.readdirSync(cache).filter((f) => !f.endsWith('.blk')), [], 'no temporary files left');
+  const after = run(dir, options, [long]);
+  assert.ok(after.out[0].metrics.cachedTokens >= 396 && after.stats.diskDamaged === 0, JSON.stringify(after.stats));
+});
+
 test('damaged, truncated and foreign files are skipped with one warning and removed', async () => {
   const dir = await fixture('tiny', TINY);
   const cache = path.join(tmp, 'damaged');

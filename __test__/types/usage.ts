@@ -35,6 +35,18 @@ async function main(dir: string): Promise<void> {
   const backend: 'cpu' | 'cuda' | 'metal' = mlxInfo().backend
   console.log(path, kind, backend, info.device, info.kvCache, info.dtype)
 
+  // A prompt cache that survives restarts.
+  const fingerprint: string = info.fingerprint
+  const session = model.createSession({ system: 'Be brief.' })
+  await session.send('Hello')
+  const saved: { tokens: number; bytes: number } = await session.save('/tmp/chat.session')
+  const restored = await model.loadSession('/tmp/chat.session', { defaults: { maxTokens: 32 } })
+  const cached: number = (await restored.send('And then?')).metrics.cachedTokens
+  const disk = await Lfm2Model.load(dir, { prefixCacheDir: '/tmp/prefix-cache', prefixCacheDiskMb: 512 })
+  const stats = await disk.cacheStats()
+  const diskHits: number | undefined = stats?.diskHits
+  console.log(fingerprint, saved.tokens, cached, diskHits, stats?.diskBytes, stats?.diskEvictions, stats?.diskMisses)
+
   const messages: ChatMessage[] = [{ role: 'user', content: 'What is the weather in Paris?' }]
   const r: ChatResult = await model.chat(messages, { tools, maxTokens: 64, signal: AbortSignal.timeout(10_000) })
   switch (r.finishReason) {
