@@ -332,12 +332,23 @@ function choiceOptions(opts, j) {
 /** Usage of several choices: each distinct prompt counted once. */
 function sumUsage(results, n) {
   let prompt = 0;
+  let cached = 0;
   let completion = 0;
   results.forEach((r, i) => {
-    if (i % n === 0) prompt += r.usage.promptTokens;
+    if (i % n === 0) {
+      prompt += r.usage.promptTokens;
+      cached += r.metrics?.cachedTokens ?? 0;
+    }
     completion += r.usage.completionTokens;
   });
-  return { prompt_tokens: prompt, completion_tokens: completion, total_tokens: prompt + completion };
+  return {
+    prompt_tokens: prompt,
+    completion_tokens: completion,
+    total_tokens: prompt + completion,
+    // OpenAI's field: prompt tokens served from the prefix cache (memory or
+    // disk), as each prompt's first choice found them.
+    prompt_tokens_details: { cached_tokens: cached },
+  };
 }
 
 function toOpenAIToolCalls(calls) {
@@ -347,16 +358,6 @@ function toOpenAIToolCalls(calls) {
 function finishReason(r) {
   // 'abort' only happens when the client went away; say 'stop' if anything reads it.
   return r.finishReason === 'abort' ? 'stop' : r.finishReason;
-}
-
-function usage(r) {
-  return {
-    prompt_tokens: r.usage.promptTokens,
-    completion_tokens: r.usage.completionTokens,
-    total_tokens: r.usage.totalTokens,
-    // OpenAI's field: prompt tokens served from the prefix cache (memory or disk).
-    prompt_tokens_details: { cached_tokens: r.metrics?.cachedTokens ?? 0 },
-  };
 }
 
 // Stops a stream whose client left (GenerationStream.cancel(), or return() of any async iterator).
