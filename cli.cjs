@@ -498,7 +498,7 @@ async function hostfileFor(v, n) {
   return { file, hosts };
 }
 
-/** Starts ranks 1..n-1 of a tensor-parallel serve: `mlx-lfm follow` on this machine for loopback hosts. */
+/** Starts ranks 1..n-1 of a tensor-parallel serve: `mlx-lfm follow` on this machine for loopback hosts, over ssh for the others. */
 async function startRanks(dir, v, n) {
   const { spawn } = require('node:child_process');
   const { file, hosts } = await hostfileFor(v, n);
@@ -513,11 +513,9 @@ async function startRanks(dir, v, n) {
   let stopping = false;
   for (let r = 1; r < n; r++) {
     const local = hosts[r].every((h) => /^(127\.\d+\.\d+\.\d+|localhost|\[::1\]):\d+$/.test(h));
-    if (!local) {
-      console.error(`mlx-lfm: start rank ${r} on ${hosts[r].join(', ')} yourself: MLX_HOSTFILE=<this hostfile> MLX_RANK=${r} mlx-lfm follow --model ${dir} --backend ${v.backend ?? 'ring'}`);
-      continue;
-    }
-    const child = spawn(process.execPath, args, { env: { ...process.env, MLX_RANK: String(r) }, stdio: ['ignore', 'inherit', 'inherit'] });
+    const child = local
+      ? spawn(process.execPath, args, { env: { ...process.env, MLX_RANK: String(r) }, stdio: ['ignore', 'inherit', 'inherit'] })
+      : spawnOverSsh(spawn, hosts, r, args);
     child.on('exit', (code, signal) => {
       if (!stopping && (code !== 0 || signal)) onExit(r, signal ?? code);
     });
@@ -531,6 +529,27 @@ async function startRanks(dir, v, n) {
       children.forEach((c) => c.kill());
     },
   };
+}
+
+/**
+ * A rank on another machine, started as mlx.launch starts them: over ssh
+ * (`MLX_LFM_SSH`, default `ssh`; its options belong in ~/.ssh/config), with
+ * the same node, the same mlx-lfm and the checkpoint at the same path there.
+ * The hostfile travels inside the command (written to the remote /tmp) so
+ * nothing needs copying first.
+ */
+function spawnOverSsh(spawn, hosts, r, args) {
+  const host = String(hosts[r][0]).replace(/:\d+$/, '').replace(/^\[(.*)\]$/, '$1');
+  const q = (x) => `'${String(x).replace(/'/g, `'\\''`)}'`;
+  const remoteFile = `/tmp/mlx-lfm-hosts-${process.pid}-${r}.json`;
+  const cmd =
+    `printf %s ${q(JSON.stringify(hosts))} > ${q(remoteFile)} && ` +
+    `MLX_HOSTFILE=${q(remoteFile)} MLX_RANK=${r} exec ${[process.execPath, ...args].map(q).join(' ')}`;
+  const ssh = process.env.MLX_LFM_SSH || 'ssh';
+  console.error(`mlx-lfm: starting rank ${r} on ${host} over ${ssh}`);
+  const child = spawn(ssh, [host, cmd], { stdio: ['ignore', 'inherit', 'inherit'] });
+  child.on('error', (e) => console.error(`mlx-lfm: could not start rank ${r} on ${host} (${ssh}): ${e.message}`));
+  return child;
 }
 
 async function follow(addon, v) {

@@ -169,14 +169,36 @@ test('a rank killed while `serve --tensor-parallel 2` generates stops the server
     });
     child.once('exit', (code) => reject(new Error(`serve exited with ${code}: ${err}`)));
   });
-  // A long generation; once it runs, the follower (the one `follow` child
-  // of this server) is killed.
+  // A long streamed generation; at its first token the follower (the one
+  // `follow` child of this server) is killed, so the kill always lands
+  // mid-generation however fast this machine is.
+  let firstToken;
+  const started = new Promise((r) => (firstToken = r));
   const reply = fetch(`${url}/chat/completions`, {
     method: 'POST',
     headers: { 'content-type': 'application/json' },
-    body: JSON.stringify({ model: 'tp', messages: [{ role: 'user', content: 'hi' }], max_tokens: 100000, ignore_eos: true }),
-  }).then(async (r) => r.status, (e) => e.message);
-  await new Promise((r) => setTimeout(r, 1500));
+    body: JSON.stringify({ model: 'tp', messages: [{ role: 'user', content: 'hi' }], max_tokens: 100000, ignore_eos: true, stream: true }),
+  }).then(
+    async (r) => {
+      let text = '';
+      try {
+        for await (const chunk of r.body) {
+          text += Buffer.from(chunk).toString();
+          if (text.includes('data: ')) firstToken();
+        }
+      } catch (e) {
+        return `stream broke: ${e.message}`;
+      } finally {
+        firstToken();
+      }
+      return text.includes('data: [DONE]') ? 'completed' : 'cut short';
+    },
+    (e) => {
+      firstToken();
+      return e.message;
+    },
+  );
+  await started;
   const ps = require('node:child_process').spawnSync('pgrep', ['-P', String(child.pid), '-f', 'cli.cjs follow'], { encoding: 'utf8' });
   const follower = Number(ps.stdout.trim().split('\n')[0]);
   assert.ok(follower > 0, `no follower found: ${ps.stdout} ${ps.stderr}`);
@@ -188,5 +210,57 @@ test('a rank killed while `serve --tensor-parallel 2` generates stops the server
   assert.ok(Date.now() - killedAt < 45_000, 'the server took too long to stop');
   assert.notEqual(code, 0);
   assert.match(err, /rank 1 exited \(SIGKILL\) while serving; stopping/);
-  assert.notEqual(await reply, 200);
+  assert.notEqual(await reply, 'completed', 'the stream finished normally although a rank died');
+});
+
+test('`serve --tensor-parallel 2 --hostfile` starts a rank on another host over ssh (MLX_LFM_SSH; here a stand-in that runs the command on this machine)', async (t) => {
+  // A non-loopback address of this machine stands for "another host".
+  const ip = Object.values(os.networkInterfaces()).flat().find((a) => a && a.family === 'IPv4' && !a.internal)?.address;
+  if (!ip) {
+    t.skip('this machine has no non-loopback IPv4 address to stand for another host');
+    return;
+  }
+  const dir = await fixture('tiny', TINY);
+  const one = await addon.Lfm2Model.load(dir, { useBlockPagedCache: false });
+  const want = (await one.chat(MESSAGES, { maxTokens: 16, ignoreEos: true })).text;
+  one.close();
+  const tmp = fs.mkdtempSync(path.join(os.tmpdir(), 'mlxlfm-ssh-'));
+  const log = path.join(tmp, 'ssh.log');
+  const ssh = path.join(tmp, 'ssh');
+  // What ssh does with `ssh HOST CMD`, minus the network: run CMD in a shell.
+  fs.writeFileSync(ssh, '#!/bin/sh\necho "$1" >> "$FAKE_SSH_LOG"\nexec /bin/sh -c "$2"\n', { mode: 0o755 });
+  const hostfile = path.join(tmp, 'hosts.json');
+  fs.writeFileSync(hostfile, JSON.stringify([[`127.0.0.1:${await freePort()}`], [`${ip}:${await freePort()}`]]));
+  const child = spawn(process.execPath, [path.join(root, 'cli.cjs'), 'serve', '--model', dir, '--port', '0', '--no-paged', '--tensor-parallel', '2', '--hostfile', hostfile, '--name', 'tp'], {
+    stdio: ['ignore', 'ignore', 'pipe'],
+    env: { ...process.env, MLX_LFM_TP_TIMEOUT_S: '60', MLX_LFM_SSH: ssh, FAKE_SSH_LOG: log },
+  });
+  let err = '';
+  try {
+    const url = await new Promise((resolve, reject) => {
+      child.stderr.on('data', (d) => {
+        err += d;
+        const m = /serving tp at (http:\/\/\S+)/.exec(err);
+        if (m) resolve(m[1]);
+      });
+      child.on('exit', (code) => reject(new Error(`serve exited with ${code}: ${err}`)));
+    });
+    assert.match(err, new RegExp(`starting rank 1 on ${ip.replace(/\./g, '\\.')} over `));
+    assert.equal(fs.readFileSync(log, 'utf8').trim(), ip, 'ssh was asked for the rank\'s host');
+    const base = url.replace(/\/v1$/, '');
+    assert.deepEqual(await (await fetch(`${base}/health`)).json(), { status: 'ok', model: 'tp', worldSize: 2 });
+    const r = await fetch(`${url}/chat/completions`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json' },
+      body: JSON.stringify({ model: 'tp', messages: MESSAGES, max_tokens: 16, ignore_eos: true, temperature: 0 }),
+    });
+    const body = await r.json();
+    assert.equal(r.status, 200, JSON.stringify(body));
+    assert.equal(body.choices[0].message.content, want);
+  } finally {
+    const exited = new Promise((resolve) => child.once('exit', resolve));
+    child.kill('SIGTERM');
+    assert.equal(await exited, 0, err);
+    fs.rmSync(tmp, { recursive: true, force: true });
+  }
 });
