@@ -715,30 +715,10 @@ impl Sequence {
             let stash = w.stash.take().ok_or_else(|| Error::invalid("no logits kept for the tool call (internal error)"))?;
             self.constraint = Some(w.template.clone());
             self.next_logprobs = None;
-            return match self.draw_constrained(&stash)? {
-                Some(y) => {
-                    self.y = y;
-                    self.y_finite = self.next_finite.take();
-                    Ok(true)
-                }
-                None => {
-                    self.finish = FinishReason::Constraint;
-                    Ok(false)
-                }
-            };
+            return self.advance_constrained(&stash);
         }
         match next {
-            Some(n) if self.constraint.is_some() => match self.draw_constrained(&n)? {
-                Some(y) => {
-                    self.y = y;
-                    self.y_finite = self.next_finite.take();
-                    Ok(true)
-                }
-                None => {
-                    self.finish = FinishReason::Constraint;
-                    Ok(false)
-                }
-            },
+            Some(n) if self.constraint.is_some() => self.advance_constrained(&n),
             Some(n) => {
                 self.y = n;
                 self.y_finite = self.next_finite.take();
@@ -746,6 +726,22 @@ impl Sequence {
                 Ok(true)
             }
             None => Ok(false),
+        }
+    }
+
+    /// The next token drawn under the constraint from `logits`, or the
+    /// end of the sequence when the constraint allows no token at all.
+    fn advance_constrained(&mut self, logits: &Array) -> Result<bool> {
+        match self.draw_constrained(logits)? {
+            Some(y) => {
+                self.y = y;
+                self.y_finite = self.next_finite.take();
+                Ok(true)
+            }
+            None => {
+                self.finish = FinishReason::Constraint;
+                Ok(false)
+            }
         }
     }
 

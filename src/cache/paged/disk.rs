@@ -210,15 +210,7 @@ impl DiskTier {
         });
         let bytes = match read {
             Ok(Ok(b)) => b,
-            Ok(Err(e)) => {
-                warn_once(&self.warned, &format!("prefix-cache file {} is unusable: {}", path.display(), e.message));
-                let _ = std::fs::remove_file(&path);
-                let mut s = self.shared.lock();
-                s.entries.remove(&path);
-                s.stats.damaged += 1;
-                s.stats.misses += 1;
-                return None;
-            }
+            Ok(Err(e)) => return self.discard(&path, &e),
             Err(_) => {
                 let mut s = self.shared.lock();
                 s.stats.misses += 1;
@@ -245,16 +237,20 @@ impl DiskTier {
                 }
                 Some(b)
             }
-            Err(e) => {
-                warn_once(&self.warned, &format!("prefix-cache file {} is unusable: {}", path.display(), e.message));
-                let _ = std::fs::remove_file(&path);
-                let mut s = self.shared.lock();
-                s.entries.remove(&path);
-                s.stats.damaged += 1;
-                s.stats.misses += 1;
-                None
-            }
+            Err(e) => self.discard(&path, &e),
         }
+    }
+
+    /// A damaged, truncated or foreign block file: one warning per process,
+    /// the file removed, counted as a miss.
+    fn discard<T>(&self, path: &Path, e: &Error) -> Option<T> {
+        warn_once(&self.warned, &format!("prefix-cache file {} is unusable: {}", path.display(), e.message));
+        let _ = std::fs::remove_file(path);
+        let mut s = self.shared.lock();
+        s.entries.remove(path);
+        s.stats.damaged += 1;
+        s.stats.misses += 1;
+        None
     }
 }
 
