@@ -187,6 +187,22 @@ test('bad schemas, grammars and option mixes are errors naming the option, befor
   assert.equal((await m.cacheStats()).blocksInUse, 0);
 });
 
+test("a constraint that cannot go on ends with finishReason 'constraint', not a hang; hostile nesting is refused", async () => {
+  const m = await load();
+  // A million a's: llguidance's lexer runs past its limits on the first
+  // mask, so no token is allowed and the request ends there.
+  const r = await m.generate('x', { regex: '(a{1000}){1000}', maxTokens: 8, temperature: 1, seed: 3 });
+  assert.equal(r.finishReason, 'constraint');
+  assert.ok(r.tokens.length < 8, `${r.tokens.length} tokens`);
+  // Deep nesting is an error naming the option, not a stack overflow.
+  let deep = { type: 'string' };
+  for (let i = 0; i < 5000; i++) deep = { type: 'object', properties: { a: deep }, required: ['a'] };
+  await assert.rejects(m.generate('x', { jsonSchema: deep }), /jsonSchema/);
+  await assert.rejects(m.generate('x', { grammar: `start: ${'('.repeat(5000)}"a"${')'.repeat(5000)}` }), /grammar is not valid: .*too deeply nested/);
+  const ok = await m.generate('x', { maxTokens: 3, ignoreEos: true });
+  assert.equal(ok.tokens.length, 3);
+});
+
 test('server: response_format json_schema / json_object and tool_choice, with 400s for bad ones', async () => {
   const m = await load();
   const { server, url } = await listen({ model: m, modelId: 'tiny' }, { port: 0 });
