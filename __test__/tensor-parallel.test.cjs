@@ -39,7 +39,14 @@ const addon = require(${JSON.stringify(path.join(root, 'main.cjs'))});
   const tokens = (await m.generate(${JSON.stringify(PROMPT)}, ${JSON.stringify(GREEDY)})).tokens;
   const chat = await m.chat(${JSON.stringify(MESSAGES)}, ${JSON.stringify(GREEDY)});
   const seeded = (await m.generate(${JSON.stringify(PROMPT)}, { maxTokens: 16, ignoreEos: true, temperature: 0.8, seed: 7 })).tokens;
-  process.stdout.write(JSON.stringify({ worldSize: info.worldSize, rank: info.rank, weightBytes: info.weightBytes, tokens, text: chat.text, seeded }));
+  // Sessions are refused across ranks (each holds only its share of the state).
+  const s = m.createSession();
+  await s.send('hi', { maxTokens: 2, ignoreEos: true });
+  const file = require('node:path').join(require('node:os').tmpdir(), 'mlxlfm-tp-' + process.pid + '.session');
+  const saveErr = await s.save(file).then(() => null, (e) => e.message);
+  const loadErr = await m.loadSession(file).then(() => null, (e) => e.message);
+  require('node:fs').rmSync(file, { force: true });
+  process.stdout.write(JSON.stringify({ worldSize: info.worldSize, rank: info.rank, weightBytes: info.weightBytes, tokens, text: chat.text, seeded, saveErr, loadErr }));
   m.close();
 })().catch((e) => { process.stderr.write(String(e && e.message)); process.exit(1); });
 `;
@@ -100,9 +107,21 @@ test('two ranks with distributed: ring: rank 0 gives one process\'s tokens, text
     assert.equal(lead.text, want.text, 'chat text');
     assert.deepEqual(lead.seeded, want.seeded, 'seeded sampling');
     assert.match(follower.refused, /rank 1 of a tensor-parallel group: it follows rank 0/);
+    assert.equal(want.saveErr, null, 'one process saves and reloads its session');
+    assert.equal(want.loadErr, null);
+    assert.match(lead.saveErr, /sessions cannot be saved on a model split over 2 ranks/);
+    assert.match(lead.loadErr, /sessions cannot be loaded on a model split over 2 ranks/);
   } finally {
     fs.rmSync(tmp, { recursive: true, force: true });
   }
+});
+
+test('a tensor-parallel load refuses prefixCacheDir before joining a group', async () => {
+  const dir = await fixture('tiny', TINY);
+  await assert.rejects(
+    addon.Lfm2Model.load(dir, { distributed: 'ring', prefixCacheDir: os.tmpdir() }),
+    /prefixCacheDir cannot be combined with tensor parallelism/,
+  );
 });
 
 test('distributed takes only a backend MLX knows', async () => {

@@ -254,6 +254,15 @@ impl Engine {
                 kv_cfg.name
             )));
         }
+        if opts.prefix_cache_dir.is_some() && (opts.group.is_some() || opts.distributed.is_some()) {
+            // Each rank would keep its own share of every block on disk, and
+            // a hit on one rank but not another (each directory's LRU is its
+            // own) would send the ranks down different paths mid-collective.
+            return Err(Error::config(
+                "prefixCacheDir cannot be combined with tensor parallelism (distributed) yet: the ranks would have \
+                 to agree on every disk hit",
+            ));
+        }
         if let Some(d) = opts.device {
             runtime::set_default_device(d)?;
         }

@@ -143,9 +143,23 @@ impl Engine {
         Ok(cache)
     }
 
+    /// A tensor-parallel rank holds only its share of the K/V and conv
+    /// state, and saving runs a prefill on this rank alone (the others would
+    /// not join its collectives): refused before anything runs.
+    fn refuse_sessions_across_ranks(&self, what: &str) -> Result<()> {
+        let n = self.model.world_size();
+        if n > 1 {
+            return Err(Error::invalid(format!(
+                "sessions cannot be {what} on a model split over {n} ranks (tensor parallelism) yet: each rank holds only its share of the state"
+            )));
+        }
+        Ok(())
+    }
+
     /// Saves the state after `tokens` (the rendered history) with `app`
     /// (the caller's metadata) to `path`.
     pub fn save_session(&mut self, tokens: &[u32], app: &Value, path: &Path) -> Result<Saved> {
+        self.refuse_sessions_across_ranks("saved")?;
         if tokens.is_empty() {
             return Err(Error::invalid("the session has no history to save"));
         }
@@ -240,6 +254,7 @@ impl Engine {
     /// into the paged prefix cache, or kept for the session's next turn.
     /// Nothing is installed unless the whole file checks out.
     pub fn load_session(&mut self, path: &Path) -> Result<Loaded> {
+        self.refuse_sessions_across_ranks("loaded")?;
         let bad = |what: String| Error::invalid(format!("{} is not a usable session file: {what}", path.display()));
         // Bounded before it is read: the K/V and conv states of a whole
         // context (at 4 bytes a value, conv states as often as every token),
