@@ -39,6 +39,13 @@ const addon = require(${JSON.stringify(path.join(root, 'main.cjs'))});
   const tokens = (await m.generate(${JSON.stringify(PROMPT)}, ${JSON.stringify(GREEDY)})).tokens;
   const chat = await m.chat(${JSON.stringify(MESSAGES)}, ${JSON.stringify(GREEDY)});
   const seeded = (await m.generate(${JSON.stringify(PROMPT)}, { maxTokens: 16, ignoreEos: true, temperature: 0.8, seed: 7 })).tokens;
+  // The newer request parameters reach the followers too: a constraint,
+  // penalties, logit bias and log-probabilities.
+  const extra = await m.generate(${JSON.stringify(PROMPT)}, {
+    regex: '[a-z]{3,6}( [a-z]{3,6}){2}', maxTokens: 24, temperature: 1, seed: 5,
+    presencePenalty: 0.5, frequencyPenalty: 0.3, logitBias: { 7: 2.5 }, logprobs: true, topLogprobs: 3,
+  });
+  const constrained = { text: extra.text, tokens: extra.logprobs.map((l) => [l.token, l.topLogprobs.map((t) => t.token)]), logprobs: extra.logprobs.map((l) => l.logprob) };
   // Sessions are refused across ranks (each holds only its share of the state).
   const s = m.createSession();
   await s.send('hi', { maxTokens: 2, ignoreEos: true });
@@ -46,7 +53,7 @@ const addon = require(${JSON.stringify(path.join(root, 'main.cjs'))});
   const saveErr = await s.save(file).then(() => null, (e) => e.message);
   const loadErr = await m.loadSession(file).then(() => null, (e) => e.message);
   require('node:fs').rmSync(file, { force: true });
-  process.stdout.write(JSON.stringify({ worldSize: info.worldSize, rank: info.rank, weightBytes: info.weightBytes, tokens, text: chat.text, seeded, saveErr, loadErr }));
+  process.stdout.write(JSON.stringify({ worldSize: info.worldSize, rank: info.rank, weightBytes: info.weightBytes, tokens, text: chat.text, seeded, constrained, saveErr, loadErr }));
   m.close();
 })().catch((e) => { process.stderr.write(String(e && e.message)); process.exit(1); });
 `;
@@ -106,6 +113,11 @@ test('two ranks with distributed: ring: rank 0 gives one process\'s tokens, text
     assert.deepEqual(lead.tokens, want.tokens, 'greedy tokens');
     assert.equal(lead.text, want.text, 'chat text');
     assert.deepEqual(lead.seeded, want.seeded, 'seeded sampling');
+    assert.match(want.constrained.text, /^[a-z]{3,6}( [a-z]{3,6}){2}$/);
+    assert.equal(lead.constrained.text, want.constrained.text, 'constrained, penalised, biased sampling');
+    assert.deepEqual(lead.constrained.tokens, want.constrained.tokens, 'drawn and top tokens');
+    // Logits agree within 1e-4 (the ranks' partial sums add in another order).
+    lead.constrained.logprobs.forEach((lp, i) => assert.ok(Math.abs(lp - want.constrained.logprobs[i]) < 1e-3, `logprob ${i}: ${lp} vs ${want.constrained.logprobs[i]}`));
     assert.match(follower.refused, /rank 1 of a tensor-parallel group: it follows rank 0/);
     assert.equal(want.saveErr, null, 'one process saves and reloads its session');
     assert.equal(want.loadErr, null);
