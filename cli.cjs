@@ -464,7 +464,7 @@ async function serve(addon, v) {
   process.once('SIGTERM', stop);
 }
 
-/** MLX's hostfile for `serve --tensor-parallel N`: the given one, or N ports on loopback. */
+/** A TCP port on loopback that the OS hands out free now. */
 function freePort() {
   const net = require('node:net');
   return new Promise((resolve, reject) => {
@@ -477,6 +477,7 @@ function freePort() {
   });
 }
 
+/** MLX's hostfile for `serve --tensor-parallel N`: the given one, or N ports on loopback. */
 async function hostfileFor(v, n) {
   if (v.hostfile) {
     let hosts;

@@ -238,8 +238,6 @@ fn turns(dir: &std::path::Path, device: Option<runtime::DeviceType>, n: usize, s
     Ok(())
 }
 
-/// N requests together (the engine's scheduler, as the worker drives it)
-/// against the same N sequentially.
 /// Free sampling against two constraints: a JSON object with a long
 /// string (nearly every token allowed inside it: the costliest masks) and
 /// a regex of words. Temperature 1, ignore_eos; a constraint's output may
@@ -370,6 +368,8 @@ fn constrained(
     Ok(())
 }
 
+/// N requests together (the engine's scheduler, as the worker drives it)
+/// against the same N sequentially.
 fn concurrent(
     dir: &std::path::Path,
     device: Option<runtime::DeviceType>,

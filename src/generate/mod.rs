@@ -693,12 +693,7 @@ impl Sequence {
             return match next {
                 Some(n) => {
                     self.watch.as_mut().expect("watching").stash = Some(n.clone());
-                    let y = self.sampler.draw_processed(&n)?;
-                    self.y_logprobs = self.sampler.take_logprobs();
-                    let mut queued = vec![&y];
-                    queued.extend(self.y_logprobs.iter().flat_map(|l| l.arrays()));
-                    async_eval(&queued)?;
-                    self.y = y;
+                    self.y = self.draw_queued(&n)?;
                     self.y_finite = self.next_finite.take();
                     Ok(true)
                 }
@@ -749,12 +744,18 @@ impl Sequence {
     /// constraint's mask and queues it; None when no token is allowed.
     fn draw_constrained(&mut self, logits: &Array) -> Result<Option<Array>> {
         let Some(mask) = self.constraint.as_mut().expect("constrained").mask()? else { return Ok(None) };
-        let y = self.sampler.draw_processed(&Constraint::apply(logits, &mask)?)?;
+        self.draw_queued(&Constraint::apply(logits, &mask)?).map(Some)
+    }
+
+    /// Draws from processed `logits` in `accept` (after the token before it
+    /// was read back) and queues the token with its log-probabilities.
+    fn draw_queued(&mut self, logits: &Array) -> Result<Array> {
+        let y = self.sampler.draw_processed(logits)?;
         self.y_logprobs = self.sampler.take_logprobs();
         let mut queued = vec![&y];
         queued.extend(self.y_logprobs.iter().flat_map(|l| l.arrays()));
         async_eval(&queued)?;
-        Ok(Some(y))
+        Ok(y)
     }
 
     fn logprob_entry(&self, tok: u32, lp: &sampler::LogprobArrays) -> Result<TokenLogprob> {
