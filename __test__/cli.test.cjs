@@ -3,7 +3,7 @@ const test = require('node:test');
 const assert = require('node:assert/strict');
 const path = require('node:path');
 const { spawnSync } = require('node:child_process');
-const { addon, fixture, root } = require('./helpers.cjs');
+const { addon, fixture, root, startServe } = require('./helpers.cjs');
 
 const cli = path.join(root, 'cli.cjs');
 
@@ -163,19 +163,9 @@ test('bench prints prefill and decode tok/s with progress', async () => {
 
 test('serve takes the load options', async () => {
   const dir = await fixture('tiny', { preset: 'tiny', dtype: 'f32' });
-  const { spawn } = require('node:child_process');
-  const child = spawn(process.execPath, [cli, 'serve', '--model', dir, '--port', '0', '--no-paged', '--decode-path', 'eager', '--kv-cache', 'affine4']);
-  let stderr = '';
-  const url = await new Promise((resolve, reject) => {
-    child.stderr.on('data', (d) => {
-      stderr += d;
-      const m = /serving \S+ at (\S+)/.exec(stderr);
-      if (m) resolve(m[1]);
-    });
-    child.on('close', (code) => reject(new Error(`serve exited ${code}: ${stderr}`)));
-  });
+  const { child, url, log } = await startServe(['--model', dir, '--port', '0', '--no-paged', '--decode-path', 'eager', '--kv-cache', 'affine4']);
   try {
-    assert.match(stderr, /: eager decode, quantized cache, affine4 KV\n/);
+    assert.match(log(), /: eager decode, quantized cache, affine4 KV\n/);
     const res = await fetch(`${url}/chat/completions`, {
       method: 'POST',
       headers: { 'content-type': 'application/json' },
@@ -193,20 +183,9 @@ test('serve --prefix-cache-dir: a restarted server reuses the blocks the first o
   const fs = require('node:fs');
   const os = require('node:os');
   const cache = fs.mkdtempSync(path.join(os.tmpdir(), 'mlx-lfm-serve-disk-'));
-  const { spawn } = require('node:child_process');
   const content = 'Tell me a long story about the sea, the mountains, the rivers and the people who live by them.';
   async function once() {
-    const child = spawn(process.execPath, [cli, 'serve', '--model', dir, '--port', '0', '--prefix-cache-dir', cache, '--prefix-cache-disk-mb', '64']);
-    let stderr = '';
-    const exited = new Promise((resolve) => child.on('close', resolve));
-    const url = await new Promise((resolve, reject) => {
-      child.stderr.on('data', (d) => {
-        stderr += d;
-        const m = /serving \S+ at (\S+)/.exec(stderr);
-        if (m) resolve(m[1]);
-      });
-      child.on('close', (code) => reject(new Error(`serve exited ${code}: ${stderr}`)));
-    });
+    const { child, url, exited } = await startServe(['--model', dir, '--port', '0', '--prefix-cache-dir', cache, '--prefix-cache-disk-mb', '64']);
     try {
       const res = await fetch(`${url}/chat/completions`, {
         method: 'POST',

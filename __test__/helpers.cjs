@@ -4,7 +4,7 @@
 const fs = require('node:fs');
 const os = require('node:os');
 const path = require('node:path');
-const { spawnSync } = require('node:child_process');
+const { spawn, spawnSync } = require('node:child_process');
 const addon = require('../main.cjs');
 
 const root = path.resolve(__dirname, '..');
@@ -57,4 +57,27 @@ function maxAbsDiff(a, b) {
   return m;
 }
 
-module.exports = { addon, fixture, fixtureCopy, reference, maxAbsDiff, root };
+/**
+ * `mlx-lfm serve ARGS` in a child process, once it prints the URL it serves
+ * at: `{ child, url, exited, log }`, where `exited` resolves with its exit
+ * code and `log()` is its stderr so far.
+ */
+async function startServe(args, env = {}) {
+  const child = spawn(process.execPath, [path.join(root, 'cli.cjs'), 'serve', ...args], {
+    stdio: ['ignore', 'ignore', 'pipe'],
+    env: { ...process.env, ...env },
+  });
+  let stderr = '';
+  const exited = new Promise((resolve) => child.once('exit', (code) => resolve(code)));
+  const url = await new Promise((resolve, reject) => {
+    child.stderr.on('data', (d) => {
+      stderr += d;
+      const m = /serving \S+ at (http:\/\/\S+)/.exec(stderr);
+      if (m) resolve(m[1]);
+    });
+    child.once('exit', (code) => reject(new Error(`serve exited with ${code}: ${stderr}`)));
+  });
+  return { child, url, exited, log: () => stderr };
+}
+
+module.exports = { addon, fixture, fixtureCopy, reference, maxAbsDiff, root, startServe };

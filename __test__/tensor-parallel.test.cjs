@@ -14,7 +14,7 @@ const net = require('node:net');
 const os = require('node:os');
 const path = require('node:path');
 const { spawn } = require('node:child_process');
-const { addon, fixture, root } = require('./helpers.cjs');
+const { addon, fixture, root, startServe } = require('./helpers.cjs');
 
 const TINY = { preset: 'tiny', dtype: 'f32' };
 const GREEDY = { maxTokens: 32, ignoreEos: true };
@@ -148,20 +148,9 @@ test('`mlx-lfm serve --tensor-parallel 2` reports worldSize and answers 4 concur
   const want = [];
   for (const p of prompts) want.push((await one.chat([{ role: 'user', content: p }], { maxTokens: 16, ignoreEos: true })).text);
   one.close();
-  const child = spawn(process.execPath, [path.join(root, 'cli.cjs'), 'serve', '--model', dir, '--port', '0', '--no-paged', '--tensor-parallel', '2', '--name', 'tp'], {
-    stdio: ['ignore', 'ignore', 'pipe'],
-    env: { ...process.env, MLX_LFM_TP_TIMEOUT_S: '60' },
-  });
-  let err = '';
+  const serve = await startServe(['--model', dir, '--port', '0', '--no-paged', '--tensor-parallel', '2', '--name', 'tp'], { MLX_LFM_TP_TIMEOUT_S: '60' });
+  const { url } = serve;
   try {
-    const url = await new Promise((resolve, reject) => {
-      child.stderr.on('data', (d) => {
-        err += d;
-        const m = /serving tp at (http:\/\/\S+)/.exec(err);
-        if (m) resolve(m[1]);
-      });
-      child.on('exit', (code) => reject(new Error(`serve exited with ${code}: ${err}`)));
-    });
     const base = url.replace(/\/v1$/, '');
     assert.deepEqual(await (await fetch(`${base}/health`)).json(), { status: 'ok', model: 'tp', worldSize: 2 });
     const answers = await Promise.all(
@@ -178,27 +167,15 @@ test('`mlx-lfm serve --tensor-parallel 2` reports worldSize and answers 4 concur
     );
     assert.deepEqual(answers, want);
   } finally {
-    const exited = new Promise((resolve) => child.once('exit', resolve));
-    child.kill('SIGTERM');
-    assert.equal(await exited, 0, err);
+    serve.child.kill('SIGTERM');
+    assert.equal(await serve.exited, 0, serve.log());
   }
 });
 
 test('a rank killed while `serve --tensor-parallel 2` generates stops the server with a message, not a hang', async () => {
   const dir = await fixture('tiny', TINY);
-  const child = spawn(process.execPath, [path.join(root, 'cli.cjs'), 'serve', '--model', dir, '--port', '0', '--no-paged', '--tensor-parallel', '2', '--name', 'tp'], {
-    stdio: ['ignore', 'ignore', 'pipe'],
-    env: { ...process.env, MLX_LFM_TP_TIMEOUT_S: '20' },
-  });
-  let err = '';
-  const exited = new Promise((resolve) => child.once('exit', (code) => resolve(code)));
-  const url = await new Promise((resolve, reject) => {
-    child.stderr.on('data', (d) => {
-      err += d;
-      const m = /serving tp at (http:\/\/\S+)/.exec(err);
-      if (m) resolve(m[1]);
-    });
-    child.once('exit', (code) => reject(new Error(`serve exited with ${code}: ${err}`)));
+  const { child, url, exited, log } = await startServe(['--model', dir, '--port', '0', '--no-paged', '--tensor-parallel', '2', '--name', 'tp'], {
+    MLX_LFM_TP_TIMEOUT_S: '20',
   });
   // A long streamed generation; at its first token the follower (the one
   // `follow` child of this server) is killed, so the kill always lands
@@ -240,7 +217,7 @@ test('a rank killed while `serve --tensor-parallel 2` generates stops the server
   clearTimeout(timer);
   assert.ok(Date.now() - killedAt < 45_000, 'the server took too long to stop');
   assert.notEqual(code, 0);
-  assert.match(err, /rank 1 exited \(SIGKILL\) while serving; stopping/);
+  assert.match(log(), /rank 1 exited \(SIGKILL\) while serving; stopping/);
   assert.notEqual(await reply, 'completed', 'the stream finished normally although a rank died');
 });
 
@@ -262,21 +239,14 @@ test('`serve --tensor-parallel 2 --hostfile` starts a rank on another host over 
   fs.writeFileSync(ssh, '#!/bin/sh\necho "$1" >> "$FAKE_SSH_LOG"\nexec /bin/sh -c "$2"\n', { mode: 0o755 });
   const hostfile = path.join(tmp, 'hosts.json');
   fs.writeFileSync(hostfile, JSON.stringify([[`127.0.0.1:${await freePort()}`], [`${ip}:${await freePort()}`]]));
-  const child = spawn(process.execPath, [path.join(root, 'cli.cjs'), 'serve', '--model', dir, '--port', '0', '--no-paged', '--tensor-parallel', '2', '--hostfile', hostfile, '--name', 'tp'], {
-    stdio: ['ignore', 'ignore', 'pipe'],
-    env: { ...process.env, MLX_LFM_TP_TIMEOUT_S: '60', MLX_LFM_SSH: ssh, FAKE_SSH_LOG: log },
+  const serve = await startServe(['--model', dir, '--port', '0', '--no-paged', '--tensor-parallel', '2', '--hostfile', hostfile, '--name', 'tp'], {
+    MLX_LFM_TP_TIMEOUT_S: '60',
+    MLX_LFM_SSH: ssh,
+    FAKE_SSH_LOG: log,
   });
-  let err = '';
+  const { url } = serve;
   try {
-    const url = await new Promise((resolve, reject) => {
-      child.stderr.on('data', (d) => {
-        err += d;
-        const m = /serving tp at (http:\/\/\S+)/.exec(err);
-        if (m) resolve(m[1]);
-      });
-      child.on('exit', (code) => reject(new Error(`serve exited with ${code}: ${err}`)));
-    });
-    assert.match(err, new RegExp(`starting rank 1 on ${ip.replace(/\./g, '\\.')} over `));
+    assert.match(serve.log(), new RegExp(`starting rank 1 on ${ip.replace(/\./g, '\\.')} over `));
     assert.equal(fs.readFileSync(log, 'utf8').trim(), ip, 'ssh was asked for the rank\'s host');
     const base = url.replace(/\/v1$/, '');
     assert.deepEqual(await (await fetch(`${base}/health`)).json(), { status: 'ok', model: 'tp', worldSize: 2 });
@@ -289,9 +259,8 @@ test('`serve --tensor-parallel 2 --hostfile` starts a rank on another host over 
     assert.equal(r.status, 200, JSON.stringify(body));
     assert.equal(body.choices[0].message.content, want);
   } finally {
-    const exited = new Promise((resolve) => child.once('exit', resolve));
-    child.kill('SIGTERM');
-    assert.equal(await exited, 0, err);
+    serve.child.kill('SIGTERM');
+    assert.equal(await serve.exited, 0, serve.log());
     fs.rmSync(tmp, { recursive: true, force: true });
   }
 });
