@@ -49,8 +49,13 @@ impl Grammar {
 }
 
 /// Compact JSON (no free whitespace) unless the schema says otherwise:
-/// what OpenAI's structured outputs produce, and fewer tokens.
-fn compact(mut schema: Value) -> Value {
+/// what OpenAI's structured outputs produce, and fewer tokens. It also
+/// bounds the output: llguidance's flexible whitespace is an unbounded run
+/// at every gap, which a weak model can fill until maxTokens.
+/// `true` (any JSON) becomes `{}` to carry the option: llguidance reads
+/// `x-guidance` only from a top-level object.
+fn compact(schema: Value) -> Value {
+    let mut schema = if schema == Value::Bool(true) { json!({}) } else { schema };
     if let Value::Object(m) = &mut schema {
         m.entry("x-guidance").or_insert_with(|| json!({ "whitespace_flexible": false }));
     }
@@ -291,5 +296,71 @@ impl ToolWatch {
     pub fn new(guide: &Guide, g: &Grammar) -> Result<ToolWatch> {
         let start = guide.tool_start.ok_or_else(|| Error::invalid(format!("toolChoice needs the tokenizer's {TOOL_CALL_START} token")))?;
         Ok(ToolWatch { start, template: Constraint::compile(guide, g)?, stash: None })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fixture::{self, FixtureSpec, Preset, EOS_TOKEN_ID};
+
+    /// The tiny fixture's tokenizer, its guide, and each token's text.
+    fn setup(name: &str) -> (Guide, Tokenizer, Vec<String>) {
+        let dir = std::env::temp_dir().join(format!("mlxlfm-constraint-{}-{name}", std::process::id()));
+        std::fs::remove_dir_all(&dir).ok();
+        let spec = FixtureSpec::new(Preset::Tiny);
+        fixture::generate(&spec, &dir).unwrap();
+        let tok = Tokenizer::load(&dir).unwrap();
+        std::fs::remove_dir_all(&dir).ok();
+        let guide = Guide::new(&tok, spec.vocab_size(), &[EOS_TOKEN_ID]).unwrap();
+        let texts = (0..spec.vocab_size() as u32).map(|id| tok.decode(&[id], false).unwrap_or_default()).collect();
+        (guide, tok, texts)
+    }
+
+    /// Walks `text` token by token under `schema`; at each point outside a
+    /// string, the allowed tokens that open with whitespace. Asserts the
+    /// constraint is complete exactly after the last token.
+    fn walk(guide: &Guide, tok: &Tokenizer, texts: &[String], schema: Value, text: &str) -> Vec<String> {
+        let mut c = Constraint::compile(guide, &Grammar::JsonSchema(schema)).unwrap();
+        c.first = None;
+        let ids = tok.encode(text, false).unwrap();
+        let mut spaced = vec![];
+        for (k, &id) in ids.iter().enumerate() {
+            assert!(!c.is_done(), "complete after {k} of {} tokens of {text}", ids.len());
+            let so_far = tok.decode(&ids[..k], false).unwrap();
+            let allowed = c.allowed().unwrap().expect("some token is allowed");
+            assert!(allowed[id as usize], "{:?} not allowed after {so_far:?}", texts[id as usize]);
+            if so_far.matches('"').count() % 2 == 0 {
+                spaced.extend(
+                    (0..allowed.len())
+                        .filter(|&i| allowed[i] && texts[i].starts_with(char::is_whitespace))
+                        .map(|i| format!("{:?} after {so_far:?}", texts[i])),
+                );
+            }
+            c.commit(id).unwrap();
+        }
+        assert!(c.is_done(), "not complete after {text}");
+        spaced
+    }
+
+    /// `response_format: json_object` is `{type: 'object'}`; `true` is any
+    /// JSON. Both are compact (a random model cannot pad with whitespace
+    /// forever) and end as soon as the value closes (nothing may follow).
+    #[test]
+    fn json_object_and_any_json_are_compact_and_end_when_the_value_closes() {
+        let (guide, tok, texts) = setup("json-object");
+        let text = r#"{"a":[1,{"b":null}],"c":"x y","d":-2.5e3,"e":true}"#;
+        for schema in [json!({ "type": "object" }), json!(true)] {
+            let spaced = walk(&guide, &tok, &texts, schema.clone(), text);
+            assert!(spaced.is_empty(), "{schema}: whitespace allowed: {spaced:?}");
+        }
+        // The check can fail: whitespace the schema asks for is offered.
+        let flexible = json!({ "type": "object", "x-guidance": { "whitespace_flexible": true } });
+        assert!(!walk(&guide, &tok, &texts, flexible, text).is_empty());
+        // An object is not any JSON: `[` cannot start json_object output.
+        let c = Constraint::compile(&guide, &Grammar::JsonSchema(json!({ "type": "object" }))).unwrap();
+        let first = c.first.as_ref().unwrap();
+        let starts: Vec<&str> = (0..first.len()).filter(|&i| first[i]).map(|i| texts[i].as_str()).collect();
+        assert!(!starts.is_empty() && starts.iter().all(|t| t.starts_with('{')), "{starts:?}");
     }
 }
