@@ -1,6 +1,8 @@
 // Constrained decoding (llguidance): on the tiny random-weight fixture,
 // whose output would never be JSON by chance, sampling at temperature 1
 // under a JSON schema always gives JSON that validates (checked with ajv),
+// and json_object JSON that parses to an object; an output maxTokens cuts
+// off is a prefix of compact JSON;
 // under a regex or a Lark grammar a whole match, under toolChoice calls
 // whose arguments validate against the tool's schema; alone and batched,
 // on the compiled and the eager path, streamed; bad schemas and grammars
@@ -8,6 +10,8 @@
 'use strict';
 const test = require('node:test');
 const assert = require('node:assert/strict');
+const fs = require('node:fs');
+const path = require('node:path');
 const Ajv = require('ajv');
 const { OpenAI } = require('openai');
 const { addon, fixture } = require('./helpers.cjs');
@@ -64,12 +68,131 @@ function checkJson(label, r, schema) {
   return value;
 }
 
+/**
+ * Reads `text` as compact JSON (no whitespace outside strings: what every
+ * constraint here generates): 'complete' when it is one whole value,
+ * 'prefix' when some continuation would make it one; otherwise throws
+ * naming the offset. For outputs cut off by maxTokens, which JSON.parse
+ * cannot judge.
+ */
+function compactJsonPrefix(text) {
+  const stack = [];
+  // value | value-or-] | key | key-or-} | colon | after
+  let want = 'value';
+  let i = 0;
+  const fail = (why) => { throw new Error(`not a compact JSON prefix: ${why} at ${i} in ${JSON.stringify(text)}`); };
+  const number = /^-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?$/;
+  while (i < text.length) {
+    const c = text[i];
+    if (want === 'after') {
+      if (stack.length === 0) fail('text after the value');
+      const top = stack[stack.length - 1];
+      if (c === ',') want = top === '{' ? 'key' : 'value';
+      else if ((c === '}' && top === '{') || (c === ']' && top === '[')) stack.pop();
+      else fail(`${JSON.stringify(c)} after a value`);
+      i++;
+    } else if (want === 'colon') {
+      if (c !== ':') fail(`${JSON.stringify(c)} after a key`);
+      want = 'value';
+      i++;
+    } else if (c === '"') {
+      i++;
+      for (;;) {
+        if (i >= text.length) return 'prefix';
+        const d = text[i];
+        if (d === '"') break;
+        if (d < ' ') fail('a raw control character in a string');
+        if (d === '\\') {
+          const e = text[i + 1];
+          if (e === undefined) return 'prefix';
+          if (e === 'u') {
+            const hex = text.slice(i + 2, i + 6);
+            if (!/^[0-9a-fA-F]*$/.test(hex)) fail('a bad \\u escape');
+            if (hex.length < 4) return 'prefix';
+            i += 6;
+            continue;
+          }
+          if (!'"\\/bfnrt'.includes(e)) fail('a bad escape');
+          i += 2;
+          continue;
+        }
+        i++;
+      }
+      i++;
+      want = want.startsWith('key') ? 'colon' : 'after';
+    } else if (want.startsWith('key')) {
+      if (c !== '}' || want !== 'key-or-}') fail(`${JSON.stringify(c)} where a key belongs`);
+      stack.pop();
+      want = 'after';
+      i++;
+    } else if (c === ']' && want === 'value-or-]') {
+      stack.pop();
+      want = 'after';
+      i++;
+    } else if (c === '{' || c === '[') {
+      stack.push(c);
+      want = c === '{' ? 'key-or-}' : 'value-or-]';
+      i++;
+    } else if (c === '-' || (c >= '0' && c <= '9')) {
+      const run = /^[-+.eE0-9]+/.exec(text.slice(i))[0];
+      i += run.length;
+      if (!number.test(run)) {
+        if (i === text.length && number.test(`${run}0`)) return 'prefix';
+        fail(`the number ${run}`);
+      }
+      want = 'after';
+    } else {
+      const word = ['true', 'false', 'null'].find((w) => w[0] === c);
+      const got = text.slice(i, i + (word ?? '').length);
+      if (!word || !word.startsWith(got)) fail(`${JSON.stringify(c)} where a value belongs`);
+      if (got.length < word.length) return 'prefix';
+      i += word.length;
+      want = 'after';
+    }
+  }
+  return want === 'after' && stack.length === 0 ? 'complete' : 'prefix';
+}
+
+/** A json_object / jsonSchema output: stopped, it parses (to an object when `object`); cut off, it is a prefix. */
+function checkJsonOutput(label, finishReason, text, { object = false, schema } = {}) {
+  if (finishReason === 'stop') {
+    let value;
+    assert.doesNotThrow(() => { value = JSON.parse(text); }, `${label}: stopped but not JSON: ${JSON.stringify(text)}`);
+    assert.equal(compactJsonPrefix(text), 'complete', `${label}: ${JSON.stringify(text)}`);
+    if (object) assert.ok(value !== null && typeof value === 'object' && !Array.isArray(value), `${label}: not an object: ${text}`);
+    if (schema) assert.ok(ajv.validate(schema, value), `${label}: ${text} fails: ${ajv.errorsText()}`);
+  } else {
+    assert.equal(finishReason, 'length', `${label}: ${finishReason} ${JSON.stringify(text)}`);
+    // A cut may also fall right after a whole value (a bare number could go on).
+    assert.ok(['prefix', 'complete'].includes(compactJsonPrefix(text)), `${label}: ${JSON.stringify(text)}`);
+    if (object) assert.ok(text === '' || text.startsWith('{'), `${label}: ${JSON.stringify(text)}`);
+  }
+}
+
 let model;
 async function load() {
   model ??= await addon.Lfm2Model.load(await fixture(...FIX));
   return model;
 }
 test.after(() => model && model.close());
+
+test('the compact JSON prefix check agrees with JSON.parse, and every cut of a value is a prefix', () => {
+  const whole = ['{}', '[]', '0', '-1.5e+3', '"a"', 'null', '{"a":[1,{"b":null}],"c":"x\\"\\u00e9","d":true,"e":[]}', '[[],{},[false]]'];
+  for (const w of whole) {
+    assert.doesNotThrow(() => JSON.parse(w), w);
+    // Every cut is a prefix, and complete exactly when JSON.parse takes it (`-1` of `-1.5e+3`).
+    for (let k = 0; k <= w.length; k++) {
+      const cut = w.slice(0, k);
+      let parses = true;
+      try { JSON.parse(cut); } catch { parses = false; }
+      assert.equal(compactJsonPrefix(cut), parses ? 'complete' : 'prefix', JSON.stringify(cut));
+    }
+  }
+  // Wrong JSON, and JSON with whitespace (which the constraints never allow), fail.
+  for (const bad of ['{"a":}', '{}}', '{"a":01}', '{,', '[1,]', '{"a":1,}', '{"a" :1}', '{ }', '[1 ]', '{"a":tru3', '"\\x"', '{"a":"\n"}', '{1:2}', '{"a"}', '1.e', '[}', '{]']) {
+    assert.throws(() => compactJsonPrefix(bad), /not a compact JSON prefix/, bad);
+  }
+});
 
 test('without a constraint the fixture does not write JSON (so the checks below mean something)', async () => {
   const m = await load();
@@ -110,6 +233,61 @@ test('the eager path constrains the same way', async () => {
   } finally {
     eager.close();
   }
+});
+
+// A random model never closes a string, array or object by chance: bias the
+// fixture's tokens made only of JSON punctuation up (those with a quote
+// most, closing brackets least, so objects get keys and nest before they
+// close), so sampled outputs finish, and meet maxTokens at every kind of
+// point. Ids come from the fixture's own vocabulary.
+async function punctuationBias() {
+  const { model: { vocab } } = JSON.parse(fs.readFileSync(path.join(await fixture(...FIX), 'tokenizer.json'), 'utf8'));
+  const bias = {};
+  for (const [t, id] of Object.entries(vocab)) if (/^[{}[\]",:]+$/.test(t)) bias[id] = t.includes('"') ? 12 : /[}\]]/.test(t) ? 6 : 9;
+  assert.ok(['{', '}', '"', ':', ','].every((t) => vocab[t] in bias), JSON.stringify(bias));
+  return bias;
+}
+
+/** Counts of finish reasons (and of stopped outputs longer than `{}`), checking each output as `checkJsonOutput` does. */
+function tally(label, outputs, how) {
+  const counts = { stop: 0, length: 0, bigger: 0 };
+  outputs.forEach(({ finishReason, text }, i) => {
+    checkJsonOutput(`${label} ${i}`, finishReason, text, how);
+    counts[finishReason]++;
+    if (finishReason === 'stop' && text.length > 4) counts.bigger++;
+  });
+  return counts;
+}
+
+/** Both endings happened, and not only trivially, so both checks ran on real outputs. */
+function assertMixed(counts) {
+  assert.ok(counts.stop >= 4 && counts.length >= 2 && counts.bigger >= 3, JSON.stringify(counts));
+}
+
+test("json_object (jsonSchema { type: 'object' }) and any JSON (true): what stops parses, what maxTokens cuts is a prefix", async () => {
+  const m = await load();
+  const logitBias = await punctuationBias();
+  const opts = (seed) => ({ temperature: 1, seed, maxTokens: 64, logitBias });
+  const seeds = [...Array(16).keys()];
+  const object = { type: 'object' };
+  const gen = await Promise.all(seeds.map((seed) => m.generate('Data:', { ...opts(seed), jsonSchema: object })));
+  const chat = await Promise.all(seeds.map((seed) => m.chat([{ role: 'user', content: 'JSON, please.' }], { ...opts(seed), jsonSchema: object })));
+  const any = await Promise.all(seeds.map((seed) => m.generate('Data:', { ...opts(seed), jsonSchema: true })));
+  const counts = [tally('generate', gen, { object: true }), tally('chat', chat, { object: true }), tally('any', any, {})];
+  counts.forEach(assertMixed);
+});
+
+test('jsonSchema: an output cut off by maxTokens is a prefix of compact JSON (stopped ones still validate)', async () => {
+  const m = await load();
+  let cut = 0;
+  for (const [name, schema] of Object.entries(schemas)) {
+    const rs = await Promise.all([3, 6, 10, 15].map((maxTokens, seed) => m.generate('Data:', { jsonSchema: schema, temperature: 1, seed, maxTokens })));
+    rs.forEach((r, i) => {
+      checkJsonOutput(`${name} ${i}`, r.finishReason, r.text, { schema });
+      if (r.finishReason === 'length') cut++;
+    });
+  }
+  assert.ok(cut >= 8, `only ${cut} outputs were cut off`);
 });
 
 test('regex and Lark grammars: whole matches; streamed text is the result', async () => {
@@ -214,7 +392,7 @@ test('server: response_format json_schema / json_object and tool_choice, with 40
       response_format: { type: 'json_schema', json_schema: { name: 'person', schema: schemas.nested, strict: true } },
     });
     r.choices.forEach((c, i) => checkJson(`choice ${i}`, { finishReason: c.finish_reason, text: c.message.content }, schemas.nested));
-    // json_object: whatever the random model writes, it starts as an object.
+    // json_object is accepted (its outputs are checked whole in the next test).
     const o = await client.chat.completions.create({ model: 'tiny', messages, max_tokens: 8, response_format: { type: 'json_object' } });
     assert.match(o.choices[0].message.content, /^\{/);
     const t = await client.chat.completions.create({ model: 'tiny', messages, tools, tool_choice: 'required', temperature: 1, seed: 2, max_tokens: 200 });
@@ -235,6 +413,26 @@ test('server: response_format json_schema / json_object and tool_choice, with 40
       assert.equal(status, 400, JSON.stringify(body));
       assert.equal(error.param, param, JSON.stringify(error));
     }
+  } finally {
+    server.close();
+    server.closeAllConnections();
+  }
+});
+
+test('server: response_format json_object parses to an object when it stops and is a prefix when max_tokens cuts it; so is a cut json_schema', async () => {
+  const m = await load();
+  const logit_bias = await punctuationBias();
+  const { server, url } = await listen({ model: m, modelId: 'tiny' }, { port: 0 });
+  const client = new OpenAI({ baseURL: url, apiKey: 'unused', maxRetries: 0, timeout: 60000 });
+  try {
+    const messages = [{ role: 'user', content: 'JSON, please.' }];
+    const ask = (seed, body) => client.chat.completions.create({ model: 'tiny', messages, temperature: 1, seed, n: 8, ...body });
+    const outputs = (rs) => rs.flatMap((r) => r.choices.map((c) => ({ finishReason: c.finish_reason, text: c.message.content })));
+    const objects = outputs(await Promise.all([0, 8].map((seed) => ask(seed, { max_tokens: 64, logit_bias, response_format: { type: 'json_object' } }))));
+    assertMixed(tally('json_object', objects, { object: true }));
+    const schema = schemas.nested;
+    const cut = outputs([await ask(1, { max_tokens: 12, response_format: { type: 'json_schema', json_schema: { name: 'person', schema, strict: true } } })]);
+    assert.ok(tally('json_schema', cut, { schema }).length >= 4);
   } finally {
     server.close();
     server.closeAllConnections();
