@@ -39,7 +39,7 @@ KERNELS = {
     ),
     "decode_attention.rs": (
         [("q", "T"), ("k", "T"), ("v", "T"), ("mask", "bool")],
-        [("out", "T")],
+        [("out", "T"), ("sc", "float")],
         lambda dt: [("HD", 64), ("SCALE_BITS", 1040187392)],
     ),
     "short_conv.rs": (
