@@ -11,10 +11,10 @@ shared=${MLX_LFM_SHARED:-$top/../shared}
 [ -f .device/llama/llsrc.tgz ] || bash "$shared/tools/llama-anchor/prepare.sh"
 cargo build --release --target x86_64-unknown-linux-gnu --bin mlx-lfm-bench
 mkdir -p .device/bin
-cp target/x86_64-unknown-linux-gnu/release/mlx-lfm-bench .device/bin/
+cp target/x86_64-unknown-linux-gnu/release/mlx-lfm-bench .device/bin/ && strip .device/bin/mlx-lfm-bench
 # The library's test binary: the fused kernels' tests run on the device.
-rm -f .device/bin/mlx_lfm-*
+mkdir -p .device/tests && rm -f .device/tests/mlx_lfm-*
 t=$(cargo test --release --target x86_64-unknown-linux-gnu --lib --no-run --message-format=json 2>/dev/null |
   python3 -c 'import sys, json; print([j["executable"] for j in map(json.loads, sys.stdin) if j.get("executable")][0])')
-cp "$t" .device/bin/ && strip .device/bin/mlx_lfm-*
-du -sh .device/a .device/b .device/llama .device/bin
+cp "$t" .device/tests/ && strip .device/tests/mlx_lfm-*
+du -sh .device/a .device/b .device/llama .device/bin .device/tests

@@ -14,10 +14,13 @@ Here (the development machine), once:
 Then three calls of the device tool, back to back (the machine keeps /tmp
 while it is warm; each call stays under the 64 MiB a call may carry):
     1. carry [".device/a", ".device/llama"]:  python3 bench/h200/run.py stage
-    2. carry [".device/b", ".device/bin"]:    python3 bench/h200/run.py checkpoints kernels
-    3. carry [".device/bin"]:                 python3 bench/h200/run.py round 1
+    2. carry [".device/b", ".device/bin"]:    python3 bench/h200/run.py checkpoints
+    3. carry [".device/tests"]:               python3 bench/h200/run.py kernels round 1
     4. carry [".device/bin"]:                 python3 bench/h200/run.py round 2
     5. carry [".device/bin"]:                 python3 bench/h200/run.py profile
+(`profile-prefill` profiles a 512-token prefill the same way; `ab-binaries`
+times .device/prev/mlx-lfm-bench-prev, a build of the previous commit, against
+this one; `constrained` times constrained against free decode.)
 (`kernels` runs the fused kernels' tests there, `ab` times each decode-step
 change against the stock ops on the same checkpoints.)
 Each call leaves raw.jsonl (every measurement, tagged) and its logs in $OUT.
@@ -358,13 +361,69 @@ def summarize_ncu(text):
     }
 
 
+def profile_prefill():
+    """ncu over one 512-token prefill (and its first token) of each model in
+    ab_models(), after an unmeasured prefill of the same shape, and the same
+    prefill's wall time without ncu (the bench's TTFT)."""
+    for name in ab_models():
+        rep = WORK / f"prof-prefill-{name}"
+        e = env()
+        e["MLXLFM_PROFILE_PREFILL"] = "1"
+        cmd = ["ncu", "--clock-control", "none", "--profile-from-start", "off", "-f", "-o", rep,
+               "--metrics", "gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum",
+               BENCH, "--model", ours_ck(name), "--device", "gpu", "--prompts", "512", "--gen", "1", "--reps", "3",
+               "--paths", "compiled"]
+        r = sh(cmd, f"ncu-prefill-{name}", check=False, env=e)
+        if r.returncode != 0:
+            record(engine="ncu-prefill", model=name, error=r.stderr[-2000:])
+            continue
+        csv = sh(["ncu", "--import", f"{rep}.ncu-rep", "--csv", "--page", "raw", "--print-units", "base",
+                  "--print-kernel-base", "function"], check=False)
+        (OUT / f"ncu-prefill-{name}.csv").write_text(csv.stdout)
+        r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--prompts", "512", "--gen", "1", "--reps", "5",
+                "--paths", "compiled"], f"prefill-wall-{name}", check=False)
+        ttft = [json.loads(l)["ttft_ms"] for l in r.stdout.splitlines() if "ttft_ms" in l]
+        record(engine="ncu-prefill", model=name, prompt=512, kernels=summarize_ncu(csv.stdout), ttft_ms=ttft)
+
+
+def ab_binaries():
+    """The previous build (.device/prev/mlx-lfm-bench-prev, carried) against
+    this one on the same checkpoints, interleaved twice: what this change of
+    the decode step buys, same machine, same minute."""
+    prev = ROOT / ".device" / "prev" / "mlx-lfm-bench-prev"
+    if not prev.exists():
+        raise SystemExit("no .device/prev/mlx-lfm-bench-prev to compare with")
+    for name in ab_models():
+        for turn in range(2):
+            for variant, binary in (("prev", prev), ("this", BENCH)):
+                r = sh([binary, "--model", ours_ck(name), "--device", "gpu", "--prompts", "512", "--gen", "128",
+                        "--reps", "3", "--paths", "compiled"], f"ab-bin-{name}", check=False)
+                for line in r.stdout.splitlines():
+                    j = json.loads(line)
+                    if "prompt" in j:
+                        record(engine="ab", model=name, variant=variant, turn=turn, prefill=j["prefill_tps_runs"],
+                               decode=j["decode_tps_runs"])
+
+
+def constrained():
+    """Constrained (a JSON schema, a regex) against free decode on this GPU,
+    alone and 4 batched (`mlx-lfm-bench --constrained`)."""
+    for name in ("lfm2-350m-bf16", "lfm2-1.2b-bf16"):
+        r = sh([BENCH, "--constrained", "--model", ours_ck(name), "--device", "gpu", "--gen", "128", "--reps", "3",
+                "--batch", "4"], f"constrained-{name}", check=False)
+        for line in r.stdout.splitlines():
+            j = json.loads(line)
+            if "case" in j:
+                record(engine="constrained", model=name, **j)
+
+
 def kernels():
     """Each fused kernel's tests against the stock ops (src/kernels/tests.rs),
     on this GPU. If one fails, the benchmark runs with the kernels off
     (MLX_LFM_KERNELS=0) and the failure is recorded."""
-    tests = sorted((ROOT / ".device" / "bin").glob("mlx_lfm-*"))
+    tests = sorted((ROOT / ".device" / "tests").glob("mlx_lfm-*"))
     if not tests:
-        raise SystemExit("no test binary in .device/bin (bench/h200/prepare.sh builds it)")
+        raise SystemExit("no test binary in .device/tests (bench/h200/prepare.sh builds it)")
     r = sh([tests[0], "kernels::", "--test-threads", "1", "--nocapture"], "kernel-tests", check=False)
     ok = r.returncode == 0 and "skipped" not in r.stderr
     record(engine="tests", suite="kernels::", passed=ok, tail=(r.stdout + r.stderr)[-3000:])
@@ -413,7 +472,7 @@ def collect(files):
     for r in rows:
         if "error" in r:
             errors.append(r)
-        elif r.get("engine") in ("ncu", "ab", "tests"):
+        elif r.get("engine") in ("ncu", "ncu-prefill", "ab", "tests", "constrained"):
             profiles.append(r)
         elif r.get("samples"):
             runs.append({"model": r["model"], "engine": r["engine"], "metric": r["metric"], "prompt": r["prompt"],
@@ -480,6 +539,17 @@ def main():
             elif a == "profile":
                 install()
                 profile()
+            elif a == "profile-prefill":
+                install()
+                profile_prefill()
+            elif a == "ab-binaries":
+                install()
+                checkpoints(ab_models(), gguf=False)
+                ab_binaries()
+            elif a == "constrained":
+                install()
+                checkpoints(["lfm2-350m-bf16", "lfm2-1.2b-bf16"], gguf=False)
+                constrained()
             else:
                 raise SystemExit(f"unknown step {a}")
             i += 1

@@ -163,7 +163,20 @@ fn run() -> mlx_lfm::Result<()> {
         // Warm-up (compiles kernels and the decode graph).
         let warm = GenerateParams { max_tokens: 8, ignore_eos: true, ..Default::default() };
         eng.generate(Prompt::Tokens(ids(64, vocab, 1)), warm, &mut NoObserver)?;
+        // MLXLFM_PROFILE_PREFILL=1: one prefill per prompt length (after an
+        // unmeasured one of the same shape) wrapped in cudaProfilerStart/Stop,
+        // for `ncu --profile-from-start off`.
+        let profile_prefill = std::env::var("MLXLFM_PROFILE_PREFILL").is_ok_and(|v| v == "1");
         for &p in &prompts {
+            if profile_prefill {
+                let one = GenerateParams { max_tokens: 1, ignore_eos: true, ..Default::default() };
+                eng.generate(Prompt::Tokens(ids(p, vocab, 3)), one.clone(), &mut NoObserver)?;
+                runtime::synchronize()?;
+                cuda_profiler(true);
+                eng.generate(Prompt::Tokens(ids(p, vocab, 5)), one, &mut NoObserver)?;
+                runtime::synchronize()?;
+                cuda_profiler(false);
+            }
             let mut best_prefill = 0f64;
             let mut best_ttft = f64::MAX;
             let mut best_decode = 0f64;
