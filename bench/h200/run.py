@@ -439,6 +439,12 @@ AB = {
     "scatter-kv-write": {"MLX_LFM_FUSE_PROJECTIONS": "0", "MLX_LFM_KERNELS": "0", "MLX_LFM_KV_WRITE": "scatter"},
     "all-but-short-conv-kernel": {"MLX_LFM_SHORT_CONV_KERNEL": "0"},
     "all-but-decode-attention-kernel": {"MLX_LFM_DECODE_ATTENTION_KERNEL": "0"},
+    # Not yet on by default, waiting for this A/B (prefill figures too):
+    # the fused add + RMSNorm for decode-sized inputs only, MLX's ops in a
+    # prefill; MoE experts with many prefill rows as dequantize + matmul.
+    "norm-kernel-up-to-16-rows": {"MLX_LFM_ADD_RMS_NORM_MAX_ROWS": "16"},
+    "moe-dequant-from-16-rows": {"MLX_LFM_MOE_DEQUANT_ROWS": "16"},
+    "moe-dequant-from-64-rows": {"MLX_LFM_MOE_DEQUANT_ROWS": "64"},
     "all": {},
 }
 AB_IN_ROUNDS = ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]

@@ -68,9 +68,23 @@ fn kernel() -> Option<&'static CudaKernel> {
         .as_ref()
 }
 
+/// MLX_LFM_ADD_RMS_NORM_MAX_ROWS=N: the fused kernel serves at most N rows
+/// (MLX's add and rms_norm the rest). Unset: every row count. The kernel was
+/// written and measured for decode (1-16 rows); in a 512-token prefill on
+/// the H200 ncu timed it at 27 µs a launch, so this switch is the A/B that
+/// decides whether prefill keeps it (`bench/h200/run.py ab`).
+fn max_rows() -> Option<usize> {
+    static MAX: OnceLock<Option<usize>> = OnceLock::new();
+    *MAX.get_or_init(|| std::env::var("MLX_LFM_ADD_RMS_NORM_MAX_ROWS").ok().and_then(|v| v.parse().ok()))
+}
+
 /// Whether the fused kernel serves these operands on this backend.
 pub fn available(h: &Array, r: &Array, w: &Array) -> bool {
     let dt = h.dtype();
+    let rows = if h.ndim() >= 1 && h.dim(-1) > 0 { h.size() / h.dim(-1) as usize } else { 0 };
+    if max_rows().is_some_and(|m| rows > m) {
+        return false;
+    }
     cuda_kernels_enabled()
         && dt.is_float()
         && dt != Dtype::Float64

@@ -335,13 +335,34 @@ impl GateUp {
     }
 }
 
+/// MLX_LFM_MOE_DEQUANT_ROWS=N: in a host-grouped prefill, an expert with at
+/// least N rows has its quantized weight dequantized to the activations'
+/// dtype and runs an ordinary matmul instead of `quantized_matmul`. Unset:
+/// never. On the H200 a 512-token prefill of the 8B-A1B spends 74% of its
+/// GPU time in MLX's `qmm` at ~64 rows an expert (43 µs each, where a
+/// dequantize and a cuBLAS GEMM of that size should take a fraction);
+/// this switch is the A/B that decides it (`bench/h200/run.py ab`).
+fn dequant_rows() -> Option<usize> {
+    static ROWS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| std::env::var("MLX_LFM_MOE_DEQUANT_ROWS").ok().and_then(|v| v.parse().ok()))
+}
+
 /// `x @ W[e].T` for one expert `e` of a stacked weight.
 fn expert_apply(w: &Weight, e: i32, x: &Array) -> Result<Array> {
+    expert_apply_with(w, e, x, dequant_rows())
+}
+
+fn expert_apply_with(w: &Weight, e: i32, x: &Array, dequant_rows: Option<usize>) -> Result<Array> {
     let one = |a: &Array| -> Result<Array> { a.slice_axis(0, e, e + 1)?.squeeze(0) };
     match w {
         Weight::Dense(w) => x.matmul(&one(w)?.t()?),
         Weight::Quant(q) => {
             let b = q.biases.as_ref().map(one).transpose()?;
+            let rows = if x.ndim() >= 1 && x.dim(-1) > 0 { x.size() / x.dim(-1) as usize } else { 0 };
+            if dequant_rows.is_some_and(|n| rows >= n) {
+                let dense = mlx::dequantize(&one(&q.weight)?, &one(&q.scales)?, b.as_ref(), q.spec, Some(x.dtype()))?;
+                return x.matmul(&dense.t()?);
+            }
             mlx::quantized_matmul(x, &one(&q.weight)?, &one(&q.scales)?, b.as_ref(), true, q.spec)
         }
     }
@@ -371,6 +392,34 @@ mod tests {
     use crate::generate::prefill;
     use crate::model::lfm2::FeedForward;
     use crate::model::{load_model, LoadOptions};
+
+    /// An expert run as a dequantized matmul (MLX_LFM_MOE_DEQUANT_ROWS)
+    /// computes what `quantized_matmul` computes, for each quantization
+    /// mode, and the threshold picks the path by rows.
+    #[test]
+    fn dequantized_expert_matches_quantized_matmul() {
+        use super::{expert_apply_with, Weight};
+        use crate::mlx::random::normal;
+        use crate::mlx::{quantize, Dtype, QuantMode, QuantSpec};
+        use crate::model::linear::Quantized;
+        let w = normal(&[3, 64, 128], Dtype::Float32, 0.0, 0.05, None).unwrap();
+        let x = normal(&[8, 128], Dtype::Float32, 0.0, 1.0, None).unwrap();
+        for (mode, bits, group_size) in [(QuantMode::Affine, 4, 64), (QuantMode::Affine, 8, 32), (QuantMode::Mxfp4, 4, 32)] {
+            let spec = QuantSpec { mode, bits, group_size };
+            let (weight, scales, biases) = quantize(&w, spec).unwrap();
+            let q = Weight::Quant(Quantized { weight, scales, biases, spec });
+            let f = |a: crate::mlx::Array| -> Vec<f32> { a.to_vec().unwrap() };
+            let want = f(expert_apply_with(&q, 2, &x, None).unwrap());
+            let got = f(expert_apply_with(&q, 2, &x, Some(8)).unwrap());
+            // 9 rows needed: the quantized path again, bit for bit.
+            assert_eq!(f(expert_apply_with(&q, 2, &x, Some(9)).unwrap()), want);
+            let d = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(d < 1e-4, "{mode:?} {bits}-bit: dequantized expert differs by {d}");
+            // And it is that expert's, not another's.
+            let other = f(expert_apply_with(&q, 1, &x, Some(8)).unwrap());
+            assert!(other.iter().zip(&got).any(|(a, b)| (a - b).abs() > 1e-2));
+        }
+    }
 
     /// The host-grouped prefill (the GPU default) computes what MLX's sorted
     /// gather kernels compute.
