@@ -445,6 +445,7 @@ AB = {
     "norm-kernel-up-to-16-rows": {"MLX_LFM_ADD_RMS_NORM_MAX_ROWS": "16"},
     "moe-dequant-from-16-rows": {"MLX_LFM_MOE_DEQUANT_ROWS": "16"},
     "moe-dequant-from-64-rows": {"MLX_LFM_MOE_DEQUANT_ROWS": "64"},
+    "gemv-kernel": {"MLX_LFM_GEMV_KERNEL": "1"},
     "all": {},
 }
 AB_IN_ROUNDS = ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]

@@ -42,6 +42,11 @@ KERNELS = {
         [("out", "T"), ("sc", "float")],
         lambda dt: [("HD", 64), ("SCALE_BITS", 1040187392)],
     ),
+    "gemv.rs": (
+        [("x", "T"), ("w", "T")],
+        [("y", "T")],
+        lambda dt: [("K", 2048), ("M", 1)],
+    ),
     "short_conv.rs": (
         [("bcx", "T"), ("state", "T"), ("w", "T")],
         [("padded", "T"), ("y", "T")],

@@ -6,6 +6,7 @@
 
 pub mod add_rms_norm;
 pub mod decode_attention;
+pub mod gemv;
 pub mod moe_router;
 pub mod short_conv;
 

@@ -118,6 +118,8 @@ fn greedy_tokens_with_kernels_equal_stock_ops() {
     if skip("greedy_tokens_with_kernels_equal_stock_ops") {
         return;
     }
+    // The opt-in GEMV too (MLX_LFM_GEMV_KERNEL): this is its model-level test.
+    crate::kernels::gemv::force_on();
     for preset in [Preset::Tiny, Preset::TinyMoe] {
         for dtype in [DType::BF16, DType::F32] {
             let dir = tiny(preset, &format!("greedy-{preset:?}-{dtype:?}"), dtype);
@@ -215,4 +217,37 @@ fn decode_attention_kernel_matches_stock_ops() {
             assert!(worst <= tol, "{dt:?} {b}x{h}/{kvh}x{hd} over {n} ({filled:?}): differs by {worst}, over {tol}");
         }
     }
+}
+
+/// The GEMV kernel against MLX's matmul: 1 to 8 rows, square, tall and wide
+/// projections (the 1.2B's and an LM head's widths), K not a multiple of
+/// 256; within one rounding of the dtype (float32 sums in another order).
+#[test]
+fn gemv_kernel_matches_stock_ops() {
+    if skip("gemv_kernel_matches_stock_ops") {
+        return;
+    }
+    use crate::kernels::gemv::{available, force_on, gemv};
+    use crate::mlx::random::normal;
+    use crate::mlx::Array;
+    force_on();
+    let f = |a: &Array| -> Vec<f32> { a.astype(Dtype::Float32).unwrap().to_vec().unwrap() };
+    for (dt, tol) in [(Dtype::Bfloat16, 1.6e-2f32), (Dtype::Float16, 2e-3), (Dtype::Float32, 1e-4)] {
+        for (rows, n, k) in [(1, 2048, 2048), (1, 6144, 2048), (1, 2048, 8192), (3, 65536, 1024), (8, 520, 72), (1, 8, 8)] {
+            let x = normal(&[rows, 1, k], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
+            let w = normal(&[n, k], Dtype::Float32, 0.0, 0.05, None).unwrap().astype(dt).unwrap();
+            assert!(available(&x, &w), "{dt:?} {rows}x{k} @ {n}x{k}");
+            let got = gemv(&x, &w).unwrap();
+            let want = x.matmul(&w.t().unwrap()).unwrap();
+            assert_eq!(got.shape(), want.shape());
+            let (a, e) = (f(&got), f(&want));
+            let worst = a.iter().zip(&e).map(|(p, q)| (p - q).abs() / q.abs().max(1.0)).fold(0f32, f32::max);
+            assert!(worst <= tol, "{dt:?} {rows}x{k} @ {n}x{k}: differs by {worst}, over {tol}");
+        }
+    }
+    // Not served: too many rows, K not a multiple of 8, dtypes that differ.
+    let w = normal(&[64, 64], Dtype::Float32, 0.0, 1.0, None).unwrap();
+    assert!(!available(&normal(&[9, 64], Dtype::Float32, 0.0, 1.0, None).unwrap(), &w));
+    assert!(!available(&normal(&[1, 60], Dtype::Float32, 0.0, 1.0, None).unwrap(), &normal(&[64, 60], Dtype::Float32, 0.0, 1.0, None).unwrap()));
+    assert!(!available(&normal(&[1, 64], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(Dtype::Bfloat16).unwrap(), &w));
 }

@@ -218,6 +218,7 @@ impl Weight {
     /// `x @ w.T`.
     pub fn apply(&self, x: &Array) -> Result<Array> {
         match self {
+            Weight::Dense(w) if crate::kernels::gemv::available(x, w) => crate::kernels::gemv::gemv(x, w),
             Weight::Dense(w) => x.matmul(&w.t()?),
             Weight::Quant(q) => mlx::quantized_matmul(x, &q.weight, &q.scales, q.biases.as_ref(), true, q.spec),
         }

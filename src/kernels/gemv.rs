@@ -1,0 +1,112 @@
+//! `x @ w.T` for a decode step's few rows (`x` `[.., K]` with at most 8 rows,
+//! `w` a dense `[N, K]` projection): one warp per output column reads its
+//! row of `w` with 16-byte loads, all of them issued before the first is
+//! summed (K is a compile-time constant, so the loop unrolls), and applies
+//! it to every row of `x`. By the H200 profile MLX's `gemv_single` is 60% of
+//! the 1.2B's decode GPU time, at ~3 TB/s over all projections and ~0.5 TB/s
+//! on the small ones.
+//!
+//! Opt-in (`MLX_LFM_GEMV_KERNEL=1`) until it has run on a GPU: its test and
+//! the A/B against MLX's GEMV are in `src/kernels/tests.rs` and
+//! `bench/h200/run.py ab`. Rounding as MLX's GEMV: products summed in
+//! float32, rounded to the model dtype once.
+
+use crate::error::{Error, Result};
+use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
+use crate::mlx::{Array, Dtype};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
+
+const THREADS: i32 = 256;
+/// Rows of `x` one launch serves (a batch of more decodes with MLX's GEMM).
+pub const MAX_ROWS: usize = 8;
+
+const SOURCE: &str = r#"
+  constexpr int E = 16 / sizeof(T);
+  constexpr int C = K / E;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int N = w_shape[0];
+  const int n = blockIdx.x * (256 / 32) + warp;
+  if (n >= N) return;
+  const uint4* wr = reinterpret_cast<const uint4*>(w + static_cast<size_t>(n) * K);
+  float acc[M];
+#pragma unroll
+  for (int m = 0; m < M; m++) acc[m] = 0.0f;
+  // A constant trip count (K is a template constant), so the loads of
+  // several iterations are issued before their sums.
+  constexpr int IT = (C + 31) / 32;
+#pragma unroll 8
+  for (int i = 0; i < IT; i++) {
+    const int c = lane + i * 32;
+    if (C % 32 != 0 && c >= C) break;
+    const uint4 wv = wr[c];
+    const T* we = reinterpret_cast<const T*>(&wv);
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+      const uint4 xv = reinterpret_cast<const uint4*>(x + static_cast<size_t>(m) * K)[c];
+      const T* xe = reinterpret_cast<const T*>(&xv);
+#pragma unroll
+      for (int j = 0; j < E; j++) acc[m] += static_cast<float>(we[j]) * static_cast<float>(xe[j]);
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < M; m++) {
+    float s = acc[m];
+    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffff, s, off);
+    if (lane == 0) y[static_cast<size_t>(m) * N + n] = T(s);
+  }
+"#;
+
+fn kernel() -> Option<&'static CudaKernel> {
+    static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
+    K.get_or_init(|| CudaKernel::new("lfm_gemv", &["x", "w"], &["y"], SOURCE, "").ok()).as_ref()
+}
+
+static FORCED: AtomicBool = AtomicBool::new(false);
+
+/// Turns the kernel on without the environment variable (the kernel tests).
+pub fn force_on() {
+    FORCED.store(true, Ordering::Relaxed);
+}
+
+fn enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    FORCED.load(Ordering::Relaxed) || *ON.get_or_init(|| std::env::var("MLX_LFM_GEMV_KERNEL").ok().as_deref() == Some("1"))
+}
+
+/// Whether the kernel serves `x @ w.T`: on, on CUDA, float `x` and `w` of one
+/// dtype, `w` 2-D `[N, K]` with K a multiple of 8 (whole 16-byte loads) and
+/// at most 16,384, `x` `[.., K]` with 1 to [`MAX_ROWS`] rows.
+pub fn available(x: &Array, w: &Array) -> bool {
+    if !enabled() || !cuda_kernels_enabled() {
+        return false;
+    }
+    let dt = x.dtype();
+    if !dt.is_float() || dt == Dtype::Float64 || w.dtype() != dt || w.ndim() != 2 || x.ndim() < 1 {
+        return false;
+    }
+    let k = w.dim(1);
+    let rows = if x.dim(-1) > 0 { x.size() / x.dim(-1) as usize } else { 0 };
+    x.dim(-1) == k && k > 0 && k % 8 == 0 && k <= 16_384 && w.dim(0) > 0 && (1..=MAX_ROWS).contains(&rows) && kernel().is_some()
+}
+
+/// `x @ w.T` through the kernel (callers check [`available`] first).
+pub fn gemv(x: &Array, w: &Array) -> Result<Array> {
+    let kern = kernel().ok_or_else(|| Error::mlx("the GEMV kernel is not available"))?;
+    let (n, k) = (w.dim(0), w.dim(1));
+    let rows = x.size() / k as usize;
+    let per_block = THREADS / 32;
+    let blocks = (n + per_block - 1) / per_block;
+    let grid = blocks.checked_mul(THREADS).ok_or_else(|| Error::invalid("too many output columns for the GEMV kernel"))?;
+    let mut shape = x.shape();
+    *shape.last_mut().expect("x has a last axis") = n;
+    let mut outs = kern.call(
+        &[x, w],
+        &[(&shape, x.dtype())],
+        [grid, 1, 1],
+        [THREADS, 1, 1],
+        &[("K", TemplateArg::Int(k)), ("M", TemplateArg::Int(rows as i32)), ("T", TemplateArg::Dtype(x.dtype()))],
+    )?;
+    outs.pop().ok_or_else(|| Error::mlx("GEMV kernel: missing output"))
+}
