@@ -20,7 +20,8 @@ while it is warm; each call stays under the 64 MiB a call may carry):
     5. carry [".device/bin"]:                 python3 bench/h200/run.py profile
 (`profile-prefill` profiles a 512-token prefill the same way; `ab-binaries`
 times .device/prev/mlx-lfm-bench-prev, a build of the previous commit, against
-this one; `constrained` times constrained against free decode.)
+this one; `constrained` times constrained against free decode;
+`new-lengths` times the first prefill at new prompt lengths.)
 (`kernels` runs the fused kernels' tests there, `ab` times each decode-step
 change against the stock ops on the same checkpoints.)
 Each call leaves raw.jsonl (every measurement, tagged) and its logs in $OUT.
@@ -405,6 +406,18 @@ def ab_binaries():
                                decode=j["decode_tps_runs"])
 
 
+def new_lengths():
+    """TTFT at 8 never-seen prompt lengths (512-519) against 8 prompts of a
+    seen one: the per-shape setup a server pays on this backend."""
+    for name in ab_models():
+        r = sh([BENCH, "--new-lengths", "8", "--prompts", "512", "--model", ours_ck(name), "--device", "gpu"],
+               f"new-lengths-{name}", check=False)
+        for line in r.stdout.splitlines():
+            j = json.loads(line)
+            if "new_lengths" in j:
+                record(engine="new-lengths", model=name, **j)
+
+
 def constrained():
     """Constrained (a JSON schema, a regex) against free decode on this GPU,
     alone and 4 batched (`mlx-lfm-bench --constrained`)."""
@@ -479,7 +492,7 @@ def collect(files):
     for r in rows:
         if "error" in r:
             errors.append(r)
-        elif r.get("engine") in ("ncu", "ncu-prefill", "ab", "tests", "constrained"):
+        elif r.get("engine") in ("ncu", "ncu-prefill", "ab", "tests", "constrained", "new-lengths"):
             profiles.append(r)
         elif r.get("samples"):
             runs.append({"model": r["model"], "engine": r["engine"], "metric": r["metric"], "prompt": r["prompt"],
@@ -553,6 +566,9 @@ def main():
                 install()
                 checkpoints(ab_models(), gguf=False)
                 ab_binaries()
+            elif a == "new-lengths":
+                install()
+                new_lengths()
             elif a == "constrained":
                 install()
                 checkpoints(["lfm2-350m-bf16", "lfm2-1.2b-bf16"], gguf=False)

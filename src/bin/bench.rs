@@ -12,6 +12,10 @@
 //!     decode tok/s under a JSON schema and a regex (llguidance masks)
 //!     against free sampling, same engine, same run: one request alone,
 //!     then `--batch` requests together (each row its own mask).
+//!   mlx-lfm-bench --new-lengths N [--prompts 512] [model args]
+//!     TTFT of N prompts of lengths never seen before (512, 513, ...) against
+//!     the same N prompts' first length again (every shape seen): what a
+//!     server pays per new prompt length for the backend's per-shape setup.
 //!   mlx-lfm-bench --tensor-parallel N [--backend ring] [any of the above]
 //!     the same measurement with the model split over N ranks: N local
 //!     processes of this binary joined by MLX's `ring` backend over
@@ -132,6 +136,9 @@ fn run() -> mlx_lfm::Result<()> {
     if args.iter().any(|a| a == "--constrained") {
         let num = |k: &str, d: usize| arg(&args, k).map(|s| s.parse().expect("a number")).unwrap_or(d);
         return constrained(&dir, device, paged, num("--gen", 128), num("--reps", 3), num("--batch", 4));
+    }
+    if let Some(n) = arg(&args, "--new-lengths") {
+        return new_lengths(&dir, device, paged, n.parse().expect("--new-lengths takes a count"), prompts[0]);
     }
     if let Some(n) = arg(&args, "--turns") {
         let num = |k: &str, d: usize| arg(&args, k).map(|s| s.parse().expect("a number")).unwrap_or(d);
@@ -482,6 +489,40 @@ fn concurrent(
             })
         );
     }
+    Ok(())
+}
+
+/// TTFT at `n` new prompt lengths from `base` up (each a shape the engine has
+/// not run), then at `base` again `n` times (a seen shape), prefix cache
+/// cleared before each; one token generated.
+fn new_lengths(
+    dir: &std::path::Path,
+    device: Option<runtime::DeviceType>,
+    paged: Option<bool>,
+    n: usize,
+    base: usize,
+) -> mlx_lfm::Result<()> {
+    let mut eng = Engine::load(dir, &EngineOptions { device, paged_cache: paged, ..Default::default() })?;
+    let vocab = eng.info().vocab_size as u32;
+    let one = GenerateParams { max_tokens: 1, ignore_eos: true, ..Default::default() };
+    // Warm-up at an unrelated length (kernels, first allocations).
+    eng.generate(Prompt::Tokens(ids(64, vocab, 1)), one.clone(), &mut NoObserver)?;
+    let mut run = |len: usize, seed: u32| -> mlx_lfm::Result<f64> {
+        eng.clear_prefix_cache();
+        Ok(eng.generate(Prompt::Tokens(ids(len, vocab, seed)), one.clone(), &mut NoObserver)?.metrics.ttft_ms)
+    };
+    let new: Vec<f64> = (0..n).map(|i| run(base + i, 10 + i as u32)).collect::<mlx_lfm::Result<_>>()?;
+    let seen: Vec<f64> = (0..n).map(|i| run(base, 100 + i as u32)).collect::<mlx_lfm::Result<_>>()?;
+    let median = |v: &[f64]| {
+        let mut v = v.to_vec();
+        v.sort_by(|a, b| a.total_cmp(b));
+        v.get(v.len() / 2).copied().unwrap_or(0.0)
+    };
+    println!(
+        "{}",
+        serde_json::json!({"new_lengths": n, "from": base, "device": runtime::device_name(),
+            "ttft_ms_new": new, "ttft_ms_seen": seen, "median_new_ms": median(&new), "median_seen_ms": median(&seen)})
+    );
     Ok(())
 }
 
