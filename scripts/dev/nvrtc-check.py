@@ -47,6 +47,11 @@ KERNELS = {
         [("y", "T")],
         lambda dt: [("K", 2048), ("M", 1)],
     ),
+    "gemv.rs#swiglu": (
+        [("x", "T"), ("w", "T")],
+        [("y", "T")],
+        lambda dt: [("K", 2048), ("M", 1)],
+    ),
     "short_conv.rs": (
         [("bcx", "T"), ("state", "T"), ("w", "T")],
         [("padded", "T"), ("y", "T")],
@@ -60,9 +65,9 @@ KERNELS = {
 }
 
 
-def body_and_header(path):
+def body_and_header(path, which="SOURCE"):
     text = path.read_text()
-    src = re.search(r'const SOURCE: &str = r#"(.*?)"#;', text, re.S).group(1)
+    src = re.search(which + r': &str = r#"(.*?)"#;', text, re.S).group(1)
     hdr = re.search(r'const HEADER: &str = "(.*?)";', text)
     return src, (hdr.group(1).replace("\\n", "\n") if hdr else "")
 
@@ -84,7 +89,9 @@ def compile_one(name, code):
 
 failed = 0
 for file, (ins, outs, targs) in KERNELS.items():
-    src, hdr = body_and_header(root / "src" / "kernels" / file)
+    # "file.rs#name": the file's NAME_SOURCE (a second kernel in one file).
+    fname, _, extra = file.partition("#")
+    src, hdr = body_and_header(root / "src" / "kernels" / fname, "const " + (extra.upper() + "_" if extra else "") + "SOURCE")
     for dt, ct in CTYPE.items():
         params = []
         for n, t in ins:

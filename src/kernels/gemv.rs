@@ -58,9 +58,71 @@ const SOURCE: &str = r#"
   }
 "#;
 
+/// The MLP's `silu(x @ w1.T) * (x @ w3.T)` from the stacked `[w1; w3]`
+/// (`[2F, K]`): a warp reads row n of each half and writes the gated value,
+/// so the `[.., 2F]` projection is never written and the gate is not a
+/// kernel of its own. Rounded as the stock ops round: each projection to
+/// the dtype, then the sigmoid, `g * sigmoid(g)` and the product, each.
+const SWIGLU_SOURCE: &str = r#"
+  constexpr int E = 16 / sizeof(T);
+  constexpr int C = K / E;
+  constexpr int IT = (C + 31) / 32;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int F = w_shape[0] / 2;
+  const int n = blockIdx.x * (256 / 32) + warp;
+  if (n >= F) return;
+  const uint4* gr = reinterpret_cast<const uint4*>(w + static_cast<size_t>(n) * K);
+  const uint4* ur = reinterpret_cast<const uint4*>(w + static_cast<size_t>(F + n) * K);
+  float ag[M];
+  float au[M];
+#pragma unroll
+  for (int m = 0; m < M; m++) { ag[m] = 0.0f; au[m] = 0.0f; }
+#pragma unroll 4
+  for (int i = 0; i < IT; i++) {
+    const int c = lane + i * 32;
+    if (C % 32 != 0 && c >= C) break;
+    const uint4 gv = gr[c];
+    const uint4 uv = ur[c];
+    const T* ge = reinterpret_cast<const T*>(&gv);
+    const T* ue = reinterpret_cast<const T*>(&uv);
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+      const uint4 xv = reinterpret_cast<const uint4*>(x + static_cast<size_t>(m) * K)[c];
+      const T* xe = reinterpret_cast<const T*>(&xv);
+#pragma unroll
+      for (int j = 0; j < E; j++) {
+        const float xf = static_cast<float>(xe[j]);
+        ag[m] += static_cast<float>(ge[j]) * xf;
+        au[m] += static_cast<float>(ue[j]) * xf;
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < M; m++) {
+    float g = ag[m];
+    float u = au[m];
+    for (int off = 16; off > 0; off >>= 1) {
+      g += __shfl_xor_sync(0xffffffff, g, off);
+      u += __shfl_xor_sync(0xffffffff, u, off);
+    }
+    if (lane == 0) {
+      const float gt = static_cast<float>(T(g));
+      const float sig = static_cast<float>(T(1.0f / (1.0f + expf(-gt))));
+      const float a = static_cast<float>(T(gt * sig));
+      y[static_cast<size_t>(m) * F + n] = T(a * static_cast<float>(T(u)));
+    }
+  }
+"#;
+
 fn kernel() -> Option<&'static CudaKernel> {
     static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
     K.get_or_init(|| CudaKernel::new("lfm_gemv", &["x", "w"], &["y"], SOURCE, "").ok()).as_ref()
+}
+
+fn swiglu_kernel() -> Option<&'static CudaKernel> {
+    static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
+    K.get_or_init(|| CudaKernel::new("lfm_gemv_swiglu", &["x", "w"], &["y"], SWIGLU_SOURCE, "").ok()).as_ref()
 }
 
 static FORCED: AtomicBool = AtomicBool::new(false);
@@ -89,6 +151,31 @@ pub fn available(x: &Array, w: &Array) -> bool {
     let k = w.dim(1);
     let rows = if x.dim(-1) > 0 { x.size() / x.dim(-1) as usize } else { 0 };
     x.dim(-1) == k && k > 0 && k % 8 == 0 && k <= 16_384 && w.dim(0) > 0 && (1..=MAX_ROWS).contains(&rows) && kernel().is_some()
+}
+
+/// `silu(x @ w[..F].T) * (x @ w[F..].T)` for a stacked `[2F, K]` `w`
+/// (callers check [`available`] and that the halves are equal).
+pub fn gemv_swiglu(x: &Array, w: &Array) -> Result<Array> {
+    let kern = swiglu_kernel().ok_or_else(|| Error::mlx("the GEMV + SwiGLU kernel is not available"))?;
+    let (n2, k) = (w.dim(0), w.dim(1));
+    if n2 % 2 != 0 {
+        return Err(Error::invalid(format!("GEMV + SwiGLU: the stacked weight has an odd number of rows ({n2})")));
+    }
+    let f = n2 / 2;
+    let rows = x.size() / k as usize;
+    let per_block = THREADS / 32;
+    let blocks = (f + per_block - 1) / per_block;
+    let grid = blocks.checked_mul(THREADS).ok_or_else(|| Error::invalid("too many output columns for the GEMV kernel"))?;
+    let mut shape = x.shape();
+    *shape.last_mut().expect("x has a last axis") = f;
+    let mut outs = kern.call(
+        &[x, w],
+        &[(&shape, x.dtype())],
+        [grid, 1, 1],
+        [THREADS, 1, 1],
+        &[("K", TemplateArg::Int(k)), ("M", TemplateArg::Int(rows as i32)), ("T", TemplateArg::Dtype(x.dtype()))],
+    )?;
+    outs.pop().ok_or_else(|| Error::mlx("GEMV + SwiGLU kernel: missing output"))
 }
 
 /// `x @ w.T` through the kernel (callers check [`available`] first).

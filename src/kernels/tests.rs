@@ -251,3 +251,31 @@ fn gemv_kernel_matches_stock_ops() {
     assert!(!available(&normal(&[1, 60], Dtype::Float32, 0.0, 1.0, None).unwrap(), &normal(&[64, 60], Dtype::Float32, 0.0, 1.0, None).unwrap()));
     assert!(!available(&normal(&[1, 64], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(Dtype::Bfloat16).unwrap(), &w));
 }
+
+/// The MLP's w1/w3 GEMV with the SwiGLU gate in one kernel against the stock
+/// ops (stacked matmul, split, `silu(g) * u`): within one rounding.
+#[test]
+fn gemv_swiglu_kernel_matches_stock_ops() {
+    if skip("gemv_swiglu_kernel_matches_stock_ops") {
+        return;
+    }
+    use crate::kernels::gemv::{force_on, gemv_swiglu};
+    use crate::mlx::random::normal;
+    use crate::mlx::Array;
+    force_on();
+    let f = |a: &Array| -> Vec<f32> { a.astype(Dtype::Float32).unwrap().to_vec().unwrap() };
+    for (dt, tol) in [(Dtype::Bfloat16, 2.4e-2f32), (Dtype::Float16, 3e-3), (Dtype::Float32, 1e-4)] {
+        for (rows, ff, k) in [(1, 8192, 2048), (1, 2048, 1024), (4, 520, 72)] {
+            let x = normal(&[rows, 1, k], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
+            let w = normal(&[2 * ff, k], Dtype::Float32, 0.0, 0.05, None).unwrap().astype(dt).unwrap();
+            let got = gemv_swiglu(&x, &w).unwrap();
+            let gu = x.matmul(&w.t().unwrap()).unwrap();
+            let parts = gu.split_equal(2, -1).unwrap();
+            let want = parts[0].silu().unwrap().mul(&parts[1]).unwrap();
+            assert_eq!(got.shape(), want.shape());
+            let (a, e) = (f(&got), f(&want));
+            let worst = a.iter().zip(&e).map(|(p, q)| (p - q).abs() / q.abs().max(1.0)).fold(0f32, f32::max);
+            assert!(worst <= tol, "{dt:?} {rows}x{k} -> 2x{ff}: differs by {worst}, over {tol}");
+        }
+    }
+}

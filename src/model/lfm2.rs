@@ -16,7 +16,7 @@ use crate::cache::{
 use parking_lot::Mutex;
 use std::sync::Arc;
 use super::config::ModelConfig;
-use super::linear::{reduce, Embedding, Linear, Projections, Shard, Split};
+use super::linear::{reduce, Embedding, Linear, Projections, Shard, Split, Weight};
 use super::lfm2_moe::SparseMoe;
 use super::quant::QuantRegistry;
 use super::weights::TensorStore;
@@ -235,8 +235,25 @@ impl Mlp {
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
+        if let Some(h) = self.fused_gate(x)? {
+            return reduce(&self.shard, self.w2.forward(&h)?);
+        }
         let gu = self.w13.forward(x)?;
         reduce(&self.shard, self.w2.forward(&gu[0].silu()?.mul(&gu[1])?)?)
+    }
+
+    /// Decode on CUDA with the GEMV kernel on: w1/w3 and the gate in one
+    /// launch (src/kernels/gemv.rs), when they are one stacked dense weight.
+    fn fused_gate(&self, x: &Array) -> Result<Option<Array>> {
+        use crate::kernels::gemv;
+        match &self.w13 {
+            Projections::Stacked { linear: Linear { weight: Weight::Dense(w), bias: None }, widths }
+                if widths.len() == 2 && widths[0] == widths[1] && gemv::available(x, w) =>
+            {
+                gemv::gemv_swiglu(x, w).map(Some)
+            }
+            _ => Ok(None),
+        }
     }
 }
 
