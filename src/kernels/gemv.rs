@@ -157,37 +157,29 @@ pub fn available(x: &Array, w: &Array) -> bool {
 /// (callers check [`available`] and that the halves are equal).
 pub fn gemv_swiglu(x: &Array, w: &Array) -> Result<Array> {
     let kern = swiglu_kernel().ok_or_else(|| Error::mlx("the GEMV + SwiGLU kernel is not available"))?;
-    let (n2, k) = (w.dim(0), w.dim(1));
+    let n2 = w.dim(0);
     if n2 % 2 != 0 {
         return Err(Error::invalid(format!("GEMV + SwiGLU: the stacked weight has an odd number of rows ({n2})")));
     }
-    let f = n2 / 2;
-    let rows = x.size() / k as usize;
-    let per_block = THREADS / 32;
-    let blocks = (f + per_block - 1) / per_block;
-    let grid = blocks.checked_mul(THREADS).ok_or_else(|| Error::invalid("too many output columns for the GEMV kernel"))?;
-    let mut shape = x.shape();
-    *shape.last_mut().expect("x has a last axis") = f;
-    let mut outs = kern.call(
-        &[x, w],
-        &[(&shape, x.dtype())],
-        [grid, 1, 1],
-        [THREADS, 1, 1],
-        &[("K", TemplateArg::Int(k)), ("M", TemplateArg::Int(rows as i32)), ("T", TemplateArg::Dtype(x.dtype()))],
-    )?;
-    outs.pop().ok_or_else(|| Error::mlx("GEMV + SwiGLU kernel: missing output"))
+    launch(kern, x, w, n2 / 2)
 }
 
 /// `x @ w.T` through the kernel (callers check [`available`] first).
 pub fn gemv(x: &Array, w: &Array) -> Result<Array> {
     let kern = kernel().ok_or_else(|| Error::mlx("the GEMV kernel is not available"))?;
-    let (n, k) = (w.dim(0), w.dim(1));
+    launch(kern, x, w, w.dim(0))
+}
+
+/// A warp for each of `cols` output columns; the output is `x`'s shape with
+/// `cols` as its last axis.
+fn launch(kern: &CudaKernel, x: &Array, w: &Array, cols: i32) -> Result<Array> {
+    let k = w.dim(1);
     let rows = x.size() / k as usize;
     let per_block = THREADS / 32;
-    let blocks = (n + per_block - 1) / per_block;
+    let blocks = (cols + per_block - 1) / per_block;
     let grid = blocks.checked_mul(THREADS).ok_or_else(|| Error::invalid("too many output columns for the GEMV kernel"))?;
     let mut shape = x.shape();
-    *shape.last_mut().expect("x has a last axis") = n;
+    *shape.last_mut().ok_or_else(|| Error::invalid("GEMV of a scalar"))? = cols;
     let mut outs = kern.call(
         &[x, w],
         &[(&shape, x.dtype())],
