@@ -68,7 +68,7 @@ KERNELS = {
 def body_and_header(path, which="SOURCE"):
     text = path.read_text()
     src = re.search(which + r': &str = r#"(.*?)"#;', text, re.S).group(1)
-    hdr = re.search(r'const HEADER: &str = "(.*?)";', text)
+    hdr = re.search(r'const HEADER: &str = "(.*?)";', text, re.S)
     return src, (hdr.group(1).replace("\\n", "\n") if hdr else "")
 
 

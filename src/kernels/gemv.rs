@@ -14,12 +14,27 @@
 use crate::error::{Error, Result};
 use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
 use crate::mlx::{Array, Dtype};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
 const THREADS: i32 = 256;
 /// Rows of `x` one launch serves (a batch of more decodes with MLX's GEMM).
+/// Each row count is its own compiled kernel (M is a template constant):
+/// the first step at a new batch size pays one NVRTC compile, cached on disk.
 pub const MAX_ROWS: usize = 8;
+
+/// 16 bytes of a row: one vector load where `x` and `w` start on 16-byte
+/// boundaries (every row does then: K is a multiple of 8), element by
+/// element where one does not (a view MLX passes with its offset).
+const HEADER: &str = "
+template <typename U>
+__device__ inline uint4 lfm_load16(const U* base, size_t c, bool aligned) {
+  if (aligned) return reinterpret_cast<const uint4*>(base)[c];
+  uint4 r;
+  U* e = reinterpret_cast<U*>(&r);
+  for (int j = 0; j < 16 / (int)sizeof(U); j++) e[j] = base[c * (16 / sizeof(U)) + j];
+  return r;
+}
+";
 
 const SOURCE: &str = r#"
   constexpr int E = 16 / sizeof(T);
@@ -29,7 +44,8 @@ const SOURCE: &str = r#"
   const int N = w_shape[0];
   const int n = blockIdx.x * (256 / 32) + warp;
   if (n >= N) return;
-  const uint4* wr = reinterpret_cast<const uint4*>(w + static_cast<size_t>(n) * K);
+  const bool aligned = ((reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(w)) & 15) == 0;
+  const T* wr = w + static_cast<size_t>(n) * K;
   float acc[M];
 #pragma unroll
   for (int m = 0; m < M; m++) acc[m] = 0.0f;
@@ -40,11 +56,11 @@ const SOURCE: &str = r#"
   for (int i = 0; i < IT; i++) {
     const int c = lane + i * 32;
     if (C % 32 != 0 && c >= C) break;
-    const uint4 wv = wr[c];
+    const uint4 wv = lfm_load16(wr, c, aligned);
     const T* we = reinterpret_cast<const T*>(&wv);
 #pragma unroll
     for (int m = 0; m < M; m++) {
-      const uint4 xv = reinterpret_cast<const uint4*>(x + static_cast<size_t>(m) * K)[c];
+      const uint4 xv = lfm_load16(x + static_cast<size_t>(m) * K, c, aligned);
       const T* xe = reinterpret_cast<const T*>(&xv);
 #pragma unroll
       for (int j = 0; j < E; j++) acc[m] += static_cast<float>(we[j]) * static_cast<float>(xe[j]);
@@ -62,7 +78,8 @@ const SOURCE: &str = r#"
 /// (`[2F, K]`): a warp reads row n of each half and writes the gated value,
 /// so the `[.., 2F]` projection is never written and the gate is not a
 /// kernel of its own. Rounded as the stock ops round: each projection to
-/// the dtype, then the sigmoid, `g * sigmoid(g)` and the product, each.
+/// the dtype, then each step of MLX's sigmoid, `g * sigmoid(g)` and the
+/// product.
 const SWIGLU_SOURCE: &str = r#"
   constexpr int E = 16 / sizeof(T);
   constexpr int C = K / E;
@@ -72,8 +89,9 @@ const SWIGLU_SOURCE: &str = r#"
   const int F = w_shape[0] / 2;
   const int n = blockIdx.x * (256 / 32) + warp;
   if (n >= F) return;
-  const uint4* gr = reinterpret_cast<const uint4*>(w + static_cast<size_t>(n) * K);
-  const uint4* ur = reinterpret_cast<const uint4*>(w + static_cast<size_t>(F + n) * K);
+  const bool aligned = ((reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(w)) & 15) == 0;
+  const T* gr = w + static_cast<size_t>(n) * K;
+  const T* ur = w + static_cast<size_t>(F + n) * K;
   float ag[M];
   float au[M];
 #pragma unroll
@@ -82,13 +100,13 @@ const SWIGLU_SOURCE: &str = r#"
   for (int i = 0; i < IT; i++) {
     const int c = lane + i * 32;
     if (C % 32 != 0 && c >= C) break;
-    const uint4 gv = gr[c];
-    const uint4 uv = ur[c];
+    const uint4 gv = lfm_load16(gr, c, aligned);
+    const uint4 uv = lfm_load16(ur, c, aligned);
     const T* ge = reinterpret_cast<const T*>(&gv);
     const T* ue = reinterpret_cast<const T*>(&uv);
 #pragma unroll
     for (int m = 0; m < M; m++) {
-      const uint4 xv = reinterpret_cast<const uint4*>(x + static_cast<size_t>(m) * K)[c];
+      const uint4 xv = lfm_load16(x + static_cast<size_t>(m) * K, c, aligned);
       const T* xe = reinterpret_cast<const T*>(&xv);
 #pragma unroll
       for (int j = 0; j < E; j++) {
@@ -107,8 +125,12 @@ const SWIGLU_SOURCE: &str = r#"
       u += __shfl_xor_sync(0xffffffff, u, off);
     }
     if (lane == 0) {
+      // MLX's CUDA sigmoid, each step in T: y = 1 / (1 + exp(|x|)),
+      // x < 0 ? y : 1 - y; then silu = x * sigmoid(x), times u.
       const float gt = static_cast<float>(T(g));
-      const float sig = static_cast<float>(T(1.0f / (1.0f + expf(-gt))));
+      const float ex = static_cast<float>(T(expf(fabsf(gt))));
+      const float yv = static_cast<float>(T(1.0f / static_cast<float>(T(1.0f + ex))));
+      const float sig = gt < 0.0f ? yv : static_cast<float>(T(1.0f - yv));
       const float a = static_cast<float>(T(gt * sig));
       y[static_cast<size_t>(m) * F + n] = T(a * static_cast<float>(T(u)));
     }
@@ -117,24 +139,30 @@ const SWIGLU_SOURCE: &str = r#"
 
 fn kernel() -> Option<&'static CudaKernel> {
     static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
-    K.get_or_init(|| CudaKernel::new("lfm_gemv", &["x", "w"], &["y"], SOURCE, "").ok()).as_ref()
+    K.get_or_init(|| CudaKernel::new("lfm_gemv", &["x", "w"], &["y"], SOURCE, HEADER).ok()).as_ref()
 }
 
 fn swiglu_kernel() -> Option<&'static CudaKernel> {
     static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
-    K.get_or_init(|| CudaKernel::new("lfm_gemv_swiglu", &["x", "w"], &["y"], SWIGLU_SOURCE, "").ok()).as_ref()
+    K.get_or_init(|| CudaKernel::new("lfm_gemv_swiglu", &["x", "w"], &["y"], SWIGLU_SOURCE, HEADER).ok()).as_ref()
 }
 
-static FORCED: AtomicBool = AtomicBool::new(false);
+thread_local! {
+    static FORCED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
 
-/// Turns the kernel on without the environment variable (the kernel tests).
-pub fn force_on() {
-    FORCED.store(true, Ordering::Relaxed);
+/// Runs `f` with the kernel on on this thread without the environment
+/// variable (the kernel tests; other tests in the process keep the default).
+pub fn with_forced<R>(f: impl FnOnce() -> R) -> R {
+    let before = FORCED.with(|c| c.replace(true));
+    let r = f();
+    FORCED.with(|c| c.set(before));
+    r
 }
 
 fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    FORCED.load(Ordering::Relaxed) || *ON.get_or_init(|| std::env::var("MLX_LFM_GEMV_KERNEL").ok().as_deref() == Some("1"))
+    FORCED.with(|c| c.get()) || *ON.get_or_init(|| std::env::var("MLX_LFM_GEMV_KERNEL").ok().as_deref() == Some("1"))
 }
 
 /// Whether the kernel serves `x @ w.T`: on, on CUDA, float `x` and `w` of one
@@ -153,8 +181,13 @@ pub fn available(x: &Array, w: &Array) -> bool {
     x.dim(-1) == k && k > 0 && k % 8 == 0 && k <= 16_384 && w.dim(0) > 0 && (1..=MAX_ROWS).contains(&rows) && kernel().is_some()
 }
 
+/// Whether [`gemv_swiglu`] serves `x` and the stacked `w`.
+pub fn swiglu_available(x: &Array, w: &Array) -> bool {
+    available(x, w) && w.dim(0) % 2 == 0 && swiglu_kernel().is_some()
+}
+
 /// `silu(x @ w[..F].T) * (x @ w[F..].T)` for a stacked `[2F, K]` `w`
-/// (callers check [`available`] and that the halves are equal).
+/// (callers check [`swiglu_available`] and that the halves are equal).
 pub fn gemv_swiglu(x: &Array, w: &Array) -> Result<Array> {
     let kern = swiglu_kernel().ok_or_else(|| Error::mlx("the GEMV + SwiGLU kernel is not available"))?;
     let n2 = w.dim(0);

@@ -118,8 +118,6 @@ fn greedy_tokens_with_kernels_equal_stock_ops() {
     if skip("greedy_tokens_with_kernels_equal_stock_ops") {
         return;
     }
-    // The opt-in GEMV too (MLX_LFM_GEMV_KERNEL): this is its model-level test.
-    crate::kernels::gemv::force_on();
     for preset in [Preset::Tiny, Preset::TinyMoe] {
         for dtype in [DType::BF16, DType::F32] {
             let dir = tiny(preset, &format!("greedy-{preset:?}-{dtype:?}"), dtype);
@@ -130,7 +128,8 @@ fn greedy_tokens_with_kernels_equal_stock_ops() {
                     let params = GenerateParams { max_tokens: 64, ignore_eos: true, ..Default::default() };
                     eng.generate(Prompt::Tokens(prompt.clone()), params, &mut NoObserver).unwrap().tokens
                 };
-                let fused = run();
+                // The opt-in GEMV too (MLX_LFM_GEMV_KERNEL): this is its model-level test.
+                let fused = crate::kernels::gemv::with_forced(run);
                 let stock = with_stock_ops(run);
                 assert_eq!(fused.len(), 64);
                 assert_eq!(fused, stock, "{preset:?} {dtype:?} {path:?}: greedy tokens differ with the fused kernels");
@@ -227,29 +226,42 @@ fn gemv_kernel_matches_stock_ops() {
     if skip("gemv_kernel_matches_stock_ops") {
         return;
     }
-    use crate::kernels::gemv::{available, force_on, gemv};
+    use crate::kernels::gemv::{available, gemv, with_forced};
     use crate::mlx::random::normal;
     use crate::mlx::Array;
-    force_on();
-    let f = |a: &Array| -> Vec<f32> { a.astype(Dtype::Float32).unwrap().to_vec().unwrap() };
-    for (dt, tol) in [(Dtype::Bfloat16, 1.6e-2f32), (Dtype::Float16, 2e-3), (Dtype::Float32, 1e-4)] {
-        for (rows, n, k) in [(1, 2048, 2048), (1, 6144, 2048), (1, 2048, 8192), (3, 65536, 1024), (8, 520, 72), (1, 8, 8)] {
-            let x = normal(&[rows, 1, k], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
-            let w = normal(&[n, k], Dtype::Float32, 0.0, 0.05, None).unwrap().astype(dt).unwrap();
-            assert!(available(&x, &w), "{dt:?} {rows}x{k} @ {n}x{k}");
-            let got = gemv(&x, &w).unwrap();
-            let want = x.matmul(&w.t().unwrap()).unwrap();
-            assert_eq!(got.shape(), want.shape());
-            let (a, e) = (f(&got), f(&want));
-            let worst = a.iter().zip(&e).map(|(p, q)| (p - q).abs() / q.abs().max(1.0)).fold(0f32, f32::max);
-            assert!(worst <= tol, "{dt:?} {rows}x{k} @ {n}x{k}: differs by {worst}, over {tol}");
+    with_forced(|| {
+        let f = |a: &Array| -> Vec<f32> { a.astype(Dtype::Float32).unwrap().to_vec().unwrap() };
+        // float32: MLX's matmul runs cuBLAS in TF32 for more than one row.
+        for (dt, tol) in [(Dtype::Bfloat16, 1.6e-2f32), (Dtype::Float16, 2e-3), (Dtype::Float32, 4e-3)] {
+            // K = 1032: a last pass over only part of the lanes.
+            for (rows, n, k) in [(1, 2048, 2048), (1, 6144, 2048), (1, 2048, 8192), (3, 65536, 1024), (8, 520, 72), (1, 8, 8), (2, 300, 1032)] {
+                let x = normal(&[rows, 1, k], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
+                let w = normal(&[n, k], Dtype::Float32, 0.0, 0.05, None).unwrap().astype(dt).unwrap();
+                assert!(available(&x, &w), "{dt:?} {rows}x{k} @ {n}x{k}");
+                let got = gemv(&x, &w).unwrap();
+                let want = x.matmul(&w.t().unwrap()).unwrap();
+                assert_eq!(got.shape(), want.shape());
+                let (a, e) = (f(&got), f(&want));
+                let worst = a.iter().zip(&e).map(|(p, q)| (p - q).abs() / q.abs().max(1.0)).fold(0f32, f32::max);
+                assert!(worst <= tol, "{dt:?} {rows}x{k} @ {n}x{k}: differs by {worst}, over {tol}");
+            }
         }
-    }
-    // Not served: too many rows, K not a multiple of 8, dtypes that differ.
-    let w = normal(&[64, 64], Dtype::Float32, 0.0, 1.0, None).unwrap();
-    assert!(!available(&normal(&[9, 64], Dtype::Float32, 0.0, 1.0, None).unwrap(), &w));
-    assert!(!available(&normal(&[1, 60], Dtype::Float32, 0.0, 1.0, None).unwrap(), &normal(&[64, 60], Dtype::Float32, 0.0, 1.0, None).unwrap()));
-    assert!(!available(&normal(&[1, 64], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(Dtype::Bfloat16).unwrap(), &w));
+        // Not served: too many rows, K not a multiple of 8, dtypes that differ.
+        let w = normal(&[64, 64], Dtype::Float32, 0.0, 1.0, None).unwrap();
+        assert!(!available(&normal(&[9, 64], Dtype::Float32, 0.0, 1.0, None).unwrap(), &w));
+        assert!(!available(&normal(&[1, 60], Dtype::Float32, 0.0, 1.0, None).unwrap(), &normal(&[64, 60], Dtype::Float32, 0.0, 1.0, None).unwrap()));
+        assert!(!available(&normal(&[1, 64], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(Dtype::Bfloat16).unwrap(), &w));
+        // A row-contiguous view 8 bytes past a 16-byte boundary (bf16, 4
+        // elements in), which MLX hands over with its offset: the loads go
+        // element by element.
+        let w = w.astype(Dtype::Bfloat16).unwrap();
+        let row = normal(&[1, 68], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(Dtype::Bfloat16).unwrap();
+        let off = row.slice_axis(1, 4, 68).unwrap();
+        assert!(available(&off, &w));
+        let (a, e) = (f(&gemv(&off, &w).unwrap()), f(&off.matmul(&w.t().unwrap()).unwrap()));
+        let worst = a.iter().zip(&e).map(|(p, q)| (p - q).abs() / q.abs().max(1.0)).fold(0f32, f32::max);
+        assert!(worst <= 1.6e-2, "an unaligned view: differs by {worst}");
+    });
 }
 
 /// The MLP's w1/w3 GEMV with the SwiGLU gate in one kernel against the stock
@@ -259,23 +271,26 @@ fn gemv_swiglu_kernel_matches_stock_ops() {
     if skip("gemv_swiglu_kernel_matches_stock_ops") {
         return;
     }
-    use crate::kernels::gemv::{force_on, gemv_swiglu};
+    use crate::kernels::gemv::{gemv_swiglu, swiglu_available, with_forced};
     use crate::mlx::random::normal;
     use crate::mlx::Array;
-    force_on();
-    let f = |a: &Array| -> Vec<f32> { a.astype(Dtype::Float32).unwrap().to_vec().unwrap() };
-    for (dt, tol) in [(Dtype::Bfloat16, 2.4e-2f32), (Dtype::Float16, 3e-3), (Dtype::Float32, 1e-4)] {
-        for (rows, ff, k) in [(1, 8192, 2048), (1, 2048, 1024), (4, 520, 72)] {
-            let x = normal(&[rows, 1, k], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
-            let w = normal(&[2 * ff, k], Dtype::Float32, 0.0, 0.05, None).unwrap().astype(dt).unwrap();
-            let got = gemv_swiglu(&x, &w).unwrap();
-            let gu = x.matmul(&w.t().unwrap()).unwrap();
-            let parts = gu.split_equal(2, -1).unwrap();
-            let want = parts[0].silu().unwrap().mul(&parts[1]).unwrap();
-            assert_eq!(got.shape(), want.shape());
-            let (a, e) = (f(&got), f(&want));
-            let worst = a.iter().zip(&e).map(|(p, q)| (p - q).abs() / q.abs().max(1.0)).fold(0f32, f32::max);
-            assert!(worst <= tol, "{dt:?} {rows}x{k} -> 2x{ff}: differs by {worst}, over {tol}");
+    with_forced(|| {
+        let f = |a: &Array| -> Vec<f32> { a.astype(Dtype::Float32).unwrap().to_vec().unwrap() };
+        // float32: MLX's matmul runs cuBLAS in TF32 for more than one row.
+        for (dt, tol) in [(Dtype::Bfloat16, 2.4e-2f32), (Dtype::Float16, 3e-3), (Dtype::Float32, 4e-3)] {
+            for (rows, ff, k) in [(1, 8192, 2048), (1, 2048, 1024), (4, 520, 72), (1, 300, 1032)] {
+                let x = normal(&[rows, 1, k], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
+                let w = normal(&[2 * ff, k], Dtype::Float32, 0.0, 0.05, None).unwrap().astype(dt).unwrap();
+                assert!(swiglu_available(&x, &w));
+                let got = gemv_swiglu(&x, &w).unwrap();
+                let gu = x.matmul(&w.t().unwrap()).unwrap();
+                let parts = gu.split_equal(2, -1).unwrap();
+                let want = parts[0].silu().unwrap().mul(&parts[1]).unwrap();
+                assert_eq!(got.shape(), want.shape());
+                let (a, e) = (f(&got), f(&want));
+                let worst = a.iter().zip(&e).map(|(p, q)| (p - q).abs() / q.abs().max(1.0)).fold(0f32, f32::max);
+                assert!(worst <= tol, "{dt:?} {rows}x{k} -> 2x{ff}: differs by {worst}, over {tol}");
+            }
         }
-    }
+    });
 }

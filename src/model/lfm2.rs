@@ -248,7 +248,7 @@ impl Mlp {
         use crate::kernels::gemv;
         match &self.w13 {
             Projections::Stacked { linear: Linear { weight: Weight::Dense(w), bias: None }, widths }
-                if widths.len() == 2 && widths[0] == widths[1] && gemv::available(x, w) =>
+                if widths.len() == 2 && widths[0] == widths[1] && gemv::swiglu_available(x, w) =>
             {
                 gemv::gemv_swiglu(x, w).map(Some)
             }
