@@ -316,8 +316,13 @@ impl Constraint {
 /// a row per thread: N constrained rows cost about one row's parser time a
 /// step on a many-core host, not N. Pure CPU work (no MLX call).
 pub fn prepare_rows(rows: &mut [(&mut Constraint, u32, bool)]) {
-    use rayon::prelude::*;
-    rows.par_iter_mut().for_each(|(c, tok, then_mask)| c.prepare(*tok, *then_mask));
+    let Some(((c, tok, then_mask), rest)) = rows.split_first_mut() else { return };
+    rayon::in_place_scope(|s| {
+        for (c, tok, then_mask) in rest.iter_mut() {
+            s.spawn(move |_| c.prepare(*tok, *then_mask));
+        }
+        c.prepare(*tok, *then_mask);
+    });
 }
 
 /// `toolChoice: 'auto'`: the parser for a tool call (compiled up front),
