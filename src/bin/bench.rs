@@ -11,7 +11,9 @@
 //!   mlx-lfm-bench --constrained [--gen 128] [--reps 3] [--batch 4] [model args]
 //!     decode tok/s under a JSON schema and a regex (llguidance masks)
 //!     against free sampling, same engine, same run: one request alone,
-//!     then `--batch` requests together (each row its own mask).
+//!     then `--batch` requests together (each row its own mask); and, without
+//!     the model, the parser work of `--batch` rows per step done one row
+//!     after another against all rows at once (as a batch step does).
 //!   mlx-lfm-bench --new-lengths N [--prompts 512] [model args]
 //!     TTFT of N prompts of lengths never seen before (512, 513, ...) against
 //!     the same N prompts' first length again (every shape seen): what a
@@ -372,6 +374,63 @@ fn constrained(
         }
         mask_ms[c] = Some(spent * 1000.0 / steps.max(1) as f64);
     }
+    // A batch step's parser work without the model: `batch` rows each
+    // commit a token and compute their next mask, one row after another on
+    // this thread (what the worker did before) against all rows at once on
+    // rayon's pool (`prepare_rows`, what a batch step does now). Two sets of
+    // rows walk the same tokens, the two ways interleaved step by step;
+    // their masks must agree.
+    let mut rows_ms = vec![None; n];
+    for (c, (_, g)) in cases.iter().enumerate() {
+        use mlx_lfm::generate::constraint::{prepare_rows, Constraint};
+        let Some(g) = g else { continue };
+        let guide = eng.guide_for(&params(&Some(g.clone()), 0))?.expect("a grammar");
+        let fresh = || Constraint::compile(&guide, g);
+        let mut one: Vec<Constraint> = (0..batch).map(|_| fresh()).collect::<mlx_lfm::Result<_>>()?;
+        let mut all = one.clone();
+        let mut rng: Vec<u64> = (0..batch as u64).map(|i| 0x9E37_79B9_7F4A_7C15 ^ i.wrapping_mul(0x2545_F491_4F6C_DD1D)).collect();
+        let mut toks = vec![0u32; batch];
+        let (mut t_one, mut t_all) = (0f64, 0f64);
+        for step in 0..=200 {
+            if step > 0 {
+                let t = Instant::now();
+                for (con, &tok) in one.iter_mut().zip(&toks) {
+                    con.prepare(tok, true);
+                }
+                t_one += t.elapsed().as_secs_f64();
+                let t = Instant::now();
+                let mut work: Vec<_> = all.iter_mut().zip(&toks).map(|(con, &tok)| (con, tok, true)).collect();
+                prepare_rows(&mut work);
+                t_all += t.elapsed().as_secs_f64();
+            }
+            // Untimed: take the prepared work over and draw each row's next token.
+            for i in 0..batch {
+                if step > 0 {
+                    one[i].commit(toks[i])?;
+                    all[i].commit(toks[i])?;
+                }
+                let (a, b) = match one[i].is_done() {
+                    true => (None, None),
+                    false => (one[i].mask()?, all[i].mask()?),
+                };
+                let (a, b) = match (a, b) {
+                    (Some(a), Some(b)) => (a.to_vec::<bool>()?, b.to_vec::<bool>()?),
+                    (None, None) => {
+                        (one[i], all[i]) = (fresh()?, fresh()?);
+                        (one[i].mask()?.expect("a first mask").to_vec::<bool>()?, all[i].mask()?.expect("a first mask").to_vec::<bool>()?)
+                    }
+                    _ => return Err(mlx_lfm::Error::invalid("rows prepared together went another way than one by one")),
+                };
+                if a != b {
+                    return Err(mlx_lfm::Error::invalid("rows prepared together got another mask than one by one"));
+                }
+                let allowed: Vec<u32> = a.iter().enumerate().filter(|(_, &x)| x).map(|(k, _)| k as u32).collect();
+                rng[i] = rng[i].wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                toks[i] = allowed[(rng[i] >> 33) as usize % allowed.len()];
+            }
+        }
+        rows_ms[c] = Some((t_one * 1000.0 / 200.0, t_all * 1000.0 / 200.0));
+    }
     for (c, (name, _)) in cases.iter().enumerate() {
         println!(
             "{}",
@@ -382,6 +441,9 @@ fn constrained(
                 "vs_free_decode": median(&mut tps[c].clone()) / median(&mut tps[0].clone()),
                 "vs_free_batch": median(&mut batch_tps[c].clone()) / median(&mut batch_tps[0].clone()),
                 "mask_and_commit_ms_per_token": mask_ms[c],
+                "batch_rows_parser_ms_per_step_one_by_one": rows_ms[c].map(|r| r.0),
+                "batch_rows_parser_ms_per_step_together": rows_ms[c].map(|r| r.1),
+                "parser_threads": rayon::current_num_threads(),
             })
         );
     }

@@ -125,6 +125,8 @@ pub struct Scheduler {
     next_id: u64,
     /// Compiled batched steps run (tests check which path batches took).
     pub(crate) stacked_steps: usize,
+    /// Steps whose constrained rows did their parser work together.
+    pub(crate) prepared_steps: usize,
 }
 
 impl Scheduler {
@@ -357,6 +359,13 @@ impl Scheduler {
                 a.req.fail(err.clone());
             }
             return;
+        }
+        // The constrained rows' parser work runs on several threads at once;
+        // `accept` below takes it over (the refused rows are not accepted).
+        let rows = active.iter_mut().zip(&nexts).enumerate();
+        let rows = rows.filter(|(i, _)| !refused.iter().any(|(j, _)| j == i)).map(|(_, (a, n))| (&mut a.seq, n.is_some()));
+        if generate::prepare_constrained(rows, &e.eos) {
+            self.prepared_steps += 1;
         }
         let mut keep = Vec::with_capacity(active.len());
         for (i, (mut a, next)) in active.drain(..).zip(nexts).enumerate() {

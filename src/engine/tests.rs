@@ -716,3 +716,95 @@ fn json_schema_constrains_alone_and_batched() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Constrained rows of one batch do their parser work on several threads
+/// at once (`generate::prepare_constrained`): seeded at temperature 1, rows
+/// under a JSON schema, regexes (one that completes, one that never does),
+/// a Lark grammar, a required tool call, 'auto' tools that open calls (the
+/// start marker biased up, so the watch hands over to the call's grammar
+/// and back inside the batch) and free rows, arriving at different steps
+/// with different lengths, each give the tokens and finish reason they
+/// give alone, on the compiled batched step and the eager one.
+#[test]
+fn batched_constrained_rows_equal_each_row_alone() {
+    use super::{Request, Scheduler};
+    use crate::generate::constraint::Grammar;
+    use crate::generate::FinishReason;
+    use serde_json::json;
+    use std::sync::{Arc, Mutex};
+    let dir = fixture_dir("constrained-rows", Preset::Tiny);
+    let tools = vec![(
+        "f".to_string(),
+        json!({ "type": "object", "properties": { "x": { "enum": [1, 22, 333] } }, "required": ["x"], "additionalProperties": false }),
+    )];
+    let schema = json!({
+        "type": "object",
+        "properties": { "k": { "enum": ["a", "bb"] }, "s": { "type": "string", "maxLength": 12 } },
+        "required": ["k", "s"],
+        "additionalProperties": false
+    });
+    // (grammar, max tokens, step at which it arrives)
+    let rows: Vec<(Option<Grammar>, usize, usize)> = vec![
+        (Some(Grammar::JsonSchema(schema.clone())), 48, 0),
+        (Some(Grammar::Regex("[a-z]{1,6}( [a-z]{1,6}){0,3}".into())), 40, 0),
+        (None, 30, 0),
+        (Some(Grammar::Regex("([a-z]+ )+".into())), 36, 1),
+        (Some(Grammar::Lark(r#"start: "n=" /[0-9]{1,4}/ ("," /[0-9]{1,4}/)* ";""#.into())), 44, 0),
+        (Some(Grammar::ToolCalls { tools: tools.clone(), single: true }), 48, 2),
+        (Some(Grammar::ToolCallsAuto { tools }), 60, 0),
+        (Some(Grammar::JsonSchema(schema)), 20, 3),
+        (None, 25, 5),
+    ];
+    let auto = 6;
+    for path in [DecodePath::Compiled, DecodePath::Eager] {
+        let mut e = engine(&dir, true, 16, 64, Some(path));
+        let id = |t: &str| e.tokenizer.token_to_id(t).unwrap_or_else(|| panic!("the fixture has no {t} token"));
+        let (start, end, close) = (id("<|tool_call_start|>"), id("<|tool_call_end|>"), id("]"));
+        let params = |i: usize| {
+            let (g, n, _) = &rows[i];
+            let mut p = GenerateParams { max_tokens: *n, grammar: g.clone(), ..Default::default() };
+            p.sampling.temperature = 1.0;
+            p.sampling.seed = Some(100 + i as u64);
+            if i == auto {
+                // Calls open at once, and close (one call each) as soon as the grammar lets them.
+                p.sampling.logit_bias = vec![(start, 30.0), (end, 30.0), (close, 15.0)];
+            }
+            p
+        };
+        let alone: Vec<Generation> = (0..rows.len())
+            .map(|i| e.generate(Prompt::Tokens(prompt(9 + i, i as u32)), params(i), &mut NoObserver).unwrap())
+            .collect();
+        // The rows really are varied: some grammars complete, some run to
+        // maxTokens, and the 'auto' row opened (and closed) tool calls.
+        let reasons: Vec<FinishReason> = alone.iter().map(|g| g.finish_reason).collect();
+        assert!(reasons.contains(&FinishReason::Stop) && reasons.contains(&FinishReason::Length), "{reasons:?}");
+        let opened = alone[auto].tokens.iter().filter(|&&t| t == start).count();
+        assert!(opened >= 3, "the 'auto' row opened {opened} tool calls: {:?}", alone[auto].text);
+        e.clear_prefix_cache();
+        let got: Arc<Mutex<Vec<Option<Generation>>>> = Arc::new(Mutex::new(vec![None; rows.len()]));
+        let mut s = Scheduler::new();
+        let mut step = 0;
+        while step < 6 || s.running() > 0 {
+            for (i, (_, _, at)) in rows.iter().enumerate() {
+                if *at == step {
+                    let got = got.clone();
+                    let req = Request::tokens(prompt(9 + i, i as u32), params(i), move |r| got.lock().unwrap()[i] = Some(r.unwrap()));
+                    s.admit(&mut e, req);
+                }
+            }
+            s.step_active(&mut e);
+            step += 1;
+        }
+        assert!(s.prepared_steps > 10, "{path:?}: the rows were prepared together in {} steps", s.prepared_steps);
+        if path == DecodePath::Compiled {
+            assert!(s.stacked_steps > 10, "the compiled batched step ran {} times", s.stacked_steps);
+        }
+        let got = got.lock().unwrap().clone();
+        for (i, want) in alone.iter().enumerate() {
+            let g = got[i].as_ref().unwrap_or_else(|| panic!("{path:?}: row {i} got no result"));
+            assert_eq!(g.tokens, want.tokens, "{path:?}: row {i} differs when batched");
+            assert_eq!(g.finish_reason, want.finish_reason, "{path:?}: row {i}'s finish reason differs when batched");
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -212,10 +212,20 @@ impl Guide {
 pub struct Constraint {
     matcher: Matcher,
     vocab: usize,
-    /// The first step's mask, computed when compiling (to catch a grammar
-    /// nothing can satisfy before any compute).
-    first: Option<Vec<bool>>,
+    /// The next step's allowed tokens, when computed before they are asked
+    /// for: the first step's when compiling (to catch a grammar nothing can
+    /// satisfy before any compute), a batch row's by [`Constraint::prepare`].
+    ready: Option<Result<Option<Vec<bool>>>>,
+    /// The token [`Constraint::prepare`] committed, and how that went (what
+    /// the matching [`Constraint::commit`] reports).
+    committed: Option<(u32, Result<()>)>,
 }
+
+// A batch's rows are prepared on other threads (see `prepare_rows`).
+const _: () = {
+    const fn send<T: Send>() {}
+    send::<Constraint>()
+};
 
 impl std::fmt::Debug for Constraint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -229,12 +239,12 @@ impl Constraint {
         let name = g.option_name();
         let bad = |e: String| Error::invalid(format!("{name} is not valid: {e}"));
         let parser = guide.factory.create_parser(guide.top_level(g)?).map_err(|e| bad(e.to_string()))?;
-        let mut c = Constraint { matcher: Matcher::new(Ok(parser)), vocab: guide.vocab, first: None };
+        let mut c = Constraint { matcher: Matcher::new(Ok(parser)), vocab: guide.vocab, ready: None, committed: None };
         if let Some(e) = c.matcher.get_error() {
             return Err(bad(e));
         }
         match c.allowed()? {
-            Some(m) => c.first = Some(m),
+            Some(m) => c.ready = Some(Ok(Some(m))),
             None => return Err(bad("no output can satisfy it (no token may start it)".into())),
         }
         Ok(c)
@@ -258,8 +268,8 @@ impl Constraint {
     /// The mask of the next step (`[1, V]` bool), or None when no token is
     /// allowed (the constraint cannot be continued).
     pub fn mask(&mut self) -> Result<Option<Array>> {
-        let bits = match self.first.take() {
-            Some(b) => Some(b),
+        let bits = match self.ready.take() {
+            Some(r) => r?,
             None => self.allowed()?,
         };
         bits.map(|b| Array::from_slice(&b, &[1, self.vocab as i32])).transpose()
@@ -273,13 +283,46 @@ impl Constraint {
     /// Advances past a drawn token. An error means the token was not
     /// allowed (the parser is then stuck).
     pub fn commit(&mut self, tok: u32) -> Result<()> {
+        if let Some((done, r)) = self.committed.take() {
+            return match done == tok {
+                true => r,
+                false => Err(Error::invalid(format!(
+                    "constrained decoding failed: token {done} was committed ahead, not {tok} (internal error)"
+                ))),
+            };
+        }
         self.matcher.consume_token(tok).map_err(|e| Error::invalid(format!("constrained decoding failed: {e}")))
+    }
+
+    /// Commits `tok` now and, when `then_mask` and the grammar goes on,
+    /// computes the next step's allowed tokens: a batch row's CPU work, run
+    /// on another thread before the worker handles the rows one by one
+    /// (their [`Constraint::commit`] of `tok` and [`Constraint::mask`] then
+    /// hand over what was done here). llguidance's matcher turns a panic of
+    /// its own into an error, so a row's failure stays the row's.
+    pub fn prepare(&mut self, tok: u32, then_mask: bool) {
+        let r = self.commit(tok);
+        self.ready = (then_mask && r.is_ok() && !self.is_done()).then(|| self.allowed());
+        self.committed = Some((tok, r));
     }
 
     /// The output is complete: the grammar allows nothing more.
     pub fn is_done(&self) -> bool {
         self.matcher.is_stopped()
     }
+}
+
+/// [`Constraint::prepare`] for several batch rows at once on rayon's pool,
+/// a row per thread: N constrained rows cost about one row's parser time a
+/// step on a many-core host, not N. Pure CPU work (no MLX call).
+pub fn prepare_rows(rows: &mut [(&mut Constraint, u32, bool)]) {
+    let Some(((c, tok, then_mask), rest)) = rows.split_first_mut() else { return };
+    rayon::in_place_scope(|s| {
+        for (c, tok, then_mask) in rest.iter_mut() {
+            s.spawn(move |_| c.prepare(*tok, *then_mask));
+        }
+        c.prepare(*tok, *then_mask);
+    });
 }
 
 /// `toolChoice: 'auto'`: the parser for a tool call (compiled up front),
@@ -322,7 +365,7 @@ mod tests {
     /// constraint is complete exactly after the last token.
     fn walk(guide: &Guide, tok: &Tokenizer, texts: &[String], schema: Value, text: &str) -> Vec<String> {
         let mut c = Constraint::compile(guide, &Grammar::JsonSchema(schema)).unwrap();
-        c.first = None;
+        c.ready = None;
         let ids = tok.encode(text, false).unwrap();
         let mut spaced = vec![];
         for (k, &id) in ids.iter().enumerate() {
@@ -359,7 +402,7 @@ mod tests {
         assert!(!walk(&guide, &tok, &texts, flexible, text).is_empty());
         // An object is not any JSON: `[` cannot start json_object output.
         let c = Constraint::compile(&guide, &Grammar::JsonSchema(json!({ "type": "object" }))).unwrap();
-        let first = c.first.as_ref().unwrap();
+        let first = c.ready.clone().unwrap().unwrap().unwrap();
         let starts: Vec<&str> = (0..first.len()).filter(|&i| first[i]).map(|i| texts[i].as_str()).collect();
         assert!(!starts.is_empty() && starts.iter().all(|t| t.starts_with('{')), "{starts:?}");
     }

@@ -724,6 +724,17 @@ impl Sequence {
         }
     }
 
+    /// For [`prepare_constrained`]: this row's constraint and the token
+    /// read back for it, when the row is constrained and the token does not
+    /// end it (an end-of-sequence token is never committed); `stepped`: a
+    /// step was queued after the token, so its mask is wanted. A failed read
+    /// is left for `accept`, which reads again and reports it.
+    fn constraint_work(&mut self, eos: &HashSet<u32>, stepped: bool) -> Option<(&mut Constraint, u32, bool)> {
+        let c = self.constraint.as_mut()?;
+        let tok: u32 = self.y.item().ok()?;
+        (self.ignore_eos || !eos.contains(&tok)).then_some((c, tok, stepped))
+    }
+
     /// The next token drawn under the constraint from `logits`, or the
     /// end of the sequence when the constraint allows no token at all.
     fn advance_constrained(&mut self, logits: &Array) -> Result<bool> {
@@ -814,6 +825,25 @@ impl Sequence {
         };
         Ok((g, self.cache))
     }
+}
+
+/// A batch step's constrained rows (each with whether a step was queued
+/// after its pending token): their tokens are read back here, on the
+/// worker (MLX stays on its thread), then committed and the next masks
+/// computed for all rows at once on other threads
+/// ([`constraint::prepare_rows`]); each row's [`Sequence::accept`] takes
+/// over what was done, in row order as before, so tokens, draws and finish
+/// reasons are those of the rows handled one by one. Fewer than two
+/// constrained rows: nothing (the row does its work in `accept`, no thread
+/// hop). Returns whether the rows were prepared.
+pub fn prepare_constrained<'a>(rows: impl Iterator<Item = (&'a mut Sequence, bool)>, eos: &HashSet<u32>) -> bool {
+    let rows: Vec<(&mut Sequence, bool)> = rows.filter(|(s, _)| s.constraint.is_some()).collect();
+    if rows.len() < 2 {
+        return false;
+    }
+    let mut work: Vec<_> = rows.into_iter().filter_map(|(s, stepped)| s.constraint_work(eos, stepped)).collect();
+    constraint::prepare_rows(&mut work);
+    true
 }
 
 /// Queues the evaluation of drawn tokens together with whatever their
