@@ -131,6 +131,8 @@ impl Shared {
 
 enum Msg {
     Write(Box<HostBlock>),
+    /// A block read from this file was used.
+    Used(u64),
     /// Wait for every write queued before this.
     Flush(Sender<()>),
 }
@@ -191,12 +193,11 @@ impl Store {
         }
     }
 
-    /// A block from disk is used: a hit, and the file (when it is still
-    /// there) becomes the most recently used.
-    fn used(&self, key: u64) {
+    /// Block `key`'s file (when it is still there) becomes the most
+    /// recently used; on the writer thread, as it touches the file.
+    fn mark_used(&self, key: u64) {
         let path = self.path(key);
         let mut s = self.shared.lock();
-        s.stats.hits += 1;
         match std::fs::metadata(&path) {
             Ok(m) => {
                 s.entries.insert(path.clone(), Entry { size: m.len(), used: SystemTime::now() });
@@ -289,6 +290,7 @@ impl DiskTier {
                                 Err(e) => eprintln!("mlx-lfm: could not write a prefix-cache block: {}", e.message),
                             }
                         }
+                        Msg::Used(key) => w.mark_used(key),
                         Msg::Flush(done) => {
                             let _ = done.send(());
                         }
@@ -337,7 +339,10 @@ impl DiskTier {
         let ahead = self.prefetch.take(key).filter(|b| b.parent_key == parent_key && b.tokens == tokens);
         match ahead.or_else(|| self.store.load(key, parent_key, tokens)) {
             Some(b) => {
-                self.store.used(key);
+                self.store.shared.lock().stats.hits += 1;
+                if let Some(tx) = &self.tx {
+                    let _ = tx.send(Msg::Used(key));
+                }
                 Some(b)
             }
             None => {
