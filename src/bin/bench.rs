@@ -28,6 +28,13 @@
 //!     tokens and a greedy reply; per turn the TTFT of a warm paged engine
 //!     (the conversation so far is in its prefix cache), a cold one (prefix
 //!     cache cleared before the turn) and a flat one.
+//!   mlx-lfm-bench --disk-admission [--prompts 4096] [--block 16] [--reps 3] [model args]
+//!     a request decoding while another, whose prompt's blocks are all in
+//!     the prefix cache's disk tier, is admitted: the running request's
+//!     longest gap between tokens meanwhile, and the arrival's wall time.
+//!     `inline`: the scheduler stepped directly, the blocks read at
+//!     admission on the stepping thread (what the worker did before);
+//!     `worker`: through the model worker, read ahead off it.
 
 use mlx_lfm::engine::{DecodePath, Engine, EngineOptions, Prompt};
 use mlx_lfm::generate::{GenerateParams, NoObserver};
@@ -141,6 +148,10 @@ fn run() -> mlx_lfm::Result<()> {
     }
     if let Some(n) = arg(&args, "--new-lengths") {
         return new_lengths(&dir, device, paged, n.parse().expect("--new-lengths takes a count"), prompts[0]);
+    }
+    if args.iter().any(|a| a == "--disk-admission") {
+        let num = |name: &str, d: usize| arg(&args, name).map(|s| s.parse().expect(name)).unwrap_or(d);
+        return disk_admission(&dir, device, prompts[0], num("--block", 16), num("--reps", 3));
     }
     if let Some(n) = arg(&args, "--turns") {
         let num = |k: &str, d: usize| arg(&args, k).map(|s| s.parse().expect("a number")).unwrap_or(d);
@@ -649,4 +660,147 @@ fn launch(args: &[String], dir: &std::path::Path, n: usize) -> mlx_lfm::Result<(
     } else {
         Err(mlx_lfm::Error::mlx(format!("tensor-parallel ranks failed: {}", failed.join(", "))))
     }
+}
+
+/// Token times of a running request (one per text delta).
+struct Stamps(std::sync::Arc<std::sync::Mutex<Vec<Instant>>>);
+
+impl mlx_lfm::generate::Observer for Stamps {
+    fn on_text(&mut self, _delta: &str) -> bool {
+        self.0.lock().unwrap().push(Instant::now());
+        true
+    }
+}
+
+/// The longest gap between consecutive times that overlaps `from..to`,
+/// and the median gap of all of them (ms).
+fn gaps(stamps: &[Instant], from: Instant, to: Instant) -> (f64, f64) {
+    let ms = |a: Instant, b: Instant| b.duration_since(a).as_secs_f64() * 1000.0;
+    let mut all: Vec<f64> = stamps.windows(2).map(|w| ms(w[0], w[1])).collect();
+    let worst = stamps.windows(2).filter(|w| w[1] > from && w[0] < to).map(|w| ms(w[0], w[1])).fold(0.0, f64::max);
+    all.sort_by(|a, b| a.total_cmp(b));
+    (worst, all.get(all.len() / 2).copied().unwrap_or(0.0))
+}
+
+fn disk_admission(
+    dir: &std::path::Path,
+    device: Option<runtime::DeviceType>,
+    len: usize,
+    block: usize,
+    reps: usize,
+) -> mlx_lfm::Result<()> {
+    use mlx_lfm::engine::worker::ModelWorker;
+    use mlx_lfm::engine::{Request, Scheduler};
+    use std::sync::mpsc::channel;
+    use std::sync::{Arc, Mutex};
+    let cache = std::env::temp_dir().join(format!("mlx-lfm-bench-disk-{}", std::process::id()));
+    std::fs::remove_dir_all(&cache).ok();
+    let opts = EngineOptions { device, paged_block_size: Some(block), prefix_cache_dir: Some(cache.clone()), ..Default::default() };
+    let one = GenerateParams { max_tokens: 1, ignore_eos: true, ..Default::default() };
+    let running = GenerateParams { max_tokens: 200, ignore_eos: true, ..Default::default() };
+    let (long, short, vocab) = {
+        let mut e = Engine::load(dir, &opts)?;
+        let vocab = e.info().vocab_size as u32;
+        let long = ids(len, vocab, 5);
+        e.generate(Prompt::Tokens(long.clone()), one.clone(), &mut NoObserver)?;
+        e.persist_prefix_cache();
+        (long, ids(16, vocab, 9), vocab)
+    };
+    let files = std::fs::read_dir(&cache).map(|d| d.count()).unwrap_or(0);
+    let bytes: u64 = std::fs::read_dir(&cache).map(|d| d.flatten().filter_map(|f| f.metadata().ok()).map(|m| m.len()).sum()).unwrap_or(0);
+    let stamped = |stamps: &Arc<Mutex<Vec<Instant>>>, p: Vec<u32>, done: std::sync::mpsc::Sender<()>| Request {
+        prepare: None,
+        render: Some({
+            let params = running.clone();
+            Box::new(move || Ok((p, params)))
+        }),
+        observer: Box::new(Stamps(stamps.clone())),
+        reply: Some(Box::new(move |r| {
+            if let Err(e) = r {
+                eprintln!("mlx-lfm-bench: the running request failed: {e}");
+            }
+            done.send(()).ok();
+        })),
+        resume: None,
+    };
+    let mut rows = vec![];
+    for rep in 0..reps {
+        for mode in ["inline", "worker"] {
+            let stamps = Arc::new(Mutex::new(vec![]));
+            let (rtx, rrx) = channel();
+            let (ltx, lrx) = channel::<Option<usize>>();
+            let reply = move |r: mlx_lfm::Result<mlx_lfm::generate::Generation>| {
+                ltx.send(r.ok().map(|g| g.metrics.cached_tokens)).ok();
+            };
+            let (t0, t1, cached);
+            if mode == "inline" {
+                let mut e = Engine::load(dir, &opts)?;
+                e.generate(Prompt::Tokens(ids(16, vocab, 3)), one.clone(), &mut NoObserver)?;
+                let mut s = Scheduler::new();
+                s.submit(&mut e, stamped(&stamps, short.clone(), rtx));
+                while stamps.lock().unwrap().len() < 20 {
+                    s.step(&mut e);
+                }
+                t0 = Instant::now();
+                s.submit(&mut e, Request::tokens(long.clone(), one.clone(), reply));
+                let got = loop {
+                    if let Ok(c) = lrx.try_recv() {
+                        break c;
+                    }
+                    s.step(&mut e);
+                };
+                t1 = Instant::now();
+                cached = got;
+                while !s.is_idle() {
+                    s.step(&mut e);
+                }
+            } else {
+                let (wtx, wrx) = channel();
+                ModelWorker::spawn(dir.to_path_buf(), opts.clone(), move |r| {
+                    wtx.send(r.map(|(w, _, _)| w)).ok();
+                });
+                let w = wrx.recv().expect("the worker answers")?;
+                let (dtx, drx) = channel();
+                w.generate(Request::tokens(ids(16, vocab, 3), one.clone(), move |_| {
+                    dtx.send(()).ok();
+                }));
+                drx.recv().ok();
+                w.generate(stamped(&stamps, short.clone(), rtx));
+                while stamps.lock().unwrap().len() < 20 {
+                    std::thread::sleep(std::time::Duration::from_micros(200));
+                }
+                t0 = Instant::now();
+                w.generate(Request::tokens(long.clone(), one.clone(), reply));
+                cached = lrx.recv().ok().flatten();
+                t1 = Instant::now();
+                w.close();
+            }
+            rrx.recv().ok();
+            let (worst, median) = gaps(&stamps.lock().unwrap(), t0, t1);
+            let row = serde_json::json!({"rep": rep, "mode": mode, "cached_tokens": cached,
+                "arrival_wall_ms": t1.duration_since(t0).as_secs_f64() * 1000.0,
+                "running_worst_gap_ms": worst, "running_median_gap_ms": median});
+            eprintln!("{row}");
+            rows.push(row);
+        }
+    }
+    let med = |mode: &str, k: &str| {
+        let mut v: Vec<f64> = rows.iter().filter(|r| r["mode"] == mode).map(|r| r[k].as_f64().unwrap_or(0.0)).collect();
+        v.sort_by(|a, b| a.total_cmp(b));
+        v.get(v.len() / 2).copied().unwrap_or(0.0)
+    };
+    let summary: serde_json::Map<String, serde_json::Value> = ["inline", "worker"]
+        .iter()
+        .map(|m| {
+            (m.to_string(), serde_json::json!({"running_worst_gap_ms": med(m, "running_worst_gap_ms"),
+                "running_median_gap_ms": med(m, "running_median_gap_ms"), "arrival_wall_ms": med(m, "arrival_wall_ms")}))
+        })
+        .collect();
+    println!(
+        "{}",
+        serde_json::json!({"disk_admission": len, "block": block, "files": files, "file_bytes": bytes,
+            "device": runtime::device_name(), "summary": summary, "rows": rows})
+    );
+    std::fs::remove_dir_all(&cache).ok();
+    Ok(())
 }

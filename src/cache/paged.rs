@@ -17,10 +17,12 @@
 //!   suffix through the model.
 
 pub mod disk;
+pub mod prefetch;
 
 use crate::error::{Error, Result};
 use crate::mlx::{concatenate, eval, stack, zeros, Array, Dtype};
-use disk::{DiskStats, DiskTier, HostBlock};
+use disk::{BlockSpec, DiskStats, DiskTier, HostBlock};
+use prefetch::Prefetcher;
 use parking_lot::Mutex;
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, HashMap};
@@ -157,6 +159,10 @@ struct Tail {
 /// Most request ends kept for exact continuation.
 const MAX_TAILS: usize = 64;
 
+/// Most bytes of blocks read ahead from disk and not yet used (host memory
+/// beside the pool's budget; never more than that budget).
+const PREFETCH_MAX_BYTES: usize = 256 << 20;
+
 pub type SharedPool = Arc<Mutex<PagedPool>>;
 
 fn chain_key(salt: u64, parent: u64, tokens: &[u32]) -> u64 {
@@ -202,9 +208,38 @@ impl PagedPool {
         })
     }
 
-    /// Gives the pool a disk tier.
-    pub fn attach_disk(&mut self, disk: DiskTier) {
+    /// Gives the pool a disk tier in `dir` (created when missing), of
+    /// `budget` bytes, for blocks of the model with `fingerprint`.
+    pub fn attach_disk(&mut self, dir: &std::path::Path, budget: u64, fingerprint: &str) -> Result<()> {
+        let s = &self.shape;
+        let bs = self.cfg.block_size;
+        let (h, d) = (s.kv_heads as usize, s.head_dim as usize);
+        let spec = BlockSpec {
+            dtype: crate::engine::session_file::st_dtype(s.dtype)?,
+            attn_layers: s.attn_layers,
+            kv_shape: vec![h, 1, bs, d],
+            kv_bytes: h * bs * d * s.dtype.size(),
+            snapshot_shape: if s.conv_layers == 0 {
+                vec![1]
+            } else {
+                vec![s.conv_layers, 1, s.conv_keep as usize, s.hidden as usize]
+            },
+            // The block's bytes, and room for its metadata (the tokens as JSON).
+            max_len: (s.block_bytes(bs) * 2 + bs * 16 + (64 << 10)) as u64,
+        };
+        let ahead = PREFETCH_MAX_BYTES.min(self.cfg.budget_bytes).max(s.block_bytes(bs) * 2 + bs * 4);
+        let disk = DiskTier::open(dir, budget, fingerprint, spec, ahead)?;
+        for &key in self.index.keys() {
+            disk.set_resident(key, true);
+        }
         self.disk = Some(disk);
+        Ok(())
+    }
+
+    /// A handle that reads a prompt's blocks from disk ahead of its
+    /// admission, off the worker (None without a disk tier).
+    pub fn prefetcher(&self) -> Option<Prefetcher> {
+        self.disk.as_ref().map(|d| d.prefetcher(self.salt, self.cfg.block_size))
     }
 
     /// Queues published block `b` for the disk tier (unless it is there
@@ -286,24 +321,15 @@ impl PagedPool {
     }
 
     /// Block `j` of a prompt from the disk tier, into a fresh pool block
-    /// (published, held once). None when the disk has no usable copy.
+    /// (published, held once). None when the disk has no usable copy. The
+    /// file was read and checked by the disk tier (usually ahead, off this
+    /// thread); only the arrays are made here.
     fn load_from_disk(&mut self, parent: u64, j: usize, toks: &[u32], key: u64) -> Option<u32> {
         let disk = self.disk.as_ref()?;
         let s = &self.shape;
         let (h, bs, d) = (s.kv_heads as usize, self.cfg.block_size, s.head_dim as usize);
-        let dtype = crate::engine::session_file::st_dtype(s.dtype).ok()?;
-        let snap_shape: Vec<usize> =
-            if s.conv_layers == 0 { vec![1] } else { vec![s.conv_layers, 1, s.conv_keep as usize, s.hidden as usize] };
         let layers = s.attn_layers;
-        let expect = |b: &HostBlock| {
-            b.dtype == dtype
-                && b.kv.len() == 2 * layers
-                && b.kv.iter().all(|(shape, bytes)| *shape == [h, 1, bs, d] && bytes.len() == h * bs * d * s.dtype.size())
-                && b.snapshot.1 == snap_shape
-        };
-        // The block's bytes, and room for its metadata (the tokens as JSON).
-        let max_len = (self.shape.block_bytes(bs) * 2 + bs * 16 + (64 << 10)) as u64;
-        let hb = disk.read(key, parent, toks, max_len, &expect)?;
+        let hb = disk.read(key, parent, toks)?;
         let arrays = (|| -> Result<(Vec<Array>, Array)> {
             let shape = [h as i32, 1, bs as i32, d as i32];
             let kv = hb.kv.iter().map(|(_, bytes)| Array::from_bytes(bytes, &shape, s.dtype)).collect::<Result<Vec<_>>>()?;
@@ -413,6 +439,9 @@ impl PagedPool {
         if let Some(k) = m.key.take() {
             if self.index.get(&k) == Some(&b) {
                 self.index.remove(&k);
+                if let Some(d) = &self.disk {
+                    d.set_resident(k, false);
+                }
             }
         }
         m.snapshot = None;
@@ -559,6 +588,9 @@ impl PagedPool {
         m.snapshot = Some(snapshot);
         m.depth = depth;
         self.index.insert(key, b);
+        if let Some(d) = &self.disk {
+            d.set_resident(key, true);
+        }
         key
     }
 

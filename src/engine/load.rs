@@ -4,7 +4,6 @@
 
 use super::fingerprint::Fingerprint;
 use super::Engine;
-use crate::cache::paged::disk::DiskTier;
 use crate::cache::paged::{self, PagedConfig};
 use crate::compiled::CompiledStep;
 use crate::error::{Error, Result};
@@ -301,7 +300,7 @@ impl Engine {
             let pool = model.use_paged_cache(pc, fingerprint.salt())?;
             if let Some(dir) = &opts.prefix_cache_dir {
                 let mb = opts.prefix_cache_disk_mb.unwrap_or(DEFAULT_DISK_MB);
-                pool.lock().attach_disk(DiskTier::open(dir, (mb as u64) << 20, &fingerprint.hash)?);
+                pool.lock().attach_disk(dir, (mb as u64) << 20, &fingerprint.hash)?;
             }
         } else if opts.prefix_cache_dir.is_some() {
             return Err(Error::config(format!(

@@ -90,6 +90,12 @@ impl Engine {
         }
     }
 
+    /// Reads prompts' prefix blocks from the disk tier ahead of their
+    /// admission, from another thread (None without a disk tier).
+    pub fn prefetcher(&self) -> Option<crate::cache::paged::prefetch::Prefetcher> {
+        self.model.paged.as_ref().and_then(|p| p.lock().prefetcher())
+    }
+
     /// Forgets every cached prefix no request is using.
     /// MLX's cache of freed buffers is emptied too: what a long request
     /// used would otherwise stay allocated to the process.

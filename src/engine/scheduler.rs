@@ -38,8 +38,10 @@ impl Request {
     /// A request for a prompt already in token ids, nothing streamed.
     pub fn tokens(prompt: Vec<u32>, params: GenerateParams, reply: impl FnOnce(Result<Generation>) + Send + 'static) -> Request {
         Request {
-            prepare: Some(Box::new(move |_| Ok((prompt, params)))),
-            render: None,
+            prepare: None,
+            // Known before the worker: the render thread passes it on at
+            // once (and can start reading its prefix from disk).
+            render: Some(Box::new(move || Ok((prompt, params)))),
             observer: Box::new(generate::NoObserver),
             reply: Some(Box::new(reply)),
             resume: None,
@@ -50,13 +52,20 @@ impl Request {
     /// the worker as `prepare`: the request then fails or starts in its
     /// turn, as if rendered there.
     pub(crate) fn render_now(&mut self) {
-        if let Some(render) = self.render.take() {
-            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(render)).unwrap_or_else(|p| {
-                let msg = p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned());
-                Err(Error::mlx(format!("internal panic while rendering the prompt: {}", msg.unwrap_or_default())))
-            });
-            self.prepare = Some(Box::new(move |_| r));
-        }
+        self.render_then(|_| ());
+    }
+
+    /// [`Request::render_now`], then `look` at the rendered prompt (None
+    /// when there was nothing to render, or it failed).
+    pub(crate) fn render_then<T>(&mut self, look: impl FnOnce(&[u32]) -> T) -> Option<T> {
+        let render = self.render.take()?;
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(render)).unwrap_or_else(|p| {
+            let msg = p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned());
+            Err(Error::mlx(format!("internal panic while rendering the prompt: {}", msg.unwrap_or_default())))
+        });
+        let seen = r.as_ref().ok().map(|(prompt, _)| look(prompt));
+        self.prepare = Some(Box::new(move |_| r));
+        seen
     }
 
     pub(crate) fn succeed(mut self, g: Generation) {

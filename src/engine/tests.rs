@@ -806,5 +806,82 @@ fn batched_constrained_rows_equal_each_row_alone() {
             assert_eq!(g.finish_reason, want.finish_reason, "{path:?}: row {i}'s finish reason differs when batched");
         }
     }
+}
+
+/// Serves `p` through a model worker while another request decodes, and
+/// returns its generation and the disk tier's counters after it.
+fn serve_beside_another(dir: &PathBuf, opts: &EngineOptions, p: &[u32], params: &GenerateParams) -> (Generation, crate::cache::paged::disk::DiskStats) {
+    use super::worker::ModelWorker;
+    use super::Request;
+    use std::sync::mpsc::channel;
+    use std::time::Duration;
+    let (ltx, lrx) = channel();
+    ModelWorker::spawn(dir.clone(), opts.clone(), move |r| {
+        ltx.send(r.map(|(w, _, _)| w)).ok();
+    });
+    let worker = lrx.recv().unwrap().unwrap();
+    let (btx, brx) = channel();
+    let long = GenerateParams { max_tokens: 64, ignore_eos: true, ..Default::default() };
+    worker.generate(Request::tokens(prompt(12, 1), long, move |r| {
+        btx.send(r.map(|g| g.tokens.len())).ok();
+    }));
+    let (gtx, grx) = channel();
+    worker.generate(Request::tokens(p.to_vec(), params.clone(), move |r| {
+        gtx.send(r).ok();
+    }));
+    let g = grx.recv_timeout(Duration::from_secs(120)).unwrap().unwrap();
+    assert_eq!(brx.recv_timeout(Duration::from_secs(120)).unwrap().unwrap(), 64);
+    let (stx, srx) = channel();
+    worker.run(|e| Ok(e.cache_stats()), move |r| {
+        stx.send(r).ok();
+    });
+    let stats = srx.recv_timeout(Duration::from_secs(60)).unwrap().unwrap().unwrap().disk.unwrap();
+    worker.close();
+    (g, stats)
+}
+
+/// With a prefix cache on disk, the model's render thread starts reading a
+/// request's prefix blocks as soon as its prompt is known (off the worker,
+/// which only makes arrays of them): served beside a running request, every
+/// disk hit is a block read ahead, each file is read once, and the tokens
+/// are a cold run's. With every file damaged, the reader finds the first
+/// one unusable (one damaged file: the chain stops there) and the request
+/// is recomputed to the same tokens.
+#[test]
+fn prefix_blocks_read_ahead_off_the_worker_give_cold_run_tokens() {
+    let dir = fixture_dir("ahead", Preset::Tiny);
+    let cache = dir.join("prefix-cache");
+    let opts = EngineOptions { paged_block_size: Some(8), prefix_cache_dir: Some(cache.clone()), ..Default::default() };
+    let p = prompt(70, 3);
+    let params = GenerateParams { max_tokens: 12, ignore_eos: true, ..Default::default() };
+    let cold = {
+        let mut e = Engine::load(&dir, &opts).unwrap();
+        let g = e.generate(Prompt::Tokens(p.clone()), params.clone(), &mut NoObserver).unwrap();
+        e.persist_prefix_cache();
+        g
+    };
+    assert_eq!(cold.metrics.cached_tokens, 0);
+    // A copy of the directory with every file damaged.
+    let damaged = dir.join("prefix-cache-damaged");
+    std::fs::create_dir_all(&damaged).unwrap();
+    for f in std::fs::read_dir(&cache).unwrap() {
+        let f = f.unwrap().path();
+        let mut bytes = std::fs::read(&f).unwrap();
+        let n = bytes.len();
+        bytes[n - 3] ^= 0xff;
+        std::fs::write(damaged.join(f.file_name().unwrap()), bytes).unwrap();
+    }
+
+    let (warm, s) = serve_beside_another(&dir, &opts, &p, &params);
+    assert_eq!(warm.tokens, cold.tokens);
+    // 70 tokens in blocks of 8: 8 full blocks leave a token to run.
+    assert_eq!(warm.metrics.cached_tokens, 64);
+    assert_eq!((s.hits, s.prefetched, s.reads, s.damaged), (8, 8, 8, 0), "{s:?}");
+
+    let opts = EngineOptions { prefix_cache_dir: Some(damaged), ..opts };
+    let (again, s) = serve_beside_another(&dir, &opts, &p, &params);
+    assert_eq!(again.tokens, cold.tokens);
+    assert_eq!(again.metrics.cached_tokens, 0);
+    assert_eq!((s.hits, s.prefetched, s.reads, s.damaged), (0, 0, 1, 1), "{s:?}");
     std::fs::remove_dir_all(&dir).ok();
 }

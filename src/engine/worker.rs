@@ -5,6 +5,7 @@
 //! order between decode steps.
 
 use super::{Engine, EngineOptions, ModelInfo, Request, Scheduler};
+use crate::cache::paged::prefetch::{Prefetcher, Ticket};
 use crate::error::{Error, ErrorKind, Result};
 use crate::mlx::runtime;
 use crate::text::Tokenizer;
@@ -12,16 +13,19 @@ use parking_lot::Mutex;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::path::PathBuf;
+use std::collections::VecDeque;
 use std::sync::mpsc::{channel, Sender};
+use std::sync::OnceLock;
 use std::thread::JoinHandle;
 
 type Job = Box<dyn FnOnce(&mut Engine, &mut Scheduler) + Send>;
 
 /// What the worker's queue carries: plain work on the engine, or a
-/// generation for the continuous-batching scheduler.
+/// generation for the continuous-batching scheduler (with, once the render
+/// thread has seen its prompt, the read-ahead of its prefix from disk).
 enum Msg {
     Run(Job),
-    Generate(Request),
+    Generate(Request, Option<Ticket>),
 }
 
 type SharedSender = Arc<Mutex<Option<Sender<Msg>>>>;
@@ -84,14 +88,18 @@ impl ModelWorker {
         // bounded by the template's fuel, seconds for a hostile 4 MiB
         // request) so the worker's running requests never wait on it, and
         // forwards every message unchanged otherwise. When the model is
-        // closed its queue ends, and then the worker's.
+        // closed its queue ends, and then the worker's. With a prefix
+        // cache on disk it also starts reading the prompt's blocks from
+        // there (see cache/paged/prefetch.rs), so the worker does not.
         let (wtx, rx) = channel::<Msg>();
+        let prefetcher: Arc<OnceLock<Prefetcher>> = Arc::new(OnceLock::new());
+        let ahead = prefetcher.clone();
         let front = std::thread::Builder::new().name("mlx-lfm-render".into()).spawn(move || {
             for mut msg in front_rx {
-                if let Msg::Generate(req) = &mut msg {
-                    req.render_now();
+                if let Msg::Generate(req, ticket) = &mut msg {
+                    *ticket = req.render_then(|prompt| ahead.get().and_then(|p| p.prefetch(prompt))).flatten();
                 }
-                if let Err(std::sync::mpsc::SendError(Msg::Generate(req))) = wtx.send(msg) {
+                if let Err(std::sync::mpsc::SendError(Msg::Generate(req, _))) = wtx.send(msg) {
                     req.fail(Error::new(ErrorKind::Closed, "this model has been closed"));
                 }
             }
@@ -135,6 +143,9 @@ impl ModelWorker {
                     return;
                 }
             };
+            if let Some(p) = engine.prefetcher() {
+                let _ = prefetcher.set(p);
+            }
             let info = engine.shared_info();
             let tokenizer = engine.tokenizer.clone();
             on_loaded(Ok((ModelWorker { tx, thread }, info, tokenizer)));
@@ -199,10 +210,10 @@ impl ModelWorker {
     /// Its reply is called exactly once, also when the model is closed.
     pub fn generate(&self, req: Request) {
         let rejected = match self.tx.lock().as_ref() {
-            Some(tx) => tx.send(Msg::Generate(req)).err().map(|e| e.0),
-            None => Some(Msg::Generate(req)),
+            Some(tx) => tx.send(Msg::Generate(req, None)).err().map(|e| e.0),
+            None => Some(Msg::Generate(req, None)),
         };
-        if let Some(Msg::Generate(req)) = rejected {
+        if let Some(Msg::Generate(req, _)) = rejected {
             req.fail(Error::new(ErrorKind::Closed, "this model has been closed"));
         }
     }
@@ -222,6 +233,11 @@ impl ModelWorker {
 /// advance meanwhile) and then join the running ones, which advance one token
 /// per step together; each leaves the batch as soon as it finishes. With
 /// nothing running it sleeps on the queue.
+///
+/// A generation whose prefix blocks are still being read from disk (off
+/// this thread) waits in `parked`, in arrival order with the ones after it,
+/// while the running requests step; with nothing running it starts at once
+/// (its admission waits for the read, which then holds nobody up).
 fn schedule(engine: &mut Engine, rx: std::sync::mpsc::Receiver<Msg>) {
     use std::sync::mpsc::TryRecvError;
     let mut sched = Scheduler::new();
@@ -230,8 +246,36 @@ fn schedule(engine: &mut Engine, rx: std::sync::mpsc::Receiver<Msg>) {
     // replays rank 0's).
     let leader = engine.leader();
     let follower = engine.follower().map(|g| g.rank());
+    let start = |engine: &mut Engine, sched: &mut Scheduler, req: Request| {
+        if let Some(rank) = follower {
+            req.fail(Error::invalid(format!(
+                "this process is rank {rank} of a tensor-parallel group: it follows rank 0, which takes the requests"
+            )));
+            return;
+        }
+        let req = match &leader {
+            Some(g) => match super::lockstep::lead_request(engine, g, req) {
+                Ok(Some(r)) => r,
+                Ok(None) => return,
+                Err(e) => {
+                    eprintln!("mlx-lfm: could not reach the other ranks: {}", e.message);
+                    return;
+                }
+            },
+            None => req,
+        };
+        if let Err(p) = catch_unwind(AssertUnwindSafe(|| sched.submit(engine, req))) {
+            eprintln!("mlx-lfm: internal panic while starting a request: {}", panic_message(p));
+        }
+    };
+    let mut parked: VecDeque<(Request, Ticket)> = VecDeque::new();
     let mut open = true;
     loop {
+        while parked.front().is_some_and(|(_, t)| t.is_done() || sched.is_idle()) {
+            let (req, ticket) = parked.pop_front().expect("the request just seen");
+            start(engine, &mut sched, req);
+            drop(ticket);
+        }
         let msg = if sched.is_idle() {
             if !open {
                 break;
@@ -260,26 +304,11 @@ fn schedule(engine: &mut Engine, rx: std::sync::mpsc::Receiver<Msg>) {
                 let _ = catch_unwind(AssertUnwindSafe(|| engine.drain_spills()));
                 continue;
             }
-            Some(Msg::Generate(req)) => {
-                if let Some(rank) = follower {
-                    req.fail(Error::invalid(format!(
-                        "this process is rank {rank} of a tensor-parallel group: it follows rank 0, which takes the requests"
-                    )));
-                    continue;
-                }
-                let req = match &leader {
-                    Some(g) => match super::lockstep::lead_request(engine, g, req) {
-                        Ok(Some(r)) => r,
-                        Ok(None) => continue,
-                        Err(e) => {
-                            eprintln!("mlx-lfm: could not reach the other ranks: {}", e.message);
-                            continue;
-                        }
-                    },
-                    None => req,
-                };
-                if let Err(p) = catch_unwind(AssertUnwindSafe(|| sched.submit(engine, req))) {
-                    eprintln!("mlx-lfm: internal panic while starting a request: {}", panic_message(p));
+            Some(Msg::Generate(req, ticket)) => {
+                match ticket {
+                    Some(t) if !parked.is_empty() || !(t.is_done() || sched.is_idle()) => parked.push_back((req, t)),
+                    _ if !parked.is_empty() => parked.push_back((req, Ticket::done())),
+                    _ => start(engine, &mut sched, req),
                 }
                 // Take every arrival before the next step.
                 continue;

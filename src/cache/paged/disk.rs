@@ -13,10 +13,15 @@
 //!   modification times, then its own writes and hits).
 //! - A file that cannot be used (truncated, damaged, another model's, other
 //!   shapes) is removed, with one warning per process.
+//! - Reads: a request's blocks are read ahead by a reader thread when its
+//!   prompt is known (prefetch.rs), so the worker only turns checked host
+//!   bytes into arrays at admission; a block nobody read ahead is read on
+//!   the worker, as before.
 
 use crate::engine::fingerprint::sha256_hex;
 use crate::engine::session_file::write_atomically;
 use crate::error::{Error, Result};
+use super::prefetch::{Prefetch, Prefetcher};
 use parking_lot::Mutex;
 use safetensors::tensor::{Dtype as StDtype, TensorView};
 use serde_json::{json, Value};
@@ -45,11 +50,46 @@ pub struct HostBlock {
     pub snapshot: (StDtype, Vec<usize>, Vec<u8>),
 }
 
+impl HostBlock {
+    /// Host bytes it holds.
+    pub(super) fn nbytes(&self) -> usize {
+        self.kv.iter().map(|(_, b)| b.len()).sum::<usize>() + self.snapshot.2.len() + 4 * self.tokens.len()
+    }
+}
+
+/// What a block of one pool looks like: a file is used only when its block
+/// has exactly these dtypes and shapes.
+#[derive(Debug, Clone)]
+pub struct BlockSpec {
+    pub dtype: StDtype,
+    pub attn_layers: usize,
+    /// `[kv_heads, 1, block_size, head_dim]`, and its bytes.
+    pub kv_shape: Vec<usize>,
+    pub kv_bytes: usize,
+    pub snapshot_shape: Vec<usize>,
+    /// Largest file read: the block's bytes and room for its metadata.
+    pub max_len: u64,
+}
+
+impl BlockSpec {
+    fn admits(&self, b: &HostBlock) -> bool {
+        b.dtype == self.dtype
+            && b.kv.len() == 2 * self.attn_layers
+            && b.kv.iter().all(|(shape, bytes)| *shape == self.kv_shape && bytes.len() == self.kv_bytes)
+            && b.snapshot.1 == self.snapshot_shape
+    }
+}
+
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DiskStats {
-    /// Blocks read back from disk, and lookups the disk could not answer.
+    /// Blocks read back from disk (counted when a request uses them), and
+    /// lookups the disk could not answer.
     pub hits: u64,
     pub misses: u64,
+    /// Block files read whole (by the worker or the reader thread), and of
+    /// those the blocks the reader thread read ahead of their request.
+    pub reads: u64,
+    pub prefetched: u64,
     /// Blocks written, removed for the budget, and unusable files removed.
     pub writes: u64,
     pub evictions: u64,
@@ -91,16 +131,111 @@ impl Shared {
 
 enum Msg {
     Write(Box<HostBlock>),
+    /// A block read from this file was used.
+    Used(u64),
     /// Wait for every write queued before this.
     Flush(Sender<()>),
 }
 
-pub struct DiskTier {
-    shared: Arc<Mutex<Shared>>,
+/// The directory and what reading a block from it takes, shared by the
+/// worker, the writer thread and the reader thread.
+pub(super) struct Store {
+    shared: Mutex<Shared>,
     fingerprint: String,
+    spec: BlockSpec,
+    warned: AtomicBool,
+}
+
+impl Store {
+    fn path(&self, key: u64) -> PathBuf {
+        self.shared.lock().dir.join(file_name(key))
+    }
+
+    /// Whether block `key` has a file: one this process knows, or one
+    /// another process wrote since.
+    pub(super) fn exists(&self, key: u64) -> bool {
+        let path = self.path(key);
+        self.shared.lock().entries.contains_key(&path) || path.exists()
+    }
+
+    /// Reads block `key` whose parent is `parent_key` and whose tokens are
+    /// `tokens`, checked against the model (fingerprint, checksum, shapes).
+    /// None when it has no file, or when the file does not hold exactly
+    /// that block (then it is removed). Uses are counted by the caller.
+    pub(super) fn load(&self, key: u64, parent_key: u64, tokens: &[u32]) -> Option<HostBlock> {
+        let path = self.path(key);
+        let max_len = self.spec.max_len;
+        let read = std::fs::metadata(&path).and_then(|m| {
+            if m.len() > max_len {
+                Ok(Err(Error::invalid(format!("it is {} bytes, more than a block of this model ({max_len})", m.len()))))
+            } else {
+                std::fs::read(&path).map(Ok)
+            }
+        });
+        let bytes = match read {
+            Ok(Ok(b)) => b,
+            Ok(Err(e)) => return self.discard(&path, &e),
+            Err(_) => {
+                self.shared.lock().entries.remove(&path);
+                return None;
+            }
+        };
+        self.shared.lock().stats.reads += 1;
+        match parse_block(&bytes, &self.fingerprint).and_then(|b| {
+            if b.key != key || b.parent_key != parent_key || b.tokens != tokens || !self.spec.admits(&b) {
+                Err(Error::invalid("it holds another block"))
+            } else {
+                Ok(b)
+            }
+        }) {
+            Ok(b) => Some(b),
+            Err(e) => self.discard(&path, &e),
+        }
+    }
+
+    /// Block `key`'s file (when it is still there) becomes the most
+    /// recently used; on the writer thread, as it touches the file.
+    fn mark_used(&self, key: u64) {
+        let path = self.path(key);
+        let mut s = self.shared.lock();
+        match std::fs::metadata(&path) {
+            Ok(m) => {
+                s.entries.insert(path.clone(), Entry { size: m.len(), used: SystemTime::now() });
+                drop(s);
+                // Other processes see the use too (their LRU reads mtimes at start).
+                if let Ok(f) = std::fs::File::options().append(true).open(&path) {
+                    let _ = f.set_modified(SystemTime::now());
+                }
+            }
+            // Read ahead, and removed since (the budget, another process):
+            // the block was checked when it was read, only the file is gone.
+            Err(_) => {
+                s.entries.remove(&path);
+            }
+        }
+    }
+
+    pub(super) fn count_prefetched(&self) {
+        self.shared.lock().stats.prefetched += 1;
+    }
+
+    /// A damaged, truncated or foreign block file: one warning per process,
+    /// the file removed.
+    fn discard<T>(&self, path: &Path, e: &Error) -> Option<T> {
+        warn_once(&self.warned, &format!("prefix-cache file {} is unusable: {}", path.display(), e.message));
+        let _ = std::fs::remove_file(path);
+        let mut s = self.shared.lock();
+        s.entries.remove(path);
+        s.stats.damaged += 1;
+        None
+    }
+}
+
+pub struct DiskTier {
+    store: Arc<Store>,
     tx: Option<Sender<Msg>>,
     writer: Option<JoinHandle<()>>,
-    warned: Arc<AtomicBool>,
+    prefetch: Prefetch,
 }
 
 fn warn_once(warned: &AtomicBool, msg: &str) {
@@ -111,8 +246,9 @@ fn warn_once(warned: &AtomicBool, msg: &str) {
 
 impl DiskTier {
     /// Opens (creating) `dir` with a budget of `budget` bytes for blocks of
-    /// the model with `fingerprint`.
-    pub fn open(dir: &Path, budget: u64, fingerprint: &str) -> Result<DiskTier> {
+    /// the model with `fingerprint`, shaped as `spec`; up to
+    /// `prefetch_bytes` of blocks are kept read ahead.
+    pub fn open(dir: &Path, budget: u64, fingerprint: &str, spec: BlockSpec, prefetch_bytes: usize) -> Result<DiskTier> {
         std::fs::create_dir_all(dir)
             .map_err(|e| Error::config(format!("prefixCacheDir {}: cannot create it: {e}", dir.display())))?;
         let listing = std::fs::read_dir(dir)
@@ -130,23 +266,23 @@ impl DiskTier {
         let mut shared = Shared { dir: dir.to_path_buf(), budget, entries, stats: DiskStats::default() };
         shared.enforce_budget();
         shared.stats.evictions = 0;
-        let shared = Arc::new(Mutex::new(shared));
+        let store = Arc::new(Store { shared: Mutex::new(shared), fingerprint: fingerprint.to_string(), spec, warned: AtomicBool::new(false) });
+        let prefetch = Prefetch::start(store.clone(), prefetch_bytes)?;
         let (tx, rx) = channel::<Msg>();
-        let w = shared.clone();
-        let fp = fingerprint.to_string();
+        let w = store.clone();
         let writer = std::thread::Builder::new()
             .name("mlx-lfm-disk".into())
             .spawn(move || {
                 for msg in rx {
                     match msg {
                         Msg::Write(b) => {
-                            let path = w.lock().dir.join(file_name(b.key));
+                            let path = w.path(b.key);
                             if path.exists() {
                                 continue;
                             }
-                            match write_block(&path, &b, &fp) {
+                            match write_block(&path, &b, &w.fingerprint) {
                                 Ok(size) => {
-                                    let mut s = w.lock();
+                                    let mut s = w.shared.lock();
                                     s.entries.insert(path, Entry { size, used: SystemTime::now() });
                                     s.stats.writes += 1;
                                     s.enforce_budget();
@@ -154,6 +290,7 @@ impl DiskTier {
                                 Err(e) => eprintln!("mlx-lfm: could not write a prefix-cache block: {}", e.message),
                             }
                         }
+                        Msg::Used(key) => w.mark_used(key),
                         Msg::Flush(done) => {
                             let _ = done.send(());
                         }
@@ -161,11 +298,11 @@ impl DiskTier {
                 }
             })
             .map_err(|e| Error::mlx(format!("could not start the prefix cache's disk writer: {e}")))?;
-        Ok(DiskTier { shared, fingerprint: fingerprint.to_string(), tx: Some(tx), writer: Some(writer), warned: Arc::new(AtomicBool::new(false)) })
+        Ok(DiskTier { store, tx: Some(tx), writer: Some(writer), prefetch })
     }
 
     pub fn stats(&self) -> DiskStats {
-        let s = self.shared.lock();
+        let s = self.store.shared.lock();
         let mut st = s.stats.clone();
         st.bytes = s.total();
         st
@@ -173,7 +310,7 @@ impl DiskTier {
 
     /// Whether a block with `key` is on disk (as far as this process knows).
     pub fn has(&self, key: u64) -> bool {
-        let s = self.shared.lock();
+        let s = self.store.shared.lock();
         s.entries.contains_key(&s.dir.join(file_name(key)))
     }
 
@@ -194,69 +331,44 @@ impl DiskTier {
         }
     }
 
-    /// Reads the block with `key` whose parent is `parent_key` and whose
-    /// tokens are `tokens`. None when there is no such file; a file that
-    /// does not hold exactly that block of this model is removed.
-    /// `max_len` bounds the file's size (a block of this model and its
-    /// metadata) before it is read.
-    pub fn read(&self, key: u64, parent_key: u64, tokens: &[u32], max_len: u64, expect: &dyn Fn(&HostBlock) -> bool) -> Option<HostBlock> {
-        let path = self.shared.lock().dir.join(file_name(key));
-        let read = std::fs::metadata(&path).and_then(|m| {
-            if m.len() > max_len {
-                Ok(Err(Error::invalid(format!("it is {} bytes, more than a block of this model ({max_len})", m.len()))))
-            } else {
-                std::fs::read(&path).map(Ok)
-            }
-        });
-        let bytes = match read {
-            Ok(Ok(b)) => b,
-            Ok(Err(e)) => return self.discard(&path, &e),
-            Err(_) => {
-                let mut s = self.shared.lock();
-                s.stats.misses += 1;
-                s.entries.remove(&path);
-                return None;
-            }
-        };
-        match parse_block(&bytes, &self.fingerprint).and_then(|b| {
-            if b.key != key || b.parent_key != parent_key || b.tokens != tokens || !expect(&b) {
-                Err(Error::invalid("it holds another block"))
-            } else {
-                Ok(b)
-            }
-        }) {
-            Ok(b) => {
-                let mut s = self.shared.lock();
-                s.stats.hits += 1;
-                let size = bytes.len() as u64;
-                s.entries.insert(path.clone(), Entry { size, used: SystemTime::now() });
-                drop(s);
-                // Other processes see the use too (their LRU reads mtimes at start).
-                if let Ok(f) = std::fs::File::options().append(true).open(&path) {
-                    let _ = f.set_modified(SystemTime::now());
+    /// The block with `key` whose parent is `parent_key` and whose tokens
+    /// are `tokens`: the copy read ahead for it (waiting while it is being
+    /// read), else read now. None when the disk has no usable copy (a file
+    /// that does not hold exactly that block of this model is removed).
+    pub fn read(&self, key: u64, parent_key: u64, tokens: &[u32]) -> Option<HostBlock> {
+        let ahead = self.prefetch.take(key).filter(|b| b.parent_key == parent_key && b.tokens == tokens);
+        match ahead.or_else(|| self.store.load(key, parent_key, tokens)) {
+            Some(b) => {
+                self.store.shared.lock().stats.hits += 1;
+                if let Some(tx) = &self.tx {
+                    let _ = tx.send(Msg::Used(key));
                 }
                 Some(b)
             }
-            Err(e) => self.discard(&path, &e),
+            None => {
+                self.store.shared.lock().stats.misses += 1;
+                None
+            }
         }
     }
 
-    /// A damaged, truncated or foreign block file: one warning per process,
-    /// the file removed, counted as a miss.
-    fn discard<T>(&self, path: &Path, e: &Error) -> Option<T> {
-        warn_once(&self.warned, &format!("prefix-cache file {} is unusable: {}", path.display(), e.message));
-        let _ = std::fs::remove_file(path);
-        let mut s = self.shared.lock();
-        s.entries.remove(path);
-        s.stats.damaged += 1;
-        s.stats.misses += 1;
-        None
+    /// Tells the reader thread whether the block with `key` is in memory
+    /// (it reads ahead only blocks that are not).
+    pub fn set_resident(&self, key: u64, resident: bool) {
+        self.prefetch.set_resident(key, resident);
+    }
+
+    /// A handle that starts reading a prompt's blocks ahead, from any
+    /// thread (the model's render thread); keys as the pool computes them.
+    pub fn prefetcher(&self, salt: u64, block_size: usize) -> Prefetcher {
+        self.prefetch.handle(self.store.clone(), salt, block_size)
     }
 }
 
 impl Drop for DiskTier {
     fn drop(&mut self) {
-        // Every queued block is written before the model is gone.
+        // Every queued block is written before the model is gone; the
+        // reader thread stops with the Prefetch.
         self.tx.take();
         if let Some(w) = self.writer.take() {
             let _ = w.join();

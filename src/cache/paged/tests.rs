@@ -188,3 +188,130 @@ fn decode_mirrors_reach_the_pool_at_each_block_end() {
     assert_eq!(seq.flushed(), 10);
     assert_eq!(in_pool(&seq, 10), rows(0, 10, 0.0).to_vec::<f32>().unwrap());
 }
+
+/// A fresh directory for a disk tier.
+fn disk_dir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("mlxlfm-paged-{}-{name}", std::process::id()));
+    std::fs::remove_dir_all(&d).ok();
+    d
+}
+
+/// Writes two chained blocks (`a` then `b`) with distinct K/V to a disk
+/// tier in `dir`, as a closing model does. Returns the K values of the pool
+/// they were in and their blocks there.
+fn write_two_blocks(dir: &std::path::Path, a: &[u32], b: &[u32]) -> (Vec<f32>, [u32; 2]) {
+    let mut p = pool(8);
+    p.attach_disk(dir, 1 << 20, "fp").unwrap();
+    let (x, y) = (p.alloc().unwrap(), p.alloc().unwrap());
+    let n = p.capacity();
+    let k: Vec<f32> = (0..n * BS * 2).map(|i| i as f32 + 0.5).collect();
+    let v: Vec<f32> = k.iter().map(|x| -x).collect();
+    let shape = [1, n as i32, BS as i32, 2];
+    p.set_layer(0, Array::from_slice(&k, &shape).unwrap(), Array::from_slice(&v, &shape).unwrap());
+    let kx = p.publish(x, 0, 0, a, snap());
+    p.publish(y, kx, 1, b, snap());
+    p.release(x);
+    p.release(y);
+    p.persist();
+    (k, [x, y])
+}
+
+fn wait_for(t: &prefetch::Ticket) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !t.is_done() {
+        assert!(std::time::Instant::now() < deadline, "the disk reader did not finish");
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+}
+
+fn block_k(p: &PagedPool, b: u32) -> Vec<f32> {
+    p.keys(0).slice_axis(1, b as i32, b as i32 + 1).unwrap().to_vec().unwrap()
+}
+
+/// A prompt's blocks read ahead by the reader thread are what its lookup
+/// uses: the files are removed once they are read, and the lookup still
+/// finds both blocks, with the K/V that were written, without reading a
+/// file again (the reads counter stays at 2). Nothing of it is read ahead a
+/// second time once it is in memory.
+#[test]
+fn blocks_read_ahead_are_used_at_admission_without_a_second_read() {
+    let dir = disk_dir("ahead");
+    let (a, b) = (block_tokens(10), block_tokens(20));
+    let (k, written) = write_two_blocks(&dir, &a, &b);
+    let mut p = pool(8);
+    p.attach_disk(&dir, 1 << 20, "fp").unwrap();
+    let ahead = p.prefetcher().unwrap();
+    let t = ahead.prefetch(&prompt(&[&a, &b])).expect("two blocks to read");
+    wait_for(&t);
+    let s = p.stats().disk.unwrap();
+    assert_eq!((s.reads, s.prefetched, s.hits, s.misses), (2, 2, 0, 0), "{s:?}");
+    for f in std::fs::read_dir(&dir).unwrap() {
+        std::fs::remove_file(f.unwrap().path()).unwrap();
+    }
+    let (found, snapshot, _) = p.match_prefix(&prompt(&[&a, &b]));
+    assert_eq!(found.len(), 2);
+    assert!(snapshot.is_some());
+    let s = p.stats().disk.unwrap();
+    assert_eq!((s.reads, s.hits, s.misses, s.damaged), (2, 2, 0, 0), "{s:?}");
+    // The files are gone: the directory's accounting (the writer thread
+    // keeps it) does not keep them.
+    p.disk.as_ref().unwrap().flush();
+    assert_eq!(p.stats().disk.unwrap().bytes, 0);
+    let per = BS * 2;
+    for (got, was) in found.iter().zip(written) {
+        assert_eq!(block_k(&p, *got), k[was as usize * per..(was as usize + 1) * per]);
+    }
+    assert!(ahead.prefetch(&prompt(&[&a, &b])).is_none(), "blocks in memory are not read ahead");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A lookup right after the read-ahead starts takes its blocks (waiting
+/// for them when the reader is still on them: timing decides which here);
+/// a prompt whose blocks are being read already does not read them again;
+/// a prompt with nothing on disk queues nothing.
+#[test]
+fn a_lookup_waits_for_blocks_being_read_and_no_file_is_read_twice() {
+    let dir = disk_dir("inflight");
+    let (a, b) = (block_tokens(10), block_tokens(20));
+    write_two_blocks(&dir, &a, &b);
+    let mut p = pool(8);
+    p.attach_disk(&dir, 1 << 20, "fp").unwrap();
+    let ahead = p.prefetcher().unwrap();
+    let t = ahead.prefetch(&prompt(&[&a, &b]));
+    assert!(ahead.prefetch(&prompt(&[&a, &b])).is_none(), "both blocks are on their way already");
+    assert!(ahead.prefetch(&prompt(&[&block_tokens(50)])).is_none(), "no file, nothing to read");
+    // No wait here: the lookup takes what the reader is reading.
+    let (found, _, _) = p.match_prefix(&prompt(&[&a, &b]));
+    assert_eq!(found.len(), 2);
+    let s = p.stats().disk.unwrap();
+    assert_eq!((s.reads, s.prefetched, s.hits), (2, 2, 2), "{s:?}");
+    wait_for(&t.unwrap());
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A damaged file the reader finds is removed with the usual accounting
+/// (one damaged file), the chain is not read past it, and the lookup at
+/// admission misses instead of using anything of it.
+#[test]
+fn a_damaged_file_found_by_the_reader_is_removed_and_the_lookup_misses() {
+    let dir = disk_dir("damaged");
+    let (a, b) = (block_tokens(10), block_tokens(20));
+    write_two_blocks(&dir, &a, &b);
+    let first = dir.join(format!("{:016x}.blk", chain_key(7, 0, &a)));
+    let mut bytes = std::fs::read(&first).unwrap();
+    let n = bytes.len();
+    bytes[n - 3] ^= 0xff;
+    std::fs::write(&first, bytes).unwrap();
+    let mut p = pool(8);
+    p.attach_disk(&dir, 1 << 20, "fp").unwrap();
+    let t = p.prefetcher().unwrap().prefetch(&prompt(&[&a, &b])).expect("blocks to read");
+    wait_for(&t);
+    let s = p.stats().disk.unwrap();
+    assert_eq!((s.reads, s.prefetched, s.damaged), (1, 0, 1), "{s:?}");
+    assert!(!first.exists(), "the damaged file is removed");
+    let (found, snapshot, _) = p.match_prefix(&prompt(&[&a, &b]));
+    assert!(found.is_empty() && snapshot.is_none());
+    let s = p.stats().disk.unwrap();
+    assert_eq!((s.reads, s.hits, s.misses, s.damaged), (1, 0, 1, 1), "{s:?}");
+    std::fs::remove_dir_all(&dir).ok();
+}
