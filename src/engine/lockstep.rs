@@ -17,6 +17,8 @@ use crate::generate::sampler::SamplingParams;
 use crate::generate::{GenerateParams, Observer};
 use crate::mlx::distributed::Group;
 use serde_json::{json, Value};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 /// What rank 0 is about to do, as the followers replay it.
 pub enum Command {
@@ -116,10 +118,13 @@ pub fn next_command(group: &Group) -> Result<Command> {
 /// real one and broadcasts the answer; a follower (whose `inner` is a
 /// placeholder) takes it. Both ranks' schedulers ask at the same points,
 /// so the broadcasts pair up. A failed broadcast cancels (the group is
-/// broken; the request's next collective reports it).
+/// broken) and marks `broken`, so rank 0 answers the request with an error
+/// rather than as a generation that ended (a stream would otherwise look
+/// finished to its client).
 pub struct Mirrored {
     pub inner: Box<dyn Observer + Send>,
     pub group: Group,
+    pub broken: Arc<AtomicBool>,
 }
 
 impl Mirrored {
@@ -127,7 +132,10 @@ impl Mirrored {
     fn agree(&self, mine: bool, broken: bool) -> bool {
         match self.group.broadcast(&[mine as i32]) {
             Ok(v) => v[0] != 0,
-            Err(_) => broken,
+            Err(_) => {
+                self.broken.store(true, Ordering::Relaxed);
+                broken
+            }
         }
     }
 }
@@ -165,7 +173,19 @@ pub fn lead_request(e: &mut Engine, group: &Group, mut req: Request) -> Result<O
     };
     announce(group, &Command::Generate { prompt: prompt.clone(), params: params.clone() })?;
     let inner = std::mem::replace(&mut req.observer, Box::new(crate::generate::NoObserver));
-    req.observer = Box::new(Mirrored { inner, group: group.clone() });
+    let broken = Arc::new(AtomicBool::new(false));
+    req.observer = Box::new(Mirrored { inner, group: group.clone(), broken: broken.clone() });
+    if let Some(reply) = req.reply.take() {
+        req.reply = Some(Box::new(move |r: Result<crate::generate::Generation>| {
+            if r.is_ok() && broken.load(Ordering::Relaxed) {
+                reply(Err(Error::mlx(
+                    "a rank of the tensor-parallel group failed during this request: the output stops where the group broke",
+                )));
+            } else {
+                reply(r);
+            }
+        }));
+    }
     req.prepare = Some(Box::new(move |_| Ok((prompt, params))));
     Ok(Some(req))
 }
@@ -178,7 +198,11 @@ pub fn follow(e: &mut Engine, group: &Group) -> Result<()> {
         match next_command(group)? {
             Command::Generate { prompt, params } => {
                 let mut req = Request::tokens(prompt, params, |_| {});
-                req.observer = Box::new(Mirrored { inner: Box::new(crate::generate::NoObserver), group: group.clone() });
+                req.observer = Box::new(Mirrored {
+                    inner: Box::new(crate::generate::NoObserver),
+                    group: group.clone(),
+                    broken: Arc::new(AtomicBool::new(false)),
+                });
                 sched.submit(e, req);
             }
             Command::Step => {
