@@ -24,7 +24,7 @@ this one; `constrained` times constrained against free decode;
 `new-lengths` times the first prefill at new prompt lengths.)
 (`kernels` runs the fused kernels' tests there, `ab` times each decode-step
 change against the stock ops on the same checkpoints.)
-Each call leaves raw.jsonl (every measurement, tagged) and its logs in $OUT.
+Each call leaves raw.jsonl (every measurement, tagged) and its logs (logs.tgz) in $OUT.
 Back here:
     python3 bench/h200/run.py collect RAW.jsonl... > bench/results/DATE-h200-same-run.json
 
@@ -582,6 +582,23 @@ def main():
         for p in [WORK / "llbuild.log"]:
             if p.exists():
                 shutil.copy(p, OUT / p.name)
+        pack_logs()
+
+
+def pack_logs():
+    """The device tool brings back only a few files a call (8 in one session,
+    the rest dropped): every log and CSV goes into one logs.tgz beside
+    raw.jsonl."""
+    import tarfile
+
+    logs = [p for p in OUT.iterdir() if p.is_file() and p.name not in ("raw.jsonl", "logs.tgz")]
+    if not logs:
+        return
+    with tarfile.open(OUT / "logs.tgz", "w:gz") as tar:
+        for p in logs:
+            tar.add(p, arcname=p.name)
+    for p in logs:
+        p.unlink()
 
 
 if __name__ == "__main__":
