@@ -189,7 +189,7 @@ pub fn sdpa_masked(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Array) ->
     let kern = kernel().ok_or_else(|| Error::mlx("the decode attention kernel is not available"))?;
     let (b, h, hd) = (q.dim(0), q.dim(1), q.dim(3));
     let gx = THREADS.checked_mul(h).ok_or_else(|| Error::invalid("too many heads for the decode attention kernel"))?;
-    let mut outs = kern.call(
+    let outs = kern.call(
         &[q, k, v, mask],
         &[(&[b, h, 1, hd], q.dtype()), (&[b, h, k.dim(2)], Dtype::Float32)],
         [gx, b, 1],
@@ -201,6 +201,6 @@ pub fn sdpa_masked(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Array) ->
             ("T", TemplateArg::Dtype(q.dtype())),
         ],
     )?;
-    outs.truncate(1);
-    outs.pop().ok_or_else(|| Error::mlx("decode attention kernel: missing output"))
+    // The scores' scratch row (the second output) is the kernel's alone.
+    outs.into_iter().next().ok_or_else(|| Error::mlx("decode attention kernel: missing output"))
 }

@@ -18,6 +18,14 @@ fn skip(what: &str) -> bool {
     true
 }
 
+/// The largest difference between `got` and `want`, relative to the value
+/// or 1, whichever is larger: values near zero come from cancelling terms of
+/// size ~1, whose rounding is what is compared.
+fn worst_relative(got: &crate::mlx::Array, want: &crate::mlx::Array) -> f32 {
+    let f = |a: &crate::mlx::Array| -> Vec<f32> { a.astype(Dtype::Float32).unwrap().to_vec().unwrap() };
+    f(got).iter().zip(&f(want)).map(|(x, y)| (x - y).abs() / y.abs().max(1.0)).fold(0f32, f32::max)
+}
+
 fn tiny_moe(name: &str, dtype: DType) -> std::path::PathBuf {
     tiny(Preset::TinyMoe, name, dtype)
 }
@@ -168,10 +176,7 @@ fn short_conv_kernel_matches_stock_ops() {
             assert_eq!(kp.shape(), sp.shape());
             assert_eq!(ky.shape(), sy.shape());
             assert_eq!(f(&kp), f(&sp), "{dt:?} [{b}, {d}, {l}]: the padded window differs");
-            let (a, e) = (f(&ky), f(&sy));
-            // Relative to the value or 1, whichever is larger: values near zero come
-            // from cancelling terms of size ~1, whose rounding is what is compared.
-            let worst = a.iter().zip(&e).map(|(x, y)| (x - y).abs() / y.abs().max(1.0)).fold(0f32, f32::max);
+            let worst = worst_relative(&ky, &sy);
             assert!(worst <= tol, "{dt:?} [{b}, {d}, {l}]: C * conv differs by {worst} (relative), over {tol}");
         }
     }
@@ -190,7 +195,6 @@ fn decode_attention_kernel_matches_stock_ops() {
     use crate::kernels::decode_attention::{available, sdpa_masked};
     use crate::mlx::random::normal;
     use crate::mlx::{arange, sdpa, Array, Mask};
-    let f = |a: &Array| -> Vec<f32> { a.astype(Dtype::Float32).unwrap().to_vec().unwrap() };
     for (dt, tol) in [(Dtype::Bfloat16, 1.6e-2f32), (Dtype::Float16, 2e-3), (Dtype::Float32, 4e-3)] {
         // (rows, heads, kv heads, head size, buffer, filled per row)
         let cases: [(i32, i32, i32, i32, i32, &[i32]); 4] = [
@@ -211,8 +215,7 @@ fn decode_attention_kernel_matches_stock_ops() {
             let got = sdpa_masked(&q, &k, &v, scale, &mask).unwrap();
             let want = sdpa(&q, &k, &v, scale, Mask::Array(&mask)).unwrap();
             assert_eq!(got.shape(), want.shape());
-            let (a, e) = (f(&got), f(&want));
-            let worst = a.iter().zip(&e).map(|(x, y)| (x - y).abs() / y.abs().max(1.0)).fold(0f32, f32::max);
+            let worst = worst_relative(&got, &want);
             assert!(worst <= tol, "{dt:?} {b}x{h}/{kvh}x{hd} over {n} ({filled:?}): differs by {worst}, over {tol}");
         }
     }
@@ -228,9 +231,7 @@ fn gemv_kernel_matches_stock_ops() {
     }
     use crate::kernels::gemv::{available, gemv, with_forced};
     use crate::mlx::random::normal;
-    use crate::mlx::Array;
     with_forced(|| {
-        let f = |a: &Array| -> Vec<f32> { a.astype(Dtype::Float32).unwrap().to_vec().unwrap() };
         // float32: MLX's matmul runs cuBLAS in TF32 for more than one row.
         for (dt, tol) in [(Dtype::Bfloat16, 1.6e-2f32), (Dtype::Float16, 2e-3), (Dtype::Float32, 4e-3)] {
             // K = 1032: a last pass over only part of the lanes.
@@ -241,8 +242,7 @@ fn gemv_kernel_matches_stock_ops() {
                 let got = gemv(&x, &w).unwrap();
                 let want = x.matmul(&w.t().unwrap()).unwrap();
                 assert_eq!(got.shape(), want.shape());
-                let (a, e) = (f(&got), f(&want));
-                let worst = a.iter().zip(&e).map(|(p, q)| (p - q).abs() / q.abs().max(1.0)).fold(0f32, f32::max);
+                let worst = worst_relative(&got, &want);
                 assert!(worst <= tol, "{dt:?} {rows}x{k} @ {n}x{k}: differs by {worst}, over {tol}");
             }
         }
@@ -258,8 +258,7 @@ fn gemv_kernel_matches_stock_ops() {
         let row = normal(&[1, 68], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(Dtype::Bfloat16).unwrap();
         let off = row.slice_axis(1, 4, 68).unwrap();
         assert!(available(&off, &w));
-        let (a, e) = (f(&gemv(&off, &w).unwrap()), f(&off.matmul(&w.t().unwrap()).unwrap()));
-        let worst = a.iter().zip(&e).map(|(p, q)| (p - q).abs() / q.abs().max(1.0)).fold(0f32, f32::max);
+        let worst = worst_relative(&gemv(&off, &w).unwrap(), &off.matmul(&w.t().unwrap()).unwrap());
         assert!(worst <= 1.6e-2, "an unaligned view: differs by {worst}");
     });
 }
@@ -273,9 +272,7 @@ fn gemv_swiglu_kernel_matches_stock_ops() {
     }
     use crate::kernels::gemv::{gemv_swiglu, swiglu_available, with_forced};
     use crate::mlx::random::normal;
-    use crate::mlx::Array;
     with_forced(|| {
-        let f = |a: &Array| -> Vec<f32> { a.astype(Dtype::Float32).unwrap().to_vec().unwrap() };
         // float32: MLX's matmul runs cuBLAS in TF32 for more than one row.
         for (dt, tol) in [(Dtype::Bfloat16, 2.4e-2f32), (Dtype::Float16, 3e-3), (Dtype::Float32, 4e-3)] {
             for (rows, ff, k) in [(1, 8192, 2048), (1, 2048, 1024), (4, 520, 72), (1, 300, 1032)] {
@@ -287,8 +284,7 @@ fn gemv_swiglu_kernel_matches_stock_ops() {
                 let parts = gu.split_equal(2, -1).unwrap();
                 let want = parts[0].silu().unwrap().mul(&parts[1]).unwrap();
                 assert_eq!(got.shape(), want.shape());
-                let (a, e) = (f(&got), f(&want));
-                let worst = a.iter().zip(&e).map(|(p, q)| (p - q).abs() / q.abs().max(1.0)).fold(0f32, f32::max);
+                let worst = worst_relative(&got, &want);
                 assert!(worst <= tol, "{dt:?} {rows}x{k} -> 2x{ff}: differs by {worst}, over {tol}");
             }
         }
