@@ -11,19 +11,24 @@ taken across machines or moments.
 
 Here (the development machine), once:
     bash bench/h200/prepare.sh
-Then three calls of the device tool, back to back (the machine keeps /tmp
-while it is warm; each call stays under the 64 MiB a call may carry):
+Then these calls of the device tool, back to back (the machine keeps /tmp
+only while it is warm, ~30 s after a call; each call stays under the
+64 MiB a call may carry and the 10 minutes it may run):
     1. carry [".device/a", ".device/llama"]:  python3 bench/h200/run.py stage
     2. carry [".device/b", ".device/bin"]:    python3 bench/h200/run.py checkpoints
-    3. carry [".device/tests"]:               python3 bench/h200/run.py kernels round 1
-    4. carry [".device/bin"]:                 python3 bench/h200/run.py round 2
-    5. carry [".device/bin"]:                 python3 bench/h200/run.py profile
-(`profile-prefill` profiles a 512-token prefill the same way; `ab-binaries`
-times .device/prev/mlx-lfm-bench-prev, a build of the previous commit, against
-this one; `constrained` times constrained against free decode;
-`new-lengths` times the first prefill at new prompt lengths.)
-(`kernels` runs the fused kernels' tests there, `ab` times each decode-step
-change against the stock ops on the same checkpoints.)
+    3. carry [".device/tests", ".device/bin"]: python3 bench/h200/run.py kernels ab pick
+    4. carry [".device/bin"]:                 python3 bench/h200/run.py round 1 round 2
+    5. carry [".device/bin"]:                 python3 bench/h200/run.py profile new-lengths
+`kernels` runs the fused kernels' tests there (each test's verdict kept);
+`ab` times each opt-in change of the decode step against the defaults on
+the same checkpoints; `pick` adopts the switches that won by 3% with their
+tests passed (picked-env.json), which every later step of the session runs
+with; the repository's defaults are then set to match, so the rounds
+measure what ships. (`profile-prefill` profiles a 512-token prefill the
+same way; `ab-binaries` times .device/prev/mlx-lfm-bench-prev, a build of
+the previous commit, against this one; `constrained` times constrained
+against free decode; `new-lengths` times the first prefill at new prompt
+lengths.)
 Each call leaves raw.jsonl (every measurement, tagged) and its logs (logs.tgz) in $OUT.
 Back here:
     python3 bench/h200/run.py collect RAW.jsonl... > bench/results/DATE-h200-same-run.json
@@ -74,6 +79,7 @@ def env():
     e = dict(os.environ)
     if (WORK / "kernels-off").exists():
         e["MLX_LFM_KERNELS"] = "0"
+    e.update(picked_env())
     import importlib.util
 
     spec = importlib.util.find_spec("nvidia")
@@ -89,6 +95,16 @@ def env():
     # Keep MLX's compiled kernels across the calls of one warm machine.
     e.setdefault("MLX_PTX_CACHE_DIR", str(WORK / "ptx"))
     return e
+
+
+PICKED = WORK / "picked-env.json"
+
+
+def picked_env():
+    """What `pick` adopted from this machine's A/B (the opt-in switches that
+    won), applied to every later step of the session; the repository's
+    defaults are then changed to match, so the rounds measure what ships."""
+    return json.loads(PICKED.read_text()) if PICKED.exists() else {}
 
 
 def sh(cmd, log_name=None, check=True, **kw):
@@ -247,7 +263,7 @@ def run_ours(name, rnd):
         # The same build with this session's decode-step changes off (the
         # stock ops as before them), same minute: what the changes buy.
         e = env()
-        e.update(AB["stock"])
+        e.update(AB["stock"][0])
         r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--prompts", str(min(prompts)), "--gen", str(GEN),
                 "--reps", str(REPS), "--paths", "compiled"], f"ours-stock-{name}", check=False, env=e)
         for line in r.stdout.splitlines():
@@ -292,6 +308,7 @@ def run_mlx_lm(name, rnd):
 def rounds(rnd):
     install()
     checkpoints()
+    record(engine="env", round=rnd, picked=picked_env(), kernels_off=(WORK / "kernels-off").exists())
     for name in MODELS:
         # Alternate which engine goes first so neither always meets a cold
         # (or a warm) machine.
@@ -432,36 +449,77 @@ def constrained():
 
 def kernels():
     """Each fused kernel's tests against the stock ops (src/kernels/tests.rs),
-    on this GPU. If one fails, the benchmark runs with the kernels off
-    (MLX_LFM_KERNELS=0) and the failure is recorded."""
+    on this GPU, each test's verdict recorded. If a default kernel's test
+    fails, the benchmark runs with the kernels off (MLX_LFM_KERNELS=0); an
+    opt-in kernel whose tests fail is not adopted by `pick`."""
     tests = sorted((ROOT / ".device" / "tests").glob("mlx_lfm-*"))
     if not tests:
         raise SystemExit("no test binary in .device/tests (bench/h200/prepare.sh builds it)")
     r = sh([tests[0], "kernels::", "--test-threads", "1", "--nocapture"], "kernel-tests", check=False)
-    ok = r.returncode == 0 and "skipped" not in r.stderr
-    record(engine="tests", suite="kernels::", passed=ok, tail=(r.stdout + r.stderr)[-3000:])
-    if not ok:
+    verdicts = {}
+    for line in r.stdout.splitlines():
+        parts = line.split()
+        if len(parts) >= 4 and parts[0] == "test" and parts[2] == "...":
+            verdicts[parts[1].rsplit("::", 1)[-1]] = parts[3] == "ok"
+    skipped = "skipped" in r.stderr
+    ok = r.returncode == 0 and not skipped
+    record(engine="tests", suite="kernels::", passed=ok, verdicts=verdicts, skipped=skipped, tail=(r.stdout + r.stderr)[-3000:])
+    (WORK / "kernel-verdicts.json").write_text(json.dumps({k: v and not skipped for k, v in verdicts.items()}))
+    default_ok = all(verdicts.get(t, False) for t in DEFAULT_KERNEL_TESTS) and not skipped
+    if not default_ok:
         (WORK / "kernels-off").write_text("1")
-    log("kernel tests", "passed" if ok else "FAILED: benchmark runs with MLX_LFM_KERNELS=0")
+    log("kernel tests", verdicts, "" if default_ok else "- a default kernel FAILED: benchmark runs with MLX_LFM_KERNELS=0")
+
+
+DEFAULT_KERNEL_TESTS = ["add_rms_norm_kernel_matches_stock_ops", "decode_attention_kernel_matches_stock_ops",
+                        "moe_router_kernel_matches_stock_ops", "short_conv_kernel_matches_stock_ops"]
 
 
 AB = {
-    # What each change of the decode step buys, same machine, same minute.
-    "stock": {"MLX_LFM_FUSE_PROJECTIONS": "0", "MLX_LFM_KERNELS": "0"},
-    "stacked-projections": {"MLX_LFM_KERNELS": "0"},
-    "scatter-kv-write": {"MLX_LFM_FUSE_PROJECTIONS": "0", "MLX_LFM_KERNELS": "0", "MLX_LFM_KV_WRITE": "scatter"},
-    "all-but-short-conv-kernel": {"MLX_LFM_SHORT_CONV_KERNEL": "0"},
-    "all-but-decode-attention-kernel": {"MLX_LFM_DECODE_ATTENTION_KERNEL": "0"},
-    # Not yet on by default, waiting for this A/B (prefill figures too):
-    # the fused add + RMSNorm for decode-sized inputs only, MLX's ops in a
-    # prefill; MoE experts with many prefill rows as dequantize + matmul.
-    "norm-kernel-up-to-16-rows": {"MLX_LFM_ADD_RMS_NORM_MAX_ROWS": "16"},
-    "moe-dequant-from-16-rows": {"MLX_LFM_MOE_DEQUANT_ROWS": "16"},
-    "moe-dequant-from-64-rows": {"MLX_LFM_MOE_DEQUANT_ROWS": "64"},
-    "gemv-kernel": {"MLX_LFM_GEMV_KERNEL": "1"},
-    "all": {},
+    # What each change of the decode step buys, same machine, same minute:
+    # variant -> (environment, the models it changes).
+    "stock": ({"MLX_LFM_FUSE_PROJECTIONS": "0", "MLX_LFM_KERNELS": "0"}, None),
+    "all": ({}, None),
+    # Opt-in until this A/B: the fused add + RMSNorm for decode-sized inputs
+    # only (MLX's ops in a prefill); MoE experts with many prefill rows as
+    # dequantize + matmul; the bf16 GEMV (+ SwiGLU); the quantized GEMV; the
+    # MoE experts' two kernels.
+    "norm-kernel-up-to-16-rows": ({"MLX_LFM_ADD_RMS_NORM_MAX_ROWS": "16"}, ["lfm2-1.2b-bf16"]),
+    "gemv-kernel": ({"MLX_LFM_GEMV_KERNEL": "1"}, ["lfm2-1.2b-bf16"]),
+    "gemv-norm-kernels": ({"MLX_LFM_GEMV_KERNEL": "1", "MLX_LFM_NORM_GEMV_KERNEL": "1"}, ["lfm2-1.2b-bf16"]),
+    "moe-dequant-from-16-rows": ({"MLX_LFM_MOE_DEQUANT_ROWS": "16"}, ["lfm2-8b-a1b-q4"]),
+    "moe-dequant-from-64-rows": ({"MLX_LFM_MOE_DEQUANT_ROWS": "64"}, ["lfm2-8b-a1b-q4"]),
+    "qgemv-kernel": ({"MLX_LFM_QGEMV_KERNEL": "1"}, ["lfm2-8b-a1b-q4"]),
+    "moe-kernel": ({"MLX_LFM_MOE_KERNEL": "1"}, ["lfm2-8b-a1b-q4"]),
+    "quant-kernels": ({"MLX_LFM_QGEMV_KERNEL": "1", "MLX_LFM_MOE_KERNEL": "1"}, ["lfm2-8b-a1b-q4"]),
+    "quant-norm-kernels": ({"MLX_LFM_QGEMV_KERNEL": "1", "MLX_LFM_MOE_KERNEL": "1", "MLX_LFM_NORM_GEMV_KERNEL": "1"},
+                           ["lfm2-8b-a1b-q4"]),
 }
 AB_IN_ROUNDS = ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]
+GREEDY = "greedy_tokens_with_kernels_equal_stock_ops"
+# The tests an opt-in variant needs passed before `pick` adopts it.
+AB_TESTS = {
+    "gemv-kernel": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops", GREEDY],
+    "gemv-norm-kernels": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops",
+                          "norm_gemv_kernels_match_stock_ops", GREEDY],
+    "qgemv-kernel": ["quant_gemv_kernel_matches_stock_ops", GREEDY],
+    "moe-kernel": ["moe_experts_kernels_match_stock_ops", GREEDY],
+    "quant-kernels": ["quant_gemv_kernel_matches_stock_ops", "moe_experts_kernels_match_stock_ops", GREEDY],
+    "quant-norm-kernels": ["quant_gemv_kernel_matches_stock_ops", "moe_experts_kernels_match_stock_ops",
+                           "norm_gemv_kernels_match_stock_ops", GREEDY],
+    "norm-kernel-up-to-16-rows": ["add_rms_norm_kernel_matches_stock_ops"],
+}
+# Groups of variants of which `pick` adopts at most one: (variants, the
+# figure it must raise by 3% over "all" without the other falling 3%).
+PICK = [
+    (["gemv-kernel", "gemv-norm-kernels"], "decode"),
+    (["qgemv-kernel", "moe-kernel", "quant-kernels", "quant-norm-kernels"], "decode"),
+    (["norm-kernel-up-to-16-rows"], "prefill"),
+    (["moe-dequant-from-16-rows", "moe-dequant-from-64-rows"], "prefill"),
+]
+# Switches that change both models' steps: adopted only where every decode
+# group's pick holds them (each was measured with them on).
+SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]
 
 
 def ab_models():
@@ -472,7 +530,9 @@ def ab_models():
 
 def ab():
     for name in ab_models():
-        for variant, extra in AB.items():
+        for variant, (extra, models) in AB.items():
+            if variant == "stock" or (models and name not in models):
+                continue
             e = env()
             e.update(extra)
             r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--prompts", "512", "--gen", "128",
@@ -484,6 +544,45 @@ def ab():
                            decode=j["decode_tps_runs"])
 
 
+def pick():
+    """From this call's A/B: in each group of PICK, the variant whose figure
+    beats "all" by 3% or more on the model it changes (the best one), whose
+    other figure does not fall by 3%, and whose tests passed here; written to
+    picked-env.json for the later steps (rounds, profile)."""
+    rows = [json.loads(l) for l in RAW.read_text().splitlines() if '"engine": "ab"' in l]
+    med = {}
+    for r in rows:
+        med[(r["variant"], r["model"])] = {"decode": statistics.median(r["decode"]), "prefill": statistics.median(r["prefill"])}
+    verdicts_file = WORK / "kernel-verdicts.json"
+    verdicts = json.loads(verdicts_file.read_text()) if verdicts_file.exists() else {}
+    picked, why, decode_picks = {}, [], []
+    for variants, figure in PICK:
+        other = "prefill" if figure == "decode" else "decode"
+        best = None
+        for v in variants:
+            extra, models = AB[v]
+            for m in models or []:
+                base, got = med.get(("all", m)), med.get((v, m))
+                if not base or not got:
+                    continue
+                gain, keep = got[figure] / base[figure], got[other] / base[other]
+                tests_ok = all(verdicts.get(t, False) for t in AB_TESTS.get(v, []))
+                why.append({"variant": v, "model": m, figure: round(gain, 3), other: round(keep, 3), "tests": tests_ok})
+                if gain >= 1.03 and keep >= 0.97 and tests_ok and (best is None or gain > best[1]):
+                    best = (v, gain)
+        if best:
+            picked.update(AB[best[0]][0])
+        if figure == "decode":
+            decode_picks.append(AB[best[0]][0] if best else {})
+    for key in SHARED_SWITCHES:
+        if key in picked and not all(key in p for p in decode_picks):
+            del picked[key]
+            why.append({"dropped": key, "reason": "not every model's pick was measured with it"})
+    PICKED.write_text(json.dumps(picked))
+    record(engine="pick", picked=picked, why=why)
+    log("picked", picked, why)
+
+
 def collect(files):
     rows = []
     for f in files:
@@ -492,7 +591,7 @@ def collect(files):
     for r in rows:
         if "error" in r:
             errors.append(r)
-        elif r.get("engine") in ("ncu", "ncu-prefill", "ab", "tests", "constrained", "new-lengths"):
+        elif r.get("engine") in ("ncu", "ncu-prefill", "ab", "tests", "constrained", "new-lengths", "pick", "env"):
             profiles.append(r)
         elif r.get("samples"):
             runs.append({"model": r["model"], "engine": r["engine"], "metric": r["metric"], "prompt": r["prompt"],
@@ -556,6 +655,8 @@ def main():
                 install()
                 checkpoints(ab_models(), gguf=False)
                 ab()
+            elif a == "pick":
+                pick()
             elif a == "profile":
                 install()
                 profile()

@@ -52,6 +52,36 @@ KERNELS = {
         [("y", "T")],
         lambda dt: [("K", 2048), ("M", 1)],
     ),
+    "quant_gemv.rs": (
+        [("x", "T"), ("w", "uint32_t"), ("scales", "T"), ("biases", "T")],
+        [("y", "T")],
+        lambda dt: [("K", 2048), ("BITS", 4), ("GS", 64), ("M", 2)],
+    ),
+    "moe_experts.rs#gate_up": (
+        [("x", "T"), ("idx", "uint32_t"), ("w", "uint32_t"), ("scales", "T"), ("biases", "T")],
+        [("y", "T")],
+        lambda dt: [("K", 2048), ("BITS", 4), ("GS", 64), ("KE", 4)],
+    ),
+    "moe_experts.rs#down": (
+        [("h", "T"), ("idx", "uint32_t"), ("score", "T"), ("w", "uint32_t"), ("scales", "T"), ("biases", "T")],
+        [("y", "T")],
+        lambda dt: [("K", 1792), ("BITS", 8), ("GS", 32), ("KE", 4)],
+    ),
+    "norm_gemv.rs#dense": (
+        [("h", "T"), ("r", "T"), ("wn", "T"), ("eps", "float"), ("w", "T")],
+        [("s", "T"), ("y", "T")],
+        lambda dt: [("K", 2048), ("M", 1)],
+    ),
+    "norm_gemv.rs#swiglu": (
+        [("h", "T"), ("r", "T"), ("wn", "T"), ("eps", "float"), ("w", "T")],
+        [("s", "T"), ("y", "T")],
+        lambda dt: [("K", 2048), ("M", 2)],
+    ),
+    "norm_gemv.rs#quant": (
+        [("h", "T"), ("r", "T"), ("wn", "T"), ("eps", "float"), ("w", "uint32_t"), ("scales", "T"), ("biases", "T")],
+        [("s", "T"), ("y", "T")],
+        lambda dt: [("BITS", 4), ("GS", 64), ("K", 2048), ("M", 1)],
+    ),
     "short_conv.rs": (
         [("bcx", "T"), ("state", "T"), ("w", "T")],
         [("padded", "T"), ("y", "T")],
@@ -65,11 +95,29 @@ KERNELS = {
 }
 
 
-def body_and_header(path, which="SOURCE"):
+def header_of(path):
+    """A file's HEADER, or (the quantized kernels) the GEMV's HEADER then
+    quant_gemv.rs's QUANT_HEADER, as `quant_gemv::header()` joins them."""
     text = path.read_text()
-    src = re.search(which + r': &str = r#"(.*?)"#;', text, re.S).group(1)
-    hdr = re.search(r'const HEADER: &str = "(.*?)";', text, re.S)
-    return src, (hdr.group(1).replace("\\n", "\n") if hdr else "")
+    if "quant_gemv::{header" in text or "fn header() -> String" in text:
+        return header_of(path.parent / "gemv.rs") + header_of_named(path.parent / "quant_gemv.rs", "QUANT_HEADER")
+    return header_of_named(path, "HEADER")
+
+
+def header_of_named(path, name):
+    hdr = re.search(r'const ' + name + r': &str = "(.*?)";', path.read_text(), re.S)
+    return hdr.group(1).replace("\\n", "\n") if hdr else ""
+
+
+def body_and_header(path, which="SOURCE"):
+    src = re.search(which + r': &str = r#"(.*?)"#;', path.read_text(), re.S).group(1)
+    if path.name == "norm_gemv.rs":
+        # As norm_gemv.rs joins them: PROLOGUE before each body; the GEMV
+        # header, the quantized one for QUANT_SOURCE, then NORM_HEADER.
+        src = header_of_named(path, "PROLOGUE") + src
+        quant = header_of_named(path.parent / "quant_gemv.rs", "QUANT_HEADER") if "QUANT" in which else ""
+        return src, header_of_named(path.parent / "gemv.rs", "HEADER") + quant + header_of_named(path, "NORM_HEADER")
+    return src, header_of(path)
 
 
 def compile_one(name, code):

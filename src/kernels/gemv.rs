@@ -22,10 +22,13 @@ const THREADS: i32 = 256;
 /// the first step at a new batch size pays one NVRTC compile, cached on disk.
 pub const MAX_ROWS: usize = 8;
 
-/// 16 bytes of a row: one vector load where `x` and `w` start on 16-byte
-/// boundaries (every row does then: K is a multiple of 8), element by
-/// element where one does not (a view MLX passes with its offset).
-const HEADER: &str = "
+/// The device code the GEMV kernels share (the quantized ones and the
+/// fused norm + GEMV too): 16-byte loads, one vector load where the row
+/// starts on a 16-byte boundary (every row does then: K is a multiple of 8),
+/// element by element where it does not (a view MLX passes with its
+/// offset); a warp's dot products of one weight row with M rows of `x`; the
+/// SwiGLU gate rounded as MLX's CUDA ops round it.
+pub(crate) const HEADER: &str = "
 template <typename U>
 __device__ inline uint4 lfm_load16(const U* base, size_t c, bool aligned) {
   if (aligned) return reinterpret_cast<const uint4*>(base)[c];
@@ -34,107 +37,95 @@ __device__ inline uint4 lfm_load16(const U* base, size_t c, bool aligned) {
   for (int j = 0; j < 16 / (int)sizeof(U); j++) e[j] = base[c * (16 / sizeof(U)) + j];
   return r;
 }
-";
-
-const SOURCE: &str = r#"
+__device__ inline bool lfm_aligned(const void* p) {
+  return (reinterpret_cast<unsigned long long>(p) & 15) == 0;
+}
+__device__ inline float lfm_warp_sum(float v) {
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffff, v, off);
+  return v;
+}
+// acc[m] += this lane's share of (row wr of a weight) . (row m of x): lane l
+// takes 16-byte chunks l, l + 32, ...; K is a template constant, so the
+// loop unrolls and the loads of several chunks are issued before their sums.
+template <typename T, int K, int M>
+__device__ inline void lfm_dot_rows(const T* x, bool xa, const T* wr, bool wa, int lane, float* acc) {
   constexpr int E = 16 / sizeof(T);
   constexpr int C = K / E;
-  const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  const int N = w_shape[0];
-  const int n = blockIdx.x * (256 / 32) + warp;
-  if (n >= N) return;
-  const bool aligned = ((reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(w)) & 15) == 0;
-  const T* wr = w + static_cast<size_t>(n) * K;
-  float acc[M];
-#pragma unroll
-  for (int m = 0; m < M; m++) acc[m] = 0.0f;
-  // A constant trip count (K is a template constant), so the loads of
-  // several iterations are issued before their sums.
   constexpr int IT = (C + 31) / 32;
 #pragma unroll 8
   for (int i = 0; i < IT; i++) {
     const int c = lane + i * 32;
     if (C % 32 != 0 && c >= C) break;
-    const uint4 wv = lfm_load16(wr, c, aligned);
+    const uint4 wv = lfm_load16(wr, c, wa);
     const T* we = reinterpret_cast<const T*>(&wv);
 #pragma unroll
     for (int m = 0; m < M; m++) {
-      const uint4 xv = lfm_load16(x + static_cast<size_t>(m) * K, c, aligned);
+      const uint4 xv = lfm_load16(x + static_cast<size_t>(m) * K, c, xa);
       const T* xe = reinterpret_cast<const T*>(&xv);
 #pragma unroll
       for (int j = 0; j < E; j++) acc[m] += static_cast<float>(we[j]) * static_cast<float>(xe[j]);
     }
   }
+}
+// silu(g) * u from the two projections' float sums, each step in T as the
+// stock graph rounds it: each projection to T, then MLX's CUDA sigmoid
+// (y = 1 / (1 + exp(|x|)), x < 0 ? y : 1 - y), g * sigmoid(g), the product.
+template <typename T>
+__device__ inline T lfm_swiglu(float g, float u) {
+  const float gt = static_cast<float>(T(g));
+  const float ex = static_cast<float>(T(expf(fabsf(gt))));
+  const float yv = static_cast<float>(T(1.0f / static_cast<float>(T(1.0f + ex))));
+  const float sig = gt < 0.0f ? yv : static_cast<float>(T(1.0f - yv));
+  const float a = static_cast<float>(T(gt * sig));
+  return T(a * static_cast<float>(T(u)));
+}
+// Output column n (this warp's) of x @ w.T for M rows: y[m, n].
+template <typename T, int K, int M>
+__device__ inline void lfm_gemv_warp(const T* x, bool xa, const T* w, bool wa, T* y, int N, int n, int lane) {
+  float acc[M];
+#pragma unroll
+  for (int m = 0; m < M; m++) acc[m] = 0.0f;
+  lfm_dot_rows<T, K, M>(x, xa, w + static_cast<size_t>(n) * K, wa, lane, acc);
 #pragma unroll
   for (int m = 0; m < M; m++) {
-    float s = acc[m];
-    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffff, s, off);
+    const float s = lfm_warp_sum(acc[m]);
     if (lane == 0) y[static_cast<size_t>(m) * N + n] = T(s);
   }
+}
+// Column n of silu(x @ w[..F].T) * (x @ w[F..].T) for the stacked [2F, K] w.
+template <typename T, int K, int M>
+__device__ inline void lfm_gemv_swiglu_warp(const T* x, bool xa, const T* w, bool wa, T* y, int F, int n, int lane) {
+  float ag[M];
+  float au[M];
+#pragma unroll
+  for (int m = 0; m < M; m++) { ag[m] = 0.0f; au[m] = 0.0f; }
+  lfm_dot_rows<T, K, M>(x, xa, w + static_cast<size_t>(n) * K, wa, lane, ag);
+  lfm_dot_rows<T, K, M>(x, xa, w + static_cast<size_t>(F + n) * K, wa, lane, au);
+#pragma unroll
+  for (int m = 0; m < M; m++) {
+    const float g = lfm_warp_sum(ag[m]);
+    const float u = lfm_warp_sum(au[m]);
+    if (lane == 0) y[static_cast<size_t>(m) * F + n] = lfm_swiglu<T>(g, u);
+  }
+}
+";
+
+const SOURCE: &str = r#"
+  const int N = w_shape[0];
+  const int n = blockIdx.x * (256 / 32) + threadIdx.x / 32;
+  if (n >= N) return;
+  lfm_gemv_warp<T, K, M>(x, lfm_aligned(x), w, lfm_aligned(w), y, N, n, threadIdx.x % 32);
 "#;
 
 /// The MLP's `silu(x @ w1.T) * (x @ w3.T)` from the stacked `[w1; w3]`
 /// (`[2F, K]`): a warp reads row n of each half and writes the gated value,
 /// so the `[.., 2F]` projection is never written and the gate is not a
-/// kernel of its own. Rounded as the stock ops round: each projection to
-/// the dtype, then each step of MLX's sigmoid, `g * sigmoid(g)` and the
-/// product.
+/// kernel of its own. Rounded as the stock ops round (`lfm_swiglu`).
 const SWIGLU_SOURCE: &str = r#"
-  constexpr int E = 16 / sizeof(T);
-  constexpr int C = K / E;
-  constexpr int IT = (C + 31) / 32;
-  const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
   const int F = w_shape[0] / 2;
-  const int n = blockIdx.x * (256 / 32) + warp;
+  const int n = blockIdx.x * (256 / 32) + threadIdx.x / 32;
   if (n >= F) return;
-  const bool aligned = ((reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(w)) & 15) == 0;
-  const T* gr = w + static_cast<size_t>(n) * K;
-  const T* ur = w + static_cast<size_t>(F + n) * K;
-  float ag[M];
-  float au[M];
-#pragma unroll
-  for (int m = 0; m < M; m++) { ag[m] = 0.0f; au[m] = 0.0f; }
-#pragma unroll 4
-  for (int i = 0; i < IT; i++) {
-    const int c = lane + i * 32;
-    if (C % 32 != 0 && c >= C) break;
-    const uint4 gv = lfm_load16(gr, c, aligned);
-    const uint4 uv = lfm_load16(ur, c, aligned);
-    const T* ge = reinterpret_cast<const T*>(&gv);
-    const T* ue = reinterpret_cast<const T*>(&uv);
-#pragma unroll
-    for (int m = 0; m < M; m++) {
-      const uint4 xv = lfm_load16(x + static_cast<size_t>(m) * K, c, aligned);
-      const T* xe = reinterpret_cast<const T*>(&xv);
-#pragma unroll
-      for (int j = 0; j < E; j++) {
-        const float xf = static_cast<float>(xe[j]);
-        ag[m] += static_cast<float>(ge[j]) * xf;
-        au[m] += static_cast<float>(ue[j]) * xf;
-      }
-    }
-  }
-#pragma unroll
-  for (int m = 0; m < M; m++) {
-    float g = ag[m];
-    float u = au[m];
-    for (int off = 16; off > 0; off >>= 1) {
-      g += __shfl_xor_sync(0xffffffff, g, off);
-      u += __shfl_xor_sync(0xffffffff, u, off);
-    }
-    if (lane == 0) {
-      // MLX's CUDA sigmoid, each step in T: y = 1 / (1 + exp(|x|)),
-      // x < 0 ? y : 1 - y; then silu = x * sigmoid(x), times u.
-      const float gt = static_cast<float>(T(g));
-      const float ex = static_cast<float>(T(expf(fabsf(gt))));
-      const float yv = static_cast<float>(T(1.0f / static_cast<float>(T(1.0f + ex))));
-      const float sig = gt < 0.0f ? yv : static_cast<float>(T(1.0f - yv));
-      const float a = static_cast<float>(T(gt * sig));
-      y[static_cast<size_t>(m) * F + n] = T(a * static_cast<float>(T(u)));
-    }
-  }
+  lfm_gemv_swiglu_warp<T, K, M>(x, lfm_aligned(x), w, lfm_aligned(w), y, F, n, threadIdx.x % 32);
 "#;
 
 fn kernel() -> Option<&'static CudaKernel> {
@@ -147,22 +138,9 @@ fn swiglu_kernel() -> Option<&'static CudaKernel> {
     K.get_or_init(|| CudaKernel::new("lfm_gemv_swiglu", &["x", "w"], &["y"], SWIGLU_SOURCE, HEADER).ok()).as_ref()
 }
 
-thread_local! {
-    static FORCED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// Runs `f` with the kernel on on this thread without the environment
-/// variable (the kernel tests; other tests in the process keep the default).
-pub fn with_forced<R>(f: impl FnOnce() -> R) -> R {
-    let before = FORCED.with(|c| c.replace(true));
-    let r = f();
-    FORCED.with(|c| c.set(before));
-    r
-}
-
 fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    FORCED.with(|c| c.get()) || *ON.get_or_init(|| std::env::var("MLX_LFM_GEMV_KERNEL").ok().as_deref() == Some("1"))
+    super::opt_in("MLX_LFM_GEMV_KERNEL", &ON)
 }
 
 /// Whether the kernel serves `x @ w.T`: on, on CUDA, float `x` and `w` of one

@@ -7,8 +7,38 @@
 pub mod add_rms_norm;
 pub mod decode_attention;
 pub mod gemv;
+pub mod moe_experts;
 pub mod moe_router;
+pub mod norm_gemv;
+pub mod quant_gemv;
 pub mod short_conv;
 
 #[cfg(test)]
 mod tests;
+
+use std::sync::OnceLock;
+
+thread_local! {
+    static FORCED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with every opt-in kernel on on this thread, without their
+/// environment variables (the kernel tests; other tests in the process keep
+/// the defaults).
+pub fn with_opt_in<R>(f: impl FnOnce() -> R) -> R {
+    struct Reset(bool);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            FORCED.with(|c| c.set(self.0));
+        }
+    }
+    let _reset = Reset(FORCED.with(|c| c.replace(true)));
+    f()
+}
+
+/// Whether an opt-in kernel is on: `var=1`, read once into `cell`, or
+/// [`with_opt_in`]. Kernels stay opt-in until their A/B on the GPU they
+/// were written for says they win (`bench/h200/run.py ab`).
+fn opt_in(var: &str, cell: &OnceLock<bool>) -> bool {
+    FORCED.with(|c| c.get()) || *cell.get_or_init(|| std::env::var(var).ok().as_deref() == Some("1"))
+}

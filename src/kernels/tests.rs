@@ -126,9 +126,37 @@ fn greedy_tokens_with_kernels_equal_stock_ops() {
     if skip("greedy_tokens_with_kernels_equal_stock_ops") {
         return;
     }
+    use crate::convert::{convert, ConvertRecipe};
+    use crate::mlx::QuantMode;
     for preset in [Preset::Tiny, Preset::TinyMoe] {
-        for dtype in [DType::BF16, DType::F32] {
-            let dir = tiny(preset, &format!("greedy-{preset:?}-{dtype:?}"), dtype);
+        // bf16, float32, and bf16 quantized 4-bit in groups of 32 (the
+        // quantized GEMV and MoE experts' kernels; groups of 32 so that the
+        // tiny experts' 32-wide down projection is quantized too).
+        for (dtype, q4) in [(DType::BF16, false), (DType::F32, false), (DType::BF16, true)] {
+            let mut dir = tiny(preset, &format!("greedy-{preset:?}-{dtype:?}"), dtype);
+            if q4 {
+                let q = dir.with_extension("q4");
+                convert(&dir, &q, &ConvertRecipe::quantized(QuantMode::Affine, Some(4), Some(32)).unwrap()).unwrap();
+                std::fs::remove_dir_all(&dir).ok();
+                dir = q;
+                if preset == Preset::TinyMoe {
+                    // The experts' kernels really serve this model's decode.
+                    use crate::model::lfm2_moe::GateUp;
+                    use crate::model::linear::Weight;
+                    let m = load_model(&dir, &LoadOptions::default()).unwrap().model;
+                    let served = m.layers.iter().filter_map(|l| match &l.feed_forward {
+                        FeedForward::Moe(moe) => Some(match (&moe.gate_up, &moe.down_proj) {
+                            (GateUp::Stacked(Weight::Quant(gu), _), Weight::Quant(d)) => crate::kernels::with_opt_in(|| {
+                                crate::kernels::moe_experts::available(1, moe.top_k, m.dtype, gu, d)
+                            }),
+                            _ => false,
+                        }),
+                        _ => None,
+                    });
+                    let served: Vec<bool> = served.collect();
+                    assert!(!served.is_empty() && served.iter().all(|s| *s), "the 4-bit MoE fixture's experts are not served by the kernels");
+                }
+            }
             let prompt: Vec<u32> = (0..37).map(|i| (i * 29 + 11) % 700 + 3).collect();
             for path in [DecodePath::Compiled, DecodePath::Eager] {
                 let run = || {
@@ -136,11 +164,11 @@ fn greedy_tokens_with_kernels_equal_stock_ops() {
                     let params = GenerateParams { max_tokens: 64, ignore_eos: true, ..Default::default() };
                     eng.generate(Prompt::Tokens(prompt.clone()), params, &mut NoObserver).unwrap().tokens
                 };
-                // The opt-in GEMV too (MLX_LFM_GEMV_KERNEL): this is its model-level test.
-                let fused = crate::kernels::gemv::with_forced(run);
+                // The opt-in kernels too (GEMVs, MoE experts): this is their model-level test.
+                let fused = crate::kernels::with_opt_in(run);
                 let stock = with_stock_ops(run);
                 assert_eq!(fused.len(), 64);
-                assert_eq!(fused, stock, "{preset:?} {dtype:?} {path:?}: greedy tokens differ with the fused kernels");
+                assert_eq!(fused, stock, "{preset:?} {dtype:?} (4-bit: {q4}) {path:?}: greedy tokens differ with the fused kernels");
             }
             std::fs::remove_dir_all(&dir).ok();
         }
@@ -229,9 +257,10 @@ fn gemv_kernel_matches_stock_ops() {
     if skip("gemv_kernel_matches_stock_ops") {
         return;
     }
-    use crate::kernels::gemv::{available, gemv, with_forced};
+    use crate::kernels::gemv::{available, gemv};
+    use crate::kernels::with_opt_in;
     use crate::mlx::random::normal;
-    with_forced(|| {
+    with_opt_in(|| {
         // float32: MLX's matmul runs cuBLAS in TF32 for more than one row.
         for (dt, tol) in [(Dtype::Bfloat16, 1.6e-2f32), (Dtype::Float16, 2e-3), (Dtype::Float32, 4e-3)] {
             // K = 1032: a last pass over only part of the lanes.
@@ -270,9 +299,10 @@ fn gemv_swiglu_kernel_matches_stock_ops() {
     if skip("gemv_swiglu_kernel_matches_stock_ops") {
         return;
     }
-    use crate::kernels::gemv::{gemv_swiglu, swiglu_available, with_forced};
+    use crate::kernels::gemv::{gemv_swiglu, swiglu_available};
+    use crate::kernels::with_opt_in;
     use crate::mlx::random::normal;
-    with_forced(|| {
+    with_opt_in(|| {
         // float32: MLX's matmul runs cuBLAS in TF32 for more than one row.
         for (dt, tol) in [(Dtype::Bfloat16, 2.4e-2f32), (Dtype::Float16, 3e-3), (Dtype::Float32, 4e-3)] {
             for (rows, ff, k) in [(1, 8192, 2048), (1, 2048, 1024), (4, 520, 72), (1, 300, 1032)] {
@@ -288,5 +318,181 @@ fn gemv_swiglu_kernel_matches_stock_ops() {
                 assert!(worst <= tol, "{dt:?} {rows}x{k} -> 2x{ff}: differs by {worst}, over {tol}");
             }
         }
+    });
+}
+
+/// `w` `[.., out, in]` (float32 values) in dtype `dt`, affine-quantized as
+/// `bits`/`group_size` (scales and biases in `dt`, as a converted checkpoint
+/// holds them).
+fn quantized(w: &crate::mlx::Array, dt: Dtype, bits: i32, group_size: i32) -> crate::model::linear::Quantized {
+    use crate::mlx::{quantize, QuantMode, QuantSpec};
+    let spec = QuantSpec { mode: QuantMode::Affine, bits, group_size };
+    let (weight, scales, biases) = quantize(&w.astype(dt).unwrap(), spec).unwrap();
+    crate::model::linear::Quantized { weight, scales, biases, spec }
+}
+
+/// The quantized GEMV against MLX's quantized_matmul: 4 and 8 bits, groups
+/// of 32 to 128, 1 to 8 rows, the 8B-A1B's projection shapes and an LM
+/// head's; within one rounding of the dtype (float32: the sums' order).
+#[test]
+fn quant_gemv_kernel_matches_stock_ops() {
+    if skip("quant_gemv_kernel_matches_stock_ops") {
+        return;
+    }
+    use crate::kernels::quant_gemv::{available, qgemv};
+    use crate::kernels::with_opt_in;
+    use crate::mlx::random::normal;
+    use crate::mlx::{quantized_matmul, QuantMode, QuantSpec};
+    with_opt_in(|| {
+        for (dt, tol) in [(Dtype::Bfloat16, 1.6e-2f32), (Dtype::Float16, 2e-3), (Dtype::Float32, 1e-4)] {
+            for (bits, gs) in [(4, 64), (4, 32), (4, 128), (8, 64), (8, 32)] {
+                for (rows, n, k) in [(1, 6144, 2048), (1, 2048, 2048), (2, 2048, 1792), (8, 520, 256), (3, 65536, 1024), (1, 40, 8192)] {
+                    let w = normal(&[n, k], Dtype::Float32, 0.0, 0.05, None).unwrap();
+                    let q = quantized(&w, dt, bits, gs);
+                    let x = normal(&[rows, 1, k], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
+                    assert!(available(&x, &q), "{dt:?} {bits}-bit g{gs} {rows}x{k} @ {n}x{k}");
+                    let got = qgemv(&x, &q).unwrap();
+                    let want = quantized_matmul(&x, &q.weight, &q.scales, q.biases.as_ref(), true, q.spec).unwrap();
+                    assert_eq!(got.shape(), want.shape());
+                    let worst = worst_relative(&got, &want);
+                    assert!(worst <= tol, "{dt:?} {bits}-bit g{gs} {rows}x{k} @ {n}x{k}: differs by {worst}, over {tol}");
+                }
+            }
+        }
+        let w = normal(&[64, 256], Dtype::Float32, 0.0, 0.05, None).unwrap();
+        let q = quantized(&w, Dtype::Bfloat16, 4, 64);
+        // Not served: 9 rows, x in another dtype than the scales, other modes.
+        assert!(!available(&normal(&[9, 256], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(Dtype::Bfloat16).unwrap(), &q));
+        assert!(!available(&normal(&[1, 256], Dtype::Float32, 0.0, 1.0, None).unwrap(), &q));
+        let spec = QuantSpec { mode: QuantMode::Mxfp4, bits: 4, group_size: 32 };
+        let (weight, scales, biases) = crate::mlx::quantize(&w, spec).unwrap();
+        let mx = crate::model::linear::Quantized { weight, scales, biases, spec };
+        assert!(!available(&normal(&[1, 256], Dtype::Float32, 0.0, 1.0, None).unwrap(), &mx));
+        // A row-contiguous view 8 bytes past a 16-byte boundary: element loads.
+        let row = normal(&[1, 260], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(Dtype::Bfloat16).unwrap();
+        let off = row.slice_axis(1, 4, 260).unwrap();
+        assert!(available(&off, &q));
+        let want = quantized_matmul(&off, &q.weight, &q.scales, q.biases.as_ref(), true, q.spec).unwrap();
+        let worst = worst_relative(&qgemv(&off, &q).unwrap(), &want);
+        assert!(worst <= 1.6e-2, "an unaligned view: differs by {worst}");
+    });
+}
+
+/// The MoE experts' two kernels against the stock graph the model runs for
+/// a decode step (gathered quantized matmuls, the SwiGLU gate, the scores'
+/// multiply and the sum over the k experts): the 8B-A1B's shape and smaller
+/// ones, 1 to 16 rows, experts chosen more than once across rows; within
+/// two roundings of the dtype (the down kernel's input is the gate kernel's
+/// output, itself within one).
+#[test]
+fn moe_experts_kernels_match_stock_ops() {
+    if skip("moe_experts_kernels_match_stock_ops") {
+        return;
+    }
+    use crate::kernels::moe_experts::{available, down, gate_up};
+    use crate::kernels::with_opt_in;
+    use crate::mlx::random::{normal, uniform};
+    use crate::mlx::{gather_qmm, Array};
+    with_opt_in(|| {
+        for (dt, tol) in [(Dtype::Bfloat16, 3.2e-2f32), (Dtype::Float16, 4e-3), (Dtype::Float32, 1e-4)] {
+            // (rows, k, experts, D, F, bits, group)
+            for (r, k, e, d, f, bits, gs) in [
+                (1, 4, 32, 2048, 1792, 4, 64),
+                (3, 2, 8, 256, 128, 8, 32),
+                (16, 4, 32, 512, 256, 4, 128),
+                (2, 2, 8, 64, 32, 4, 32),
+            ] {
+                let wgu = quantized(&normal(&[e, 2 * f, d], Dtype::Float32, 0.0, 0.05, None).unwrap(), dt, bits, gs);
+                let wd = quantized(&normal(&[e, d, f], Dtype::Float32, 0.0, 0.05, None).unwrap(), dt, bits, gs);
+                let x = normal(&[r, d], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
+                // Distinct experts within a row, repeated across rows.
+                let ids: Vec<u32> = (0..r).flat_map(|i| (0..k).map(move |j| ((i * 5 + j * 3) % e) as u32)).collect();
+                let idx = Array::from_slice(&ids, &[r, k]).unwrap();
+                let score = uniform(&[r, k], Dtype::Float32, None).unwrap().add_scalar(0.1).unwrap().astype(dt).unwrap();
+                assert!(available(r, k as usize, dt, &wgu, &wd), "{dt:?} {r}x{k} of {e}, {d}->{f}");
+                let h = gate_up(&x, &idx, &wgu).unwrap();
+                let y = down(&h, &idx, &score, &wd).unwrap();
+                let gq = |w: &crate::model::linear::Quantized, a: &Array| {
+                    gather_qmm(a, &w.weight, &w.scales, w.biases.as_ref(), None, Some(&idx), true, w.spec, false).unwrap()
+                };
+                let gu = gq(&wgu, &x.reshape(&[r, 1, 1, d]).unwrap()); // [r, k, 1, 2f]
+                let parts = gu.split_equal(2, -1).unwrap();
+                let sh = parts[0].silu().unwrap().mul(&parts[1]).unwrap();
+                let want_h = sh.squeeze(-2).unwrap();
+                assert_eq!(h.shape(), want_h.shape());
+                let worst_h = worst_relative(&h, &want_h);
+                assert!(worst_h <= tol / 2.0, "{dt:?} {r}x{k} of {e}, {d}->{f}: gate/up differs by {worst_h}");
+                let yd = gq(&wd, &sh).squeeze(-2).unwrap(); // [r, k, d]
+                let want = yd.mul(&score.expand_dims(-1).unwrap()).unwrap().sum(&[-2], false).unwrap();
+                assert_eq!(y.shape(), want.shape());
+                let worst = worst_relative(&y, &want);
+                assert!(worst <= tol, "{dt:?} {r}x{k} of {e}, {d}->{f}: experts' sum differs by {worst}, over {tol}");
+            }
+        }
+    });
+}
+
+/// The add, RMSNorm and projection in one launch against the fused add +
+/// RMSNorm kernel's sum and MLX's ops after it (rms_norm, then matmul,
+/// quantized_matmul or the stacked matmul with the SwiGLU gate): the sum
+/// and the projection within a rounding of the dtype; 1 to 8 rows,
+/// the 1.2B's and 8B-A1B's widths.
+#[test]
+fn norm_gemv_kernels_match_stock_ops() {
+    if skip("norm_gemv_kernels_match_stock_ops") {
+        return;
+    }
+    use crate::kernels::norm_gemv::{dense_available, norm_gemv, norm_gemv_swiglu, norm_qgemv, quant_available, swiglu_available, NormIn};
+    use crate::kernels::with_opt_in;
+    use crate::mlx::random::normal;
+    use crate::mlx::{quantized_matmul, rms_norm, Array};
+    with_opt_in(|| {
+        let eps = Array::from_slice(&[1e-5f32], &[1]).unwrap();
+        for (dt, tol) in [(Dtype::Bfloat16, 1.6e-2f32), (Dtype::Float16, 2e-3), (Dtype::Float32, 4e-3)] {
+            for (rows, n, k) in [(1, 3072, 2048), (1, 6144, 2048), (4, 520, 1024), (1, 40, 256), (2, 300, 1032)] {
+                let h = normal(&[rows, 1, k], Dtype::Float32, 0.0, 4.0, None).unwrap().astype(dt).unwrap();
+                let r = normal(&[rows, 1, k], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
+                let wn = normal(&[k], Dtype::Float32, 1.0, 0.2, None).unwrap().astype(dt).unwrap();
+                let w = normal(&[n, k], Dtype::Float32, 0.0, 0.05, None).unwrap().astype(dt).unwrap();
+                let ni = NormIn { h: &h, r: &r, wn: &wn, eps: &eps };
+                let s_want = h.add(&r).unwrap();
+                let x = rms_norm(&s_want, Some(&wn), 1e-5).unwrap();
+                let what = format!("{dt:?} {rows}x{k} -> {n}");
+                let check = |name: &str, (s, y): (Array, Array), want: Array, tol: f32| {
+                    assert_eq!(s.shape(), s_want.shape());
+                    let ds = worst_relative(&s, &s_want);
+                    assert!(ds <= tol, "{what} {name}: the residual sum differs by {ds}");
+                    assert_eq!(y.shape(), want.shape());
+                    let worst = worst_relative(&y, &want);
+                    assert!(worst <= tol, "{what} {name}: differs by {worst}, over {tol}");
+                };
+                assert!(dense_available(&ni, &w), "{what}");
+                check("dense", norm_gemv(&ni, &w).unwrap(), x.matmul(&w.t().unwrap()).unwrap(), tol);
+                if n % 2 == 0 {
+                    assert!(swiglu_available(&ni, &w), "{what}");
+                    let parts = x.matmul(&w.t().unwrap()).unwrap().split_equal(2, -1).unwrap();
+                    let want = parts[0].silu().unwrap().mul(&parts[1]).unwrap();
+                    check("swiglu", norm_gemv_swiglu(&ni, &w).unwrap(), want, tol * 1.5);
+                }
+                if k % 64 == 0 {
+                    let q = quantized(&w, dt, 4, 64);
+                    assert!(quant_available(&ni, &q), "{what}");
+                    let want = quantized_matmul(&x, &q.weight, &q.scales, q.biases.as_ref(), true, q.spec).unwrap();
+                    check("4-bit", norm_qgemv(&ni, &q).unwrap(), want, tol.max(1e-4));
+                }
+            }
+        }
+        // Not served: rows that do not fit in shared memory, a missing
+        // residual's shape, 9 rows.
+        let big = normal(&[8, 8192], Dtype::Float32, 0.0, 1.0, None).unwrap();
+        let wn = normal(&[8192], Dtype::Float32, 1.0, 0.2, None).unwrap();
+        let w = normal(&[16, 8192], Dtype::Float32, 0.0, 0.05, None).unwrap();
+        assert!(!dense_available(&NormIn { h: &big, r: &big, wn: &wn, eps: &eps }, &w));
+        let h = normal(&[9, 64], Dtype::Float32, 0.0, 1.0, None).unwrap();
+        let wn = normal(&[64], Dtype::Float32, 1.0, 0.2, None).unwrap();
+        let w = normal(&[16, 64], Dtype::Float32, 0.0, 0.05, None).unwrap();
+        assert!(!dense_available(&NormIn { h: &h, r: &h, wn: &wn, eps: &eps }, &w));
+        let r = normal(&[1, 64], Dtype::Float32, 0.0, 1.0, None).unwrap();
+        assert!(!dense_available(&NormIn { h: &h.slice_axis(0, 0, 2).unwrap(), r: &r, wn: &wn, eps: &eps }, &w));
     });
 }

@@ -16,7 +16,7 @@ use crate::cache::{
 use parking_lot::Mutex;
 use std::sync::Arc;
 use super::config::ModelConfig;
-use super::linear::{reduce, Embedding, Linear, Projections, Shard, Split, Weight};
+use super::linear::{reduce, Embedding, Linear, Normed, Projections, Shard, Split, Weight};
 use super::lfm2_moe::SparseMoe;
 use super::quant::QuantRegistry;
 use super::weights::TensorStore;
@@ -70,12 +70,11 @@ impl Attention {
         })
     }
 
-    /// q, k, v (`[B, heads, T, head_dim]`) after the norms, with RoPE at
-    /// `offset`.
-    fn project(&self, x: &Array, offset: Offset) -> Result<(Array, Array, Array)> {
-        let (b, t) = (x.dim(0), x.dim(1));
+    /// q, k, v (`[B, heads, T, head_dim]`) from the projections `qkv` of a
+    /// `[B, T, D]` input, after the norms, with RoPE at `offset`.
+    fn project(&self, qkv: Vec<Array>, offset: Offset) -> Result<(Array, Array, Array)> {
+        let (b, t) = (qkv[0].dim(0), qkv[0].dim(1));
         let hd = self.head_dim;
-        let qkv = self.qkv.forward(x)?;
         let q = qkv[0].reshape(&[b, t, self.n_heads, hd])?;
         let k = qkv[1].reshape(&[b, t, self.n_kv_heads, hd])?;
         let v = qkv[2].reshape(&[b, t, self.n_kv_heads, hd])?;
@@ -102,11 +101,13 @@ impl Attention {
         reduce(&self.shard, self.out_proj.forward(&o)?)
     }
 
-    /// Attention layer `layer` over whatever cache the pass runs on.
-    fn forward(&self, x: &Array, layer: usize, cache: &mut dyn ForwardCache) -> Result<Array> {
-        let (q, k, v) = self.project(x, cache.offset())?;
+    /// Attention layer `layer` over whatever cache the pass runs on, on
+    /// the pending norm `x`: `(its residual sum, the output)`.
+    fn forward(&self, x: &Normed, layer: usize, cache: &mut dyn ForwardCache) -> Result<(Array, Array)> {
+        let (s, qkv) = self.qkv.forward_normed(x)?;
+        let (q, k, v) = self.project(qkv, cache.offset())?;
         let o = cache.attend(layer, &q, &k, &v, self.scale)?;
-        self.output(&o)
+        Ok((s, self.output(&o)?))
     }
 }
 
@@ -172,20 +173,25 @@ impl ShortConv {
         })
     }
 
-    /// Conv layer `layer`: its state comes from and goes back to the cache.
-    fn forward(&self, x: &Array, layer: usize, cache: &mut dyn ForwardCache) -> Result<Array> {
-        let bcx = self.in_proj.forward(x)?;
+    /// Conv layer `layer` on the pending norm `x`: `(its residual sum, the
+    /// output)`; the conv state comes from and goes back to the cache.
+    fn forward(&self, x: &Normed, layer: usize, cache: &mut dyn ForwardCache) -> Result<(Array, Array)> {
+        let (s, bcx) = self.in_proj.forward_normed(x)?;
+        Ok((s, self.conv(&bcx, layer, cache)?))
+    }
+
+    fn conv(&self, bcx: &Array, layer: usize, cache: &mut dyn ForwardCache) -> Result<Array> {
         let keep = self.kernel - 1;
         let shape = ConvShape { batch: bcx.dim(0), keep, dim: self.dim, dtype: bcx.dtype() };
         let prev = cache.conv_state(layer, shape)?;
-        if crate::kernels::short_conv::available(&bcx, &prev, &self.conv_weight_dl, self.conv_bias.is_some()) {
+        if crate::kernels::short_conv::available(bcx, &prev, &self.conv_weight_dl, self.conv_bias.is_some()) {
             // Decode on CUDA: everything between the two projections in one
             // launch.
-            let (padded, y) = crate::kernels::short_conv::conv_step(&bcx, &prev, &self.conv_weight_dl)?;
+            let (padded, y) = crate::kernels::short_conv::conv_step(bcx, &prev, &self.conv_weight_dl)?;
             cache.conv_update(layer, &padded, keep)?;
             return reduce(&self.shard, self.out_proj.forward(&y)?);
         }
-        self.conv_stock(&bcx, &prev, layer, cache)
+        self.conv_stock(bcx, &prev, layer, cache)
     }
 
     fn conv_stock(&self, bcx: &Array, prev: &Array, layer: usize, cache: &mut dyn ForwardCache) -> Result<Array> {
@@ -242,6 +248,23 @@ impl Mlp {
         reduce(&self.shard, self.w2.forward(&gu[0].silu()?.mul(&gu[1])?)?)
     }
 
+    /// On the pending norm `x`: `(its residual sum, the output)`, the add,
+    /// the norm, w1/w3 and the gate in one launch where the fused kernel
+    /// serves them (a stacked dense w1/w3).
+    pub fn forward_normed(&self, x: &Normed) -> Result<(Array, Array)> {
+        use crate::kernels::norm_gemv;
+        if let (Some(k), Projections::Stacked { linear: Linear { weight: Weight::Dense(w), bias: None }, widths }) =
+            (x.kernel_input(), &self.w13)
+        {
+            if widths.len() == 2 && widths[0] == widths[1] && norm_gemv::swiglu_available(&k, w) {
+                let (s, h) = norm_gemv::norm_gemv_swiglu(&k, w)?;
+                return Ok((s, reduce(&self.shard, self.w2.forward(&h)?)?));
+            }
+        }
+        let (s, y) = x.compute()?;
+        Ok((s, self.forward(&y)?))
+    }
+
     /// Decode on CUDA with the GEMV kernel on: w1/w3 and the gate in one
     /// launch (src/kernels/gemv.rs), when they are one stacked dense weight.
     fn fused_gate(&self, x: &Array) -> Result<Option<Array>> {
@@ -277,33 +300,23 @@ pub struct Layer {
 impl Layer {
     /// The operator (short conv or attention) of decoder layer `index` on
     /// its normed input.
-    fn operator(&self, x: &Array, index: usize, cache: &mut dyn ForwardCache) -> Result<Array> {
+    fn operator(&self, x: &Normed, index: usize, cache: &mut dyn ForwardCache) -> Result<(Array, Array)> {
         match &self.operator {
             Operator::Attention(a) => a.forward(x, index, cache),
             Operator::Conv(c) => c.forward(x, index, cache),
         }
     }
 
-    fn feed_forward(&self, x: &Array) -> Result<Array> {
+    /// The feed-forward on the pending norm `x`: `(its residual sum, the
+    /// output)`. The MoE's router and experts both read the norm, so it is
+    /// computed on its own there.
+    fn feed_forward(&self, x: &Normed) -> Result<(Array, Array)> {
         match &self.feed_forward {
-            FeedForward::Dense(m) => m.forward(x),
-            FeedForward::Moe(m) => m.forward(x),
-        }
-    }
-}
-
-/// `h + r` (just `h` without `r`) and its RMSNorm with `w`: the residual
-/// add and the norm after it are one kernel where ours runs (src/kernels).
-fn add_norm(h: &Array, r: Option<&Array>, w: &Array, eps: f32, eps_array: &Array) -> Result<(Array, Array)> {
-    match r {
-        None => Ok((h.clone(), mlx::rms_norm(h, Some(w), eps)?)),
-        Some(r) if crate::kernels::add_rms_norm::available(h, r, w) => {
-            crate::kernels::add_rms_norm::add_rms_norm(h, r, w, eps_array)
-        }
-        Some(r) => {
-            let s = h.add(r)?;
-            let y = mlx::rms_norm(&s, Some(w), eps)?;
-            Ok((s, y))
+            FeedForward::Dense(m) => m.forward_normed(x),
+            FeedForward::Moe(m) => {
+                let (s, y) = x.compute()?;
+                Ok((s, m.forward(&y)?))
+            }
         }
     }
 }
@@ -420,11 +433,13 @@ impl Lfm2Model {
         // the feed-forward's output is added where the next layer norms
         // it, so every residual add meets the norm that follows it.
         let mut pending: Option<Array> = None;
+        let eps_array = &self.norm_eps;
         for (i, layer) in self.layers.iter().enumerate() {
-            let (h1, x) = add_norm(&h, pending.as_ref(), &layer.operator_norm, eps, &self.norm_eps)?;
-            let r = layer.operator(&x, i, cache)?;
-            let (h2, x) = add_norm(&h1, Some(&r), &layer.ffn_norm, eps, &self.norm_eps)?;
-            pending = Some(layer.feed_forward(&x)?);
+            let x = Normed { h: &h, r: pending.as_ref(), w: &layer.operator_norm, eps, eps_array };
+            let (h1, r) = layer.operator(&x, i, cache)?;
+            let x = Normed { h: &h1, r: Some(&r), w: &layer.ffn_norm, eps, eps_array };
+            let (h2, f) = layer.feed_forward(&x)?;
+            pending = Some(f);
             h = h2;
         }
         match pending {

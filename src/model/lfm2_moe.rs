@@ -190,8 +190,35 @@ impl SparseMoe {
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let (inds, scores) = self.route(x)?;
+        if let Some(y) = self.fused_experts(x, &inds, &scores)? {
+            return reduce(&self.shard, y);
+        }
         let y = self.experts(x, &inds)?;
         reduce(&self.shard, y.mul(&scores.expand_dims(-1)?)?.sum(&[-2], false)?)
+    }
+
+    /// A decode step's experts and their weighted sum in two kernels
+    /// (src/kernels/moe_experts.rs) on CUDA, for quantized experts with
+    /// gate and up stacked; None where the kernels do not serve.
+    fn fused_experts(&self, x: &Array, inds: &Array, scores: &Array) -> Result<Option<Array>> {
+        use crate::kernels::moe_experts;
+        let (b, t, d) = (x.dim(0), x.dim(1), x.dim(2));
+        let k = self.top_k;
+        // Only where the stock path gathers directly (see `experts`).
+        if t > 1 && (b * t) as usize * k >= SORT_THRESHOLD {
+            return Ok(None);
+        }
+        let (GateUp::Stacked(Weight::Quant(gu), _), Weight::Quant(down)) = (&self.gate_up, &self.down_proj) else {
+            return Ok(None);
+        };
+        if !moe_experts::available(b * t, k, x.dtype(), gu, down) {
+            return Ok(None);
+        }
+        let rows = b * t;
+        let idx = inds.reshape(&[rows, k as i32])?.astype(Dtype::Uint32)?;
+        let h = moe_experts::gate_up(&x.reshape(&[rows, d])?, &idx, gu)?;
+        let y = moe_experts::down(&h, &idx, &scores.reshape(&[rows, k as i32])?.astype(x.dtype())?, down)?;
+        Ok(Some(y.reshape(&[b, t, d])?))
     }
 
     /// SwiGLU of each row through each of its k experts: `[B, T, k, D]`.

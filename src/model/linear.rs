@@ -220,6 +220,7 @@ impl Weight {
         match self {
             Weight::Dense(w) if crate::kernels::gemv::available(x, w) => crate::kernels::gemv::gemv(x, w),
             Weight::Dense(w) => x.matmul(&w.t()?),
+            Weight::Quant(q) if crate::kernels::quant_gemv::available(x, q) => crate::kernels::quant_gemv::qgemv(x, q),
             Weight::Quant(q) => mlx::quantized_matmul(x, &q.weight, &q.scales, q.biases.as_ref(), true, q.spec),
         }
     }
@@ -292,6 +293,59 @@ impl Linear {
         let mut v = self.weight.arrays();
         v.extend(self.bias.as_ref());
         v
+    }
+
+    /// `(s, forward(rms_norm(s)))` for the pending norm `n` (`s` its
+    /// residual sum): the add, the norm and this projection in one launch
+    /// where the fused kernel serves them (src/kernels/norm_gemv.rs).
+    pub fn forward_normed(&self, n: &Normed) -> Result<(Array, Array)> {
+        use crate::kernels::norm_gemv;
+        if let (Some(k), None) = (n.kernel_input(), &self.bias) {
+            match &self.weight {
+                Weight::Dense(w) if norm_gemv::dense_available(&k, w) => return norm_gemv::norm_gemv(&k, w),
+                Weight::Quant(q) if norm_gemv::quant_available(&k, q) => return norm_gemv::norm_qgemv(&k, q),
+                _ => {}
+            }
+        }
+        let (s, x) = n.compute()?;
+        Ok((s, self.forward(&x)?))
+    }
+}
+
+/// `rms_norm(h + r) * w`, not yet computed: handed to the layer part that
+/// reads it, whose first projection may fold the add and the norm into its
+/// own launch. `s` (the residual sum, `h` without `r`) comes back with the
+/// result either way.
+pub struct Normed<'a> {
+    pub h: &'a Array,
+    pub r: Option<&'a Array>,
+    pub w: &'a Array,
+    pub eps: f32,
+    /// `eps` as a float32 `[1]` array (the fused kernels read it).
+    pub eps_array: &'a Array,
+}
+
+impl Normed<'_> {
+    /// `(s, rms_norm(s) * w)` as separate ops (the fused add + RMSNorm
+    /// kernel where it serves).
+    pub fn compute(&self) -> Result<(Array, Array)> {
+        let (h, w) = (self.h, self.w);
+        match self.r {
+            None => Ok((h.clone(), mlx::rms_norm(h, Some(w), self.eps)?)),
+            Some(r) if crate::kernels::add_rms_norm::available(h, r, w) => {
+                crate::kernels::add_rms_norm::add_rms_norm(h, r, w, self.eps_array)
+            }
+            Some(r) => {
+                let s = h.add(r)?;
+                let y = mlx::rms_norm(&s, Some(w), self.eps)?;
+                Ok((s, y))
+            }
+        }
+    }
+
+    /// The operands of the fused norm + GEMV kernels (there is a residual).
+    pub fn kernel_input(&self) -> Option<crate::kernels::norm_gemv::NormIn<'_>> {
+        self.r.map(|r| crate::kernels::norm_gemv::NormIn { h: self.h, r, wn: self.w, eps: self.eps_array })
     }
 }
 
@@ -437,6 +491,21 @@ impl Projections {
         };
         let widths = parts.iter().map(|p| p.weight.out_dim()).collect();
         Ok(Projections::Stacked { linear: Linear { weight, bias }, widths })
+    }
+
+    /// `(s, each projection of rms_norm(s))` for the pending norm `n`: one
+    /// fused launch for stacked projections where the kernel serves them.
+    pub fn forward_normed(&self, n: &Normed) -> Result<(Array, Vec<Array>)> {
+        match self {
+            Projections::Stacked { linear, widths } => {
+                let (s, y) = linear.forward_normed(n)?;
+                Ok((s, split_widths(&y, widths)?))
+            }
+            Projections::Separate(_) => {
+                let (s, x) = n.compute()?;
+                Ok((s, self.forward(&x)?))
+            }
+        }
     }
 
     /// Each projection of `x`, in the order given to `new`.

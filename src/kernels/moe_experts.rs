@@ -1,0 +1,193 @@
+//! LFM2-MoE's routed experts for a decode step's few rows, in two kernels
+//! over MLX affine quantized expert stacks:
+//! - `gate_up`: for each row and each of its k experts, the stacked
+//!   `[w1; w3]` GEMVs and the SwiGLU gate, `[R, k, F]` (the `[R, k, 2F]`
+//!   projection is never written, the gate is no kernel of its own);
+//! - `down`: for each row, `sum_j score_j * (h_j @ w2[e_j].T)`, `[R, D]`
+//!   (no `[R, k, D]` intermediate, no multiply and reduce kernels).
+//! The stock graph is two `gather_qmv` launches at 0.6-0.7 TB/s plus ~6
+//! small kernels per MoE layer (split, sigmoid, multiplies, the reduce):
+//! on the 8B-A1B's 22 MoE layers, ~130 launches a token.
+//!
+//! Rounding follows the stock graph: each projection rounded to the dtype,
+//! the gate as `lfm_swiglu`, each expert's output rounded and multiplied by
+//! its score in the dtype, the k products summed in float32 and rounded
+//! once (MLX's reduce accumulates bf16 in float32).
+//!
+//! Opt-in (`MLX_LFM_MOE_KERNEL=1`) until its A/B on the H200 says it wins;
+//! tests in src/kernels/tests.rs.
+
+use super::quant_gemv::{header, quant_template, spec_served, warp_grid, THREADS};
+use crate::error::{Error, Result};
+use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
+use crate::mlx::{Array, Dtype};
+use crate::model::linear::Quantized;
+use std::sync::OnceLock;
+
+const GATE_UP_SOURCE: &str = r#"
+  constexpr int VPC = 128 / BITS;
+  constexpr int C = K / VPC;
+  constexpr int G = K / GS;
+  constexpr int WORDS = K * BITS / 32;
+  constexpr int IT = (C + 31) / 32;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int rows = w_shape[1];
+  const int F = rows / 2;
+  const int n = blockIdx.x * (256 / 32) + warp;
+  if (n >= F) return;
+  const int slot = blockIdx.y;
+  const int r = slot / KE;
+  const size_t e = idx[slot];
+  const bool wa = lfm_aligned(w);
+  const bool xa = lfm_aligned(x);
+  const size_t gi = e * rows + n;
+  const size_t ui = e * rows + F + n;
+  const uint32_t* gr = w + gi * WORDS;
+  const uint32_t* ur = w + ui * WORDS;
+  const T* xr = x + static_cast<size_t>(r) * K;
+  float ag = 0.0f;
+  float au = 0.0f;
+#pragma unroll
+  for (int i = 0; i < IT; i++) {
+    const int c = lane + i * 32;
+    if (C % 32 != 0 && c >= C) break;
+    const uint4 gv = lfm_load16(gr, c, wa);
+    const uint4 uv = lfm_load16(ur, c, wa);
+    const int g = c * VPC / GS;
+    float xf[VPC];
+    const float xs = lfm_xchunk<T, BITS>(xr, c, xa, xf);
+    ag += static_cast<float>(scales[gi * G + g]) * lfm_qx<BITS>(gv, xf) + static_cast<float>(biases[gi * G + g]) * xs;
+    au += static_cast<float>(scales[ui * G + g]) * lfm_qx<BITS>(uv, xf) + static_cast<float>(biases[ui * G + g]) * xs;
+  }
+  ag = lfm_warp_sum(ag);
+  au = lfm_warp_sum(au);
+  if (lane == 0) y[static_cast<size_t>(slot) * F + n] = lfm_swiglu<T>(ag, au);
+"#;
+
+const DOWN_SOURCE: &str = r#"
+  constexpr int VPC = 128 / BITS;
+  constexpr int C = K / VPC;
+  constexpr int G = K / GS;
+  constexpr int WORDS = K * BITS / 32;
+  constexpr int IT = (C + 31) / 32;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int D = w_shape[1];
+  const int n = blockIdx.x * (256 / 32) + warp;
+  if (n >= D) return;
+  const int r = blockIdx.y;
+  const bool wa = lfm_aligned(w);
+  const bool xa = lfm_aligned(h);
+  float total = 0.0f;
+  for (int j = 0; j < KE; j++) {
+    const int slot = r * KE + j;
+    const size_t wi = static_cast<size_t>(idx[slot]) * D + n;
+    const uint32_t* wr = w + wi * WORDS;
+    const T* hr = h + static_cast<size_t>(slot) * K;
+    float a = 0.0f;
+#pragma unroll
+    for (int i = 0; i < IT; i++) {
+      const int c = lane + i * 32;
+      if (C % 32 != 0 && c >= C) break;
+      const uint4 wv = lfm_load16(wr, c, wa);
+      const int g = c * VPC / GS;
+      float xf[VPC];
+      const float xs = lfm_xchunk<T, BITS>(hr, c, xa, xf);
+      a += static_cast<float>(scales[wi * G + g]) * lfm_qx<BITS>(wv, xf) + static_cast<float>(biases[wi * G + g]) * xs;
+    }
+    a = lfm_warp_sum(a);
+    total += static_cast<float>(T(static_cast<float>(T(a)) * static_cast<float>(score[slot])));
+  }
+  if (lane == 0) y[static_cast<size_t>(r) * D + n] = T(total);
+"#;
+
+fn gate_up_kernel() -> Option<&'static CudaKernel> {
+    static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
+    K.get_or_init(|| {
+        CudaKernel::new("lfm_moe_gate_up", &["x", "idx", "w", "scales", "biases"], &["y"], GATE_UP_SOURCE, &header()).ok()
+    })
+    .as_ref()
+}
+
+fn down_kernel() -> Option<&'static CudaKernel> {
+    static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
+    K.get_or_init(|| {
+        CudaKernel::new("lfm_moe_down", &["h", "idx", "score", "w", "scales", "biases"], &["y"], DOWN_SOURCE, &header()).ok()
+    })
+    .as_ref()
+}
+
+fn enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    super::opt_in("MLX_LFM_MOE_KERNEL", &ON)
+}
+
+/// The largest `rows * k` a launch takes (CUDA's grid y limit).
+const MAX_SLOTS: i64 = 65_535;
+
+/// Whether the two kernels serve `rows` routed rows of width `d`, `k`
+/// experts each, in dtype `dt`, with the stacked `[E, 2F, ..]` gate/up and
+/// the `[E, D, ..]` down projections.
+pub fn available(rows: i32, k: usize, dt: Dtype, gate_up: &Quantized, down: &Quantized) -> bool {
+    if !enabled() || !cuda_kernels_enabled() || gate_up.weight.ndim() != 3 || down.weight.ndim() != 3 {
+        return false;
+    }
+    let (e, f2) = (gate_up.weight.dim(0), gate_up.weight.dim(1));
+    let f = f2 / 2;
+    let d = down.weight.dim(1);
+    let k_in = |q: &Quantized| q.weight.dim(2) as i64 * 32 / q.spec.bits as i64;
+    rows > 0
+        && (1..=8).contains(&k)
+        && rows as i64 * k as i64 <= MAX_SLOTS
+        && f2 % 2 == 0
+        && f > 0
+        && d > 0
+        && down.weight.dim(0) == e
+        && k_in(down) == f as i64
+        && spec_served(gate_up, dt, k_in(gate_up) as i32)
+        && spec_served(down, dt, f)
+        && gate_up.scales.shape() == [e, f2, k_in(gate_up) as i32 / gate_up.spec.group_size]
+        && down.scales.shape() == [e, d, f / down.spec.group_size]
+        && gate_up_kernel().is_some()
+        && down_kernel().is_some()
+}
+
+/// `silu(x @ w1[e].T) * (x @ w3[e].T)` for each row of `x` `[R, D]` and each
+/// of its experts `idx` `[R, k]` (uint32): `[R, k, F]`.
+pub fn gate_up(x: &Array, idx: &Array, w: &Quantized) -> Result<Array> {
+    let kern = gate_up_kernel().ok_or_else(|| Error::mlx("the MoE gate/up kernel is not available"))?;
+    let (r, d) = (x.dim(0), x.dim(1));
+    let k = idx.dim(-1);
+    let f = w.weight.dim(1) / 2;
+    let biases = w.biases.as_ref().ok_or_else(|| Error::invalid("the MoE kernels need affine biases"))?;
+    let mut template = quant_template(w, d, x.dtype());
+    template.push(("KE", TemplateArg::Int(k)));
+    let mut outs = kern.call(
+        &[x, idx, &w.weight, &w.scales, biases],
+        &[(&[r, k, f], x.dtype())],
+        [warp_grid(f)?, r * k, 1],
+        [THREADS, 1, 1],
+        &template,
+    )?;
+    outs.pop().ok_or_else(|| Error::mlx("MoE gate/up kernel: missing output"))
+}
+
+/// `sum_j score[r, j] * (h[r, j] @ w2[idx[r, j]].T)` for `h` `[R, k, F]`:
+/// `[R, D]`.
+pub fn down(h: &Array, idx: &Array, score: &Array, w: &Quantized) -> Result<Array> {
+    let kern = down_kernel().ok_or_else(|| Error::mlx("the MoE down kernel is not available"))?;
+    let (r, k, f) = (h.dim(0), h.dim(1), h.dim(2));
+    let d = w.weight.dim(1);
+    let biases = w.biases.as_ref().ok_or_else(|| Error::invalid("the MoE kernels need affine biases"))?;
+    let mut template = quant_template(w, f, h.dtype());
+    template.push(("KE", TemplateArg::Int(k)));
+    let mut outs = kern.call(
+        &[h, idx, score, &w.weight, &w.scales, biases],
+        &[(&[r, d], h.dtype())],
+        [warp_grid(d)?, r, 1],
+        [THREADS, 1, 1],
+        &template,
+    )?;
+    outs.pop().ok_or_else(|| Error::mlx("MoE down kernel: missing output"))
+}

@@ -1,0 +1,226 @@
+//! The residual add, the RMSNorm after it and the projection that reads the
+//! norm, in one launch for a decode step's few rows: `s = h + r`,
+//! `y = (rms_norm(s) * wn) @ w.T` (dense, dense with the SwiGLU gate over a
+//! stacked `[w1; w3]`, or affine quantized). Each block first computes the
+//! rows' sum and norm into shared memory exactly as the fused add + RMSNorm
+//! kernel (src/kernels/add_rms_norm.rs) does, block 0 writes `s`, then each
+//! warp runs the GEMV of its output column over the shared rows. By the H200
+//! profile the add + RMSNorm launches are 31 a token on the 1.2B (~170 µs of
+//! a 1.3 ms step) and 47 on the 8B-A1B: every norm whose only reader is one
+//! projection (attention's qkv, the conv's in_proj, a dense MLP's w1/w3) is
+//! folded into that projection's launch.
+//!
+//! Opt-in (`MLX_LFM_NORM_GEMV_KERNEL=1`) until its A/B on the H200 says it
+//! wins; tests in src/kernels/tests.rs.
+
+use super::gemv::HEADER as GEMV_HEADER;
+use super::quant_gemv::{quant_template, spec_served, warp_grid, THREADS};
+use crate::error::{Error, Result};
+use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
+use crate::mlx::{Array, Dtype};
+use crate::model::linear::Quantized;
+use std::sync::OnceLock;
+
+/// Rows one launch serves.
+pub const MAX_ROWS: usize = 8;
+/// The normed rows live in static shared memory (48 KiB a block at most,
+/// with room left for the reduction's and MLX's own).
+const SHARED_BYTES: usize = 40 * 1024;
+
+/// The rows' sum and norm into shared memory, as lfm_add_rms_norm computes
+/// them with its 256-thread block (the float32 sum of squares grouped the
+/// same way: a thread's 16-byte run, then the warp, then the block).
+const NORM_HEADER: &str = "
+template <typename T, int K, int M>
+__device__ inline void lfm_add_norm_rows(const T* h, const T* r, const T* wn, float eps, T* s, T* ys) {
+  constexpr int NR = 16 / sizeof(T);
+  constexpr int BLOCK = 256;
+  __shared__ float part[BLOCK / 32];
+  const int tid = threadIdx.x;
+  const bool first = blockIdx.x == 0;
+  for (int m = 0; m < M; m++) {
+    const size_t o = static_cast<size_t>(m) * K;
+    float acc = 0.0f;
+    for (int base = tid * NR; base < K; base += BLOCK * NR) {
+      for (int i = 0; i < NR && base + i < K; i++) {
+        const T v = T(static_cast<float>(h[o + base + i]) + static_cast<float>(r[o + base + i]));
+        if (first) s[o + base + i] = v;
+        ys[o + base + i] = v;
+        const float f = static_cast<float>(v);
+        acc += f * f;
+      }
+    }
+    acc = lfm_warp_sum(acc);
+    if (tid % 32 == 0) part[tid / 32] = acc;
+    __syncthreads();
+    const float total = lfm_warp_sum(tid % 32 < BLOCK / 32 ? part[tid % 32] : 0.0f);
+    const float nrm = rsqrtf(total / static_cast<float>(K) + eps);
+    for (int base = tid * NR; base < K; base += BLOCK * NR) {
+      for (int i = 0; i < NR && base + i < K; i++) {
+        const float f = static_cast<float>(ys[o + base + i]);
+        ys[o + base + i] = T(static_cast<float>(wn[base + i]) * static_cast<float>(T(f * nrm)));
+      }
+    }
+    // part is reused by the next row; the GEMV reads every thread's ys.
+    __syncthreads();
+  }
+}
+";
+
+const PROLOGUE: &str = "
+  __shared__ uint4 ys_store[M * K * sizeof(T) / 16];
+  T* ys = reinterpret_cast<T*>(ys_store);
+  lfm_add_norm_rows<T, K, M>(h, r, wn, eps[0], s, ys);
+  const int n = blockIdx.x * (256 / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+";
+
+const DENSE_SOURCE: &str = r#"
+  const int N = w_shape[0];
+  if (n >= N) return;
+  lfm_gemv_warp<T, K, M>(ys, true, w, lfm_aligned(w), y, N, n, lane);
+"#;
+
+const SWIGLU_SOURCE: &str = r#"
+  const int F = w_shape[0] / 2;
+  if (n >= F) return;
+  lfm_gemv_swiglu_warp<T, K, M>(ys, true, w, lfm_aligned(w), y, F, n, lane);
+"#;
+
+const QUANT_SOURCE: &str = r#"
+  const int N = w_shape[0];
+  if (n >= N) return;
+  lfm_qgemv_warp<T, K, M, BITS, GS>(ys, true, w, lfm_aligned(w), scales, biases, y, N, n, lane);
+"#;
+
+fn header(quant: bool) -> String {
+    let q = if quant { super::quant_gemv::QUANT_HEADER } else { "" };
+    format!("{GEMV_HEADER}{q}{NORM_HEADER}")
+}
+
+fn make(name: &str, inputs: &[&str], body: &str, quant: bool) -> Option<CudaKernel> {
+    let outputs = ["s", "y"];
+    CudaKernel::new(name, inputs, &outputs, &format!("{PROLOGUE}{body}"), &header(quant)).ok()
+}
+
+fn dense_kernel() -> Option<&'static CudaKernel> {
+    static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
+    K.get_or_init(|| make("lfm_norm_gemv", &["h", "r", "wn", "eps", "w"], DENSE_SOURCE, false)).as_ref()
+}
+
+fn swiglu_kernel() -> Option<&'static CudaKernel> {
+    static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
+    K.get_or_init(|| make("lfm_norm_gemv_swiglu", &["h", "r", "wn", "eps", "w"], SWIGLU_SOURCE, false)).as_ref()
+}
+
+fn quant_kernel() -> Option<&'static CudaKernel> {
+    static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
+    K.get_or_init(|| make("lfm_norm_qgemv", &["h", "r", "wn", "eps", "w", "scales", "biases"], QUANT_SOURCE, true)).as_ref()
+}
+
+fn enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    super::opt_in("MLX_LFM_NORM_GEMV_KERNEL", &ON)
+}
+
+/// `rms_norm(h + r) * wn` for the fused kernels: `h` and `r` `[.., K]` of
+/// one shape, `wn` `[K]`, `eps` a float32 `[1]` array.
+pub struct NormIn<'a> {
+    pub h: &'a Array,
+    pub r: &'a Array,
+    pub wn: &'a Array,
+    pub eps: &'a Array,
+}
+
+impl NormIn<'_> {
+    /// `(K, rows)` where the kernels serve these operands: on, on CUDA, one
+    /// float dtype, 1 to [`MAX_ROWS`] rows, K a multiple of 8 and at most
+    /// 16,384, the rows fitting in shared memory.
+    fn served(&self) -> Option<(i32, usize)> {
+        let (h, dt) = (self.h, self.h.dtype());
+        if !enabled() || !cuda_kernels_enabled() || h.ndim() < 1 {
+            return None;
+        }
+        let k = h.dim(-1);
+        let rows = if k > 0 { h.size() / k as usize } else { 0 };
+        let ok = dt.is_float()
+            && dt != Dtype::Float64
+            && self.r.dtype() == dt
+            && self.wn.dtype() == dt
+            && self.r.shape() == h.shape()
+            && self.wn.shape() == [k]
+            && self.eps.dtype() == Dtype::Float32
+            && k > 0
+            && k % 8 == 0
+            && k <= 16_384
+            && (1..=MAX_ROWS).contains(&rows)
+            && rows * k as usize * dt.size() <= SHARED_BYTES;
+        ok.then_some((k, rows))
+    }
+}
+
+/// Whether [`norm_gemv`] serves `n` and the dense `[N, K]` `w`.
+pub fn dense_available(n: &NormIn, w: &Array) -> bool {
+    n.served().is_some_and(|(k, _)| w.dtype() == n.h.dtype() && w.ndim() == 2 && w.dim(1) == k && w.dim(0) > 0)
+        && dense_kernel().is_some()
+}
+
+/// Whether [`norm_gemv_swiglu`] serves `n` and the stacked `[2F, K]` `w`.
+pub fn swiglu_available(n: &NormIn, w: &Array) -> bool {
+    dense_available(n, w) && w.dim(0) % 2 == 0 && swiglu_kernel().is_some()
+}
+
+/// Whether [`norm_qgemv`] serves `n` and the quantized `[N, K * bits / 32]` `q`.
+pub fn quant_available(n: &NormIn, q: &Quantized) -> bool {
+    n.served().is_some_and(|(k, _)| {
+        spec_served(q, n.h.dtype(), k)
+            && q.weight.ndim() == 2
+            && q.weight.dim(0) > 0
+            && q.weight.dim(1) as i64 * 32 == k as i64 * q.spec.bits as i64
+            && q.scales.shape() == [q.weight.dim(0), k / q.spec.group_size]
+    }) && quant_kernel().is_some()
+}
+
+/// `(h + r, (rms_norm(h + r) * wn) @ w.T)`.
+pub fn norm_gemv(n: &NormIn, w: &Array) -> Result<(Array, Array)> {
+    let kern = dense_kernel().ok_or_else(|| Error::mlx("the fused norm + GEMV kernel is not available"))?;
+    launch(kern, n, &[w], w.dim(0), vec![])
+}
+
+/// `(h + r, silu(y @ w[..F].T) * (y @ w[F..].T))` with `y = rms_norm(h + r) * wn`.
+pub fn norm_gemv_swiglu(n: &NormIn, w: &Array) -> Result<(Array, Array)> {
+    let kern = swiglu_kernel().ok_or_else(|| Error::mlx("the fused norm + GEMV + SwiGLU kernel is not available"))?;
+    let n2 = w.dim(0);
+    if n2 % 2 != 0 {
+        return Err(Error::invalid(format!("norm + GEMV + SwiGLU: the stacked weight has an odd number of rows ({n2})")));
+    }
+    launch(kern, n, &[w], n2 / 2, vec![])
+}
+
+/// `(h + r, (rms_norm(h + r) * wn) @ dequantize(q).T)`.
+pub fn norm_qgemv(n: &NormIn, q: &Quantized) -> Result<(Array, Array)> {
+    let kern = quant_kernel().ok_or_else(|| Error::mlx("the fused norm + quantized GEMV kernel is not available"))?;
+    let biases = q.biases.as_ref().ok_or_else(|| Error::invalid("the quantized GEMV kernels need affine biases"))?;
+    let k = n.h.dim(-1);
+    let mut template = quant_template(q, k, n.h.dtype());
+    template.retain(|(name, _)| *name != "K" && *name != "T");
+    launch(kern, n, &[&q.weight, &q.scales, biases], q.weight.dim(0), template)
+}
+
+/// One warp per each of `cols` output columns; `y` is `h`'s shape with
+/// `cols` as its last axis.
+fn launch(kern: &CudaKernel, n: &NormIn, weights: &[&Array], cols: i32, mut template: Vec<(&'static str, TemplateArg)>) -> Result<(Array, Array)> {
+    let (h, dt) = (n.h, n.h.dtype());
+    let k = h.dim(-1);
+    let rows = h.size() / k as usize;
+    let hs = h.shape();
+    let mut ys = hs.clone();
+    *ys.last_mut().ok_or_else(|| Error::invalid("norm + GEMV of a scalar"))? = cols;
+    let mut inputs = vec![n.h, n.r, n.wn, n.eps];
+    inputs.extend_from_slice(weights);
+    template.extend([("K", TemplateArg::Int(k)), ("M", TemplateArg::Int(rows as i32)), ("T", TemplateArg::Dtype(dt))]);
+    let mut outs = kern.call(&inputs, &[(&hs, dt), (&ys, dt)], [warp_grid(cols)?, 1, 1], [THREADS, 1, 1], &template)?;
+    let y = outs.pop().ok_or_else(|| Error::mlx("norm + GEMV kernel: missing output"))?;
+    let s = outs.pop().ok_or_else(|| Error::mlx("norm + GEMV kernel: missing output"))?;
+    Ok((s, y))
+}

@@ -1,0 +1,193 @@
+//! `x @ dequantize(w).T` for a decode step's few rows over an MLX affine
+//! quantized projection (4 or 8 bits, groups of 32, 64 or 128, scales and
+//! biases in the activations' dtype). By the H200 profile the 8B-A1B's
+//! quantized GEMVs (MLX's `qmv` and `gather_qmv`) are 45% of its decode GPU
+//! time at 0.5-0.7 TB/s; this reads each weight row once with 16-byte loads,
+//! one warp per output column, as the bf16 GEMV (src/kernels/gemv.rs) does.
+//!
+//! A 16-byte chunk of packed words holds `128 / BITS` values of one group,
+//! so per chunk `sum((s * q + b) * x) = s * sum(q * x) + b * sum(x)`, summed
+//! in float32 and rounded to the dtype once, as MLX's kernels do (the order
+//! of the float32 sums differs: results agree to a rounding of the dtype).
+//!
+//! Opt-in (`MLX_LFM_QGEMV_KERNEL=1`) until its A/B on the H200 says it wins;
+//! its test is in src/kernels/tests.rs. The MoE experts' kernels
+//! (src/kernels/moe_experts.rs) share this file's chunk helpers.
+
+use super::gemv::HEADER as GEMV_HEADER;
+use crate::error::{Error, Result};
+use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
+use crate::mlx::{Array, Dtype, QuantMode, QuantSpec};
+use crate::model::linear::Quantized;
+use std::sync::OnceLock;
+
+pub(crate) const THREADS: i32 = 256;
+/// Rows of `x` one launch serves (more decode with MLX's quantized matmul).
+pub const MAX_ROWS: usize = 8;
+
+/// The chunk helpers: a chunk of `x` into floats (and its sum), and the
+/// sum of `q * x` over one packed 16-byte chunk (MLX packs the first value
+/// of a word in its lowest bits).
+pub(crate) const QUANT_HEADER: &str = "
+template <typename T, int BITS>
+__device__ inline float lfm_xchunk(const T* xr, size_t c, bool aligned, float* xf) {
+  constexpr int VPC = 128 / BITS;
+  constexpr int E = 16 / sizeof(T);
+  float xs = 0.0f;
+#pragma unroll
+  for (int t = 0; t < VPC / E; t++) {
+    const uint4 v = lfm_load16(xr, c * (VPC / E) + t, aligned);
+    const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+    for (int j = 0; j < E; j++) {
+      xf[t * E + j] = static_cast<float>(e[j]);
+      xs += xf[t * E + j];
+    }
+  }
+  return xs;
+}
+template <int BITS>
+__device__ inline float lfm_qx(const uint4& wv, const float* xf) {
+  constexpr int VPW = 32 / BITS;
+  constexpr uint32_t MASK = (1u << BITS) - 1u;
+  const uint32_t* ww = reinterpret_cast<const uint32_t*>(&wv);
+  float acc = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 4; j++) {
+#pragma unroll
+    for (int v = 0; v < VPW; v++) acc += static_cast<float>((ww[j] >> (BITS * v)) & MASK) * xf[j * VPW + v];
+  }
+  return acc;
+}
+// Output column n (this warp's) of x @ dequantize(w).T for M rows.
+template <typename T, int K, int M, int BITS, int GS>
+__device__ inline void lfm_qgemv_warp(const T* x, bool xa, const uint32_t* w, bool wa, const T* scales, const T* biases,
+                                      T* y, int N, int n, int lane) {
+  constexpr int VPC = 128 / BITS;
+  constexpr int C = K / VPC;
+  constexpr int G = K / GS;
+  constexpr int IT = (C + 31) / 32;
+  const uint32_t* wr = w + static_cast<size_t>(n) * (K * BITS / 32);
+  const T* sr = scales + static_cast<size_t>(n) * G;
+  const T* br = biases + static_cast<size_t>(n) * G;
+  float acc[M];
+#pragma unroll
+  for (int m = 0; m < M; m++) acc[m] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < IT; i++) {
+    const int c = lane + i * 32;
+    if (C % 32 != 0 && c >= C) break;
+    const uint4 wv = lfm_load16(wr, c, wa);
+    const int g = c * VPC / GS;
+    const float s = static_cast<float>(sr[g]);
+    const float b = static_cast<float>(br[g]);
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+      float xf[VPC];
+      const float xs = lfm_xchunk<T, BITS>(x + static_cast<size_t>(m) * K, c, xa, xf);
+      acc[m] += s * lfm_qx<BITS>(wv, xf) + b * xs;
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < M; m++) {
+    const float s = lfm_warp_sum(acc[m]);
+    if (lane == 0) y[static_cast<size_t>(m) * N + n] = T(s);
+  }
+}
+";
+
+/// Both headers, in the order the kernels need them.
+pub(crate) fn header() -> String {
+    format!("{GEMV_HEADER}{QUANT_HEADER}")
+}
+
+const SOURCE: &str = r#"
+  const int N = w_shape[0];
+  const int n = blockIdx.x * (256 / 32) + threadIdx.x / 32;
+  if (n >= N) return;
+  lfm_qgemv_warp<T, K, M, BITS, GS>(x, lfm_aligned(x), w, lfm_aligned(w), scales, biases, y, N, n, threadIdx.x % 32);
+"#;
+
+fn kernel() -> Option<&'static CudaKernel> {
+    static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
+    K.get_or_init(|| CudaKernel::new("lfm_qgemv", &["x", "w", "scales", "biases"], &["y"], SOURCE, &header()).ok())
+        .as_ref()
+}
+
+fn enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    super::opt_in("MLX_LFM_QGEMV_KERNEL", &ON)
+}
+
+/// Whether the chunk helpers serve this quantization for activations of
+/// dtype `dt` and input width `k`: affine, 4 or 8 bits, groups of 32, 64
+/// or 128 (a whole number of 16-byte chunks each), scales and biases in
+/// `dt`, and `k` at most 16,384 (the unrolled loop's length).
+pub(crate) fn spec_served(q: &Quantized, dt: Dtype, k: i32) -> bool {
+    let QuantSpec { mode, bits, group_size } = q.spec;
+    mode == QuantMode::Affine
+        && matches!(bits, 4 | 8)
+        && matches!(group_size, 32 | 64 | 128)
+        && dt.is_float()
+        && dt != Dtype::Float64
+        && q.scales.dtype() == dt
+        && q.biases.as_ref().is_some_and(|b| b.dtype() == dt)
+        && q.weight.dtype() == Dtype::Uint32
+        && k > 0
+        && k % group_size == 0
+        && k <= 16_384
+}
+
+/// Whether the kernel serves `x @ dequantize(q).T`: on, on CUDA, a 2-D
+/// `[N, K * bits / 32]` weight, `x` `[.., K]` with 1 to [`MAX_ROWS`] rows.
+pub fn available(x: &Array, q: &Quantized) -> bool {
+    if !enabled() || !cuda_kernels_enabled() || q.weight.ndim() != 2 || x.ndim() < 1 {
+        return false;
+    }
+    let k = x.dim(-1);
+    let rows = if k > 0 { x.size() / k as usize } else { 0 };
+    spec_served(q, x.dtype(), k)
+        && q.weight.dim(1) as i64 * 32 == k as i64 * q.spec.bits as i64
+        && q.scales.shape() == [q.weight.dim(0), k / q.spec.group_size]
+        && q.weight.dim(0) > 0
+        && (1..=MAX_ROWS).contains(&rows)
+        && kernel().is_some()
+}
+
+/// Template arguments every quantized kernel takes.
+pub(crate) fn quant_template(q: &Quantized, k: i32, dt: Dtype) -> Vec<(&'static str, TemplateArg)> {
+    vec![
+        ("K", TemplateArg::Int(k)),
+        ("BITS", TemplateArg::Int(q.spec.bits)),
+        ("GS", TemplateArg::Int(q.spec.group_size)),
+        ("T", TemplateArg::Dtype(dt)),
+    ]
+}
+
+/// Threads along x for one warp per each of `cols` outputs.
+pub(crate) fn warp_grid(cols: i32) -> Result<i32> {
+    let per_block = THREADS / 32;
+    ((cols + per_block - 1) / per_block)
+        .checked_mul(THREADS)
+        .ok_or_else(|| Error::invalid(format!("too many output columns ({cols}) for a GEMV kernel")))
+}
+
+/// `x @ dequantize(q).T` through the kernel (callers check [`available`]).
+pub fn qgemv(x: &Array, q: &Quantized) -> Result<Array> {
+    let kern = kernel().ok_or_else(|| Error::mlx("the quantized GEMV kernel is not available"))?;
+    let (n, k) = (q.weight.dim(0), x.dim(-1));
+    let rows = x.size() / k as usize;
+    let biases = q.biases.as_ref().ok_or_else(|| Error::invalid("the quantized GEMV kernel needs affine biases"))?;
+    let mut shape = x.shape();
+    *shape.last_mut().ok_or_else(|| Error::invalid("GEMV of a scalar"))? = n;
+    let mut template = quant_template(q, k, x.dtype());
+    template.push(("M", TemplateArg::Int(rows as i32)));
+    let mut outs = kern.call(
+        &[x, &q.weight, &q.scales, biases],
+        &[(&shape, x.dtype())],
+        [warp_grid(n)?, 1, 1],
+        [THREADS, 1, 1],
+        &template,
+    )?;
+    outs.pop().ok_or_else(|| Error::mlx("quantized GEMV kernel: missing output"))
+}
