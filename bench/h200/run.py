@@ -58,6 +58,7 @@ SITE = Path("/tmp/site")
 OUT = Path(os.environ.get("OUT", "/tmp/h200/out"))
 RAW = WORK / "raw.jsonl"
 BENCH = ROOT / ".device" / "bin" / "mlx-lfm-bench"
+TESTS = WORK / "tests"
 
 GEN = 256
 REPS = 3
@@ -125,15 +126,20 @@ def record(**kv):
         f.write(json.dumps(kv) + "\n")
 
 
-def stage(llama=True):
+def stage(llama=True, mlx=True):
     """Call 1: the first half of the MLX CUDA wheel, and llama.cpp's build
     started in the background (it takes ~5 minutes and runs on while the
-    next call generates and converts the checkpoints)."""
-    stage_dir = Path("/tmp/stage")
-    stage_dir.mkdir(parents=True, exist_ok=True)
-    for p in (ROOT / ".device" / "a").iterdir():
-        shutil.copy(p, stage_dir / p.name)
+    next call generates and converts the checkpoints). `stage-mlx` stages
+    the wheel alone (and keeps .device/tests, carried beside it, for
+    `kernels`); `llama` starts the build alone."""
     WORK.mkdir(parents=True, exist_ok=True)
+    if mlx:
+        stage_dir = Path("/tmp/stage")
+        stage_dir.mkdir(parents=True, exist_ok=True)
+        for p in (ROOT / ".device" / "a").iterdir():
+            shutil.copy(p, stage_dir / p.name)
+        if (ROOT / ".device" / "tests").is_dir():
+            shutil.copytree(ROOT / ".device" / "tests", TESTS, dirs_exist_ok=True)
     if llama and not (LLBIN / "llama-bench").exists():
         shutil.rmtree(LLSRC, ignore_errors=True)
         sh(["tar", "xzf", ROOT / ".device" / "llama" / "llsrc.tgz", "-C", "/tmp"])
@@ -452,7 +458,7 @@ def kernels():
     on this GPU, each test's verdict recorded. If a default kernel's test
     fails, the benchmark runs with the kernels off (MLX_LFM_KERNELS=0); an
     opt-in kernel whose tests fail is not adopted by `pick`."""
-    tests = sorted((ROOT / ".device" / "tests").glob("mlx_lfm-*"))
+    tests = sorted((ROOT / ".device" / "tests").glob("mlx_lfm-*")) or sorted(TESTS.glob("mlx_lfm-*"))
     if not tests:
         raise SystemExit("no test binary in .device/tests (bench/h200/prepare.sh builds it)")
     r = sh([tests[0], "kernels::", "--test-threads", "1", "--nocapture"], "kernel-tests", check=False)
@@ -642,6 +648,10 @@ def main():
                 stage()
             elif a == "stage-mlx":
                 stage(llama=False)
+            elif a == "llama":
+                stage(mlx=False)
+            elif a == "install":
+                install()
             elif a == "round":
                 i += 1
                 rounds(int(args[i]))
