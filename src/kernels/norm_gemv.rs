@@ -90,7 +90,7 @@ const SWIGLU_SOURCE: &str = r#"
 const QUANT_SOURCE: &str = r#"
   const int N = w_shape[0];
   if (n >= N) return;
-  lfm_qgemv_warp<T, K, M, BITS, GS>(ys, true, w, lfm_aligned(w), scales, biases, y, N, n, lane);
+  lfm_qgemv_warp<T, K, M, BITS, GS>(ys, true, w, scales, biases, y, N, n, lane);
 "#;
 
 fn header(quant: bool) -> String {
