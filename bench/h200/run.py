@@ -713,7 +713,21 @@ def pack_logs():
     logs = [p for p in OUT.iterdir() if p.is_file() and p.name not in ("raw.jsonl", "logs.tgz")]
     if not logs:
         return
+    # A second run.py in the same call packs beside the first's logs
+    # (once, this session's kernel test log was lost to an overwrite).
+    earlier = OUT / "logs.tgz"
+    kept = {}
+    if earlier.exists():
+        with tarfile.open(earlier, "r:gz") as old:
+            for m in old.getmembers():
+                f = old.extractfile(m)
+                if f and m.name not in {p.name for p in logs}:
+                    kept[m.name] = (m, f.read())
+    import io
+
     with tarfile.open(OUT / "logs.tgz", "w:gz") as tar:
+        for m, data in kept.values():
+            tar.addfile(m, io.BytesIO(data))
         for p in logs:
             tar.add(p, arcname=p.name)
     for p in logs:

@@ -19,26 +19,50 @@ mod tests;
 use std::sync::OnceLock;
 
 thread_local! {
-    static FORCED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Which opt-in kernels a test turned on: bit 0 the dense ones, bit 1
+    /// the quantized ones.
+    static FORCED: std::cell::Cell<u8> = const { std::cell::Cell::new(0) };
+}
+
+const DENSE: u8 = 1;
+const QUANTIZED: u8 = 2;
+
+fn forced<R>(bits: u8, f: impl FnOnce() -> R) -> R {
+    struct Reset(u8);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            FORCED.with(|c| c.set(self.0));
+        }
+    }
+    let _reset = Reset(FORCED.with(|c| c.replace(bits)));
+    f()
 }
 
 /// Runs `f` with every opt-in kernel on on this thread, without their
 /// environment variables (the kernel tests; other tests in the process keep
 /// the defaults).
 pub fn with_opt_in<R>(f: impl FnOnce() -> R) -> R {
-    struct Reset(bool);
-    impl Drop for Reset {
-        fn drop(&mut self) {
-            FORCED.with(|c| c.set(self.0));
-        }
-    }
-    let _reset = Reset(FORCED.with(|c| c.replace(true)));
-    f()
+    forced(DENSE | QUANTIZED, f)
 }
 
-/// Whether an opt-in kernel is on: `var=1`, read once into `cell`, or
-/// [`with_opt_in`]. Kernels stay opt-in until their A/B on the GPU they
-/// were written for says they win (`bench/h200/run.py ab`).
+/// As [`with_opt_in`], the dense (float-weight) kernels only: the quantized
+/// ones do not round as MLX's quantized kernels do yet (quant_gemv.rs).
+pub fn with_dense_opt_in<R>(f: impl FnOnce() -> R) -> R {
+    forced(DENSE, f)
+}
+
+/// Whether a dense opt-in kernel is on: `var=1`, read once into `cell`, or
+/// a test's [`with_opt_in`]. Kernels stay opt-in until their A/B on the GPU
+/// they were written for says they win (`bench/h200/run.py ab`).
 fn opt_in(var: &str, cell: &OnceLock<bool>) -> bool {
-    FORCED.with(|c| c.get()) || *cell.get_or_init(|| std::env::var(var).ok().as_deref() == Some("1"))
+    switch(DENSE, var, cell)
+}
+
+/// [`opt_in`] for the quantized kernels.
+fn opt_in_quantized(var: &str, cell: &OnceLock<bool>) -> bool {
+    switch(QUANTIZED, var, cell)
+}
+
+fn switch(bit: u8, var: &str, cell: &OnceLock<bool>) -> bool {
+    FORCED.with(|c| c.get() & bit != 0) || *cell.get_or_init(|| std::env::var(var).ok().as_deref() == Some("1"))
 }

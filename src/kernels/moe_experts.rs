@@ -9,13 +9,13 @@
 //! small kernels per MoE layer (split, sigmoid, multiplies, the reduce):
 //! on the 8B-A1B's 22 MoE layers, ~130 launches a token.
 //!
-//! Rounding follows the stock graph: each projection as MLX's gather_qmv
-//! computes it (`lfm_qdot`, src/kernels/quant_gemv.rs) rounded to the dtype,
+//! Rounding follows the stock graph: each projection rounded to the dtype,
 //! the gate as `lfm_swiglu`, each expert's output rounded and multiplied by
 //! its score in the dtype, the k products summed in float32 and rounded
 //! once (MLX's reduce accumulates bf16 in float32).
 //!
-//! Opt-in (`MLX_LFM_MOE_KERNEL=1`) until its A/B on the H200 says it wins;
+//! Opt-in (`MLX_LFM_MOE_KERNEL=1`): its projections round as the quantized
+//! GEMV's do, not yet as MLX's `gather_qmv` (see src/kernels/quant_gemv.rs);
 //! tests in src/kernels/tests.rs.
 
 use super::quant_gemv::{header, quant_template, spec_served, warp_grid, THREADS};
@@ -26,39 +26,78 @@ use crate::model::linear::Quantized;
 use std::sync::OnceLock;
 
 const GATE_UP_SOURCE: &str = r#"
+  constexpr int VPC = 128 / BITS;
+  constexpr int C = K / VPC;
   constexpr int G = K / GS;
   constexpr int WORDS = K * BITS / 32;
+  constexpr int IT = (C + 31) / 32;
+  const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int rows = w_shape[1];
   const int F = rows / 2;
-  const int n = blockIdx.x * (256 / 32) + threadIdx.x / 32;
+  const int n = blockIdx.x * (256 / 32) + warp;
   if (n >= F) return;
   const int slot = blockIdx.y;
+  const int r = slot / KE;
   const size_t e = idx[slot];
+  const bool wa = lfm_aligned(w);
   const bool xa = lfm_aligned(x);
   const size_t gi = e * rows + n;
   const size_t ui = e * rows + F + n;
-  const T* xr = x + static_cast<size_t>(slot / KE) * K;
-  const float g = lfm_qwarp_sum(lfm_qdot<T, K, BITS, GS>(xr, xa, w + gi * WORDS, scales + gi * G, biases + gi * G, lane));
-  const float u = lfm_qwarp_sum(lfm_qdot<T, K, BITS, GS>(xr, xa, w + ui * WORDS, scales + ui * G, biases + ui * G, lane));
-  if (lane == 0) y[static_cast<size_t>(slot) * F + n] = lfm_swiglu<T>(g, u);
+  const uint32_t* gr = w + gi * WORDS;
+  const uint32_t* ur = w + ui * WORDS;
+  const T* xr = x + static_cast<size_t>(r) * K;
+  float ag = 0.0f;
+  float au = 0.0f;
+#pragma unroll
+  for (int i = 0; i < IT; i++) {
+    const int c = lane + i * 32;
+    if (C % 32 != 0 && c >= C) break;
+    const uint4 gv = lfm_load16(gr, c, wa);
+    const uint4 uv = lfm_load16(ur, c, wa);
+    const int g = c * VPC / GS;
+    float xf[VPC];
+    const float xs = lfm_xchunk<T, BITS>(xr, c, xa, xf);
+    ag += static_cast<float>(scales[gi * G + g]) * lfm_qx<BITS>(gv, xf) + static_cast<float>(biases[gi * G + g]) * xs;
+    au += static_cast<float>(scales[ui * G + g]) * lfm_qx<BITS>(uv, xf) + static_cast<float>(biases[ui * G + g]) * xs;
+  }
+  ag = lfm_warp_sum(ag);
+  au = lfm_warp_sum(au);
+  if (lane == 0) y[static_cast<size_t>(slot) * F + n] = lfm_swiglu<T>(ag, au);
 "#;
 
 const DOWN_SOURCE: &str = r#"
+  constexpr int VPC = 128 / BITS;
+  constexpr int C = K / VPC;
   constexpr int G = K / GS;
   constexpr int WORDS = K * BITS / 32;
+  constexpr int IT = (C + 31) / 32;
+  const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int D = w_shape[1];
-  const int n = blockIdx.x * (256 / 32) + threadIdx.x / 32;
+  const int n = blockIdx.x * (256 / 32) + warp;
   if (n >= D) return;
   const int r = blockIdx.y;
+  const bool wa = lfm_aligned(w);
   const bool xa = lfm_aligned(h);
   float total = 0.0f;
   for (int j = 0; j < KE; j++) {
     const int slot = r * KE + j;
     const size_t wi = static_cast<size_t>(idx[slot]) * D + n;
+    const uint32_t* wr = w + wi * WORDS;
     const T* hr = h + static_cast<size_t>(slot) * K;
-    const float a = lfm_qwarp_sum(lfm_qdot<T, K, BITS, GS>(hr, xa, w + wi * WORDS, scales + wi * G, biases + wi * G, lane));
+    float a = 0.0f;
+#pragma unroll
+    for (int i = 0; i < IT; i++) {
+      const int c = lane + i * 32;
+      if (C % 32 != 0 && c >= C) break;
+      const uint4 wv = lfm_load16(wr, c, wa);
+      const int g = c * VPC / GS;
+      float xf[VPC];
+      const float xs = lfm_xchunk<T, BITS>(hr, c, xa, xf);
+      a += static_cast<float>(scales[wi * G + g]) * lfm_qx<BITS>(wv, xf) + static_cast<float>(biases[wi * G + g]) * xs;
+    }
+    a = lfm_warp_sum(a);
     total += static_cast<float>(T(static_cast<float>(T(a)) * static_cast<float>(score[slot])));
   }
   if (lane == 0) y[static_cast<size_t>(r) * D + n] = T(total);
@@ -82,7 +121,7 @@ fn down_kernel() -> Option<&'static CudaKernel> {
 
 fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    super::opt_in("MLX_LFM_MOE_KERNEL", &ON)
+    super::opt_in_quantized("MLX_LFM_MOE_KERNEL", &ON)
 }
 
 /// The largest `rows * k` a launch takes (CUDA's grid y limit).

@@ -90,7 +90,7 @@ const SWIGLU_SOURCE: &str = r#"
 const QUANT_SOURCE: &str = r#"
   const int N = w_shape[0];
   if (n >= N) return;
-  lfm_qgemv_warp<T, K, M, BITS, GS>(ys, true, w, scales, biases, y, N, n, lane);
+  lfm_qgemv_warp<T, K, M, BITS, GS>(ys, true, w, lfm_aligned(w), scales, biases, y, N, n, lane);
 "#;
 
 fn header(quant: bool) -> String {
@@ -170,9 +170,11 @@ pub fn swiglu_available(n: &NormIn, w: &Array) -> bool {
     dense_available(n, w) && w.dim(0) % 2 == 0 && swiglu_kernel().is_some()
 }
 
-/// Whether [`norm_qgemv`] serves `n` and the quantized `[N, K * bits / 32]` `q`.
+/// Whether [`norm_qgemv`] serves `n` and the quantized `[N, K * bits / 32]`
+/// `q` (the quantized GEMV's switch must be on too: it rounds as that
+/// kernel does).
 pub fn quant_available(n: &NormIn, q: &Quantized) -> bool {
-    n.served().is_some_and(|(k, _)| {
+    super::quant_gemv::switched_on() && n.served().is_some_and(|(k, _)| {
         spec_served(q, n.h.dtype(), k)
             && q.weight.ndim() == 2
             && q.weight.dim(0) > 0

@@ -5,10 +5,19 @@
 //! time at 0.5-0.7 TB/s; this reads each weight row once with 16-byte loads,
 //! one warp per output column, as the bf16 GEMV (src/kernels/gemv.rs) does.
 //!
-//! The arithmetic is MLX's own (`lfm_qdot`): the first version summed
-//! `s * sum(q * x) + b * sum(x)` in float32, more exactly than MLX's 4-bit
-//! kernels (which accumulate in bf16), and so differed from the stock ops
-//! by 3-4 bf16 roundings on the H200, enough to change greedy tokens.
+//! A 16-byte chunk of packed words holds `128 / BITS` values of one group,
+//! so per chunk `sum((s * q + b) * x) = s * sum(q * x) + b * sum(x)`, summed
+//! in float32 and rounded to the dtype once.
+//!
+//! Not yet equal to the stock ops: on the H200 (2026-12-02) this differed
+//! from MLX's `qmv` by up to 3 bf16 roundings (0.023 relative on a 1x2048 @
+//! 6144x2048 4-bit product), because MLX's 4-bit kernels accumulate in
+//! bf16; a version mimicking the newest upstream `qmv` (bf16 accumulators,
+//! 16 values a lane) differed by 0.049, so MLX 0.32.4's kernel partitions
+//! its sums in some other way. The tests measure both against a float32
+//! reference instead (this kernel must be at least as close as MLX's), and
+//! the kernel stays off by default: a 4-bit fixture's greedy tokens
+//! differed from the stock ops' after 24 tokens.
 //!
 //! Opt-in (`MLX_LFM_QGEMV_KERNEL=1`) until its A/B on the H200 says it wins;
 //! its test is in src/kernels/tests.rs. The MoE experts' kernels
@@ -25,88 +34,72 @@ pub(crate) const THREADS: i32 = 256;
 /// Rows of `x` one launch serves (more decode with MLX's quantized matmul).
 pub const MAX_ROWS: usize = 8;
 
-/// One lane's part of a quantized row's dot product, computed as MLX's own
-/// CUDA `qmv`/`gather_qmv` compute it (mlx/backend/cuda/quantized/qmm/qmv.cu
-/// in the MLX we link), so that our results equal the stock ops': each lane
-/// takes EPT consecutive values per pass (16 for a 16-bit dtype at 4 bits,
-/// else 8), dequantizes them in the dtype (`q * scale + bias`, each step
-/// rounded), accumulates them per position in the dtype (at 8 bits, in
-/// float32), then sums its EPT accumulators in float32; the warp's sum is a
-/// cooperative-groups reduction, rounded to the dtype once. Rounding through
-/// float32 where MLX uses a 16-bit intrinsic gives the same value (the
-/// products of two 16-bit floats are exact in float32).
+/// The chunk helpers: a chunk of `x` into floats (and its sum), and the
+/// sum of `q * x` over one packed 16-byte chunk (MLX packs the first value
+/// of a word in its lowest bits).
 pub(crate) const QUANT_HEADER: &str = "
-#include <cooperative_groups/reduce.h>
-template <typename T, int K, int BITS, int GS>
-__device__ inline float lfm_qdot(const T* x, bool xa, const uint32_t* wr, const T* sr, const T* br, int lane) {
-  constexpr bool NARROW = sizeof(T) <= 2 && BITS <= 4;
-  constexpr int EPT = NARROW ? 16 : 8;
-  constexpr bool FACC = BITS >= 8 || sizeof(T) == 4;
-  constexpr int PER = 32 * EPT;
-  constexpr int FULL = K / PER;
-  constexpr int REST = K % PER;
-  constexpr int VPW = 32 / BITS;
-  constexpr int WPL = EPT / VPW;
-  constexpr int XC = EPT * sizeof(T) / 16;
-  constexpr uint32_t MASK = (1u << BITS) - 1u;
-  float accf[EPT];
-  T acct[EPT];
+template <typename T, int BITS>
+__device__ inline float lfm_xchunk(const T* xr, size_t c, bool aligned, float* xf) {
+  constexpr int VPC = 128 / BITS;
+  constexpr int E = 16 / sizeof(T);
+  float xs = 0.0f;
 #pragma unroll
-  for (int i = 0; i < EPT; i++) { accf[i] = 0.0f; acct[i] = T(0.0f); }
-  auto pass = [&](int idx) {
-    const int g = idx / GS;
-    const float s = static_cast<float>(sr[g]);
-    const float b = static_cast<float>(br[g]);
-    uint32_t wv[WPL];
+  for (int t = 0; t < VPC / E; t++) {
+    const uint4 v = lfm_load16(xr, c * (VPC / E) + t, aligned);
+    const T* e = reinterpret_cast<const T*>(&v);
 #pragma unroll
-    for (int j = 0; j < WPL; j++) wv[j] = wr[idx / VPW + j];
-    uint4 xv[XC];
-#pragma unroll
-    for (int t = 0; t < XC; t++) xv[t] = lfm_load16(x, idx / (16 / sizeof(T)) + t, xa);
-    const T* xe = reinterpret_cast<const T*>(xv);
-#pragma unroll
-    for (int i = 0; i < EPT; i++) {
-      const float q = static_cast<float>((wv[i / VPW] >> (BITS * (i % VPW))) & MASK);
-      float w;
-      if constexpr (sizeof(T) == 4) {
-        w = fmaf(q, s, b);
-      } else {
-        w = static_cast<float>(T(static_cast<float>(T(q * s)) + b));
-      }
-      if constexpr (FACC) {
-        accf[i] = fmaf(static_cast<float>(xe[i]), w, accf[i]);
-      } else {
-        acct[i] = T(fmaf(static_cast<float>(xe[i]), w, static_cast<float>(acct[i])));
-      }
+    for (int j = 0; j < E; j++) {
+      xf[t * E + j] = static_cast<float>(e[j]);
+      xs += xf[t * E + j];
     }
-  };
-#pragma unroll
-  for (int r = 0; r < FULL; r++) pass(lane * EPT + r * PER);
-  if constexpr (REST != 0) {
-    const int idx = lane * EPT + K - REST;
-    if (idx < K) pass(idx);
   }
-  float sum = 0.0f;
-#pragma unroll
-  for (int i = 0; i < EPT; i++) sum += FACC ? accf[i] : static_cast<float>(acct[i]);
-  return sum;
+  return xs;
 }
-// The warp's total of each lane's lfm_qdot, as MLX reduces it.
-__device__ inline float lfm_qwarp_sum(float v) {
-  namespace cgq = cooperative_groups;
-  return cgq::reduce(cgq::tiled_partition<32>(cgq::this_thread_block()), v, cgq::plus<float>());
+template <int BITS>
+__device__ inline float lfm_qx(const uint4& wv, const float* xf) {
+  constexpr int VPW = 32 / BITS;
+  constexpr uint32_t MASK = (1u << BITS) - 1u;
+  const uint32_t* ww = reinterpret_cast<const uint32_t*>(&wv);
+  float acc = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 4; j++) {
+#pragma unroll
+    for (int v = 0; v < VPW; v++) acc += static_cast<float>((ww[j] >> (BITS * v)) & MASK) * xf[j * VPW + v];
+  }
+  return acc;
 }
 // Output column n (this warp's) of x @ dequantize(w).T for M rows.
 template <typename T, int K, int M, int BITS, int GS>
-__device__ inline void lfm_qgemv_warp(const T* x, bool xa, const uint32_t* w, const T* scales, const T* biases,
+__device__ inline void lfm_qgemv_warp(const T* x, bool xa, const uint32_t* w, bool wa, const T* scales, const T* biases,
                                       T* y, int N, int n, int lane) {
+  constexpr int VPC = 128 / BITS;
+  constexpr int C = K / VPC;
   constexpr int G = K / GS;
+  constexpr int IT = (C + 31) / 32;
   const uint32_t* wr = w + static_cast<size_t>(n) * (K * BITS / 32);
   const T* sr = scales + static_cast<size_t>(n) * G;
   const T* br = biases + static_cast<size_t>(n) * G;
+  float acc[M];
+#pragma unroll
+  for (int m = 0; m < M; m++) acc[m] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < IT; i++) {
+    const int c = lane + i * 32;
+    if (C % 32 != 0 && c >= C) break;
+    const uint4 wv = lfm_load16(wr, c, wa);
+    const int g = c * VPC / GS;
+    const float s = static_cast<float>(sr[g]);
+    const float b = static_cast<float>(br[g]);
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+      float xf[VPC];
+      const float xs = lfm_xchunk<T, BITS>(x + static_cast<size_t>(m) * K, c, xa, xf);
+      acc[m] += s * lfm_qx<BITS>(wv, xf) + b * xs;
+    }
+  }
 #pragma unroll
   for (int m = 0; m < M; m++) {
-    const float s = lfm_qwarp_sum(lfm_qdot<T, K, BITS, GS>(x + static_cast<size_t>(m) * K, xa, wr, sr, br, lane));
+    const float s = lfm_warp_sum(acc[m]);
     if (lane == 0) y[static_cast<size_t>(m) * N + n] = T(s);
   }
 }
@@ -121,7 +114,7 @@ const SOURCE: &str = r#"
   const int N = w_shape[0];
   const int n = blockIdx.x * (256 / 32) + threadIdx.x / 32;
   if (n >= N) return;
-  lfm_qgemv_warp<T, K, M, BITS, GS>(x, lfm_aligned(x), w, scales, biases, y, N, n, threadIdx.x % 32);
+  lfm_qgemv_warp<T, K, M, BITS, GS>(x, lfm_aligned(x), w, lfm_aligned(w), scales, biases, y, N, n, threadIdx.x % 32);
 "#;
 
 fn kernel() -> Option<&'static CudaKernel> {
@@ -132,7 +125,12 @@ fn kernel() -> Option<&'static CudaKernel> {
 
 fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    super::opt_in("MLX_LFM_QGEMV_KERNEL", &ON)
+    super::opt_in_quantized("MLX_LFM_QGEMV_KERNEL", &ON)
+}
+
+/// Whether `MLX_LFM_QGEMV_KERNEL` (or a test) turned the quantized GEMVs on.
+pub(crate) fn switched_on() -> bool {
+    enabled()
 }
 
 /// Whether the chunk helpers serve this quantization for activations of
