@@ -349,7 +349,10 @@ def profile():
         csv = sh(["ncu", "--import", f"{rep}.ncu-rep", "--csv", "--page", "raw", "--print-units", "base",
                   "--print-kernel-base", "function"], check=False)
         (OUT / f"ncu-{name}.csv").write_text(csv.stdout)
-        record(engine="ncu", model=name, kernels=summarize_ncu(csv.stdout))
+        # The switches it ran with (`MLX_LFM_GEMV_KERNEL=1 run.py profile`
+        # profiles an opt-in kernel's step).
+        switches = {k: v for k, v in e.items() if k.startswith("MLX_LFM_")}
+        record(engine="ncu", model=name, kernels=summarize_ncu(csv.stdout), switches=switches)
         # The same step's wall time without ncu (median over 64 steps, 3 reps).
         r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--concurrent", "1", "--prompts", "512",
                 "--gen", "64", "--reps", "3"], f"step-{name}", check=False)
@@ -486,11 +489,12 @@ AB = {
     # variant -> (environment, the models it changes).
     "stock": ({"MLX_LFM_FUSE_PROJECTIONS": "0", "MLX_LFM_KERNELS": "0"}, None),
     "all": ({}, None),
-    # Opt-in until this A/B: the fused add + RMSNorm for decode-sized inputs
-    # only (MLX's ops in a prefill); MoE experts with many prefill rows as
-    # dequantize + matmul; the bf16 GEMV (+ SwiGLU); the quantized GEMV; the
-    # MoE experts' two kernels.
-    "norm-kernel-up-to-16-rows": ({"MLX_LFM_ADD_RMS_NORM_MAX_ROWS": "16"}, ["lfm2-1.2b-bf16"]),
+    # The fused add + RMSNorm over every row count (the default since
+    # 2026-12-02 stops at 16 rows: MLX's ops in a prefill). Opt-in until
+    # this A/B: MoE experts with many prefill rows as dequantize + matmul;
+    # the bf16 GEMV (+ SwiGLU), alone and with the norm folded into it; the
+    # quantized GEMV and the MoE experts' two kernels (with the norm fold).
+    "norm-kernel-all-rows": ({"MLX_LFM_ADD_RMS_NORM_MAX_ROWS": "all"}, ["lfm2-1.2b-bf16"]),
     "gemv-kernel": ({"MLX_LFM_GEMV_KERNEL": "1"}, ["lfm2-1.2b-bf16"]),
     "gemv-norm-kernels": ({"MLX_LFM_GEMV_KERNEL": "1", "MLX_LFM_NORM_GEMV_KERNEL": "1"}, ["lfm2-1.2b-bf16"]),
     "moe-dequant-from-16-rows": ({"MLX_LFM_MOE_DEQUANT_ROWS": "16"}, ["lfm2-8b-a1b-q4"]),
@@ -513,14 +517,14 @@ AB_TESTS = {
     "quant-kernels": ["quant_gemv_kernel_matches_stock_ops", "moe_experts_kernels_match_stock_ops", GREEDY],
     "quant-norm-kernels": ["quant_gemv_kernel_matches_stock_ops", "moe_experts_kernels_match_stock_ops",
                            "norm_gemv_kernels_match_stock_ops", GREEDY],
-    "norm-kernel-up-to-16-rows": ["add_rms_norm_kernel_matches_stock_ops"],
+    "norm-kernel-all-rows": ["add_rms_norm_kernel_matches_stock_ops"],
 }
 # Groups of variants of which `pick` adopts at most one: (variants, the
 # figure it must raise by 3% over "all" without the other falling 3%).
 PICK = [
     (["gemv-kernel", "gemv-norm-kernels"], "decode"),
     (["qgemv-kernel", "moe-kernel", "quant-kernels", "quant-norm-kernels"], "decode"),
-    (["norm-kernel-up-to-16-rows"], "prefill"),
+    (["norm-kernel-all-rows"], "prefill"),
     (["moe-dequant-from-16-rows", "moe-dequant-from-64-rows"], "prefill"),
 ]
 # Switches that change both models' steps: adopted only where every decode

@@ -68,14 +68,23 @@ fn kernel() -> Option<&'static CudaKernel> {
         .as_ref()
 }
 
-/// MLX_LFM_ADD_RMS_NORM_MAX_ROWS=N: the fused kernel serves at most N rows
-/// (MLX's add and rms_norm the rest). Unset: every row count. The kernel was
-/// written and measured for decode (1-16 rows); in a 512-token prefill on
-/// the H200 ncu timed it at 27 µs a launch, so this switch is the A/B that
-/// decides whether prefill keeps it (`bench/h200/run.py ab`).
+/// The fused kernel serves at most this many rows (MLX's add and rms_norm
+/// the rest): it was written for decode (1-16 rows), and in a 512-token
+/// prefill on the H200 ncu timed it at 27 µs a launch. The A/B of
+/// 2026-12-02 (`bench/results/2026-12-02-h200-opt-in-kernels.raw.jsonl`,
+/// call 8: the 1.2B's 512-token prefill, two interleaved turns) measured
+/// MLX's ops there 4.9% faster with decode unchanged, which `run.py pick`'s
+/// rule (3%) adopts. `MLX_LFM_ADD_RMS_NORM_MAX_ROWS=N` sets another bound,
+/// `all` lifts it.
+const DEFAULT_MAX_ROWS: usize = 16;
+
 fn max_rows() -> Option<usize> {
     static MAX: OnceLock<Option<usize>> = OnceLock::new();
-    *MAX.get_or_init(|| std::env::var("MLX_LFM_ADD_RMS_NORM_MAX_ROWS").ok().and_then(|v| v.parse().ok()))
+    *MAX.get_or_init(|| match std::env::var("MLX_LFM_ADD_RMS_NORM_MAX_ROWS").ok().as_deref() {
+        Some("all") => None,
+        Some(v) => Some(v.trim().parse().unwrap_or(DEFAULT_MAX_ROWS)),
+        None => Some(DEFAULT_MAX_ROWS),
+    })
 }
 
 /// Whether the fused kernel serves these operands on this backend.

@@ -89,7 +89,7 @@ fn moe_router_kernel_matches_stock_ops() {
 
 /// `h + r` and its RMSNorm: the sum within one rounding of MLX's add, the
 /// norm within one rounding of MLX's rms_norm after it, over widths that do
-/// and do not fill the block and for one row and many.
+/// and do not fill the block and for one row and up to the bound of 16.
 #[test]
 fn add_rms_norm_kernel_matches_stock_ops() {
     if skip("add_rms_norm_kernel_matches_stock_ops") {
@@ -98,7 +98,7 @@ fn add_rms_norm_kernel_matches_stock_ops() {
     use crate::kernels::add_rms_norm::{add_rms_norm, available};
     use crate::mlx::random::normal;
     for (dt, tol) in [(Dtype::Bfloat16, 1.6e-2f32), (Dtype::Float16, 2e-3), (Dtype::Float32, 2e-6)] {
-        for (rows, d) in [(1, 2048), (37, 1024), (5, 100), (3, 1536)] {
+        for (rows, d) in [(1, 2048), (16, 1024), (5, 100), (3, 1536)] {
             let h = normal(&[rows, d], Dtype::Float32, 0.0, 4.0, None).unwrap().astype(dt).unwrap();
             let r = normal(&[rows, d], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
             let w = normal(&[d], Dtype::Float32, 1.0, 0.2, None).unwrap().astype(dt).unwrap();
@@ -116,6 +116,10 @@ fn add_rms_norm_kernel_matches_stock_ops() {
             assert_eq!(ky.shape(), sy.shape());
         }
     }
+    // A prefill's rows take MLX's add and rms_norm (the kernel's default bound, 16).
+    let h = normal(&[17, 64], Dtype::Float32, 0.0, 1.0, None).unwrap();
+    let w = normal(&[64], Dtype::Float32, 1.0, 0.2, None).unwrap();
+    assert!(!available(&h, &h, &w), "17 rows took the decode kernel");
 }
 
 /// 64 greedy tokens with the fused kernels equal those of the stock ops, on
