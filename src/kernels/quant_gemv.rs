@@ -68,10 +68,11 @@ __device__ inline float lfm_qx(const uint4& wv, const float* xf) {
   }
   return acc;
 }
-// Output column n (this warp's) of x @ dequantize(w).T for M rows.
-template <typename T, int K, int M, int BITS, int GS>
-__device__ inline void lfm_qgemv_warp(const T* x, bool xa, const uint32_t* w, bool wa, const T* scales, const T* biases,
-                                      T* y, int N, int n, int lane) {
+// Output column n (this warp's) of x @ dequantize(w).T for M rows; the
+// alignment test outside the unrolled loop (see lfm_dot_rows_a).
+template <typename T, int K, int M, int BITS, int GS, bool ALIGNED>
+__device__ inline void lfm_qgemv_warp_a(const T* x, const uint32_t* w, const T* scales, const T* biases,
+                                        T* y, int N, int n, int lane) {
   constexpr int VPC = 128 / BITS;
   constexpr int C = K / VPC;
   constexpr int G = K / GS;
@@ -86,14 +87,14 @@ __device__ inline void lfm_qgemv_warp(const T* x, bool xa, const uint32_t* w, bo
   for (int i = 0; i < IT; i++) {
     const int c = lane + i * 32;
     if (C % 32 != 0 && c >= C) break;
-    const uint4 wv = lfm_load16(wr, c, wa);
+    const uint4 wv = lfm_load16(wr, c, ALIGNED);
     const int g = c * VPC / GS;
     const float s = static_cast<float>(sr[g]);
     const float b = static_cast<float>(br[g]);
 #pragma unroll
     for (int m = 0; m < M; m++) {
       float xf[VPC];
-      const float xs = lfm_xchunk<T, BITS>(x + static_cast<size_t>(m) * K, c, xa, xf);
+      const float xs = lfm_xchunk<T, BITS>(x + static_cast<size_t>(m) * K, c, ALIGNED, xf);
       acc[m] += s * lfm_qx<BITS>(wv, xf) + b * xs;
     }
   }
@@ -101,6 +102,15 @@ __device__ inline void lfm_qgemv_warp(const T* x, bool xa, const uint32_t* w, bo
   for (int m = 0; m < M; m++) {
     const float s = lfm_warp_sum(acc[m]);
     if (lane == 0) y[static_cast<size_t>(m) * N + n] = T(s);
+  }
+}
+template <typename T, int K, int M, int BITS, int GS>
+__device__ inline void lfm_qgemv_warp(const T* x, bool xa, const uint32_t* w, bool wa, const T* scales, const T* biases,
+                                      T* y, int N, int n, int lane) {
+  if (xa && wa) {
+    lfm_qgemv_warp_a<T, K, M, BITS, GS, true>(x, w, scales, biases, y, N, n, lane);
+  } else {
+    lfm_qgemv_warp_a<T, K, M, BITS, GS, false>(x, w, scales, biases, y, N, n, lane);
   }
 }
 ";
