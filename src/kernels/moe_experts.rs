@@ -26,40 +26,26 @@ use crate::model::linear::Quantized;
 use std::sync::OnceLock;
 
 const GATE_UP_SOURCE: &str = r#"
-  constexpr int VPC = 128 / BITS;
-  constexpr int C = K / VPC;
   constexpr int G = K / GS;
   constexpr int WORDS = K * BITS / 32;
-  constexpr int IT = (C + 31) / 32;
-  const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int rows = w_shape[1];
   const int F = rows / 2;
-  const int n = blockIdx.x * (256 / 32) + warp;
+  const int n = blockIdx.x * (256 / 32) + threadIdx.x / 32;
   if (n >= F) return;
   const int slot = blockIdx.y;
-  const int r = slot / KE;
   const size_t e = idx[slot];
-  const bool wa = lfm_aligned(w);
-  const bool xa = lfm_aligned(x);
   const size_t gi = e * rows + n;
   const size_t ui = e * rows + F + n;
-  const uint32_t* gr = w + gi * WORDS;
-  const uint32_t* ur = w + ui * WORDS;
-  const T* xr = x + static_cast<size_t>(r) * K;
+  const T* xr = x + static_cast<size_t>(slot / KE) * K;
   float ag = 0.0f;
   float au = 0.0f;
-#pragma unroll
-  for (int i = 0; i < IT; i++) {
-    const int c = lane + i * 32;
-    if (C % 32 != 0 && c >= C) break;
-    const uint4 gv = lfm_load16(gr, c, wa);
-    const uint4 uv = lfm_load16(ur, c, wa);
-    const int g = c * VPC / GS;
-    float xf[VPC];
-    const float xs = lfm_xchunk<T, BITS>(xr, c, xa, xf);
-    ag += static_cast<float>(scales[gi * G + g]) * lfm_qx<BITS>(gv, xf) + static_cast<float>(biases[gi * G + g]) * xs;
-    au += static_cast<float>(scales[ui * G + g]) * lfm_qx<BITS>(uv, xf) + static_cast<float>(biases[ui * G + g]) * xs;
+  if (lfm_aligned(w) && lfm_aligned(x)) {
+    lfm_qdot2_a<T, K, BITS, GS, true>(xr, w + gi * WORDS, scales + gi * G, biases + gi * G, w + ui * WORDS,
+                                      scales + ui * G, biases + ui * G, lane, ag, au);
+  } else {
+    lfm_qdot2_a<T, K, BITS, GS, false>(xr, w + gi * WORDS, scales + gi * G, biases + gi * G, w + ui * WORDS,
+                                       scales + ui * G, biases + ui * G, lane, ag, au);
   }
   ag = lfm_warp_sum(ag);
   au = lfm_warp_sum(au);
@@ -67,35 +53,24 @@ const GATE_UP_SOURCE: &str = r#"
 "#;
 
 const DOWN_SOURCE: &str = r#"
-  constexpr int VPC = 128 / BITS;
-  constexpr int C = K / VPC;
   constexpr int G = K / GS;
   constexpr int WORDS = K * BITS / 32;
-  constexpr int IT = (C + 31) / 32;
-  const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int D = w_shape[1];
-  const int n = blockIdx.x * (256 / 32) + warp;
+  const int n = blockIdx.x * (256 / 32) + threadIdx.x / 32;
   if (n >= D) return;
   const int r = blockIdx.y;
-  const bool wa = lfm_aligned(w);
-  const bool xa = lfm_aligned(h);
+  const bool aligned = lfm_aligned(w) && lfm_aligned(h);
   float total = 0.0f;
   for (int j = 0; j < KE; j++) {
     const int slot = r * KE + j;
     const size_t wi = static_cast<size_t>(idx[slot]) * D + n;
-    const uint32_t* wr = w + wi * WORDS;
     const T* hr = h + static_cast<size_t>(slot) * K;
     float a = 0.0f;
-#pragma unroll
-    for (int i = 0; i < IT; i++) {
-      const int c = lane + i * 32;
-      if (C % 32 != 0 && c >= C) break;
-      const uint4 wv = lfm_load16(wr, c, wa);
-      const int g = c * VPC / GS;
-      float xf[VPC];
-      const float xs = lfm_xchunk<T, BITS>(hr, c, xa, xf);
-      a += static_cast<float>(scales[wi * G + g]) * lfm_qx<BITS>(wv, xf) + static_cast<float>(biases[wi * G + g]) * xs;
+    if (aligned) {
+      lfm_qdot_a<T, K, 1, BITS, GS, true>(hr, w + wi * WORDS, scales + wi * G, biases + wi * G, lane, &a);
+    } else {
+      lfm_qdot_a<T, K, 1, BITS, GS, false>(hr, w + wi * WORDS, scales + wi * G, biases + wi * G, lane, &a);
     }
     a = lfm_warp_sum(a);
     total += static_cast<float>(T(static_cast<float>(T(a)) * static_cast<float>(score[slot])));

@@ -68,21 +68,14 @@ __device__ inline float lfm_qx(const uint4& wv, const float* xf) {
   }
   return acc;
 }
-// Output column n (this warp's) of x @ dequantize(w).T for M rows; the
-// alignment test outside the unrolled loop (see lfm_dot_rows_a).
+// acc[m] += this lane's share of one quantized row (words wr, scales sr,
+// biases br) dotted with row m of x; ALIGNED a template constant (see
+// lfm_dot_rows_a).
 template <typename T, int K, int M, int BITS, int GS, bool ALIGNED>
-__device__ inline void lfm_qgemv_warp_a(const T* x, const uint32_t* w, const T* scales, const T* biases,
-                                        T* y, int N, int n, int lane) {
+__device__ inline void lfm_qdot_a(const T* x, const uint32_t* wr, const T* sr, const T* br, int lane, float* acc) {
   constexpr int VPC = 128 / BITS;
   constexpr int C = K / VPC;
-  constexpr int G = K / GS;
   constexpr int IT = (C + 31) / 32;
-  const uint32_t* wr = w + static_cast<size_t>(n) * (K * BITS / 32);
-  const T* sr = scales + static_cast<size_t>(n) * G;
-  const T* br = biases + static_cast<size_t>(n) * G;
-  float acc[M];
-#pragma unroll
-  for (int m = 0; m < M; m++) acc[m] = 0.0f;
 #pragma unroll
   for (int i = 0; i < IT; i++) {
     const int c = lane + i * 32;
@@ -98,6 +91,38 @@ __device__ inline void lfm_qgemv_warp_a(const T* x, const uint32_t* w, const T* 
       acc[m] += s * lfm_qx<BITS>(wv, xf) + b * xs;
     }
   }
+}
+// Two rows against one x (the SwiGLU's gate and up rows): both rows' loads
+// issued together, x read once.
+template <typename T, int K, int BITS, int GS, bool ALIGNED>
+__device__ inline void lfm_qdot2_a(const T* x, const uint32_t* gr, const T* gs, const T* gb, const uint32_t* ur,
+                                   const T* us, const T* ub, int lane, float& ag, float& au) {
+  constexpr int VPC = 128 / BITS;
+  constexpr int C = K / VPC;
+  constexpr int IT = (C + 31) / 32;
+#pragma unroll
+  for (int i = 0; i < IT; i++) {
+    const int c = lane + i * 32;
+    if (C % 32 != 0 && c >= C) break;
+    const uint4 gv = lfm_load16(gr, c, ALIGNED);
+    const uint4 uv = lfm_load16(ur, c, ALIGNED);
+    const int g = c * VPC / GS;
+    float xf[VPC];
+    const float xs = lfm_xchunk<T, BITS>(x, c, ALIGNED, xf);
+    ag += static_cast<float>(gs[g]) * lfm_qx<BITS>(gv, xf) + static_cast<float>(gb[g]) * xs;
+    au += static_cast<float>(us[g]) * lfm_qx<BITS>(uv, xf) + static_cast<float>(ub[g]) * xs;
+  }
+}
+// Output column n (this warp's) of x @ dequantize(w).T for M rows.
+template <typename T, int K, int M, int BITS, int GS, bool ALIGNED>
+__device__ inline void lfm_qgemv_warp_a(const T* x, const uint32_t* w, const T* scales, const T* biases,
+                                        T* y, int N, int n, int lane) {
+  constexpr int G = K / GS;
+  float acc[M];
+#pragma unroll
+  for (int m = 0; m < M; m++) acc[m] = 0.0f;
+  lfm_qdot_a<T, K, M, BITS, GS, ALIGNED>(x, w + static_cast<size_t>(n) * (K * BITS / 32), scales + static_cast<size_t>(n) * G,
+                                         biases + static_cast<size_t>(n) * G, lane, acc);
 #pragma unroll
   for (int m = 0; m < M; m++) {
     const float s = lfm_warp_sum(acc[m]);
