@@ -12,13 +12,18 @@ taken across machines or moments.
 Here (the development machine), once:
     bash bench/h200/prepare.sh
 Then these calls of the device tool, back to back (the machine keeps /tmp
-only while it is warm, ~30 s after a call; each call stays under the
-64 MiB a call may carry and the 10 minutes it may run):
-    1. carry [".device/a", ".device/llama"]:  python3 bench/h200/run.py stage
-    2. carry [".device/b", ".device/bin"]:    python3 bench/h200/run.py checkpoints
-    3. carry [".device/tests", ".device/bin"]: python3 bench/h200/run.py kernels ab pick
-    4. carry [".device/bin"]:                 python3 bench/h200/run.py round 1 round 2
-    5. carry [".device/bin"]:                 python3 bench/h200/run.py profile new-lengths
+only while it is warm, ~30 s after a call: answer each call at once; each
+call carries at most 64 MiB with the working tree, so .device/b, .device/bin
+and .device/llama do not fit together; a call runs 10 minutes at most):
+    1. carry [".device/a", ".device/tests"]: python3 bench/h200/run.py stage-mlx
+    2. carry [".device/b", ".device/llama"]: python3 bench/h200/run.py llama install kernels   (~6 min)
+    3. carry [".device/bin"]:                python3 bench/h200/run.py checkpoints   (~7.5 min, GGUF too)
+    4. carry [".device/bin"]:                H200_AB_TURNS=2 python3 bench/h200/run.py ab pick
+    5. carry [".device/bin"]:                python3 bench/h200/run.py round 1 round 2
+    6. carry [".device/bin"]:                python3 bench/h200/run.py profile new-lengths
+(That is ~28 of the 30 device minutes a session has; `H200_MODELS=...`
+narrows `ab` and `profile`, and `checkpoints` of the dense models alone
+takes ~1.5 minutes.)
 `kernels` runs the fused kernels' tests there (each test's verdict kept);
 `ab` times each opt-in change of the decode step against the defaults on
 the same checkpoints; `pick` adopts the switches that won by 3% with their
