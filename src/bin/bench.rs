@@ -53,8 +53,64 @@ fn main() {
     }
 }
 
+/// Every flag and whether it takes a value: anything else is refused (a
+/// mistyped flag used to run the default benchmark, minutes of it).
+const FLAGS: &[(&str, bool)] = &[
+    ("--model", true),
+    ("--preset", true),
+    ("--dtype", true),
+    ("--quantize", true),
+    ("--from", true),
+    ("--out", true),
+    ("--device", true),
+    ("--prompts", true),
+    ("--gen", true),
+    ("--paths", true),
+    ("--reps", true),
+    ("--cache", true),
+    ("--concurrent", true),
+    ("--constrained", false),
+    ("--batch", true),
+    ("--new-lengths", true),
+    ("--tensor-parallel", true),
+    ("--backend", true),
+    ("--turns", true),
+    ("--system", true),
+    ("--user", true),
+    ("--reply", true),
+    ("--disk-admission", false),
+    ("--block", true),
+];
+
+/// The usage (this file's opening comment), for `--help`.
+fn usage() -> String {
+    include_str!("bench.rs").lines().take_while(|l| l.starts_with("//!")).map(|l| l.strip_prefix("//! ").unwrap_or(l.trim_start_matches("//!"))).collect::<Vec<_>>().join("\n")
+}
+
+/// `Ok(false)` after printing the usage for `--help`; an error naming an
+/// unknown flag or one missing its value.
+fn check_flags(args: &[String]) -> mlx_lfm::Result<bool> {
+    let mut i = 1;
+    while i < args.len() {
+        let a = args[i].as_str();
+        if a == "--help" || a == "-h" {
+            println!("{}", usage());
+            return Ok(false);
+        }
+        match FLAGS.iter().find(|(name, _)| *name == a) {
+            Some((_, true)) if i + 1 >= args.len() => return Err(mlx_lfm::Error::invalid(format!("{a} takes a value"))),
+            Some((_, takes)) => i += if *takes { 2 } else { 1 },
+            None => return Err(mlx_lfm::Error::invalid(format!("unknown argument {a:?} (--help lists them)"))),
+        }
+    }
+    Ok(true)
+}
+
 fn run() -> mlx_lfm::Result<()> {
     let args: Vec<String> = std::env::args().collect();
+    if !check_flags(&args)? {
+        return Ok(());
+    }
     let device = match arg(&args, "--device").as_deref() {
         Some("gpu") => Some(runtime::DeviceType::Gpu),
         Some("cpu") => Some(runtime::DeviceType::Cpu),
