@@ -100,7 +100,7 @@ __device__ inline void lfm_dot_rows2_a(const T* x, const T* gr, const T* ur, int
 }
 template <typename T, int K, int M>
 __device__ inline void lfm_dot_rows(const T* x, bool xa, const T* wr, bool wa, int lane, float* acc) {
-  if (xa && wa && lfm_aligned(wr)) {
+  if (xa && wa) {
     lfm_dot_rows_a<T, K, M, true>(x, wr, lane, acc);
   } else {
     lfm_dot_rows_a<T, K, M, false>(x, wr, lane, acc);
@@ -140,7 +140,7 @@ __device__ inline void lfm_gemv_swiglu_warp(const T* x, bool xa, const T* w, boo
   for (int m = 0; m < M; m++) { ag[m] = 0.0f; au[m] = 0.0f; }
   const T* gr = w + static_cast<size_t>(n) * K;
   const T* ur = w + static_cast<size_t>(F + n) * K;
-  if (xa && wa && lfm_aligned(gr) && lfm_aligned(ur)) {
+  if (xa && wa) {
     lfm_dot_rows2_a<T, K, M, true>(x, gr, ur, lane, ag, au);
   } else {
     lfm_dot_rows2_a<T, K, M, false>(x, gr, ur, lane, ag, au);

@@ -28,14 +28,7 @@ const DENSE: u8 = 1;
 const QUANTIZED: u8 = 2;
 
 fn forced<R>(bits: u8, f: impl FnOnce() -> R) -> R {
-    struct Reset(u8);
-    impl Drop for Reset {
-        fn drop(&mut self) {
-            FORCED.with(|c| c.set(self.0));
-        }
-    }
-    let _reset = Reset(FORCED.with(|c| c.replace(bits)));
-    f()
+    crate::mlx::kernel::with_thread_flag(&FORCED, bits, f)
 }
 
 /// Runs `f` with every opt-in kernel on on this thread, without their

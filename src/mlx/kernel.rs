@@ -132,12 +132,22 @@ thread_local! {
 /// Runs `f` with our kernels off on this thread (tests compare both paths
 /// in one process; a model's traces keep what was on when they were built).
 pub fn with_stock_ops<R>(f: impl FnOnce() -> R) -> R {
-    struct Reset(bool);
-    impl Drop for Reset {
+    with_thread_flag(&STOCK_ONLY, true, f)
+}
+
+/// Runs `f` with the thread-local `flag` set to `value`, restored after
+/// (also when `f` panics, so a failed test leaves the next one as it was).
+pub(crate) fn with_thread_flag<T: Copy + 'static, R>(
+    flag: &'static std::thread::LocalKey<std::cell::Cell<T>>,
+    value: T,
+    f: impl FnOnce() -> R,
+) -> R {
+    struct Reset<T: Copy + 'static>(&'static std::thread::LocalKey<std::cell::Cell<T>>, T);
+    impl<T: Copy + 'static> Drop for Reset<T> {
         fn drop(&mut self) {
-            STOCK_ONLY.with(|s| s.set(self.0));
+            self.0.with(|c| c.set(self.1));
         }
     }
-    let _reset = Reset(STOCK_ONLY.with(|s| s.replace(true)));
+    let _reset = Reset(flag, flag.with(|c| c.replace(value)));
     f()
 }

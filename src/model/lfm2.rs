@@ -253,10 +253,8 @@ impl Mlp {
     /// serves them (a stacked dense w1/w3).
     pub fn forward_normed(&self, x: &Normed) -> Result<(Array, Array)> {
         use crate::kernels::norm_gemv;
-        if let (Some(k), Projections::Stacked { linear: Linear { weight: Weight::Dense(w), bias: None }, widths }) =
-            (x.kernel_input(), &self.w13)
-        {
-            if widths.len() == 2 && widths[0] == widths[1] && norm_gemv::swiglu_available(&k, w) {
+        if let (Some(k), Some(w)) = (x.kernel_input(), self.stacked_dense_w13()) {
+            if norm_gemv::swiglu_available(&k, w) {
                 let (s, h) = norm_gemv::norm_gemv_swiglu(&k, w)?;
                 return Ok((s, reduce(&self.shard, self.w2.forward(&h)?)?));
             }
@@ -269,13 +267,22 @@ impl Mlp {
     /// launch (src/kernels/gemv.rs), when they are one stacked dense weight.
     fn fused_gate(&self, x: &Array) -> Result<Option<Array>> {
         use crate::kernels::gemv;
+        match self.stacked_dense_w13() {
+            Some(w) if gemv::swiglu_available(x, w) => gemv::gemv_swiglu(x, w).map(Some),
+            _ => Ok(None),
+        }
+    }
+
+    /// w1 and w3 as one dense `[2F, D]` weight without a bias, what the
+    /// fused gate kernels read; None otherwise.
+    fn stacked_dense_w13(&self) -> Option<&Array> {
         match &self.w13 {
             Projections::Stacked { linear: Linear { weight: Weight::Dense(w), bias: None }, widths }
-                if widths.len() == 2 && widths[0] == widths[1] && gemv::swiglu_available(x, w) =>
+                if widths.len() == 2 && widths[0] == widths[1] =>
             {
-                gemv::gemv_swiglu(x, w).map(Some)
+                Some(w)
             }
-            _ => Ok(None),
+            _ => None,
         }
     }
 }

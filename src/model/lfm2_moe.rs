@@ -215,9 +215,14 @@ impl SparseMoe {
             return Ok(None);
         }
         let rows = b * t;
-        let idx = inds.reshape(&[rows, k as i32])?.astype(Dtype::Uint32)?;
+        // `route` gives uint32 experts and weights in x's dtype, what the
+        // kernels read.
+        if inds.dtype() != Dtype::Uint32 || scores.dtype() != x.dtype() {
+            return Ok(None);
+        }
+        let idx = inds.reshape(&[rows, k as i32])?;
         let h = moe_experts::gate_up(&x.reshape(&[rows, d])?, &idx, gu)?;
-        let y = moe_experts::down(&h, &idx, &scores.reshape(&[rows, k as i32])?.astype(x.dtype())?, down)?;
+        let y = moe_experts::down(&h, &idx, &scores.reshape(&[rows, k as i32])?, down)?;
         Ok(Some(y.reshape(&[b, t, d])?))
     }
 
