@@ -96,27 +96,36 @@ KERNELS = {
 
 
 def header_of(path):
-    """A file's HEADER, or (the quantized kernels) the GEMV's HEADER then
-    quant_gemv.rs's QUANT_HEADER, as `quant_gemv::header()` joins them."""
+    """A file's device code as its Rust side joins it (`header()`)."""
+    k = path.parent
+    gemv = named(k / "gemv.rs", "ALIGN_HEADER") + named(k / "gemv.rs", "HEADER")
+    if path.name == "gemv.rs":
+        return gemv
+    if path.name == "add_rms_norm.rs":
+        return named(path, "HEADER") + named(k / "gemv.rs", "ALIGN_HEADER")
+    if "quant_gemv::{header" in path.read_text() or path.name == "quant_gemv.rs":
+        return gemv + named(k / "quant_gemv.rs", "QUANT_HEADER")
+    return named(path, "HEADER")
+
+
+def named(path, name):
+    """The text of a const NAME: &str = "..." or r#"..."#."""
     text = path.read_text()
-    if "quant_gemv::{header" in text or "fn header() -> String" in text:
-        return header_of(path.parent / "gemv.rs") + header_of_named(path.parent / "quant_gemv.rs", "QUANT_HEADER")
-    return header_of_named(path, "HEADER")
-
-
-def header_of_named(path, name):
-    hdr = re.search(r'const ' + name + r': &str = "(.*?)";', path.read_text(), re.S)
-    return hdr.group(1).replace("\\n", "\n") if hdr else ""
+    hdr = re.search(r'const ' + name + r': &str = (?:r#"(.*?)"#|"(.*?)");', text, re.S)
+    if not hdr:
+        return ""
+    return hdr.group(1) if hdr.group(1) is not None else hdr.group(2).replace("\\n", "\n")
 
 
 def body_and_header(path, which="SOURCE"):
     src = re.search(which + r': &str = r#"(.*?)"#;', path.read_text(), re.S).group(1)
     if path.name == "norm_gemv.rs":
-        # As norm_gemv.rs joins them: PROLOGUE before each body; the GEMV
-        # header, the quantized one for QUANT_SOURCE, then NORM_HEADER.
-        src = header_of_named(path, "PROLOGUE") + src
-        quant = header_of_named(path.parent / "quant_gemv.rs", "QUANT_HEADER") if "QUANT" in which else ""
-        return src, header_of_named(path.parent / "gemv.rs", "HEADER") + quant + header_of_named(path, "NORM_HEADER")
+        # As norm_gemv.rs joins them: PROLOGUE before each body; the add +
+        # RMSNorm header, the GEMV's, the quantized one for QUANT_SOURCE.
+        k = path.parent
+        src = named(path, "PROLOGUE") + src
+        quant = named(k / "quant_gemv.rs", "QUANT_HEADER") if "QUANT" in which else ""
+        return src, named(k / "add_rms_norm.rs", "HEADER") + header_of(k / "gemv.rs") + quant
     return src, header_of(path)
 
 

@@ -22,13 +22,26 @@ const THREADS: i32 = 256;
 /// the first step at a new batch size pays one NVRTC compile, cached on disk.
 pub const MAX_ROWS: usize = 8;
 
+/// Whether a pointer sits on a 16-byte boundary (every kernel that makes
+/// vector loads asks).
+pub(crate) const ALIGN_HEADER: &str = "
+__device__ inline bool lfm_aligned(const void* p) {
+  return (reinterpret_cast<unsigned long long>(p) & 15) == 0;
+}
+";
+
+/// The GEMV kernels' device code with the alignment test it uses.
+pub(crate) fn header() -> String {
+    format!("{ALIGN_HEADER}{HEADER}")
+}
+
 /// The device code the GEMV kernels share (the quantized ones and the
 /// fused norm + GEMV too): 16-byte loads, one vector load where the row
 /// starts on a 16-byte boundary (every row does then: K is a multiple of 8),
 /// element by element where it does not (a view MLX passes with its
 /// offset); a warp's dot products of one weight row with M rows of `x`; the
 /// SwiGLU gate rounded as MLX's CUDA ops round it.
-pub(crate) const HEADER: &str = "
+const HEADER: &str = "
 template <typename U>
 __device__ inline uint4 lfm_load16(const U* base, size_t c, bool aligned) {
   if (aligned) return reinterpret_cast<const uint4*>(base)[c];
@@ -36,9 +49,6 @@ __device__ inline uint4 lfm_load16(const U* base, size_t c, bool aligned) {
   U* e = reinterpret_cast<U*>(&r);
   for (int j = 0; j < 16 / (int)sizeof(U); j++) e[j] = base[c * (16 / sizeof(U)) + j];
   return r;
-}
-__device__ inline bool lfm_aligned(const void* p) {
-  return (reinterpret_cast<unsigned long long>(p) & 15) == 0;
 }
 __device__ inline float lfm_warp_sum(float v) {
   for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffff, v, off);
@@ -174,12 +184,12 @@ const SWIGLU_SOURCE: &str = r#"
 
 fn kernel() -> Option<&'static CudaKernel> {
     static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
-    K.get_or_init(|| CudaKernel::new("lfm_gemv", &["x", "w"], &["y"], SOURCE, HEADER).ok()).as_ref()
+    K.get_or_init(|| CudaKernel::new("lfm_gemv", &["x", "w"], &["y"], SOURCE, &header()).ok()).as_ref()
 }
 
 fn swiglu_kernel() -> Option<&'static CudaKernel> {
     static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
-    K.get_or_init(|| CudaKernel::new("lfm_gemv_swiglu", &["x", "w"], &["y"], SWIGLU_SOURCE, HEADER).ok()).as_ref()
+    K.get_or_init(|| CudaKernel::new("lfm_gemv_swiglu", &["x", "w"], &["y"], SWIGLU_SOURCE, &header()).ok()).as_ref()
 }
 
 fn enabled() -> bool {

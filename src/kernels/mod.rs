@@ -19,43 +19,20 @@ mod tests;
 use std::sync::OnceLock;
 
 thread_local! {
-    /// Which opt-in kernels a test turned on: bit 0 the dense ones, bit 1
-    /// the quantized ones.
-    static FORCED: std::cell::Cell<u8> = const { std::cell::Cell::new(0) };
-}
-
-const DENSE: u8 = 1;
-const QUANTIZED: u8 = 2;
-
-fn forced<R>(bits: u8, f: impl FnOnce() -> R) -> R {
-    crate::mlx::kernel::with_thread_flag(&FORCED, bits, f)
+    /// Whether a test turned every opt-in kernel on for this thread.
+    static FORCED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// Runs `f` with every opt-in kernel on on this thread, without their
 /// environment variables (the kernel tests; other tests in the process keep
 /// the defaults).
 pub fn with_opt_in<R>(f: impl FnOnce() -> R) -> R {
-    forced(DENSE | QUANTIZED, f)
+    crate::mlx::kernel::with_thread_flag(&FORCED, true, f)
 }
 
-/// As [`with_opt_in`], the dense (float-weight) kernels only: the quantized
-/// ones do not round as MLX's quantized kernels do yet (quant_gemv.rs).
-pub fn with_dense_opt_in<R>(f: impl FnOnce() -> R) -> R {
-    forced(DENSE, f)
-}
-
-/// Whether a dense opt-in kernel is on: `var=1`, read once into `cell`, or
-/// a test's [`with_opt_in`]. Kernels stay opt-in until their A/B on the GPU
+/// Whether an opt-in kernel is on: `var=1`, read once into `cell`, or a
+/// test's [`with_opt_in`]. Kernels stay opt-in until their A/B on the GPU
 /// they were written for says they win (`bench/h200/run.py ab`).
 fn opt_in(var: &str, cell: &OnceLock<bool>) -> bool {
-    switch(DENSE, var, cell)
-}
-
-/// [`opt_in`] for the quantized kernels.
-fn opt_in_quantized(var: &str, cell: &OnceLock<bool>) -> bool {
-    switch(QUANTIZED, var, cell)
-}
-
-fn switch(bit: u8, var: &str, cell: &OnceLock<bool>) -> bool {
-    FORCED.with(|c| c.get() & bit != 0) || *cell.get_or_init(|| std::env::var(var).ok().as_deref() == Some("1"))
+    FORCED.with(|c| c.get()) || *cell.get_or_init(|| std::env::var(var).ok().as_deref() == Some("1"))
 }

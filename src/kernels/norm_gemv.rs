@@ -13,7 +13,6 @@
 //! Opt-in (`MLX_LFM_NORM_GEMV_KERNEL=1`) until its A/B on the H200 says it
 //! wins; tests in src/kernels/tests.rs.
 
-use super::gemv::HEADER as GEMV_HEADER;
 use super::quant_gemv::{quant_template, spec_served, warp_grid, THREADS};
 use crate::error::{Error, Result};
 use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
@@ -27,46 +26,6 @@ pub const MAX_ROWS: usize = 8;
 /// with room left for the reduction's and MLX's own).
 const SHARED_BYTES: usize = 40 * 1024;
 
-/// The rows' sum and norm into shared memory, as lfm_add_rms_norm computes
-/// them with its 256-thread block (the float32 sum of squares grouped the
-/// same way: a thread's 16-byte run, then the warp, then the block).
-const NORM_HEADER: &str = "
-template <typename T, int K, int M>
-__device__ inline void lfm_add_norm_rows(const T* h, const T* r, const T* wn, float eps, T* s, T* ys) {
-  constexpr int NR = 16 / sizeof(T);
-  constexpr int BLOCK = 256;
-  __shared__ float part[BLOCK / 32];
-  const int tid = threadIdx.x;
-  const bool first = blockIdx.x == 0;
-  for (int m = 0; m < M; m++) {
-    const size_t o = static_cast<size_t>(m) * K;
-    float acc = 0.0f;
-    for (int base = tid * NR; base < K; base += BLOCK * NR) {
-      for (int i = 0; i < NR && base + i < K; i++) {
-        const T v = T(static_cast<float>(h[o + base + i]) + static_cast<float>(r[o + base + i]));
-        if (first) s[o + base + i] = v;
-        ys[o + base + i] = v;
-        const float f = static_cast<float>(v);
-        acc += f * f;
-      }
-    }
-    acc = lfm_warp_sum(acc);
-    if (tid % 32 == 0) part[tid / 32] = acc;
-    __syncthreads();
-    const float total = lfm_warp_sum(tid % 32 < BLOCK / 32 ? part[tid % 32] : 0.0f);
-    const float nrm = rsqrtf(total / static_cast<float>(K) + eps);
-    for (int base = tid * NR; base < K; base += BLOCK * NR) {
-      for (int i = 0; i < NR && base + i < K; i++) {
-        const float f = static_cast<float>(ys[o + base + i]);
-        ys[o + base + i] = T(static_cast<float>(wn[base + i]) * static_cast<float>(T(f * nrm)));
-      }
-    }
-    // part is reused by the next row; the GEMV reads every thread's ys.
-    __syncthreads();
-  }
-}
-";
-
 /// The norm is computed once per block, so each block serves many output
 /// columns: a grid of at most [`MAX_BLOCKS`] blocks, each warp striding
 /// over columns. (The first version, one block per 8 columns, ran the
@@ -75,7 +34,20 @@ __device__ inline void lfm_add_norm_rows(const T* h, const T* r, const T* wn, fl
 const PROLOGUE: &str = "
   __shared__ uint4 ys_store[M * K * sizeof(T) / 16];
   T* ys = reinterpret_cast<T*>(ys_store);
-  lfm_add_norm_rows<T, K, M>(h, r, wn, eps[0], s, ys);
+  {
+    const float e = eps[0];
+    const bool aligned = lfm_aligned(h) && lfm_aligned(r) && lfm_aligned(wn) && lfm_aligned(s);
+    for (int m = 0; m < M; m++) {
+      const size_t o = static_cast<size_t>(m) * K;
+      T* sm = blockIdx.x == 0 ? s + o : nullptr;
+      if (aligned) {
+        lfm_add_rms_row<T, K, 256, true>(h + o, r + o, wn, e, sm, ys + o);
+      } else {
+        lfm_add_rms_row<T, K, 256, false>(h + o, r + o, wn, e, sm, ys + o);
+      }
+    }
+    __syncthreads();
+  }
   const int lane = threadIdx.x % 32;
   const int first = blockIdx.x * (256 / 32) + threadIdx.x / 32;
   const int stride = gridDim.x * (256 / 32);
@@ -103,7 +75,7 @@ const MAX_BLOCKS: i32 = 264;
 
 fn header(quant: bool) -> String {
     let q = if quant { super::quant_gemv::QUANT_HEADER } else { "" };
-    format!("{GEMV_HEADER}{q}{NORM_HEADER}")
+    format!("{}{}{q}", super::add_rms_norm::HEADER, super::gemv::header())
 }
 
 fn make(name: &str, inputs: &[&str], body: &str, quant: bool) -> Option<CudaKernel> {

@@ -23,7 +23,6 @@
 //! its test is in src/kernels/tests.rs. The MoE experts' kernels
 //! (src/kernels/moe_experts.rs) share this file's chunk helpers.
 
-use super::gemv::HEADER as GEMV_HEADER;
 use crate::error::{Error, Result};
 use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
 use crate::mlx::{Array, Dtype, QuantMode, QuantSpec};
@@ -142,7 +141,7 @@ __device__ inline void lfm_qgemv_warp(const T* x, bool xa, const uint32_t* w, bo
 
 /// Both headers, in the order the kernels need them.
 pub(crate) fn header() -> String {
-    format!("{GEMV_HEADER}{QUANT_HEADER}")
+    format!("{}{QUANT_HEADER}", super::gemv::header())
 }
 
 const SOURCE: &str = r#"
@@ -160,7 +159,7 @@ fn kernel() -> Option<&'static CudaKernel> {
 
 fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    super::opt_in_quantized("MLX_LFM_QGEMV_KERNEL", &ON)
+    super::opt_in("MLX_LFM_QGEMV_KERNEL", &ON)
 }
 
 /// Whether `MLX_LFM_QGEMV_KERNEL` (or a test) turned the quantized GEMVs on.

@@ -130,9 +130,21 @@ fn add_rms_norm_kernel_matches_stock_ops() {
     assert!(!available(&h, &h, &w), "17 rows took the decode kernel");
 }
 
-/// 64 greedy tokens with the fused kernels equal those of the stock ops, on
-/// both decode paths (the compiled step traces the kernels in), for the
-/// dense and the MoE fixture.
+/// How far apart the stock path's two best logits may be (relative to the
+/// larger, or 1) where the opt-in kernels may choose the other one of the
+/// two: they sum in float32 where MLX's GEMVs partition their sums
+/// otherwise and its 4-bit kernels accumulate in bf16
+/// (src/kernels/quant_gemv.rs), so a near-tie of a random model may break
+/// the other way.
+const NEAR_TIE: f32 = 0.05;
+
+/// 64 greedy tokens on both decode paths (the compiled step traces the
+/// kernels in), for the dense and the MoE fixture, in bf16, float32 and
+/// bf16 4-bit: with the default kernels equal to the stock ops' (they round
+/// as MLX's ops do); with every opt-in kernel on too, equal up to the first
+/// step where the stock path's choice leads the kernels' by at most
+/// [`NEAR_TIE`] (a kernel that computes something else departs where one
+/// token clearly wins, and fails).
 #[test]
 fn greedy_tokens_with_kernels_equal_stock_ops() {
     if skip("greedy_tokens_with_kernels_equal_stock_ops") {
@@ -141,9 +153,8 @@ fn greedy_tokens_with_kernels_equal_stock_ops() {
     use crate::convert::{convert, ConvertRecipe};
     use crate::mlx::QuantMode;
     for preset in [Preset::Tiny, Preset::TinyMoe] {
-        // bf16, float32, and bf16 quantized 4-bit in groups of 32 (groups
-        // of 32 so that the tiny experts' 32-wide down projection is
-        // quantized too).
+        // Groups of 32 so that the tiny experts' 32-wide down projection is
+        // quantized too.
         for (dtype, q4) in [(DType::BF16, false), (DType::F32, false), (DType::BF16, true)] {
             let mut dir = tiny(preset, &format!("greedy-{preset:?}-{dtype:?}"), dtype);
             if q4 {
@@ -154,20 +165,33 @@ fn greedy_tokens_with_kernels_equal_stock_ops() {
             }
             let prompt: Vec<u32> = (0..37).map(|i| (i * 29 + 11) % 700 + 3).collect();
             for path in [DecodePath::Compiled, DecodePath::Eager] {
+                let load = || Engine::load(&dir, &EngineOptions { decode_path: Some(path), ..Default::default() }).unwrap();
                 let run = || {
-                    let mut eng = Engine::load(&dir, &EngineOptions { decode_path: Some(path), ..Default::default() }).unwrap();
                     let params = GenerateParams { max_tokens: 64, ignore_eos: true, ..Default::default() };
-                    eng.generate(Prompt::Tokens(prompt.clone()), params, &mut NoObserver).unwrap().tokens
+                    load().generate(Prompt::Tokens(prompt.clone()), params, &mut NoObserver).unwrap().tokens
                 };
-                // The opt-in kernels too (this is their model-level test),
-                // but not the quantized GEMVs, which do not yet round as
-                // MLX's quantized kernels do (src/kernels/quant_gemv.rs):
-                // the 4-bit fixtures run every default kernel and the dense
-                // opt-in ones beside MLX's quantized matmuls.
-                let fused = crate::kernels::with_dense_opt_in(run);
+                let what = format!("{preset:?} {dtype:?} (4-bit: {q4}) {path:?}");
                 let stock = with_stock_ops(run);
-                assert_eq!(fused.len(), 64);
-                assert_eq!(fused, stock, "{preset:?} {dtype:?} (4-bit: {q4}) {path:?}: greedy tokens differ with the fused kernels");
+                let defaults = run();
+                assert_eq!(stock.len(), 64);
+                assert_eq!(defaults, stock, "{what}: greedy tokens differ with the default kernels");
+                let opt_in = crate::kernels::with_opt_in(run);
+                assert_eq!(opt_in.len(), 64, "{what}");
+                let Some(t) = (0..64).find(|&i| opt_in[i] != stock[i]) else {
+                    continue;
+                };
+                let mut ids = prompt.clone();
+                ids.extend_from_slice(&stock[..t]);
+                let logits = with_stock_ops(|| load().logits(&ids).unwrap());
+                let (a, b) = (logits[stock[t] as usize], logits[opt_in[t] as usize]);
+                let lead = (a - b) / a.abs().max(b.abs()).max(1.0);
+                eprintln!("{what}: the opt-in kernels depart at step {t}, where the stock choice leads by {lead}");
+                assert!(
+                    lead <= NEAR_TIE,
+                    "{what}: with the opt-in kernels greedy departs at step {t} (token {} for {}), where the stock path's choice leads by {lead} (over {NEAR_TIE})",
+                    opt_in[t],
+                    stock[t]
+                );
             }
             std::fs::remove_dir_all(&dir).ok();
         }
@@ -332,6 +356,16 @@ fn quantized(w: &crate::mlx::Array, dt: Dtype, bits: i32, group_size: i32) -> cr
     crate::model::linear::Quantized { weight, scales, biases, spec }
 }
 
+/// `q`'s weights in float32, exactly: `scale * q + bias` from float32 copies
+/// of the scales and biases (a float32 dequantize of bfloat16 scales may
+/// compute in bfloat16, which rounds every weight: against such a reference
+/// a kernel that sums exactly looked worse than MLX's rounded tiles).
+fn exact_weights(q: &crate::model::linear::Quantized) -> crate::mlx::Array {
+    let f = |a: &crate::mlx::Array| a.astype(Dtype::Float32).unwrap();
+    let biases = q.biases.as_ref().map(f);
+    crate::mlx::dequantize(&q.weight, &f(&q.scales), biases.as_ref(), q.spec, Some(Dtype::Float32)).unwrap()
+}
+
 /// `x @ w.T` in float32 as a multiply and a sum (MLX's CUDA matmul may run
 /// float32 in TF32): `x` `[R, K]`, `w` `[.., N, K]` broadcast against it.
 fn f32_products(x: &crate::mlx::Array, w: &crate::mlx::Array) -> crate::mlx::Array {
@@ -345,18 +379,18 @@ fn error_to(got: &crate::mlx::Array, reference: &crate::mlx::Array) -> f32 {
     worst_relative(got, reference)
 }
 
-/// A quantized kernel's output against the stock ops': both against a
-/// float32 reference over the same dequantized weights, the kernel's error
-/// at most the stock ops' (with 25% and a float32 rounding to spare), and
-/// the two within `tol` of each other. MLX's 4-bit kernels accumulate in
-/// bf16, so theirs is the larger error; the kernels do not round as they
-/// do yet (src/kernels/quant_gemv.rs).
+/// A quantized kernel's output against the stock ops': both against the
+/// exact float32 product over the same weights ([`exact_weights`]), the
+/// kernel's error at most the stock ops' (with 25% and a float32 rounding to
+/// spare) and at most `tol`. MLX's 4-bit kernels accumulate in bf16 and
+/// ours in float32, so they do not round alike (src/kernels/quant_gemv.rs):
+/// how far apart the two are is MLX's error more than ours, and is printed.
 fn check_against_reference(what: &str, got: &crate::mlx::Array, stock: &crate::mlx::Array, reference: &crate::mlx::Array, tol: f32) {
     assert_eq!(got.shape(), stock.shape(), "{what}");
     let (ek, es) = (error_to(got, reference), error_to(stock, reference));
-    assert!(ek <= 1.25 * es + 1e-5, "{what}: {ek} from the float32 reference, the stock ops {es}");
-    let apart = worst_relative(got, stock);
-    assert!(apart <= tol, "{what}: {apart} from the stock ops, over {tol}");
+    eprintln!("{what}: kernel {ek}, stock ops {es} from the exact product; {} apart", worst_relative(got, stock));
+    assert!(ek <= 1.25 * es + 1e-5, "{what}: {ek} from the exact product, the stock ops {es}");
+    assert!(ek <= tol, "{what}: {ek} from the exact product, over {tol}");
 }
 
 /// The quantized GEMV against MLX's quantized_matmul and a float32
@@ -370,9 +404,10 @@ fn quant_gemv_kernel_matches_stock_ops() {
     use crate::kernels::quant_gemv::{available, qgemv};
     use crate::kernels::with_opt_in;
     use crate::mlx::random::normal;
-    use crate::mlx::{dequantize, quantized_matmul, QuantMode, QuantSpec};
+    use crate::mlx::{quantized_matmul, QuantMode, QuantSpec};
     with_opt_in(|| {
-        for (di, (dt, tol)) in [(Dtype::Bfloat16, 6.4e-2f32), (Dtype::Float16, 8e-3), (Dtype::Float32, 1e-4)].into_iter().enumerate() {
+        // One rounding to the dtype is 2^-9 (bf16) or 2^-12 (f16) relative.
+        for (di, (dt, tol)) in [(Dtype::Bfloat16, 4e-3f32), (Dtype::Float16, 5e-4), (Dtype::Float32, 1e-4)].into_iter().enumerate() {
             let specs = [(4, 64), (4, 32), (4, 128), (8, 64), (8, 32)];
             for (si, (bits, gs)) in specs.into_iter().enumerate().filter(|(si, _)| thin(di, *si, specs.len())) {
                 // Every shape at 4-bit g64 (the 8B-A1B's), the first and last at the others.
@@ -385,7 +420,7 @@ fn quant_gemv_kernel_matches_stock_ops() {
                     assert!(available(&x, &q), "{what}");
                     let got = qgemv(&x, &q).unwrap();
                     let stock = quantized_matmul(&x, &q.weight, &q.scales, q.biases.as_ref(), true, q.spec).unwrap();
-                    let wd = dequantize(&q.weight, &q.scales, q.biases.as_ref(), q.spec, Some(Dtype::Float32)).unwrap();
+                    let wd = exact_weights(&q);
                     check_against_reference(&what, &got, &stock, &f32_products(&x, &wd), tol);
                 }
             }
@@ -404,8 +439,8 @@ fn quant_gemv_kernel_matches_stock_ops() {
         let off = row.slice_axis(1, 4, 260).unwrap();
         assert!(available(&off, &q));
         let stock = quantized_matmul(&off, &q.weight, &q.scales, q.biases.as_ref(), true, q.spec).unwrap();
-        let wd = dequantize(&q.weight, &q.scales, q.biases.as_ref(), q.spec, Some(Dtype::Float32)).unwrap();
-        check_against_reference("an unaligned view", &qgemv(&off, &q).unwrap(), &stock, &f32_products(&off, &wd), 6.4e-2);
+        let wd = exact_weights(&q);
+        check_against_reference("an unaligned view", &qgemv(&off, &q).unwrap(), &stock, &f32_products(&off, &wd), 4e-3);
     });
 }
 
@@ -422,9 +457,11 @@ fn moe_experts_kernels_match_stock_ops() {
     use crate::kernels::moe_experts::{available, down, gate_up};
     use crate::kernels::with_opt_in;
     use crate::mlx::random::{normal, uniform};
-    use crate::mlx::{dequantize, gather_qmm, Array};
+    use crate::mlx::{gather_qmm, Array};
     with_opt_in(|| {
-        for (di, (dt, tol)) in [(Dtype::Bfloat16, 1.28e-1f32), (Dtype::Float16, 1.6e-2), (Dtype::Float32, 2e-4)].into_iter().enumerate() {
+        // The gate rounds ~5 times in the dtype (as the stock graph does),
+        // the experts' sum once more over its inputs' roundings.
+        for (di, (dt, tol)) in [(Dtype::Bfloat16, 3.2e-2f32), (Dtype::Float16, 4e-3), (Dtype::Float32, 2e-4)].into_iter().enumerate() {
             // (rows, k, experts, D, F, bits, group)
             let cases = [
                 (1, 4, 32, 2048, 1792, 4, 64),
@@ -454,7 +491,7 @@ fn moe_experts_kernels_match_stock_ops() {
                 let stock = gq(&wd, &sh).squeeze(-2).unwrap().mul(&score.expand_dims(-1).unwrap()).unwrap().sum(&[-2], false).unwrap();
                 // The float32 reference: each row's experts dequantized.
                 let deq = |w: &crate::model::linear::Quantized| -> Array {
-                    dequantize(&w.weight, &w.scales, w.biases.as_ref(), w.spec, Some(Dtype::Float32)).unwrap().take(&idx, 0).unwrap()
+                    exact_weights(w).take(&idx, 0).unwrap()
                 };
                 let x4 = x.astype(Dtype::Float32).unwrap().reshape(&[r, 1, 1, d]).unwrap();
                 let gu_ref = x4.mul(&deq(&wgu)).unwrap().sum(&[-1], false).unwrap(); // [r, k, 2f]
@@ -527,9 +564,9 @@ fn norm_gemv_kernels_match_stock_ops() {
                     let stock = quantized_matmul(&x, &q.weight, &q.scales, q.biases.as_ref(), true, q.spec).unwrap();
                     let (s, got) = norm_qgemv(&ni, &q).unwrap();
                     assert!(worst_relative(&s, &s_want) <= tol, "{what} 4-bit: the residual sum differs");
-                    let wd = crate::mlx::dequantize(&q.weight, &q.scales, q.biases.as_ref(), q.spec, Some(Dtype::Float32)).unwrap();
+                    let wd = exact_weights(&q);
                     let reference = f32_products(&x.reshape(&[rows, k]).unwrap(), &wd).reshape(&[rows, 1, n]).unwrap();
-                    check_against_reference(&format!("{what} 4-bit"), &got, &stock, &reference, 4.0 * tol.max(1e-4));
+                    check_against_reference(&format!("{what} 4-bit"), &got, &stock, &reference, tol.max(1e-4));
                 }
             }
         }
