@@ -506,6 +506,7 @@ AB = {
     "norm-kernel-all-rows": ({"MLX_LFM_ADD_RMS_NORM_MAX_ROWS": "all"}, ["lfm2-1.2b-bf16"]),
     "gemv-kernel": ({"MLX_LFM_GEMV_KERNEL": "1"}, ["lfm2-1.2b-bf16"]),
     "gemv-norm-kernels": ({"MLX_LFM_GEMV_KERNEL": "1", "MLX_LFM_NORM_GEMV_KERNEL": "1"}, ["lfm2-1.2b-bf16"]),
+    "qk-norm-rope-kernel": ({"MLX_LFM_QK_NORM_ROPE_KERNEL": "1"}, ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "moe-dequant-from-16-rows": ({"MLX_LFM_MOE_DEQUANT_ROWS": "16"}, ["lfm2-8b-a1b-q4"]),
     "moe-dequant-from-64-rows": ({"MLX_LFM_MOE_DEQUANT_ROWS": "64"}, ["lfm2-8b-a1b-q4"]),
     "qgemv-kernel": ({"MLX_LFM_QGEMV_KERNEL": "1"}, ["lfm2-8b-a1b-q4"]),
@@ -527,12 +528,14 @@ AB_TESTS = {
     "quant-norm-kernels": ["quant_gemv_kernel_matches_stock_ops", "moe_experts_kernels_match_stock_ops",
                            "norm_gemv_kernels_match_stock_ops", GREEDY],
     "norm-kernel-all-rows": ["add_rms_norm_kernel_matches_stock_ops"],
+    "qk-norm-rope-kernel": ["qk_norm_rope_kernel_matches_stock_ops", GREEDY],
 }
 # Groups of variants of which `pick` adopts at most one: (variants, the
 # figure it must raise by 3% over "all" without the other falling 3%).
 PICK = [
     (["gemv-kernel", "gemv-norm-kernels"], "decode"),
     (["qgemv-kernel", "moe-kernel", "quant-kernels", "quant-norm-kernels"], "decode"),
+    (["qk-norm-rope-kernel"], "decode"),
     (["norm-kernel-all-rows"], "prefill"),
     (["moe-dequant-from-16-rows", "moe-dequant-from-64-rows"], "prefill"),
 ]
@@ -604,9 +607,12 @@ def pick():
         if best:
             picked.update(AB[best[0]][0])
         if figure == "decode":
-            decode_picks.append(AB[best[0]][0] if best else {})
+            decode_picks.append((variants, AB[best[0]][0] if best else {}))
     for key in SHARED_SWITCHES:
-        if key in picked and not all(key in p for p in decode_picks):
+        # Each decode group with a variant that sets the switch must have
+        # picked one that does.
+        groups = [p for vs, p in decode_picks if any(key in AB[v][0] for v in vs)]
+        if key in picked and not all(key in p for p in groups):
             del picked[key]
             why.append({"dropped": key, "reason": "not every model's pick was measured with it"})
     PICKED.write_text(json.dumps(picked))

@@ -82,6 +82,11 @@ KERNELS = {
         [("s", "T"), ("y", "T")],
         lambda dt: [("BITS", 4), ("GS", 64), ("K", 2048), ("M", 1)],
     ),
+    "qk_norm_rope.rs": (
+        [("q", "T"), ("k", "T"), ("qw", "T"), ("kw", "T"), ("offset", "int32_t")],
+        [("qo", "T"), ("ko", "T")],
+        lambda dt: [("HD", 64), ("PER_ROW", "false"), ("EPS_BITS", 925353388), ("BASE_BITS", 1095963082)],
+    ),
     "short_conv.rs": (
         [("bcx", "T"), ("state", "T"), ("w", "T")],
         [("padded", "T"), ("y", "T")],

@@ -10,6 +10,7 @@ pub mod gemv;
 pub mod moe_experts;
 pub mod moe_router;
 pub mod norm_gemv;
+pub mod qk_norm_rope;
 pub mod quant_gemv;
 pub mod short_conv;
 

@@ -584,3 +584,66 @@ fn norm_gemv_kernels_match_stock_ops() {
         assert!(!dense_available(&NormIn { h: &h.slice_axis(0, 0, 2).unwrap(), r: &r, wn: &wn, eps: &eps }, &w));
     });
 }
+
+/// The q/k norm + RoPE kernel against MLX's rms_norm and rope (what the
+/// attention layer runs without it): bit for bit, for one row and several,
+/// one position for every row and one per row, at positions from 0 to past
+/// 2^15, the 1.2B's heads (32 and 8 of 64) and others.
+#[test]
+fn qk_norm_rope_kernel_matches_stock_ops() {
+    if skip("qk_norm_rope_kernel_matches_stock_ops") {
+        return;
+    }
+    use crate::kernels::qk_norm_rope::{available, qk_norm_rope};
+    use crate::kernels::with_opt_in;
+    use crate::mlx::random::normal;
+    use crate::mlx::{rms_norm, rope, rope_dyn, Array};
+    with_opt_in(|| {
+        let (eps, theta) = (1e-5f32, 1_000_000f32);
+        for (di, dt) in [Dtype::Bfloat16, Dtype::Float16, Dtype::Float32].into_iter().enumerate() {
+            // (rows, heads, kv heads, head dim, positions: one, or one per row)
+            let cases: [(i32, i32, i32, i32, &[i32]); 5] = [
+                (1, 32, 8, 64, &[0]),
+                (1, 32, 8, 64, &[517]),
+                (1, 16, 4, 128, &[40_000]),
+                (3, 32, 8, 64, &[9, 300, 4_095]),
+                (2, 4, 2, 64, &[77]),
+            ];
+            for (_, (b, h, kvh, hd, offs)) in cases.into_iter().enumerate().filter(|(ci, _)| thin(di, *ci, cases.len())) {
+                let what = format!("{dt:?} {b} rows, {h}/{kvh} heads of {hd}, positions {offs:?}");
+                let q = normal(&[b, 1, h * hd], Dtype::Float32, 0.0, 2.0, None).unwrap().astype(dt).unwrap();
+                let k = normal(&[b, 1, kvh * hd], Dtype::Float32, 0.0, 2.0, None).unwrap().astype(dt).unwrap();
+                let qw = normal(&[hd], Dtype::Float32, 1.0, 0.3, None).unwrap().astype(dt).unwrap();
+                let kw = normal(&[hd], Dtype::Float32, 1.0, 0.3, None).unwrap().astype(dt).unwrap();
+                assert!(available(&q, &k, &qw, &kw, hd), "{what}");
+                let offset = Array::from_slice(offs, &[offs.len() as i32]).unwrap();
+                let (qo, ko) = qk_norm_rope(&q, &k, &qw, &kw, &offset, hd, eps, theta).unwrap();
+                let stock = |x: &Array, w: &Array, heads: i32| -> Array {
+                    let n = rms_norm(&x.reshape(&[b, 1, heads, hd]).unwrap(), Some(w), eps).unwrap().transpose(&[0, 2, 1, 3]).unwrap();
+                    if offs.len() == 1 {
+                        rope(&n, hd, false, theta, 1.0, offs[0]).unwrap()
+                    } else {
+                        rope_dyn(&n, hd, false, theta, 1.0, &offset).unwrap()
+                    }
+                };
+                for (name, got, want) in [("q", &qo, stock(&q, &qw, h)), ("k", &ko, stock(&k, &kw, kvh))] {
+                    assert_eq!(got.shape(), want.shape(), "{what} {name}");
+                    let worst = worst_relative(got, &want);
+                    let f = |a: &Array| -> Vec<f32> { a.astype(Dtype::Float32).unwrap().to_vec().unwrap() };
+                    let differ = f(got).iter().zip(&f(&want)).filter(|(x, y)| x != y).count();
+                    assert_eq!(differ, 0, "{what} {name}: {differ} of {} values differ from the stock ops (worst {worst})", want.size());
+                }
+            }
+        }
+        // Not served: two tokens a row, a head dim that is no power of two,
+        // norm weights of another width.
+        let q = normal(&[1, 2, 256], Dtype::Float32, 0.0, 1.0, None).unwrap();
+        let w = normal(&[64], Dtype::Float32, 1.0, 0.3, None).unwrap();
+        assert!(!available(&q, &q, &w, &w, 64));
+        let q = normal(&[1, 1, 240], Dtype::Float32, 0.0, 1.0, None).unwrap();
+        let w48 = normal(&[48], Dtype::Float32, 1.0, 0.3, None).unwrap();
+        assert!(!available(&q, &q, &w48, &w48, 48));
+        let q = normal(&[1, 1, 256], Dtype::Float32, 0.0, 1.0, None).unwrap();
+        assert!(!available(&q, &q, &w48, &w48, 64));
+    });
+}

@@ -75,6 +75,24 @@ impl Attention {
     fn project(&self, qkv: Vec<Array>, offset: Offset) -> Result<(Array, Array, Array)> {
         let (b, t) = (qkv[0].dim(0), qkv[0].dim(1));
         let hd = self.head_dim;
+        if t == 1 && crate::kernels::qk_norm_rope::available(&qkv[0], &qkv[1], &self.q_norm, &self.k_norm, hd) {
+            let offsets = match offset {
+                Offset::Int(off) => Array::from_slice(&[off], &[1])?,
+                Offset::Array(offs) => offs.clone(),
+            };
+            let (q, k) = crate::kernels::qk_norm_rope::qk_norm_rope(
+                &qkv[0],
+                &qkv[1],
+                &self.q_norm,
+                &self.k_norm,
+                &offsets,
+                hd,
+                self.eps,
+                self.rope_theta,
+            )?;
+            let v = qkv[2].reshape(&[b, t, self.n_kv_heads, hd])?.transpose(&[0, 2, 1, 3])?;
+            return Ok((q, k, v));
+        }
         let q = qkv[0].reshape(&[b, t, self.n_heads, hd])?;
         let k = qkv[1].reshape(&[b, t, self.n_kv_heads, hd])?;
         let v = qkv[2].reshape(&[b, t, self.n_kv_heads, hd])?;

@@ -1,0 +1,169 @@
+//! Attention's per-head RMSNorm of q and k and the RoPE after it, for a
+//! decode step (one token per row), in one kernel. The stock graph runs
+//! MLX's `rms_norm_small` and `rope_single` for q and for k: four launches
+//! per attention layer and token (ncu on the H200: ~3.5 µs each, 24 of the
+//! 1.2B's 175 launches a token).
+//!
+//! One block per row, `HD / NR` threads per head (NR values of 16 bytes
+//! each), every head of q then of k. The arithmetic is MLX's, step for
+//! step, so the result is bit for bit the stock path's:
+//! - rms_norm: thread t holds elements `[NR t, NR t + NR)` and sums their
+//!   squares in float32 in order, the head's partial sums meet in a
+//!   butterfly (xor masks from half the group down to 1: what MLX's
+//!   `cg::reduce` over a block whose other lanes hold zeros adds up to),
+//!   `y = T(w * T(x * rsqrt(sum / HD + eps)))`;
+//! - rope (non-traditional, over the whole head): pair `i` of `HD / 2`
+//!   turns by `offset * exp2(-(i / (HD / 2)) * log2(theta))` with the
+//!   full-precision `cos` and `sin`, `x1 c - x2 s` and `x1 s + x2 c` in
+//!   float32 from the normed values, each rounded to the dtype.
+//!   `log2(theta)` comes from the host's `log2f`, as MLX's does.
+
+use crate::error::{Error, Result};
+use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
+use crate::mlx::{Array, Dtype};
+use std::sync::OnceLock;
+
+const SOURCE: &str = r#"
+  constexpr int NR = 16 / sizeof(T);
+  constexpr int TPH = HD / NR;
+  constexpr int HALF = HD / 2;
+  const int H = q_shape[2] / HD;
+  const int KVH = k_shape[2] / HD;
+  const int b = blockIdx.x;
+  const int tid = threadIdx.x;
+  const int head = tid / TPH;
+  const int t = tid % TPH;
+  const bool is_q = head < H;
+  const bool live = head < H + KVH;
+  const T* src = is_q ? q + (static_cast<size_t>(b) * H + head) * HD : k + (static_cast<size_t>(b) * KVH + (head - H)) * HD;
+  const T* w = is_q ? qw : kw;
+  T* dst = is_q ? qo + (static_cast<size_t>(b) * H + head) * HD : ko + (static_cast<size_t>(b) * KVH + (head - H)) * HD;
+  const float pos = static_cast<float>(offset[PER_ROW ? b : 0]);
+  float x[NR];
+  float acc = 0.0f;
+#pragma unroll
+  for (int j = 0; j < NR; j++) x[j] = 0.0f;
+  if (live) {
+#pragma unroll
+    for (int j = 0; j < NR; j++) {
+      x[j] = static_cast<float>(src[t * NR + j]);
+      acc += x[j] * x[j];
+    }
+  }
+  // The head's threads are TPH aligned lanes of one warp (TPH divides 32).
+#pragma unroll
+  for (int m = TPH / 2; m > 0; m >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, m);
+  const float nrm = rsqrtf(acc / static_cast<float>(HD) + __int_as_float(EPS_BITS));
+  float y[NR];
+#pragma unroll
+  for (int j = 0; j < NR; j++) {
+    const T wj = live ? w[t * NR + j] : T(0.0f);
+    y[j] = static_cast<float>(T(static_cast<float>(wj) * static_cast<float>(T(x[j] * nrm))));
+  }
+  // The partner half of the head: thread t's elements pair with t ^ TPH/2's.
+  float other[NR];
+#pragma unroll
+  for (int j = 0; j < NR; j++) other[j] = __shfl_xor_sync(0xffffffff, y[j], TPH / 2);
+  if (!live) return;
+  const bool first = t < TPH / 2;
+  const float base = __int_as_float(BASE_BITS);
+#pragma unroll
+  for (int j = 0; j < NR; j++) {
+    const int e = t * NR + j;
+    const int pair = first ? e : e - HALF;
+    const float d = static_cast<float>(pair) / static_cast<float>(HALF);
+    const float inv_freq = exp2f(-d * base);
+    const float theta = pos * inv_freq;
+    const float c = cosf(theta);
+    const float s = sinf(theta);
+    const float x1 = first ? y[j] : other[j];
+    const float x2 = first ? other[j] : y[j];
+    const float r = first ? x1 * c - x2 * s : x1 * s + x2 * c;
+    dst[e] = T(r);
+  }
+"#;
+
+fn kernel() -> Option<&'static CudaKernel> {
+    static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
+    K.get_or_init(|| {
+        CudaKernel::new("lfm_qk_norm_rope", &["q", "k", "qw", "kw", "offset"], &["qo", "ko"], SOURCE, "").ok()
+    })
+    .as_ref()
+}
+
+/// Whether the fused kernel serves a decode step's `q` `[B, 1, H * HD]` and
+/// `k` `[B, 1, KVH * HD]` with norm weights `[HD]` and an int32 offset
+/// (scalar, `[1]` or one per row): on (`MLX_LFM_QK_NORM_ROPE_KERNEL=1`,
+/// opt-in until its test and A/B have run on the H200), on CUDA, one float dtype, HD a power of two
+/// whose 16-byte runs fit a warp, and every head of a row in one block.
+pub fn available(q: &Array, k: &Array, qw: &Array, kw: &Array, head_dim: i32) -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    if !super::opt_in("MLX_LFM_QK_NORM_ROPE_KERNEL", &ON) {
+        return false;
+    }
+    let dt = q.dtype();
+    if !cuda_kernels_enabled() || !dt.is_float() || dt == Dtype::Float64 || q.ndim() != 3 || k.ndim() != 3 {
+        return false;
+    }
+    let nr = 16 / dt.size() as i32;
+    let hd = head_dim;
+    let tph = if hd > 0 { hd / nr } else { 0 };
+    let (heads, kv_heads) = if hd > 0 { (q.dim(2) / hd, k.dim(2) / hd) } else { (0, 0) };
+    k.dtype() == dt
+        && qw.dtype() == dt
+        && kw.dtype() == dt
+        && qw.shape() == [hd]
+        && kw.shape() == [hd]
+        && q.dim(1) == 1
+        && k.dim(1) == 1
+        && q.dim(0) == k.dim(0)
+        && q.dim(0) > 0
+        && hd > 0
+        && (hd as u32).is_power_of_two()
+        && tph >= 2
+        && tph <= 32
+        && heads > 0
+        && kv_heads > 0
+        && q.dim(2) == heads * hd
+        && k.dim(2) == kv_heads * hd
+        && (heads + kv_heads) as i64 * tph as i64 <= 1024
+        && kernel().is_some()
+}
+
+/// `(rope(rms_norm(q) * qw), rope(rms_norm(k) * kw))` per head, as
+/// `[B, H, 1, HD]` and `[B, KVH, 1, HD]`; `offset` int32, a scalar or `[1]`
+/// (every row at one position) or `[B]`. Callers check [`available`].
+pub fn qk_norm_rope(q: &Array, k: &Array, qw: &Array, kw: &Array, offset: &Array, head_dim: i32, eps: f32, theta: f32) -> Result<(Array, Array)> {
+    let kern = kernel().ok_or_else(|| Error::mlx("the q/k norm + RoPE kernel is not available"))?;
+    let dt = q.dtype();
+    let b = q.dim(0);
+    let (heads, kv_heads) = (q.dim(2) / head_dim, k.dim(2) / head_dim);
+    let per_row = match offset.size() {
+        1 => false,
+        n if n == b as usize => true,
+        n => return Err(Error::invalid(format!("q/k norm + RoPE: {n} offsets for {b} rows"))),
+    };
+    if offset.dtype() != Dtype::Int32 {
+        return Err(Error::invalid(format!("q/k norm + RoPE: the offset is {:?}, not int32", offset.dtype())));
+    }
+    let threads = (heads + kv_heads) * (head_dim / (16 / dt.size() as i32));
+    // A block is whole warps; the lanes past the last head hold zeros.
+    let block = (threads + 31) / 32 * 32;
+    let mut outs = kern.call(
+        &[q, k, qw, kw, offset],
+        &[(&[b, heads, 1, head_dim], dt), (&[b, kv_heads, 1, head_dim], dt)],
+        [block.checked_mul(b).ok_or_else(|| Error::invalid(format!("q/k norm + RoPE: {b} rows")))?, 1, 1],
+        [block, 1, 1],
+        &[
+            ("HD", TemplateArg::Int(head_dim)),
+            ("PER_ROW", TemplateArg::Bool(per_row)),
+            // Float constants as their bits: template arguments are integers.
+            ("EPS_BITS", TemplateArg::Int(eps.to_bits() as i32)),
+            ("BASE_BITS", TemplateArg::Int(theta.log2().to_bits() as i32)),
+            ("T", TemplateArg::Dtype(dt)),
+        ],
+    )?;
+    let ko = outs.pop().ok_or_else(|| Error::mlx("q/k norm + RoPE kernel: missing output"))?;
+    let qo = outs.pop().ok_or_else(|| Error::mlx("q/k norm + RoPE kernel: missing output"))?;
+    Ok((qo, ko))
+}
