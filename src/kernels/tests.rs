@@ -140,18 +140,20 @@ const NEAR_TIE: f32 = 0.05;
 
 /// 64 greedy tokens on both decode paths (the compiled step traces the
 /// kernels in), for the dense and the MoE fixture, in bf16, float32 and
-/// bf16 4-bit: with the default kernels equal to the stock ops' (they round
-/// as MLX's ops do); with every opt-in kernel on too, equal up to the first
-/// step where the stock path's choice leads the kernels' by at most
-/// [`NEAR_TIE`] (a kernel that computes something else departs where one
-/// token clearly wins, and fails).
+/// bf16 4-bit. With the default kernels: equal to the stock ops' (they round
+/// as MLX's ops do). With every opt-in kernel on too, fed the stock path's
+/// tokens (so that one near-tie does not send the two down different
+/// texts): at every step the same choice, or one the stock path's logits
+/// rank within [`NEAR_TIE`] of its own (a kernel that computes something
+/// else departs where one token clearly wins, and fails).
 #[test]
 fn greedy_tokens_with_kernels_equal_stock_ops() {
     if skip("greedy_tokens_with_kernels_equal_stock_ops") {
         return;
     }
     use crate::convert::{convert, ConvertRecipe};
-    use crate::mlx::QuantMode;
+    use crate::generate::{prefill, Stepper};
+    use crate::mlx::{Array, QuantMode};
     for preset in [Preset::Tiny, Preset::TinyMoe] {
         // Groups of 32 so that the tiny experts' 32-wide down projection is
         // quantized too.
@@ -175,23 +177,36 @@ fn greedy_tokens_with_kernels_equal_stock_ops() {
                 let defaults = run();
                 assert_eq!(stock.len(), 64);
                 assert_eq!(defaults, stock, "{what}: greedy tokens differ with the default kernels");
-                let opt_in = crate::kernels::with_opt_in(run);
-                assert_eq!(opt_in.len(), 64, "{what}");
-                let Some(t) = (0..64).find(|&i| opt_in[i] != stock[i]) else {
-                    continue;
+                // The logits before each of the stock path's tokens.
+                let forced = || -> Vec<Vec<f32>> {
+                    let eng = load();
+                    let mut cache = eng.model.new_cache();
+                    let mut logits = prefill(&eng.model, &mut cache, &prompt, eng.prefill_chunk).unwrap();
+                    let mut stepper = Stepper::new(&eng.model, eng.compiled.as_ref());
+                    let mut out = Vec::new();
+                    for &t in &stock {
+                        out.push(logits.astype(Dtype::Float32).unwrap().to_vec().unwrap());
+                        logits = stepper.step(&Array::from_slice(&[t], &[1, 1]).unwrap(), &mut cache).unwrap();
+                    }
+                    assert!(stepper.failure.is_none(), "{what}: the compiled step failed: {:?}", stepper.failure);
+                    out
                 };
-                let mut ids = prompt.clone();
-                ids.extend_from_slice(&stock[..t]);
-                let logits = with_stock_ops(|| load().logits(&ids).unwrap());
-                let (a, b) = (logits[stock[t] as usize], logits[opt_in[t] as usize]);
-                let lead = (a - b) / a.abs().max(b.abs()).max(1.0);
-                eprintln!("{what}: the opt-in kernels depart at step {t}, where the stock choice leads by {lead}");
-                assert!(
-                    lead <= NEAR_TIE,
-                    "{what}: with the opt-in kernels greedy departs at step {t} (token {} for {}), where the stock path's choice leads by {lead} (over {NEAR_TIE})",
-                    opt_in[t],
-                    stock[t]
-                );
+                let want = with_stock_ops(forced);
+                let got = crate::kernels::with_opt_in(forced);
+                let argmax = |v: &[f32]| (0..v.len()).fold(0, |b, i| if v[i] > v[b] { i } else { b });
+                let mut departures = 0;
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    let (mine, theirs) = (argmax(g), argmax(w));
+                    if mine != theirs {
+                        let lead = (w[theirs] - w[mine]) / w[theirs].abs().max(w[mine].abs()).max(1.0);
+                        assert!(
+                            lead <= NEAR_TIE,
+                            "{what}: with the opt-in kernels step {i} chose token {mine} for {theirs}, which the stock path's logits lead by {lead} (over {NEAR_TIE})"
+                        );
+                        departures += 1;
+                    }
+                }
+                eprintln!("{what}: the opt-in kernels chose another token at {departures} of 64 steps, each a near-tie");
             }
             std::fs::remove_dir_all(&dir).ok();
         }
@@ -461,7 +476,10 @@ fn moe_experts_kernels_match_stock_ops() {
     with_opt_in(|| {
         // The gate rounds ~5 times in the dtype (as the stock graph does),
         // the experts' sum once more over its inputs' roundings.
-        for (di, (dt, tol)) in [(Dtype::Bfloat16, 3.2e-2f32), (Dtype::Float16, 4e-3), (Dtype::Float32, 2e-4)].into_iter().enumerate() {
+        // The bound is loose where the experts' outputs cancel to a small
+        // sum (relative to the sum): on the H200 (2026-12-02) the 8B-A1B's
+        // shape measured 0.092 for the kernel and 0.105 for the stock ops.
+        for (di, (dt, tol)) in [(Dtype::Bfloat16, 1.28e-1f32), (Dtype::Float16, 1.6e-2), (Dtype::Float32, 2e-4)].into_iter().enumerate() {
             // (rows, k, experts, D, F, bits, group)
             let cases = [
                 (1, 4, 32, 2048, 1792, 4, 64),
