@@ -30,7 +30,8 @@ the same checkpoints; `pick` adopts the switches that won by 3% with their
 tests passed (picked-env.json), which every later step of the session runs
 with; the repository's defaults are then set to match, so the rounds
 measure what ships. (`profile-prefill` profiles a 512-token prefill the
-same way; `ab-binaries` times .device/prev/mlx-lfm-bench-prev, a build of
+same way; `profile-kernels` records ncu's detail sections for the kernels
+H200_NCU_KERNELS matches; `ab-binaries` times .device/prev/mlx-lfm-bench-prev, a build of
 the previous commit, against this one; `constrained` times constrained
 against free decode; `new-lengths` times the first prefill at new prompt
 lengths.)
@@ -363,6 +364,43 @@ def profile():
                 "--gen", "64", "--reps", "3"], f"step-{name}", check=False)
         walls = [json.loads(l)["solo_step_ms"] for l in r.stdout.splitlines() if "solo_step_ms" in l]
         record(engine="ncu", model=name, step_wall_ms=walls)
+
+
+def profile_kernels():
+    """ncu's detail sections (speed of light, occupancy, launch, warp stall
+    reasons, memory) for the kernels matching H200_NCU_KERNELS (a regex) in
+    one compiled decode step of each model in ab_models(), with the
+    switches of the environment: why a kernel reads slower than its bytes
+    say it could (the 2026-12-02 profile left the MoE down and the folded
+    norm + quantized GEMV at 0.24-0.32 TB/s, with no registers spilled)."""
+    pattern = os.environ.get("H200_NCU_KERNELS", "lfm_moe_down|lfm_norm_qgemv|lfm_moe_gate_up|lfm_qgemv|lfm_add_rms_norm")
+    sections = ["SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "MemoryWorkloadAnalysis", "SchedulerStats"]
+    for name in ab_models():
+        rep = WORK / f"detail-{name}"
+        cmd = ["ncu", "--clock-control", "none", "--profile-from-start", "off", "-f", "-o", rep,
+               "--kernel-name", f"regex:{pattern}"]
+        for sec in sections:
+            cmd += ["--section", sec]
+        cmd += [BENCH, "--model", ours_ck(name), "--device", "gpu", "--concurrent", "1", "--prompts", "512",
+                "--gen", "40", "--reps", "1"]
+        e = env()
+        e["MLXLFM_PROFILE_STEP"] = "32"
+        r = sh(cmd, f"ncu-detail-{name}", check=False, env=e)
+        if r.returncode != 0:
+            record(engine="ncu-detail", model=name, error=r.stderr[-2000:])
+            continue
+        csv = sh(["ncu", "--import", f"{rep}.ncu-rep", "--csv", "--page", "details", "--print-units", "base",
+                  "--print-kernel-base", "function"], check=False)
+        (OUT / f"ncu-detail-{name}.csv").write_text(csv.stdout)
+        import csv as _csv
+        import io
+        per = {}
+        for row in _csv.DictReader(io.StringIO(csv.stdout)):
+            k = row.get("Kernel Name")
+            if k:
+                per.setdefault(k, {})[row.get("Metric Name", "")] = row.get("Metric Value", "")
+        switches = {k: v for k, v in e.items() if k.startswith("MLX_LFM_")}
+        record(engine="ncu-detail", model=name, switches=switches, kernels=per)
 
 
 def summarize_ncu(text):
@@ -701,6 +739,9 @@ def main():
             elif a == "profile":
                 install()
                 profile()
+            elif a == "profile-kernels":
+                install()
+                profile_kernels()
             elif a == "profile-prefill":
                 install()
                 profile_prefill()

@@ -7,6 +7,10 @@ proves the text compiles; correctness is src/kernels/tests.rs on a GPU.
     python3 -m pip install --target /tmp/nvrtc "nvidia-cuda-nvrtc==13.*" \
         "nvidia-cuda-runtime==13.*" "nvidia-cuda-cccl==13.*"
     python3 scripts/dev/nvrtc-check.py /tmp/nvrtc
+
+With --ptxas=PATH (ptxas from `pip install --target /tmp/nvcc
+"nvidia-cuda-nvcc==13.*"`), each kernel's registers, spills and shared
+memory on sm_90 too.
 """
 import ctypes
 import re
@@ -14,7 +18,8 @@ import sys
 from pathlib import Path
 
 root = Path(__file__).resolve().parents[2]
-base = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/nvrtc") / "nvidia" / "cu13"
+args = [a for a in sys.argv[1:] if not a.startswith("--")]
+base = Path(args[0] if args else "/tmp/nvrtc") / "nvidia" / "cu13"
 nvrtc = ctypes.CDLL(str(base / "lib" / "libnvrtc.so.13"))
 inc = base / "include"
 
@@ -134,6 +139,24 @@ def body_and_header(path, which="SOURCE"):
     return src, header_of(path)
 
 
+PTXAS = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--ptxas=")), None)
+
+
+def resources(name, prog):
+    """ptxas -v on the program's PTX: registers, spills and shared memory
+    per thread/block for sm_90 (what decides a kernel's occupancy)."""
+    import subprocess
+    import tempfile
+    size = ctypes.c_size_t()
+    nvrtc.nvrtcGetPTXSize(prog, ctypes.byref(size))
+    ptx = ctypes.create_string_buffer(size.value)
+    nvrtc.nvrtcGetPTX(prog, ptx)
+    with tempfile.NamedTemporaryFile("wb", suffix=".ptx", delete=False) as f:
+        f.write(ptx.value)
+    r = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90", "-o", "/dev/null", f.name], capture_output=True, text=True)
+    return " ".join(l.split("ptxas info    : ", 1)[-1] for l in r.stderr.splitlines() if "Used" in l or "spill" in l)
+
+
 def compile_one(name, code):
     prog = ctypes.c_void_p()
     rc = nvrtc.nvrtcCreateProgram(ctypes.byref(prog), code.encode(), name.encode(), 0, None, None)
@@ -146,6 +169,8 @@ def compile_one(name, code):
     nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
     log = ctypes.create_string_buffer(size.value)
     nvrtc.nvrtcGetProgramLog(prog, log)
+    if rc == 0 and PTXAS:
+        print("   ", resources(name, prog))
     return rc, log.value.decode(errors="replace")
 
 

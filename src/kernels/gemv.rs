@@ -56,54 +56,82 @@ __device__ inline float lfm_warp_sum(float v) {
 }
 // acc[m] += this lane's share of (row wr of a weight) . (row m of x): lane l
 // takes 16-byte chunks l, l + 32, ...; K is a template constant, so the
-// loop unrolls and the loads of several chunks are issued before their sums.
+// loops unroll. The weight chunks are loaded in batches of LFM_BATCH, every
+// load of a batch before the first sum: written as one loop, ptxas spread
+// the loads between the sums (3 of 8 issued up front, the SASS of
+// 2026-12-02), so each warp waited on DRAM several times in turn. The
+// chunks are summed in the same order either way.
 // ALIGNED is a template constant so that the alignment test sits outside the
 // loop: with it inside (a runtime flag per load) the H200 profile showed
-// 1.7-1.8 TB/s against MLX's gemv_single's 3.0, the loads no longer batched.
+// 1.7-1.8 TB/s against MLX's gemv_single's 3.0.
+#define LFM_BATCH 8
 template <typename T, int K, int M, bool ALIGNED>
 __device__ inline void lfm_dot_rows_a(const T* x, const T* wr, int lane, float* acc) {
   constexpr int E = 16 / sizeof(T);
   constexpr int C = K / E;
   constexpr int IT = (C + 31) / 32;
-#pragma unroll 8
-  for (int i = 0; i < IT; i++) {
-    const int c = lane + i * 32;
-    if (C % 32 != 0 && c >= C) break;
-    const uint4 wv = lfm_load16(wr, c, ALIGNED);
-    const T* we = reinterpret_cast<const T*>(&wv);
+  constexpr int B = IT < LFM_BATCH ? IT : LFM_BATCH;
 #pragma unroll
-    for (int m = 0; m < M; m++) {
-      const uint4 xv = lfm_load16(x + static_cast<size_t>(m) * K, c, ALIGNED);
-      const T* xe = reinterpret_cast<const T*>(&xv);
+  for (int i0 = 0; i0 < IT; i0 += B) {
+    uint4 wv[B];
 #pragma unroll
-      for (int j = 0; j < E; j++) acc[m] += static_cast<float>(we[j]) * static_cast<float>(xe[j]);
+    for (int u = 0; u < B; u++) {
+      const int c = lane + (i0 + u) * 32;
+      if (i0 + u < IT && (C % 32 == 0 || c < C)) wv[u] = lfm_load16(wr, c, ALIGNED);
+    }
+#pragma unroll
+    for (int u = 0; u < B; u++) {
+      const int c = lane + (i0 + u) * 32;
+      if (i0 + u < IT && (C % 32 == 0 || c < C)) {
+        const T* we = reinterpret_cast<const T*>(&wv[u]);
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+          const uint4 xv = lfm_load16(x + static_cast<size_t>(m) * K, c, ALIGNED);
+          const T* xe = reinterpret_cast<const T*>(&xv);
+#pragma unroll
+          for (int j = 0; j < E; j++) acc[m] += static_cast<float>(we[j]) * static_cast<float>(xe[j]);
+        }
+      }
     }
   }
 }
 // Two weight rows at once (the SwiGLU's gate and up rows): both rows'
-// loads issued together, x read once.
+// loads of a batch issued together, x read once.
 template <typename T, int K, int M, bool ALIGNED>
 __device__ inline void lfm_dot_rows2_a(const T* x, const T* gr, const T* ur, int lane, float* ag, float* au) {
   constexpr int E = 16 / sizeof(T);
   constexpr int C = K / E;
   constexpr int IT = (C + 31) / 32;
-#pragma unroll 4
-  for (int i = 0; i < IT; i++) {
-    const int c = lane + i * 32;
-    if (C % 32 != 0 && c >= C) break;
-    const uint4 gv = lfm_load16(gr, c, ALIGNED);
-    const uint4 uv = lfm_load16(ur, c, ALIGNED);
-    const T* ge = reinterpret_cast<const T*>(&gv);
-    const T* ue = reinterpret_cast<const T*>(&uv);
+  constexpr int B = IT < LFM_BATCH / 2 ? IT : LFM_BATCH / 2;
 #pragma unroll
-    for (int m = 0; m < M; m++) {
-      const uint4 xv = lfm_load16(x + static_cast<size_t>(m) * K, c, ALIGNED);
-      const T* xe = reinterpret_cast<const T*>(&xv);
+  for (int i0 = 0; i0 < IT; i0 += B) {
+    uint4 gv[B];
+    uint4 uv[B];
 #pragma unroll
-      for (int j = 0; j < E; j++) {
-        const float xf = static_cast<float>(xe[j]);
-        ag[m] += static_cast<float>(ge[j]) * xf;
-        au[m] += static_cast<float>(ue[j]) * xf;
+    for (int u = 0; u < B; u++) {
+      const int c = lane + (i0 + u) * 32;
+      if (i0 + u < IT && (C % 32 == 0 || c < C)) {
+        gv[u] = lfm_load16(gr, c, ALIGNED);
+        uv[u] = lfm_load16(ur, c, ALIGNED);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < B; u++) {
+      const int c = lane + (i0 + u) * 32;
+      if (i0 + u < IT && (C % 32 == 0 || c < C)) {
+        const T* ge = reinterpret_cast<const T*>(&gv[u]);
+        const T* ue = reinterpret_cast<const T*>(&uv[u]);
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+          const uint4 xv = lfm_load16(x + static_cast<size_t>(m) * K, c, ALIGNED);
+          const T* xe = reinterpret_cast<const T*>(&xv);
+#pragma unroll
+          for (int j = 0; j < E; j++) {
+            const float xf = static_cast<float>(xe[j]);
+            ag[m] += static_cast<float>(ge[j]) * xf;
+            au[m] += static_cast<float>(ue[j]) * xf;
+          }
+        }
       }
     }
   }

@@ -68,48 +68,80 @@ __device__ inline float lfm_qx(const uint4& wv, const float* xf) {
   return acc;
 }
 // acc[m] += this lane's share of one quantized row (words wr, scales sr,
-// biases br) dotted with row m of x; ALIGNED a template constant (see
+// biases br) dotted with row m of x; the chunks' words, scales and biases
+// loaded in batches before their sums and ALIGNED a template constant (see
 // lfm_dot_rows_a).
 template <typename T, int K, int M, int BITS, int GS, bool ALIGNED>
 __device__ inline void lfm_qdot_a(const T* x, const uint32_t* wr, const T* sr, const T* br, int lane, float* acc) {
   constexpr int VPC = 128 / BITS;
   constexpr int C = K / VPC;
   constexpr int IT = (C + 31) / 32;
+  constexpr int B = IT < LFM_BATCH ? IT : LFM_BATCH;
 #pragma unroll
-  for (int i = 0; i < IT; i++) {
-    const int c = lane + i * 32;
-    if (C % 32 != 0 && c >= C) break;
-    const uint4 wv = lfm_load16(wr, c, ALIGNED);
-    const int g = c * VPC / GS;
-    const float s = static_cast<float>(sr[g]);
-    const float b = static_cast<float>(br[g]);
+  for (int i0 = 0; i0 < IT; i0 += B) {
+    uint4 wv[B];
+    float s[B];
+    float b[B];
 #pragma unroll
-    for (int m = 0; m < M; m++) {
-      float xf[VPC];
-      const float xs = lfm_xchunk<T, BITS>(x + static_cast<size_t>(m) * K, c, ALIGNED, xf);
-      acc[m] += s * lfm_qx<BITS>(wv, xf) + b * xs;
+    for (int u = 0; u < B; u++) {
+      const int c = lane + (i0 + u) * 32;
+      if (i0 + u < IT && (C % 32 == 0 || c < C)) {
+        wv[u] = lfm_load16(wr, c, ALIGNED);
+        s[u] = static_cast<float>(sr[c * VPC / GS]);
+        b[u] = static_cast<float>(br[c * VPC / GS]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < B; u++) {
+      const int c = lane + (i0 + u) * 32;
+      if (i0 + u < IT && (C % 32 == 0 || c < C)) {
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+          float xf[VPC];
+          const float xs = lfm_xchunk<T, BITS>(x + static_cast<size_t>(m) * K, c, ALIGNED, xf);
+          acc[m] += s[u] * lfm_qx<BITS>(wv[u], xf) + b[u] * xs;
+        }
+      }
     }
   }
 }
 // Two rows against one x (the SwiGLU's gate and up rows): both rows' loads
-// issued together, x read once.
+// of a batch issued together, x read once.
 template <typename T, int K, int BITS, int GS, bool ALIGNED>
 __device__ inline void lfm_qdot2_a(const T* x, const uint32_t* gr, const T* gs, const T* gb, const uint32_t* ur,
                                    const T* us, const T* ub, int lane, float& ag, float& au) {
   constexpr int VPC = 128 / BITS;
   constexpr int C = K / VPC;
   constexpr int IT = (C + 31) / 32;
+  constexpr int B = IT < LFM_BATCH / 2 ? IT : LFM_BATCH / 2;
 #pragma unroll
-  for (int i = 0; i < IT; i++) {
-    const int c = lane + i * 32;
-    if (C % 32 != 0 && c >= C) break;
-    const uint4 gv = lfm_load16(gr, c, ALIGNED);
-    const uint4 uv = lfm_load16(ur, c, ALIGNED);
-    const int g = c * VPC / GS;
-    float xf[VPC];
-    const float xs = lfm_xchunk<T, BITS>(x, c, ALIGNED, xf);
-    ag += static_cast<float>(gs[g]) * lfm_qx<BITS>(gv, xf) + static_cast<float>(gb[g]) * xs;
-    au += static_cast<float>(us[g]) * lfm_qx<BITS>(uv, xf) + static_cast<float>(ub[g]) * xs;
+  for (int i0 = 0; i0 < IT; i0 += B) {
+    uint4 gv[B];
+    uint4 uv[B];
+    float sg[B], bg[B], su[B], bu[B];
+#pragma unroll
+    for (int u = 0; u < B; u++) {
+      const int c = lane + (i0 + u) * 32;
+      if (i0 + u < IT && (C % 32 == 0 || c < C)) {
+        const int g = c * VPC / GS;
+        gv[u] = lfm_load16(gr, c, ALIGNED);
+        uv[u] = lfm_load16(ur, c, ALIGNED);
+        sg[u] = static_cast<float>(gs[g]);
+        bg[u] = static_cast<float>(gb[g]);
+        su[u] = static_cast<float>(us[g]);
+        bu[u] = static_cast<float>(ub[g]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < B; u++) {
+      const int c = lane + (i0 + u) * 32;
+      if (i0 + u < IT && (C % 32 == 0 || c < C)) {
+        float xf[VPC];
+        const float xs = lfm_xchunk<T, BITS>(x, c, ALIGNED, xf);
+        ag += sg[u] * lfm_qx<BITS>(gv[u], xf) + bg[u] * xs;
+        au += su[u] * lfm_qx<BITS>(uv[u], xf) + bu[u] * xs;
+      }
+    }
   }
 }
 // Output column n (this warp's) of x @ dequantize(w).T for M rows.
