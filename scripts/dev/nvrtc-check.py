@@ -10,7 +10,7 @@ proves the text compiles; correctness is src/kernels/tests.rs on a GPU.
 
 With --ptxas=PATH (ptxas from `pip install --target /tmp/nvcc
 "nvidia-cuda-nvcc==13.*"`), each kernel's registers, spills and shared
-memory on sm_90 too.
+memory on sm_90 too; --only and --sass below.
 """
 import ctypes
 import re
@@ -124,7 +124,7 @@ def named(path, name):
     hdr = re.search(r'const ' + name + r': &str = (?:r#"(.*?)"#|"(.*?)");', text, re.S)
     if not hdr:
         return ""
-    return hdr.group(1) if hdr.group(1) is not None else hdr.group(2).replace("\\n", "\n")
+    return hdr.group(1) if hdr.group(1) is not None else hdr.group(2).replace("\\n", "\n").replace('\\"', '"')
 
 
 def body_and_header(path, which="SOURCE"):
@@ -139,7 +139,18 @@ def body_and_header(path, which="SOURCE"):
     return src, header_of(path)
 
 
-PTXAS = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--ptxas=")), None)
+def opt(name):
+    return next((a.split("=", 1)[1] for a in sys.argv if a.startswith(f"--{name}=")), None)
+
+
+PTXAS = opt("ptxas")
+# --only=gemv.rs (a KERNELS key): that kernel alone. --sass=DIR (with
+# --ptxas and --cuobjdump=PATH, which needs nvdisasm beside it: pip
+# "nvidia-cuda-cuobjdump==13.*" "nvidia-cuda-nvdisasm==13.*"): each compiled
+# kernel's SASS into DIR, to see where ptxas put the loads.
+ONLY = opt("only")
+SASS = opt("sass")
+CUOBJDUMP = opt("cuobjdump")
 
 
 def resources(name, prog):
@@ -153,7 +164,13 @@ def resources(name, prog):
     nvrtc.nvrtcGetPTX(prog, ptx)
     with tempfile.NamedTemporaryFile("wb", suffix=".ptx", delete=False) as f:
         f.write(ptx.value)
-    r = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90", "-o", "/dev/null", f.name], capture_output=True, text=True)
+    cubin = f.name[:-4] + ".cubin"
+    r = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90", "-o", cubin, f.name], capture_output=True, text=True)
+    if SASS and CUOBJDUMP:
+        out = Path(SASS) / (name.replace("#", "-") + ".sass")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        env = {"PATH": str(Path(CUOBJDUMP).parent)}
+        out.write_text(subprocess.run([CUOBJDUMP, "-sass", cubin], capture_output=True, text=True, env=env).stdout)
     return " ".join(l.split("ptxas info    : ", 1)[-1] for l in r.stderr.splitlines() if "Used" in l or "spill" in l)
 
 
@@ -176,6 +193,8 @@ def compile_one(name, code):
 
 failed = 0
 for file, (ins, outs, targs) in KERNELS.items():
+    if ONLY and file != ONLY:
+        continue
     # "file.rs#name": the file's NAME_SOURCE (a second kernel in one file).
     fname, _, extra = file.partition("#")
     src, hdr = body_and_header(root / "src" / "kernels" / fname, "const " + (extra.upper() + "_" if extra else "") + "SOURCE")

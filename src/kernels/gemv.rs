@@ -64,13 +64,27 @@ __device__ inline float lfm_warp_sum(float v) {
 // ALIGNED is a template constant so that the alignment test sits outside the
 // loop: with it inside (a runtime flag per load) the H200 profile showed
 // 1.7-1.8 TB/s against MLX's gemv_single's 3.0.
+// ptxas still spreads a batch's loads between the sums where registers are
+// short (the dense GEMV's), so the dot helpers first ask L2 for the row's
+// chunks (prefetch: no register, no consumer, issued where written, SASS
+// CCTL.E.PF2): the row's DRAM reads start at once and the loads after
+// them wait on L2 at most.
 #define LFM_BATCH 8
+template <int IT, int C>
+__device__ inline void lfm_prefetch_row(const void* base, int lane) {
+#pragma unroll
+  for (int i = 0; i < IT; i++) {
+    const int c = lane + i * 32;
+    if (C % 32 == 0 || c < C) asm volatile(\"prefetch.global.L2 [%0];\" ::\"l\"(reinterpret_cast<const uint4*>(base) + c));
+  }
+}
 template <typename T, int K, int M, bool ALIGNED>
 __device__ inline void lfm_dot_rows_a(const T* x, const T* wr, int lane, float* acc) {
   constexpr int E = 16 / sizeof(T);
   constexpr int C = K / E;
   constexpr int IT = (C + 31) / 32;
   constexpr int B = IT < LFM_BATCH ? IT : LFM_BATCH;
+  if (ALIGNED) lfm_prefetch_row<IT, C>(wr, lane);
 #pragma unroll
   for (int i0 = 0; i0 < IT; i0 += B) {
     uint4 wv[B];
@@ -103,6 +117,10 @@ __device__ inline void lfm_dot_rows2_a(const T* x, const T* gr, const T* ur, int
   constexpr int C = K / E;
   constexpr int IT = (C + 31) / 32;
   constexpr int B = IT < LFM_BATCH / 2 ? IT : LFM_BATCH / 2;
+  if (ALIGNED) {
+    lfm_prefetch_row<IT, C>(gr, lane);
+    lfm_prefetch_row<IT, C>(ur, lane);
+  }
 #pragma unroll
   for (int i0 = 0; i0 < IT; i0 += B) {
     uint4 gv[B];

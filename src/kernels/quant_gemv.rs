@@ -77,6 +77,8 @@ __device__ inline void lfm_qdot_a(const T* x, const uint32_t* wr, const T* sr, c
   constexpr int C = K / VPC;
   constexpr int IT = (C + 31) / 32;
   constexpr int B = IT < LFM_BATCH ? IT : LFM_BATCH;
+  // One batch (IT <= B) already issues every load of the row up front.
+  if (ALIGNED && IT > B) lfm_prefetch_row<IT, C>(wr, lane);
 #pragma unroll
   for (int i0 = 0; i0 < IT; i0 += B) {
     uint4 wv[B];
@@ -114,6 +116,10 @@ __device__ inline void lfm_qdot2_a(const T* x, const uint32_t* gr, const T* gs, 
   constexpr int C = K / VPC;
   constexpr int IT = (C + 31) / 32;
   constexpr int B = IT < LFM_BATCH / 2 ? IT : LFM_BATCH / 2;
+  if (ALIGNED && IT > B) {
+    lfm_prefetch_row<IT, C>(gr, lane);
+    lfm_prefetch_row<IT, C>(ur, lane);
+  }
 #pragma unroll
   for (int i0 = 0; i0 < IT; i0 += B) {
     uint4 gv[B];
