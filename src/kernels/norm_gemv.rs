@@ -70,8 +70,12 @@ const QUANT_SOURCE: &str = r#"
   }
 "#;
 
-/// Blocks a launch uses at most: two per SM of an H200 (132 SMs).
-const MAX_BLOCKS: i32 = 264;
+/// Blocks a launch uses at most: eight per SM of an H200 (132 SMs), so that
+/// a warp serves one or two columns. At two per SM (264) a warp ran up to
+/// three columns in turn, each waiting on DRAM: 26 µs a launch for the
+/// 8B-A1B's 6144-column in_proj (ncu, 2026-12-02), where the norm each
+/// block recomputes costs one round trip since its loads were batched.
+const MAX_BLOCKS: i32 = 1056;
 
 fn header(quant: bool) -> String {
     let q = if quant { super::quant_gemv::QUANT_HEADER } else { "" };
