@@ -16,9 +16,13 @@ only while it is warm, ~30 s after a call: answer each call at once; each
 call carries at most 64 MiB with the working tree, so .device/b, .device/bin
 and .device/llama do not fit together; a call runs 10 minutes at most):
     1. carry [".device/a", ".device/tests"]: python3 bench/h200/run.py stage-mlx
-    2. carry [".device/b", ".device/llama"]: python3 bench/h200/run.py llama install kernels   (~6 min)
+    2. carry [".device/b", ".device/llama"]: python3 bench/h200/run.py llama install kernels   (~6 min;
+       H200_KERNEL_TESTS=name,name runs only the tests whose names hold one, as the test
+       binary filters them: use whole names, "greedy" also picks up other tests)
     3. carry [".device/bin"]:                python3 bench/h200/run.py checkpoints   (~7.5 min, GGUF too)
-    4. carry [".device/bin"]:                H200_AB_TURNS=2 python3 bench/h200/run.py ab pick
+    4. carry [".device/bin"]:                H200_AB_TURNS=3 python3 bench/h200/run.py ab pick
+       (H200_AB_VARIANTS=a,b times only those against the defaults: one turn of three
+       samples moved ±20% on 2026-12-02, so fewer variants and more turns)
     5. carry [".device/bin"]:                python3 bench/h200/run.py round 1 round 2
     6. carry [".device/bin"]:                python3 bench/h200/run.py profile new-lengths
 (That is ~28 of the 30 device minutes a session has; `H200_MODELS=...`
