@@ -339,30 +339,40 @@ def rounds(rnd):
                 record(engine=f.__name__, model=name, round=rnd, error=str(e)[-2000:])
 
 
+def ncu_step(name, tag, args, page, e):
+    """ncu (with `args`) over step 32 of a 512-token prompt on the compiled
+    single-sequence path of model `name`, environment `e`; its `page` as
+    CSV (kept in $OUT as TAG-NAME.csv), or None after recording the error."""
+    rep = WORK / f"{tag}-{name}"
+    cmd = ["ncu", "--clock-control", "none", "--profile-from-start", "off", "-f", "-o", rep, *args,
+           BENCH, "--model", ours_ck(name), "--device", "gpu", "--concurrent", "1", "--prompts", "512",
+           "--gen", "40", "--reps", "1"]
+    e["MLXLFM_PROFILE_STEP"] = "32"
+    r = sh(cmd, f"{tag}-{name}", check=False, env=e)
+    if r.returncode != 0:
+        record(engine=tag, model=name, error=r.stderr[-2000:])
+        return None
+    csv = sh(["ncu", "--import", f"{rep}.ncu-rep", "--csv", "--page", page, "--print-units", "base",
+              "--print-kernel-base", "function"], check=False)
+    (OUT / f"{tag}-{name}.csv").write_text(csv.stdout)
+    return csv.stdout
+
+
 def profile():
     """ncu over one compiled decode step of the 1.2B and the 8B-A1B (step 32
     of a 512-token prompt, `--concurrent 1` drives the single-sequence
     compiled step as generate does), and the wall time of the same step
     without ncu, so host time = wall - GPU kernel time."""
     for name in ab_models():
-        rep = WORK / f"prof-{name}"
-        cmd = ["ncu", "--clock-control", "none", "--profile-from-start", "off", "-f", "-o", rep,
-               "--metrics", "gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum",
-               BENCH, "--model", ours_ck(name), "--device", "gpu", "--concurrent", "1", "--prompts", "512",
-               "--gen", "40", "--reps", "1"]
         e = env()
-        e["MLXLFM_PROFILE_STEP"] = "32"
-        r = sh(cmd, f"ncu-{name}", check=False, env=e)
-        if r.returncode != 0:
-            record(engine="ncu", model=name, error=r.stderr[-2000:])
+        csv = ncu_step(name, "ncu", ["--metrics", "gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum"],
+                       "raw", e)
+        if csv is None:
             continue
-        csv = sh(["ncu", "--import", f"{rep}.ncu-rep", "--csv", "--page", "raw", "--print-units", "base",
-                  "--print-kernel-base", "function"], check=False)
-        (OUT / f"ncu-{name}.csv").write_text(csv.stdout)
         # The switches it ran with (`MLX_LFM_GEMV_KERNEL=1 run.py profile`
         # profiles an opt-in kernel's step).
         switches = {k: v for k, v in e.items() if k.startswith("MLX_LFM_")}
-        record(engine="ncu", model=name, kernels=summarize_ncu(csv.stdout), switches=switches)
+        record(engine="ncu", model=name, kernels=summarize_ncu(csv), switches=switches)
         # The same step's wall time without ncu (median over 64 steps, 3 reps).
         r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--concurrent", "1", "--prompts", "512",
                 "--gen", "64", "--reps", "3"], f"step-{name}", check=False)
@@ -380,26 +390,15 @@ def profile_kernels():
     pattern = os.environ.get("H200_NCU_KERNELS", "lfm_moe_down|lfm_norm_qgemv|lfm_moe_gate_up|lfm_qgemv|lfm_add_rms_norm")
     sections = ["SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "MemoryWorkloadAnalysis", "SchedulerStats"]
     for name in ab_models():
-        rep = WORK / f"detail-{name}"
-        cmd = ["ncu", "--clock-control", "none", "--profile-from-start", "off", "-f", "-o", rep,
-               "--kernel-name", f"regex:{pattern}"]
-        for sec in sections:
-            cmd += ["--section", sec]
-        cmd += [BENCH, "--model", ours_ck(name), "--device", "gpu", "--concurrent", "1", "--prompts", "512",
-                "--gen", "40", "--reps", "1"]
         e = env()
-        e["MLXLFM_PROFILE_STEP"] = "32"
-        r = sh(cmd, f"ncu-detail-{name}", check=False, env=e)
-        if r.returncode != 0:
-            record(engine="ncu-detail", model=name, error=r.stderr[-2000:])
+        args = ["--kernel-name", f"regex:{pattern}"] + [a for sec in sections for a in ("--section", sec)]
+        csv = ncu_step(name, "ncu-detail", args, "details", e)
+        if csv is None:
             continue
-        csv = sh(["ncu", "--import", f"{rep}.ncu-rep", "--csv", "--page", "details", "--print-units", "base",
-                  "--print-kernel-base", "function"], check=False)
-        (OUT / f"ncu-detail-{name}.csv").write_text(csv.stdout)
         import csv as _csv
         import io
         per = {}
-        for row in _csv.DictReader(io.StringIO(csv.stdout)):
+        for row in _csv.DictReader(io.StringIO(csv)):
             k = row.get("Kernel Name")
             if k:
                 per.setdefault(k, {})[row.get("Metric Name", "")] = row.get("Metric Value", "")
