@@ -63,7 +63,13 @@ __device__ inline float lfm_qx(const uint4& wv, const float* xf) {
 #pragma unroll
   for (int j = 0; j < 4; j++) {
 #pragma unroll
-    for (int v = 0; v < VPW; v++) acc += static_cast<float>((ww[j] >> (BITS * v)) & MASK) * xf[j * VPW + v];
+    for (int v = 0; v < VPW; v++) {
+      // float(q) as (2^23 + q) - 2^23 from its bits: exact for q < 2^23, and
+      // an add where the int-to-float convert (I2FP) runs at a quarter of
+      // the FMA's rate on sm_90: 128 of them per 4-bit chunk per lane.
+      const float q = __int_as_float(0x4B000000u | ((ww[j] >> (BITS * v)) & MASK)) - 8388608.0f;
+      acc += q * xf[j * VPW + v];
+    }
   }
   return acc;
 }
