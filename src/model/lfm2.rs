@@ -75,7 +75,11 @@ impl Attention {
     fn project(&self, qkv: Vec<Array>, offset: Offset) -> Result<(Array, Array, Array)> {
         let (b, t) = (qkv[0].dim(0), qkv[0].dim(1));
         let hd = self.head_dim;
-        if t == 1 && crate::kernels::qk_norm_rope::available(&qkv[0], &qkv[1], &self.q_norm, &self.k_norm, hd) {
+        let int_offset = match offset {
+            Offset::Int(_) => true,
+            Offset::Array(offs) => offs.dtype() == Dtype::Int32 && (offs.size() == 1 || offs.size() == b as usize),
+        };
+        if t == 1 && int_offset && crate::kernels::qk_norm_rope::available(&qkv[0], &qkv[1], &self.q_norm, &self.k_norm, hd) {
             let offsets = match offset {
                 Offset::Int(off) => Array::from_slice(&[off], &[1])?,
                 Offset::Array(offs) => offs.clone(),
