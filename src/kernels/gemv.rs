@@ -54,19 +54,10 @@ __device__ inline float lfm_warp_sum(float v) {
   for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffff, v, off);
   return v;
 }
-// acc[m] += this lane's share of (row wr of a weight) . (row m of x): lane l
-// takes 16-byte chunks l, l + 32, ...; K is a template constant, so the
-// loops unroll. The weight chunks are loaded in batches of LFM_BATCH, every
-// load of a batch before the first sum: written as one loop, ptxas spread
-// the loads between the sums (3 of 8 issued up front, the SASS of
-// 2026-12-02), so each warp waited on DRAM several times in turn. The
-// chunks are summed in the same order either way.
-// ALIGNED is a template constant so that the alignment test sits outside the
-// loop: with it inside (a runtime flag per load) the H200 profile showed
-// 1.7-1.8 TB/s against MLX's gemv_single's 3.0.
-// ptxas still spreads a batch's loads between the sums where registers are
-// short (the dense GEMV's), so the dot helpers first ask L2 for the row's
-// chunks (prefetch: no register, no consumer, issued where written, SASS
+// ptxas spreads a batch's loads between the sums where registers are
+// short (the dense GEMV's: 3 of a row's 8 issued up front in the SASS of
+// 2026-12-02), so the dot helpers first ask L2 for the row's 16-byte chunks
+// (prefetch: no register, no consumer, issued where written, SASS
 // CCTL.E.PF2): the row's DRAM reads start at once and the loads after
 // them wait on L2 at most.
 #define LFM_BATCH 8
@@ -78,76 +69,107 @@ __device__ inline void lfm_prefetch_row(const void* base, int lane) {
     if (C % 32 == 0 || c < C) asm volatile(\"prefetch.global.L2 [%0];\" ::\"l\"(reinterpret_cast<const uint4*>(base) + c));
   }
 }
+// The dense dots walk a row as MLX's gemv_single does, so that a one-row
+// product is MLX's to the bit: lane l takes N contiguous elements at
+// N l, N l + 32 N, ... (N = 4 where K is a multiple of 128, 2 of 64, else
+// 1), summing products into one float32 in that order; the warp then sums
+// in a butterfly (lfm_warp_sum, as cg::reduce does) and rounds once.
+// (The first version took 16-byte runs, 8 bf16 a lane: within one rounding
+// of MLX's, and a random model's greedy text left the stock path's after a
+// few dozen tokens.) The loads of a batch of steps are issued before their
+// sums and the row is prefetched into L2 up front (see lfm_prefetch_row).
+template <int K>
+struct lfm_npt {
+  static constexpr int v = K % 128 == 0 ? 4 : (K % 64 == 0 ? 2 : 1);
+};
+template <typename T, int N>
+struct alignas(N * sizeof(T)) lfm_vec {
+  T e[N];
+};
+template <typename T, int N, bool ALIGNED>
+__device__ inline lfm_vec<T, N> lfm_loadv(const T* p) {
+  if constexpr (ALIGNED) {
+    return *reinterpret_cast<const lfm_vec<T, N>*>(p);
+  } else {
+    lfm_vec<T, N> r;
+#pragma unroll
+    for (int j = 0; j < N; j++) r.e[j] = p[j];
+    return r;
+  }
+}
+template <typename T, int K>
+__device__ inline void lfm_prefetch_dense(const T* wr, int lane) {
+  constexpr int C16 = K * sizeof(T) / 16;
+  lfm_prefetch_row<(C16 + 31) / 32, C16>(wr, lane);
+}
+// acc[m] += this lane's share of (row wr of a weight) . (row m of x).
+// ALIGNED (a template constant, so the test sits outside the loops): every
+// row starts on a 16-byte boundary.
 template <typename T, int K, int M, bool ALIGNED>
 __device__ inline void lfm_dot_rows_a(const T* x, const T* wr, int lane, float* acc) {
-  constexpr int E = 16 / sizeof(T);
-  constexpr int C = K / E;
-  constexpr int IT = (C + 31) / 32;
+  constexpr int N = lfm_npt<K>::v;
+  constexpr int STEP = 32 * N;
+  constexpr int IT = (K + STEP - 1) / STEP;
   constexpr int B = IT < LFM_BATCH ? IT : LFM_BATCH;
-  if (ALIGNED) lfm_prefetch_row<IT, C>(wr, lane);
+  if (ALIGNED) lfm_prefetch_dense<T, K>(wr, lane);
 #pragma unroll
   for (int i0 = 0; i0 < IT; i0 += B) {
-    uint4 wv[B];
+    lfm_vec<T, N> wv[B];
 #pragma unroll
     for (int u = 0; u < B; u++) {
-      const int c = lane + (i0 + u) * 32;
-      if (i0 + u < IT && (C % 32 == 0 || c < C)) wv[u] = lfm_load16(wr, c, ALIGNED);
+      const int col = N * lane + (i0 + u) * STEP;
+      if (i0 + u < IT && col < K) wv[u] = lfm_loadv<T, N, ALIGNED>(wr + col);
     }
 #pragma unroll
     for (int u = 0; u < B; u++) {
-      const int c = lane + (i0 + u) * 32;
-      if (i0 + u < IT && (C % 32 == 0 || c < C)) {
-        const T* we = reinterpret_cast<const T*>(&wv[u]);
+      const int col = N * lane + (i0 + u) * STEP;
+      if (i0 + u < IT && col < K) {
 #pragma unroll
         for (int m = 0; m < M; m++) {
-          const uint4 xv = lfm_load16(x + static_cast<size_t>(m) * K, c, ALIGNED);
-          const T* xe = reinterpret_cast<const T*>(&xv);
+          const lfm_vec<T, N> xv = lfm_loadv<T, N, ALIGNED>(x + static_cast<size_t>(m) * K + col);
 #pragma unroll
-          for (int j = 0; j < E; j++) acc[m] += static_cast<float>(we[j]) * static_cast<float>(xe[j]);
+          for (int j = 0; j < N; j++) acc[m] += static_cast<float>(wv[u].e[j]) * static_cast<float>(xv.e[j]);
         }
       }
     }
   }
 }
-// Two weight rows at once (the SwiGLU's gate and up rows): both rows'
-// loads of a batch issued together, x read once.
+// Two weight rows at once (the SwiGLU's gate and up rows), each summed as
+// lfm_dot_rows_a sums one; both rows' loads of a batch issued together.
 template <typename T, int K, int M, bool ALIGNED>
 __device__ inline void lfm_dot_rows2_a(const T* x, const T* gr, const T* ur, int lane, float* ag, float* au) {
-  constexpr int E = 16 / sizeof(T);
-  constexpr int C = K / E;
-  constexpr int IT = (C + 31) / 32;
-  constexpr int B = IT < LFM_BATCH / 2 ? IT : LFM_BATCH / 2;
+  constexpr int N = lfm_npt<K>::v;
+  constexpr int STEP = 32 * N;
+  constexpr int IT = (K + STEP - 1) / STEP;
+  constexpr int B = IT < LFM_BATCH ? IT : LFM_BATCH;
   if (ALIGNED) {
-    lfm_prefetch_row<IT, C>(gr, lane);
-    lfm_prefetch_row<IT, C>(ur, lane);
+    lfm_prefetch_dense<T, K>(gr, lane);
+    lfm_prefetch_dense<T, K>(ur, lane);
   }
 #pragma unroll
   for (int i0 = 0; i0 < IT; i0 += B) {
-    uint4 gv[B];
-    uint4 uv[B];
+    lfm_vec<T, N> gv[B];
+    lfm_vec<T, N> uv[B];
 #pragma unroll
     for (int u = 0; u < B; u++) {
-      const int c = lane + (i0 + u) * 32;
-      if (i0 + u < IT && (C % 32 == 0 || c < C)) {
-        gv[u] = lfm_load16(gr, c, ALIGNED);
-        uv[u] = lfm_load16(ur, c, ALIGNED);
+      const int col = N * lane + (i0 + u) * STEP;
+      if (i0 + u < IT && col < K) {
+        gv[u] = lfm_loadv<T, N, ALIGNED>(gr + col);
+        uv[u] = lfm_loadv<T, N, ALIGNED>(ur + col);
       }
     }
 #pragma unroll
     for (int u = 0; u < B; u++) {
-      const int c = lane + (i0 + u) * 32;
-      if (i0 + u < IT && (C % 32 == 0 || c < C)) {
-        const T* ge = reinterpret_cast<const T*>(&gv[u]);
-        const T* ue = reinterpret_cast<const T*>(&uv[u]);
+      const int col = N * lane + (i0 + u) * STEP;
+      if (i0 + u < IT && col < K) {
 #pragma unroll
         for (int m = 0; m < M; m++) {
-          const uint4 xv = lfm_load16(x + static_cast<size_t>(m) * K, c, ALIGNED);
-          const T* xe = reinterpret_cast<const T*>(&xv);
+          const lfm_vec<T, N> xv = lfm_loadv<T, N, ALIGNED>(x + static_cast<size_t>(m) * K + col);
 #pragma unroll
-          for (int j = 0; j < E; j++) {
-            const float xf = static_cast<float>(xe[j]);
-            ag[m] += static_cast<float>(ge[j]) * xf;
-            au[m] += static_cast<float>(ue[j]) * xf;
+          for (int j = 0; j < N; j++) {
+            const float xf = static_cast<float>(xv.e[j]);
+            ag[m] += static_cast<float>(gv[u].e[j]) * xf;
+            au[m] += static_cast<float>(uv[u].e[j]) * xf;
           }
         }
       }
@@ -162,17 +184,24 @@ __device__ inline void lfm_dot_rows(const T* x, bool xa, const T* wr, bool wa, i
     lfm_dot_rows_a<T, K, M, false>(x, wr, lane, acc);
   }
 }
-// silu(g) * u from the two projections' float sums, each step in T as the
-// stock graph rounds it: each projection to T, then MLX's CUDA sigmoid
-// (y = 1 / (1 + exp(|x|)), x < 0 ? y : 1 - y), g * sigmoid(g), the product.
+// silu(g) * u from the two projections' float sums, each step in T as
+// MLX's CUDA ops compute it: each projection rounded to T, then its Sigmoid
+// functor in T (y = 1 / (1 + exp(|g|)), g < 0 ? y : 1 - y, with exp and
+// abs as MLX's device code maps them for half types: hexp, __habs; the
+// half types' operators round each step), g * sigmoid(g), times u.
+__device__ inline __nv_bfloat16 lfm_exp_t(__nv_bfloat16 v) { return hexp(v); }
+__device__ inline __half lfm_exp_t(__half v) { return hexp(v); }
+__device__ inline float lfm_exp_t(float v) { return expf(v); }
+__device__ inline __nv_bfloat16 lfm_abs_t(__nv_bfloat16 v) { return __habs(v); }
+__device__ inline __half lfm_abs_t(__half v) { return __habs(v); }
+__device__ inline float lfm_abs_t(float v) { return fabsf(v); }
 template <typename T>
 __device__ inline T lfm_swiglu(float g, float u) {
-  const float gt = static_cast<float>(T(g));
-  const float ex = static_cast<float>(T(expf(fabsf(gt))));
-  const float yv = static_cast<float>(T(1.0f / static_cast<float>(T(1.0f + ex))));
-  const float sig = gt < 0.0f ? yv : static_cast<float>(T(1.0f - yv));
-  const float a = static_cast<float>(T(gt * sig));
-  return T(a * static_cast<float>(T(u)));
+  const T gt = T(g);
+  const T one = T(1.0f);
+  const T y = one / (one + lfm_exp_t(lfm_abs_t(gt)));
+  const T sig = static_cast<float>(gt) < 0.0f ? y : one - y;
+  return (gt * sig) * T(u);
 }
 // Output column n (this warp's) of x @ w.T for M rows: y[m, n].
 template <typename T, int K, int M>

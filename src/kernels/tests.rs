@@ -26,6 +26,19 @@ fn worst_relative(got: &crate::mlx::Array, want: &crate::mlx::Array) -> f32 {
     f(got).iter().zip(&f(want)).map(|(x, y)| (x - y).abs() / y.abs().max(1.0)).fold(0f32, f32::max)
 }
 
+/// Whether MLX runs `[rows, k] @ w.T` as its gemv_single (one row, K a
+/// multiple of 32; cuBLAS otherwise), which the dense GEMV kernels walk
+/// the same way: there they must equal it to the bit.
+fn mlx_gemv(rows: i32, k: i32) -> bool {
+    rows == 1 && k % 32 == 0
+}
+
+/// How many values of `got` and `want` differ at all.
+fn differing(got: &crate::mlx::Array, want: &crate::mlx::Array) -> usize {
+    let f = |a: &crate::mlx::Array| -> Vec<f32> { a.astype(Dtype::Float32).unwrap().to_vec().unwrap() };
+    f(got).iter().zip(&f(want)).filter(|(x, y)| x != y).count()
+}
+
 /// Whether a test runs case `i` of `n` for its `d`-th dtype: every case for
 /// the first (bf16, what the models run in), the first and last for the
 /// others. Each shape and dtype is its own NVRTC compile on the device,
@@ -312,6 +325,10 @@ fn gemv_kernel_matches_stock_ops() {
                 assert_eq!(got.shape(), want.shape());
                 let worst = worst_relative(&got, &want);
                 assert!(worst <= tol, "{dt:?} {rows}x{k} @ {n}x{k}: differs by {worst}, over {tol}");
+                if mlx_gemv(rows, k) {
+                    let differ = differing(&got, &want);
+                    assert_eq!(differ, 0, "{dt:?} {rows}x{k} @ {n}x{k}: {differ} values differ from MLX's gemv (worst {worst})");
+                }
             }
         }
         // Not served: too many rows, K not a multiple of 8, dtypes that differ.
@@ -356,6 +373,10 @@ fn gemv_swiglu_kernel_matches_stock_ops() {
                 assert_eq!(got.shape(), want.shape());
                 let worst = worst_relative(&got, &want);
                 assert!(worst <= tol, "{dt:?} {rows}x{k} -> 2x{ff}: differs by {worst}, over {tol}");
+                if mlx_gemv(rows, k) {
+                    let differ = differing(&got, &want);
+                    assert_eq!(differ, 0, "{dt:?} {rows}x{k} -> 2x{ff}: {differ} values differ from the stock ops (worst {worst})");
+                }
             }
         }
     });
@@ -647,8 +668,7 @@ fn qk_norm_rope_kernel_matches_stock_ops() {
                 for (name, got, want) in [("q", &qo, stock(&q, &qw, h)), ("k", &ko, stock(&k, &kw, kvh))] {
                     assert_eq!(got.shape(), want.shape(), "{what} {name}");
                     let worst = worst_relative(got, &want);
-                    let f = |a: &Array| -> Vec<f32> { a.astype(Dtype::Float32).unwrap().to_vec().unwrap() };
-                    let differ = f(got).iter().zip(&f(&want)).filter(|(x, y)| x != y).count();
+                    let differ = differing(got, &want);
                     assert_eq!(differ, 0, "{what} {name}: {differ} of {} values differ from the stock ops (worst {worst})", want.size());
                 }
             }
