@@ -1,15 +1,17 @@
 //! `x @ w.T` for a decode step's few rows (`x` `[.., K]` with at most 8 rows,
-//! `w` a dense `[N, K]` projection): one warp per output column reads its
-//! row of `w` with 16-byte loads, all of them issued before the first is
-//! summed (K is a compile-time constant, so the loop unrolls), and applies
-//! it to every row of `x`. By the H200 profile MLX's `gemv_single` is 60% of
-//! the 1.2B's decode GPU time, at ~3 TB/s over all projections and ~0.5 TB/s
-//! on the small ones.
+//! `w` a dense `[N, K]` projection): one warp per output column walks its
+//! row of `w` as MLX's `gemv_single` does (so that a one-row product equals
+//! MLX's to the bit), with the row prefetched into L2 up front and each
+//! batch of loads issued before its sums, and applies it to every row of
+//! `x`; with the MLP's stacked w1/w3, the SwiGLU gate in the same launch.
+//! By the H200 profile MLX's `gemv_single` is 60% of the 1.2B's decode GPU
+//! time, at ~3 TB/s.
 //!
-//! Opt-in (`MLX_LFM_GEMV_KERNEL=1`) until it has run on a GPU: its test and
-//! the A/B against MLX's GEMV are in `src/kernels/tests.rs` and
-//! `bench/h200/run.py ab`. Rounding as MLX's GEMV: products summed in
-//! float32, rounded to the model dtype once.
+//! Opt-in (`MLX_LFM_GEMV_KERNEL=1`) until its A/B on the H200 says it wins
+//! (`bench/h200/run.py ab`); its tests are in `src/kernels/tests.rs`. The
+//! version of 2026-12-02 (16-byte runs, within a rounding of MLX's) read
+//! 2.55-2.73 TB/s there and decoded 1.03x the defaults; this one has not
+//! run on a GPU yet.
 
 use crate::error::{Error, Result};
 use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
