@@ -104,60 +104,30 @@ __device__ inline void lfm_prefetch_dense(const T* wr, int lane) {
   constexpr int C16 = K * sizeof(T) / 16;
   lfm_prefetch_row<(C16 + 31) / 32, C16>(wr, lane);
 }
-// acc[m] += this lane's share of (row wr of a weight) . (row m of x).
-// ALIGNED (a template constant, so the test sits outside the loops): every
-// row starts on a 16-byte boundary.
-template <typename T, int K, int M, bool ALIGNED>
-__device__ inline void lfm_dot_rows_a(const T* x, const T* wr, int lane, float* acc) {
-  constexpr int N = lfm_npt<K>::v;
-  constexpr int STEP = 32 * N;
-  constexpr int IT = (K + STEP - 1) / STEP;
-  constexpr int B = IT < LFM_BATCH ? IT : LFM_BATCH;
-  if (ALIGNED) lfm_prefetch_dense<T, K>(wr, lane);
-#pragma unroll
-  for (int i0 = 0; i0 < IT; i0 += B) {
-    lfm_vec<T, N> wv[B];
-#pragma unroll
-    for (int u = 0; u < B; u++) {
-      const int col = N * lane + (i0 + u) * STEP;
-      if (i0 + u < IT && col < K) wv[u] = lfm_loadv<T, N, ALIGNED>(wr + col);
-    }
-#pragma unroll
-    for (int u = 0; u < B; u++) {
-      const int col = N * lane + (i0 + u) * STEP;
-      if (i0 + u < IT && col < K) {
-#pragma unroll
-        for (int m = 0; m < M; m++) {
-          const lfm_vec<T, N> xv = lfm_loadv<T, N, ALIGNED>(x + static_cast<size_t>(m) * K + col);
-#pragma unroll
-          for (int j = 0; j < N; j++) acc[m] += static_cast<float>(wv[u].e[j]) * static_cast<float>(xv.e[j]);
-        }
-      }
-    }
-  }
-}
-// Two weight rows at once (the SwiGLU's gate and up rows), each summed as
-// lfm_dot_rows_a sums one; both rows' loads of a batch issued together.
-template <typename T, int K, int M, bool ALIGNED>
-__device__ inline void lfm_dot_rows2_a(const T* x, const T* gr, const T* ur, int lane, float* ag, float* au) {
+// acc[r * M + m] += this lane's share of (weight row wr[r]) . (row m of x),
+// for R weight rows at once (the SwiGLU's gate and up rows: x read once,
+// both rows' loads of a batch issued together). ALIGNED (a template
+// constant, so the test sits outside the loops): every row starts on a
+// 16-byte boundary.
+template <typename T, int K, int M, int R, bool ALIGNED>
+__device__ inline void lfm_dot_rows_a(const T* x, const T* const* wr, int lane, float* acc) {
   constexpr int N = lfm_npt<K>::v;
   constexpr int STEP = 32 * N;
   constexpr int IT = (K + STEP - 1) / STEP;
   constexpr int B = IT < LFM_BATCH ? IT : LFM_BATCH;
   if (ALIGNED) {
-    lfm_prefetch_dense<T, K>(gr, lane);
-    lfm_prefetch_dense<T, K>(ur, lane);
+#pragma unroll
+    for (int r = 0; r < R; r++) lfm_prefetch_dense<T, K>(wr[r], lane);
   }
 #pragma unroll
   for (int i0 = 0; i0 < IT; i0 += B) {
-    lfm_vec<T, N> gv[B];
-    lfm_vec<T, N> uv[B];
+    lfm_vec<T, N> wv[R][B];
 #pragma unroll
     for (int u = 0; u < B; u++) {
       const int col = N * lane + (i0 + u) * STEP;
       if (i0 + u < IT && col < K) {
-        gv[u] = lfm_loadv<T, N, ALIGNED>(gr + col);
-        uv[u] = lfm_loadv<T, N, ALIGNED>(ur + col);
+#pragma unroll
+        for (int r = 0; r < R; r++) wv[r][u] = lfm_loadv<T, N, ALIGNED>(wr[r] + col);
       }
     }
 #pragma unroll
@@ -170,20 +140,20 @@ __device__ inline void lfm_dot_rows2_a(const T* x, const T* gr, const T* ur, int
 #pragma unroll
           for (int j = 0; j < N; j++) {
             const float xf = static_cast<float>(xv.e[j]);
-            ag[m] += static_cast<float>(gv[u].e[j]) * xf;
-            au[m] += static_cast<float>(uv[u].e[j]) * xf;
+#pragma unroll
+            for (int r = 0; r < R; r++) acc[r * M + m] += static_cast<float>(wv[r][u].e[j]) * xf;
           }
         }
       }
     }
   }
 }
-template <typename T, int K, int M>
-__device__ inline void lfm_dot_rows(const T* x, bool xa, const T* wr, bool wa, int lane, float* acc) {
+template <typename T, int K, int M, int R>
+__device__ inline void lfm_dot_rows(const T* x, bool xa, const T* const* wr, bool wa, int lane, float* acc) {
   if (xa && wa) {
-    lfm_dot_rows_a<T, K, M, true>(x, wr, lane, acc);
+    lfm_dot_rows_a<T, K, M, R, true>(x, wr, lane, acc);
   } else {
-    lfm_dot_rows_a<T, K, M, false>(x, wr, lane, acc);
+    lfm_dot_rows_a<T, K, M, R, false>(x, wr, lane, acc);
   }
 }
 // silu(g) * u from the two projections' float sums, each step in T as
@@ -211,7 +181,8 @@ __device__ inline void lfm_gemv_warp(const T* x, bool xa, const T* w, bool wa, T
   float acc[M];
 #pragma unroll
   for (int m = 0; m < M; m++) acc[m] = 0.0f;
-  lfm_dot_rows<T, K, M>(x, xa, w + static_cast<size_t>(n) * K, wa, lane, acc);
+  const T* rows[1] = {w + static_cast<size_t>(n) * K};
+  lfm_dot_rows<T, K, M, 1>(x, xa, rows, wa, lane, acc);
 #pragma unroll
   for (int m = 0; m < M; m++) {
     const float s = lfm_warp_sum(acc[m]);
@@ -221,21 +192,15 @@ __device__ inline void lfm_gemv_warp(const T* x, bool xa, const T* w, bool wa, T
 // Column n of silu(x @ w[..F].T) * (x @ w[F..].T) for the stacked [2F, K] w.
 template <typename T, int K, int M>
 __device__ inline void lfm_gemv_swiglu_warp(const T* x, bool xa, const T* w, bool wa, T* y, int F, int n, int lane) {
-  float ag[M];
-  float au[M];
+  float acc[2 * M];
 #pragma unroll
-  for (int m = 0; m < M; m++) { ag[m] = 0.0f; au[m] = 0.0f; }
-  const T* gr = w + static_cast<size_t>(n) * K;
-  const T* ur = w + static_cast<size_t>(F + n) * K;
-  if (xa && wa) {
-    lfm_dot_rows2_a<T, K, M, true>(x, gr, ur, lane, ag, au);
-  } else {
-    lfm_dot_rows2_a<T, K, M, false>(x, gr, ur, lane, ag, au);
-  }
+  for (int i = 0; i < 2 * M; i++) acc[i] = 0.0f;
+  const T* rows[2] = {w + static_cast<size_t>(n) * K, w + static_cast<size_t>(F + n) * K};
+  lfm_dot_rows<T, K, M, 2>(x, xa, rows, wa, lane, acc);
 #pragma unroll
   for (int m = 0; m < M; m++) {
-    const float g = lfm_warp_sum(ag[m]);
-    const float u = lfm_warp_sum(au[m]);
+    const float g = lfm_warp_sum(acc[m]);
+    const float u = lfm_warp_sum(acc[M + m]);
     if (lane == 0) y[static_cast<size_t>(m) * F + n] = lfm_swiglu<T>(g, u);
   }
 }
