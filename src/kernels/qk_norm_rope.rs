@@ -130,6 +130,12 @@ pub fn available(q: &Array, k: &Array, qw: &Array, kw: &Array, head_dim: i32) ->
         && kernel().is_some()
 }
 
+/// Whether the kernel reads `offset` for `rows` rows: int32, one position
+/// for every row or one per row.
+pub fn offset_served(offset: &Array, rows: i32) -> bool {
+    offset.dtype() == Dtype::Int32 && (offset.size() == 1 || offset.size() == rows as usize)
+}
+
 /// `(rope(rms_norm(q) * qw), rope(rms_norm(k) * kw))` per head, as
 /// `[B, H, 1, HD]` and `[B, KVH, 1, HD]`; `offset` int32, a scalar or `[1]`
 /// (every row at one position) or `[B]`. Callers check [`available`].
@@ -138,14 +144,14 @@ pub fn qk_norm_rope(q: &Array, k: &Array, qw: &Array, kw: &Array, offset: &Array
     let dt = q.dtype();
     let b = q.dim(0);
     let (heads, kv_heads) = (q.dim(2) / head_dim, k.dim(2) / head_dim);
-    let per_row = match offset.size() {
-        1 => false,
-        n if n == b as usize => true,
-        n => return Err(Error::invalid(format!("q/k norm + RoPE: {n} offsets for {b} rows"))),
-    };
-    if offset.dtype() != Dtype::Int32 {
-        return Err(Error::invalid(format!("q/k norm + RoPE: the offset is {:?}, not int32", offset.dtype())));
+    if !offset_served(offset, b) {
+        return Err(Error::invalid(format!(
+            "q/k norm + RoPE: {} offsets of {:?} for {b} rows (int32, one or one per row)",
+            offset.size(),
+            offset.dtype()
+        )));
     }
+    let per_row = offset.size() != 1;
     let threads = (heads + kv_heads) * (head_dim / (16 / dt.size() as i32));
     // A block is whole warps; the lanes past the last head hold zeros.
     let block = (threads + 31) / 32 * 32;

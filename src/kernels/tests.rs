@@ -409,12 +409,6 @@ fn f32_products(x: &crate::mlx::Array, w: &crate::mlx::Array) -> crate::mlx::Arr
     x.expand_dims(-2).unwrap().mul(&w.astype(Dtype::Float32).unwrap()).unwrap().sum(&[-1], false).unwrap()
 }
 
-/// The worst error of `got` against `reference`, relative to the value or
-/// 1 (as [`worst_relative`]).
-fn error_to(got: &crate::mlx::Array, reference: &crate::mlx::Array) -> f32 {
-    worst_relative(got, reference)
-}
-
 /// A quantized kernel's output against the stock ops': both against the
 /// exact float32 product over the same weights ([`exact_weights`]), the
 /// kernel's error at most the stock ops' (with 25% and a float32 rounding to
@@ -423,7 +417,7 @@ fn error_to(got: &crate::mlx::Array, reference: &crate::mlx::Array) -> f32 {
 /// how far apart the two are is MLX's error more than ours, and is printed.
 fn check_against_reference(what: &str, got: &crate::mlx::Array, stock: &crate::mlx::Array, reference: &crate::mlx::Array, tol: f32) {
     assert_eq!(got.shape(), stock.shape(), "{what}");
-    let (ek, es) = (error_to(got, reference), error_to(stock, reference));
+    let (ek, es) = (worst_relative(got, reference), worst_relative(stock, reference));
     eprintln!("{what}: kernel {ek}, stock ops {es} from the exact product; {} apart", worst_relative(got, stock));
     assert!(ek <= 1.25 * es + 1e-5, "{what}: {ek} from the exact product, the stock ops {es}");
     assert!(ek <= tol, "{what}: {ek} from the exact product, over {tol}");

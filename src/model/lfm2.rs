@@ -75,27 +75,18 @@ impl Attention {
     fn project(&self, qkv: Vec<Array>, offset: Offset) -> Result<(Array, Array, Array)> {
         let (b, t) = (qkv[0].dim(0), qkv[0].dim(1));
         let hd = self.head_dim;
-        let int_offset = match offset {
-            Offset::Int(_) => true,
-            Offset::Array(offs) => offs.dtype() == Dtype::Int32 && (offs.size() == 1 || offs.size() == b as usize),
-        };
-        if t == 1 && int_offset && crate::kernels::qk_norm_rope::available(&qkv[0], &qkv[1], &self.q_norm, &self.k_norm, hd) {
+        use crate::kernels::qk_norm_rope;
+        if t == 1 && qk_norm_rope::available(&qkv[0], &qkv[1], &self.q_norm, &self.k_norm, hd) {
+            // Any other offset keeps MLX's rope rather than failing the step.
             let offsets = match offset {
-                Offset::Int(off) => Array::from_slice(&[off], &[1])?,
-                Offset::Array(offs) => offs.clone(),
+                Offset::Int(off) => Some(Array::from_slice(&[off], &[1])?),
+                Offset::Array(offs) => qk_norm_rope::offset_served(offs, b).then(|| offs.clone()),
             };
-            let (q, k) = crate::kernels::qk_norm_rope::qk_norm_rope(
-                &qkv[0],
-                &qkv[1],
-                &self.q_norm,
-                &self.k_norm,
-                &offsets,
-                hd,
-                self.eps,
-                self.rope_theta,
-            )?;
-            let v = qkv[2].reshape(&[b, t, self.n_kv_heads, hd])?.transpose(&[0, 2, 1, 3])?;
-            return Ok((q, k, v));
+            if let Some(offsets) = offsets {
+                let (q, k) = qk_norm_rope::qk_norm_rope(&qkv[0], &qkv[1], &self.q_norm, &self.k_norm, &offsets, hd, self.eps, self.rope_theta)?;
+                let v = qkv[2].reshape(&[b, t, self.n_kv_heads, hd])?.transpose(&[0, 2, 1, 3])?;
+                return Ok((q, k, v));
+            }
         }
         let q = qkv[0].reshape(&[b, t, self.n_heads, hd])?;
         let k = qkv[1].reshape(&[b, t, self.n_kv_heads, hd])?;
