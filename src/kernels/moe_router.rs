@@ -12,7 +12,8 @@
 //! stock ops would (the probabilities, their sum, the quotient), so the
 //! scores match the stock path's to the last bit or one rounding; the order
 //! of the k experts may differ from argpartition's (it is unspecified
-//! there), which only reorders a k-term sum.
+//! there), which only reorders a k-term sum (exact for k = 2; the stock
+//! graph's bf16 sum of more terms may round in another order).
 
 use crate::error::Result;
 use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
@@ -76,20 +77,24 @@ const SOURCE: &str = r#"
     index[k] = bi;
   }
   if (lane == 0) {
-    float denom = 1.0f;
+    // The stock ops' arithmetic in T's own operators, as MLX's binary
+    // kernels do it (`x / y` on bf16 is __hdiv: an approximate float
+    // quotient rounded to bf16, which a float `/` rounded after does not
+    // always equal), with their scalars made in T.
+    T denom = T(1.0f);
     if (NORM) {
       float s = 0.0f;
       for (int k = 0; k < K; k++) s += picked[k];
-      // The stock ops add and multiply by scalars made in the model dtype.
-      denom = static_cast<float>(T(static_cast<float>(T(s)) + static_cast<float>(T(1e-6f))));
+      denom = T(s) + T(1e-6f);
     }
-    const float f = static_cast<float>(T(scale[0]));
+    const T f = T(scale[0]);
+    const bool scaled = static_cast<float>(f) != 1.0f;
     for (int k = 0; k < K; k++) {
-      float v = picked[k];
-      if (NORM) v = static_cast<float>(T(v / denom));
-      if (f != 1.0f) v = static_cast<float>(T(v * f));
+      T v = T(picked[k]);
+      if (NORM) v = v / denom;
+      if (scaled) v = v * f;
       inds[row * K + k] = static_cast<uint32_t>(index[k]);
-      scores[row * K + k] = T(v);
+      scores[row * K + k] = v;
     }
   }
 "#;
