@@ -555,6 +555,10 @@ AB = {
     "quant-kernels": ({"MLX_LFM_QGEMV_KERNEL": "1", "MLX_LFM_MOE_KERNEL": "1"}, ["lfm2-8b-a1b-q4"]),
     "quant-norm-kernels": ({"MLX_LFM_QGEMV_KERNEL": "1", "MLX_LFM_MOE_KERNEL": "1", "MLX_LFM_NORM_GEMV_KERNEL": "1"},
                            ["lfm2-8b-a1b-q4"]),
+    # The router's quantized gate, its sigmoid and the top-k in one launch
+    # (three a MoE layer before), with and without the MoE experts' kernels.
+    "router-gate-kernel": ({"MLX_LFM_ROUTER_GATE_KERNEL": "1"}, ["lfm2-8b-a1b-q4"]),
+    "moe-router-kernels": ({"MLX_LFM_ROUTER_GATE_KERNEL": "1", "MLX_LFM_MOE_KERNEL": "1"}, ["lfm2-8b-a1b-q4"]),
 }
 AB_IN_ROUNDS = ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]
 GREEDY = "greedy_tokens_with_kernels_equal_stock_ops"
@@ -570,12 +574,15 @@ AB_TESTS = {
                            "norm_gemv_kernels_match_stock_ops", GREEDY],
     "norm-kernel-all-rows": ["add_rms_norm_kernel_matches_stock_ops"],
     "qk-norm-rope-kernel": ["qk_norm_rope_kernel_matches_stock_ops", GREEDY],
+    "router-gate-kernel": ["moe_router_gate_kernel_matches_stock_ops", GREEDY],
+    "moe-router-kernels": ["moe_router_gate_kernel_matches_stock_ops", "moe_experts_kernels_match_stock_ops", GREEDY],
 }
 # Groups of variants of which `pick` adopts at most one: (variants, the
 # figure it must raise by 3% over "all" without the other falling 3%).
 PICK = [
     (["gemv-kernel", "gemv-norm-kernels"], "decode"),
-    (["qgemv-kernel", "moe-kernel", "quant-kernels", "quant-norm-kernels"], "decode"),
+    (["qgemv-kernel", "moe-kernel", "quant-kernels", "quant-norm-kernels", "moe-router-kernels"], "decode"),
+    (["router-gate-kernel"], "decode"),
     (["qk-norm-rope-kernel"], "decode"),
     (["norm-kernel-all-rows"], "prefill"),
     (["moe-dequant-from-16-rows", "moe-dequant-from-64-rows"], "prefill"),

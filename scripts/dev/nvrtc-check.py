@@ -102,6 +102,11 @@ KERNELS = {
         [("inds", "uint32_t"), ("scores", "T")],
         lambda dt: [("E", 32), ("K", 4), ("NORM", "true")],
     ),
+    "moe_router.rs#gate": (
+        [("x", "T"), ("w", "uint32_t"), ("scales", "T"), ("biases", "T"), ("bias", "float"), ("scale", "float")],
+        [("inds", "uint32_t"), ("scores", "T")],
+        lambda dt: [("BITS", 8), ("GS", 64), ("D", 2048), ("E", 32), ("TOPK", 4), ("NORM", "true")],
+    ),
 }
 
 
@@ -136,6 +141,11 @@ def body_and_header(path, which="SOURCE"):
         src = named(path, "PROLOGUE") + src
         quant = named(k / "quant_gemv.rs", "QUANT_HEADER") if "QUANT" in which else ""
         return src, named(k / "add_rms_norm.rs", "HEADER") + header_of(k / "gemv.rs") + quant
+    if path.name == "moe_router.rs":
+        # The route's header; the gate kernel's after the quantized GEMV's.
+        k = path.parent
+        lead = header_of(k / "quant_gemv.rs") if "GATE" in which else ""
+        return src, lead + named(path, "ROUTE_HEADER")
     return src, header_of(path)
 
 

@@ -168,12 +168,15 @@ __device__ inline __nv_bfloat16 lfm_abs_t(__nv_bfloat16 v) { return __habs(v); }
 __device__ inline __half lfm_abs_t(__half v) { return __habs(v); }
 __device__ inline float lfm_abs_t(float v) { return fabsf(v); }
 template <typename T>
-__device__ inline T lfm_swiglu(float g, float u) {
-  const T gt = T(g);
+__device__ inline T lfm_sigmoid_t(T gt) {
   const T one = T(1.0f);
   const T y = one / (one + lfm_exp_t(lfm_abs_t(gt)));
-  const T sig = static_cast<float>(gt) < 0.0f ? y : one - y;
-  return (gt * sig) * T(u);
+  return static_cast<float>(gt) < 0.0f ? y : one - y;
+}
+template <typename T>
+__device__ inline T lfm_swiglu(float g, float u) {
+  const T gt = T(g);
+  return (gt * lfm_sigmoid_t<T>(gt)) * T(u);
 }
 // Output column n (this warp's) of x @ w.T for M rows: y[m, n].
 template <typename T, int K, int M>

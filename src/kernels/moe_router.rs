@@ -15,27 +15,33 @@
 //! there), which only reorders a k-term sum (exact for k = 2; the stock
 //! graph's bf16 sum of more terms may round in another order).
 
-use crate::error::Result;
+use super::quant_gemv::{quant_template, spec_served};
+use crate::error::{Error, Result};
 use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
 use crate::mlx::{Array, Dtype};
+use crate::model::linear::Quantized;
 use std::sync::OnceLock;
 
 /// Experts per lane the kernel keeps in registers (so at most 128 experts).
 const MAX_PER_LANE: i32 = 4;
 const MAX_K: i32 = 8;
 
-const SOURCE: &str = r#"
+/// The top-k and the weights from a row's probabilities, one warp: shared
+/// by the kernel that reads the probabilities and the one that computes
+/// them from the gate (`prob_of(e)`: expert e's probability as a float).
+const ROUTE_HEADER: &str = r#"
+template <typename T, int E, int KT, bool NORM, typename P, typename BT, typename ST>
+__device__ inline void lfm_route_warp(P prob_of, const BT* bias, const ST* scale, uint32_t* inds, T* scores, int row,
+                                      int lane) {
   constexpr int PER = (E + 31) / 32;
-  const int row = blockIdx.x;
-  const int lane = threadIdx.x;
   float sel[PER];
   float prob[PER];
   bool used[PER];
   for (int j = 0; j < PER; j++) {
     const int e = lane + 32 * j;
     if (e < E) {
-      prob[j] = static_cast<float>(probs[row * E + e]);
-      sel[j] = prob[j] + bias[e];
+      prob[j] = prob_of(e);
+      sel[j] = prob[j] + static_cast<float>(bias[e]);
       used[j] = false;
     } else {
       prob[j] = 0.0f;
@@ -43,9 +49,9 @@ const SOURCE: &str = r#"
       used[j] = true;
     }
   }
-  float picked[K];
-  int index[K];
-  for (int k = 0; k < K; k++) {
+  float picked[KT];
+  int index[KT];
+  for (int k = 0; k < KT; k++) {
     // No lane holding an unused expert yields none (bi stays NONE), so a
     // NaN or -inf score can never leave an out-of-range expert id.
     constexpr int NONE = 0x7fffffff;
@@ -84,26 +90,90 @@ const SOURCE: &str = r#"
     T denom = T(1.0f);
     if (NORM) {
       float s = 0.0f;
-      for (int k = 0; k < K; k++) s += picked[k];
+      for (int k = 0; k < KT; k++) s += picked[k];
       denom = T(s) + T(1e-6f);
     }
-    const T f = T(scale[0]);
+    const T f = T(static_cast<float>(scale[0]));
     const bool scaled = static_cast<float>(f) != 1.0f;
-    for (int k = 0; k < K; k++) {
+    for (int k = 0; k < KT; k++) {
       T v = T(picked[k]);
       if (NORM) v = v / denom;
       if (scaled) v = v * f;
-      inds[row * K + k] = static_cast<uint32_t>(index[k]);
-      scores[row * K + k] = v;
+      inds[row * KT + k] = static_cast<uint32_t>(index[k]);
+      scores[row * KT + k] = v;
     }
+  }
+}
+"#;
+
+/// One warp per routed row over the probabilities `[N, E]`.
+const SOURCE: &str = r#"
+  const int row = blockIdx.x;
+  lfm_route_warp<T, E, K, NORM>([&](int e) { return static_cast<float>(probs[row * E + e]); }, bias, scale, inds,
+                                scores, row, threadIdx.x);
+"#;
+
+/// The gate's quantized GEMV, its sigmoid and the route in one launch: one
+/// block per row, each warp the dot of one expert's gate row at a time
+/// (the quantized GEMV's helpers: float32 sums, rounded to T once), the
+/// logit's sigmoid as MLX's Sigmoid functor computes it in T, then the
+/// route as above over the block's probabilities.
+const GATE_SOURCE: &str = r#"
+  constexpr int G = D / GS;
+  constexpr int WARPS = E < 32 ? E : 32;
+  __shared__ float probs_s[E];
+  const int row = blockIdx.x;
+  const int lane = threadIdx.x % 32;
+  const int wid = threadIdx.x / 32;
+  const T* xr = x + static_cast<size_t>(row) * D;
+  const bool al = lfm_aligned(x) && lfm_aligned(w);
+  for (int e = wid; e < E; e += WARPS) {
+    float acc = 0.0f;
+    const uint32_t* wr = w + static_cast<size_t>(e) * (D * BITS / 32);
+    if (al) {
+      lfm_qdot_a<T, D, 1, BITS, GS, true>(xr, wr, scales + e * G, biases + e * G, lane, &acc);
+    } else {
+      lfm_qdot_a<T, D, 1, BITS, GS, false>(xr, wr, scales + e * G, biases + e * G, lane, &acc);
+    }
+    acc = lfm_warp_sum(acc);
+    if (lane == 0) probs_s[e] = static_cast<float>(lfm_sigmoid_t<T>(T(acc)));
+  }
+  __syncthreads();
+  if (wid == 0) {
+    lfm_route_warp<T, E, TOPK, NORM>([&](int e) { return probs_s[e]; }, bias, scale, inds, scores, row, lane);
   }
 "#;
 
 fn kernel() -> Option<&'static CudaKernel> {
     static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
-    K.get_or_init(|| CudaKernel::new("lfm_moe_router", &["probs", "bias", "scale"], &["inds", "scores"], SOURCE, "").ok())
+    K.get_or_init(|| CudaKernel::new("lfm_moe_router", &["probs", "bias", "scale"], &["inds", "scores"], SOURCE, ROUTE_HEADER).ok())
         .as_ref()
 }
+
+fn gate_kernel() -> Option<&'static CudaKernel> {
+    static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
+    K.get_or_init(|| {
+        let header = format!("{}{ROUTE_HEADER}", super::quant_gemv::header());
+        CudaKernel::new(
+            "lfm_moe_router_gate",
+            &["x", "w", "scales", "biases", "bias", "scale"],
+            &["inds", "scores"],
+            GATE_SOURCE,
+            &header,
+        )
+        .ok()
+    })
+    .as_ref()
+}
+
+fn gate_enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    super::opt_in("MLX_LFM_ROUTER_GATE_KERNEL", &ON)
+}
+
+/// Rows the gate kernel serves (a decode step's; each block reads the
+/// whole gate, which a prefill's many rows do better as one matmul).
+pub const GATE_MAX_ROWS: i32 = 16;
 
 /// Whether the fused router serves `experts` and `k` on this backend.
 pub fn available(experts: usize, k: usize) -> bool {
@@ -117,20 +187,69 @@ pub fn available(experts: usize, k: usize) -> bool {
 pub fn route(probs: &Array, bias: &Array, scale: &Array, k: usize, norm: bool) -> Result<(Array, Array)> {
     let (n, e) = (probs.dim(0), probs.dim(1));
     if n == 0 {
-        return Err(crate::error::Error::invalid("the MoE router kernel takes at least one row"));
+        return Err(Error::invalid("the MoE router kernel takes at least one row"));
     }
-    let kern = kernel().ok_or_else(|| crate::error::Error::mlx("the fused MoE router kernel is not available"))?;
+    let kern = kernel().ok_or_else(|| Error::mlx("the fused MoE router kernel is not available"))?;
     let dt = probs.dtype();
     let k = k as i32;
     let shape = [n, k];
     let mut outs = kern.call(
         &[probs, bias, scale],
         &[(&shape, Dtype::Uint32), (&shape, dt)],
-        [n.checked_mul(32).ok_or_else(|| crate::error::Error::invalid("too many rows for the router kernel"))?, 1, 1],
+        [n.checked_mul(32).ok_or_else(|| Error::invalid("too many rows for the router kernel"))?, 1, 1],
         [32, 1, 1],
         &[("E", TemplateArg::Int(e)), ("K", TemplateArg::Int(k)), ("NORM", TemplateArg::Bool(norm)), ("T", TemplateArg::Dtype(dt))],
     )?;
-    let scores = outs.pop().ok_or_else(|| crate::error::Error::mlx("router kernel: missing output"))?;
-    let inds = outs.pop().ok_or_else(|| crate::error::Error::mlx("router kernel: missing output"))?;
+    let scores = outs.pop().ok_or_else(|| Error::mlx("router kernel: missing output"))?;
+    let inds = outs.pop().ok_or_else(|| Error::mlx("router kernel: missing output"))?;
+    Ok((inds, scores))
+}
+
+/// Whether the gate kernel serves `x` `[N, D]` through the quantized gate
+/// `q` `[E, D * bits / 32]` with `k` experts a row: opt-in
+/// (`MLX_LFM_ROUTER_GATE_KERNEL=1`), on CUDA, 1 to [`GATE_MAX_ROWS`] rows,
+/// a specification the quantized GEMV's helpers serve.
+pub fn gate_available(x: &Array, q: &Quantized, k: usize) -> bool {
+    if !gate_enabled() || x.ndim() != 2 || q.weight.ndim() != 2 {
+        return false;
+    }
+    let (n, d, e) = (x.dim(0), x.dim(1), q.weight.dim(0));
+    available(e as usize, k)
+        && (1..=GATE_MAX_ROWS).contains(&n)
+        && spec_served(q, x.dtype(), d)
+        && q.weight.dim(1) as i64 * 32 == d as i64 * q.spec.bits as i64
+        && q.scales.shape() == [e, d / q.spec.group_size]
+        && gate_kernel().is_some()
+}
+
+/// [`route`] from the gate's input `x` `[N, D]`: the gate `q` (quantized,
+/// no bias), its sigmoid and the route in one launch (callers check
+/// [`gate_available`]).
+pub fn route_gate(x: &Array, q: &Quantized, bias: &Array, scale: &Array, k: usize, norm: bool) -> Result<(Array, Array)> {
+    let kern = gate_kernel().ok_or_else(|| Error::mlx("the MoE router gate kernel is not available"))?;
+    let biases = q.biases.as_ref().ok_or_else(|| Error::invalid("the MoE router gate kernel needs affine biases"))?;
+    let (n, d, e) = (x.dim(0), x.dim(1), q.weight.dim(0));
+    let dt = x.dtype();
+    let k = k as i32;
+    let shape = [n, k];
+    let mut template = quant_template(q, d, dt);
+    // quant_template names the input width K; here K is not used (the
+    // route's k is TOPK) and the width is D.
+    template.retain(|(name, _)| *name != "K");
+    template.extend([
+        ("D", TemplateArg::Int(d)),
+        ("E", TemplateArg::Int(e)),
+        ("TOPK", TemplateArg::Int(k)),
+        ("NORM", TemplateArg::Bool(norm)),
+    ]);
+    let mut outs = kern.call(
+        &[x, &q.weight, &q.scales, biases, bias, scale],
+        &[(&shape, Dtype::Uint32), (&shape, dt)],
+        [n.checked_mul(32 * e.min(32)).ok_or_else(|| Error::invalid("too many rows for the router gate kernel"))?, 1, 1],
+        [32 * e.min(32), 1, 1],
+        &template,
+    )?;
+    let scores = outs.pop().ok_or_else(|| Error::mlx("router gate kernel: missing output"))?;
+    let inds = outs.pop().ok_or_else(|| Error::mlx("router gate kernel: missing output"))?;
     Ok((inds, scores))
 }

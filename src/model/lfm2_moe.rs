@@ -149,6 +149,17 @@ impl SparseMoe {
     /// dtype): one fused kernel on MLX's CUDA backend, the stock ops
     /// elsewhere.
     pub fn route(&self, x: &Array) -> Result<(Array, Array)> {
+        if let (Weight::Quant(q), None) = (&self.gate.weight, &self.gate.bias) {
+            let (b, t) = (x.dim(0), x.dim(1));
+            let rows = x.reshape(&[b * t, x.dim(2)])?;
+            if crate::kernels::moe_router::gate_available(&rows, q, self.top_k) {
+                let (bias, scale) = &self.router_consts;
+                let (inds, scores) =
+                    crate::kernels::moe_router::route_gate(&rows, q, bias, scale, self.top_k, self.norm_topk_prob)?;
+                let k = self.top_k as i32;
+                return Ok((inds.reshape(&[b, t, k])?, scores.reshape(&[b, t, k])?));
+            }
+        }
         if crate::kernels::moe_router::available(self.num_experts, self.top_k) && x.dtype().is_float() {
             return self.route_fused(x);
         }
