@@ -16,7 +16,8 @@ only while it is warm, ~30 s after a call: answer each call at once; each
 call carries at most 64 MiB with the working tree, so .device/b, .device/bin
 and .device/llama do not fit together; a call runs 10 minutes at most):
     1. carry [".device/a", ".device/tests"]: python3 bench/h200/run.py stage-mlx
-    2. carry [".device/b", ".device/llama"]: python3 bench/h200/run.py llama install kernels   (~6 min;
+    2. carry [".device/b", ".device/llama"]: python3 bench/h200/run.py llama install kernels   (in one
+       process the tests took 578 s on 2026-12-02; now H200_KERNEL_JOBS=3 processes share the GPU;
        H200_KERNEL_TESTS=name,name runs only the tests whose names hold one, as the test
        binary filters them: use whole names, "greedy" also picks up other tests)
     3. carry [".device/bin"]:                python3 bench/h200/run.py checkpoints   (~7.5 min, GGUF too)
@@ -25,6 +26,10 @@ and .device/llama do not fit together; a call runs 10 minutes at most):
        samples moved ±20% on 2026-12-02, so fewer variants and more turns)
     5. carry [".device/bin"]:                python3 bench/h200/run.py round 1 round 2
     6. carry [".device/bin"]:                python3 bench/h200/run.py profile new-lengths
+Issue each call the moment the last returns, and read its results after
+the next has started: a machine idle for 30 s is given back, with /tmp (on
+2026-12-02 two machines went that way between calls, and with them the
+staged MLX and the checkpoints).
 (That is ~28 of the 30 device minutes a session has; `H200_MODELS=...`
 narrows `ab` and `profile`, and `checkpoints` of the dense models alone
 takes ~1.5 minutes.)
@@ -514,15 +519,37 @@ def kernels():
     # (each NVRTC compile costs device minutes); verdicts of tests not run
     # are absent, so `pick` does not adopt a variant that needs them.
     filters = [f for f in os.environ.get("H200_KERNEL_TESTS", "kernels::").split(",") if f]
-    r = sh([tests[0], *filters, "--test-threads", "1", "--nocapture"], "kernel-tests", check=False)
-    verdicts = {}
-    for line in r.stdout.splitlines():
-        parts = line.split()
-        if len(parts) >= 4 and parts[0] == "test" and parts[2] == "...":
-            verdicts[parts[1].rsplit("::", 1)[-1]] = parts[3] == "ok"
-    skipped = "skipped" in r.stderr
-    ok = r.returncode == 0 and not skipped
-    record(engine="tests", suite="kernels::", passed=ok, verdicts=verdicts, skipped=skipped, tail=(r.stdout + r.stderr)[-3000:])
+    # The whole suite took 578 s of a call's 600 in one process (NVRTC
+    # compiles per shape and dtype, on the host's cores): H200_KERNEL_JOBS
+    # processes (3) share the GPU, the greedy test (the longest) alone in one.
+    listed = sh([tests[0], *filters, "--list"], check=False).stdout
+    names = [l.split(": test")[0] for l in listed.splitlines() if l.endswith(": test")]
+    jobs = max(1, int(os.environ.get("H200_KERNEL_JOBS", "3")))
+    groups = [[n for n in names if GREEDY in n]] if jobs > 1 else []
+    rest = [n for n in names if not groups or GREEDY not in n]
+    slots = max(1, jobs - len(groups))
+    groups += [rest[i::slots] for i in range(slots)]
+    groups = [g for g in groups if g]
+    procs = []
+    for i, g in enumerate(groups):
+        cmd = [str(tests[0]), *g, "--exact", "--test-threads", "1", "--nocapture"]
+        log("$", " ".join(cmd))
+        procs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())))
+    verdicts, out, err, rcs = {}, "", "", []
+    for cmd, p in procs:
+        o, e = p.communicate()
+        OUT.mkdir(parents=True, exist_ok=True)
+        with open(OUT / "kernel-tests.log", "a") as f:
+            f.write(f"$ {' '.join(cmd)}\n{o}\n--- stderr\n{e[-20000:]}\n")
+        out, err = out + o, err + e
+        rcs.append(p.returncode)
+        for line in o.splitlines():
+            parts = line.split()
+            if len(parts) >= 4 and parts[0] == "test" and parts[2] == "...":
+                verdicts[parts[1].rsplit("::", 1)[-1]] = parts[3] == "ok"
+    skipped = "skipped" in err
+    ok = bool(procs) and all(rc == 0 for rc in rcs) and not skipped
+    record(engine="tests", suite="kernels::", passed=ok, verdicts=verdicts, skipped=skipped, tail=(out + err)[-3000:])
     (WORK / "kernel-verdicts.json").write_text(json.dumps({k: v and not skipped for k, v in verdicts.items()}))
     default_ok = all(verdicts.get(t, False) for t in DEFAULT_KERNEL_TESTS if any(f in t or f == "kernels::" for f in filters)) and not skipped
     if not default_ok:
