@@ -585,6 +585,9 @@ AB = {
     # The router's quantized gate, its sigmoid and the top-k in one launch
     # (three a MoE layer before), with and without the MoE experts' kernels.
     "router-gate-kernel": ({"MLX_LFM_ROUTER_GATE_KERNEL": "1"}, ["lfm2-8b-a1b-q4"]),
+    # The prefill's experts as two grouped GEMM launches a layer (tensor
+    # cores) where MLX's qmm ran one per expert and projection.
+    "moe-gemm-kernel": ({"MLX_LFM_MOE_GEMM_KERNEL": "1"}, ["lfm2-8b-a1b-q4"]),
     "moe-router-kernels": ({"MLX_LFM_ROUTER_GATE_KERNEL": "1", "MLX_LFM_MOE_KERNEL": "1"}, ["lfm2-8b-a1b-q4"]),
 }
 AB_IN_ROUNDS = ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]
@@ -602,6 +605,7 @@ AB_TESTS = {
     "norm-kernel-all-rows": ["add_rms_norm_kernel_matches_stock_ops"],
     "qk-norm-rope-kernel": ["qk_norm_rope_kernel_matches_stock_ops", GREEDY],
     "router-gate-kernel": ["moe_router_gate_kernel_matches_stock_ops", GREEDY],
+    "moe-gemm-kernel": ["moe_gemm_kernel_matches_stock_ops", GREEDY],
     "moe-router-kernels": ["moe_router_gate_kernel_matches_stock_ops", "moe_experts_kernels_match_stock_ops", GREEDY],
 }
 # Groups of variants of which `pick` adopts at most one: (variants, the
@@ -612,7 +616,7 @@ PICK = [
     (["router-gate-kernel"], "decode"),
     (["qk-norm-rope-kernel"], "decode"),
     (["norm-kernel-all-rows"], "prefill"),
-    (["moe-dequant-from-16-rows", "moe-dequant-from-64-rows"], "prefill"),
+    (["moe-dequant-from-16-rows", "moe-dequant-from-64-rows", "moe-gemm-kernel"], "prefill"),
 ]
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).

@@ -102,6 +102,13 @@ KERNELS = {
         [("inds", "uint32_t"), ("scores", "T")],
         lambda dt: [("E", 32), ("K", 4), ("NORM", "true")],
     ),
+    "moe_gemm.rs": (
+        [("x", "T"), ("tiles", "int32_t"), ("w", "uint32_t"), ("scales", "T"), ("biases", "T")],
+        [("y", "T")],
+        lambda dt: [("K", 2048), ("BITS", 4), ("GS", 64)],
+        # Tensor cores take half types only (available() serves no other).
+        ["bfloat16", "float16"],
+    ),
     "moe_router.rs#gate": (
         [("x", "T"), ("w", "uint32_t"), ("scales", "T"), ("biases", "T"), ("bias", "float"), ("scale", "float")],
         [("inds", "uint32_t"), ("scores", "T")],
@@ -141,6 +148,8 @@ def body_and_header(path, which="SOURCE"):
         src = named(path, "PROLOGUE") + src
         quant = named(k / "quant_gemv.rs", "QUANT_HEADER") if "QUANT" in which else ""
         return src, named(k / "add_rms_norm.rs", "HEADER") + header_of(k / "gemv.rs") + quant
+    if path.name == "moe_gemm.rs":
+        return src, header_of(path.parent / "gemv.rs") + named(path, "MMA_HEADER")
     if path.name == "moe_router.rs":
         # The route's header; the gate kernel's after the quantized GEMV's.
         k = path.parent
@@ -202,13 +211,15 @@ def compile_one(name, code):
 
 
 failed = 0
-for file, (ins, outs, targs) in KERNELS.items():
+for file, (ins, outs, targs, *only_dtypes) in KERNELS.items():
     if ONLY and file != ONLY:
         continue
     # "file.rs#name": the file's NAME_SOURCE (a second kernel in one file).
     fname, _, extra = file.partition("#")
     src, hdr = body_and_header(root / "src" / "kernels" / fname, "const " + (extra.upper() + "_" if extra else "") + "SOURCE")
     for dt, ct in CTYPE.items():
+        if only_dtypes and dt not in only_dtypes[0]:
+            continue
         params = []
         for n, t in ins:
             params.append(f"const {t.replace('T', ct) if t == 'T' else t}* {n}")

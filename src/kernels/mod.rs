@@ -8,6 +8,7 @@ pub mod add_rms_norm;
 pub mod decode_attention;
 pub mod gemv;
 pub mod moe_experts;
+pub mod moe_gemm;
 pub mod moe_router;
 pub mod norm_gemv;
 pub mod qk_norm_rope;

@@ -835,3 +835,65 @@ fn stock_quantized_moe_prefill_repeats() {
     std::fs::remove_dir_all(&q).ok();
     assert!(faults.is_empty(), "stock ops that do not repeat (or miss the exact product): {faults:?}");
 }
+
+/// The MoE grouped GEMM (opt-in) against MLX's quantized matmul run per
+/// expert (what the grouped prefill runs) and the exact float32 product
+/// over the same weights: every row within `tol` of the exact product and
+/// not much further than the stock ops' (both dequantize the weights to the
+/// dtype for the tensor cores). Rows spread so that experts hold none, one,
+/// and more than a tile (64) of rows; the 8B-A1B's gate/up and down shapes.
+#[test]
+fn moe_gemm_kernel_matches_stock_ops() {
+    if skip("moe_gemm_kernel_matches_stock_ops") {
+        return;
+    }
+    use crate::kernels::moe_gemm::{available, grouped_gemm, tiles};
+    use crate::kernels::with_opt_in;
+    use crate::mlx::random::normal;
+    use crate::mlx::{concatenate, quantized_matmul, Array};
+    // (dtype, bits, group, experts, N, K, tol)
+    let cases = [
+        (Dtype::Bfloat16, 4, 64, 32, 3584, 2048, 1e-2f32),
+        (Dtype::Bfloat16, 4, 64, 32, 2048, 1792, 1e-2),
+        (Dtype::Bfloat16, 8, 32, 8, 128, 256, 1e-2),
+        (Dtype::Float16, 4, 128, 8, 64, 128, 2e-3),
+    ];
+    for (dt, bits, gs, e, n, k, tol) in cases {
+        let what = format!("{dt:?} {bits}-bit g{gs}, {e} experts, {n}x{k}");
+        let q = quantized(&normal(&[e, n, k], Dtype::Float32, 0.0, 0.05, None).unwrap(), dt, bits, gs);
+        // Expert 0 holds no rows, expert 1 one, expert j (j * 37) % 150:
+        // up to 149, three tiles of 64.
+        let mut ids: Vec<u32> = Vec::new();
+        for j in 0..e as u32 {
+            let count = if j == 1 { 1 } else { (j as usize * 37) % 150 };
+            ids.extend(std::iter::repeat(j).take(count));
+        }
+        let rows = ids.len() as i32;
+        let x = normal(&[rows, k], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
+        let t = tiles(&ids, e as usize).unwrap();
+        let got = with_opt_in(|| {
+            assert!(available(&x, &q), "{what}: not served");
+            grouped_gemm(&x, &t, &q).unwrap()
+        });
+        assert_eq!(got.shape(), [rows, n], "{what}");
+        let exact = exact_weights(&q);
+        let (mut stock, mut reference) = (Vec::new(), Vec::new());
+        let mut start = 0usize;
+        while start < ids.len() {
+            let j = ids[start] as i32;
+            let end = start + ids[start..].iter().take_while(|&&v| v as i32 == j).count();
+            let seg = x.slice_axis(0, start as i32, end as i32).unwrap();
+            let one = |a: &Array| a.slice_axis(0, j, j + 1).unwrap().squeeze(0).unwrap();
+            let b = q.biases.as_ref().map(one);
+            stock.push(quantized_matmul(&seg, &one(&q.weight), &one(&q.scales), b.as_ref(), true, q.spec).unwrap());
+            reference.push(f32_products(&seg, &one(&exact)));
+            start = end;
+        }
+        let stock = concatenate(&stock.iter().collect::<Vec<_>>(), 0).unwrap();
+        let reference = concatenate(&reference.iter().collect::<Vec<_>>(), 0).unwrap();
+        let (ek, es) = (worst_relative(&got, &reference), worst_relative(&stock, &reference));
+        eprintln!("{what}, {rows} rows: kernel {ek}, stock ops {es} from the exact product; {} apart", worst_relative(&got, &stock));
+        assert!(ek <= tol, "{what}: {ek} from the exact product, over {tol}");
+        assert!(ek <= 2.0 * es + tol / 2.0, "{what}: {ek} from the exact product, the stock ops {es}");
+    }
+}

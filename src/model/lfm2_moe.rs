@@ -309,6 +309,9 @@ impl SparseMoe {
         let sorted_ids: Vec<u32> = flat.take(&order, 0)?.to_vec()?;
         let rows = order.floor_divide_scalar(k as f64)?;
         let xs = x.reshape(&[b * t, d])?.take(&rows, 0)?;
+        if let Some(y) = self.grouped_kernel(&xs, &sorted_ids)? {
+            return y.take(&inv, 0)?.reshape(&[b, t, k, d]);
+        }
         let mut outs = Vec::new();
         let mut start = 0usize;
         while start < sorted_ids.len() {
@@ -324,6 +327,25 @@ impl SparseMoe {
         }
         let refs: Vec<&Array> = outs.iter().collect();
         concatenate(&refs, 0)?.take(&inv, 0)?.reshape(&[b, t, k, d])
+    }
+
+    /// The sorted rows `xs` `[n, D]` through both projections as grouped
+    /// GEMMs, one launch each (src/kernels/moe_gemm.rs), for quantized
+    /// experts with gate and up stacked; None where the kernel does not
+    /// serve.
+    fn grouped_kernel(&self, xs: &Array, sorted_ids: &[u32]) -> Result<Option<Array>> {
+        use crate::kernels::moe_gemm;
+        let (GateUp::Stacked(Weight::Quant(gu), ff), Weight::Quant(down)) = (&self.gate_up, &self.down_proj) else {
+            return Ok(None);
+        };
+        if !moe_gemm::available(xs, gu) || !moe_gemm::serves(*ff, xs.dtype(), down) {
+            return Ok(None);
+        }
+        let tiles = moe_gemm::tiles(sorted_ids, self.num_experts)?;
+        let mut p = split_widths(&moe_gemm::grouped_gemm(xs, &tiles, gu)?, &[*ff, *ff])?;
+        let u = p.pop().expect("two widths");
+        let g = p.pop().expect("two widths");
+        Ok(Some(moe_gemm::grouped_gemm(&g.silu()?.mul(&u)?, &tiles, down)?))
     }
 
     /// Whether the decode path must avoid gather_mm (see the module note).
