@@ -198,6 +198,9 @@ pub fn serves(k: i32, dt: Dtype, w: &Quantized) -> bool {
         && kernel().is_some()
 }
 
+/// Tiles one launch takes (CUDA's grid y limit).
+pub const MAX_TILES: usize = 65_535;
+
 /// The tiles of rows sorted by expert (`sorted_ids`, one expert id a row):
 /// `(expert, first row, end row)`, at most [`TILE_ROWS`] rows each, flat.
 pub fn tiles(sorted_ids: &[u32], experts: usize) -> Result<Vec<i32>> {
@@ -239,8 +242,8 @@ pub fn grouped_gemm(x: &Array, tiles: &[i32], w: &Quantized) -> Result<Array> {
     if count == 0 || tiles.len() % 3 != 0 {
         return Err(Error::invalid("MoE grouped GEMM: no tiles"));
     }
-    if count > 65_535 {
-        return Err(Error::invalid(format!("MoE grouped GEMM: {count} tiles (at most 65,535 a launch)")));
+    if count as usize > MAX_TILES {
+        return Err(Error::invalid(format!("MoE grouped GEMM: {count} tiles (at most {MAX_TILES} a launch)")));
     }
     let t = Array::from_slice(tiles, &[count, 3])?;
     let template = [

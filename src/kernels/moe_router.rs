@@ -174,6 +174,8 @@ fn gate_enabled() -> bool {
 /// Rows the gate kernel serves (a decode step's; each block reads the
 /// whole gate, which a prefill's many rows do better as one matmul).
 pub const GATE_MAX_ROWS: i32 = 16;
+/// The widest gate input the kernel serves (see [`gate_available`]).
+const GATE_MAX_WIDTH: i32 = 8192;
 
 /// Whether the fused router serves `experts` and `k` on this backend.
 pub fn available(experts: usize, k: usize) -> bool {
@@ -207,8 +209,8 @@ pub fn route(probs: &Array, bias: &Array, scale: &Array, k: usize, norm: bool) -
 
 /// Whether the gate kernel serves `x` `[N, D]` through the quantized gate
 /// `q` `[E, D * bits / 32]` with `k` experts a row: opt-in
-/// (`MLX_LFM_ROUTER_GATE_KERNEL=1`), on CUDA, 1 to [`GATE_MAX_ROWS`] rows,
-/// a specification the quantized GEMV's helpers serve.
+/// (`MLX_LFM_ROUTER_GATE_KERNEL=1`), on CUDA, 1 to [`GATE_MAX_ROWS`] rows
+/// at most 8,192 wide, a specification the quantized GEMV's helpers serve.
 pub fn gate_available(x: &Array, q: &Quantized, k: usize) -> bool {
     if !gate_enabled() || x.ndim() != 2 || q.weight.ndim() != 2 {
         return false;
@@ -216,6 +218,9 @@ pub fn gate_available(x: &Array, q: &Quantized, k: usize) -> bool {
     let (n, d, e) = (x.dim(0), x.dim(1), q.weight.dim(0));
     available(e as usize, k)
         && (1..=GATE_MAX_ROWS).contains(&n)
+        // A block is up to 1,024 threads (64 registers each at most); ptxas
+        // needs more for float32 rows of 16,384 (fine at 8,192 and below).
+        && d <= GATE_MAX_WIDTH
         && spec_served(q, x.dtype(), d)
         && q.weight.dim(1) as i64 * 32 == d as i64 * q.spec.bits as i64
         && q.scales.shape() == [e, d / q.spec.group_size]

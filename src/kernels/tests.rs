@@ -837,10 +837,12 @@ fn stock_quantized_moe_prefill_repeats() {
 }
 
 /// The MoE grouped GEMM (opt-in) against MLX's quantized matmul run per
-/// expert (what the grouped prefill runs) and the exact float32 product
-/// over the same weights: every row within `tol` of the exact product and
-/// not much further than the stock ops' (both dequantize the weights to the
-/// dtype for the tensor cores). Rows spread so that experts hold none, one,
+/// expert (what the grouped prefill runs) and the float32 product over the
+/// weights dequantized to the dtype (the tensor cores take them so; against
+/// unrounded weights a correct kernel's worst row of ~2,400 reaches ~0.02,
+/// by a numpy simulation): every row within `tol` of that product (its
+/// output rounding and summation order), and not much further than the
+/// stock ops'. Rows spread so that experts hold none, one,
 /// and more than a tile (64) of rows; the 8B-A1B's gate/up and down shapes.
 #[test]
 fn moe_gemm_kernel_matches_stock_ops() {
@@ -853,10 +855,10 @@ fn moe_gemm_kernel_matches_stock_ops() {
     use crate::mlx::{concatenate, quantized_matmul, Array};
     // (dtype, bits, group, experts, N, K, tol)
     let cases = [
-        (Dtype::Bfloat16, 4, 64, 32, 3584, 2048, 1e-2f32),
-        (Dtype::Bfloat16, 4, 64, 32, 2048, 1792, 1e-2),
-        (Dtype::Bfloat16, 8, 32, 8, 128, 256, 1e-2),
-        (Dtype::Float16, 4, 128, 8, 64, 128, 2e-3),
+        (Dtype::Bfloat16, 4, 64, 32, 3584, 2048, 5e-3f32),
+        (Dtype::Bfloat16, 4, 64, 32, 2048, 1792, 5e-3),
+        (Dtype::Bfloat16, 8, 32, 8, 128, 256, 5e-3),
+        (Dtype::Float16, 4, 128, 8, 64, 128, 1e-3),
     ];
     for (dt, bits, gs, e, n, k, tol) in cases {
         let what = format!("{dt:?} {bits}-bit g{gs}, {e} experts, {n}x{k}");
@@ -876,7 +878,7 @@ fn moe_gemm_kernel_matches_stock_ops() {
             grouped_gemm(&x, &t, &q).unwrap()
         });
         assert_eq!(got.shape(), [rows, n], "{what}");
-        let exact = exact_weights(&q);
+        let exact = exact_weights(&q).astype(dt).unwrap();
         let (mut stock, mut reference) = (Vec::new(), Vec::new());
         let mut start = 0usize;
         while start < ids.len() {
@@ -892,8 +894,8 @@ fn moe_gemm_kernel_matches_stock_ops() {
         let stock = concatenate(&stock.iter().collect::<Vec<_>>(), 0).unwrap();
         let reference = concatenate(&reference.iter().collect::<Vec<_>>(), 0).unwrap();
         let (ek, es) = (worst_relative(&got, &reference), worst_relative(&stock, &reference));
-        eprintln!("{what}, {rows} rows: kernel {ek}, stock ops {es} from the exact product; {} apart", worst_relative(&got, &stock));
-        assert!(ek <= tol, "{what}: {ek} from the exact product, over {tol}");
-        assert!(ek <= 2.0 * es + tol / 2.0, "{what}: {ek} from the exact product, the stock ops {es}");
+        eprintln!("{what}, {rows} rows: kernel {ek}, stock ops {es} from the product of the rounded weights; {} apart", worst_relative(&got, &stock));
+        assert!(ek <= tol, "{what}: {ek} from the product of the rounded weights, over {tol}");
+        assert!(ek <= 2.0 * es + tol / 2.0, "{what}: {ek} from the product of the rounded weights, the stock ops {es}");
     }
 }

@@ -342,6 +342,9 @@ impl SparseMoe {
             return Ok(None);
         }
         let tiles = moe_gemm::tiles(sorted_ids, self.num_experts)?;
+        if tiles.len() / 3 > moe_gemm::MAX_TILES {
+            return Ok(None);
+        }
         let mut p = split_widths(&moe_gemm::grouped_gemm(xs, &tiles, gu)?, &[*ff, *ff])?;
         let u = p.pop().expect("two widths");
         let g = p.pop().expect("two widths");
