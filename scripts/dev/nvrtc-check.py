@@ -103,7 +103,7 @@ KERNELS = {
         lambda dt: [("E", 32), ("K", 4), ("NORM", "true")],
     ),
     "moe_gemm.rs": (
-        [("x", "T"), ("tiles", "int32_t"), ("w", "uint32_t"), ("scales", "T"), ("biases", "T")],
+        [("x", "T"), ("offsets", "int32_t"), ("w", "uint32_t"), ("scales", "T"), ("biases", "T")],
         [("y", "T")],
         lambda dt: [("K", 2048), ("BITS", 4), ("GS", 64)],
         # Tensor cores take half types only (available() serves no other).

@@ -1,6 +1,8 @@
 //! LFM2-MoE's experts over a prefill's many rows as grouped GEMMs: the
-//! rows sorted by expert, cut into tiles of at most 64 rows of one expert,
-//! and every tile of a projection in one launch (tensor cores, `mma.sync`
+//! rows sorted by expert, cut into tiles of at most 64 rows of one expert
+//! (each block finds its tile from the experts' row offsets, so the host
+//! never waits for the expert counts), and every tile of a projection in
+//! one launch (tensor cores, `mma.sync`
 //! m16n8k16 with float32 accumulators, the tile's weights dequantized into
 //! shared memory on the way). By the H200 profile a 512-token prefill of the
 //! 8B-A1B spent 74% of its GPU time (62.7 of 85 ms) in MLX's `qmm_sm80`,
@@ -51,9 +53,11 @@ __device__ inline uint32_t lfm_pair(const void* p) {
 }
 "#;
 
-/// A block: the tile `tiles[blockIdx.y]` = (expert, first row, end row) of
-/// `x` `[R, K]` against 64 output columns of that expert's `w`
-/// `[E, N, K * BITS / 32]`; 4 warps, each 32 rows x 32 columns.
+/// A block: tile `blockIdx.y` of the rows `x` `[R, K]` sorted by expert
+/// (`offsets` `[E + 1]`: expert e's rows are `[offsets[e], offsets[e + 1])`,
+/// cut into tiles of 64 in expert order; blocks past the last tile return)
+/// against 64 output columns of that expert's `w` `[E, N, K * BITS / 32]`;
+/// 4 warps, each 32 rows x 32 columns.
 const SOURCE: &str = r#"
   constexpr int TM = 64;
   constexpr int TN = 64;
@@ -70,12 +74,32 @@ const SOURCE: &str = r#"
   const int warp = tid >> 5;
   const int wm = warp >> 1;
   const int wn = warp & 1;
+  __shared__ int tile_at[3];
+  if (tid == 0) {
+    const int experts = w_shape[0];
+    const int want = blockIdx.y;
+    int before = 0;
+    tile_at[0] = -1;
+    for (int j = 0; j < experts; j++) {
+      const int a = offsets[j];
+      const int count = offsets[j + 1] - a;
+      const int tiles = count > 0 ? (count + TM - 1) / TM : 0;
+      if (want < before + tiles) {
+        tile_at[0] = j;
+        tile_at[1] = a + (want - before) * TM;
+        tile_at[2] = min(TM, offsets[j + 1] - tile_at[1]);
+        break;
+      }
+      before += tiles;
+    }
+  }
+  __syncthreads();
+  if (tile_at[0] < 0) return;
   const int N = w_shape[1];
   const int n0 = blockIdx.x * TN;
-  const int tile = blockIdx.y;
-  const int e = tiles[tile * 3];
-  const int r0 = tiles[tile * 3 + 1];
-  const int rows = tiles[tile * 3 + 2] - r0;
+  const int e = tile_at[0];
+  const int r0 = tile_at[1];
+  const int rows = tile_at[2];
   const bool xa = lfm_aligned(x);
   const bool wa = lfm_aligned(w);
   const uint32_t* wb = w + (static_cast<size_t>(e) * N + n0) * WORDS;
@@ -164,7 +188,7 @@ fn kernel() -> Option<&'static CudaKernel> {
     static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
     K.get_or_init(|| {
         let header = format!("{}{MMA_HEADER}", super::gemv::header());
-        CudaKernel::new("lfm_moe_gemm", &["x", "tiles", "w", "scales", "biases"], &["y"], SOURCE, &header).ok()
+        CudaKernel::new("lfm_moe_gemm", &["x", "offsets", "w", "scales", "biases"], &["y"], SOURCE, &header).ok()
     })
     .as_ref()
 }
@@ -198,54 +222,41 @@ pub fn serves(k: i32, dt: Dtype, w: &Quantized) -> bool {
         && kernel().is_some()
 }
 
-/// Tiles one launch takes (CUDA's grid y limit).
-pub const MAX_TILES: usize = 65_535;
+/// Blocks along y one launch takes (CUDA's grid y limit).
+const MAX_TILES: i64 = 65_535;
 
-/// The tiles of rows sorted by expert (`sorted_ids`, one expert id a row):
-/// `(expert, first row, end row)`, at most [`TILE_ROWS`] rows each, flat.
-pub fn tiles(sorted_ids: &[u32], experts: usize) -> Result<Vec<i32>> {
-    let mut out = Vec::new();
-    let mut start = 0usize;
-    while start < sorted_ids.len() {
-        let e = sorted_ids[start];
-        if e as usize >= experts {
-            return Err(Error::invalid(format!("MoE grouped GEMM: expert id {e} of {experts}")));
-        }
-        let mut end = start;
-        while end < sorted_ids.len() && sorted_ids[end] == e {
-            end += 1;
-        }
-        let mut r = start;
-        while r < end {
-            let stop = (r + TILE_ROWS).min(end);
-            let as_i32 = |v: usize| i32::try_from(v).map_err(|_| Error::invalid("MoE grouped GEMM: too many rows"));
-            out.extend([e as i32, as_i32(r)?, as_i32(stop)?]);
-            r = stop;
-        }
-        if end < sorted_ids.len() && sorted_ids[end] < e {
-            return Err(Error::invalid("MoE grouped GEMM: rows not sorted by expert"));
-        }
-        start = end;
-    }
-    Ok(out)
+/// The tiles the rows of `rows` sorted by expert can make with `experts`
+/// experts, at most: each expert's last tile may be partial.
+pub fn tile_bound(rows: i32, experts: i32) -> i64 {
+    (rows as i64 + TILE_ROWS as i64 - 1) / TILE_ROWS as i64 + experts as i64
+}
+
+/// Whether one launch covers `rows` rows over `experts` experts.
+pub fn fits(rows: i32, experts: i32) -> bool {
+    rows > 0 && tile_bound(rows, experts) <= MAX_TILES
+}
+
+/// Expert `e`'s first row among rows sorted by expert, for e in `0..=E`:
+/// how many of the sorted ids `ids` `[R]` are below e (`[E + 1]` int32).
+pub fn offsets(ids: &Array, experts: i32) -> Result<Array> {
+    let bounds = crate::mlx::arange(0.0, (experts + 1) as f64, 1.0, ids.dtype())?;
+    ids.expand_dims(1)?.lt(&bounds.expand_dims(0)?)?.astype(Dtype::Int32)?.sum(&[0], false)
 }
 
 /// `y[r] = x[r] @ dequantize(w[e(r)]).T` for rows `x` `[R, K]` sorted by
-/// expert, `tiles` from [`tiles`] over the same rows: `[R, N]` (callers
-/// check [`available`]).
-pub fn grouped_gemm(x: &Array, tiles: &[i32], w: &Quantized) -> Result<Array> {
+/// expert, `offsets` from [`offsets`] over the same rows: `[R, N]`
+/// (callers check [`available`] and [`fits`]).
+pub fn grouped_gemm(x: &Array, offsets: &Array, w: &Quantized) -> Result<Array> {
     let kern = kernel().ok_or_else(|| Error::mlx("the MoE grouped GEMM kernel is not available"))?;
     let biases = w.biases.as_ref().ok_or_else(|| Error::invalid("the MoE grouped GEMM kernel needs affine biases"))?;
     let (r, k) = (x.dim(0), x.dim(1));
-    let n = w.weight.dim(1);
-    let count = i32::try_from(tiles.len() / 3).map_err(|_| Error::invalid("MoE grouped GEMM: too many tiles"))?;
-    if count == 0 || tiles.len() % 3 != 0 {
-        return Err(Error::invalid("MoE grouped GEMM: no tiles"));
+    let (e, n) = (w.weight.dim(0), w.weight.dim(1));
+    if !fits(r, e) {
+        return Err(Error::invalid(format!("MoE grouped GEMM: {r} rows over {e} experts exceed a launch")));
     }
-    if count as usize > MAX_TILES {
-        return Err(Error::invalid(format!("MoE grouped GEMM: {count} tiles (at most {MAX_TILES} a launch)")));
+    if offsets.shape() != [e + 1] || offsets.dtype() != Dtype::Int32 {
+        return Err(Error::invalid(format!("MoE grouped GEMM: offsets {:?} for {e} experts", offsets.shape())));
     }
-    let t = Array::from_slice(tiles, &[count, 3])?;
     let template = [
         ("K", TemplateArg::Int(k)),
         ("BITS", TemplateArg::Int(w.spec.bits)),
@@ -253,9 +264,9 @@ pub fn grouped_gemm(x: &Array, tiles: &[i32], w: &Quantized) -> Result<Array> {
         ("T", TemplateArg::Dtype(x.dtype())),
     ];
     let mut outs = kern.call(
-        &[x, &t, &w.weight, &w.scales, biases],
+        &[x, offsets, &w.weight, &w.scales, biases],
         &[(&[r, n], x.dtype())],
-        [(n / TILE_COLS) * THREADS, count, 1],
+        [(n / TILE_COLS) * THREADS, tile_bound(r, e) as i32, 1],
         [THREADS, 1, 1],
         &template,
     )?;
@@ -264,17 +275,17 @@ pub fn grouped_gemm(x: &Array, tiles: &[i32], w: &Quantized) -> Result<Array> {
 
 #[cfg(test)]
 mod tests {
-    use super::tiles;
+    use super::{offsets, tile_bound};
+    use crate::mlx::{Array, Dtype};
 
     #[test]
-    fn tiles_cut_each_expert_at_64_rows() {
-        let mut ids = vec![0u32; 3];
-        ids.extend(vec![2u32; 130]);
-        ids.push(5);
-        let t = tiles(&ids, 8).unwrap();
-        assert_eq!(t, vec![0, 0, 3, 2, 3, 67, 2, 67, 131, 2, 131, 133, 5, 133, 134]);
-        assert!(tiles(&[1, 0], 8).is_err(), "unsorted rows");
-        assert!(tiles(&[9], 8).is_err(), "an expert id past the experts");
-        assert!(tiles(&[], 8).unwrap().is_empty());
+    fn offsets_count_the_rows_below_each_expert() {
+        let ids = Array::from_slice(&[0u32, 0, 0, 2, 2, 5], &[6]).unwrap();
+        let o: Vec<i32> = offsets(&ids, 8).unwrap().to_vec().unwrap();
+        assert_eq!(o, vec![0, 3, 3, 5, 5, 5, 6, 6, 6]);
+        assert_eq!(offsets(&ids, 8).unwrap().dtype(), Dtype::Int32);
+        // 130 rows of one expert: three tiles; the bound adds one a expert.
+        assert_eq!(tile_bound(130, 1), 4);
+        assert_eq!(tile_bound(128, 32), 34);
     }
 }

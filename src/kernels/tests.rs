@@ -863,7 +863,7 @@ fn moe_gemm_kernel_matches_stock_ops() {
     if skip("moe_gemm_kernel_matches_stock_ops") {
         return;
     }
-    use crate::kernels::moe_gemm::{available, grouped_gemm, tiles};
+    use crate::kernels::moe_gemm::{available, grouped_gemm, offsets};
     use crate::kernels::with_opt_in;
     use crate::mlx::random::normal;
     use crate::mlx::{concatenate, quantized_matmul, Array};
@@ -886,10 +886,10 @@ fn moe_gemm_kernel_matches_stock_ops() {
         }
         let rows = ids.len() as i32;
         let x = normal(&[rows, k], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
-        let t = tiles(&ids, e as usize).unwrap();
+        let o = offsets(&Array::from_slice(&ids, &[rows]).unwrap(), e).unwrap();
         let got = with_opt_in(|| {
             assert!(available(&x, &q), "{what}: not served");
-            grouped_gemm(&x, &t, &q).unwrap()
+            grouped_gemm(&x, &o, &q).unwrap()
         });
         assert_eq!(got.shape(), [rows, n], "{what}");
         let exact = exact_weights(&q).astype(dt).unwrap();

@@ -250,6 +250,9 @@ impl SparseMoe {
             return if many { self.host_grouped(x, inds) } else { self.gathered_upcast(x, inds) };
         }
         if many && self.grouped_prefill {
+            if let Some(y) = self.grouped_kernel(x, inds)? {
+                return Ok(y);
+            }
             return self.host_grouped(x, inds);
         }
         if many {
@@ -309,9 +312,6 @@ impl SparseMoe {
         let sorted_ids: Vec<u32> = flat.take(&order, 0)?.to_vec()?;
         let rows = order.floor_divide_scalar(k as f64)?;
         let xs = x.reshape(&[b * t, d])?.take(&rows, 0)?;
-        if let Some(y) = self.grouped_kernel(&xs, &sorted_ids)? {
-            return y.take(&inv, 0)?.reshape(&[b, t, k, d]);
-        }
         let mut outs = Vec::new();
         let mut start = 0usize;
         while start < sorted_ids.len() {
@@ -329,26 +329,36 @@ impl SparseMoe {
         concatenate(&refs, 0)?.take(&inv, 0)?.reshape(&[b, t, k, d])
     }
 
-    /// The sorted rows `xs` `[n, D]` through both projections as grouped
-    /// GEMMs, one launch each (src/kernels/moe_gemm.rs), for quantized
-    /// experts with gate and up stacked; None where the kernel does not
-    /// serve.
-    fn grouped_kernel(&self, xs: &Array, sorted_ids: &[u32]) -> Result<Option<Array>> {
+    /// Many rows through both projections as grouped GEMMs, one launch
+    /// each (src/kernels/moe_gemm.rs), the rows sorted by expert on the GPU
+    /// and no count read back to the host: for quantized experts with gate
+    /// and up stacked; None where the kernel does not serve.
+    fn grouped_kernel(&self, x: &Array, inds: &Array) -> Result<Option<Array>> {
         use crate::kernels::moe_gemm;
         let (GateUp::Stacked(Weight::Quant(gu), ff), Weight::Quant(down)) = (&self.gate_up, &self.down_proj) else {
             return Ok(None);
         };
-        if !moe_gemm::available(xs, gu) || !moe_gemm::serves(*ff, xs.dtype(), down) {
+        let (b, t, d) = (x.dim(0), x.dim(1), x.dim(2));
+        let k = self.top_k as i32;
+        let x2 = x.reshape(&[b * t, d])?;
+        let experts = gu.weight.dim(0);
+        let served = moe_gemm::available(&x2, gu)
+            && moe_gemm::serves(*ff, x.dtype(), down)
+            && down.weight.dim(0) == experts
+            && moe_gemm::fits(b * t * k, experts);
+        if !served {
             return Ok(None);
         }
-        let tiles = moe_gemm::tiles(sorted_ids, self.num_experts)?;
-        if tiles.len() / 3 > moe_gemm::MAX_TILES {
-            return Ok(None);
-        }
-        let mut p = split_widths(&moe_gemm::grouped_gemm(xs, &tiles, gu)?, &[*ff, *ff])?;
+        let flat = inds.reshape(&[-1])?;
+        let order = flat.argsort(0)?;
+        let inv = order.argsort(0)?;
+        let xs = x2.take(&order.floor_divide_scalar(k as f64)?, 0)?;
+        let offsets = moe_gemm::offsets(&flat.take(&order, 0)?, experts)?;
+        let mut p = split_widths(&moe_gemm::grouped_gemm(&xs, &offsets, gu)?, &[*ff, *ff])?;
         let u = p.pop().expect("two widths");
         let g = p.pop().expect("two widths");
-        Ok(Some(moe_gemm::grouped_gemm(&g.silu()?.mul(&u)?, &tiles, down)?))
+        let y = moe_gemm::grouped_gemm(&g.silu()?.mul(&u)?, &offsets, down)?;
+        Ok(Some(y.take(&inv, 0)?.reshape(&[b, t, k, d])?))
     }
 
     /// Whether the decode path must avoid gather_mm (see the module note).
