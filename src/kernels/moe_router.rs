@@ -207,21 +207,21 @@ pub fn route(probs: &Array, bias: &Array, scale: &Array, k: usize, norm: bool) -
     Ok((inds, scores))
 }
 
-/// Whether the gate kernel serves `x` `[N, D]` through the quantized gate
-/// `q` `[E, D * bits / 32]` with `k` experts a row: opt-in
+/// Whether the gate kernel serves `n` rows `d` wide in dtype `dt` through
+/// the quantized gate `q` `[E, d * bits / 32]` with `k` experts a row: opt-in
 /// (`MLX_LFM_ROUTER_GATE_KERNEL=1`), on CUDA, 1 to [`GATE_MAX_ROWS`] rows
 /// at most 8,192 wide, a specification the quantized GEMV's helpers serve.
-pub fn gate_available(x: &Array, q: &Quantized, k: usize) -> bool {
-    if !gate_enabled() || x.ndim() != 2 || q.weight.ndim() != 2 {
+pub fn gate_available(n: i32, d: i32, dt: Dtype, q: &Quantized, k: usize) -> bool {
+    if !gate_enabled() || q.weight.ndim() != 2 {
         return false;
     }
-    let (n, d, e) = (x.dim(0), x.dim(1), q.weight.dim(0));
+    let e = q.weight.dim(0);
     available(e as usize, k)
         && (1..=GATE_MAX_ROWS).contains(&n)
         // A block is up to 1,024 threads (64 registers each at most); ptxas
         // needs more for float32 rows of 16,384 (fine at 8,192 and below).
         && d <= GATE_MAX_WIDTH
-        && spec_served(q, x.dtype(), d)
+        && spec_served(q, dt, d)
         && q.weight.dim(1) as i64 * 32 == d as i64 * q.spec.bits as i64
         && q.scales.shape() == [e, d / q.spec.group_size]
         && gate_kernel().is_some()

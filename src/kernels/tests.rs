@@ -147,7 +147,7 @@ fn moe_router_gate_kernel_matches_stock_ops() {
         let bias = normal(&[e], Dtype::Float32, 0.0, 0.05, None).unwrap();
         let sc = Array::from_slice(&[scale], &[1]).unwrap();
         let (ki, ks) = with_opt_in(|| {
-            assert!(gate_available(&x, &q, k), "{what}: not served");
+            assert!(gate_available(rows, d, dt, &q, k), "{what}: not served");
             route_gate(&x, &q, &bias, &sc, k, true).unwrap()
         });
         let probs = quantized_matmul(&x, &q.weight, &q.scales, q.biases.as_ref(), true, q.spec).unwrap().sigmoid().unwrap();

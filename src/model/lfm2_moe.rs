@@ -150,9 +150,9 @@ impl SparseMoe {
     /// elsewhere.
     pub fn route(&self, x: &Array) -> Result<(Array, Array)> {
         if let (Weight::Quant(q), None) = (&self.gate.weight, &self.gate.bias) {
-            let (b, t) = (x.dim(0), x.dim(1));
-            let rows = x.reshape(&[b * t, x.dim(2)])?;
-            if crate::kernels::moe_router::gate_available(&rows, q, self.top_k) {
+            let (b, t, d) = (x.dim(0), x.dim(1), x.dim(2));
+            if crate::kernels::moe_router::gate_available(b * t, d, x.dtype(), q, self.top_k) {
+                let rows = x.reshape(&[b * t, d])?;
                 let (bias, scale) = &self.router_consts;
                 let (inds, scores) =
                     crate::kernels::moe_router::route_gate(&rows, q, bias, scale, self.top_k, self.norm_topk_prob)?;
