@@ -605,7 +605,7 @@ AB_TESTS = {
     "norm-kernel-all-rows": ["add_rms_norm_kernel_matches_stock_ops"],
     "qk-norm-rope-kernel": ["qk_norm_rope_kernel_matches_stock_ops", GREEDY],
     "router-gate-kernel": ["moe_router_gate_kernel_matches_stock_ops", GREEDY],
-    "moe-gemm-kernel": ["moe_gemm_kernel_matches_stock_ops", GREEDY],
+    "moe-gemm-kernel": ["moe_gemm_kernel_matches_stock_ops", "moe_grouped_prefill_kernel_matches_stock_ops", GREEDY],
     "moe-router-kernels": ["moe_router_gate_kernel_matches_stock_ops", "moe_experts_kernels_match_stock_ops", GREEDY],
 }
 # Groups of variants of which `pick` adopts at most one: (variants, the

@@ -333,22 +333,22 @@ impl SparseMoe {
     /// each (src/kernels/moe_gemm.rs), the rows sorted by expert on the GPU
     /// and no count read back to the host: for quantized experts with gate
     /// and up stacked; None where the kernel does not serve.
-    fn grouped_kernel(&self, x: &Array, inds: &Array) -> Result<Option<Array>> {
+    pub(crate) fn grouped_kernel(&self, x: &Array, inds: &Array) -> Result<Option<Array>> {
         use crate::kernels::moe_gemm;
         let (GateUp::Stacked(Weight::Quant(gu), ff), Weight::Quant(down)) = (&self.gate_up, &self.down_proj) else {
             return Ok(None);
         };
         let (b, t, d) = (x.dim(0), x.dim(1), x.dim(2));
         let k = self.top_k as i32;
-        let x2 = x.reshape(&[b * t, d])?;
         let experts = gu.weight.dim(0);
-        let served = moe_gemm::available(&x2, gu)
+        let served = moe_gemm::serves(d, x.dtype(), gu)
             && moe_gemm::serves(*ff, x.dtype(), down)
             && down.weight.dim(0) == experts
             && moe_gemm::fits(b * t * k, experts);
         if !served {
             return Ok(None);
         }
+        let x2 = x.reshape(&[b * t, d])?;
         let flat = inds.reshape(&[-1])?;
         let order = flat.argsort(0)?;
         let inv = order.argsort(0)?;
