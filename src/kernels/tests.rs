@@ -58,6 +58,17 @@ fn tiny(preset: Preset, name: &str, dtype: DType) -> std::path::PathBuf {
     dir
 }
 
+/// The model's first MoE layer.
+fn first_moe(m: &crate::model::lfm2::Lfm2Model) -> &crate::model::lfm2_moe::SparseMoe {
+    m.layers
+        .iter()
+        .find_map(|l| match &l.feed_forward {
+            FeedForward::Moe(moe) => Some(moe),
+            _ => None,
+        })
+        .expect("the tiny MoE fixture has MoE layers")
+}
+
 /// Per row: the same experts chosen, each with the stock path's weight: bit
 /// for bit in bf16 (the kernel divides and scales with the dtype's own
 /// operators, as MLX's binary kernels do, and the fixture's k = 2 makes the
@@ -71,14 +82,7 @@ fn moe_router_kernel_matches_stock_ops() {
     for (dtype, tol) in [(DType::BF16, 0f32), (DType::F32, 1e-6)] {
         let dir = tiny_moe(&format!("router-{dtype:?}"), dtype);
         let m = load_model(&dir, &LoadOptions::default()).unwrap().model;
-        let moe = m
-            .layers
-            .iter()
-            .find_map(|l| match &l.feed_forward {
-                FeedForward::Moe(moe) => Some(moe),
-                _ => None,
-            })
-            .expect("the tiny MoE fixture has MoE layers");
+        let moe = first_moe(&m);
         let d = m.config.hidden_size as i32;
         // Rows of several scales, so that selection scores spread and tie.
         let x = crate::mlx::random::normal(&[2, 97, d], Dtype::Float32, 0.0, 3.0, None).unwrap().astype(m.dtype).unwrap();
@@ -935,14 +939,7 @@ fn moe_grouped_prefill_kernel_matches_stock_ops() {
     let q = dir.with_extension("q4");
     convert(&dir, &q, &ConvertRecipe::quantized(QuantMode::Affine, Some(4), Some(32)).unwrap()).unwrap();
     let m = load_model(&q, &LoadOptions::default()).unwrap().model;
-    let moe = m
-        .layers
-        .iter()
-        .find_map(|l| match &l.feed_forward {
-            FeedForward::Moe(moe) => Some(moe),
-            _ => None,
-        })
-        .expect("the tiny MoE fixture has MoE layers");
+    let moe = first_moe(&m);
     let d = m.config.hidden_size as i32;
     for (b, t) in [(1, 40), (2, 97)] {
         let x = normal(&[b, t, d], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(Dtype::Bfloat16).unwrap();
