@@ -278,8 +278,10 @@ def run_ours(name, rnd):
         if "prompt" not in j:
             continue
         record(engine="mlx-lfm", model=name, round=rnd, metric="prefill_tps", prompt=j["prompt"], samples=j["prefill_tps_runs"])
+        # Per token of each rep, µs: [host building the step, MLX encoding and
+        # launching it, waiting for the token].
         record(engine="mlx-lfm", model=name, round=rnd, metric="decode_tps", prompt=j["prompt"], samples=j["decode_tps_runs"],
-               cache=j["cache"])
+               cache=j["cache"], host_us=j.get("host_build_dispatch_wait_us_runs"))
     if name in AB_IN_ROUNDS:
         # The same build with this session's decode-step changes off (the
         # stock ops as before them), same minute: what the changes buy.
@@ -589,6 +591,15 @@ AB = {
     # cores) where MLX's qmm ran one per expert and projection.
     "moe-gemm-kernel": ({"MLX_LFM_MOE_GEMM_KERNEL": "1"}, ["lfm2-8b-a1b-q4"]),
     "moe-router-kernels": ({"MLX_LFM_ROUTER_GATE_KERNEL": "1", "MLX_LFM_MOE_KERNEL": "1"}, ["lfm2-8b-a1b-q4"]),
+    # MLX's CUDA backend records kernels into CUDA graphs of at most 20
+    # nodes (MLX_MAX_OPS_PER_BUFFER), each updated, launched and followed by
+    # a host callback: a decode step of 175-260 kernels is 9-13 of them. The
+    # host's share is what moves between runs, so: fewer, larger graphs, or
+    # none (plain launches). Measured only (MLX's own knobs: not in PICK,
+    # whose switches also reach mlx-lm in the rounds).
+    "graph-ops-64": ({"MLX_MAX_OPS_PER_BUFFER": "64"}, ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    "graph-ops-200": ({"MLX_MAX_OPS_PER_BUFFER": "200"}, ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    "no-cuda-graphs": ({"MLX_USE_CUDA_GRAPHS": "0"}, ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
 }
 AB_IN_ROUNDS = ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]
 GREEDY = "greedy_tokens_with_kernels_equal_stock_ops"
@@ -649,7 +660,7 @@ def ab():
                 j = json.loads(line)
                 if "prompt" in j:
                     record(engine="ab", model=name, variant=variant, prefill=j["prefill_tps_runs"],
-                           decode=j["decode_tps_runs"])
+                           decode=j["decode_tps_runs"], host_us=j.get("host_build_dispatch_wait_us_runs"))
 
 
 def pick():

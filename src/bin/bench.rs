@@ -259,9 +259,16 @@ fn run() -> mlx_lfm::Result<()> {
             // Every rep's figures too, so a caller can take a median (the
             // same-run H200 benchmark compares medians across engines).
             let (mut prefills, mut decodes) = (vec![], vec![]);
+            // Per token of each rep, in µs: the host building the step, MLX
+            // encoding and launching it, and the wait for the token
+            // (`generate::timing`; a wait near zero: bound by the host).
+            let mut host = vec![];
             for r in 0..reps {
                 let params = GenerateParams { max_tokens: gen, ignore_eos: true, ..Default::default() };
+                mlx_lfm::generate::timing::take();
                 let g = eng.generate(Prompt::Tokens(ids(p, vocab, 7 + r as u32)), params, &mut NoObserver)?;
+                let (b, d, w) = mlx_lfm::generate::timing::take().per_token_us();
+                host.push([(b * 10.0).round() / 10.0, (d * 10.0).round() / 10.0, (w * 10.0).round() / 10.0]);
                 best_prefill = best_prefill.max(g.metrics.prefill_tokens_per_second);
                 best_ttft = best_ttft.min(g.metrics.ttft_ms);
                 best_decode = best_decode.max(g.metrics.decode_tokens_per_second);
@@ -280,6 +287,7 @@ fn run() -> mlx_lfm::Result<()> {
                     "prefill_tps": best_prefill, "ttft_ms": best_ttft, "decode_tps": best_decode,
                     "decode_ms_per_token": 1000.0 / best_decode,
                     "prefill_tps_runs": prefills, "decode_tps_runs": decodes,
+                    "host_build_dispatch_wait_us_runs": host,
                 })
             );
         }

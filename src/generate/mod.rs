@@ -5,6 +5,7 @@
 pub mod constraint;
 pub mod sampler;
 pub mod stop;
+pub mod timing;
 
 use crate::compiled::CompiledStep;
 use crate::error::{Error, Result};
@@ -242,6 +243,13 @@ impl<'a> Stepper<'a> {
 
     /// Logits `[1, V]` for one token `ids` (`[1, 1]`), advancing `cache`.
     pub fn step(&mut self, ids: &Array, cache: &mut ModelCache) -> Result<Array> {
+        let t = Instant::now();
+        let r = self.step_inner(ids, cache);
+        timing::build(t);
+        r
+    }
+
+    fn step_inner(&mut self, ids: &Array, cache: &mut ModelCache) -> Result<Array> {
         if let Some(c) = self.compiled {
             let pos = cache.pos;
             match c.step(self.model, ids, cache, true) {
@@ -571,11 +579,15 @@ impl Sequence {
     /// Samples the next token from `logits` (`[1, V]`) and queues it with
     /// whatever the cache built alongside.
     pub fn sample(&mut self, logits: &Array) -> Result<Array> {
+        let t = Instant::now();
         let n = self.draw(logits)?;
         let extras = self.pending_extras();
         let mut queued = vec![&n];
         queued.extend(extras.iter());
+        timing::build(t);
+        let t = Instant::now();
         queue_tokens(&queued, &mut [&mut self.cache])?;
+        timing::dispatch(t);
         Ok(n)
     }
 
@@ -623,7 +635,12 @@ impl Sequence {
     /// the step queued after it (fed the pending one), if any. Returns
     /// whether the generation goes on (then `next` is pending).
     pub fn accept(&mut self, next: Option<Array>, eos: &HashSet<u32>, observer: &mut dyn Observer) -> Result<bool> {
+        let t = Instant::now();
         let tok: u32 = self.y.item()?;
+        if self.completion_tokens > 0 {
+            // (The first token's wait is the prefill's.)
+            timing::wait(t);
+        }
         if let Some(f) = self.y_finite.take() {
             if f.item::<u32>()? == 0 {
                 return Err(Error::mlx(format!(

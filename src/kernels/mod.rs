@@ -23,6 +23,8 @@ use std::sync::OnceLock;
 thread_local! {
     /// Whether a test turned every opt-in kernel on for this thread.
     static FORCED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// The one opt-in kernel a test turned on for this thread (its variable).
+    static FORCED_ONE: std::cell::Cell<Option<&'static str>> = const { std::cell::Cell::new(None) };
 }
 
 /// Runs `f` with every opt-in kernel on on this thread, without their
@@ -36,5 +38,13 @@ pub fn with_opt_in<R>(f: impl FnOnce() -> R) -> R {
 /// test's [`with_opt_in`]. Kernels stay opt-in until their A/B on the GPU
 /// they were written for says they win (`bench/h200/run.py ab`).
 fn opt_in(var: &str, cell: &OnceLock<bool>) -> bool {
-    FORCED.with(|c| c.get()) || *cell.get_or_init(|| std::env::var(var).ok().as_deref() == Some("1"))
+    FORCED.with(|c| c.get())
+        || FORCED_ONE.with(|c| c.get() == Some(var))
+        || *cell.get_or_init(|| std::env::var(var).ok().as_deref() == Some("1"))
+}
+
+/// Runs `f` with the one opt-in kernel that `var` switches on on this
+/// thread (a test that must tell which opt-in kernel departs).
+pub fn with_opt_in_one<R>(var: &'static str, f: impl FnOnce() -> R) -> R {
+    crate::mlx::kernel::with_thread_flag(&FORCED_ONE, Some(var), f)
 }
