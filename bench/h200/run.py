@@ -570,27 +570,25 @@ AB = {
     "all": ({}, None),
     # The fused add + RMSNorm over every row count (the default since
     # 2026-12-02 stops at 16 rows: MLX's ops in a prefill). Opt-in until
-    # this A/B: MoE experts with many prefill rows as dequantize + matmul;
-    # the bf16 GEMV (+ SwiGLU), alone and with the norm folded into it; the
-    # quantized GEMV and the MoE experts' two kernels (with the norm fold).
+    # this A/B: MoE experts with many prefill rows as dequantize + matmul
+    # (against the per-expert qmm path, the grouped GEMM off); the bf16 GEMV
+    # (+ SwiGLU), alone and with the norm folded into it; the quantized
+    # GEMV, alone and with the norm fold.
     "norm-kernel-all-rows": ({"MLX_LFM_ADD_RMS_NORM_MAX_ROWS": "all"}, ["lfm2-1.2b-bf16"]),
     "gemv-kernel": ({"MLX_LFM_GEMV_KERNEL": "1"}, ["lfm2-1.2b-bf16"]),
     "gemv-norm-kernels": ({"MLX_LFM_GEMV_KERNEL": "1", "MLX_LFM_NORM_GEMV_KERNEL": "1"}, ["lfm2-1.2b-bf16"]),
     "qk-norm-rope-kernel": ({"MLX_LFM_QK_NORM_ROPE_KERNEL": "1"}, ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
-    "moe-dequant-from-16-rows": ({"MLX_LFM_MOE_DEQUANT_ROWS": "16"}, ["lfm2-8b-a1b-q4"]),
-    "moe-dequant-from-64-rows": ({"MLX_LFM_MOE_DEQUANT_ROWS": "64"}, ["lfm2-8b-a1b-q4"]),
+    "moe-dequant-from-16-rows": ({"MLX_LFM_MOE_DEQUANT_ROWS": "16", "MLX_LFM_MOE_GEMM_KERNEL": "0"}, ["lfm2-8b-a1b-q4"]),
+    "moe-dequant-from-64-rows": ({"MLX_LFM_MOE_DEQUANT_ROWS": "64", "MLX_LFM_MOE_GEMM_KERNEL": "0"}, ["lfm2-8b-a1b-q4"]),
     "qgemv-kernel": ({"MLX_LFM_QGEMV_KERNEL": "1"}, ["lfm2-8b-a1b-q4"]),
-    "moe-kernel": ({"MLX_LFM_MOE_KERNEL": "1"}, ["lfm2-8b-a1b-q4"]),
-    "quant-kernels": ({"MLX_LFM_QGEMV_KERNEL": "1", "MLX_LFM_MOE_KERNEL": "1"}, ["lfm2-8b-a1b-q4"]),
-    "quant-norm-kernels": ({"MLX_LFM_QGEMV_KERNEL": "1", "MLX_LFM_MOE_KERNEL": "1", "MLX_LFM_NORM_GEMV_KERNEL": "1"},
-                           ["lfm2-8b-a1b-q4"]),
+    "quant-norm-kernels": ({"MLX_LFM_QGEMV_KERNEL": "1", "MLX_LFM_NORM_GEMV_KERNEL": "1"}, ["lfm2-8b-a1b-q4"]),
     # The router's quantized gate, its sigmoid and the top-k in one launch
-    # (three a MoE layer before), with and without the MoE experts' kernels.
+    # (three a MoE layer before).
     "router-gate-kernel": ({"MLX_LFM_ROUTER_GATE_KERNEL": "1"}, ["lfm2-8b-a1b-q4"]),
-    # The prefill's experts as two grouped GEMM launches a layer (tensor
-    # cores) where MLX's qmm ran one per expert and projection.
-    "moe-gemm-kernel": ({"MLX_LFM_MOE_GEMM_KERNEL": "1"}, ["lfm2-8b-a1b-q4"]),
-    "moe-router-kernels": ({"MLX_LFM_ROUTER_GATE_KERNEL": "1", "MLX_LFM_MOE_KERNEL": "1"}, ["lfm2-8b-a1b-q4"]),
+    # Defaults since 2026-12-03, measured only: the MoE experts' decode
+    # kernels and the prefill's grouped GEMM (two launches a layer, tensor
+    # cores, where MLX's qmm ran one per expert and projection) off.
+    "moe-kernels-off": ({"MLX_LFM_MOE_KERNEL": "0", "MLX_LFM_MOE_GEMM_KERNEL": "0"}, ["lfm2-8b-a1b-q4"]),
     # MLX's CUDA backend records kernels into CUDA graphs of at most 20
     # nodes (MLX_MAX_OPS_PER_BUFFER), each updated, launched and followed by
     # a host callback: a decode step of 175-260 kernels is 9-13 of them. The
@@ -609,25 +607,20 @@ AB_TESTS = {
     "gemv-norm-kernels": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops",
                           "norm_gemv_kernels_match_stock_ops", GREEDY],
     "qgemv-kernel": ["quant_gemv_kernel_matches_stock_ops", GREEDY],
-    "moe-kernel": ["moe_experts_kernels_match_stock_ops", GREEDY],
-    "quant-kernels": ["quant_gemv_kernel_matches_stock_ops", "moe_experts_kernels_match_stock_ops", GREEDY],
-    "quant-norm-kernels": ["quant_gemv_kernel_matches_stock_ops", "moe_experts_kernels_match_stock_ops",
-                           "norm_gemv_kernels_match_stock_ops", GREEDY],
+    "quant-norm-kernels": ["quant_gemv_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops", GREEDY],
     "norm-kernel-all-rows": ["add_rms_norm_kernel_matches_stock_ops"],
     "qk-norm-rope-kernel": ["qk_norm_rope_kernel_matches_stock_ops", GREEDY],
     "router-gate-kernel": ["moe_router_gate_kernel_matches_stock_ops", GREEDY],
-    "moe-gemm-kernel": ["moe_gemm_kernel_matches_stock_ops", "moe_grouped_prefill_kernel_matches_stock_ops", GREEDY],
-    "moe-router-kernels": ["moe_router_gate_kernel_matches_stock_ops", "moe_experts_kernels_match_stock_ops", GREEDY],
 }
 # Groups of variants of which `pick` adopts at most one: (variants, the
 # figure it must raise by 3% over "all" without the other falling 3%).
 PICK = [
     (["gemv-kernel", "gemv-norm-kernels"], "decode"),
-    (["qgemv-kernel", "moe-kernel", "quant-kernels", "quant-norm-kernels", "moe-router-kernels"], "decode"),
+    (["qgemv-kernel", "quant-norm-kernels"], "decode"),
     (["router-gate-kernel"], "decode"),
     (["qk-norm-rope-kernel"], "decode"),
     (["norm-kernel-all-rows"], "prefill"),
-    (["moe-dequant-from-16-rows", "moe-dequant-from-64-rows", "moe-gemm-kernel"], "prefill"),
+    (["moe-dequant-from-16-rows", "moe-dequant-from-64-rows"], "prefill"),
 ]
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).

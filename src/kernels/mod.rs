@@ -43,6 +43,13 @@ fn opt_in(var: &str, cell: &OnceLock<bool>) -> bool {
         || *cell.get_or_init(|| std::env::var(var).ok().as_deref() == Some("1"))
 }
 
+/// Whether a kernel adopted as a default is on: unless `var=0` (read once
+/// into `cell`); a test's [`with_opt_in`] or [`with_opt_in_one`] asks for
+/// it as for an opt-in one.
+fn opt_out(var: &str, cell: &OnceLock<bool>) -> bool {
+    *cell.get_or_init(|| std::env::var(var).ok().as_deref() != Some("0"))
+}
+
 /// Runs `f` with the one opt-in kernel that `var` switches on on this
 /// thread (a test that must tell which opt-in kernel departs).
 pub fn with_opt_in_one<R>(var: &'static str, f: impl FnOnce() -> R) -> R {

@@ -14,13 +14,16 @@
 //! its score in the dtype, the k products summed in float32 and rounded
 //! once (MLX's reduce accumulates bf16 in float32).
 //!
-//! Opt-in (`MLX_LFM_MOE_KERNEL=1`): its projections round as the quantized
-//! GEMV's do, closer to the exact product than MLX's `gather_qmv` (see
-//! src/kernels/quant_gemv.rs); tests in src/kernels/tests.rs. On the H200
-//! (2026-12-02) the 8B-A1B decoded 1.65x and 1.83x the defaults' rate with
-//! it (`bench/results/2026-12-02-h200-session9.raw.jsonl`, calls 3 and 7);
-//! it becomes the default once its tests and the model-level greedy test
-//! have passed there.
+//! On by default on CUDA (`MLX_LFM_MOE_KERNEL=0` turns it off): its
+//! projections round as the quantized GEMV's do, closer to the exact
+//! product than MLX's `gather_qmv` (see src/kernels/quant_gemv.rs); tests
+//! in src/kernels/tests.rs. On the H200 the 8B-A1B decoded 1.65x and 1.83x
+//! the defaults' rate with it (2026-12-02,
+//! `bench/results/2026-12-02-h200-session9.raw.jsonl`, calls 3 and 7) and
+//! 1.30x (2026-12-03, `bench/results/2026-12-03-h200-session11.raw.jsonl`),
+//! and the greedy test's MoE fixture in 4-bit (router gate in groups of 32)
+//! kept the stock ops' choices with it alone, compiled and eager (two
+//! near-ties in 64 steps, leads 0.006 and 0.000).
 
 use super::quant_gemv::{header, quant_template, spec_served, warp_grid, THREADS};
 use crate::error::{Error, Result};
@@ -113,7 +116,7 @@ fn down_kernel() -> Option<&'static CudaKernel> {
 
 fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    super::opt_in("MLX_LFM_MOE_KERNEL", &ON)
+    super::opt_out("MLX_LFM_MOE_KERNEL", &ON)
 }
 
 /// The largest `rows * k` a launch takes (CUDA's grid y limit).

@@ -311,6 +311,15 @@ pub fn quantize(w: &Array, q: QuantSpec) -> Result<(Array, Array, Option<Array>)
     Ok((wq, s, it.next()))
 }
 
+/// Whether `quantized_matmul` over rows of `k` must avoid MLX's kernel
+/// (see there): on MLX's CUDA backend, the GPU the default device, and a
+/// row within one group.
+fn one_group_on_cuda(k: i32, q: QuantSpec) -> bool {
+    use super::runtime::{backend, default_device, Backend, DeviceType};
+    static CUDA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    k <= q.group_size && *CUDA.get_or_init(|| backend() == Backend::Cuda) && default_device() == DeviceType::Gpu
+}
+
 pub fn dequantize(w: &Array, scales: &Array, biases: Option<&Array>, q: QuantSpec, dtype: Option<Dtype>) -> Result<Array> {
     let mode = cstr(q.mode.name())?;
     make(|o| unsafe {
@@ -328,6 +337,18 @@ pub fn dequantize(w: &Array, scales: &Array, biases: Option<&Array>, q: QuantSpe
 }
 
 pub fn quantized_matmul(x: &Array, w: &Array, scales: &Array, biases: Option<&Array>, transpose: bool, q: QuantSpec) -> Result<Array> {
+    if transpose && x.ndim() > 0 && one_group_on_cuda(x.dim(-1), q) {
+        // MLX 0.32.4's CUDA backend serves a product whose rows fit one
+        // quantization group (K <= group size, K a multiple of 64) with its
+        // sm90 kernel, which on the H200 returned values of 1e35 and ran
+        // differently each time (2026-12-03, `stock_quantized_moe_prefill_repeats`:
+        // 8-bit g64 and 4-bit g64 at K = 64, 4-bit g128 at K = 128). No
+        // LFM2 projection is that narrow, but a small fixture's are; the
+        // weight is then at most a group wide, so dequantizing it costs
+        // nothing and the matmul rounds as the quantized kernels do.
+        let wd = dequantize(w, scales, biases, q, None)?;
+        return x.matmul(&wd.t()?);
+    }
     let mode = cstr(q.mode.name())?;
     make(|o| unsafe {
         ffi::mlxb_quantized_matmul(
