@@ -5,14 +5,18 @@
 // unwinding across the FFI boundary (which would abort the Node process).
 #include "mlxb.h"
 
+#include <algorithm>
 #include <cstring>
 #include <exception>
+#include <map>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "mlx/compile_impl.h"
+#include "mlx/primitives.h"
 #include "mlx/mlx.h"
 #include "mlxb_internal.h"
 
@@ -175,6 +179,33 @@ int mlxb_array_to_host(mlxb_array a, void* dst, size_t len) {
 
 int mlxb_eval(const mlxb_array* arrs, size_t n) { MLXB_TRY({ mx::eval(vec_of(arrs, n)); }) }
 int mlxb_async_eval(const mlxb_array* arrs, size_t n) { MLXB_TRY({ mx::async_eval(vec_of(arrs, n)); }) }
+
+int mlxb_graph_ops(const mlxb_array* arrs, size_t n, char* buf, size_t len, size_t* needed) {
+  MLXB_TRY({
+    // Iterative DFS (a step's graph is thousands of nodes deep in places).
+    std::unordered_set<std::uintptr_t> seen_arrays, seen_prims;
+    std::map<std::string, size_t> counts;
+    std::vector<mx::array> stack = vec_of(arrs, n);
+    while (!stack.empty()) {
+      mx::array a = std::move(stack.back());
+      stack.pop_back();
+      if (!seen_arrays.insert(a.id()).second) continue;
+      if (!a.has_primitive() || a.status() != mx::array::Status::unscheduled) continue;
+      if (seen_prims.insert(a.primitive_id()).second) counts[a.primitive().name()]++;
+      for (const auto& in : a.inputs()) stack.push_back(in);
+    }
+    std::vector<std::pair<std::string, size_t>> v(counts.begin(), counts.end());
+    std::stable_sort(v.begin(), v.end(), [](const auto& x, const auto& y) { return x.second > y.second; });
+    std::string text;
+    for (const auto& [name, c] : v) text += name + " " + std::to_string(c) + "\n";
+    *needed = text.size() + 1;
+    if (len > 0) {
+      size_t m = std::min(len - 1, text.size());
+      std::memcpy(buf, text.data(), m);
+      buf[m] = 0;
+    }
+  })
+}
 
 // ---- files ------------------------------------------------------------------------
 int mlxb_load_safetensors(const char* path, void* ctx, mlxb_named_array_cb on_array, mlxb_kv_cb on_meta) {

@@ -53,6 +53,11 @@ int mlxb_array_to_host(mlxb_array a, void* dst, size_t len);
 
 int mlxb_eval(const mlxb_array* arrs, size_t n);
 int mlxb_async_eval(const mlxb_array* arrs, size_t n);
+// The primitives an evaluation of `arrs` would run (the graph not yet
+// evaluated, each multi-output primitive once), as "name count" lines,
+// most frequent first, into `buf` (truncated to `len`); `*needed` is the
+// full text's length plus one.
+int mlxb_graph_ops(const mlxb_array* arrs, size_t n, char* buf, size_t len, size_t* needed);
 
 // ---- files -------------------------------------------------------------------
 typedef void (*mlxb_named_array_cb)(void* ctx, const char* name, mlxb_array a);

@@ -24,7 +24,7 @@ and .device/llama do not fit together; a call runs 10 minutes at most):
     4. carry [".device/bin"]:                H200_AB_TURNS=3 python3 bench/h200/run.py ab pick
        (H200_AB_VARIANTS=a,b times only those against the defaults: one turn of three
        samples moved ±20% on 2026-12-02, so fewer variants and more turns)
-    5. carry [".device/bin"]:                python3 bench/h200/run.py round 1 round 2
+    5. carry [".device/bin"]:                python3 bench/h200/run.py step-ops round 1 round 2
     6. carry [".device/bin"]:                python3 bench/h200/run.py profile new-lengths
 Issue each call the moment the last returns, and read its results after
 the next has started: a machine idle for 30 s is given back, with /tmp (on
@@ -497,6 +497,21 @@ def new_lengths():
                 record(engine="new-lengths", model=name, **j)
 
 
+def step_ops():
+    """The primitives one compiled decode step hands MLX, by name, for each
+    model (`mlx-lfm-bench --step-ops`), under this call's switches: with the
+    host timing of `ab` and the rounds, what each node of a step costs the
+    host (the decode step is host-bound on this machine, session 11)."""
+    for name in MODELS:
+        r = sh([BENCH, "--step-ops", "--prompts", "16", "--model", ours_ck(name), "--device", "gpu"],
+               f"step-ops-{name}", check=False)
+        for line in r.stdout.splitlines():
+            j = json.loads(line)
+            if "step_ops" in j:
+                j.pop("model", None)
+                record(engine="step-ops", model=name, **j)
+
+
 def constrained():
     """Constrained (a JSON schema, a regex) against free decode on this GPU,
     alone and 4 batched (`mlx-lfm-bench --constrained`)."""
@@ -711,7 +726,7 @@ def collect(files):
     for r in rows:
         if "error" in r:
             errors.append(r)
-        elif r.get("engine") in ("ncu", "ncu-prefill", "ab", "tests", "constrained", "new-lengths", "pick", "env"):
+        elif r.get("engine") in ("ncu", "ncu-prefill", "ab", "tests", "constrained", "new-lengths", "pick", "env", "step-ops"):
             profiles.append(r)
         elif r.get("samples"):
             runs.append({"model": r["model"], "engine": r["engine"], "metric": r["metric"], "prompt": r["prompt"],
@@ -794,6 +809,9 @@ def main():
                 install()
                 checkpoints(ab_models(), gguf=False)
                 ab_binaries()
+            elif a == "step-ops":
+                install()
+                step_ops()
             elif a == "new-lengths":
                 install()
                 new_lengths()

@@ -15,6 +15,7 @@
 //!     the model, the parser work of `--batch` rows per step done one row
 //!     after another against all rows at once (as a batch step does).
 //!   mlx-lfm-bench --new-lengths N [--prompts 512] [model args]
+//!   mlx-lfm-bench --step-ops [--prompts 16] [model args]   (the primitives of one compiled decode step)
 //!     TTFT of N prompts of lengths never seen before (512, 513, ...) against
 //!     the same N prompts' first length again (every shape seen): what a
 //!     server pays per new prompt length for the backend's per-shape setup.
@@ -72,6 +73,7 @@ const FLAGS: &[(&str, bool)] = &[
     ("--constrained", false),
     ("--batch", true),
     ("--new-lengths", true),
+    ("--step-ops", false),
     ("--tensor-parallel", true),
     ("--backend", true),
     ("--turns", true),
@@ -201,6 +203,18 @@ fn run() -> mlx_lfm::Result<()> {
     if args.iter().any(|a| a == "--constrained") {
         let num = |k: &str, d: usize| arg(&args, k).map(|s| s.parse().expect("a number")).unwrap_or(d);
         return constrained(&dir, device, paged, num("--gen", 128), num("--reps", 3), num("--batch", 4));
+    }
+    if args.iter().any(|a| a == "--step-ops") {
+        // The primitives one compiled decode step hands MLX, by name (what
+        // the host encodes and launches one at a time), after a prompt of
+        // the first --prompts length.
+        let eng = Engine::load(&dir, &EngineOptions { device, decode_path: Some(DecodePath::Compiled), ..Default::default() })?;
+        let vocab = eng.info().vocab_size as u32;
+        let ops = mlx_lfm::generate::decode_step_ops(&eng.model, eng.compiled.as_ref(), &ids(prompts[0], vocab, 1))?;
+        let total: usize = ops.iter().map(|(_, n)| n).sum();
+        println!("{}", serde_json::json!({"step_ops": total, "by_primitive": ops.iter().map(|(k, n)| serde_json::json!([k, n])).collect::<Vec<_>>(),
+            "backend": runtime::backend().name(), "model": dir}));
+        return Ok(());
     }
     if let Some(n) = arg(&args, "--new-lengths") {
         return new_lengths(&dir, device, paged, n.parse().expect("--new-lengths takes a count"), prompts[0]);

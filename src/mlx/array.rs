@@ -256,6 +256,25 @@ pub fn eval(arrays: &[&Array]) -> Result<()> {
     check(unsafe { ffi::mlxb_eval(hs.as_ptr(), hs.len()) })
 }
 
+/// The primitives evaluating `arrays` would run (their graph not yet
+/// evaluated; a multi-output primitive once), by name, most frequent first:
+/// what MLX encodes and launches one by one, the host's cost of a step.
+pub fn graph_ops(arrays: &[&Array]) -> Result<Vec<(String, usize)>> {
+    let hs: Vec<Handle> = arrays.iter().map(|a| a.0).collect();
+    let mut needed = 0usize;
+    check(unsafe { ffi::mlxb_graph_ops(hs.as_ptr(), hs.len(), std::ptr::null_mut(), 0, &mut needed) })?;
+    let mut buf = vec![0u8; needed.max(1)];
+    check(unsafe { ffi::mlxb_graph_ops(hs.as_ptr(), hs.len(), buf.as_mut_ptr() as *mut _, buf.len(), &mut needed) })?;
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end])
+        .lines()
+        .map(|l| {
+            let (name, n) = l.rsplit_once(' ').ok_or_else(|| Error::mlx(format!("graph_ops: bad line {l:?}")))?;
+            Ok((name.to_string(), n.parse().map_err(|_| Error::mlx(format!("graph_ops: bad count in {l:?}")))?))
+        })
+        .collect()
+}
+
 pub fn async_eval(arrays: &[&Array]) -> Result<()> {
     let hs: Vec<Handle> = arrays.iter().map(|a| a.0).collect();
     let _watch = super::distributed::watchdog::enter();

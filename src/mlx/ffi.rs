@@ -61,6 +61,7 @@ extern "C" {
     pub fn mlxb_array_to_host(a: Handle, dst: *mut c_void, len: usize) -> c_int;
     pub fn mlxb_eval(arrs: *const Handle, n: usize) -> c_int;
     pub fn mlxb_async_eval(arrs: *const Handle, n: usize) -> c_int;
+    pub fn mlxb_graph_ops(arrs: *const Handle, n: usize, buf: *mut c_char, len: usize, needed: *mut usize) -> c_int;
 
     pub fn mlxb_load_safetensors(path: *const c_char, ctx: *mut c_void, on_array: NamedArrayCb, on_meta: Option<KvCb>) -> c_int;
     pub fn mlxb_save_safetensors(

@@ -290,7 +290,7 @@ impl Mlp {
     /// fused gate kernels read; None otherwise.
     fn stacked_dense_w13(&self) -> Option<&Array> {
         match &self.w13 {
-            Projections::Stacked { linear: Linear { weight: Weight::Dense(w), bias: None }, widths }
+            Projections::Stacked { linear: Linear { weight: Weight::Dense(w), bias: None, .. }, widths }
                 if widths.len() == 2 && widths[0] == widths[1] =>
             {
                 Some(w)

@@ -217,9 +217,14 @@ impl Weight {
 
     /// `x @ w.T`.
     pub fn apply(&self, x: &Array) -> Result<Array> {
+        self.apply_cached(x, &Transposed::default())
+    }
+
+    /// `x @ w.T`, a dense `w.T` kept in `wt`.
+    pub fn apply_cached(&self, x: &Array, wt: &Transposed) -> Result<Array> {
         match self {
             Weight::Dense(w) if crate::kernels::gemv::available(x, w) => crate::kernels::gemv::gemv(x, w),
-            Weight::Dense(w) => x.matmul(&w.t()?),
+            Weight::Dense(w) => x.matmul(&wt.of(w)?),
             Weight::Quant(q) if crate::kernels::quant_gemv::available(x, q) => crate::kernels::quant_gemv::qgemv(x, q),
             Weight::Quant(q) => mlx::quantized_matmul(x, &q.weight, &q.scales, q.biases.as_ref(), true, q.spec),
         }
@@ -245,10 +250,35 @@ impl Weight {
     }
 }
 
+/// A dense weight's transpose, made once as an evaluated view of it (no
+/// copy), so that a step's graph holds no transpose node per projection:
+/// MLX encodes every node of a step on the host, and on CUDA that host
+/// work, not the GPU, bounds the decode rate (src/generate/timing.rs).
+#[derive(Clone, Default)]
+pub struct Transposed(std::cell::OnceCell<Array>);
+
+impl Transposed {
+    /// `w.T` (`w` `[.., out, in]`), from the cache after its first use.
+    pub fn of(&self, w: &Array) -> Result<Array> {
+        if let Some(t) = self.0.get() {
+            return Ok(t.clone());
+        }
+        let t = w.t()?;
+        // Evaluated, the view is a leaf of any later graph. (Inside a
+        // function transformation it cannot be evaluated, and stays a node
+        // of that graph; the first use is a prefill, outside any.)
+        if mlx::eval(&[&t]).is_ok() {
+            let _ = self.0.set(t.clone());
+        }
+        Ok(t)
+    }
+}
+
 #[derive(Clone)]
 pub struct Linear {
     pub weight: Weight,
     pub bias: Option<Array>,
+    wt: Transposed,
 }
 
 impl Linear {
@@ -278,14 +308,18 @@ impl Linear {
         } else {
             None
         };
-        Ok(Linear { weight, bias })
+        Ok(Linear::new(weight, bias))
+    }
+
+    pub fn new(weight: Weight, bias: Option<Array>) -> Linear {
+        Linear { weight, bias, wt: Transposed::default() }
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
         match (&self.weight, &self.bias) {
-            (Weight::Dense(w), Some(b)) => mlx::addmm(b, x, &w.t()?, 1.0, 1.0),
-            (w, None) => w.apply(x),
-            (w, Some(b)) => w.apply(x)?.add(b),
+            (Weight::Dense(w), Some(b)) => mlx::addmm(b, x, &self.wt.of(w)?, 1.0, 1.0),
+            (w, None) => w.apply_cached(x, &self.wt),
+            (w, Some(b)) => w.apply_cached(x, &self.wt)?.add(b),
         }
     }
 
@@ -354,6 +388,8 @@ impl Normed<'_> {
 pub struct Embedding {
     pub weight: Weight,
     pub dtype: Dtype,
+    /// The tied head's `E.T` (see [`Transposed`]).
+    wt: Transposed,
 }
 
 impl Embedding {
@@ -364,7 +400,7 @@ impl Embedding {
             Weight::Dense(w) => w.dtype(),
             Weight::Quant(_) => dtype,
         };
-        Ok(Embedding { weight, dtype })
+        Ok(Embedding { weight, dtype, wt: Transposed::default() })
     }
 
     /// Rows for `ids` (any shape) -> `ids.shape ++ [dim]`.
@@ -382,7 +418,7 @@ impl Embedding {
 
     /// The tied head: `x @ E.T`.
     pub fn as_linear(&self, x: &Array) -> Result<Array> {
-        self.weight.apply(x)
+        self.weight.apply_cached(x, &self.wt)
     }
 }
 
@@ -490,7 +526,7 @@ impl Projections {
             None => None,
         };
         let widths = parts.iter().map(|p| p.weight.out_dim()).collect();
-        Ok(Projections::Stacked { linear: Linear { weight, bias }, widths })
+        Ok(Projections::Stacked { linear: Linear::new(weight, bias), widths })
     }
 
     /// `(s, each projection of rms_norm(s))` for the pending norm `n`: one
@@ -545,4 +581,39 @@ pub fn split_widths(y: &Array, widths: &[i32]) -> Result<Vec<Array>> {
         start += w;
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mlx::random::normal;
+
+    /// A dense projection's graph, after its first use, holds the matmul
+    /// and no transpose of the weight (the host encodes every node of a
+    /// decode step), with the same result as `x @ w.T`.
+    #[test]
+    fn dense_projection_reuses_its_transposed_weight() {
+        let w = normal(&[48, 64], Dtype::Float32, 0.0, 0.1, None).unwrap();
+        let b = normal(&[48], Dtype::Float32, 0.0, 0.1, None).unwrap();
+        let x = normal(&[3, 64], Dtype::Float32, 0.0, 1.0, None).unwrap();
+        for bias in [None, Some(b.clone())] {
+            let lin = Linear::new(Weight::Dense(w.clone()), bias.clone());
+            let first = lin.forward(&x).unwrap();
+            mlx::eval(&[&first]).unwrap();
+            let y = lin.forward(&x).unwrap();
+            let ops = mlx::graph_ops(&[&y]).unwrap();
+            assert!(ops.iter().all(|(name, _)| name != "Transpose"), "bias {}: {ops:?}", bias.is_some());
+            let mut want = x.matmul(&w.t().unwrap()).unwrap();
+            if let Some(b) = &bias {
+                want = want.add(b).unwrap();
+            }
+            let (got, want): (Vec<f32>, Vec<f32>) = (y.to_vec().unwrap(), want.to_vec().unwrap());
+            let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(worst <= 1e-5, "bias {}: {worst} from x @ w.T", bias.is_some());
+        }
+        // The count itself: a fresh projection's graph has the transpose.
+        let fresh = x.matmul(&w.t().unwrap()).unwrap();
+        let ops = mlx::graph_ops(&[&fresh]).unwrap();
+        assert_eq!(ops.iter().find(|(n, _)| n == "Transpose").map(|(_, c)| *c), Some(1), "{ops:?}");
+    }
 }
