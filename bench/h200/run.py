@@ -502,14 +502,22 @@ def step_ops():
     model (`mlx-lfm-bench --step-ops`), under this call's switches: with the
     host timing of `ab` and the rounds, what each node of a step costs the
     host (the decode step is host-bound on this machine, session 11)."""
+    # H200_AB_VARIANTS=a,b: those variants' steps too (each where it applies).
+    only = [v for v in os.environ.get("H200_AB_VARIANTS", "").split(",") if v in AB]
     for name in MODELS:
-        r = sh([BENCH, "--step-ops", "--prompts", "16", "--model", ours_ck(name), "--device", "gpu"],
-               f"step-ops-{name}", check=False)
-        for line in r.stdout.splitlines():
-            j = json.loads(line)
-            if "step_ops" in j:
-                j.pop("model", None)
-                record(engine="step-ops", model=name, **j)
+        for variant in ["all"] + only:
+            extra, models = AB[variant]
+            if models and name not in models:
+                continue
+            e = env()
+            e.update(extra)
+            r = sh([BENCH, "--step-ops", "--prompts", "16", "--model", ours_ck(name), "--device", "gpu"],
+                   f"step-ops-{name}", check=False, env=e)
+            for line in r.stdout.splitlines():
+                j = json.loads(line)
+                if "step_ops" in j:
+                    j.pop("model", None)
+                    record(engine="step-ops", model=name, variant=variant, **j)
 
 
 def constrained():
@@ -590,9 +598,9 @@ AB = {
     # (+ SwiGLU), alone and with the norm folded into it; the quantized
     # GEMV, alone and with the norm fold.
     "norm-kernel-all-rows": ({"MLX_LFM_ADD_RMS_NORM_MAX_ROWS": "all"}, ["lfm2-1.2b-bf16"]),
-    "gemv-kernel": ({"MLX_LFM_GEMV_KERNEL": "1"}, ["lfm2-1.2b-bf16"]),
-    "gemv-norm-kernels": ({"MLX_LFM_GEMV_KERNEL": "1", "MLX_LFM_NORM_GEMV_KERNEL": "1"}, ["lfm2-1.2b-bf16"]),
-    "qk-norm-rope-kernel": ({"MLX_LFM_QK_NORM_ROPE_KERNEL": "1"}, ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    "gemv-kernel": ({"MLX_LFM_GEMV_KERNEL": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
+    "gemv-norm-kernels": ({"MLX_LFM_GEMV_KERNEL": "1", "MLX_LFM_NORM_GEMV_KERNEL": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
+    "qk-norm-rope-kernel": ({"MLX_LFM_QK_NORM_ROPE_KERNEL": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "moe-dequant-from-16-rows": ({"MLX_LFM_MOE_DEQUANT_ROWS": "16", "MLX_LFM_MOE_GEMM_KERNEL": "0"}, ["lfm2-8b-a1b-q4"]),
     "moe-dequant-from-64-rows": ({"MLX_LFM_MOE_DEQUANT_ROWS": "64", "MLX_LFM_MOE_GEMM_KERNEL": "0"}, ["lfm2-8b-a1b-q4"]),
     "qgemv-kernel": ({"MLX_LFM_QGEMV_KERNEL": "1"}, ["lfm2-8b-a1b-q4"]),
