@@ -22,6 +22,22 @@ use crate::mlx::{self, concatenate, runtime, stack, Array, Dtype};
 /// Routed rows at or above which the sorted path is used (mlx-lm's rule).
 const SORT_THRESHOLD: usize = 64;
 
+/// `x` `[.., D]` as rows: (their count, D, the leading shape).
+fn rows_of(x: &Array) -> (i32, i32, Vec<i32>) {
+    let mut lead = x.shape();
+    let d = lead.pop().unwrap_or(1);
+    (lead.iter().product(), d, lead)
+}
+
+/// `a` in `shape`, without a reshape node where it already is.
+fn shaped(a: &Array, shape: &[i32]) -> Result<Array> {
+    if a.shape() == shape {
+        Ok(a.clone())
+    } else {
+        a.reshape(shape)
+    }
+}
+
 pub struct SparseMoe {
     pub gate: Linear,
     pub expert_bias: Option<Array>,
@@ -149,15 +165,14 @@ impl SparseMoe {
     /// dtype): one fused kernel on MLX's CUDA backend, the stock ops
     /// elsewhere.
     pub fn route(&self, x: &Array) -> Result<(Array, Array)> {
+        let (rows, d, lead) = rows_of(x);
         if let (Weight::Quant(q), None) = (&self.gate.weight, &self.gate.bias) {
-            let (b, t, d) = (x.dim(0), x.dim(1), x.dim(2));
-            if crate::kernels::moe_router::gate_available(b * t, d, x.dtype(), q, self.top_k) {
-                let rows = x.reshape(&[b * t, d])?;
+            if crate::kernels::moe_router::gate_available(rows, d, x.dtype(), q, self.top_k) {
                 let (bias, scale) = &self.router_consts;
                 let (inds, scores) =
-                    crate::kernels::moe_router::route_gate(&rows, q, bias, scale, self.top_k, self.norm_topk_prob)?;
-                let k = self.top_k as i32;
-                return Ok((inds.reshape(&[b, t, k])?, scores.reshape(&[b, t, k])?));
+                    crate::kernels::moe_router::route_gate(&shaped(x, &[rows, d])?, q, bias, scale, self.top_k, self.norm_topk_prob)?;
+                let out = [lead.as_slice(), &[self.top_k as i32]].concat();
+                return Ok((shaped(&inds, &out)?, shaped(&scores, &out)?));
             }
         }
         if crate::kernels::moe_router::available(self.num_experts, self.top_k) && x.dtype().is_float() {
@@ -167,16 +182,16 @@ impl SparseMoe {
     }
 
     pub(crate) fn route_fused(&self, x: &Array) -> Result<(Array, Array)> {
-        let (b, t) = (x.dim(0), x.dim(1));
+        let (rows, _, lead) = rows_of(x);
         let e = self.num_experts as i32;
-        let probs = self.gate.forward(x)?.sigmoid()?.reshape(&[b * t, e])?;
+        let probs = shaped(&self.gate.forward(x)?.sigmoid()?, &[rows, e])?;
         let (bias, scale) = &self.router_consts;
         let (inds, scores) = crate::kernels::moe_router::route(&probs, bias, scale, self.top_k, self.norm_topk_prob)?;
-        let k = self.top_k as i32;
+        let out = [lead.as_slice(), &[self.top_k as i32]].concat();
         // The gate may be stored in another dtype than the activations
         // (an f32 router beside bf16 layers): weights in x's dtype, as the
         // stock path returns them.
-        Ok((inds.reshape(&[b, t, k])?, scores.reshape(&[b, t, k])?.astype(x.dtype())?))
+        Ok((shaped(&inds, &out)?, shaped(&scores, &out)?.astype(x.dtype())?))
     }
 
     /// The router in MLX's stock ops (every backend but CUDA).
@@ -200,18 +215,21 @@ impl SparseMoe {
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
-        let (inds, scores) = self.route(x)?;
-        if let Some(y) = self.fused_experts(x, &inds, &scores)? {
+        if let Some(y) = self.fused_forward(x)? {
             return reduce(&self.shard, y);
         }
+        let (inds, scores) = self.route(x)?;
         let y = self.experts(x, &inds)?;
         reduce(&self.shard, y.mul(&scores.expand_dims(-1)?)?.sum(&[-2], false)?)
     }
 
-    /// A decode step's experts and their weighted sum in two kernels
-    /// (src/kernels/moe_experts.rs) on CUDA, for quantized experts with
-    /// gate and up stacked; None where the kernels do not serve.
-    fn fused_experts(&self, x: &Array, inds: &Array, scores: &Array) -> Result<Option<Array>> {
+    /// A decode step's layer on CUDA: the router and the experts' two
+    /// kernels (src/kernels/moe_experts.rs) over the step's rows `[R, D]`,
+    /// with no reshape between them (each is a node the host encodes every
+    /// step, and the host bounds the decode rate there); the output
+    /// `[B, T, D]`. For quantized experts with gate and up stacked; None
+    /// where the kernels do not serve.
+    fn fused_forward(&self, x: &Array) -> Result<Option<Array>> {
         use crate::kernels::moe_experts;
         let (b, t, d) = (x.dim(0), x.dim(1), x.dim(2));
         let k = self.top_k;
@@ -225,15 +243,15 @@ impl SparseMoe {
         if !moe_experts::available(b * t, k, x.dtype(), gu, down) {
             return Ok(None);
         }
-        let rows = b * t;
-        // `route` gives uint32 experts and weights in x's dtype, what the
-        // kernels read.
-        if inds.dtype() != Dtype::Uint32 || scores.dtype() != x.dtype() {
+        let rows = x.reshape(&[b * t, d])?;
+        let (idx, scores) = self.route(&rows)?;
+        // The kernels read uint32 experts and weights in x's dtype (what
+        // `route` gives on CUDA; anything else takes the stock experts).
+        if idx.dtype() != Dtype::Uint32 || scores.dtype() != x.dtype() {
             return Ok(None);
         }
-        let idx = inds.reshape(&[rows, k as i32])?;
-        let h = moe_experts::gate_up(&x.reshape(&[rows, d])?, &idx, gu)?;
-        let y = moe_experts::down(&h, &idx, &scores.reshape(&[rows, k as i32])?, down)?;
+        let h = moe_experts::gate_up(&rows, &idx, gu)?;
+        let y = moe_experts::down(&h, &idx, &scores, down)?;
         Ok(Some(y.reshape(&[b, t, d])?))
     }
 
