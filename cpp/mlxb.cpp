@@ -276,6 +276,12 @@ int mlxb_split_equal(mlxb_array a, int parts, int axis, mlxb_array* outs) {
     for (size_t i = 0; i < v.size(); ++i) outs[i] = wrap(v[i]);
   })
 }
+int mlxb_split_at(mlxb_array a, const int* indices, int n, int axis, mlxb_array* outs) {
+  MLXB_TRY({
+    auto v = mx::split(A(a), mx::Shape(indices, indices + n), axis);
+    for (size_t i = 0; i < v.size(); ++i) outs[i] = wrap(v[i]);
+  })
+}
 int mlxb_take(mlxb_array a, mlxb_array indices, int axis, mlxb_array* out) {
   MLXB_TRY({ *out = wrap(mx::take(A(a), A(indices), axis)); })
 }

@@ -87,6 +87,9 @@ int mlxb_scatter(mlxb_array a, const mlxb_array* indices, const int32_t* axes, i
 int mlxb_concatenate(const mlxb_array* arrs, size_t n, int axis, mlxb_array* out);
 int mlxb_stack(const mlxb_array* arrs, size_t n, int axis, mlxb_array* out);
 int mlxb_split_equal(mlxb_array a, int parts, int axis, mlxb_array* outs);
+// `a` cut along `axis` before each of the `n` ascending `indices`: n + 1
+// parts, one graph node (slices would be one each).
+int mlxb_split_at(mlxb_array a, const int* indices, int n, int axis, mlxb_array* outs);
 int mlxb_take(mlxb_array a, mlxb_array indices, int axis, mlxb_array* out);
 int mlxb_take_along_axis(mlxb_array a, mlxb_array indices, int axis, mlxb_array* out);
 int mlxb_put_along_axis(mlxb_array a, mlxb_array indices, mlxb_array values, int axis, mlxb_array* out);

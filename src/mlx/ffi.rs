@@ -89,6 +89,7 @@ extern "C" {
     pub fn mlxb_concatenate(arrs: *const Handle, n: usize, axis: c_int, out: *mut Handle) -> c_int;
     pub fn mlxb_stack(arrs: *const Handle, n: usize, axis: c_int, out: *mut Handle) -> c_int;
     pub fn mlxb_split_equal(a: Handle, parts: c_int, axis: c_int, outs: *mut Handle) -> c_int;
+    pub fn mlxb_split_at(a: Handle, indices: *const c_int, n: c_int, axis: c_int, outs: *mut Handle) -> c_int;
     pub fn mlxb_take(a: Handle, idx: Handle, axis: c_int, out: *mut Handle) -> c_int;
     pub fn mlxb_take_along_axis(a: Handle, idx: Handle, axis: c_int, out: *mut Handle) -> c_int;
     pub fn mlxb_put_along_axis(a: Handle, idx: Handle, vals: Handle, axis: c_int, out: *mut Handle) -> c_int;

@@ -198,6 +198,16 @@ impl Array {
         check(unsafe { ffi::mlxb_split_equal(self.handle(), parts as i32, axis, hs.as_mut_ptr()) })?;
         Ok(hs.into_iter().map(Array).collect())
     }
+    /// Cut along `axis` before each of the ascending `indices`: one part
+    /// more than indices, from one node of the graph.
+    pub fn split_at(&self, indices: &[i32], axis: i32) -> Result<Vec<Array>> {
+        if indices.windows(2).any(|w| w[0] > w[1]) {
+            return Err(Error::invalid(format!("split_at: indices {indices:?} are not ascending")));
+        }
+        let mut hs: Vec<Handle> = vec![null_mut(); indices.len() + 1];
+        check(unsafe { ffi::mlxb_split_at(self.handle(), indices.as_ptr(), indices.len() as i32, axis, hs.as_mut_ptr()) })?;
+        Ok(hs.into_iter().map(Array).collect())
+    }
     pub fn take(&self, indices: &Array, axis: i32) -> Result<Array> {
         make(|o| unsafe { ffi::mlxb_take(self.handle(), indices.handle(), axis, o) })
     }

@@ -184,3 +184,21 @@ fn runtime_facts() {
     assert!(runtime::memory().peak >= m.active);
     assert!(["cpu", "cuda", "metal"].contains(&runtime::backend().name()));
 }
+
+/// `split_at` cuts where asked, as slices would, in one node of the graph.
+#[test]
+fn split_at_cuts_like_slices_in_one_node() {
+    use crate::mlx::random::normal;
+    let y = normal(&[2, 3, 10], Dtype::Float32, 0.0, 1.0, None).unwrap();
+    crate::mlx::eval(&[&y]).unwrap();
+    let parts = y.split_at(&[4, 7], -1).unwrap();
+    assert_eq!(parts.iter().map(|p| p.shape()).collect::<Vec<_>>(), vec![vec![2, 3, 4], vec![2, 3, 3], vec![2, 3, 3]]);
+    for (p, (a, b)) in parts.iter().zip([(0, 4), (4, 7), (7, 10)]) {
+        let want: Vec<f32> = y.slice_axis(-1, a, b).unwrap().to_vec().unwrap();
+        assert_eq!(p.to_vec::<f32>().unwrap(), want);
+    }
+    let parts = y.split_at(&[4, 7], -1).unwrap();
+    let refs: Vec<&Array> = parts.iter().collect();
+    assert_eq!(crate::mlx::graph_ops(&refs).unwrap(), vec![("Split".to_string(), 1)]);
+    assert!(y.split_at(&[7, 4], -1).is_err(), "indices out of order");
+}

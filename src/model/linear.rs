@@ -574,13 +574,18 @@ impl Projections {
 
 /// `y`'s last axis cut into consecutive pieces of `widths` (views, no copy).
 pub fn split_widths(y: &Array, widths: &[i32]) -> Result<Vec<Array>> {
-    let mut start = 0;
-    let mut out = Vec::with_capacity(widths.len());
-    for &w in widths {
-        out.push(y.slice_axis(-1, start, start + w)?);
-        start += w;
+    if widths.len() < 2 {
+        return Ok(vec![y.clone()]);
     }
-    Ok(out)
+    // One split node rather than a slice a part: a decode step's host cost
+    // is its node count (src/generate/timing.rs).
+    let mut cuts = Vec::with_capacity(widths.len() - 1);
+    let mut at = 0;
+    for &w in &widths[..widths.len() - 1] {
+        at += w;
+        cuts.push(at);
+    }
+    y.split_at(&cuts, -1)
 }
 
 #[cfg(test)]
