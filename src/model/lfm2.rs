@@ -84,16 +84,27 @@ impl Attention {
             };
             if let Some(offsets) = offsets {
                 let (q, k) = qk_norm_rope::qk_norm_rope(&qkv[0], &qkv[1], &self.q_norm, &self.k_norm, &offsets, hd, self.eps, self.rope_theta)?;
-                let v = qkv[2].reshape(&[b, t, self.n_kv_heads, hd])?.transpose(&[0, 2, 1, 3])?;
+                let v = qkv[2].reshape(&[b, self.n_kv_heads, 1, hd])?;
                 return Ok((q, k, v));
             }
         }
-        let q = qkv[0].reshape(&[b, t, self.n_heads, hd])?;
-        let k = qkv[1].reshape(&[b, t, self.n_kv_heads, hd])?;
-        let v = qkv[2].reshape(&[b, t, self.n_kv_heads, hd])?;
-        let q = mlx::rms_norm(&q, Some(&self.q_norm), self.eps)?.transpose(&[0, 2, 1, 3])?;
-        let k = mlx::rms_norm(&k, Some(&self.k_norm), self.eps)?.transpose(&[0, 2, 1, 3])?;
-        let v = v.transpose(&[0, 2, 1, 3])?;
+        let (q, k, v) = if t == 1 {
+            // One token: `[B, 1, heads, hd]` and `[B, heads, 1, hd]` are the
+            // same layout, so a reshape gives the heads-first shape with no
+            // transpose node (a decode step's host cost is its node count,
+            // src/generate/timing.rs); the norms run over the same rows.
+            let q = qkv[0].reshape(&[b, self.n_heads, 1, hd])?;
+            let k = qkv[1].reshape(&[b, self.n_kv_heads, 1, hd])?;
+            let v = qkv[2].reshape(&[b, self.n_kv_heads, 1, hd])?;
+            (mlx::rms_norm(&q, Some(&self.q_norm), self.eps)?, mlx::rms_norm(&k, Some(&self.k_norm), self.eps)?, v)
+        } else {
+            let q = qkv[0].reshape(&[b, t, self.n_heads, hd])?;
+            let k = qkv[1].reshape(&[b, t, self.n_kv_heads, hd])?;
+            let v = qkv[2].reshape(&[b, t, self.n_kv_heads, hd])?;
+            let q = mlx::rms_norm(&q, Some(&self.q_norm), self.eps)?.transpose(&[0, 2, 1, 3])?;
+            let k = mlx::rms_norm(&k, Some(&self.k_norm), self.eps)?.transpose(&[0, 2, 1, 3])?;
+            (q, k, v.transpose(&[0, 2, 1, 3])?)
+        };
         let (q, k) = match offset {
             Offset::Int(off) => (
                 mlx::rope(&q, hd, false, self.rope_theta, 1.0, off)?,
@@ -110,7 +121,9 @@ impl Attention {
     /// `[B, heads, T, head_dim]` attention output back to `[B, T, D]`.
     fn output(&self, o: &Array) -> Result<Array> {
         let (b, t) = (o.dim(0), o.dim(2));
-        let o = o.transpose(&[0, 2, 1, 3])?.reshape(&[b, t, self.n_heads * self.head_dim])?;
+        let width = self.n_heads * self.head_dim;
+        // (One token: the same layout either way, see `project`.)
+        let o = if t == 1 { o.reshape(&[b, 1, width])? } else { o.transpose(&[0, 2, 1, 3])?.reshape(&[b, t, width])? };
         reduce(&self.shard, self.out_proj.forward(&o)?)
     }
 
