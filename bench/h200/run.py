@@ -618,6 +618,9 @@ AB = {
     # host's share is what moves between runs, so: fewer, larger graphs, or
     # none (plain launches). Measured only (MLX's own knobs: not in PICK,
     # whose switches also reach mlx-lm in the rounds).
+    # A one-batch dense product against a [1, K, N] weight view: one node
+    # where MLX's matmul folds a [1, T, K] input to 2-D and back (three).
+    "batch1-matmul": ({"MLX_LFM_BATCH1_MATMUL": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
     "graph-ops-64": ({"MLX_MAX_OPS_PER_BUFFER": "64"}, ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "graph-ops-200": ({"MLX_MAX_OPS_PER_BUFFER": "200"}, ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "no-cuda-graphs": ({"MLX_USE_CUDA_GRAPHS": "0"}, ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
@@ -633,6 +636,7 @@ AB_TESTS = {
     "quant-norm-kernels": ["quant_gemv_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops", GREEDY],
     "norm-kernel-all-rows": ["add_rms_norm_kernel_matches_stock_ops"],
     "qk-norm-rope-kernel": ["qk_norm_rope_kernel_matches_stock_ops", GREEDY],
+    "batch1-matmul": [GREEDY],
     "router-gate-kernel": ["moe_router_gate_kernel_matches_stock_ops", GREEDY],
 }
 # Groups of variants of which `pick` adopts at most one: (variants, the
@@ -642,6 +646,7 @@ PICK = [
     (["qgemv-kernel", "quant-norm-kernels"], "decode"),
     (["router-gate-kernel"], "decode"),
     (["qk-norm-rope-kernel"], "decode"),
+    (["batch1-matmul"], "decode"),
     (["norm-kernel-all-rows"], "prefill"),
     (["moe-dequant-from-16-rows", "moe-dequant-from-64-rows"], "prefill"),
 ]

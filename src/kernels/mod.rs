@@ -37,7 +37,7 @@ pub fn with_opt_in<R>(f: impl FnOnce() -> R) -> R {
 /// Whether an opt-in kernel is on: `var=1`, read once into `cell`, or a
 /// test's [`with_opt_in`]. Kernels stay opt-in until their A/B on the GPU
 /// they were written for says they win (`bench/h200/run.py ab`).
-fn opt_in(var: &str, cell: &OnceLock<bool>) -> bool {
+pub(crate) fn opt_in(var: &str, cell: &OnceLock<bool>) -> bool {
     FORCED.with(|c| c.get())
         || FORCED_ONE.with(|c| c.get() == Some(var))
         || *cell.get_or_init(|| std::env::var(var).ok().as_deref() == Some("1"))

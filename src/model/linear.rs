@@ -224,7 +224,7 @@ impl Weight {
     pub fn apply_cached(&self, x: &Array, wt: &Transposed) -> Result<Array> {
         match self {
             Weight::Dense(w) if crate::kernels::gemv::available(x, w) => crate::kernels::gemv::gemv(x, w),
-            Weight::Dense(w) => x.matmul(&wt.of(w)?),
+            Weight::Dense(w) => wt.product(x, w),
             Weight::Quant(q) if crate::kernels::quant_gemv::available(x, q) => crate::kernels::quant_gemv::qgemv(x, q),
             Weight::Quant(q) => mlx::quantized_matmul(x, &q.weight, &q.scales, q.biases.as_ref(), true, q.spec),
         }
@@ -255,22 +255,53 @@ impl Weight {
 /// MLX encodes every node of a step on the host, and on CUDA that host
 /// work, not the GPU, bounds the decode rate (src/generate/timing.rs).
 #[derive(Clone, Default)]
-pub struct Transposed(std::cell::OnceCell<Array>);
+pub struct Transposed {
+    t: std::cell::OnceCell<Array>,
+    /// `w.T` as `[1, in, out]` (see [`Transposed::product`]).
+    batch1: std::cell::OnceCell<Array>,
+}
+
+/// An evaluated view made once (see [`Transposed`]).
+fn cached_view(cell: &std::cell::OnceCell<Array>, make: impl FnOnce() -> Result<Array>) -> Result<Array> {
+    if let Some(t) = cell.get() {
+        return Ok(t.clone());
+    }
+    let t = make()?;
+    // Evaluated, the view is a leaf of any later graph. (Inside a function
+    // transformation it cannot be evaluated, and stays a node of that
+    // graph; the first use is a prefill, outside any.)
+    if mlx::eval(&[&t]).is_ok() {
+        let _ = cell.set(t.clone());
+    }
+    Ok(t)
+}
+
+/// Opt-in (`MLX_LFM_BATCH1_MATMUL=1`, or a kernel test's `with_opt_in`):
+/// see [`Transposed::product`].
+fn batch1_matmul() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    crate::kernels::opt_in("MLX_LFM_BATCH1_MATMUL", &ON)
+}
 
 impl Transposed {
     /// `w.T` (`w` `[.., out, in]`), from the cache after its first use.
     pub fn of(&self, w: &Array) -> Result<Array> {
-        if let Some(t) = self.0.get() {
-            return Ok(t.clone());
+        cached_view(&self.t, || w.t())
+    }
+
+    /// `x @ w.T` for a dense 2-D `w`. MLX's matmul folds a `[B, T, in]`
+    /// input against a 2-D weight to `[B*T, in]` and back, two nodes more
+    /// than the product; with the opt-in switch on, a one-batch input
+    /// (every single-sequence step and prefill) meets the weight as a
+    /// `[1, in, out]` view instead, a batched product of one that MLX
+    /// builds as one node. (Whether MLX's CUDA backend runs that as fast
+    /// as the 2-D product is for the H200's A/B to say: `batch1-matmul`.)
+    pub fn product(&self, x: &Array, w: &Array) -> Result<Array> {
+        if x.ndim() == 3 && x.dim(0) == 1 && w.ndim() == 2 && batch1_matmul() {
+            let w3 = cached_view(&self.batch1, || self.of(w)?.expand_dims(0))?;
+            return x.matmul(&w3);
         }
-        let t = w.t()?;
-        // Evaluated, the view is a leaf of any later graph. (Inside a
-        // function transformation it cannot be evaluated, and stays a node
-        // of that graph; the first use is a prefill, outside any.)
-        if mlx::eval(&[&t]).is_ok() {
-            let _ = self.0.set(t.clone());
-        }
-        Ok(t)
+        x.matmul(&self.of(w)?)
     }
 }
 
@@ -616,6 +647,26 @@ mod tests {
             let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
             assert!(worst <= 1e-5, "bias {}: {worst} from x @ w.T", bias.is_some());
         }
+        // With the one-batch product on (opt-in): one node for a [1, T, K]
+        // input, the same values; inputs of more batches fold as before.
+        crate::kernels::with_opt_in(|| {
+            let lin = Linear::new(Weight::Dense(w.clone()), None);
+            for x3 in [x.reshape(&[1, 3, 64]).unwrap(), x.reshape(&[3, 1, 64]).unwrap()] {
+                mlx::eval(&[&lin.forward(&x3).unwrap()]).unwrap();
+                let y = lin.forward(&x3).unwrap();
+                let ops = mlx::graph_ops(&[&y]).unwrap();
+                let want = x3.matmul(&w.t().unwrap()).unwrap();
+                assert_eq!(y.shape(), want.shape());
+                let (got, want): (Vec<f32>, Vec<f32>) = (y.to_vec().unwrap(), want.to_vec().unwrap());
+                let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                assert!(worst <= 1e-5, "{:?}: {worst} from x @ w.T", x3.shape());
+                if x3.dim(0) == 1 {
+                    assert_eq!(ops, vec![("Matmul".to_string(), 1)], "{:?}", x3.shape());
+                } else {
+                    assert!(ops.iter().any(|(n, _)| n == "Flatten"), "{:?}: {ops:?}", x3.shape());
+                }
+            }
+        });
         // The count itself: a fresh projection's graph has the transpose.
         let fresh = x.matmul(&w.t().unwrap()).unwrap();
         let ops = mlx::graph_ops(&[&fresh]).unwrap();
