@@ -621,6 +621,13 @@ AB = {
     # A one-batch dense product against a [1, K, N] weight view: one node
     # where MLX's matmul folds a [1, T, K] input to 2-D and back (three).
     "batch1-matmul": ({"MLX_LFM_BATCH1_MATMUL": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
+    # Every opt-in cut of a step's nodes at once, measured only (the greedy
+    # test saw the opt-in kernels together depart from the stock tokens at
+    # step 32 in session 11): what the host saves when they add up.
+    "dense-all": ({"MLX_LFM_GEMV_KERNEL": "1", "MLX_LFM_NORM_GEMV_KERNEL": "1", "MLX_LFM_QK_NORM_ROPE_KERNEL": "1",
+                   "MLX_LFM_BATCH1_MATMUL": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
+    "moe-all": ({"MLX_LFM_QGEMV_KERNEL": "1", "MLX_LFM_NORM_GEMV_KERNEL": "1", "MLX_LFM_QK_NORM_ROPE_KERNEL": "1",
+                 "MLX_LFM_ROUTER_GATE_KERNEL": "1"}, ["lfm2-8b-a1b-q4"]),
     "graph-ops-64": ({"MLX_MAX_OPS_PER_BUFFER": "64"}, ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "graph-ops-200": ({"MLX_MAX_OPS_PER_BUFFER": "200"}, ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "no-cuda-graphs": ({"MLX_USE_CUDA_GRAPHS": "0"}, ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
