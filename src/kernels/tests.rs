@@ -312,7 +312,7 @@ fn greedy_tokens_with_kernels_equal_stock_ops() {
                 if preset == Preset::TinyMoe && q4 {
                     // The opt-in kernels a quantized MoE layer runs, each
                     // alone: a departure of the set names its kernel.
-                    for var in ["MLX_LFM_ROUTER_GATE_KERNEL"] {
+                    for var in ["MLX_LFM_ROUTER_GATE_KERNEL", "MLX_LFM_QGEMV_KERNEL", "MLX_LFM_NORM_GEMV_KERNEL", "MLX_LFM_QK_NORM_ROPE_KERNEL"] {
                         runs.push((var, crate::kernels::with_opt_in_one(var, || run(Some(&stock))).0));
                     }
                 }
