@@ -7,11 +7,10 @@
 //! By the H200 profile MLX's `gemv_single` is 60% of the 1.2B's decode GPU
 //! time, at ~3 TB/s.
 //!
-//! Opt-in (`MLX_LFM_GEMV_KERNEL=1`) until its A/B on the H200 says it wins
-//! (`bench/h200/run.py ab`); its tests are in `src/kernels/tests.rs`. The
-//! version of 2026-12-02 (16-byte runs, within a rounding of MLX's) read
-//! 2.55-2.73 TB/s there and decoded 1.03x the defaults; this one has not
-//! run on a GPU yet.
+//! On CUDA by default for weights of at most 24 MiB, where it wins
+//! ([`serves_weight`]: the 350M's projections, not the 1.2B's larger ones);
+//! `MLX_LFM_GEMV_KERNEL=1` takes every weight, `=0` none. Its tests are in
+//! `src/kernels/tests.rs`.
 
 use crate::error::{Error, Result};
 use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
@@ -237,16 +236,34 @@ fn swiglu_kernel() -> Option<&'static CudaKernel> {
     K.get_or_init(|| CudaKernel::new("lfm_gemv_swiglu", &["x", "w"], &["y"], SWIGLU_SOURCE, &header()).ok()).as_ref()
 }
 
-fn enabled() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    super::opt_in("MLX_LFM_GEMV_KERNEL", &ON)
+/// Whether the dense GEMV kernels take the weight `w`: `MLX_LFM_GEMV_KERNEL=1`
+/// for every weight, `=0` for none; unset, the weights of at most
+/// [`default_max_bytes`]. On the H200 (bench/results/2026-12-03-h200-session12.*,
+/// call 5) the kernels with the norm fold decoded the 350M (projections of
+/// at most 18 MiB) 1.22x faster than MLX's GEMV, since they take a third of
+/// its step's nodes off the host, and the 1.2B (up to 64 MiB) 0.83x: there
+/// the step is bound by the GPU, where the kernels read the larger weights
+/// more slowly than MLX's `gemv_single`.
+pub(crate) fn serves_weight(w: &Array) -> bool {
+    static ON: OnceLock<Option<bool>> = OnceLock::new();
+    super::switch("MLX_LFM_GEMV_KERNEL", &ON).unwrap_or_else(|| w.nbytes() <= default_max_bytes())
 }
 
-/// Whether the kernel serves `x @ w.T`: on, on CUDA, float `x` and `w` of one
+/// The largest dense weight the GEMV kernels take by default:
+/// `MLX_LFM_GEMV_KERNEL_MAX_MB` MiB (an A/B's knob), else 24 MiB.
+pub(crate) fn default_max_bytes() -> usize {
+    static MAX: OnceLock<usize> = OnceLock::new();
+    *MAX.get_or_init(|| {
+        let mb = std::env::var("MLX_LFM_GEMV_KERNEL_MAX_MB").ok().and_then(|v| v.trim().parse::<usize>().ok());
+        mb.filter(|&m| m <= 1 << 20).unwrap_or(24) << 20
+    })
+}
+
+/// Whether the kernel serves `x @ w.T`: on for `w` ([`serves_weight`]), on CUDA, float `x` and `w` of one
 /// dtype, `w` 2-D `[N, K]` with K a multiple of 8 (whole 16-byte loads) and
 /// at most 16,384, `x` `[.., K]` with 1 to [`MAX_ROWS`] rows.
 pub fn available(x: &Array, w: &Array) -> bool {
-    if !enabled() || !cuda_kernels_enabled() {
+    if !cuda_kernels_enabled() || !serves_weight(w) {
         return false;
     }
     let dt = x.dtype();

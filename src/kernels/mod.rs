@@ -50,6 +50,21 @@ fn opt_out(var: &str, cell: &OnceLock<bool>) -> bool {
     *cell.get_or_init(|| std::env::var(var).ok().as_deref() != Some("0"))
 }
 
+/// A switch whose default depends on the operands: `Some(true)` where
+/// `var=1` or a test turned it on ([`with_opt_in`], [`with_opt_in_one`]),
+/// `Some(false)` where `var=0`, `None` (read once into `cell`) where the
+/// variable is unset and the caller's own rule decides.
+pub(crate) fn switch(var: &str, cell: &OnceLock<Option<bool>>) -> Option<bool> {
+    if FORCED.with(|c| c.get()) || FORCED_ONE.with(|c| c.get() == Some(var)) {
+        return Some(true);
+    }
+    *cell.get_or_init(|| match std::env::var(var).ok().as_deref() {
+        Some("1") => Some(true),
+        Some("0") => Some(false),
+        _ => None,
+    })
+}
+
 /// Runs `f` with the one opt-in kernel that `var` switches on on this
 /// thread (a test that must tell which opt-in kernel departs).
 pub fn with_opt_in_one<R>(var: &'static str, f: impl FnOnce() -> R) -> R {

@@ -10,8 +10,10 @@
 //! projection (attention's qkv, the conv's in_proj, a dense MLP's w1/w3) is
 //! folded into that projection's launch.
 //!
-//! Opt-in (`MLX_LFM_NORM_GEMV_KERNEL=1`) until its A/B on the H200 says it
-//! wins; tests in src/kernels/tests.rs.
+//! On CUDA by default for the dense weights the GEMV kernels take by
+//! default (src/kernels/gemv.rs, `serves_weight`); opt-in for quantized
+//! ones (`MLX_LFM_NORM_GEMV_KERNEL=1` with the quantized GEMV's switch);
+//! `=0` turns the fold off. Tests in src/kernels/tests.rs.
 
 use super::quant_gemv::{quant_template, spec_served, warp_grid, THREADS};
 use crate::error::{Error, Result};
@@ -102,9 +104,18 @@ fn quant_kernel() -> Option<&'static CudaKernel> {
     K.get_or_init(|| make("lfm_norm_qgemv", &["h", "r", "wn", "eps", "w", "scales", "biases"], QUANT_SOURCE, true)).as_ref()
 }
 
-fn enabled() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    super::opt_in("MLX_LFM_NORM_GEMV_KERNEL", &ON)
+/// `MLX_LFM_NORM_GEMV_KERNEL`: `Some(true)` at `=1`, `Some(false)` at `=0`,
+/// None unset.
+fn switched() -> Option<bool> {
+    static ON: OnceLock<Option<bool>> = OnceLock::new();
+    super::switch("MLX_LFM_NORM_GEMV_KERNEL", &ON)
+}
+
+/// Whether the fold takes the dense `w`: as the dense GEMV kernels do
+/// ([`super::gemv::serves_weight`]: unset, the weights of at most 24 MiB),
+/// unless `MLX_LFM_NORM_GEMV_KERNEL` says otherwise.
+fn serves_dense(w: &Array) -> bool {
+    switched().unwrap_or_else(|| super::gemv::serves_weight(w))
 }
 
 /// `rms_norm(h + r) * wn` for the fused kernels: `h` and `r` `[.., K]` of
@@ -117,12 +128,12 @@ pub struct NormIn<'a> {
 }
 
 impl NormIn<'_> {
-    /// `(K, rows)` where the kernels serve these operands: on, on CUDA, one
+    /// `(K, rows)` where the kernels serve these operands: on CUDA, one
     /// float dtype, 1 to [`MAX_ROWS`] rows, K a multiple of 8 and at most
     /// 16,384, the rows fitting in shared memory.
     fn served(&self) -> Option<(i32, usize)> {
         let (h, dt) = (self.h, self.h.dtype());
-        if !enabled() || !cuda_kernels_enabled() || h.ndim() < 1 {
+        if !cuda_kernels_enabled() || h.ndim() < 1 {
             return None;
         }
         let k = h.dim(-1);
@@ -145,7 +156,8 @@ impl NormIn<'_> {
 
 /// Whether [`norm_gemv`] serves `n` and the dense `[N, K]` `w`.
 pub fn dense_available(n: &NormIn, w: &Array) -> bool {
-    n.served().is_some_and(|(k, _)| w.dtype() == n.h.dtype() && w.ndim() == 2 && w.dim(1) == k && w.dim(0) > 0)
+    serves_dense(w)
+        && n.served().is_some_and(|(k, _)| w.dtype() == n.h.dtype() && w.ndim() == 2 && w.dim(1) == k && w.dim(0) > 0)
         && dense_kernel().is_some()
 }
 
@@ -156,9 +168,9 @@ pub fn swiglu_available(n: &NormIn, w: &Array) -> bool {
 
 /// Whether [`norm_qgemv`] serves `n` and the quantized `[N, K * bits / 32]`
 /// `q` (the quantized GEMV's switch must be on too: it rounds as that
-/// kernel does).
+/// kernel does; the fold is opt-in for quantized weights).
 pub fn quant_available(n: &NormIn, q: &Quantized) -> bool {
-    super::quant_gemv::switched_on() && n.served().is_some_and(|(k, _)| {
+    switched() == Some(true) && super::quant_gemv::switched_on() && n.served().is_some_and(|(k, _)| {
         spec_served(q, n.h.dtype(), k)
             && q.weight.ndim() == 2
             && q.weight.dim(0) > 0

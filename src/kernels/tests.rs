@@ -542,7 +542,7 @@ fn worst_scaled(got: &crate::mlx::Array, want: &crate::mlx::Array) -> f32 {
 /// A quantized kernel's output against the stock ops': both against the
 /// exact float32 product over the same weights ([`exact_weights`]), the
 /// kernel's error at most the stock ops' (with 25% and a float32 rounding to
-/// spare) and at most `tol`. MLX's 4-bit kernels accumulate in bf16 and
+/// spare) or within one rounding of the output's dtype, and at most `tol`. MLX's 4-bit kernels accumulate in bf16 and
 /// ours in float32, so they do not round alike (src/kernels/quant_gemv.rs):
 /// how far apart the two are is MLX's error more than ours, and is printed.
 fn check_against_reference(what: &str, got: &crate::mlx::Array, stock: &crate::mlx::Array, reference: &crate::mlx::Array, tol: f32) {
@@ -561,7 +561,16 @@ fn check_measured(
     assert_eq!(got.shape(), stock.shape(), "{what}");
     let (ek, es) = (measure(got, reference), measure(stock, reference));
     eprintln!("{what}: kernel {ek}, stock ops {es} from the exact product; {} apart", measure(got, stock));
-    assert!(ek <= 1.25 * es + 1e-5, "{what}: {ek} from the exact product, the stock ops {es}");
+    // Within one rounding of the output's dtype (its unit roundoff) the
+    // error says nothing of the kernel: the H200 saw float16 gate/up values
+    // 3.7e-4 from the exact product where the stock ops' happened to be
+    // 2.5e-4 (2026-12-03), both under float16's 4.9e-4.
+    let roundoff = match got.dtype() {
+        Dtype::Float16 => 2f32.powi(-11),
+        Dtype::Bfloat16 => 2f32.powi(-8),
+        _ => 0.0,
+    };
+    assert!(ek <= (1.25 * es).max(roundoff) + 1e-5, "{what}: {ek} from the exact product, the stock ops {es}");
     assert!(ek <= tol, "{what}: {ek} from the exact product, over {tol}");
 }
 
