@@ -629,13 +629,12 @@ AB = {
     "moe-all": ({"MLX_LFM_QGEMV_KERNEL": "1", "MLX_LFM_NORM_GEMV_KERNEL": "1", "MLX_LFM_QK_NORM_ROPE_KERNEL": "1",
                  "MLX_LFM_ROUTER_GATE_KERNEL": "1"}, ["lfm2-8b-a1b-q4"]),
     # The dense GEMV kernels (with the norm fold) are defaults on CUDA for
-    # weights of at most 24 MiB since session 12: off (the stock GEMVs), for
-    # every weight up to 256 MiB (the 350M's tied head too), for at most
-    # 12 MiB (the 1.2B's o_proj/out_proj and qkv alone); and the defaults
-    # with the q/k norm + RoPE kernel and the one-batch matmul.
+    # inputs at most 1024 wide since session 12 (the 350M's projections):
+    # off (the stock GEMVs), and on up to K = 2048 (the 1.2B's but w2);
+    # and the defaults with the q/k norm + RoPE kernel and the one-batch
+    # matmul.
     "gemv-off": ({"MLX_LFM_GEMV_KERNEL": "0", "MLX_LFM_NORM_GEMV_KERNEL": "0"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
-    "gemv-max-256": ({"MLX_LFM_GEMV_KERNEL_MAX_MB": "256"}, ["lfm2-350m-bf16"]),
-    "gemv-max-12": ({"MLX_LFM_GEMV_KERNEL_MAX_MB": "12"}, ["lfm2-1.2b-bf16"]),
+    "gemv-max-k-2048": ({"MLX_LFM_GEMV_KERNEL_MAX_K": "2048"}, ["lfm2-1.2b-bf16"]),
     "auto-qk-batch1": ({"MLX_LFM_QK_NORM_ROPE_KERNEL": "1", "MLX_LFM_BATCH1_MATMUL": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
     "graph-ops-64": ({"MLX_MAX_OPS_PER_BUFFER": "64"}, ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "graph-ops-200": ({"MLX_MAX_OPS_PER_BUFFER": "200"}, ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),

@@ -7,8 +7,8 @@
 //! By the H200 profile MLX's `gemv_single` is 60% of the 1.2B's decode GPU
 //! time, at ~3 TB/s.
 //!
-//! On CUDA by default for weights of at most 24 MiB, where it wins
-//! ([`serves_weight`]: the 350M's projections, not the 1.2B's larger ones);
+//! On CUDA by default for inputs at most 1024 wide, where it wins
+//! ([`serves_weight`]: the 350M's projections, none of the 1.2B's);
 //! `MLX_LFM_GEMV_KERNEL=1` takes every weight, `=0` none. Its tests are in
 //! `src/kernels/tests.rs`.
 
@@ -236,26 +236,27 @@ fn swiglu_kernel() -> Option<&'static CudaKernel> {
     K.get_or_init(|| CudaKernel::new("lfm_gemv_swiglu", &["x", "w"], &["y"], SWIGLU_SOURCE, &header()).ok()).as_ref()
 }
 
-/// Whether the dense GEMV kernels take the weight `w`: `MLX_LFM_GEMV_KERNEL=1`
-/// for every weight, `=0` for none; unset, the weights of at most
-/// [`default_max_bytes`]. On the H200 (bench/results/2026-12-03-h200-session12.*,
-/// call 5) the kernels with the norm fold decoded the 350M (projections of
-/// at most 18 MiB) 1.22x faster than MLX's GEMV, since they take a third of
-/// its step's nodes off the host, and the 1.2B (up to 64 MiB) 0.83x: there
-/// the step is bound by the GPU, where the kernels read the larger weights
-/// more slowly than MLX's `gemv_single`.
+/// Whether the dense GEMV kernels take the `[N, K]` weight `w`:
+/// `MLX_LFM_GEMV_KERNEL=1` for every weight, `=0` for none; unset, weights
+/// at most [`default_max_k`] wide. On the H200 (bench/results/2026-12-03-h200-session12.*)
+/// the kernels with the norm fold on every weight decoded the 350M (K =
+/// 1024 but for w2) 1.22x faster than MLX's GEMVs, taking a third of its
+/// step's nodes off the host (call 5), and the 1.2B (K = 2048 and 8192)
+/// 0.83x: there the step is bound by the GPU, where the kernels read those
+/// rows more slowly than MLX's `gemv_single`; on the 1.2B's weights of at
+/// most 24 MiB alone they still lost (call 8).
 pub(crate) fn serves_weight(w: &Array) -> bool {
     static ON: OnceLock<Option<bool>> = OnceLock::new();
-    super::switch("MLX_LFM_GEMV_KERNEL", &ON).unwrap_or_else(|| w.nbytes() <= default_max_bytes())
+    super::switch("MLX_LFM_GEMV_KERNEL", &ON).unwrap_or_else(|| w.ndim() == 2 && w.dim(1) as usize <= default_max_k())
 }
 
-/// The largest dense weight the GEMV kernels take by default:
-/// `MLX_LFM_GEMV_KERNEL_MAX_MB` MiB (an A/B's knob), else 24 MiB.
-pub(crate) fn default_max_bytes() -> usize {
+/// The widest input (K) the GEMV kernels take by default:
+/// `MLX_LFM_GEMV_KERNEL_MAX_K` (an A/B's knob), else 1024.
+pub(crate) fn default_max_k() -> usize {
     static MAX: OnceLock<usize> = OnceLock::new();
     *MAX.get_or_init(|| {
-        let mb = std::env::var("MLX_LFM_GEMV_KERNEL_MAX_MB").ok().and_then(|v| v.trim().parse::<usize>().ok());
-        mb.filter(|&m| m <= 1 << 20).unwrap_or(24) << 20
+        let k = std::env::var("MLX_LFM_GEMV_KERNEL_MAX_K").ok().and_then(|v| v.trim().parse::<usize>().ok());
+        k.filter(|&k| k <= 1 << 20).unwrap_or(1024)
     })
 }
 

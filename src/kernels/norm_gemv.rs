@@ -112,7 +112,7 @@ fn switched() -> Option<bool> {
 }
 
 /// Whether the fold takes the dense `w`: as the dense GEMV kernels do
-/// ([`super::gemv::serves_weight`]: unset, the weights of at most 24 MiB),
+/// ([`super::gemv::serves_weight`]: unset, inputs at most 1024 wide),
 /// unless `MLX_LFM_NORM_GEMV_KERNEL` says otherwise.
 fn serves_dense(w: &Array) -> bool {
     switched().unwrap_or_else(|| super::gemv::serves_weight(w))

@@ -313,6 +313,15 @@ impl Mlp {
     }
 }
 
+/// Layers a prompt's pass builds before it hands them to MLX to run
+/// (`MLX_LFM_PREFILL_OVERLAP=N`; 0 or unset: the whole pass at once).
+fn prefill_overlap_layers() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| {
+        std::env::var("MLX_LFM_PREFILL_OVERLAP").ok().and_then(|v| v.trim().parse::<usize>().ok()).filter(|&n| n <= 1024).unwrap_or(0)
+    })
+}
+
 pub enum Operator {
     Attention(Attention),
     Conv(ShortConv),
@@ -467,11 +476,18 @@ impl Lfm2Model {
         // it, so every residual add meets the norm that follows it.
         let mut pending: Option<Array> = None;
         let eps_array = &self.norm_eps;
+        // A prompt's pass (never a traced decode step: one token) hands MLX
+        // its layers as it builds them, so the device runs the first layers
+        // while the host builds the rest.
+        let overlap = if ids.dim(1) > 1 { prefill_overlap_layers() } else { 0 };
         for (i, layer) in self.layers.iter().enumerate() {
             let x = Normed { h: &h, r: pending.as_ref(), w: &layer.operator_norm, eps, eps_array };
             let (h1, r) = layer.operator(&x, i, cache)?;
             let x = Normed { h: &h1, r: Some(&r), w: &layer.ffn_norm, eps, eps_array };
             let (h2, f) = layer.feed_forward(&x)?;
+            if overlap > 0 && (i + 1) % overlap == 0 && i + 1 < self.layers.len() {
+                mlx::async_eval(&[&h2, &f])?;
+            }
             pending = Some(f);
             h = h2;
         }
