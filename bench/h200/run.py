@@ -636,6 +636,11 @@ AB = {
     "gemv-off": ({"MLX_LFM_GEMV_KERNEL": "0", "MLX_LFM_NORM_GEMV_KERNEL": "0"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
     "gemv-max-k-2048": ({"MLX_LFM_GEMV_KERNEL_MAX_K": "2048"}, ["lfm2-1.2b-bf16"]),
     "auto-qk-batch1": ({"MLX_LFM_QK_NORM_ROPE_KERNEL": "1", "MLX_LFM_BATCH1_MATMUL": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
+    # A prompt's pass handed to MLX every N layers as it is built, so the
+    # GPU runs the first layers while the host builds the rest (a prefill
+    # is eager: its build does not overlap the GPU otherwise).
+    "prefill-overlap-2": ({"MLX_LFM_PREFILL_OVERLAP": "2"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    "prefill-overlap-4": ({"MLX_LFM_PREFILL_OVERLAP": "4"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "graph-ops-64": ({"MLX_MAX_OPS_PER_BUFFER": "64"}, ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "graph-ops-200": ({"MLX_MAX_OPS_PER_BUFFER": "200"}, ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "no-cuda-graphs": ({"MLX_USE_CUDA_GRAPHS": "0"}, ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
@@ -664,6 +669,7 @@ PICK = [
     (["batch1-matmul"], "decode"),
     (["norm-kernel-all-rows"], "prefill"),
     (["moe-dequant-from-16-rows", "moe-dequant-from-64-rows"], "prefill"),
+    (["prefill-overlap-2", "prefill-overlap-4"], "prefill"),
 ]
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).

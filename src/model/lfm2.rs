@@ -313,8 +313,7 @@ impl Mlp {
     }
 }
 
-/// Layers a prompt's pass builds before it hands them to MLX to run
-/// (`MLX_LFM_PREFILL_OVERLAP=N`; 0 or unset: the whole pass at once).
+/// `MLX_LFM_PREFILL_OVERLAP` (0 when unset or out of range).
 fn prefill_overlap_layers() -> usize {
     static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *N.get_or_init(|| {
@@ -393,6 +392,9 @@ pub struct Lfm2Model {
     /// its layers hold only their heads, channels and expert widths, and
     /// its caches only those heads' K/V and those channels' conv state.
     pub shard: Option<Shard>,
+    /// Layers a prompt's pass builds before it hands them to MLX to run
+    /// (`MLX_LFM_PREFILL_OVERLAP=N`; 0: the whole pass at once).
+    pub prefill_overlap: usize,
 }
 
 impl Lfm2Model {
@@ -462,6 +464,7 @@ impl Lfm2Model {
             norm_eps,
             paged: None,
             shard,
+            prefill_overlap: prefill_overlap_layers(),
         })
     }
 
@@ -479,7 +482,7 @@ impl Lfm2Model {
         // A prompt's pass (never a traced decode step: one token) hands MLX
         // its layers as it builds them, so the device runs the first layers
         // while the host builds the rest.
-        let overlap = if ids.dim(1) > 1 { prefill_overlap_layers() } else { 0 };
+        let overlap = if ids.dim(1) > 1 { self.prefill_overlap } else { 0 };
         for (i, layer) in self.layers.iter().enumerate() {
             let x = Normed { h: &h, r: pending.as_ref(), w: &layer.operator_norm, eps, eps_array };
             let (h1, r) = layer.operator(&x, i, cache)?;

@@ -517,6 +517,33 @@ mod tests {
         }
     }
 
+    /// A prompt's pass handed to MLX every few layers as it is built
+    /// (`MLX_LFM_PREFILL_OVERLAP`) computes what the whole pass at once
+    /// computes, dense and MoE, one prompt and a batched prefill.
+    #[test]
+    fn prefill_overlap_changes_nothing() {
+        for preset in [Preset::Tiny, Preset::TinyMoe] {
+            let dir = std::env::temp_dir().join(format!("mlxlfm-overlap-{preset:?}-{}", std::process::id()));
+            fixture::generate(&FixtureSpec::new(preset), &dir).unwrap();
+            let mut m = load_model(&dir, &LoadOptions::default()).unwrap().model;
+            let prompt: Vec<u32> = (0..40).map(|i| (i * 13 + 3) % 500 + 1).collect();
+            let other: Vec<u32> = (0..23).map(|i| (i * 7 + 5) % 400 + 2).collect();
+            let mut run = |overlap: usize| -> (Vec<f32>, Vec<f32>) {
+                m.prefill_overlap = overlap;
+                let mut c = m.new_cache();
+                let one: Vec<f32> = prefill(&m, &mut c, &prompt, 16).unwrap().to_vec().unwrap();
+                let (mut a, mut b) = (m.new_cache(), m.new_cache());
+                let rows: Vec<f32> = m.prefill_rows(&[&prompt, &other], &mut [&mut a, &mut b]).unwrap().to_vec().unwrap();
+                (one, rows)
+            };
+            let want = run(0);
+            for n in [1, 3] {
+                assert_eq!(run(n), want, "{preset:?}: a prefill handed to MLX every {n} layers differs");
+            }
+            std::fs::remove_dir_all(&dir).ok();
+        }
+    }
+
     /// The host-grouped prefill (the GPU default) computes what MLX's sorted
     /// gather kernels compute.
     #[test]
