@@ -24,7 +24,7 @@ and .device/llama do not fit together; a call runs 10 minutes at most):
     4. carry [".device/bin"]:                H200_AB_TURNS=3 python3 bench/h200/run.py ab pick
        (H200_AB_VARIANTS=a,b times only those against the defaults: one turn of three
        samples moved ±20% on 2026-12-02, so fewer variants and more turns)
-    5. carry [".device/bin"]:                python3 bench/h200/run.py step-ops round 1 round 2
+    5. carry [".device/bin"]:                python3 bench/h200/run.py step-ops dispatch-cost round 1 round 2
     6. carry [".device/bin"]:                python3 bench/h200/run.py profile new-lengths
 Issue each call the moment the last returns, and read its results after
 the next has started: a machine idle for 30 s is given back, with /tmp (on
@@ -42,7 +42,8 @@ measure what ships. (`profile-prefill` profiles a 512-token prefill the
 same way; `profile-kernels` records ncu's detail sections for the kernels
 H200_NCU_KERNELS matches; `ab-binaries` times .device/prev/mlx-lfm-bench-prev, a build of
 the previous commit, against this one; `constrained` times constrained
-against free decode; `new-lengths` times the first prefill at new prompt
+against free decode; `dispatch-cost` what a node of each kind costs the
+host; `new-lengths` times the first prefill at new prompt
 lengths.)
 Each call leaves raw.jsonl (every measurement, tagged) and its logs (logs.tgz) in $OUT.
 Back here:
@@ -520,6 +521,18 @@ def step_ops():
                     record(engine="step-ops", model=name, variant=variant, **j)
 
 
+def dispatch_cost():
+    """What one node of each kind costs the host on this machine
+    (`mlx-lfm-bench --dispatch-cost`: chains of 200 adds, views, GEMVs,
+    4-bit GEMVs, RMSNorms and custom kernels; µs per node to build, to
+    dispatch, to wait for). No checkpoint needed."""
+    r = sh([BENCH, "--dispatch-cost", "--device", "gpu", "--reps", "5"], "dispatch-cost", check=False)
+    for line in r.stdout.splitlines():
+        j = json.loads(line)
+        if "dispatch_cost" in j:
+            record(engine="dispatch-cost", **j)
+
+
 def constrained():
     """Constrained (a JSON schema, a regex) against free decode on this GPU,
     alone and 4 batched (`mlx-lfm-bench --constrained`)."""
@@ -846,6 +859,9 @@ def main():
             elif a == "step-ops":
                 install()
                 step_ops()
+            elif a == "dispatch-cost":
+                install()
+                dispatch_cost()
             elif a == "new-lengths":
                 install()
                 new_lengths()

@@ -19,6 +19,10 @@
 //!     TTFT of N prompts of lengths never seen before (512, 513, ...) against
 //!     the same N prompts' first length again (every shape seen): what a
 //!     server pays per new prompt length for the backend's per-shape setup.
+//!   mlx-lfm-bench --dispatch-cost [--device gpu] [--reps 5]
+//!     no model: what one node of each kind costs the host (chains of 200
+//!     adds, views, GEMVs, 4-bit GEMVs, RMSNorms and, on CUDA, custom
+//!     kernels, each built, handed to MLX and waited for; µs per node).
 //!   mlx-lfm-bench --tensor-parallel N [--backend ring] [any of the above]
 //!     the same measurement with the model split over N ranks: N local
 //!     processes of this binary joined by MLX's `ring` backend over
@@ -74,6 +78,7 @@ const FLAGS: &[(&str, bool)] = &[
     ("--batch", true),
     ("--new-lengths", true),
     ("--step-ops", false),
+    ("--dispatch-cost", false),
     ("--tensor-parallel", true),
     ("--backend", true),
     ("--turns", true),
@@ -121,6 +126,9 @@ fn run() -> mlx_lfm::Result<()> {
     };
     if let Some(d) = device {
         runtime::set_default_device(d)?;
+    }
+    if args.iter().any(|a| a == "--dispatch-cost") {
+        return dispatch_cost(arg(&args, "--reps").map(|s| s.parse().expect("--reps")).unwrap_or(5));
     }
     let dir = match arg(&args, "--model") {
         Some(m) => PathBuf::from(m),
@@ -880,5 +888,94 @@ fn disk_admission(
             "device": runtime::device_name(), "summary": summary, "rows": rows})
     );
     std::fs::remove_dir_all(&cache).ok();
+    Ok(())
+}
+
+/// The host's cost of one node by kind: a chain of `N` nodes of one kind
+/// on a one-row activation (what a decode step's nodes are), timed while
+/// built, while MLX encodes and launches it (`async_eval`) and while waited
+/// for; the median of `reps` chains, in µs per node. A decode step on the
+/// H200 is bound by the first two (src/generate/timing.rs), and how much
+/// each kind of node costs tells which nodes are worth fusing away.
+fn dispatch_cost(reps: usize) -> mlx_lfm::Result<()> {
+    use mlx_lfm::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
+    use mlx_lfm::mlx::{self, async_eval, random::normal, Array, Dtype, QuantMode, QuantSpec};
+    const N: usize = 200;
+    const K: i32 = 2048;
+    let bf = Dtype::Bfloat16;
+    let x0 = normal(&[1, 1, K], bf, 0.0, 1.0, None)?;
+    let w = normal(&[K, K], bf, 0.0, 1.0 / (K as f32).sqrt(), None)?;
+    // Held as the model holds a dense weight: its transpose, evaluated.
+    let wt = w.transpose(&[1, 0])?;
+    let spec = QuantSpec { mode: QuantMode::Affine, bits: 4, group_size: 64 };
+    let (qw, qs, qb) = mlx::quantize(&w, spec)?;
+    let norm_w = mlx::full(&[K], 1.0, bf)?;
+    let one = Array::scalar(1.0, bf)?;
+    let mut held = vec![&x0, &w, &wt, &qw, &qs, &norm_w, &one];
+    if let Some(b) = &qb {
+        held.push(b);
+    }
+    mlx::eval(&held)?;
+    let add_one = if cuda_kernels_enabled() {
+        Some(CudaKernel::new(
+            "lfm_bench_add_one",
+            &["x"],
+            &["y"],
+            "const int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < x_shape[x_ndim - 1]) y[i] = x[i] + T(1.0f);",
+            "",
+        )?)
+    } else {
+        None
+    };
+    type Node<'a> = Box<dyn Fn(&Array) -> mlx_lfm::Result<Array> + 'a>;
+    let mut kinds: Vec<(&str, Node)> = vec![
+        ("add", Box::new(|x: &Array| x.add(&one))),
+        ("reshape", Box::new(|x: &Array| x.reshape(&[1, K, 1])?.reshape(&[1, 1, K]))),
+        ("matmul", Box::new(|x: &Array| x.matmul(&wt))),
+        ("quantized_matmul", Box::new(|x: &Array| mlx::quantized_matmul(x, &qw, &qs, qb.as_ref(), true, spec))),
+        ("rms_norm", Box::new(|x: &Array| mlx::rms_norm(x, Some(&norm_w), 1e-5))),
+    ];
+    if let Some(k) = &add_one {
+        kinds.push((
+            "custom_kernel",
+            Box::new(move |x: &Array| {
+                let shape = x.shape();
+                let mut out = k.call(&[x], &[(&shape, x.dtype())], [K, 1, 1], [256, 1, 1], &[("T", TemplateArg::Dtype(x.dtype()))])?;
+                Ok(out.pop().expect("one output"))
+            }),
+        ));
+    }
+    for (name, node) in &kinds {
+        // The reshape pair is two nodes a link.
+        let per_link = if *name == "reshape" { 2.0 } else { 1.0 };
+        let mut samples: Vec<[f64; 3]> = Vec::new();
+        for rep in 0..reps + 1 {
+            let t0 = Instant::now();
+            let mut x = x0.clone();
+            for _ in 0..N {
+                x = node(&x)?;
+            }
+            let t1 = Instant::now();
+            async_eval(&[&x])?;
+            let t2 = Instant::now();
+            x.eval()?;
+            let t3 = Instant::now();
+            // The first chain meets each kernel's first launch (JIT, tuning).
+            if rep > 0 {
+                let us = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e6 / (N as f64 * per_link);
+                samples.push([us(t0, t1), us(t1, t2), us(t2, t3)]);
+            }
+        }
+        let med = |i: usize| {
+            let mut v: Vec<f64> = samples.iter().map(|s| s[i]).collect();
+            v.sort_by(|a, b| a.total_cmp(b));
+            (v[v.len() / 2] * 100.0).round() / 100.0
+        };
+        println!(
+            "{}",
+            serde_json::json!({"dispatch_cost": name, "nodes": N as f64 * per_link, "build_us": med(0), "dispatch_us": med(1),
+                "wait_us": med(2), "backend": runtime::backend().name()})
+        );
+    }
     Ok(())
 }
