@@ -57,6 +57,7 @@ llama-batched-bench's decode rate at 16 sequences.
 """
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -585,6 +586,14 @@ def kernels():
             parts = line.split()
             if len(parts) >= 4 and parts[0] == "test" and parts[2] == "...":
                 verdicts[parts[1].rsplit("::", 1)[-1]] = parts[3] == "ok"
+        # The greedy test's line per case and kernel set ("...: the
+        # MLX_LFM_QGEMV_KERNEL kernels passed; near-ties: [...]"): a set's
+        # verdict "greedy:<set>" holds where every case it ran passed.
+        for line in e.splitlines():
+            m = re.search(r": the (.+?) kernels (passed|FAILED)", line)
+            if m:
+                key = "greedy:" + m.group(1)
+                verdicts[key] = verdicts.get(key, True) and m.group(2) == "passed"
     skipped = "skipped" in err
     ok = bool(procs) and all(rc == 0 for rc in rcs) and not skipped
     record(engine="tests", suite="kernels::", passed=ok, verdicts=verdicts, skipped=skipped, tail=(out + err)[-3000:])
@@ -662,15 +671,16 @@ AB_IN_ROUNDS = ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]
 GREEDY = "greedy_tokens_with_kernels_equal_stock_ops"
 # The tests an opt-in variant needs passed before `pick` adopts it.
 AB_TESTS = {
-    "gemv-kernel": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops", GREEDY],
+    "gemv-kernel": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops", "greedy:default"],
     "gemv-norm-kernels": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops",
-                          "norm_gemv_kernels_match_stock_ops", GREEDY],
-    "qgemv-kernel": ["quant_gemv_kernel_matches_stock_ops", GREEDY],
-    "quant-norm-kernels": ["quant_gemv_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops", GREEDY],
+                          "norm_gemv_kernels_match_stock_ops", "greedy:default"],
+    "qgemv-kernel": ["quant_gemv_kernel_matches_stock_ops", "greedy:MLX_LFM_QGEMV_KERNEL"],
+    "quant-norm-kernels": ["quant_gemv_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops",
+                           "greedy:MLX_LFM_QGEMV_KERNEL", "greedy:every opt-in"],
     "norm-kernel-all-rows": ["add_rms_norm_kernel_matches_stock_ops"],
-    "qk-norm-rope-kernel": ["qk_norm_rope_kernel_matches_stock_ops", GREEDY],
-    "batch1-matmul": [GREEDY],
-    "router-gate-kernel": ["moe_router_gate_kernel_matches_stock_ops", GREEDY],
+    "qk-norm-rope-kernel": ["qk_norm_rope_kernel_matches_stock_ops", "greedy:MLX_LFM_QK_NORM_ROPE_KERNEL"],
+    "batch1-matmul": ["greedy:MLX_LFM_BATCH1_MATMUL"],
+    "router-gate-kernel": ["moe_router_gate_kernel_matches_stock_ops", "greedy:MLX_LFM_ROUTER_GATE_KERNEL"],
 }
 # Groups of variants of which `pick` adopts at most one: (variants, the
 # figure it must raise by 3% over "all" without the other falling 3%).

@@ -309,16 +309,24 @@ fn greedy_tokens_with_kernels_equal_stock_ops() {
                 }
                 let mut runs = vec![("default", run(Some(&stock)).0)];
                 runs.push(("every opt-in", crate::kernels::with_opt_in(|| run(Some(&stock))).0));
-                if preset == Preset::TinyMoe && q4 {
-                    // The opt-in kernels a quantized MoE layer runs, each
-                    // alone: a departure of the set names its kernel.
-                    for var in ["MLX_LFM_ROUTER_GATE_KERNEL", "MLX_LFM_QGEMV_KERNEL", "MLX_LFM_NORM_GEMV_KERNEL", "MLX_LFM_QK_NORM_ROPE_KERNEL"] {
-                        runs.push((var, crate::kernels::with_opt_in_one(var, || run(Some(&stock))).0));
+                // Each opt-in switch this case's weights meet, alone: a
+                // departure of the set names its kernel, and `run.py pick`
+                // adopts a switch only where its own runs passed (the
+                // "greedy:<switch>" verdicts it reads from these lines).
+                let alone: &[&'static str] = match (preset, q4) {
+                    (Preset::TinyMoe, true) => {
+                        &["MLX_LFM_ROUTER_GATE_KERNEL", "MLX_LFM_QGEMV_KERNEL", "MLX_LFM_NORM_GEMV_KERNEL", "MLX_LFM_QK_NORM_ROPE_KERNEL"]
                     }
+                    (_, true) => &["MLX_LFM_QGEMV_KERNEL", "MLX_LFM_NORM_GEMV_KERNEL", "MLX_LFM_QK_NORM_ROPE_KERNEL"],
+                    (_, false) => &["MLX_LFM_QK_NORM_ROPE_KERNEL", "MLX_LFM_BATCH1_MATMUL"],
+                };
+                for &var in alone {
+                    runs.push((var, crate::kernels::with_opt_in_one(var, || run(Some(&stock))).0));
                 }
                 for (kernels, got) in runs {
                     if let Some(i) = finite(&got) {
                         failures.push(format!("{what}: with the {kernels} kernels the logits are not finite at step {i}"));
+                        eprintln!("{what}: the {kernels} kernels FAILED: non-finite logits at step {i}");
                         continue;
                     }
                     let (mut departures, before) = (Vec::new(), failures.len());
