@@ -202,6 +202,14 @@ impl ShortConv {
     /// Conv layer `layer` on the pending norm `x`: `(its residual sum, the
     /// output)`; the conv state comes from and goes back to the cache.
     fn forward(&self, x: &Normed, layer: usize, cache: &mut dyn ForwardCache) -> Result<(Array, Array)> {
+        if crate::model::linear::split_products(x.h) {
+            // A prompt: B, C and x as three products, each contiguous.
+            let (s, y) = x.compute()?;
+            let parts = self.in_proj.forward_parts(&y, &[self.dim; 3])?;
+            let shape = ConvShape { batch: y.dim(0), keep: self.kernel - 1, dim: self.dim, dtype: y.dtype() };
+            let prev = cache.conv_state(layer, shape)?;
+            return Ok((s, self.conv_parts(&parts, &prev, layer, cache)?));
+        }
         let (s, bcx) = self.in_proj.forward_normed(x)?;
         Ok((s, self.conv(&bcx, layer, cache)?))
     }
@@ -221,8 +229,12 @@ impl ShortConv {
     }
 
     fn conv_stock(&self, bcx: &Array, prev: &Array, layer: usize, cache: &mut dyn ForwardCache) -> Result<Array> {
+        self.conv_parts(&bcx.split_equal(3, -1)?, prev, layer, cache)
+    }
+
+    /// The gated conv over in_proj's B, C and x blocks.
+    fn conv_parts(&self, parts: &[Array], prev: &Array, layer: usize, cache: &mut dyn ForwardCache) -> Result<Array> {
         let keep = self.kernel - 1;
-        let parts = bcx.split_equal(3, -1)?;
         let bx = parts[0].mul(&parts[2])?;
         let padded = concatenate(&[prev, &bx], 1)?;
         cache.conv_update(layer, &padded, keep)?;

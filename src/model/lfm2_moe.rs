@@ -544,6 +544,49 @@ mod tests {
         }
     }
 
+    /// A prompt's stacked projections run part by part
+    /// (`MLX_LFM_PREFILL_SPLIT`) compute what one product cut into views
+    /// computes: dense and MoE, float32 and 4-bit, one prompt (in chunks of
+    /// more than 32 rows and a last one of fewer) and a batched prefill.
+    #[test]
+    fn prefill_split_products_match_one_product() {
+        use crate::convert::{convert, ConvertRecipe};
+        use crate::fixture::DType;
+        use crate::mlx::QuantMode;
+        for (preset, q4) in [(Preset::Tiny, false), (Preset::Tiny, true), (Preset::TinyMoe, false), (Preset::TinyMoe, true)] {
+            let base = std::env::temp_dir().join(format!("mlxlfm-split-{preset:?}-{q4}-{}", std::process::id()));
+            let mut spec = FixtureSpec::new(preset);
+            spec.dtype = DType::F32;
+            fixture::generate(&spec, &base).unwrap();
+            let dir = if q4 {
+                let q = base.with_extension("q4");
+                convert(&base, &q, &ConvertRecipe::quantized(QuantMode::Affine, Some(4), Some(32)).unwrap()).unwrap();
+                q
+            } else {
+                base.clone()
+            };
+            let m = load_model(&dir, &LoadOptions::default()).unwrap().model;
+            let prompt: Vec<u32> = (0..90).map(|i| (i * 13 + 3) % 500 + 1).collect();
+            let other: Vec<u32> = (0..41).map(|i| (i * 7 + 5) % 400 + 2).collect();
+            let run = || -> (Vec<f32>, Vec<f32>) {
+                let mut c = m.new_cache();
+                let one: Vec<f32> = prefill(&m, &mut c, &prompt, 64).unwrap().to_vec().unwrap();
+                let (mut a, mut b) = (m.new_cache(), m.new_cache());
+                let rows: Vec<f32> = m.prefill_rows(&[&prompt, &other], &mut [&mut a, &mut b]).unwrap().to_vec().unwrap();
+                (one, rows)
+            };
+            let want = run();
+            let got = crate::kernels::with_opt_in_one("MLX_LFM_PREFILL_SPLIT", run);
+            for (what, g, w) in [("one prompt", &got.0, &want.0), ("batched", &got.1, &want.1)] {
+                let top = w.iter().fold(1f32, |m, v| m.max(v.abs()));
+                let d = g.iter().zip(w).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max) / top;
+                assert!(d < 1e-5, "{preset:?} (4-bit: {q4}) {what}: part-by-part products differ by {d}");
+            }
+            std::fs::remove_dir_all(&base).ok();
+            std::fs::remove_dir_all(&dir).ok();
+        }
+    }
+
     /// The host-grouped prefill (the GPU default) computes what MLX's sorted
     /// gather kernels compute.
     #[test]
