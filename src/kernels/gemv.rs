@@ -244,10 +244,13 @@ fn swiglu_kernel() -> Option<&'static CudaKernel> {
 /// step's nodes off the host (call 5), and the 1.2B (K = 2048 and 8192)
 /// 0.83x: there the step is bound by the GPU, where the kernels read those
 /// rows more slowly than MLX's `gemv_single`; on the 1.2B's weights of at
-/// most 24 MiB alone they still lost (call 8).
-pub(crate) fn serves_weight(w: &Array) -> bool {
+/// most 24 MiB alone they still lost (call 8). By default one row only
+/// (a single sequence's step, what those A/Bs timed); a batched step keeps
+/// MLX's products unless the switch is on.
+pub(crate) fn serves_weight(w: &Array, rows: usize) -> bool {
     static ON: OnceLock<Option<bool>> = OnceLock::new();
-    super::switch("MLX_LFM_GEMV_KERNEL", &ON).unwrap_or_else(|| w.ndim() == 2 && w.dim(1) as usize <= default_max_k())
+    super::switch("MLX_LFM_GEMV_KERNEL", &ON)
+        .unwrap_or_else(|| rows == 1 && w.ndim() == 2 && w.dim(1) as usize <= default_max_k())
 }
 
 /// The widest input (K) the GEMV kernels take by default:
@@ -264,7 +267,7 @@ pub(crate) fn default_max_k() -> usize {
 /// dtype, `w` 2-D `[N, K]` with K a multiple of 8 (whole 16-byte loads) and
 /// at most 16,384, `x` `[.., K]` with 1 to [`MAX_ROWS`] rows.
 pub fn available(x: &Array, w: &Array) -> bool {
-    if !cuda_kernels_enabled() || !serves_weight(w) {
+    if !cuda_kernels_enabled() {
         return false;
     }
     let dt = x.dtype();
@@ -273,6 +276,9 @@ pub fn available(x: &Array, w: &Array) -> bool {
     }
     let k = w.dim(1);
     let rows = if x.dim(-1) > 0 { x.size() / x.dim(-1) as usize } else { 0 };
+    if !serves_weight(w, rows) {
+        return false;
+    }
     x.dim(-1) == k && k > 0 && k % 8 == 0 && k <= 16_384 && w.dim(0) > 0 && (1..=MAX_ROWS).contains(&rows) && kernel().is_some()
 }
 

@@ -112,10 +112,10 @@ fn switched() -> Option<bool> {
 }
 
 /// Whether the fold takes the dense `w`: as the dense GEMV kernels do
-/// ([`super::gemv::serves_weight`]: unset, inputs at most 1024 wide),
+/// ([`super::gemv::serves_weight`]: unset, one row, inputs at most 1024 wide),
 /// unless `MLX_LFM_NORM_GEMV_KERNEL` says otherwise.
-fn serves_dense(w: &Array) -> bool {
-    switched().unwrap_or_else(|| super::gemv::serves_weight(w))
+fn serves_dense(w: &Array, rows: usize) -> bool {
+    switched().unwrap_or_else(|| super::gemv::serves_weight(w, rows))
 }
 
 /// `rms_norm(h + r) * wn` for the fused kernels: `h` and `r` `[.., K]` of
@@ -156,8 +156,9 @@ impl NormIn<'_> {
 
 /// Whether [`norm_gemv`] serves `n` and the dense `[N, K]` `w`.
 pub fn dense_available(n: &NormIn, w: &Array) -> bool {
-    serves_dense(w)
-        && n.served().is_some_and(|(k, _)| w.dtype() == n.h.dtype() && w.ndim() == 2 && w.dim(1) == k && w.dim(0) > 0)
+    n.served().is_some_and(|(k, rows)| {
+        serves_dense(w, rows) && w.dtype() == n.h.dtype() && w.ndim() == 2 && w.dim(1) == k && w.dim(0) > 0
+    })
         && dense_kernel().is_some()
 }
 
