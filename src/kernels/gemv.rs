@@ -323,3 +323,27 @@ fn launch(kern: &CudaKernel, x: &Array, w: &Array, cols: i32) -> Result<Array> {
     )?;
     outs.pop().ok_or_else(|| Error::mlx("GEMV kernel: missing output"))
 }
+
+#[cfg(test)]
+mod default_tests {
+    use super::serves_weight;
+    use crate::mlx::{zeros, Dtype};
+
+    /// Unset, the switch serves one row of a weight at most 1024 wide (what
+    /// the H200's A/B timed); a test's opt-in turns it on for any.
+    #[test]
+    fn gemv_default_serves_one_row_of_narrow_weights() {
+        if std::env::var_os("MLX_LFM_GEMV_KERNEL").is_some() || std::env::var_os("MLX_LFM_GEMV_KERNEL_MAX_K").is_some() {
+            eprintln!("skipped: MLX_LFM_GEMV_KERNEL(_MAX_K) is set, so the default rule is not what runs");
+            return;
+        }
+        let narrow = zeros(&[16, 1024], Dtype::Bfloat16).unwrap();
+        let wide = zeros(&[16, 2048], Dtype::Bfloat16).unwrap();
+        assert!(serves_weight(&narrow, 1));
+        assert!(!serves_weight(&narrow, 2), "a batched step keeps MLX's products by default");
+        assert!(!serves_weight(&wide, 1), "inputs wider than 1024 keep MLX's GEMV by default");
+        crate::kernels::with_opt_in_one("MLX_LFM_GEMV_KERNEL", || {
+            assert!(serves_weight(&wide, 8));
+        });
+    }
+}
