@@ -38,9 +38,12 @@ pub fn with_opt_in<R>(f: impl FnOnce() -> R) -> R {
 /// test's [`with_opt_in`]. Kernels stay opt-in until their A/B on the GPU
 /// they were written for says they win (`bench/h200/run.py ab`).
 pub(crate) fn opt_in(var: &str, cell: &OnceLock<bool>) -> bool {
-    FORCED.with(|c| c.get())
-        || FORCED_ONE.with(|c| c.get() == Some(var))
-        || *cell.get_or_init(|| std::env::var(var).ok().as_deref() == Some("1"))
+    forced(var) || *cell.get_or_init(|| std::env::var(var).ok().as_deref() == Some("1"))
+}
+
+/// Whether a test turned `var`'s kernel on for this thread.
+fn forced(var: &str) -> bool {
+    FORCED.with(|c| c.get()) || FORCED_ONE.with(|c| c.get() == Some(var))
 }
 
 /// Whether a kernel adopted as a default is on: unless `var=0` (read once
@@ -55,7 +58,7 @@ fn opt_out(var: &str, cell: &OnceLock<bool>) -> bool {
 /// `Some(false)` where `var=0`, `None` (read once into `cell`) where the
 /// variable is unset and the caller's own rule decides.
 pub(crate) fn switch(var: &str, cell: &OnceLock<Option<bool>>) -> Option<bool> {
-    if FORCED.with(|c| c.get()) || FORCED_ONE.with(|c| c.get() == Some(var)) {
+    if forced(var) {
         return Some(true);
     }
     *cell.get_or_init(|| match std::env::var(var).ok().as_deref() {

@@ -206,18 +206,22 @@ impl ShortConv {
             // A prompt: B, C and x as three products, each contiguous.
             let (s, y) = x.compute()?;
             let parts = self.in_proj.forward_parts(&y, &[self.dim; 3])?;
-            let shape = ConvShape { batch: y.dim(0), keep: self.kernel - 1, dim: self.dim, dtype: y.dtype() };
-            let prev = cache.conv_state(layer, shape)?;
+            let prev = self.prev_state(&y, layer, cache)?;
             return Ok((s, self.conv_parts(&parts, &prev, layer, cache)?));
         }
         let (s, bcx) = self.in_proj.forward_normed(x)?;
         Ok((s, self.conv(&bcx, layer, cache)?))
     }
 
+    /// The conv state before this pass, for inputs of `like`'s batch and dtype.
+    fn prev_state(&self, like: &Array, layer: usize, cache: &mut dyn ForwardCache) -> Result<Array> {
+        let shape = ConvShape { batch: like.dim(0), keep: self.kernel - 1, dim: self.dim, dtype: like.dtype() };
+        cache.conv_state(layer, shape)
+    }
+
     fn conv(&self, bcx: &Array, layer: usize, cache: &mut dyn ForwardCache) -> Result<Array> {
         let keep = self.kernel - 1;
-        let shape = ConvShape { batch: bcx.dim(0), keep, dim: self.dim, dtype: bcx.dtype() };
-        let prev = cache.conv_state(layer, shape)?;
+        let prev = self.prev_state(bcx, layer, cache)?;
         if crate::kernels::short_conv::available(bcx, &prev, &self.conv_weight_dl, self.conv_bias.is_some()) {
             // Decode on CUDA: everything between the two projections in one
             // launch.

@@ -285,8 +285,8 @@ fn cached_view(cell: &std::cell::OnceCell<Array>, make: impl FnOnce() -> Result<
 /// strided kernels: 68 launches, 683 µs of 4.4 ms.
 pub fn split_products(x: &Array) -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let k = x.dim(-1).max(1) as usize;
-    x.ndim() >= 2 && x.size() / k > 32 && crate::kernels::opt_in("MLX_LFM_PREFILL_SPLIT", &ON)
+    // The switch first: an eager decode step asks once a layer or more.
+    crate::kernels::opt_in("MLX_LFM_PREFILL_SPLIT", &ON) && x.ndim() >= 2 && x.size() / x.dim(-1).max(1) as usize > 32
 }
 
 /// Opt-in (`MLX_LFM_BATCH1_MATMUL=1`, or a kernel test's `with_opt_in`):
