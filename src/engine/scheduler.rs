@@ -231,7 +231,7 @@ impl Scheduler {
         let Prefilling { pending, mut req } = p;
         match pending.advance(&e.model, &e.tokenizer, req.observer.as_mut()) {
             Ok(Advance::More(pending)) => Admission::Prefilling(Prefilling { pending, req }),
-            Ok(Advance::Done(s)) => self.admitted(s, req),
+            Ok(Advance::Done(s)) => self.admitted(e, s, req),
             Err(err) => {
                 req.fail(err);
                 Admission::Over
@@ -240,12 +240,27 @@ impl Scheduler {
     }
 
     /// A request whose prefill ended: running (with its batch id), or over.
-    fn admitted(&mut self, s: Started, req: Request) -> Admission {
+    /// Its first token is handed over here, before the next step is queued
+    /// (see [`generate::Sequence::deliver_first`]).
+    fn admitted(&mut self, e: &Engine, s: Started, mut req: Request) -> Admission {
         match s {
-            Started::Running(seq) => {
-                self.next_id += 1;
-                Admission::Running(Active { id: self.next_id, seq, req })
-            }
+            Started::Running(mut seq) => match seq.deliver_first(&e.eos, req.observer.as_mut()) {
+                Ok(true) => {
+                    self.next_id += 1;
+                    Admission::Running(Active { id: self.next_id, seq, req })
+                }
+                Ok(false) => {
+                    match seq.finish(req.observer.as_mut()) {
+                        Ok((g, _)) => req.succeed(g),
+                        Err(err) => req.fail(err),
+                    }
+                    Admission::Over
+                }
+                Err(err) => {
+                    req.fail(err);
+                    Admission::Over
+                }
+            },
             Started::Finished(g, _) => {
                 req.succeed(g);
                 Admission::Over
@@ -324,7 +339,7 @@ impl Scheduler {
         }
         let (pendings, reqs): (Vec<Pending>, Vec<Request>) = ready.into_iter().map(|p| (p.pending, p.req)).unzip();
         match generate::prefill_together(&e.model, &e.tokenizer, pendings) {
-            Ok(started) => out.extend(started.into_iter().zip(reqs).map(|(s, req)| self.admitted(s, req))),
+            Ok(started) => out.extend(started.into_iter().zip(reqs).map(|(s, req)| self.admitted(e, s, req))),
             Err(err) => out.extend(reqs.into_iter().map(|r| {
                 r.fail(err.clone());
                 Admission::Over

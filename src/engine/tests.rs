@@ -885,3 +885,44 @@ fn prefix_blocks_read_ahead_off_the_worker_give_cold_run_tokens() {
     assert_eq!((s.hits, s.prefetched, s.reads, s.damaged), (0, 0, 1, 1), "{s:?}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Cancels once the first token has been heard (its log-probabilities come
+/// before its text, and always, whatever the text).
+struct StopAtFirstToken(bool);
+impl Observer for StopAtFirstToken {
+    fn on_logprob(&mut self, _entry: &crate::generate::TokenLogprob) {
+        self.0 = true;
+    }
+    fn cancelled(&mut self) -> bool {
+        self.0
+    }
+}
+
+/// The first token reaches the caller before the host builds the step after
+/// it (that build was counted in the time to the first token): a request
+/// stopped at its first token leaves the cache at the prompt's end, no step
+/// queued for a token nobody wants; on both decode paths.
+#[test]
+fn the_first_token_is_delivered_before_the_next_step_is_queued() {
+    let dir = fixture_dir("first-token", Preset::Tiny);
+    for path in [DecodePath::Eager, DecodePath::Compiled] {
+        let mut e = engine(&dir, false, 16, 64, Some(path));
+        let p = prompt(12, 5);
+        let mut asked = GenerateParams { max_tokens: 20, ignore_eos: true, ..Default::default() };
+        asked.sampling.logprobs = true;
+        let params = e.params(asked.clone());
+        let mut cache = e.model.new_cache();
+        let mut stepper = crate::generate::Stepper::new(&e.model, e.compiled.as_ref());
+        let mut obs = StopAtFirstToken(false);
+        let started = std::time::Instant::now();
+        let g = crate::generate::generate_with_cache(&mut stepper, None, &mut cache, &e.tokenizer, &e.eos, &p, &params, &mut obs, started)
+            .unwrap();
+        assert_eq!((g.finish_reason.name(), g.tokens.len()), ("abort", 1), "{path:?}");
+        assert_eq!(cache.pos, p.len(), "{path:?}: a step ran after the first token");
+        // Not stopped, the same request runs on from there as before.
+        let full = e.generate(Prompt::Tokens(p.clone()), asked, &mut NoObserver).unwrap().tokens;
+        assert_eq!(full[0], g.tokens[0], "{path:?}");
+        assert_eq!(full.len(), 20, "{path:?}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -333,7 +333,8 @@ pub fn generate_with_cache(
             return Ok(g);
         }
     };
-    loop {
+    let mut go = seq.deliver_first(eos, observer)?;
+    while go {
         // Queue the next step before reading this token back.
         let next = if seq.wants_next() {
             let ids = seq.y.reshape(&[1, 1])?;
@@ -342,9 +343,7 @@ pub fn generate_with_cache(
         } else {
             None
         };
-        if !seq.accept(next, eos, observer)? {
-            break;
-        }
+        go = seq.accept(next, eos, observer)?;
     }
     let (g, c) = seq.finish(observer)?;
     *cache = c;
@@ -501,6 +500,7 @@ impl Pending {
             prefill_start: self.prefill_start,
             first_token_at: None,
             last_token_at: None,
+            delivered: None,
         }))
     }
 }
@@ -576,6 +576,21 @@ pub struct Sequence {
     prefill_start: Instant,
     first_token_at: Option<Instant>,
     last_token_at: Option<Instant>,
+    /// The pending token, already read and handed over by
+    /// [`Sequence::deliver_first`].
+    delivered: Option<Delivered>,
+}
+
+/// What [`Sequence::deliver`] made of the pending token, for
+/// [`Sequence::accept`] to finish once a step may have been queued after it.
+struct Delivered {
+    tok: u32,
+    /// The generation goes on (`finish` says why not).
+    go: bool,
+    /// The constraint is whole after this token.
+    complete: bool,
+    /// The token opened an 'auto' tool call.
+    opened: bool,
 }
 
 impl Sequence {
@@ -602,7 +617,8 @@ impl Sequence {
 
     /// Whether a step after the pending token is needed.
     pub fn wants_next(&self) -> bool {
-        self.completion_tokens + 1 < self.max_tokens
+        let pending = usize::from(self.delivered.is_none());
+        self.completion_tokens + pending < self.max_tokens
     }
 
     /// Samples the next token from `logits` (`[1, V]`) and queues it with
@@ -660,10 +676,8 @@ impl Sequence {
         self.sampler.is_greedy() && self.constraint.is_none() && self.watch.is_none()
     }
 
-    /// Reads the pending token back and handles it; `next` is the token of
-    /// the step queued after it (fed the pending one), if any. Returns
-    /// whether the generation goes on (then `next` is pending).
-    pub fn accept(&mut self, next: Option<Array>, eos: &HashSet<u32>, observer: &mut dyn Observer) -> Result<bool> {
+    /// The read and the delivery of the pending token: what needs no step after it.
+    fn deliver(&mut self, eos: &HashSet<u32>, observer: &mut dyn Observer) -> Result<Delivered> {
         let t = Instant::now();
         let tok: u32 = self.y.item()?;
         if self.completion_tokens > 0 {
@@ -679,24 +693,20 @@ impl Sequence {
                 )));
             }
         }
-        if next.is_some() {
-            // `tok` was fed to the step just queued: a paged cache may now
-            // publish the block it completes.
-            self.cache.note_tokens(&[tok]);
-        }
+        let stop = Delivered { tok, go: false, complete: false, opened: false };
         let now = Instant::now();
         self.first_token_at.get_or_insert(now);
         self.last_token_at = Some(now);
         self.completion_tokens += 1;
         if !self.ignore_eos && eos.contains(&tok) {
             self.finish = FinishReason::Stop;
-            return Ok(false);
+            return Ok(stop);
         }
         let mut complete = false;
         if let Some(c) = self.constraint.as_mut() {
             if c.commit(tok).is_err() {
                 self.finish = FinishReason::Constraint;
-                return Ok(false);
+                return Ok(stop);
             }
             complete = c.is_done();
         }
@@ -717,7 +727,7 @@ impl Sequence {
             self.text.truncate(at);
             self.finish = FinishReason::Stop;
             self.hit_stop_string = true;
-            return Ok(false);
+            return Ok(stop);
         }
         let safe = self.stops.safe_len(&self.text);
         if safe > self.streamed {
@@ -725,13 +735,45 @@ impl Sequence {
             self.streamed = safe; // delivered either way
             if !go_on {
                 self.finish = FinishReason::Abort;
-                return Ok(false);
+                return Ok(stop);
             }
         }
         if observer.cancelled() {
             self.finish = FinishReason::Abort;
+            return Ok(stop);
+        }
+        Ok(Delivered { tok, go: true, complete, opened })
+    }
+
+    /// Reads the pending token back and hands it to `observer` before any
+    /// step is queued after it, so the time to the first token (and the
+    /// prefill figure) holds the prompt's work alone, not the host's build
+    /// of the next step. Returns whether the generation goes on; either
+    /// way [`Sequence::accept`] finishes the token (then with no read).
+    pub fn deliver_first(&mut self, eos: &HashSet<u32>, observer: &mut dyn Observer) -> Result<bool> {
+        let d = self.deliver(eos, observer)?;
+        let go = d.go;
+        self.delivered = Some(d);
+        Ok(go)
+    }
+
+    /// Reads the pending token back and handles it; `next` is the token of
+    /// the step queued after it (fed the pending one), if any. Returns
+    /// whether the generation goes on (then `next` is pending).
+    pub fn accept(&mut self, next: Option<Array>, eos: &HashSet<u32>, observer: &mut dyn Observer) -> Result<bool> {
+        let d = match self.delivered.take() {
+            Some(d) => d,
+            None => self.deliver(eos, observer)?,
+        };
+        if next.is_some() {
+            // The token was fed to the step just queued: a paged cache may
+            // now publish the block it completes.
+            self.cache.note_tokens(&[d.tok]);
+        }
+        if !d.go {
             return Ok(false);
         }
+        let (complete, opened) = (d.complete, d.opened);
         if complete && self.watch.is_some() {
             // The call is whole; free text again. The step queued under
             // the constraint handed over its logits: draw from them freely.
@@ -776,6 +818,10 @@ impl Sequence {
     /// step was queued after the token, so its mask is wanted. A failed read
     /// is left for `accept`, which reads again and reports it.
     fn constraint_work(&mut self, eos: &HashSet<u32>, stepped: bool) -> Option<(&mut Constraint, u32, bool)> {
+        if self.delivered.is_some() {
+            // Committed already: `accept` goes on from there.
+            return None;
+        }
         let c = self.constraint.as_mut()?;
         let tok: u32 = self.y.item().ok()?;
         (self.ignore_eos || !eos.contains(&tok)).then_some((c, tok, stepped))
