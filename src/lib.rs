@@ -24,3 +24,4 @@ pub mod convert;
 pub mod compiled;
 pub mod kvquant;
 pub mod kernels;
+pub mod knobs;

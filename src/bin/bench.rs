@@ -19,6 +19,12 @@
 //!     TTFT of N prompts of lengths never seen before (512, 513, ...) against
 //!     the same N prompts' first length again (every shape seen): what a
 //!     server pays per new prompt length for the backend's per-shape setup.
+//!   mlx-lfm-bench --ab "NAME:MLX_LFM_X=1,MLX_LFM_Y=0;NAME2:..." [--prompts 512] [--gen 128] [--reps 6] [model args]
+//!     the defaults (`all`) and each variant (its MLX_LFM_* switches set on
+//!     this thread while it loads and runs) as engines of one process, run
+//!     in alternation (the order rotated each rep): each rep's figure beside
+//!     the defaults' of the same rep, so the host's drift over minutes
+//!     (2x within one device call on 2026-12-03) falls out of the ratio.
 //!   mlx-lfm-bench --dispatch-cost [--device gpu] [--reps 5]
 //!     no model: what one node of each kind costs the host (chains of 200
 //!     adds, views, GEMVs, 4-bit GEMVs, RMSNorms and, on CUDA, custom
@@ -87,6 +93,7 @@ const FLAGS: &[(&str, bool)] = &[
     ("--reply", true),
     ("--disk-admission", false),
     ("--block", true),
+    ("--ab", true),
 ];
 
 /// The usage (this file's opening comment), for `--help`.
@@ -224,6 +231,10 @@ fn run() -> mlx_lfm::Result<()> {
             "backend": runtime::backend().name(), "model": dir}));
         return Ok(());
     }
+    if let Some(spec) = arg(&args, "--ab") {
+        let reps: usize = arg(&args, "--reps").map(|s| s.parse().expect("--reps")).unwrap_or(6);
+        return ab(&dir, device, paged, &spec, prompts[0], gen, reps);
+    }
     if let Some(n) = arg(&args, "--new-lengths") {
         return new_lengths(&dir, device, paged, n.parse().expect("--new-lengths takes a count"), prompts[0]);
     }
@@ -313,6 +324,101 @@ fn run() -> mlx_lfm::Result<()> {
                 })
             );
         }
+    }
+    Ok(())
+}
+
+/// The middle value (the mean of the middle two for an even count); 0 for none.
+fn median_of(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(|a, b| a.total_cmp(b));
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+/// `NAME:VAR=V,VAR=V;NAME2:...` as (name, overrides), the defaults first
+/// under the name `all`.
+fn ab_variants(spec: &str) -> mlx_lfm::Result<Vec<(String, Vec<(String, Option<String>)>)>> {
+    let mut out = vec![("all".to_string(), vec![])];
+    for v in spec.split(';').filter(|v| !v.trim().is_empty()) {
+        let (name, vars) = v.split_once(':').ok_or_else(|| mlx_lfm::Error::invalid(format!("--ab {v:?}: expected NAME:VAR=VALUE,...")))?;
+        let name = name.trim().to_string();
+        if out.iter().any(|(n, _)| *n == name) {
+            return Err(mlx_lfm::Error::invalid(format!("--ab: {name} is named twice")));
+        }
+        out.push((name, mlx_lfm::knobs::parse_assignments(vars)?));
+    }
+    Ok(out)
+}
+
+/// See `--ab` in the usage.
+#[allow(clippy::too_many_arguments)]
+fn ab(
+    dir: &std::path::Path,
+    device: Option<runtime::DeviceType>,
+    paged: Option<bool>,
+    spec: &str,
+    prompt: usize,
+    gen: usize,
+    reps: usize,
+) -> mlx_lfm::Result<()> {
+    use mlx_lfm::knobs::with_overrides;
+    let variants = ab_variants(spec)?;
+    let opts = EngineOptions { device, decode_path: Some(DecodePath::Compiled), paged_cache: paged, ..Default::default() };
+    let mut engines = vec![];
+    let mut step_ops = vec![];
+    for (name, vars) in &variants {
+        let loaded = with_overrides(vars, || -> mlx_lfm::Result<(Engine, usize)> {
+            let mut eng = Engine::load(dir, &opts)?;
+            let vocab = eng.info().vocab_size as u32;
+            // Warm: the decode graph traced, the kernels built, and the
+            // prompt's shapes seen once (MLX's per-shape setup).
+            let warm = GenerateParams { max_tokens: 8, ignore_eos: true, ..Default::default() };
+            eng.generate(Prompt::Tokens(ids(64, vocab, 1)), warm.clone(), &mut NoObserver)?;
+            eng.generate(Prompt::Tokens(ids(prompt, vocab, 2)), warm, &mut NoObserver)?;
+            let ops = mlx_lfm::generate::decode_step_ops(&eng.model, eng.compiled.as_ref(), &ids(16, vocab, 1))?;
+            Ok((eng, ops.iter().map(|(_, n)| n).sum()))
+        });
+        let (eng, ops) = loaded.map_err(|e| mlx_lfm::Error::invalid(format!("--ab variant {name}: {}", e.message)))?;
+        engines.push(eng);
+        step_ops.push(ops);
+    }
+    let n = variants.len();
+    let (mut prefill, mut decode, mut host) = (vec![vec![]; n], vec![vec![]; n], vec![vec![]; n]);
+    for r in 0..reps {
+        for k in 0..n {
+            let i = (k + r) % n;
+            let eng = &mut engines[i];
+            let vocab = eng.info().vocab_size as u32;
+            let params = GenerateParams { max_tokens: gen, ignore_eos: true, ..Default::default() };
+            let g = with_overrides(&variants[i].1, || {
+                mlx_lfm::generate::timing::take();
+                eng.generate(Prompt::Tokens(ids(prompt, vocab, 7 + r as u32)), params, &mut NoObserver)
+            })?;
+            let (b, d, w) = mlx_lfm::generate::timing::take().per_token_us();
+            host[i].push([(b * 10.0).round() / 10.0, (d * 10.0).round() / 10.0, (w * 10.0).round() / 10.0]);
+            prefill[i].push(g.metrics.prefill_tokens_per_second);
+            decode[i].push(g.metrics.decode_tokens_per_second);
+        }
+    }
+    let ratios = |xs: &[f64], base: &[f64]| -> Vec<f64> { xs.iter().zip(base).map(|(x, b)| if *b > 0.0 { x / b } else { 0.0 }).collect() };
+    for (i, (name, vars)) in variants.iter().enumerate() {
+        let dr = ratios(&decode[i], &decode[0]);
+        let pr = ratios(&prefill[i], &prefill[0]);
+        println!(
+            "{}",
+            serde_json::json!({
+                "ab_variant": name, "switches": vars.iter().map(|(k, v)| format!("{k}={}", v.as_deref().unwrap_or(""))).collect::<Vec<_>>(),
+                "prompt": prompt, "gen": gen, "reps": reps, "step_ops": step_ops[i],
+                "prefill_tps_runs": prefill[i], "decode_tps_runs": decode[i], "host_build_dispatch_wait_us_runs": host[i],
+                "decode_ratio_runs": dr, "prefill_ratio_runs": pr,
+                "decode_ratio_median": median_of(&dr), "prefill_ratio_median": median_of(&pr),
+                "backend": runtime::backend().name(),
+            })
+        );
     }
     Ok(())
 }

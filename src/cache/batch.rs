@@ -328,7 +328,7 @@ impl DecodeBatch {
 /// 2026-12-02-h200-ncu-lfm2-1.2b-bf16.json, same build and checkpoint).
 fn kv_write_scatter() -> bool {
     static SCATTER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *SCATTER.get_or_init(|| match std::env::var("MLX_LFM_KV_WRITE").ok().as_deref() {
+    crate::knobs::cached("MLX_LFM_KV_WRITE", &SCATTER, |v| match v {
         Some("scatter") => true,
         Some("slice") => false,
         _ => crate::mlx::runtime::backend() == crate::mlx::runtime::Backend::Cuda,

@@ -75,7 +75,11 @@ pub enum DecodePath {
 /// Reads a boolean MLX_LFM_* variable; anything but the listed values is an
 /// error (a typo must not silently change behaviour).
 pub fn env_flag(name: &str) -> Result<Option<bool>> {
-    match std::env::var(name) {
+    let read = match crate::knobs::overridden(name) {
+        Some(v) => v.ok_or(std::env::VarError::NotPresent),
+        None => std::env::var(name),
+    };
+    match read {
         Err(std::env::VarError::NotPresent) => Ok(None),
         Err(_) => Err(Error::config(format!("{name} is not valid UTF-8; use 0 or 1"))),
         Ok(v) => match v.trim().to_ascii_lowercase().as_str() {

@@ -926,3 +926,24 @@ fn the_first_token_is_delivered_before_the_next_step_is_queued() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Engines of one process built under different switches (`mlx-lfm-bench
+/// --ab`): each keeps what it was built with, the override does not leak
+/// to the thread after it, and the tokens are the same.
+#[test]
+fn engines_built_under_overrides_keep_their_own_switches() {
+    let dir = fixture_dir("knobs", Preset::Tiny);
+    let ops = |e: &Engine| -> usize {
+        crate::generate::decode_step_ops(&e.model, e.compiled.as_ref(), &prompt(8, 1)).unwrap().iter().map(|(_, n)| n).sum()
+    };
+    let mut plain = engine(&dir, false, 16, 64, Some(DecodePath::Compiled));
+    let apart = vec![("MLX_LFM_FUSE_PROJECTIONS".to_string(), Some("0".to_string()))];
+    let mut split = crate::knobs::with_overrides(&apart, || engine(&dir, false, 16, 64, Some(DecodePath::Compiled)));
+    let (a, b) = (ops(&plain), ops(&split));
+    assert!(b > a, "projections kept apart must add nodes to the step: {b} vs {a}");
+    let again = engine(&dir, false, 16, 64, Some(DecodePath::Compiled));
+    assert_eq!(ops(&again), a, "the override leaked past its scope");
+    let p = prompt(20, 4);
+    assert_eq!(run(&mut plain, &p, 24).tokens, run(&mut split, &p, 24).tokens);
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -155,7 +155,7 @@ const DEFAULT_MAX_ROWS: usize = 16;
 
 fn max_rows() -> Option<usize> {
     static MAX: OnceLock<Option<usize>> = OnceLock::new();
-    *MAX.get_or_init(|| match std::env::var("MLX_LFM_ADD_RMS_NORM_MAX_ROWS").ok().as_deref() {
+    crate::knobs::cached("MLX_LFM_ADD_RMS_NORM_MAX_ROWS", &MAX, |v| match v {
         Some("all") => None,
         Some(v) => Some(v.trim().parse().unwrap_or(DEFAULT_MAX_ROWS)),
         None => Some(DEFAULT_MAX_ROWS),

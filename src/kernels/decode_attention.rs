@@ -150,7 +150,7 @@ fn kernel() -> Option<&'static CudaKernel> {
 pub fn available(q: &Array, k: &Array, v: &Array, mask: &Array) -> bool {
     // MLX_LFM_DECODE_ATTENTION_KERNEL=0 keeps this one kernel off (the A/B).
     static ON: OnceLock<bool> = OnceLock::new();
-    if !*ON.get_or_init(|| std::env::var("MLX_LFM_DECODE_ATTENTION_KERNEL").ok().as_deref() != Some("0")) {
+    if !crate::knobs::cached("MLX_LFM_DECODE_ATTENTION_KERNEL", &ON, |v| v != Some("0")) {
         return false;
     }
     let dt = q.dtype();

@@ -257,9 +257,8 @@ pub(crate) fn serves_weight(w: &Array, rows: usize) -> bool {
 /// `MLX_LFM_GEMV_KERNEL_MAX_K` (an A/B's knob), else 1024.
 pub(crate) fn default_max_k() -> usize {
     static MAX: OnceLock<usize> = OnceLock::new();
-    *MAX.get_or_init(|| {
-        let k = std::env::var("MLX_LFM_GEMV_KERNEL_MAX_K").ok().and_then(|v| v.trim().parse::<usize>().ok());
-        k.filter(|&k| k <= 1 << 20).unwrap_or(1024)
+    crate::knobs::cached("MLX_LFM_GEMV_KERNEL_MAX_K", &MAX, |v| {
+        v.and_then(|v| v.trim().parse::<usize>().ok()).filter(|&k| k <= 1 << 20).unwrap_or(1024)
     })
 }
 

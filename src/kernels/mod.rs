@@ -38,7 +38,7 @@ pub fn with_opt_in<R>(f: impl FnOnce() -> R) -> R {
 /// test's [`with_opt_in`]. Kernels stay opt-in until their A/B on the GPU
 /// they were written for says they win (`bench/h200/run.py ab`).
 pub(crate) fn opt_in(var: &str, cell: &OnceLock<bool>) -> bool {
-    forced(var) || *cell.get_or_init(|| std::env::var(var).ok().as_deref() == Some("1"))
+    forced(var) || crate::knobs::cached(var, cell, |v| v == Some("1"))
 }
 
 /// Whether a test turned `var`'s kernel on for this thread.
@@ -50,7 +50,7 @@ fn forced(var: &str) -> bool {
 /// into `cell`); a test's [`with_opt_in`] or [`with_opt_in_one`] asks for
 /// it as for an opt-in one.
 fn opt_out(var: &str, cell: &OnceLock<bool>) -> bool {
-    *cell.get_or_init(|| std::env::var(var).ok().as_deref() != Some("0"))
+    crate::knobs::cached(var, cell, |v| v != Some("0"))
 }
 
 /// A switch whose default depends on the operands: `Some(true)` where
@@ -61,7 +61,7 @@ pub(crate) fn switch(var: &str, cell: &OnceLock<Option<bool>>) -> Option<bool> {
     if forced(var) {
         return Some(true);
     }
-    *cell.get_or_init(|| match std::env::var(var).ok().as_deref() {
+    crate::knobs::cached(var, cell, |v| match v {
         Some("1") => Some(true),
         Some("0") => Some(false),
         _ => None,

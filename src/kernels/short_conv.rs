@@ -55,7 +55,7 @@ pub fn available(bcx: &Array, state: &Array, w: &Array, has_bias: bool) -> bool 
     // MLX_LFM_SHORT_CONV_KERNEL=0 keeps this one kernel off (the H200
     // benchmark's A/B of what it buys); MLX_LFM_KERNELS=0 turns all off.
     static ON: OnceLock<bool> = OnceLock::new();
-    if !*ON.get_or_init(|| std::env::var("MLX_LFM_SHORT_CONV_KERNEL").ok().as_deref() != Some("0")) {
+    if !crate::knobs::cached("MLX_LFM_SHORT_CONV_KERNEL", &ON, |v| v != Some("0")) {
         return false;
     }
     let dt = bcx.dtype();

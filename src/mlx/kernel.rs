@@ -119,8 +119,8 @@ impl Drop for CudaKernel {
 pub fn cuda_kernels_enabled() -> bool {
     // Read once: the eager path asks twice per layer per token.
     static CUDA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let cuda = *CUDA.get_or_init(|| {
-        !matches!(std::env::var("MLX_LFM_KERNELS").ok().as_deref(), Some("0")) && runtime::backend() == runtime::Backend::Cuda
+    let cuda = crate::knobs::cached("MLX_LFM_KERNELS", &CUDA, |v| {
+        !matches!(v, Some("0")) && runtime::backend() == runtime::Backend::Cuda
     });
     cuda && !STOCK_ONLY.with(|s| s.get()) && runtime::default_device() == runtime::DeviceType::Gpu
 }

@@ -332,8 +332,8 @@ impl Mlp {
 /// `MLX_LFM_PREFILL_OVERLAP` (0 when unset or out of range).
 fn prefill_overlap_layers() -> usize {
     static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *N.get_or_init(|| {
-        std::env::var("MLX_LFM_PREFILL_OVERLAP").ok().and_then(|v| v.trim().parse::<usize>().ok()).filter(|&n| n <= 1024).unwrap_or(0)
+    crate::knobs::cached("MLX_LFM_PREFILL_OVERLAP", &N, |v| {
+        v.and_then(|v| v.trim().parse::<usize>().ok()).filter(|&n| n <= 1024).unwrap_or(0)
     })
 }
 

@@ -80,7 +80,7 @@ fn stack_experts(st: &mut TensorStore, p: &str, names: &[&str], e: usize, out: i
 /// grouping) or `gathered` (MLX's sorted gather kernels, mlx-lm's way).
 /// Default: grouped on the GPU, gathered on CPU.
 fn grouped_prefill() -> Result<bool> {
-    match std::env::var("MLX_LFM_MOE_PREFILL").ok().as_deref() {
+    match crate::knobs::var("MLX_LFM_MOE_PREFILL").as_deref() {
         None | Some("") => Ok(runtime::default_device() == runtime::DeviceType::Gpu),
         Some("grouped") => Ok(true),
         Some("gathered") => Ok(false),
@@ -440,7 +440,7 @@ impl GateUp {
 /// this switch is the A/B that decides it (`bench/h200/run.py ab`).
 fn dequant_rows() -> Option<usize> {
     static ROWS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    *ROWS.get_or_init(|| std::env::var("MLX_LFM_MOE_DEQUANT_ROWS").ok().and_then(|v| v.parse().ok()))
+    crate::knobs::cached("MLX_LFM_MOE_DEQUANT_ROWS", &ROWS, |v| v.and_then(|v| v.parse().ok()))
 }
 
 /// `x @ W[e].T` for one expert `e` of a stacked weight.

@@ -499,7 +499,7 @@ impl Embedding {
 /// Whether projections that read the same input are stacked into one at
 /// load (`MLX_LFM_FUSE_PROJECTIONS=0` keeps them apart, for A/B runs).
 pub fn fuse_projections() -> bool {
-    !matches!(std::env::var("MLX_LFM_FUSE_PROJECTIONS").ok().as_deref(), Some("0"))
+    !matches!(crate::knobs::var("MLX_LFM_FUSE_PROJECTIONS").as_deref(), Some("0"))
 }
 
 impl Weight {
