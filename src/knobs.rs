@@ -13,8 +13,11 @@
 use std::cell::RefCell;
 use std::sync::OnceLock;
 
+/// Switches by name, each with its value (`None`: unset).
+pub type Overrides = Vec<(String, Option<String>)>;
+
 thread_local! {
-    static OVERRIDES: RefCell<Vec<(String, Option<String>)>> = const { RefCell::new(Vec::new()) };
+    static OVERRIDES: RefCell<Overrides> = const { RefCell::new(Vec::new()) };
 }
 
 /// This thread's override of `name`: `Some(None)` when it is overridden as
@@ -62,7 +65,7 @@ pub fn with_overrides<R>(vars: &[(String, Option<String>)], f: impl FnOnce() -> 
 }
 
 /// `NAME=VALUE` pairs separated by commas (`NAME=` or `NAME=unset`: unset).
-pub fn parse_assignments(s: &str) -> crate::Result<Vec<(String, Option<String>)>> {
+pub fn parse_assignments(s: &str) -> crate::Result<Overrides> {
     s.split(',')
         .filter(|p| !p.trim().is_empty())
         .map(|p| {

@@ -341,7 +341,7 @@ fn median_of(v: &[f64]) -> f64 {
 
 /// `NAME:VAR=V,VAR=V;NAME2:...` as (name, overrides), the defaults first
 /// under the name `all`.
-fn ab_variants(spec: &str) -> mlx_lfm::Result<Vec<(String, Vec<(String, Option<String>)>)>> {
+fn ab_variants(spec: &str) -> mlx_lfm::Result<Vec<(String, mlx_lfm::knobs::Overrides)>> {
     let mut out = vec![("all".to_string(), vec![])];
     for v in spec.split(';').filter(|v| !v.trim().is_empty()) {
         let (name, vars) = v.split_once(':').ok_or_else(|| mlx_lfm::Error::invalid(format!("--ab {v:?}: expected NAME:VAR=VALUE,...")))?;
