@@ -16,23 +16,34 @@ only while it is warm, ~30 s after a call: answer each call at once; each
 call carries at most 64 MiB with the working tree, so .device/b, .device/bin
 and .device/llama do not fit together; a call runs 10 minutes at most):
     1. carry [".device/a", ".device/tests"]: python3 bench/h200/run.py stage-mlx
-    2. carry [".device/b", ".device/llama"]: python3 bench/h200/run.py llama install kernels   (in one
-       process the tests took 578 s on 2026-12-02; now H200_KERNEL_JOBS=3 processes share the GPU;
-       H200_KERNEL_TESTS=name,name runs only the tests whose names hold one, as the test
-       binary filters them: use whole names, "greedy" also picks up other tests)
-    3. carry [".device/bin"]:                python3 bench/h200/run.py checkpoints   (~7.5 min, GGUF too)
-    4. carry [".device/bin"]:                H200_AB_REPS=6 python3 bench/h200/run.py ab pick
+    2. carry [".device/b", ".device/llama"]: H200_KERNEL_JOBS=3 python3 bench/h200/run.py llama install kernels
+       (380 s on 2026-12-03 with 3 processes sharing the GPU; H200_KERNEL_TESTS=name,name runs
+       only the tests whose names hold one, as the test binary filters them: use whole
+       names, "greedy" also picks up other tests. Where no kernel's code changed since a
+       committed raw file's `tests` record, `llama install verdicts-from FILE` takes its
+       verdicts instead: see verdicts_from)
+    3. carry [".device/bin"]:                python3 bench/h200/run.py checkpoints step-ops dispatch-cost
+       (300 s on 2026-12-03, GGUF too)
+    4. carry [".device/bin"]:                H200_MODELS=lfm2-350m-bf16,lfm2-1.2b-bf16,lfm2-8b-a1b-q4 \
+                                             H200_AB_REPS=6 python3 bench/h200/run.py ab pick
        (H200_AB_VARIANTS=a,b times only those against the defaults, all as engines of one
        process run in alternation: separate processes minutes apart moved 2x on 2026-12-03)
-    5. carry [".device/bin"]:                python3 bench/h200/run.py step-ops dispatch-cost round 1 round 2
+    5. carry [".device/bin"]:                timeout -s TERM 580 python3 bench/h200/run.py round 1 round 2
+       (the two rounds ran past 440 s on 2026-12-03's slower host; `timeout` lets run.py
+       pack its logs and raw file before the call's own limit kills it)
     6. carry [".device/bin"]:                python3 bench/h200/run.py profile new-lengths
+Append nothing that copies loose files into $OUT after run.py: a call
+brings back a few files (8 on 2026-12-03) and drops the rest, raw.jsonl
+with them; run.py writes $OUT/raw.jsonl and $OUT/logs.tgz itself.
+/tmp/h200/raw.jsonl is cumulative on a machine: a later call's copy holds
+the earlier calls' records too (deduplicate before committing).
 Issue each call the moment the last returns, and read its results after
 the next has started: a machine idle for 30 s is given back, with /tmp (on
 2026-12-02 two machines went that way between calls, and with them the
 staged MLX and the checkpoints).
-(That is ~28 of the 30 device minutes a session has; `H200_MODELS=...`
-narrows `ab` and `profile`, and `checkpoints` of the dense models alone
-takes ~1.5 minutes.)
+(Calls 1-5 are ~27 of the 30 device minutes a session has, with ~2 minutes
+to start the machine; `H200_MODELS=...` narrows `ab` and `profile`, and
+`checkpoints` of the dense models alone takes ~1.5 minutes.)
 `kernels` runs the fused kernels' tests there (each test's verdict kept);
 `ab` times each opt-in change of the decode step against the defaults on
 the same checkpoints; `pick` adopts the switches that won by 3% with their
@@ -604,6 +615,26 @@ def kernels():
     log("kernel tests", verdicts, "" if default_ok else "- a default kernel FAILED: benchmark runs with MLX_LFM_KERNELS=0")
 
 
+def verdicts_from(path):
+    """The kernel tests' verdicts of an earlier session (its committed raw
+    file's last `tests` record) instead of running them again (~380 s of a
+    session's 1,800): only where no kernel's code changed since that
+    record's binaries, which this machine cannot check (no git history
+    travels); check it here first with
+    `git diff --stat COMMIT -- src/kernels src/mlx/kernel.rs cpp`."""
+    rows = [json.loads(l) for l in (ROOT / path).read_text().splitlines() if '"engine": "tests"' in l]
+    if not rows:
+        raise SystemExit(f"no kernel test record in {path}")
+    r = rows[-1]
+    verdicts, skipped = r["verdicts"], bool(r.get("skipped"))
+    WORK.mkdir(parents=True, exist_ok=True)
+    (WORK / "kernel-verdicts.json").write_text(json.dumps({k: v and not skipped for k, v in verdicts.items()}))
+    if skipped or not all(verdicts.get(t, False) for t in DEFAULT_KERNEL_TESTS):
+        (WORK / "kernels-off").write_text("1")
+    record(engine="tests-reused", source=str(path), commit=r.get("commit"), verdicts=verdicts, skipped=skipped)
+    log("kernel verdicts reused from", path, r.get("commit"))
+
+
 DEFAULT_KERNEL_TESTS = ["add_rms_norm_kernel_matches_stock_ops", "decode_attention_kernel_matches_stock_ops",
                         "moe_router_kernel_matches_stock_ops", "short_conv_kernel_matches_stock_ops"]
 
@@ -900,6 +931,9 @@ def main():
                 ab()
             elif a == "pick":
                 pick()
+            elif a == "verdicts-from":
+                i += 1
+                verdicts_from(args[i])
             elif a == "profile":
                 install()
                 profile()
