@@ -1022,31 +1022,18 @@ fn dispatch_cost(reps: usize) -> mlx_lfm::Result<()> {
         held.push(b);
     }
     mlx::eval(&held)?;
-    let add_one = if cuda_kernels_enabled() {
-        Some(CudaKernel::new(
-            "lfm_bench_add_one",
-            &["x"],
-            &["y"],
-            "const int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < x_shape[x_ndim - 1]) y[i] = x[i] + T(1.0f);",
-            "",
-        )?)
-    } else {
-        None
+    let add_kernel = |name: &str, inputs: &[&str]| -> mlx_lfm::Result<Option<CudaKernel>> {
+        if !cuda_kernels_enabled() {
+            return Ok(None);
+        }
+        let body = "const int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < x_shape[x_ndim - 1]) y[i] = x[i] + T(1.0f);";
+        Ok(Some(CudaKernel::new(name, inputs, &["y"], body, "")?))
     };
+    let add_one = add_kernel("lfm_bench_add_one", &["x"])?;
     // The same launch with seven more inputs it never reads (held weights,
     // as a fused kernel's are): whether MLX's cost is per node or grows
     // with its inputs (the 8B-A1B's step cut 23% of its nodes, dispatch 2%).
-    let add_one_wide = if cuda_kernels_enabled() {
-        Some(CudaKernel::new(
-            "lfm_bench_add_one_wide",
-            &["x", "a1", "a2", "a3", "a4", "a5", "a6", "a7"],
-            &["y"],
-            "const int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < x_shape[x_ndim - 1]) y[i] = x[i] + T(1.0f);",
-            "",
-        )?)
-    } else {
-        None
-    };
+    let add_one_wide = add_kernel("lfm_bench_add_one_wide", &["x", "a1", "a2", "a3", "a4", "a5", "a6", "a7"])?;
     let qb_or_w = qb.clone().unwrap_or_else(|| w.clone());
     let wide_inputs = [&w, &wt, &qw, &qs, &qb_or_w, &norm_w, &one];
     type Node<'a> = Box<dyn Fn(&Array) -> mlx_lfm::Result<Array> + 'a>;
@@ -1057,27 +1044,18 @@ fn dispatch_cost(reps: usize) -> mlx_lfm::Result<()> {
         ("quantized_matmul", Box::new(|x: &Array| mlx::quantized_matmul(x, &qw, &qs, qb.as_ref(), true, spec))),
         ("rms_norm", Box::new(|x: &Array| mlx::rms_norm(x, Some(&norm_w), 1e-5))),
     ];
-    if let Some(k) = &add_one {
-        kinds.push((
-            "custom_kernel",
-            Box::new(move |x: &Array| {
-                let shape = x.shape();
-                let mut out = k.call(&[x], &[(&shape, x.dtype())], [K, 1, 1], [256, 1, 1], &[("T", TemplateArg::Dtype(x.dtype()))])?;
-                Ok(out.pop().expect("one output"))
-            }),
-        ));
-    }
-    if let Some(k) = &add_one_wide {
-        kinds.push((
-            "custom_kernel_8_inputs",
-            Box::new(move |x: &Array| {
-                let shape = x.shape();
-                let mut ins = vec![x];
-                ins.extend(wide_inputs.iter().copied());
-                let mut out = k.call(&ins, &[(&shape, x.dtype())], [K, 1, 1], [256, 1, 1], &[("T", TemplateArg::Dtype(x.dtype()))])?;
-                Ok(out.pop().expect("one output"))
-            }),
-        ));
+    for (name, kernel, extra) in [("custom_kernel", &add_one, &wide_inputs[..0]), ("custom_kernel_8_inputs", &add_one_wide, &wide_inputs[..])] {
+        if let Some(k) = kernel {
+            kinds.push((
+                name,
+                Box::new(move |x: &Array| {
+                    let shape = x.shape();
+                    let ins: Vec<&Array> = std::iter::once(x).chain(extra.iter().copied()).collect();
+                    let mut out = k.call(&ins, &[(&shape, x.dtype())], [K, 1, 1], [256, 1, 1], &[("T", TemplateArg::Dtype(x.dtype()))])?;
+                    Ok(out.pop().expect("one output"))
+                }),
+            ));
+        }
     }
     for (name, node) in &kinds {
         // The reshape pair is two nodes a link.
