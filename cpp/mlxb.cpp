@@ -6,6 +6,8 @@
 #include "mlxb.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <map>
@@ -191,7 +193,23 @@ int mlxb_graph_ops(const mlxb_array* arrs, size_t n, char* buf, size_t len, size
       stack.pop_back();
       if (!seen_arrays.insert(a.id()).second) continue;
       if (!a.has_primitive() || a.status() != mx::array::Status::unscheduled) continue;
-      if (seen_prims.insert(a.primitive_id()).second) counts[a.primitive().name()]++;
+      if (seen_prims.insert(a.primitive_id()).second) {
+        counts[a.primitive().name()]++;
+        // MLXB_GRAPH_DUMP=1: each node on stderr (primitive, output shape,
+        // inputs' shapes and producers), to find where a step's views and
+        // launches come from on a backend only reachable by a batch job.
+        if (len > 0 && std::getenv("MLXB_GRAPH_DUMP")) {  // (the sizing call prints nothing)
+          std::string line = std::string(a.primitive().name()) + " out[";
+          for (auto d : a.shape()) line += std::to_string(d) + ",";
+          line += "] in";
+          for (const auto& in : a.inputs()) {
+            line += " [";
+            for (auto d : in.shape()) line += std::to_string(d) + ",";
+            line += in.has_primitive() && in.status() == mx::array::Status::unscheduled ? std::string("]<") + in.primitive().name() : "]";
+          }
+          fprintf(stderr, "NODE %s\n", line.c_str());
+        }
+      }
       for (const auto& in : a.inputs()) stack.push_back(in);
     }
     std::vector<std::pair<std::string, size_t>> v(counts.begin(), counts.end());

@@ -524,8 +524,12 @@ def step_ops():
                 continue
             e = env()
             e.update(extra)
+            # Every node of the step too (the bridge's MLXB_GRAPH_DUMP), whole.
+            e["MLXB_GRAPH_DUMP"] = "1"
             r = sh([BENCH, "--step-ops", "--prompts", "16", "--model", ours_ck(name), "--device", "gpu"],
                    f"step-ops-{name}", check=False, env=e)
+            (OUT / f"step-nodes-{name}-{variant}.txt").write_text(
+                "\n".join(l for l in r.stderr.splitlines() if l.startswith("NODE ")) + "\n")
             for line in r.stdout.splitlines():
                 j = json.loads(line)
                 if "step_ops" in j:

@@ -270,30 +270,40 @@ impl<'a> Stepper<'a> {
 /// The primitives one single-sequence greedy decode step hands MLX, by
 /// name, most frequent first (see [`crate::mlx::graph_ops`]): the step
 /// (compiled when `compiled` is given), the draw and its finiteness flag,
-/// the cache's new state, after a prefill of `prompt`. Each is encoded and
-/// launched by the host one at a time, and on CUDA that host work is what
-/// bounds the decode rate (`timing`), so their count is the step's cost.
+/// the cache's new state, after a prefill of `prompt` and two steps (the
+/// first step after a prefill builds what later ones reuse, such as a paged
+/// cache's decode mirrors gathered from its pool: 4 more nodes a K or V
+/// buffer, counted until session 13). Each is encoded and launched by the
+/// host one at a time, and on CUDA that host work is what bounds the decode
+/// rate (`timing`), so their count is the step's cost.
 pub fn decode_step_ops(model: &Lfm2Model, compiled: Option<&CompiledStep>, prompt: &[u32]) -> Result<Vec<(String, usize)>> {
     let mut cache = model.new_cache();
     let logits = prefill(model, &mut cache, prompt, prompt.len().max(1))?;
     let mut sampler = Sampler::new(SamplingParams::default(), prompt)?;
-    let first = sampler.sample(&logits)?;
-    crate::mlx::eval(&[&first])?;
+    let mut token = sampler.sample(&logits)?;
+    crate::mlx::eval(&[&token])?;
     cache.eval_state()?;
     let mut stepper = Stepper::new(model, compiled);
-    let l = stepper.step(&first.reshape(&[1, 1])?, &mut cache)?;
-    if let Some(e) = stepper.failure.take() {
-        return Err(e);
+    for i in 0..3 {
+        let l = stepper.step(&token.reshape(&[1, 1])?, &mut cache)?;
+        if let Some(e) = stepper.failure.take() {
+            return Err(e);
+        }
+        let finite = sampler::finite_rows(&l)?;
+        let next = sampler.sample(&l)?;
+        let fresh = cache.take_fresh();
+        let mut outs: Vec<&Array> = vec![&next, &finite];
+        outs.extend(fresh.iter());
+        outs.extend(cache.arrays());
+        let ops = if i == 2 { Some(crate::mlx::graph_ops(&outs)?) } else { None };
+        crate::mlx::eval(&outs)?;
+        drop(outs);
+        token = next;
+        if let Some(ops) = ops {
+            return Ok(ops);
+        }
     }
-    let finite = sampler::finite_rows(&l)?;
-    let next = sampler.sample(&l)?;
-    let fresh = cache.take_fresh();
-    let mut outs: Vec<&Array> = vec![&next, &finite];
-    outs.extend(fresh.iter());
-    outs.extend(cache.arrays());
-    let ops = crate::mlx::graph_ops(&outs)?;
-    crate::mlx::eval(&outs)?;
-    Ok(ops)
+    unreachable!("the third step returns")
 }
 
 /// Generates a completion for `prompt` on a fresh cache (`guide`: for a
