@@ -710,6 +710,10 @@ AB = {
     # slice update instead of the scatter (measured only: the scatter won
     # on GPU time on 2026-12-02, this asks what each costs the host).
     "router-qk": ({"MLX_LFM_ROUTER_GATE_KERNEL": "1", "MLX_LFM_QK_NORM_ROPE_KERNEL": "1"}, ["lfm2-8b-a1b-q4"]),
+    # A decode step's residual stream as [B, D] rows: no Flatten/Unflatten
+    # around each dense projection (the 1.2B's 130 of ~390 nodes), the
+    # same GPU kernels; rows for the MoE's experts without reshapes.
+    "decode-rows": ({"MLX_LFM_DECODE_ROWS": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "kv-write-slice": ({"MLX_LFM_KV_WRITE": "slice"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "graph-ops-64": ({"MLX_MAX_OPS_PER_BUFFER": "64"}, ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "graph-ops-200": ({"MLX_MAX_OPS_PER_BUFFER": "200"}, ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
@@ -731,6 +735,7 @@ AB_TESTS = {
     "router-gate-kernel": ["moe_router_gate_kernel_matches_stock_ops", "greedy:MLX_LFM_ROUTER_GATE_KERNEL"],
     # Each alone kept the stock tokens; together they have not run in the
     # greedy test, so both kernels' own tests and both verdicts.
+    "decode-rows": ["short_conv_kernel_matches_stock_ops", "greedy:MLX_LFM_DECODE_ROWS"],
     "router-qk": ["moe_router_gate_kernel_matches_stock_ops", "greedy:MLX_LFM_ROUTER_GATE_KERNEL",
                   "qk_norm_rope_kernel_matches_stock_ops", "greedy:MLX_LFM_QK_NORM_ROPE_KERNEL"],
 }
@@ -742,6 +747,7 @@ PICK = [
     (["router-gate-kernel", "router-qk"], "decode"),
     (["qk-norm-rope-kernel"], "decode"),
     (["batch1-matmul"], "decode"),
+    (["decode-rows"], "decode"),
     (["norm-kernel-all-rows"], "prefill"),
     (["moe-dequant-from-16-rows", "moe-dequant-from-64-rows"], "prefill"),
     (["prefill-overlap-2", "prefill-overlap-4", "prefill-split", "prefill-split-overlap-4"], "prefill"),

@@ -947,3 +947,40 @@ fn engines_built_under_overrides_keep_their_own_switches() {
     assert_eq!(run(&mut plain, &p, 24).tokens, run(&mut split, &p, 24).tokens);
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `MLX_LFM_DECODE_ROWS=1` (a decode step's residual stream as `[B, D]`
+/// rows): the same tokens as `[B, 1, D]`, dense and MoE, flat and paged,
+/// alone and batched, with the Flatten/Unflatten pairs MLX's matmul puts
+/// around a 3-D input gone from the step.
+#[test]
+fn decode_rows_give_the_same_tokens_with_fewer_nodes() {
+    let rows = vec![("MLX_LFM_DECODE_ROWS".to_string(), Some("1".to_string()))];
+    let ops = |e: &Engine| -> Vec<(String, usize)> {
+        crate::generate::decode_step_ops(&e.model, e.compiled.as_ref(), &prompt(8, 1)).unwrap()
+    };
+    let count = |ops: &[(String, usize)], name: &str| ops.iter().filter(|(k, _)| k == name).map(|(_, n)| n).sum::<usize>();
+    let total = |ops: &[(String, usize)]| ops.iter().map(|(_, n)| n).sum::<usize>();
+    for preset in [Preset::Tiny, Preset::TinyMoe] {
+        let dir = fixture_dir(&format!("rows-{preset:?}"), preset);
+        for paged in [false, true] {
+            let what = format!("{preset:?}, paged {paged}");
+            let p = prompt(21, 3);
+            let mut plain = engine(&dir, paged, 16, 64, Some(DecodePath::Compiled));
+            let (plain_ops, want) = (ops(&plain), run(&mut plain, &p, 40).tokens);
+            let (rows_ops, got) = crate::knobs::with_overrides(&rows, || {
+                let mut e = engine(&dir, paged, 16, 64, Some(DecodePath::Compiled));
+                (ops(&e), run(&mut e, &p, 40).tokens)
+            });
+            assert_eq!(got, want, "{what}: decode rows changed the tokens");
+            let (pf, rf) = (count(&plain_ops, "Flatten") + count(&plain_ops, "Unflatten"), count(&rows_ops, "Flatten") + count(&rows_ops, "Unflatten"));
+            assert!(pf >= 8 && rf * 3 <= pf, "{what}: Flatten/Unflatten {rf} with rows against {pf}");
+            assert!(total(&rows_ops) < total(&plain_ops), "{what}: {} nodes with rows against {}", total(&rows_ops), total(&plain_ops));
+            eprintln!("{what}: step nodes {} -> {} (Flatten/Unflatten {pf} -> {rf})", total(&plain_ops), total(&rows_ops));
+        }
+        std::fs::remove_dir_all(&dir).ok();
+    }
+    crate::knobs::with_overrides(&rows, || {
+        batched_equals_sequential(Preset::Tiny, true, DecodePath::Compiled, "batch-rows-paged");
+        batched_equals_sequential(Preset::TinyMoe, false, DecodePath::Compiled, "batch-rows-moe");
+    });
+}

@@ -62,11 +62,17 @@ pub fn available(bcx: &Array, state: &Array, w: &Array, has_bias: bool) -> bool 
     if !cuda_kernels_enabled() || has_bias || !dt.is_float() || dt == Dtype::Float64 {
         return false;
     }
-    if bcx.ndim() != 3 || state.ndim() != 3 || w.ndim() != 2 || bcx.dim(1) != 1 {
+    // `[B, 1, 3D]`, or a decode step's rows `[B, 3D]` (the same memory).
+    let one_token = match bcx.ndim() {
+        3 => bcx.dim(1) == 1,
+        2 => true,
+        _ => false,
+    };
+    if !one_token || state.ndim() != 3 || w.ndim() != 2 {
         return false;
     }
     let (b, d, l) = (bcx.dim(0), w.dim(0), w.dim(1));
-    bcx.dim(2) == 3 * d
+    bcx.dim(-1) == 3 * d
         && state.shape() == [b, l - 1, d]
         && state.dtype() == dt
         && w.dtype() == dt
@@ -77,16 +83,18 @@ pub fn available(bcx: &Array, state: &Array, w: &Array, has_bias: bool) -> bool 
 }
 
 /// `(padded [B, L, D], y [B, 1, D])` for in_proj's output `bcx`, the state
-/// before the token and the depthwise weights `w` (`[D, L]`).
+/// before the token and the depthwise weights `w` (`[D, L]`); `y` `[B, D]`
+/// for rows `bcx` `[B, 3D]`.
 pub fn conv_step(bcx: &Array, state: &Array, w: &Array) -> Result<(Array, Array)> {
     let kern = kernel().ok_or_else(|| Error::mlx("the fused short-conv kernel is not available"))?;
     let (b, d, l) = (bcx.dim(0), w.dim(0), w.dim(1));
     let block = block_for(d).ok_or_else(|| Error::invalid(format!("short-conv kernel: width {d} is not a multiple of 32")))?;
     let threads = b.checked_mul(d).ok_or_else(|| Error::invalid("too many rows for the short-conv kernel"))?;
     let dt = bcx.dtype();
+    let y_shape: Vec<i32> = if bcx.ndim() == 2 { vec![b, d] } else { vec![b, 1, d] };
     let mut outs = kern.call(
         &[bcx, state, w],
-        &[(&[b, l, d], dt), (&[b, 1, d], dt)],
+        &[(&[b, l, d], dt), (&y_shape, dt)],
         [threads, 1, 1],
         [block, 1, 1],
         &[("D", TemplateArg::Int(d)), ("KEEP", TemplateArg::Int(l - 1)), ("T", TemplateArg::Dtype(dt))],

@@ -315,10 +315,16 @@ fn greedy_tokens_with_kernels_equal_stock_ops() {
                 // "greedy:<switch>" verdicts it reads from these lines).
                 let alone: &[&'static str] = match (preset, q4) {
                     (Preset::TinyMoe, true) => {
-                        &["MLX_LFM_ROUTER_GATE_KERNEL", "MLX_LFM_QGEMV_KERNEL", "MLX_LFM_NORM_GEMV_KERNEL", "MLX_LFM_QK_NORM_ROPE_KERNEL"]
+                        &[
+                            "MLX_LFM_ROUTER_GATE_KERNEL",
+                            "MLX_LFM_QGEMV_KERNEL",
+                            "MLX_LFM_NORM_GEMV_KERNEL",
+                            "MLX_LFM_QK_NORM_ROPE_KERNEL",
+                            "MLX_LFM_DECODE_ROWS",
+                        ]
                     }
-                    (_, true) => &["MLX_LFM_QGEMV_KERNEL", "MLX_LFM_NORM_GEMV_KERNEL", "MLX_LFM_QK_NORM_ROPE_KERNEL"],
-                    (_, false) => &["MLX_LFM_QK_NORM_ROPE_KERNEL", "MLX_LFM_BATCH1_MATMUL"],
+                    (_, true) => &["MLX_LFM_QGEMV_KERNEL", "MLX_LFM_NORM_GEMV_KERNEL", "MLX_LFM_QK_NORM_ROPE_KERNEL", "MLX_LFM_DECODE_ROWS"],
+                    (_, false) => &["MLX_LFM_QK_NORM_ROPE_KERNEL", "MLX_LFM_BATCH1_MATMUL", "MLX_LFM_DECODE_ROWS"],
                 };
                 for &var in alone {
                     runs.push((var, crate::kernels::with_opt_in_one(var, || run(Some(&stock))).0));

@@ -73,7 +73,8 @@ impl Attention {
     /// q, k, v (`[B, heads, T, head_dim]`) from the projections `qkv` of a
     /// `[B, T, D]` input, after the norms, with RoPE at `offset`.
     fn project(&self, qkv: Vec<Array>, offset: Offset) -> Result<(Array, Array, Array)> {
-        let (b, t) = (qkv[0].dim(0), qkv[0].dim(1));
+        // (A decode step's rows `[B, width]`: one token each, see `decode_rows`.)
+        let (b, t) = if qkv[0].ndim() == 2 { (qkv[0].dim(0), 1) } else { (qkv[0].dim(0), qkv[0].dim(1)) };
         let hd = self.head_dim;
         use crate::kernels::qk_norm_rope;
         if t == 1 && qk_norm_rope::available(&qkv[0], &qkv[1], &self.q_norm, &self.k_norm, hd) {
@@ -118,12 +119,17 @@ impl Attention {
         Ok((q, k, v))
     }
 
-    /// `[B, heads, T, head_dim]` attention output back to `[B, T, D]`.
-    fn output(&self, o: &Array) -> Result<Array> {
+    /// `[B, heads, T, head_dim]` attention output back to `[B, T, D]`
+    /// (`rows`: to a decode step's `[B, D]`).
+    fn output(&self, o: &Array, rows: bool) -> Result<Array> {
         let (b, t) = (o.dim(0), o.dim(2));
         let width = self.n_heads * self.head_dim;
         // (One token: the same layout either way, see `project`.)
-        let o = if t == 1 { o.reshape(&[b, 1, width])? } else { o.transpose(&[0, 2, 1, 3])?.reshape(&[b, t, width])? };
+        let o = match (t, rows) {
+            (1, true) => o.reshape(&[b, width])?,
+            (1, false) => o.reshape(&[b, 1, width])?,
+            _ => o.transpose(&[0, 2, 1, 3])?.reshape(&[b, t, width])?,
+        };
         reduce(&self.shard, self.out_proj.forward(&o)?)
     }
 
@@ -133,7 +139,7 @@ impl Attention {
         let (s, qkv) = self.qkv.forward_normed(x)?;
         let (q, k, v) = self.project(qkv, cache.offset())?;
         let o = cache.attend(layer, &q, &k, &v, self.scale)?;
-        Ok((s, self.output(&o)?))
+        Ok((s, self.output(&o, x.h.ndim() == 2)?))
     }
 }
 
@@ -239,12 +245,21 @@ impl ShortConv {
     /// The gated conv over in_proj's B, C and x blocks.
     fn conv_parts(&self, parts: &[Array], prev: &Array, layer: usize, cache: &mut dyn ForwardCache) -> Result<Array> {
         let keep = self.kernel - 1;
-        let bx = parts[0].mul(&parts[2])?;
+        // A decode step's rows (`[B, D]`, see `decode_rows`) are one time
+        // step each: the window and the conv run over `[B, L, D]` as ever.
+        let rows = parts[0].ndim() == 2;
+        let mut bx = parts[0].mul(&parts[2])?;
+        if rows {
+            bx = bx.expand_dims(1)?;
+        }
         let padded = concatenate(&[prev, &bx], 1)?;
         cache.conv_update(layer, &padded, keep)?;
         let mut conv = mlx::conv1d(&padded, &self.conv_weight, 1, 0, 1, self.dim)?;
         if let Some(b) = &self.conv_bias {
             conv = conv.add(b)?;
+        }
+        if rows {
+            conv = conv.squeeze(1)?;
         }
         let y = parts[1].mul(&conv)?;
         reduce(&self.shard, self.out_proj.forward(&y)?)
@@ -327,6 +342,19 @@ impl Mlp {
             _ => None,
         }
     }
+}
+
+/// Opt-in (`MLX_LFM_DECODE_ROWS=1`): a decode step (the compiled and the
+/// stacked batch step, [`Lfm2Model::decode_step`]) runs its residual
+/// stream as `[B, D]` rows, not `[B, 1, D]`. MLX's matmul folds a 3-D input
+/// to 2-D and back around every dense projection (a Flatten and an
+/// Unflatten: 130 of the 1.2B's ~390 nodes a step on the H200, each ~1 µs
+/// of a host-bound step's build and dispatch); 2-D rows need neither, and
+/// the GPU runs the same kernels. Opt-in until the H200's paired A/B and
+/// greedy test have run it.
+pub(crate) fn decode_rows() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    crate::kernels::opt_in("MLX_LFM_DECODE_ROWS", &ON)
 }
 
 /// `MLX_LFM_PREFILL_OVERLAP` (0 when unset or out of range).
@@ -488,8 +516,15 @@ impl Lfm2Model {
     /// final norm and head: `[B, T, D]` for ids `[B, T]`. Every path runs
     /// through here.
     pub fn hidden(&self, ids: &Array, cache: &mut dyn ForwardCache) -> Result<Array> {
+        self.hidden_as(ids, cache, false)
+    }
+
+    /// [`Lfm2Model::hidden`]; with `rows` (one token a row, ids `[B, 1]`)
+    /// the residual stream runs as `[B, D]` and so is returned (see
+    /// [`decode_rows`]).
+    fn hidden_as(&self, ids: &Array, cache: &mut dyn ForwardCache, rows: bool) -> Result<Array> {
         let eps = self.config.norm_eps;
-        let mut h = self.embed.forward(ids)?;
+        let mut h = if rows { self.embed.forward(&ids.reshape(&[ids.dim(0)])?)? } else { self.embed.forward(ids)? };
         // Each layer is `h + op(op_norm(h))`, then `+ ffn(ffn_norm(.))`;
         // the feed-forward's output is added where the next layer norms
         // it, so every residual add meets the norm that follows it.
@@ -618,8 +653,10 @@ impl Lfm2Model {
         }
         let ids = &ins[0];
         let mut pass = StackedPass::new(&self.config.attn_layers, ins[1].clone(), ins[2..].to_vec())?;
-        let h = self.hidden(ids, &mut pass)?;
-        let logits = self.head(&h)?.reshape(&[ids.dim(0), -1])?;
+        let rows = ids.ndim() == 2 && ids.dim(1) == 1 && decode_rows();
+        let h = self.hidden_as(ids, &mut pass, rows)?;
+        let logits = self.head(&h)?;
+        let logits = if rows { logits } else { logits.reshape(&[ids.dim(0), -1])? };
         let mut out = vec![logits];
         out.extend(pass.into_state());
         Ok(out)

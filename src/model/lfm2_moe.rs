@@ -218,6 +218,11 @@ impl SparseMoe {
         if let Some(y) = self.fused_forward(x)? {
             return reduce(&self.shard, y);
         }
+        if x.ndim() == 2 {
+            // A decode step's rows (`decode_rows`): the stock experts run
+            // over `[B, T, D]`.
+            return self.forward(&x.expand_dims(1)?)?.squeeze(1);
+        }
         let (inds, scores) = self.route(x)?;
         let y = self.experts(x, &inds)?;
         reduce(&self.shard, y.mul(&scores.expand_dims(-1)?)?.sum(&[-2], false)?)
@@ -231,7 +236,9 @@ impl SparseMoe {
     /// where the kernels do not serve.
     fn fused_forward(&self, x: &Array) -> Result<Option<Array>> {
         use crate::kernels::moe_experts;
-        let (b, t, d) = (x.dim(0), x.dim(1), x.dim(2));
+        // A decode step's rows `[B, D]` (`decode_rows`) are one token each.
+        let as_rows = x.ndim() == 2;
+        let (b, t, d) = if as_rows { (x.dim(0), 1, x.dim(1)) } else { (x.dim(0), x.dim(1), x.dim(2)) };
         let k = self.top_k;
         // Only where the stock path gathers directly (see `experts`).
         if t > 1 && (b * t) as usize * k >= SORT_THRESHOLD {
@@ -243,7 +250,7 @@ impl SparseMoe {
         if !moe_experts::available(b * t, k, x.dtype(), gu, down) {
             return Ok(None);
         }
-        let rows = x.reshape(&[b * t, d])?;
+        let rows = if as_rows { x.clone() } else { x.reshape(&[b * t, d])? };
         let (idx, scores) = self.route(&rows)?;
         // The kernels read uint32 experts and weights in x's dtype (what
         // `route` gives on CUDA; anything else takes the stock experts).
@@ -252,7 +259,7 @@ impl SparseMoe {
         }
         let h = moe_experts::gate_up(&rows, &idx, gu)?;
         let y = moe_experts::down(&h, &idx, &scores, down)?;
-        Ok(Some(y.reshape(&[b, t, d])?))
+        Ok(Some(if as_rows { y } else { y.reshape(&[b, t, d])? }))
     }
 
     /// SwiGLU of each row through each of its k experts: `[B, T, k, D]`.
