@@ -280,11 +280,13 @@ pub fn decode_step_ops(model: &Lfm2Model, compiled: Option<&CompiledStep>, promp
     let mut cache = model.new_cache();
     let logits = prefill(model, &mut cache, prompt, prompt.len().max(1))?;
     let mut sampler = Sampler::new(SamplingParams::default(), prompt)?;
-    let mut token = sampler.sample(&logits)?;
+    let token = sampler.sample(&logits)?;
     crate::mlx::eval(&[&token])?;
     cache.eval_state()?;
     let mut stepper = Stepper::new(model, compiled);
-    for i in 0..3 {
+    // One step from `token`, run and evaluated: its draw, and with `count`
+    // the primitives of its graph.
+    let mut step = |token: &Array, count: bool| -> Result<(Array, Vec<(String, usize)>)> {
         let l = stepper.step(&token.reshape(&[1, 1])?, &mut cache)?;
         if let Some(e) = stepper.failure.take() {
             return Err(e);
@@ -295,15 +297,14 @@ pub fn decode_step_ops(model: &Lfm2Model, compiled: Option<&CompiledStep>, promp
         let mut outs: Vec<&Array> = vec![&next, &finite];
         outs.extend(fresh.iter());
         outs.extend(cache.arrays());
-        let ops = if i == 2 { Some(crate::mlx::graph_ops(&outs)?) } else { None };
+        let ops = if count { crate::mlx::graph_ops(&outs)? } else { vec![] };
         crate::mlx::eval(&outs)?;
         drop(outs);
-        token = next;
-        if let Some(ops) = ops {
-            return Ok(ops);
-        }
-    }
-    unreachable!("the third step returns")
+        Ok((next, ops))
+    };
+    let (token, _) = step(&token, false)?;
+    let (token, _) = step(&token, false)?;
+    Ok(step(&token, true)?.1)
 }
 
 /// Generates a completion for `prompt` on a fresh cache (`guide`: for a

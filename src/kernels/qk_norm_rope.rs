@@ -92,7 +92,7 @@ fn kernel() -> Option<&'static CudaKernel> {
 }
 
 /// Whether the fused kernel serves a decode step's `q` `[B, 1, H * HD]` and
-/// `k` `[B, 1, KVH * HD]` with norm weights `[HD]` and an int32 offset
+/// `k` `[B, 1, KVH * HD]` (or rows without the 1) with norm weights `[HD]` and an int32 offset
 /// (scalar, `[1]` or one per row): on (`MLX_LFM_QK_NORM_ROPE_KERNEL=1`,
 /// opt-in until its test and A/B have run on the H200), on CUDA, one float dtype, HD a power of two
 /// whose 16-byte runs fit a warp, and every head of a row in one block.
@@ -102,20 +102,18 @@ pub fn available(q: &Array, k: &Array, qw: &Array, kw: &Array, head_dim: i32) ->
         return false;
     }
     let dt = q.dtype();
-    if !cuda_kernels_enabled() || !dt.is_float() || dt == Dtype::Float64 || q.ndim() != 3 || k.ndim() != 3 {
+    if !cuda_kernels_enabled() || !dt.is_float() || dt == Dtype::Float64 || !one_token(q) || !one_token(k) {
         return false;
     }
     let nr = 16 / dt.size() as i32;
     let hd = head_dim;
     let tph = if hd > 0 { hd / nr } else { 0 };
-    let (heads, kv_heads) = if hd > 0 { (q.dim(2) / hd, k.dim(2) / hd) } else { (0, 0) };
+    let (heads, kv_heads) = if hd > 0 { (q.dim(-1) / hd, k.dim(-1) / hd) } else { (0, 0) };
     k.dtype() == dt
         && qw.dtype() == dt
         && kw.dtype() == dt
         && qw.shape() == [hd]
         && kw.shape() == [hd]
-        && q.dim(1) == 1
-        && k.dim(1) == 1
         && q.dim(0) == k.dim(0)
         && q.dim(0) > 0
         && hd > 0
@@ -124,10 +122,19 @@ pub fn available(q: &Array, k: &Array, qw: &Array, kw: &Array, head_dim: i32) ->
         && tph <= 32
         && heads > 0
         && kv_heads > 0
-        && q.dim(2) == heads * hd
-        && k.dim(2) == kv_heads * hd
+        && q.dim(-1) == heads * hd
+        && k.dim(-1) == kv_heads * hd
         && (heads + kv_heads) as i64 * tph as i64 <= 1024
         && kernel().is_some()
+}
+
+/// `[B, 1, width]`, or a decode step's rows `[B, width]` (the same memory).
+fn one_token(a: &Array) -> bool {
+    match a.ndim() {
+        3 => a.dim(1) == 1,
+        2 => true,
+        _ => false,
+    }
 }
 
 /// Whether the kernel reads `offset` for `rows` rows: int32, one position
@@ -143,7 +150,10 @@ pub fn qk_norm_rope(q: &Array, k: &Array, qw: &Array, kw: &Array, offset: &Array
     let kern = kernel().ok_or_else(|| Error::mlx("the q/k norm + RoPE kernel is not available"))?;
     let dt = q.dtype();
     let b = q.dim(0);
-    let (heads, kv_heads) = (q.dim(2) / head_dim, k.dim(2) / head_dim);
+    let (heads, kv_heads) = (q.dim(-1) / head_dim, k.dim(-1) / head_dim);
+    // The kernel reads its heads' width as `q_shape[2]`: rows are viewed
+    // as `[B, 1, width]` (two views, against the three launches it saves).
+    let (q, k) = if q.ndim() == 2 { (&q.reshape(&[b, 1, -1])?, &k.reshape(&[b, 1, -1])?) } else { (q, k) };
     if !offset_served(offset, b) {
         return Err(Error::invalid(format!(
             "q/k norm + RoPE: {} offsets of {:?} for {b} rows (int32, one or one per row)",

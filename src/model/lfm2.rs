@@ -77,21 +77,14 @@ impl Attention {
         let (b, t) = if qkv[0].ndim() == 2 { (qkv[0].dim(0), 1) } else { (qkv[0].dim(0), qkv[0].dim(1)) };
         let hd = self.head_dim;
         use crate::kernels::qk_norm_rope;
-        // The kernel reads `[B, 1, width]`: rows are viewed so (two views,
-        // against the three launches it saves).
-        let (q1, k1) = if t == 1 && qkv[0].ndim() == 2 {
-            (qkv[0].reshape(&[b, 1, -1])?, qkv[1].reshape(&[b, 1, -1])?)
-        } else {
-            (qkv[0].clone(), qkv[1].clone())
-        };
-        if t == 1 && qk_norm_rope::available(&q1, &k1, &self.q_norm, &self.k_norm, hd) {
+        if t == 1 && qk_norm_rope::available(&qkv[0], &qkv[1], &self.q_norm, &self.k_norm, hd) {
             // Any other offset keeps MLX's rope rather than failing the step.
             let offsets = match offset {
                 Offset::Int(off) => Some(Array::from_slice(&[off], &[1])?),
                 Offset::Array(offs) => qk_norm_rope::offset_served(offs, b).then(|| offs.clone()),
             };
             if let Some(offsets) = offsets {
-                let (q, k) = qk_norm_rope::qk_norm_rope(&q1, &k1, &self.q_norm, &self.k_norm, &offsets, hd, self.eps, self.rope_theta)?;
+                let (q, k) = qk_norm_rope::qk_norm_rope(&qkv[0], &qkv[1], &self.q_norm, &self.k_norm, &offsets, hd, self.eps, self.rope_theta)?;
                 let v = qkv[2].reshape(&[b, self.n_kv_heads, 1, hd])?;
                 return Ok((q, k, v));
             }
