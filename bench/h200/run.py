@@ -27,7 +27,10 @@ and .device/llama do not fit together; a call runs 10 minutes at most):
     4. carry [".device/bin"]:                H200_MODELS=lfm2-350m-bf16,lfm2-1.2b-bf16,lfm2-8b-a1b-q4 \
                                              H200_AB_REPS=6 python3 bench/h200/run.py ab pick
        (H200_AB_VARIANTS=a,b times only those against the defaults, all as engines of one
-       process run in alternation: separate processes minutes apart moved 2x on 2026-12-03)
+       process run in alternation: separate processes minutes apart moved 2x on 2026-12-03;
+       MLX's own knobs, graph-ops-64/200 and no-cuda-graphs, as one process per sample in
+       alternation with the defaults: ab_processes. In session 14 `ab pick` of 8 variants
+       over the three models took 107 s; the knobs add ~10 s a process)
     5. carry [".device/bin"]:                timeout -s TERM 580 python3 bench/h200/run.py round 1 round 2
        (the two rounds ran past 440 s on 2026-12-03's slower host; `timeout` lets run.py
        pack its logs and raw file before the call's own limit kills it)
@@ -663,8 +666,9 @@ AB = {
     "qgemv-kernel": ({"MLX_LFM_QGEMV_KERNEL": "1"}, ["lfm2-8b-a1b-q4"]),
     "quant-norm-kernels": ({"MLX_LFM_QGEMV_KERNEL": "1", "MLX_LFM_NORM_GEMV_KERNEL": "1"}, ["lfm2-8b-a1b-q4"]),
     # The router's quantized gate, its sigmoid and the top-k in one launch
-    # (three a MoE layer before).
-    "router-gate-kernel": ({"MLX_LFM_ROUTER_GATE_KERNEL": "1"}, ["lfm2-8b-a1b-q4"]),
+    # (three a MoE layer before): a default on CUDA since session 14 (its
+    # pick), measured off.
+    "router-gate-off": ({"MLX_LFM_ROUTER_GATE_KERNEL": "0"}, ["lfm2-8b-a1b-q4"]),
     # Defaults since 2026-12-03, measured only: the MoE experts' decode
     # kernels and the prefill's grouped GEMM (two launches a layer, tensor
     # cores, where MLX's qmm ran one per expert and projection) off.
@@ -676,27 +680,31 @@ AB = {
     # none (plain launches). Measured only (MLX's own knobs: not in PICK,
     # whose switches also reach mlx-lm in the rounds).
     # A one-batch dense product against a [1, K, N] weight view: one node
-    # where MLX's matmul folds a [1, T, K] input to 2-D and back (three).
-    "batch1-matmul": ({"MLX_LFM_BATCH1_MATMUL": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
+    # where MLX's matmul folds a [1, T, K] input to 2-D and back (three); a
+    # default on CUDA since session 14 (its pick), measured off.
+    "batch1-matmul-off": ({"MLX_LFM_BATCH1_MATMUL": "0"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
     # Every opt-in cut of a step's nodes at once, measured only (the greedy
     # test saw the opt-in kernels together depart from the stock tokens at
     # step 32 in session 11): what the host saves when they add up.
-    "dense-all": ({"MLX_LFM_GEMV_KERNEL": "1", "MLX_LFM_NORM_GEMV_KERNEL": "1", "MLX_LFM_QK_NORM_ROPE_KERNEL": "1",
-                   "MLX_LFM_BATCH1_MATMUL": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
-    "moe-all": ({"MLX_LFM_QGEMV_KERNEL": "1", "MLX_LFM_NORM_GEMV_KERNEL": "1", "MLX_LFM_QK_NORM_ROPE_KERNEL": "1",
-                 "MLX_LFM_ROUTER_GATE_KERNEL": "1"}, ["lfm2-8b-a1b-q4"]),
+    "dense-all": ({"MLX_LFM_GEMV_KERNEL": "1", "MLX_LFM_NORM_GEMV_KERNEL": "1", "MLX_LFM_QK_NORM_ROPE_KERNEL": "1"},
+                  ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
+    "moe-all": ({"MLX_LFM_QGEMV_KERNEL": "1", "MLX_LFM_NORM_GEMV_KERNEL": "1", "MLX_LFM_QK_NORM_ROPE_KERNEL": "1"},
+                ["lfm2-8b-a1b-q4"]),
     # The dense GEMV kernels (with the norm fold) are defaults on CUDA for
     # inputs at most 1024 wide since session 12 (the 350M's projections):
-    # off (the stock GEMVs), and on up to K = 2048 (the 1.2B's but w2);
-    # and the defaults with the q/k norm + RoPE kernel and the one-batch
-    # matmul.
+    # off (the stock GEMVs), and on up to K = 2048 (the 1.2B's but w2: +12%
+    # decode in session 14's paired A/B, one run, reps 0.90-1.28) and up
+    # to K = 8192 (w2 too).
     "gemv-off": ({"MLX_LFM_GEMV_KERNEL": "0", "MLX_LFM_NORM_GEMV_KERNEL": "0"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
     "gemv-max-k-2048": ({"MLX_LFM_GEMV_KERNEL_MAX_K": "2048"}, ["lfm2-1.2b-bf16"]),
-    "auto-qk-batch1": ({"MLX_LFM_QK_NORM_ROPE_KERNEL": "1", "MLX_LFM_BATCH1_MATMUL": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
+    "gemv-max-k-8192": ({"MLX_LFM_GEMV_KERNEL_MAX_K": "8192"}, ["lfm2-1.2b-bf16"]),
     # A prompt's pass handed to MLX every N layers as it is built, so the
     # GPU runs the first layers while the host builds the rest (a prefill
-    # is eager: its build does not overlap the GPU otherwise).
-    "prefill-overlap-2": ({"MLX_LFM_PREFILL_OVERLAP": "2"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # is eager: its build does not overlap the GPU otherwise). N = 2 is the
+    # MoE model's default on CUDA since session 14 (+8-14% in each rep of
+    # its A/B; the dense models lost): measured off there.
+    "prefill-overlap-2": ({"MLX_LFM_PREFILL_OVERLAP": "2"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
+    "prefill-overlap-off": ({"MLX_LFM_PREFILL_OVERLAP": "0"}, ["lfm2-8b-a1b-q4"]),
     "prefill-overlap-4": ({"MLX_LFM_PREFILL_OVERLAP": "4"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     # A prompt's stacked projections part by part (contiguous outputs for
     # the gates after them; MLX's strided elementwise kernels were 683 µs
@@ -705,15 +713,14 @@ AB = {
     "prefill-split": ({"MLX_LFM_PREFILL_SPLIT": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "prefill-split-overlap-4": ({"MLX_LFM_PREFILL_SPLIT": "1", "MLX_LFM_PREFILL_OVERLAP": "4"},
                                 ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
-    # The 8B-A1B's two launch cuts whose greedy verdicts passed alone (44
-    # and 18 launches of its ~280), together; and the K/V write as MLX's
-    # slice update instead of the scatter (measured only: the scatter won
-    # on GPU time on 2026-12-02, this asks what each costs the host).
-    "router-qk": ({"MLX_LFM_ROUTER_GATE_KERNEL": "1", "MLX_LFM_QK_NORM_ROPE_KERNEL": "1"}, ["lfm2-8b-a1b-q4"]),
     # A decode step's residual stream as [B, D] rows: no Flatten/Unflatten
-    # around each dense projection (the 1.2B's 130 of ~390 nodes), the
-    # same GPU kernels; rows for the MoE's experts without reshapes.
-    "decode-rows": ({"MLX_LFM_DECODE_ROWS": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # around each dense projection, the same GPU kernels; rows for the
+    # MoE's experts without reshapes. A default on CUDA since session 14
+    # (round 3 ran it), measured off.
+    "decode-rows-off": ({"MLX_LFM_DECODE_ROWS": "0"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # The K/V write as MLX's slice update instead of the scatter (measured
+    # only: the scatter won on GPU time on 2026-12-02, this asks what each
+    # costs the host).
     "kv-write-slice": ({"MLX_LFM_KV_WRITE": "slice"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "graph-ops-64": ({"MLX_MAX_OPS_PER_BUFFER": "64"}, ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "graph-ops-200": ({"MLX_MAX_OPS_PER_BUFFER": "200"}, ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
@@ -731,23 +738,20 @@ AB_TESTS = {
                            "greedy:MLX_LFM_QGEMV_KERNEL", "greedy:every opt-in"],
     "norm-kernel-all-rows": ["add_rms_norm_kernel_matches_stock_ops"],
     "qk-norm-rope-kernel": ["qk_norm_rope_kernel_matches_stock_ops", "greedy:MLX_LFM_QK_NORM_ROPE_KERNEL"],
-    "batch1-matmul": ["greedy:MLX_LFM_BATCH1_MATMUL"],
-    "router-gate-kernel": ["moe_router_gate_kernel_matches_stock_ops", "greedy:MLX_LFM_ROUTER_GATE_KERNEL"],
-    # Each alone kept the stock tokens; together they have not run in the
-    # greedy test, so both kernels' own tests and both verdicts.
-    "decode-rows": ["short_conv_kernel_matches_stock_ops", "greedy:MLX_LFM_DECODE_ROWS"],
-    "router-qk": ["moe_router_gate_kernel_matches_stock_ops", "greedy:MLX_LFM_ROUTER_GATE_KERNEL",
-                  "qk_norm_rope_kernel_matches_stock_ops", "greedy:MLX_LFM_QK_NORM_ROPE_KERNEL"],
+    # The GEMV kernels' own tests cover K = 2048 and 8192; the greedy
+    # test's fixtures are narrower, so its default run stands for the rest.
+    "gemv-max-k-2048": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops",
+                        "norm_gemv_kernels_match_stock_ops", "greedy:default"],
+    "gemv-max-k-8192": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops",
+                        "norm_gemv_kernels_match_stock_ops", "greedy:default"],
 }
 # Groups of variants of which `pick` adopts at most one: (variants, the
 # figure it must raise by 3% over "all" without the other falling 3%).
 PICK = [
     (["gemv-kernel", "gemv-norm-kernels"], "decode"),
     (["qgemv-kernel", "quant-norm-kernels"], "decode"),
-    (["router-gate-kernel", "router-qk"], "decode"),
     (["qk-norm-rope-kernel"], "decode"),
-    (["batch1-matmul"], "decode"),
-    (["decode-rows"], "decode"),
+    (["gemv-max-k-2048", "gemv-max-k-8192"], "decode"),
     (["norm-kernel-all-rows"], "prefill"),
     (["moe-dequant-from-16-rows", "moe-dequant-from-64-rows"], "prefill"),
     (["prefill-overlap-2", "prefill-overlap-4", "prefill-split", "prefill-split-overlap-4"], "prefill"),
@@ -788,16 +792,44 @@ def ab():
                        decode=j["decode_tps_runs"], host_us=j.get("host_build_dispatch_wait_us_runs"),
                        decode_ratio=j["decode_ratio_runs"], prefill_ratio=j["prefill_ratio_runs"],
                        step_ops=j.get("step_ops"), paired=True)
-        for v, extra in [(v, e) for v, e in chosen if (v, e) not in inproc]:
+        knobs = [(v, e) for v, e in chosen if (v, e) not in inproc]
+        if knobs:
+            ab_processes(name, knobs, max(2, reps // 2))
+
+
+def ab_processes(name, knobs, reps):
+    """MLX's own knobs, read once per process (MLX_MAX_OPS_PER_BUFFER,
+    MLX_USE_CUDA_GRAPHS): one process per sample, the defaults and each
+    variant in alternation, the order rotated each rep, so a rep's samples
+    are seconds apart and its ratios to the defaults' sample are paired as
+    `--ab`'s are (on 2026-12-03 separate processes in two turns minutes
+    apart drifted by 2x). A process's first run warms its shapes; its
+    second is the sample."""
+    arms = [("all", {})] + list(knobs)
+    got = {v: {"decode": [], "prefill": [], "host_us": []} for v, _ in arms}
+    for rep in range(reps):
+        order = arms[rep % len(arms):] + arms[:rep % len(arms)]
+        for v, extra in order:
             e = env()
             e.update(extra)
             r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--prompts", "512", "--gen", "128",
-                    "--reps", "3", "--paths", "compiled"], f"ab-{name}", check=False, env=e)
-            for line in r.stdout.splitlines():
-                j = json.loads(line)
-                if "prompt" in j:
-                    record(engine="ab", model=name, variant=v, prefill=j["prefill_tps_runs"],
-                           decode=j["decode_tps_runs"], host_us=j.get("host_build_dispatch_wait_us_runs"))
+                    "--reps", "2", "--paths", "compiled"], f"ab-procs-{name}", check=False, env=e)
+            rows = [json.loads(l) for l in r.stdout.splitlines() if l.startswith("{") and '"prompt"' in l]
+            if not rows or len(rows[-1].get("decode_tps_runs", [])) < 2:
+                log(f"ab-procs {name} {v}: no sample (rc {r.returncode})")
+                for f in ("decode", "prefill"):
+                    got[v][f].append(None)
+                continue
+            j = rows[-1]
+            got[v]["decode"].append(j["decode_tps_runs"][-1])
+            got[v]["prefill"].append(j["prefill_tps_runs"][-1])
+            got[v]["host_us"].append((j.get("host_build_dispatch_wait_us_runs") or [None])[-1])
+    base = got["all"]
+    for v, _ in arms:
+        ratio = {f: [x / b for x, b in zip(got[v][f], base[f]) if x and b] for f in ("decode", "prefill")}
+        record(engine="ab", model=name, variant=v, prefill=[x for x in got[v]["prefill"] if x],
+               decode=[x for x in got[v]["decode"] if x], host_us=got[v]["host_us"], decode_ratio=ratio["decode"],
+               prefill_ratio=ratio["prefill"], paired=True, processes=True)
 
 
 def pick():

@@ -68,6 +68,15 @@ pub(crate) fn switch(var: &str, cell: &OnceLock<Option<bool>>) -> Option<bool> {
     })
 }
 
+/// A change adopted as a default where our CUDA kernels run (the H200's
+/// paired A/B and greedy test ran it there; other backends were never
+/// timed with it): on there unless `var=0`, on anywhere with `var=1` (a
+/// CPU test) or a test's opt-in. Asks the backend each time, not once, so a
+/// test's [`crate::mlx::kernel::with_stock_ops`] builds the stock graph.
+pub(crate) fn cuda_default(var: &str, cell: &OnceLock<Option<bool>>) -> bool {
+    switch(var, cell).unwrap_or_else(crate::mlx::kernel::cuda_kernels_enabled)
+}
+
 /// Runs `f` with the one opt-in kernel that `var` switches on on this
 /// thread (a test that must tell which opt-in kernel departs).
 pub fn with_opt_in_one<R>(var: &'static str, f: impl FnOnce() -> R) -> R {

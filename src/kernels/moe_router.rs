@@ -166,9 +166,12 @@ fn gate_kernel() -> Option<&'static CudaKernel> {
     .as_ref()
 }
 
+/// On by default since session 14 (the H200's paired A/B: 8B-A1B decode
+/// +3%, five reps of five above 1.02; the greedy test kept the stock
+/// tokens), `MLX_LFM_ROUTER_GATE_KERNEL=0` off.
 fn gate_enabled() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    super::opt_in("MLX_LFM_ROUTER_GATE_KERNEL", &ON)
+    static ON: OnceLock<Option<bool>> = OnceLock::new();
+    super::cuda_default("MLX_LFM_ROUTER_GATE_KERNEL", &ON)
 }
 
 /// Rows the gate kernel serves (a decode step's; each block reads the
@@ -208,8 +211,8 @@ pub fn route(probs: &Array, bias: &Array, scale: &Array, k: usize, norm: bool) -
 }
 
 /// Whether the gate kernel serves `n` rows `d` wide in dtype `dt` through
-/// the quantized gate `q` `[E, d * bits / 32]` with `k` experts a row: opt-in
-/// (`MLX_LFM_ROUTER_GATE_KERNEL=1`), on CUDA, 1 to [`GATE_MAX_ROWS`] rows
+/// the quantized gate `q` `[E, d * bits / 32]` with `k` experts a row: on
+/// ([`gate_enabled`]), on CUDA, 1 to [`GATE_MAX_ROWS`] rows
 /// at most 8,192 wide, a specification the quantized GEMV's helpers serve.
 pub fn gate_available(n: i32, d: i32, dt: Dtype, q: &Quantized, k: usize) -> bool {
     if !gate_enabled() || q.weight.ndim() != 2 {

@@ -313,18 +313,11 @@ fn greedy_tokens_with_kernels_equal_stock_ops() {
                 // departure of the set names its kernel, and `run.py pick`
                 // adopts a switch only where its own runs passed (the
                 // "greedy:<switch>" verdicts it reads from these lines).
-                let alone: &[&'static str] = match (preset, q4) {
-                    (Preset::TinyMoe, true) => {
-                        &[
-                            "MLX_LFM_ROUTER_GATE_KERNEL",
-                            "MLX_LFM_QGEMV_KERNEL",
-                            "MLX_LFM_NORM_GEMV_KERNEL",
-                            "MLX_LFM_QK_NORM_ROPE_KERNEL",
-                            "MLX_LFM_DECODE_ROWS",
-                        ]
-                    }
-                    (_, true) => &["MLX_LFM_QGEMV_KERNEL", "MLX_LFM_NORM_GEMV_KERNEL", "MLX_LFM_QK_NORM_ROPE_KERNEL", "MLX_LFM_DECODE_ROWS"],
-                    (_, false) => &["MLX_LFM_QK_NORM_ROPE_KERNEL", "MLX_LFM_BATCH1_MATMUL", "MLX_LFM_DECODE_ROWS"],
+                // (The router gate, the one-batch matmul and the decode rows
+                // are defaults on CUDA since session 14: "default" runs them.)
+                let alone: &[&'static str] = match q4 {
+                    true => &["MLX_LFM_QGEMV_KERNEL", "MLX_LFM_NORM_GEMV_KERNEL", "MLX_LFM_QK_NORM_ROPE_KERNEL"],
+                    false => &["MLX_LFM_QK_NORM_ROPE_KERNEL"],
                 };
                 for &var in alone {
                     runs.push((var, crate::kernels::with_opt_in_one(var, || run(Some(&stock))).0));

@@ -350,19 +350,29 @@ impl Mlp {
 /// to 2-D and back around every dense projection (a Flatten and an
 /// Unflatten: 130 of the 1.2B's ~390 nodes a step on the H200, each ~1 µs
 /// of a host-bound step's build and dispatch); 2-D rows need neither, and
-/// the GPU runs the same kernels. Opt-in until the H200's paired A/B and
-/// greedy test have run it.
+/// the GPU runs the same kernels. On CUDA by default since session 14 (the
+/// H200's greedy test kept the stock tokens; paired A/B: decode +4% on the
+/// 8B-A1B, whose MoE rows lose their reshapes, and +4-8% on the dense models
+/// where the one-batch matmul is off: with it on, it already spares those
+/// views), `MLX_LFM_DECODE_ROWS=0` off, `=1` on elsewhere (the CPU test).
 pub(crate) fn decode_rows() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    crate::kernels::opt_in("MLX_LFM_DECODE_ROWS", &ON)
+    static ON: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    crate::kernels::cuda_default("MLX_LFM_DECODE_ROWS", &ON)
 }
 
-/// `MLX_LFM_PREFILL_OVERLAP` (0 when unset or out of range).
-fn prefill_overlap_layers() -> usize {
-    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+/// Layers a prompt's pass builds before handing them to MLX:
+/// `MLX_LFM_PREFILL_OVERLAP` (0 when out of range), else 2 for a MoE model
+/// where our CUDA kernels run, else 0 (the whole pass at once). In session
+/// 14's paired A/B on the H200 the MoE's 512-token prefill (thousands of
+/// launches, built on the host while the GPU idles) gained 8-14% in each of
+/// five reps with N = 2 (3-10% with 4); the dense models' lost 10-15% (their
+/// pass is short: a hand-off costs more than the overlap gives).
+fn prefill_overlap_layers(moe: bool) -> usize {
+    static N: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     crate::knobs::cached("MLX_LFM_PREFILL_OVERLAP", &N, |v| {
-        v.and_then(|v| v.trim().parse::<usize>().ok()).filter(|&n| n <= 1024).unwrap_or(0)
+        v.map(|v| v.trim().parse::<usize>().ok().filter(|&n| n <= 1024).unwrap_or(0))
     })
+    .unwrap_or_else(|| if moe && crate::mlx::kernel::cuda_kernels_enabled() { 2 } else { 0 })
 }
 
 pub enum Operator {
@@ -437,7 +447,7 @@ pub struct Lfm2Model {
     /// its caches only those heads' K/V and those channels' conv state.
     pub shard: Option<Shard>,
     /// Layers a prompt's pass builds before it hands them to MLX to run
-    /// (`MLX_LFM_PREFILL_OVERLAP=N`; 0: the whole pass at once).
+    /// (0: the whole pass at once; see [`prefill_overlap_layers`]).
     pub prefill_overlap: usize,
 }
 
@@ -485,6 +495,7 @@ impl Lfm2Model {
                 ffn_norm: st.get_shaped(&format!("{p}.ffn_norm.weight"), &[d as i32])?,
             });
         }
+        let moe = c.moe.is_some();
         let lm_head = if c.tie_word_embeddings && !st.has("lm_head.weight") {
             None
         } else {
@@ -508,7 +519,7 @@ impl Lfm2Model {
             norm_eps,
             paged: None,
             shard,
-            prefill_overlap: prefill_overlap_layers(),
+            prefill_overlap: prefill_overlap_layers(moe),
         })
     }
 
@@ -744,6 +755,21 @@ impl Lfm2Model {
         }
         self.kv_codecs = if codecs.iter().any(|c| c.is_some()) { codecs } else { vec![] };
         Ok(kinds)
+    }
+
+    /// Views the model keeps of its weights (each conv kernel as `[D, L]`,
+    /// what the CUDA conv step reads), evaluated at load after the weights:
+    /// unevaluated, each was a reshape node in every decode step (one per
+    /// conv layer in the H200's node dumps of session 14); not in
+    /// [`Lfm2Model::arrays`], whose bytes they share.
+    pub fn weight_views(&self) -> Vec<&Array> {
+        self.layers
+            .iter()
+            .filter_map(|l| match &l.operator {
+                Operator::Conv(c) => Some(&c.conv_weight_dl),
+                Operator::Attention(_) => None,
+            })
+            .collect()
     }
 
     /// Every weight array, for evaluation at load and memory accounting.

@@ -289,11 +289,13 @@ pub fn split_products(x: &Array) -> bool {
     crate::kernels::opt_in("MLX_LFM_PREFILL_SPLIT", &ON) && x.ndim() >= 2 && x.size() / x.dim(-1).max(1) as usize > 32
 }
 
-/// Opt-in (`MLX_LFM_BATCH1_MATMUL=1`, or a kernel test's `with_opt_in`):
-/// see [`Transposed::product`].
+/// On CUDA by default since session 14 (paired A/B on the H200: decode
+/// +3% on the 350M, +5% on the 1.2B, its 512-token prefill +9%; the greedy
+/// test kept the stock tokens), `MLX_LFM_BATCH1_MATMUL=0` off, `=1` on
+/// elsewhere: see [`Transposed::product`].
 fn batch1_matmul() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    crate::kernels::opt_in("MLX_LFM_BATCH1_MATMUL", &ON)
+    static ON: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    crate::kernels::cuda_default("MLX_LFM_BATCH1_MATMUL", &ON)
 }
 
 impl Transposed {
@@ -304,11 +306,11 @@ impl Transposed {
 
     /// `x @ w.T` for a dense 2-D `w`. MLX's matmul folds a `[B, T, in]`
     /// input against a 2-D weight to `[B*T, in]` and back, two nodes more
-    /// than the product; with the opt-in switch on, a one-batch input
-    /// (every single-sequence step and prefill) meets the weight as a
-    /// `[1, in, out]` view instead, a batched product of one that MLX
-    /// builds as one node. (Whether MLX's CUDA backend runs that as fast
-    /// as the 2-D product is for the H200's A/B to say: `batch1-matmul`.)
+    /// than the product; with the switch on ([`batch1_matmul`]: CUDA's
+    /// default), a one-batch input (every single-sequence step and prefill)
+    /// meets the weight as a `[1, in, out]` view instead, a batched product
+    /// of one that MLX builds as one node. (On other backends nothing has
+    /// timed it against the 2-D product, so they keep that.)
     pub fn product(&self, x: &Array, w: &Array) -> Result<Array> {
         if x.ndim() == 3 && x.dim(0) == 1 && w.ndim() == 2 && batch1_matmul() {
             let w3 = cached_view(&self.batch1, || self.of(w)?.expand_dims(0))?;

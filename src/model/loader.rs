@@ -81,6 +81,7 @@ pub fn load_model(dir: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
         loaded += chunk.iter().map(|a| a.nbytes()).sum::<usize>();
         report(loaded)?;
     }
+    eval(&model.weight_views()).map_err(|e| e.context(format!("reading weights from {}", dir.display())))?;
     // What the stacked tensors were read into went to MLX's buffer cache.
     crate::mlx::runtime::clear_cache();
     Ok(LoadedModel { weight_files, unused_tensors, model, dir: dir.to_path_buf(), weight_bytes: total })
