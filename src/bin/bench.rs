@@ -293,15 +293,16 @@ fn run() -> mlx_lfm::Result<()> {
             // same-run H200 benchmark compares medians across engines).
             let (mut prefills, mut decodes) = (vec![], vec![]);
             // Per token of each rep, in µs: the host building the step, MLX
-            // encoding and launching it, and the wait for the token
-            // (`generate::timing`; a wait near zero: bound by the host).
+            // encoding and launching it, the wait for the token, and with
+            // MLX_LFM_SYNC_STEPS=1 the wait right after each dispatch
+            // (`generate::timing`, `host_us`).
             let mut host = vec![];
             for r in 0..reps {
                 let params = GenerateParams { max_tokens: gen, ignore_eos: true, ..Default::default() };
                 mlx_lfm::generate::timing::take();
                 let g = eng.generate(Prompt::Tokens(ids(p, vocab, 7 + r as u32)), params, &mut NoObserver)?;
-                let (b, d, w) = mlx_lfm::generate::timing::take().per_token_us();
-                host.push([(b * 10.0).round() / 10.0, (d * 10.0).round() / 10.0, (w * 10.0).round() / 10.0]);
+                let times = mlx_lfm::generate::timing::take();
+                host.push(host_us(&times));
                 best_prefill = best_prefill.max(g.metrics.prefill_tokens_per_second);
                 best_ttft = best_ttft.min(g.metrics.ttft_ms);
                 best_decode = best_decode.max(g.metrics.decode_tokens_per_second);
@@ -329,6 +330,16 @@ fn run() -> mlx_lfm::Result<()> {
 }
 
 /// The middle value (the mean of the middle two for an even count); 0 for none.
+/// A rep's per-token µs, to a tenth: build, dispatch, wait, and the
+/// synchronous tail (0 unless `MLX_LFM_SYNC_STEPS=1`; see
+/// `generate::timing::sync_steps`: a wait near zero in the pipelined loop
+/// alone does not tell a host-bound step, as MLX's dispatch itself can wait
+/// on the device).
+fn host_us(t: &mlx_lfm::generate::timing::StepTimes) -> [f64; 4] {
+    let (b, d, w) = t.per_token_us();
+    [b, d, w, t.sync_us()].map(|x| (x * 10.0).round() / 10.0)
+}
+
 fn median_of(v: &[f64]) -> f64 {
     let mut v = v.to_vec();
     v.sort_by(|a, b| a.total_cmp(b));
@@ -398,8 +409,8 @@ fn ab(
                 mlx_lfm::generate::timing::take();
                 eng.generate(Prompt::Tokens(ids(prompt, vocab, 7 + r as u32)), params, &mut NoObserver)
             })?;
-            let (b, d, w) = mlx_lfm::generate::timing::take().per_token_us();
-            host[i].push([(b * 10.0).round() / 10.0, (d * 10.0).round() / 10.0, (w * 10.0).round() / 10.0]);
+            let times = mlx_lfm::generate::timing::take();
+            host[i].push(host_us(&times));
             prefill[i].push(g.metrics.prefill_tokens_per_second);
             decode[i].push(g.metrics.decode_tokens_per_second);
         }

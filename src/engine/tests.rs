@@ -948,6 +948,29 @@ fn engines_built_under_overrides_keep_their_own_switches() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// `MLX_LFM_SYNC_STEPS=1` (a measurement switch: each decode step waited
+/// for right after its dispatch) gives the same tokens and counts that
+/// wait, which the pipelined loop does not.
+#[test]
+fn synchronous_steps_give_the_same_tokens_and_count_their_wait() {
+    let dir = fixture_dir("sync-steps", Preset::Tiny);
+    let mut e = engine(&dir, false, 16, 64, Some(DecodePath::Compiled));
+    let p = prompt(20, 5);
+    crate::generate::timing::take();
+    let want = run(&mut e, &p, 24).tokens;
+    let plain = crate::generate::timing::take();
+    let sync = vec![("MLX_LFM_SYNC_STEPS".to_string(), Some("1".to_string()))];
+    let got = crate::knobs::with_overrides(&sync, || run(&mut e, &p, 24)).tokens;
+    let synced = crate::generate::timing::take();
+    assert_eq!(got, want, "waiting on each step changed the tokens");
+    assert!(synced.sync_ns > 0, "no step was waited for after its dispatch: {synced:?}");
+    if std::env::var_os("MLX_LFM_SYNC_STEPS").is_none() {
+        // (Only this thread's override turns it on: no other test's steps count.)
+        assert_eq!(plain.sync_ns, 0, "the pipelined loop waited after a dispatch: {plain:?}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// `MLX_LFM_DECODE_ROWS=1` (a decode step's residual stream as `[B, D]`
 /// rows): the same tokens as `[B, 1, D]`, dense and MoE (bf16 and 4-bit),
 /// flat and paged, alone and batched, with the Flatten/Unflatten pairs

@@ -644,6 +644,11 @@ impl Sequence {
         let t = Instant::now();
         queue_tokens(&queued, &mut [&mut self.cache])?;
         timing::dispatch(t);
+        if timing::sync_steps() {
+            let t = Instant::now();
+            crate::mlx::eval(&queued)?;
+            timing::sync(t);
+        }
         Ok(n)
     }
 

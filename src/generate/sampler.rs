@@ -350,6 +350,20 @@ fn apply_top_k(lp: &Array, k: usize) -> Result<Array> {
 mod tests {
     use super::*;
 
+    /// Each row's flag: 1 for finite rows (large values too), 0 for a row
+    /// holding a NaN, +inf or -inf, in float32, bfloat16 and float16.
+    #[test]
+    fn finite_rows_flags_each_row() {
+        let v = 60000.0f32;
+        let rows = [[1.0, -2.0, 3.0], [v, v, -v], [f32::NAN, 0.0, 1.0], [0.0, f32::INFINITY, 1.0], [f32::NEG_INFINITY, 1.0, 2.0]];
+        let flat: Vec<f32> = rows.iter().flatten().copied().collect();
+        for dt in [Dtype::Float32, Dtype::Bfloat16, Dtype::Float16] {
+            let l = Array::from_slice(&flat, &[5, 3]).unwrap().astype(dt).unwrap();
+            let f: Vec<u32> = finite_rows(&l).unwrap().to_vec().unwrap();
+            assert_eq!(f, vec![1, 1, 0, 0, 0], "{dt:?}");
+        }
+    }
+
     fn logits(v: &[f32]) -> Array {
         Array::from_slice(v, &[1, v.len() as i32]).unwrap()
     }
@@ -478,5 +492,14 @@ pub fn finite_rows(logits: &Array) -> Result<Array> {
     // vocabulary, so it is widened first.
     let s = if logits.dtype() == Dtype::Float16 { logits.astype(Dtype::Float32)? } else { logits.clone() };
     let s = s.sum(&[-1], false)?;
-    s.mul_scalar(0.0)?.eq_scalar(0.0)?.astype(Dtype::Uint32)?.reshape(&[-1])
+    // A finite sum less itself is 0, which equals itself; an infinity's or a
+    // NaN's is NaN, which equals nothing. (No scalar operands: `* 0 == 0`
+    // put two broadcast nodes into every decode step.)
+    let d = s.sub(&s)?;
+    let f = d.eq(&d)?.astype(Dtype::Uint32)?;
+    if f.ndim() == 1 {
+        Ok(f)
+    } else {
+        f.reshape(&[-1])
+    }
 }

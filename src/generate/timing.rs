@@ -16,6 +16,7 @@ static BUILD_NS: AtomicU64 = AtomicU64::new(0);
 static DISPATCH_NS: AtomicU64 = AtomicU64::new(0);
 static WAIT_NS: AtomicU64 = AtomicU64::new(0);
 static TOKENS: AtomicU64 = AtomicU64::new(0);
+static SYNC_NS: AtomicU64 = AtomicU64::new(0);
 
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct StepTimes {
@@ -24,6 +25,9 @@ pub struct StepTimes {
     pub build_ns: u64,
     pub dispatch_ns: u64,
     pub wait_ns: u64,
+    /// With [`sync_steps`] on: the wait for each step right after its
+    /// dispatch (the device's time left once the host let go of it).
+    pub sync_ns: u64,
 }
 
 impl StepTimes {
@@ -32,6 +36,27 @@ impl StepTimes {
         let n = self.tokens.max(1) as f64 * 1000.0;
         (self.build_ns as f64 / n, self.dispatch_ns as f64 / n, self.wait_ns as f64 / n)
     }
+
+    /// Microseconds a token of [`StepTimes::sync_ns`].
+    pub fn sync_us(&self) -> f64 {
+        self.sync_ns as f64 / (self.tokens.max(1) as f64 * 1000.0)
+    }
+}
+
+/// A measurement switch (`MLX_LFM_SYNC_STEPS=1`, per engine through
+/// `knobs`): each decode step is waited for as soon as it is dispatched,
+/// before the next is built, so the host never runs ahead of the device.
+/// Build and dispatch then are the host's own cost with an idle device
+/// (MLX's `eval_impl`, `mlx/transforms.cpp`, stops its caller while more
+/// than `MAX_ACTIVE_TASKS` = 10 committed batches are in flight, so in the
+/// pipelined loop a dispatch may also be waiting on the device, and a wait
+/// near zero does not prove a host-bound step), and the decode rate is
+/// 1 / (host + the device's tail):
+/// set beside the pipelined figures of the same run, it says which of the
+/// two bounds a step. Never on by default (it serialises host and device).
+pub fn sync_steps() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    crate::knobs::cached("MLX_LFM_SYNC_STEPS", &ON, |v| v == Some("1"))
 }
 
 fn add(counter: &AtomicU64, since: Instant) {
@@ -46,6 +71,10 @@ pub(crate) fn dispatch(since: Instant) {
     add(&DISPATCH_NS, since);
 }
 
+pub(crate) fn sync(since: Instant) {
+    add(&SYNC_NS, since);
+}
+
 pub(crate) fn wait(since: Instant) {
     add(&WAIT_NS, since);
     TOKENS.fetch_add(1, Relaxed);
@@ -58,5 +87,6 @@ pub fn take() -> StepTimes {
         build_ns: BUILD_NS.swap(0, Relaxed),
         dispatch_ns: DISPATCH_NS.swap(0, Relaxed),
         wait_ns: WAIT_NS.swap(0, Relaxed),
+        sync_ns: SYNC_NS.swap(0, Relaxed),
     }
 }
