@@ -25,7 +25,9 @@ and .device/llama do not fit together; a call runs 10 minutes at most):
     3. carry [".device/bin"]:                python3 bench/h200/run.py checkpoints step-ops dispatch-cost
        (300 s on 2026-12-03, GGUF too)
     4. carry [".device/bin"]:                H200_MODELS=lfm2-350m-bf16,lfm2-1.2b-bf16,lfm2-8b-a1b-q4 \
-                                             H200_AB_REPS=6 python3 bench/h200/run.py ab pick
+                                             H200_AB_REPS=6 timeout -s TERM 580 python3 bench/h200/run.py ab pick
+       (every variant: ~150 s in process plus ~30 processes for MLX's knobs, ~300 s: an
+       estimate, not yet run whole)
        (H200_AB_VARIANTS=a,b times only those against the defaults, all as engines of one
        process run in alternation: separate processes minutes apart moved 2x on 2026-12-03;
        MLX's own knobs, graph-ops-64/200 and no-cuda-graphs, as one process per sample in

@@ -329,7 +329,6 @@ fn run() -> mlx_lfm::Result<()> {
     Ok(())
 }
 
-/// The middle value (the mean of the middle two for an even count); 0 for none.
 /// A rep's per-token µs, to a tenth: build, dispatch, wait, and the
 /// synchronous tail (0 unless `MLX_LFM_SYNC_STEPS=1`; see
 /// `generate::timing::sync_steps`: a wait near zero in the pipelined loop
@@ -340,6 +339,7 @@ fn host_us(t: &mlx_lfm::generate::timing::StepTimes) -> [f64; 4] {
     [b, d, w, t.sync_us()].map(|x| (x * 10.0).round() / 10.0)
 }
 
+/// The middle value (the mean of the middle two for an even count); 0 for none.
 fn median_of(v: &[f64]) -> f64 {
     let mut v = v.to_vec();
     v.sort_by(|a, b| a.total_cmp(b));
