@@ -696,10 +696,10 @@ AB = {
     # inputs at most 1024 wide since session 12 (the 350M's projections):
     # off (the stock GEMVs), and on up to K = 2048 (the 1.2B's but w2: +12%
     # decode in session 14's paired A/B, one run, reps 0.90-1.28) and up
-    # to K = 8192 (w2 too).
+    # to K = 8192 (w2 too; and the 350M's w2, K = 4608).
     "gemv-off": ({"MLX_LFM_GEMV_KERNEL": "0", "MLX_LFM_NORM_GEMV_KERNEL": "0"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
     "gemv-max-k-2048": ({"MLX_LFM_GEMV_KERNEL_MAX_K": "2048"}, ["lfm2-1.2b-bf16"]),
-    "gemv-max-k-8192": ({"MLX_LFM_GEMV_KERNEL_MAX_K": "8192"}, ["lfm2-1.2b-bf16"]),
+    "gemv-max-k-8192": ({"MLX_LFM_GEMV_KERNEL_MAX_K": "8192"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
     # A prompt's pass handed to MLX every N layers as it is built, so the
     # GPU runs the first layers while the host builds the rest (a prefill
     # is eager: its build does not overlap the GPU otherwise). N = 2 is the
