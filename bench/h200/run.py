@@ -49,6 +49,8 @@ staged MLX and the checkpoints).
 (Calls 1-5 are ~27 of the 30 device minutes a session has, with ~2 minutes
 to start the machine; `H200_MODELS=...` narrows `ab` and `profile`, and
 `checkpoints` of the dense models alone takes ~1.5 minutes.)
+`batch-phases` splits the 16-concurrent step's host time (pipelined and
+synchronous, ~1 minute a model).
 `kernels` runs the fused kernels' tests there (each test's verdict kept);
 `ab` times each opt-in change of the decode step against the defaults on
 the same checkpoints; `pick` adopts the switches that won by 3% with their
@@ -317,14 +319,18 @@ def run_ours(name, rnd):
     b = BATCH
     r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--concurrent", str(b["n"]), "--prompts", str(b["prompt"]),
             "--gen", str(b["gen"]), "--reps", "2"], f"ours-batched-{name}")
-    steps, solo, agg = [], [], []
+    steps, solo, agg, phases = [], [], [], []
     for line in r.stdout.splitlines():
         j = json.loads(line)
         if "median_step_ms" in j:
             steps.append(b["n"] * 1000.0 / j["median_step_ms"])
             solo.append(1000.0 / j["solo_step_ms"])
             agg.append(j["concurrent_tps"])
-    record(engine="mlx-lfm", model=name, round=rnd, metric=f"batch{b['n']}_decode_tps", prompt=b["prompt"], samples=steps)
+            phases.append(j.get("batch_build_dispatch_sync_accept_us"))
+    # (phases: µs a stacked step, build / dispatch / sync / the rows'
+    # reads and deliveries: where the batched step's host time goes.)
+    record(engine="mlx-lfm", model=name, round=rnd, metric=f"batch{b['n']}_decode_tps", prompt=b["prompt"], samples=steps,
+           phases_us=phases)
     record(engine="mlx-lfm", model=name, round=rnd, metric="batch1_decode_tps", prompt=b["prompt"], samples=solo)
     record(engine="mlx-lfm", model=name, round=rnd, metric=f"batch{b['n']}_end_to_end_tps", prompt=b["prompt"], samples=agg)
 
@@ -841,6 +847,29 @@ def ab_processes(name, knobs, reps):
                prefill_ratio=ratio["prefill"], paired=True, processes=True)
 
 
+def batch_phases():
+    """Where the 16-concurrent step's time goes, pipelined and with each
+    step waited for right after its dispatch (MLX_LFM_SYNC_STEPS=1), in
+    alternation, two processes each: build / dispatch / sync / the rows'
+    reads and deliveries, µs a step (session 14's dense batched steps took
+    3.0-4.5 ms on the 350M against ~1.9 ms in session 12, more than its
+    single-sequence step slowed)."""
+    b = BATCH
+    for name in ab_models():
+        for rep in range(2):
+            for sync in ("0", "1"):
+                e = env()
+                e["MLX_LFM_SYNC_STEPS"] = sync
+                r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--concurrent", str(b["n"]), "--prompts",
+                        str(b["prompt"]), "--gen", str(b["gen"]), "--reps", "1"], f"batch-phases-{name}", check=False, env=e)
+                for line in r.stdout.splitlines():
+                    j = json.loads(line) if line.startswith("{") else {}
+                    if "median_step_ms" in j:
+                        record(engine="batch-phases", model=name, sync=sync == "1", rep=rep,
+                               median_step_ms=j["median_step_ms"], solo_step_ms=j["solo_step_ms"],
+                               phases_us=j.get("batch_build_dispatch_sync_accept_us"))
+
+
 def pick():
     """From this call's A/B: in each group of PICK, the variant whose figure
     beats "all" by 3% or more on the model it changes (the best one), whose
@@ -915,7 +944,8 @@ def collect(files):
     for r in rows:
         if "error" in r:
             errors.append(r)
-        elif r.get("engine") in ("ncu", "ncu-prefill", "ab", "tests", "constrained", "new-lengths", "pick", "env", "step-ops"):
+        elif r.get("engine") in ("ncu", "ncu-prefill", "ab", "tests", "constrained", "new-lengths", "pick", "env", "step-ops",
+                                 "batch-phases"):
             profiles.append(r)
         elif r.get("samples"):
             runs.append({"model": r["model"], "engine": r["engine"], "metric": r["metric"], "prompt": r["prompt"],
@@ -1011,6 +1041,10 @@ def main():
             elif a == "step-ops":
                 install()
                 step_ops()
+            elif a == "batch-phases":
+                install()
+                checkpoints(ab_models(), gguf=False)
+                batch_phases()
             elif a == "dispatch-cost":
                 install()
                 dispatch_cost()

@@ -748,8 +748,10 @@ fn concurrent(
         let seq_s = t.elapsed().as_secs_f64();
         eng.clear_prefix_cache();
         profiling.set(r == 0);
+        mlx_lfm::generate::timing::take_batch();
         let t = Instant::now();
         let steps = run_together(&mut eng, &prompts)?;
+        let times = mlx_lfm::generate::timing::take_batch();
         profiling.set(false);
         let par_s = t.elapsed().as_secs_f64();
         let total = (n * gen) as f64;
@@ -762,6 +764,11 @@ fn concurrent(
                 "concurrent": n, "tensor_parallel": tp, "prompt": prompt, "gen": gen, "cache": info.cache_kind, "dtype": info.dtype,
                 "sequential_tps": total / seq_s, "concurrent_tps": total / par_s, "ratio": seq_s / par_s,
                 "median_step_ms": median(&steps), "solo_step_ms": median(&solo),
+                // µs a step: building the stacked step, dispatching it, the
+                // wait right after (MLX_LFM_SYNC_STEPS=1 only), and the rows'
+                // reads and deliveries (`generate::timing::BatchTimes`).
+                "batch_build_dispatch_sync_accept_us": times.per_step_us().map(|x| (x * 10.0).round() / 10.0),
+                "stacked_steps": times.stacked,
             })
         );
     }

@@ -392,6 +392,7 @@ impl Scheduler {
             self.prepared_steps += 1;
         }
         let mut keep = Vec::with_capacity(active.len());
+        let accepting = Instant::now();
         for (i, (mut a, next)) in active.drain(..).zip(nexts).enumerate() {
             if let Some(k) = refused.iter().position(|(j, _)| *j == i) {
                 a.req.fail(refused.swap_remove(k).1);
@@ -417,6 +418,7 @@ impl Scheduler {
                 Err(err) => a.req.fail(err),
             }
         }
+        generate::timing::batch_accept(accepting);
         self.active = keep;
     }
 
@@ -461,6 +463,7 @@ impl Scheduler {
     /// built (noted; the batch was given back intact and the caller falls
     /// back to the eager batch).
     fn step_stacked(&mut self, e: &mut Engine, active: &mut [Active], want: &[usize]) -> Result<Option<Vec<(usize, Array)>>> {
+        let started = Instant::now();
         self.reconcile_batch(e, active, want)?;
         let rows = self.batch.ids();
         let order: Vec<usize> = rows
@@ -528,7 +531,15 @@ impl Scheduler {
         toks.extend(flags.iter());
         let mut caches: Vec<&mut ModelCache> =
             active.iter_mut().enumerate().filter(|(i, _)| want.contains(i)).map(|(_, a)| &mut a.seq.cache).collect();
+        generate::timing::batch_build(started);
+        let t = Instant::now();
         generate::queue_tokens(&toks, &mut caches)?;
+        generate::timing::batch_dispatch(t);
+        if generate::timing::sync_steps() {
+            let t = Instant::now();
+            crate::mlx::eval(&toks)?;
+            generate::timing::batch_sync(t);
+        }
         if let Some(t) = greedy {
             self.batch.set_carry(t, positions);
         }

@@ -968,6 +968,38 @@ fn synchronous_steps_give_the_same_tokens_and_count_their_wait() {
         // (Only this thread's override turns it on: no other test's steps count.)
         assert_eq!(plain.sync_ns, 0, "the pipelined loop waited after a dispatch: {plain:?}");
     }
+    // And the scheduler's stacked batch step: the same tokens per request,
+    // its phases counted, its sync only under the switch.
+    use super::{Request, Scheduler};
+    use std::sync::{Arc, Mutex};
+    let prompts = [prompt(9, 1), prompt(14, 2), prompt(11, 3)];
+    let mut batched = |e: &mut Engine| -> Vec<Vec<u32>> {
+        let got: Arc<Mutex<Vec<(usize, Vec<u32>)>>> = Arc::new(Mutex::new(vec![]));
+        let mut s = Scheduler::new();
+        for (i, p) in prompts.iter().enumerate() {
+            let got = got.clone();
+            let params = GenerateParams { max_tokens: 12, ignore_eos: true, ..Default::default() };
+            s.submit(e, Request::tokens(p.clone(), params, move |r| got.lock().unwrap().push((i, r.unwrap().tokens))));
+        }
+        while !s.is_idle() {
+            s.prefill_next(e);
+            s.step_active(e);
+        }
+        let mut got = std::mem::take(&mut *got.lock().unwrap());
+        got.sort();
+        got.into_iter().map(|(_, t)| t).collect()
+    };
+    crate::generate::timing::take_batch();
+    let want = batched(&mut e);
+    let plain = crate::generate::timing::take_batch();
+    let got = crate::knobs::with_overrides(&sync, || batched(&mut e));
+    let synced = crate::generate::timing::take_batch();
+    assert_eq!(got, want, "waiting on each batch step changed the tokens");
+    assert!(plain.stacked > 0 && plain.steps >= plain.stacked && plain.build_ns > 0, "{plain:?}");
+    assert!(synced.stacked > 0 && synced.sync_ns > 0, "no batch step was waited for after its dispatch: {synced:?}");
+    if std::env::var_os("MLX_LFM_SYNC_STEPS").is_none() {
+        assert_eq!(plain.sync_ns, 0, "{plain:?}");
+    }
     std::fs::remove_dir_all(&dir).ok();
 }
 

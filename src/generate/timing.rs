@@ -91,3 +91,69 @@ pub fn take() -> StepTimes {
         sync_ns: SYNC_NS.swap(0, Relaxed),
     }
 }
+
+/// The same phases for the scheduler's stacked batch step (all rows in one
+/// compiled call): per step, not per token.
+static BATCH_STACKED: AtomicU64 = AtomicU64::new(0);
+static BATCH_STEPS: AtomicU64 = AtomicU64::new(0);
+static BATCH_BUILD_NS: AtomicU64 = AtomicU64::new(0);
+static BATCH_DISPATCH_NS: AtomicU64 = AtomicU64::new(0);
+static BATCH_SYNC_NS: AtomicU64 = AtomicU64::new(0);
+static BATCH_ACCEPT_NS: AtomicU64 = AtomicU64::new(0);
+
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct BatchTimes {
+    /// Stacked steps run (build, dispatch and sync are theirs).
+    pub stacked: u64,
+    /// Scheduler steps run (accept is theirs: a batch's last row steps alone).
+    pub steps: u64,
+    /// Building the step: the batch's reconciliation, the compiled call,
+    /// each row's bookkeeping and draw.
+    pub build_ns: u64,
+    /// Handing the step's tokens to MLX (`async_eval`).
+    pub dispatch_ns: u64,
+    /// With [`sync_steps`]: the wait right after the dispatch.
+    pub sync_ns: u64,
+    /// Each row's read of its token (the wait for the step before) and its
+    /// delivery: decoding, stop strings, the observer.
+    pub accept_ns: u64,
+}
+
+impl BatchTimes {
+    /// Microseconds a step: build, dispatch and sync a stacked step, accept
+    /// a scheduler step; zeros before any.
+    pub fn per_step_us(&self) -> [f64; 4] {
+        let (s, n) = (self.stacked.max(1) as f64 * 1000.0, self.steps.max(1) as f64 * 1000.0);
+        [self.build_ns as f64 / s, self.dispatch_ns as f64 / s, self.sync_ns as f64 / s, self.accept_ns as f64 / n]
+    }
+}
+
+pub(crate) fn batch_build(since: Instant) {
+    add(&BATCH_BUILD_NS, since);
+    BATCH_STACKED.fetch_add(1, Relaxed);
+}
+
+pub(crate) fn batch_dispatch(since: Instant) {
+    add(&BATCH_DISPATCH_NS, since);
+}
+
+pub(crate) fn batch_sync(since: Instant) {
+    add(&BATCH_SYNC_NS, since);
+}
+
+pub(crate) fn batch_accept(since: Instant) {
+    add(&BATCH_ACCEPT_NS, since);
+    BATCH_STEPS.fetch_add(1, Relaxed);
+}
+
+/// The batch counts so far, reset to zero.
+pub fn take_batch() -> BatchTimes {
+    BatchTimes {
+        stacked: BATCH_STACKED.swap(0, Relaxed),
+        steps: BATCH_STEPS.swap(0, Relaxed),
+        build_ns: BATCH_BUILD_NS.swap(0, Relaxed),
+        dispatch_ns: BATCH_DISPATCH_NS.swap(0, Relaxed),
+        sync_ns: BATCH_SYNC_NS.swap(0, Relaxed),
+        accept_ns: BATCH_ACCEPT_NS.swap(0, Relaxed),
+    }
+}
