@@ -832,7 +832,7 @@ def ab_processes(name, knobs, reps):
             rows = [json.loads(l) for l in r.stdout.splitlines() if l.startswith("{") and '"prompt"' in l]
             if not rows or len(rows[-1].get("decode_tps_runs", [])) < 2:
                 log(f"ab-procs {name} {v}: no sample (rc {r.returncode})")
-                for f in ("decode", "prefill"):
+                for f in ("decode", "prefill", "host_us"):
                     got[v][f].append(None)
                 continue
             j = rows[-1]

@@ -44,8 +44,9 @@ impl StepTimes {
 }
 
 /// A measurement switch (`MLX_LFM_SYNC_STEPS=1`, per engine through
-/// `knobs`): each decode step of a single sequence (`Sequence::sample`; a
-/// batch's steps are not) is waited for as soon as it is dispatched,
+/// `knobs`): each decode step (a single sequence's in `Sequence::sample`, a
+/// stacked batch's in the scheduler, counted in [`BatchTimes`]) is waited
+/// for as soon as it is dispatched,
 /// before the next is built, so the host never runs ahead of the device.
 /// Build and dispatch then are the host's own cost with an idle device
 /// (MLX's `eval_impl`, `mlx/transforms.cpp`, stops its caller while more

@@ -365,8 +365,9 @@ pub(crate) fn decode_rows() -> bool {
 /// where our CUDA kernels run, else 0 (the whole pass at once). In session
 /// 14's paired A/B on the H200 the MoE's 512-token prefill (thousands of
 /// launches, built on the host while the GPU idles) gained 8-14% in each of
-/// five reps with N = 2 (3-10% with 4); the dense models' lost 10-15% (their
-/// pass is short: a hand-off costs more than the overlap gives).
+/// five reps with N = 2 (3-10% with 4); the dense models' lost up to 14%
+/// (the 350M 14% and 10% at N = 2 and 4, the 1.2B 7% at N = 2: their pass
+/// is short, and a hand-off costs more than the overlap gives).
 fn prefill_overlap_layers(moe: bool) -> usize {
     static N: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     crate::knobs::cached("MLX_LFM_PREFILL_OVERLAP", &N, |v| {
