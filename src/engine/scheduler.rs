@@ -532,14 +532,7 @@ impl Scheduler {
         let mut caches: Vec<&mut ModelCache> =
             active.iter_mut().enumerate().filter(|(i, _)| want.contains(i)).map(|(_, a)| &mut a.seq.cache).collect();
         generate::timing::batch_build(started);
-        let t = Instant::now();
-        generate::queue_tokens(&toks, &mut caches)?;
-        generate::timing::batch_dispatch(t);
-        if generate::timing::sync_steps() {
-            let t = Instant::now();
-            crate::mlx::eval(&toks)?;
-            generate::timing::batch_sync(t);
-        }
+        generate::dispatch_step(&toks, &mut caches, generate::timing::BATCH)?;
         if let Some(t) = greedy {
             self.batch.set_carry(t, positions);
         }

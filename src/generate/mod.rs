@@ -641,14 +641,7 @@ impl Sequence {
         let mut queued = vec![&n];
         queued.extend(extras.iter());
         timing::build(t);
-        let t = Instant::now();
-        queue_tokens(&queued, &mut [&mut self.cache])?;
-        timing::dispatch(t);
-        if timing::sync_steps() {
-            let t = Instant::now();
-            crate::mlx::eval(&queued)?;
-            timing::sync(t);
-        }
+        dispatch_step(&queued, &mut [&mut self.cache], timing::SINGLE)?;
         Ok(n)
     }
 
@@ -952,6 +945,21 @@ pub fn prepare_constrained<'a>(rows: impl Iterator<Item = (&'a mut Sequence, boo
     let mut work: Vec<_> = rows.into_iter().filter_map(|(s, stepped)| s.constraint_work(eos, stepped)).collect();
     constraint::prepare_rows(&mut work);
     true
+}
+
+/// Queues a decode step's tokens ([`queue_tokens`]) and, under
+/// [`timing::sync_steps`], waits for them; `clock` counts both phases (the
+/// single-sequence loop's or the stacked batch's).
+pub(crate) fn dispatch_step(tokens: &[&Array], caches: &mut [&mut ModelCache], clock: timing::Clock) -> Result<()> {
+    let t = Instant::now();
+    queue_tokens(tokens, caches)?;
+    (clock.dispatch)(t);
+    if timing::sync_steps() {
+        let t = Instant::now();
+        crate::mlx::eval(tokens)?;
+        (clock.sync)(t);
+    }
+    Ok(())
 }
 
 /// Queues the evaluation of drawn tokens together with whatever their

@@ -93,6 +93,19 @@ pub fn take() -> StepTimes {
     }
 }
 
+/// Where a decode loop counts a step's dispatch and synchronous wait
+/// (`generate::dispatch_step`).
+#[derive(Clone, Copy)]
+pub(crate) struct Clock {
+    pub(crate) dispatch: fn(Instant),
+    pub(crate) sync: fn(Instant),
+}
+
+/// The single-sequence loop's counters ([`StepTimes`]).
+pub(crate) const SINGLE: Clock = Clock { dispatch, sync };
+/// The stacked batch step's counters ([`BatchTimes`]).
+pub(crate) const BATCH: Clock = Clock { dispatch: batch_dispatch, sync: batch_sync };
+
 /// The same phases for the scheduler's stacked batch step (all rows in one
 /// compiled call): per step, not per token.
 static BATCH_STACKED: AtomicU64 = AtomicU64::new(0);

@@ -77,6 +77,16 @@ pub(crate) fn cuda_default(var: &str, cell: &OnceLock<Option<bool>>) -> bool {
     switch(var, cell).unwrap_or_else(crate::mlx::kernel::cuda_kernels_enabled)
 }
 
+/// One token a row: `[B, 1, width]`, or a decode step's rows `[B, width]`
+/// (the same memory; see `model::lfm2::decode_rows`).
+pub(crate) fn one_token(a: &crate::mlx::Array) -> bool {
+    match a.ndim() {
+        3 => a.dim(1) == 1,
+        2 => true,
+        _ => false,
+    }
+}
+
 /// Runs `f` with the one opt-in kernel that `var` switches on on this
 /// thread (a test that must tell which opt-in kernel departs).
 pub fn with_opt_in_one<R>(var: &'static str, f: impl FnOnce() -> R) -> R {

@@ -102,7 +102,7 @@ pub fn available(q: &Array, k: &Array, qw: &Array, kw: &Array, head_dim: i32) ->
         return false;
     }
     let dt = q.dtype();
-    if !cuda_kernels_enabled() || !dt.is_float() || dt == Dtype::Float64 || !one_token(q) || !one_token(k) {
+    if !cuda_kernels_enabled() || !dt.is_float() || dt == Dtype::Float64 || !super::one_token(q) || !super::one_token(k) {
         return false;
     }
     let nr = 16 / dt.size() as i32;
@@ -126,15 +126,6 @@ pub fn available(q: &Array, k: &Array, qw: &Array, kw: &Array, head_dim: i32) ->
         && k.dim(-1) == kv_heads * hd
         && (heads + kv_heads) as i64 * tph as i64 <= 1024
         && kernel().is_some()
-}
-
-/// `[B, 1, width]`, or a decode step's rows `[B, width]` (the same memory).
-fn one_token(a: &Array) -> bool {
-    match a.ndim() {
-        3 => a.dim(1) == 1,
-        2 => true,
-        _ => false,
-    }
 }
 
 /// Whether the kernel reads `offset` for `rows` rows: int32, one position

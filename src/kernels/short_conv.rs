@@ -62,13 +62,7 @@ pub fn available(bcx: &Array, state: &Array, w: &Array, has_bias: bool) -> bool 
     if !cuda_kernels_enabled() || has_bias || !dt.is_float() || dt == Dtype::Float64 {
         return false;
     }
-    // `[B, 1, 3D]`, or a decode step's rows `[B, 3D]` (the same memory).
-    let one_token = match bcx.ndim() {
-        3 => bcx.dim(1) == 1,
-        2 => true,
-        _ => false,
-    };
-    if !one_token || state.ndim() != 3 || w.ndim() != 2 {
+    if !super::one_token(bcx) || state.ndim() != 3 || w.ndim() != 2 {
         return false;
     }
     let (b, d, l) = (bcx.dim(0), w.dim(0), w.dim(1));
