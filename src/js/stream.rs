@@ -262,7 +262,8 @@ impl Observer for StreamObserver {
 
 /// A generation in progress. Iterate it with `for await (const ev of stream)`:
 /// `{ type: 'text', text }` events, then one `{ type: 'done', result }`.
-/// Breaking out of the loop stops the generation within one step. Text that
+/// Breaking out of the loop stops the generation within one step; the loop
+/// exits once the request has ended and given its cache back. Text that
 /// arrives while the consumer is busy is merged into the next event.
 #[napi(async_iterator)]
 pub struct GenerationStream {
@@ -332,6 +333,26 @@ impl Future for NextEvent {
     }
 }
 
+/// Resolves when the request has an outcome (the worker is done with it).
+struct Ended {
+    shared: Arc<StreamShared>,
+}
+
+impl Future for Ended {
+    type Output = Result<Option<Event>>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut s = self.shared.state.lock();
+        if s.outcome.is_some() {
+            return Poll::Ready(Ok(None));
+        }
+        if !s.wakers.iter().any(|w| w.will_wake(cx.waker())) {
+            s.wakers.push(cx.waker().clone());
+        }
+        Poll::Pending
+    }
+}
+
 #[napi]
 impl AsyncGenerator for GenerationStream {
     type Yield = Either<StreamTextEvent, StreamDoneEvent>;
@@ -342,9 +363,13 @@ impl AsyncGenerator for GenerationStream {
         NextEvent { shared: self.shared.clone() }
     }
 
+    /// `break` (the loop's `return()`): stops the generation and resolves
+    /// once the worker has ended the request, so code after the loop sees
+    /// its KV blocks and batch row given back (the stop lands within one
+    /// step or prefill chunk; a request the worker drops is answered too).
     fn complete(&mut self, _value: Option<()>) -> impl Future<Output = Result<Option<Self::Yield>>> + Send + 'static {
         self.shared.close();
-        std::future::ready(Ok(None))
+        Ended { shared: self.shared.clone() }
     }
 }
 
