@@ -650,8 +650,10 @@ def verdicts_from(path):
     log("kernel verdicts reused from", path, r.get("commit"))
 
 
+# (The stacked rows' test checks the defaults over a 16-row batch step.)
 DEFAULT_KERNEL_TESTS = ["add_rms_norm_kernel_matches_stock_ops", "decode_attention_kernel_matches_stock_ops",
-                        "moe_router_kernel_matches_stock_ops", "short_conv_kernel_matches_stock_ops"]
+                        "moe_router_kernel_matches_stock_ops", "short_conv_kernel_matches_stock_ops",
+                        "stacked_rows_with_kernels_equal_each_row_alone"]
 
 
 AB = {

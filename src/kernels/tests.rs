@@ -1,6 +1,7 @@
 //! Each fused kernel against the stock-op path it replaces. They need MLX's
 //! CUDA backend (on the H200: `python3 bench/h200/run.py kernels`); elsewhere
-//! they say so and pass without checking anything.
+//! they say so and pass without checking anything (but the stacked rows'
+//! test, which checks the stock ops' batch step there).
 
 use crate::engine::{DecodePath, Engine, EngineOptions};
 use crate::fixture::{self, DType, FixtureSpec, Preset};
@@ -350,6 +351,122 @@ fn greedy_tokens_with_kernels_equal_stock_ops() {
         }
     }
     assert!(failures.is_empty(), "{} departure(s):\n{}", failures.len(), failures.join("\n"));
+}
+
+/// The scheduler's stacked step over 16 requests (what 16 concurrent
+/// requests run) against each request's own single-sequence compiled step,
+/// both with the defaults: on CUDA the kernels (the batch's GEMMs against
+/// the lone row's GEMVs, the rows' short conv and attention over 16 rows),
+/// the decode rows and the one-batch matmul. 24 steps from prompts of 3 to
+/// 200 tokens, each row fed its own step's greedy token: at every step each
+/// row's logits are finite and within bf16's rounding of its own step's
+/// (3% of their largest, what `compiled::tests` allows a batch on the CPU),
+/// and choose the same token or one its own step ranks within [`NEAR_TIE`]
+/// (a GEMM sums in another order than a GEMV). Elsewhere it runs the stock
+/// ops with the decode rows and the one-batch matmul on, so the test's own
+/// logic runs in every `cargo test`.
+#[test]
+fn stacked_rows_with_kernels_equal_each_row_alone() {
+    use crate::cache::batch::{DecodeBatch, Member};
+    use crate::compiled::CompiledStep;
+    use crate::convert::{convert, ConvertRecipe};
+    use crate::generate::prefill;
+    use crate::mlx::{Array, QuantMode};
+    let cuda = cuda_kernels_enabled();
+    if !cuda {
+        eprintln!(
+            "stacked_rows_with_kernels_equal_each_row_alone: the fused kernels run only on MLX's CUDA backend (this is {:?}): here the stock ops with the decode rows and the one-batch matmul",
+            crate::mlx::runtime::backend()
+        );
+    }
+    let mut failures: Vec<String> = Vec::new();
+    for (preset, q4) in [(Preset::Tiny, false), (Preset::TinyMoe, true)] {
+        let what = format!("{preset:?} bf16 (4-bit: {q4})");
+        let mut dir = tiny(preset, &format!("stacked-{preset:?}"), DType::BF16);
+        if q4 {
+            let q = dir.with_extension("q4");
+            convert(&dir, &q, &ConvertRecipe::quantized(QuantMode::Affine, Some(4), Some(32)).unwrap()).unwrap();
+            std::fs::remove_dir_all(&dir).ok();
+            dir = q;
+        }
+        let check = || {
+            let m = load_model(&dir, &LoadOptions::default()).unwrap().model;
+            let dec = CompiledStep::new(&m).unwrap();
+            let argmax = |v: &[f32]| (0..v.len()).fold(0, |b, i| if v[i] > v[b] { i } else { b });
+            let token = |t: usize| Array::from_slice(&[t as u32], &[1, 1]).unwrap();
+            let floats = |a: &Array| -> Vec<f32> { a.astype(Dtype::Float32).unwrap().to_vec().unwrap() };
+            let (mut solo, mut stacked, mut toks) = (Vec::new(), Vec::new(), Vec::new());
+            for r in 0..16u32 {
+                let n = 3 + (r * 53) % 198;
+                let p: Vec<u32> = (0..n).map(|i| (i * 31 + r * 97 + 5) % 700 + 1).collect();
+                let mut c = m.new_cache();
+                toks.push(token(argmax(&floats(&prefill(&m, &mut c, &p, 64).unwrap()))));
+                solo.push(c);
+                let mut c = m.new_cache();
+                prefill(&m, &mut c, &p, 64).unwrap();
+                stacked.push(c);
+            }
+            let shape = m.batch_shape();
+            let mut batch = DecodeBatch::default();
+            let (mut departures, mut worst, mut distinct) = (Vec::new(), 0f32, std::collections::HashSet::new());
+            let mut fails = Vec::new();
+            'steps: for step in 0..24 {
+                for c in stacked.iter_mut() {
+                    c.reserve_token().unwrap();
+                }
+                let mut members: Vec<Member> =
+                    stacked.iter_mut().enumerate().map(|(i, c)| Member { id: i as u64, wanted: true, cache: c }).collect();
+                batch.reconcile(&shape, &mut members).unwrap();
+                let order: Vec<usize> = batch.ids().iter().map(|&id| id as usize).collect();
+                assert_eq!(order.len(), 16, "{what}: rows in the batch");
+                let ids: Vec<&Array> = order.iter().map(|&i| &toks[i]).collect();
+                let ids = crate::mlx::concatenate(&ids, 0).unwrap();
+                let pos: Vec<i32> = order.iter().map(|&i| stacked[i].pos as i32).collect();
+                let pos = Array::from_slice(&pos, &[16]).unwrap();
+                let lb = dec.step_batch(&m, &ids, &pos, &mut batch, true).unwrap();
+                for &i in &order {
+                    stacked[i].end_decode_token().unwrap();
+                }
+                for (r, &i) in order.iter().enumerate() {
+                    let own = floats(&dec.step(&m, &toks[i], &mut solo[i], true).unwrap());
+                    let got = floats(&lb.slice_axis(0, r as i32, r as i32 + 1).unwrap());
+                    if !got.iter().chain(&own).all(|v| v.is_finite()) {
+                        fails.push(format!("{what}: row {i}'s logits are not finite at step {step}"));
+                        break 'steps;
+                    }
+                    let scale = own.iter().fold(0f32, |a, v| a.max(v.abs())).max(1e-6);
+                    let diff = got.iter().zip(&own).fold(0f32, |a, (x, y)| a.max((x - y).abs())) / scale;
+                    worst = worst.max(diff);
+                    if diff > 3e-2 {
+                        fails.push(format!("{what}: row {i} at step {step} is {diff} of its logits' scale from its own step"));
+                        break 'steps;
+                    }
+                    let (mine, theirs) = (argmax(&got), argmax(&own));
+                    if mine != theirs {
+                        let lead = (own[theirs] - own[mine]) / own[theirs].abs().max(own[mine].abs()).max(1.0);
+                        if lead > NEAR_TIE {
+                            fails.push(format!(
+                                "{what}: row {i} at step {step} chose token {mine} for {theirs}, which its own step's logits lead by {lead} (over {NEAR_TIE})"
+                            ));
+                            break 'steps;
+                        }
+                        departures.push(format!("row {i} step {step} ({lead:.4})"));
+                    }
+                    distinct.insert(theirs);
+                    toks[i] = token(theirs);
+                }
+            }
+            if fails.is_empty() && distinct.len() <= 3 {
+                fails.push(format!("{what}: a degenerate run ({} distinct tokens)", distinct.len()));
+            }
+            let verdict = if fails.is_empty() { "passed" } else { "FAILED" };
+            eprintln!("{what}: the stacked rows {verdict}; worst {worst:.2e} of the scale; near-ties: [{}]", departures.join(", "));
+            fails
+        };
+        failures.extend(if cuda { check() } else { crate::kernels::with_opt_in(check) });
+        std::fs::remove_dir_all(&dir).ok();
+    }
+    assert!(failures.is_empty(), "{} failure(s):\n{}", failures.len(), failures.join("\n"));
 }
 
 /// The fused short-conv decode step against the stock ops it replaces: the
