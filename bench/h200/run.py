@@ -30,7 +30,7 @@ and .device/llama do not fit together; a call runs 10 minutes at most):
        estimate, not yet run whole)
        (H200_AB_VARIANTS=a,b times only those against the defaults, all as engines of one
        process run in alternation: separate processes minutes apart moved 2x on 2026-12-03;
-       MLX's own knobs, graph-ops-64/200 and no-cuda-graphs, as one process per sample in
+       MLX's own knobs, graph-ops-50/200, graph-per-step and no-cuda-graphs, as one process per sample in
        alternation with the defaults: ab_processes. In session 14 `ab pick` of 8 variants
        over the three models took 107 s; the knobs add ~10 s a process)
     5. carry [".device/bin"]:                timeout -s TERM 580 python3 bench/h200/run.py round 1 round 2
@@ -683,12 +683,14 @@ AB = {
     # kernels and the prefill's grouped GEMM (two launches a layer, tensor
     # cores, where MLX's qmm ran one per expert and projection) off.
     "moe-kernels-off": ({"MLX_LFM_MOE_KERNEL": "0", "MLX_LFM_MOE_GEMM_KERNEL": "0"}, ["lfm2-8b-a1b-q4"]),
-    # MLX's CUDA backend records kernels into CUDA graphs of at most 20
-    # nodes (MLX_MAX_OPS_PER_BUFFER), each updated, launched and followed by
-    # a host callback: a decode step of 175-260 kernels is 9-13 of them. The
-    # host's share is what moves between runs, so: fewer, larger graphs, or
-    # none (plain launches). Measured only (MLX's own knobs: not in PICK,
-    # whose switches also reach mlx-lm in the rounds).
+    # MLX's CUDA backend records kernels into CUDA graphs, each updated,
+    # launched and followed by a host callback, cut on the H200 (compute
+    # capability 9.0) after 100 kernel nodes or 1000 x 2^20 input elements
+    # (MLX_MAX_OPS_PER_BUFFER / MLX_MAX_MB_PER_BUFFER; get_graph_limits in
+    # the pinned wheel's libmlx.so, read on 2026-12-03; the 20 nodes these
+    # notes assumed before are other architectures'): a decode step of
+    # 175-260 kernels is two or three graphs. Measured only (MLX's own
+    # knobs: not in PICK, whose switches also reach mlx-lm in the rounds).
     # A one-batch dense product against a [1, K, N] weight view: one node
     # where MLX's matmul folds a [1, T, K] input to 2-D and back (three); a
     # default on CUDA since session 14 (its pick), measured off.
@@ -737,10 +739,13 @@ AB = {
     # GPU and its fourth field the GPU's tail, against the pipelined
     # defaults' (MLX's eval can wait on the GPU inside a dispatch).
     "sync-steps": ({"MLX_LFM_SYNC_STEPS": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
-    # (A batch of 20 nodes is also the unit MLX's in-flight limit counts:
-    # larger ones let the host run further ahead of the GPU.)
-    "graph-ops-64": ({"MLX_MAX_OPS_PER_BUFFER": "64"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # (A committed graph is also the unit MLX's in-flight limit counts, 10:
+    # larger ones let the host run further ahead of the GPU.) Half and twice
+    # the H200's default, and one graph a step (both budgets past a step).
+    "graph-ops-50": ({"MLX_MAX_OPS_PER_BUFFER": "50"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "graph-ops-200": ({"MLX_MAX_OPS_PER_BUFFER": "200"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    "graph-per-step": ({"MLX_MAX_OPS_PER_BUFFER": "1000", "MLX_MAX_MB_PER_BUFFER": "100000"},
+                       ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "no-cuda-graphs": ({"MLX_USE_CUDA_GRAPHS": "0"}, ["lfm2-1.2b-bf16"]),
 }
 AB_IN_ROUNDS = ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]
@@ -816,7 +821,7 @@ def ab():
 
 def ab_processes(name, knobs, reps):
     """MLX's own knobs, read once per process (MLX_MAX_OPS_PER_BUFFER,
-    MLX_USE_CUDA_GRAPHS): one process per sample, the defaults and each
+    MLX_MAX_MB_PER_BUFFER, MLX_USE_CUDA_GRAPHS): one process per sample, the defaults and each
     variant in alternation, the order rotated each rep, so a rep's samples
     are seconds apart and its ratios to the defaults' sample are paired as
     `--ab`'s are (on 2026-12-03 separate processes in two turns minutes
