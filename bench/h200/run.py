@@ -65,6 +65,9 @@ host; `new-lengths` times the first prefill at new prompt
 lengths.)
 Each call leaves raw.jsonl (every measurement, tagged) and its logs (logs.tgz) in $OUT.
 Back here:
+    python3 bench/h200/run.py merge-raw bench/results/DATE-h200-sessionN.raw.jsonl COMMIT \
+        1 CALL1/raw.jsonl "stage-mlx" 2 CALL2/raw.jsonl "llama install kernels" ...
+    python3 bench/h200/run.py merge-logs bench/results/DATE-h200-sessionN-logs.tgz 1 CALL1/logs.tgz ...
     python3 bench/h200/run.py collect RAW.jsonl... > bench/results/DATE-h200-same-run.json
 
 Figures: median of each engine's repetitions within a round (llama-bench's
@@ -964,6 +967,51 @@ def collect(files):
             "runs": runs, "ratios": ratios(runs), "profiles": profiles, "errors": errors}
 
 
+def merge_raw(out, commit, triples):
+    """One raw file for a session from its calls' copies, each `CALL PATH
+    CMD` (the call's number, its fetched raw.jsonl, the command it ran):
+    a call's copy on a warm machine also holds the earlier calls' records
+    (/tmp/h200/raw.jsonl is cumulative there), so a record is kept once, at
+    the first call that brought it, tagged `call`, `call_cmd` and
+    `binaries_commit` (the commit prepare.sh built the carried binaries
+    from)."""
+    if len(triples) % 3:
+        raise SystemExit("merge-raw OUT COMMIT then CALL PATH CMD for each call")
+    seen, rows = set(), []
+    for i in range(0, len(triples), 3):
+        call, path, cmd = int(triples[i]), triples[i + 1], triples[i + 2]
+        for line in Path(path).read_text().splitlines():
+            if not line.strip() or line in seen:
+                continue
+            seen.add(line)
+            r = json.loads(line)
+            r.update(call=call, call_cmd=cmd, binaries_commit=commit)
+            rows.append(r)
+    Path(out).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    log(f"merge-raw: {len(rows)} records from {len(triples) // 3} calls into {out}")
+
+
+def merge_logs(out, pairs):
+    """One logs archive for a session from its calls' logs.tgz, each `CALL
+    PATH`: every member under `callN/`."""
+    import io
+    import tarfile
+
+    if len(pairs) % 2:
+        raise SystemExit("merge-logs OUT.tgz then CALL PATH for each call")
+    with tarfile.open(out, "w:gz") as tar:
+        for i in range(0, len(pairs), 2):
+            call, path = int(pairs[i]), pairs[i + 1]
+            with tarfile.open(path, "r:gz") as src:
+                for m in src.getmembers():
+                    f = src.extractfile(m)
+                    if f is None:
+                        continue
+                    data = f.read()
+                    m.name = f"call{call}/{m.name}"
+                    tar.addfile(m, io.BytesIO(data))
+
+
 def ratios(runs):
     """mlx-lfm / peer for each model, metric and prompt, per round (llama.cpp's
     decode figure is at a depth equal to the shortest prompt, so it pairs
@@ -1001,6 +1049,12 @@ def main():
     if args[0] == "collect":
         json.dump(collect(args[1:]), sys.stdout, indent=1)
         print()
+        return
+    if args[0] == "merge-raw":
+        merge_raw(args[1], args[2], args[3:])
+        return
+    if args[0] == "merge-logs":
+        merge_logs(args[1], args[2:])
         return
     i = 0
     try:
