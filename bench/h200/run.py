@@ -528,7 +528,9 @@ def step_ops():
     """The primitives one compiled decode step hands MLX, by name, for each
     model (`mlx-lfm-bench --step-ops`), under this call's switches: with the
     host timing of `ab` and the rounds, what each node of a step costs the
-    host (the decode step is host-bound on this machine, session 11)."""
+    host (the decode step is host-bound on this machine, session 11); and
+    per model the primitives of a 512-token prompt up to its first token
+    (`--prefill-ops`)."""
     # H200_AB_VARIANTS=a,b: those variants' steps too (each where it applies).
     only = [v for v in os.environ.get("H200_AB_VARIANTS", "").split(",") if v in AB]
     for name in MODELS:
@@ -549,6 +551,16 @@ def step_ops():
                 if "step_ops" in j:
                     j.pop("model", None)
                     record(engine="step-ops", model=name, variant=variant, **j)
+        # What a 512-token prompt hands MLX up to its first token, as the
+        # prefill figures run it (the 350M's and the 8B-A1B's P=512 prefill
+        # miss their target; the pass is built eagerly, node by node).
+        r = sh([BENCH, "--prefill-ops", "--prompts", "512", "--model", ours_ck(name), "--device", "gpu"],
+               f"prefill-ops-{name}", check=False)
+        for line in r.stdout.splitlines():
+            j = json.loads(line) if line.startswith("{") else {}
+            if "prefill_ops" in j:
+                j.pop("model", None)
+                record(engine="prefill-ops", model=name, **j)
 
 
 def dispatch_cost():
@@ -955,7 +967,7 @@ def collect(files):
         if "error" in r:
             errors.append(r)
         elif r.get("engine") in ("ncu", "ncu-prefill", "ab", "tests", "constrained", "new-lengths", "pick", "env", "step-ops",
-                                 "batch-phases"):
+                                 "prefill-ops", "batch-phases"):
             profiles.append(r)
         elif r.get("samples"):
             runs.append({"model": r["model"], "engine": r["engine"], "metric": r["metric"], "prompt": r["prompt"],

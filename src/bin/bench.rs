@@ -16,6 +16,8 @@
 //!     after another against all rows at once (as a batch step does).
 //!   mlx-lfm-bench --new-lengths N [--prompts 512] [model args]
 //!   mlx-lfm-bench --step-ops [--prompts 16] [model args]   (the primitives of one compiled decode step)
+//!   mlx-lfm-bench --prefill-ops [--prompts 512] [--cache paged|flat] [model args]
+//!     the primitives a prompt hands MLX up to its first token (as the prefill figures run it)
 //!     TTFT of N prompts of lengths never seen before (512, 513, ...) against
 //!     the same N prompts' first length again (every shape seen): what a
 //!     server pays per new prompt length for the backend's per-shape setup.
@@ -84,6 +86,7 @@ const FLAGS: &[(&str, bool)] = &[
     ("--batch", true),
     ("--new-lengths", true),
     ("--step-ops", false),
+    ("--prefill-ops", false),
     ("--dispatch-cost", false),
     ("--tensor-parallel", true),
     ("--backend", true),
@@ -230,6 +233,9 @@ fn run() -> mlx_lfm::Result<()> {
         println!("{}", serde_json::json!({"step_ops": total, "by_primitive": ops.iter().map(|(k, n)| serde_json::json!([k, n])).collect::<Vec<_>>(),
             "backend": runtime::backend().name(), "model": dir}));
         return Ok(());
+    }
+    if args.iter().any(|a| a == "--prefill-ops") {
+        return prefill_ops(&dir, device, paged, prompts[0]);
     }
     if let Some(spec) = arg(&args, "--ab") {
         let reps: usize = arg(&args, "--reps").map(|s| s.parse().expect("--reps")).unwrap_or(6);
@@ -436,6 +442,30 @@ fn ab(
 
 fn ids(n: usize, vocab: u32, salt: u32) -> Vec<u32> {
     (0..n as u32).map(|i| (i.wrapping_mul(2654435761).wrapping_add(salt.wrapping_mul(40503)) % (vocab.min(60000) - 10)) + 5).collect()
+}
+
+/// The primitives a prompt of `n` tokens hands MLX from the request to its
+/// first token (every prefill chunk, the cache's writes, the draw), by name,
+/// through `Engine::generate` as the prefill figures time it, after one
+/// prompt of the same length (so the
+/// shapes and the weights' load-time views are built): on CUDA nearly one
+/// kernel launch each (views aside), the host's share of a short prompt's
+/// TTFT.
+fn prefill_ops(dir: &std::path::Path, device: Option<runtime::DeviceType>, paged: Option<bool>, n: usize) -> mlx_lfm::Result<()> {
+    let mut eng = Engine::load(dir, &EngineOptions { device, paged_cache: paged, ..Default::default() })?;
+    let vocab = eng.info().vocab_size as u32;
+    let params = || GenerateParams { max_tokens: 1, ignore_eos: true, ..Default::default() };
+    eng.generate(Prompt::Tokens(ids(n, vocab, 1)), params(), &mut NoObserver)?;
+    let (g, ops) = mlx_lfm::mlx::count_ops(|| eng.generate(Prompt::Tokens(ids(n, vocab, 2)), params(), &mut NoObserver));
+    let g = g?;
+    let total: usize = ops.iter().map(|(_, k)| k).sum();
+    println!(
+        "{}",
+        serde_json::json!({"prefill_ops": total, "prompt": n, "cached_tokens": g.metrics.cached_tokens, "cache": eng.info().cache_kind,
+            "by_primitive": ops.iter().map(|(k, c)| serde_json::json!([k, c])).collect::<Vec<_>>(),
+            "backend": runtime::backend().name(), "model": dir})
+    );
+    Ok(())
 }
 
 /// Warm multi-turn TTFT against cold and flat, on the same conversation.

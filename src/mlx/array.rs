@@ -225,6 +225,7 @@ impl Array {
     /// Evaluates and copies the elements out, converting to `T`'s dtype first.
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
         let a = if self.dtype() == T::DTYPE { self.clone() } else { self.astype(T::DTYPE)? };
+        tally(&[&a])?;
         let mut out = vec![T::default(); a.size()];
         check(unsafe {
             let _watch = super::distributed::watchdog::enter();
@@ -235,6 +236,7 @@ impl Array {
 
     /// Evaluates and copies the raw bytes (in the array's own dtype).
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        tally(&[self])?;
         let mut out = vec![0u8; self.nbytes()];
         let _watch = super::distributed::watchdog::enter();
         check(unsafe { ffi::mlxb_array_to_host(self.0, out.as_mut_ptr() as *mut _, out.len()) })?;
@@ -250,7 +252,44 @@ impl Array {
     }
 }
 
+thread_local! {
+    /// While [`count_ops`] runs on this thread: the primitives each eval
+    /// was handed, by name.
+    static COUNTED: std::cell::RefCell<Option<std::collections::BTreeMap<String, usize>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `f`, counting by name the primitives of every graph that
+/// [`eval`] and [`async_eval`] hand MLX on this thread meanwhile (each node
+/// once: an evaluated node is not walked again). A pass that evaluates as it
+/// goes (a prefill's chunks, the overlap's layers) is counted whole; what
+/// `f` leaves unevaluated is the caller's to count with [`graph_ops`].
+pub fn count_ops<R>(f: impl FnOnce() -> R) -> (R, Vec<(String, usize)>) {
+    let outer = COUNTED.with(|c| c.borrow_mut().replace(Default::default()));
+    let r = f();
+    let counts = COUNTED.with(|c| std::mem::replace(&mut *c.borrow_mut(), outer)).unwrap_or_default();
+    let mut v: Vec<(String, usize)> = counts.into_iter().collect();
+    v.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    (r, v)
+}
+
+/// Adds `arrays`' unevaluated primitives to [`count_ops`]'s tally, if one runs.
+fn tally(arrays: &[&Array]) -> Result<()> {
+    if COUNTED.with(|c| c.borrow().is_none()) {
+        return Ok(());
+    }
+    let ops = graph_ops(arrays)?;
+    COUNTED.with(|c| {
+        if let Some(m) = c.borrow_mut().as_mut() {
+            for (name, n) in ops {
+                *m.entry(name).or_default() += n;
+            }
+        }
+    });
+    Ok(())
+}
+
 pub fn eval(arrays: &[&Array]) -> Result<()> {
+    tally(arrays)?;
     let hs: Vec<Handle> = arrays.iter().map(|a| a.0).collect();
     let _watch = super::distributed::watchdog::enter();
     check(unsafe { ffi::mlxb_eval(hs.as_ptr(), hs.len()) })
@@ -276,6 +315,7 @@ pub fn graph_ops(arrays: &[&Array]) -> Result<Vec<(String, usize)>> {
 }
 
 pub fn async_eval(arrays: &[&Array]) -> Result<()> {
+    tally(arrays)?;
     let hs: Vec<Handle> = arrays.iter().map(|a| a.0).collect();
     let _watch = super::distributed::watchdog::enter();
     check(unsafe { ffi::mlxb_async_eval(hs.as_ptr(), hs.len()) })

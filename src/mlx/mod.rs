@@ -10,7 +10,7 @@ pub mod kernel;
 mod ops;
 pub mod runtime;
 
-pub use array::{async_eval, eval, graph_ops, Array, Dtype, Element};
+pub use array::{async_eval, count_ops, eval, graph_ops, Array, Dtype, Element};
 pub use compile::Compiled;
 pub use io::{load_safetensors, save_safetensors};
 pub use ops::*;

@@ -202,3 +202,30 @@ fn split_at_cuts_like_slices_in_one_node() {
     assert_eq!(crate::mlx::graph_ops(&refs).unwrap(), vec![("Split".to_string(), 1)]);
     assert!(y.split_at(&[7, 4], -1).is_err(), "indices out of order");
 }
+
+/// `count_ops` tallies what every eval, async eval and host read hands MLX
+/// while it runs, each node once (an evaluated node is not walked again),
+/// and nothing outside it.
+#[test]
+fn count_ops_tallies_each_evaluated_graph_once() {
+    let a = arr(&[1., 2.], &[2]);
+    let b = arr(&[3., 4.], &[2]);
+    let ((), ops) = count_ops(|| {
+        let s = a.add(&b).unwrap();
+        eval(&[&s]).unwrap();
+        // `s` is evaluated: only the multiply is new.
+        let m = s.mul(&b).unwrap();
+        async_eval(&[&m]).unwrap();
+        eval(&[&m]).unwrap();
+        // A host read evaluates too.
+        assert_eq!(m.sub(&a).unwrap().to_vec::<f32>().unwrap(), vec![11., 22.]);
+    });
+    assert_eq!(ops, vec![("Add".to_string(), 1), ("Multiply".to_string(), 1), ("Subtract".to_string(), 1)]);
+    // Outside it nothing is tallied, and a nested count is its own.
+    let ((), outer) = count_ops(|| {
+        eval(&[&a.add(&a).unwrap()]).unwrap();
+        let ((), inner) = count_ops(|| eval(&[&b.mul(&b).unwrap()]).unwrap());
+        assert_eq!(inner, vec![("Multiply".to_string(), 1)]);
+    });
+    assert_eq!(outer, vec![("Add".to_string(), 1)]);
+}
