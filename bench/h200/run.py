@@ -23,7 +23,8 @@ and .device/llama do not fit together; a call runs 10 minutes at most):
        committed raw file's `tests` record, `llama install verdicts-from FILE` takes its
        verdicts instead: see verdicts_from)
     3. carry [".device/bin"]:                python3 bench/h200/run.py checkpoints step-ops dispatch-cost
-       (300 s on 2026-12-03, GGUF too)
+       (300 s on 2026-12-03, GGUF too; step-ops now also counts a 512-token prompt's
+       primitives per model, a process each: ~1 minute more)
     4. carry [".device/bin"]:                H200_MODELS=lfm2-350m-bf16,lfm2-1.2b-bf16,lfm2-8b-a1b-q4 \
                                              H200_AB_REPS=6 timeout -s TERM 580 python3 bench/h200/run.py ab pick
        (every variant: ~150 s in process plus ~30 processes for MLX's knobs, ~300 s: an
