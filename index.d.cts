@@ -65,7 +65,7 @@ export declare class ChatSession {
  * A generation in progress. Iterate it with `for await (const ev of stream)`:
  * `{ type: 'text', text }` events, then one `{ type: 'done', result }`.
  * Breaking out of the loop stops the generation within one step; the loop
- * exits once the request has ended and given its cache back. Text that
+ * exits once the request has ended and given its KV blocks back. Text that
  * arrives while the consumer is busy is merged into the next event.
  *
  * This type implements JavaScript's async iterable protocol.

@@ -658,6 +658,12 @@ def verdicts_from(path):
         raise SystemExit(f"no kernel test record in {path}")
     r = rows[-1]
     verdicts, skipped = r["verdicts"], bool(r.get("skipped"))
+    missing = [t for t in DEFAULT_KERNEL_TESTS if t not in verdicts]
+    if missing:
+        # (A default test added since that record: reusing it would turn
+        # the kernels off for the whole session without a word.)
+        raise SystemExit(f"{path}'s kernel record lacks {', '.join(missing)}: run "
+                         f"`H200_KERNEL_TESTS={','.join(missing)} ... kernels` instead of verdicts-from")
     WORK.mkdir(parents=True, exist_ok=True)
     (WORK / "kernel-verdicts.json").write_text(json.dumps({k: v and not skipped for k, v in verdicts.items()}))
     if skipped or not all(verdicts.get(t, False) for t in DEFAULT_KERNEL_TESTS):
@@ -705,7 +711,7 @@ AB = {
     # (MLX_MAX_OPS_PER_BUFFER / MLX_MAX_MB_PER_BUFFER; get_graph_limits in
     # the pinned wheel's libmlx.so, read on 2026-12-03; the 20 nodes these
     # notes assumed before are other architectures'): a decode step of
-    # 175-260 kernels is two or three graphs. Measured only (MLX's own
+    # 175-260 kernels is two to four graphs. Measured only (MLX's own
     # knobs: not in PICK, whose switches also reach mlx-lm in the rounds).
     # A one-batch dense product against a [1, K, N] weight view: one node
     # where MLX's matmul folds a [1, T, K] input to 2-D and back (three); a
@@ -982,24 +988,31 @@ def collect(files):
 
 def merge_raw(out, commit, triples):
     """One raw file for a session from its calls' copies, each `CALL PATH
-    CMD` (the call's number, its fetched raw.jsonl, the command it ran):
-    a call's copy on a warm machine also holds the earlier calls' records
-    (/tmp/h200/raw.jsonl is cumulative there), so a record is kept once, at
-    the first call that brought it, tagged `call`, `call_cmd` and
-    `binaries_commit` (the commit prepare.sh built the carried binaries
-    from)."""
+    CMD` (the call's number, its fetched raw.jsonl, the command it ran), in
+    call order: a call's copy on a warm machine also holds the earlier
+    calls' records (/tmp/h200/raw.jsonl is cumulative there), so the part it
+    shares with the previous copy is skipped; every record is tagged `call`,
+    `call_cmd` and `binaries_commit` (the commit prepare.sh built the
+    carried binaries from)."""
     if len(triples) % 3:
         raise SystemExit("merge-raw OUT COMMIT then CALL PATH CMD for each call")
-    seen, rows = set(), []
+    prev, rows = [], []
     for i in range(0, len(triples), 3):
         call, path, cmd = int(triples[i]), triples[i + 1], triples[i + 2]
-        for line in Path(path).read_text().splitlines():
-            if not line.strip() or line in seen:
+        lines = [l for l in Path(path).read_text().splitlines() if l.strip()]
+        # A copy from the same warm machine starts with the previous copy's
+        # records; a fresh machine's does not (and may repeat a record of
+        # the same content, e.g. a node count, which is kept).
+        start = len(prev) if lines[:len(prev)] == prev and prev else 0
+        for line in lines[start:]:
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                log(f"merge-raw: call {call}: an unreadable line skipped ({line[:60]}...)")
                 continue
-            seen.add(line)
-            r = json.loads(line)
             r.update(call=call, call_cmd=cmd, binaries_commit=commit)
             rows.append(r)
+        prev = lines
     Path(out).write_text("".join(json.dumps(r) + "\n" for r in rows))
     log(f"merge-raw: {len(rows)} records from {len(triples) // 3} calls into {out}")
 

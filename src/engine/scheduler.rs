@@ -182,6 +182,14 @@ impl Scheduler {
         self.batch = DecodeBatch::default();
     }
 
+    /// Drops the waiting requests too (a tensor-parallel group that can no
+    /// longer run anything): every caller hears an error now, where the
+    /// waiting ones were left unanswered while the loop retried.
+    pub fn abandon(&mut self) {
+        self.forget();
+        self.waiting.clear();
+    }
+
     /// Starts a request at once: prefills it and samples its first token.
     /// True when it is running; false when it is already over (cancelled
     /// during prefill, or failed: `reply` heard).

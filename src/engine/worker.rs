@@ -319,7 +319,7 @@ fn schedule(engine: &mut Engine, rx: std::sync::mpsc::Receiver<Msg>) {
             if let Err(e) = super::lockstep::announce(g, &super::lockstep::Command::Step) {
                 // The group is broken: nothing can run any more.
                 eprintln!("mlx-lfm: could not reach the other ranks: {}", e.message);
-                sched.forget();
+                sched.abandon();
                 continue;
             }
         }

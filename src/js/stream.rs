@@ -263,7 +263,7 @@ impl Observer for StreamObserver {
 /// A generation in progress. Iterate it with `for await (const ev of stream)`:
 /// `{ type: 'text', text }` events, then one `{ type: 'done', result }`.
 /// Breaking out of the loop stops the generation within one step; the loop
-/// exits once the request has ended and given its cache back. Text that
+/// exits once the request has ended and given its KV blocks back. Text that
 /// arrives while the consumer is busy is merged into the next event.
 #[napi(async_iterator)]
 pub struct GenerationStream {
@@ -365,8 +365,9 @@ impl AsyncGenerator for GenerationStream {
 
     /// `break` (the loop's `return()`): stops the generation and resolves
     /// once the worker has ended the request, so code after the loop sees
-    /// its KV blocks and batch row given back (the stop lands within one
-    /// step or prefill chunk; a request the worker drops is answered too).
+    /// its KV blocks given back (a running request stops within one step or
+    /// prefill chunk, a queued one when the worker reaches it; a request
+    /// the worker drops is answered too).
     fn complete(&mut self, _value: Option<()>) -> impl Future<Output = Result<Option<Self::Yield>>> + Send + 'static {
         self.shared.close();
         Ended { shared: self.shared.clone() }

@@ -357,14 +357,18 @@ fn greedy_tokens_with_kernels_equal_stock_ops() {
 /// requests run) against each request's own single-sequence compiled step,
 /// both with the defaults: on CUDA the kernels (the batch's GEMMs against
 /// the lone row's GEMVs, the rows' short conv and attention over 16 rows),
-/// the decode rows and the one-batch matmul. 24 steps from prompts of 3 to
-/// 200 tokens, each row fed its own step's greedy token: at every step each
-/// row's logits are finite and within bf16's rounding of its own step's
-/// (3% of their largest, what `compiled::tests` allows a batch on the CPU),
-/// and choose the same token or one its own step ranks within [`NEAR_TIE`]
-/// (a GEMM sums in another order than a GEMV). Elsewhere it runs the stock
-/// ops with the decode rows and the one-batch matmul on, so the test's own
-/// logic runs in every `cargo test`.
+/// the decode rows and the one-batch matmul; the dense fixture on flat and
+/// on paged caches (the engine's default for it), the MoE one in 4-bit.
+/// 24 steps from prompts of 3 to 245 tokens (some rows' buffers grow past
+/// 256 positions in the batch), each row fed its own step's greedy token: at
+/// every step each row's logits are finite and within rounding of its own
+/// step's (bf16: 3% of their largest, what `compiled::tests` allows a batch
+/// on the CPU; 4-bit: 10%, as MLX's 4-bit products of several rows and of
+/// one differ by up to 5% of a product in the H200's runs of the quantized
+/// GEMV test), and choose the same token or one its own step ranks within
+/// [`NEAR_TIE`] (a GEMM sums in another order than a GEMV). Elsewhere it
+/// runs the stock ops with the decode rows and the one-batch matmul on, so
+/// the test's own logic runs in every `cargo test`.
 #[test]
 fn stacked_rows_with_kernels_equal_each_row_alone() {
     use crate::cache::batch::{DecodeBatch, Member};
@@ -380,9 +384,9 @@ fn stacked_rows_with_kernels_equal_each_row_alone() {
         );
     }
     let mut failures: Vec<String> = Vec::new();
-    for (preset, q4) in [(Preset::Tiny, false), (Preset::TinyMoe, true)] {
-        let what = format!("{preset:?} bf16 (4-bit: {q4})");
-        let mut dir = tiny(preset, &format!("stacked-{preset:?}"), DType::BF16);
+    for (preset, q4, paged) in [(Preset::Tiny, false, false), (Preset::Tiny, false, true), (Preset::TinyMoe, true, false)] {
+        let what = format!("{preset:?} bf16 (4-bit: {q4}, paged: {paged})");
+        let mut dir = tiny(preset, &format!("stacked-{preset:?}-{paged}"), DType::BF16);
         if q4 {
             let q = dir.with_extension("q4");
             convert(&dir, &q, &ConvertRecipe::quantized(QuantMode::Affine, Some(4), Some(32)).unwrap()).unwrap();
@@ -390,14 +394,19 @@ fn stacked_rows_with_kernels_equal_each_row_alone() {
             dir = q;
         }
         let check = || {
-            let m = load_model(&dir, &LoadOptions::default()).unwrap().model;
+            let mut m = load_model(&dir, &LoadOptions::default()).unwrap().model;
+            if paged {
+                let cfg = crate::cache::paged::PagedConfig { block_size: 16, budget_bytes: 64 << 20 };
+                m.use_paged_cache(cfg, 9).unwrap();
+            }
             let dec = CompiledStep::new(&m).unwrap();
+            let tol = if q4 { 0.1 } else { 3e-2 };
             let argmax = |v: &[f32]| (0..v.len()).fold(0, |b, i| if v[i] > v[b] { i } else { b });
             let token = |t: usize| Array::from_slice(&[t as u32], &[1, 1]).unwrap();
             let floats = |a: &Array| -> Vec<f32> { a.astype(Dtype::Float32).unwrap().to_vec().unwrap() };
             let (mut solo, mut stacked, mut toks) = (Vec::new(), Vec::new(), Vec::new());
             for r in 0..16u32 {
-                let n = 3 + (r * 53) % 198;
+                let n = 3 + (r * 53) % 250;
                 let p: Vec<u32> = (0..n).map(|i| (i * 31 + r * 97 + 5) % 700 + 1).collect();
                 let mut c = m.new_cache();
                 toks.push(token(argmax(&floats(&prefill(&m, &mut c, &p, 64).unwrap()))));
@@ -425,7 +434,16 @@ fn stacked_rows_with_kernels_equal_each_row_alone() {
                 let pos = Array::from_slice(&pos, &[16]).unwrap();
                 let lb = dec.step_batch(&m, &ids, &pos, &mut batch, true).unwrap();
                 for &i in &order {
-                    stacked[i].end_decode_token().unwrap();
+                    // As the scheduler does: a paged row about to fill a
+                    // block takes it back into its own cache to publish it.
+                    let c = &mut stacked[i];
+                    if let Some(bs) = c.paged.as_ref().map(|s| s.block_size()) {
+                        if (c.pos + 1) % bs == 0 {
+                            let upto = c.pos + 1;
+                            batch.sync(i as u64, c, upto).unwrap();
+                        }
+                    }
+                    c.end_decode_token().unwrap();
                 }
                 for (r, &i) in order.iter().enumerate() {
                     let own = floats(&dec.step(&m, &toks[i], &mut solo[i], true).unwrap());
@@ -437,7 +455,7 @@ fn stacked_rows_with_kernels_equal_each_row_alone() {
                     let scale = own.iter().fold(0f32, |a, v| a.max(v.abs())).max(1e-6);
                     let diff = got.iter().zip(&own).fold(0f32, |a, (x, y)| a.max((x - y).abs())) / scale;
                     worst = worst.max(diff);
-                    if diff > 3e-2 {
+                    if diff > tol {
                         fails.push(format!("{what}: row {i} at step {step} is {diff} of its logits' scale from its own step"));
                         break 'steps;
                     }

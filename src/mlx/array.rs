@@ -259,13 +259,27 @@ thread_local! {
 }
 
 /// Runs `f`, counting by name the primitives of every graph that
-/// [`eval`] and [`async_eval`] hand MLX on this thread meanwhile (each node
-/// once: an evaluated node is not walked again). A pass that evaluates as it
-/// goes (a prefill's chunks, the overlap's layers) is counted whole; what
-/// `f` leaves unevaluated is the caller's to count with [`graph_ops`].
+/// [`eval`], [`async_eval`] and the host reads hand MLX on this thread
+/// meanwhile (each node once: an evaluated node is not walked again; a host
+/// read's own copy to a contiguous layout, where MLX makes one, is not
+/// counted). A pass that evaluates as it goes (a prefill's chunks, the
+/// overlap's layers) is counted whole; what `f` leaves unevaluated is the
+/// caller's to count with [`graph_ops`]. A `count_ops` inside `f` keeps its
+/// own tally, which the outer one does not include.
 pub fn count_ops<R>(f: impl FnOnce() -> R) -> (R, Vec<(String, usize)>) {
-    let outer = COUNTED.with(|c| c.borrow_mut().replace(Default::default()));
+    /// Puts the outer tally back even if `f` panics (else this thread
+    /// would walk every later graph).
+    struct Restore(Option<Option<std::collections::BTreeMap<String, usize>>>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            if let Some(outer) = self.0.take() {
+                COUNTED.with(|c| *c.borrow_mut() = outer);
+            }
+        }
+    }
+    let mut restore = Restore(Some(COUNTED.with(|c| c.borrow_mut().replace(Default::default()))));
     let r = f();
+    let outer = restore.0.take().expect("set above");
     let counts = COUNTED.with(|c| std::mem::replace(&mut *c.borrow_mut(), outer)).unwrap_or_default();
     let mut v: Vec<(String, usize)> = counts.into_iter().collect();
     v.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
