@@ -284,6 +284,19 @@ impl DecodeBatch {
         Ok(())
     }
 
+    /// After a stacked step: row `id`'s cache counts the token the step
+    /// wrote; a paged row about to fill a block first takes the block (and
+    /// the conv states after it) back into its own buffers, to publish it.
+    pub fn end_token(&mut self, id: u64, cache: &mut ModelCache) -> Result<()> {
+        if let Some(bs) = cache.paged.as_ref().map(|s| s.block_size()) {
+            if (cache.pos + 1) % bs == 0 {
+                let upto = cache.pos + 1;
+                self.sync(id, cache, upto)?;
+            }
+        }
+        cache.end_decode_token()
+    }
+
     /// Keeps a step's greedy tokens and positions for the next step.
     pub fn set_carry(&mut self, tokens: Array, positions: Array) {
         self.carry = Some((self.ids(), tokens, positions));

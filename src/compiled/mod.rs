@@ -165,8 +165,8 @@ impl CompiledStep {
     /// One step for every row of `batch` (members in row order): `ids`
     /// `[B, 1]`, `positions` (int32 `[B]`) each row's position. Returns
     /// logits `[B, V]`; the batch holds the new state. The caches' own
-    /// bookkeeping is the caller's (`reserve_token` before, a block-end
-    /// `DecodeBatch::sync` and `end_decode_token` after; see the scheduler).
+    /// bookkeeping is the caller's (`reserve_token` before,
+    /// `DecodeBatch::end_token` for each row after; see the scheduler).
     pub fn step_batch(&self, model: &Lfm2Model, ids: &Array, positions: &Array, batch: &mut DecodeBatch, compiled: bool) -> Result<Array> {
         let b = positions.size();
         if b != batch.len() || ids.dim(0) as usize != b {

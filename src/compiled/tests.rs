@@ -186,14 +186,7 @@ fn check_batch_exact(preset: Preset, dtype: DType, quant: Option<(QuantMode, i32
             let pos = Array::from_slice(&pos, &[pos.len() as i32]).unwrap();
             let l = dec.step_batch(&m, &ids, &pos, batch, compiled).unwrap();
             for &i in &order {
-                let c = &mut caches[i];
-                if let Some(bs) = c.paged.as_ref().map(|s| s.block_size()) {
-                    if (c.pos + 1) % bs == 0 {
-                        let upto = c.pos + 1;
-                        batch.sync(i as u64, c, upto).unwrap();
-                    }
-                }
-                c.end_decode_token().unwrap();
+                batch.end_token(i as u64, &mut caches[i]).unwrap();
             }
             (order, l)
         };

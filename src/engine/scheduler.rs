@@ -497,16 +497,7 @@ impl Scheduler {
             }
         };
         for (&i, &id) in order.iter().zip(&rows) {
-            let c = &mut active[i].seq.cache;
-            // A paged cache about to fill a block needs the block (and the
-            // conv states after it) back in its own buffers to publish it.
-            if let Some(bs) = c.paged.as_ref().map(|s| s.block_size()) {
-                if (c.pos + 1) % bs == 0 {
-                    let upto = c.pos + 1;
-                    self.batch.sync(id, c, upto)?;
-                }
-            }
-            c.end_decode_token()?;
+            self.batch.end_token(id, &mut active[i].seq.cache)?;
         }
         let mut out = Vec::with_capacity(order.len());
         // Greedy rows all at once: one argmax over the batch, not one per row.

@@ -434,16 +434,7 @@ fn stacked_rows_with_kernels_equal_each_row_alone() {
                 let pos = Array::from_slice(&pos, &[16]).unwrap();
                 let lb = dec.step_batch(&m, &ids, &pos, &mut batch, true).unwrap();
                 for &i in &order {
-                    // As the scheduler does: a paged row about to fill a
-                    // block takes it back into its own cache to publish it.
-                    let c = &mut stacked[i];
-                    if let Some(bs) = c.paged.as_ref().map(|s| s.block_size()) {
-                        if (c.pos + 1) % bs == 0 {
-                            let upto = c.pos + 1;
-                            batch.sync(i as u64, c, upto).unwrap();
-                        }
-                    }
-                    c.end_decode_token().unwrap();
+                    batch.end_token(i as u64, &mut stacked[i]).unwrap();
                 }
                 for (r, &i) in order.iter().enumerate() {
                     let own = floats(&dec.step(&m, &toks[i], &mut solo[i], true).unwrap());
