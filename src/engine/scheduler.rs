@@ -531,7 +531,7 @@ impl Scheduler {
         let mut caches: Vec<&mut ModelCache> =
             active.iter_mut().enumerate().filter(|(i, _)| want.contains(i)).map(|(_, a)| &mut a.seq.cache).collect();
         generate::timing::batch_build(started);
-        generate::dispatch_step(&toks, &mut caches, generate::timing::BATCH)?;
+        generate::dispatch_step(&toks, &mut caches, &generate::timing::BATCH)?;
         if let Some(t) = greedy {
             self.batch.set_carry(t, positions);
         }

@@ -641,7 +641,7 @@ impl Sequence {
         let mut queued = vec![&n];
         queued.extend(extras.iter());
         timing::build(t);
-        dispatch_step(&queued, &mut [&mut self.cache], timing::SINGLE)?;
+        dispatch_step(&queued, &mut [&mut self.cache], &timing::SINGLE)?;
         Ok(n)
     }
 
@@ -950,14 +950,14 @@ pub fn prepare_constrained<'a>(rows: impl Iterator<Item = (&'a mut Sequence, boo
 /// Queues a decode step's tokens ([`queue_tokens`]) and, under
 /// [`timing::sync_steps`], waits for them; `clock` counts both phases (the
 /// single-sequence loop's or the stacked batch's).
-pub(crate) fn dispatch_step(tokens: &[&Array], caches: &mut [&mut ModelCache], clock: timing::Clock) -> Result<()> {
+pub(crate) fn dispatch_step(tokens: &[&Array], caches: &mut [&mut ModelCache], clock: &timing::Clock) -> Result<()> {
     let t = Instant::now();
     queue_tokens(tokens, caches)?;
-    (clock.dispatch)(t);
+    clock.dispatch(t);
     if timing::sync_steps() {
         let t = Instant::now();
         crate::mlx::eval(tokens)?;
-        (clock.sync)(t);
+        clock.sync(t);
     }
     Ok(())
 }

@@ -69,14 +69,6 @@ pub(crate) fn build(since: Instant) {
     add(&BUILD_NS, since);
 }
 
-pub(crate) fn dispatch(since: Instant) {
-    add(&DISPATCH_NS, since);
-}
-
-pub(crate) fn sync(since: Instant) {
-    add(&SYNC_NS, since);
-}
-
 pub(crate) fn wait(since: Instant) {
     add(&WAIT_NS, since);
     TOKENS.fetch_add(1, Relaxed);
@@ -95,16 +87,25 @@ pub fn take() -> StepTimes {
 
 /// Where a decode loop counts a step's dispatch and synchronous wait
 /// (`generate::dispatch_step`).
-#[derive(Clone, Copy)]
 pub(crate) struct Clock {
-    pub(crate) dispatch: fn(Instant),
-    pub(crate) sync: fn(Instant),
+    dispatch: &'static AtomicU64,
+    sync: &'static AtomicU64,
+}
+
+impl Clock {
+    pub(crate) fn dispatch(&self, since: Instant) {
+        add(self.dispatch, since);
+    }
+
+    pub(crate) fn sync(&self, since: Instant) {
+        add(self.sync, since);
+    }
 }
 
 /// The single-sequence loop's counters ([`StepTimes`]).
-pub(crate) const SINGLE: Clock = Clock { dispatch, sync };
+pub(crate) static SINGLE: Clock = Clock { dispatch: &DISPATCH_NS, sync: &SYNC_NS };
 /// The stacked batch step's counters ([`BatchTimes`]).
-pub(crate) const BATCH: Clock = Clock { dispatch: batch_dispatch, sync: batch_sync };
+pub(crate) static BATCH: Clock = Clock { dispatch: &BATCH_DISPATCH_NS, sync: &BATCH_SYNC_NS };
 
 /// The same phases for the scheduler's stacked batch step (all rows in one
 /// compiled call): per step, not per token.
@@ -145,14 +146,6 @@ impl BatchTimes {
 pub(crate) fn batch_build(since: Instant) {
     add(&BATCH_BUILD_NS, since);
     BATCH_STACKED.fetch_add(1, Relaxed);
-}
-
-pub(crate) fn batch_dispatch(since: Instant) {
-    add(&BATCH_DISPATCH_NS, since);
-}
-
-pub(crate) fn batch_sync(since: Instant) {
-    add(&BATCH_SYNC_NS, since);
 }
 
 pub(crate) fn batch_accept(since: Instant) {

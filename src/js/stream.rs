@@ -137,6 +137,15 @@ struct StreamState {
     listeners: Vec<Listener>,
 }
 
+impl StreamState {
+    /// Wakes `cx`'s task at the next change (once, however often it polls).
+    fn park(&mut self, cx: &Context<'_>) {
+        if !self.wakers.iter().any(|w| w.will_wake(cx.waker())) {
+            self.wakers.push(cx.waker().clone());
+        }
+    }
+}
+
 pub struct StreamShared {
     state: Mutex<StreamState>,
     pub cancel: Arc<AtomicBool>,
@@ -326,9 +335,7 @@ impl Future for NextEvent {
                 Err(e) => Err(js_error(e)),
             });
         }
-        if !s.wakers.iter().any(|w| w.will_wake(cx.waker())) {
-            s.wakers.push(cx.waker().clone());
-        }
+        s.park(cx);
         Poll::Pending
     }
 }
@@ -346,9 +353,7 @@ impl Future for Ended {
         if s.outcome.is_some() {
             return Poll::Ready(Ok(None));
         }
-        if !s.wakers.iter().any(|w| w.will_wake(cx.waker())) {
-            s.wakers.push(cx.waker().clone());
-        }
+        s.park(cx);
         Poll::Pending
     }
 }
