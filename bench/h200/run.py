@@ -147,6 +147,15 @@ def picked_env():
     return json.loads(PICKED.read_text()) if PICKED.exists() else {}
 
 
+def ours_env():
+    """env() plus H200_OURS_ENV (a JSON object) for our engine alone in the
+    rounds: an MLX knob (read once per process) that won its process A/B
+    this session, measured in the rounds without reaching mlx-lm's MLX."""
+    e = env()
+    e.update(json.loads(os.environ.get("H200_OURS_ENV", "{}")))
+    return e
+
+
 def sh(cmd, log_name=None, check=True, **kw):
     log("$", " ".join(map(str, cmd)))
     r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=kw.pop("env", env()), **kw)
@@ -296,7 +305,7 @@ def run_llama(name, rnd):
 def run_ours(name, rnd):
     _, _, _, prompts = MODELS[name]
     r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--prompts", ",".join(map(str, prompts)),
-            "--gen", str(GEN), "--reps", str(REPS), "--paths", "compiled"], f"ours-{name}")
+            "--gen", str(GEN), "--reps", str(REPS), "--paths", "compiled"], f"ours-{name}", env=ours_env())
     for line in r.stdout.splitlines():
         j = json.loads(line)
         if "prompt" not in j:
@@ -309,7 +318,7 @@ def run_ours(name, rnd):
     if name in AB_IN_ROUNDS:
         # The same build with this session's decode-step changes off (the
         # stock ops as before them), same minute: what the changes buy.
-        e = env()
+        e = ours_env()
         e.update(AB["stock"][0])
         r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--prompts", str(min(prompts)), "--gen", str(GEN),
                 "--reps", str(REPS), "--paths", "compiled"], f"ours-stock-{name}", check=False, env=e)
@@ -322,7 +331,7 @@ def run_ours(name, rnd):
                        samples=j["prefill_tps_runs"])
     b = BATCH
     r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--concurrent", str(b["n"]), "--prompts", str(b["prompt"]),
-            "--gen", str(b["gen"]), "--reps", "2"], f"ours-batched-{name}")
+            "--gen", str(b["gen"]), "--reps", "2"], f"ours-batched-{name}", env=ours_env())
     steps, solo, agg, phases = [], [], [], []
     for line in r.stdout.splitlines():
         j = json.loads(line)
@@ -359,7 +368,8 @@ def run_mlx_lm(name, rnd):
 def rounds(rnd):
     install()
     checkpoints()
-    record(engine="env", round=rnd, picked=picked_env(), kernels_off=(WORK / "kernels-off").exists())
+    record(engine="env", round=rnd, picked=picked_env(), kernels_off=(WORK / "kernels-off").exists(),
+           ours_env=json.loads(os.environ.get("H200_OURS_ENV", "{}")))
     for name in MODELS:
         # Alternate which engine goes first so neither always meets a cold
         # (or a warm) machine.
