@@ -16,9 +16,12 @@
 //! - `rows.rs`: [`RowsPass`], one eager decode step over several
 //!   sequences' own caches, and [`PrefillRows`], right-padded prompts
 //!   prefilled together.
+//! - `fresh.rs`: [`fresh::FreshPass`], a fresh prompt's pass as a pure
+//!   function (the compiled prefill's), and how its outputs reach a cache.
 
 pub mod batch;
 pub mod flat;
+pub mod fresh;
 pub mod paged;
 pub mod rows;
 pub mod sequence;

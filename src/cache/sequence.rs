@@ -377,6 +377,27 @@ impl SeqPass<'_> {
     }
 }
 
+impl SeqPass<'_> {
+    /// Writes attention layer `layer`'s K/V for this call (`[1, kv_heads,
+    /// t, head_dim]`) without attending: a compiled fresh prefill
+    /// ([`super::fresh`]) attended already.
+    pub fn store(&mut self, layer: usize, k: &Array, v: &Array) -> Result<()> {
+        if k.dim(2) as usize != self.t || v.dim(2) as usize != self.t {
+            return Err(Error::invalid(format!("layer {layer}: K/V of {} positions for a pass of {}", k.dim(2), self.t)));
+        }
+        match &mut self.cache.layers[layer] {
+            LayerCache::Attention(kv) if kv.quant.is_none() => kv.append(self.start, k, v),
+            LayerCache::Attention(_) => Err(Error::invalid("a quantized KV cache takes its prefill through attention")),
+            LayerCache::Paged(ord) => {
+                let ord = *ord;
+                let seq = self.cache.paged.as_mut().ok_or_else(|| Error::invalid("paged attention layer without a paged sequence"))?;
+                paged::write_prefill(&mut seq.pool.lock(), seq, ord, self.start, k, v)
+            }
+            LayerCache::Conv(_) => Err(Error::invalid("cache layout does not match the model's layers")),
+        }
+    }
+}
+
 impl ForwardCache for SeqPass<'_> {
     fn offset(&self) -> Offset<'_> {
         Offset::Int(self.start as i32)

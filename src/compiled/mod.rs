@@ -13,6 +13,9 @@ use crate::model::Lfm2Model;
 use std::cell::Cell;
 use std::rc::Rc;
 
+pub mod prefill;
+pub use prefill::CompiledPrefill;
+
 /// Decode batches of every size from 2 to 16 over caches up to 4k positions
 /// stay traced; beyond, traces start over (see src/mlx/compile.rs).
 pub const MAX_TRACES: usize = 256;
@@ -27,6 +30,9 @@ pub struct CompiledStep {
     /// The model the traces were built from: replaying them for another
     /// would run that model's weights.
     model_id: u64,
+    /// The compiled pass of a fresh prompt, where it is switched on
+    /// ([`prefill`]).
+    pub fresh: Option<CompiledPrefill>,
 }
 
 impl CompiledStep {
@@ -49,7 +55,8 @@ impl CompiledStep {
             }
         }
         step.run(model, &ins, true)?;
-        Ok(step)
+        let fresh = CompiledPrefill::for_model(model)?;
+        Ok(CompiledStep { fresh, ..step })
     }
 
     /// `max_traces` distinct input shapes kept traced; `fail` makes every
@@ -73,7 +80,7 @@ impl CompiledStep {
             false,
             max_traces,
         )?;
-        Ok(CompiledStep { f, current, model_id: model.id })
+        Ok(CompiledStep { f, current, model_id: model.id, fresh: None })
     }
 
     /// Runs the step: compiled, or (`compiled = false`, to prove the

@@ -311,3 +311,101 @@ fn a_failing_compiled_step_falls_back_to_eager_once() {
     assert!(s.failure.is_some(), "the failure must be kept for reporting");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// The compiled pass of a fresh prompt (`MLX_LFM_COMPILED_PREFILL`, here
+/// buckets up to 64 tokens; the dense fixture in bf16 and f32, the MoE one
+/// in f32, and in bf16 on a GPU) leaves what the eager prefill leaves: the same
+/// last logits, and caches from which the compiled step decodes the same
+/// logits, on flat and paged caches (blocks of 8: its K/V land in the pool
+/// and its conv snapshots serve a later prompt's prefix), for prompts padded
+/// to their bucket and one exactly a bucket long. A prompt past the largest
+/// bucket takes the eager pass.
+#[test]
+fn compiled_prefill_equals_the_eager_prefill() {
+    // Byte for byte where MLX computes a fused elementwise chain as the
+    // separate ops do (the CPU); on a GPU its fused kernels may keep an
+    // intermediate unrounded: within bf16's rounding of the scale there
+    // (f32: 1e-4; a cache written wrong moves a step's logits by far more).
+    let gpu = crate::mlx::runtime::backend() != crate::mlx::runtime::Backend::Cpu;
+    let same = |got: &Array, want: &Array, what: &str| {
+        if !gpu {
+            assert_eq!(bytes(got), bytes(want), "{what}: differ");
+            return;
+        }
+        let f = |a: &Array| -> Vec<f32> { a.astype(Dtype::Float32).unwrap().to_vec().unwrap() };
+        let (g, w) = (f(got), f(want));
+        let scale = w.iter().fold(0f32, |a, v| a.max(v.abs())).max(1e-6);
+        let diff = g.iter().zip(&w).fold(0f32, |a, (x, y)| a.max((x - y).abs())) / scale;
+        let tol = if want.dtype() == Dtype::Float32 { 1e-4 } else { 3e-2 };
+        assert!(diff <= tol, "{what}: {diff} of the scale apart (over {tol})");
+    };
+    use crate::cache::paged::PagedConfig;
+    use crate::generate::PrefillRun;
+    for (preset, dtype) in [(Preset::Tiny, DType::BF16), (Preset::Tiny, DType::F32), (Preset::TinyMoe, DType::F32), (Preset::TinyMoe, DType::BF16)] {
+        let name = format!("fresh-{preset:?}-{dtype:?}");
+        let (src, dir) = checkpoint(preset, dtype, None, &name);
+        let mut m = load_model(&dir, &LoadOptions::default()).unwrap().model;
+        let on = [("MLX_LFM_COMPILED_PREFILL".to_string(), Some("64".to_string()))];
+        let dec = crate::knobs::with_overrides(&on, || CompiledStep::new(&m)).unwrap();
+        let Some(fresh) = dec.fresh.as_ref() else {
+            // A bf16 MoE on the CPU groups a prompt's rows on the host.
+            assert!(!gpu && preset == Preset::TinyMoe && dtype == DType::BF16, "{name}: not switched on");
+            std::fs::remove_dir_all(&dir).ok();
+            std::fs::remove_dir_all(&src).ok();
+            continue;
+        };
+        let mut buckets = std::collections::HashSet::new();
+        for paged in [false, true] {
+            if paged {
+                m.use_paged_cache(PagedConfig { block_size: 8, budget_bytes: 64 << 20 }, 7).unwrap();
+            }
+            for n in [1usize, 5, 16, 23, 64, 65] {
+                let what = format!("{name} paged {paged}, {n} tokens");
+                let prompt: Vec<u32> = (0..n as u32).map(|i| (i * 37 + n as u32 * 11 + 3) % 700 + 1).collect();
+                let mut ce = m.new_cache();
+                let le = prefill(&m, &mut ce, &prompt, 512).unwrap();
+                let mut cc = m.new_cache();
+                let traces = fresh.traces();
+                let mut run = PrefillRun::new(&m, &mut cc, &prompt, 512).unwrap();
+                let lc = run.step_with(&m, Some(&dec), &mut cc, &prompt).unwrap().expect("one chunk");
+                let served = (2..=64).contains(&n);
+                assert_eq!(fresh.serves(&m, &m.new_cache(), n, 512), served, "{what}: served");
+                // Each bucket (16, 32, 64) is traced once, at its first prompt.
+                let bucket = super::prefill::bucket(n, 64).filter(|_| served);
+                let new_bucket = bucket.is_some_and(|b| buckets.insert(b));
+                assert_eq!(fresh.traces(), traces + usize::from(new_bucket), "{what}: traces ({bucket:?})");
+                same(&lc, &le, &format!("{what}: the last logits against the eager prefill's"));
+                assert_eq!(cc.pos, ce.pos, "{what}: position");
+                let mut tok = argmax(&le);
+                for step in 0..6 {
+                    let a = dec.step(&m, &tok, &mut ce, true).unwrap();
+                    let b = dec.step(&m, &tok, &mut cc, true).unwrap();
+                    same(&b, &a, &format!("{what}: decode step {step} after the prefill"));
+                    tok = argmax(&a);
+                }
+                if paged && n >= 16 {
+                    // A later prompt that starts with this one takes its
+                    // blocks and conv snapshots: in a pool of its own, where
+                    // only the compiled prefill wrote them.
+                    m.use_paged_cache(PagedConfig { block_size: 8, budget_bytes: 64 << 20 }, 7).unwrap();
+                    let mut c2 = m.new_cache();
+                    let mut run = PrefillRun::new(&m, &mut c2, &prompt, 512).unwrap();
+                    run.step_with(&m, Some(&dec), &mut c2, &prompt).unwrap().expect("one chunk");
+                    let longer: Vec<u32> = prompt.iter().copied().chain([9, 8, 7]).collect();
+                    let mut cr = m.new_cache();
+                    let lr = prefill(&m, &mut cr, &longer, 512).unwrap();
+                    assert!(cr.cached_tokens() >= 8, "{what}: the compiled prefill's blocks were not reused");
+                    let pool = m.paged.take();
+                    let mut cf = m.new_cache();
+                    let lf = prefill(&m, &mut cf, &longer, 512).unwrap();
+                    same(&lr, &lf, &format!("{what}: a prompt over the compiled prefill's blocks"));
+                    m.paged = pool;
+                }
+            }
+            m.paged = None;
+        }
+        assert_eq!(fresh.traces(), 3, "{name}: buckets 16, 32 and 64 traced once each");
+        std::fs::remove_dir_all(&dir).ok();
+        std::fs::remove_dir_all(&src).ok();
+    }
+}

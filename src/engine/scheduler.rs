@@ -237,7 +237,7 @@ impl Scheduler {
     /// Runs one prefill chunk of a starting request.
     fn advance(&mut self, e: &mut Engine, p: Prefilling) -> Admission {
         let Prefilling { pending, mut req } = p;
-        match pending.advance(&e.model, &e.tokenizer, req.observer.as_mut()) {
+        match pending.advance(&e.model, e.compiled.as_ref(), &e.tokenizer, req.observer.as_mut()) {
             Ok(Advance::More(pending)) => Admission::Prefilling(Prefilling { pending, req }),
             Ok(Advance::Done(s)) => self.admitted(e, s, req),
             Err(err) => {

@@ -211,6 +211,25 @@ impl PrefillRun {
     /// once the whole prompt has run. Intermediate chunks are evaluated so
     /// memory stays bounded by one chunk's activations.
     pub fn step(&mut self, model: &Lfm2Model, cache: &mut ModelCache, prompt: &[u32]) -> Result<Option<Array>> {
+        self.step_with(model, None, cache, prompt)
+    }
+
+    /// [`PrefillRun::step`], a whole fresh prompt through `compiled`'s
+    /// compiled pass where it serves it (`MLX_LFM_COMPILED_PREFILL`).
+    pub fn step_with(
+        &mut self,
+        model: &Lfm2Model,
+        compiled: Option<&CompiledStep>,
+        cache: &mut ModelCache,
+        prompt: &[u32],
+    ) -> Result<Option<Array>> {
+        let fresh = compiled.and_then(|c| c.fresh.as_ref());
+        if let Some(f) = fresh.filter(|f| self.start == 0 && f.serves(model, cache, prompt.len(), self.chunk)) {
+            if let Some(logits) = f.run(model, cache, prompt)? {
+                self.start = prompt.len();
+                return Ok(Some(logits));
+            }
+        }
         let (start, end) = (self.start, (self.start + self.chunk).min(prompt.len()));
         let ids = Array::from_slice(&prompt[start..end], &[1, (end - start) as i32])?;
         if end == prompt.len() {
@@ -337,7 +356,7 @@ pub fn generate_with_cache(
     started: Instant,
 ) -> Result<Generation> {
     let owned = std::mem::replace(cache, ModelCache::new(&[]));
-    let mut seq = match Sequence::start(stepper.model, guide, owned, tokenizer, prompt, params, observer, started)? {
+    let mut seq = match Sequence::start(stepper.model, stepper.compiled, guide, owned, tokenizer, prompt, params, observer, started)? {
         Started::Running(s) => s,
         Started::Finished(g, c) => {
             *cache = c;
@@ -428,13 +447,21 @@ impl Pending {
 
     /// Runs the next prefill chunk (after asking `observer` whether to go
     /// on); after the last one, samples the first token.
-    pub fn advance(mut self, model: &Lfm2Model, tokenizer: &Tokenizer, observer: &mut dyn Observer) -> Result<Advance> {
+    /// `compiled`: the model's compiled path, whose compiled prefill (where
+    /// switched on) takes a whole fresh prompt.
+    pub fn advance(
+        mut self,
+        model: &Lfm2Model,
+        compiled: Option<&CompiledStep>,
+        tokenizer: &Tokenizer,
+        observer: &mut dyn Observer,
+    ) -> Result<Advance> {
         if observer.cancelled() {
             let mut g = cancelled_in_prefill(self.prompt.len(), self.run.tokens_run(), self.prefill_start, self.started);
             g.metrics.cached_tokens = self.cache.cached_tokens();
             return Ok(Advance::Done(Started::Finished(g, self.cache)));
         }
-        let Some(logits) = self.run.step(model, &mut self.cache, &self.prompt)? else {
+        let Some(logits) = self.run.step_with(model, compiled, &mut self.cache, &self.prompt)? else {
             return Ok(Advance::More(self));
         };
         Ok(Advance::Done(self.into_running(&logits, tokenizer)?))
@@ -609,6 +636,7 @@ impl Sequence {
     #[allow(clippy::too_many_arguments)]
     pub fn start(
         model: &Lfm2Model,
+        compiled: Option<&CompiledStep>,
         guide: Option<&Guide>,
         cache: ModelCache,
         tokenizer: &Tokenizer,
@@ -619,7 +647,7 @@ impl Sequence {
     ) -> Result<Started> {
         let mut p = Pending::new(model, guide, cache, prompt.to_vec(), params, started)?;
         loop {
-            match p.advance(model, tokenizer, observer)? {
+            match p.advance(model, compiled, tokenizer, observer)? {
                 Advance::More(next) => p = next,
                 Advance::Done(s) => return Ok(s),
             }

@@ -394,6 +394,16 @@ pub struct Layer {
 }
 
 impl Layer {
+    /// Whether a whole prompt's pass over this layer can be traced: a
+    /// MoE layer with non-f32 experts on the CPU groups its rows by expert
+    /// on the host (`SparseMoe::host_grouped`).
+    pub fn traceable_prefill(&self) -> bool {
+        match &self.feed_forward {
+            FeedForward::Moe(m) => !m.cpu_non_f32(),
+            FeedForward::Dense(_) => true,
+        }
+    }
+
     /// The operator (short conv or attention) of decoder layer `index` on
     /// its normed input.
     fn operator(&self, x: &Normed, index: usize, cache: &mut dyn ForwardCache) -> Result<(Array, Array)> {
@@ -528,13 +538,21 @@ impl Lfm2Model {
     /// final norm and head: `[B, T, D]` for ids `[B, T]`. Every path runs
     /// through here.
     pub fn hidden(&self, ids: &Array, cache: &mut dyn ForwardCache) -> Result<Array> {
-        self.hidden_as(ids, cache, false)
+        let overlap = if ids.dim(1) > 1 { self.prefill_overlap } else { 0 };
+        self.hidden_as(ids, cache, false, overlap)
+    }
+
+    /// [`Lfm2Model::hidden`] as a pure function of its inputs, what a
+    /// compiled prefill traces: the whole pass at once (a traced pass
+    /// cannot hand MLX its first layers while it is built).
+    pub(crate) fn hidden_traced(&self, ids: &Array, cache: &mut dyn ForwardCache) -> Result<Array> {
+        self.hidden_as(ids, cache, false, 0)
     }
 
     /// [`Lfm2Model::hidden`]; with `rows` (one token a row, ids `[B, 1]`)
     /// the residual stream runs as `[B, D]` and so is returned (see
     /// [`decode_rows`]).
-    fn hidden_as(&self, ids: &Array, cache: &mut dyn ForwardCache, rows: bool) -> Result<Array> {
+    fn hidden_as(&self, ids: &Array, cache: &mut dyn ForwardCache, rows: bool, overlap: usize) -> Result<Array> {
         let eps = self.config.norm_eps;
         let mut h = if rows { self.embed.forward(&ids.reshape(&[ids.dim(0)])?)? } else { self.embed.forward(ids)? };
         // Each layer is `h + op(op_norm(h))`, then `+ ffn(ffn_norm(.))`;
@@ -542,10 +560,9 @@ impl Lfm2Model {
         // it, so every residual add meets the norm that follows it.
         let mut pending: Option<Array> = None;
         let eps_array = &self.norm_eps;
-        // A prompt's pass (never a traced decode step: one token) hands MLX
-        // its layers as it builds them, so the device runs the first layers
-        // while the host builds the rest.
-        let overlap = if ids.dim(1) > 1 { self.prefill_overlap } else { 0 };
+        // `overlap`: a prompt's eager pass hands MLX its layers every
+        // `overlap` layers as it builds them, so the device runs the first
+        // layers while the host builds the rest (never a traced pass).
         for (i, layer) in self.layers.iter().enumerate() {
             let x = Normed { h: &h, r: pending.as_ref(), w: &layer.operator_norm, eps, eps_array };
             let (h1, r) = layer.operator(&x, i, cache)?;
@@ -666,7 +683,7 @@ impl Lfm2Model {
         let ids = &ins[0];
         let mut pass = StackedPass::new(&self.config.attn_layers, ins[1].clone(), ins[2..].to_vec())?;
         let rows = ids.ndim() == 2 && ids.dim(1) == 1 && decode_rows();
-        let h = self.hidden_as(ids, &mut pass, rows)?;
+        let h = self.hidden_as(ids, &mut pass, rows, 0)?;
         let logits = self.head(&h)?;
         let logits = if rows { logits } else { logits.reshape(&[ids.dim(0), -1])? };
         let mut out = vec![logits];

@@ -1,0 +1,155 @@
+//! A fresh prompt's pass compiled (opt-in, `MLX_LFM_COMPILED_PREFILL`):
+//! `mx::compile` over the model's own layers ([`Lfm2Model::hidden_traced`]
+//! over a [`FreshPass`]), traced once per length bucket, the prompt
+//! right-padded to its bucket as [`crate::cache::PrefillRows`] pads a batch.
+//!
+//! Why: on CUDA a 512-token prompt of the dense models hands MLX about 416
+//! primitives (session 16's `--prefill-ops`), each built op by op through
+//! the bridge and then encoded, and the 350M's P=512 prefill runs at
+//! 0.66-0.84x llama.cpp's while its GPU work is a fraction of its time. A
+//! compiled pass is replayed (no op-by-op build) and MLX fuses its
+//! elementwise chains (the gates, the residual adds) into single kernels.
+//! Only for prompts that start a sequence (nothing cached, no prefix
+//! taken), fit one prefill chunk and the largest bucket, on one device;
+//! not for a MoE model whose prefill groups rows by expert on the host
+//! (non-f32 experts on the CPU), which a trace cannot: on CUDA its rows go
+//! through the grouped GEMM kernel, whose offsets stay on the device (where
+//! that kernel does not serve, the trace fails, is reported once, and the
+//! eager pass takes over). Off until the H200's A/B times it.
+
+use crate::cache::fresh::{store_fresh, FreshPass};
+use crate::cache::{ModelCache, KV_STEP};
+use crate::error::{Error, Result};
+use crate::mlx::{self, Array};
+use crate::model::Lfm2Model;
+use std::cell::Cell;
+use std::rc::Rc;
+
+/// The smallest bucket: shorter prompts pad to it.
+const MIN_BUCKET: usize = 16;
+
+/// The largest prompt served from `MLX_LFM_COMPILED_PREFILL`: `1` for
+/// 512, a number for that many tokens (rounded up to a power of two, at
+/// most [`KV_STEP`] * 16), unset or `0` for none.
+pub fn max_tokens() -> usize {
+    match crate::knobs::var("MLX_LFM_COMPILED_PREFILL").as_deref().map(str::trim) {
+        None | Some("") | Some("0") => 0,
+        Some("1") => 512,
+        Some(v) => v.parse::<usize>().map(|n| n.clamp(MIN_BUCKET, KV_STEP * 16).next_power_of_two()).unwrap_or(0),
+    }
+}
+
+/// The padded length a prompt of `n` tokens runs at: powers of two from
+/// [`MIN_BUCKET`], so a few traces serve every length.
+pub fn bucket(n: usize, max: usize) -> Option<usize> {
+    (n >= 1 && n <= max).then(|| n.next_power_of_two().max(MIN_BUCKET).min(max))
+}
+
+/// The compiled fresh-prompt pass of one loaded model (on its worker
+/// thread, like the compiled step that holds it).
+pub struct CompiledPrefill {
+    f: mlx::Compiled,
+    /// The model, set only while a call runs (see `CompiledStep`).
+    current: Rc<Cell<*const Lfm2Model>>,
+    model_id: u64,
+    max: usize,
+    /// A trace or call failed: the eager pass serves from then on.
+    failed: Cell<bool>,
+}
+
+impl CompiledPrefill {
+    /// None where the switch is off or the model is not served (see the
+    /// module note).
+    pub fn for_model(model: &Lfm2Model) -> Result<Option<CompiledPrefill>> {
+        let max = max_tokens();
+        let traceable = model.layers.iter().all(|l| l.traceable_prefill());
+        if max == 0 || !traceable || model.world_size() > 1 {
+            return Ok(None);
+        }
+        let current: Rc<Cell<*const Lfm2Model>> = Rc::new(Cell::new(std::ptr::null()));
+        let seen = current.clone();
+        // (One trace a bucket: a handful; bounded so `traces` counts them.)
+        let f = mlx::Compiled::bounded(
+            move |ins| {
+                let p = seen.get();
+                if p.is_null() {
+                    return Err(Error::mlx("the compiled prefill was traced outside a call"));
+                }
+                // SAFETY: set only for the duration of `run`, from a live
+                // `&Lfm2Model` that outlives the call.
+                let model = unsafe { &*p };
+                let mut pass = FreshPass::default();
+                let h = model.hidden_traced(&ins[0], &mut pass)?;
+                let mut out = vec![h];
+                out.extend(pass.stored);
+                Ok(out)
+            },
+            false,
+            64,
+        )?;
+        Ok(Some(CompiledPrefill { f, current, model_id: model.id, max, failed: Cell::new(false) }))
+    }
+
+    /// Whether this prompt of `n` tokens over `cache` runs here.
+    pub fn serves(&self, model: &Lfm2Model, cache: &ModelCache, n: usize, chunk: usize) -> bool {
+        !self.failed.get()
+            && model.id == self.model_id
+            && cache.pos == 0
+            // (One token is a decode-shaped pass: a paged cache writes it
+            // through its decode mirrors, not the pool.)
+            && n >= 2
+            && n <= chunk
+            && bucket(n, self.max).is_some()
+            && crate::cache::batch::stackable(cache)
+    }
+
+    /// Prefills `prompt` into the fresh `cache`: the last position's logits
+    /// `[1, V]` (lazy). `Ok(None)` where the compiled pass could not be
+    /// built (reported once; this one stays off from then on): nothing was
+    /// written and the caller runs the eager pass.
+    pub fn run(&self, model: &Lfm2Model, cache: &mut ModelCache, prompt: &[u32]) -> Result<Option<Array>> {
+        let n = prompt.len();
+        let t = bucket(n, self.max).ok_or_else(|| Error::invalid(format!("a prompt of {n} tokens has no bucket")))?;
+        let mut ids = prompt.to_vec();
+        // (Padding with token 0, a valid id: it follows the prompt, so no
+        // real position sees it.)
+        ids.resize(t, 0);
+        let ids = Array::from_slice(&ids, &[1, t as i32])?;
+        struct Current<'a>(&'a Cell<*const Lfm2Model>);
+        impl Drop for Current<'_> {
+            fn drop(&mut self) {
+                self.0.set(std::ptr::null());
+            }
+        }
+        let outs = {
+            self.current.set(model);
+            let _clear = Current(&self.current);
+            self.f.call(&[&ids])
+        };
+        let mut outs = match outs {
+            Ok(o) if !o.is_empty() => o,
+            Ok(_) => return Ok(self.fail(Error::mlx("the compiled prefill returned nothing"))),
+            Err(e) => return Ok(self.fail(e)),
+        };
+        let stored = outs.split_off(1);
+        let h = outs.pop().expect("checked above");
+        let keep = model.config.conv_kernel as i32 - 1;
+        let pass = cache.pass(n)?;
+        store_fresh(pass, &model.config.attn_layers, stored, n, keep)?;
+        cache.note_tokens(prompt);
+        let last = h.slice_axis(1, n as i32 - 1, n as i32)?;
+        Ok(Some(model.head(&last)?.reshape(&[1, -1])?))
+    }
+
+    fn fail(&self, e: Error) -> Option<Array> {
+        if !self.failed.replace(true) {
+            eprintln!("mlx-lfm: the compiled prefill failed ({}); prompts take the eager pass from now on", e.message);
+        }
+        None
+    }
+
+    /// Length buckets traced now.
+    pub fn traces(&self) -> usize {
+        self.f.traces()
+    }
+}
