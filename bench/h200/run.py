@@ -17,14 +17,20 @@ call carries at most 64 MiB with the working tree, so .device/b, .device/bin
 and .device/llama do not fit together; a call runs 10 minutes at most):
     1. carry [".device/a", ".device/tests"]: python3 bench/h200/run.py stage-mlx
     2. carry [".device/b", ".device/llama"]: H200_KERNEL_JOBS=3 python3 bench/h200/run.py llama install kernels
-       (380 s on 2026-12-03 with 3 processes sharing the GPU; H200_KERNEL_TESTS=name,name runs
+       (or, where no kernel's code changed since session 16's binaries, check with
+       `git diff --stat 9bf0d7b -- src/kernels src/mlx/kernel.rs cpp`, ~60 s instead of ~500:
+       `python3 bench/h200/run.py llama install verdicts-from bench/results/2026-12-03-h200-session16.raw.jsonl
+        && H200_KERNEL_TESTS=compiled_prefill_equals_the_eager_prefill python3 bench/h200/run.py kernels`,
+       the chosen tests' verdicts merged over the reused ones)
+       (380 s on 2026-12-03 with 3 processes sharing the GPU, 505 s in session 16 with the
+       stacked rows' test; H200_KERNEL_TESTS=name,name runs
        only the tests whose names hold one, as the test binary filters them: use whole
        names, "greedy" also picks up other tests. Where no kernel's code changed since a
        committed raw file's `tests` record, `llama install verdicts-from FILE` takes its
        verdicts instead: see verdicts_from)
     3. carry [".device/bin"]:                python3 bench/h200/run.py checkpoints step-ops dispatch-cost
        (300 s on 2026-12-03, GGUF too; step-ops now also counts a 512-token prompt's
-       primitives per model, a process each: ~1 minute more)
+       primitives per model, a process each: 346 s without dispatch-cost in session 16)
     4. carry [".device/bin"]:                H200_MODELS=lfm2-350m-bf16,lfm2-1.2b-bf16,lfm2-8b-a1b-q4 \
                                              H200_AB_REPS=6 timeout -s TERM 580 python3 bench/h200/run.py ab pick
        (every variant: ~150 s in process plus ~30 processes for MLX's knobs, ~300 s: an
@@ -43,10 +49,12 @@ brings back a few files (8 on 2026-12-03) and drops the rest, raw.jsonl
 with them; run.py writes $OUT/raw.jsonl and $OUT/logs.tgz itself.
 /tmp/h200/raw.jsonl is cumulative on a machine: a later call's copy holds
 the earlier calls' records too (deduplicate before committing).
-Issue each call the moment the last returns, and read its results after
-the next has started: a machine idle for 30 s is given back, with /tmp (on
-2026-12-02 two machines went that way between calls, and with them the
-staged MLX and the checkpoints).
+Issue each call the moment the last returns: a machine idle for 30 s is
+given back, with /tmp (on 2026-12-02 two machines went that way between
+calls, and with them the staged MLX and the checkpoints; on 2026-12-03
+reading a failed test's log between calls 3 and 4 cost the machine, and
+with it the rounds). A call blocks until it ends, so settle every call's
+command before the first, and read the results when the chain is done.
 (Calls 1-5 are ~27 of the 30 device minutes a session has, with ~2 minutes
 to start the machine; `H200_MODELS=...` narrows `ab` and `profile`, and
 `checkpoints` of the dense models alone takes ~1.5 minutes.)
@@ -609,7 +617,10 @@ def kernels():
     # H200_KERNEL_TESTS=a,b runs only the tests whose names hold a or b
     # (each NVRTC compile costs device minutes); verdicts of tests not run
     # are absent, so `pick` does not adopt a variant that needs them.
-    filters = [f for f in os.environ.get("H200_KERNEL_TESTS", "kernels::").split(",") if f]
+    # (With the fused kernels' tests, the compiled prefill's: an opt-in
+    # switch `pick` may adopt only where it passed on this GPU.)
+    filters = [f for f in os.environ.get("H200_KERNEL_TESTS", "kernels::,compiled_prefill_equals_the_eager_prefill").split(",")
+               if f]
     # The whole suite took 578 s of a call's 600 in one process (NVRTC
     # compiles per shape and dtype, on the host's cores): H200_KERNEL_JOBS
     # processes (3) share the GPU, the greedy test (the longest) alone in one.
@@ -649,11 +660,21 @@ def kernels():
     skipped = "skipped" in err
     ok = bool(procs) and all(rc == 0 for rc in rcs) and not skipped
     record(engine="tests", suite="kernels::", passed=ok, verdicts=verdicts, skipped=skipped, tail=(out + err)[-3000:])
-    (WORK / "kernel-verdicts.json").write_text(json.dumps({k: v and not skipped for k, v in verdicts.items()}))
-    default_ok = all(verdicts.get(t, False) for t in DEFAULT_KERNEL_TESTS if any(f in t or f == "kernels::" for f in filters)) and not skipped
-    if not default_ok:
+    mine = {k: v and not skipped for k, v in verdicts.items()}
+    verdicts_file = WORK / "kernel-verdicts.json"
+    partial = "H200_KERNEL_TESTS" in os.environ
+    if partial and verdicts_file.exists():
+        # A chosen few run after `verdicts-from` (or an earlier call): theirs
+        # replace those tests' verdicts, the others' stand.
+        mine = {**json.loads(verdicts_file.read_text()), **mine}
+    verdicts_file.write_text(json.dumps(mine))
+    # (A partial run with no earlier verdicts judges the defaults it ran.)
+    default_ok = all(mine.get(t, False) for t in DEFAULT_KERNEL_TESTS if t in mine or not partial) and not skipped
+    if default_ok:
+        (WORK / "kernels-off").unlink(missing_ok=True)
+    else:
         (WORK / "kernels-off").write_text("1")
-    log("kernel tests", verdicts, "" if default_ok else "- a default kernel FAILED: benchmark runs with MLX_LFM_KERNELS=0")
+    log("kernel tests", verdicts, "" if default_ok else "- a default kernel FAILED or did not run: benchmark runs with MLX_LFM_KERNELS=0")
 
 
 def verdicts_from(path):
@@ -666,8 +687,14 @@ def verdicts_from(path):
     rows = [json.loads(l) for l in (ROOT / path).read_text().splitlines() if '"engine": "tests"' in l]
     if not rows:
         raise SystemExit(f"no kernel test record in {path}")
+    # Every kernel call of that session in order, a later verdict replacing
+    # an earlier one (session 16 ran the whole suite, then the stacked rows'
+    # test again, mended).
+    verdicts, skipped = {}, False
+    for r in rows:
+        verdicts.update(r["verdicts"])
+        skipped = skipped or bool(r.get("skipped"))
     r = rows[-1]
-    verdicts, skipped = r["verdicts"], bool(r.get("skipped"))
     missing = [t for t in DEFAULT_KERNEL_TESTS if t not in verdicts]
     if missing:
         # (A default test added since that record: reusing it would turn
@@ -678,8 +705,9 @@ def verdicts_from(path):
     (WORK / "kernel-verdicts.json").write_text(json.dumps({k: v and not skipped for k, v in verdicts.items()}))
     if skipped or not all(verdicts.get(t, False) for t in DEFAULT_KERNEL_TESTS):
         (WORK / "kernels-off").write_text("1")
-    record(engine="tests-reused", source=str(path), commit=r.get("commit"), verdicts=verdicts, skipped=skipped)
-    log("kernel verdicts reused from", path, r.get("commit"))
+    commit = r.get("commit") or r.get("binaries_commit")
+    record(engine="tests-reused", source=str(path), commit=commit, verdicts=verdicts, skipped=skipped)
+    log("kernel verdicts reused from", path, commit)
 
 
 # (The stacked rows' test checks the defaults over a 16-row batch step.)
@@ -757,6 +785,13 @@ AB = {
     "prefill-split": ({"MLX_LFM_PREFILL_SPLIT": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "prefill-split-overlap-4": ({"MLX_LFM_PREFILL_SPLIT": "1", "MLX_LFM_PREFILL_OVERLAP": "4"},
                                 ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # A fresh prompt's pass compiled (up to 512 tokens, right-padded to a
+    # power-of-two bucket; dense models): replayed instead of built op by
+    # op, its elementwise chains fused (session 16: the dense models' P=512
+    # prefill hands MLX 416 primitives; on the CPU the tiny fixture's 590
+    # fall to 341). Opt-in until this A/B; correctness is
+    # compiled_prefill_equals_the_eager_prefill (kernels() runs it here).
+    "compiled-prefill": ({"MLX_LFM_COMPILED_PREFILL": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
     # A decode step's residual stream as [B, D] rows: no Flatten/Unflatten
     # around each dense projection, the same GPU kernels; rows for the
     # MoE's experts without reshapes. A default on CUDA since session 14
@@ -798,6 +833,7 @@ AB_TESTS = {
                         "norm_gemv_kernels_match_stock_ops", "greedy:default"],
     "gemv-max-k-8192": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops",
                         "norm_gemv_kernels_match_stock_ops", "greedy:default"],
+    "compiled-prefill": ["compiled_prefill_equals_the_eager_prefill"],
 }
 # Groups of variants of which `pick` adopts at most one: (variants, the
 # figure it must raise by 3% over "all" without the other falling 3%).
@@ -809,6 +845,7 @@ PICK = [
     (["norm-kernel-all-rows"], "prefill"),
     (["moe-dequant-from-16-rows", "moe-dequant-from-64-rows"], "prefill"),
     (["prefill-overlap-2", "prefill-overlap-4", "prefill-split", "prefill-split-overlap-4"], "prefill"),
+    (["compiled-prefill"], "prefill"),
 ]
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
