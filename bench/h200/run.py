@@ -786,12 +786,13 @@ AB = {
     "prefill-split-overlap-4": ({"MLX_LFM_PREFILL_SPLIT": "1", "MLX_LFM_PREFILL_OVERLAP": "4"},
                                 ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     # A fresh prompt's pass compiled (up to 512 tokens, right-padded to a
-    # power-of-two bucket; dense models): replayed instead of built op by
+    # power-of-two bucket): replayed instead of built op by
     # op, its elementwise chains fused (session 16: the dense models' P=512
-    # prefill hands MLX 416 primitives; on the CPU the tiny fixture's 590
-    # fall to 341). Opt-in until this A/B; correctness is
+    # prefill hands MLX 416 primitives, the 8B-A1B's 1,242; on the CPU the
+    # tiny fixture's 590 fall to 341). Opt-in until this A/B; correctness is
     # compiled_prefill_equals_the_eager_prefill (kernels() runs it here).
-    "compiled-prefill": ({"MLX_LFM_COMPILED_PREFILL": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
+    # (The 8B-A1B's pass compiled loses its prefill overlap, a default there.)
+    "compiled-prefill": ({"MLX_LFM_COMPILED_PREFILL": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     # A decode step's residual stream as [B, D] rows: no Flatten/Unflatten
     # around each dense projection, the same GPU kernels; rows for the
     # MoE's experts without reshapes. A default on CUDA since session 14
