@@ -20,16 +20,73 @@ pub use prefill::CompiledPrefill;
 /// stay traced; beyond, traces start over (see src/mlx/compile.rs).
 pub const MAX_TRACES: usize = 256;
 
+/// `mx::compile` over a function of one loaded model (the decode step, a
+/// fresh prompt's pass). The model is reached through a slot set only while
+/// a call runs: the trace reads the weights through it (and keeps them as
+/// the graph's constants), so the traces serve only the model they were
+/// built from.
+pub(crate) struct ModelFn {
+    f: mlx::Compiled,
+    current: Rc<Cell<*const Lfm2Model>>,
+    model_id: u64,
+}
+
+impl ModelFn {
+    /// `what` names the function in errors; `max_traces` distinct input
+    /// shapes are kept traced.
+    pub(crate) fn new(
+        model: &Lfm2Model,
+        what: &'static str,
+        max_traces: usize,
+        body: impl Fn(&Lfm2Model, &[Array]) -> Result<Vec<Array>> + 'static,
+    ) -> Result<ModelFn> {
+        let current: Rc<Cell<*const Lfm2Model>> = Rc::new(Cell::new(std::ptr::null()));
+        let seen = current.clone();
+        let f = mlx::Compiled::bounded(
+            move |ins| {
+                let p = seen.get();
+                if p.is_null() {
+                    return Err(Error::mlx(format!("{what} was traced outside a call")));
+                }
+                // SAFETY: `p` is set only for the duration of `call`, from a
+                // live `&Lfm2Model` that outlives the call.
+                body(unsafe { &*p }, ins)
+            },
+            false,
+            max_traces,
+        )?;
+        Ok(ModelFn { f, current, model_id: model.id })
+    }
+
+    pub(crate) fn call(&self, model: &Lfm2Model, ins: &[&Array]) -> Result<Vec<Array>> {
+        if model.id != self.model_id {
+            return Err(Error::invalid("this compiled function belongs to another model"));
+        }
+        // Cleared however the call ends (a panic unwinding through it too).
+        struct Current<'a>(&'a Cell<*const Lfm2Model>);
+        impl Drop for Current<'_> {
+            fn drop(&mut self) {
+                self.0.set(std::ptr::null());
+            }
+        }
+        self.current.set(model);
+        let _clear = Current(&self.current);
+        self.f.call(ins)
+    }
+
+    pub(crate) fn traces(&self) -> usize {
+        self.f.traces()
+    }
+
+    pub(crate) fn serves(&self, model: &Lfm2Model) -> bool {
+        model.id == self.model_id
+    }
+}
+
 /// The compiled step of one loaded model. Not Send: it lives on the model's
 /// worker thread, like every other MLX object of that model.
 pub struct CompiledStep {
-    f: mlx::Compiled,
-    /// The model being stepped, set only while a call runs: the trace reads
-    /// the weights through it (and keeps them as the graph's constants).
-    current: Rc<Cell<*const Lfm2Model>>,
-    /// The model the traces were built from: replaying them for another
-    /// would run that model's weights.
-    model_id: u64,
+    f: ModelFn,
     /// The compiled pass of a fresh prompt, where it is switched on
     /// ([`prefill`]).
     pub fresh: Option<CompiledPrefill>,
@@ -62,25 +119,13 @@ impl CompiledStep {
     /// `max_traces` distinct input shapes kept traced; `fail` makes every
     /// trace fail (tests of the eager fallback).
     pub(crate) fn build(model: &Lfm2Model, max_traces: usize, fail: bool) -> Result<CompiledStep> {
-        let current: Rc<Cell<*const Lfm2Model>> = Rc::new(Cell::new(std::ptr::null()));
-        let seen = current.clone();
-        let f = mlx::Compiled::bounded(
-            move |ins| {
-                let p = seen.get();
-                if p.is_null() {
-                    return Err(Error::mlx("the compiled decode step was traced outside a call"));
-                }
-                if fail {
-                    return Err(Error::mlx("compiled decode: failure injected by a test"));
-                }
-                // SAFETY: `p` is set only for the duration of `run`, from a
-                // live `&Lfm2Model` that outlives the call.
-                unsafe { &*p }.decode_step(ins)
-            },
-            false,
-            max_traces,
-        )?;
-        Ok(CompiledStep { f, current, model_id: model.id, fresh: None })
+        let f = ModelFn::new(model, "the compiled decode step", max_traces, move |m, ins| {
+            if fail {
+                return Err(Error::mlx("compiled decode: failure injected by a test"));
+            }
+            m.decode_step(ins)
+        })?;
+        Ok(CompiledStep { f, fresh: None })
     }
 
     /// Runs the step: compiled, or (`compiled = false`, to prove the
@@ -89,20 +134,8 @@ impl CompiledStep {
         if !compiled {
             return model.decode_step(ins);
         }
-        if model.id != self.model_id {
-            return Err(Error::invalid("this compiled step belongs to another model"));
-        }
         let refs: Vec<&Array> = ins.iter().collect();
-        // Cleared however the call ends (a panic unwinding through it too).
-        struct Current<'a>(&'a Cell<*const Lfm2Model>);
-        impl Drop for Current<'_> {
-            fn drop(&mut self) {
-                self.0.set(std::ptr::null());
-            }
-        }
-        self.current.set(model);
-        let _clear = Current(&self.current);
-        self.f.call(&refs)
+        self.f.call(model, &refs)
     }
 
     /// Input shapes traced now.

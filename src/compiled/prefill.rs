@@ -20,10 +20,10 @@
 use crate::cache::fresh::{store_fresh, FreshPass};
 use crate::cache::{ModelCache, KV_STEP};
 use crate::error::{Error, Result};
-use crate::mlx::{self, Array};
+use crate::mlx::Array;
 use crate::model::Lfm2Model;
+use super::ModelFn;
 use std::cell::Cell;
-use std::rc::Rc;
 
 /// The smallest bucket: shorter prompts pad to it.
 const MIN_BUCKET: usize = 16;
@@ -48,10 +48,7 @@ pub fn bucket(n: usize, max: usize) -> Option<usize> {
 /// The compiled fresh-prompt pass of one loaded model (on its worker
 /// thread, like the compiled step that holds it).
 pub struct CompiledPrefill {
-    f: mlx::Compiled,
-    /// The model, set only while a call runs (see `CompiledStep`).
-    current: Rc<Cell<*const Lfm2Model>>,
-    model_id: u64,
+    f: ModelFn,
     max: usize,
     /// A trace or call failed: the eager pass serves from then on.
     failed: Cell<bool>,
@@ -66,34 +63,21 @@ impl CompiledPrefill {
         if max == 0 || !traceable || model.world_size() > 1 {
             return Ok(None);
         }
-        let current: Rc<Cell<*const Lfm2Model>> = Rc::new(Cell::new(std::ptr::null()));
-        let seen = current.clone();
         // (One trace a bucket: a handful; bounded so `traces` counts them.)
-        let f = mlx::Compiled::bounded(
-            move |ins| {
-                let p = seen.get();
-                if p.is_null() {
-                    return Err(Error::mlx("the compiled prefill was traced outside a call"));
-                }
-                // SAFETY: set only for the duration of `run`, from a live
-                // `&Lfm2Model` that outlives the call.
-                let model = unsafe { &*p };
-                let mut pass = FreshPass::default();
-                let h = model.hidden_traced(&ins[0], &mut pass)?;
-                let mut out = vec![h];
-                out.extend(pass.stored);
-                Ok(out)
-            },
-            false,
-            64,
-        )?;
-        Ok(Some(CompiledPrefill { f, current, model_id: model.id, max, failed: Cell::new(false) }))
+        let f = ModelFn::new(model, "the compiled prefill", 64, |m, ins| {
+            let mut pass = FreshPass::default();
+            let h = m.hidden_traced(&ins[0], &mut pass)?;
+            let mut out = vec![h];
+            out.extend(pass.stored);
+            Ok(out)
+        })?;
+        Ok(Some(CompiledPrefill { f, max, failed: Cell::new(false) }))
     }
 
     /// Whether this prompt of `n` tokens over `cache` runs here.
     pub fn serves(&self, model: &Lfm2Model, cache: &ModelCache, n: usize, chunk: usize) -> bool {
         !self.failed.get()
-            && model.id == self.model_id
+            && self.f.serves(model)
             && cache.pos == 0
             // (One token is a decode-shaped pass: a paged cache writes it
             // through its decode mirrors, not the pool.)
@@ -115,18 +99,7 @@ impl CompiledPrefill {
         // real position sees it.)
         ids.resize(t, 0);
         let ids = Array::from_slice(&ids, &[1, t as i32])?;
-        struct Current<'a>(&'a Cell<*const Lfm2Model>);
-        impl Drop for Current<'_> {
-            fn drop(&mut self) {
-                self.0.set(std::ptr::null());
-            }
-        }
-        let outs = {
-            self.current.set(model);
-            let _clear = Current(&self.current);
-            self.f.call(&[&ids])
-        };
-        let mut outs = match outs {
+        let mut outs = match self.f.call(model, &[&ids]) {
             Ok(o) if !o.is_empty() => o,
             Ok(_) => return Ok(self.fail(Error::mlx("the compiled prefill returned nothing"))),
             Err(e) => return Ok(self.fail(e)),
