@@ -160,7 +160,7 @@ def ours_env():
     rounds: an MLX knob (read once per process) that won its process A/B
     this session, measured in the rounds without reaching mlx-lm's MLX."""
     e = env()
-    e.update(json.loads(os.environ.get("H200_OURS_ENV", "{}")))
+    e.update({k: str(v) for k, v in json.loads(os.environ.get("H200_OURS_ENV", "{}")).items()})
     return e
 
 

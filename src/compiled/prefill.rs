@@ -10,12 +10,13 @@
 //! compiled pass is replayed (no op-by-op build) and MLX fuses its
 //! elementwise chains (the gates, the residual adds) into single kernels.
 //! Only for prompts that start a sequence (nothing cached, no prefix
-//! taken), fit one prefill chunk and the largest bucket, on one device;
-//! not for a MoE model whose prefill groups rows by expert on the host
-//! (non-f32 experts on the CPU), which a trace cannot: on CUDA its rows go
-//! through the grouped GEMM kernel, whose offsets stay on the device (where
-//! that kernel does not serve, the trace fails, is reported once, and the
-//! eager pass takes over). Off until the H200's A/B times it.
+//! taken), of 2 tokens or more, whose bucket fits the largest bucket and
+//! the prefill chunk, on one device, and where no layer would read anything
+//! back to the host for the bucket's rows (a MoE layer grouping many rows
+//! by expert on the host: non-f32 experts on the CPU, or on CUDA experts
+//! the grouped GEMM kernel does not serve; `Layer::traceable_prefill`). A
+//! bucket whose trace fails anyway is reported once and takes the eager
+//! pass from then on. Off until the H200's A/B times it.
 
 use crate::cache::fresh::{store_fresh, FreshPass};
 use crate::cache::{ModelCache, KV_STEP};
@@ -23,7 +24,8 @@ use crate::error::{Error, Result};
 use crate::mlx::Array;
 use crate::model::Lfm2Model;
 use super::ModelFn;
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
+use std::collections::HashSet;
 
 /// The smallest bucket: shorter prompts pad to it.
 const MIN_BUCKET: usize = 16;
@@ -50,47 +52,56 @@ pub fn bucket(n: usize, max: usize) -> Option<usize> {
 pub struct CompiledPrefill {
     f: ModelFn,
     max: usize,
-    /// A trace or call failed: the eager pass serves from then on.
-    failed: Cell<bool>,
+    /// Buckets whose trace failed: the eager pass serves them from then on.
+    failed: RefCell<HashSet<usize>>,
+    /// Prompts prefilled here.
+    runs: Cell<usize>,
 }
 
 impl CompiledPrefill {
     /// None where the switch is off or the model is not served (see the
     /// module note).
     pub fn for_model(model: &Lfm2Model) -> Result<Option<CompiledPrefill>> {
-        let max = max_tokens();
-        let traceable = model.layers.iter().all(|l| l.traceable_prefill());
-        if max == 0 || !traceable || model.world_size() > 1 {
+        Self::build(model, max_tokens(), false)
+    }
+
+    /// For buckets up to `max` tokens; `fail` makes every trace fail (the
+    /// fallback's test).
+    pub(crate) fn build(model: &Lfm2Model, max: usize, fail: bool) -> Result<Option<CompiledPrefill>> {
+        if max == 0 || model.world_size() > 1 {
             return Ok(None);
         }
         // (One trace a bucket: a handful; bounded so `traces` counts them.)
-        let f = ModelFn::new(model, "the compiled prefill", 64, |m, ins| {
+        let f = ModelFn::new(model, "the compiled prefill", 64, move |m, ins| {
+            if fail {
+                return Err(Error::mlx("compiled prefill: failure injected by a test"));
+            }
             let mut pass = FreshPass::default();
             let h = m.hidden_traced(&ins[0], &mut pass)?;
             let mut out = vec![h];
             out.extend(pass.stored);
             Ok(out)
         })?;
-        Ok(Some(CompiledPrefill { f, max, failed: Cell::new(false) }))
+        Ok(Some(CompiledPrefill { f, max, failed: RefCell::new(HashSet::new()), runs: Cell::new(0) }))
     }
 
     /// Whether this prompt of `n` tokens over `cache` runs here.
     pub fn serves(&self, model: &Lfm2Model, cache: &ModelCache, n: usize, chunk: usize) -> bool {
-        !self.failed.get()
-            && self.f.serves(model)
+        // (One token is a decode-shaped pass: a paged cache writes it
+        // through its decode mirrors, not the pool.)
+        let Some(t) = bucket(n, self.max).filter(|&t| n >= 2 && t <= chunk) else { return false };
+        let d = model.config.hidden_size as i32;
+        self.f.serves(model)
             && cache.pos == 0
-            // (One token is a decode-shaped pass: a paged cache writes it
-            // through its decode mirrors, not the pool.)
-            && n >= 2
-            && n <= chunk
-            && bucket(n, self.max).is_some()
+            && !self.failed.borrow().contains(&t)
             && crate::cache::batch::stackable(cache)
+            && model.layers.iter().all(|l| l.traceable_prefill(t as i32, d, model.dtype))
     }
 
     /// Prefills `prompt` into the fresh `cache`: the last position's logits
     /// `[1, V]` (lazy). `Ok(None)` where the compiled pass could not be
-    /// built (reported once; this one stays off from then on): nothing was
-    /// written and the caller runs the eager pass.
+    /// built (reported once; its bucket stays off from then on): nothing
+    /// was written and the caller runs the eager pass.
     pub fn run(&self, model: &Lfm2Model, cache: &mut ModelCache, prompt: &[u32]) -> Result<Option<Array>> {
         let n = prompt.len();
         let t = bucket(n, self.max).ok_or_else(|| Error::invalid(format!("a prompt of {n} tokens has no bucket")))?;
@@ -101,8 +112,8 @@ impl CompiledPrefill {
         let ids = Array::from_slice(&ids, &[1, t as i32])?;
         let mut outs = match self.f.call(model, &[&ids]) {
             Ok(o) if !o.is_empty() => o,
-            Ok(_) => return Ok(self.fail(Error::mlx("the compiled prefill returned nothing"))),
-            Err(e) => return Ok(self.fail(e)),
+            Ok(_) => return Ok(self.fail(t, Error::mlx("the compiled prefill returned nothing"))),
+            Err(e) => return Ok(self.fail(t, e)),
         };
         let stored = outs.split_off(1);
         let h = outs.pop().expect("checked above");
@@ -110,15 +121,24 @@ impl CompiledPrefill {
         let pass = cache.pass(n)?;
         store_fresh(pass, &model.config.attn_layers, stored, n, keep)?;
         cache.note_tokens(prompt);
+        self.runs.set(self.runs.get() + 1);
         let last = h.slice_axis(1, n as i32 - 1, n as i32)?;
         Ok(Some(model.head(&last)?.reshape(&[1, -1])?))
     }
 
-    fn fail(&self, e: Error) -> Option<Array> {
-        if !self.failed.replace(true) {
-            eprintln!("mlx-lfm: the compiled prefill failed ({}); prompts take the eager pass from now on", e.message);
+    fn fail(&self, bucket: usize, e: Error) -> Option<Array> {
+        if self.failed.borrow_mut().insert(bucket) {
+            eprintln!(
+                "mlx-lfm: the compiled prefill failed for prompts padded to {bucket} tokens ({}); they take the eager pass from now on",
+                e.message
+            );
         }
         None
+    }
+
+    /// Prompts prefilled here so far.
+    pub fn runs(&self) -> usize {
+        self.runs.get()
     }
 
     /// Length buckets traced now.

@@ -394,12 +394,12 @@ pub struct Layer {
 }
 
 impl Layer {
-    /// Whether a whole prompt's pass over this layer can be traced: a
-    /// MoE layer with non-f32 experts on the CPU groups its rows by expert
-    /// on the host (`SparseMoe::host_grouped`).
-    pub fn traceable_prefill(&self) -> bool {
+    /// Whether a prompt's pass of `rows` tokens (`d` wide, in `dt`) over
+    /// this layer can be traced: a MoE layer may group many rows by expert
+    /// on the host ([`SparseMoe::prefill_traceable`]).
+    pub fn traceable_prefill(&self, rows: i32, d: i32, dt: Dtype) -> bool {
         match &self.feed_forward {
-            FeedForward::Moe(m) => !m.cpu_non_f32(),
+            FeedForward::Moe(m) => m.prefill_traceable(rows, d, dt),
             FeedForward::Dense(_) => true,
         }
     }

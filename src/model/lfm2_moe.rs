@@ -360,19 +360,15 @@ impl SparseMoe {
     /// and up stacked; None where the kernel does not serve.
     pub(crate) fn grouped_kernel(&self, x: &Array, inds: &Array) -> Result<Option<Array>> {
         use crate::kernels::moe_gemm;
+        let (b, t, d) = (x.dim(0), x.dim(1), x.dim(2));
+        if !self.grouped_serves(b * t, d, x.dtype()) {
+            return Ok(None);
+        }
         let (GateUp::Stacked(Weight::Quant(gu), ff), Weight::Quant(down)) = (&self.gate_up, &self.down_proj) else {
             return Ok(None);
         };
-        let (b, t, d) = (x.dim(0), x.dim(1), x.dim(2));
         let k = self.top_k as i32;
         let experts = gu.weight.dim(0);
-        let served = moe_gemm::serves(d, x.dtype(), gu)
-            && moe_gemm::serves(*ff, x.dtype(), down)
-            && down.weight.dim(0) == experts
-            && moe_gemm::fits(b * t * k, experts);
-        if !served {
-            return Ok(None);
-        }
         let x2 = x.reshape(&[b * t, d])?;
         let flat = inds.reshape(&[-1])?;
         let order = flat.argsort(0)?;
@@ -384,6 +380,36 @@ impl SparseMoe {
         let g = p.pop().expect("two widths");
         let y = moe_gemm::grouped_gemm(&g.silu()?.mul(&u)?, &offsets, down)?;
         Ok(Some(y.take(&inv, 0)?.reshape(&[b, t, k, d])?))
+    }
+
+    /// Whether the grouped GEMM kernel serves `rows` rows `d` wide in dtype
+    /// `dt` (quantized experts with gate and up stacked).
+    fn grouped_serves(&self, rows: i32, d: i32, dt: Dtype) -> bool {
+        use crate::kernels::moe_gemm;
+        let (GateUp::Stacked(Weight::Quant(gu), ff), Weight::Quant(down)) = (&self.gate_up, &self.down_proj) else {
+            return false;
+        };
+        let experts = gu.weight.dim(0);
+        moe_gemm::serves(d, dt, gu)
+            && moe_gemm::serves(*ff, dt, down)
+            && down.weight.dim(0) == experts
+            && moe_gemm::fits(rows * self.top_k as i32, experts)
+    }
+
+    /// Whether a pass over `rows` rows `d` wide (one prompt) reads nothing
+    /// back to the host, as a traced pass must: the rows go through the
+    /// direct gather, the sorted gather or the grouped GEMM kernel, not the
+    /// chains grouped on the host ([`SparseMoe::host_grouped`], see
+    /// [`SparseMoe::experts`]).
+    pub fn prefill_traceable(&self, rows: i32, d: i32, dt: Dtype) -> bool {
+        let many = rows > 1 && rows as usize * self.top_k >= SORT_THRESHOLD;
+        if !many {
+            return true;
+        }
+        if self.cpu_non_f32 {
+            return false;
+        }
+        !self.grouped_prefill || self.grouped_serves(rows, d, dt)
     }
 
     /// Whether the decode path must avoid gather_mm (see the module note).
