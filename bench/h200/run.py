@@ -572,14 +572,18 @@ def step_ops():
                     record(engine="step-ops", model=name, variant=variant, **j)
         # What a 512-token prompt hands MLX up to its first token, as the
         # prefill figures run it (the 350M's and the 8B-A1B's P=512 prefill
-        # miss their target; the pass is built eagerly, node by node).
-        r = sh([BENCH, "--prefill-ops", "--prompts", "512", "--model", ours_ck(name), "--device", "gpu"],
-               f"prefill-ops-{name}", check=False)
-        for line in r.stdout.splitlines():
-            j = json.loads(line) if line.startswith("{") else {}
-            if "prefill_ops" in j:
-                j.pop("model", None)
-                record(engine="prefill-ops", model=name, **j)
+        # miss their target; the pass is built eagerly, node by node), and
+        # with the compiled prefill (its fused graph: session 16's opt-in).
+        for variant, extra in [("all", {}), ("compiled-prefill", AB["compiled-prefill"][0])]:
+            e = env()
+            e.update(extra)
+            r = sh([BENCH, "--prefill-ops", "--prompts", "512", "--model", ours_ck(name), "--device", "gpu"],
+                   f"prefill-ops-{name}", check=False, env=e)
+            for line in r.stdout.splitlines():
+                j = json.loads(line) if line.startswith("{") else {}
+                if "prefill_ops" in j:
+                    j.pop("model", None)
+                    record(engine="prefill-ops", model=name, variant=variant, **j)
 
 
 def dispatch_cost():
