@@ -1065,3 +1065,62 @@ fn decode_rows_give_the_same_tokens_with_fewer_nodes() {
         batched_equals_sequential(Preset::TinyMoe, false, DecodePath::Compiled, "batch-rows-moe");
     });
 }
+
+/// The compiled prefill (`MLX_LFM_COMPILED_PREFILL`) through the engine:
+/// `generate` and a request the scheduler admits take it for a fresh prompt
+/// and give the tokens the eager prefill gives, on flat and paged caches;
+/// a paged request's next turn reuses every position of the first (the
+/// blocks and conv states the compiled pass wrote) and equals a cold run.
+#[test]
+fn compiled_prefill_gives_the_eager_tokens_through_the_engine() {
+    use super::{Request, Scheduler};
+    use std::sync::{Arc, Mutex};
+    let dir = fixture_dir("compiled-prefill", Preset::Tiny);
+    for paged in [false, true] {
+        let opts = EngineOptions {
+            paged_cache: Some(paged),
+            paged_block_size: Some(16),
+            decode_path: Some(DecodePath::Compiled),
+            prefill_chunk: Some(512),
+            ..Default::default()
+        };
+        let mut plain = Engine::load(&dir, &opts).unwrap();
+        let on = [("MLX_LFM_COMPILED_PREFILL".to_string(), Some("64".to_string()))];
+        let mut fast = crate::knobs::with_overrides(&on, || Engine::load(&dir, &opts)).unwrap();
+        let runs = |e: &Engine| e.compiled.as_ref().and_then(|c| c.fresh.as_ref()).map(|f| f.runs()).expect("switched on");
+        assert!(plain.compiled.as_ref().is_some_and(|c| c.fresh.is_none()), "off unless asked");
+        for (len, seed) in [(5, 1), (23, 2), (40, 3)] {
+            let what = format!("paged {paged}, prompt of {len}");
+            let p = prompt(len, seed);
+            let before = runs(&fast);
+            let want = run(&mut plain, &p, 24);
+            let got = run(&mut fast, &p, 24);
+            assert_eq!(runs(&fast), before + 1, "{what}: generate took the compiled prefill");
+            assert_eq!(got.tokens, want.tokens, "{what}: generate");
+            if paged {
+                let mut cont = p.clone();
+                cont.extend(&got.tokens);
+                cont.extend(prompt(5, 50 + seed));
+                let warm = run(&mut fast, &cont, 6);
+                assert_eq!(warm.metrics.cached_tokens, len + 24 - 1, "{what}: the next turn reused");
+                plain.clear_prefix_cache();
+                assert_eq!(warm.tokens, run(&mut plain, &cont, 6).tokens, "{what}: the next turn");
+                fast.clear_prefix_cache();
+            }
+            // The same prompt admitted by the scheduler (the server's path).
+            let before = runs(&fast);
+            let out: Arc<Mutex<Option<Vec<u32>>>> = Arc::new(Mutex::new(None));
+            let o = out.clone();
+            let params = GenerateParams { max_tokens: 24, ignore_eos: true, ..Default::default() };
+            let mut s = Scheduler::new();
+            s.admit(&mut fast, Request::tokens(p.clone(), params, move |r| *o.lock().unwrap() = Some(r.unwrap().tokens)));
+            while s.running() > 0 {
+                s.step_active(&mut fast);
+            }
+            assert_eq!(runs(&fast), before + 1, "{what}: the scheduler took the compiled prefill");
+            assert_eq!(out.lock().unwrap().as_ref(), Some(&want.tokens), "{what}: the scheduler");
+            fast.clear_prefix_cache();
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
