@@ -375,9 +375,7 @@ impl SeqPass<'_> {
         cache.fresh.extend(snaps);
         Ok(())
     }
-}
 
-impl SeqPass<'_> {
     /// Writes attention layer `layer`'s K/V for this call (`[1, kv_heads,
     /// t, head_dim]`) without attending: a compiled fresh prefill
     /// ([`super::fresh`]) attended already.
