@@ -726,15 +726,25 @@ def kernels():
     names = [l.split(": test")[0] for l in listed.splitlines() if l.endswith(": test")]
     jobs = max(1, int(os.environ.get("H200_KERNEL_JOBS", "3")))
     groups = [[n for n in names if GREEDY in n]] if jobs > 1 else []
-    rest = [n for n in names if not groups or GREEDY not in n]
+    # The compiled prefill's test in a process of its own with MLX's TF32
+    # products off (read once per process), so its f32 cases are held to
+    # f32's tolerance (session 17: 8.9e-4 of the scale apart with TF32 on).
+    exact = [n for n in names if "compiled_prefill" in n]
+    rest = [n for n in names if (not groups or GREEDY not in n) and n not in exact]
     slots = max(1, jobs - len(groups))
     groups += [rest[i::slots] for i in range(slots)]
     groups = [g for g in groups if g]
     procs = []
-    for i, g in enumerate(groups):
+    for i, g in enumerate(groups + ([exact] if exact else [])):
         cmd = [str(tests[0]), *g, "--exact", "--test-threads", "1", "--nocapture"]
-        log("$", " ".join(cmd))
-        procs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())))
+        e = env()
+        if g is exact:
+            e["MLX_ENABLE_TF32"] = "0"
+            cmd_env = "MLX_ENABLE_TF32=0 "
+        else:
+            cmd_env = ""
+        log("$", cmd_env + " ".join(cmd))
+        procs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e)))
     verdicts, out, err, rcs = {}, "", "", []
     for cmd, p in procs:
         o, e = p.communicate()

@@ -330,8 +330,17 @@ fn compiled_prefill_equals_the_eager_prefill() {
     // Byte for byte where MLX computes a fused elementwise chain as the
     // separate ops do (the CPU); on a GPU its fused kernels may keep an
     // intermediate unrounded: within bf16's rounding of the scale there
-    // (f32: 1e-4; a cache written wrong moves a step's logits by far more).
+    // (a cache written wrong moves a step's logits by far more). f32 on
+    // CUDA: MLX's products round their inputs to TF32 (10 mantissa bits)
+    // unless MLX_ENABLE_TF32=0, and the padded bucket's row count may take
+    // another cuBLAS kernel than the prompt's own (the H200, session 17:
+    // 23 tokens padded to 32, 8.9e-4 of the scale apart with TF32 on), so
+    // 1e-2 there; 1e-4 with TF32 off, as run.py runs it.
     let gpu = crate::mlx::runtime::backend() != crate::mlx::runtime::Backend::Cpu;
+    let tf32 = gpu && std::env::var("MLX_ENABLE_TF32").as_deref() != Ok("0");
+    // On a GPU every comparison is made and reported before the verdict
+    // (a device call is too dear to learn one case per run).
+    let departed = std::cell::RefCell::new(Vec::<String>::new());
     let same = |got: &Array, want: &Array, what: &str| {
         if !gpu {
             assert_eq!(bytes(got), bytes(want), "{what}: differ");
@@ -341,8 +350,15 @@ fn compiled_prefill_equals_the_eager_prefill() {
         let (g, w) = (f(got), f(want));
         let scale = w.iter().fold(0f32, |a, v| a.max(v.abs())).max(1e-6);
         let diff = g.iter().zip(&w).fold(0f32, |a, (x, y)| a.max((x - y).abs())) / scale;
-        let tol = if want.dtype() == Dtype::Float32 { 1e-4 } else { 3e-2 };
-        assert!(diff <= tol, "{what}: {diff} of the scale apart (over {tol})");
+        let tol = match (want.dtype() == Dtype::Float32, tf32) {
+            (true, false) => 1e-4,
+            (true, true) => 1e-2,
+            _ => 3e-2,
+        };
+        eprintln!("{what}: {diff} of the scale apart (tolerance {tol})");
+        if !(diff <= tol) {
+            departed.borrow_mut().push(format!("{what}: {diff} of the scale apart (over {tol})"));
+        }
     };
     let cfg = PagedConfig { block_size: 8, budget_bytes: 64 << 20 };
     let q4 = Some((QuantMode::Affine, 4, 32));
@@ -432,6 +448,8 @@ fn compiled_prefill_equals_the_eager_prefill() {
         std::fs::remove_dir_all(&dir).ok();
         std::fs::remove_dir_all(&src).ok();
     }
+    let departed = departed.into_inner();
+    assert!(departed.is_empty(), "{} comparisons departed:\n{}", departed.len(), departed.join("\n"));
 }
 
 /// A compiled prefill whose trace fails leaves nothing behind: the prompt
