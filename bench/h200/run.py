@@ -839,6 +839,11 @@ AB = {
     "gemv-kernel": ({"MLX_LFM_GEMV_KERNEL": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
     "gemv-norm-kernels": ({"MLX_LFM_GEMV_KERNEL": "1", "MLX_LFM_NORM_GEMV_KERNEL": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
     "qk-norm-rope-kernel": ({"MLX_LFM_QK_NORM_ROPE_KERNEL": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # The same kernel over the stacked q/k/v product whole (session 17):
+    # the split, five reshapes, two norms and two ropes of an attention
+    # layer's step become one node (42 of the 350M's 187; the step's host
+    # cost is ~7-8 µs a node, session 17's sync-steps against step-ops).
+    "qkv-norm-rope-kernel": ({"MLX_LFM_QKV_NORM_ROPE_KERNEL": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "moe-dequant-from-16-rows": ({"MLX_LFM_MOE_DEQUANT_ROWS": "16", "MLX_LFM_MOE_GEMM_KERNEL": "0"}, ["lfm2-8b-a1b-q4"]),
     "moe-dequant-from-64-rows": ({"MLX_LFM_MOE_DEQUANT_ROWS": "64", "MLX_LFM_MOE_GEMM_KERNEL": "0"}, ["lfm2-8b-a1b-q4"]),
     "qgemv-kernel": ({"MLX_LFM_QGEMV_KERNEL": "1"}, ["lfm2-8b-a1b-q4"]),
@@ -936,6 +941,7 @@ AB_TESTS = {
                            "greedy:MLX_LFM_QGEMV_KERNEL", "greedy:every opt-in"],
     "norm-kernel-all-rows": ["add_rms_norm_kernel_matches_stock_ops"],
     "qk-norm-rope-kernel": ["qk_norm_rope_kernel_matches_stock_ops", "greedy:MLX_LFM_QK_NORM_ROPE_KERNEL"],
+    "qkv-norm-rope-kernel": ["qkv_norm_rope_kernel_matches_stock_ops", "greedy:MLX_LFM_QKV_NORM_ROPE_KERNEL"],
     # The GEMV kernels' own tests cover K = 2048 and 8192; the greedy
     # test's fixtures are narrower, so its default run stands for the rest.
     "gemv-max-k-2048": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops",
@@ -949,7 +955,7 @@ AB_TESTS = {
 PICK = [
     (["gemv-kernel", "gemv-norm-kernels"], "decode"),
     (["qgemv-kernel", "quant-norm-kernels"], "decode"),
-    (["qk-norm-rope-kernel"], "decode"),
+    (["qk-norm-rope-kernel", "qkv-norm-rope-kernel"], "decode"),
     (["gemv-max-k-2048", "gemv-max-k-8192"], "decode"),
     (["norm-kernel-all-rows"], "prefill"),
     (["moe-dequant-from-16-rows", "moe-dequant-from-64-rows"], "prefill"),
@@ -958,7 +964,7 @@ PICK = [
 ]
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
-SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL", "MLX_LFM_QK_NORM_ROPE_KERNEL"]
+SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL", "MLX_LFM_QK_NORM_ROPE_KERNEL", "MLX_LFM_QKV_NORM_ROPE_KERNEL"]
 
 
 def ab_models():

@@ -23,23 +23,11 @@ use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
 use crate::mlx::{Array, Dtype};
 use std::sync::OnceLock;
 
-const SOURCE: &str = r#"
-  constexpr int NR = 16 / sizeof(T);
-  constexpr int TPH = HD / NR;
-  constexpr int HALF = HD / 2;
-  const int H = q_shape[2] / HD;
-  const int KVH = k_shape[2] / HD;
-  const int b = blockIdx.x;
-  const int tid = threadIdx.x;
-  const int head = tid / TPH;
-  const int t = tid % TPH;
-  const bool is_q = head < H;
-  const bool live = head < H + KVH;
-  const T* src = is_q ? q + (static_cast<size_t>(b) * H + head) * HD : k + (static_cast<size_t>(b) * KVH + (head - H)) * HD;
-  const T* w = is_q ? qw : kw;
-  T* dst = is_q ? qo + (static_cast<size_t>(b) * H + head) * HD : ko + (static_cast<size_t>(b) * KVH + (head - H)) * HD;
-  const float pos = static_cast<float>(offset[PER_ROW ? b : 0]);
-  float x[NR];
+// The norm and RoPE of one head's slice, after a prefix that sets `src`,
+// `w`, `dst`, `live`, `is_v`, `t` and `pos` for this thread.
+macro_rules! norm_rope_body {
+    () => {
+        r#"  float x[NR];
   float acc = 0.0f;
 #pragma unroll
   for (int j = 0; j < NR; j++) x[j] = 0.0f;
@@ -65,6 +53,12 @@ const SOURCE: &str = r#"
 #pragma unroll
   for (int j = 0; j < NR; j++) other[j] = __shfl_xor_sync(0xffffffff, y[j], TPH / 2);
   if (!live) return;
+  if (is_v) {
+    // v passes through: only laid out heads-first.
+#pragma unroll
+    for (int j = 0; j < NR; j++) dst[t * NR + j] = src[t * NR + j];
+    return;
+  }
   const bool first = t < TPH / 2;
   const float base = __int_as_float(BASE_BITS);
 #pragma unroll
@@ -81,7 +75,57 @@ const SOURCE: &str = r#"
     const float r = first ? x1 * c - x2 * s : x1 * s + x2 * c;
     dst[e] = T(r);
   }
-"#;
+"#
+    };
+}
+
+const SOURCE: &str = concat!(
+    r#"
+  constexpr int NR = 16 / sizeof(T);
+  constexpr int TPH = HD / NR;
+  constexpr int HALF = HD / 2;
+  const int H = q_shape[2] / HD;
+  const int KVH = k_shape[2] / HD;
+  const int b = blockIdx.x;
+  const int tid = threadIdx.x;
+  const int head = tid / TPH;
+  const int t = tid % TPH;
+  const bool is_q = head < H;
+  const bool live = head < H + KVH;
+  constexpr bool is_v = false;
+  const T* src = is_q ? q + (static_cast<size_t>(b) * H + head) * HD : k + (static_cast<size_t>(b) * KVH + (head - H)) * HD;
+  const T* w = is_q ? qw : kw;
+  T* dst = is_q ? qo + (static_cast<size_t>(b) * H + head) * HD : ko + (static_cast<size_t>(b) * KVH + (head - H)) * HD;
+  const float pos = static_cast<float>(offset[PER_ROW ? b : 0]);
+"#,
+    norm_rope_body!()
+);
+
+/// The same over a stacked q/k/v projection's rows `[B, (H + 2 KVH) HD]`
+/// (no split, no reshapes: seven nodes of a decode step's attention layer
+/// become this one), v copied out heads-first beside q and k.
+const QKV_SOURCE: &str = concat!(
+    r#"
+  constexpr int NR = 16 / sizeof(T);
+  constexpr int TPH = HD / NR;
+  constexpr int HALF = HD / 2;
+  const int b = blockIdx.x;
+  const int tid = threadIdx.x;
+  const int head = tid / TPH;
+  const int t = tid % TPH;
+  const bool is_q = head < QH;
+  const bool is_v = head >= QH + KVH;
+  const bool live = head < QH + 2 * KVH;
+  // A row's heads lie in the projection's order: q's, k's, then v's.
+  const T* src = qkv + (static_cast<size_t>(b) * (QH + 2 * KVH) + head) * HD;
+  const T* w = is_q ? qw : kw;
+  T* dst = is_q ? qo + (static_cast<size_t>(b) * QH + head) * HD
+         : is_v ? vo + (static_cast<size_t>(b) * KVH + (head - QH - KVH)) * HD
+                : ko + (static_cast<size_t>(b) * KVH + (head - QH)) * HD;
+  const float pos = static_cast<float>(offset[PER_ROW ? b : 0]);
+"#,
+    norm_rope_body!()
+);
 
 fn kernel() -> Option<&'static CudaKernel> {
     static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
@@ -173,4 +217,100 @@ pub fn qk_norm_rope(q: &Array, k: &Array, qw: &Array, kw: &Array, offset: &Array
     let ko = outs.pop().ok_or_else(|| Error::mlx("q/k norm + RoPE kernel: missing output"))?;
     let qo = outs.pop().ok_or_else(|| Error::mlx("q/k norm + RoPE kernel: missing output"))?;
     Ok((qo, ko))
+}
+
+fn qkv_kernel() -> Option<&'static CudaKernel> {
+    static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
+    K.get_or_init(|| {
+        CudaKernel::new("lfm_qkv_norm_rope", &["qkv", "qw", "kw", "offset"], &["qo", "ko", "vo"], QKV_SOURCE, "").ok()
+    })
+    .as_ref()
+}
+
+/// Whether a decode step's attention should hand the kernel its stacked
+/// q/k/v projection whole (`MLX_LFM_QKV_NORM_ROPE_KERNEL=1`, opt-in until
+/// its test and A/B have run on the H200; on CUDA): asked before the
+/// projection, of its input `h` (one token a row) and the heads; the
+/// projection's output is then checked by [`qkv_available`].
+pub fn qkv_wanted(h: &Array, heads: i32, kv_heads: i32, head_dim: i32) -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    super::opt_in("MLX_LFM_QKV_NORM_ROPE_KERNEL", &ON)
+        && cuda_kernels_enabled()
+        && super::one_token(h)
+        && heads_served(h.dtype(), heads, kv_heads, head_dim)
+}
+
+/// One block a row holds every head, q's, k's and v's: a float dtype whose
+/// 16-byte runs tile a power-of-two head within a warp.
+fn heads_served(dt: Dtype, heads: i32, kv_heads: i32, head_dim: i32) -> bool {
+    if !dt.is_float() || dt == Dtype::Float64 || head_dim <= 0 || heads <= 0 || kv_heads <= 0 {
+        return false;
+    }
+    let tph = head_dim / (16 / dt.size() as i32);
+    (head_dim as u32).is_power_of_two() && (2..=32).contains(&tph) && (heads + 2 * kv_heads) as i64 * tph as i64 <= 1024
+}
+
+/// Whether the kernel serves `qkv`, a stacked projection's rows `[B, W]`
+/// or `[B, 1, W]` with `W = (heads + 2 kv_heads) head_dim`, norm weights
+/// `[head_dim]` of its dtype, on CUDA.
+pub fn qkv_available(qkv: &Array, qw: &Array, kw: &Array, heads: i32, kv_heads: i32, head_dim: i32) -> bool {
+    let dt = qkv.dtype();
+    super::one_token(qkv)
+        && qkv.dim(0) > 0
+        && heads_served(dt, heads, kv_heads, head_dim)
+        && qkv.dim(-1) as i64 == (heads + 2 * kv_heads) as i64 * head_dim as i64
+        && qw.dtype() == dt
+        && kw.dtype() == dt
+        && qw.shape() == [head_dim]
+        && kw.shape() == [head_dim]
+        && cuda_kernels_enabled()
+        && qkv_kernel().is_some()
+}
+
+/// `(rope(rms_norm(q) * qw), rope(rms_norm(k) * kw), v)` from a stacked
+/// projection's rows, as `[B, H, 1, HD]`, `[B, KVH, 1, HD]` and
+/// `[B, KVH, 1, HD]` (what the split, its reshapes, the norms and the ropes
+/// give); `offset` as for [`qk_norm_rope`]. Callers check [`qkv_available`].
+#[allow(clippy::too_many_arguments)]
+pub fn qkv_norm_rope(
+    qkv: &Array,
+    qw: &Array,
+    kw: &Array,
+    offset: &Array,
+    (heads, kv_heads, head_dim): (i32, i32, i32),
+    eps: f32,
+    theta: f32,
+) -> Result<(Array, Array, Array)> {
+    let kern = qkv_kernel().ok_or_else(|| Error::mlx("the q/k/v norm + RoPE kernel is not available"))?;
+    let dt = qkv.dtype();
+    let b = qkv.dim(0);
+    if !offset_served(offset, b) {
+        return Err(Error::invalid(format!(
+            "q/k/v norm + RoPE: {} offsets of {:?} for {b} rows (int32, one or one per row)",
+            offset.size(),
+            offset.dtype()
+        )));
+    }
+    let threads = (heads + 2 * kv_heads) * (head_dim / (16 / dt.size() as i32));
+    let block = (threads + 31) / 32 * 32;
+    let mut outs = kern.call(
+        &[qkv, qw, kw, offset],
+        &[(&[b, heads, 1, head_dim], dt), (&[b, kv_heads, 1, head_dim], dt), (&[b, kv_heads, 1, head_dim], dt)],
+        [block.checked_mul(b).ok_or_else(|| Error::invalid(format!("q/k/v norm + RoPE: {b} rows")))?, 1, 1],
+        [block, 1, 1],
+        &[
+            ("HD", TemplateArg::Int(head_dim)),
+            ("QH", TemplateArg::Int(heads)),
+            ("KVH", TemplateArg::Int(kv_heads)),
+            ("PER_ROW", TemplateArg::Bool(offset.size() != 1)),
+            ("EPS_BITS", TemplateArg::Int(eps.to_bits() as i32)),
+            ("BASE_BITS", TemplateArg::Int(theta.log2().to_bits() as i32)),
+            ("T", TemplateArg::Dtype(dt)),
+        ],
+    )?;
+    let missing = || Error::mlx("q/k/v norm + RoPE kernel: missing output");
+    let vo = outs.pop().ok_or_else(missing)?;
+    let ko = outs.pop().ok_or_else(missing)?;
+    let qo = outs.pop().ok_or_else(missing)?;
+    Ok((qo, ko, vo))
 }

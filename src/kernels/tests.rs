@@ -317,8 +317,8 @@ fn greedy_tokens_with_kernels_equal_stock_ops() {
                 // (The router gate, the one-batch matmul and the decode rows
                 // are defaults on CUDA since session 14: "default" runs them.)
                 let alone: &[&'static str] = match q4 {
-                    true => &["MLX_LFM_QGEMV_KERNEL", "MLX_LFM_NORM_GEMV_KERNEL", "MLX_LFM_QK_NORM_ROPE_KERNEL"],
-                    false => &["MLX_LFM_QK_NORM_ROPE_KERNEL"],
+                    true => &["MLX_LFM_QGEMV_KERNEL", "MLX_LFM_NORM_GEMV_KERNEL", "MLX_LFM_QK_NORM_ROPE_KERNEL", "MLX_LFM_QKV_NORM_ROPE_KERNEL"],
+                    false => &["MLX_LFM_QK_NORM_ROPE_KERNEL", "MLX_LFM_QKV_NORM_ROPE_KERNEL"],
                 };
                 for &var in alone {
                     runs.push((var, crate::kernels::with_opt_in_one(var, || run(Some(&stock))).0));
@@ -943,6 +943,75 @@ fn norm_gemv_kernels_match_stock_ops() {
         assert!(!dense_available(&NormIn { h: &h, r: &h, wn: &wn, eps: &eps }, &w));
         let r = normal(&[1, 64], Dtype::Float32, 0.0, 1.0, None).unwrap();
         assert!(!dense_available(&NormIn { h: &h.slice_axis(0, 0, 2).unwrap(), r: &r, wn: &wn, eps: &eps }, &w));
+    });
+}
+
+/// The q/k/v norm + RoPE kernel over a stacked projection's rows against
+/// what the attention layer runs without it (the split, the reshapes to
+/// heads, MLX's rms_norm and rope; v reshaped): bit for bit, rows `[B, W]`
+/// and `[B, 1, W]`, one position for every row and one per row, the
+/// 350M's and 1.2B's heads (16/8 and 32/8 of 64) and others.
+#[test]
+fn qkv_norm_rope_kernel_matches_stock_ops() {
+    if skip("qkv_norm_rope_kernel_matches_stock_ops") {
+        return;
+    }
+    use crate::kernels::qk_norm_rope::{qkv_available, qkv_norm_rope, qkv_wanted};
+    use crate::kernels::with_opt_in;
+    use crate::mlx::random::normal;
+    use crate::mlx::{rms_norm, rope, rope_dyn, Array};
+    with_opt_in(|| {
+        let (eps, theta) = (1e-5f32, 1_000_000f32);
+        for (di, dt) in [Dtype::Bfloat16, Dtype::Float16, Dtype::Float32].into_iter().enumerate() {
+            // (rows, 3-D rows, heads, kv heads, head dim, positions: one, or one per row)
+            #[allow(clippy::type_complexity)]
+            let cases: [(i32, bool, i32, i32, i32, &[i32]); 6] = [
+                (1, false, 16, 8, 64, &[0]),
+                (1, false, 32, 8, 64, &[517]),
+                (1, true, 16, 8, 64, &[3]),
+                (1, false, 16, 4, 128, &[40_000]),
+                (3, false, 32, 8, 64, &[9, 300, 4_095]),
+                (2, true, 4, 2, 64, &[77]),
+            ];
+            for (_, (b, three, h, kvh, hd, offs)) in cases.into_iter().enumerate().filter(|(ci, _)| thin(di, *ci, cases.len())) {
+                let what = format!("{dt:?} {b} rows (3-D {three}), {h}/{kvh} heads of {hd}, positions {offs:?}");
+                let w = (h + 2 * kvh) * hd;
+                let shape: Vec<i32> = if three { vec![b, 1, w] } else { vec![b, w] };
+                let qkv = normal(&shape, Dtype::Float32, 0.0, 2.0, None).unwrap().astype(dt).unwrap();
+                let qw = normal(&[hd], Dtype::Float32, 1.0, 0.3, None).unwrap().astype(dt).unwrap();
+                let kw = normal(&[hd], Dtype::Float32, 1.0, 0.3, None).unwrap().astype(dt).unwrap();
+                assert!(qkv_wanted(&qkv, h, kvh, hd), "{what}: wanted");
+                assert!(qkv_available(&qkv, &qw, &kw, h, kvh, hd), "{what}: available");
+                let offset = Array::from_slice(offs, &[offs.len() as i32]).unwrap();
+                let (qo, ko, vo) = qkv_norm_rope(&qkv, &qw, &kw, &offset, (h, kvh, hd), eps, theta).unwrap();
+                let parts = crate::model::linear::split_widths(&qkv, &[h * hd, kvh * hd, kvh * hd]).unwrap();
+                let stock = |x: &Array, w: &Array, heads: i32| -> Array {
+                    let n = rms_norm(&x.reshape(&[b, heads, 1, hd]).unwrap(), Some(w), eps).unwrap();
+                    if offs.len() == 1 {
+                        rope(&n, hd, false, theta, 1.0, offs[0]).unwrap()
+                    } else {
+                        rope_dyn(&n, hd, false, theta, 1.0, &offset).unwrap()
+                    }
+                };
+                let v = parts[2].reshape(&[b, kvh, 1, hd]).unwrap();
+                for (name, got, want) in [("q", &qo, stock(&parts[0], &qw, h)), ("k", &ko, stock(&parts[1], &kw, kvh)), ("v", &vo, v)] {
+                    assert_eq!(got.shape(), want.shape(), "{what} {name}");
+                    let worst = worst_relative(got, &want);
+                    let differ = differing(got, &want);
+                    assert_eq!(differ, 0, "{what} {name}: {differ} of {} values differ from the stock ops (worst {worst})", want.size());
+                }
+            }
+        }
+        // Not served: two tokens a row, a width that is not the heads', a
+        // head dim that is no power of two, norm weights of another width.
+        let w = normal(&[64], Dtype::Float32, 1.0, 0.3, None).unwrap();
+        let two = normal(&[1, 2, 2048], Dtype::Float32, 0.0, 1.0, None).unwrap();
+        assert!(!qkv_wanted(&two, 16, 8, 64) && !qkv_available(&two, &w, &w, 16, 8, 64));
+        let x = normal(&[1, 2048], Dtype::Float32, 0.0, 1.0, None).unwrap();
+        assert!(!qkv_available(&x, &w, &w, 16, 4, 64));
+        let w48 = normal(&[48], Dtype::Float32, 1.0, 0.3, None).unwrap();
+        assert!(!qkv_available(&normal(&[1, 1536], Dtype::Float32, 0.0, 1.0, None).unwrap(), &w48, &w48, 16, 8, 48));
+        assert!(!qkv_available(&x, &w48, &w48, 16, 8, 64));
     });
 }
 

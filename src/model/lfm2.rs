@@ -119,6 +119,33 @@ impl Attention {
         Ok((q, k, v))
     }
 
+    /// A decode step's q, k, v from the stacked projection in one kernel
+    /// (`kernels::qk_norm_rope::qkv_norm_rope`: the split, its reshapes, the
+    /// norms and the ropes, seven nodes, become one): `(s, (q, k, v))`, or
+    /// None where it does not serve (the caller takes `project`).
+    #[allow(clippy::type_complexity)]
+    fn project_stacked(&self, x: &Normed, offset: Offset) -> Result<Option<(Array, (Array, Array, Array))>> {
+        use crate::kernels::qk_norm_rope;
+        let heads = (self.n_heads, self.n_kv_heads, self.head_dim);
+        let stacked = |w: &[i32]| w == [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim];
+        if !self.qkv.stacked_widths().is_some_and(stacked) || !qk_norm_rope::qkv_wanted(x.h, heads.0, heads.1, heads.2) {
+            return Ok(None);
+        }
+        let offsets = match offset {
+            Offset::Int(off) => Array::from_slice(&[off], &[1])?,
+            Offset::Array(offs) if qk_norm_rope::offset_served(offs, x.h.dim(0)) => offs.clone(),
+            Offset::Array(_) => return Ok(None),
+        };
+        let Some((s, y)) = self.qkv.forward_normed_stacked(x)? else { return Ok(None) };
+        if !qk_norm_rope::qkv_available(&y, &self.q_norm, &self.k_norm, heads.0, heads.1, heads.2) {
+            // (Another output dtype than the input's: the stock path, from the product made.)
+            let widths = self.qkv.stacked_widths().expect("checked above");
+            return Ok(Some((s, self.project(crate::model::linear::split_widths(&y, widths)?, offset)?)));
+        }
+        let qkv = qk_norm_rope::qkv_norm_rope(&y, &self.q_norm, &self.k_norm, &offsets, heads, self.eps, self.rope_theta)?;
+        Ok(Some((s, qkv)))
+    }
+
     /// `[B, heads, T, head_dim]` attention output back to `[B, T, D]`
     /// (`rows`: to a decode step's `[B, D]`).
     fn output(&self, o: &Array, rows: bool) -> Result<Array> {
@@ -136,8 +163,13 @@ impl Attention {
     /// Attention layer `layer` over whatever cache the pass runs on, on
     /// the pending norm `x`: `(its residual sum, the output)`.
     fn forward(&self, x: &Normed, layer: usize, cache: &mut dyn ForwardCache) -> Result<(Array, Array)> {
-        let (s, qkv) = self.qkv.forward_normed(x)?;
-        let (q, k, v) = self.project(qkv, cache.offset())?;
+        let (s, (q, k, v)) = match self.project_stacked(x, cache.offset())? {
+            Some(done) => done,
+            None => {
+                let (s, qkv) = self.qkv.forward_normed(x)?;
+                (s, self.project(qkv, cache.offset())?)
+            }
+        };
         let o = cache.attend(layer, &q, &k, &v, self.scale)?;
         Ok((s, self.output(&o, x.h.ndim() == 2)?))
     }

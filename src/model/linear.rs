@@ -624,6 +624,25 @@ impl Projections {
         }
     }
 
+    /// `(s, the stacked projections of rms_norm(s), unsplit)` where they
+    /// are one product on a decode step (for a kernel that reads each part
+    /// where it lies); None where they are not stacked or a prompt's rows
+    /// take them part by part.
+    pub fn forward_normed_stacked(&self, n: &Normed) -> Result<Option<(Array, Array)>> {
+        match self {
+            Projections::Stacked { linear, .. } if !split_products(n.h) => Ok(Some(linear.forward_normed(n)?)),
+            _ => Ok(None),
+        }
+    }
+
+    /// The stacked parts' widths (None where the projections are separate).
+    pub fn stacked_widths(&self) -> Option<&[i32]> {
+        match self {
+            Projections::Stacked { widths, .. } => Some(widths),
+            Projections::Separate(_) => None,
+        }
+    }
+
     /// Each projection of `x`, in the order given to `new`.
     pub fn forward(&self, x: &Array) -> Result<Vec<Array>> {
         match self {
