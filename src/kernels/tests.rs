@@ -315,10 +315,11 @@ fn greedy_tokens_with_kernels_equal_stock_ops() {
                 // adopts a switch only where its own runs passed (the
                 // "greedy:<switch>" verdicts it reads from these lines).
                 // (The router gate, the one-batch matmul and the decode rows
-                // are defaults on CUDA since session 14: "default" runs them.)
+                // are defaults on CUDA since session 14, the q/k norm + RoPE
+                // kernel since session 17: "default" runs them.)
                 let alone: &[&'static str] = match q4 {
-                    true => &["MLX_LFM_QGEMV_KERNEL", "MLX_LFM_NORM_GEMV_KERNEL", "MLX_LFM_QK_NORM_ROPE_KERNEL", "MLX_LFM_QKV_NORM_ROPE_KERNEL"],
-                    false => &["MLX_LFM_QK_NORM_ROPE_KERNEL", "MLX_LFM_QKV_NORM_ROPE_KERNEL"],
+                    true => &["MLX_LFM_QGEMV_KERNEL", "MLX_LFM_NORM_GEMV_KERNEL", "MLX_LFM_QKV_NORM_ROPE_KERNEL"],
+                    false => &["MLX_LFM_QKV_NORM_ROPE_KERNEL"],
                 };
                 for &var in alone {
                     runs.push((var, crate::kernels::with_opt_in_one(var, || run(Some(&stock))).0));
