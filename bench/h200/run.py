@@ -930,6 +930,12 @@ AB = {
     "graph-per-step": ({"MLX_MAX_OPS_PER_BUFFER": "1000", "MLX_MAX_MB_PER_BUFFER": "100000"},
                        ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "no-cuda-graphs": ({"MLX_USE_CUDA_GRAPHS": "0"}, ["lfm2-1.2b-bf16"]),
+    # MLX keeps a cache of instantiated graphs keyed by their topology
+    # (MLX_CUDA_GRAPH_CACHE_SIZE, in the pinned libmlx); a miss instantiates
+    # anew (1-8 ms a graph in a third party's nsys counts on other models). One of session
+    # 17's three host-stack samples of a steady 350M decode was inside
+    # cudaGraphInstantiate: a larger cache asks whether misses recur.
+    "graph-cache-2000": ({"MLX_CUDA_GRAPH_CACHE_SIZE": "2000"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
 }
 AB_IN_ROUNDS = ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]
 GREEDY = "greedy_tokens_with_kernels_equal_stock_ops"
