@@ -29,8 +29,10 @@ and .device/llama do not fit together; a call runs 10 minutes at most):
        committed raw file's `tests` record, `llama install verdicts-from FILE` takes its
        verdicts instead: see verdicts_from)
     3. carry [".device/bin"]:                python3 bench/h200/run.py checkpoints step-ops dispatch-cost
-       (or `host-stacks` instead of dispatch-cost, with MLX_LFM_SYMS=1 for prepare.sh: where
-       a decode's host time goes, sampled with cuda-gdb; H200_MODELS narrows it)
+       (or `host-profile` instead of dispatch-cost: where a decode's host time goes, sampled
+       in process, ~30 s a model, H200_MODELS narrows it; named here by
+       bench/h200/symbolize.py. `host-stacks`, with cuda-gdb, took ~40 s a
+       sample in session 17: three samples in a call)
        (300 s on 2026-12-03, GGUF too; step-ops now also counts a 512-token prompt's
        primitives per model, a process each: 346 s without dispatch-cost in session 16)
     4. carry [".device/bin"]:                H200_MODELS=lfm2-350m-bf16,lfm2-1.2b-bf16,lfm2-8b-a1b-q4 \
@@ -663,6 +665,29 @@ def host_stacks():
         record(engine="host-stacks", model=name, debugger=dbg, symbols=exe.name, samples=len(samples), asked=n,
                seconds=round(took, 1), inclusive=top(incl, 60), exclusive=top(excl, 30), leaf_library=top(libs, 10))
         log("host-stacks", name, len(samples), "samples in", round(took, 1), "s")
+
+
+def host_profile():
+    """Where a decode's host time goes, sampled in process (`mlx-lfm-bench
+    --host-profile`: a SIGPROF timer over the measured reps, the
+    interrupted address of the decoding thread named by its library and
+    offset; no debugger, no stop): a 512-token prompt and 512 tokens, three
+    reps, the compiled step, for each model in ab_models(). Records the
+    profile beside the same run's figures; `bench/h200/symbolize.py` names
+    the offsets here from the wheel's libmlx.so."""
+    hz = os.environ.get("H200_PROFILE_HZ", "1000")
+    for name in ab_models():
+        r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--prompts", "512", "--gen", "512", "--reps", "3",
+                "--paths", "compiled", "--host-profile", hz], f"host-profile-{name}", check=False)
+        figures = {}
+        for line in r.stdout.splitlines():
+            j = json.loads(line) if line.startswith("{") else {}
+            if "decode_tps_runs" in j:
+                figures = {k: j[k] for k in ("decode_tps_runs", "prefill_tps_runs", "host_build_dispatch_wait_us_runs")}
+        for line in r.stdout.splitlines():
+            j = json.loads(line) if line.startswith("{") else {}
+            if "host_profile" in j:
+                record(engine="host-profile", model=name, hz=int(hz), **j, **figures)
 
 
 def decode_thread_stack(text):
@@ -1306,6 +1331,10 @@ def main():
                 install()
                 checkpoints(ab_models(), gguf=False)
                 batch_phases()
+            elif a == "host-profile":
+                install()
+                checkpoints(ab_models(), gguf=False)
+                host_profile()
             elif a == "host-stacks":
                 install()
                 checkpoints(ab_models(), gguf=False)

@@ -27,6 +27,11 @@
 //!     in alternation (the order rotated each rep): each rep's figure beside
 //!     the defaults' of the same rep, so the host's drift over minutes
 //!     (2x within one device call on 2026-12-03) falls out of the ratio.
+//!   mlx-lfm-bench --host-profile HZ [the first form's args]
+//!     the first form, with the host's CPU time sampled HZ times a second
+//!     over the measured reps (a SIGPROF timer, Linux x86_64): the
+//!     decoding thread's samples by function (nearest exported symbol) and
+//!     by library, and the other threads' by library, as one JSON line.
 //!   mlx-lfm-bench --dispatch-cost [--device gpu] [--reps 5]
 //!     no model: what one node of each kind costs the host (chains of 200
 //!     adds, views, GEMVs, 4-bit GEMVs, RMSNorms and, on CUDA, custom
@@ -48,6 +53,9 @@
 //!     `inline`: the scheduler stepped directly, the blocks read at
 //!     admission on the stepping thread (what the worker did before);
 //!     `worker`: through the model worker, read ahead off it.
+
+#[path = "bench/host_profile.rs"]
+mod host_profile;
 
 use mlx_lfm::engine::{DecodePath, Engine, EngineOptions, Prompt};
 use mlx_lfm::generate::{GenerateParams, NoObserver};
@@ -97,6 +105,7 @@ const FLAGS: &[(&str, bool)] = &[
     ("--disk-admission", false),
     ("--block", true),
     ("--ab", true),
+    ("--host-profile", true),
 ];
 
 /// The usage (this file's opening comment), for `--help`.
@@ -303,6 +312,10 @@ fn run() -> mlx_lfm::Result<()> {
             // MLX_LFM_SYNC_STEPS=1 the wait right after each dispatch
             // (`generate::timing`, `host_us`).
             let mut host = vec![];
+            let profile_hz: Option<u32> = arg(&args, "--host-profile").map(|s| s.parse().expect("--host-profile"));
+            if let Some(hz) = profile_hz {
+                host_profile::start(hz);
+            }
             for r in 0..reps {
                 let params = GenerateParams { max_tokens: gen, ignore_eos: true, ..Default::default() };
                 mlx_lfm::generate::timing::take();
@@ -314,6 +327,13 @@ fn run() -> mlx_lfm::Result<()> {
                 best_decode = best_decode.max(g.metrics.decode_tokens_per_second);
                 prefills.push(g.metrics.prefill_tokens_per_second);
                 decodes.push(g.metrics.decode_tokens_per_second);
+            }
+            if profile_hz.is_some() {
+                // (This thread ran every generate call above.)
+                let prof = host_profile::report(host_profile::this_thread());
+                if rank0 {
+                    println!("{}", serde_json::json!({"host_profile": prof, "path": path, "prompt": p, "gen": gen, "reps": reps}));
+                }
             }
             if !rank0 {
                 continue;
