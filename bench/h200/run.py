@@ -871,6 +871,9 @@ AB = {
     # layer's step become one node (42 of the 350M's 187; the step's host
     # cost is ~7-8 µs a node, session 17's sync-steps against step-ops).
     "qkv-norm-rope-kernel": ({"MLX_LFM_QKV_NORM_ROPE_KERNEL": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # The greedy draw and its finiteness flag in one kernel (session 17):
+    # five kernels and two views of every step become one.
+    "argmax-kernel": ({"MLX_LFM_ARGMAX_KERNEL": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "moe-dequant-from-16-rows": ({"MLX_LFM_MOE_DEQUANT_ROWS": "16", "MLX_LFM_MOE_GEMM_KERNEL": "0"}, ["lfm2-8b-a1b-q4"]),
     "moe-dequant-from-64-rows": ({"MLX_LFM_MOE_DEQUANT_ROWS": "64", "MLX_LFM_MOE_GEMM_KERNEL": "0"}, ["lfm2-8b-a1b-q4"]),
     "qgemv-kernel": ({"MLX_LFM_QGEMV_KERNEL": "1"}, ["lfm2-8b-a1b-q4"]),
@@ -898,9 +901,11 @@ AB = {
     # Every opt-in cut of a step's nodes at once, measured only (the greedy
     # test saw the opt-in kernels together depart from the stock tokens at
     # step 32 in session 11): what the host saves when they add up.
-    "dense-all": ({"MLX_LFM_GEMV_KERNEL": "1", "MLX_LFM_NORM_GEMV_KERNEL": "1", "MLX_LFM_QKV_NORM_ROPE_KERNEL": "1"},
+    "dense-all": ({"MLX_LFM_GEMV_KERNEL": "1", "MLX_LFM_NORM_GEMV_KERNEL": "1", "MLX_LFM_QKV_NORM_ROPE_KERNEL": "1",
+                   "MLX_LFM_ARGMAX_KERNEL": "1"},
                   ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
-    "moe-all": ({"MLX_LFM_QGEMV_KERNEL": "1", "MLX_LFM_NORM_GEMV_KERNEL": "1", "MLX_LFM_QKV_NORM_ROPE_KERNEL": "1"},
+    "moe-all": ({"MLX_LFM_QGEMV_KERNEL": "1", "MLX_LFM_NORM_GEMV_KERNEL": "1", "MLX_LFM_QKV_NORM_ROPE_KERNEL": "1",
+                   "MLX_LFM_ARGMAX_KERNEL": "1"},
                 ["lfm2-8b-a1b-q4"]),
     # The dense GEMV kernels (with the norm fold) are defaults on CUDA for
     # inputs at most 1024 wide since session 12 (the 350M's projections):
@@ -974,6 +979,7 @@ AB_TESTS = {
                            "greedy:MLX_LFM_QGEMV_KERNEL", "greedy:every opt-in"],
     "norm-kernel-all-rows": ["add_rms_norm_kernel_matches_stock_ops"],
     "qkv-norm-rope-kernel": ["qkv_norm_rope_kernel_matches_stock_ops", "greedy:MLX_LFM_QKV_NORM_ROPE_KERNEL"],
+    "argmax-kernel": ["argmax_finite_kernel_matches_stock_ops"],
     # The GEMV kernels' own tests cover K = 2048 and 8192; the greedy
     # test's fixtures are narrower, so its default run stands for the rest.
     "gemv-max-k-2048": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops",
@@ -988,6 +994,7 @@ PICK = [
     (["gemv-kernel", "gemv-norm-kernels"], "decode"),
     (["qgemv-kernel", "quant-norm-kernels"], "decode"),
     (["qkv-norm-rope-kernel"], "decode"),
+    (["argmax-kernel"], "decode"),
     (["gemv-max-k-2048", "gemv-max-k-8192"], "decode"),
     (["norm-kernel-all-rows"], "prefill"),
     (["moe-dequant-from-16-rows", "moe-dequant-from-64-rows"], "prefill"),
@@ -998,7 +1005,7 @@ PICK = [
 # ratio is noise, not a cost, so `pick` does not hold them to it (session
 # 17: the q/k norm + RoPE kernel's 1.09x on the 1.2B's decode was turned
 # down by the 350M's prefill median, 0.96, a prefill it never runs in).
-DECODE_ONLY = {"qkv-norm-rope-kernel", "gemv-max-k-2048", "gemv-max-k-8192"}
+DECODE_ONLY = {"qkv-norm-rope-kernel", "argmax-kernel", "gemv-max-k-2048", "gemv-max-k-8192"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL", "MLX_LFM_QK_NORM_ROPE_KERNEL", "MLX_LFM_QKV_NORM_ROPE_KERNEL"]

@@ -310,8 +310,12 @@ pub fn decode_step_ops(model: &Lfm2Model, compiled: Option<&CompiledStep>, promp
         if let Some(e) = stepper.failure.take() {
             return Err(e);
         }
-        let finite = sampler::finite_rows(&l)?;
-        let next = sampler.sample(&l)?;
+        // (As `Sequence::draw` draws: the fused kernel where it serves.)
+        let fused = if sampler.is_greedy() { crate::kernels::argmax_finite::argmax_finite(&l)? } else { None };
+        let (next, finite) = match fused {
+            Some(pair) => pair,
+            None => (sampler.sample(&l)?, sampler::finite_rows(&l)?),
+        };
         let fresh = cache.take_fresh();
         let mut outs: Vec<&Array> = vec![&next, &finite];
         outs.extend(fresh.iter());
@@ -677,6 +681,16 @@ impl Sequence {
     /// its rows' tokens at once (see [`queue_tokens`]), with
     /// [`Sequence::pending_extras`].
     pub fn draw(&mut self, logits: &Array) -> Result<Array> {
+        if self.is_greedy() {
+            // The argmax and the finiteness flag in one kernel where it
+            // serves (CUDA, opt-in): plain greedy has no logprobs, window
+            // or key to keep.
+            if let Some((token, finite)) = crate::kernels::argmax_finite::argmax_finite(logits)? {
+                self.next_finite = Some(finite);
+                self.next_logprobs = None;
+                return Ok(token);
+            }
+        }
         self.next_finite = Some(sampler::finite_rows(logits)?);
         if self.constraint.is_some() {
             // Drawn in `accept` (see `constraint`): the forward runs now.

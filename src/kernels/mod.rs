@@ -5,6 +5,7 @@
 //! skipped elsewhere, and every other backend keeps the stock ops.
 
 pub mod add_rms_norm;
+pub mod argmax_finite;
 pub mod decode_attention;
 pub mod gemv;
 pub mod moe_experts;

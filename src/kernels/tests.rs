@@ -947,6 +947,65 @@ fn norm_gemv_kernels_match_stock_ops() {
     });
 }
 
+/// The greedy draw with its finiteness flag in one kernel against MLX's
+/// argmax and `finite_rows`: the same token on every finite row (ties to
+/// the first maximum), the same flag on rows with a NaN or an infinity,
+/// bf16/f16/f32, one row of a real vocabulary and several odd-sized ones;
+/// and through the engine, greedy generation's tokens equal the stock
+/// draw's.
+#[test]
+fn argmax_finite_kernel_matches_stock_ops() {
+    if skip("argmax_finite_kernel_matches_stock_ops") {
+        return;
+    }
+    use crate::generate::sampler::finite_rows;
+    use crate::kernels::argmax_finite::argmax_finite;
+    use crate::kernels::with_opt_in_one;
+    use crate::mlx::random::normal;
+    use crate::mlx::Array;
+    with_opt_in_one("MLX_LFM_ARGMAX_KERNEL", || {
+        for dt in [Dtype::Bfloat16, Dtype::Float16, Dtype::Float32] {
+            for (b, v) in [(1, 65536), (3, 1000), (2, 5), (4, 70001)] {
+                let what = format!("{dt:?} {b}x{v}");
+                let mut vals: Vec<f32> = normal(&[b, v], Dtype::Float32, 0.0, 3.0, None).unwrap().to_vec().unwrap();
+                let row = |r: i32| (r * v) as usize;
+                // Row 0: its maximum twice (the first wins); the last row
+                // (of several): a NaN, and before it an infinity.
+                let top = vals[row(0)..row(1)].iter().fold(f32::MIN, |a, &x| a.max(x)) + 1.0;
+                vals[row(0) + (v as usize) / 2] = top;
+                vals[row(0) + (v as usize) - 1] = top;
+                if b > 2 {
+                    vals[row(b - 1) + 1] = f32::NAN;
+                    vals[row(b - 2)] = f32::INFINITY;
+                }
+                let logits = Array::from_slice(&vals, &[b, v]).unwrap().astype(dt).unwrap();
+                let (tok, fin) = argmax_finite(&logits).unwrap().expect("served");
+                let (want_tok, want_fin) = (logits.argmax(-1, false).unwrap(), finite_rows(&logits).unwrap());
+                let (tok, fin): (Vec<u32>, Vec<u32>) = (tok.to_vec().unwrap(), fin.to_vec().unwrap());
+                let (want_tok, want_fin): (Vec<u32>, Vec<u32>) = (want_tok.to_vec().unwrap(), want_fin.to_vec().unwrap());
+                assert_eq!(fin, want_fin, "{what}: finite flags");
+                for r in 0..b as usize {
+                    if fin[r] == 1 {
+                        assert_eq!(tok[r], want_tok[r], "{what}: row {r}'s token");
+                    }
+                }
+                assert_eq!(tok[0], (v / 2) as u32, "{what}: a tie goes to the first maximum");
+            }
+        }
+    });
+    // Through the engine: greedy tokens with the kernel equal the stock draw's.
+    use crate::engine::Prompt;
+    use crate::generate::{GenerateParams, NoObserver};
+    let dir = tiny(Preset::Tiny, "argmax", DType::BF16);
+    let mut eng = Engine::load(&dir, &EngineOptions::default()).unwrap();
+    let params = GenerateParams { max_tokens: 48, ignore_eos: true, ..Default::default() };
+    let prompt: Vec<u32> = (0..21).map(|i| (i * 31 + 5) % 700 + 1).collect();
+    let stock = eng.generate(Prompt::Tokens(prompt.clone()), params.clone(), &mut NoObserver).unwrap();
+    let fused = with_opt_in_one("MLX_LFM_ARGMAX_KERNEL", || eng.generate(Prompt::Tokens(prompt), params, &mut NoObserver).unwrap());
+    assert_eq!(fused.tokens, stock.tokens, "greedy tokens with the argmax kernel");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// The q/k/v norm + RoPE kernel over a stacked projection's rows against
 /// what the attention layer runs without it (the split, the reshapes to
 /// heads, MLX's rms_norm and rope; v reshaped): bit for bit, rows `[B, W]`
