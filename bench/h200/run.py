@@ -48,6 +48,13 @@ and .device/llama do not fit together; a call runs 10 minutes at most):
        (the two rounds ran past 440 s on 2026-12-03's slower host; `timeout` lets run.py
        pack its logs and raw file before the call's own limit kills it)
     6. carry [".device/bin"]:                python3 bench/h200/run.py profile new-lengths
+Session 17 spent 65 s starting the machine, 88 s on call 2 (one test), 590
+on call 3 (checkpoints and GGUF alone ~400 s of it), 358 on `ab pick` (four
+variants, three models) and 508 on the rounds: the 30 minutes hold calls
+1-5 only where call 2 runs a chosen few tests (the kernels whose code
+changed, the greedy and stacked rows' tests when the defaults changed,
+verdicts-from for the rest) and call 3 is `checkpoints` with at most a
+one-model `host-profile` (H200_MODELS=lfm2-350m-bf16, ~35 s).
 Append nothing that copies loose files into $OUT after run.py: a call
 brings back a few files (8 on 2026-12-03) and drops the rest, raw.jsonl
 with them; run.py writes $OUT/raw.jsonl and $OUT/logs.tgz itself.
