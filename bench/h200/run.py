@@ -874,9 +874,11 @@ AB = {
     # pick under the decode-only rule below), measured off.
     "qk-norm-rope-off": ({"MLX_LFM_QK_NORM_ROPE_KERNEL": "0"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     # The same kernel over the stacked q/k/v product whole (session 17):
-    # the split, five reshapes, two norms and two ropes of an attention
-    # layer's step become one node (42 of the 350M's 187; the step's host
-    # cost is ~7-8 µs a node, session 17's sync-steps against step-ops).
+    # the split, the reshapes, two norms and two ropes of an attention
+    # layer's step become one node (42 of the stock step's nodes on each
+    # model; against the q/k kernel's path, the default since session 17,
+    # 24 views: the step's host cost is 6-10 µs a node, session 17's
+    # sync-steps against step-ops, a view's ~1 µs in dispatch-cost).
     "qkv-norm-rope-kernel": ({"MLX_LFM_QKV_NORM_ROPE_KERNEL": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     # The greedy draw and its finiteness flag in one kernel (session 17):
     # five kernels and two views of every step become one.
