@@ -1042,8 +1042,10 @@ def ab():
                   and v != "stock"]
         inproc = [(v, extra) for v, extra in chosen if all(k.startswith("MLX_LFM_") for k in extra)]
         spec = ";".join(f"{v}:" + ",".join(f"{k}={x}" for k, x in extra.items()) for v, extra in inproc)
-        r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--prompts", "512", "--gen", "128",
-                "--reps", str(reps), "--ab", spec], f"ab-{name}", check=False)
+        # H200_AB_GEN tokens a rep (128): more averages a rep's host
+        # hiccups (session 17's 350M reps of one variant ran 0.67-1.24).
+        r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--prompts", "512",
+                "--gen", os.environ.get("H200_AB_GEN", "128"), "--reps", str(reps), "--ab", spec], f"ab-{name}", check=False)
         for line in r.stdout.splitlines():
             j = json.loads(line)
             if "ab_variant" in j:
