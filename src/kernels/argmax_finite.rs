@@ -37,15 +37,7 @@ const SOURCE: &str = r#"
       besti = i;
     }
   }
-#pragma unroll
-  for (int m = 16; m > 0; m >>= 1) {
-    const float ob = __shfl_xor_sync(0xffffffff, best, m);
-    const int oi = __shfl_xor_sync(0xffffffff, besti, m);
-    if (ob > best || (ob == best && oi < besti)) {
-      best = ob;
-      besti = oi;
-    }
-  }
+  lfm_warp_argmax(best, besti);
   __shared__ float sb[32];
   __shared__ int si[32];
   const int warp = tid / 32;
@@ -58,15 +50,7 @@ const SOURCE: &str = r#"
   if (warp == 0) {
     best = sb[lane];
     besti = si[lane];
-#pragma unroll
-    for (int m = 16; m > 0; m >>= 1) {
-      const float ob = __shfl_xor_sync(0xffffffff, best, m);
-      const int oi = __shfl_xor_sync(0xffffffff, besti, m);
-      if (ob > best || (ob == best && oi < besti)) {
-        best = ob;
-        besti = oi;
-      }
-    }
+    lfm_warp_argmax(best, besti);
     if (lane == 0) {
       token[row] = static_cast<uint32_t>(besti == 0x7fffffff ? 0 : besti);
       finite[row] = any_bad ? 0u : 1u;
@@ -74,9 +58,24 @@ const SOURCE: &str = r#"
   }
 "#;
 
+/// A warp's largest value and, on a tie, its lowest index, in every lane.
+const HEADER: &str = r#"
+__device__ inline void lfm_warp_argmax(float& best, int& besti) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) {
+    const float ob = __shfl_xor_sync(0xffffffff, best, m);
+    const int oi = __shfl_xor_sync(0xffffffff, besti, m);
+    if (ob > best || (ob == best && oi < besti)) {
+      best = ob;
+      besti = oi;
+    }
+  }
+}
+"#;
+
 fn kernel() -> Option<&'static CudaKernel> {
     static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
-    K.get_or_init(|| CudaKernel::new("lfm_argmax_finite", &["logits"], &["token", "finite"], SOURCE, "").ok())
+    K.get_or_init(|| CudaKernel::new("lfm_argmax_finite", &["logits"], &["token", "finite"], SOURCE, HEADER).ok())
         .as_ref()
 }
 
