@@ -760,7 +760,8 @@ def kernels():
     groups = [[n for n in names if GREEDY in n]] if jobs > 1 else []
     # The compiled prefill's test in a process of its own with MLX's TF32
     # products off (read once per process), so its f32 cases are held to
-    # f32's tolerance (session 17: 8.9e-4 of the scale apart with TF32 on).
+    # f32's tolerance (session 17: 8.9e-4 of the scale apart with TF32 on);
+    # one process more than H200_KERNEL_JOBS, beside the others.
     exact = [n for n in names if "compiled_prefill" in n]
     rest = [n for n in names if (not groups or GREEDY not in n) and n not in exact]
     slots = max(1, jobs - len(groups))

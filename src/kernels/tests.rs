@@ -969,11 +969,22 @@ fn argmax_finite_kernel_matches_stock_ops() {
                 let what = format!("{dt:?} {b}x{v}");
                 let mut vals: Vec<f32> = normal(&[b, v], Dtype::Float32, 0.0, 3.0, None).unwrap().to_vec().unwrap();
                 let row = |r: i32| (r * v) as usize;
-                // Row 0: its maximum twice (the first wins); the last row
-                // (of several): a NaN, and before it an infinity.
-                let top = vals[row(0)..row(1)].iter().fold(f32::MIN, |a, &x| a.max(x)) + 1.0;
-                vals[row(0) + (v as usize) / 2] = top;
-                vals[row(0) + (v as usize) - 1] = top;
+                // Rows with their maximum twice (the first wins): across
+                // threads and warps the lower index in the higher thread
+                // (1023 against 1024, thread 0's), and within one thread
+                // (5 and 1029, both thread 5's); a short row's pair. The
+                // last row (of several): a NaN, and before it an infinity.
+                let vu = v as usize;
+                let ties: Vec<(i32, usize, usize)> = match (vu > 1030, b > 3) {
+                    (true, true) => vec![(0, 1023, 1024), (1, 5, 1029)],
+                    (true, false) => vec![(0, 1023, 1024)],
+                    _ => vec![(0, vu / 2, vu - 1)],
+                };
+                for &(r, i, j) in &ties {
+                    let top = vals[row(r)..row(r + 1)].iter().fold(f32::MIN, |a, &x| a.max(x)) + 1.0;
+                    vals[row(r) + i] = top;
+                    vals[row(r) + j] = top;
+                }
                 if b > 2 {
                     vals[row(b - 1) + 1] = f32::NAN;
                     vals[row(b - 2)] = f32::INFINITY;
@@ -989,7 +1000,9 @@ fn argmax_finite_kernel_matches_stock_ops() {
                         assert_eq!(tok[r], want_tok[r], "{what}: row {r}'s token");
                     }
                 }
-                assert_eq!(tok[0], (v / 2) as u32, "{what}: a tie goes to the first maximum");
+                for &(r, i, j) in &ties {
+                    assert_eq!(tok[r as usize], i as u32, "{what}: row {r}'s tie of {i} and {j} goes to the first maximum");
+                }
             }
         }
     });
@@ -1025,13 +1038,15 @@ fn qkv_norm_rope_kernel_matches_stock_ops() {
         for (di, dt) in [Dtype::Bfloat16, Dtype::Float16, Dtype::Float32].into_iter().enumerate() {
             // (rows, 3-D rows, heads, kv heads, head dim, positions: one, or one per row)
             #[allow(clippy::type_complexity)]
-            let cases: [(i32, bool, i32, i32, i32, &[i32]); 6] = [
+            let cases: [(i32, bool, i32, i32, i32, &[i32]); 7] = [
                 (1, false, 16, 8, 64, &[0]),
                 (1, false, 32, 8, 64, &[517]),
                 (1, true, 16, 8, 64, &[3]),
                 (1, false, 16, 4, 128, &[40_000]),
                 (3, false, 32, 8, 64, &[9, 300, 4_095]),
                 (2, true, 4, 2, 64, &[77]),
+                // 24 threads: a warp only partly filled by heads.
+                (1, false, 1, 1, 64, &[11]),
             ];
             for (_, (b, three, h, kvh, hd, offs)) in cases.into_iter().enumerate().filter(|(ci, _)| thin(di, *ci, cases.len())) {
                 let what = format!("{dt:?} {b} rows (3-D {three}), {h}/{kvh} heads of {hd}, positions {offs:?}");

@@ -5,7 +5,10 @@
 //! instruction's address, and `report` names each address by the nearest
 //! exported symbol of its library (`dladdr`: libmlx's C++ functions are
 //! exported; our own frames show as the bench's). Leaf addresses only (no
-//! stack walk): a self-time profile, by function and by library.
+//! stack walk): a self-time profile, by function and by library. The
+//! timer fires on the kernel's tick, so asking for more than its rate
+//! (often 250 Hz) gives fewer samples; the measured reps include their
+//! prompt's prefill (a few percent of a 512-token decode).
 
 #[cfg(all(target_os = "linux", target_arch = "x86_64"))]
 mod imp {
