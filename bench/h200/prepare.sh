@@ -12,13 +12,6 @@ shared=${MLX_LFM_SHARED:-$top/../shared}
 cargo build --release --target x86_64-unknown-linux-gnu --bin mlx-lfm-bench
 mkdir -p .device/bin
 cp target/x86_64-unknown-linux-gnu/release/mlx-lfm-bench .device/bin/ && strip .device/bin/mlx-lfm-bench
-# MLX_LFM_SYMS=1: the same bench with its symbols kept (a build of its own,
-# ~5 minutes), so run.py's `host-stacks` names our frames.
-rm -f .device/bin/mlx-lfm-bench-syms
-if [ "${MLX_LFM_SYMS:-0}" = 1 ]; then
-  CARGO_PROFILE_RELEASE_STRIP=none cargo build --release --target x86_64-unknown-linux-gnu --bin mlx-lfm-bench --target-dir target/syms
-  cp target/syms/x86_64-unknown-linux-gnu/release/mlx-lfm-bench .device/bin/mlx-lfm-bench-syms
-fi
 # The library's test binary: the fused kernels' tests run on the device.
 mkdir -p .device/tests && rm -f .device/tests/mlx_lfm-*
 t=$(cargo test --release --target x86_64-unknown-linux-gnu --lib --no-run --message-format=json 2>/dev/null |

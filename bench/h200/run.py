@@ -31,8 +31,8 @@ and .device/llama do not fit together; a call runs 10 minutes at most):
     3. carry [".device/bin"]:                python3 bench/h200/run.py checkpoints step-ops dispatch-cost
        (or `host-profile` instead of dispatch-cost: where a decode's host time goes, sampled
        in process, ~30 s a model, H200_MODELS narrows it; named here by
-       bench/h200/symbolize.py. `host-stacks`, with cuda-gdb, took ~40 s a
-       sample in session 17: three samples in a call)
+       bench/h200/symbolize.py; cuda-gdb, the device's only debugger, took ~40 s a
+       sample in session 17, three samples in a call)
        (300 s on 2026-12-03, GGUF too; step-ops now also counts a 512-token prompt's
        primitives per model, a process each: 346 s without dispatch-cost in session 16)
     4. carry [".device/bin"]:                H200_MODELS=lfm2-350m-bf16,lfm2-1.2b-bf16,lfm2-8b-a1b-q4 \
@@ -609,71 +609,6 @@ def dispatch_cost():
             record(engine="dispatch-cost", **j)
 
 
-def host_stacks():
-    """Where a decode's host time goes, on a machine with no perf, nsys or
-    gdb (the device's KINDS.md) but with cuda-gdb: a poor man's sampler.
-    mlx-lfm-bench decodes one long greedy run of each model in
-    ab_models() (512-token prompt, the compiled step, the defaults) and
-    the debugger attaches H200_STACKS times (default 40), each time taking
-    every thread's stack. The decoding thread's (the one whose stack holds
-    the engine's frames) functions are tallied once per sample
-    (inclusive) and by its innermost frame (exclusive), with the library
-    each leaf lies in. A symbol build of the bench
-    (.device/bin/mlx-lfm-bench-syms, prepare.sh) names our own frames;
-    libmlx's exported names name MLX's; libcuda's are unnamed. An attach
-    stops the process, so the figures are shares of samples, not times;
-    samples that find the thread waiting count as waiting."""
-    dbg = shutil.which("cuda-gdb") or shutil.which("gdb")
-    if not dbg:
-        for c in sorted(Path("/usr/local").glob("cuda*/bin/cuda-gdb")):
-            dbg = str(c)
-    if not dbg:
-        record(engine="host-stacks", error="no cuda-gdb or gdb on this machine")
-        return
-    exe = ROOT / ".device" / "bin" / "mlx-lfm-bench-syms"
-    exe = exe if exe.exists() else BENCH
-    n = int(os.environ.get("H200_STACKS", "40"))
-    for name in ab_models():
-        gen = os.environ.get("H200_STACKS_GEN", "40000")
-        errf = open(OUT / f"host-stacks-{name}.err", "w")
-        # (H200_STACKS_DEVICE=cpu: tried on the development machine.)
-        device = os.environ.get("H200_STACKS_DEVICE", "gpu")
-        proc = subprocess.Popen([str(exe), "--model", str(ours_ck(name)), "--device", device, "--prompts", "512",
-                                 "--gen", gen, "--reps", "1", "--paths", "compiled"],
-                                stdout=subprocess.PIPE, stderr=errf, text=True, env=env())
-        # Past the load and the first prefill (a few seconds on the H200).
-        time.sleep(float(os.environ.get("H200_STACKS_DELAY", "8")))
-        samples, t0 = [], time.time()
-        with open(OUT / f"host-stacks-{name}.txt", "w") as raw:
-            for i in range(n):
-                if proc.poll() is not None:
-                    break
-                try:
-                    r = subprocess.run([dbg, "-p", str(proc.pid), "-batch", "-nx", "-ex", "set pagination off",
-                                        "-ex", "thread apply all bt 64"], capture_output=True, text=True, timeout=60)
-                except subprocess.TimeoutExpired:
-                    continue
-                raw.write(f"=== sample {i}\n{r.stdout}\n--- stderr\n{r.stderr[-2000:]}\n")
-                st = decode_thread_stack(r.stdout)
-                if st:
-                    samples.append(st)
-                time.sleep(0.05 + 0.25 * ((i * 7919) % 13) / 13)
-        took = time.time() - t0
-        proc.kill()
-        out, _ = proc.communicate()
-        errf.close()
-        incl, excl, libs = {}, {}, {}
-        for st in samples:
-            for f in {f for f, _ in st}:
-                incl[f] = incl.get(f, 0) + 1
-            excl[st[0][0]] = excl.get(st[0][0], 0) + 1
-            libs[st[0][1]] = libs.get(st[0][1], 0) + 1
-        top = lambda d, k: sorted(d.items(), key=lambda kv: -kv[1])[:k]
-        record(engine="host-stacks", model=name, debugger=dbg, symbols=exe.name, samples=len(samples), asked=n,
-               seconds=round(took, 1), inclusive=top(incl, 60), exclusive=top(excl, 30), leaf_library=top(libs, 10))
-        log("host-stacks", name, len(samples), "samples in", round(took, 1), "s")
-
-
 def host_profile():
     """Where a decode's host time goes, sampled in process (`mlx-lfm-bench
     --host-profile`: a SIGPROF timer over the measured reps, the
@@ -695,33 +630,6 @@ def host_profile():
             j = json.loads(line) if line.startswith("{") else {}
             if "host_profile" in j:
                 record(engine="host-profile", model=name, hz=int(hz), **j, **figures)
-
-
-def decode_thread_stack(text):
-    """The decoding thread's frames, innermost first, as (function, library)
-    pairs from one `thread apply all bt`: the thread whose stack holds the
-    engine's own frames (mlx_lfm) or, without symbols, MLX's eval called
-    from the bench. None when no thread matches."""
-    threads = re.split(r"\n(?=Thread \d+ )", text)
-    best = None
-    for t in threads:
-        frames = []
-        for line in t.splitlines():
-            m = re.match(r"#\d+\s+(?:0x[0-9a-f]+ in )?(.+?) \(.*?\)(?: from (\S+)| at (\S+))?\s*$", line)
-            if not m:
-                continue
-            fn = re.sub(r"::h[0-9a-f]{16}$", "", re.sub(r"<.*>", "<>", m.group(1)))
-            # (A frame with a source line is the C library's, whose debug
-            # information the image has; one with neither is the bench's.)
-            lib = Path(m.group(2)).name if m.group(2) else ("libc" if m.group(3) else "mlx-lfm-bench")
-            frames.append((fn[:160], lib))
-        if any("mlx_lfm" in f for f, _ in frames) or any(f.startswith("mlx::core::async_eval") or f.startswith("mlx::core::eval(")
-                                                        for f, _ in frames):
-            if best is None or any("mlx_lfm" in f for f, _ in frames):
-                best = frames
-                if any("mlx_lfm" in f for f, _ in frames):
-                    break
-    return best
 
 
 def constrained():
@@ -1354,10 +1262,6 @@ def main():
                 install()
                 checkpoints(ab_models(), gguf=False)
                 host_profile()
-            elif a == "host-stacks":
-                install()
-                checkpoints(ab_models(), gguf=False)
-                host_stacks()
             elif a == "dispatch-cost":
                 install()
                 dispatch_cost()
