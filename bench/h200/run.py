@@ -621,13 +621,10 @@ def host_profile():
     for name in ab_models():
         r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--prompts", "512", "--gen", "512", "--reps", "3",
                 "--paths", "compiled", "--host-profile", hz], f"host-profile-{name}", check=False)
-        figures = {}
-        for line in r.stdout.splitlines():
-            j = json.loads(line) if line.startswith("{") else {}
-            if "decode_tps_runs" in j:
-                figures = {k: j[k] for k in ("decode_tps_runs", "prefill_tps_runs", "host_build_dispatch_wait_us_runs")}
-        for line in r.stdout.splitlines():
-            j = json.loads(line) if line.startswith("{") else {}
+        lines = [json.loads(l) for l in r.stdout.splitlines() if l.startswith("{")]
+        figures = next(({k: j[k] for k in ("decode_tps_runs", "prefill_tps_runs", "host_build_dispatch_wait_us_runs")}
+                        for j in lines if "decode_tps_runs" in j), {})
+        for j in lines:
             if "host_profile" in j:
                 record(engine="host-profile", model=name, hz=int(hz), **j, **figures)
 
@@ -926,7 +923,7 @@ PICK = [
 DECODE_ONLY = {"qkv-norm-rope-kernel", "argmax-kernel", "gemv-max-k-2048", "gemv-max-k-8192"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
-SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL", "MLX_LFM_QK_NORM_ROPE_KERNEL", "MLX_LFM_QKV_NORM_ROPE_KERNEL"]
+SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL", "MLX_LFM_QKV_NORM_ROPE_KERNEL"]
 
 
 def ab_models():
