@@ -149,30 +149,78 @@ pub fn available(q: &Array, k: &Array, qw: &Array, kw: &Array, head_dim: i32) ->
         return false;
     }
     let dt = q.dtype();
-    if !cuda_kernels_enabled() || !dt.is_float() || dt == Dtype::Float64 || !super::one_token(q) || !super::one_token(k) {
+    if !cuda_kernels_enabled() || !super::one_token(q) || !super::one_token(k) {
         return false;
     }
-    let nr = 16 / dt.size() as i32;
     let hd = head_dim;
-    let tph = if hd > 0 { hd / nr } else { 0 };
     let (heads, kv_heads) = if hd > 0 { (q.dim(-1) / hd, k.dim(-1) / hd) } else { (0, 0) };
     k.dtype() == dt
-        && qw.dtype() == dt
-        && kw.dtype() == dt
-        && qw.shape() == [hd]
-        && kw.shape() == [hd]
+        && norms_fit(qw, kw, dt, hd)
         && q.dim(0) == k.dim(0)
         && q.dim(0) > 0
-        && hd > 0
-        && (hd as u32).is_power_of_two()
-        && tph >= 2
-        && tph <= 32
         && heads > 0
         && kv_heads > 0
         && q.dim(-1) == heads * hd
         && k.dim(-1) == kv_heads * hd
-        && (heads + kv_heads) as i64 * tph as i64 <= 1024
+        && block_fits(dt, heads + kv_heads, hd)
         && kernel().is_some()
+}
+
+/// One block a row holds `heads` heads of `head_dim`: a float dtype whose
+/// 16-byte runs tile a power-of-two head within a warp (2 to 32 lanes a
+/// head), at most 1024 threads.
+fn block_fits(dt: Dtype, heads: i32, head_dim: i32) -> bool {
+    if !dt.is_float() || dt == Dtype::Float64 || head_dim <= 0 || heads <= 0 {
+        return false;
+    }
+    let tph = head_dim / (16 / dt.size() as i32);
+    (head_dim as u32).is_power_of_two() && (2..=32).contains(&tph) && heads as i64 * tph as i64 <= 1024
+}
+
+/// The norm weights: `[head_dim]` each, in the activations' dtype.
+fn norms_fit(qw: &Array, kw: &Array, dt: Dtype, head_dim: i32) -> bool {
+    qw.dtype() == dt && kw.dtype() == dt && qw.shape() == [head_dim] && kw.shape() == [head_dim]
+}
+
+/// Launches `kern` over `b` rows of `heads` heads (one block a row, whole
+/// warps; the lanes past the last head hold zeros) with the norm and RoPE
+/// constants; `extra` template arguments follow `HD`.
+#[allow(clippy::too_many_arguments)]
+fn launch(
+    kern: &CudaKernel,
+    what: &str,
+    inputs: &[&Array],
+    outputs: &[(&[i32], Dtype)],
+    (b, heads, head_dim): (i32, i32, i32),
+    extra: &[(&str, TemplateArg)],
+    offset: &Array,
+    (eps, theta): (f32, f32),
+) -> Result<Vec<Array>> {
+    if !offset_served(offset, b) {
+        return Err(Error::invalid(format!(
+            "{what}: {} offsets of {:?} for {b} rows (int32, one or one per row)",
+            offset.size(),
+            offset.dtype()
+        )));
+    }
+    let dt = outputs[0].1;
+    let threads = heads * (head_dim / (16 / dt.size() as i32));
+    let block = (threads + 31) / 32 * 32;
+    let mut template = vec![("HD", TemplateArg::Int(head_dim))];
+    template.extend(extra.iter().cloned());
+    template.extend([
+        ("PER_ROW", TemplateArg::Bool(offset.size() != 1)),
+        // Float constants as their bits: template arguments are integers.
+        ("EPS_BITS", TemplateArg::Int(eps.to_bits() as i32)),
+        ("BASE_BITS", TemplateArg::Int(theta.log2().to_bits() as i32)),
+        ("T", TemplateArg::Dtype(dt)),
+    ]);
+    let grid = block.checked_mul(b).ok_or_else(|| Error::invalid(format!("{what}: {b} rows")))?;
+    let outs = kern.call(inputs, outputs, [grid, 1, 1], [block, 1, 1], &template)?;
+    if outs.len() != outputs.len() {
+        return Err(Error::mlx(format!("{what} kernel: {} outputs, expected {}", outs.len(), outputs.len())));
+    }
+    Ok(outs)
 }
 
 /// Whether the kernel reads `offset` for `rows` rows: int32, one position
@@ -192,33 +240,17 @@ pub fn qk_norm_rope(q: &Array, k: &Array, qw: &Array, kw: &Array, offset: &Array
     // The kernel reads its heads' width as `q_shape[2]`: rows are viewed
     // as `[B, 1, width]` (two views, against the three launches it saves).
     let (q, k) = if q.ndim() == 2 { (&q.reshape(&[b, 1, -1])?, &k.reshape(&[b, 1, -1])?) } else { (q, k) };
-    if !offset_served(offset, b) {
-        return Err(Error::invalid(format!(
-            "q/k norm + RoPE: {} offsets of {:?} for {b} rows (int32, one or one per row)",
-            offset.size(),
-            offset.dtype()
-        )));
-    }
-    let per_row = offset.size() != 1;
-    let threads = (heads + kv_heads) * (head_dim / (16 / dt.size() as i32));
-    // A block is whole warps; the lanes past the last head hold zeros.
-    let block = (threads + 31) / 32 * 32;
-    let mut outs = kern.call(
+    let outs = launch(
+        kern,
+        "q/k norm + RoPE",
         &[q, k, qw, kw, offset],
         &[(&[b, heads, 1, head_dim], dt), (&[b, kv_heads, 1, head_dim], dt)],
-        [block.checked_mul(b).ok_or_else(|| Error::invalid(format!("q/k norm + RoPE: {b} rows")))?, 1, 1],
-        [block, 1, 1],
-        &[
-            ("HD", TemplateArg::Int(head_dim)),
-            ("PER_ROW", TemplateArg::Bool(per_row)),
-            // Float constants as their bits: template arguments are integers.
-            ("EPS_BITS", TemplateArg::Int(eps.to_bits() as i32)),
-            ("BASE_BITS", TemplateArg::Int(theta.log2().to_bits() as i32)),
-            ("T", TemplateArg::Dtype(dt)),
-        ],
+        (b, heads + kv_heads, head_dim),
+        &[],
+        offset,
+        (eps, theta),
     )?;
-    let ko = outs.pop().ok_or_else(|| Error::mlx("q/k norm + RoPE kernel: missing output"))?;
-    let qo = outs.pop().ok_or_else(|| Error::mlx("q/k norm + RoPE kernel: missing output"))?;
+    let [qo, ko]: [Array; 2] = outs.try_into().map_err(|_| Error::mlx("q/k norm + RoPE kernel: outputs"))?;
     Ok((qo, ko))
 }
 
@@ -246,11 +278,7 @@ pub fn qkv_wanted(h: &Array, heads: i32, kv_heads: i32, head_dim: i32) -> bool {
 /// One block a row holds every head, q's, k's and v's: a float dtype whose
 /// 16-byte runs tile a power-of-two head within a warp.
 fn heads_served(dt: Dtype, heads: i32, kv_heads: i32, head_dim: i32) -> bool {
-    if !dt.is_float() || dt == Dtype::Float64 || head_dim <= 0 || heads <= 0 || kv_heads <= 0 {
-        return false;
-    }
-    let tph = head_dim / (16 / dt.size() as i32);
-    (head_dim as u32).is_power_of_two() && (2..=32).contains(&tph) && (heads + 2 * kv_heads) as i64 * tph as i64 <= 1024
+    heads > 0 && kv_heads > 0 && block_fits(dt, heads + 2 * kv_heads, head_dim)
 }
 
 /// Whether the kernel serves `qkv`, a stacked projection's rows `[B, W]`
@@ -262,10 +290,7 @@ pub fn qkv_available(qkv: &Array, qw: &Array, kw: &Array, heads: i32, kv_heads: 
         && qkv.dim(0) > 0
         && heads_served(dt, heads, kv_heads, head_dim)
         && qkv.dim(-1) as i64 == (heads + 2 * kv_heads) as i64 * head_dim as i64
-        && qw.dtype() == dt
-        && kw.dtype() == dt
-        && qw.shape() == [head_dim]
-        && kw.shape() == [head_dim]
+        && norms_fit(qw, kw, dt, head_dim)
         && cuda_kernels_enabled()
         && qkv_kernel().is_some()
 }
@@ -274,7 +299,6 @@ pub fn qkv_available(qkv: &Array, qw: &Array, kw: &Array, heads: i32, kv_heads: 
 /// projection's rows, as `[B, H, 1, HD]`, `[B, KVH, 1, HD]` and
 /// `[B, KVH, 1, HD]` (what the split, its reshapes, the norms and the ropes
 /// give); `offset` as for [`qk_norm_rope`]. Callers check [`qkv_available`].
-#[allow(clippy::too_many_arguments)]
 pub fn qkv_norm_rope(
     qkv: &Array,
     qw: &Array,
@@ -287,33 +311,16 @@ pub fn qkv_norm_rope(
     let kern = qkv_kernel().ok_or_else(|| Error::mlx("the q/k/v norm + RoPE kernel is not available"))?;
     let dt = qkv.dtype();
     let b = qkv.dim(0);
-    if !offset_served(offset, b) {
-        return Err(Error::invalid(format!(
-            "q/k/v norm + RoPE: {} offsets of {:?} for {b} rows (int32, one or one per row)",
-            offset.size(),
-            offset.dtype()
-        )));
-    }
-    let threads = (heads + 2 * kv_heads) * (head_dim / (16 / dt.size() as i32));
-    let block = (threads + 31) / 32 * 32;
-    let mut outs = kern.call(
+    let outs = launch(
+        kern,
+        "q/k/v norm + RoPE",
         &[qkv, qw, kw, offset],
         &[(&[b, heads, 1, head_dim], dt), (&[b, kv_heads, 1, head_dim], dt), (&[b, kv_heads, 1, head_dim], dt)],
-        [block.checked_mul(b).ok_or_else(|| Error::invalid(format!("q/k/v norm + RoPE: {b} rows")))?, 1, 1],
-        [block, 1, 1],
-        &[
-            ("HD", TemplateArg::Int(head_dim)),
-            ("QH", TemplateArg::Int(heads)),
-            ("KVH", TemplateArg::Int(kv_heads)),
-            ("PER_ROW", TemplateArg::Bool(offset.size() != 1)),
-            ("EPS_BITS", TemplateArg::Int(eps.to_bits() as i32)),
-            ("BASE_BITS", TemplateArg::Int(theta.log2().to_bits() as i32)),
-            ("T", TemplateArg::Dtype(dt)),
-        ],
+        (b, heads + 2 * kv_heads, head_dim),
+        &[("QH", TemplateArg::Int(heads)), ("KVH", TemplateArg::Int(kv_heads))],
+        offset,
+        (eps, theta),
     )?;
-    let missing = || Error::mlx("q/k/v norm + RoPE kernel: missing output");
-    let vo = outs.pop().ok_or_else(missing)?;
-    let ko = outs.pop().ok_or_else(missing)?;
-    let qo = outs.pop().ok_or_else(missing)?;
+    let [qo, ko, vo]: [Array; 3] = outs.try_into().map_err(|_| Error::mlx("q/k/v norm + RoPE kernel: outputs"))?;
     Ok((qo, ko, vo))
 }
