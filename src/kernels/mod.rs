@@ -26,6 +26,8 @@ thread_local! {
     static FORCED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     /// The one opt-in kernel a test turned on for this thread (its variable).
     static FORCED_ONE: std::cell::Cell<Option<&'static str>> = const { std::cell::Cell::new(None) };
+    /// The one default kernel a test turned off for this thread (its variable).
+    static OFF_ONE: std::cell::Cell<Option<&'static str>> = const { std::cell::Cell::new(None) };
 }
 
 /// Runs `f` with every opt-in kernel on on this thread, without their
@@ -62,6 +64,9 @@ pub(crate) fn switch(var: &str, cell: &OnceLock<Option<bool>>) -> Option<bool> {
     if forced(var) {
         return Some(true);
     }
+    if OFF_ONE.with(|c| c.get() == Some(var)) {
+        return Some(false);
+    }
     crate::knobs::cached(var, cell, |v| match v {
         Some("1") => Some(true),
         Some("0") => Some(false),
@@ -86,6 +91,13 @@ pub(crate) fn one_token(a: &crate::mlx::Array) -> bool {
         2 => true,
         _ => false,
     }
+}
+
+/// Runs `f` with the one default kernel that `var` switches off on this
+/// thread, the other defaults kept (a test comparing a default kernel's
+/// output with the stock draw it replaced, everything else equal).
+pub fn with_default_off_one<R>(var: &'static str, f: impl FnOnce() -> R) -> R {
+    crate::mlx::kernel::with_thread_flag(&OFF_ONE, Some(var), f)
 }
 
 /// Runs `f` with the one opt-in kernel that `var` switches on on this

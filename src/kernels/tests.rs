@@ -316,10 +316,11 @@ fn greedy_tokens_with_kernels_equal_stock_ops() {
                 // "greedy:<switch>" verdicts it reads from these lines).
                 // (The router gate, the one-batch matmul and the decode rows
                 // are defaults on CUDA since session 14, the q/k norm + RoPE
-                // kernel since session 17: "default" runs them.)
+                // kernel since session 17, its q/k/v form since session 18:
+                // "default" runs them.)
                 let alone: &[&'static str] = match q4 {
-                    true => &["MLX_LFM_QGEMV_KERNEL", "MLX_LFM_NORM_GEMV_KERNEL", "MLX_LFM_QKV_NORM_ROPE_KERNEL"],
-                    false => &["MLX_LFM_QKV_NORM_ROPE_KERNEL"],
+                    true => &["MLX_LFM_QGEMV_KERNEL", "MLX_LFM_NORM_GEMV_KERNEL"],
+                    false => &[],
                 };
                 for &var in alone {
                     runs.push((var, crate::kernels::with_opt_in_one(var, || run(Some(&stock))).0));
@@ -1006,14 +1007,18 @@ fn argmax_finite_kernel_matches_stock_ops() {
             }
         }
     });
-    // Through the engine: greedy tokens with the kernel equal the stock draw's.
+    // Through the engine: greedy tokens with the kernel equal the stock
+    // draw's (the kernel off there, every other default kept: it is a
+    // default on CUDA).
     use crate::engine::Prompt;
     use crate::generate::{GenerateParams, NoObserver};
     let dir = tiny(Preset::Tiny, "argmax", DType::BF16);
     let mut eng = Engine::load(&dir, &EngineOptions::default()).unwrap();
     let params = GenerateParams { max_tokens: 48, ignore_eos: true, ..Default::default() };
     let prompt: Vec<u32> = (0..21).map(|i| (i * 31 + 5) % 700 + 1).collect();
-    let stock = eng.generate(Prompt::Tokens(prompt.clone()), params.clone(), &mut NoObserver).unwrap();
+    let stock = crate::kernels::with_default_off_one("MLX_LFM_ARGMAX_KERNEL", || {
+        eng.generate(Prompt::Tokens(prompt.clone()), params.clone(), &mut NoObserver).unwrap()
+    });
     let fused = with_opt_in_one("MLX_LFM_ARGMAX_KERNEL", || eng.generate(Prompt::Tokens(prompt), params, &mut NoObserver).unwrap());
     assert_eq!(fused.tokens, stock.tokens, "greedy tokens with the argmax kernel");
     std::fs::remove_dir_all(&dir).ok();
