@@ -763,7 +763,8 @@ def verdicts_from(path):
 DEFAULT_KERNEL_TESTS = ["add_rms_norm_kernel_matches_stock_ops", "decode_attention_kernel_matches_stock_ops",
                         "moe_router_kernel_matches_stock_ops", "short_conv_kernel_matches_stock_ops",
                         "qk_norm_rope_kernel_matches_stock_ops", "stacked_rows_with_kernels_equal_each_row_alone",
-                        "qkv_norm_rope_kernel_matches_stock_ops", "argmax_finite_kernel_matches_stock_ops"]
+                        "qkv_norm_rope_kernel_matches_stock_ops", "argmax_finite_kernel_matches_stock_ops",
+                        "decode_attention_upto_kernel_matches_the_mask"]
 
 
 AB = {
@@ -793,6 +794,9 @@ AB = {
     # and two views of a step as one; a default on CUDA since session 18,
     # paired decode 0.99x / 1.01x / 1.06x), measured off.
     "argmax-off": ({"MLX_LFM_ARGMAX_KERNEL": "0"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # The compiled step's attention bounded by the position (no mask built:
+    # three nodes a step), a default on CUDA since session 19.
+    "attention-upto-off": ({"MLX_LFM_ATTENTION_UPTO": "0"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "moe-dequant-from-16-rows": ({"MLX_LFM_MOE_DEQUANT_ROWS": "16", "MLX_LFM_MOE_GEMM_KERNEL": "0"}, ["lfm2-8b-a1b-q4"]),
     "moe-dequant-from-64-rows": ({"MLX_LFM_MOE_DEQUANT_ROWS": "64", "MLX_LFM_MOE_GEMM_KERNEL": "0"}, ["lfm2-8b-a1b-q4"]),
     "qgemv-kernel": ({"MLX_LFM_QGEMV_KERNEL": "1"}, ["lfm2-8b-a1b-q4"]),

@@ -363,6 +363,10 @@ pub struct StackedPass {
     state: Vec<Array>,
     /// The attention mask over the buffers, built once per pass.
     mask: Option<Array>,
+    /// The position as `[1]`, a slice update's start, made once per pass.
+    start: Option<Array>,
+    /// A batch's row indices `0..B`, made once per pass.
+    rows: Option<Array>,
 }
 
 impl StackedPass {
@@ -379,7 +383,7 @@ impl StackedPass {
         if pos.ndim() > 1 {
             return Err(Error::invalid("decode positions must be a scalar or one per row"));
         }
-        Ok(StackedPass { pos, slots, state, mask: None })
+        Ok(StackedPass { pos, slots, state, mask: None, start: None, rows: None })
     }
 
     /// The new state, in input order.
@@ -389,6 +393,24 @@ impl StackedPass {
 
     fn per_row(&self) -> bool {
         self.pos.ndim() == 1
+    }
+
+    fn start(&mut self) -> Result<Array> {
+        if self.start.is_none() {
+            self.start = Some(self.pos.reshape(&[1])?);
+        }
+        Ok(self.start.clone().expect("set above"))
+    }
+
+    fn rows(&mut self, b: i32) -> Result<Array> {
+        match &self.rows {
+            Some(r) if r.dim(0) == b => Ok(r.clone()),
+            _ => {
+                let r = arange(0.0, b as f64, 1.0, Dtype::Int32)?;
+                self.rows = Some(r.clone());
+                Ok(r)
+            }
+        }
     }
 
     /// `[B or 1, 1, 1, cap]`: each row's positions up to its own.
@@ -417,25 +439,34 @@ impl ForwardCache for StackedPass {
 
     fn attend(&mut self, layer: usize, q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Array> {
         let slot = self.slots[layer];
+        let b = self.state[slot].dim(0);
+        // (Made once a pass, not once a layer: a node each.)
+        let start = if self.per_row() || kv_write_scatter() { None } else { Some(self.start()?) };
+        let rows = if self.per_row() { Some(self.rows(b)?) } else { None };
         let (kbuf, vbuf) = (&self.state[slot], &self.state[slot + 1]);
-        let (b, h, cap, hd) = (kbuf.dim(0), kbuf.dim(1), kbuf.dim(2), kbuf.dim(3));
-        let (kn, vn) = if self.per_row() {
-            let rows = arange(0.0, b as f64, 1.0, Dtype::Int32)?;
+        let (h, cap, hd) = (kbuf.dim(1), kbuf.dim(2), kbuf.dim(3));
+        let (kn, vn) = if let Some(rows) = rows {
             let upd = |x: &Array| x.reshape(&[b, 1, h, 1, hd]);
             (
                 kbuf.scatter(&[&rows, &self.pos], &[0, 2], &upd(k)?)?,
                 vbuf.scatter(&[&rows, &self.pos], &[0, 2], &upd(v)?)?,
             )
         } else if kv_write_scatter() {
-            let at = self.pos.reshape(&[1])?;
-            let upd = |x: &Array| x.reshape(&[1, b, h, 1, hd]);
-            (kbuf.scatter(&[&at], &[2], &upd(k)?)?, vbuf.scatter(&[&at], &[2], &upd(v)?)?)
+            // At the scalar position itself: the update keeps K's and V's
+            // own rank, so neither they nor the position are reshaped (three
+            // view nodes an attention layer and token).
+            (kbuf.scatter(&[&self.pos], &[2], k)?, vbuf.scatter(&[&self.pos], &[2], v)?)
         } else {
-            let start = self.pos.reshape(&[1])?;
+            let start = start.expect("made above for the slice update");
             (kbuf.slice_update_dyn(k, &start, &[2])?, vbuf.slice_update_dyn(v, &start, &[2])?)
         };
-        let mask = self.mask(b, cap)?;
-        let o = crate::kernels::decode_attention::sdpa_masked(q, &kn, &vn, scale, &mask)?;
+        use crate::kernels::decode_attention;
+        let o = if decode_attention::upto_available(q, &kn, &vn, &self.pos) {
+            decode_attention::sdpa_upto(q, &kn, &vn, scale, &self.pos)?
+        } else {
+            let mask = self.mask(b, cap)?;
+            decode_attention::sdpa_masked(q, &kn, &vn, scale, &mask)?
+        };
         self.state[slot] = kn;
         self.state[slot + 1] = vn;
         Ok(o)
@@ -448,6 +479,11 @@ impl ForwardCache for StackedPass {
     fn conv_update(&mut self, layer: usize, padded: &Array, keep: i32) -> Result<()> {
         let n = padded.dim(1);
         self.state[self.slots[layer]] = padded.slice_axis(1, n - keep, n)?;
+        Ok(())
+    }
+
+    fn conv_step_update(&mut self, layer: usize, _prev: &Array, next: &Array) -> Result<()> {
+        self.state[self.slots[layer]] = next.clone();
         Ok(())
     }
 }

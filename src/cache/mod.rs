@@ -25,6 +25,8 @@ pub mod fresh;
 pub mod paged;
 pub mod rows;
 pub mod sequence;
+#[cfg(test)]
+mod tests;
 
 pub use batch::{BatchShape, DecodeBatch, Member, StackedPass};
 pub use flat::{decode_mask, KvCache, KV_STEP};
@@ -32,8 +34,8 @@ pub use paged::{PagedConfig, PagedPool, PagedSeq, PagedStats, SharedPool};
 pub use rows::{PrefillRows, RowsPass};
 pub use sequence::{LayerCache, ModelCache, SeqPass};
 
-use crate::error::Result;
-use crate::mlx::{zeros, Array, Dtype};
+use crate::error::{Error, Result};
+use crate::mlx::{concatenate, zeros, Array, Dtype};
 
 /// Where a call's tokens sit, for RoPE.
 pub enum Offset<'a> {
@@ -86,4 +88,28 @@ pub trait ForwardCache {
     /// first): the cache keeps the state after the call (the last `keep`
     /// rows) and whatever else it needs (snapshots at block ends).
     fn conv_update(&mut self, layer: usize, padded: &Array, keep: i32) -> Result<()>;
+
+    /// Conv layer `layer`'s state after a one-token call (`[B, keep, D]`,
+    /// what [`ForwardCache::conv_update`] keeps of that call's padded input),
+    /// as the fused decode step writes it: a cache that keeps only the state
+    /// takes it as it is, sparing the step a slice node a conv layer; one
+    /// that needs the padded input (snapshots, a fresh pass's store) gets it
+    /// back from `prev`, the state before the call.
+    fn conv_step_update(&mut self, layer: usize, prev: &Array, next: &Array) -> Result<()> {
+        let padded = padded_from_step(prev, next)?;
+        self.conv_update(layer, &padded, next.dim(1))
+    }
+}
+
+/// A one-token call's padded input `[prev; x]` from the state before it and
+/// the state after it (`next` is `prev`'s last keep - 1 rows, then `x`).
+pub fn padded_from_step(prev: &Array, next: &Array) -> Result<Array> {
+    if prev.shape() != next.shape() || prev.ndim() != 3 || prev.dim(1) < 1 {
+        return Err(Error::invalid(format!(
+            "conv states before and after a step must both be [B, keep >= 1, D], got {:?} and {:?}",
+            prev.shape(),
+            next.shape()
+        )));
+    }
+    concatenate(&[&prev.slice_axis(1, 0, 1)?, next], 1)
 }

@@ -63,6 +63,13 @@ impl ForwardCache for RowsPass<'_> {
         }
         Ok(())
     }
+
+    fn conv_step_update(&mut self, layer: usize, prev: &Array, next: &Array) -> Result<()> {
+        for (i, r) in self.rows.iter_mut().enumerate() {
+            r.conv_step_update(layer, &row(prev, i)?, &row(next, i)?)?;
+        }
+        Ok(())
+    }
 }
 
 /// Fresh prompts prefilled together, right-padded into one `[B, T]` pass.

@@ -437,4 +437,19 @@ impl ForwardCache for SeqPass<'_> {
             _ => Err(Error::invalid("cache layout does not match the model's layers")),
         }
     }
+
+    fn conv_step_update(&mut self, layer: usize, prev: &Array, next: &Array) -> Result<()> {
+        if !self.taps.is_empty() {
+            // A block ends here: the snapshot reads the padded input.
+            let padded = super::padded_from_step(prev, next)?;
+            return self.conv_update(layer, &padded, next.dim(1));
+        }
+        match &mut self.cache.layers[layer] {
+            LayerCache::Conv(s) => {
+                *s = Some(next.clone());
+                Ok(())
+            }
+            _ => Err(Error::invalid("cache layout does not match the model's layers")),
+        }
+    }
 }

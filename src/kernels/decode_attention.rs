@@ -18,7 +18,9 @@
 //! Masked positions are never loaded. The rounding is the fallback's:
 //! `q * scale` rounded to the model dtype, each score rounded as the GEMM's
 //! output is, the softmax in float32 from those and its probabilities
-//! rounded, then `sum p * v` in float32 rounded once. Shapes come from MLX's
+//! rounded, then `sum p * v` in float32 rounded once. A compiled step's
+//! variant ([`sdpa_upto`]) takes the row's position instead of a mask and
+//! stops there, so the step builds no mask (three nodes a token). Shapes come from MLX's
 //! shape arguments, so a cache growing by a step does not compile a new
 //! kernel.
 
@@ -39,7 +41,6 @@ const SOURCE: &str = r#"
   const int H = q_shape[1];
   const int KVH = k_shape[1];
   const int N = k_shape[2];
-  const int MB = mask_shape[0];
   const int tid = threadIdx.x;
   const int grp = tid / G;
   const int lane = tid % G;
@@ -49,7 +50,8 @@ const SOURCE: &str = r#"
   const T* qp = q + (static_cast<size_t>(b) * H + h) * HD;
   const T* kp = k + head * N * HD;
   const T* vp = v + head * N * HD + lane * 8;
-  const bool* mp = mask + static_cast<size_t>(MB == 1 ? 0 : b) * N;
+  // `NV`, the positions the loops run to, and `valid(n)`:
+  __VALIDITY__
   float* srow = sc + (static_cast<size_t>(b) * H + h) * N;
   __shared__ float qs[HD];
   __shared__ float red[8];
@@ -76,8 +78,8 @@ const SOURCE: &str = r#"
 
   const float neg_inf = -__int_as_float(0x7f800000);
   float m = neg_inf;
-  for (int n = tid; n < N; n += 256) {
-    if (!mp[n]) continue;
+  for (int n = tid; n < NV; n += 256) {
+    if (!valid(n)) continue;
     const uint4* kr = reinterpret_cast<const uint4*>(kp + static_cast<size_t>(n) * HD);
     float s = 0.0f;
     // Up to 8 loads (128 bytes) in flight at a time, so a long row does
@@ -100,20 +102,20 @@ const SOURCE: &str = r#"
   }
   m = block_reduce(m, true);
   float l = 0.0f;
-  for (int n = tid; n < N; n += 256) {
-    if (mp[n]) l += expf(srow[n] - m);
+  for (int n = tid; n < NV; n += 256) {
+    if (valid(n)) l += expf(srow[n] - m);
   }
   l = block_reduce(l, false);
   // Probabilities; 0 marks a position that adds nothing (masked, or the
   // whole row masked).
-  for (int n = tid; n < N; n += 256) {
-    srow[n] = (mp[n] && m != neg_inf) ? static_cast<float>(T(expf(srow[n] - m) / l)) : 0.0f;
+  for (int n = tid; n < NV; n += 256) {
+    srow[n] = (valid(n) && m != neg_inf) ? static_cast<float>(T(expf(srow[n] - m) / l)) : 0.0f;
   }
   __syncthreads();
 
   float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll 4
-  for (int n = grp; n < N; n += GROUPS) {
+  for (int n = grp; n < NV; n += GROUPS) {
     const float p = srow[n];
     if (p != 0.0f) {
       const uint4* vr = reinterpret_cast<const uint4*>(vp + static_cast<size_t>(n) * HD);
@@ -138,10 +140,35 @@ const SOURCE: &str = r#"
   }
 "#;
 
+/// The boolean mask's validity: its row (shared or the query row's).
+const MASK_VALID: &str = "const bool* mp = mask + static_cast<size_t>(mask_shape[0] == 1 ? 0 : b) * N;
+  const int NV = N;
+  auto valid = [&](int n) { return mp[n]; };";
+
+/// Positions up to the row's own (`upto`, an int32 scalar or one a row,
+/// `PER_ROW`): the mask a compiled step built from the position each step
+/// (an arange, a compare and a reshape, three nodes) read from the
+/// position itself; nothing past it is visited.
+const UPTO_VALID: &str = "const int lim = upto[PER_ROW ? b : 0];
+  const int NV = lim < 0 ? 0 : (lim < N ? lim + 1 : N);
+  auto valid = [&](int) { return true; };";
+
 fn kernel() -> Option<&'static CudaKernel> {
     static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
-    K.get_or_init(|| CudaKernel::new("lfm_decode_attention", &["q", "k", "v", "mask"], &["out", "sc"], SOURCE, "").ok())
-        .as_ref()
+    K.get_or_init(|| {
+        let src = SOURCE.replace("__VALIDITY__", MASK_VALID);
+        CudaKernel::new("lfm_decode_attention", &["q", "k", "v", "mask"], &["out", "sc"], &src, "").ok()
+    })
+    .as_ref()
+}
+
+fn upto_kernel() -> Option<&'static CudaKernel> {
+    static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
+    K.get_or_init(|| {
+        let src = SOURCE.replace("__VALIDITY__", UPTO_VALID);
+        CudaKernel::new("lfm_decode_attention_upto", &["q", "k", "v", "upto"], &["out", "sc"], &src, "").ok()
+    })
+    .as_ref()
 }
 
 /// Whether the kernel serves these operands: one query token, K and V of one
@@ -157,7 +184,22 @@ pub fn available(q: &Array, k: &Array, v: &Array, mask: &Array) -> bool {
     if !cuda_kernels_enabled() || !dt.is_float() || dt == Dtype::Float64 {
         return false;
     }
-    if q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4 || mask.ndim() != 4 {
+    if mask.ndim() != 4 || !operands_served(q, k, v) {
+        return false;
+    }
+    let (b, n) = (q.dim(0), k.dim(2));
+    mask.dtype() == Dtype::Bool
+        && (mask.dim(0) == 1 || mask.dim(0) == b)
+        && mask.dim(1) == 1
+        && mask.dim(2) == 1
+        && mask.dim(3) == n
+        && kernel().is_some()
+}
+
+/// q, K and V as the kernel takes them (the dtype checked by the caller).
+fn operands_served(q: &Array, k: &Array, v: &Array) -> bool {
+    let dt = q.dtype();
+    if q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4 {
         return false;
     }
     let (b, h, hd) = (q.dim(0), q.dim(1), q.dim(3));
@@ -172,12 +214,36 @@ pub fn available(q: &Array, k: &Array, v: &Array, mask: &Array) -> bool {
         && kvh > 0
         && h % kvh == 0
         && n > 0
-        && mask.dtype() == Dtype::Bool
-        && (mask.dim(0) == 1 || mask.dim(0) == b)
-        && mask.dim(1) == 1
-        && mask.dim(2) == 1
-        && mask.dim(3) == n
-        && kernel().is_some()
+}
+
+/// Whether the position-bounded kernel serves these operands: as
+/// [`available`], with `upto` an int32 scalar (every row) or one a row.
+/// `MLX_LFM_ATTENTION_UPTO=0` keeps the mask (its A/B and test).
+pub fn upto_available(q: &Array, k: &Array, v: &Array, upto: &Array) -> bool {
+    static ON: OnceLock<Option<bool>> = OnceLock::new();
+    if !super::cuda_default("MLX_LFM_ATTENTION_UPTO", &ON) {
+        return false;
+    }
+    static KERNEL_ON: OnceLock<bool> = OnceLock::new();
+    if !crate::knobs::cached("MLX_LFM_DECODE_ATTENTION_KERNEL", &KERNEL_ON, |v| v != Some("0")) {
+        return false;
+    }
+    let dt = q.dtype();
+    if !cuda_kernels_enabled() || !dt.is_float() || dt == Dtype::Float64 || !operands_served(q, k, v) {
+        return false;
+    }
+    upto.dtype() == Dtype::Int32
+        && (upto.ndim() == 0 || (upto.ndim() == 1 && upto.dim(0) == q.dim(0)))
+        && upto_kernel().is_some()
+}
+
+/// `softmax(q k^T * scale) v` for one query token over each row's positions
+/// `0..=upto` (the mask `arange(N) < upto + 1`, not built): the kernel; the
+/// caller checks [`upto_available`] and builds the mask where it fails.
+pub fn sdpa_upto(q: &Array, k: &Array, v: &Array, scale: f32, upto: &Array) -> Result<Array> {
+    let kern = upto_kernel().ok_or_else(|| Error::mlx("the decode attention kernel is not available"))?;
+    let per_row = i32::from(upto.ndim() == 1);
+    launch(kern, q, k, v, upto, scale, &[("PER_ROW", TemplateArg::Int(per_row))])
 }
 
 /// `softmax(q k^T * scale, masked) v` for one query token: the kernel where
@@ -187,19 +253,26 @@ pub fn sdpa_masked(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Array) ->
         return mlx::sdpa(q, k, v, scale, Mask::Array(mask));
     }
     let kern = kernel().ok_or_else(|| Error::mlx("the decode attention kernel is not available"))?;
+    launch(kern, q, k, v, mask, scale, &[])
+}
+
+/// Either kernel over `(q, k, v, bound)`: the mask or the positions.
+fn launch(kern: &CudaKernel, q: &Array, k: &Array, v: &Array, bound: &Array, scale: f32, extra: &[(&str, TemplateArg)]) -> Result<Array> {
     let (b, h, hd) = (q.dim(0), q.dim(1), q.dim(3));
     let gx = THREADS.checked_mul(h).ok_or_else(|| Error::invalid("too many heads for the decode attention kernel"))?;
+    let mut template = vec![
+        ("HD", TemplateArg::Int(hd)),
+        // A float constant as its bits: template arguments are integers.
+        ("SCALE_BITS", TemplateArg::Int(scale.to_bits() as i32)),
+        ("T", TemplateArg::Dtype(q.dtype())),
+    ];
+    template.extend(extra.iter().cloned());
     let outs = kern.call(
-        &[q, k, v, mask],
+        &[q, k, v, bound],
         &[(&[b, h, 1, hd], q.dtype()), (&[b, h, k.dim(2)], Dtype::Float32)],
         [gx, b, 1],
         [THREADS, 1, 1],
-        &[
-            ("HD", TemplateArg::Int(hd)),
-            // A float constant as its bits: template arguments are integers.
-            ("SCALE_BITS", TemplateArg::Int(scale.to_bits() as i32)),
-            ("T", TemplateArg::Dtype(q.dtype())),
-        ],
+        &template,
     )?;
     // The scores' scratch row (the second output) is the kernel's alone.
     outs.into_iter().next().ok_or_else(|| Error::mlx("decode attention kernel: missing output"))

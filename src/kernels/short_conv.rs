@@ -1,11 +1,12 @@
 //! One decode step of LFM2's double-gated short convolution in one kernel:
 //! from in_proj's output `[B, 1, 3D]` (B, C, x) and the conv state `[B, L-1,
-//! D]`, `bx = B * x`, the padded window `[state; bx]` (which the cache keeps
-//! its last L-1 rows of, and snapshots at block ends, exactly as from the
-//! stock path's concatenate), the depthwise conv over it and `y = C * conv`.
-//! The stock graph spends a multiply, a concatenate (two copies), the
-//! grouped conv and a second multiply per conv layer and token; the 1.2B
-//! has ten conv layers.
+//! D]`, `bx = B * x`, the padded window `[state; bx]`, the depthwise conv
+//! over it and `y = C * conv`, and the state after the token (the window's
+//! last L-1 rows, exactly as the stock path's concatenate and slice leave
+//! them). The stock graph spends a multiply, a concatenate (two copies), the
+//! grouped conv, a second multiply and the state's slice per conv layer and
+//! token; the 1.2B has ten conv layers. The new state comes out whole, so
+//! no slice node follows the kernel (`ForwardCache::conv_step_update`).
 //!
 //! One thread per (row, channel). Rounding follows the stock ops: `bx` is
 //! rounded to the model dtype before the window holds it, the conv sums in
@@ -22,23 +23,23 @@ const SOURCE: &str = r#"
   const int d = static_cast<int>(i - b * D);
   const T* row = bcx + b * 3 * D;
   const T* st = state + b * KEEP * D;
-  T* pad = padded + b * (KEEP + 1) * D;
+  T* ns = next + b * KEEP * D;
   const T* wd = w + static_cast<size_t>(d) * (KEEP + 1);
   float acc = 0.0f;
   for (int j = 0; j < KEEP; j++) {
     const T v = st[j * D + d];
-    pad[j * D + d] = v;
+    if (j > 0) ns[(j - 1) * D + d] = v;
     acc += static_cast<float>(wd[j]) * static_cast<float>(v);
   }
   const T bx = T(static_cast<float>(row[d]) * static_cast<float>(row[2 * D + d]));
-  pad[KEEP * D + d] = bx;
+  ns[(KEEP - 1) * D + d] = bx;
   acc += static_cast<float>(wd[KEEP]) * static_cast<float>(bx);
   y[b * D + d] = T(static_cast<float>(row[D + d]) * static_cast<float>(T(acc)));
 "#;
 
 fn kernel() -> Option<&'static CudaKernel> {
     static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
-    K.get_or_init(|| CudaKernel::new("lfm_short_conv_step", &["bcx", "state", "w"], &["padded", "y"], SOURCE, "").ok())
+    K.get_or_init(|| CudaKernel::new("lfm_short_conv_step", &["bcx", "state", "w"], &["next", "y"], SOURCE, "").ok())
         .as_ref()
 }
 
@@ -76,9 +77,9 @@ pub fn available(bcx: &Array, state: &Array, w: &Array, has_bias: bool) -> bool 
         && kernel().is_some()
 }
 
-/// `(padded [B, L, D], y [B, 1, D])` for in_proj's output `bcx`, the state
-/// before the token and the depthwise weights `w` (`[D, L]`); `y` `[B, D]`
-/// for rows `bcx` `[B, 3D]`.
+/// `(state after the token [B, L-1, D], y [B, 1, D])` for in_proj's output
+/// `bcx`, the state before the token and the depthwise weights `w` (`[D,
+/// L]`); `y` `[B, D]` for rows `bcx` `[B, 3D]`.
 pub fn conv_step(bcx: &Array, state: &Array, w: &Array) -> Result<(Array, Array)> {
     let kern = kernel().ok_or_else(|| Error::mlx("the fused short-conv kernel is not available"))?;
     let (b, d, l) = (bcx.dim(0), w.dim(0), w.dim(1));
@@ -88,12 +89,12 @@ pub fn conv_step(bcx: &Array, state: &Array, w: &Array) -> Result<(Array, Array)
     let y_shape: Vec<i32> = if bcx.ndim() == 2 { vec![b, d] } else { vec![b, 1, d] };
     let mut outs = kern.call(
         &[bcx, state, w],
-        &[(&[b, l, d], dt), (&y_shape, dt)],
+        &[(&[b, l - 1, d], dt), (&y_shape, dt)],
         [threads, 1, 1],
         [block, 1, 1],
         &[("D", TemplateArg::Int(d)), ("KEEP", TemplateArg::Int(l - 1)), ("T", TemplateArg::Dtype(dt))],
     )?;
     let y = outs.pop().ok_or_else(|| Error::mlx("short-conv kernel: missing output"))?;
-    let padded = outs.pop().ok_or_else(|| Error::mlx("short-conv kernel: missing output"))?;
-    Ok((padded, y))
+    let next = outs.pop().ok_or_else(|| Error::mlx("short-conv kernel: missing output"))?;
+    Ok((next, y))
 }

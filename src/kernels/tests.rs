@@ -522,7 +522,7 @@ fn stacked_rows_with_kernels_equal_each_row_alone() {
 }
 
 /// The fused short-conv decode step against the stock ops it replaces: the
-/// padded window the cache keeps bit for bit, `C * conv` within one
+/// state after the token (the padded window's last L-1 rows) bit for bit, `C * conv` within one
 /// rounding (float32 within TF32's, which MLX's conv may use), for one row
 /// and several, at LFM2's kernel size 3 and at 4.
 #[test]
@@ -541,15 +541,16 @@ fn short_conv_kernel_matches_stock_ops() {
             let w = normal(&[d, l], Dtype::Float32, 0.0, 0.5, None).unwrap().astype(dt).unwrap();
             assert!(available(&bcx, &state, &w, false), "{dt:?} [{b}, {d}, {l}]");
             assert!(!available(&bcx, &state, &w, true), "a conv bias keeps the stock ops");
-            let (kp, ky) = conv_step(&bcx, &state, &w).unwrap();
+            let (kn, ky) = conv_step(&bcx, &state, &w).unwrap();
             let parts = bcx.split_equal(3, -1).unwrap();
             let bx = parts[0].mul(&parts[2]).unwrap();
             let sp = concatenate(&[&state, &bx], 1).unwrap();
             let conv = conv1d(&sp, &w.reshape(&[d, l, 1]).unwrap(), 1, 0, 1, d).unwrap();
             let sy = parts[1].mul(&conv).unwrap();
-            assert_eq!(kp.shape(), sp.shape());
+            let next = sp.slice_axis(1, 1, l).unwrap();
+            assert_eq!(kn.shape(), next.shape());
             assert_eq!(ky.shape(), sy.shape());
-            assert_eq!(f(&kp), f(&sp), "{dt:?} [{b}, {d}, {l}]: the padded window differs");
+            assert_eq!(f(&kn), f(&next), "{dt:?} [{b}, {d}, {l}]: the state after the token differs");
             let worst = worst_relative(&ky, &sy);
             assert!(worst <= tol, "{dt:?} [{b}, {d}, {l}]: C * conv differs by {worst} (relative), over {tol}");
         }
@@ -593,6 +594,60 @@ fn decode_attention_kernel_matches_stock_ops() {
             assert!(worst <= tol, "{dt:?} {b}x{h}/{kvh}x{hd} over {n} ({filled:?}): differs by {worst}, over {tol}");
         }
     }
+}
+
+/// The position-bounded attention (a compiled step's: no mask built)
+/// against the masked kernel with the mask it stands for, bit for bit (the
+/// same threads visit the same positions in the same order), and against
+/// MLX's sdpa within one rounding: a scalar position (one sequence), one a
+/// row (a batch), a position at the buffer's last slot and at its first.
+#[test]
+fn decode_attention_upto_kernel_matches_the_mask() {
+    if skip("decode_attention_upto_kernel_matches_the_mask") {
+        return;
+    }
+    use crate::kernels::decode_attention::{available, sdpa_masked, sdpa_upto, upto_available};
+    use crate::mlx::random::normal;
+    use crate::mlx::{arange, sdpa, Array, Mask};
+    for (dt, tol) in [(Dtype::Bfloat16, 1.6e-2f32), (Dtype::Float32, 4e-3)] {
+        // (rows, heads, kv heads, head size, buffer, positions: one for all rows, or one a row)
+        let cases: [(i32, i32, i32, i32, i32, &[i32]); 5] = [
+            (1, 32, 8, 64, 768, &[512]),
+            (1, 16, 8, 64, 256, &[255]),
+            (1, 4, 2, 64, 256, &[0]),
+            (3, 4, 2, 64, 256, &[0, 99, 255]),
+            (2, 8, 8, 128, 1024, &[699, 700]),
+        ];
+        for (b, h, kvh, hd, n, pos) in cases {
+            let q = normal(&[b, h, 1, hd], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
+            let k = normal(&[b, kvh, n, hd], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
+            let v = normal(&[b, kvh, n, hd], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
+            let upto = if pos.len() == 1 && b == 1 {
+                Array::scalar(pos[0] as f64, Dtype::Int32).unwrap()
+            } else {
+                Array::from_slice(pos, &[pos.len() as i32]).unwrap()
+            };
+            let cols = arange(0.0, n as f64, 1.0, Dtype::Int32).unwrap().reshape(&[1, n]).unwrap();
+            let bound = Array::from_slice(&pos.iter().map(|p| p + 1).collect::<Vec<_>>(), &[pos.len() as i32, 1]).unwrap();
+            let mask = cols.lt(&bound).unwrap().reshape(&[pos.len() as i32, 1, 1, n]).unwrap();
+            let scale = 1.0 / (hd as f32).sqrt();
+            let what = format!("{dt:?} {b}x{h}/{kvh}x{hd} over {n} at {pos:?}");
+            assert!(upto_available(&q, &k, &v, &upto), "{what}");
+            assert!(available(&q, &k, &v, &mask), "{what}");
+            let got = sdpa_upto(&q, &k, &v, scale, &upto).unwrap();
+            let masked = sdpa_masked(&q, &k, &v, scale, &mask).unwrap();
+            let want = sdpa(&q, &k, &v, scale, Mask::Array(&mask)).unwrap();
+            assert_eq!(got.shape(), want.shape());
+            assert_eq!(differing(&got, &masked), 0, "{what}: differs from the masked kernel");
+            let worst = worst_relative(&got, &want);
+            assert!(worst <= tol, "{what}: differs from sdpa by {worst}, over {tol}");
+        }
+    }
+    // A float64 query, or positions of another dtype or count, keep the mask.
+    let q = normal(&[2, 4, 1, 64], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(Dtype::Bfloat16).unwrap();
+    let k = normal(&[2, 2, 64, 64], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(Dtype::Bfloat16).unwrap();
+    assert!(!upto_available(&q, &k, &k, &Array::from_slice(&[1i32, 2, 3], &[3]).unwrap()));
+    assert!(!upto_available(&q, &k, &k, &Array::from_slice(&[1.0f32, 2.0], &[2]).unwrap()));
 }
 
 /// The GEMV kernel against MLX's matmul: 1 to 8 rows, square, tall and wide

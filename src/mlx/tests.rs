@@ -229,3 +229,30 @@ fn count_ops_tallies_each_evaluated_graph_once() {
     });
     assert_eq!(outer, vec![("Add".to_string(), 1)]);
 }
+
+/// What the decode step's cache writes rely on to spare view nodes: a
+/// scatter at a 0-d index takes the update in the buffer's own rank (no
+/// reshape of K/V to `[1, B, H, 1, D]`, nor of the position to `[1]`), and a
+/// slice over a whole axis is no node at all.
+#[test]
+fn scatter_at_a_scalar_index_and_whole_slices_add_no_nodes() {
+    let buf = zeros(&[1, 2, 4, 3], Dtype::Float32).unwrap();
+    let upd = arange(1., 7., 1., Dtype::Float32).unwrap().reshape(&[1, 2, 1, 3]).unwrap();
+    let pos = Array::scalar(2.0, Dtype::Int32).unwrap();
+    let out = buf.scatter(&[&pos], &[2], &upd).unwrap();
+    let v = out.to_vec::<f32>().unwrap();
+    // Head h's row 2 holds its update; everything else stays zero.
+    for h in 0..2 {
+        for r in 0..4 {
+            let row = &v[(h * 4 + r) * 3..(h * 4 + r) * 3 + 3];
+            let want: Vec<f32> = if r == 2 { (0..3).map(|c| (h * 3 + c + 1) as f32).collect() } else { vec![0.; 3] };
+            assert_eq!(row, want.as_slice(), "head {h} row {r}");
+        }
+    }
+    let ops = graph_ops(&[&out]).unwrap();
+    assert!(!ops.iter().any(|(n, _)| n == "Reshape"), "{ops:?}");
+    let s = arange(0., 6., 1., Dtype::Float32).unwrap().reshape(&[1, 2, 3]).unwrap();
+    eval(&[&s]).unwrap();
+    let whole = s.slice_axis(1, 0, 2).unwrap();
+    assert!(graph_ops(&[&whole]).unwrap().iter().all(|(n, _)| n != "Slice"), "{:?}", graph_ops(&[&whole]).unwrap());
+}

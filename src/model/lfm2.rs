@@ -258,13 +258,12 @@ impl ShortConv {
     }
 
     fn conv(&self, bcx: &Array, layer: usize, cache: &mut dyn ForwardCache) -> Result<Array> {
-        let keep = self.kernel - 1;
         let prev = self.prev_state(bcx, layer, cache)?;
         if crate::kernels::short_conv::available(bcx, &prev, &self.conv_weight_dl, self.conv_bias.is_some()) {
             // Decode on CUDA: everything between the two projections in one
             // launch.
-            let (padded, y) = crate::kernels::short_conv::conv_step(bcx, &prev, &self.conv_weight_dl)?;
-            cache.conv_update(layer, &padded, keep)?;
+            let (next, y) = crate::kernels::short_conv::conv_step(bcx, &prev, &self.conv_weight_dl)?;
+            cache.conv_step_update(layer, &prev, &next)?;
             return reduce(&self.shard, self.out_proj.forward(&y)?);
         }
         self.conv_stock(bcx, &prev, layer, cache)
