@@ -834,6 +834,13 @@ AB = {
     "gemv-off": ({"MLX_LFM_GEMV_KERNEL": "0", "MLX_LFM_NORM_GEMV_KERNEL": "0"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
     "gemv-max-k-2048": ({"MLX_LFM_GEMV_KERNEL_MAX_K": "2048"}, ["lfm2-1.2b-bf16"]),
     "gemv-max-k-8192": ({"MLX_LFM_GEMV_KERNEL_MAX_K": "8192"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
+    # The same without the dense rows' L2 prefetch (session 18: up to K =
+    # 2048 the 1.2B's step became bound by the GPU, the kernels reading
+    # those rows slower than MLX's GEMV; a 4 KiB row is two batches of
+    # loads, each preceded by its prefetch's requests); and the 350M's
+    # default kernels without it.
+    "gemv-max-k-2048-no-prefetch": ({"MLX_LFM_GEMV_KERNEL_MAX_K": "2048", "MLX_LFM_GEMV_PREFETCH": "0"}, ["lfm2-1.2b-bf16"]),
+    "gemv-no-prefetch": ({"MLX_LFM_GEMV_PREFETCH": "0"}, ["lfm2-350m-bf16"]),
     # A prompt's pass handed to MLX every N layers as it is built, so the
     # GPU runs the first layers while the host builds the rest (a prefill
     # is eager: its build does not overlap the GPU otherwise). N = 2 is the
@@ -903,6 +910,8 @@ AB_TESTS = {
                         "norm_gemv_kernels_match_stock_ops", "greedy:default"],
     "gemv-max-k-8192": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops",
                         "norm_gemv_kernels_match_stock_ops", "greedy:default"],
+    "gemv-max-k-2048-no-prefetch": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops",
+                                    "norm_gemv_kernels_match_stock_ops", "greedy:default"],
     "compiled-prefill": ["compiled_prefill_equals_the_eager_prefill"],
 }
 # Groups of variants of which `pick` adopts at most one: (variants, the
@@ -910,7 +919,7 @@ AB_TESTS = {
 PICK = [
     (["gemv-kernel", "gemv-norm-kernels"], "decode"),
     (["qgemv-kernel", "quant-norm-kernels"], "decode"),
-    (["gemv-max-k-2048", "gemv-max-k-8192"], "decode"),
+    (["gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetch"], "decode"),
     (["norm-kernel-all-rows"], "prefill"),
     (["moe-dequant-from-16-rows", "moe-dequant-from-64-rows"], "prefill"),
     (["prefill-overlap-2", "prefill-overlap-4", "prefill-split", "prefill-split-overlap-4"], "prefill"),
@@ -920,7 +929,7 @@ PICK = [
 # ratio is noise, not a cost, so `pick` does not hold them to it (session
 # 17: the q/k norm + RoPE kernel's 1.09x on the 1.2B's decode was turned
 # down by the 350M's prefill median, 0.96, a prefill it never runs in).
-DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192"}
+DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetch"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]

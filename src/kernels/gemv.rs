@@ -62,6 +62,9 @@ __device__ inline float lfm_warp_sum(float v) {
 // CCTL.E.PF2): the row's DRAM reads start at once and the loads after
 // them wait on L2 at most.
 #define LFM_BATCH 8
+#ifndef LFM_DENSE_PREFETCH
+#define LFM_DENSE_PREFETCH 1
+#endif
 template <int IT, int C>
 __device__ inline void lfm_prefetch_row(const void* base, int lane) {
 #pragma unroll
@@ -114,7 +117,7 @@ __device__ inline void lfm_dot_rows_a(const T* x, const T* const* wr, int lane, 
   constexpr int STEP = 32 * N;
   constexpr int IT = (K + STEP - 1) / STEP;
   constexpr int B = IT < LFM_BATCH ? IT : LFM_BATCH;
-  if (ALIGNED) {
+  if (ALIGNED && LFM_DENSE_PREFETCH) {
 #pragma unroll
     for (int r = 0; r < R; r++) lfm_prefetch_dense<T, K>(wr[r], lane);
   }
@@ -226,13 +229,42 @@ const SWIGLU_SOURCE: &str = r#"
   lfm_gemv_swiglu_warp<T, K, M>(x, lfm_aligned(x), w, lfm_aligned(w), y, F, n, threadIdx.x % 32);
 "#;
 
+/// Whether the dense GEMVs ask L2 for a weight row before loading it
+/// (`MLX_LFM_GEMV_PREFETCH=0`: not; an A/B's knob). Where a row is one
+/// batch of loads (K = 1024 in bf16) the loads go out together anyway;
+/// wider rows (K = 2048, where the kernels lost to MLX's GEMV on the GPU's
+/// time in session 18's A/B) issue twice as many L2 requests with it.
+fn prefetch() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    crate::knobs::cached("MLX_LFM_GEMV_PREFETCH", &ON, |v| v != Some("0"))
+}
+
+/// The GEMV header without the dense rows' prefetch.
+fn header_without_prefetch() -> String {
+    format!("#define LFM_DENSE_PREFETCH 0\n{}", header())
+}
+
 fn kernel() -> Option<&'static CudaKernel> {
     static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
+    static NO_PF: OnceLock<Option<CudaKernel>> = OnceLock::new();
+    if !prefetch() {
+        return NO_PF
+            .get_or_init(|| CudaKernel::new("lfm_gemv_no_prefetch", &["x", "w"], &["y"], SOURCE, &header_without_prefetch()).ok())
+            .as_ref();
+    }
     K.get_or_init(|| CudaKernel::new("lfm_gemv", &["x", "w"], &["y"], SOURCE, &header()).ok()).as_ref()
 }
 
 fn swiglu_kernel() -> Option<&'static CudaKernel> {
     static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
+    static NO_PF: OnceLock<Option<CudaKernel>> = OnceLock::new();
+    if !prefetch() {
+        return NO_PF
+            .get_or_init(|| {
+                CudaKernel::new("lfm_gemv_swiglu_no_prefetch", &["x", "w"], &["y"], SWIGLU_SOURCE, &header_without_prefetch()).ok()
+            })
+            .as_ref();
+    }
     K.get_or_init(|| CudaKernel::new("lfm_gemv_swiglu", &["x", "w"], &["y"], SWIGLU_SOURCE, &header()).ok()).as_ref()
 }
 
