@@ -846,8 +846,18 @@ AB = {
     # those rows slower than MLX's GEMV; a 4 KiB row is two batches of
     # loads, each preceded by its prefetch's requests); and the 350M's
     # default kernels without it.
-    "gemv-max-k-2048-no-prefetch": ({"MLX_LFM_GEMV_KERNEL_MAX_K": "2048", "MLX_LFM_GEMV_PREFETCH": "0"}, ["lfm2-1.2b-bf16"]),
-    "gemv-no-prefetch": ({"MLX_LFM_GEMV_PREFETCH": "0"}, ["lfm2-350m-bf16"]),
+    "gemv-max-k-2048-no-prefetch": ({"MLX_LFM_GEMV_KERNEL_MAX_K": "2048", "MLX_LFM_GEMV_LOOP": "nopf"}, ["lfm2-1.2b-bf16"]),
+    "gemv-no-prefetch": ({"MLX_LFM_GEMV_LOOP": "nopf"}, ["lfm2-350m-bf16"]),
+    # (Session 19: the prefetch was not it.) MLX's own loop, one load of a
+    # row at a time, the same sums: up to K = 2048 on the 1.2B, and the
+    # 350M's default kernels so.
+    "gemv-max-k-2048-plain": ({"MLX_LFM_GEMV_KERNEL_MAX_K": "2048", "MLX_LFM_GEMV_LOOP": "plain"}, ["lfm2-1.2b-bf16"]),
+    "gemv-plain": ({"MLX_LFM_GEMV_LOOP": "plain"}, ["lfm2-350m-bf16"]),
+    # Up to K = 2048 without the norm fold (its kernels serve those weights
+    # by default when the GEMVs do: each of up to 1,056 blocks first runs
+    # the add + RMSNorm of the whole row, a serial prologue as long as its
+    # GEMV at K = 2048): the GEMVs alone, the norm its own launch.
+    "gemv-max-k-2048-no-fold": ({"MLX_LFM_GEMV_KERNEL_MAX_K": "2048", "MLX_LFM_NORM_GEMV_KERNEL": "0"}, ["lfm2-1.2b-bf16"]),
     # A prompt's pass handed to MLX every N layers as it is built, so the
     # GPU runs the first layers while the host builds the rest (a prefill
     # is eager: its build does not overlap the GPU otherwise). N = 2 is the
@@ -919,6 +929,9 @@ AB_TESTS = {
                         "norm_gemv_kernels_match_stock_ops", "greedy:default"],
     "gemv-max-k-2048-no-prefetch": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops",
                                     "norm_gemv_kernels_match_stock_ops", "greedy:default"],
+    "gemv-max-k-2048-plain": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops",
+                              "norm_gemv_kernels_match_stock_ops", "greedy:default"],
+    "gemv-max-k-2048-no-fold": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops", "greedy:default"],
     "compiled-prefill": ["compiled_prefill_equals_the_eager_prefill"],
 }
 # Groups of variants of which `pick` adopts at most one: (variants, the
@@ -926,7 +939,8 @@ AB_TESTS = {
 PICK = [
     (["gemv-kernel", "gemv-norm-kernels"], "decode"),
     (["qgemv-kernel", "quant-norm-kernels"], "decode"),
-    (["gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetch"], "decode"),
+    (["gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetch", "gemv-max-k-2048-plain",
+      "gemv-max-k-2048-no-fold"], "decode"),
     (["norm-kernel-all-rows"], "prefill"),
     (["moe-dequant-from-16-rows", "moe-dequant-from-64-rows"], "prefill"),
     (["prefill-overlap-2", "prefill-overlap-4", "prefill-split", "prefill-split-overlap-4"], "prefill"),
@@ -936,7 +950,8 @@ PICK = [
 # ratio is noise, not a cost, so `pick` does not hold them to it (session
 # 17: the q/k norm + RoPE kernel's 1.09x on the 1.2B's decode was turned
 # down by the 350M's prefill median, 0.96, a prefill it never runs in).
-DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetch"}
+DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetch", "gemv-max-k-2048-plain",
+               "gemv-max-k-2048-no-fold"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]

@@ -47,6 +47,12 @@ KERNELS = {
         [("out", "T"), ("sc", "float")],
         lambda dt: [("HD", 64), ("SCALE_BITS", 1040187392)],
     ),
+    # The same body bounded by the position (`UPTO_VALID` for `__VALIDITY__`).
+    "decode_attention.rs@upto": (
+        [("q", "T"), ("k", "T"), ("v", "T"), ("upto", "int")],
+        [("out", "T"), ("sc", "float")],
+        lambda dt: [("HD", 64), ("SCALE_BITS", 1040187392), ("PER_ROW", 1)],
+    ),
     "gemv.rs": (
         [("x", "T"), ("w", "T")],
         [("y", "T")],
@@ -92,9 +98,15 @@ KERNELS = {
         [("qo", "T"), ("ko", "T")],
         lambda dt: [("HD", 64), ("PER_ROW", "false"), ("EPS_BITS", 925353388), ("BASE_BITS", 1095963082)],
     ),
+    "qk_norm_rope.rs#qkv": (
+        [("qkv", "T"), ("qw", "T"), ("kw", "T"), ("offset", "int32_t")],
+        [("qo", "T"), ("ko", "T"), ("vo", "T")],
+        lambda dt: [("HD", 64), ("QH", 32), ("KVH", 8), ("PER_ROW", "false"), ("EPS_BITS", 925353388),
+                    ("BASE_BITS", 1095963082)],
+    ),
     "short_conv.rs": (
         [("bcx", "T"), ("state", "T"), ("w", "T")],
-        [("padded", "T"), ("y", "T")],
+        [("next", "T"), ("y", "T")],
         lambda dt: [("D", 2048), ("KEEP", 2)],
     ),
     "moe_router.rs": (
@@ -140,7 +152,14 @@ def named(path, name):
 
 
 def body_and_header(path, which="SOURCE"):
-    src = re.search(which + r': &str = r#"(.*?)"#;', path.read_text(), re.S).group(1)
+    text = path.read_text()
+    if path.name == "qk_norm_rope.rs":
+        # Each body is its own prefix, then the shared norm + RoPE body
+        # (`concat!` of a raw string and the `norm_rope_body!` macro's).
+        prefix = re.search(which + r': &str = concat!\(\s*r#"(.*?)"#,', text, re.S).group(1)
+        body = re.search(r'macro_rules! norm_rope_body \{.*?r#"(.*?)"#', text, re.S).group(1)
+        return prefix + body, ""
+    src = re.search(which + r': &str = r#"(.*?)"#;', text, re.S).group(1)
     if path.name == "norm_gemv.rs":
         # As norm_gemv.rs joins them: PROLOGUE before each body; the add +
         # RMSNorm header, the GEMV's, the quantized one for QUANT_SOURCE.
@@ -148,6 +167,10 @@ def body_and_header(path, which="SOURCE"):
         src = named(path, "PROLOGUE") + src
         quant = named(k / "quant_gemv.rs", "QUANT_HEADER") if "QUANT" in which else ""
         return src, named(k / "add_rms_norm.rs", "HEADER") + header_of(k / "gemv.rs") + quant
+    if path.name == "decode_attention.rs":
+        # As decode_attention.rs makes its two kernels: the mask's validity
+        # or the position's in the body.
+        return src.replace("__VALIDITY__", named(path, VALIDITY)), header_of(path)
     if path.name == "moe_gemm.rs":
         return src, header_of(path.parent / "gemv.rs") + named(path, "MMA_HEADER")
     if path.name == "moe_router.rs":
@@ -210,12 +233,22 @@ def compile_one(name, code):
     return rc, log.value.decode(errors="replace")
 
 
+# --define=NAME=VALUE (repeatable): a #define before every kernel's text,
+# as a kernel variant's Rust side prepends one (e.g. LFM_DENSE_PLAIN=1, the
+# GEMVs' MLX_LFM_GEMV_LOOP=plain walk).
+DEFINES = "".join(f"#define {a.split('=', 2)[1]} {a.split('=', 2)[2]}\n" for a in sys.argv if a.startswith("--define="))
+VALIDITY = "MASK_VALID"
+
 failed = 0
 for file, (ins, outs, targs, *only_dtypes) in KERNELS.items():
     if ONLY and file != ONLY:
         continue
+    # "file.rs@variant": a body with a variant's substitution (decode
+    # attention's position bound).
+    file_key, _, variant = file.partition("@")
+    VALIDITY = "UPTO_VALID" if variant == "upto" else "MASK_VALID"
     # "file.rs#name": the file's NAME_SOURCE (a second kernel in one file).
-    fname, _, extra = file.partition("#")
+    fname, _, extra = file_key.partition("#")
     src, hdr = body_and_header(root / "src" / "kernels" / fname, "const " + (extra.upper() + "_" if extra else "") + "SOURCE")
     for dt, ct in CTYPE.items():
         if only_dtypes and dt not in only_dtypes[0]:
@@ -228,7 +261,7 @@ for file, (ins, outs, targs, *only_dtypes) in KERNELS.items():
                 params.append(f"const __grid_constant__ Shape {n}_shape")
         params += [f"{t.replace('T', ct) if t == 'T' else t}* {n}" for n, t in outs]
         consts = "".join(f"  constexpr {'bool' if isinstance(v, str) else 'int'} {k} = {v};\n" for k, v in targs(dt))
-        code = (PRELUDE + hdr + "namespace cg = cooperative_groups;\n"
+        code = (DEFINES + PRELUDE + hdr + "namespace cg = cooperative_groups;\n"
                 + f'extern "C" __global__ void k({", ".join(params)}) {{\n{consts}  using T = {ct};\n{src}\n}}\n')
         rc, log = compile_one(f"{file}-{dt}.cu", code)
         status = "ok" if rc == 0 else "FAILED"

@@ -65,6 +65,9 @@ __device__ inline float lfm_warp_sum(float v) {
 #ifndef LFM_DENSE_PREFETCH
 #define LFM_DENSE_PREFETCH 1
 #endif
+#ifndef LFM_DENSE_PLAIN
+#define LFM_DENSE_PLAIN 0
+#endif
 template <int IT, int C>
 __device__ inline void lfm_prefetch_row(const void* base, int lane) {
 #pragma unroll
@@ -117,6 +120,27 @@ __device__ inline void lfm_dot_rows_a(const T* x, const T* const* wr, int lane, 
   constexpr int STEP = 32 * N;
   constexpr int IT = (K + STEP - 1) / STEP;
   constexpr int B = IT < LFM_BATCH ? IT : LFM_BATCH;
+  if (LFM_DENSE_PLAIN) {
+    // MLX's own loop: one load of each row at a time, not unrolled (the
+    // same columns in the same order, so the same sums).
+#pragma unroll 1
+    for (int col = N * lane; col < K; col += STEP) {
+      lfm_vec<T, N> wv[R];
+#pragma unroll
+      for (int r = 0; r < R; r++) wv[r] = lfm_loadv<T, N, ALIGNED>(wr[r] + col);
+#pragma unroll
+      for (int m = 0; m < M; m++) {
+        const lfm_vec<T, N> xv = lfm_loadv<T, N, ALIGNED>(x + static_cast<size_t>(m) * K + col);
+#pragma unroll
+        for (int j = 0; j < N; j++) {
+          const float xf = static_cast<float>(xv.e[j]);
+#pragma unroll
+          for (int r = 0; r < R; r++) acc[r * M + m] += static_cast<float>(wv[r].e[j]) * xf;
+        }
+      }
+    }
+    return;
+  }
   if (ALIGNED && LFM_DENSE_PREFETCH) {
 #pragma unroll
     for (int r = 0; r < R; r++) lfm_prefetch_dense<T, K>(wr[r], lane);
@@ -229,43 +253,48 @@ const SWIGLU_SOURCE: &str = r#"
   lfm_gemv_swiglu_warp<T, K, M>(x, lfm_aligned(x), w, lfm_aligned(w), y, F, n, threadIdx.x % 32);
 "#;
 
-/// Whether the dense GEMVs ask L2 for a weight row before loading it
-/// (`MLX_LFM_GEMV_PREFETCH=0`: not; an A/B's knob). Where a row is one
-/// batch of loads (K = 1024 in bf16) the loads go out together anyway;
-/// wider rows (K = 2048, where the kernels lost to MLX's GEMV on the GPU's
-/// time in session 18's A/B) issue twice as many L2 requests with it.
-fn prefetch() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    crate::knobs::cached("MLX_LFM_GEMV_PREFETCH", &ON, |v| v != Some("0"))
+/// How the dense GEMVs walk a row, an A/B's knob (`MLX_LFM_GEMV_LOOP`):
+/// the default batches of loads after an L2 prefetch of the row; `plain`,
+/// MLX's own loop, one load at a time (session 19: on the 1.2B's 2048-wide
+/// rows the kernels made the step GPU-bound where MLX's GEMV did not, with
+/// the prefetch or without it, `nopf`). Every walk sums the same columns in
+/// the same order: the same bits.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Walk {
+    Batched,
+    NoPrefetch,
+    Plain,
 }
 
-/// The GEMV header without the dense rows' prefetch.
-fn header_without_prefetch() -> String {
-    format!("#define LFM_DENSE_PREFETCH 0\n{}", header())
+fn walk() -> Walk {
+    static W: OnceLock<Walk> = OnceLock::new();
+    crate::knobs::cached("MLX_LFM_GEMV_LOOP", &W, |v| match v {
+        Some("plain") => Walk::Plain,
+        Some("nopf") => Walk::NoPrefetch,
+        _ => Walk::Batched,
+    })
+}
+
+/// The kernel named `name` (suffixed by its walk) over `source`, one per walk.
+fn for_walk(cells: &'static [OnceLock<Option<CudaKernel>>; 3], name: &str, source: &str) -> Option<&'static CudaKernel> {
+    let (i, suffix, defines) = match walk() {
+        Walk::Batched => (0, "", ""),
+        Walk::NoPrefetch => (1, "_no_prefetch", "#define LFM_DENSE_PREFETCH 0\n"),
+        Walk::Plain => (2, "_plain", "#define LFM_DENSE_PLAIN 1\n"),
+    };
+    cells[i]
+        .get_or_init(|| CudaKernel::new(&format!("{name}{suffix}"), &["x", "w"], &["y"], source, &format!("{defines}{}", header())).ok())
+        .as_ref()
 }
 
 fn kernel() -> Option<&'static CudaKernel> {
-    static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
-    static NO_PF: OnceLock<Option<CudaKernel>> = OnceLock::new();
-    if !prefetch() {
-        return NO_PF
-            .get_or_init(|| CudaKernel::new("lfm_gemv_no_prefetch", &["x", "w"], &["y"], SOURCE, &header_without_prefetch()).ok())
-            .as_ref();
-    }
-    K.get_or_init(|| CudaKernel::new("lfm_gemv", &["x", "w"], &["y"], SOURCE, &header()).ok()).as_ref()
+    static K: [OnceLock<Option<CudaKernel>>; 3] = [OnceLock::new(), OnceLock::new(), OnceLock::new()];
+    for_walk(&K, "lfm_gemv", SOURCE)
 }
 
 fn swiglu_kernel() -> Option<&'static CudaKernel> {
-    static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
-    static NO_PF: OnceLock<Option<CudaKernel>> = OnceLock::new();
-    if !prefetch() {
-        return NO_PF
-            .get_or_init(|| {
-                CudaKernel::new("lfm_gemv_swiglu_no_prefetch", &["x", "w"], &["y"], SWIGLU_SOURCE, &header_without_prefetch()).ok()
-            })
-            .as_ref();
-    }
-    K.get_or_init(|| CudaKernel::new("lfm_gemv_swiglu", &["x", "w"], &["y"], SWIGLU_SOURCE, &header()).ok()).as_ref()
+    static K: [OnceLock<Option<CudaKernel>>; 3] = [OnceLock::new(), OnceLock::new(), OnceLock::new()];
+    for_walk(&K, "lfm_gemv_swiglu", SWIGLU_SOURCE)
 }
 
 /// Whether the dense GEMV kernels take the `[N, K]` weight `w`:

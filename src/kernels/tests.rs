@@ -695,15 +695,20 @@ fn gemv_kernel_matches_stock_ops() {
         assert!(available(&off, &w));
         let worst = worst_relative(&gemv(&off, &w).unwrap(), &off.matmul(&w.t().unwrap()).unwrap());
         assert!(worst <= 1.6e-2, "an unaligned view: differs by {worst}");
-        // Without the rows' L2 prefetch (an A/B's knob), the same bits:
-        // the plain product and the SwiGLU one, at the 1.2B's K = 2048.
-        let x = normal(&[1, 1, 2048], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(Dtype::Bfloat16).unwrap();
-        let w = normal(&[1024, 2048], Dtype::Float32, 0.0, 0.05, None).unwrap().astype(Dtype::Bfloat16).unwrap();
-        let with = (gemv(&x, &w).unwrap(), crate::kernels::gemv::gemv_swiglu(&x, &w).unwrap());
-        let off = [("MLX_LFM_GEMV_PREFETCH".to_string(), Some("0".to_string()))];
-        let without = crate::knobs::with_overrides(&off, || (gemv(&x, &w).unwrap(), crate::kernels::gemv::gemv_swiglu(&x, &w).unwrap()));
-        assert_eq!(differing(&with.0, &without.0), 0, "the GEMV without the prefetch differs");
-        assert_eq!(differing(&with.1, &without.1), 0, "the GEMV + SwiGLU without the prefetch differs");
+        // The other walks of a row (an A/B's knob: without the L2
+        // prefetch, MLX's plain loop), the same bits: the plain product and
+        // the SwiGLU one, at the 1.2B's K = 2048 and two rows at K = 1032.
+        for (rows, k) in [(1, 2048), (2, 1032)] {
+            let x = normal(&[rows, 1, k], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(Dtype::Bfloat16).unwrap();
+            let w = normal(&[1024, k], Dtype::Float32, 0.0, 0.05, None).unwrap().astype(Dtype::Bfloat16).unwrap();
+            let both = || (gemv(&x, &w).unwrap(), crate::kernels::gemv::gemv_swiglu(&x, &w).unwrap());
+            let batched = both();
+            for walk in ["nopf", "plain"] {
+                let other = crate::knobs::with_overrides(&[("MLX_LFM_GEMV_LOOP".to_string(), Some(walk.to_string()))], both);
+                assert_eq!(differing(&batched.0, &other.0), 0, "the GEMV walked `{walk}` differs ({rows}x{k})");
+                assert_eq!(differing(&batched.1, &other.1), 0, "the GEMV + SwiGLU walked `{walk}` differs ({rows}x{k})");
+            }
+        }
     });
 }
 
