@@ -709,7 +709,8 @@ def kernels():
                 verdicts[key] = verdicts.get(key, True) and m.group(2) == "passed"
     skipped = "skipped" in err
     ok = bool(procs) and all(rc == 0 for rc in rcs) and not skipped
-    record(engine="tests", suite="kernels::", passed=ok, verdicts=verdicts, skipped=skipped, tail=(out + err)[-3000:])
+    record(engine="tests", suite="kernels::", passed=ok, verdicts=verdicts, skipped=skipped, tail=(out + err)[-3000:],
+           sources=kernel_sources())
     mine = {k: v and not skipped for k, v in verdicts.items()}
     verdicts_file = WORK / "kernel-verdicts.json"
     partial = "H200_KERNEL_TESTS" in os.environ
@@ -725,6 +726,17 @@ def kernels():
     else:
         (WORK / "kernels-off").write_text("1")
     log("kernel tests", verdicts, "" if default_ok else "- a default kernel FAILED or did not run: benchmark runs with MLX_LFM_KERNELS=0")
+
+
+def kernel_sources():
+    """A short hash of each file the kernels' device code lives in, as this
+    working tree has it: recorded with the tests' verdicts, so that a later
+    `verdicts-from` sees which kernels changed since (session 19 changed a
+    default kernel's loops after its binaries were tested)."""
+    import hashlib
+    files = sorted((ROOT / "src" / "kernels").glob("*.rs")) + [ROOT / "src" / "mlx" / "kernel.rs", ROOT / "cpp" / "mlxb.cpp"]
+    return {str(f.relative_to(ROOT)): hashlib.sha256(f.read_bytes()).hexdigest()[:12] for f in files
+            if f.exists() and f.name != "tests.rs"}
 
 
 def verdicts_from(path):
@@ -751,6 +763,21 @@ def verdicts_from(path):
     # (A test this call runs next, H200_KERNEL_TESTS set for both steps,
     # may be missing: its verdict comes with the run.)
     coming = set(os.environ.get("H200_KERNEL_TESTS", "").split(",")) - {""}
+    # Kernel files changed since the newest record that hashed them: their
+    # tests' old verdicts say nothing of the code now, so the call must name
+    # the tests to run again (H200_KERNEL_TESTS) or stop here.
+    hashed = [x for x in rows if x.get("sources")]
+    if hashed:
+        changed = sorted(f for f, h in kernel_sources().items() if hashed[-1]["sources"].get(f) != h)
+        if changed and not coming:
+            raise SystemExit(f"kernel code changed since {path}'s verdicts ({', '.join(changed)}): "
+                             "name the tests to run again in H200_KERNEL_TESTS")
+        if changed:
+            log("kernel files changed since the reused verdicts:", ", ".join(changed), "- H200_KERNEL_TESTS runs",
+                ", ".join(sorted(coming)))
+    else:
+        log("the reused verdicts carry no source hashes (before session 20): check "
+            "`git diff --stat COMMIT -- src/kernels src/mlx/kernel.rs cpp` by hand")
     missing = [t for t in DEFAULT_KERNEL_TESTS if t not in verdicts and t not in coming]
     if missing:
         # (A default test added since that record: reusing it would turn

@@ -33,12 +33,20 @@ fn block_for(d: i32, n_reads: i32) -> i32 {
 /// round trips a thread; ncu on the H200: 5.4 µs a launch for one 2048-wide
 /// row). The arithmetic is unchanged.
 pub(crate) const HEADER: &str = r#"#include <cooperative_groups/reduce.h>
+// A 16-byte run's elements are walked by unrolled loops with a guard per
+// element, never a loop bound that depends on the position: with one, the
+// run's register array was indexed at run time, so it lived in local
+// memory (a 64-byte stack frame in this kernel and the norm folds built on
+// it, by ptxas; scripts/dev/nvrtc-check.py --ptxas). Same sums, same order.
 template <typename T>
 __device__ inline uint4 lfm_run_load(const T* p, int base, int d, bool vec) {
   if (vec) return *reinterpret_cast<const uint4*>(p + base);
   uint4 v = make_uint4(0u, 0u, 0u, 0u);
   T* e = reinterpret_cast<T*>(&v);
-  for (int i = 0; i < 16 / (int)sizeof(T) && base + i < d; i++) e[i] = p[base + i];
+#pragma unroll
+  for (int i = 0; i < 16 / (int)sizeof(T); i++) {
+    if (base + i < d) e[i] = p[base + i];
+  }
   return v;
 }
 template <typename T>
@@ -48,7 +56,10 @@ __device__ inline void lfm_run_store(T* p, int base, int d, bool vec, const uint
     return;
   }
   const T* e = reinterpret_cast<const T*>(&v);
-  for (int i = 0; i < 16 / (int)sizeof(T) && base + i < d; i++) p[base + i] = e[i];
+#pragma unroll
+  for (int i = 0; i < 16 / (int)sizeof(T); i++) {
+    if (base + i < d) p[base + i] = e[i];
+  }
 }
 // s = h + r (rounded to T), y = w * T(s * rsqrt(mean(s^2) + eps)) for one
 // row of D; s is written only where non-null. A thread's runs are
@@ -83,11 +94,14 @@ __device__ inline void lfm_add_rms_row(const T* h, const T* r, const T* w, float
       const T* he = reinterpret_cast<const T*>(&hv[k]);
       const T* re = reinterpret_cast<const T*>(&rv[k]);
       T* se = reinterpret_cast<T*>(&hv[k]);
-      for (int i = 0; i < NR && base + i < D; i++) {
-        const T v = T(static_cast<float>(he[i]) + static_cast<float>(re[i]));
-        se[i] = v;
-        const float f = static_cast<float>(v);
-        acc += f * f;
+#pragma unroll
+      for (int i = 0; i < NR; i++) {
+        if (base + i < D) {
+          const T v = T(static_cast<float>(he[i]) + static_cast<float>(re[i]));
+          se[i] = v;
+          const float f = static_cast<float>(v);
+          acc += f * f;
+        }
       }
       if (s) lfm_run_store(s, base, D, ALIGNED && base + NR <= D, hv[k]);
     }
@@ -111,6 +125,7 @@ __device__ inline void lfm_add_rms_row(const T* h, const T* r, const T* w, float
       const T* we = reinterpret_cast<const T*>(&wv[k]);
       uint4 out;
       T* oe = reinterpret_cast<T*>(&out);
+#pragma unroll
       for (int i = 0; i < NR; i++) {
         oe[i] = T(static_cast<float>(we[i]) * static_cast<float>(T(static_cast<float>(se[i]) * nrm)));
       }
