@@ -885,6 +885,11 @@ AB = {
     # the add + RMSNorm of the whole row, a serial prologue as long as its
     # GEMV at K = 2048): the GEMVs alone, the norm its own launch.
     "gemv-max-k-2048-no-fold": ({"MLX_LFM_GEMV_KERNEL_MAX_K": "2048", "MLX_LFM_NORM_GEMV_KERNEL": "0"}, ["lfm2-1.2b-bf16"]),
+    # The add + RMSNorm code's runs unrolled with a guard per element (by
+    # ptxas its default walk keeps them in local memory: a 64-byte stack
+    # frame in that kernel and the norm folds); the same sums, opt-in until
+    # this A/B.
+    "norm-runs-guarded": ({"MLX_LFM_NORM_RUNS": "guarded"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     # A prompt's pass handed to MLX every N layers as it is built, so the
     # GPU runs the first layers while the host builds the rest (a prefill
     # is eager: its build does not overlap the GPU otherwise). N = 2 is the
@@ -959,6 +964,7 @@ AB_TESTS = {
     "gemv-max-k-2048-plain": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops",
                               "norm_gemv_kernels_match_stock_ops", "greedy:default"],
     "gemv-max-k-2048-no-fold": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops", "greedy:default"],
+    "norm-runs-guarded": ["add_rms_norm_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops"],
     "compiled-prefill": ["compiled_prefill_equals_the_eager_prefill"],
 }
 # Groups of variants of which `pick` adopts at most one: (variants, the
@@ -968,6 +974,7 @@ PICK = [
     (["qgemv-kernel", "quant-norm-kernels"], "decode"),
     (["gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetch", "gemv-max-k-2048-plain",
       "gemv-max-k-2048-no-fold"], "decode"),
+    (["norm-runs-guarded"], "decode"),
     (["norm-kernel-all-rows"], "prefill"),
     (["moe-dequant-from-16-rows", "moe-dequant-from-64-rows"], "prefill"),
     (["prefill-overlap-2", "prefill-overlap-4", "prefill-split", "prefill-split-overlap-4"], "prefill"),

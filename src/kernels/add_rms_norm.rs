@@ -33,20 +33,26 @@ fn block_for(d: i32, n_reads: i32) -> i32 {
 /// round trips a thread; ncu on the H200: 5.4 µs a launch for one 2048-wide
 /// row). The arithmetic is unchanged.
 pub(crate) const HEADER: &str = r#"#include <cooperative_groups/reduce.h>
-// A 16-byte run's elements are walked by unrolled loops with a guard per
-// element, never a loop bound that depends on the position: with one, the
-// run's register array was indexed at run time, so it lived in local
-// memory (a 64-byte stack frame in this kernel and the norm folds built on
-// it, by ptxas; scripts/dev/nvrtc-check.py --ptxas). Same sums, same order.
+// A 16-byte run's elements: with LFM_RUN_GUARDED (MLX_LFM_NORM_RUNS=guarded,
+// opt-in until its H200 test), unrolled loops with a guard per element;
+// otherwise the loop bound depends on the position, so the run's register
+// array is indexed at run time and lives in local memory (a 64-byte stack
+// frame in this kernel and the norm folds built on it, by ptxas;
+// scripts/dev/nvrtc-check.py --ptxas). Same sums, same order.
+#ifndef LFM_RUN_GUARDED
+#define LFM_RUN_GUARDED 0
+#endif
+#if LFM_RUN_GUARDED
+#define LFM_RUN_FOR(i, n, live) _Pragma("unroll") for (int i = 0; i < (n); i++) if (live)
+#else
+#define LFM_RUN_FOR(i, n, live) for (int i = 0; i < (n) && (live); i++)
+#endif
 template <typename T>
 __device__ inline uint4 lfm_run_load(const T* p, int base, int d, bool vec) {
   if (vec) return *reinterpret_cast<const uint4*>(p + base);
   uint4 v = make_uint4(0u, 0u, 0u, 0u);
   T* e = reinterpret_cast<T*>(&v);
-#pragma unroll
-  for (int i = 0; i < 16 / (int)sizeof(T); i++) {
-    if (base + i < d) e[i] = p[base + i];
-  }
+  LFM_RUN_FOR(i, 16 / (int)sizeof(T), base + i < d) e[i] = p[base + i];
   return v;
 }
 template <typename T>
@@ -56,10 +62,7 @@ __device__ inline void lfm_run_store(T* p, int base, int d, bool vec, const uint
     return;
   }
   const T* e = reinterpret_cast<const T*>(&v);
-#pragma unroll
-  for (int i = 0; i < 16 / (int)sizeof(T); i++) {
-    if (base + i < d) p[base + i] = e[i];
-  }
+  LFM_RUN_FOR(i, 16 / (int)sizeof(T), base + i < d) p[base + i] = e[i];
 }
 // s = h + r (rounded to T), y = w * T(s * rsqrt(mean(s^2) + eps)) for one
 // row of D; s is written only where non-null. A thread's runs are
@@ -94,14 +97,11 @@ __device__ inline void lfm_add_rms_row(const T* h, const T* r, const T* w, float
       const T* he = reinterpret_cast<const T*>(&hv[k]);
       const T* re = reinterpret_cast<const T*>(&rv[k]);
       T* se = reinterpret_cast<T*>(&hv[k]);
-#pragma unroll
-      for (int i = 0; i < NR; i++) {
-        if (base + i < D) {
-          const T v = T(static_cast<float>(he[i]) + static_cast<float>(re[i]));
-          se[i] = v;
-          const float f = static_cast<float>(v);
-          acc += f * f;
-        }
+      LFM_RUN_FOR(i, NR, base + i < D) {
+        const T v = T(static_cast<float>(he[i]) + static_cast<float>(re[i]));
+        se[i] = v;
+        const float f = static_cast<float>(v);
+        acc += f * f;
       }
       if (s) lfm_run_store(s, base, D, ALIGNED && base + NR <= D, hv[k]);
     }
@@ -125,8 +125,7 @@ __device__ inline void lfm_add_rms_row(const T* h, const T* r, const T* w, float
       const T* we = reinterpret_cast<const T*>(&wv[k]);
       uint4 out;
       T* oe = reinterpret_cast<T*>(&out);
-#pragma unroll
-      for (int i = 0; i < NR; i++) {
+      LFM_RUN_FOR(i, NR, true) {
         oe[i] = T(static_cast<float>(we[i]) * static_cast<float>(T(static_cast<float>(se[i]) * nrm)));
       }
       lfm_run_store(y, base, D, ALIGNED && base + NR <= D, out);
@@ -149,13 +148,45 @@ const SOURCE: &str = r#"
 
 /// The add + RMSNorm device code with the alignment helpers it uses.
 pub(crate) fn header() -> String {
-    format!("{HEADER}{}", super::gemv::ALIGN_HEADER)
+    format!("{}{}", device_code(), super::gemv::ALIGN_HEADER)
+}
+
+/// Whether the runs are walked with a guard per element
+/// (`MLX_LFM_NORM_RUNS=guarded`; see `HEADER`). Opt-in until its H200 test
+/// and A/B: every kernel built on this code is made once for each walk.
+fn guarded_runs() -> bool {
+    static G: OnceLock<bool> = OnceLock::new();
+    crate::knobs::cached("MLX_LFM_NORM_RUNS", &G, |v| v == Some("guarded"))
+}
+
+/// A kernel built on this code, one for each walk of the runs.
+pub(crate) type Walks = [OnceLock<Option<CudaKernel>>; 2];
+
+/// The kernel of this walk from `cells`, made by `make` the first time
+/// (which builds on [`device_code`] and [`kernel_name`]).
+pub(crate) fn for_walk(cells: &'static Walks, make: impl FnOnce() -> Option<CudaKernel>) -> Option<&'static CudaKernel> {
+    cells[usize::from(guarded_runs())].get_or_init(make).as_ref()
+}
+
+/// `HEADER` as this process compiles it.
+pub(crate) fn device_code() -> String {
+    let define = if guarded_runs() { "#define LFM_RUN_GUARDED 1\n" } else { "" };
+    format!("{define}{HEADER}")
+}
+
+/// A kernel's name built on this code: its own for the guarded walk (MLX
+/// keeps compiled kernels by name).
+pub(crate) fn kernel_name(base: &str) -> String {
+    if guarded_runs() {
+        format!("{base}_guarded")
+    } else {
+        base.to_string()
+    }
 }
 
 fn kernel() -> Option<&'static CudaKernel> {
-    static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
-    K.get_or_init(|| CudaKernel::new("lfm_add_rms_norm", &["h", "r", "w", "eps"], &["s", "y"], SOURCE, &header()).ok())
-        .as_ref()
+    static K: Walks = [OnceLock::new(), OnceLock::new()];
+    for_walk(&K, || CudaKernel::new(&kernel_name("lfm_add_rms_norm"), &["h", "r", "w", "eps"], &["s", "y"], SOURCE, &header()).ok())
 }
 
 /// The fused kernel serves at most this many rows (MLX's add and rms_norm

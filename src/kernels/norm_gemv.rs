@@ -15,6 +15,7 @@
 //! ones (`MLX_LFM_NORM_GEMV_KERNEL=1` with the quantized GEMV's switch);
 //! `=0` turns the fold off. Tests in src/kernels/tests.rs.
 
+use super::add_rms_norm::{for_walk, Walks};
 use super::quant_gemv::{quant_template, spec_served, warp_grid, THREADS};
 use crate::error::{Error, Result};
 use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
@@ -81,27 +82,28 @@ const MAX_BLOCKS: i32 = 1056;
 
 fn header(quant: bool) -> String {
     let q = if quant { super::quant_gemv::QUANT_HEADER } else { "" };
-    format!("{}{}{q}", super::add_rms_norm::HEADER, super::gemv::header())
+    format!("{}{}{q}", super::add_rms_norm::device_code(), super::gemv::header())
 }
 
 fn make(name: &str, inputs: &[&str], body: &str, quant: bool) -> Option<CudaKernel> {
     let outputs = ["s", "y"];
-    CudaKernel::new(name, inputs, &outputs, &format!("{PROLOGUE}{body}"), &header(quant)).ok()
+    let name = super::add_rms_norm::kernel_name(name);
+    CudaKernel::new(&name, inputs, &outputs, &format!("{PROLOGUE}{body}"), &header(quant)).ok()
 }
 
 fn dense_kernel() -> Option<&'static CudaKernel> {
-    static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
-    K.get_or_init(|| make("lfm_norm_gemv", &["h", "r", "wn", "eps", "w"], DENSE_SOURCE, false)).as_ref()
+    static K: Walks = [OnceLock::new(), OnceLock::new()];
+    for_walk(&K, || make("lfm_norm_gemv", &["h", "r", "wn", "eps", "w"], DENSE_SOURCE, false))
 }
 
 fn swiglu_kernel() -> Option<&'static CudaKernel> {
-    static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
-    K.get_or_init(|| make("lfm_norm_gemv_swiglu", &["h", "r", "wn", "eps", "w"], SWIGLU_SOURCE, false)).as_ref()
+    static K: Walks = [OnceLock::new(), OnceLock::new()];
+    for_walk(&K, || make("lfm_norm_gemv_swiglu", &["h", "r", "wn", "eps", "w"], SWIGLU_SOURCE, false))
 }
 
 fn quant_kernel() -> Option<&'static CudaKernel> {
-    static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
-    K.get_or_init(|| make("lfm_norm_qgemv", &["h", "r", "wn", "eps", "w", "scales", "biases"], QUANT_SOURCE, true)).as_ref()
+    static K: Walks = [OnceLock::new(), OnceLock::new()];
+    for_walk(&K, || make("lfm_norm_qgemv", &["h", "r", "wn", "eps", "w", "scales", "biases"], QUANT_SOURCE, true))
 }
 
 /// `MLX_LFM_NORM_GEMV_KERNEL`: `Some(true)` at `=1`, `Some(false)` at `=0`,

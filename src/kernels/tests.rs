@@ -33,6 +33,12 @@ fn mlx_gemv(rows: i32, k: i32) -> bool {
     rows == 1 && k % 32 == 0
 }
 
+/// `f` with the add + RMSNorm code's runs walked with a guard per element
+/// (`MLX_LFM_NORM_RUNS=guarded`, an opt-in walk of the same sums).
+fn guarded<R>(f: impl FnOnce() -> R) -> R {
+    crate::knobs::with_overrides(&[("MLX_LFM_NORM_RUNS".to_string(), Some("guarded".to_string()))], f)
+}
+
 /// How many values of `got` and `want` differ at all.
 fn differing(got: &crate::mlx::Array, want: &crate::mlx::Array) -> usize {
     let f = |a: &crate::mlx::Array| -> Vec<f32> { a.astype(Dtype::Float32).unwrap().to_vec().unwrap() };
@@ -215,6 +221,10 @@ fn add_rms_norm_kernel_matches_stock_ops() {
             let (ds, dy) = (rel(&f(&ks), &f(&ss)), rel(&f(&ky), &f(&sy)));
             assert!(ds <= tol && dy <= tol, "{dt:?} [{rows}, {d}]: sum differs by {ds}, norm by {dy} (relative), over {tol}");
             assert_eq!(ky.shape(), sy.shape());
+            // The runs walked with a guard per element (MLX_LFM_NORM_RUNS):
+            // the same bits, a row a whole number of runs or not (100).
+            let (gs, gy) = guarded(|| add_rms_norm(&h, &r, &w, &eps).unwrap());
+            assert_eq!((differing(&gs, &ks), differing(&gy, &ky)), (0, 0), "{dt:?} [{rows}, {d}]: the guarded walk differs");
         }
     }
     // A prefill's rows take MLX's add and rms_norm (the kernel's default bound, 16).
@@ -983,7 +993,10 @@ fn norm_gemv_kernels_match_stock_ops() {
                     assert!(worst <= tol, "{what} {name}: differs by {worst}, over {tol}");
                 };
                 assert!(dense_available(&ni, &w), "{what}");
-                check("dense", norm_gemv(&ni, &w).unwrap(), x.matmul(&w.t().unwrap()).unwrap(), tol);
+                let dense = norm_gemv(&ni, &w).unwrap();
+                let (gs, gy) = guarded(|| norm_gemv(&ni, &w).unwrap());
+                assert_eq!((differing(&gs, &dense.0), differing(&gy, &dense.1)), (0, 0), "{what}: the guarded walk differs");
+                check("dense", dense, x.matmul(&w.t().unwrap()).unwrap(), tol);
                 if n % 2 == 0 {
                     assert!(swiglu_available(&ni, &w), "{what}");
                     let parts = x.matmul(&w.t().unwrap()).unwrap().split_equal(2, -1).unwrap();
@@ -995,6 +1008,8 @@ fn norm_gemv_kernels_match_stock_ops() {
                     assert!(quant_available(&ni, &q), "{what}");
                     let stock = quantized_matmul(&x, &q.weight, &q.scales, q.biases.as_ref(), true, q.spec).unwrap();
                     let (s, got) = norm_qgemv(&ni, &q).unwrap();
+                    let (gs, gy) = guarded(|| norm_qgemv(&ni, &q).unwrap());
+                    assert_eq!((differing(&gs, &s), differing(&gy, &got)), (0, 0), "{what} 4-bit: the guarded walk differs");
                     assert!(worst_relative(&s, &s_want) <= tol, "{what} 4-bit: the residual sum differs");
                     let wd = exact_weights(&q);
                     let reference = f32_products(&x.reshape(&[rows, k]).unwrap(), &wd).reshape(&[rows, 1, n]).unwrap();
