@@ -153,22 +153,23 @@ const UPTO_VALID: &str = "const int lim = upto[PER_ROW ? b : 0];
   const int NV = lim < 0 ? 0 : (lim < N ? lim + 1 : N);
   auto valid = [&](int) { return true; };";
 
-fn kernel() -> Option<&'static CudaKernel> {
-    static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
-    K.get_or_init(|| {
-        let src = SOURCE.replace("__VALIDITY__", MASK_VALID);
-        CudaKernel::new("lfm_decode_attention", &["q", "k", "v", "mask"], &["out", "sc"], &src, "").ok()
+/// The kernel in `cell`: the body with `validity`, its fourth input `bound`.
+fn made(cell: &'static OnceLock<Option<CudaKernel>>, name: &str, bound: &str, validity: &str) -> Option<&'static CudaKernel> {
+    cell.get_or_init(|| {
+        let src = SOURCE.replace("__VALIDITY__", validity);
+        CudaKernel::new(name, &["q", "k", "v", bound], &["out", "sc"], &src, "").ok()
     })
     .as_ref()
 }
 
+fn kernel() -> Option<&'static CudaKernel> {
+    static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
+    made(&K, "lfm_decode_attention", "mask", MASK_VALID)
+}
+
 fn upto_kernel() -> Option<&'static CudaKernel> {
     static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
-    K.get_or_init(|| {
-        let src = SOURCE.replace("__VALIDITY__", UPTO_VALID);
-        CudaKernel::new("lfm_decode_attention_upto", &["q", "k", "v", "upto"], &["out", "sc"], &src, "").ok()
-    })
-    .as_ref()
+    made(&K, "lfm_decode_attention_upto", "upto", UPTO_VALID)
 }
 
 /// Whether the kernel serves these operands: one query token, K and V of one

@@ -114,6 +114,21 @@ __device__ inline void lfm_prefetch_dense(const T* wr, int lane) {
 // both rows' loads of a batch issued together). ALIGNED (a template
 // constant, so the test sits outside the loops): every row starts on a
 // 16-byte boundary.
+// acc[r * M + m] += (the R weight rows' elements w[r] at col) . (row m of
+// x at col): one column step of a lane, each sum in the order walked.
+template <typename T, int K, int M, int R, int N, bool ALIGNED>
+__device__ inline void lfm_dot_step(const T* x, int col, const lfm_vec<T, N>* w, float* acc) {
+#pragma unroll
+  for (int m = 0; m < M; m++) {
+    const lfm_vec<T, N> xv = lfm_loadv<T, N, ALIGNED>(x + static_cast<size_t>(m) * K + col);
+#pragma unroll
+    for (int j = 0; j < N; j++) {
+      const float xf = static_cast<float>(xv.e[j]);
+#pragma unroll
+      for (int r = 0; r < R; r++) acc[r * M + m] += static_cast<float>(w[r].e[j]) * xf;
+    }
+  }
+}
 template <typename T, int K, int M, int R, bool ALIGNED>
 __device__ inline void lfm_dot_rows_a(const T* x, const T* const* wr, int lane, float* acc) {
   constexpr int N = lfm_npt<K>::v;
@@ -128,16 +143,7 @@ __device__ inline void lfm_dot_rows_a(const T* x, const T* const* wr, int lane, 
       lfm_vec<T, N> wv[R];
 #pragma unroll
       for (int r = 0; r < R; r++) wv[r] = lfm_loadv<T, N, ALIGNED>(wr[r] + col);
-#pragma unroll
-      for (int m = 0; m < M; m++) {
-        const lfm_vec<T, N> xv = lfm_loadv<T, N, ALIGNED>(x + static_cast<size_t>(m) * K + col);
-#pragma unroll
-        for (int j = 0; j < N; j++) {
-          const float xf = static_cast<float>(xv.e[j]);
-#pragma unroll
-          for (int r = 0; r < R; r++) acc[r * M + m] += static_cast<float>(wv[r].e[j]) * xf;
-        }
-      }
+      lfm_dot_step<T, K, M, R, N, ALIGNED>(x, col, wv, acc);
     }
     return;
   }
@@ -160,16 +166,10 @@ __device__ inline void lfm_dot_rows_a(const T* x, const T* const* wr, int lane, 
     for (int u = 0; u < B; u++) {
       const int col = N * lane + (i0 + u) * STEP;
       if (i0 + u < IT && col < K) {
+        lfm_vec<T, N> wu[R];
 #pragma unroll
-        for (int m = 0; m < M; m++) {
-          const lfm_vec<T, N> xv = lfm_loadv<T, N, ALIGNED>(x + static_cast<size_t>(m) * K + col);
-#pragma unroll
-          for (int j = 0; j < N; j++) {
-            const float xf = static_cast<float>(xv.e[j]);
-#pragma unroll
-            for (int r = 0; r < R; r++) acc[r * M + m] += static_cast<float>(wv[r][u].e[j]) * xf;
-          }
-        }
+        for (int r = 0; r < R; r++) wu[r] = wv[r][u];
+        lfm_dot_step<T, K, M, R, N, ALIGNED>(x, col, wu, acc);
       }
     }
   }
