@@ -15,14 +15,15 @@
 //! 3. probabilities into the scratch row, then lane groups of HD / 8 lanes
 //!    (8 elements a lane) sum `p * v` over the positions, several rows in
 //!    flight per lane.
+//!
 //! Masked positions are never loaded. The rounding is the fallback's:
 //! `q * scale` rounded to the model dtype, each score rounded as the GEMM's
 //! output is, the softmax in float32 from those and its probabilities
 //! rounded, then `sum p * v` in float32 rounded once. A compiled step's
 //! variant ([`sdpa_upto`]) takes the row's position instead of a mask and
-//! stops there, so the step builds no mask (three nodes a token). Shapes come from MLX's
-//! shape arguments, so a cache growing by a step does not compile a new
-//! kernel.
+//! stops there, so the step builds no mask (three nodes a token). Shapes
+//! come from MLX's shape arguments, so a cache growing by a step does not
+//! compile a new kernel.
 
 use crate::error::{Error, Result};
 use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
