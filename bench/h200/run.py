@@ -55,6 +55,12 @@ variants, three models) and 508 on the rounds: the 30 minutes hold calls
 changed, the greedy and stacked rows' tests when the defaults changed,
 verdicts-from for the rest) and call 3 is `checkpoints` with at most a
 one-model `host-profile` (H200_MODELS=lfm2-350m-bf16, ~35 s).
+Session 19, for planning: six chosen tests (the greedy test among them,
+H200_KERNEL_JOBS=4) 199 s; `ab` of the two dense models (checkpoints without
+GGUF included) with four variants and sync-steps 110 s; the 8B-A1B's
+checkpoint and `ab` 162 s; a machine taken back mid-call loses everything
+on it, and starting over (MLX, llama.cpp's build, the GGUF files) costs
+more than half the session's device time.
 Append nothing that copies loose files into $OUT after run.py: a call
 brings back a few files (8 on 2026-12-03) and drops the rest, raw.jsonl
 with them; run.py writes $OUT/raw.jsonl and $OUT/logs.tgz itself.
