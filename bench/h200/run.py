@@ -896,6 +896,10 @@ AB = {
     # frame in that kernel and the norm folds); the same sums, opt-in until
     # this A/B.
     "norm-runs-guarded": ({"MLX_LFM_NORM_RUNS": "guarded"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # The MoE layer's residual add and norm folded into its router's launch
+    # (one launch fewer a MoE layer: 22 on the 8B-A1B), opt-in until this A/B.
+    "router-norm": ({"MLX_LFM_ROUTER_NORM_KERNEL": "1"}, ["lfm2-8b-a1b-q4"]),
+    "router-norm-guarded": ({"MLX_LFM_ROUTER_NORM_KERNEL": "1", "MLX_LFM_NORM_RUNS": "guarded"}, ["lfm2-8b-a1b-q4"]),
     # A prompt's pass handed to MLX every N layers as it is built, so the
     # GPU runs the first layers while the host builds the rest (a prefill
     # is eager: its build does not overlap the GPU otherwise). N = 2 is the
@@ -971,6 +975,9 @@ AB_TESTS = {
                               "norm_gemv_kernels_match_stock_ops", "greedy:default"],
     "gemv-max-k-2048-no-fold": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops", "greedy:default"],
     "norm-runs-guarded": ["add_rms_norm_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops"],
+    "router-norm": ["moe_router_norm_kernel_matches_the_norm_and_router_kernels", "greedy:MLX_LFM_ROUTER_NORM_KERNEL"],
+    "router-norm-guarded": ["moe_router_norm_kernel_matches_the_norm_and_router_kernels", "add_rms_norm_kernel_matches_stock_ops",
+                            "norm_gemv_kernels_match_stock_ops", "greedy:MLX_LFM_ROUTER_NORM_KERNEL"],
     "compiled-prefill": ["compiled_prefill_equals_the_eager_prefill"],
 }
 # Groups of variants of which `pick` adopts at most one: (variants, the
@@ -981,6 +988,7 @@ PICK = [
     (["gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetch", "gemv-max-k-2048-plain",
       "gemv-max-k-2048-no-fold"], "decode"),
     (["norm-runs-guarded"], "decode"),
+    (["router-norm", "router-norm-guarded"], "decode"),
     (["norm-kernel-all-rows"], "prefill"),
     (["moe-dequant-from-16-rows", "moe-dequant-from-64-rows"], "prefill"),
     (["prefill-overlap-2", "prefill-overlap-4", "prefill-split", "prefill-split-overlap-4"], "prefill"),

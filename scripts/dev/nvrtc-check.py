@@ -126,6 +126,12 @@ KERNELS = {
         [("inds", "uint32_t"), ("scores", "T")],
         lambda dt: [("BITS", 8), ("GS", 64), ("D", 2048), ("E", 32), ("TOPK", 4), ("NORM", "true")],
     ),
+    "moe_router.rs#gate_norm": (
+        [("h", "T"), ("r", "T"), ("wn", "T"), ("eps", "float"), ("w", "uint32_t"), ("scales", "T"), ("biases", "T"),
+         ("bias", "float"), ("scale", "float")],
+        [("s", "T"), ("y", "T"), ("inds", "uint32_t"), ("scores", "T")],
+        lambda dt: [("BITS", 4), ("GS", 64), ("D", 2048), ("E", 32), ("TOPK", 4), ("NORM", "true")],
+    ),
 }
 
 
@@ -177,6 +183,9 @@ def body_and_header(path, which="SOURCE"):
         # The route's header; the gate kernel's after the quantized GEMV's.
         k = path.parent
         lead = header_of(k / "quant_gemv.rs") if "GATE" in which else ""
+        if "GATE_NORM" in which:
+            # The add + RMSNorm code first, as route_gate_norm's kernel joins them.
+            lead = named(k / "add_rms_norm.rs", "HEADER") + lead
         return src, lead + named(path, "ROUTE_HEADER")
     return src, header_of(path)
 

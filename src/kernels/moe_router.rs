@@ -144,10 +144,69 @@ const GATE_SOURCE: &str = r#"
   }
 "#;
 
+/// The layer's residual add and feed-forward RMSNorm folded in front of the
+/// gate (one launch fewer a MoE layer and token: 22 on the 8B-A1B): the
+/// block of 256 threads runs the add + RMSNorm of its row as the fused
+/// kernel does at 256 threads (src/kernels/add_rms_norm.rs: the same
+/// grouping of the sums, so `s` and `y` are that kernel's bits), writes
+/// both (the experts read `y`), keeps `y` in shared memory and routes from
+/// it as [`GATE_SOURCE`] does, a warp an expert at a time.
+const GATE_NORM_SOURCE: &str = r#"
+  constexpr int G = D / GS;
+  constexpr int WARPS = 8;
+  __shared__ uint4 ys_store[D * sizeof(T) / 16];
+  __shared__ float probs_s[E];
+  T* ys = reinterpret_cast<T*>(ys_store);
+  const int row = blockIdx.x;
+  const int lane = threadIdx.x % 32;
+  const int wid = threadIdx.x / 32;
+  {
+    const size_t o = static_cast<size_t>(row) * D;
+    if (lfm_aligned(h) && lfm_aligned(r) && lfm_aligned(wn) && lfm_aligned(s) && lfm_aligned(y)) {
+      lfm_add_rms_row<T, D, 256, true>(h + o, r + o, wn, eps[0], s + o, ys);
+    } else {
+      lfm_add_rms_row<T, D, 256, false>(h + o, r + o, wn, eps[0], s + o, ys);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < D; i += 256) y[o + i] = ys[i];
+  }
+  const bool al = lfm_aligned(w);
+  for (int e = wid; e < E; e += WARPS) {
+    float acc = 0.0f;
+    const uint32_t* wr = w + static_cast<size_t>(e) * (D * BITS / 32);
+    if (al) {
+      lfm_qdot_a<T, D, 1, BITS, GS, true>(ys, wr, scales + e * G, biases + e * G, lane, &acc);
+    } else {
+      lfm_qdot_a<T, D, 1, BITS, GS, false>(ys, wr, scales + e * G, biases + e * G, lane, &acc);
+    }
+    acc = lfm_warp_sum(acc);
+    if (lane == 0) probs_s[e] = static_cast<float>(lfm_sigmoid_t<T>(T(acc)));
+  }
+  __syncthreads();
+  if (wid == 0) {
+    lfm_route_warp<T, E, TOPK, NORM>([&](int e) { return probs_s[e]; }, bias, scale, inds, scores, row, lane);
+  }
+"#;
+
 fn kernel() -> Option<&'static CudaKernel> {
     static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
     K.get_or_init(|| CudaKernel::new("lfm_moe_router", &["probs", "bias", "scale"], &["inds", "scores"], SOURCE, ROUTE_HEADER).ok())
         .as_ref()
+}
+
+fn gate_norm_kernel() -> Option<&'static CudaKernel> {
+    static K: super::add_rms_norm::Walks = [OnceLock::new(), OnceLock::new()];
+    super::add_rms_norm::for_walk(&K, || {
+        let header = format!("{}{}{ROUTE_HEADER}", super::add_rms_norm::device_code(), super::quant_gemv::header());
+        CudaKernel::new(
+            &super::add_rms_norm::kernel_name("lfm_moe_router_gate_norm"),
+            &["h", "r", "wn", "eps", "w", "scales", "biases", "bias", "scale"],
+            &["s", "y", "inds", "scores"],
+            GATE_NORM_SOURCE,
+            &header,
+        )
+        .ok()
+    })
 }
 
 fn gate_kernel() -> Option<&'static CudaKernel> {
@@ -230,6 +289,85 @@ pub fn gate_available(n: i32, d: i32, dt: Dtype, q: &Quantized, k: usize) -> boo
         && gate_kernel().is_some()
 }
 
+/// The gate kernels' template constants: rows `d` wide in `dt` through
+/// the gate `q`, `k` experts a row.
+fn gate_template(q: &Quantized, d: i32, dt: Dtype, k: i32, norm: bool) -> Vec<(&'static str, TemplateArg)> {
+    let mut template = quant_template(q, d, dt);
+    // quant_template names the input width K; here K is not used (the
+    // route's k is TOPK) and the width is D.
+    template.retain(|(name, _)| *name != "K");
+    template.extend([
+        ("D", TemplateArg::Int(d)),
+        ("E", TemplateArg::Int(q.weight.dim(0))),
+        ("TOPK", TemplateArg::Int(k)),
+        ("NORM", TemplateArg::Bool(norm)),
+    ]);
+    template
+}
+
+/// Opt-in (`MLX_LFM_ROUTER_NORM_KERNEL=1`) until the H200's test and A/B.
+fn gate_norm_enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    super::opt_in("MLX_LFM_ROUTER_NORM_KERNEL", &ON)
+}
+
+/// Whether [`route_gate_norm`] serves the pending norm `n` (its rows `[N,
+/// D]`, one token each) through the quantized gate `q` with `k` experts a
+/// row: on ([`gate_norm_enabled`]), where [`gate_available`] serves the
+/// normed rows, the rows' width a whole number of 16-byte runs that the
+/// 256 threads cover in at most 8 runs each (D up to 16,384 in bf16) and
+/// fit in shared memory beside the probabilities.
+pub fn gate_norm_available(n: &super::norm_gemv::NormIn, q: &Quantized, k: usize) -> bool {
+    let (h, dt) = (n.h, n.h.dtype());
+    if !gate_norm_enabled() || h.ndim() != 2 {
+        return false;
+    }
+    let (rows, d) = (h.dim(0), h.dim(1));
+    let run = 16 / dt.size() as i32;
+    n.r.shape() == h.shape()
+        && n.r.dtype() == dt
+        && n.wn.shape() == [d]
+        && n.wn.dtype() == dt
+        && n.eps.dtype() == Dtype::Float32
+        && n.eps.size() == 1
+        && d % run == 0
+        && d <= 256 * run * 8
+        && gate_available(rows, d, dt, q, k)
+        && gate_norm_kernel().is_some()
+}
+
+/// The residual sum `s = h + r`, the norm `y = rms_norm(s) * wn` (both
+/// `[N, D]`) and the route from `y` (as [`route_gate`] gives it) in one
+/// launch (callers check [`gate_norm_available`]).
+pub fn route_gate_norm(
+    n: &super::norm_gemv::NormIn,
+    q: &Quantized,
+    bias: &Array,
+    scale: &Array,
+    k: usize,
+    norm: bool,
+) -> Result<(Array, Array, Array, Array)> {
+    let kern = gate_norm_kernel().ok_or_else(|| Error::mlx("the MoE router + norm kernel is not available"))?;
+    let biases = q.biases.as_ref().ok_or_else(|| Error::invalid("the MoE router + norm kernel needs affine biases"))?;
+    let (rows, d) = (n.h.dim(0), n.h.dim(1));
+    let dt = n.h.dtype();
+    let shape = [rows, k as i32];
+    let template = gate_template(q, d, dt, k as i32, norm);
+    let mut outs = kern.call(
+        &[n.h, n.r, n.wn, n.eps, &q.weight, &q.scales, biases, bias, scale],
+        &[(&[rows, d], dt), (&[rows, d], dt), (&shape, Dtype::Uint32), (&shape, dt)],
+        [rows.checked_mul(256).ok_or_else(|| Error::invalid("too many rows for the router + norm kernel"))?, 1, 1],
+        [256, 1, 1],
+        &template,
+    )?;
+    let missing = || Error::mlx("router + norm kernel: missing output");
+    let scores = outs.pop().ok_or_else(missing)?;
+    let inds = outs.pop().ok_or_else(missing)?;
+    let y = outs.pop().ok_or_else(missing)?;
+    let s = outs.pop().ok_or_else(missing)?;
+    Ok((s, y, inds, scores))
+}
+
 /// [`route`] from the gate's input `x` `[N, D]`: the gate `q` (quantized,
 /// no bias), its sigmoid and the route in one launch (callers check
 /// [`gate_available`]).
@@ -240,16 +378,7 @@ pub fn route_gate(x: &Array, q: &Quantized, bias: &Array, scale: &Array, k: usiz
     let dt = x.dtype();
     let k = k as i32;
     let shape = [n, k];
-    let mut template = quant_template(q, d, dt);
-    // quant_template names the input width K; here K is not used (the
-    // route's k is TOPK) and the width is D.
-    template.retain(|(name, _)| *name != "K");
-    template.extend([
-        ("D", TemplateArg::Int(d)),
-        ("E", TemplateArg::Int(e)),
-        ("TOPK", TemplateArg::Int(k)),
-        ("NORM", TemplateArg::Bool(norm)),
-    ]);
+    let template = gate_template(q, d, dt, k, norm);
     let mut outs = kern.call(
         &[x, &q.weight, &q.scales, biases, bias, scale],
         &[(&shape, Dtype::Uint32), (&shape, dt)],

@@ -329,7 +329,7 @@ fn greedy_tokens_with_kernels_equal_stock_ops() {
                 // kernel since session 17, its q/k/v form since session 18:
                 // "default" runs them.)
                 let alone: &[&'static str] = match q4 {
-                    true => &["MLX_LFM_QGEMV_KERNEL", "MLX_LFM_NORM_GEMV_KERNEL"],
+                    true => &["MLX_LFM_QGEMV_KERNEL", "MLX_LFM_NORM_GEMV_KERNEL", "MLX_LFM_ROUTER_NORM_KERNEL"],
                     false => &[],
                 };
                 for &var in alone {
@@ -604,6 +604,69 @@ fn decode_attention_kernel_matches_stock_ops() {
             assert!(worst <= tol, "{dt:?} {b}x{h}/{kvh}x{hd} over {n} ({filled:?}): differs by {worst}, over {tol}");
         }
     }
+}
+
+/// The router with the residual add and the RMSNorm folded in front of it
+/// (`MLX_LFM_ROUTER_NORM_KERNEL`, opt-in) against the two launches it
+/// replaces, the add + RMSNorm kernel and the router gate kernel, bit for
+/// bit: the residual sum, the norm the experts read, the experts chosen
+/// and their weights; the 8B-A1B's router (32 experts, top-4, 2048 wide,
+/// 8-bit g64) and a 4-bit g32 one, one row and several, and each walk of
+/// the norm's runs.
+#[test]
+fn moe_router_norm_kernel_matches_the_norm_and_router_kernels() {
+    if skip("moe_router_norm_kernel_matches_the_norm_and_router_kernels") {
+        return;
+    }
+    use crate::kernels::add_rms_norm::add_rms_norm;
+    use crate::kernels::moe_router::{gate_norm_available, route_gate, route_gate_norm};
+    use crate::kernels::norm_gemv::NormIn;
+    use crate::kernels::with_opt_in_one;
+    use crate::mlx::random::normal;
+    use crate::mlx::Array;
+    let eps = Array::from_slice(&[1e-5f32], &[1]).unwrap();
+    // (dtype, experts, k, width, bits, group, rows)
+    let cases = [
+        (Dtype::Bfloat16, 32, 4, 2048, 8, 64, 1),
+        (Dtype::Bfloat16, 32, 4, 2048, 4, 32, 3),
+        (Dtype::Bfloat16, 8, 2, 1024, 4, 64, 1),
+        (Dtype::Float32, 32, 4, 2048, 8, 64, 2),
+    ];
+    for (dt, e, k, d, bits, gs, rows) in cases {
+        let q = quantized(&normal(&[e, d], Dtype::Float32, 0.0, 0.04, None).unwrap(), dt, bits, gs);
+        let h = normal(&[rows, d], Dtype::Float32, 0.0, 4.0, None).unwrap().astype(dt).unwrap();
+        let r = normal(&[rows, d], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
+        let wn = normal(&[d], Dtype::Float32, 1.0, 0.2, None).unwrap().astype(dt).unwrap();
+        let bias = normal(&[e], Dtype::Float32, 0.0, 0.05, None).unwrap();
+        let sc = Array::from_slice(&[2.5f32], &[1]).unwrap();
+        let n = NormIn { h: &h, r: &r, wn: &wn, eps: &eps };
+        for walk in [None, Some("guarded")] {
+            let what = format!("{dt:?} {e} experts top-{k}, {d} wide, {bits}-bit g{gs}, {rows} rows, walk {walk:?}");
+            let vars = [("MLX_LFM_NORM_RUNS".to_string(), walk.map(str::to_string))];
+            crate::knobs::with_overrides(&vars, || {
+                let (s, y, inds, scores) = with_opt_in_one("MLX_LFM_ROUTER_NORM_KERNEL", || {
+                    assert!(gate_norm_available(&n, &q, k), "{what}: not served");
+                    route_gate_norm(&n, &q, &bias, &sc, k, true).unwrap()
+                });
+                let (ws, wy) = add_rms_norm(&h, &r, &wn, &eps).unwrap();
+                let (wi, wsc) = route_gate(&wy, &q, &bias, &sc, k, true).unwrap();
+                assert_eq!(differing(&s, &ws), 0, "{what}: the residual sum differs");
+                assert_eq!(differing(&y, &wy), 0, "{what}: the norm differs");
+                let ids = |a: &Array| -> Vec<u32> { a.to_vec().unwrap() };
+                assert_eq!(ids(&inds), ids(&wi), "{what}: other experts");
+                assert_eq!(differing(&scores, &wsc), 0, "{what}: the experts' weights differ");
+            });
+        }
+    }
+    // Off unless asked for; a 3-D input (not a decode step's rows) is not served.
+    let q = quantized(&normal(&[32, 2048], Dtype::Float32, 0.0, 0.04, None).unwrap(), Dtype::Bfloat16, 8, 64);
+    let h = normal(&[1, 2048], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(Dtype::Bfloat16).unwrap();
+    let wn = normal(&[2048], Dtype::Float32, 1.0, 0.2, None).unwrap().astype(Dtype::Bfloat16).unwrap();
+    assert!(!gate_norm_available(&NormIn { h: &h, r: &h, wn: &wn, eps: &eps }, &q, 4), "served without the switch");
+    let h3 = h.reshape(&[1, 1, 2048]).unwrap();
+    with_opt_in_one("MLX_LFM_ROUTER_NORM_KERNEL", || {
+        assert!(!gate_norm_available(&NormIn { h: &h3, r: &h3, wn: &wn, eps: &eps }, &q, 4));
+    });
 }
 
 /// The position-bounded attention (a compiled step's: no mask built)

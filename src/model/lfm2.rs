@@ -445,12 +445,18 @@ impl Layer {
     }
 
     /// The feed-forward on the pending norm `x`: `(its residual sum, the
-    /// output)`. The MoE's router and experts both read the norm, so it is
-    /// computed on its own there.
+    /// output)`. The MoE's router and experts both read the norm: computed
+    /// on its own there, or (a decode step's rows, opt-in) in the router's
+    /// launch, which hands it to the experts.
     fn feed_forward(&self, x: &Normed) -> Result<(Array, Array)> {
         match &self.feed_forward {
             FeedForward::Dense(m) => m.forward_normed(x),
             FeedForward::Moe(m) => {
+                if let Some(n) = x.kernel_input().filter(|n| n.h.ndim() == 2) {
+                    if let Some(done) = m.forward_normed(&n)? {
+                        return Ok(done);
+                    }
+                }
                 let (s, y) = x.compute()?;
                 Ok((s, m.forward(&y)?))
             }

@@ -228,6 +228,31 @@ impl SparseMoe {
         reduce(&self.shard, y.mul(&scores.expand_dims(-1)?)?.sum(&[-2], false)?)
     }
 
+    /// A decode step's layer from its pending norm `n` (rows `[R, D]`, one
+    /// token each): the residual add, the norm and the router in one launch
+    /// (`kernels::moe_router::route_gate_norm`), then the experts' two
+    /// kernels: `(the residual sum, the output)`, or None where those
+    /// kernels do not all serve (the caller computes the norm).
+    pub fn forward_normed(&self, n: &crate::kernels::norm_gemv::NormIn) -> Result<Option<(Array, Array)>> {
+        use crate::kernels::{moe_experts, moe_router};
+        let (Weight::Quant(g), None) = (&self.gate.weight, &self.gate.bias) else { return Ok(None) };
+        if !moe_router::gate_norm_available(n, g, self.top_k) {
+            return Ok(None);
+        }
+        let (GateUp::Stacked(Weight::Quant(gu), _), Weight::Quant(down)) = (&self.gate_up, &self.down_proj) else {
+            return Ok(None);
+        };
+        let (rows, dt) = (n.h.dim(0), n.h.dtype());
+        if !moe_experts::available(rows, self.top_k, dt, gu, down) {
+            return Ok(None);
+        }
+        let (bias, scale) = &self.router_consts;
+        let (s, y, idx, scores) = moe_router::route_gate_norm(n, g, bias, scale, self.top_k, self.norm_topk_prob)?;
+        let h = moe_experts::gate_up(&y, &idx, gu)?;
+        let out = moe_experts::down(&h, &idx, &scores, down)?;
+        Ok(Some((s, reduce(&self.shard, out)?)))
+    }
+
     /// A decode step's layer on CUDA: the router and the experts' two
     /// kernels (src/kernels/moe_experts.rs) over the step's rows `[R, D]`,
     /// with no reshape between them (each is a node the host encodes every
