@@ -767,11 +767,20 @@ def verdicts_from(path):
         skipped = skipped or bool(r.get("skipped"))
     r = rows[-1]
     # (A test this call runs next, H200_KERNEL_TESTS set for both steps,
-    # may be missing: its verdict comes with the run.)
+    # may be missing: its verdict comes with the run. The names filter as
+    # the test binary filters them: a test runs where one is part of its name.)
     coming = set(os.environ.get("H200_KERNEL_TESTS", "").split(",")) - {""}
+
+    def runs_next(test):
+        return any(c in test for c in coming)
+
     # Kernel files changed since the newest record that hashed them: their
     # tests' old verdicts say nothing of the code now, so the call must name
-    # the tests to run again (H200_KERNEL_TESTS) or stop here.
+    # the tests to run again (H200_KERNEL_TESTS) or stop here. Which tests
+    # cover which file is the caller's to choose (the log names the files);
+    # the hashes are of the tree the call carries, which is what prepare.sh
+    # built the binaries from only if it ran after the last edit; and only
+    # the newest hashed record is compared, though older verdicts merge in.
     hashed = [x for x in rows if x.get("sources")]
     if hashed:
         changed = sorted(f for f, h in kernel_sources().items() if hashed[-1]["sources"].get(f) != h)
@@ -784,7 +793,7 @@ def verdicts_from(path):
     else:
         log("the reused verdicts carry no source hashes (before session 20): check "
             "`git diff --stat COMMIT -- src/kernels src/mlx/kernel.rs cpp` by hand")
-    missing = [t for t in DEFAULT_KERNEL_TESTS if t not in verdicts and t not in coming]
+    missing = [t for t in DEFAULT_KERNEL_TESTS if t not in verdicts and not runs_next(t)]
     if missing:
         # (A default test added since that record: reusing it would turn
         # the kernels off for the whole session without a word.)
@@ -792,7 +801,7 @@ def verdicts_from(path):
                          f"`H200_KERNEL_TESTS={','.join(missing)} ... kernels` instead of verdicts-from")
     WORK.mkdir(parents=True, exist_ok=True)
     (WORK / "kernel-verdicts.json").write_text(json.dumps({k: v and not skipped for k, v in verdicts.items()}))
-    if skipped or not all(verdicts.get(t, False) for t in DEFAULT_KERNEL_TESTS if t not in coming):
+    if skipped or not all(verdicts.get(t, False) for t in DEFAULT_KERNEL_TESTS if not runs_next(t)):
         (WORK / "kernels-off").write_text("1")
     commit = r.get("commit") or r.get("binaries_commit")
     record(engine="tests-reused", source=str(path), commit=commit, verdicts=verdicts, skipped=skipped)

@@ -16,7 +16,7 @@ use std::sync::OnceLock;
 /// Threads per row: as MLX's rms_norm picks them for a width (the fewest
 /// whose 16-byte reads cover the row, 32 to 1024), so the float32 sum of
 /// squares is grouped as MLX groups it.
-fn block_for(d: i32, n_reads: i32) -> i32 {
+pub(crate) fn block_for(d: i32, n_reads: i32) -> i32 {
     let mut b = 32;
     while b < 1024 && d > n_reads * b {
         b *= 2;

@@ -314,9 +314,9 @@ fn gate_norm_enabled() -> bool {
 /// Whether [`route_gate_norm`] serves the pending norm `n` (its rows `[N,
 /// D]`, one token each) through the quantized gate `q` with `k` experts a
 /// row: on ([`gate_norm_enabled`]), where [`gate_available`] serves the
-/// normed rows, the rows' width a whole number of 16-byte runs that the
-/// 256 threads cover in at most 8 runs each (D up to 16,384 in bf16) and
-/// fit in shared memory beside the probabilities.
+/// normed rows, the rows' width a whole number of 16-byte runs for which
+/// the add + RMSNorm kernel also takes 256 threads (bf16 and f16 rows of
+/// 1,032 to 2,048, float32 of 520 to 1,024: one run a thread).
 pub fn gate_norm_available(n: &super::norm_gemv::NormIn, q: &Quantized, k: usize) -> bool {
     let (h, dt) = (n.h, n.h.dtype());
     if !gate_norm_enabled() || h.ndim() != 2 {
@@ -331,7 +331,10 @@ pub fn gate_norm_available(n: &super::norm_gemv::NormIn, q: &Quantized, k: usize
         && n.eps.dtype() == Dtype::Float32
         && n.eps.size() == 1
         && d % run == 0
-        && d <= 256 * run * 8
+        // The fused add + RMSNorm kernel's own block for this row (its
+        // sums grouped as this kernel's 256 threads group them: the same
+        // bits); other widths and dtypes keep the two launches.
+        && super::add_rms_norm::block_for(d, run) == 256
         && gate_available(rows, d, dt, q, k)
         && gate_norm_kernel().is_some()
 }

@@ -629,8 +629,8 @@ fn moe_router_norm_kernel_matches_the_norm_and_router_kernels() {
     let cases = [
         (Dtype::Bfloat16, 32, 4, 2048, 8, 64, 1),
         (Dtype::Bfloat16, 32, 4, 2048, 4, 32, 3),
-        (Dtype::Bfloat16, 8, 2, 1024, 4, 64, 1),
-        (Dtype::Float32, 32, 4, 2048, 8, 64, 2),
+        (Dtype::Bfloat16, 8, 2, 2048, 4, 64, 1),
+        (Dtype::Float32, 32, 4, 1024, 8, 64, 2),
     ];
     for (dt, e, k, d, bits, gs, rows) in cases {
         let q = quantized(&normal(&[e, d], Dtype::Float32, 0.0, 0.04, None).unwrap(), dt, bits, gs);
@@ -658,14 +658,20 @@ fn moe_router_norm_kernel_matches_the_norm_and_router_kernels() {
             });
         }
     }
-    // Off unless asked for; a 3-D input (not a decode step's rows) is not served.
+    // Off unless asked for; a 3-D input (not a decode step's rows), and a
+    // width whose add + RMSNorm kernel takes another block (bf16 of 1,024:
+    // 128 threads), are not served.
     let q = quantized(&normal(&[32, 2048], Dtype::Float32, 0.0, 0.04, None).unwrap(), Dtype::Bfloat16, 8, 64);
     let h = normal(&[1, 2048], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(Dtype::Bfloat16).unwrap();
     let wn = normal(&[2048], Dtype::Float32, 1.0, 0.2, None).unwrap().astype(Dtype::Bfloat16).unwrap();
     assert!(!gate_norm_available(&NormIn { h: &h, r: &h, wn: &wn, eps: &eps }, &q, 4), "served without the switch");
     let h3 = h.reshape(&[1, 1, 2048]).unwrap();
+    let q1 = quantized(&normal(&[32, 1024], Dtype::Float32, 0.0, 0.04, None).unwrap(), Dtype::Bfloat16, 8, 64);
+    let h1 = normal(&[1, 1024], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(Dtype::Bfloat16).unwrap();
+    let wn1 = normal(&[1024], Dtype::Float32, 1.0, 0.2, None).unwrap().astype(Dtype::Bfloat16).unwrap();
     with_opt_in_one("MLX_LFM_ROUTER_NORM_KERNEL", || {
         assert!(!gate_norm_available(&NormIn { h: &h3, r: &h3, wn: &wn, eps: &eps }, &q, 4));
+        assert!(!gate_norm_available(&NormIn { h: &h1, r: &h1, wn: &wn1, eps: &eps }, &q1, 4));
     });
 }
 
