@@ -186,7 +186,8 @@ def body_and_header(path, which="SOURCE"):
         if "GATE_NORM" in which:
             # The add + RMSNorm code first, as route_gate_norm's kernel joins them.
             lead = named(k / "add_rms_norm.rs", "HEADER") + lead
-        return src, lead + named(path, "ROUTE_HEADER")
+        gate = named(path, "GATE_HEADER") if "GATE" in which else ""
+        return src, lead + named(path, "ROUTE_HEADER") + gate
     return src, header_of(path)
 
 

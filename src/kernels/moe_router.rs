@@ -106,27 +106,20 @@ __device__ inline void lfm_route_warp(P prob_of, const BT* bias, const ST* scale
 }
 "#;
 
-/// One warp per routed row over the probabilities `[N, E]`.
-const SOURCE: &str = r#"
-  const int row = blockIdx.x;
-  lfm_route_warp<T, E, K, NORM>([&](int e) { return static_cast<float>(probs[row * E + e]); }, bias, scale, inds,
-                                scores, row, threadIdx.x);
-"#;
-
-/// The gate's quantized GEMV, its sigmoid and the route in one launch: one
-/// block per row, each warp the dot of one expert's gate row at a time
-/// (the quantized GEMV's helpers: float32 sums, rounded to T once), the
-/// logit's sigmoid as MLX's Sigmoid functor computes it in T, then the
-/// route as above over the block's probabilities.
-const GATE_SOURCE: &str = r#"
+/// The gate kernels' shared part (after the quantized GEMV's helpers and
+/// [`ROUTE_HEADER`]): each warp the dot of one expert's gate row with `xr`
+/// at a time (float32 sums, rounded to T once), the logit's sigmoid as
+/// MLX's Sigmoid functor computes it in T, then the route over the block's
+/// probabilities (`probs_s`, shared). `al`: `xr` and `w` on 16-byte
+/// boundaries.
+const GATE_HEADER: &str = r#"
+template <typename T, int D, int E, int BITS, int GS, int TOPK, bool NORM, int WARPS, typename BT, typename ST>
+__device__ inline void lfm_gate_route(const T* xr, bool al, const uint32_t* w, const T* scales, const T* biases,
+                                      const BT* bias, const ST* scale, uint32_t* inds, T* scores, float* probs_s,
+                                      int row) {
   constexpr int G = D / GS;
-  constexpr int WARPS = E < 32 ? E : 32;
-  __shared__ float probs_s[E];
-  const int row = blockIdx.x;
   const int lane = threadIdx.x % 32;
   const int wid = threadIdx.x / 32;
-  const T* xr = x + static_cast<size_t>(row) * D;
-  const bool al = lfm_aligned(x) && lfm_aligned(w);
   for (int e = wid; e < E; e += WARPS) {
     float acc = 0.0f;
     const uint32_t* wr = w + static_cast<size_t>(e) * (D * BITS / 32);
@@ -142,6 +135,28 @@ const GATE_SOURCE: &str = r#"
   if (wid == 0) {
     lfm_route_warp<T, E, TOPK, NORM>([&](int e) { return probs_s[e]; }, bias, scale, inds, scores, row, lane);
   }
+}
+"#;
+
+/// One warp per routed row over the probabilities `[N, E]`.
+const SOURCE: &str = r#"
+  const int row = blockIdx.x;
+  lfm_route_warp<T, E, K, NORM>([&](int e) { return static_cast<float>(probs[row * E + e]); }, bias, scale, inds,
+                                scores, row, threadIdx.x);
+"#;
+
+/// The gate's quantized GEMV, its sigmoid and the route in one launch: one
+/// block per row, each warp the dot of one expert's gate row at a time
+/// (the quantized GEMV's helpers: float32 sums, rounded to T once), the
+/// logit's sigmoid as MLX's Sigmoid functor computes it in T, then the
+/// route as above over the block's probabilities.
+const GATE_SOURCE: &str = r#"
+  constexpr int WARPS = E < 32 ? E : 32;
+  __shared__ float probs_s[E];
+  const int row = blockIdx.x;
+  const T* xr = x + static_cast<size_t>(row) * D;
+  lfm_gate_route<T, D, E, BITS, GS, TOPK, NORM, WARPS>(xr, lfm_aligned(x) && lfm_aligned(w), w, scales, biases, bias, scale,
+                                                      inds, scores, probs_s, row);
 "#;
 
 /// The layer's residual add and feed-forward RMSNorm folded in front of the
@@ -152,14 +167,11 @@ const GATE_SOURCE: &str = r#"
 /// both (the experts read `y`), keeps `y` in shared memory and routes from
 /// it as [`GATE_SOURCE`] does, a warp an expert at a time.
 const GATE_NORM_SOURCE: &str = r#"
-  constexpr int G = D / GS;
   constexpr int WARPS = 8;
   __shared__ uint4 ys_store[D * sizeof(T) / 16];
   __shared__ float probs_s[E];
   T* ys = reinterpret_cast<T*>(ys_store);
   const int row = blockIdx.x;
-  const int lane = threadIdx.x % 32;
-  const int wid = threadIdx.x / 32;
   {
     const size_t o = static_cast<size_t>(row) * D;
     if (lfm_aligned(h) && lfm_aligned(r) && lfm_aligned(wn) && lfm_aligned(s) && lfm_aligned(y)) {
@@ -170,22 +182,8 @@ const GATE_NORM_SOURCE: &str = r#"
     __syncthreads();
     for (int i = threadIdx.x; i < D; i += 256) y[o + i] = ys[i];
   }
-  const bool al = lfm_aligned(w);
-  for (int e = wid; e < E; e += WARPS) {
-    float acc = 0.0f;
-    const uint32_t* wr = w + static_cast<size_t>(e) * (D * BITS / 32);
-    if (al) {
-      lfm_qdot_a<T, D, 1, BITS, GS, true>(ys, wr, scales + e * G, biases + e * G, lane, &acc);
-    } else {
-      lfm_qdot_a<T, D, 1, BITS, GS, false>(ys, wr, scales + e * G, biases + e * G, lane, &acc);
-    }
-    acc = lfm_warp_sum(acc);
-    if (lane == 0) probs_s[e] = static_cast<float>(lfm_sigmoid_t<T>(T(acc)));
-  }
-  __syncthreads();
-  if (wid == 0) {
-    lfm_route_warp<T, E, TOPK, NORM>([&](int e) { return probs_s[e]; }, bias, scale, inds, scores, row, lane);
-  }
+  lfm_gate_route<T, D, E, BITS, GS, TOPK, NORM, WARPS>(ys, lfm_aligned(w), w, scales, biases, bias, scale, inds, scores,
+                                                      probs_s, row);
 "#;
 
 fn kernel() -> Option<&'static CudaKernel> {
@@ -197,7 +195,7 @@ fn kernel() -> Option<&'static CudaKernel> {
 fn gate_norm_kernel() -> Option<&'static CudaKernel> {
     static K: super::add_rms_norm::Walks = [OnceLock::new(), OnceLock::new()];
     super::add_rms_norm::for_walk(&K, || {
-        let header = format!("{}{}{ROUTE_HEADER}", super::add_rms_norm::device_code(), super::quant_gemv::header());
+        let header = format!("{}{}{ROUTE_HEADER}{GATE_HEADER}", super::add_rms_norm::device_code(), super::quant_gemv::header());
         CudaKernel::new(
             &super::add_rms_norm::kernel_name("lfm_moe_router_gate_norm"),
             &["h", "r", "wn", "eps", "w", "scales", "biases", "bias", "scale"],
@@ -212,7 +210,7 @@ fn gate_norm_kernel() -> Option<&'static CudaKernel> {
 fn gate_kernel() -> Option<&'static CudaKernel> {
     static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
     K.get_or_init(|| {
-        let header = format!("{}{ROUTE_HEADER}", super::quant_gemv::header());
+        let header = format!("{}{ROUTE_HEADER}{GATE_HEADER}", super::quant_gemv::header());
         CudaKernel::new(
             "lfm_moe_router_gate",
             &["x", "w", "scales", "biases", "bias", "scale"],
