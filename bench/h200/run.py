@@ -900,6 +900,16 @@ AB = {
     # the add + RMSNorm of the whole row, a serial prologue as long as its
     # GEMV at K = 2048): the GEMVs alone, the norm its own launch.
     "gemv-max-k-2048-no-fold": ({"MLX_LFM_GEMV_KERNEL_MAX_K": "2048", "MLX_LFM_NORM_GEMV_KERNEL": "0"}, ["lfm2-1.2b-bf16"]),
+    # (Session 20: without the fold the wait for a token stayed at 10-45
+    # µs, with it 200-385: the folds are what read slowly.) The folds with
+    # their first column's rows prefetched into L2 before the norm, so the
+    # rows' DRAM reads run during the prologue (the same bits); with the
+    # guarded walk too (a prologue without local memory); and the 350M's
+    # default folds (K = 1024) so.
+    "gemv-max-k-2048-early": ({"MLX_LFM_GEMV_KERNEL_MAX_K": "2048", "MLX_LFM_NORM_GEMV_PREFETCH": "early"}, ["lfm2-1.2b-bf16"]),
+    "gemv-max-k-2048-early-guarded": ({"MLX_LFM_GEMV_KERNEL_MAX_K": "2048", "MLX_LFM_NORM_GEMV_PREFETCH": "early",
+                                       "MLX_LFM_NORM_RUNS": "guarded"}, ["lfm2-1.2b-bf16"]),
+    "fold-early": ({"MLX_LFM_NORM_GEMV_PREFETCH": "early"}, ["lfm2-350m-bf16"]),
     # The add + RMSNorm code's runs unrolled with a guard per element (by
     # ptxas its default walk keeps them in local memory: a 64-byte stack
     # frame in that kernel and the norm folds); the same sums, opt-in until
@@ -983,6 +993,12 @@ AB_TESTS = {
     "gemv-max-k-2048-plain": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops",
                               "norm_gemv_kernels_match_stock_ops", "greedy:default"],
     "gemv-max-k-2048-no-fold": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops", "greedy:default"],
+    "gemv-max-k-2048-early": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops",
+                              "norm_gemv_kernels_match_stock_ops", "greedy:default"],
+    "gemv-max-k-2048-early-guarded": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops",
+                                      "norm_gemv_kernels_match_stock_ops", "add_rms_norm_kernel_matches_stock_ops",
+                                      "greedy:default"],
+    "fold-early": ["norm_gemv_kernels_match_stock_ops"],
     "norm-runs-guarded": ["add_rms_norm_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops"],
     "router-norm": ["moe_router_norm_kernel_matches_the_norm_and_router_kernels", "greedy:MLX_LFM_ROUTER_NORM_KERNEL"],
     "router-norm-guarded": ["moe_router_norm_kernel_matches_the_norm_and_router_kernels", "add_rms_norm_kernel_matches_stock_ops",
@@ -995,8 +1011,9 @@ PICK = [
     (["gemv-kernel", "gemv-norm-kernels"], "decode"),
     (["qgemv-kernel", "quant-norm-kernels"], "decode"),
     (["gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetch", "gemv-max-k-2048-plain",
-      "gemv-max-k-2048-no-fold"], "decode"),
+      "gemv-max-k-2048-no-fold", "gemv-max-k-2048-early", "gemv-max-k-2048-early-guarded"], "decode"),
     (["norm-runs-guarded"], "decode"),
+    (["fold-early"], "decode"),
     (["router-norm", "router-norm-guarded"], "decode"),
     (["norm-kernel-all-rows"], "prefill"),
     (["moe-dequant-from-16-rows", "moe-dequant-from-64-rows"], "prefill"),
@@ -1008,7 +1025,7 @@ PICK = [
 # 17: the q/k norm + RoPE kernel's 1.09x on the 1.2B's decode was turned
 # down by the 350M's prefill median, 0.96, a prefill it never runs in).
 DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetch", "gemv-max-k-2048-plain",
-               "gemv-max-k-2048-no-fold"}
+               "gemv-max-k-2048-no-fold", "gemv-max-k-2048-early", "gemv-max-k-2048-early-guarded", "fold-early"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]

@@ -93,6 +93,23 @@ KERNELS = {
         [("s", "T"), ("y", "T")],
         lambda dt: [("BITS", 4), ("GS", 64), ("K", 2048), ("M", 1)],
     ),
+    # The folds with their first column's rows prefetched before the
+    # prologue (MLX_LFM_NORM_GEMV_PREFETCH=early: NAME_EARLY before it).
+    "norm_gemv.rs#dense@early": (
+        [("h", "T"), ("r", "T"), ("wn", "T"), ("eps", "float"), ("w", "T")],
+        [("s", "T"), ("y", "T")],
+        lambda dt: [("K", 2048), ("M", 1)],
+    ),
+    "norm_gemv.rs#swiglu@early": (
+        [("h", "T"), ("r", "T"), ("wn", "T"), ("eps", "float"), ("w", "T")],
+        [("s", "T"), ("y", "T")],
+        lambda dt: [("K", 2048), ("M", 1)],
+    ),
+    "norm_gemv.rs#quant@early": (
+        [("h", "T"), ("r", "T"), ("wn", "T"), ("eps", "float"), ("w", "uint32_t"), ("scales", "T"), ("biases", "T")],
+        [("s", "T"), ("y", "T")],
+        lambda dt: [("BITS", 4), ("GS", 64), ("K", 2048), ("M", 1)],
+    ),
     "qk_norm_rope.rs": (
         [("q", "T"), ("k", "T"), ("qw", "T"), ("kw", "T"), ("offset", "int32_t")],
         [("qo", "T"), ("ko", "T")],
@@ -171,6 +188,8 @@ def body_and_header(path, which="SOURCE"):
         # RMSNorm header, the GEMV's, the quantized one for QUANT_SOURCE.
         k = path.parent
         src = named(path, "PROLOGUE") + src
+        if EARLY:
+            src = named(path, which.split()[-1].replace("SOURCE", "EARLY")) + src
         quant = named(k / "quant_gemv.rs", "QUANT_HEADER") if "QUANT" in which else ""
         return src, named(k / "add_rms_norm.rs", "HEADER") + header_of(k / "gemv.rs") + quant
     if path.name == "decode_attention.rs":
@@ -248,6 +267,7 @@ def compile_one(name, code):
 # GEMVs' MLX_LFM_GEMV_LOOP=plain walk).
 DEFINES = "".join(f"#define {a.split('=', 2)[1]} {a.split('=', 2)[2]}\n" for a in sys.argv if a.startswith("--define="))
 VALIDITY = "MASK_VALID"
+EARLY = False
 
 failed = 0
 for file, (ins, outs, targs, *only_dtypes) in KERNELS.items():
@@ -257,6 +277,7 @@ for file, (ins, outs, targs, *only_dtypes) in KERNELS.items():
     # attention's position bound).
     file_key, _, variant = file.partition("@")
     VALIDITY = "UPTO_VALID" if variant == "upto" else "MASK_VALID"
+    EARLY = variant == "early"
     # "file.rs#name": the file's NAME_SOURCE (a second kernel in one file).
     fname, _, extra = file_key.partition("#")
     src, hdr = body_and_header(root / "src" / "kernels" / fname, "const " + (extra.upper() + "_" if extra else "") + "SOURCE")

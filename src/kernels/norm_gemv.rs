@@ -13,9 +13,11 @@
 //! On CUDA by default for the dense weights the GEMV kernels take by
 //! default (src/kernels/gemv.rs, `serves_weight`); opt-in for quantized
 //! ones (`MLX_LFM_NORM_GEMV_KERNEL=1` with the quantized GEMV's switch);
-//! `=0` turns the fold off. Tests in src/kernels/tests.rs.
+//! `=0` turns the fold off; `MLX_LFM_NORM_GEMV_PREFETCH=early` (opt-in)
+//! asks L2 for each warp's first rows before the norm. Tests in
+//! src/kernels/tests.rs.
 
-use super::add_rms_norm::{for_walk, Walks};
+use super::add_rms_norm::guarded_runs;
 use super::quant_gemv::{quant_template, spec_served, warp_grid, THREADS};
 use crate::error::{Error, Result};
 use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
@@ -56,6 +58,47 @@ const PROLOGUE: &str = "
   const int stride = gridDim.x * (256 / 32);
 ";
 
+/// The early prefetch (`MLX_LFM_NORM_GEMV_PREFETCH=early`, opt-in until its
+/// H200 A/B): before the prologue, each warp asks L2 for the weight rows of
+/// its first column, so that their DRAM reads run while the block computes
+/// the norm instead of after it. Session 20's A/B on the 1.2B: with the
+/// fold at K = 2048 the step turned GPU-bound (the wait for a token
+/// 200-385 µs), with the same GEMVs and no fold it did not (10-45 µs); at
+/// that width the prologue (the row's loads, two block barriers) is about
+/// as long as a block's share of the GEMV, and no weight load is in flight
+/// during it. A prefetch takes no register and has no consumer: the sums
+/// are the same, bit for bit (the test holds it).
+const DENSE_EARLY: &str = r#"
+  {
+    const int n0 = blockIdx.x * (256 / 32) + threadIdx.x / 32;
+    if (n0 < w_shape[0] && lfm_aligned(w)) lfm_prefetch_dense<T, K>(w + static_cast<size_t>(n0) * K, threadIdx.x % 32);
+  }
+"#;
+
+const SWIGLU_EARLY: &str = r#"
+  {
+    const int f = w_shape[0] / 2;
+    const int n0 = blockIdx.x * (256 / 32) + threadIdx.x / 32;
+    if (n0 < f && lfm_aligned(w)) {
+      lfm_prefetch_dense<T, K>(w + static_cast<size_t>(n0) * K, threadIdx.x % 32);
+      lfm_prefetch_dense<T, K>(w + static_cast<size_t>(f + n0) * K, threadIdx.x % 32);
+    }
+  }
+"#;
+
+/// The packed words of the first column's row (its scales and biases, a
+/// few dozen bytes, come with the GEMV's own loads).
+const QUANT_EARLY: &str = r#"
+  {
+    constexpr int ROW_BYTES = K * BITS / 8;
+    const int n0 = blockIdx.x * (256 / 32) + threadIdx.x / 32;
+    if (ROW_BYTES % 16 == 0 && n0 < w_shape[0] && lfm_aligned(w)) {
+      constexpr int C = ROW_BYTES / 16;
+      lfm_prefetch_row<(C + 31) / 32, C>(w + static_cast<size_t>(n0) * (ROW_BYTES / 4), threadIdx.x % 32);
+    }
+  }
+"#;
+
 const DENSE_SOURCE: &str = r#"
   const int N = w_shape[0];
   for (int n = first; n < N; n += stride) lfm_gemv_warp<T, K, M>(ys, true, w, lfm_aligned(w), y, N, n, lane);
@@ -85,25 +128,47 @@ fn header(quant: bool) -> String {
     format!("{}{}{q}", super::add_rms_norm::device_code(), super::gemv::header())
 }
 
-fn make(name: &str, inputs: &[&str], body: &str, quant: bool) -> Option<CudaKernel> {
-    let outputs = ["s", "y"];
-    let name = super::add_rms_norm::kernel_name(name);
-    CudaKernel::new(&name, inputs, &outputs, &format!("{PROLOGUE}{body}"), &header(quant)).ok()
+/// Whether the folds prefetch their first column's rows before the
+/// prologue (`MLX_LFM_NORM_GEMV_PREFETCH=early`; see [`DENSE_EARLY`]).
+fn early_prefetch() -> bool {
+    static E: OnceLock<bool> = OnceLock::new();
+    crate::knobs::cached("MLX_LFM_NORM_GEMV_PREFETCH", &E, |v| v == Some("early"))
+}
+
+/// A fold's kernels, one for each walk of the norm's runs and each
+/// prefetch (each its own name: MLX keeps compiled kernels by name).
+type Variants = [OnceLock<Option<CudaKernel>>; 4];
+
+fn make(cells: &'static Variants, name: &str, inputs: &[&str], early: &str, body: &str, quant: bool) -> Option<&'static CudaKernel> {
+    let (guarded, early_on) = (guarded_runs(), early_prefetch());
+    cells[usize::from(guarded) + 2 * usize::from(early_on)]
+        .get_or_init(|| {
+            let outputs = ["s", "y"];
+            let mut name = super::add_rms_norm::kernel_name(name);
+            let source = if early_on {
+                name.push_str("_early");
+                format!("{early}{PROLOGUE}{body}")
+            } else {
+                format!("{PROLOGUE}{body}")
+            };
+            CudaKernel::new(&name, inputs, &outputs, &source, &header(quant)).ok()
+        })
+        .as_ref()
 }
 
 fn dense_kernel() -> Option<&'static CudaKernel> {
-    static K: Walks = [OnceLock::new(), OnceLock::new()];
-    for_walk(&K, || make("lfm_norm_gemv", &["h", "r", "wn", "eps", "w"], DENSE_SOURCE, false))
+    static K: Variants = [const { OnceLock::new() }; 4];
+    make(&K, "lfm_norm_gemv", &["h", "r", "wn", "eps", "w"], DENSE_EARLY, DENSE_SOURCE, false)
 }
 
 fn swiglu_kernel() -> Option<&'static CudaKernel> {
-    static K: Walks = [OnceLock::new(), OnceLock::new()];
-    for_walk(&K, || make("lfm_norm_gemv_swiglu", &["h", "r", "wn", "eps", "w"], SWIGLU_SOURCE, false))
+    static K: Variants = [const { OnceLock::new() }; 4];
+    make(&K, "lfm_norm_gemv_swiglu", &["h", "r", "wn", "eps", "w"], SWIGLU_EARLY, SWIGLU_SOURCE, false)
 }
 
 fn quant_kernel() -> Option<&'static CudaKernel> {
-    static K: Walks = [OnceLock::new(), OnceLock::new()];
-    for_walk(&K, || make("lfm_norm_qgemv", &["h", "r", "wn", "eps", "w", "scales", "biases"], QUANT_SOURCE, true))
+    static K: Variants = [const { OnceLock::new() }; 4];
+    make(&K, "lfm_norm_qgemv", &["h", "r", "wn", "eps", "w", "scales", "biases"], QUANT_EARLY, QUANT_SOURCE, true)
 }
 
 /// `MLX_LFM_NORM_GEMV_KERNEL`: `Some(true)` at `=1`, `Some(false)` at `=0`,

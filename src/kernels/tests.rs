@@ -39,6 +39,13 @@ fn guarded<R>(f: impl FnOnce() -> R) -> R {
     crate::knobs::with_overrides(&[("MLX_LFM_NORM_RUNS".to_string(), Some("guarded".to_string()))], f)
 }
 
+/// `f` with the norm folds prefetching their first column's rows before
+/// the norm (`MLX_LFM_NORM_GEMV_PREFETCH=early`, an opt-in that must not
+/// move a bit).
+fn early<R>(f: impl FnOnce() -> R) -> R {
+    crate::knobs::with_overrides(&[("MLX_LFM_NORM_GEMV_PREFETCH".to_string(), Some("early".to_string()))], f)
+}
+
 /// How many values of `got` and `want` differ at all.
 fn differing(got: &crate::mlx::Array, want: &crate::mlx::Array) -> usize {
     let f = |a: &crate::mlx::Array| -> Vec<f32> { a.astype(Dtype::Float32).unwrap().to_vec().unwrap() };
@@ -1065,12 +1072,17 @@ fn norm_gemv_kernels_match_stock_ops() {
                 let dense = norm_gemv(&ni, &w).unwrap();
                 let (gs, gy) = guarded(|| norm_gemv(&ni, &w).unwrap());
                 assert_eq!((differing(&gs, &dense.0), differing(&gy, &dense.1)), (0, 0), "{what}: the guarded walk differs");
+                let (es, ey) = early(|| norm_gemv(&ni, &w).unwrap());
+                assert_eq!((differing(&es, &dense.0), differing(&ey, &dense.1)), (0, 0), "{what}: the early prefetch differs");
                 check("dense", dense, x.matmul(&w.t().unwrap()).unwrap(), tol);
                 if n % 2 == 0 {
                     assert!(swiglu_available(&ni, &w), "{what}");
                     let parts = x.matmul(&w.t().unwrap()).unwrap().split_equal(2, -1).unwrap();
                     let want = parts[0].silu().unwrap().mul(&parts[1]).unwrap();
-                    check("swiglu", norm_gemv_swiglu(&ni, &w).unwrap(), want, tol * 1.5);
+                    let got = norm_gemv_swiglu(&ni, &w).unwrap();
+                    let (es, ey) = early(|| norm_gemv_swiglu(&ni, &w).unwrap());
+                    assert_eq!((differing(&es, &got.0), differing(&ey, &got.1)), (0, 0), "{what} swiglu: the early prefetch differs");
+                    check("swiglu", got, want, tol * 1.5);
                 }
                 if k % 64 == 0 {
                     let q = quantized(&w, dt, 4, 64);
@@ -1079,6 +1091,8 @@ fn norm_gemv_kernels_match_stock_ops() {
                     let (s, got) = norm_qgemv(&ni, &q).unwrap();
                     let (gs, gy) = guarded(|| norm_qgemv(&ni, &q).unwrap());
                     assert_eq!((differing(&gs, &s), differing(&gy, &got)), (0, 0), "{what} 4-bit: the guarded walk differs");
+                    let (es, ey) = early(|| norm_qgemv(&ni, &q).unwrap());
+                    assert_eq!((differing(&es, &s), differing(&ey, &got)), (0, 0), "{what} 4-bit: the early prefetch differs");
                     assert!(worst_relative(&s, &s_want) <= tol, "{what} 4-bit: the residual sum differs");
                     let wd = exact_weights(&q);
                     let reference = f32_products(&x.reshape(&[rows, k]).unwrap(), &wd).reshape(&[rows, 1, n]).unwrap();
