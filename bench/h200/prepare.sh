@@ -12,6 +12,8 @@ shared=${MLX_LFM_SHARED:-$top/../shared}
 cargo build --release --target x86_64-unknown-linux-gnu --bin mlx-lfm-bench
 mkdir -p .device/bin
 cp target/x86_64-unknown-linux-gnu/release/mlx-lfm-bench .device/bin/ && strip .device/bin/mlx-lfm-bench
+# mimalloc to preload in the `mimalloc` A/B variant (~200 KB).
+[ -f .device/bin/libmimalloc.so ] || bash bench/h200/mimalloc.sh
 # The library's test binary: the fused kernels' tests run on the device.
 mkdir -p .device/tests && rm -f .device/tests/mlx_lfm-*
 t=$(cargo test --release --target x86_64-unknown-linux-gnu --lib --no-run --message-format=json 2>/dev/null |

@@ -970,6 +970,21 @@ AB = {
     # 17's three host-stack samples of a steady 350M decode was inside
     # cudaGraphInstantiate: a larger cache asks whether misses recur.
     "graph-cache-2000": ({"MLX_CUDA_GRAPH_CACHE_SIZE": "2000"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # Measured only (a process's environment, not a repository default):
+    # session 18's host profile put 28-36% of the decoding thread's samples
+    # in libc, by dladdr malloc, free and the mutexes, and most of the rest
+    # at offsets beside malloc that no exported symbol names (glibc's
+    # _int_malloc / _int_free, by their place). A step allocates and frees
+    # many small objects a node; glibc's per-thread cache keeps 7 a size by
+    # default, the rest going through the arena's locked paths. A larger
+    # cache asks whether that churn is what the host pays for.
+    "malloc-tcache": ({"GLIBC_TUNABLES": "glibc.malloc.tcache_count=1024"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # The same question asked of another allocator: mimalloc preloaded
+    # (bench/h200/mimalloc.sh, built by prepare.sh into .device/bin): on
+    # this development CPU it cut the compiled step's build by about a
+    # quarter. A user would preload it the same way (LD_PRELOAD for node).
+    "mimalloc": ({"LD_PRELOAD": str(ROOT / ".device" / "bin" / "libmimalloc.so")},
+                 ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
 }
 AB_IN_ROUNDS = ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]
 GREEDY = "greedy_tokens_with_kernels_equal_stock_ops"
@@ -1065,6 +1080,12 @@ def ab():
                        decode_ratio=j["decode_ratio_runs"], prefill_ratio=j["prefill_ratio_runs"],
                        step_ops=j.get("step_ops"), paired=True)
         knobs = [(v, e) for v, e in chosen if (v, e) not in inproc]
+        # A preload that is not there would be ignored by the loader with a
+        # warning, and the variant would time glibc under its name.
+        for v, e in list(knobs):
+            if "LD_PRELOAD" in e and not Path(e["LD_PRELOAD"]).is_file():
+                log(f"ab {name} {v}: {e['LD_PRELOAD']} is missing (bench/h200/prepare.sh builds it): skipped")
+                knobs.remove((v, e))
         if knobs:
             ab_processes(name, knobs, max(2, reps // 2))
 
