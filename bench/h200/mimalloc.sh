@@ -21,6 +21,9 @@ tar xzf "$work/mi.crate" -C "$work"
 src="$work/libmimalloc-sys-$ver/c_src/mimalloc/v2"
 mkdir -p .device/bin
 # One translation unit (static.c includes the rest); MI_MALLOC_OVERRIDE
-# exports malloc, free and the rest under their libc names.
-cc -O2 -fPIC -shared -DMI_MALLOC_OVERRIDE -DNDEBUG -I "$src/include" "$src/src/static.c" -o .device/bin/libmimalloc.so -lpthread
+# exports malloc, free and the rest under their libc names; the flags the
+# crate's own build uses (no debug checks, initial-exec TLS: a preloaded
+# library's thread-locals are reached without __tls_get_addr).
+cc -O2 -fPIC -shared -ftls-model=initial-exec -DMI_MALLOC_OVERRIDE -DMI_DEBUG=0 -DNDEBUG -I "$src/include" \
+  "$src/src/static.c" -o .device/bin/libmimalloc.so -lpthread
 strip .device/bin/libmimalloc.so
