@@ -61,6 +61,13 @@ GGUF included) with four variants and sync-steps 110 s; the 8B-A1B's
 checkpoint and `ab` 162 s; a machine taken back mid-call loses everything
 on it, and starting over (MLX, llama.cpp's build, the GGUF files) costs
 more than half the session's device time.
+Session 20: eight chosen tests (`H200_KERNEL_JOBS=4`) 293 s, `checkpoints`
+379 s, `round 1 round 2` 503 s, `ab` of the 1.2B (its checkpoint
+included) 75 s, the 8B-A1B's 171 s. Two machines were given back in
+pauses on this side (a dropped connection, then reading results between
+calls): write the whole chain down before the first call. Process
+variants (`mimalloc`, `malloc-tcache`) need `.device/bin` carried, `ab`
+needs `.device/b` too on a machine that has not installed MLX's wheel.
 Append nothing that copies loose files into $OUT after run.py: a call
 brings back a few files (8 on 2026-12-03) and drops the rest, raw.jsonl
 with them; run.py writes $OUT/raw.jsonl and $OUT/logs.tgz itself.
