@@ -635,15 +635,18 @@ def host_profile():
     profile beside the same run's figures; `bench/h200/symbolize.py` names
     the offsets here from the wheel's libmlx.so."""
     hz = os.environ.get("H200_PROFILE_HZ", "1000")
+    # With H200_OURS_ENV, as the rounds run our engine (e.g. a preloaded
+    # allocator: what is left of the host's time under it).
+    e = ours_env()
     for name in ab_models():
         r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--prompts", "512", "--gen", "512", "--reps", "3",
-                "--paths", "compiled", "--host-profile", hz], f"host-profile-{name}", check=False)
+                "--paths", "compiled", "--host-profile", hz], f"host-profile-{name}", check=False, env=e)
         lines = [json.loads(l) for l in r.stdout.splitlines() if l.startswith("{")]
         figures = next(({k: j[k] for k in ("decode_tps_runs", "prefill_tps_runs", "host_build_dispatch_wait_us_runs")}
                         for j in lines if "decode_tps_runs" in j), {})
         for j in lines:
             if "host_profile" in j:
-                record(engine="host-profile", model=name, hz=int(hz), **j, **figures)
+                record(engine="host-profile", model=name, hz=int(hz), preload=e.get("LD_PRELOAD"), **j, **figures)
 
 
 def constrained():
