@@ -1080,9 +1080,12 @@ def ab():
         spec = ";".join(f"{v}:" + ",".join(f"{k}={x}" for k, x in extra.items()) for v, extra in inproc)
         # H200_AB_GEN tokens a rep (128): more averages a rep's host
         # hiccups (session 17's 350M reps of one variant ran 0.67-1.24).
+        # (Only process variants chosen: no in-process run of the defaults
+        # alone, which would time nothing against them.)
         r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--prompts", "512",
-                "--gen", os.environ.get("H200_AB_GEN", "128"), "--reps", str(reps), "--ab", spec], f"ab-{name}", check=False)
-        for line in r.stdout.splitlines():
+                "--gen", os.environ.get("H200_AB_GEN", "128"), "--reps", str(reps), "--ab", spec], f"ab-{name}",
+               check=False) if inproc else None
+        for line in (r.stdout.splitlines() if r else []):
             j = json.loads(line)
             if "ab_variant" in j:
                 record(engine="ab", model=name, variant=j["ab_variant"], prefill=j["prefill_tps_runs"],
