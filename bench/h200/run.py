@@ -980,6 +980,17 @@ AB = {
     # 17's three host-stack samples of a steady 350M decode was inside
     # cudaGraphInstantiate: a larger cache asks whether misses recur.
     "graph-cache-2000": ({"MLX_CUDA_GRAPH_CACHE_SIZE": "2000"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # Measured only: the GPU's whole time for a step. Under `sync-steps`
+    # the fourth host_us field is the GPU's tail after the host let go, but
+    # with two to four graphs a step the GPU starts on the first while the
+    # host builds the rest, so the tail is a floor (session 19: 735-826 µs).
+    # With one graph a step, committed when the step is whole, the wait
+    # after the dispatch is the step's GPU time itself (its graph update
+    # and launch included): whether a step is bound by the GPU once the
+    # host's share is gone, and so whether fewer nodes can still pay
+    # (session 20: 22 and 32 nodes fewer moved nothing).
+    "gpu-time-per-step": ({"MLX_MAX_OPS_PER_BUFFER": "1000", "MLX_MAX_MB_PER_BUFFER": "100000", "MLX_LFM_SYNC_STEPS": "1"},
+                          ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     # Measured only (a process's environment, not a repository default):
     # session 18's host profile put 28-36% of the decoding thread's samples
     # in libc, by dladdr malloc, free and the mutexes, and most of the rest
