@@ -93,23 +93,6 @@ KERNELS = {
         [("s", "T"), ("y", "T")],
         lambda dt: [("BITS", 4), ("GS", 64), ("K", 2048), ("M", 1)],
     ),
-    # The folds with their first column's rows prefetched before the
-    # prologue (MLX_LFM_NORM_GEMV_PREFETCH=early: NAME_EARLY before it).
-    "norm_gemv.rs#dense@early": (
-        [("h", "T"), ("r", "T"), ("wn", "T"), ("eps", "float"), ("w", "T")],
-        [("s", "T"), ("y", "T")],
-        lambda dt: [("K", 2048), ("M", 1)],
-    ),
-    "norm_gemv.rs#swiglu@early": (
-        [("h", "T"), ("r", "T"), ("wn", "T"), ("eps", "float"), ("w", "T")],
-        [("s", "T"), ("y", "T")],
-        lambda dt: [("K", 2048), ("M", 1)],
-    ),
-    "norm_gemv.rs#quant@early": (
-        [("h", "T"), ("r", "T"), ("wn", "T"), ("eps", "float"), ("w", "uint32_t"), ("scales", "T"), ("biases", "T")],
-        [("s", "T"), ("y", "T")],
-        lambda dt: [("BITS", 4), ("GS", 64), ("K", 2048), ("M", 1)],
-    ),
     "qk_norm_rope.rs": (
         [("q", "T"), ("k", "T"), ("qw", "T"), ("kw", "T"), ("offset", "int32_t")],
         [("qo", "T"), ("ko", "T")],
@@ -150,6 +133,11 @@ KERNELS = {
         lambda dt: [("BITS", 4), ("GS", 64), ("D", 2048), ("E", 32), ("TOPK", 4), ("NORM", "true")],
     ),
 }
+
+# The folds with their first column's rows prefetched before the prologue
+# (MLX_LFM_NORM_GEMV_PREFETCH=early: NAME_EARLY before it), each as its fold.
+for _fold in ("dense", "swiglu", "quant"):
+    KERNELS[f"norm_gemv.rs#{_fold}@early"] = KERNELS[f"norm_gemv.rs#{_fold}"]
 
 
 def header_of(path):

@@ -154,7 +154,7 @@ pub(crate) fn header() -> String {
 /// Whether the runs are walked with a guard per element
 /// (`MLX_LFM_NORM_RUNS=guarded`; see `HEADER`). Opt-in until its H200 test
 /// and A/B: every kernel built on this code is made once for each walk.
-pub(crate) fn guarded_runs() -> bool {
+fn guarded_runs() -> bool {
     static G: OnceLock<bool> = OnceLock::new();
     crate::knobs::cached("MLX_LFM_NORM_RUNS", &G, |v| v == Some("guarded"))
 }

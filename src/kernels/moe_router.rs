@@ -322,12 +322,7 @@ pub fn gate_norm_available(n: &super::norm_gemv::NormIn, q: &Quantized, k: usize
     }
     let (rows, d) = (h.dim(0), h.dim(1));
     let run = 16 / dt.size() as i32;
-    n.r.shape() == h.shape()
-        && n.r.dtype() == dt
-        && n.wn.shape() == [d]
-        && n.wn.dtype() == dt
-        && n.eps.dtype() == Dtype::Float32
-        && n.eps.size() == 1
+    n.consistent()
         && d % run == 0
         // The fused add + RMSNorm kernel's own block for this row (its
         // sums grouped as this kernel's 256 threads group them: the same

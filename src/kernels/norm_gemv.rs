@@ -17,7 +17,7 @@
 //! asks L2 for each warp's first rows before the norm. Tests in
 //! src/kernels/tests.rs.
 
-use super::add_rms_norm::guarded_runs;
+use super::add_rms_norm::{for_walk, Walks};
 use super::quant_gemv::{quant_template, spec_served, warp_grid, THREADS};
 use crate::error::{Error, Result};
 use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
@@ -135,39 +135,36 @@ fn early_prefetch() -> bool {
     crate::knobs::cached("MLX_LFM_NORM_GEMV_PREFETCH", &E, |v| v == Some("early"))
 }
 
-/// A fold's kernels, one for each walk of the norm's runs and each
-/// prefetch (each its own name: MLX keeps compiled kernels by name).
-type Variants = [OnceLock<Option<CudaKernel>>; 4];
+/// A fold's kernels: for each prefetch, one for each walk of the norm's
+/// runs (each its own name: MLX keeps compiled kernels by name).
+type Variants = [Walks; 2];
 
 fn make(cells: &'static Variants, name: &str, inputs: &[&str], early: &str, body: &str, quant: bool) -> Option<&'static CudaKernel> {
-    let (guarded, early_on) = (guarded_runs(), early_prefetch());
-    cells[usize::from(guarded) + 2 * usize::from(early_on)]
-        .get_or_init(|| {
-            let outputs = ["s", "y"];
-            let mut name = super::add_rms_norm::kernel_name(name);
-            let source = if early_on {
-                name.push_str("_early");
-                format!("{early}{PROLOGUE}{body}")
-            } else {
-                format!("{PROLOGUE}{body}")
-            };
-            CudaKernel::new(&name, inputs, &outputs, &source, &header(quant)).ok()
-        })
-        .as_ref()
+    let early_on = early_prefetch();
+    for_walk(&cells[usize::from(early_on)], || {
+        let mut name = super::add_rms_norm::kernel_name(name);
+        let source = if early_on {
+            name.push_str("_early");
+            format!("{early}{PROLOGUE}{body}")
+        } else {
+            format!("{PROLOGUE}{body}")
+        };
+        CudaKernel::new(&name, inputs, &["s", "y"], &source, &header(quant)).ok()
+    })
 }
 
 fn dense_kernel() -> Option<&'static CudaKernel> {
-    static K: Variants = [const { OnceLock::new() }; 4];
+    static K: Variants = [const { [const { OnceLock::new() }; 2] }; 2];
     make(&K, "lfm_norm_gemv", &["h", "r", "wn", "eps", "w"], DENSE_EARLY, DENSE_SOURCE, false)
 }
 
 fn swiglu_kernel() -> Option<&'static CudaKernel> {
-    static K: Variants = [const { OnceLock::new() }; 4];
+    static K: Variants = [const { [const { OnceLock::new() }; 2] }; 2];
     make(&K, "lfm_norm_gemv_swiglu", &["h", "r", "wn", "eps", "w"], SWIGLU_EARLY, SWIGLU_SOURCE, false)
 }
 
 fn quant_kernel() -> Option<&'static CudaKernel> {
-    static K: Variants = [const { OnceLock::new() }; 4];
+    static K: Variants = [const { [const { OnceLock::new() }; 2] }; 2];
     make(&K, "lfm_norm_qgemv", &["h", "r", "wn", "eps", "w", "scales", "biases"], QUANT_EARLY, QUANT_SOURCE, true)
 }
 
@@ -195,23 +192,32 @@ pub struct NormIn<'a> {
 }
 
 impl NormIn<'_> {
+    /// Whether the operands fit one another (`r` as `h`, `wn` one weight
+    /// per column of `h` in its dtype, `eps` a float32 `[1]`): what every
+    /// kernel that folds this norm asks before its own limits.
+    pub(crate) fn consistent(&self) -> bool {
+        let (h, dt) = (self.h, self.h.dtype());
+        h.ndim() >= 1
+            && self.r.dtype() == dt
+            && self.wn.dtype() == dt
+            && self.r.shape() == h.shape()
+            && self.wn.shape() == [h.dim(-1)]
+            && self.eps.dtype() == Dtype::Float32
+            && self.eps.size() == 1
+    }
+
     /// `(K, rows)` where the kernels serve these operands: on CUDA, one
     /// float dtype, 1 to [`MAX_ROWS`] rows, K a multiple of 8 and at most
     /// 16,384, the rows fitting in shared memory.
     fn served(&self) -> Option<(i32, usize)> {
         let (h, dt) = (self.h, self.h.dtype());
-        if !cuda_kernels_enabled() || h.ndim() < 1 {
+        if !cuda_kernels_enabled() || !self.consistent() {
             return None;
         }
         let k = h.dim(-1);
         let rows = if k > 0 { h.size() / k as usize } else { 0 };
         let ok = dt.is_float()
             && dt != Dtype::Float64
-            && self.r.dtype() == dt
-            && self.wn.dtype() == dt
-            && self.r.shape() == h.shape()
-            && self.wn.shape() == [k]
-            && self.eps.dtype() == Dtype::Float32
             && k > 0
             && k % 8 == 0
             && k <= 16_384
