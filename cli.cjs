@@ -53,12 +53,14 @@ const COMMANDS = {
       ...LOAD_FLAGS,
     },
     run: chat,
+    relaunch: true,
   },
   info: {
     usage: 'mlx-lfm info --model DIR [options]',
     about: 'Loads the model and prints what was loaded and how it runs (JSON), with MLX facts.',
     flags: { ...MODEL_FLAG, ...LOAD_FLAGS },
     run: info,
+    relaunch: true,
   },
   fixture: {
     usage: 'mlx-lfm fixture --out DIR [--preset NAME] [--dtype f32|bf16|f16] [--layout hf|mlx] [--seed N]',
@@ -92,6 +94,7 @@ const COMMANDS = {
       ...LOAD_FLAGS,
     },
     run: serve,
+    relaunch: true,
   },
   follow: {
     usage: 'mlx-lfm follow --model DIR [--backend NAME] [options]',
@@ -104,6 +107,7 @@ const COMMANDS = {
       ...LOAD_FLAGS,
     },
     run: follow,
+    relaunch: true,
   },
   convert: {
     usage: 'mlx-lfm convert --model DIR --out DIR [-q] [--q-mode MODE] [--q-bits N] [--q-group-size N] [--dtype DTYPE] [--q-override RULE ...]',
@@ -138,6 +142,18 @@ const COMMANDS = {
       ...LOAD_FLAGS,
     },
     run: bench,
+    relaunch: true,
+  },
+  allocator: {
+    usage: 'mlx-lfm allocator [-h]',
+    about:
+      'Prints the allocator library the commands that run a model preload on Linux (mimalloc, shipped with the ' +
+      'native package: MLX\'s host work per token is allocation-heavy), for a program of your own: ' +
+      'LD_PRELOAD="$(npx mlx-lfm allocator)" node app.js. Fails with the reason where there is none. ' +
+      'MLX_LFM_ALLOCATOR=system keeps the C library\'s malloc; MLX_LFM_ALLOCATOR=PATH preloads that library instead.',
+    flags: {},
+    run: allocatorPath,
+    addon: false,
   },
 };
 
@@ -389,6 +405,13 @@ async function info(addon, v) {
   const model = await load(addon, v.model, v);
   console.log(JSON.stringify({ mlx: addon.mlxInfo(), model: model.info() }, null, 2));
   model.close();
+}
+
+function allocatorPath() {
+  const { preloadPath } = require('./lib/allocator.cjs');
+  const p = preloadPath();
+  if (!p.path) fail(`no allocator to preload: ${p.reason}`);
+  console.log(p.path);
 }
 
 async function fixture(addon, v) {
@@ -645,7 +668,20 @@ async function main() {
     console.log(commandHelp(cmd));
     return;
   }
-  await COMMANDS[cmd].run(require('./main.cjs'), values);
+  if (COMMANDS[cmd].relaunch) {
+    // Once, before the addon loads: this command again, under the allocator
+    // (lib/allocator.cjs says why); its exit is this one's.
+    const child = require('./lib/allocator.cjs').relaunch();
+    if (child) {
+      const { code, signal } = await child;
+      if (signal) {
+        process.kill(process.pid, signal);
+        return;
+      }
+      process.exit(code ?? 1);
+    }
+  }
+  await COMMANDS[cmd].run(COMMANDS[cmd].addon === false ? null : require('./main.cjs'), values);
 }
 
 main().catch((e) => fail(e.message));

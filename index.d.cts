@@ -572,6 +572,13 @@ export interface MlxInfo {
    * installed and an NVIDIA GPU is present", or why CUDA was not used).
    */
   bindingReason?: string
+  /**
+   * The library this process's `malloc` comes from: the C library's
+   * (e.g. "/lib/x86_64-linux-gnu/libc.so.6") unless another allocator
+   * was preloaded, as the `mlx-lfm` command does on Linux (a
+   * "libmimalloc.so" path then). Absent where the loader cannot say.
+   */
+  allocator?: string
 }
 
 /**

@@ -59,6 +59,7 @@ test('--help for each command lists its flags', () => {
     follow: ['--model', '--backend', '--dtype', '--kv-cache', '--decode-path', '--paged', '--no-paged', '--device', '--context-length', '--prefix-cache-dir', '--prefix-cache-disk-mb'],
     convert: ['--model', '--out', '--quantize', '--q-mode', '--q-bits', '--q-group-size', '--dtype', '--q-override'],
     bench: ['--model', '--prompt-tokens', '--gen', '--reps', '--dtype', '--kv-cache', '--decode-path', '--paged', '--no-paged', '--device', '--context-length', '--prefix-cache-dir', '--prefix-cache-disk-mb'],
+    allocator: [],
   };
   for (const [cmd, flags] of Object.entries(expect)) {
     for (const form of [[cmd, '--help'], [cmd, '-h'], ['help', cmd]]) {
@@ -210,4 +211,95 @@ test('serve --prefix-cache-dir: a restarted server reuses the blocks the first o
   } finally {
     fs.rmSync(cache, { recursive: true, force: true });
   }
+});
+
+// The model commands relaunch themselves once with mimalloc preloaded on
+// Linux (lib/allocator.cjs): what each process's malloc is, the loader's
+// own answer (mlxInfo().allocator, dladdr of malloc), says whether it took.
+const linux = process.platform === 'linux';
+const shipped = path.join(root, 'libmimalloc.so');
+
+function cliEnv(extra = {}) {
+  const env = { ...process.env, ...extra };
+  delete env.LD_PRELOAD;
+  delete env.MLX_LFM_ALLOCATOR_RELAUNCHED;
+  for (const [k, v] of Object.entries(extra)) if (v === undefined) delete env[k];
+  return env;
+}
+
+test('model commands run under the shipped allocator on Linux; MLX_LFM_ALLOCATOR=system keeps libc\'s', { skip: !linux && 'Linux only' }, async () => {
+  assert.ok(require('node:fs').existsSync(shipped), `${shipped} was not built (scripts/mimalloc.cjs, run by npm run build)`);
+  const dir = await fixture('tiny', { preset: 'tiny', dtype: 'f32' });
+  const info = (env) => {
+    const r = spawnSync(process.execPath, [cli, 'info', '--model', dir], { encoding: 'utf8', env });
+    assert.equal(r.status, 0, r.stderr);
+    return JSON.parse(r.stdout).mlx.allocator;
+  };
+  assert.equal(info(cliEnv({ MLX_LFM_ALLOCATOR: undefined })), shipped);
+  assert.match(info(cliEnv({ MLX_LFM_ALLOCATOR: 'system' })), /\/libc\.so/);
+  // This test's own process was not relaunched: a program that requires
+  // the package keeps its malloc.
+  assert.match(addon.mlxInfo().allocator, /\/libc\.so/);
+  const where = spawnSync(process.execPath, [cli, 'allocator'], { encoding: 'utf8', env: cliEnv({ MLX_LFM_ALLOCATOR: undefined }) });
+  assert.equal(where.status, 0, where.stderr);
+  assert.equal(where.stdout.trim(), shipped);
+  // A chat under it answers what the API answers.
+  const r = spawnSync(process.execPath, [cli, 'chat', '--model', dir, '--prompt', 'Hello', '--max-tokens', '5'], { encoding: 'utf8', env: cliEnv() });
+  assert.equal(r.status, 0, r.stderr);
+  const m = await addon.Lfm2Model.load(dir);
+  const want = await m.chat([{ role: 'user', content: 'Hello' }], { maxTokens: 5 });
+  m.close();
+  assert.equal(r.stdout.trim(), want.text.trim());
+});
+
+/** Process ids whose parent is `pid` (by /proc/N/stat's fourth field). */
+function childrenOf(pid) {
+  const fs = require('node:fs');
+  const out = [];
+  for (const e of fs.readdirSync('/proc')) {
+    if (!/^\d+$/.test(e)) continue;
+    try {
+      // The name field may hold spaces: the fields after its closing ')'.
+      const stat = fs.readFileSync(`/proc/${e}/stat`, 'utf8');
+      if (Number(stat.slice(stat.lastIndexOf(')') + 2).split(' ')[1]) === pid) out.push(Number(e));
+    } catch {
+      // gone meanwhile
+    }
+  }
+  return out;
+}
+
+test('a relaunched command\'s failures and signals are the command\'s own', { skip: !linux && 'Linux only' }, async () => {
+  const fs = require('node:fs');
+  const { spawn } = require('node:child_process');
+  // Its exit status and message come through.
+  const bad = spawnSync(process.execPath, [cli, 'info', '--model', '/no/such/dir'], { encoding: 'utf8', env: cliEnv() });
+  assert.equal(bad.status, 1);
+  assert.match(bad.stderr, /model path \/no\/such\/dir is not a directory/);
+  // A library that is not there is named, and nothing is relaunched.
+  const none = spawnSync(process.execPath, [cli, 'allocator'], { encoding: 'utf8', env: cliEnv({ MLX_LFM_ALLOCATOR: '/no/such/lib.so' }) });
+  assert.equal(none.status, 1);
+  assert.match(none.stderr, /MLX_LFM_ALLOCATOR=\/no\/such\/lib\.so: no such file/);
+  // SIGTERM to the command (a service manager stopping it) reaches the
+  // relaunched process, and both end.
+  const dir = await fixture('tiny', { preset: 'tiny', dtype: 'f32' });
+  const p = spawn(process.execPath, [cli, 'chat', '--model', dir], { env: cliEnv(), stdio: ['pipe', 'pipe', 'pipe'] });
+  let err = '';
+  p.stderr.on('data', (d) => (err += d));
+  const deadline = Date.now() + 60_000;
+  let children = [];
+  while (Date.now() < deadline && !(children.length && /mlx-lfm/.test(err))) {
+    await new Promise((r) => setTimeout(r, 100));
+    children = childrenOf(p.pid);
+  }
+  assert.equal(children.length, 1, `one relaunched child: ${err}`);
+  const ended = new Promise((r) => p.on('exit', (code, signal) => r({ code, signal })));
+  p.kill('SIGTERM');
+  const timer = new Promise((r) => setTimeout(() => r({ code: 'still running 15 s after SIGTERM' }), 15_000));
+  const end = await Promise.race([ended, timer]);
+  if (end.code === 'still running 15 s after SIGTERM') for (const pid of [p.pid, ...children]) try { process.kill(pid, 'SIGKILL'); } catch {}
+  assert.deepEqual(end, { code: null, signal: 'SIGTERM' });
+  const gone = Date.now() + 10_000;
+  while (Date.now() < gone && fs.existsSync(`/proc/${children[0]}`)) await new Promise((r) => setTimeout(r, 50));
+  assert.ok(!fs.existsSync(`/proc/${children[0]}`), 'the relaunched process outlived the command');
 });

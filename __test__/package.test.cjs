@@ -74,7 +74,7 @@ test('the packed packages install with npm alone and chat', { skip: !supported &
   const m = await Lfm2Model.load(${JSON.stringify(path.join(app, 'tiny'))});
   const r = await m.chat([{ role: 'user', content: 'Hello' }], { maxTokens: 6 });
   const i = mlxInfo();
-  console.log(JSON.stringify({ n: r.usage.completionTokens, finish: r.finishReason, binding: i.binding, reason: i.bindingReason, backend: i.backend, from: require.resolve('mlx-lfm') }));
+  console.log(JSON.stringify({ n: r.usage.completionTokens, finish: r.finishReason, binding: i.binding, reason: i.bindingReason, backend: i.backend, allocator: i.allocator, from: require.resolve('mlx-lfm') }));
   await m.close();
 })().catch((e) => { console.error(e); process.exit(1); });
 `,
@@ -93,6 +93,19 @@ test('the packed packages install with npm alone and chat', { skip: !supported &
     const ver = spawnSync('node', [path.join(app, 'node_modules', 'mlx-lfm', 'cli.cjs'), '--version'], { cwd: app, env, encoding: 'utf8' });
     assert.strictEqual(ver.status, 0, ver.stderr);
     assert.match(ver.stdout, /^mlx-lfm 0\.1\.0 \(MLX 0\.32\.4, cpu backend, default device cpu, native package: mlx-lfm-linux-x64-gnu\)$/m);
+
+    // The platform package carries the allocator the CLI preloads, and the
+    // installed CLI runs its model commands under it; a program that
+    // requires the package keeps the C library's malloc (chat.cjs above).
+    const shipped = path.join(app, 'node_modules', 'mlx-lfm-linux-x64-gnu', 'libmimalloc.so');
+    const cli = path.join(app, 'node_modules', 'mlx-lfm', 'cli.cjs');
+    const where = spawnSync('node', [cli, 'allocator'], { cwd: app, env, encoding: 'utf8' });
+    assert.strictEqual(where.status, 0, where.stderr);
+    assert.strictEqual(where.stdout.trim(), shipped);
+    const loaded = spawnSync('node', [cli, 'info', '--model', path.join(app, 'tiny')], { cwd: app, env, encoding: 'utf8' });
+    assert.strictEqual(loaded.status, 0, loaded.stderr);
+    assert.strictEqual(JSON.parse(loaded.stdout).mlx.allocator, shipped);
+    assert.match(got.allocator, /libc\.so/);
 
     // A CUDA package that cannot load (here: not a shared object at all, as
     // when its CUDA libraries are missing) falls back to the CPU one, saying why.
@@ -152,6 +165,8 @@ test('every npm/ platform package is laid out for the loader', () => {
     if (e.libc) assert.deepStrictEqual(pkg.libc, [e.libc], dir);
     assert.strictEqual(pkg.main, `mlx-lfm.${e.node}.node`, dir);
     assert.ok(pkg.files.includes(pkg.main) && pkg.files.includes('mlx/lib/'), `${dir}: files ${pkg.files}`);
+    // (Linux: the allocator the CLI preloads, lib/allocator.cjs.)
+    assert.strictEqual(pkg.files.includes('libmimalloc.so'), e.os === 'linux', `${dir}: files ${pkg.files}`);
     assert.ok(fs.existsSync(path.join(root, 'npm', dir, 'README.md')), dir);
   }
   // The loader asks for exactly these packages (plus -cuda on linux-x64).

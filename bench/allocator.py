@@ -36,6 +36,9 @@ def arg(name, default):
 def run(cmd, preload, timeout=600):
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)
+    # The CLI would relaunch itself under its own mimalloc (lib/allocator.cjs):
+    # each arm here is the allocator it names.
+    env["MLX_LFM_ALLOCATOR"] = "system"
     if preload:
         env["LD_PRELOAD"] = preload
     r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)

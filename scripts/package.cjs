@@ -76,6 +76,14 @@ function layout(dir, mlxRoot) {
   // CCCL headers its wheel bundles at <libmlx's folder>/../include/cccl;
   // without them every JIT kernel (gathers, our fused kernels) fails to
   // compile on the user's GPU.
+  // The allocator the `mlx-lfm` command preloads (lib/allocator.cjs),
+  // beside the .node where it looks for it.
+  if (process.platform === 'linux') {
+    const lib = path.join(root, 'libmimalloc.so');
+    if (!fs.existsSync(lib)) run(process.execPath, [path.join(root, 'scripts', 'mimalloc.cjs'), lib], { stdio: 'inherit' });
+    fs.copyFileSync(lib, path.join(pkgDir, 'libmimalloc.so'));
+    carried.push('libmimalloc.so');
+  }
   const cccl = path.join(mlxRoot, 'mlx', 'include', 'cccl');
   if (fs.existsSync(cccl)) {
     fs.cpSync(cccl, path.join(pkgDir, 'mlx', 'include', 'cccl'), { recursive: true });

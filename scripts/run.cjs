@@ -48,6 +48,12 @@ function build() {
   const cliDir = path.dirname(require.resolve('@napi-rs/cli/package.json', { paths: [root] }));
   run(process.execPath, [path.join(cliDir, 'dist', 'cli.js'),
     'build', '--platform', '--release', '--js', 'index.cjs', '--dts', 'index.d.cts']);
+  // The allocator the `mlx-lfm` command preloads on Linux, beside the .node
+  // (lib/allocator.cjs); without it (no network on a first build) the
+  // command runs with glibc's malloc, slower on CUDA.
+  if (process.platform === 'linux' && !fs.existsSync(path.join(root, 'libmimalloc.so'))) {
+    run(process.execPath, [path.join(root, 'scripts', 'mimalloc.cjs'), path.join(root, 'libmimalloc.so'), '--optional']);
+  }
   return before;
 }
 

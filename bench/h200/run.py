@@ -1132,6 +1132,14 @@ def ab_processes(name, knobs, reps):
             r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--prompts", "512", "--gen", "128",
                     "--reps", "2", "--paths", "compiled"], f"ab-procs-{name}", check=False, env=e)
             rows = [json.loads(l) for l in r.stdout.splitlines() if l.startswith("{") and '"prompt"' in l]
+            # The bench's first line names the allocator that served its
+            # malloc (the loader's answer): a preload that did not take
+            # would time glibc under the variant's name.
+            head = [json.loads(l) for l in r.stdout.splitlines() if l.startswith("{") and '"allocator"' in l]
+            served = head[0].get("allocator") if head else None
+            if "LD_PRELOAD" in extra and served and Path(extra["LD_PRELOAD"]).name not in served:
+                log(f"ab-procs {name} {v}: malloc served by {served}, not {extra['LD_PRELOAD']}: no sample")
+                rows = []
             if not rows or len(rows[-1].get("decode_tps_runs", [])) < 2:
                 log(f"ab-procs {name} {v}: no sample (rc {r.returncode})")
                 for f in ("decode", "prefill", "host_us"):

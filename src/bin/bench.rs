@@ -266,7 +266,7 @@ fn run() -> mlx_lfm::Result<()> {
     if rank0 {
         println!(
             "{}",
-            serde_json::json!({"mlx": runtime::version(), "backend": runtime::backend().name(), "device": runtime::device_name(), "model": dir, "tensor_parallel": tp})
+            serde_json::json!({"mlx": runtime::version(), "backend": runtime::backend().name(), "device": runtime::device_name(), "allocator": runtime::malloc_library(), "model": dir, "tensor_parallel": tp})
         );
     }
     for path in paths.split(',') {

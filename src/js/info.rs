@@ -36,6 +36,11 @@ pub struct MlxInfo {
     /// Why that one (e.g. "MLX_LFM_BACKEND=cpu", "the CUDA package is
     /// installed and an NVIDIA GPU is present", or why CUDA was not used).
     pub binding_reason: Option<String>,
+    /// The library this process's `malloc` comes from: the C library's
+    /// (e.g. "/lib/x86_64-linux-gnu/libc.so.6") unless another allocator
+    /// was preloaded, as the `mlx-lfm` command does on Linux (a
+    /// "libmimalloc.so" path then). Absent where the loader cannot say.
+    pub allocator: Option<String>,
 }
 
 /// Facts about the MLX runtime this addon is linked against.
@@ -53,6 +58,7 @@ pub fn mlx_info() -> MlxInfo {
         // Filled in by main.cjs, which chose the package before loading it.
         binding: None,
         binding_reason: None,
+        allocator: runtime::malloc_library(),
         memory: MemoryInfo {
             active_bytes: m.active as f64,
             peak_bytes: m.peak as f64,

@@ -77,6 +77,49 @@ pub fn device_name() -> String {
     String::from_utf8_lossy(&buf[..end]).into_owned()
 }
 
+/// The file of the allocator that serves this process's `malloc`: the C
+/// library's unless another was preloaded. MLX's host bookkeeping per
+/// graph node is allocation-heavy, so which allocator serves it moves
+/// decode speed on CUDA (bench/results/2026-12-04-h200-session21.raw.jsonl):
+/// a figure that does not say which one ran says half.
+///
+/// Asked of a fresh block, not of `malloc`'s address: an executable that
+/// takes that address (node does) makes its own PLT entry the symbol's
+/// address, and the loader would name the executable. mimalloc, the one
+/// allocator we preload, answers for its blocks (`mi_is_in_heap_region`);
+/// otherwise the block is the C library's.
+pub fn malloc_library() -> Option<String> {
+    // SAFETY: dlsym and dladdr read the loader's tables; the file name
+    // dladdr returns lives while its library stays loaded, and is copied at
+    // once; the block is freed by the allocator that gave it.
+    unsafe {
+        let file = |f: *mut libc::c_void| -> Option<String> {
+            let mut info: libc::Dl_info = std::mem::zeroed();
+            if f.is_null() || libc::dladdr(f, &mut info) == 0 || info.dli_fname.is_null() {
+                return None;
+            }
+            Some(CStr::from_ptr(info.dli_fname).to_string_lossy().into_owned())
+        };
+        let owns = libc::dlsym(libc::RTLD_DEFAULT, c"mi_is_in_heap_region".as_ptr());
+        if !owns.is_null() {
+            let is_in: extern "C" fn(*const libc::c_void) -> bool = std::mem::transmute(owns);
+            let block = libc::malloc(64);
+            let mine = !block.is_null() && is_in(block);
+            libc::free(block);
+            if mine {
+                return file(owns);
+            }
+        }
+        // A function of the C library that executables do not take the
+        // address of, to name its file.
+        #[cfg(target_os = "linux")]
+        let libc_fn = c"gnu_get_libc_version";
+        #[cfg(not(target_os = "linux"))]
+        let libc_fn = c"malloc_zone_malloc";
+        file(libc::dlsym(libc::RTLD_DEFAULT, libc_fn.as_ptr()))
+    }
+}
+
 #[derive(Debug, Clone, Copy, Default)]
 pub struct MemoryInfo {
     pub active: usize,

@@ -256,3 +256,20 @@ fn scatter_at_a_scalar_index_and_whole_slices_add_no_nodes() {
     let whole = s.slice_axis(1, 0, 2).unwrap();
     assert!(graph_ops(&[&whole]).unwrap().iter().all(|(n, _)| n != "Slice"), "{:?}", graph_ops(&[&whole]).unwrap());
 }
+
+/// The allocator named is the one serving malloc: the C library's here,
+/// unless the test binary was started with a mimalloc preloaded (the JS
+/// suite checks the relaunched CLI's answer). A name taken from malloc's
+/// address would be the executable's wherever it takes that address.
+#[test]
+fn malloc_library_names_the_allocator_that_serves_malloc() {
+    let lib = runtime::malloc_library().expect("the loader names malloc's library");
+    let preloaded = std::env::var("LD_PRELOAD").unwrap_or_default();
+    if preloaded.contains("mimalloc") {
+        assert!(lib.contains("mimalloc"), "{lib} under LD_PRELOAD={preloaded}");
+    } else {
+        assert!(lib.contains("libc.so") || lib.contains("libsystem_malloc"), "{lib}");
+    }
+    let exe = std::env::current_exe().unwrap();
+    assert_ne!(std::path::Path::new(&lib), exe.as_path());
+}

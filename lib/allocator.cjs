@@ -1,0 +1,93 @@
+'use strict';
+// The host allocator the `mlx-lfm` command runs under on Linux. A decode
+// step's host time is mostly MLX's per-node bookkeeping, much of it glibc's
+// malloc and free; mimalloc in their place decoded the 350M 1.54x and the
+// 8B-A1B 1.30x as fast on the H200 (session 21's paired A/B). The addon
+// cannot swap the allocator of a running process (libc's malloc is bound
+// before any addon loads), so the command relaunches itself once with the
+// library the platform package ships beside its .node (scripts/mimalloc.cjs
+// builds it) in LD_PRELOAD. A program that requires the package itself
+// starts node that way: LD_PRELOAD="$(npx mlx-lfm allocator)" node app.js.
+//
+// MLX_LFM_ALLOCATOR=system keeps glibc's; MLX_LFM_ALLOCATOR=/path/lib.so
+// preloads that library instead.
+const { spawn } = require('node:child_process');
+const fs = require('node:fs');
+const path = require('node:path');
+
+const LIBRARY = 'libmimalloc.so';
+// Set in the relaunched process: never relaunch twice, whatever the loader did.
+const MARK = 'MLX_LFM_ALLOCATOR_RELAUNCHED';
+
+/** The preload library beside the .node the package would load, or null. */
+function bundled() {
+  let node;
+  try {
+    node = require('./backend.cjs').choose().path;
+  } catch {
+    return null;
+  }
+  const lib = node && path.join(path.dirname(node), LIBRARY);
+  return lib && fs.existsSync(lib) ? lib : null;
+}
+
+/**
+ * What a relaunch would preload: { path } or { path: null, reason }.
+ * Linux only: macOS's allocator is another design and is left alone.
+ */
+function preloadPath(env = process.env) {
+  if (process.platform !== 'linux') return { path: null, reason: `no allocator is preloaded on ${process.platform}` };
+  const want = env.MLX_LFM_ALLOCATOR;
+  if (want === 'system') return { path: null, reason: 'MLX_LFM_ALLOCATOR=system' };
+  let lib;
+  if (want) {
+    lib = path.resolve(want);
+    if (!fs.existsSync(lib)) return { path: null, reason: `MLX_LFM_ALLOCATOR=${want}: no such file` };
+  } else {
+    lib = bundled();
+    if (!lib) return { path: null, reason: `no ${LIBRARY} beside the native addon (node scripts/mimalloc.cjs builds it)` };
+  }
+  // The loader splits LD_PRELOAD at spaces and colons.
+  if (/[\s:]/.test(lib)) return { path: null, reason: `${lib}: a space or colon in the path cannot go into LD_PRELOAD` };
+  return { path: lib };
+}
+
+/**
+ * Runs this command again as a child with the allocator preloaded and
+ * resolves with its exit (code, or the signal that ended it); resolves
+ * null where there is nothing to do (not Linux, opted out, already
+ * relaunched or preloaded, no library). Signals sent to this process go
+ * to the child, which owns the terminal's work.
+ */
+function relaunch(argv = process.argv.slice(1), env = process.env) {
+  if (env[MARK]) return null;
+  const want = preloadPath(env);
+  if (!want.path) return null;
+  const current = (env.LD_PRELOAD || '').split(/[\s:]+/).filter(Boolean);
+  if (current.includes(want.path)) return null;
+  const child = spawn(process.execPath, [...process.execArgv, ...argv], {
+    stdio: 'inherit',
+    env: { ...env, [MARK]: '1', LD_PRELOAD: [want.path, ...current].join(':') },
+  });
+  // A terminal's Ctrl-C (SIGINT) and Ctrl-\ (SIGQUIT) reach the whole
+  // foreground group, the child included: sent again it would be a second
+  // Ctrl-C (serve stops on the first and dies on the second). Other
+  // signals, and those two without a terminal, are this process's alone.
+  const tty = process.stdin.isTTY;
+  const forward = {};
+  for (const sig of ['SIGINT', 'SIGTERM', 'SIGHUP', 'SIGQUIT']) {
+    forward[sig] = () => {
+      if (!(tty && (sig === 'SIGINT' || sig === 'SIGQUIT'))) child.kill(sig);
+    };
+    process.on(sig, forward[sig]);
+  }
+  return new Promise((resolve, reject) => {
+    child.on('error', reject);
+    child.on('exit', (code, signal) => {
+      for (const [sig, f] of Object.entries(forward)) process.off(sig, f);
+      resolve({ code, signal });
+    });
+  });
+}
+
+module.exports = { preloadPath, relaunch, LIBRARY, MARK };
