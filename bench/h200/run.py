@@ -47,6 +47,10 @@ and .device/llama do not fit together; a call runs 10 minutes at most):
     5. carry [".device/bin"]:                timeout -s TERM 580 python3 bench/h200/run.py round 1 round 2
        (the two rounds ran past 440 s on 2026-12-03's slower host; `timeout` lets run.py
        pack its logs and raw file before the call's own limit kills it)
+       (H200_MODELS=a,b narrows the rounds and their checkpoints; with
+       H200_OURS_ENV='{"LD_PRELOAD": "<ROOT>/.device/bin/libmimalloc.so"}', ours runs
+       under the allocator the CLI preloads on Linux, and each round also times the
+       same bench with glibc's, engine "mlx-lfm-glibc", right after)
     6. carry [".device/bin"]:                python3 bench/h200/run.py profile new-lengths
 Session 17 spent 65 s starting the machine, 88 s on call 2 (one test), 590
 on call 3 (checkpoints and GGUF alone ~400 s of it), 358 on `ab pick` (four
@@ -340,6 +344,9 @@ def run_ours(name, rnd):
             "--gen", str(GEN), "--reps", str(REPS), "--paths", "compiled"], f"ours-{name}", env=ours_env())
     for line in r.stdout.splitlines():
         j = json.loads(line)
+        if "allocator" in j:
+            # Which allocator served our malloc (the loader's answer).
+            record(engine="mlx-lfm-allocator", model=name, round=rnd, allocator=j["allocator"])
         if "prompt" not in j:
             continue
         record(engine="mlx-lfm", model=name, round=rnd, metric="prefill_tps", prompt=j["prompt"], samples=j["prefill_tps_runs"])
@@ -347,6 +354,19 @@ def run_ours(name, rnd):
         # launching it, waiting for the token].
         record(engine="mlx-lfm", model=name, round=rnd, metric="decode_tps", prompt=j["prompt"], samples=j["decode_tps_runs"],
                cache=j["cache"], host_us=j.get("host_build_dispatch_wait_us_runs"))
+    if "LD_PRELOAD" in json.loads(os.environ.get("H200_OURS_ENV", "{}")):
+        # Ours with the allocator the CLI preloads, and here the same bench
+        # with glibc's (what a program that requires the package gets
+        # unless it preloads too), same round, right after.
+        r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--prompts", ",".join(map(str, prompts)),
+                "--gen", str(GEN), "--reps", str(REPS), "--paths", "compiled"], f"ours-glibc-{name}", check=False)
+        for line in r.stdout.splitlines():
+            j = json.loads(line) if line.startswith("{") else {}
+            if "prompt" in j:
+                record(engine="mlx-lfm-glibc", model=name, round=rnd, metric="prefill_tps", prompt=j["prompt"],
+                       samples=j["prefill_tps_runs"])
+                record(engine="mlx-lfm-glibc", model=name, round=rnd, metric="decode_tps", prompt=j["prompt"],
+                       samples=j["decode_tps_runs"], host_us=j.get("host_build_dispatch_wait_us_runs"))
     if name in AB_IN_ROUNDS:
         # The same build with this session's decode-step changes off (the
         # stock ops as before them), same minute: what the changes buy.
@@ -397,12 +417,19 @@ def run_mlx_lm(name, rnd):
                samples=[x["decode_tps"] for x in row["runs"]])
 
 
+def round_models():
+    # H200_MODELS=a,b narrows the rounds too (a short device budget: the
+    # 350M alone needs no llama-quantize and the shortest conversion).
+    names = os.environ.get("H200_MODELS")
+    return [n for n in MODELS if not names or n in names.split(",")]
+
+
 def rounds(rnd):
     install()
-    checkpoints()
+    checkpoints(round_models())
     record(engine="env", round=rnd, picked=picked_env(), kernels_off=(WORK / "kernels-off").exists(),
            ours_env=json.loads(os.environ.get("H200_OURS_ENV", "{}")))
-    for name in MODELS:
+    for name in round_models():
         # Alternate which engine goes first so neither always meets a cold
         # (or a warm) machine.
         order = [run_llama, run_ours, run_mlx_lm]
@@ -1255,7 +1282,7 @@ def collect(files):
         if "error" in r:
             errors.append(r)
         elif r.get("engine") in ("ncu", "ncu-prefill", "ab", "tests", "constrained", "new-lengths", "pick", "env", "step-ops",
-                                 "prefill-ops", "batch-phases"):
+                                 "prefill-ops", "batch-phases", "mlx-lfm-allocator"):
             profiles.append(r)
         elif r.get("samples"):
             runs.append({"model": r["model"], "engine": r["engine"], "metric": r["metric"], "prompt": r["prompt"],
@@ -1326,13 +1353,15 @@ def ratios(runs):
     out = []
     idx = {(r["engine"], r["model"], r["metric"], r["prompt"], r["round"]): r["value"] for r in runs}
     for (eng, model, metric, prompt, rnd), v in sorted(idx.items(), key=str):
-        if eng != "mlx-lfm":
+        if eng not in ("mlx-lfm", "mlx-lfm-glibc"):
             continue
         for peer in ("llama.cpp", "mlx-lm"):
             peer_v = idx.get((peer, model, metric, prompt, rnd))
             if peer_v:
-                out.append({"model": model, "metric": metric, "prompt": prompt, "round": rnd, "peer": peer,
-                            "ratio": v / peer_v})
+                row = {"model": model, "metric": metric, "prompt": prompt, "round": rnd, "peer": peer, "ratio": v / peer_v}
+                if eng != "mlx-lfm":
+                    row["engine"] = eng
+                out.append(row)
     return out
 
 
