@@ -207,9 +207,14 @@ test('a rank killed while `serve --tensor-parallel 2` generates stops the server
     },
   );
   await started;
-  const ps = require('node:child_process').spawnSync('pgrep', ['-P', String(child.pid), '-f', 'cli.cjs follow'], { encoding: 'utf8' });
-  const follower = Number(ps.stdout.trim().split('\n')[0]);
-  assert.ok(follower > 0, `no follower found: ${ps.stdout} ${ps.stderr}`);
+  // (On Linux the serve command runs as its own child, relaunched under
+  // the allocator it ships: the follower is a grandchild then.)
+  const { spawnSync } = require('node:child_process');
+  const under = (pid, pattern) =>
+    spawnSync('pgrep', ['-P', String(pid), ...(pattern ? ['-f', pattern] : [])], { encoding: 'utf8' })
+      .stdout.trim().split('\n').filter(Boolean).map(Number);
+  const follower = [child.pid, ...under(child.pid)].flatMap((p) => under(p, 'cli.cjs follow'))[0];
+  assert.ok(follower > 0, `no follower found under ${child.pid}`);
   const killedAt = Date.now();
   process.kill(follower, 'SIGKILL');
   const timer = setTimeout(() => child.kill('SIGKILL'), 60_000);

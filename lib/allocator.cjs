@@ -73,7 +73,9 @@ function relaunch(argv = process.argv.slice(1), env = process.env) {
   // foreground group, the child included: sent again it would be a second
   // Ctrl-C (serve stops on the first and dies on the second). Other
   // signals, and those two without a terminal, are this process's alone.
-  const tty = process.stdin.isTTY;
+  // (isatty, not process.stdin: the stream would be this process's to
+  // read, and stdin is the child's.)
+  const tty = require('node:tty').isatty(0);
   const forward = {};
   for (const sig of ['SIGINT', 'SIGTERM', 'SIGHUP', 'SIGQUIT']) {
     forward[sig] = () => {
