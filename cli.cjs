@@ -671,7 +671,9 @@ async function main() {
   if (COMMANDS[cmd].relaunch) {
     // Once, before the addon loads: this command again, under the allocator
     // (lib/allocator.cjs says why); its exit is this one's.
-    const child = require('./lib/allocator.cjs').relaunch();
+    const allocator = require('./lib/allocator.cjs');
+    allocator.followParent();
+    const child = allocator.relaunch();
     if (child) {
       const { code, signal } = await child;
       if (signal) {

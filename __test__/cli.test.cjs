@@ -299,7 +299,25 @@ test('a relaunched command\'s failures and signals are the command\'s own', { sk
   const end = await Promise.race([ended, timer]);
   if (end.code === 'still running 15 s after SIGTERM') for (const pid of [p.pid, ...children]) try { process.kill(pid, 'SIGKILL'); } catch {}
   assert.deepEqual(end, { code: null, signal: 'SIGTERM' });
-  const gone = Date.now() + 10_000;
-  while (Date.now() < gone && fs.existsSync(`/proc/${children[0]}`)) await new Promise((r) => setTimeout(r, 50));
-  assert.ok(!fs.existsSync(`/proc/${children[0]}`), 'the relaunched process outlived the command');
+  const gone = async (pid) => {
+    const until = Date.now() + 10_000;
+    while (Date.now() < until && fs.existsSync(`/proc/${pid}`)) await new Promise((r) => setTimeout(r, 50));
+    return !fs.existsSync(`/proc/${pid}`);
+  };
+  assert.ok(await gone(children[0]), 'the relaunched process outlived the command');
+  // SIGKILL cannot be forwarded: the relaunched process sees its parent
+  // gone and stops by itself (a server would otherwise keep its port; a
+  // server, as a chat would end anyway when its stdin closes).
+  const q = spawn(process.execPath, [cli, 'serve', '--model', dir, '--port', '0'], { env: cliEnv(), stdio: ['ignore', 'pipe', 'pipe'] });
+  let kids = [];
+  const until = Date.now() + 60_000;
+  while (Date.now() < until && !kids.length) {
+    await new Promise((r) => setTimeout(r, 100));
+    kids = childrenOf(q.pid);
+  }
+  assert.equal(kids.length, 1, 'one relaunched child');
+  q.kill('SIGKILL');
+  const orphan = await gone(kids[0]);
+  if (!orphan) process.kill(kids[0], 'SIGKILL');
+  assert.ok(orphan, 'the relaunched process outlived a SIGKILLed command');
 });

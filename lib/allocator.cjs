@@ -67,7 +67,7 @@ function relaunch(argv = process.argv.slice(1), env = process.env) {
   if (current.includes(want.path)) return null;
   const child = spawn(process.execPath, [...process.execArgv, ...argv], {
     stdio: 'inherit',
-    env: { ...env, [MARK]: '1', LD_PRELOAD: [want.path, ...current].join(':') },
+    env: { ...env, [MARK]: String(process.pid), LD_PRELOAD: [want.path, ...current].join(':') },
   });
   // A terminal's Ctrl-C (SIGINT) and Ctrl-\ (SIGQUIT) reach the whole
   // foreground group, the child included: sent again it would be a second
@@ -92,4 +92,22 @@ function relaunch(argv = process.argv.slice(1), env = process.env) {
   });
 }
 
-module.exports = { preloadPath, relaunch, LIBRARY, MARK };
+/**
+ * In the relaunched process: stop (SIGTERM, the graceful path) once the
+ * command that relaunched it is gone. A SIGKILL to that command (the OOM
+ * killer, `kill -9`, a test's cleanup) cannot be forwarded, and a server
+ * left running without it would hold its port with no one to stop it.
+ */
+function followParent(env = process.env) {
+  const parent = Number(env[MARK]);
+  if (!Number.isInteger(parent) || parent <= 1) return;
+  const timer = setInterval(() => {
+    if (process.ppid !== parent) {
+      clearInterval(timer);
+      process.kill(process.pid, 'SIGTERM');
+    }
+  }, 500);
+  timer.unref();
+}
+
+module.exports = { preloadPath, relaunch, followParent, LIBRARY, MARK };
