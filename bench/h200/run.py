@@ -1107,7 +1107,10 @@ def ab():
     2026-12-03, separate processes minutes apart) leaves the ratio alone.
     H200_AB_REPS=N reps (default 6); H200_AB_VARIANTS=a,b only those.
     Variants that set MLX's own knobs (read once per process) run as
-    separate processes, as before."""
+    separate processes, as before. H200_OURS_ENV applies to every arm (the
+    allocator the CLI preloads: session 21 left the 350M's and the
+    8B-A1B's steps bound by the GPU under it, so launch cuts that moved
+    nothing under glibc are worth timing again there)."""
     reps = int(os.environ.get("H200_AB_REPS", "6"))
     only = os.environ.get("H200_AB_VARIANTS")
     for name in ab_models():
@@ -1122,7 +1125,7 @@ def ab():
         # alone, which would time nothing against them.)
         r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--prompts", "512",
                 "--gen", os.environ.get("H200_AB_GEN", "128"), "--reps", str(reps), "--ab", spec], f"ab-{name}",
-               check=False) if inproc else None
+               check=False, env=ours_env()) if inproc else None
         for line in (r.stdout.splitlines() if r else []):
             j = json.loads(line)
             if "ab_variant" in j:
@@ -1154,7 +1157,10 @@ def ab_processes(name, knobs, reps):
     for rep in range(reps):
         order = arms[rep % len(arms):] + arms[:rep % len(arms)]
         for v, extra in order:
-            e = env()
+            # (H200_OURS_ENV under every arm: with the allocator the CLI
+            # ships preloaded, the step the variants change is the one users
+            # run, bound by the GPU where glibc's left it bound by the host.)
+            e = ours_env()
             e.update(extra)
             r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--prompts", "512", "--gen", "128",
                     "--reps", "2", "--paths", "compiled"], f"ab-procs-{name}", check=False, env=e)
