@@ -72,6 +72,13 @@ pauses on this side (a dropped connection, then reading results between
 calls): write the whole chain down before the first call. Process
 variants (`mimalloc`, `malloc-tcache`) need `.device/bin` carried, `ab`
 needs `.device/b` too on a machine that has not installed MLX's wheel.
+Session 21: four chosen tests (greedy among them, `H200_KERNEL_JOBS=4`)
+207 s with the wheel's install; `ab` of one model with two in-process
+variants and three process arms x 3 reps: 159 s (1.2B), 199 s (350M), the
+8B-A1B's with its checkpoint and two arms x 2 reps 257 s; `profile-kernels`
+of one model ~100 s. A fresh machine for a 350M-only round: `stage` (the
+llama.cpp build starts), then `install verdicts-from ... && round 1`
+397 s (the build's wait included), each later round ~60 s.
 Append nothing that copies loose files into $OUT after run.py: a call
 brings back a few files (8 on 2026-12-03) and drops the rest, raw.jsonl
 with them; run.py writes $OUT/raw.jsonl and $OUT/logs.tgz itself.
