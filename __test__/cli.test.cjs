@@ -269,6 +269,27 @@ function childrenOf(pid) {
   return out;
 }
 
+test('the relaunch leaves alone what the user chose', { skip: !linux && 'Linux only' }, () => {
+  const { relaunch, preloadPath } = require('../lib/allocator.cjs');
+  // (Each of these returns before anything is spawned.)
+  for (const env of [
+    { MLX_LFM_ALLOCATOR: 'system' },
+    { LD_PRELOAD: '/opt/lib/libjemalloc.so.2' },
+    { LD_PRELOAD: '/usr/lib/x86_64-linux-gnu/libmimalloc.so.2:/x/other.so' },
+    { LD_PRELOAD: shipped },
+    { MLX_LFM_ALLOCATOR_RELAUNCHED: '1234' },
+    { MLX_LFM_ALLOCATOR: '/no/such/lib.so' },
+  ]) {
+    assert.equal(relaunch(['cli.cjs', 'chat'], env), null, JSON.stringify(env));
+  }
+  assert.deepEqual(preloadPath({ MLX_LFM_ALLOCATOR: 'system' }), { path: null, reason: 'MLX_LFM_ALLOCATOR=system' });
+  assert.deepEqual(preloadPath({ MLX_LFM_ALLOCATOR: shipped }), { path: shipped });
+  const spaced = path.join(require('node:os').tmpdir(), 'a b', 'libmimalloc.so');
+  require('node:fs').mkdirSync(path.dirname(spaced), { recursive: true });
+  require('node:fs').copyFileSync(shipped, spaced);
+  assert.match(preloadPath({ MLX_LFM_ALLOCATOR: spaced }).reason, /space or colon/);
+});
+
 test('a relaunched command\'s failures and signals are the command\'s own', { skip: !linux && 'Linux only' }, async () => {
   const fs = require('node:fs');
   const { spawn } = require('node:child_process');
@@ -276,10 +297,12 @@ test('a relaunched command\'s failures and signals are the command\'s own', { sk
   const bad = spawnSync(process.execPath, [cli, 'info', '--model', '/no/such/dir'], { encoding: 'utf8', env: cliEnv() });
   assert.equal(bad.status, 1);
   assert.match(bad.stderr, /model path \/no\/such\/dir is not a directory/);
-  // A library that is not there is named, and nothing is relaunched.
-  const none = spawnSync(process.execPath, [cli, 'allocator'], { encoding: 'utf8', env: cliEnv({ MLX_LFM_ALLOCATOR: '/no/such/lib.so' }) });
-  assert.equal(none.status, 1);
-  assert.match(none.stderr, /MLX_LFM_ALLOCATOR=\/no\/such\/lib\.so: no such file/);
+  // A library that is not there is named, and nothing runs.
+  for (const args of [['allocator'], ['info', '--model', '/no/such/dir']]) {
+    const none = spawnSync(process.execPath, [cli, ...args], { encoding: 'utf8', env: cliEnv({ MLX_LFM_ALLOCATOR: '/no/such/lib.so' }) });
+    assert.equal(none.status, 1, args.join(' '));
+    assert.match(none.stderr, /MLX_LFM_ALLOCATOR=\/no\/such\/lib\.so: no such file/, args.join(' '));
+  }
   // SIGTERM to the command (a service manager stopping it) reaches the
   // relaunched process, and both end.
   const dir = await fixture('tiny', { preset: 'tiny', dtype: 'f32' });

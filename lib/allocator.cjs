@@ -54,9 +54,9 @@ function preloadPath(env = process.env) {
 
 /**
  * Runs this command again as a child with the allocator preloaded and
- * resolves with its exit (code, or the signal that ended it); resolves
+ * resolves with its exit (code, or the signal that ended it); returns
  * null where there is nothing to do (not Linux, opted out, already
- * relaunched or preloaded, no library). Signals sent to this process go
+ * relaunched, an allocator already preloaded, no library). Signals sent to this process go
  * to the child, which owns the terminal's work.
  */
 function relaunch(argv = process.argv.slice(1), env = process.env) {
@@ -64,7 +64,9 @@ function relaunch(argv = process.argv.slice(1), env = process.env) {
   const want = preloadPath(env);
   if (!want.path) return null;
   const current = (env.LD_PRELOAD || '').split(/[\s:]+/).filter(Boolean);
-  if (current.includes(want.path)) return null;
+  // Already ours, or an allocator the user preloads (jemalloc, tcmalloc, a
+  // distro's mimalloc): theirs stands.
+  if (current.some((p) => p === want.path || /malloc/i.test(path.basename(p)))) return null;
   const child = spawn(process.execPath, [...process.execArgv, ...argv], {
     stdio: 'inherit',
     env: { ...env, [MARK]: String(process.pid), LD_PRELOAD: [want.path, ...current].join(':') },
