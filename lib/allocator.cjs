@@ -102,6 +102,10 @@ function relaunch(argv = process.argv.slice(1), env = process.env) {
  */
 function followParent(env = process.env) {
   const parent = Number(env[MARK]);
+  // The mark is this process's alone: the processes it starts (serve's
+  // follow ranks) have another parent and would stop at once. They find
+  // the library in LD_PRELOAD and do not relaunch.
+  delete env[MARK];
   if (!Number.isInteger(parent) || parent <= 1) return;
   const timer = setInterval(() => {
     if (process.ppid !== parent) {
