@@ -672,10 +672,8 @@ async function main() {
     // Once, before the addon loads: this command again, under the allocator
     // (lib/allocator.cjs says why); its exit is this one's.
     const allocator = require('./lib/allocator.cjs');
-    const asked = process.env.MLX_LFM_ALLOCATOR;
-    // A library named by hand that cannot be preloaded is an error, not a
-    // silent run on glibc's malloc.
-    if (asked && asked !== 'system' && !allocator.preloadPath().path) fail(allocator.preloadPath().reason);
+    const refused = allocator.refusal();
+    if (refused) fail(refused);
     allocator.followParent();
     const child = allocator.relaunch();
     if (child) {

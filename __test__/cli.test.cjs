@@ -344,3 +344,48 @@ test('a relaunched command\'s failures and signals are the command\'s own', { sk
   if (!orphan) process.kill(kids[0], 'SIGKILL');
   assert.ok(orphan, 'the relaunched process outlived a SIGKILLed command');
 });
+
+test('`node -r mlx-lfm/allocator.cjs app.js` runs a program under the shipped allocator, its argv, output and exit its own', { skip: !linux && 'Linux only' }, async () => {
+  const fs = require('node:fs');
+  const os = require('node:os');
+  const { spawn } = require('node:child_process');
+  const dir = await fixture('tiny', { preset: 'tiny', dtype: 'f32' });
+  const app = path.join(fs.mkdtempSync(path.join(os.tmpdir(), 'mlx-lfm-preload-')), 'app.cjs');
+  fs.writeFileSync(app, `const { Lfm2Model, mlxInfo } = require(${JSON.stringify(path.join(root, 'main.cjs'))});
+(async () => {
+  const m = await Lfm2Model.load(${JSON.stringify(dir)});
+  const r = await m.chat([{ role: 'user', content: 'Hi' }], { maxTokens: 3 });
+  console.log(JSON.stringify({ allocator: mlxInfo().allocator, n: r.usage.completionTokens, argv: process.argv.slice(2) }));
+  m.close();
+  if (process.argv[2] === 'wait') setInterval(() => {}, 1000);
+  process.exitCode = 3;
+})();
+`);
+  const preload = path.join(root, 'allocator.cjs');
+  const run = (env, args = ['a b', 'c']) => spawnSync(process.execPath, ['-r', preload, app, ...args], { encoding: 'utf8', env });
+  const r = run(cliEnv());
+  assert.equal(r.status, 3, r.stderr);
+  assert.deepEqual(JSON.parse(r.stdout), { allocator: shipped, n: 3, argv: ['a b', 'c'] });
+  const sys = run(cliEnv({ MLX_LFM_ALLOCATOR: 'system' }));
+  assert.match(JSON.parse(sys.stdout).allocator, /\/libc\.so/);
+  const viaOptions = spawnSync(process.execPath, [app], { encoding: 'utf8', env: cliEnv({ NODE_OPTIONS: `-r ${preload}` }) });
+  assert.equal(JSON.parse(viaOptions.stdout).allocator, shipped, viaOptions.stderr);
+  const bad = run(cliEnv({ MLX_LFM_ALLOCATOR: '/no/such/lib.so' }));
+  assert.notEqual(bad.status, 0);
+  assert.match(bad.stderr, /MLX_LFM_ALLOCATOR=\/no\/such\/lib\.so: no such file/);
+  // The preloading process blocks and cannot forward a signal: killed, it
+  // leaves the program to notice and stop.
+  const p = spawn(process.execPath, ['-r', preload, app, 'wait'], { env: cliEnv(), stdio: ['ignore', 'pipe', 'pipe'] });
+  let out = '';
+  p.stdout.on('data', (d) => (out += d));
+  const until = Date.now() + 60_000;
+  while (Date.now() < until && !out.includes('allocator')) await new Promise((res) => setTimeout(res, 100));
+  const kids = childrenOf(p.pid);
+  assert.equal(kids.length, 1, out);
+  p.kill('SIGTERM');
+  const end = Date.now() + 10_000;
+  while (Date.now() < end && fs.existsSync(`/proc/${kids[0]}`)) await new Promise((res) => setTimeout(res, 50));
+  const left = fs.existsSync(`/proc/${kids[0]}`);
+  if (left) process.kill(kids[0], 'SIGKILL');
+  assert.ok(!left, 'the program outlived the killed preloading process');
+});

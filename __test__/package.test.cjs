@@ -106,6 +106,10 @@ test('the packed packages install with npm alone and chat', { skip: !supported &
     assert.strictEqual(loaded.status, 0, loaded.stderr);
     assert.strictEqual(JSON.parse(loaded.stdout).mlx.allocator, shipped);
     assert.match(got.allocator, /libc\.so/);
+    // ... unless it is started with the package's preload.
+    const pre = spawnSync('node', ['-r', 'mlx-lfm/allocator.cjs', 'chat.cjs'], { cwd: app, env, encoding: 'utf8' });
+    assert.strictEqual(pre.status, 0, pre.stderr);
+    assert.strictEqual(JSON.parse(pre.stdout.trim().split('\n').pop()).allocator, shipped);
 
     // A CUDA package that cannot load (here: not a shared object at all, as
     // when its CUDA libraries are missing) falls back to the CPU one, saying why.

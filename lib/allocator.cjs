@@ -11,7 +11,7 @@
 //
 // MLX_LFM_ALLOCATOR=system keeps glibc's; MLX_LFM_ALLOCATOR=/path/lib.so
 // preloads that library instead.
-const { spawn } = require('node:child_process');
+const { spawn, spawnSync } = require('node:child_process');
 const fs = require('node:fs');
 const path = require('node:path');
 
@@ -53,24 +53,41 @@ function preloadPath(env = process.env) {
 }
 
 /**
- * Runs this command again as a child with the allocator preloaded and
- * resolves with its exit (code, or the signal that ended it); returns
- * null where there is nothing to do (not Linux, opted out, already
- * relaunched, an allocator already preloaded, no library). Signals sent to this process go
- * to the child, which owns the terminal's work.
+ * Why a library named by hand (MLX_LFM_ALLOCATOR=PATH) cannot be
+ * preloaded, or null: such a library is an error, not a silent run on
+ * glibc's malloc.
  */
-function relaunch(argv = process.argv.slice(1), env = process.env) {
+function refusal(env = process.env) {
+  const asked = env.MLX_LFM_ALLOCATOR;
+  if (!asked || asked === 'system') return null;
+  return preloadPath(env).reason || null;
+}
+
+/**
+ * The environment a relaunch under the allocator runs with, or null where
+ * there is nothing to do: not Linux, opted out, already relaunched, no
+ * library, or an allocator already preloaded (ours, or one the user chose:
+ * jemalloc, tcmalloc, a distro's mimalloc; theirs stands).
+ */
+function relaunchEnv(env = process.env) {
   if (env[MARK]) return null;
   const want = preloadPath(env);
   if (!want.path) return null;
   const current = (env.LD_PRELOAD || '').split(/[\s:]+/).filter(Boolean);
-  // Already ours, or an allocator the user preloads (jemalloc, tcmalloc, a
-  // distro's mimalloc): theirs stands.
   if (current.some((p) => p === want.path || /malloc/i.test(path.basename(p)))) return null;
-  const child = spawn(process.execPath, [...process.execArgv, ...argv], {
-    stdio: 'inherit',
-    env: { ...env, [MARK]: String(process.pid), LD_PRELOAD: [want.path, ...current].join(':') },
-  });
+  return { ...env, [MARK]: String(process.pid), LD_PRELOAD: [want.path, ...current].join(':') };
+}
+
+/**
+ * Runs this command again as a child with the allocator preloaded and
+ * resolves with its exit (code, or the signal that ended it); returns
+ * null where relaunchEnv() says there is nothing to do. Signals sent to
+ * this process go to the child, which owns the terminal's work.
+ */
+function relaunch(argv = process.argv.slice(1), env = process.env) {
+  const childEnv = relaunchEnv(env);
+  if (!childEnv) return null;
+  const child = spawn(process.execPath, [...process.execArgv, ...argv], { stdio: 'inherit', env: childEnv });
   // A terminal's Ctrl-C (SIGINT) and Ctrl-\ (SIGQUIT) reach the whole
   // foreground group, the child included: sent again it would be a second
   // Ctrl-C (serve stops on the first and dies on the second). Other
@@ -116,4 +133,20 @@ function followParent(env = process.env) {
   timer.unref();
 }
 
-module.exports = { preloadPath, relaunch, followParent, LIBRARY, MARK };
+/**
+ * For `node -r mlx-lfm/allocator.cjs app.js`: before the program's first
+ * line, run it again under the allocator and exit as it exits. Blocking
+ * (a preload cannot keep the program from starting otherwise), so this
+ * process cannot forward signals: a terminal's reach both, and the child's
+ * followParent() stops it when this one is killed.
+ */
+function relaunchSync(argv = process.argv.slice(1), env = process.env) {
+  const childEnv = relaunchEnv(env);
+  if (!childEnv) return;
+  const r = spawnSync(process.execPath, [...process.execArgv, ...argv], { stdio: 'inherit', env: childEnv });
+  if (r.error) throw new Error(`mlx-lfm: could not relaunch under ${childEnv.LD_PRELOAD}: ${r.error.message}`);
+  if (r.signal) process.kill(process.pid, r.signal);
+  process.exit(r.status ?? 1);
+}
+
+module.exports = { preloadPath, refusal, relaunchEnv, relaunch, relaunchSync, followParent, LIBRARY, MARK };
