@@ -6,8 +6,9 @@
 // cannot swap the allocator of a running process (libc's malloc is bound
 // before any addon loads), so the command relaunches itself once with the
 // library the platform package ships beside its .node (scripts/mimalloc.cjs
-// builds it) in LD_PRELOAD. A program that requires the package itself
-// starts node that way: LD_PRELOAD="$(npx mlx-lfm allocator)" node app.js.
+// builds it) in LD_PRELOAD. A program that requires the package gets the
+// same with `node -r mlx-lfm/allocator.cjs app.js` (relaunchSync), or sets
+// LD_PRELOAD="$(npx mlx-lfm allocator)" itself.
 //
 // MLX_LFM_ALLOCATOR=system keeps glibc's; MLX_LFM_ALLOCATOR=/path/lib.so
 // preloads that library instead.
