@@ -13,6 +13,7 @@
 // PyPI), pinned by version and SHA-256, cached in .mimalloc/.
 //
 //   node scripts/mimalloc.cjs OUT.so [--optional]
+//   node scripts/mimalloc.cjs --pin     (prints the pinned version and hash)
 //
 // --optional: a failure (no network, no C compiler) is a warning and exit 0
 // (a source build without it still works, with glibc's malloc).
@@ -72,6 +73,11 @@ async function build(out) {
 
 async function main() {
   const args = process.argv.slice(2);
+  if (args[0] === '--pin') {
+    // What a built library came from (run.cjs rebuilds when the pin moves).
+    console.log(`${VERSION} ${SHA256}`);
+    return;
+  }
   const optional = args.includes('--optional');
   const out = args.find((a) => !a.startsWith('--'));
   if (!out) {
