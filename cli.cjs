@@ -669,21 +669,12 @@ async function main() {
     return;
   }
   if (COMMANDS[cmd].relaunch) {
-    // Once, before the addon loads: this command again, under the allocator
-    // (lib/allocator.cjs says why); its exit is this one's.
+    // Once, before the model loads: this command again in this process,
+    // under the allocator (lib/allocator.cjs says why).
     const allocator = require('./lib/allocator.cjs');
     const refused = allocator.refusal();
     if (refused) fail(refused);
-    allocator.followParent();
-    const child = allocator.relaunch();
-    if (child) {
-      const { code, signal } = await child;
-      if (signal) {
-        process.kill(process.pid, signal);
-        return;
-      }
-      process.exit(code ?? 1);
-    }
+    allocator.execUnder();
   }
   await COMMANDS[cmd].run(COMMANDS[cmd].addon === false ? null : require('./main.cjs'), values);
 }

@@ -838,6 +838,7 @@ module.exports = nativeBinding
 module.exports.ChatSession = nativeBinding.ChatSession
 module.exports.GenerationStream = nativeBinding.GenerationStream
 module.exports.Lfm2Model = nativeBinding.Lfm2Model
+module.exports.__execWithEnv = nativeBinding.__execWithEnv
 module.exports.convert = nativeBinding.convert
 module.exports.generateFixture = nativeBinding.generateFixture
 module.exports.mlxInfo = nativeBinding.mlxInfo

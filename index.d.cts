@@ -175,6 +175,13 @@ export declare class Lfm2Model {
   close(): void
 }
 
+/**
+ * Internal (the CLI's allocator relaunch): replaces this process with
+ * `file`, run with `argv` and `env` ("KEY=value" strings). Returns only
+ * on failure, with the system's reason.
+ */
+export declare function __execWithEnv(file: string, argv: Array<string>, env: Array<string>): void
+
 /** The paged pool's counters. */
 export interface CacheStats {
   blockSize: number
@@ -574,9 +581,11 @@ export interface MlxInfo {
   bindingReason?: string
   /**
    * The library this process's `malloc` comes from: the C library's
-   * (e.g. "/lib/x86_64-linux-gnu/libc.so.6") unless another allocator
-   * was preloaded, as the `mlx-lfm` command does on Linux (a
-   * "libmimalloc.so" path then). Absent where the loader cannot say.
+   * (e.g. "/lib/x86_64-linux-gnu/libc.so.6"), or mimalloc's where it
+   * serves malloc, as the `mlx-lfm` command arranges on Linux (a
+   * "libmimalloc.so" path then; another preloaded allocator is not
+   * recognised and reads as the C library's). Absent where the loader
+   * cannot say.
    */
   allocator?: string
 }

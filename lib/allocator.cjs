@@ -4,20 +4,20 @@
 // malloc and free; mimalloc in their place decoded the 350M 1.54x and the
 // 8B-A1B 1.30x as fast on the H200 (session 21's paired A/B). The addon
 // cannot swap the allocator of a running process (libc's malloc is bound
-// before any addon loads), so the command relaunches itself once with the
-// library the platform package ships beside its .node (scripts/mimalloc.cjs
-// builds it) in LD_PRELOAD. A program that requires the package gets the
-// same with `node -r mlx-lfm/allocator.cjs app.js` (relaunchSync), or sets
-// LD_PRELOAD="$(npx mlx-lfm allocator)" itself.
+// before any addon loads), so the command replaces itself once (execve:
+// the same process, its pid, signals and exit status) with itself run with
+// the library the platform package ships beside its .node
+// (scripts/mimalloc.cjs builds it) in LD_PRELOAD. A program that requires
+// the package gets the same with `node -r mlx-lfm/allocator.cjs app.js`,
+// or sets LD_PRELOAD="$(npx mlx-lfm allocator)" itself.
 //
 // MLX_LFM_ALLOCATOR=system keeps glibc's; MLX_LFM_ALLOCATOR=/path/lib.so
 // preloads that library instead.
-const { spawn, spawnSync } = require('node:child_process');
 const fs = require('node:fs');
 const path = require('node:path');
 
 const LIBRARY = 'libmimalloc.so';
-// Set in the relaunched process: never relaunch twice, whatever the loader did.
+// Set for the replacing program: never relaunch twice, whatever the loader did.
 const MARK = 'MLX_LFM_ALLOCATOR_RELAUNCHED';
 
 /** The preload library beside the .node the package would load, or null. */
@@ -60,7 +60,7 @@ function preloadPath(env = process.env) {
  */
 function refusal(env = process.env) {
   const asked = env.MLX_LFM_ALLOCATOR;
-  if (!asked || asked === 'system') return null;
+  if (!asked || asked === 'system' || process.platform !== 'linux') return null;
   return preloadPath(env).reason || null;
 }
 
@@ -72,82 +72,39 @@ function refusal(env = process.env) {
  */
 function relaunchEnv(env = process.env) {
   if (env[MARK]) return null;
+  // A debugger attached (or waiting) holds this process: the replacement
+  // would lose it.
+  const inspecting = [...process.execArgv, ...(env.NODE_OPTIONS || '').split(/\s+/)].some((a) => a.startsWith('--inspect'));
+  if (inspecting || require('node:inspector').url()) return null;
   const want = preloadPath(env);
   if (!want.path) return null;
   const current = (env.LD_PRELOAD || '').split(/[\s:]+/).filter(Boolean);
   if (current.some((p) => p === want.path || /malloc/i.test(path.basename(p)))) return null;
-  return { ...env, [MARK]: String(process.pid), LD_PRELOAD: [want.path, ...current].join(':') };
+  return { ...env, [MARK]: '1', LD_PRELOAD: [want.path, ...current].join(':') };
 }
 
 /**
- * Runs this command again as a child with the allocator preloaded and
- * resolves with its exit (code, or the signal that ended it); returns
- * null where relaunchEnv() says there is nothing to do. Signals sent to
- * this process go to the child, which owns the terminal's work.
+ * Replaces this process (execve) with the same program and arguments run
+ * under the allocator; returns false where relaunchEnv() says there is
+ * nothing to do, or where the replacement could not be made (the program
+ * then goes on with the allocator it has, saying why on stderr). Node >=
+ * 22.15 has process.execve; older ones use the addon's (loading it first).
  */
-function relaunch(argv = process.argv.slice(1), env = process.env) {
-  const childEnv = relaunchEnv(env);
-  if (!childEnv) return null;
-  const child = spawn(process.execPath, [...process.execArgv, ...argv], { stdio: 'inherit', env: childEnv });
-  // A terminal's Ctrl-C (SIGINT) and Ctrl-\ (SIGQUIT) reach the whole
-  // foreground group, the child included: sent again it would be a second
-  // Ctrl-C (serve stops on the first and dies on the second). Other
-  // signals, and those two without a terminal, are this process's alone.
-  // (isatty, not process.stdin: the stream would be this process's to
-  // read, and stdin is the child's.)
-  const tty = require('node:tty').isatty(0);
-  const forward = {};
-  for (const sig of ['SIGINT', 'SIGTERM', 'SIGHUP', 'SIGQUIT']) {
-    forward[sig] = () => {
-      if (!(tty && (sig === 'SIGINT' || sig === 'SIGQUIT'))) child.kill(sig);
-    };
-    process.on(sig, forward[sig]);
-  }
-  return new Promise((resolve, reject) => {
-    child.on('error', reject);
-    child.on('exit', (code, signal) => {
-      for (const [sig, f] of Object.entries(forward)) process.off(sig, f);
-      resolve({ code, signal });
-    });
-  });
-}
-
-/**
- * In the relaunched process: stop (SIGTERM, the graceful path) once the
- * command that relaunched it is gone. A SIGKILL to that command (the OOM
- * killer, `kill -9`, a test's cleanup) cannot be forwarded, and a server
- * left running without it would hold its port with no one to stop it.
- */
-function followParent(env = process.env) {
-  const parent = Number(env[MARK]);
-  // The mark is this process's alone: the processes it starts (serve's
-  // follow ranks) have another parent and would stop at once. They find
-  // the library in LD_PRELOAD and do not relaunch.
-  delete env[MARK];
-  if (!Number.isInteger(parent) || parent <= 1) return;
-  const timer = setInterval(() => {
-    if (process.ppid !== parent) {
-      clearInterval(timer);
-      process.kill(process.pid, 'SIGTERM');
+function execUnder(argv = process.argv.slice(1), env = process.env) {
+  const next = relaunchEnv(env);
+  if (!next) return false;
+  const args = [process.execPath, ...process.execArgv, ...argv];
+  try {
+    if (typeof process.execve === 'function') {
+      process.execve(process.execPath, args, next);
+    } else {
+      const vars = Object.entries(next).filter(([, v]) => v !== undefined).map(([k, v]) => `${k}=${v}`);
+      require('../main.cjs').__execWithEnv(process.execPath, args, vars);
     }
-  }, 500);
-  timer.unref();
+  } catch (e) {
+    console.error(`mlx-lfm: warning: could not restart under ${next.LD_PRELOAD.split(':')[0]} (${e.message}); running with the C library's malloc`);
+  }
+  return false;
 }
 
-/**
- * For `node -r mlx-lfm/allocator.cjs app.js`: before the program's first
- * line, run it again under the allocator and exit as it exits. Blocking
- * (a preload cannot keep the program from starting otherwise), so this
- * process cannot forward signals: a terminal's reach both, and the child's
- * followParent() stops it when this one is killed.
- */
-function relaunchSync(argv = process.argv.slice(1), env = process.env) {
-  const childEnv = relaunchEnv(env);
-  if (!childEnv) return;
-  const r = spawnSync(process.execPath, [...process.execArgv, ...argv], { stdio: 'inherit', env: childEnv });
-  if (r.error) throw new Error(`mlx-lfm: could not relaunch under ${childEnv.LD_PRELOAD}: ${r.error.message}`);
-  if (r.signal) process.kill(process.pid, r.signal);
-  process.exit(r.status ?? 1);
-}
-
-module.exports = { preloadPath, refusal, relaunchEnv, relaunch, relaunchSync, followParent, LIBRARY, MARK };
+module.exports = { preloadPath, refusal, relaunchEnv, execUnder, LIBRARY, MARK };

@@ -79,8 +79,16 @@ function layout(dir, mlxRoot) {
   // The allocator the `mlx-lfm` command preloads (lib/allocator.cjs),
   // beside the .node where it looks for it.
   if (process.platform === 'linux') {
+    // Built afresh unless the stamp says it is of the pinned source (run.cjs
+    // writes it): a package never carries a library of an older pin.
     const lib = path.join(root, 'libmimalloc.so');
-    if (!fs.existsSync(lib)) run(process.execPath, [path.join(root, 'scripts', 'mimalloc.cjs'), lib], { stdio: 'inherit' });
+    const script = path.join(root, 'scripts', 'mimalloc.cjs');
+    const stamp = path.join(root, '.mimalloc', 'built');
+    const pin = run(process.execPath, [script, '--pin']);
+    if (!fs.existsSync(lib) || !fs.existsSync(stamp) || fs.readFileSync(stamp, 'utf8') !== pin) {
+      run(process.execPath, [script, lib], { stdio: 'inherit' });
+      fs.writeFileSync(stamp, pin);
+    }
     fs.copyFileSync(lib, path.join(pkgDir, 'libmimalloc.so'));
     carried.push('libmimalloc.so');
   }

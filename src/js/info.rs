@@ -37,9 +37,11 @@ pub struct MlxInfo {
     /// installed and an NVIDIA GPU is present", or why CUDA was not used).
     pub binding_reason: Option<String>,
     /// The library this process's `malloc` comes from: the C library's
-    /// (e.g. "/lib/x86_64-linux-gnu/libc.so.6") unless another allocator
-    /// was preloaded, as the `mlx-lfm` command does on Linux (a
-    /// "libmimalloc.so" path then). Absent where the loader cannot say.
+    /// (e.g. "/lib/x86_64-linux-gnu/libc.so.6"), or mimalloc's where it
+    /// serves malloc, as the `mlx-lfm` command arranges on Linux (a
+    /// "libmimalloc.so" path then; another preloaded allocator is not
+    /// recognised and reads as the C library's). Absent where the loader
+    /// cannot say.
     pub allocator: Option<String>,
 }
 

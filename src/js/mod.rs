@@ -8,6 +8,7 @@
 mod args;
 mod convert;
 mod converter;
+mod exec;
 mod fixture;
 mod info;
 mod model;
