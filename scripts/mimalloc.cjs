@@ -13,8 +13,9 @@
 // PyPI), pinned by version and SHA-256, cached in .mimalloc/.
 //
 //   node scripts/mimalloc.cjs OUT.so [--optional]
-//   node scripts/mimalloc.cjs --pin     (prints the pinned version and hash)
 //
+// Builds OUT.so unless it is there with OUT.so.pin naming the pinned
+// version and hash (a library of an older pin is built again).
 // --optional: a failure (no network, no C compiler) is a warning and exit 0
 // (a source build without it still works, with glibc's malloc).
 'use strict';
@@ -73,19 +74,19 @@ async function build(out) {
 
 async function main() {
   const args = process.argv.slice(2);
-  if (args[0] === '--pin') {
-    // What a built library came from (run.cjs rebuilds when the pin moves).
-    console.log(`${VERSION} ${SHA256}`);
-    return;
-  }
   const optional = args.includes('--optional');
   const out = args.find((a) => !a.startsWith('--'));
   if (!out) {
     console.error('usage: node scripts/mimalloc.cjs OUT.so [--optional]');
     process.exit(2);
   }
+  const stamp = `${out}.pin`;
+  const pin = `${VERSION} ${SHA256}\n`;
+  if (fs.existsSync(out) && fs.existsSync(stamp) && fs.readFileSync(stamp, 'utf8') === pin) return;
   try {
+    fs.rmSync(stamp, { force: true });
     await build(out);
+    fs.writeFileSync(stamp, pin);
   } catch (e) {
     if (!optional) {
       console.error(`mlx-lfm: could not build ${out}: ${e.message}`);

@@ -72,26 +72,19 @@ function layout(dir, mlxRoot) {
   const carried = [nodeFile, 'mlx/lib/'];
   fs.mkdirSync(path.join(pkgDir, 'mlx'), { recursive: true });
   fs.cpSync(path.join(mlxRoot, 'mlx', 'lib'), path.join(pkgDir, 'mlx', 'lib'), { recursive: true });
+  // The allocator the `mlx-lfm` command preloads (lib/allocator.cjs),
+  // beside the .node where it looks for it (built again where it is of an
+  // older pin: a package never carries one).
+  if (process.platform === 'linux') {
+    const lib = path.join(root, 'libmimalloc.so');
+    run(process.execPath, [path.join(root, 'scripts', 'mimalloc.cjs'), lib], { stdio: 'inherit' });
+    fs.copyFileSync(lib, path.join(pkgDir, 'libmimalloc.so'));
+    carried.push('libmimalloc.so');
+  }
   // MLX's CUDA build compiles kernels at run time (NVRTC) and looks for the
   // CCCL headers its wheel bundles at <libmlx's folder>/../include/cccl;
   // without them every JIT kernel (gathers, our fused kernels) fails to
   // compile on the user's GPU.
-  // The allocator the `mlx-lfm` command preloads (lib/allocator.cjs),
-  // beside the .node where it looks for it.
-  if (process.platform === 'linux') {
-    // Built afresh unless the stamp says it is of the pinned source (run.cjs
-    // writes it): a package never carries a library of an older pin.
-    const lib = path.join(root, 'libmimalloc.so');
-    const script = path.join(root, 'scripts', 'mimalloc.cjs');
-    const stamp = path.join(root, '.mimalloc', 'built');
-    const pin = run(process.execPath, [script, '--pin']);
-    if (!fs.existsSync(lib) || !fs.existsSync(stamp) || fs.readFileSync(stamp, 'utf8') !== pin) {
-      run(process.execPath, [script, lib], { stdio: 'inherit' });
-      fs.writeFileSync(stamp, pin);
-    }
-    fs.copyFileSync(lib, path.join(pkgDir, 'libmimalloc.so'));
-    carried.push('libmimalloc.so');
-  }
   const cccl = path.join(mlxRoot, 'mlx', 'include', 'cccl');
   if (fs.existsSync(cccl)) {
     fs.cpSync(cccl, path.join(pkgDir, 'mlx', 'include', 'cccl'), { recursive: true });

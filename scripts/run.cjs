@@ -52,16 +52,7 @@ function build() {
   // (lib/allocator.cjs); without it (no network on a first build) the
   // command runs with glibc's malloc, slower on CUDA.
   if (process.platform === 'linux') {
-    const script = path.join(root, 'scripts', 'mimalloc.cjs');
-    const lib = path.join(root, 'libmimalloc.so');
-    const stamp = path.join(root, '.mimalloc', 'built');
-    const pin = spawnSync(process.execPath, [script, '--pin'], { encoding: 'utf8' }).stdout;
-    const built = fs.existsSync(stamp) ? fs.readFileSync(stamp, 'utf8') : null;
-    if (!fs.existsSync(lib) || built !== pin) {
-      fs.rmSync(lib, { force: true });
-      run(process.execPath, [script, lib, '--optional']);
-      if (fs.existsSync(lib)) fs.writeFileSync(stamp, pin);
-    }
+    run(process.execPath, [path.join(root, 'scripts', 'mimalloc.cjs'), path.join(root, 'libmimalloc.so'), '--optional']);
   }
   return before;
 }
