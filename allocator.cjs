@@ -10,7 +10,9 @@
 const allocator = require('./lib/allocator.cjs');
 
 if (require('node:worker_threads').isMainThread) {
-  const refused = allocator.refusal();
-  if (refused) throw new Error(`mlx-lfm/allocator.cjs: ${refused}`);
-  allocator.execUnder();
+  try {
+    allocator.execUnder();
+  } catch (e) {
+    throw new Error(`mlx-lfm/allocator.cjs: ${e.message}`);
+  }
 }

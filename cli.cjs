@@ -671,10 +671,11 @@ async function main() {
   if (COMMANDS[cmd].relaunch) {
     // Once, before the model loads: this command again in this process,
     // under the allocator (lib/allocator.cjs says why).
-    const allocator = require('./lib/allocator.cjs');
-    const refused = allocator.refusal();
-    if (refused) fail(refused);
-    allocator.execUnder();
+    try {
+      require('./lib/allocator.cjs').execUnder();
+    } catch (e) {
+      fail(e.message);
+    }
   }
   await COMMANDS[cmd].run(COMMANDS[cmd].addon === false ? null : require('./main.cjs'), values);
 }

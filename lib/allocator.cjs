@@ -87,10 +87,13 @@ function relaunchEnv(env = process.env) {
  * Replaces this process (execve) with the same program and arguments run
  * under the allocator; returns false where relaunchEnv() says there is
  * nothing to do, or where the replacement could not be made (the program
- * then goes on with the allocator it has, saying why on stderr). Node >=
- * 22.15 has process.execve; older ones use the addon's (loading it first).
+ * then goes on with the allocator it has, saying why on stderr). Throws
+ * where refusal() names a problem. Node >= 22.15 has process.execve; older
+ * ones use the addon's (loading it first).
  */
 function execUnder(argv = process.argv.slice(1), env = process.env) {
+  const refused = refusal(env);
+  if (refused) throw new Error(refused);
   const next = relaunchEnv(env);
   if (!next) return false;
   const args = [process.execPath, ...process.execArgv, ...argv];
