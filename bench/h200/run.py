@@ -954,6 +954,23 @@ AB = {
     "gemv-max-k-2048-early-guarded": ({"MLX_LFM_GEMV_KERNEL_MAX_K": "2048", "MLX_LFM_NORM_GEMV_PREFETCH": "early",
                                        "MLX_LFM_NORM_RUNS": "guarded"}, ["lfm2-1.2b-bf16"]),
     "fold-early": ({"MLX_LFM_NORM_GEMV_PREFETCH": "early"}, ["lfm2-350m-bf16"]),
+    # Two or four output columns a warp (MLX_LFM_GEMV_COLS), the same bits:
+    # x or the fold's normed rows read once a step for all of them, fewer
+    # instructions a weight byte, the folds' prologue in a half or a quarter
+    # of the blocks (session 21's ncu: the 1.2B's 6,144-column fold at 45
+    # cycles a warp's issue, ~730 instructions a warp, 22% of DRAM's peak);
+    # up to K = 2048 on the 1.2B (with the early prefetch and the guarded
+    # walk, session 21's best there, too) and the 350M's default kernels.
+    "gemv-max-k-2048-c2": ({"MLX_LFM_GEMV_KERNEL_MAX_K": "2048", "MLX_LFM_GEMV_COLS": "2"}, ["lfm2-1.2b-bf16"]),
+    "gemv-max-k-2048-c4": ({"MLX_LFM_GEMV_KERNEL_MAX_K": "2048", "MLX_LFM_GEMV_COLS": "4"}, ["lfm2-1.2b-bf16"]),
+    "gemv-max-k-2048-c2-early-guarded": ({"MLX_LFM_GEMV_KERNEL_MAX_K": "2048", "MLX_LFM_GEMV_COLS": "2",
+                                          "MLX_LFM_NORM_GEMV_PREFETCH": "early", "MLX_LFM_NORM_RUNS": "guarded"},
+                                         ["lfm2-1.2b-bf16"]),
+    "gemv-max-k-2048-c4-early-guarded": ({"MLX_LFM_GEMV_KERNEL_MAX_K": "2048", "MLX_LFM_GEMV_COLS": "4",
+                                          "MLX_LFM_NORM_GEMV_PREFETCH": "early", "MLX_LFM_NORM_RUNS": "guarded"},
+                                         ["lfm2-1.2b-bf16"]),
+    "gemv-c2": ({"MLX_LFM_GEMV_COLS": "2"}, ["lfm2-350m-bf16"]),
+    "gemv-c4": ({"MLX_LFM_GEMV_COLS": "4"}, ["lfm2-350m-bf16"]),
     # The add + RMSNorm code's runs unrolled with a guard per element (by
     # ptxas its default walk keeps them in local memory: a 64-byte stack
     # frame in that kernel and the norm folds); the same sums, opt-in until
@@ -1069,6 +1086,11 @@ AB_TESTS = {
                                       "norm_gemv_kernels_match_stock_ops", "add_rms_norm_kernel_matches_stock_ops",
                                       "greedy:default"],
     "fold-early": ["norm_gemv_kernels_match_stock_ops"],
+    **{v: ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops",
+           "greedy:default"] for v in ("gemv-max-k-2048-c2", "gemv-max-k-2048-c4", "gemv-c2", "gemv-c4")},
+    **{v: ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops",
+           "add_rms_norm_kernel_matches_stock_ops", "greedy:default"]
+       for v in ("gemv-max-k-2048-c2-early-guarded", "gemv-max-k-2048-c4-early-guarded")},
     "norm-runs-guarded": ["add_rms_norm_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops"],
     "router-norm": ["moe_router_norm_kernel_matches_the_norm_and_router_kernels", "greedy:MLX_LFM_ROUTER_NORM_KERNEL"],
     "router-norm-guarded": ["moe_router_norm_kernel_matches_the_norm_and_router_kernels", "add_rms_norm_kernel_matches_stock_ops",
@@ -1081,7 +1103,10 @@ PICK = [
     (["gemv-kernel", "gemv-norm-kernels"], "decode"),
     (["qgemv-kernel", "quant-norm-kernels"], "decode"),
     (["gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetch", "gemv-max-k-2048-plain",
-      "gemv-max-k-2048-no-fold", "gemv-max-k-2048-early", "gemv-max-k-2048-early-guarded"], "decode"),
+      "gemv-max-k-2048-no-fold", "gemv-max-k-2048-early", "gemv-max-k-2048-early-guarded",
+      "gemv-max-k-2048-c2", "gemv-max-k-2048-c4", "gemv-max-k-2048-c2-early-guarded", "gemv-max-k-2048-c4-early-guarded"],
+     "decode"),
+    (["gemv-c2", "gemv-c4"], "decode"),
     (["norm-runs-guarded"], "decode"),
     (["fold-early"], "decode"),
     (["router-norm", "router-norm-guarded"], "decode"),
@@ -1095,10 +1120,19 @@ PICK = [
 # 17: the q/k norm + RoPE kernel's 1.09x on the 1.2B's decode was turned
 # down by the 350M's prefill median, 0.96, a prefill it never runs in).
 DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetch", "gemv-max-k-2048-plain",
-               "gemv-max-k-2048-no-fold", "gemv-max-k-2048-early", "gemv-max-k-2048-early-guarded", "fold-early"}
+               "gemv-max-k-2048-no-fold", "gemv-max-k-2048-early", "gemv-max-k-2048-early-guarded", "fold-early",
+               "gemv-max-k-2048-c2", "gemv-max-k-2048-c4", "gemv-max-k-2048-c2-early-guarded",
+               "gemv-max-k-2048-c4-early-guarded", "gemv-c2", "gemv-c4"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]
+# Switches that reach other groups' models too (the 350M's and the 1.2B's
+# GEMVs read the one MLX_LFM_GEMV_COLS): a pick that sets one is adopted
+# whole only where every variant of another group with the same value,
+# measured in this call, held its figure (>= 0.97) on its models; else
+# the pick is dropped with all its switches (the 1.2B's K = 2048 kernels
+# without their columns are session 19's 0.87x).
+SHARED_WHOLE = ["MLX_LFM_GEMV_COLS"]
 
 
 def ab_models():
@@ -1124,6 +1158,15 @@ def ab():
         chosen = [(v, extra) for v, (extra, models) in AB.items()
                   if v not in ("all",) and (not models or name in models) and (not only or v in only.split(","))
                   and v != "stock"]
+        if os.environ.get("H200_AB_GPU_TIME") == "1":
+            # Each variant's GPU time a step, not its decode rate: every arm
+            # (the defaults too) a process with one graph a step, waited
+            # for right after its dispatch (gpu-time-per-step's knobs), so
+            # the wait after the dispatch is the step's whole GPU time
+            # (host_us' fourth field), whatever bounds the pipelined step.
+            ab_processes(name, [(v, e) for v, e in chosen if v != "gpu-time-per-step"], max(2, reps // 2),
+                         base=AB["gpu-time-per-step"][0], tag="@gpu-time")
+            continue
         inproc = [(v, extra) for v, extra in chosen if all(k.startswith("MLX_LFM_") for k in extra)]
         spec = ";".join(f"{v}:" + ",".join(f"{k}={x}" for k, x in extra.items()) for v, extra in inproc)
         # H200_AB_GEN tokens a rep (128): more averages a rep's host
@@ -1151,14 +1194,15 @@ def ab():
             ab_processes(name, knobs, max(2, reps // 2))
 
 
-def ab_processes(name, knobs, reps):
+def ab_processes(name, knobs, reps, base=None, tag=""):
     """MLX's own knobs, read once per process (MLX_MAX_OPS_PER_BUFFER,
     MLX_MAX_MB_PER_BUFFER, MLX_USE_CUDA_GRAPHS): one process per sample, the defaults and each
     variant in alternation, the order rotated each rep, so a rep's samples
     are seconds apart and its ratios to the defaults' sample are paired as
     `--ab`'s are (on 2026-12-03 separate processes in two turns minutes
     apart drifted by 2x). A process's first run warms its shapes; its
-    second is the sample."""
+    second is the sample. `base` goes under every arm (the defaults' too)
+    and `tag` after each variant's name in the records."""
     arms = [("all", {})] + list(knobs)
     got = {v: {"decode": [], "prefill": [], "host_us": []} for v, _ in arms}
     for rep in range(reps):
@@ -1168,6 +1212,7 @@ def ab_processes(name, knobs, reps):
             # ships preloaded, the step the variants change is the one users
             # run, bound by the GPU where glibc's left it bound by the host.)
             e = ours_env()
+            e.update(base or {})
             e.update(extra)
             r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--prompts", "512", "--gen", "128",
                     "--reps", "2", "--paths", "compiled"], f"ab-procs-{name}", check=False, env=e)
@@ -1192,7 +1237,7 @@ def ab_processes(name, knobs, reps):
     base = got["all"]
     for v, _ in arms:
         ratio = {f: [x / b for x, b in zip(got[v][f], base[f]) if x and b] for f in ("decode", "prefill")}
-        record(engine="ab", model=name, variant=v, prefill=[x for x in got[v]["prefill"] if x],
+        record(engine="ab", model=name, variant=v + tag, prefill=[x for x in got[v]["prefill"] if x],
                decode=[x for x in got[v]["decode"] if x], host_us=got[v]["host_us"], decode_ratio=ratio["decode"],
                prefill_ratio=ratio["prefill"], paired=True, processes=True)
 
@@ -1272,8 +1317,22 @@ def pick():
                 best = (v, top)
         if best:
             picked.update(AB[best[0]][0])
-        if figure == "decode":
+        # (Only groups measured in this call: a model left out of the A/B
+        # says nothing of a shared switch.)
+        if figure == "decode" and any(med.get((v, m)) for v in variants for m in AB[v][1] or []):
             decode_picks.append((variants, AB[best[0]][0] if best else {}))
+    for key in SHARED_WHOLE:
+        for vs, p in decode_picks:
+            if key not in p:
+                continue
+            hurt = [(v, m, round(med[(v, m)]["decode"] / med[("all", m)]["decode"], 3))
+                    for v, (extra, models) in AB.items() if v not in vs and extra.get(key) == p[key]
+                    for m in models or [] if med.get((v, m)) and med.get(("all", m))
+                    and med[(v, m)]["decode"] / med[("all", m)]["decode"] < 0.97]
+            if hurt:
+                for k in p:
+                    picked.pop(k, None)
+                why.append({"dropped": sorted(p), "reason": f"{key}={p[key]} lost elsewhere", "where": hurt})
     for key in SHARED_SWITCHES:
         # Each decode group with a variant that sets the switch must have
         # picked one that does.
@@ -1425,7 +1484,7 @@ def main():
                 kernels()
             elif a == "checkpoints":
                 install()
-                checkpoints()
+                checkpoints(round_models())
             elif a == "ab":
                 install()
                 checkpoints(ab_models(), gguf=False)

@@ -134,7 +134,10 @@ __device__ inline void lfm_dot_rows_a(const T* x, const T* const* wr, int lane, 
   constexpr int N = lfm_npt<K>::v;
   constexpr int STEP = 32 * N;
   constexpr int IT = (K + STEP - 1) / STEP;
-  constexpr int B = IT < LFM_BATCH ? IT : LFM_BATCH;
+  // More rows than the SwiGLU's two (LFM_COLS > 1): as many loads in
+  // flight a lane, in shorter batches, so the registers stay in bounds.
+  constexpr int BR = R <= 2 ? LFM_BATCH : (16 / R < 2 ? 2 : 16 / R);
+  constexpr int B = IT < BR ? IT : BR;
   if (LFM_DENSE_PLAIN) {
     // MLX's own loop: one load of each row at a time, not unrolled (the
     // same columns in the same order, so the same sums).
@@ -204,42 +207,64 @@ __device__ inline T lfm_swiglu(float g, float u) {
   const T gt = T(g);
   return (gt * lfm_sigmoid_t<T>(gt)) * T(u);
 }
-// Output column n (this warp's) of x @ w.T for M rows: y[m, n].
-template <typename T, int K, int M>
+// Output columns n .. n + C - 1 (this warp's) of x @ w.T for M rows:
+// y[m, n + c]. The C rows are walked together, each summed in MLX's order
+// (so the same bits as a warp a column), x read once a step for all of
+// them; a column past N re-reads the last row and is not stored.
+template <typename T, int K, int M, int C = 1>
 __device__ inline void lfm_gemv_warp(const T* x, bool xa, const T* w, bool wa, T* y, int N, int n, int lane) {
-  float acc[M];
+  float acc[C * M];
 #pragma unroll
-  for (int m = 0; m < M; m++) acc[m] = 0.0f;
-  const T* rows[1] = {w + static_cast<size_t>(n) * K};
-  lfm_dot_rows<T, K, M, 1>(x, xa, rows, wa, lane, acc);
+  for (int i = 0; i < C * M; i++) acc[i] = 0.0f;
+  const T* rows[C];
 #pragma unroll
-  for (int m = 0; m < M; m++) {
-    const float s = lfm_warp_sum(acc[m]);
-    if (lane == 0) y[static_cast<size_t>(m) * N + n] = T(s);
+  for (int c = 0; c < C; c++) rows[c] = w + static_cast<size_t>(n + c < N ? n + c : N - 1) * K;
+  lfm_dot_rows<T, K, M, C>(x, xa, rows, wa, lane, acc);
+#pragma unroll
+  for (int c = 0; c < C; c++) {
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+      const float s = lfm_warp_sum(acc[c * M + m]);
+      if (lane == 0 && n + c < N) y[static_cast<size_t>(m) * N + n + c] = T(s);
+    }
   }
 }
-// Column n of silu(x @ w[..F].T) * (x @ w[F..].T) for the stacked [2F, K] w.
-template <typename T, int K, int M>
+// Columns n .. n + C - 1 of silu(x @ w[..F].T) * (x @ w[F..].T) for the
+// stacked [2F, K] w: the C gate rows and the C up rows walked together.
+template <typename T, int K, int M, int C = 1>
 __device__ inline void lfm_gemv_swiglu_warp(const T* x, bool xa, const T* w, bool wa, T* y, int F, int n, int lane) {
-  float acc[2 * M];
+  float acc[2 * C * M];
 #pragma unroll
-  for (int i = 0; i < 2 * M; i++) acc[i] = 0.0f;
-  const T* rows[2] = {w + static_cast<size_t>(n) * K, w + static_cast<size_t>(F + n) * K};
-  lfm_dot_rows<T, K, M, 2>(x, xa, rows, wa, lane, acc);
+  for (int i = 0; i < 2 * C * M; i++) acc[i] = 0.0f;
+  const T* rows[2 * C];
 #pragma unroll
-  for (int m = 0; m < M; m++) {
-    const float g = lfm_warp_sum(acc[m]);
-    const float u = lfm_warp_sum(acc[M + m]);
-    if (lane == 0) y[static_cast<size_t>(m) * F + n] = lfm_swiglu<T>(g, u);
+  for (int c = 0; c < C; c++) {
+    const int f = n + c < F ? n + c : F - 1;
+    rows[c] = w + static_cast<size_t>(f) * K;
+    rows[C + c] = w + static_cast<size_t>(F + f) * K;
+  }
+  lfm_dot_rows<T, K, M, 2 * C>(x, xa, rows, wa, lane, acc);
+#pragma unroll
+  for (int c = 0; c < C; c++) {
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+      const float g = lfm_warp_sum(acc[c * M + m]);
+      const float u = lfm_warp_sum(acc[(C + c) * M + m]);
+      if (lane == 0 && n + c < F) y[static_cast<size_t>(m) * F + n + c] = lfm_swiglu<T>(g, u);
+    }
   }
 }
+// Output columns a warp takes (MLX_LFM_GEMV_COLS, an A/B's knob).
+#ifndef LFM_COLS
+#define LFM_COLS 1
+#endif
 ";
 
 const SOURCE: &str = r#"
   const int N = w_shape[0];
-  const int n = blockIdx.x * (256 / 32) + threadIdx.x / 32;
+  const int n = (blockIdx.x * (256 / 32) + threadIdx.x / 32) * LFM_COLS;
   if (n >= N) return;
-  lfm_gemv_warp<T, K, M>(x, lfm_aligned(x), w, lfm_aligned(w), y, N, n, threadIdx.x % 32);
+  lfm_gemv_warp<T, K, M, LFM_COLS>(x, lfm_aligned(x), w, lfm_aligned(w), y, N, n, threadIdx.x % 32);
 "#;
 
 /// The MLP's `silu(x @ w1.T) * (x @ w3.T)` from the stacked `[w1; w3]`
@@ -248,9 +273,9 @@ const SOURCE: &str = r#"
 /// kernel of its own. Rounded as the stock ops round (`lfm_swiglu`).
 const SWIGLU_SOURCE: &str = r#"
   const int F = w_shape[0] / 2;
-  const int n = blockIdx.x * (256 / 32) + threadIdx.x / 32;
+  const int n = (blockIdx.x * (256 / 32) + threadIdx.x / 32) * LFM_COLS;
   if (n >= F) return;
-  lfm_gemv_swiglu_warp<T, K, M>(x, lfm_aligned(x), w, lfm_aligned(w), y, F, n, threadIdx.x % 32);
+  lfm_gemv_swiglu_warp<T, K, M, LFM_COLS>(x, lfm_aligned(x), w, lfm_aligned(w), y, F, n, threadIdx.x % 32);
 "#;
 
 /// How the dense GEMVs walk a row, an A/B's knob (`MLX_LFM_GEMV_LOOP`):
@@ -275,25 +300,59 @@ fn walk() -> Walk {
     })
 }
 
-/// The kernel named `name` (suffixed by its walk) over `source`, one per walk.
-fn for_walk(cells: &'static [OnceLock<Option<CudaKernel>>; 3], name: &str, source: &str) -> Option<&'static CudaKernel> {
+/// Output columns a warp takes (`MLX_LFM_GEMV_COLS`: 1, the default, 2 or
+/// 4; an A/B's knob), for the dense GEMVs and the dense norm folds. Each
+/// column's row is still summed in MLX's order (the same bits); more
+/// columns a warp read `x` (or the fold's shared rows) once for all of
+/// them, issue fewer instructions a weight byte and, in the folds, run the
+/// norm's prologue in fewer blocks: session 21's ncu put the 1.2B's
+/// 6,144-column fold at 45 cycles a warp's issue, ~730 instructions a
+/// warp, 22% of DRAM's peak.
+pub(crate) fn cols() -> i32 {
+    static C: OnceLock<i32> = OnceLock::new();
+    crate::knobs::cached("MLX_LFM_GEMV_COLS", &C, |v| match v.map(str::trim) {
+        Some("2") => 2,
+        Some("4") => 4,
+        _ => 1,
+    })
+}
+
+/// `cols()` as an index of a kernel's variants, its name's suffix and the
+/// define its source is compiled with.
+pub(crate) fn cols_variant() -> (usize, &'static str, &'static str) {
+    match cols() {
+        2 => (1, "_c2", "#define LFM_COLS 2\n"),
+        4 => (2, "_c4", "#define LFM_COLS 4\n"),
+        _ => (0, "", ""),
+    }
+}
+
+/// A kernel's cells: one for each walk, each for each [`cols`].
+type Cells = [[OnceLock<Option<CudaKernel>>; 3]; 3];
+
+/// The kernel named `name` (suffixed by its walk and columns) over
+/// `source`, one per walk and column count.
+fn for_walk(cells: &'static Cells, name: &str, source: &str) -> Option<&'static CudaKernel> {
     let (i, suffix, defines) = match walk() {
         Walk::Batched => (0, "", ""),
         Walk::NoPrefetch => (1, "_no_prefetch", "#define LFM_DENSE_PREFETCH 0\n"),
         Walk::Plain => (2, "_plain", "#define LFM_DENSE_PLAIN 1\n"),
     };
-    cells[i]
-        .get_or_init(|| CudaKernel::new(&format!("{name}{suffix}"), &["x", "w"], &["y"], source, &format!("{defines}{}", header())).ok())
+    let (c, csuffix, cdefine) = cols_variant();
+    cells[i][c]
+        .get_or_init(|| {
+            CudaKernel::new(&format!("{name}{suffix}{csuffix}"), &["x", "w"], &["y"], source, &format!("{defines}{cdefine}{}", header())).ok()
+        })
         .as_ref()
 }
 
 fn kernel() -> Option<&'static CudaKernel> {
-    static K: [OnceLock<Option<CudaKernel>>; 3] = [OnceLock::new(), OnceLock::new(), OnceLock::new()];
+    static K: Cells = [const { [const { OnceLock::new() }; 3] }; 3];
     for_walk(&K, "lfm_gemv", SOURCE)
 }
 
 fn swiglu_kernel() -> Option<&'static CudaKernel> {
-    static K: [OnceLock<Option<CudaKernel>>; 3] = [OnceLock::new(), OnceLock::new(), OnceLock::new()];
+    static K: Cells = [const { [const { OnceLock::new() }; 3] }; 3];
     for_walk(&K, "lfm_gemv_swiglu", SWIGLU_SOURCE)
 }
 
@@ -364,13 +423,14 @@ pub fn gemv(x: &Array, w: &Array) -> Result<Array> {
     launch(kern, x, w, w.dim(0))
 }
 
-/// A warp for each of `cols` output columns; the output is `x`'s shape with
-/// `cols` as its last axis.
+/// A warp for each [`cols()`] of `cols` output columns; the output is `x`'s
+/// shape with `cols` as its last axis.
 fn launch(kern: &CudaKernel, x: &Array, w: &Array, cols: i32) -> Result<Array> {
     let k = w.dim(1);
     let rows = x.size() / k as usize;
     let per_block = THREADS / 32;
-    let blocks = (cols + per_block - 1) / per_block;
+    let warps = (cols + self::cols() - 1) / self::cols();
+    let blocks = (warps + per_block - 1) / per_block;
     let grid = blocks.checked_mul(THREADS).ok_or_else(|| Error::invalid("too many output columns for the GEMV kernel"))?;
     let mut shape = x.shape();
     *shape.last_mut().ok_or_else(|| Error::invalid("GEMV of a scalar"))? = cols;

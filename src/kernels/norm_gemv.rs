@@ -54,8 +54,8 @@ const PROLOGUE: &str = "
     __syncthreads();
   }
   const int lane = threadIdx.x % 32;
-  const int first = blockIdx.x * (256 / 32) + threadIdx.x / 32;
-  const int stride = gridDim.x * (256 / 32);
+  const int first = (blockIdx.x * (256 / 32) + threadIdx.x / 32) * LFM_COLS;
+  const int stride = gridDim.x * (256 / 32) * LFM_COLS;
 ";
 
 /// The early prefetch (`MLX_LFM_NORM_GEMV_PREFETCH=early`, opt-in until its
@@ -70,18 +70,22 @@ const PROLOGUE: &str = "
 /// are the same, bit for bit (the test holds it).
 const DENSE_EARLY: &str = r#"
   {
-    const int n0 = blockIdx.x * (256 / 32) + threadIdx.x / 32;
-    if (n0 < w_shape[0] && lfm_aligned(w)) lfm_prefetch_dense<T, K>(w + static_cast<size_t>(n0) * K, threadIdx.x % 32);
+    const int n0 = (blockIdx.x * (256 / 32) + threadIdx.x / 32) * LFM_COLS;
+    for (int c = 0; c < LFM_COLS; c++) {
+      if (n0 + c < w_shape[0] && lfm_aligned(w)) lfm_prefetch_dense<T, K>(w + static_cast<size_t>(n0 + c) * K, threadIdx.x % 32);
+    }
   }
 "#;
 
 const SWIGLU_EARLY: &str = r#"
   {
     const int f = w_shape[0] / 2;
-    const int n0 = blockIdx.x * (256 / 32) + threadIdx.x / 32;
-    if (n0 < f && lfm_aligned(w)) {
-      lfm_prefetch_dense<T, K>(w + static_cast<size_t>(n0) * K, threadIdx.x % 32);
-      lfm_prefetch_dense<T, K>(w + static_cast<size_t>(f + n0) * K, threadIdx.x % 32);
+    const int n0 = (blockIdx.x * (256 / 32) + threadIdx.x / 32) * LFM_COLS;
+    for (int c = 0; c < LFM_COLS; c++) {
+      if (n0 + c < f && lfm_aligned(w)) {
+        lfm_prefetch_dense<T, K>(w + static_cast<size_t>(n0 + c) * K, threadIdx.x % 32);
+        lfm_prefetch_dense<T, K>(w + static_cast<size_t>(f + n0 + c) * K, threadIdx.x % 32);
+      }
     }
   }
 "#;
@@ -101,12 +105,12 @@ const QUANT_EARLY: &str = r#"
 
 const DENSE_SOURCE: &str = r#"
   const int N = w_shape[0];
-  for (int n = first; n < N; n += stride) lfm_gemv_warp<T, K, M>(ys, true, w, lfm_aligned(w), y, N, n, lane);
+  for (int n = first; n < N; n += stride) lfm_gemv_warp<T, K, M, LFM_COLS>(ys, true, w, lfm_aligned(w), y, N, n, lane);
 "#;
 
 const SWIGLU_SOURCE: &str = r#"
   const int F = w_shape[0] / 2;
-  for (int n = first; n < F; n += stride) lfm_gemv_swiglu_warp<T, K, M>(ys, true, w, lfm_aligned(w), y, F, n, lane);
+  for (int n = first; n < F; n += stride) lfm_gemv_swiglu_warp<T, K, M, LFM_COLS>(ys, true, w, lfm_aligned(w), y, F, n, lane);
 "#;
 
 const QUANT_SOURCE: &str = r#"
@@ -135,13 +139,25 @@ fn early_prefetch() -> bool {
     crate::knobs::cached("MLX_LFM_NORM_GEMV_PREFETCH", &E, |v| v == Some("early"))
 }
 
-/// A fold's kernels: for each prefetch, one for each walk of the norm's
-/// runs (each its own name: MLX keeps compiled kernels by name).
-type Variants = [Walks; 2];
+/// A fold's kernels: for each of the dense GEMVs' column counts
+/// ([`super::gemv::cols`]; the quantized fold takes one), for each
+/// prefetch, one for each walk of the norm's runs (each its own name: MLX
+/// keeps compiled kernels by name).
+type Variants = [[Walks; 2]; 3];
+
+/// Output columns a warp of this fold takes.
+fn fold_cols(quant: bool) -> i32 {
+    if quant {
+        1
+    } else {
+        super::gemv::cols()
+    }
+}
 
 fn make(cells: &'static Variants, name: &str, inputs: &[&str], early: &str, body: &str, quant: bool) -> Option<&'static CudaKernel> {
     let early_on = early_prefetch();
-    for_walk(&cells[usize::from(early_on)], || {
+    let (c, csuffix, cdefine) = if quant { (0, "", "") } else { super::gemv::cols_variant() };
+    for_walk(&cells[c][usize::from(early_on)], || {
         let mut name = super::add_rms_norm::kernel_name(name);
         let source = if early_on {
             name.push_str("_early");
@@ -149,22 +165,23 @@ fn make(cells: &'static Variants, name: &str, inputs: &[&str], early: &str, body
         } else {
             format!("{PROLOGUE}{body}")
         };
-        CudaKernel::new(&name, inputs, &["s", "y"], &source, &header(quant)).ok()
+        name.push_str(csuffix);
+        CudaKernel::new(&name, inputs, &["s", "y"], &source, &format!("{cdefine}{}", header(quant))).ok()
     })
 }
 
 fn dense_kernel() -> Option<&'static CudaKernel> {
-    static K: Variants = [const { [const { OnceLock::new() }; 2] }; 2];
+    static K: Variants = [const { [const { [const { OnceLock::new() }; 2] }; 2] }; 3];
     make(&K, "lfm_norm_gemv", &["h", "r", "wn", "eps", "w"], DENSE_EARLY, DENSE_SOURCE, false)
 }
 
 fn swiglu_kernel() -> Option<&'static CudaKernel> {
-    static K: Variants = [const { [const { OnceLock::new() }; 2] }; 2];
+    static K: Variants = [const { [const { [const { OnceLock::new() }; 2] }; 2] }; 3];
     make(&K, "lfm_norm_gemv_swiglu", &["h", "r", "wn", "eps", "w"], SWIGLU_EARLY, SWIGLU_SOURCE, false)
 }
 
 fn quant_kernel() -> Option<&'static CudaKernel> {
-    static K: Variants = [const { [const { OnceLock::new() }; 2] }; 2];
+    static K: Variants = [const { [const { [const { OnceLock::new() }; 2] }; 2] }; 3];
     make(&K, "lfm_norm_qgemv", &["h", "r", "wn", "eps", "w", "scales", "biases"], QUANT_EARLY, QUANT_SOURCE, true)
 }
 
@@ -256,7 +273,7 @@ pub fn quant_available(n: &NormIn, q: &Quantized) -> bool {
 /// `(h + r, (rms_norm(h + r) * wn) @ w.T)`.
 pub fn norm_gemv(n: &NormIn, w: &Array) -> Result<(Array, Array)> {
     let kern = dense_kernel().ok_or_else(|| Error::mlx("the fused norm + GEMV kernel is not available"))?;
-    launch(kern, n, &[w], w.dim(0), vec![])
+    launch(kern, n, &[w], w.dim(0), vec![], fold_cols(false))
 }
 
 /// `(h + r, silu(y @ w[..F].T) * (y @ w[F..].T))` with `y = rms_norm(h + r) * wn`.
@@ -266,7 +283,7 @@ pub fn norm_gemv_swiglu(n: &NormIn, w: &Array) -> Result<(Array, Array)> {
     if n2 % 2 != 0 {
         return Err(Error::invalid(format!("norm + GEMV + SwiGLU: the stacked weight has an odd number of rows ({n2})")));
     }
-    launch(kern, n, &[w], n2 / 2, vec![])
+    launch(kern, n, &[w], n2 / 2, vec![], fold_cols(false))
 }
 
 /// `(h + r, (rms_norm(h + r) * wn) @ dequantize(q).T)`.
@@ -276,12 +293,13 @@ pub fn norm_qgemv(n: &NormIn, q: &Quantized) -> Result<(Array, Array)> {
     let k = n.h.dim(-1);
     let mut template = quant_template(q, k, n.h.dtype());
     template.retain(|(name, _)| *name != "K" && *name != "T");
-    launch(kern, n, &[&q.weight, &q.scales, biases], q.weight.dim(0), template)
+    launch(kern, n, &[&q.weight, &q.scales, biases], q.weight.dim(0), template, fold_cols(true))
 }
 
-/// One warp per each of `cols` output columns; `y` is `h`'s shape with
-/// `cols` as its last axis.
-fn launch(kern: &CudaKernel, n: &NormIn, weights: &[&Array], cols: i32, mut template: Vec<(&'static str, TemplateArg)>) -> Result<(Array, Array)> {
+/// A warp for each `per_warp` of `cols` output columns (striding over more
+/// where the grid is capped); `y` is `h`'s shape with `cols` as its last
+/// axis.
+fn launch(kern: &CudaKernel, n: &NormIn, weights: &[&Array], cols: i32, mut template: Vec<(&'static str, TemplateArg)>, per_warp: i32) -> Result<(Array, Array)> {
     let (h, dt) = (n.h, n.h.dtype());
     let k = h.dim(-1);
     let rows = h.size() / k as usize;
@@ -291,7 +309,7 @@ fn launch(kern: &CudaKernel, n: &NormIn, weights: &[&Array], cols: i32, mut temp
     let mut inputs = vec![n.h, n.r, n.wn, n.eps];
     inputs.extend_from_slice(weights);
     template.extend([("K", TemplateArg::Int(k)), ("M", TemplateArg::Int(rows as i32)), ("T", TemplateArg::Dtype(dt))]);
-    let grid = warp_grid(cols)?.min(MAX_BLOCKS * THREADS);
+    let grid = warp_grid((cols + per_warp - 1) / per_warp)?.min(MAX_BLOCKS * THREADS);
     let mut outs = kern.call(&inputs, &[(&hs, dt), (&ys, dt)], [grid, 1, 1], [THREADS, 1, 1], &template)?;
     let y = outs.pop().ok_or_else(|| Error::mlx("norm + GEMV kernel: missing output"))?;
     let s = outs.pop().ok_or_else(|| Error::mlx("norm + GEMV kernel: missing output"))?;

@@ -33,6 +33,12 @@ fn mlx_gemv(rows: i32, k: i32) -> bool {
     rows == 1 && k % 32 == 0
 }
 
+/// `f` with `cols` output columns a warp in the dense GEMVs and their norm
+/// folds (`MLX_LFM_GEMV_COLS`, an A/B's knob that must not change a bit).
+fn with_cols<R>(cols: &str, f: impl FnOnce() -> R) -> R {
+    crate::knobs::with_overrides(&[("MLX_LFM_GEMV_COLS".to_string(), Some(cols.to_string()))], f)
+}
+
 /// `f` with the add + RMSNorm code's runs walked with a guard per element
 /// (`MLX_LFM_NORM_RUNS=guarded`, an opt-in walk of the same sums).
 fn guarded<R>(f: impl FnOnce() -> R) -> R {
@@ -795,6 +801,23 @@ fn gemv_kernel_matches_stock_ops() {
                 assert_eq!(differing(&batched.1, &other.1), 0, "the GEMV + SwiGLU walked `{walk}` differs ({rows}x{k})");
             }
         }
+        // Several output columns a warp (MLX_LFM_GEMV_COLS, an A/B's knob),
+        // each row summed as before: the same bits, also where the columns
+        // do not divide by the count (1026, 1030 and 1034 rows: a warp's
+        // last columns past the end).
+        for (rows, n, k) in [(1, 1024, 2048), (1, 1030, 2048), (2, 1026, 1032), (3, 1034, 72)] {
+            let x = normal(&[rows, 1, k], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(Dtype::Bfloat16).unwrap();
+            let w = normal(&[n, k], Dtype::Float32, 0.0, 0.05, None).unwrap().astype(Dtype::Bfloat16).unwrap();
+            let both = || (gemv(&x, &w).unwrap(), crate::kernels::gemv::gemv_swiglu(&x, &w).unwrap());
+            let one = both();
+            for cols in ["2", "4"] {
+                let other = crate::knobs::with_overrides(&[("MLX_LFM_GEMV_COLS".to_string(), Some(cols.to_string()))], both);
+                assert_eq!(other.0.shape(), one.0.shape());
+                assert_eq!(other.1.shape(), one.1.shape());
+                assert_eq!(differing(&one.0, &other.0), 0, "the GEMV with {cols} columns a warp differs ({rows}x{k} @ {n})");
+                assert_eq!(differing(&one.1, &other.1), 0, "the GEMV + SwiGLU with {cols} columns a warp differs ({rows}x{k} @ {n})");
+            }
+        }
     });
 }
 
@@ -1074,6 +1097,12 @@ fn norm_gemv_kernels_match_stock_ops() {
                 assert_eq!((differing(&gs, &dense.0), differing(&gy, &dense.1)), (0, 0), "{what}: the guarded walk differs");
                 let (es, ey) = early(|| norm_gemv(&ni, &w).unwrap());
                 assert_eq!((differing(&es, &dense.0), differing(&ey, &dense.1)), (0, 0), "{what}: the early prefetch differs");
+                for c in ["2", "4"] {
+                    let (cs, cy) = with_cols(c, || norm_gemv(&ni, &w).unwrap());
+                    assert_eq!((differing(&cs, &dense.0), differing(&cy, &dense.1)), (0, 0), "{what}: {c} columns a warp differ");
+                    let (cs, cy) = with_cols(c, || early(|| guarded(|| norm_gemv(&ni, &w).unwrap())));
+                    assert_eq!((differing(&cs, &dense.0), differing(&cy, &dense.1)), (0, 0), "{what}: {c} columns a warp, early and guarded, differ");
+                }
                 check("dense", dense, x.matmul(&w.t().unwrap()).unwrap(), tol);
                 if n % 2 == 0 {
                     assert!(swiglu_available(&ni, &w), "{what}");
@@ -1082,6 +1111,12 @@ fn norm_gemv_kernels_match_stock_ops() {
                     let got = norm_gemv_swiglu(&ni, &w).unwrap();
                     let (es, ey) = early(|| norm_gemv_swiglu(&ni, &w).unwrap());
                     assert_eq!((differing(&es, &got.0), differing(&ey, &got.1)), (0, 0), "{what} swiglu: the early prefetch differs");
+                    for c in ["2", "4"] {
+                        let (cs, cy) = with_cols(c, || norm_gemv_swiglu(&ni, &w).unwrap());
+                        assert_eq!((differing(&cs, &got.0), differing(&cy, &got.1)), (0, 0), "{what} swiglu: {c} columns a warp differ");
+                        let (cs, cy) = with_cols(c, || early(|| norm_gemv_swiglu(&ni, &w).unwrap()));
+                        assert_eq!((differing(&cs, &got.0), differing(&cy, &got.1)), (0, 0), "{what} swiglu: {c} columns a warp, early, differ");
+                    }
                     check("swiglu", got, want, tol * 1.5);
                 }
                 if k % 64 == 0 {
