@@ -53,7 +53,15 @@ const SOURCE: &str = r#"
   const T* vp = v + head * N * HD + lane * 8;
   // `NV`, the positions the loops run to, and `valid(n)`:
   __VALIDITY__
+#if LFM_ATT_SMEM
+  // The row's scores in shared memory (SN, a power of two at least N, a
+  // template constant): the max, sum and probability passes and the p * v
+  // pass read them there, not back from L2.
+  __shared__ float ssc[SN];
+  float* srow = ssc;
+#else
   float* srow = sc + (static_cast<size_t>(b) * H + h) * N;
+#endif
   __shared__ float qs[HD];
   __shared__ float red[8];
   __shared__ float accs[GROUPS * HD];
@@ -115,6 +123,36 @@ const SOURCE: &str = r#"
   __syncthreads();
 
   float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+#if LFM_ATT_SMEM
+  // A group's positions grp, grp + GROUPS, ... in the same order, the V
+  // rows of U of them loaded before any is summed (the loop above waited
+  // on each row in turn: ~17 dependent round trips a group over ~550
+  // positions, 15.7 us a launch under ncu in session 22): the same sums.
+  constexpr int U = 8;
+  constexpr int VL = 8 / E > 0 ? 8 / E : 1;
+  for (int n0 = grp; n0 < NV; n0 += GROUPS * U) {
+    float pu[U];
+    uint4 raw[U][VL];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const int n = n0 + u * GROUPS;
+      pu[u] = n < NV ? srow[n] : 0.0f;
+      if (pu[u] != 0.0f) {
+        const uint4* vr = reinterpret_cast<const uint4*>(vp + static_cast<size_t>(n) * HD);
+#pragma unroll
+        for (int c = 0; c < VL; c++) raw[u][c] = vr[c];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      if (pu[u] != 0.0f) {
+        const T* e = reinterpret_cast<const T*>(raw[u]);
+#pragma unroll
+        for (int i = 0; i < 8; i++) acc[i] += pu[u] * static_cast<float>(e[i]);
+      }
+    }
+  }
+#else
 #pragma unroll 4
   for (int n = grp; n < NV; n += GROUPS) {
     const float p = srow[n];
@@ -128,6 +166,7 @@ const SOURCE: &str = r#"
       for (int i = 0; i < 8; i++) acc[i] += p * static_cast<float>(e[i]);
     }
   }
+#endif
   for (int i = 0; i < 8; i++) {
     accs[grp * HD + lane * 8 + i] = acc[i];
   }
@@ -154,23 +193,53 @@ const UPTO_VALID: &str = "const int lim = upto[PER_ROW ? b : 0];
   const int NV = lim < 0 ? 0 : (lim < N ? lim + 1 : N);
   auto valid = [&](int) { return true; };";
 
-/// The kernel in `cell`: the body with `validity`, its fourth input `bound`.
-fn made(cell: &'static OnceLock<Option<CudaKernel>>, name: &str, bound: &str, validity: &str) -> Option<&'static CudaKernel> {
+/// The kernel in `cell`: the body with `validity`, its fourth input `bound`;
+/// `smem`, the variant that keeps the row's scores in shared memory
+/// ([`smem_capacity`]).
+fn made(cell: &'static OnceLock<Option<CudaKernel>>, name: &str, bound: &str, validity: &str, smem: bool) -> Option<&'static CudaKernel> {
     cell.get_or_init(|| {
         let src = SOURCE.replace("__VALIDITY__", validity);
-        CudaKernel::new(name, &["q", "k", "v", bound], &["out", "sc"], &src, "").ok()
+        let (name, header) = if smem {
+            (format!("{name}_smem"), format!("#define LFM_ATT_SMEM 1\n{HEADER}"))
+        } else {
+            (name.to_string(), HEADER.to_string())
+        };
+        CudaKernel::new(&name, &["q", "k", "v", bound], &["out", "sc"], &src, &header).ok()
     })
     .as_ref()
 }
 
-fn kernel() -> Option<&'static CudaKernel> {
-    static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
-    made(&K, "lfm_decode_attention", "mask", MASK_VALID)
+const HEADER: &str = "#ifndef LFM_ATT_SMEM\n#define LFM_ATT_SMEM 0\n#endif\n";
+
+/// The most positions whose scores the shared-memory variant holds (32 KiB
+/// of float32 beside the 8 KiB of the p * v partial sums: within the 48 KiB
+/// of static shared memory a block may have).
+const SMEM_MAX: i32 = 8192;
+
+/// `MLX_LFM_DECODE_ATTENTION_SMEM=1` (opt-in until its H200 test and A/B):
+/// the variant that keeps a row's scores in shared memory and loads several
+/// V rows of a lane group before summing them, the same sums in the same
+/// order (the same bits); the scores' capacity a template constant, the
+/// buffer's length rounded up to a power of two (a new kernel per doubling
+/// of the cache, not per step). Session 22's ncu timed the kernel at 15.7 us
+/// a launch over ~550 positions (6 a token on every model), where its bytes
+/// take ~1 us: its passes wait on L2 and DRAM in turn.
+fn smem_capacity(n: i32) -> Option<i32> {
+    static ON: OnceLock<bool> = OnceLock::new();
+    if !super::opt_in("MLX_LFM_DECODE_ATTENTION_SMEM", &ON) || n > SMEM_MAX {
+        return None;
+    }
+    Some((n.max(32) as u32).next_power_of_two() as i32)
 }
 
-fn upto_kernel() -> Option<&'static CudaKernel> {
-    static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
-    made(&K, "lfm_decode_attention_upto", "upto", UPTO_VALID)
+fn kernel(smem: bool) -> Option<&'static CudaKernel> {
+    static K: [OnceLock<Option<CudaKernel>>; 2] = [OnceLock::new(), OnceLock::new()];
+    made(&K[usize::from(smem)], "lfm_decode_attention", "mask", MASK_VALID, smem)
+}
+
+fn upto_kernel(smem: bool) -> Option<&'static CudaKernel> {
+    static K: [OnceLock<Option<CudaKernel>>; 2] = [OnceLock::new(), OnceLock::new()];
+    made(&K[usize::from(smem)], "lfm_decode_attention_upto", "upto", UPTO_VALID, smem)
 }
 
 /// Whether the kernel serves these operands: one query token, K and V of one
@@ -195,7 +264,7 @@ pub fn available(q: &Array, k: &Array, v: &Array, mask: &Array) -> bool {
         && mask.dim(1) == 1
         && mask.dim(2) == 1
         && mask.dim(3) == n
-        && kernel().is_some()
+        && kernel(false).is_some()
 }
 
 /// q, K and V as the kernel takes them (the dtype checked by the caller).
@@ -236,16 +305,19 @@ pub fn upto_available(q: &Array, k: &Array, v: &Array, upto: &Array) -> bool {
     }
     upto.dtype() == Dtype::Int32
         && (upto.ndim() == 0 || (upto.ndim() == 1 && upto.dim(0) == q.dim(0)))
-        && upto_kernel().is_some()
+        && upto_kernel(false).is_some()
 }
 
 /// `softmax(q k^T * scale) v` for one query token over each row's positions
 /// `0..=upto` (the mask `arange(N) < upto + 1`, not built): the kernel; the
 /// caller checks [`upto_available`] and builds the mask where it fails.
 pub fn sdpa_upto(q: &Array, k: &Array, v: &Array, scale: f32, upto: &Array) -> Result<Array> {
-    let kern = upto_kernel().ok_or_else(|| Error::mlx("the decode attention kernel is not available"))?;
+    let sn = smem_capacity(k.dim(2)).filter(|_| upto_kernel(true).is_some());
+    let kern = upto_kernel(sn.is_some()).ok_or_else(|| Error::mlx("the decode attention kernel is not available"))?;
     let per_row = i32::from(upto.ndim() == 1);
-    launch(kern, q, k, v, upto, scale, &[("PER_ROW", TemplateArg::Int(per_row))])
+    let mut extra = vec![("PER_ROW", TemplateArg::Int(per_row))];
+    extra.extend(sn.map(|c| ("SN", TemplateArg::Int(c))));
+    launch(kern, q, k, v, upto, scale, &extra)
 }
 
 /// `softmax(q k^T * scale, masked) v` for one query token: the kernel where
@@ -254,8 +326,10 @@ pub fn sdpa_masked(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Array) ->
     if !available(q, k, v, mask) {
         return mlx::sdpa(q, k, v, scale, Mask::Array(mask));
     }
-    let kern = kernel().ok_or_else(|| Error::mlx("the decode attention kernel is not available"))?;
-    launch(kern, q, k, v, mask, scale, &[])
+    let sn = smem_capacity(k.dim(2)).filter(|_| kernel(true).is_some());
+    let kern = kernel(sn.is_some()).ok_or_else(|| Error::mlx("the decode attention kernel is not available"))?;
+    let extra: Vec<_> = sn.map(|c| ("SN", TemplateArg::Int(c))).into_iter().collect();
+    launch(kern, q, k, v, mask, scale, &extra)
 }
 
 /// Either kernel over `(q, k, v, bound)`: the mask or the positions.

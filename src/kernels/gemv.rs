@@ -386,6 +386,12 @@ pub(crate) fn default_max_k() -> usize {
 /// dtype, `w` 2-D `[N, K]` with K a multiple of 8 (whole 16-byte loads) and
 /// at most 16,384, `x` `[.., K]` with 1 to [`MAX_ROWS`] rows.
 pub fn available(x: &Array, w: &Array) -> bool {
+    fits(x, w, serves_weight) && kernel().is_some()
+}
+
+/// The operands' limits of every dense GEMV kernel, with `serves` (the
+/// switch's rule for a weight and a row count).
+fn fits(x: &Array, w: &Array, serves: fn(&Array, usize) -> bool) -> bool {
     if !cuda_kernels_enabled() {
         return false;
     }
@@ -395,15 +401,34 @@ pub fn available(x: &Array, w: &Array) -> bool {
     }
     let k = w.dim(1);
     let rows = if x.dim(-1) > 0 { x.size() / x.dim(-1) as usize } else { 0 };
-    if !serves_weight(w, rows) {
+    if !serves(w, rows) {
         return false;
     }
-    x.dim(-1) == k && k > 0 && k % 8 == 0 && k <= 16_384 && w.dim(0) > 0 && (1..=MAX_ROWS).contains(&rows) && kernel().is_some()
+    x.dim(-1) == k && k > 0 && k % 8 == 0 && k <= 16_384 && w.dim(0) > 0 && (1..=MAX_ROWS).contains(&rows)
 }
 
 /// Whether [`gemv_swiglu`] serves `x` and the stacked `w`.
 pub fn swiglu_available(x: &Array, w: &Array) -> bool {
-    available(x, w) && w.dim(0) % 2 == 0 && swiglu_kernel().is_some()
+    fits(x, w, serves_swiglu_weight) && w.dim(0) % 2 == 0 && swiglu_kernel().is_some()
+}
+
+/// As [`serves_weight`], with its own widest input unset:
+/// `MLX_LFM_SWIGLU_GEMV_MAX_K` (an A/B's knob), else the GEMVs'. On the
+/// 1.2B (K = 2048) MLX's GEMV of the stacked w1/w3 is followed by a Split,
+/// a copy and the compiled gate, three kernels a layer (4.1 + 2.8 us under
+/// session 22's ncu, 16 layers) that this kernel's gate in the same launch
+/// leaves out, where the other K = 2048 GEMVs of ours lost to MLX's on GPU
+/// time (1.25-1.64 ms a step against 1.09, session 22).
+fn serves_swiglu_weight(w: &Array, rows: usize) -> bool {
+    static ON: OnceLock<Option<bool>> = OnceLock::new();
+    static MAX: OnceLock<Option<usize>> = OnceLock::new();
+    let max = crate::knobs::cached("MLX_LFM_SWIGLU_GEMV_MAX_K", &MAX, |v| {
+        v.and_then(|v| v.trim().parse::<usize>().ok()).filter(|&k| k <= 1 << 20)
+    });
+    match max {
+        Some(max) => super::switch("MLX_LFM_GEMV_KERNEL", &ON).unwrap_or(rows == 1 && w.ndim() == 2 && w.dim(1) as usize <= max),
+        None => serves_weight(w, rows),
+    }
 }
 
 /// `silu(x @ w[..F].T) * (x @ w[F..].T)` for a stacked `[2F, K]` `w`
@@ -464,6 +489,32 @@ mod default_tests {
         assert!(!serves_weight(&wide, 1), "inputs wider than 1024 keep MLX's GEMV by default");
         crate::kernels::with_opt_in_one("MLX_LFM_GEMV_KERNEL", || {
             assert!(serves_weight(&wide, 8));
+        });
+    }
+
+    /// The SwiGLU GEMV's own widest input: unset, the GEMVs' rule; set, one
+    /// row of a weight up to it, the plain GEMVs' rule unchanged.
+    #[test]
+    fn swiglu_gemv_takes_its_own_widest_input() {
+        use super::serves_swiglu_weight;
+        if std::env::var_os("MLX_LFM_GEMV_KERNEL").is_some() || std::env::var_os("MLX_LFM_GEMV_KERNEL_MAX_K").is_some() {
+            eprintln!("skipped: MLX_LFM_GEMV_KERNEL(_MAX_K) is set, so the default rule is not what runs");
+            return;
+        }
+        let narrow = zeros(&[16, 1024], Dtype::Bfloat16).unwrap();
+        let wide = zeros(&[16, 2048], Dtype::Bfloat16).unwrap();
+        let wider = zeros(&[16, 4096], Dtype::Bfloat16).unwrap();
+        let unset = [("MLX_LFM_SWIGLU_GEMV_MAX_K".to_string(), None)];
+        crate::knobs::with_overrides(&unset, || {
+            assert!(serves_swiglu_weight(&narrow, 1));
+            assert!(!serves_swiglu_weight(&wide, 1), "unset, the GEMVs' 1024");
+        });
+        let set = [("MLX_LFM_SWIGLU_GEMV_MAX_K".to_string(), Some("2048".to_string()))];
+        crate::knobs::with_overrides(&set, || {
+            assert!(serves_swiglu_weight(&wide, 1));
+            assert!(!serves_swiglu_weight(&wider, 1), "wider than the bound");
+            assert!(!serves_swiglu_weight(&wide, 2), "a batched step keeps MLX's products");
+            assert!(!serves_weight(&wide, 1), "the plain GEMVs keep their own bound");
         });
     }
 }

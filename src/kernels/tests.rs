@@ -615,8 +615,34 @@ fn decode_attention_kernel_matches_stock_ops() {
             assert_eq!(got.shape(), want.shape());
             let worst = worst_relative(&got, &want);
             assert!(worst <= tol, "{dt:?} {b}x{h}/{kvh}x{hd} over {n} ({filled:?}): differs by {worst}, over {tol}");
+            // The shared-memory variant (MLX_LFM_DECODE_ATTENTION_SMEM, opt-in):
+            // the same sums in the same order, so the same bits, with the mask
+            // and with the position bound.
+            let smem = crate::kernels::with_opt_in_one("MLX_LFM_DECODE_ATTENTION_SMEM", || sdpa_masked(&q, &k, &v, scale, &mask).unwrap());
+            assert_eq!(differing(&smem, &got), 0, "{dt:?} {b}x{h}/{kvh}x{hd} over {n} ({filled:?}): the shared-memory variant differs");
+            let last = Array::from_slice(&filled.iter().map(|f| f - 1).collect::<Vec<i32>>(), &[filled.len() as i32]).unwrap();
+            let last = if filled.len() == 1 { last.reshape(&[]).unwrap() } else { last };
+            if crate::kernels::decode_attention::upto_available(&q, &k, &v, &last) {
+                let plain = crate::kernels::decode_attention::sdpa_upto(&q, &k, &v, scale, &last).unwrap();
+                let fast = crate::kernels::with_opt_in_one("MLX_LFM_DECODE_ATTENTION_SMEM", || {
+                    crate::kernels::decode_attention::sdpa_upto(&q, &k, &v, scale, &last).unwrap()
+                });
+                assert_eq!(differing(&fast, &plain), 0, "{dt:?} {b}x{h}/{kvh}x{hd} up to {filled:?}: the shared-memory variant differs");
+            }
         }
     }
+    // Past the shared scores' capacity (8,192 positions) the variant keeps the
+    // scratch row: the same bits there too.
+    let dt = Dtype::Bfloat16;
+    let (q, k, v) = (
+        normal(&[1, 4, 1, 64], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap(),
+        normal(&[1, 2, 9000, 64], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap(),
+        normal(&[1, 2, 9000, 64], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap(),
+    );
+    let mask = arange(0.0, 9000.0, 1.0, Dtype::Int32).unwrap().lt(&Array::from_slice(&[8500i32], &[1]).unwrap()).unwrap().reshape(&[1, 1, 1, 9000]).unwrap();
+    let plain = sdpa_masked(&q, &k, &v, 0.125, &mask).unwrap();
+    let fast = crate::kernels::with_opt_in_one("MLX_LFM_DECODE_ATTENTION_SMEM", || sdpa_masked(&q, &k, &v, 0.125, &mask).unwrap());
+    assert_eq!(differing(&fast, &plain), 0, "9,000 positions: the variant past its capacity differs");
 }
 
 /// The router with the residual add and the RMSNorm folded in front of it
