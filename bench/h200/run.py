@@ -79,6 +79,25 @@ variants and three process arms x 3 reps: 159 s (1.2B), 199 s (350M), the
 of one model ~100 s. A fresh machine for a 350M-only round: `stage` (the
 llama.cpp build starts), then `install verdicts-from ... && round 1`
 397 s (the build's wait included), each later round ~60 s.
+Session 22 (one machine, 1,594 s of the 1,800): `stage` 1 s (+ ~30 s to
+start); four tests (`H200_KERNEL_JOBS=4`; norm_gemv's 317 s with every
+dtype's column variants, now bf16's alone, the greedy test's 282, the
+GEMV's 158) 322 s; `checkpoints` of the 1.2B and the 8B-A1B 345 s (the
+8B-A1B's quantize ~106, GGUF ~71, llama-quantize ~117); a GPU-time `ab`
+(H200_AB_GPU_TIME=1) of five 1.2B variants, two processes an arm, ~60 s;
+`ab pick` of two in-process 8B-A1B variants, 4 reps, 31 s; `round 1
+round 2` of those two models 421 s; a GPU-time `ab` of one 8B-A1B
+variant plus `profile` of both models 163 s; `round 3` 176 s. For the
+opt-in changes written after it, the next chain is: `stage`; `install
+verdicts-from ...,session22 kernels` with H200_KERNEL_TESTS naming
+decode_attention_kernel_matches_stock_ops,
+gemv_swiglu_kernel_matches_stock_ops, gemv_kernel_matches_stock_ops,
+moe_router_norm_kernel_matches_the_norm_and_router_kernels,
+add_rms_norm_kernel_matches_stock_ops, norm_gemv_kernels_match_stock_ops
+and the greedy test (their files changed); `checkpoints` (H200_MODELS);
+a GPU-time `ab` of swiglu-gemv-2048, attention-smem and their pair on
+the 1.2B and of router-norm-wide(-attention-smem) and attention-smem on
+the 8B-A1B; `ab pick` of the same; the rounds.
 Append nothing that copies loose files into $OUT after run.py: a call
 brings back a few files (8 on 2026-12-03) and drops the rest, raw.jsonl
 with them; run.py writes $OUT/raw.jsonl and $OUT/logs.tgz itself.
@@ -992,6 +1011,13 @@ AB = {
     # (one launch fewer a MoE layer: 22 on the 8B-A1B), opt-in until this A/B.
     "router-norm": ({"MLX_LFM_ROUTER_NORM_KERNEL": "1"}, ["lfm2-8b-a1b-q4"]),
     "router-norm-guarded": ({"MLX_LFM_ROUTER_NORM_KERNEL": "1", "MLX_LFM_NORM_RUNS": "guarded"}, ["lfm2-8b-a1b-q4"]),
+    # (Session 22: 0.99x, and 1,587-1,674 µs of GPU time a step against
+    # 1,468-1,524: its block of 8 warps runs the 32 experts' gate rows four
+    # in turn, where the gate kernel it replaces runs a warp an expert.) The
+    # same fold a warp an expert, the norm on its first 256 threads.
+    "router-norm-wide": ({"MLX_LFM_ROUTER_NORM_KERNEL": "1", "MLX_LFM_ROUTER_NORM_WIDE": "1"}, ["lfm2-8b-a1b-q4"]),
+    "router-norm-wide-attention-smem": ({"MLX_LFM_ROUTER_NORM_KERNEL": "1", "MLX_LFM_ROUTER_NORM_WIDE": "1",
+                                         "MLX_LFM_DECODE_ATTENTION_SMEM": "1"}, ["lfm2-8b-a1b-q4"]),
     # A prompt's pass handed to MLX every N layers as it is built, so the
     # GPU runs the first layers while the host builds the rest (a prefill
     # is eager: its build does not overlap the GPU otherwise). N = 2 is the
@@ -1111,6 +1137,9 @@ AB_TESTS = {
     "router-norm": ["moe_router_norm_kernel_matches_the_norm_and_router_kernels", "greedy:MLX_LFM_ROUTER_NORM_KERNEL"],
     "router-norm-guarded": ["moe_router_norm_kernel_matches_the_norm_and_router_kernels", "add_rms_norm_kernel_matches_stock_ops",
                             "norm_gemv_kernels_match_stock_ops", "greedy:MLX_LFM_ROUTER_NORM_KERNEL"],
+    "router-norm-wide": ["moe_router_norm_kernel_matches_the_norm_and_router_kernels", "greedy:MLX_LFM_ROUTER_NORM_KERNEL"],
+    "router-norm-wide-attention-smem": ["moe_router_norm_kernel_matches_the_norm_and_router_kernels",
+                                        "decode_attention_kernel_matches_stock_ops", "greedy:MLX_LFM_ROUTER_NORM_KERNEL"],
     "compiled-prefill": ["compiled_prefill_equals_the_eager_prefill"],
 }
 # Groups of variants of which `pick` adopts at most one: (variants, the
@@ -1127,7 +1156,7 @@ PICK = [
     (["attention-smem"], "decode"),
     (["norm-runs-guarded"], "decode"),
     (["fold-early"], "decode"),
-    (["router-norm", "router-norm-guarded"], "decode"),
+    (["router-norm", "router-norm-guarded", "router-norm-wide", "router-norm-wide-attention-smem"], "decode"),
     (["norm-kernel-all-rows"], "prefill"),
     (["moe-dequant-from-16-rows", "moe-dequant-from-64-rows"], "prefill"),
     (["prefill-overlap-2", "prefill-overlap-4", "prefill-split", "prefill-split-overlap-4"], "prefill"),

@@ -130,9 +130,13 @@ KERNELS = {
         [("h", "T"), ("r", "T"), ("wn", "T"), ("eps", "float"), ("w", "uint32_t"), ("scales", "T"), ("biases", "T"),
          ("bias", "float"), ("scale", "float")],
         [("s", "T"), ("y", "T"), ("inds", "uint32_t"), ("scores", "T")],
-        lambda dt: [("BITS", 4), ("GS", 64), ("D", 2048), ("E", 32), ("TOPK", 4), ("NORM", "true")],
+        lambda dt: [("BITS", 4), ("GS", 64), ("D", 2048), ("E", 32), ("TOPK", 4), ("NORM", "true"), ("RW", 8)],
     ),
 }
+# The router + norm kernel a warp an expert (MLX_LFM_ROUTER_NORM_WIDE=1).
+KERNELS["moe_router.rs#gate_norm@wide"] = (*KERNELS["moe_router.rs#gate_norm"][:2],
+                                           lambda dt: [("BITS", 4), ("GS", 64), ("D", 2048), ("E", 32), ("TOPK", 4),
+                                                       ("NORM", "true"), ("RW", 32)])
 
 # The folds with their first column's rows prefetched before the prologue
 # (MLX_LFM_NORM_GEMV_PREFETCH=early: NAME_EARLY before it), each as its fold.

@@ -78,11 +78,14 @@ __device__ inline void lfm_add_rms_row(const T* h, const T* r, const T* w, float
   auto block = cooperative_groups::this_thread_block();
   auto warp = cooperative_groups::tiled_partition<32>(block);
   const int tid = threadIdx.x;
+  // A block larger than BLOCK (the router's, a warp an expert) runs the
+  // row with its first BLOCK threads, so the sums are grouped as BLOCK's.
+  const bool in = tid < BLOCK;
   uint4 hv[RUNS], rv[RUNS], wv[RUNS];
 #pragma unroll
   for (int k = 0; k < RUNS; k++) {
     const int base = (tid + k * BLOCK) * NR;
-    if (base < D) {
+    if (in && base < D) {
       const bool vec = ALIGNED && base + NR <= D;
       hv[k] = lfm_run_load(h, base, D, vec);
       rv[k] = lfm_run_load(r, base, D, vec);
@@ -93,7 +96,7 @@ __device__ inline void lfm_add_rms_row(const T* h, const T* r, const T* w, float
 #pragma unroll
   for (int k = 0; k < RUNS; k++) {
     const int base = (tid + k * BLOCK) * NR;
-    if (base < D) {
+    if (in && base < D) {
       const T* he = reinterpret_cast<const T*>(&hv[k]);
       const T* re = reinterpret_cast<const T*>(&rv[k]);
       T* se = reinterpret_cast<T*>(&hv[k]);
@@ -109,9 +112,9 @@ __device__ inline void lfm_add_rms_row(const T* h, const T* r, const T* w, float
   float total = cooperative_groups::reduce(warp, acc, cooperative_groups::plus<float>());
   if constexpr (BLOCK > 32) {
     __shared__ float part[BLOCK / 32];
-    if (warp.thread_rank() == 0) part[warp.meta_group_rank()] = total;
+    if (warp.thread_rank() == 0 && warp.meta_group_rank() < BLOCK / 32) part[warp.meta_group_rank()] = total;
     block.sync();
-    const float x = warp.thread_rank() < warp.meta_group_size() ? part[warp.thread_rank()] : 0.0f;
+    const float x = warp.thread_rank() < BLOCK / 32 ? part[warp.thread_rank()] : 0.0f;
     total = cooperative_groups::reduce(warp, x, cooperative_groups::plus<float>());
     // part is reused by the block's next row.
     block.sync();
@@ -120,7 +123,7 @@ __device__ inline void lfm_add_rms_row(const T* h, const T* r, const T* w, float
 #pragma unroll
   for (int k = 0; k < RUNS; k++) {
     const int base = (tid + k * BLOCK) * NR;
-    if (base < D) {
+    if (in && base < D) {
       const T* se = reinterpret_cast<const T*>(&hv[k]);
       const T* we = reinterpret_cast<const T*>(&wv[k]);
       uint4 out;

@@ -167,7 +167,9 @@ const GATE_SOURCE: &str = r#"
 /// both (the experts read `y`), keeps `y` in shared memory and routes from
 /// it as [`GATE_SOURCE`] does, a warp an expert at a time.
 const GATE_NORM_SOURCE: &str = r#"
-  constexpr int WARPS = 8;
+  // RW warps (8; a warp an expert with MLX_LFM_ROUTER_NORM_WIDE, the gate
+  // kernel's own layout): the norm runs on the first 256 threads either way.
+  constexpr int WARPS = RW;
   __shared__ uint4 ys_store[D * sizeof(T) / 16];
   __shared__ float probs_s[E];
   T* ys = reinterpret_cast<T*>(ys_store);
@@ -180,7 +182,7 @@ const GATE_NORM_SOURCE: &str = r#"
       lfm_add_rms_row<T, D, 256, false>(h + o, r + o, wn, eps[0], s + o, ys);
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < D; i += 256) y[o + i] = ys[i];
+    for (int i = threadIdx.x; i < D; i += 32 * RW) y[o + i] = ys[i];
   }
   lfm_gate_route<T, D, E, BITS, GS, TOPK, NORM, WARPS>(ys, lfm_aligned(w), w, scales, biases, bias, scale, inds, scores,
                                                       probs_s, row);
@@ -303,6 +305,22 @@ fn gate_template(q: &Quantized, d: i32, dt: Dtype, k: i32, norm: bool) -> Vec<(&
     template
 }
 
+/// Warps of the router + norm kernel's block: 8 (256 threads, each warp
+/// four of the 8B-A1B's 32 experts in turn), or with
+/// `MLX_LFM_ROUTER_NORM_WIDE=1` (opt-in until its H200 test and A/B) a warp
+/// an expert as the gate kernel has them, at least 8. Session 22 timed the
+/// 8-warp kernel at 1,587-1,674 µs of GPU time a step against the
+/// defaults' 1,468-1,524 (the gate kernel runs 32 warps): the 22 launches
+/// it spares the host came back as GPU time.
+fn gate_norm_warps(experts: i32) -> i32 {
+    static WIDE: OnceLock<bool> = OnceLock::new();
+    if crate::knobs::cached("MLX_LFM_ROUTER_NORM_WIDE", &WIDE, |v| v == Some("1")) {
+        experts.clamp(8, 32)
+    } else {
+        8
+    }
+}
+
 /// Opt-in (`MLX_LFM_ROUTER_NORM_KERNEL=1`) until the H200's test and A/B.
 fn gate_norm_enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
@@ -348,12 +366,15 @@ pub fn route_gate_norm(
     let (rows, d) = (n.h.dim(0), n.h.dim(1));
     let dt = n.h.dtype();
     let shape = [rows, k as i32];
-    let template = gate_template(q, d, dt, k as i32, norm);
+    let mut template = gate_template(q, d, dt, k as i32, norm);
+    let warps = gate_norm_warps(q.weight.dim(0));
+    template.push(("RW", TemplateArg::Int(warps)));
+    let threads = 32 * warps;
     let mut outs = kern.call(
         &[n.h, n.r, n.wn, n.eps, &q.weight, &q.scales, biases, bias, scale],
         &[(&[rows, d], dt), (&[rows, d], dt), (&shape, Dtype::Uint32), (&shape, dt)],
-        [rows.checked_mul(256).ok_or_else(|| Error::invalid("too many rows for the router + norm kernel"))?, 1, 1],
-        [256, 1, 1],
+        [rows.checked_mul(threads).ok_or_else(|| Error::invalid("too many rows for the router + norm kernel"))?, 1, 1],
+        [threads, 1, 1],
         &template,
     )?;
     let missing = || Error::mlx("router + norm kernel: missing output");

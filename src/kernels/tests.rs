@@ -694,6 +694,15 @@ fn moe_router_norm_kernel_matches_the_norm_and_router_kernels() {
                 let ids = |a: &Array| -> Vec<u32> { a.to_vec().unwrap() };
                 assert_eq!(ids(&inds), ids(&wi), "{what}: other experts");
                 assert_eq!(differing(&scores, &wsc), 0, "{what}: the experts' weights differ");
+                // A warp an expert (MLX_LFM_ROUTER_NORM_WIDE, opt-in): the
+                // norm still on the first 256 threads, the same bits.
+                let wide = [("MLX_LFM_ROUTER_NORM_WIDE".to_string(), Some("1".to_string()))];
+                let (s2, y2, i2, sc2) = crate::knobs::with_overrides(&wide, || {
+                    with_opt_in_one("MLX_LFM_ROUTER_NORM_KERNEL", || route_gate_norm(&n, &q, &bias, &sc, k, true).unwrap())
+                });
+                assert_eq!((differing(&s2, &ws), differing(&y2, &wy)), (0, 0), "{what}: the wide kernel's sum or norm differs");
+                assert_eq!(ids(&i2), ids(&wi), "{what}: the wide kernel chose other experts");
+                assert_eq!(differing(&sc2, &wsc), 0, "{what}: the wide kernel's weights differ");
             });
         }
     }
@@ -1123,7 +1132,10 @@ fn norm_gemv_kernels_match_stock_ops() {
                 assert_eq!((differing(&gs, &dense.0), differing(&gy, &dense.1)), (0, 0), "{what}: the guarded walk differs");
                 let (es, ey) = early(|| norm_gemv(&ni, &w).unwrap());
                 assert_eq!((differing(&es, &dense.0), differing(&ey, &dense.1)), (0, 0), "{what}: the early prefetch differs");
-                for c in ["2", "4"] {
+                // (The columns a warp are the same code in every dtype: one
+                // dtype's kernels hold it, each compile costs the H200 call
+                // seconds: 317 s for this test with all three in session 22.)
+                for c in if dt == Dtype::Bfloat16 { &["2", "4"][..] } else { &[][..] } {
                     let (cs, cy) = with_cols(c, || norm_gemv(&ni, &w).unwrap());
                     assert_eq!((differing(&cs, &dense.0), differing(&cy, &dense.1)), (0, 0), "{what}: {c} columns a warp differ");
                     let (cs, cy) = with_cols(c, || early(|| guarded(|| norm_gemv(&ni, &w).unwrap())));
@@ -1137,7 +1149,7 @@ fn norm_gemv_kernels_match_stock_ops() {
                     let got = norm_gemv_swiglu(&ni, &w).unwrap();
                     let (es, ey) = early(|| norm_gemv_swiglu(&ni, &w).unwrap());
                     assert_eq!((differing(&es, &got.0), differing(&ey, &got.1)), (0, 0), "{what} swiglu: the early prefetch differs");
-                    for c in ["2", "4"] {
+                    for c in if dt == Dtype::Bfloat16 { &["2", "4"][..] } else { &[][..] } {
                         let (cs, cy) = with_cols(c, || norm_gemv_swiglu(&ni, &w).unwrap());
                         assert_eq!((differing(&cs, &got.0), differing(&cy, &got.1)), (0, 0), "{what} swiglu: {c} columns a warp differ");
                         let (cs, cy) = with_cols(c, || early(|| norm_gemv_swiglu(&ni, &w).unwrap()));
