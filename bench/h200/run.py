@@ -1175,12 +1175,15 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]
 # Switches that reach other groups' models too (the 350M's and the 1.2B's
-# GEMVs read the one MLX_LFM_GEMV_COLS): a pick that sets one is adopted
-# whole only where every variant of another group with the same value,
-# measured in this call, held its figure (>= 0.97) on its models; else
-# the pick is dropped with all its switches (the 1.2B's K = 2048 kernels
-# without their columns are session 19's 0.87x).
-SHARED_WHOLE = ["MLX_LFM_GEMV_COLS"]
+# GEMVs read the one MLX_LFM_GEMV_COLS; the attention variant of every
+# model the one MLX_LFM_DECODE_ATTENTION_SMEM): two picks that set one
+# apart keep the stronger, and a pick is adopted whole only where every
+# variant of another group with the same value whose switches the final
+# set all holds (what that model will run), measured in this call, held
+# its decode (>= 0.97); else the pick is dropped with all its switches
+# (the 1.2B's K = 2048 kernels without their columns are session 19's
+# 0.87x).
+SHARED_WHOLE = ["MLX_LFM_GEMV_COLS", "MLX_LFM_DECODE_ATTENTION_SMEM"]
 
 
 def ab_models():
@@ -1212,8 +1215,13 @@ def ab():
             # for right after its dispatch (gpu-time-per-step's knobs), so
             # the wait after the dispatch is the step's whole GPU time
             # (host_us' fourth field), whatever bounds the pipelined step.
-            ab_processes(name, [(v, e) for v, e in chosen if v != "gpu-time-per-step"], max(2, reps // 2),
-                         base=AB["gpu-time-per-step"][0], tag="@gpu-time")
+            # (Variants of MLX's own knobs or the process, e.g. graph-ops-50 or
+            # mimalloc, would undo the one-graph step or time no kernel:
+            # only the MLX_LFM_* switches outside the base are timed so.)
+            base = AB["gpu-time-per-step"][0]
+            timed = [(v, e) for v, e in chosen
+                     if all(k.startswith("MLX_LFM_") for k in e) and not set(e) & set(base)]
+            ab_processes(name, timed, max(2, reps // 2), base=base, tag="@gpu-time")
             continue
         inproc = [(v, extra) for v, extra in chosen if all(k.startswith("MLX_LFM_") for k in extra)]
         spec = ";".join(f"{v}:" + ",".join(f"{k}={x}" for k, x in extra.items()) for v, extra in inproc)
@@ -1339,7 +1347,7 @@ def pick():
         med[k] = {f: statistics.median(v[f]) for f in v}
     verdicts_file = WORK / "kernel-verdicts.json"
     verdicts = json.loads(verdicts_file.read_text()) if verdicts_file.exists() else {}
-    picked, why, decode_picks = {}, [], []
+    why, picks, decode_picks = [], [], []
     for variants, figure in PICK:
         other = "prefill" if figure == "decode" else "decode"
         best = None
@@ -1364,23 +1372,53 @@ def pick():
             if top >= 1.03 and holds and (best is None or top > best[1]):
                 best = (v, top)
         if best:
-            picked.update(AB[best[0]][0])
+            picks.append({"variant": best[0], "gain": best[1], "figure": figure, "group": variants})
         # (Only groups measured in this call: a model left out of the A/B
         # says nothing of a shared switch.)
         if figure == "decode" and any(med.get((v, m)) for v in variants for m in AB[v][1] or []):
             decode_picks.append((variants, AB[best[0]][0] if best else {}))
+
+    def merged(ps):
+        out = {}
+        for p in ps:
+            out.update(AB[p["variant"]][0])
+        return out
+
+    def ratio(v, m):
+        got, base = med.get((v, m)), med.get(("all", m))
+        return got["decode"] / base["decode"] if got and base else None
+
+    # Switches that reach other groups' models (SHARED_WHOLE): two picks
+    # that set one apart keep the stronger; then a pick whose value lost
+    # elsewhere goes whole, where "elsewhere" is a variant of another
+    # group that sets the same value and whose every switch the final set
+    # holds (what that model will run), measured below 0.97.
     for key in SHARED_WHOLE:
-        for vs, p in decode_picks:
-            if key not in p:
-                continue
-            hurt = [(v, m, round(med[(v, m)]["decode"] / med[("all", m)]["decode"], 3))
-                    for v, (extra, models) in AB.items() if v not in vs and extra.get(key) == p[key]
-                    for m in models or [] if med.get((v, m)) and med.get(("all", m))
-                    and med[(v, m)]["decode"] / med[("all", m)]["decode"] < 0.97]
-            if hurt:
-                for k in p:
-                    picked.pop(k, None)
-                why.append({"dropped": sorted(p), "reason": f"{key}={p[key]} lost elsewhere", "where": hurt})
+        setting = sorted((p for p in picks if key in AB[p["variant"]][0]), key=lambda p: -p["gain"])
+        for p in setting[1:]:
+            if AB[p["variant"]][0][key] != AB[setting[0]["variant"]][0][key]:
+                picks.remove(p)
+                why.append({"dropped": p["variant"], "reason": f"{key} set apart by {setting[0]['variant']}"})
+    changed = True
+    while changed:
+        changed = False
+        final = merged(picks)
+        for p in list(picks):
+            extra = AB[p["variant"]][0]
+            for key in SHARED_WHOLE:
+                if key not in extra:
+                    continue
+                hurt = [(v, m, round(ratio(v, m), 3)) for v, (e, models) in AB.items()
+                        if v not in p["group"] and e.get(key) == extra[key] and all(final.get(k) == x for k, x in e.items())
+                        for m in models or [] if ratio(v, m) is not None and ratio(v, m) < 0.97]
+                if hurt:
+                    picks.remove(p)
+                    why.append({"dropped": p["variant"], "reason": f"{key}={extra[key]} lost elsewhere", "where": hurt})
+                    changed = True
+                    break
+            if changed:
+                break
+    picked = merged(picks)
     for key in SHARED_SWITCHES:
         # Each decode group with a variant that sets the switch must have
         # picked one that does.
