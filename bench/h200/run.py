@@ -97,7 +97,9 @@ add_rms_norm_kernel_matches_stock_ops, norm_gemv_kernels_match_stock_ops
 and the greedy test (their files changed); `checkpoints` (H200_MODELS);
 a GPU-time `ab` of swiglu-gemv-2048, attention-smem and their pair on
 the 1.2B and of router-norm-wide(-attention-smem) and attention-smem on
-the 8B-A1B; `ab pick` of the same; the rounds.
+the 8B-A1B (and MLX's graph budget, graph-ops-200 and graph-per-step, as
+processes there: its step is bound by the host's ~6 µs a kernel); `ab pick`
+of the same; the rounds.
 Append nothing that copies loose files into $OUT after run.py: a call
 brings back a few files (8 on 2026-12-03) and drops the rest, raw.jsonl
 with them; run.py writes $OUT/raw.jsonl and $OUT/logs.tgz itself.
