@@ -195,8 +195,9 @@ def body_and_header(path, which="SOURCE"):
         k = path.parent
         lead = header_of(k / "quant_gemv.rs") if "GATE" in which else ""
         if "GATE_NORM" in which:
-            # The add + RMSNorm code first, as route_gate_norm's kernel joins them.
-            lead = named(k / "add_rms_norm.rs", "HEADER") + lead
+            # The add + RMSNorm code first, as route_gate_norm's kernel joins
+            # them (its block may be wider than the norm's 256 threads).
+            lead = "#define LFM_NORM_IN_WIDER_BLOCK 1\n" + named(k / "add_rms_norm.rs", "HEADER") + lead
         gate = named(path, "GATE_HEADER") if "GATE" in which else ""
         return src, lead + named(path, "ROUTE_HEADER") + gate
     return src, header_of(path)

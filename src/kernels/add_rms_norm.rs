@@ -42,6 +42,9 @@ pub(crate) const HEADER: &str = r#"#include <cooperative_groups/reduce.h>
 #ifndef LFM_RUN_GUARDED
 #define LFM_RUN_GUARDED 0
 #endif
+#ifndef LFM_NORM_IN_WIDER_BLOCK
+#define LFM_NORM_IN_WIDER_BLOCK 0
+#endif
 #if LFM_RUN_GUARDED
 #define LFM_RUN_FOR(i, n, live) _Pragma("unroll") for (int i = 0; i < (n); i++) if (live)
 #else
@@ -78,9 +81,16 @@ __device__ inline void lfm_add_rms_row(const T* h, const T* r, const T* w, float
   auto block = cooperative_groups::this_thread_block();
   auto warp = cooperative_groups::tiled_partition<32>(block);
   const int tid = threadIdx.x;
-  // A block larger than BLOCK (the router's, a warp an expert) runs the
-  // row with its first BLOCK threads, so the sums are grouped as BLOCK's.
+  // A block larger than BLOCK (the router's, a warp an expert: its kernel
+  // defines LFM_NORM_IN_WIDER_BLOCK) runs the row with its first BLOCK
+  // threads, so the sums are grouped as BLOCK's; in every other kernel
+  // `in` is a constant true and the reduction is the code the H200's
+  // tests ran.
+#if LFM_NORM_IN_WIDER_BLOCK
   const bool in = tid < BLOCK;
+#else
+  constexpr bool in = true;
+#endif
   uint4 hv[RUNS], rv[RUNS], wv[RUNS];
 #pragma unroll
   for (int k = 0; k < RUNS; k++) {
@@ -112,9 +122,15 @@ __device__ inline void lfm_add_rms_row(const T* h, const T* r, const T* w, float
   float total = cooperative_groups::reduce(warp, acc, cooperative_groups::plus<float>());
   if constexpr (BLOCK > 32) {
     __shared__ float part[BLOCK / 32];
+#if LFM_NORM_IN_WIDER_BLOCK
     if (warp.thread_rank() == 0 && warp.meta_group_rank() < BLOCK / 32) part[warp.meta_group_rank()] = total;
     block.sync();
     const float x = warp.thread_rank() < BLOCK / 32 ? part[warp.thread_rank()] : 0.0f;
+#else
+    if (warp.thread_rank() == 0) part[warp.meta_group_rank()] = total;
+    block.sync();
+    const float x = warp.thread_rank() < warp.meta_group_size() ? part[warp.thread_rank()] : 0.0f;
+#endif
     total = cooperative_groups::reduce(warp, x, cooperative_groups::plus<float>());
     // part is reused by the block's next row.
     block.sync();

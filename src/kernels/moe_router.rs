@@ -197,7 +197,12 @@ fn kernel() -> Option<&'static CudaKernel> {
 fn gate_norm_kernel() -> Option<&'static CudaKernel> {
     static K: super::add_rms_norm::Walks = [OnceLock::new(), OnceLock::new()];
     super::add_rms_norm::for_walk(&K, || {
-        let header = format!("{}{}{ROUTE_HEADER}{GATE_HEADER}", super::add_rms_norm::device_code(), super::quant_gemv::header());
+        // (Its block may be wider than the norm's 256 threads.)
+        let header = format!(
+            "#define LFM_NORM_IN_WIDER_BLOCK 1\n{}{}{ROUTE_HEADER}{GATE_HEADER}",
+            super::add_rms_norm::device_code(),
+            super::quant_gemv::header()
+        );
         CudaKernel::new(
             &super::add_rms_norm::kernel_name("lfm_moe_router_gate_norm"),
             &["h", "r", "wn", "eps", "w", "scales", "biases", "bias", "scale"],
