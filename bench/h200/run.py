@@ -537,7 +537,11 @@ def profile_kernels():
     switches of the environment: why a kernel reads slower than its bytes
     say it could (the 2026-12-02 profile left the MoE down and the folded
     norm + quantized GEMV at 0.24-0.32 TB/s, with no registers spilled)."""
-    pattern = os.environ.get("H200_NCU_KERNELS", "lfm_moe_down|lfm_norm_qgemv|lfm_moe_gate_up|lfm_qgemv|lfm_add_rms_norm")
+    # (Session 22's ncu: the experts' down kernel 23 µs a launch at 0.36
+    # TB/s, the router 9.2 µs for 64 KB, the decode attention 15.7 µs at
+    # 0.07 TB/s, beside MLX's own GEMV at 3.0 TB/s.)
+    pattern = os.environ.get("H200_NCU_KERNELS", "lfm_moe_down|lfm_moe_gate_up|lfm_moe_router|lfm_decode_attention|"
+                                                 "lfm_add_rms_norm|gemv_single|qmv_kernel")
     sections = ["SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "MemoryWorkloadAnalysis", "SchedulerStats"]
     for name in ab_models():
         e = env()
@@ -554,6 +558,45 @@ def profile_kernels():
                 per.setdefault(k, {})[row.get("Metric Name", "")] = row.get("Metric Value", "")
         switches = {k: v for k, v in e.items() if k.startswith("MLX_LFM_")}
         record(engine="ncu-detail", model=name, switches=switches, kernels=per)
+        # Where the warps wait, per issued instruction, by reason (long
+        # scoreboard: a global load; barrier; not selected; ...): session 21
+        # and 22 left the folds, the experts' down kernel, the router and the
+        # decode attention at 45-55 cycles a warp's issue with DRAM mostly
+        # idle. Its own ncu run (a metric this ncu lacks fails only this).
+        stalls = ncu_step(name, "ncu-stalls", ["--kernel-name", f"regex:{pattern}", "--metrics",
+                                               "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio"],
+                          "raw", env())
+        if stalls is not None:
+            record(engine="ncu-stalls", model=name, switches=switches, kernels=summarize_stalls(stalls))
+
+
+def summarize_stalls(text):
+    """ncu's raw page of the stall metrics: per kernel name, the mean over
+    its launches of each reason's warps per issued instruction, largest
+    first."""
+    import csv as _csv
+    import io
+
+    pre, post = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
+    sums, counts = {}, {}
+    for row in _csv.DictReader(io.StringIO(text)):
+        k = row.get("Kernel Name")
+        if not k:
+            continue
+        for col, val in row.items():
+            if not col or not col.startswith(pre):
+                continue
+            try:
+                v = float(str(val).replace(",", ""))
+            except ValueError:
+                continue  # the units row
+            reason = col[len(pre):].removesuffix(post)
+            sums.setdefault(k, {}).setdefault(reason, 0.0)
+            sums[k][reason] += v
+            counts.setdefault(k, {}).setdefault(reason, 0)
+            counts[k][reason] += 1
+    return {k: dict(sorted(((r, round(x / counts[k][r], 2)) for r, x in rs.items()), key=lambda t: -t[1]))
+            for k, rs in sums.items()}
 
 
 def summarize_ncu(text):
