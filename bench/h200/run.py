@@ -619,6 +619,10 @@ def summarize_ncu(text):
     total = sum(p["us"] for p in per.values())
     top = sorted(per.items(), key=lambda kv: -kv[1]["us"])
     return {
+        # The step's kernels in launch order (ncu's IDs), so a kernel no
+        # name places (session 22: 16 `copy_g_nd` a 1.2B token) is placed
+        # by its neighbours.
+        "sequence": [r["Kernel Name"][:48] for r in sorted(rows, key=lambda r: int(num(r.get("ID") or "0")))],
         "kernels": sum(p["n"] for p in per.values()),
         "kernel_us": total,
         "under_5us": sum(p["under5"] for p in per.values()),
