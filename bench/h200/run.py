@@ -1083,6 +1083,14 @@ AB = {
     # in turn, where the gate kernel it replaces runs a warp an expert.) The
     # same fold a warp an expert, the norm on its first 256 threads.
     "router-norm-wide": ({"MLX_LFM_ROUTER_NORM_KERNEL": "1", "MLX_LFM_ROUTER_NORM_WIDE": "1"}, ["lfm2-8b-a1b-q4"]),
+    # The quantized GEMVs in MLX's own qmv arithmetic (MLX_LFM_QGEMV_EXACT:
+    # the same bits as the stock products, where the float32 kernel left
+    # the greedy test's tokens in every session), alone and with the
+    # layers' norms folded in (24 launches fewer a token on the 8B-A1B,
+    # whose step the host bounds).
+    "qgemv-exact": ({"MLX_LFM_QGEMV_KERNEL": "1", "MLX_LFM_QGEMV_EXACT": "1"}, ["lfm2-8b-a1b-q4"]),
+    "quant-norm-exact": ({"MLX_LFM_QGEMV_KERNEL": "1", "MLX_LFM_NORM_GEMV_KERNEL": "1", "MLX_LFM_QGEMV_EXACT": "1"},
+                         ["lfm2-8b-a1b-q4"]),
     "router-norm-wide-attention-smem": ({"MLX_LFM_ROUTER_NORM_KERNEL": "1", "MLX_LFM_ROUTER_NORM_WIDE": "1",
                                          "MLX_LFM_DECODE_ATTENTION_SMEM": "1"}, ["lfm2-8b-a1b-q4"]),
     # A prompt's pass handed to MLX every N layers as it is built, so the
@@ -1205,6 +1213,8 @@ AB_TESTS = {
     "router-norm-guarded": ["moe_router_norm_kernel_matches_the_norm_and_router_kernels", "add_rms_norm_kernel_matches_stock_ops",
                             "norm_gemv_kernels_match_stock_ops", "greedy:MLX_LFM_ROUTER_NORM_KERNEL"],
     "router-norm-wide": ["moe_router_norm_kernel_matches_the_norm_and_router_kernels", "greedy:MLX_LFM_ROUTER_NORM_KERNEL"],
+    "qgemv-exact": ["quant_gemv_kernel_matches_stock_ops", "greedy:MLX_LFM_QGEMV_EXACT"],
+    "quant-norm-exact": ["quant_gemv_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops", "greedy:MLX_LFM_QGEMV_EXACT"],
     "router-norm-wide-attention-smem": ["moe_router_norm_kernel_matches_the_norm_and_router_kernels",
                                         "decode_attention_kernel_matches_stock_ops", "greedy:MLX_LFM_ROUTER_NORM_KERNEL"],
     "compiled-prefill": ["compiled_prefill_equals_the_eager_prefill"],
@@ -1213,7 +1223,7 @@ AB_TESTS = {
 # figure it must raise by 3% over "all" without the other falling 3%).
 PICK = [
     (["gemv-kernel", "gemv-norm-kernels"], "decode"),
-    (["qgemv-kernel", "quant-norm-kernels"], "decode"),
+    (["qgemv-kernel", "quant-norm-kernels", "qgemv-exact", "quant-norm-exact"], "decode"),
     (["gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetch", "gemv-max-k-2048-plain",
       "gemv-max-k-2048-no-fold", "gemv-max-k-2048-early", "gemv-max-k-2048-early-guarded",
       "gemv-max-k-2048-c2", "gemv-max-k-2048-c4", "gemv-max-k-2048-c2-early-guarded", "gemv-max-k-2048-c4-early-guarded"],

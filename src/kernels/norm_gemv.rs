@@ -156,7 +156,9 @@ fn fold_cols(quant: bool) -> i32 {
 
 fn make(cells: &'static Variants, name: &str, inputs: &[&str], early: &str, body: &str, quant: bool) -> Option<&'static CudaKernel> {
     let early_on = early_prefetch();
-    let (c, csuffix, cdefine) = if quant { (0, "", "") } else { super::gemv::cols_variant() };
+    // (The quantized fold: one column a warp, in either arithmetic; its
+    // exact variant in the cells the dense folds' column counts use.)
+    let (c, csuffix, cdefine) = if quant { super::quant_gemv::exact_variant() } else { super::gemv::cols_variant() };
     for_walk(&cells[c][usize::from(early_on)], || {
         let mut name = super::add_rms_norm::kernel_name(name);
         let source = if early_on {

@@ -348,6 +348,15 @@ fn greedy_tokens_with_kernels_equal_stock_ops() {
                 for &var in alone {
                     runs.push((var, crate::kernels::with_opt_in_one(var, || run(Some(&stock))).0));
                 }
+                if q4 {
+                    // The quantized GEMVs and their norm folds in MLX's own
+                    // arithmetic (MLX_LFM_QGEMV_EXACT), the set an A/B adopts.
+                    let exact = [("MLX_LFM_QGEMV_EXACT".to_string(), Some("1".to_string()))];
+                    let got = crate::knobs::with_overrides(&exact, || {
+                        crate::kernels::with_opt_in_one("MLX_LFM_QGEMV_KERNEL", || run(Some(&stock))).0
+                    });
+                    runs.push(("MLX_LFM_QGEMV_EXACT", got));
+                }
                 for (kernels, got) in runs {
                     if let Some(i) = finite(&got) {
                         failures.push(format!("{what}: with the {kernels} kernels the logits are not finite at step {i}"));
@@ -1001,6 +1010,21 @@ fn quant_gemv_kernel_matches_stock_ops() {
                     let stock = quantized_matmul(&x, &q.weight, &q.scales, q.biases.as_ref(), true, q.spec).unwrap();
                     let wd = exact_weights(&q);
                     check_against_reference(&what, &got, &stock, &f32_products(&x, &wd), tol);
+                    // MLX's own arithmetic (MLX_LFM_QGEMV_EXACT): one row, what
+                    // MLX runs its qmv for, is MLX's product to the bit in the
+                    // half types; more rows and float32 are held to the
+                    // reference as above (their stock path, or float32's
+                    // contraction, is not pinned down here).
+                    let exact = crate::knobs::with_overrides(&[("MLX_LFM_QGEMV_EXACT".to_string(), Some("1".to_string()))], || {
+                        qgemv(&x, &q).unwrap()
+                    });
+                    let differ = differing(&exact, &stock);
+                    eprintln!("{what}: MLX's arithmetic, {differ} of {} values apart from MLX's quantized_matmul", stock.size());
+                    if rows == 1 && dt != Dtype::Float32 {
+                        assert_eq!(differ, 0, "{what}: MLX's arithmetic differs from MLX's qmv in {differ} values");
+                    } else {
+                        check_against_reference(&format!("{what}, MLX's arithmetic"), &exact, &stock, &f32_products(&x, &wd), tol);
+                    }
                 }
             }
         }
@@ -1175,6 +1199,16 @@ fn norm_gemv_kernels_match_stock_ops() {
                     assert_eq!((differing(&gs, &s), differing(&gy, &got)), (0, 0), "{what} 4-bit: the guarded walk differs");
                     let (es, ey) = early(|| norm_qgemv(&ni, &q).unwrap());
                     assert_eq!((differing(&es, &s), differing(&ey, &got)), (0, 0), "{what} 4-bit: the early prefetch differs");
+                    // MLX's arithmetic (MLX_LFM_QGEMV_EXACT): one row in a half
+                    // type is MLX's qmv over the fused norm's output, to the bit.
+                    let exact = [("MLX_LFM_QGEMV_EXACT".to_string(), Some("1".to_string()))];
+                    let (xs, xy) = crate::knobs::with_overrides(&exact, || norm_qgemv(&ni, &q).unwrap());
+                    assert_eq!(differing(&xs, &s), 0, "{what} 4-bit, MLX's arithmetic: the residual sum differs");
+                    if rows == 1 && dt != Dtype::Float32 {
+                        let (_, normed) = crate::kernels::add_rms_norm::add_rms_norm(&h, &r, &wn, &eps).unwrap();
+                        let want = quantized_matmul(&normed, &q.weight, &q.scales, q.biases.as_ref(), true, q.spec).unwrap();
+                        assert_eq!(differing(&xy, &want), 0, "{what} 4-bit: MLX's arithmetic differs from MLX's qmv over the fused norm");
+                    }
                     assert!(worst_relative(&s, &s_want) <= tol, "{what} 4-bit: the residual sum differs");
                     let wd = exact_weights(&q);
                     let reference = f32_products(&x.reshape(&[rows, k]).unwrap(), &wd).reshape(&[rows, 1, n]).unwrap();
