@@ -93,11 +93,12 @@ verdicts-from ...,session22 kernels` with H200_KERNEL_TESTS naming
 decode_attention_kernel_matches_stock_ops,
 gemv_swiglu_kernel_matches_stock_ops, gemv_kernel_matches_stock_ops,
 moe_router_norm_kernel_matches_the_norm_and_router_kernels,
-add_rms_norm_kernel_matches_stock_ops, norm_gemv_kernels_match_stock_ops
-and the greedy test (their files changed); `checkpoints` (H200_MODELS);
+add_rms_norm_kernel_matches_stock_ops, norm_gemv_kernels_match_stock_ops,
+quant_gemv_kernel_matches_stock_ops and the greedy test (their files
+changed); `checkpoints` (H200_MODELS);
 a GPU-time `ab` of swiglu-gemv-2048, attention-smem and their pair on
-the 1.2B and of router-norm-wide(-attention-smem) and attention-smem on
-the 8B-A1B (and MLX's graph budget, graph-ops-200 and graph-per-step, as
+the 1.2B and of router-norm-wide(-attention-smem), attention-smem,
+qgemv-exact and quant-norm-exact on the 8B-A1B (and MLX's graph budget, graph-ops-200 and graph-per-step, as
 processes there: its step is bound by the host's ~6 µs a kernel); `ab pick`
 of the same; the rounds.
 Append nothing that copies loose files into $OUT after run.py: a call
