@@ -174,9 +174,10 @@ __device__ inline void lfm_qgemv_warp_a(const T* x, const uint32_t* w, const T* 
 }
 // MLX's own qmv arithmetic (MLX_LFM_QGEMV_EXACT, opt-in): what the pinned
 // 0.32.4 wheel's qmv_kernel<8, E, GS, true, residue, T, uint4|uint8, T>
-// computes, by its sm_90 SASS (bf16: HFMA2 with a zero addend for the
-// scale, HADD2 for the bias, HFMA2 for the sums, 16 FADDs, a 5-step
-// butterfly). Lane l takes E = 16 (4-bit, 16-bit T) or 8 consecutive
+// computes, as the upstream source with that template signature does it,
+// its instruction mix checked in the wheel's sm_90 SASS (bf16: HFMA2 with
+// a zero addend for the scale, HADD2 for the bias, HFMA2 for the sums, 16
+// FADDs, a 5-step butterfly). Lane l takes E = 16 (4-bit, 16-bit T) or 8 consecutive
 // elements at l E + r 32 E; each weight is dequantized in T as (q * s) + b,
 // a rounding each; 4-bit sums x * w per element position in T (one fused
 // rounding a step), 8-bit in float; the E sums are added in order in
