@@ -175,30 +175,23 @@ __device__ inline void lfm_qgemv_warp_a(const T* x, const uint32_t* w, const T* 
 // MLX's own qmv arithmetic (MLX_LFM_QGEMV_EXACT, opt-in): what the pinned
 // 0.32.4 wheel's qmv_kernel<8, E, GS, true, residue, T, uint4|uint8, T>
 // computes, as the upstream source with that template signature does it,
-// its instruction mix checked in the wheel's sm_90 SASS (bf16: HFMA2 with
-// a zero addend for the scale, HADD2 for the bias, HFMA2 for the sums, 16
-// FADDs, a 5-step butterfly). Lane l takes E = 16 (4-bit, 16-bit T) or 8 consecutive
-// elements at l E + r 32 E; each weight is dequantized in T as (q * s) + b,
-// a rounding each; 4-bit sums x * w per element position in T (one fused
-// rounding a step), 8-bit in float; the E sums are added in order in
-// float, then the warp's butterfly, rounded to T once.
-// (The _rn forms: a multiply and an add the compiler may not contract
-// into one fused rounding, as MLX's build does not.)
-__device__ inline __nv_bfloat16 lfm_qmul(__nv_bfloat16 a, __nv_bfloat16 b) { return __hmul_rn(a, b); }
-__device__ inline __half lfm_qmul(__half a, __half b) { return __hmul_rn(a, b); }
-__device__ inline __nv_bfloat16 lfm_qadd(__nv_bfloat16 a, __nv_bfloat16 b) { return __hadd_rn(a, b); }
-__device__ inline __half lfm_qadd(__half a, __half b) { return __hadd_rn(a, b); }
+// read against the wheel's sm_90 SASS (bf16 4-bit: HADD2 with -128 after a
+// LOP3, the exact magic-number conversion of q; one HFMA2 q * s + b per
+// element, the source's multiply and add contracted by ptxas into a single
+// rounding; HFMA2 for the sums; 16 ordered FADDs; a 5-step butterfly).
+// Lane l takes E = 16 (4-bit, 16-bit T) or 8 consecutive elements at
+// l E + r 32 E; each weight is dequantized in T as fma(q, s, b); 4-bit sums
+// x * w per element position in T (one fused rounding a step), 8-bit in
+// float; the E sums are added in order in float, then the warp's
+// butterfly, rounded to T once.
 __device__ inline __nv_bfloat16 lfm_qfma(__nv_bfloat16 a, __nv_bfloat16 b, __nv_bfloat16 c) { return __hfma(a, b, c); }
 __device__ inline __half lfm_qfma(__half a, __half b, __half c) { return __hfma(a, b, c); }
 __device__ inline float lfm_qfma(float a, float b, float c) { return fmaf(a, b, c); }
 template <typename T>
 __device__ inline T lfm_qdequant(uint32_t q, T s, T b) {
-  if constexpr (sizeof(T) == 4) {
-    // (float: the multiply and add contracted to one FMA, as nvcc builds them.)
-    return fmaf(static_cast<float>(q), s, b);
-  } else {
-    return lfm_qadd(lfm_qmul(T(static_cast<float>(q)), s), b);
-  }
+  // (q is exact in every T; float32's multiply and add contracted too, as
+  // nvcc builds them by default.)
+  return lfm_qfma(T(static_cast<float>(q)), s, b);
 }
 template <bool F, typename T>
 struct lfm_acc_t {
