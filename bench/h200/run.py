@@ -1477,25 +1477,27 @@ def pick():
             if AB[p["variant"]][0][key] != AB[setting[0]["variant"]][0][key]:
                 picks.remove(p)
                 why.append({"dropped": p["variant"], "reason": f"{key} set apart by {setting[0]['variant']}"})
-    changed = True
-    while changed:
-        changed = False
+    def lost_elsewhere(p, final):
+        """(key, where) of a shared switch of pick `p` whose value lost on
+        another group's model that `final` would run it on, else None."""
+        extra = AB[p["variant"]][0]
+        for key in (k for k in SHARED_WHOLE if k in extra):
+            hurt = [(v, m, round(ratio(v, m), 3)) for v, (e, models) in AB.items()
+                    if v not in p["group"] and e.get(key) == extra[key] and all(final.get(k) == x for k, x in e.items())
+                    for m in models or [] if ratio(v, m) is not None and ratio(v, m) < 0.97]
+            if hurt:
+                return key, hurt
+        return None
+
+    # (One pick at a time: dropping one changes what the others would run with.)
+    while True:
         final = merged(picks)
-        for p in list(picks):
-            extra = AB[p["variant"]][0]
-            for key in SHARED_WHOLE:
-                if key not in extra:
-                    continue
-                hurt = [(v, m, round(ratio(v, m), 3)) for v, (e, models) in AB.items()
-                        if v not in p["group"] and e.get(key) == extra[key] and all(final.get(k) == x for k, x in e.items())
-                        for m in models or [] if ratio(v, m) is not None and ratio(v, m) < 0.97]
-                if hurt:
-                    picks.remove(p)
-                    why.append({"dropped": p["variant"], "reason": f"{key}={extra[key]} lost elsewhere", "where": hurt})
-                    changed = True
-                    break
-            if changed:
-                break
+        lost = next(((p, found) for p in picks if (found := lost_elsewhere(p, final))), None)
+        if not lost:
+            break
+        p, (key, hurt) = lost
+        picks.remove(p)
+        why.append({"dropped": p["variant"], "reason": f"{key}={AB[p['variant']][0][key]} lost elsewhere", "where": hurt})
     picked = merged(picks)
     for key in SHARED_SWITCHES:
         # Each decode group with a variant that sets the switch must have

@@ -312,12 +312,8 @@ pub fn upto_available(q: &Array, k: &Array, v: &Array, upto: &Array) -> bool {
 /// `0..=upto` (the mask `arange(N) < upto + 1`, not built): the kernel; the
 /// caller checks [`upto_available`] and builds the mask where it fails.
 pub fn sdpa_upto(q: &Array, k: &Array, v: &Array, scale: f32, upto: &Array) -> Result<Array> {
-    let sn = smem_capacity(k.dim(2)).filter(|_| upto_kernel(true).is_some());
-    let kern = upto_kernel(sn.is_some()).ok_or_else(|| Error::mlx("the decode attention kernel is not available"))?;
     let per_row = i32::from(upto.ndim() == 1);
-    let mut extra = vec![("PER_ROW", TemplateArg::Int(per_row))];
-    extra.extend(sn.map(|c| ("SN", TemplateArg::Int(c))));
-    launch(kern, q, k, v, upto, scale, &extra)
+    launch(upto_kernel, q, k, v, upto, scale, vec![("PER_ROW", TemplateArg::Int(per_row))])
 }
 
 /// `softmax(q k^T * scale, masked) v` for one query token: the kernel where
@@ -326,14 +322,24 @@ pub fn sdpa_masked(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Array) ->
     if !available(q, k, v, mask) {
         return mlx::sdpa(q, k, v, scale, Mask::Array(mask));
     }
-    let sn = smem_capacity(k.dim(2)).filter(|_| kernel(true).is_some());
-    let kern = kernel(sn.is_some()).ok_or_else(|| Error::mlx("the decode attention kernel is not available"))?;
-    let extra: Vec<_> = sn.map(|c| ("SN", TemplateArg::Int(c))).into_iter().collect();
-    launch(kern, q, k, v, mask, scale, &extra)
+    launch(kernel, q, k, v, mask, scale, vec![])
 }
 
 /// Either kernel over `(q, k, v, bound)`: the mask or the positions.
-fn launch(kern: &CudaKernel, q: &Array, k: &Array, v: &Array, bound: &Array, scale: f32, extra: &[(&str, TemplateArg)]) -> Result<Array> {
+/// (`made`: the kernel, its shared-memory variant where it serves the
+/// buffer's length, [`smem_capacity`], and compiled.)
+fn launch(
+    made: fn(bool) -> Option<&'static CudaKernel>,
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    bound: &Array,
+    scale: f32,
+    mut extra: Vec<(&'static str, TemplateArg)>,
+) -> Result<Array> {
+    let sn = smem_capacity(k.dim(2)).filter(|_| made(true).is_some());
+    let kern = made(sn.is_some()).ok_or_else(|| Error::mlx("the decode attention kernel is not available"))?;
+    extra.extend(sn.map(|c| ("SN", TemplateArg::Int(c))));
     let (b, h, hd) = (q.dim(0), q.dim(1), q.dim(3));
     let gx = THREADS.checked_mul(h).ok_or_else(|| Error::invalid("too many heads for the decode attention kernel"))?;
     let mut template = vec![
@@ -342,7 +348,7 @@ fn launch(kern: &CudaKernel, q: &Array, k: &Array, v: &Array, bound: &Array, sca
         ("SCALE_BITS", TemplateArg::Int(scale.to_bits() as i32)),
         ("T", TemplateArg::Dtype(q.dtype())),
     ];
-    template.extend(extra.iter().cloned());
+    template.extend(extra);
     let outs = kern.call(
         &[q, k, v, bound],
         &[(&[b, h, 1, hd], q.dtype()), (&[b, h, k.dim(2)], Dtype::Float32)],

@@ -368,9 +368,14 @@ fn swiglu_kernel() -> Option<&'static CudaKernel> {
 /// (a single sequence's step, what those A/Bs timed); a batched step keeps
 /// MLX's products unless the switch is on.
 pub(crate) fn serves_weight(w: &Array, rows: usize) -> bool {
+    serves_up_to(w, rows, default_max_k())
+}
+
+/// The switch's rule for a weight: `MLX_LFM_GEMV_KERNEL` where set, else
+/// one row of a weight at most `max_k` wide.
+fn serves_up_to(w: &Array, rows: usize, max_k: usize) -> bool {
     static ON: OnceLock<Option<bool>> = OnceLock::new();
-    super::switch("MLX_LFM_GEMV_KERNEL", &ON)
-        .unwrap_or_else(|| rows == 1 && w.ndim() == 2 && w.dim(1) as usize <= default_max_k())
+    super::switch("MLX_LFM_GEMV_KERNEL", &ON).unwrap_or_else(|| rows == 1 && w.ndim() == 2 && w.dim(1) as usize <= max_k)
 }
 
 /// The widest input (K) the GEMV kernels take by default:
@@ -420,15 +425,11 @@ pub fn swiglu_available(x: &Array, w: &Array) -> bool {
 /// leaves out, where the other K = 2048 GEMVs of ours lost to MLX's on GPU
 /// time (1.25-1.64 ms a step against 1.09, session 22).
 fn serves_swiglu_weight(w: &Array, rows: usize) -> bool {
-    static ON: OnceLock<Option<bool>> = OnceLock::new();
     static MAX: OnceLock<Option<usize>> = OnceLock::new();
     let max = crate::knobs::cached("MLX_LFM_SWIGLU_GEMV_MAX_K", &MAX, |v| {
         v.and_then(|v| v.trim().parse::<usize>().ok()).filter(|&k| k <= 1 << 20)
     });
-    match max {
-        Some(max) => super::switch("MLX_LFM_GEMV_KERNEL", &ON).unwrap_or(rows == 1 && w.ndim() == 2 && w.dim(1) as usize <= max),
-        None => serves_weight(w, rows),
-    }
+    serves_up_to(w, rows, max.unwrap_or_else(default_max_k))
 }
 
 /// `silu(x @ w[..F].T) * (x @ w[F..].T)` for a stacked `[2F, K]` `w`
@@ -454,7 +455,8 @@ fn launch(kern: &CudaKernel, x: &Array, w: &Array, cols: i32) -> Result<Array> {
     let k = w.dim(1);
     let rows = x.size() / k as usize;
     let per_block = THREADS / 32;
-    let warps = (cols + self::cols() - 1) / self::cols();
+    let per_warp = self::cols();
+    let warps = (cols + per_warp - 1) / per_warp;
     let blocks = (warps + per_block - 1) / per_block;
     let grid = blocks.checked_mul(THREADS).ok_or_else(|| Error::invalid("too many output columns for the GEMV kernel"))?;
     let mut shape = x.shape();
@@ -474,12 +476,21 @@ mod default_tests {
     use super::serves_weight;
     use crate::mlx::{zeros, Dtype};
 
+    /// Whether the environment sets the switches these tests hold to their
+    /// default rule (then they say so and skip).
+    fn default_rule_overridden() -> bool {
+        let set = std::env::var_os("MLX_LFM_GEMV_KERNEL").is_some() || std::env::var_os("MLX_LFM_GEMV_KERNEL_MAX_K").is_some();
+        if set {
+            eprintln!("skipped: MLX_LFM_GEMV_KERNEL(_MAX_K) is set, so the default rule is not what runs");
+        }
+        set
+    }
+
     /// Unset, the switch serves one row of a weight at most 1024 wide (what
     /// the H200's A/B timed); a test's opt-in turns it on for any.
     #[test]
     fn gemv_default_serves_one_row_of_narrow_weights() {
-        if std::env::var_os("MLX_LFM_GEMV_KERNEL").is_some() || std::env::var_os("MLX_LFM_GEMV_KERNEL_MAX_K").is_some() {
-            eprintln!("skipped: MLX_LFM_GEMV_KERNEL(_MAX_K) is set, so the default rule is not what runs");
+        if default_rule_overridden() {
             return;
         }
         let narrow = zeros(&[16, 1024], Dtype::Bfloat16).unwrap();
@@ -497,8 +508,7 @@ mod default_tests {
     #[test]
     fn swiglu_gemv_takes_its_own_widest_input() {
         use super::serves_swiglu_weight;
-        if std::env::var_os("MLX_LFM_GEMV_KERNEL").is_some() || std::env::var_os("MLX_LFM_GEMV_KERNEL_MAX_K").is_some() {
-            eprintln!("skipped: MLX_LFM_GEMV_KERNEL(_MAX_K) is set, so the default rule is not what runs");
+        if default_rule_overridden() {
             return;
         }
         let narrow = zeros(&[16, 1024], Dtype::Bfloat16).unwrap();

@@ -201,10 +201,13 @@ template <typename T>
 struct lfm_acc_t<true, T> {
   using type = float;
 };
-template <typename T, int K, int BITS, int GS>
-__device__ inline float lfm_qdot_mlx(const T* x, const uint8_t* wr, const T* sr, const T* br, int lane) {
+// (The tile's packed words read as words, x's 16-byte runs as such where
+// the row is aligned: the loads only, the same values.)
+template <typename T, int K, int BITS, int GS, bool XA>
+__device__ inline float lfm_qdot_mlx(const T* x, const uint32_t* wr, const T* sr, const T* br, int lane) {
   constexpr int E = (sizeof(T) <= 2 && BITS <= 4) ? 16 : 8;
   constexpr int EW = 32 * E;
+  constexpr int VPW = 32 / BITS;
   using A = typename lfm_acc_t<(BITS >= 8), T>::type;
   A sums[E];
 #pragma unroll
@@ -212,15 +215,26 @@ __device__ inline float lfm_qdot_mlx(const T* x, const uint8_t* wr, const T* sr,
   auto tile = [&](int idx) {
     const T s = sr[idx / GS];
     const T b = br[idx / GS];
-    const uint8_t* wb = wr + idx * BITS / 8;
+    uint32_t ww[E / VPW];
+#pragma unroll
+    for (int i = 0; i < E / VPW; i++) ww[i] = wr[idx / VPW + i];
+    uint4 xraw[E * sizeof(T) / 16];
+    if constexpr (XA) {
+#pragma unroll
+      for (int t = 0; t < E * (int)sizeof(T) / 16; t++) xraw[t] = reinterpret_cast<const uint4*>(x + idx)[t];
+    } else {
+#pragma unroll
+      for (int j = 0; j < E; j++) reinterpret_cast<T*>(xraw)[j] = x[idx + j];
+    }
+    const T* xv = reinterpret_cast<const T*>(xraw);
 #pragma unroll
     for (int j = 0; j < E; j++) {
-      const uint32_t q = BITS == 4 ? (wb[j / 2] >> (4 * (j % 2))) & 15u : wb[j];
+      const uint32_t q = (ww[j / VPW] >> (BITS * (j % VPW))) & ((1u << BITS) - 1u);
       const T wq = lfm_qdequant<T>(q, s, b);
       if constexpr (BITS >= 8) {
-        sums[j] = fmaf(static_cast<float>(x[idx + j]), static_cast<float>(wq), sums[j]);
+        sums[j] = fmaf(static_cast<float>(xv[j]), static_cast<float>(wq), sums[j]);
       } else {
-        sums[j] = lfm_qfma(x[idx + j], wq, sums[j]);
+        sums[j] = lfm_qfma(xv[j], wq, sums[j]);
       }
     }
   };
@@ -235,15 +249,15 @@ __device__ inline float lfm_qdot_mlx(const T* x, const uint8_t* wr, const T* sr,
   for (int j = 0; j < E; j++) sum += static_cast<float>(sums[j]);
   return lfm_warp_sum(sum);
 }
-template <typename T, int K, int M, int BITS, int GS>
+template <typename T, int K, int M, int BITS, int GS, bool XA>
 __device__ inline void lfm_qgemv_mlx_warp(const T* x, const uint32_t* w, const T* scales, const T* biases, T* y, int N,
                                           int n, int lane) {
   constexpr int G = K / GS;
-  const uint8_t* wr = reinterpret_cast<const uint8_t*>(w + static_cast<size_t>(n) * (K * BITS / 32));
+  const uint32_t* wr = w + static_cast<size_t>(n) * (K * BITS / 32);
 #pragma unroll 1
   for (int m = 0; m < M; m++) {
-    const float s = lfm_qdot_mlx<T, K, BITS, GS>(x + static_cast<size_t>(m) * K, wr, scales + static_cast<size_t>(n) * G,
-                                                 biases + static_cast<size_t>(n) * G, lane);
+    const float s = lfm_qdot_mlx<T, K, BITS, GS, XA>(x + static_cast<size_t>(m) * K, wr, scales + static_cast<size_t>(n) * G,
+                                                     biases + static_cast<size_t>(n) * G, lane);
     if (lane == 0) y[static_cast<size_t>(m) * N + n] = T(s);
   }
 }
@@ -254,7 +268,11 @@ template <typename T, int K, int M, int BITS, int GS>
 __device__ inline void lfm_qgemv_warp(const T* x, bool xa, const uint32_t* w, bool wa, const T* scales, const T* biases,
                                       T* y, int N, int n, int lane) {
   if constexpr (LFM_QGEMV_MLX) {
-    lfm_qgemv_mlx_warp<T, K, M, BITS, GS>(x, w, scales, biases, y, N, n, lane);
+    if (xa) {
+      lfm_qgemv_mlx_warp<T, K, M, BITS, GS, true>(x, w, scales, biases, y, N, n, lane);
+    } else {
+      lfm_qgemv_mlx_warp<T, K, M, BITS, GS, false>(x, w, scales, biases, y, N, n, lane);
+    }
     return;
   }
   if (xa && wa) {
