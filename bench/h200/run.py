@@ -87,20 +87,27 @@ GEMV's 158) 322 s; `checkpoints` of the 1.2B and the 8B-A1B 345 s (the
 (H200_AB_GPU_TIME=1) of five 1.2B variants, two processes an arm, ~60 s;
 `ab pick` of two in-process 8B-A1B variants, 4 reps, 31 s; `round 1
 round 2` of those two models 421 s; a GPU-time `ab` of one 8B-A1B
-variant plus `profile` of both models 163 s; `round 3` 176 s. For the
-opt-in changes written after it, the next chain is: `stage`; `install
-verdicts-from ...,session22 kernels` with H200_KERNEL_TESTS naming
-decode_attention_kernel_matches_stock_ops,
-gemv_swiglu_kernel_matches_stock_ops, gemv_kernel_matches_stock_ops,
+variant plus `profile` of both models 163 s; `round 3` 176 s.
+Session 23 (one machine, 1,765 s of the 1,800): `stage` 1 s; eight tests
+(`H200_KERNEL_JOBS=4`; the greedy test alone 411 s, norm_gemv + GEMV
+448 s) 454 s; `checkpoints` of the 1.2B and the 8B-A1B 233 s (the GGUF
+thread works); a GPU-time `ab` of three 1.2B variants, `H200_AB_REPS=4`
+(two processes an arm, ~17 s each) 136 s, then its 8B-A1B arms (~30 s a
+process) ran into the call's limit with no record: give the 8B-A1B a call
+of its own or fewer arms; `ab pick` of seven in-process variants over the
+two models 99 s; `round 1 round 2` ran past 555 s (the 8B-A1B's
+16-concurrent of round 2 cut): a round of the two models is ~290 s now.
+Next: `stage`; `install verdicts-from ...,session23 kernels` with
+H200_KERNEL_TESTS=decode_attention_kernel_matches_stock_ops,
 moe_router_norm_kernel_matches_the_norm_and_router_kernels,
-add_rms_norm_kernel_matches_stock_ops, norm_gemv_kernels_match_stock_ops,
-quant_gemv_kernel_matches_stock_ops and the greedy test (their files
-changed); `checkpoints` (H200_MODELS);
-a GPU-time `ab` of swiglu-gemv-2048, attention-smem and their pair on
-the 1.2B and of router-norm-wide(-attention-smem), attention-smem,
-qgemv-exact and quant-norm-exact on the 8B-A1B (and MLX's graph budget, graph-ops-200 and graph-per-step, as
-processes there: its step is bound by the host's ~6 µs a kernel); `ab pick`
-of the same; the rounds.
+quant_gemv_kernel_matches_stock_ops,
+greedy_tokens_with_kernels_equal_stock_ops (their files changed:
+the shared scores' one capacity, the router + norm fold by default, the
+exact GEMV's bound for several rows); `checkpoints`; `ab pick` of
+attention-smem, router-norm-off, router-norm-narrow, swiglu-gemv-1024
+(the new defaults measured off); `round 1`, `round 2` as calls of their
+own; then `profile-kernels` (ncu-stalls) of the experts' down kernel and
+the router.
 Append nothing that copies loose files into $OUT after run.py: a call
 brings back a few files (8 on 2026-12-03) and drops the rest, raw.jsonl
 with them; run.py writes $OUT/raw.jsonl and $OUT/logs.tgz itself.
@@ -1057,17 +1064,17 @@ AB = {
                                           "MLX_LFM_NORM_GEMV_PREFETCH": "early", "MLX_LFM_NORM_RUNS": "guarded"},
                                          ["lfm2-1.2b-bf16"]),
     # (Session 22: every K = 2048 GEMV of ours above took more GPU time a
-    # step than MLX's, 1.25-1.64 ms against 1.09.) Only the SwiGLU GEMV at
-    # K = 2048, MLX's GEMVs elsewhere and no fold: the stacked w1/w3's
-    # GEMV, its Split, a copy and the compiled gate (16 layers x 3 kernels
-    # a token) as one launch, the same bits as those stock ops.
-    "swiglu-gemv-2048": ({"MLX_LFM_SWIGLU_GEMV_MAX_K": "2048"}, ["lfm2-1.2b-bf16"]),
+    # step than MLX's, 1.25-1.64 ms against 1.09.) The SwiGLU GEMV at
+    # K = 2048 alone (the stacked w1/w3's GEMV, its Split, a copy and the
+    # compiled gate as one launch, the same bits) won session 23's A/B
+    # (1.027x) and is the default since: measured off here.
+    "swiglu-gemv-1024": ({"MLX_LFM_SWIGLU_GEMV_MAX_K": "1024"}, ["lfm2-1.2b-bf16"]),
     # The decode attention keeping a row's scores in shared memory and a
     # lane group's V rows loaded several at a time (the same bits): ncu put
     # it at 15.7 µs a launch in session 22, six a token on every model.
+    # Session 23 ran it with a kernel per power of two of the cache (a
+    # first decode at each length of ~100 tok/s); now one capacity.
     "attention-smem": ({"MLX_LFM_DECODE_ATTENTION_SMEM": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
-    "swiglu-gemv-2048-attention-smem": ({"MLX_LFM_SWIGLU_GEMV_MAX_K": "2048", "MLX_LFM_DECODE_ATTENTION_SMEM": "1"},
-                                        ["lfm2-1.2b-bf16"]),
     "gemv-c2": ({"MLX_LFM_GEMV_COLS": "2"}, ["lfm2-350m-bf16"]),
     "gemv-c4": ({"MLX_LFM_GEMV_COLS": "4"}, ["lfm2-350m-bf16"]),
     # The add + RMSNorm code's runs unrolled with a guard per element (by
@@ -1076,14 +1083,12 @@ AB = {
     # this A/B.
     "norm-runs-guarded": ({"MLX_LFM_NORM_RUNS": "guarded"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     # The MoE layer's residual add and norm folded into its router's launch
-    # (one launch fewer a MoE layer: 22 on the 8B-A1B), opt-in until this A/B.
-    "router-norm": ({"MLX_LFM_ROUTER_NORM_KERNEL": "1"}, ["lfm2-8b-a1b-q4"]),
-    "router-norm-guarded": ({"MLX_LFM_ROUTER_NORM_KERNEL": "1", "MLX_LFM_NORM_RUNS": "guarded"}, ["lfm2-8b-a1b-q4"]),
-    # (Session 22: 0.99x, and 1,587-1,674 µs of GPU time a step against
-    # 1,468-1,524: its block of 8 warps runs the 32 experts' gate rows four
-    # in turn, where the gate kernel it replaces runs a warp an expert.) The
-    # same fold a warp an expert, the norm on its first 256 threads.
-    "router-norm-wide": ({"MLX_LFM_ROUTER_NORM_KERNEL": "1", "MLX_LFM_ROUTER_NORM_WIDE": "1"}, ["lfm2-8b-a1b-q4"]),
+    # (one launch fewer a MoE layer: 22 on the 8B-A1B), a warp an expert:
+    # the default since session 23's A/B (1.041x), measured off here, and
+    # with its block of 8 warps (session 22: 0.99x, and 1,587-1,674 µs of
+    # GPU time a step against 1,468-1,524, the 32 experts four in turn).
+    "router-norm-off": ({"MLX_LFM_ROUTER_NORM_KERNEL": "0"}, ["lfm2-8b-a1b-q4"]),
+    "router-norm-narrow": ({"MLX_LFM_ROUTER_NORM_WIDE": "0"}, ["lfm2-8b-a1b-q4"]),
     # The quantized GEMVs in MLX's own qmv arithmetic (MLX_LFM_QGEMV_EXACT:
     # the same bits as the stock products, where the float32 kernel left
     # the greedy test's tokens in every session), alone and with the
@@ -1092,8 +1097,6 @@ AB = {
     "qgemv-exact": ({"MLX_LFM_QGEMV_KERNEL": "1", "MLX_LFM_QGEMV_EXACT": "1"}, ["lfm2-8b-a1b-q4"]),
     "quant-norm-exact": ({"MLX_LFM_QGEMV_KERNEL": "1", "MLX_LFM_NORM_GEMV_KERNEL": "1", "MLX_LFM_QGEMV_EXACT": "1"},
                          ["lfm2-8b-a1b-q4"]),
-    "router-norm-wide-attention-smem": ({"MLX_LFM_ROUTER_NORM_KERNEL": "1", "MLX_LFM_ROUTER_NORM_WIDE": "1",
-                                         "MLX_LFM_DECODE_ATTENTION_SMEM": "1"}, ["lfm2-8b-a1b-q4"]),
     # A prompt's pass handed to MLX every N layers as it is built, so the
     # GPU runs the first layers while the host builds the rest (a prefill
     # is eager: its build does not overlap the GPU otherwise). N = 2 is the
@@ -1200,24 +1203,18 @@ AB_TESTS = {
                                       "norm_gemv_kernels_match_stock_ops", "add_rms_norm_kernel_matches_stock_ops",
                                       "greedy:default"],
     "fold-early": ["norm_gemv_kernels_match_stock_ops"],
-    "swiglu-gemv-2048": ["gemv_swiglu_kernel_matches_stock_ops", "greedy:default"],
+    "swiglu-gemv-1024": ["greedy:default"],
     "attention-smem": ["decode_attention_kernel_matches_stock_ops"],
-    "swiglu-gemv-2048-attention-smem": ["gemv_swiglu_kernel_matches_stock_ops", "decode_attention_kernel_matches_stock_ops",
-                                        "greedy:default"],
     **{v: ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops",
            "greedy:default"] for v in ("gemv-max-k-2048-c2", "gemv-max-k-2048-c4", "gemv-c2", "gemv-c4")},
     **{v: ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops",
            "add_rms_norm_kernel_matches_stock_ops", "greedy:default"]
        for v in ("gemv-max-k-2048-c2-early-guarded", "gemv-max-k-2048-c4-early-guarded")},
     "norm-runs-guarded": ["add_rms_norm_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops"],
-    "router-norm": ["moe_router_norm_kernel_matches_the_norm_and_router_kernels", "greedy:MLX_LFM_ROUTER_NORM_KERNEL"],
-    "router-norm-guarded": ["moe_router_norm_kernel_matches_the_norm_and_router_kernels", "add_rms_norm_kernel_matches_stock_ops",
-                            "norm_gemv_kernels_match_stock_ops", "greedy:MLX_LFM_ROUTER_NORM_KERNEL"],
-    "router-norm-wide": ["moe_router_norm_kernel_matches_the_norm_and_router_kernels", "greedy:MLX_LFM_ROUTER_NORM_KERNEL"],
+    "router-norm-off": ["greedy:default"],
+    "router-norm-narrow": ["moe_router_norm_kernel_matches_the_norm_and_router_kernels", "greedy:default"],
     "qgemv-exact": ["quant_gemv_kernel_matches_stock_ops", "greedy:MLX_LFM_QGEMV_EXACT"],
     "quant-norm-exact": ["quant_gemv_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops", "greedy:MLX_LFM_QGEMV_EXACT"],
-    "router-norm-wide-attention-smem": ["moe_router_norm_kernel_matches_the_norm_and_router_kernels",
-                                        "decode_attention_kernel_matches_stock_ops", "greedy:MLX_LFM_ROUTER_NORM_KERNEL"],
     "compiled-prefill": ["compiled_prefill_equals_the_eager_prefill"],
 }
 # Groups of variants of which `pick` adopts at most one: (variants, the
@@ -1230,11 +1227,11 @@ PICK = [
       "gemv-max-k-2048-c2", "gemv-max-k-2048-c4", "gemv-max-k-2048-c2-early-guarded", "gemv-max-k-2048-c4-early-guarded"],
      "decode"),
     (["gemv-c2", "gemv-c4"], "decode"),
-    (["swiglu-gemv-2048", "swiglu-gemv-2048-attention-smem"], "decode"),
+    (["swiglu-gemv-1024"], "decode"),
     (["attention-smem"], "decode"),
     (["norm-runs-guarded"], "decode"),
     (["fold-early"], "decode"),
-    (["router-norm", "router-norm-guarded", "router-norm-wide", "router-norm-wide-attention-smem"], "decode"),
+    (["router-norm-off", "router-norm-narrow"], "decode"),
     (["norm-kernel-all-rows"], "prefill"),
     (["moe-dequant-from-16-rows", "moe-dequant-from-64-rows"], "prefill"),
     (["prefill-overlap-2", "prefill-overlap-4", "prefill-split", "prefill-split-overlap-4"], "prefill"),
@@ -1247,8 +1244,7 @@ PICK = [
 DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetch", "gemv-max-k-2048-plain",
                "gemv-max-k-2048-no-fold", "gemv-max-k-2048-early", "gemv-max-k-2048-early-guarded", "fold-early",
                "gemv-max-k-2048-c2", "gemv-max-k-2048-c4", "gemv-max-k-2048-c2-early-guarded",
-               "gemv-max-k-2048-c4-early-guarded", "gemv-c2", "gemv-c4", "swiglu-gemv-2048", "attention-smem",
-               "swiglu-gemv-2048-attention-smem"}
+               "gemv-max-k-2048-c4-early-guarded", "gemv-c2", "gemv-c4", "swiglu-gemv-1024", "attention-smem"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]

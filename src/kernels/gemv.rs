@@ -417,20 +417,29 @@ pub fn swiglu_available(x: &Array, w: &Array) -> bool {
     fits(x, w, serves_swiglu_weight) && w.dim(0) % 2 == 0 && swiglu_kernel().is_some()
 }
 
-/// As [`serves_weight`], with its own widest input unset:
-/// `MLX_LFM_SWIGLU_GEMV_MAX_K` (an A/B's knob), else the GEMVs'. On the
-/// 1.2B (K = 2048) MLX's GEMV of the stacked w1/w3 is followed by a Split,
-/// a copy and the compiled gate, three kernels a layer (4.1 + 2.8 us under
-/// session 22's ncu, 16 layers) that this kernel's gate in the same launch
-/// leaves out, where the other K = 2048 GEMVs of ours lost to MLX's on GPU
-/// time (1.25-1.64 ms a step against 1.09, session 22).
+/// As [`serves_weight`], with its own widest input:
+/// `MLX_LFM_SWIGLU_GEMV_MAX_K` (an A/B's knob), else [`SWIGLU_MAX_K`] or
+/// the GEMVs' if wider. On the 1.2B (K = 2048) MLX's GEMV of the stacked
+/// w1/w3 is followed by a Split, a copy and the compiled gate, three
+/// kernels a layer (4.1 + 2.8 us under session 22's ncu, 16 layers) that
+/// this kernel's gate in the same launch leaves out, where the other
+/// K = 2048 GEMVs of ours lost to MLX's on GPU time (1.25-1.64 ms a step
+/// against 1.09, session 22).
 fn serves_swiglu_weight(w: &Array, rows: usize) -> bool {
     static MAX: OnceLock<Option<usize>> = OnceLock::new();
     let max = crate::knobs::cached("MLX_LFM_SWIGLU_GEMV_MAX_K", &MAX, |v| {
         v.and_then(|v| v.trim().parse::<usize>().ok()).filter(|&k| k <= 1 << 20)
     });
-    serves_up_to(w, rows, max.unwrap_or_else(default_max_k))
+    serves_up_to(w, rows, max.unwrap_or_else(|| SWIGLU_MAX_K.max(default_max_k())))
 }
+
+/// The SwiGLU GEMV's widest input by default, since session 23: the
+/// H200's paired A/B put the 1.2B's decode at 1.027x with it (1.046x with
+/// the shared-memory attention; its GPU time a step 1,114-1,122 us against
+/// the defaults' 1,086-1,115, two samples each), and its test gave the
+/// stock ops' bits at that shape (sessions 22 and 23).
+/// `MLX_LFM_SWIGLU_GEMV_MAX_K=1024` restores the GEMVs' bound.
+const SWIGLU_MAX_K: usize = 2048;
 
 /// `silu(x @ w[..F].T) * (x @ w[F..].T)` for a stacked `[2F, K]` `w`
 /// (callers check [`swiglu_available`] and that the halves are equal).
@@ -503,8 +512,8 @@ mod default_tests {
         });
     }
 
-    /// The SwiGLU GEMV's own widest input: unset, the GEMVs' rule; set, one
-    /// row of a weight up to it, the plain GEMVs' rule unchanged.
+    /// The SwiGLU GEMV's own widest input: unset, 2048 (the 1.2B's, the
+    /// plain GEMVs keeping 1024); set, one row of a weight up to it.
     #[test]
     fn swiglu_gemv_takes_its_own_widest_input() {
         use super::serves_swiglu_weight;
@@ -517,14 +526,15 @@ mod default_tests {
         let unset = [("MLX_LFM_SWIGLU_GEMV_MAX_K".to_string(), None)];
         crate::knobs::with_overrides(&unset, || {
             assert!(serves_swiglu_weight(&narrow, 1));
-            assert!(!serves_swiglu_weight(&wide, 1), "unset, the GEMVs' 1024");
-        });
-        let set = [("MLX_LFM_SWIGLU_GEMV_MAX_K".to_string(), Some("2048".to_string()))];
-        crate::knobs::with_overrides(&set, || {
-            assert!(serves_swiglu_weight(&wide, 1));
-            assert!(!serves_swiglu_weight(&wider, 1), "wider than the bound");
+            assert!(serves_swiglu_weight(&wide, 1), "unset, 2048");
+            assert!(!serves_swiglu_weight(&wider, 1), "unset, not past 2048");
             assert!(!serves_swiglu_weight(&wide, 2), "a batched step keeps MLX's products");
             assert!(!serves_weight(&wide, 1), "the plain GEMVs keep their own bound");
+        });
+        let off = [("MLX_LFM_SWIGLU_GEMV_MAX_K".to_string(), Some("1024".to_string()))];
+        crate::knobs::with_overrides(&off, || {
+            assert!(serves_swiglu_weight(&narrow, 1));
+            assert!(!serves_swiglu_weight(&wide, 1), "1024: the GEMVs' bound again");
         });
     }
 }

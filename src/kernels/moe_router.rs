@@ -167,8 +167,8 @@ const GATE_SOURCE: &str = r#"
 /// both (the experts read `y`), keeps `y` in shared memory and routes from
 /// it as [`GATE_SOURCE`] does, a warp an expert at a time.
 const GATE_NORM_SOURCE: &str = r#"
-  // RW warps (8; a warp an expert with MLX_LFM_ROUTER_NORM_WIDE, the gate
-  // kernel's own layout): the norm runs on the first 256 threads either way.
+  // RW warps (a warp an expert, the gate kernel's own layout; 8 with
+  // MLX_LFM_ROUTER_NORM_WIDE=0): the norm runs on the first 256 threads either way.
   constexpr int WARPS = RW;
   __shared__ uint4 ys_store[D * sizeof(T) / 16];
   __shared__ float probs_s[E];
@@ -310,26 +310,30 @@ fn gate_template(q: &Quantized, d: i32, dt: Dtype, k: i32, norm: bool) -> Vec<(&
     template
 }
 
-/// Warps of the router + norm kernel's block: 8 (256 threads, each warp
-/// four of the 8B-A1B's 32 experts in turn), or with
-/// `MLX_LFM_ROUTER_NORM_WIDE=1` (opt-in until its H200 test and A/B) a warp
-/// an expert as the gate kernel has them, at least 8. Session 22 timed the
-/// 8-warp kernel at 1,587-1,674 µs of GPU time a step against the
-/// defaults' 1,468-1,524 (the gate kernel runs 32 warps): the 22 launches
-/// it spares the host came back as GPU time.
+/// Warps of the router + norm kernel's block: a warp an expert as the gate
+/// kernel has them, at least 8 (the norm runs on the first 256 threads),
+/// or with `MLX_LFM_ROUTER_NORM_WIDE=0` 8 (256 threads, each warp four of
+/// the 8B-A1B's 32 experts in turn). Session 22 timed the 8-warp kernel
+/// at 1,587-1,674 us of GPU time a step against the defaults' 1,468-1,524
+/// (the gate kernel runs 32 warps): the 22 launches it spares the host
+/// came back as GPU time; a warp an expert won session 23's A/B.
 fn gate_norm_warps(experts: i32) -> i32 {
     static WIDE: OnceLock<bool> = OnceLock::new();
-    if crate::knobs::cached("MLX_LFM_ROUTER_NORM_WIDE", &WIDE, |v| v == Some("1")) {
+    if crate::knobs::cached("MLX_LFM_ROUTER_NORM_WIDE", &WIDE, |v| v != Some("0")) {
         experts.clamp(8, 32)
     } else {
         8
     }
 }
 
-/// Opt-in (`MLX_LFM_ROUTER_NORM_KERNEL=1`) until the H200's test and A/B.
+/// On by default where our CUDA kernels run since session 23: the H200's
+/// paired A/B put the 8B-A1B's decode at 1.041x with a warp an expert
+/// (six reps of six above 1.00; 1.056x with the shared-memory attention),
+/// its test gave the bits of the two launches it replaces and the greedy
+/// test kept the stock tokens with it. `MLX_LFM_ROUTER_NORM_KERNEL=0` off.
 fn gate_norm_enabled() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    super::opt_in("MLX_LFM_ROUTER_NORM_KERNEL", &ON)
+    static ON: OnceLock<Option<bool>> = OnceLock::new();
+    super::cuda_default("MLX_LFM_ROUTER_NORM_KERNEL", &ON)
 }
 
 /// Whether [`route_gate_norm`] serves the pending norm `n` (its rows `[N,
