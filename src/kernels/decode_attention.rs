@@ -54,7 +54,7 @@ const SOURCE: &str = r#"
   // `NV`, the positions the loops run to, and `valid(n)`:
   __VALIDITY__
 #if LFM_ATT_SMEM
-  // The row's scores in shared memory (SN, a power of two at least N, a
+  // The row's scores in shared memory (SN, at least N, a
   // template constant): the max, sum and probability passes and the p * v
   // pass read them there, not back from L2.
   __shared__ float ssc[SN];
@@ -216,20 +216,28 @@ const HEADER: &str = "#ifndef LFM_ATT_SMEM\n#define LFM_ATT_SMEM 0\n#endif\n";
 /// of static shared memory a block may have).
 const SMEM_MAX: i32 = 8192;
 
-/// `MLX_LFM_DECODE_ATTENTION_SMEM=1` (opt-in until its H200 test and A/B):
-/// the variant that keeps a row's scores in shared memory and loads several
-/// V rows of a lane group before summing them, the same sums in the same
-/// order (the same bits); the scores' capacity a template constant, the
-/// buffer's length rounded up to a power of two (a new kernel per doubling
-/// of the cache, not per step). Session 22's ncu timed the kernel at 15.7 us
-/// a launch over ~550 positions (6 a token on every model), where its bytes
-/// take ~1 us: its passes wait on L2 and DRAM in turn.
+/// `MLX_LFM_DECODE_ATTENTION_SMEM=1` (opt-in until its H200 A/B with one
+/// capacity): the variant that keeps a row's scores in shared memory and
+/// loads several V rows of a lane group before summing them, the same sums
+/// in the same order (the same bits). Session 22's ncu timed the kernel at
+/// 15.7 us a launch over ~550 positions (6 a token on every model), where
+/// its bytes take ~1 us: its passes wait on L2 and DRAM in turn.
+///
+/// The scores' capacity is one template constant, [`SMEM_MAX`], whatever
+/// the buffer's length: session 23's rounds ran the variant with the
+/// length rounded up to a power of two, a kernel a doubling, and the first
+/// decode at each prompt length ran at 79-145 tok/s against 395-912 in
+/// the reps after it (every arm with our kernels; the stock ops' arm and
+/// session 22's rounds without the variant did not): a kernel built in the
+/// middle of a reply each time the cache crossed a power of two. One
+/// kernel, built at the first step, serves every length up to 8,192. Its ~41 KiB of shared memory a block
+/// still leaves 5 blocks an SM, more than a decode's rows x heads fill.
 fn smem_capacity(n: i32) -> Option<i32> {
     static ON: OnceLock<bool> = OnceLock::new();
     if !super::opt_in("MLX_LFM_DECODE_ATTENTION_SMEM", &ON) || n > SMEM_MAX {
         return None;
     }
-    Some((n.max(32) as u32).next_power_of_two() as i32)
+    Some(SMEM_MAX)
 }
 
 fn kernel(smem: bool) -> Option<&'static CudaKernel> {
