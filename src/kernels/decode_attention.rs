@@ -224,14 +224,16 @@ const SMEM_MAX: i32 = 8192;
 /// its bytes take ~1 us: its passes wait on L2 and DRAM in turn.
 ///
 /// The scores' capacity is one template constant, [`SMEM_MAX`], whatever
-/// the buffer's length: session 23's rounds ran the variant with the
+/// the buffer's length. Session 23's rounds ran the variant with the
 /// length rounded up to a power of two, a kernel a doubling, and the first
-/// decode at each prompt length ran at 79-145 tok/s against 395-912 in
-/// the reps after it (every arm with our kernels; the stock ops' arm and
-/// session 22's rounds without the variant did not): a kernel built in the
-/// middle of a reply each time the cache crossed a power of two. One
-/// kernel, built at the first step, serves every length up to 8,192. Its ~41 KiB of shared memory a block
-/// still leaves 5 blocks an SM, more than a decode's rows x heads fill.
+/// decode at each prompt length ran at 79-145 tok/s against 395-912 in the
+/// reps after it (every arm with our kernels; the stock ops' arm and
+/// session 22's rounds without the variant did not): consistent with a
+/// kernel built in the middle of a reply each time the cache crossed a
+/// power of two. One kernel, built at the first step, serves every length
+/// up to 8,192. Its ~41 KiB of shared memory a block does not lower its
+/// occupancy: ptxas's 96 registers a thread (the default kernel's 98)
+/// already hold it to 2 blocks an SM.
 fn smem_capacity(n: i32) -> Option<i32> {
     static ON: OnceLock<bool> = OnceLock::new();
     if !super::opt_in("MLX_LFM_DECODE_ATTENTION_SMEM", &ON) || n > SMEM_MAX {
