@@ -103,9 +103,10 @@ moe_router_norm_kernel_matches_the_norm_and_router_kernels,
 quant_gemv_kernel_matches_stock_ops,
 greedy_tokens_with_kernels_equal_stock_ops (their files changed:
 the shared scores' one capacity, the router + norm fold by default, the
-exact GEMV's bound for several rows); `checkpoints`; `ab pick` of
-attention-smem, router-norm-off, router-norm-narrow, swiglu-gemv-1024
-(the new defaults measured off); `round 1`, `round 2` as calls of their
+exact GEMV's bound for several rows, its tiles' loads batched and its
+row prefetched); `checkpoints`; `ab pick` of attention-smem,
+router-norm-off, router-norm-narrow, swiglu-gemv-1024 (the new defaults
+measured off), qgemv-exact and quant-norm-exact; `round 1`, `round 2` as calls of their
 own; then `profile-kernels` (ncu-stalls) of the experts' down kernel and
 the router.
 Append nothing that copies loose files into $OUT after run.py: a call
