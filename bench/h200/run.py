@@ -100,11 +100,13 @@ two models 99 s; `round 1 round 2` ran past 555 s (the 8B-A1B's
 Next: `stage`; `install verdicts-from ...,session23 kernels` with
 H200_KERNEL_TESTS=decode_attention_kernel_matches_stock_ops,
 moe_router_norm_kernel_matches_the_norm_and_router_kernels,
-quant_gemv_kernel_matches_stock_ops,
-greedy_tokens_with_kernels_equal_stock_ops (their files changed:
-the shared scores' one capacity, the router + norm fold by default, the
-exact GEMV's bound for several rows, its tiles' loads batched and its
-row prefetched); `checkpoints`; `ab pick` of attention-smem,
+quant_gemv_kernel_matches_stock_ops, gemv_swiglu_kernel_matches_stock_ops,
+gemv_kernel_matches_stock_ops, stacked_rows_with_kernels_equal_each_row_alone,
+greedy_tokens_with_kernels_equal_stock_ops (their files changed: the
+shared scores' one capacity, the router + norm fold and the SwiGLU GEMV
+at K = 2048 by default (the stacked rows' and greedy tests run the new
+defaults), the exact GEMV's bound for several rows, its tiles' loads
+batched and its row prefetched); `checkpoints`; `ab pick` of attention-smem,
 router-norm-off, router-norm-narrow, swiglu-gemv-1024 (the new defaults
 measured off), qgemv-exact and quant-norm-exact; `round 1`, `round 2` as calls of their
 own; then `profile-kernels` (ncu-stalls) of the experts' down kernel and
