@@ -133,7 +133,8 @@ KERNELS = {
         lambda dt: [("BITS", 4), ("GS", 64), ("D", 2048), ("E", 32), ("TOPK", 4), ("NORM", "true"), ("RW", 8)],
     ),
 }
-# The router + norm kernel a warp an expert (MLX_LFM_ROUTER_NORM_WIDE=1).
+# The router + norm kernel a warp an expert (its default; 8 warps with
+# MLX_LFM_ROUTER_NORM_WIDE=0, the entry above).
 KERNELS["moe_router.rs#gate_norm@wide"] = (*KERNELS["moe_router.rs#gate_norm"][:2],
                                            lambda dt: [("BITS", 4), ("GS", 64), ("D", 2048), ("E", 32), ("TOPK", 4),
                                                        ("NORM", "true"), ("RW", 32)])

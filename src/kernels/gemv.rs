@@ -437,7 +437,8 @@ fn serves_swiglu_weight(w: &Array, rows: usize) -> bool {
 /// H200's paired A/B put the 1.2B's decode at 1.027x with it (1.046x with
 /// the shared-memory attention; its GPU time a step 1,114-1,122 us against
 /// the defaults' 1,086-1,115, two samples each), and its test gave the
-/// stock ops' bits at that shape (sessions 22 and 23).
+/// stock ops' bits at that shape (sessions 22 and 23), so a model's
+/// tokens are the stock path's.
 /// `MLX_LFM_SWIGLU_GEMV_MAX_K=1024` restores the GEMVs' bound.
 const SWIGLU_MAX_K: usize = 2048;
 

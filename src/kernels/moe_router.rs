@@ -317,7 +317,7 @@ fn gate_template(q: &Quantized, d: i32, dt: Dtype, k: i32, norm: bool) -> Vec<(&
 /// at 1,587-1,674 us of GPU time a step against the defaults' 1,468-1,524
 /// (the gate kernel runs 32 warps): the 22 launches it spares the host
 /// came back as GPU time; a warp an expert won session 23's A/B.
-fn gate_norm_warps(experts: i32) -> i32 {
+pub(crate) fn gate_norm_warps(experts: i32) -> i32 {
     static WIDE: OnceLock<bool> = OnceLock::new();
     if crate::knobs::cached("MLX_LFM_ROUTER_NORM_WIDE", &WIDE, |v| v != Some("0")) {
         experts.clamp(8, 32)
@@ -329,8 +329,11 @@ fn gate_norm_warps(experts: i32) -> i32 {
 /// On by default where our CUDA kernels run since session 23: the H200's
 /// paired A/B put the 8B-A1B's decode at 1.041x with a warp an expert
 /// (six reps of six above 1.00; 1.056x with the shared-memory attention),
-/// its test gave the bits of the two launches it replaces and the greedy
-/// test kept the stock tokens with it. `MLX_LFM_ROUTER_NORM_KERNEL=0` off.
+/// and its test gives the bits of the two launches it replaces (the add +
+/// RMSNorm and router gate kernels, defaults since sessions 14 and 18),
+/// so a model's tokens are theirs. (The greedy test's MoE fixture, 64
+/// wide, takes another add + RMSNorm block and never reaches the fold.)
+/// `MLX_LFM_ROUTER_NORM_KERNEL=0` off.
 fn gate_norm_enabled() -> bool {
     static ON: OnceLock<Option<bool>> = OnceLock::new();
     super::cuda_default("MLX_LFM_ROUTER_NORM_KERNEL", &ON)

@@ -206,6 +206,7 @@ struct lfm_acc_t<true, T> {
 #ifndef LFM_QMLX_TILES
 #define LFM_QMLX_TILES 4
 #endif
+static_assert(LFM_QMLX_TILES >= 1, \"LFM_QMLX_TILES: at least one tile a batch\");
 template <typename T, int K, int BITS, int GS, bool XA>
 __device__ inline float lfm_qdot_mlx(const T* x, const uint32_t* wr, const T* sr, const T* br, int lane) {
   constexpr int E = (sizeof(T) <= 2 && BITS <= 4) ? 16 : 8;

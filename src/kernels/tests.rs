@@ -728,6 +728,18 @@ fn moe_router_norm_kernel_matches_the_norm_and_router_kernels() {
     let q = quantized(&normal(&[32, 2048], Dtype::Float32, 0.0, 0.04, None).unwrap(), Dtype::Bfloat16, 8, 64);
     let h = normal(&[1, 2048], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(Dtype::Bfloat16).unwrap();
     let wn = normal(&[2048], Dtype::Float32, 1.0, 0.2, None).unwrap().astype(Dtype::Bfloat16).unwrap();
+    // On by default, a warp an expert (unless the environment says
+    // otherwise), 8 warps with MLX_LFM_ROUTER_NORM_WIDE=0, off with
+    // MLX_LFM_ROUTER_NORM_KERNEL=0.
+    use crate::kernels::moe_router::gate_norm_warps;
+    if std::env::var_os("MLX_LFM_ROUTER_NORM_KERNEL").is_none() {
+        assert!(gate_norm_available(&NormIn { h: &h, r: &h, wn: &wn, eps: &eps }, &q, 4), "not served by default");
+    }
+    if std::env::var_os("MLX_LFM_ROUTER_NORM_WIDE").is_none() {
+        assert_eq!(gate_norm_warps(32), 32, "not a warp an expert by default");
+    }
+    let narrow = [("MLX_LFM_ROUTER_NORM_WIDE".to_string(), Some("0".to_string()))];
+    assert_eq!(crate::knobs::with_overrides(&narrow, || gate_norm_warps(32)), 8);
     crate::kernels::with_default_off_one("MLX_LFM_ROUTER_NORM_KERNEL", || {
         assert!(!gate_norm_available(&NormIn { h: &h, r: &h, wn: &wn, eps: &eps }, &q, 4), "served with the switch off");
     });
@@ -1018,11 +1030,11 @@ fn quant_gemv_kernel_matches_stock_ops() {
                     // half types; more rows and float32 are held to the
                     // reference as MLX's products are, no further from it
                     // than the stock ops (their path, or float32's
-                    // contraction, is not pinned down here). Not to the
-                    // float32 kernel's `tol`: summing in the dtype as MLX
-                    // does, two bf16 rows of 1,792 stood 0.0192 from the
-                    // exact product on the H200, as MLX's own did, to the
-                    // bit (session 23).
+                    // contraction, is not pinned down here). In the half
+                    // types not to the float32 kernel's `tol`: summing in the
+                    // dtype as MLX does, two bf16 rows of 1,792 stood 0.0192
+                    // from the exact product on the H200, as MLX's own did,
+                    // to the bit (session 23).
                     let exact = crate::knobs::with_overrides(&[("MLX_LFM_QGEMV_EXACT".to_string(), Some("1".to_string()))], || {
                         qgemv(&x, &q).unwrap()
                     });
@@ -1031,10 +1043,26 @@ fn quant_gemv_kernel_matches_stock_ops() {
                     if rows == 1 && dt != Dtype::Float32 {
                         assert_eq!(differ, 0, "{what}: MLX's arithmetic differs from MLX's qmv in {differ} values");
                     } else {
-                        check_against_reference(&format!("{what}, MLX's arithmetic"), &exact, &stock, &f32_products(&x, &wd), f32::INFINITY);
+                        let bound = if dt == Dtype::Float32 { tol } else { f32::INFINITY };
+                        check_against_reference(&format!("{what}, MLX's arithmetic"), &exact, &stock, &f32_products(&x, &wd), bound);
                     }
                 }
             }
+        }
+        // MLX's arithmetic to the bit for one row 1,792 wide (the 8B-A1B's
+        // experts' width): at 4 bits three whole tiles a lane (one partial
+        // batch) and a tail, at 8 bits seven tiles (batches of four and
+        // three).
+        for (bits, gs) in [(4, 64), (8, 64)] {
+            let w = normal(&[512, 1792], Dtype::Float32, 0.0, 0.05, None).unwrap();
+            let q = quantized(&w, Dtype::Bfloat16, bits, gs);
+            let x = normal(&[1, 1792], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(Dtype::Bfloat16).unwrap();
+            let stock = quantized_matmul(&x, &q.weight, &q.scales, q.biases.as_ref(), true, q.spec).unwrap();
+            let exact = crate::knobs::with_overrides(&[("MLX_LFM_QGEMV_EXACT".to_string(), Some("1".to_string()))], || {
+                qgemv(&x, &q).unwrap()
+            });
+            let differ = differing(&exact, &stock);
+            assert_eq!(differ, 0, "{bits}-bit g{gs} 1x1792: MLX's arithmetic differs from MLX's qmv in {differ} values");
         }
         let w = normal(&[64, 256], Dtype::Float32, 0.0, 0.05, None).unwrap();
         let q = quantized(&w, Dtype::Bfloat16, 4, 64);

@@ -446,8 +446,8 @@ impl Layer {
 
     /// The feed-forward on the pending norm `x`: `(its residual sum, the
     /// output)`. The MoE's router and experts both read the norm: computed
-    /// on its own there, or (a decode step's rows, opt-in) in the router's
-    /// launch, which hands it to the experts.
+    /// on its own there, or (a decode step's rows, a CUDA default) in the
+    /// router's launch, which hands it to the experts.
     fn feed_forward(&self, x: &Normed) -> Result<(Array, Array)> {
         match &self.feed_forward {
             FeedForward::Dense(m) => m.forward_normed(x),
