@@ -106,7 +106,9 @@ greedy_tokens_with_kernels_equal_stock_ops (their files changed: the
 shared scores' one capacity, the router + norm fold and the SwiGLU GEMV
 at K = 2048 by default (the stacked rows' and greedy tests run the new
 defaults), the exact GEMV's bound for several rows, its tiles' loads
-batched and its row prefetched); `checkpoints`; `ab pick` of attention-smem,
+batched and its row prefetched; the greedy test now also runs two
+2,048-wide fixtures, where the wide-row kernels serve, and a
+`quant-norm-exact` set: allow it ~100 s more than session 23's 411); `checkpoints`; `ab pick` of attention-smem,
 router-norm-off, router-norm-narrow, swiglu-gemv-1024 (the new defaults
 measured off), qgemv-exact and quant-norm-exact; `round 1`, `round 2` as calls of their
 own; then `profile-kernels` (ncu-stalls) of the experts' down kernel and
@@ -1220,7 +1222,8 @@ AB_TESTS = {
     "router-norm-off": [],
     "router-norm-narrow": ["moe_router_norm_kernel_matches_the_norm_and_router_kernels"],
     "qgemv-exact": ["quant_gemv_kernel_matches_stock_ops", "greedy:MLX_LFM_QGEMV_EXACT"],
-    "quant-norm-exact": ["quant_gemv_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops", "greedy:MLX_LFM_QGEMV_EXACT"],
+    "quant-norm-exact": ["quant_gemv_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops", "greedy:MLX_LFM_QGEMV_EXACT",
+                         "greedy:quant-norm-exact"],
     "compiled-prefill": ["compiled_prefill_equals_the_eager_prefill"],
 }
 # Groups of variants of which `pick` adopts at most one: (variants, the

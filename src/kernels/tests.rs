@@ -71,11 +71,48 @@ fn tiny_moe(name: &str, dtype: DType) -> std::path::PathBuf {
 }
 
 fn tiny(preset: Preset, name: &str, dtype: DType) -> std::path::PathBuf {
+    generated(FixtureSpec::new(preset), name, dtype)
+}
+
+/// `spec`'s checkpoint in `dtype`, in a directory of this process named `name`.
+fn generated(mut spec: FixtureSpec, name: &str, dtype: DType) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("mlxlfm-kernels-{}-{name}", std::process::id()));
-    let mut spec = FixtureSpec::new(preset);
     spec.dtype = dtype;
     fixture::generate(&spec, &dir).unwrap();
     dir
+}
+
+/// The greedy test's fixtures: the tiny ones (64 wide), and two- and
+/// three-layer ones 2,048 wide with the 1.2B's and the 8B-A1B's rows, where the
+/// kernels that serve only wide rows run (the SwiGLU GEMV at K = 2048, the
+/// norm folds, the router + norm fold: none serves 64-wide rows).
+fn greedy_fixtures() -> Vec<(&'static str, FixtureSpec)> {
+    let narrow = |spec: &mut FixtureSpec, layers: usize| {
+        spec.shape.num_hidden_layers = layers;
+        spec.shape.full_attn_idxs = vec![1];
+        spec.shape.vocab_size = None;
+    };
+    // A conv layer and an attention layer.
+    let mut dense = FixtureSpec::new(Preset::Lfm2_1_2B);
+    narrow(&mut dense, 2);
+    // 3,072 auto-adjusted to the dense SwiGLU's 2,048.
+    dense.shape.ff_dim = 3072;
+    // A dense conv layer, then an attention and a conv layer with experts.
+    let mut moe = FixtureSpec::new(Preset::Lfm2_8BA1B);
+    narrow(&mut moe, 3);
+    moe.shape.ff_dim = 1024;
+    if let Some(m) = moe.shape.moe.as_mut() {
+        m.num_experts = 8;
+        m.num_experts_per_tok = 2;
+        m.moe_intermediate_size = 256;
+        m.num_dense_layers = 1;
+    }
+    vec![
+        ("Tiny", FixtureSpec::new(Preset::Tiny)),
+        ("TinyMoe", FixtureSpec::new(Preset::TinyMoe)),
+        ("WideDense", dense),
+        ("WideMoe", moe),
+    ]
 }
 
 /// The model's first MoE layer.
@@ -254,6 +291,30 @@ fn add_rms_norm_kernel_matches_stock_ops() {
 /// near-tie of a random model may break the other way.
 const NEAR_TIE: f32 = 0.05;
 
+/// The greedy test's wide fixtures (which run only where the kernels do)
+/// are valid checkpoints this engine loads, with the widths the wide-row
+/// kernels need: checked on every backend, so that a fixture error is not
+/// first found on the lent GPU.
+#[test]
+fn greedy_test_wide_fixtures_load() {
+    let fixtures = greedy_fixtures();
+    for (label, spec) in fixtures.into_iter().filter(|(_, s)| s.shape.hidden_size > 64) {
+        assert_eq!(spec.shape.hidden_size, 2048, "{label}");
+        let n = fixture::param_count(&spec).unwrap();
+        eprintln!("{label}: {n} parameters");
+        assert!(n < 80_000_000, "{label}: too large for the greedy test ({n})");
+        match &spec.shape.moe {
+            Some(m) => assert_eq!((m.num_experts, m.num_experts_per_tok, m.num_dense_layers), (8, 2, 1), "{label}"),
+            None => assert_eq!(spec.shape.dense_ff_dim(), 2048, "{label}: the SwiGLU's K = 2048 GEMV is w2's input"),
+        }
+        let dir = generated(spec, &format!("wide-load-{label}"), DType::BF16);
+        let eng = Engine::load(&dir, &EngineOptions::default()).unwrap();
+        assert_eq!(eng.info().vocab_size, 1024, "{label}");
+        drop(eng);
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
+
 /// 64 greedy tokens of the stock ops (prefill, then the decode stepper),
 /// for the dense and the MoE fixture, in bf16, float32 and bf16 4-bit, on
 /// both decode paths (the compiled step traces the kernels in); then the
@@ -275,7 +336,8 @@ fn greedy_tokens_with_kernels_equal_stock_ops() {
     // Every case runs (a departure is kept, not raised at once), so that one
     // run on the GPU tells which kernels and fixtures depart.
     let mut failures: Vec<String> = Vec::new();
-    for preset in [Preset::Tiny, Preset::TinyMoe] {
+    for (label, spec) in greedy_fixtures() {
+        let (moe, wide) = (spec.shape.moe.is_some(), spec.shape.hidden_size > 64);
         // Groups of 32 so that the tiny experts' 32-wide down projection is
         // quantized too. The MoE fixture once more with its 8-bit router gate
         // in groups of 32: with the default group of 64 its gate (K = 64)
@@ -283,12 +345,18 @@ fn greedy_tokens_with_kernels_equal_stock_ops() {
         // the H200 (NaN logits, 2026-12-03) and our `quantized_matmul` now
         // dequantizes (`stock_quantized_moe_prefill_repeats`); in groups of
         // 32 MLX's kernel serves it.
-        let gate32 = if preset == Preset::TinyMoe { vec![false, true] } else { vec![false] };
-        let cases = [(DType::BF16, false, false), (DType::F32, false, false)]
-            .into_iter()
-            .chain(gate32.into_iter().map(|g| (DType::BF16, true, g)));
+        let gate32 = if moe && !wide { vec![false, true] } else { vec![false] };
+        let cases: Vec<(DType, bool, bool)> = if wide {
+            // bf16 alone (the models' dtype), the MoE one 4-bit as the 8B-A1B.
+            vec![(DType::BF16, moe, false)]
+        } else {
+            [(DType::BF16, false, false), (DType::F32, false, false)]
+                .into_iter()
+                .chain(gate32.into_iter().map(|g| (DType::BF16, true, g)))
+                .collect()
+        };
         for (dtype, q4, gate_g32) in cases {
-            let mut dir = tiny(preset, &format!("greedy-{preset:?}-{dtype:?}-{gate_g32}"), dtype);
+            let mut dir = generated(spec.clone(), &format!("greedy-{label}-{dtype:?}-{gate_g32}"), dtype);
             if q4 {
                 let q = dir.with_extension("q4");
                 let mut recipe = ConvertRecipe::quantized(QuantMode::Affine, Some(4), Some(32)).unwrap();
@@ -303,7 +371,7 @@ fn greedy_tokens_with_kernels_equal_stock_ops() {
             for path in [DecodePath::Compiled, DecodePath::Eager] {
                 let load = || Engine::load(&dir, &EngineOptions { decode_path: Some(path), ..Default::default() }).unwrap();
                 let gate = if gate_g32 { ", router gate g32" } else { "" };
-                let what = format!("{preset:?} {dtype:?} (4-bit: {q4}{gate}) {path:?}");
+                let what = format!("{label} {dtype:?} (4-bit: {q4}{gate}) {path:?}");
                 let argmax = |v: &[f32]| (0..v.len()).fold(0, |b, i| if v[i] > v[b] { i } else { b });
                 // The logits before each of 64 steps and the token fed after
                 // them: the path's own greedy choice (`feed` None: the stock
@@ -356,6 +424,15 @@ fn greedy_tokens_with_kernels_equal_stock_ops() {
                         crate::kernels::with_opt_in_one("MLX_LFM_QGEMV_KERNEL", || run(Some(&stock))).0
                     });
                     runs.push(("MLX_LFM_QGEMV_EXACT", got));
+                    // And with the layers' norms folded into those GEMVs
+                    // (run.py's `quant-norm-exact`): reached on the wide
+                    // fixture only.
+                    let folded = [
+                        ("MLX_LFM_QGEMV_EXACT".to_string(), Some("1".to_string())),
+                        ("MLX_LFM_QGEMV_KERNEL".to_string(), Some("1".to_string())),
+                        ("MLX_LFM_NORM_GEMV_KERNEL".to_string(), Some("1".to_string())),
+                    ];
+                    runs.push(("quant-norm-exact", crate::knobs::with_overrides(&folded, || run(Some(&stock))).0));
                 }
                 for (kernels, got) in runs {
                     if let Some(i) = finite(&got) {
