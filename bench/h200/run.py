@@ -106,9 +106,10 @@ greedy_tokens_with_kernels_equal_stock_ops (their files changed: the
 shared scores' one capacity, the router + norm fold and the SwiGLU GEMV
 at K = 2048 by default (the stacked rows' and greedy tests run the new
 defaults), the exact GEMV's bound for several rows, its tiles' loads
-batched and its row prefetched; the greedy test now also runs two
-2,048-wide fixtures, where the wide-row kernels serve, and a
-`quant-norm-exact` set: allow it ~100 s more than session 23's 411); `checkpoints`; `ab pick` of attention-smem,
+batched and its row prefetched; the greedy test's name now also runs
+its wide-row twin, 2,048-wide fixtures where the wide-row kernels serve,
+each test a process of its own, and a `quant-norm-exact` set;
+H200_KERNEL_JOBS=5 keeps three processes for the rest); `checkpoints`; `ab pick` of attention-smem,
 router-norm-off, router-norm-narrow, swiglu-gemv-1024 (the new defaults
 measured off), qgemv-exact and quant-norm-exact; `round 1`, `round 2` as calls of their
 own; then `profile-kernels` (ncu-stalls) of the experts' down kernel and
@@ -811,11 +812,12 @@ def kernels():
                if f]
     # The whole suite took 578 s of a call's 600 in one process (NVRTC
     # compiles per shape and dtype, on the host's cores): H200_KERNEL_JOBS
-    # processes (3) share the GPU, the greedy test (the longest) alone in one.
+    # processes (3) share the GPU, each greedy test (the longest: the tiny
+    # fixtures' and the wide ones') alone in one.
     listed = sh([tests[0], *filters, "--list"], check=False).stdout
     names = [l.split(": test")[0] for l in listed.splitlines() if l.endswith(": test")]
     jobs = max(1, int(os.environ.get("H200_KERNEL_JOBS", "3")))
-    groups = [[n for n in names if GREEDY in n]] if jobs > 1 else []
+    groups = [[n] for n in names if GREEDY in n] if jobs > 1 else []
     # The compiled prefill's test in a process of its own with MLX's TF32
     # products off (read once per process), so its f32 cases are held to
     # f32's tolerance (session 17: 8.9e-4 of the scale apart with TF32 on);
