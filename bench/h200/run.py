@@ -109,11 +109,11 @@ defaults), the exact GEMV's bound for several rows, its tiles' loads
 batched and its row prefetched; the greedy test's name now also runs
 its wide-row twin, 2,048-wide fixtures where the wide-row kernels serve,
 each test a process of its own, and a `quant-norm-exact` set;
-H200_KERNEL_JOBS=5 keeps three processes for the rest); `checkpoints`; `ab pick` of attention-smem,
-router-norm-off, router-norm-narrow, swiglu-gemv-1024 (the new defaults
-measured off), qgemv-exact and quant-norm-exact; `round 1`, `round 2` as calls of their
-own; then `profile-kernels` (ncu-stalls) of the experts' down kernel and
-the router.
+H200_KERNEL_JOBS=5 keeps three processes for the rest); `checkpoints`;
+`ab pick` of attention-smem, router-norm-off, router-norm-narrow,
+swiglu-gemv-1024 (the new defaults measured off), qgemv-exact and
+quant-norm-exact; `round 1`, `round 2` as calls of their own; then
+`profile-kernels` (ncu-stalls) of the experts' down kernel and the router.
 Append nothing that copies loose files into $OUT after run.py: a call
 brings back a few files (8 on 2026-12-03) and drops the rest, raw.jsonl
 with them; run.py writes $OUT/raw.jsonl and $OUT/logs.tgz itself.

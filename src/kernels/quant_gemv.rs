@@ -255,19 +255,7 @@ __device__ inline float lfm_qdot_mlx(const T* x, const uint32_t* wr, const T* sr
   // in the same order: the same bits). One tile at a time, each lane's
   // warp waited on memory once a tile: four round trips a row at K = 2048
   // (the A/B of session 23 put the variant at 0.89x the stock qmv).
-  // (ptxas still sinks later tiles' weight loads toward their sums to
-  // spare registers; the row's words, scales and biases are asked of L2
-  // first, one 128-byte line a lane, so those loads wait on L2, not DRAM.)
-  constexpr int ROW_BYTES = K * BITS / 8;
-  constexpr int SB_BYTES = (K / GS) * (int)sizeof(T);
-#pragma unroll
-  for (int off = lane * 128; off < ROW_BYTES; off += 32 * 128) {
-    asm volatile(\"prefetch.global.L2 [%0];\" ::\"l\"(reinterpret_cast<const char*>(wr) + off));
-  }
-  if (lane * 128 < SB_BYTES) {
-    asm volatile(\"prefetch.global.L2 [%0];\" ::\"l\"(reinterpret_cast<const char*>(sr) + lane * 128));
-    asm volatile(\"prefetch.global.L2 [%0];\" ::\"l\"(reinterpret_cast<const char*>(br) + lane * 128));
-  }
+  // (The caller has asked L2 for the row: lfm_qgemv_mlx_warp.)
   constexpr int R = K / EW;
   constexpr int RB = R < 1 ? 1 : (R < LFM_QMLX_TILES ? R : LFM_QMLX_TILES);
 #pragma unroll 1
@@ -295,15 +283,30 @@ __device__ inline float lfm_qdot_mlx(const T* x, const uint32_t* wr, const T* sr
   for (int j = 0; j < E; j++) sum += static_cast<float>(sums[j]);
   return lfm_warp_sum(sum);
 }
+// The first BYTES bytes at p asked of L2, one 128-byte line a lane.
+template <int BYTES>
+__device__ inline void lfm_prefetch_lines(const void* p, int lane) {
+#pragma unroll
+  for (int off = lane * 128; off < BYTES; off += 32 * 128) {
+    asm volatile(\"prefetch.global.L2 [%0];\" ::\"l\"(reinterpret_cast<const char*>(p) + off));
+  }
+}
 template <typename T, int K, int M, int BITS, int GS, bool XA>
 __device__ inline void lfm_qgemv_mlx_warp(const T* x, const uint32_t* w, const T* scales, const T* biases, T* y, int N,
                                           int n, int lane) {
   constexpr int G = K / GS;
   const uint32_t* wr = w + static_cast<size_t>(n) * (K * BITS / 32);
+  const T* sr = scales + static_cast<size_t>(n) * G;
+  const T* br = biases + static_cast<size_t>(n) * G;
+  // The row's words, scales and biases asked of L2 once for its M rows of
+  // x (ptxas sinks later tiles' weight loads toward their sums to spare
+  // registers: those loads then wait on L2, not DRAM).
+  lfm_prefetch_lines<K * BITS / 8>(wr, lane);
+  lfm_prefetch_lines<G * (int)sizeof(T)>(sr, lane);
+  lfm_prefetch_lines<G * (int)sizeof(T)>(br, lane);
 #pragma unroll 1
   for (int m = 0; m < M; m++) {
-    const float s = lfm_qdot_mlx<T, K, BITS, GS, XA>(x + static_cast<size_t>(m) * K, wr, scales + static_cast<size_t>(n) * G,
-                                                     biases + static_cast<size_t>(n) * G, lane);
+    const float s = lfm_qdot_mlx<T, K, BITS, GS, XA>(x + static_cast<size_t>(m) * K, wr, sr, br, lane);
     if (lane == 0) y[static_cast<size_t>(m) * N + n] = T(s);
   }
 }

@@ -18,6 +18,11 @@ fn skip(what: &str) -> bool {
     true
 }
 
+/// `f` with the quantized GEMVs in MLX's own arithmetic (`MLX_LFM_QGEMV_EXACT`).
+fn in_mlx_arithmetic<R>(f: impl FnOnce() -> R) -> R {
+    crate::knobs::with_overrides(&[("MLX_LFM_QGEMV_EXACT".to_string(), Some("1".to_string()))], f)
+}
+
 /// The largest difference between `got` and `want`, relative to the value
 /// or 1, whichever is larger: values near zero come from cancelling terms of
 /// size ~1, whose rounding is what is compared.
@@ -434,20 +439,17 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 if q4 {
                     // The quantized GEMVs and their norm folds in MLX's own
                     // arithmetic (MLX_LFM_QGEMV_EXACT), the set an A/B adopts.
-                    let exact = [("MLX_LFM_QGEMV_EXACT".to_string(), Some("1".to_string()))];
-                    let got = crate::knobs::with_overrides(&exact, || {
-                        crate::kernels::with_opt_in_one("MLX_LFM_QGEMV_KERNEL", || run(Some(&stock))).0
-                    });
+                    let got = in_mlx_arithmetic(|| crate::kernels::with_opt_in_one("MLX_LFM_QGEMV_KERNEL", || run(Some(&stock))).0);
                     runs.push(("MLX_LFM_QGEMV_EXACT", got));
                     // And with the layers' norms folded into those GEMVs
                     // (run.py's `quant-norm-exact`): reached on the wide
                     // fixture only.
                     let folded = [
-                        ("MLX_LFM_QGEMV_EXACT".to_string(), Some("1".to_string())),
                         ("MLX_LFM_QGEMV_KERNEL".to_string(), Some("1".to_string())),
                         ("MLX_LFM_NORM_GEMV_KERNEL".to_string(), Some("1".to_string())),
                     ];
-                    runs.push(("quant-norm-exact", crate::knobs::with_overrides(&folded, || run(Some(&stock))).0));
+                    let got = in_mlx_arithmetic(|| crate::knobs::with_overrides(&folded, || run(Some(&stock))).0);
+                    runs.push(("quant-norm-exact", got));
                 }
                 for (kernels, got) in runs {
                     if let Some(i) = finite(&got) {
@@ -1127,9 +1129,7 @@ fn quant_gemv_kernel_matches_stock_ops() {
                     // dtype as MLX does, two bf16 rows of 1,792 stood 0.0192
                     // from the exact product on the H200, as MLX's own did,
                     // to the bit (session 23).
-                    let exact = crate::knobs::with_overrides(&[("MLX_LFM_QGEMV_EXACT".to_string(), Some("1".to_string()))], || {
-                        qgemv(&x, &q).unwrap()
-                    });
+                    let exact = in_mlx_arithmetic(|| qgemv(&x, &q).unwrap());
                     let differ = differing(&exact, &stock);
                     eprintln!("{what}: MLX's arithmetic, {differ} of {} values apart from MLX's quantized_matmul", stock.size());
                     if rows == 1 && dt != Dtype::Float32 {
@@ -1150,9 +1150,7 @@ fn quant_gemv_kernel_matches_stock_ops() {
             let q = quantized(&w, Dtype::Bfloat16, bits, gs);
             let x = normal(&[1, 1792], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(Dtype::Bfloat16).unwrap();
             let stock = quantized_matmul(&x, &q.weight, &q.scales, q.biases.as_ref(), true, q.spec).unwrap();
-            let exact = crate::knobs::with_overrides(&[("MLX_LFM_QGEMV_EXACT".to_string(), Some("1".to_string()))], || {
-                qgemv(&x, &q).unwrap()
-            });
+            let exact = in_mlx_arithmetic(|| qgemv(&x, &q).unwrap());
             let differ = differing(&exact, &stock);
             assert_eq!(differ, 0, "{bits}-bit g{gs} 1x1792: MLX's arithmetic differs from MLX's qmv in {differ} values");
         }
@@ -1329,8 +1327,7 @@ fn norm_gemv_kernels_match_stock_ops() {
                     assert_eq!((differing(&es, &s), differing(&ey, &got)), (0, 0), "{what} 4-bit: the early prefetch differs");
                     // MLX's arithmetic (MLX_LFM_QGEMV_EXACT): one row in a half
                     // type is MLX's qmv over the fused norm's output, to the bit.
-                    let exact = [("MLX_LFM_QGEMV_EXACT".to_string(), Some("1".to_string()))];
-                    let (xs, xy) = crate::knobs::with_overrides(&exact, || norm_qgemv(&ni, &q).unwrap());
+                    let (xs, xy) = in_mlx_arithmetic(|| norm_qgemv(&ni, &q).unwrap());
                     assert_eq!(differing(&xs, &s), 0, "{what} 4-bit, MLX's arithmetic: the residual sum differs");
                     if rows == 1 && dt != Dtype::Float32 {
                         let (_, normed) = crate::kernels::add_rms_norm::add_rms_norm(&h, &r, &wn, &eps).unwrap();
