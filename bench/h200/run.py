@@ -1083,6 +1083,13 @@ AB = {
     # Session 23 ran it with a kernel per power of two of the cache (a
     # first decode at each length of ~100 tok/s); now one capacity.
     "attention-smem": ({"MLX_LFM_DECODE_ATTENTION_SMEM": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # The decode attention's heads split over 4 (or 8) blocks by output
+    # elements, each scoring every position and summing p * v over its
+    # slice of V: 128 (256) blocks a launch where the default runs 32 on
+    # 132 SMs (ncu's 15.7 µs a launch at 73 GB/s, six a token). Its sums
+    # run in another order (the stock ops' tolerance, the greedy tokens).
+    "attention-split": ({"MLX_LFM_DECODE_ATTENTION_SPLIT": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    "attention-split-8": ({"MLX_LFM_DECODE_ATTENTION_SPLIT": "8"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "gemv-c2": ({"MLX_LFM_GEMV_COLS": "2"}, ["lfm2-350m-bf16"]),
     "gemv-c4": ({"MLX_LFM_GEMV_COLS": "4"}, ["lfm2-350m-bf16"]),
     # The add + RMSNorm code's runs unrolled with a guard per element (by
@@ -1215,6 +1222,8 @@ AB_TESTS = {
     # tests ran. The greedy test's fixtures, 64 wide, reach neither.)
     "swiglu-gemv-1024": [],
     "attention-smem": ["decode_attention_kernel_matches_stock_ops"],
+    **{v: ["decode_attention_kernel_matches_stock_ops", "greedy:MLX_LFM_DECODE_ATTENTION_SPLIT"]
+       for v in ("attention-split", "attention-split-8")},
     **{v: ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops",
            "greedy:default"] for v in ("gemv-max-k-2048-c2", "gemv-max-k-2048-c4", "gemv-c2", "gemv-c4")},
     **{v: ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops",
@@ -1239,7 +1248,7 @@ PICK = [
      "decode"),
     (["gemv-c2", "gemv-c4"], "decode"),
     (["swiglu-gemv-1024"], "decode"),
-    (["attention-smem"], "decode"),
+    (["attention-smem", "attention-split", "attention-split-8"], "decode"),
     (["norm-runs-guarded"], "decode"),
     (["fold-early"], "decode"),
     (["router-norm-off", "router-norm-narrow"], "decode"),
@@ -1255,7 +1264,8 @@ PICK = [
 DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetch", "gemv-max-k-2048-plain",
                "gemv-max-k-2048-no-fold", "gemv-max-k-2048-early", "gemv-max-k-2048-early-guarded", "fold-early",
                "gemv-max-k-2048-c2", "gemv-max-k-2048-c4", "gemv-max-k-2048-c2-early-guarded",
-               "gemv-max-k-2048-c4-early-guarded", "gemv-c2", "gemv-c4", "swiglu-gemv-1024", "attention-smem"}
+               "gemv-max-k-2048-c4-early-guarded", "gemv-c2", "gemv-c4", "swiglu-gemv-1024", "attention-smem",
+               "attention-split", "attention-split-8"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]
@@ -1268,7 +1278,7 @@ SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]
 # its decode (>= 0.97); else the pick is dropped with all its switches
 # (the 1.2B's K = 2048 kernels without their columns are session 19's
 # 0.87x).
-SHARED_WHOLE = ["MLX_LFM_GEMV_COLS", "MLX_LFM_DECODE_ATTENTION_SMEM"]
+SHARED_WHOLE = ["MLX_LFM_GEMV_COLS", "MLX_LFM_DECODE_ATTENTION_SMEM", "MLX_LFM_DECODE_ATTENTION_SPLIT"]
 
 
 def ab_models():

@@ -33,11 +33,20 @@ use std::sync::OnceLock;
 const THREADS: i32 = 256;
 
 const SOURCE: &str = r#"
-  constexpr int G = HD / 8;
+  // A block sums DPB of the head's HD output elements, PARTS blocks a
+  // head (the split variant, LFM_ATT_DPB; else one block a head).
+#ifdef LFM_ATT_DPB
+  constexpr int DPB = LFM_ATT_DPB < HD ? LFM_ATT_DPB : HD;
+#else
+  constexpr int DPB = HD;
+#endif
+  constexpr int PARTS = HD / DPB;
+  constexpr int G = DPB / 8;
   constexpr int GROUPS = 256 / G;
   // Elements of T in one 16-byte load.
   constexpr int E = 16 / sizeof(T);
-  const int h = blockIdx.x;
+  const int h = blockIdx.x / PARTS;
+  const int part = blockIdx.x % PARTS;
   const int b = blockIdx.y;
   const int H = q_shape[1];
   const int KVH = k_shape[1];
@@ -50,7 +59,7 @@ const SOURCE: &str = r#"
   const size_t head = static_cast<size_t>(b) * KVH + h / (H / KVH);
   const T* qp = q + (static_cast<size_t>(b) * H + h) * HD;
   const T* kp = k + head * N * HD;
-  const T* vp = v + head * N * HD + lane * 8;
+  const T* vp = v + head * N * HD + part * DPB + lane * 8;
   // `NV`, the positions the loops run to, and `valid(n)`:
   __VALIDITY__
 #if LFM_ATT_SMEM
@@ -60,11 +69,11 @@ const SOURCE: &str = r#"
   __shared__ float ssc[SN];
   float* srow = ssc;
 #else
-  float* srow = sc + (static_cast<size_t>(b) * H + h) * N;
+  float* srow = sc + ((static_cast<size_t>(b) * H + h) * PARTS + part) * N;
 #endif
   __shared__ float qs[HD];
   __shared__ float red[8];
-  __shared__ float accs[GROUPS * HD];
+  __shared__ float accs[GROUPS * DPB];
 
   for (int i = tid; i < HD; i += 256) {
     qs[i] = static_cast<float>(T(static_cast<float>(qp[i]) * scale));
@@ -168,16 +177,38 @@ const SOURCE: &str = r#"
   }
 #endif
   for (int i = 0; i < 8; i++) {
-    accs[grp * HD + lane * 8 + i] = acc[i];
+    accs[grp * DPB + lane * 8 + i] = acc[i];
   }
   __syncthreads();
-  for (int d = tid; d < HD; d += 256) {
+  T* op = out + (static_cast<size_t>(b) * H + h) * HD + part * DPB;
+#ifndef LFM_ATT_DPB
+  for (int d = tid; d < DPB; d += 256) {
     float o = 0.0f;
     for (int g = 0; g < GROUPS; g++) {
-      o += accs[g * HD + d];
+      o += accs[g * DPB + d];
     }
-    out[(static_cast<size_t>(b) * H + h) * HD + d] = T(o);
+    op[d] = T(o);
   }
+#else
+  // GROUPS partial sums an element (128 or 256 where a block sums 16 or
+  // 8): summed by 256 / DPB threads an element in slices, then the slices
+  // in order, not by one thread walking them all.
+  constexpr int SL = 256 / DPB;
+  __shared__ float fin[256];
+  {
+    const int d = tid % DPB;
+    const int sl = tid / DPB;
+    float o = 0.0f;
+    for (int g = sl; g < GROUPS; g += SL) o += accs[g * DPB + d];
+    fin[sl * DPB + d] = o;
+  }
+  __syncthreads();
+  if (tid < DPB) {
+    float o = 0.0f;
+    for (int i = 0; i < SL; i++) o += fin[i * DPB + tid];
+    op[tid] = T(o);
+  }
+#endif
 "#;
 
 /// The boolean mask's validity: its row (shared or the query row's).
@@ -193,16 +224,26 @@ const UPTO_VALID: &str = "const int lim = upto[PER_ROW ? b : 0];
   const int NV = lim < 0 ? 0 : (lim < N ? lim + 1 : N);
   auto valid = [&](int) { return true; };";
 
-/// The kernel in `cell`: the body with `validity`, its fourth input `bound`;
-/// `smem`, the variant that keeps the row's scores in shared memory
-/// ([`smem_capacity`]).
-fn made(cell: &'static OnceLock<Option<CudaKernel>>, name: &str, bound: &str, validity: &str, smem: bool) -> Option<&'static CudaKernel> {
+/// How a launch lays out its blocks and keeps its scores.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Variant {
+    /// A block a query head, the scores in a scratch row.
+    Plain,
+    /// The scores in shared memory ([`smem_capacity`]).
+    Smem,
+    /// [`split_dims`] output elements a block (several blocks a head).
+    Split(i32),
+}
+
+/// The kernel in `cell`: the body with `validity`, its fourth input
+/// `bound`, built as `variant` lays it out.
+fn made(cell: &'static OnceLock<Option<CudaKernel>>, name: &str, bound: &str, validity: &str, variant: Variant) -> Option<&'static CudaKernel> {
     cell.get_or_init(|| {
         let src = SOURCE.replace("__VALIDITY__", validity);
-        let (name, header) = if smem {
-            (format!("{name}_smem"), format!("#define LFM_ATT_SMEM 1\n{HEADER}"))
-        } else {
-            (name.to_string(), HEADER.to_string())
+        let (name, header) = match variant {
+            Variant::Plain => (name.to_string(), HEADER.to_string()),
+            Variant::Smem => (format!("{name}_smem"), format!("#define LFM_ATT_SMEM 1\n{HEADER}")),
+            Variant::Split(d) => (format!("{name}_split{d}"), format!("#define LFM_ATT_DPB {d}\n{HEADER}")),
         };
         CudaKernel::new(&name, &["q", "k", "v", bound], &["out", "sc"], &src, &header).ok()
     })
@@ -242,14 +283,56 @@ fn smem_capacity(n: i32) -> Option<i32> {
     Some(SMEM_MAX)
 }
 
-fn kernel(smem: bool) -> Option<&'static CudaKernel> {
-    static K: [OnceLock<Option<CudaKernel>>; 2] = [OnceLock::new(), OnceLock::new()];
-    made(&K[usize::from(smem)], "lfm_decode_attention", "mask", MASK_VALID, smem)
+/// `MLX_LFM_DECODE_ATTENTION_SPLIT=1` (16) or `=8` (opt-in until its H200
+/// A/B): a head's output elements split over HD / 16 (or HD / 8) blocks,
+/// each scoring every position (its head's K read again, from L2) and
+/// summing `p * v` over its own slice of V, so that a step's 32 heads run
+/// as 128 (or 256) blocks, not 32 on the H200's 132 SMs, and each lane
+/// group walks 4 (or 8) times fewer positions. Session 22's ncu timed the
+/// one-block-a-head kernel at 15.7 us a launch over ~550 positions (73
+/// GB/s): 32 SMs waiting on their loads. Its sums of `p * v` run in
+/// another order than the default's (within the stock ops' tolerance, not
+/// the same bits); it keeps the scratch row, never the shared scores.
+fn split_dims() -> Option<i32> {
+    static DIMS: OnceLock<Option<i32>> = OnceLock::new();
+    if super::forced("MLX_LFM_DECODE_ATTENTION_SPLIT") {
+        return Some(16);
+    }
+    crate::knobs::cached("MLX_LFM_DECODE_ATTENTION_SPLIT", &DIMS, |v| match v {
+        Some("1") | Some("16") => Some(16),
+        Some("8") => Some(8),
+        _ => None,
+    })
 }
 
-fn upto_kernel(smem: bool) -> Option<&'static CudaKernel> {
-    static K: [OnceLock<Option<CudaKernel>>; 2] = [OnceLock::new(), OnceLock::new()];
-    made(&K[usize::from(smem)], "lfm_decode_attention_upto", "upto", UPTO_VALID, smem)
+/// The variant a launch over `n` positions of head size `hd` takes (the
+/// split first, then the shared scores).
+fn variant(n: i32, hd: i32) -> Variant {
+    match split_dims() {
+        Some(d) if hd > d => Variant::Split(d),
+        _ if smem_capacity(n).is_some() => Variant::Smem,
+        _ => Variant::Plain,
+    }
+}
+
+/// The cell of `variant` among a kernel's built variants.
+fn slot(variant: Variant) -> usize {
+    match variant {
+        Variant::Plain => 0,
+        Variant::Smem => 1,
+        Variant::Split(16) => 2,
+        Variant::Split(_) => 3,
+    }
+}
+
+fn kernel(variant: Variant) -> Option<&'static CudaKernel> {
+    static K: [OnceLock<Option<CudaKernel>>; 4] = [const { OnceLock::new() }; 4];
+    made(&K[slot(variant)], "lfm_decode_attention", "mask", MASK_VALID, variant)
+}
+
+fn upto_kernel(variant: Variant) -> Option<&'static CudaKernel> {
+    static K: [OnceLock<Option<CudaKernel>>; 4] = [const { OnceLock::new() }; 4];
+    made(&K[slot(variant)], "lfm_decode_attention_upto", "upto", UPTO_VALID, variant)
 }
 
 /// Whether the kernel serves these operands: one query token, K and V of one
@@ -274,7 +357,7 @@ pub fn available(q: &Array, k: &Array, v: &Array, mask: &Array) -> bool {
         && mask.dim(1) == 1
         && mask.dim(2) == 1
         && mask.dim(3) == n
-        && kernel(false).is_some()
+        && kernel(Variant::Plain).is_some()
 }
 
 /// q, K and V as the kernel takes them (the dtype checked by the caller).
@@ -315,7 +398,7 @@ pub fn upto_available(q: &Array, k: &Array, v: &Array, upto: &Array) -> bool {
     }
     upto.dtype() == Dtype::Int32
         && (upto.ndim() == 0 || (upto.ndim() == 1 && upto.dim(0) == q.dim(0)))
-        && upto_kernel(false).is_some()
+        && upto_kernel(Variant::Plain).is_some()
 }
 
 /// `softmax(q k^T * scale) v` for one query token over each row's positions
@@ -336,10 +419,10 @@ pub fn sdpa_masked(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Array) ->
 }
 
 /// Either kernel over `(q, k, v, bound)`: the mask or the positions.
-/// (`made`: the kernel, its shared-memory variant where it serves the
-/// buffer's length, [`smem_capacity`], and compiled.)
+/// (`made`: the kernel as [`variant`] lays it out, or the plain one where
+/// that variant does not compile.)
 fn launch(
-    made: fn(bool) -> Option<&'static CudaKernel>,
+    made: fn(Variant) -> Option<&'static CudaKernel>,
     q: &Array,
     k: &Array,
     v: &Array,
@@ -347,11 +430,21 @@ fn launch(
     scale: f32,
     mut extra: Vec<(&'static str, TemplateArg)>,
 ) -> Result<Array> {
-    let sn = smem_capacity(k.dim(2)).filter(|_| made(true).is_some());
-    let kern = made(sn.is_some()).ok_or_else(|| Error::mlx("the decode attention kernel is not available"))?;
-    extra.extend(sn.map(|c| ("SN", TemplateArg::Int(c))));
     let (b, h, hd) = (q.dim(0), q.dim(1), q.dim(3));
-    let gx = THREADS.checked_mul(h).ok_or_else(|| Error::invalid("too many heads for the decode attention kernel"))?;
+    let n = k.dim(2);
+    let want = variant(n, hd);
+    let chosen = if made(want).is_some() { want } else { Variant::Plain };
+    let kern = made(chosen).ok_or_else(|| Error::mlx("the decode attention kernel is not available"))?;
+    let parts = match chosen {
+        Variant::Split(d) => hd / d,
+        Variant::Smem => {
+            extra.push(("SN", TemplateArg::Int(SMEM_MAX)));
+            1
+        }
+        Variant::Plain => 1,
+    };
+    let blocks = h.checked_mul(parts).ok_or_else(|| Error::invalid("too many heads for the decode attention kernel"))?;
+    let gx = THREADS.checked_mul(blocks).ok_or_else(|| Error::invalid("too many heads for the decode attention kernel"))?;
     let mut template = vec![
         ("HD", TemplateArg::Int(hd)),
         // A float constant as its bits: template arguments are integers.
@@ -361,11 +454,44 @@ fn launch(
     template.extend(extra);
     let outs = kern.call(
         &[q, k, v, bound],
-        &[(&[b, h, 1, hd], q.dtype()), (&[b, h, k.dim(2)], Dtype::Float32)],
+        &[(&[b, h, 1, hd], q.dtype()), (&[b, blocks, n], Dtype::Float32)],
         [gx, b, 1],
         [THREADS, 1, 1],
         &template,
     )?;
     // The scores' scratch row (the second output) is the kernel's alone.
     outs.into_iter().next().ok_or_else(|| Error::mlx("decode attention kernel: missing output"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{variant, Variant};
+    use crate::knobs::with_overrides;
+
+    fn with(vars: &[(&str, &str)], f: impl FnOnce()) {
+        let v: Vec<(String, Option<String>)> = vars.iter().map(|(k, v)| (k.to_string(), Some(v.to_string()))).collect();
+        with_overrides(&v, f)
+    }
+
+    /// Which layout a launch takes: the split only where a head has more
+    /// output elements than a block sums, before the shared scores.
+    #[test]
+    fn the_split_serves_heads_wider_than_a_block() {
+        with(&[("MLX_LFM_DECODE_ATTENTION_SPLIT", "1")], || {
+            assert_eq!(variant(768, 64), Variant::Split(16));
+            assert_eq!(variant(768, 256), Variant::Split(16));
+            assert_eq!(variant(768, 16), Variant::Plain);
+        });
+        with(&[("MLX_LFM_DECODE_ATTENTION_SPLIT", "8")], || {
+            assert_eq!(variant(768, 64), Variant::Split(8));
+            assert_eq!(variant(768, 8), Variant::Plain);
+        });
+        with(&[("MLX_LFM_DECODE_ATTENTION_SPLIT", "1"), ("MLX_LFM_DECODE_ATTENTION_SMEM", "1")], || {
+            assert_eq!(variant(768, 64), Variant::Split(16));
+            assert_eq!(variant(768, 16), Variant::Smem);
+            assert_eq!(variant(9000, 16), Variant::Plain);
+        });
+        with(&[("MLX_LFM_DECODE_ATTENTION_SPLIT", "0")], || assert_eq!(variant(768, 64), Variant::Plain));
+        with(&[("MLX_LFM_DECODE_ATTENTION_SPLIT", "2")], || assert_eq!(variant(768, 64), Variant::Plain));
+    }
 }

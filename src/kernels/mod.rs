@@ -45,7 +45,7 @@ pub(crate) fn opt_in(var: &str, cell: &OnceLock<bool>) -> bool {
 }
 
 /// Whether a test turned `var`'s kernel on for this thread.
-fn forced(var: &str) -> bool {
+pub(crate) fn forced(var: &str) -> bool {
     FORCED.with(|c| c.get()) || FORCED_ONE.with(|c| c.get() == Some(var))
 }
 

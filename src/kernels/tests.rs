@@ -429,11 +429,16 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 // are defaults on CUDA since session 14, the q/k norm + RoPE
                 // kernel since session 17, its q/k/v form since session 18,
                 // the router + norm fold since session 23: "default" runs them.)
-                let alone: &[&'static str] = match q4 {
-                    true => &["MLX_LFM_QGEMV_KERNEL", "MLX_LFM_NORM_GEMV_KERNEL"],
-                    false => &[],
+                let mut alone: Vec<&'static str> = match q4 {
+                    true => vec!["MLX_LFM_QGEMV_KERNEL", "MLX_LFM_NORM_GEMV_KERNEL"],
+                    false => vec![],
                 };
-                for &var in alone {
+                // The split decode attention serves head sizes over 16: the
+                // wide fixtures' 64, not the tiny ones'.
+                if wide {
+                    alone.push("MLX_LFM_DECODE_ATTENTION_SPLIT");
+                }
+                for var in alone {
                     runs.push((var, crate::kernels::with_opt_in_one(var, || run(Some(&stock))).0));
                 }
                 if q4 {
@@ -693,6 +698,12 @@ fn decode_attention_kernel_matches_stock_ops() {
     if skip("decode_attention_kernel_matches_stock_ops") {
         return;
     }
+    // The split variant's two widths (MLX_LFM_DECODE_ATTENTION_SPLIT=16 or 8
+    // output elements a block).
+    const SPLITS: [&str; 2] = ["16", "8"];
+    fn with_split<R>(dims: &str, f: impl FnOnce() -> R) -> R {
+        crate::knobs::with_overrides(&[("MLX_LFM_DECODE_ATTENTION_SPLIT".to_string(), Some(dims.to_string()))], f)
+    }
     use crate::kernels::decode_attention::{available, sdpa_masked};
     use crate::mlx::random::normal;
     use crate::mlx::{arange, sdpa, Array, Mask};
@@ -723,6 +734,14 @@ fn decode_attention_kernel_matches_stock_ops() {
             // and with the position bound.
             let smem = crate::kernels::with_opt_in_one("MLX_LFM_DECODE_ATTENTION_SMEM", || sdpa_masked(&q, &k, &v, scale, &mask).unwrap());
             assert_eq!(differing(&smem, &got), 0, "{dt:?} {b}x{h}/{kvh}x{hd} over {n} ({filled:?}): the shared-memory variant differs");
+            // The split variant (MLX_LFM_DECODE_ATTENTION_SPLIT, opt-in): its
+            // p * v sums in another order, so held to MLX's within the
+            // same bound, with the mask and with the position bound.
+            for dims in SPLITS {
+                let split = with_split(dims, || sdpa_masked(&q, &k, &v, scale, &mask).unwrap());
+                let worst = worst_relative(&split, &want);
+                assert!(worst <= tol, "{dt:?} {b}x{h}/{kvh}x{hd} over {n} ({filled:?}): the split variant ({dims}) differs by {worst}, over {tol}");
+            }
             let last = Array::from_slice(&filled.iter().map(|f| f - 1).collect::<Vec<i32>>(), &[filled.len() as i32]).unwrap();
             let last = if filled.len() == 1 { last.reshape(&[]).unwrap() } else { last };
             if crate::kernels::decode_attention::upto_available(&q, &k, &v, &last) {
@@ -731,6 +750,11 @@ fn decode_attention_kernel_matches_stock_ops() {
                     crate::kernels::decode_attention::sdpa_upto(&q, &k, &v, scale, &last).unwrap()
                 });
                 assert_eq!(differing(&fast, &plain), 0, "{dt:?} {b}x{h}/{kvh}x{hd} up to {filled:?}: the shared-memory variant differs");
+                for dims in SPLITS {
+                    let split = with_split(dims, || crate::kernels::decode_attention::sdpa_upto(&q, &k, &v, scale, &last).unwrap());
+                    let worst = worst_relative(&split, &want);
+                    assert!(worst <= tol, "{dt:?} {b}x{h}/{kvh}x{hd} up to {filled:?}: the split variant ({dims}) differs from MLX's by {worst}, over {tol}");
+                }
             }
         }
     }
@@ -751,6 +775,11 @@ fn decode_attention_kernel_matches_stock_ops() {
         let want = sdpa(&q, &k, &v, scale, Mask::Array(&mask)).unwrap();
         let worst = worst_relative(&fast, &want);
         assert!(worst <= 1.6e-2, "head size {hd}, {n} positions: differs from MLX's by {worst}");
+        for dims in SPLITS {
+            let split = with_split(dims, || sdpa_masked(&q, &k, &v, scale, &mask).unwrap());
+            let worst = worst_relative(&split, &want);
+            assert!(worst <= 1.6e-2, "head size {hd}, {n} positions: the split variant ({dims}) differs from MLX's by {worst}");
+        }
     }
 }
 
