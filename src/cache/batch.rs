@@ -430,14 +430,9 @@ impl StackedPass {
         self.mask = Some(m.clone());
         Ok(m)
     }
-}
 
-impl ForwardCache for StackedPass {
-    fn offset(&self) -> Offset<'_> {
-        Offset::Array(&self.pos)
-    }
-
-    fn attend(&mut self, layer: usize, q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Array> {
+    /// [`ForwardCache::attend`] (`rows_out`: as [`ForwardCache::attend_rows`]).
+    fn attend_as(&mut self, layer: usize, q: &Array, k: &Array, v: &Array, scale: f32, rows_out: bool) -> Result<Array> {
         let slot = self.slots[layer];
         let b = self.state[slot].dim(0);
         // (Made once a pass, not once a layer: a node each.)
@@ -462,15 +457,36 @@ impl ForwardCache for StackedPass {
         };
         use crate::kernels::decode_attention;
         let o = if decode_attention::upto_available(q, &kn, &vn, &self.pos) {
-            decode_attention::sdpa_upto(q, &kn, &vn, scale, &self.pos)?
+            // (As rows: the kernel writes `[B, heads * head_dim]` itself.)
+            decode_attention::sdpa_upto(q, &kn, &vn, scale, &self.pos, rows_out)?
         } else {
             let mask = self.mask(b, cap)?;
-            decode_attention::sdpa_masked(q, &kn, &vn, scale, &mask)?
+            let o = decode_attention::sdpa_masked(q, &kn, &vn, scale, &mask)?;
+            if rows_out {
+                o.reshape(&[b, o.dim(1) * o.dim(3)])?
+            } else {
+                o
+            }
         };
         self.state[slot] = kn;
         self.state[slot + 1] = vn;
         Ok(o)
     }
+}
+
+impl ForwardCache for StackedPass {
+    fn offset(&self) -> Offset<'_> {
+        Offset::Array(&self.pos)
+    }
+
+    fn attend(&mut self, layer: usize, q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Array> {
+        self.attend_as(layer, q, k, v, scale, false)
+    }
+
+    fn attend_rows(&mut self, layer: usize, q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Array> {
+        self.attend_as(layer, q, k, v, scale, true)
+    }
+
 
     fn conv_state(&mut self, layer: usize, _shape: ConvShape) -> Result<Array> {
         Ok(self.state[self.slots[layer]].clone())

@@ -80,6 +80,15 @@ pub trait ForwardCache {
     /// holds for the layer. Returns `[B, heads, T, head_dim]`.
     fn attend(&mut self, layer: usize, q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Array>;
 
+    /// [`ForwardCache::attend`] for a decode step's rows (one token a row):
+    /// `[B, heads * head_dim]`, what the output projection reads. A cache
+    /// whose attention kernel can write that shape itself spares the step
+    /// the reshape node after it (one an attention layer and token).
+    fn attend_rows(&mut self, layer: usize, q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Array> {
+        let o = self.attend(layer, q, k, v, scale)?;
+        o.reshape(&[o.dim(0), o.dim(1) * o.dim(3)])
+    }
+
     /// Conv layer `layer`'s state before this call (`[B, keep, D]`; zeros
     /// before the first token).
     fn conv_state(&mut self, layer: usize, shape: ConvShape) -> Result<Array>;

@@ -404,9 +404,12 @@ pub fn upto_available(q: &Array, k: &Array, v: &Array, upto: &Array) -> bool {
 /// `softmax(q k^T * scale) v` for one query token over each row's positions
 /// `0..=upto` (the mask `arange(N) < upto + 1`, not built): the kernel; the
 /// caller checks [`upto_available`] and builds the mask where it fails.
-pub fn sdpa_upto(q: &Array, k: &Array, v: &Array, scale: f32, upto: &Array) -> Result<Array> {
+/// `rows`: the output as `[B, heads * head_dim]` (the same memory as `[B,
+/// heads, 1, head_dim]`), what a decode step's output projection reads,
+/// with no reshape node after it.
+pub fn sdpa_upto(q: &Array, k: &Array, v: &Array, scale: f32, upto: &Array, rows: bool) -> Result<Array> {
     let per_row = i32::from(upto.ndim() == 1);
-    launch(upto_kernel, q, k, v, upto, scale, vec![("PER_ROW", TemplateArg::Int(per_row))])
+    launch(upto_kernel, q, k, v, upto, scale, vec![("PER_ROW", TemplateArg::Int(per_row))], rows)
 }
 
 /// `softmax(q k^T * scale, masked) v` for one query token: the kernel where
@@ -415,7 +418,7 @@ pub fn sdpa_masked(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Array) ->
     if !available(q, k, v, mask) {
         return mlx::sdpa(q, k, v, scale, Mask::Array(mask));
     }
-    launch(kernel, q, k, v, mask, scale, vec![])
+    launch(kernel, q, k, v, mask, scale, vec![], false)
 }
 
 /// Either kernel over `(q, k, v, bound)`: the mask or the positions.
@@ -429,6 +432,7 @@ fn launch(
     bound: &Array,
     scale: f32,
     mut extra: Vec<(&'static str, TemplateArg)>,
+    rows: bool,
 ) -> Result<Array> {
     let (b, h, hd) = (q.dim(0), q.dim(1), q.dim(3));
     let n = k.dim(2);
@@ -452,9 +456,11 @@ fn launch(
         ("T", TemplateArg::Dtype(q.dtype())),
     ];
     template.extend(extra);
+    let width = h.checked_mul(hd).ok_or_else(|| Error::invalid("too many heads for the decode attention kernel"))?;
+    let out_shape = if rows { vec![b, width] } else { vec![b, h, 1, hd] };
     let outs = kern.call(
         &[q, k, v, bound],
-        &[(&[b, h, 1, hd], q.dtype()), (&[b, blocks, n], Dtype::Float32)],
+        &[(&out_shape, q.dtype()), (&[b, blocks, n], Dtype::Float32)],
         [gx, b, 1],
         [THREADS, 1, 1],
         &template,

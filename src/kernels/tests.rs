@@ -745,13 +745,17 @@ fn decode_attention_kernel_matches_stock_ops() {
             let last = Array::from_slice(&filled.iter().map(|f| f - 1).collect::<Vec<i32>>(), &[filled.len() as i32]).unwrap();
             let last = if filled.len() == 1 { last.reshape(&[]).unwrap() } else { last };
             if crate::kernels::decode_attention::upto_available(&q, &k, &v, &last) {
-                let plain = crate::kernels::decode_attention::sdpa_upto(&q, &k, &v, scale, &last).unwrap();
+                let plain = crate::kernels::decode_attention::sdpa_upto(&q, &k, &v, scale, &last, false).unwrap();
+                // As a decode step's rows: the same launch, only its shape.
+                let rows = crate::kernels::decode_attention::sdpa_upto(&q, &k, &v, scale, &last, true).unwrap();
+                assert_eq!(rows.shape(), [b, h * hd], "{dt:?} {b}x{h}/{kvh}x{hd}: the rows' shape");
+                assert_eq!(differing(&rows, &plain.reshape(&[b, h * hd]).unwrap()), 0, "{dt:?} {b}x{h}/{kvh}x{hd}: the rows differ");
                 let fast = crate::kernels::with_opt_in_one("MLX_LFM_DECODE_ATTENTION_SMEM", || {
-                    crate::kernels::decode_attention::sdpa_upto(&q, &k, &v, scale, &last).unwrap()
+                    crate::kernels::decode_attention::sdpa_upto(&q, &k, &v, scale, &last, false).unwrap()
                 });
                 assert_eq!(differing(&fast, &plain), 0, "{dt:?} {b}x{h}/{kvh}x{hd} up to {filled:?}: the shared-memory variant differs");
                 for dims in SPLITS {
-                    let split = with_split(dims, || crate::kernels::decode_attention::sdpa_upto(&q, &k, &v, scale, &last).unwrap());
+                    let split = with_split(dims, || crate::kernels::decode_attention::sdpa_upto(&q, &k, &v, scale, &last, false).unwrap());
                     let worst = worst_relative(&split, &want);
                     assert!(worst <= tol, "{dt:?} {b}x{h}/{kvh}x{hd} up to {filled:?}: the split variant ({dims}) differs from MLX's by {worst}, over {tol}");
                 }
@@ -914,7 +918,7 @@ fn decode_attention_upto_kernel_matches_the_mask() {
             let what = format!("{dt:?} {b}x{h}/{kvh}x{hd} over {n} at {pos:?}");
             assert!(upto_available(&q, &k, &v, &upto), "{what}");
             assert!(available(&q, &k, &v, &mask), "{what}");
-            let got = sdpa_upto(&q, &k, &v, scale, &upto).unwrap();
+            let got = sdpa_upto(&q, &k, &v, scale, &upto, false).unwrap();
             let masked = sdpa_masked(&q, &k, &v, scale, &mask).unwrap();
             let want = sdpa(&q, &k, &v, scale, Mask::Array(&mask)).unwrap();
             assert_eq!(got.shape(), want.shape());

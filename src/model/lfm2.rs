@@ -147,14 +147,13 @@ impl Attention {
     }
 
     /// `[B, heads, T, head_dim]` attention output back to `[B, T, D]`
-    /// (`rows`: to a decode step's `[B, D]`).
-    fn output(&self, o: &Array, rows: bool) -> Result<Array> {
+    /// (a decode step's rows take [`ForwardCache::attend_rows`] instead).
+    fn output(&self, o: &Array) -> Result<Array> {
         let (b, t) = (o.dim(0), o.dim(2));
         let width = self.n_heads * self.head_dim;
         // (One token: the same layout either way, see `project`.)
-        let o = match (t, rows) {
-            (1, true) => o.reshape(&[b, width])?,
-            (1, false) => o.reshape(&[b, 1, width])?,
+        let o = match t {
+            1 => o.reshape(&[b, 1, width])?,
             _ => o.transpose(&[0, 2, 1, 3])?.reshape(&[b, t, width])?,
         };
         reduce(&self.shard, self.out_proj.forward(&o)?)
@@ -170,8 +169,13 @@ impl Attention {
                 (s, self.project(qkv, cache.offset())?)
             }
         };
+        if x.h.ndim() == 2 {
+            // A decode step's rows: `[B, heads * head_dim]` from the cache.
+            let o = cache.attend_rows(layer, &q, &k, &v, self.scale)?;
+            return Ok((s, reduce(&self.shard, self.out_proj.forward(&o)?)?));
+        }
         let o = cache.attend(layer, &q, &k, &v, self.scale)?;
-        Ok((s, self.output(&o, x.h.ndim() == 2)?))
+        Ok((s, self.output(&o)?))
     }
 }
 
