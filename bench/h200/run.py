@@ -1090,6 +1090,11 @@ AB = {
     # run in another order (the stock ops' tolerance, the greedy tokens).
     "attention-split": ({"MLX_LFM_DECODE_ATTENTION_SPLIT": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "attention-split-8": ({"MLX_LFM_DECODE_ATTENTION_SPLIT": "8"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # The conv layer's in_proj GEMV folded in front of its step (a warp a
+    # channel walks its B, C and x rows in MLX's GEMV order, the same bits):
+    # a launch fewer a conv layer and token, the [1, 3D] product never
+    # written; the SwiGLU's two-row fold won 1.027x in session 23.
+    "conv-gemv": ({"MLX_LFM_CONV_GEMV_KERNEL": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
     "gemv-c2": ({"MLX_LFM_GEMV_COLS": "2"}, ["lfm2-350m-bf16"]),
     "gemv-c4": ({"MLX_LFM_GEMV_COLS": "4"}, ["lfm2-350m-bf16"]),
     # The add + RMSNorm code's runs unrolled with a guard per element (by
@@ -1102,6 +1107,13 @@ AB = {
     # the default since session 23's A/B (1.041x), measured off here, and
     # with its block of 8 warps (session 22: 0.99x, and 1,587-1,674 µs of
     # GPU time a step against 1,468-1,524, the 32 experts four in turn).
+    # The experts' down kernel with 2 or 4 output columns a warp (the same
+    # bits): a lane's h chunk widened once for C rows, C rows' loads in
+    # flight; ncu put the one-column kernel at 23 µs a launch (0.36 TB/s),
+    # 22 a token. The 8B-A1B's step is bound by its host; its GPU time
+    # (H200_AB_GPU_TIME) is where this shows first.
+    "moe-down-c2": ({"MLX_LFM_MOE_DOWN_COLS": "2"}, ["lfm2-8b-a1b-q4"]),
+    "moe-down-c4": ({"MLX_LFM_MOE_DOWN_COLS": "4"}, ["lfm2-8b-a1b-q4"]),
     "router-norm-off": ({"MLX_LFM_ROUTER_NORM_KERNEL": "0"}, ["lfm2-8b-a1b-q4"]),
     "router-norm-narrow": ({"MLX_LFM_ROUTER_NORM_WIDE": "0"}, ["lfm2-8b-a1b-q4"]),
     # The quantized GEMVs in MLX's own qmv arithmetic (MLX_LFM_QGEMV_EXACT:
@@ -1231,6 +1243,8 @@ AB_TESTS = {
        for v in ("gemv-max-k-2048-c2-early-guarded", "gemv-max-k-2048-c4-early-guarded")},
     "norm-runs-guarded": ["add_rms_norm_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops"],
     "router-norm-off": [],
+    "conv-gemv": ["conv_gemv_kernel_matches_stock_ops", "greedy:MLX_LFM_CONV_GEMV_KERNEL"],
+    **{v: ["moe_experts_kernels_match_stock_ops"] for v in ("moe-down-c2", "moe-down-c4")},
     "router-norm-narrow": ["moe_router_norm_kernel_matches_the_norm_and_router_kernels"],
     "qgemv-exact": ["quant_gemv_kernel_matches_stock_ops", "greedy:MLX_LFM_QGEMV_EXACT"],
     "quant-norm-exact": ["quant_gemv_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops", "greedy:MLX_LFM_QGEMV_EXACT",
@@ -1248,6 +1262,8 @@ PICK = [
      "decode"),
     (["gemv-c2", "gemv-c4"], "decode"),
     (["swiglu-gemv-1024"], "decode"),
+    (["conv-gemv"], "decode"),
+    (["moe-down-c2", "moe-down-c4"], "decode"),
     (["attention-smem", "attention-split", "attention-split-8"], "decode"),
     (["norm-runs-guarded"], "decode"),
     (["fold-early"], "decode"),
@@ -1265,7 +1281,8 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "gemv-max-k-2048-no-fold", "gemv-max-k-2048-early", "gemv-max-k-2048-early-guarded", "fold-early",
                "gemv-max-k-2048-c2", "gemv-max-k-2048-c4", "gemv-max-k-2048-c2-early-guarded",
                "gemv-max-k-2048-c4-early-guarded", "gemv-c2", "gemv-c4", "swiglu-gemv-1024", "attention-smem",
-               "attention-split", "attention-split-8"}
+               "attention-split", "attention-split-8", "conv-gemv",
+               "moe-down-c2", "moe-down-c4"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]

@@ -78,6 +78,11 @@ KERNELS = {
         [("y", "T")],
         lambda dt: [("K", 1792), ("BITS", 8), ("GS", 32), ("KE", 4)],
     ),
+    "moe_experts.rs#down_cols": (
+        [("h", "T"), ("idx", "uint32_t"), ("score", "T"), ("w", "uint32_t"), ("scales", "T"), ("biases", "T")],
+        [("y", "T")],
+        lambda dt: [("K", 1792), ("BITS", 4), ("GS", 64), ("KE", 4), ("C", 4)],
+    ),
     "norm_gemv.rs#dense": (
         [("h", "T"), ("r", "T"), ("wn", "T"), ("eps", "float"), ("w", "T")],
         [("s", "T"), ("y", "T")],
@@ -108,6 +113,12 @@ KERNELS = {
         [("bcx", "T"), ("state", "T"), ("w", "T")],
         [("next", "T"), ("y", "T")],
         lambda dt: [("D", 2048), ("KEEP", 2)],
+    ),
+    # The in_proj GEMV folded in front of the step (MLX_LFM_CONV_GEMV_KERNEL).
+    "short_conv.rs#gemv": (
+        [("x", "T"), ("w", "T"), ("state", "T"), ("cw", "T")],
+        [("next", "T"), ("y", "T")],
+        lambda dt: [("K", 2048), ("D", 2048), ("KEEP", 2)],
     ),
     "moe_router.rs": (
         [("probs", "T"), ("bias", "float"), ("scale", "float")],
@@ -149,7 +160,8 @@ def header_of(path):
     """A file's device code as its Rust side joins it (`header()`)."""
     k = path.parent
     gemv = named(k / "gemv.rs", "ALIGN_HEADER") + named(k / "gemv.rs", "HEADER")
-    if path.name == "gemv.rs":
+    if path.name == "gemv.rs" or path.name == "short_conv.rs":
+        # (short_conv.rs: its in_proj kernel takes the GEMV's header.)
         return gemv
     if path.name == "add_rms_norm.rs":
         return named(path, "HEADER") + named(k / "gemv.rs", "ALIGN_HEADER")
@@ -201,6 +213,9 @@ def body_and_header(path, which="SOURCE"):
             lead = "#define LFM_NORM_IN_WIDER_BLOCK 1\n" + named(k / "add_rms_norm.rs", "HEADER") + lead
         gate = named(path, "GATE_HEADER") if "GATE" in which else ""
         return src, lead + named(path, "ROUTE_HEADER") + gate
+    if path.name == "moe_experts.rs" and "DOWN_COLS" in which:
+        # The down kernel with C columns a warp: its own dot helper after.
+        return src, header_of(path) + named(path, "QDOTR_HEADER")
     return src, header_of(path)
 
 

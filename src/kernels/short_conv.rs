@@ -101,3 +101,105 @@ pub fn conv_step(bcx: &Array, state: &Array, w: &Array) -> Result<(Array, Array)
     let next = outs.pop().ok_or_else(|| Error::mlx("short-conv kernel: missing output"))?;
     Ok((next, y))
 }
+
+/// The conv layer's in_proj GEMV and the step above in one launch
+/// (`MLX_LFM_CONV_GEMV_KERNEL=1`, opt-in until its H200 A/B): a warp per
+/// channel d walks in_proj's rows d, D + d and 2D + d (B, C and x) as the
+/// dense GEMV does (src/kernels/gemv.rs: MLX's `gemv_single` order, so each
+/// is MLX's one-row product to the bit), rounds each to the dtype, and its
+/// lane 0 runs the step's arithmetic above on them. The `[1, 3D]`
+/// projection is never written and the step is no launch of its own: a
+/// node fewer a conv layer and token (ten on the 1.2B, whose in_proj is
+/// MLX's GEMV by default).
+const GEMV_SOURCE: &str = r#"
+  const int lane = threadIdx.x % 32;
+  const int d = blockIdx.x * (256 / 32) + threadIdx.x / 32;
+  if (d >= D) return;
+  float acc[3] = {0.0f, 0.0f, 0.0f};
+  const T* rows[3] = {w + static_cast<size_t>(d) * K, w + static_cast<size_t>(D + d) * K,
+                      w + static_cast<size_t>(2 * D + d) * K};
+  lfm_dot_rows<T, K, 1, 3>(x, lfm_aligned(x), rows, lfm_aligned(w), lane, acc);
+  const float sb = lfm_warp_sum(acc[0]);
+  const float sc = lfm_warp_sum(acc[1]);
+  const float sx = lfm_warp_sum(acc[2]);
+  if (lane != 0) return;
+  const T bt = T(sb);
+  const T ct = T(sc);
+  const T xt = T(sx);
+  const T* wd = cw + static_cast<size_t>(d) * (KEEP + 1);
+  float a = 0.0f;
+  for (int j = 0; j < KEEP; j++) {
+    const T v = state[j * D + d];
+    if (j > 0) next[(j - 1) * D + d] = v;
+    a += static_cast<float>(wd[j]) * static_cast<float>(v);
+  }
+  const T bx = T(static_cast<float>(bt) * static_cast<float>(xt));
+  next[(KEEP - 1) * D + d] = bx;
+  a += static_cast<float>(wd[KEEP]) * static_cast<float>(bx);
+  y[d] = T(static_cast<float>(ct) * static_cast<float>(T(a)));
+"#;
+
+fn gemv_kernel() -> Option<&'static CudaKernel> {
+    static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
+    K.get_or_init(|| {
+        CudaKernel::new("lfm_conv_gemv_step", &["x", "w", "state", "cw"], &["next", "y"], GEMV_SOURCE, &super::gemv::header()).ok()
+    })
+    .as_ref()
+}
+
+/// Whether [`conv_gemv_step`] serves one row `x` (`[1, K]` or `[1, 1,
+/// K]`), the dense in_proj `w` (`[3D, K]`, no bias), the state and the
+/// conv weights: on CUDA with `MLX_LFM_CONV_GEMV_KERNEL=1`, one row only
+/// (MLX's product for several rows is another kernel, whose sums this one
+/// does not walk), K a multiple of 8 up to 16,384.
+pub fn gemv_available(x: &Array, w: &Array, state: &Array, cw: &Array, has_bias: bool) -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    if !super::opt_in("MLX_LFM_CONV_GEMV_KERNEL", &ON) || !cuda_kernels_enabled() || has_bias {
+        return false;
+    }
+    let dt = x.dtype();
+    if !dt.is_float() || dt == Dtype::Float64 || w.ndim() != 2 || cw.ndim() != 2 || state.ndim() != 3 {
+        return false;
+    }
+    let (d, l, k) = (cw.dim(0), cw.dim(1), w.dim(1));
+    let rows = if x.dim(-1) > 0 { x.size() / x.dim(-1) as usize } else { 0 };
+    rows == 1
+        && super::one_token(x)
+        && x.dim(-1) == k
+        && k > 0
+        && k % 8 == 0
+        && k <= 16_384
+        && w.dim(0) == 3 * d
+        && d > 0
+        && l >= 2
+        && state.shape() == [1, l - 1, d]
+        && w.dtype() == dt
+        && state.dtype() == dt
+        && cw.dtype() == dt
+        && gemv_kernel().is_some()
+}
+
+/// `(state after the token [1, L-1, D], y)` for the normed row `x`: the
+/// in_proj product `x @ w.T` and [`conv_step`] on it, one launch; `y` in
+/// `x`'s shape with D for K.
+pub fn conv_gemv_step(x: &Array, w: &Array, state: &Array, cw: &Array) -> Result<(Array, Array)> {
+    let kern = gemv_kernel().ok_or_else(|| Error::mlx("the fused in_proj + short-conv kernel is not available"))?;
+    let (d, l, k) = (cw.dim(0), cw.dim(1), w.dim(1));
+    let dt = x.dtype();
+    let mut y_shape = x.shape();
+    if let Some(last) = y_shape.last_mut() {
+        *last = d;
+    }
+    let blocks = (d + 7) / 8;
+    let threads = blocks.checked_mul(256).ok_or_else(|| Error::invalid(format!("in_proj + short-conv kernel: {d} channels")))?;
+    let mut outs = kern.call(
+        &[x, w, state, cw],
+        &[(&[1, l - 1, d], dt), (&y_shape, dt)],
+        [threads, 1, 1],
+        [256, 1, 1],
+        &[("K", TemplateArg::Int(k)), ("D", TemplateArg::Int(d)), ("KEEP", TemplateArg::Int(l - 1)), ("T", TemplateArg::Dtype(dt))],
+    )?;
+    let y = outs.pop().ok_or_else(|| Error::mlx("in_proj + short-conv kernel: missing output"))?;
+    let next = outs.pop().ok_or_else(|| Error::mlx("in_proj + short-conv kernel: missing output"))?;
+    Ok((next, y))
+}

@@ -438,6 +438,10 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 if wide {
                     alone.push("MLX_LFM_DECODE_ATTENTION_SPLIT");
                 }
+                // The in_proj GEMV folded into the conv step: dense weights.
+                if wide && !q4 {
+                    alone.push("MLX_LFM_CONV_GEMV_KERNEL");
+                }
                 for var in alone {
                     runs.push((var, crate::kernels::with_opt_in_one(var, || run(Some(&stock))).0));
                 }
@@ -684,6 +688,48 @@ fn short_conv_kernel_matches_stock_ops() {
             assert_eq!(f(&kn), f(&next), "{dt:?} [{b}, {d}, {l}]: the state after the token differs");
             let worst = worst_relative(&ky, &sy);
             assert!(worst <= tol, "{dt:?} [{b}, {d}, {l}]: C * conv differs by {worst} (relative), over {tol}");
+        }
+    }
+}
+
+/// The in_proj GEMV folded in front of the short conv's step
+/// (`MLX_LFM_CONV_GEMV_KERNEL`, opt-in) against what the default decode
+/// runs: MLX's product of the row, then the step's kernel. The state after
+/// the token and the output to the bit where MLX's product is its GEMV
+/// (one row: the fold walks the rows as `gemv_single` does), the 1.2B's
+/// and the 350M's widths and an odd one, each dtype.
+#[test]
+fn conv_gemv_kernel_matches_stock_ops() {
+    if skip("conv_gemv_kernel_matches_stock_ops") {
+        return;
+    }
+    use crate::kernels::short_conv::{conv_gemv_step, conv_step, gemv_available};
+    use crate::mlx::random::normal;
+    for (dt, tol) in [(Dtype::Bfloat16, 1.6e-2f32), (Dtype::Float16, 2e-3), (Dtype::Float32, 4e-3)] {
+        for (k, d, l) in [(2048, 2048, 3), (1024, 1024, 3), (520, 96, 4)] {
+            let x = normal(&[1, k], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
+            let w = normal(&[3 * d, k], Dtype::Float32, 0.0, 0.05, None).unwrap().astype(dt).unwrap();
+            let state = normal(&[1, l - 1, d], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
+            let cw = normal(&[d, l], Dtype::Float32, 0.0, 0.5, None).unwrap().astype(dt).unwrap();
+            let what = format!("{dt:?} {k} -> 3x{d}, L {l}");
+            assert!(!gemv_available(&x, &w, &state, &cw, false), "{what}: opt-in");
+            crate::kernels::with_opt_in_one("MLX_LFM_CONV_GEMV_KERNEL", || {
+                assert!(gemv_available(&x, &w, &state, &cw, false), "{what}");
+                assert!(!gemv_available(&x, &w, &state, &cw, true), "{what}: a conv bias keeps the two launches");
+                let two = normal(&[2, k], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
+                assert!(!gemv_available(&two, &w, &state, &cw, false), "{what}: one row only");
+                let (next, y) = conv_gemv_step(&x, &w, &state, &cw).unwrap();
+                let bcx = x.matmul(&w.t().unwrap()).unwrap();
+                let (want_next, want_y) = conv_step(&bcx, &state, &cw).unwrap();
+                assert_eq!(next.shape(), want_next.shape(), "{what}");
+                assert_eq!(y.shape(), want_y.shape(), "{what}");
+                let worst = worst_relative(&y, &want_y);
+                assert!(worst <= tol, "{what}: differs by {worst}, over {tol}");
+                if mlx_gemv(1, k) {
+                    assert_eq!(differing(&next, &want_next), 0, "{what}: the state after the token differs");
+                    assert_eq!(differing(&y, &want_y), 0, "{what}: the output differs (worst {worst})");
+                }
+            });
         }
     }
 }
@@ -1249,6 +1295,14 @@ fn moe_experts_kernels_match_stock_ops() {
                 assert!(available(r, k as usize, dt, &wgu, &wd), "{what}");
                 let h = gate_up(&x, &idx, &wgu).unwrap();
                 let y = down(&h, &idx, &score, &wd).unwrap();
+                // C columns a warp (MLX_LFM_MOE_DOWN_COLS, an A/B's knob):
+                // each row summed as alone, so the same bits.
+                for cols in ["2", "4"] {
+                    let wide = crate::knobs::with_overrides(&[("MLX_LFM_MOE_DOWN_COLS".to_string(), Some(cols.to_string()))], || {
+                        down(&h, &idx, &score, &wd).unwrap()
+                    });
+                    assert_eq!(differing(&wide, &y), 0, "{what}: the down kernel with {cols} columns a warp differs");
+                }
                 let gq = |w: &crate::model::linear::Quantized, a: &Array| {
                     gather_qmm(a, &w.weight, &w.scales, w.biases.as_ref(), None, Some(&idx), true, w.spec, false).unwrap()
                 };

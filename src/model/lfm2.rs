@@ -251,8 +251,20 @@ impl ShortConv {
             let prev = self.prev_state(&y, layer, cache)?;
             return Ok((s, self.conv_parts(&parts, &prev, layer, cache)?));
         }
+        let prev = self.prev_state(x.h, layer, cache)?;
+        if let (Weight::Dense(w), None) = (&self.in_proj.weight, &self.in_proj.bias) {
+            use crate::kernels::short_conv;
+            if short_conv::gemv_available(x.h, w, &prev, &self.conv_weight_dl, self.conv_bias.is_some()) {
+                // Decode on CUDA with the fused in_proj: the product and the
+                // step in one launch, from the normed row.
+                let (s, y) = x.compute()?;
+                let (next, out) = short_conv::conv_gemv_step(&y, w, &prev, &self.conv_weight_dl)?;
+                cache.conv_step_update(layer, &prev, &next)?;
+                return Ok((s, reduce(&self.shard, self.out_proj.forward(&out)?)?));
+            }
+        }
         let (s, bcx) = self.in_proj.forward_normed(x)?;
-        Ok((s, self.conv(&bcx, layer, cache)?))
+        Ok((s, self.conv(&bcx, &prev, layer, cache)?))
     }
 
     /// The conv state before this pass, for inputs of `like`'s batch and dtype.
@@ -261,16 +273,15 @@ impl ShortConv {
         cache.conv_state(layer, shape)
     }
 
-    fn conv(&self, bcx: &Array, layer: usize, cache: &mut dyn ForwardCache) -> Result<Array> {
-        let prev = self.prev_state(bcx, layer, cache)?;
-        if crate::kernels::short_conv::available(bcx, &prev, &self.conv_weight_dl, self.conv_bias.is_some()) {
+    fn conv(&self, bcx: &Array, prev: &Array, layer: usize, cache: &mut dyn ForwardCache) -> Result<Array> {
+        if crate::kernels::short_conv::available(bcx, prev, &self.conv_weight_dl, self.conv_bias.is_some()) {
             // Decode on CUDA: everything between the two projections in one
             // launch.
-            let (next, y) = crate::kernels::short_conv::conv_step(bcx, &prev, &self.conv_weight_dl)?;
-            cache.conv_step_update(layer, &prev, &next)?;
+            let (next, y) = crate::kernels::short_conv::conv_step(bcx, prev, &self.conv_weight_dl)?;
+            cache.conv_step_update(layer, prev, &next)?;
             return reduce(&self.shard, self.out_proj.forward(&y)?);
         }
-        self.conv_stock(bcx, &prev, layer, cache)
+        self.conv_stock(bcx, prev, layer, cache)
     }
 
     fn conv_stock(&self, bcx: &Array, prev: &Array, layer: usize, cache: &mut dyn ForwardCache) -> Result<Array> {
