@@ -1244,7 +1244,7 @@ AB_TESTS = {
     "norm-runs-guarded": ["add_rms_norm_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops"],
     "router-norm-off": [],
     "conv-gemv": ["conv_gemv_kernel_matches_stock_ops", "greedy:MLX_LFM_CONV_GEMV_KERNEL"],
-    **{v: ["moe_experts_kernels_match_stock_ops"] for v in ("moe-down-c2", "moe-down-c4")},
+    **{v: ["moe_experts_kernels_match_stock_ops", f"greedy:{v}"] for v in ("moe-down-c2", "moe-down-c4")},
     "router-norm-narrow": ["moe_router_norm_kernel_matches_the_norm_and_router_kernels"],
     "qgemv-exact": ["quant_gemv_kernel_matches_stock_ops", "greedy:MLX_LFM_QGEMV_EXACT"],
     "quant-norm-exact": ["quant_gemv_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops", "greedy:MLX_LFM_QGEMV_EXACT",
