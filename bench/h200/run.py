@@ -97,7 +97,23 @@ process) ran into the call's limit with no record: give the 8B-A1B a call
 of its own or fewer arms; `ab pick` of seven in-process variants over the
 two models 99 s; `round 1 round 2` ran past 555 s (the 8B-A1B's
 16-concurrent of round 2 cut): a round of the two models is ~290 s now.
-Next: `stage`; `install verdicts-from ...,session23 kernels` with
+Session 24 (one machine, 1,692 s of the 1,800): `stage` 1 s (+ ~95 s to
+start); nine tests (`H200_KERNEL_JOBS=5`: the two greedy tests a process
+each) 354 s; `checkpoints` of the 1.2B and the 8B-A1B plus `ab pick` of
+eleven variants over the two models 281 s (checkpoints ~175, the A/B ~105);
+`round 1` 258 s, `round 2` 210 s; `profile-kernels` of the 8B-A1B with
+eight kernel names (qmv_kernel among them: 53 launches a step, each
+replayed per section) ran past 440 s with no record: name two or three
+kernels, or give it a call of its own.
+Next: `stage`; `install verdicts-from ...,session24 kernels` with
+H200_KERNEL_TESTS=quant_gemv_kernel_matches_stock_ops,
+moe_experts_kernels_match_stock_ops,greedy_tokens_with_kernels_equal_stock_ops
+(the two tests mended after session 24's run, and the greedy test's wide
+MoE sets of the down kernel's columns); `checkpoints`; a GPU-time `ab`
+(H200_AB_GPU_TIME=1) of `moe-down-c4` on the 8B-A1B alone (its step waits
+on the host, so an in-process A/B cannot see the GPU's share); `round 1`,
+`round 2` with the 350M too if time allows (its last round was session 21).
+Session 23's plan, for the record: `stage`; `install verdicts-from ...,session23 kernels` with
 H200_KERNEL_TESTS=decode_attention_kernel_matches_stock_ops,
 moe_router_norm_kernel_matches_the_norm_and_router_kernels,
 quant_gemv_kernel_matches_stock_ops, gemv_swiglu_kernel_matches_stock_ops,
