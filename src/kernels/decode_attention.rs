@@ -424,6 +424,7 @@ pub fn sdpa_masked(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Array) ->
 /// Either kernel over `(q, k, v, bound)`: the mask or the positions.
 /// (`made`: the kernel as [`variant`] lays it out, or the plain one where
 /// that variant does not compile.)
+#[allow(clippy::too_many_arguments)]
 fn launch(
     made: fn(Variant) -> Option<&'static CudaKernel>,
     q: &Array,
