@@ -1250,8 +1250,8 @@ AB_TESTS = {
     # tests ran. The greedy test's fixtures, 64 wide, reach neither.)
     "swiglu-gemv-1024": [],
     "attention-smem": ["decode_attention_kernel_matches_stock_ops"],
-    **{v: ["decode_attention_kernel_matches_stock_ops", "greedy:MLX_LFM_DECODE_ATTENTION_SPLIT"]
-       for v in ("attention-split", "attention-split-8")},
+    "attention-split": ["decode_attention_kernel_matches_stock_ops", "greedy:MLX_LFM_DECODE_ATTENTION_SPLIT"],
+    "attention-split-8": ["decode_attention_kernel_matches_stock_ops", "greedy:attention-split-8"],
     **{v: ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops",
            "greedy:default"] for v in ("gemv-max-k-2048-c2", "gemv-max-k-2048-c4", "gemv-c2", "gemv-c4")},
     **{v: ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops",

@@ -47,6 +47,18 @@ KERNELS = {
         [("out", "T"), ("sc", "float")],
         lambda dt: [("HD", 64), ("SCALE_BITS", 1040187392)],
     ),
+    # The split variant (MLX_LFM_DECODE_ATTENTION_SPLIT: LFM_ATT_DPB, see
+    # DEFINES_OF), bounded by the position as the compiled step runs it.
+    "decode_attention.rs@upto-split16": (
+        [("q", "T"), ("k", "T"), ("v", "T"), ("upto", "int")],
+        [("out", "T"), ("sc", "float")],
+        lambda dt: [("HD", 64), ("SCALE_BITS", 1040187392), ("PER_ROW", 1)],
+    ),
+    "decode_attention.rs@upto-split8": (
+        [("q", "T"), ("k", "T"), ("v", "T"), ("upto", "int")],
+        [("out", "T"), ("sc", "float")],
+        lambda dt: [("HD", 64), ("SCALE_BITS", 1040187392), ("PER_ROW", 1)],
+    ),
     # The same body bounded by the position (`UPTO_VALID` for `__VALIDITY__`).
     "decode_attention.rs@upto": (
         [("q", "T"), ("k", "T"), ("v", "T"), ("upto", "int")],
@@ -160,8 +172,7 @@ def header_of(path):
     """A file's device code as its Rust side joins it (`header()`)."""
     k = path.parent
     gemv = named(k / "gemv.rs", "ALIGN_HEADER") + named(k / "gemv.rs", "HEADER")
-    if path.name == "gemv.rs" or path.name == "short_conv.rs":
-        # (short_conv.rs: its in_proj kernel takes the GEMV's header.)
+    if path.name == "gemv.rs":
         return gemv
     if path.name == "add_rms_norm.rs":
         return named(path, "HEADER") + named(k / "gemv.rs", "ALIGN_HEADER")
@@ -213,6 +224,9 @@ def body_and_header(path, which="SOURCE"):
             lead = "#define LFM_NORM_IN_WIDER_BLOCK 1\n" + named(k / "add_rms_norm.rs", "HEADER") + lead
         gate = named(path, "GATE_HEADER") if "GATE" in which else ""
         return src, lead + named(path, "ROUTE_HEADER") + gate
+    if path.name == "short_conv.rs" and "GEMV" in which:
+        # The in_proj + step kernel takes the GEMV's header (the plain step none).
+        return src, header_of(path.parent / "gemv.rs")
     if path.name == "moe_experts.rs" and "DOWN_COLS" in which:
         # The down kernel with C columns a warp: its own dot helper after.
         return src, header_of(path) + named(path, "QDOTR_HEADER")
@@ -277,6 +291,11 @@ def compile_one(name, code):
 DEFINES = "".join(f"#define {a.split('=', 2)[1]} {a.split('=', 2)[2]}\n" for a in sys.argv if a.startswith("--define="))
 VALIDITY = "MASK_VALID"
 EARLY = False
+# A kernel variant's own #define, as its Rust side prepends it.
+DEFINES_OF = {
+    "decode_attention.rs@upto-split16": "#define LFM_ATT_DPB 16\n",
+    "decode_attention.rs@upto-split8": "#define LFM_ATT_DPB 8\n",
+}
 
 failed = 0
 for file, (ins, outs, targs, *only_dtypes) in KERNELS.items():
@@ -285,7 +304,7 @@ for file, (ins, outs, targs, *only_dtypes) in KERNELS.items():
     # "file.rs@variant": a body with a variant's substitution (decode
     # attention's position bound).
     file_key, _, variant = file.partition("@")
-    VALIDITY = "UPTO_VALID" if variant == "upto" else "MASK_VALID"
+    VALIDITY = "UPTO_VALID" if variant.startswith("upto") else "MASK_VALID"
     EARLY = variant == "early"
     # "file.rs#name": the file's NAME_SOURCE (a second kernel in one file).
     fname, _, extra = file_key.partition("#")
@@ -301,7 +320,7 @@ for file, (ins, outs, targs, *only_dtypes) in KERNELS.items():
                 params.append(f"const __grid_constant__ Shape {n}_shape")
         params += [f"{t.replace('T', ct) if t == 'T' else t}* {n}" for n, t in outs]
         consts = "".join(f"  constexpr {'bool' if isinstance(v, str) else 'int'} {k} = {v};\n" for k, v in targs(dt))
-        code = (DEFINES + PRELUDE + hdr + "namespace cg = cooperative_groups;\n"
+        code = (DEFINES + DEFINES_OF.get(file, "") + PRELUDE + hdr + "namespace cg = cooperative_groups;\n"
                 + f'extern "C" __global__ void k({", ".join(params)}) {{\n{consts}  using T = {ct};\n{src}\n}}\n')
         rc, log = compile_one(f"{file}-{dt}.cu", code)
         status = "ok" if rc == 0 else "FAILED"

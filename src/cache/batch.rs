@@ -487,7 +487,6 @@ impl ForwardCache for StackedPass {
         self.attend_as(layer, q, k, v, scale, true)
     }
 
-
     fn conv_state(&mut self, layer: usize, _shape: ConvShape) -> Result<Array> {
         Ok(self.state[self.slots[layer]].clone())
     }

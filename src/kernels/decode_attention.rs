@@ -484,12 +484,14 @@ mod tests {
     /// output elements than a block sums, before the shared scores.
     #[test]
     fn the_split_serves_heads_wider_than_a_block() {
-        with(&[("MLX_LFM_DECODE_ATTENTION_SPLIT", "1")], || {
+        // (The shared scores set off, so the environment does not decide.)
+        with(&[("MLX_LFM_DECODE_ATTENTION_SPLIT", "1"), ("MLX_LFM_DECODE_ATTENTION_SMEM", "0")], || {
             assert_eq!(variant(768, 64), Variant::Split(16));
             assert_eq!(variant(768, 256), Variant::Split(16));
+            assert_eq!(variant(768, 32), Variant::Split(16));
             assert_eq!(variant(768, 16), Variant::Plain);
         });
-        with(&[("MLX_LFM_DECODE_ATTENTION_SPLIT", "8")], || {
+        with(&[("MLX_LFM_DECODE_ATTENTION_SPLIT", "8"), ("MLX_LFM_DECODE_ATTENTION_SMEM", "0")], || {
             assert_eq!(variant(768, 64), Variant::Split(8));
             assert_eq!(variant(768, 8), Variant::Plain);
         });
@@ -498,7 +500,8 @@ mod tests {
             assert_eq!(variant(768, 16), Variant::Smem);
             assert_eq!(variant(9000, 16), Variant::Plain);
         });
-        with(&[("MLX_LFM_DECODE_ATTENTION_SPLIT", "0")], || assert_eq!(variant(768, 64), Variant::Plain));
-        with(&[("MLX_LFM_DECODE_ATTENTION_SPLIT", "2")], || assert_eq!(variant(768, 64), Variant::Plain));
+        let off = |v| [("MLX_LFM_DECODE_ATTENTION_SPLIT", v), ("MLX_LFM_DECODE_ATTENTION_SMEM", "0")];
+        with(&off("0"), || assert_eq!(variant(768, 64), Variant::Plain));
+        with(&off("2"), || assert_eq!(variant(768, 64), Variant::Plain));
     }
 }

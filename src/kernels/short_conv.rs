@@ -147,14 +147,20 @@ fn gemv_kernel() -> Option<&'static CudaKernel> {
     .as_ref()
 }
 
+/// Whether the fused in_proj is on: `MLX_LFM_CONV_GEMV_KERNEL=1` (or a
+/// test's opt-in) where our CUDA kernels run.
+pub fn gemv_enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    super::opt_in("MLX_LFM_CONV_GEMV_KERNEL", &ON) && cuda_kernels_enabled()
+}
+
 /// Whether [`conv_gemv_step`] serves one row `x` (`[1, K]` or `[1, 1,
 /// K]`), the dense in_proj `w` (`[3D, K]`, no bias), the state and the
 /// conv weights: on CUDA with `MLX_LFM_CONV_GEMV_KERNEL=1`, one row only
 /// (MLX's product for several rows is another kernel, whose sums this one
 /// does not walk), K a multiple of 8 up to 16,384.
 pub fn gemv_available(x: &Array, w: &Array, state: &Array, cw: &Array, has_bias: bool) -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    if !super::opt_in("MLX_LFM_CONV_GEMV_KERNEL", &ON) || !cuda_kernels_enabled() || has_bias {
+    if !gemv_enabled() || has_bias {
         return false;
     }
     let dt = x.dtype();
@@ -186,6 +192,15 @@ pub fn conv_gemv_step(x: &Array, w: &Array, state: &Array, cw: &Array) -> Result
     let kern = gemv_kernel().ok_or_else(|| Error::mlx("the fused in_proj + short-conv kernel is not available"))?;
     let (d, l, k) = (cw.dim(0), cw.dim(1), w.dim(1));
     let dt = x.dtype();
+    // (One dtype: the kernel reads every operand as `T`.)
+    if [w, state, cw].iter().any(|a| a.dtype() != dt) {
+        return Err(Error::invalid(format!(
+            "in_proj + short-conv kernel: the row is {dt:?}, in_proj {:?}, the state {:?}, the conv weights {:?}",
+            w.dtype(),
+            state.dtype(),
+            cw.dtype()
+        )));
+    }
     let mut y_shape = x.shape();
     if let Some(last) = y_shape.last_mut() {
         *last = d;

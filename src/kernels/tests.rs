@@ -460,6 +460,12 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     let got = in_mlx_arithmetic(|| crate::knobs::with_overrides(&folded, || run(Some(&stock))).0);
                     runs.push(("quant-norm-exact", got));
                 }
+                if wide {
+                    // The split attention 8 output elements a block (the
+                    // opt-in's own run above takes 16).
+                    let set = [("MLX_LFM_DECODE_ATTENTION_SPLIT".to_string(), Some("8".to_string()))];
+                    runs.push(("attention-split-8", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
+                }
                 if q4 && wide && moe {
                     // The experts' down kernel with 2 and 4 columns a warp
                     // (MLX_LFM_MOE_DOWN_COLS: within a rounding of one).
@@ -714,19 +720,31 @@ fn conv_gemv_kernel_matches_stock_ops() {
     use crate::kernels::short_conv::{conv_gemv_step, conv_step, gemv_available};
     use crate::mlx::random::normal;
     for (dt, tol) in [(Dtype::Bfloat16, 1.6e-2f32), (Dtype::Float16, 2e-3), (Dtype::Float32, 4e-3)] {
-        for (k, d, l) in [(2048, 2048, 3), (1024, 1024, 3), (520, 96, 4)] {
+        // (100 channels: the last block's warps past D return early.)
+        for (k, d, l) in [(2048, 2048, 3), (1024, 1024, 3), (520, 100, 4)] {
             let x = normal(&[1, k], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
             let w = normal(&[3 * d, k], Dtype::Float32, 0.0, 0.05, None).unwrap().astype(dt).unwrap();
             let state = normal(&[1, l - 1, d], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
             let cw = normal(&[d, l], Dtype::Float32, 0.0, 0.5, None).unwrap().astype(dt).unwrap();
             let what = format!("{dt:?} {k} -> 3x{d}, L {l}");
-            assert!(!gemv_available(&x, &w, &state, &cw, false), "{what}: opt-in");
+            if std::env::var_os("MLX_LFM_CONV_GEMV_KERNEL").is_none() {
+                assert!(!gemv_available(&x, &w, &state, &cw, false), "{what}: opt-in");
+            }
             crate::kernels::with_opt_in_one("MLX_LFM_CONV_GEMV_KERNEL", || {
                 assert!(gemv_available(&x, &w, &state, &cw, false), "{what}");
                 assert!(!gemv_available(&x, &w, &state, &cw, true), "{what}: a conv bias keeps the two launches");
                 let two = normal(&[2, k], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
                 assert!(!gemv_available(&two, &w, &state, &cw, false), "{what}: one row only");
+                let other = if dt == Dtype::Float32 { Dtype::Bfloat16 } else { Dtype::Float32 };
+                let w_other = w.astype(other).unwrap();
+                assert!(!gemv_available(&x, &w_other, &state, &cw, false), "{what}: in_proj in another dtype");
+                assert!(conv_gemv_step(&x, &w_other, &state, &cw).is_err(), "{what}: in_proj in another dtype is refused");
                 let (next, y) = conv_gemv_step(&x, &w, &state, &cw).unwrap();
+                // A `[1, 1, K]` row: the same launch, `[1, 1, D]` out.
+                let (next3, y3) = conv_gemv_step(&x.reshape(&[1, 1, k]).unwrap(), &w, &state, &cw).unwrap();
+                assert_eq!(y3.shape(), [1, 1, d], "{what}: a [1, 1, K] row's output");
+                assert_eq!(differing(&y3.reshape(&[1, d]).unwrap(), &y), 0, "{what}: a [1, 1, K] row differs");
+                assert_eq!(differing(&next3, &next), 0, "{what}: a [1, 1, K] row's state differs");
                 let bcx = x.matmul(&w.t().unwrap()).unwrap();
                 let (want_next, want_y) = conv_step(&bcx, &state, &cw).unwrap();
                 assert_eq!(next.shape(), want_next.shape(), "{what}");
@@ -763,11 +781,14 @@ fn decode_attention_kernel_matches_stock_ops() {
     use crate::mlx::{arange, sdpa, Array, Mask};
     for (dt, tol) in [(Dtype::Bfloat16, 1.6e-2f32), (Dtype::Float16, 2e-3), (Dtype::Float32, 4e-3)] {
         // (rows, heads, kv heads, head size, buffer, filled per row)
-        let cases: [(i32, i32, i32, i32, i32, &[i32]); 4] = [
+        // (Head size 16 is one block a head in the split too; 32 splits
+        // in two or four.)
+        let cases: [(i32, i32, i32, i32, i32, &[i32]); 5] = [
             (1, 32, 8, 64, 768, &[513]),
             (3, 4, 2, 64, 256, &[1, 100, 256]),
             (2, 8, 8, 128, 1024, &[700, 701]),
             (1, 4, 2, 16, 256, &[37]),
+            (2, 6, 3, 32, 512, &[300, 511]),
         ];
         for (b, h, kvh, hd, n, filled) in cases {
             let q = normal(&[b, h, 1, hd], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
@@ -1296,6 +1317,10 @@ fn moe_experts_kernels_match_stock_ops() {
                 (3, 2, 8, 256, 128, 8, 32),
                 (16, 4, 32, 512, 256, 4, 128),
                 (2, 2, 8, 64, 32, 4, 32),
+                // Three experts a row (two of a block's eight warps idle) and
+                // eight (a column a block).
+                (2, 3, 8, 256, 128, 4, 32),
+                (1, 8, 16, 128, 64, 4, 32),
             ];
             for (_, (r, k, e, d, f, bits, gs)) in cases.into_iter().enumerate().filter(|(ci, _)| thin(di, *ci, cases.len())) {
                 let what = format!("{dt:?} {r}x{k} of {e}, {d}->{f}");

@@ -251,9 +251,17 @@ impl ShortConv {
             let prev = self.prev_state(&y, layer, cache)?;
             return Ok((s, self.conv_parts(&parts, &prev, layer, cache)?));
         }
-        let prev = self.prev_state(x.h, layer, cache)?;
-        if let (Weight::Dense(w), None) = (&self.in_proj.weight, &self.in_proj.bias) {
-            use crate::kernels::short_conv;
+        use crate::kernels::short_conv;
+        // The fused in_proj reads the normed row in the residual's dtype:
+        // the norm's weight and the residual it adds of that dtype too, so
+        // that the norm does not promote it.
+        let same = |a: &Array| a.dtype() == x.h.dtype();
+        let fused = match (&self.in_proj.weight, &self.in_proj.bias) {
+            (Weight::Dense(w), None) if short_conv::gemv_enabled() && same(x.w) && x.r.is_none_or(same) => Some(w),
+            _ => None,
+        };
+        if let Some(w) = fused {
+            let prev = self.prev_state(x.h, layer, cache)?;
             if short_conv::gemv_available(x.h, w, &prev, &self.conv_weight_dl, self.conv_bias.is_some()) {
                 // Decode on CUDA with the fused in_proj: the product and the
                 // step in one launch, from the normed row.
@@ -262,8 +270,11 @@ impl ShortConv {
                 cache.conv_step_update(layer, &prev, &next)?;
                 return Ok((s, reduce(&self.shard, self.out_proj.forward(&out)?)?));
             }
+            let (s, bcx) = self.in_proj.forward_normed(x)?;
+            return Ok((s, self.conv(&bcx, &prev, layer, cache)?));
         }
         let (s, bcx) = self.in_proj.forward_normed(x)?;
+        let prev = self.prev_state(&bcx, layer, cache)?;
         Ok((s, self.conv(&bcx, &prev, layer, cache)?))
     }
 
