@@ -107,9 +107,12 @@ replayed per section) ran past 440 s with no record: name two or three
 kernels, or give it a call of its own.
 Next: `stage`; `install verdicts-from ...,session24 kernels` with
 H200_KERNEL_TESTS=quant_gemv_kernel_matches_stock_ops,
-moe_experts_kernels_match_stock_ops,greedy_tokens_with_kernels_equal_stock_ops
-(the two tests mended after session 24's run, and the greedy test's wide
-MoE sets of the down kernel's columns); `checkpoints`; a GPU-time `ab`
+moe_experts_kernels_match_stock_ops,conv_gemv_kernel_matches_stock_ops,
+decode_attention_kernel_matches_stock_ops,
+greedy_tokens_with_kernels_equal_stock_ops (the two tests mended after
+session 24's run, the cases its review added: 3 and 8 experts a row, 100
+channels and a [1, 1, K] row, head size 32; the greedy test's wide sets of
+the down kernel's columns and the 8-wide split); `checkpoints`; a GPU-time `ab`
 (H200_AB_GPU_TIME=1) of `moe-down-c4` on the 8B-A1B alone (its step waits
 on the host, so an in-process A/B cannot see the GPU's share); `round 1`,
 `round 2` with the 350M too if time allows (its last round was session 21).
