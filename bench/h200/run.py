@@ -114,8 +114,11 @@ session 24's run, the cases its review added: 3 and 8 experts a row, 100
 channels and a [1, 1, K] row, head size 32; the greedy test's wide sets of
 the down kernel's columns and the 8-wide split); `checkpoints`; a GPU-time `ab`
 (H200_AB_GPU_TIME=1) of `moe-down-c4` on the 8B-A1B alone (its step waits
-on the host, so an in-process A/B cannot see the GPU's share); `round 1`,
-`round 2` with the 350M too if time allows (its last round was session 21).
+on the host, so an in-process A/B cannot see the GPU's share);
+`H200_MODELS=lfm2-8b-a1b-q4 profile-prefill` (where its P=512 prefill's
+time goes since the grouped GEMM: session 2's profile is the last, ~60 s);
+`round 1`, `round 2` with the 350M too if time allows (its last round was
+session 21).
 Session 23's plan, for the record: `stage`; `install verdicts-from ...,session23 kernels` with
 H200_KERNEL_TESTS=decode_attention_kernel_matches_stock_ops,
 moe_router_norm_kernel_matches_the_norm_and_router_kernels,
