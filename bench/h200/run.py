@@ -117,6 +117,9 @@ the down kernel's columns and the 8-wide split); `checkpoints`; a GPU-time `ab`
 on the host, so an in-process A/B cannot see the GPU's share);
 `H200_MODELS=lfm2-8b-a1b-q4 profile-prefill` (where its P=512 prefill's
 time goes since the grouped GEMM: session 2's profile is the last, ~60 s);
+`kernel-bench` (each dense GEMV alone under ncu, MLX's against each walk of
+ours on the 1.2B's shapes: why ours reads 2,048-wide rows more slowly, the
+1.2B's way to 1.2x; no checkpoint, about a minute);
 `round 1`, `round 2` with the 350M too if time allows (its last round was
 session 21).
 Session 23's plan, for the record: `stage`; `install verdicts-from ...,session23 kernels` with
@@ -163,7 +166,8 @@ H200_NCU_KERNELS matches; `ab-binaries` times .device/prev/mlx-lfm-bench-prev, a
 the previous commit, against this one; `constrained` times constrained
 against free decode; `dispatch-cost` what a node of each kind costs the
 host; `new-lengths` times the first prefill at new prompt
-lengths.)
+lengths; `kernel-bench` times each dense GEMV kernel alone under ncu, MLX's
+and each walk of ours on the same operands.)
 Each call leaves raw.jsonl (every measurement, tagged) and its logs (logs.tgz) in $OUT.
 Back here:
     python3 bench/h200/run.py merge-raw bench/results/DATE-h200-sessionN.raw.jsonl COMMIT \
@@ -780,6 +784,51 @@ def dispatch_cost():
         j = json.loads(line)
         if "dispatch_cost" in j:
             record(engine="dispatch-cost", **j)
+
+
+def kernel_bench():
+    """Each dense GEMV kernel alone, timed by ncu (`mlx-lfm-bench
+    --kernel-bench`: the decode step's GEMV shapes one product a launch,
+    MLX's `gemv_single` and each walk of ours, on the same operands; ncu
+    flushes the caches before each launch, so a product's weights come from
+    DRAM as a step's do): µs a launch and GB/s, per arm and shape. No
+    checkpoint needed (~1 minute)."""
+    rep = WORK / "kernel-bench"
+    cmd = ["ncu", "--clock-control", "none", "-f", "-o", rep, "--kernel-name", "regex:gemv",
+           "--metrics", "gpu__time_duration.sum,dram__bytes_read.sum",
+           BENCH, "--kernel-bench", "--device", "gpu", "--reps", "3"]
+    r = sh(cmd, "kernel-bench", check=False)
+    plan = next((json.loads(l)["kernel_bench_plan"] for l in r.stdout.splitlines() if "kernel_bench_plan" in l), None)
+    walls = [json.loads(l) for l in r.stdout.splitlines() if '"kernel_bench":' in l]
+    if r.returncode != 0 or plan is None:
+        record(engine="kernel-bench", error=r.stderr[-2000:])
+        return
+    csv = sh(["ncu", "--import", f"{rep}.ncu-rep", "--csv", "--page", "raw", "--print-units", "base",
+              "--print-kernel-base", "function"], check=False).stdout
+    (OUT / "kernel-bench.csv").write_text(csv)
+    import csv as _csv
+    import io
+
+    num = lambda v: float(v.replace(",", ""))
+    rows = [x for x in _csv.DictReader(io.StringIO(csv))
+            if x.get("Kernel Name") and x.get("gpu__time_duration.sum", "").replace(",", "").replace(".", "").isdigit()]
+    rows.sort(key=lambda x: int(num(x.get("ID") or "0")))
+    # The plan's launches in order: each arm's and shape's share of the rows.
+    at = 0
+    for p in plan:
+        mine = rows[at:at + p["launches"]]
+        at += p["launches"]
+        us = sorted(num(x["gpu__time_duration.sum"]) / 1000.0 for x in mine)
+        read = [num(x.get("dram__bytes_read.sum") or "0") for x in mine]
+        wall = next((w for w in walls if w["kernel_bench"] == p["arm"] and w["n"] == p["n"] and w["k"] == p["k"]), {})
+        med = us[len(us) // 2] if us else None
+        record(engine="kernel-bench", arm=p["arm"], n=p["n"], k=p["k"], launches=len(mine),
+               kernels=sorted({x["Kernel Name"][:60] for x in mine}), us_median=med, us_min=us[0] if us else None,
+               gbps_median=(p["n"] * p["k"] * 2 / (med * 1e3)) if med else None,
+               dram_read_bytes_median=sorted(read)[len(read) // 2] if read else None,
+               wall_us_median=wall.get("wall_us_median"))
+    if at != len(rows):
+        record(engine="kernel-bench", error=f"{len(rows)} GEMV launches under ncu, the plan has {at}")
 
 
 def host_profile():
@@ -1576,7 +1625,7 @@ def collect(files):
         if "error" in r:
             errors.append(r)
         elif r.get("engine") in ("ncu", "ncu-prefill", "ab", "tests", "constrained", "new-lengths", "pick", "env", "step-ops",
-                                 "prefill-ops", "batch-phases", "mlx-lfm-allocator"):
+                                 "prefill-ops", "batch-phases", "mlx-lfm-allocator", "kernel-bench"):
             profiles.append(r)
         elif r.get("samples"):
             runs.append({"model": r["model"], "engine": r["engine"], "metric": r["metric"], "prompt": r["prompt"],
@@ -1743,6 +1792,9 @@ def main():
             elif a == "dispatch-cost":
                 install()
                 dispatch_cost()
+            elif a == "kernel-bench":
+                install()
+                kernel_bench()
             elif a == "new-lengths":
                 install()
                 new_lengths()

@@ -36,6 +36,11 @@
 //!     no model: what one node of each kind costs the host (chains of 200
 //!     adds, views, GEMVs, 4-bit GEMVs, RMSNorms and, on CUDA, custom
 //!     kernels, each built, handed to MLX and waited for; µs per node).
+//!   mlx-lfm-bench --kernel-bench [--device gpu] [--reps 3]
+//!     no model: the decode step's dense GEMV shapes one product a launch,
+//!     MLX's GEMV and each walk of ours (for ncu to time each kernel
+//!     alone: `bench/h200/run.py kernel-bench`); the plan in launch order,
+//!     then each arm's wall time a product with its wait.
 //!   mlx-lfm-bench --tensor-parallel N [--backend ring] [any of the above]
 //!     the same measurement with the model split over N ranks: N local
 //!     processes of this binary joined by MLX's `ring` backend over
@@ -56,6 +61,8 @@
 
 #[path = "bench/host_profile.rs"]
 mod host_profile;
+#[path = "bench/kernel_bench.rs"]
+mod kernel_bench;
 
 use mlx_lfm::engine::{DecodePath, Engine, EngineOptions, Prompt};
 use mlx_lfm::generate::{GenerateParams, NoObserver};
@@ -96,6 +103,7 @@ const FLAGS: &[(&str, bool)] = &[
     ("--step-ops", false),
     ("--prefill-ops", false),
     ("--dispatch-cost", false),
+    ("--kernel-bench", false),
     ("--tensor-parallel", true),
     ("--backend", true),
     ("--turns", true),
@@ -148,6 +156,9 @@ fn run() -> mlx_lfm::Result<()> {
     }
     if args.iter().any(|a| a == "--dispatch-cost") {
         return dispatch_cost(arg(&args, "--reps").map(|s| s.parse().expect("--reps")).unwrap_or(5));
+    }
+    if args.iter().any(|a| a == "--kernel-bench") {
+        return kernel_bench::run(arg(&args, "--reps").map(|s| s.parse().expect("--reps")).unwrap_or(3));
     }
     let dir = match arg(&args, "--model") {
         Some(m) => PathBuf::from(m),
