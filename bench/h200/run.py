@@ -787,14 +787,15 @@ def dispatch_cost():
 
 
 def kernel_bench():
-    """Each dense GEMV kernel alone, timed by ncu (`mlx-lfm-bench
+    """Each GEMV kernel alone, timed by ncu (`mlx-lfm-bench
     --kernel-bench`: the decode step's GEMV shapes one product a launch,
-    MLX's `gemv_single` and each walk of ours, on the same operands; ncu
+    MLX's `gemv_single` and each walk of ours, and the 8B-A1B's 4-bit
+    shapes through MLX's qmv and our two quantized GEMVs, on the same operands; ncu
     flushes the caches before each launch, so a product's weights come from
     DRAM as a step's do): µs a launch and GB/s, per arm and shape. No
     checkpoint needed (~1 minute)."""
     rep = WORK / "kernel-bench"
-    cmd = ["ncu", "--clock-control", "none", "-f", "-o", rep, "--kernel-name", "regex:gemv",
+    cmd = ["ncu", "--clock-control", "none", "-f", "-o", rep, "--kernel-name", "regex:gemv|qmv",
            "--metrics", "gpu__time_duration.sum,dram__bytes_read.sum",
            BENCH, "--kernel-bench", "--device", "gpu", "--reps", "3"]
     r = sh(cmd, "kernel-bench", check=False)
@@ -824,7 +825,8 @@ def kernel_bench():
         med = us[len(us) // 2] if us else None
         record(engine="kernel-bench", arm=p["arm"], n=p["n"], k=p["k"], launches=len(mine),
                kernels=sorted({x["Kernel Name"][:60] for x in mine}), us_median=med, us_min=us[0] if us else None,
-               gbps_median=(p["n"] * p["k"] * 2 / (med * 1e3)) if med else None,
+               # (bf16 weights, or 4-bit with a bf16 scale and bias a group of 64)
+               gbps_median=(p["n"] * p["k"] * (0.5625 if "q4" in p["arm"] else 2) / (med * 1e3)) if med else None,
                dram_read_bytes_median=sorted(read)[len(read) // 2] if read else None,
                wall_us_median=wall.get("wall_us_median"))
     if at != len(rows):

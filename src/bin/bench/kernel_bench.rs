@@ -1,5 +1,6 @@
 //! `--kernel-bench`: the decode step's dense GEMV shapes, one product a
-//! launch, through MLX's own GEMV and each walk of ours, so that `ncu` over
+//! launch, through MLX's own GEMV and each walk of ours (and the 8B-A1B's
+//! 4-bit shapes through MLX's qmv and our two quantized GEMVs), so that `ncu` over
 //! this process (`bench/h200/run.py kernel-bench`) times every kernel alone
 //! on identical operands. The question it answers: on the 1.2B's 2,048-wide
 //! rows our GEMV, which walks a row as MLX's `gemv_single` does, has read
@@ -34,49 +35,115 @@ fn arms() -> Vec<(&'static str, Vec<(&'static str, &'static str)>)> {
 /// 350M's out_proj.
 const SHAPES: [(i32, i32); 5] = [(2048, 2048), (6144, 2048), (3072, 2048), (2048, 8192), (1024, 1024)];
 
+/// The 8B-A1B's quantized decode GEMVs (affine 4-bit, groups of 64): its
+/// conv layers' in_proj and out_proj, and its dense layers' w2.
+const QUANT_SHAPES: [(i32, i32); 3] = [(6144, 2048), (2048, 2048), (2048, 7168)];
+
+/// The quantized arms: MLX's `quantized_matmul` (its qmv), our float32-sum
+/// kernel and ours in MLX's arithmetic (`MLX_LFM_QGEMV_EXACT`).
+fn quant_arms() -> Vec<(&'static str, Vec<(&'static str, &'static str)>)> {
+    let ours = ("MLX_LFM_QGEMV_KERNEL", "1");
+    vec![("mlx-q4", vec![]), ("ours-q4", vec![ours]), ("ours-q4-exact", vec![ours, ("MLX_LFM_QGEMV_EXACT", "1")])]
+}
+
 /// Bytes of distinct weights each shape cycles through, more than the
 /// H200's 50 MB L2, so that a product's weights come from DRAM as a
 /// step's do (ncu flushes the caches itself; the wall times need this).
 const CYCLE_BYTES: usize = 96 << 20;
 
+/// One shape's operands: the row and the weights it cycles through.
+enum Weights {
+    Dense(Vec<Array>),
+    Quant(Vec<mlx_lfm::model::linear::Quantized>),
+}
+
 pub fn run(reps: usize) -> mlx_lfm::Result<()> {
+    use mlx_lfm::mlx::{QuantMode, QuantSpec};
     let bf = Dtype::Bfloat16;
     let cuda = cuda_kernels_enabled();
-    let arms: Vec<_> = arms().into_iter().filter(|(name, _)| cuda || *name == "mlx").collect();
+    let keep = |arms: Vec<(&'static str, Vec<(&'static str, &'static str)>)>| -> Vec<_> {
+        arms.into_iter().filter(|(name, _)| cuda || name.starts_with("mlx")).collect()
+    };
+    let (dense_arms, quant_arms) = (keep(arms()), keep(quant_arms()));
+    let spec = QuantSpec { mode: QuantMode::Affine, bits: 4, group_size: 64 };
     let mut plan = vec![];
     let mut sets = vec![];
-    for (n, k) in SHAPES {
-        let bytes = n as usize * k as usize * 2;
+    let shapes = SHAPES.iter().map(|s| (*s, false)).chain(QUANT_SHAPES.iter().map(|s| (*s, true)));
+    for ((n, k), quant) in shapes {
+        let bytes = if quant { n as usize * k as usize / 2 } else { n as usize * k as usize * 2 };
         let copies = CYCLE_BYTES.div_ceil(bytes).clamp(1, 16);
         let x = normal(&[1, k], bf, 0.0, 1.0, None)?;
-        let ws = (0..copies)
+        let dense = (0..copies)
             .map(|_| normal(&[n, k], bf, 0.0, 1.0 / (k as f32).sqrt(), None))
             .collect::<mlx_lfm::Result<Vec<Array>>>()?;
-        let mut held: Vec<&Array> = ws.iter().collect();
-        held.push(&x);
-        mlx::eval(&held)?;
-        for (name, _) in &arms {
+        let weights = if quant {
+            let q = dense
+                .iter()
+                .map(|w| {
+                    let (weight, scales, biases) = mlx::quantize(w, spec)?;
+                    Ok(mlx_lfm::model::linear::Quantized { weight, scales, biases, spec })
+                })
+                .collect::<mlx_lfm::Result<Vec<_>>>()?;
+            let mut held: Vec<&Array> = q.iter().flat_map(|q| [&q.weight, &q.scales]).collect();
+            held.extend(q.iter().filter_map(|q| q.biases.as_ref()));
+            held.push(&x);
+            mlx::eval(&held)?;
+            Weights::Quant(q)
+        } else {
+            let mut held: Vec<&Array> = dense.iter().collect();
+            held.push(&x);
+            mlx::eval(&held)?;
+            Weights::Dense(dense)
+        };
+        let arms = if quant { &quant_arms } else { &dense_arms };
+        for (name, _) in arms {
             plan.push(serde_json::json!({"arm": name, "n": n, "k": k, "launches": copies * reps}));
         }
-        sets.push((n, k, x, ws));
+        sets.push((n, k, x, weights, arms.clone()));
     }
     println!("{}", serde_json::json!({"kernel_bench_plan": plan}));
-    for (n, k, x, ws) in &sets {
-        for (name, switches) in &arms {
+    for (n, k, x, weights, arms) in &sets {
+        for (name, switches) in arms {
             let overrides: mlx_lfm::knobs::Overrides = switches.iter().map(|(k, v)| (k.to_string(), Some(v.to_string()))).collect();
             let mut walls = vec![];
             mlx_lfm::knobs::with_overrides(&overrides, || -> mlx_lfm::Result<()> {
+                let unserved = || mlx_lfm::Error::invalid(format!("{name}: our kernel does not serve {n}x{k}"));
                 for _ in 0..reps {
-                    for w in ws {
+                    let products: Vec<Box<dyn Fn() -> mlx_lfm::Result<Array>>> = match weights {
+                        Weights::Dense(ws) => ws
+                            .iter()
+                            .map(|w| -> Box<dyn Fn() -> mlx_lfm::Result<Array>> {
+                                if name.starts_with("mlx") {
+                                    Box::new(move || x.matmul(&w.transpose(&[1, 0])?))
+                                } else {
+                                    Box::new(move || {
+                                        if !mlx_lfm::kernels::gemv::available(x, w) {
+                                            return Err(unserved());
+                                        }
+                                        mlx_lfm::kernels::gemv::gemv(x, w)
+                                    })
+                                }
+                            })
+                            .collect(),
+                        Weights::Quant(qs) => qs
+                            .iter()
+                            .map(|q| -> Box<dyn Fn() -> mlx_lfm::Result<Array>> {
+                                if name.starts_with("mlx") {
+                                    Box::new(move || mlx::quantized_matmul(x, &q.weight, &q.scales, q.biases.as_ref(), true, q.spec))
+                                } else {
+                                    Box::new(move || {
+                                        if !mlx_lfm::kernels::quant_gemv::available(x, q) {
+                                            return Err(unserved());
+                                        }
+                                        mlx_lfm::kernels::quant_gemv::qgemv(x, q)
+                                    })
+                                }
+                            })
+                            .collect(),
+                    };
+                    for product in &products {
                         let t = Instant::now();
-                        let y = if *name == "mlx" {
-                            x.matmul(&w.transpose(&[1, 0])?)?
-                        } else {
-                            if !mlx_lfm::kernels::gemv::available(x, w) {
-                                return Err(mlx_lfm::Error::invalid(format!("{name}: the GEMV kernel does not serve {n}x{k}")));
-                            }
-                            mlx_lfm::kernels::gemv::gemv(x, w)?
-                        };
+                        let y = product()?;
                         mlx::eval(&[&y])?;
                         walls.push(t.elapsed().as_secs_f64() * 1e6);
                     }
