@@ -117,9 +117,11 @@ the down kernel's columns and the 8-wide split); `checkpoints`; a GPU-time `ab`
 on the host, so an in-process A/B cannot see the GPU's share);
 `H200_MODELS=lfm2-8b-a1b-q4 profile-prefill` (where its P=512 prefill's
 time goes since the grouped GEMM: session 2's profile is the last, ~60 s);
-`kernel-bench` (each dense GEMV alone under ncu, MLX's against each walk of
-ours on the 1.2B's shapes: why ours reads 2,048-wide rows more slowly, the
-1.2B's way to 1.2x; no checkpoint, about a minute);
+`kernel-bench` (each GEMV alone under ncu: MLX's against each walk of
+ours on the 1.2B's bf16 shapes, why ours reads 2,048-wide rows more slowly,
+the 1.2B's way to 1.2x; MLX's qmv against our two quantized GEMVs on the
+8B-A1B's 4-bit shapes; no checkpoint; ~1,200 launches, each replayed by ncu:
+an estimate of a minute or two, not yet run);
 `round 1`, `round 2` with the 350M too if time allows (its last round was
 session 21).
 Session 23's plan, for the record: `stage`; `install verdicts-from ...,session23 kernels` with
