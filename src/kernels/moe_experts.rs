@@ -100,9 +100,15 @@ const DOWN_SOURCE: &str = r#"
 
 /// The down kernel with C output columns a warp (`MLX_LFM_MOE_DOWN_COLS=2`
 /// or `4`, an A/B's knob): a warp walks C rows of its expert at once, each
-/// summed as one row alone (the same chunks, the same expression: the same
-/// bits as a warp a column), so that a lane's h chunk is read and widened
-/// once for C rows and C rows' loads are in flight together. Session 22's
+/// summed as one row alone (the same chunks in the same order, the same
+/// expression), so that a lane's h chunk is read and widened once for C
+/// rows and C rows' loads are in flight together. Not the same bits as a
+/// warp a column: NVVM contracts `s * qx + b * xs` into an FMA with either
+/// product depending on the instance (session 24's PTX of K = 256 g128: the
+/// one-column kernel rounds `s * qx` and fuses `b * xs`, this one the other
+/// way; 1 value of 8,192 apart on the H200), so its test holds it within a
+/// rounding of the one-column kernel, and it is a helper of its own rather
+/// than `lfm_qdot_a`'s (whose instances the default kernels compile). Session 22's
 /// ncu put the one-column kernel at 23 us a launch at 0.36 TB/s against
 /// 13 us at 1.28 TB/s for the gate/up kernel, which walks two rows a warp
 /// over one x; the 8B-A1B's 1,024 blocks of 8 one-row warps ran in 1.3
