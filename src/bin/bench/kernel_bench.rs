@@ -57,6 +57,31 @@ enum Weights {
     Quant(Vec<mlx_lfm::model::linear::Quantized>),
 }
 
+impl Weights {
+    fn len(&self) -> usize {
+        match self {
+            Weights::Dense(ws) => ws.len(),
+            Weights::Quant(qs) => qs.len(),
+        }
+    }
+
+    /// `x` times weight `i`: MLX's product (`stock`), else our kernel under
+    /// the caller's switches (an error where it does not serve them).
+    fn product(&self, i: usize, x: &Array, stock: bool) -> mlx_lfm::Result<Array> {
+        let unserved = || mlx_lfm::Error::invalid(format!("our kernel does not serve {:?} @ {i}", x.shape()));
+        match self {
+            Weights::Dense(ws) if stock => x.matmul(&ws[i].transpose(&[1, 0])?),
+            Weights::Dense(ws) if mlx_lfm::kernels::gemv::available(x, &ws[i]) => mlx_lfm::kernels::gemv::gemv(x, &ws[i]),
+            Weights::Quant(qs) if stock => {
+                let q = &qs[i];
+                mlx::quantized_matmul(x, &q.weight, &q.scales, q.biases.as_ref(), true, q.spec)
+            }
+            Weights::Quant(qs) if mlx_lfm::kernels::quant_gemv::available(x, &qs[i]) => mlx_lfm::kernels::quant_gemv::qgemv(x, &qs[i]),
+            _ => Err(unserved()),
+        }
+    }
+}
+
 pub fn run(reps: usize) -> mlx_lfm::Result<()> {
     use mlx_lfm::mlx::{QuantMode, QuantSpec};
     let bf = Dtype::Bfloat16;
@@ -107,43 +132,10 @@ pub fn run(reps: usize) -> mlx_lfm::Result<()> {
             let overrides: mlx_lfm::knobs::Overrides = switches.iter().map(|(k, v)| (k.to_string(), Some(v.to_string()))).collect();
             let mut walls = vec![];
             mlx_lfm::knobs::with_overrides(&overrides, || -> mlx_lfm::Result<()> {
-                let unserved = || mlx_lfm::Error::invalid(format!("{name}: our kernel does not serve {n}x{k}"));
                 for _ in 0..reps {
-                    let products: Vec<Box<dyn Fn() -> mlx_lfm::Result<Array>>> = match weights {
-                        Weights::Dense(ws) => ws
-                            .iter()
-                            .map(|w| -> Box<dyn Fn() -> mlx_lfm::Result<Array>> {
-                                if name.starts_with("mlx") {
-                                    Box::new(move || x.matmul(&w.transpose(&[1, 0])?))
-                                } else {
-                                    Box::new(move || {
-                                        if !mlx_lfm::kernels::gemv::available(x, w) {
-                                            return Err(unserved());
-                                        }
-                                        mlx_lfm::kernels::gemv::gemv(x, w)
-                                    })
-                                }
-                            })
-                            .collect(),
-                        Weights::Quant(qs) => qs
-                            .iter()
-                            .map(|q| -> Box<dyn Fn() -> mlx_lfm::Result<Array>> {
-                                if name.starts_with("mlx") {
-                                    Box::new(move || mlx::quantized_matmul(x, &q.weight, &q.scales, q.biases.as_ref(), true, q.spec))
-                                } else {
-                                    Box::new(move || {
-                                        if !mlx_lfm::kernels::quant_gemv::available(x, q) {
-                                            return Err(unserved());
-                                        }
-                                        mlx_lfm::kernels::quant_gemv::qgemv(x, q)
-                                    })
-                                }
-                            })
-                            .collect(),
-                    };
-                    for product in &products {
+                    for i in 0..weights.len() {
                         let t = Instant::now();
-                        let y = product()?;
+                        let y = weights.product(i, x, name.starts_with("mlx")).map_err(|e| mlx_lfm::Error::invalid(format!("{name} {n}x{k}: {e}")))?;
                         mlx::eval(&[&y])?;
                         walls.push(t.elapsed().as_secs_f64() * 1e6);
                     }
