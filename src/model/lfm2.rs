@@ -260,21 +260,24 @@ impl ShortConv {
             (Weight::Dense(w), None) if short_conv::gemv_enabled() && same(x.w) && x.r.is_none_or(same) => Some(w),
             _ => None,
         };
-        if let Some(w) = fused {
-            let prev = self.prev_state(x.h, layer, cache)?;
-            if short_conv::gemv_available(x.h, w, &prev, &self.conv_weight_dl, self.conv_bias.is_some()) {
+        // (The state is asked of the cache once: before in_proj where the
+        // fold may take it, after it otherwise.)
+        let early = fused.map(|_| self.prev_state(x.h, layer, cache)).transpose()?;
+        if let (Some(w), Some(prev)) = (fused, &early) {
+            if short_conv::gemv_available(x.h, w, prev, &self.conv_weight_dl, self.conv_bias.is_some()) {
                 // Decode on CUDA with the fused in_proj: the product and the
                 // step in one launch, from the normed row.
                 let (s, y) = x.compute()?;
-                let (next, out) = short_conv::conv_gemv_step(&y, w, &prev, &self.conv_weight_dl)?;
-                cache.conv_step_update(layer, &prev, &next)?;
+                let (next, out) = short_conv::conv_gemv_step(&y, w, prev, &self.conv_weight_dl)?;
+                cache.conv_step_update(layer, prev, &next)?;
                 return Ok((s, reduce(&self.shard, self.out_proj.forward(&out)?)?));
             }
-            let (s, bcx) = self.in_proj.forward_normed(x)?;
-            return Ok((s, self.conv(&bcx, &prev, layer, cache)?));
         }
         let (s, bcx) = self.in_proj.forward_normed(x)?;
-        let prev = self.prev_state(&bcx, layer, cache)?;
+        let prev = match early {
+            Some(prev) => prev,
+            None => self.prev_state(&bcx, layer, cache)?,
+        };
         Ok((s, self.conv(&bcx, &prev, layer, cache)?))
     }
 
