@@ -12,6 +12,7 @@
 #include <exception>
 #include <map>
 #include <optional>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <unordered_set>
@@ -185,7 +186,12 @@ int mlxb_async_eval(const mlxb_array* arrs, size_t n) { MLXB_TRY({ mx::async_eva
 int mlxb_graph_ops(const mlxb_array* arrs, size_t n, char* buf, size_t len, size_t* needed) {
   MLXB_TRY({
     // Iterative DFS (a step's graph is thousands of nodes deep in places).
-    std::unordered_set<std::uintptr_t> seen_arrays, seen_prims;
+    // A node is its primitive applied to its inputs: the outputs of one
+    // node share both (counted once), while each call of a compiled
+    // function in a graph replays the traced primitive over other inputs
+    // (each its own node, though the primitive is shared).
+    std::unordered_set<std::uintptr_t> seen_arrays;
+    std::set<std::vector<std::uintptr_t>> seen_nodes;
     std::map<std::string, size_t> counts;
     std::vector<mx::array> stack = vec_of(arrs, n);
     while (!stack.empty()) {
@@ -193,7 +199,9 @@ int mlxb_graph_ops(const mlxb_array* arrs, size_t n, char* buf, size_t len, size
       stack.pop_back();
       if (!seen_arrays.insert(a.id()).second) continue;
       if (!a.has_primitive() || a.status() != mx::array::Status::unscheduled) continue;
-      if (seen_prims.insert(a.primitive_id()).second) {
+      std::vector<std::uintptr_t> node{a.primitive_id()};
+      for (const auto& in : a.inputs()) node.push_back(in.id());
+      if (seen_nodes.insert(std::move(node)).second) {
         counts[a.primitive().name()]++;
         // MLXB_GRAPH_DUMP=1: each node on stderr (primitive, output shape,
         // inputs' shapes and producers), to find where a step's views and
