@@ -15,6 +15,7 @@ use crate::cache::{
 };
 use parking_lot::Mutex;
 use std::sync::Arc;
+use super::activations::swiglu;
 use super::config::ModelConfig;
 use super::linear::{reduce, Embedding, Linear, Normed, Projections, Shard, Split, Weight};
 use super::lfm2_moe::SparseMoe;
@@ -362,7 +363,7 @@ impl Mlp {
             return reduce(&self.shard, self.w2.forward(&h)?);
         }
         let gu = self.w13.forward(x)?;
-        reduce(&self.shard, self.w2.forward(&gu[0].silu()?.mul(&gu[1])?)?)
+        reduce(&self.shard, self.w2.forward(&swiglu(&gu[0], &gu[1])?)?)
     }
 
     /// On the pending norm `x`: `(its residual sum, the output)`, the add,

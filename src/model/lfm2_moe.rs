@@ -12,6 +12,7 @@
 //! in the model's own dtype. Nothing is converted at load, so memory stays
 //! that of the checkpoint.
 
+use super::activations::swiglu;
 use super::config::ModelConfig;
 use super::linear::{fuse_projections, load_weight, reduce, split_weight, split_widths, Linear, Shard, Split, Weight};
 use super::quant::QuantRegistry;
@@ -323,7 +324,7 @@ impl SparseMoe {
 
     fn swiglu_gathered(&self, x: &Array, idx: &Array, sorted: bool) -> Result<Array> {
         let (g, u) = self.gate_up.apply(|w| gathered(w, x, idx, sorted))?;
-        gathered(&self.down_proj, &g.silu()?.mul(&u)?, idx, sorted)
+        gathered(&self.down_proj, &swiglu(&g, &u)?, idx, sorted)
     }
 
     /// Few rows on CPU with non-f32 experts: take the selected experts and
@@ -344,7 +345,7 @@ impl SparseMoe {
             }
         };
         let (g, u) = self.gate_up.apply(|w| xs.matmul(&sel(w)?.t()?))?;
-        let y = g.silu()?.mul(&u)?.matmul(&sel(&self.down_proj)?.t()?)?;
+        let y = swiglu(&g, &u)?.matmul(&sel(&self.down_proj)?.t()?)?;
         y.astype(x.dtype())?.reshape(&[b, t, k, d])
     }
 
@@ -372,7 +373,7 @@ impl SparseMoe {
             }
             let seg = xs.slice_axis(0, start as i32, end as i32)?;
             let (g, u) = self.gate_up.apply(|w| expert_apply(w, e, &seg))?;
-            outs.push(expert_apply(&self.down_proj, e, &g.silu()?.mul(&u)?)?);
+            outs.push(expert_apply(&self.down_proj, e, &swiglu(&g, &u)?)?);
             start = end;
         }
         let refs: Vec<&Array> = outs.iter().collect();
@@ -403,7 +404,7 @@ impl SparseMoe {
         let mut p = split_widths(&moe_gemm::grouped_gemm(&xs, &offsets, gu)?, &[*ff, *ff])?;
         let u = p.pop().expect("two widths");
         let g = p.pop().expect("two widths");
-        let y = moe_gemm::grouped_gemm(&g.silu()?.mul(&u)?, &offsets, down)?;
+        let y = moe_gemm::grouped_gemm(&swiglu(&g, &u)?, &offsets, down)?;
         Ok(Some(y.take(&inv, 0)?.reshape(&[b, t, k, d])?))
     }
 

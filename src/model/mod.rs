@@ -3,6 +3,7 @@
 //! caches are in src/cache, its compiled step in src/compiled. No Node
 //! types here.
 
+pub mod activations;
 pub mod config;
 pub mod lfm2;
 pub mod lfm2_moe;
