@@ -64,9 +64,48 @@ pub struct ConvShape {
 }
 
 impl ConvShape {
+    /// Zeros of this shape, made and evaluated once and then kept (the
+    /// last few shapes, per thread): a fresh prompt's pass reads them in
+    /// every conv layer, where making them anew put two nodes a layer into
+    /// its graph (a broadcast and a fill launch). Nothing writes them in
+    /// place: MLX donates only buffers nothing else holds.
     pub fn zeros(&self) -> Result<Array> {
-        zeros(&[self.batch, self.keep, self.dim], self.dtype)
+        let key = (self.batch, self.keep, self.dim, self.dtype);
+        if let Some(z) = KEPT_ZEROS.with(|k| k.borrow().0.iter().find(|(at, _)| *at == key).map(|(_, z)| z.clone())) {
+            return Ok(z);
+        }
+        let z = zeros(&[self.batch, self.keep, self.dim], self.dtype)?;
+        z.eval()?;
+        KEPT_ZEROS.with(|k| {
+            let mut k = k.borrow_mut();
+            if k.0.len() >= KEPT_SHAPES {
+                k.0.remove(0);
+            }
+            k.0.push((key, z.clone()));
+        });
+        Ok(z)
     }
+}
+
+/// Conv-state shapes whose zeros a thread keeps (a batch size each, in
+/// practice).
+const KEPT_SHAPES: usize = 16;
+
+struct KeptZeros(Vec<((i32, i32, i32, Dtype), Array)>);
+
+impl Drop for KeptZeros {
+    // At a thread's exit (the process's too) MLX's own statics may be gone
+    // already: the few kept arrays are left to the process rather than
+    // released into them.
+    fn drop(&mut self) {
+        for (_, a) in self.0.drain(..) {
+            std::mem::forget(a);
+        }
+    }
+}
+
+thread_local! {
+    static KEPT_ZEROS: std::cell::RefCell<KeptZeros> = const { std::cell::RefCell::new(KeptZeros(Vec::new())) };
 }
 
 /// The cache one forward pass writes through. `layer` is the decoder

@@ -142,3 +142,27 @@ fn a_conv_state_handed_over_leaves_every_cache_as_the_padded_input_does() {
     assert!(e.contains("[1, 2, 6]") && e.contains("[1, 1, 6]"), "{e}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// The zeros a fresh conv state reads are made once per shape and kept:
+/// evaluated (no node in a pass's graph), still zero after ops that could
+/// have taken an unshared buffer over, one array per shape and dtype.
+#[test]
+fn kept_conv_zeros_stay_zero_and_add_no_nodes() {
+    use crate::mlx::{full, graph_ops};
+    let shape = ConvShape { batch: 2, keep: 3, dim: 8, dtype: Dtype::Float32 };
+    let z = shape.zeros().unwrap();
+    assert!(graph_ops(&[&z]).unwrap().is_empty(), "{:?}", graph_ops(&[&z]).unwrap());
+    let y = z.add(&full(&[2, 3, 8], 1.0, Dtype::Float32).unwrap()).unwrap();
+    let cat = concatenate(&[&z, &y], 1).unwrap();
+    drop(z);
+    drop(y);
+    cat.eval().unwrap();
+    let again = shape.zeros().unwrap();
+    assert_eq!(again.shape(), vec![2, 3, 8]);
+    assert!(values(&again).iter().all(|&v| v == 0.0));
+    let bf = ConvShape { dtype: Dtype::Bfloat16, ..shape }.zeros().unwrap();
+    assert_eq!(bf.dtype(), Dtype::Bfloat16);
+    let wider = ConvShape { dim: 16, ..shape }.zeros().unwrap();
+    assert_eq!(wider.shape(), vec![2, 3, 16]);
+    assert!(values(&wider).iter().all(|&v| v == 0.0));
+}
