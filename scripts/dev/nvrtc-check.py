@@ -132,6 +132,12 @@ KERNELS = {
         [("next", "T"), ("y", "T")],
         lambda dt: [("K", 2048), ("D", 2048), ("KEEP", 2)],
     ),
+    # A prompt's pass of the conv (MLX_LFM_CONV_PREFILL_KERNEL).
+    "short_conv.rs#prefill": (
+        [("bcx", "T"), ("state", "T"), ("w", "T")],
+        [("padded", "T"), ("y", "T")],
+        lambda dt: [("D", 2048), ("KEEP", 2)],
+    ),
     "moe_router.rs": (
         [("probs", "T"), ("bias", "float"), ("scale", "float")],
         [("inds", "uint32_t"), ("scores", "T")],

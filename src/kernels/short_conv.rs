@@ -218,3 +218,136 @@ pub fn conv_gemv_step(x: &Array, w: &Array, state: &Array, cw: &Array) -> Result
     let next = outs.pop().ok_or_else(|| Error::mlx("in_proj + short-conv kernel: missing output"))?;
     Ok((next, y))
 }
+
+/// A prompt's pass of the short conv in one kernel
+/// (`MLX_LFM_CONV_PREFILL_KERNEL=1`, opt-in until its H200 test and A/B):
+/// from in_proj's output `[B, T, 3D]` and the state before the prompt, the
+/// padded window `[state; B * x]` (what the caches keep their state and
+/// block-end snapshots from) and `y = C * conv` for every position. The
+/// stock ops spend a strided multiply, a concatenate, MLX's grouped conv
+/// and a second strided multiply per conv layer: in the H200's profile of
+/// the 1.2B's 512-token prefill the conv alone was 29 µs a layer
+/// (`conv2d_grouped_direct_kernel`, ~2 MB read) and the multiplies on the
+/// split views more.
+///
+/// One thread per (row, position, channel), each position's window summed
+/// as the decode step above sums its one: the same float32 products in the
+/// same order, so a prompt's conv equals the step kernel's run token by
+/// token (`conv_prefill_kernel_matches_stock_ops`), and MLX's conv within a
+/// rounding, as the step is. `bx` of a window's other positions is
+/// recomputed from in_proj's output (two loads, from L1/L2) rather than
+/// shared through memory: one pass, no synchronisation. The batch and the
+/// prompt length are read from the shape at run time (a template constant
+/// would compile a kernel per prompt length).
+const PREFILL_SOURCE: &str = r#"
+  const size_t steps = static_cast<size_t>(bcx_shape[1]);
+  const size_t n = static_cast<size_t>(bcx_shape[0]) * steps * D;
+  const size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const size_t bt = i / D;
+  const int d = static_cast<int>(i - bt * D);
+  const size_t b = bt / steps;
+  const size_t t = bt - b * steps;
+  const T* rows = bcx + b * steps * 3 * D;
+  const T* st = state + b * KEEP * D;
+  T* pad = padded + b * (KEEP + steps) * D;
+  const T* wd = w + static_cast<size_t>(d) * (KEEP + 1);
+  if (t == 0) {
+    for (int j = 0; j < KEEP; j++) pad[j * D + d] = st[j * D + d];
+  }
+  float acc = 0.0f;
+  T bx = T(0.0f);
+  for (int j = 0; j <= KEEP; j++) {
+    const size_t p = t + j;
+    T v;
+    if (p < KEEP) {
+      v = st[p * D + d];
+    } else {
+      const T* r = rows + (p - KEEP) * 3 * D;
+      v = T(static_cast<float>(r[d]) * static_cast<float>(r[2 * D + d]));
+    }
+    acc += static_cast<float>(wd[j]) * static_cast<float>(v);
+    bx = v;
+  }
+  pad[(KEEP + t) * D + d] = bx;
+  y[bt * D + d] = T(static_cast<float>(rows[t * 3 * D + D + d]) * static_cast<float>(T(acc)));
+"#;
+
+fn prefill_kernel() -> Option<&'static CudaKernel> {
+    static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
+    K.get_or_init(|| CudaKernel::new("lfm_short_conv_prefill", &["bcx", "state", "w"], &["padded", "y"], PREFILL_SOURCE, "").ok())
+        .as_ref()
+}
+
+const PREFILL_THREADS: i32 = 256;
+
+/// Whether [`conv_prefill`] serves a pass of several positions: on CUDA
+/// with `MLX_LFM_CONV_PREFILL_KERNEL=1` (or a test's opt-in), in_proj's
+/// output `[B, T, 3D]` with T > 1 (one position is the step's), the state
+/// `[B, L-1, D]` and the conv weights `[D, L]` in its dtype, no conv bias,
+/// and a launch of at most 2^31 threads.
+pub fn prefill_available(bcx: &Array, state: &Array, w: &Array, has_bias: bool) -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    if !super::opt_in("MLX_LFM_CONV_PREFILL_KERNEL", &ON) || !cuda_kernels_enabled() || has_bias {
+        return false;
+    }
+    let dt = bcx.dtype();
+    if !dt.is_float() || dt == Dtype::Float64 || bcx.ndim() != 3 || state.ndim() != 3 || w.ndim() != 2 {
+        return false;
+    }
+    let (b, t, d, l) = (bcx.dim(0), bcx.dim(1), w.dim(0), w.dim(1));
+    b > 0
+        && t > 1
+        && d > 0
+        && l >= 2
+        && bcx.dim(2) == 3 * d
+        && state.shape() == [b, l - 1, d]
+        && state.dtype() == dt
+        && w.dtype() == dt
+        && prefill_threads(b, t, d).is_some()
+        && prefill_kernel().is_some()
+}
+
+/// Threads of a launch over `b * t * d` outputs, rounded up to whole blocks.
+fn prefill_threads(b: i32, t: i32, d: i32) -> Option<i32> {
+    let n = b.checked_mul(t)?.checked_mul(d)?;
+    n.checked_add(PREFILL_THREADS - 1).map(|m| m / PREFILL_THREADS * PREFILL_THREADS)
+}
+
+/// `(the padded window [B, L-1+T, D], y [B, T, D])` for in_proj's output
+/// `bcx` (`[B, T, 3D]`: B, C and x), the state before the pass and the
+/// depthwise weights `w` (`[D, L]`).
+pub fn conv_prefill(bcx: &Array, state: &Array, w: &Array) -> Result<(Array, Array)> {
+    let kern = prefill_kernel().ok_or_else(|| Error::mlx("the short-conv prefill kernel is not available"))?;
+    if bcx.ndim() != 3 || w.ndim() != 2 {
+        return Err(Error::invalid(format!(
+            "short-conv prefill kernel: in_proj's output is {:?} and the conv weights {:?}, expected [B, T, 3D] and [D, L]",
+            bcx.shape(),
+            w.shape()
+        )));
+    }
+    let (b, t, d, l) = (bcx.dim(0), bcx.dim(1), w.dim(0), w.dim(1));
+    let dt = bcx.dtype();
+    if bcx.dim(2) != 3 * d || state.shape() != [b, l - 1, d] || state.dtype() != dt || w.dtype() != dt {
+        return Err(Error::invalid(format!(
+            "short-conv prefill kernel: in_proj's output {:?} {dt:?}, the state {:?} {:?}, the conv weights {:?} {:?} do not fit",
+            bcx.shape(),
+            state.shape(),
+            state.dtype(),
+            w.shape(),
+            w.dtype()
+        )));
+    }
+    let threads = prefill_threads(b, t, d)
+        .ok_or_else(|| Error::invalid(format!("short-conv prefill kernel: {b} x {t} x {d} outputs exceed one launch")))?;
+    let mut outs = kern.call(
+        &[bcx, state, w],
+        &[(&[b, l - 1 + t, d], dt), (&[b, t, d], dt)],
+        [threads, 1, 1],
+        [PREFILL_THREADS, 1, 1],
+        &[("D", TemplateArg::Int(d)), ("KEEP", TemplateArg::Int(l - 1)), ("T", TemplateArg::Dtype(dt))],
+    )?;
+    let y = outs.pop().ok_or_else(|| Error::mlx("short-conv prefill kernel: missing output"))?;
+    let padded = outs.pop().ok_or_else(|| Error::mlx("short-conv prefill kernel: missing output"))?;
+    Ok((padded, y))
+}

@@ -442,6 +442,8 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 if wide && !q4 {
                     alone.push("MLX_LFM_CONV_GEMV_KERNEL");
                 }
+                // A prompt's conv in one kernel: the 37-token prompt's pass.
+                alone.push("MLX_LFM_CONV_PREFILL_KERNEL");
                 for var in alone {
                     runs.push((var, crate::kernels::with_opt_in_one(var, || run(Some(&stock))).0));
                 }
@@ -702,6 +704,78 @@ fn short_conv_kernel_matches_stock_ops() {
             assert_eq!(f(&kn), f(&next), "{dt:?} [{b}, {d}, {l}]: the state after the token differs");
             let worst = worst_relative(&ky, &sy);
             assert!(worst <= tol, "{dt:?} [{b}, {d}, {l}]: C * conv differs by {worst} (relative), over {tol}");
+        }
+    }
+}
+
+/// A prompt's pass of the short conv in one kernel
+/// (`MLX_LFM_CONV_PREFILL_KERNEL`, opt-in) against the stock ops it
+/// replaces and against the step kernel run token by token: the padded
+/// window (what the caches keep state and snapshots from) bit for bit,
+/// `C * conv` within the step's rounding of MLX's conv and equal to the
+/// step's outputs to the bit; prompts longer and shorter than the window,
+/// 512 positions at the 1.2B's width, several rows, a state after a prefix
+/// and a fresh one, a width that is no multiple of a block, kernel sizes 3
+/// and 4.
+#[test]
+fn conv_prefill_kernel_matches_stock_ops() {
+    if skip("conv_prefill_kernel_matches_stock_ops") {
+        return;
+    }
+    use crate::kernels::short_conv::{conv_prefill, conv_step, prefill_available};
+    use crate::mlx::random::normal;
+    use crate::mlx::{concatenate, conv1d, zeros, Array};
+    let f = |a: &Array| -> Vec<f32> { a.astype(Dtype::Float32).unwrap().to_vec().unwrap() };
+    let cases = [(1, 512, 2048, 3, false), (2, 37, 1024, 3, true), (3, 5, 96, 4, false), (1, 2, 100, 4, true)];
+    for (di, (dt, tol)) in [(Dtype::Bfloat16, 1.6e-2f32), (Dtype::Float16, 2e-3), (Dtype::Float32, 4e-3)].into_iter().enumerate() {
+        for (ci, &(b, t, d, l, fresh)) in cases.iter().enumerate() {
+            if !thin(di, ci, cases.len()) {
+                continue;
+            }
+            let what = format!("{dt:?} [{b}, {t}, {d}] L {l}{}", if fresh { ", fresh state" } else { "" });
+            let bcx = normal(&[b, t, 3 * d], Dtype::Float32, 0.0, 1.5, None).unwrap().astype(dt).unwrap();
+            let state = match fresh {
+                true => zeros(&[b, l - 1, d], dt).unwrap(),
+                false => normal(&[b, l - 1, d], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap(),
+            };
+            let w = normal(&[d, l], Dtype::Float32, 0.0, 0.5, None).unwrap().astype(dt).unwrap();
+            if std::env::var_os("MLX_LFM_CONV_PREFILL_KERNEL").is_none() {
+                assert!(!prefill_available(&bcx, &state, &w, false), "{what}: opt-in");
+            }
+            crate::kernels::with_opt_in_one("MLX_LFM_CONV_PREFILL_KERNEL", || {
+                assert!(prefill_available(&bcx, &state, &w, false), "{what}");
+                assert!(!prefill_available(&bcx, &state, &w, true), "{what}: a conv bias keeps the stock ops");
+                let one = bcx.slice_axis(1, 0, 1).unwrap();
+                assert!(!prefill_available(&one, &state, &w, false), "{what}: one position is the step's");
+                let other = if dt == Dtype::Float32 { Dtype::Bfloat16 } else { Dtype::Float32 };
+                let state_other = state.astype(other).unwrap();
+                assert!(!prefill_available(&bcx, &state_other, &w, false), "{what}: a state in another dtype");
+                assert!(conv_prefill(&bcx, &state_other, &w).is_err(), "{what}: a state in another dtype is refused");
+                let (padded, y) = conv_prefill(&bcx, &state, &w).unwrap();
+                let parts = bcx.split_equal(3, -1).unwrap();
+                let bx = parts[0].mul(&parts[2]).unwrap();
+                let sp = concatenate(&[&state, &bx], 1).unwrap();
+                let conv = conv1d(&sp, &w.reshape(&[d, l, 1]).unwrap(), 1, 0, 1, d).unwrap();
+                let sy = parts[1].mul(&conv).unwrap();
+                assert_eq!(padded.shape(), sp.shape(), "{what}");
+                assert_eq!(y.shape(), sy.shape(), "{what}");
+                assert_eq!(f(&padded), f(&sp), "{what}: the padded window differs");
+                let worst = worst_relative(&y, &sy);
+                assert!(worst <= tol, "{what}: C * conv differs by {worst} (relative), over {tol}");
+                // The step kernel over the same positions one at a time.
+                let mut st = state.clone();
+                let mut ys = Vec::new();
+                for i in 0..t {
+                    let (next, yi) = conv_step(&bcx.slice_axis(1, i, i + 1).unwrap(), &st, &w).unwrap();
+                    ys.push(yi);
+                    st = next;
+                }
+                let refs: Vec<&Array> = ys.iter().collect();
+                let stepped = concatenate(&refs, 1).unwrap();
+                assert_eq!(differing(&y, &stepped), 0, "{what}: the pass differs from the step run token by token");
+                let last = padded.slice_axis(1, t, t + l - 1).unwrap();
+                assert_eq!(differing(&last, &st), 0, "{what}: the window's last rows differ from the step's state");
+            });
         }
     }
 }

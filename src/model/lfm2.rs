@@ -296,6 +296,14 @@ impl ShortConv {
             cache.conv_step_update(layer, prev, &next)?;
             return reduce(&self.shard, self.out_proj.forward(&y)?);
         }
+        if crate::kernels::short_conv::prefill_available(bcx, prev, &self.conv_weight_dl, self.conv_bias.is_some()) {
+            // A prompt on CUDA (opt-in): the gates, the window and the conv
+            // over every position in one launch; the caches keep their
+            // state from the window as from the stock path's.
+            let (padded, y) = crate::kernels::short_conv::conv_prefill(bcx, prev, &self.conv_weight_dl)?;
+            cache.conv_update(layer, &padded, self.kernel - 1)?;
+            return reduce(&self.shard, self.out_proj.forward(&y)?);
+        }
         self.conv_stock(bcx, prev, layer, cache)
     }
 
