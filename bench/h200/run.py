@@ -105,25 +105,38 @@ eleven variants over the two models 281 s (checkpoints ~175, the A/B ~105);
 eight kernel names (qmv_kernel among them: 53 launches a step, each
 replayed per section) ran past 440 s with no record: name two or three
 kernels, or give it a call of its own.
+Session 25 was lent no machine (new loans paused): it wrote, for the
+next, the prompt's short conv as one kernel (`conv-prefill`, opt-in, its
+test `conv_prefill_kernel_matches_stock_ops` and a greedy set), made the
+feed-forward's gate one MLX compiled kernel in a prompt's pass (a default
+everywhere, `fused-swiglu-off` measures it; its test
+`fused_gate_equals_the_ops` holds it to the ops' bits, on the CPU so far)
+and asks `norm-kernel-all-rows` of every model's prefill again.
 Next: `stage`; `install verdicts-from ...,session24 kernels` with
 H200_KERNEL_TESTS=quant_gemv_kernel_matches_stock_ops,
 moe_experts_kernels_match_stock_ops,conv_gemv_kernel_matches_stock_ops,
-decode_attention_kernel_matches_stock_ops,
+decode_attention_kernel_matches_stock_ops,short_conv_kernel_matches_stock_ops,
+conv_prefill_kernel_matches_stock_ops,fused_gate_equals_the_ops,
 greedy_tokens_with_kernels_equal_stock_ops (the two tests mended after
-session 24's run, the cases its review added: 3 and 8 experts a row, 100
-channels and a [1, 1, K] row, head size 32; the greedy test's wide sets of
-the down kernel's columns and the 8-wide split); `checkpoints`; a GPU-time `ab`
-(H200_AB_GPU_TIME=1) of `moe-down-c4` on the 8B-A1B alone (its step waits
-on the host, so an in-process A/B cannot see the GPU's share);
-`H200_MODELS=lfm2-8b-a1b-q4 profile-prefill` (where its P=512 prefill's
-time goes since the grouped GEMM: session 2's profile is the last, ~60 s);
-`kernel-bench` (each GEMV alone under ncu: MLX's against each walk of
-ours on the 1.2B's bf16 shapes, why ours reads 2,048-wide rows more slowly,
-the 1.2B's way to 1.2x; MLX's qmv against our two quantized GEMVs on the
-8B-A1B's 4-bit shapes; no checkpoint; ~1,200 launches, each replayed by ncu:
-an estimate of a minute or two, not yet run);
-`round 1`, `round 2` with the 350M too if time allows (its last round was
-session 21).
+session 24's run and the cases its review added; short_conv.rs's new
+kernel and the fused gate on CUDA; the greedy test's sets of the down
+kernel's columns, the 8-wide split and the conv prefill; ~400 s with
+H200_KERNEL_JOBS=5); `checkpoints` of the three models with
+`H200_AB_VARIANTS=conv-prefill,norm-kernel-all-rows,fused-swiglu-off ab pick`
+(prefill variants: the 350M's and the 8B-A1B's P=512 targets are the ones
+not met; ~350 s); a GPU-time `ab` (H200_AB_GPU_TIME=1) of `moe-down-c4` on
+the 8B-A1B alone, `H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4
+profile-prefill`, `kernel-bench` and `dispatch-cost` (its
+`custom_kernel_8_inputs` arm: whether MLX's cost a node grows with its
+inputs) in one call; `round 1`, `round 2` of the three models (the 350M's
+last round was session 21).
+Session 24's plan, for the record: `stage`; `install verdicts-from ...,session24 kernels` with
+H200_KERNEL_TESTS=quant_gemv_kernel_matches_stock_ops,
+moe_experts_kernels_match_stock_ops,conv_gemv_kernel_matches_stock_ops,
+decode_attention_kernel_matches_stock_ops,
+greedy_tokens_with_kernels_equal_stock_ops; `checkpoints`; a GPU-time `ab`
+of `moe-down-c4` on the 8B-A1B alone; `H200_MODELS=lfm2-8b-a1b-q4
+profile-prefill`; `kernel-bench`; `round 1`, `round 2`.
 Session 23's plan, for the record: `stage`; `install verdicts-from ...,session23 kernels` with
 H200_KERNEL_TESTS=decode_attention_kernel_matches_stock_ops,
 moe_router_norm_kernel_matches_the_norm_and_router_kernels,
@@ -1048,7 +1061,18 @@ AB = {
     # (against the per-expert qmm path, the grouped GEMM off); the bf16 GEMV
     # (+ SwiGLU), alone and with the norm folded into it; the quantized
     # GEMV, alone and with the norm fold.
-    "norm-kernel-all-rows": ({"MLX_LFM_ADD_RMS_NORM_MAX_ROWS": "all"}, ["lfm2-1.2b-bf16"]),
+    # (Measured on the 1.2B in session 9 with the kernel's first version,
+    # 27 µs a launch over 512 rows; its loads are batched since: asked
+    # again of every model's prefill.)
+    "norm-kernel-all-rows": ({"MLX_LFM_ADD_RMS_NORM_MAX_ROWS": "all"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # A prompt's short conv in one kernel (session 25: the gates, the
+    # window and MLX's grouped conv, 29 µs a layer in the 1.2B's 512-token
+    # profile, as one launch); opt-in until this A/B.
+    "conv-prefill": ({"MLX_LFM_CONV_PREFILL_KERNEL": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # The feed-forward's gate as one MLX compiled kernel in a prompt's pass
+    # (a default on every backend since session 25: the same bits on the
+    # CPU, what mlx-lm runs), measured off.
+    "fused-swiglu-off": ({"MLX_LFM_FUSED_SWIGLU": "0"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "gemv-kernel": ({"MLX_LFM_GEMV_KERNEL": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
     "gemv-norm-kernels": ({"MLX_LFM_GEMV_KERNEL": "1", "MLX_LFM_NORM_GEMV_KERNEL": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
     # The q/k norm + RoPE kernel (a default on CUDA since session 17) and
@@ -1325,6 +1349,9 @@ AB_TESTS = {
     "quant-norm-exact": ["quant_gemv_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops", "greedy:MLX_LFM_QGEMV_EXACT",
                          "greedy:quant-norm-exact"],
     "compiled-prefill": ["compiled_prefill_equals_the_eager_prefill"],
+    "conv-prefill": ["conv_prefill_kernel_matches_stock_ops", "greedy:MLX_LFM_CONV_PREFILL_KERNEL"],
+    # (Off: the three ops every session before 25 ran.)
+    "fused-swiglu-off": [],
 }
 # Groups of variants of which `pick` adopts at most one: (variants, the
 # figure it must raise by 3% over "all" without the other falling 3%).
@@ -1344,6 +1371,8 @@ PICK = [
     (["fold-early"], "decode"),
     (["router-norm-off", "router-norm-narrow"], "decode"),
     (["norm-kernel-all-rows"], "prefill"),
+    (["conv-prefill"], "prefill"),
+    (["fused-swiglu-off"], "prefill"),
     (["moe-dequant-from-16-rows", "moe-dequant-from-64-rows"], "prefill"),
     (["prefill-overlap-2", "prefill-overlap-4", "prefill-split", "prefill-split-overlap-4"], "prefill"),
     (["compiled-prefill"], "prefill"),
