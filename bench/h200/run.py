@@ -122,7 +122,7 @@ session 24's run and the cases its review added; short_conv.rs's new
 kernel and the fused gate on CUDA; the greedy test's sets of the down
 kernel's columns, the 8-wide split and the conv prefill; ~400 s with
 H200_KERNEL_JOBS=5); `checkpoints` of the three models with
-`H200_AB_VARIANTS=conv-prefill,norm-kernel-all-rows,fused-swiglu-off ab pick`
+`H200_AB_VARIANTS=conv-prefill,norm-kernel-all-rows,fused-swiglu-off,batch1-matmul-prompts-off ab pick`
 (prefill variants: the 350M's and the 8B-A1B's P=512 targets are the ones
 not met; ~350 s); a GPU-time `ab` (H200_AB_GPU_TIME=1) of `moe-down-c4` on
 the 8B-A1B alone, `H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4
@@ -1115,6 +1115,10 @@ AB = {
     # where MLX's matmul folds a [1, T, K] input to 2-D and back (three); a
     # default on CUDA since session 14 (its pick), measured off.
     "batch1-matmul-off": ({"MLX_LFM_BATCH1_MATMUL": "0"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
+    # Off for prompts only (a decode step keeps it): session 24's rounds
+    # timed the 1.2B's P=512 prefill with the stock path (the 2-D product
+    # among its differences) at 1.14x / 1.02x the defaults'.
+    "batch1-matmul-prompts-off": ({"MLX_LFM_BATCH1_MATMUL_PROMPTS": "0"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
     # Every opt-in cut of a step's nodes at once, measured only (the greedy
     # test saw the opt-in kernels together depart from the stock tokens at
     # step 32 in session 11): what the host saves when they add up.
@@ -1352,6 +1356,8 @@ AB_TESTS = {
     "conv-prefill": ["conv_prefill_kernel_matches_stock_ops", "greedy:MLX_LFM_CONV_PREFILL_KERNEL"],
     # (Off: the three ops every session before 25 ran.)
     "fused-swiglu-off": [],
+    # (The same product either way; the stock path's.)
+    "batch1-matmul-prompts-off": [],
 }
 # Groups of variants of which `pick` adopts at most one: (variants, the
 # figure it must raise by 3% over "all" without the other falling 3%).
@@ -1372,6 +1378,7 @@ PICK = [
     (["router-norm-off", "router-norm-narrow"], "decode"),
     (["norm-kernel-all-rows"], "prefill"),
     (["conv-prefill"], "prefill"),
+    (["batch1-matmul-prompts-off"], "prefill"),
     (["fused-swiglu-off"], "prefill"),
     (["moe-dequant-from-16-rows", "moe-dequant-from-64-rows"], "prefill"),
     (["prefill-overlap-2", "prefill-overlap-4", "prefill-split", "prefill-split-overlap-4"], "prefill"),

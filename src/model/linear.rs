@@ -298,6 +298,17 @@ fn batch1_matmul() -> bool {
     crate::kernels::cuda_default("MLX_LFM_BATCH1_MATMUL", &ON)
 }
 
+/// Whether a prompt's pass (more than one position) takes the one-batch
+/// product too: unless `MLX_LFM_BATCH1_MATMUL_PROMPTS=0` (an A/B's knob:
+/// session 24's rounds timed the 1.2B's 512-token prefill with the stock
+/// path, the 2-D product among its differences, at 111,281 / 98,979 tok/s
+/// against the defaults' 97,543 / 97,442, where session 14's A/B had
+/// measured +9% for the one-batch product).
+fn batch1_prompts() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    crate::knobs::cached("MLX_LFM_BATCH1_MATMUL_PROMPTS", &ON, |v| v.map(str::trim) != Some("0"))
+}
+
 impl Transposed {
     /// `w.T` (`w` `[.., out, in]`), from the cache after its first use.
     pub fn of(&self, w: &Array) -> Result<Array> {
@@ -312,7 +323,7 @@ impl Transposed {
     /// of one that MLX builds as one node. (On other backends nothing has
     /// timed it against the 2-D product, so they keep that.)
     pub fn product(&self, x: &Array, w: &Array) -> Result<Array> {
-        if x.ndim() == 3 && x.dim(0) == 1 && w.ndim() == 2 && batch1_matmul() {
+        if x.ndim() == 3 && x.dim(0) == 1 && w.ndim() == 2 && batch1_matmul() && (x.dim(1) == 1 || batch1_prompts()) {
             let w3 = cached_view(&self.batch1, || self.of(w)?.expand_dims(0))?;
             return x.matmul(&w3);
         }
@@ -740,5 +751,43 @@ mod tests {
         let fresh = x.matmul(&w.t().unwrap()).unwrap();
         let ops = mlx::graph_ops(&[&fresh]).unwrap();
         assert_eq!(ops.iter().find(|(n, _)| n == "Transpose").map(|(_, c)| *c), Some(1), "{ops:?}");
+    }
+}
+
+#[cfg(test)]
+mod batch1_tests {
+    use super::Transposed;
+    use crate::knobs::with_overrides;
+    use crate::mlx::{self, random::normal, Dtype};
+
+    /// With the one-batch product on, a decode step's `[1, 1, K]` row takes
+    /// it (one node) and a prompt's `[1, T, K]` too, unless
+    /// `MLX_LFM_BATCH1_MATMUL_PROMPTS=0` folds the prompt to 2-D and back
+    /// (three nodes); the products are the same.
+    #[test]
+    fn prompts_can_keep_the_two_d_product() {
+        let w = normal(&[24, 32], Dtype::Float32, 0.0, 1.0, None).unwrap();
+        let row = normal(&[1, 1, 32], Dtype::Float32, 0.0, 1.0, None).unwrap();
+        let prompt = normal(&[1, 7, 32], Dtype::Float32, 0.0, 1.0, None).unwrap();
+        mlx::eval(&[&w, &row, &prompt]).unwrap();
+        let nodes = |a: &crate::mlx::Array| -> usize { mlx::graph_ops(&[a]).unwrap().iter().map(|(_, n)| n).sum() };
+        let run = |prompts: &str| {
+            let set = [
+                ("MLX_LFM_BATCH1_MATMUL".to_string(), Some("1".to_string())),
+                ("MLX_LFM_BATCH1_MATMUL_PROMPTS".to_string(), Some(prompts.to_string())),
+            ];
+            with_overrides(&set, || {
+                let t = Transposed::default();
+                (t.product(&row, &w).unwrap(), t.product(&prompt, &w).unwrap())
+            })
+        };
+        let (r1, p1) = run("1");
+        let (r0, p0) = run("0");
+        assert_eq!((nodes(&r1), nodes(&p1)), (1, 1), "the one-batch product: {:?}", mlx::graph_ops(&[&p1]).unwrap());
+        assert_eq!((nodes(&r0), nodes(&p0)), (1, 3), "prompts folded to 2-D: {:?}", mlx::graph_ops(&[&p0]).unwrap());
+        let f = |a: &crate::mlx::Array| a.to_vec::<f32>().unwrap();
+        assert_eq!(p0.shape(), vec![1, 7, 24]);
+        let (a, b) = (f(&p0), f(&p1));
+        assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() <= 1e-4 * x.abs().max(1.0)), "{a:?} vs {b:?}");
     }
 }
