@@ -107,7 +107,8 @@ replayed per section) ran past 440 s with no record: name two or three
 kernels, or give it a call of its own.
 Session 25 was lent no machine (new loans paused): it wrote, for the
 next, the prompt's short conv as one kernel (`conv-prefill`, opt-in, its
-test `conv_prefill_kernel_matches_stock_ops` and a greedy set), made the
+test `conv_prefill_kernel_matches_stock_ops` and a greedy set) and its
+q/k/v norm + RoPE (`qkv-prefill`, likewise), made the
 feed-forward's gate one MLX compiled kernel in a prompt's pass (a default
 everywhere, `fused-swiglu-off` measures it; its test
 `fused_gate_equals_the_ops` holds it to the ops' bits, on the CPU so far)
@@ -116,13 +117,17 @@ Next: `stage`; `install verdicts-from ...,session24 kernels` with
 H200_KERNEL_TESTS=quant_gemv_kernel_matches_stock_ops,
 moe_experts_kernels_match_stock_ops,conv_gemv_kernel_matches_stock_ops,
 decode_attention_kernel_matches_stock_ops,short_conv_kernel_matches_stock_ops,
-conv_prefill_kernel_matches_stock_ops,fused_gate_equals_the_ops,
+conv_prefill_kernel_matches_stock_ops,qkv_prefill_kernel_matches_stock_ops,
+qkv_norm_rope_kernel_matches_stock_ops,qk_norm_rope_kernel_matches_stock_ops,
+fused_gate_equals_the_ops,
 greedy_tokens_with_kernels_equal_stock_ops (the two tests mended after
-session 24's run and the cases its review added; short_conv.rs's new
-kernel and the fused gate on CUDA; the greedy test's sets of the down
-kernel's columns, the 8-wide split and the conv prefill; ~400 s with
+session 24's run and the cases its review added; short_conv.rs's and
+qk_norm_rope.rs's new kernels (the decode kernels' launch helper
+changed with them) and the fused gate on CUDA; the greedy test's sets of the down
+kernel's columns, the 8-wide split, the conv and q/k/v prefill; ~400 s with
 H200_KERNEL_JOBS=5); `checkpoints` of the three models with
-`H200_AB_VARIANTS=conv-prefill,norm-kernel-all-rows,fused-swiglu-off,batch1-matmul-prompts-off ab pick`
+`H200_AB_VARIANTS=conv-prefill,qkv-prefill,norm-kernel-all-rows,fused-swiglu-off,batch1-matmul-prompts-off
+ab pick`
 (prefill variants: the 350M's and the 8B-A1B's P=512 targets are the ones
 not met; ~350 s); a GPU-time `ab` (H200_AB_GPU_TIME=1) of `moe-down-c4` on
 the 8B-A1B alone, `H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4
@@ -1069,6 +1074,11 @@ AB = {
     # window and MLX's grouped conv, 29 µs a layer in the 1.2B's 512-token
     # profile, as one launch); opt-in until this A/B.
     "conv-prefill": ({"MLX_LFM_CONV_PREFILL_KERNEL": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # A prompt's q/k/v norm + RoPE in one kernel, heads-first (session 25:
+    # the split, reshapes, transposes and MLX's two norms and two ropes of
+    # an attention layer's pass; the ropes were 16 µs a launch in the
+    # 1.2B's 512-token profile); opt-in until this A/B.
+    "qkv-prefill": ({"MLX_LFM_QKV_PREFILL_KERNEL": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     # The feed-forward's gate as one MLX compiled kernel in a prompt's pass
     # (a default on every backend since session 25: the same bits on the
     # CPU, what mlx-lm runs), measured off.
@@ -1354,6 +1364,7 @@ AB_TESTS = {
                          "greedy:quant-norm-exact"],
     "compiled-prefill": ["compiled_prefill_equals_the_eager_prefill"],
     "conv-prefill": ["conv_prefill_kernel_matches_stock_ops", "greedy:MLX_LFM_CONV_PREFILL_KERNEL"],
+    "qkv-prefill": ["qkv_prefill_kernel_matches_stock_ops", "greedy:MLX_LFM_QKV_PREFILL_KERNEL"],
     # (Off: the three ops every session before 25 ran.)
     "fused-swiglu-off": [],
     # (The same product either way; the stock path's.)
@@ -1378,6 +1389,7 @@ PICK = [
     (["router-norm-off", "router-norm-narrow"], "decode"),
     (["norm-kernel-all-rows"], "prefill"),
     (["conv-prefill"], "prefill"),
+    (["qkv-prefill"], "prefill"),
     (["batch1-matmul-prompts-off"], "prefill"),
     (["fused-swiglu-off"], "prefill"),
     (["moe-dequant-from-16-rows", "moe-dequant-from-64-rows"], "prefill"),

@@ -121,6 +121,13 @@ KERNELS = {
         lambda dt: [("HD", 64), ("QH", 32), ("KVH", 8), ("PER_ROW", "false"), ("EPS_BITS", 925353388),
                     ("BASE_BITS", 1095963082)],
     ),
+    # A prompt's q/k/v (MLX_LFM_QKV_PREFILL_KERNEL).
+    "qk_norm_rope.rs#qkv_prefill": (
+        [("qkv", "T"), ("qw", "T"), ("kw", "T"), ("offset", "int32_t")],
+        [("qo", "T"), ("ko", "T"), ("vo", "T")],
+        lambda dt: [("HD", 64), ("QH", 32), ("KVH", 8), ("PER_ROW", "false"), ("EPS_BITS", 925353388),
+                    ("BASE_BITS", 1095963082)],
+    ),
     "short_conv.rs": (
         [("bcx", "T"), ("state", "T"), ("w", "T")],
         [("next", "T"), ("y", "T")],

@@ -127,6 +127,41 @@ const QKV_SOURCE: &str = concat!(
     norm_rope_body!()
 );
 
+/// The same over a prompt's stacked projection `[B, T, (H + 2 KVH) HD]`
+/// (`MLX_LFM_QKV_PREFILL_KERNEL=1`, opt-in until its H200 test and A/B):
+/// one block a position, q, k and v written heads-first `[B, heads, T,
+/// HD]`, position `offset + s` for the row's s-th token. The stock pass
+/// runs a split, three reshapes, MLX's rms_norm and rope for q and for k
+/// and three transposes: in the H200's profile of the 1.2B's 512-token
+/// prefill the ropes were 16 µs a launch and the norms 9 (over the
+/// transposed views). The prompt's length is read from the shape at run
+/// time (a template constant would compile a kernel per length).
+const QKV_PREFILL_SOURCE: &str = concat!(
+    r#"
+  constexpr int NR = 16 / sizeof(T);
+  constexpr int TPH = HD / NR;
+  constexpr int HALF = HD / 2;
+  const int steps = qkv_shape[1];
+  const int row = blockIdx.x;
+  const int b = row / steps;
+  const int s = row - b * steps;
+  const int tid = threadIdx.x;
+  const int head = tid / TPH;
+  const int t = tid % TPH;
+  const bool is_q = head < QH;
+  const bool is_v = head >= QH + KVH;
+  const bool live = head < QH + 2 * KVH;
+  const T* src = qkv + (static_cast<size_t>(row) * (QH + 2 * KVH) + head) * HD;
+  const T* w = is_q ? qw : kw;
+  // (Threads past the last head compute an index they never write through.)
+  const size_t hh = is_q ? static_cast<size_t>(b) * QH + head
+                         : static_cast<size_t>(b) * KVH + (head - QH - (is_v ? KVH : 0));
+  T* dst = (is_q ? qo : is_v ? vo : ko) + (hh * steps + s) * HD;
+  const float pos = static_cast<float>(offset[PER_ROW ? b : 0] + s);
+"#,
+    norm_rope_body!()
+);
+
 fn kernel() -> Option<&'static CudaKernel> {
     static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
     K.get_or_init(|| {
@@ -182,16 +217,17 @@ fn norms_fit(qw: &Array, kw: &Array, dt: Dtype, head_dim: i32) -> bool {
     qw.dtype() == dt && kw.dtype() == dt && qw.shape() == [head_dim] && kw.shape() == [head_dim]
 }
 
-/// Launches `kern` over `b` rows of `heads` heads (one block a row, whole
-/// warps; the lanes past the last head hold zeros) with the norm and RoPE
-/// constants; `extra` template arguments follow `HD`.
+/// Launches `kern` over `b` rows of `per_row` positions of `heads` heads
+/// (one block a position, whole warps; the lanes past the last head hold
+/// zeros) with the norm and RoPE constants; `extra` template arguments
+/// follow `HD`.
 #[allow(clippy::too_many_arguments)]
 fn launch(
     kern: &CudaKernel,
     what: &str,
     inputs: &[&Array],
     outputs: &[(&[i32], Dtype)],
-    (b, heads, head_dim): (i32, i32, i32),
+    (b, per_row, heads, head_dim): (i32, i32, i32, i32),
     extra: &[(&str, TemplateArg)],
     offset: &Array,
     (eps, theta): (f32, f32),
@@ -215,7 +251,10 @@ fn launch(
         ("BASE_BITS", TemplateArg::Int(theta.log2().to_bits() as i32)),
         ("T", TemplateArg::Dtype(dt)),
     ]);
-    let grid = block.checked_mul(b).ok_or_else(|| Error::invalid(format!("{what}: {b} rows")))?;
+    let grid = b
+        .checked_mul(per_row)
+        .and_then(|n| n.checked_mul(block))
+        .ok_or_else(|| Error::invalid(format!("{what}: {b} rows of {per_row} positions")))?;
     let outs = kern.call(inputs, outputs, [grid, 1, 1], [block, 1, 1], &template)?;
     if outs.len() != outputs.len() {
         return Err(Error::mlx(format!("{what} kernel: {} outputs, expected {}", outs.len(), outputs.len())));
@@ -245,7 +284,7 @@ pub fn qk_norm_rope(q: &Array, k: &Array, qw: &Array, kw: &Array, offset: &Array
         "q/k norm + RoPE",
         &[q, k, qw, kw, offset],
         &[(&[b, heads, 1, head_dim], dt), (&[b, kv_heads, 1, head_dim], dt)],
-        (b, heads + kv_heads, head_dim),
+        (b, 1, heads + kv_heads, head_dim),
         &[],
         offset,
         (eps, theta),
@@ -283,12 +322,45 @@ fn heads_served(dt: Dtype, heads: i32, kv_heads: i32, head_dim: i32) -> bool {
     heads > 0 && kv_heads > 0 && block_fits(dt, heads + 2 * kv_heads, head_dim)
 }
 
+/// Whether a prompt's attention (`h` `[B, T, D]`, T > 1) should hand the
+/// prefill kernel its stacked q/k/v projection whole: on CUDA with
+/// `MLX_LFM_QKV_PREFILL_KERNEL=1` (or a test's opt-in).
+pub fn qkv_prefill_wanted(h: &Array, heads: i32, kv_heads: i32, head_dim: i32) -> bool {
+    prefill_enabled() && cuda_kernels_enabled() && prompt(h) && heads_served(h.dtype(), heads, kv_heads, head_dim)
+}
+
+fn prefill_enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    super::opt_in("MLX_LFM_QKV_PREFILL_KERNEL", &ON)
+}
+
+/// A prompt's rows: `[B, T, W]` with more than one position.
+fn prompt(a: &Array) -> bool {
+    a.ndim() == 3 && a.dim(1) > 1
+}
+
+fn qkv_prefill_kernel() -> Option<&'static CudaKernel> {
+    static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
+    K.get_or_init(|| {
+        CudaKernel::new("lfm_qkv_norm_rope_prefill", &["qkv", "qw", "kw", "offset"], &["qo", "ko", "vo"], QKV_PREFILL_SOURCE, "")
+            .ok()
+    })
+    .as_ref()
+}
+
 /// Whether the kernel serves `qkv`, a stacked projection's rows `[B, W]`
-/// or `[B, 1, W]` with `W = (heads + 2 kv_heads) head_dim`, norm weights
-/// `[head_dim]` of its dtype, on CUDA.
+/// or `[B, 1, W]` with `W = (heads + 2 kv_heads) head_dim` (or, with the
+/// prefill kernel on, a prompt's `[B, T, W]`), norm weights `[head_dim]`
+/// of its dtype, on CUDA.
 pub fn qkv_available(qkv: &Array, qw: &Array, kw: &Array, heads: i32, kv_heads: i32, head_dim: i32) -> bool {
     let dt = qkv.dtype();
-    super::one_token(qkv)
+    let served = match prompt(qkv) {
+        true => {
+            prefill_enabled() && qkv.dim(0).checked_mul(qkv.dim(1)).is_some_and(|n| n <= i32::MAX / 1024) && qkv_prefill_kernel().is_some()
+        }
+        false => super::one_token(qkv),
+    };
+    served
         && qkv.dim(0) > 0
         && heads_served(dt, heads, kv_heads, head_dim)
         && qkv.dim(-1) as i64 == (heads + 2 * kv_heads) as i64 * head_dim as i64
@@ -300,7 +372,9 @@ pub fn qkv_available(qkv: &Array, qw: &Array, kw: &Array, heads: i32, kv_heads: 
 /// `(rope(rms_norm(q) * qw), rope(rms_norm(k) * kw), v)` from a stacked
 /// projection's rows, as `[B, H, 1, HD]`, `[B, KVH, 1, HD]` and
 /// `[B, KVH, 1, HD]` (what the split, its reshapes, the norms and the ropes
-/// give); `offset` as for [`qk_norm_rope`]. Callers check [`qkv_available`].
+/// give), or from a prompt's `[B, T, W]` as `[B, H, T, HD]` and so on, its
+/// s-th position at `offset + s`; `offset` as for [`qk_norm_rope`]. Callers
+/// check [`qkv_available`].
 pub fn qkv_norm_rope(
     qkv: &Array,
     qw: &Array,
@@ -310,15 +384,19 @@ pub fn qkv_norm_rope(
     eps: f32,
     theta: f32,
 ) -> Result<(Array, Array, Array)> {
-    let kern = qkv_kernel().ok_or_else(|| Error::mlx("the q/k/v norm + RoPE kernel is not available"))?;
+    let steps = if prompt(qkv) { qkv.dim(1) } else { 1 };
+    let kern = match steps {
+        1 => qkv_kernel().ok_or_else(|| Error::mlx("the q/k/v norm + RoPE kernel is not available"))?,
+        _ => qkv_prefill_kernel().ok_or_else(|| Error::mlx("the q/k/v norm + RoPE prefill kernel is not available"))?,
+    };
     let dt = qkv.dtype();
     let b = qkv.dim(0);
     let outs = launch(
         kern,
         "q/k/v norm + RoPE",
         &[qkv, qw, kw, offset],
-        &[(&[b, heads, 1, head_dim], dt), (&[b, kv_heads, 1, head_dim], dt), (&[b, kv_heads, 1, head_dim], dt)],
-        (b, heads + 2 * kv_heads, head_dim),
+        &[(&[b, heads, steps, head_dim], dt), (&[b, kv_heads, steps, head_dim], dt), (&[b, kv_heads, steps, head_dim], dt)],
+        (b, steps, heads + 2 * kv_heads, head_dim),
         &[("QH", TemplateArg::Int(heads)), ("KVH", TemplateArg::Int(kv_heads))],
         offset,
         (eps, theta),

@@ -442,8 +442,10 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 if wide && !q4 {
                     alone.push("MLX_LFM_CONV_GEMV_KERNEL");
                 }
-                // A prompt's conv in one kernel: the 37-token prompt's pass.
+                // A prompt's conv and its q/k/v in one kernel each: the
+                // 37-token prompt's pass.
                 alone.push("MLX_LFM_CONV_PREFILL_KERNEL");
+                alone.push("MLX_LFM_QKV_PREFILL_KERNEL");
                 for var in alone {
                     runs.push((var, crate::kernels::with_opt_in_one(var, || run(Some(&stock))).0));
                 }
@@ -1724,15 +1726,86 @@ fn qkv_norm_rope_kernel_matches_stock_ops() {
                 }
             }
         }
-        // Not served: two tokens a row, a width that is not the heads', a
-        // head dim that is no power of two, norm weights of another width.
+        // Not served: a width that is not the heads', a head dim that is no
+        // power of two, norm weights of another width (two tokens a row:
+        // the prefill kernel's test).
         let w = normal(&[64], Dtype::Float32, 1.0, 0.3, None).unwrap();
-        let two = normal(&[1, 2, 2048], Dtype::Float32, 0.0, 1.0, None).unwrap();
-        assert!(!qkv_wanted(&two, 16, 8, 64) && !qkv_available(&two, &w, &w, 16, 8, 64));
         let x = normal(&[1, 2048], Dtype::Float32, 0.0, 1.0, None).unwrap();
         assert!(!qkv_available(&x, &w, &w, 16, 4, 64));
         let w48 = normal(&[48], Dtype::Float32, 1.0, 0.3, None).unwrap();
         assert!(!qkv_available(&normal(&[1, 1536], Dtype::Float32, 0.0, 1.0, None).unwrap(), &w48, &w48, 16, 8, 48));
+        assert!(!qkv_available(&x, &w48, &w48, 16, 8, 64));
+    });
+}
+
+/// The q/k/v norm + RoPE kernel over a prompt's stacked projection
+/// (`MLX_LFM_QKV_PREFILL_KERNEL`, opt-in) against what a prompt's
+/// attention runs without it (the split, the reshapes to `[B, T, heads,
+/// HD]`, MLX's rms_norm, the transposes, its rope from the offset; v
+/// reshaped and transposed): bit for bit, heads-first, 512 positions at the
+/// 1.2B's heads, the 350M's, several rows each at its own position, a
+/// position past 2^15, a head of 128, two positions.
+#[test]
+fn qkv_prefill_kernel_matches_stock_ops() {
+    if skip("qkv_prefill_kernel_matches_stock_ops") {
+        return;
+    }
+    use crate::kernels::qk_norm_rope::{qkv_available, qkv_norm_rope, qkv_prefill_wanted, qkv_wanted};
+    use crate::mlx::random::normal;
+    use crate::mlx::{rms_norm, rope, rope_dyn, Array};
+    let (eps, theta) = (1e-5f32, 1_000_000f32);
+    let probe = normal(&[1, 2, 2048], Dtype::Float32, 0.0, 1.0, None).unwrap();
+    if std::env::var_os("MLX_LFM_QKV_PREFILL_KERNEL").is_none() {
+        assert!(!qkv_prefill_wanted(&probe, 16, 8, 64), "opt-in");
+    }
+    assert!(!qkv_wanted(&probe, 16, 8, 64), "two positions a row are not a decode step's");
+    crate::kernels::with_opt_in_one("MLX_LFM_QKV_PREFILL_KERNEL", || {
+        for (di, dt) in [Dtype::Bfloat16, Dtype::Float16, Dtype::Float32].into_iter().enumerate() {
+            // (rows, positions, heads, kv heads, head dim, first positions: one, or one per row)
+            #[allow(clippy::type_complexity)]
+            let cases: [(i32, i32, i32, i32, i32, &[i32]); 5] = [
+                (1, 512, 32, 8, 64, &[0]),
+                (1, 37, 16, 8, 64, &[5]),
+                (2, 9, 4, 2, 64, &[7, 300]),
+                (1, 3, 16, 4, 128, &[40_000]),
+                (1, 2, 1, 1, 64, &[11]),
+            ];
+            for (_, (b, t, h, kvh, hd, offs)) in cases.into_iter().enumerate().filter(|(ci, _)| thin(di, *ci, cases.len())) {
+                let what = format!("{dt:?} {b} rows of {t}, {h}/{kvh} heads of {hd}, from {offs:?}");
+                let w = (h + 2 * kvh) * hd;
+                let qkv = normal(&[b, t, w], Dtype::Float32, 0.0, 2.0, None).unwrap().astype(dt).unwrap();
+                let qw = normal(&[hd], Dtype::Float32, 1.0, 0.3, None).unwrap().astype(dt).unwrap();
+                let kw = normal(&[hd], Dtype::Float32, 1.0, 0.3, None).unwrap().astype(dt).unwrap();
+                let h_in = normal(&[b, t, 64], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
+                assert!(qkv_prefill_wanted(&h_in, h, kvh, hd), "{what}: wanted");
+                assert!(qkv_available(&qkv, &qw, &kw, h, kvh, hd), "{what}: available");
+                let offset = Array::from_slice(offs, &[offs.len() as i32]).unwrap();
+                let (qo, ko, vo) = qkv_norm_rope(&qkv, &qw, &kw, &offset, (h, kvh, hd), eps, theta).unwrap();
+                let parts = crate::model::linear::split_widths(&qkv, &[h * hd, kvh * hd, kvh * hd]).unwrap();
+                let heads_first = |x: &Array, heads: i32| x.reshape(&[b, t, heads, hd]).unwrap().transpose(&[0, 2, 1, 3]).unwrap();
+                let stock = |x: &Array, w: &Array, heads: i32| -> Array {
+                    let n = rms_norm(&x.reshape(&[b, t, heads, hd]).unwrap(), Some(w), eps).unwrap().transpose(&[0, 2, 1, 3]).unwrap();
+                    if offs.len() == 1 {
+                        rope(&n, hd, false, theta, 1.0, offs[0]).unwrap()
+                    } else {
+                        rope_dyn(&n, hd, false, theta, 1.0, &offset).unwrap()
+                    }
+                };
+                let v = heads_first(&parts[2], kvh);
+                for (name, got, want) in [("q", &qo, stock(&parts[0], &qw, h)), ("k", &ko, stock(&parts[1], &kw, kvh)), ("v", &vo, v)] {
+                    assert_eq!(got.shape(), want.shape(), "{what} {name}");
+                    let worst = worst_relative(got, &want);
+                    let differ = differing(got, &want);
+                    assert_eq!(differ, 0, "{what} {name}: {differ} of {} values differ from the stock ops (worst {worst})", want.size());
+                }
+            }
+        }
+        // Not served: a width that is not the heads', norm weights of
+        // another width.
+        let w = normal(&[64], Dtype::Float32, 1.0, 0.3, None).unwrap();
+        let x = normal(&[1, 5, 2048], Dtype::Float32, 0.0, 1.0, None).unwrap();
+        assert!(!qkv_available(&x, &w, &w, 16, 4, 64));
+        let w48 = normal(&[48], Dtype::Float32, 1.0, 0.3, None).unwrap();
         assert!(!qkv_available(&x, &w48, &w48, 16, 8, 64));
     });
 }

@@ -129,7 +129,10 @@ impl Attention {
         use crate::kernels::qk_norm_rope;
         let heads = (self.n_heads, self.n_kv_heads, self.head_dim);
         let stacked = |w: &[i32]| w == [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim];
-        if !self.qkv.stacked_widths().is_some_and(stacked) || !qk_norm_rope::qkv_wanted(x.h, heads.0, heads.1, heads.2) {
+        let wanted = |h: &Array| {
+            qk_norm_rope::qkv_wanted(h, heads.0, heads.1, heads.2) || qk_norm_rope::qkv_prefill_wanted(h, heads.0, heads.1, heads.2)
+        };
+        if !self.qkv.stacked_widths().is_some_and(stacked) || !wanted(x.h) {
             return Ok(None);
         }
         let offsets = match offset {
