@@ -65,7 +65,7 @@ pub struct ConvShape {
 
 impl ConvShape {
     /// Zeros of this shape, made and evaluated once and then kept (the
-    /// last few shapes, per thread): a fresh prompt's pass reads them in
+    /// last few shapes, per thread, one array each): a fresh prompt's pass reads them in
     /// every conv layer, where making them anew put two nodes a layer into
     /// its graph (a broadcast and a fill launch). Nothing writes them in
     /// place: MLX donates only buffers nothing else holds.
@@ -75,7 +75,12 @@ impl ConvShape {
             return Ok(z);
         }
         let z = zeros(&[self.batch, self.keep, self.dim], self.dtype)?;
-        z.eval()?;
+        // (Queued, not waited for: the pass that asked goes on building.
+        // Where MLX refuses, e.g. inside a function transformation, the
+        // zeros stay nodes of that graph and are not kept.)
+        if crate::mlx::async_eval(&[&z]).is_err() {
+            return Ok(z);
+        }
         KEPT_ZEROS.with(|k| {
             let mut k = k.borrow_mut();
             if k.0.len() >= KEPT_SHAPES {
@@ -90,6 +95,12 @@ impl ConvShape {
 /// Conv-state shapes whose zeros a thread keeps (a batch size each, in
 /// practice).
 const KEPT_SHAPES: usize = 16;
+
+/// The shapes this thread keeps zeros for now.
+#[cfg(test)]
+pub(crate) fn kept_zero_shapes() -> usize {
+    KEPT_ZEROS.with(|k| k.borrow().0.len())
+}
 
 struct KeptZeros(Vec<((i32, i32, i32, Dtype), Array)>);
 

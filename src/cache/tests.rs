@@ -165,4 +165,14 @@ fn kept_conv_zeros_stay_zero_and_add_no_nodes() {
     let wider = ConvShape { dim: 16, ..shape }.zeros().unwrap();
     assert_eq!(wider.shape(), vec![2, 3, 16]);
     assert!(values(&wider).iter().all(|&v| v == 0.0));
+    // One array a shape, the same one asked again; at most KEPT_SHAPES.
+    let kept = super::kept_zero_shapes();
+    for _ in 0..3 {
+        shape.zeros().unwrap();
+    }
+    assert_eq!(super::kept_zero_shapes(), kept, "a shape asked again is served from what is kept");
+    for batch in 10..40 {
+        ConvShape { batch, ..shape }.zeros().unwrap();
+    }
+    assert_eq!(super::kept_zero_shapes(), super::KEPT_SHAPES);
 }

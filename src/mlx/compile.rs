@@ -19,6 +19,15 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 type TraceFn = dyn Fn(&[Array]) -> Result<Vec<Array>>;
 
+/// MLX keeps every compiled function's traces in one map for the process,
+/// unsynchronised (a function's first call inserts its entry, a drop
+/// erases it), while each loaded model drives MLX from its own worker
+/// thread: every call, clear and drop of a compiled function holds this
+/// lock. Reentrant: a trace runs the model's code, which may call another
+/// compiled function (the feed-forward's gate) on the same thread; nothing
+/// under it waits on another thread (tensor-parallel ranks are processes).
+static COMPILE_CACHE: parking_lot::ReentrantMutex<()> = parking_lot::const_reentrant_mutex(());
+
 /// A compiled function. It keeps its closure alive for as long as MLX may
 /// re-trace it (a new input shape triggers a new trace).
 pub struct Compiled {
@@ -81,6 +90,7 @@ impl Compiled {
             let mut traced = self.traced.borrow_mut();
             if !traced.contains(&sig) {
                 if traced.len() >= self.max_traces {
+                    let _cache = COMPILE_CACHE.lock();
                     check(unsafe { ffi::mlxb_fn_clear(self.handle) })?;
                     traced.clear();
                 }
@@ -89,7 +99,10 @@ impl Compiled {
         }
         let hs: Vec<Handle> = inputs.iter().map(|a| a.handle()).collect();
         let mut outs: ArraysHandle = std::ptr::null_mut();
-        check(unsafe { ffi::mlxb_fn_call(self.handle, hs.as_ptr(), hs.len(), &mut outs) })?;
+        {
+            let _cache = COMPILE_CACHE.lock();
+            check(unsafe { ffi::mlxb_fn_call(self.handle, hs.as_ptr(), hs.len(), &mut outs) })?;
+        }
         // Counted once traced: a failed trace leaves nothing behind to bound.
         if let Some(sig) = new_sig {
             self.traced.borrow_mut().insert(sig);
@@ -108,6 +121,7 @@ impl Compiled {
 
 impl Drop for Compiled {
     fn drop(&mut self) {
+        let _cache = COMPILE_CACHE.lock();
         unsafe { ffi::mlxb_fn_free(self.handle) }
     }
 }

@@ -129,6 +129,16 @@ thread_local! {
     static STOCK_ONLY: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
+/// Whether this thread runs the stock ops as they were before any change
+/// of ours to a graph's shape (`MLX_LFM_KERNELS=0`, or a test's
+/// [`with_stock_ops`]), on any backend: what the fused gate
+/// (src/model/activations.rs) asks, so that the stock path a test or an
+/// A/B compares against is the three ops it replaced.
+pub fn stock_ops_only() -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    STOCK_ONLY.with(|s| s.get()) || crate::knobs::cached("MLX_LFM_KERNELS", &OFF, |v| matches!(v, Some("0")))
+}
+
 /// Runs `f` with our kernels off on this thread (tests compare both paths
 /// in one process; a model's traces keep what was on when they were built).
 pub fn with_stock_ops<R>(f: impl FnOnce() -> R) -> R {

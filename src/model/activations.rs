@@ -8,7 +8,10 @@
 //! rounded to its dtype after each op, as the separate kernels round it:
 //! the same bits (`fused_gate_equals_the_ops`).
 //!
-//! `MLX_LFM_FUSED_SWIGLU=0` runs the three ops.
+//! `MLX_LFM_FUSED_SWIGLU=0` runs the three ops, as the stock path does
+//! (`MLX_LFM_KERNELS=0`, a test's `with_stock_ops`): the greedy test's
+//! stock run on the H200 is then the three ops, and its default runs meet
+//! the fused gate.
 
 use crate::error::Result;
 use crate::mlx::{Array, Compiled};
@@ -26,10 +29,12 @@ fn fused_enabled() -> bool {
 }
 
 thread_local! {
-    // One per thread (MLX objects stay on the thread that made them: a
-    // model's worker). Leaked, never freed: freeing erases its traces from
-    // MLX's compile cache, which a thread's exit could reach after MLX's
-    // own statics are gone; it is one small closure a thread.
+    // One per thread (a model's arrays and traces stay on its worker; the
+    // compile cache they go into is MLX's one map for the process, which
+    // src/mlx/compile.rs serialises). Leaked, never freed: freeing erases
+    // its traces from that cache, which a thread's exit could reach after
+    // MLX's own statics are gone; it is one small closure and its trace (a
+    // few per dtype and rank) a thread that ever ran a feed-forward.
     static FUSED: Cell<Option<&'static Compiled>> = const { Cell::new(None) };
 }
 
@@ -48,7 +53,7 @@ fn fused() -> Result<&'static Compiled> {
 /// dtype (a shapeless trace replays its broadcasts as traced, so operands
 /// that broadcast take the ops).
 pub fn swiglu(gate: &Array, x: &Array) -> Result<Array> {
-    if !fused_enabled() || gate.dtype() != x.dtype() || gate.shape() != x.shape() {
+    if !fused_enabled() || crate::mlx::kernel::stock_ops_only() || gate.dtype() != x.dtype() || gate.shape() != x.shape() {
         return swiglu_ops(gate, x);
     }
     let mut out = fused()?.call(&[gate, x])?;
@@ -107,15 +112,20 @@ mod tests {
         assert_eq!(bits(&y), bits(&swiglu_ops(&g, &half).unwrap()));
     }
 
-    /// `MLX_LFM_FUSED_SWIGLU=0` runs the three ops.
+    /// `MLX_LFM_FUSED_SWIGLU=0` runs the three ops, and so does the stock
+    /// path.
     #[test]
     fn the_switch_turns_the_fused_gate_off() {
         let g = normal(&[2, 16], Dtype::Bfloat16, 0.0, 1.0, None).unwrap();
         let x = normal(&[2, 16], Dtype::Bfloat16, 0.0, 1.0, None).unwrap();
         mlx::eval(&[&g, &x]).unwrap();
         let off = crate::knobs::with_overrides(&[("MLX_LFM_FUSED_SWIGLU".into(), Some("0".into()))], || swiglu(&g, &x).unwrap());
-        let nodes: usize = mlx::graph_ops(&[&off]).unwrap().iter().map(|(_, n)| n).sum();
-        assert_eq!(nodes, 3);
-        assert_eq!(bits(&off), bits(&swiglu(&g, &x).unwrap()));
+        let nodes = |a: &Array| -> usize { mlx::graph_ops(&[a]).unwrap().iter().map(|(_, n)| n).sum() };
+        assert_eq!(nodes(&off), 3);
+        let stock = crate::mlx::kernel::with_stock_ops(|| swiglu(&g, &x).unwrap());
+        assert_eq!(nodes(&stock), 3, "the stock path runs the ops");
+        let fused = swiglu(&g, &x).unwrap();
+        assert_eq!(nodes(&fused), 1);
+        assert_eq!(bits(&off), bits(&fused));
     }
 }

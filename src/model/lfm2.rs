@@ -122,8 +122,9 @@ impl Attention {
 
     /// A decode step's q, k, v from the stacked projection in one kernel
     /// (`kernels::qk_norm_rope::qkv_norm_rope`: the split, its reshapes, the
-    /// norms and the ropes, seven nodes, become one): `(s, (q, k, v))`, or
-    /// None where it does not serve (the caller takes `project`).
+    /// norms and the ropes, seven nodes, become one), or a prompt's with
+    /// the prefill kernel on (`MLX_LFM_QKV_PREFILL_KERNEL`): `(s, (q, k,
+    /// v))`, or None where it does not serve (the caller takes `project`).
     #[allow(clippy::type_complexity)]
     fn project_stacked(&self, x: &Normed, offset: Offset) -> Result<Option<(Array, (Array, Array, Array))>> {
         use crate::kernels::qk_norm_rope;

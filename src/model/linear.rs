@@ -320,7 +320,8 @@ impl Transposed {
     /// than the product; with the switch on ([`batch1_matmul`]: CUDA's
     /// default), a one-batch input (every single-sequence step and prefill)
     /// meets the weight as a `[1, in, out]` view instead, a batched product
-    /// of one that MLX builds as one node. (On other backends nothing has
+    /// of one that MLX builds as one node (a prompt's too, unless
+    /// [`batch1_prompts`] says otherwise). (On other backends nothing has
     /// timed it against the 2-D product, so they keep that.)
     pub fn product(&self, x: &Array, w: &Array) -> Result<Array> {
         if x.ndim() == 3 && x.dim(0) == 1 && w.ndim() == 2 && batch1_matmul() && (x.dim(1) == 1 || batch1_prompts()) {
@@ -636,9 +637,9 @@ impl Projections {
     }
 
     /// `(s, the stacked projections of rms_norm(s), unsplit)` where they
-    /// are one product on a decode step (for a kernel that reads each part
-    /// where it lies); None where they are not stacked or a prompt's rows
-    /// take them part by part.
+    /// are one product (a decode step's, or a prompt's, for a kernel that
+    /// reads each part where it lies); None where they are not stacked or a
+    /// prompt's rows take them part by part (`MLX_LFM_PREFILL_SPLIT`).
     pub fn forward_normed_stacked(&self, n: &Normed) -> Result<Option<(Array, Array)>> {
         match self {
             Projections::Stacked { linear, .. } if !split_products(n.h) => Ok(Some(linear.forward_normed(n)?)),
