@@ -108,7 +108,8 @@ kernels, or give it a call of its own.
 Session 25 was lent no machine (new loans paused): it wrote, for the
 next, the prompt's short conv as one kernel (`conv-prefill`, opt-in, its
 test `conv_prefill_kernel_matches_stock_ops` and a greedy set) and its
-q/k/v norm + RoPE (`qkv-prefill`, likewise), made the
+q/k/v norm + RoPE (`qkv-prefill`, likewise) and the 8B-A1B's quantized
+embedding (`quant-embed`, seven nodes of its step as one), made the
 feed-forward's gate one MLX compiled kernel in a prompt's pass (a default
 everywhere, `fused-swiglu-off` measures it; its test
 `fused_gate_equals_the_ops` holds it to the ops' bits, on the CPU so far)
@@ -118,18 +119,21 @@ H200_KERNEL_TESTS=quant_gemv_kernel_matches_stock_ops,
 moe_experts_kernels_match_stock_ops,conv_gemv_kernel_matches_stock_ops,
 decode_attention_kernel_matches_stock_ops,short_conv_kernel_matches_stock_ops,
 conv_prefill_kernel_matches_stock_ops,qkv_prefill_kernel_matches_stock_ops,
+quant_embed_kernel_matches_stock_ops,
 qkv_norm_rope_kernel_matches_stock_ops,qk_norm_rope_kernel_matches_stock_ops,
 fused_gate_equals_the_ops,
 greedy_tokens_with_kernels_equal_stock_ops (the two tests mended after
 session 24's run and the cases its review added; short_conv.rs's and
 qk_norm_rope.rs's new kernels (the decode kernels' launch helper
 changed with them) and the fused gate on CUDA; the greedy test's sets of the down
-kernel's columns, the 8-wide split, the conv and q/k/v prefill; ~400 s with
+kernel's columns, the 8-wide split, the conv and q/k/v prefill, the
+quantized embedding; ~400 s with
 H200_KERNEL_JOBS=5); `checkpoints` of the three models with
 `H200_AB_VARIANTS=conv-prefill,qkv-prefill,norm-kernel-all-rows,fused-swiglu-off,batch1-matmul-prompts-off
 ab pick`
 (prefill variants: the 350M's and the 8B-A1B's P=512 targets are the ones
-not met; ~350 s); a GPU-time `ab` (H200_AB_GPU_TIME=1) of `moe-down-c4` on
+not met; ~350 s) and `H200_MODELS=lfm2-8b-a1b-q4 H200_AB_VARIANTS=quant-embed
+ab pick` (decode, where its host bounds the step); a GPU-time `ab` (H200_AB_GPU_TIME=1) of `moe-down-c4` on
 the 8B-A1B alone, `H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4
 profile-prefill`, `kernel-bench` and `dispatch-cost` (its
 `custom_kernel_8_inputs` arm: whether MLX's cost a node grows with its
@@ -1077,6 +1081,10 @@ AB = {
     # window and MLX's grouped conv, 29 µs a layer in the 1.2B's 512-token
     # profile, as one launch); opt-in until this A/B.
     "conv-prefill": ({"MLX_LFM_CONV_PREFILL_KERNEL": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # The quantized embedding's rows in one kernel (session 25: three
+    # gathers, three reshapes and MLX's dequantize, seven of the 8B-A1B's
+    # 203 nodes a step, as one); opt-in until this A/B.
+    "quant-embed": ({"MLX_LFM_QUANT_EMBED_KERNEL": "1"}, ["lfm2-8b-a1b-q4"]),
     # A prompt's q/k/v norm + RoPE in one kernel, heads-first (session 25:
     # the split, reshapes, transposes and MLX's two norms and two ropes of
     # an attention layer's pass; the ropes were 16 µs a launch in the
@@ -1368,6 +1376,7 @@ AB_TESTS = {
     "compiled-prefill": ["compiled_prefill_equals_the_eager_prefill"],
     "conv-prefill": ["conv_prefill_kernel_matches_stock_ops", "greedy:MLX_LFM_CONV_PREFILL_KERNEL"],
     "qkv-prefill": ["qkv_prefill_kernel_matches_stock_ops", "greedy:MLX_LFM_QKV_PREFILL_KERNEL"],
+    "quant-embed": ["quant_embed_kernel_matches_stock_ops", "greedy:MLX_LFM_QUANT_EMBED_KERNEL"],
     # (Off: the three ops every session before 25 ran.)
     "fused-swiglu-off": [],
     # (The same product either way; the stock path's.)
@@ -1385,6 +1394,7 @@ PICK = [
     (["gemv-c2", "gemv-c4"], "decode"),
     (["swiglu-gemv-1024"], "decode"),
     (["conv-gemv"], "decode"),
+    (["quant-embed"], "decode"),
     (["moe-down-c2", "moe-down-c4"], "decode"),
     (["attention-smem", "attention-split", "attention-split-8"], "decode"),
     (["norm-runs-guarded"], "decode"),

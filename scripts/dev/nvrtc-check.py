@@ -32,6 +32,7 @@ PRELUDE = """
 typedef unsigned int uint32_t;
 typedef int int32_t;
 using Shape = cuda::std::array<int32_t, 8>;
+using Strides = cuda::std::array<long long, 8>;
 """
 CTYPE = {"bfloat16": "__nv_bfloat16", "float16": "__half", "float32": "float"}
 
@@ -120,6 +121,12 @@ KERNELS = {
         [("qo", "T"), ("ko", "T"), ("vo", "T")],
         lambda dt: [("HD", 64), ("QH", 32), ("KVH", 8), ("PER_ROW", "false"), ("EPS_BITS", 925353388),
                     ("BASE_BITS", 1095963082)],
+    ),
+    # A quantized embedding's rows (MLX_LFM_QUANT_EMBED_KERNEL).
+    "quant_embed.rs": (
+        [("ids", "uint32_t"), ("w", "uint32_t"), ("scales", "T"), ("biases", "T")],
+        [("out", "T")],
+        lambda dt: [("D", 2048), ("BITS", 4), ("GS", 64)],
     ),
     # A prompt's q/k/v (MLX_LFM_QKV_PREFILL_KERNEL).
     "qk_norm_rope.rs#qkv_prefill": (
@@ -328,9 +335,14 @@ for file, (ins, outs, targs, *only_dtypes) in KERNELS.items():
         params = []
         for n, t in ins:
             params.append(f"const {t.replace('T', ct) if t == 'T' else t}* {n}")
-            # MLX adds an input's shape argument when the source names it.
+            # MLX adds an input's shape, strides and rank arguments, in that
+            # order, where the source names them.
             if f"{n}_shape" in src:
                 params.append(f"const __grid_constant__ Shape {n}_shape")
+            if f"{n}_strides" in src:
+                params.append(f"const __grid_constant__ Strides {n}_strides")
+            if f"{n}_ndim" in src:
+                params.append(f"const __grid_constant__ int {n}_ndim")
         params += [f"{t.replace('T', ct) if t == 'T' else t}* {n}" for n, t in outs]
         consts = "".join(f"  constexpr {'bool' if isinstance(v, str) else 'int'} {k} = {v};\n" for k, v in targs(dt))
         code = (DEFINES + DEFINES_OF.get(file, "") + PRELUDE + hdr + "namespace cg = cooperative_groups;\n"

@@ -13,6 +13,7 @@ pub mod moe_gemm;
 pub mod moe_router;
 pub mod norm_gemv;
 pub mod qk_norm_rope;
+pub mod quant_embed;
 pub mod quant_gemv;
 pub mod short_conv;
 

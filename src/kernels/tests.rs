@@ -430,7 +430,7 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 // kernel since session 17, its q/k/v form since session 18,
                 // the router + norm fold since session 23: "default" runs them.)
                 let mut alone: Vec<&'static str> = match q4 {
-                    true => vec!["MLX_LFM_QGEMV_KERNEL", "MLX_LFM_NORM_GEMV_KERNEL"],
+                    true => vec!["MLX_LFM_QGEMV_KERNEL", "MLX_LFM_NORM_GEMV_KERNEL", "MLX_LFM_QUANT_EMBED_KERNEL"],
                     false => vec![],
                 };
                 // The split decode attention serves head sizes over 16: the
@@ -708,6 +708,76 @@ fn short_conv_kernel_matches_stock_ops() {
             assert!(worst <= tol, "{dt:?} [{b}, {d}, {l}]: C * conv differs by {worst} (relative), over {tol}");
         }
     }
+}
+
+/// The quantized embedding's rows in one kernel
+/// (`MLX_LFM_QUANT_EMBED_KERNEL`, opt-in) against the stock path's gathers
+/// and MLX's dequantize: bit for bit (both dequantize `scale * q + bias`
+/// in the dtype's own fused multiply-add, by their SASS), for 2, 4 and 8
+/// bits, each group size, a decode step's ids `[B]` and a prompt's `[1, T]`,
+/// int32 and uint32 ids, the table's first and last rows.
+#[test]
+fn quant_embed_kernel_matches_stock_ops() {
+    if skip("quant_embed_kernel_matches_stock_ops") {
+        return;
+    }
+    use crate::kernels::quant_embed::{available, embed};
+    use crate::mlx::random::normal;
+    use crate::mlx::{dequantize, quantize, Array, QuantMode, QuantSpec};
+    let (vocab, d) = (300, 512);
+    let specs = [(4, 64), (8, 32), (2, 128), (4, 32)];
+    for (di, dt) in [Dtype::Bfloat16, Dtype::Float16, Dtype::Float32].into_iter().enumerate() {
+        let table = normal(&[vocab, d], Dtype::Float32, 0.0, 0.5, None).unwrap().astype(dt).unwrap();
+        for (si, (bits, group_size)) in specs.into_iter().enumerate() {
+            if !thin(di, si, specs.len()) {
+                continue;
+            }
+            let spec = QuantSpec { mode: QuantMode::Affine, bits, group_size };
+            let (w, sc, b) = quantize(&table, spec).unwrap();
+            let b = b.expect("affine has biases");
+            let id_sets: [(Vec<u32>, Vec<i32>); 3] = [
+                (vec![0, 299, 17], vec![3]),
+                (vec![5, 6, 7, 8, 9, 299, 0], vec![1, 7]),
+                (vec![42], vec![1]),
+            ];
+            for (vals, shape) in &id_sets {
+                for signed in [false, true] {
+                    let ids = match signed {
+                        false => Array::from_slice(vals, shape).unwrap(),
+                        true => Array::from_slice(&vals.iter().map(|&v| v as i32).collect::<Vec<_>>(), shape).unwrap(),
+                    };
+                    let what = format!("{dt:?} {bits}-bit g{group_size}, ids {shape:?} (signed {signed})");
+                    if std::env::var_os("MLX_LFM_QUANT_EMBED_KERNEL").is_none() {
+                        assert!(!available(&ids, &w, &sc, Some(&b), spec, dt), "{what}: opt-in");
+                    }
+                    crate::kernels::with_opt_in_one("MLX_LFM_QUANT_EMBED_KERNEL", || {
+                        assert!(available(&ids, &w, &sc, Some(&b), spec, dt), "{what}");
+                        let other = if dt == Dtype::Float32 { Dtype::Bfloat16 } else { Dtype::Float32 };
+                        assert!(!available(&ids, &w, &sc, Some(&b), spec, other), "{what}: scales of another dtype than the output");
+                        assert!(!available(&ids, &w, &sc, None, spec, dt), "{what}: no biases");
+                        let got = embed(&ids, &w, &sc, &b, spec, dt).unwrap();
+                        let want = dequantize(&w.take(&ids, 0).unwrap(), &sc.take(&ids, 0).unwrap(), Some(&b.take(&ids, 0).unwrap()), spec, Some(dt))
+                            .unwrap();
+                        assert_eq!(got.shape(), want.shape(), "{what}");
+                        assert_eq!(got.dtype(), dt, "{what}");
+                        let differ = differing(&got, &want);
+                        assert_eq!(differ, 0, "{what}: {differ} of {} values differ (worst {})", want.size(), worst_relative(&got, &want));
+                    });
+                }
+            }
+        }
+    }
+    // Not served: 3 bits (values across words), another mode.
+    crate::kernels::with_opt_in_one("MLX_LFM_QUANT_EMBED_KERNEL", || {
+        let table = normal(&[64, 256], Dtype::Float32, 0.0, 0.5, None).unwrap().astype(Dtype::Bfloat16).unwrap();
+        let ids = Array::from_slice(&[1u32], &[1]).unwrap();
+        let spec3 = QuantSpec { mode: QuantMode::Affine, bits: 3, group_size: 64 };
+        let (w, sc, b) = quantize(&table, spec3).unwrap();
+        assert!(!available(&ids, &w, &sc, b.as_ref(), spec3, Dtype::Bfloat16), "3 bits");
+        let mx = QuantSpec { mode: QuantMode::Mxfp4, bits: 4, group_size: 32 };
+        let (w, sc, b) = quantize(&table, mx).unwrap();
+        assert!(!available(&ids, &w, &sc, b.as_ref(), mx, Dtype::Bfloat16), "mxfp4");
+    });
 }
 
 /// A prompt's pass of the short conv in one kernel

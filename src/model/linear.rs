@@ -496,6 +496,12 @@ impl Embedding {
         match &self.weight {
             Weight::Dense(w) => w.take(ids, 0),
             Weight::Quant(q) => {
+                use crate::kernels::quant_embed;
+                if let Some(b) = q.biases.as_ref().filter(|b| quant_embed::available(ids, &q.weight, &q.scales, Some(b), q.spec, self.dtype)) {
+                    // CUDA (opt-in): the rows' gathers and their dequantize
+                    // in one launch.
+                    return quant_embed::embed(ids, &q.weight, &q.scales, b, q.spec, self.dtype);
+                }
                 let w = q.weight.take(ids, 0)?;
                 let s = q.scales.take(ids, 0)?;
                 let b = q.biases.as_ref().map(|b| b.take(ids, 0)).transpose()?;
