@@ -816,10 +816,14 @@ def kernel_bench():
     MLX's `gemv_single` and each walk of ours, and the 8B-A1B's 4-bit
     shapes through MLX's qmv and our two quantized GEMVs, on the same operands; ncu
     flushes the caches before each launch, so a product's weights come from
-    DRAM as a step's do): µs a launch and GB/s, per arm and shape. No
-    checkpoint needed (~1 minute)."""
+    DRAM as a step's do): µs a launch and GB/s, per arm and shape. Then the
+    `scalar-*` arms: one small kernel reading its scalar from a template
+    constant, from device memory, from MLX's managed pool (GPU-written, host
+    made once, host made each launch): whether a step's kernels pay for the
+    position and eps they read from managed memory. No checkpoint needed
+    (~1 minute)."""
     rep = WORK / "kernel-bench"
-    cmd = ["ncu", "--clock-control", "none", "-f", "-o", rep, "--kernel-name", "regex:gemv|qmv",
+    cmd = ["ncu", "--clock-control", "none", "-f", "-o", rep, "--kernel-name", "regex:gemv|qmv|lfm_bench_scale",
            "--metrics", "gpu__time_duration.sum,dram__bytes_read.sum",
            BENCH, "--kernel-bench", "--device", "gpu", "--reps", "3"]
     r = sh(cmd, "kernel-bench", check=False)
@@ -849,8 +853,10 @@ def kernel_bench():
         med = us[len(us) // 2] if us else None
         record(engine="kernel-bench", arm=p["arm"], n=p["n"], k=p["k"], launches=len(mine),
                kernels=sorted({x["Kernel Name"][:60] for x in mine}), us_median=med, us_min=us[0] if us else None,
-               # (bf16 weights, or 4-bit with a bf16 scale and bias a group of 64)
-               gbps_median=(p["n"] * p["k"] * (0.5625 if "q4" in p["arm"] else 2) / (med * 1e3)) if med else None,
+               # (bf16 weights, or 4-bit with a bf16 scale and bias a group of 64;
+               # the scalar arms read one row, their time is the figure)
+               gbps_median=(p["n"] * p["k"] * (0.5625 if "q4" in p["arm"] else 2) / (med * 1e3))
+               if med and not p["arm"].startswith("scalar") else None,
                dram_read_bytes_median=sorted(read)[len(read) // 2] if read else None,
                wall_us_median=wall.get("wall_us_median"))
     if at != len(rows):

@@ -126,6 +126,12 @@ pub fn run(reps: usize) -> mlx_lfm::Result<()> {
         }
         sets.push((n, k, x, weights, arms.clone()));
     }
+    let scalar = if cuda { Some(ScalarReads::new()?) } else { None };
+    if scalar.is_some() {
+        for name in SCALAR_ARMS {
+            plan.push(serde_json::json!({"arm": name, "n": SCALAR_N, "k": 1, "launches": SCALAR_LAUNCHES * reps}));
+        }
+    }
     println!("{}", serde_json::json!({"kernel_bench_plan": plan}));
     for (n, k, x, weights, arms) in &sets {
         for (name, switches) in arms {
@@ -142,14 +148,85 @@ pub fn run(reps: usize) -> mlx_lfm::Result<()> {
                 }
                 Ok(())
             })?;
-            walls.sort_by(f64::total_cmp);
-            let median = walls[walls.len() / 2];
-            println!(
-                "{}",
-                serde_json::json!({"kernel_bench": name, "n": n, "k": k, "launches": walls.len(),
-                    "wall_us_median": median, "wall_us_min": walls[0], "backend": mlx_lfm::mlx::runtime::backend().name()})
-            );
+            print_walls(name, *n, *k, walls);
+        }
+    }
+    if let Some(s) = &scalar {
+        for name in SCALAR_ARMS {
+            let mut walls = vec![];
+            for _ in 0..reps * SCALAR_LAUNCHES {
+                let t = Instant::now();
+                let y = s.launch(name)?;
+                mlx::eval(&[&y])?;
+                walls.push(t.elapsed().as_secs_f64() * 1e6);
+            }
+            print_walls(name, SCALAR_N, 1, walls);
         }
     }
     Ok(())
+}
+
+fn print_walls(name: &str, n: i32, k: i32, mut walls: Vec<f64>) {
+    walls.sort_by(f64::total_cmp);
+    let median = walls[walls.len() / 2];
+    println!(
+        "{}",
+        serde_json::json!({"kernel_bench": name, "n": n, "k": k, "launches": walls.len(),
+            "wall_us_median": median, "wall_us_min": walls[0], "backend": mlx_lfm::mlx::runtime::backend().name()})
+    );
+}
+
+/// Where a kernel's scalar operand lives, and whether that costs the GPU:
+/// MLX 0.32.4's CUDA allocator puts every array of at most 8 bytes, and
+/// every array made from host data, in managed memory (a small pool of
+/// pages the GPU maps, `cudaMemAdviseSetAccessedBy`), and a decode step's
+/// kernels read such scalars (the position, made on the host each token;
+/// the norms' eps, made once). The same small kernel (`y = x * s[0]` over
+/// one row) with its scalar as a template constant, from a 16-byte array
+/// the GPU wrote (device memory), from a 4-byte one it wrote (the pool),
+/// from a 4-byte host array made once, and from one made anew each launch.
+const SCALAR_ARMS: [&str; 5] = ["scalar-const", "scalar-device16", "scalar-device4", "scalar-host-kept", "scalar-host-fresh"];
+const SCALAR_N: i32 = 2048;
+const SCALAR_LAUNCHES: usize = 20;
+
+struct ScalarReads {
+    read: mlx_lfm::mlx::kernel::CudaKernel,
+    constant: mlx_lfm::mlx::kernel::CudaKernel,
+    x: Array,
+    device16: Array,
+    device4: Array,
+    kept: Array,
+}
+
+impl ScalarReads {
+    fn new() -> mlx_lfm::Result<ScalarReads> {
+        use mlx_lfm::mlx::kernel::CudaKernel;
+        let body = "const int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < x_shape[0]) y[i] = x[i] * S;";
+        let read = CudaKernel::new("lfm_bench_scale_read", &["x", "s"], &["y"], &body.replace("S;", "s[0];"), "")?;
+        let constant = CudaKernel::new("lfm_bench_scale_const", &["x"], &["y"], &body.replace("S;", "1.5f;"), "")?;
+        let x = normal(&[SCALAR_N], Dtype::Float32, 0.0, 1.0, None)?;
+        let ones4 = mlx::full(&[4], 1.5, Dtype::Float32)?;
+        let device16 = ones4.mul_scalar(1.0)?;
+        let device4 = device16.slice_axis(0, 0, 1)?.add_scalar(0.0)?;
+        let kept = Array::from_slice(&[1.5f32], &[1])?;
+        mlx::eval(&[&x, &device16, &device4, &kept])?;
+        Ok(ScalarReads { read, constant, x, device16, device4, kept })
+    }
+
+    fn launch(&self, arm: &str) -> mlx_lfm::Result<Array> {
+        let out = [(&[SCALAR_N][..], Dtype::Float32)];
+        let (grid, block) = ([SCALAR_N, 1, 1], [256, 1, 1]);
+        let fresh;
+        let s = match arm {
+            "scalar-const" => return Ok(self.constant.call(&[&self.x], &out, grid, block, &[])?.remove(0)),
+            "scalar-device16" => &self.device16,
+            "scalar-device4" => &self.device4,
+            "scalar-host-kept" => &self.kept,
+            _ => {
+                fresh = Array::from_slice(&[1.5f32], &[1])?;
+                &fresh
+            }
+        };
+        Ok(self.read.call(&[&self.x, s], &out, grid, block, &[])?.remove(0))
+    }
 }
