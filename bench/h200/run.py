@@ -109,7 +109,8 @@ Session 25 was lent no machine (new loans paused): it wrote, for the
 next, the prompt's short conv as one kernel (`conv-prefill`, opt-in, its
 test `conv_prefill_kernel_matches_stock_ops` and a greedy set) and its
 q/k/v norm + RoPE (`qkv-prefill`, likewise) and the 8B-A1B's quantized
-embedding (`quant-embed`, seven nodes of its step as one), made the
+embedding (`quant-embed`, seven nodes of its step as one) and a decode
+attention over position chunks (`attention-chunks-8`/`-4`), made the
 feed-forward's gate one MLX compiled kernel in a prompt's pass (a default
 everywhere, `fused-swiglu-off` measures it; its test
 `fused_gate_equals_the_ops` holds it to the ops' bits, on the CPU so far)
@@ -127,13 +128,15 @@ session 24's run and the cases its review added; short_conv.rs's and
 qk_norm_rope.rs's new kernels (the decode kernels' launch helper
 changed with them) and the fused gate on CUDA; the greedy test's sets of the down
 kernel's columns, the 8-wide split, the conv and q/k/v prefill, the
-quantized embedding; ~400 s with
+quantized embedding, the attention's chunks; ~400 s with
 H200_KERNEL_JOBS=5); `checkpoints` of the three models with
 `H200_AB_VARIANTS=conv-prefill,qkv-prefill,norm-kernel-all-rows,fused-swiglu-off,batch1-matmul-prompts-off
 ab pick`
 (prefill variants: the 350M's and the 8B-A1B's P=512 targets are the ones
 not met; ~350 s) and `H200_MODELS=lfm2-8b-a1b-q4 H200_AB_VARIANTS=quant-embed
-ab pick` (decode, where its host bounds the step); a GPU-time `ab` (H200_AB_GPU_TIME=1) of `moe-down-c4` on
+ab pick` (decode, where its host bounds the step) and
+`H200_MODELS=lfm2-1.2b-bf16 H200_AB_VARIANTS=attention-chunks-8,attention-chunks-4
+ab pick` (the 1.2B's step is bound by its GPU); a GPU-time `ab` (H200_AB_GPU_TIME=1) of `moe-down-c4` on
 the 8B-A1B alone, `H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4
 profile-prefill`, `kernel-bench` and `dispatch-cost` (its
 `custom_kernel_8_inputs` arm: whether MLX's cost a node grows with its
@@ -1220,6 +1223,13 @@ AB = {
     # run in another order (the stock ops' tolerance, the greedy tokens).
     "attention-split": ({"MLX_LFM_DECODE_ATTENTION_SPLIT": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "attention-split-8": ({"MLX_LFM_DECODE_ATTENTION_SPLIT": "8"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # The positions over N blocks a KV head, its query heads together, and
+    # a join launch (session 25): 64 (32) blocks a launch scoring ~70 (~140)
+    # positions each, where the default's 32 walk all ~550 and the split's
+    # 128 each still scored them all. A node more an attention layer (6 a
+    # step): for the 1.2B, whose GPU bounds its step.
+    "attention-chunks-8": ({"MLX_LFM_DECODE_ATTENTION_CHUNKS": "8"}, ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    "attention-chunks-4": ({"MLX_LFM_DECODE_ATTENTION_CHUNKS": "4"}, ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     # The conv layer's in_proj GEMV folded in front of its step (a warp a
     # channel walks its B, C and x rows in MLX's GEMV order, the same bits):
     # a launch fewer a conv layer and token, the [1, 3D] product never
@@ -1366,6 +1376,8 @@ AB_TESTS = {
     "attention-smem": ["decode_attention_kernel_matches_stock_ops"],
     "attention-split": ["decode_attention_kernel_matches_stock_ops", "greedy:MLX_LFM_DECODE_ATTENTION_SPLIT"],
     "attention-split-8": ["decode_attention_kernel_matches_stock_ops", "greedy:attention-split-8"],
+    **{v: ["decode_attention_kernel_matches_stock_ops", "greedy:MLX_LFM_DECODE_ATTENTION_CHUNKS"]
+       for v in ("attention-chunks-8", "attention-chunks-4")},
     **{v: ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops",
            "greedy:default"] for v in ("gemv-max-k-2048-c2", "gemv-max-k-2048-c4", "gemv-c2", "gemv-c4")},
     **{v: ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops",
@@ -1402,7 +1414,7 @@ PICK = [
     (["conv-gemv"], "decode"),
     (["quant-embed"], "decode"),
     (["moe-down-c2", "moe-down-c4"], "decode"),
-    (["attention-smem", "attention-split", "attention-split-8"], "decode"),
+    (["attention-smem", "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4"], "decode"),
     (["norm-runs-guarded"], "decode"),
     (["fold-early"], "decode"),
     (["router-norm-off", "router-norm-narrow"], "decode"),
@@ -1423,7 +1435,7 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "gemv-max-k-2048-no-fold", "gemv-max-k-2048-early", "gemv-max-k-2048-early-guarded", "fold-early",
                "gemv-max-k-2048-c2", "gemv-max-k-2048-c4", "gemv-max-k-2048-c2-early-guarded",
                "gemv-max-k-2048-c4-early-guarded", "gemv-c2", "gemv-c4", "swiglu-gemv-1024", "attention-smem",
-               "attention-split", "attention-split-8", "conv-gemv",
+               "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4", "conv-gemv",
                "moe-down-c2", "moe-down-c4"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
@@ -1437,7 +1449,8 @@ SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]
 # its decode (>= 0.97); else the pick is dropped with all its switches
 # (the 1.2B's K = 2048 kernels without their columns are session 19's
 # 0.87x).
-SHARED_WHOLE = ["MLX_LFM_GEMV_COLS", "MLX_LFM_DECODE_ATTENTION_SMEM", "MLX_LFM_DECODE_ATTENTION_SPLIT"]
+SHARED_WHOLE = ["MLX_LFM_GEMV_COLS", "MLX_LFM_DECODE_ATTENTION_SMEM", "MLX_LFM_DECODE_ATTENTION_SPLIT",
+                "MLX_LFM_DECODE_ATTENTION_CHUNKS"]
 
 
 def ab_models():

@@ -55,6 +55,22 @@ KERNELS = {
         [("out", "T"), ("sc", "float")],
         lambda dt: [("HD", 64), ("SCALE_BITS", 1040187392), ("PER_ROW", 1)],
     ),
+    # The positions in chunks (MLX_LFM_DECODE_ATTENTION_CHUNKS) and their join.
+    "decode_attention.rs#part": (
+        [("q", "T"), ("k", "T"), ("v", "T"), ("mask", "bool")],
+        [("parts", "float"), ("sc", "float")],
+        lambda dt: [("HD", 64), ("R", 4), ("CHUNKS", 8), ("SCALE_BITS", 1040187392)],
+    ),
+    "decode_attention.rs#part@upto": (
+        [("q", "T"), ("k", "T"), ("v", "T"), ("upto", "int")],
+        [("parts", "float"), ("sc", "float")],
+        lambda dt: [("HD", 64), ("R", 4), ("CHUNKS", 8), ("SCALE_BITS", 1040187392), ("PER_ROW", 1)],
+    ),
+    "decode_attention.rs#join": (
+        [("parts", "float")],
+        [("out", "T")],
+        lambda dt: [("HD", 64), ("CHUNKS", 8)],
+    ),
     "decode_attention.rs@upto-split8": (
         [("q", "T"), ("k", "T"), ("v", "T"), ("upto", "int")],
         [("out", "T"), ("sc", "float")],

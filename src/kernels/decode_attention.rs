@@ -211,6 +211,193 @@ const SOURCE: &str = r#"
 #endif
 "#;
 
+/// The positions split over CHUNKS blocks a KV head
+/// (`MLX_LFM_DECODE_ATTENTION_CHUNKS=N`, opt-in until its H200 test and
+/// A/B), each block scoring its chunk for the R query heads that read that
+/// KV head (K and V loaded once for all of them) and keeping, a head, the
+/// chunk's max score, its sum of `exp(s - max)` and its unnormalised `sum
+/// exp(s - max) v` (float32 `[B, H, CHUNKS, HD + 2]`); [`JOIN_SOURCE`]
+/// then joins a head's chunks. Session 22's ncu timed the one-block-a-head
+/// kernel at 15.7 us a launch over ~550 positions: 32 blocks on the H200's
+/// 132 SMs, each walking every position in dependent passes; the split by
+/// output elements (`attention-split`, four times the blocks, each still
+/// scoring every position) moved nothing. Scores are the default kernel's
+/// (the same sums, rounded to the dtype); the probabilities are not
+/// rounded before `p * v` and are normalised after the join, so the output
+/// is held to MLX's within the default's tolerance, not to its bits.
+const PART_SOURCE: &str = r#"
+  constexpr int E = 16 / sizeof(T);
+  constexpr int G = HD / 8;
+  constexpr int GROUPS = 256 / G;
+  const int H = q_shape[1];
+  const int KVH = k_shape[1];
+  const int N = k_shape[2];
+  const int kvh = blockIdx.x / CHUNKS;
+  const int c = blockIdx.x % CHUNKS;
+  const int b = blockIdx.y;
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const float scale = __int_as_float(SCALE_BITS);
+  __VALIDITY__
+  const int L = (NV + CHUNKS - 1) / CHUNKS;
+  const int lo = c * L;
+  const int hi = lo + L < NV ? lo + L : NV;
+  const size_t head = static_cast<size_t>(b) * KVH + kvh;
+  const T* kp = k + head * N * HD;
+  const T* vp = v + head * N * HD;
+  __shared__ float qs[R * HD];
+  __shared__ float red[8 * R];
+  __shared__ float accs[GROUPS * HD];
+  for (int i = tid; i < R * HD; i += 256) {
+    const int r = i / HD;
+    const T* qp = q + (static_cast<size_t>(b) * H + kvh * R + r) * HD;
+    qs[i] = static_cast<float>(T(static_cast<float>(qp[i - r * HD]) * scale));
+  }
+  __syncthreads();
+  // Head r's scores (then its exp(s - max)) over this chunk: srow[r * N + n].
+  float* srow = sc + (static_cast<size_t>(b) * H + kvh * R) * N;
+  // x[r] of every thread to the block's max or sum for each head r.
+  auto reduce_heads = [&](float* x, bool is_max) {
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+      float y = x[r];
+      for (int off = 16; off > 0; off >>= 1) {
+        const float z = __shfl_xor_sync(0xffffffff, y, off);
+        y = is_max ? fmaxf(y, z) : y + z;
+      }
+      if (tid % 32 == 0) red[warp * R + r] = y;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+      float y = red[r];
+      for (int w = 1; w < 8; w++) y = is_max ? fmaxf(y, red[w * R + r]) : y + red[w * R + r];
+      x[r] = y;
+    }
+    __syncthreads();
+  };
+  const float neg_inf = -__int_as_float(0x7f800000);
+  float m[R];
+#pragma unroll
+  for (int r = 0; r < R; r++) m[r] = neg_inf;
+  // (Read through a volatile view: R * HD query values do not fit in
+  // registers, and ptxas would otherwise hoist them all out of the loop and
+  // spill; one broadcast shared load a product instead.)
+  const volatile float* qv = qs;
+  for (int n = lo + tid; n < hi; n += 256) {
+    if (!valid(n)) continue;
+    const uint4* kr = reinterpret_cast<const uint4*>(kp + static_cast<size_t>(n) * HD);
+    float s[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) s[r] = 0.0f;
+    constexpr int CH = HD / E < 8 ? HD / E : 8;
+    for (int c0 = 0; c0 < HD / E; c0 += CH) {
+      uint4 raw[CH];
+#pragma unroll
+      for (int cc = 0; cc < CH; cc++) raw[cc] = kr[c0 + cc];
+#pragma unroll
+      for (int cc = 0; cc < CH; cc++) {
+        const T* e = reinterpret_cast<const T*>(&raw[cc]);
+#pragma unroll
+        for (int j = 0; j < E; j++) {
+          const float kv = static_cast<float>(e[j]);
+#pragma unroll
+          for (int r = 0; r < R; r++) s[r] += qv[r * HD + (c0 + cc) * E + j] * kv;
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+      const float sr = static_cast<float>(T(s[r]));
+      srow[static_cast<size_t>(r) * N + n] = sr;
+      m[r] = fmaxf(m[r], sr);
+    }
+  }
+  reduce_heads(m, true);
+  float l[R];
+#pragma unroll
+  for (int r = 0; r < R; r++) l[r] = 0.0f;
+  for (int n = lo + tid; n < hi; n += 256) {
+    if (!valid(n)) continue;
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+      const float e = expf(srow[static_cast<size_t>(r) * N + n] - m[r]);
+      srow[static_cast<size_t>(r) * N + n] = e;
+      l[r] += e;
+    }
+  }
+  reduce_heads(l, false);
+  const int lane = tid % G;
+  const int grp = tid / G;
+  float acc[R][8];
+#pragma unroll
+  for (int r = 0; r < R; r++) {
+#pragma unroll
+    for (int i = 0; i < 8; i++) acc[r][i] = 0.0f;
+  }
+  constexpr int VL = 8 / E > 0 ? 8 / E : 1;
+#pragma unroll 2
+  for (int n = lo + grp; n < hi; n += GROUPS) {
+    if (!valid(n)) continue;
+    const uint4* vr = reinterpret_cast<const uint4*>(vp + static_cast<size_t>(n) * HD + lane * 8);
+    uint4 raw[VL];
+#pragma unroll
+    for (int cc = 0; cc < VL; cc++) raw[cc] = vr[cc];
+    const T* e = reinterpret_cast<const T*>(raw);
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+      const float p = srow[static_cast<size_t>(r) * N + n];
+#pragma unroll
+      for (int i = 0; i < 8; i++) acc[r][i] += p * static_cast<float>(e[i]);
+    }
+  }
+  float* part = parts + ((static_cast<size_t>(b) * H + kvh * R) * CHUNKS + c) * (HD + 2);
+#pragma unroll
+  for (int r = 0; r < R; r++) {
+#pragma unroll
+    for (int i = 0; i < 8; i++) accs[grp * HD + lane * 8 + i] = acc[r][i];
+    __syncthreads();
+    float* pr = part + static_cast<size_t>(r) * CHUNKS * (HD + 2);
+    for (int d = tid; d < HD; d += 256) {
+      float o = 0.0f;
+      for (int g = 0; g < GROUPS; g++) o += accs[g * HD + d];
+      pr[d] = o;
+    }
+    if (tid == 0) {
+      pr[HD] = m[r];
+      pr[HD + 1] = l[r];
+    }
+    __syncthreads();
+  }
+"#;
+
+/// A head's chunks joined: the largest chunk max M, each chunk's sums
+/// scaled by `exp(max - M)`, the output `sum / total` rounded once (0 for a
+/// row with no valid position, as the default kernel gives).
+const JOIN_SOURCE: &str = r#"
+  const int h = blockIdx.x;
+  const int b = blockIdx.y;
+  const int d = threadIdx.x;
+  const int H = parts_shape[1];
+  if (d >= HD) return;
+  const float* p = parts + (static_cast<size_t>(b) * H + h) * CHUNKS * (HD + 2);
+  const float neg_inf = -__int_as_float(0x7f800000);
+  float top = neg_inf;
+  for (int c = 0; c < CHUNKS; c++) top = fmaxf(top, p[c * (HD + 2) + HD]);
+  float total = 0.0f;
+  float o = 0.0f;
+  if (top != neg_inf) {
+    for (int c = 0; c < CHUNKS; c++) {
+      const float mc = p[c * (HD + 2) + HD];
+      if (mc == neg_inf) continue;
+      const float w = expf(mc - top);
+      total += p[c * (HD + 2) + HD + 1] * w;
+      o += p[c * (HD + 2) + d] * w;
+    }
+  }
+  out[(static_cast<size_t>(b) * H + h) * HD + d] = T(total > 0.0f ? o / total : 0.0f);
+"#;
+
 /// The boolean mask's validity: its row (shared or the query row's).
 const MASK_VALID: &str = "const bool* mp = mask + static_cast<size_t>(mask_shape[0] == 1 ? 0 : b) * N;
   const int NV = N;
@@ -303,6 +490,92 @@ fn split_dims() -> Option<i32> {
         Some("8") => Some(8),
         _ => None,
     })
+}
+
+/// `MLX_LFM_DECODE_ATTENTION_CHUNKS=N` (2 to 64; opt-in until its H200
+/// A/B): the positions over N blocks a KV head ([`PART_SOURCE`]), joined
+/// by a second launch. Before the split and the shared scores.
+fn chunks() -> Option<i32> {
+    static N: OnceLock<Option<i32>> = OnceLock::new();
+    if super::forced("MLX_LFM_DECODE_ATTENTION_CHUNKS") {
+        return Some(8);
+    }
+    crate::knobs::cached("MLX_LFM_DECODE_ATTENTION_CHUNKS", &N, |v| {
+        v.and_then(|v| v.trim().parse::<i32>().ok()).filter(|n| (2..=64).contains(n))
+    })
+}
+
+/// Query heads a KV head may serve in the chunked kernel (its registers
+/// hold R x 8 partial sums a lane; ptxas: 72-96 registers at R = 4, no
+/// spills). The 350M's 2, the 1.2B's and the 8B-A1B's 4.
+const CHUNKED_MAX_R: i32 = 4;
+
+fn chunked_kernels(upto: bool) -> Option<(&'static CudaKernel, &'static CudaKernel)> {
+    static PART: [OnceLock<Option<CudaKernel>>; 2] = [const { OnceLock::new() }; 2];
+    static JOIN: OnceLock<Option<CudaKernel>> = OnceLock::new();
+    let (name, bound, validity) = match upto {
+        true => ("lfm_decode_attention_part_upto", "upto", UPTO_VALID),
+        false => ("lfm_decode_attention_part", "mask", MASK_VALID),
+    };
+    let part = PART[usize::from(upto)]
+        .get_or_init(|| CudaKernel::new(name, &["q", "k", "v", bound], &["parts", "sc"], &PART_SOURCE.replace("__VALIDITY__", validity), "").ok())
+        .as_ref()?;
+    let join = JOIN.get_or_init(|| CudaKernel::new("lfm_decode_attention_join", &["parts"], &["out"], JOIN_SOURCE, "").ok()).as_ref()?;
+    Some((part, join))
+}
+
+/// The chunked launch pair, where it is on and serves the heads (at most
+/// [`CHUNKED_MAX_R`] query heads a KV head); None otherwise.
+#[allow(clippy::too_many_arguments)]
+fn launch_chunked(
+    upto: bool,
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    bound: &Array,
+    scale: f32,
+    extra: &[(&'static str, TemplateArg)],
+    rows: bool,
+) -> Result<Option<Array>> {
+    let Some(c) = chunks() else { return Ok(None) };
+    let (b, h, hd) = (q.dim(0), q.dim(1), q.dim(3));
+    let (kvh, n) = (k.dim(1), k.dim(2));
+    let r = h / kvh;
+    if r > CHUNKED_MAX_R {
+        return Ok(None);
+    }
+    let Some((part, join)) = chunked_kernels(upto) else { return Ok(None) };
+    let dt = q.dtype();
+    let too_many = || Error::invalid("too many heads for the decode attention kernel");
+    let gx = kvh.checked_mul(c).and_then(|x| x.checked_mul(THREADS)).ok_or_else(too_many)?;
+    let mut template = vec![
+        ("HD", TemplateArg::Int(hd)),
+        ("R", TemplateArg::Int(r)),
+        ("CHUNKS", TemplateArg::Int(c)),
+        ("SCALE_BITS", TemplateArg::Int(scale.to_bits() as i32)),
+        ("T", TemplateArg::Dtype(dt)),
+    ];
+    template.extend(extra.iter().cloned());
+    let outs = part.call(
+        &[q, k, v, bound],
+        &[(&[b, h, c, hd + 2], Dtype::Float32), (&[b, h, n], Dtype::Float32)],
+        [gx, b, 1],
+        [THREADS, 1, 1],
+        &template,
+    )?;
+    let parts = outs.into_iter().next().ok_or_else(|| Error::mlx("decode attention chunks: missing output"))?;
+    let width = h.checked_mul(hd).ok_or_else(too_many)?;
+    let out_shape = if rows { vec![b, width] } else { vec![b, h, 1, hd] };
+    let block = hd.max(32);
+    let gj = h.checked_mul(block).ok_or_else(too_many)?;
+    let mut outs = join.call(
+        &[&parts],
+        &[(&out_shape, dt)],
+        [gj, b, 1],
+        [block, 1, 1],
+        &[("HD", TemplateArg::Int(hd)), ("CHUNKS", TemplateArg::Int(c)), ("T", TemplateArg::Dtype(dt))],
+    )?;
+    Ok(Some(outs.pop().ok_or_else(|| Error::mlx("decode attention join: missing output"))?))
 }
 
 /// The variant a launch over `n` positions of head size `hd` takes (the
@@ -408,8 +681,11 @@ pub fn upto_available(q: &Array, k: &Array, v: &Array, upto: &Array) -> bool {
 /// heads, 1, head_dim]`), what a decode step's output projection reads,
 /// with no reshape node after it.
 pub fn sdpa_upto(q: &Array, k: &Array, v: &Array, scale: f32, upto: &Array, rows: bool) -> Result<Array> {
-    let per_row = i32::from(upto.ndim() == 1);
-    launch(upto_kernel, q, k, v, upto, scale, vec![("PER_ROW", TemplateArg::Int(per_row))], rows)
+    let per_row = vec![("PER_ROW", TemplateArg::Int(i32::from(upto.ndim() == 1)))];
+    if let Some(out) = launch_chunked(true, q, k, v, upto, scale, &per_row, rows)? {
+        return Ok(out);
+    }
+    launch(upto_kernel, q, k, v, upto, scale, per_row, rows)
 }
 
 /// `softmax(q k^T * scale, masked) v` for one query token: the kernel where
@@ -417,6 +693,9 @@ pub fn sdpa_upto(q: &Array, k: &Array, v: &Array, scale: f32, upto: &Array, rows
 pub fn sdpa_masked(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Array) -> Result<Array> {
     if !available(q, k, v, mask) {
         return mlx::sdpa(q, k, v, scale, Mask::Array(mask));
+    }
+    if let Some(out) = launch_chunked(false, q, k, v, mask, scale, &[], false)? {
+        return Ok(out);
     }
     launch(kernel, q, k, v, mask, scale, vec![], false)
 }
@@ -472,7 +751,7 @@ fn launch(
 
 #[cfg(test)]
 mod tests {
-    use super::{variant, Variant};
+    use super::{chunks, variant, Variant};
     use crate::knobs::with_overrides;
 
     fn with(vars: &[(&str, &str)], f: impl FnOnce()) {
@@ -503,5 +782,14 @@ mod tests {
         let off = |v| [("MLX_LFM_DECODE_ATTENTION_SPLIT", v), ("MLX_LFM_DECODE_ATTENTION_SMEM", "0")];
         with(&off("0"), || assert_eq!(variant(768, 64), Variant::Plain));
         with(&off("2"), || assert_eq!(variant(768, 64), Variant::Plain));
+    }
+
+    /// The chunked variant's count: 2 to 64 chunks, anything else off.
+    #[test]
+    fn attention_chunks_take_two_to_sixty_four() {
+        for (v, want) in [("8", Some(8)), ("2", Some(2)), ("64", Some(64)), (" 4 ", Some(4)), ("1", None), ("65", None), ("x", None), ("0", None)] {
+            with(&[("MLX_LFM_DECODE_ATTENTION_CHUNKS", v)], || assert_eq!(chunks(), want, "{v:?}"));
+        }
+        crate::kernels::with_opt_in_one("MLX_LFM_DECODE_ATTENTION_CHUNKS", || assert_eq!(chunks(), Some(8)));
     }
 }

@@ -443,9 +443,11 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     alone.push("MLX_LFM_CONV_GEMV_KERNEL");
                 }
                 // A prompt's conv and its q/k/v in one kernel each: the
-                // 37-token prompt's pass.
+                // 37-token prompt's pass. The decode attention over
+                // position chunks (8 a KV head under the opt-in).
                 alone.push("MLX_LFM_CONV_PREFILL_KERNEL");
                 alone.push("MLX_LFM_QKV_PREFILL_KERNEL");
+                alone.push("MLX_LFM_DECODE_ATTENTION_CHUNKS");
                 for var in alone {
                     runs.push((var, crate::kernels::with_opt_in_one(var, || run(Some(&stock))).0));
                 }
@@ -928,6 +930,13 @@ fn decode_attention_kernel_matches_stock_ops() {
     fn with_split<R>(dims: &str, f: impl FnOnce() -> R) -> R {
         crate::knobs::with_overrides(&[("MLX_LFM_DECODE_ATTENTION_SPLIT".to_string(), Some(dims.to_string()))], f)
     }
+    // The chunked variant's counts (MLX_LFM_DECODE_ATTENTION_CHUNKS: the
+    // positions over N blocks a KV head, then a join): few, the default
+    // A/B's, and more chunks than some rows have positions.
+    const CHUNKS: [&str; 3] = ["2", "8", "64"];
+    fn with_chunks<R>(n: &str, f: impl FnOnce() -> R) -> R {
+        crate::knobs::with_overrides(&[("MLX_LFM_DECODE_ATTENTION_CHUNKS".to_string(), Some(n.to_string()))], f)
+    }
     use crate::kernels::decode_attention::{available, sdpa_masked};
     use crate::mlx::random::normal;
     use crate::mlx::{arange, sdpa, Array, Mask};
@@ -969,6 +978,14 @@ fn decode_attention_kernel_matches_stock_ops() {
                 let worst = worst_relative(&split, &want);
                 assert!(worst <= tol, "{dt:?} {b}x{h}/{kvh}x{hd} over {n} ({filled:?}): the split variant ({dims}) differs by {worst}, over {tol}");
             }
+            // The chunked variant: probabilities unrounded and normalised
+            // after the join, so held to MLX's within the same bound.
+            for c in CHUNKS {
+                let chunked = with_chunks(c, || sdpa_masked(&q, &k, &v, scale, &mask).unwrap());
+                assert_eq!(chunked.shape(), want.shape());
+                let worst = worst_relative(&chunked, &want);
+                assert!(worst <= tol, "{dt:?} {b}x{h}/{kvh}x{hd} over {n} ({filled:?}): {c} chunks differ by {worst}, over {tol}");
+            }
             let last = Array::from_slice(&filled.iter().map(|f| f - 1).collect::<Vec<i32>>(), &[filled.len() as i32]).unwrap();
             let last = if filled.len() == 1 { last.reshape(&[]).unwrap() } else { last };
             if crate::kernels::decode_attention::upto_available(&q, &k, &v, &last) {
@@ -985,6 +1002,16 @@ fn decode_attention_kernel_matches_stock_ops() {
                     let split = with_split(dims, || crate::kernels::decode_attention::sdpa_upto(&q, &k, &v, scale, &last, false).unwrap());
                     let worst = worst_relative(&split, &want);
                     assert!(worst <= tol, "{dt:?} {b}x{h}/{kvh}x{hd} up to {filled:?}: the split variant ({dims}) differs from MLX's by {worst}, over {tol}");
+                }
+                for c in CHUNKS {
+                    let (chunked, chunked_rows) = with_chunks(c, || {
+                        let up = |rows| crate::kernels::decode_attention::sdpa_upto(&q, &k, &v, scale, &last, rows).unwrap();
+                        (up(false), up(true))
+                    });
+                    let worst = worst_relative(&chunked, &want);
+                    assert!(worst <= tol, "{dt:?} {b}x{h}/{kvh}x{hd} up to {filled:?}: {c} chunks differ from MLX's by {worst}, over {tol}");
+                    assert_eq!(chunked_rows.shape(), [b, h * hd], "{dt:?} {b}x{h}/{kvh}x{hd}: {c} chunks' rows");
+                    assert_eq!(differing(&chunked_rows, &chunked.reshape(&[b, h * hd]).unwrap()), 0, "{dt:?}: {c} chunks' rows differ");
                 }
             }
         }
@@ -1010,6 +1037,11 @@ fn decode_attention_kernel_matches_stock_ops() {
             let split = with_split(dims, || sdpa_masked(&q, &k, &v, scale, &mask).unwrap());
             let worst = worst_relative(&split, &want);
             assert!(worst <= 1.6e-2, "head size {hd}, {n} positions: the split variant ({dims}) differs from MLX's by {worst}");
+        }
+        for c in CHUNKS {
+            let chunked = with_chunks(c, || sdpa_masked(&q, &k, &v, scale, &mask).unwrap());
+            let worst = worst_relative(&chunked, &want);
+            assert!(worst <= 1.6e-2, "head size {hd}, {n} positions: {c} chunks differ from MLX's by {worst}");
         }
     }
 }
