@@ -229,11 +229,13 @@ def named(path, name):
 def body_and_header(path, which="SOURCE"):
     text = path.read_text()
     if path.name == "qk_norm_rope.rs":
-        # Each body is its own prefix, then the shared norm + RoPE body
-        # (`concat!` of a raw string and the `norm_rope_body!` macro's).
-        prefix = re.search(which + r': &str = concat!\(\s*r#"(.*?)"#,', text, re.S).group(1)
-        body = re.search(r'macro_rules! norm_rope_body \{.*?r#"(.*?)"#', text, re.S).group(1)
-        return prefix + body, ""
+        # Each body is a `concat!` of raw strings and macros (`qkv_heads!`,
+        # `norm_rope_body!`), each macro one raw string: joined in order.
+        start = re.search(which + r': &str = concat!\(', text).end()
+        end = text.index("\n);", start)
+        macro = lambda m: re.search(r'macro_rules! ' + m + r' \{.*?r#"(.*?)"#', text, re.S).group(1)
+        parts = re.findall(r'r#"(.*?)"#|(\w+)!\(\)', text[start:end], re.S)
+        return "".join(lit if name == "" else macro(name) for lit, name in parts), ""
     src = re.search(which + r': &str = r#"(.*?)"#;', text, re.S).group(1)
     if path.name == "norm_gemv.rs":
         # As norm_gemv.rs joins them: PROLOGUE before each body; the add +

@@ -104,19 +104,29 @@ const SOURCE: &str = concat!(
 /// The same over a stacked q/k/v projection's rows `[B, (H + 2 KVH) HD]`
 /// (no split, no reshapes: seven nodes of a decode step's attention layer
 /// become this one), v copied out heads-first beside q and k.
-const QKV_SOURCE: &str = concat!(
-    r#"
+// A thread's head and its role among a stacked projection's q, k and v
+// heads (QH, KVH, KVH of them), its lane `t` within the head.
+macro_rules! qkv_heads {
+    () => {
+        r#"
   constexpr int NR = 16 / sizeof(T);
   constexpr int TPH = HD / NR;
   constexpr int HALF = HD / 2;
-  const int b = blockIdx.x;
   const int tid = threadIdx.x;
   const int head = tid / TPH;
   const int t = tid % TPH;
   const bool is_q = head < QH;
   const bool is_v = head >= QH + KVH;
   const bool live = head < QH + 2 * KVH;
-  // A row's heads lie in the projection's order: q's, k's, then v's.
+"#
+    };
+}
+
+const QKV_SOURCE: &str = concat!(
+    r#"
+  const int b = blockIdx.x;"#,
+    qkv_heads!(),
+    r#"  // A row's heads lie in the projection's order: q's, k's, then v's.
   const T* src = qkv + (static_cast<size_t>(b) * (QH + 2 * KVH) + head) * HD;
   const T* w = is_q ? qw : kw;
   T* dst = is_q ? qo + (static_cast<size_t>(b) * QH + head) * HD
@@ -138,20 +148,12 @@ const QKV_SOURCE: &str = concat!(
 /// time (a template constant would compile a kernel per length).
 const QKV_PREFILL_SOURCE: &str = concat!(
     r#"
-  constexpr int NR = 16 / sizeof(T);
-  constexpr int TPH = HD / NR;
-  constexpr int HALF = HD / 2;
   const int steps = qkv_shape[1];
   const int row = blockIdx.x;
   const int b = row / steps;
-  const int s = row - b * steps;
-  const int tid = threadIdx.x;
-  const int head = tid / TPH;
-  const int t = tid % TPH;
-  const bool is_q = head < QH;
-  const bool is_v = head >= QH + KVH;
-  const bool live = head < QH + 2 * KVH;
-  const T* src = qkv + (static_cast<size_t>(row) * (QH + 2 * KVH) + head) * HD;
+  const int s = row - b * steps;"#,
+    qkv_heads!(),
+    r#"  const T* src = qkv + (static_cast<size_t>(row) * (QH + 2 * KVH) + head) * HD;
   const T* w = is_q ? qw : kw;
   // (Threads past the last head compute an index they never write through.)
   const size_t hh = is_q ? static_cast<size_t>(b) * QH + head

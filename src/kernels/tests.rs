@@ -1776,6 +1776,17 @@ fn argmax_finite_kernel_matches_stock_ops() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// q, k and v from a kernel against the stock ops' (`what` names the
+/// case): the same shapes and bits.
+fn same_heads(what: &str, heads: [(&str, &crate::mlx::Array, crate::mlx::Array); 3]) {
+    for (name, got, want) in heads {
+        assert_eq!(got.shape(), want.shape(), "{what} {name}");
+        let worst = worst_relative(got, &want);
+        let differ = differing(got, &want);
+        assert_eq!(differ, 0, "{what} {name}: {differ} of {} values differ from the stock ops (worst {worst})", want.size());
+    }
+}
+
 /// The q/k/v norm + RoPE kernel over a stacked projection's rows against
 /// what the attention layer runs without it (the split, the reshapes to
 /// heads, MLX's rms_norm and rope; v reshaped): bit for bit, rows `[B, W]`
@@ -1826,12 +1837,7 @@ fn qkv_norm_rope_kernel_matches_stock_ops() {
                     }
                 };
                 let v = parts[2].reshape(&[b, kvh, 1, hd]).unwrap();
-                for (name, got, want) in [("q", &qo, stock(&parts[0], &qw, h)), ("k", &ko, stock(&parts[1], &kw, kvh)), ("v", &vo, v)] {
-                    assert_eq!(got.shape(), want.shape(), "{what} {name}");
-                    let worst = worst_relative(got, &want);
-                    let differ = differing(got, &want);
-                    assert_eq!(differ, 0, "{what} {name}: {differ} of {} values differ from the stock ops (worst {worst})", want.size());
-                }
+                same_heads(&what, [("q", &qo, stock(&parts[0], &qw, h)), ("k", &ko, stock(&parts[1], &kw, kvh)), ("v", &vo, v)]);
             }
         }
         // Not served: a width that is not the heads', a head dim that is no
@@ -1902,12 +1908,7 @@ fn qkv_prefill_kernel_matches_stock_ops() {
                     }
                 };
                 let v = heads_first(&parts[2], kvh);
-                for (name, got, want) in [("q", &qo, stock(&parts[0], &qw, h)), ("k", &ko, stock(&parts[1], &kw, kvh)), ("v", &vo, v)] {
-                    assert_eq!(got.shape(), want.shape(), "{what} {name}");
-                    let worst = worst_relative(got, &want);
-                    let differ = differing(got, &want);
-                    assert_eq!(differ, 0, "{what} {name}: {differ} of {} values differ from the stock ops (worst {worst})", want.size());
-                }
+                same_heads(&what, [("q", &qo, stock(&parts[0], &qw, h)), ("k", &ko, stock(&parts[1], &kw, kvh)), ("v", &vo, v)]);
             }
         }
         // Not served: a width that is not the heads', norm weights of
