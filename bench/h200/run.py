@@ -135,8 +135,9 @@ ab pick`
 (prefill variants: the 350M's and the 8B-A1B's P=512 targets are the ones
 not met; ~350 s) and `H200_MODELS=lfm2-8b-a1b-q4 H200_AB_VARIANTS=quant-embed
 ab pick` (decode, where its host bounds the step) and
-`H200_MODELS=lfm2-1.2b-bf16 H200_AB_VARIANTS=attention-chunks-8,attention-chunks-4
-ab pick` (the 1.2B's step is bound by its GPU); a GPU-time `ab` (H200_AB_GPU_TIME=1) of `moe-down-c4` on
+`H200_MODELS=lfm2-350m-bf16,lfm2-1.2b-bf16,lfm2-8b-a1b-q4
+H200_AB_VARIANTS=attention-chunks-8,attention-chunks-4 ab pick` (every model
+the switch reaches: pick weighs only the models measured); a GPU-time `ab` (H200_AB_GPU_TIME=1) of `moe-down-c4` on
 the 8B-A1B alone, `H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4
 profile-prefill`, `kernel-bench` and `dispatch-cost` (its
 `custom_kernel_8_inputs` arm: whether MLX's cost a node grows with its
@@ -1228,8 +1229,8 @@ AB = {
     # positions each, where the default's 32 walk all ~550 and the split's
     # 128 each still scored them all. A node more an attention layer (6 a
     # step): for the 1.2B, whose GPU bounds its step.
-    "attention-chunks-8": ({"MLX_LFM_DECODE_ATTENTION_CHUNKS": "8"}, ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
-    "attention-chunks-4": ({"MLX_LFM_DECODE_ATTENTION_CHUNKS": "4"}, ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    "attention-chunks-8": ({"MLX_LFM_DECODE_ATTENTION_CHUNKS": "8"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    "attention-chunks-4": ({"MLX_LFM_DECODE_ATTENTION_CHUNKS": "4"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     # The conv layer's in_proj GEMV folded in front of its step (a warp a
     # channel walks its B, C and x rows in MLX's GEMV order, the same bits):
     # a launch fewer a conv layer and token, the [1, 3D] product never
@@ -1376,8 +1377,8 @@ AB_TESTS = {
     "attention-smem": ["decode_attention_kernel_matches_stock_ops"],
     "attention-split": ["decode_attention_kernel_matches_stock_ops", "greedy:MLX_LFM_DECODE_ATTENTION_SPLIT"],
     "attention-split-8": ["decode_attention_kernel_matches_stock_ops", "greedy:attention-split-8"],
-    **{v: ["decode_attention_kernel_matches_stock_ops", "greedy:MLX_LFM_DECODE_ATTENTION_CHUNKS"]
-       for v in ("attention-chunks-8", "attention-chunks-4")},
+    "attention-chunks-8": ["decode_attention_kernel_matches_stock_ops", "greedy:MLX_LFM_DECODE_ATTENTION_CHUNKS"],
+    "attention-chunks-4": ["decode_attention_kernel_matches_stock_ops", "greedy:attention-chunks-4"],
     **{v: ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops",
            "greedy:default"] for v in ("gemv-max-k-2048-c2", "gemv-max-k-2048-c4", "gemv-c2", "gemv-c4")},
     **{v: ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops",

@@ -497,7 +497,9 @@ fn split_dims() -> Option<i32> {
 /// by a second launch. Before the split and the shared scores.
 fn chunks() -> Option<i32> {
     static N: OnceLock<Option<i32>> = OnceLock::new();
-    if super::forced("MLX_LFM_DECODE_ATTENTION_CHUNKS") {
+    // (Under a test's every-opt-in run the split and the shared scores
+    // keep their turn: only the switch's own opt-in chunks.)
+    if super::forced_alone("MLX_LFM_DECODE_ATTENTION_CHUNKS") {
         return Some(8);
     }
     crate::knobs::cached("MLX_LFM_DECODE_ATTENTION_CHUNKS", &N, |v| {

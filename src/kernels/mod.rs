@@ -47,7 +47,15 @@ pub(crate) fn opt_in(var: &str, cell: &OnceLock<bool>) -> bool {
 
 /// Whether a test turned `var`'s kernel on for this thread.
 pub(crate) fn forced(var: &str) -> bool {
-    FORCED.with(|c| c.get()) || FORCED_ONE.with(|c| c.get() == Some(var))
+    FORCED.with(|c| c.get()) || forced_alone(var)
+}
+
+/// Whether a test turned `var`'s kernel on alone ([`with_opt_in_one`]), not
+/// with every opt-in: for a variant that would take the place of others
+/// under [`with_opt_in`] (the chunked decode attention before the split
+/// and the shared scores).
+pub(crate) fn forced_alone(var: &str) -> bool {
+    FORCED_ONE.with(|c| c.get() == Some(var))
 }
 
 /// Whether a kernel adopted as a default is on: unless `var=0` (read once

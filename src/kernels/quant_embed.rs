@@ -67,6 +67,7 @@ pub fn available(ids: &Array, w: &Array, scales: &Array, biases: Option<&Array>,
     let d = w.dim(1) as i64 * 32 / spec.bits as i64;
     let rows = ids.size() as i64;
     d > 0
+        && spec.group_size % (32 / spec.bits) == 0
         && d % spec.group_size as i64 == 0
         && d <= i32::MAX as i64
         && scales.shape() == [w.dim(0), (d / spec.group_size as i64) as i32]

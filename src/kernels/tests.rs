@@ -468,9 +468,12 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 }
                 if wide {
                     // The split attention 8 output elements a block (the
-                    // opt-in's own run above takes 16).
+                    // opt-in's own run above takes 16), and the attention
+                    // over 4 position chunks (the opt-in's run takes 8).
                     let set = [("MLX_LFM_DECODE_ATTENTION_SPLIT".to_string(), Some("8".to_string()))];
                     runs.push(("attention-split-8", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
+                    let set = [("MLX_LFM_DECODE_ATTENTION_CHUNKS".to_string(), Some("4".to_string()))];
+                    runs.push(("attention-chunks-4", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
                 }
                 if q4 && wide && moe {
                     // The experts' down kernel with 2 and 4 columns a warp
@@ -777,8 +780,9 @@ fn quant_embed_kernel_matches_stock_ops() {
         let (w, sc, b) = quantize(&table, spec3).unwrap();
         assert!(!available(&ids, &w, &sc, b.as_ref(), spec3, Dtype::Bfloat16), "3 bits");
         let mx = QuantSpec { mode: QuantMode::Mxfp4, bits: 4, group_size: 32 };
-        let (w, sc, b) = quantize(&table, mx).unwrap();
-        assert!(!available(&ids, &w, &sc, b.as_ref(), mx, Dtype::Bfloat16), "mxfp4");
+        let (w, sc, _) = quantize(&table, mx).unwrap();
+        // (Its scales passed as biases too, so that the mode is what refuses.)
+        assert!(!available(&ids, &w, &sc, Some(&sc), mx, Dtype::Bfloat16), "mxfp4");
     });
 }
 
@@ -1043,6 +1047,28 @@ fn decode_attention_kernel_matches_stock_ops() {
             let worst = worst_relative(&chunked, &want);
             assert!(worst <= 1.6e-2, "head size {hd}, {n} positions: {c} chunks differ from MLX's by {worst}");
         }
+    }
+    // The chunked variant where a row has no valid position (the default
+    // kernel gives 0 there; MLX's softmax over nothing is NaN) and where a
+    // KV head serves more query heads than it takes (8: the default kernel
+    // runs), against the default kernel.
+    let q = normal(&[2, 16, 1, 64], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
+    let (k8, v8) = (
+        normal(&[2, 2, 256, 64], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap(),
+        normal(&[2, 2, 256, 64], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap(),
+    );
+    let q4 = q.slice_axis(1, 0, 8).unwrap();
+    let (k4, v4) = (k8.slice_axis(1, 0, 2).unwrap(), v8.slice_axis(1, 0, 2).unwrap());
+    let none = Array::from_slice(&[-1i32, 40], &[2]).unwrap();
+    for (what, q, k, v) in [("4 query heads a KV head", &q4, &k4, &v4), ("8 query heads a KV head", &q, &k8, &v8)] {
+        let plain = crate::kernels::decode_attention::sdpa_upto(q, k, v, 0.125, &none, false).unwrap();
+        let chunked = with_chunks("8", || crate::kernels::decode_attention::sdpa_upto(q, k, v, 0.125, &none, false).unwrap());
+        let f = |a: &Array| -> Vec<f32> { a.astype(Dtype::Float32).unwrap().to_vec().unwrap() };
+        let (p, c) = (f(&plain), f(&chunked));
+        let row = p.len() / 2;
+        assert!(p[..row].iter().all(|&x| x == 0.0) && c[..row].iter().all(|&x| x == 0.0), "{what}: a row with no position gives 0");
+        let worst = worst_relative(&chunked.slice_axis(0, 1, 2).unwrap(), &plain.slice_axis(0, 1, 2).unwrap());
+        assert!(worst <= 1.6e-2, "{what}: the chunked row differs from the default kernel's by {worst}");
     }
 }
 

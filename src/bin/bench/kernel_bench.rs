@@ -184,8 +184,12 @@ fn print_walls(name: &str, n: i32, k: i32, mut walls: Vec<f64>) {
 /// the norms' eps, made once). The same small kernel (`y = x * s[0]` over
 /// one row) with its scalar as a template constant, from a 16-byte array
 /// the GPU wrote (device memory), from a 4-byte one it wrote (the pool),
-/// from a 4-byte host array made once, and from one made anew each launch.
-const SCALAR_ARMS: [&str; 5] = ["scalar-const", "scalar-device16", "scalar-device4", "scalar-host-kept", "scalar-host-fresh"];
+/// from a 4-byte host array made once, from one made anew each launch,
+/// and from the one made once right after the host wrote a new scalar into
+/// the pool (a step's eps, beside the position the host writes each
+/// token: the pool's pages, not its arrays, are what moves).
+const SCALAR_ARMS: [&str; 6] =
+    ["scalar-const", "scalar-device16", "scalar-device4", "scalar-host-kept", "scalar-host-fresh", "scalar-kept-after-host-write"];
 const SCALAR_N: i32 = 2048;
 const SCALAR_LAUNCHES: usize = 20;
 
@@ -216,16 +220,18 @@ impl ScalarReads {
     fn launch(&self, arm: &str) -> mlx_lfm::Result<Array> {
         let out = [(&[SCALAR_N][..], Dtype::Float32)];
         let (grid, block) = ([SCALAR_N, 1, 1], [256, 1, 1]);
-        let fresh;
-        let s = match arm {
-            "scalar-const" => return Ok(self.constant.call(&[&self.x], &out, grid, block, &[])?.remove(0)),
-            "scalar-device16" => &self.device16,
-            "scalar-device4" => &self.device4,
-            "scalar-host-kept" => &self.kept,
-            _ => {
-                fresh = Array::from_slice(&[1.5f32], &[1])?;
-                &fresh
-            }
+        // (A new host scalar, written into the pool, for the two arms that
+        // follow a host write; the others make none.)
+        let fresh = match arm {
+            "scalar-host-fresh" | "scalar-kept-after-host-write" => Some(Array::from_slice(&[1.5f32], &[1])?),
+            _ => None,
+        };
+        let s = match (arm, &fresh) {
+            ("scalar-const", _) => return Ok(self.constant.call(&[&self.x], &out, grid, block, &[])?.remove(0)),
+            ("scalar-device16", _) => &self.device16,
+            ("scalar-device4", _) => &self.device4,
+            ("scalar-host-fresh", Some(f)) => f,
+            _ => &self.kept,
         };
         Ok(self.read.call(&[&self.x, s], &out, grid, block, &[])?.remove(0))
     }
