@@ -115,34 +115,32 @@ feed-forward's gate one MLX compiled kernel in a prompt's pass (a default
 everywhere, `fused-swiglu-off` measures it; its test
 `fused_gate_equals_the_ops` holds it to the ops' bits, on the CPU so far)
 and asks `norm-kernel-all-rows` of every model's prefill again.
-Next: `stage`; `install verdicts-from ...,session24 kernels` with
-H200_KERNEL_TESTS=quant_gemv_kernel_matches_stock_ops,
-moe_experts_kernels_match_stock_ops,conv_gemv_kernel_matches_stock_ops,
-decode_attention_kernel_matches_stock_ops,short_conv_kernel_matches_stock_ops,
-conv_prefill_kernel_matches_stock_ops,qkv_prefill_kernel_matches_stock_ops,
-quant_embed_kernel_matches_stock_ops,
-qkv_norm_rope_kernel_matches_stock_ops,qk_norm_rope_kernel_matches_stock_ops,
-fused_gate_equals_the_ops,
-greedy_tokens_with_kernels_equal_stock_ops (the two tests mended after
-session 24's run and the cases its review added; short_conv.rs's and
-qk_norm_rope.rs's new kernels (the decode kernels' launch helper
-changed with them) and the fused gate on CUDA; the greedy test's sets of the down
-kernel's columns, the 8-wide split, the conv and q/k/v prefill, the
-quantized embedding, the attention's chunks; ~400 s with
-H200_KERNEL_JOBS=5); `checkpoints` of the three models with
-`H200_AB_VARIANTS=conv-prefill,qkv-prefill,norm-kernel-all-rows,fused-swiglu-off,batch1-matmul-prompts-off
-ab pick`
-(prefill variants: the 350M's and the 8B-A1B's P=512 targets are the ones
-not met; ~350 s) and `H200_MODELS=lfm2-8b-a1b-q4 H200_AB_VARIANTS=quant-embed
-ab pick` (decode, where its host bounds the step) and
-`H200_MODELS=lfm2-350m-bf16,lfm2-1.2b-bf16,lfm2-8b-a1b-q4
-H200_AB_VARIANTS=attention-chunks-8,attention-chunks-4 ab pick` (every model
-the switch reaches: pick weighs only the models measured); a GPU-time `ab` (H200_AB_GPU_TIME=1) of `moe-down-c4` on
-the 8B-A1B alone, `H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4
-profile-prefill`, `kernel-bench` and `dispatch-cost` (its
-`custom_kernel_8_inputs` arm: whether MLX's cost a node grows with its
-inputs) in one call; `round 1`, `round 2` of the three models (the 350M's
-last round was session 21).
+Next (`bash bench/h200/prepare.sh` here first; ~1,850 s planned against
+the 1,800, in this order, so round 2 is what gives way):
+  1. carry [.device/a, .device/llama]: `stage` (~95 s with the start).
+  2. carry [.device/b, .device/tests]: `install verdicts-from <the raw files of sessions 16-24, comma-
+     separated> kernels` with H200_KERNEL_JOBS=5 and
+     H200_KERNEL_TESTS=quant_gemv_kernel_matches_stock_ops,
+     moe_experts_kernels_match_stock_ops,conv_gemv_kernel_matches_stock_ops,
+     decode_attention_kernel_matches_stock_ops,
+     short_conv_kernel_matches_stock_ops,conv_prefill_kernel_matches_stock_ops,
+     qkv_prefill_kernel_matches_stock_ops,qkv_norm_rope_kernel_matches_stock_ops,
+     qk_norm_rope_kernel_matches_stock_ops,quant_embed_kernel_matches_stock_ops,
+     fused_gate_equals_the_ops,greedy_tokens_with_kernels_equal_stock_ops
+     (~400 s: the two tests mended after session 24's run; the new kernels;
+     the decode kernels' launch helper and the fused gate on CUDA; the
+     greedy test's new sets).
+  3. carry [.device/bin] (and so 4 and 5): `checkpoints` of the three
+     models, then
+     `H200_MODELS=lfm2-350m-bf16,lfm2-1.2b-bf16,lfm2-8b-a1b-q4
+     H200_AB_VARIANTS=conv-prefill,qkv-prefill,norm-kernel-all-rows,fused-swiglu-off,
+     batch1-matmul-prompts-off,quant-embed,attention-chunks-8,attention-chunks-4
+     ab pick` (~500 s; the prefill variants for the P=512 targets not met,
+     quant-embed for the 8B-A1B's host-bound step, the chunks for the
+     1.2B's GPU-bound one; pick weighs only the models measured).
+  4. `kernel-bench` (the GEMVs and the scalar arms), `dispatch-cost` and
+     `H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4 profile-prefill` (~250 s).
+  5. `round 1`, `round 2` of the three models under the picks (~300 s each).
 Session 24's plan, for the record: `stage`; `install verdicts-from ...,session24 kernels` with
 H200_KERNEL_TESTS=quant_gemv_kernel_matches_stock_ops,
 moe_experts_kernels_match_stock_ops,conv_gemv_kernel_matches_stock_ops,
