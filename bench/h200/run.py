@@ -126,6 +126,7 @@ the 1,800, in this order, so round 2 is what gives way):
      short_conv_kernel_matches_stock_ops,conv_prefill_kernel_matches_stock_ops,
      qkv_prefill_kernel_matches_stock_ops,qkv_norm_rope_kernel_matches_stock_ops,
      qk_norm_rope_kernel_matches_stock_ops,quant_embed_kernel_matches_stock_ops,
+     add_rms_norm_kernel_matches_stock_ops,
      fused_gate_equals_the_ops,greedy_tokens_with_kernels_equal_stock_ops
      (~400 s: the two tests mended after session 24's run; the new kernels;
      the decode kernels' launch helper and the fused gate on CUDA; the
@@ -134,8 +135,8 @@ the 1,800, in this order, so round 2 is what gives way):
      models, then
      `H200_MODELS=lfm2-350m-bf16,lfm2-1.2b-bf16,lfm2-8b-a1b-q4
      H200_AB_VARIANTS=conv-prefill,qkv-prefill,norm-kernel-all-rows,fused-swiglu-off,
-     batch1-matmul-prompts-off,quant-embed,attention-chunks-8,attention-chunks-4
-     ab pick` (~500 s; the prefill variants for the P=512 targets not met,
+     batch1-matmul-prompts-off,quant-embed,attention-chunks-8,attention-chunks-4,
+     eps-const ab pick` (~500 s; the prefill variants for the P=512 targets not met,
      quant-embed for the 8B-A1B's host-bound step, the chunks for the
      1.2B's GPU-bound one; pick weighs only the models measured).
   4. `kernel-bench` (the GEMVs and the scalar arms), `dispatch-cost` and
@@ -1092,6 +1093,11 @@ AB = {
     # window and MLX's grouped conv, 29 µs a layer in the 1.2B's 512-token
     # profile, as one launch); opt-in until this A/B.
     "conv-prefill": ({"MLX_LFM_CONV_PREFILL_KERNEL": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # The add + RMSNorm kernel with eps compiled in rather than read from
+    # its [1] array, which MLX keeps in managed memory beside the position
+    # the host writes each token (session 25; kernel-bench's scalar arms ask
+    # whether such reads cost the GPU). Opt-in until this A/B.
+    "eps-const": ({"MLX_LFM_EPS_CONST": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     # The quantized embedding's rows in one kernel (session 25: three
     # gathers, three reshapes and MLX's dequantize, seven of the 8B-A1B's
     # 203 nodes a step, as one); opt-in until this A/B.
@@ -1397,6 +1403,8 @@ AB_TESTS = {
     "conv-prefill": ["conv_prefill_kernel_matches_stock_ops", "greedy:MLX_LFM_CONV_PREFILL_KERNEL"],
     "qkv-prefill": ["qkv_prefill_kernel_matches_stock_ops", "greedy:MLX_LFM_QKV_PREFILL_KERNEL"],
     "quant-embed": ["quant_embed_kernel_matches_stock_ops", "greedy:MLX_LFM_QUANT_EMBED_KERNEL"],
+    # (The same bits as the default kernel: its test holds it to them.)
+    "eps-const": ["add_rms_norm_kernel_matches_stock_ops"],
     # (Off: the three ops every session before 25 ran.)
     "fused-swiglu-off": [],
     # (The same product either way; the stock path's.)
@@ -1415,6 +1423,7 @@ PICK = [
     (["swiglu-gemv-1024"], "decode"),
     (["conv-gemv"], "decode"),
     (["quant-embed"], "decode"),
+    (["eps-const"], "decode"),
     (["moe-down-c2", "moe-down-c4"], "decode"),
     (["attention-smem", "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4"], "decode"),
     (["norm-runs-guarded"], "decode"),

@@ -43,6 +43,12 @@ KERNELS = {
         [("s", "T"), ("y", "T")],
         lambda dt: [("D", 2048), ("BLOCK", 256)],
     ),
+    # Eps compiled in (MLX_LFM_EPS_CONST: REPLACE_OF's substitution).
+    "add_rms_norm.rs@epsc": (
+        [("h", "T"), ("r", "T"), ("w", "T"), ("eps", "float")],
+        [("s", "T"), ("y", "T")],
+        lambda dt: [("D", 2048), ("BLOCK", 256), ("EPS_BITS", 925353388)],
+    ),
     "decode_attention.rs": (
         [("q", "T"), ("k", "T"), ("v", "T"), ("mask", "bool")],
         [("out", "T"), ("sc", "float")],
@@ -329,6 +335,10 @@ def compile_one(name, code):
 DEFINES = "".join(f"#define {a.split('=', 2)[1]} {a.split('=', 2)[2]}\n" for a in sys.argv if a.startswith("--define="))
 VALIDITY = "MASK_VALID"
 EARLY = False
+# A kernel variant's text substitution, as its Rust side makes it.
+REPLACE_OF = {
+    "add_rms_norm.rs@epsc": ("const float e = eps[0];", "const float e = __int_as_float(EPS_BITS);"),
+}
 # A kernel variant's own #define, as its Rust side prepends it.
 DEFINES_OF = {
     "decode_attention.rs@upto-split16": "#define LFM_ATT_DPB 16\n",
@@ -347,6 +357,10 @@ for file, (ins, outs, targs, *only_dtypes) in KERNELS.items():
     # "file.rs#name": the file's NAME_SOURCE (a second kernel in one file).
     fname, _, extra = file_key.partition("#")
     src, hdr = body_and_header(root / "src" / "kernels" / fname, "const " + (extra.upper() + "_" if extra else "") + "SOURCE")
+    if file in REPLACE_OF:
+        was, now = REPLACE_OF[file]
+        assert was in src, f"{file}: {was!r} not in its source"
+        src = src.replace(was, now)
     for dt, ct in CTYPE.items():
         if only_dtypes and dt not in only_dtypes[0]:
             continue

@@ -247,11 +247,45 @@ pub fn available(h: &Array, r: &Array, w: &Array) -> bool {
         && kernel().is_some()
 }
 
+/// `MLX_LFM_EPS_CONST=1` (opt-in until its H200 A/B): the kernel with eps
+/// compiled in as a constant instead of read from its `[1]` array. MLX
+/// 0.32.4 keeps every array of at most 8 bytes in managed memory, in pages
+/// the host also writes each token (the step's position), and a decode
+/// step runs this kernel twice a layer (31 times on the 1.2B): whether
+/// that read costs the GPU is what `kernel-bench`'s scalar arms ask.
+fn eps_const() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    super::opt_in("MLX_LFM_EPS_CONST", &ON)
+}
+
+/// The default kernel's source with eps a template constant (its bits,
+/// `EPS_BITS`): the same arithmetic on the same float.
+fn const_kernel() -> Option<&'static CudaKernel> {
+    static K: Walks = [OnceLock::new(), OnceLock::new()];
+    for_walk(&K, || {
+        let src = SOURCE.replace("const float e = eps[0];", "const float e = __int_as_float(EPS_BITS);");
+        CudaKernel::new(&kernel_name("lfm_add_rms_norm_epsc"), &["h", "r", "w", "eps"], &["s", "y"], &src, &header()).ok()
+    })
+}
+
+/// [`add_rms_norm`] where the caller also has eps's value: with
+/// `MLX_LFM_EPS_CONST=1`, the kernel that has it as a constant.
+pub fn add_rms_norm_with(h: &Array, r: &Array, w: &Array, eps: &Array, eps_value: f32) -> Result<(Array, Array)> {
+    match const_kernel().filter(|_| eps_const()) {
+        Some(kern) => launch(kern, h, r, w, eps, &[("EPS_BITS", TemplateArg::Int(eps_value.to_bits() as i32))]),
+        None => add_rms_norm(h, r, w, eps),
+    }
+}
+
 /// `(h + r, rms_norm(h + r) * w)`, both shaped like `h`; `eps` is a float32
 /// `[1]` array (the model makes it once: a scalar here would be uploaded
 /// twice per layer per token on the eager path).
 pub fn add_rms_norm(h: &Array, r: &Array, w: &Array, eps: &Array) -> Result<(Array, Array)> {
     let kern = kernel().ok_or_else(|| Error::mlx("the fused add + RMSNorm kernel is not available"))?;
+    launch(kern, h, r, w, eps, &[])
+}
+
+fn launch(kern: &CudaKernel, h: &Array, r: &Array, w: &Array, eps: &Array, extra: &[(&str, TemplateArg)]) -> Result<(Array, Array)> {
     let shape = h.shape();
     let d = *shape.last().ok_or_else(|| Error::invalid("add_rms_norm of a scalar"))?;
     let rows: i32 = shape[..shape.len() - 1].iter().product();
@@ -262,7 +296,7 @@ pub fn add_rms_norm(h: &Array, r: &Array, w: &Array, eps: &Array) -> Result<(Arr
         &[(&shape, dt), (&shape, dt)],
         [block.checked_mul(rows).ok_or_else(|| Error::invalid("too many rows for the add + RMSNorm kernel"))?, 1, 1],
         [block, 1, 1],
-        &[("D", TemplateArg::Int(d)), ("BLOCK", TemplateArg::Int(block)), ("T", TemplateArg::Dtype(dt))],
+        &[&[("D", TemplateArg::Int(d)), ("BLOCK", TemplateArg::Int(block)), ("T", TemplateArg::Dtype(dt))][..], extra].concat(),
     )?;
     let y = outs.pop().ok_or_else(|| Error::mlx("add_rms_norm kernel: missing output"))?;
     let s = outs.pop().ok_or_else(|| Error::mlx("add_rms_norm kernel: missing output"))?;

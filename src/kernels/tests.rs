@@ -280,6 +280,12 @@ fn add_rms_norm_kernel_matches_stock_ops() {
             // the same bits, a row a whole number of runs or not (100).
             let (gs, gy) = guarded(|| add_rms_norm(&h, &r, &w, &eps).unwrap());
             assert_eq!((differing(&gs, &ks), differing(&gy, &ky)), (0, 0), "{dt:?} [{rows}, {d}]: the guarded walk differs");
+            // Eps compiled in (MLX_LFM_EPS_CONST, opt-in): the same float, so
+            // the same bits; without the switch, the array's kernel.
+            let (cs, cy) = crate::kernels::with_opt_in_one("MLX_LFM_EPS_CONST", || {
+                crate::kernels::add_rms_norm::add_rms_norm_with(&h, &r, &w, &eps, 1e-5).unwrap()
+            });
+            assert_eq!((differing(&cs, &ks), differing(&cy, &ky)), (0, 0), "{dt:?} [{rows}, {d}]: eps as a constant differs");
         }
     }
     // A prefill's rows take MLX's add and rms_norm (the kernel's default bound, 16).

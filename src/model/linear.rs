@@ -455,7 +455,7 @@ impl Normed<'_> {
         match self.r {
             None => Ok((h.clone(), mlx::rms_norm(h, Some(w), self.eps)?)),
             Some(r) if crate::kernels::add_rms_norm::available(h, r, w) => {
-                crate::kernels::add_rms_norm::add_rms_norm(h, r, w, self.eps_array)
+                crate::kernels::add_rms_norm::add_rms_norm_with(h, r, w, self.eps_array, self.eps)
             }
             Some(r) => {
                 let s = h.add(r)?;
