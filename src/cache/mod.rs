@@ -70,7 +70,9 @@ impl ConvShape {
     /// its graph (a broadcast and a fill launch). Nothing writes them in
     /// place: MLX donates only buffers nothing else holds.
     pub fn zeros(&self) -> Result<Array> {
-        let key = (self.batch, self.keep, self.dim, self.dtype);
+        // (The device too: a thread may run models on either, and a kept
+        // array belongs to the stream that made it.)
+        let key = (self.batch, self.keep, self.dim, self.dtype, crate::mlx::runtime::default_device() == crate::mlx::runtime::DeviceType::Gpu);
         if let Some(z) = KEPT_ZEROS.with(|k| k.borrow().0.iter().find(|(at, _)| *at == key).map(|(_, z)| z.clone())) {
             return Ok(z);
         }
@@ -102,7 +104,7 @@ pub(crate) fn kept_zero_shapes() -> usize {
     KEPT_ZEROS.with(|k| k.borrow().0.len())
 }
 
-struct KeptZeros(Vec<((i32, i32, i32, Dtype), Array)>);
+struct KeptZeros(Vec<((i32, i32, i32, Dtype, bool), Array)>);
 
 impl Drop for KeptZeros {
     // At a thread's exit (the process's too) MLX's own statics may be gone
