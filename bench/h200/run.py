@@ -826,7 +826,8 @@ def kernel_bench():
     position and eps they read from managed memory. No checkpoint needed
     (~1 minute)."""
     rep = WORK / "kernel-bench"
-    cmd = ["ncu", "--clock-control", "none", "-f", "-o", rep, "--kernel-name", "regex:gemv|qmv|lfm_bench_scale",
+    cmd = ["ncu", "--clock-control", "none", "-f", "-o", rep, "--kernel-name",
+           "regex:gemv|qmv|lfm_bench_scale|lfm_decode_attention",
            "--metrics", "gpu__time_duration.sum,dram__bytes_read.sum",
            BENCH, "--kernel-bench", "--device", "gpu", "--reps", "3"]
     r = sh(cmd, "kernel-bench", check=False)
@@ -852,6 +853,12 @@ def kernel_bench():
         at += p["launches"]
         us = sorted(num(x["gpu__time_duration.sum"]) / 1000.0 for x in mine)
         read = [num(x.get("dram__bytes_read.sum") or "0") for x in mine]
+        # (An arm of several kernels a product, the chunked attention's part
+        # and join: each kernel's median, and their sum a product.)
+        by_name = {}
+        for x in mine:
+            by_name.setdefault(x["Kernel Name"][:60], []).append(num(x["gpu__time_duration.sum"]) / 1000.0)
+        by_name = {kname: sorted(v)[len(v) // 2] for kname, v in by_name.items()}
         wall = next((w for w in walls if w["kernel_bench"] == p["arm"] and w["n"] == p["n"] and w["k"] == p["k"]), {})
         med = us[len(us) // 2] if us else None
         record(engine="kernel-bench", arm=p["arm"], n=p["n"], k=p["k"], launches=len(mine),
@@ -859,8 +866,9 @@ def kernel_bench():
                # (bf16 weights, or 4-bit with a bf16 scale and bias a group of 64;
                # the scalar arms read one row, their time is the figure)
                gbps_median=(p["n"] * p["k"] * (0.5625 if "q4" in p["arm"] else 2) / (med * 1e3))
-               if med and not p["arm"].startswith("scalar") else None,
+               if med and not p["arm"].startswith(("scalar", "att-")) else None,
                dram_read_bytes_median=sorted(read)[len(read) // 2] if read else None,
+               us_median_by_kernel=by_name, us_per_product=sum(by_name.values()) if by_name else None,
                wall_us_median=wall.get("wall_us_median"))
     if at != len(rows):
         record(engine="kernel-bench", error=f"{len(rows)} GEMV launches under ncu, the plan has {at}")

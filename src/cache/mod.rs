@@ -104,7 +104,11 @@ pub(crate) fn kept_zero_shapes() -> usize {
     KEPT_ZEROS.with(|k| k.borrow().0.len())
 }
 
-struct KeptZeros(Vec<((i32, i32, i32, Dtype, bool), Array)>);
+/// A kept array's key: its shape `[batch, keep, dim]`, dtype, and whether
+/// it was made on the GPU.
+type ZerosKey = (i32, i32, i32, Dtype, bool);
+
+struct KeptZeros(Vec<(ZerosKey, Array)>);
 
 impl Drop for KeptZeros {
     // At a thread's exit (the process's too) MLX's own statics may be gone

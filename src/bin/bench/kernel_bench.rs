@@ -7,6 +7,9 @@
 //! them more slowly than MLX's (sessions 19-24), and an in-step A/B cannot
 //! say by how much, nor which walk loses least.
 //!
+//! Then the scalar arms (where a kernel's scalar operand lives) and the
+//! decode attention's variants on the 1.2B's shape.
+//!
 //! Prints the plan first (`kernel_bench_plan`: each arm's shape and how many
 //! launches, in launch order, which is the order ncu lists the kernels in),
 //! then each arm's wall time a product with its wait (launch and sync
@@ -132,6 +135,12 @@ pub fn run(reps: usize) -> mlx_lfm::Result<()> {
             plan.push(serde_json::json!({"arm": name, "n": SCALAR_N, "k": 1, "launches": SCALAR_LAUNCHES * reps}));
         }
     }
+    let attention = if cuda { Some(Attention::new()?) } else { None };
+    if attention.is_some() {
+        for (name, _, kernels) in ATT_ARMS {
+            plan.push(serde_json::json!({"arm": name, "n": ATT_POSITIONS, "k": ATT_HD, "launches": ATT_LAUNCHES * reps * kernels}));
+        }
+    }
     println!("{}", serde_json::json!({"kernel_bench_plan": plan}));
     for (n, k, x, weights, arms) in &sets {
         for (name, switches) in arms {
@@ -163,7 +172,66 @@ pub fn run(reps: usize) -> mlx_lfm::Result<()> {
             print_walls(name, SCALAR_N, 1, walls);
         }
     }
+    if let Some(a) = &attention {
+        for (name, switches, _) in ATT_ARMS {
+            let overrides: mlx_lfm::knobs::Overrides = switches.iter().map(|(k, v)| (k.to_string(), Some(v.to_string()))).collect();
+            let mut walls = vec![];
+            mlx_lfm::knobs::with_overrides(&overrides, || -> mlx_lfm::Result<()> {
+                for _ in 0..reps * ATT_LAUNCHES {
+                    let t = Instant::now();
+                    let y = a.launch()?;
+                    mlx::eval(&[&y])?;
+                    walls.push(t.elapsed().as_secs_f64() * 1e6);
+                }
+                Ok(())
+            })?;
+            print_walls(name, ATT_POSITIONS, ATT_HD, walls);
+        }
+    }
     Ok(())
+}
+
+/// The decode attention's variants on the 1.2B's shape (32 query heads, 8
+/// KV heads of 64, a 1,024-position buffer filled to 550, bf16), a launch
+/// (or, chunked, a part and a join) a product, so that ncu times each
+/// alone: `(arm, its switches, kernels a product)`.
+type Switches = &'static [(&'static str, &'static str)];
+const ATT_ARMS: [(&str, Switches, usize); 5] = [
+    ("att-default", &[], 1),
+    ("att-smem", &[("MLX_LFM_DECODE_ATTENTION_SMEM", "1")], 1),
+    ("att-split", &[("MLX_LFM_DECODE_ATTENTION_SPLIT", "1")], 1),
+    ("att-chunks-8", &[("MLX_LFM_DECODE_ATTENTION_CHUNKS", "8")], 2),
+    ("att-chunks-4", &[("MLX_LFM_DECODE_ATTENTION_CHUNKS", "4")], 2),
+];
+const ATT_POSITIONS: i32 = 550;
+const ATT_HD: i32 = 64;
+const ATT_LAUNCHES: usize = 20;
+
+struct Attention {
+    q: Array,
+    k: Array,
+    v: Array,
+    upto: Array,
+}
+
+impl Attention {
+    fn new() -> mlx_lfm::Result<Attention> {
+        let bf = Dtype::Bfloat16;
+        let q = normal(&[1, 32, 1, ATT_HD], bf, 0.0, 1.0, None)?;
+        let k = normal(&[1, 8, 1024, ATT_HD], bf, 0.0, 1.0, None)?;
+        let v = normal(&[1, 8, 1024, ATT_HD], bf, 0.0, 1.0, None)?;
+        let upto = Array::scalar((ATT_POSITIONS - 1) as f64, Dtype::Int32)?;
+        mlx::eval(&[&q, &k, &v, &upto])?;
+        Ok(Attention { q, k, v, upto })
+    }
+
+    fn launch(&self) -> mlx_lfm::Result<Array> {
+        let (q, k, v) = (&self.q, &self.k, &self.v);
+        if !mlx_lfm::kernels::decode_attention::upto_available(q, k, v, &self.upto) {
+            return Err(mlx_lfm::Error::invalid("kernel-bench: the decode attention kernel does not serve its operands"));
+        }
+        mlx_lfm::kernels::decode_attention::sdpa_upto(q, k, v, 1.0 / (ATT_HD as f32).sqrt(), &self.upto, true)
+    }
 }
 
 fn print_walls(name: &str, n: i32, k: i32, mut walls: Vec<f64>) {
