@@ -139,7 +139,8 @@ the 1,800, in this order, so round 2 is what gives way):
      eps-const ab pick` (~500 s; the prefill variants for the P=512 targets not met,
      quant-embed for the 8B-A1B's host-bound step, the chunks for the
      1.2B's GPU-bound one; pick weighs only the models measured).
-  4. `kernel-bench` (the GEMVs and the scalar arms), `dispatch-cost` and
+  4. `kernel-bench` (the GEMVs, the scalar arms, the attention's variants
+     alone), `dispatch-cost` and
      `H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4 profile-prefill` (~250 s).
   5. `round 1`, `round 2` of the three models under the picks (~300 s each).
 Session 24's plan, for the record: `stage`; `install verdicts-from ...,session24 kernels` with
@@ -823,8 +824,10 @@ def kernel_bench():
     `scalar-*` arms: one small kernel reading its scalar from a template
     constant, from device memory, from MLX's managed pool (GPU-written, host
     made once, host made each launch): whether a step's kernels pay for the
-    position and eps they read from managed memory. No checkpoint needed
-    (~1 minute)."""
+    position and eps they read from managed memory. Then the `att-*` arms:
+    the decode attention's variants alone on the 1.2B's shape (the chunked
+    ones two kernels a product: each kernel's median and their sum). No
+    checkpoint needed (~1 minute)."""
     rep = WORK / "kernel-bench"
     cmd = ["ncu", "--clock-control", "none", "-f", "-o", rep, "--kernel-name",
            "regex:gemv|qmv|lfm_bench_scale|lfm_decode_attention",
