@@ -144,48 +144,20 @@ pub fn run(reps: usize) -> mlx_lfm::Result<()> {
     println!("{}", serde_json::json!({"kernel_bench_plan": plan}));
     for (n, k, x, weights, arms) in &sets {
         for (name, switches) in arms {
-            let overrides: mlx_lfm::knobs::Overrides = switches.iter().map(|(k, v)| (k.to_string(), Some(v.to_string()))).collect();
-            let mut walls = vec![];
-            mlx_lfm::knobs::with_overrides(&overrides, || -> mlx_lfm::Result<()> {
-                for _ in 0..reps {
-                    for i in 0..weights.len() {
-                        let t = Instant::now();
-                        let y = weights.product(i, x, name.starts_with("mlx")).map_err(|e| mlx_lfm::Error::invalid(format!("{name} {n}x{k}: {e}")))?;
-                        mlx::eval(&[&y])?;
-                        walls.push(t.elapsed().as_secs_f64() * 1e6);
-                    }
-                }
-                Ok(())
+            let walls = timed(switches, reps * weights.len(), |i| {
+                weights.product(i % weights.len(), x, name.starts_with("mlx")).map_err(|e| mlx_lfm::Error::invalid(format!("{name} {n}x{k}: {e}")))
             })?;
             print_walls(name, *n, *k, walls);
         }
     }
     if let Some(s) = &scalar {
         for name in SCALAR_ARMS {
-            let mut walls = vec![];
-            for _ in 0..reps * SCALAR_LAUNCHES {
-                let t = Instant::now();
-                let y = s.launch(name)?;
-                mlx::eval(&[&y])?;
-                walls.push(t.elapsed().as_secs_f64() * 1e6);
-            }
-            print_walls(name, SCALAR_N, 1, walls);
+            print_walls(name, SCALAR_N, 1, timed(&[], reps * SCALAR_LAUNCHES, |_| s.launch(name))?);
         }
     }
     if let Some(a) = &attention {
         for (name, switches, _) in ATT_ARMS {
-            let overrides: mlx_lfm::knobs::Overrides = switches.iter().map(|(k, v)| (k.to_string(), Some(v.to_string()))).collect();
-            let mut walls = vec![];
-            mlx_lfm::knobs::with_overrides(&overrides, || -> mlx_lfm::Result<()> {
-                for _ in 0..reps * ATT_LAUNCHES {
-                    let t = Instant::now();
-                    let y = a.launch()?;
-                    mlx::eval(&[&y])?;
-                    walls.push(t.elapsed().as_secs_f64() * 1e6);
-                }
-                Ok(())
-            })?;
-            print_walls(name, ATT_POSITIONS, ATT_HD, walls);
+            print_walls(name, ATT_POSITIONS, ATT_HD, timed(switches, reps * ATT_LAUNCHES, |_| a.launch())?);
         }
     }
     Ok(())
@@ -232,6 +204,23 @@ impl Attention {
         }
         mlx_lfm::kernels::decode_attention::sdpa_upto(q, k, v, 1.0 / (ATT_HD as f32).sqrt(), &self.upto, true)
     }
+}
+
+/// `launches` products of `product(i)` under `switches` (this thread's
+/// overrides), each evaluated at once: its wall time in µs, launch and
+/// wait included.
+fn timed(switches: &[(&str, &str)], launches: usize, mut product: impl FnMut(usize) -> mlx_lfm::Result<Array>) -> mlx_lfm::Result<Vec<f64>> {
+    let overrides: mlx_lfm::knobs::Overrides = switches.iter().map(|(k, v)| (k.to_string(), Some(v.to_string()))).collect();
+    mlx_lfm::knobs::with_overrides(&overrides, || {
+        let mut walls = Vec::with_capacity(launches);
+        for i in 0..launches {
+            let t = Instant::now();
+            let y = product(i)?;
+            mlx::eval(&[&y])?;
+            walls.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+        Ok(walls)
+    })
 }
 
 fn print_walls(name: &str, n: i32, k: i32, mut walls: Vec<f64>) {
