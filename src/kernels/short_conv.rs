@@ -90,16 +90,31 @@ pub fn conv_step(bcx: &Array, state: &Array, w: &Array) -> Result<(Array, Array)
     let threads = b.checked_mul(d).ok_or_else(|| Error::invalid("too many rows for the short-conv kernel"))?;
     let dt = bcx.dtype();
     let y_shape: Vec<i32> = if bcx.ndim() == 2 { vec![b, d] } else { vec![b, 1, d] };
+    launch(kern, "short-conv kernel", &[bcx, state, w], [&[b, l - 1, d], &y_shape], (d, l, dt), threads, block)
+}
+
+/// A conv kernel's launch over `inputs` with the width, the window and the
+/// dtype as its constants: its two outputs (the state or window, then `y`)
+/// of `shapes`, in `dt`.
+fn launch(
+    kern: &CudaKernel,
+    what: &str,
+    inputs: &[&Array],
+    shapes: [&[i32]; 2],
+    (d, l, dt): (i32, i32, Dtype),
+    threads: i32,
+    block: i32,
+) -> Result<(Array, Array)> {
     let mut outs = kern.call(
-        &[bcx, state, w],
-        &[(&[b, l - 1, d], dt), (&y_shape, dt)],
+        inputs,
+        &[(shapes[0], dt), (shapes[1], dt)],
         [threads, 1, 1],
         [block, 1, 1],
         &[("D", TemplateArg::Int(d)), ("KEEP", TemplateArg::Int(l - 1)), ("T", TemplateArg::Dtype(dt))],
     )?;
-    let y = outs.pop().ok_or_else(|| Error::mlx("short-conv kernel: missing output"))?;
-    let next = outs.pop().ok_or_else(|| Error::mlx("short-conv kernel: missing output"))?;
-    Ok((next, y))
+    let y = outs.pop().ok_or_else(|| Error::mlx(format!("{what}: missing output")))?;
+    let state = outs.pop().ok_or_else(|| Error::mlx(format!("{what}: missing output")))?;
+    Ok((state, y))
 }
 
 /// The conv layer's in_proj GEMV and the step above in one launch
@@ -340,14 +355,5 @@ pub fn conv_prefill(bcx: &Array, state: &Array, w: &Array) -> Result<(Array, Arr
     }
     let threads = prefill_threads(b, t, d)
         .ok_or_else(|| Error::invalid(format!("short-conv prefill kernel: {b} x {t} x {d} outputs exceed one launch")))?;
-    let mut outs = kern.call(
-        &[bcx, state, w],
-        &[(&[b, l - 1 + t, d], dt), (&[b, t, d], dt)],
-        [threads, 1, 1],
-        [PREFILL_THREADS, 1, 1],
-        &[("D", TemplateArg::Int(d)), ("KEEP", TemplateArg::Int(l - 1)), ("T", TemplateArg::Dtype(dt))],
-    )?;
-    let y = outs.pop().ok_or_else(|| Error::mlx("short-conv prefill kernel: missing output"))?;
-    let padded = outs.pop().ok_or_else(|| Error::mlx("short-conv prefill kernel: missing output"))?;
-    Ok((padded, y))
+    launch(kern, "short-conv prefill kernel", &[bcx, state, w], [&[b, l - 1 + t, d], &[b, t, d]], (d, l, dt), threads, PREFILL_THREADS)
 }
