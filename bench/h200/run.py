@@ -140,7 +140,8 @@ the 1,800, in this order, so round 2 is what gives way):
      quant-embed for the 8B-A1B's host-bound step, the chunks for the
      1.2B's GPU-bound one; pick weighs only the models measured).
   4. `kernel-bench` (the GEMVs, the scalar arms, the attention's variants
-     alone), `dispatch-cost` and
+     alone, the 8B-A1B's expert kernels against MLX's gathered products
+     and the down kernel at 1, 2 and 4 columns a warp), `dispatch-cost` and
      `H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4 profile-prefill` (~250 s).
   5. `round 1`, `round 2` of the three models under the picks (~300 s each).
 Session 24's plan, for the record: `stage`; `install verdicts-from ...,session24 kernels` with
@@ -826,11 +827,15 @@ def kernel_bench():
     made once, host made each launch): whether a step's kernels pay for the
     position and eps they read from managed memory. Then the `att-*` arms:
     the decode attention's variants alone on the 1.2B's shape (the chunked
-    ones two kernels a product: each kernel's median and their sum). No
-    checkpoint needed (~1 minute)."""
+    ones two kernels a product: each kernel's median and their sum). Last
+    the `*moe-q4-*` arms: the 8B-A1B's routed experts for one decode row,
+    MLX's gathered products (`gather_qmv`) and our gate/up and down kernels,
+    the down kernel at 1, 2 and 4 columns a warp (a plan's n is the rows
+    the row's 4 experts read, k their width, so the GB/s are comparable).
+    No checkpoint needed (~1 minute)."""
     rep = WORK / "kernel-bench"
     cmd = ["ncu", "--clock-control", "none", "-f", "-o", rep, "--kernel-name",
-           "regex:gemv|qmv|lfm_bench_scale|lfm_decode_attention",
+           "regex:gemv|qmv|gather_qmm|lfm_bench_scale|lfm_decode_attention|lfm_moe",
            "--metrics", "gpu__time_duration.sum,dram__bytes_read.sum",
            BENCH, "--kernel-bench", "--device", "gpu", "--reps", "3"]
     r = sh(cmd, "kernel-bench", check=False)
@@ -838,6 +843,7 @@ def kernel_bench():
     walls = [json.loads(l) for l in r.stdout.splitlines() if '"kernel_bench":' in l]
     if r.returncode != 0 or plan is None:
         record(engine="kernel-bench", error=r.stderr[-2000:])
+    if plan is None:
         return
     csv = sh(["ncu", "--import", f"{rep}.ncu-rep", "--csv", "--page", "raw", "--print-units", "base",
               "--print-kernel-base", "function"], check=False).stdout
@@ -849,9 +855,18 @@ def kernel_bench():
     rows = [x for x in _csv.DictReader(io.StringIO(csv))
             if x.get("Kernel Name") and x.get("gpu__time_duration.sum", "").replace(",", "").replace(".", "").isdigit()]
     rows.sort(key=lambda x: int(num(x.get("ID") or "0")))
-    # The plan's launches in order: each arm's and shape's share of the rows.
+    # The plan's launches in order: each arm's and shape's share of the rows,
+    # up to an arm that failed (its line has an `error`): from there ncu's
+    # list departs from the plan, so the later arms keep their wall times only.
     at = 0
+    attributed = True
     for p in plan:
+        wall = next((w for w in walls if w["kernel_bench"] == p["arm"] and w["n"] == p["n"] and w["k"] == p["k"]), {})
+        if not attributed or "error" in wall:
+            attributed = False
+            record(engine="kernel-bench", arm=p["arm"], n=p["n"], k=p["k"], error=wall.get("error", "not attributed: an arm before it failed"),
+                   products=wall.get("launches"), wall_us_median=wall.get("wall_us_median"))
+            continue
         mine = rows[at:at + p["launches"]]
         at += p["launches"]
         us = sorted(num(x["gpu__time_duration.sum"]) / 1000.0 for x in mine)
@@ -862,7 +877,6 @@ def kernel_bench():
         for x in mine:
             by_name.setdefault(x["Kernel Name"][:60], []).append(num(x["gpu__time_duration.sum"]) / 1000.0)
         by_name = {kname: sorted(v)[len(v) // 2] for kname, v in by_name.items()}
-        wall = next((w for w in walls if w["kernel_bench"] == p["arm"] and w["n"] == p["n"] and w["k"] == p["k"]), {})
         med = us[len(us) // 2] if us else None
         record(engine="kernel-bench", arm=p["arm"], n=p["n"], k=p["k"], launches=len(mine),
                kernels=sorted({x["Kernel Name"][:60] for x in mine}), us_median=med, us_min=us[0] if us else None,
@@ -873,7 +887,7 @@ def kernel_bench():
                dram_read_bytes_median=sorted(read)[len(read) // 2] if read else None,
                us_median_by_kernel=by_name, us_per_product=sum(by_name.values()) if by_name else None,
                wall_us_median=wall.get("wall_us_median"))
-    if at != len(rows):
+    if attributed and at != len(rows):
         record(engine="kernel-bench", error=f"{len(rows)} GEMV launches under ncu, the plan has {at}")
 
 

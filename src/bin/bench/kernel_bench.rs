@@ -7,8 +7,13 @@
 //! them more slowly than MLX's (sessions 19-24), and an in-step A/B cannot
 //! say by how much, nor which walk loses least.
 //!
-//! Then the scalar arms (where a kernel's scalar operand lives) and the
-//! decode attention's variants on the 1.2B's shape.
+//! Then the scalar arms (where a kernel's scalar operand lives), the
+//! decode attention's variants on the 1.2B's shape, and last the 8B-A1B's
+//! routed experts for one decode row (MLX's gathered products and our two
+//! expert kernels, the down kernel at 1, 2 and 4 columns a warp): session
+//! 22's ncu of a whole step put our down kernel at 23 µs a launch (0.36
+//! TB/s), a quarter of the step's GPU time, and the in-step A/B of its
+//! wider variants could not tell GPU time from a host-bound step's.
 //!
 //! Prints the plan first (`kernel_bench_plan`: each arm's shape and how many
 //! launches, in launch order, which is the order ncu lists the kernels in),
@@ -141,26 +146,135 @@ pub fn run(reps: usize) -> mlx_lfm::Result<()> {
             plan.push(serde_json::json!({"arm": name, "n": ATT_POSITIONS, "k": ATT_HD, "launches": ATT_LAUNCHES * reps * kernels}));
         }
     }
+    let experts = Experts::new()?;
+    let expert_arms: Vec<_> = EXPERT_ARMS.iter().filter(|(name, ..)| cuda || name.starts_with("mlx")).collect();
+    for (name, _, gate_up) in &expert_arms {
+        let (n, k) = Experts::plan_shape(*gate_up);
+        plan.push(serde_json::json!({"arm": name, "n": n, "k": k, "launches": EXPERT_LAUNCHES * reps}));
+    }
     println!("{}", serde_json::json!({"kernel_bench_plan": plan}));
     for (n, k, x, weights, arms) in &sets {
         for (name, switches) in arms {
             let walls = timed(switches, reps * weights.len(), |i| {
                 weights.product(i % weights.len(), x, name.starts_with("mlx")).map_err(|e| mlx_lfm::Error::invalid(format!("{name} {n}x{k}: {e}")))
-            })?;
+            });
             print_walls(name, *n, *k, walls);
         }
     }
     if let Some(s) = &scalar {
         for name in SCALAR_ARMS {
-            print_walls(name, SCALAR_N, 1, timed(&[], reps * SCALAR_LAUNCHES, |_| s.launch(name))?);
+            print_walls(name, SCALAR_N, 1, timed(&[], reps * SCALAR_LAUNCHES, |_| s.launch(name)));
         }
     }
     if let Some(a) = &attention {
         for (name, switches, _) in ATT_ARMS {
-            print_walls(name, ATT_POSITIONS, ATT_HD, timed(switches, reps * ATT_LAUNCHES, |_| a.launch())?);
+            print_walls(name, ATT_POSITIONS, ATT_HD, timed(switches, reps * ATT_LAUNCHES, |_| a.launch()));
         }
     }
+    for (name, switches, gate_up) in expert_arms {
+        let (n, k) = Experts::plan_shape(*gate_up);
+        let walls = timed(switches, reps * EXPERT_LAUNCHES, |i| {
+            experts.launch(name.starts_with("mlx"), *gate_up, i).map_err(|e| mlx_lfm::Error::invalid(format!("{name}: {e}")))
+        });
+        print_walls(name, n, k, walls);
+    }
     Ok(())
+}
+
+/// The 8B-A1B's routed experts for one decode row: `(arm, its switches,
+/// whether it is the gate/up product (else the down product))`. The `mlx-`
+/// arms are MLX's gathered quantized products (`gather_qmm`, what the
+/// stock path runs: the gate/up arm without the SwiGLU gate, which the
+/// stock path launches apart); the others our kernels (src/kernels/moe_experts.rs).
+/// A plan's `n` is the rows read (the row's 4 experts' rows together), `k`
+/// their width, so that `n * k` 4-bit values are the bytes an arm moves.
+const EXPERT_ARMS: [(&str, Switches, bool); 6] = [
+    ("mlx-moe-q4-gate-up", &[], true),
+    ("moe-q4-gate-up", &[], true),
+    ("mlx-moe-q4-down", &[], false),
+    ("moe-q4-down", &[], false),
+    ("moe-q4-down-c2", &[("MLX_LFM_MOE_DOWN_COLS", "2")], false),
+    ("moe-q4-down-c4", &[("MLX_LFM_MOE_DOWN_COLS", "4")], false),
+];
+const EXPERTS: i32 = 32;
+const EXPERTS_A_ROW: i32 = 4;
+const EXPERT_D: i32 = 2048;
+const EXPERT_F: i32 = 1792;
+/// Launches an arm and rep; each launch takes the next of the `EXPERTS /
+/// EXPERTS_A_ROW` disjoint expert sets, so eight launches in a row read
+/// the stacks' 165 MB once (more than the L2) and none finds its experts
+/// cached from the one before (ncu flushes the caches itself; the wall
+/// times need this).
+const EXPERT_LAUNCHES: usize = 16;
+
+struct Experts {
+    gate_up: mlx_lfm::model::linear::Quantized,
+    down: mlx_lfm::model::linear::Quantized,
+    /// The row `[1, D]` and the gated activations `[1, k, F]`.
+    x: Array,
+    h: Array,
+    score: Array,
+    /// One `[1, k]` uint32 expert set a launch, in turn.
+    sets: Vec<Array>,
+}
+
+impl Experts {
+    fn new() -> mlx_lfm::Result<Experts> {
+        use mlx_lfm::mlx::{QuantMode, QuantSpec};
+        let bf = Dtype::Bfloat16;
+        let spec = QuantSpec { mode: QuantMode::Affine, bits: 4, group_size: 64 };
+        let quant = |rows: i32, width: i32| -> mlx_lfm::Result<mlx_lfm::model::linear::Quantized> {
+            let w = normal(&[EXPERTS, rows, width], bf, 0.0, 1.0 / (width as f32).sqrt(), None)?;
+            let (weight, scales, biases) = mlx::quantize(&w, spec)?;
+            Ok(mlx_lfm::model::linear::Quantized { weight, scales, biases, spec })
+        };
+        let gate_up = quant(2 * EXPERT_F, EXPERT_D)?;
+        let down = quant(EXPERT_D, EXPERT_F)?;
+        let x = normal(&[1, EXPERT_D], bf, 0.0, 1.0, None)?;
+        let h = normal(&[1, EXPERTS_A_ROW, EXPERT_F], bf, 0.0, 1.0, None)?;
+        let score = mlx::full(&[1, EXPERTS_A_ROW], 1.0 / EXPERTS_A_ROW as f64, bf)?;
+        let sets = (0..EXPERTS / EXPERTS_A_ROW)
+            .map(|s| {
+                let ids: Vec<u32> = (0..EXPERTS_A_ROW).map(|j| (s * EXPERTS_A_ROW + j) as u32).collect();
+                Array::from_slice(&ids, &[1, EXPERTS_A_ROW])
+            })
+            .collect::<mlx_lfm::Result<Vec<_>>>()?;
+        let mut held: Vec<&Array> = vec![&gate_up.weight, &gate_up.scales, &down.weight, &down.scales, &x, &h, &score];
+        held.extend(gate_up.biases.iter().chain(down.biases.iter()));
+        held.extend(sets.iter());
+        mlx::eval(&held)?;
+        Ok(Experts { gate_up, down, x, h, score, sets })
+    }
+
+    /// The plan's `(n, k)` of an arm: rows read and their width.
+    fn plan_shape(gate_up: bool) -> (i32, i32) {
+        if gate_up {
+            (EXPERTS_A_ROW * 2 * EXPERT_F, EXPERT_D)
+        } else {
+            (EXPERTS_A_ROW * EXPERT_D, EXPERT_F)
+        }
+    }
+
+    fn launch(&self, stock: bool, gate_up: bool, i: usize) -> mlx_lfm::Result<Array> {
+        use mlx_lfm::kernels::moe_experts;
+        let idx = &self.sets[i % self.sets.len()];
+        let (w, spec) = if gate_up { (&self.gate_up, self.gate_up.spec) } else { (&self.down, self.down.spec) };
+        if stock {
+            // As the stock decode step gathers: `[1, 1, 1, 1, K]` rows
+            // against `[1, 1, k]` experts.
+            let rows = if gate_up { self.x.reshape(&[1, 1, 1, 1, EXPERT_D])? } else { self.h.reshape(&[1, 1, EXPERTS_A_ROW, 1, EXPERT_F])? };
+            let idx = idx.reshape(&[1, 1, EXPERTS_A_ROW])?;
+            return mlx::gather_qmm(&rows, &w.weight, &w.scales, w.biases.as_ref(), None, Some(&idx), true, spec, false);
+        }
+        if !moe_experts::available(1, EXPERTS_A_ROW as usize, Dtype::Bfloat16, &self.gate_up, &self.down) {
+            return Err(mlx_lfm::Error::invalid("kernel-bench: the MoE expert kernels do not serve their operands"));
+        }
+        if gate_up {
+            moe_experts::gate_up(&self.x, idx, w)
+        } else {
+            moe_experts::down(&self.h, idx, &self.score, w)
+        }
+    }
 }
 
 /// The decode attention's variants on the 1.2B's shape (32 query heads, 8
@@ -207,30 +321,44 @@ impl Attention {
 }
 
 /// `launches` products of `product(i)` under `switches` (this thread's
-/// overrides), each evaluated at once: its wall time in µs, launch and
-/// wait included.
-fn timed(switches: &[(&str, &str)], launches: usize, mut product: impl FnMut(usize) -> mlx_lfm::Result<Array>) -> mlx_lfm::Result<Vec<f64>> {
+/// overrides), each evaluated at once: each one's wall time in µs, launch
+/// and wait included, up to the first that failed, and its error.
+fn timed(
+    switches: &[(&str, &str)],
+    launches: usize,
+    mut product: impl FnMut(usize) -> mlx_lfm::Result<Array>,
+) -> (Vec<f64>, Option<mlx_lfm::Error>) {
     let overrides: mlx_lfm::knobs::Overrides = switches.iter().map(|(k, v)| (k.to_string(), Some(v.to_string()))).collect();
     mlx_lfm::knobs::with_overrides(&overrides, || {
         let mut walls = Vec::with_capacity(launches);
         for i in 0..launches {
             let t = Instant::now();
-            let y = product(i)?;
-            mlx::eval(&[&y])?;
+            if let Err(e) = product(i).and_then(|y| mlx::eval(&[&y])) {
+                return (walls, Some(e));
+            }
             walls.push(t.elapsed().as_secs_f64() * 1e6);
         }
-        Ok(walls)
+        (walls, None)
     })
 }
 
-fn print_walls(name: &str, n: i32, k: i32, mut walls: Vec<f64>) {
+/// One arm's line. An arm that failed says so with the products that
+/// completed before it (`launches`), and the next arms still run: ncu's
+/// list of kernels then departs from the plan from this arm on, which
+/// `run.py` reads from the error (a failure used to end the process, and
+/// with it every arm's figures).
+fn print_walls(name: &str, n: i32, k: i32, (mut walls, error): (Vec<f64>, Option<mlx_lfm::Error>)) {
+    let backend = mlx_lfm::mlx::runtime::backend().name();
     walls.sort_by(f64::total_cmp);
-    let median = walls[walls.len() / 2];
-    println!(
-        "{}",
-        serde_json::json!({"kernel_bench": name, "n": n, "k": k, "launches": walls.len(),
-            "wall_us_median": median, "wall_us_min": walls[0], "backend": mlx_lfm::mlx::runtime::backend().name()})
-    );
+    let mut line = serde_json::json!({"kernel_bench": name, "n": n, "k": k, "launches": walls.len(), "backend": backend});
+    if let (Some(median), Some(min)) = (walls.get(walls.len() / 2), walls.first()) {
+        line["wall_us_median"] = (*median).into();
+        line["wall_us_min"] = (*min).into();
+    }
+    if let Some(e) = error {
+        line["error"] = e.to_string().into();
+    }
+    println!("{line}");
 }
 
 /// Where a kernel's scalar operand lives, and whether that costs the GPU:
