@@ -141,8 +141,11 @@ the 1,800, in this order, so round 2 is what gives way):
      1.2B's GPU-bound one; pick weighs only the models measured).
   4. `kernel-bench` (the GEMVs, the scalar arms, the attention's variants
      alone, the 8B-A1B's expert kernels against MLX's gathered products
-     and the down kernel at 1, 2 and 4 columns a warp), `dispatch-cost` and
-     `H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4 profile-prefill` (~250 s).
+     and the down kernel at 1, 2 and 4 columns a warp), then
+     `H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4 profile profile-prefill`
+     (~280 s; the step's kernels at the defaults of sessions 23-24, which no
+     profile has seen: the last is session 22's; `dispatch-cost` gives way
+     here, session 13 measured it).
   5. `round 1`, `round 2` of the three models under the picks (~300 s each).
 Session 24's plan, for the record: `stage`; `install verdicts-from ...,session24 kernels` with
 H200_KERNEL_TESTS=quant_gemv_kernel_matches_stock_ops,
