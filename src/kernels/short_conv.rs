@@ -37,9 +37,9 @@ const SOURCE: &str = r#"
   y[b * D + d] = T(static_cast<float>(row[D + d]) * static_cast<float>(T(acc)));
 "#;
 
-// (Its own name since it writes the state after the token rather than the
-// padded window: MLX keeps compiled kernels on disk by name, and a cache
-// from an earlier build would otherwise serve the old body.)
+// (Named apart from the earlier body, which wrote the padded window, from
+// before every kernel's name carried a hash of its text: MLX keeps
+// compiled kernels on disk by name; see mlx::kernel::module_name.)
 fn kernel() -> Option<&'static CudaKernel> {
     static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
     K.get_or_init(|| CudaKernel::new("lfm_short_conv_step_next", &["bcx", "state", "w"], &["next", "y"], SOURCE, "").ok())

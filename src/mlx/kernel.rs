@@ -25,6 +25,36 @@ pub struct CudaKernel {
     name: String,
 }
 
+/// The name MLX gets for a kernel: `name`, then a hash of its whole text
+/// (inputs, outputs, body, header). MLX 0.32.4 keeps a compiled kernel
+/// under its name and template values alone, in memory for the process and
+/// on disk in its PTX cache (`MLX_PTX_CACHE_DIR`, else
+/// `$TMPDIR/mlx/<version>/ptx`, which outlives the process): without the
+/// hash, a kernel whose body changed (an upgrade of this package, a switch
+/// that rewrites its text) would run the cubin an earlier body left there,
+/// with another argument list or other arithmetic. The base name stays a
+/// prefix, so profilers still find a kernel by it.
+pub fn module_name(name: &str, inputs: &[&str], outputs: &[&str], source: &str, header: &str) -> String {
+    use std::hash::{Hash, Hasher};
+    // (std's SipHash with its fixed keys: the same text gives the same name
+    // in every process; a new toolchain may change it, which only costs a
+    // compile.)
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (name, inputs, outputs, source, header).hash(&mut h);
+    format!("{name}_{:016x}", h.finish())
+}
+
+/// Template values that name the dtypes of a call's inputs and outputs
+/// (`using LFM_IO0 = ...;` and on: type aliases the bodies never use, so
+/// they compile to nothing and raise no warning): MLX writes a kernel's
+/// signature from its operands' dtypes, but keys the compiled kernel by
+/// name and template values only, so two calls with the same template
+/// values and other operand dtypes would share the first one's cubin.
+pub(crate) fn dtype_args(inputs: &[&Array], outputs: &[(&[i32], Dtype)]) -> Vec<(String, TemplateArg)> {
+    let dtypes = inputs.iter().map(|a| a.dtype()).chain(outputs.iter().map(|(_, d)| *d));
+    dtypes.enumerate().map(|(i, d)| (format!("LFM_IO{i}"), TemplateArg::Dtype(d))).collect()
+}
+
 // The handle is an immutable MLX function object; MLX itself is driven by
 // one thread per model, which is what calls it.
 unsafe impl Send for CudaKernel {}
@@ -37,7 +67,7 @@ impl CudaKernel {
         let outs: Vec<CString> = outputs.iter().map(|s| cs(s)).collect::<Result<_>>()?;
         let in_p: Vec<*const std::os::raw::c_char> = ins.iter().map(|c| c.as_ptr()).collect();
         let out_p: Vec<*const std::os::raw::c_char> = outs.iter().map(|c| c.as_ptr()).collect();
-        let (n, src, hdr) = (cs(name)?, cs(source)?, cs(header)?);
+        let (n, src, hdr) = (cs(&module_name(name, inputs, outputs, source, header))?, cs(source)?, cs(header)?);
         let mut raw: KernelHandle = std::ptr::null_mut();
         check(unsafe {
             ffi::mlxb_cuda_kernel(n.as_ptr(), in_p.as_ptr(), in_p.len(), out_p.as_ptr(), out_p.len(), src.as_ptr(), hdr.as_ptr(), &mut raw)
@@ -59,6 +89,8 @@ impl CudaKernel {
         let shapes: Vec<i32> = outputs.iter().flat_map(|(s, _)| s.iter().copied()).collect();
         let ndims: Vec<c_int> = outputs.iter().map(|(s, _)| s.len() as c_int).collect();
         let dtypes: Vec<c_int> = outputs.iter().map(|(_, d)| *d as c_int).collect();
+        let io = dtype_args(inputs, outputs);
+        let template: Vec<(&str, TemplateArg)> = template.iter().copied().chain(io.iter().map(|(n, a)| (n.as_str(), *a))).collect();
         let names: Vec<CString> = template
             .iter()
             .map(|(n, _)| CString::new(*n).map_err(|_| Error::invalid(format!("kernel {}: a NUL in a template name", self.name))))

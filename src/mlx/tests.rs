@@ -273,3 +273,48 @@ fn malloc_library_names_the_allocator_that_serves_malloc() {
     let exe = std::env::current_exe().unwrap();
     assert_ne!(std::path::Path::new(&lib), exe.as_path());
 }
+
+/// A kernel's name for MLX carries a hash of its whole text: MLX keys its
+/// compiled kernels (in memory, and on disk across processes) by name and
+/// template values only, so a changed body under the same name would run
+/// the cubin an earlier body left. Each part of the text moves the name;
+/// the same text gives the same name; the base stays its prefix (what the
+/// profilers match).
+#[test]
+fn kernel_names_change_with_their_text() {
+    use kernel::module_name;
+    let base = module_name("lfm_k", &["x", "w"], &["y"], "y[0] = x[0];", "");
+    assert_eq!(base, module_name("lfm_k", &["x", "w"], &["y"], "y[0] = x[0];", ""));
+    assert!(base.starts_with("lfm_k_") && base.len() == "lfm_k_".len() + 16, "{base}");
+    let others = [
+        module_name("lfm_j", &["x", "w"], &["y"], "y[0] = x[0];", ""),
+        module_name("lfm_k", &["x", "v"], &["y"], "y[0] = x[0];", ""),
+        module_name("lfm_k", &["x", "w"], &["z"], "y[0] = x[0];", ""),
+        module_name("lfm_k", &["x", "w"], &["y"], "y[0] = x[1];", ""),
+        module_name("lfm_k", &["x", "w"], &["y"], "y[0] = x[0];", "#define LFM_VARIANT 1\n"),
+        // (The parts are hashed apart: text moved from the body to the
+        // header is another kernel's text.)
+        module_name("lfm_k", &["x", "w"], &["y"], "", "y[0] = x[0];"),
+    ];
+    for o in &others {
+        assert_ne!(&base, o);
+    }
+}
+
+/// Each call names its operands' dtypes in template values, inputs then
+/// outputs, so MLX compiles (and keeps) a kernel per dtype combination.
+#[test]
+fn kernel_calls_name_their_operands_dtypes() {
+    let x = Array::scalar(1.0, Dtype::Bfloat16).unwrap();
+    let i = Array::scalar(2.0, Dtype::Uint32).unwrap();
+    let args = kernel::dtype_args(&[&x, &i], &[(&[4][..], Dtype::Float32)]);
+    let got: Vec<(String, Dtype)> = args
+        .into_iter()
+        .map(|(n, a)| match a {
+            kernel::TemplateArg::Dtype(d) => (n, d),
+            other => panic!("{n}: {other:?}"),
+        })
+        .collect();
+    let want = [("LFM_IO0", Dtype::Bfloat16), ("LFM_IO1", Dtype::Uint32), ("LFM_IO2", Dtype::Float32)];
+    assert_eq!(got, want.map(|(n, d)| (n.to_string(), d)));
+}
