@@ -12,6 +12,8 @@ shared=${MLX_LFM_SHARED:-$top/../shared}
 cargo build --release --target x86_64-unknown-linux-gnu --bin mlx-lfm-bench
 mkdir -p .device/bin
 cp target/x86_64-unknown-linux-gnu/release/mlx-lfm-bench .device/bin/ && strip .device/bin/mlx-lfm-bench
+# The commit these binaries are of (run.py's save-ptx names it).
+git rev-parse --short HEAD > .device/bin/COMMIT
 # mimalloc to preload in the `mimalloc` A/B variant (~200 KB).
 [ -f .device/bin/libmimalloc.so ] || bash bench/h200/mimalloc.sh
 # The library's test binary: the fused kernels' tests run on the device.
@@ -20,3 +22,5 @@ t=$(cargo test --release --target x86_64-unknown-linux-gnu --lib --no-run --mess
   python3 -c 'import sys, json; print([j["executable"] for j in map(json.loads, sys.stdin) if j.get("executable")][0])')
 cp "$t" .device/tests/ && strip .device/tests/mlx_lfm-*
 du -sh .device/a .device/b .device/llama .device/bin .device/tests
+# A session's compiled kernels, brought back by run.py's save-ptx (see restore_ptx).
+[ -d .device/ptx ] && du -sh .device/ptx || true

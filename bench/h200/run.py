@@ -118,7 +118,7 @@ and asks `norm-kernel-all-rows` of every model's prefill again.
 Next (`bash bench/h200/prepare.sh` here first; ~1,850 s planned against
 the 1,800, in this order, so round 2 is what gives way):
   1. carry [.device/a, .device/llama]: `stage` (~95 s with the start).
-  2. carry [.device/b, .device/tests]: `install verdicts-from <the raw files of sessions 16-24, comma-
+  2. carry [.device/b, .device/tests, .device/ptx]: `install verdicts-from <the raw files of sessions 16-24, comma-
      separated> kernels` with H200_KERNEL_JOBS=5 and
      H200_KERNEL_TESTS=quant_gemv_kernel_matches_stock_ops,
      moe_experts_kernels_match_stock_ops,conv_gemv_kernel_matches_stock_ops,
@@ -145,7 +145,11 @@ the 1,800, in this order, so round 2 is what gives way):
      `H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4 profile profile-prefill`
      (~280 s; the step's kernels at the defaults of sessions 23-24, which no
      profile has seen: the last is session 22's; `dispatch-cost` gives way
-     here, session 13 measured it).
+     here, session 13 measured it), then `save-ptx` (the kernels this
+     machine compiled, as $OUT/ptx-cache.tgz: after the chain, copy it to
+     .device/ptx/ here, and the next session's call 2 carries it, so its
+     kernel tests and first runs load them instead of compiling them;
+     restore_ptx says why that is safe across builds).
   5. `round 1`, `round 2` of the three models under the picks (~300 s each).
 Session 24's plan, for the record: `stage`; `install verdicts-from ...,session24 kernels` with
 H200_KERNEL_TESTS=quant_gemv_kernel_matches_stock_ops,
@@ -185,6 +189,9 @@ command before the first, and read the results when the chain is done.
 (Calls 1-5 are ~27 of the 30 device minutes a session has, with ~2 minutes
 to start the machine; `H200_MODELS=...` narrows `ab` and `profile`, and
 `checkpoints` of the dense models alone takes ~1.5 minutes.)
+`save-ptx` packs the kernels the machine compiled into $OUT/ptx-cache.tgz;
+copied to .device/ptx/ here and carried with call 2 of the next session,
+`install` puts them into that machine's MLX cache first (restore_ptx).
 `batch-phases` splits the 16-concurrent step's host time (pipelined and
 synchronous, ~1 minute a model).
 `kernels` runs the fused kernels' tests there (each test's verdict kept);
@@ -342,9 +349,84 @@ def stage(llama=True, mlx=True):
     sh(["nvidia-smi", "--query-gpu=name,clocks.sm,clocks.mem,memory.used,memory.total", "--format=csv"], "device", check=False)
 
 
+PTX = WORK / "ptx"
+PTX_CARRY = ROOT / ".device" / "ptx" / "ptx-cache.tgz"
+
+
+def gpu_capability():
+    r = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True, text=True)
+    return r.stdout.split("\n")[0].strip() if r.returncode == 0 else None
+
+
+def restore_ptx():
+    """A fresh machine compiles every kernel it runs with NVRTC, MLX's and
+    ours, on its host (much of the kernel tests' ~400 s). `save-ptx` brings
+    back the kernels a session compiled (MLX's cache: a cubin and its
+    names' file a kernel); carried in .device/ptx/, they go into the cache
+    of the next machine before anything runs, where its GPU is the one they
+    were compiled for. Safe across builds: MLX keys its cache by kernel
+    name (MLX's own are fixed by the pinned version, the cache folder names
+    it), and each of ours is named with a hash of its text and operand
+    dtypes (src/mlx/kernel.rs: module_name), so a changed kernel is simply
+    compiled again."""
+    if not PTX_CARRY.exists() or (PTX.exists() and any(PTX.iterdir())):
+        return
+    import tarfile
+
+    with tarfile.open(PTX_CARRY, "r:gz") as t:
+        meta = json.load(t.extractfile("ptx-cache.json"))
+        cc = gpu_capability()
+        if meta.get("compute_cap") != cc or meta.get("mlx") != "0.32.4":
+            record(engine="ptx-cache", restored=0, why=f"compiled for {meta}, this GPU is {cc}")
+            return
+        PTX.mkdir(parents=True, exist_ok=True)
+        members = [m for m in t.getmembers() if m.isfile() and m.name.endswith((".ptx", ".txt")) and "/" not in m.name]
+        t.extractall(PTX, members=members)
+    record(engine="ptx-cache", restored=len(members), from_commit=meta.get("commit"))
+
+
+def read_or(path, default):
+    return path.read_text().strip() if path.exists() else default
+
+
+def save_ptx(limit=None):
+    """This machine's compiled kernels (MLX's cache, without the sources it
+    keeps beside them) as $OUT/ptx-cache.tgz, for .device/ptx/ of the next
+    session (see restore_ptx). It must fit what call 2 carries beside
+    .device/b and .device/tests (~4 MiB of the 64 with the tree; H200_PTX_MB
+    sets another size): ours first (the kernel tests compile them in every
+    dtype and shape), then MLX's, a quarter fewer each time until it fits."""
+    limit = limit or int(float(os.environ.get("H200_PTX_MB", "3.5")) * (1 << 20))
+    import io
+    import tarfile
+
+    files = sorted((p for p in PTX.glob("*") if p.suffix in (".ptx", ".txt")), key=lambda p: (not p.name.startswith("custom_kernel_"), p.name)) \
+        if PTX.exists() else []
+    modules = sorted({p.stem for p in files}, key=lambda m: (not m.startswith("custom_kernel_"), m))
+    out = OUT / "ptx-cache.tgz"
+    keep = len(modules)
+    while True:
+        kept = set(modules[:keep])
+        chosen = [p for p in files if p.stem in kept]
+        meta = {"compute_cap": gpu_capability(), "mlx": "0.32.4", "commit": read_or(ROOT / ".device" / "bin" / "COMMIT", "unknown"),
+                "modules": keep, "of": len(modules)}
+        with tarfile.open(out, "w:gz") as t:
+            data = json.dumps(meta).encode()
+            info = tarfile.TarInfo("ptx-cache.json")
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+            for p in chosen:
+                t.add(p, arcname=p.name)
+        if out.stat().st_size <= limit or keep == 0:
+            break
+        keep = keep * 3 // 4
+    record(engine="ptx-cache", saved=keep, of=len(modules), bytes=out.stat().st_size)
+
+
 def install():
     """Call 2: the second half of the wheel, then MLX CUDA, MLX and mlx-lm
     into /tmp/site."""
+    restore_ptx()
     if (SITE / "mlx" / "lib" / "libmlx.so").exists():
         return
     b = ROOT / ".device" / "b"
@@ -1918,6 +2000,8 @@ def main():
             elif a == "kernel-bench":
                 install()
                 kernel_bench()
+            elif a == "save-ptx":
+                save_ptx()
             elif a == "new-lengths":
                 install()
                 new_lengths()
