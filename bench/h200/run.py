@@ -115,22 +115,17 @@ feed-forward's gate one MLX compiled kernel in a prompt's pass (a default
 everywhere, `fused-swiglu-off` measures it; its test
 `fused_gate_equals_the_ops` holds it to the ops' bits, on the CPU so far)
 and asks `norm-kernel-all-rows` of every model's prefill again.
-Next (`bash bench/h200/prepare.sh` here first; ~1,850 s planned against
+Next (`bash bench/h200/prepare.sh` here first; ~1,950 s planned against
 the 1,800, in this order, so round 2 is what gives way):
   1. carry [.device/a, .device/llama]: `stage` (~95 s with the start).
-  2. carry [.device/b, .device/tests, .device/ptx]: `install verdicts-from <the raw files of sessions 16-24, comma-
-     separated> kernels` with H200_KERNEL_JOBS=5 and
-     H200_KERNEL_TESTS=quant_gemv_kernel_matches_stock_ops,
-     moe_experts_kernels_match_stock_ops,conv_gemv_kernel_matches_stock_ops,
-     decode_attention_kernel_matches_stock_ops,
-     short_conv_kernel_matches_stock_ops,conv_prefill_kernel_matches_stock_ops,
-     qkv_prefill_kernel_matches_stock_ops,qkv_norm_rope_kernel_matches_stock_ops,
-     qk_norm_rope_kernel_matches_stock_ops,quant_embed_kernel_matches_stock_ops,
-     add_rms_norm_kernel_matches_stock_ops,
-     fused_gate_equals_the_ops,greedy_tokens_with_kernels_equal_stock_ops
-     (~400 s: the two tests mended after session 24's run; the new kernels;
-     the decode kernels' launch helper and the fused gate on CUDA; the
-     greedy test's new sets).
+  2. carry [.device/b, .device/tests, .device/ptx]: `install kernels` with
+     H200_KERNEL_JOBS=5 and H200_KERNEL_TESTS=kernels::,fused_gate_equals_the_ops
+     (~450 s: every kernel test, no verdicts-from: session 26 changed how
+     every kernel is named and called (src/mlx/kernel.rs: a hash of its
+     text in its name, its operands' dtypes in its template values), so no
+     earlier verdict speaks for the code now; with the two tests mended
+     after session 24's run, session 25's kernels, the decode kernels'
+     launch helper, the fused gate on CUDA and the greedy test's new sets).
   3. carry [.device/bin] (and so 4 and 5): `checkpoints` of the three
      models, then
      `H200_MODELS=lfm2-350m-bf16,lfm2-1.2b-bf16,lfm2-8b-a1b-q4
@@ -141,9 +136,10 @@ the 1,800, in this order, so round 2 is what gives way):
      1.2B's GPU-bound one; pick weighs only the models measured).
   4. `kernel-bench` (the GEMVs, the scalar arms, the attention's variants
      alone, the 8B-A1B's expert kernels against MLX's gathered products
-     and the down kernel at 1, 2 and 4 columns a warp), then
-     `H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4 profile profile-prefill`
-     (~280 s; the step's kernels at the defaults of sessions 23-24, which no
+     and the down kernel at 1, 2 and 4 columns a warp), `kernel-detail`
+     (~60 s: ncu's sections and stall reasons over the expert arms alone),
+     then `H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4 profile profile-prefill`
+     (~340 s; the step's kernels at the defaults of sessions 23-24, which no
      profile has seen: the last is session 22's; `dispatch-cost` gives way
      here, session 13 measured it), then `save-ptx` (the kernels this
      machine compiled, as $OUT/ptx-cache.tgz: after the chain, copy it to
@@ -189,6 +185,8 @@ command before the first, and read the results when the chain is done.
 (Calls 1-5 are ~27 of the 30 device minutes a session has, with ~2 minutes
 to start the machine; `H200_MODELS=...` narrows `ab` and `profile`, and
 `checkpoints` of the dense models alone takes ~1.5 minutes.)
+`kernel-detail` takes ncu's detail sections and stall reasons over a few
+`kernel-bench` arms alone (H200_DETAIL_ARMS; the experts' kernels by default).
 `save-ptx` packs the kernels the machine compiled into $OUT/ptx-cache.tgz;
 copied to .device/ptx/ here and carried with call 2 of the next session,
 `install` puts them into that machine's MLX cache first (restore_ptx).
@@ -722,6 +720,54 @@ def profile_kernels():
                           "raw", env())
         if stalls is not None:
             record(engine="ncu-stalls", model=name, switches=switches, kernels=summarize_stalls(stalls))
+
+
+def kernel_detail():
+    """ncu's detail sections and warp stall reasons (as `profile-kernels`
+    takes them in a model's step) over `kernel-bench` arms alone
+    (H200_DETAIL_ARMS, default the 8B-A1B's expert kernels: MLX's gathered
+    down product, our down kernel at 1 and 4 columns a warp, our gate/up):
+    16 launches an arm on the same operands, no model around them, so it
+    ends in about a minute where `profile-kernels` of the 8B-A1B's step ran
+    past 440 s (session 24). Why the down kernel read 0.36 TB/s in session
+    22's profile, and what more columns a warp change."""
+    arms = os.environ.get("H200_DETAIL_ARMS", "mlx-moe-q4-down,moe-q4-down,moe-q4-down-c4,moe-q4-gate-up")
+    pattern = "gemv|qmv|gather_qmm|lfm_"
+    bench = [BENCH, "--kernel-bench", "--device", "gpu", "--reps", "1", "--arms", arms]
+    sections = ["SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "MemoryWorkloadAnalysis", "SchedulerStats"]
+    import csv as _csv
+    import io
+
+    def run(tag, args, page):
+        rep = WORK / tag
+        r = sh(["ncu", "--clock-control", "none", "-f", "-o", rep, "--kernel-name", f"regex:{pattern}", *args, *bench],
+               tag, check=False)
+        if r.returncode != 0:
+            record(engine=tag, arms=arms, error=r.stderr[-2000:])
+            return None
+        csv = sh(["ncu", "--import", f"{rep}.ncu-rep", "--csv", "--page", page, "--print-units", "base",
+                  "--print-kernel-base", "function"], check=False).stdout
+        (OUT / f"{tag}.csv").write_text(csv)
+        return csv
+
+    details = run("kernel-detail", [a for sec in sections for a in ("--section", sec)], "details")
+    if details is not None:
+        # Per kernel (name with its template values: one per arm here), the
+        # median over its launches of each metric ncu gives a number for.
+        per = {}
+        for row in _csv.DictReader(io.StringIO(details)):
+            k, m, v = row.get("Kernel Name"), row.get("Metric Name"), row.get("Metric Value", "")
+            try:
+                x = float(str(v).replace(",", ""))
+            except ValueError:
+                continue
+            if k and m:
+                per.setdefault(k, {}).setdefault(m, []).append(x)
+        record(engine="kernel-detail", arms=arms,
+               kernels={k: {m: sorted(v)[len(v) // 2] for m, v in ms.items()} for k, ms in per.items()})
+    stalls = run("kernel-stalls", ["--metrics", "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio"], "raw")
+    if stalls is not None:
+        record(engine="kernel-stalls", arms=arms, kernels=summarize_stalls(stalls))
 
 
 def summarize_stalls(text):
@@ -2000,6 +2046,9 @@ def main():
             elif a == "kernel-bench":
                 install()
                 kernel_bench()
+            elif a == "kernel-detail":
+                install()
+                kernel_detail()
             elif a == "save-ptx":
                 save_ptx()
             elif a == "new-lengths":

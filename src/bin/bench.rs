@@ -36,7 +36,7 @@
 //!     no model: what one node of each kind costs the host (chains of 200
 //!     adds, views, GEMVs, 4-bit GEMVs, RMSNorms and, on CUDA, custom
 //!     kernels, each built, handed to MLX and waited for; µs per node).
-//!   mlx-lfm-bench --kernel-bench [--device gpu] [--reps 3]
+//!   mlx-lfm-bench --kernel-bench [--device gpu] [--reps 3] [--arms a,b]
 //!     no model: the decode step's dense GEMV shapes one product a launch,
 //!     MLX's GEMV and each walk of ours (for ncu to time each kernel
 //!     alone: `bench/h200/run.py kernel-bench`); the plan in launch order,
@@ -104,6 +104,7 @@ const FLAGS: &[(&str, bool)] = &[
     ("--prefill-ops", false),
     ("--dispatch-cost", false),
     ("--kernel-bench", false),
+    ("--arms", true),
     ("--tensor-parallel", true),
     ("--backend", true),
     ("--turns", true),
@@ -158,7 +159,8 @@ fn run() -> mlx_lfm::Result<()> {
         return dispatch_cost(arg(&args, "--reps").map(|s| s.parse().expect("--reps")).unwrap_or(5));
     }
     if args.iter().any(|a| a == "--kernel-bench") {
-        return kernel_bench::run(arg(&args, "--reps").map(|s| s.parse().expect("--reps")).unwrap_or(3));
+        let arms: Option<Vec<String>> = arg(&args, "--arms").map(|s| s.split(',').map(|a| a.trim().to_string()).filter(|a| !a.is_empty()).collect());
+        return kernel_bench::run(arg(&args, "--reps").map(|s| s.parse().expect("--reps")).unwrap_or(3), arms.as_deref());
     }
     let dir = match arg(&args, "--model") {
         Some(m) => PathBuf::from(m),

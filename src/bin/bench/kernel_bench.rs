@@ -90,19 +90,37 @@ impl Weights {
     }
 }
 
-pub fn run(reps: usize) -> mlx_lfm::Result<()> {
+/// `only`: the arms so named (`--arms a,b`, e.g. for ncu's detail
+/// sections over a few launches); None runs them all.
+pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
     use mlx_lfm::mlx::{QuantMode, QuantSpec};
     let bf = Dtype::Bfloat16;
     let cuda = cuda_kernels_enabled();
-    let keep = |arms: Vec<(&'static str, Vec<(&'static str, &'static str)>)>| -> Vec<_> {
-        arms.into_iter().filter(|(name, _)| cuda || name.starts_with("mlx")).collect()
-    };
+    // (Our kernels' arms only where they run; the stock arms everywhere.)
+    let chosen = |name: &str| (cuda || name.starts_with("mlx")) && only.is_none_or(|a| a.iter().any(|x| x == name));
+    if let Some(a) = only {
+        let known: Vec<&str> = arms()
+            .iter()
+            .chain(quant_arms().iter())
+            .map(|(n, _)| *n)
+            .chain(SCALAR_ARMS)
+            .chain(ATT_ARMS.iter().map(|(n, ..)| *n))
+            .chain(EXPERT_ARMS.iter().map(|(n, ..)| *n))
+            .collect();
+        if let Some(bad) = a.iter().find(|x| !known.contains(&x.as_str())) {
+            return Err(mlx_lfm::Error::invalid(format!("--arms: no arm named {bad:?} (the arms: {})", known.join(", "))));
+        }
+    }
+    let keep = |arms: Vec<(&'static str, Vec<(&'static str, &'static str)>)>| -> Vec<_> { arms.into_iter().filter(|(name, _)| chosen(name)).collect() };
     let (dense_arms, quant_arms) = (keep(arms()), keep(quant_arms()));
     let spec = QuantSpec { mode: QuantMode::Affine, bits: 4, group_size: 64 };
     let mut plan = vec![];
     let mut sets = vec![];
     let shapes = SHAPES.iter().map(|s| (*s, false)).chain(QUANT_SHAPES.iter().map(|s| (*s, true)));
     for ((n, k), quant) in shapes {
+        if (quant && quant_arms.is_empty()) || (!quant && dense_arms.is_empty()) {
+            continue;
+        }
         let bytes = if quant { n as usize * k as usize / 2 } else { n as usize * k as usize * 2 };
         let copies = CYCLE_BYTES.div_ceil(bytes).clamp(1, 16);
         let x = normal(&[1, k], bf, 0.0, 1.0, None)?;
@@ -134,20 +152,22 @@ pub fn run(reps: usize) -> mlx_lfm::Result<()> {
         }
         sets.push((n, k, x, weights, arms.clone()));
     }
-    let scalar = if cuda { Some(ScalarReads::new()?) } else { None };
+    let scalar_arms: Vec<&str> = SCALAR_ARMS.into_iter().filter(|n| cuda && chosen(n)).collect();
+    let scalar = if scalar_arms.is_empty() { None } else { Some(ScalarReads::new()?) };
     if scalar.is_some() {
-        for name in SCALAR_ARMS {
+        for name in &scalar_arms {
             plan.push(serde_json::json!({"arm": name, "n": SCALAR_N, "k": 1, "launches": SCALAR_LAUNCHES * reps}));
         }
     }
-    let attention = if cuda { Some(Attention::new()?) } else { None };
+    let att_arms: Vec<_> = ATT_ARMS.into_iter().filter(|(n, ..)| cuda && chosen(n)).collect();
+    let attention = if att_arms.is_empty() { None } else { Some(Attention::new()?) };
     if attention.is_some() {
-        for (name, _, kernels) in ATT_ARMS {
+        for (name, _, kernels) in &att_arms {
             plan.push(serde_json::json!({"arm": name, "n": ATT_POSITIONS, "k": ATT_HD, "launches": ATT_LAUNCHES * reps * kernels}));
         }
     }
-    let experts = Experts::new()?;
-    let expert_arms: Vec<_> = EXPERT_ARMS.iter().filter(|(name, ..)| cuda || name.starts_with("mlx")).collect();
+    let expert_arms: Vec<_> = EXPERT_ARMS.iter().filter(|(name, ..)| chosen(name)).collect();
+    let experts = if expert_arms.is_empty() { None } else { Some(Experts::new()?) };
     for (name, _, gate_up) in &expert_arms {
         let (n, k) = Experts::plan_shape(*gate_up);
         plan.push(serde_json::json!({"arm": name, "n": n, "k": k, "launches": EXPERT_LAUNCHES * reps}));
@@ -162,16 +182,17 @@ pub fn run(reps: usize) -> mlx_lfm::Result<()> {
         }
     }
     if let Some(s) = &scalar {
-        for name in SCALAR_ARMS {
+        for name in scalar_arms {
             print_walls(name, SCALAR_N, 1, timed(&[], reps * SCALAR_LAUNCHES, |_| s.launch(name)));
         }
     }
     if let Some(a) = &attention {
-        for (name, switches, _) in ATT_ARMS {
+        for (name, switches, _) in att_arms {
             print_walls(name, ATT_POSITIONS, ATT_HD, timed(switches, reps * ATT_LAUNCHES, |_| a.launch()));
         }
     }
     for (name, switches, gate_up) in expert_arms {
+        let experts = experts.as_ref().expect("made where an expert arm runs");
         let (n, k) = Experts::plan_shape(*gate_up);
         let walls = timed(switches, reps * EXPERT_LAUNCHES, |i| {
             experts.launch(name.starts_with("mlx"), *gate_up, i).map_err(|e| mlx_lfm::Error::invalid(format!("{name}: {e}")))
