@@ -352,8 +352,18 @@ PTX_CARRY = ROOT / ".device" / "ptx" / "ptx-cache.tgz"
 
 
 def gpu_capability():
-    r = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True, text=True)
-    return r.stdout.split("\n")[0].strip() if r.returncode == 0 else None
+    """The GPU's compute capability ("9.0"), None where nvidia-smi cannot say."""
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True, text=True)
+    except OSError:
+        return None
+    return (r.stdout.split("\n")[0].strip() or None) if r.returncode == 0 else None
+
+
+def mlx_version():
+    """The MLX version installed in SITE (its wheel's dist-info), None before."""
+    found = sorted(SITE.glob("mlx_cuda_13-*.dist-info"))
+    return found[0].name[len("mlx_cuda_13-"):-len(".dist-info")] if found else None
 
 
 def restore_ptx():
@@ -373,9 +383,12 @@ def restore_ptx():
 
     with tarfile.open(PTX_CARRY, "r:gz") as t:
         meta = json.load(t.extractfile("ptx-cache.json"))
-        cc = gpu_capability()
-        if meta.get("compute_cap") != cc or meta.get("mlx") != "0.32.4":
-            record(engine="ptx-cache", restored=0, why=f"compiled for {meta}, this GPU is {cc}")
+        here = {"compute_cap": gpu_capability(), "mlx": mlx_version()}
+        # (MLX's wrapping of our kernels, its headers and its own kernels
+        # change with its version: a cache of another MLX or GPU, or one
+        # whose versions could not be read, is left out.)
+        if None in here.values() or any(meta.get(k) != v for k, v in here.items()):
+            record(engine="ptx-cache", restored=0, why=f"compiled for {meta}, here {here}")
             return
         PTX.mkdir(parents=True, exist_ok=True)
         members = [m for m in t.getmembers() if m.isfile() and m.name.endswith((".ptx", ".txt")) and "/" not in m.name]
@@ -403,10 +416,11 @@ def save_ptx(limit=None):
     modules = sorted({p.stem for p in files}, key=lambda m: (not m.startswith("custom_kernel_"), m))
     out = OUT / "ptx-cache.tgz"
     keep = len(modules)
+    cc, version = gpu_capability(), mlx_version()
     while True:
         kept = set(modules[:keep])
         chosen = [p for p in files if p.stem in kept]
-        meta = {"compute_cap": gpu_capability(), "mlx": "0.32.4", "commit": read_or(ROOT / ".device" / "bin" / "COMMIT", "unknown"),
+        meta = {"compute_cap": cc, "mlx": version, "commit": read_or(ROOT / ".device" / "bin" / "COMMIT", "unknown"),
                 "modules": keep, "of": len(modules)}
         with tarfile.open(out, "w:gz") as t:
             data = json.dumps(meta).encode()
@@ -424,9 +438,12 @@ def save_ptx(limit=None):
 def install():
     """Call 2: the second half of the wheel, then MLX CUDA, MLX and mlx-lm
     into /tmp/site."""
+    if not (SITE / "mlx" / "lib" / "libmlx.so").exists():
+        install_wheels()
     restore_ptx()
-    if (SITE / "mlx" / "lib" / "libmlx.so").exists():
-        return
+
+
+def install_wheels():
     b = ROOT / ".device" / "b"
     whl = Path("/tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl")
     with open(whl, "wb") as out:
@@ -822,7 +839,7 @@ def summarize_ncu(text):
         # The step's kernels in launch order (ncu's IDs), so a kernel no
         # name places (session 22: 16 `copy_g_nd` a 1.2B token) is placed
         # by its neighbours.
-        "sequence": [r["Kernel Name"][:48] for r in sorted(rows, key=lambda r: int(num(r.get("ID") or "0")))],
+        "sequence": [short_kernel(r["Kernel Name"]) for r in sorted(rows, key=lambda r: int(num(r.get("ID") or "0")))],
         "kernels": sum(p["n"] for p in per.values()),
         "kernel_us": total,
         "under_5us": sum(p["under5"] for p in per.values()),
@@ -946,6 +963,13 @@ def dispatch_cost():
             record(engine="dispatch-cost", **j)
 
 
+def short_kernel(name):
+    """A kernel's name without the hash of its text our kernels carry
+    (src/mlx/kernel.rs: module_name), keeping its template values (K, C,
+    the dtype), which tell apart the variants of one kernel."""
+    return re.sub(r"_[0-9a-f]{16}(?=_|$)", "", name)[:100]
+
+
 def kernel_bench():
     """Each GEMV kernel alone, timed by ncu (`mlx-lfm-bench
     --kernel-bench`: the decode step's GEMV shapes one product a launch,
@@ -993,9 +1017,11 @@ def kernel_bench():
     attributed = True
     for p in plan:
         wall = next((w for w in walls if w["kernel_bench"] == p["arm"] and w["n"] == p["n"] and w["k"] == p["k"]), {})
-        if not attributed or "error" in wall:
+        if not attributed or not wall or "error" in wall:
+            why = wall.get("error") or ("no line: the process ended before this arm" if attributed else
+                                        "not attributed: an arm before it failed")
             attributed = False
-            record(engine="kernel-bench", arm=p["arm"], n=p["n"], k=p["k"], error=wall.get("error", "not attributed: an arm before it failed"),
+            record(engine="kernel-bench", arm=p["arm"], n=p["n"], k=p["k"], error=why,
                    products=wall.get("launches"), wall_us_median=wall.get("wall_us_median"))
             continue
         mine = rows[at:at + p["launches"]]
@@ -1006,11 +1032,11 @@ def kernel_bench():
         # and join: each kernel's median, and their sum a product.)
         by_name = {}
         for x in mine:
-            by_name.setdefault(x["Kernel Name"][:60], []).append(num(x["gpu__time_duration.sum"]) / 1000.0)
+            by_name.setdefault(short_kernel(x["Kernel Name"]), []).append(num(x["gpu__time_duration.sum"]) / 1000.0)
         by_name = {kname: sorted(v)[len(v) // 2] for kname, v in by_name.items()}
         med = us[len(us) // 2] if us else None
         record(engine="kernel-bench", arm=p["arm"], n=p["n"], k=p["k"], launches=len(mine),
-               kernels=sorted({x["Kernel Name"][:60] for x in mine}), us_median=med, us_min=us[0] if us else None,
+               kernels=sorted({short_kernel(x["Kernel Name"]) for x in mine}), us_median=med, us_min=us[0] if us else None,
                # (bf16 weights, or 4-bit with a bf16 scale and bias a group of 64;
                # the scalar arms read one row, their time is the figure)
                gbps_median=(p["n"] * p["k"] * (0.5625 if "q4" in p["arm"] else 2) / (med * 1e3))
@@ -2076,7 +2102,7 @@ def pack_logs():
     raw.jsonl."""
     import tarfile
 
-    logs = [p for p in OUT.iterdir() if p.is_file() and p.name not in ("raw.jsonl", "logs.tgz")]
+    logs = [p for p in OUT.iterdir() if p.is_file() and p.name not in ("raw.jsonl", "logs.tgz", "ptx-cache.tgz")]
     if not logs:
         return
     # A second run.py in the same call packs beside the first's logs

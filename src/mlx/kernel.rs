@@ -26,21 +26,23 @@ pub struct CudaKernel {
 }
 
 /// The name MLX gets for a kernel: `name`, then a hash of its whole text
-/// (inputs, outputs, body, header). MLX 0.32.4 keeps a compiled kernel
+/// (inputs, outputs, body, header) and of `mlx`, the MLX version that wraps
+/// it in its own signature and headers. MLX 0.32.4 keeps a compiled kernel
 /// under its name and template values alone, in memory for the process and
 /// on disk in its PTX cache (`MLX_PTX_CACHE_DIR`, else
 /// `$TMPDIR/mlx/<version>/ptx`, which outlives the process): without the
 /// hash, a kernel whose body changed (an upgrade of this package, a switch
 /// that rewrites its text) would run the cubin an earlier body left there,
-/// with another argument list or other arithmetic. The base name stays a
-/// prefix, so profilers still find a kernel by it.
-pub fn module_name(name: &str, inputs: &[&str], outputs: &[&str], source: &str, header: &str) -> String {
+/// with another argument list or other arithmetic (and a cache folder set
+/// by `MLX_PTX_CACHE_DIR` is not per MLX version, as the default is). The
+/// base name stays a prefix, so profilers still find a kernel by it.
+pub fn module_name(name: &str, inputs: &[&str], outputs: &[&str], source: &str, header: &str, mlx: &str) -> String {
     use std::hash::{Hash, Hasher};
     // (std's SipHash with its fixed keys: the same text gives the same name
     // in every process; a new toolchain may change it, which only costs a
     // compile.)
     let mut h = std::collections::hash_map::DefaultHasher::new();
-    (name, inputs, outputs, source, header).hash(&mut h);
+    (name, inputs, outputs, source, header, mlx).hash(&mut h);
     format!("{name}_{:016x}", h.finish())
 }
 
@@ -67,7 +69,7 @@ impl CudaKernel {
         let outs: Vec<CString> = outputs.iter().map(|s| cs(s)).collect::<Result<_>>()?;
         let in_p: Vec<*const std::os::raw::c_char> = ins.iter().map(|c| c.as_ptr()).collect();
         let out_p: Vec<*const std::os::raw::c_char> = outs.iter().map(|c| c.as_ptr()).collect();
-        let (n, src, hdr) = (cs(&module_name(name, inputs, outputs, source, header))?, cs(source)?, cs(header)?);
+        let (n, src, hdr) = (cs(&module_name(name, inputs, outputs, source, header, &runtime::version()))?, cs(source)?, cs(header)?);
         let mut raw: KernelHandle = std::ptr::null_mut();
         check(unsafe {
             ffi::mlxb_cuda_kernel(n.as_ptr(), in_p.as_ptr(), in_p.len(), out_p.as_ptr(), out_p.len(), src.as_ptr(), hdr.as_ptr(), &mut raw)

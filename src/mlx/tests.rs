@@ -277,24 +277,26 @@ fn malloc_library_names_the_allocator_that_serves_malloc() {
 /// A kernel's name for MLX carries a hash of its whole text: MLX keys its
 /// compiled kernels (in memory, and on disk across processes) by name and
 /// template values only, so a changed body under the same name would run
-/// the cubin an earlier body left. Each part of the text moves the name;
+/// the cubin an earlier body left. Each part of the text, and the MLX
+/// version that wraps it, moves the name;
 /// the same text gives the same name; the base stays its prefix (what the
 /// profilers match).
 #[test]
 fn kernel_names_change_with_their_text() {
     use kernel::module_name;
-    let base = module_name("lfm_k", &["x", "w"], &["y"], "y[0] = x[0];", "");
-    assert_eq!(base, module_name("lfm_k", &["x", "w"], &["y"], "y[0] = x[0];", ""));
+    let base = module_name("lfm_k", &["x", "w"], &["y"], "y[0] = x[0];", "", "0.32.4");
+    assert_eq!(base, module_name("lfm_k", &["x", "w"], &["y"], "y[0] = x[0];", "", "0.32.4"));
     assert!(base.starts_with("lfm_k_") && base.len() == "lfm_k_".len() + 16, "{base}");
     let others = [
-        module_name("lfm_j", &["x", "w"], &["y"], "y[0] = x[0];", ""),
-        module_name("lfm_k", &["x", "v"], &["y"], "y[0] = x[0];", ""),
-        module_name("lfm_k", &["x", "w"], &["z"], "y[0] = x[0];", ""),
-        module_name("lfm_k", &["x", "w"], &["y"], "y[0] = x[1];", ""),
-        module_name("lfm_k", &["x", "w"], &["y"], "y[0] = x[0];", "#define LFM_VARIANT 1\n"),
+        module_name("lfm_j", &["x", "w"], &["y"], "y[0] = x[0];", "", "0.32.4"),
+        module_name("lfm_k", &["x", "v"], &["y"], "y[0] = x[0];", "", "0.32.4"),
+        module_name("lfm_k", &["x", "w"], &["z"], "y[0] = x[0];", "", "0.32.4"),
+        module_name("lfm_k", &["x", "w"], &["y"], "y[0] = x[1];", "", "0.32.4"),
+        module_name("lfm_k", &["x", "w"], &["y"], "y[0] = x[0];", "#define LFM_VARIANT 1\n", "0.32.4"),
         // (The parts are hashed apart: text moved from the body to the
         // header is another kernel's text.)
-        module_name("lfm_k", &["x", "w"], &["y"], "", "y[0] = x[0];"),
+        module_name("lfm_k", &["x", "w"], &["y"], "", "y[0] = x[0];", "0.32.4"),
+        module_name("lfm_k", &["x", "w"], &["y"], "y[0] = x[0];", "", "0.33.0"),
     ];
     for o in &others {
         assert_ne!(&base, o);
