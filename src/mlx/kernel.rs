@@ -46,15 +46,36 @@ pub fn module_name(name: &str, inputs: &[&str], outputs: &[&str], source: &str, 
     format!("{name}_{:016x}", h.finish())
 }
 
-/// Template values that name the dtypes of a call's inputs and outputs
-/// (`using LFM_IO0 = ...;` and on: type aliases the bodies never use, so
-/// they compile to nothing and raise no warning): MLX writes a kernel's
-/// signature from its operands' dtypes, but keys the compiled kernel by
-/// name and template values only, so two calls with the same template
-/// values and other operand dtypes would share the first one's cubin.
-pub(crate) fn dtype_args(inputs: &[&Array], outputs: &[(&[i32], Dtype)]) -> Vec<(String, TemplateArg)> {
-    let dtypes = inputs.iter().map(|a| a.dtype()).chain(outputs.iter().map(|(_, d)| *d));
-    dtypes.enumerate().map(|(i, d)| (format!("LFM_IO{i}"), TemplateArg::Dtype(d))).collect()
+/// The template values that name a call's operand dtypes, `LFM_IO0`, ...:
+/// MLX writes a kernel's signature from its operands' dtypes but keys the
+/// compiled kernel by name and template values only, so two calls with the
+/// same template values and other operand dtypes would share the first
+/// one's cubin. Each value packs seven operands' dtype codes, four bits
+/// each (inputs, then outputs): short, as MLX hashes and copies a kernel's
+/// name (these values in it) at every launch, on the host that bounds a
+/// decode step.
+const IO_NAMES: [&str; 4] = ["LFM_IO0", "LFM_IO1", "LFM_IO2", "LFM_IO3"];
+const IO_PER_VALUE: usize = 7;
+
+fn io_values(operands: usize) -> usize {
+    operands.div_ceil(IO_PER_VALUE)
+}
+
+pub(crate) fn dtype_args(inputs: &[&Array], outputs: &[(&[i32], Dtype)]) -> Vec<(&'static str, TemplateArg)> {
+    let mut codes = inputs.iter().map(|a| a.dtype() as i32).chain(outputs.iter().map(|(_, d)| *d as i32));
+    (0..io_values(inputs.len() + outputs.len()))
+        .map(|i| {
+            let packed = codes.by_ref().take(IO_PER_VALUE).fold(0, |acc, d| (acc << 4) | (d & 15));
+            (IO_NAMES[i], TemplateArg::Int(packed))
+        })
+        .collect()
+}
+
+/// The body as MLX gets it: the dtype values read once (`(void)`), since
+/// NVRTC warns of a constant never used.
+fn with_io_reads(source: &str, operands: usize) -> String {
+    let reads: String = IO_NAMES[..io_values(operands)].iter().map(|n| format!("(void){n};")).collect();
+    format!("{reads}\n{source}")
 }
 
 // The handle is an immutable MLX function object; MLX itself is driven by
@@ -69,7 +90,12 @@ impl CudaKernel {
         let outs: Vec<CString> = outputs.iter().map(|s| cs(s)).collect::<Result<_>>()?;
         let in_p: Vec<*const std::os::raw::c_char> = ins.iter().map(|c| c.as_ptr()).collect();
         let out_p: Vec<*const std::os::raw::c_char> = outs.iter().map(|c| c.as_ptr()).collect();
-        let (n, src, hdr) = (cs(&module_name(name, inputs, outputs, source, header, &runtime::version()))?, cs(source)?, cs(header)?);
+        let operands = inputs.len() + outputs.len();
+        if io_values(operands) > IO_NAMES.len() {
+            return Err(Error::invalid(format!("kernel {name}: {operands} operands (at most {})", IO_NAMES.len() * IO_PER_VALUE)));
+        }
+        let source = with_io_reads(source, operands);
+        let (n, src, hdr) = (cs(&module_name(name, inputs, outputs, &source, header, &runtime::version()))?, cs(&source)?, cs(header)?);
         let mut raw: KernelHandle = std::ptr::null_mut();
         check(unsafe {
             ffi::mlxb_cuda_kernel(n.as_ptr(), in_p.as_ptr(), in_p.len(), out_p.as_ptr(), out_p.len(), src.as_ptr(), hdr.as_ptr(), &mut raw)
@@ -91,8 +117,7 @@ impl CudaKernel {
         let shapes: Vec<i32> = outputs.iter().flat_map(|(s, _)| s.iter().copied()).collect();
         let ndims: Vec<c_int> = outputs.iter().map(|(s, _)| s.len() as c_int).collect();
         let dtypes: Vec<c_int> = outputs.iter().map(|(_, d)| *d as c_int).collect();
-        let io = dtype_args(inputs, outputs);
-        let template: Vec<(&str, TemplateArg)> = template.iter().copied().chain(io.iter().map(|(n, a)| (n.as_str(), *a))).collect();
+        let template: Vec<(&str, TemplateArg)> = template.iter().copied().chain(dtype_args(inputs, outputs)).collect();
         let names: Vec<CString> = template
             .iter()
             .map(|(n, _)| CString::new(*n).map_err(|_| Error::invalid(format!("kernel {}: a NUL in a template name", self.name))))
