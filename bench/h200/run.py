@@ -115,7 +115,7 @@ feed-forward's gate one MLX compiled kernel in a prompt's pass (a default
 everywhere, `fused-swiglu-off` measures it; its test
 `fused_gate_equals_the_ops` holds it to the ops' bits, on the CPU so far)
 and asks `norm-kernel-all-rows` of every model's prefill again.
-Next (`bash bench/h200/prepare.sh` here first; ~1,950 s planned against
+Next (`bash bench/h200/prepare.sh` here first; ~1,900 s planned against
 the 1,800, in this order, so round 2 is what gives way):
   1. carry [.device/a, .device/llama]: `stage` (~95 s with the start).
   2. carry [.device/b, .device/tests, .device/ptx]: `install kernels` with
@@ -126,15 +126,19 @@ the 1,800, in this order, so round 2 is what gives way):
      earlier verdict speaks for the code now; with the two tests mended
      after session 24's run, session 25's kernels, the decode kernels'
      launch helper, the fused gate on CUDA and the greedy test's new sets).
-  3. carry [.device/bin] (and so 4 and 5): `checkpoints` of the three
-     models, then
+  3. carry [.device/bin] (and so 4 and 5):
      `H200_MODELS=lfm2-350m-bf16,lfm2-1.2b-bf16,lfm2-8b-a1b-q4
      H200_AB_VARIANTS=conv-prefill,qkv-prefill,norm-kernel-all-rows,fused-swiglu-off,
      batch1-matmul-prompts-off,quant-embed,attention-chunks-8,attention-chunks-4,
-     eps-const ab pick` (~500 s; the prefill variants for the P=512 targets not met,
+     eps-const ab pick` (~350 s: `ab` makes our checkpoints, without the
+     GGUF files; the prefill variants for the P=512 targets not met,
      quant-embed for the 8B-A1B's host-bound step, the chunks for the
      1.2B's GPU-bound one; pick weighs only the models measured).
-  4. `kernel-bench` (the GEMVs, the scalar arms, the attention's variants
+  4. `gguf-bg` first (llama.cpp's GGUF chain, ~175 s of CPU in session
+     24's call 3, now in a process of its own that runs on while this
+     call's GPU-timed steps run, so their wall times share the CPU with
+     it while ncu's kernel times do not; the rounds wait for it), then
+     `kernel-bench` (the GEMVs, the scalar arms, the attention's variants
      alone, the 8B-A1B's expert kernels against MLX's gathered products
      and the down kernel at 1, 2 and 4 columns a warp), `kernel-detail`
      (~60 s: ncu's sections and stall reasons over the expert arms alone),
@@ -146,7 +150,8 @@ the 1,800, in this order, so round 2 is what gives way):
      .device/ptx/ here, and the next session's call 2 carries it, so its
      kernel tests and first runs load them instead of compiling them;
      restore_ptx says why that is safe across builds).
-  5. `round 1`, `round 2` of the three models under the picks (~300 s each).
+  5. `round 1`, `round 2` of the three models under the picks (~300 s each;
+     round 1 first waits for `gguf-bg` and brings back its logs).
 Session 24's plan, for the record: `stage`; `install verdicts-from ...,session24 kernels` with
 H200_KERNEL_TESTS=quant_gemv_kernel_matches_stock_ops,
 moe_experts_kernels_match_stock_ops,conv_gemv_kernel_matches_stock_ops,
@@ -185,6 +190,8 @@ command before the first, and read the results when the chain is done.
 (Calls 1-5 are ~27 of the 30 device minutes a session has, with ~2 minutes
 to start the machine; `H200_MODELS=...` narrows `ab` and `profile`, and
 `checkpoints` of the dense models alone takes ~1.5 minutes.)
+`gguf-bg` starts llama.cpp's GGUF chain for the rounds in its own process
+session (it outlives the call; `round` waits for it).
 `kernel-detail` takes ncu's detail sections and stall reasons over a few
 `kernel-bench` arms alone (H200_DETAIL_ARMS; the experts' kernels by default).
 `save-ptx` packs the kernels the machine compiled into $OUT/ptx-cache.tgz;
@@ -639,8 +646,76 @@ def round_models():
     return [n for n in MODELS if not names or n in names.split(",")]
 
 
+GGUF_PID = WORK / "gguf.pid"
+GGUF_RC = WORK / "gguf.rc"
+GGUF_OUT = WORK / "gguf-out"
+
+
+def gguf_background():
+    """llama.cpp's GGUF chain for the rounds (its converter and
+    llama-quantize: ~175 s of session 24's call 3, on the CPU, while the
+    GPU waited) started in a process of its own session, so it runs on
+    across calls while the machine stays warm: a call of GPU-timed work
+    (kernel-bench, kernel-detail, profile) goes on meanwhile, and the
+    rounds wait for it (wait_gguf). Our checkpoints must exist already
+    (`ab` makes them): it makes only what is missing. Every model of the
+    rounds unless H200_GGUF_MODELS names them."""
+    if GGUF_PID.exists():
+        return
+    WORK.mkdir(parents=True, exist_ok=True)
+    e = dict(os.environ)
+    e["OUT"] = str(GGUF_OUT)
+    e.pop("H200_MODELS", None)
+    if os.environ.get("H200_GGUF_MODELS"):
+        e["H200_MODELS"] = os.environ["H200_GGUF_MODELS"]
+    with open(WORK / "gguf-bg.log", "w") as logf:
+        p = subprocess.Popen(["setsid", sys.executable, str(Path(__file__).resolve()), "gguf"], stdin=subprocess.DEVNULL,
+                             stdout=logf, stderr=subprocess.STDOUT, env=e, start_new_session=True)
+    GGUF_PID.write_text(str(p.pid))
+    log(f"GGUF chain started in the background (pid {p.pid})")
+
+
+def gguf():
+    """What gguf_background runs: the rounds' checkpoints with their GGUF
+    files, then GGUF_RC ("0", or why not)."""
+    try:
+        checkpoints(round_models())
+        GGUF_RC.write_text("0")
+    except BaseException as e:
+        GGUF_RC.write_text(f"failed: {e}")
+        raise
+
+
+def wait_gguf(limit=900):
+    """Where this machine runs a background GGUF chain, its end, and its
+    logs into this call's $OUT."""
+    if not GGUF_PID.exists():
+        return
+    t = time.time()
+    while not GGUF_RC.exists() and time.time() - t < limit:
+        time.sleep(3)
+    waited = round(time.time() - t, 1)
+    OUT.mkdir(parents=True, exist_ok=True)
+    shutil.copy(WORK / "gguf-bg.log", OUT / "gguf-bg.log")
+    # (Its run.py packed its own logs, as every run.py does at its end.)
+    packed = GGUF_OUT / "logs.tgz"
+    if packed.exists():
+        import tarfile
+
+        with tarfile.open(packed, "r:gz") as t:
+            for m in t.getmembers():
+                f = t.extractfile(m)
+                if f and "/" not in m.name:
+                    (OUT / f"gguf-bg-{m.name}").write_bytes(f.read())
+    rc = GGUF_RC.read_text().strip() if GGUF_RC.exists() else f"not done after {limit} s"
+    record(engine="gguf-bg", waited_s=waited, rc=rc)
+    if rc != "0":
+        raise SystemExit(f"the background GGUF chain: {rc}")
+
+
 def rounds(rnd):
     install()
+    wait_gguf()
     checkpoints(round_models())
     record(engine="env", round=rnd, picked=picked_env(), kernels_off=(WORK / "kernels-off").exists(),
            ours_env=json.loads(os.environ.get("H200_OURS_ENV", "{}")))
@@ -2075,6 +2150,11 @@ def main():
             elif a == "kernel-detail":
                 install()
                 kernel_detail()
+            elif a == "gguf-bg":
+                gguf_background()
+            elif a == "gguf":
+                install()
+                gguf()
             elif a == "save-ptx":
                 save_ptx()
             elif a == "new-lengths":
