@@ -478,7 +478,10 @@ def checkpoints(names=None, gguf=True):
             if names and name not in names:
                 continue
             src = CK / f"{preset}-bf16"
-            if (gguf or not quant) and not (src / "config.json").exists():
+            # (The bf16 files of a quantized model too, without GGUF: our
+            # quantization reads them, and a later GGUF chain, gguf-bg's in
+            # the background, then needs the GPU for nothing.)
+            if not (src / "config.json").exists():
                 sh([BENCH, "--preset", preset, "--dtype", "bf16", "--out", src, "--device", "gpu",
                     "--prompts", "16", "--gen", "2", "--reps", "1", "--paths", "compiled"], "generate")
             g = GGUF / f"{name}.gguf"
