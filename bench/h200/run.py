@@ -1980,13 +1980,13 @@ def collect(files):
         if "error" in r:
             errors.append(r)
         elif r.get("engine") in ("ncu", "ncu-prefill", "ab", "tests", "constrained", "new-lengths", "pick", "env", "step-ops",
-                                 "prefill-ops", "batch-phases", "mlx-lfm-allocator", "kernel-bench"):
+                                 "prefill-ops", "batch-phases", "mlx-lfm-allocator", "kernel-bench", "kernel-detail",
+                                 "kernel-stalls", "ncu-detail", "ncu-stalls", "ptx-cache", "gguf-bg"):
             profiles.append(r)
         elif r.get("samples"):
             runs.append({"model": r["model"], "engine": r["engine"], "metric": r["metric"], "prompt": r["prompt"],
                          "round": r["round"], "value": statistics.median(r["samples"]), "samples": r["samples"]})
     head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    meta = next((r for r in rows if r.get("device")), {})
     return {"commit": head, "date": time.strftime("%Y-%m-%d"), "device": "NVIDIA H200 (mlx-cuda-13 0.32.4)",
             "gen": GEN, "reps_per_round": REPS, "value": "median of the round's repetitions",
             "runs": runs, "ratios": ratios(runs), "profiles": profiles, "errors": errors}
