@@ -138,7 +138,8 @@ the 1,800, in this order, so round 2 is what gives way):
      24's call 3, now in a process of its own that runs on while this
      call's GPU-timed steps run, so their wall times share the CPU with
      it while ncu's kernel times do not; the rounds wait for it), then
-     `kernel-bench` (the GEMVs, the scalar arms, the attention's variants
+     `kernel-bench` (the GEMVs, now with the 1.2B's LM head and its
+     SwiGLU GEMV over the stacked w1/w3, the scalar arms, the attention's variants
      alone, the 8B-A1B's expert kernels against MLX's gathered products
      and the down kernel at 1, 2 and 4 columns a warp), `kernel-detail`
      (~60 s: ncu's sections and stall reasons over the expert arms alone),
@@ -1055,7 +1056,10 @@ def kernel_bench():
     shapes through MLX's qmv and our two quantized GEMVs, on the same operands; ncu
     flushes the caches before each launch, so a product's weights come from
     DRAM as a step's do): µs a launch and GB/s, per arm and shape. Then the
-    `scalar-*` arms: one small kernel reading its scalar from a template
+    `scalar-*` arms (after the GEMVs, which now take the 1.2B's tied LM
+    head, 65,536 x 2,048, and its stacked w1/w3, 16,384 x 2,048, MLX's GEMV
+    of it, `mlx-w13`, against our SwiGLU GEMV, `ours-swiglu`: 46% of the
+    1.2B's bytes a step): one small kernel reading its scalar from a template
     constant, from device memory, from MLX's managed pool (GPU-written, host
     made once, host made each launch): whether a step's kernels pay for the
     position and eps they read from managed memory. Then the `att-*` arms:

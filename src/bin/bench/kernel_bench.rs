@@ -5,7 +5,9 @@
 //! on identical operands. The question it answers: on the 1.2B's 2,048-wide
 //! rows our GEMV, which walks a row as MLX's `gemv_single` does, has read
 //! them more slowly than MLX's (sessions 19-24), and an in-step A/B cannot
-//! say by how much, nor which walk loses least.
+//! say by how much, nor which walk loses least. The 1.2B's stacked w1/w3
+//! through MLX's GEMV and through our SwiGLU GEMV (a default: 46% of that
+//! model's bytes a step, and no arm timed it alone before) follow.
 //!
 //! Then the scalar arms (where a kernel's scalar operand lives), the
 //! decode attention's variants on the 1.2B's shape, and last the 8B-A1B's
@@ -39,9 +41,17 @@ fn arms() -> Vec<(&'static str, Vec<(&'static str, &'static str)>)> {
     ]
 }
 
-/// The 1.2B's decode GEMVs `[N, K]` (out_proj, in_proj, q/k/v, w2) and the
-/// 350M's out_proj.
-const SHAPES: [(i32, i32); 5] = [(2048, 2048), (6144, 2048), (3072, 2048), (2048, 8192), (1024, 1024)];
+/// The 1.2B's decode GEMVs `[N, K]` (out_proj, in_proj, q/k/v, w2, the
+/// tied LM head, a ninth of a step's bytes) and the 350M's out_proj.
+const SHAPES: [(i32, i32); 6] = [(2048, 2048), (6144, 2048), (3072, 2048), (2048, 8192), (65536, 2048), (1024, 1024)];
+
+/// The 1.2B's stacked w1/w3 `[2F, K]`: 46% of its step's bytes, read by
+/// our SwiGLU GEMV (a default since session 23: the GEMV of both halves
+/// and the gate in one launch) where the stock path runs MLX's GEMV, a
+/// Split, a copy and the gate. `mlx-w13` is MLX's GEMV of it alone (what
+/// the bytes cost MLX), `ours-swiglu` the kernel.
+const SWIGLU_SHAPES: [(i32, i32); 1] = [(16384, 2048)];
+const SWIGLU_ARMS: [&str; 2] = ["mlx-w13", "ours-swiglu"];
 
 /// The 8B-A1B's quantized decode GEMVs (affine 4-bit, groups of 64): its
 /// conv layers' in_proj and out_proj, and its dense layers' w2.
@@ -74,10 +84,17 @@ impl Weights {
     }
 
     /// `x` times weight `i`: MLX's product (`stock`), else our kernel under
-    /// the caller's switches (an error where it does not serve them).
-    fn product(&self, i: usize, x: &Array, stock: bool) -> mlx_lfm::Result<Array> {
+    /// the caller's switches (an error where it does not serve them); the
+    /// SwiGLU GEMV where `swiglu`.
+    fn product(&self, i: usize, x: &Array, stock: bool, swiglu: bool) -> mlx_lfm::Result<Array> {
         let unserved = || mlx_lfm::Error::invalid(format!("our kernel does not serve {:?} @ {i}", x.shape()));
         match self {
+            Weights::Dense(ws) if swiglu && !stock => {
+                if !mlx_lfm::kernels::gemv::swiglu_available(x, &ws[i]) {
+                    return Err(unserved());
+                }
+                mlx_lfm::kernels::gemv::gemv_swiglu(x, &ws[i])
+            }
             Weights::Dense(ws) if stock => x.matmul(&ws[i].transpose(&[1, 0])?),
             Weights::Dense(ws) if mlx_lfm::kernels::gemv::available(x, &ws[i]) => mlx_lfm::kernels::gemv::gemv(x, &ws[i]),
             Weights::Quant(qs) if stock => {
@@ -103,6 +120,7 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
             .iter()
             .chain(quant_arms().iter())
             .map(|(n, _)| *n)
+            .chain(SWIGLU_ARMS)
             .chain(SCALAR_ARMS)
             .chain(ATT_ARMS.iter().map(|(n, ..)| *n))
             .chain(EXPERT_ARMS.iter().map(|(n, ..)| *n))
@@ -113,12 +131,29 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
     }
     let keep = |arms: Vec<(&'static str, Vec<(&'static str, &'static str)>)>| -> Vec<_> { arms.into_iter().filter(|(name, _)| chosen(name)).collect() };
     let (dense_arms, quant_arms) = (keep(arms()), keep(quant_arms()));
+    let swiglu_arms = keep(SWIGLU_ARMS.iter().map(|n| (*n, vec![])).collect());
     let spec = QuantSpec { mode: QuantMode::Affine, bits: 4, group_size: 64 };
     let mut plan = vec![];
     let mut sets = vec![];
-    let shapes = SHAPES.iter().map(|s| (*s, false)).chain(QUANT_SHAPES.iter().map(|s| (*s, true)));
-    for ((n, k), quant) in shapes {
-        if (quant && quant_arms.is_empty()) || (!quant && dense_arms.is_empty()) {
+    #[derive(Clone, Copy, PartialEq)]
+    enum Kind {
+        Dense,
+        Quant,
+        Swiglu,
+    }
+    let shapes = SHAPES
+        .iter()
+        .map(|s| (*s, Kind::Dense))
+        .chain(QUANT_SHAPES.iter().map(|s| (*s, Kind::Quant)))
+        .chain(SWIGLU_SHAPES.iter().map(|s| (*s, Kind::Swiglu)));
+    for ((n, k), kind) in shapes {
+        let quant = kind == Kind::Quant;
+        let arms = match kind {
+            Kind::Dense => &dense_arms,
+            Kind::Quant => &quant_arms,
+            Kind::Swiglu => &swiglu_arms,
+        };
+        if arms.is_empty() {
             continue;
         }
         let bytes = if quant { n as usize * k as usize / 2 } else { n as usize * k as usize * 2 };
@@ -146,7 +181,6 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
             mlx::eval(&held)?;
             Weights::Dense(dense)
         };
-        let arms = if quant { &quant_arms } else { &dense_arms };
         for (name, _) in arms {
             plan.push(serde_json::json!({"arm": name, "n": n, "k": k, "launches": copies * reps}));
         }
@@ -176,7 +210,9 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
     for (n, k, x, weights, arms) in &sets {
         for (name, switches) in arms {
             let walls = timed(switches, reps * weights.len(), |i| {
-                weights.product(i % weights.len(), x, name.starts_with("mlx")).map_err(|e| mlx_lfm::Error::invalid(format!("{name} {n}x{k}: {e}")))
+                weights
+                    .product(i % weights.len(), x, name.starts_with("mlx"), *name == "ours-swiglu")
+                    .map_err(|e| mlx_lfm::Error::invalid(format!("{name} {n}x{k}: {e}")))
             });
             print_walls(name, *n, *k, walls);
         }
