@@ -145,6 +145,11 @@ KERNELS = {
                     ("BASE_BITS", 1095963082)],
     ),
     # A quantized embedding's rows (MLX_LFM_QUANT_EMBED_KERNEL).
+    "argmax_finite.rs": (
+        [("logits", "T")],
+        [("token", "uint32_t"), ("finite", "uint32_t")],
+        lambda dt: [],
+    ),
     "quant_embed.rs": (
         [("ids", "uint32_t"), ("w", "uint32_t"), ("scales", "T"), ("biases", "T")],
         [("out", "T")],
