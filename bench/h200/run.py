@@ -505,12 +505,18 @@ def gguf_of(name, preset, lq, src):
     g = GGUF / f"{name}.gguf"
     GGUF.mkdir(parents=True, exist_ok=True)
     bf = GGUF / f"{preset}-bf16.gguf"
+    # (Each file under a temporary name until it is whole: a chain cut
+    # short, in the background or in a call, leaves nothing that passes
+    # for done.)
+    part = lambda p: p.with_name(p.name + ".part")
     if not bf.exists():
         sh([sys.executable, WORK / "convert_gguf.py", "--llama-cpp", LLSRC, src, "--outtype", "bf16",
-            "--outfile", bf], "convert", env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            "--outfile", part(bf)], "convert", env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        part(bf).rename(bf)
     if lq != "bf16":
         wait_llama()
-        sh([LLBIN / "llama-quantize", bf, g, lq.upper(), "16"], "convert")
+        sh([LLBIN / "llama-quantize", bf, part(g), lq.upper(), "16"], "convert")
+        part(g).rename(g)
         bf.unlink()
     else:
         bf.rename(g)
@@ -653,18 +659,21 @@ def round_models():
 GGUF_PID = WORK / "gguf.pid"
 GGUF_RC = WORK / "gguf.rc"
 GGUF_OUT = WORK / "gguf-out"
+GGUF_RESULT = None
 
 
 def gguf_background():
     """llama.cpp's GGUF chain for the rounds (its converter and
     llama-quantize: ~175 s of session 24's call 3, on the CPU, while the
-    GPU waited) started in a process of its own session, so it runs on
+    GPU waited) started in a process session of its own, so it runs on
     across calls while the machine stays warm: a call of GPU-timed work
     (kernel-bench, kernel-detail, profile) goes on meanwhile, and the
-    rounds wait for it (wait_gguf). Our checkpoints must exist already
-    (`ab` makes them): it makes only what is missing. Every model of the
-    rounds unless H200_GGUF_MODELS names them."""
+    rounds wait for it (wait_gguf). Our checkpoints should exist already
+    (`ab` makes them): it makes only what is missing, on the GPU where a
+    checkpoint is. Every model of the rounds unless H200_GGUF_MODELS names
+    them."""
     if GGUF_PID.exists():
+        log("gguf-bg: already started on this machine")
         return
     WORK.mkdir(parents=True, exist_ok=True)
     e = dict(os.environ)
@@ -672,55 +681,85 @@ def gguf_background():
     e.pop("H200_MODELS", None)
     if os.environ.get("H200_GGUF_MODELS"):
         e["H200_MODELS"] = os.environ["H200_GGUF_MODELS"]
+    # (start_new_session: the child leads a session of its own, which the
+    # device tool leaves running when this call's command returns; it
+    # writes its own pid, which wait_gguf checks is alive.)
+    GGUF_PID.write_text("")
     with open(WORK / "gguf-bg.log", "w") as logf:
-        p = subprocess.Popen(["setsid", sys.executable, str(Path(__file__).resolve()), "gguf"], stdin=subprocess.DEVNULL,
-                             stdout=logf, stderr=subprocess.STDOUT, env=e, start_new_session=True)
-    GGUF_PID.write_text(str(p.pid))
-    log(f"GGUF chain started in the background (pid {p.pid})")
+        subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "gguf"], stdin=subprocess.DEVNULL, stdout=logf,
+                         stderr=subprocess.STDOUT, env=e, start_new_session=True)
+    log("GGUF chain started in the background")
 
 
 def gguf():
     """What gguf_background runs: the rounds' checkpoints with their GGUF
-    files, then GGUF_RC ("0", or why not)."""
+    files. main() writes GGUF_RC ("0", or why not) once its logs are
+    packed, so a waiter finds them complete."""
+    global GGUF_RESULT
+    GGUF_PID.write_text(str(os.getpid()))
     try:
+        install()
         checkpoints(round_models())
-        GGUF_RC.write_text("0")
+        GGUF_RESULT = "0"
     except BaseException as e:
-        GGUF_RC.write_text(f"failed: {e}")
+        GGUF_RESULT = f"failed: {e}"
         raise
 
 
-def wait_gguf(limit=900):
-    """Where this machine runs a background GGUF chain, its end, and its
-    logs into this call's $OUT."""
+def gguf_alive():
+    try:
+        os.kill(int(GGUF_PID.read_text().strip()), 0)
+        return True
+    except (ValueError, OSError):
+        return False
+
+
+def wait_gguf():
+    """Where this machine runs a background GGUF chain: wait for its end
+    (H200_GGUF_WAIT seconds at most, 240 by default, well inside a call's
+    600; a dead process is not waited for), bring its logs into this
+    call's $OUT, and say whether the rounds may convert what is missing
+    themselves (True: no chain runs any more) or must leave llama.cpp out
+    of this round (False: it still runs, and converting beside it would
+    write the same files)."""
     if not GGUF_PID.exists():
-        return
+        return True
+    limit = float(os.environ.get("H200_GGUF_WAIT", "240"))
     t = time.time()
-    while not GGUF_RC.exists() and time.time() - t < limit:
+    # (Its pid appears once the child starts; a few seconds' grace.)
+    while not GGUF_RC.exists() and time.time() - t < limit and (gguf_alive() or time.time() - t < 10):
         time.sleep(3)
     waited = round(time.time() - t, 1)
     OUT.mkdir(parents=True, exist_ok=True)
-    shutil.copy(WORK / "gguf-bg.log", OUT / "gguf-bg.log")
-    # (Its run.py packed its own logs, as every run.py does at its end.)
+    if (WORK / "gguf-bg.log").exists():
+        shutil.copy(WORK / "gguf-bg.log", OUT / "gguf-bg.log")
     packed = GGUF_OUT / "logs.tgz"
-    if packed.exists():
+    if GGUF_RC.exists() and packed.exists():
         import tarfile
 
-        with tarfile.open(packed, "r:gz") as t:
-            for m in t.getmembers():
-                f = t.extractfile(m)
-                if f and "/" not in m.name:
-                    (OUT / f"gguf-bg-{m.name}").write_bytes(f.read())
-    rc = GGUF_RC.read_text().strip() if GGUF_RC.exists() else f"not done after {limit} s"
-    record(engine="gguf-bg", waited_s=waited, rc=rc)
-    if rc != "0":
-        raise SystemExit(f"the background GGUF chain: {rc}")
+        try:
+            with tarfile.open(packed, "r:gz") as tgz:
+                for m in tgz.getmembers():
+                    f = tgz.extractfile(m)
+                    if f and "/" not in m.name:
+                        (OUT / f"gguf-bg-{m.name}").write_bytes(f.read())
+        except (tarfile.TarError, EOFError, OSError) as e:
+            log(f"gguf-bg: its logs unreadable ({e})")
+    rc = GGUF_RC.read_text().strip() if GGUF_RC.exists() else None
+    running = rc is None and gguf_alive()
+    record(engine="gguf-bg", waited_s=waited, rc=rc or ("still running" if running else "ended without a verdict"))
+    return not running
 
 
 def rounds(rnd):
     install()
-    wait_gguf()
-    checkpoints(round_models())
+    if wait_gguf():
+        checkpoints(round_models())
+        skip_llama = False
+    else:
+        # (Ours and mlx-lm still run; llama.cpp's files are not ready.)
+        checkpoints(round_models(), gguf=False)
+        skip_llama = True
     record(engine="env", round=rnd, picked=picked_env(), kernels_off=(WORK / "kernels-off").exists(),
            ours_env=json.loads(os.environ.get("H200_OURS_ENV", "{}")))
     for name in round_models():
@@ -729,6 +768,9 @@ def rounds(rnd):
         order = [run_llama, run_ours, run_mlx_lm]
         if rnd % 2 == 0:
             order.reverse()
+        if skip_llama:
+            record(engine="run_llama", model=name, round=rnd, error="the background GGUF chain had not finished")
+            order = [f for f in order if f is not run_llama]
         for f in order:
             try:
                 f(name, rnd)
@@ -2114,6 +2156,7 @@ def main():
                 kernels()
             elif a == "checkpoints":
                 install()
+                wait_gguf()
                 checkpoints(round_models())
             elif a == "ab":
                 install()
@@ -2181,6 +2224,8 @@ def main():
             if p.exists():
                 shutil.copy(p, OUT / p.name)
         pack_logs()
+        if args == ["gguf"]:
+            GGUF_RC.write_text(GGUF_RESULT or "failed: ended before its checkpoints")
 
 
 def pack_logs():

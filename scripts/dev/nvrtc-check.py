@@ -144,12 +144,13 @@ KERNELS = {
         lambda dt: [("HD", 64), ("QH", 32), ("KVH", 8), ("PER_ROW", "false"), ("EPS_BITS", 925353388),
                     ("BASE_BITS", 1095963082)],
     ),
-    # A quantized embedding's rows (MLX_LFM_QUANT_EMBED_KERNEL).
+    # A greedy step's argmax with the finiteness flag (a CUDA default).
     "argmax_finite.rs": (
         [("logits", "T")],
         [("token", "uint32_t"), ("finite", "uint32_t")],
         lambda dt: [],
     ),
+    # A quantized embedding's rows (MLX_LFM_QUANT_EMBED_KERNEL).
     "quant_embed.rs": (
         [("ids", "uint32_t"), ("w", "uint32_t"), ("scales", "T"), ("biases", "T")],
         [("out", "T")],

@@ -131,7 +131,9 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
     }
     let keep = |arms: Vec<(&'static str, Vec<(&'static str, &'static str)>)>| -> Vec<_> { arms.into_iter().filter(|(name, _)| chosen(name)).collect() };
     let (dense_arms, quant_arms) = (keep(arms()), keep(quant_arms()));
-    let swiglu_arms = keep(SWIGLU_ARMS.iter().map(|n| (*n, vec![])).collect());
+    // (Ours under its switch, as the dense arms are, so a picked setting of
+    // the session cannot leave it unserved.)
+    let swiglu_arms = keep(SWIGLU_ARMS.iter().map(|n| (*n, if n.starts_with("ours") { vec![("MLX_LFM_GEMV_KERNEL", "1")] } else { vec![] })).collect());
     let spec = QuantSpec { mode: QuantMode::Affine, bits: 4, group_size: 64 };
     let mut plan = vec![];
     let mut sets = vec![];
