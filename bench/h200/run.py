@@ -726,9 +726,11 @@ def wait_gguf():
         return True
     limit = float(os.environ.get("H200_GGUF_WAIT", "240"))
     t = time.time()
-    # (Its pid appears once the child starts; a few seconds' grace.)
-    while not GGUF_RC.exists() and time.time() - t < limit and (gguf_alive() or time.time() - t < 10):
-        time.sleep(3)
+    # (Its pid appears once the child starts: a few seconds' grace while
+    # the file is still empty.)
+    started = lambda: GGUF_PID.read_text().strip() != ""
+    while not GGUF_RC.exists() and time.time() - t < limit and (gguf_alive() or (not started() and time.time() - t < 10)):
+        time.sleep(max(0.0, min(3.0, limit - (time.time() - t))))
     waited = round(time.time() - t, 1)
     OUT.mkdir(parents=True, exist_ok=True)
     if (WORK / "gguf-bg.log").exists():

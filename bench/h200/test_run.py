@@ -1,0 +1,208 @@
+#!/usr/bin/env python3
+"""Tests of bench/h200/run.py's own logic, on any machine (no GPU, no
+device call): what a device session cannot afford to find out on the
+device. Each test points run.py's folders at a temporary one and stubs
+what would reach the machine (nvidia-smi, ncu, the bench binary).
+
+    python3 bench/h200/test_run.py      (npm test runs it: __test__/bench-driver.test.cjs)
+"""
+import csv
+import importlib.util
+import io
+import json
+import os
+import tarfile
+import tempfile
+import unittest
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def load_run(work):
+    """A fresh run.py module whose machine folders are under `work`."""
+    spec = importlib.util.spec_from_file_location("h200_run", HERE / "run.py")
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    run.WORK = work
+    run.OUT = work / "out"
+    run.RAW = work / "raw.jsonl"
+    run.PTX = work / "ptx"
+    run.GGUF_PID = work / "gguf.pid"
+    run.GGUF_RC = work / "gguf.rc"
+    run.GGUF_OUT = work / "gguf-out"
+    run.OUT.mkdir(parents=True, exist_ok=True)
+    return run
+
+
+def records(run):
+    return [json.loads(l) for l in run.RAW.read_text().splitlines()] if run.RAW.exists() else []
+
+
+class Result:
+    def __init__(self, stdout="", returncode=0, stderr=""):
+        self.stdout, self.returncode, self.stderr = stdout, returncode, stderr
+
+
+class KernelBench(unittest.TestCase):
+    """ncu lists kernels in launch order; run.py gives each arm its share by
+    the plan's launch counts, and must stop at an arm that failed."""
+
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.run = load_run(Path(self.tmp.name))
+
+    def tearDown(self):
+        self.tmp.cleanup()
+
+    def bench(self, plan, walls, launched):
+        """kernel_bench() over a fake ncu: `launched` (arm, count) rows in order."""
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=["ID", "Kernel Name", "gpu__time_duration.sum", "dram__bytes_read.sum"])
+        w.writeheader()
+        i = 0
+        for arm, n in launched:
+            for _ in range(n):
+                w.writerow({"ID": str(i), "Kernel Name": f"custom_kernel_{arm}_0123456789abcdef_2048_bfloat16",
+                            "gpu__time_duration.sum": str(1000 + i), "dram__bytes_read.sum": "100"})
+                i += 1
+        stdout = "\n".join([json.dumps({"kernel_bench_plan": plan})] + [json.dumps(x) for x in walls])
+        self.run.sh = lambda cmd, *a, **k: Result(buf.getvalue() if "--import" in cmd else stdout)
+        self.run.kernel_bench()
+        return [r for r in records(self.run) if r.get("arm")]
+
+    def plan_and_walls(self, arms):
+        plan = [{"arm": a, "n": 64, "k": 32, "launches": n} for a, n in arms]
+        walls = [{"kernel_bench": a, "n": 64, "k": 32, "launches": n, "wall_us_median": 5.0} for a, n in arms]
+        return plan, walls
+
+    def test_each_arm_gets_its_launches_in_order(self):
+        plan, walls = self.plan_and_walls([("a", 3), ("b", 2), ("c", 4)])
+        got = self.bench(plan, walls, [("a", 3), ("b", 2), ("c", 4)])
+        self.assertEqual([(r["arm"], r["launches"]) for r in got], [("a", 3), ("b", 2), ("c", 4)])
+        # Each arm's kernels are its own (the hash dropped, the template values kept).
+        self.assertEqual(got[1]["kernels"], ["custom_kernel_b_2048_bfloat16"])
+        self.assertEqual(got[2]["us_median"], (1000 + 5 + 2) / 1000)
+
+    def test_attribution_stops_at_a_failed_arm(self):
+        plan, walls = self.plan_and_walls([("a", 3), ("b", 2), ("c", 4)])
+        walls[1].update(error="boom", launches=1)
+        got = self.bench(plan, walls, [("a", 3), ("b", 1), ("c", 4)])
+        self.assertEqual(got[0]["launches"], 3)
+        self.assertEqual(got[1]["error"], "boom")
+        self.assertIn("not attributed", got[2]["error"])
+        self.assertNotIn("us_median", got[2])
+
+    def test_attribution_stops_where_the_process_ended(self):
+        plan, walls = self.plan_and_walls([("a", 3), ("b", 2)])
+        got = self.bench(plan, walls[:1], [("a", 3)])
+        self.assertEqual(got[0]["launches"], 3)
+        self.assertIn("process ended", got[1]["error"])
+
+    def test_short_kernel_keeps_template_values(self):
+        name = "custom_kernel_lfm_moe_down_cols_0123456789abcdef_1792_4_64_bfloat16_4_2_305419896"
+        self.assertEqual(self.run.short_kernel(name), "custom_kernel_lfm_moe_down_cols_1792_4_64_bfloat16_4_2_305419896")
+
+
+class PtxCache(unittest.TestCase):
+    """The compiled kernels a session brings back, and where the next may
+    load them."""
+
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.run = load_run(Path(self.tmp.name))
+        self.run.gpu_capability = lambda: "9.0"
+        self.run.mlx_version = lambda: "0.32.4"
+        self.run.PTX.mkdir()
+        for i, name in enumerate(["custom_kernel_lfm_a", "custom_kernel_lfm_b", "binary_add", "copy_gg"]):
+            (self.run.PTX / f"{name}.ptx").write_bytes(os.urandom(40_000 + i))
+            (self.run.PTX / f"{name}.txt").write_text(f"{name}\t_Z{i}\n")
+            (self.run.PTX / f"{name}.cu").write_text("source")
+
+    def tearDown(self):
+        self.tmp.cleanup()
+
+    def saved(self):
+        with tarfile.open(self.run.OUT / "ptx-cache.tgz", "r:gz") as t:
+            return sorted(m.name for m in t.getmembers())
+
+    def test_round_trip_without_sources(self):
+        self.run.save_ptx()
+        self.assertEqual(len(self.saved()), 9)
+        self.assertFalse(any(n.endswith(".cu") for n in self.saved()))
+        self.run.PTX_CARRY = self.run.OUT / "ptx-cache.tgz"
+        self.run.PTX = self.run.WORK / "fresh"
+        self.run.restore_ptx()
+        self.assertEqual(len(list(self.run.PTX.iterdir())), 8)
+        self.assertEqual(records(self.run)[-1]["restored"], 8)
+
+    def test_too_large_keeps_ours_first(self):
+        self.run.save_ptx(limit=100_000)
+        names = self.saved()
+        self.assertIn("custom_kernel_lfm_a.ptx", names)
+        self.assertNotIn("copy_gg.ptx", names)
+        self.assertLessEqual((self.run.OUT / "ptx-cache.tgz").stat().st_size, 100_000)
+
+    def test_another_gpu_or_mlx_restores_nothing(self):
+        self.run.save_ptx()
+        self.run.PTX_CARRY = self.run.OUT / "ptx-cache.tgz"
+        for cc, version in [("10.0", "0.32.4"), ("9.0", "0.33.0"), (None, "0.32.4"), ("9.0", None)]:
+            self.run.PTX = self.run.WORK / f"fresh-{cc}-{version}"
+            self.run.gpu_capability = lambda cc=cc: cc
+            self.run.mlx_version = lambda version=version: version
+            self.run.restore_ptx()
+            self.assertFalse(self.run.PTX.exists(), (cc, version))
+            self.assertEqual(records(self.run)[-1]["restored"], 0)
+
+    def test_pack_logs_leaves_the_cache_and_raw_file_apart(self):
+        self.run.save_ptx()
+        (self.run.OUT / "raw.jsonl").write_text("{}\n")
+        (self.run.OUT / "a.log").write_text("log")
+        self.run.pack_logs()
+        self.assertEqual(sorted(p.name for p in self.run.OUT.iterdir()), ["logs.tgz", "ptx-cache.tgz", "raw.jsonl"])
+
+
+class GgufBackground(unittest.TestCase):
+    """What a round does about a GGUF chain started in the background."""
+
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.run = load_run(Path(self.tmp.name))
+        (self.run.WORK / "gguf-bg.log").write_text("chain")
+        os.environ["H200_GGUF_WAIT"] = "1"
+
+    def tearDown(self):
+        os.environ.pop("H200_GGUF_WAIT", None)
+        self.tmp.cleanup()
+
+    def test_no_chain_changes_nothing(self):
+        self.assertTrue(self.run.wait_gguf())
+        self.assertEqual(records(self.run), [])
+
+    def test_a_finished_chain_brings_its_logs(self):
+        self.run.GGUF_PID.write_text("999999999")
+        self.run.GGUF_RC.write_text("0")
+        self.run.GGUF_OUT.mkdir()
+        with tarfile.open(self.run.GGUF_OUT / "logs.tgz", "w:gz") as t:
+            data = b"converted"
+            info = tarfile.TarInfo("convert.log")
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+        self.assertTrue(self.run.wait_gguf())
+        self.assertEqual((self.run.OUT / "gguf-bg-convert.log").read_text(), "converted")
+        self.assertEqual(records(self.run)[-1]["rc"], "0")
+
+    def test_a_running_chain_is_not_converted_beside(self):
+        self.run.GGUF_PID.write_text(str(os.getpid()))
+        self.assertFalse(self.run.wait_gguf())
+        self.assertEqual(records(self.run)[-1]["rc"], "still running")
+
+    def test_a_dead_chain_lets_the_round_convert(self):
+        self.run.GGUF_PID.write_text("999999999")
+        os.environ["H200_GGUF_WAIT"] = "30"
+        self.assertTrue(self.run.wait_gguf())
+        self.assertEqual(records(self.run)[-1]["rc"], "ended without a verdict")
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
