@@ -278,12 +278,19 @@ const SWIGLU_SOURCE: &str = r#"
   lfm_gemv_swiglu_warp<T, K, M, LFM_COLS>(x, lfm_aligned(x), w, lfm_aligned(w), y, F, n, threadIdx.x % 32);
 "#;
 
-/// How the dense GEMVs walk a row, an A/B's knob (`MLX_LFM_GEMV_LOOP`):
-/// the default batches of loads after an L2 prefetch of the row; `plain`,
-/// MLX's own loop, one load at a time (session 19: on the 1.2B's 2048-wide
-/// rows the kernels made the step GPU-bound where MLX's GEMV did not, with
-/// the prefetch or without it, `nopf`). Every walk sums the same columns in
-/// the same order: the same bits.
+/// How the dense GEMVs (and the SwiGLU GEMV) walk a row
+/// (`MLX_LFM_GEMV_LOOP`): by default batches of loads, each issued before
+/// its sums; `prefetch`, the same after an L2 prefetch of the whole row
+/// (the default until session 26); `plain`, MLX's own loop, one load at a
+/// time. Every walk sums the same columns in the same order: the same bits
+/// (`gemv_kernel_matches_stock_ops` holds the walks to each other).
+/// Session 26's `kernel-bench` on the H200 (ncu, each kernel alone, caches
+/// flushed; `bench/results/2026-12-05-h200-session26.raw.jsonl`) timed the
+/// walk without the prefetch at or under MLX's `gemv_single` on every
+/// shape of the 1.2B (2048 x 2048: 5.38 against 5.47 µs; 6144 x 2048: 8.64
+/// against 8.70; 2048 x 8192: 12.42 against 12.86; the 65,536-row head:
+/// 60.3 against 61.7) and the prefetching walk 14-19% slower on the wide
+/// ones (10.72, 14.94, 70.5 µs): the prefetch cost more than it hid.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Walk {
     Batched,
@@ -295,8 +302,8 @@ fn walk() -> Walk {
     static W: OnceLock<Walk> = OnceLock::new();
     crate::knobs::cached("MLX_LFM_GEMV_LOOP", &W, |v| match v {
         Some("plain") => Walk::Plain,
-        Some("nopf") => Walk::NoPrefetch,
-        _ => Walk::Batched,
+        Some("prefetch") => Walk::Batched,
+        _ => Walk::NoPrefetch,
     })
 }
 

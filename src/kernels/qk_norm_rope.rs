@@ -138,7 +138,10 @@ const QKV_SOURCE: &str = concat!(
 );
 
 /// The same over a prompt's stacked projection `[B, T, (H + 2 KVH) HD]`
-/// (`MLX_LFM_QKV_PREFILL_KERNEL=1`, opt-in until its H200 test and A/B):
+/// (a CUDA default since session 26, `MLX_LFM_QKV_PREFILL_KERNEL=0` turns
+/// it off: its H200 test gave the stock ops' bits, and the paired A/B's
+/// 512-token prefill read 1.10x on the 350M and 1.14x on the 1.2B, 1.01x
+/// on the 8B-A1B, decode unchanged; `bench/results/2026-12-05-h200-session26.raw.jsonl`):
 /// one block a position, q, k and v written heads-first `[B, heads, T,
 /// HD]`, position `offset + s` for the row's s-th token. The stock pass
 /// runs a split, three reshapes, MLX's rms_norm and rope for q and for k
@@ -325,15 +328,15 @@ fn heads_served(dt: Dtype, heads: i32, kv_heads: i32, head_dim: i32) -> bool {
 }
 
 /// Whether a prompt's attention (`h` `[B, T, D]`, T > 1) should hand the
-/// prefill kernel its stacked q/k/v projection whole: on CUDA with
-/// `MLX_LFM_QKV_PREFILL_KERNEL=1` (or a test's opt-in).
+/// prefill kernel its stacked q/k/v projection whole: on CUDA unless
+/// `MLX_LFM_QKV_PREFILL_KERNEL=0`.
 pub fn qkv_prefill_wanted(h: &Array, heads: i32, kv_heads: i32, head_dim: i32) -> bool {
     prefill_enabled() && cuda_kernels_enabled() && prompt(h) && heads_served(h.dtype(), heads, kv_heads, head_dim)
 }
 
 fn prefill_enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    super::opt_in("MLX_LFM_QKV_PREFILL_KERNEL", &ON)
+    super::opt_out("MLX_LFM_QKV_PREFILL_KERNEL", &ON) || super::forced("MLX_LFM_QKV_PREFILL_KERNEL")
 }
 
 /// A prompt's rows: `[B, T, W]` with more than one position.

@@ -448,11 +448,11 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 if wide && !q4 {
                     alone.push("MLX_LFM_CONV_GEMV_KERNEL");
                 }
-                // A prompt's conv and its q/k/v in one kernel each: the
-                // 37-token prompt's pass. The decode attention over
+                // A prompt's conv in one kernel: the 37-token prompt's
+                // pass (its q/k/v kernel is a default since session 26, so
+                // the default run has it). The decode attention over
                 // position chunks (8 a KV head under the opt-in).
                 alone.push("MLX_LFM_CONV_PREFILL_KERNEL");
-                alone.push("MLX_LFM_QKV_PREFILL_KERNEL");
                 alone.push("MLX_LFM_DECODE_ATTENTION_CHUNKS");
                 for var in alone {
                     runs.push((var, crate::kernels::with_opt_in_one(var, || run(Some(&stock))).0));
@@ -1270,15 +1270,15 @@ fn gemv_kernel_matches_stock_ops() {
         assert!(available(&off, &w));
         let worst = worst_relative(&gemv(&off, &w).unwrap(), &off.matmul(&w.t().unwrap()).unwrap());
         assert!(worst <= 1.6e-2, "an unaligned view: differs by {worst}");
-        // The other walks of a row (an A/B's knob: without the L2
-        // prefetch, MLX's plain loop), the same bits: the plain product and
-        // the SwiGLU one, at the 1.2B's K = 2048 and two rows at K = 1032.
+        // The other walks of a row (an A/B's knob: with the L2 prefetch,
+        // MLX's plain loop), the same bits: the plain product and the
+        // SwiGLU one, at the 1.2B's K = 2048 and two rows at K = 1032.
         for (rows, k) in [(1, 2048), (2, 1032)] {
             let x = normal(&[rows, 1, k], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(Dtype::Bfloat16).unwrap();
             let w = normal(&[1024, k], Dtype::Float32, 0.0, 0.05, None).unwrap().astype(Dtype::Bfloat16).unwrap();
             let both = || (gemv(&x, &w).unwrap(), crate::kernels::gemv::gemv_swiglu(&x, &w).unwrap());
             let batched = both();
-            for walk in ["nopf", "plain"] {
+            for walk in ["prefetch", "plain"] {
                 let other = crate::knobs::with_overrides(&[("MLX_LFM_GEMV_LOOP".to_string(), Some(walk.to_string()))], both);
                 assert_eq!(differing(&batched.0, &other.0), 0, "the GEMV walked `{walk}` differs ({rows}x{k})");
                 assert_eq!(differing(&batched.1, &other.1), 0, "the GEMV + SwiGLU walked `{walk}` differs ({rows}x{k})");
@@ -1885,7 +1885,7 @@ fn qkv_norm_rope_kernel_matches_stock_ops() {
 }
 
 /// The q/k/v norm + RoPE kernel over a prompt's stacked projection
-/// (`MLX_LFM_QKV_PREFILL_KERNEL`, opt-in) against what a prompt's
+/// (`MLX_LFM_QKV_PREFILL_KERNEL`, a CUDA default) against what a prompt's
 /// attention runs without it (the split, the reshapes to `[B, T, heads,
 /// HD]`, MLX's rms_norm, the transposes, its rope from the offset; v
 /// reshaped and transposed): bit for bit, heads-first, 512 positions at the
@@ -1901,10 +1901,15 @@ fn qkv_prefill_kernel_matches_stock_ops() {
     use crate::mlx::{rms_norm, rope, rope_dyn, Array};
     let (eps, theta) = (1e-5f32, 1_000_000f32);
     let probe = normal(&[1, 2, 2048], Dtype::Float32, 0.0, 1.0, None).unwrap();
-    if std::env::var_os("MLX_LFM_QKV_PREFILL_KERNEL").is_none() {
-        assert!(!qkv_prefill_wanted(&probe, 16, 8, 64), "opt-in");
+    // A CUDA default since session 26: served unless switched off.
+    let off = [("MLX_LFM_QKV_PREFILL_KERNEL".to_string(), Some("0".to_string()))];
+    crate::knobs::with_overrides(&off, || {
+        assert!(!qkv_prefill_wanted(&probe, 16, 8, 64), "=0 turns it off");
         let w = normal(&[64], Dtype::Float32, 1.0, 0.3, None).unwrap();
-        assert!(!qkv_available(&probe, &w, &w, 16, 8, 64), "opt-in: a prompt's projection is not served");
+        assert!(!qkv_available(&probe, &w, &w, 16, 8, 64), "=0: a prompt's projection is not served");
+    });
+    if std::env::var_os("MLX_LFM_QKV_PREFILL_KERNEL").is_none() {
+        assert!(qkv_prefill_wanted(&probe, 16, 8, 64), "a default where our CUDA kernels run");
     }
     assert!(!qkv_wanted(&probe, 16, 8, 64), "two positions a row are not a decode step's");
     crate::kernels::with_opt_in_one("MLX_LFM_QKV_PREFILL_KERNEL", || {
