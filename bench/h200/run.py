@@ -115,44 +115,40 @@ feed-forward's gate one MLX compiled kernel in a prompt's pass (a default
 everywhere, `fused-swiglu-off` measures it; its test
 `fused_gate_equals_the_ops` holds it to the ops' bits, on the CPU so far)
 and asks `norm-kernel-all-rows` of every model's prefill again.
-Next (`bash bench/h200/prepare.sh` here first; ~1,900 s planned against
-the 1,800, in this order, so round 2 is what gives way):
+Next (`bash bench/h200/prepare.sh` here first; ~1,700 s planned against
+the 1,800; session 26's run, which this plan follows, is in the README):
   1. carry [.device/a, .device/llama]: `stage` (~95 s with the start).
   2. carry [.device/b, .device/tests, .device/ptx]: `install kernels` with
      H200_KERNEL_JOBS=5 and H200_KERNEL_TESTS=kernels::,fused_gate_equals_the_ops
-     (~450 s: every kernel test, no verdicts-from: session 26 changed how
-     every kernel is named and called (src/mlx/kernel.rs: a hash of its
-     text in its name, its operands' dtypes in its template values), so no
-     earlier verdict speaks for the code now; with the two tests mended
-     after session 24's run, session 25's kernels, the decode kernels'
-     launch helper, the fused gate on CUDA and the greedy test's new sets).
+     (~450 s: every kernel test; session 26's full run was lost with its
+     machine, so only three kernels have run since every kernel's name
+     began to carry a hash of its text; `add_rms_norm_kernel_matches_stock_ops`
+     holds `eps-const` to the default's bits, and the greedy test's
+     conv-prefill set decides that kernel). .device/ptx is absent until a
+     `save-ptx` brings a cache back (session 26's found no .ptx files: its
+     record says what the folder held).
   3. carry [.device/bin] (and so 4 and 5):
      `H200_MODELS=lfm2-350m-bf16,lfm2-1.2b-bf16,lfm2-8b-a1b-q4
-     H200_AB_VARIANTS=conv-prefill,qkv-prefill,norm-kernel-all-rows,fused-swiglu-off,
-     batch1-matmul-prompts-off,quant-embed,attention-chunks-8,attention-chunks-4,
-     eps-const ab pick` (~350 s: `ab` makes our checkpoints, without the
-     GGUF files; the prefill variants for the P=512 targets not met,
-     quant-embed for the 8B-A1B's host-bound step, the chunks for the
-     1.2B's GPU-bound one; pick weighs only the models measured).
-  4. `gguf-bg` first (llama.cpp's GGUF chain, ~175 s of CPU in session
-     24's call 3, now in a process of its own that runs on while this
-     call's GPU-timed steps run, so their wall times share the CPU with
-     it while ncu's kernel times do not; the rounds wait for it), then
-     `kernel-bench` (the GEMVs, now with the 1.2B's LM head and its
-     SwiGLU GEMV over the stacked w1/w3, the scalar arms, the attention's variants
-     alone, the 8B-A1B's expert kernels against MLX's gathered products
-     and the down kernel at 1, 2 and 4 columns a warp), `kernel-detail`
-     (~60 s: ncu's sections and stall reasons over the expert arms alone),
-     then `H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4 profile profile-prefill`
-     (~340 s; the step's kernels at the defaults of sessions 23-24, which no
-     profile has seen: the last is session 22's; `dispatch-cost` gives way
-     here, session 13 measured it), then `save-ptx` (the kernels this
-     machine compiled, as $OUT/ptx-cache.tgz: after the chain, copy it to
-     .device/ptx/ here, and the next session's call 2 carries it, so its
-     kernel tests and first runs load them instead of compiling them;
-     restore_ptx says why that is safe across builds).
+     H200_AB_VARIANTS=eps-const,conv-prefill,gemv-prefetch,qkv-prefill-off ab pick`
+     (~250 s: eps-const read 1.08x on the 1.2B's decode in session 26 and
+     conv-prefill 1.10-1.14x on the dense prefills, adopted here if their
+     tests pass; gemv-prefetch and qkv-prefill-off measure session 26's two
+     new defaults in the step).
+  4. `gguf-bg` (llama.cpp's GGUF chain in its own process session, so the
+     next steps do not wait on it; the rounds do), then
+     `H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4 profile` (~150 s) and `save-ptx`.
   5. `round 1`, `round 2` of the three models under the picks (~300 s each;
-     round 1 first waits for `gguf-bg` and brings back its logs).
+     round 1 first waits for `gguf-bg` and brings back its logs; round 2
+     gives way).
+Session 26's plan, for the record (two starts found no machine and one
+machine was taken back during call 2; calls 4-9 then ran `install
+kernel-bench kernel-detail save-ptx`, `ab` of the nine variants (cut
+during the 1.2B), `profile` of the 1.2B and the 8B-A1B with the 8B-A1B's
+`ab` of quant-embed and eps-const, the 1.2B's `ab` of the attention chunks
+and eps-const, the prefill variants' `ab` on the 1.2B and the 8B-A1B, and
+three kernel tests): `stage`; `install kernels` (every test); `ab pick` of
+session 25's variants over the three models; `gguf-bg kernel-bench
+kernel-detail profile profile-prefill save-ptx`; `round 1`, `round 2`.
 Session 24's plan, for the record: `stage`; `install verdicts-from ...,session24 kernels` with
 H200_KERNEL_TESTS=quant_gemv_kernel_matches_stock_ops,
 moe_experts_kernels_match_stock_ops,conv_gemv_kernel_matches_stock_ops,
