@@ -62,7 +62,7 @@ pub(crate) fn forced_alone(var: &str) -> bool {
 /// into `cell`); a test's [`with_opt_in`] or [`with_opt_in_one`] asks for
 /// it as for an opt-in one.
 fn opt_out(var: &str, cell: &OnceLock<bool>) -> bool {
-    crate::knobs::cached(var, cell, |v| v != Some("0"))
+    forced(var) || crate::knobs::cached(var, cell, |v| v != Some("0"))
 }
 
 /// A switch whose default depends on the operands: `Some(true)` where

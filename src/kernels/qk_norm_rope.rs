@@ -336,7 +336,7 @@ pub fn qkv_prefill_wanted(h: &Array, heads: i32, kv_heads: i32, head_dim: i32) -
 
 fn prefill_enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    super::opt_out("MLX_LFM_QKV_PREFILL_KERNEL", &ON) || super::forced("MLX_LFM_QKV_PREFILL_KERNEL")
+    super::opt_out("MLX_LFM_QKV_PREFILL_KERNEL", &ON)
 }
 
 /// A prompt's rows: `[B, T, W]` with more than one position.
