@@ -100,8 +100,6 @@ pub fn embed(ids: &Array, w: &Array, scales: &Array, biases: &Array, spec: Quant
             ("BITS", TemplateArg::Int(spec.bits)),
             ("GS", TemplateArg::Int(spec.group_size)),
             ("T", TemplateArg::Dtype(dtype)),
-            // (Its own compiled kernel per ids dtype: MLX keeps kernels by name.)
-            ("I", TemplateArg::Dtype(ids.dtype())),
         ],
     )?;
     outs.pop().ok_or_else(|| Error::mlx("quantized embedding kernel: missing output"))
