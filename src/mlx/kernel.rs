@@ -61,14 +61,16 @@ fn io_values(operands: usize) -> usize {
     operands.div_ceil(IO_PER_VALUE)
 }
 
-pub(crate) fn dtype_args(inputs: &[&Array], outputs: &[(&[i32], Dtype)]) -> Vec<(&'static str, TemplateArg)> {
+/// (Items of any name lifetime, so they chain after a caller's own.)
+pub(crate) fn dtype_args<'a, 's>(
+    inputs: &'a [&'a Array],
+    outputs: &'a [(&'a [i32], Dtype)],
+) -> impl Iterator<Item = (&'s str, TemplateArg)> + 'a {
     let mut codes = inputs.iter().map(|a| a.dtype() as i32).chain(outputs.iter().map(|(_, d)| *d as i32));
-    (0..io_values(inputs.len() + outputs.len()))
-        .map(|i| {
-            let packed = codes.by_ref().take(IO_PER_VALUE).fold(0, |acc, d| (acc << 4) | (d & 15));
-            (IO_NAMES[i], TemplateArg::Int(packed))
-        })
-        .collect()
+    (0..io_values(inputs.len() + outputs.len())).map(move |i| {
+        let packed = codes.by_ref().take(IO_PER_VALUE).fold(0, |acc, d| (acc << 4) | (d & 15));
+        (IO_NAMES[i], TemplateArg::Int(packed))
+    })
 }
 
 /// The body as MLX gets it: the dtype values read once (`(void)`), since

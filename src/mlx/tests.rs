@@ -310,13 +310,14 @@ fn kernel_names_change_with_their_text() {
 fn kernel_calls_name_their_operands_dtypes() {
     let x = Array::scalar(1.0, Dtype::Bfloat16).unwrap();
     let i = Array::scalar(2.0, Dtype::Uint32).unwrap();
-    let args = kernel::dtype_args(&[&x, &i], &[(&[4][..], Dtype::Float32)]);
+    let args: Vec<_> = kernel::dtype_args(&[&x, &i], &[(&[4][..], Dtype::Float32)]).collect();
     let packed = ((Dtype::Bfloat16 as i32) << 8) | ((Dtype::Uint32 as i32) << 4) | Dtype::Float32 as i32;
     assert!(matches!(args.as_slice(), [("LFM_IO0", kernel::TemplateArg::Int(v))] if *v == packed), "{args:?}");
     // Another dtype anywhere is another value; eight operands take two.
     let h = Array::scalar(1.0, Dtype::Float16).unwrap();
-    assert!(!matches!(kernel::dtype_args(&[&h, &i], &[(&[4][..], Dtype::Float32)]).as_slice(), [(_, kernel::TemplateArg::Int(v))] if *v == packed));
+    let other: Vec<_> = kernel::dtype_args(&[&h, &i], &[(&[4][..], Dtype::Float32)]).collect();
+    assert!(!matches!(other.as_slice(), [(_, kernel::TemplateArg::Int(v))] if *v == packed));
     let eight: Vec<&Array> = std::iter::repeat_n(&x, 7).collect();
-    let two = kernel::dtype_args(&eight, &[(&[4][..], Dtype::Float32)]);
+    let two: Vec<_> = kernel::dtype_args(&eight, &[(&[4][..], Dtype::Float32)]).collect();
     assert!(matches!(two.as_slice(), [("LFM_IO0", _), ("LFM_IO1", kernel::TemplateArg::Int(10))]), "{two:?}");
 }
