@@ -826,6 +826,13 @@ def profile():
         record(engine="ncu", model=name, step_wall_ms=walls)
 
 
+# ncu's detail sections and its per-reason warp stalls, as `profile-kernels`
+# (a model's step) and `kernel-detail` (kernel-bench's arms) both take them.
+NCU_SECTIONS = [a for sec in ["SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "MemoryWorkloadAnalysis",
+                              "SchedulerStats"] for a in ("--section", sec)]
+NCU_STALLS = ["--metrics", "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio"]
+
+
 def profile_kernels():
     """ncu's detail sections (speed of light, occupancy, launch, warp stall
     reasons, memory) for the kernels matching H200_NCU_KERNELS (a regex) in
@@ -838,10 +845,9 @@ def profile_kernels():
     # 0.07 TB/s, beside MLX's own GEMV at 3.0 TB/s.)
     pattern = os.environ.get("H200_NCU_KERNELS", "lfm_moe_down|lfm_moe_gate_up|lfm_moe_router|lfm_decode_attention|"
                                                  "lfm_add_rms_norm|gemv_single|qmv_kernel")
-    sections = ["SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "MemoryWorkloadAnalysis", "SchedulerStats"]
     for name in ab_models():
         e = env()
-        args = ["--kernel-name", f"regex:{pattern}"] + [a for sec in sections for a in ("--section", sec)]
+        args = ["--kernel-name", f"regex:{pattern}", *NCU_SECTIONS]
         csv = ncu_step(name, "ncu-detail", args, "details", e)
         if csv is None:
             continue
@@ -859,9 +865,7 @@ def profile_kernels():
         # and 22 left the folds, the experts' down kernel, the router and the
         # decode attention at 45-55 cycles a warp's issue with DRAM mostly
         # idle. Its own ncu run (a metric this ncu lacks fails only this).
-        stalls = ncu_step(name, "ncu-stalls", ["--kernel-name", f"regex:{pattern}", "--metrics",
-                                               "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio"],
-                          "raw", env())
+        stalls = ncu_step(name, "ncu-stalls", ["--kernel-name", f"regex:{pattern}", *NCU_STALLS], "raw", env())
         if stalls is not None:
             record(engine="ncu-stalls", model=name, switches=switches, kernels=summarize_stalls(stalls))
 
@@ -878,7 +882,6 @@ def kernel_detail():
     arms = os.environ.get("H200_DETAIL_ARMS", "mlx-moe-q4-down,moe-q4-down,moe-q4-down-c4,moe-q4-gate-up")
     pattern = "gemv|qmv|gather_qmm|lfm_"
     bench = [BENCH, "--kernel-bench", "--device", "gpu", "--reps", "1", "--arms", arms]
-    sections = ["SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "MemoryWorkloadAnalysis", "SchedulerStats"]
     import csv as _csv
     import io
 
@@ -894,7 +897,7 @@ def kernel_detail():
         (OUT / f"{tag}.csv").write_text(csv)
         return csv
 
-    details = run("kernel-detail", [a for sec in sections for a in ("--section", sec)], "details")
+    details = run("kernel-detail", NCU_SECTIONS, "details")
     if details is not None:
         # Per kernel (name with its template values: one per arm here), the
         # median over its launches of each metric ncu gives a number for.
@@ -909,7 +912,7 @@ def kernel_detail():
                 per.setdefault(k, {}).setdefault(m, []).append(x)
         record(engine="kernel-detail", arms=arms,
                kernels={k: {m: sorted(v)[len(v) // 2] for m, v in ms.items()} for k, ms in per.items()})
-    stalls = run("kernel-stalls", ["--metrics", "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio"], "raw")
+    stalls = run("kernel-stalls", NCU_STALLS, "raw")
     if stalls is not None:
         record(engine="kernel-stalls", arms=arms, kernels=summarize_stalls(stalls))
 

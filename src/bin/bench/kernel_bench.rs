@@ -188,14 +188,14 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
         }
         sets.push((n, k, x, weights, arms.clone()));
     }
-    let scalar_arms: Vec<&str> = SCALAR_ARMS.into_iter().filter(|n| cuda && chosen(n)).collect();
+    let scalar_arms: Vec<&str> = SCALAR_ARMS.into_iter().filter(|n| chosen(n)).collect();
     let scalar = if scalar_arms.is_empty() { None } else { Some(ScalarReads::new()?) };
     if scalar.is_some() {
         for name in &scalar_arms {
             plan.push(serde_json::json!({"arm": name, "n": SCALAR_N, "k": 1, "launches": SCALAR_LAUNCHES * reps}));
         }
     }
-    let att_arms: Vec<_> = ATT_ARMS.into_iter().filter(|(n, ..)| cuda && chosen(n)).collect();
+    let att_arms: Vec<_> = ATT_ARMS.into_iter().filter(|(n, ..)| chosen(n)).collect();
     let attention = if att_arms.is_empty() { None } else { Some(Attention::new()?) };
     if attention.is_some() {
         for (name, _, kernels) in &att_arms {
