@@ -879,7 +879,7 @@ def kernel_detail():
     ends in about a minute where `profile-kernels` of the 8B-A1B's step ran
     past 440 s (session 24). Why the down kernel read 0.36 TB/s in session
     22's profile, and what more columns a warp change."""
-    arms = os.environ.get("H200_DETAIL_ARMS", "mlx-moe-q4-down,moe-q4-down,moe-q4-down-c4,moe-q4-gate-up")
+    arms = os.environ.get("H200_DETAIL_ARMS", "mlx-moe-q4-down,moe-q4-down,moe-q4-down-early,moe-q4-gate-up")
     pattern = "gemv|qmv|gather_qmm|lfm_"
     bench = [BENCH, "--kernel-bench", "--device", "gpu", "--reps", "1", "--arms", arms]
     import csv as _csv
@@ -915,6 +915,53 @@ def kernel_detail():
     stalls = run("kernel-stalls", NCU_STALLS, "raw")
     if stalls is not None:
         record(engine="kernel-stalls", arms=arms, kernels=summarize_stalls(stalls))
+    # Which instruction the warps wait at: ncu's per-SASS-line stall samples
+    # for one launch of each arm in H200_SOURCE_ARMS (default our down
+    # kernel, whose warps waited 40 cycles an issue on loads at 7% of DRAM's
+    # bandwidth in session 26, where gate/up waited 3: the expert index, the
+    # h row, the weights or the score; each has another fix).
+    for arm in [a for a in os.environ.get("H200_SOURCE_ARMS", "moe-q4-down,moe-q4-down-early").split(",") if a]:
+        arms = arm
+        bench = [BENCH, "--kernel-bench", "--device", "gpu", "--reps", "1", "--arms", arm]
+        source = run(f"kernel-source-{arm}", ["--section", "SourceCounters", "--section", "WarpStateStats",
+                                              "--launch-skip", "4", "--launch-count", "1"], "source")
+        if source is not None:
+            record(engine="kernel-source", arms=arm, lines=summarize_source(source))
+
+
+def summarize_source(text, top=24):
+    """ncu's source page (SASS, one row an instruction): the `top`
+    instructions with the most warp stall samples, as (address, SASS,
+    samples, not-issued samples). Column names vary across ncu versions, so
+    they are found by what they start with; an empty list where none is."""
+    import csv as _csv
+    import io
+
+    lines = [l for l in text.splitlines() if l.count(",") >= 2]
+    rows = list(_csv.DictReader(io.StringIO("\n".join(lines))))
+    if not rows:
+        return []
+
+    def col(*starts):
+        for c in rows[0].keys():
+            if c and any(c.strip().startswith(s) for s in starts):
+                return c
+        return None
+
+    src, addr = col("Source"), col("# Address", "Address")
+    allc, noti = col("Warp Stall Sampling (All"), col("Warp Stall Sampling (Not")
+    if not src or not allc:
+        return []
+
+    def num(v):
+        try:
+            return float(str(v).replace(",", ""))
+        except ValueError:
+            return 0.0
+
+    ranked = sorted(rows, key=lambda r: -num(r.get(allc)))
+    return [[r.get(addr, ""), r.get(src, "").strip(), num(r.get(allc)), num(r.get(noti)) if noti else None]
+            for r in ranked[:top] if num(r.get(allc)) > 0]
 
 
 def summarize_stalls(text):
@@ -1581,6 +1628,7 @@ AB = {
     # (H200_AB_GPU_TIME) is where this shows first.
     "moe-down-c2": ({"MLX_LFM_MOE_DOWN_COLS": "2"}, ["lfm2-8b-a1b-q4"]),
     "moe-down-c4": ({"MLX_LFM_MOE_DOWN_COLS": "4"}, ["lfm2-8b-a1b-q4"]),
+    "moe-down-early": ({"MLX_LFM_MOE_DOWN_LOADS": "early"}, ["lfm2-8b-a1b-q4"]),
     "router-norm-off": ({"MLX_LFM_ROUTER_NORM_KERNEL": "0"}, ["lfm2-8b-a1b-q4"]),
     "router-norm-narrow": ({"MLX_LFM_ROUTER_NORM_WIDE": "0"}, ["lfm2-8b-a1b-q4"]),
     # The quantized GEMVs in MLX's own qmv arithmetic (MLX_LFM_QGEMV_EXACT:
@@ -1713,7 +1761,7 @@ AB_TESTS = {
     "norm-runs-guarded": ["add_rms_norm_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops"],
     "router-norm-off": [],
     "conv-gemv": ["conv_gemv_kernel_matches_stock_ops", "greedy:MLX_LFM_CONV_GEMV_KERNEL"],
-    **{v: ["moe_experts_kernels_match_stock_ops", f"greedy:{v}"] for v in ("moe-down-c2", "moe-down-c4")},
+    **{v: ["moe_experts_kernels_match_stock_ops", f"greedy:{v}"] for v in ("moe-down-c2", "moe-down-c4", "moe-down-early")},
     "router-norm-narrow": ["moe_router_norm_kernel_matches_the_norm_and_router_kernels"],
     "qgemv-exact": ["quant_gemv_kernel_matches_stock_ops", "greedy:MLX_LFM_QGEMV_EXACT"],
     "quant-norm-exact": ["quant_gemv_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops", "greedy:MLX_LFM_QGEMV_EXACT",
@@ -1745,7 +1793,7 @@ PICK = [
     (["conv-gemv"], "decode"),
     (["quant-embed"], "decode"),
     (["eps-const"], "decode"),
-    (["moe-down-c2", "moe-down-c4"], "decode"),
+    (["moe-down-c2", "moe-down-c4", "moe-down-early"], "decode"),
     (["attention-smem", "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4"], "decode"),
     (["norm-runs-guarded"], "decode"),
     (["fold-early"], "decode"),
@@ -1769,7 +1817,7 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "gemv-max-k-2048-c2", "gemv-max-k-2048-c4", "gemv-max-k-2048-c2-early-guarded",
                "gemv-max-k-2048-c4-early-guarded", "gemv-c2", "gemv-c4", "swiglu-gemv-1024", "attention-smem",
                "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4", "conv-gemv",
-               "moe-down-c2", "moe-down-c4"}
+               "moe-down-c2", "moe-down-c4", "moe-down-early"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]
@@ -2043,7 +2091,7 @@ def collect(files):
             errors.append(r)
         elif r.get("engine") in ("ncu", "ncu-prefill", "ab", "tests", "constrained", "new-lengths", "pick", "env", "step-ops",
                                  "prefill-ops", "batch-phases", "mlx-lfm-allocator", "kernel-bench", "kernel-detail",
-                                 "kernel-stalls", "ncu-detail", "ncu-stalls", "ptx-cache", "gguf-bg"):
+                                 "kernel-stalls", "kernel-source", "ncu-detail", "ncu-stalls", "ptx-cache", "gguf-bg"):
             profiles.append(r)
         elif r.get("samples"):
             runs.append({"model": r["model"], "engine": r["engine"], "metric": r["metric"], "prompt": r["prompt"],

@@ -104,6 +104,32 @@ class KernelBench(unittest.TestCase):
         self.assertEqual(self.run.short_kernel(name), "custom_kernel_lfm_moe_down_cols_1792_4_64_bfloat16_4_2_305419896")
 
 
+class SourcePage(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.run = load_run(Path(self.tmp.name))
+
+    def tearDown(self):
+        self.tmp.cleanup()
+
+    def test_the_most_sampled_instructions_come_first(self):
+        # ncu prints a kernel's name line before the table; only rows with
+        # commas are kept.
+        text = ('"Kernel Name: custom_kernel_lfm_moe_down"\n'
+                '"# Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)"\n'
+                '"00000010","LDG.E.128 R4, desc[UR4][R2.64]","1,200","1,100"\n'
+                '"00000020","FFMA R1, R2, R3, R1","40","10"\n'
+                '"00000030","EXIT","0","0"\n'
+                '"00000008","LDG.E R0, desc[UR4][R6.64]","300","290"\n')
+        got = self.run.summarize_source(text, top=3)
+        self.assertEqual([g[0] for g in got], ["00000010", "00000008", "00000020"])
+        self.assertEqual(got[0][2:], [1200.0, 1100.0])
+
+    def test_an_unknown_layout_gives_nothing(self):
+        self.assertEqual(self.run.summarize_source('"a","b"\n"1","2"\n'), [])
+        self.assertEqual(self.run.summarize_source(""), [])
+
+
 class PtxCache(unittest.TestCase):
     """The compiled kernels a session brings back, and where the next may
     load them."""

@@ -113,6 +113,11 @@ KERNELS = {
         [("y", "T")],
         lambda dt: [("K", 1792), ("BITS", 8), ("GS", 32), ("KE", 4)],
     ),
+    "moe_experts.rs#down_early": (
+        [("h", "T"), ("idx", "uint32_t"), ("score", "T"), ("w", "uint32_t"), ("scales", "T"), ("biases", "T")],
+        [("y", "T")],
+        lambda dt: [("K", 1792), ("BITS", 4), ("GS", 64), ("KE", 4)],
+    ),
     "moe_experts.rs#down_cols": (
         [("h", "T"), ("idx", "uint32_t"), ("score", "T"), ("w", "uint32_t"), ("scales", "T"), ("biases", "T")],
         [("y", "T")],
@@ -280,6 +285,8 @@ def body_and_header(path, which="SOURCE"):
     if path.name == "moe_experts.rs" and "DOWN_COLS" in which:
         # The down kernel with C columns a warp: its own dot helper after.
         return src, header_of(path) + named(path, "QDOTR_HEADER")
+    if path.name == "moe_experts.rs" and "DOWN_EARLY" in which:
+        return src, header_of(path) + named(path, "DOWN_EARLY_HEADER")
     return src, header_of(path)
 
 

@@ -207,6 +207,127 @@ const DOWN_COLS_SOURCE: &str = r#"
   }
 "#;
 
+/// The one-column down kernel with every load of a warp issued before its
+/// first sum (`MLX_LFM_MOE_DOWN_LOADS=early`, an A/B's knob): the score
+/// with the expert index, then each chunk's words, scale, bias and h
+/// values. In the default kernel ptxas, keeping it at 34 registers, leaves
+/// the h chunk's later 16-byte loads each after the previous one's sums and
+/// the score's load after the warp's shuffles, so a warp waits on ~7 loads
+/// one after another (the sm_90 SASS of K = 1792 4-bit g64): session 26's
+/// ncu had its warps 40 cycles an issue on loads (gate/up: 3) at 7% of
+/// DRAM's bandwidth, 22 µs a launch against MLX's `gather_qmv` at 13.6.
+/// The same chunks in the same order and the same expression, so within a
+/// rounding of the default (NVVM may contract `s * qx + b * xs` the other
+/// way, as in the C-column kernel). Chunks are loaded in batches of at most
+/// 16 16-byte h loads so a float32 h or a long row does not spill.
+const DOWN_EARLY_HEADER: &str = r#"
+template <typename T, int K, int BITS, int GS>
+__device__ inline float lfm_qdot_early(const T* x, const uint32_t* wr, const T* sr, const T* br, int lane) {
+  constexpr int VPC = 128 / BITS;
+  constexpr int C = K / VPC;
+  constexpr int IT = (C + 31) / 32;
+  constexpr int E = 16 / sizeof(T);
+  constexpr int XV = VPC / E;
+  constexpr int BX = 16 / XV < 1 ? 1 : 16 / XV;
+  constexpr int B = IT < BX ? IT : BX;
+  float acc = 0.0f;
+#pragma unroll
+  for (int i0 = 0; i0 < IT; i0 += B) {
+    uint4 wv[B];
+    uint4 xv[B][XV];
+    float s[B];
+    float b[B];
+#pragma unroll
+    for (int u = 0; u < B; u++) {
+      const int c = lane + (i0 + u) * 32;
+      if (i0 + u < IT && (C % 32 == 0 || c < C)) {
+        wv[u] = lfm_load16(wr, c, true);
+        s[u] = static_cast<float>(sr[c * VPC / GS]);
+        b[u] = static_cast<float>(br[c * VPC / GS]);
+#pragma unroll
+        for (int t = 0; t < XV; t++) xv[u][t] = lfm_load16(x, static_cast<size_t>(c) * XV + t, true);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < B; u++) {
+      const int c = lane + (i0 + u) * 32;
+      if (i0 + u < IT && (C % 32 == 0 || c < C)) {
+        float xf[VPC];
+        float xs = 0.0f;
+#pragma unroll
+        for (int t = 0; t < XV; t++) {
+          const T* e = reinterpret_cast<const T*>(&xv[u][t]);
+#pragma unroll
+          for (int q = 0; q < E; q++) {
+            xf[t * E + q] = static_cast<float>(e[q]);
+            xs += xf[t * E + q];
+          }
+        }
+        acc += s[u] * lfm_qx<BITS>(wv[u], xf) + b[u] * xs;
+      }
+    }
+  }
+  return acc;
+}
+"#;
+
+const DOWN_EARLY_SOURCE: &str = r#"
+  constexpr int G = K / GS;
+  constexpr int WORDS = K * BITS / 32;
+  constexpr int CPB = 8 / KE;
+  __shared__ float part[8];
+  const int lane = threadIdx.x % 32;
+  const int wid = threadIdx.x / 32;
+  const int D = w_shape[1];
+  const int j = wid % KE;
+  const int col = wid / KE;
+  const int n = blockIdx.x * CPB + col;
+  const int r = blockIdx.y;
+  const bool active = col < CPB && n < D;
+  if (active) {
+    const int slot = r * KE + j;
+    const float sc = static_cast<float>(score[slot]);
+    const size_t wi = static_cast<size_t>(idx[slot]) * D + n;
+    const T* hr = h + static_cast<size_t>(slot) * K;
+    float a = 0.0f;
+    if (lfm_aligned(w) && lfm_aligned(h)) {
+      a = lfm_qdot_early<T, K, BITS, GS>(hr, w + wi * WORDS, scales + wi * G, biases + wi * G, lane);
+    } else {
+      lfm_qdot_a<T, K, 1, BITS, GS, false>(hr, w + wi * WORDS, scales + wi * G, biases + wi * G, lane, &a);
+    }
+    a = lfm_warp_sum(a);
+    if (lane == 0) part[wid] = static_cast<float>(T(static_cast<float>(T(a)) * sc));
+  }
+  __syncthreads();
+  if (active && j == 0 && lane == 0) {
+    float total = 0.0f;
+    for (int i = 0; i < KE; i++) total += part[col * KE + i];
+    y[static_cast<size_t>(r) * D + n] = T(total);
+  }
+"#;
+
+/// `MLX_LFM_MOE_DOWN_LOADS=early`: the down kernel with its loads issued
+/// first (`DOWN_EARLY_SOURCE`); anything else the default.
+fn down_early() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    crate::knobs::cached("MLX_LFM_MOE_DOWN_LOADS", &ON, |v| v.map(str::trim) == Some("early"))
+}
+
+fn down_early_kernel() -> Option<&'static CudaKernel> {
+    static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
+    K.get_or_init(|| {
+        CudaKernel::new(
+            "lfm_moe_down_early",
+            &["h", "idx", "score", "w", "scales", "biases"],
+            &["y"],
+            DOWN_EARLY_SOURCE,
+            &format!("{}{DOWN_EARLY_HEADER}", header()),
+        )
+        .ok()
+    })
+    .as_ref()
+}
+
 /// `MLX_LFM_MOE_DOWN_COLS`: 1 (the default), 2 or 4 output columns a warp
 /// in the down kernel.
 fn down_cols() -> i32 {
@@ -310,7 +431,8 @@ pub fn down(h: &Array, idx: &Array, score: &Array, w: &Quantized) -> Result<Arra
     let cols = down_cols();
     let wide = if cols > 1 { down_cols_kernel() } else { None };
     let cols = if wide.is_some() { cols } else { 1 };
-    let kern = wide.or_else(down_kernel).ok_or_else(|| Error::mlx("the MoE down kernel is not available"))?;
+    let early = if cols == 1 && down_early() { down_early_kernel() } else { None };
+    let kern = wide.or(early).or_else(down_kernel).ok_or_else(|| Error::mlx("the MoE down kernel is not available"))?;
     let (r, k, f) = (h.dim(0), h.dim(1), h.dim(2));
     let d = w.weight.dim(1);
     let biases = w.biases.as_ref().ok_or_else(|| Error::invalid("the MoE kernels need affine biases"))?;

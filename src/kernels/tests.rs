@@ -488,6 +488,9 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                         let set = [("MLX_LFM_MOE_DOWN_COLS".to_string(), Some(cols.to_string()))];
                         runs.push((name, crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
                     }
+                    // And with its loads issued first (MLX_LFM_MOE_DOWN_LOADS).
+                    let set = [("MLX_LFM_MOE_DOWN_LOADS".to_string(), Some("early".to_string()))];
+                    runs.push(("moe-down-early", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
                 }
                 for (kernels, got) in runs {
                     if let Some(i) = finite(&got) {
@@ -1594,6 +1597,16 @@ fn moe_experts_kernels_match_stock_ops() {
                     assert!(gap <= tol_y, "{what}: the down kernel with {cols} columns a warp is {gap} from one column, over {tol_y}");
                     check_measured(&format!("{what} experts' sum, {cols} columns a warp"), &wide, &stock, &y_ref, tol_y, worst_scaled);
                 }
+                // Every load first (MLX_LFM_MOE_DOWN_LOADS=early, an A/B's
+                // knob): the same chunks, order and expression as the
+                // default, so within a rounding of it (the contraction, as
+                // above); the unaligned fallback is the default's own.
+                let early = crate::knobs::with_overrides(&[("MLX_LFM_MOE_DOWN_LOADS".to_string(), Some("early".to_string()))], || {
+                    down(&h, &idx, &score, &wd).unwrap()
+                });
+                let gap = worst_scaled(&early, &y);
+                assert!(gap <= tol_y, "{what}: the down kernel with its loads first is {gap} from the default, over {tol_y}");
+                check_measured(&format!("{what} experts' sum, loads first"), &early, &stock, &y_ref, tol_y, worst_scaled);
             }
         }
     });

@@ -247,13 +247,14 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
 /// stock path launches apart); the others our kernels (src/kernels/moe_experts.rs).
 /// A plan's `n` is the rows read (the row's 4 experts' rows together), `k`
 /// their width, so that `n * k` 4-bit values are the bytes an arm moves.
-const EXPERT_ARMS: [(&str, Switches, bool); 6] = [
+const EXPERT_ARMS: [(&str, Switches, bool); 7] = [
     ("mlx-moe-q4-gate-up", &[], true),
     ("moe-q4-gate-up", &[], true),
     ("mlx-moe-q4-down", &[], false),
     ("moe-q4-down", &[], false),
     ("moe-q4-down-c2", &[("MLX_LFM_MOE_DOWN_COLS", "2")], false),
     ("moe-q4-down-c4", &[("MLX_LFM_MOE_DOWN_COLS", "4")], false),
+    ("moe-q4-down-early", &[("MLX_LFM_MOE_DOWN_LOADS", "early")], false),
 ];
 const EXPERTS: i32 = 32;
 const EXPERTS_A_ROW: i32 = 4;
