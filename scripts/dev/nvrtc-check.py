@@ -211,6 +211,11 @@ KERNELS = {
 }
 # The router + norm kernel a warp an expert (its default; 8 warps with
 # MLX_LFM_ROUTER_NORM_WIDE=0, the entry above).
+# Eps and the route's scale compiled in (MLX_LFM_EPS_CONST: REPLACE_OF's substitutions).
+KERNELS["moe_router.rs#gate_norm@const"] = (*KERNELS["moe_router.rs#gate_norm"][:2],
+                                            lambda dt: [("BITS", 4), ("GS", 64), ("D", 2048), ("E", 32), ("TOPK", 4),
+                                                        ("NORM", "true"), ("RW", 32), ("EPS_BITS", 925353388),
+                                                        ("SCALE_BITS", 1075838976)])
 KERNELS["moe_router.rs#gate_norm@wide"] = (*KERNELS["moe_router.rs#gate_norm"][:2],
                                            lambda dt: [("BITS", 4), ("GS", 64), ("D", 2048), ("E", 32), ("TOPK", 4),
                                                        ("NORM", "true"), ("RW", 32)])
@@ -350,7 +355,12 @@ VALIDITY = "MASK_VALID"
 EARLY = False
 # A kernel variant's text substitution, as its Rust side makes it.
 REPLACE_OF = {
-    "add_rms_norm.rs@epsc": ("const float e = eps[0];", "const float e = __int_as_float(EPS_BITS);"),
+    "add_rms_norm.rs@epsc": [("const float e = eps[0];", "const float e = __int_as_float(EPS_BITS);")],
+    "moe_router.rs#gate_norm@const": [
+        ("eps[0]", "__int_as_float(EPS_BITS)"),
+        ("bias, scale, inds", "bias, lfm_scale_c, inds"),
+        ("  constexpr int WARPS = RW;", "  constexpr int WARPS = RW;\n  const float lfm_scale_c[1] = {__int_as_float(SCALE_BITS)};"),
+    ],
 }
 # A kernel variant's own #define, as its Rust side prepends it.
 DEFINES_OF = {
@@ -370,8 +380,7 @@ for file, (ins, outs, targs, *only_dtypes) in KERNELS.items():
     # "file.rs#name": the file's NAME_SOURCE (a second kernel in one file).
     fname, _, extra = file_key.partition("#")
     src, hdr = body_and_header(root / "src" / "kernels" / fname, "const " + (extra.upper() + "_" if extra else "") + "SOURCE")
-    if file in REPLACE_OF:
-        was, now = REPLACE_OF[file]
+    for was, now in REPLACE_OF.get(file, []):
         assert was in src, f"{file}: {was!r} not in its source"
         src = src.replace(was, now)
     for dt, ct in CTYPE.items():

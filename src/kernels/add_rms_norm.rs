@@ -253,7 +253,7 @@ pub fn available(h: &Array, r: &Array, w: &Array) -> bool {
 /// the host also writes each token (the step's position), and a decode
 /// step runs this kernel twice a layer (31 times on the 1.2B): whether
 /// that read costs the GPU is what `kernel-bench`'s scalar arms ask.
-fn eps_const() -> bool {
+pub(crate) fn eps_const() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     super::opt_in("MLX_LFM_EPS_CONST", &ON)
 }

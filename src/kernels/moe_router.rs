@@ -214,6 +214,38 @@ fn gate_norm_kernel() -> Option<&'static CudaKernel> {
     })
 }
 
+/// [`gate_norm_kernel`] with eps and the route's scale compiled in
+/// (`EPS_BITS`, `SCALE_BITS`) instead of read from their `[1]` arrays:
+/// under `MLX_LFM_EPS_CONST=1`, as the add + RMSNorm kernel takes eps.
+/// MLX 0.32.4 keeps arrays of at most 8 bytes in a managed pool whose pages
+/// the host writes each token (the position), and a read from it cost a
+/// launch ~1.6 µs on the H200 (session 26's `kernel-bench`, 4.0 µs against
+/// 2.3 from device memory); this kernel reads eps before its norm, on the
+/// path of everything after, 22 times an 8B-A1B step. The same floats, so
+/// the same bits (its test).
+fn gate_norm_const_kernel() -> Option<&'static CudaKernel> {
+    static K: super::add_rms_norm::Walks = [OnceLock::new(), OnceLock::new()];
+    super::add_rms_norm::for_walk(&K, || {
+        let header = format!(
+            "#define LFM_NORM_IN_WIDER_BLOCK 1\n{}{}{ROUTE_HEADER}{GATE_HEADER}",
+            super::add_rms_norm::device_code(),
+            super::quant_gemv::header()
+        );
+        let src = GATE_NORM_SOURCE
+            .replace("eps[0]", "__int_as_float(EPS_BITS)")
+            .replace("bias, scale, inds", "bias, lfm_scale_c, inds")
+            .replace("  constexpr int WARPS = RW;", "  constexpr int WARPS = RW;\n  const float lfm_scale_c[1] = {__int_as_float(SCALE_BITS)};");
+        CudaKernel::new(
+            &super::add_rms_norm::kernel_name("lfm_moe_router_gate_norm_c"),
+            &["h", "r", "wn", "eps", "w", "scales", "biases", "bias", "scale"],
+            &["s", "y", "inds", "scores"],
+            &src,
+            &header,
+        )
+        .ok()
+    })
+}
+
 fn gate_kernel() -> Option<&'static CudaKernel> {
     static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
     K.get_or_init(|| {
@@ -372,8 +404,16 @@ pub fn route_gate_norm(
     scale: &Array,
     k: usize,
     norm: bool,
+    consts: Option<(f32, f32)>,
 ) -> Result<(Array, Array, Array, Array)> {
-    let kern = gate_norm_kernel().ok_or_else(|| Error::mlx("the MoE router + norm kernel is not available"))?;
+    // `consts`: eps's and the scale's values, taken as constants under
+    // MLX_LFM_EPS_CONST=1 (they must be what `n.eps` and `scale` hold).
+    let consts = consts.filter(|_| super::add_rms_norm::eps_const());
+    let kern = match consts {
+        Some(_) => gate_norm_const_kernel(),
+        None => gate_norm_kernel(),
+    }
+    .ok_or_else(|| Error::mlx("the MoE router + norm kernel is not available"))?;
     let biases = q.biases.as_ref().ok_or_else(|| Error::invalid("the MoE router + norm kernel needs affine biases"))?;
     let (rows, d) = (n.h.dim(0), n.h.dim(1));
     let dt = n.h.dtype();
@@ -381,6 +421,10 @@ pub fn route_gate_norm(
     let mut template = gate_template(q, d, dt, k as i32, norm);
     let warps = gate_norm_warps(q.weight.dim(0));
     template.push(("RW", TemplateArg::Int(warps)));
+    if let Some((eps, scale)) = consts {
+        template.push(("EPS_BITS", TemplateArg::Int(eps.to_bits() as i32)));
+        template.push(("SCALE_BITS", TemplateArg::Int(scale.to_bits() as i32)));
+    }
     let threads = 32 * warps;
     let mut outs = kern.call(
         &[n.h, n.r, n.wn, n.eps, &q.weight, &q.scales, biases, bias, scale],

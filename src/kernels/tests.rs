@@ -1121,7 +1121,7 @@ fn moe_router_norm_kernel_matches_the_norm_and_router_kernels() {
             crate::knobs::with_overrides(&vars, || {
                 let (s, y, inds, scores) = with_opt_in_one("MLX_LFM_ROUTER_NORM_KERNEL", || {
                     assert!(gate_norm_available(&n, &q, k), "{what}: not served");
-                    route_gate_norm(&n, &q, &bias, &sc, k, true).unwrap()
+                    route_gate_norm(&n, &q, &bias, &sc, k, true, None).unwrap()
                 });
                 let (ws, wy) = add_rms_norm(&h, &r, &wn, &eps).unwrap();
                 let (wi, wsc) = route_gate(&wy, &q, &bias, &sc, k, true).unwrap();
@@ -1135,11 +1135,23 @@ fn moe_router_norm_kernel_matches_the_norm_and_router_kernels() {
                 // the norm on the same 256 threads, the same bits.
                 let narrow = [("MLX_LFM_ROUTER_NORM_WIDE".to_string(), Some("0".to_string()))];
                 let (s2, y2, i2, sc2) = crate::knobs::with_overrides(&narrow, || {
-                    with_opt_in_one("MLX_LFM_ROUTER_NORM_KERNEL", || route_gate_norm(&n, &q, &bias, &sc, k, true).unwrap())
+                    with_opt_in_one("MLX_LFM_ROUTER_NORM_KERNEL", || route_gate_norm(&n, &q, &bias, &sc, k, true, None).unwrap())
                 });
                 assert_eq!((differing(&s2, &ws), differing(&y2, &wy)), (0, 0), "{what}: the 8-warp kernel's sum or norm differs");
                 assert_eq!(ids(&i2), ids(&wi), "{what}: the 8-warp kernel chose other experts");
                 assert_eq!(differing(&sc2, &wsc), 0, "{what}: the 8-warp kernel's weights differ");
+                // Eps and the route's scale compiled in (MLX_LFM_EPS_CONST=1,
+                // given their values): the same floats, so the same bits;
+                // without the switch the values are not used.
+                let on = [("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string()))];
+                let (s3, y3, i3, sc3) = crate::knobs::with_overrides(&on, || {
+                    with_opt_in_one("MLX_LFM_ROUTER_NORM_KERNEL", || {
+                        route_gate_norm(&n, &q, &bias, &sc, k, true, Some((1e-5, 2.5))).unwrap()
+                    })
+                });
+                assert_eq!((differing(&s3, &ws), differing(&y3, &wy)), (0, 0), "{what}: eps as a constant: the sum or norm differs");
+                assert_eq!(ids(&i3), ids(&wi), "{what}: eps as a constant: other experts");
+                assert_eq!(differing(&sc3, &wsc), 0, "{what}: the scale as a constant: the weights differ");
             });
         }
     }

@@ -495,7 +495,7 @@ impl Layer {
             FeedForward::Dense(m) => m.forward_normed(x),
             FeedForward::Moe(m) => {
                 if let Some(n) = x.kernel_input().filter(|n| n.h.ndim() == 2) {
-                    if let Some(done) = m.forward_normed(&n)? {
+                    if let Some(done) = m.forward_normed(&n, x.eps)? {
                         return Ok(done);
                     }
                 }

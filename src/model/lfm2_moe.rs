@@ -234,7 +234,7 @@ impl SparseMoe {
     /// (`kernels::moe_router::route_gate_norm`), then the experts' two
     /// kernels: `(the residual sum, the output)`, or None where those
     /// kernels do not all serve (the caller computes the norm).
-    pub fn forward_normed(&self, n: &crate::kernels::norm_gemv::NormIn) -> Result<Option<(Array, Array)>> {
+    pub fn forward_normed(&self, n: &crate::kernels::norm_gemv::NormIn, eps: f32) -> Result<Option<(Array, Array)>> {
         use crate::kernels::{moe_experts, moe_router};
         let (Weight::Quant(g), None) = (&self.gate.weight, &self.gate.bias) else { return Ok(None) };
         if !moe_router::gate_norm_available(n, g, self.top_k) {
@@ -248,7 +248,8 @@ impl SparseMoe {
             return Ok(None);
         }
         let (bias, scale) = &self.router_consts;
-        let (s, y, idx, scores) = moe_router::route_gate_norm(n, g, bias, scale, self.top_k, self.norm_topk_prob)?;
+        let consts = Some((eps, self.routed_scaling_factor));
+        let (s, y, idx, scores) = moe_router::route_gate_norm(n, g, bias, scale, self.top_k, self.norm_topk_prob, consts)?;
         let h = moe_experts::gate_up(&y, &idx, gu)?;
         let out = moe_experts::down(&h, &idx, &scores, down)?;
         Ok(Some((s, reduce(&self.shard, out)?)))
