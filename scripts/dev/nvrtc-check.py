@@ -113,7 +113,7 @@ KERNELS = {
         [("y", "T")],
         lambda dt: [("K", 1792), ("BITS", 8), ("GS", 32), ("KE", 4)],
     ),
-    "moe_experts.rs#down_early": (
+    "moe_experts.rs#down@loads": (
         [("h", "T"), ("idx", "uint32_t"), ("score", "T"), ("w", "uint32_t"), ("scales", "T"), ("biases", "T")],
         [("y", "T")],
         lambda dt: [("K", 1792), ("BITS", 4), ("GS", 64), ("KE", 4)],
@@ -290,7 +290,7 @@ def body_and_header(path, which="SOURCE"):
     if path.name == "moe_experts.rs" and "DOWN_COLS" in which:
         # The down kernel with C columns a warp: its own dot helper after.
         return src, header_of(path) + named(path, "QDOTR_HEADER")
-    if path.name == "moe_experts.rs" and "DOWN_EARLY" in which:
+    if path.name == "moe_experts.rs" and "DOWN" in which and LOADS:
         return src, header_of(path) + named(path, "DOWN_EARLY_HEADER")
     return src, header_of(path)
 
@@ -353,14 +353,21 @@ def compile_one(name, code):
 DEFINES = "".join(f"#define {a.split('=', 2)[1]} {a.split('=', 2)[2]}\n" for a in sys.argv if a.startswith("--define="))
 VALIDITY = "MASK_VALID"
 EARLY = False
+LOADS = False
 # A kernel variant's text substitution, as its Rust side makes it.
+def substitutions(path, name):
+    """A Rust `const NAME: [(&str, &str); N]` of (was, now) string pairs."""
+    text = (root / "src" / "kernels" / path).read_text()
+    body = re.search(name + r": \[\(&str, &str\); \d+\] = \[(.*?)\n\];", text, re.S).group(1)
+    lit = r'"((?:[^"\\]|\\.)*)"'
+    unescape = lambda t: t.replace("\\n", "\n").replace('\\"', '"')
+    return [(unescape(a), unescape(b)) for a, b in re.findall(r"\(\s*" + lit + r",\s*" + lit + r",?\s*\)", body)]
+
+
 REPLACE_OF = {
     "add_rms_norm.rs@epsc": [("const float e = eps[0];", "const float e = __int_as_float(EPS_BITS);")],
-    "moe_router.rs#gate_norm@const": [
-        ("eps[0]", "__int_as_float(EPS_BITS)"),
-        ("bias, scale, inds", "bias, lfm_scale_c, inds"),
-        ("  constexpr int WARPS = RW;", "  constexpr int WARPS = RW;\n  const float lfm_scale_c[1] = {__int_as_float(SCALE_BITS)};"),
-    ],
+    "moe_router.rs#gate_norm@const": substitutions("moe_router.rs", "GATE_NORM_CONST_SUBSTITUTIONS"),
+    "moe_experts.rs#down@loads": substitutions("moe_experts.rs", "DOWN_EARLY_SUBSTITUTIONS"),
 }
 # A kernel variant's own #define, as its Rust side prepends it.
 DEFINES_OF = {
@@ -377,6 +384,7 @@ for file, (ins, outs, targs, *only_dtypes) in KERNELS.items():
     file_key, _, variant = file.partition("@")
     VALIDITY = "UPTO_VALID" if variant.startswith("upto") else "MASK_VALID"
     EARLY = variant == "early"
+    LOADS = variant == "loads"
     # "file.rs#name": the file's NAME_SOURCE (a second kernel in one file).
     fname, _, extra = file_key.partition("#")
     src, hdr = body_and_header(root / "src" / "kernels" / fname, "const " + (extra.upper() + "_" if extra else "") + "SOURCE")

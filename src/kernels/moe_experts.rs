@@ -64,7 +64,7 @@ const GATE_UP_SOURCE: &str = r#"
 /// expert order. The first version ran a column's experts one after another
 /// in one warp: ~2 KiB of loads in flight a warp, 30 µs a launch on the
 /// 8B-A1B (0.27 TB/s, ncu on the H200, 2026-12-02).
-const DOWN_SOURCE: &str = r#"
+pub(crate) const DOWN_SOURCE: &str = r#"
   constexpr int G = K / GS;
   constexpr int WORDS = K * BITS / 32;
   constexpr int CPB = 8 / KE;
@@ -271,43 +271,20 @@ __device__ inline float lfm_qdot_early(const T* x, const uint32_t* wr, const T* 
 }
 "#;
 
-const DOWN_EARLY_SOURCE: &str = r#"
-  constexpr int G = K / GS;
-  constexpr int WORDS = K * BITS / 32;
-  constexpr int CPB = 8 / KE;
-  __shared__ float part[8];
-  const int lane = threadIdx.x % 32;
-  const int wid = threadIdx.x / 32;
-  const int D = w_shape[1];
-  const int j = wid % KE;
-  const int col = wid / KE;
-  const int n = blockIdx.x * CPB + col;
-  const int r = blockIdx.y;
-  const bool active = col < CPB && n < D;
-  if (active) {
-    const int slot = r * KE + j;
-    const float sc = static_cast<float>(score[slot]);
-    const size_t wi = static_cast<size_t>(idx[slot]) * D + n;
-    const T* hr = h + static_cast<size_t>(slot) * K;
-    float a = 0.0f;
-    if (lfm_aligned(w) && lfm_aligned(h)) {
-      a = lfm_qdot_early<T, K, BITS, GS>(hr, w + wi * WORDS, scales + wi * G, biases + wi * G, lane);
-    } else {
-      lfm_qdot_a<T, K, 1, BITS, GS, false>(hr, w + wi * WORDS, scales + wi * G, biases + wi * G, lane, &a);
-    }
-    a = lfm_warp_sum(a);
-    if (lane == 0) part[wid] = static_cast<float>(T(static_cast<float>(T(a)) * sc));
-  }
-  __syncthreads();
-  if (active && j == 0 && lane == 0) {
-    float total = 0.0f;
-    for (int i = 0; i < KE; i++) total += part[col * KE + i];
-    y[static_cast<size_t>(r) * D + n] = T(total);
-  }
-"#;
+/// `DOWN_SOURCE` with the aligned walk's sums from [`DOWN_EARLY_HEADER`]
+/// and the score read beside the expert index: the substitutions, in
+/// order (scripts/dev/nvrtc-check.py makes the same ones).
+pub(crate) const DOWN_EARLY_SUBSTITUTIONS: [(&str, &str); 3] = [
+    (
+        "lfm_qdot_a<T, K, 1, BITS, GS, true>(hr, w + wi * WORDS, scales + wi * G, biases + wi * G, lane, &a);",
+        "a = lfm_qdot_early<T, K, BITS, GS>(hr, w + wi * WORDS, scales + wi * G, biases + wi * G, lane);",
+    ),
+    ("const int slot = r * KE + j;", "const int slot = r * KE + j;\n    const float sc = static_cast<float>(score[slot]);"),
+    ("static_cast<float>(T(a)) * static_cast<float>(score[slot])", "static_cast<float>(T(a)) * sc"),
+];
 
 /// `MLX_LFM_MOE_DOWN_LOADS=early`: the down kernel with its loads issued
-/// first (`DOWN_EARLY_SOURCE`); anything else the default.
+/// first (`DOWN_EARLY_SUBSTITUTIONS`); anything else the default.
 fn down_early() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     crate::knobs::cached("MLX_LFM_MOE_DOWN_LOADS", &ON, |v| v.map(str::trim) == Some("early"))
@@ -320,7 +297,7 @@ fn down_early_kernel() -> Option<&'static CudaKernel> {
             "lfm_moe_down_early",
             &["h", "idx", "score", "w", "scales", "biases"],
             &["y"],
-            DOWN_EARLY_SOURCE,
+            &DOWN_EARLY_SUBSTITUTIONS.iter().fold(DOWN_SOURCE.to_string(), |src, (was, now)| src.replace(was, now)),
             &format!("{}{DOWN_EARLY_HEADER}", header()),
         )
         .ok()

@@ -166,7 +166,7 @@ const GATE_SOURCE: &str = r#"
 /// grouping of the sums, so `s` and `y` are that kernel's bits), writes
 /// both (the experts read `y`), keeps `y` in shared memory and routes from
 /// it as [`GATE_SOURCE`] does, a warp an expert at a time.
-const GATE_NORM_SOURCE: &str = r#"
+pub(crate) const GATE_NORM_SOURCE: &str = r#"
   // RW warps (a warp an expert, the gate kernel's own layout; 8 with
   // MLX_LFM_ROUTER_NORM_WIDE=0): the norm runs on the first 256 threads either way.
   constexpr int WARPS = RW;
@@ -197,18 +197,12 @@ fn kernel() -> Option<&'static CudaKernel> {
 fn gate_norm_kernel() -> Option<&'static CudaKernel> {
     static K: super::add_rms_norm::Walks = [OnceLock::new(), OnceLock::new()];
     super::add_rms_norm::for_walk(&K, || {
-        // (Its block may be wider than the norm's 256 threads.)
-        let header = format!(
-            "#define LFM_NORM_IN_WIDER_BLOCK 1\n{}{}{ROUTE_HEADER}{GATE_HEADER}",
-            super::add_rms_norm::device_code(),
-            super::quant_gemv::header()
-        );
         CudaKernel::new(
             &super::add_rms_norm::kernel_name("lfm_moe_router_gate_norm"),
             &["h", "r", "wn", "eps", "w", "scales", "biases", "bias", "scale"],
             &["s", "y", "inds", "scores"],
             GATE_NORM_SOURCE,
-            &header,
+            &gate_norm_header(),
         )
         .ok()
     })
@@ -226,24 +220,34 @@ fn gate_norm_kernel() -> Option<&'static CudaKernel> {
 fn gate_norm_const_kernel() -> Option<&'static CudaKernel> {
     static K: super::add_rms_norm::Walks = [OnceLock::new(), OnceLock::new()];
     super::add_rms_norm::for_walk(&K, || {
-        let header = format!(
-            "#define LFM_NORM_IN_WIDER_BLOCK 1\n{}{}{ROUTE_HEADER}{GATE_HEADER}",
-            super::add_rms_norm::device_code(),
-            super::quant_gemv::header()
-        );
-        let src = GATE_NORM_SOURCE
-            .replace("eps[0]", "__int_as_float(EPS_BITS)")
-            .replace("bias, scale, inds", "bias, lfm_scale_c, inds")
-            .replace("  constexpr int WARPS = RW;", "  constexpr int WARPS = RW;\n  const float lfm_scale_c[1] = {__int_as_float(SCALE_BITS)};");
+        let src = GATE_NORM_CONST_SUBSTITUTIONS.iter().fold(GATE_NORM_SOURCE.to_string(), |src, (was, now)| src.replace(was, now));
         CudaKernel::new(
             &super::add_rms_norm::kernel_name("lfm_moe_router_gate_norm_c"),
             &["h", "r", "wn", "eps", "w", "scales", "biases", "bias", "scale"],
             &["s", "y", "inds", "scores"],
             &src,
-            &header,
+            &gate_norm_header(),
         )
         .ok()
     })
+}
+
+/// `GATE_NORM_SOURCE` with eps and the scale constants: the substitutions,
+/// in order (scripts/dev/nvrtc-check.py makes the same ones).
+pub(crate) const GATE_NORM_CONST_SUBSTITUTIONS: [(&str, &str); 3] = [
+    ("eps[0]", "__int_as_float(EPS_BITS)"),
+    ("bias, scale, inds", "bias, lfm_scale_c, inds"),
+    ("  constexpr int WARPS = RW;", "  constexpr int WARPS = RW;\n  const float lfm_scale_c[1] = {__int_as_float(SCALE_BITS)};"),
+];
+
+/// The router + norm kernels' header (their block may be wider than the
+/// norm's 256 threads).
+fn gate_norm_header() -> String {
+    format!(
+        "#define LFM_NORM_IN_WIDER_BLOCK 1\n{}{}{ROUTE_HEADER}{GATE_HEADER}",
+        super::add_rms_norm::device_code(),
+        super::quant_gemv::header()
+    )
 }
 
 fn gate_kernel() -> Option<&'static CudaKernel> {

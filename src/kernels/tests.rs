@@ -1081,6 +1081,26 @@ fn decode_attention_kernel_matches_stock_ops() {
     }
 }
 
+/// The kernel variants made by substituting text in a default kernel's
+/// source: each substitution finds its text, so a change to
+/// the default cannot leave a variant silently equal to it (its test
+/// would then pass against itself). Runs on any backend: only the text.
+#[test]
+fn kernel_variant_substitutions_each_land() {
+    let sets: [(&str, &str, &[(&str, &str)]); 2] = [
+        ("the down kernel's early loads", crate::kernels::moe_experts::DOWN_SOURCE, &crate::kernels::moe_experts::DOWN_EARLY_SUBSTITUTIONS),
+        ("the router + norm kernel's constants", crate::kernels::moe_router::GATE_NORM_SOURCE, &crate::kernels::moe_router::GATE_NORM_CONST_SUBSTITUTIONS),
+    ];
+    for (what, source, subs) in sets {
+        let mut src = source.to_string();
+        for (was, now) in subs {
+            assert!(src.contains(was), "{what}: {was:?} is not in the source");
+            src = src.replace(was, now);
+        }
+        assert_ne!(src, source, "{what}: nothing changed");
+    }
+}
+
 /// The router with the residual add and the RMSNorm folded in front of it
 /// (`MLX_LFM_ROUTER_NORM_KERNEL`, on by default on CUDA) against the two launches it
 /// replaces, the add + RMSNorm kernel and the router gate kernel, bit for
