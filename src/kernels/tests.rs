@@ -1087,9 +1087,10 @@ fn decode_attention_kernel_matches_stock_ops() {
 /// would then pass against itself). Runs on any backend: only the text.
 #[test]
 fn kernel_variant_substitutions_each_land() {
-    let sets: [(&str, &str, &[(&str, &str)]); 2] = [
-        ("the down kernel's early loads", crate::kernels::moe_experts::DOWN_SOURCE, &crate::kernels::moe_experts::DOWN_EARLY_SUBSTITUTIONS),
-        ("the router + norm kernel's constants", crate::kernels::moe_router::GATE_NORM_SOURCE, &crate::kernels::moe_router::GATE_NORM_CONST_SUBSTITUTIONS),
+    use crate::kernels::{moe_experts as me, moe_router as mr};
+    let sets = [
+        ("the down kernel's early loads", me::DOWN_SOURCE, &me::DOWN_EARLY_SUBSTITUTIONS),
+        ("the router + norm kernel's constants", mr::GATE_NORM_SOURCE, &mr::GATE_NORM_CONST_SUBSTITUTIONS),
     ];
     for (what, source, subs) in sets {
         let mut src = source.to_string();
