@@ -1626,8 +1626,6 @@ AB = {
     # flight; ncu put the one-column kernel at 23 µs a launch (0.36 TB/s),
     # 22 a token. The 8B-A1B's step is bound by its host; its GPU time
     # (H200_AB_GPU_TIME) is where this shows first.
-    "moe-down-c2": ({"MLX_LFM_MOE_DOWN_COLS": "2"}, ["lfm2-8b-a1b-q4"]),
-    "moe-down-c4": ({"MLX_LFM_MOE_DOWN_COLS": "4"}, ["lfm2-8b-a1b-q4"]),
     "moe-down-early": ({"MLX_LFM_MOE_DOWN_LOADS": "early"}, ["lfm2-8b-a1b-q4"]),
     "router-norm-off": ({"MLX_LFM_ROUTER_NORM_KERNEL": "0"}, ["lfm2-8b-a1b-q4"]),
     "router-norm-narrow": ({"MLX_LFM_ROUTER_NORM_WIDE": "0"}, ["lfm2-8b-a1b-q4"]),
@@ -1761,7 +1759,7 @@ AB_TESTS = {
     "norm-runs-guarded": ["add_rms_norm_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops"],
     "router-norm-off": [],
     "conv-gemv": ["conv_gemv_kernel_matches_stock_ops", "greedy:MLX_LFM_CONV_GEMV_KERNEL"],
-    **{v: ["moe_experts_kernels_match_stock_ops", f"greedy:{v}"] for v in ("moe-down-c2", "moe-down-c4", "moe-down-early")},
+    **{v: ["moe_experts_kernels_match_stock_ops", f"greedy:{v}"] for v in ("moe-down-early",)},
     "router-norm-narrow": ["moe_router_norm_kernel_matches_the_norm_and_router_kernels"],
     "qgemv-exact": ["quant_gemv_kernel_matches_stock_ops", "greedy:MLX_LFM_QGEMV_EXACT"],
     "quant-norm-exact": ["quant_gemv_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops", "greedy:MLX_LFM_QGEMV_EXACT",
@@ -1793,7 +1791,7 @@ PICK = [
     (["conv-gemv"], "decode"),
     (["quant-embed"], "decode"),
     (["eps-const"], "decode"),
-    (["moe-down-c2", "moe-down-c4", "moe-down-early"], "decode"),
+    (["moe-down-early"], "decode"),
     (["attention-smem", "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4"], "decode"),
     (["norm-runs-guarded"], "decode"),
     (["fold-early"], "decode"),
@@ -1817,7 +1815,7 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "gemv-max-k-2048-c2", "gemv-max-k-2048-c4", "gemv-max-k-2048-c2-early-guarded",
                "gemv-max-k-2048-c4-early-guarded", "gemv-c2", "gemv-c4", "swiglu-gemv-1024", "attention-smem",
                "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4", "conv-gemv",
-               "moe-down-c2", "moe-down-c4", "moe-down-early"}
+               "moe-down-early"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]

@@ -118,11 +118,6 @@ KERNELS = {
         [("y", "T")],
         lambda dt: [("K", 1792), ("BITS", 4), ("GS", 64), ("KE", 4)],
     ),
-    "moe_experts.rs#down_cols": (
-        [("h", "T"), ("idx", "uint32_t"), ("score", "T"), ("w", "uint32_t"), ("scales", "T"), ("biases", "T")],
-        [("y", "T")],
-        lambda dt: [("K", 1792), ("BITS", 4), ("GS", 64), ("KE", 4), ("C", 4)],
-    ),
     "norm_gemv.rs#dense": (
         [("h", "T"), ("r", "T"), ("wn", "T"), ("eps", "float"), ("w", "T")],
         [("s", "T"), ("y", "T")],
@@ -287,9 +282,6 @@ def body_and_header(path, which="SOURCE"):
     if path.name == "short_conv.rs" and "GEMV" in which:
         # The in_proj + step kernel takes the GEMV's header (the plain step none).
         return src, header_of(path.parent / "gemv.rs")
-    if path.name == "moe_experts.rs" and "DOWN_COLS" in which:
-        # The down kernel with C columns a warp: its own dot helper after.
-        return src, header_of(path) + named(path, "QDOTR_HEADER")
     if path.name == "moe_experts.rs" and "DOWN" in which and LOADS:
         return src, header_of(path) + named(path, "DOWN_EARLY_HEADER")
     return src, header_of(path)

@@ -98,115 +98,6 @@ pub(crate) const DOWN_SOURCE: &str = r#"
   }
 "#;
 
-/// The down kernel with C output columns a warp (`MLX_LFM_MOE_DOWN_COLS=2`
-/// or `4`, an A/B's knob): a warp walks C rows of its expert at once, each
-/// summed as one row alone (the same chunks in the same order, the same
-/// expression), so that a lane's h chunk is read and widened once for C
-/// rows and C rows' loads are in flight together. Not the same bits as a
-/// warp a column: NVVM contracts `s * qx + b * xs` into an FMA with either
-/// product depending on the instance (session 24's PTX of K = 256 g128: the
-/// one-column kernel rounds `s * qx` and fuses `b * xs`, this one the other
-/// way; 1 value of 8,192 apart on the H200), so its test holds it within a
-/// rounding of the one-column kernel, and it is a helper of its own rather
-/// than `lfm_qdot_a`'s (whose instances the default kernels compile). Session 22's
-/// ncu put the one-column kernel at 23 us a launch at 0.36 TB/s against
-/// 13 us at 1.28 TB/s for the gate/up kernel, which walks two rows a warp
-/// over one x; the 8B-A1B's 1,024 blocks of 8 one-row warps ran in 1.3
-/// waves.
-const QDOTR_HEADER: &str = r#"
-template <typename T, int K, int R, int BITS, int GS, bool ALIGNED>
-__device__ inline void lfm_qdotr_a(const T* x, const uint32_t* const* wr, const T* const* sr, const T* const* br, int lane,
-                                   float* acc) {
-  constexpr int VPC = 128 / BITS;
-  constexpr int C = K / VPC;
-  constexpr int IT = (C + 31) / 32;
-  constexpr int BR = LFM_BATCH / R < 1 ? 1 : LFM_BATCH / R;
-  constexpr int B = IT < BR ? IT : BR;
-  if (ALIGNED && IT > B) {
-#pragma unroll
-    for (int r = 0; r < R; r++) lfm_prefetch_row<IT, C>(wr[r], lane);
-  }
-#pragma unroll
-  for (int i0 = 0; i0 < IT; i0 += B) {
-    uint4 wv[R][B];
-    float s[R][B];
-    float b[R][B];
-#pragma unroll
-    for (int u = 0; u < B; u++) {
-      const int c = lane + (i0 + u) * 32;
-      if (i0 + u < IT && (C % 32 == 0 || c < C)) {
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-          wv[r][u] = lfm_load16(wr[r], c, ALIGNED);
-          s[r][u] = static_cast<float>(sr[r][c * VPC / GS]);
-          b[r][u] = static_cast<float>(br[r][c * VPC / GS]);
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < B; u++) {
-      const int c = lane + (i0 + u) * 32;
-      if (i0 + u < IT && (C % 32 == 0 || c < C)) {
-        float xf[VPC];
-        const float xs = lfm_xchunk<T, BITS>(x, c, ALIGNED, xf);
-#pragma unroll
-        for (int r = 0; r < R; r++) acc[r] += s[r][u] * lfm_qx<BITS>(wv[r][u], xf) + b[r][u] * xs;
-      }
-    }
-  }
-}
-"#;
-
-const DOWN_COLS_SOURCE: &str = r#"
-  constexpr int G = K / GS;
-  constexpr int WORDS = K * BITS / 32;
-  constexpr int CPB = 8 / KE;
-  __shared__ float part[8 * C];
-  const int lane = threadIdx.x % 32;
-  const int wid = threadIdx.x / 32;
-  const int D = w_shape[1];
-  const int j = wid % KE;
-  const int col = wid / KE;
-  const int n0 = (blockIdx.x * CPB + col) * C;
-  const int r = blockIdx.y;
-  const bool active = col < CPB && n0 < D;
-  if (active) {
-    const int slot = r * KE + j;
-    const size_t e = idx[slot];
-    const T* hr = h + static_cast<size_t>(slot) * K;
-    const uint32_t* wr[C];
-    const T* sr[C];
-    const T* br[C];
-#pragma unroll
-    for (int c = 0; c < C; c++) {
-      // (A column past D re-reads the last row and is not stored.)
-      const size_t wi = e * D + (n0 + c < D ? n0 + c : D - 1);
-      wr[c] = w + wi * WORDS;
-      sr[c] = scales + wi * G;
-      br[c] = biases + wi * G;
-    }
-    float a[C];
-#pragma unroll
-    for (int c = 0; c < C; c++) a[c] = 0.0f;
-    if (lfm_aligned(w) && lfm_aligned(h)) {
-      lfm_qdotr_a<T, K, C, BITS, GS, true>(hr, wr, sr, br, lane, a);
-    } else {
-      lfm_qdotr_a<T, K, C, BITS, GS, false>(hr, wr, sr, br, lane, a);
-    }
-#pragma unroll
-    for (int c = 0; c < C; c++) {
-      const float s = lfm_warp_sum(a[c]);
-      if (lane == 0) part[wid * C + c] = static_cast<float>(T(static_cast<float>(T(s)) * static_cast<float>(score[slot])));
-    }
-  }
-  __syncthreads();
-  if (active && j == 0 && lane < C && n0 + lane < D) {
-    float total = 0.0f;
-    for (int i = 0; i < KE; i++) total += part[(col * KE + i) * C + lane];
-    y[static_cast<size_t>(r) * D + n0 + lane] = T(total);
-  }
-"#;
-
 /// The one-column down kernel with every load of a warp issued before its
 /// first sum (`MLX_LFM_MOE_DOWN_LOADS=early`, an A/B's knob): the score
 /// with the expert index, then each chunk's words, scale, bias and h
@@ -305,32 +196,6 @@ fn down_early_kernel() -> Option<&'static CudaKernel> {
     .as_ref()
 }
 
-/// `MLX_LFM_MOE_DOWN_COLS`: 1 (the default), 2 or 4 output columns a warp
-/// in the down kernel.
-fn down_cols() -> i32 {
-    static C: OnceLock<i32> = OnceLock::new();
-    crate::knobs::cached("MLX_LFM_MOE_DOWN_COLS", &C, |v| match v.map(str::trim) {
-        Some("2") => 2,
-        Some("4") => 4,
-        _ => 1,
-    })
-}
-
-fn down_cols_kernel() -> Option<&'static CudaKernel> {
-    static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
-    K.get_or_init(|| {
-        CudaKernel::new(
-            "lfm_moe_down_cols",
-            &["h", "idx", "score", "w", "scales", "biases"],
-            &["y"],
-            DOWN_COLS_SOURCE,
-            &format!("{}{QDOTR_HEADER}", header()),
-        )
-        .ok()
-    })
-    .as_ref()
-}
-
 fn gate_up_kernel() -> Option<&'static CudaKernel> {
     static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
     K.get_or_init(|| {
@@ -405,23 +270,17 @@ pub fn gate_up(x: &Array, idx: &Array, w: &Quantized) -> Result<Array> {
 /// `sum_j score[r, j] * (h[r, j] @ w2[idx[r, j]].T)` for `h` `[R, k, F]`:
 /// `[R, D]`.
 pub fn down(h: &Array, idx: &Array, score: &Array, w: &Quantized) -> Result<Array> {
-    let cols = down_cols();
-    let wide = if cols > 1 { down_cols_kernel() } else { None };
-    let cols = if wide.is_some() { cols } else { 1 };
-    let early = if cols == 1 && down_early() { down_early_kernel() } else { None };
-    let kern = wide.or(early).or_else(down_kernel).ok_or_else(|| Error::mlx("the MoE down kernel is not available"))?;
+    let early = if down_early() { down_early_kernel() } else { None };
+    let kern = early.or_else(down_kernel).ok_or_else(|| Error::mlx("the MoE down kernel is not available"))?;
     let (r, k, f) = (h.dim(0), h.dim(1), h.dim(2));
     let d = w.weight.dim(1);
     let biases = w.biases.as_ref().ok_or_else(|| Error::invalid("the MoE kernels need affine biases"))?;
     let mut template = quant_template(w, f, h.dtype());
     template.push(("KE", TemplateArg::Int(k)));
-    if cols > 1 {
-        template.push(("C", TemplateArg::Int(cols)));
-    }
     if !(1..=8).contains(&k) {
         return Err(Error::invalid(format!("MoE down kernel: {k} experts a row (1 to 8 are served)")));
     }
-    let per_block = 8 / k * cols;
+    let per_block = 8 / k;
     let blocks = (d + per_block - 1) / per_block;
     let mut outs = kern.call(
         &[h, idx, score, &w.weight, &w.scales, biases],

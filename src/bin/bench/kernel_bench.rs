@@ -12,10 +12,12 @@
 //! Then the scalar arms (where a kernel's scalar operand lives), the
 //! decode attention's variants on the 1.2B's shape, and last the 8B-A1B's
 //! routed experts for one decode row (MLX's gathered products and our two
-//! expert kernels, the down kernel at 1, 2 and 4 columns a warp): session
-//! 22's ncu of a whole step put our down kernel at 23 µs a launch (0.36
-//! TB/s), a quarter of the step's GPU time, and the in-step A/B of its
-//! wider variants could not tell GPU time from a host-bound step's.
+//! expert kernels, the down kernel also with its loads issued first):
+//! session 22's ncu of a whole step put our down kernel at 23 µs a launch
+//! (0.36 TB/s), a quarter of the step's GPU time, and an in-step A/B
+//! cannot tell GPU time from a host-bound step's. (Its 2- and 4-columns-a-
+//! warp variants, 30.0 and 23.9 µs against 24.2 in session 26, were
+//! retired in session 27.)
 //!
 //! Prints the plan first (`kernel_bench_plan`: each arm's shape and how many
 //! launches, in launch order, which is the order ncu lists the kernels in),
@@ -247,13 +249,11 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
 /// stock path launches apart); the others our kernels (src/kernels/moe_experts.rs).
 /// A plan's `n` is the rows read (the row's 4 experts' rows together), `k`
 /// their width, so that `n * k` 4-bit values are the bytes an arm moves.
-const EXPERT_ARMS: [(&str, Switches, bool); 7] = [
+const EXPERT_ARMS: [(&str, Switches, bool); 5] = [
     ("mlx-moe-q4-gate-up", &[], true),
     ("moe-q4-gate-up", &[], true),
     ("mlx-moe-q4-down", &[], false),
     ("moe-q4-down", &[], false),
-    ("moe-q4-down-c2", &[("MLX_LFM_MOE_DOWN_COLS", "2")], false),
-    ("moe-q4-down-c4", &[("MLX_LFM_MOE_DOWN_COLS", "4")], false),
     ("moe-q4-down-early", &[("MLX_LFM_MOE_DOWN_LOADS", "early")], false),
 ];
 const EXPERTS: i32 = 32;
