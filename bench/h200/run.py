@@ -937,8 +937,13 @@ def summarize_source(text, top=24):
     import csv as _csv
     import io
 
-    lines = [l for l in text.splitlines() if l.count(",") >= 2]
-    rows = list(_csv.DictReader(io.StringIO("\n".join(lines))))
+    # (The table's header is the first line naming a Source column: ncu
+    # prints the kernel's name on a line of its own before it.)
+    lines = text.splitlines()
+    start = next((i for i, l in enumerate(lines) if '"Source"' in l), None)
+    if start is None:
+        return []
+    rows = list(_csv.DictReader(io.StringIO("\n".join(lines[start:]))))
     if not rows:
         return []
 

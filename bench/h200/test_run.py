@@ -115,8 +115,8 @@ class SourcePage(unittest.TestCase):
     def test_the_most_sampled_instructions_come_first(self):
         # ncu prints a kernel's name line before the table; only rows with
         # commas are kept.
-        text = ('"Kernel Name: custom_kernel_lfm_moe_down"\n'
-                '"# Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)"\n'
+        text = ('"Kernel Name","custom_kernel_lfm_moe_down_0123_1792",\n'
+                '"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)"\n'
                 '"00000010","LDG.E.128 R4, desc[UR4][R2.64]","1,200","1,100"\n'
                 '"00000020","FFMA R1, R2, R3, R1","40","10"\n'
                 '"00000030","EXIT","0","0"\n'
