@@ -1632,6 +1632,11 @@ AB = {
     # 22 a token. The 8B-A1B's step is bound by its host; its GPU time
     # (H200_AB_GPU_TIME) is where this shows first.
     "moe-down-early": ({"MLX_LFM_MOE_DOWN_LOADS": "early"}, ["lfm2-8b-a1b-q4"]),
+    # The router's expert weights as float32, 16 bytes a row: out of MLX's
+    # managed scalar pool, where the down kernel's every warp waited on them
+    # (session 27's ncu source view); alone and with the early loads.
+    "router-scores-f32": ({"MLX_LFM_ROUTER_SCORES_F32": "1"}, ["lfm2-8b-a1b-q4"]),
+    "router-scores-f32-early": ({"MLX_LFM_ROUTER_SCORES_F32": "1", "MLX_LFM_MOE_DOWN_LOADS": "early"}, ["lfm2-8b-a1b-q4"]),
     "router-norm-off": ({"MLX_LFM_ROUTER_NORM_KERNEL": "0"}, ["lfm2-8b-a1b-q4"]),
     "router-norm-narrow": ({"MLX_LFM_ROUTER_NORM_WIDE": "0"}, ["lfm2-8b-a1b-q4"]),
     # The quantized GEMVs in MLX's own qmv arithmetic (MLX_LFM_QGEMV_EXACT:
@@ -1765,6 +1770,10 @@ AB_TESTS = {
     "router-norm-off": [],
     "conv-gemv": ["conv_gemv_kernel_matches_stock_ops", "greedy:MLX_LFM_CONV_GEMV_KERNEL"],
     **{v: ["moe_experts_kernels_match_stock_ops", f"greedy:{v}"] for v in ("moe-down-early",)},
+    "router-scores-f32": ["moe_router_norm_kernel_matches_the_norm_and_router_kernels", "moe_experts_kernels_match_stock_ops",
+                          "greedy:router-scores-f32"],
+    "router-scores-f32-early": ["moe_router_norm_kernel_matches_the_norm_and_router_kernels", "moe_experts_kernels_match_stock_ops",
+                                "greedy:router-scores-f32", "greedy:moe-down-early"],
     "router-norm-narrow": ["moe_router_norm_kernel_matches_the_norm_and_router_kernels"],
     "qgemv-exact": ["quant_gemv_kernel_matches_stock_ops", "greedy:MLX_LFM_QGEMV_EXACT"],
     "quant-norm-exact": ["quant_gemv_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops", "greedy:MLX_LFM_QGEMV_EXACT",
@@ -1796,7 +1805,7 @@ PICK = [
     (["conv-gemv"], "decode"),
     (["quant-embed"], "decode"),
     (["eps-const"], "decode"),
-    (["moe-down-early"], "decode"),
+    (["moe-down-early", "router-scores-f32", "router-scores-f32-early"], "decode"),
     (["attention-smem", "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4"], "decode"),
     (["norm-runs-guarded"], "decode"),
     (["fold-early"], "decode"),
@@ -1820,7 +1829,7 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "gemv-max-k-2048-c2", "gemv-max-k-2048-c4", "gemv-max-k-2048-c2-early-guarded",
                "gemv-max-k-2048-c4-early-guarded", "gemv-c2", "gemv-c4", "swiglu-gemv-1024", "attention-smem",
                "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4", "conv-gemv",
-               "moe-down-early"}
+               "moe-down-early", "router-scores-f32", "router-scores-f32-early"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]

@@ -206,6 +206,13 @@ KERNELS = {
 }
 # The router + norm kernel a warp an expert (its default; 8 warps with
 # MLX_LFM_ROUTER_NORM_WIDE=0, the entry above).
+# The experts' weights written as float32 (MLX_LFM_ROUTER_SCORES_F32), and
+# the down kernel reading them so.
+KERNELS["moe_router.rs#gate_norm@f32"] = (KERNELS["moe_router.rs#gate_norm"][0],
+                                          [("s", "T"), ("y", "T"), ("inds", "uint32_t"), ("scores", "float")],
+                                          KERNELS["moe_router.rs#gate_norm"][2])
+KERNELS["moe_experts.rs#down@f32"] = ([("h", "T"), ("idx", "uint32_t"), ("score", "float"), ("w", "uint32_t"),
+                                       ("scales", "T"), ("biases", "T")], *KERNELS["moe_experts.rs#down"][1:])
 # Eps and the route's scale compiled in (MLX_LFM_EPS_CONST: REPLACE_OF's substitutions).
 KERNELS["moe_router.rs#gate_norm@const"] = (*KERNELS["moe_router.rs#gate_norm"][:2],
                                             lambda dt: [("BITS", 4), ("GS", 64), ("D", 2048), ("E", 32), ("TOPK", 4),

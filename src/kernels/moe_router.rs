@@ -30,8 +30,8 @@ const MAX_K: i32 = 8;
 /// by the kernel that reads the probabilities and the one that computes
 /// them from the gate (`prob_of(e)`: expert e's probability as a float).
 const ROUTE_HEADER: &str = r#"
-template <typename T, int E, int KT, bool NORM, typename P, typename BT, typename ST>
-__device__ inline void lfm_route_warp(P prob_of, const BT* bias, const ST* scale, uint32_t* inds, T* scores, int row,
+template <typename T, int E, int KT, bool NORM, typename P, typename BT, typename ST, typename OT>
+__device__ inline void lfm_route_warp(P prob_of, const BT* bias, const ST* scale, uint32_t* inds, OT* scores, int row,
                                       int lane) {
   constexpr int PER = (E + 31) / 32;
   float sel[PER];
@@ -100,7 +100,7 @@ __device__ inline void lfm_route_warp(P prob_of, const BT* bias, const ST* scale
       if (NORM) v = v / denom;
       if (scaled) v = v * f;
       inds[row * KT + k] = static_cast<uint32_t>(index[k]);
-      scores[row * KT + k] = v;
+      scores[row * KT + k] = static_cast<OT>(v);
     }
   }
 }
@@ -113,9 +113,10 @@ __device__ inline void lfm_route_warp(P prob_of, const BT* bias, const ST* scale
 /// probabilities (`probs_s`, shared). `al`: `xr` and `w` on 16-byte
 /// boundaries.
 const GATE_HEADER: &str = r#"
-template <typename T, int D, int E, int BITS, int GS, int TOPK, bool NORM, int WARPS, typename BT, typename ST>
+template <typename T, int D, int E, int BITS, int GS, int TOPK, bool NORM, int WARPS, typename BT, typename ST,
+          typename OT>
 __device__ inline void lfm_gate_route(const T* xr, bool al, const uint32_t* w, const T* scales, const T* biases,
-                                      const BT* bias, const ST* scale, uint32_t* inds, T* scores, float* probs_s,
+                                      const BT* bias, const ST* scale, uint32_t* inds, OT* scores, float* probs_s,
                                       int row) {
   constexpr int G = D / GS;
   const int lane = threadIdx.x % 32;
@@ -422,6 +423,7 @@ pub fn route_gate_norm(
     let (rows, d) = (n.h.dim(0), n.h.dim(1));
     let dt = n.h.dtype();
     let shape = [rows, k as i32];
+    let score_dt = if scores_f32() { Dtype::Float32 } else { dt };
     let mut template = gate_template(q, d, dt, k as i32, norm);
     let warps = gate_norm_warps(q.weight.dim(0));
     template.push(("RW", TemplateArg::Int(warps)));
@@ -432,7 +434,7 @@ pub fn route_gate_norm(
     let threads = 32 * warps;
     let mut outs = kern.call(
         &[n.h, n.r, n.wn, n.eps, &q.weight, &q.scales, biases, bias, scale],
-        &[(&[rows, d], dt), (&[rows, d], dt), (&shape, Dtype::Uint32), (&shape, dt)],
+        &[(&[rows, d], dt), (&[rows, d], dt), (&shape, Dtype::Uint32), (&shape, score_dt)],
         [rows.checked_mul(threads).ok_or_else(|| Error::invalid("too many rows for the router + norm kernel"))?, 1, 1],
         [threads, 1, 1],
         &template,
@@ -443,6 +445,24 @@ pub fn route_gate_norm(
     let y = outs.pop().ok_or_else(missing)?;
     let s = outs.pop().ok_or_else(missing)?;
     Ok((s, y, inds, scores))
+}
+
+/// `MLX_LFM_ROUTER_SCORES_F32=1` (opt-in until its H200 test and A/B): the
+/// router + norm kernel writes the experts' weights as float32 (each
+/// still rounded to the model dtype first, so the same values) for the
+/// experts' down kernel to read. A decode row's four bf16 weights are 8
+/// bytes, and MLX 0.32.4's CUDA allocator puts every array of at most 8
+/// bytes, a kernel's output too, in its managed scalar pool, whose pages
+/// the host writes each token (the position): session 27's ncu source
+/// view of the down kernel (`run.py kernel-detail`, its kernel-bench arm,
+/// whose weights are such an array too) had ~60% of its warps' stall
+/// samples on the instruction waiting for that weight's load, in the
+/// default kernel and in the one with every load first (32.1 and 25.5 µs
+/// a launch there against MLX's `gather_qmv` at 13.4, which reads no
+/// weight). In float32 the row's weights are 16 bytes: device memory.
+pub fn scores_f32() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    super::opt_in("MLX_LFM_ROUTER_SCORES_F32", &ON)
 }
 
 /// [`route`] from the gate's input `x` `[N, D]`: the gate `q` (quantized,

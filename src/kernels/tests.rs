@@ -483,9 +483,12 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 }
                 if q4 && wide && moe {
                     // The experts' down kernel with its loads issued first
-                    // (MLX_LFM_MOE_DOWN_LOADS).
+                    // (MLX_LFM_MOE_DOWN_LOADS), and the router's weights
+                    // as float32 (MLX_LFM_ROUTER_SCORES_F32).
                     let set = [("MLX_LFM_MOE_DOWN_LOADS".to_string(), Some("early".to_string()))];
                     runs.push(("moe-down-early", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
+                    let set = [("MLX_LFM_ROUTER_SCORES_F32".to_string(), Some("1".to_string()))];
+                    runs.push(("router-scores-f32", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
                 }
                 for (kernels, got) in runs {
                     if let Some(i) = finite(&got) {
@@ -1168,6 +1171,16 @@ fn moe_router_norm_kernel_matches_the_norm_and_router_kernels() {
                 assert_eq!((differing(&s3, &ws), differing(&y3, &wy)), (0, 0), "{what}: eps as a constant: the sum or norm differs");
                 assert_eq!(ids(&i3), ids(&wi), "{what}: eps as a constant: other experts");
                 assert_eq!(differing(&sc3, &wsc), 0, "{what}: the scale as a constant: the weights differ");
+                // The weights written as float32 (MLX_LFM_ROUTER_SCORES_F32):
+                // each still rounded to the dtype, so the same values.
+                let f32s = [("MLX_LFM_ROUTER_SCORES_F32".to_string(), Some("1".to_string()))];
+                let (s4, y4, i4, sc4) = crate::knobs::with_overrides(&f32s, || {
+                    with_opt_in_one("MLX_LFM_ROUTER_NORM_KERNEL", || route_gate_norm(&n, &q, &bias, &sc, k, true, None).unwrap())
+                });
+                assert_eq!(sc4.dtype(), Dtype::Float32, "{what}: float32 weights");
+                assert_eq!((differing(&s4, &ws), differing(&y4, &wy)), (0, 0), "{what}: float32 weights: the sum or norm differs");
+                assert_eq!(ids(&i4), ids(&wi), "{what}: float32 weights: other experts");
+                assert_eq!(differing(&sc4, &wsc.astype(Dtype::Float32).unwrap()), 0, "{what}: float32 weights: other values");
             });
         }
     }
@@ -1624,6 +1637,15 @@ fn moe_experts_kernels_match_stock_ops() {
                 let gap = worst_scaled(&early, &y);
                 assert!(gap <= tol_y, "{what}: the down kernel with its loads first is {gap} from the default, over {tol_y}");
                 check_measured(&format!("{what} experts' sum, loads first"), &early, &stock, &y_ref, tol_y, worst_scaled);
+                // The weights as float32 (what the router writes under
+                // MLX_LFM_ROUTER_SCORES_F32): the same values, so the same
+                // bits, in either down kernel.
+                let score32 = score.astype(Dtype::Float32).unwrap();
+                assert_eq!(differing(&down(&h, &idx, &score32, &wd).unwrap(), &y), 0, "{what}: float32 weights change the sum");
+                let early32 = crate::knobs::with_overrides(&[("MLX_LFM_MOE_DOWN_LOADS".to_string(), Some("early".to_string()))], || {
+                    down(&h, &idx, &score32, &wd).unwrap()
+                });
+                assert_eq!(differing(&early32, &early), 0, "{what}: float32 weights change the early-loads kernel's sum");
             }
         }
     });

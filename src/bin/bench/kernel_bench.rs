@@ -235,7 +235,9 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
         let experts = experts.as_ref().expect("made where an expert arm runs");
         let (n, k) = Experts::plan_shape(*gate_up);
         let walls = timed(switches, reps * EXPERT_LAUNCHES, |i| {
-            experts.launch(name.starts_with("mlx"), *gate_up, i).map_err(|e| mlx_lfm::Error::invalid(format!("{name}: {e}")))
+            experts
+                .launch(name.starts_with("mlx"), *gate_up, name.ends_with("-f32-score"), i)
+                .map_err(|e| mlx_lfm::Error::invalid(format!("{name}: {e}")))
         });
         print_walls(name, n, k, walls);
     }
@@ -249,12 +251,17 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
 /// stock path launches apart); the others our kernels (src/kernels/moe_experts.rs).
 /// A plan's `n` is the rows read (the row's 4 experts' rows together), `k`
 /// their width, so that `n * k` 4-bit values are the bytes an arm moves.
-const EXPERT_ARMS: [(&str, Switches, bool); 5] = [
+const EXPERT_ARMS: [(&str, Switches, bool); 7] = [
     ("mlx-moe-q4-gate-up", &[], true),
     ("moe-q4-gate-up", &[], true),
     ("mlx-moe-q4-down", &[], false),
     ("moe-q4-down", &[], false),
     ("moe-q4-down-early", &[("MLX_LFM_MOE_DOWN_LOADS", "early")], false),
+    // The row's weights as float32, 16 bytes in device memory (what the
+    // router writes under MLX_LFM_ROUTER_SCORES_F32), not the 8 bytes of
+    // bf16 that MLX keeps in its managed scalar pool.
+    ("moe-q4-down-f32-score", &[], false),
+    ("moe-q4-down-early-f32-score", &[("MLX_LFM_MOE_DOWN_LOADS", "early")], false),
 ];
 const EXPERTS: i32 = 32;
 const EXPERTS_A_ROW: i32 = 4;
@@ -274,7 +281,10 @@ struct Experts {
     /// The row `[1, D]` and the gated activations `[1, k, F]`.
     x: Array,
     h: Array,
+    /// The row's weights in bf16 (8 bytes: MLX's managed scalar pool, as
+    /// the router's bf16 output is) and in float32 (16 bytes: device memory).
     score: Array,
+    score_f32: Array,
     /// One `[1, k]` uint32 expert set a launch, in turn.
     sets: Vec<Array>,
 }
@@ -300,11 +310,13 @@ impl Experts {
                 Array::from_slice(&ids, &[1, EXPERTS_A_ROW])
             })
             .collect::<mlx_lfm::Result<Vec<_>>>()?;
-        let mut held: Vec<&Array> = vec![&gate_up.weight, &gate_up.scales, &down.weight, &down.scales, &x, &h, &score];
+        // (A GPU op's 16-byte output: device memory.)
+        let score_f32 = score.astype(Dtype::Float32)?;
+        let mut held: Vec<&Array> = vec![&gate_up.weight, &gate_up.scales, &down.weight, &down.scales, &x, &h, &score, &score_f32];
         held.extend(gate_up.biases.iter().chain(down.biases.iter()));
         held.extend(sets.iter());
         mlx::eval(&held)?;
-        Ok(Experts { gate_up, down, x, h, score, sets })
+        Ok(Experts { gate_up, down, x, h, score, score_f32, sets })
     }
 
     /// The plan's `(n, k)` of an arm: rows read and their width.
@@ -316,7 +328,7 @@ impl Experts {
         }
     }
 
-    fn launch(&self, stock: bool, gate_up: bool, i: usize) -> mlx_lfm::Result<Array> {
+    fn launch(&self, stock: bool, gate_up: bool, f32_score: bool, i: usize) -> mlx_lfm::Result<Array> {
         use mlx_lfm::kernels::moe_experts;
         let idx = &self.sets[i % self.sets.len()];
         let (w, spec) = if gate_up { (&self.gate_up, self.gate_up.spec) } else { (&self.down, self.down.spec) };
@@ -333,7 +345,7 @@ impl Experts {
         if gate_up {
             moe_experts::gate_up(&self.x, idx, w)
         } else {
-            moe_experts::down(&self.h, idx, &self.score, w)
+            moe_experts::down(&self.h, idx, if f32_score { &self.score_f32 } else { &self.score }, w)
         }
     }
 }
