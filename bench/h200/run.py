@@ -115,31 +115,30 @@ feed-forward's gate one MLX compiled kernel in a prompt's pass (a default
 everywhere, `fused-swiglu-off` measures it; its test
 `fused_gate_equals_the_ops` holds it to the ops' bits, on the CPU so far)
 and asks `norm-kernel-all-rows` of every model's prefill again.
-Next (`bash bench/h200/prepare.sh` here first; ~1,700 s planned against
-the 1,800; session 26's run, which this plan follows, is in the README):
-  1. carry [.device/a, .device/llama]: `stage` (~95 s with the start).
-  2. carry [.device/b, .device/tests, .device/ptx]: `install kernels` with
-     H200_KERNEL_JOBS=5 and H200_KERNEL_TESTS=kernels::,fused_gate_equals_the_ops
-     (~450 s: every kernel test; session 26's full run was lost with its
-     machine, so only three kernels have run since every kernel's name
-     began to carry a hash of its text; `add_rms_norm_kernel_matches_stock_ops`
-     holds `eps-const` to the default's bits, and the greedy test's
-     conv-prefill set decides that kernel). .device/ptx is absent until a
-     `save-ptx` brings a cache back (session 26's found no .ptx files: its
-     record says what the folder held).
-  3. carry [.device/bin] (and so 4 and 5):
-     `H200_MODELS=lfm2-350m-bf16,lfm2-1.2b-bf16,lfm2-8b-a1b-q4
-     H200_AB_VARIANTS=eps-const,conv-prefill,gemv-prefetch,qkv-prefill-off ab pick`
-     (~250 s: eps-const read 1.08x on the 1.2B's decode in session 26 and
-     conv-prefill 1.10-1.14x on the dense prefills, adopted here if their
-     tests pass; gemv-prefetch and qkv-prefill-off measure session 26's two
-     new defaults in the step).
-  4. `gguf-bg` (llama.cpp's GGUF chain in its own process session, so the
-     next steps do not wait on it; the rounds do), then
-     `H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4 profile` (~150 s) and `save-ptx`.
-  5. `round 1`, `round 2` of the three models under the picks (~300 s each;
-     round 1 first waits for `gguf-bg` and brings back its logs; round 2
-     gives way).
+Session 27: two short stretches of the device (~10 of its 30 minutes lost
+to starts that found no machine; a machine went back between calls 4 and
+5): `install kernels` of every kernel test was cut at 570 s with only the
+two greedy tests reporting (~270-320 s each, five processes on 16 cores
+compiling with NVRTC, no PTX cache); four chosen tests 185 s;
+`kernel-detail` of three arms with two source pages 67 s.
+Next (`bash bench/h200/prepare.sh` here first; ~1,600 s planned):
+  1. carry [.device/a, .device/llama]: `stage` (~100 s with the start).
+  2. carry [.device/b, .device/tests]: `install kernels` with
+     H200_KERNEL_JOBS=4 and H200_KERNEL_TESTS=moe_router_norm_kernel_matches_the_norm_and_router_kernels,
+     moe_experts_kernels_match_stock_ops,greedy_tokens_with_kernels_equal_stock_ops_on_wide_rows,
+     argmax_finite_kernel_matches_stock_ops (~330 s: the router's float32
+     weights and their greedy set; the wide greedy test also runs the
+     defaults adopted in session 27).
+  3. carry [.device/bin]: `gguf-bg kernel-detail` with
+     H200_DETAIL_ARMS=mlx-moe-q4-down,moe-q4-down,moe-q4-down-f32-score,moe-q4-down-early-f32-score
+     and H200_SOURCE_ARMS=moe-q4-down-f32-score (~90 s: whether the
+     weights out of MLX's scalar pool take the down kernel to MLX's 13 µs
+     or under), then `save-ptx`.
+  4. carry [.device/bin]: H200_MODELS=lfm2-8b-a1b-q4
+     H200_AB_VARIANTS=router-scores-f32,router-scores-f32-early,eps-const-off
+     `ab pick` (~200 s with the 8B-A1B's checkpoints), then the dense
+     models' `ab` of eps-const-off and conv-prefill-off if time allows.
+  5. `round 1`, `round 2` of the three models (~300 s each).
 Session 26's plan, for the record (two starts found no machine and one
 machine was taken back during call 2; calls 4-9 then ran `install
 kernel-bench kernel-detail save-ptx`, `ab` of the nine variants (cut
@@ -1458,13 +1457,13 @@ AB = {
     "norm-kernel-all-rows": ({"MLX_LFM_ADD_RMS_NORM_MAX_ROWS": "all"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     # A prompt's short conv in one kernel (session 25: the gates, the
     # window and MLX's grouped conv, 29 µs a layer in the 1.2B's 512-token
-    # profile, as one launch); opt-in until this A/B.
-    "conv-prefill": ({"MLX_LFM_CONV_PREFILL_KERNEL": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
-    # The add + RMSNorm kernel with eps compiled in rather than read from
-    # its [1] array, which MLX keeps in managed memory beside the position
-    # the host writes each token (session 25; kernel-bench's scalar arms ask
-    # whether such reads cost the GPU). Opt-in until this A/B.
-    "eps-const": ({"MLX_LFM_EPS_CONST": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # profile, as one launch). A CUDA default since session 27: measured off.
+    "conv-prefill-off": ({"MLX_LFM_CONV_PREFILL_KERNEL": "0"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # The add + RMSNorm kernel (and since session 27 the router + norm
+    # kernel) with eps compiled in rather than read from its [1] array in
+    # MLX's managed scalar pool (session 26's kernel-bench: ~1.6 µs a
+    # launch). A CUDA default since session 27: measured off.
+    "eps-const-off": ({"MLX_LFM_EPS_CONST": "0"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     # The quantized embedding's rows in one kernel (session 25: three
     # gathers, three reshapes and MLX's dequantize, seven of the 8B-A1B's
     # 203 nodes a step, as one); opt-in until this A/B.
@@ -1779,13 +1778,13 @@ AB_TESTS = {
     "quant-norm-exact": ["quant_gemv_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops", "greedy:MLX_LFM_QGEMV_EXACT",
                          "greedy:quant-norm-exact"],
     "compiled-prefill": ["compiled_prefill_equals_the_eager_prefill"],
-    "conv-prefill": ["conv_prefill_kernel_matches_stock_ops", "greedy:MLX_LFM_CONV_PREFILL_KERNEL"],
+    "conv-prefill-off": [],
     "qkv-prefill-off": [],
     # (The same bits: the GEMV test holds the walks to each other.)
     "gemv-prefetch": ["gemv_kernel_matches_stock_ops"],
     "quant-embed": ["quant_embed_kernel_matches_stock_ops", "greedy:MLX_LFM_QUANT_EMBED_KERNEL"],
     # (The same bits as the default kernel: its test holds it to them.)
-    "eps-const": ["add_rms_norm_kernel_matches_stock_ops"],
+    "eps-const-off": [],
     # (Off: the three ops every session before 25 ran.)
     "fused-swiglu-off": [],
     # (The same product either way; the stock path's.)
@@ -1804,14 +1803,14 @@ PICK = [
     (["swiglu-gemv-1024"], "decode"),
     (["conv-gemv"], "decode"),
     (["quant-embed"], "decode"),
-    (["eps-const"], "decode"),
+    (["eps-const-off"], "decode"),
     (["moe-down-early", "router-scores-f32", "router-scores-f32-early"], "decode"),
     (["attention-smem", "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4"], "decode"),
     (["norm-runs-guarded"], "decode"),
     (["fold-early"], "decode"),
     (["router-norm-off", "router-norm-narrow"], "decode"),
     (["norm-kernel-all-rows"], "prefill"),
-    (["conv-prefill"], "prefill"),
+    (["conv-prefill-off"], "prefill"),
     (["qkv-prefill-off"], "prefill"),
     (["gemv-prefetch", "gemv-plain"], "decode"),
     (["batch1-matmul-prompts-off"], "prefill"),

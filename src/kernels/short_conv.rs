@@ -235,7 +235,10 @@ pub fn conv_gemv_step(x: &Array, w: &Array, state: &Array, cw: &Array) -> Result
 }
 
 /// A prompt's pass of the short conv in one kernel
-/// (`MLX_LFM_CONV_PREFILL_KERNEL=1`, opt-in until its H200 test and A/B):
+/// (a CUDA default since session 27, `MLX_LFM_CONV_PREFILL_KERNEL=0` off;
+/// session 26's paired A/B on the H200: 512-token prefill 1.10x / 1.14x on
+/// the 350M / 1.2B, 1.01x on the 8B-A1B, and the greedy test kept the
+/// stock tokens with it on every fixture):
 /// from in_proj's output `[B, T, 3D]` and the state before the prompt, the
 /// padded window `[state; B * x]` (what the caches keep their state and
 /// block-end snapshots from) and `y = C * conv` for every position. The
@@ -297,13 +300,13 @@ fn prefill_kernel() -> Option<&'static CudaKernel> {
 const PREFILL_THREADS: i32 = 256;
 
 /// Whether [`conv_prefill`] serves a pass of several positions: on CUDA
-/// with `MLX_LFM_CONV_PREFILL_KERNEL=1` (or a test's opt-in), in_proj's
+/// unless `MLX_LFM_CONV_PREFILL_KERNEL=0` (a test may turn it on), in_proj's
 /// output `[B, T, 3D]` with T > 1 (one position is the step's), the state
 /// `[B, L-1, D]` and the conv weights `[D, L]` in its dtype, no conv bias,
 /// and a launch of at most 2^31 threads.
 pub fn prefill_available(bcx: &Array, state: &Array, w: &Array, has_bias: bool) -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    if !super::opt_in("MLX_LFM_CONV_PREFILL_KERNEL", &ON) || !cuda_kernels_enabled() || has_bias {
+    if !super::opt_out("MLX_LFM_CONV_PREFILL_KERNEL", &ON) || !cuda_kernels_enabled() || has_bias {
         return false;
     }
     let dt = bcx.dtype();

@@ -280,8 +280,8 @@ fn add_rms_norm_kernel_matches_stock_ops() {
             // the same bits, a row a whole number of runs or not (100).
             let (gs, gy) = guarded(|| add_rms_norm(&h, &r, &w, &eps).unwrap());
             assert_eq!((differing(&gs, &ks), differing(&gy, &ky)), (0, 0), "{dt:?} [{rows}, {d}]: the guarded walk differs");
-            // Eps compiled in (MLX_LFM_EPS_CONST, opt-in): the same float, so
-            // the same bits; without the switch, the array's kernel.
+            // Eps compiled in (MLX_LFM_EPS_CONST, a default since session
+            // 27): the same float, so the same bits as the array's kernel.
             let (cs, cy) = crate::kernels::with_opt_in_one("MLX_LFM_EPS_CONST", || {
                 crate::kernels::add_rms_norm::add_rms_norm_with(&h, &r, &w, &eps, 1e-5).unwrap()
             });
@@ -448,11 +448,10 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 if wide && !q4 {
                     alone.push("MLX_LFM_CONV_GEMV_KERNEL");
                 }
-                // A prompt's conv in one kernel: the 37-token prompt's
-                // pass (its q/k/v kernel is a default since session 26, so
-                // the default run has it). The decode attention over
-                // position chunks (8 a KV head under the opt-in).
-                alone.push("MLX_LFM_CONV_PREFILL_KERNEL");
+                // (A prompt's conv and q/k/v kernels are defaults since
+                // sessions 27 and 26, so the default run has them.) The
+                // decode attention over position chunks (8 a KV head under
+                // the opt-in).
                 alone.push("MLX_LFM_DECODE_ATTENTION_CHUNKS");
                 for var in alone {
                     runs.push((var, crate::kernels::with_opt_in_one(var, || run(Some(&stock))).0));
@@ -828,7 +827,7 @@ fn conv_prefill_kernel_matches_stock_ops() {
             };
             let w = normal(&[d, l], Dtype::Float32, 0.0, 0.5, None).unwrap().astype(dt).unwrap();
             if std::env::var_os("MLX_LFM_CONV_PREFILL_KERNEL").is_none() {
-                assert!(!prefill_available(&bcx, &state, &w, false), "{what}: opt-in");
+                assert!(prefill_available(&bcx, &state, &w, false), "{what}: not a default");
             }
             crate::kernels::with_opt_in_one("MLX_LFM_CONV_PREFILL_KERNEL", || {
                 assert!(prefill_available(&bcx, &state, &w, false), "{what}");
