@@ -873,19 +873,19 @@ def kernel_detail():
     """ncu's detail sections and warp stall reasons (as `profile-kernels`
     takes them in a model's step) over `kernel-bench` arms alone
     (H200_DETAIL_ARMS, default the 8B-A1B's expert kernels: MLX's gathered
-    down product, our down kernel at 1 and 4 columns a warp, our gate/up):
+    down product, our down kernel and its early-loads variant, our gate/up):
     16 launches an arm on the same operands, no model around them, so it
     ends in about a minute where `profile-kernels` of the 8B-A1B's step ran
     past 440 s (session 24). Why the down kernel read 0.36 TB/s in session
     22's profile, and what more columns a warp change."""
     arms = os.environ.get("H200_DETAIL_ARMS", "mlx-moe-q4-down,moe-q4-down,moe-q4-down-early,moe-q4-gate-up")
     pattern = "gemv|qmv|gather_qmm|lfm_"
-    bench = [BENCH, "--kernel-bench", "--device", "gpu", "--reps", "1", "--arms", arms]
     import csv as _csv
     import io
 
-    def run(tag, args, page):
+    def run(tag, args, page, arms=arms):
         rep = WORK / tag
+        bench = [BENCH, "--kernel-bench", "--device", "gpu", "--reps", "1", "--arms", arms]
         r = sh(["ncu", "--clock-control", "none", "-f", "-o", rep, "--kernel-name", f"regex:{pattern}", *args, *bench],
                tag, check=False)
         if r.returncode != 0:
@@ -920,10 +920,8 @@ def kernel_detail():
     # bandwidth in session 26, where gate/up waited 3: the expert index, the
     # h row, the weights or the score; each has another fix).
     for arm in [a for a in os.environ.get("H200_SOURCE_ARMS", "moe-q4-down,moe-q4-down-early").split(",") if a]:
-        arms = arm
-        bench = [BENCH, "--kernel-bench", "--device", "gpu", "--reps", "1", "--arms", arm]
         source = run(f"kernel-source-{arm}", ["--section", "SourceCounters", "--section", "WarpStateStats",
-                                              "--launch-skip", "4", "--launch-count", "1"], "source")
+                                              "--launch-skip", "4", "--launch-count", "1"], "source", arms=arm)
         if source is not None:
             record(engine="kernel-source", arms=arm, lines=summarize_source(source))
 

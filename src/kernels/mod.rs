@@ -38,6 +38,13 @@ pub fn with_opt_in<R>(f: impl FnOnce() -> R) -> R {
     crate::mlx::kernel::with_thread_flag(&FORCED, true, f)
 }
 
+/// A default kernel's source with a variant's substitutions made in order
+/// (each `(was, now)`; `kernel_variant_substitutions_each_land` checks every
+/// `was` is there, so a variant cannot silently equal its default).
+pub(crate) fn substituted(source: &str, subs: &[(&str, &str)]) -> String {
+    subs.iter().fold(source.to_string(), |src, (was, now)| src.replace(was, now))
+}
+
 /// Whether an opt-in kernel is on: `var=1`, read once into `cell`, or a
 /// test's [`with_opt_in`]. Kernels stay opt-in until their A/B on the GPU
 /// they were written for says they win (`bench/h200/run.py ab`).

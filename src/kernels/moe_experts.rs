@@ -193,7 +193,7 @@ fn down_early_kernel() -> Option<&'static CudaKernel> {
             "lfm_moe_down_early",
             &["h", "idx", "score", "w", "scales", "biases"],
             &["y"],
-            &DOWN_EARLY_SUBSTITUTIONS.iter().fold(DOWN_SOURCE.to_string(), |src, (was, now)| src.replace(was, now)),
+            &super::substituted(DOWN_SOURCE, &DOWN_EARLY_SUBSTITUTIONS),
             &format!("{}{DOWN_EARLY_HEADER}", header()),
         )
         .ok()

@@ -221,12 +221,11 @@ fn gate_norm_kernel() -> Option<&'static CudaKernel> {
 fn gate_norm_const_kernel() -> Option<&'static CudaKernel> {
     static K: super::add_rms_norm::Walks = [OnceLock::new(), OnceLock::new()];
     super::add_rms_norm::for_walk(&K, || {
-        let src = GATE_NORM_CONST_SUBSTITUTIONS.iter().fold(GATE_NORM_SOURCE.to_string(), |src, (was, now)| src.replace(was, now));
         CudaKernel::new(
             &super::add_rms_norm::kernel_name("lfm_moe_router_gate_norm_c"),
             &["h", "r", "wn", "eps", "w", "scales", "biases", "bias", "scale"],
             &["s", "y", "inds", "scores"],
-            &src,
+            &super::substituted(GATE_NORM_SOURCE, &GATE_NORM_CONST_SUBSTITUTIONS),
             &gate_norm_header(),
         )
         .ok()
