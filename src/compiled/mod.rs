@@ -13,8 +13,10 @@ use crate::model::Lfm2Model;
 use std::cell::Cell;
 use std::rc::Rc;
 
+mod positions;
 pub mod prefill;
 pub use prefill::CompiledPrefill;
+use positions::Positions;
 
 /// Decode batches of every size from 2 to 16 over caches up to 4k positions
 /// stay traced; beyond, traces start over (see src/mlx/compile.rs).
@@ -90,6 +92,8 @@ pub struct CompiledStep {
     /// The compiled pass of a fresh prompt, where it is switched on
     /// ([`prefill`]).
     pub fresh: Option<CompiledPrefill>,
+    /// A lone sequence's position each step, out of MLX's managed pool.
+    positions: Positions,
 }
 
 impl CompiledStep {
@@ -101,7 +105,7 @@ impl CompiledStep {
         let step = Self::build(model, MAX_TRACES, false)?;
         let c = &model.config;
         let cap = crate::cache::KV_STEP as i32;
-        let mut ins = vec![mlx::zeros(&[1, 1], Dtype::Uint32)?, Array::scalar(0.0, Dtype::Int32)?];
+        let mut ins = vec![mlx::zeros(&[1, 1], Dtype::Uint32)?, step.positions.at(0)?];
         for &attn in &c.attn_layers {
             if attn {
                 for _ in 0..2 {
@@ -125,7 +129,7 @@ impl CompiledStep {
             }
             m.decode_step(ins)
         })?;
-        Ok(CompiledStep { f, fresh: None })
+        Ok(CompiledStep { f, fresh: None, positions: Positions::default() })
     }
 
     /// Runs the step: compiled, or (`compiled = false`, to prove the
@@ -151,7 +155,7 @@ impl CompiledStep {
         let c = &model.config;
         cache.begin_decode_token()?;
         let pos = cache.pos;
-        let mut ins: Vec<Array> = vec![ids.clone(), Array::scalar(pos as f64, Dtype::Int32)?];
+        let mut ins: Vec<Array> = vec![ids.clone(), self.positions.at(pos)?];
         let kv_shape = [1, model.local_kv_heads(), 1, c.head_dim as i32];
         for lc in cache.layers.iter_mut() {
             match lc {
