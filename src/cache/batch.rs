@@ -57,11 +57,27 @@ pub struct DecodeBatch {
     /// (`[B, kv_heads, cap, head_dim]`), the state of each conv layer
     /// (`[B, L-1, hidden]`).
     state: Vec<Array>,
-    /// The last step's greedy tokens (`[B]`) and positions (`[B]`, on the
-    /// device) with the rows they were for: when the rows are the same, the
-    /// next step's ids and positions come from them with no host round
-    /// trip (no per-row copies, no upload).
+    /// The last step's greedy tokens (`[B]`) and positions (on the
+    /// device, see [`DecodeBatch::upload_positions`]) with the rows they
+    /// were for: when the rows are the same, the next step's ids and
+    /// positions come from them with no host round trip (no per-row copies,
+    /// no upload).
     carry: Option<(Vec<u64>, Array, Array)>,
+    /// What the last step's positions are a view of.
+    positions_src: Option<Array>,
+}
+
+/// The fewest positions a batch's position array holds (16 bytes: out of
+/// MLX's managed scalar pool, see [`DecodeBatch::upload_positions`]).
+const POSITIONS_MIN: usize = 4;
+
+/// The first `b` of `src`'s positions (a view where it is longer).
+fn positions_view(src: &Array, b: usize) -> Result<Array> {
+    if src.size() == b {
+        Ok(src.clone())
+    } else {
+        src.slice_axis(0, 0, b as i32)
+    }
 }
 
 /// Whether a cache can decode inside a stacked batch (a quantized KV cache
@@ -297,21 +313,44 @@ impl DecodeBatch {
         cache.end_decode_token()
     }
 
-    /// Keeps a step's greedy tokens and positions for the next step.
-    pub fn set_carry(&mut self, tokens: Array, positions: Array) {
-        self.carry = Some((self.ids(), tokens, positions));
+    /// Keeps a step's greedy tokens, and the positions it took, for the
+    /// next step.
+    pub fn set_carry(&mut self, tokens: Array) {
+        self.carry = self.positions_src.take().map(|src| (self.ids(), tokens, src));
     }
 
     /// The next step's ids (`[B, 1]`) and positions (`[B]`), when the last
     /// step drew every row greedily and the rows have not changed since.
     pub fn take_carry(&mut self) -> Result<Option<(Array, Array)>> {
         match self.carry.take() {
-            Some((rows, tokens, positions)) if rows == self.ids() => {
-                let b = rows.len() as i32;
-                Ok(Some((tokens.reshape(&[b, 1])?, positions.add_scalar(1.0)?)))
+            Some((rows, tokens, src)) if rows == self.ids() => {
+                let b = rows.len();
+                let next = src.add_scalar(1.0)?;
+                let positions = positions_view(&next, b)?;
+                self.positions_src = Some(next);
+                Ok(Some((tokens.reshape(&[b as i32, 1])?, positions)))
             }
-            _ => Ok(None),
+            _ => {
+                self.positions_src = None;
+                Ok(None)
+            }
         }
+    }
+
+    /// The rows' positions (`host`, in row order) as a step's int32 `[B]`
+    /// input. Two rows' positions are 8 bytes, which MLX 0.32.4's CUDA
+    /// allocator keeps in its managed scalar pool (also the carried
+    /// positions the GPU adds one to), where every kernel that reads them
+    /// (each attention layer's scatters and attention) pays a read across
+    /// the bus (src/compiled/positions.rs): they are padded to 16 bytes and
+    /// the step takes a view.
+    pub fn upload_positions(&mut self, host: &[i32]) -> Result<Array> {
+        let mut padded = host.to_vec();
+        padded.resize(host.len().max(POSITIONS_MIN), 0);
+        let src = Array::from_slice(&padded, &[padded.len() as i32])?;
+        let positions = positions_view(&src, host.len())?;
+        self.positions_src = Some(src);
+        Ok(positions)
     }
 
     /// Hands the stacked state to a step (the batch holds no reference
@@ -406,7 +445,10 @@ impl StackedPass {
         match &self.rows {
             Some(r) if r.dim(0) == b => Ok(r.clone()),
             _ => {
-                let r = arange(0.0, b as f64, 1.0, Dtype::Int32)?;
+                // (Made at least 16 bytes wide and viewed, as the positions
+                // are: out of MLX's managed scalar pool.)
+                let n = (b as usize).max(POSITIONS_MIN);
+                let r = positions_view(&arange(0.0, n as f64, 1.0, Dtype::Int32)?, b as usize)?;
                 self.rows = Some(r.clone());
                 Ok(r)
             }

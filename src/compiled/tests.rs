@@ -180,13 +180,29 @@ fn check_batch_exact(preset: Preset, dtype: DType, quant: Option<(QuantMode, i32
                 caches.iter_mut().enumerate().map(|(i, c)| Member { id: i as u64, wanted: wanted(i), cache: c }).collect();
             batch.reconcile(&shape, &mut members).unwrap();
             let order: Vec<usize> = batch.ids().iter().map(|&id| id as usize).collect();
-            let ids: Vec<&Array> = order.iter().map(|&i| &toks[i]).collect();
-            let ids = crate::mlx::concatenate(&ids, 0).unwrap();
             let pos: Vec<i32> = order.iter().map(|&i| caches[i].pos as i32).collect();
-            let pos = Array::from_slice(&pos, &[pos.len() as i32]).unwrap();
-            let l = dec.step_batch(&m, &ids, &pos, batch, compiled).unwrap();
+            // The compiled batch takes its ids and positions as the
+            // scheduler does: carried from its last step while the rows
+            // stay, else uploaded (two rows' padded and viewed); the
+            // uncompiled one from the host each step.
+            let carried = if compiled { batch.take_carry().unwrap() } else { None };
+            let (ids, positions) = match carried {
+                Some(c) => c,
+                None => {
+                    let ids: Vec<&Array> = order.iter().map(|&i| &toks[i]).collect();
+                    let ids = crate::mlx::concatenate(&ids, 0).unwrap();
+                    let positions =
+                        if compiled { batch.upload_positions(&pos).unwrap() } else { Array::from_slice(&pos, &[pos.len() as i32]).unwrap() };
+                    (ids, positions)
+                }
+            };
+            assert_eq!(positions.to_vec::<i32>().unwrap(), pos, "{name}: positions at step {step}");
+            let l = dec.step_batch(&m, &ids, &positions, batch, compiled).unwrap();
             for &i in &order {
                 batch.end_token(i as u64, &mut caches[i]).unwrap();
+            }
+            if compiled {
+                batch.set_carry(l.argmax(-1, false).unwrap().astype(Dtype::Uint32).unwrap());
             }
             (order, l)
         };

@@ -482,7 +482,7 @@ impl Scheduler {
             Some(carried) => carried,
             None => {
                 let positions: Vec<i32> = order.iter().map(|&i| active[i].seq.cache.pos as i32).collect();
-                (pending_ids(active, &order)?, Array::from_slice(&positions, &[positions.len() as i32])?)
+                (pending_ids(active, &order)?, self.batch.upload_positions(&positions)?)
             }
         };
         let built = e.compiled.as_ref().expect("checked by the caller").step_batch(&e.model, &ids, &positions, &mut self.batch, true);
@@ -533,7 +533,7 @@ impl Scheduler {
         generate::timing::batch_build(started);
         generate::dispatch_step(&toks, &mut caches, &generate::timing::BATCH)?;
         if let Some(t) = greedy {
-            self.batch.set_carry(t, positions);
+            self.batch.set_carry(t);
         }
         Ok(Some(out))
     }
