@@ -1462,6 +1462,13 @@ AB = {
     # MLX's managed scalar pool (session 26's kernel-bench: ~1.6 µs a
     # launch). A CUDA default since session 27: measured off.
     "eps-const-off": ({"MLX_LFM_EPS_CONST": "0"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # A lone sequence's decode position as a view into a table the GPU
+    # wrote (device memory) rather than a host scalar made each token in
+    # MLX's managed pool, which 24 launches a step read (each attention
+    # layer's q/k/v kernel, two K/V scatters and attention; session 26's
+    # kernel-bench: ~1.6 µs a launch). The default on every backend since
+    # session 28, before any GPU measured it: measured off.
+    "position-table-off": ({"MLX_LFM_POSITION_TABLE": "0"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     # The quantized embedding's rows in one kernel (session 25: three
     # gathers, three reshapes and MLX's dequantize, seven of the 8B-A1B's
     # 203 nodes a step, as one); opt-in until this A/B.
@@ -1777,6 +1784,7 @@ AB_TESTS = {
                          "greedy:quant-norm-exact"],
     "compiled-prefill": ["compiled_prefill_equals_the_eager_prefill"],
     "conv-prefill-off": [],
+    "position-table-off": [],
     "qkv-prefill-off": [],
     # (The same bits: the GEMV test holds the walks to each other.)
     "gemv-prefetch": ["gemv_kernel_matches_stock_ops"],

@@ -445,9 +445,18 @@ fn print_walls(name: &str, n: i32, k: i32, (mut walls, error): (Vec<f64>, Option
 /// from a 4-byte host array made once, from one made anew each launch,
 /// and from the one made once right after the host wrote a new scalar into
 /// the pool (a step's eps, beside the position the host writes each
-/// token: the pool's pages, not its arrays, are what moves).
-const SCALAR_ARMS: [&str; 6] =
-    ["scalar-const", "scalar-device16", "scalar-device4", "scalar-host-kept", "scalar-host-fresh", "scalar-kept-after-host-write"];
+/// token: the pool's pages, not its arrays, are what moves); and from a
+/// one-element view into a longer array the GPU wrote, as a lone sequence's
+/// decode position has been since session 28 (src/compiled/positions.rs).
+const SCALAR_ARMS: [&str; 7] = [
+    "scalar-const",
+    "scalar-device16",
+    "scalar-device4",
+    "scalar-host-kept",
+    "scalar-host-fresh",
+    "scalar-kept-after-host-write",
+    "scalar-table-view",
+];
 const SCALAR_N: i32 = 2048;
 const SCALAR_LAUNCHES: usize = 20;
 
@@ -458,6 +467,7 @@ struct ScalarReads {
     device16: Array,
     device4: Array,
     kept: Array,
+    view: Array,
 }
 
 impl ScalarReads {
@@ -471,8 +481,9 @@ impl ScalarReads {
         let device16 = ones4.mul_scalar(1.0)?;
         let device4 = device16.slice_axis(0, 0, 1)?.add_scalar(0.0)?;
         let kept = Array::from_slice(&[1.5f32], &[1])?;
-        mlx::eval(&[&x, &device16, &device4, &kept])?;
-        Ok(ScalarReads { read, constant, x, device16, device4, kept })
+        let view = mlx::full(&[4096], 1.5, Dtype::Float32)?.mul_scalar(1.0)?.slice_axis(0, 517, 518)?.reshape(&[])?;
+        mlx::eval(&[&x, &device16, &device4, &kept, &view])?;
+        Ok(ScalarReads { read, constant, x, device16, device4, kept, view })
     }
 
     fn launch(&self, arm: &str) -> mlx_lfm::Result<Array> {
@@ -488,6 +499,7 @@ impl ScalarReads {
             ("scalar-const", _) => return Ok(self.constant.call(&[&self.x], &out, grid, block, &[])?.remove(0)),
             ("scalar-device16", _) => &self.device16,
             ("scalar-device4", _) => &self.device4,
+            ("scalar-table-view", _) => &self.view,
             ("scalar-host-fresh", Some(f)) => f,
             _ => &self.kept,
         };
