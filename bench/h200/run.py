@@ -121,24 +121,35 @@ to starts that found no machine; a machine went back between calls 4 and
 two greedy tests reporting (~270-320 s each, five processes on 16 cores
 compiling with NVRTC, no PTX cache); four chosen tests 185 s;
 `kernel-detail` of three arms with two source pages 67 s.
-Next (`bash bench/h200/prepare.sh` here first; ~1,600 s planned):
+Session 28 was lent no machine (new loans paused): it made a lone
+sequence's decode position a view into a GPU-written table (out of MLX's
+managed pool, which 24 launches a step read; a default everywhere,
+`position-table-off` measures it, the greedy tests' `position-table-off`
+run checks it against the stock run's tokens) and padded a two-row batch's
+positions and row indices the same way; kernel-bench has a
+`scalar-table-view` arm.
+Next (`bash bench/h200/prepare.sh` here first; ~1,650 s planned):
   1. carry [.device/a, .device/llama]: `stage` (~100 s with the start).
   2. carry [.device/b, .device/tests]: `install kernels` with
      H200_KERNEL_JOBS=4 and H200_KERNEL_TESTS=moe_router_norm_kernel_matches_the_norm_and_router_kernels,
      moe_experts_kernels_match_stock_ops,greedy_tokens_with_kernels_equal_stock_ops_on_wide_rows,
      argmax_finite_kernel_matches_stock_ops (~330 s: the router's float32
      weights and their greedy set; the wide greedy test also runs the
-     defaults adopted in session 27).
+     defaults adopted in session 27 and the position table against the
+     host scalar).
   3. carry [.device/bin]: `gguf-bg kernel-detail` with
      H200_DETAIL_ARMS=mlx-moe-q4-down,moe-q4-down,moe-q4-down-f32-score,moe-q4-down-early-f32-score
      and H200_SOURCE_ARMS=moe-q4-down-f32-score (~90 s: whether the
      weights out of MLX's scalar pool take the down kernel to MLX's 13 µs
      or under), then `save-ptx`.
   4. carry [.device/bin]: H200_MODELS=lfm2-8b-a1b-q4
-     H200_AB_VARIANTS=router-scores-f32,router-scores-f32-early,eps-const-off
-     `ab pick` (~200 s with the 8B-A1B's checkpoints), then the dense
-     models' `ab` of eps-const-off and conv-prefill-off if time allows.
-  5. `round 1`, `round 2` of the three models (~300 s each).
+     H200_AB_VARIANTS=router-scores-f32,router-scores-f32-early,position-table-off,eps-const-off
+     `ab pick` (~220 s with the 8B-A1B's checkpoints), then the dense
+     models' `ab` of position-table-off, eps-const-off and gemv-prefetch
+     if time allows.
+  5. `round 1`, `round 2` (~300 s each): the first rounds since session 24,
+     with sessions 26-28's defaults (the GEMVs' walk, the prompt's q/k/v
+     and conv kernels, eps compiled in, the position table).
 Session 26's plan, for the record (two starts found no machine and one
 machine was taken back during call 2; calls 4-9 then ran `install
 kernel-bench kernel-detail save-ptx`, `ab` of the nine variants (cut

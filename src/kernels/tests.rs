@@ -489,6 +489,14 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     let set = [("MLX_LFM_ROUTER_SCORES_F32".to_string(), Some("1".to_string()))];
                     runs.push(("router-scores-f32", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
                 }
+                if path == DecodePath::Compiled {
+                    // A lone sequence's position as the host scalar (the
+                    // old input, MLX_LFM_POSITION_TABLE=0) while the stock
+                    // run took the table's view: a view MLX's CUDA kernels
+                    // or scatters read wrongly would depart here.
+                    let set = [("MLX_LFM_POSITION_TABLE".to_string(), Some("0".to_string()))];
+                    runs.push(("position-table-off", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
+                }
                 for (kernels, got) in runs {
                     if let Some(i) = finite(&got) {
                         failures.push(format!("{what}: with the {kernels} kernels the logits are not finite at step {i}"));
