@@ -57,18 +57,21 @@ pub struct DecodeBatch {
     /// (`[B, kv_heads, cap, head_dim]`), the state of each conv layer
     /// (`[B, L-1, hidden]`).
     state: Vec<Array>,
-    /// The last step's greedy tokens (`[B]`) and positions (on the
-    /// device, see [`DecodeBatch::upload_positions`]) with the rows they
-    /// were for: when the rows are the same, the next step's ids and
-    /// positions come from them with no host round trip (no per-row copies,
-    /// no upload).
-    carry: Option<(Vec<u64>, Array, Array)>,
-    /// What the last step's positions are a view of.
-    positions_src: Option<Array>,
+    /// The last step's greedy tokens (`[B]`) with the rows they were
+    /// for: when the rows are the same, the next step's ids are them, with
+    /// no host round trip (no per-row copies, no upload).
+    carry: Option<(Vec<u64>, Array)>,
+    /// The positions the last step took: each row's as the host counted it,
+    /// and the device array the step's were a view of (see
+    /// [`DecodeBatch::positions_for`]).
+    positions_used: Option<(Vec<i32>, Array)>,
+    /// Position arrays made from host data (tests check when it happens).
+    #[cfg(test)]
+    uploads: usize,
 }
 
 /// The fewest positions a batch's position array holds (16 bytes: out of
-/// MLX's managed scalar pool, see [`DecodeBatch::upload_positions`]).
+/// MLX's managed scalar pool, see [`DecodeBatch::positions_for`]).
 const POSITIONS_MIN: usize = 4;
 
 /// The first `b` of `src`'s positions (a view where it is longer).
@@ -313,43 +316,49 @@ impl DecodeBatch {
         cache.end_decode_token()
     }
 
-    /// Keeps a step's greedy tokens, and the positions it took, for the
-    /// next step.
+    /// Keeps a step's greedy tokens for the next step.
     pub fn set_carry(&mut self, tokens: Array) {
-        self.carry = self.positions_src.take().map(|src| (self.ids(), tokens, src));
+        self.carry = Some((self.ids(), tokens));
     }
 
-    /// The next step's ids (`[B, 1]`) and positions (`[B]`), when the last
-    /// step drew every row greedily and the rows have not changed since.
-    pub fn take_carry(&mut self) -> Result<Option<(Array, Array)>> {
+    /// The next step's ids (`[B, 1]`), when the last step drew every row
+    /// greedily and the rows have not changed since.
+    pub fn take_carry(&mut self) -> Result<Option<Array>> {
         match self.carry.take() {
-            Some((rows, tokens, src)) if rows == self.ids() => {
-                let b = rows.len();
-                let next = src.add_scalar(1.0)?;
-                let positions = positions_view(&next, b)?;
-                self.positions_src = Some(next);
-                Ok(Some((tokens.reshape(&[b as i32, 1])?, positions)))
-            }
-            _ => {
-                self.positions_src = None;
-                Ok(None)
-            }
+            Some((rows, tokens)) if rows == self.ids() => Ok(Some(tokens.reshape(&[rows.len() as i32, 1])?)),
+            _ => Ok(None),
         }
     }
 
-    /// The rows' positions (`host`, in row order) as a step's int32 `[B]`
-    /// input. Two rows' positions are 8 bytes, which MLX 0.32.4's CUDA
-    /// allocator keeps in its managed scalar pool (also the carried
-    /// positions the GPU adds one to), where every kernel that reads them
-    /// (each attention layer's scatters and attention) pays a read across
-    /// the bus (src/compiled/positions.rs): they are padded to 16 bytes and
-    /// the step takes a view.
-    pub fn upload_positions(&mut self, host: &[i32]) -> Result<Array> {
+    /// The rows' positions (`host`, in row order, as their caches count
+    /// them) as a step's int32 `[B]` input. Where each is one past what the
+    /// last step took (a batch stepping on, sampled or greedy), the GPU adds
+    /// one to that step's array: nothing is made on the host. MLX 0.32.4's
+    /// CUDA allocator keeps an array made from host data in managed memory
+    /// whose pages move to the host when it writes them and back at the
+    /// GPU's first read, and an array of at most 8 bytes (two rows'
+    /// positions, also when the GPU adds one) in its managed scalar pool,
+    /// read across the bus by each of the step's kernels that take the
+    /// positions (src/compiled/positions.rs): so the array is padded to 16
+    /// bytes and the step takes a view.
+    pub fn positions_for(&mut self, host: &[i32]) -> Result<Array> {
+        if let Some((prev, src)) = self.positions_used.take() {
+            if prev.len() == host.len() && prev.iter().zip(host).all(|(p, h)| p.checked_add(1) == Some(*h)) {
+                let next = src.add_scalar(1.0)?;
+                let positions = positions_view(&next, host.len())?;
+                self.positions_used = Some((host.to_vec(), next));
+                return Ok(positions);
+            }
+        }
         let mut padded = host.to_vec();
         padded.resize(host.len().max(POSITIONS_MIN), 0);
         let src = Array::from_slice(&padded, &[padded.len() as i32])?;
         let positions = positions_view(&src, host.len())?;
-        self.positions_src = Some(src);
+        self.positions_used = Some((host.to_vec(), src));
+        #[cfg(test)]
+        {
+            self.uploads += 1;
+        }
         Ok(positions)
     }
 
@@ -542,5 +551,48 @@ impl ForwardCache for StackedPass {
     fn conv_step_update(&mut self, layer: usize, _prev: &Array, next: &Array) -> Result<()> {
         self.state[self.slots[layer]] = next.clone();
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(a: &Array) -> Vec<i32> {
+        a.to_vec::<i32>().unwrap()
+    }
+
+    /// The positions a step takes are the host's numbers whichever way they
+    /// were made: stepped on from the last step's array while each is one
+    /// past it, uploaded anew where any is not (a row joined or left, a
+    /// step failed, the rows went through another path meanwhile).
+    #[test]
+    fn positions_step_on_on_the_gpu_and_are_uploaded_when_they_do_not() {
+        let mut b = DecodeBatch::default();
+        // Each call's host positions and whether they are uploaded.
+        let steps: [(&[i32], bool); 9] = [
+            (&[5, 9], true),
+            (&[6, 10], false),
+            (&[7, 11], false),
+            // A row two ahead.
+            (&[8, 13], true),
+            // A third row joins; then one leaves.
+            (&[9, 14, 3], true),
+            (&[10, 15, 4], false),
+            (&[16, 5], true),
+            // Wide batches need no padding.
+            (&[0, 1, 2, 3, 4, 5], true),
+            (&[1, 2, 3, 4, 5, 6], false),
+        ];
+        for (host, upload) in steps {
+            let before = b.uploads;
+            let p = b.positions_for(host).unwrap();
+            assert_eq!(p.shape(), vec![host.len() as i32]);
+            assert_eq!(values(&p), host.to_vec());
+            assert_eq!(b.uploads - before, upload as usize, "{host:?}: uploaded {}", b.uploads - before);
+            let (kept, src) = b.positions_used.clone().unwrap();
+            assert_eq!(kept, host.to_vec());
+            assert_eq!(src.size(), host.len().max(POSITIONS_MIN), "{host:?}: the array kept");
+        }
     }
 }

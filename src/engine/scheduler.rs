@@ -478,12 +478,11 @@ impl Scheduler {
             .iter()
             .map(|id| active.iter().position(|a| a.id == *id).ok_or_else(|| Error::invalid("batch row without a request")))
             .collect::<Result<_>>()?;
-        let (ids, positions) = match self.batch.take_carry()? {
-            Some(carried) => carried,
-            None => {
-                let positions: Vec<i32> = order.iter().map(|&i| active[i].seq.cache.pos as i32).collect();
-                (pending_ids(active, &order)?, self.batch.upload_positions(&positions)?)
-            }
+        let positions: Vec<i32> = order.iter().map(|&i| active[i].seq.cache.pos as i32).collect();
+        let positions = self.batch.positions_for(&positions)?;
+        let ids = match self.batch.take_carry()? {
+            Some(ids) => ids,
+            None => pending_ids(active, &order)?,
         };
         let built = e.compiled.as_ref().expect("checked by the caller").step_batch(&e.model, &ids, &positions, &mut self.batch, true);
         let logits = match built {
