@@ -126,8 +126,12 @@ sequence's decode position a view into a GPU-written table (out of MLX's
 managed pool, which 24 launches a step read; a default everywhere,
 `position-table-off` measures it, the greedy tests' `position-table-off`
 run checks it against the stock run's tokens) and padded a two-row batch's
-positions and row indices the same way; kernel-bench has a
-`scalar-table-view` arm.
+positions and row indices the same way (a batch's positions now step on on
+the GPU, sampled batches too); kernel-bench has a `scalar-table-view` arm.
+It also wrote the norm folds with eps compiled in (`fold-eps-const`,
+opt-in: the 350M's 32 fold launches a step read eps from the managed pool;
+its test is `norm_gemv_kernels_match_stock_ops`, its greedy set
+`MLX_LFM_FOLD_EPS_CONST`).
 Next (`bash bench/h200/prepare.sh` here first; ~1,650 s planned):
   1. carry [.device/a, .device/llama]: `stage` (~100 s with the start).
   2. carry [.device/b, .device/tests]: `install kernels` with
@@ -145,8 +149,9 @@ Next (`bash bench/h200/prepare.sh` here first; ~1,650 s planned):
   4. carry [.device/bin]: H200_MODELS=lfm2-8b-a1b-q4
      H200_AB_VARIANTS=router-scores-f32,router-scores-f32-early,position-table-off,eps-const-off
      `ab pick` (~220 s with the 8B-A1B's checkpoints), then the dense
-     models' `ab` of position-table-off, eps-const-off and gemv-prefetch
-     if time allows.
+     models' `ab` of position-table-off, eps-const-off, gemv-prefetch and
+     (the 350M) fold-eps-const if time allows; fold-eps-const needs
+     `norm_gemv_kernels_match_stock_ops` run too before `pick` takes it.
   5. `round 1`, `round 2` (~300 s each): the first rounds since session 24,
      with sessions 26-28's defaults (the GEMVs' walk, the prompt's q/k/v
      and conv kernels, eps compiled in, the position table).
@@ -1480,6 +1485,11 @@ AB = {
     # kernel-bench: ~1.6 µs a launch). The default on every backend since
     # session 28, before any GPU measured it: measured off.
     "position-table-off": ({"MLX_LFM_POSITION_TABLE": "0"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # The norm folds (the 350M's projections with the add + RMSNorm before
+    # them, 32 launches a step) with eps compiled in, as the add + RMSNorm
+    # and router + norm kernels have it since session 27; opt-in until this
+    # A/B (written in session 28).
+    "fold-eps-const": ({"MLX_LFM_FOLD_EPS_CONST": "1"}, ["lfm2-350m-bf16"]),
     # The quantized embedding's rows in one kernel (session 25: three
     # gathers, three reshapes and MLX's dequantize, seven of the 8B-A1B's
     # 203 nodes a step, as one); opt-in until this A/B.
@@ -1796,6 +1806,7 @@ AB_TESTS = {
     "compiled-prefill": ["compiled_prefill_equals_the_eager_prefill"],
     "conv-prefill-off": [],
     "position-table-off": [],
+    "fold-eps-const": ["norm_gemv_kernels_match_stock_ops", "greedy:MLX_LFM_FOLD_EPS_CONST"],
     "qkv-prefill-off": [],
     # (The same bits: the GEMV test holds the walks to each other.)
     "gemv-prefetch": ["gemv_kernel_matches_stock_ops"],
@@ -1845,7 +1856,7 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "gemv-max-k-2048-c2", "gemv-max-k-2048-c4", "gemv-max-k-2048-c2-early-guarded",
                "gemv-max-k-2048-c4-early-guarded", "gemv-c2", "gemv-c4", "swiglu-gemv-1024", "attention-smem",
                "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4", "conv-gemv",
-               "moe-down-early", "router-scores-f32", "router-scores-f32-early"}
+               "moe-down-early", "router-scores-f32", "router-scores-f32-early", "fold-eps-const", "position-table-off"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]

@@ -226,6 +226,10 @@ KERNELS["moe_router.rs#gate_norm@wide"] = (*KERNELS["moe_router.rs#gate_norm"][:
 # (MLX_LFM_NORM_GEMV_PREFETCH=early: NAME_EARLY before it), each as its fold.
 for _fold in ("dense", "swiglu", "quant"):
     KERNELS[f"norm_gemv.rs#{_fold}@early"] = KERNELS[f"norm_gemv.rs#{_fold}"]
+# The folds with eps compiled in (MLX_LFM_EPS_CONST: REPLACE_OF's substitution).
+for _fold in ("dense", "swiglu", "quant"):
+    _ins, _outs, _targs = KERNELS[f"norm_gemv.rs#{_fold}"]
+    KERNELS[f"norm_gemv.rs#{_fold}@epsc"] = (_ins, _outs, lambda dt, t=_targs: t(dt) + [("EPS_BITS", 925353388)])
 
 
 def header_of(path):
@@ -367,6 +371,7 @@ REPLACE_OF = {
     "add_rms_norm.rs@epsc": [("const float e = eps[0];", "const float e = __int_as_float(EPS_BITS);")],
     "moe_router.rs#gate_norm@const": substitutions("moe_router.rs", "GATE_NORM_CONST_SUBSTITUTIONS"),
     "moe_experts.rs#down@loads": substitutions("moe_experts.rs", "DOWN_EARLY_SUBSTITUTIONS"),
+    **{f"norm_gemv.rs#{f}@epsc": substitutions("norm_gemv.rs", "EPS_CONST_SUBSTITUTIONS") for f in ("dense", "swiglu", "quant")},
 }
 # A kernel variant's own #define, as its Rust side prepends it.
 DEFINES_OF = {

@@ -14,7 +14,8 @@
 //! default (src/kernels/gemv.rs, `serves_weight`); opt-in for quantized
 //! ones (`MLX_LFM_NORM_GEMV_KERNEL=1` with the quantized GEMV's switch);
 //! `=0` turns the fold off; `MLX_LFM_NORM_GEMV_PREFETCH=early` (opt-in)
-//! asks L2 for each warp's first rows before the norm. Tests in
+//! asks L2 for each warp's first rows before the norm;
+//! `MLX_LFM_FOLD_EPS_CONST=1` (opt-in) compiles eps in. Tests in
 //! src/kernels/tests.rs.
 
 use super::add_rms_norm::{for_walk, Walks};
@@ -36,7 +37,7 @@ const SHARED_BYTES: usize = 40 * 1024;
 /// over columns. (The first version, one block per 8 columns, ran the
 /// prologue for every 8 columns: 0.65 TB/s on the 1.2B's qkv and in_proj in
 /// the H200 profile of 2026-12-02.)
-const PROLOGUE: &str = "
+pub(crate) const PROLOGUE: &str = "
   __shared__ uint4 ys_store[M * K * sizeof(T) / 16];
   T* ys = reinterpret_cast<T*>(ys_store);
   {
@@ -141,9 +142,20 @@ fn early_prefetch() -> bool {
 
 /// A fold's kernels: for each of the dense GEMVs' column counts
 /// ([`super::gemv::cols`]; the quantized fold takes one), for each
-/// prefetch, one for each walk of the norm's runs (each its own name: MLX
-/// keeps compiled kernels by name).
-type Variants = [[Walks; 2]; 3];
+/// prefetch, with eps read or compiled in, one for each walk of the norm's
+/// runs (each its own name: MLX keeps compiled kernels by name).
+type Variants = [[[Walks; 2]; 2]; 3];
+
+/// The prologue's read of eps, and what replaces it where eps is compiled
+/// in (`EPS_BITS`, its float's bits, a template constant): the folds' `[1]`
+/// eps array lives in MLX 0.32.4's managed scalar pool, which a launch
+/// reads across the bus (~1.6 µs, session 26's kernel-bench) before its
+/// norm, on the path of everything after it, as the add + RMSNorm kernel
+/// did before session 27 (`MLX_LFM_EPS_CONST`, src/kernels/add_rms_norm.rs:
+/// decode 1.03x / 1.08x / 1.01x). The same float, so the same bits.
+pub(crate) const EPS_CONST_SUBSTITUTIONS: [(&str, &str); 1] = [
+    ("const float e = eps[0];", "const float e = __int_as_float(EPS_BITS);"),
+];
 
 /// Output columns a warp of this fold takes.
 fn fold_cols(quant: bool) -> i32 {
@@ -154,37 +166,50 @@ fn fold_cols(quant: bool) -> i32 {
     }
 }
 
-fn make(cells: &'static Variants, name: &str, inputs: &[&str], early: &str, body: &str, quant: bool) -> Option<&'static CudaKernel> {
+fn make(cells: &'static Variants, name: &str, inputs: &[&str], early: &str, body: &str, quant: bool, eps_const: bool) -> Option<&'static CudaKernel> {
     let early_on = early_prefetch();
     // (The quantized fold: one column a warp, in either arithmetic; its
     // exact variant in the cells the dense folds' column counts use.)
     let (c, csuffix, cdefine) = if quant { super::quant_gemv::exact_variant() } else { super::gemv::cols_variant() };
-    for_walk(&cells[c][usize::from(early_on)], || {
+    for_walk(&cells[c][usize::from(early_on)][usize::from(eps_const)], || {
         let mut name = super::add_rms_norm::kernel_name(name);
+        let prologue = if eps_const {
+            name.push_str("_epsc");
+            super::substituted(PROLOGUE, &EPS_CONST_SUBSTITUTIONS)
+        } else {
+            PROLOGUE.to_string()
+        };
         let source = if early_on {
             name.push_str("_early");
-            format!("{early}{PROLOGUE}{body}")
+            format!("{early}{prologue}{body}")
         } else {
-            format!("{PROLOGUE}{body}")
+            format!("{prologue}{body}")
         };
         name.push_str(csuffix);
         CudaKernel::new(&name, inputs, &["s", "y"], &source, &format!("{cdefine}{}", header(quant))).ok()
     })
 }
 
-fn dense_kernel() -> Option<&'static CudaKernel> {
-    static K: Variants = [const { [const { [const { OnceLock::new() }; 2] }; 2] }; 3];
-    make(&K, "lfm_norm_gemv", &["h", "r", "wn", "eps", "w"], DENSE_EARLY, DENSE_SOURCE, false)
+/// The fold's cells: one per column count, prefetch, eps form and walk.
+macro_rules! variants {
+    () => {
+        [const { [const { [const { [const { OnceLock::new() }; 2] }; 2] }; 2] }; 3]
+    };
 }
 
-fn swiglu_kernel() -> Option<&'static CudaKernel> {
-    static K: Variants = [const { [const { [const { OnceLock::new() }; 2] }; 2] }; 3];
-    make(&K, "lfm_norm_gemv_swiglu", &["h", "r", "wn", "eps", "w"], SWIGLU_EARLY, SWIGLU_SOURCE, false)
+fn dense_kernel(eps_const: bool) -> Option<&'static CudaKernel> {
+    static K: Variants = variants!();
+    make(&K, "lfm_norm_gemv", &["h", "r", "wn", "eps", "w"], DENSE_EARLY, DENSE_SOURCE, false, eps_const)
 }
 
-fn quant_kernel() -> Option<&'static CudaKernel> {
-    static K: Variants = [const { [const { [const { OnceLock::new() }; 2] }; 2] }; 3];
-    make(&K, "lfm_norm_qgemv", &["h", "r", "wn", "eps", "w", "scales", "biases"], QUANT_EARLY, QUANT_SOURCE, true)
+fn swiglu_kernel(eps_const: bool) -> Option<&'static CudaKernel> {
+    static K: Variants = variants!();
+    make(&K, "lfm_norm_gemv_swiglu", &["h", "r", "wn", "eps", "w"], SWIGLU_EARLY, SWIGLU_SOURCE, false, eps_const)
+}
+
+fn quant_kernel(eps_const: bool) -> Option<&'static CudaKernel> {
+    static K: Variants = variants!();
+    make(&K, "lfm_norm_qgemv", &["h", "r", "wn", "eps", "w", "scales", "biases"], QUANT_EARLY, QUANT_SOURCE, true, eps_const)
 }
 
 /// `MLX_LFM_NORM_GEMV_KERNEL`: `Some(true)` at `=1`, `Some(false)` at `=0`,
@@ -201,6 +226,15 @@ fn serves_dense(w: &Array, rows: usize) -> bool {
     switched().unwrap_or_else(|| super::gemv::serves_weight(w, rows))
 }
 
+/// Whether the folds compile eps in where the caller gives its value
+/// (`MLX_LFM_FOLD_EPS_CONST=1`: opt-in until its H200 test and A/B; the add
+/// + RMSNorm and router + norm kernels do by default since session 27, and
+/// the folds are the 350M's default projections, 32 launches a step).
+fn fold_eps_const() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    super::opt_in("MLX_LFM_FOLD_EPS_CONST", &ON) && super::add_rms_norm::eps_const()
+}
+
 /// `rms_norm(h + r) * wn` for the fused kernels: `h` and `r` `[.., K]` of
 /// one shape, `wn` `[K]`, `eps` a float32 `[1]` array.
 pub struct NormIn<'a> {
@@ -208,9 +242,17 @@ pub struct NormIn<'a> {
     pub r: &'a Array,
     pub wn: &'a Array,
     pub eps: &'a Array,
+    /// `eps`'s value where the caller has it: the folds then compile it in
+    /// under `MLX_LFM_FOLD_EPS_CONST=1` ([`EPS_CONST_SUBSTITUTIONS`]).
+    pub eps_value: Option<f32>,
 }
 
 impl NormIn<'_> {
+    /// eps's value, where the folds take it as a constant.
+    fn eps_const(&self) -> Option<f32> {
+        self.eps_value.filter(|_| fold_eps_const())
+    }
+
     /// Whether the operands fit one another (`r` as `h`, `wn` one weight
     /// per column of `h` in its dtype, `eps` a float32 `[1]`): what every
     /// kernel that folds this norm asks before its own limits.
@@ -251,12 +293,12 @@ pub fn dense_available(n: &NormIn, w: &Array) -> bool {
     n.served().is_some_and(|(k, rows)| {
         serves_dense(w, rows) && w.dtype() == n.h.dtype() && w.ndim() == 2 && w.dim(1) == k && w.dim(0) > 0
     })
-        && dense_kernel().is_some()
+        && dense_kernel(n.eps_const().is_some()).is_some()
 }
 
 /// Whether [`norm_gemv_swiglu`] serves `n` and the stacked `[2F, K]` `w`.
 pub fn swiglu_available(n: &NormIn, w: &Array) -> bool {
-    dense_available(n, w) && w.dim(0) % 2 == 0 && swiglu_kernel().is_some()
+    dense_available(n, w) && w.dim(0) % 2 == 0 && swiglu_kernel(n.eps_const().is_some()).is_some()
 }
 
 /// Whether [`norm_qgemv`] serves `n` and the quantized `[N, K * bits / 32]`
@@ -269,18 +311,18 @@ pub fn quant_available(n: &NormIn, q: &Quantized) -> bool {
             && q.weight.dim(0) > 0
             && q.weight.dim(1) as i64 * 32 == k as i64 * q.spec.bits as i64
             && q.scales.shape() == [q.weight.dim(0), k / q.spec.group_size]
-    }) && quant_kernel().is_some()
+    }) && quant_kernel(n.eps_const().is_some()).is_some()
 }
 
 /// `(h + r, (rms_norm(h + r) * wn) @ w.T)`.
 pub fn norm_gemv(n: &NormIn, w: &Array) -> Result<(Array, Array)> {
-    let kern = dense_kernel().ok_or_else(|| Error::mlx("the fused norm + GEMV kernel is not available"))?;
+    let kern = dense_kernel(n.eps_const().is_some()).ok_or_else(|| Error::mlx("the fused norm + GEMV kernel is not available"))?;
     launch(kern, n, &[w], w.dim(0), vec![], fold_cols(false))
 }
 
 /// `(h + r, silu(y @ w[..F].T) * (y @ w[F..].T))` with `y = rms_norm(h + r) * wn`.
 pub fn norm_gemv_swiglu(n: &NormIn, w: &Array) -> Result<(Array, Array)> {
-    let kern = swiglu_kernel().ok_or_else(|| Error::mlx("the fused norm + GEMV + SwiGLU kernel is not available"))?;
+    let kern = swiglu_kernel(n.eps_const().is_some()).ok_or_else(|| Error::mlx("the fused norm + GEMV + SwiGLU kernel is not available"))?;
     let n2 = w.dim(0);
     if n2 % 2 != 0 {
         return Err(Error::invalid(format!("norm + GEMV + SwiGLU: the stacked weight has an odd number of rows ({n2})")));
@@ -290,7 +332,7 @@ pub fn norm_gemv_swiglu(n: &NormIn, w: &Array) -> Result<(Array, Array)> {
 
 /// `(h + r, (rms_norm(h + r) * wn) @ dequantize(q).T)`.
 pub fn norm_qgemv(n: &NormIn, q: &Quantized) -> Result<(Array, Array)> {
-    let kern = quant_kernel().ok_or_else(|| Error::mlx("the fused norm + quantized GEMV kernel is not available"))?;
+    let kern = quant_kernel(n.eps_const().is_some()).ok_or_else(|| Error::mlx("the fused norm + quantized GEMV kernel is not available"))?;
     let biases = q.biases.as_ref().ok_or_else(|| Error::invalid("the quantized GEMV kernels need affine biases"))?;
     let k = n.h.dim(-1);
     let mut template = quant_template(q, k, n.h.dtype());
@@ -311,6 +353,9 @@ fn launch(kern: &CudaKernel, n: &NormIn, weights: &[&Array], cols: i32, mut temp
     let mut inputs = vec![n.h, n.r, n.wn, n.eps];
     inputs.extend_from_slice(weights);
     template.extend([("K", TemplateArg::Int(k)), ("M", TemplateArg::Int(rows as i32)), ("T", TemplateArg::Dtype(dt))]);
+    if let Some(e) = n.eps_const() {
+        template.push(("EPS_BITS", TemplateArg::Int(e.to_bits() as i32)));
+    }
     let grid = warp_grid((cols + per_warp - 1) / per_warp)?.min(MAX_BLOCKS * THREADS);
     let mut outs = kern.call(&inputs, &[(&hs, dt), (&ys, dt)], [grid, 1, 1], [THREADS, 1, 1], &template)?;
     let y = outs.pop().ok_or_else(|| Error::mlx("norm + GEMV kernel: missing output"))?;

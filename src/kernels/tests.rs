@@ -453,6 +453,9 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 // decode attention over position chunks (8 a KV head under
                 // the opt-in).
                 alone.push("MLX_LFM_DECODE_ATTENTION_CHUNKS");
+                // The norm folds with eps compiled in (the folds serve the
+                // dense weights up to 1,024 wide: every fixture's).
+                alone.push("MLX_LFM_FOLD_EPS_CONST");
                 for var in alone {
                     runs.push((var, crate::kernels::with_opt_in_one(var, || run(Some(&stock))).0));
                 }
@@ -1092,10 +1095,11 @@ fn decode_attention_kernel_matches_stock_ops() {
 /// would then pass against itself). Runs on any backend: only the text.
 #[test]
 fn kernel_variant_substitutions_each_land() {
-    use crate::kernels::{moe_experts as me, moe_router as mr};
-    let sets = [
+    use crate::kernels::{moe_experts as me, moe_router as mr, norm_gemv as ng};
+    let sets: [(&str, &str, &[(&str, &str)]); 3] = [
         ("the down kernel's early loads", me::DOWN_SOURCE, &me::DOWN_EARLY_SUBSTITUTIONS),
         ("the router + norm kernel's constants", mr::GATE_NORM_SOURCE, &mr::GATE_NORM_CONST_SUBSTITUTIONS),
+        ("the norm folds' eps", ng::PROLOGUE, &ng::EPS_CONST_SUBSTITUTIONS),
     ];
     for (what, source, subs) in sets {
         // (Each against the text the earlier ones left, as `substituted` makes them.)
@@ -1139,7 +1143,7 @@ fn moe_router_norm_kernel_matches_the_norm_and_router_kernels() {
         let wn = normal(&[d], Dtype::Float32, 1.0, 0.2, None).unwrap().astype(dt).unwrap();
         let bias = normal(&[e], Dtype::Float32, 0.0, 0.05, None).unwrap();
         let sc = Array::from_slice(&[2.5f32], &[1]).unwrap();
-        let n = NormIn { h: &h, r: &r, wn: &wn, eps: &eps };
+        let n = NormIn { h: &h, r: &r, wn: &wn, eps: &eps, eps_value: None };
         for walk in [None, Some("guarded")] {
             let what = format!("{dt:?} {e} experts top-{k}, {d} wide, {bits}-bit g{gs}, {rows} rows, walk {walk:?}");
             let vars = [("MLX_LFM_NORM_RUNS".to_string(), walk.map(str::to_string))];
@@ -1201,7 +1205,7 @@ fn moe_router_norm_kernel_matches_the_norm_and_router_kernels() {
     // MLX_LFM_ROUTER_NORM_KERNEL=0.
     use crate::kernels::moe_router::gate_norm_warps;
     if std::env::var_os("MLX_LFM_ROUTER_NORM_KERNEL").is_none() {
-        assert!(gate_norm_available(&NormIn { h: &h, r: &h, wn: &wn, eps: &eps }, &q, 4), "not served by default");
+        assert!(gate_norm_available(&NormIn { h: &h, r: &h, wn: &wn, eps: &eps, eps_value: None }, &q, 4), "not served by default");
     }
     if std::env::var_os("MLX_LFM_ROUTER_NORM_WIDE").is_none() {
         assert_eq!(gate_norm_warps(32), 32, "not a warp an expert by default");
@@ -1209,15 +1213,15 @@ fn moe_router_norm_kernel_matches_the_norm_and_router_kernels() {
     let narrow = [("MLX_LFM_ROUTER_NORM_WIDE".to_string(), Some("0".to_string()))];
     assert_eq!(crate::knobs::with_overrides(&narrow, || gate_norm_warps(32)), 8);
     crate::kernels::with_default_off_one("MLX_LFM_ROUTER_NORM_KERNEL", || {
-        assert!(!gate_norm_available(&NormIn { h: &h, r: &h, wn: &wn, eps: &eps }, &q, 4), "served with the switch off");
+        assert!(!gate_norm_available(&NormIn { h: &h, r: &h, wn: &wn, eps: &eps, eps_value: None }, &q, 4), "served with the switch off");
     });
     let h3 = h.reshape(&[1, 1, 2048]).unwrap();
     let q1 = quantized(&normal(&[32, 1024], Dtype::Float32, 0.0, 0.04, None).unwrap(), Dtype::Bfloat16, 8, 64);
     let h1 = normal(&[1, 1024], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(Dtype::Bfloat16).unwrap();
     let wn1 = normal(&[1024], Dtype::Float32, 1.0, 0.2, None).unwrap().astype(Dtype::Bfloat16).unwrap();
     with_opt_in_one("MLX_LFM_ROUTER_NORM_KERNEL", || {
-        assert!(!gate_norm_available(&NormIn { h: &h3, r: &h3, wn: &wn, eps: &eps }, &q, 4));
-        assert!(!gate_norm_available(&NormIn { h: &h1, r: &h1, wn: &wn1, eps: &eps }, &q1, 4));
+        assert!(!gate_norm_available(&NormIn { h: &h3, r: &h3, wn: &wn, eps: &eps, eps_value: None }, &q, 4));
+        assert!(!gate_norm_available(&NormIn { h: &h1, r: &h1, wn: &wn1, eps: &eps, eps_value: None }, &q1, 4));
     });
 }
 
@@ -1680,7 +1684,7 @@ fn norm_gemv_kernels_match_stock_ops() {
                 let r = normal(&[rows, 1, k], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
                 let wn = normal(&[k], Dtype::Float32, 1.0, 0.2, None).unwrap().astype(dt).unwrap();
                 let w = normal(&[n, k], Dtype::Float32, 0.0, 0.05, None).unwrap().astype(dt).unwrap();
-                let ni = NormIn { h: &h, r: &r, wn: &wn, eps: &eps };
+                let ni = NormIn { h: &h, r: &r, wn: &wn, eps: &eps, eps_value: None };
                 let s_want = h.add(&r).unwrap();
                 let x = rms_norm(&s_want, Some(&wn), 1e-5).unwrap();
                 let what = format!("{dt:?} {rows}x{k} -> {n}");
@@ -1698,6 +1702,11 @@ fn norm_gemv_kernels_match_stock_ops() {
                 assert_eq!((differing(&gs, &dense.0), differing(&gy, &dense.1)), (0, 0), "{what}: the guarded walk differs");
                 let (es, ey) = early(|| norm_gemv(&ni, &w).unwrap());
                 assert_eq!((differing(&es, &dense.0), differing(&ey, &dense.1)), (0, 0), "{what}: the early prefetch differs");
+                // Eps compiled in (the model passes its value; MLX_LFM_EPS_CONST,
+                // a CUDA default): the same float, so the same bits.
+                let nc = NormIn { eps_value: Some(1e-5), ..ni };
+                let (cs, cy) = norm_gemv(&nc, &w).unwrap();
+                assert_eq!((differing(&cs, &dense.0), differing(&cy, &dense.1)), (0, 0), "{what}: eps compiled in differs");
                 // (The columns a warp are the same code in every dtype: one
                 // dtype's kernels hold it, each compile costs the H200 call
                 // seconds: 317 s for this test with all three in session 22.)
@@ -1715,6 +1724,8 @@ fn norm_gemv_kernels_match_stock_ops() {
                     let got = norm_gemv_swiglu(&ni, &w).unwrap();
                     let (es, ey) = early(|| norm_gemv_swiglu(&ni, &w).unwrap());
                     assert_eq!((differing(&es, &got.0), differing(&ey, &got.1)), (0, 0), "{what} swiglu: the early prefetch differs");
+                    let (cs, cy) = norm_gemv_swiglu(&nc, &w).unwrap();
+                    assert_eq!((differing(&cs, &got.0), differing(&cy, &got.1)), (0, 0), "{what} swiglu: eps compiled in differs");
                     for c in if dt == Dtype::Bfloat16 { &["2", "4"][..] } else { &[][..] } {
                         let (cs, cy) = with_cols(c, || norm_gemv_swiglu(&ni, &w).unwrap());
                         assert_eq!((differing(&cs, &got.0), differing(&cy, &got.1)), (0, 0), "{what} swiglu: {c} columns a warp differ");
@@ -1732,6 +1743,8 @@ fn norm_gemv_kernels_match_stock_ops() {
                     assert_eq!((differing(&gs, &s), differing(&gy, &got)), (0, 0), "{what} 4-bit: the guarded walk differs");
                     let (es, ey) = early(|| norm_qgemv(&ni, &q).unwrap());
                     assert_eq!((differing(&es, &s), differing(&ey, &got)), (0, 0), "{what} 4-bit: the early prefetch differs");
+                    let (cs, cy) = norm_qgemv(&nc, &q).unwrap();
+                    assert_eq!((differing(&cs, &s), differing(&cy, &got)), (0, 0), "{what} 4-bit: eps compiled in differs");
                     // MLX's arithmetic (MLX_LFM_QGEMV_EXACT): one row in a half
                     // type is MLX's qmv over the fused norm's output, to the bit.
                     let (xs, xy) = in_mlx_arithmetic(|| norm_qgemv(&ni, &q).unwrap());
@@ -1757,7 +1770,7 @@ fn norm_gemv_kernels_match_stock_ops() {
             let h = normal(&[1, 1, 256], Dtype::Float32, 0.0, 4.0, None).unwrap().astype(dt).unwrap();
             let r = normal(&[1, 1, 256], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
             let wn = normal(&[256], Dtype::Float32, 1.0, 0.2, None).unwrap().astype(dt).unwrap();
-            let ni = NormIn { h: &h, r: &r, wn: &wn, eps: &eps };
+            let ni = NormIn { h: &h, r: &r, wn: &wn, eps: &eps, eps_value: None };
             let x = rms_norm(&h.add(&r).unwrap(), Some(&wn), 1e-5).unwrap();
             for n in [34_001, 34_002] {
                 let w = normal(&[n, 256], Dtype::Float32, 0.0, 0.05, None).unwrap().astype(dt).unwrap();
@@ -1780,13 +1793,13 @@ fn norm_gemv_kernels_match_stock_ops() {
         let big = normal(&[8, 8192], Dtype::Float32, 0.0, 1.0, None).unwrap();
         let wn = normal(&[8192], Dtype::Float32, 1.0, 0.2, None).unwrap();
         let w = normal(&[16, 8192], Dtype::Float32, 0.0, 0.05, None).unwrap();
-        assert!(!dense_available(&NormIn { h: &big, r: &big, wn: &wn, eps: &eps }, &w));
+        assert!(!dense_available(&NormIn { h: &big, r: &big, wn: &wn, eps: &eps, eps_value: None }, &w));
         let h = normal(&[9, 64], Dtype::Float32, 0.0, 1.0, None).unwrap();
         let wn = normal(&[64], Dtype::Float32, 1.0, 0.2, None).unwrap();
         let w = normal(&[16, 64], Dtype::Float32, 0.0, 0.05, None).unwrap();
-        assert!(!dense_available(&NormIn { h: &h, r: &h, wn: &wn, eps: &eps }, &w));
+        assert!(!dense_available(&NormIn { h: &h, r: &h, wn: &wn, eps: &eps, eps_value: None }, &w));
         let r = normal(&[1, 64], Dtype::Float32, 0.0, 1.0, None).unwrap();
-        assert!(!dense_available(&NormIn { h: &h.slice_axis(0, 0, 2).unwrap(), r: &r, wn: &wn, eps: &eps }, &w));
+        assert!(!dense_available(&NormIn { h: &h.slice_axis(0, 0, 2).unwrap(), r: &r, wn: &wn, eps: &eps, eps_value: None }, &w));
     });
 }
 

@@ -467,7 +467,7 @@ impl Normed<'_> {
 
     /// The operands of the fused norm + GEMV kernels (there is a residual).
     pub fn kernel_input(&self) -> Option<crate::kernels::norm_gemv::NormIn<'_>> {
-        self.r.map(|r| crate::kernels::norm_gemv::NormIn { h: self.h, r, wn: self.w, eps: self.eps_array })
+        self.r.map(|r| crate::kernels::norm_gemv::NormIn { h: self.h, r, wn: self.w, eps: self.eps_array, eps_value: Some(self.eps) })
     }
 }
 
