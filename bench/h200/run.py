@@ -245,6 +245,7 @@ import statistics
 import subprocess
 import sys
 import time
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -368,6 +369,10 @@ def stage(llama=True, mlx=True):
 
 PTX = WORK / "ptx"
 PTX_CARRY = ROOT / ".device" / "ptx" / "ptx-cache.tgz"
+# MLX's own cache folder where MLX_PTX_CACHE_DIR is not set
+# (<temp>/mlx/<version>/ptx): a process started without run_env's
+# environment (ncu's, a test binary's children) writes there.
+MLX_TEMP_PTX = Path(tempfile.gettempdir()) / "mlx"
 
 
 def gpu_capability():
@@ -432,13 +437,23 @@ def save_ptx(limit=None):
     import tarfile
 
     # (Every file but the sources: session 26's first save found no .ptx
-    # there, so it keeps whatever this MLX writes, and says what it found.)
-    found = [p for p in PTX.rglob("*") if p.is_file()] if PTX.exists() else []
-    files = sorted((p for p in found if p.suffix != ".cu"), key=lambda p: (not p.name.startswith("custom_kernel_"), str(p)))
+    # there, so it keeps whatever this MLX writes, and says what it found;
+    # and MLX's default folder too, which a process that did not get
+    # MLX_PTX_CACHE_DIR fills: session 26's save found nothing in ours.)
+    folders = [PTX] + sorted(MLX_TEMP_PTX.glob("*/ptx"))
+    found, seen = [], set()
+    for folder in folders:
+        # (A file of one name is kept from the first folder that has it.)
+        for p in sorted(folder.rglob("*")) if folder.exists() else []:
+            if p.is_file() and str(p.relative_to(folder)) not in seen:
+                seen.add(str(p.relative_to(folder)))
+                found.append((folder, p))
+    root_of = lambda p: next(f for f in folders if p.is_relative_to(f))
+    files = sorted((p for _, p in found if p.suffix != ".cu"), key=lambda p: (not p.name.startswith("custom_kernel_"), str(p)))
     suffixes = {}
-    for p in found:
+    for _, p in found:
         suffixes[p.suffix or "(none)"] = suffixes.get(p.suffix or "(none)", 0) + 1
-    rel = lambda p: str(p.relative_to(PTX))
+    rel = lambda p: str(p.relative_to(root_of(p)))
     modules = sorted({rel(p.with_suffix("")) for p in files}, key=lambda m: (not Path(m).name.startswith("custom_kernel_"), m))
     out = OUT / "ptx-cache.tgz"
     keep = len(modules)
@@ -458,7 +473,8 @@ def save_ptx(limit=None):
         if out.stat().st_size <= limit or keep == 0:
             break
         keep = keep * 3 // 4
-    record(engine="ptx-cache", saved=keep, of=len(modules), bytes=out.stat().st_size, folder=str(PTX),
+    record(engine="ptx-cache", saved=keep, of=len(modules), bytes=out.stat().st_size,
+           folders={str(f): sum(1 for g, _ in found if g == f) for f in folders},
            found=suffixes, env=os.environ.get("MLX_PTX_CACHE_DIR"))
 
 

@@ -28,6 +28,7 @@ def load_run(work):
     run.OUT = work / "out"
     run.RAW = work / "raw.jsonl"
     run.PTX = work / "ptx"
+    run.MLX_TEMP_PTX = work / "tmp-mlx"
     run.GGUF_PID = work / "gguf.pid"
     run.GGUF_RC = work / "gguf.rc"
     run.GGUF_OUT = work / "gguf-out"
@@ -161,6 +162,25 @@ class PtxCache(unittest.TestCase):
         self.run.restore_ptx()
         self.assertEqual(len(list(self.run.PTX.iterdir())), 8)
         self.assertEqual(records(self.run)[-1]["restored"], 8)
+
+    def test_mlx_default_folder_is_saved_too(self):
+        # A process without MLX_PTX_CACHE_DIR writes into <temp>/mlx/<version>/ptx.
+        other = self.run.MLX_TEMP_PTX / "0.32.4" / "ptx"
+        other.mkdir(parents=True)
+        (other / "custom_kernel_lfm_c.ptx").write_bytes(b"cubin")
+        (other / "custom_kernel_lfm_c.txt").write_text("c\t_Zc\n")
+        (other / "binary_add.ptx").write_bytes(b"a copy of one ours has")
+        self.run.save_ptx()
+        names = self.saved()
+        self.assertIn("custom_kernel_lfm_c.ptx", names)
+        self.assertEqual(names.count("binary_add.ptx"), 1)
+        self.assertEqual(len(names), 11)
+        rec = records(self.run)[-1]
+        self.assertEqual(rec["folders"], {str(self.run.PTX): 12, str(other): 2})
+        self.run.PTX_CARRY = self.run.OUT / "ptx-cache.tgz"
+        self.run.PTX = self.run.WORK / "fresh"
+        self.run.restore_ptx()
+        self.assertEqual(records(self.run)[-1]["restored"], 10)
 
     def test_too_large_keeps_ours_first(self):
         self.run.save_ptx(limit=100_000)
