@@ -148,7 +148,9 @@ Next (`bash bench/h200/prepare.sh` here first; ~1,650 s planned):
      or under), then `save-ptx`.
   4. carry [.device/bin]: H200_MODELS=lfm2-8b-a1b-q4
      H200_AB_VARIANTS=router-scores-f32,router-scores-f32-early,position-table-off,eps-const-off
-     `ab pick` (~220 s with the 8B-A1B's checkpoints), then the dense
+     `ab pick` (~220 s with the 8B-A1B's checkpoints), then `profile-gaps`
+     of the 1.2B and the 8B-A1B (~120 s: the time between a step's
+     kernels, never measured so far), then the dense
      models' `ab` of position-table-off, eps-const-off, gemv-prefetch and
      (the 350M) fold-eps-const if time allows; fold-eps-const needs
      `norm_gemv_kernels_match_stock_ops` run too before `pick` takes it.
@@ -218,7 +220,8 @@ tests passed (picked-env.json), which every later step of the session runs
 with; the repository's defaults are then set to match, so the rounds
 measure what ships. (`profile-prefill` profiles a 512-token prefill the
 same way; `profile-kernels` records ncu's detail sections for the kernels
-H200_NCU_KERNELS matches; `ab-binaries` times .device/prev/mlx-lfm-bench-prev, a build of
+H200_NCU_KERNELS matches; `profile-gaps` the step's GPU time as one graph
+less its kernels' ncu durations with warm caches, the time between them; `ab-binaries` times .device/prev/mlx-lfm-bench-prev, a build of
 the previous commit, against this one; `constrained` times constrained
 against free decode; `dispatch-cost` what a node of each kind costs the
 host; `new-lengths` times the first prefill at new prompt
@@ -855,6 +858,50 @@ def profile():
                 "--gen", "64", "--reps", "3"], f"step-{name}", check=False)
         walls = [json.loads(l)["solo_step_ms"] for l in r.stdout.splitlines() if "solo_step_ms" in l]
         record(engine="ncu", model=name, step_wall_ms=walls)
+
+
+def profile_gaps():
+    """Where a decode step's GPU time goes between its kernels (the issue's
+    "gaps between kernels"): for each model in ab_models(), the kernels of
+    one compiled step timed by ncu with the caches left warm
+    (`--cache-control none`: `profile` flushes them before each launch,
+    an upper bound), and the step's whole GPU time as one CUDA graph waited
+    for right after its dispatch (gpu-time-per-step's knobs: the wait after
+    the dispatch, host_us' fourth field, median over the steps of three
+    reps). Their difference is the time no kernel of the step ran: the
+    graph's launches between dependent kernels, and ncu's serial timing
+    of each kernel alone. ncu's own per-kernel overhead is not in its
+    durations, so the figure is an estimate, recorded as such."""
+    for name in ab_models():
+        e = env()
+        csv = ncu_step(name, "ncu-warm", ["--cache-control", "none", "--metrics", "gpu__time_duration.sum"], "raw", e)
+        if csv is None:
+            continue
+        warm = summarize_ncu(csv)
+        r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--prompts", "512", "--gen", "64", "--reps", "3",
+                "--paths", "compiled"], f"gpu-step-{name}", check=False, env={**ours_env(), **AB["gpu-time-per-step"][0]})
+        waits = gpu_step_waits(r.stdout)
+        gpu_us = statistics.median(waits) if waits else None
+        record(engine="profile-gaps", model=name, kernels=warm["kernels"], kernel_us_warm=warm["kernel_us"],
+               under_5us=warm["under_5us"], gpu_step_us=gpu_us, gpu_step_us_runs=waits,
+               gaps_us=None if gpu_us is None else gpu_us - warm["kernel_us"],
+               by_kernel=warm["by_kernel"][:12])
+
+
+def gpu_step_waits(stdout):
+    """Each rep's wait after the dispatch (host_build_dispatch_wait_us_runs'
+    fourth field) from mlx-lfm-bench's lines: under gpu-time-per-step's
+    knobs, a step's whole GPU time."""
+    waits = []
+    for line in stdout.splitlines():
+        try:
+            j = json.loads(line)
+        except ValueError:
+            continue
+        for run in j.get("host_build_dispatch_wait_us_runs") or []:
+            if len(run) >= 4:
+                waits.append(run[3])
+    return waits
 
 
 # ncu's detail sections and its per-reason warp stalls, as `profile-kernels`
@@ -2292,6 +2339,9 @@ def main():
             elif a == "profile-kernels":
                 install()
                 profile_kernels()
+            elif a == "profile-gaps":
+                install()
+                profile_gaps()
             elif a == "profile-prefill":
                 install()
                 profile_prefill()

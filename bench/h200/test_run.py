@@ -208,6 +208,60 @@ class PtxCache(unittest.TestCase):
         self.assertEqual(sorted(p.name for p in self.run.OUT.iterdir()), ["logs.tgz", "ptx-cache.tgz", "raw.jsonl"])
 
 
+class ProfileGaps(unittest.TestCase):
+    """profile-gaps: the step's GPU time as one graph less its kernels' warm
+    ncu durations."""
+
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.run = load_run(Path(self.tmp.name))
+        self.run.ab_models = lambda: ["lfm2-1.2b-bf16"]
+        self.run.ours_ck = lambda name: "/ck/" + name
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=["ID", "Kernel Name", "gpu__time_duration.sum"])
+        w.writeheader()
+        for i, (k, ns) in enumerate([("gemv_single", "8,000"), ("custom_kernel_lfm_add_rms_norm_0123456789abcdef", "3000"),
+                                     ("gemv_single", "6000")]):
+            w.writerow({"ID": str(i), "Kernel Name": k, "gpu__time_duration.sum": ns})
+        self.csv = buf.getvalue()
+        self.calls = []
+
+    def tearDown(self):
+        self.tmp.cleanup()
+
+    def fake(self, bench_stdout):
+        def sh(cmd, *a, **k):
+            self.calls.append((list(map(str, cmd)), k.get("env") or {}))
+            if "--import" in cmd:
+                return Result(self.csv)
+            if cmd[0] == "ncu":
+                return Result()
+            return Result(bench_stdout)
+        self.run.sh = sh
+
+    def test_gaps_are_the_graph_time_less_the_kernels(self):
+        line = {"path": "compiled", "host_build_dispatch_wait_us_runs": [[100, 50, 2, 40.0], [90, 40, 2, 30.0], [95, 45, 2, 35.0]]}
+        self.fake("{\"mlx\": \"0.32.4\"}\n" + json.dumps(line))
+        self.run.profile_gaps()
+        rec = [r for r in records(self.run) if r.get("engine") == "profile-gaps"][-1]
+        self.assertEqual(rec["kernels"], 3)
+        self.assertAlmostEqual(rec["kernel_us_warm"], 17.0)
+        self.assertEqual(rec["gpu_step_us"], 35.0)
+        self.assertAlmostEqual(rec["gaps_us"], 18.0)
+        ncu = next(c for c, _ in self.calls if c[0] == "ncu" and "--import" not in c)
+        self.assertIn("--cache-control", ncu)
+        self.assertEqual(ncu[ncu.index("--cache-control") + 1], "none")
+        bench_env = next(e for c, e in self.calls if c[0] != "ncu")
+        self.assertEqual(bench_env.get("MLX_LFM_SYNC_STEPS"), "1")
+
+    def test_no_wait_figures_give_no_gaps(self):
+        self.fake("not json\n" + json.dumps({"host_build_dispatch_wait_us_runs": [[1, 2, 3]]}))
+        self.run.profile_gaps()
+        rec = [r for r in records(self.run) if r.get("engine") == "profile-gaps"][-1]
+        self.assertIsNone(rec["gpu_step_us"])
+        self.assertIsNone(rec["gaps_us"])
+
+
 class GgufBackground(unittest.TestCase):
     """What a round does about a GGUF chain started in the background."""
 
