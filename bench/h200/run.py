@@ -131,7 +131,12 @@ the GPU, sampled batches too); kernel-bench has a `scalar-table-view` arm.
 It also wrote the norm folds with eps compiled in (`fold-eps-const`,
 opt-in: the 350M's 32 fold launches a step read eps from the managed pool;
 its test is `norm_gemv_kernels_match_stock_ops`, its greedy set
-`MLX_LFM_FOLD_EPS_CONST`).
+`MLX_LFM_FOLD_EPS_CONST`), and a fold without the prologue
+(`fold-deferred`: each warp walks the residual's rows and the norm's
+weight beside its weight rows and scales its sums once, so its weight
+loads start at once; same test, greedy set `norm-gemv-deferred`;
+kernel-bench arms `norm-then-*` against `fold-prologue*` and
+`fold-deferred*` on the 1.2B's in_proj and w1/w3).
 Next (`bash bench/h200/prepare.sh` here first; ~1,650 s planned):
   1. carry [.device/a, .device/llama]: `stage` (~100 s with the start).
   2. carry [.device/b, .device/tests]: `install kernels` with
@@ -141,19 +146,21 @@ Next (`bash bench/h200/prepare.sh` here first; ~1,650 s planned):
      weights and their greedy set; the wide greedy test also runs the
      defaults adopted in session 27 and the position table against the
      host scalar).
-  3. carry [.device/bin]: `gguf-bg kernel-detail` with
+  3. carry [.device/bin]: `gguf-bg kernel-bench kernel-detail` with
      H200_DETAIL_ARMS=mlx-moe-q4-down,moe-q4-down,moe-q4-down-f32-score,moe-q4-down-early-f32-score
      and H200_SOURCE_ARMS=moe-q4-down-f32-score (~90 s: whether the
      weights out of MLX's scalar pool take the down kernel to MLX's 13 µs
-     or under), then `save-ptx`.
+     or under; kernel-bench ~80 s: the scalar-table-view arm and the
+     folds alone), then `save-ptx`.
   4. carry [.device/bin]: H200_MODELS=lfm2-8b-a1b-q4
      H200_AB_VARIANTS=router-scores-f32,router-scores-f32-early,position-table-off,eps-const-off
      `ab pick` (~220 s with the 8B-A1B's checkpoints), then `profile-gaps`
      of the 1.2B and the 8B-A1B (~120 s: the time between a step's
      kernels, never measured so far), then the dense
-     models' `ab` of position-table-off, eps-const-off, gemv-prefetch and
-     (the 350M) fold-eps-const if time allows; fold-eps-const needs
-     `norm_gemv_kernels_match_stock_ops` run too before `pick` takes it.
+     models' `ab` of position-table-off, eps-const-off, gemv-prefetch,
+     fold-deferred and (the 350M) fold-eps-const if time allows; the two
+     folds need `norm_gemv_kernels_match_stock_ops` and the tiny greedy
+     test run too before `pick` takes them.
   5. `round 1`, `round 2` (~300 s each): the first rounds since session 24,
      with sessions 26-28's defaults (the GEMVs' walk, the prompt's q/k/v
      and conv kernels, eps compiled in, the position table).
@@ -1248,10 +1255,14 @@ def kernel_bench():
     MLX's gathered products (`gather_qmv`) and our gate/up and down kernels,
     the down kernel at 1, 2 and 4 columns a warp (a plan's n is the rows
     the row's 4 experts read, k their width, so the GB/s are comparable).
+    Then the 1.2B's norm with the projection after it: as the step runs
+    them (`norm-then-*`, the add + RMSNorm kernel and the GEMV, two
+    kernels a product: us_per_product sums them) against the prologue
+    fold and the deferred one (`fold-*`, one launch).
     No checkpoint needed (~1 minute)."""
     rep = WORK / "kernel-bench"
     cmd = ["ncu", "--clock-control", "none", "-f", "-o", rep, "--kernel-name",
-           "regex:gemv|qmv|gather_qmm|lfm_bench_scale|lfm_decode_attention|lfm_moe",
+           "regex:gemv|qmv|gather_qmm|lfm_bench_scale|lfm_decode_attention|lfm_moe|lfm_add_rms_norm",
            "--metrics", "gpu__time_duration.sum,dram__bytes_read.sum",
            BENCH, "--kernel-bench", "--device", "gpu", "--reps", "3"]
     r = sh(cmd, "kernel-bench", check=False)
@@ -1301,7 +1312,7 @@ def kernel_bench():
                # (bf16 weights, or 4-bit with a bf16 scale and bias a group of 64;
                # the scalar arms read one row, their time is the figure)
                gbps_median=(p["n"] * p["k"] * (0.5625 if "q4" in p["arm"] else 2) / (med * 1e3))
-               if med and not p["arm"].startswith(("scalar", "att-")) else None,
+               if med and not p["arm"].startswith(("scalar", "att-", "norm-then")) else None,
                dram_read_bytes_median=sorted(read)[len(read) // 2] if read else None,
                us_median_by_kernel=by_name, us_per_product=sum(by_name.values()) if by_name else None,
                wall_us_median=wall.get("wall_us_median"))
@@ -1553,6 +1564,13 @@ AB = {
     # and router + norm kernels have it since session 27; opt-in until this
     # A/B (written in session 28).
     "fold-eps-const": ({"MLX_LFM_FOLD_EPS_CONST": "1"}, ["lfm2-350m-bf16"]),
+    # The deferred folds (written in session 28): the norm + projection in
+    # one launch with no prologue (each warp walks h, r and the norm's
+    # weight beside its rows and scales its sums at the end), over every
+    # dense norm + projection (the 1.2B's 32 a step at K = 2048, where
+    # session 20's prologue folds lost; the 350M's at 1,024).
+    "fold-deferred": ({"MLX_LFM_NORM_GEMV_KERNEL": "1", "MLX_LFM_NORM_GEMV_DEFERRED": "1"},
+                      ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
     # The quantized embedding's rows in one kernel (session 25: three
     # gathers, three reshapes and MLX's dequantize, seven of the 8B-A1B's
     # 203 nodes a step, as one); opt-in until this A/B.
@@ -1870,6 +1888,7 @@ AB_TESTS = {
     "conv-prefill-off": [],
     "position-table-off": [],
     "fold-eps-const": ["norm_gemv_kernels_match_stock_ops", "greedy:MLX_LFM_FOLD_EPS_CONST"],
+    "fold-deferred": ["norm_gemv_kernels_match_stock_ops", "greedy:norm-gemv-deferred"],
     "qkv-prefill-off": [],
     # (The same bits: the GEMV test holds the walks to each other.)
     "gemv-prefetch": ["gemv_kernel_matches_stock_ops"],
@@ -1919,7 +1938,8 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "gemv-max-k-2048-c2", "gemv-max-k-2048-c4", "gemv-max-k-2048-c2-early-guarded",
                "gemv-max-k-2048-c4-early-guarded", "gemv-c2", "gemv-c4", "swiglu-gemv-1024", "attention-smem",
                "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4", "conv-gemv",
-               "moe-down-early", "router-scores-f32", "router-scores-f32-early", "fold-eps-const", "position-table-off"}
+               "moe-down-early", "router-scores-f32", "router-scores-f32-early", "fold-eps-const", "position-table-off",
+               "fold-deferred"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]

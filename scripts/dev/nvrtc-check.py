@@ -226,6 +226,11 @@ KERNELS["moe_router.rs#gate_norm@wide"] = (*KERNELS["moe_router.rs#gate_norm"][:
 # (MLX_LFM_NORM_GEMV_PREFETCH=early: NAME_EARLY before it), each as its fold.
 for _fold in ("dense", "swiglu", "quant"):
     KERNELS[f"norm_gemv.rs#{_fold}@early"] = KERNELS[f"norm_gemv.rs#{_fold}"]
+# The deferred folds (MLX_LFM_NORM_GEMV_DEFERRED): eps always compiled in.
+for _fold in ("dense", "swiglu"):
+    KERNELS[f"norm_gemv.rs#{_fold}_deferred"] = (*KERNELS[f"norm_gemv.rs#{_fold}"][:2],
+                                                lambda dt, m=(1 if _fold == "dense" else 2): [("K", 2048), ("M", m),
+                                                                                             ("EPS_BITS", 925353388)])
 # The folds with eps compiled in (MLX_LFM_EPS_CONST: REPLACE_OF's substitution).
 for _fold in ("dense", "swiglu", "quant"):
     _ins, _outs, _targs = KERNELS[f"norm_gemv.rs#{_fold}"]
@@ -265,6 +270,9 @@ def body_and_header(path, which="SOURCE"):
         parts = re.findall(r'r#"(.*?)"#|(\w+)!\(\)', text[start:end], re.S)
         return "".join(lit if name == "" else macro(name) for lit, name in parts), ""
     src = re.search(which + r': &str = r#"(.*?)"#;', text, re.S).group(1)
+    if path.name == "norm_gemv.rs" and "DEFERRED" in which:
+        # The deferred folds: no prologue; the GEMV's header, then theirs.
+        return src, header_of(path.parent / "gemv.rs") + named(path, "DEFERRED_HEADER")
     if path.name == "norm_gemv.rs":
         # As norm_gemv.rs joins them: PROLOGUE before each body; the add +
         # RMSNorm header, the GEMV's, the quantized one for QUANT_SOURCE.

@@ -15,8 +15,9 @@
 //! ones (`MLX_LFM_NORM_GEMV_KERNEL=1` with the quantized GEMV's switch);
 //! `=0` turns the fold off; `MLX_LFM_NORM_GEMV_PREFETCH=early` (opt-in)
 //! asks L2 for each warp's first rows before the norm;
-//! `MLX_LFM_FOLD_EPS_CONST=1` (opt-in) compiles eps in. Tests in
-//! src/kernels/tests.rs.
+//! `MLX_LFM_FOLD_EPS_CONST=1` (opt-in) compiles eps in;
+//! `MLX_LFM_NORM_GEMV_DEFERRED=1` (opt-in) takes the dense folds without
+//! the prologue ([`DEFERRED_HEADER`]). Tests in src/kernels/tests.rs.
 
 use super::add_rms_norm::{for_walk, Walks};
 use super::quant_gemv::{quant_template, spec_served, warp_grid, THREADS};
@@ -121,6 +122,153 @@ const QUANT_SOURCE: &str = r#"
   }
 "#;
 
+/// The deferred fold (`MLX_LFM_NORM_GEMV_DEFERRED=1`, opt-in until its
+/// H200 test and A/B): no prologue. RMSNorm scales a row by one number, so
+/// `(rms_norm(s) * wn) . w_n = (s * wn) . w_n * rsqrt(mean(s^2) + eps)`:
+/// each warp walks `h`, `r` and `wn` beside its weight rows, forms
+/// `s = T(h + r)` as the add rounds it, sums `s^2` and `(s * wn) * w` in
+/// float32, and scales its sums once at the end. No barrier, no shared
+/// memory, and a warp's weight loads are in flight from its first step:
+/// session 20's A/B found the prologue folds at K = 2048 slower than
+/// MLX's GEMV after a separate norm, because no weight load was in flight
+/// while each block computed the norm (the step's GPU time rose ~200 µs).
+/// The price: every warp reads `h`, `r` and `wn` (L1 after its block's
+/// first warp) and the normed row is no longer rounded to T before the
+/// product, so the sums are within a rounding of the stock ops', not
+/// theirs to the bit (its test holds it to the prologue fold's tolerance;
+/// greedy set `MLX_LFM_NORM_GEMV_DEFERRED`). The warp of the first column
+/// writes `s`. Eps is compiled in (`EPS_BITS`).
+const DEFERRED_HEADER: &str = r#"
+template <typename T, int N, bool ALIGNED>
+__device__ inline void lfm_storev(T* p, const lfm_vec<T, N>& v) {
+  if constexpr (ALIGNED) {
+    *reinterpret_cast<lfm_vec<T, N>*>(p) = v;
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; j++) p[j] = v.e[j];
+  }
+}
+// acc[q * M + m] += this lane's share of w[q] . (s[m] * g), ss[m] += its
+// share of s[m]^2, with s = T(h + r) (written to `so` where non-null); the
+// weight loads of a batch issued before its sums, as lfm_dot_rows_a.
+template <typename T, int K, int M, int R, bool ALIGNED>
+__device__ inline void lfm_dot_rows_deferred_a(const T* h, const T* r, const T* g, T* so, const T* const* wr, int lane,
+                                               float* acc, float* ss) {
+  constexpr int N = lfm_npt<K>::v;
+  constexpr int STEP = 32 * N;
+  constexpr int IT = (K + STEP - 1) / STEP;
+  constexpr int BR = R <= 2 ? LFM_BATCH : (16 / R < 2 ? 2 : 16 / R);
+  constexpr int B = IT < BR ? IT : BR;
+#pragma unroll
+  for (int i0 = 0; i0 < IT; i0 += B) {
+    lfm_vec<T, N> wv[R][B];
+#pragma unroll
+    for (int u = 0; u < B; u++) {
+      const int col = N * lane + (i0 + u) * STEP;
+      if (i0 + u < IT && col < K) {
+#pragma unroll
+        for (int q = 0; q < R; q++) wv[q][u] = lfm_loadv<T, N, ALIGNED>(wr[q] + col);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < B; u++) {
+      const int col = N * lane + (i0 + u) * STEP;
+      if (i0 + u < IT && col < K) {
+        const lfm_vec<T, N> gv = lfm_loadv<T, N, ALIGNED>(g + col);
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+          const size_t o = static_cast<size_t>(m) * K + col;
+          const lfm_vec<T, N> hv = lfm_loadv<T, N, ALIGNED>(h + o);
+          const lfm_vec<T, N> rv = lfm_loadv<T, N, ALIGNED>(r + o);
+          lfm_vec<T, N> sv;
+#pragma unroll
+          for (int j = 0; j < N; j++) sv.e[j] = T(static_cast<float>(hv.e[j]) + static_cast<float>(rv.e[j]));
+          if (so) lfm_storev<T, N, ALIGNED>(so + o, sv);
+#pragma unroll
+          for (int j = 0; j < N; j++) {
+            const float sf = static_cast<float>(sv.e[j]);
+            ss[m] += sf * sf;
+            const float xf = sf * static_cast<float>(gv.e[j]);
+#pragma unroll
+            for (int q = 0; q < R; q++) acc[q * M + m] += static_cast<float>(wv[q][u].e[j]) * xf;
+          }
+        }
+      }
+    }
+  }
+}
+// The M rows' 1 / rms after the walk: every lane gets the warp's sums.
+template <typename T, int K, int M, int R>
+__device__ inline void lfm_dot_rows_deferred(const T* h, const T* r, const T* g, T* so, bool xa, const T* const* wr, bool wa,
+                                             int lane, float eps, float* acc, float* nrm) {
+  float ss[M];
+#pragma unroll
+  for (int m = 0; m < M; m++) ss[m] = 0.0f;
+  if (xa && wa) {
+    lfm_dot_rows_deferred_a<T, K, M, R, true>(h, r, g, so, wr, lane, acc, ss);
+  } else {
+    lfm_dot_rows_deferred_a<T, K, M, R, false>(h, r, g, so, wr, lane, acc, ss);
+  }
+#pragma unroll
+  for (int m = 0; m < M; m++) nrm[m] = rsqrtf(lfm_warp_sum(ss[m]) / static_cast<float>(K) + eps);
+}
+"#;
+
+const DENSE_DEFERRED_SOURCE: &str = r#"
+  const int lane = threadIdx.x % 32;
+  const int N = w_shape[0];
+  const int n = (blockIdx.x * (256 / 32) + threadIdx.x / 32) * LFM_COLS;
+  if (n >= N) return;
+  const bool xa = lfm_aligned(h) && lfm_aligned(r) && lfm_aligned(wn) && lfm_aligned(s);
+  float acc[LFM_COLS * M];
+#pragma unroll
+  for (int i = 0; i < LFM_COLS * M; i++) acc[i] = 0.0f;
+  const T* rows[LFM_COLS];
+#pragma unroll
+  for (int c = 0; c < LFM_COLS; c++) rows[c] = w + static_cast<size_t>(n + c < N ? n + c : N - 1) * K;
+  float nrm[M];
+  lfm_dot_rows_deferred<T, K, M, LFM_COLS>(h, r, wn, n == 0 ? s : nullptr, xa, rows, lfm_aligned(w), lane,
+                                           __int_as_float(EPS_BITS), acc, nrm);
+#pragma unroll
+  for (int c = 0; c < LFM_COLS; c++) {
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+      const float v = lfm_warp_sum(acc[c * M + m]);
+      if (lane == 0 && n + c < N) y[static_cast<size_t>(m) * N + n + c] = T(v * nrm[m]);
+    }
+  }
+"#;
+
+const SWIGLU_DEFERRED_SOURCE: &str = r#"
+  const int lane = threadIdx.x % 32;
+  const int F = w_shape[0] / 2;
+  const int n = (blockIdx.x * (256 / 32) + threadIdx.x / 32) * LFM_COLS;
+  if (n >= F) return;
+  const bool xa = lfm_aligned(h) && lfm_aligned(r) && lfm_aligned(wn) && lfm_aligned(s);
+  float acc[2 * LFM_COLS * M];
+#pragma unroll
+  for (int i = 0; i < 2 * LFM_COLS * M; i++) acc[i] = 0.0f;
+  const T* rows[2 * LFM_COLS];
+#pragma unroll
+  for (int c = 0; c < LFM_COLS; c++) {
+    const int f = n + c < F ? n + c : F - 1;
+    rows[c] = w + static_cast<size_t>(f) * K;
+    rows[LFM_COLS + c] = w + static_cast<size_t>(F + f) * K;
+  }
+  float nrm[M];
+  lfm_dot_rows_deferred<T, K, M, 2 * LFM_COLS>(h, r, wn, n == 0 ? s : nullptr, xa, rows, lfm_aligned(w), lane,
+                                               __int_as_float(EPS_BITS), acc, nrm);
+#pragma unroll
+  for (int c = 0; c < LFM_COLS; c++) {
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+      const float g = lfm_warp_sum(acc[c * M + m]);
+      const float u = lfm_warp_sum(acc[(LFM_COLS + c) * M + m]);
+      if (lane == 0 && n + c < F) y[static_cast<size_t>(m) * F + n + c] = lfm_swiglu<T>(g * nrm[m], u * nrm[m]);
+    }
+  }
+"#;
+
 /// Blocks a launch uses at most: eight per SM of an H200 (132 SMs), so that
 /// a warp serves one or two columns. At two per SM (264) a warp ran up to
 /// three columns in turn, each waiting on DRAM: 26 µs a launch for the
@@ -212,6 +360,48 @@ fn quant_kernel(eps_const: bool) -> Option<&'static CudaKernel> {
     make(&K, "lfm_norm_qgemv", &["h", "r", "wn", "eps", "w", "scales", "biases"], QUANT_EARLY, QUANT_SOURCE, true, eps_const)
 }
 
+/// Whether the folds are the deferred ones where eps's value is given
+/// (`MLX_LFM_NORM_GEMV_DEFERRED=1`; [`DEFERRED_HEADER`]).
+/// (A knob, not an opt-in kernel: a test's every-opt-in run keeps the
+/// prologue folds, whose bits the eps and walk variants are held to; the
+/// deferred folds have their own test cases and greedy set.)
+fn deferred() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    crate::knobs::cached("MLX_LFM_NORM_GEMV_DEFERRED", &ON, |v| v == Some("1"))
+}
+
+/// A deferred fold's kernel, one per column count.
+fn deferred_kernel(cells: &'static [OnceLock<Option<CudaKernel>>; 3], name: &str, body: &str) -> Option<&'static CudaKernel> {
+    let (c, csuffix, cdefine) = super::gemv::cols_variant();
+    cells[c]
+        .get_or_init(|| {
+            let header = format!("{cdefine}{}{DEFERRED_HEADER}", super::gemv::header());
+            CudaKernel::new(&format!("{name}{csuffix}"), &["h", "r", "wn", "eps", "w"], &["s", "y"], body, &header).ok()
+        })
+        .as_ref()
+}
+
+fn dense_deferred_kernel() -> Option<&'static CudaKernel> {
+    static K: [OnceLock<Option<CudaKernel>>; 3] = [const { OnceLock::new() }; 3];
+    deferred_kernel(&K, "lfm_norm_gemv_deferred", DENSE_DEFERRED_SOURCE)
+}
+
+fn swiglu_deferred_kernel() -> Option<&'static CudaKernel> {
+    static K: [OnceLock<Option<CudaKernel>>; 3] = [const { OnceLock::new() }; 3];
+    deferred_kernel(&K, "lfm_norm_gemv_swiglu_deferred", SWIGLU_DEFERRED_SOURCE)
+}
+
+/// The dense or SwiGLU fold these operands take: the deferred kernel where
+/// it is on and eps's value is given, else the prologue's.
+fn dense_fold(n: &NormIn, swiglu: bool) -> Option<(&'static CudaKernel, bool)> {
+    if deferred() && n.eps_value.is_some() {
+        let k = if swiglu { swiglu_deferred_kernel() } else { dense_deferred_kernel() };
+        return k.map(|k| (k, true));
+    }
+    let k = if swiglu { swiglu_kernel(n.eps_const().is_some()) } else { dense_kernel(n.eps_const().is_some()) };
+    k.map(|k| (k, false))
+}
+
 /// `MLX_LFM_NORM_GEMV_KERNEL`: `Some(true)` at `=1`, `Some(false)` at `=0`,
 /// None unset.
 fn switched() -> Option<bool> {
@@ -227,9 +417,9 @@ fn serves_dense(w: &Array, rows: usize) -> bool {
 }
 
 /// Whether the folds compile eps in where the caller gives its value
-/// (`MLX_LFM_FOLD_EPS_CONST=1`: opt-in until its H200 test and A/B; the add
-/// + RMSNorm and router + norm kernels do by default since session 27, and
-/// the folds are the 350M's default projections, 32 launches a step).
+/// (`MLX_LFM_FOLD_EPS_CONST=1`: opt-in until its H200 test and A/B; the
+/// add + RMSNorm and router + norm kernels do by default since session 27,
+/// and the folds are the 350M's default projections, 32 launches a step).
 fn fold_eps_const() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     super::opt_in("MLX_LFM_FOLD_EPS_CONST", &ON) && super::add_rms_norm::eps_const()
@@ -293,12 +483,12 @@ pub fn dense_available(n: &NormIn, w: &Array) -> bool {
     n.served().is_some_and(|(k, rows)| {
         serves_dense(w, rows) && w.dtype() == n.h.dtype() && w.ndim() == 2 && w.dim(1) == k && w.dim(0) > 0
     })
-        && dense_kernel(n.eps_const().is_some()).is_some()
+        && dense_fold(n, false).is_some()
 }
 
 /// Whether [`norm_gemv_swiglu`] serves `n` and the stacked `[2F, K]` `w`.
 pub fn swiglu_available(n: &NormIn, w: &Array) -> bool {
-    dense_available(n, w) && w.dim(0) % 2 == 0 && swiglu_kernel(n.eps_const().is_some()).is_some()
+    dense_available(n, w) && w.dim(0) % 2 == 0 && dense_fold(n, true).is_some()
 }
 
 /// Whether [`norm_qgemv`] serves `n` and the quantized `[N, K * bits / 32]`
@@ -316,18 +506,18 @@ pub fn quant_available(n: &NormIn, q: &Quantized) -> bool {
 
 /// `(h + r, (rms_norm(h + r) * wn) @ w.T)`.
 pub fn norm_gemv(n: &NormIn, w: &Array) -> Result<(Array, Array)> {
-    let kern = dense_kernel(n.eps_const().is_some()).ok_or_else(|| Error::mlx("the fused norm + GEMV kernel is not available"))?;
-    launch(kern, n, &[w], w.dim(0), vec![], fold_cols(false))
+    let (kern, deferred) = dense_fold(n, false).ok_or_else(|| Error::mlx("the fused norm + GEMV kernel is not available"))?;
+    launch(kern, n, &[w], w.dim(0), vec![], fold_cols(false), deferred)
 }
 
 /// `(h + r, silu(y @ w[..F].T) * (y @ w[F..].T))` with `y = rms_norm(h + r) * wn`.
 pub fn norm_gemv_swiglu(n: &NormIn, w: &Array) -> Result<(Array, Array)> {
-    let kern = swiglu_kernel(n.eps_const().is_some()).ok_or_else(|| Error::mlx("the fused norm + GEMV + SwiGLU kernel is not available"))?;
+    let (kern, deferred) = dense_fold(n, true).ok_or_else(|| Error::mlx("the fused norm + GEMV + SwiGLU kernel is not available"))?;
     let n2 = w.dim(0);
     if n2 % 2 != 0 {
         return Err(Error::invalid(format!("norm + GEMV + SwiGLU: the stacked weight has an odd number of rows ({n2})")));
     }
-    launch(kern, n, &[w], n2 / 2, vec![], fold_cols(false))
+    launch(kern, n, &[w], n2 / 2, vec![], fold_cols(false), deferred)
 }
 
 /// `(h + r, (rms_norm(h + r) * wn) @ dequantize(q).T)`.
@@ -337,13 +527,22 @@ pub fn norm_qgemv(n: &NormIn, q: &Quantized) -> Result<(Array, Array)> {
     let k = n.h.dim(-1);
     let mut template = quant_template(q, k, n.h.dtype());
     template.retain(|(name, _)| *name != "K" && *name != "T");
-    launch(kern, n, &[&q.weight, &q.scales, biases], q.weight.dim(0), template, fold_cols(true))
+    launch(kern, n, &[&q.weight, &q.scales, biases], q.weight.dim(0), template, fold_cols(true), false)
 }
 
 /// A warp for each `per_warp` of `cols` output columns (striding over more
-/// where the grid is capped); `y` is `h`'s shape with `cols` as its last
-/// axis.
-fn launch(kern: &CudaKernel, n: &NormIn, weights: &[&Array], cols: i32, mut template: Vec<(&'static str, TemplateArg)>, per_warp: i32) -> Result<(Array, Array)> {
+/// where the grid is capped: the prologue folds; a deferred one has no
+/// prologue to share, and no cap); `y` is `h`'s shape with `cols` as its
+/// last axis.
+fn launch(
+    kern: &CudaKernel,
+    n: &NormIn,
+    weights: &[&Array],
+    cols: i32,
+    mut template: Vec<(&'static str, TemplateArg)>,
+    per_warp: i32,
+    deferred: bool,
+) -> Result<(Array, Array)> {
     let (h, dt) = (n.h, n.h.dtype());
     let k = h.dim(-1);
     let rows = h.size() / k as usize;
@@ -353,10 +552,13 @@ fn launch(kern: &CudaKernel, n: &NormIn, weights: &[&Array], cols: i32, mut temp
     let mut inputs = vec![n.h, n.r, n.wn, n.eps];
     inputs.extend_from_slice(weights);
     template.extend([("K", TemplateArg::Int(k)), ("M", TemplateArg::Int(rows as i32)), ("T", TemplateArg::Dtype(dt))]);
-    if let Some(e) = n.eps_const() {
+    // (A deferred fold always has eps compiled in: it is taken only where
+    // the value is given.)
+    if let Some(e) = if deferred { n.eps_value } else { n.eps_const() } {
         template.push(("EPS_BITS", TemplateArg::Int(e.to_bits() as i32)));
     }
-    let grid = warp_grid((cols + per_warp - 1) / per_warp)?.min(MAX_BLOCKS * THREADS);
+    let grid = warp_grid((cols + per_warp - 1) / per_warp)?;
+    let grid = if deferred { grid } else { grid.min(MAX_BLOCKS * THREADS) };
     let mut outs = kern.call(&inputs, &[(&hs, dt), (&ys, dt)], [grid, 1, 1], [THREADS, 1, 1], &template)?;
     let y = outs.pop().ok_or_else(|| Error::mlx("norm + GEMV kernel: missing output"))?;
     let s = outs.pop().ok_or_else(|| Error::mlx("norm + GEMV kernel: missing output"))?;

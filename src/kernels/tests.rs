@@ -57,6 +57,13 @@ fn early<R>(f: impl FnOnce() -> R) -> R {
     crate::knobs::with_overrides(&[("MLX_LFM_NORM_GEMV_PREFETCH".to_string(), Some("early".to_string()))], f)
 }
 
+/// `f` with the deferred folds (`MLX_LFM_NORM_GEMV_DEFERRED=1`: no
+/// prologue, the norm's scale on the sums; within a rounding of the stock
+/// ops, not the prologue fold's bits).
+fn deferred<R>(f: impl FnOnce() -> R) -> R {
+    crate::knobs::with_overrides(&[("MLX_LFM_NORM_GEMV_DEFERRED".to_string(), Some("1".to_string()))], f)
+}
+
 /// How many values of `got` and `want` differ at all.
 fn differing(got: &crate::mlx::Array, want: &crate::mlx::Array) -> usize {
     let f = |a: &crate::mlx::Array| -> Vec<f32> { a.astype(Dtype::Float32).unwrap().to_vec().unwrap() };
@@ -459,6 +466,14 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 for var in alone {
                     runs.push((var, crate::kernels::with_opt_in_one(var, || run(Some(&stock))).0));
                 }
+                // The deferred folds over every dense norm + projection (any
+                // width: MLX_LFM_NORM_GEMV_KERNEL=1, as run.py's
+                // `fold-deferred` takes the 1.2B's).
+                let set = [
+                    ("MLX_LFM_NORM_GEMV_DEFERRED".to_string(), Some("1".to_string())),
+                    ("MLX_LFM_NORM_GEMV_KERNEL".to_string(), Some("1".to_string())),
+                ];
+                runs.push(("norm-gemv-deferred", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
                 if q4 {
                     // The quantized GEMVs and their norm folds in MLX's own
                     // arithmetic (MLX_LFM_QGEMV_EXACT), the set an A/B adopts.
@@ -1096,7 +1111,8 @@ fn decode_attention_kernel_matches_stock_ops() {
 #[test]
 fn kernel_variant_substitutions_each_land() {
     use crate::kernels::{moe_experts as me, moe_router as mr, norm_gemv as ng};
-    let sets: [(&str, &str, &[(&str, &str)]); 3] = [
+    type Subs = [(&'static str, &'static str)];
+    let sets: [(&str, &str, &Subs); 3] = [
         ("the down kernel's early loads", me::DOWN_SOURCE, &me::DOWN_EARLY_SUBSTITUTIONS),
         ("the router + norm kernel's constants", mr::GATE_NORM_SOURCE, &mr::GATE_NORM_CONST_SUBSTITUTIONS),
         ("the norm folds' eps", ng::PROLOGUE, &ng::EPS_CONST_SUBSTITUTIONS),
@@ -1716,6 +1732,11 @@ fn norm_gemv_kernels_match_stock_ops() {
                     let (cs, cy) = with_cols(c, || early(|| guarded(|| norm_gemv(&ni, &w).unwrap())));
                     assert_eq!((differing(&cs, &dense.0), differing(&cy, &dense.1)), (0, 0), "{what}: {c} columns a warp, early and guarded, differ");
                 }
+                // The deferred fold: the residual sum to the bit, the
+                // projection within the same tolerance of the stock ops.
+                let (ds, dy) = deferred(|| norm_gemv(&nc, &w).unwrap());
+                assert_eq!(differing(&ds, &dense.0), 0, "{what}: the deferred fold's residual sum differs");
+                check("dense deferred", (ds, dy), x.matmul(&w.t().unwrap()).unwrap(), tol);
                 check("dense", dense, x.matmul(&w.t().unwrap()).unwrap(), tol);
                 if n % 2 == 0 {
                     assert!(swiglu_available(&ni, &w), "{what}");
@@ -1732,6 +1753,9 @@ fn norm_gemv_kernels_match_stock_ops() {
                         let (cs, cy) = with_cols(c, || early(|| norm_gemv_swiglu(&ni, &w).unwrap()));
                         assert_eq!((differing(&cs, &got.0), differing(&cy, &got.1)), (0, 0), "{what} swiglu: {c} columns a warp, early, differ");
                     }
+                    let (ds, dy) = deferred(|| norm_gemv_swiglu(&nc, &w).unwrap());
+                    assert_eq!(differing(&ds, &got.0), 0, "{what} swiglu: the deferred fold's residual sum differs");
+                    check("swiglu deferred", (ds, dy), want.clone(), tol * 1.5);
                     check("swiglu", got, want, tol * 1.5);
                 }
                 if k % 64 == 0 {

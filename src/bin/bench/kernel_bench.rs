@@ -126,6 +126,7 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
             .chain(SCALAR_ARMS)
             .chain(ATT_ARMS.iter().map(|(n, ..)| *n))
             .chain(EXPERT_ARMS.iter().map(|(n, ..)| *n))
+            .chain(FOLD_ARMS.iter().map(|(n, ..)| *n))
             .collect();
         if let Some(bad) = a.iter().find(|x| !known.contains(&x.as_str())) {
             return Err(mlx_lfm::Error::invalid(format!("--arms: no arm named {bad:?} (the arms: {})", known.join(", "))));
@@ -210,6 +211,12 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
         let (n, k) = Experts::plan_shape(*gate_up);
         plan.push(serde_json::json!({"arm": name, "n": n, "k": k, "launches": EXPERT_LAUNCHES * reps}));
     }
+    let fold_arms: Vec<_> = FOLD_ARMS.iter().filter(|(name, ..)| chosen(name)).collect();
+    let folds = if fold_arms.is_empty() { None } else { Some(Folds::new()?) };
+    for (name, _, kernels, swiglu) in &fold_arms {
+        let (n, k) = Folds::shape(*swiglu);
+        plan.push(serde_json::json!({"arm": name, "n": n, "k": k, "launches": FOLD_LAUNCHES * reps * kernels}));
+    }
     println!("{}", serde_json::json!({"kernel_bench_plan": plan}));
     for (n, k, x, weights, arms) in &sets {
         for (name, switches) in arms {
@@ -238,6 +245,14 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
             experts
                 .launch(name.starts_with("mlx"), *gate_up, name.ends_with("-f32-score"), i)
                 .map_err(|e| mlx_lfm::Error::invalid(format!("{name}: {e}")))
+        });
+        print_walls(name, n, k, walls);
+    }
+    for (name, switches, _, swiglu) in fold_arms {
+        let folds = folds.as_ref().expect("made where a fold arm runs");
+        let (n, k) = Folds::shape(*swiglu);
+        let walls = timed(switches, reps * FOLD_LAUNCHES, |i| {
+            folds.launch(name, *swiglu, i).map_err(|e| mlx_lfm::Error::invalid(format!("{name}: {e}")))
         });
         print_walls(name, n, k, walls);
     }
@@ -355,6 +370,84 @@ impl Experts {
 /// (or, chunked, a part and a join) a product, so that ncu times each
 /// alone: `(arm, its switches, kernels a product)`.
 type Switches = &'static [(&'static str, &'static str)];
+
+/// The 1.2B's norm and the projection after it, as the step runs them
+/// (the add + RMSNorm kernel, then MLX's GEMV of the conv's in_proj, or
+/// our SwiGLU GEMV of the stacked w1/w3: two launches a product) against
+/// one fold of both: the prologue fold (each block's norm before its
+/// weight loads; session 20 found it slower at K = 2048) and the deferred
+/// one (src/kernels/norm_gemv.rs, `DEFERRED_HEADER`: no prologue, the norm's
+/// scale applied to the sums). `(arm, its switches, launches a product,
+/// whether the SwiGLU's stacked w1/w3)`.
+const FOLD_ARMS: [(&str, Switches, usize, bool); 6] = [
+    ("norm-then-gemv", &[], 2, false),
+    ("fold-prologue", &[("MLX_LFM_NORM_GEMV_KERNEL", "1")], 1, false),
+    ("fold-deferred", &[("MLX_LFM_NORM_GEMV_KERNEL", "1"), ("MLX_LFM_NORM_GEMV_DEFERRED", "1")], 1, false),
+    ("norm-then-swiglu", &[], 2, true),
+    ("fold-prologue-swiglu", &[("MLX_LFM_NORM_GEMV_KERNEL", "1")], 1, true),
+    ("fold-deferred-swiglu", &[("MLX_LFM_NORM_GEMV_KERNEL", "1"), ("MLX_LFM_NORM_GEMV_DEFERRED", "1")], 1, true),
+];
+/// The in_proj `[6144, 2048]` and the stacked w1/w3 `[16384, 2048]`.
+const FOLD_SHAPES: [(i32, i32); 2] = [(6144, 2048), (16384, 2048)];
+const FOLD_EPS: f32 = 1e-5;
+
+struct Folds {
+    h: Array,
+    r: Array,
+    wn: Array,
+    eps: Array,
+    /// Per shape, the weights a product cycles through.
+    weights: [Vec<Array>; 2],
+}
+
+impl Folds {
+    fn new() -> mlx_lfm::Result<Folds> {
+        let bf = Dtype::Bfloat16;
+        let k = FOLD_SHAPES[0].1;
+        let h = normal(&[1, k], bf, 0.0, 4.0, None)?;
+        let r = normal(&[1, k], bf, 0.0, 1.0, None)?;
+        let wn = normal(&[k], Dtype::Float32, 1.0, 0.2, None)?.astype(bf)?;
+        let eps = Array::from_slice(&[FOLD_EPS], &[1])?;
+        let make = |(n, k): (i32, i32)| -> mlx_lfm::Result<Vec<Array>> {
+            let copies = CYCLE_BYTES.div_ceil(n as usize * k as usize * 2).clamp(1, 16);
+            (0..copies).map(|_| normal(&[n, k], bf, 0.0, 1.0 / (k as f32).sqrt(), None)).collect()
+        };
+        let weights = [make(FOLD_SHAPES[0])?, make(FOLD_SHAPES[1])?];
+        let mut held: Vec<&Array> = weights.iter().flatten().collect();
+        held.extend([&h, &r, &wn, &eps]);
+        mlx::eval(&held)?;
+        Ok(Folds { h, r, wn, eps, weights })
+    }
+
+    fn shape(swiglu: bool) -> (i32, i32) {
+        FOLD_SHAPES[usize::from(swiglu)]
+    }
+
+    fn launch(&self, arm: &str, swiglu: bool, i: usize) -> mlx_lfm::Result<Array> {
+        use mlx_lfm::kernels::{add_rms_norm, gemv, norm_gemv};
+        let ws = &self.weights[usize::from(swiglu)];
+        let w = &ws[i % ws.len()];
+        if arm.starts_with("norm-then") {
+            let (_, y) = add_rms_norm::add_rms_norm_with(&self.h, &self.r, &self.wn, &self.eps, FOLD_EPS)?;
+            return if swiglu { gemv::gemv_swiglu(&y, w) } else { y.matmul(&w.transpose(&[1, 0])?) };
+        }
+        let n = norm_gemv::NormIn { h: &self.h, r: &self.r, wn: &self.wn, eps: &self.eps, eps_value: Some(FOLD_EPS) };
+        let unserved = || mlx_lfm::Error::invalid("the fold does not serve these operands here");
+        let (_, y) = if swiglu {
+            if !norm_gemv::swiglu_available(&n, w) {
+                return Err(unserved());
+            }
+            norm_gemv::norm_gemv_swiglu(&n, w)?
+        } else {
+            if !norm_gemv::dense_available(&n, w) {
+                return Err(unserved());
+            }
+            norm_gemv::norm_gemv(&n, w)?
+        };
+        Ok(y)
+    }
+}
+const FOLD_LAUNCHES: usize = 16;
 const ATT_ARMS: [(&str, Switches, usize); 5] = [
     ("att-default", &[], 1),
     ("att-smem", &[("MLX_LFM_DECODE_ATTENTION_SMEM", "1")], 1),
