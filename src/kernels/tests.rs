@@ -461,19 +461,24 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 // the opt-in).
                 alone.push("MLX_LFM_DECODE_ATTENTION_CHUNKS");
                 // The norm folds with eps compiled in (the folds serve the
-                // dense weights up to 1,024 wide: every fixture's).
-                alone.push("MLX_LFM_FOLD_EPS_CONST");
+                // dense weights up to 1,024 wide: the bf16 and f32
+                // fixtures'; a 4-bit one's projections are not dense).
+                if !q4 {
+                    alone.push("MLX_LFM_FOLD_EPS_CONST");
+                }
                 for var in alone {
                     runs.push((var, crate::kernels::with_opt_in_one(var, || run(Some(&stock))).0));
                 }
-                // The deferred folds over every dense norm + projection (any
-                // width: MLX_LFM_NORM_GEMV_KERNEL=1, as run.py's
-                // `fold-deferred` takes the 1.2B's).
-                let set = [
-                    ("MLX_LFM_NORM_GEMV_DEFERRED".to_string(), Some("1".to_string())),
-                    ("MLX_LFM_NORM_GEMV_KERNEL".to_string(), Some("1".to_string())),
-                ];
-                runs.push(("norm-gemv-deferred", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
+                if !q4 {
+                    // The deferred folds over every dense norm + projection
+                    // (any width: MLX_LFM_NORM_GEMV_KERNEL=1, as run.py's
+                    // `fold-deferred` takes the 1.2B's).
+                    let set = [
+                        ("MLX_LFM_NORM_GEMV_DEFERRED".to_string(), Some("1".to_string())),
+                        ("MLX_LFM_NORM_GEMV_KERNEL".to_string(), Some("1".to_string())),
+                    ];
+                    runs.push(("norm-gemv-deferred", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
+                }
                 if q4 {
                     // The quantized GEMVs and their norm folds in MLX's own
                     // arithmetic (MLX_LFM_QGEMV_EXACT), the set an A/B adopts.
