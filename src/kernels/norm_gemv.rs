@@ -135,9 +135,11 @@ const QUANT_SOURCE: &str = r#"
 /// The price: every warp reads `h`, `r` and `wn` (L1 after its block's
 /// first warp) and the normed row is no longer rounded to T before the
 /// product, so the sums are within a rounding of the stock ops', not
-/// theirs to the bit (its test holds it to the prologue fold's tolerance;
-/// greedy set `MLX_LFM_NORM_GEMV_DEFERRED`). The warp of the first column
-/// writes `s`. Eps is compiled in (`EPS_BITS`).
+/// theirs to the bit (its test holds it to the prologue fold's tolerance,
+/// and its residual sum to the bit; the greedy tests' set
+/// `norm-gemv-deferred`). The warp of the first column writes `s`. Eps is
+/// compiled in (`EPS_BITS`): the fold is taken only where the caller gives
+/// its value.
 const DEFERRED_HEADER: &str = r#"
 template <typename T, int N, bool ALIGNED>
 __device__ inline void lfm_storev(T* p, const lfm_vec<T, N>& v) {
