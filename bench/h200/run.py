@@ -450,7 +450,8 @@ def save_ptx(limit=None):
     # there, so it keeps whatever this MLX writes, and says what it found;
     # and MLX's default folder too, which a process that did not get
     # MLX_PTX_CACHE_DIR fills: session 26's save found nothing in ours.)
-    folders = [PTX] + sorted(MLX_TEMP_PTX.glob("*/ptx"))
+    version = mlx_version()
+    folders = [PTX] + (sorted(MLX_TEMP_PTX.glob(f"{version}/ptx")) if version else [])
     found, seen = [], set()
     for folder in folders:
         # (A file of one name is kept from the first folder that has it.)
@@ -467,7 +468,7 @@ def save_ptx(limit=None):
     modules = sorted({rel(p.with_suffix("")) for p in files}, key=lambda m: (not Path(m).name.startswith("custom_kernel_"), m))
     out = OUT / "ptx-cache.tgz"
     keep = len(modules)
-    cc, version = gpu_capability(), mlx_version()
+    cc = gpu_capability()
     while True:
         kept = set(modules[:keep])
         chosen = [p for p in files if rel(p.with_suffix("")) in kept]
@@ -874,13 +875,13 @@ def profile_gaps():
     (`--cache-control none`: `profile` flushes them before each launch,
     an upper bound), and the step's whole GPU time as one CUDA graph waited
     for right after its dispatch (gpu-time-per-step's knobs: the wait after
-    the dispatch, host_us' fourth field, median over the steps of three
-    reps). Their difference is the time no kernel of the step ran: the
+    the dispatch, host_us' fourth field: the median of three reps' means
+    a step). Both under H200_OURS_ENV, as the rounds run. Their difference is the time no kernel of the step ran: the
     graph's launches between dependent kernels, and ncu's serial timing
     of each kernel alone. ncu's own per-kernel overhead is not in its
     durations, so the figure is an estimate, recorded as such."""
     for name in ab_models():
-        e = env()
+        e = ours_env()
         csv = ncu_step(name, "ncu-warm", ["--cache-control", "none", "--metrics", "gpu__time_duration.sum"], "raw", e)
         if csv is None:
             continue
@@ -1918,6 +1919,8 @@ PICK = [
     (["attention-smem", "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4"], "decode"),
     (["norm-runs-guarded"], "decode"),
     (["fold-early"], "decode"),
+    (["fold-deferred"], "decode"),
+    (["fold-eps-const"], "decode"),
     (["router-norm-off", "router-norm-narrow"], "decode"),
     (["norm-kernel-all-rows"], "prefill"),
     (["conv-prefill-off"], "prefill"),

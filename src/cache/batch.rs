@@ -65,6 +65,10 @@ pub struct DecodeBatch {
     /// and the device array the step's were a view of (see
     /// [`DecodeBatch::positions_for`]).
     positions_used: Option<(Vec<i32>, Array)>,
+    /// Ones as long as the kept positions array, made on the GPU once:
+    /// stepping the positions on adds them (a scalar `1` made by the host
+    /// each step would be read from the managed pool, as the positions were).
+    ones: Option<Array>,
     /// Position arrays made from host data (tests check when it happens).
     #[cfg(test)]
     uploads: usize,
@@ -333,7 +337,8 @@ impl DecodeBatch {
     /// The rows' positions (`host`, in row order, as their caches count
     /// them) as a step's int32 `[B]` input. Where each is one past what the
     /// last step took (a batch stepping on, sampled or greedy), the GPU adds
-    /// one to that step's array: nothing is made on the host. MLX 0.32.4's
+    /// ones it made once to that step's array: nothing is made on the host
+    /// each step. MLX 0.32.4's
     /// CUDA allocator keeps an array made from host data in managed memory
     /// whose pages move to the host when it writes them and back at the
     /// GPU's first read, and an array of at most 8 bytes (two rows'
@@ -344,7 +349,13 @@ impl DecodeBatch {
     pub fn positions_for(&mut self, host: &[i32]) -> Result<Array> {
         if let Some((prev, src)) = self.positions_used.take() {
             if prev.len() == host.len() && prev.iter().zip(host).all(|(p, h)| p.checked_add(1) == Some(*h)) {
-                let next = src.add_scalar(1.0)?;
+                let n = src.size();
+                let ones = match self.ones.take() {
+                    Some(o) if o.size() == n => o,
+                    _ => crate::mlx::full(&[n as i32], 1.0, Dtype::Int32)?,
+                };
+                let next = src.add(&ones)?;
+                self.ones = Some(ones);
                 let positions = positions_view(&next, host.len())?;
                 self.positions_used = Some((host.to_vec(), next));
                 return Ok(positions);

@@ -69,7 +69,7 @@ impl Positions {
         while n <= pos {
             n = n.checked_mul(2).ok_or_else(|| Error::invalid(format!("decode position {pos} is out of range")))?;
         }
-        let n = i32::try_from(n).map_err(|_| Error::invalid(format!("decode position {pos} exceeds int32")))?;
+        let n = i32::try_from(n).map_err(|_| Error::invalid(format!("decode position {pos}: its table would pass int32's range")))?;
         // Lazy: the first step that reads it runs arange on its stream, and
         // the GPU's own output is what lands in device memory.
         let table = arange(0.0, n as f64, 1.0, Dtype::Int32)?;

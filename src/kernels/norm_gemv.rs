@@ -397,8 +397,10 @@ fn swiglu_deferred_kernel() -> Option<&'static CudaKernel> {
 /// it is on and eps's value is given, else the prologue's.
 fn dense_fold(n: &NormIn, swiglu: bool) -> Option<(&'static CudaKernel, bool)> {
     if deferred() && n.eps_value.is_some() {
-        let k = if swiglu { swiglu_deferred_kernel() } else { dense_deferred_kernel() };
-        return k.map(|k| (k, true));
+        // (One that did not build leaves the prologue fold.)
+        if let Some(k) = if swiglu { swiglu_deferred_kernel() } else { dense_deferred_kernel() } {
+            return Some((k, true));
+        }
     }
     let k = if swiglu { swiglu_kernel(n.eps_const().is_some()) } else { dense_kernel(n.eps_const().is_some()) };
     k.map(|k| (k, false))

@@ -64,6 +64,12 @@ fn deferred<R>(f: impl FnOnce() -> R) -> R {
     crate::knobs::with_overrides(&[("MLX_LFM_NORM_GEMV_DEFERRED".to_string(), Some("1".to_string()))], f)
 }
 
+/// `f` with the prologue folds, whatever the environment or a picked
+/// setting says of the deferred ones.
+fn prologue<R>(f: impl FnOnce() -> R) -> R {
+    crate::knobs::with_overrides(&[("MLX_LFM_NORM_GEMV_DEFERRED".to_string(), Some("0".to_string()))], f)
+}
+
 /// How many values of `got` and `want` differ at all.
 fn differing(got: &crate::mlx::Array, want: &crate::mlx::Array) -> usize {
     let f = |a: &crate::mlx::Array| -> Vec<f32> { a.astype(Dtype::Float32).unwrap().to_vec().unwrap() };
@@ -1726,7 +1732,7 @@ fn norm_gemv_kernels_match_stock_ops() {
                 // Eps compiled in (the model passes its value; MLX_LFM_EPS_CONST,
                 // a CUDA default): the same float, so the same bits.
                 let nc = NormIn { eps_value: Some(1e-5), ..ni };
-                let (cs, cy) = norm_gemv(&nc, &w).unwrap();
+                let (cs, cy) = prologue(|| norm_gemv(&nc, &w).unwrap());
                 assert_eq!((differing(&cs, &dense.0), differing(&cy, &dense.1)), (0, 0), "{what}: eps compiled in differs");
                 // (The columns a warp are the same code in every dtype: one
                 // dtype's kernels hold it, each compile costs the H200 call
@@ -1741,6 +1747,11 @@ fn norm_gemv_kernels_match_stock_ops() {
                 // projection within the same tolerance of the stock ops.
                 let (ds, dy) = deferred(|| norm_gemv(&nc, &w).unwrap());
                 assert_eq!(differing(&ds, &dense.0), 0, "{what}: the deferred fold's residual sum differs");
+                // (Its columns a warp each sum in the same order: the same bits.)
+                for c in if dt == Dtype::Bfloat16 { &["2", "4"][..] } else { &[][..] } {
+                    let (cs, cy) = with_cols(c, || deferred(|| norm_gemv(&nc, &w).unwrap()));
+                    assert_eq!((differing(&cs, &ds), differing(&cy, &dy)), (0, 0), "{what}: the deferred fold, {c} columns a warp, differs");
+                }
                 check("dense deferred", (ds, dy), x.matmul(&w.t().unwrap()).unwrap(), tol);
                 check("dense", dense, x.matmul(&w.t().unwrap()).unwrap(), tol);
                 if n % 2 == 0 {
@@ -1750,7 +1761,7 @@ fn norm_gemv_kernels_match_stock_ops() {
                     let got = norm_gemv_swiglu(&ni, &w).unwrap();
                     let (es, ey) = early(|| norm_gemv_swiglu(&ni, &w).unwrap());
                     assert_eq!((differing(&es, &got.0), differing(&ey, &got.1)), (0, 0), "{what} swiglu: the early prefetch differs");
-                    let (cs, cy) = norm_gemv_swiglu(&nc, &w).unwrap();
+                    let (cs, cy) = prologue(|| norm_gemv_swiglu(&nc, &w).unwrap());
                     assert_eq!((differing(&cs, &got.0), differing(&cy, &got.1)), (0, 0), "{what} swiglu: eps compiled in differs");
                     for c in if dt == Dtype::Bfloat16 { &["2", "4"][..] } else { &[][..] } {
                         let (cs, cy) = with_cols(c, || norm_gemv_swiglu(&ni, &w).unwrap());
@@ -1760,6 +1771,10 @@ fn norm_gemv_kernels_match_stock_ops() {
                     }
                     let (ds, dy) = deferred(|| norm_gemv_swiglu(&nc, &w).unwrap());
                     assert_eq!(differing(&ds, &got.0), 0, "{what} swiglu: the deferred fold's residual sum differs");
+                    for c in if dt == Dtype::Bfloat16 { &["2", "4"][..] } else { &[][..] } {
+                        let (cs, cy) = with_cols(c, || deferred(|| norm_gemv_swiglu(&nc, &w).unwrap()));
+                        assert_eq!((differing(&cs, &ds), differing(&cy, &dy)), (0, 0), "{what} swiglu: the deferred fold, {c} columns a warp, differs");
+                    }
                     check("swiglu deferred", (ds, dy), want.clone(), tol * 1.5);
                     check("swiglu", got, want, tol * 1.5);
                 }

@@ -379,14 +379,20 @@ type Switches = &'static [(&'static str, &'static str)];
 /// one (src/kernels/norm_gemv.rs, `DEFERRED_HEADER`: no prologue, the norm's
 /// scale applied to the sums). `(arm, its switches, launches a product,
 /// whether the SwiGLU's stacked w1/w3)`.
+/// (Each fold's switches pinned, eps compiled in as in the add + RMSNorm
+/// kernel, so a picked or exported setting cannot swap one fold for the
+/// other.)
 const FOLD_ARMS: [(&str, Switches, usize, bool); 6] = [
     ("norm-then-gemv", &[], 2, false),
-    ("fold-prologue", &[("MLX_LFM_NORM_GEMV_KERNEL", "1")], 1, false),
-    ("fold-deferred", &[("MLX_LFM_NORM_GEMV_KERNEL", "1"), ("MLX_LFM_NORM_GEMV_DEFERRED", "1")], 1, false),
+    ("fold-prologue", PROLOGUE_FOLD, 1, false),
+    ("fold-deferred", DEFERRED_FOLD, 1, false),
     ("norm-then-swiglu", &[], 2, true),
-    ("fold-prologue-swiglu", &[("MLX_LFM_NORM_GEMV_KERNEL", "1")], 1, true),
-    ("fold-deferred-swiglu", &[("MLX_LFM_NORM_GEMV_KERNEL", "1"), ("MLX_LFM_NORM_GEMV_DEFERRED", "1")], 1, true),
+    ("fold-prologue-swiglu", PROLOGUE_FOLD, 1, true),
+    ("fold-deferred-swiglu", DEFERRED_FOLD, 1, true),
 ];
+const PROLOGUE_FOLD: Switches =
+    &[("MLX_LFM_NORM_GEMV_KERNEL", "1"), ("MLX_LFM_NORM_GEMV_DEFERRED", "0"), ("MLX_LFM_FOLD_EPS_CONST", "1")];
+const DEFERRED_FOLD: Switches = &[("MLX_LFM_NORM_GEMV_KERNEL", "1"), ("MLX_LFM_NORM_GEMV_DEFERRED", "1")];
 /// The in_proj `[6144, 2048]` and the stacked w1/w3 `[16384, 2048]`.
 const FOLD_SHAPES: [(i32, i32); 2] = [(6144, 2048), (16384, 2048)];
 const FOLD_EPS: f32 = 1e-5;
