@@ -154,9 +154,10 @@ Next (`bash bench/h200/prepare.sh` here first; ~1,650 s planned):
      folds alone), then `save-ptx`.
   4. carry [.device/bin]: H200_MODELS=lfm2-8b-a1b-q4
      H200_AB_VARIANTS=router-scores-f32,router-scores-f32-early,position-table-off,eps-const-off
-     `ab pick` (~220 s with the 8B-A1B's checkpoints), then `profile-gaps`
-     of the 1.2B and the 8B-A1B (~120 s: the time between a step's
-     kernels, never measured so far), then the dense
+     `ab pick` (~220 s with the 8B-A1B's checkpoints), then
+     H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4 `profile-gaps` (~150 s with
+     the 1.2B's checkpoint: the time between a step's kernels, never
+     measured so far), then the dense
      models' `ab` of position-table-off, eps-const-off, gemv-prefetch,
      fold-deferred and (the 350M) fold-eps-const if time allows; the two
      folds need `norm_gemv_kernels_match_stock_ops` and the tiny greedy
@@ -2364,6 +2365,7 @@ def main():
                 profile_kernels()
             elif a == "profile-gaps":
                 install()
+                checkpoints(ab_models(), gguf=False)
                 profile_gaps()
             elif a == "profile-prefill":
                 install()
