@@ -312,7 +312,7 @@ impl DecodeBatch {
     /// the conv states after it) back into its own buffers, to publish it.
     pub fn end_token(&mut self, id: u64, cache: &mut ModelCache) -> Result<()> {
         if let Some(bs) = cache.paged.as_ref().map(|s| s.block_size()) {
-            if (cache.pos + 1) % bs == 0 {
+            if (cache.pos + 1).is_multiple_of(bs) {
                 let upto = cache.pos + 1;
                 self.sync(id, cache, upto)?;
             }

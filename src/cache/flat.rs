@@ -37,7 +37,7 @@ impl KvCache {
         let new_v = zeros(&[b, h, n_steps * KV_STEP as i32, dv], like_v.dtype())?;
         match (self.keys.take(), self.values.take()) {
             (Some(ok), Some(ov)) => {
-                let (ok, ov) = if len % KV_STEP != 0 {
+                let (ok, ov) = if !len.is_multiple_of(KV_STEP) {
                     (ok.slice_axis(2, 0, len as i32)?, ov.slice_axis(2, 0, len as i32)?)
                 } else {
                     (ok, ov)

@@ -747,7 +747,7 @@ impl PagedSeq {
     pub fn wrote(&mut self, len: usize, to_pool: bool) -> Result<()> {
         if to_pool {
             self.flushed = len;
-        } else if len % self.block_size == 0 {
+        } else if len.is_multiple_of(self.block_size) {
             self.flush(len)?;
         }
         Ok(())
@@ -858,7 +858,7 @@ impl PagedSeq {
     pub fn keep_tail(&mut self, len: usize, conv_states: &[&Array]) -> Result<()> {
         let bs = self.block_size;
         let full = len / bs;
-        if len % bs == 0 || self.published != full || self.tokens.len() < len {
+        if len.is_multiple_of(bs) || self.published != full || self.tokens.len() < len {
             return Ok(());
         }
         self.flush(len)?;
@@ -889,7 +889,7 @@ impl PagedSeq {
 
     /// Keeps the conv snapshot for the block ending at position `end`.
     pub fn keep_snapshot(&mut self, end: usize, snapshot: Array) {
-        debug_assert!(end % self.block_size == 0 && end > 0);
+        debug_assert!(end.is_multiple_of(self.block_size) && end > 0);
         self.snaps.insert(end / self.block_size - 1, snapshot);
     }
 

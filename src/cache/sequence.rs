@@ -157,7 +157,7 @@ impl ModelCache {
         let pos = self.pos;
         let Some(seq) = self.paged.as_mut() else { return Ok(()) };
         seq.wrote(pos, false)?;
-        if pos % seq.block_size() != 0 {
+        if !pos.is_multiple_of(seq.block_size()) {
             return Ok(());
         }
         let snap = super::paged::snapshot_of(&conv_states(&self.layers))?;

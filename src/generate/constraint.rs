@@ -373,7 +373,7 @@ mod tests {
             let so_far = tok.decode(&ids[..k], false).unwrap();
             let allowed = c.allowed().unwrap().expect("some token is allowed");
             assert!(allowed[id as usize], "{:?} not allowed after {so_far:?}", texts[id as usize]);
-            if so_far.matches('"').count() % 2 == 0 {
+            if so_far.matches('"').count().is_multiple_of(2) {
                 spaced.extend(
                     (0..allowed.len())
                         .filter(|&i| allowed[i] && texts[i].starts_with(char::is_whitespace))

@@ -110,7 +110,7 @@ impl Codec {
     }
 
     fn affine_spec(&self, bits: i32) -> QuantSpec {
-        let g = if self.padded() % 64 == 0 { 64 } else { 32 };
+        let g = if self.padded().is_multiple_of(64) { 64 } else { 32 };
         QuantSpec { mode: QuantMode::Affine, bits, group_size: g }
     }
 

@@ -24,7 +24,7 @@ impl Shard {
 
     /// `count` (of `what`) split evenly, or an error naming them.
     pub fn part(&self, what: &str, count: usize) -> Result<usize> {
-        if count % self.size != 0 {
+        if !count.is_multiple_of(self.size) {
             return Err(Error::config(format!(
                 "tensor parallelism over {} ranks needs {what} ({count}) to be divisible by {}",
                 self.size, self.size
@@ -67,7 +67,7 @@ fn take_owned(a: &Array, idx: &[i32], axis: i32) -> Result<Array> {
 /// Indices of this rank's rows: its `1/size` of each of `chunks` blocks of `n`.
 fn out_rows(path: &str, n: i32, chunks: usize, s: &Shard) -> Result<Vec<i32>> {
     let block = n as usize / chunks;
-    if n as usize % chunks != 0 || block % s.size != 0 {
+    if !(n as usize).is_multiple_of(chunks) || !block.is_multiple_of(s.size) {
         return Err(Error::config(format!(
             "tensor parallelism over {} ranks cannot split the {n} outputs of `{path}` ({chunks} block(s))",
             s.size
