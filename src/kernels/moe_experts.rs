@@ -5,6 +5,7 @@
 //!   projection is never written, the gate is no kernel of its own);
 //! - `down`: for each row, `sum_j score_j * (h_j @ w2[e_j].T)`, `[R, D]`
 //!   (no `[R, k, D]` intermediate, no multiply and reduce kernels).
+//!
 //! The stock graph is two `gather_qmv` launches at 0.6-0.7 TB/s plus ~6
 //! small kernels per MoE layer (split, sigmoid, multiplies, the reduce):
 //! on the 8B-A1B's 22 MoE layers, ~130 launches a token.

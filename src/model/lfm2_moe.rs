@@ -5,6 +5,7 @@
 //! - many routed rows in a prefill: rows are sorted by expert so each
 //!   expert's weights are read once (`sorted` gather kernels);
 //! - few rows, and every decode step: direct gathered matmuls, no sort.
+//!
 //! MLX's CPU backend only runs `gather_mm` in float32. For a bf16/f16 model
 //! on CPU we therefore never call it: decode gathers just the k selected
 //! experts' weights and upcasts those (cost ~ active parameters), prefill
