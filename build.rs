@@ -51,9 +51,7 @@ fn main() {
         .flag_if_supported("-Wno-unused-parameter")
         .flag_if_supported("-Wno-sign-compare")
         .opt_level(2);
-    for f in ["cpp/mlxb.cpp"] {
-        build.file(f);
-    }
+    build.file("cpp/mlxb.cpp");
     build.compile("mlxb");
 
     println!("cargo:rustc-link-search=native={}", mlx.lib.display());

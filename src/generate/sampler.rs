@@ -346,6 +346,30 @@ fn apply_top_k(lp: &Array, k: usize) -> Result<Array> {
     lp.put_along_axis(&idx, &fill, -1)
 }
 
+/// Per row of `logits` (`[B, V]`), 1 when every value is finite, 0 when it
+/// holds a NaN or an infinity (`[B]` uint32, lazy: evaluated with the
+/// step's token and read with it, so it costs no extra sync).
+pub fn finite_rows(logits: &Array) -> Result<Array> {
+    // A row's sum is finite exactly when all of it is (NaN and ±inf
+    // propagate), and finite * 0 == 0 while NaN * 0 is not.
+    // Summed in the logits' own dtype when its range allows (only
+    // finiteness matters, and a float32 copy of a vocabulary-wide row costs
+    // a kernel per token); float16 would overflow summing a large
+    // vocabulary, so it is widened first.
+    let s = if logits.dtype() == Dtype::Float16 { logits.astype(Dtype::Float32)? } else { logits.clone() };
+    let s = s.sum(&[-1], false)?;
+    // A finite sum less itself is 0, which equals itself; an infinity's or a
+    // NaN's is NaN, which equals nothing. (No scalar operands: `* 0 == 0`
+    // put two broadcast nodes into every decode step.)
+    let d = s.sub(&s)?;
+    let f = d.eq(&d)?.astype(Dtype::Uint32)?;
+    if f.ndim() == 1 {
+        Ok(f)
+    } else {
+        f.reshape(&[-1])
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -477,29 +501,5 @@ mod tests {
         assert!(e.message.contains("topP"));
         let e = SamplingParams { temperature: -1.0, ..Default::default() }.validate().unwrap_err();
         assert!(e.message.contains("temperature"));
-    }
-}
-
-/// Per row of `logits` (`[B, V]`), 1 when every value is finite, 0 when it
-/// holds a NaN or an infinity (`[B]` uint32, lazy: evaluated with the
-/// step's token and read with it, so it costs no extra sync).
-pub fn finite_rows(logits: &Array) -> Result<Array> {
-    // A row's sum is finite exactly when all of it is (NaN and ±inf
-    // propagate), and finite * 0 == 0 while NaN * 0 is not.
-    // Summed in the logits' own dtype when its range allows (only
-    // finiteness matters, and a float32 copy of a vocabulary-wide row costs
-    // a kernel per token); float16 would overflow summing a large
-    // vocabulary, so it is widened first.
-    let s = if logits.dtype() == Dtype::Float16 { logits.astype(Dtype::Float32)? } else { logits.clone() };
-    let s = s.sum(&[-1], false)?;
-    // A finite sum less itself is 0, which equals itself; an infinity's or a
-    // NaN's is NaN, which equals nothing. (No scalar operands: `* 0 == 0`
-    // put two broadcast nodes into every decode step.)
-    let d = s.sub(&s)?;
-    let f = d.eq(&d)?.astype(Dtype::Uint32)?;
-    if f.ndim() == 1 {
-        Ok(f)
-    } else {
-        f.reshape(&[-1])
     }
 }

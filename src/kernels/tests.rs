@@ -2250,7 +2250,7 @@ fn moe_gemm_kernel_matches_stock_ops() {
         let mut ids: Vec<u32> = Vec::new();
         for j in 0..e as u32 {
             let count = if j == 1 { 1 } else { (j as usize * 37) % 150 };
-            ids.extend(std::iter::repeat(j).take(count));
+            ids.extend(std::iter::repeat_n(j, count));
         }
         let rows = ids.len() as i32;
         let x = normal(&[rows, k], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
