@@ -1916,6 +1916,7 @@ PICK = [
     (["conv-gemv"], "decode"),
     (["quant-embed"], "decode"),
     (["eps-const-off"], "decode"),
+    (["position-table-off"], "decode"),
     (["moe-down-early", "router-scores-f32", "router-scores-f32-early"], "decode"),
     (["attention-smem", "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4"], "decode"),
     (["norm-runs-guarded"], "decode"),
