@@ -376,10 +376,10 @@ def substitutions(path, name):
 
 
 REPLACE_OF = {
-    "add_rms_norm.rs@epsc": [("const float e = eps[0];", "const float e = __int_as_float(EPS_BITS);")],
+    "add_rms_norm.rs@epsc": substitutions("add_rms_norm.rs", "EPS_CONST_SUBSTITUTIONS"),
     "moe_router.rs#gate_norm@const": substitutions("moe_router.rs", "GATE_NORM_CONST_SUBSTITUTIONS"),
     "moe_experts.rs#down@loads": substitutions("moe_experts.rs", "DOWN_EARLY_SUBSTITUTIONS"),
-    **{f"norm_gemv.rs#{f}@epsc": substitutions("norm_gemv.rs", "EPS_CONST_SUBSTITUTIONS") for f in ("dense", "swiglu", "quant")},
+    **{f"norm_gemv.rs#{f}@epsc": substitutions("add_rms_norm.rs", "EPS_CONST_SUBSTITUTIONS") for f in ("dense", "swiglu", "quant")},
 }
 # A kernel variant's own #define, as its Rust side prepends it.
 DEFINES_OF = {

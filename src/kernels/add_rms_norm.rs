@@ -153,7 +153,7 @@ __device__ inline void lfm_add_rms_row(const T* h, const T* r, const T* w, float
 }
 "#;
 
-const SOURCE: &str = r#"
+pub(crate) const SOURCE: &str = r#"
   constexpr int NR = 16 / sizeof(T);
   const size_t row = blockIdx.x;
   const float e = eps[0];
@@ -261,12 +261,18 @@ pub(crate) fn eps_const() -> bool {
     super::opt_out("MLX_LFM_EPS_CONST", &ON)
 }
 
-/// The default kernel's source with eps a template constant (its bits,
-/// `EPS_BITS`): the same arithmetic on the same float.
+/// The read of eps and what replaces it where eps is compiled in
+/// (`EPS_BITS`, its float's bits, a template constant): the same arithmetic
+/// on the same float. This kernel's and the norm folds' (src/kernels/norm_gemv.rs).
+pub(crate) const EPS_CONST_SUBSTITUTIONS: [(&str, &str); 1] = [
+    ("const float e = eps[0];", "const float e = __int_as_float(EPS_BITS);"),
+];
+
+/// The default kernel's source with eps a template constant.
 fn const_kernel() -> Option<&'static CudaKernel> {
     static K: Walks = [OnceLock::new(), OnceLock::new()];
     for_walk(&K, || {
-        let src = SOURCE.replace("const float e = eps[0];", "const float e = __int_as_float(EPS_BITS);");
+        let src = super::substituted(SOURCE, &EPS_CONST_SUBSTITUTIONS);
         CudaKernel::new(&kernel_name("lfm_add_rms_norm_epsc"), &["h", "r", "w", "eps"], &["s", "y"], &src, &header()).ok()
     })
 }

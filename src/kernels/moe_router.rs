@@ -195,37 +195,28 @@ fn kernel() -> Option<&'static CudaKernel> {
         .as_ref()
 }
 
-fn gate_norm_kernel() -> Option<&'static CudaKernel> {
-    static K: super::add_rms_norm::Walks = [OnceLock::new(), OnceLock::new()];
-    super::add_rms_norm::for_walk(&K, || {
-        CudaKernel::new(
-            &super::add_rms_norm::kernel_name("lfm_moe_router_gate_norm"),
-            &["h", "r", "wn", "eps", "w", "scales", "biases", "bias", "scale"],
-            &["s", "y", "inds", "scores"],
-            GATE_NORM_SOURCE,
-            &gate_norm_header(),
-        )
-        .ok()
-    })
-}
-
-/// [`gate_norm_kernel`] with eps and the route's scale compiled in
-/// (`EPS_BITS`, `SCALE_BITS`) instead of read from their `[1]` arrays:
-/// under `MLX_LFM_EPS_CONST=1`, as the add + RMSNorm kernel takes eps.
+/// The router + norm kernel: reading eps and the route's scale from their
+/// `[1]` arrays, or (`consts`, under `MLX_LFM_EPS_CONST=1`) with both
+/// compiled in (`EPS_BITS`, `SCALE_BITS`; [`GATE_NORM_CONST_SUBSTITUTIONS`]).
 /// MLX 0.32.4 keeps arrays of at most 8 bytes in a managed pool whose pages
 /// the host writes each token (the position), and a read from it cost a
 /// launch ~1.6 µs on the H200 (session 26's `kernel-bench`, 4.0 µs against
 /// 2.3 from device memory); this kernel reads eps before its norm, on the
 /// path of everything after, 22 times an 8B-A1B step. The same floats, so
 /// the same bits (its test).
-fn gate_norm_const_kernel() -> Option<&'static CudaKernel> {
-    static K: super::add_rms_norm::Walks = [OnceLock::new(), OnceLock::new()];
-    super::add_rms_norm::for_walk(&K, || {
+fn gate_norm_kernel(consts: bool) -> Option<&'static CudaKernel> {
+    static K: [super::add_rms_norm::Walks; 2] = [const { [const { OnceLock::new() }; 2] }; 2];
+    super::add_rms_norm::for_walk(&K[usize::from(consts)], || {
+        let (name, source) = if consts {
+            ("lfm_moe_router_gate_norm_c", super::substituted(GATE_NORM_SOURCE, &GATE_NORM_CONST_SUBSTITUTIONS))
+        } else {
+            ("lfm_moe_router_gate_norm", GATE_NORM_SOURCE.to_string())
+        };
         CudaKernel::new(
-            &super::add_rms_norm::kernel_name("lfm_moe_router_gate_norm_c"),
+            &super::add_rms_norm::kernel_name(name),
             &["h", "r", "wn", "eps", "w", "scales", "biases", "bias", "scale"],
             &["s", "y", "inds", "scores"],
-            &super::substituted(GATE_NORM_SOURCE, &GATE_NORM_CONST_SUBSTITUTIONS),
+            &source,
             &gate_norm_header(),
         )
         .ok()
@@ -395,7 +386,7 @@ pub fn gate_norm_available(n: &super::norm_gemv::NormIn, q: &Quantized, k: usize
         // bits); other widths and dtypes keep the two launches.
         && super::add_rms_norm::block_for(d, run) == 256
         && gate_available(rows, d, dt, q, k)
-        && gate_norm_kernel().is_some()
+        && gate_norm_kernel(false).is_some()
 }
 
 /// The residual sum `s = h + r`, the norm `y = rms_norm(s) * wn` (both
@@ -413,11 +404,7 @@ pub fn route_gate_norm(
     // `consts`: eps's and the scale's values, taken as constants under
     // MLX_LFM_EPS_CONST=1 (they must be what `n.eps` and `scale` hold).
     let consts = consts.filter(|_| super::add_rms_norm::eps_const());
-    let kern = match consts {
-        Some(_) => gate_norm_const_kernel(),
-        None => gate_norm_kernel(),
-    }
-    .ok_or_else(|| Error::mlx("the MoE router + norm kernel is not available"))?;
+    let kern = gate_norm_kernel(consts.is_some()).ok_or_else(|| Error::mlx("the MoE router + norm kernel is not available"))?;
     let biases = q.biases.as_ref().ok_or_else(|| Error::invalid("the MoE router + norm kernel needs affine biases"))?;
     let (rows, d) = (n.h.dim(0), n.h.dim(1));
     let dt = n.h.dtype();

@@ -19,7 +19,7 @@
 //! `MLX_LFM_NORM_GEMV_DEFERRED=1` (opt-in) takes the dense folds without
 //! the prologue ([`DEFERRED_HEADER`]). Tests in src/kernels/tests.rs.
 
-use super::add_rms_norm::{for_walk, Walks};
+use super::add_rms_norm::{for_walk, Walks, EPS_CONST_SUBSTITUTIONS};
 use super::quant_gemv::{quant_template, spec_served, warp_grid, THREADS};
 use crate::error::{Error, Result};
 use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
@@ -296,17 +296,6 @@ fn early_prefetch() -> bool {
 /// runs (each its own name: MLX keeps compiled kernels by name).
 type Variants = [[[Walks; 2]; 2]; 3];
 
-/// The prologue's read of eps, and what replaces it where eps is compiled
-/// in (`EPS_BITS`, its float's bits, a template constant): the folds' `[1]`
-/// eps array lives in MLX 0.32.4's managed scalar pool, which a launch
-/// reads across the bus (~1.6 µs, session 26's kernel-bench) before its
-/// norm, on the path of everything after it, as the add + RMSNorm kernel
-/// did before session 27 (`MLX_LFM_EPS_CONST`, src/kernels/add_rms_norm.rs:
-/// decode 1.03x / 1.08x / 1.01x). The same float, so the same bits.
-pub(crate) const EPS_CONST_SUBSTITUTIONS: [(&str, &str); 1] = [
-    ("const float e = eps[0];", "const float e = __int_as_float(EPS_BITS);"),
-];
-
 /// Output columns a warp of this fold takes.
 fn fold_cols(quant: bool) -> i32 {
     if quant {
@@ -372,25 +361,21 @@ fn deferred() -> bool {
     crate::knobs::cached("MLX_LFM_NORM_GEMV_DEFERRED", &ON, |v| v == Some("1"))
 }
 
-/// A deferred fold's kernel, one per column count.
-fn deferred_kernel(cells: &'static [OnceLock<Option<CudaKernel>>; 3], name: &str, body: &str) -> Option<&'static CudaKernel> {
+/// The deferred dense or SwiGLU fold, one per column count.
+fn deferred_kernel(swiglu: bool) -> Option<&'static CudaKernel> {
+    static K: [[OnceLock<Option<CudaKernel>>; 3]; 2] = [const { [const { OnceLock::new() }; 3] }; 2];
     let (c, csuffix, cdefine) = super::gemv::cols_variant();
-    cells[c]
+    K[usize::from(swiglu)][c]
         .get_or_init(|| {
+            let (name, body) = if swiglu {
+                ("lfm_norm_gemv_swiglu_deferred", SWIGLU_DEFERRED_SOURCE)
+            } else {
+                ("lfm_norm_gemv_deferred", DENSE_DEFERRED_SOURCE)
+            };
             let header = format!("{cdefine}{}{DEFERRED_HEADER}", super::gemv::header());
             CudaKernel::new(&format!("{name}{csuffix}"), &["h", "r", "wn", "eps", "w"], &["s", "y"], body, &header).ok()
         })
         .as_ref()
-}
-
-fn dense_deferred_kernel() -> Option<&'static CudaKernel> {
-    static K: [OnceLock<Option<CudaKernel>>; 3] = [const { OnceLock::new() }; 3];
-    deferred_kernel(&K, "lfm_norm_gemv_deferred", DENSE_DEFERRED_SOURCE)
-}
-
-fn swiglu_deferred_kernel() -> Option<&'static CudaKernel> {
-    static K: [OnceLock<Option<CudaKernel>>; 3] = [const { OnceLock::new() }; 3];
-    deferred_kernel(&K, "lfm_norm_gemv_swiglu_deferred", SWIGLU_DEFERRED_SOURCE)
 }
 
 /// The dense or SwiGLU fold these operands take: the deferred kernel where
@@ -398,7 +383,7 @@ fn swiglu_deferred_kernel() -> Option<&'static CudaKernel> {
 fn dense_fold(n: &NormIn, swiglu: bool) -> Option<(&'static CudaKernel, bool)> {
     if deferred() && n.eps_value.is_some() {
         // (One that did not build leaves the prologue fold.)
-        if let Some(k) = if swiglu { swiglu_deferred_kernel() } else { dense_deferred_kernel() } {
+        if let Some(k) = deferred_kernel(swiglu) {
             return Some((k, true));
         }
     }
@@ -424,6 +409,11 @@ fn serves_dense(w: &Array, rows: usize) -> bool {
 /// (`MLX_LFM_FOLD_EPS_CONST=1`: opt-in until its H200 test and A/B; the
 /// add + RMSNorm and router + norm kernels do by default since session 27,
 /// and the folds are the 350M's default projections, 32 launches a step).
+/// The prologue otherwise reads eps from its `[1]` array in MLX 0.32.4's
+/// managed scalar pool, across the bus (~1.6 µs a launch, session 26's
+/// kernel-bench), before the norm and so before everything after it;
+/// compiled in, it takes the add + RMSNorm kernel's substitution
+/// (`add_rms_norm::EPS_CONST_SUBSTITUTIONS`): the same float, the same bits.
 fn fold_eps_const() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     super::opt_in("MLX_LFM_FOLD_EPS_CONST", &ON) && super::add_rms_norm::eps_const()
@@ -437,7 +427,7 @@ pub struct NormIn<'a> {
     pub wn: &'a Array,
     pub eps: &'a Array,
     /// `eps`'s value where the caller has it: the folds then compile it in
-    /// under `MLX_LFM_FOLD_EPS_CONST=1` ([`EPS_CONST_SUBSTITUTIONS`]).
+    /// under `MLX_LFM_FOLD_EPS_CONST=1` (the add + RMSNorm kernel's substitution).
     pub eps_value: Option<f32>,
 }
 

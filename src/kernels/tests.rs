@@ -1121,12 +1121,13 @@ fn decode_attention_kernel_matches_stock_ops() {
 /// would then pass against itself). Runs on any backend: only the text.
 #[test]
 fn kernel_variant_substitutions_each_land() {
-    use crate::kernels::{moe_experts as me, moe_router as mr, norm_gemv as ng};
+    use crate::kernels::{add_rms_norm as an, moe_experts as me, moe_router as mr, norm_gemv as ng};
     type Subs = [(&'static str, &'static str)];
-    let sets: [(&str, &str, &Subs); 3] = [
+    let sets: [(&str, &str, &Subs); 4] = [
         ("the down kernel's early loads", me::DOWN_SOURCE, &me::DOWN_EARLY_SUBSTITUTIONS),
         ("the router + norm kernel's constants", mr::GATE_NORM_SOURCE, &mr::GATE_NORM_CONST_SUBSTITUTIONS),
-        ("the norm folds' eps", ng::PROLOGUE, &ng::EPS_CONST_SUBSTITUTIONS),
+        ("the add + RMSNorm kernel's eps", an::SOURCE, &an::EPS_CONST_SUBSTITUTIONS),
+        ("the norm folds' eps", ng::PROLOGUE, &an::EPS_CONST_SUBSTITUTIONS),
     ];
     for (what, source, subs) in sets {
         // (Each against the text the earlier ones left, as `substituted` makes them.)
