@@ -45,8 +45,11 @@ impl Positions {
         if !wanted() {
             return Array::scalar(p as f64, Dtype::Int32);
         }
-        let table = self.table_for(pos)?;
-        table.slice_axis(0, p, p + 1)?.reshape(&[])
+        let mut t = self.table.borrow_mut();
+        if t.as_ref().is_none_or(|x| pos >= x.size()) {
+            *t = Some(grown(t.as_ref().map(|x| x.size()), pos)?);
+        }
+        t.as_ref().expect("made above").slice_axis(0, p, p + 1)?.reshape(&[])
     }
 
     /// Positions held now (0: none made yet).
@@ -54,28 +57,20 @@ impl Positions {
     pub(crate) fn len(&self) -> usize {
         self.table.borrow().as_ref().map(|t| t.size()).unwrap_or(0)
     }
+}
 
-    /// The table, long enough to hold `pos`: the same one while it is,
-    /// else one of twice the length (or more) made now. The old one stays
-    /// alive as long as a step still holds a view of it.
-    fn table_for(&self, pos: usize) -> Result<Array> {
-        let mut t = self.table.borrow_mut();
-        if let Some(table) = t.as_ref() {
-            if pos < table.size() {
-                return Ok(table.clone());
-            }
-        }
-        let mut n = t.as_ref().map(|x| x.size() * 2).unwrap_or(FIRST).max(FIRST);
-        while n <= pos {
-            n = n.checked_mul(2).ok_or_else(|| Error::invalid(format!("decode position {pos} is out of range")))?;
-        }
-        let n = i32::try_from(n).map_err(|_| Error::invalid(format!("decode position {pos}: its table would pass int32's range")))?;
-        // Lazy: the first step that reads it runs arange on its stream, and
-        // the GPU's own output is what lands in device memory.
-        let table = arange(0.0, n as f64, 1.0, Dtype::Int32)?;
-        *t = Some(table.clone());
-        Ok(table)
+/// A table long enough to hold `pos`: twice the old length (`had`), or
+/// more, from [`FIRST`]. The old one stays alive as long as a step still
+/// holds a view of it.
+fn grown(had: Option<usize>, pos: usize) -> Result<Array> {
+    let mut n = had.map(|x| x * 2).unwrap_or(FIRST).max(FIRST);
+    while n <= pos {
+        n = n.checked_mul(2).ok_or_else(|| Error::invalid(format!("decode position {pos} is out of range")))?;
     }
+    let n = i32::try_from(n).map_err(|_| Error::invalid(format!("decode position {pos}: its table would pass int32's range")))?;
+    // Lazy: the first step that reads it runs arange on its stream, and
+    // the GPU's own output is what lands in device memory.
+    arange(0.0, n as f64, 1.0, Dtype::Int32)
 }
 
 #[cfg(test)]
