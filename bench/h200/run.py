@@ -1745,6 +1745,11 @@ AB = {
     # (session 27's ncu source view); alone and with the early loads.
     "router-scores-f32": ({"MLX_LFM_ROUTER_SCORES_F32": "1"}, ["lfm2-8b-a1b-q4"]),
     "router-scores-f32-early": ({"MLX_LFM_ROUTER_SCORES_F32": "1", "MLX_LFM_MOE_DOWN_LOADS": "early"}, ["lfm2-8b-a1b-q4"]),
+    # A lone sequence's MoE layer in one launch (the router + norm, the
+    # experts' gate/up and down: 3 launches and nodes a MoE layer, 22
+    # layers), its stages handed on through counters its blocks take their
+    # parts by (src/kernels/moe_fused.rs).
+    "moe-fused": ({"MLX_LFM_MOE_FUSED": "1"}, ["lfm2-8b-a1b-q4"]),
     "router-norm-off": ({"MLX_LFM_ROUTER_NORM_KERNEL": "0"}, ["lfm2-8b-a1b-q4"]),
     "router-norm-narrow": ({"MLX_LFM_ROUTER_NORM_WIDE": "0"}, ["lfm2-8b-a1b-q4"]),
     # The quantized GEMVs in MLX's own qmv arithmetic (MLX_LFM_QGEMV_EXACT:
@@ -1883,6 +1888,7 @@ AB_TESTS = {
     "router-scores-f32-early": ["moe_router_norm_kernel_matches_the_norm_and_router_kernels", "moe_experts_kernels_match_stock_ops",
                                 "greedy:router-scores-f32", "greedy:moe-down-early"],
     "router-norm-narrow": ["moe_router_norm_kernel_matches_the_norm_and_router_kernels"],
+    "moe-fused": ["moe_fused_kernel_matches_the_three_kernels", "greedy:moe-fused"],
     "qgemv-exact": ["quant_gemv_kernel_matches_stock_ops", "greedy:MLX_LFM_QGEMV_EXACT"],
     "quant-norm-exact": ["quant_gemv_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops", "greedy:MLX_LFM_QGEMV_EXACT",
                          "greedy:quant-norm-exact"],
@@ -1917,7 +1923,7 @@ PICK = [
     (["quant-embed"], "decode"),
     (["eps-const-off"], "decode"),
     (["position-table-off"], "decode"),
-    (["moe-down-early", "router-scores-f32", "router-scores-f32-early"], "decode"),
+    (["moe-down-early", "router-scores-f32", "router-scores-f32-early", "moe-fused"], "decode"),
     (["attention-smem", "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4"], "decode"),
     (["norm-runs-guarded"], "decode"),
     (["fold-early"], "decode"),
@@ -1944,7 +1950,7 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "gemv-max-k-2048-c4-early-guarded", "gemv-c2", "gemv-c4", "swiglu-gemv-1024", "attention-smem",
                "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4", "conv-gemv",
                "moe-down-early", "router-scores-f32", "router-scores-f32-early", "fold-eps-const", "position-table-off",
-               "fold-deferred"}
+               "fold-deferred", "moe-fused"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]

@@ -222,6 +222,18 @@ KERNELS["moe_router.rs#gate_norm@wide"] = (*KERNELS["moe_router.rs#gate_norm"][:
                                            lambda dt: [("BITS", 4), ("GS", 64), ("D", 2048), ("E", 32), ("TOPK", 4),
                                                        ("NORM", "true"), ("RW", 32)])
 
+# A lone sequence's MoE layer in one launch (MLX_LFM_MOE_FUSED): the 8B-A1B's shapes.
+KERNELS["moe_fused.rs"] = (
+    [("h", "T"), ("r", "T"), ("wn", "T"), ("gw", "uint32_t"), ("gscales", "T"), ("gbiases", "T"), ("bias", "float"),
+     ("uw", "uint32_t"), ("uscales", "T"), ("ubiases", "T"), ("dw", "uint32_t"), ("dscales", "T"), ("dbiases", "T"),
+     ("state", "uint32_t")],
+    [("s", "T"), ("out", "T"), ("yn", "T"), ("inds", "uint32_t"), ("scores", "float"), ("hk", "T")],
+    lambda dt: [("D", 2048), ("F", 1792), ("E", 32), ("TOPK", 4), ("NORM", "true"), ("GBITS", 4), ("GGS", 64),
+                ("BITS", 4), ("GS", 64), ("WARPS", 32), ("EPS_BITS", 925353388), ("SCALE_BITS", 1065353216)],
+)
+# Every wait given up at once (the test's MLX_LFM_MOE_FUSED_NO_WAIT: DEFINES_OF).
+KERNELS["moe_fused.rs@no-wait"] = KERNELS["moe_fused.rs"]
+
 # The folds with their first column's rows prefetched before the prologue
 # (MLX_LFM_NORM_GEMV_PREFETCH=early: NAME_EARLY before it), each as its fold.
 for _fold in ("dense", "swiglu", "quant"):
@@ -286,6 +298,11 @@ def body_and_header(path, which="SOURCE"):
         # As decode_attention.rs makes its two kernels: the mask's validity
         # or the position's in the body.
         return src.replace("__VALIDITY__", named(path, VALIDITY)), header_of(path)
+    if path.name == "moe_fused.rs":
+        # The router + norm kernel's header, then its own.
+        k = path.parent
+        lead = "#define LFM_NORM_IN_WIDER_BLOCK 1\n" + named(k / "add_rms_norm.rs", "HEADER") + header_of(k / "quant_gemv.rs")
+        return src, lead + named(k / "moe_router.rs", "ROUTE_HEADER") + named(k / "moe_router.rs", "GATE_HEADER") + named(path, "HEADER")
     if path.name == "moe_gemm.rs":
         return src, header_of(path.parent / "gemv.rs") + named(path, "MMA_HEADER")
     if path.name == "moe_router.rs":
@@ -385,6 +402,7 @@ REPLACE_OF = {
 DEFINES_OF = {
     "decode_attention.rs@upto-split16": "#define LFM_ATT_DPB 16\n",
     "decode_attention.rs@upto-split8": "#define LFM_ATT_DPB 8\n",
+    "moe_fused.rs@no-wait": "#define LFM_SPIN_LIMIT 0\n",
 }
 
 failed = 0

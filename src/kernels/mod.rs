@@ -9,6 +9,7 @@ pub mod argmax_finite;
 pub mod decode_attention;
 pub mod gemv;
 pub mod moe_experts;
+pub mod moe_fused;
 pub mod moe_gemm;
 pub mod moe_router;
 pub mod norm_gemv;

@@ -233,7 +233,7 @@ pub(crate) const GATE_NORM_CONST_SUBSTITUTIONS: [(&str, &str); 3] = [
 
 /// The router + norm kernels' header (their block may be wider than the
 /// norm's 256 threads).
-fn gate_norm_header() -> String {
+pub(crate) fn gate_norm_header() -> String {
     format!(
         "#define LFM_NORM_IN_WIDER_BLOCK 1\n{}{}{ROUTE_HEADER}{GATE_HEADER}",
         super::add_rms_norm::device_code(),

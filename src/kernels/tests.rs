@@ -511,12 +511,15 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 }
                 if q4 && wide && moe {
                     // The experts' down kernel with its loads issued first
-                    // (MLX_LFM_MOE_DOWN_LOADS), and the router's weights
-                    // as float32 (MLX_LFM_ROUTER_SCORES_F32).
+                    // (MLX_LFM_MOE_DOWN_LOADS), the router's weights as
+                    // float32 (MLX_LFM_ROUTER_SCORES_F32), and the layer
+                    // in one launch (MLX_LFM_MOE_FUSED).
                     let set = [("MLX_LFM_MOE_DOWN_LOADS".to_string(), Some("early".to_string()))];
                     runs.push(("moe-down-early", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
                     let set = [("MLX_LFM_ROUTER_SCORES_F32".to_string(), Some("1".to_string()))];
                     runs.push(("router-scores-f32", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
+                    let set = [("MLX_LFM_MOE_FUSED".to_string(), Some("1".to_string()))];
+                    runs.push(("moe-fused", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
                 }
                 if path == DecodePath::Compiled {
                     // A lone sequence's position as the host scalar (the
@@ -1687,6 +1690,119 @@ fn moe_experts_kernels_match_stock_ops() {
             }
         }
     });
+}
+
+/// The one-launch MoE layer (`MLX_LFM_MOE_FUSED`) against the three
+/// launches it replaces (the router + norm fold with eps and the scale
+/// compiled in, the experts' gate/up and down kernels): the residual sum to
+/// the bits, the layer's output within two roundings of the dtype of the
+/// largest output (each stage's warps run the same helpers, but NVVM may
+/// contract a chunk's `s * qx + b * xs` the other way in another kernel:
+/// `moe_experts_kernels_match_stock_ops`). Then the counters its blocks
+/// take their parts by: five launches on one layer's state, and two
+/// layers' states in turn, each the first launch's bits (a launch that
+/// misread its epoch would wait out its bound and give NaN, or mix stages).
+#[test]
+fn moe_fused_kernel_matches_the_three_kernels() {
+    use crate::kernels::moe_fused::{available, forward, launch_blocks, new_state};
+    if skip("moe_fused_kernel_matches_the_three_kernels") {
+        // The launch's block count, as the kernel counts its parts: the
+        // router's, a block of 32 warps per 32 rows of each chosen
+        // expert's gate/up, per 8 columns of the down projection (k = 4).
+        assert_eq!(launch_blocks(2048, 1792, 4), 1 + 4 * 56 + 256);
+        assert_eq!(launch_blocks(2048, 256, 3), 1 + 3 * 8 + 205);
+        return;
+    }
+    use crate::kernels::add_rms_norm::add_rms_norm;
+    use crate::kernels::moe_experts::{down, gate_up};
+    use crate::kernels::moe_router::route_gate_norm;
+    use crate::kernels::norm_gemv::NormIn;
+    use crate::kernels::with_opt_in_one;
+    use crate::mlx::random::normal;
+    use crate::mlx::Array;
+    let eps = Array::from_slice(&[1e-5f32], &[1]).unwrap();
+    let consts = [("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string()))];
+    // (dtype, tolerance, experts, k, D, F, gate bits, gate group, experts' bits, group)
+    let cases = [
+        (Dtype::Bfloat16, 2.0f32.powi(-7), 32, 4, 2048, 1792, 4, 64, 4, 64),
+        (Dtype::Bfloat16, 2.0f32.powi(-7), 32, 4, 2048, 1792, 8, 32, 4, 64),
+        // Two experts a row (their ids and weights padded past 8 bytes) and
+        // three (two of a down block's 32 warps idle), 8-bit experts.
+        (Dtype::Bfloat16, 2.0f32.powi(-7), 8, 2, 2048, 256, 4, 64, 4, 32),
+        (Dtype::Bfloat16, 2.0f32.powi(-7), 16, 3, 1536, 512, 4, 64, 8, 64),
+        (Dtype::Float16, 2.0f32.powi(-10), 32, 4, 2048, 1792, 4, 64, 4, 64),
+        (Dtype::Float32, 1e-5, 32, 4, 1024, 256, 8, 64, 8, 64),
+    ];
+    for (dt, tol, e, k, d, f, gbits, ggs, bits, gs) in cases {
+        let what = format!("{dt:?} {e} experts top-{k}, {d} -> {f}, gate {gbits}-bit g{ggs}, experts {bits}-bit g{gs}");
+        let g = quantized(&normal(&[e, d], Dtype::Float32, 0.0, 0.04, None).unwrap(), dt, gbits, ggs);
+        let gu = quantized(&normal(&[e, 2 * f, d], Dtype::Float32, 0.0, 0.05, None).unwrap(), dt, bits, gs);
+        let dn = quantized(&normal(&[e, d, f], Dtype::Float32, 0.0, 0.05, None).unwrap(), dt, bits, gs);
+        let h = normal(&[1, d], Dtype::Float32, 0.0, 4.0, None).unwrap().astype(dt).unwrap();
+        let r = normal(&[1, d], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
+        let wn = normal(&[d], Dtype::Float32, 1.0, 0.2, None).unwrap().astype(dt).unwrap();
+        let bias = normal(&[e], Dtype::Float32, 0.0, 0.05, None).unwrap();
+        let scale = 2.5f32;
+        let sc = Array::from_slice(&[scale], &[1]).unwrap();
+        let n = NormIn { h: &h, r: &r, wn: &wn, eps: &eps, eps_value: None };
+        crate::knobs::with_overrides(&consts, || {
+            let (ws, wy, wi, wsc) = route_gate_norm(&n, &g, &bias, &sc, k, true, Some((1e-5, scale))).unwrap();
+            let want = down(&gate_up(&wy, &wi, &gu).unwrap(), &wi, &wsc, &dn).unwrap();
+            assert_eq!(differing(&ws, &add_rms_norm(&h, &r, &wn, &eps).unwrap().0), 0, "{what}: the reference's sum");
+            let state = new_state().unwrap();
+            let run = |state: &Array| {
+                with_opt_in_one("MLX_LFM_MOE_FUSED", || {
+                    assert!(available(&n, &g, &gu, &dn, k), "{what}: not served");
+                    let (s, out) = forward(&n, &g, &bias, &gu, &dn, state, k, true, 1e-5, scale).unwrap();
+                    crate::mlx::eval(&[&s, &out]).unwrap();
+                    (s, out)
+                })
+            };
+            let (s, out) = run(&state);
+            assert_eq!(differing(&s, &ws), 0, "{what}: the residual sum differs");
+            let gap = worst_scaled(&out, &want);
+            assert!(gap <= tol, "{what}: the output is {gap} from the three kernels' (over {tol}; {} of {d} differ)", differing(&out, &want));
+            eprintln!("{what}: {} of {d} outputs differ from the three kernels' (worst {gap})", differing(&out, &want));
+            let other = new_state().unwrap();
+            for (i, st) in [&state, &state, &other, &state, &other, &other].into_iter().enumerate() {
+                let (s2, out2) = run(st);
+                assert_eq!((differing(&s2, &s), differing(&out2, &out)), (0, 0), "{what}: launch {} on a used state differs", i + 2);
+            }
+            // Every wait given up at once (MLX_LFM_MOE_FUSED_NO_WAIT): the
+            // output poisoned, not a hang, and the next launch on that
+            // state the first one's bits (its counters kept in step).
+            let stuck = [("MLX_LFM_MOE_FUSED_NO_WAIT".to_string(), Some("1".to_string()))];
+            let (s3, out3) = crate::knobs::with_overrides(&stuck, || run(&state));
+            assert_eq!(differing(&s3, &s), 0, "{what}: the sum with the waits given up");
+            let nan: Vec<f32> = out3.astype(Dtype::Float32).unwrap().to_vec().unwrap();
+            assert!(nan.iter().all(|v| v.is_nan()), "{what}: with the waits given up, {} of {d} outputs are not NaN", nan.iter().filter(|v| !v.is_nan()).count());
+            let (s4, out4) = run(&state);
+            assert_eq!((differing(&s4, &s), differing(&out4, &out)), (0, 0), "{what}: the launch after the given-up one differs");
+        });
+    }
+    // Not served: several rows, eps read from its array (MLX_LFM_EPS_CONST=0),
+    // or the switch off.
+    let g = quantized(&normal(&[32, 2048], Dtype::Float32, 0.0, 0.04, None).unwrap(), Dtype::Bfloat16, 4, 64);
+    let gu = quantized(&normal(&[32, 512, 2048], Dtype::Float32, 0.0, 0.05, None).unwrap(), Dtype::Bfloat16, 4, 64);
+    let dn = quantized(&normal(&[32, 2048, 256], Dtype::Float32, 0.0, 0.05, None).unwrap(), Dtype::Bfloat16, 4, 64);
+    let wn = normal(&[2048], Dtype::Float32, 1.0, 0.2, None).unwrap().astype(Dtype::Bfloat16).unwrap();
+    let h2 = normal(&[2, 2048], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(Dtype::Bfloat16).unwrap();
+    let h1 = h2.slice_axis(0, 0, 1).unwrap();
+    let one = NormIn { h: &h1, r: &h1, wn: &wn, eps: &eps, eps_value: None };
+    let two = NormIn { h: &h2, r: &h2, wn: &wn, eps: &eps, eps_value: None };
+    crate::knobs::with_overrides(&consts, || {
+        with_opt_in_one("MLX_LFM_MOE_FUSED", || {
+            assert!(available(&one, &g, &gu, &dn, 4), "one row not served");
+            assert!(!available(&two, &g, &gu, &dn, 4), "two rows served");
+        })
+    });
+    let off = [("MLX_LFM_EPS_CONST".to_string(), Some("0".to_string()))];
+    crate::knobs::with_overrides(&off, || {
+        assert!(!with_opt_in_one("MLX_LFM_MOE_FUSED", || available(&one, &g, &gu, &dn, 4)), "served with eps read from its array");
+    });
+    if std::env::var_os("MLX_LFM_MOE_FUSED").is_none() {
+        assert!(!crate::knobs::with_overrides(&consts, || available(&one, &g, &gu, &dn, 4)), "on without its switch");
+    }
 }
 
 /// The add, RMSNorm and projection in one launch against the fused add +

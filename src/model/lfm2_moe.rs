@@ -58,6 +58,9 @@ pub struct SparseMoe {
     /// The fused router's selection bias (zeros without one) and scale,
     /// made once rather than uploaded per layer per token.
     router_consts: (Array, Array),
+    /// The one-launch layer's counters (`kernels::moe_fused`), made on the
+    /// device once: only that kernel, on this layer, touches them.
+    fused_state: Array,
     /// Tensor parallel: every expert's hidden width is split across the
     /// ranks (gate/up column-sharded, down row-sharded) with the router
     /// replicated, so each rank runs the same routing over its slice of
@@ -146,6 +149,7 @@ impl SparseMoe {
             },
             Array::from_slice(&[m.routed_scaling_factor], &[1])?,
         );
+        let fused_state = crate::kernels::moe_fused::new_state()?;
         Ok(SparseMoe {
             gate: Linear::load(st, reg, &format!("{p}.gate"), d as usize, e, false)?,
             expert_bias,
@@ -159,6 +163,7 @@ impl SparseMoe {
                 && dense_dtype.is_some_and(|dt| dt != Dtype::Float32),
             grouped_prefill: grouped_prefill()?,
             router_consts,
+            fused_state,
             shard: shard.cloned(),
         })
     }
@@ -236,7 +241,7 @@ impl SparseMoe {
     /// kernels: `(the residual sum, the output)`, or None where those
     /// kernels do not all serve (the caller computes the norm).
     pub fn forward_normed(&self, n: &crate::kernels::norm_gemv::NormIn, eps: f32) -> Result<Option<(Array, Array)>> {
-        use crate::kernels::{moe_experts, moe_router};
+        use crate::kernels::{moe_experts, moe_fused, moe_router};
         let (Weight::Quant(g), None) = (&self.gate.weight, &self.gate.bias) else { return Ok(None) };
         if !moe_router::gate_norm_available(n, g, self.top_k) {
             return Ok(None);
@@ -249,6 +254,11 @@ impl SparseMoe {
             return Ok(None);
         }
         let (bias, scale) = &self.router_consts;
+        if moe_fused::available(n, g, gu, down, self.top_k) {
+            let (k, norm, sf) = (self.top_k, self.norm_topk_prob, self.routed_scaling_factor);
+            let (s, out) = moe_fused::forward(n, g, bias, gu, down, &self.fused_state, k, norm, eps, sf)?;
+            return Ok(Some((s, reduce(&self.shard, out)?)));
+        }
         let consts = Some((eps, self.routed_scaling_factor));
         let (s, y, idx, scores) = moe_router::route_gate_norm(n, g, bias, scale, self.top_k, self.norm_topk_prob, consts)?;
         let h = moe_experts::gate_up(&y, &idx, gu)?;

@@ -127,6 +127,7 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
             .chain(ATT_ARMS.iter().map(|(n, ..)| *n))
             .chain(EXPERT_ARMS.iter().map(|(n, ..)| *n))
             .chain(FOLD_ARMS.iter().map(|(n, ..)| *n))
+            .chain(LAYER_ARMS.iter().map(|(n, ..)| *n))
             .collect();
         if let Some(bad) = a.iter().find(|x| !known.contains(&x.as_str())) {
             return Err(mlx_lfm::Error::invalid(format!("--arms: no arm named {bad:?} (the arms: {})", known.join(", "))));
@@ -217,6 +218,11 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
         let (n, k) = Folds::shape(*swiglu);
         plan.push(serde_json::json!({"arm": name, "n": n, "k": k, "launches": FOLD_LAUNCHES * reps * kernels}));
     }
+    let layer_arms: Vec<_> = LAYER_ARMS.iter().filter(|(name, ..)| chosen(name)).collect();
+    let layer = if layer_arms.is_empty() { None } else { Some(Layer::new()?) };
+    for (name, _, kernels) in &layer_arms {
+        plan.push(serde_json::json!({"arm": name, "n": LAYER_N, "k": EXPERT_D, "launches": LAYER_LAUNCHES * reps * kernels}));
+    }
     println!("{}", serde_json::json!({"kernel_bench_plan": plan}));
     for (n, k, x, weights, arms) in &sets {
         for (name, switches) in arms {
@@ -255,6 +261,13 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
             folds.launch(name, *swiglu, i).map_err(|e| mlx_lfm::Error::invalid(format!("{name}: {e}")))
         });
         print_walls(name, n, k, walls);
+    }
+    for (name, switches, _) in layer_arms {
+        let layer = layer.as_ref().expect("made where a layer arm runs");
+        let walls = timed(switches, reps * LAYER_LAUNCHES, |i| {
+            layer.launch(name.ends_with("-fused"), i).map_err(|e| mlx_lfm::Error::invalid(format!("{name}: {e}")))
+        });
+        print_walls(name, LAYER_N, EXPERT_D, walls);
     }
     Ok(())
 }
@@ -362,6 +375,79 @@ impl Experts {
         } else {
             moe_experts::down(&self.h, idx, if f32_score { &self.score_f32 } else { &self.score }, w)
         }
+    }
+}
+
+/// The 8B-A1B's whole MoE layer for one decode row, from the residual's
+/// add + RMSNorm through the experts' weighted sum: the three launches the
+/// step runs by default (the router + norm fold, the experts' gate/up and
+/// down kernels) against the one of src/kernels/moe_fused.rs. `(arm, its
+/// switches, kernels a product)`. Each launch routes another of
+/// [`LAYER_ROWS`] rows, so the chosen experts change from one to the next.
+const LAYER_ARMS: [(&str, Switches, usize); 2] = [
+    ("moe-layer-q4-three", &[("MLX_LFM_MOE_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1")], 3),
+    ("moe-layer-q4-fused", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
+];
+const LAYER_ROWS: usize = 8;
+const LAYER_LAUNCHES: usize = 16;
+const LAYER_EPS: f32 = 1e-5;
+/// A plan's `n` at `k` = D: the 4-bit values a row reads (its 4 experts'
+/// gate/up and down rows and the router's gate), so the GB/s compare.
+const LAYER_N: i32 = EXPERTS_A_ROW * 2 * EXPERT_F + EXPERTS_A_ROW * EXPERT_F + EXPERTS;
+
+struct Layer {
+    experts: Experts,
+    gate: mlx_lfm::model::linear::Quantized,
+    /// The residual's rows (one a launch, in turn) and the stream's.
+    hs: Vec<Array>,
+    r: Array,
+    wn: Array,
+    eps: Array,
+    bias: Array,
+    scale: Array,
+    state: Array,
+}
+
+impl Layer {
+    fn new() -> mlx_lfm::Result<Layer> {
+        use mlx_lfm::mlx::{QuantMode, QuantSpec};
+        let bf = Dtype::Bfloat16;
+        let spec = QuantSpec { mode: QuantMode::Affine, bits: 4, group_size: 64 };
+        let experts = Experts::new()?;
+        let (weight, scales, biases) = mlx::quantize(&normal(&[EXPERTS, EXPERT_D], bf, 0.0, 0.04, None)?, spec)?;
+        let gate = mlx_lfm::model::linear::Quantized { weight, scales, biases, spec };
+        let hs = (0..LAYER_ROWS).map(|_| normal(&[1, EXPERT_D], bf, 0.0, 4.0, None)).collect::<mlx_lfm::Result<Vec<_>>>()?;
+        let r = normal(&[1, EXPERT_D], bf, 0.0, 1.0, None)?;
+        let wn = normal(&[EXPERT_D], Dtype::Float32, 1.0, 0.2, None)?.astype(bf)?;
+        let eps = Array::from_slice(&[LAYER_EPS], &[1])?;
+        let bias = mlx::zeros(&[EXPERTS], Dtype::Float32)?;
+        let scale = Array::from_slice(&[1.0f32], &[1])?;
+        let state = mlx_lfm::kernels::moe_fused::new_state()?;
+        let mut held: Vec<&Array> = hs.iter().collect();
+        held.extend([&gate.weight, &gate.scales, &r, &wn, &eps, &bias, &scale]);
+        held.extend(gate.biases.iter());
+        mlx::eval(&held)?;
+        Ok(Layer { experts, gate, hs, r, wn, eps, bias, scale, state })
+    }
+
+    /// The layer's output for launch `i`'s row, as the arm's switches say.
+    fn launch(&self, fused: bool, i: usize) -> mlx_lfm::Result<Array> {
+        use mlx_lfm::kernels::{moe_experts, moe_fused, moe_router, norm_gemv::NormIn};
+        let n = NormIn { h: &self.hs[i % self.hs.len()], r: &self.r, wn: &self.wn, eps: &self.eps, eps_value: Some(LAYER_EPS) };
+        let (g, gu, down) = (&self.gate, &self.experts.gate_up, &self.experts.down);
+        let k = EXPERTS_A_ROW as usize;
+        let unserved = || mlx_lfm::Error::invalid("kernel-bench: the MoE layer's kernels do not serve their operands here");
+        if fused {
+            if !moe_fused::available(&n, g, gu, down, k) {
+                return Err(unserved());
+            }
+            return Ok(moe_fused::forward(&n, g, &self.bias, gu, down, &self.state, k, true, LAYER_EPS, 1.0)?.1);
+        }
+        if !moe_router::gate_norm_available(&n, g, k) || !moe_experts::available(1, k, Dtype::Bfloat16, gu, down) {
+            return Err(unserved());
+        }
+        let (_, y, idx, scores) = moe_router::route_gate_norm(&n, g, &self.bias, &self.scale, k, true, Some((LAYER_EPS, 1.0)))?;
+        moe_experts::down(&moe_experts::gate_up(&y, &idx, gu)?, &idx, &scores, down)
     }
 }
 

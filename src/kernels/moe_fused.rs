@@ -1,0 +1,351 @@
+//! A lone sequence's MoE layer in one launch (`MLX_LFM_MOE_FUSED=1`,
+//! opt-in until its H200 test and A/B): the residual add + RMSNorm, the
+//! router, the experts' gate/up with their SwiGLU and the down projection
+//! with the weighted sum, which by default are three launches
+//! (src/kernels/moe_router.rs `route_gate_norm`, src/kernels/moe_experts.rs
+//! `gate_up` and `down`): 44 of the 8B-A1B's ~200 nodes a step, each one
+//! the host builds and dispatches every token (the host bounds that
+//! model's decode in some rounds) and each a kernel boundary on the GPU.
+//!
+//! The three stages depend on each other across the whole grid (the
+//! experts need the router's choice, the down projection every gate/up
+//! row), and MLX launches a custom kernel plainly (no cooperative launch,
+//! so no grid-wide barrier that is safe whatever the residency). So each
+//! block takes a ticket when it starts (a counter the kernel keeps in a
+//! small state array of its layer) and its ticket, not its block index,
+//! gives its part: ticket 0 the norm and the router, the next tickets the
+//! gate/up rows, the last ones the down columns. A block waits only for
+//! blocks with smaller tickets, which took theirs before it and so are
+//! running or done and never wait on it: no deadlock, however few blocks a
+//! GPU holds at once. The counters never reset: launch L of a layer takes
+//! tickets `[L * NB, (L + 1) * NB)` (its launches run one after another on
+//! the model's stream), so a block knows its launch and what to wait for
+//! (64-bit: no wrap). A wait that runs past `LFM_SPIN_LIMIT` polls (far
+//! past any real stage) gives up and poisons the layer's output with NaN
+//! (the step's finiteness check then fails it) instead of hanging the GPU,
+//! still counting itself so that later launches stay in step.
+//!
+//! Each stage is the default kernel's own code over the same values (the
+//! router + norm's device functions; the gate/up and down warps' helpers,
+//! reading the normed row and the gated rows from shared memory after
+//! loading them past L1), so the result is the three launches' within
+//! NVVM's contraction choices (`moe_experts`'s note): the test holds the
+//! sum, the experts and their weights to the bits and the output within a
+//! rounding of them. Tests in src/kernels/tests.rs.
+
+use super::moe_experts;
+use super::moe_router;
+use super::norm_gemv::NormIn;
+use crate::error::{Error, Result};
+use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
+use crate::mlx::{Array, Dtype};
+use crate::model::linear::Quantized;
+use std::sync::OnceLock;
+
+/// The waits and the staging loads.
+const HEADER: &str = r#"
+#ifndef LFM_SPIN_LIMIT
+#define LFM_SPIN_LIMIT (1 << 20)
+#endif
+// Waits (one thread) until *p >= v; 1 if it gave up. The acquire side of
+// the stages' handoff: the fence after the value is seen orders what the
+// block reads next after what the producer wrote before its release.
+__device__ inline int lfm_wait_at_least(unsigned long long* p, unsigned long long v) {
+  for (int i = 0; i < LFM_SPIN_LIMIT; i++) {
+    if (*reinterpret_cast<volatile unsigned long long*>(p) >= v) {
+      __threadfence();
+      return 0;
+    }
+    __nanosleep(64);
+  }
+  return 1;
+}
+// n 16-byte runs from global memory another block wrote during this launch
+// into shared memory, read at L2 (not a line L1 may hold from before).
+__device__ inline void lfm_stage16(uint4* dst, const void* src, int n) {
+  const uint4* s = reinterpret_cast<const uint4*>(src);
+  for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = __ldcg(s + i);
+}
+"#;
+
+/// Template constants: T, D (the row), F (an expert's hidden width), E,
+/// TOPK, NORM, the gate's GBITS / GGS, the experts' BITS / GS, WARPS (the
+/// block), EPS_BITS, SCALE_BITS. `st`: the layer's state, four 64-bit
+/// counters (tickets, the router's launch mark, gate/up blocks done).
+pub(crate) const SOURCE: &str = r#"
+  constexpr int NT = 32 * WARPS;
+  constexpr int KE = TOPK;
+  constexpr int RB = (F + WARPS - 1) / WARPS;
+  constexpr int GB = KE * RB;
+  constexpr int CPB = WARPS / KE;
+  constexpr int DB = (D + CPB - 1) / CPB;
+  constexpr int NB = 1 + GB + DB;
+  constexpr int XR = D * sizeof(T) / 16;
+  constexpr int HR = KE * F * sizeof(T) / 16;
+  __shared__ uint4 sm[XR > HR ? XR : HR];
+  __shared__ float probs_s[E];
+  __shared__ float part[WARPS];
+  __shared__ unsigned long long ticket_s;
+  __shared__ int late_s;
+  unsigned long long* st = reinterpret_cast<unsigned long long*>(const_cast<uint32_t*>(state));
+  const int tid = threadIdx.x;
+  const int lane = tid % 32;
+  const int wid = tid / 32;
+  if (tid == 0) ticket_s = atomicAdd(st, 1ull);
+  __syncthreads();
+  const unsigned long long launch = ticket_s / NB;
+  const int role = static_cast<int>(ticket_s % NB);
+  const float poison = __int_as_float(0x7fc00000);
+  if (role == 0) {
+    // The add + RMSNorm and the route, as the router + norm kernel runs
+    // them (its first 256 threads the norm, a warp an expert at a time).
+    T* ys = reinterpret_cast<T*>(sm);
+    const float e = __int_as_float(EPS_BITS);
+    if (lfm_aligned(h) && lfm_aligned(r) && lfm_aligned(wn) && lfm_aligned(s)) {
+      lfm_add_rms_row<T, D, 256, true>(h, r, wn, e, s, ys);
+    } else {
+      lfm_add_rms_row<T, D, 256, false>(h, r, wn, e, s, ys);
+    }
+    __syncthreads();
+    for (int i = tid; i < D; i += NT) yn[i] = ys[i];
+    const float sc[1] = {__int_as_float(SCALE_BITS)};
+    lfm_gate_route<T, D, E, GBITS, GGS, TOPK, NORM, WARPS>(ys, lfm_aligned(gw), gw, gscales, gbiases, bias, sc, inds,
+                                                          scores, probs_s, 0);
+    __syncthreads();
+    if (tid == 0) {
+      __threadfence();
+      atomicMax(st + 1, launch + 1);
+    }
+    return;
+  }
+  if (role <= GB) {
+    // Gate/up: a warp one row of one chosen expert, after the route.
+    const int j = (role - 1) / RB;
+    const int n = ((role - 1) % RB) * WARPS + wid;
+    if (tid == 0) late_s = lfm_wait_at_least(st + 1, launch + 1);
+    __syncthreads();
+    const bool late = late_s != 0;
+    T* xs = reinterpret_cast<T*>(sm);
+    if (!late) lfm_stage16(sm, yn, XR);
+    __syncthreads();
+    if (n < F) {
+      float ag = 0.0f;
+      float au = 0.0f;
+      if (!late) {
+        constexpr int G = D / GS;
+        constexpr int WORDS = D * BITS / 32;
+        const size_t ex = __ldcg(inds + j);
+        const size_t gi = ex * (2 * F) + n;
+        const size_t ui = ex * (2 * F) + F + n;
+        if (lfm_aligned(uw)) {
+          lfm_qdot2_a<T, D, BITS, GS, true>(xs, uw + gi * WORDS, uscales + gi * G, ubiases + gi * G, uw + ui * WORDS,
+                                            uscales + ui * G, ubiases + ui * G, lane, ag, au);
+        } else {
+          lfm_qdot2_a<T, D, BITS, GS, false>(xs, uw + gi * WORDS, uscales + gi * G, ubiases + gi * G, uw + ui * WORDS,
+                                             uscales + ui * G, ubiases + ui * G, lane, ag, au);
+        }
+        ag = lfm_warp_sum(ag);
+        au = lfm_warp_sum(au);
+      }
+      if (lane == 0) hk[static_cast<size_t>(j) * F + n] = late ? T(poison) : lfm_swiglu<T>(ag, au);
+    }
+    __syncthreads();
+    if (tid == 0) {
+      __threadfence();
+      atomicAdd(st + 2, 1ull);
+    }
+    return;
+  }
+  // Down: a warp one chosen expert of one output column, the column's
+  // experts summed in their order, after every gate/up block of the launch.
+  const int db = role - 1 - GB;
+  if (tid == 0) late_s = lfm_wait_at_least(st + 2, (launch + 1) * GB);
+  __syncthreads();
+  const bool late = late_s != 0;
+  const T* hs = reinterpret_cast<const T*>(sm);
+  if (!late) lfm_stage16(sm, hk, HR);
+  __syncthreads();
+  const int j = wid % KE;
+  const int col = wid / KE;
+  const int n = db * CPB + col;
+  const bool active = col < CPB && n < D;
+  if (active && !late) {
+    constexpr int G = F / GS;
+    constexpr int WORDS = F * BITS / 32;
+    const size_t wi = static_cast<size_t>(__ldcg(inds + j)) * D + n;
+    const T* hr = hs + static_cast<size_t>(j) * F;
+    float a = 0.0f;
+    if (lfm_aligned(dw)) {
+      lfm_qdot_a<T, F, 1, BITS, GS, true>(hr, dw + wi * WORDS, dscales + wi * G, dbiases + wi * G, lane, &a);
+    } else {
+      lfm_qdot_a<T, F, 1, BITS, GS, false>(hr, dw + wi * WORDS, dscales + wi * G, dbiases + wi * G, lane, &a);
+    }
+    a = lfm_warp_sum(a);
+    if (lane == 0) part[wid] = static_cast<float>(T(static_cast<float>(T(a)) * __ldcg(scores + j)));
+  }
+  __syncthreads();
+  if (active && j == 0 && lane == 0) {
+    float total = 0.0f;
+    for (int i = 0; i < KE; i++) total += part[col * KE + i];
+    out[n] = late ? T(poison) : T(total);
+  }
+"#;
+
+/// Warps a block: a warp an expert for the router (as the router + norm
+/// kernel's default), 32 experts a row on the 8B-A1B; ptxas keeps the
+/// kernel within the 64 registers a thread that 1,024 threads allow.
+const WARPS: i32 = 32;
+/// The router's scratch outputs hold this many entries whatever k is, so
+/// that they stay over 8 bytes (MLX 0.32.4 keeps smaller arrays in its
+/// managed scalar pool, slow for the GPU to read; `moe_router::scores_f32`).
+const ROUTE_SLOTS: i32 = 8;
+/// Shared memory the staged rows may take (48 KiB is the static limit).
+const MAX_STAGED: usize = 32 * 1024;
+
+fn enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    super::opt_in("MLX_LFM_MOE_FUSED", &ON)
+}
+
+/// `MLX_LFM_MOE_FUSED_NO_WAIT=1` (a test's knob): every wait gives up at
+/// once, so the test sees the poisoned output a stuck stage would give
+/// (and the counters still in step after it), not a hang.
+fn no_wait() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    crate::knobs::cached("MLX_LFM_MOE_FUSED_NO_WAIT", &ON, |v| v == Some("1"))
+}
+
+fn kernel() -> Option<&'static CudaKernel> {
+    static K: [super::add_rms_norm::Walks; 2] = [const { [const { OnceLock::new() }; 2] }; 2];
+    let stuck = no_wait();
+    super::add_rms_norm::for_walk(&K[usize::from(stuck)], || {
+        let (name, define) = if stuck { ("lfm_moe_fused_no_wait", "#define LFM_SPIN_LIMIT 0\n") } else { ("lfm_moe_fused", "") };
+        CudaKernel::new(
+            &super::add_rms_norm::kernel_name(name),
+            &["h", "r", "wn", "gw", "gscales", "gbiases", "bias", "uw", "uscales", "ubiases", "dw", "dscales", "dbiases", "state"],
+            &["s", "out", "yn", "inds", "scores", "hk"],
+            SOURCE,
+            &format!("{define}{}{HEADER}", moe_router::gate_norm_header()),
+        )
+        .ok()
+    })
+}
+
+/// A layer's state for the kernel: four 64-bit counters, zero (eight
+/// uint32: MLX's signature names the element type; the kernel reads them
+/// as 64-bit). Made once per MoE layer and kept with it; only its own
+/// kernel's launches, one after another, touch it. Made by an op and
+/// evaluated, so that on CUDA it is device memory (an array the host
+/// writes is managed memory, whose page the host could pull back).
+pub fn new_state() -> Result<Array> {
+    let state = crate::mlx::zeros(&[8], Dtype::Uint32)?;
+    state.eval()?;
+    Ok(state)
+}
+
+/// The blocks of one launch: the router's, the gate/up rows', the down
+/// columns' (as the kernel counts them).
+fn blocks(d: i32, f: i32, k: i32) -> i64 {
+    let (w, k64) = (WARPS as i64, k as i64);
+    let gate_up = k64 * ((f as i64 + w - 1) / w);
+    let per = w / k64;
+    1 + gate_up + (d as i64 + per - 1) / per
+}
+
+/// Whether [`forward`] serves the pending norm `n` (one row) through the
+/// quantized gate `g` and the experts `gu` / `down` with `k` experts a
+/// row: on ([`enabled`]), on CUDA, where the router + norm fold and the
+/// experts' kernels serve these operands (their own conditions: the row's
+/// width and dtype, the specifications, the shapes), with eps and the
+/// route's scale compiled in (`MLX_LFM_EPS_CONST`, the default), both
+/// expert stacks of one specification, and the staged rows within shared
+/// memory.
+pub fn available(n: &NormIn, g: &Quantized, gu: &Quantized, down: &Quantized, k: usize) -> bool {
+    if !enabled() || !cuda_kernels_enabled() || n.h.ndim() != 2 || n.h.dim(0) != 1 || !super::add_rms_norm::eps_const() {
+        return false;
+    }
+    let (d, dt) = (n.h.dim(1), n.h.dtype());
+    let f = down.weight.dim(2) as i64 * 32 / down.spec.bits as i64;
+    let bytes = |len: i64| len as usize * dt.size();
+    k >= 1
+        && (k as i32) <= WARPS
+        && gu.spec == down.spec
+        && moe_router::gate_norm_available(n, g, k)
+        && moe_experts::available(1, k, dt, gu, down)
+        && bytes(d as i64) % 16 == 0
+        && bytes(f) % 16 == 0
+        && bytes(d as i64).max(bytes(k as i64 * f)) <= MAX_STAGED
+        && kernel().is_some()
+}
+
+/// The residual sum `s = h + r` and the layer's output (before a tensor
+/// parallel reduce), both `[1, D]`, in one launch (callers check
+/// [`available`]): `bias` the router's selection bias `[E]` float32, `eps`
+/// and `scale` the norm's eps and the route's scale, `state` the layer's
+/// own ([`new_state`]).
+#[allow(clippy::too_many_arguments)]
+pub fn forward(
+    n: &NormIn,
+    g: &Quantized,
+    bias: &Array,
+    gu: &Quantized,
+    down: &Quantized,
+    state: &Array,
+    k: usize,
+    norm: bool,
+    eps: f32,
+    scale: f32,
+) -> Result<(Array, Array)> {
+    let kern = kernel().ok_or_else(|| Error::mlx("the fused MoE kernel is not available"))?;
+    let missing = |what: &str| Error::invalid(format!("the fused MoE kernel needs affine biases ({what})"));
+    let gb = g.biases.as_ref().ok_or_else(|| missing("the router gate"))?;
+    let ub = gu.biases.as_ref().ok_or_else(|| missing("the experts' gate/up"))?;
+    let db = down.biases.as_ref().ok_or_else(|| missing("the experts' down"))?;
+    if state.dtype() != Dtype::Uint32 || state.size() != 8 {
+        return Err(Error::invalid("the fused MoE kernel's state must be 8 uint32 (new_state)"));
+    }
+    let (d, dt) = (n.h.dim(1), n.h.dtype());
+    let (e, f) = (g.weight.dim(0), gu.weight.dim(1) / 2);
+    let k = k as i32;
+    let nb = blocks(d, f, k);
+    let threads = WARPS * 32;
+    let grid = i32::try_from(nb * threads as i64).map_err(|_| Error::invalid(format!("fused MoE kernel: {nb} blocks")))?;
+    let template = [
+        ("T", TemplateArg::Dtype(dt)),
+        ("D", TemplateArg::Int(d)),
+        ("F", TemplateArg::Int(f)),
+        ("E", TemplateArg::Int(e)),
+        ("TOPK", TemplateArg::Int(k)),
+        ("NORM", TemplateArg::Bool(norm)),
+        ("GBITS", TemplateArg::Int(g.spec.bits)),
+        ("GGS", TemplateArg::Int(g.spec.group_size)),
+        ("BITS", TemplateArg::Int(gu.spec.bits)),
+        ("GS", TemplateArg::Int(gu.spec.group_size)),
+        ("WARPS", TemplateArg::Int(WARPS)),
+        ("EPS_BITS", TemplateArg::Int(eps.to_bits() as i32)),
+        ("SCALE_BITS", TemplateArg::Int(scale.to_bits() as i32)),
+    ];
+    let mut outs = kern.call(
+        &[n.h, n.r, n.wn, &g.weight, &g.scales, gb, bias, &gu.weight, &gu.scales, ub, &down.weight, &down.scales, db, state],
+        &[
+            (&[1, d], dt),
+            (&[1, d], dt),
+            (&[d], dt),
+            (&[ROUTE_SLOTS], Dtype::Uint32),
+            (&[ROUTE_SLOTS], Dtype::Float32),
+            (&[k, f], dt),
+        ],
+        [grid, 1, 1],
+        [threads, 1, 1],
+        &template,
+    )?;
+    outs.truncate(2);
+    let out = outs.pop().ok_or_else(|| Error::mlx("fused MoE kernel: missing output"))?;
+    let s = outs.pop().ok_or_else(|| Error::mlx("fused MoE kernel: missing output"))?;
+    Ok((s, out))
+}
+
+#[cfg(test)]
+pub(crate) fn launch_blocks(d: i32, f: i32, k: i32) -> i64 {
+    blocks(d, f, k)
+}
