@@ -137,23 +137,31 @@ weight beside its weight rows and scales its sums once, so its weight
 loads start at once; same test, greedy set `norm-gemv-deferred`;
 kernel-bench arms `norm-then-*` against `fold-prologue*` and
 `fold-deferred*` on the 1.2B's in_proj and w1/w3).
-Next (`bash bench/h200/prepare.sh` here first; ~1,650 s planned):
+Session 29 was lent no machine either: it wrote a lone sequence's MoE
+layer as one launch (`moe-fused`, opt-in: the router + norm, the experts'
+gate/up and down, 3 launches a layer today, as stages a block takes by a
+ticket from a per-layer counter; its test
+`moe_fused_kernel_matches_the_three_kernels`, its greedy set `moe-fused`,
+kernel-bench's `moe-layer-q4-three` / `moe-layer-q4-fused`).
+Next (`bash bench/h200/prepare.sh` here first; ~1,700 s planned):
   1. carry [.device/a, .device/llama]: `stage` (~100 s with the start).
   2. carry [.device/b, .device/tests]: `install kernels` with
      H200_KERNEL_JOBS=4 and H200_KERNEL_TESTS=moe_router_norm_kernel_matches_the_norm_and_router_kernels,
      moe_experts_kernels_match_stock_ops,greedy_tokens_with_kernels_equal_stock_ops_on_wide_rows,
-     argmax_finite_kernel_matches_stock_ops (~330 s: the router's float32
-     weights and their greedy set; the wide greedy test also runs the
+     argmax_finite_kernel_matches_stock_ops,moe_fused_kernel_matches_the_three_kernels
+     (~350 s: the router's float32 weights and their greedy set, the
+     one-launch MoE layer and its; the wide greedy test also runs the
      defaults adopted in session 27 and the position table against the
-     host scalar).
+     host scalar), then `save-ptx` in the same call (the kernels these
+     tests compiled come back even if the machine does not stay).
   3. carry [.device/bin]: `gguf-bg kernel-bench kernel-detail` with
      H200_DETAIL_ARMS=mlx-moe-q4-down,moe-q4-down,moe-q4-down-f32-score,moe-q4-down-early-f32-score
      and H200_SOURCE_ARMS=moe-q4-down-f32-score (~90 s: whether the
      weights out of MLX's scalar pool take the down kernel to MLX's 13 µs
      or under; kernel-bench ~80 s: the scalar-table-view arm and the
-     folds alone), then `save-ptx`.
+     folds alone, and the 8B-A1B's MoE layer as three launches and as one).
   4. carry [.device/bin]: H200_MODELS=lfm2-8b-a1b-q4
-     H200_AB_VARIANTS=router-scores-f32,router-scores-f32-early,position-table-off,eps-const-off
+     H200_AB_VARIANTS=moe-fused,router-scores-f32,router-scores-f32-early,position-table-off,eps-const-off
      `ab pick` (~220 s with the 8B-A1B's checkpoints), then
      H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4 `profile-gaps` (~150 s with
      the 1.2B's checkpoint: the time between a step's kernels, never
@@ -1260,7 +1268,10 @@ def kernel_bench():
     Then the 1.2B's norm with the projection after it: as the step runs
     them (`norm-then-*`, the add + RMSNorm kernel and the GEMV, two
     kernels a product: us_per_product sums them) against the prologue
-    fold and the deferred one (`fold-*`, one launch).
+    fold and the deferred one (`fold-*`, one launch). Last the 8B-A1B's
+    whole MoE layer for one row: the three launches the step runs
+    (`moe-layer-q4-three`: the router + norm, gate/up, down) against the
+    one of src/kernels/moe_fused.rs (`moe-layer-q4-fused`).
     No checkpoint needed (~1 minute)."""
     rep = WORK / "kernel-bench"
     cmd = ["ncu", "--clock-control", "none", "-f", "-o", rep, "--kernel-name",
