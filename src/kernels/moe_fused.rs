@@ -18,20 +18,29 @@
 //! blocks with smaller tickets, which took theirs before it and so are
 //! running or done and never wait on it: no deadlock, however few blocks a
 //! GPU holds at once. The counters never reset: launch L of a layer takes
-//! tickets `[L * NB, (L + 1) * NB)` (its launches run one after another on
-//! the model's stream), so a block knows its launch and what to wait for
-//! (64-bit: no wrap). A wait that runs past `LFM_SPIN_LIMIT` polls (far
-//! past any real stage) gives up and poisons the layer's output with NaN
-//! (the step's finiteness check then fails it) instead of hanging the GPU,
-//! still counting itself so that later launches stay in step.
+//! tickets `[L * NB, (L + 1) * NB)`, so a block knows its launch and what
+//! to wait for (64-bit: no wrap). That needs a layer's launches to run one
+//! after another, which MLX does not see to (the state is only ever an
+//! input, so its graph has no edge through it): they are ordered by data,
+//! as one sequence's steps are (each layer's input comes from the step
+//! before). Two independent one-row passes of one model in a single
+//! evaluation would interleave their tickets; nothing here makes them (a
+//! batch of rows takes the three kernels). A wait that runs past
+//! `LFM_SPIN_LIMIT` polls (each a load from L2 and a short sleep: far past
+//! any real stage's microseconds, ~0.1 s or more) gives up and poisons the
+//! layer's output with NaN (the step's finiteness check then fails it)
+//! instead of hanging the GPU, still counting itself so that later
+//! launches stay in step; a down block also waits for the router's mark,
+//! so gate/up blocks that gave up never let it read an unwritten route.
 //!
 //! Each stage is the default kernel's own code over the same values (the
 //! router + norm's device functions; the gate/up and down warps' helpers,
 //! reading the normed row and the gated rows from shared memory after
-//! loading them past L1), so the result is the three launches' within
-//! NVVM's contraction choices (`moe_experts`'s note): the test holds the
-//! sum, the experts and their weights to the bits and the output within a
-//! rounding of them. Tests in src/kernels/tests.rs.
+//! loading them past L1; the down kernel's default arithmetic, not its
+//! `MLX_LFM_MOE_DOWN_LOADS=early` variant), so the result is the three
+//! launches' within NVVM's contraction choices (`moe_experts`'s note): the
+//! test holds the residual sum to the bits and the output within two
+//! roundings of them. Tests in src/kernels/tests.rs.
 
 use super::moe_experts;
 use super::moe_router;
@@ -131,10 +140,13 @@ pub(crate) const SOURCE: &str = r#"
     if (n < F) {
       float ag = 0.0f;
       float au = 0.0f;
-      if (!late) {
+      // (An expert id out of range, which the route never writes, poisons
+      // rather than reads past the stacks.)
+      const size_t ex = late ? 0 : __ldcg(inds + j);
+      const bool bad = late || ex >= E;
+      if (!bad) {
         constexpr int G = D / GS;
         constexpr int WORDS = D * BITS / 32;
-        const size_t ex = __ldcg(inds + j);
         const size_t gi = ex * (2 * F) + n;
         const size_t ui = ex * (2 * F) + F + n;
         if (lfm_aligned(uw)) {
@@ -147,7 +159,7 @@ pub(crate) const SOURCE: &str = r#"
         ag = lfm_warp_sum(ag);
         au = lfm_warp_sum(au);
       }
-      if (lane == 0) hk[static_cast<size_t>(j) * F + n] = late ? T(poison) : lfm_swiglu<T>(ag, au);
+      if (lane == 0) hk[static_cast<size_t>(j) * F + n] = bad ? T(poison) : lfm_swiglu<T>(ag, au);
     }
     __syncthreads();
     if (tid == 0) {
@@ -159,7 +171,13 @@ pub(crate) const SOURCE: &str = r#"
   // Down: a warp one chosen expert of one output column, the column's
   // experts summed in their order, after every gate/up block of the launch.
   const int db = role - 1 - GB;
-  if (tid == 0) late_s = lfm_wait_at_least(st + 2, (launch + 1) * GB);
+  if (tid == 0) {
+    // The router's mark too: gate/up blocks that gave up still count
+    // themselves, and the route's outputs are only written once it is set.
+    int late = lfm_wait_at_least(st + 2, (launch + 1) * GB);
+    if (!late) late = lfm_wait_at_least(st + 1, launch + 1);
+    late_s = late;
+  }
   __syncthreads();
   const bool late = late_s != 0;
   const T* hs = reinterpret_cast<const T*>(sm);
@@ -169,10 +187,12 @@ pub(crate) const SOURCE: &str = r#"
   const int col = wid / KE;
   const int n = db * CPB + col;
   const bool active = col < CPB && n < D;
-  if (active && !late) {
+  const size_t ex = late ? 0 : __ldcg(inds + j);
+  if (active && (late || ex >= E) && lane == 0) part[wid] = poison;
+  if (active && !late && ex < E) {
     constexpr int G = F / GS;
     constexpr int WORDS = F * BITS / 32;
-    const size_t wi = static_cast<size_t>(__ldcg(inds + j)) * D + n;
+    const size_t wi = ex * D + n;
     const T* hr = hs + static_cast<size_t>(j) * F;
     float a = 0.0f;
     if (lfm_aligned(dw)) {
@@ -201,6 +221,11 @@ const WARPS: i32 = 32;
 const ROUTE_SLOTS: i32 = 8;
 /// Shared memory the staged rows may take (48 KiB is the static limit).
 const MAX_STAGED: usize = 32 * 1024;
+/// The widest expert served: by ptxas (sm_90) the kernel stays within the
+/// 64 registers a thread of 1,024 allow up to here in every dtype and
+/// specification; one-expert rows of 12,288 and more with 8-bit experts
+/// took 65-66, and MLX gives a custom kernel no launch bounds.
+const MAX_F: i64 = 8192;
 
 fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
@@ -264,14 +289,20 @@ pub fn available(n: &NormIn, g: &Quantized, gu: &Quantized, down: &Quantized, k:
     if !enabled() || !cuda_kernels_enabled() || n.h.ndim() != 2 || n.h.dim(0) != 1 || !super::add_rms_norm::eps_const() {
         return false;
     }
+    if !(1..=ROUTE_SLOTS as usize).contains(&k) || gu.spec != down.spec || gu.weight.ndim() != 3 || down.weight.ndim() != 3 {
+        return false;
+    }
     let (d, dt) = (n.h.dim(1), n.h.dtype());
-    let f = down.weight.dim(2) as i64 * 32 / down.spec.bits as i64;
+    let width = |q: &Quantized| q.weight.dim(2) as i64 * 32 / q.spec.bits as i64;
+    let f = width(down);
     let bytes = |len: i64| len as usize * dt.size();
-    k >= 1
-        && (k as i32) <= WARPS
-        && gu.spec == down.spec
-        && moe_router::gate_norm_available(n, g, k)
+    moe_router::gate_norm_available(n, g, k)
         && moe_experts::available(1, k, dt, gu, down)
+        // (The kernel takes the row's width for the down stack's rows and
+        // the gate/up stack's inputs.)
+        && width(gu) == d as i64
+        && down.weight.dim(1) == d
+        && f <= MAX_F
         && bytes(d as i64) % 16 == 0
         && bytes(f) % 16 == 0
         && bytes(d as i64).max(bytes(k as i64 * f)) <= MAX_STAGED
@@ -303,6 +334,9 @@ pub fn forward(
     let db = down.biases.as_ref().ok_or_else(|| missing("the experts' down"))?;
     if state.dtype() != Dtype::Uint32 || state.size() != 8 {
         return Err(Error::invalid("the fused MoE kernel's state must be 8 uint32 (new_state)"));
+    }
+    if !(1..=ROUTE_SLOTS as usize).contains(&k) {
+        return Err(Error::invalid(format!("the fused MoE kernel: {k} experts a row (1 to {ROUTE_SLOTS} are served)")));
     }
     let (d, dt) = (n.h.dim(1), n.h.dtype());
     let (e, f) = (g.weight.dim(0), gu.weight.dim(1) / 2);

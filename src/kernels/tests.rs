@@ -1705,12 +1705,13 @@ fn moe_experts_kernels_match_stock_ops() {
 #[test]
 fn moe_fused_kernel_matches_the_three_kernels() {
     use crate::kernels::moe_fused::{available, forward, launch_blocks, new_state};
+    // The launch's block count, as the kernel counts its parts: the
+    // router's, a block of 32 warps per 32 rows of each chosen expert's
+    // gate/up, per 32 / k columns of the down projection.
+    assert_eq!(launch_blocks(2048, 1792, 4), 1 + 4 * 56 + 256);
+    assert_eq!(launch_blocks(2048, 256, 3), 1 + 3 * 8 + 205);
+    assert_eq!(launch_blocks(2048, 512, 8), 1 + 8 * 16 + 512);
     if skip("moe_fused_kernel_matches_the_three_kernels") {
-        // The launch's block count, as the kernel counts its parts: the
-        // router's, a block of 32 warps per 32 rows of each chosen
-        // expert's gate/up, per 8 columns of the down projection (k = 4).
-        assert_eq!(launch_blocks(2048, 1792, 4), 1 + 4 * 56 + 256);
-        assert_eq!(launch_blocks(2048, 256, 3), 1 + 3 * 8 + 205);
         return;
     }
     use crate::kernels::add_rms_norm::add_rms_norm;
@@ -1730,6 +1731,9 @@ fn moe_fused_kernel_matches_the_three_kernels() {
         // three (two of a down block's 32 warps idle), 8-bit experts.
         (Dtype::Bfloat16, 2.0f32.powi(-7), 8, 2, 2048, 256, 4, 64, 4, 32),
         (Dtype::Bfloat16, 2.0f32.powi(-7), 16, 3, 1536, 512, 4, 64, 8, 64),
+        // One expert a row, and eight of 128 (four a router lane).
+        (Dtype::Bfloat16, 2.0f32.powi(-7), 8, 1, 2048, 512, 4, 64, 4, 64),
+        (Dtype::Bfloat16, 2.0f32.powi(-7), 128, 8, 2048, 256, 4, 64, 4, 64),
         (Dtype::Float16, 2.0f32.powi(-10), 32, 4, 2048, 1792, 4, 64, 4, 64),
         (Dtype::Float32, 1e-5, 32, 4, 1024, 256, 8, 64, 8, 64),
     ];
