@@ -1271,11 +1271,14 @@ def kernel_bench():
     fold and the deferred one (`fold-*`, one launch). Last the 8B-A1B's
     whole MoE layer for one row: the three launches the step runs
     (`moe-layer-q4-three`: the router + norm, gate/up, down) against the
-    one of src/kernels/moe_fused.rs (`moe-layer-q4-fused`).
+    one of src/kernels/moe_fused.rs (`moe-layer-q4-fused`), and its
+    short-conv layer: the four launches (`conv-layer-q4-four`: the add +
+    RMSNorm, MLX's qmv, the conv step, MLX's qmv) against the one of
+    src/kernels/conv_fused.rs (`conv-layer-q4-fused`).
     No checkpoint needed (~1 minute)."""
     rep = WORK / "kernel-bench"
     cmd = ["ncu", "--clock-control", "none", "-f", "-o", rep, "--kernel-name",
-           "regex:gemv|qmv|gather_qmm|lfm_bench_scale|lfm_decode_attention|lfm_moe|lfm_add_rms_norm",
+           "regex:gemv|qmv|gather_qmm|lfm_bench_scale|lfm_decode_attention|lfm_moe|lfm_add_rms_norm|lfm_short_conv|lfm_conv_fused",
            "--metrics", "gpu__time_duration.sum,dram__bytes_read.sum",
            BENCH, "--kernel-bench", "--device", "gpu", "--reps", "3"]
     r = sh(cmd, "kernel-bench", check=False)
@@ -1761,6 +1764,12 @@ AB = {
     # layers), its stages handed on through counters its blocks take their
     # parts by (src/kernels/moe_fused.rs).
     "moe-fused": ({"MLX_LFM_MOE_FUSED": "1"}, ["lfm2-8b-a1b-q4"]),
+    # A lone sequence's short-conv layer over quantized projections in one
+    # launch (the add + RMSNorm, in_proj, the conv step, out_proj: 4
+    # launches and nodes a layer, 18 layers; src/kernels/conv_fused.rs),
+    # alone and with the MoE layers' (the step's fewest nodes, ~105).
+    "conv-fused": ({"MLX_LFM_CONV_FUSED": "1"}, ["lfm2-8b-a1b-q4"]),
+    "moe-conv-fused": ({"MLX_LFM_MOE_FUSED": "1", "MLX_LFM_CONV_FUSED": "1"}, ["lfm2-8b-a1b-q4"]),
     "router-norm-off": ({"MLX_LFM_ROUTER_NORM_KERNEL": "0"}, ["lfm2-8b-a1b-q4"]),
     "router-norm-narrow": ({"MLX_LFM_ROUTER_NORM_WIDE": "0"}, ["lfm2-8b-a1b-q4"]),
     # The quantized GEMVs in MLX's own qmv arithmetic (MLX_LFM_QGEMV_EXACT:
@@ -1900,6 +1909,9 @@ AB_TESTS = {
                                 "greedy:router-scores-f32", "greedy:moe-down-early"],
     "router-norm-narrow": ["moe_router_norm_kernel_matches_the_norm_and_router_kernels"],
     "moe-fused": ["moe_fused_kernel_matches_the_three_kernels", "greedy:moe-fused"],
+    "conv-fused": ["conv_fused_kernel_matches_stock_ops", "greedy:MLX_LFM_CONV_FUSED"],
+    "moe-conv-fused": ["moe_fused_kernel_matches_the_three_kernels", "conv_fused_kernel_matches_stock_ops",
+                       "greedy:moe-fused", "greedy:MLX_LFM_CONV_FUSED", "greedy:moe-conv-fused"],
     "qgemv-exact": ["quant_gemv_kernel_matches_stock_ops", "greedy:MLX_LFM_QGEMV_EXACT"],
     "quant-norm-exact": ["quant_gemv_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops", "greedy:MLX_LFM_QGEMV_EXACT",
                          "greedy:quant-norm-exact"],
@@ -1935,6 +1947,7 @@ PICK = [
     (["eps-const-off"], "decode"),
     (["position-table-off"], "decode"),
     (["moe-down-early", "router-scores-f32", "router-scores-f32-early", "moe-fused"], "decode"),
+    (["conv-fused", "moe-conv-fused"], "decode"),
     (["attention-smem", "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4"], "decode"),
     (["norm-runs-guarded"], "decode"),
     (["fold-early"], "decode"),
@@ -1961,7 +1974,7 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "gemv-max-k-2048-c4-early-guarded", "gemv-c2", "gemv-c4", "swiglu-gemv-1024", "attention-smem",
                "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4", "conv-gemv",
                "moe-down-early", "router-scores-f32", "router-scores-f32-early", "fold-eps-const", "position-table-off",
-               "fold-deferred", "moe-fused"}
+               "fold-deferred", "moe-fused", "conv-fused", "moe-conv-fused"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]

@@ -231,8 +231,17 @@ KERNELS["moe_fused.rs"] = (
     lambda dt: [("D", 2048), ("F", 1792), ("E", 32), ("TOPK", 4), ("NORM", "true"), ("GBITS", 4), ("GGS", 64),
                 ("BITS", 4), ("GS", 64), ("WARPS", 32), ("EPS_BITS", 925353388), ("SCALE_BITS", 1065353216)],
 )
-# Every wait given up at once (the test's MLX_LFM_MOE_FUSED_NO_WAIT: DEFINES_OF).
+# A lone sequence's short-conv layer in one launch (MLX_LFM_CONV_FUSED): the 8B-A1B's.
+KERNELS["conv_fused.rs"] = (
+    [("h", "T"), ("r", "T"), ("wn", "T"), ("iw", "uint32_t"), ("iscales", "T"), ("ibiases", "T"), ("state", "T"),
+     ("cw", "T"), ("ow", "uint32_t"), ("oscales", "T"), ("obiases", "T"), ("ctr", "uint32_t")],
+    [("s", "T"), ("out", "T"), ("next", "T"), ("yn", "T"), ("yc", "T")],
+    lambda dt: [("D", 2048), ("C", 2048), ("KEEP", 2), ("IBITS", 4), ("IGS", 64), ("OBITS", 4), ("OGS", 64),
+                ("NBLK", 256 if dt != "float32" else 512), ("WARPS", 32), ("EPS_BITS", 925353388)],
+)
+# Every wait given up at once (the tests' MLX_LFM_FUSED_NO_WAIT: DEFINES_OF).
 KERNELS["moe_fused.rs@no-wait"] = KERNELS["moe_fused.rs"]
+KERNELS["conv_fused.rs@no-wait"] = KERNELS["conv_fused.rs"]
 
 # The folds with their first column's rows prefetched before the prologue
 # (MLX_LFM_NORM_GEMV_PREFETCH=early: NAME_EARLY before it), each as its fold.
@@ -302,7 +311,12 @@ def body_and_header(path, which="SOURCE"):
         # The router + norm kernel's header, then its own.
         k = path.parent
         lead = "#define LFM_NORM_IN_WIDER_BLOCK 1\n" + named(k / "add_rms_norm.rs", "HEADER") + header_of(k / "quant_gemv.rs")
-        return src, lead + named(k / "moe_router.rs", "ROUTE_HEADER") + named(k / "moe_router.rs", "GATE_HEADER") + named(path, "HEADER")
+        return src, lead + named(k / "moe_router.rs", "ROUTE_HEADER") + named(k / "moe_router.rs", "GATE_HEADER") + named(path, "TICKET_HEADER")
+    if path.name == "conv_fused.rs":
+        # The add + RMSNorm code, the quantized GEMV's, the ticket helpers.
+        k = path.parent
+        lead = "#define LFM_NORM_IN_WIDER_BLOCK 1\n" + named(k / "add_rms_norm.rs", "HEADER") + header_of(k / "quant_gemv.rs")
+        return src, lead + named(k / "moe_fused.rs", "TICKET_HEADER")
     if path.name == "moe_gemm.rs":
         return src, header_of(path.parent / "gemv.rs") + named(path, "MMA_HEADER")
     if path.name == "moe_router.rs":
@@ -403,6 +417,8 @@ DEFINES_OF = {
     "decode_attention.rs@upto-split16": "#define LFM_ATT_DPB 16\n",
     "decode_attention.rs@upto-split8": "#define LFM_ATT_DPB 8\n",
     "moe_fused.rs@no-wait": "#define LFM_SPIN_LIMIT 0\n",
+    "conv_fused.rs": "#define LFM_QMLX_TILES 2\n",
+    "conv_fused.rs@no-wait": "#define LFM_SPIN_LIMIT 0\n#define LFM_QMLX_TILES 2\n",
 }
 
 failed = 0

@@ -6,6 +6,7 @@
 
 pub mod add_rms_norm;
 pub mod argmax_finite;
+pub mod conv_fused;
 pub mod decode_attention;
 pub mod gemv;
 pub mod moe_experts;

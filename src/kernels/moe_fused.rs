@@ -51,8 +51,8 @@ use crate::mlx::{Array, Dtype};
 use crate::model::linear::Quantized;
 use std::sync::OnceLock;
 
-/// The waits and the staging loads.
-const HEADER: &str = r#"
+/// The waits and the staging loads (src/kernels/conv_fused.rs's too).
+pub(crate) const TICKET_HEADER: &str = r#"
 #ifndef LFM_SPIN_LIMIT
 #define LFM_SPIN_LIMIT (1 << 20)
 #endif
@@ -75,6 +75,60 @@ __device__ inline void lfm_stage16(uint4* dst, const void* src, int n) {
   const uint4* s = reinterpret_cast<const uint4*>(src);
   for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = __ldcg(s + i);
 }
+// The block's ticket (thread 0 takes it from the counter at st), for
+// every thread: its launch (ticket / NB) and its part (ticket % NB).
+template <int NB>
+__device__ inline int lfm_take_part(unsigned long long* st, unsigned long long& launch) {
+  __shared__ unsigned long long ticket;
+  if (threadIdx.x == 0) ticket = atomicAdd(st, 1ull);
+  __syncthreads();
+  launch = ticket / NB;
+  return static_cast<int>(ticket % NB);
+}
+// The release side: once the whole block has written its part, thread 0's
+// fence, then the mark (at least v) or the count (one more).
+__device__ inline void lfm_release_mark(unsigned long long* p, unsigned long long v) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicMax(p, v);
+  }
+}
+__device__ inline void lfm_release_count(unsigned long long* p) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(p, 1ull);
+  }
+}
+// Thread 0 waits for *p >= v, then (unless it gave up) for *p2 >= v2;
+// every thread gets whether it gave up.
+__device__ inline bool lfm_block_wait(unsigned long long* p, unsigned long long v, unsigned long long* p2,
+                                      unsigned long long v2) {
+  __shared__ int late;
+  if (threadIdx.x == 0) {
+    int l = lfm_wait_at_least(p, v);
+    if (!l && p2) l = lfm_wait_at_least(p2, v2);
+    late = l;
+  }
+  __syncthreads();
+  return late != 0;
+}
+// The first stage of both fused layers: the residual add + RMSNorm of the
+// row with the add + RMSNorm kernel's block of NBLK threads (its bits),
+// the sum into s, the normed row into ys (shared) and yn (for the blocks
+// after), and the whole block past its barrier.
+template <typename T, int D, int NBLK>
+__device__ inline void lfm_norm_stage(const T* h, const T* r, const T* wn, float eps, T* s, T* ys, T* yn) {
+  if (lfm_aligned(h) && lfm_aligned(r) && lfm_aligned(wn) && lfm_aligned(s)) {
+    lfm_add_rms_row<T, D, NBLK, true>(h, r, wn, eps, s, ys);
+  } else {
+    lfm_add_rms_row<T, D, NBLK, false>(h, r, wn, eps, s, ys);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < D; i += blockDim.x) yn[i] = ys[i];
+  __syncthreads();
+}
 "#;
 
 /// Template constants: T, D (the row), F (an expert's hidden width), E,
@@ -82,7 +136,6 @@ __device__ inline void lfm_stage16(uint4* dst, const void* src, int n) {
 /// block), EPS_BITS, SCALE_BITS. `st`: the layer's state, four 64-bit
 /// counters (tickets, the router's launch mark, gate/up blocks done).
 pub(crate) const SOURCE: &str = r#"
-  constexpr int NT = 32 * WARPS;
   constexpr int KE = TOPK;
   constexpr int RB = (F + WARPS - 1) / WARPS;
   constexpr int GB = KE * RB;
@@ -94,46 +147,28 @@ pub(crate) const SOURCE: &str = r#"
   __shared__ uint4 sm[XR > HR ? XR : HR];
   __shared__ float probs_s[E];
   __shared__ float part[WARPS];
-  __shared__ unsigned long long ticket_s;
-  __shared__ int late_s;
   unsigned long long* st = reinterpret_cast<unsigned long long*>(const_cast<uint32_t*>(state));
-  const int tid = threadIdx.x;
-  const int lane = tid % 32;
-  const int wid = tid / 32;
-  if (tid == 0) ticket_s = atomicAdd(st, 1ull);
-  __syncthreads();
-  const unsigned long long launch = ticket_s / NB;
-  const int role = static_cast<int>(ticket_s % NB);
+  const int lane = threadIdx.x % 32;
+  const int wid = threadIdx.x / 32;
+  unsigned long long launch;
+  const int role = lfm_take_part<NB>(st, launch);
   const float poison = __int_as_float(0x7fc00000);
   if (role == 0) {
     // The add + RMSNorm and the route, as the router + norm kernel runs
     // them (its first 256 threads the norm, a warp an expert at a time).
     T* ys = reinterpret_cast<T*>(sm);
-    const float e = __int_as_float(EPS_BITS);
-    if (lfm_aligned(h) && lfm_aligned(r) && lfm_aligned(wn) && lfm_aligned(s)) {
-      lfm_add_rms_row<T, D, 256, true>(h, r, wn, e, s, ys);
-    } else {
-      lfm_add_rms_row<T, D, 256, false>(h, r, wn, e, s, ys);
-    }
-    __syncthreads();
-    for (int i = tid; i < D; i += NT) yn[i] = ys[i];
+    lfm_norm_stage<T, D, 256>(h, r, wn, __int_as_float(EPS_BITS), s, ys, yn);
     const float sc[1] = {__int_as_float(SCALE_BITS)};
     lfm_gate_route<T, D, E, GBITS, GGS, TOPK, NORM, WARPS>(ys, lfm_aligned(gw), gw, gscales, gbiases, bias, sc, inds,
                                                           scores, probs_s, 0);
-    __syncthreads();
-    if (tid == 0) {
-      __threadfence();
-      atomicMax(st + 1, launch + 1);
-    }
+    lfm_release_mark(st + 1, launch + 1);
     return;
   }
   if (role <= GB) {
     // Gate/up: a warp one row of one chosen expert, after the route.
     const int j = (role - 1) / RB;
     const int n = ((role - 1) % RB) * WARPS + wid;
-    if (tid == 0) late_s = lfm_wait_at_least(st + 1, launch + 1);
-    __syncthreads();
-    const bool late = late_s != 0;
+    const bool late = lfm_block_wait(st + 1, launch + 1, nullptr, 0);
     T* xs = reinterpret_cast<T*>(sm);
     if (!late) lfm_stage16(sm, yn, XR);
     __syncthreads();
@@ -161,25 +196,15 @@ pub(crate) const SOURCE: &str = r#"
       }
       if (lane == 0) hk[static_cast<size_t>(j) * F + n] = bad ? T(poison) : lfm_swiglu<T>(ag, au);
     }
-    __syncthreads();
-    if (tid == 0) {
-      __threadfence();
-      atomicAdd(st + 2, 1ull);
-    }
+    lfm_release_count(st + 2);
     return;
   }
   // Down: a warp one chosen expert of one output column, the column's
   // experts summed in their order, after every gate/up block of the launch.
   const int db = role - 1 - GB;
-  if (tid == 0) {
-    // The router's mark too: gate/up blocks that gave up still count
-    // themselves, and the route's outputs are only written once it is set.
-    int late = lfm_wait_at_least(st + 2, (launch + 1) * GB);
-    if (!late) late = lfm_wait_at_least(st + 1, launch + 1);
-    late_s = late;
-  }
-  __syncthreads();
-  const bool late = late_s != 0;
+  // The router's mark too: gate/up blocks that gave up still count
+  // themselves, and the route's outputs are only written once it is set.
+  const bool late = lfm_block_wait(st + 2, (launch + 1) * GB, st + 1, launch + 1);
   const T* hs = reinterpret_cast<const T*>(sm);
   if (!late) lfm_stage16(sm, hk, HR);
   __syncthreads();
@@ -221,10 +246,12 @@ const WARPS: i32 = 32;
 const ROUTE_SLOTS: i32 = 8;
 /// Shared memory the staged rows may take (48 KiB is the static limit).
 const MAX_STAGED: usize = 32 * 1024;
-/// The widest expert served: by ptxas (sm_90) the kernel stays within the
-/// 64 registers a thread of 1,024 allow up to here in every dtype and
-/// specification; one-expert rows of 12,288 and more with 8-bit experts
-/// took 65-66, and MLX gives a custom kernel no launch bounds.
+/// The widest expert served: by ptxas (sm_90, CUDA 13.5 here) the kernel
+/// stays within the 64 registers a thread of 1,024 allow up to here in
+/// every dtype, specification and row width the router + norm fold serves
+/// (56 on the 8B-A1B; 64, the most, on rows of 1,536, whose last chunk is
+/// guarded); one-expert rows of 12,288 and more with 8-bit experts took
+/// 65-66, and MLX gives a custom kernel no launch bounds.
 const MAX_F: i64 = 8192;
 
 fn enabled() -> bool {
@@ -232,12 +259,13 @@ fn enabled() -> bool {
     super::opt_in("MLX_LFM_MOE_FUSED", &ON)
 }
 
-/// `MLX_LFM_MOE_FUSED_NO_WAIT=1` (a test's knob): every wait gives up at
-/// once, so the test sees the poisoned output a stuck stage would give
-/// (and the counters still in step after it), not a hang.
-fn no_wait() -> bool {
+/// `MLX_LFM_FUSED_NO_WAIT=1` (a test's knob, for this kernel and
+/// src/kernels/conv_fused.rs's): every wait gives up at once, so the test
+/// sees the poisoned output a stuck stage would give (and the counters
+/// still in step after it), not a hang.
+pub(crate) fn no_wait() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    crate::knobs::cached("MLX_LFM_MOE_FUSED_NO_WAIT", &ON, |v| v == Some("1"))
+    crate::knobs::cached("MLX_LFM_FUSED_NO_WAIT", &ON, |v| v == Some("1"))
 }
 
 fn kernel() -> Option<&'static CudaKernel> {
@@ -250,7 +278,7 @@ fn kernel() -> Option<&'static CudaKernel> {
             &["h", "r", "wn", "gw", "gscales", "gbiases", "bias", "uw", "uscales", "ubiases", "dw", "dscales", "dbiases", "state"],
             &["s", "out", "yn", "inds", "scores", "hk"],
             SOURCE,
-            &format!("{define}{}{HEADER}", moe_router::gate_norm_header()),
+            &format!("{define}{}{TICKET_HEADER}", moe_router::gate_norm_header()),
         )
         .ok()
     })

@@ -448,8 +448,10 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 // are defaults on CUDA since session 14, the q/k norm + RoPE
                 // kernel since session 17, its q/k/v form since session 18,
                 // the router + norm fold since session 23: "default" runs them.)
+                // (The conv layer in one launch, MLX_LFM_CONV_FUSED, over the
+                // 4-bit fixtures' quantized projections.)
                 let mut alone: Vec<&'static str> = match q4 {
-                    true => vec!["MLX_LFM_QGEMV_KERNEL", "MLX_LFM_NORM_GEMV_KERNEL", "MLX_LFM_QUANT_EMBED_KERNEL"],
+                    true => vec!["MLX_LFM_QGEMV_KERNEL", "MLX_LFM_NORM_GEMV_KERNEL", "MLX_LFM_QUANT_EMBED_KERNEL", "MLX_LFM_CONV_FUSED"],
                     false => vec![],
                 };
                 // The split decode attention serves head sizes over 16: the
@@ -520,6 +522,13 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     runs.push(("router-scores-f32", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
                     let set = [("MLX_LFM_MOE_FUSED".to_string(), Some("1".to_string()))];
                     runs.push(("moe-fused", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
+                    // And with the conv layers in one launch too (run.py's
+                    // `moe-conv-fused`: the 8B-A1B's step at its fewest nodes).
+                    let set = [
+                        ("MLX_LFM_MOE_FUSED".to_string(), Some("1".to_string())),
+                        ("MLX_LFM_CONV_FUSED".to_string(), Some("1".to_string())),
+                    ];
+                    runs.push(("moe-conv-fused", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
                 }
                 if path == DecodePath::Compiled {
                     // A lone sequence's position as the host scalar (the
@@ -1772,10 +1781,10 @@ fn moe_fused_kernel_matches_the_three_kernels() {
                 let (s2, out2) = run(st);
                 assert_eq!((differing(&s2, &s), differing(&out2, &out)), (0, 0), "{what}: launch {} on a used state differs", i + 2);
             }
-            // Every wait given up at once (MLX_LFM_MOE_FUSED_NO_WAIT): the
+            // Every wait given up at once (MLX_LFM_FUSED_NO_WAIT): the
             // output poisoned, not a hang, and the next launch on that
             // state the first one's bits (its counters kept in step).
-            let stuck = [("MLX_LFM_MOE_FUSED_NO_WAIT".to_string(), Some("1".to_string()))];
+            let stuck = [("MLX_LFM_FUSED_NO_WAIT".to_string(), Some("1".to_string()))];
             let (s3, out3) = crate::knobs::with_overrides(&stuck, || run(&state));
             assert_eq!(differing(&s3, &s), 0, "{what}: the sum with the waits given up");
             let nan: Vec<f32> = out3.astype(Dtype::Float32).unwrap().to_vec().unwrap();
@@ -1806,6 +1815,121 @@ fn moe_fused_kernel_matches_the_three_kernels() {
     });
     if std::env::var_os("MLX_LFM_MOE_FUSED").is_none() {
         assert!(!crate::knobs::with_overrides(&consts, || available(&one, &g, &gu, &dn, 4)), "on without its switch");
+    }
+}
+
+/// The one-launch short-conv layer over quantized projections
+/// (`MLX_LFM_CONV_FUSED`) against the stock path it replaces on CUDA (the
+/// add + RMSNorm kernel with eps compiled in, MLX's `quantized_matmul`,
+/// the short-conv kernel, `quantized_matmul` again): the residual sum to
+/// the bits, the state after the token and the output within two
+/// roundings of the dtype of their largest value (the kernel walks the
+/// products in MLX's `qmv` arithmetic; how many values differ is printed).
+/// Then repeated launches on used counters, two layers' in turn, and every
+/// wait given up (the output and state NaN, not a hang; the next launch
+/// the first one's bits).
+#[test]
+fn conv_fused_kernel_matches_stock_ops() {
+    use crate::kernels::conv_fused::{available, forward, launch_blocks, new_counters};
+    // The norm's block, a block of 32 warps per 32 channels, per 32 outputs.
+    assert_eq!(launch_blocks(2048, 2048), 1 + 64 + 64);
+    assert_eq!(launch_blocks(2048, 1000), 1 + 32 + 64);
+    if skip("conv_fused_kernel_matches_stock_ops") {
+        return;
+    }
+    use crate::kernels::add_rms_norm::add_rms_norm_with;
+    use crate::kernels::short_conv::conv_step;
+    use crate::kernels::with_opt_in_one;
+    use crate::mlx::random::normal;
+    use crate::mlx::{quantized_matmul, Array};
+    use crate::model::linear::Normed;
+    let eps_value = 1e-5f32;
+    let eps = Array::from_slice(&[eps_value], &[1]).unwrap();
+    let consts = [("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string()))];
+    // (dtype, tolerance, D, channels, window, in_proj bits / group, out_proj bits / group)
+    let cases = [
+        (Dtype::Bfloat16, 2.0f32.powi(-7), 2048, 2048, 3, 4, 64, 4, 64),
+        (Dtype::Bfloat16, 2.0f32.powi(-7), 1024, 1024, 3, 8, 32, 4, 128),
+        // Fewer channels than the row (a rank's share under tensor parallelism).
+        (Dtype::Bfloat16, 2.0f32.powi(-7), 2048, 1024, 4, 4, 64, 8, 64),
+        (Dtype::Float16, 2.0f32.powi(-10), 2048, 2048, 3, 4, 64, 4, 64),
+        (Dtype::Float32, 1e-5, 1024, 1024, 3, 8, 64, 8, 64),
+    ];
+    for (dt, tol, d, c, l, ib, ig, ob, og) in cases {
+        let what = format!("{dt:?} {d} wide, {c} channels, window {l}, in_proj {ib}-bit g{ig}, out_proj {ob}-bit g{og}");
+        let wi = quantized(&normal(&[3 * c, d], Dtype::Float32, 0.0, 0.04, None).unwrap(), dt, ib, ig);
+        let wo = quantized(&normal(&[d, c], Dtype::Float32, 0.0, 0.04, None).unwrap(), dt, ob, og);
+        let h = normal(&[1, d], Dtype::Float32, 0.0, 4.0, None).unwrap().astype(dt).unwrap();
+        let r = normal(&[1, d], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
+        let wn = normal(&[d], Dtype::Float32, 1.0, 0.2, None).unwrap().astype(dt).unwrap();
+        let state = normal(&[1, l - 1, c], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
+        let cw = normal(&[c, l], Dtype::Float32, 0.0, 0.5, None).unwrap().astype(dt).unwrap();
+        let x = Normed { h: &h, r: Some(&r), w: &wn, eps: eps_value, eps_array: &eps };
+        crate::knobs::with_overrides(&consts, || {
+            let qmm = |a: &Array, q: &crate::model::linear::Quantized| {
+                quantized_matmul(a, &q.weight, &q.scales, q.biases.as_ref(), true, q.spec).unwrap()
+            };
+            let (ws, wy) = add_rms_norm_with(&h, &r, &wn, &eps, eps_value).unwrap();
+            let (wnext, wyc) = conv_step(&qmm(&wy, &wi), &state, &cw).unwrap();
+            let want = qmm(&wyc, &wo);
+            let counters = new_counters().unwrap();
+            let run = |ctr: &Array| {
+                with_opt_in_one("MLX_LFM_CONV_FUSED", || {
+                    assert!(available(&x, &wi, &wo, &state, &cw, false), "{what}: not served");
+                    let (s, out, next) = forward(&x, &wi, &wo, &state, &cw, ctr).unwrap();
+                    crate::mlx::eval(&[&s, &out, &next]).unwrap();
+                    (s, out, next)
+                })
+            };
+            let (s, out, next) = run(&counters);
+            assert_eq!(differing(&s, &ws), 0, "{what}: the residual sum differs");
+            for (name, got, want) in [("state", &next, &wnext), ("output", &out, &want)] {
+                let gap = worst_scaled(got, want);
+                let n = got.size();
+                assert!(gap <= tol, "{what}: the {name} is {gap} from the stock ops' (over {tol}; {} of {n} differ)", differing(got, want));
+                eprintln!("{what}: {} of {n} values of the {name} differ from the stock ops' (worst {gap})", differing(got, want));
+            }
+            let other = new_counters().unwrap();
+            for (i, ctr) in [&counters, &counters, &other, &counters, &other].into_iter().enumerate() {
+                let (s2, out2, next2) = run(ctr);
+                let same = (differing(&s2, &s), differing(&out2, &out), differing(&next2, &next));
+                assert_eq!(same, (0, 0, 0), "{what}: launch {} on used counters differs", i + 2);
+            }
+            let stuck = [("MLX_LFM_FUSED_NO_WAIT".to_string(), Some("1".to_string()))];
+            let (s3, out3, next3) = crate::knobs::with_overrides(&stuck, || run(&counters));
+            assert_eq!(differing(&s3, &s), 0, "{what}: the sum with the waits given up");
+            for (name, a) in [("output", &out3), ("state", &next3)] {
+                let v: Vec<f32> = a.astype(Dtype::Float32).unwrap().to_vec().unwrap();
+                assert!(v.iter().all(|v| v.is_nan()), "{what}: with the waits given up, {} values of the {name} are not NaN", v.iter().filter(|v| !v.is_nan()).count());
+            }
+            let (s4, out4, next4) = run(&counters);
+            let same = (differing(&s4, &s), differing(&out4, &out), differing(&next4, &next));
+            assert_eq!(same, (0, 0, 0), "{what}: the launch after the given-up one differs");
+        });
+    }
+    // Not served: no residual to add, eps read from its array, the switch off.
+    let (d, c) = (2048, 2048);
+    let wi = quantized(&normal(&[3 * c, d], Dtype::Float32, 0.0, 0.04, None).unwrap(), Dtype::Bfloat16, 4, 64);
+    let wo = quantized(&normal(&[d, c], Dtype::Float32, 0.0, 0.04, None).unwrap(), Dtype::Bfloat16, 4, 64);
+    let h = normal(&[1, d], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(Dtype::Bfloat16).unwrap();
+    let wn = normal(&[d], Dtype::Float32, 1.0, 0.2, None).unwrap().astype(Dtype::Bfloat16).unwrap();
+    let state = normal(&[1, 2, c], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(Dtype::Bfloat16).unwrap();
+    let cw = normal(&[c, 3], Dtype::Float32, 0.0, 0.5, None).unwrap().astype(Dtype::Bfloat16).unwrap();
+    let with_r = Normed { h: &h, r: Some(&h), w: &wn, eps: eps_value, eps_array: &eps };
+    let without = Normed { h: &h, r: None, w: &wn, eps: eps_value, eps_array: &eps };
+    crate::knobs::with_overrides(&consts, || {
+        with_opt_in_one("MLX_LFM_CONV_FUSED", || {
+            assert!(available(&with_r, &wi, &wo, &state, &cw, false), "not served");
+            assert!(!available(&without, &wi, &wo, &state, &cw, false), "served without a residual");
+            assert!(!available(&with_r, &wi, &wo, &state, &cw, true), "served with a bias");
+        })
+    });
+    let off = [("MLX_LFM_EPS_CONST".to_string(), Some("0".to_string()))];
+    crate::knobs::with_overrides(&off, || {
+        assert!(!with_opt_in_one("MLX_LFM_CONV_FUSED", || available(&with_r, &wi, &wo, &state, &cw, false)), "served with eps read from its array");
+    });
+    if std::env::var_os("MLX_LFM_CONV_FUSED").is_none() {
+        assert!(!crate::knobs::with_overrides(&consts, || available(&with_r, &wi, &wo, &state, &cw, false)), "on without its switch");
     }
 }
 

@@ -197,6 +197,9 @@ pub struct ShortConv {
     /// Channels this rank convolves (all of them on one rank).
     pub dim: i32,
     pub shard: Option<Shard>,
+    /// The one-launch layer's counters (`kernels::conv_fused`), made on
+    /// the device once: only that kernel, on this layer, touches them.
+    fused_counters: Array,
 }
 
 impl ShortConv {
@@ -243,6 +246,7 @@ impl ShortConv {
             kernel: l,
             dim: local,
             shard: shard.cloned(),
+            fused_counters: crate::kernels::conv_fused::new_counters()?,
         })
     }
 
@@ -256,7 +260,25 @@ impl ShortConv {
             let prev = self.prev_state(&y, layer, cache)?;
             return Ok((s, self.conv_parts(&parts, &prev, layer, cache)?));
         }
-        use crate::kernels::short_conv;
+        use crate::kernels::{conv_fused, short_conv};
+        // The whole layer in one launch over quantized projections (decode
+        // on CUDA, MLX_LFM_CONV_FUSED=1): the state is asked of the cache
+        // here, once, and kept for the paths below where it does not serve.
+        let whole = match (&self.in_proj.weight, &self.out_proj.weight) {
+            (Weight::Quant(wi), Weight::Quant(wo)) if conv_fused::enabled_here() && x.r.is_some() => Some((wi, wo)),
+            _ => None,
+        };
+        let mut asked = None;
+        if let Some((wi, wo)) = whole {
+            let prev = self.prev_state(x.h, layer, cache)?;
+            let bias = self.conv_bias.is_some() || self.in_proj.bias.is_some() || self.out_proj.bias.is_some();
+            if conv_fused::available(x, wi, wo, &prev, &self.conv_weight_dl, bias) {
+                let (s, out, next) = conv_fused::forward(x, wi, wo, &prev, &self.conv_weight_dl, &self.fused_counters)?;
+                cache.conv_step_update(layer, &prev, &next)?;
+                return Ok((s, reduce(&self.shard, out)?));
+            }
+            asked = Some(prev);
+        }
         // The fused in_proj reads the normed row in the residual's dtype:
         // the norm's weight and the residual it adds of that dtype too, so
         // that the norm does not promote it.
@@ -267,7 +289,10 @@ impl ShortConv {
         };
         // (The state is asked of the cache once: before in_proj where the
         // fold may take it, after it otherwise.)
-        let early = fused.map(|_| self.prev_state(x.h, layer, cache)).transpose()?;
+        let early = match asked {
+            Some(prev) => Some(prev),
+            None => fused.map(|_| self.prev_state(x.h, layer, cache)).transpose()?,
+        };
         if let (Some(w), Some(prev)) = (fused, &early) {
             if short_conv::gemv_available(x.h, w, prev, &self.conv_weight_dl, self.conv_bias.is_some()) {
                 // Decode on CUDA with the fused in_proj: the product and the

@@ -128,6 +128,7 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
             .chain(EXPERT_ARMS.iter().map(|(n, ..)| *n))
             .chain(FOLD_ARMS.iter().map(|(n, ..)| *n))
             .chain(LAYER_ARMS.iter().map(|(n, ..)| *n))
+            .chain(CONV_ARMS.iter().map(|(n, ..)| *n))
             .collect();
         if let Some(bad) = a.iter().find(|x| !known.contains(&x.as_str())) {
             return Err(mlx_lfm::Error::invalid(format!("--arms: no arm named {bad:?} (the arms: {})", known.join(", "))));
@@ -223,6 +224,11 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
     for (name, _, kernels) in &layer_arms {
         plan.push(serde_json::json!({"arm": name, "n": LAYER_N, "k": EXPERT_D, "launches": LAYER_LAUNCHES * reps * kernels}));
     }
+    let conv_arms: Vec<_> = CONV_ARMS.iter().filter(|(name, ..)| chosen(name)).collect();
+    let conv = if conv_arms.is_empty() { None } else { Some(ConvLayer::new()?) };
+    for (name, _, kernels) in &conv_arms {
+        plan.push(serde_json::json!({"arm": name, "n": 4 * CONV_D, "k": CONV_D, "launches": CONV_LAUNCHES * reps * kernels}));
+    }
     println!("{}", serde_json::json!({"kernel_bench_plan": plan}));
     for (n, k, x, weights, arms) in &sets {
         for (name, switches) in arms {
@@ -268,6 +274,13 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
             layer.launch(name.ends_with("-fused"), i).map_err(|e| mlx_lfm::Error::invalid(format!("{name}: {e}")))
         });
         print_walls(name, LAYER_N, EXPERT_D, walls);
+    }
+    for (name, switches, _) in conv_arms {
+        let conv = conv.as_ref().expect("made where a conv arm runs");
+        let walls = timed(switches, reps * CONV_LAUNCHES, |i| {
+            conv.launch(name.ends_with("-fused"), i).map_err(|e| mlx_lfm::Error::invalid(format!("{name}: {e}")))
+        });
+        print_walls(name, 4 * CONV_D, CONV_D, walls);
     }
     Ok(())
 }
@@ -448,6 +461,84 @@ impl Layer {
         }
         let (_, y, idx, scores) = moe_router::route_gate_norm(&n, g, &self.bias, &self.scale, k, true, Some((LAYER_EPS, 1.0)))?;
         moe_experts::down(&moe_experts::gate_up(&y, &idx, gu)?, &idx, &scores, down)
+    }
+}
+
+/// The 8B-A1B's short-conv layer for one decode row, from the residual's
+/// add + RMSNorm through out_proj: the four launches the step runs by
+/// default (the add + RMSNorm kernel, MLX's `qmv` of in_proj, the
+/// short-conv kernel, MLX's `qmv` of out_proj) against the one of
+/// src/kernels/conv_fused.rs. `(arm, its switches, kernels a product)`.
+/// Launches cycle through [`CONV_COPIES`] copies of the projections
+/// (~75 MB, over the H200's L2), so each reads its weights from DRAM.
+const CONV_ARMS: [(&str, Switches, usize); 2] = [
+    ("conv-layer-q4-four", &[("MLX_LFM_CONV_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1")], 4),
+    ("conv-layer-q4-fused", &[("MLX_LFM_CONV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
+];
+const CONV_COPIES: usize = 8;
+const CONV_LAUNCHES: usize = 16;
+const CONV_D: i32 = 2048;
+const CONV_WINDOW: i32 = 3;
+
+struct ConvLayer {
+    /// in_proj `[3D, D]` and out_proj `[D, D]`, each copy.
+    projections: Vec<(mlx_lfm::model::linear::Quantized, mlx_lfm::model::linear::Quantized)>,
+    h: Array,
+    r: Array,
+    wn: Array,
+    eps: Array,
+    state: Array,
+    cw: Array,
+    counters: Array,
+}
+
+impl ConvLayer {
+    fn new() -> mlx_lfm::Result<ConvLayer> {
+        use mlx_lfm::mlx::{QuantMode, QuantSpec};
+        let bf = Dtype::Bfloat16;
+        let spec = QuantSpec { mode: QuantMode::Affine, bits: 4, group_size: 64 };
+        let quant = |rows: i32| -> mlx_lfm::Result<mlx_lfm::model::linear::Quantized> {
+            let (weight, scales, biases) = mlx::quantize(&normal(&[rows, CONV_D], bf, 0.0, 1.0 / (CONV_D as f32).sqrt(), None)?, spec)?;
+            Ok(mlx_lfm::model::linear::Quantized { weight, scales, biases, spec })
+        };
+        let projections = (0..CONV_COPIES).map(|_| Ok((quant(3 * CONV_D)?, quant(CONV_D)?))).collect::<mlx_lfm::Result<Vec<_>>>()?;
+        let h = normal(&[1, CONV_D], bf, 0.0, 4.0, None)?;
+        let r = normal(&[1, CONV_D], bf, 0.0, 1.0, None)?;
+        let wn = normal(&[CONV_D], Dtype::Float32, 1.0, 0.2, None)?.astype(bf)?;
+        let eps = Array::from_slice(&[LAYER_EPS], &[1])?;
+        let state = normal(&[1, CONV_WINDOW - 1, CONV_D], bf, 0.0, 1.0, None)?;
+        let cw = normal(&[CONV_D, CONV_WINDOW], bf, 0.0, 0.5, None)?;
+        let counters = mlx_lfm::kernels::conv_fused::new_counters()?;
+        let mut held: Vec<&Array> = vec![&h, &r, &wn, &eps, &state, &cw];
+        for (i, o) in &projections {
+            held.extend([&i.weight, &i.scales, &o.weight, &o.scales]);
+            held.extend(i.biases.iter().chain(o.biases.iter()));
+        }
+        mlx::eval(&held)?;
+        Ok(ConvLayer { projections, h, r, wn, eps, state, cw, counters })
+    }
+
+    /// The layer's output for launch `i` (copy `i % CONV_COPIES`).
+    fn launch(&self, fused: bool, i: usize) -> mlx_lfm::Result<Array> {
+        use mlx_lfm::kernels::{add_rms_norm, conv_fused, short_conv};
+        use mlx_lfm::model::linear::Normed;
+        let (wi, wo) = &self.projections[i % self.projections.len()];
+        let x = Normed { h: &self.h, r: Some(&self.r), w: &self.wn, eps: LAYER_EPS, eps_array: &self.eps };
+        let unserved = || mlx_lfm::Error::invalid("kernel-bench: the conv layer's kernels do not serve their operands here");
+        if fused {
+            if !conv_fused::available(&x, wi, wo, &self.state, &self.cw, false) {
+                return Err(unserved());
+            }
+            return Ok(conv_fused::forward(&x, wi, wo, &self.state, &self.cw, &self.counters)?.1);
+        }
+        let qmm = |a: &Array, q: &mlx_lfm::model::linear::Quantized| mlx::quantized_matmul(a, &q.weight, &q.scales, q.biases.as_ref(), true, q.spec);
+        let (_, y) = add_rms_norm::add_rms_norm_with(&self.h, &self.r, &self.wn, &self.eps, LAYER_EPS)?;
+        let bcx = qmm(&y, wi)?;
+        if !short_conv::available(&bcx, &self.state, &self.cw, false) {
+            return Err(unserved());
+        }
+        let (_, yc) = short_conv::conv_step(&bcx, &self.state, &self.cw)?;
+        qmm(&yc, wo)
     }
 }
 
