@@ -142,15 +142,23 @@ layer as one launch (`moe-fused`, opt-in: the router + norm, the experts'
 gate/up and down, 3 launches a layer today, as stages a block takes by a
 ticket from a per-layer counter; its test
 `moe_fused_kernel_matches_the_three_kernels`, its greedy set `moe-fused`,
-kernel-bench's `moe-layer-q4-three` / `moe-layer-q4-fused`).
-Next (`bash bench/h200/prepare.sh` here first; ~1,700 s planned):
+kernel-bench's `moe-layer-q4-three` / `moe-layer-q4-fused`), and the
+short-conv layer over quantized projections the same way (`conv-fused`:
+the add + RMSNorm, in_proj, the conv step, out_proj, 4 launches a layer
+today; its test `conv_fused_kernel_matches_stock_ops`, greedy sets
+`MLX_LFM_CONV_FUSED` and `moe-conv-fused`, kernel-bench's
+`conv-layer-q4-four` / `conv-layer-q4-fused`).
+Next (`bash bench/h200/prepare.sh` here first; ~1,780 s planned: drop
+the dense models' `ab` in call 4 where time is short):
   1. carry [.device/a, .device/llama]: `stage` (~100 s with the start).
   2. carry [.device/b, .device/tests]: `install kernels` with
      H200_KERNEL_JOBS=4 and H200_KERNEL_TESTS=moe_router_norm_kernel_matches_the_norm_and_router_kernels,
      moe_experts_kernels_match_stock_ops,greedy_tokens_with_kernels_equal_stock_ops_on_wide_rows,
-     argmax_finite_kernel_matches_stock_ops,moe_fused_kernel_matches_the_three_kernels
-     (~350 s: the router's float32 weights and their greedy set, the
-     one-launch MoE layer and its; the wide greedy test also runs the
+     argmax_finite_kernel_matches_stock_ops,moe_fused_kernel_matches_the_three_kernels,
+     conv_fused_kernel_matches_stock_ops,greedy_tokens_with_kernels_equal_stock_ops
+     (~420 s: the router's float32 weights and their greedy set, the
+     one-launch MoE and conv layers and theirs, the conv one's on the tiny
+     4-bit fixtures too; the wide greedy test also runs the
      defaults adopted in session 27 and the position table against the
      host scalar), then `save-ptx` in the same call (the kernels these
      tests compiled come back even if the machine does not stay).
@@ -159,9 +167,10 @@ Next (`bash bench/h200/prepare.sh` here first; ~1,700 s planned):
      and H200_SOURCE_ARMS=moe-q4-down-f32-score (~90 s: whether the
      weights out of MLX's scalar pool take the down kernel to MLX's 13 µs
      or under; kernel-bench ~80 s: the scalar-table-view arm and the
-     folds alone, and the 8B-A1B's MoE layer as three launches and as one).
+     folds alone, and the 8B-A1B's MoE and conv layers as three or four
+     launches and as one).
   4. carry [.device/bin]: H200_MODELS=lfm2-8b-a1b-q4
-     H200_AB_VARIANTS=moe-fused,router-scores-f32,router-scores-f32-early,position-table-off,eps-const-off
+     H200_AB_VARIANTS=moe-fused,conv-fused,moe-conv-fused,router-scores-f32,router-scores-f32-early,position-table-off,eps-const-off
      `ab pick` (~220 s with the 8B-A1B's checkpoints), then
      H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4 `profile-gaps` (~150 s with
      the 1.2B's checkpoint: the time between a step's kernels, never
