@@ -239,6 +239,13 @@ KERNELS["conv_fused.rs"] = (
     lambda dt: [("D", 2048), ("C", 2048), ("KEEP", 2), ("IBITS", 4), ("IGS", 64), ("OBITS", 4), ("OGS", 64),
                 ("NBLK", 256 if dt != "float32" else 512), ("WARPS", 32), ("EPS_BITS", 925353388)],
 )
+# Its most registers by ptxas: rows of 1,536 (the last chunk guarded), 4-bit
+# experts 8,192 wide in groups of 128 (64 in bf16, the limit at 1,024 threads).
+KERNELS["moe_fused.rs@d1536"] = (*KERNELS["moe_fused.rs"][:2],
+                                 lambda dt: [("D", 1536), ("F", 8192), ("E", 32), ("TOPK", 1), ("NORM", "true"),
+                                             ("GBITS", 4), ("GGS", 64), ("BITS", 4), ("GS", 128), ("WARPS", 32),
+                                             ("EPS_BITS", 925353388), ("SCALE_BITS", 1065353216)],
+                                 ["bfloat16", "float16"])
 # Every wait given up at once (the tests' MLX_LFM_FUSED_NO_WAIT: DEFINES_OF).
 KERNELS["moe_fused.rs@no-wait"] = KERNELS["moe_fused.rs"]
 KERNELS["conv_fused.rs@no-wait"] = KERNELS["conv_fused.rs"]

@@ -102,7 +102,8 @@ __device__ inline void lfm_release_count(unsigned long long* p) {
   }
 }
 // Thread 0 waits for *p >= v, then (unless it gave up) for *p2 >= v2;
-// every thread gets whether it gave up.
+// every thread gets whether it gave up. (`late` is one variable a kernel:
+// the second barrier lets a later call set it again.)
 __device__ inline bool lfm_block_wait(unsigned long long* p, unsigned long long v, unsigned long long* p2,
                                       unsigned long long v2) {
   __shared__ int late;
@@ -112,8 +113,13 @@ __device__ inline bool lfm_block_wait(unsigned long long* p, unsigned long long 
     late = l;
   }
   __syncthreads();
-  return late != 0;
+  const bool gave_up = late != 0;
+  __syncthreads();
+  return gave_up;
 }
+#if !LFM_NORM_IN_WIDER_BLOCK
+#error "the fused layers' blocks are wider than the norm's: define LFM_NORM_IN_WIDER_BLOCK 1 before the add + RMSNorm code"
+#endif
 // The first stage of both fused layers: the residual add + RMSNorm of the
 // row with the add + RMSNorm kernel's block of NBLK threads (its bits),
 // the sum into s, the normed row into ys (shared) and yn (for the blocks
@@ -259,6 +265,15 @@ fn enabled() -> bool {
     super::opt_in("MLX_LFM_MOE_FUSED", &ON)
 }
 
+static BUILT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// How many times [`forward`] has put the kernel into a graph in this
+/// process (a compiled step once, when it is traced): the greedy test's
+/// evidence that its `moe-fused` runs took this path at all.
+pub fn built() -> usize {
+    BUILT.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// `MLX_LFM_FUSED_NO_WAIT=1` (a test's knob, for this kernel and
 /// src/kernels/conv_fused.rs's): every wait gives up at once, so the test
 /// sees the poisoned output a stuck stage would give (and the counters
@@ -402,6 +417,7 @@ pub fn forward(
         &template,
     )?;
     outs.truncate(2);
+    BUILT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let out = outs.pop().ok_or_else(|| Error::mlx("fused MoE kernel: missing output"))?;
     let s = outs.pop().ok_or_else(|| Error::mlx("fused MoE kernel: missing output"))?;
     Ok((s, out))

@@ -475,7 +475,13 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     alone.push("MLX_LFM_FOLD_EPS_CONST");
                 }
                 for var in alone {
+                    let before = crate::kernels::conv_fused::built();
                     runs.push((var, crate::kernels::with_opt_in_one(var, || run(Some(&stock))).0));
+                    // (A fused layer that never served would pass as the
+                    // stock path's tokens.)
+                    if var == "MLX_LFM_CONV_FUSED" && crate::kernels::conv_fused::built() == before {
+                        failures.push(format!("{what}: the {var} run never built the one-launch conv layer"));
+                    }
                 }
                 if !q4 {
                     // The deferred folds over every dense norm + projection
@@ -520,15 +526,24 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     runs.push(("moe-down-early", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
                     let set = [("MLX_LFM_ROUTER_SCORES_F32".to_string(), Some("1".to_string()))];
                     runs.push(("router-scores-f32", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
+                    let built = || (crate::kernels::moe_fused::built(), crate::kernels::conv_fused::built());
+                    let before = built();
                     let set = [("MLX_LFM_MOE_FUSED".to_string(), Some("1".to_string()))];
                     runs.push(("moe-fused", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
+                    if built().0 == before.0 {
+                        failures.push(format!("{what}: the moe-fused run never built the one-launch MoE layer"));
+                    }
                     // And with the conv layers in one launch too (run.py's
                     // `moe-conv-fused`: the 8B-A1B's step at its fewest nodes).
                     let set = [
                         ("MLX_LFM_MOE_FUSED".to_string(), Some("1".to_string())),
                         ("MLX_LFM_CONV_FUSED".to_string(), Some("1".to_string())),
                     ];
+                    let before = built();
                     runs.push(("moe-conv-fused", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
+                    if built().0 == before.0 || built().1 == before.1 {
+                        failures.push(format!("{what}: the moe-conv-fused run never built one of its one-launch layers"));
+                    }
                 }
                 if path == DecodePath::Compiled {
                     // A lone sequence's position as the host scalar (the
@@ -1469,6 +1484,11 @@ fn f32_products(x: &crate::mlx::Array, w: &crate::mlx::Array) -> crate::mlx::Arr
 fn worst_scaled(got: &crate::mlx::Array, want: &crate::mlx::Array) -> f32 {
     let f = |a: &crate::mlx::Array| -> Vec<f32> { a.astype(Dtype::Float32).unwrap().to_vec().unwrap() };
     let (g, w) = (f(got), f(want));
+    // (f32::max drops a NaN: a value that is not finite where the
+    // reference's is counts as the worst difference there is.)
+    if g.iter().zip(&w).any(|(x, y)| !x.is_finite() && y.is_finite()) {
+        return f32::INFINITY;
+    }
     let top = w.iter().fold(1f32, |m, y| m.max(y.abs()));
     g.iter().zip(&w).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max) / top
 }
@@ -1773,6 +1793,8 @@ fn moe_fused_kernel_matches_the_three_kernels() {
             };
             let (s, out) = run(&state);
             assert_eq!(differing(&s, &ws), 0, "{what}: the residual sum differs");
+            let v: Vec<f32> = out.astype(Dtype::Float32).unwrap().to_vec().unwrap();
+            assert!(v.iter().all(|v| v.is_finite()), "{what}: {} outputs are not finite", v.iter().filter(|v| !v.is_finite()).count());
             let gap = worst_scaled(&out, &want);
             assert!(gap <= tol, "{what}: the output is {gap} from the three kernels' (over {tol}; {} of {d} differ)", differing(&out, &want));
             eprintln!("{what}: {} of {d} outputs differ from the three kernels' (worst {gap})", differing(&out, &want));
@@ -1852,8 +1874,13 @@ fn conv_fused_kernel_matches_stock_ops() {
         (Dtype::Bfloat16, 2.0f32.powi(-7), 1024, 1024, 3, 8, 32, 4, 128),
         // Fewer channels than the row (a rank's share under tensor parallelism).
         (Dtype::Bfloat16, 2.0f32.powi(-7), 2048, 1024, 4, 4, 64, 8, 64),
+        // out_proj 768 wide: a walk's last tile short (4-bit bf16 tiles are
+        // 512 wide); a row whose norm takes 512 threads.
+        (Dtype::Bfloat16, 2.0f32.powi(-7), 1536, 768, 3, 4, 64, 4, 64),
+        (Dtype::Bfloat16, 2.0f32.powi(-7), 4096, 4096, 3, 4, 64, 4, 64),
         (Dtype::Float16, 2.0f32.powi(-10), 2048, 2048, 3, 4, 64, 4, 64),
         (Dtype::Float32, 1e-5, 1024, 1024, 3, 8, 64, 8, 64),
+        (Dtype::Float32, 1e-5, 1024, 512, 3, 4, 64, 4, 32),
     ];
     for (dt, tol, d, c, l, ib, ig, ob, og) in cases {
         let what = format!("{dt:?} {d} wide, {c} channels, window {l}, in_proj {ib}-bit g{ig}, out_proj {ob}-bit g{og}");
@@ -1884,6 +1911,8 @@ fn conv_fused_kernel_matches_stock_ops() {
             let (s, out, next) = run(&counters);
             assert_eq!(differing(&s, &ws), 0, "{what}: the residual sum differs");
             for (name, got, want) in [("state", &next, &wnext), ("output", &out, &want)] {
+                let v: Vec<f32> = got.astype(Dtype::Float32).unwrap().to_vec().unwrap();
+                assert!(v.iter().all(|v| v.is_finite()), "{what}: {} values of the {name} are not finite", v.iter().filter(|v| !v.is_finite()).count());
                 let gap = worst_scaled(got, want);
                 let n = got.size();
                 assert!(gap <= tol, "{what}: the {name} is {gap} from the stock ops' (over {tol}; {} of {n} differ)", differing(got, want));

@@ -264,8 +264,9 @@ impl ShortConv {
         // The whole layer in one launch over quantized projections (decode
         // on CUDA, MLX_LFM_CONV_FUSED=1): the state is asked of the cache
         // here, once, and kept for the paths below where it does not serve.
+        let same = |a: &Array| a.dtype() == x.h.dtype();
         let whole = match (&self.in_proj.weight, &self.out_proj.weight) {
-            (Weight::Quant(wi), Weight::Quant(wo)) if conv_fused::enabled_here() && x.r.is_some() => Some((wi, wo)),
+            (Weight::Quant(wi), Weight::Quant(wo)) if conv_fused::enabled_here() && x.r.is_some_and(same) && same(x.w) => Some((wi, wo)),
             _ => None,
         };
         let mut asked = None;
@@ -281,8 +282,7 @@ impl ShortConv {
         }
         // The fused in_proj reads the normed row in the residual's dtype:
         // the norm's weight and the residual it adds of that dtype too, so
-        // that the norm does not promote it.
-        let same = |a: &Array| a.dtype() == x.h.dtype();
+        // that the norm does not promote it (`same`, above).
         let fused = match (&self.in_proj.weight, &self.in_proj.bias) {
             (Weight::Dense(w), None) if short_conv::gemv_enabled() && same(x.w) && x.r.is_none_or(same) => Some(w),
             _ => None,
