@@ -167,15 +167,15 @@ the dense models' `ab` in call 4 where time is short):
      and H200_SOURCE_ARMS=moe-q4-down-f32-score (~90 s: whether the
      weights out of MLX's scalar pool take the down kernel to MLX's 13 µs
      or under; kernel-bench ~80 s: the scalar-table-view arm and the
-     folds alone, and the 8B-A1B's MoE and conv layers as three or four
-     launches and as one).
+     folds alone, the 8B-A1B's MoE and conv layers and the 1.2B's conv
+     layer as three or four launches and as one).
   4. carry [.device/bin]: H200_MODELS=lfm2-8b-a1b-q4
      H200_AB_VARIANTS=moe-fused,conv-fused,moe-conv-fused,router-scores-f32,router-scores-f32-early,position-table-off,eps-const-off
      `ab pick` (~220 s with the 8B-A1B's checkpoints), then
      H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4 `profile-gaps` (~150 s with
      the 1.2B's checkpoint: the time between a step's kernels, never
      measured so far), then the dense
-     models' `ab` of position-table-off, eps-const-off, gemv-prefetch,
+     models' `ab` of conv-fused, position-table-off, eps-const-off, gemv-prefetch,
      fold-deferred and (the 350M) fold-eps-const if time allows; the two
      folds need `norm_gemv_kernels_match_stock_ops` and the tiny greedy
      test run too before `pick` takes them.
@@ -1283,7 +1283,8 @@ def kernel_bench():
     one of src/kernels/moe_fused.rs (`moe-layer-q4-fused`), and its
     short-conv layer: the four launches (`conv-layer-q4-four`: the add +
     RMSNorm, MLX's qmv, the conv step, MLX's qmv) against the one of
-    src/kernels/conv_fused.rs (`conv-layer-q4-fused`).
+    src/kernels/conv_fused.rs (`conv-layer-q4-fused`), and the same over
+    the 1.2B's dense projections (`conv-layer-bf16-*`, MLX's GEMVs).
     No checkpoint needed (~1 minute)."""
     rep = WORK / "kernel-bench"
     cmd = ["ncu", "--clock-control", "none", "-f", "-o", rep, "--kernel-name",
@@ -1773,11 +1774,12 @@ AB = {
     # layers), its stages handed on through counters its blocks take their
     # parts by (src/kernels/moe_fused.rs).
     "moe-fused": ({"MLX_LFM_MOE_FUSED": "1"}, ["lfm2-8b-a1b-q4"]),
-    # A lone sequence's short-conv layer over quantized projections in one
-    # launch (the add + RMSNorm, in_proj, the conv step, out_proj: 4
-    # launches and nodes a layer, 18 layers; src/kernels/conv_fused.rs),
-    # alone and with the MoE layers' (the step's fewest nodes, ~105).
-    "conv-fused": ({"MLX_LFM_CONV_FUSED": "1"}, ["lfm2-8b-a1b-q4"]),
+    # A lone sequence's short-conv layer in one launch (the add + RMSNorm,
+    # in_proj, the conv step, out_proj: 4 launches and nodes a layer; 18
+    # layers of the 8B-A1B's, quantized, ten of the dense models';
+    # src/kernels/conv_fused.rs), and on the 8B-A1B with the MoE layers'
+    # (the step's fewest nodes, ~105).
+    "conv-fused": ({"MLX_LFM_CONV_FUSED": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "moe-conv-fused": ({"MLX_LFM_MOE_FUSED": "1", "MLX_LFM_CONV_FUSED": "1"}, ["lfm2-8b-a1b-q4"]),
     "router-norm-off": ({"MLX_LFM_ROUTER_NORM_KERNEL": "0"}, ["lfm2-8b-a1b-q4"]),
     "router-norm-narrow": ({"MLX_LFM_ROUTER_NORM_WIDE": "0"}, ["lfm2-8b-a1b-q4"]),

@@ -237,7 +237,14 @@ KERNELS["conv_fused.rs"] = (
      ("cw", "T"), ("ow", "uint32_t"), ("oscales", "T"), ("obiases", "T"), ("ctr", "uint32_t")],
     [("s", "T"), ("out", "T"), ("next", "T"), ("yn", "T"), ("yc", "T")],
     lambda dt: [("D", 2048), ("C", 2048), ("KEEP", 2), ("IBITS", 4), ("IGS", 64), ("OBITS", 4), ("OGS", 64),
-                ("NBLK", 256 if dt != "float32" else 512), ("WARPS", 32), ("EPS_BITS", 925353388)],
+                ("NBLK", 256 if dt != "float32" else 512), ("WARPS", 16), ("EPS_BITS", 925353388)],
+)
+# Over dense projections (the 1.2B's): "@dense" (its header and defines).
+KERNELS["conv_fused.rs@dense"] = (
+    [("h", "T"), ("r", "T"), ("wn", "T"), ("iw", "T"), ("state", "T"), ("cw", "T"), ("ow", "T"), ("ctr", "uint32_t")],
+    KERNELS["conv_fused.rs"][1],
+    lambda dt: [("D", 2048), ("C", 2048), ("KEEP", 2), ("NBLK", 256 if dt != "float32" else 512), ("WARPS", 16),
+                ("EPS_BITS", 925353388)],
 )
 # Its most registers by ptxas: rows of 1,536 (the last chunk guarded), 4-bit
 # experts 8,192 wide in groups of 128 (64 in bf16, the limit at 1,024 threads).
@@ -320,10 +327,14 @@ def body_and_header(path, which="SOURCE"):
         lead = "#define LFM_NORM_IN_WIDER_BLOCK 1\n" + named(k / "add_rms_norm.rs", "HEADER") + header_of(k / "quant_gemv.rs")
         return src, lead + named(k / "moe_router.rs", "ROUTE_HEADER") + named(k / "moe_router.rs", "GATE_HEADER") + named(path, "TICKET_HEADER")
     if path.name == "conv_fused.rs":
-        # The add + RMSNorm code, the quantized GEMV's, the ticket helpers.
+        # The add + RMSNorm code, the GEMV's (and the quantized one's), the
+        # ticket helpers, the products (dense: the variant "@dense").
         k = path.parent
-        lead = "#define LFM_NORM_IN_WIDER_BLOCK 1\n" + named(k / "add_rms_norm.rs", "HEADER") + header_of(k / "quant_gemv.rs")
-        return src, lead + named(k / "moe_fused.rs", "TICKET_HEADER")
+        lead = "#define LFM_NORM_IN_WIDER_BLOCK 1\n" + named(k / "add_rms_norm.rs", "HEADER")
+        ticket = named(k / "moe_fused.rs", "TICKET_HEADER")
+        if DENSE:
+            return src, lead + header_of(k / "gemv.rs") + ticket + named(path, "DENSE_PRODUCTS")
+        return src, lead + header_of(k / "quant_gemv.rs") + ticket + named(path, "QUANT_PRODUCTS")
     if path.name == "moe_gemm.rs":
         return src, header_of(path.parent / "gemv.rs") + named(path, "MMA_HEADER")
     if path.name == "moe_router.rs":
@@ -403,6 +414,7 @@ DEFINES = "".join(f"#define {a.split('=', 2)[1]} {a.split('=', 2)[2]}\n" for a i
 VALIDITY = "MASK_VALID"
 EARLY = False
 LOADS = False
+DENSE = False
 # A kernel variant's text substitution, as its Rust side makes it.
 def substitutions(path, name):
     """A Rust `const NAME: [(&str, &str); N]` of (was, now) string pairs."""
@@ -426,6 +438,7 @@ DEFINES_OF = {
     "moe_fused.rs@no-wait": "#define LFM_SPIN_LIMIT 0\n",
     "conv_fused.rs": "#define LFM_QMLX_TILES 2\n",
     "conv_fused.rs@no-wait": "#define LFM_SPIN_LIMIT 0\n#define LFM_QMLX_TILES 2\n",
+    "conv_fused.rs@dense": "#define LFM_DENSE_PREFETCH 0\n",
 }
 
 failed = 0
@@ -438,6 +451,7 @@ for file, (ins, outs, targs, *only_dtypes) in KERNELS.items():
     VALIDITY = "UPTO_VALID" if variant.startswith("upto") else "MASK_VALID"
     EARLY = variant == "early"
     LOADS = variant == "loads"
+    DENSE = variant.startswith("dense")
     # "file.rs#name": the file's NAME_SOURCE (a second kernel in one file).
     fname, _, extra = file_key.partition("#")
     src, hdr = body_and_header(root / "src" / "kernels" / fname, "const " + (extra.upper() + "_" if extra else "") + "SOURCE")

@@ -1,9 +1,9 @@
-//! A lone sequence's short-conv layer in one launch over quantized
-//! projections (`MLX_LFM_CONV_FUSED=1`, opt-in until its H200 test and
-//! A/B): the residual add + RMSNorm before it, in_proj, the gated conv
-//! step and out_proj, by default four launches (the add + RMSNorm kernel,
-//! MLX's `qmv`, the short-conv kernel, MLX's `qmv`): 54 of the 8B-A1B's
-//! ~200 nodes a step over its 18 conv layers.
+//! A lone sequence's short-conv layer in one launch (`MLX_LFM_CONV_FUSED=1`,
+//! opt-in until its H200 test and A/B): the residual add + RMSNorm before
+//! it, in_proj, the gated conv step and out_proj, by default four launches
+//! (the add + RMSNorm kernel, MLX's GEMV or `qmv`, the short-conv kernel,
+//! MLX's GEMV or `qmv`): 54 of the 8B-A1B's ~200 nodes a step over its 18
+//! conv layers, 40 of the 1.2B's 138 over its ten.
 //!
 //! Stages handed on as in src/kernels/moe_fused.rs (read its note: a
 //! block's ticket from the layer's counters gives its part and its launch,
@@ -12,18 +12,18 @@
 //! by data): ticket 0 the add + RMSNorm, as the add + RMSNorm kernel's
 //! block runs it (the same grouping of the sums: its bits); the next
 //! tickets a warp a channel c, in_proj's rows c, C + c and 2C + c (B, C and
-//! x) in MLX's own `qmv` arithmetic (src/kernels/quant_gemv.rs
-//! `lfm_qdot_mlx`, the `MLX_LFM_QGEMV_EXACT` walk, held to MLX's one-row
-//! products on the H200) and the conv step's arithmetic on them, as the
-//! short-conv kernel does it (the state after the token written whole); the
-//! last tickets a warp an output of out_proj, in the same arithmetic, once
-//! every channel is done. So the layer's values are the stock path's where
-//! the MLX walk gives MLX's bits; the test holds the sum to the bits and
-//! the state and output within two roundings of the stock ops'. A stage
-//! that gives up poisons the state after the token too (not only the
-//! output), so that sequence's later steps stay NaN and fail the
-//! finiteness check as well: no silently wrong state. Tests in
-//! src/kernels/tests.rs.
+//! x) and the conv step's arithmetic on them, as the short-conv kernel does
+//! it (the state after the token written whole); the last tickets a warp
+//! an output of out_proj, once every channel is done. The products walk a
+//! row as MLX's own kernels do, so that each is MLX's one-row product: the
+//! quantized ones in its `qmv` arithmetic (src/kernels/quant_gemv.rs
+//! `lfm_qdot_mlx`, the `MLX_LFM_QGEMV_EXACT` walk), the dense ones in its
+//! `gemv_single` order (src/kernels/gemv.rs `lfm_dot_rows`, as the fold of
+//! in_proj into the conv step does). The test holds the sum to the bits and the state and
+//! output within two roundings of the stock ops'. A stage that gives up
+//! poisons the state after the token too (not only the output), so that
+//! sequence's later steps stay NaN and fail the finiteness check as well:
+//! no silently wrong state. Tests in src/kernels/tests.rs.
 
 use super::moe_fused::{new_state, TICKET_HEADER};
 use crate::error::{Error, Result};
@@ -62,29 +62,8 @@ pub(crate) const SOURCE: &str = r#"
     if (!late) lfm_stage16(sm, yn, XR);
     __syncthreads();
     if (c < C) {
-      constexpr int G = D / IGS;
-      constexpr int WORDS = D * IBITS / 32;
-      float sb = 0.0f;
-      float sc = 0.0f;
-      float sx = 0.0f;
-      if (!late) {
-        const T* xs = reinterpret_cast<const T*>(sm);
-#pragma unroll
-        for (int q = 0; q < 3; q++) {
-          // (The three rows asked of L2 first: the second and third then
-          // wait on L2, not DRAM.)
-          const size_t row = static_cast<size_t>(q) * C + c;
-          lfm_prefetch_lines<D * IBITS / 8>(iw + row * WORDS, lane);
-          lfm_prefetch_lines<G * (int)sizeof(T)>(iscales + row * G, lane);
-          lfm_prefetch_lines<G * (int)sizeof(T)>(ibiases + row * G, lane);
-        }
-        const size_t rb = c;
-        const size_t rc = static_cast<size_t>(C) + c;
-        const size_t rx = 2 * static_cast<size_t>(C) + c;
-        sb = lfm_qdot_mlx<T, D, IBITS, IGS, true>(xs, iw + rb * WORDS, iscales + rb * G, ibiases + rb * G, lane);
-        sc = lfm_qdot_mlx<T, D, IBITS, IGS, true>(xs, iw + rc * WORDS, iscales + rc * G, ibiases + rc * G, lane);
-        sx = lfm_qdot_mlx<T, D, IBITS, IGS, true>(xs, iw + rx * WORDS, iscales + rx * G, ibiases + rx * G, lane);
-      }
+      float s3[3] = {0.0f, 0.0f, 0.0f};
+      if (!late) LFM_CONV_IN3(reinterpret_cast<const T*>(sm), c, lane, s3);
       if (lane == 0) {
         const T* wd = cw + static_cast<size_t>(c) * (KEEP + 1);
         float acc = 0.0f;
@@ -93,9 +72,9 @@ pub(crate) const SOURCE: &str = r#"
           if (j > 0) next[(j - 1) * C + c] = late ? T(poison) : v;
           acc += static_cast<float>(wd[j]) * static_cast<float>(v);
         }
-        const T bt = T(sb);
-        const T ct = T(sc);
-        const T xt = T(sx);
+        const T bt = T(s3[0]);
+        const T ct = T(s3[1]);
+        const T xt = T(s3[2]);
         const T bx = T(static_cast<float>(bt) * static_cast<float>(xt));
         next[(KEEP - 1) * C + c] = late ? T(poison) : bx;
         acc += static_cast<float>(wd[KEEP]) * static_cast<float>(bx);
@@ -111,28 +90,79 @@ pub(crate) const SOURCE: &str = r#"
   if (!late) lfm_stage16(sm, yc, CR);
   __syncthreads();
   if (n < D) {
-    constexpr int G = C / OGS;
-    constexpr int WORDS = C * OBITS / 32;
     float o = 0.0f;
-    if (!late) {
-      const size_t row = n;
-      lfm_prefetch_lines<C * OBITS / 8>(ow + row * WORDS, lane);
-      lfm_prefetch_lines<G * (int)sizeof(T)>(oscales + row * G, lane);
-      lfm_prefetch_lines<G * (int)sizeof(T)>(obiases + row * G, lane);
-      o = lfm_qdot_mlx<T, C, OBITS, OGS, true>(reinterpret_cast<const T*>(sm), ow + row * WORDS, oscales + row * G,
-                                               obiases + row * G, lane);
-    }
+    if (!late) o = LFM_CONV_OUT1(reinterpret_cast<const T*>(sm), n, lane);
     if (lane == 0) out[n] = late ? T(poison) : T(o);
   }
 "#;
 
-/// Warps a block (a channel or an output each).
-const WARPS: i32 = 32;
+/// The quantized projections' products for [`SOURCE`] (`LFM_CONV_IN3`:
+/// channel c's three in_proj sums; `LFM_CONV_OUT1`: out_proj's output n),
+/// in MLX's own `qmv` arithmetic, each row asked of L2 first (a channel's
+/// second and third rows then wait on L2, not DRAM).
+const QUANT_PRODUCTS: &str = r#"
+template <typename T, int K, int BITS, int GS>
+__device__ inline float lfm_conv_qrow(const T* xs, const uint32_t* w, const T* sc, const T* bi, size_t row, int lane) {
+  constexpr int G = K / GS;
+  constexpr int WORDS = K * BITS / 32;
+  return lfm_qdot_mlx<T, K, BITS, GS, true>(xs, w + row * WORDS, sc + row * G, bi + row * G, lane);
+}
+template <typename T, int K, int BITS, int GS>
+__device__ inline void lfm_conv_qprefetch(const uint32_t* w, const T* sc, const T* bi, size_t row, int lane) {
+  constexpr int G = K / GS;
+  lfm_prefetch_lines<K * BITS / 8>(w + row * (K * BITS / 32), lane);
+  lfm_prefetch_lines<G * (int)sizeof(T)>(sc + row * G, lane);
+  lfm_prefetch_lines<G * (int)sizeof(T)>(bi + row * G, lane);
+}
+template <typename T, int D, int C, int BITS, int GS>
+__device__ inline void lfm_conv_qin3(const T* xs, const uint32_t* w, const T* sc, const T* bi, int c, int lane, float* s3) {
+#pragma unroll
+  for (int q = 0; q < 3; q++) lfm_conv_qprefetch<T, D, BITS, GS>(w, sc, bi, static_cast<size_t>(q) * C + c, lane);
+#pragma unroll
+  for (int q = 0; q < 3; q++) s3[q] = lfm_conv_qrow<T, D, BITS, GS>(xs, w, sc, bi, static_cast<size_t>(q) * C + c, lane);
+}
+template <typename T, int C, int BITS, int GS>
+__device__ inline float lfm_conv_qout1(const T* xs, const uint32_t* w, const T* sc, const T* bi, int n, int lane) {
+  lfm_conv_qprefetch<T, C, BITS, GS>(w, sc, bi, n, lane);
+  return lfm_conv_qrow<T, C, BITS, GS>(xs, w, sc, bi, n, lane);
+}
+#define LFM_CONV_IN3(xs, c, lane, s3) lfm_conv_qin3<T, D, C, IBITS, IGS>(xs, iw, iscales, ibiases, c, lane, s3)
+#define LFM_CONV_OUT1(xs, n, lane) lfm_conv_qout1<T, C, OBITS, OGS>(xs, ow, oscales, obiases, n, lane)
+"#;
+
+/// The dense projections' products for [`SOURCE`], walked as MLX's
+/// `gemv_single` walks a row (src/kernels/gemv.rs `lfm_dot_rows`: a
+/// one-row product is MLX's to the bit; the GEMV kernels' default walk,
+/// no L2 prefetch), a channel's three rows together.
+const DENSE_PRODUCTS: &str = r#"
+template <typename T, int D, int C>
+__device__ inline void lfm_conv_din3(const T* xs, const T* w, int c, int lane, float* s3) {
+  const T* rows[3] = {w + static_cast<size_t>(c) * D, w + (static_cast<size_t>(C) + c) * D,
+                      w + (2 * static_cast<size_t>(C) + c) * D};
+  lfm_dot_rows<T, D, 1, 3>(xs, true, rows, lfm_aligned(w), lane, s3);
+#pragma unroll
+  for (int q = 0; q < 3; q++) s3[q] = lfm_warp_sum(s3[q]);
+}
+template <typename T, int C>
+__device__ inline float lfm_conv_dout1(const T* xs, const T* w, int n, int lane) {
+  const T* rows[1] = {w + static_cast<size_t>(n) * C};
+  float acc[1] = {0.0f};
+  lfm_dot_rows<T, C, 1, 1>(xs, true, rows, lfm_aligned(w), lane, acc);
+  return lfm_warp_sum(acc[0]);
+}
+#define LFM_CONV_IN3(xs, c, lane, s3) lfm_conv_din3<T, D, C>(xs, iw, c, lane, s3)
+#define LFM_CONV_OUT1(xs, n, lane) lfm_conv_dout1<T, C>(xs, ow, n, lane)
+"#;
+
+/// Warps a block (a channel or an output each): 16, so that each stage's
+/// blocks spread over ~128 of the H200's 132 SMs (two blocks an SM where
+/// ptxas keeps a thread within 64 registers), where 32 put the channels
+/// and the outputs on 64 each.
+const WARPS: i32 = 32 / 2;
 /// Shared memory the staged rows may take (48 KiB is the static limit).
 const MAX_STAGED: usize = 32 * 1024;
-/// The widest row and conv served: by ptxas (sm_90) the kernel stays
-/// within the 64 registers a thread of 1,024 allow up to here (at most 54,
-/// 4-bit bf16 rows of 4,096 to 8,192).
+/// The widest row and conv served (by ptxas on sm_90 the kernels stay
+/// within 64 registers a thread up to here: `scripts/dev/nvrtc-check.py`).
 const MAX_WIDTH: i32 = 8192;
 
 fn enabled() -> bool {
@@ -148,26 +178,61 @@ pub fn built() -> usize {
     BUILT.load(std::sync::atomic::Ordering::Relaxed)
 }
 
-fn kernel() -> Option<&'static CudaKernel> {
-    static K: [super::add_rms_norm::Walks; 2] = [const { [const { OnceLock::new() }; 2] }; 2];
+/// The layer's two projections, as the kernel reads them.
+#[derive(Clone, Copy)]
+pub enum Projections<'a> {
+    /// in_proj `[3C, D]` and out_proj `[D, C]`, MLX affine quantized.
+    Quant(&'a Quantized, &'a Quantized),
+    /// The same, dense in the activations' dtype.
+    Dense(&'a Array, &'a Array),
+}
+
+impl Projections<'_> {
+    fn quant(&self) -> bool {
+        matches!(self, Projections::Quant(..))
+    }
+
+    /// (rows, input width) of in_proj and of out_proj.
+    fn shapes(&self) -> [(i32, i64); 2] {
+        let dense = |w: &Array| (w.dim(0), w.dim(1) as i64);
+        let quant = |q: &Quantized| (q.weight.dim(0), q.weight.dim(1) as i64 * 32 / q.spec.bits as i64);
+        match self {
+            Projections::Quant(i, o) => [quant(i), quant(o)],
+            Projections::Dense(i, o) => [dense(i), dense(o)],
+        }
+    }
+}
+
+fn kernel(quant: bool) -> Option<&'static CudaKernel> {
+    static K: [[super::add_rms_norm::Walks; 2]; 2] = [const { [const { [const { OnceLock::new() }; 2] }; 2] }; 2];
     let stuck = super::moe_fused::no_wait();
-    super::add_rms_norm::for_walk(&K[usize::from(stuck)], || {
-        let (name, define) = if stuck { ("lfm_conv_fused_no_wait", "#define LFM_SPIN_LIMIT 0\n") } else { ("lfm_conv_fused", "") };
-        CudaKernel::new(
-            &super::add_rms_norm::kernel_name(name),
-            &["h", "r", "wn", "iw", "iscales", "ibiases", "state", "cw", "ow", "oscales", "obiases", "ctr"],
-            &["s", "out", "next", "yn", "yc"],
-            SOURCE,
-            // (Two of MLX's tiles a batch, not four: the same sums, and
-            // 44 registers a thread by ptxas, where four took 84, over the
-            // 64 that a block of 1,024 threads allows.)
-            &format!(
-                "{define}#define LFM_NORM_IN_WIDER_BLOCK 1\n#define LFM_QMLX_TILES 2\n{}{}{TICKET_HEADER}",
-                super::add_rms_norm::device_code(),
-                super::quant_gemv::header()
-            ),
-        )
-        .ok()
+    super::add_rms_norm::for_walk(&K[usize::from(quant)][usize::from(stuck)], || {
+        let wait = if stuck { "#define LFM_SPIN_LIMIT 0\n" } else { "" };
+        let name = format!("lfm_conv_fused{}{}", if quant { "" } else { "_dense" }, if stuck { "_no_wait" } else { "" });
+        let common = format!("{wait}#define LFM_NORM_IN_WIDER_BLOCK 1\n");
+        let (inputs, header): (&[&str], String) = if quant {
+            // (Two of MLX's tiles a batch, not four: the same sums, and 44
+            // registers a thread by ptxas where four took 84.)
+            (
+                &["h", "r", "wn", "iw", "iscales", "ibiases", "state", "cw", "ow", "oscales", "obiases", "ctr"],
+                format!(
+                    "{common}#define LFM_QMLX_TILES 2\n{}{}{TICKET_HEADER}{QUANT_PRODUCTS}",
+                    super::add_rms_norm::device_code(),
+                    super::quant_gemv::header()
+                ),
+            )
+        } else {
+            // (The dense GEMVs' default walk: no L2 prefetch.)
+            (
+                &["h", "r", "wn", "iw", "state", "cw", "ow", "ctr"],
+                format!(
+                    "{common}#define LFM_DENSE_PREFETCH 0\n{}{}{TICKET_HEADER}{DENSE_PRODUCTS}",
+                    super::add_rms_norm::device_code(),
+                    super::gemv::header()
+                ),
+            )
+        };
+        CudaKernel::new(&super::add_rms_norm::kernel_name(&name), inputs, &["s", "out", "next", "yn", "yc"], SOURCE, &header).ok()
     })
 }
 
@@ -189,33 +254,45 @@ pub fn enabled_here() -> bool {
 }
 
 /// Whether [`forward`] serves the pending norm `x` (one row, with a
-/// residual to add), the quantized in_proj `wi` (`[3C, D]`) and out_proj
-/// `wo` (`[D, C]`), no biases, the conv state `state` (`[1, L - 1, C]`)
+/// residual to add), the projections `p` (in_proj `[3C, D]`, out_proj
+/// `[D, C]`; quantized: specifications the MLX walk serves; dense: the
+/// activations' dtype), no biases, the conv state `state` (`[1, L - 1, C]`)
 /// and weights `cw` (`[C, L]`): on ([`enabled`]), on CUDA, with eps
 /// compiled in (`MLX_LFM_EPS_CONST`, the default), where the add + RMSNorm
-/// kernel serves the row (the same block), specifications the MLX walk
-/// serves, and the staged rows within shared memory.
-pub fn available(x: &Normed, wi: &Quantized, wo: &Quantized, state: &Array, cw: &Array, has_bias: bool) -> bool {
+/// kernel serves the row with a block no wider than this kernel's (the
+/// same grouping of its sums), and the staged rows within shared memory.
+pub fn available(x: &Normed, p: Projections, state: &Array, cw: &Array, has_bias: bool) -> bool {
     let Some(r) = x.r else { return false };
     if !enabled_here() || has_bias || !super::add_rms_norm::eps_const() || x.h.ndim() != 2 || x.h.dim(0) != 1 {
         return false;
     }
-    if wi.weight.ndim() != 2 || wo.weight.ndim() != 2 || state.ndim() != 3 || cw.ndim() != 2 {
+    let two_d = match p {
+        Projections::Quant(i, o) => i.weight.ndim() == 2 && o.weight.ndim() == 2,
+        Projections::Dense(i, o) => i.ndim() == 2 && o.ndim() == 2,
+    };
+    if !two_d || state.ndim() != 3 || cw.ndim() != 2 {
         return false;
     }
     let (d, dt) = (x.h.dim(1), x.h.dtype());
     let (c, l) = (cw.dim(0), cw.dim(1));
-    let width = |q: &Quantized| q.weight.dim(1) as i64 * 32 / q.spec.bits as i64;
     let bytes = |len: i32| len as usize * dt.size();
+    let products = match p {
+        Projections::Quant(i, o) => {
+            super::quant_gemv::spec_served(i, dt, d)
+                && super::quant_gemv::spec_served(o, dt, c)
+                && i.scales.shape() == [3 * c, d / i.spec.group_size]
+                && o.scales.shape() == [d, c / o.spec.group_size]
+        }
+        Projections::Dense(i, o) => i.dtype() == dt && o.dtype() == dt && d % 8 == 0 && c % 8 == 0,
+    };
+    let [(in_rows, in_width), (out_rows, out_width)] = p.shapes();
     super::add_rms_norm::available(x.h, r, x.w)
-        && super::quant_gemv::spec_served(wi, dt, d)
-        && super::quant_gemv::spec_served(wo, dt, c)
-        && width(wi) == d as i64
-        && width(wo) == c as i64
-        && wi.weight.dim(0) == 3 * c
-        && wo.weight.dim(0) == d
-        && wi.scales.shape() == [3 * c, d / wi.spec.group_size]
-        && wo.scales.shape() == [d, c / wo.spec.group_size]
+        && super::add_rms_norm::block_for(d, 16 / dt.size() as i32) <= WARPS * 32
+        && products
+        && in_rows == 3 * c
+        && in_width == d as i64
+        && out_rows == d
+        && out_width == c as i64
         && l >= 2
         && state.shape() == [1, l - 1, c]
         && state.dtype() == dt
@@ -225,19 +302,16 @@ pub fn available(x: &Normed, wi: &Quantized, wo: &Quantized, state: &Array, cw: 
         && bytes(d) % 16 == 0
         && bytes(c) % 16 == 0
         && bytes(d).max(bytes(c)) <= MAX_STAGED
-        && kernel().is_some()
+        && kernel(p.quant()).is_some()
 }
 
 /// `(the residual sum [1, D], out_proj's output [1, D] (before a tensor
 /// parallel reduce), the state after the token [1, L - 1, C])` in one
 /// launch (callers check [`available`]); `ctr` the layer's own
 /// ([`new_counters`]).
-pub fn forward(x: &Normed, wi: &Quantized, wo: &Quantized, state: &Array, cw: &Array, ctr: &Array) -> Result<(Array, Array, Array)> {
-    let kern = kernel().ok_or_else(|| Error::mlx("the fused short-conv layer kernel is not available"))?;
+pub fn forward(x: &Normed, p: Projections, state: &Array, cw: &Array, ctr: &Array) -> Result<(Array, Array, Array)> {
+    let kern = kernel(p.quant()).ok_or_else(|| Error::mlx("the fused short-conv layer kernel is not available"))?;
     let r = x.r.ok_or_else(|| Error::invalid("the fused short-conv layer kernel needs a residual to add"))?;
-    let missing = |what: &str| Error::invalid(format!("the fused short-conv layer kernel needs affine biases ({what})"));
-    let ib = wi.biases.as_ref().ok_or_else(|| missing("in_proj"))?;
-    let ob = wo.biases.as_ref().ok_or_else(|| missing("out_proj"))?;
     if ctr.dtype() != Dtype::Uint32 || ctr.size() != 8 {
         return Err(Error::invalid("the fused short-conv layer kernel's counters must be 8 uint32 (new_counters)"));
     }
@@ -246,21 +320,32 @@ pub fn forward(x: &Normed, wi: &Quantized, wo: &Quantized, state: &Array, cw: &A
     let nb = blocks(d, c);
     let threads = WARPS * 32;
     let grid = i32::try_from(nb * threads as i64).map_err(|_| Error::invalid(format!("fused short-conv layer kernel: {nb} blocks")))?;
-    let template = [
+    let mut template = vec![
         ("T", TemplateArg::Dtype(dt)),
         ("D", TemplateArg::Int(d)),
         ("C", TemplateArg::Int(c)),
         ("KEEP", TemplateArg::Int(l - 1)),
-        ("IBITS", TemplateArg::Int(wi.spec.bits)),
-        ("IGS", TemplateArg::Int(wi.spec.group_size)),
-        ("OBITS", TemplateArg::Int(wo.spec.bits)),
-        ("OGS", TemplateArg::Int(wo.spec.group_size)),
         ("NBLK", TemplateArg::Int(super::add_rms_norm::block_for(d, 16 / dt.size() as i32))),
         ("WARPS", TemplateArg::Int(WARPS)),
         ("EPS_BITS", TemplateArg::Int(x.eps.to_bits() as i32)),
     ];
+    let missing = |what: &str| Error::invalid(format!("the fused short-conv layer kernel needs affine biases ({what})"));
+    let inputs: Vec<&Array> = match p {
+        Projections::Quant(wi, wo) => {
+            template.extend([
+                ("IBITS", TemplateArg::Int(wi.spec.bits)),
+                ("IGS", TemplateArg::Int(wi.spec.group_size)),
+                ("OBITS", TemplateArg::Int(wo.spec.bits)),
+                ("OGS", TemplateArg::Int(wo.spec.group_size)),
+            ]);
+            let ib = wi.biases.as_ref().ok_or_else(|| missing("in_proj"))?;
+            let ob = wo.biases.as_ref().ok_or_else(|| missing("out_proj"))?;
+            vec![x.h, r, x.w, &wi.weight, &wi.scales, ib, state, cw, &wo.weight, &wo.scales, ob, ctr]
+        }
+        Projections::Dense(wi, wo) => vec![x.h, r, x.w, wi, state, cw, wo, ctr],
+    };
     let mut outs = kern.call(
-        &[x.h, r, x.w, &wi.weight, &wi.scales, ib, state, cw, &wo.weight, &wo.scales, ob, ctr],
+        &inputs,
         &[(&[1, d], dt), (&[1, d], dt), (&[1, l - 1, c], dt), (&[d], dt), (&[c], dt)],
         [grid, 1, 1],
         [threads, 1, 1],

@@ -448,12 +448,13 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 // are defaults on CUDA since session 14, the q/k norm + RoPE
                 // kernel since session 17, its q/k/v form since session 18,
                 // the router + norm fold since session 23: "default" runs them.)
-                // (The conv layer in one launch, MLX_LFM_CONV_FUSED, over the
-                // 4-bit fixtures' quantized projections.)
                 let mut alone: Vec<&'static str> = match q4 {
-                    true => vec!["MLX_LFM_QGEMV_KERNEL", "MLX_LFM_NORM_GEMV_KERNEL", "MLX_LFM_QUANT_EMBED_KERNEL", "MLX_LFM_CONV_FUSED"],
+                    true => vec!["MLX_LFM_QGEMV_KERNEL", "MLX_LFM_NORM_GEMV_KERNEL", "MLX_LFM_QUANT_EMBED_KERNEL"],
                     false => vec![],
                 };
+                // The conv layer in one launch, over quantized or dense
+                // projections.
+                alone.push("MLX_LFM_CONV_FUSED");
                 // The split decode attention serves head sizes over 16: the
                 // wide fixtures' 64, not the tiny ones'.
                 if wide {
@@ -1840,22 +1841,22 @@ fn moe_fused_kernel_matches_the_three_kernels() {
     }
 }
 
-/// The one-launch short-conv layer over quantized projections
-/// (`MLX_LFM_CONV_FUSED`) against the stock path it replaces on CUDA (the
-/// add + RMSNorm kernel with eps compiled in, MLX's `quantized_matmul`,
-/// the short-conv kernel, `quantized_matmul` again): the residual sum to
-/// the bits, the state after the token and the output within two
-/// roundings of the dtype of their largest value (the kernel walks the
-/// products in MLX's `qmv` arithmetic; how many values differ is printed).
-/// Then repeated launches on used counters, two layers' in turn, and every
-/// wait given up (the output and state NaN, not a hang; the next launch
-/// the first one's bits).
+/// The one-launch short-conv layer (`MLX_LFM_CONV_FUSED`) against the
+/// stock path it replaces on CUDA (the add + RMSNorm kernel with eps
+/// compiled in, MLX's product of in_proj (`quantized_matmul`, or `matmul`
+/// for dense weights: its one-row GEMV), the short-conv kernel, MLX's
+/// product of out_proj): the residual sum to the bits, the state after the
+/// token and the output finite and within two roundings of the dtype of
+/// their largest value (the kernel walks the products in MLX's arithmetic;
+/// how many values differ is printed). Then repeated launches on used
+/// counters, two layers' in turn, and every wait given up (the output and
+/// state NaN, not a hang; the next launch the first one's bits).
 #[test]
 fn conv_fused_kernel_matches_stock_ops() {
-    use crate::kernels::conv_fused::{available, forward, launch_blocks, new_counters};
-    // The norm's block, a block of 32 warps per 32 channels, per 32 outputs.
-    assert_eq!(launch_blocks(2048, 2048), 1 + 64 + 64);
-    assert_eq!(launch_blocks(2048, 1000), 1 + 32 + 64);
+    use crate::kernels::conv_fused::{available, forward, launch_blocks, new_counters, Projections};
+    // The norm's block, a block of 16 warps per 16 channels, per 16 outputs.
+    assert_eq!(launch_blocks(2048, 2048), 1 + 128 + 128);
+    assert_eq!(launch_blocks(2048, 1000), 1 + 63 + 128);
     if skip("conv_fused_kernel_matches_stock_ops") {
         return;
     }
@@ -1864,11 +1865,12 @@ fn conv_fused_kernel_matches_stock_ops() {
     use crate::kernels::with_opt_in_one;
     use crate::mlx::random::normal;
     use crate::mlx::{quantized_matmul, Array};
-    use crate::model::linear::Normed;
+    use crate::model::linear::{Normed, Quantized};
     let eps_value = 1e-5f32;
     let eps = Array::from_slice(&[eps_value], &[1]).unwrap();
     let consts = [("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string()))];
-    // (dtype, tolerance, D, channels, window, in_proj bits / group, out_proj bits / group)
+    // (dtype, tolerance, D, channels, window, in_proj bits / group, out_proj
+    // bits / group; bits 0: dense weights)
     let cases = [
         (Dtype::Bfloat16, 2.0f32.powi(-7), 2048, 2048, 3, 4, 64, 4, 64),
         (Dtype::Bfloat16, 2.0f32.powi(-7), 1024, 1024, 3, 8, 32, 4, 128),
@@ -1881,11 +1883,24 @@ fn conv_fused_kernel_matches_stock_ops() {
         (Dtype::Float16, 2.0f32.powi(-10), 2048, 2048, 3, 4, 64, 4, 64),
         (Dtype::Float32, 1e-5, 1024, 1024, 3, 8, 64, 8, 64),
         (Dtype::Float32, 1e-5, 1024, 512, 3, 4, 64, 4, 32),
+        // Dense: the 1.2B's and the 350M's layers, fewer channels, float32.
+        (Dtype::Bfloat16, 2.0f32.powi(-7), 2048, 2048, 3, 0, 0, 0, 0),
+        (Dtype::Bfloat16, 2.0f32.powi(-7), 1024, 1024, 3, 0, 0, 0, 0),
+        (Dtype::Bfloat16, 2.0f32.powi(-7), 2048, 1000, 3, 0, 0, 0, 0),
+        (Dtype::Float32, 1e-5, 1024, 1024, 3, 0, 0, 0, 0),
     ];
     for (dt, tol, d, c, l, ib, ig, ob, og) in cases {
-        let what = format!("{dt:?} {d} wide, {c} channels, window {l}, in_proj {ib}-bit g{ig}, out_proj {ob}-bit g{og}");
-        let wi = quantized(&normal(&[3 * c, d], Dtype::Float32, 0.0, 0.04, None).unwrap(), dt, ib, ig);
-        let wo = quantized(&normal(&[d, c], Dtype::Float32, 0.0, 0.04, None).unwrap(), dt, ob, og);
+        let dense = ib == 0;
+        let kind = if dense { "dense".to_string() } else { format!("in_proj {ib}-bit g{ig}, out_proj {ob}-bit g{og}") };
+        let what = format!("{dt:?} {d} wide, {c} channels, window {l}, {kind}");
+        let win = normal(&[3 * c, d], Dtype::Float32, 0.0, 0.04, None).unwrap().astype(dt).unwrap();
+        let won = normal(&[d, c], Dtype::Float32, 0.0, 0.04, None).unwrap().astype(dt).unwrap();
+        let (qi, qo): (Option<Quantized>, Option<Quantized>) =
+            if dense { (None, None) } else { (Some(quantized(&win, dt, ib, ig)), Some(quantized(&won, dt, ob, og))) };
+        let p = match (&qi, &qo) {
+            (Some(i), Some(o)) => Projections::Quant(i, o),
+            _ => Projections::Dense(&win, &won),
+        };
         let h = normal(&[1, d], Dtype::Float32, 0.0, 4.0, None).unwrap().astype(dt).unwrap();
         let r = normal(&[1, d], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
         let wn = normal(&[d], Dtype::Float32, 1.0, 0.2, None).unwrap().astype(dt).unwrap();
@@ -1893,17 +1908,18 @@ fn conv_fused_kernel_matches_stock_ops() {
         let cw = normal(&[c, l], Dtype::Float32, 0.0, 0.5, None).unwrap().astype(dt).unwrap();
         let x = Normed { h: &h, r: Some(&r), w: &wn, eps: eps_value, eps_array: &eps };
         crate::knobs::with_overrides(&consts, || {
-            let qmm = |a: &Array, q: &crate::model::linear::Quantized| {
-                quantized_matmul(a, &q.weight, &q.scales, q.biases.as_ref(), true, q.spec).unwrap()
+            let product = |a: &Array, q: &Option<Quantized>, w: &Array| match q {
+                Some(q) => quantized_matmul(a, &q.weight, &q.scales, q.biases.as_ref(), true, q.spec).unwrap(),
+                None => a.matmul(&w.transpose(&[1, 0]).unwrap()).unwrap(),
             };
             let (ws, wy) = add_rms_norm_with(&h, &r, &wn, &eps, eps_value).unwrap();
-            let (wnext, wyc) = conv_step(&qmm(&wy, &wi), &state, &cw).unwrap();
-            let want = qmm(&wyc, &wo);
+            let (wnext, wyc) = conv_step(&product(&wy, &qi, &win), &state, &cw).unwrap();
+            let want = product(&wyc, &qo, &won);
             let counters = new_counters().unwrap();
             let run = |ctr: &Array| {
                 with_opt_in_one("MLX_LFM_CONV_FUSED", || {
-                    assert!(available(&x, &wi, &wo, &state, &cw, false), "{what}: not served");
-                    let (s, out, next) = forward(&x, &wi, &wo, &state, &cw, ctr).unwrap();
+                    assert!(available(&x, p, &state, &cw, false), "{what}: not served");
+                    let (s, out, next) = forward(&x, p, &state, &cw, ctr).unwrap();
                     crate::mlx::eval(&[&s, &out, &next]).unwrap();
                     (s, out, next)
                 })
@@ -1936,29 +1952,39 @@ fn conv_fused_kernel_matches_stock_ops() {
             assert_eq!(same, (0, 0, 0), "{what}: the launch after the given-up one differs");
         });
     }
-    // Not served: no residual to add, eps read from its array, the switch off.
+    // Not served: no residual to add, a bias, eps read from its array, the
+    // switch off; a row whose norm takes more threads than the block.
     let (d, c) = (2048, 2048);
     let wi = quantized(&normal(&[3 * c, d], Dtype::Float32, 0.0, 0.04, None).unwrap(), Dtype::Bfloat16, 4, 64);
     let wo = quantized(&normal(&[d, c], Dtype::Float32, 0.0, 0.04, None).unwrap(), Dtype::Bfloat16, 4, 64);
+    let p = Projections::Quant(&wi, &wo);
     let h = normal(&[1, d], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(Dtype::Bfloat16).unwrap();
     let wn = normal(&[d], Dtype::Float32, 1.0, 0.2, None).unwrap().astype(Dtype::Bfloat16).unwrap();
     let state = normal(&[1, 2, c], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(Dtype::Bfloat16).unwrap();
     let cw = normal(&[c, 3], Dtype::Float32, 0.0, 0.5, None).unwrap().astype(Dtype::Bfloat16).unwrap();
     let with_r = Normed { h: &h, r: Some(&h), w: &wn, eps: eps_value, eps_array: &eps };
     let without = Normed { h: &h, r: None, w: &wn, eps: eps_value, eps_array: &eps };
+    let h8 = normal(&[1, 8192], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(Dtype::Bfloat16).unwrap();
+    let wn8 = normal(&[8192], Dtype::Float32, 1.0, 0.2, None).unwrap().astype(Dtype::Bfloat16).unwrap();
+    let wide = Normed { h: &h8, r: Some(&h8), w: &wn8, eps: eps_value, eps_array: &eps };
+    let (di, dn) = (
+        normal(&[3 * c, 8192], Dtype::Float32, 0.0, 0.04, None).unwrap().astype(Dtype::Bfloat16).unwrap(),
+        normal(&[8192, c], Dtype::Float32, 0.0, 0.04, None).unwrap().astype(Dtype::Bfloat16).unwrap(),
+    );
     crate::knobs::with_overrides(&consts, || {
         with_opt_in_one("MLX_LFM_CONV_FUSED", || {
-            assert!(available(&with_r, &wi, &wo, &state, &cw, false), "not served");
-            assert!(!available(&without, &wi, &wo, &state, &cw, false), "served without a residual");
-            assert!(!available(&with_r, &wi, &wo, &state, &cw, true), "served with a bias");
+            assert!(available(&with_r, p, &state, &cw, false), "not served");
+            assert!(!available(&without, p, &state, &cw, false), "served without a residual");
+            assert!(!available(&with_r, p, &state, &cw, true), "served with a bias");
+            assert!(!available(&wide, Projections::Dense(&di, &dn), &state, &cw, false), "served a norm of 1,024 threads in blocks of 512");
         })
     });
     let off = [("MLX_LFM_EPS_CONST".to_string(), Some("0".to_string()))];
     crate::knobs::with_overrides(&off, || {
-        assert!(!with_opt_in_one("MLX_LFM_CONV_FUSED", || available(&with_r, &wi, &wo, &state, &cw, false)), "served with eps read from its array");
+        assert!(!with_opt_in_one("MLX_LFM_CONV_FUSED", || available(&with_r, p, &state, &cw, false)), "served with eps read from its array");
     });
     if std::env::var_os("MLX_LFM_CONV_FUSED").is_none() {
-        assert!(!crate::knobs::with_overrides(&consts, || available(&with_r, &wi, &wo, &state, &cw, false)), "on without its switch");
+        assert!(!crate::knobs::with_overrides(&consts, || available(&with_r, p, &state, &cw, false)), "on without its switch");
     }
 }
 

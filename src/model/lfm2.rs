@@ -261,20 +261,22 @@ impl ShortConv {
             return Ok((s, self.conv_parts(&parts, &prev, layer, cache)?));
         }
         use crate::kernels::{conv_fused, short_conv};
-        // The whole layer in one launch over quantized projections (decode
-        // on CUDA, MLX_LFM_CONV_FUSED=1): the state is asked of the cache
-        // here, once, and kept for the paths below where it does not serve.
+        // The whole layer in one launch (decode on CUDA,
+        // MLX_LFM_CONV_FUSED=1): the state is asked of the cache here, once,
+        // and kept for the paths below where it does not serve.
         let same = |a: &Array| a.dtype() == x.h.dtype();
         let whole = match (&self.in_proj.weight, &self.out_proj.weight) {
-            (Weight::Quant(wi), Weight::Quant(wo)) if conv_fused::enabled_here() && x.r.is_some_and(same) && same(x.w) => Some((wi, wo)),
+            _ if !(conv_fused::enabled_here() && x.r.is_some_and(same) && same(x.w)) => None,
+            (Weight::Quant(wi), Weight::Quant(wo)) => Some(conv_fused::Projections::Quant(wi, wo)),
+            (Weight::Dense(wi), Weight::Dense(wo)) => Some(conv_fused::Projections::Dense(wi, wo)),
             _ => None,
         };
         let mut asked = None;
-        if let Some((wi, wo)) = whole {
+        if let Some(p) = whole {
             let prev = self.prev_state(x.h, layer, cache)?;
             let bias = self.conv_bias.is_some() || self.in_proj.bias.is_some() || self.out_proj.bias.is_some();
-            if conv_fused::available(x, wi, wo, &prev, &self.conv_weight_dl, bias) {
-                let (s, out, next) = conv_fused::forward(x, wi, wo, &prev, &self.conv_weight_dl, &self.fused_counters)?;
+            if conv_fused::available(x, p, &prev, &self.conv_weight_dl, bias) {
+                let (s, out, next) = conv_fused::forward(x, p, &prev, &self.conv_weight_dl, &self.fused_counters)?;
                 cache.conv_step_update(layer, &prev, &next)?;
                 return Ok((s, reduce(&self.shard, out)?));
             }

@@ -278,7 +278,7 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
     for (name, switches, _) in conv_arms {
         let conv = conv.as_ref().expect("made where a conv arm runs");
         let walls = timed(switches, reps * CONV_LAUNCHES, |i| {
-            conv.launch(name.ends_with("-fused"), i).map_err(|e| mlx_lfm::Error::invalid(format!("{name}: {e}")))
+            conv.launch(name.ends_with("-fused"), name.contains("-q4-"), i).map_err(|e| mlx_lfm::Error::invalid(format!("{name}: {e}")))
         });
         print_walls(name, 4 * CONV_D, CONV_D, walls);
     }
@@ -471,11 +471,16 @@ impl Layer {
 /// src/kernels/conv_fused.rs. `(arm, its switches, kernels a product)`.
 /// Launches cycle through [`CONV_COPIES`] copies of the projections
 /// (~75 MB, over the H200's L2), so each reads its weights from DRAM.
-const CONV_ARMS: [(&str, Switches, usize); 2] = [
+/// The `-bf16-` arms: the 1.2B's layer, its projections dense (MLX's GEMV).
+const CONV_ARMS: [(&str, Switches, usize); 4] = [
     ("conv-layer-q4-four", &[("MLX_LFM_CONV_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1")], 4),
     ("conv-layer-q4-fused", &[("MLX_LFM_CONV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
+    ("conv-layer-bf16-four", &[("MLX_LFM_CONV_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1")], 4),
+    ("conv-layer-bf16-fused", &[("MLX_LFM_CONV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
 ];
 const CONV_COPIES: usize = 8;
+/// Dense copies (~33 MB each: three are over the L2 too).
+const CONV_DENSE_COPIES: usize = 3;
 const CONV_LAUNCHES: usize = 16;
 const CONV_D: i32 = 2048;
 const CONV_WINDOW: i32 = 3;
@@ -483,6 +488,7 @@ const CONV_WINDOW: i32 = 3;
 struct ConvLayer {
     /// in_proj `[3D, D]` and out_proj `[D, D]`, each copy.
     projections: Vec<(mlx_lfm::model::linear::Quantized, mlx_lfm::model::linear::Quantized)>,
+    dense: Vec<(Array, Array)>,
     h: Array,
     r: Array,
     wn: Array,
@@ -502,6 +508,10 @@ impl ConvLayer {
             Ok(mlx_lfm::model::linear::Quantized { weight, scales, biases, spec })
         };
         let projections = (0..CONV_COPIES).map(|_| Ok((quant(3 * CONV_D)?, quant(CONV_D)?))).collect::<mlx_lfm::Result<Vec<_>>>()?;
+        let scale = 1.0 / (CONV_D as f32).sqrt();
+        let dense = (0..CONV_DENSE_COPIES)
+            .map(|_| Ok((normal(&[3 * CONV_D, CONV_D], bf, 0.0, scale, None)?, normal(&[CONV_D, CONV_D], bf, 0.0, scale, None)?)))
+            .collect::<mlx_lfm::Result<Vec<_>>>()?;
         let h = normal(&[1, CONV_D], bf, 0.0, 4.0, None)?;
         let r = normal(&[1, CONV_D], bf, 0.0, 1.0, None)?;
         let wn = normal(&[CONV_D], Dtype::Float32, 1.0, 0.2, None)?.astype(bf)?;
@@ -514,31 +524,45 @@ impl ConvLayer {
             held.extend([&i.weight, &i.scales, &o.weight, &o.scales]);
             held.extend(i.biases.iter().chain(o.biases.iter()));
         }
+        held.extend(dense.iter().flat_map(|(i, o)| [i, o]));
         mlx::eval(&held)?;
-        Ok(ConvLayer { projections, h, r, wn, eps, state, cw, counters })
+        Ok(ConvLayer { projections, dense, h, r, wn, eps, state, cw, counters })
     }
 
-    /// The layer's output for launch `i` (copy `i % CONV_COPIES`).
-    fn launch(&self, fused: bool, i: usize) -> mlx_lfm::Result<Array> {
+    /// The layer's output for launch `i` (copy `i` of the quantized or the
+    /// dense projections, in turn).
+    fn launch(&self, fused: bool, quant: bool, i: usize) -> mlx_lfm::Result<Array> {
         use mlx_lfm::kernels::{add_rms_norm, conv_fused, short_conv};
         use mlx_lfm::model::linear::Normed;
-        let (wi, wo) = &self.projections[i % self.projections.len()];
+        let p = if quant {
+            let (wi, wo) = &self.projections[i % self.projections.len()];
+            conv_fused::Projections::Quant(wi, wo)
+        } else {
+            let (wi, wo) = &self.dense[i % self.dense.len()];
+            conv_fused::Projections::Dense(wi, wo)
+        };
         let x = Normed { h: &self.h, r: Some(&self.r), w: &self.wn, eps: LAYER_EPS, eps_array: &self.eps };
         let unserved = || mlx_lfm::Error::invalid("kernel-bench: the conv layer's kernels do not serve their operands here");
         if fused {
-            if !conv_fused::available(&x, wi, wo, &self.state, &self.cw, false) {
+            if !conv_fused::available(&x, p, &self.state, &self.cw, false) {
                 return Err(unserved());
             }
-            return Ok(conv_fused::forward(&x, wi, wo, &self.state, &self.cw, &self.counters)?.1);
+            return Ok(conv_fused::forward(&x, p, &self.state, &self.cw, &self.counters)?.1);
         }
-        let qmm = |a: &Array, q: &mlx_lfm::model::linear::Quantized| mlx::quantized_matmul(a, &q.weight, &q.scales, q.biases.as_ref(), true, q.spec);
+        let product = |a: &Array, which: usize| match p {
+            conv_fused::Projections::Quant(wi, wo) => {
+                let q = if which == 0 { wi } else { wo };
+                mlx::quantized_matmul(a, &q.weight, &q.scales, q.biases.as_ref(), true, q.spec)
+            }
+            conv_fused::Projections::Dense(wi, wo) => a.matmul(&(if which == 0 { wi } else { wo }).transpose(&[1, 0])?),
+        };
         let (_, y) = add_rms_norm::add_rms_norm_with(&self.h, &self.r, &self.wn, &self.eps, LAYER_EPS)?;
-        let bcx = qmm(&y, wi)?;
+        let bcx = product(&y, 0)?;
         if !short_conv::available(&bcx, &self.state, &self.cw, false) {
             return Err(unserved());
         }
         let (_, yc) = short_conv::conv_step(&bcx, &self.state, &self.cw)?;
-        qmm(&yc, wo)
+        product(&yc, 1)
     }
 }
 
