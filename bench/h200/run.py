@@ -147,7 +147,10 @@ short-conv layer over quantized projections the same way (`conv-fused`:
 the add + RMSNorm, in_proj, the conv step, out_proj, 4 launches a layer
 today; its test `conv_fused_kernel_matches_stock_ops`, greedy sets
 `MLX_LFM_CONV_FUSED` and `moe-conv-fused`, kernel-bench's
-`conv-layer-q4-four` / `conv-layer-q4-fused`).
+`conv-layer-q4-*` and `conv-layer-bf16-*`; over dense projections too),
+and the dense feed-forward (`ffn-fused`: the add + RMSNorm, the SwiGLU
+GEMV, w2; its test `ffn_fused_kernel_matches_stock_ops`, greedy sets
+`MLX_LFM_FFN_FUSED` and `conv-ffn-fused`).
 Next (`bash bench/h200/prepare.sh` here first; ~1,780 s planned: drop
 the dense models' `ab` in call 4 where time is short):
   1. carry [.device/a, .device/llama]: `stage` (~100 s with the start).
@@ -155,7 +158,7 @@ the dense models' `ab` in call 4 where time is short):
      H200_KERNEL_JOBS=4 and H200_KERNEL_TESTS=moe_router_norm_kernel_matches_the_norm_and_router_kernels,
      moe_experts_kernels_match_stock_ops,greedy_tokens_with_kernels_equal_stock_ops_on_wide_rows,
      argmax_finite_kernel_matches_stock_ops,moe_fused_kernel_matches_the_three_kernels,
-     conv_fused_kernel_matches_stock_ops,greedy_tokens_with_kernels_equal_stock_ops
+     conv_fused_kernel_matches_stock_ops,ffn_fused_kernel_matches_stock_ops,greedy_tokens_with_kernels_equal_stock_ops
      (~420 s: the router's float32 weights and their greedy set, the
      one-launch MoE and conv layers and theirs, the conv one's on the tiny
      4-bit fixtures too; the wide greedy test also runs the
@@ -175,7 +178,7 @@ the dense models' `ab` in call 4 where time is short):
      H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4 `profile-gaps` (~150 s with
      the 1.2B's checkpoint: the time between a step's kernels, never
      measured so far), then the dense
-     models' `ab` of conv-fused, position-table-off, eps-const-off, gemv-prefetch,
+     models' `ab` of conv-fused, ffn-fused, conv-ffn-fused, position-table-off, eps-const-off, gemv-prefetch,
      fold-deferred and (the 350M) fold-eps-const if time allows; the two
      folds need `norm_gemv_kernels_match_stock_ops` and the tiny greedy
      test run too before `pick` takes them.
@@ -1781,6 +1784,12 @@ AB = {
     # (the step's fewest nodes, ~105).
     "conv-fused": ({"MLX_LFM_CONV_FUSED": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "moe-conv-fused": ({"MLX_LFM_MOE_FUSED": "1", "MLX_LFM_CONV_FUSED": "1"}, ["lfm2-8b-a1b-q4"]),
+    # A lone sequence's dense feed-forward in one launch (the add + RMSNorm,
+    # the SwiGLU GEMV, w2: 2-3 launches and nodes a layer, 16 layers of the
+    # dense models'; src/kernels/ffn_fused.rs), alone and with the conv
+    # layers' (the 1.2B's step: 138 nodes to ~76).
+    "ffn-fused": ({"MLX_LFM_FFN_FUSED": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
+    "conv-ffn-fused": ({"MLX_LFM_CONV_FUSED": "1", "MLX_LFM_FFN_FUSED": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
     "router-norm-off": ({"MLX_LFM_ROUTER_NORM_KERNEL": "0"}, ["lfm2-8b-a1b-q4"]),
     "router-norm-narrow": ({"MLX_LFM_ROUTER_NORM_WIDE": "0"}, ["lfm2-8b-a1b-q4"]),
     # The quantized GEMVs in MLX's own qmv arithmetic (MLX_LFM_QGEMV_EXACT:
@@ -1921,6 +1930,9 @@ AB_TESTS = {
     "router-norm-narrow": ["moe_router_norm_kernel_matches_the_norm_and_router_kernels"],
     "moe-fused": ["moe_fused_kernel_matches_the_three_kernels", "greedy:moe-fused"],
     "conv-fused": ["conv_fused_kernel_matches_stock_ops", "greedy:MLX_LFM_CONV_FUSED"],
+    "ffn-fused": ["ffn_fused_kernel_matches_stock_ops", "greedy:MLX_LFM_FFN_FUSED"],
+    "conv-ffn-fused": ["conv_fused_kernel_matches_stock_ops", "ffn_fused_kernel_matches_stock_ops",
+                       "greedy:MLX_LFM_CONV_FUSED", "greedy:MLX_LFM_FFN_FUSED", "greedy:conv-ffn-fused"],
     "moe-conv-fused": ["moe_fused_kernel_matches_the_three_kernels", "conv_fused_kernel_matches_stock_ops",
                        "greedy:moe-fused", "greedy:MLX_LFM_CONV_FUSED", "greedy:moe-conv-fused"],
     "qgemv-exact": ["quant_gemv_kernel_matches_stock_ops", "greedy:MLX_LFM_QGEMV_EXACT"],
@@ -1959,6 +1971,7 @@ PICK = [
     (["position-table-off"], "decode"),
     (["moe-down-early", "router-scores-f32", "router-scores-f32-early", "moe-fused"], "decode"),
     (["conv-fused", "moe-conv-fused"], "decode"),
+    (["ffn-fused", "conv-ffn-fused"], "decode"),
     (["attention-smem", "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4"], "decode"),
     (["norm-runs-guarded"], "decode"),
     (["fold-early"], "decode"),
@@ -1985,7 +1998,7 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "gemv-max-k-2048-c4-early-guarded", "gemv-c2", "gemv-c4", "swiglu-gemv-1024", "attention-smem",
                "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4", "conv-gemv",
                "moe-down-early", "router-scores-f32", "router-scores-f32-early", "fold-eps-const", "position-table-off",
-               "fold-deferred", "moe-fused", "conv-fused", "moe-conv-fused"}
+               "fold-deferred", "moe-fused", "conv-fused", "moe-conv-fused", "ffn-fused", "conv-ffn-fused"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]

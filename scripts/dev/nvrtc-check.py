@@ -253,6 +253,13 @@ KERNELS["moe_fused.rs@d1536"] = (*KERNELS["moe_fused.rs"][:2],
                                              ("GBITS", 4), ("GGS", 64), ("BITS", 4), ("GS", 128), ("WARPS", 32),
                                              ("EPS_BITS", 925353388), ("SCALE_BITS", 1065353216)],
                                  ["bfloat16", "float16"])
+# A lone sequence's dense feed-forward in one launch (MLX_LFM_FFN_FUSED): the 1.2B's.
+KERNELS["ffn_fused.rs"] = (
+    [("h", "T"), ("r", "T"), ("wn", "T"), ("w13", "T"), ("w2", "T"), ("ctr", "uint32_t")],
+    [("s", "T"), ("out", "T"), ("yn", "T"), ("hk", "T")],
+    lambda dt: [("D", 2048), ("F", 8192 if dt != "float32" else 4096), ("NBLK", 256 if dt != "float32" else 512),
+                ("WARPS", 16), ("EPS_BITS", 925353388)],
+)
 # Every wait given up at once (the tests' MLX_LFM_FUSED_NO_WAIT: DEFINES_OF).
 KERNELS["moe_fused.rs@no-wait"] = KERNELS["moe_fused.rs"]
 KERNELS["conv_fused.rs@no-wait"] = KERNELS["conv_fused.rs"]
@@ -326,6 +333,11 @@ def body_and_header(path, which="SOURCE"):
         k = path.parent
         lead = "#define LFM_NORM_IN_WIDER_BLOCK 1\n" + named(k / "add_rms_norm.rs", "HEADER") + header_of(k / "quant_gemv.rs")
         return src, lead + named(k / "moe_router.rs", "ROUTE_HEADER") + named(k / "moe_router.rs", "GATE_HEADER") + named(path, "TICKET_HEADER")
+    if path.name == "ffn_fused.rs":
+        # The add + RMSNorm code, the GEMVs', the ticket helpers.
+        k = path.parent
+        lead = "#define LFM_NORM_IN_WIDER_BLOCK 1\n" + named(k / "add_rms_norm.rs", "HEADER")
+        return src, lead + header_of(k / "gemv.rs") + named(k / "moe_fused.rs", "TICKET_HEADER")
     if path.name == "conv_fused.rs":
         # The add + RMSNorm code, the GEMV's (and the quantized one's), the
         # ticket helpers, the products (dense: the variant "@dense").
@@ -439,6 +451,7 @@ DEFINES_OF = {
     "conv_fused.rs": "#define LFM_QMLX_TILES 2\n",
     "conv_fused.rs@no-wait": "#define LFM_SPIN_LIMIT 0\n#define LFM_QMLX_TILES 2\n",
     "conv_fused.rs@dense": "#define LFM_DENSE_PREFETCH 0\n",
+    "ffn_fused.rs": "#define LFM_DENSE_PREFETCH 0\n",
 }
 
 failed = 0

@@ -8,6 +8,7 @@ pub mod add_rms_norm;
 pub mod argmax_finite;
 pub mod conv_fused;
 pub mod decode_attention;
+pub mod ffn_fused;
 pub mod gemv;
 pub mod moe_experts;
 pub mod moe_fused;

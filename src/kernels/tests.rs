@@ -453,8 +453,11 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     false => vec![],
                 };
                 // The conv layer in one launch, over quantized or dense
-                // projections.
+                // projections; the dense feed-forward in one launch.
                 alone.push("MLX_LFM_CONV_FUSED");
+                if !q4 {
+                    alone.push("MLX_LFM_FFN_FUSED");
+                }
                 // The split decode attention serves head sizes over 16: the
                 // wide fixtures' 64, not the tiny ones'.
                 if wide {
@@ -475,16 +478,29 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 if !q4 {
                     alone.push("MLX_LFM_FOLD_EPS_CONST");
                 }
+                let built = || (crate::kernels::conv_fused::built(), crate::kernels::ffn_fused::built());
                 for var in alone {
-                    let before = crate::kernels::conv_fused::built();
+                    let before = built();
                     runs.push((var, crate::kernels::with_opt_in_one(var, || run(Some(&stock))).0));
                     // (A fused layer that never served would pass as the
                     // stock path's tokens.)
-                    if var == "MLX_LFM_CONV_FUSED" && crate::kernels::conv_fused::built() == before {
-                        failures.push(format!("{what}: the {var} run never built the one-launch conv layer"));
+                    let after = built();
+                    // (A conv layer's add needs a layer before it: the first
+                    // layer's norm has no residual to add.)
+                    let conv_after_first = (1..spec.shape.num_hidden_layers).any(|i| !spec.shape.full_attn_idxs.contains(&i));
+                    let conv_unbuilt = var == "MLX_LFM_CONV_FUSED" && conv_after_first && after.0 == before.0;
+                    if conv_unbuilt || (var == "MLX_LFM_FFN_FUSED" && after.1 == before.1) {
+                        failures.push(format!("{what}: the {var} run never built its one-launch layer"));
                     }
                 }
                 if !q4 {
+                    // The conv layers and the feed-forwards each in one
+                    // launch (run.py's `conv-ffn-fused`).
+                    let set = [
+                        ("MLX_LFM_CONV_FUSED".to_string(), Some("1".to_string())),
+                        ("MLX_LFM_FFN_FUSED".to_string(), Some("1".to_string())),
+                    ];
+                    runs.push(("conv-ffn-fused", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
                     // The deferred folds over every dense norm + projection
                     // (any width: MLX_LFM_NORM_GEMV_KERNEL=1, as run.py's
                     // `fold-deferred` takes the 1.2B's).
@@ -1985,6 +2001,108 @@ fn conv_fused_kernel_matches_stock_ops() {
     });
     if std::env::var_os("MLX_LFM_CONV_FUSED").is_none() {
         assert!(!crate::knobs::with_overrides(&consts, || available(&with_r, p, &state, &cw, false)), "on without its switch");
+    }
+}
+
+/// The one-launch dense feed-forward (`MLX_LFM_FFN_FUSED`) against the
+/// stock path it replaces on CUDA where rows are wider than the norm folds
+/// take (the add + RMSNorm kernel with eps compiled in, the SwiGLU GEMV
+/// kernel, MLX's GEMV of w2): the residual sum to the bits, the output
+/// finite and within two roundings of the dtype of its largest value (the
+/// same walks: how many values differ is printed). Then repeated launches
+/// on used counters, two layers' in turn, and every wait given up.
+#[test]
+fn ffn_fused_kernel_matches_stock_ops() {
+    use crate::kernels::ffn_fused::{available, forward, launch_blocks, new_counters};
+    // The norm's block, a block of 16 warps per 16 gate outputs, per 16 outputs.
+    assert_eq!(launch_blocks(2048, 8192), 1 + 512 + 128);
+    assert_eq!(launch_blocks(1024, 4608), 1 + 288 + 64);
+    if skip("ffn_fused_kernel_matches_stock_ops") {
+        return;
+    }
+    use crate::kernels::add_rms_norm::add_rms_norm_with;
+    use crate::kernels::gemv::gemv_swiglu;
+    use crate::kernels::with_opt_in_one;
+    use crate::mlx::random::normal;
+    use crate::mlx::Array;
+    use crate::model::linear::Normed;
+    let eps_value = 1e-5f32;
+    let eps = Array::from_slice(&[eps_value], &[1]).unwrap();
+    let consts = [("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string()))];
+    // (dtype, tolerance, D, F): the 1.2B's, the 350M's, a gate not a whole
+    // number of 128-wide steps, float32.
+    let cases = [
+        (Dtype::Bfloat16, 2.0f32.powi(-7), 2048, 8192),
+        (Dtype::Bfloat16, 2.0f32.powi(-7), 1024, 4608),
+        (Dtype::Bfloat16, 2.0f32.powi(-7), 2048, 1000),
+        (Dtype::Float16, 2.0f32.powi(-10), 2048, 8192),
+        (Dtype::Float32, 1e-5, 1024, 4096),
+    ];
+    for (dt, tol, d, f) in cases {
+        let what = format!("{dt:?} {d} wide, gate {f}");
+        let w13 = normal(&[2 * f, d], Dtype::Float32, 0.0, 0.04, None).unwrap().astype(dt).unwrap();
+        let w2 = normal(&[d, f], Dtype::Float32, 0.0, 0.04, None).unwrap().astype(dt).unwrap();
+        let h = normal(&[1, d], Dtype::Float32, 0.0, 4.0, None).unwrap().astype(dt).unwrap();
+        let r = normal(&[1, d], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
+        let wn = normal(&[d], Dtype::Float32, 1.0, 0.2, None).unwrap().astype(dt).unwrap();
+        let x = Normed { h: &h, r: Some(&r), w: &wn, eps: eps_value, eps_array: &eps };
+        crate::knobs::with_overrides(&consts, || {
+            let (ws, wy) = add_rms_norm_with(&h, &r, &wn, &eps, eps_value).unwrap();
+            // (The SwiGLU GEMV at any width, as MLX_LFM_GEMV_KERNEL=1 takes it.)
+            let on = [("MLX_LFM_GEMV_KERNEL".to_string(), Some("1".to_string()))];
+            let gate = crate::knobs::with_overrides(&on, || gemv_swiglu(&wy, &w13).unwrap());
+            let want = gate.matmul(&w2.transpose(&[1, 0]).unwrap()).unwrap();
+            let counters = new_counters().unwrap();
+            let run = |ctr: &Array| {
+                with_opt_in_one("MLX_LFM_FFN_FUSED", || {
+                    assert!(available(&x, &w13, &w2), "{what}: not served");
+                    let (s, out) = forward(&x, &w13, &w2, ctr).unwrap();
+                    crate::mlx::eval(&[&s, &out]).unwrap();
+                    (s, out)
+                })
+            };
+            let (s, out) = run(&counters);
+            assert_eq!(differing(&s, &ws), 0, "{what}: the residual sum differs");
+            let v: Vec<f32> = out.astype(Dtype::Float32).unwrap().to_vec().unwrap();
+            assert!(v.iter().all(|v| v.is_finite()), "{what}: {} outputs are not finite", v.iter().filter(|v| !v.is_finite()).count());
+            let gap = worst_scaled(&out, &want);
+            assert!(gap <= tol, "{what}: the output is {gap} from the stock ops' (over {tol}; {} of {d} differ)", differing(&out, &want));
+            eprintln!("{what}: {} of {d} outputs differ from the stock ops' (worst {gap})", differing(&out, &want));
+            let other = new_counters().unwrap();
+            for (i, ctr) in [&counters, &counters, &other, &counters, &other].into_iter().enumerate() {
+                let (s2, out2) = run(ctr);
+                assert_eq!((differing(&s2, &s), differing(&out2, &out)), (0, 0), "{what}: launch {} on used counters differs", i + 2);
+            }
+            let stuck = [("MLX_LFM_FUSED_NO_WAIT".to_string(), Some("1".to_string()))];
+            let (s3, out3) = crate::knobs::with_overrides(&stuck, || run(&counters));
+            assert_eq!(differing(&s3, &s), 0, "{what}: the sum with the waits given up");
+            let nan: Vec<f32> = out3.astype(Dtype::Float32).unwrap().to_vec().unwrap();
+            assert!(nan.iter().all(|v| v.is_nan()), "{what}: with the waits given up, {} outputs are not NaN", nan.iter().filter(|v| !v.is_nan()).count());
+            let (s4, out4) = run(&counters);
+            assert_eq!((differing(&s4, &s), differing(&out4, &out)), (0, 0), "{what}: the launch after the given-up one differs");
+        });
+    }
+    // Not served: no residual, w2 not [D, F], eps read from its array, the switch off.
+    let (d, f) = (2048, 8192);
+    let w13 = normal(&[2 * f, d], Dtype::Float32, 0.0, 0.04, None).unwrap().astype(Dtype::Bfloat16).unwrap();
+    let w2 = normal(&[d, f], Dtype::Float32, 0.0, 0.04, None).unwrap().astype(Dtype::Bfloat16).unwrap();
+    let h = normal(&[1, d], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(Dtype::Bfloat16).unwrap();
+    let wn = normal(&[d], Dtype::Float32, 1.0, 0.2, None).unwrap().astype(Dtype::Bfloat16).unwrap();
+    let with_r = Normed { h: &h, r: Some(&h), w: &wn, eps: eps_value, eps_array: &eps };
+    let without = Normed { h: &h, r: None, w: &wn, eps: eps_value, eps_array: &eps };
+    crate::knobs::with_overrides(&consts, || {
+        with_opt_in_one("MLX_LFM_FFN_FUSED", || {
+            assert!(available(&with_r, &w13, &w2), "not served");
+            assert!(!available(&without, &w13, &w2), "served without a residual");
+            assert!(!available(&with_r, &w13, &w13), "served a w2 of another shape");
+        })
+    });
+    let off = [("MLX_LFM_EPS_CONST".to_string(), Some("0".to_string()))];
+    crate::knobs::with_overrides(&off, || {
+        assert!(!with_opt_in_one("MLX_LFM_FFN_FUSED", || available(&with_r, &w13, &w2)), "served with eps read from its array");
+    });
+    if std::env::var_os("MLX_LFM_FFN_FUSED").is_none() {
+        assert!(!crate::knobs::with_overrides(&consts, || available(&with_r, &w13, &w2)), "on without its switch");
     }
 }
 

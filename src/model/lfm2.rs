@@ -373,6 +373,9 @@ pub struct Mlp {
     pub w2: Linear,
     /// Tensor parallel: w1/w3 column-sharded, w2 row-sharded.
     pub shard: Option<Shard>,
+    /// The one-launch feed-forward's counters (`kernels::ffn_fused`), made
+    /// on the device once: only that kernel, on this layer, touches them.
+    fused_counters: Array,
 }
 
 impl Mlp {
@@ -394,6 +397,7 @@ impl Mlp {
             ])?,
             w2: Linear::load_split(st, reg, &format!("{p}.{}", names[1]), ff, d, false, rows)?,
             shard: shard.cloned(),
+            fused_counters: crate::kernels::ffn_fused::new_counters()?,
         })
     }
 
@@ -409,7 +413,15 @@ impl Mlp {
     /// the norm, w1/w3 and the gate in one launch where the fused kernel
     /// serves them (a stacked dense w1/w3).
     pub fn forward_normed(&self, x: &Normed) -> Result<(Array, Array)> {
-        use crate::kernels::norm_gemv;
+        use crate::kernels::{ffn_fused, norm_gemv};
+        // The whole feed-forward in one launch (decode on CUDA,
+        // MLX_LFM_FFN_FUSED=1).
+        if let (Some(w13), Linear { weight: Weight::Dense(w2), bias: None, .. }) = (self.stacked_dense_w13(), &self.w2) {
+            if ffn_fused::available(x, w13, w2) {
+                let (s, out) = ffn_fused::forward(x, w13, w2, &self.fused_counters)?;
+                return Ok((s, reduce(&self.shard, out)?));
+            }
+        }
         if let (Some(k), Some(w)) = (x.kernel_input(), self.stacked_dense_w13()) {
             if norm_gemv::swiglu_available(&k, w) {
                 let (s, h) = norm_gemv::norm_gemv_swiglu(&k, w)?;
