@@ -14,11 +14,15 @@
 //! w1 and w3 rows as the SwiGLU GEMV walks them (src/kernels/gemv.rs
 //! `lfm_gemv_swiglu_warp`, MLX's `gemv_single` order, the gate rounded as
 //! MLX's ops round it); the last tickets a warp an output of w2 as the
-//! dense GEMV walks it (`lfm_gemv_warp`: MLX's one-row product to the
-//! bit), once every gate output is done. So where the stock path runs the
-//! add + RMSNorm kernel (rows wider than the norm folds take: the 1.2B's)
-//! the output is its bits; the test holds the sum to the bits and the
-//! output within two roundings. Tests in src/kernels/tests.rs.
+//! dense GEMV walks it (`lfm_gemv_warp`: MLX's one-row product to the bit
+//! where MLX takes its GEMV, gates a multiple of 32 wide: every model's),
+//! once every gate output is done. So the output is the stock path's bits
+//! where it runs the add + RMSNorm kernel (the 1.2B's rows) and, by the
+//! same sums grouped alike, where it folds the norm into the SwiGLU GEMV
+//! (the 350M's); the test holds the sum to the bits and the output within
+//! two roundings. With 16 warps a block, the 350M's w2 stage is 64 blocks
+//! (MLX's GEMV spreads it over 128): what its A/B will show. Tests in
+//! src/kernels/tests.rs.
 
 use super::moe_fused::{new_state, TICKET_HEADER};
 use crate::error::{Error, Result};
@@ -147,6 +151,7 @@ pub fn available(x: &Normed, w13: &Array, w2: &Array) -> bool {
         && super::add_rms_norm::block_for(d, 16 / dt.size() as i32) <= WARPS * 32
         && w13.dtype() == dt
         && w2.dtype() == dt
+        && f > 0
         && w13.shape() == [2 * f, d]
         && w2.dim(0) == d
         && d % 8 == 0

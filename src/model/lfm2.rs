@@ -268,7 +268,7 @@ impl ShortConv {
         let whole = match (&self.in_proj.weight, &self.out_proj.weight) {
             _ if !(conv_fused::enabled_here() && x.r.is_some_and(same) && same(x.w)) => None,
             (Weight::Quant(wi), Weight::Quant(wo)) => Some(conv_fused::Projections::Quant(wi, wo)),
-            (Weight::Dense(wi), Weight::Dense(wo)) => Some(conv_fused::Projections::Dense(wi, wo)),
+            (Weight::Dense(wi), Weight::Dense(wo)) if same(wi) && same(wo) => Some(conv_fused::Projections::Dense(wi, wo)),
             _ => None,
         };
         let mut asked = None;
