@@ -155,13 +155,16 @@ Next (`bash bench/h200/prepare.sh` here first; ~1,780 s planned: drop
 the dense models' `ab` in call 4 where time is short):
   1. carry [.device/a, .device/llama]: `stage` (~100 s with the start).
   2. carry [.device/b, .device/tests]: `install kernels` with
-     H200_KERNEL_JOBS=4 and H200_KERNEL_TESTS=moe_router_norm_kernel_matches_the_norm_and_router_kernels,
+     H200_KERNEL_TESTS=moe_router_norm_kernel_matches_the_norm_and_router_kernels,
      moe_experts_kernels_match_stock_ops,greedy_tokens_with_kernels_equal_stock_ops_on_wide_rows,
      argmax_finite_kernel_matches_stock_ops,moe_fused_kernel_matches_the_three_kernels,
      conv_fused_kernel_matches_stock_ops,ffn_fused_kernel_matches_stock_ops,greedy_tokens_with_kernels_equal_stock_ops
-     (~420 s: the router's float32 weights and their greedy set, the
-     one-launch MoE and conv layers and theirs, the conv one's on the tiny
-     4-bit fixtures too; the wide greedy test also runs the
+     (~420 s, with `timeout -s TERM 560` and H200_KERNEL_JOBS=5 so that
+     each greedy test has a process of its own; the tiny greedy test's
+     one-launch sets run on its compiled steps only: the router's float32
+     weights and their greedy set, the one-launch MoE, conv and
+     feed-forward layers and theirs; if the tiny greedy test alone runs
+     past the call, give it a call of its own; the wide greedy test also runs the
      defaults adopted in session 27 and the position table against the
      host scalar), then `save-ptx` in the same call (the kernels these
      tests compiled come back even if the machine does not stay).

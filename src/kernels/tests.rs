@@ -455,9 +455,14 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     false => vec![],
                 };
                 // The conv layer in one launch, over quantized or dense
-                // projections; the dense feed-forward in one launch.
-                alone.push("MLX_LFM_CONV_FUSED");
-                if !q4 {
+                // projections; the dense feed-forward in one launch (a
+                // compiled step's rows only: an eager run would be the
+                // stock path's again).
+                let compiled = path == DecodePath::Compiled;
+                if compiled {
+                    alone.push("MLX_LFM_CONV_FUSED");
+                }
+                if compiled && !q4 {
                     alone.push("MLX_LFM_FFN_FUSED");
                 }
                 // The split decode attention serves head sizes over 16: the
@@ -506,7 +511,7 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                         unbuilt(var, &mut failures);
                     }
                 }
-                if !q4 {
+                if !q4 && compiled {
                     // The conv layers and the feed-forwards each in one
                     // launch (run.py's `conv-ffn-fused`).
                     let set = [
@@ -514,6 +519,8 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                         ("MLX_LFM_FFN_FUSED".to_string(), Some("1".to_string())),
                     ];
                     runs.push(("conv-ffn-fused", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
+                }
+                if !q4 {
                     // The deferred folds over every dense norm + projection
                     // (any width: MLX_LFM_NORM_GEMV_KERNEL=1, as run.py's
                     // `fold-deferred` takes the 1.2B's).
@@ -549,13 +556,15 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 }
                 if q4 && wide && moe {
                     // The experts' down kernel with its loads issued first
-                    // (MLX_LFM_MOE_DOWN_LOADS), the router's weights as
-                    // float32 (MLX_LFM_ROUTER_SCORES_F32), and the layer
-                    // in one launch (MLX_LFM_MOE_FUSED).
+                    // (MLX_LFM_MOE_DOWN_LOADS) and the router's weights as
+                    // float32 (MLX_LFM_ROUTER_SCORES_F32); below, the layer
+                    // in one launch (MLX_LFM_MOE_FUSED), compiled steps only.
                     let set = [("MLX_LFM_MOE_DOWN_LOADS".to_string(), Some("early".to_string()))];
                     runs.push(("moe-down-early", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
                     let set = [("MLX_LFM_ROUTER_SCORES_F32".to_string(), Some("1".to_string()))];
                     runs.push(("router-scores-f32", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
+                }
+                if q4 && wide && moe && compiled {
                     let built = || (crate::kernels::moe_fused::built(), crate::kernels::conv_fused::built());
                     let before = built();
                     let set = [("MLX_LFM_MOE_FUSED".to_string(), Some("1".to_string()))];
