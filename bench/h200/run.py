@@ -174,7 +174,7 @@ the dense models' `ab` in call 4 where time is short):
      weights out of MLX's scalar pool take the down kernel to MLX's 13 µs
      or under; kernel-bench ~80 s: the scalar-table-view arm and the
      folds alone, the 8B-A1B's MoE and conv layers and the 1.2B's conv
-     layer as three or four launches and as one).
+     layer and feed-forward as three or four launches and as one).
   4. carry [.device/bin]: H200_MODELS=lfm2-8b-a1b-q4
      H200_AB_VARIANTS=moe-fused,conv-fused,moe-conv-fused,router-scores-f32,router-scores-f32-early,position-table-off,eps-const-off
      `ab pick` (~220 s with the 8B-A1B's checkpoints), then
@@ -1290,11 +1290,14 @@ def kernel_bench():
     short-conv layer: the four launches (`conv-layer-q4-four`: the add +
     RMSNorm, MLX's qmv, the conv step, MLX's qmv) against the one of
     src/kernels/conv_fused.rs (`conv-layer-q4-fused`), and the same over
-    the 1.2B's dense projections (`conv-layer-bf16-*`, MLX's GEMVs).
+    the 1.2B's dense projections (`conv-layer-bf16-*`, MLX's GEMVs); the
+    1.2B's feed-forward: the three launches (`ffn-layer-bf16-three`: the
+    add + RMSNorm, the SwiGLU GEMV, MLX's GEMV of w2) against the one of
+    src/kernels/ffn_fused.rs (`ffn-layer-bf16-fused`).
     No checkpoint needed (~1 minute)."""
     rep = WORK / "kernel-bench"
     cmd = ["ncu", "--clock-control", "none", "-f", "-o", rep, "--kernel-name",
-           "regex:gemv|qmv|gather_qmm|lfm_bench_scale|lfm_decode_attention|lfm_moe|lfm_add_rms_norm|lfm_short_conv|lfm_conv_fused",
+           "regex:gemv|qmv|gather_qmm|lfm_bench_scale|lfm_decode_attention|lfm_moe|lfm_add_rms_norm|lfm_short_conv|lfm_conv_fused|lfm_ffn_fused",
            "--metrics", "gpu__time_duration.sum,dram__bytes_read.sum",
            BENCH, "--kernel-bench", "--device", "gpu", "--reps", "3"]
     r = sh(cmd, "kernel-bench", check=False)

@@ -129,6 +129,7 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
             .chain(FOLD_ARMS.iter().map(|(n, ..)| *n))
             .chain(LAYER_ARMS.iter().map(|(n, ..)| *n))
             .chain(CONV_ARMS.iter().map(|(n, ..)| *n))
+            .chain(FFN_ARMS.iter().map(|(n, ..)| *n))
             .collect();
         if let Some(bad) = a.iter().find(|x| !known.contains(&x.as_str())) {
             return Err(mlx_lfm::Error::invalid(format!("--arms: no arm named {bad:?} (the arms: {})", known.join(", "))));
@@ -229,6 +230,11 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
     for (name, _, kernels) in &conv_arms {
         plan.push(serde_json::json!({"arm": name, "n": 4 * CONV_D, "k": CONV_D, "launches": CONV_LAUNCHES * reps * kernels}));
     }
+    let ffn_arms: Vec<_> = FFN_ARMS.iter().filter(|(name, ..)| chosen(name)).collect();
+    let ffn = if ffn_arms.is_empty() { None } else { Some(FfnLayer::new()?) };
+    for (name, _, kernels) in &ffn_arms {
+        plan.push(serde_json::json!({"arm": name, "n": 3 * FFN_F, "k": FFN_D, "launches": FFN_LAUNCHES * reps * kernels}));
+    }
     println!("{}", serde_json::json!({"kernel_bench_plan": plan}));
     for (n, k, x, weights, arms) in &sets {
         for (name, switches) in arms {
@@ -281,6 +287,13 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
             conv.launch(name.ends_with("-fused"), name.contains("-q4-"), i).map_err(|e| mlx_lfm::Error::invalid(format!("{name}: {e}")))
         });
         print_walls(name, 4 * CONV_D, CONV_D, walls);
+    }
+    for (name, switches, _) in ffn_arms {
+        let ffn = ffn.as_ref().expect("made where a feed-forward arm runs");
+        let walls = timed(switches, reps * FFN_LAUNCHES, |i| {
+            ffn.launch(name.ends_with("-fused"), i).map_err(|e| mlx_lfm::Error::invalid(format!("{name}: {e}")))
+        });
+        print_walls(name, 3 * FFN_F, FFN_D, walls);
     }
     Ok(())
 }
@@ -563,6 +576,77 @@ impl ConvLayer {
         }
         let (_, yc) = short_conv::conv_step(&bcx, &self.state, &self.cw)?;
         product(&yc, 1)
+    }
+}
+
+/// The 1.2B's dense feed-forward for one decode row, from the residual's
+/// add + RMSNorm through w2: the three launches the step runs by default
+/// (the add + RMSNorm kernel, the SwiGLU GEMV, MLX's GEMV of w2) against
+/// the one of src/kernels/ffn_fused.rs. `(arm, its switches, kernels a
+/// product)`. Launches cycle through [`FFN_COPIES`] copies (~100 MB each:
+/// every launch reads its weights from DRAM).
+const FFN_ARMS: [(&str, Switches, usize); 2] = [
+    ("ffn-layer-bf16-three", &[("MLX_LFM_FFN_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_GEMV_KERNEL", "1")], 3),
+    ("ffn-layer-bf16-fused", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
+];
+const FFN_COPIES: usize = 2;
+const FFN_LAUNCHES: usize = 8;
+const FFN_D: i32 = 2048;
+const FFN_F: i32 = 8192;
+
+struct FfnLayer {
+    /// The stacked w1/w3 `[2F, D]` and w2 `[D, F]`, each copy.
+    weights: Vec<(Array, Array)>,
+    h: Array,
+    r: Array,
+    wn: Array,
+    eps: Array,
+    counters: Array,
+}
+
+impl FfnLayer {
+    fn new() -> mlx_lfm::Result<FfnLayer> {
+        let bf = Dtype::Bfloat16;
+        let weights = (0..FFN_COPIES)
+            .map(|_| {
+                Ok((
+                    normal(&[2 * FFN_F, FFN_D], bf, 0.0, 1.0 / (FFN_D as f32).sqrt(), None)?,
+                    normal(&[FFN_D, FFN_F], bf, 0.0, 1.0 / (FFN_F as f32).sqrt(), None)?,
+                ))
+            })
+            .collect::<mlx_lfm::Result<Vec<_>>>()?;
+        let h = normal(&[1, FFN_D], bf, 0.0, 4.0, None)?;
+        let r = normal(&[1, FFN_D], bf, 0.0, 1.0, None)?;
+        let wn = normal(&[FFN_D], Dtype::Float32, 1.0, 0.2, None)?.astype(bf)?;
+        let eps = Array::from_slice(&[LAYER_EPS], &[1])?;
+        let counters = mlx_lfm::kernels::ffn_fused::new_counters()?;
+        let mut held: Vec<&Array> = weights.iter().flat_map(|(a, b)| [a, b]).collect();
+        held.extend([&h, &r, &wn, &eps]);
+        mlx::eval(&held)?;
+        Ok(FfnLayer { weights, h, r, wn, eps, counters })
+    }
+
+    /// The layer's output for launch `i` (copy `i % FFN_COPIES`).
+    fn launch(&self, fused: bool, i: usize) -> mlx_lfm::Result<Array> {
+        use mlx_lfm::kernels::{add_rms_norm, ffn_fused, gemv};
+        use mlx_lfm::model::linear::Normed;
+        let (w13, w2) = &self.weights[i % self.weights.len()];
+        let unserved = || mlx_lfm::Error::invalid("kernel-bench: the feed-forward's kernels do not serve their operands here");
+        if fused {
+            let x = Normed { h: &self.h, r: Some(&self.r), w: &self.wn, eps: LAYER_EPS, eps_array: &self.eps };
+            if !ffn_fused::available(&x, w13, w2) {
+                return Err(unserved());
+            }
+            return Ok(ffn_fused::forward(&x, w13, w2, &self.counters)?.1);
+        }
+        let (_, y) = add_rms_norm::add_rms_norm_with(&self.h, &self.r, &self.wn, &self.eps, LAYER_EPS)?;
+        if !gemv::swiglu_available(&y, w13) {
+            return Err(unserved());
+        }
+        let gate = gemv::gemv_swiglu(&y, w13)?;
+        // (MLX's GEMV for w2, as the step runs it: K = 8,192 is past our
+        // GEMV's default width, whose switch this arm sets for the SwiGLU.)
+        gate.matmul(&w2.transpose(&[1, 0])?)
     }
 }
 
