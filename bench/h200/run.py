@@ -150,7 +150,11 @@ today; its test `conv_fused_kernel_matches_stock_ops`, greedy sets
 `conv-layer-q4-*` and `conv-layer-bf16-*`; over dense projections too),
 and the dense feed-forward (`ffn-fused`: the add + RMSNorm, the SwiGLU
 GEMV, w2; its test `ffn_fused_kernel_matches_stock_ops`, greedy sets
-`MLX_LFM_FFN_FUSED` and `conv-ffn-fused`).
+`MLX_LFM_FFN_FUSED` and `conv-ffn-fused`), and an attention layer's q/k/v
+stage (`qkv-fused`: the add + RMSNorm, the stacked projection, the heads'
+norm + RoPE; its test `qkv_fused_kernel_matches_stock_ops`, greedy set
+`MLX_LFM_QKV_FUSED`); `layers-fused` turns all four on (greedy set
+`layers-fused`).
 Next (`bash bench/h200/prepare.sh` here first; ~1,780 s planned: drop
 the dense models' `ab` in call 4 where time is short):
   1. carry [.device/a, .device/llama]: `stage` (~100 s with the start).
@@ -158,7 +162,8 @@ the dense models' `ab` in call 4 where time is short):
      H200_KERNEL_TESTS=moe_router_norm_kernel_matches_the_norm_and_router_kernels,
      moe_experts_kernels_match_stock_ops,greedy_tokens_with_kernels_equal_stock_ops_on_wide_rows,
      argmax_finite_kernel_matches_stock_ops,moe_fused_kernel_matches_the_three_kernels,
-     conv_fused_kernel_matches_stock_ops,ffn_fused_kernel_matches_stock_ops,greedy_tokens_with_kernels_equal_stock_ops
+     conv_fused_kernel_matches_stock_ops,ffn_fused_kernel_matches_stock_ops,qkv_fused_kernel_matches_stock_ops,
+     greedy_tokens_with_kernels_equal_stock_ops
      (~420 s, with `timeout -s TERM 560` and H200_KERNEL_JOBS=5 so that
      each greedy test has a process of its own; the tiny greedy test's
      one-launch sets run on its compiled steps only: the router's float32
@@ -176,12 +181,12 @@ the dense models' `ab` in call 4 where time is short):
      folds alone, the 8B-A1B's MoE and conv layers and the 1.2B's conv
      layer and feed-forward as three or four launches and as one).
   4. carry [.device/bin]: H200_MODELS=lfm2-8b-a1b-q4
-     H200_AB_VARIANTS=moe-fused,conv-fused,moe-conv-fused,router-scores-f32,router-scores-f32-early,position-table-off,eps-const-off
+     H200_AB_VARIANTS=moe-fused,conv-fused,moe-conv-fused,qkv-fused,layers-fused,router-scores-f32,router-scores-f32-early,position-table-off,eps-const-off
      `ab pick` (~220 s with the 8B-A1B's checkpoints), then
      H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4 `profile-gaps` (~150 s with
      the 1.2B's checkpoint: the time between a step's kernels, never
      measured so far), then the dense
-     models' `ab` of conv-fused, ffn-fused, conv-ffn-fused, position-table-off, eps-const-off, gemv-prefetch,
+     models' `ab` of conv-fused, ffn-fused, conv-ffn-fused, qkv-fused, layers-fused, position-table-off, eps-const-off, gemv-prefetch,
      fold-deferred and (the 350M) fold-eps-const if time allows; the two
      folds need `norm_gemv_kernels_match_stock_ops` and the tiny greedy
      test run too before `pick` takes them.
@@ -1796,6 +1801,13 @@ AB = {
     # layers' (the 1.2B's step: 138 nodes to ~76).
     "ffn-fused": ({"MLX_LFM_FFN_FUSED": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
     "conv-ffn-fused": ({"MLX_LFM_CONV_FUSED": "1", "MLX_LFM_FFN_FUSED": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
+    # An attention layer's q/k/v stage in one launch (the add + RMSNorm, the
+    # stacked projection, the heads' norm + RoPE: 3 launches and nodes a
+    # layer, six layers; src/kernels/qkv_fused.rs), and every one-launch
+    # layer of the session 29 at once (each model serves its own).
+    "qkv-fused": ({"MLX_LFM_QKV_FUSED": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    "layers-fused": ({"MLX_LFM_MOE_FUSED": "1", "MLX_LFM_CONV_FUSED": "1", "MLX_LFM_FFN_FUSED": "1", "MLX_LFM_QKV_FUSED": "1"},
+                     ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "router-norm-off": ({"MLX_LFM_ROUTER_NORM_KERNEL": "0"}, ["lfm2-8b-a1b-q4"]),
     "router-norm-narrow": ({"MLX_LFM_ROUTER_NORM_WIDE": "0"}, ["lfm2-8b-a1b-q4"]),
     # The quantized GEMVs in MLX's own qmv arithmetic (MLX_LFM_QGEMV_EXACT:
@@ -1937,6 +1949,9 @@ AB_TESTS = {
     "moe-fused": ["moe_fused_kernel_matches_the_three_kernels", "greedy:moe-fused"],
     "conv-fused": ["conv_fused_kernel_matches_stock_ops", "greedy:MLX_LFM_CONV_FUSED"],
     "ffn-fused": ["ffn_fused_kernel_matches_stock_ops", "greedy:MLX_LFM_FFN_FUSED"],
+    "qkv-fused": ["qkv_fused_kernel_matches_stock_ops", "greedy:MLX_LFM_QKV_FUSED"],
+    "layers-fused": ["moe_fused_kernel_matches_the_three_kernels", "conv_fused_kernel_matches_stock_ops",
+                     "ffn_fused_kernel_matches_stock_ops", "qkv_fused_kernel_matches_stock_ops", "greedy:layers-fused"],
     "conv-ffn-fused": ["conv_fused_kernel_matches_stock_ops", "ffn_fused_kernel_matches_stock_ops",
                        "greedy:MLX_LFM_CONV_FUSED", "greedy:MLX_LFM_FFN_FUSED", "greedy:conv-ffn-fused"],
     "moe-conv-fused": ["moe_fused_kernel_matches_the_three_kernels", "conv_fused_kernel_matches_stock_ops",
@@ -1978,6 +1993,7 @@ PICK = [
     (["moe-down-early", "router-scores-f32", "router-scores-f32-early", "moe-fused"], "decode"),
     (["conv-fused", "moe-conv-fused"], "decode"),
     (["ffn-fused", "conv-ffn-fused"], "decode"),
+    (["qkv-fused", "layers-fused"], "decode"),
     (["attention-smem", "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4"], "decode"),
     (["norm-runs-guarded"], "decode"),
     (["fold-early"], "decode"),
@@ -2004,7 +2020,7 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "gemv-max-k-2048-c4-early-guarded", "gemv-c2", "gemv-c4", "swiglu-gemv-1024", "attention-smem",
                "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4", "conv-gemv",
                "moe-down-early", "router-scores-f32", "router-scores-f32-early", "fold-eps-const", "position-table-off",
-               "fold-deferred", "moe-fused", "conv-fused", "moe-conv-fused", "ffn-fused", "conv-ffn-fused"}
+               "fold-deferred", "moe-fused", "conv-fused", "moe-conv-fused", "ffn-fused", "conv-ffn-fused", "qkv-fused", "layers-fused"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]

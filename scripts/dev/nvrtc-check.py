@@ -260,6 +260,22 @@ KERNELS["ffn_fused.rs"] = (
     lambda dt: [("D", 2048), ("F", 8192 if dt != "float32" else 4096), ("NBLK", 256 if dt != "float32" else 512),
                 ("WARPS", 16), ("EPS_BITS", 925353388)],
 )
+# A lone sequence's q/k/v stage in one launch (MLX_LFM_QKV_FUSED): the 8B-A1B's
+# (4-bit) and, "@dense", the 1.2B's.
+KERNELS["qk_norm_rope.rs#qkv_fused"] = (
+    [("h", "T"), ("r", "T"), ("wn", "T"), ("wq", "uint32_t"), ("wqs", "T"), ("wqb", "T"), ("qw", "T"), ("kw", "T"),
+     ("offset", "int"), ("ctr", "uint32_t")],
+    [("s", "T"), ("qo", "T"), ("ko", "T"), ("vo", "T"), ("yn", "T")],
+    lambda dt: [("D", 2048 if dt != "float32" else 1024), ("HD", 64), ("QH", 32), ("KVH", 8),
+                ("NBLK", 256), ("WARPS", 16), ("EPS_NORM_BITS", 925353388), ("EPS_BITS", 925353388),
+                ("BASE_BITS", 1100968922), ("QBITS", 4), ("QGS", 64)],
+)
+KERNELS["qk_norm_rope.rs#qkv_fused@dense"] = (
+    [("h", "T"), ("r", "T"), ("wn", "T"), ("wq", "T"), ("qw", "T"), ("kw", "T"), ("offset", "int"), ("ctr", "uint32_t")],
+    KERNELS["qk_norm_rope.rs#qkv_fused"][1],
+    lambda dt: [("D", 2048 if dt != "float32" else 1024), ("HD", 64), ("QH", 32), ("KVH", 8), ("NBLK", 256),
+                ("WARPS", 16), ("EPS_NORM_BITS", 925353388), ("EPS_BITS", 925353388), ("BASE_BITS", 1100968922)],
+)
 # Every wait given up at once (the tests' MLX_LFM_FUSED_NO_WAIT: DEFINES_OF).
 KERNELS["moe_fused.rs@no-wait"] = KERNELS["moe_fused.rs"]
 KERNELS["conv_fused.rs@no-wait"] = KERNELS["conv_fused.rs"]
@@ -310,7 +326,20 @@ def body_and_header(path, which="SOURCE"):
         end = text.index("\n);", start)
         macro = lambda m: re.search(r'macro_rules! ' + m + r' \{.*?r#"(.*?)"#', text, re.S).group(1)
         parts = re.findall(r'r#"(.*?)"#|(\w+)!\(\)', text[start:end], re.S)
-        return "".join(lit if name == "" else macro(name) for lit, name in parts), ""
+        body = "".join(lit if name == "" else macro(name) for lit, name in parts)
+        if "QKV_FUSED" in which:
+            # The fused q/k/v stage (src/kernels/qkv_fused.rs joins its header):
+            # the add + RMSNorm code, the GEMV's (and the quantized one's and
+            # the conv layer's quantized rows), the ticket helpers, its rows.
+            k = path.parent
+            lead = "#define LFM_NORM_IN_WIDER_BLOCK 1\n" + named(k / "add_rms_norm.rs", "HEADER")
+            ticket = named(k / "moe_fused.rs", "TICKET_HEADER")
+            fused = k / "qkv_fused.rs"
+            if DENSE:
+                return body, lead + header_of(k / "gemv.rs") + ticket + named(fused, "DENSE_ROWS")
+            return body, (lead + header_of(k / "quant_gemv.rs") + ticket + named(k / "conv_fused.rs", "QUANT_PRODUCTS")
+                          + named(fused, "QUANT_ROWS"))
+        return body, ""
     src = re.search(which + r': &str = r#"(.*?)"#;', text, re.S).group(1)
     if path.name == "norm_gemv.rs" and "DEFERRED" in which:
         # The deferred folds: no prologue; the GEMV's header, then theirs.
@@ -452,6 +481,8 @@ DEFINES_OF = {
     "conv_fused.rs@no-wait": "#define LFM_SPIN_LIMIT 0\n#define LFM_QMLX_TILES 2\n",
     "conv_fused.rs@dense": "#define LFM_DENSE_PREFETCH 0\n",
     "ffn_fused.rs": "#define LFM_DENSE_PREFETCH 0\n",
+    "qk_norm_rope.rs#qkv_fused": "#define LFM_QMLX_TILES 2\n",
+    "qk_norm_rope.rs#qkv_fused@dense": "#define LFM_DENSE_PREFETCH 0\n",
 }
 
 failed = 0

@@ -100,7 +100,7 @@ pub(crate) const SOURCE: &str = r#"
 /// channel c's three in_proj sums; `LFM_CONV_OUT1`: out_proj's output n),
 /// in MLX's own `qmv` arithmetic, each row asked of L2 first (a channel's
 /// second and third rows then wait on L2, not DRAM).
-const QUANT_PRODUCTS: &str = r#"
+pub(crate) const QUANT_PRODUCTS: &str = r#"
 template <typename T, int K, int BITS, int GS>
 __device__ inline float lfm_conv_qrow(const T* xs, const uint32_t* w, const T* sc, const T* bi, size_t row, int lane) {
   constexpr int G = K / GS;

@@ -18,6 +18,7 @@ pub mod norm_gemv;
 pub mod qk_norm_rope;
 pub mod quant_embed;
 pub mod quant_gemv;
+pub mod qkv_fused;
 pub mod short_conv;
 
 #[cfg(test)]

@@ -137,6 +137,68 @@ const QKV_SOURCE: &str = concat!(
     norm_rope_body!()
 );
 
+/// A lone sequence's q/k/v stage in one launch (src/kernels/qkv_fused.rs:
+/// the residual add and RMSNorm, the stacked projection and this file's
+/// norm and RoPE, on the ticket stages of src/kernels/moe_fused.rs): a
+/// block a head, its HD rows of the projection (`LFM_QKV_ROWS`: the
+/// projection's walk, rounded to T as the product is) into shared memory,
+/// then the head's norm and RoPE by its first warp, the `norm_rope_body`
+/// arithmetic on the same values as the kernel above.
+pub(crate) const QKV_FUSED_SOURCE: &str = concat!(
+    r#"
+  constexpr int NHEADS = QH + 2 * KVH;
+  constexpr int NB = 1 + NHEADS;
+  constexpr int XR = D * sizeof(T) / 16;
+  __shared__ uint4 sm[XR];
+  __shared__ uint4 hv_store[HD * sizeof(T) / 16];
+  T* hv = reinterpret_cast<T*>(hv_store);
+  unsigned long long* st = reinterpret_cast<unsigned long long*>(const_cast<uint32_t*>(ctr));
+  unsigned long long launch;
+  const int role = lfm_take_part<NB>(st, launch);
+  if (role == 0) {
+    lfm_norm_stage<T, D, NBLK>(h, r, wn, __int_as_float(EPS_NORM_BITS), s, reinterpret_cast<T*>(sm), yn);
+    lfm_release_mark(st + 1, launch + 1);
+    return;
+  }
+  const int hh = role - 1;
+  const bool late = lfm_block_wait(st + 1, launch + 1, nullptr, 0);
+  if (!late) lfm_stage16(sm, yn, XR);
+  __syncthreads();
+  {
+    const int lane = threadIdx.x % 32;
+    const int wid = threadIdx.x / 32;
+    constexpr int RPW = HD / WARPS;
+    float acc[RPW];
+#pragma unroll
+    for (int i = 0; i < RPW; i++) acc[i] = 0.0f;
+    const int row0 = hh * HD + wid * RPW;
+    if (!late) LFM_QKV_ROWS(reinterpret_cast<const T*>(sm), row0, lane, acc);
+    if (lane == 0) {
+#pragma unroll
+      for (int i = 0; i < RPW; i++) hv[wid * RPW + i] = late ? T(__int_as_float(0x7fc00000)) : T(acc[i]);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x >= 32) return;
+  // This block's head alone, on its first warp's first TPH lanes (the
+  // others hold zeros through the shuffles).
+  constexpr int NR = 16 / sizeof(T);
+  constexpr int TPH = HD / NR;
+  constexpr int HALF = HD / 2;
+  const int t = threadIdx.x;
+  const bool live = t < TPH;
+  const bool is_q = hh < QH;
+  const bool is_v = hh >= QH + KVH;
+  const T* src = hv;
+  const T* w = is_q ? qw : kw;
+  T* dst = is_q ? qo + static_cast<size_t>(hh) * HD
+         : is_v ? vo + static_cast<size_t>(hh - QH - KVH) * HD
+                : ko + static_cast<size_t>(hh - QH) * HD;
+  const float pos = static_cast<float>(offset[0]);
+"#,
+    norm_rope_body!()
+);
+
 /// The same over a prompt's stacked projection `[B, T, (H + 2 KVH) HD]`
 /// (a CUDA default since session 26, `MLX_LFM_QKV_PREFILL_KERNEL=0` turns
 /// it off: its H200 test gave the stock ops' bits, and the paired A/B's
@@ -218,6 +280,13 @@ fn block_fits(dt: Dtype, heads: i32, head_dim: i32) -> bool {
 }
 
 /// The norm weights: `[head_dim]` each, in the activations' dtype.
+/// Whether the q/k/v kernel's code serves these heads `(query heads, KV
+/// heads, head width)` and norm weights in `dt` (the fused q/k/v stage's
+/// question, src/kernels/qkv_fused.rs).
+pub(crate) fn qkv_served(dt: Dtype, qw: &Array, kw: &Array, (heads, kv_heads, head_dim): (i32, i32, i32)) -> bool {
+    heads_served(dt, heads, kv_heads, head_dim) && norms_fit(qw, kw, dt, head_dim)
+}
+
 fn norms_fit(qw: &Array, kw: &Array, dt: Dtype, head_dim: i32) -> bool {
     qw.dtype() == dt && kw.dtype() == dt && qw.shape() == [head_dim] && kw.shape() == [head_dim]
 }

@@ -465,6 +465,12 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 if compiled && !q4 {
                     alone.push("MLX_LFM_FFN_FUSED");
                 }
+                // The q/k/v stage in one launch (an attention layer after
+                // the first: its norm adds a residual).
+                let attention_after_first = spec.shape.full_attn_idxs.iter().any(|&i| i > 0);
+                if compiled {
+                    alone.push("MLX_LFM_QKV_FUSED");
+                }
                 // The split decode attention serves head sizes over 16: the
                 // wide fixtures' 64, not the tiny ones'.
                 if wide {
@@ -485,7 +491,7 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 if !q4 {
                     alone.push("MLX_LFM_FOLD_EPS_CONST");
                 }
-                let built = || (crate::kernels::conv_fused::built(), crate::kernels::ffn_fused::built());
+                let built = || (crate::kernels::conv_fused::built(), crate::kernels::ffn_fused::built(), crate::kernels::qkv_fused::built());
                 // Where the one-launch layers can serve at all: a compiled
                 // step's `[1, D]` rows (the eager decode's are `[1, 1, D]`),
                 // eps compiled in (an environment may turn either off).
@@ -507,9 +513,18 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     // layer's norm has no residual to add.)
                     let conv_after_first = (1..spec.shape.num_hidden_layers).any(|i| !spec.shape.full_attn_idxs.contains(&i));
                     let conv_unbuilt = var == "MLX_LFM_CONV_FUSED" && conv_after_first && after.0 == before.0;
-                    if can_fuse && (conv_unbuilt || (var == "MLX_LFM_FFN_FUSED" && after.1 == before.1)) {
+                    let qkv_unbuilt = var == "MLX_LFM_QKV_FUSED" && attention_after_first && after.2 == before.2;
+                    if can_fuse && (conv_unbuilt || qkv_unbuilt || (var == "MLX_LFM_FFN_FUSED" && after.1 == before.1)) {
                         unbuilt(var, &mut failures);
                     }
+                }
+                if compiled {
+                    // Every one-launch layer at once (run.py's `layers-fused`).
+                    let set: Vec<(String, Option<String>)> = ["MLX_LFM_MOE_FUSED", "MLX_LFM_CONV_FUSED", "MLX_LFM_FFN_FUSED", "MLX_LFM_QKV_FUSED"]
+                        .iter()
+                        .map(|v| (v.to_string(), Some("1".to_string())))
+                        .collect();
+                    runs.push(("layers-fused", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
                 }
                 if !q4 && compiled {
                     // The conv layers and the feed-forwards each in one
@@ -2130,6 +2145,102 @@ fn ffn_fused_kernel_matches_stock_ops() {
     });
     if std::env::var_os("MLX_LFM_FFN_FUSED").is_none() {
         assert!(!crate::knobs::with_overrides(&consts, || available(&with_r, &w13, &w2)), "on without its switch");
+    }
+}
+
+/// The one-launch q/k/v stage (`MLX_LFM_QKV_FUSED`) against the stock
+/// path it replaces on CUDA (the add + RMSNorm kernel with eps compiled in,
+/// MLX's product of the stacked projection, the q/k/v norm + RoPE kernel):
+/// the residual sum to the bits, q, k and v finite and within two roundings
+/// of the dtype of their largest value (how many differ is printed), at
+/// positions 0 and 517; then repeated launches on used counters and every
+/// wait given up.
+#[test]
+fn qkv_fused_kernel_matches_stock_ops() {
+    use crate::kernels::qkv_fused::{available, forward, new_counters, Projection};
+    if skip("qkv_fused_kernel_matches_stock_ops") {
+        return;
+    }
+    use crate::kernels::add_rms_norm::add_rms_norm_with;
+    use crate::kernels::qk_norm_rope::qkv_norm_rope;
+    use crate::kernels::with_opt_in_one;
+    use crate::mlx::random::normal;
+    use crate::mlx::{quantized_matmul, Array};
+    use crate::model::linear::{Normed, Quantized};
+    let eps_value = 1e-5f32;
+    let eps = Array::from_slice(&[eps_value], &[1]).unwrap();
+    let consts = [("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string()))];
+    let (head_eps, theta) = (1e-5f32, 1_000_000.0f32);
+    // (dtype, tolerance, D, heads, KV heads, head width, bits / group; bits 0: dense)
+    let cases = [
+        (Dtype::Bfloat16, 2.0f32.powi(-7), 2048, 32, 8, 64, 0, 0),
+        (Dtype::Bfloat16, 2.0f32.powi(-7), 2048, 32, 8, 64, 4, 64),
+        (Dtype::Bfloat16, 2.0f32.powi(-7), 1024, 16, 8, 64, 0, 0),
+        (Dtype::Bfloat16, 2.0f32.powi(-7), 1024, 16, 4, 64, 8, 32),
+        (Dtype::Float32, 1e-5, 1024, 8, 2, 64, 0, 0),
+    ];
+    for (dt, tol, d, qh, kvh, hd, bits, gs) in cases {
+        let kind = if bits == 0 { "dense".to_string() } else { format!("{bits}-bit g{gs}") };
+        let what = format!("{dt:?} {d} wide, {qh}/{kvh} heads of {hd}, {kind}");
+        let rows = (qh + 2 * kvh) * hd;
+        let w = normal(&[rows, d], Dtype::Float32, 0.0, 0.04, None).unwrap().astype(dt).unwrap();
+        let q: Option<Quantized> = (bits != 0).then(|| quantized(&w, dt, bits, gs));
+        let p = match &q {
+            Some(q) => Projection::Quant(q),
+            None => Projection::Dense(&w),
+        };
+        let qw = normal(&[hd], Dtype::Float32, 1.0, 0.2, None).unwrap().astype(dt).unwrap();
+        let kw = normal(&[hd], Dtype::Float32, 1.0, 0.2, None).unwrap().astype(dt).unwrap();
+        let h = normal(&[1, d], Dtype::Float32, 0.0, 4.0, None).unwrap().astype(dt).unwrap();
+        let r = normal(&[1, d], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
+        let wn = normal(&[d], Dtype::Float32, 1.0, 0.2, None).unwrap().astype(dt).unwrap();
+        let x = Normed { h: &h, r: Some(&r), w: &wn, eps: eps_value, eps_array: &eps };
+        for position in [0i32, 517] {
+            let what = format!("{what}, position {position}");
+            let offset = Array::from_slice(&[position], &[1]).unwrap();
+            crate::knobs::with_overrides(&consts, || {
+                let (ws, wy) = add_rms_norm_with(&h, &r, &wn, &eps, eps_value).unwrap();
+                let y = match &q {
+                    Some(q) => quantized_matmul(&wy, &q.weight, &q.scales, q.biases.as_ref(), true, q.spec).unwrap(),
+                    None => wy.matmul(&w.transpose(&[1, 0]).unwrap()).unwrap(),
+                };
+                let (wq, wk, wv) = qkv_norm_rope(&y, &qw, &kw, &offset, (qh, kvh, hd), head_eps, theta).unwrap();
+                let counters = new_counters().unwrap();
+                let run = |ctr: &Array| {
+                    with_opt_in_one("MLX_LFM_QKV_FUSED", || {
+                        assert!(available(&x, p, &qw, &kw, (qh, kvh, hd), &offset), "{what}: not served");
+                        let out = forward(&x, p, &qw, &kw, (qh, kvh, hd), &offset, (head_eps, theta), ctr).unwrap();
+                        crate::mlx::eval(&[&out.0, &out.1, &out.2, &out.3]).unwrap();
+                        out
+                    })
+                };
+                let (s, gq, gk, gv) = run(&counters);
+                assert_eq!(differing(&s, &ws), 0, "{what}: the residual sum differs");
+                for (name, got, want) in [("q", &gq, &wq), ("k", &gk, &wk), ("v", &gv, &wv)] {
+                    assert_eq!(got.shape(), want.shape(), "{what}: {name}'s shape");
+                    let v: Vec<f32> = got.astype(Dtype::Float32).unwrap().to_vec().unwrap();
+                    assert!(v.iter().all(|v| v.is_finite()), "{what}: {} values of {name} are not finite", v.iter().filter(|v| !v.is_finite()).count());
+                    let gap = worst_scaled(got, want);
+                    let n = got.size();
+                    assert!(gap <= tol, "{what}: {name} is {gap} from the stock ops' (over {tol}; {} of {n} differ)", differing(got, want));
+                    eprintln!("{what}: {} of {n} values of {name} differ from the stock ops' (worst {gap})", differing(got, want));
+                }
+                let other = new_counters().unwrap();
+                for (i, ctr) in [&counters, &other, &counters].into_iter().enumerate() {
+                    let (s2, q2, k2, v2) = run(ctr);
+                    let same = (differing(&s2, &s), differing(&q2, &gq), differing(&k2, &gk), differing(&v2, &gv));
+                    assert_eq!(same, (0, 0, 0, 0), "{what}: launch {} on used counters differs", i + 2);
+                }
+                let stuck = [("MLX_LFM_FUSED_NO_WAIT".to_string(), Some("1".to_string()))];
+                let (_, q3, k3, v3) = crate::knobs::with_overrides(&stuck, || run(&counters));
+                for (name, a) in [("q", &q3), ("k", &k3), ("v", &v3)] {
+                    let v: Vec<f32> = a.astype(Dtype::Float32).unwrap().to_vec().unwrap();
+                    assert!(v.iter().all(|v| v.is_nan()), "{what}: with the waits given up, {} values of {name} are not NaN", v.iter().filter(|v| !v.is_nan()).count());
+                }
+                let (s4, q4, _, _) = run(&counters);
+                assert_eq!((differing(&s4, &s), differing(&q4, &gq)), (0, 0), "{what}: the launch after the given-up one differs");
+            });
+        }
     }
 }
 

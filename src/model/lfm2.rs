@@ -39,6 +39,9 @@ pub struct Attention {
     /// Tensor parallel: this rank's heads only; out_proj's partial sums are
     /// joined over the group.
     pub shard: Option<Shard>,
+    /// The one-launch q/k/v stage's counters (`kernels::qkv_fused`), made
+    /// on the device once: only that kernel, on this layer, touches them.
+    fused_counters: Array,
 }
 
 impl Attention {
@@ -68,6 +71,7 @@ impl Attention {
             rope_theta: c.rope_theta,
             eps: c.norm_eps,
             shard: shard.cloned(),
+            fused_counters: crate::kernels::qkv_fused::new_counters()?,
         })
     }
 
@@ -141,6 +145,22 @@ impl Attention {
             Offset::Array(offs) if qk_norm_rope::offset_served(offs, x.h.dim(0)) => offs.clone(),
             Offset::Array(_) => return Ok(None),
         };
+        // The norm, the projection and the heads' norm + RoPE in one launch
+        // (decode on CUDA, MLX_LFM_QKV_FUSED=1).
+        if let (true, Projections::Stacked { linear: Linear { weight, bias: None, .. }, .. }) =
+            (crate::kernels::qkv_fused::enabled_here() && x.h.ndim() == 2, &self.qkv)
+        {
+            use crate::kernels::qkv_fused::{self, Projection};
+            let p = match weight {
+                Weight::Quant(q) => Projection::Quant(q),
+                Weight::Dense(w) => Projection::Dense(w),
+            };
+            if qkv_fused::available(x, p, &self.q_norm, &self.k_norm, heads, &offsets) {
+                let consts = (self.eps, self.rope_theta);
+                let (s, q, k, v) = qkv_fused::forward(x, p, &self.q_norm, &self.k_norm, heads, &offsets, consts, &self.fused_counters)?;
+                return Ok(Some((s, (q, k, v))));
+            }
+        }
         let Some((s, y)) = self.qkv.forward_normed_stacked(x)? else { return Ok(None) };
         if !qk_norm_rope::qkv_available(&y, &self.q_norm, &self.k_norm, heads.0, heads.1, heads.2) {
             // (Another output dtype than the input's: the stock path, from the product made.)

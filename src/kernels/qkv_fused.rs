@@ -1,0 +1,223 @@
+//! A lone sequence's q/k/v stage of an attention layer in one launch
+//! (`MLX_LFM_QKV_FUSED=1`, opt-in until its H200 test and A/B): the
+//! residual add + RMSNorm before it, the stacked q/k/v projection and the
+//! heads' norm + RoPE, by default three launches (the add + RMSNorm kernel,
+//! MLX's GEMV or `qmv`, src/kernels/qk_norm_rope.rs's q/k/v kernel): 12 of
+//! the 1.2B's and the 8B-A1B's nodes a step over their six attention
+//! layers.
+//!
+//! Stages handed on as in src/kernels/moe_fused.rs (read its note): ticket
+//! 0 the add + RMSNorm as the add + RMSNorm kernel's block runs it; each
+//! later ticket one head, its rows of the projection walked as MLX's own
+//! kernels walk a row (dense: `gemv_single`'s order; 4-bit: its `qmv`
+//! arithmetic), each rounded to the dtype as the product is, then the
+//! head's norm and RoPE as the q/k/v kernel computes them (the same device
+//! text, `QKV_FUSED_SOURCE` there). The position is read from its `[1]`
+//! int32 array (the compiled step's view into its position table). Tests in
+//! src/kernels/tests.rs.
+
+use super::moe_fused::{new_state, TICKET_HEADER};
+use crate::error::{Error, Result};
+use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
+use crate::mlx::{Array, Dtype};
+use crate::model::linear::{Normed, Quantized};
+use std::sync::OnceLock;
+
+/// The dense rows of a head: `RPW` rows a warp walked together in
+/// `gemv_single`'s order (src/kernels/gemv.rs `lfm_dot_rows`), each summed
+/// over the warp.
+const DENSE_ROWS: &str = r#"
+template <typename T, int D, int RPW>
+__device__ inline void lfm_qkv_drows(const T* xs, const T* w, int row0, int lane, float* acc) {
+  const T* rows[RPW];
+#pragma unroll
+  for (int i = 0; i < RPW; i++) rows[i] = w + static_cast<size_t>(row0 + i) * D;
+  lfm_dot_rows<T, D, 1, RPW>(xs, true, rows, lfm_aligned(w), lane, acc);
+#pragma unroll
+  for (int i = 0; i < RPW; i++) acc[i] = lfm_warp_sum(acc[i]);
+}
+#define LFM_QKV_ROWS(xs, row0, lane, acc) lfm_qkv_drows<T, D, HD / WARPS>(xs, wq, row0, lane, acc)
+"#;
+
+/// The 4- or 8-bit rows of a head in MLX's `qmv` arithmetic, each row asked
+/// of L2 first (src/kernels/conv_fused.rs's helpers).
+const QUANT_ROWS: &str = r#"
+template <typename T, int D, int RPW, int BITS, int GS>
+__device__ inline void lfm_qkv_qrows(const T* xs, const uint32_t* w, const T* sc, const T* bi, int row0, int lane,
+                                     float* acc) {
+#pragma unroll
+  for (int i = 0; i < RPW; i++) lfm_conv_qprefetch<T, D, BITS, GS>(w, sc, bi, row0 + i, lane);
+#pragma unroll
+  for (int i = 0; i < RPW; i++) acc[i] = lfm_conv_qrow<T, D, BITS, GS>(xs, w, sc, bi, row0 + i, lane);
+}
+#define LFM_QKV_ROWS(xs, row0, lane, acc) lfm_qkv_qrows<T, D, HD / WARPS, QBITS, QGS>(xs, wq, wqs, wqb, row0, lane, acc)
+"#;
+
+/// Warps a block: a head's rows spread over them (HD a multiple of it).
+const WARPS: i32 = 16;
+
+fn enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    super::opt_in("MLX_LFM_QKV_FUSED", &ON)
+}
+
+static BUILT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// How many times [`forward`] has put the kernel into a graph in this
+/// process: the greedy test's evidence that its runs took this path.
+pub fn built() -> usize {
+    BUILT.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The stacked q/k/v projection `[(H + 2 KVH) HD, D]`, as the kernel reads it.
+#[derive(Clone, Copy)]
+pub enum Projection<'a> {
+    Quant(&'a Quantized),
+    Dense(&'a Array),
+}
+
+fn kernel(quant: bool) -> Option<&'static CudaKernel> {
+    static K: [[super::add_rms_norm::Walks; 2]; 2] = [const { [const { [const { OnceLock::new() }; 2] }; 2] }; 2];
+    let stuck = super::moe_fused::no_wait();
+    super::add_rms_norm::for_walk(&K[usize::from(quant)][usize::from(stuck)], || {
+        let wait = if stuck { "#define LFM_SPIN_LIMIT 0\n" } else { "" };
+        let name = format!("lfm_qkv_fused{}{}", if quant { "" } else { "_dense" }, if stuck { "_no_wait" } else { "" });
+        let common = format!("{wait}#define LFM_NORM_IN_WIDER_BLOCK 1\n");
+        let (inputs, header): (&[&str], String) = if quant {
+            (
+                &["h", "r", "wn", "wq", "wqs", "wqb", "qw", "kw", "offset", "ctr"],
+                format!(
+                    "{common}#define LFM_QMLX_TILES 2\n{}{}{TICKET_HEADER}{}{QUANT_ROWS}",
+                    super::add_rms_norm::device_code(),
+                    super::quant_gemv::header(),
+                    super::conv_fused::QUANT_PRODUCTS
+                ),
+            )
+        } else {
+            (
+                &["h", "r", "wn", "wq", "qw", "kw", "offset", "ctr"],
+                format!(
+                    "{common}#define LFM_DENSE_PREFETCH 0\n{}{}{TICKET_HEADER}{DENSE_ROWS}",
+                    super::add_rms_norm::device_code(),
+                    super::gemv::header()
+                ),
+            )
+        };
+        CudaKernel::new(&super::add_rms_norm::kernel_name(&name), inputs, &["s", "qo", "ko", "vo", "yn"], super::qk_norm_rope::QKV_FUSED_SOURCE, &header)
+            .ok()
+    })
+}
+
+/// The layer's counters ([`crate::kernels::moe_fused::new_state`]).
+pub fn new_counters() -> Result<Array> {
+    new_state()
+}
+
+/// Whether the switch is on where our CUDA kernels run.
+pub fn enabled_here() -> bool {
+    enabled() && cuda_kernels_enabled()
+}
+
+/// Whether [`forward`] serves the pending norm `x` (one row, with a
+/// residual to add), the stacked projection `p` (no bias), the heads'
+/// norm weights `qw` / `kw` and `heads` (query heads, KV heads, head
+/// width), with the position `offset` (`[1]` int32): on ([`enabled`]), on
+/// CUDA, eps compiled in (`MLX_LFM_EPS_CONST`, the default), where the add +
+/// RMSNorm kernel serves the row with a block no wider than this kernel's
+/// and the q/k/v kernel serves the heads.
+pub fn available(x: &Normed, p: Projection, qw: &Array, kw: &Array, heads: (i32, i32, i32), offset: &Array) -> bool {
+    let Some(r) = x.r else { return false };
+    if !enabled_here() || !super::add_rms_norm::eps_const() || x.h.ndim() != 2 || x.h.dim(0) != 1 {
+        return false;
+    }
+    let (d, dt) = (x.h.dim(1), x.h.dtype());
+    let (qh, kvh, hd) = heads;
+    let rows = (qh + 2 * kvh) as i64 * hd as i64;
+    let product = match p {
+        Projection::Quant(q) => {
+            q.weight.ndim() == 2
+                && super::quant_gemv::spec_served(q, dt, d)
+                && q.weight.dim(0) as i64 == rows
+                && q.weight.dim(1) as i64 * 32 / q.spec.bits as i64 == d as i64
+                && q.scales.shape() == [q.weight.dim(0), d / q.spec.group_size]
+        }
+        Projection::Dense(w) => w.ndim() == 2 && w.dtype() == dt && w.dim(0) as i64 == rows && w.dim(1) == d && d % 8 == 0,
+    };
+    super::add_rms_norm::available(x.h, r, x.w)
+        && super::add_rms_norm::block_for(d, 16 / dt.size() as i32) <= WARPS * 32
+        && product
+        && hd > 0
+        && hd % WARPS == 0
+        && qh > 0
+        && kvh > 0
+        // (The q/k/v kernel's own conditions on the heads and the norms.)
+        && super::qk_norm_rope::qkv_served(dt, qw, kw, heads)
+        && offset.dtype() == Dtype::Int32
+        && offset.size() == 1
+        && ((d as usize) * dt.size()).is_multiple_of(16)
+        && (d as usize) * dt.size() <= 32 * 1024
+        && kernel(matches!(p, Projection::Quant(_))).is_some()
+}
+
+/// `(the residual sum [1, D], q [1, H, 1, HD], k [1, KVH, 1, HD], v [1,
+/// KVH, 1, HD])` in one launch, as the q/k/v kernel lays them out (callers
+/// check [`available`]); `eps` the heads' norm's, `theta` RoPE's base,
+/// `ctr` the layer's own ([`new_counters`]).
+#[allow(clippy::too_many_arguments)]
+pub fn forward(
+    x: &Normed,
+    p: Projection,
+    qw: &Array,
+    kw: &Array,
+    heads: (i32, i32, i32),
+    offset: &Array,
+    (eps, theta): (f32, f32),
+    ctr: &Array,
+) -> Result<(Array, Array, Array, Array)> {
+    let kern = kernel(matches!(p, Projection::Quant(_))).ok_or_else(|| Error::mlx("the fused q/k/v kernel is not available"))?;
+    let r = x.r.ok_or_else(|| Error::invalid("the fused q/k/v kernel needs a residual to add"))?;
+    if ctr.dtype() != Dtype::Uint32 || ctr.size() != 8 {
+        return Err(Error::invalid("the fused q/k/v kernel's counters must be 8 uint32 (new_counters)"));
+    }
+    let (d, dt) = (x.h.dim(1), x.h.dtype());
+    let (qh, kvh, hd) = heads;
+    let nb = 1 + qh as i64 + 2 * kvh as i64;
+    let threads = WARPS * 32;
+    let grid = i32::try_from(nb * threads as i64).map_err(|_| Error::invalid(format!("fused q/k/v kernel: {nb} blocks")))?;
+    let mut template = vec![
+        ("T", TemplateArg::Dtype(dt)),
+        ("D", TemplateArg::Int(d)),
+        ("HD", TemplateArg::Int(hd)),
+        ("QH", TemplateArg::Int(qh)),
+        ("KVH", TemplateArg::Int(kvh)),
+        ("NBLK", TemplateArg::Int(super::add_rms_norm::block_for(d, 16 / dt.size() as i32))),
+        ("WARPS", TemplateArg::Int(WARPS)),
+        ("EPS_NORM_BITS", TemplateArg::Int(x.eps.to_bits() as i32)),
+        ("EPS_BITS", TemplateArg::Int(eps.to_bits() as i32)),
+        // (As the q/k/v kernel takes it: log2 of the base, the host's.)
+        ("BASE_BITS", TemplateArg::Int(theta.log2().to_bits() as i32)),
+    ];
+    let inputs: Vec<&Array> = match p {
+        Projection::Quant(q) => {
+            template.extend([("QBITS", TemplateArg::Int(q.spec.bits)), ("QGS", TemplateArg::Int(q.spec.group_size))]);
+            let b = q.biases.as_ref().ok_or_else(|| Error::invalid("the fused q/k/v kernel needs affine biases"))?;
+            vec![x.h, r, x.w, &q.weight, &q.scales, b, qw, kw, offset, ctr]
+        }
+        Projection::Dense(w) => vec![x.h, r, x.w, w, qw, kw, offset, ctr],
+    };
+    let mut outs = kern.call(
+        &inputs,
+        &[(&[1, d], dt), (&[1, qh, 1, hd], dt), (&[1, kvh, 1, hd], dt), (&[1, kvh, 1, hd], dt), (&[d], dt)],
+        [grid, 1, 1],
+        [threads, 1, 1],
+        &template,
+    )?;
+    outs.truncate(4);
+    BUILT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let missing = || Error::mlx("fused q/k/v kernel: missing output");
+    let v = outs.pop().ok_or_else(missing)?;
+    let k = outs.pop().ok_or_else(missing)?;
+    let q = outs.pop().ok_or_else(missing)?;
+    let s = outs.pop().ok_or_else(missing)?;
+    Ok((s, q, k, v))
+}
