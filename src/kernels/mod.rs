@@ -17,8 +17,8 @@ pub mod moe_router;
 pub mod norm_gemv;
 pub mod qk_norm_rope;
 pub mod quant_embed;
-pub mod quant_gemv;
 pub mod qkv_fused;
+pub mod quant_gemv;
 pub mod short_conv;
 
 #[cfg(test)]

@@ -148,6 +148,8 @@ pub(crate) const QKV_FUSED_SOURCE: &str = concat!(
     r#"
   constexpr int NHEADS = QH + 2 * KVH;
   constexpr int NB = 1 + NHEADS;
+  static_assert(HD % WARPS == 0 && HD * sizeof(T) % 16 == 0 && D * sizeof(T) % 16 == 0, "the head's rows tile the warps");
+  static_assert(32 % (HD / (16 / sizeof(T))) == 0, "a head's lanes tile a warp");
   constexpr int XR = D * sizeof(T) / 16;
   __shared__ uint4 sm[XR];
   __shared__ uint4 hv_store[HD * sizeof(T) / 16];
@@ -279,7 +281,6 @@ fn block_fits(dt: Dtype, heads: i32, head_dim: i32) -> bool {
     (head_dim as u32).is_power_of_two() && (2..=32).contains(&tph) && heads as i64 * tph as i64 <= 1024
 }
 
-/// The norm weights: `[head_dim]` each, in the activations' dtype.
 /// Whether the q/k/v kernel's code serves these heads `(query heads, KV
 /// heads, head width)` and norm weights in `dt` (the fused q/k/v stage's
 /// question, src/kernels/qkv_fused.rs).
@@ -287,6 +288,7 @@ pub(crate) fn qkv_served(dt: Dtype, qw: &Array, kw: &Array, (heads, kv_heads, he
     heads_served(dt, heads, kv_heads, head_dim) && norms_fit(qw, kw, dt, head_dim)
 }
 
+/// The norm weights: `[head_dim]` each, in the activations' dtype.
 fn norms_fit(qw: &Array, kw: &Array, dt: Dtype, head_dim: i32) -> bool {
     qw.dtype() == dt && kw.dtype() == dt && qw.shape() == [head_dim] && kw.shape() == [head_dim]
 }

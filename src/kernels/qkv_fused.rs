@@ -55,6 +55,8 @@ __device__ inline void lfm_qkv_qrows(const T* xs, const uint32_t* w, const T* sc
 
 /// Warps a block: a head's rows spread over them (HD a multiple of it).
 const WARPS: i32 = 16;
+/// The widest head served (8 rows a warp).
+const MAX_HEAD: i32 = 128;
 
 fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
@@ -124,7 +126,8 @@ pub fn enabled_here() -> bool {
 /// width), with the position `offset` (`[1]` int32): on ([`enabled`]), on
 /// CUDA, eps compiled in (`MLX_LFM_EPS_CONST`, the default), where the add +
 /// RMSNorm kernel serves the row with a block no wider than this kernel's
-/// and the q/k/v kernel serves the heads.
+/// and the q/k/v kernel's code serves the heads (the caller asks that
+/// kernel's own switch, `qkv_wanted`, first).
 pub fn available(x: &Normed, p: Projection, qw: &Array, kw: &Array, heads: (i32, i32, i32), offset: &Array) -> bool {
     let Some(r) = x.r else { return false };
     if !enabled_here() || !super::add_rms_norm::eps_const() || x.h.ndim() != 2 || x.h.dim(0) != 1 {
@@ -148,6 +151,10 @@ pub fn available(x: &Normed, p: Projection, qw: &Array, kw: &Array, heads: (i32,
         && product
         && hd > 0
         && hd % WARPS == 0
+        // (By ptxas, dense rows of 3,072 and more with heads of 256 took
+        // 164-168 registers a thread, past what 512 threads have; heads up
+        // to 128 stay at or under 86.)
+        && hd <= MAX_HEAD
         && qh > 0
         && kvh > 0
         // (The q/k/v kernel's own conditions on the heads and the norms.)
