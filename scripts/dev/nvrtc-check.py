@@ -333,7 +333,7 @@ def body_and_header(path, which="SOURCE"):
             # the conv layer's quantized rows), the ticket helpers, its rows.
             k = path.parent
             lead = "#define LFM_NORM_IN_WIDER_BLOCK 1\n" + named(k / "add_rms_norm.rs", "HEADER")
-            ticket = named(k / "moe_fused.rs", "TICKET_HEADER")
+            ticket = named(k / "stages.rs", "TICKET_HEADER")
             fused = k / "qkv_fused.rs"
             if DENSE:
                 return body, lead + header_of(k / "gemv.rs") + ticket + named(fused, "DENSE_ROWS")
@@ -361,18 +361,18 @@ def body_and_header(path, which="SOURCE"):
         # The router + norm kernel's header, then its own.
         k = path.parent
         lead = "#define LFM_NORM_IN_WIDER_BLOCK 1\n" + named(k / "add_rms_norm.rs", "HEADER") + header_of(k / "quant_gemv.rs")
-        return src, lead + named(k / "moe_router.rs", "ROUTE_HEADER") + named(k / "moe_router.rs", "GATE_HEADER") + named(path, "TICKET_HEADER")
+        return src, lead + named(k / "moe_router.rs", "ROUTE_HEADER") + named(k / "moe_router.rs", "GATE_HEADER") + named(path.parent / "stages.rs", "TICKET_HEADER")
     if path.name == "ffn_fused.rs":
         # The add + RMSNorm code, the GEMVs', the ticket helpers.
         k = path.parent
         lead = "#define LFM_NORM_IN_WIDER_BLOCK 1\n" + named(k / "add_rms_norm.rs", "HEADER")
-        return src, lead + header_of(k / "gemv.rs") + named(k / "moe_fused.rs", "TICKET_HEADER")
+        return src, lead + header_of(k / "gemv.rs") + named(k / "stages.rs", "TICKET_HEADER")
     if path.name == "conv_fused.rs":
         # The add + RMSNorm code, the GEMV's (and the quantized one's), the
         # ticket helpers, the products (dense: the variant "@dense").
         k = path.parent
         lead = "#define LFM_NORM_IN_WIDER_BLOCK 1\n" + named(k / "add_rms_norm.rs", "HEADER")
-        ticket = named(k / "moe_fused.rs", "TICKET_HEADER")
+        ticket = named(k / "stages.rs", "TICKET_HEADER")
         if DENSE:
             return src, lead + header_of(k / "gemv.rs") + ticket + named(path, "DENSE_PRODUCTS")
         return src, lead + header_of(k / "quant_gemv.rs") + ticket + named(path, "QUANT_PRODUCTS")

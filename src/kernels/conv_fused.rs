@@ -25,10 +25,10 @@
 //! sequence's later steps stay NaN and fail the finiteness check as well:
 //! no silently wrong state. Tests in src/kernels/tests.rs.
 
-use super::moe_fused::{new_state, TICKET_HEADER};
+use super::stages::{self, Built, Cells, TICKET_HEADER};
 use crate::error::{Error, Result};
 use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
-use crate::mlx::{Array, Dtype};
+use crate::mlx::Array;
 use crate::model::linear::{Normed, Quantized};
 use std::sync::OnceLock;
 
@@ -170,12 +170,12 @@ fn enabled() -> bool {
     super::opt_in("MLX_LFM_CONV_FUSED", &ON)
 }
 
-static BUILT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+static BUILT: Built = Built::new();
 
 /// How many times [`forward`] has put the kernel into a graph in this
 /// process: the greedy test's evidence that its runs took this path.
 pub fn built() -> usize {
-    BUILT.load(std::sync::atomic::Ordering::Relaxed)
+    BUILT.get()
 }
 
 /// The layer's two projections, as the kernel reads them.
@@ -204,41 +204,31 @@ impl Projections<'_> {
 }
 
 fn kernel(quant: bool) -> Option<&'static CudaKernel> {
-    static K: [[super::add_rms_norm::Walks; 2]; 2] = [const { [const { [const { OnceLock::new() }; 2] }; 2] }; 2];
-    let stuck = super::moe_fused::no_wait();
-    super::add_rms_norm::for_walk(&K[usize::from(quant)][usize::from(stuck)], || {
-        let wait = if stuck { "#define LFM_SPIN_LIMIT 0\n" } else { "" };
-        let name = format!("lfm_conv_fused{}{}", if quant { "" } else { "_dense" }, if stuck { "_no_wait" } else { "" });
-        let common = format!("{wait}#define LFM_NORM_IN_WIDER_BLOCK 1\n");
-        let (inputs, header): (&[&str], String) = if quant {
-            // (Two of MLX's tiles a batch, not four: the same sums, and 44
-            // registers a thread by ptxas where four took 84.)
-            (
-                &["h", "r", "wn", "iw", "iscales", "ibiases", "state", "cw", "ow", "oscales", "obiases", "ctr"],
-                format!(
-                    "{common}#define LFM_QMLX_TILES 2\n{}{}{TICKET_HEADER}{QUANT_PRODUCTS}",
-                    super::add_rms_norm::device_code(),
-                    super::quant_gemv::header()
-                ),
+    static K: [Cells; 2] = [stages::cells(), stages::cells()];
+    let common = "#define LFM_NORM_IN_WIDER_BLOCK 1\n";
+    let outputs = ["s", "out", "next", "yn", "yc"];
+    if quant {
+        // (Two of MLX's tiles a batch, not four: the same sums, and 44
+        // registers a thread by ptxas where four took 84.)
+        let inputs = ["h", "r", "wn", "iw", "iscales", "ibiases", "state", "cw", "ow", "oscales", "obiases", "ctr"];
+        stages::kernel(&K[1], "lfm_conv_fused", &inputs, &outputs, SOURCE, || {
+            format!(
+                "{common}#define LFM_QMLX_TILES 2\n{}{}{TICKET_HEADER}{QUANT_PRODUCTS}",
+                super::add_rms_norm::device_code(),
+                super::quant_gemv::header()
             )
-        } else {
-            // (The dense GEMVs' default walk: no L2 prefetch.)
-            (
-                &["h", "r", "wn", "iw", "state", "cw", "ow", "ctr"],
-                format!(
-                    "{common}#define LFM_DENSE_PREFETCH 0\n{}{}{TICKET_HEADER}{DENSE_PRODUCTS}",
-                    super::add_rms_norm::device_code(),
-                    super::gemv::header()
-                ),
+        })
+    } else {
+        // (The dense GEMVs' default walk: no L2 prefetch.)
+        let inputs = ["h", "r", "wn", "iw", "state", "cw", "ow", "ctr"];
+        stages::kernel(&K[0], "lfm_conv_fused_dense", &inputs, &outputs, SOURCE, || {
+            format!(
+                "{common}#define LFM_DENSE_PREFETCH 0\n{}{}{TICKET_HEADER}{DENSE_PRODUCTS}",
+                super::add_rms_norm::device_code(),
+                super::gemv::header()
             )
-        };
-        CudaKernel::new(&super::add_rms_norm::kernel_name(&name), inputs, &["s", "out", "next", "yn", "yc"], SOURCE, &header).ok()
-    })
-}
-
-/// The layer's counters ([`crate::kernels::moe_fused::new_state`]).
-pub fn new_counters() -> Result<Array> {
-    new_state()
+        })
+    }
 }
 
 /// The blocks of one launch: the norm's, the channels', out_proj's.
@@ -308,13 +298,11 @@ pub fn available(x: &Normed, p: Projections, state: &Array, cw: &Array, has_bias
 /// `(the residual sum [1, D], out_proj's output [1, D] (before a tensor
 /// parallel reduce), the state after the token [1, L - 1, C])` in one
 /// launch (callers check [`available`]); `ctr` the layer's own
-/// ([`new_counters`]).
+/// (`stages::new_counters`).
 pub fn forward(x: &Normed, p: Projections, state: &Array, cw: &Array, ctr: &Array) -> Result<(Array, Array, Array)> {
     let kern = kernel(p.quant()).ok_or_else(|| Error::mlx("the fused short-conv layer kernel is not available"))?;
     let r = x.r.ok_or_else(|| Error::invalid("the fused short-conv layer kernel needs a residual to add"))?;
-    if ctr.dtype() != Dtype::Uint32 || ctr.size() != 8 {
-        return Err(Error::invalid("the fused short-conv layer kernel's counters must be 8 uint32 (new_counters)"));
-    }
+    stages::check_counters(ctr, "the fused short-conv layer kernel")?;
     let (d, dt) = (x.h.dim(1), x.h.dtype());
     let (c, l) = (cw.dim(0), cw.dim(1));
     let nb = blocks(d, c);
@@ -352,7 +340,7 @@ pub fn forward(x: &Normed, p: Projections, state: &Array, cw: &Array, ctr: &Arra
         &template,
     )?;
     outs.truncate(3);
-    BUILT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    BUILT.bump();
     let missing = || Error::mlx("fused short-conv layer kernel: missing output");
     let next = outs.pop().ok_or_else(missing)?;
     let out = outs.pop().ok_or_else(missing)?;

@@ -24,10 +24,10 @@
 //! (MLX's GEMV spreads it over 128): what its A/B will show. Tests in
 //! src/kernels/tests.rs.
 
-use super::moe_fused::{new_state, TICKET_HEADER};
+use super::stages::{self, Built, Cells, TICKET_HEADER};
 use crate::error::{Error, Result};
 use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
-use crate::mlx::{Array, Dtype};
+use crate::mlx::Array;
 use crate::model::linear::Normed;
 use std::sync::OnceLock;
 
@@ -95,33 +95,24 @@ fn enabled() -> bool {
     super::opt_in("MLX_LFM_FFN_FUSED", &ON)
 }
 
-static BUILT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+static BUILT: Built = Built::new();
 
 /// How many times [`forward`] has put the kernel into a graph in this
 /// process: the greedy test's evidence that its runs took this path.
 pub fn built() -> usize {
-    BUILT.load(std::sync::atomic::Ordering::Relaxed)
+    BUILT.get()
 }
 
 fn kernel() -> Option<&'static CudaKernel> {
-    static K: [super::add_rms_norm::Walks; 2] = [const { [const { OnceLock::new() }; 2] }; 2];
-    let stuck = super::moe_fused::no_wait();
-    super::add_rms_norm::for_walk(&K[usize::from(stuck)], || {
-        let (name, wait) = if stuck { ("lfm_ffn_fused_no_wait", "#define LFM_SPIN_LIMIT 0\n") } else { ("lfm_ffn_fused", "") };
-        // (The dense GEMVs' default walk: no L2 prefetch.)
-        let header = format!(
-            "{wait}#define LFM_NORM_IN_WIDER_BLOCK 1\n#define LFM_DENSE_PREFETCH 0\n{}{}{TICKET_HEADER}",
+    static K: Cells = stages::cells();
+    // (The dense GEMVs' default walk: no L2 prefetch.)
+    stages::kernel(&K, "lfm_ffn_fused", &["h", "r", "wn", "w13", "w2", "ctr"], &["s", "out", "yn", "hk"], SOURCE, || {
+        format!(
+            "#define LFM_NORM_IN_WIDER_BLOCK 1\n#define LFM_DENSE_PREFETCH 0\n{}{}{TICKET_HEADER}",
             super::add_rms_norm::device_code(),
             super::gemv::header()
-        );
-        CudaKernel::new(&super::add_rms_norm::kernel_name(name), &["h", "r", "wn", "w13", "w2", "ctr"], &["s", "out", "yn", "hk"], SOURCE, &header)
-            .ok()
+        )
     })
-}
-
-/// The layer's counters ([`crate::kernels::moe_fused::new_state`]).
-pub fn new_counters() -> Result<Array> {
-    new_state()
 }
 
 /// The blocks of one launch: the norm's, the gate's, w2's.
@@ -164,13 +155,11 @@ pub fn available(x: &Normed, w13: &Array, w2: &Array) -> bool {
 
 /// `(the residual sum [1, D], w2's output [1, D] (before a tensor parallel
 /// reduce))` in one launch (callers check [`available`]); `ctr` the
-/// layer's own ([`new_counters`]).
+/// layer's own (`stages::new_counters`).
 pub fn forward(x: &Normed, w13: &Array, w2: &Array, ctr: &Array) -> Result<(Array, Array)> {
     let kern = kernel().ok_or_else(|| Error::mlx("the fused feed-forward kernel is not available"))?;
     let r = x.r.ok_or_else(|| Error::invalid("the fused feed-forward kernel needs a residual to add"))?;
-    if ctr.dtype() != Dtype::Uint32 || ctr.size() != 8 {
-        return Err(Error::invalid("the fused feed-forward kernel's counters must be 8 uint32 (new_counters)"));
-    }
+    stages::check_counters(ctr, "the fused feed-forward kernel")?;
     let (d, dt) = (x.h.dim(1), x.h.dtype());
     let f = w2.dim(1);
     let nb = blocks(d, f);
@@ -192,7 +181,7 @@ pub fn forward(x: &Normed, w13: &Array, w2: &Array, ctr: &Array) -> Result<(Arra
         &template,
     )?;
     outs.truncate(2);
-    BUILT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    BUILT.bump();
     let missing = || Error::mlx("fused feed-forward kernel: missing output");
     let out = outs.pop().ok_or_else(missing)?;
     let s = outs.pop().ok_or_else(missing)?;

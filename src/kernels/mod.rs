@@ -20,6 +20,7 @@ pub mod quant_embed;
 pub mod qkv_fused;
 pub mod quant_gemv;
 pub mod short_conv;
+pub mod stages;
 
 #[cfg(test)]
 mod tests;

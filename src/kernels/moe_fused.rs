@@ -45,97 +45,14 @@
 use super::moe_experts;
 use super::moe_router;
 use super::norm_gemv::NormIn;
+use super::stages::{self, Built, Cells, TICKET_HEADER};
 use crate::error::{Error, Result};
 use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
 use crate::mlx::{Array, Dtype};
 use crate::model::linear::Quantized;
 use std::sync::OnceLock;
 
-/// The waits and the staging loads (src/kernels/conv_fused.rs's too).
-pub(crate) const TICKET_HEADER: &str = r#"
-#ifndef LFM_SPIN_LIMIT
-#define LFM_SPIN_LIMIT (1 << 20)
-#endif
-// Waits (one thread) until *p >= v; 1 if it gave up. The acquire side of
-// the stages' handoff: the fence after the value is seen orders what the
-// block reads next after what the producer wrote before its release.
-__device__ inline int lfm_wait_at_least(unsigned long long* p, unsigned long long v) {
-  for (int i = 0; i < LFM_SPIN_LIMIT; i++) {
-    if (*reinterpret_cast<volatile unsigned long long*>(p) >= v) {
-      __threadfence();
-      return 0;
-    }
-    __nanosleep(64);
-  }
-  return 1;
-}
-// n 16-byte runs from global memory another block wrote during this launch
-// into shared memory, read at L2 (not a line L1 may hold from before).
-__device__ inline void lfm_stage16(uint4* dst, const void* src, int n) {
-  const uint4* s = reinterpret_cast<const uint4*>(src);
-  for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = __ldcg(s + i);
-}
-// The block's ticket (thread 0 takes it from the counter at st), for
-// every thread: its launch (ticket / NB) and its part (ticket % NB).
-template <int NB>
-__device__ inline int lfm_take_part(unsigned long long* st, unsigned long long& launch) {
-  __shared__ unsigned long long ticket;
-  if (threadIdx.x == 0) ticket = atomicAdd(st, 1ull);
-  __syncthreads();
-  launch = ticket / NB;
-  return static_cast<int>(ticket % NB);
-}
-// The release side: once the whole block has written its part, thread 0's
-// fence, then the mark (at least v) or the count (one more).
-__device__ inline void lfm_release_mark(unsigned long long* p, unsigned long long v) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    atomicMax(p, v);
-  }
-}
-__device__ inline void lfm_release_count(unsigned long long* p) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    atomicAdd(p, 1ull);
-  }
-}
-// Thread 0 waits for *p >= v, then (unless it gave up) for *p2 >= v2;
-// every thread gets whether it gave up. (`late` is one variable a kernel:
-// the second barrier lets a later call set it again.)
-__device__ inline bool lfm_block_wait(unsigned long long* p, unsigned long long v, unsigned long long* p2,
-                                      unsigned long long v2) {
-  __shared__ int late;
-  if (threadIdx.x == 0) {
-    int l = lfm_wait_at_least(p, v);
-    if (!l && p2) l = lfm_wait_at_least(p2, v2);
-    late = l;
-  }
-  __syncthreads();
-  const bool gave_up = late != 0;
-  __syncthreads();
-  return gave_up;
-}
-#if !LFM_NORM_IN_WIDER_BLOCK
-#error "the fused layers' blocks are wider than the norm's: define LFM_NORM_IN_WIDER_BLOCK 1 before the add + RMSNorm code"
-#endif
-// The first stage of both fused layers: the residual add + RMSNorm of the
-// row with the add + RMSNorm kernel's block of NBLK threads (its bits),
-// the sum into s, the normed row into ys (shared) and yn (for the blocks
-// after), and the whole block past its barrier.
-template <typename T, int D, int NBLK>
-__device__ inline void lfm_norm_stage(const T* h, const T* r, const T* wn, float eps, T* s, T* ys, T* yn) {
-  if (lfm_aligned(h) && lfm_aligned(r) && lfm_aligned(wn) && lfm_aligned(s)) {
-    lfm_add_rms_row<T, D, NBLK, true>(h, r, wn, eps, s, ys);
-  } else {
-    lfm_add_rms_row<T, D, NBLK, false>(h, r, wn, eps, s, ys);
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < D; i += blockDim.x) yn[i] = ys[i];
-  __syncthreads();
-}
-"#;
+
 
 /// Template constants: T, D (the row), F (an expert's hidden width), E,
 /// TOPK, NORM, the gate's GBITS / GGS, the experts' BITS / GS, WARPS (the
@@ -265,50 +182,25 @@ fn enabled() -> bool {
     super::opt_in("MLX_LFM_MOE_FUSED", &ON)
 }
 
-static BUILT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+static BUILT: Built = Built::new();
 
 /// How many times [`forward`] has put the kernel into a graph in this
 /// process (a compiled step once, when it is traced): the greedy test's
 /// evidence that its `moe-fused` runs took this path at all.
 pub fn built() -> usize {
-    BUILT.load(std::sync::atomic::Ordering::Relaxed)
-}
-
-/// `MLX_LFM_FUSED_NO_WAIT=1` (a test's knob, for this kernel and
-/// src/kernels/conv_fused.rs's): every wait gives up at once, so the test
-/// sees the poisoned output a stuck stage would give (and the counters
-/// still in step after it), not a hang.
-pub(crate) fn no_wait() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    crate::knobs::cached("MLX_LFM_FUSED_NO_WAIT", &ON, |v| v == Some("1"))
+    BUILT.get()
 }
 
 fn kernel() -> Option<&'static CudaKernel> {
-    static K: [super::add_rms_norm::Walks; 2] = [const { [const { OnceLock::new() }; 2] }; 2];
-    let stuck = no_wait();
-    super::add_rms_norm::for_walk(&K[usize::from(stuck)], || {
-        let (name, define) = if stuck { ("lfm_moe_fused_no_wait", "#define LFM_SPIN_LIMIT 0\n") } else { ("lfm_moe_fused", "") };
-        CudaKernel::new(
-            &super::add_rms_norm::kernel_name(name),
-            &["h", "r", "wn", "gw", "gscales", "gbiases", "bias", "uw", "uscales", "ubiases", "dw", "dscales", "dbiases", "state"],
-            &["s", "out", "yn", "inds", "scores", "hk"],
-            SOURCE,
-            &format!("{define}{}{TICKET_HEADER}", moe_router::gate_norm_header()),
-        )
-        .ok()
-    })
-}
-
-/// A layer's state for the kernel: four 64-bit counters, zero (eight
-/// uint32: MLX's signature names the element type; the kernel reads them
-/// as 64-bit). Made once per MoE layer and kept with it; only its own
-/// kernel's launches, one after another, touch it. Made by an op and
-/// evaluated, so that on CUDA it is device memory (an array the host
-/// writes is managed memory, whose page the host could pull back).
-pub fn new_state() -> Result<Array> {
-    let state = crate::mlx::zeros(&[8], Dtype::Uint32)?;
-    state.eval()?;
-    Ok(state)
+    static K: Cells = stages::cells();
+    stages::kernel(
+        &K,
+        "lfm_moe_fused",
+        &["h", "r", "wn", "gw", "gscales", "gbiases", "bias", "uw", "uscales", "ubiases", "dw", "dscales", "dbiases", "state"],
+        &["s", "out", "yn", "inds", "scores", "hk"],
+        SOURCE,
+        || format!("{}{TICKET_HEADER}", moe_router::gate_norm_header()),
+    )
 }
 
 /// The blocks of one launch: the router's, the gate/up rows', the down
@@ -356,7 +248,7 @@ pub fn available(n: &NormIn, g: &Quantized, gu: &Quantized, down: &Quantized, k:
 /// parallel reduce), both `[1, D]`, in one launch (callers check
 /// [`available`]): `bias` the router's selection bias `[E]` float32, `eps`
 /// and `scale` the norm's eps and the route's scale, `state` the layer's
-/// own ([`new_state`]).
+/// own (`stages::new_counters`).
 #[allow(clippy::too_many_arguments)]
 pub fn forward(
     n: &NormIn,
@@ -375,9 +267,7 @@ pub fn forward(
     let gb = g.biases.as_ref().ok_or_else(|| missing("the router gate"))?;
     let ub = gu.biases.as_ref().ok_or_else(|| missing("the experts' gate/up"))?;
     let db = down.biases.as_ref().ok_or_else(|| missing("the experts' down"))?;
-    if state.dtype() != Dtype::Uint32 || state.size() != 8 {
-        return Err(Error::invalid("the fused MoE kernel's state must be 8 uint32 (new_state)"));
-    }
+    stages::check_counters(state, "the fused MoE kernel")?;
     if !(1..=ROUTE_SLOTS as usize).contains(&k) {
         return Err(Error::invalid(format!("the fused MoE kernel: {k} experts a row (1 to {ROUTE_SLOTS} are served)")));
     }
@@ -417,7 +307,7 @@ pub fn forward(
         &template,
     )?;
     outs.truncate(2);
-    BUILT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    BUILT.bump();
     let out = outs.pop().ok_or_else(|| Error::mlx("fused MoE kernel: missing output"))?;
     let s = outs.pop().ok_or_else(|| Error::mlx("fused MoE kernel: missing output"))?;
     Ok((s, out))

@@ -16,7 +16,7 @@
 //! int32 array (the compiled step's view into its position table). Tests in
 //! src/kernels/tests.rs.
 
-use super::moe_fused::{new_state, TICKET_HEADER};
+use super::stages::{self, Built, Cells, TICKET_HEADER};
 use crate::error::{Error, Result};
 use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
 use crate::mlx::{Array, Dtype};
@@ -63,12 +63,12 @@ fn enabled() -> bool {
     super::opt_in("MLX_LFM_QKV_FUSED", &ON)
 }
 
-static BUILT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+static BUILT: Built = Built::new();
 
 /// How many times [`forward`] has put the kernel into a graph in this
 /// process: the greedy test's evidence that its runs took this path.
 pub fn built() -> usize {
-    BUILT.load(std::sync::atomic::Ordering::Relaxed)
+    BUILT.get()
 }
 
 /// The stacked q/k/v projection `[(H + 2 KVH) HD, D]`, as the kernel reads it.
@@ -79,40 +79,30 @@ pub enum Projection<'a> {
 }
 
 fn kernel(quant: bool) -> Option<&'static CudaKernel> {
-    static K: [[super::add_rms_norm::Walks; 2]; 2] = [const { [const { [const { OnceLock::new() }; 2] }; 2] }; 2];
-    let stuck = super::moe_fused::no_wait();
-    super::add_rms_norm::for_walk(&K[usize::from(quant)][usize::from(stuck)], || {
-        let wait = if stuck { "#define LFM_SPIN_LIMIT 0\n" } else { "" };
-        let name = format!("lfm_qkv_fused{}{}", if quant { "" } else { "_dense" }, if stuck { "_no_wait" } else { "" });
-        let common = format!("{wait}#define LFM_NORM_IN_WIDER_BLOCK 1\n");
-        let (inputs, header): (&[&str], String) = if quant {
-            (
-                &["h", "r", "wn", "wq", "wqs", "wqb", "qw", "kw", "offset", "ctr"],
-                format!(
-                    "{common}#define LFM_QMLX_TILES 2\n{}{}{TICKET_HEADER}{}{QUANT_ROWS}",
-                    super::add_rms_norm::device_code(),
-                    super::quant_gemv::header(),
-                    super::conv_fused::QUANT_PRODUCTS
-                ),
+    static K: [Cells; 2] = [stages::cells(), stages::cells()];
+    let common = "#define LFM_NORM_IN_WIDER_BLOCK 1\n";
+    let outputs = ["s", "qo", "ko", "vo", "yn"];
+    let source = super::qk_norm_rope::QKV_FUSED_SOURCE;
+    if quant {
+        let inputs = ["h", "r", "wn", "wq", "wqs", "wqb", "qw", "kw", "offset", "ctr"];
+        stages::kernel(&K[1], "lfm_qkv_fused", &inputs, &outputs, source, || {
+            format!(
+                "{common}#define LFM_QMLX_TILES 2\n{}{}{TICKET_HEADER}{}{QUANT_ROWS}",
+                super::add_rms_norm::device_code(),
+                super::quant_gemv::header(),
+                super::conv_fused::QUANT_PRODUCTS
             )
-        } else {
-            (
-                &["h", "r", "wn", "wq", "qw", "kw", "offset", "ctr"],
-                format!(
-                    "{common}#define LFM_DENSE_PREFETCH 0\n{}{}{TICKET_HEADER}{DENSE_ROWS}",
-                    super::add_rms_norm::device_code(),
-                    super::gemv::header()
-                ),
+        })
+    } else {
+        let inputs = ["h", "r", "wn", "wq", "qw", "kw", "offset", "ctr"];
+        stages::kernel(&K[0], "lfm_qkv_fused_dense", &inputs, &outputs, source, || {
+            format!(
+                "{common}#define LFM_DENSE_PREFETCH 0\n{}{}{TICKET_HEADER}{DENSE_ROWS}",
+                super::add_rms_norm::device_code(),
+                super::gemv::header()
             )
-        };
-        CudaKernel::new(&super::add_rms_norm::kernel_name(&name), inputs, &["s", "qo", "ko", "vo", "yn"], super::qk_norm_rope::QKV_FUSED_SOURCE, &header)
-            .ok()
-    })
-}
-
-/// The layer's counters ([`crate::kernels::moe_fused::new_state`]).
-pub fn new_counters() -> Result<Array> {
-    new_state()
+        })
+    }
 }
 
 /// Whether the switch is on where our CUDA kernels run.
@@ -169,7 +159,7 @@ pub fn available(x: &Normed, p: Projection, qw: &Array, kw: &Array, heads: (i32,
 /// `(the residual sum [1, D], q [1, H, 1, HD], k [1, KVH, 1, HD], v [1,
 /// KVH, 1, HD])` in one launch, as the q/k/v kernel lays them out (callers
 /// check [`available`]); `eps` the heads' norm's, `theta` RoPE's base,
-/// `ctr` the layer's own ([`new_counters`]).
+/// `ctr` the layer's own (`stages::new_counters`).
 #[allow(clippy::too_many_arguments)]
 pub fn forward(
     x: &Normed,
@@ -183,9 +173,7 @@ pub fn forward(
 ) -> Result<(Array, Array, Array, Array)> {
     let kern = kernel(matches!(p, Projection::Quant(_))).ok_or_else(|| Error::mlx("the fused q/k/v kernel is not available"))?;
     let r = x.r.ok_or_else(|| Error::invalid("the fused q/k/v kernel needs a residual to add"))?;
-    if ctr.dtype() != Dtype::Uint32 || ctr.size() != 8 {
-        return Err(Error::invalid("the fused q/k/v kernel's counters must be 8 uint32 (new_counters)"));
-    }
+    stages::check_counters(ctr, "the fused q/k/v kernel")?;
     let (d, dt) = (x.h.dim(1), x.h.dtype());
     let (qh, kvh, hd) = heads;
     let nb = 1 + qh as i64 + 2 * kvh as i64;
@@ -220,7 +208,7 @@ pub fn forward(
         &template,
     )?;
     outs.truncate(4);
-    BUILT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    BUILT.bump();
     let missing = || Error::mlx("fused q/k/v kernel: missing output");
     let v = outs.pop().ok_or_else(missing)?;
     let k = outs.pop().ok_or_else(missing)?;

@@ -1792,7 +1792,8 @@ fn moe_experts_kernels_match_stock_ops() {
 /// misread its epoch would wait out its bound and give NaN, or mix stages).
 #[test]
 fn moe_fused_kernel_matches_the_three_kernels() {
-    use crate::kernels::moe_fused::{available, forward, launch_blocks, new_state};
+    use crate::kernels::moe_fused::{available, forward, launch_blocks};
+    use crate::kernels::stages::new_counters;
     // The launch's block count, as the kernel counts its parts: the
     // router's, a block of 32 warps per 32 rows of each chosen expert's
     // gate/up, per 32 / k columns of the down projection.
@@ -1841,7 +1842,7 @@ fn moe_fused_kernel_matches_the_three_kernels() {
             let (ws, wy, wi, wsc) = route_gate_norm(&n, &g, &bias, &sc, k, true, Some((1e-5, scale))).unwrap();
             let want = down(&gate_up(&wy, &wi, &gu).unwrap(), &wi, &wsc, &dn).unwrap();
             assert_eq!(differing(&ws, &add_rms_norm(&h, &r, &wn, &eps).unwrap().0), 0, "{what}: the reference's sum");
-            let state = new_state().unwrap();
+            let state = new_counters().unwrap();
             let run = |state: &Array| {
                 with_opt_in_one("MLX_LFM_MOE_FUSED", || {
                     assert!(available(&n, &g, &gu, &dn, k), "{what}: not served");
@@ -1857,7 +1858,7 @@ fn moe_fused_kernel_matches_the_three_kernels() {
             let gap = worst_scaled(&out, &want);
             assert!(gap <= tol, "{what}: the output is {gap} from the three kernels' (over {tol}; {} of {d} differ)", differing(&out, &want));
             eprintln!("{what}: {} of {d} outputs differ from the three kernels' (worst {gap})", differing(&out, &want));
-            let other = new_state().unwrap();
+            let other = new_counters().unwrap();
             for (i, st) in [&state, &state, &other, &state, &other, &other].into_iter().enumerate() {
                 let (s2, out2) = run(st);
                 assert_eq!((differing(&s2, &s), differing(&out2, &out)), (0, 0), "{what}: launch {} on a used state differs", i + 2);
@@ -1911,7 +1912,8 @@ fn moe_fused_kernel_matches_the_three_kernels() {
 /// state NaN, not a hang; the next launch the first one's bits).
 #[test]
 fn conv_fused_kernel_matches_stock_ops() {
-    use crate::kernels::conv_fused::{available, forward, launch_blocks, new_counters, Projections};
+    use crate::kernels::conv_fused::{available, forward, launch_blocks, Projections};
+    use crate::kernels::stages::new_counters;
     // The norm's block, a block of 16 warps per 16 channels, per 16 outputs.
     assert_eq!(launch_blocks(2048, 2048), 1 + 128 + 128);
     assert_eq!(launch_blocks(2048, 1000), 1 + 63 + 128);
@@ -2055,7 +2057,8 @@ fn conv_fused_kernel_matches_stock_ops() {
 /// on used counters, two layers' in turn, and every wait given up.
 #[test]
 fn ffn_fused_kernel_matches_stock_ops() {
-    use crate::kernels::ffn_fused::{available, forward, launch_blocks, new_counters};
+    use crate::kernels::ffn_fused::{available, forward, launch_blocks};
+    use crate::kernels::stages::new_counters;
     // The norm's block, a block of 16 warps per 16 gate outputs, per 16 outputs.
     assert_eq!(launch_blocks(2048, 8192), 1 + 512 + 128);
     assert_eq!(launch_blocks(1024, 4608), 1 + 288 + 64);
@@ -2162,7 +2165,8 @@ fn ffn_fused_kernel_matches_stock_ops() {
 /// wait given up.
 #[test]
 fn qkv_fused_kernel_matches_stock_ops() {
-    use crate::kernels::qkv_fused::{available, forward, new_counters, Projection};
+    use crate::kernels::qkv_fused::{available, forward, Projection};
+    use crate::kernels::stages::new_counters;
     if skip("qkv_fused_kernel_matches_stock_ops") {
         return;
     }

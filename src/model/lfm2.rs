@@ -71,7 +71,7 @@ impl Attention {
             rope_theta: c.rope_theta,
             eps: c.norm_eps,
             shard: shard.cloned(),
-            fused_counters: crate::kernels::qkv_fused::new_counters()?,
+            fused_counters: crate::kernels::stages::new_counters()?,
         })
     }
 
@@ -266,7 +266,7 @@ impl ShortConv {
             kernel: l,
             dim: local,
             shard: shard.cloned(),
-            fused_counters: crate::kernels::conv_fused::new_counters()?,
+            fused_counters: crate::kernels::stages::new_counters()?,
         })
     }
 
@@ -417,7 +417,7 @@ impl Mlp {
             ])?,
             w2: Linear::load_split(st, reg, &format!("{p}.{}", names[1]), ff, d, false, rows)?,
             shard: shard.cloned(),
-            fused_counters: crate::kernels::ffn_fused::new_counters()?,
+            fused_counters: crate::kernels::stages::new_counters()?,
         })
     }
 

@@ -149,7 +149,7 @@ impl SparseMoe {
             },
             Array::from_slice(&[m.routed_scaling_factor], &[1])?,
         );
-        let fused_state = crate::kernels::moe_fused::new_state()?;
+        let fused_state = crate::kernels::stages::new_counters()?;
         Ok(SparseMoe {
             gate: Linear::load(st, reg, &format!("{p}.gate"), d as usize, e, false)?,
             expert_bias,

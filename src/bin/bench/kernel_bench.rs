@@ -448,7 +448,7 @@ impl Layer {
         let eps = Array::from_slice(&[LAYER_EPS], &[1])?;
         let bias = mlx::zeros(&[EXPERTS], Dtype::Float32)?;
         let scale = Array::from_slice(&[1.0f32], &[1])?;
-        let state = mlx_lfm::kernels::moe_fused::new_state()?;
+        let state = mlx_lfm::kernels::stages::new_counters()?;
         let mut held: Vec<&Array> = hs.iter().collect();
         held.extend([&gate.weight, &gate.scales, &r, &wn, &eps, &bias, &scale]);
         held.extend(gate.biases.iter());
@@ -531,7 +531,7 @@ impl ConvLayer {
         let eps = Array::from_slice(&[LAYER_EPS], &[1])?;
         let state = normal(&[1, CONV_WINDOW - 1, CONV_D], bf, 0.0, 1.0, None)?;
         let cw = normal(&[CONV_D, CONV_WINDOW], bf, 0.0, 0.5, None)?;
-        let counters = mlx_lfm::kernels::conv_fused::new_counters()?;
+        let counters = mlx_lfm::kernels::stages::new_counters()?;
         let mut held: Vec<&Array> = vec![&h, &r, &wn, &eps, &state, &cw];
         for (i, o) in &projections {
             held.extend([&i.weight, &i.scales, &o.weight, &o.scales]);
@@ -619,7 +619,7 @@ impl FfnLayer {
         let r = normal(&[1, FFN_D], bf, 0.0, 1.0, None)?;
         let wn = normal(&[FFN_D], Dtype::Float32, 1.0, 0.2, None)?.astype(bf)?;
         let eps = Array::from_slice(&[LAYER_EPS], &[1])?;
-        let counters = mlx_lfm::kernels::ffn_fused::new_counters()?;
+        let counters = mlx_lfm::kernels::stages::new_counters()?;
         let mut held: Vec<&Array> = weights.iter().flat_map(|(a, b)| [a, b]).collect();
         held.extend([&h, &r, &wn, &eps]);
         mlx::eval(&held)?;
