@@ -159,8 +159,6 @@ __device__ inline float lfm_conv_dout1(const T* xs, const T* w, int n, int lane)
 /// ptxas keeps a thread within 64 registers), where 32 put the channels
 /// and the outputs on 64 each.
 const WARPS: i32 = 32 / 2;
-/// Shared memory the staged rows may take (48 KiB is the static limit).
-const MAX_STAGED: usize = 32 * 1024;
 /// The widest row and conv served (by ptxas on sm_90 the kernels stay
 /// within 64 registers a thread up to here: `scripts/dev/nvrtc-check.py`).
 const MAX_WIDTH: i32 = 8192;
@@ -291,7 +289,7 @@ pub fn available(x: &Normed, p: Projections, state: &Array, cw: &Array, has_bias
         && c <= MAX_WIDTH
         && bytes(d) % 16 == 0
         && bytes(c) % 16 == 0
-        && bytes(d).max(bytes(c)) <= MAX_STAGED
+        && bytes(d).max(bytes(c)) <= stages::MAX_STAGED
         && kernel(p.quant()).is_some()
 }
 

@@ -84,8 +84,6 @@ pub(crate) const SOURCE: &str = r#"
 
 /// Warps a block: 16, as the conv layer's (src/kernels/conv_fused.rs).
 const WARPS: i32 = 16;
-/// Shared memory the staged rows may take (48 KiB is the static limit).
-const MAX_STAGED: usize = 32 * 1024;
 /// The widest row and gate served (by ptxas on sm_90 the kernel stays
 /// within 64 registers a thread: `scripts/dev/nvrtc-check.py`).
 const MAX_WIDTH: i32 = 16_384;
@@ -149,7 +147,7 @@ pub fn available(x: &Normed, w13: &Array, w2: &Array) -> bool {
         && f % 8 == 0
         && d <= MAX_WIDTH
         && f <= MAX_WIDTH
-        && bytes(d).max(bytes(f)) <= MAX_STAGED
+        && bytes(d).max(bytes(f)) <= stages::MAX_STAGED
         && kernel().is_some()
 }
 

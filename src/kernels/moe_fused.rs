@@ -167,8 +167,6 @@ const WARPS: i32 = 32;
 /// that they stay over 8 bytes (MLX 0.32.4 keeps smaller arrays in its
 /// managed scalar pool, slow for the GPU to read; `moe_router::scores_f32`).
 const ROUTE_SLOTS: i32 = 8;
-/// Shared memory the staged rows may take (48 KiB is the static limit).
-const MAX_STAGED: usize = 32 * 1024;
 /// The widest expert served: by ptxas (sm_90, CUDA 13.5 here) the kernel
 /// stays within the 64 registers a thread of 1,024 allow up to here in
 /// every dtype, specification and row width the router + norm fold serves
@@ -240,7 +238,7 @@ pub fn available(n: &NormIn, g: &Quantized, gu: &Quantized, down: &Quantized, k:
         && f <= MAX_F
         && bytes(d as i64) % 16 == 0
         && bytes(f) % 16 == 0
-        && bytes(d as i64).max(bytes(k as i64 * f)) <= MAX_STAGED
+        && bytes(d as i64).max(bytes(k as i64 * f)) <= stages::MAX_STAGED
         && kernel().is_some()
 }
 

@@ -152,7 +152,7 @@ pub fn available(x: &Normed, p: Projection, qw: &Array, kw: &Array, heads: (i32,
         && offset.dtype() == Dtype::Int32
         && offset.size() == 1
         && ((d as usize) * dt.size()).is_multiple_of(16)
-        && (d as usize) * dt.size() <= 32 * 1024
+        && (d as usize) * dt.size() <= stages::MAX_STAGED
         && kernel(matches!(p, Projection::Quant(_))).is_some()
 }
 

@@ -98,6 +98,10 @@ __device__ inline void lfm_norm_stage(const T* h, const T* r, const T* wn, float
 }
 "#;
 
+/// Shared memory a one-launch kernel's staged rows may take (48 KiB is
+/// the static limit, with the stages' own few words beside them).
+pub(crate) const MAX_STAGED: usize = 32 * 1024;
+
 /// A layer's counters: four 64-bit counters, zero (eight uint32: MLX's
 /// signature names the element type; the kernels read them as 64-bit).
 /// Made once per layer and kept with it; only its own kernel's launches,

@@ -1780,6 +1780,32 @@ fn moe_experts_kernels_match_stock_ops() {
     });
 }
 
+/// A one-launch layer's checks on its counters (src/kernels/stages.rs):
+/// `run` over a layer's counters gives its outputs, the residual sum
+/// first; `first` is what it gave on `counters` the first time. Each
+/// later launch (`order`: `true` on `counters`, `false` on another layer's
+/// fresh ones) gives `first`'s bits; with every wait given up
+/// (`MLX_LFM_FUSED_NO_WAIT`) the sum is still its bits and every other
+/// output NaN, not a hang; and the launch after it `first`'s bits again
+/// (the counters kept in step).
+fn check_counters_in_step(what: &str, counters: &crate::mlx::Array, order: &[bool], first: &[crate::mlx::Array], run: impl Fn(&crate::mlx::Array) -> Vec<crate::mlx::Array>) {
+    let same = |got: &[crate::mlx::Array]| got.iter().zip(first).map(|(g, f)| differing(g, f)).collect::<Vec<_>>();
+    let zeros = vec![0; first.len()];
+    let other = crate::kernels::stages::new_counters().unwrap();
+    for (i, on_first) in order.iter().enumerate() {
+        let got = run(if *on_first { counters } else { &other });
+        assert_eq!(same(&got), zeros, "{what}: launch {} on used counters differs", i + 2);
+    }
+    let stuck = [("MLX_LFM_FUSED_NO_WAIT".to_string(), Some("1".to_string()))];
+    let given_up = crate::knobs::with_overrides(&stuck, || run(counters));
+    assert_eq!(differing(&given_up[0], &first[0]), 0, "{what}: the sum with the waits given up");
+    for (i, a) in given_up.iter().enumerate().skip(1) {
+        let v: Vec<f32> = a.astype(Dtype::Float32).unwrap().to_vec().unwrap();
+        assert!(v.iter().all(|v| v.is_nan()), "{what}: with the waits given up, {} values of output {i} are not NaN", v.iter().filter(|v| !v.is_nan()).count());
+    }
+    assert_eq!(same(&run(counters)), zeros, "{what}: the launch after the given-up one differs");
+}
+
 /// The one-launch MoE layer (`MLX_LFM_MOE_FUSED`) against the three
 /// launches it replaces (the router + norm fold with eps and the scale
 /// compiled in, the experts' gate/up and down kernels): the residual sum to
@@ -1858,21 +1884,10 @@ fn moe_fused_kernel_matches_the_three_kernels() {
             let gap = worst_scaled(&out, &want);
             assert!(gap <= tol, "{what}: the output is {gap} from the three kernels' (over {tol}; {} of {d} differ)", differing(&out, &want));
             eprintln!("{what}: {} of {d} outputs differ from the three kernels' (worst {gap})", differing(&out, &want));
-            let other = new_counters().unwrap();
-            for (i, st) in [&state, &state, &other, &state, &other, &other].into_iter().enumerate() {
-                let (s2, out2) = run(st);
-                assert_eq!((differing(&s2, &s), differing(&out2, &out)), (0, 0), "{what}: launch {} on a used state differs", i + 2);
-            }
-            // Every wait given up at once (MLX_LFM_FUSED_NO_WAIT): the
-            // output poisoned, not a hang, and the next launch on that
-            // state the first one's bits (its counters kept in step).
-            let stuck = [("MLX_LFM_FUSED_NO_WAIT".to_string(), Some("1".to_string()))];
-            let (s3, out3) = crate::knobs::with_overrides(&stuck, || run(&state));
-            assert_eq!(differing(&s3, &s), 0, "{what}: the sum with the waits given up");
-            let nan: Vec<f32> = out3.astype(Dtype::Float32).unwrap().to_vec().unwrap();
-            assert!(nan.iter().all(|v| v.is_nan()), "{what}: with the waits given up, {} of {d} outputs are not NaN", nan.iter().filter(|v| !v.is_nan()).count());
-            let (s4, out4) = run(&state);
-            assert_eq!((differing(&s4, &s), differing(&out4, &out)), (0, 0), "{what}: the launch after the given-up one differs");
+            check_counters_in_step(&what, &state, &[true, true, false, true, false, false], &[s, out], |c| {
+                let (s, out) = run(c);
+                vec![s, out]
+            });
         });
     }
     // Not served: several rows, eps read from its array (MLX_LFM_EPS_CONST=0),
@@ -1994,22 +2009,11 @@ fn conv_fused_kernel_matches_stock_ops() {
                 assert!(gap <= tol, "{what}: the {name} is {gap} from the stock ops' (over {tol}; {} of {n} differ)", differing(got, want));
                 eprintln!("{what}: {} of {n} values of the {name} differ from the stock ops' (worst {gap})", differing(got, want));
             }
-            let other = new_counters().unwrap();
-            for (i, ctr) in [&counters, &counters, &other, &counters, &other].into_iter().enumerate() {
-                let (s2, out2, next2) = run(ctr);
-                let same = (differing(&s2, &s), differing(&out2, &out), differing(&next2, &next));
-                assert_eq!(same, (0, 0, 0), "{what}: launch {} on used counters differs", i + 2);
-            }
-            let stuck = [("MLX_LFM_FUSED_NO_WAIT".to_string(), Some("1".to_string()))];
-            let (s3, out3, next3) = crate::knobs::with_overrides(&stuck, || run(&counters));
-            assert_eq!(differing(&s3, &s), 0, "{what}: the sum with the waits given up");
-            for (name, a) in [("output", &out3), ("state", &next3)] {
-                let v: Vec<f32> = a.astype(Dtype::Float32).unwrap().to_vec().unwrap();
-                assert!(v.iter().all(|v| v.is_nan()), "{what}: with the waits given up, {} values of the {name} are not NaN", v.iter().filter(|v| !v.is_nan()).count());
-            }
-            let (s4, out4, next4) = run(&counters);
-            let same = (differing(&s4, &s), differing(&out4, &out), differing(&next4, &next));
-            assert_eq!(same, (0, 0, 0), "{what}: the launch after the given-up one differs");
+            // (The output and the state after the token both poisoned when given up.)
+            check_counters_in_step(&what, &counters, &[true, true, false, true, false], &[s, out, next], |c| {
+                let (s, out, next) = run(c);
+                vec![s, out, next]
+            });
         });
     }
     // Not served: no residual to add, a bias, eps read from its array, the
@@ -2118,18 +2122,10 @@ fn ffn_fused_kernel_matches_stock_ops() {
             let gap = worst_scaled(&out, &want);
             assert!(gap <= tol, "{what}: the output is {gap} from the stock ops' (over {tol}; {} of {d} differ)", differing(&out, &want));
             eprintln!("{what}: {} of {d} outputs differ from the stock ops' (worst {gap})", differing(&out, &want));
-            let other = new_counters().unwrap();
-            for (i, ctr) in [&counters, &counters, &other, &counters, &other].into_iter().enumerate() {
-                let (s2, out2) = run(ctr);
-                assert_eq!((differing(&s2, &s), differing(&out2, &out)), (0, 0), "{what}: launch {} on used counters differs", i + 2);
-            }
-            let stuck = [("MLX_LFM_FUSED_NO_WAIT".to_string(), Some("1".to_string()))];
-            let (s3, out3) = crate::knobs::with_overrides(&stuck, || run(&counters));
-            assert_eq!(differing(&s3, &s), 0, "{what}: the sum with the waits given up");
-            let nan: Vec<f32> = out3.astype(Dtype::Float32).unwrap().to_vec().unwrap();
-            assert!(nan.iter().all(|v| v.is_nan()), "{what}: with the waits given up, {} outputs are not NaN", nan.iter().filter(|v| !v.is_nan()).count());
-            let (s4, out4) = run(&counters);
-            assert_eq!((differing(&s4, &s), differing(&out4, &out)), (0, 0), "{what}: the launch after the given-up one differs");
+            check_counters_in_step(&what, &counters, &[true, true, false, true, false], &[s, out], |c| {
+                let (s, out) = run(c);
+                vec![s, out]
+            });
         });
     }
     // Not served: no residual, w2 not [D, F], eps read from its array, the switch off.
@@ -2243,20 +2239,10 @@ fn qkv_fused_kernel_matches_stock_ops() {
                     assert!(gap <= tol, "{what}: {name} is {gap} from the stock ops' (over {tol}; {} of {n} differ)", differing(got, want));
                     eprintln!("{what}: {} of {n} values of {name} differ from the stock ops' (worst {gap})", differing(got, want));
                 }
-                let other = new_counters().unwrap();
-                for (i, ctr) in [&counters, &other, &counters].into_iter().enumerate() {
-                    let (s2, q2, k2, v2) = run(ctr);
-                    let same = (differing(&s2, &s), differing(&q2, &gq), differing(&k2, &gk), differing(&v2, &gv));
-                    assert_eq!(same, (0, 0, 0, 0), "{what}: launch {} on used counters differs", i + 2);
-                }
-                let stuck = [("MLX_LFM_FUSED_NO_WAIT".to_string(), Some("1".to_string()))];
-                let (_, q3, k3, v3) = crate::knobs::with_overrides(&stuck, || run(&counters));
-                for (name, a) in [("q", &q3), ("k", &k3), ("v", &v3)] {
-                    let v: Vec<f32> = a.astype(Dtype::Float32).unwrap().to_vec().unwrap();
-                    assert!(v.iter().all(|v| v.is_nan()), "{what}: with the waits given up, {} values of {name} are not NaN", v.iter().filter(|v| !v.is_nan()).count());
-                }
-                let (s4, q4, _, _) = run(&counters);
-                assert_eq!((differing(&s4, &s), differing(&q4, &gq)), (0, 0), "{what}: the launch after the given-up one differs");
+                check_counters_in_step(&what, &counters, &[true, false, true], &[s, gq, gk, gv], |c| {
+                    let (s, q, k, v) = run(c);
+                    vec![s, q, k, v]
+                });
             });
         }
     }
