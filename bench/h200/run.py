@@ -148,8 +148,8 @@ the add + RMSNorm, in_proj, the conv step, out_proj, 4 launches a layer
 today; its test `conv_fused_kernel_matches_stock_ops`, greedy sets
 `MLX_LFM_CONV_FUSED` and `moe-conv-fused`, kernel-bench's
 `conv-layer-q4-*` and `conv-layer-bf16-*`; over dense projections too),
-and the dense feed-forward (`ffn-fused`: the add + RMSNorm, the SwiGLU
-GEMV, w2; its test `ffn_fused_kernel_matches_stock_ops`, greedy sets
+and the feed-forward (`ffn-fused`: the add + RMSNorm, the SwiGLU
+GEMV, w2, dense or, since session 30, 4-bit; its test `ffn_fused_kernel_matches_stock_ops`, greedy sets
 `MLX_LFM_FFN_FUSED` and `conv-ffn-fused`), and an attention layer's q/k/v
 stage (`qkv-fused`: the add + RMSNorm, the stacked projection, the heads'
 norm + RoPE; its test `qkv_fused_kernel_matches_stock_ops`, greedy set
@@ -181,7 +181,7 @@ the dense models' `ab` in call 4 where time is short):
      folds alone, the 8B-A1B's MoE and conv layers and the 1.2B's conv
      layer and feed-forward as three or four launches and as one).
   4. carry [.device/bin]: H200_MODELS=lfm2-8b-a1b-q4
-     H200_AB_VARIANTS=moe-fused,conv-fused,moe-conv-fused,qkv-fused,layers-fused,router-scores-f32,router-scores-f32-early,position-table-off,eps-const-off
+     H200_AB_VARIANTS=moe-fused,conv-fused,moe-conv-fused,ffn-fused,qkv-fused,layers-fused,router-scores-f32,router-scores-f32-early,position-table-off,eps-const-off
      `ab pick` (~220 s with the 8B-A1B's checkpoints), then
      H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4 `profile-gaps` (~150 s with
      the 1.2B's checkpoint: the time between a step's kernels, never
@@ -1795,11 +1795,12 @@ AB = {
     # (the step's fewest nodes, ~105).
     "conv-fused": ({"MLX_LFM_CONV_FUSED": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "moe-conv-fused": ({"MLX_LFM_MOE_FUSED": "1", "MLX_LFM_CONV_FUSED": "1"}, ["lfm2-8b-a1b-q4"]),
-    # A lone sequence's dense feed-forward in one launch (the add + RMSNorm,
+    # A lone sequence's feed-forward in one launch (the add + RMSNorm,
     # the SwiGLU GEMV, w2: 2-3 launches and nodes a layer, 16 layers of the
-    # dense models'; src/kernels/ffn_fused.rs), alone and with the conv
-    # layers' (the 1.2B's step: 138 nodes to ~76).
-    "ffn-fused": ({"MLX_LFM_FFN_FUSED": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
+    # dense models'; 4-bit, the 8B-A1B's two dense layers, ~4 each;
+    # src/kernels/ffn_fused.rs), alone and with the conv layers' (the 1.2B's
+    # step: 138 nodes to ~76).
+    "ffn-fused": ({"MLX_LFM_FFN_FUSED": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "conv-ffn-fused": ({"MLX_LFM_CONV_FUSED": "1", "MLX_LFM_FFN_FUSED": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
     # An attention layer's q/k/v stage in one launch (the add + RMSNorm, the
     # stacked projection, the heads' norm + RoPE: 3 launches and nodes a

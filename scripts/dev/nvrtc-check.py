@@ -233,15 +233,15 @@ KERNELS["moe_fused.rs"] = (
 )
 # A lone sequence's short-conv layer in one launch (MLX_LFM_CONV_FUSED): the 8B-A1B's.
 KERNELS["conv_fused.rs"] = (
-    [("h", "T"), ("r", "T"), ("wn", "T"), ("iw", "uint32_t"), ("iscales", "T"), ("ibiases", "T"), ("state", "T"),
-     ("cw", "T"), ("ow", "uint32_t"), ("oscales", "T"), ("obiases", "T"), ("ctr", "uint32_t")],
+    [("h", "T"), ("r", "T"), ("wn", "T"), ("state", "T"), ("cw", "T"), ("iw", "uint32_t"), ("iscales", "T"),
+     ("ibiases", "T"), ("ow", "uint32_t"), ("oscales", "T"), ("obiases", "T"), ("ctr", "uint32_t")],
     [("s", "T"), ("out", "T"), ("next", "T"), ("yn", "T"), ("yc", "T")],
     lambda dt: [("D", 2048), ("C", 2048), ("KEEP", 2), ("IBITS", 4), ("IGS", 64), ("OBITS", 4), ("OGS", 64),
                 ("NBLK", 256 if dt != "float32" else 512), ("WARPS", 16), ("EPS_BITS", 925353388)],
 )
 # Over dense projections (the 1.2B's): "@dense" (its header and defines).
 KERNELS["conv_fused.rs@dense"] = (
-    [("h", "T"), ("r", "T"), ("wn", "T"), ("iw", "T"), ("state", "T"), ("cw", "T"), ("ow", "T"), ("ctr", "uint32_t")],
+    [("h", "T"), ("r", "T"), ("wn", "T"), ("state", "T"), ("cw", "T"), ("iw", "T"), ("ow", "T"), ("ctr", "uint32_t")],
     KERNELS["conv_fused.rs"][1],
     lambda dt: [("D", 2048), ("C", 2048), ("KEEP", 2), ("NBLK", 256 if dt != "float32" else 512), ("WARPS", 16),
                 ("EPS_BITS", 925353388)],
@@ -253,25 +253,33 @@ KERNELS["moe_fused.rs@d1536"] = (*KERNELS["moe_fused.rs"][:2],
                                              ("GBITS", 4), ("GGS", 64), ("BITS", 4), ("GS", 128), ("WARPS", 32),
                                              ("EPS_BITS", 925353388), ("SCALE_BITS", 1065353216)],
                                  ["bfloat16", "float16"])
-# A lone sequence's dense feed-forward in one launch (MLX_LFM_FFN_FUSED): the 1.2B's.
+# A lone sequence's feed-forward in one launch (MLX_LFM_FFN_FUSED): the
+# 8B-A1B's two dense layers (4-bit) and, "@dense", the 1.2B's.
 KERNELS["ffn_fused.rs"] = (
-    [("h", "T"), ("r", "T"), ("wn", "T"), ("w13", "T"), ("w2", "T"), ("ctr", "uint32_t")],
+    [("h", "T"), ("r", "T"), ("wn", "T"), ("iw", "uint32_t"), ("iscales", "T"), ("ibiases", "T"), ("ow", "uint32_t"),
+     ("oscales", "T"), ("obiases", "T"), ("ctr", "uint32_t")],
     [("s", "T"), ("out", "T"), ("yn", "T"), ("hk", "T")],
+    lambda dt: [("D", 2048), ("F", 7168), ("NBLK", 256 if dt != "float32" else 512), ("WARPS", 16),
+                ("EPS_BITS", 925353388), ("IBITS", 4), ("IGS", 64), ("OBITS", 4), ("OGS", 64)],
+)
+KERNELS["ffn_fused.rs@dense"] = (
+    [("h", "T"), ("r", "T"), ("wn", "T"), ("iw", "T"), ("ow", "T"), ("ctr", "uint32_t")],
+    KERNELS["ffn_fused.rs"][1],
     lambda dt: [("D", 2048), ("F", 8192 if dt != "float32" else 4096), ("NBLK", 256 if dt != "float32" else 512),
                 ("WARPS", 16), ("EPS_BITS", 925353388)],
 )
 # A lone sequence's q/k/v stage in one launch (MLX_LFM_QKV_FUSED): the 8B-A1B's
 # (4-bit) and, "@dense", the 1.2B's.
 KERNELS["qk_norm_rope.rs#qkv_fused"] = (
-    [("h", "T"), ("r", "T"), ("wn", "T"), ("wq", "uint32_t"), ("wqs", "T"), ("wqb", "T"), ("qw", "T"), ("kw", "T"),
+    [("h", "T"), ("r", "T"), ("wn", "T"), ("iw", "uint32_t"), ("iscales", "T"), ("ibiases", "T"), ("qw", "T"), ("kw", "T"),
      ("offset", "int"), ("ctr", "uint32_t")],
     [("s", "T"), ("qo", "T"), ("ko", "T"), ("vo", "T"), ("yn", "T")],
     lambda dt: [("D", 2048 if dt != "float32" else 1024), ("HD", 64), ("QH", 32), ("KVH", 8),
                 ("NBLK", 256), ("WARPS", 16), ("EPS_NORM_BITS", 925353388), ("EPS_BITS", 925353388),
-                ("BASE_BITS", 1100968922), ("QBITS", 4), ("QGS", 64)],
+                ("BASE_BITS", 1100968922), ("IBITS", 4), ("IGS", 64)],
 )
 KERNELS["qk_norm_rope.rs#qkv_fused@dense"] = (
-    [("h", "T"), ("r", "T"), ("wn", "T"), ("wq", "T"), ("qw", "T"), ("kw", "T"), ("offset", "int"), ("ctr", "uint32_t")],
+    [("h", "T"), ("r", "T"), ("wn", "T"), ("iw", "T"), ("qw", "T"), ("kw", "T"), ("offset", "int"), ("ctr", "uint32_t")],
     KERNELS["qk_norm_rope.rs#qkv_fused"][1],
     lambda dt: [("D", 2048 if dt != "float32" else 1024), ("HD", 64), ("QH", 32), ("KVH", 8), ("NBLK", 256),
                 ("WARPS", 16), ("EPS_NORM_BITS", 925353388), ("EPS_BITS", 925353388), ("BASE_BITS", 1100968922)],
@@ -317,6 +325,18 @@ def named(path, name):
     return hdr.group(1) if hdr.group(1) is not None else hdr.group(2).replace("\\n", "\n").replace('\\"', '"')
 
 
+def staged_header(k):
+    """A one-launch layer's header (src/kernels/conv_fused.rs, ffn_fused.rs,
+    qkv_fused.rs): the add + RMSNorm code, the GEMV's (and the quantized
+    one's), the ticket helpers, the projections' products (stages.rs; the
+    dense ones for a variant "@dense")."""
+    lead = "#define LFM_NORM_IN_WIDER_BLOCK 1\n" + named(k / "add_rms_norm.rs", "HEADER")
+    ticket = named(k / "stages.rs", "TICKET_HEADER")
+    if DENSE:
+        return lead + header_of(k / "gemv.rs") + ticket + named(k / "stages.rs", "DENSE_PRODUCTS")
+    return lead + header_of(k / "quant_gemv.rs") + ticket + named(k / "stages.rs", "QUANT_PRODUCTS")
+
+
 def body_and_header(path, which="SOURCE"):
     text = path.read_text()
     if path.name == "qk_norm_rope.rs":
@@ -328,17 +348,10 @@ def body_and_header(path, which="SOURCE"):
         parts = re.findall(r'r#"(.*?)"#|(\w+)!\(\)', text[start:end], re.S)
         body = "".join(lit if name == "" else macro(name) for lit, name in parts)
         if "QKV_FUSED" in which:
-            # The fused q/k/v stage (src/kernels/qkv_fused.rs joins its header):
-            # the add + RMSNorm code, the GEMV's (and the quantized one's and
-            # the conv layer's quantized rows), the ticket helpers, its rows.
+            # The fused q/k/v stage (src/kernels/qkv_fused.rs joins its
+            # header as the other one-launch layers do).
             k = path.parent
-            lead = "#define LFM_NORM_IN_WIDER_BLOCK 1\n" + named(k / "add_rms_norm.rs", "HEADER")
-            ticket = named(k / "stages.rs", "TICKET_HEADER")
-            fused = k / "qkv_fused.rs"
-            if DENSE:
-                return body, lead + header_of(k / "gemv.rs") + ticket + named(fused, "DENSE_ROWS")
-            return body, (lead + header_of(k / "quant_gemv.rs") + ticket + named(k / "conv_fused.rs", "QUANT_PRODUCTS")
-                          + named(fused, "QUANT_ROWS"))
+            return body, staged_header(k)
         return body, ""
     src = re.search(which + r': &str = r#"(.*?)"#;', text, re.S).group(1)
     if path.name == "norm_gemv.rs" and "DEFERRED" in which:
@@ -362,20 +375,8 @@ def body_and_header(path, which="SOURCE"):
         k = path.parent
         lead = "#define LFM_NORM_IN_WIDER_BLOCK 1\n" + named(k / "add_rms_norm.rs", "HEADER") + header_of(k / "quant_gemv.rs")
         return src, lead + named(k / "moe_router.rs", "ROUTE_HEADER") + named(k / "moe_router.rs", "GATE_HEADER") + named(path.parent / "stages.rs", "TICKET_HEADER")
-    if path.name == "ffn_fused.rs":
-        # The add + RMSNorm code, the GEMVs', the ticket helpers.
-        k = path.parent
-        lead = "#define LFM_NORM_IN_WIDER_BLOCK 1\n" + named(k / "add_rms_norm.rs", "HEADER")
-        return src, lead + header_of(k / "gemv.rs") + named(k / "stages.rs", "TICKET_HEADER")
-    if path.name == "conv_fused.rs":
-        # The add + RMSNorm code, the GEMV's (and the quantized one's), the
-        # ticket helpers, the products (dense: the variant "@dense").
-        k = path.parent
-        lead = "#define LFM_NORM_IN_WIDER_BLOCK 1\n" + named(k / "add_rms_norm.rs", "HEADER")
-        ticket = named(k / "stages.rs", "TICKET_HEADER")
-        if DENSE:
-            return src, lead + header_of(k / "gemv.rs") + ticket + named(path, "DENSE_PRODUCTS")
-        return src, lead + header_of(k / "quant_gemv.rs") + ticket + named(path, "QUANT_PRODUCTS")
+    if path.name in ("ffn_fused.rs", "conv_fused.rs"):
+        return src, staged_header(path.parent)
     if path.name == "moe_gemm.rs":
         return src, header_of(path.parent / "gemv.rs") + named(path, "MMA_HEADER")
     if path.name == "moe_router.rs":
@@ -480,7 +481,8 @@ DEFINES_OF = {
     "conv_fused.rs": "#define LFM_QMLX_TILES 2\n",
     "conv_fused.rs@no-wait": "#define LFM_SPIN_LIMIT 0\n#define LFM_QMLX_TILES 2\n",
     "conv_fused.rs@dense": "#define LFM_DENSE_PREFETCH 0\n",
-    "ffn_fused.rs": "#define LFM_DENSE_PREFETCH 0\n",
+    "ffn_fused.rs": "#define LFM_QMLX_TILES 2\n",
+    "ffn_fused.rs@dense": "#define LFM_DENSE_PREFETCH 0\n",
     "qk_norm_rope.rs#qkv_fused": "#define LFM_QMLX_TILES 2\n",
     "qk_norm_rope.rs#qkv_fused@dense": "#define LFM_DENSE_PREFETCH 0\n",
 }

@@ -29,7 +29,8 @@ use super::stages::{self, Built, Cells, TICKET_HEADER};
 use crate::error::{Error, Result};
 use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
 use crate::mlx::Array;
-use crate::model::linear::{Normed, Quantized};
+use crate::model::linear::Normed;
+pub use super::stages::Projections;
 use std::sync::OnceLock;
 
 /// Template constants: T, D (the row), C (the conv's channels), KEEP (the
@@ -63,7 +64,8 @@ pub(crate) const SOURCE: &str = r#"
     __syncthreads();
     if (c < C) {
       float s3[3] = {0.0f, 0.0f, 0.0f};
-      if (!late) LFM_CONV_IN3(reinterpret_cast<const T*>(sm), c, lane, s3);
+      const size_t rows[3] = {static_cast<size_t>(c), static_cast<size_t>(C) + c, 2 * static_cast<size_t>(C) + c};
+      if (!late) LFM_IN_ROWS(D, 3, rows, reinterpret_cast<const T*>(sm), lane, s3);
       if (lane == 0) {
         const T* wd = cw + static_cast<size_t>(c) * (KEEP + 1);
         float acc = 0.0f;
@@ -90,68 +92,11 @@ pub(crate) const SOURCE: &str = r#"
   if (!late) lfm_stage16(sm, yc, CR);
   __syncthreads();
   if (n < D) {
-    float o = 0.0f;
-    if (!late) o = LFM_CONV_OUT1(reinterpret_cast<const T*>(sm), n, lane);
-    if (lane == 0) out[n] = late ? T(poison) : T(o);
+    float o[1] = {0.0f};
+    const size_t rows[1] = {static_cast<size_t>(n)};
+    if (!late) LFM_OUT_ROWS(C, 1, rows, reinterpret_cast<const T*>(sm), lane, o);
+    if (lane == 0) out[n] = late ? T(poison) : T(o[0]);
   }
-"#;
-
-/// The quantized projections' products for [`SOURCE`] (`LFM_CONV_IN3`:
-/// channel c's three in_proj sums; `LFM_CONV_OUT1`: out_proj's output n),
-/// in MLX's own `qmv` arithmetic, each row asked of L2 first (a channel's
-/// second and third rows then wait on L2, not DRAM).
-pub(crate) const QUANT_PRODUCTS: &str = r#"
-template <typename T, int K, int BITS, int GS>
-__device__ inline float lfm_conv_qrow(const T* xs, const uint32_t* w, const T* sc, const T* bi, size_t row, int lane) {
-  constexpr int G = K / GS;
-  constexpr int WORDS = K * BITS / 32;
-  return lfm_qdot_mlx<T, K, BITS, GS, true>(xs, w + row * WORDS, sc + row * G, bi + row * G, lane);
-}
-template <typename T, int K, int BITS, int GS>
-__device__ inline void lfm_conv_qprefetch(const uint32_t* w, const T* sc, const T* bi, size_t row, int lane) {
-  constexpr int G = K / GS;
-  lfm_prefetch_lines<K * BITS / 8>(w + row * (K * BITS / 32), lane);
-  lfm_prefetch_lines<G * (int)sizeof(T)>(sc + row * G, lane);
-  lfm_prefetch_lines<G * (int)sizeof(T)>(bi + row * G, lane);
-}
-template <typename T, int D, int C, int BITS, int GS>
-__device__ inline void lfm_conv_qin3(const T* xs, const uint32_t* w, const T* sc, const T* bi, int c, int lane, float* s3) {
-#pragma unroll
-  for (int q = 0; q < 3; q++) lfm_conv_qprefetch<T, D, BITS, GS>(w, sc, bi, static_cast<size_t>(q) * C + c, lane);
-#pragma unroll
-  for (int q = 0; q < 3; q++) s3[q] = lfm_conv_qrow<T, D, BITS, GS>(xs, w, sc, bi, static_cast<size_t>(q) * C + c, lane);
-}
-template <typename T, int C, int BITS, int GS>
-__device__ inline float lfm_conv_qout1(const T* xs, const uint32_t* w, const T* sc, const T* bi, int n, int lane) {
-  lfm_conv_qprefetch<T, C, BITS, GS>(w, sc, bi, n, lane);
-  return lfm_conv_qrow<T, C, BITS, GS>(xs, w, sc, bi, n, lane);
-}
-#define LFM_CONV_IN3(xs, c, lane, s3) lfm_conv_qin3<T, D, C, IBITS, IGS>(xs, iw, iscales, ibiases, c, lane, s3)
-#define LFM_CONV_OUT1(xs, n, lane) lfm_conv_qout1<T, C, OBITS, OGS>(xs, ow, oscales, obiases, n, lane)
-"#;
-
-/// The dense projections' products for [`SOURCE`], walked as MLX's
-/// `gemv_single` walks a row (src/kernels/gemv.rs `lfm_dot_rows`: a
-/// one-row product is MLX's to the bit; the GEMV kernels' default walk,
-/// no L2 prefetch), a channel's three rows together.
-const DENSE_PRODUCTS: &str = r#"
-template <typename T, int D, int C>
-__device__ inline void lfm_conv_din3(const T* xs, const T* w, int c, int lane, float* s3) {
-  const T* rows[3] = {w + static_cast<size_t>(c) * D, w + (static_cast<size_t>(C) + c) * D,
-                      w + (2 * static_cast<size_t>(C) + c) * D};
-  lfm_dot_rows<T, D, 1, 3>(xs, true, rows, lfm_aligned(w), lane, s3);
-#pragma unroll
-  for (int q = 0; q < 3; q++) s3[q] = lfm_warp_sum(s3[q]);
-}
-template <typename T, int C>
-__device__ inline float lfm_conv_dout1(const T* xs, const T* w, int n, int lane) {
-  const T* rows[1] = {w + static_cast<size_t>(n) * C};
-  float acc[1] = {0.0f};
-  lfm_dot_rows<T, C, 1, 1>(xs, true, rows, lfm_aligned(w), lane, acc);
-  return lfm_warp_sum(acc[0]);
-}
-#define LFM_CONV_IN3(xs, c, lane, s3) lfm_conv_din3<T, D, C>(xs, iw, c, lane, s3)
-#define LFM_CONV_OUT1(xs, n, lane) lfm_conv_dout1<T, C>(xs, ow, n, lane)
 "#;
 
 /// Warps a block (a channel or an output each): 16, so that each stage's
@@ -176,57 +121,24 @@ pub fn built() -> usize {
     BUILT.get()
 }
 
-/// The layer's two projections, as the kernel reads them.
-#[derive(Clone, Copy)]
-pub enum Projections<'a> {
-    /// in_proj `[3C, D]` and out_proj `[D, C]`, MLX affine quantized.
-    Quant(&'a Quantized, &'a Quantized),
-    /// The same, dense in the activations' dtype.
-    Dense(&'a Array, &'a Array),
-}
-
-impl Projections<'_> {
-    fn quant(&self) -> bool {
-        matches!(self, Projections::Quant(..))
-    }
-
-    /// (rows, input width) of in_proj and of out_proj.
-    fn shapes(&self) -> [(i32, i64); 2] {
-        let dense = |w: &Array| (w.dim(0), w.dim(1) as i64);
-        let quant = |q: &Quantized| (q.weight.dim(0), q.weight.dim(1) as i64 * 32 / q.spec.bits as i64);
-        match self {
-            Projections::Quant(i, o) => [quant(i), quant(o)],
-            Projections::Dense(i, o) => [dense(i), dense(o)],
-        }
-    }
-}
-
 fn kernel(quant: bool) -> Option<&'static CudaKernel> {
     static K: [Cells; 2] = [stages::cells(), stages::cells()];
-    let common = "#define LFM_NORM_IN_WIDER_BLOCK 1\n";
+    let mut inputs = vec!["h", "r", "wn", "state", "cw"];
+    inputs.extend(Projections::input_names(quant));
+    inputs.push("ctr");
     let outputs = ["s", "out", "next", "yn", "yc"];
-    if quant {
-        // (Two of MLX's tiles a batch, not four: the same sums, and 44
-        // registers a thread by ptxas where four took 84.)
-        let inputs = ["h", "r", "wn", "iw", "iscales", "ibiases", "state", "cw", "ow", "oscales", "obiases", "ctr"];
-        stages::kernel(&K[1], "lfm_conv_fused", &inputs, &outputs, SOURCE, || {
-            format!(
-                "{common}#define LFM_QMLX_TILES 2\n{}{}{TICKET_HEADER}{QUANT_PRODUCTS}",
-                super::add_rms_norm::device_code(),
-                super::quant_gemv::header()
-            )
-        })
-    } else {
-        // (The dense GEMVs' default walk: no L2 prefetch.)
-        let inputs = ["h", "r", "wn", "iw", "state", "cw", "ow", "ctr"];
-        stages::kernel(&K[0], "lfm_conv_fused_dense", &inputs, &outputs, SOURCE, || {
-            format!(
-                "{common}#define LFM_DENSE_PREFETCH 0\n{}{}{TICKET_HEADER}{DENSE_PRODUCTS}",
-                super::add_rms_norm::device_code(),
-                super::gemv::header()
-            )
-        })
-    }
+    // (Quantized: two of MLX's tiles a batch, not four: the same sums, and
+    // 44 registers a thread by ptxas where four took 84. Dense: the GEMVs'
+    // default walk, no L2 prefetch.)
+    let (name, walk) = if quant { ("lfm_conv_fused", "#define LFM_QMLX_TILES 2\n") } else { ("lfm_conv_fused_dense", "#define LFM_DENSE_PREFETCH 0\n") };
+    stages::kernel(&K[usize::from(quant)], name, &inputs, &outputs, SOURCE, || {
+        let products = if quant { super::quant_gemv::header() } else { super::gemv::header() };
+        format!(
+            "#define LFM_NORM_IN_WIDER_BLOCK 1\n{walk}{}{products}{TICKET_HEADER}{}",
+            super::add_rms_norm::device_code(),
+            Projections::products(quant)
+        )
+    })
 }
 
 /// The blocks of one launch: the norm's, the channels', out_proj's.
@@ -254,33 +166,16 @@ pub fn available(x: &Normed, p: Projections, state: &Array, cw: &Array, has_bias
     if !enabled_here() || has_bias || !super::add_rms_norm::eps_const() || x.h.ndim() != 2 || x.h.dim(0) != 1 {
         return false;
     }
-    let two_d = match p {
-        Projections::Quant(i, o) => i.weight.ndim() == 2 && o.weight.ndim() == 2,
-        Projections::Dense(i, o) => i.ndim() == 2 && o.ndim() == 2,
-    };
-    if !two_d || state.ndim() != 3 || cw.ndim() != 2 {
+    if state.ndim() != 3 || cw.ndim() != 2 {
         return false;
     }
     let (d, dt) = (x.h.dim(1), x.h.dtype());
     let (c, l) = (cw.dim(0), cw.dim(1));
     let bytes = |len: i32| len as usize * dt.size();
-    let products = match p {
-        Projections::Quant(i, o) => {
-            super::quant_gemv::spec_served(i, dt, d)
-                && super::quant_gemv::spec_served(o, dt, c)
-                && i.scales.shape() == [3 * c, d / i.spec.group_size]
-                && o.scales.shape() == [d, c / o.spec.group_size]
-        }
-        Projections::Dense(i, o) => i.dtype() == dt && o.dtype() == dt && d % 8 == 0 && c % 8 == 0,
-    };
-    let [(in_rows, in_width), (out_rows, out_width)] = p.shapes();
     super::add_rms_norm::available(x.h, r, x.w)
         && super::add_rms_norm::block_for(d, 16 / dt.size() as i32) <= WARPS * 32
-        && products
-        && in_rows == 3 * c
-        && in_width == d as i64
-        && out_rows == d
-        && out_width == c as i64
+        && c > 0
+        && p.served(dt, 3 * c, d, c)
         && l >= 2
         && state.shape() == [1, l - 1, c]
         && state.dtype() == dt
@@ -315,21 +210,11 @@ pub fn forward(x: &Normed, p: Projections, state: &Array, cw: &Array, ctr: &Arra
         ("WARPS", TemplateArg::Int(WARPS)),
         ("EPS_BITS", TemplateArg::Int(x.eps.to_bits() as i32)),
     ];
-    let missing = |what: &str| Error::invalid(format!("the fused short-conv layer kernel needs affine biases ({what})"));
-    let inputs: Vec<&Array> = match p {
-        Projections::Quant(wi, wo) => {
-            template.extend([
-                ("IBITS", TemplateArg::Int(wi.spec.bits)),
-                ("IGS", TemplateArg::Int(wi.spec.group_size)),
-                ("OBITS", TemplateArg::Int(wo.spec.bits)),
-                ("OGS", TemplateArg::Int(wo.spec.group_size)),
-            ]);
-            let ib = wi.biases.as_ref().ok_or_else(|| missing("in_proj"))?;
-            let ob = wo.biases.as_ref().ok_or_else(|| missing("out_proj"))?;
-            vec![x.h, r, x.w, &wi.weight, &wi.scales, ib, state, cw, &wo.weight, &wo.scales, ob, ctr]
-        }
-        Projections::Dense(wi, wo) => vec![x.h, r, x.w, wi, state, cw, wo, ctr],
-    };
+    let (projections, spec) = p.inputs()?;
+    template.extend(spec);
+    let mut inputs = vec![x.h, r, x.w, state, cw];
+    inputs.extend(projections);
+    inputs.push(ctr);
     let mut outs = kern.call(
         &inputs,
         &[(&[1, d], dt), (&[1, d], dt), (&[1, l - 1, c], dt), (&[d], dt), (&[c], dt)],

@@ -1,9 +1,11 @@
-//! A lone sequence's dense feed-forward in one launch (`MLX_LFM_FFN_FUSED=1`,
+//! A lone sequence's feed-forward in one launch (`MLX_LFM_FFN_FUSED=1`,
 //! opt-in until its H200 test and A/B): the residual add + RMSNorm before
-//! it, the stacked w1/w3 with the SwiGLU gate, and w2; by default two or
-//! three launches (the add + RMSNorm kernel or its fold into the SwiGLU
-//! GEMV, the SwiGLU GEMV, MLX's GEMV of w2): 32 of the 1.2B's 138 nodes a
-//! step over its 16 layers, 16 of the 350M's.
+//! it, the stacked w1/w3 with the SwiGLU gate, and w2, dense (the 350M's
+//! and the 1.2B's) or 4/8-bit (the 8B-A1B's two dense layers); by default
+//! two to four launches (the add + RMSNorm kernel or its fold into the
+//! SwiGLU GEMV, the SwiGLU GEMV, MLX's GEMV of w2; quantized: MLX's `qmv`
+//! of w1/w3, the gate, `qmv` of w2): 32 of the 1.2B's 138 nodes a step
+//! over its 16 layers, 16 of the 350M's.
 //!
 //! Stages handed on as in src/kernels/moe_fused.rs (read its note: a
 //! block's ticket from the layer's counters gives its part and its launch,
@@ -11,29 +13,34 @@
 //! the output instead of hanging, and a layer's launches must be ordered
 //! by data): ticket 0 the add + RMSNorm as the add + RMSNorm kernel's block
 //! runs it (its bits); the next tickets a warp an output of the gate, its
-//! w1 and w3 rows as the SwiGLU GEMV walks them (src/kernels/gemv.rs
-//! `lfm_gemv_swiglu_warp`, MLX's `gemv_single` order, the gate rounded as
-//! MLX's ops round it); the last tickets a warp an output of w2 as the
-//! dense GEMV walks it (`lfm_gemv_warp`: MLX's one-row product to the bit
-//! where MLX takes its GEMV, gates a multiple of 32 wide: every model's),
-//! once every gate output is done. So the output is the stock path's bits
-//! where it runs the add + RMSNorm kernel (the 1.2B's rows) and, by the
-//! same sums grouped alike, where it folds the norm into the SwiGLU GEMV
-//! (the 350M's); the test holds the sum to the bits and the output within
-//! two roundings. With 16 warps a block, the 350M's w2 stage is 64 blocks
-//! (MLX's GEMV spreads it over 128): what its A/B will show. Tests in
-//! src/kernels/tests.rs.
+//! w1 and w3 rows walked together, the gate rounded as MLX's ops round it
+//! (`lfm_swiglu`); the last tickets a warp an output of w2, once every gate
+//! output is done. The rows are walked as src/kernels/stages.rs's products
+//! walk them: dense in MLX's `gemv_single` order (as the SwiGLU GEMV, src/kernels/gemv.rs
+//! `lfm_gemv_swiglu_warp`, and MLX's one-row GEMV: its bits where MLX
+//! takes its GEMV, gates a multiple of 32 wide: every model's), quantized
+//! in MLX's `qmv` arithmetic (its bits). So the output is the stock path's
+//! bits where it runs the add + RMSNorm kernel (the 1.2B's rows) and, by
+//! the same sums grouped alike, where it folds the norm into the SwiGLU
+//! GEMV (the 350M's); the test holds the sum to the bits and the output
+//! within two roundings. With 16 warps a block, the 350M's w2 stage is 64
+//! blocks (MLX's GEMV spreads it over 128): what its A/B will show. Tests
+//! in src/kernels/tests.rs.
 
 use super::stages::{self, Built, Cells, TICKET_HEADER};
 use crate::error::{Error, Result};
 use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
 use crate::mlx::Array;
 use crate::model::linear::Normed;
+pub use super::stages::Projections;
 use std::sync::OnceLock;
 
 /// Template constants: T, D (the row), F (the gate's width), NBLK (the add +
-/// RMSNorm kernel's block for this row), WARPS, EPS_BITS. `ctr`: the
-/// layer's counters (tickets, the norm's launch mark, gate blocks done).
+/// RMSNorm kernel's block for this row), WARPS, EPS_BITS, and quantized,
+/// IBITS / IGS and OBITS / OGS (w1/w3's and w2's specifications). `ctr`:
+/// the layer's counters (tickets, the norm's launch mark, gate blocks
+/// done); `iw`..: the projections as src/kernels/stages.rs's products name
+/// them (w1/w3 stacked, then w2).
 pub(crate) const SOURCE: &str = r#"
   constexpr int GB = (F + WARPS - 1) / WARPS;
   constexpr int OB = (D + WARPS - 1) / WARPS;
@@ -59,11 +66,10 @@ pub(crate) const SOURCE: &str = r#"
     if (!late) lfm_stage16(sm, yn, XR);
     __syncthreads();
     if (j < F) {
-      if (!late) {
-        lfm_gemv_swiglu_warp<T, D, 1>(reinterpret_cast<const T*>(sm), true, w13, lfm_aligned(w13), hk, F, j, lane);
-      } else if (lane == 0) {
-        hk[j] = poison;
-      }
+      float gu[2] = {0.0f, 0.0f};
+      const size_t rows[2] = {static_cast<size_t>(j), static_cast<size_t>(F) + j};
+      if (!late) LFM_IN_ROWS(D, 2, rows, reinterpret_cast<const T*>(sm), lane, gu);
+      if (lane == 0) hk[j] = late ? poison : lfm_swiglu<T>(gu[0], gu[1]);
     }
     lfm_release_count(st + 2);
     return;
@@ -74,11 +80,10 @@ pub(crate) const SOURCE: &str = r#"
   if (!late) lfm_stage16(sm, hk, HR);
   __syncthreads();
   if (n < D) {
-    if (!late) {
-      lfm_gemv_warp<T, F, 1>(reinterpret_cast<const T*>(sm), true, w2, lfm_aligned(w2), out, D, n, lane);
-    } else if (lane == 0) {
-      out[n] = poison;
-    }
+    float o[1] = {0.0f};
+    const size_t rows[1] = {static_cast<size_t>(n)};
+    if (!late) LFM_OUT_ROWS(F, 1, rows, reinterpret_cast<const T*>(sm), lane, o);
+    if (lane == 0) out[n] = late ? poison : T(o[0]);
   }
 "#;
 
@@ -101,14 +106,20 @@ pub fn built() -> usize {
     BUILT.get()
 }
 
-fn kernel() -> Option<&'static CudaKernel> {
-    static K: Cells = stages::cells();
-    // (The dense GEMVs' default walk: no L2 prefetch.)
-    stages::kernel(&K, "lfm_ffn_fused", &["h", "r", "wn", "w13", "w2", "ctr"], &["s", "out", "yn", "hk"], SOURCE, || {
+fn kernel(quant: bool) -> Option<&'static CudaKernel> {
+    static K: [Cells; 2] = [stages::cells(), stages::cells()];
+    let mut inputs = vec!["h", "r", "wn"];
+    inputs.extend(Projections::input_names(quant));
+    inputs.push("ctr");
+    // (Quantized: two of MLX's tiles a batch, as the conv layer's; dense:
+    // the GEMVs' default walk, no L2 prefetch.)
+    let (name, walk) = if quant { ("lfm_ffn_fused_q", "#define LFM_QMLX_TILES 2\n") } else { ("lfm_ffn_fused", "#define LFM_DENSE_PREFETCH 0\n") };
+    stages::kernel(&K[usize::from(quant)], name, &inputs, &["s", "out", "yn", "hk"], SOURCE, || {
+        let products = if quant { super::quant_gemv::header() } else { super::gemv::header() };
         format!(
-            "#define LFM_NORM_IN_WIDER_BLOCK 1\n#define LFM_DENSE_PREFETCH 0\n{}{}{TICKET_HEADER}",
+            "#define LFM_NORM_IN_WIDER_BLOCK 1\n{walk}{}{products}{TICKET_HEADER}{}",
             super::add_rms_norm::device_code(),
-            super::gemv::header()
+            Projections::products(quant)
         )
     })
 }
@@ -120,50 +131,47 @@ fn blocks(d: i32, f: i32) -> i64 {
 }
 
 /// Whether [`forward`] serves the pending norm `x` (one row, with a
-/// residual to add), the stacked dense w1/w3 `w13` (`[2F, D]`) and w2
-/// (`[D, F]`), in the activations' dtype, no biases: on ([`enabled`]), on
+/// residual to add) and the projections `p`: w1/w3 stacked (`[2F, D]`) and
+/// w2 (`[D, F]`), no biases, dense in the activations' dtype or quantized
+/// as the MLX walk serves (src/kernels/stages.rs): on ([`enabled`]), on
 /// CUDA, with eps compiled in (`MLX_LFM_EPS_CONST`, the default), where the
 /// add + RMSNorm kernel serves the row with a block no wider than this
 /// kernel's, and the staged rows within shared memory.
-pub fn available(x: &Normed, w13: &Array, w2: &Array) -> bool {
+pub fn available(x: &Normed, p: Projections) -> bool {
     let Some(r) = x.r else { return false };
     if !enabled() || !cuda_kernels_enabled() || !super::add_rms_norm::eps_const() || x.h.ndim() != 2 || x.h.dim(0) != 1 {
         return false;
     }
-    if w13.ndim() != 2 || w2.ndim() != 2 {
-        return false;
-    }
     let (d, dt) = (x.h.dim(1), x.h.dtype());
-    let f = w2.dim(1);
+    let rows = p.first_rows();
+    let f = rows / 2;
     let bytes = |len: i32| len as usize * dt.size();
     super::add_rms_norm::available(x.h, r, x.w)
         && super::add_rms_norm::block_for(d, 16 / dt.size() as i32) <= WARPS * 32
-        && w13.dtype() == dt
-        && w2.dtype() == dt
+        && rows % 2 == 0
         && f > 0
-        && w13.shape() == [2 * f, d]
-        && w2.dim(0) == d
-        && d % 8 == 0
-        && f % 8 == 0
+        && p.served(dt, 2 * f, d, f)
         && d <= MAX_WIDTH
         && f <= MAX_WIDTH
+        && bytes(d) % 16 == 0
+        && bytes(f) % 16 == 0
         && bytes(d).max(bytes(f)) <= stages::MAX_STAGED
-        && kernel().is_some()
+        && kernel(p.quant()).is_some()
 }
 
 /// `(the residual sum [1, D], w2's output [1, D] (before a tensor parallel
 /// reduce))` in one launch (callers check [`available`]); `ctr` the
 /// layer's own (`stages::new_counters`).
-pub fn forward(x: &Normed, w13: &Array, w2: &Array, ctr: &Array) -> Result<(Array, Array)> {
-    let kern = kernel().ok_or_else(|| Error::mlx("the fused feed-forward kernel is not available"))?;
+pub fn forward(x: &Normed, p: Projections, ctr: &Array) -> Result<(Array, Array)> {
+    let kern = kernel(p.quant()).ok_or_else(|| Error::mlx("the fused feed-forward kernel is not available"))?;
     let r = x.r.ok_or_else(|| Error::invalid("the fused feed-forward kernel needs a residual to add"))?;
     stages::check_counters(ctr, "the fused feed-forward kernel")?;
     let (d, dt) = (x.h.dim(1), x.h.dtype());
-    let f = w2.dim(1);
+    let f = p.first_rows() / 2;
     let nb = blocks(d, f);
     let threads = WARPS * 32;
     let grid = i32::try_from(nb * threads as i64).map_err(|_| Error::invalid(format!("fused feed-forward kernel: {nb} blocks")))?;
-    let template = [
+    let mut template = vec![
         ("T", TemplateArg::Dtype(dt)),
         ("D", TemplateArg::Int(d)),
         ("F", TemplateArg::Int(f)),
@@ -171,13 +179,12 @@ pub fn forward(x: &Normed, w13: &Array, w2: &Array, ctr: &Array) -> Result<(Arra
         ("WARPS", TemplateArg::Int(WARPS)),
         ("EPS_BITS", TemplateArg::Int(x.eps.to_bits() as i32)),
     ];
-    let mut outs = kern.call(
-        &[x.h, r, x.w, w13, w2, ctr],
-        &[(&[1, d], dt), (&[1, d], dt), (&[d], dt), (&[f], dt)],
-        [grid, 1, 1],
-        [threads, 1, 1],
-        &template,
-    )?;
+    let (projections, spec) = p.inputs()?;
+    template.extend(spec);
+    let mut inputs = vec![x.h, r, x.w];
+    inputs.extend(projections);
+    inputs.push(ctr);
+    let mut outs = kern.call(&inputs, &[(&[1, d], dt), (&[1, d], dt), (&[d], dt), (&[f], dt)], [grid, 1, 1], [threads, 1, 1], &template)?;
     outs.truncate(2);
     BUILT.bump();
     let missing = || Error::mlx("fused feed-forward kernel: missing output");

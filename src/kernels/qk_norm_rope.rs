@@ -140,7 +140,7 @@ const QKV_SOURCE: &str = concat!(
 /// A lone sequence's q/k/v stage in one launch (src/kernels/qkv_fused.rs:
 /// the residual add and RMSNorm, the stacked projection and this file's
 /// norm and RoPE, on the ticket stages of src/kernels/moe_fused.rs): a
-/// block a head, its HD rows of the projection (`LFM_QKV_ROWS`: the
+/// block a head, its HD rows of the projection (`LFM_IN_ROWS`, src/kernels/stages.rs: the
 /// projection's walk, rounded to T as the product is) into shared memory,
 /// then the head's norm and RoPE by its first warp, the `norm_rope_body`
 /// arithmetic on the same values as the kernel above.
@@ -173,8 +173,10 @@ pub(crate) const QKV_FUSED_SOURCE: &str = concat!(
     float acc[RPW];
 #pragma unroll
     for (int i = 0; i < RPW; i++) acc[i] = 0.0f;
-    const int row0 = hh * HD + wid * RPW;
-    if (!late) LFM_QKV_ROWS(reinterpret_cast<const T*>(sm), row0, lane, acc);
+    size_t rows[RPW];
+#pragma unroll
+    for (int i = 0; i < RPW; i++) rows[i] = static_cast<size_t>(hh) * HD + wid * RPW + i;
+    if (!late) LFM_IN_ROWS(D, RPW, rows, reinterpret_cast<const T*>(sm), lane, acc);
     if (lane == 0) {
 #pragma unroll
       for (int i = 0; i < RPW; i++) hv[wid * RPW + i] = late ? T(__int_as_float(0x7fc00000)) : T(acc[i]);

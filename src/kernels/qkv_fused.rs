@@ -23,36 +23,6 @@ use crate::mlx::{Array, Dtype};
 use crate::model::linear::{Normed, Quantized};
 use std::sync::OnceLock;
 
-/// The dense rows of a head: `RPW` rows a warp walked together in
-/// `gemv_single`'s order (src/kernels/gemv.rs `lfm_dot_rows`), each summed
-/// over the warp.
-const DENSE_ROWS: &str = r#"
-template <typename T, int D, int RPW>
-__device__ inline void lfm_qkv_drows(const T* xs, const T* w, int row0, int lane, float* acc) {
-  const T* rows[RPW];
-#pragma unroll
-  for (int i = 0; i < RPW; i++) rows[i] = w + static_cast<size_t>(row0 + i) * D;
-  lfm_dot_rows<T, D, 1, RPW>(xs, true, rows, lfm_aligned(w), lane, acc);
-#pragma unroll
-  for (int i = 0; i < RPW; i++) acc[i] = lfm_warp_sum(acc[i]);
-}
-#define LFM_QKV_ROWS(xs, row0, lane, acc) lfm_qkv_drows<T, D, HD / WARPS>(xs, wq, row0, lane, acc)
-"#;
-
-/// The 4- or 8-bit rows of a head in MLX's `qmv` arithmetic, each row asked
-/// of L2 first (src/kernels/conv_fused.rs's helpers).
-const QUANT_ROWS: &str = r#"
-template <typename T, int D, int RPW, int BITS, int GS>
-__device__ inline void lfm_qkv_qrows(const T* xs, const uint32_t* w, const T* sc, const T* bi, int row0, int lane,
-                                     float* acc) {
-#pragma unroll
-  for (int i = 0; i < RPW; i++) lfm_conv_qprefetch<T, D, BITS, GS>(w, sc, bi, row0 + i, lane);
-#pragma unroll
-  for (int i = 0; i < RPW; i++) acc[i] = lfm_conv_qrow<T, D, BITS, GS>(xs, w, sc, bi, row0 + i, lane);
-}
-#define LFM_QKV_ROWS(xs, row0, lane, acc) lfm_qkv_qrows<T, D, HD / WARPS, QBITS, QGS>(xs, wq, wqs, wqb, row0, lane, acc)
-"#;
-
 /// Warps a block: a head's rows spread over them (HD a multiple of it).
 const WARPS: i32 = 16;
 /// The widest head served (8 rows a warp).
@@ -80,29 +50,23 @@ pub enum Projection<'a> {
 
 fn kernel(quant: bool) -> Option<&'static CudaKernel> {
     static K: [Cells; 2] = [stages::cells(), stages::cells()];
-    let common = "#define LFM_NORM_IN_WIDER_BLOCK 1\n";
     let outputs = ["s", "qo", "ko", "vo", "yn"];
     let source = super::qk_norm_rope::QKV_FUSED_SOURCE;
-    if quant {
-        let inputs = ["h", "r", "wn", "wq", "wqs", "wqb", "qw", "kw", "offset", "ctr"];
-        stages::kernel(&K[1], "lfm_qkv_fused", &inputs, &outputs, source, || {
-            format!(
-                "{common}#define LFM_QMLX_TILES 2\n{}{}{TICKET_HEADER}{}{QUANT_ROWS}",
-                super::add_rms_norm::device_code(),
-                super::quant_gemv::header(),
-                super::conv_fused::QUANT_PRODUCTS
-            )
-        })
-    } else {
-        let inputs = ["h", "r", "wn", "wq", "qw", "kw", "offset", "ctr"];
-        stages::kernel(&K[0], "lfm_qkv_fused_dense", &inputs, &outputs, source, || {
-            format!(
-                "{common}#define LFM_DENSE_PREFETCH 0\n{}{}{TICKET_HEADER}{DENSE_ROWS}",
-                super::add_rms_norm::device_code(),
-                super::gemv::header()
-            )
-        })
-    }
+    // (The projection's rows as the first of a layer's two projections:
+    // src/kernels/stages.rs's products. Quantized: two of MLX's tiles a
+    // batch; dense: the GEMVs' default walk, no L2 prefetch.)
+    let (name, walk) = if quant { ("lfm_qkv_fused", "#define LFM_QMLX_TILES 2\n") } else { ("lfm_qkv_fused_dense", "#define LFM_DENSE_PREFETCH 0\n") };
+    let mut inputs = vec!["h", "r", "wn"];
+    inputs.extend(if quant { &["iw", "iscales", "ibiases"][..] } else { &["iw"][..] });
+    inputs.extend(["qw", "kw", "offset", "ctr"]);
+    stages::kernel(&K[usize::from(quant)], name, &inputs, &outputs, source, || {
+        let products = if quant { super::quant_gemv::header() } else { super::gemv::header() };
+        format!(
+            "#define LFM_NORM_IN_WIDER_BLOCK 1\n{walk}{}{products}{TICKET_HEADER}{}",
+            super::add_rms_norm::device_code(),
+            stages::Projections::products(quant)
+        )
+    })
 }
 
 /// Whether the switch is on where our CUDA kernels run.
@@ -194,7 +158,7 @@ pub fn forward(
     ];
     let inputs: Vec<&Array> = match p {
         Projection::Quant(q) => {
-            template.extend([("QBITS", TemplateArg::Int(q.spec.bits)), ("QGS", TemplateArg::Int(q.spec.group_size))]);
+            template.extend([("IBITS", TemplateArg::Int(q.spec.bits)), ("IGS", TemplateArg::Int(q.spec.group_size))]);
             let b = q.biases.as_ref().ok_or_else(|| Error::invalid("the fused q/k/v kernel needs affine biases"))?;
             vec![x.h, r, x.w, &q.weight, &q.scales, b, qw, kw, offset, ctr]
         }

@@ -6,8 +6,9 @@
 
 use super::add_rms_norm::Walks;
 use crate::error::{Error, Result};
-use crate::mlx::kernel::CudaKernel;
+use crate::mlx::kernel::{CudaKernel, TemplateArg};
 use crate::mlx::{Array, Dtype};
+use crate::model::linear::Quantized;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
@@ -97,6 +98,145 @@ __device__ inline void lfm_norm_stage(const T* h, const T* r, const T* wn, float
   __syncthreads();
 }
 "#;
+
+/// The products of a layer's two projections for [`Projections::Quant`]
+/// (`LFM_IN_ROWS(K, R, rows, xs, lane, out)`: the first projection's rows
+/// `rows[0..R]` with the staged `K`-wide row `xs`, each summed whole into
+/// `out`; `LFM_OUT_ROWS` the same of the second), in MLX's own `qmv`
+/// arithmetic (src/kernels/quant_gemv.rs `lfm_qdot_mlx`, the
+/// `MLX_LFM_QGEMV_EXACT` walk: MLX's one-row product to the bit), every row
+/// asked of L2 first (a warp's later rows then wait on L2, not DRAM).
+pub(crate) const QUANT_PRODUCTS: &str = r#"
+template <typename T, int K, int BITS, int GS, int R>
+__device__ inline void lfm_stage_qrows(const T* xs, const uint32_t* w, const T* sc, const T* bi, const size_t* rows,
+                                       int lane, float* out) {
+  constexpr int G = K / GS;
+  constexpr int WORDS = K * BITS / 32;
+#pragma unroll
+  for (int q = 0; q < R; q++) {
+    lfm_prefetch_lines<K * BITS / 8>(w + rows[q] * WORDS, lane);
+    lfm_prefetch_lines<G * (int)sizeof(T)>(sc + rows[q] * G, lane);
+    lfm_prefetch_lines<G * (int)sizeof(T)>(bi + rows[q] * G, lane);
+  }
+#pragma unroll
+  for (int q = 0; q < R; q++) {
+    out[q] = lfm_qdot_mlx<T, K, BITS, GS, true>(xs, w + rows[q] * WORDS, sc + rows[q] * G, bi + rows[q] * G, lane);
+  }
+}
+#define LFM_IN_ROWS(K, R, rows, xs, lane, out) \
+  lfm_stage_qrows<T, K, IBITS, IGS, R>(xs, iw, iscales, ibiases, rows, lane, out)
+#define LFM_OUT_ROWS(K, R, rows, xs, lane, out) \
+  lfm_stage_qrows<T, K, OBITS, OGS, R>(xs, ow, oscales, obiases, rows, lane, out)
+"#;
+
+/// The same for [`Projections::Dense`], a warp's rows walked together as
+/// MLX's `gemv_single` walks a row (src/kernels/gemv.rs `lfm_dot_rows`:
+/// each a one-row product to MLX's bit; the dense GEMVs' default walk, no
+/// L2 prefetch: a kernel's header defines `LFM_DENSE_PREFETCH 0`).
+pub(crate) const DENSE_PRODUCTS: &str = r#"
+template <typename T, int K, int R>
+__device__ inline void lfm_stage_drows(const T* xs, const T* w, const size_t* rows, int lane, float* out) {
+  const T* p[R];
+#pragma unroll
+  for (int q = 0; q < R; q++) {
+    p[q] = w + rows[q] * K;
+    out[q] = 0.0f;
+  }
+  lfm_dot_rows<T, K, 1, R>(xs, true, p, lfm_aligned(w), lane, out);
+#pragma unroll
+  for (int q = 0; q < R; q++) out[q] = lfm_warp_sum(out[q]);
+}
+#define LFM_IN_ROWS(K, R, rows, xs, lane, out) lfm_stage_drows<T, K, R>(xs, iw, rows, lane, out)
+#define LFM_OUT_ROWS(K, R, rows, xs, lane, out) lfm_stage_drows<T, K, R>(xs, ow, rows, lane, out)
+"#;
+
+/// A one-launch layer's two projections: the first reads the normed row
+/// (the conv's in_proj, the feed-forward's stacked w1/w3), the second the
+/// layer's inner row (out_proj, w2). No biases (callers check).
+#[derive(Clone, Copy)]
+pub enum Projections<'a> {
+    /// MLX affine quantized.
+    Quant(&'a Quantized, &'a Quantized),
+    /// Dense, in the activations' dtype.
+    Dense(&'a Array, &'a Array),
+}
+
+impl Projections<'_> {
+    pub(crate) fn quant(&self) -> bool {
+        matches!(self, Projections::Quant(..))
+    }
+
+    /// The first projection's rows (its outputs).
+    pub(crate) fn first_rows(&self) -> i32 {
+        match self {
+            Projections::Quant(i, _) => i.weight.dim(0),
+            Projections::Dense(i, _) => i.dim(0),
+        }
+    }
+
+    /// Whether the first is `[rows, d]` and the second `[d, width]` (in
+    /// logical columns), each in a form [`QUANT_PRODUCTS`] or
+    /// [`DENSE_PRODUCTS`] serve for activations of dtype `dt`: quantized,
+    /// a specification the MLX walk serves with its scales and biases in
+    /// step; dense, in `dt`, the widths multiples of 8 (16-byte loads).
+    pub(crate) fn served(&self, dt: Dtype, rows: i32, d: i32, width: i32) -> bool {
+        match *self {
+            Projections::Quant(i, o) => {
+                let fits = |q: &Quantized, n: i32, k: i32| {
+                    super::quant_gemv::spec_served(q, dt, k)
+                        && q.weight.ndim() == 2
+                        && q.weight.dim(0) == n
+                        && q.weight.dim(1) as i64 * 32 == k as i64 * q.spec.bits as i64
+                        && q.scales.shape() == [n, k / q.spec.group_size]
+                        && q.biases.as_ref().is_some_and(|b| b.shape() == q.scales.shape())
+                };
+                fits(i, rows, d) && fits(o, d, width)
+            }
+            Projections::Dense(i, o) => {
+                i.dtype() == dt && o.dtype() == dt && i.shape() == [rows, d] && o.shape() == [d, width] && d % 8 == 0 && width % 8 == 0
+            }
+        }
+    }
+
+    /// The kernel's inputs for the two projections, named as
+    /// [`Self::input_names`] names them, and (quantized) their
+    /// specifications as template constants.
+    pub(crate) fn inputs(&self) -> Result<(Vec<&Array>, Vec<(&'static str, TemplateArg)>)> {
+        match *self {
+            Projections::Quant(i, o) => {
+                let missing = |what: &str| Error::invalid(format!("a one-launch layer's {what} projection needs affine biases"));
+                let ib = i.biases.as_ref().ok_or_else(|| missing("first"))?;
+                let ob = o.biases.as_ref().ok_or_else(|| missing("second"))?;
+                let spec = [
+                    ("IBITS", TemplateArg::Int(i.spec.bits)),
+                    ("IGS", TemplateArg::Int(i.spec.group_size)),
+                    ("OBITS", TemplateArg::Int(o.spec.bits)),
+                    ("OGS", TemplateArg::Int(o.spec.group_size)),
+                ];
+                Ok((vec![&i.weight, &i.scales, ib, &o.weight, &o.scales, ob], spec.to_vec()))
+            }
+            Projections::Dense(i, o) => Ok((vec![i, o], Vec::new())),
+        }
+    }
+
+    /// The names [`Self::inputs`] go by in the kernel's source.
+    pub(crate) fn input_names(quant: bool) -> &'static [&'static str] {
+        if quant {
+            &["iw", "iscales", "ibiases", "ow", "oscales", "obiases"]
+        } else {
+            &["iw", "ow"]
+        }
+    }
+
+    /// The products' header for these projections.
+    pub(crate) fn products(quant: bool) -> &'static str {
+        if quant {
+            QUANT_PRODUCTS
+        } else {
+            DENSE_PRODUCTS
+        }
+    }
+}
 
 /// Shared memory a one-launch kernel's staged rows may take (48 KiB is
 /// the static limit, with the stages' own few words beside them).

@@ -454,15 +454,17 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     true => vec!["MLX_LFM_QGEMV_KERNEL", "MLX_LFM_NORM_GEMV_KERNEL", "MLX_LFM_QUANT_EMBED_KERNEL"],
                     false => vec![],
                 };
-                // The conv layer in one launch, over quantized or dense
-                // projections; the dense feed-forward in one launch (a
-                // compiled step's rows only: an eager run would be the
-                // stock path's again).
+                // The conv layer and the dense feed-forward each in one
+                // launch, over quantized or dense projections (a compiled
+                // step's rows only: an eager run would be the stock path's
+                // again); a MoE model's feed-forward where it has dense
+                // layers (the wide fixture's first, 4-bit as the 8B-A1B's).
                 let compiled = path == DecodePath::Compiled;
                 if compiled {
                     alone.push("MLX_LFM_CONV_FUSED");
                 }
-                if compiled && !q4 {
+                let dense_ffn = spec.shape.moe.as_ref().is_none_or(|m| m.num_dense_layers > 0);
+                if compiled && dense_ffn {
                     alone.push("MLX_LFM_FFN_FUSED");
                 }
                 // The q/k/v stage in one launch (an attention layer after
@@ -2061,7 +2063,7 @@ fn conv_fused_kernel_matches_stock_ops() {
 /// on used counters, two layers' in turn, and every wait given up.
 #[test]
 fn ffn_fused_kernel_matches_stock_ops() {
-    use crate::kernels::ffn_fused::{available, forward, launch_blocks};
+    use crate::kernels::ffn_fused::{available, forward, launch_blocks, Projections};
     use crate::kernels::stages::new_counters;
     // The norm's block, a block of 16 warps per 16 gate outputs, per 16 outputs.
     assert_eq!(launch_blocks(2048, 8192), 1 + 512 + 128);
@@ -2073,44 +2075,72 @@ fn ffn_fused_kernel_matches_stock_ops() {
     use crate::kernels::gemv::gemv_swiglu;
     use crate::kernels::with_opt_in_one;
     use crate::mlx::random::normal;
-    use crate::mlx::Array;
-    use crate::model::linear::Normed;
+    use crate::mlx::{quantized_matmul, Array};
+    use crate::model::activations::swiglu;
+    use crate::model::linear::{Normed, Quantized};
     let eps_value = 1e-5f32;
     let eps = Array::from_slice(&[eps_value], &[1]).unwrap();
     let consts = [("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string()))];
-    // (dtype, tolerance, D, F): the 1.2B's, the 350M's, a gate not a whole
-    // number of 128-wide steps, float32.
+    // (dtype, tolerance, D, F, w1/w3 bits / group, w2 bits / group; bits
+    // 0: dense weights): the 1.2B's, the 350M's, a gate not a whole number
+    // of 128-wide steps, float32; the 8B-A1B's dense layers (4-bit g64).
     let cases = [
-        (Dtype::Bfloat16, 2.0f32.powi(-7), 2048, 8192),
-        (Dtype::Bfloat16, 2.0f32.powi(-7), 1024, 4608),
-        (Dtype::Bfloat16, 2.0f32.powi(-7), 2048, 1000),
+        (Dtype::Bfloat16, 2.0f32.powi(-7), 2048, 8192, 0, 0, 0, 0),
+        (Dtype::Bfloat16, 2.0f32.powi(-7), 1024, 4608, 0, 0, 0, 0),
+        (Dtype::Bfloat16, 2.0f32.powi(-7), 2048, 1000, 0, 0, 0, 0),
         // The tiny fixtures' width (a norm of 32 threads), a norm of the
         // whole block (512 threads), rows not a whole number of 128-wide steps.
-        (Dtype::Bfloat16, 2.0f32.powi(-7), 64, 192),
-        (Dtype::Bfloat16, 2.0f32.powi(-7), 4096, 2048),
-        (Dtype::Bfloat16, 2.0f32.powi(-7), 1088, 1024),
-        (Dtype::Float16, 2.0f32.powi(-10), 2048, 8192),
-        (Dtype::Float32, 1e-5, 1024, 4096),
+        (Dtype::Bfloat16, 2.0f32.powi(-7), 64, 192, 0, 0, 0, 0),
+        (Dtype::Bfloat16, 2.0f32.powi(-7), 4096, 2048, 0, 0, 0, 0),
+        (Dtype::Bfloat16, 2.0f32.powi(-7), 1088, 1024, 0, 0, 0, 0),
+        (Dtype::Float16, 2.0f32.powi(-10), 2048, 8192, 0, 0, 0, 0),
+        (Dtype::Float32, 1e-5, 1024, 4096, 0, 0, 0, 0),
+        (Dtype::Bfloat16, 2.0f32.powi(-7), 2048, 7168, 4, 64, 4, 64),
+        (Dtype::Bfloat16, 2.0f32.powi(-7), 1024, 3072, 8, 32, 4, 128),
+        // w2 768 wide: a walk's last tile short (4-bit bf16 tiles are 512).
+        (Dtype::Bfloat16, 2.0f32.powi(-7), 1536, 768, 4, 64, 4, 64),
+        (Dtype::Float16, 2.0f32.powi(-10), 2048, 7168, 4, 64, 4, 64),
+        (Dtype::Float32, 1e-5, 1024, 2048, 8, 64, 8, 64),
     ];
-    for (dt, tol, d, f) in cases {
-        let what = format!("{dt:?} {d} wide, gate {f}");
+    for (dt, tol, d, f, ib, ig, ob, og) in cases {
+        let dense = ib == 0;
+        let kind = if dense { "dense".to_string() } else { format!("w1/w3 {ib}-bit g{ig}, w2 {ob}-bit g{og}") };
+        let what = format!("{dt:?} {d} wide, gate {f}, {kind}");
         let w13 = normal(&[2 * f, d], Dtype::Float32, 0.0, 0.04, None).unwrap().astype(dt).unwrap();
         let w2 = normal(&[d, f], Dtype::Float32, 0.0, 0.04, None).unwrap().astype(dt).unwrap();
+        let (q13, q2): (Option<Quantized>, Option<Quantized>) =
+            if dense { (None, None) } else { (Some(quantized(&w13, dt, ib, ig)), Some(quantized(&w2, dt, ob, og))) };
+        let p = match (&q13, &q2) {
+            (Some(i), Some(o)) => Projections::Quant(i, o),
+            _ => Projections::Dense(&w13, &w2),
+        };
         let h = normal(&[1, d], Dtype::Float32, 0.0, 4.0, None).unwrap().astype(dt).unwrap();
         let r = normal(&[1, d], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
         let wn = normal(&[d], Dtype::Float32, 1.0, 0.2, None).unwrap().astype(dt).unwrap();
         let x = Normed { h: &h, r: Some(&r), w: &wn, eps: eps_value, eps_array: &eps };
         crate::knobs::with_overrides(&consts, || {
             let (ws, wy) = add_rms_norm_with(&h, &r, &wn, &eps, eps_value).unwrap();
-            // (The SwiGLU GEMV at any width, as MLX_LFM_GEMV_KERNEL=1 takes it.)
-            let on = [("MLX_LFM_GEMV_KERNEL".to_string(), Some("1".to_string()))];
-            let gate = crate::knobs::with_overrides(&on, || gemv_swiglu(&wy, &w13).unwrap());
-            let want = gate.matmul(&w2.transpose(&[1, 0]).unwrap()).unwrap();
+            let want = match (&q13, &q2) {
+                (Some(q13), Some(q2)) => {
+                    // The stock quantized path: MLX's qmv of the stacked
+                    // w1/w3, the gate on its halves, MLX's qmv of w2.
+                    let gu = quantized_matmul(&wy, &q13.weight, &q13.scales, q13.biases.as_ref(), true, q13.spec).unwrap();
+                    let halves = gu.split_equal(2, -1).unwrap();
+                    let gate = swiglu(&halves[0], &halves[1]).unwrap();
+                    quantized_matmul(&gate, &q2.weight, &q2.scales, q2.biases.as_ref(), true, q2.spec).unwrap()
+                }
+                _ => {
+                    // (The SwiGLU GEMV at any width, as MLX_LFM_GEMV_KERNEL=1 takes it.)
+                    let on = [("MLX_LFM_GEMV_KERNEL".to_string(), Some("1".to_string()))];
+                    let gate = crate::knobs::with_overrides(&on, || gemv_swiglu(&wy, &w13).unwrap());
+                    gate.matmul(&w2.transpose(&[1, 0]).unwrap()).unwrap()
+                }
+            };
             let counters = new_counters().unwrap();
             let run = |ctr: &Array| {
                 with_opt_in_one("MLX_LFM_FFN_FUSED", || {
-                    assert!(available(&x, &w13, &w2), "{what}: not served");
-                    let (s, out) = forward(&x, &w13, &w2, ctr).unwrap();
+                    assert!(available(&x, p), "{what}: not served");
+                    let (s, out) = forward(&x, p, ctr).unwrap();
                     crate::mlx::eval(&[&s, &out]).unwrap();
                     (s, out)
                 })
@@ -2128,27 +2158,36 @@ fn ffn_fused_kernel_matches_stock_ops() {
             });
         });
     }
-    // Not served: no residual, w2 not [D, F], eps read from its array, the switch off.
+    // Not served: no residual, w2 not [D, F], eps read from its array, the
+    // switch off; quantized: a mode the MLX walk does not serve.
     let (d, f) = (2048, 8192);
     let w13 = normal(&[2 * f, d], Dtype::Float32, 0.0, 0.04, None).unwrap().astype(Dtype::Bfloat16).unwrap();
     let w2 = normal(&[d, f], Dtype::Float32, 0.0, 0.04, None).unwrap().astype(Dtype::Bfloat16).unwrap();
+    let p = Projections::Dense(&w13, &w2);
     let h = normal(&[1, d], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(Dtype::Bfloat16).unwrap();
     let wn = normal(&[d], Dtype::Float32, 1.0, 0.2, None).unwrap().astype(Dtype::Bfloat16).unwrap();
     let with_r = Normed { h: &h, r: Some(&h), w: &wn, eps: eps_value, eps_array: &eps };
     let without = Normed { h: &h, r: None, w: &wn, eps: eps_value, eps_array: &eps };
+    let q13 = quantized(&w13, Dtype::Bfloat16, 4, 64);
+    let q2 = quantized(&w2, Dtype::Bfloat16, 4, 64);
+    let mut mx = quantized(&w2, Dtype::Bfloat16, 4, 64);
+    mx.spec.mode = crate::mlx::QuantMode::Mxfp4;
     crate::knobs::with_overrides(&consts, || {
         with_opt_in_one("MLX_LFM_FFN_FUSED", || {
-            assert!(available(&with_r, &w13, &w2), "not served");
-            assert!(!available(&without, &w13, &w2), "served without a residual");
-            assert!(!available(&with_r, &w13, &w13), "served a w2 of another shape");
+            assert!(available(&with_r, p), "not served");
+            assert!(available(&with_r, Projections::Quant(&q13, &q2)), "quantized: not served");
+            assert!(!available(&without, p), "served without a residual");
+            assert!(!available(&with_r, Projections::Dense(&w13, &w13)), "served a w2 of another shape");
+            assert!(!available(&with_r, Projections::Quant(&q13, &q13)), "quantized: served a w2 of another shape");
+            assert!(!available(&with_r, Projections::Quant(&q13, &mx)), "served an mxfp4 w2 as affine");
         })
     });
     let off = [("MLX_LFM_EPS_CONST".to_string(), Some("0".to_string()))];
     crate::knobs::with_overrides(&off, || {
-        assert!(!with_opt_in_one("MLX_LFM_FFN_FUSED", || available(&with_r, &w13, &w2)), "served with eps read from its array");
+        assert!(!with_opt_in_one("MLX_LFM_FFN_FUSED", || available(&with_r, p)), "served with eps read from its array");
     });
     if std::env::var_os("MLX_LFM_FFN_FUSED").is_none() {
-        assert!(!crate::knobs::with_overrides(&consts, || available(&with_r, &w13, &w2)), "on without its switch");
+        assert!(!crate::knobs::with_overrides(&consts, || available(&with_r, p)), "on without its switch");
     }
 }
 

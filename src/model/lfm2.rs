@@ -436,11 +436,14 @@ impl Mlp {
         use crate::kernels::{ffn_fused, norm_gemv};
         // The whole feed-forward in one launch (decode on CUDA,
         // MLX_LFM_FFN_FUSED=1).
-        if let (Some(w13), Linear { weight: Weight::Dense(w2), bias: None, .. }) = (self.stacked_dense_w13(), &self.w2) {
-            if ffn_fused::available(x, w13, w2) {
-                let (s, out) = ffn_fused::forward(x, w13, w2, &self.fused_counters)?;
-                return Ok((s, reduce(&self.shard, out)?));
-            }
+        let pair = match (self.stacked_w13(), &self.w2) {
+            (Some(Weight::Dense(w13)), Linear { weight: Weight::Dense(w2), bias: None, .. }) => Some(ffn_fused::Projections::Dense(w13, w2)),
+            (Some(Weight::Quant(w13)), Linear { weight: Weight::Quant(w2), bias: None, .. }) => Some(ffn_fused::Projections::Quant(w13, w2)),
+            _ => None,
+        };
+        if let Some(p) = pair.filter(|&p| ffn_fused::available(x, p)) {
+            let (s, out) = ffn_fused::forward(x, p, &self.fused_counters)?;
+            return Ok((s, reduce(&self.shard, out)?));
         }
         if let (Some(k), Some(w)) = (x.kernel_input(), self.stacked_dense_w13()) {
             if norm_gemv::swiglu_available(&k, w) {
@@ -465,12 +468,17 @@ impl Mlp {
     /// w1 and w3 as one dense `[2F, D]` weight without a bias, what the
     /// fused gate kernels read; None otherwise.
     fn stacked_dense_w13(&self) -> Option<&Array> {
+        match self.stacked_w13() {
+            Some(Weight::Dense(w)) => Some(w),
+            _ => None,
+        }
+    }
+
+    /// w1 and w3 as one `[2F, D]` weight (dense or quantized) without a
+    /// bias; None otherwise.
+    fn stacked_w13(&self) -> Option<&Weight> {
         match &self.w13 {
-            Projections::Stacked { linear: Linear { weight: Weight::Dense(w), bias: None, .. }, widths }
-                if widths.len() == 2 && widths[0] == widths[1] =>
-            {
-                Some(w)
-            }
+            Projections::Stacked { linear: Linear { weight, bias: None, .. }, widths } if widths.len() == 2 && widths[0] == widths[1] => Some(weight),
             _ => None,
         }
     }
