@@ -634,10 +634,11 @@ impl FfnLayer {
         let unserved = || mlx_lfm::Error::invalid("kernel-bench: the feed-forward's kernels do not serve their operands here");
         if fused {
             let x = Normed { h: &self.h, r: Some(&self.r), w: &self.wn, eps: LAYER_EPS, eps_array: &self.eps };
-            if !ffn_fused::available(&x, w13, w2) {
+            let p = ffn_fused::Projections::Dense(w13, w2);
+            if !ffn_fused::available(&x, p) {
                 return Err(unserved());
             }
-            return Ok(ffn_fused::forward(&x, w13, w2, &self.counters)?.1);
+            return Ok(ffn_fused::forward(&x, p, &self.counters)?.1);
         }
         let (_, y) = add_rms_norm::add_rms_norm_with(&self.h, &self.r, &self.wn, &self.eps, LAYER_EPS)?;
         if !gemv::swiglu_available(&y, w13) {
