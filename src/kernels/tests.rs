@@ -810,6 +810,23 @@ fn stacked_rows_with_kernels_equal_each_row_alone() {
     assert!(failures.is_empty(), "{} failure(s):\n{}", failures.len(), failures.join("\n"));
 }
 
+/// The stock path's conv step for one token a row (`bcx` `[B, 1, 3D]` or
+/// `[1, 3D]`, the state `[B, L - 1, D]`, the weights `[D, L]`): `(the state
+/// after the token, C * conv)`, as the model runs it without our kernels.
+fn stock_conv_step(bcx: &crate::mlx::Array, state: &crate::mlx::Array, w: &crate::mlx::Array) -> (crate::mlx::Array, crate::mlx::Array) {
+    use crate::mlx::{concatenate, conv1d};
+    let (d, l) = (w.dim(0), w.dim(1));
+    let rows = bcx.ndim() == 2;
+    let bcx = if rows { bcx.reshape(&[bcx.dim(0), 1, bcx.dim(1)]).unwrap() } else { bcx.clone() };
+    let parts = bcx.split_equal(3, -1).unwrap();
+    let bx = parts[0].mul(&parts[2]).unwrap();
+    let sp = concatenate(&[state, &bx], 1).unwrap();
+    let conv = conv1d(&sp, &w.reshape(&[d, l, 1]).unwrap(), 1, 0, 1, d).unwrap();
+    let y = parts[1].mul(&conv).unwrap();
+    let next = sp.slice_axis(1, 1, l).unwrap();
+    (next, if rows { y.reshape(&[y.dim(0), d]).unwrap() } else { y })
+}
+
 /// The fused short-conv decode step against the stock ops it replaces: the
 /// state after the token (the padded window's last L-1 rows) bit for bit, `C * conv` within one
 /// rounding (float32 within TF32's, which MLX's conv may use), for one row
@@ -821,7 +838,7 @@ fn short_conv_kernel_matches_stock_ops() {
     }
     use crate::kernels::short_conv::{available, conv_step};
     use crate::mlx::random::normal;
-    use crate::mlx::{concatenate, conv1d, Array};
+    use crate::mlx::Array;
     let f = |a: &Array| -> Vec<f32> { a.astype(Dtype::Float32).unwrap().to_vec().unwrap() };
     for (dt, tol) in [(Dtype::Bfloat16, 1.6e-2f32), (Dtype::Float16, 2e-3), (Dtype::Float32, 4e-3)] {
         for (b, d, l) in [(1, 2048, 3), (4, 1024, 3), (3, 96, 4)] {
@@ -831,12 +848,7 @@ fn short_conv_kernel_matches_stock_ops() {
             assert!(available(&bcx, &state, &w, false), "{dt:?} [{b}, {d}, {l}]");
             assert!(!available(&bcx, &state, &w, true), "a conv bias keeps the stock ops");
             let (kn, ky) = conv_step(&bcx, &state, &w).unwrap();
-            let parts = bcx.split_equal(3, -1).unwrap();
-            let bx = parts[0].mul(&parts[2]).unwrap();
-            let sp = concatenate(&[&state, &bx], 1).unwrap();
-            let conv = conv1d(&sp, &w.reshape(&[d, l, 1]).unwrap(), 1, 0, 1, d).unwrap();
-            let sy = parts[1].mul(&conv).unwrap();
-            let next = sp.slice_axis(1, 1, l).unwrap();
+            let (next, sy) = stock_conv_step(&bcx, &state, &w);
             assert_eq!(kn.shape(), next.shape());
             assert_eq!(ky.shape(), sy.shape());
             assert_eq!(f(&kn), f(&next), "{dt:?} [{b}, {d}, {l}]: the state after the token differs");
@@ -1938,7 +1950,7 @@ fn conv_fused_kernel_matches_stock_ops() {
         return;
     }
     use crate::kernels::add_rms_norm::add_rms_norm_with;
-    use crate::kernels::short_conv::conv_step;
+    use crate::kernels::short_conv::{self, conv_step};
     use crate::kernels::with_opt_in_one;
     use crate::mlx::random::normal;
     use crate::mlx::{quantized_matmul, Array};
@@ -1990,7 +2002,11 @@ fn conv_fused_kernel_matches_stock_ops() {
                 None => a.matmul(&w.transpose(&[1, 0]).unwrap()).unwrap(),
             };
             let (ws, wy) = add_rms_norm_with(&h, &r, &wn, &eps, eps_value).unwrap();
-            let (wnext, wyc) = conv_step(&product(&wy, &qi, &win), &state, &cw).unwrap();
+            // (Our conv kernel serves channels a multiple of 32; the
+            // stock ops, as the model runs them, the others.)
+            let bcx = product(&wy, &qi, &win);
+            let (wnext, wyc) =
+                if short_conv::available(&bcx, &state, &cw, false) { conv_step(&bcx, &state, &cw).unwrap() } else { stock_conv_step(&bcx, &state, &cw) };
             let want = product(&wyc, &qo, &won);
             let counters = new_counters().unwrap();
             let run = |ctr: &Array| {
