@@ -155,44 +155,41 @@ stage (`qkv-fused`: the add + RMSNorm, the stacked projection, the heads'
 norm + RoPE; its test `qkv_fused_kernel_matches_stock_ops`, greedy set
 `MLX_LFM_QKV_FUSED`); `layers-fused` turns all four on (greedy set
 `layers-fused`).
-Next (`bash bench/h200/prepare.sh` here first; ~1,780 s planned: drop
-the dense models' `ab` in call 4 where time is short):
+Next (`bash bench/h200/prepare.sh` here first; ~1,500 s planned; session
+30 ran the kernel tests of every one-launch layer and their greedy sets,
+passed but for the conv test's own reference, mended after: reuse those
+verdicts, `git diff --stat adba29c -- src/kernels src/mlx/kernel.rs cpp`
+showing only src/kernels/tests.rs changed):
   1. carry [.device/a, .device/llama]: `stage` (~100 s with the start).
-  2. carry [.device/b, .device/tests]: `install kernels` with
-     H200_KERNEL_TESTS=moe_router_norm_kernel_matches_the_norm_and_router_kernels,
-     moe_experts_kernels_match_stock_ops,greedy_tokens_with_kernels_equal_stock_ops_on_wide_rows,
-     argmax_finite_kernel_matches_stock_ops,moe_fused_kernel_matches_the_three_kernels,
-     conv_fused_kernel_matches_stock_ops,ffn_fused_kernel_matches_stock_ops,qkv_fused_kernel_matches_stock_ops,
-     greedy_tokens_with_kernels_equal_stock_ops
-     (~420 s, with `timeout -s TERM 560` and H200_KERNEL_JOBS=5 so that
-     each greedy test has a process of its own; the tiny greedy test's
-     one-launch sets run on its compiled steps only: the router's float32
-     weights and their greedy set, the one-launch MoE, conv and
-     feed-forward layers and theirs; if the tiny greedy test alone runs
-     past the call, give it a call of its own; the wide greedy test also runs the
-     defaults adopted in session 27 and the position table against the
-     host scalar), then `save-ptx` in the same call (the kernels these
-     tests compiled come back even if the machine does not stay).
+  2. carry [.device/b, .device/tests]: `install verdicts-from
+     bench/results/2026-12-05-h200-session30.raw.jsonl` then
+     H200_KERNEL_TESTS=conv_fused_kernel_matches_stock_ops,short_conv_kernel_matches_stock_ops
+     `kernels` (~200 s; .device/ptx, session 30's compiled kernels, only
+     where the carry stays under 64 MiB).
+  3. carry [.device/bin]: H200_MODELS=lfm2-8b-a1b-q4
+     H200_AB_VARIANTS=moe-fused,conv-fused,moe-conv-fused,ffn-fused,qkv-fused,layers-fused,router-scores-f32,router-scores-f32-early,position-table-off,eps-const-off
+     `ab pick` (~220 s with the 8B-A1B's checkpoints: whether the one-launch
+     layers, correct on the H200 since session 30, are faster).
+  4. carry [.device/bin]: H200_MODELS=lfm2-350m-bf16,lfm2-1.2b-bf16
+     H200_AB_VARIANTS=conv-fused,ffn-fused,conv-ffn-fused,qkv-fused,layers-fused,position-table-off,eps-const-off
+     `ab pick` (~200 s), then H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4
+     `profile-gaps` if time allows (the time between a step's kernels).
+  5. `round 1`, `round 2` (~300 s each) with H200_OURS_ENV setting the
+     one-launch layers the A/B found faster (then make them defaults here,
+     the rounds being what they measured).
+Session 29's plan, for the record (session 30 had half its device time
+left after its starts and ran calls 1 and 2, all nine tests in 392 s with
+H200_KERNEL_JOBS=5, then a kernel-bench cut at 140 s):
+  1. carry [.device/a, .device/llama]: `stage` (~100 s with the start).
+  2. carry [.device/b, .device/tests]: `install kernels` with nine tests
+     (the router + norm, experts, argmax, the four one-launch layers, both
+     greedy tests), then `save-ptx`.
   3. carry [.device/bin]: `gguf-bg kernel-bench kernel-detail` with
      H200_DETAIL_ARMS=mlx-moe-q4-down,moe-q4-down,moe-q4-down-f32-score,moe-q4-down-early-f32-score
-     and H200_SOURCE_ARMS=moe-q4-down-f32-score (~90 s: whether the
-     weights out of MLX's scalar pool take the down kernel to MLX's 13 µs
-     or under; kernel-bench ~80 s: the scalar-table-view arm and the
-     folds alone, the 8B-A1B's MoE and conv layers and the 1.2B's conv
-     layer and feed-forward as three or four launches and as one).
-  4. carry [.device/bin]: H200_MODELS=lfm2-8b-a1b-q4
-     H200_AB_VARIANTS=moe-fused,conv-fused,moe-conv-fused,ffn-fused,qkv-fused,layers-fused,router-scores-f32,router-scores-f32-early,position-table-off,eps-const-off
-     `ab pick` (~220 s with the 8B-A1B's checkpoints), then
-     H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4 `profile-gaps` (~150 s with
-     the 1.2B's checkpoint: the time between a step's kernels, never
-     measured so far), then the dense
-     models' `ab` of conv-fused, ffn-fused, conv-ffn-fused, qkv-fused, layers-fused, position-table-off, eps-const-off, gemv-prefetch,
-     fold-deferred and (the 350M) fold-eps-const if time allows; the two
-     folds need `norm_gemv_kernels_match_stock_ops` and the tiny greedy
-     test run too before `pick` takes them.
-  5. `round 1`, `round 2` (~300 s each): the first rounds since session 24,
-     with sessions 26-28's defaults (the GEMVs' walk, the prompt's q/k/v
-     and conv kernels, eps compiled in, the position table).
+     and H200_SOURCE_ARMS=moe-q4-down-f32-score (kernel-bench alone ran
+     past 140 s in session 30: give it a call of its own).
+  4. the 8B-A1B's `ab pick`, `profile-gaps`, the dense models' `ab`.
+  5. `round 1`, `round 2`.
 Session 26's plan, for the record (two starts found no machine and one
 machine was taken back during call 2; calls 4-9 then ran `install
 kernel-bench kernel-detail save-ptx`, `ab` of the nine variants (cut
