@@ -1295,13 +1295,21 @@ def kernel_bench():
     the 1.2B's dense projections (`conv-layer-bf16-*`, MLX's GEMVs); the
     1.2B's feed-forward: the three launches (`ffn-layer-bf16-three`: the
     add + RMSNorm, the SwiGLU GEMV, MLX's GEMV of w2) against the one of
-    src/kernels/ffn_fused.rs (`ffn-layer-bf16-fused`).
-    No checkpoint needed (~1 minute)."""
+    src/kernels/ffn_fused.rs (`ffn-layer-bf16-fused`), and the 8B-A1B's
+    dense layers' 4-bit feed-forward: the four launches (`ffn-layer-q4-four`:
+    the add + RMSNorm, MLX's qmv of w1/w3, the gate, qmv of w2) against the
+    one (`ffn-layer-q4-fused`).
+    No checkpoint needed (over 140 s under ncu in session 30: narrow it
+    with H200_KERNEL_BENCH_ARMS)."""
     rep = WORK / "kernel-bench"
     cmd = ["ncu", "--clock-control", "none", "-f", "-o", rep, "--kernel-name",
            "regex:gemv|qmv|gather_qmm|lfm_bench_scale|lfm_decode_attention|lfm_moe|lfm_add_rms_norm|lfm_short_conv|lfm_conv_fused|lfm_ffn_fused",
            "--metrics", "gpu__time_duration.sum,dram__bytes_read.sum",
            BENCH, "--kernel-bench", "--device", "gpu", "--reps", "3"]
+    # H200_KERNEL_BENCH_ARMS=a,b: those arms alone (the whole list ran past
+    # 140 s under ncu in session 30).
+    if os.environ.get("H200_KERNEL_BENCH_ARMS"):
+        cmd += ["--arms", os.environ["H200_KERNEL_BENCH_ARMS"]]
     r = sh(cmd, "kernel-bench", check=False)
     plan = next((json.loads(l)["kernel_bench_plan"] for l in r.stdout.splitlines() if "kernel_bench_plan" in l), None)
     walls = [json.loads(l) for l in r.stdout.splitlines() if '"kernel_bench":' in l]

@@ -233,7 +233,7 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
     let ffn_arms: Vec<_> = FFN_ARMS.iter().filter(|(name, ..)| chosen(name)).collect();
     let ffn = if ffn_arms.is_empty() { None } else { Some(FfnLayer::new()?) };
     for (name, _, kernels) in &ffn_arms {
-        plan.push(serde_json::json!({"arm": name, "n": 3 * FFN_F, "k": FFN_D, "launches": FFN_LAUNCHES * reps * kernels}));
+        plan.push(serde_json::json!({"arm": name, "n": 3 * ffn_width(name), "k": FFN_D, "launches": FFN_LAUNCHES * reps * kernels}));
     }
     println!("{}", serde_json::json!({"kernel_bench_plan": plan}));
     for (n, k, x, weights, arms) in &sets {
@@ -291,9 +291,9 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
     for (name, switches, _) in ffn_arms {
         let ffn = ffn.as_ref().expect("made where a feed-forward arm runs");
         let walls = timed(switches, reps * FFN_LAUNCHES, |i| {
-            ffn.launch(name.ends_with("-fused"), i).map_err(|e| mlx_lfm::Error::invalid(format!("{name}: {e}")))
+            ffn.launch(name.ends_with("-fused"), name.contains("-q4-"), i).map_err(|e| mlx_lfm::Error::invalid(format!("{name}: {e}")))
         });
-        print_walls(name, 3 * FFN_F, FFN_D, walls);
+        print_walls(name, 3 * ffn_width(name), FFN_D, walls);
     }
     Ok(())
 }
@@ -582,21 +582,39 @@ impl ConvLayer {
 /// The 1.2B's dense feed-forward for one decode row, from the residual's
 /// add + RMSNorm through w2: the three launches the step runs by default
 /// (the add + RMSNorm kernel, the SwiGLU GEMV, MLX's GEMV of w2) against
-/// the one of src/kernels/ffn_fused.rs. `(arm, its switches, kernels a
-/// product)`. Launches cycle through [`FFN_COPIES`] copies (~100 MB each:
-/// every launch reads its weights from DRAM).
-const FFN_ARMS: [(&str, Switches, usize); 2] = [
+/// the one of src/kernels/ffn_fused.rs; the `-q4-` arms the 8B-A1B's two
+/// dense layers (4-bit, group 64, a 7,168-wide gate): the four launches
+/// (the add + RMSNorm kernel, MLX's `qmv` of w1/w3, the gate, `qmv` of w2)
+/// against the one. `(arm, its switches, kernels a product)`. Launches
+/// cycle through [`FFN_COPIES`] copies (~100 MB each dense, ~25 MB 4-bit,
+/// of which [`FFN_Q4_COPIES`]: every launch reads its weights from DRAM).
+const FFN_ARMS: [(&str, Switches, usize); 4] = [
     ("ffn-layer-bf16-three", &[("MLX_LFM_FFN_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_GEMV_KERNEL", "1")], 3),
     ("ffn-layer-bf16-fused", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
+    ("ffn-layer-q4-four", &[("MLX_LFM_FFN_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1")], 4),
+    ("ffn-layer-q4-fused", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
 ];
 const FFN_COPIES: usize = 2;
+const FFN_Q4_COPIES: usize = 4;
 const FFN_LAUNCHES: usize = 8;
 const FFN_D: i32 = 2048;
 const FFN_F: i32 = 8192;
+const FFN_Q4_F: i32 = 7168;
+
+/// An arm's gate width.
+fn ffn_width(arm: &str) -> i32 {
+    if arm.contains("-q4-") {
+        FFN_Q4_F
+    } else {
+        FFN_F
+    }
+}
 
 struct FfnLayer {
-    /// The stacked w1/w3 `[2F, D]` and w2 `[D, F]`, each copy.
+    /// The stacked w1/w3 `[2F, D]` and w2 `[D, F]`, each copy, dense and
+    /// 4-bit.
     weights: Vec<(Array, Array)>,
+    quant: Vec<(mlx_lfm::model::linear::Quantized, mlx_lfm::model::linear::Quantized)>,
     h: Array,
     r: Array,
     wn: Array,
@@ -606,6 +624,7 @@ struct FfnLayer {
 
 impl FfnLayer {
     fn new() -> mlx_lfm::Result<FfnLayer> {
+        use mlx_lfm::mlx::{QuantMode, QuantSpec};
         let bf = Dtype::Bfloat16;
         let weights = (0..FFN_COPIES)
             .map(|_| {
@@ -615,39 +634,70 @@ impl FfnLayer {
                 ))
             })
             .collect::<mlx_lfm::Result<Vec<_>>>()?;
+        let spec = QuantSpec { mode: QuantMode::Affine, bits: 4, group_size: 64 };
+        let quant = |rows: i32, cols: i32| -> mlx_lfm::Result<mlx_lfm::model::linear::Quantized> {
+            let (weight, scales, biases) = mlx::quantize(&normal(&[rows, cols], bf, 0.0, 1.0 / (cols as f32).sqrt(), None)?, spec)?;
+            Ok(mlx_lfm::model::linear::Quantized { weight, scales, biases, spec })
+        };
+        let quant = (0..FFN_Q4_COPIES)
+            .map(|_| Ok((quant(2 * FFN_Q4_F, FFN_D)?, quant(FFN_D, FFN_Q4_F)?)))
+            .collect::<mlx_lfm::Result<Vec<_>>>()?;
         let h = normal(&[1, FFN_D], bf, 0.0, 4.0, None)?;
         let r = normal(&[1, FFN_D], bf, 0.0, 1.0, None)?;
         let wn = normal(&[FFN_D], Dtype::Float32, 1.0, 0.2, None)?.astype(bf)?;
         let eps = Array::from_slice(&[LAYER_EPS], &[1])?;
         let counters = mlx_lfm::kernels::stages::new_counters()?;
         let mut held: Vec<&Array> = weights.iter().flat_map(|(a, b)| [a, b]).collect();
+        for (i, o) in &quant {
+            held.extend([&i.weight, &i.scales, &o.weight, &o.scales]);
+            held.extend(i.biases.iter().chain(o.biases.iter()));
+        }
         held.extend([&h, &r, &wn, &eps]);
         mlx::eval(&held)?;
-        Ok(FfnLayer { weights, h, r, wn, eps, counters })
+        Ok(FfnLayer { weights, quant, h, r, wn, eps, counters })
     }
 
-    /// The layer's output for launch `i` (copy `i % FFN_COPIES`).
-    fn launch(&self, fused: bool, i: usize) -> mlx_lfm::Result<Array> {
+    /// The layer's output for launch `i` (copy `i` of the dense or the
+    /// 4-bit weights, in turn).
+    fn launch(&self, fused: bool, q4: bool, i: usize) -> mlx_lfm::Result<Array> {
         use mlx_lfm::kernels::{add_rms_norm, ffn_fused, gemv};
         use mlx_lfm::model::linear::Normed;
-        let (w13, w2) = &self.weights[i % self.weights.len()];
+        let p = if q4 {
+            let (w13, w2) = &self.quant[i % self.quant.len()];
+            ffn_fused::Projections::Quant(w13, w2)
+        } else {
+            let (w13, w2) = &self.weights[i % self.weights.len()];
+            ffn_fused::Projections::Dense(w13, w2)
+        };
         let unserved = || mlx_lfm::Error::invalid("kernel-bench: the feed-forward's kernels do not serve their operands here");
         if fused {
             let x = Normed { h: &self.h, r: Some(&self.r), w: &self.wn, eps: LAYER_EPS, eps_array: &self.eps };
-            let p = ffn_fused::Projections::Dense(w13, w2);
             if !ffn_fused::available(&x, p) {
                 return Err(unserved());
             }
             return Ok(ffn_fused::forward(&x, p, &self.counters)?.1);
         }
         let (_, y) = add_rms_norm::add_rms_norm_with(&self.h, &self.r, &self.wn, &self.eps, LAYER_EPS)?;
-        if !gemv::swiglu_available(&y, w13) {
-            return Err(unserved());
+        match p {
+            ffn_fused::Projections::Dense(w13, w2) => {
+                if !gemv::swiglu_available(&y, w13) {
+                    return Err(unserved());
+                }
+                let gate = gemv::gemv_swiglu(&y, w13)?;
+                // (MLX's GEMV for w2, as the step runs it: K = 8,192 is past
+                // our GEMV's default width, whose switch this arm sets for
+                // the SwiGLU.)
+                gate.matmul(&w2.transpose(&[1, 0])?)
+            }
+            ffn_fused::Projections::Quant(w13, w2) => {
+                // (As the step runs a 4-bit layer by default: MLX's qmv of
+                // the stacked w1/w3, the compiled gate on its halves, qmv.)
+                let gu = mlx::quantized_matmul(&y, &w13.weight, &w13.scales, w13.biases.as_ref(), true, w13.spec)?;
+                let halves = gu.split_equal(2, -1)?;
+                let gate = mlx_lfm::model::activations::swiglu(&halves[0], &halves[1])?;
+                mlx::quantized_matmul(&gate, &w2.weight, &w2.scales, w2.biases.as_ref(), true, w2.spec)
+            }
         }
-        let gate = gemv::gemv_swiglu(&y, w13)?;
-        // (MLX's GEMV for w2, as the step runs it: K = 8,192 is past our
-        // GEMV's default width, whose switch this arm sets for the SwiGLU.)
-        gate.matmul(&w2.transpose(&[1, 0])?)
     }
 }
 
