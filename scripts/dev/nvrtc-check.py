@@ -268,6 +268,25 @@ KERNELS["ffn_fused.rs@dense"] = (
     lambda dt: [("D", 2048), ("F", 8192 if dt != "float32" else 4096), ("NBLK", 256 if dt != "float32" else 512),
                 ("WARPS", 16), ("EPS_BITS", 925353388)],
 )
+# A conv layer with its feed-forward in one launch (MLX_LFM_CONV_LAYER_FUSED):
+# the 8B-A1B's dense layer (4-bit) and, "@dense", the 1.2B's.
+KERNELS["conv_layer_fused.rs"] = (
+    [("h", "T"), ("r", "T"), ("wn", "T"), ("state", "T"), ("cw", "T"), ("iw", "uint32_t"), ("iscales", "T"),
+     ("ibiases", "T"), ("ow", "uint32_t"), ("oscales", "T"), ("obiases", "T"), ("fwn", "T"), ("fw", "uint32_t"),
+     ("fscales", "T"), ("fbiases", "T"), ("gw", "uint32_t"), ("gscales", "T"), ("gbiases", "T"), ("ctr", "uint32_t")],
+    [("s2", "T"), ("out", "T"), ("next", "T"), ("s1", "T"), ("yn", "T"), ("yc", "T"), ("o1", "T"), ("yn2", "T"),
+     ("hk", "T")],
+    lambda dt: [("D", 2048), ("C", 2048), ("KEEP", 2), ("F", 7168), ("NBLK", 256 if dt != "float32" else 512),
+                ("WARPS", 16), ("EPS_BITS", 925353388), ("IBITS", 4), ("IGS", 64), ("OBITS", 4), ("OGS", 64),
+                ("FBITS", 4), ("FGS", 64), ("GBITS", 4), ("GGS", 64)],
+)
+KERNELS["conv_layer_fused.rs@dense"] = (
+    [("h", "T"), ("r", "T"), ("wn", "T"), ("state", "T"), ("cw", "T"), ("iw", "T"), ("ow", "T"), ("fwn", "T"),
+     ("fw", "T"), ("gw", "T"), ("ctr", "uint32_t")],
+    KERNELS["conv_layer_fused.rs"][1],
+    lambda dt: [("D", 2048), ("C", 2048), ("KEEP", 2), ("F", 8192 if dt != "float32" else 4096),
+                ("NBLK", 256 if dt != "float32" else 512), ("WARPS", 16), ("EPS_BITS", 925353388)],
+)
 # A lone sequence's q/k/v stage in one launch (MLX_LFM_QKV_FUSED): the 8B-A1B's
 # (4-bit) and, "@dense", the 1.2B's.
 KERNELS["qk_norm_rope.rs#qkv_fused"] = (
@@ -377,6 +396,9 @@ def body_and_header(path, which="SOURCE"):
         return src, lead + named(k / "moe_router.rs", "ROUTE_HEADER") + named(k / "moe_router.rs", "GATE_HEADER") + named(path.parent / "stages.rs", "TICKET_HEADER")
     if path.name in ("ffn_fused.rs", "conv_fused.rs"):
         return src, staged_header(path.parent)
+    if path.name == "conv_layer_fused.rs":
+        # The conv layer's header, then the feed-forward's rows beside it.
+        return src, staged_header(path.parent) + named(path, "DENSE_FFN_ROWS" if DENSE else "QUANT_FFN_ROWS")
     if path.name == "moe_gemm.rs":
         return src, header_of(path.parent / "gemv.rs") + named(path, "MMA_HEADER")
     if path.name == "moe_router.rs":
@@ -483,6 +505,8 @@ DEFINES_OF = {
     "conv_fused.rs@dense": "#define LFM_DENSE_PREFETCH 0\n",
     "ffn_fused.rs": "#define LFM_QMLX_TILES 2\n",
     "ffn_fused.rs@dense": "#define LFM_DENSE_PREFETCH 0\n",
+    "conv_layer_fused.rs": "#define LFM_QMLX_TILES 2\n",
+    "conv_layer_fused.rs@dense": "#define LFM_DENSE_PREFETCH 0\n",
     "qk_norm_rope.rs#qkv_fused": "#define LFM_QMLX_TILES 2\n",
     "qk_norm_rope.rs#qkv_fused@dense": "#define LFM_DENSE_PREFETCH 0\n",
 }

@@ -14,8 +14,9 @@
 //! tickets a warp a channel c, in_proj's rows c, C + c and 2C + c (B, C and
 //! x) and the conv step's arithmetic on them, as the short-conv kernel does
 //! it (the state after the token written whole); the last tickets a warp
-//! an output of out_proj, once every channel is done. The products walk a
-//! row as MLX's own kernels do, so that each is MLX's one-row product: the
+//! an output of out_proj, once every channel is done. The products
+//! (src/kernels/stages.rs's, shared with the feed-forward and q/k/v
+//! kernels) walk a row as MLX's own kernels do, so that each is MLX's one-row product: the
 //! quantized ones in its `qmv` arithmetic (src/kernels/quant_gemv.rs
 //! `lfm_qdot_mlx`, the `MLX_LFM_QGEMV_EXACT` walk), the dense ones in its
 //! `gemv_single` order (src/kernels/gemv.rs `lfm_dot_rows`, as the fold of

@@ -7,6 +7,7 @@
 pub mod add_rms_norm;
 pub mod argmax_finite;
 pub mod conv_fused;
+pub mod conv_layer_fused;
 pub mod decode_attention;
 pub mod ffn_fused;
 pub mod gemv;

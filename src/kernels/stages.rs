@@ -249,15 +249,29 @@ pub(crate) const MAX_STAGED: usize = 32 * 1024;
 /// CUDA they are device memory (an array the host writes is managed
 /// memory, whose page the host could pull back).
 pub fn new_counters() -> Result<Array> {
-    let counters = crate::mlx::zeros(&[8], Dtype::Uint32)?;
+    new_counters_of(COUNTERS)
+}
+
+/// The uint32 words of [`new_counters`].
+const COUNTERS: usize = 8;
+
+/// `words` uint32 counters, zero, as [`new_counters`] makes them (a kernel
+/// of more stages, src/kernels/conv_layer_fused.rs, counts more).
+pub fn new_counters_of(words: usize) -> Result<Array> {
+    let counters = crate::mlx::zeros(&[words as i32], Dtype::Uint32)?;
     counters.eval()?;
     Ok(counters)
 }
 
 /// That `ctr` is a layer's counters ([`new_counters`]), for `what`.
 pub(crate) fn check_counters(ctr: &Array, what: &str) -> Result<()> {
-    if ctr.dtype() != Dtype::Uint32 || ctr.size() != 8 {
-        return Err(Error::invalid(format!("{what}: its counters must be 8 uint32 (stages::new_counters)")));
+    check_counters_of(ctr, COUNTERS, what)
+}
+
+/// That `ctr` is `words` uint32 counters ([`new_counters_of`]), for `what`.
+pub(crate) fn check_counters_of(ctr: &Array, words: usize, what: &str) -> Result<()> {
+    if ctr.dtype() != Dtype::Uint32 || ctr.size() != words {
+        return Err(Error::invalid(format!("{what}: its counters must be {words} uint32 (stages::new_counters_of)")));
     }
     Ok(())
 }

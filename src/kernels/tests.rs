@@ -467,6 +467,13 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 if compiled && dense_ffn {
                     alone.push("MLX_LFM_FFN_FUSED");
                 }
+                // A conv layer with its dense feed-forward in one launch:
+                // such a layer after the first (whose norm adds no residual).
+                let dense_at = |i: usize| spec.shape.moe.as_ref().is_none_or(|m| i < m.num_dense_layers);
+                let conv_layer_fused = (1..spec.shape.num_hidden_layers).any(|i| !spec.shape.full_attn_idxs.contains(&i) && dense_at(i));
+                if compiled && conv_layer_fused {
+                    alone.push("MLX_LFM_CONV_LAYER_FUSED");
+                }
                 // The q/k/v stage in one launch (an attention layer after
                 // the first: its norm adds a residual).
                 let attention_after_first = spec.shape.full_attn_idxs.iter().any(|&i| i > 0);
@@ -493,7 +500,10 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 if !q4 {
                     alone.push("MLX_LFM_FOLD_EPS_CONST");
                 }
-                let built = || (crate::kernels::conv_fused::built(), crate::kernels::ffn_fused::built(), crate::kernels::qkv_fused::built());
+                let built = || {
+                    use crate::kernels::{conv_fused, conv_layer_fused, ffn_fused, qkv_fused};
+                    (conv_fused::built(), ffn_fused::built(), qkv_fused::built(), conv_layer_fused::built())
+                };
                 // Where the one-launch layers can serve at all: a compiled
                 // step's `[1, D]` rows (the eager decode's are `[1, 1, D]`),
                 // eps compiled in (an environment may turn either off).
@@ -521,7 +531,8 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     let conv_after_first = (1..spec.shape.num_hidden_layers).any(|i| !spec.shape.full_attn_idxs.contains(&i));
                     let conv_unbuilt = var == "MLX_LFM_CONV_FUSED" && conv_after_first && after.0 == before.0;
                     let qkv_unbuilt = var == "MLX_LFM_QKV_FUSED" && attention_after_first && after.2 == before.2;
-                    if can_fuse && (conv_unbuilt || qkv_unbuilt || (var == "MLX_LFM_FFN_FUSED" && after.1 == before.1)) {
+                    let layer_unbuilt = var == "MLX_LFM_CONV_LAYER_FUSED" && after.3 == before.3;
+                    if can_fuse && (conv_unbuilt || qkv_unbuilt || layer_unbuilt || (var == "MLX_LFM_FFN_FUSED" && after.1 == before.1)) {
                         unbuilt(var, &mut failures);
                     }
                 }
@@ -532,6 +543,15 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                         .map(|v| (v.to_string(), Some("1".to_string())))
                         .collect();
                     runs.push(("layers-fused", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
+                    // And the conv layers whole, with their feed-forwards
+                    // (run.py's `layers-fused-whole`).
+                    let mut set = set;
+                    set.push(("MLX_LFM_CONV_LAYER_FUSED".to_string(), Some("1".to_string())));
+                    let before = built();
+                    runs.push(("layers-fused-whole", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
+                    if can_fuse && conv_layer_fused && built().3 == before.3 {
+                        unbuilt("layers-fused-whole", &mut failures);
+                    }
                 }
                 if !q4 && compiled {
                     // The conv layers and the feed-forwards each in one
@@ -1805,7 +1825,7 @@ fn moe_experts_kernels_match_stock_ops() {
 fn check_counters_in_step(what: &str, counters: &crate::mlx::Array, order: &[bool], first: &[crate::mlx::Array], run: impl Fn(&crate::mlx::Array) -> Vec<crate::mlx::Array>) {
     let same = |got: &[crate::mlx::Array]| got.iter().zip(first).map(|(g, f)| differing(g, f)).collect::<Vec<_>>();
     let zeros = vec![0; first.len()];
-    let other = crate::kernels::stages::new_counters().unwrap();
+    let other = crate::kernels::stages::new_counters_of(counters.size()).unwrap();
     for (i, on_first) in order.iter().enumerate() {
         let got = run(if *on_first { counters } else { &other });
         assert_eq!(same(&got), zeros, "{what}: launch {} on used counters differs", i + 2);
@@ -2067,6 +2087,119 @@ fn conv_fused_kernel_matches_stock_ops() {
     });
     if std::env::var_os("MLX_LFM_CONV_FUSED").is_none() {
         assert!(!crate::knobs::with_overrides(&consts, || available(&with_r, p, &state, &cw, false)), "on without its switch");
+    }
+}
+
+/// The whole conv layer in one launch (`MLX_LFM_CONV_LAYER_FUSED`) against
+/// the two one-launch kernels it joins (the conv layer's, then the
+/// feed-forward's on its sum and output): every output to the bit (the
+/// same device code a stage, the feed-forward's norm on the same values),
+/// dense and 4/8-bit, channels and gates not whole blocks; then its six
+/// counters over repeated launches, two layers' counters and the given-up
+/// path (everything after the first norm NaN).
+#[test]
+fn conv_layer_fused_kernel_matches_the_two_kernels() {
+    use crate::kernels::conv_layer_fused::{available, forward, launch_blocks, ConvLayer, COUNTER_WORDS};
+    use crate::kernels::stages::{new_counters, new_counters_of, Projections};
+    // The two norms' blocks, a block of 16 warps per 16 channels, per 16
+    // out_proj outputs, per 16 gate outputs, per 16 w2 outputs.
+    assert_eq!(launch_blocks(2048, 2048, 8192), 1 + 128 + 128 + 1 + 512 + 128);
+    assert_eq!(launch_blocks(1024, 1000, 4608), 1 + 63 + 64 + 1 + 288 + 64);
+    if skip("conv_layer_fused_kernel_matches_the_two_kernels") {
+        return;
+    }
+    use crate::kernels::{conv_fused, ffn_fused, with_opt_in_one};
+    use crate::mlx::random::normal;
+    use crate::mlx::Array;
+    use crate::model::linear::{Normed, Quantized};
+    let eps_value = 1e-5f32;
+    let eps = Array::from_slice(&[eps_value], &[1]).unwrap();
+    let consts = [("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string()))];
+    // (dtype, D, channels, gate, bits / group of every projection; bits 0:
+    // dense): the 1.2B's and the 350M's layers, channels and a gate not
+    // whole blocks, float16 and float32; the 8B-A1B's dense layer 4-bit.
+    let cases = [
+        (Dtype::Bfloat16, 2048, 2048, 8192, 0, 0),
+        (Dtype::Bfloat16, 1024, 1024, 4608, 0, 0),
+        (Dtype::Bfloat16, 2048, 1000, 1000, 0, 0),
+        (Dtype::Float16, 2048, 2048, 8192, 0, 0),
+        (Dtype::Float32, 1024, 1024, 4096, 0, 0),
+        (Dtype::Bfloat16, 2048, 2048, 7168, 4, 64),
+        (Dtype::Bfloat16, 1024, 1024, 3072, 8, 32),
+        (Dtype::Float16, 2048, 2048, 7168, 4, 64),
+    ];
+    for (dt, d, c, f, bits, gs) in cases {
+        let kind = if bits == 0 { "dense".to_string() } else { format!("{bits}-bit g{gs}") };
+        let what = format!("{dt:?} {d} wide, {c} channels, gate {f}, {kind}");
+        let w = |rows: i32, cols: i32| normal(&[rows, cols], Dtype::Float32, 0.0, 0.04, None).unwrap().astype(dt).unwrap();
+        let (win, won, w13, w2) = (w(3 * c, d), w(d, c), w(2 * f, d), w(d, f));
+        let q: Vec<Quantized> = if bits == 0 { vec![] } else { [&win, &won, &w13, &w2].iter().map(|a| quantized(a, dt, bits, gs)).collect() };
+        let (conv, ffn) = match q.as_slice() {
+            [a, b, c2, e] => (Projections::Quant(a, b), Projections::Quant(c2, e)),
+            _ => (Projections::Dense(&win, &won), Projections::Dense(&w13, &w2)),
+        };
+        let h = normal(&[1, d], Dtype::Float32, 0.0, 4.0, None).unwrap().astype(dt).unwrap();
+        let r = normal(&[1, d], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
+        let wn = normal(&[d], Dtype::Float32, 1.0, 0.2, None).unwrap().astype(dt).unwrap();
+        let fwn = normal(&[d], Dtype::Float32, 1.0, 0.2, None).unwrap().astype(dt).unwrap();
+        let state = normal(&[1, 2, c], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
+        let cw = normal(&[c, 3], Dtype::Float32, 0.0, 0.5, None).unwrap().astype(dt).unwrap();
+        let x = Normed { h: &h, r: Some(&r), w: &wn, eps: eps_value, eps_array: &eps };
+        crate::knobs::with_overrides(&consts, || {
+            // The two one-launch kernels, one after the other.
+            let (s1, o1, next) = with_opt_in_one("MLX_LFM_CONV_FUSED", || {
+                assert!(conv_fused::available(&x, conv, &state, &cw, false), "{what}: the conv kernel does not serve it");
+                conv_fused::forward(&x, conv, &state, &cw, &new_counters().unwrap()).unwrap()
+            });
+            let x2 = Normed { h: &o1, r: Some(&s1), w: &fwn, eps: eps_value, eps_array: &eps };
+            let (s2, out) = with_opt_in_one("MLX_LFM_FFN_FUSED", || {
+                assert!(ffn_fused::available(&x2, ffn), "{what}: the feed-forward kernel does not serve it");
+                ffn_fused::forward(&x2, ffn, &new_counters().unwrap()).unwrap()
+            });
+            let want = [s1, s2, out, next];
+            let counters = new_counters_of(COUNTER_WORDS).unwrap();
+            let l = ConvLayer { x: &x, conv, state: &state, cw: &cw, ffn_norm: &fwn, ffn };
+            let run = |ctr: &Array| {
+                with_opt_in_one("MLX_LFM_CONV_LAYER_FUSED", || {
+                    assert!(available(&l, false), "{what}: not served");
+                    assert!(!available(&l, true), "{what}: served with a bias");
+                    let o = forward(&l, ctr).unwrap();
+                    let got = vec![o.s1, o.s2, o.out, o.next];
+                    crate::mlx::eval(&got.iter().collect::<Vec<_>>()).unwrap();
+                    got
+                })
+            };
+            let got = run(&counters);
+            for (name, g, w) in ["the first sum", "the second sum", "the output", "the state"].iter().zip(&got).zip(&want).map(|((n, g), w)| (n, g, w)) {
+                let v: Vec<f32> = g.astype(Dtype::Float32).unwrap().to_vec().unwrap();
+                assert!(v.iter().all(|v| v.is_finite()), "{what}: {} values of {name} are not finite", v.iter().filter(|v| !v.is_finite()).count());
+                assert_eq!(differing(g, w), 0, "{what}: {name} differs from the two kernels' (of {})", g.size());
+            }
+            eprintln!("{what}: every output the two kernels' bits");
+            check_counters_in_step(&what, &counters, &[true, true, false, true, false], &got, run);
+        });
+    }
+    // Not served: no residual, the switch off, one part dense and the other quantized.
+    let (d, c, f) = (1024, 1024, 4096);
+    let bf = |rows: i32, cols: i32| normal(&[rows, cols], Dtype::Float32, 0.0, 0.04, None).unwrap().astype(Dtype::Bfloat16).unwrap();
+    let (win, won, w13, w2) = (bf(3 * c, d), bf(d, c), bf(2 * f, d), bf(d, f));
+    let (q13, q2) = (quantized(&w13, Dtype::Bfloat16, 4, 64), quantized(&w2, Dtype::Bfloat16, 4, 64));
+    let h = bf(1, d);
+    let wn = normal(&[d], Dtype::Float32, 1.0, 0.2, None).unwrap().astype(Dtype::Bfloat16).unwrap();
+    let state = normal(&[1, 2, c], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(Dtype::Bfloat16).unwrap();
+    let cw = normal(&[c, 3], Dtype::Float32, 0.0, 0.5, None).unwrap().astype(Dtype::Bfloat16).unwrap();
+    let with_r = Normed { h: &h, r: Some(&h), w: &wn, eps: eps_value, eps_array: &eps };
+    let without = Normed { h: &h, r: None, w: &wn, eps: eps_value, eps_array: &eps };
+    let layer = |x, ffn| ConvLayer { x, conv: Projections::Dense(&win, &won), state: &state, cw: &cw, ffn_norm: &wn, ffn };
+    crate::knobs::with_overrides(&consts, || {
+        with_opt_in_one("MLX_LFM_CONV_LAYER_FUSED", || {
+            assert!(available(&layer(&with_r, Projections::Dense(&w13, &w2)), false), "not served");
+            assert!(!available(&layer(&without, Projections::Dense(&w13, &w2)), false), "served without a residual");
+            assert!(!available(&layer(&with_r, Projections::Quant(&q13, &q2)), false), "served a dense conv with a quantized feed-forward");
+        })
+    });
+    if std::env::var_os("MLX_LFM_CONV_LAYER_FUSED").is_none() {
+        assert!(!crate::knobs::with_overrides(&consts, || available(&layer(&with_r, Projections::Dense(&w13, &w2)), false)), "on without its switch");
     }
 }
 

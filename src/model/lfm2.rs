@@ -285,17 +285,11 @@ impl ShortConv {
         // MLX_LFM_CONV_FUSED=1): the state is asked of the cache here, once,
         // and kept for the paths below where it does not serve.
         let same = |a: &Array| a.dtype() == x.h.dtype();
-        let whole = match (&self.in_proj.weight, &self.out_proj.weight) {
-            _ if !(conv_fused::enabled_here() && x.r.is_some_and(same) && same(x.w)) => None,
-            (Weight::Quant(wi), Weight::Quant(wo)) => Some(conv_fused::Projections::Quant(wi, wo)),
-            (Weight::Dense(wi), Weight::Dense(wo)) if same(wi) && same(wo) => Some(conv_fused::Projections::Dense(wi, wo)),
-            _ => None,
-        };
+        let whole = if conv_fused::enabled_here() { self.stage_projections(x) } else { None };
         let mut asked = None;
         if let Some(p) = whole {
             let prev = self.prev_state(x.h, layer, cache)?;
-            let bias = self.conv_bias.is_some() || self.in_proj.bias.is_some() || self.out_proj.bias.is_some();
-            if conv_fused::available(x, p, &prev, &self.conv_weight_dl, bias) {
+            if conv_fused::available(x, p, &prev, &self.conv_weight_dl, self.has_bias()) {
                 let (s, out, next) = conv_fused::forward(x, p, &prev, &self.conv_weight_dl, &self.fused_counters)?;
                 cache.conv_step_update(layer, &prev, &next)?;
                 return Ok((s, reduce(&self.shard, out)?));
@@ -334,6 +328,28 @@ impl ShortConv {
     }
 
     /// The conv state before this pass, for inputs of `like`'s batch and dtype.
+    /// in_proj and out_proj as the one-launch kernels read them (both
+    /// quantized, or both dense in the activations' dtype), where the
+    /// pending norm's residual and weight are of that dtype too.
+    fn stage_projections(&self, x: &Normed) -> Option<crate::kernels::stages::Projections<'_>> {
+        use crate::kernels::stages::Projections;
+        let same = |a: &Array| a.dtype() == x.h.dtype();
+        if !(x.r.is_some_and(same) && same(x.w)) {
+            return None;
+        }
+        match (&self.in_proj.weight, &self.out_proj.weight) {
+            (Weight::Quant(wi), Weight::Quant(wo)) => Some(Projections::Quant(wi, wo)),
+            (Weight::Dense(wi), Weight::Dense(wo)) if same(wi) && same(wo) => Some(Projections::Dense(wi, wo)),
+            _ => None,
+        }
+    }
+
+    /// Whether the conv or either projection has a bias (the one-launch
+    /// kernels serve none).
+    fn has_bias(&self) -> bool {
+        self.conv_bias.is_some() || self.in_proj.bias.is_some() || self.out_proj.bias.is_some()
+    }
+
     fn prev_state(&self, like: &Array, layer: usize, cache: &mut dyn ForwardCache) -> Result<Array> {
         let shape = ConvShape { batch: like.dim(0), keep: self.kernel - 1, dim: self.dim, dtype: like.dtype() };
         cache.conv_state(layer, shape)
@@ -436,12 +452,7 @@ impl Mlp {
         use crate::kernels::{ffn_fused, norm_gemv};
         // The whole feed-forward in one launch (decode on CUDA,
         // MLX_LFM_FFN_FUSED=1).
-        let pair = match (self.stacked_w13(), &self.w2) {
-            (Some(Weight::Dense(w13)), Linear { weight: Weight::Dense(w2), bias: None, .. }) => Some(ffn_fused::Projections::Dense(w13, w2)),
-            (Some(Weight::Quant(w13)), Linear { weight: Weight::Quant(w2), bias: None, .. }) => Some(ffn_fused::Projections::Quant(w13, w2)),
-            _ => None,
-        };
-        if let Some(p) = pair.filter(|&p| ffn_fused::available(x, p)) {
+        if let Some(p) = self.stage_projections().filter(|&p| ffn_fused::available(x, p)) {
             let (s, out) = ffn_fused::forward(x, p, &self.fused_counters)?;
             return Ok((s, reduce(&self.shard, out)?));
         }
@@ -462,6 +473,17 @@ impl Mlp {
         match self.stacked_dense_w13() {
             Some(w) if gemv::swiglu_available(x, w) => gemv::gemv_swiglu(x, w).map(Some),
             _ => Ok(None),
+        }
+    }
+
+    /// The stacked w1/w3 and w2 as the one-launch kernels read them (both
+    /// dense or both quantized, no biases); None otherwise.
+    fn stage_projections(&self) -> Option<crate::kernels::stages::Projections<'_>> {
+        use crate::kernels::stages::Projections;
+        match (self.stacked_w13(), &self.w2) {
+            (Some(Weight::Dense(w13)), Linear { weight: Weight::Dense(w2), bias: None, .. }) => Some(Projections::Dense(w13, w2)),
+            (Some(Weight::Quant(w13)), Linear { weight: Weight::Quant(w2), bias: None, .. }) => Some(Projections::Quant(w13, w2)),
+            _ => None,
         }
     }
 
@@ -531,9 +553,41 @@ pub struct Layer {
     pub feed_forward: FeedForward,
     pub operator_norm: Array,
     pub ffn_norm: Array,
+    /// The one-launch conv layer's counters (`kernels::conv_layer_fused`),
+    /// made on the device once: only that kernel, on this layer, touches
+    /// them.
+    fused_counters: Array,
 }
 
 impl Layer {
+    /// A conv layer and its dense feed-forward in one launch (decode on
+    /// CUDA, `MLX_LFM_CONV_LAYER_FUSED=1`), on the pending norm `x`:
+    /// `(the residual sum after the feed-forward's norm, its output)`, the
+    /// conv state asked of and handed back to the cache; None where the
+    /// kernel does not serve the layer (the two parts then run as usual).
+    fn conv_with_ffn(&self, x: &Normed, index: usize, cache: &mut dyn ForwardCache) -> Result<Option<(Array, Array)>> {
+        use crate::kernels::conv_layer_fused as fused;
+        let (Operator::Conv(c), FeedForward::Dense(m)) = (&self.operator, &self.feed_forward) else {
+            return Ok(None);
+        };
+        // (Under tensor parallelism out_proj's row is reduced across the
+        // ranks before the feed-forward's norm: two launches there.)
+        if !fused::enabled_here() || c.shard.is_some() || m.shard.is_some() || x.h.ndim() != 2 || x.h.dim(0) != 1 {
+            return Ok(None);
+        }
+        let (Some(conv), Some(ffn)) = (c.stage_projections(x), m.stage_projections()) else {
+            return Ok(None);
+        };
+        let prev = c.prev_state(x.h, index, cache)?;
+        let l = fused::ConvLayer { x, conv, state: &prev, cw: &c.conv_weight_dl, ffn_norm: &self.ffn_norm, ffn };
+        if !fused::available(&l, c.has_bias()) {
+            return Ok(None);
+        }
+        let done = fused::forward(&l, &self.fused_counters)?;
+        cache.conv_step_update(index, &prev, &done.next)?;
+        Ok(Some((done.s2, done.out)))
+    }
+
     /// Whether a prompt's pass of `rows` tokens (`d` wide, in `dt`) over
     /// this layer can be traced: a MoE layer may group many rows by expert
     /// on the host ([`SparseMoe::prefill_traceable`]).
@@ -650,6 +704,7 @@ impl Lfm2Model {
                 feed_forward,
                 operator_norm: st.get_shaped(&format!("{p}.operator_norm.weight"), &[d as i32])?,
                 ffn_norm: st.get_shaped(&format!("{p}.ffn_norm.weight"), &[d as i32])?,
+                fused_counters: crate::kernels::stages::new_counters_of(crate::kernels::conv_layer_fused::COUNTER_WORDS)?,
             });
         }
         let moe = c.moe.is_some();
@@ -711,9 +766,14 @@ impl Lfm2Model {
         // layers while the host builds the rest (never a traced pass).
         for (i, layer) in self.layers.iter().enumerate() {
             let x = Normed { h: &h, r: pending.as_ref(), w: &layer.operator_norm, eps, eps_array };
-            let (h1, r) = layer.operator(&x, i, cache)?;
-            let x = Normed { h: &h1, r: Some(&r), w: &layer.ffn_norm, eps, eps_array };
-            let (h2, f) = layer.feed_forward(&x)?;
+            let (h2, f) = match layer.conv_with_ffn(&x, i, cache)? {
+                Some(done) => done,
+                None => {
+                    let (h1, r) = layer.operator(&x, i, cache)?;
+                    let x = Normed { h: &h1, r: Some(&r), w: &layer.ffn_norm, eps, eps_array };
+                    layer.feed_forward(&x)?
+                }
+            };
             if overlap > 0 && (i + 1) % overlap == 0 && i + 1 < self.layers.len() {
                 mlx::async_eval(&[&h2, &f])?;
             }

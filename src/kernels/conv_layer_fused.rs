@@ -1,0 +1,364 @@
+//! A lone sequence's whole short-conv decoder layer in one launch
+//! (`MLX_LFM_CONV_LAYER_FUSED=1`, opt-in until its H200 test and A/B): the
+//! conv layer as src/kernels/conv_fused.rs runs it, then its dense or
+//! 4/8-bit feed-forward as src/kernels/ffn_fused.rs runs it, where those
+//! two are two launches (and the stock path six to eight): the 1.2B's ten
+//! conv layers, the 350M's ten, the 8B-A1B's one conv layer with a dense
+//! feed-forward after its first.
+//!
+//! Six stages on the ticket scheme of src/kernels/moe_fused.rs (read its
+//! note: a block's ticket gives its part and its launch, a block waits
+//! only on smaller tickets, a wait past its bound poisons instead of
+//! hanging, a layer's launches are ordered by data): the operator's add +
+//! RMSNorm; in_proj and the conv step a channel a warp; out_proj an output
+//! a warp, into a row the next stage reads; the feed-forward's add +
+//! RMSNorm of that row and the residual, once every out_proj block is
+//! done; the gate a warp an output; w2 a warp an output. Each stage is the
+//! same device code as the two one-launch kernels' (the feed-forward's
+//! norm reads its two rows staged at L2 into shared memory, the values the
+//! other kernel reads from global memory), so the outputs are theirs to
+//! the bit: the test holds them to it. Tests in src/kernels/tests.rs.
+
+use super::stages::{self, Built, Cells, Projections, TICKET_HEADER};
+use crate::error::{Error, Result};
+use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
+use crate::mlx::Array;
+use crate::model::linear::Normed;
+use std::sync::OnceLock;
+
+/// Template constants: T, D (the row), C (the conv's channels), KEEP (the
+/// state's positions), F (the gate's width), NBLK (the add + RMSNorm
+/// kernel's block for this row), WARPS, EPS_BITS; quantized, IBITS / IGS,
+/// OBITS / OGS, FBITS / FGS, GBITS / GGS (in_proj, out_proj, w1/w3, w2).
+/// `ctr`: the layer's counters (tickets; the first norm's mark; channel
+/// blocks done; out_proj blocks done; the second norm's mark; gate blocks
+/// done).
+pub(crate) const SOURCE: &str = r#"
+  constexpr int IB = (C + WARPS - 1) / WARPS;
+  constexpr int OB = (D + WARPS - 1) / WARPS;
+  constexpr int GB = (F + WARPS - 1) / WARPS;
+  constexpr int N2 = 1 + IB + OB;
+  constexpr int NB = N2 + 1 + GB + OB;
+  constexpr int XR = D * sizeof(T) / 16;
+  constexpr int CR = C * sizeof(T) / 16;
+  constexpr int HR = F * sizeof(T) / 16;
+  constexpr int S1 = XR > CR ? XR : CR;
+  constexpr int S2 = S1 > HR ? S1 : HR;
+  __shared__ uint4 sm[S2 > 3 * XR ? S2 : 3 * XR];
+  unsigned long long* st = reinterpret_cast<unsigned long long*>(const_cast<uint32_t*>(ctr));
+  const int lane = threadIdx.x % 32;
+  const int wid = threadIdx.x / 32;
+  unsigned long long launch;
+  const int role = lfm_take_part<NB>(st, launch);
+  const float poison = __int_as_float(0x7fc00000);
+  if (role == 0) {
+    lfm_norm_stage<T, D, NBLK>(h, r, wn, __int_as_float(EPS_BITS), s1, reinterpret_cast<T*>(sm), yn);
+    lfm_release_mark(st + 1, launch + 1);
+    return;
+  }
+  if (role <= IB) {
+    // in_proj's three rows of channel c, then the conv step on them.
+    const int c = (role - 1) * WARPS + wid;
+    const bool late = lfm_block_wait(st + 1, launch + 1, nullptr, 0);
+    if (!late) lfm_stage16(sm, yn, XR);
+    __syncthreads();
+    if (c < C) {
+      float s3[3] = {0.0f, 0.0f, 0.0f};
+      const size_t rows[3] = {static_cast<size_t>(c), static_cast<size_t>(C) + c, 2 * static_cast<size_t>(C) + c};
+      if (!late) LFM_IN_ROWS(D, 3, rows, reinterpret_cast<const T*>(sm), lane, s3);
+      if (lane == 0) {
+        const T* wd = cw + static_cast<size_t>(c) * (KEEP + 1);
+        float acc = 0.0f;
+        for (int j = 0; j < KEEP; j++) {
+          const T v = state[j * C + c];
+          if (j > 0) next[(j - 1) * C + c] = late ? T(poison) : v;
+          acc += static_cast<float>(wd[j]) * static_cast<float>(v);
+        }
+        const T bt = T(s3[0]);
+        const T ct = T(s3[1]);
+        const T xt = T(s3[2]);
+        const T bx = T(static_cast<float>(bt) * static_cast<float>(xt));
+        next[(KEEP - 1) * C + c] = late ? T(poison) : bx;
+        acc += static_cast<float>(wd[KEEP]) * static_cast<float>(bx);
+        yc[c] = late ? T(poison) : T(static_cast<float>(ct) * static_cast<float>(T(acc)));
+      }
+    }
+    lfm_release_count(st + 2);
+    return;
+  }
+  if (role < N2) {
+    // out_proj's output n, once every channel of the launch is done.
+    const int n = (role - 1 - IB) * WARPS + wid;
+    const bool late = lfm_block_wait(st + 2, (launch + 1) * IB, nullptr, 0);
+    if (!late) lfm_stage16(sm, yc, CR);
+    __syncthreads();
+    if (n < D) {
+      float o[1] = {0.0f};
+      const size_t rows[1] = {static_cast<size_t>(n)};
+      if (!late) LFM_OUT_ROWS(C, 1, rows, reinterpret_cast<const T*>(sm), lane, o);
+      if (lane == 0) o1[n] = late ? T(poison) : T(o[0]);
+    }
+    lfm_release_count(st + 3);
+    return;
+  }
+  if (role == N2) {
+    // The feed-forward's add + RMSNorm of out_proj's row and the residual,
+    // once every out_proj block of the launch is done: both rows staged
+    // at L2 (other blocks wrote them in this launch), then the norm stage
+    // on them as on the other kernel's global rows.
+    const bool late = lfm_block_wait(st + 3, (launch + 1) * OB, nullptr, 0);
+    T* hs = reinterpret_cast<T*>(sm);
+    T* rs = hs + D;
+    if (!late) {
+      lfm_stage16(sm, o1, XR);
+      lfm_stage16(sm + XR, s1, XR);
+    }
+    __syncthreads();
+    if (late) {
+      for (int i = threadIdx.x; i < D; i += blockDim.x) {
+        s2[i] = T(poison);
+        yn2[i] = T(poison);
+      }
+    } else {
+      lfm_norm_stage<T, D, NBLK>(hs, rs, fwn, __int_as_float(EPS_BITS), s2, rs + D, yn2);
+    }
+    lfm_release_mark(st + 4, launch + 1);
+    return;
+  }
+  if (role <= N2 + GB) {
+    // The gate's output j: w1's row j and w3's row F + j.
+    const int j = (role - N2 - 1) * WARPS + wid;
+    const bool late = lfm_block_wait(st + 4, launch + 1, nullptr, 0);
+    if (!late) lfm_stage16(sm, yn2, XR);
+    __syncthreads();
+    if (j < F) {
+      float gu[2] = {0.0f, 0.0f};
+      const size_t rows[2] = {static_cast<size_t>(j), static_cast<size_t>(F) + j};
+      if (!late) LFM_F_ROWS(D, 2, rows, reinterpret_cast<const T*>(sm), lane, gu);
+      if (lane == 0) hk[j] = late ? T(poison) : lfm_swiglu<T>(gu[0], gu[1]);
+    }
+    lfm_release_count(st + 5);
+    return;
+  }
+  // w2's output n, once every gate output of the launch is done.
+  const int n = (role - N2 - 1 - GB) * WARPS + wid;
+  const bool late = lfm_block_wait(st + 5, (launch + 1) * GB, nullptr, 0);
+  if (!late) lfm_stage16(sm, hk, HR);
+  __syncthreads();
+  if (n < D) {
+    float o[1] = {0.0f};
+    const size_t rows[1] = {static_cast<size_t>(n)};
+    if (!late) LFM_G_ROWS(F, 1, rows, reinterpret_cast<const T*>(sm), lane, o);
+    if (lane == 0) out[n] = late ? T(poison) : T(o[0]);
+  }
+"#;
+
+/// The feed-forward's products, beside the conv's (`LFM_IN_ROWS` /
+/// `LFM_OUT_ROWS` of src/kernels/stages.rs): the same helpers over its
+/// own projections (`fw`.. w1/w3 stacked, `gw`.. w2).
+const QUANT_FFN_ROWS: &str = r#"
+#define LFM_F_ROWS(K, R, rows, xs, lane, out) \
+  lfm_stage_qrows<T, K, FBITS, FGS, R>(xs, fw, fscales, fbiases, rows, lane, out)
+#define LFM_G_ROWS(K, R, rows, xs, lane, out) \
+  lfm_stage_qrows<T, K, GBITS, GGS, R>(xs, gw, gscales, gbiases, rows, lane, out)
+"#;
+const DENSE_FFN_ROWS: &str = r#"
+#define LFM_F_ROWS(K, R, rows, xs, lane, out) lfm_stage_drows<T, K, R>(xs, fw, rows, lane, out)
+#define LFM_G_ROWS(K, R, rows, xs, lane, out) lfm_stage_drows<T, K, R>(xs, gw, rows, lane, out)
+"#;
+
+/// Warps a block, as the two one-launch kernels'.
+const WARPS: i32 = 16;
+/// The widest row, conv and gate served (the two kernels' own limits).
+const MAX_WIDTH: i32 = 8192;
+/// Counters: six 64-bit ones (twelve uint32 words, kept at 16).
+pub(crate) const COUNTER_WORDS: usize = 16;
+
+fn enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    super::opt_in("MLX_LFM_CONV_LAYER_FUSED", &ON)
+}
+
+/// Whether the switch is on where our CUDA kernels run (what a layer asks
+/// before it takes the conv state early).
+pub fn enabled_here() -> bool {
+    enabled() && cuda_kernels_enabled()
+}
+
+static BUILT: Built = Built::new();
+
+/// How many times [`forward`] has put the kernel into a graph in this
+/// process: the greedy test's evidence that its runs took this path.
+pub fn built() -> usize {
+    BUILT.get()
+}
+
+fn kernel(quant: bool) -> Option<&'static CudaKernel> {
+    static K: [Cells; 2] = [stages::cells(), stages::cells()];
+    let ffn: &[&str] = if quant { &["fw", "fscales", "fbiases", "gw", "gscales", "gbiases"] } else { &["fw", "gw"] };
+    let mut inputs = vec!["h", "r", "wn", "state", "cw"];
+    inputs.extend(Projections::input_names(quant));
+    inputs.push("fwn");
+    inputs.extend(ffn);
+    inputs.push("ctr");
+    let outputs = ["s2", "out", "next", "s1", "yn", "yc", "o1", "yn2", "hk"];
+    // (Quantized: two of MLX's tiles a batch; dense: the GEMVs' default
+    // walk, no L2 prefetch; as the two kernels.)
+    let (name, walk, rows) = if quant {
+        ("lfm_conv_layer_fused", "#define LFM_QMLX_TILES 2\n", QUANT_FFN_ROWS)
+    } else {
+        ("lfm_conv_layer_fused_dense", "#define LFM_DENSE_PREFETCH 0\n", DENSE_FFN_ROWS)
+    };
+    stages::kernel(&K[usize::from(quant)], name, &inputs, &outputs, SOURCE, || {
+        let products = if quant { super::quant_gemv::header() } else { super::gemv::header() };
+        format!(
+            "#define LFM_NORM_IN_WIDER_BLOCK 1\n{walk}{}{products}{TICKET_HEADER}{}{rows}",
+            super::add_rms_norm::device_code(),
+            Projections::products(quant)
+        )
+    })
+}
+
+/// The blocks of one launch: the first norm's, the channels', out_proj's,
+/// the second norm's, the gate's, w2's.
+fn blocks(d: i32, c: i32, f: i32) -> i64 {
+    let w = WARPS as i64;
+    let per = |n: i32| (n as i64 + w - 1) / w;
+    1 + per(c) + per(d) + 1 + per(f) + per(d)
+}
+
+/// The layer's operands: the conv's pending norm `x` (one row, with a
+/// residual to add), its projections, state (`[1, L - 1, C]`) and weights
+/// (`[C, L]`), the feed-forward's norm weight and projections (w1/w3
+/// stacked `[2F, D]`, w2 `[D, F]`), no biases.
+pub struct ConvLayer<'a> {
+    pub x: &'a Normed<'a>,
+    pub conv: Projections<'a>,
+    pub state: &'a Array,
+    pub cw: &'a Array,
+    pub ffn_norm: &'a Array,
+    pub ffn: Projections<'a>,
+}
+
+/// Whether [`forward`] serves `l`: on ([`enabled`]), on CUDA, eps compiled
+/// in (`MLX_LFM_EPS_CONST`, the default), both parts as the two one-launch
+/// kernels serve them (src/kernels/conv_fused.rs and ffn_fused.rs), both
+/// dense or both quantized, the staged rows within shared memory.
+pub fn available(l: &ConvLayer, has_bias: bool) -> bool {
+    let x = l.x;
+    let Some(r) = x.r else { return false };
+    if !enabled_here() || has_bias || !super::add_rms_norm::eps_const() || x.h.ndim() != 2 || x.h.dim(0) != 1 {
+        return false;
+    }
+    if l.state.ndim() != 3 || l.cw.ndim() != 2 || l.conv.quant() != l.ffn.quant() {
+        return false;
+    }
+    let (d, dt) = (x.h.dim(1), x.h.dtype());
+    let (c, w) = (l.cw.dim(0), l.cw.dim(1));
+    let rows = l.ffn.first_rows();
+    let f = rows / 2;
+    let bytes = |len: i32| len as usize * dt.size();
+    super::add_rms_norm::available(x.h, r, x.w)
+        && super::add_rms_norm::available(x.h, x.h, l.ffn_norm)
+        && super::add_rms_norm::block_for(d, 16 / dt.size() as i32) <= WARPS * 32
+        && c > 0
+        && l.conv.served(dt, 3 * c, d, c)
+        && rows % 2 == 0
+        && f > 0
+        && l.ffn.served(dt, 2 * f, d, f)
+        && w >= 2
+        && l.state.shape() == [1, w - 1, c]
+        && l.state.dtype() == dt
+        && l.cw.dtype() == dt
+        && d <= MAX_WIDTH
+        && c <= MAX_WIDTH
+        && f <= MAX_WIDTH
+        && [d, c, f].iter().all(|&n| bytes(n) % 16 == 0)
+        && (3 * bytes(d)).max(bytes(c)).max(bytes(f)) <= stages::MAX_STAGED
+        && kernel(l.conv.quant()).is_some()
+}
+
+/// The launch's outputs: the residual sum after the conv (`s1`, what the
+/// feed-forward's norm adds to), after the feed-forward's norm (`s2`),
+/// the feed-forward's output and the conv state after the token.
+pub struct Outputs {
+    pub s1: Array,
+    pub s2: Array,
+    pub out: Array,
+    pub next: Array,
+}
+
+/// The layer in one launch (callers check [`available`]); `ctr` the
+/// layer's own ([`COUNTER_WORDS`] words, `stages::new_counters_of`).
+pub fn forward(l: &ConvLayer, ctr: &Array) -> Result<Outputs> {
+    let x = l.x;
+    let kern = kernel(l.conv.quant()).ok_or_else(|| Error::mlx("the fused conv layer kernel is not available"))?;
+    let r = x.r.ok_or_else(|| Error::invalid("the fused conv layer kernel needs a residual to add"))?;
+    stages::check_counters_of(ctr, COUNTER_WORDS, "the fused conv layer kernel")?;
+    let (d, dt) = (x.h.dim(1), x.h.dtype());
+    let (c, w) = (l.cw.dim(0), l.cw.dim(1));
+    let f = l.ffn.first_rows() / 2;
+    let nb = blocks(d, c, f);
+    let threads = WARPS * 32;
+    let grid = i32::try_from(nb * threads as i64).map_err(|_| Error::invalid(format!("fused conv layer kernel: {nb} blocks")))?;
+    let mut template = vec![
+        ("T", TemplateArg::Dtype(dt)),
+        ("D", TemplateArg::Int(d)),
+        ("C", TemplateArg::Int(c)),
+        ("KEEP", TemplateArg::Int(w - 1)),
+        ("F", TemplateArg::Int(f)),
+        ("NBLK", TemplateArg::Int(super::add_rms_norm::block_for(d, 16 / dt.size() as i32))),
+        ("WARPS", TemplateArg::Int(WARPS)),
+        ("EPS_BITS", TemplateArg::Int(x.eps.to_bits() as i32)),
+    ];
+    let (conv, spec) = l.conv.inputs()?;
+    template.extend(spec);
+    let (ffn, spec) = l.ffn.inputs()?;
+    // (The feed-forward's specifications under its own names.)
+    template.extend(spec.into_iter().map(|(name, v)| {
+        let renamed = match name {
+            "IBITS" => "FBITS",
+            "IGS" => "FGS",
+            "OBITS" => "GBITS",
+            "OGS" => "GGS",
+            other => other,
+        };
+        (renamed, v)
+    }));
+    let mut inputs = vec![x.h, r, x.w, l.state, l.cw];
+    inputs.extend(conv);
+    inputs.push(l.ffn_norm);
+    inputs.extend(ffn);
+    inputs.push(ctr);
+    let row = [1, d];
+    let mut outs = kern.call(
+        &inputs,
+        &[
+            (&row, dt),
+            (&row, dt),
+            (&[1, w - 1, c], dt),
+            (&row, dt),
+            (&[d], dt),
+            (&[c], dt),
+            (&[d], dt),
+            (&[d], dt),
+            (&[f], dt),
+        ],
+        [grid, 1, 1],
+        [threads, 1, 1],
+        &template,
+    )?;
+    outs.truncate(4);
+    BUILT.bump();
+    let missing = || Error::mlx("fused conv layer kernel: missing output");
+    let s1 = outs.pop().ok_or_else(missing)?;
+    let next = outs.pop().ok_or_else(missing)?;
+    let out = outs.pop().ok_or_else(missing)?;
+    let s2 = outs.pop().ok_or_else(missing)?;
+    Ok(Outputs { s1, s2, out, next })
+}
+
+#[cfg(test)]
+pub(crate) fn launch_blocks(d: i32, c: i32, f: i32) -> i64 {
+    blocks(d, c, f)
+}
