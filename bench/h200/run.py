@@ -155,24 +155,27 @@ stage (`qkv-fused`: the add + RMSNorm, the stacked projection, the heads'
 norm + RoPE; its test `qkv_fused_kernel_matches_stock_ops`, greedy set
 `MLX_LFM_QKV_FUSED`); `layers-fused` turns all four on (greedy set
 `layers-fused`).
-Next (`bash bench/h200/prepare.sh` here first; ~1,500 s planned; session
+Next (`bash bench/h200/prepare.sh` here first; ~1,600 s planned; session
 30 ran the kernel tests of every one-launch layer and their greedy sets,
 passed but for the conv test's own reference, mended after: reuse those
 verdicts, `git diff --stat adba29c -- src/kernels src/mlx/kernel.rs cpp`
-showing only src/kernels/tests.rs changed):
+showing what changed since: the tests, stages.rs's counters of any
+length, and the conv layer with its feed-forward in one launch, new):
   1. carry [.device/a, .device/llama]: `stage` (~100 s with the start).
   2. carry [.device/b, .device/tests]: `install verdicts-from
      bench/results/2026-12-05-h200-session30.raw.jsonl` then
-     H200_KERNEL_TESTS=conv_fused_kernel_matches_stock_ops,short_conv_kernel_matches_stock_ops
-     `kernels` (~200 s; .device/ptx, session 30's compiled kernels, only
+     H200_KERNEL_JOBS=3 H200_KERNEL_TESTS=conv_fused_kernel_matches_stock_ops,conv_layer_fused_kernel_matches_the_two_kernels,short_conv_kernel_matches_stock_ops,greedy_tokens_with_kernels_equal_stock_ops
+     `kernels` (~400 s with `timeout -s TERM 560`: the last name runs both
+     greedy tests, for the new sets MLX_LFM_CONV_LAYER_FUSED and
+     layers-fused-whole; .device/ptx, session 30's compiled kernels, only
      where the carry stays under 64 MiB).
   3. carry [.device/bin]: H200_MODELS=lfm2-8b-a1b-q4
-     H200_AB_VARIANTS=moe-fused,conv-fused,moe-conv-fused,ffn-fused,qkv-fused,layers-fused,router-scores-f32,router-scores-f32-early,position-table-off,eps-const-off
+     H200_AB_VARIANTS=moe-fused,conv-fused,moe-conv-fused,ffn-fused,qkv-fused,layers-fused,layers-fused-whole,router-scores-f32,router-scores-f32-early,position-table-off,eps-const-off
      `ab pick` (~220 s with the 8B-A1B's checkpoints: whether the one-launch
      layers, correct on the H200 since session 30, are faster).
   4. carry [.device/bin]: H200_MODELS=lfm2-350m-bf16,lfm2-1.2b-bf16
-     H200_AB_VARIANTS=conv-fused,ffn-fused,conv-ffn-fused,qkv-fused,layers-fused,position-table-off,eps-const-off
-     `ab pick` (~200 s), then H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4
+     H200_AB_VARIANTS=conv-fused,ffn-fused,conv-ffn-fused,conv-layer-fused,qkv-fused,layers-fused,layers-fused-whole,position-table-off,eps-const-off
+     `ab pick` (~220 s), then H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4
      `profile-gaps` if time allows (the time between a step's kernels).
   5. `round 1`, `round 2` (~300 s each) with H200_OURS_ENV setting the
      one-launch layers the A/B found faster (then make them defaults here,
@@ -1814,6 +1817,13 @@ AB = {
     "qkv-fused": ({"MLX_LFM_QKV_FUSED": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "layers-fused": ({"MLX_LFM_MOE_FUSED": "1", "MLX_LFM_CONV_FUSED": "1", "MLX_LFM_FFN_FUSED": "1", "MLX_LFM_QKV_FUSED": "1"},
                      ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # A conv layer with its feed-forward in one launch (six stages: the two
+    # kernels above joined; src/kernels/conv_layer_fused.rs: the dense
+    # models' ten conv layers, the 8B-A1B's one after its first), alone and
+    # with every other one-launch layer (the 1.2B's step ~54 nodes).
+    "conv-layer-fused": ({"MLX_LFM_CONV_LAYER_FUSED": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    "layers-fused-whole": ({"MLX_LFM_MOE_FUSED": "1", "MLX_LFM_CONV_FUSED": "1", "MLX_LFM_FFN_FUSED": "1", "MLX_LFM_QKV_FUSED": "1",
+                            "MLX_LFM_CONV_LAYER_FUSED": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "router-norm-off": ({"MLX_LFM_ROUTER_NORM_KERNEL": "0"}, ["lfm2-8b-a1b-q4"]),
     "router-norm-narrow": ({"MLX_LFM_ROUTER_NORM_WIDE": "0"}, ["lfm2-8b-a1b-q4"]),
     # The quantized GEMVs in MLX's own qmv arithmetic (MLX_LFM_QGEMV_EXACT:
@@ -1958,6 +1968,10 @@ AB_TESTS = {
     "qkv-fused": ["qkv_fused_kernel_matches_stock_ops", "greedy:MLX_LFM_QKV_FUSED"],
     "layers-fused": ["moe_fused_kernel_matches_the_three_kernels", "conv_fused_kernel_matches_stock_ops",
                      "ffn_fused_kernel_matches_stock_ops", "qkv_fused_kernel_matches_stock_ops", "greedy:layers-fused"],
+    "conv-layer-fused": ["conv_layer_fused_kernel_matches_the_two_kernels", "greedy:MLX_LFM_CONV_LAYER_FUSED"],
+    "layers-fused-whole": ["moe_fused_kernel_matches_the_three_kernels", "conv_fused_kernel_matches_stock_ops",
+                           "ffn_fused_kernel_matches_stock_ops", "qkv_fused_kernel_matches_stock_ops",
+                           "conv_layer_fused_kernel_matches_the_two_kernels", "greedy:layers-fused-whole"],
     "conv-ffn-fused": ["conv_fused_kernel_matches_stock_ops", "ffn_fused_kernel_matches_stock_ops",
                        "greedy:MLX_LFM_CONV_FUSED", "greedy:MLX_LFM_FFN_FUSED", "greedy:conv-ffn-fused"],
     "moe-conv-fused": ["moe_fused_kernel_matches_the_three_kernels", "conv_fused_kernel_matches_stock_ops",
@@ -1998,8 +2012,8 @@ PICK = [
     (["position-table-off"], "decode"),
     (["moe-down-early", "router-scores-f32", "router-scores-f32-early", "moe-fused"], "decode"),
     (["conv-fused", "moe-conv-fused"], "decode"),
-    (["ffn-fused", "conv-ffn-fused"], "decode"),
-    (["qkv-fused", "layers-fused"], "decode"),
+    (["ffn-fused", "conv-ffn-fused", "conv-layer-fused"], "decode"),
+    (["qkv-fused", "layers-fused", "layers-fused-whole"], "decode"),
     (["attention-smem", "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4"], "decode"),
     (["norm-runs-guarded"], "decode"),
     (["fold-early"], "decode"),
@@ -2026,7 +2040,8 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "gemv-max-k-2048-c4-early-guarded", "gemv-c2", "gemv-c4", "swiglu-gemv-1024", "attention-smem",
                "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4", "conv-gemv",
                "moe-down-early", "router-scores-f32", "router-scores-f32-early", "fold-eps-const", "position-table-off",
-               "fold-deferred", "moe-fused", "conv-fused", "moe-conv-fused", "ffn-fused", "conv-ffn-fused", "qkv-fused", "layers-fused"}
+               "fold-deferred", "moe-fused", "conv-fused", "moe-conv-fused", "ffn-fused", "conv-ffn-fused", "qkv-fused", "layers-fused",
+               "conv-layer-fused", "layers-fused-whole"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]
