@@ -154,7 +154,11 @@ GEMV, w2, dense or, since session 30, 4-bit; its test `ffn_fused_kernel_matches_
 stage (`qkv-fused`: the add + RMSNorm, the stacked projection, the heads'
 norm + RoPE; its test `qkv_fused_kernel_matches_stock_ops`, greedy set
 `MLX_LFM_QKV_FUSED`); `layers-fused` turns all four on (greedy set
-`layers-fused`).
+`layers-fused`). Session 30 joined the conv layer and its feed-forward
+into one launch (`conv-layer-fused`: six stages; its test
+`conv_layer_fused_kernel_matches_the_two_kernels` holds it to the two
+kernels' bits, greedy sets `MLX_LFM_CONV_LAYER_FUSED` and
+`layers-fused-whole`, the variant of that name turning all five on).
 Next (`bash bench/h200/prepare.sh` here first; ~1,600 s planned; session
 30 ran the kernel tests of every one-launch layer and their greedy sets,
 passed but for the conv test's own reference, mended after: reuse those
