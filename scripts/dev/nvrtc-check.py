@@ -274,7 +274,7 @@ KERNELS["conv_layer_fused.rs"] = (
     [("h", "T"), ("r", "T"), ("wn", "T"), ("state", "T"), ("cw", "T"), ("iw", "uint32_t"), ("iscales", "T"),
      ("ibiases", "T"), ("ow", "uint32_t"), ("oscales", "T"), ("obiases", "T"), ("fwn", "T"), ("fw", "uint32_t"),
      ("fscales", "T"), ("fbiases", "T"), ("gw", "uint32_t"), ("gscales", "T"), ("gbiases", "T"), ("ctr", "uint32_t")],
-    [("s2", "T"), ("out", "T"), ("next", "T"), ("s1", "T"), ("yn", "T"), ("yc", "T"), ("o1", "T"), ("yn2", "T"),
+    [("s", "T"), ("out", "T"), ("next", "T"), ("s1", "T"), ("yn", "T"), ("yc", "T"), ("o1", "T"), ("yn2", "T"),
      ("hk", "T")],
     lambda dt: [("D", 2048), ("C", 2048), ("KEEP", 2), ("F", 7168), ("NBLK", 256 if dt != "float32" else 512),
                 ("WARPS", 16), ("EPS_BITS", 925353388), ("IBITS", 4), ("IGS", 64), ("OBITS", 4), ("OGS", 64),
@@ -358,6 +358,12 @@ def staged_header(k):
 
 def body_and_header(path, which="SOURCE"):
     text = path.read_text()
+    if path.name in ("ffn_fused.rs", "conv_fused.rs", "conv_layer_fused.rs"):
+        # One body for the three (stages.rs's LAYER_SOURCE, its parts chosen
+        # by DEFINES_OF); the joined kernel's feed-forward rows beside the
+        # conv's products.
+        rows = named(path, "DENSE_FFN_ROWS" if DENSE else "QUANT_FFN_ROWS") if path.name == "conv_layer_fused.rs" else ""
+        return named(path.parent / "stages.rs", "LAYER_SOURCE"), staged_header(path.parent) + rows
     if path.name == "qk_norm_rope.rs":
         # Each body is a `concat!` of raw strings and macros (`qkv_heads!`,
         # `norm_rope_body!`), each macro one raw string: joined in order.
@@ -394,11 +400,6 @@ def body_and_header(path, which="SOURCE"):
         k = path.parent
         lead = "#define LFM_NORM_IN_WIDER_BLOCK 1\n" + named(k / "add_rms_norm.rs", "HEADER") + header_of(k / "quant_gemv.rs")
         return src, lead + named(k / "moe_router.rs", "ROUTE_HEADER") + named(k / "moe_router.rs", "GATE_HEADER") + named(path.parent / "stages.rs", "TICKET_HEADER")
-    if path.name in ("ffn_fused.rs", "conv_fused.rs"):
-        return src, staged_header(path.parent)
-    if path.name == "conv_layer_fused.rs":
-        # The conv layer's header, then the feed-forward's rows beside it.
-        return src, staged_header(path.parent) + named(path, "DENSE_FFN_ROWS" if DENSE else "QUANT_FFN_ROWS")
     if path.name == "moe_gemm.rs":
         return src, header_of(path.parent / "gemv.rs") + named(path, "MMA_HEADER")
     if path.name == "moe_router.rs":
@@ -496,17 +497,23 @@ REPLACE_OF = {
     **{f"norm_gemv.rs#{f}@epsc": substitutions("add_rms_norm.rs", "EPS_CONST_SUBSTITUTIONS") for f in ("dense", "swiglu", "quant")},
 }
 # A kernel variant's own #define, as its Rust side prepends it.
+# The parts of stages.rs's LAYER_SOURCE each kernel compiles (its
+# layer_defines).
+LAYER_CONV = "#define LFM_CONV_PART 1\n#define LFM_FFN_PART 0\n#define LFM_CONV_SUM s\n#define LFM_CONV_ROW out\n"
+LAYER_FFN = ("#define LFM_CONV_PART 0\n#define LFM_FFN_PART 1\n#define LFM_FFN_YN yn\n"
+             "#define LFM_F_ROWS(K, R, rows, xs, lane, out) LFM_IN_ROWS(K, R, rows, xs, lane, out)\n#define LFM_G_ROWS(K, R, rows, xs, lane, out) LFM_OUT_ROWS(K, R, rows, xs, lane, out)\n")
+LAYER_BOTH = "#define LFM_CONV_PART 1\n#define LFM_FFN_PART 1\n#define LFM_CONV_SUM s1\n#define LFM_CONV_ROW o1\n#define LFM_FFN_YN yn2\n"
 DEFINES_OF = {
     "decode_attention.rs@upto-split16": "#define LFM_ATT_DPB 16\n",
     "decode_attention.rs@upto-split8": "#define LFM_ATT_DPB 8\n",
     "moe_fused.rs@no-wait": "#define LFM_SPIN_LIMIT 0\n",
-    "conv_fused.rs": "#define LFM_QMLX_TILES 2\n",
-    "conv_fused.rs@no-wait": "#define LFM_SPIN_LIMIT 0\n#define LFM_QMLX_TILES 2\n",
-    "conv_fused.rs@dense": "#define LFM_DENSE_PREFETCH 0\n",
-    "ffn_fused.rs": "#define LFM_QMLX_TILES 2\n",
-    "ffn_fused.rs@dense": "#define LFM_DENSE_PREFETCH 0\n",
-    "conv_layer_fused.rs": "#define LFM_QMLX_TILES 2\n",
-    "conv_layer_fused.rs@dense": "#define LFM_DENSE_PREFETCH 0\n",
+    "conv_fused.rs": "#define LFM_QMLX_TILES 2\n" + LAYER_CONV,
+    "conv_fused.rs@no-wait": "#define LFM_SPIN_LIMIT 0\n#define LFM_QMLX_TILES 2\n" + LAYER_CONV,
+    "conv_fused.rs@dense": "#define LFM_DENSE_PREFETCH 0\n" + LAYER_CONV,
+    "ffn_fused.rs": "#define LFM_QMLX_TILES 2\n" + LAYER_FFN,
+    "ffn_fused.rs@dense": "#define LFM_DENSE_PREFETCH 0\n" + LAYER_FFN,
+    "conv_layer_fused.rs": "#define LFM_QMLX_TILES 2\n" + LAYER_BOTH,
+    "conv_layer_fused.rs@dense": "#define LFM_DENSE_PREFETCH 0\n" + LAYER_BOTH,
     "qk_norm_rope.rs#qkv_fused": "#define LFM_QMLX_TILES 2\n",
     "qk_norm_rope.rs#qkv_fused@dense": "#define LFM_DENSE_PREFETCH 0\n",
 }

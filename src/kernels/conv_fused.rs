@@ -34,71 +34,12 @@ use crate::model::linear::Normed;
 pub use super::stages::Projections;
 use std::sync::OnceLock;
 
-/// Template constants: T, D (the row), C (the conv's channels), KEEP (the
-/// state's positions), IBITS / IGS and OBITS / OGS (in_proj's and
-/// out_proj's specifications), NBLK (the add + RMSNorm kernel's block for
-/// this row), WARPS, EPS_BITS. `ctr`: the layer's counters (tickets, the
-/// norm's launch mark, channel blocks done).
-pub(crate) const SOURCE: &str = r#"
-  constexpr int IB = (C + WARPS - 1) / WARPS;
-  constexpr int OB = (D + WARPS - 1) / WARPS;
-  constexpr int NB = 1 + IB + OB;
-  constexpr int XR = D * sizeof(T) / 16;
-  constexpr int CR = C * sizeof(T) / 16;
-  __shared__ uint4 sm[XR > CR ? XR : CR];
-  unsigned long long* st = reinterpret_cast<unsigned long long*>(const_cast<uint32_t*>(ctr));
-  const int lane = threadIdx.x % 32;
-  const int wid = threadIdx.x / 32;
-  unsigned long long launch;
-  const int role = lfm_take_part<NB>(st, launch);
-  const float poison = __int_as_float(0x7fc00000);
-  if (role == 0) {
-    lfm_norm_stage<T, D, NBLK>(h, r, wn, __int_as_float(EPS_BITS), s, reinterpret_cast<T*>(sm), yn);
-    lfm_release_mark(st + 1, launch + 1);
-    return;
-  }
-  if (role <= IB) {
-    // in_proj's three rows of channel c, then the conv step on them.
-    const int c = (role - 1) * WARPS + wid;
-    const bool late = lfm_block_wait(st + 1, launch + 1, nullptr, 0);
-    if (!late) lfm_stage16(sm, yn, XR);
-    __syncthreads();
-    if (c < C) {
-      float s3[3] = {0.0f, 0.0f, 0.0f};
-      const size_t rows[3] = {static_cast<size_t>(c), static_cast<size_t>(C) + c, 2 * static_cast<size_t>(C) + c};
-      if (!late) LFM_IN_ROWS(D, 3, rows, reinterpret_cast<const T*>(sm), lane, s3);
-      if (lane == 0) {
-        const T* wd = cw + static_cast<size_t>(c) * (KEEP + 1);
-        float acc = 0.0f;
-        for (int j = 0; j < KEEP; j++) {
-          const T v = state[j * C + c];
-          if (j > 0) next[(j - 1) * C + c] = late ? T(poison) : v;
-          acc += static_cast<float>(wd[j]) * static_cast<float>(v);
-        }
-        const T bt = T(s3[0]);
-        const T ct = T(s3[1]);
-        const T xt = T(s3[2]);
-        const T bx = T(static_cast<float>(bt) * static_cast<float>(xt));
-        next[(KEEP - 1) * C + c] = late ? T(poison) : bx;
-        acc += static_cast<float>(wd[KEEP]) * static_cast<float>(bx);
-        yc[c] = late ? T(poison) : T(static_cast<float>(ct) * static_cast<float>(T(acc)));
-      }
-    }
-    lfm_release_count(st + 2);
-    return;
-  }
-  // out_proj's output n, once every channel of the launch is done.
-  const int n = (role - 1 - IB) * WARPS + wid;
-  const bool late = lfm_block_wait(st + 2, (launch + 1) * IB, nullptr, 0);
-  if (!late) lfm_stage16(sm, yc, CR);
-  __syncthreads();
-  if (n < D) {
-    float o[1] = {0.0f};
-    const size_t rows[1] = {static_cast<size_t>(n)};
-    if (!late) LFM_OUT_ROWS(C, 1, rows, reinterpret_cast<const T*>(sm), lane, o);
-    if (lane == 0) out[n] = late ? T(poison) : T(o[0]);
-  }
-"#;
+// Template constants: T, D (the row), C (the conv's channels), KEEP (the
+// state's positions), IBITS / IGS and OBITS / OGS (in_proj's and
+// out_proj's specifications), NBLK (the add + RMSNorm kernel's block for
+// this row), WARPS, EPS_BITS; `ctr`: the layer's counters (tickets, the
+// norm's launch mark, channel blocks done). The body: the conv part of
+// src/kernels/stages.rs's `LAYER_SOURCE`.
 
 /// Warps a block (a channel or an output each): 16, so that each stage's
 /// blocks spread over ~128 of the H200's 132 SMs (two blocks an SM where
@@ -132,10 +73,11 @@ fn kernel(quant: bool) -> Option<&'static CudaKernel> {
     // 44 registers a thread by ptxas where four took 84. Dense: the GEMVs'
     // default walk, no L2 prefetch.)
     let (name, walk) = if quant { ("lfm_conv_fused", "#define LFM_QMLX_TILES 2\n") } else { ("lfm_conv_fused_dense", "#define LFM_DENSE_PREFETCH 0\n") };
-    stages::kernel(&K[usize::from(quant)], name, &inputs, &outputs, SOURCE, || {
+    stages::kernel(&K[usize::from(quant)], name, &inputs, &outputs, stages::LAYER_SOURCE, || {
         let products = if quant { super::quant_gemv::header() } else { super::gemv::header() };
         format!(
-            "#define LFM_NORM_IN_WIDER_BLOCK 1\n{walk}{}{products}{TICKET_HEADER}{}",
+            "#define LFM_NORM_IN_WIDER_BLOCK 1\n{walk}{}{}{products}{TICKET_HEADER}{}",
+            stages::layer_defines(true, false),
             super::add_rms_norm::device_code(),
             Projections::products(quant)
         )

@@ -13,11 +13,13 @@
 //! RMSNorm; in_proj and the conv step a channel a warp; out_proj an output
 //! a warp, into a row the next stage reads; the feed-forward's add +
 //! RMSNorm of that row and the residual, once every out_proj block is
-//! done; the gate a warp an output; w2 a warp an output. Each stage is the
-//! same device code as the two one-launch kernels' (the feed-forward's
-//! norm reads its two rows staged at L2 into shared memory, the values the
-//! other kernel reads from global memory), so the outputs are theirs to
-//! the bit: the test holds them to it. Tests in src/kernels/tests.rs.
+//! done; the gate a warp an output; w2 a warp an output. The three kernels
+//! compile one text (src/kernels/stages.rs `LAYER_SOURCE`, its parts
+//! chosen by defines), so each stage is the same code in each (the
+//! feed-forward's norm reads its two rows staged at L2 into shared memory,
+//! the values the other kernel reads from global memory) and the outputs
+//! are the two kernels' to the bit: the test holds them to it. Tests in
+//! src/kernels/tests.rs.
 
 use super::stages::{self, Built, Cells, Projections, TICKET_HEADER};
 use crate::error::{Error, Result};
@@ -26,132 +28,13 @@ use crate::mlx::Array;
 use crate::model::linear::Normed;
 use std::sync::OnceLock;
 
-/// Template constants: T, D (the row), C (the conv's channels), KEEP (the
-/// state's positions), F (the gate's width), NBLK (the add + RMSNorm
-/// kernel's block for this row), WARPS, EPS_BITS; quantized, IBITS / IGS,
-/// OBITS / OGS, FBITS / FGS, GBITS / GGS (in_proj, out_proj, w1/w3, w2).
-/// `ctr`: the layer's counters (tickets; the first norm's mark; channel
-/// blocks done; out_proj blocks done; the second norm's mark; gate blocks
-/// done).
-pub(crate) const SOURCE: &str = r#"
-  constexpr int IB = (C + WARPS - 1) / WARPS;
-  constexpr int OB = (D + WARPS - 1) / WARPS;
-  constexpr int GB = (F + WARPS - 1) / WARPS;
-  constexpr int N2 = 1 + IB + OB;
-  constexpr int NB = N2 + 1 + GB + OB;
-  constexpr int XR = D * sizeof(T) / 16;
-  constexpr int CR = C * sizeof(T) / 16;
-  constexpr int HR = F * sizeof(T) / 16;
-  constexpr int S1 = XR > CR ? XR : CR;
-  constexpr int S2 = S1 > HR ? S1 : HR;
-  __shared__ uint4 sm[S2 > 3 * XR ? S2 : 3 * XR];
-  unsigned long long* st = reinterpret_cast<unsigned long long*>(const_cast<uint32_t*>(ctr));
-  const int lane = threadIdx.x % 32;
-  const int wid = threadIdx.x / 32;
-  unsigned long long launch;
-  const int role = lfm_take_part<NB>(st, launch);
-  const float poison = __int_as_float(0x7fc00000);
-  if (role == 0) {
-    lfm_norm_stage<T, D, NBLK>(h, r, wn, __int_as_float(EPS_BITS), s1, reinterpret_cast<T*>(sm), yn);
-    lfm_release_mark(st + 1, launch + 1);
-    return;
-  }
-  if (role <= IB) {
-    // in_proj's three rows of channel c, then the conv step on them.
-    const int c = (role - 1) * WARPS + wid;
-    const bool late = lfm_block_wait(st + 1, launch + 1, nullptr, 0);
-    if (!late) lfm_stage16(sm, yn, XR);
-    __syncthreads();
-    if (c < C) {
-      float s3[3] = {0.0f, 0.0f, 0.0f};
-      const size_t rows[3] = {static_cast<size_t>(c), static_cast<size_t>(C) + c, 2 * static_cast<size_t>(C) + c};
-      if (!late) LFM_IN_ROWS(D, 3, rows, reinterpret_cast<const T*>(sm), lane, s3);
-      if (lane == 0) {
-        const T* wd = cw + static_cast<size_t>(c) * (KEEP + 1);
-        float acc = 0.0f;
-        for (int j = 0; j < KEEP; j++) {
-          const T v = state[j * C + c];
-          if (j > 0) next[(j - 1) * C + c] = late ? T(poison) : v;
-          acc += static_cast<float>(wd[j]) * static_cast<float>(v);
-        }
-        const T bt = T(s3[0]);
-        const T ct = T(s3[1]);
-        const T xt = T(s3[2]);
-        const T bx = T(static_cast<float>(bt) * static_cast<float>(xt));
-        next[(KEEP - 1) * C + c] = late ? T(poison) : bx;
-        acc += static_cast<float>(wd[KEEP]) * static_cast<float>(bx);
-        yc[c] = late ? T(poison) : T(static_cast<float>(ct) * static_cast<float>(T(acc)));
-      }
-    }
-    lfm_release_count(st + 2);
-    return;
-  }
-  if (role < N2) {
-    // out_proj's output n, once every channel of the launch is done.
-    const int n = (role - 1 - IB) * WARPS + wid;
-    const bool late = lfm_block_wait(st + 2, (launch + 1) * IB, nullptr, 0);
-    if (!late) lfm_stage16(sm, yc, CR);
-    __syncthreads();
-    if (n < D) {
-      float o[1] = {0.0f};
-      const size_t rows[1] = {static_cast<size_t>(n)};
-      if (!late) LFM_OUT_ROWS(C, 1, rows, reinterpret_cast<const T*>(sm), lane, o);
-      if (lane == 0) o1[n] = late ? T(poison) : T(o[0]);
-    }
-    lfm_release_count(st + 3);
-    return;
-  }
-  if (role == N2) {
-    // The feed-forward's add + RMSNorm of out_proj's row and the residual,
-    // once every out_proj block of the launch is done: both rows staged
-    // at L2 (other blocks wrote them in this launch), then the norm stage
-    // on them as on the other kernel's global rows.
-    const bool late = lfm_block_wait(st + 3, (launch + 1) * OB, nullptr, 0);
-    T* hs = reinterpret_cast<T*>(sm);
-    T* rs = hs + D;
-    if (!late) {
-      lfm_stage16(sm, o1, XR);
-      lfm_stage16(sm + XR, s1, XR);
-    }
-    __syncthreads();
-    if (late) {
-      for (int i = threadIdx.x; i < D; i += blockDim.x) {
-        s2[i] = T(poison);
-        yn2[i] = T(poison);
-      }
-    } else {
-      lfm_norm_stage<T, D, NBLK>(hs, rs, fwn, __int_as_float(EPS_BITS), s2, rs + D, yn2);
-    }
-    lfm_release_mark(st + 4, launch + 1);
-    return;
-  }
-  if (role <= N2 + GB) {
-    // The gate's output j: w1's row j and w3's row F + j.
-    const int j = (role - N2 - 1) * WARPS + wid;
-    const bool late = lfm_block_wait(st + 4, launch + 1, nullptr, 0);
-    if (!late) lfm_stage16(sm, yn2, XR);
-    __syncthreads();
-    if (j < F) {
-      float gu[2] = {0.0f, 0.0f};
-      const size_t rows[2] = {static_cast<size_t>(j), static_cast<size_t>(F) + j};
-      if (!late) LFM_F_ROWS(D, 2, rows, reinterpret_cast<const T*>(sm), lane, gu);
-      if (lane == 0) hk[j] = late ? T(poison) : lfm_swiglu<T>(gu[0], gu[1]);
-    }
-    lfm_release_count(st + 5);
-    return;
-  }
-  // w2's output n, once every gate output of the launch is done.
-  const int n = (role - N2 - 1 - GB) * WARPS + wid;
-  const bool late = lfm_block_wait(st + 5, (launch + 1) * GB, nullptr, 0);
-  if (!late) lfm_stage16(sm, hk, HR);
-  __syncthreads();
-  if (n < D) {
-    float o[1] = {0.0f};
-    const size_t rows[1] = {static_cast<size_t>(n)};
-    if (!late) LFM_G_ROWS(F, 1, rows, reinterpret_cast<const T*>(sm), lane, o);
-    if (lane == 0) out[n] = late ? T(poison) : T(o[0]);
-  }
-"#;
+// Template constants: T, D (the row), C (the conv's channels), KEEP (the
+// state's positions), F (the gate's width), NBLK (the add + RMSNorm
+// kernel's block for this row), WARPS, EPS_BITS; quantized, IBITS / IGS,
+// OBITS / OGS, FBITS / FGS, GBITS / GGS (in_proj, out_proj, w1/w3, w2).
+// `ctr`: the layer's counters (tickets; the first norm's mark; channel
+// blocks done; out_proj blocks done; the second norm's mark; gate blocks
+// done). The body: both parts of src/kernels/stages.rs's `LAYER_SOURCE`.
 
 /// The feed-forward's products, beside the conv's (`LFM_IN_ROWS` /
 /// `LFM_OUT_ROWS` of src/kernels/stages.rs): the same helpers over its
@@ -201,7 +84,7 @@ fn kernel(quant: bool) -> Option<&'static CudaKernel> {
     inputs.push("fwn");
     inputs.extend(ffn);
     inputs.push("ctr");
-    let outputs = ["s2", "out", "next", "s1", "yn", "yc", "o1", "yn2", "hk"];
+    let outputs = ["s", "out", "next", "s1", "yn", "yc", "o1", "yn2", "hk"];
     // (Quantized: two of MLX's tiles a batch; dense: the GEMVs' default
     // walk, no L2 prefetch; as the two kernels.)
     let (name, walk, rows) = if quant {
@@ -209,10 +92,11 @@ fn kernel(quant: bool) -> Option<&'static CudaKernel> {
     } else {
         ("lfm_conv_layer_fused_dense", "#define LFM_DENSE_PREFETCH 0\n", DENSE_FFN_ROWS)
     };
-    stages::kernel(&K[usize::from(quant)], name, &inputs, &outputs, SOURCE, || {
+    stages::kernel(&K[usize::from(quant)], name, &inputs, &outputs, stages::LAYER_SOURCE, || {
         let products = if quant { super::quant_gemv::header() } else { super::gemv::header() };
         format!(
-            "#define LFM_NORM_IN_WIDER_BLOCK 1\n{walk}{}{products}{TICKET_HEADER}{}{rows}",
+            "#define LFM_NORM_IN_WIDER_BLOCK 1\n{walk}{}{}{products}{TICKET_HEADER}{}{rows}",
+            stages::layer_defines(true, true),
             super::add_rms_norm::device_code(),
             Projections::products(quant)
         )

@@ -35,57 +35,13 @@ use crate::model::linear::Normed;
 pub use super::stages::Projections;
 use std::sync::OnceLock;
 
-/// Template constants: T, D (the row), F (the gate's width), NBLK (the add +
-/// RMSNorm kernel's block for this row), WARPS, EPS_BITS, and quantized,
-/// IBITS / IGS and OBITS / OGS (w1/w3's and w2's specifications). `ctr`:
-/// the layer's counters (tickets, the norm's launch mark, gate blocks
-/// done); `iw`..: the projections as src/kernels/stages.rs's products name
-/// them (w1/w3 stacked, then w2).
-pub(crate) const SOURCE: &str = r#"
-  constexpr int GB = (F + WARPS - 1) / WARPS;
-  constexpr int OB = (D + WARPS - 1) / WARPS;
-  constexpr int NB = 1 + GB + OB;
-  constexpr int XR = D * sizeof(T) / 16;
-  constexpr int HR = F * sizeof(T) / 16;
-  __shared__ uint4 sm[XR > HR ? XR : HR];
-  unsigned long long* st = reinterpret_cast<unsigned long long*>(const_cast<uint32_t*>(ctr));
-  const int lane = threadIdx.x % 32;
-  const int wid = threadIdx.x / 32;
-  unsigned long long launch;
-  const int role = lfm_take_part<NB>(st, launch);
-  const T poison = T(__int_as_float(0x7fc00000));
-  if (role == 0) {
-    lfm_norm_stage<T, D, NBLK>(h, r, wn, __int_as_float(EPS_BITS), s, reinterpret_cast<T*>(sm), yn);
-    lfm_release_mark(st + 1, launch + 1);
-    return;
-  }
-  if (role <= GB) {
-    // The gate's output j: w1's row j and w3's row F + j.
-    const int j = (role - 1) * WARPS + wid;
-    const bool late = lfm_block_wait(st + 1, launch + 1, nullptr, 0);
-    if (!late) lfm_stage16(sm, yn, XR);
-    __syncthreads();
-    if (j < F) {
-      float gu[2] = {0.0f, 0.0f};
-      const size_t rows[2] = {static_cast<size_t>(j), static_cast<size_t>(F) + j};
-      if (!late) LFM_IN_ROWS(D, 2, rows, reinterpret_cast<const T*>(sm), lane, gu);
-      if (lane == 0) hk[j] = late ? poison : lfm_swiglu<T>(gu[0], gu[1]);
-    }
-    lfm_release_count(st + 2);
-    return;
-  }
-  // w2's output n, once every gate output of the launch is done.
-  const int n = (role - 1 - GB) * WARPS + wid;
-  const bool late = lfm_block_wait(st + 2, (launch + 1) * GB, nullptr, 0);
-  if (!late) lfm_stage16(sm, hk, HR);
-  __syncthreads();
-  if (n < D) {
-    float o[1] = {0.0f};
-    const size_t rows[1] = {static_cast<size_t>(n)};
-    if (!late) LFM_OUT_ROWS(F, 1, rows, reinterpret_cast<const T*>(sm), lane, o);
-    if (lane == 0) out[n] = late ? poison : T(o[0]);
-  }
-"#;
+// Template constants: T, D (the row), F (the gate's width), NBLK (the add +
+// RMSNorm kernel's block for this row), WARPS, EPS_BITS, and quantized,
+// IBITS / IGS and OBITS / OGS (w1/w3's and w2's specifications). `ctr`:
+// the layer's counters (tickets, the norm's launch mark, gate blocks
+// done); `iw`..: the projections as src/kernels/stages.rs's products name
+// them (w1/w3 stacked, then w2). The body: the feed-forward part of
+// src/kernels/stages.rs's `LAYER_SOURCE`.
 
 /// Warps a block: 16, as the conv layer's (src/kernels/conv_fused.rs).
 const WARPS: i32 = 16;
@@ -114,10 +70,11 @@ fn kernel(quant: bool) -> Option<&'static CudaKernel> {
     // (Quantized: two of MLX's tiles a batch, as the conv layer's; dense:
     // the GEMVs' default walk, no L2 prefetch.)
     let (name, walk) = if quant { ("lfm_ffn_fused_q", "#define LFM_QMLX_TILES 2\n") } else { ("lfm_ffn_fused", "#define LFM_DENSE_PREFETCH 0\n") };
-    stages::kernel(&K[usize::from(quant)], name, &inputs, &["s", "out", "yn", "hk"], SOURCE, || {
+    stages::kernel(&K[usize::from(quant)], name, &inputs, &["s", "out", "yn", "hk"], stages::LAYER_SOURCE, || {
         let products = if quant { super::quant_gemv::header() } else { super::gemv::header() };
         format!(
-            "#define LFM_NORM_IN_WIDER_BLOCK 1\n{walk}{}{products}{TICKET_HEADER}{}",
+            "#define LFM_NORM_IN_WIDER_BLOCK 1\n{walk}{}{}{products}{TICKET_HEADER}{}",
+            stages::layer_defines(false, true),
             super::add_rms_norm::device_code(),
             Projections::products(quant)
         )

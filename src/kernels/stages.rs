@@ -99,6 +99,176 @@ __device__ inline void lfm_norm_stage(const T* h, const T* r, const T* wn, float
 }
 "#;
 
+/// The body of the short-conv layer's, the feed-forward's and the two
+/// joined one-launch kernels (src/kernels/conv_fused.rs, ffn_fused.rs,
+/// conv_layer_fused.rs), one text for the three so that each stage is the
+/// same code in each: `LFM_CONV_PART` / `LFM_FFN_PART` choose the parts
+/// ([`layer_defines`]). The conv part: the add + RMSNorm (its sum into
+/// `LFM_CONV_SUM`), in_proj and the conv step a channel a warp, out_proj
+/// an output a warp (into `LFM_CONV_ROW`); the feed-forward part: its add +
+/// RMSNorm (joined: of out_proj's row and the conv's sum, staged at L2, as
+/// the other kernel reads them from global memory; its normed row into
+/// `LFM_FFN_YN`), the gate a warp an output (`LFM_F_ROWS`), w2 a warp an
+/// output (`LFM_G_ROWS`). Counters: tickets; the conv's norm mark, its
+/// channel blocks done and (joined) its out_proj blocks done; then the
+/// feed-forward's norm mark and gate blocks done.
+pub(crate) const LAYER_SOURCE: &str = r#"
+#if LFM_CONV_PART
+  constexpr int IB = (C + WARPS - 1) / WARPS;
+  constexpr int CR = C * sizeof(T) / 16;
+#else
+  constexpr int IB = 0;
+  constexpr int CR = 0;
+#endif
+#if LFM_FFN_PART
+  constexpr int GB = (F + WARPS - 1) / WARPS;
+  constexpr int HR = F * sizeof(T) / 16;
+#else
+  constexpr int GB = 0;
+  constexpr int HR = 0;
+#endif
+  constexpr int OB = (D + WARPS - 1) / WARPS;
+  constexpr int CONV_NB = LFM_CONV_PART ? 1 + IB + OB : 0;
+  constexpr int NB = CONV_NB + (LFM_FFN_PART ? 1 + GB + OB : 0);
+  constexpr int XR = D * sizeof(T) / 16;
+  constexpr int SA = XR > CR ? XR : CR;
+  constexpr int SB = SA > HR ? SA : HR;
+  // (Joined: the feed-forward's norm stages its two rows and writes its own.)
+  constexpr int SN = (LFM_CONV_PART && LFM_FFN_PART) ? 3 * XR : 0;
+  __shared__ uint4 sm[SB > SN ? SB : SN];
+  unsigned long long* st = reinterpret_cast<unsigned long long*>(const_cast<uint32_t*>(ctr));
+  const int lane = threadIdx.x % 32;
+  const int wid = threadIdx.x / 32;
+  unsigned long long launch;
+  const int role = lfm_take_part<NB>(st, launch);
+  const float poison = __int_as_float(0x7fc00000);
+#if LFM_CONV_PART
+  if (role == 0) {
+    lfm_norm_stage<T, D, NBLK>(h, r, wn, __int_as_float(EPS_BITS), LFM_CONV_SUM, reinterpret_cast<T*>(sm), yn);
+    lfm_release_mark(st + 1, launch + 1);
+    return;
+  }
+  if (role <= IB) {
+    // in_proj's three rows of channel c, then the conv step on them.
+    const int c = (role - 1) * WARPS + wid;
+    const bool late = lfm_block_wait(st + 1, launch + 1, nullptr, 0);
+    if (!late) lfm_stage16(sm, yn, XR);
+    __syncthreads();
+    if (c < C) {
+      float s3[3] = {0.0f, 0.0f, 0.0f};
+      const size_t rows[3] = {static_cast<size_t>(c), static_cast<size_t>(C) + c, 2 * static_cast<size_t>(C) + c};
+      if (!late) LFM_IN_ROWS(D, 3, rows, reinterpret_cast<const T*>(sm), lane, s3);
+      if (lane == 0) {
+        const T* wd = cw + static_cast<size_t>(c) * (KEEP + 1);
+        float acc = 0.0f;
+        for (int j = 0; j < KEEP; j++) {
+          const T v = state[j * C + c];
+          if (j > 0) next[(j - 1) * C + c] = late ? T(poison) : v;
+          acc += static_cast<float>(wd[j]) * static_cast<float>(v);
+        }
+        const T bt = T(s3[0]);
+        const T ct = T(s3[1]);
+        const T xt = T(s3[2]);
+        const T bx = T(static_cast<float>(bt) * static_cast<float>(xt));
+        next[(KEEP - 1) * C + c] = late ? T(poison) : bx;
+        acc += static_cast<float>(wd[KEEP]) * static_cast<float>(bx);
+        yc[c] = late ? T(poison) : T(static_cast<float>(ct) * static_cast<float>(T(acc)));
+      }
+    }
+    lfm_release_count(st + 2);
+    return;
+  }
+  if (role < CONV_NB) {
+    // out_proj's output n, once every channel of the launch is done.
+    const int n = (role - 1 - IB) * WARPS + wid;
+    const bool late = lfm_block_wait(st + 2, (launch + 1) * IB, nullptr, 0);
+    if (!late) lfm_stage16(sm, yc, CR);
+    __syncthreads();
+    if (n < D) {
+      float o[1] = {0.0f};
+      const size_t rows[1] = {static_cast<size_t>(n)};
+      if (!late) LFM_OUT_ROWS(C, 1, rows, reinterpret_cast<const T*>(sm), lane, o);
+      if (lane == 0) LFM_CONV_ROW[n] = late ? T(poison) : T(o[0]);
+    }
+#if LFM_FFN_PART
+    lfm_release_count(st + 3);
+#endif
+    return;
+  }
+#endif
+#if LFM_FFN_PART
+  constexpr int FC = LFM_CONV_PART ? 3 : 0;
+  const int fr = role - CONV_NB;
+  if (fr == 0) {
+#if LFM_CONV_PART
+    // Once every out_proj block of the launch is done: its row and the
+    // conv's sum, staged at L2 (other blocks wrote them in this launch).
+    const bool late = lfm_block_wait(st + 3, (launch + 1) * OB, nullptr, 0);
+    T* hs = reinterpret_cast<T*>(sm);
+    T* rs = hs + D;
+    if (!late) {
+      lfm_stage16(sm, o1, XR);
+      lfm_stage16(sm + XR, s1, XR);
+    }
+    __syncthreads();
+    if (late) {
+      for (int i = threadIdx.x; i < D; i += blockDim.x) {
+        s[i] = T(poison);
+        LFM_FFN_YN[i] = T(poison);
+      }
+    } else {
+      lfm_norm_stage<T, D, NBLK>(hs, rs, fwn, __int_as_float(EPS_BITS), s, rs + D, LFM_FFN_YN);
+    }
+#else
+    lfm_norm_stage<T, D, NBLK>(h, r, wn, __int_as_float(EPS_BITS), s, reinterpret_cast<T*>(sm), LFM_FFN_YN);
+#endif
+    lfm_release_mark(st + FC + 1, launch + 1);
+    return;
+  }
+  if (fr <= GB) {
+    // The gate's output j: w1's row j and w3's row F + j.
+    const int j = (fr - 1) * WARPS + wid;
+    const bool late = lfm_block_wait(st + FC + 1, launch + 1, nullptr, 0);
+    if (!late) lfm_stage16(sm, LFM_FFN_YN, XR);
+    __syncthreads();
+    if (j < F) {
+      float gu[2] = {0.0f, 0.0f};
+      const size_t rows[2] = {static_cast<size_t>(j), static_cast<size_t>(F) + j};
+      if (!late) LFM_F_ROWS(D, 2, rows, reinterpret_cast<const T*>(sm), lane, gu);
+      if (lane == 0) hk[j] = late ? T(poison) : lfm_swiglu<T>(gu[0], gu[1]);
+    }
+    lfm_release_count(st + FC + 2);
+    return;
+  }
+  // w2's output n, once every gate output of the launch is done.
+  const int n = (fr - 1 - GB) * WARPS + wid;
+  const bool late = lfm_block_wait(st + FC + 2, (launch + 1) * GB, nullptr, 0);
+  if (!late) lfm_stage16(sm, hk, HR);
+  __syncthreads();
+  if (n < D) {
+    float o[1] = {0.0f};
+    const size_t rows[1] = {static_cast<size_t>(n)};
+    if (!late) LFM_G_ROWS(F, 1, rows, reinterpret_cast<const T*>(sm), lane, o);
+    if (lane == 0) out[n] = late ? T(poison) : T(o[0]);
+  }
+#endif
+"#;
+
+/// The defines that make [`LAYER_SOURCE`] the conv layer's kernel, the
+/// feed-forward's, or the two joined (their parts and the rows each
+/// writes); a kernel's header puts them before the source's.
+pub(crate) fn layer_defines(conv: bool, ffn: bool) -> &'static str {
+    match (conv, ffn) {
+        (true, false) => "#define LFM_CONV_PART 1\n#define LFM_FFN_PART 0\n#define LFM_CONV_SUM s\n#define LFM_CONV_ROW out\n",
+        (false, _) => concat!(
+            "#define LFM_CONV_PART 0\n#define LFM_FFN_PART 1\n#define LFM_FFN_YN yn\n",
+            "#define LFM_F_ROWS(K, R, rows, xs, lane, out) LFM_IN_ROWS(K, R, rows, xs, lane, out)\n",
+            "#define LFM_G_ROWS(K, R, rows, xs, lane, out) LFM_OUT_ROWS(K, R, rows, xs, lane, out)\n"
+        ),
+        (true, true) => "#define LFM_CONV_PART 1\n#define LFM_FFN_PART 1\n#define LFM_CONV_SUM s1\n#define LFM_CONV_ROW o1\n#define LFM_FFN_YN yn2\n",
+    }
+}
+
 /// The products of a layer's two projections for [`Projections::Quant`]
 /// (`LFM_IN_ROWS(K, R, rows, xs, lane, out)`: the first projection's rows
 /// `rows[0..R]` with the staged `K`-wide row `xs`, each summed whole into
