@@ -163,12 +163,13 @@ Next (`bash bench/h200/prepare.sh` here first; ~1,600 s planned; session
 30 ran the kernel tests of every one-launch layer and their greedy sets,
 passed but for the conv test's own reference, mended after: reuse those
 verdicts, `git diff --stat adba29c -- src/kernels src/mlx/kernel.rs cpp`
-showing what changed since: the tests, stages.rs's counters of any
-length, and the conv layer with its feed-forward in one launch, new):
+showing what changed since: the tests, the conv and feed-forward
+kernels now one body with the new conv layer joined to its feed-forward
+(stages.rs LAYER_SOURCE: their tests run again), counters of any length):
   1. carry [.device/a, .device/llama]: `stage` (~100 s with the start).
   2. carry [.device/b, .device/tests]: `install verdicts-from
      bench/results/2026-12-05-h200-session30.raw.jsonl` then
-     H200_KERNEL_JOBS=3 H200_KERNEL_TESTS=conv_fused_kernel_matches_stock_ops,conv_layer_fused_kernel_matches_the_two_kernels,short_conv_kernel_matches_stock_ops,greedy_tokens_with_kernels_equal_stock_ops
+     H200_KERNEL_JOBS=4 H200_KERNEL_TESTS=conv_fused_kernel_matches_stock_ops,ffn_fused_kernel_matches_stock_ops,conv_layer_fused_kernel_matches_the_two_kernels,short_conv_kernel_matches_stock_ops,greedy_tokens_with_kernels_equal_stock_ops
      `kernels` (~400 s with `timeout -s TERM 560`: the last name runs both
      greedy tests, for the new sets MLX_LFM_CONV_LAYER_FUSED and
      layers-fused-whole; .device/ptx, session 30's compiled kernels, only
