@@ -226,7 +226,7 @@ KERNELS["moe_router.rs#gate_norm@wide"] = (*KERNELS["moe_router.rs#gate_norm"][:
 KERNELS["moe_fused.rs"] = (
     [("h", "T"), ("r", "T"), ("wn", "T"), ("gw", "uint32_t"), ("gscales", "T"), ("gbiases", "T"), ("bias", "float"),
      ("uw", "uint32_t"), ("uscales", "T"), ("ubiases", "T"), ("dw", "uint32_t"), ("dscales", "T"), ("dbiases", "T"),
-     ("state", "uint32_t")],
+     ("ctr", "uint32_t")],
     [("s", "T"), ("out", "T"), ("yn", "T"), ("inds", "uint32_t"), ("scores", "float"), ("hk", "T")],
     lambda dt: [("D", 2048), ("F", 1792), ("E", 32), ("TOPK", 4), ("NORM", "true"), ("GBITS", 4), ("GGS", 64),
                 ("BITS", 4), ("GS", 64), ("WARPS", 32), ("EPS_BITS", 925353388), ("SCALE_BITS", 1065353216)],
@@ -358,6 +358,13 @@ def staged_header(k):
 
 def body_and_header(path, which="SOURCE"):
     text = path.read_text()
+    if path.name == "moe_fused.rs":
+        # stages.rs's LAYER_SOURCE (its MoE part, by DEFINES_OF) over the
+        # router + norm kernel's header and the ticket helpers.
+        k = path.parent
+        lead = "#define LFM_NORM_IN_WIDER_BLOCK 1\n" + named(k / "add_rms_norm.rs", "HEADER") + header_of(k / "quant_gemv.rs")
+        return named(k / "stages.rs", "LAYER_SOURCE"), (lead + named(k / "moe_router.rs", "ROUTE_HEADER")
+                                                       + named(k / "moe_router.rs", "GATE_HEADER") + named(k / "stages.rs", "TICKET_HEADER"))
     if path.name in ("ffn_fused.rs", "conv_fused.rs", "conv_layer_fused.rs"):
         # One body for the three (stages.rs's LAYER_SOURCE, its parts chosen
         # by DEFINES_OF); the joined kernel's feed-forward rows beside the
@@ -395,11 +402,6 @@ def body_and_header(path, which="SOURCE"):
         # As decode_attention.rs makes its two kernels: the mask's validity
         # or the position's in the body.
         return src.replace("__VALIDITY__", named(path, VALIDITY)), header_of(path)
-    if path.name == "moe_fused.rs":
-        # The router + norm kernel's header, then its own.
-        k = path.parent
-        lead = "#define LFM_NORM_IN_WIDER_BLOCK 1\n" + named(k / "add_rms_norm.rs", "HEADER") + header_of(k / "quant_gemv.rs")
-        return src, lead + named(k / "moe_router.rs", "ROUTE_HEADER") + named(k / "moe_router.rs", "GATE_HEADER") + named(path.parent / "stages.rs", "TICKET_HEADER")
     if path.name == "moe_gemm.rs":
         return src, header_of(path.parent / "gemv.rs") + named(path, "MMA_HEADER")
     if path.name == "moe_router.rs":
@@ -499,14 +501,17 @@ REPLACE_OF = {
 # A kernel variant's own #define, as its Rust side prepends it.
 # The parts of stages.rs's LAYER_SOURCE each kernel compiles (its
 # layer_defines).
-LAYER_CONV = "#define LFM_CONV_PART 1\n#define LFM_FFN_PART 0\n#define LFM_CONV_SUM s\n#define LFM_CONV_ROW out\n"
-LAYER_FFN = ("#define LFM_CONV_PART 0\n#define LFM_FFN_PART 1\n#define LFM_FFN_YN yn\n"
+LAYER_CONV = "#define LFM_CONV_PART 1\n#define LFM_FFN_PART 0\n#define LFM_MOE_PART 0\n#define LFM_CONV_SUM s\n#define LFM_CONV_ROW out\n"
+LAYER_FFN = ("#define LFM_CONV_PART 0\n#define LFM_FFN_PART 1\n#define LFM_MOE_PART 0\n#define LFM_FFN_YN yn\n"
              "#define LFM_F_ROWS(K, R, rows, xs, lane, out) LFM_IN_ROWS(K, R, rows, xs, lane, out)\n#define LFM_G_ROWS(K, R, rows, xs, lane, out) LFM_OUT_ROWS(K, R, rows, xs, lane, out)\n")
-LAYER_BOTH = "#define LFM_CONV_PART 1\n#define LFM_FFN_PART 1\n#define LFM_CONV_SUM s1\n#define LFM_CONV_ROW o1\n#define LFM_FFN_YN yn2\n"
+LAYER_BOTH = "#define LFM_CONV_PART 1\n#define LFM_FFN_PART 1\n#define LFM_MOE_PART 0\n#define LFM_CONV_SUM s1\n#define LFM_CONV_ROW o1\n#define LFM_FFN_YN yn2\n"
+LAYER_MOE = "#define LFM_CONV_PART 0\n#define LFM_FFN_PART 0\n#define LFM_MOE_PART 1\n#define LFM_FFN_YN yn\n"
 DEFINES_OF = {
     "decode_attention.rs@upto-split16": "#define LFM_ATT_DPB 16\n",
     "decode_attention.rs@upto-split8": "#define LFM_ATT_DPB 8\n",
-    "moe_fused.rs@no-wait": "#define LFM_SPIN_LIMIT 0\n",
+    "moe_fused.rs": LAYER_MOE,
+    "moe_fused.rs@d1536": LAYER_MOE,
+    "moe_fused.rs@no-wait": "#define LFM_SPIN_LIMIT 0\n" + LAYER_MOE,
     "conv_fused.rs": "#define LFM_QMLX_TILES 2\n" + LAYER_CONV,
     "conv_fused.rs@no-wait": "#define LFM_SPIN_LIMIT 0\n#define LFM_QMLX_TILES 2\n" + LAYER_CONV,
     "conv_fused.rs@dense": "#define LFM_DENSE_PREFETCH 0\n" + LAYER_CONV,

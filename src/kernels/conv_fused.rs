@@ -77,7 +77,7 @@ fn kernel(quant: bool) -> Option<&'static CudaKernel> {
         let products = if quant { super::quant_gemv::header() } else { super::gemv::header() };
         format!(
             "#define LFM_NORM_IN_WIDER_BLOCK 1\n{walk}{}{}{products}{TICKET_HEADER}{}",
-            stages::layer_defines(true, false),
+            stages::layer_defines(true, stages::Tail::None),
             super::add_rms_norm::device_code(),
             Projections::products(quant)
         )

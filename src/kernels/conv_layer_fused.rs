@@ -96,7 +96,7 @@ fn kernel(quant: bool) -> Option<&'static CudaKernel> {
         let products = if quant { super::quant_gemv::header() } else { super::gemv::header() };
         format!(
             "#define LFM_NORM_IN_WIDER_BLOCK 1\n{walk}{}{}{products}{TICKET_HEADER}{}{rows}",
-            stages::layer_defines(true, true),
+            stages::layer_defines(true, stages::Tail::Ffn),
             super::add_rms_norm::device_code(),
             Projections::products(quant)
         )

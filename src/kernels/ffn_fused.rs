@@ -74,7 +74,7 @@ fn kernel(quant: bool) -> Option<&'static CudaKernel> {
         let products = if quant { super::quant_gemv::header() } else { super::gemv::header() };
         format!(
             "#define LFM_NORM_IN_WIDER_BLOCK 1\n{walk}{}{}{products}{TICKET_HEADER}{}",
-            stages::layer_defines(false, true),
+            stages::layer_defines(false, stages::Tail::Ffn),
             super::add_rms_norm::device_code(),
             Projections::products(quant)
         )

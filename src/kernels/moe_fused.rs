@@ -54,110 +54,11 @@ use std::sync::OnceLock;
 
 
 
-/// Template constants: T, D (the row), F (an expert's hidden width), E,
-/// TOPK, NORM, the gate's GBITS / GGS, the experts' BITS / GS, WARPS (the
-/// block), EPS_BITS, SCALE_BITS. `st`: the layer's state, four 64-bit
-/// counters (tickets, the router's launch mark, gate/up blocks done).
-pub(crate) const SOURCE: &str = r#"
-  constexpr int KE = TOPK;
-  constexpr int RB = (F + WARPS - 1) / WARPS;
-  constexpr int GB = KE * RB;
-  constexpr int CPB = WARPS / KE;
-  constexpr int DB = (D + CPB - 1) / CPB;
-  constexpr int NB = 1 + GB + DB;
-  constexpr int XR = D * sizeof(T) / 16;
-  constexpr int HR = KE * F * sizeof(T) / 16;
-  __shared__ uint4 sm[XR > HR ? XR : HR];
-  __shared__ float probs_s[E];
-  __shared__ float part[WARPS];
-  unsigned long long* st = reinterpret_cast<unsigned long long*>(const_cast<uint32_t*>(state));
-  const int lane = threadIdx.x % 32;
-  const int wid = threadIdx.x / 32;
-  unsigned long long launch;
-  const int role = lfm_take_part<NB>(st, launch);
-  const float poison = __int_as_float(0x7fc00000);
-  if (role == 0) {
-    // The add + RMSNorm and the route, as the router + norm kernel runs
-    // them (its first 256 threads the norm, a warp an expert at a time).
-    T* ys = reinterpret_cast<T*>(sm);
-    lfm_norm_stage<T, D, 256>(h, r, wn, __int_as_float(EPS_BITS), s, ys, yn);
-    const float sc[1] = {__int_as_float(SCALE_BITS)};
-    lfm_gate_route<T, D, E, GBITS, GGS, TOPK, NORM, WARPS>(ys, lfm_aligned(gw), gw, gscales, gbiases, bias, sc, inds,
-                                                          scores, probs_s, 0);
-    lfm_release_mark(st + 1, launch + 1);
-    return;
-  }
-  if (role <= GB) {
-    // Gate/up: a warp one row of one chosen expert, after the route.
-    const int j = (role - 1) / RB;
-    const int n = ((role - 1) % RB) * WARPS + wid;
-    const bool late = lfm_block_wait(st + 1, launch + 1, nullptr, 0);
-    T* xs = reinterpret_cast<T*>(sm);
-    if (!late) lfm_stage16(sm, yn, XR);
-    __syncthreads();
-    if (n < F) {
-      float ag = 0.0f;
-      float au = 0.0f;
-      // (An expert id out of range, which the route never writes, poisons
-      // rather than reads past the stacks.)
-      const size_t ex = late ? 0 : __ldcg(inds + j);
-      const bool bad = late || ex >= E;
-      if (!bad) {
-        constexpr int G = D / GS;
-        constexpr int WORDS = D * BITS / 32;
-        const size_t gi = ex * (2 * F) + n;
-        const size_t ui = ex * (2 * F) + F + n;
-        if (lfm_aligned(uw)) {
-          lfm_qdot2_a<T, D, BITS, GS, true>(xs, uw + gi * WORDS, uscales + gi * G, ubiases + gi * G, uw + ui * WORDS,
-                                            uscales + ui * G, ubiases + ui * G, lane, ag, au);
-        } else {
-          lfm_qdot2_a<T, D, BITS, GS, false>(xs, uw + gi * WORDS, uscales + gi * G, ubiases + gi * G, uw + ui * WORDS,
-                                             uscales + ui * G, ubiases + ui * G, lane, ag, au);
-        }
-        ag = lfm_warp_sum(ag);
-        au = lfm_warp_sum(au);
-      }
-      if (lane == 0) hk[static_cast<size_t>(j) * F + n] = bad ? T(poison) : lfm_swiglu<T>(ag, au);
-    }
-    lfm_release_count(st + 2);
-    return;
-  }
-  // Down: a warp one chosen expert of one output column, the column's
-  // experts summed in their order, after every gate/up block of the launch.
-  const int db = role - 1 - GB;
-  // The router's mark too: gate/up blocks that gave up still count
-  // themselves, and the route's outputs are only written once it is set.
-  const bool late = lfm_block_wait(st + 2, (launch + 1) * GB, st + 1, launch + 1);
-  const T* hs = reinterpret_cast<const T*>(sm);
-  if (!late) lfm_stage16(sm, hk, HR);
-  __syncthreads();
-  const int j = wid % KE;
-  const int col = wid / KE;
-  const int n = db * CPB + col;
-  const bool active = col < CPB && n < D;
-  const size_t ex = late ? 0 : __ldcg(inds + j);
-  if (active && (late || ex >= E) && lane == 0) part[wid] = poison;
-  if (active && !late && ex < E) {
-    constexpr int G = F / GS;
-    constexpr int WORDS = F * BITS / 32;
-    const size_t wi = ex * D + n;
-    const T* hr = hs + static_cast<size_t>(j) * F;
-    float a = 0.0f;
-    if (lfm_aligned(dw)) {
-      lfm_qdot_a<T, F, 1, BITS, GS, true>(hr, dw + wi * WORDS, dscales + wi * G, dbiases + wi * G, lane, &a);
-    } else {
-      lfm_qdot_a<T, F, 1, BITS, GS, false>(hr, dw + wi * WORDS, dscales + wi * G, dbiases + wi * G, lane, &a);
-    }
-    a = lfm_warp_sum(a);
-    if (lane == 0) part[wid] = static_cast<float>(T(static_cast<float>(T(a)) * __ldcg(scores + j)));
-  }
-  __syncthreads();
-  if (active && j == 0 && lane == 0) {
-    float total = 0.0f;
-    for (int i = 0; i < KE; i++) total += part[col * KE + i];
-    out[n] = late ? T(poison) : T(total);
-  }
-"#;
+// Template constants: T, D (the row), F (an expert's hidden width), E,
+// TOPK, NORM, the gate's GBITS / GGS, the experts' BITS / GS, WARPS (the
+// block), EPS_BITS, SCALE_BITS. `ctr`: the layer's counters (tickets, the
+// router's launch mark, gate/up blocks done). The body: the MoE part of
+// src/kernels/stages.rs's `LAYER_SOURCE`.
 
 /// Warps a block: a warp an expert for the router (as the router + norm
 /// kernel's default), 32 experts a row on the 8B-A1B; ptxas keeps the
@@ -194,10 +95,10 @@ fn kernel() -> Option<&'static CudaKernel> {
     stages::kernel(
         &K,
         "lfm_moe_fused",
-        &["h", "r", "wn", "gw", "gscales", "gbiases", "bias", "uw", "uscales", "ubiases", "dw", "dscales", "dbiases", "state"],
+        &["h", "r", "wn", "gw", "gscales", "gbiases", "bias", "uw", "uscales", "ubiases", "dw", "dscales", "dbiases", "ctr"],
         &["s", "out", "yn", "inds", "scores", "hk"],
-        SOURCE,
-        || format!("{}{TICKET_HEADER}", moe_router::gate_norm_header()),
+        stages::LAYER_SOURCE,
+        || format!("{}{}{TICKET_HEADER}", stages::layer_defines(false, stages::Tail::Moe), moe_router::gate_norm_header()),
     )
 }
 

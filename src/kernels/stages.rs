@@ -99,11 +99,12 @@ __device__ inline void lfm_norm_stage(const T* h, const T* r, const T* wn, float
 }
 "#;
 
-/// The body of the short-conv layer's, the feed-forward's and the two
-/// joined one-launch kernels (src/kernels/conv_fused.rs, ffn_fused.rs,
-/// conv_layer_fused.rs), one text for the three so that each stage is the
-/// same code in each: `LFM_CONV_PART` / `LFM_FFN_PART` choose the parts
-/// ([`layer_defines`]). The conv part: the add + RMSNorm (its sum into
+/// The body of the short-conv layer's, the feed-forward's, the MoE's and
+/// the joined one-launch kernels (src/kernels/conv_fused.rs, ffn_fused.rs,
+/// moe_fused.rs, conv_layer_fused.rs), one text for all so that each stage
+/// is the same code in each: `LFM_CONV_PART`, `LFM_FFN_PART` and
+/// `LFM_MOE_PART` choose the parts ([`layer_defines`]); the MoE part's
+/// stages are the router + norm's and the experts' (moe_fused.rs's note). The conv part: the add + RMSNorm (its sum into
 /// `LFM_CONV_SUM`), in_proj and the conv step a channel a warp, out_proj
 /// an output a warp (into `LFM_CONV_ROW`); the feed-forward part: its add +
 /// RMSNorm (joined: of out_proj's row and the conv's sum, staged at L2, as
@@ -120,21 +121,35 @@ pub(crate) const LAYER_SOURCE: &str = r#"
   constexpr int IB = 0;
   constexpr int CR = 0;
 #endif
-#if LFM_FFN_PART
+  constexpr int OB = (D + WARPS - 1) / WARPS;
+#if LFM_MOE_PART
+  // The experts: gate/up a warp a row of one chosen expert, down a warp
+  // one chosen expert of one output column (CPB columns a block).
+  constexpr int KE = TOPK;
+  constexpr int RB = (F + WARPS - 1) / WARPS;
+  constexpr int GB = KE * RB;
+  constexpr int CPB = WARPS / KE;
+  constexpr int DB = (D + CPB - 1) / CPB;
+  constexpr int HR = KE * F * sizeof(T) / 16;
+  constexpr int TAIL_NB = 1 + GB + DB;
+  __shared__ float probs_s[E];
+  __shared__ float part[WARPS];
+#elif LFM_FFN_PART
   constexpr int GB = (F + WARPS - 1) / WARPS;
   constexpr int HR = F * sizeof(T) / 16;
+  constexpr int TAIL_NB = 1 + GB + OB;
 #else
   constexpr int GB = 0;
   constexpr int HR = 0;
+  constexpr int TAIL_NB = 0;
 #endif
-  constexpr int OB = (D + WARPS - 1) / WARPS;
   constexpr int CONV_NB = LFM_CONV_PART ? 1 + IB + OB : 0;
-  constexpr int NB = CONV_NB + (LFM_FFN_PART ? 1 + GB + OB : 0);
+  constexpr int NB = CONV_NB + TAIL_NB;
   constexpr int XR = D * sizeof(T) / 16;
   constexpr int SA = XR > CR ? XR : CR;
   constexpr int SB = SA > HR ? SA : HR;
-  // (Joined: the feed-forward's norm stages its two rows and writes its own.)
-  constexpr int SN = (LFM_CONV_PART && LFM_FFN_PART) ? 3 * XR : 0;
+  // (Joined: the second norm stages its two rows and writes its own.)
+  constexpr int SN = (LFM_CONV_PART && TAIL_NB > 0) ? 3 * XR : 0;
   __shared__ uint4 sm[SB > SN ? SB : SN];
   unsigned long long* st = reinterpret_cast<unsigned long long*>(const_cast<uint32_t*>(ctr));
   const int lane = threadIdx.x % 32;
@@ -190,22 +205,30 @@ pub(crate) const LAYER_SOURCE: &str = r#"
       if (!late) LFM_OUT_ROWS(C, 1, rows, reinterpret_cast<const T*>(sm), lane, o);
       if (lane == 0) LFM_CONV_ROW[n] = late ? T(poison) : T(o[0]);
     }
-#if LFM_FFN_PART
+#if LFM_FFN_PART || LFM_MOE_PART
     lfm_release_count(st + 3);
 #endif
     return;
   }
 #endif
-#if LFM_FFN_PART
+#if LFM_FFN_PART || LFM_MOE_PART
   constexpr int FC = LFM_CONV_PART ? 3 : 0;
   const int fr = role - CONV_NB;
   if (fr == 0) {
+    // The feed-forward's add + RMSNorm (a MoE's with 256 threads, as the
+    // router + norm kernel runs it, then the route on the normed row).
+#if LFM_MOE_PART
+    constexpr int TN = 256;
+#else
+    constexpr int TN = NBLK;
+#endif
 #if LFM_CONV_PART
     // Once every out_proj block of the launch is done: its row and the
     // conv's sum, staged at L2 (other blocks wrote them in this launch).
     const bool late = lfm_block_wait(st + 3, (launch + 1) * OB, nullptr, 0);
     T* hs = reinterpret_cast<T*>(sm);
     T* rs = hs + D;
+    T* ys = rs + D;
     if (!late) {
       lfm_stage16(sm, o1, XR);
       lfm_stage16(sm + XR, s1, XR);
@@ -216,15 +239,101 @@ pub(crate) const LAYER_SOURCE: &str = r#"
         s[i] = T(poison);
         LFM_FFN_YN[i] = T(poison);
       }
-    } else {
-      lfm_norm_stage<T, D, NBLK>(hs, rs, fwn, __int_as_float(EPS_BITS), s, rs + D, LFM_FFN_YN);
-    }
-#else
-    lfm_norm_stage<T, D, NBLK>(h, r, wn, __int_as_float(EPS_BITS), s, reinterpret_cast<T*>(sm), LFM_FFN_YN);
+#if LFM_MOE_PART
+      // (No expert: every later stage of the launch poisons its part.)
+      if (threadIdx.x < KE) {
+        inds[threadIdx.x] = E;
+        scores[threadIdx.x] = poison;
+      }
 #endif
+    } else {
+      lfm_norm_stage<T, D, TN>(hs, rs, fwn, __int_as_float(EPS_BITS), s, ys, LFM_FFN_YN);
+#else
+    {
+      T* ys = reinterpret_cast<T*>(sm);
+      lfm_norm_stage<T, D, TN>(h, r, wn, __int_as_float(EPS_BITS), s, ys, LFM_FFN_YN);
+#endif
+#if LFM_MOE_PART
+      const float sc[1] = {__int_as_float(SCALE_BITS)};
+      lfm_gate_route<T, D, E, GBITS, GGS, TOPK, NORM, WARPS>(ys, lfm_aligned(gw), gw, gscales, gbiases, bias, sc, inds,
+                                                            scores, probs_s, 0);
+#endif
+    }
     lfm_release_mark(st + FC + 1, launch + 1);
     return;
   }
+#if LFM_MOE_PART
+  if (fr <= GB) {
+    // Gate/up: a warp one row of one chosen expert, after the route.
+    const int j = (fr - 1) / RB;
+    const int n = ((fr - 1) % RB) * WARPS + wid;
+    const bool late = lfm_block_wait(st + FC + 1, launch + 1, nullptr, 0);
+    T* xs = reinterpret_cast<T*>(sm);
+    if (!late) lfm_stage16(sm, LFM_FFN_YN, XR);
+    __syncthreads();
+    if (n < F) {
+      float ag = 0.0f;
+      float au = 0.0f;
+      // (An expert id out of range, which the route never writes, poisons
+      // rather than reads past the stacks.)
+      const size_t ex = late ? 0 : __ldcg(inds + j);
+      const bool bad = late || ex >= E;
+      if (!bad) {
+        constexpr int G = D / GS;
+        constexpr int WORDS = D * BITS / 32;
+        const size_t gi = ex * (2 * F) + n;
+        const size_t ui = ex * (2 * F) + F + n;
+        if (lfm_aligned(uw)) {
+          lfm_qdot2_a<T, D, BITS, GS, true>(xs, uw + gi * WORDS, uscales + gi * G, ubiases + gi * G, uw + ui * WORDS,
+                                            uscales + ui * G, ubiases + ui * G, lane, ag, au);
+        } else {
+          lfm_qdot2_a<T, D, BITS, GS, false>(xs, uw + gi * WORDS, uscales + gi * G, ubiases + gi * G, uw + ui * WORDS,
+                                             uscales + ui * G, ubiases + ui * G, lane, ag, au);
+        }
+        ag = lfm_warp_sum(ag);
+        au = lfm_warp_sum(au);
+      }
+      if (lane == 0) hk[static_cast<size_t>(j) * F + n] = bad ? T(poison) : lfm_swiglu<T>(ag, au);
+    }
+    lfm_release_count(st + FC + 2);
+    return;
+  }
+  // Down: a warp one chosen expert of one output column, the column's
+  // experts summed in their order, after every gate/up block of the launch.
+  const int db = fr - 1 - GB;
+  // The router's mark too: gate/up blocks that gave up still count
+  // themselves, and the route's outputs are only written once it is set.
+  const bool late = lfm_block_wait(st + FC + 2, (launch + 1) * GB, st + FC + 1, launch + 1);
+  const T* hs = reinterpret_cast<const T*>(sm);
+  if (!late) lfm_stage16(sm, hk, HR);
+  __syncthreads();
+  const int j = wid % KE;
+  const int col = wid / KE;
+  const int n = db * CPB + col;
+  const bool active = col < CPB && n < D;
+  const size_t ex = late ? 0 : __ldcg(inds + j);
+  if (active && (late || ex >= E) && lane == 0) part[wid] = poison;
+  if (active && !late && ex < E) {
+    constexpr int G = F / GS;
+    constexpr int WORDS = F * BITS / 32;
+    const size_t wi = ex * D + n;
+    const T* hr = hs + static_cast<size_t>(j) * F;
+    float a = 0.0f;
+    if (lfm_aligned(dw)) {
+      lfm_qdot_a<T, F, 1, BITS, GS, true>(hr, dw + wi * WORDS, dscales + wi * G, dbiases + wi * G, lane, &a);
+    } else {
+      lfm_qdot_a<T, F, 1, BITS, GS, false>(hr, dw + wi * WORDS, dscales + wi * G, dbiases + wi * G, lane, &a);
+    }
+    a = lfm_warp_sum(a);
+    if (lane == 0) part[wid] = static_cast<float>(T(static_cast<float>(T(a)) * __ldcg(scores + j)));
+  }
+  __syncthreads();
+  if (active && j == 0 && lane == 0) {
+    float total = 0.0f;
+    for (int i = 0; i < KE; i++) total += part[col * KE + i];
+    out[n] = late ? T(poison) : T(total);
+  }
+#else
   if (fr <= GB) {
     // The gate's output j: w1's row j and w3's row F + j.
     const int j = (fr - 1) * WARPS + wid;
@@ -252,21 +361,38 @@ pub(crate) const LAYER_SOURCE: &str = r#"
     if (lane == 0) out[n] = late ? T(poison) : T(o[0]);
   }
 #endif
+#endif
 "#;
 
 /// The defines that make [`LAYER_SOURCE`] the conv layer's kernel, the
 /// feed-forward's, or the two joined (their parts and the rows each
 /// writes); a kernel's header puts them before the source's.
-pub(crate) fn layer_defines(conv: bool, ffn: bool) -> &'static str {
-    match (conv, ffn) {
-        (true, false) => "#define LFM_CONV_PART 1\n#define LFM_FFN_PART 0\n#define LFM_CONV_SUM s\n#define LFM_CONV_ROW out\n",
-        (false, _) => concat!(
-            "#define LFM_CONV_PART 0\n#define LFM_FFN_PART 1\n#define LFM_FFN_YN yn\n",
+pub(crate) fn layer_defines(conv: bool, tail: Tail) -> &'static str {
+    match (conv, tail) {
+        (true, Tail::None) => "#define LFM_CONV_PART 1\n#define LFM_FFN_PART 0\n#define LFM_MOE_PART 0\n#define LFM_CONV_SUM s\n#define LFM_CONV_ROW out\n",
+        (false, Tail::Ffn | Tail::None) => concat!(
+            "#define LFM_CONV_PART 0\n#define LFM_FFN_PART 1\n#define LFM_MOE_PART 0\n#define LFM_FFN_YN yn\n",
             "#define LFM_F_ROWS(K, R, rows, xs, lane, out) LFM_IN_ROWS(K, R, rows, xs, lane, out)\n",
             "#define LFM_G_ROWS(K, R, rows, xs, lane, out) LFM_OUT_ROWS(K, R, rows, xs, lane, out)\n"
         ),
-        (true, true) => "#define LFM_CONV_PART 1\n#define LFM_FFN_PART 1\n#define LFM_CONV_SUM s1\n#define LFM_CONV_ROW o1\n#define LFM_FFN_YN yn2\n",
+        (false, Tail::Moe) => "#define LFM_CONV_PART 0\n#define LFM_FFN_PART 0\n#define LFM_MOE_PART 1\n#define LFM_FFN_YN yn\n",
+        (true, Tail::Ffn) => {
+            "#define LFM_CONV_PART 1\n#define LFM_FFN_PART 1\n#define LFM_MOE_PART 0\n#define LFM_CONV_SUM s1\n#define LFM_CONV_ROW o1\n#define LFM_FFN_YN yn2\n"
+        }
+        (true, Tail::Moe) => {
+            "#define LFM_CONV_PART 1\n#define LFM_FFN_PART 0\n#define LFM_MOE_PART 1\n#define LFM_CONV_SUM s1\n#define LFM_CONV_ROW o1\n#define LFM_FFN_YN yn2\n"
+        }
     }
+}
+
+/// What follows the conv part in a [`LAYER_SOURCE`] kernel.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Tail {
+    None,
+    /// The dense or 4/8-bit feed-forward.
+    Ffn,
+    /// The MoE: the route and the chosen experts.
+    Moe,
 }
 
 /// The products of a layer's two projections for [`Projections::Quant`]
