@@ -163,13 +163,14 @@ Next (`bash bench/h200/prepare.sh` here first; ~1,600 s planned; session
 30 ran the kernel tests of every one-launch layer and their greedy sets,
 passed but for the conv test's own reference, mended after: reuse those
 verdicts, `git diff --stat adba29c -- src/kernels src/mlx/kernel.rs cpp`
-showing what changed since: the tests, the conv and feed-forward
+showing what changed since: the tests, the conv, feed-forward and MoE
 kernels now one body with the new conv layer joined to its feed-forward
-(stages.rs LAYER_SOURCE: their tests run again), counters of any length):
+or MoE (stages.rs LAYER_SOURCE: their tests run again), counters of any
+length):
   1. carry [.device/a, .device/llama]: `stage` (~100 s with the start).
   2. carry [.device/b, .device/tests]: `install verdicts-from
      bench/results/2026-12-05-h200-session30.raw.jsonl` then
-     H200_KERNEL_JOBS=4 H200_KERNEL_TESTS=conv_fused_kernel_matches_stock_ops,ffn_fused_kernel_matches_stock_ops,conv_layer_fused_kernel_matches_the_two_kernels,short_conv_kernel_matches_stock_ops,greedy_tokens_with_kernels_equal_stock_ops
+     H200_KERNEL_JOBS=5 H200_KERNEL_TESTS=conv_fused_kernel_matches_stock_ops,ffn_fused_kernel_matches_stock_ops,moe_fused_kernel_matches_the_three_kernels,conv_layer_fused_kernel_matches_the_two_kernels,conv_moe_layer_fused_kernel_matches_the_two_kernels,short_conv_kernel_matches_stock_ops,greedy_tokens_with_kernels_equal_stock_ops
      `kernels` (~400 s with `timeout -s TERM 560`: the last name runs both
      greedy tests, for the new sets MLX_LFM_CONV_LAYER_FUSED and
      layers-fused-whole; .device/ptx, session 30's compiled kernels, only
@@ -1822,10 +1823,11 @@ AB = {
     "qkv-fused": ({"MLX_LFM_QKV_FUSED": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "layers-fused": ({"MLX_LFM_MOE_FUSED": "1", "MLX_LFM_CONV_FUSED": "1", "MLX_LFM_FFN_FUSED": "1", "MLX_LFM_QKV_FUSED": "1"},
                      ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
-    # A conv layer with its feed-forward in one launch (six stages: the two
-    # kernels above joined; src/kernels/conv_layer_fused.rs: the dense
-    # models' ten conv layers, the 8B-A1B's one after its first), alone and
-    # with every other one-launch layer (the 1.2B's step ~54 nodes).
+    # A conv layer with its feed-forward or MoE in one launch (six stages:
+    # the two kernels joined; src/kernels/conv_layer_fused.rs: the dense
+    # models' ten conv layers after their first, the 8B-A1B's seventeen),
+    # alone and with every other one-launch layer (the 1.2B's step ~54
+    # nodes, the 8B-A1B's ~63).
     "conv-layer-fused": ({"MLX_LFM_CONV_LAYER_FUSED": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "layers-fused-whole": ({"MLX_LFM_MOE_FUSED": "1", "MLX_LFM_CONV_FUSED": "1", "MLX_LFM_FFN_FUSED": "1", "MLX_LFM_QKV_FUSED": "1",
                             "MLX_LFM_CONV_LAYER_FUSED": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
@@ -1973,10 +1975,12 @@ AB_TESTS = {
     "qkv-fused": ["qkv_fused_kernel_matches_stock_ops", "greedy:MLX_LFM_QKV_FUSED"],
     "layers-fused": ["moe_fused_kernel_matches_the_three_kernels", "conv_fused_kernel_matches_stock_ops",
                      "ffn_fused_kernel_matches_stock_ops", "qkv_fused_kernel_matches_stock_ops", "greedy:layers-fused"],
-    "conv-layer-fused": ["conv_layer_fused_kernel_matches_the_two_kernels", "greedy:MLX_LFM_CONV_LAYER_FUSED"],
+    "conv-layer-fused": ["conv_layer_fused_kernel_matches_the_two_kernels", "conv_moe_layer_fused_kernel_matches_the_two_kernels",
+                         "greedy:MLX_LFM_CONV_LAYER_FUSED"],
     "layers-fused-whole": ["moe_fused_kernel_matches_the_three_kernels", "conv_fused_kernel_matches_stock_ops",
                            "ffn_fused_kernel_matches_stock_ops", "qkv_fused_kernel_matches_stock_ops",
-                           "conv_layer_fused_kernel_matches_the_two_kernels", "greedy:layers-fused-whole"],
+                           "conv_layer_fused_kernel_matches_the_two_kernels", "conv_moe_layer_fused_kernel_matches_the_two_kernels",
+                           "greedy:layers-fused-whole"],
     "conv-ffn-fused": ["conv_fused_kernel_matches_stock_ops", "ffn_fused_kernel_matches_stock_ops",
                        "greedy:MLX_LFM_CONV_FUSED", "greedy:MLX_LFM_FFN_FUSED", "greedy:conv-ffn-fused"],
     "moe-conv-fused": ["moe_fused_kernel_matches_the_three_kernels", "conv_fused_kernel_matches_stock_ops",

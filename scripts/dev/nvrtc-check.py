@@ -287,6 +287,27 @@ KERNELS["conv_layer_fused.rs@dense"] = (
     lambda dt: [("D", 2048), ("C", 2048), ("KEEP", 2), ("F", 8192 if dt != "float32" else 4096),
                 ("NBLK", 256 if dt != "float32" else 512), ("WARPS", 16), ("EPS_BITS", 925353388)],
 )
+# A conv layer with its MoE in one launch (MLX_LFM_CONV_LAYER_FUSED): the
+# 8B-A1B's (4-bit), blocks of the MoE's 32 warps.
+KERNELS["conv_layer_fused.rs#moe"] = (
+    [("h", "T"), ("r", "T"), ("wn", "T"), ("state", "T"), ("cw", "T"), ("iw", "uint32_t"), ("iscales", "T"),
+     ("ibiases", "T"), ("ow", "uint32_t"), ("oscales", "T"), ("obiases", "T"), ("fwn", "T"), ("gw", "uint32_t"),
+     ("gscales", "T"), ("gbiases", "T"), ("bias", "float"), ("uw", "uint32_t"), ("uscales", "T"), ("ubiases", "T"),
+     ("dw", "uint32_t"), ("dscales", "T"), ("dbiases", "T"), ("ctr", "uint32_t")],
+    [("s", "T"), ("out", "T"), ("next", "T"), ("s1", "T"), ("yn", "T"), ("yc", "T"), ("o1", "T"), ("yn2", "T"),
+     ("inds", "uint32_t"), ("scores", "float"), ("hk", "T")],
+    lambda dt: [("D", 2048), ("C", 2048), ("KEEP", 2), ("F", 1792), ("E", 32), ("TOPK", 4), ("NORM", "true"),
+                ("GBITS", 4), ("GGS", 64), ("BITS", 4), ("GS", 64), ("NBLK", 256 if dt != "float32" else 512),
+                ("WARPS", 32), ("EPS_BITS", 925353388), ("SCALE_BITS", 1065353216), ("IBITS", 4), ("IGS", 64),
+                ("OBITS", 4), ("OGS", 64)],
+)
+KERNELS["conv_layer_fused.rs#moe@d1536"] = (*KERNELS["conv_layer_fused.rs#moe"][:2],
+                                            lambda dt: [("D", 1536), ("C", 1536), ("KEEP", 2), ("F", 8192), ("E", 32),
+                                                        ("TOPK", 1), ("NORM", "true"), ("GBITS", 4), ("GGS", 64),
+                                                        ("BITS", 4), ("GS", 128), ("NBLK", 256), ("WARPS", 32),
+                                                        ("EPS_BITS", 925353388), ("SCALE_BITS", 1065353216),
+                                                        ("IBITS", 4), ("IGS", 64), ("OBITS", 4), ("OGS", 64)],
+                                            ["bfloat16", "float16"])
 # A lone sequence's q/k/v stage in one launch (MLX_LFM_QKV_FUSED): the 8B-A1B's
 # (4-bit) and, "@dense", the 1.2B's.
 KERNELS["qk_norm_rope.rs#qkv_fused"] = (
@@ -365,6 +386,14 @@ def body_and_header(path, which="SOURCE"):
         lead = "#define LFM_NORM_IN_WIDER_BLOCK 1\n" + named(k / "add_rms_norm.rs", "HEADER") + header_of(k / "quant_gemv.rs")
         return named(k / "stages.rs", "LAYER_SOURCE"), (lead + named(k / "moe_router.rs", "ROUTE_HEADER")
                                                        + named(k / "moe_router.rs", "GATE_HEADER") + named(k / "stages.rs", "TICKET_HEADER"))
+    if path.name == "conv_layer_fused.rs" and "MOE" in which:
+        # The conv layer joined to its MoE: the router + norm kernel's
+        # header, the ticket helpers, the conv's quantized products.
+        k = path.parent
+        lead = "#define LFM_NORM_IN_WIDER_BLOCK 1\n" + named(k / "add_rms_norm.rs", "HEADER") + header_of(k / "quant_gemv.rs")
+        return named(k / "stages.rs", "LAYER_SOURCE"), (lead + named(k / "moe_router.rs", "ROUTE_HEADER")
+                                                       + named(k / "moe_router.rs", "GATE_HEADER")
+                                                       + named(k / "stages.rs", "TICKET_HEADER") + named(k / "stages.rs", "QUANT_PRODUCTS"))
     if path.name in ("ffn_fused.rs", "conv_fused.rs", "conv_layer_fused.rs"):
         # One body for the three (stages.rs's LAYER_SOURCE, its parts chosen
         # by DEFINES_OF); the joined kernel's feed-forward rows beside the
@@ -506,6 +535,8 @@ LAYER_FFN = ("#define LFM_CONV_PART 0\n#define LFM_FFN_PART 1\n#define LFM_MOE_P
              "#define LFM_F_ROWS(K, R, rows, xs, lane, out) LFM_IN_ROWS(K, R, rows, xs, lane, out)\n#define LFM_G_ROWS(K, R, rows, xs, lane, out) LFM_OUT_ROWS(K, R, rows, xs, lane, out)\n")
 LAYER_BOTH = "#define LFM_CONV_PART 1\n#define LFM_FFN_PART 1\n#define LFM_MOE_PART 0\n#define LFM_CONV_SUM s1\n#define LFM_CONV_ROW o1\n#define LFM_FFN_YN yn2\n"
 LAYER_MOE = "#define LFM_CONV_PART 0\n#define LFM_FFN_PART 0\n#define LFM_MOE_PART 1\n#define LFM_FFN_YN yn\n"
+LAYER_CONV_MOE = ("#define LFM_CONV_PART 1\n#define LFM_FFN_PART 0\n#define LFM_MOE_PART 1\n#define LFM_CONV_SUM s1\n"
+                  "#define LFM_CONV_ROW o1\n#define LFM_FFN_YN yn2\n")
 DEFINES_OF = {
     "decode_attention.rs@upto-split16": "#define LFM_ATT_DPB 16\n",
     "decode_attention.rs@upto-split8": "#define LFM_ATT_DPB 8\n",
@@ -519,6 +550,8 @@ DEFINES_OF = {
     "ffn_fused.rs@dense": "#define LFM_DENSE_PREFETCH 0\n" + LAYER_FFN,
     "conv_layer_fused.rs": "#define LFM_QMLX_TILES 2\n" + LAYER_BOTH,
     "conv_layer_fused.rs@dense": "#define LFM_DENSE_PREFETCH 0\n" + LAYER_BOTH,
+    "conv_layer_fused.rs#moe": "#define LFM_QMLX_TILES 2\n" + LAYER_CONV_MOE,
+    "conv_layer_fused.rs#moe@d1536": "#define LFM_QMLX_TILES 2\n" + LAYER_CONV_MOE,
     "qk_norm_rope.rs#qkv_fused": "#define LFM_QMLX_TILES 2\n",
     "qk_norm_rope.rs#qkv_fused@dense": "#define LFM_DENSE_PREFETCH 0\n",
 }

@@ -1,10 +1,11 @@
 //! A lone sequence's whole short-conv decoder layer in one launch
 //! (`MLX_LFM_CONV_LAYER_FUSED=1`, opt-in until its H200 test and A/B): the
 //! conv layer as src/kernels/conv_fused.rs runs it, then its dense or
-//! 4/8-bit feed-forward as src/kernels/ffn_fused.rs runs it, where those
-//! two are two launches (and the stock path six to eight): the 1.2B's ten
-//! conv layers, the 350M's ten, the 8B-A1B's one conv layer with a dense
-//! feed-forward after its first.
+//! 4/8-bit feed-forward as src/kernels/ffn_fused.rs runs it, or its MoE as
+//! src/kernels/moe_fused.rs runs it, where those are two launches (and the
+//! stock path six to eight): the 1.2B's and the 350M's ten conv layers
+//! after their first, the 8B-A1B's seventeen (one with a dense
+//! feed-forward, sixteen with a MoE).
 //!
 //! Six stages on the ticket scheme of src/kernels/moe_fused.rs (read its
 //! note: a block's ticket gives its part and its launch, a block waits
@@ -13,19 +14,21 @@
 //! RMSNorm; in_proj and the conv step a channel a warp; out_proj an output
 //! a warp, into a row the next stage reads; the feed-forward's add +
 //! RMSNorm of that row and the residual, once every out_proj block is
-//! done; the gate a warp an output; w2 a warp an output. The three kernels
-//! compile one text (src/kernels/stages.rs `LAYER_SOURCE`, its parts
-//! chosen by defines), so each stage is the same code in each (the
-//! feed-forward's norm reads its two rows staged at L2 into shared memory,
-//! the values the other kernel reads from global memory) and the outputs
-//! are the two kernels' to the bit: the test holds them to it. Tests in
-//! src/kernels/tests.rs.
+//! done; the gate a warp an output; w2 a warp an output (with a MoE: its
+//! add + RMSNorm and route, the chosen experts' gate/up rows, the down
+//! columns, in blocks of the MoE kernel's 32 warps). The kernels compile
+//! one text (src/kernels/stages.rs `LAYER_SOURCE`, its parts chosen by
+//! defines), so each stage is the same code in each (the second norm reads
+//! its two rows staged at L2 into shared memory, the values the other
+//! kernel reads from global memory) and the outputs are the two kernels'
+//! within NVVM's contraction choices: the test holds the conv's sum to the
+//! bit and the rest within two roundings. Tests in src/kernels/tests.rs.
 
 use super::stages::{self, Built, Cells, Projections, TICKET_HEADER};
 use crate::error::{Error, Result};
 use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
 use crate::mlx::Array;
-use crate::model::linear::Normed;
+use crate::model::linear::{Normed, Quantized};
 use std::sync::OnceLock;
 
 // Template constants: T, D (the row), C (the conv's channels), KEEP (the
@@ -240,6 +243,197 @@ pub fn forward(l: &ConvLayer, ctr: &Array) -> Result<Outputs> {
     let out = outs.pop().ok_or_else(missing)?;
     let s2 = outs.pop().ok_or_else(missing)?;
     Ok(Outputs { s1, s2, out, next })
+}
+
+/// A conv layer's MoE (the 8B-A1B's conv layers past its dense ones): the
+/// router's quantized gate and selection bias (`[E]` float32), the
+/// stacked experts' gate/up and down, `k` experts a row, whether their
+/// weights are normalised, the route's scale.
+#[derive(Clone, Copy)]
+pub struct Moe<'a> {
+    pub gate: &'a Quantized,
+    pub bias: &'a Array,
+    pub gate_up: &'a Quantized,
+    pub down: &'a Quantized,
+    pub k: usize,
+    pub norm: bool,
+    pub scale: f32,
+}
+
+/// A conv layer with its MoE: the conv part as [`ConvLayer`]'s, the MoE's
+/// norm weight and experts.
+pub struct ConvMoeLayer<'a> {
+    pub x: &'a Normed<'a>,
+    pub conv: Projections<'a>,
+    pub state: &'a Array,
+    pub cw: &'a Array,
+    pub ffn_norm: &'a Array,
+    pub moe: Moe<'a>,
+}
+
+fn moe_kernel(quant: bool) -> Option<&'static CudaKernel> {
+    static K: [Cells; 2] = [stages::cells(), stages::cells()];
+    let mut inputs = vec!["h", "r", "wn", "state", "cw"];
+    inputs.extend(Projections::input_names(quant));
+    inputs.extend(["fwn", "gw", "gscales", "gbiases", "bias", "uw", "uscales", "ubiases", "dw", "dscales", "dbiases", "ctr"]);
+    let outputs = ["s", "out", "next", "s1", "yn", "yc", "o1", "yn2", "inds", "scores", "hk"];
+    let (name, walk) = if quant {
+        ("lfm_conv_moe_fused", "#define LFM_QMLX_TILES 2\n")
+    } else {
+        ("lfm_conv_moe_fused_dense", "#define LFM_DENSE_PREFETCH 0\n")
+    };
+    // (The router + norm kernel's header holds the add + RMSNorm code and
+    // the quantized GEMV's, which holds the dense one's.)
+    stages::kernel(&K[usize::from(quant)], name, &inputs, &outputs, stages::LAYER_SOURCE, || {
+        format!(
+            "{walk}{}{}{TICKET_HEADER}{}",
+            stages::layer_defines(true, stages::Tail::Moe),
+            super::moe_router::gate_norm_header(),
+            Projections::products(quant)
+        )
+    })
+}
+
+/// The blocks of one launch: the conv part's at the MoE's width (a block
+/// of [`super::moe_fused::WARPS`] warps), the router's, `k` experts' gate/up
+/// rows, the down columns.
+fn moe_blocks(d: i32, c: i32, f: i32, k: i32) -> i64 {
+    let w = super::moe_fused::WARPS as i64;
+    let per = |n: i32| (n as i64 + w - 1) / w;
+    let cols = w / k as i64;
+    1 + per(c) + per(d) + 1 + k as i64 * per(f) + (d as i64 + cols - 1) / cols
+}
+
+/// Whether [`forward_moe`] serves `l`: the conv part as [`available`]
+/// serves it (blocks of the MoE's width), the MoE as the one-launch MoE
+/// kernel serves it (src/kernels/moe_fused.rs, whose own switch need not
+/// be on), and the staged rows within shared memory.
+pub fn available_moe(l: &ConvMoeLayer, has_bias: bool) -> bool {
+    let x = l.x;
+    let Some(r) = x.r else { return false };
+    if !enabled_here() || has_bias || !super::add_rms_norm::eps_const() || x.h.ndim() != 2 || x.h.dim(0) != 1 {
+        return false;
+    }
+    if l.state.ndim() != 3 || l.cw.ndim() != 2 || l.moe.gate_up.weight.ndim() != 3 {
+        return false;
+    }
+    let (d, dt) = (x.h.dim(1), x.h.dtype());
+    let (c, w) = (l.cw.dim(0), l.cw.dim(1));
+    let bytes = |len: i32| len as usize * dt.size();
+    // (The MoE's norm reads out_proj's row and the conv's sum, of the
+    // row's shape and dtype: `x.h` stands for both in the MoE's checks.)
+    let n = super::norm_gemv::NormIn { h: x.h, r: x.h, wn: l.ffn_norm, eps: x.eps_array, eps_value: Some(x.eps) };
+    let m = l.moe;
+    let four_bit = |q: &Quantized| q.spec.bits == 4;
+    let conv_four_bit = match l.conv {
+        Projections::Quant(i, o) => four_bit(i) && four_bit(o),
+        Projections::Dense(..) => false,
+    };
+    // (Within the 64 registers a thread that 1,024 threads allow, by ptxas
+    // on sm_90: rows of 1,024 and 2,048 (the 8B-A1B's: 56) with every
+    // projection 4-bit, in bfloat16 or float16. Rows of 1,536 (a guarded
+    // last chunk) took 66, of 3,072 and 4,096 66-70, 8-bit projections 72
+    // in float16: those layers keep the two launches.)
+    let fits = matches!(d, 1024 | 2048)
+        && matches!(dt, crate::mlx::Dtype::Bfloat16 | crate::mlx::Dtype::Float16)
+        && conv_four_bit
+        && four_bit(m.gate)
+        && four_bit(m.gate_up)
+        && four_bit(m.down);
+    fits && super::add_rms_norm::available(x.h, r, x.w)
+        && super::add_rms_norm::block_for(d, 16 / dt.size() as i32) <= super::moe_fused::WARPS * 32
+        && c > 0
+        && l.conv.served(dt, 3 * c, d, c)
+        && super::moe_fused::served(&n, m.gate, m.gate_up, m.down, m.k)
+        && w >= 2
+        && l.state.shape() == [1, w - 1, c]
+        && l.state.dtype() == dt
+        && l.cw.dtype() == dt
+        && d <= MAX_WIDTH
+        && c <= MAX_WIDTH
+        && [d, c].iter().all(|&n| bytes(n) % 16 == 0)
+        && (3 * bytes(d)).max(bytes(c)) <= stages::MAX_STAGED
+        && moe_kernel(l.conv.quant()).is_some()
+}
+
+/// The layer in one launch (callers check [`available_moe`]); `ctr` the
+/// layer's own ([`COUNTER_WORDS`] words).
+pub fn forward_moe(l: &ConvMoeLayer, ctr: &Array) -> Result<Outputs> {
+    use super::moe_fused::{ROUTE_SLOTS, WARPS as MOE_WARPS};
+    let x = l.x;
+    let m = l.moe;
+    let kern = moe_kernel(l.conv.quant()).ok_or_else(|| Error::mlx("the fused conv + MoE layer kernel is not available"))?;
+    let r = x.r.ok_or_else(|| Error::invalid("the fused conv + MoE layer kernel needs a residual to add"))?;
+    stages::check_counters_of(ctr, COUNTER_WORDS, "the fused conv + MoE layer kernel")?;
+    if !(1..=ROUTE_SLOTS as usize).contains(&m.k) {
+        return Err(Error::invalid(format!("the fused conv + MoE layer kernel: {} experts a row (1 to {ROUTE_SLOTS} are served)", m.k)));
+    }
+    let missing = |what: &str| Error::invalid(format!("the fused conv + MoE layer kernel needs affine biases ({what})"));
+    let gb = m.gate.biases.as_ref().ok_or_else(|| missing("the router gate"))?;
+    let ub = m.gate_up.biases.as_ref().ok_or_else(|| missing("the experts' gate/up"))?;
+    let db = m.down.biases.as_ref().ok_or_else(|| missing("the experts' down"))?;
+    let (d, dt) = (x.h.dim(1), x.h.dtype());
+    let (c, w) = (l.cw.dim(0), l.cw.dim(1));
+    let (e, f, k) = (m.gate.weight.dim(0), m.gate_up.weight.dim(1) / 2, m.k as i32);
+    let nb = moe_blocks(d, c, f, k);
+    let threads = MOE_WARPS * 32;
+    let grid = i32::try_from(nb * threads as i64).map_err(|_| Error::invalid(format!("fused conv + MoE layer kernel: {nb} blocks")))?;
+    let mut template = vec![
+        ("T", TemplateArg::Dtype(dt)),
+        ("D", TemplateArg::Int(d)),
+        ("C", TemplateArg::Int(c)),
+        ("KEEP", TemplateArg::Int(w - 1)),
+        ("F", TemplateArg::Int(f)),
+        ("E", TemplateArg::Int(e)),
+        ("TOPK", TemplateArg::Int(k)),
+        ("NORM", TemplateArg::Bool(m.norm)),
+        ("GBITS", TemplateArg::Int(m.gate.spec.bits)),
+        ("GGS", TemplateArg::Int(m.gate.spec.group_size)),
+        ("BITS", TemplateArg::Int(m.gate_up.spec.bits)),
+        ("GS", TemplateArg::Int(m.gate_up.spec.group_size)),
+        ("NBLK", TemplateArg::Int(super::add_rms_norm::block_for(d, 16 / dt.size() as i32))),
+        ("WARPS", TemplateArg::Int(MOE_WARPS)),
+        ("EPS_BITS", TemplateArg::Int(x.eps.to_bits() as i32)),
+        ("SCALE_BITS", TemplateArg::Int(m.scale.to_bits() as i32)),
+    ];
+    let (conv, spec) = l.conv.inputs()?;
+    template.extend(spec);
+    let mut inputs = vec![x.h, r, x.w, l.state, l.cw];
+    inputs.extend(conv);
+    inputs.extend([l.ffn_norm, &m.gate.weight, &m.gate.scales, gb, m.bias, &m.gate_up.weight, &m.gate_up.scales, ub, &m.down.weight, &m.down.scales, db, ctr]);
+    let row = [1, d];
+    let mut outs = kern.call(
+        &inputs,
+        &[
+            (&row, dt),
+            (&row, dt),
+            (&[1, w - 1, c], dt),
+            (&row, dt),
+            (&[d], dt),
+            (&[c], dt),
+            (&[d], dt),
+            (&[d], dt),
+            (&[ROUTE_SLOTS], crate::mlx::Dtype::Uint32),
+            (&[ROUTE_SLOTS], crate::mlx::Dtype::Float32),
+            (&[k, f], dt),
+        ],
+        [grid, 1, 1],
+        [threads, 1, 1],
+        &template,
+    )?;
+    outs.truncate(4);
+    BUILT.bump();
+    let missing = || Error::mlx("fused conv + MoE layer kernel: missing output");
+    let s1 = outs.pop().ok_or_else(missing)?;
+    let next = outs.pop().ok_or_else(missing)?;
+    let out = outs.pop().ok_or_else(missing)?;
+    let s2 = outs.pop().ok_or_else(missing)?;
+    Ok(Outputs { s1, s2, out, next })
+}
+
+#[cfg(test)]
+pub(crate) fn launch_blocks_moe(d: i32, c: i32, f: i32, k: i32) -> i64 {
+    moe_blocks(d, c, f, k)
 }
 
 #[cfg(test)]

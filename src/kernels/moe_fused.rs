@@ -63,11 +63,11 @@ use std::sync::OnceLock;
 /// Warps a block: a warp an expert for the router (as the router + norm
 /// kernel's default), 32 experts a row on the 8B-A1B; ptxas keeps the
 /// kernel within the 64 registers a thread that 1,024 threads allow.
-const WARPS: i32 = 32;
+pub(crate) const WARPS: i32 = 32;
 /// The router's scratch outputs hold this many entries whatever k is, so
 /// that they stay over 8 bytes (MLX 0.32.4 keeps smaller arrays in its
 /// managed scalar pool, slow for the GPU to read; `moe_router::scores_f32`).
-const ROUTE_SLOTS: i32 = 8;
+pub(crate) const ROUTE_SLOTS: i32 = 8;
 /// The widest expert served: by ptxas (sm_90, CUDA 13.5 here) the kernel
 /// stays within the 64 registers a thread of 1,024 allow up to here in
 /// every dtype, specification and row width the router + norm fold serves
@@ -120,7 +120,14 @@ fn blocks(d: i32, f: i32, k: i32) -> i64 {
 /// expert stacks of one specification, and the staged rows within shared
 /// memory.
 pub fn available(n: &NormIn, g: &Quantized, gu: &Quantized, down: &Quantized, k: usize) -> bool {
-    if !enabled() || !cuda_kernels_enabled() || n.h.ndim() != 2 || n.h.dim(0) != 1 || !super::add_rms_norm::eps_const() {
+    enabled() && served(n, g, gu, down, k) && kernel().is_some()
+}
+
+/// [`available`] but for the switch and the kernel: whether the layer's
+/// stages serve these operands (also what src/kernels/conv_layer_fused.rs
+/// asks of a conv layer's MoE).
+pub(crate) fn served(n: &NormIn, g: &Quantized, gu: &Quantized, down: &Quantized, k: usize) -> bool {
+    if !cuda_kernels_enabled() || n.h.ndim() != 2 || n.h.dim(0) != 1 || !super::add_rms_norm::eps_const() {
         return false;
     }
     if !(1..=ROUTE_SLOTS as usize).contains(&k) || gu.spec != down.spec || gu.weight.ndim() != 3 || down.weight.ndim() != 3 {
@@ -140,7 +147,6 @@ pub fn available(n: &NormIn, g: &Quantized, gu: &Quantized, down: &Quantized, k:
         && bytes(d as i64) % 16 == 0
         && bytes(f) % 16 == 0
         && bytes(d as i64).max(bytes(k as i64 * f)) <= stages::MAX_STAGED
-        && kernel().is_some()
 }
 
 /// The residual sum `s = h + r` and the layer's output (before a tensor

@@ -467,10 +467,13 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 if compiled && dense_ffn {
                     alone.push("MLX_LFM_FFN_FUSED");
                 }
-                // A conv layer with its dense feed-forward in one launch:
-                // such a layer after the first (whose norm adds no residual).
+                // A conv layer with its feed-forward in one launch: such a
+                // layer after the first (whose norm adds no residual), with a
+                // dense feed-forward or (the wide 4-bit MoE fixture's 2,048
+                // rows, which the joined MoE serves) a MoE.
                 let dense_at = |i: usize| spec.shape.moe.as_ref().is_none_or(|m| i < m.num_dense_layers);
-                let conv_layer_fused = (1..spec.shape.num_hidden_layers).any(|i| !spec.shape.full_attn_idxs.contains(&i) && dense_at(i));
+                let joins = |i: usize| dense_at(i) || (wide && q4);
+                let conv_layer_fused = (1..spec.shape.num_hidden_layers).any(|i| !spec.shape.full_attn_idxs.contains(&i) && joins(i));
                 if compiled && conv_layer_fused {
                     alone.push("MLX_LFM_CONV_LAYER_FUSED");
                 }
@@ -2118,6 +2121,7 @@ fn conv_layer_fused_kernel_matches_the_two_kernels() {
     // (dtype, D, channels, gate, bits / group of every projection; bits 0:
     // dense): the 1.2B's and the 350M's layers, channels and a gate not
     // whole blocks, float16 and float32; the 8B-A1B's dense layer 4-bit.
+    // (The conv layer with its MoE: `conv_moe_layer_fused_kernel_matches_the_two_kernels`.)
     let cases = [
         (Dtype::Bfloat16, 2048, 2048, 8192, 0, 0),
         (Dtype::Bfloat16, 1024, 1024, 4608, 0, 0),
@@ -2170,12 +2174,7 @@ fn conv_layer_fused_kernel_matches_the_two_kernels() {
                 })
             };
             let got = run(&counters);
-            for (name, g, w) in ["the first sum", "the second sum", "the output", "the state"].iter().zip(&got).zip(&want).map(|((n, g), w)| (n, g, w)) {
-                let v: Vec<f32> = g.astype(Dtype::Float32).unwrap().to_vec().unwrap();
-                assert!(v.iter().all(|v| v.is_finite()), "{what}: {} values of {name} are not finite", v.iter().filter(|v| !v.is_finite()).count());
-                assert_eq!(differing(g, w), 0, "{what}: {name} differs from the two kernels' (of {})", g.size());
-            }
-            eprintln!("{what}: every output the two kernels' bits");
+            same_as_the_two_kernels(&what, dt, &got, &want);
             check_counters_in_step(&what, &counters, &[true, true, false, true, false], &got, run);
         });
     }
@@ -2200,6 +2199,124 @@ fn conv_layer_fused_kernel_matches_the_two_kernels() {
     });
     if std::env::var_os("MLX_LFM_CONV_LAYER_FUSED").is_none() {
         assert!(!crate::knobs::with_overrides(&consts, || available(&layer(&with_r, Projections::Dense(&w13, &w2)), false)), "on without its switch");
+    }
+}
+
+/// A joined layer's outputs `[s1, s2, out, next]` against the two
+/// one-launch kernels' `want`: the conv's sum to the bit (the first stage,
+/// no product before it); the rest finite and within two roundings of the
+/// dtype (the same text a stage, but NVVM may contract a product's chunk
+/// the other way in another kernel: `moe_experts_kernels_match_stock_ops`),
+/// how many differ printed (none, where the stages compile alike).
+fn same_as_the_two_kernels(what: &str, dt: Dtype, got: &[crate::mlx::Array], want: &[crate::mlx::Array]) {
+    let tol = match dt {
+        Dtype::Float32 => 1e-5,
+        Dtype::Float16 => 2.0f32.powi(-10),
+        _ => 2.0f32.powi(-7),
+    };
+    assert_eq!(differing(&got[0], &want[0]), 0, "{what}: the conv's residual sum differs");
+    let mut counts = Vec::new();
+    for ((name, g), w) in ["the second sum", "the output", "the state"].iter().zip(&got[1..]).zip(&want[1..]) {
+        let v: Vec<f32> = g.astype(Dtype::Float32).unwrap().to_vec().unwrap();
+        assert!(v.iter().all(|v| v.is_finite()), "{what}: {} values of {name} are not finite", v.iter().filter(|v| !v.is_finite()).count());
+        let gap = worst_scaled(g, w);
+        assert!(gap <= tol, "{what}: {name} is {gap} from the two kernels' (over {tol}; {} of {} differ)", differing(g, w), g.size());
+        counts.push(format!("{name} {} of {}", differing(g, w), g.size()));
+    }
+    eprintln!("{what}: differing from the two kernels: {}", counts.join(", "));
+}
+
+/// The conv layer with its MoE in one launch (`MLX_LFM_CONV_LAYER_FUSED`,
+/// the 8B-A1B's conv layers) against the conv layer's and the MoE's
+/// one-launch kernels one after the other, as the dense one's test; then
+/// its counters over repeated launches, two layers' and the given-up path.
+#[test]
+fn conv_moe_layer_fused_kernel_matches_the_two_kernels() {
+    use crate::kernels::conv_layer_fused::{available_moe, forward_moe, launch_blocks_moe, ConvMoeLayer, Moe, COUNTER_WORDS};
+    use crate::kernels::stages::{new_counters, new_counters_of, Projections};
+    // Blocks of 32 warps: the conv's norm, 32 channels a block, 32 out_proj
+    // outputs a block, the router, 32 rows of each chosen expert a block,
+    // 32 / k down columns a block.
+    assert_eq!(launch_blocks_moe(2048, 2048, 1792, 4), 1 + 64 + 64 + 1 + 4 * 56 + 256);
+    assert_eq!(launch_blocks_moe(1024, 1024, 256, 2), 1 + 32 + 32 + 1 + 2 * 8 + 64);
+    if skip("conv_moe_layer_fused_kernel_matches_the_two_kernels") {
+        return;
+    }
+    use crate::kernels::norm_gemv::NormIn;
+    use crate::kernels::{conv_fused, moe_fused, with_opt_in_one};
+    use crate::mlx::random::normal;
+    use crate::mlx::Array;
+    use crate::model::linear::Normed;
+    let eps_value = 1e-5f32;
+    let eps = Array::from_slice(&[eps_value], &[1]).unwrap();
+    let consts = [("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string()))];
+    // (dtype, D, experts, k, expert width, group of every projection): the
+    // 8B-A1B's layer, a narrower one with two experts a row, float16.
+    let cases = [
+        (Dtype::Bfloat16, 2048, 32, 4, 1792, 64),
+        (Dtype::Bfloat16, 1024, 8, 2, 256, 32),
+        (Dtype::Float16, 2048, 32, 4, 1792, 64),
+    ];
+    for (dt, d, e, k, f, gs) in cases {
+        let what = format!("{dt:?} {d} wide, {e} experts top-{k} of {f}, 4-bit g{gs}");
+        let q = |shape: &[i32]| quantized(&normal(shape, Dtype::Float32, 0.0, 0.04, None).unwrap(), dt, 4, gs);
+        let (wi, wo) = (q(&[3 * d, d]), q(&[d, d]));
+        let (g, gu, dn) = (q(&[e, d]), q(&[e, 2 * f, d]), q(&[e, d, f]));
+        let bias = normal(&[e], Dtype::Float32, 0.0, 0.05, None).unwrap();
+        let scale = 2.5f32;
+        let conv = Projections::Quant(&wi, &wo);
+        let h = normal(&[1, d], Dtype::Float32, 0.0, 4.0, None).unwrap().astype(dt).unwrap();
+        let r = normal(&[1, d], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
+        let wn = normal(&[d], Dtype::Float32, 1.0, 0.2, None).unwrap().astype(dt).unwrap();
+        let fwn = normal(&[d], Dtype::Float32, 1.0, 0.2, None).unwrap().astype(dt).unwrap();
+        let state = normal(&[1, 2, d], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
+        let cw = normal(&[d, 3], Dtype::Float32, 0.0, 0.5, None).unwrap().astype(dt).unwrap();
+        let x = Normed { h: &h, r: Some(&r), w: &wn, eps: eps_value, eps_array: &eps };
+        crate::knobs::with_overrides(&consts, || {
+            let (s1, o1, next) = with_opt_in_one("MLX_LFM_CONV_FUSED", || {
+                assert!(conv_fused::available(&x, conv, &state, &cw, false), "{what}: the conv kernel does not serve it");
+                conv_fused::forward(&x, conv, &state, &cw, &new_counters().unwrap()).unwrap()
+            });
+            let n = NormIn { h: &o1, r: &s1, wn: &fwn, eps: &eps, eps_value: Some(eps_value) };
+            let (s2, out) = with_opt_in_one("MLX_LFM_MOE_FUSED", || {
+                assert!(moe_fused::available(&n, &g, &gu, &dn, k), "{what}: the MoE kernel does not serve it");
+                moe_fused::forward(&n, &g, &bias, &gu, &dn, &new_counters().unwrap(), k, true, eps_value, scale).unwrap()
+            });
+            let want = [s1, s2, out, next];
+            let moe = Moe { gate: &g, bias: &bias, gate_up: &gu, down: &dn, k, norm: true, scale };
+            let l = ConvMoeLayer { x: &x, conv, state: &state, cw: &cw, ffn_norm: &fwn, moe };
+            let counters = new_counters_of(COUNTER_WORDS).unwrap();
+            let run = |ctr: &Array| {
+                with_opt_in_one("MLX_LFM_CONV_LAYER_FUSED", || {
+                    assert!(available_moe(&l, false), "{what}: not served");
+                    assert!(!available_moe(&l, true), "{what}: served with a bias");
+                    let o = forward_moe(&l, ctr).unwrap();
+                    let got = vec![o.s1, o.s2, o.out, o.next];
+                    crate::mlx::eval(&got.iter().collect::<Vec<_>>()).unwrap();
+                    got
+                })
+            };
+            let got = run(&counters);
+            same_as_the_two_kernels(&what, dt, &got, &want);
+            check_counters_in_step(&what, &counters, &[true, true, false, true, false], &got, run);
+        });
+    }
+    // Not served: rows of 1,536 (past the registers 1,024 threads allow), 8-bit experts.
+    let dt = Dtype::Bfloat16;
+    let q = |shape: &[i32], bits: i32| quantized(&normal(shape, Dtype::Float32, 0.0, 0.04, None).unwrap(), dt, bits, 64);
+    for (d, bits) in [(1536, 4), (2048, 8)] {
+        let (wi, wo) = (q(&[3 * d, d], 4), q(&[d, d], 4));
+        let (g, gu, dn) = (q(&[32, d], 4), q(&[32, 2 * 1792, d], bits), q(&[32, d, 1792], bits));
+        let bias = normal(&[32], Dtype::Float32, 0.0, 0.05, None).unwrap();
+        let h = normal(&[1, d], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
+        let wn = normal(&[d], Dtype::Float32, 1.0, 0.2, None).unwrap().astype(dt).unwrap();
+        let state = normal(&[1, 2, d], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
+        let cw = normal(&[d, 3], Dtype::Float32, 0.0, 0.5, None).unwrap().astype(dt).unwrap();
+        let x = Normed { h: &h, r: Some(&h), w: &wn, eps: eps_value, eps_array: &eps };
+        let moe = Moe { gate: &g, bias: &bias, gate_up: &gu, down: &dn, k: 4, norm: true, scale: 1.0 };
+        let l = ConvMoeLayer { x: &x, conv: Projections::Quant(&wi, &wo), state: &state, cw: &cw, ffn_norm: &wn, moe };
+        let served = crate::knobs::with_overrides(&consts, || with_opt_in_one("MLX_LFM_CONV_LAYER_FUSED", || available_moe(&l, false)));
+        assert!(!served, "{d} wide, {bits}-bit experts: served");
     }
 }
 

@@ -560,30 +560,50 @@ pub struct Layer {
 }
 
 impl Layer {
-    /// A conv layer and its dense feed-forward in one launch (decode on
-    /// CUDA, `MLX_LFM_CONV_LAYER_FUSED=1`), on the pending norm `x`:
+    /// A conv layer and its dense feed-forward or MoE in one launch (decode
+    /// on CUDA, `MLX_LFM_CONV_LAYER_FUSED=1`), on the pending norm `x`:
     /// `(the residual sum after the feed-forward's norm, its output)`, the
     /// conv state asked of and handed back to the cache; None where the
     /// kernel does not serve the layer (the two parts then run as usual).
     fn conv_with_ffn(&self, x: &Normed, index: usize, cache: &mut dyn ForwardCache) -> Result<Option<(Array, Array)>> {
         use crate::kernels::conv_layer_fused as fused;
-        let (Operator::Conv(c), FeedForward::Dense(m)) = (&self.operator, &self.feed_forward) else {
-            return Ok(None);
-        };
+        let Operator::Conv(c) = &self.operator else { return Ok(None) };
         // (Under tensor parallelism out_proj's row is reduced across the
         // ranks before the feed-forward's norm: two launches there.)
-        if !fused::enabled_here() || c.shard.is_some() || m.shard.is_some() || x.h.ndim() != 2 || x.h.dim(0) != 1 {
+        if !fused::enabled_here() || c.shard.is_some() || x.h.ndim() != 2 || x.h.dim(0) != 1 {
             return Ok(None);
         }
-        let (Some(conv), Some(ffn)) = (c.stage_projections(x), m.stage_projections()) else {
-            return Ok(None);
+        let Some(conv) = c.stage_projections(x) else { return Ok(None) };
+        // The feed-forward as the kernel reads it, then the state (asked
+        // of the cache only where the layer may be served).
+        enum Tail<'a> {
+            Ffn(crate::kernels::stages::Projections<'a>),
+            Moe(fused::Moe<'a>),
+        }
+        let tail = match &self.feed_forward {
+            FeedForward::Dense(m) if m.shard.is_none() => m.stage_projections().map(Tail::Ffn),
+            FeedForward::Moe(m) => m.stage_moe().map(Tail::Moe),
+            FeedForward::Dense(_) => None,
         };
+        let Some(tail) = tail else { return Ok(None) };
         let prev = c.prev_state(x.h, index, cache)?;
-        let l = fused::ConvLayer { x, conv, state: &prev, cw: &c.conv_weight_dl, ffn_norm: &self.ffn_norm, ffn };
-        if !fused::available(&l, c.has_bias()) {
-            return Ok(None);
-        }
-        let done = fused::forward(&l, &self.fused_counters)?;
+        let (cw, ffn_norm, bias) = (&c.conv_weight_dl, &self.ffn_norm, c.has_bias());
+        let done = match tail {
+            Tail::Ffn(ffn) => {
+                let l = fused::ConvLayer { x, conv, state: &prev, cw, ffn_norm, ffn };
+                if !fused::available(&l, bias) {
+                    return Ok(None);
+                }
+                fused::forward(&l, &self.fused_counters)?
+            }
+            Tail::Moe(moe) => {
+                let l = fused::ConvMoeLayer { x, conv, state: &prev, cw, ffn_norm, moe };
+                if !fused::available_moe(&l, bias) {
+                    return Ok(None);
+                }
+                fused::forward_moe(&l, &self.fused_counters)?
+            }
+        };
         cache.conv_step_update(index, &prev, &done.next)?;
         Ok(Some((done.s2, done.out)))
     }

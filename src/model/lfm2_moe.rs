@@ -235,6 +235,29 @@ impl SparseMoe {
         reduce(&self.shard, y.mul(&scores.expand_dims(-1)?)?.sum(&[-2], false)?)
     }
 
+    /// The router and the experts as the one-launch conv + MoE layer reads
+    /// them (src/kernels/conv_layer_fused.rs): a quantized gate without a
+    /// bias, quantized experts with gate/up stacked; None otherwise or
+    /// under tensor parallelism (a rank's output is reduced first).
+    pub(crate) fn stage_moe(&self) -> Option<crate::kernels::conv_layer_fused::Moe<'_>> {
+        let (Weight::Quant(gate), None) = (&self.gate.weight, &self.gate.bias) else { return None };
+        let (GateUp::Stacked(Weight::Quant(gate_up), _), Weight::Quant(down)) = (&self.gate_up, &self.down_proj) else {
+            return None;
+        };
+        if self.shard.is_some() {
+            return None;
+        }
+        Some(crate::kernels::conv_layer_fused::Moe {
+            gate,
+            bias: &self.router_consts.0,
+            gate_up,
+            down,
+            k: self.top_k,
+            norm: self.norm_topk_prob,
+            scale: self.routed_scaling_factor,
+        })
+    }
+
     /// A decode step's layer from its pending norm `n` (rows `[R, D]`, one
     /// token each): the residual add, the norm and the router in one launch
     /// (`kernels::moe_router::route_gate_norm`), then the experts' two
