@@ -301,6 +301,9 @@ KERNELS["conv_layer_fused.rs#moe"] = (
                 ("WARPS", 32), ("EPS_BITS", 925353388), ("SCALE_BITS", 1065353216), ("IBITS", 4), ("IGS", 64),
                 ("OBITS", 4), ("OGS", 64)],
 )
+# Rows of 1,536 with 8,192-wide experts: 66 registers a thread, past the 64
+# that 1,024 threads allow; kept to show why available_moe serves only rows
+# of 1,024 and 2,048 (it builds, but must not be launched).
 KERNELS["conv_layer_fused.rs#moe@d1536"] = (*KERNELS["conv_layer_fused.rs#moe"][:2],
                                             lambda dt: [("D", 1536), ("C", 1536), ("KEEP", 2), ("F", 8192), ("E", 32),
                                                         ("TOPK", 1), ("NORM", "true"), ("GBITS", 4), ("GGS", 64),
