@@ -446,6 +446,9 @@ __device__ inline void lfm_stage_drows(const T* xs, const T* w, const size_t* ro
 #define LFM_OUT_ROWS(K, R, rows, xs, lane, out) lfm_stage_drows<T, K, R>(xs, ow, rows, lane, out)
 "#;
 
+/// Template constants a kernel's projections add (their specifications).
+pub(crate) type Specs = Vec<(&'static str, TemplateArg)>;
+
 /// A one-launch layer's two projections: the first reads the normed row
 /// (the conv's in_proj, the feed-forward's stacked w1/w3), the second the
 /// layer's inner row (out_proj, w2). No biases (callers check).
@@ -497,7 +500,7 @@ impl Projections<'_> {
     /// The kernel's inputs for the two projections, named as
     /// [`Self::input_names`] names them, and (quantized) their
     /// specifications as template constants.
-    pub(crate) fn inputs(&self) -> Result<(Vec<&Array>, Vec<(&'static str, TemplateArg)>)> {
+    pub(crate) fn inputs(&self) -> Result<(Vec<&Array>, Specs)> {
         match *self {
             Projections::Quant(i, o) => {
                 let missing = |what: &str| Error::invalid(format!("a one-launch layer's {what} projection needs affine biases"));
