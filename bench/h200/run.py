@@ -169,7 +169,9 @@ or MoE (stages.rs LAYER_SOURCE: their tests run again), counters of any
 length):
   1. carry [.device/a, .device/llama]: `stage` (~100 s with the start).
   2. carry [.device/b, .device/tests]: `install verdicts-from
-     bench/results/2026-12-05-h200-session30.raw.jsonl` then
+     bench/results/2026-12-03-h200-session18.raw.jsonl,bench/results/2026-12-04-h200-session20.raw.jsonl,bench/results/2026-12-04-h200-session21.raw.jsonl,bench/results/2026-12-04-h200-session24.raw.jsonl,bench/results/2026-12-05-h200-session27.raw.jsonl,bench/results/2026-12-05-h200-session30.raw.jsonl`
+     (session 30's record alone lacks most default tests; this chain holds
+     every one, passed: checked here with that H200_KERNEL_TESTS) then
      H200_KERNEL_JOBS=5 H200_KERNEL_TESTS=conv_fused_kernel_matches_stock_ops,ffn_fused_kernel_matches_stock_ops,moe_fused_kernel_matches_the_three_kernels,conv_layer_fused_kernel_matches_the_two_kernels,conv_moe_layer_fused_kernel_matches_the_two_kernels,short_conv_kernel_matches_stock_ops,greedy_tokens_with_kernels_equal_stock_ops
      `kernels` (~400 s with `timeout -s TERM 560`: the last name runs both
      greedy tests, for the new sets MLX_LFM_CONV_LAYER_FUSED and
