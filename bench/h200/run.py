@@ -168,15 +168,16 @@ kernels now one body with the new conv layer joined to its feed-forward
 or MoE (stages.rs LAYER_SOURCE: their tests run again), counters of any
 length):
   1. carry [.device/a, .device/llama]: `stage` (~100 s with the start).
-  2. carry [.device/b, .device/tests]: `install verdicts-from
-     bench/results/2026-12-03-h200-session18.raw.jsonl,bench/results/2026-12-04-h200-session20.raw.jsonl,bench/results/2026-12-04-h200-session21.raw.jsonl,bench/results/2026-12-04-h200-session24.raw.jsonl,bench/results/2026-12-05-h200-session27.raw.jsonl,bench/results/2026-12-05-h200-session30.raw.jsonl`
-     (session 30's record alone lacks most default tests; this chain holds
-     every one, passed: checked here with that H200_KERNEL_TESTS) then
-     H200_KERNEL_JOBS=5 H200_KERNEL_TESTS=conv_fused_kernel_matches_stock_ops,ffn_fused_kernel_matches_stock_ops,moe_fused_kernel_matches_the_three_kernels,conv_layer_fused_kernel_matches_the_two_kernels,conv_moe_layer_fused_kernel_matches_the_two_kernels,short_conv_kernel_matches_stock_ops,greedy_tokens_with_kernels_equal_stock_ops
-     `kernels` (~400 s with `timeout -s TERM 560`: the last name runs both
-     greedy tests, for the new sets MLX_LFM_CONV_LAYER_FUSED and
-     layers-fused-whole; .device/ptx, session 30's compiled kernels, only
-     where the carry stays under 64 MiB).
+  2. carry [.device/b, .device/tests]: with both variables set for the
+     whole command, H200_KERNEL_JOBS=5
+     H200_KERNEL_TESTS=conv_fused_kernel_matches_stock_ops,ffn_fused_kernel_matches_stock_ops,moe_fused_kernel_matches_the_three_kernels,conv_layer_fused_kernel_matches_the_two_kernels,conv_moe_layer_fused_kernel_matches_the_two_kernels,short_conv_kernel_matches_stock_ops,greedy_tokens_with_kernels_equal_stock_ops
+     `timeout -s TERM 560 python3 bench/h200/run.py install verdicts-from
+     bench/results/2026-12-03-h200-session18.raw.jsonl,bench/results/2026-12-04-h200-session20.raw.jsonl,bench/results/2026-12-04-h200-session21.raw.jsonl,bench/results/2026-12-04-h200-session24.raw.jsonl,bench/results/2026-12-05-h200-session27.raw.jsonl,bench/results/2026-12-05-h200-session30.raw.jsonl
+     kernels save-ptx` (~400 s: session 30's record alone lacks most
+     default tests, this chain holds every one, passed, as checked here
+     with those tests named; the last name runs both greedy tests, for the
+     new sets MLX_LFM_CONV_LAYER_FUSED and layers-fused-whole; .device/ptx,
+     session 30's compiled kernels, only where the carry stays under 64 MiB).
   3. carry [.device/bin]: H200_MODELS=lfm2-8b-a1b-q4
      H200_AB_VARIANTS=moe-fused,conv-fused,moe-conv-fused,ffn-fused,qkv-fused,layers-fused,layers-fused-whole,router-scores-f32,router-scores-f32-early,position-table-off,eps-const-off
      `ab pick` (~220 s with the 8B-A1B's checkpoints: whether the one-launch
