@@ -1310,12 +1310,15 @@ def kernel_bench():
     src/kernels/ffn_fused.rs (`ffn-layer-bf16-fused`), and the 8B-A1B's
     dense layers' 4-bit feed-forward: the four launches (`ffn-layer-q4-four`:
     the add + RMSNorm, MLX's qmv of w1/w3, the gate, qmv of w2) against the
-    one (`ffn-layer-q4-fused`).
+    one (`ffn-layer-q4-fused`). Last a conv layer with what follows it as
+    two one-launch kernels and as the joined one (`conv-ffn-layer-bf16-two`
+    / `-joined`, the 1.2B's; `conv-moe-layer-q4-two` / `-joined`, the
+    8B-A1B's).
     No checkpoint needed (over 140 s under ncu in session 30: narrow it
     with H200_KERNEL_BENCH_ARMS)."""
     rep = WORK / "kernel-bench"
     cmd = ["ncu", "--clock-control", "none", "-f", "-o", rep, "--kernel-name",
-           "regex:gemv|qmv|gather_qmm|lfm_bench_scale|lfm_decode_attention|lfm_moe|lfm_add_rms_norm|lfm_short_conv|lfm_conv_fused|lfm_ffn_fused",
+           "regex:gemv|qmv|gather_qmm|lfm_bench_scale|lfm_decode_attention|lfm_moe|lfm_add_rms_norm|lfm_short_conv|lfm_conv_fused|lfm_ffn_fused|lfm_conv_layer_fused|lfm_conv_moe_fused",
            "--metrics", "gpu__time_duration.sum,dram__bytes_read.sum",
            BENCH, "--kernel-bench", "--device", "gpu", "--reps", "3"]
     # H200_KERNEL_BENCH_ARMS=a,b: those arms alone (the whole list ran past

@@ -58,7 +58,7 @@ const WARPS: i32 = 16;
 /// The widest row, conv and gate served (the two kernels' own limits).
 const MAX_WIDTH: i32 = 8192;
 /// Counters: six 64-bit ones (twelve uint32 words, kept at 16).
-pub(crate) const COUNTER_WORDS: usize = 16;
+pub const COUNTER_WORDS: usize = 16;
 
 fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();

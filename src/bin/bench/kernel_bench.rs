@@ -230,8 +230,23 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
     for (name, _, kernels) in &conv_arms {
         plan.push(serde_json::json!({"arm": name, "n": 4 * CONV_D, "k": CONV_D, "launches": CONV_LAUNCHES * reps * kernels}));
     }
+    let joined_arms: Vec<_> = JOINED_ARMS.iter().filter(|(name, ..)| chosen(name)).collect();
     let ffn_arms: Vec<_> = FFN_ARMS.iter().filter(|(name, ..)| chosen(name)).collect();
-    let ffn = if ffn_arms.is_empty() { None } else { Some(FfnLayer::new()?) };
+    // (The joined arms run the conv layer's, the feed-forward's and the MoE
+    // layer's operands.)
+    let conv = match conv {
+        None if !joined_arms.is_empty() => Some(ConvLayer::new()?),
+        c => c,
+    };
+    let layer = match layer {
+        None if !joined_arms.is_empty() => Some(Layer::new()?),
+        l => l,
+    };
+    let ffn = if ffn_arms.is_empty() && joined_arms.is_empty() { None } else { Some(FfnLayer::new()?) };
+    let joined_counters = mlx_lfm::kernels::stages::new_counters_of(mlx_lfm::kernels::conv_layer_fused::COUNTER_WORDS)?;
+    for (name, _, kernels) in &joined_arms {
+        plan.push(serde_json::json!({"arm": name, "n": 4 * CONV_D, "k": CONV_D, "launches": JOINED_LAUNCHES * reps * kernels}));
+    }
     for (name, _, kernels) in &ffn_arms {
         plan.push(serde_json::json!({"arm": name, "n": 3 * ffn_width(name), "k": FFN_D, "launches": FFN_LAUNCHES * reps * kernels}));
     }
@@ -295,7 +310,83 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
         });
         print_walls(name, 3 * ffn_width(name), FFN_D, walls);
     }
+    for (name, switches, _) in joined_arms {
+        let (conv, ffn, moe) = (conv.as_ref(), ffn.as_ref(), layer.as_ref());
+        let (Some(conv), Some(ffn), Some(moe)) = (conv, ffn, moe) else { unreachable!("made where a joined arm runs") };
+        let walls = timed(switches, reps * JOINED_LAUNCHES, |i| {
+            joined_launch(name, conv, ffn, moe, &joined_counters, i).map_err(|e| mlx_lfm::Error::invalid(format!("{name}: {e}")))
+        });
+        print_walls(name, 4 * CONV_D, CONV_D, walls);
+    }
     Ok(())
+}
+
+/// A conv layer and what follows it for one decode row: the two one-launch
+/// kernels (`-two`: the conv layer's, then the feed-forward's or the MoE
+/// layer's on its output and sum) against the joined one
+/// (src/kernels/conv_layer_fused.rs). The `-bf16-` arms: the 1.2B's conv
+/// layer and feed-forward (dense); the `-moe-q4-` arms: the 8B-A1B's conv
+/// layer and MoE (4-bit). `(arm, its switches, kernels a product)`.
+const JOINED_ARMS: [(&str, Switches, usize); 4] = [
+    ("conv-ffn-layer-bf16-two", &[("MLX_LFM_CONV_FUSED", "1"), ("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 2),
+    ("conv-ffn-layer-bf16-joined", &[("MLX_LFM_CONV_LAYER_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
+    ("conv-moe-layer-q4-two", &[("MLX_LFM_CONV_FUSED", "1"), ("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 2),
+    ("conv-moe-layer-q4-joined", &[("MLX_LFM_CONV_LAYER_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
+];
+const JOINED_LAUNCHES: usize = 16;
+
+/// The joined arm `name`'s output for launch `i` (the conv's copy `i`, the
+/// feed-forward's or the MoE layer's row `i`, in turn).
+fn joined_launch(name: &str, conv: &ConvLayer, ffn: &FfnLayer, moe: &Layer, ctr: &Array, i: usize) -> mlx_lfm::Result<Array> {
+    use mlx_lfm::kernels::{conv_fused, conv_layer_fused as joined, ffn_fused, moe_fused, norm_gemv::NormIn, stages::Projections};
+    use mlx_lfm::model::linear::Normed;
+    let unserved = || mlx_lfm::Error::invalid("kernel-bench: the joined layer's kernels do not serve their operands here");
+    let with_moe = name.contains("-moe-");
+    let p = if with_moe {
+        let (wi, wo) = &conv.projections[i % conv.projections.len()];
+        Projections::Quant(wi, wo)
+    } else {
+        let (wi, wo) = &conv.dense[i % conv.dense.len()];
+        Projections::Dense(wi, wo)
+    };
+    let x = Normed { h: &moe.hs[i % moe.hs.len()], r: Some(&conv.r), w: &conv.wn, eps: LAYER_EPS, eps_array: &conv.eps };
+    let (w13, w2) = &ffn.weights[i % ffn.weights.len()];
+    let tail = Projections::Dense(w13, w2);
+    let (g, gu, down) = (&moe.gate, &moe.experts.gate_up, &moe.experts.down);
+    let k = EXPERTS_A_ROW as usize;
+    if name.ends_with("-joined") {
+        let out = if with_moe {
+            let m = joined::Moe { gate: g, bias: &moe.bias, gate_up: gu, down, k, norm: true, scale: 1.0 };
+            let l = joined::ConvMoeLayer { x: &x, conv: p, state: &conv.state, cw: &conv.cw, ffn_norm: &moe.wn, moe: m };
+            if !joined::available_moe(&l, false) {
+                return Err(unserved());
+            }
+            joined::forward_moe(&l, ctr)?
+        } else {
+            let l = joined::ConvLayer { x: &x, conv: p, state: &conv.state, cw: &conv.cw, ffn_norm: &ffn.wn, ffn: tail };
+            if !joined::available(&l, false) {
+                return Err(unserved());
+            }
+            joined::forward(&l, ctr)?
+        };
+        return Ok(out.out);
+    }
+    if !conv_fused::available(&x, p, &conv.state, &conv.cw, false) {
+        return Err(unserved());
+    }
+    let (s1, o1, _) = conv_fused::forward(&x, p, &conv.state, &conv.cw, &conv.counters)?;
+    if with_moe {
+        let n = NormIn { h: &o1, r: &s1, wn: &moe.wn, eps: &moe.eps, eps_value: Some(LAYER_EPS) };
+        if !moe_fused::available(&n, g, gu, down, k) {
+            return Err(unserved());
+        }
+        return Ok(moe_fused::forward(&n, g, &moe.bias, gu, down, &moe.state, k, true, LAYER_EPS, 1.0)?.1);
+    }
+    let x2 = Normed { h: &o1, r: Some(&s1), w: &ffn.wn, eps: LAYER_EPS, eps_array: &ffn.eps };
+    if !ffn_fused::available(&x2, tail) {
+        return Err(unserved());
+    }
+    Ok(ffn_fused::forward(&x2, tail, &ffn.counters)?.1)
 }
 
 /// The 8B-A1B's routed experts for one decode row: `(arm, its switches,
