@@ -189,6 +189,10 @@ length):
   5. `round 1`, `round 2` (~300 s each) with H200_OURS_ENV setting the
      one-launch layers the A/B found faster (then make them defaults here,
      the rounds being what they measured).
+  6. if time is left, carry [.device/bin]:
+     H200_KERNEL_BENCH_ARMS=moe-layer-q4-three,moe-layer-q4-fused,conv-layer-q4-four,conv-layer-q4-fused,ffn-layer-q4-four,ffn-layer-q4-fused,conv-ffn-layer-bf16-two,conv-ffn-layer-bf16-joined,conv-moe-layer-q4-two,conv-moe-layer-q4-joined
+     `kernel-bench` (each layer alone under ncu: what a one-launch layer
+     costs on the GPU against the launches it replaces).
 Session 29's plan, for the record (session 30 had half its device time
 left after its starts and ran calls 1 and 2, all nine tests in 392 s with
 H200_KERNEL_JOBS=5, then a kernel-bench cut at 140 s):
