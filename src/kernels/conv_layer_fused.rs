@@ -175,6 +175,46 @@ pub struct Outputs {
     pub next: Array,
 }
 
+impl Outputs {
+    /// The first four of a launch's outputs (the rest are its stages'
+    /// scratch), counted as a graph the kernel was put into.
+    fn from(mut outs: Vec<Array>, what: &str) -> Result<Outputs> {
+        outs.truncate(4);
+        BUILT.bump();
+        let missing = || Error::mlx(format!("{what}: missing output"));
+        let s1 = outs.pop().ok_or_else(missing)?;
+        let next = outs.pop().ok_or_else(missing)?;
+        let out = outs.pop().ok_or_else(missing)?;
+        let s2 = outs.pop().ok_or_else(missing)?;
+        Ok(Outputs { s1, s2, out, next })
+    }
+}
+
+/// An output's shape and dtype (None: the activations').
+type OutputSpec = (Vec<i32>, Option<crate::mlx::Dtype>);
+
+/// The outputs both joined kernels begin with: the second sum, the output,
+/// the state after the token, the first sum, the first norm's row, the
+/// conv's gated row, out_proj's row, the second norm's row.
+fn conv_outputs(d: i32, c: i32, w: i32) -> Vec<OutputSpec> {
+    let row = || (vec![1, d], None);
+    vec![row(), row(), (vec![1, w - 1, c], None), row(), (vec![d], None), (vec![c], None), (vec![d], None), (vec![d], None)]
+}
+
+/// The launch of `grid` threads in blocks of `threads`.
+fn call(
+    kern: &CudaKernel,
+    inputs: &[&Array],
+    shapes: &[OutputSpec],
+    dt: crate::mlx::Dtype,
+    grid: i32,
+    threads: i32,
+    template: &[(&str, TemplateArg)],
+) -> Result<Vec<Array>> {
+    let outputs: Vec<(&[i32], crate::mlx::Dtype)> = shapes.iter().map(|(shape, t)| (shape.as_slice(), t.unwrap_or(dt))).collect();
+    kern.call(inputs, &outputs, [grid, 1, 1], [threads, 1, 1], template)
+}
+
 /// The layer in one launch (callers check [`available`]); `ctr` the
 /// layer's own ([`COUNTER_WORDS`] words, `stages::new_counters_of`).
 pub fn forward(l: &ConvLayer, ctr: &Array) -> Result<Outputs> {
@@ -217,32 +257,10 @@ pub fn forward(l: &ConvLayer, ctr: &Array) -> Result<Outputs> {
     inputs.push(l.ffn_norm);
     inputs.extend(ffn);
     inputs.push(ctr);
-    let row = [1, d];
-    let mut outs = kern.call(
-        &inputs,
-        &[
-            (&row, dt),
-            (&row, dt),
-            (&[1, w - 1, c], dt),
-            (&row, dt),
-            (&[d], dt),
-            (&[c], dt),
-            (&[d], dt),
-            (&[d], dt),
-            (&[f], dt),
-        ],
-        [grid, 1, 1],
-        [threads, 1, 1],
-        &template,
-    )?;
-    outs.truncate(4);
-    BUILT.bump();
-    let missing = || Error::mlx("fused conv layer kernel: missing output");
-    let s1 = outs.pop().ok_or_else(missing)?;
-    let next = outs.pop().ok_or_else(missing)?;
-    let out = outs.pop().ok_or_else(missing)?;
-    let s2 = outs.pop().ok_or_else(missing)?;
-    Ok(Outputs { s1, s2, out, next })
+    let mut shapes = conv_outputs(d, c, w);
+    shapes.push((vec![f], None));
+    let outs = call(kern, &inputs, &shapes, dt, grid, threads, &template)?;
+    Outputs::from(outs, "fused conv layer kernel")
 }
 
 /// A conv layer's MoE (the 8B-A1B's conv layers past its dense ones): the
@@ -401,34 +419,10 @@ pub fn forward_moe(l: &ConvMoeLayer, ctr: &Array) -> Result<Outputs> {
     let mut inputs = vec![x.h, r, x.w, l.state, l.cw];
     inputs.extend(conv);
     inputs.extend([l.ffn_norm, &m.gate.weight, &m.gate.scales, gb, m.bias, &m.gate_up.weight, &m.gate_up.scales, ub, &m.down.weight, &m.down.scales, db, ctr]);
-    let row = [1, d];
-    let mut outs = kern.call(
-        &inputs,
-        &[
-            (&row, dt),
-            (&row, dt),
-            (&[1, w - 1, c], dt),
-            (&row, dt),
-            (&[d], dt),
-            (&[c], dt),
-            (&[d], dt),
-            (&[d], dt),
-            (&[ROUTE_SLOTS], crate::mlx::Dtype::Uint32),
-            (&[ROUTE_SLOTS], crate::mlx::Dtype::Float32),
-            (&[k, f], dt),
-        ],
-        [grid, 1, 1],
-        [threads, 1, 1],
-        &template,
-    )?;
-    outs.truncate(4);
-    BUILT.bump();
-    let missing = || Error::mlx("fused conv + MoE layer kernel: missing output");
-    let s1 = outs.pop().ok_or_else(missing)?;
-    let next = outs.pop().ok_or_else(missing)?;
-    let out = outs.pop().ok_or_else(missing)?;
-    let s2 = outs.pop().ok_or_else(missing)?;
-    Ok(Outputs { s1, s2, out, next })
+    let mut shapes = conv_outputs(d, c, w);
+    shapes.extend([(vec![ROUTE_SLOTS], Some(crate::mlx::Dtype::Uint32)), (vec![ROUTE_SLOTS], Some(crate::mlx::Dtype::Float32)), (vec![k, f], None)]);
+    let outs = call(kern, &inputs, &shapes, dt, grid, threads, &template)?;
+    Outputs::from(outs, "fused conv + MoE layer kernel")
 }
 
 #[cfg(test)]
