@@ -170,7 +170,7 @@ length):
   1. carry [.device/a, .device/llama]: `stage` (~100 s with the start).
   2. carry [.device/b, .device/tests]: with both variables set for the
      whole command, H200_KERNEL_JOBS=5
-     H200_KERNEL_TESTS=conv_fused_kernel_matches_stock_ops,ffn_fused_kernel_matches_stock_ops,moe_fused_kernel_matches_the_three_kernels,conv_layer_fused_kernel_matches_the_two_kernels,conv_moe_layer_fused_kernel_matches_the_two_kernels,short_conv_kernel_matches_stock_ops,greedy_tokens_with_kernels_equal_stock_ops
+     H200_KERNEL_TESTS=conv_fused_kernel_matches_stock_ops,ffn_fused_kernel_matches_stock_ops,moe_fused_kernel_matches_the_three_kernels,conv_layer_fused_kernel_matches_the_two_kernels,conv_moe_layer_fused_kernel_matches_the_two_kernels,out_layer_fused_kernel_matches_out_proj_and_the_kernel,short_conv_kernel_matches_stock_ops,greedy_tokens_with_kernels_equal_stock_ops
      `timeout -s TERM 560 python3 bench/h200/run.py install verdicts-from
      bench/results/2026-12-03-h200-session18.raw.jsonl,bench/results/2026-12-04-h200-session20.raw.jsonl,bench/results/2026-12-04-h200-session21.raw.jsonl,bench/results/2026-12-04-h200-session24.raw.jsonl,bench/results/2026-12-05-h200-session27.raw.jsonl,bench/results/2026-12-05-h200-session30.raw.jsonl
      kernels save-ptx` (~400 s: session 30's record alone lacks most
@@ -1836,8 +1836,9 @@ AB = {
     # A conv layer with its feed-forward or MoE in one launch (six stages:
     # the two kernels joined; src/kernels/conv_layer_fused.rs: the dense
     # models' ten conv layers after their first, the 8B-A1B's seventeen),
-    # alone and with every other one-launch layer (the 1.2B's step ~54
-    # nodes, the 8B-A1B's ~63).
+    # and an attention layer's out_proj with the feed-forward or MoE after
+    # it (the six attention layers), alone and with every other one-launch
+    # layer (the 1.2B's step ~48 nodes, the 8B-A1B's ~57).
     "conv-layer-fused": ({"MLX_LFM_CONV_LAYER_FUSED": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "layers-fused-whole": ({"MLX_LFM_MOE_FUSED": "1", "MLX_LFM_CONV_FUSED": "1", "MLX_LFM_FFN_FUSED": "1", "MLX_LFM_QKV_FUSED": "1",
                             "MLX_LFM_CONV_LAYER_FUSED": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
@@ -1986,11 +1987,11 @@ AB_TESTS = {
     "layers-fused": ["moe_fused_kernel_matches_the_three_kernels", "conv_fused_kernel_matches_stock_ops",
                      "ffn_fused_kernel_matches_stock_ops", "qkv_fused_kernel_matches_stock_ops", "greedy:layers-fused"],
     "conv-layer-fused": ["conv_layer_fused_kernel_matches_the_two_kernels", "conv_moe_layer_fused_kernel_matches_the_two_kernels",
-                         "greedy:MLX_LFM_CONV_LAYER_FUSED"],
+                         "out_layer_fused_kernel_matches_out_proj_and_the_kernel", "greedy:MLX_LFM_CONV_LAYER_FUSED"],
     "layers-fused-whole": ["moe_fused_kernel_matches_the_three_kernels", "conv_fused_kernel_matches_stock_ops",
                            "ffn_fused_kernel_matches_stock_ops", "qkv_fused_kernel_matches_stock_ops",
                            "conv_layer_fused_kernel_matches_the_two_kernels", "conv_moe_layer_fused_kernel_matches_the_two_kernels",
-                           "greedy:layers-fused-whole"],
+                           "out_layer_fused_kernel_matches_out_proj_and_the_kernel", "greedy:layers-fused-whole"],
     "conv-ffn-fused": ["conv_fused_kernel_matches_stock_ops", "ffn_fused_kernel_matches_stock_ops",
                        "greedy:MLX_LFM_CONV_FUSED", "greedy:MLX_LFM_FFN_FUSED", "greedy:conv-ffn-fused"],
     "moe-conv-fused": ["moe_fused_kernel_matches_the_three_kernels", "conv_fused_kernel_matches_stock_ops",

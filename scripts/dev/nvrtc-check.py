@@ -311,6 +311,33 @@ KERNELS["conv_layer_fused.rs#moe@d1536"] = (*KERNELS["conv_layer_fused.rs#moe"][
                                                         ("EPS_BITS", 925353388), ("SCALE_BITS", 1065353216),
                                                         ("IBITS", 4), ("IGS", 64), ("OBITS", 4), ("OGS", 64)],
                                             ["bfloat16", "float16"])
+# An attention layer's out_proj joined to the feed-forward or MoE after it
+# (MLX_LFM_CONV_LAYER_FUSED): "#out" the 1.2B's (dense), "#out-moe" the
+# 8B-A1B's (4-bit, blocks of 32 warps).
+KERNELS["conv_layer_fused.rs#out"] = (
+    [("yc", "T"), ("r", "T"), ("ow", "T"), ("fwn", "T"), ("fw", "T"), ("gw", "T"), ("ctr", "uint32_t")],
+    [("s", "T"), ("out", "T"), ("o1", "T"), ("yn2", "T"), ("hk", "T")],
+    lambda dt: [("D", 2048), ("C", 2048), ("F", 8192 if dt != "float32" else 4096), ("NBLK", 256 if dt != "float32" else 512),
+                ("WARPS", 16), ("EPS_BITS", 925353388)],
+)
+# A 4-bit model's attention layer with its dense feed-forward.
+KERNELS["conv_layer_fused.rs#out-q"] = (
+    [("yc", "T"), ("r", "T"), ("ow", "uint32_t"), ("oscales", "T"), ("obiases", "T"), ("fwn", "T"), ("fw", "uint32_t"),
+     ("fscales", "T"), ("fbiases", "T"), ("gw", "uint32_t"), ("gscales", "T"), ("gbiases", "T"), ("ctr", "uint32_t")],
+    [("s", "T"), ("out", "T"), ("o1", "T"), ("yn2", "T"), ("hk", "T")],
+    lambda dt: [("D", 2048), ("C", 2048), ("F", 8192), ("NBLK", 256 if dt != "float32" else 512), ("WARPS", 16),
+                ("EPS_BITS", 925353388), ("OBITS", 4), ("OGS", 64), ("FBITS", 4), ("FGS", 64), ("GBITS", 4), ("GGS", 64)],
+)
+KERNELS["conv_layer_fused.rs#out-moe"] = (
+    [("yc", "T"), ("r", "T"), ("ow", "uint32_t"), ("oscales", "T"), ("obiases", "T"), ("fwn", "T"), ("gw", "uint32_t"),
+     ("gscales", "T"), ("gbiases", "T"), ("bias", "float"), ("uw", "uint32_t"), ("uscales", "T"), ("ubiases", "T"),
+     ("dw", "uint32_t"), ("dscales", "T"), ("dbiases", "T"), ("ctr", "uint32_t")],
+    [("s", "T"), ("out", "T"), ("o1", "T"), ("yn2", "T"), ("inds", "uint32_t"), ("scores", "float"), ("hk", "T")],
+    lambda dt: [("D", 2048), ("C", 2048), ("F", 1792), ("E", 32), ("TOPK", 4), ("NORM", "true"), ("GBITS", 4),
+                ("GGS", 64), ("BITS", 4), ("GS", 64), ("NBLK", 256 if dt != "float32" else 512), ("WARPS", 32),
+                ("EPS_BITS", 925353388), ("SCALE_BITS", 1065353216), ("OBITS", 4), ("OGS", 64)],
+    ["bfloat16", "float16"],
+)
 # A lone sequence's q/k/v stage in one launch (MLX_LFM_QKV_FUSED): the 8B-A1B's
 # (4-bit) and, "@dense", the 1.2B's.
 KERNELS["qk_norm_rope.rs#qkv_fused"] = (
@@ -389,6 +416,22 @@ def body_and_header(path, which="SOURCE"):
         lead = "#define LFM_NORM_IN_WIDER_BLOCK 1\n" + named(k / "add_rms_norm.rs", "HEADER") + header_of(k / "quant_gemv.rs")
         return named(k / "stages.rs", "LAYER_SOURCE"), (lead + named(k / "moe_router.rs", "ROUTE_HEADER")
                                                        + named(k / "moe_router.rs", "GATE_HEADER") + named(k / "stages.rs", "TICKET_HEADER"))
+    if path.name == "conv_layer_fused.rs" and "OUT" in which:
+        # out_proj joined to the tail: the MoE's header (the router + norm
+        # kernel's) and the quantized products, or the dense GEMVs' and the
+        # feed-forward's rows.
+        k = path.parent
+        lead = "#define LFM_NORM_IN_WIDER_BLOCK 1\n" + named(k / "add_rms_norm.rs", "HEADER")
+        ticket = named(k / "stages.rs", "TICKET_HEADER")
+        if "MOE" in which:
+            return named(k / "stages.rs", "LAYER_SOURCE"), (lead + header_of(k / "quant_gemv.rs") + named(k / "moe_router.rs", "ROUTE_HEADER")
+                                                           + named(k / "moe_router.rs", "GATE_HEADER") + ticket
+                                                           + named(k / "stages.rs", "QUANT_PRODUCTS"))
+        if "-Q" in which:
+            return named(k / "stages.rs", "LAYER_SOURCE"), (lead + header_of(k / "quant_gemv.rs") + ticket
+                                                           + named(k / "stages.rs", "QUANT_PRODUCTS") + named(path, "QUANT_FFN_ROWS"))
+        return named(k / "stages.rs", "LAYER_SOURCE"), (lead + header_of(k / "gemv.rs") + ticket + named(k / "stages.rs", "DENSE_PRODUCTS")
+                                                       + named(path, "DENSE_FFN_ROWS"))
     if path.name == "conv_layer_fused.rs" and "MOE" in which:
         # The conv layer joined to its MoE: the router + norm kernel's
         # header, the ticket helpers, the conv's quantized products.
@@ -536,10 +579,14 @@ REPLACE_OF = {
 LAYER_CONV = "#define LFM_CONV_PART 1\n#define LFM_FFN_PART 0\n#define LFM_MOE_PART 0\n#define LFM_CONV_SUM s\n#define LFM_CONV_ROW out\n"
 LAYER_FFN = ("#define LFM_CONV_PART 0\n#define LFM_FFN_PART 1\n#define LFM_MOE_PART 0\n#define LFM_FFN_YN yn\n"
              "#define LFM_F_ROWS(K, R, rows, xs, lane, out) LFM_IN_ROWS(K, R, rows, xs, lane, out)\n#define LFM_G_ROWS(K, R, rows, xs, lane, out) LFM_OUT_ROWS(K, R, rows, xs, lane, out)\n")
-LAYER_BOTH = "#define LFM_CONV_PART 1\n#define LFM_FFN_PART 1\n#define LFM_MOE_PART 0\n#define LFM_CONV_SUM s1\n#define LFM_CONV_ROW o1\n#define LFM_FFN_YN yn2\n"
+LAYER_BOTH = "#define LFM_CONV_PART 1\n#define LFM_FFN_PART 1\n#define LFM_MOE_PART 0\n#define LFM_CONV_SUM s1\n#define LFM_CONV_ROW o1\n#define LFM_FFN_YN yn2\n#define LFM_TAIL_RESIDUAL s1\n"
 LAYER_MOE = "#define LFM_CONV_PART 0\n#define LFM_FFN_PART 0\n#define LFM_MOE_PART 1\n#define LFM_FFN_YN yn\n"
 LAYER_CONV_MOE = ("#define LFM_CONV_PART 1\n#define LFM_FFN_PART 0\n#define LFM_MOE_PART 1\n#define LFM_CONV_SUM s1\n"
-                  "#define LFM_CONV_ROW o1\n#define LFM_FFN_YN yn2\n")
+                  "#define LFM_CONV_ROW o1\n#define LFM_FFN_YN yn2\n#define LFM_TAIL_RESIDUAL s1\n")
+LAYER_OUT_FFN = ("#define LFM_CONV_PART 1\n#define LFM_OUT_ONLY 1\n#define LFM_FFN_PART 1\n#define LFM_MOE_PART 0\n"
+                 "#define LFM_CONV_ROW o1\n#define LFM_FFN_YN yn2\n#define LFM_TAIL_RESIDUAL r\n")
+LAYER_OUT_MOE = ("#define LFM_CONV_PART 1\n#define LFM_OUT_ONLY 1\n#define LFM_FFN_PART 0\n#define LFM_MOE_PART 1\n"
+                 "#define LFM_CONV_ROW o1\n#define LFM_FFN_YN yn2\n#define LFM_TAIL_RESIDUAL r\n")
 DEFINES_OF = {
     "decode_attention.rs@upto-split16": "#define LFM_ATT_DPB 16\n",
     "decode_attention.rs@upto-split8": "#define LFM_ATT_DPB 8\n",
@@ -554,6 +601,9 @@ DEFINES_OF = {
     "conv_layer_fused.rs": "#define LFM_QMLX_TILES 2\n" + LAYER_BOTH,
     "conv_layer_fused.rs@dense": "#define LFM_DENSE_PREFETCH 0\n" + LAYER_BOTH,
     "conv_layer_fused.rs#moe": "#define LFM_QMLX_TILES 2\n" + LAYER_CONV_MOE,
+    "conv_layer_fused.rs#out": "#define LFM_DENSE_PREFETCH 0\n" + LAYER_OUT_FFN,
+    "conv_layer_fused.rs#out-moe": "#define LFM_QMLX_TILES 2\n" + LAYER_OUT_MOE,
+    "conv_layer_fused.rs#out-q": "#define LFM_QMLX_TILES 2\n" + LAYER_OUT_FFN,
     "conv_layer_fused.rs#moe@d1536": "#define LFM_QMLX_TILES 2\n" + LAYER_CONV_MOE,
     "qk_norm_rope.rs#qkv_fused": "#define LFM_QMLX_TILES 2\n",
     "qk_norm_rope.rs#qkv_fused@dense": "#define LFM_DENSE_PREFETCH 0\n",

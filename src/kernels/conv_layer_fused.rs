@@ -425,6 +425,235 @@ pub fn forward_moe(l: &ConvMoeLayer, ctr: &Array) -> Result<Outputs> {
     Outputs::from(outs, "fused conv + MoE layer kernel")
 }
 
+/// An attention layer's out_proj, as the out-only kernel reads it.
+#[derive(Clone, Copy)]
+pub enum OutProj<'a> {
+    Quant(&'a Quantized),
+    Dense(&'a Array),
+}
+
+/// What follows out_proj: the dense or 4/8-bit feed-forward, or the MoE.
+#[derive(Clone, Copy)]
+pub enum Tail<'a> {
+    Ffn(Projections<'a>),
+    Moe(Moe<'a>),
+}
+
+/// An attention layer's out_proj joined to the feed-forward or MoE after
+/// it (the same switch): the attention's output row `row` (`[1, C]`, what
+/// an earlier launch wrote), the layer's residual sum `r` (`[1, D]`), and
+/// the rest as [`ConvLayer`]'s and [`ConvMoeLayer`]'s second half.
+pub struct OutLayer<'a> {
+    pub row: &'a Array,
+    pub r: &'a Array,
+    pub out_proj: OutProj<'a>,
+    pub ffn_norm: &'a Array,
+    pub tail: Tail<'a>,
+    pub eps: f32,
+    pub eps_array: &'a Array,
+}
+
+fn out_kernel(quant: bool, moe: bool) -> Option<&'static CudaKernel> {
+    static K: [[Cells; 2]; 2] = [[stages::cells(), stages::cells()], [stages::cells(), stages::cells()]];
+    let mut inputs = vec!["yc", "r"];
+    inputs.extend(if quant { &["ow", "oscales", "obiases"][..] } else { &["ow"][..] });
+    inputs.push("fwn");
+    let (ffn, tail): (&[&str], _) = match (moe, quant) {
+        (true, _) => (&["gw", "gscales", "gbiases", "bias", "uw", "uscales", "ubiases", "dw", "dscales", "dbiases"], stages::Tail::Moe),
+        (false, true) => (&["fw", "fscales", "fbiases", "gw", "gscales", "gbiases"], stages::Tail::Ffn),
+        (false, false) => (&["fw", "gw"], stages::Tail::Ffn),
+    };
+    inputs.extend(ffn);
+    inputs.push("ctr");
+    let mut outputs = vec!["s", "out", "o1", "yn2"];
+    outputs.extend(if moe { &["inds", "scores", "hk"][..] } else { &["hk"][..] });
+    let name = match (moe, quant) {
+        (true, true) => "lfm_out_moe_fused",
+        (true, false) => "lfm_out_moe_fused_dense",
+        (false, true) => "lfm_out_ffn_fused",
+        (false, false) => "lfm_out_ffn_fused_dense",
+    };
+    let walk = if quant { "#define LFM_QMLX_TILES 2\n" } else { "#define LFM_DENSE_PREFETCH 0\n" };
+    stages::kernel(&K[usize::from(moe)][usize::from(quant)], name, &inputs, &outputs, stages::LAYER_SOURCE, || {
+        let lead = if moe {
+            super::moe_router::gate_norm_header()
+        } else {
+            let products = if quant { super::quant_gemv::header() } else { super::gemv::header() };
+            format!("#define LFM_NORM_IN_WIDER_BLOCK 1\n{}{products}", super::add_rms_norm::device_code())
+        };
+        let rows = match (moe, quant) {
+            (true, _) => "",
+            (false, true) => QUANT_FFN_ROWS,
+            (false, false) => DENSE_FFN_ROWS,
+        };
+        format!("{walk}{}{lead}{TICKET_HEADER}{}{rows}", stages::out_defines(tail), Projections::products(quant))
+    })
+}
+
+/// The blocks of one launch: out_proj's, then the feed-forward's or the
+/// MoE's (as [`blocks`] and [`moe_blocks`] count them, less the conv's).
+fn out_blocks(d: i32, tail_f: i32, k: Option<i32>) -> i64 {
+    match k {
+        Some(k) => moe_blocks(d, 0, tail_f, k) - 1,
+        None => blocks(d, 0, tail_f) - 1,
+    }
+}
+
+/// Whether [`forward_out`] serves `l` with rows `d` wide in `dt`: on, on
+/// CUDA, eps compiled in, out_proj `[D, C]` without a bias as the products
+/// serve it, the tail as [`available`] / [`available_moe`] serve theirs
+/// (the MoE within the same register bounds), the staged rows within
+/// shared memory. Asked before the attention runs (its row's width `c`).
+pub fn available_out(d: i32, dt: crate::mlx::Dtype, c: i32, out_proj: OutProj, ffn_norm: &Array, tail: Tail, eps_array: &Array) -> bool {
+    if !enabled_here() || !super::add_rms_norm::eps_const() || c <= 0 || d <= 0 {
+        return false;
+    }
+    let bytes = |len: i32| len as usize * dt.size();
+    let quant = matches!(out_proj, OutProj::Quant(_));
+    // (out_proj as the second of a pair: the first stands in, unread.)
+    let served_out = match out_proj {
+        OutProj::Quant(q) => Projections::Quant(q, q).served_second(dt, d, c),
+        OutProj::Dense(w) => Projections::Dense(w, w).served_second(dt, d, c),
+    };
+    let like = crate::mlx::zeros(&[1, d], dt);
+    let Ok(like) = like else { return false };
+    let tail_ok = match tail {
+        Tail::Ffn(p) => {
+            let f = p.first_rows() / 2;
+            p.quant() == quant
+                && p.first_rows() % 2 == 0
+                && f > 0
+                && f <= MAX_WIDTH
+                && p.served(dt, 2 * f, d, f)
+                && bytes(f) % 16 == 0
+                && bytes(f) <= stages::MAX_STAGED
+                && super::add_rms_norm::block_for(d, 16 / dt.size() as i32) <= WARPS * 32
+        }
+        Tail::Moe(m) => {
+            let four_bit = |q: &Quantized| q.spec.bits == 4;
+            let n = super::norm_gemv::NormIn { h: &like, r: &like, wn: ffn_norm, eps: eps_array, eps_value: None };
+            quant
+                && matches!(out_proj, OutProj::Quant(q) if four_bit(q))
+                && matches!(d, 1024 | 2048)
+                && matches!(dt, crate::mlx::Dtype::Bfloat16 | crate::mlx::Dtype::Float16)
+                && four_bit(m.gate)
+                && four_bit(m.gate_up)
+                && four_bit(m.down)
+                && super::moe_fused::served(&n, m.gate, m.gate_up, m.down, m.k)
+        }
+    };
+    served_out
+        && tail_ok
+        && super::add_rms_norm::available(&like, &like, ffn_norm)
+        && d <= MAX_WIDTH
+        && c <= MAX_WIDTH
+        && bytes(d) % 16 == 0
+        && bytes(c) % 16 == 0
+        && (3 * bytes(d)).max(bytes(c)) <= stages::MAX_STAGED
+        && out_kernel(quant, matches!(tail, Tail::Moe(_))).is_some()
+}
+
+/// The layer's second half in one launch (callers check [`available_out`]
+/// with `l`'s shapes); `ctr` the layer's own ([`COUNTER_WORDS`] words).
+/// Outputs as [`forward`]'s, `s1` the residual sum it was given and `next`
+/// its out_proj row (no conv state).
+pub fn forward_out(l: &OutLayer, ctr: &Array) -> Result<Outputs> {
+    use super::moe_fused::{ROUTE_SLOTS, WARPS as MOE_WARPS};
+    let quant = matches!(l.out_proj, OutProj::Quant(_));
+    let moe = matches!(l.tail, Tail::Moe(_));
+    let what = "the fused out_proj + feed-forward kernel";
+    let kern = out_kernel(quant, moe).ok_or_else(|| Error::mlx(format!("{what} is not available")))?;
+    stages::check_counters_of(ctr, COUNTER_WORDS, what)?;
+    if l.row.ndim() != 2 || l.r.ndim() != 2 {
+        return Err(Error::invalid(format!("{what}: rows must be [1, width]")));
+    }
+    let (d, dt, c) = (l.r.dim(1), l.r.dtype(), l.row.dim(1));
+    let mut template = vec![
+        ("T", TemplateArg::Dtype(dt)),
+        ("D", TemplateArg::Int(d)),
+        ("C", TemplateArg::Int(c)),
+        ("NBLK", TemplateArg::Int(super::add_rms_norm::block_for(d, 16 / dt.size() as i32))),
+        ("EPS_BITS", TemplateArg::Int(l.eps.to_bits() as i32)),
+    ];
+    let mut inputs = vec![l.row, l.r];
+    match l.out_proj {
+        OutProj::Quant(q) => {
+            let b = q.biases.as_ref().ok_or_else(|| Error::invalid(format!("{what} needs affine biases (out_proj)")))?;
+            inputs.extend([&q.weight, &q.scales, b]);
+            template.extend([("OBITS", TemplateArg::Int(q.spec.bits)), ("OGS", TemplateArg::Int(q.spec.group_size))]);
+        }
+        OutProj::Dense(w) => inputs.push(w),
+    }
+    inputs.push(l.ffn_norm);
+    let (warps, nb, mut shapes) = match l.tail {
+        Tail::Ffn(p) => {
+            let f = p.first_rows() / 2;
+            let (ffn, spec) = p.inputs()?;
+            inputs.extend(ffn);
+            template.extend(spec.into_iter().map(|(name, v)| {
+                let renamed = match name {
+                    "IBITS" => "FBITS",
+                    "IGS" => "FGS",
+                    "OBITS" => "GBITS",
+                    "OGS" => "GGS",
+                    other => other,
+                };
+                (renamed, v)
+            }));
+            template.push(("F", TemplateArg::Int(f)));
+            (WARPS, out_blocks(d, f, None), vec![(vec![f], None)])
+        }
+        Tail::Moe(m) => {
+            if !(1..=ROUTE_SLOTS as usize).contains(&m.k) {
+                return Err(Error::invalid(format!("{what}: {} experts a row (1 to {ROUTE_SLOTS} are served)", m.k)));
+            }
+            let missing = |part: &str| Error::invalid(format!("{what} needs affine biases ({part})"));
+            let gb = m.gate.biases.as_ref().ok_or_else(|| missing("the router gate"))?;
+            let ub = m.gate_up.biases.as_ref().ok_or_else(|| missing("the experts' gate/up"))?;
+            let db = m.down.biases.as_ref().ok_or_else(|| missing("the experts' down"))?;
+            let (e, f, k) = (m.gate.weight.dim(0), m.gate_up.weight.dim(1) / 2, m.k as i32);
+            inputs.extend([&m.gate.weight, &m.gate.scales, gb, m.bias, &m.gate_up.weight, &m.gate_up.scales, ub, &m.down.weight, &m.down.scales, db]);
+            template.extend([
+                ("F", TemplateArg::Int(f)),
+                ("E", TemplateArg::Int(e)),
+                ("TOPK", TemplateArg::Int(k)),
+                ("NORM", TemplateArg::Bool(m.norm)),
+                ("GBITS", TemplateArg::Int(m.gate.spec.bits)),
+                ("GGS", TemplateArg::Int(m.gate.spec.group_size)),
+                ("BITS", TemplateArg::Int(m.gate_up.spec.bits)),
+                ("GS", TemplateArg::Int(m.gate_up.spec.group_size)),
+                ("SCALE_BITS", TemplateArg::Int(m.scale.to_bits() as i32)),
+            ]);
+            let shapes = vec![
+                (vec![ROUTE_SLOTS], Some(crate::mlx::Dtype::Uint32)),
+                (vec![ROUTE_SLOTS], Some(crate::mlx::Dtype::Float32)),
+                (vec![k, f], None),
+            ];
+            (MOE_WARPS, out_blocks(d, f, Some(k)), shapes)
+        }
+    };
+    template.push(("WARPS", TemplateArg::Int(warps)));
+    inputs.push(ctr);
+    let threads = warps * 32;
+    let grid = i32::try_from(nb * threads as i64).map_err(|_| Error::invalid(format!("{what}: {nb} blocks")))?;
+    let row = || (vec![1, d], None);
+    let mut all = vec![row(), row(), (vec![d], None), (vec![d], None)];
+    all.append(&mut shapes);
+    let mut outs = call(kern, &inputs, &all, dt, grid, threads, &template)?;
+    outs.truncate(3);
+    BUILT.bump();
+    let missing = || Error::mlx(format!("{what}: missing output"));
+    let o1 = outs.pop().ok_or_else(missing)?;
+    let out = outs.pop().ok_or_else(missing)?;
+    let s2 = outs.pop().ok_or_else(missing)?;
+    Ok(Outputs { s1: l.r.clone(), s2, out, next: o1 })
+}
+
+#[cfg(test)]
+pub(crate) fn launch_blocks_out(d: i32, f: i32, k: Option<i32>) -> i64 {
+    out_blocks(d, f, k)
+}
+
 #[cfg(test)]
 pub(crate) fn launch_blocks_moe(d: i32, c: i32, f: i32, k: i32) -> i64 {
     moe_blocks(d, c, f, k)

@@ -114,7 +114,16 @@ __device__ inline void lfm_norm_stage(const T* h, const T* r, const T* wn, float
 /// channel blocks done and (joined) its out_proj blocks done; then the
 /// feed-forward's norm mark and gate blocks done.
 pub(crate) const LAYER_SOURCE: &str = r#"
-#if LFM_CONV_PART
+#ifndef LFM_OUT_ONLY
+#define LFM_OUT_ONLY 0
+#endif
+#if LFM_CONV_PART && LFM_OUT_ONLY
+  // Only the conv part's out_proj stage, over a row an earlier launch
+  // wrote (an attention layer's output: its out_proj joined to the
+  // feed-forward or MoE after it).
+  constexpr int IB = 0;
+  constexpr int CR = C * sizeof(T) / 16;
+#elif LFM_CONV_PART
   constexpr int IB = (C + WARPS - 1) / WARPS;
   constexpr int CR = C * sizeof(T) / 16;
 #else
@@ -143,7 +152,7 @@ pub(crate) const LAYER_SOURCE: &str = r#"
   constexpr int HR = 0;
   constexpr int TAIL_NB = 0;
 #endif
-  constexpr int CONV_NB = LFM_CONV_PART ? 1 + IB + OB : 0;
+  constexpr int CONV_NB = LFM_CONV_PART ? (LFM_OUT_ONLY ? OB : 1 + IB + OB) : 0;
   constexpr int NB = CONV_NB + TAIL_NB;
   constexpr int XR = D * sizeof(T) / 16;
   constexpr int SA = XR > CR ? XR : CR;
@@ -157,7 +166,7 @@ pub(crate) const LAYER_SOURCE: &str = r#"
   unsigned long long launch;
   const int role = lfm_take_part<NB>(st, launch);
   const float poison = __int_as_float(0x7fc00000);
-#if LFM_CONV_PART
+#if LFM_CONV_PART && !LFM_OUT_ONLY
   if (role == 0) {
     lfm_norm_stage<T, D, NBLK>(h, r, wn, __int_as_float(EPS_BITS), LFM_CONV_SUM, reinterpret_cast<T*>(sm), yn);
     lfm_release_mark(st + 1, launch + 1);
@@ -193,10 +202,18 @@ pub(crate) const LAYER_SOURCE: &str = r#"
     lfm_release_count(st + 2);
     return;
   }
+#endif
+#if LFM_CONV_PART
   if (role < CONV_NB) {
-    // out_proj's output n, once every channel of the launch is done.
+    // out_proj's output n, once every channel of the launch is done (its
+    // row from an earlier launch: at once).
+#if LFM_OUT_ONLY
+    const int n = role * WARPS + wid;
+    const bool late = false;
+#else
     const int n = (role - 1 - IB) * WARPS + wid;
     const bool late = lfm_block_wait(st + 2, (launch + 1) * IB, nullptr, 0);
+#endif
     if (!late) lfm_stage16(sm, yc, CR);
     __syncthreads();
     if (n < D) {
@@ -224,14 +241,15 @@ pub(crate) const LAYER_SOURCE: &str = r#"
 #endif
 #if LFM_CONV_PART
     // Once every out_proj block of the launch is done: its row and the
-    // conv's sum, staged at L2 (other blocks wrote them in this launch).
+    // residual sum (the conv's, or the attention layer's input), staged at
+    // L2 (other blocks wrote them in this launch).
     const bool late = lfm_block_wait(st + 3, (launch + 1) * OB, nullptr, 0);
     T* hs = reinterpret_cast<T*>(sm);
     T* rs = hs + D;
     T* ys = rs + D;
     if (!late) {
       lfm_stage16(sm, o1, XR);
-      lfm_stage16(sm + XR, s1, XR);
+      lfm_stage16(sm + XR, LFM_TAIL_RESIDUAL, XR);
     }
     __syncthreads();
     if (late) {
@@ -376,12 +394,30 @@ pub(crate) fn layer_defines(conv: bool, tail: Tail) -> &'static str {
             "#define LFM_G_ROWS(K, R, rows, xs, lane, out) LFM_OUT_ROWS(K, R, rows, xs, lane, out)\n"
         ),
         (false, Tail::Moe) => "#define LFM_CONV_PART 0\n#define LFM_FFN_PART 0\n#define LFM_MOE_PART 1\n#define LFM_FFN_YN yn\n",
-        (true, Tail::Ffn) => {
-            "#define LFM_CONV_PART 1\n#define LFM_FFN_PART 1\n#define LFM_MOE_PART 0\n#define LFM_CONV_SUM s1\n#define LFM_CONV_ROW o1\n#define LFM_FFN_YN yn2\n"
-        }
-        (true, Tail::Moe) => {
-            "#define LFM_CONV_PART 1\n#define LFM_FFN_PART 0\n#define LFM_MOE_PART 1\n#define LFM_CONV_SUM s1\n#define LFM_CONV_ROW o1\n#define LFM_FFN_YN yn2\n"
-        }
+        (true, Tail::Ffn) => concat!(
+            "#define LFM_CONV_PART 1\n#define LFM_FFN_PART 1\n#define LFM_MOE_PART 0\n#define LFM_CONV_SUM s1\n",
+            "#define LFM_CONV_ROW o1\n#define LFM_FFN_YN yn2\n#define LFM_TAIL_RESIDUAL s1\n"
+        ),
+        (true, Tail::Moe) => concat!(
+            "#define LFM_CONV_PART 1\n#define LFM_FFN_PART 0\n#define LFM_MOE_PART 1\n#define LFM_CONV_SUM s1\n",
+            "#define LFM_CONV_ROW o1\n#define LFM_FFN_YN yn2\n#define LFM_TAIL_RESIDUAL s1\n"
+        ),
+    }
+}
+
+/// The defines that make [`LAYER_SOURCE`] an attention layer's out_proj
+/// joined to the feed-forward or MoE after it: the conv part's out_proj
+/// stage alone, over the input row `yc`, the residual sum the input `r`.
+pub(crate) fn out_defines(tail: Tail) -> &'static str {
+    match tail {
+        Tail::Moe => concat!(
+            "#define LFM_CONV_PART 1\n#define LFM_OUT_ONLY 1\n#define LFM_FFN_PART 0\n#define LFM_MOE_PART 1\n",
+            "#define LFM_CONV_ROW o1\n#define LFM_FFN_YN yn2\n#define LFM_TAIL_RESIDUAL r\n"
+        ),
+        _ => concat!(
+            "#define LFM_CONV_PART 1\n#define LFM_OUT_ONLY 1\n#define LFM_FFN_PART 1\n#define LFM_MOE_PART 0\n",
+            "#define LFM_CONV_ROW o1\n#define LFM_FFN_YN yn2\n#define LFM_TAIL_RESIDUAL r\n"
+        ),
     }
 }
 
@@ -449,6 +485,18 @@ __device__ inline void lfm_stage_drows(const T* xs, const T* w, const size_t* ro
 /// Template constants a kernel's projections add (their specifications).
 pub(crate) type Specs = Vec<(&'static str, TemplateArg)>;
 
+/// Whether `q` is an `[n, k]` projection (in logical columns) the MLX walk
+/// of [`QUANT_PRODUCTS`] serves for activations of dtype `dt`, its scales
+/// and biases in step.
+fn quant_fits(q: &Quantized, dt: Dtype, n: i32, k: i32) -> bool {
+    super::quant_gemv::spec_served(q, dt, k)
+        && q.weight.ndim() == 2
+        && q.weight.dim(0) == n
+        && q.weight.dim(1) as i64 * 32 == k as i64 * q.spec.bits as i64
+        && q.scales.shape() == [n, k / q.spec.group_size]
+        && q.biases.as_ref().is_some_and(|b| b.shape() == q.scales.shape())
+}
+
 /// A one-launch layer's two projections: the first reads the normed row
 /// (the conv's in_proj, the feed-forward's stacked w1/w3), the second the
 /// layer's inner row (out_proj, w2). No biases (callers check).
@@ -460,7 +508,7 @@ pub enum Projections<'a> {
     Dense(&'a Array, &'a Array),
 }
 
-impl Projections<'_> {
+impl<'a> Projections<'a> {
     pub(crate) fn quant(&self) -> bool {
         matches!(self, Projections::Quant(..))
     }
@@ -480,27 +528,26 @@ impl Projections<'_> {
     /// step; dense, in `dt`, the widths multiples of 8 (16-byte loads).
     pub(crate) fn served(&self, dt: Dtype, rows: i32, d: i32, width: i32) -> bool {
         match *self {
-            Projections::Quant(i, o) => {
-                let fits = |q: &Quantized, n: i32, k: i32| {
-                    super::quant_gemv::spec_served(q, dt, k)
-                        && q.weight.ndim() == 2
-                        && q.weight.dim(0) == n
-                        && q.weight.dim(1) as i64 * 32 == k as i64 * q.spec.bits as i64
-                        && q.scales.shape() == [n, k / q.spec.group_size]
-                        && q.biases.as_ref().is_some_and(|b| b.shape() == q.scales.shape())
-                };
-                fits(i, rows, d) && fits(o, d, width)
-            }
+            Projections::Quant(i, o) => quant_fits(i, dt, rows, d) && quant_fits(o, dt, d, width),
             Projections::Dense(i, o) => {
                 i.dtype() == dt && o.dtype() == dt && i.shape() == [rows, d] && o.shape() == [d, width] && d % 8 == 0 && width % 8 == 0
             }
         }
     }
 
+    /// Whether the second is `[d, width]` as [`Self::served`] serves it
+    /// (the first not asked).
+    pub(crate) fn served_second(&self, dt: Dtype, d: i32, width: i32) -> bool {
+        match *self {
+            Projections::Quant(_, o) => quant_fits(o, dt, d, width),
+            Projections::Dense(_, o) => o.dtype() == dt && o.shape() == [d, width] && d % 8 == 0 && width % 8 == 0,
+        }
+    }
+
     /// The kernel's inputs for the two projections, named as
     /// [`Self::input_names`] names them, and (quantized) their
     /// specifications as template constants.
-    pub(crate) fn inputs(&self) -> Result<(Vec<&Array>, Specs)> {
+    pub(crate) fn inputs(&self) -> Result<(Vec<&'a Array>, Specs)> {
         match *self {
             Projections::Quant(i, o) => {
                 let missing = |what: &str| Error::invalid(format!("a one-launch layer's {what} projection needs affine biases"));

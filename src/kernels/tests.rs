@@ -2174,7 +2174,7 @@ fn conv_layer_fused_kernel_matches_the_two_kernels() {
                 })
             };
             let got = run(&counters);
-            same_as_the_two_kernels(&what, dt, &got, &want);
+            same_as_the_two_kernels(&what, dt, &got, &want, "the state");
             check_counters_in_step(&what, &counters, &[true, true, false, true, false], &got, run);
         });
     }
@@ -2208,7 +2208,7 @@ fn conv_layer_fused_kernel_matches_the_two_kernels() {
 /// dtype (the same text a stage, but NVVM may contract a product's chunk
 /// the other way in another kernel: `moe_experts_kernels_match_stock_ops`),
 /// how many differ printed (none, where the stages compile alike).
-fn same_as_the_two_kernels(what: &str, dt: Dtype, got: &[crate::mlx::Array], want: &[crate::mlx::Array]) {
+fn same_as_the_two_kernels(what: &str, dt: Dtype, got: &[crate::mlx::Array], want: &[crate::mlx::Array], last: &str) {
     let tol = match dt {
         Dtype::Float32 => 1e-5,
         Dtype::Float16 => 2.0f32.powi(-10),
@@ -2216,7 +2216,7 @@ fn same_as_the_two_kernels(what: &str, dt: Dtype, got: &[crate::mlx::Array], wan
     };
     assert_eq!(differing(&got[0], &want[0]), 0, "{what}: the conv's residual sum differs");
     let mut counts = Vec::new();
-    for ((name, g), w) in ["the second sum", "the output", "the state"].iter().zip(&got[1..]).zip(&want[1..]) {
+    for ((name, g), w) in ["the second sum", "the output", last].iter().zip(&got[1..]).zip(&want[1..]) {
         let v: Vec<f32> = g.astype(Dtype::Float32).unwrap().to_vec().unwrap();
         assert!(v.iter().all(|v| v.is_finite()), "{what}: {} values of {name} are not finite", v.iter().filter(|v| !v.is_finite()).count());
         let gap = worst_scaled(g, w);
@@ -2297,7 +2297,7 @@ fn conv_moe_layer_fused_kernel_matches_the_two_kernels() {
                 })
             };
             let got = run(&counters);
-            same_as_the_two_kernels(&what, dt, &got, &want);
+            same_as_the_two_kernels(&what, dt, &got, &want, "the state");
             check_counters_in_step(&what, &counters, &[true, true, false, true, false], &got, run);
         });
     }
@@ -2317,6 +2317,101 @@ fn conv_moe_layer_fused_kernel_matches_the_two_kernels() {
         let l = ConvMoeLayer { x: &x, conv: Projections::Quant(&wi, &wo), state: &state, cw: &cw, ffn_norm: &wn, moe };
         let served = crate::knobs::with_overrides(&consts, || with_opt_in_one("MLX_LFM_CONV_LAYER_FUSED", || available_moe(&l, false)));
         assert!(!served, "{d} wide, {bits}-bit experts: served");
+    }
+}
+
+/// An attention layer's out_proj joined to the feed-forward or MoE after it
+/// (`MLX_LFM_CONV_LAYER_FUSED`, `forward_out`) against MLX's product of
+/// out_proj and then the feed-forward's or the MoE's one-launch kernel:
+/// out_proj's row and both results within two roundings (MLX's own walks),
+/// dense, 4-bit and with a MoE; then its counters over repeated launches,
+/// two layers' and the given-up path (out_proj's stage never waits: the
+/// sum and output NaN).
+#[test]
+fn out_layer_fused_kernel_matches_out_proj_and_the_kernel() {
+    use crate::kernels::conv_layer_fused::{available_out, forward_out, launch_blocks_out, Moe, OutLayer, OutProj, Tail, COUNTER_WORDS};
+    use crate::kernels::stages::{new_counters, new_counters_of, Projections};
+    // out_proj's blocks (16 or 32 warps), the norm's, the tail's.
+    assert_eq!(launch_blocks_out(2048, 8192, None), 128 + 1 + 512 + 128);
+    assert_eq!(launch_blocks_out(2048, 1792, Some(4)), 64 + 1 + 4 * 56 + 256);
+    if skip("out_layer_fused_kernel_matches_out_proj_and_the_kernel") {
+        return;
+    }
+    use crate::kernels::norm_gemv::NormIn;
+    use crate::kernels::{ffn_fused, moe_fused, with_opt_in_one};
+    use crate::mlx::random::normal;
+    use crate::mlx::{quantized_matmul, Array};
+    use crate::model::linear::Normed;
+    let eps_value = 1e-5f32;
+    let eps = Array::from_slice(&[eps_value], &[1]).unwrap();
+    let consts = [("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string()))];
+    // (dtype, D, heads' width, tail: 0 dense feed-forward, 4 its 4-bit
+    // form, 1 the 8B-A1B's MoE)
+    let cases = [
+        (Dtype::Bfloat16, 2048, 2048, 0),
+        (Dtype::Bfloat16, 1024, 1024, 0),
+        (Dtype::Float32, 1024, 1024, 0),
+        (Dtype::Bfloat16, 2048, 2048, 4),
+        (Dtype::Bfloat16, 2048, 2048, 1),
+        (Dtype::Float16, 2048, 2048, 1),
+    ];
+    for (dt, d, c, kind) in cases {
+        let what = format!("{dt:?} {d} wide, heads {c}, tail {}", ["dense", "MoE", "", "", "4-bit"][kind]);
+        let w = |rows: i32, cols: i32| normal(&[rows, cols], Dtype::Float32, 0.0, 0.04, None).unwrap().astype(dt).unwrap();
+        let q = |shape: &[i32]| quantized(&normal(shape, Dtype::Float32, 0.0, 0.04, None).unwrap(), dt, 4, 64);
+        let f = if kind == 1 { 1792 } else if d == 2048 { 8192 } else { 4096 };
+        let wo = w(d, c);
+        let qo = q(&[d, c]);
+        let (w13, w2) = (w(2 * f, d), w(d, f));
+        let (q13, q2) = (q(&[2 * f, d]), q(&[d, f]));
+        let (g, gu, dn) = (q(&[32, d]), q(&[32, 2 * f, d]), q(&[32, d, f]));
+        let bias = normal(&[32], Dtype::Float32, 0.0, 0.05, None).unwrap();
+        let (out_proj, tail) = match kind {
+            0 => (OutProj::Dense(&wo), Tail::Ffn(Projections::Dense(&w13, &w2))),
+            4 => (OutProj::Quant(&qo), Tail::Ffn(Projections::Quant(&q13, &q2))),
+            _ => (OutProj::Quant(&qo), Tail::Moe(Moe { gate: &g, bias: &bias, gate_up: &gu, down: &dn, k: 4, norm: true, scale: 2.5 })),
+        };
+        let row = normal(&[1, c], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
+        let r = normal(&[1, d], Dtype::Float32, 0.0, 4.0, None).unwrap().astype(dt).unwrap();
+        let fwn = normal(&[d], Dtype::Float32, 1.0, 0.2, None).unwrap().astype(dt).unwrap();
+        crate::knobs::with_overrides(&consts, || {
+            let o1 = match out_proj {
+                OutProj::Dense(w) => row.matmul(&w.transpose(&[1, 0]).unwrap()).unwrap(),
+                OutProj::Quant(q) => quantized_matmul(&row, &q.weight, &q.scales, q.biases.as_ref(), true, q.spec).unwrap(),
+            };
+            let (s2, out) = match tail {
+                Tail::Ffn(p) => {
+                    let x2 = Normed { h: &o1, r: Some(&r), w: &fwn, eps: eps_value, eps_array: &eps };
+                    with_opt_in_one("MLX_LFM_FFN_FUSED", || {
+                        assert!(ffn_fused::available(&x2, p), "{what}: the feed-forward kernel does not serve it");
+                        ffn_fused::forward(&x2, p, &new_counters().unwrap()).unwrap()
+                    })
+                }
+                Tail::Moe(m) => {
+                    let n = NormIn { h: &o1, r: &r, wn: &fwn, eps: &eps, eps_value: Some(eps_value) };
+                    with_opt_in_one("MLX_LFM_MOE_FUSED", || {
+                        assert!(moe_fused::available(&n, m.gate, m.gate_up, m.down, m.k), "{what}: the MoE kernel does not serve it");
+                        moe_fused::forward(&n, m.gate, m.bias, m.gate_up, m.down, &new_counters().unwrap(), m.k, m.norm, eps_value, m.scale).unwrap()
+                    })
+                }
+            };
+            let want = [r.clone(), s2, out, o1];
+            let l = OutLayer { row: &row, r: &r, out_proj, ffn_norm: &fwn, tail, eps: eps_value, eps_array: &eps };
+            let counters = new_counters_of(COUNTER_WORDS).unwrap();
+            let run = |ctr: &Array| {
+                with_opt_in_one("MLX_LFM_CONV_LAYER_FUSED", || {
+                    assert!(available_out(d, dt, c, out_proj, &fwn, tail, &eps), "{what}: not served");
+                    let o = forward_out(&l, ctr).unwrap();
+                    let got = vec![o.s1, o.s2, o.out, o.next];
+                    crate::mlx::eval(&got.iter().collect::<Vec<_>>()).unwrap();
+                    got
+                })
+            };
+            let got = run(&counters);
+            // (The sum given, then the second sum, the output and out_proj's row.)
+            same_as_the_two_kernels(&what, dt, &got, &want, "out_proj's row");
+            check_counters_in_step(&what, &counters, &[true, true, false, true, false], &got[..3], |c| run(c)[..3].to_vec());
+        });
     }
 }
 

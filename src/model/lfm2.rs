@@ -202,6 +202,30 @@ impl Attention {
         let o = cache.attend(layer, &q, &k, &v, self.scale)?;
         Ok((s, self.output(&o)?))
     }
+
+    /// A decode step's rows (`x.h` `[B, D]`) up to out_proj: `(the residual
+    /// sum, the heads' output [B, heads * head_dim])`, for a launch that
+    /// joins out_proj to what follows.
+    fn attend_rows_raw(&self, x: &Normed, layer: usize, cache: &mut dyn ForwardCache) -> Result<(Array, Array)> {
+        let (s, (q, k, v)) = match self.project_stacked(x, cache.offset())? {
+            Some(done) => done,
+            None => {
+                let (s, qkv) = self.qkv.forward_normed(x)?;
+                (s, self.project(qkv, cache.offset())?)
+            }
+        };
+        Ok((s, cache.attend_rows(layer, &q, &k, &v, self.scale)?))
+    }
+
+    /// out_proj as the joined launch reads it (no bias); None otherwise.
+    fn stage_out_proj(&self) -> Option<crate::kernels::conv_layer_fused::OutProj<'_>> {
+        use crate::kernels::conv_layer_fused::OutProj;
+        match (&self.out_proj.weight, &self.out_proj.bias) {
+            (Weight::Quant(q), None) => Some(OutProj::Quant(q)),
+            (Weight::Dense(w), None) => Some(OutProj::Dense(w)),
+            _ => None,
+        }
+    }
 }
 
 /// The double-gated short convolution ("LIV" operator).
@@ -560,6 +584,40 @@ pub struct Layer {
 }
 
 impl Layer {
+    /// The feed-forward or MoE as the joined launches read it; None where
+    /// they do not (or under tensor parallelism: a rank's row is reduced
+    /// before the norm).
+    fn stage_tail(&self) -> Option<crate::kernels::conv_layer_fused::Tail<'_>> {
+        use crate::kernels::conv_layer_fused::Tail;
+        match &self.feed_forward {
+            FeedForward::Dense(m) if m.shard.is_none() => m.stage_projections().map(Tail::Ffn),
+            FeedForward::Moe(m) => m.stage_moe().map(Tail::Moe),
+            FeedForward::Dense(_) => None,
+        }
+    }
+
+    /// An attention layer's out_proj joined to the feed-forward or MoE after
+    /// it (decode on CUDA, `MLX_LFM_CONV_LAYER_FUSED=1`), on the pending norm
+    /// `x`: the attention as usual up to its heads' output, then one launch
+    /// (`kernels::conv_layer_fused::forward_out`); None where that launch
+    /// does not serve the layer (asked before anything is built).
+    fn attention_with_ffn(&self, x: &Normed, index: usize, cache: &mut dyn ForwardCache) -> Result<Option<(Array, Array)>> {
+        use crate::kernels::conv_layer_fused as fused;
+        let Operator::Attention(a) = &self.operator else { return Ok(None) };
+        if !fused::enabled_here() || a.shard.is_some() || x.h.ndim() != 2 || x.h.dim(0) != 1 {
+            return Ok(None);
+        }
+        let (Some(out_proj), Some(tail)) = (a.stage_out_proj(), self.stage_tail()) else { return Ok(None) };
+        let (d, dt, c) = (x.h.dim(1), x.h.dtype(), a.n_heads * a.head_dim);
+        if !fused::available_out(d, dt, c, out_proj, &self.ffn_norm, tail, x.eps_array) {
+            return Ok(None);
+        }
+        let (s, o) = a.attend_rows_raw(x, index, cache)?;
+        let l = fused::OutLayer { row: &o, r: &s, out_proj, ffn_norm: &self.ffn_norm, tail, eps: x.eps, eps_array: x.eps_array };
+        let done = fused::forward_out(&l, &self.fused_counters)?;
+        Ok(Some((done.s2, done.out)))
+    }
+
     /// A conv layer and its dense feed-forward or MoE in one launch (decode
     /// on CUDA, `MLX_LFM_CONV_LAYER_FUSED=1`), on the pending norm `x`:
     /// `(the residual sum after the feed-forward's norm, its output)`, the
@@ -576,16 +634,8 @@ impl Layer {
         let Some(conv) = c.stage_projections(x) else { return Ok(None) };
         // The feed-forward as the kernel reads it, then the state (asked
         // of the cache only where the layer may be served).
-        enum Tail<'a> {
-            Ffn(crate::kernels::stages::Projections<'a>),
-            Moe(fused::Moe<'a>),
-        }
-        let tail = match &self.feed_forward {
-            FeedForward::Dense(m) if m.shard.is_none() => m.stage_projections().map(Tail::Ffn),
-            FeedForward::Moe(m) => m.stage_moe().map(Tail::Moe),
-            FeedForward::Dense(_) => None,
-        };
-        let Some(tail) = tail else { return Ok(None) };
+        use fused::Tail;
+        let Some(tail) = self.stage_tail() else { return Ok(None) };
         let prev = c.prev_state(x.h, index, cache)?;
         let (cw, ffn_norm, bias) = (&c.conv_weight_dl, &self.ffn_norm, c.has_bias());
         let done = match tail {
@@ -786,7 +836,11 @@ impl Lfm2Model {
         // layers while the host builds the rest (never a traced pass).
         for (i, layer) in self.layers.iter().enumerate() {
             let x = Normed { h: &h, r: pending.as_ref(), w: &layer.operator_norm, eps, eps_array };
-            let (h2, f) = match layer.conv_with_ffn(&x, i, cache)? {
+            let joined = match layer.conv_with_ffn(&x, i, cache)? {
+                Some(done) => Some(done),
+                None => layer.attention_with_ffn(&x, i, cache)?,
+            };
+            let (h2, f) = match joined {
                 Some(done) => done,
                 None => {
                     let (h1, r) = layer.operator(&x, i, cache)?;
