@@ -5,7 +5,10 @@
 //! src/kernels/moe_fused.rs runs it, where those are two launches (and the
 //! stock path six to eight): the 1.2B's and the 350M's ten conv layers
 //! after their first, the 8B-A1B's seventeen (one with a dense
-//! feed-forward, sixteen with a MoE).
+//! feed-forward, sixteen with a MoE). Under the same switch an attention
+//! layer's out_proj joins the feed-forward or MoE after it
+//! ([`forward_out`]: the conv part's out_proj stage alone, over the heads'
+//! row an earlier launch wrote): the six attention layers of each model.
 //!
 //! Six stages on the ticket scheme of src/kernels/moe_fused.rs (read its
 //! note: a block's ticket gives its part and its launch, a block waits
