@@ -502,15 +502,17 @@ fn out_blocks(d: i32, tail_f: i32, k: Option<i32>) -> i64 {
     }
 }
 
-/// Whether [`forward_out`] serves `l` with rows `d` wide in `dt`: on, on
-/// CUDA, eps compiled in, out_proj `[D, C]` without a bias as the products
-/// serve it, the tail as [`available`] / [`available_moe`] serve theirs
-/// (the MoE within the same register bounds), the staged rows within
-/// shared memory. Asked before the attention runs (its row's width `c`).
-pub fn available_out(d: i32, dt: crate::mlx::Dtype, c: i32, out_proj: OutProj, ffn_norm: &Array, tail: Tail, eps_array: &Array) -> bool {
-    if !enabled_here() || !super::add_rms_norm::eps_const() || c <= 0 || d <= 0 {
+/// Whether [`forward_out`] serves rows like `like` (`[1, D]`: the layer's
+/// input, of the residual sum's shape and dtype): on, on CUDA, eps
+/// compiled in, out_proj `[D, C]` without a bias as the products serve it,
+/// the tail as [`available`] / [`available_moe`] serve theirs (the MoE
+/// within the same register bounds), the staged rows within shared
+/// memory. Asked before the attention runs (its row's width `c`).
+pub fn available_out(like: &Array, c: i32, out_proj: OutProj, ffn_norm: &Array, tail: Tail, eps_array: &Array) -> bool {
+    if !enabled_here() || !super::add_rms_norm::eps_const() || c <= 0 || like.ndim() != 2 || like.dim(0) != 1 {
         return false;
     }
+    let (d, dt) = (like.dim(1), like.dtype());
     let bytes = |len: i32| len as usize * dt.size();
     let quant = matches!(out_proj, OutProj::Quant(_));
     // (out_proj as the second of a pair: the first stands in, unread.)
@@ -518,8 +520,6 @@ pub fn available_out(d: i32, dt: crate::mlx::Dtype, c: i32, out_proj: OutProj, f
         OutProj::Quant(q) => Projections::Quant(q, q).served_second(dt, d, c),
         OutProj::Dense(w) => Projections::Dense(w, w).served_second(dt, d, c),
     };
-    let like = crate::mlx::zeros(&[1, d], dt);
-    let Ok(like) = like else { return false };
     let tail_ok = match tail {
         Tail::Ffn(p) => {
             let f = p.first_rows() / 2;
@@ -534,7 +534,7 @@ pub fn available_out(d: i32, dt: crate::mlx::Dtype, c: i32, out_proj: OutProj, f
         }
         Tail::Moe(m) => {
             let four_bit = |q: &Quantized| q.spec.bits == 4;
-            let n = super::norm_gemv::NormIn { h: &like, r: &like, wn: ffn_norm, eps: eps_array, eps_value: None };
+            let n = super::norm_gemv::NormIn { h: like, r: like, wn: ffn_norm, eps: eps_array, eps_value: None };
             quant
                 && matches!(out_proj, OutProj::Quant(q) if four_bit(q))
                 && matches!(d, 1024 | 2048)
@@ -547,7 +547,7 @@ pub fn available_out(d: i32, dt: crate::mlx::Dtype, c: i32, out_proj: OutProj, f
     };
     served_out
         && tail_ok
-        && super::add_rms_norm::available(&like, &like, ffn_norm)
+        && super::add_rms_norm::available(like, like, ffn_norm)
         && d <= MAX_WIDTH
         && c <= MAX_WIDTH
         && bytes(d) % 16 == 0

@@ -2400,7 +2400,7 @@ fn out_layer_fused_kernel_matches_out_proj_and_the_kernel() {
             let counters = new_counters_of(COUNTER_WORDS).unwrap();
             let run = |ctr: &Array| {
                 with_opt_in_one("MLX_LFM_CONV_LAYER_FUSED", || {
-                    assert!(available_out(d, dt, c, out_proj, &fwn, tail, &eps), "{what}: not served");
+                    assert!(available_out(&r, c, out_proj, &fwn, tail, &eps), "{what}: not served");
                     let o = forward_out(&l, ctr).unwrap();
                     let got = vec![o.s1, o.s2, o.out, o.next];
                     crate::mlx::eval(&got.iter().collect::<Vec<_>>()).unwrap();

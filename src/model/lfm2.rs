@@ -608,8 +608,7 @@ impl Layer {
             return Ok(None);
         }
         let (Some(out_proj), Some(tail)) = (a.stage_out_proj(), self.stage_tail()) else { return Ok(None) };
-        let (d, dt, c) = (x.h.dim(1), x.h.dtype(), a.n_heads * a.head_dim);
-        if !fused::available_out(d, dt, c, out_proj, &self.ffn_norm, tail, x.eps_array) {
+        if !fused::available_out(x.h, a.n_heads * a.head_dim, out_proj, &self.ffn_norm, tail, x.eps_array) {
             return Ok(None);
         }
         let (s, o) = a.attend_rows_raw(x, index, cache)?;
