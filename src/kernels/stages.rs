@@ -210,11 +210,18 @@ pub(crate) const LAYER_SOURCE: &str = r#"
 #if LFM_OUT_ONLY
     const int n = role * WARPS + wid;
     const bool late = false;
+    // (The heads' row comes from an earlier launch, as MLX hands it over:
+    // where it does not start on a 16-byte boundary, element by element.)
+    if (lfm_aligned(yc)) {
+      lfm_stage16(sm, yc, CR);
+    } else {
+      for (int i = threadIdx.x; i < C; i += blockDim.x) reinterpret_cast<T*>(sm)[i] = yc[i];
+    }
 #else
     const int n = (role - 1 - IB) * WARPS + wid;
     const bool late = lfm_block_wait(st + 2, (launch + 1) * IB, nullptr, 0);
-#endif
     if (!late) lfm_stage16(sm, yc, CR);
+#endif
     __syncthreads();
     if (n < D) {
       float o[1] = {0.0f};
@@ -249,7 +256,16 @@ pub(crate) const LAYER_SOURCE: &str = r#"
     T* ys = rs + D;
     if (!late) {
       lfm_stage16(sm, o1, XR);
+#if LFM_OUT_ONLY
+      // (The residual sum, an input: as the heads' row above.)
+      if (lfm_aligned(r)) {
+        lfm_stage16(sm + XR, r, XR);
+      } else {
+        for (int i = threadIdx.x; i < D; i += blockDim.x) rs[i] = r[i];
+      }
+#else
       lfm_stage16(sm + XR, LFM_TAIL_RESIDUAL, XR);
+#endif
     }
     __syncthreads();
     if (late) {
