@@ -26,7 +26,7 @@
 //! sequence's later steps stay NaN and fail the finiteness check as well:
 //! no silently wrong state. Tests in src/kernels/tests.rs.
 
-use super::stages::{self, Built, Cells, TICKET_HEADER};
+use super::stages::{self, Built, Cells};
 use crate::error::{Error, Result};
 use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
 use crate::mlx::Array;
@@ -69,18 +69,9 @@ fn kernel(quant: bool) -> Option<&'static CudaKernel> {
     inputs.extend(Projections::input_names(quant));
     inputs.push("ctr");
     let outputs = ["s", "out", "next", "yn", "yc"];
-    // (Quantized: two of MLX's tiles a batch, not four: the same sums, and
-    // 44 registers a thread by ptxas where four took 84. Dense: the GEMVs'
-    // default walk, no L2 prefetch.)
-    let (name, walk) = if quant { ("lfm_conv_fused", "#define LFM_QMLX_TILES 2\n") } else { ("lfm_conv_fused_dense", "#define LFM_DENSE_PREFETCH 0\n") };
+    let name = if quant { "lfm_conv_fused" } else { "lfm_conv_fused_dense" };
     stages::kernel(&K[usize::from(quant)], name, &inputs, &outputs, stages::LAYER_SOURCE, || {
-        let products = if quant { super::quant_gemv::header() } else { super::gemv::header() };
-        format!(
-            "#define LFM_NORM_IN_WIDER_BLOCK 1\n{walk}{}{}{products}{TICKET_HEADER}{}",
-            stages::layer_defines(true, stages::Tail::None),
-            super::add_rms_norm::device_code(),
-            Projections::products(quant)
-        )
+        stages::layer_header(quant, false, stages::layer_defines(true, stages::Tail::None))
     })
 }
 

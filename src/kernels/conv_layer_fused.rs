@@ -27,7 +27,7 @@
 //! within NVVM's contraction choices: the test holds the conv's sum to the
 //! bit and the rest within two roundings. Tests in src/kernels/tests.rs.
 
-use super::stages::{self, Built, Cells, Projections, TICKET_HEADER};
+use super::stages::{self, Built, Cells, Projections};
 use crate::error::{Error, Result};
 use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
 use crate::mlx::Array;
@@ -55,6 +55,15 @@ const DENSE_FFN_ROWS: &str = r#"
 #define LFM_F_ROWS(K, R, rows, xs, lane, out) lfm_stage_drows<T, K, R>(xs, fw, rows, lane, out)
 #define LFM_G_ROWS(K, R, rows, xs, lane, out) lfm_stage_drows<T, K, R>(xs, gw, rows, lane, out)
 "#;
+
+/// The feed-forward's products for a joined kernel.
+fn ffn_rows(quant: bool) -> &'static str {
+    if quant {
+        QUANT_FFN_ROWS
+    } else {
+        DENSE_FFN_ROWS
+    }
+}
 
 /// Warps a block, as the two one-launch kernels'.
 const WARPS: i32 = 16;
@@ -91,21 +100,9 @@ fn kernel(quant: bool) -> Option<&'static CudaKernel> {
     inputs.extend(ffn);
     inputs.push("ctr");
     let outputs = ["s", "out", "next", "s1", "yn", "yc", "o1", "yn2", "hk"];
-    // (Quantized: two of MLX's tiles a batch; dense: the GEMVs' default
-    // walk, no L2 prefetch; as the two kernels.)
-    let (name, walk, rows) = if quant {
-        ("lfm_conv_layer_fused", "#define LFM_QMLX_TILES 2\n", QUANT_FFN_ROWS)
-    } else {
-        ("lfm_conv_layer_fused_dense", "#define LFM_DENSE_PREFETCH 0\n", DENSE_FFN_ROWS)
-    };
+    let name = if quant { "lfm_conv_layer_fused" } else { "lfm_conv_layer_fused_dense" };
     stages::kernel(&K[usize::from(quant)], name, &inputs, &outputs, stages::LAYER_SOURCE, || {
-        let products = if quant { super::quant_gemv::header() } else { super::gemv::header() };
-        format!(
-            "#define LFM_NORM_IN_WIDER_BLOCK 1\n{walk}{}{}{products}{TICKET_HEADER}{}{rows}",
-            stages::layer_defines(true, stages::Tail::Ffn),
-            super::add_rms_norm::device_code(),
-            Projections::products(quant)
-        )
+        stages::layer_header(quant, false, stages::layer_defines(true, stages::Tail::Ffn)) + ffn_rows(quant)
     })
 }
 
@@ -298,20 +295,9 @@ fn moe_kernel(quant: bool) -> Option<&'static CudaKernel> {
     inputs.extend(Projections::input_names(quant));
     inputs.extend(["fwn", "gw", "gscales", "gbiases", "bias", "uw", "uscales", "ubiases", "dw", "dscales", "dbiases", "ctr"]);
     let outputs = ["s", "out", "next", "s1", "yn", "yc", "o1", "yn2", "inds", "scores", "hk"];
-    let (name, walk) = if quant {
-        ("lfm_conv_moe_fused", "#define LFM_QMLX_TILES 2\n")
-    } else {
-        ("lfm_conv_moe_fused_dense", "#define LFM_DENSE_PREFETCH 0\n")
-    };
-    // (The router + norm kernel's header holds the add + RMSNorm code and
-    // the quantized GEMV's, which holds the dense one's.)
+    let name = if quant { "lfm_conv_moe_fused" } else { "lfm_conv_moe_fused_dense" };
     stages::kernel(&K[usize::from(quant)], name, &inputs, &outputs, stages::LAYER_SOURCE, || {
-        format!(
-            "{walk}{}{}{TICKET_HEADER}{}",
-            stages::layer_defines(true, stages::Tail::Moe),
-            super::moe_router::gate_norm_header(),
-            Projections::products(quant)
-        )
+        stages::layer_header(quant, true, stages::layer_defines(true, stages::Tail::Moe))
     })
 }
 
@@ -476,20 +462,9 @@ fn out_kernel(quant: bool, moe: bool) -> Option<&'static CudaKernel> {
         (false, true) => "lfm_out_ffn_fused",
         (false, false) => "lfm_out_ffn_fused_dense",
     };
-    let walk = if quant { "#define LFM_QMLX_TILES 2\n" } else { "#define LFM_DENSE_PREFETCH 0\n" };
     stages::kernel(&K[usize::from(moe)][usize::from(quant)], name, &inputs, &outputs, stages::LAYER_SOURCE, || {
-        let lead = if moe {
-            super::moe_router::gate_norm_header()
-        } else {
-            let products = if quant { super::quant_gemv::header() } else { super::gemv::header() };
-            format!("#define LFM_NORM_IN_WIDER_BLOCK 1\n{}{products}", super::add_rms_norm::device_code())
-        };
-        let rows = match (moe, quant) {
-            (true, _) => "",
-            (false, true) => QUANT_FFN_ROWS,
-            (false, false) => DENSE_FFN_ROWS,
-        };
-        format!("{walk}{}{lead}{TICKET_HEADER}{}{rows}", stages::out_defines(tail), Projections::products(quant))
+        let rows = if moe { "" } else { ffn_rows(quant) };
+        stages::layer_header(quant, moe, stages::out_defines(tail)) + rows
     })
 }
 

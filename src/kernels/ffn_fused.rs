@@ -27,7 +27,7 @@
 //! blocks (MLX's GEMV spreads it over 128): what its A/B will show. Tests
 //! in src/kernels/tests.rs.
 
-use super::stages::{self, Built, Cells, TICKET_HEADER};
+use super::stages::{self, Built, Cells};
 use crate::error::{Error, Result};
 use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
 use crate::mlx::Array;
@@ -67,17 +67,9 @@ fn kernel(quant: bool) -> Option<&'static CudaKernel> {
     let mut inputs = vec!["h", "r", "wn"];
     inputs.extend(Projections::input_names(quant));
     inputs.push("ctr");
-    // (Quantized: two of MLX's tiles a batch, as the conv layer's; dense:
-    // the GEMVs' default walk, no L2 prefetch.)
-    let (name, walk) = if quant { ("lfm_ffn_fused_q", "#define LFM_QMLX_TILES 2\n") } else { ("lfm_ffn_fused", "#define LFM_DENSE_PREFETCH 0\n") };
+    let name = if quant { "lfm_ffn_fused_q" } else { "lfm_ffn_fused" };
     stages::kernel(&K[usize::from(quant)], name, &inputs, &["s", "out", "yn", "hk"], stages::LAYER_SOURCE, || {
-        let products = if quant { super::quant_gemv::header() } else { super::gemv::header() };
-        format!(
-            "#define LFM_NORM_IN_WIDER_BLOCK 1\n{walk}{}{}{products}{TICKET_HEADER}{}",
-            stages::layer_defines(false, stages::Tail::Ffn),
-            super::add_rms_norm::device_code(),
-            Projections::products(quant)
-        )
+        stages::layer_header(quant, false, stages::layer_defines(false, stages::Tail::Ffn))
     })
 }
 

@@ -16,7 +16,7 @@
 //! int32 array (the compiled step's view into its position table). Tests in
 //! src/kernels/tests.rs.
 
-use super::stages::{self, Built, Cells, TICKET_HEADER};
+use super::stages::{self, Built, Cells};
 use crate::error::{Error, Result};
 use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
 use crate::mlx::{Array, Dtype};
@@ -53,20 +53,12 @@ fn kernel(quant: bool) -> Option<&'static CudaKernel> {
     let outputs = ["s", "qo", "ko", "vo", "yn"];
     let source = super::qk_norm_rope::QKV_FUSED_SOURCE;
     // (The projection's rows as the first of a layer's two projections:
-    // src/kernels/stages.rs's products. Quantized: two of MLX's tiles a
-    // batch; dense: the GEMVs' default walk, no L2 prefetch.)
-    let (name, walk) = if quant { ("lfm_qkv_fused", "#define LFM_QMLX_TILES 2\n") } else { ("lfm_qkv_fused_dense", "#define LFM_DENSE_PREFETCH 0\n") };
+    // src/kernels/stages.rs's products and header.)
+    let name = if quant { "lfm_qkv_fused" } else { "lfm_qkv_fused_dense" };
     let mut inputs = vec!["h", "r", "wn"];
     inputs.extend(if quant { &["iw", "iscales", "ibiases"][..] } else { &["iw"][..] });
     inputs.extend(["qw", "kw", "offset", "ctr"]);
-    stages::kernel(&K[usize::from(quant)], name, &inputs, &outputs, source, || {
-        let products = if quant { super::quant_gemv::header() } else { super::gemv::header() };
-        format!(
-            "#define LFM_NORM_IN_WIDER_BLOCK 1\n{walk}{}{products}{TICKET_HEADER}{}",
-            super::add_rms_norm::device_code(),
-            stages::Projections::products(quant)
-        )
-    })
+    stages::kernel(&K[usize::from(quant)], name, &inputs, &outputs, source, || stages::layer_header(quant, false, ""))
 }
 
 /// Whether the switch is on where our CUDA kernels run.

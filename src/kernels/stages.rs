@@ -600,6 +600,23 @@ impl<'a> Projections<'a> {
     }
 }
 
+/// A one-launch layer kernel's header: the products' walk (quantized: two
+/// of MLX's tiles a batch, not four: the same sums, and 44 registers a
+/// thread by ptxas where four took 84; dense: the GEMVs' default walk, no
+/// L2 prefetch), `defines` (the body's parts, [`layer_defines`]), the add +
+/// RMSNorm code and the GEMVs' (with `moe`, the router + norm kernel's
+/// header, which holds them), the ticket helpers, the projections'
+/// products.
+pub(crate) fn layer_header(quant: bool, moe: bool, defines: &str) -> String {
+    let walk = if quant { "#define LFM_QMLX_TILES 2\n" } else { "#define LFM_DENSE_PREFETCH 0\n" };
+    let products = Projections::products(quant);
+    if moe {
+        return format!("{walk}{defines}{}{TICKET_HEADER}{products}", super::moe_router::gate_norm_header());
+    }
+    let gemvs = if quant { super::quant_gemv::header() } else { super::gemv::header() };
+    format!("#define LFM_NORM_IN_WIDER_BLOCK 1\n{walk}{defines}{}{gemvs}{TICKET_HEADER}{products}", super::add_rms_norm::device_code())
+}
+
 /// Shared memory a one-launch kernel's staged rows may take (48 KiB is
 /// the static limit, with the stages' own few words beside them).
 pub(crate) const MAX_STAGED: usize = 32 * 1024;
