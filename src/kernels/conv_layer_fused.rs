@@ -240,18 +240,8 @@ pub fn forward(l: &ConvLayer, ctr: &Array) -> Result<Outputs> {
     ];
     let (conv, spec) = l.conv.inputs()?;
     template.extend(spec);
-    let (ffn, spec) = l.ffn.inputs()?;
-    // (The feed-forward's specifications under its own names.)
-    template.extend(spec.into_iter().map(|(name, v)| {
-        let renamed = match name {
-            "IBITS" => "FBITS",
-            "IGS" => "FGS",
-            "OBITS" => "GBITS",
-            "OGS" => "GGS",
-            other => other,
-        };
-        (renamed, v)
-    }));
+    let (ffn, spec) = ffn_operands(l.ffn)?;
+    template.extend(spec);
     let mut inputs = vec![x.h, r, x.w, l.state, l.cw];
     inputs.extend(conv);
     inputs.push(l.ffn_norm);
@@ -331,23 +321,9 @@ pub fn available_moe(l: &ConvMoeLayer, has_bias: bool) -> bool {
     // row's shape and dtype: `x.h` stands for both in the MoE's checks.)
     let n = super::norm_gemv::NormIn { h: x.h, r: x.h, wn: l.ffn_norm, eps: x.eps_array, eps_value: Some(x.eps) };
     let m = l.moe;
-    let four_bit = |q: &Quantized| q.spec.bits == 4;
-    let conv_four_bit = match l.conv {
-        Projections::Quant(i, o) => four_bit(i) && four_bit(o),
-        Projections::Dense(..) => false,
-    };
-    // (Within the 64 registers a thread that 1,024 threads allow, by ptxas
-    // on sm_90: rows of 1,024 and 2,048 (the 8B-A1B's: 56) with every
-    // projection 4-bit, in bfloat16 or float16. Rows of 1,536 (a guarded
-    // last chunk) took 66, of 3,072 and 4,096 66-70, 8-bit projections 72
-    // in float16: those layers keep the two launches.)
-    let fits = matches!(d, 1024 | 2048)
-        && matches!(dt, crate::mlx::Dtype::Bfloat16 | crate::mlx::Dtype::Float16)
-        && conv_four_bit
-        && four_bit(m.gate)
-        && four_bit(m.gate_up)
-        && four_bit(m.down);
-    fits && super::add_rms_norm::available(x.h, r, x.w)
+    let conv_four_bit = matches!(l.conv, Projections::Quant(i, o) if i.spec.bits == 4 && o.spec.bits == 4);
+    moe_fits(d, dt, &m, conv_four_bit)
+        && super::add_rms_norm::available(x.h, r, x.w)
         && super::add_rms_norm::block_for(d, 16 / dt.size() as i32) <= super::moe_fused::WARPS * 32
         && c > 0
         && l.conv.served(dt, 3 * c, d, c)
@@ -372,16 +348,9 @@ pub fn forward_moe(l: &ConvMoeLayer, ctr: &Array) -> Result<Outputs> {
     let kern = moe_kernel(l.conv.quant()).ok_or_else(|| Error::mlx("the fused conv + MoE layer kernel is not available"))?;
     let r = x.r.ok_or_else(|| Error::invalid("the fused conv + MoE layer kernel needs a residual to add"))?;
     stages::check_counters_of(ctr, COUNTER_WORDS, "the fused conv + MoE layer kernel")?;
-    if !(1..=ROUTE_SLOTS as usize).contains(&m.k) {
-        return Err(Error::invalid(format!("the fused conv + MoE layer kernel: {} experts a row (1 to {ROUTE_SLOTS} are served)", m.k)));
-    }
-    let missing = |what: &str| Error::invalid(format!("the fused conv + MoE layer kernel needs affine biases ({what})"));
-    let gb = m.gate.biases.as_ref().ok_or_else(|| missing("the router gate"))?;
-    let ub = m.gate_up.biases.as_ref().ok_or_else(|| missing("the experts' gate/up"))?;
-    let db = m.down.biases.as_ref().ok_or_else(|| missing("the experts' down"))?;
+    let (experts, moe_spec, (f, k)) = moe_operands(&m, "the fused conv + MoE layer kernel")?;
     let (d, dt) = (x.h.dim(1), x.h.dtype());
     let (c, w) = (l.cw.dim(0), l.cw.dim(1));
-    let (e, f, k) = (m.gate.weight.dim(0), m.gate_up.weight.dim(1) / 2, m.k as i32);
     let nb = moe_blocks(d, c, f, k);
     let threads = MOE_WARPS * 32;
     let grid = i32::try_from(nb * threads as i64).map_err(|_| Error::invalid(format!("fused conv + MoE layer kernel: {nb} blocks")))?;
@@ -390,6 +359,57 @@ pub fn forward_moe(l: &ConvMoeLayer, ctr: &Array) -> Result<Outputs> {
         ("D", TemplateArg::Int(d)),
         ("C", TemplateArg::Int(c)),
         ("KEEP", TemplateArg::Int(w - 1)),
+        ("NBLK", TemplateArg::Int(super::add_rms_norm::block_for(d, 16 / dt.size() as i32))),
+        ("WARPS", TemplateArg::Int(MOE_WARPS)),
+        ("EPS_BITS", TemplateArg::Int(x.eps.to_bits() as i32)),
+    ];
+    let (conv, spec) = l.conv.inputs()?;
+    template.extend(spec);
+    template.extend(moe_spec);
+    let mut inputs = vec![x.h, r, x.w, l.state, l.cw];
+    inputs.extend(conv);
+    inputs.push(l.ffn_norm);
+    inputs.extend(experts);
+    inputs.push(ctr);
+    let mut shapes = conv_outputs(d, c, w);
+    shapes.extend([(vec![ROUTE_SLOTS], Some(crate::mlx::Dtype::Uint32)), (vec![ROUTE_SLOTS], Some(crate::mlx::Dtype::Float32)), (vec![k, f], None)]);
+    let outs = call(kern, &inputs, &shapes, dt, grid, threads, &template)?;
+    Outputs::from(outs, "fused conv + MoE layer kernel")
+}
+
+/// The feed-forward's projections as a joined kernel takes them: its
+/// inputs, and its specifications under its own names (`FBITS`.. for
+/// w1/w3, `GBITS`.. for w2; the conv's or out_proj's take `IBITS`/`OBITS`).
+fn ffn_operands(p: Projections<'_>) -> Result<(Vec<&Array>, stages::Specs)> {
+    let (inputs, spec) = p.inputs()?;
+    let renamed = spec.into_iter().map(|(name, v)| {
+        let name = match name {
+            "IBITS" => "FBITS",
+            "IGS" => "FGS",
+            "OBITS" => "GBITS",
+            "OGS" => "GGS",
+            other => other,
+        };
+        (name, v)
+    });
+    Ok((inputs, renamed.collect()))
+}
+
+/// The MoE's inputs as the joined kernels take them (the router gate, its
+/// selection bias, the experts), its template constants and `(F, k)`, for
+/// `what`'s errors: experts a row within the route's slots, affine biases.
+fn moe_operands<'a>(m: &Moe<'a>, what: &str) -> Result<(Vec<&'a Array>, stages::Specs, (i32, i32))> {
+    use super::moe_fused::ROUTE_SLOTS;
+    if !(1..=ROUTE_SLOTS as usize).contains(&m.k) {
+        return Err(Error::invalid(format!("{what}: {} experts a row (1 to {ROUTE_SLOTS} are served)", m.k)));
+    }
+    let missing = |part: &str| Error::invalid(format!("{what} needs affine biases ({part})"));
+    let gb = m.gate.biases.as_ref().ok_or_else(|| missing("the router gate"))?;
+    let ub = m.gate_up.biases.as_ref().ok_or_else(|| missing("the experts' gate/up"))?;
+    let db = m.down.biases.as_ref().ok_or_else(|| missing("the experts' down"))?;
+    let (e, f, k) = (m.gate.weight.dim(0), m.gate_up.weight.dim(1) / 2, m.k as i32);
+    let inputs = vec![&m.gate.weight, &m.gate.scales, gb, m.bias, &m.gate_up.weight, &m.gate_up.scales, ub, &m.down.weight, &m.down.scales, db];
+    let spec = vec![
         ("F", TemplateArg::Int(f)),
         ("E", TemplateArg::Int(e)),
         ("TOPK", TemplateArg::Int(k)),
@@ -398,20 +418,25 @@ pub fn forward_moe(l: &ConvMoeLayer, ctr: &Array) -> Result<Outputs> {
         ("GGS", TemplateArg::Int(m.gate.spec.group_size)),
         ("BITS", TemplateArg::Int(m.gate_up.spec.bits)),
         ("GS", TemplateArg::Int(m.gate_up.spec.group_size)),
-        ("NBLK", TemplateArg::Int(super::add_rms_norm::block_for(d, 16 / dt.size() as i32))),
-        ("WARPS", TemplateArg::Int(MOE_WARPS)),
-        ("EPS_BITS", TemplateArg::Int(x.eps.to_bits() as i32)),
         ("SCALE_BITS", TemplateArg::Int(m.scale.to_bits() as i32)),
     ];
-    let (conv, spec) = l.conv.inputs()?;
-    template.extend(spec);
-    let mut inputs = vec![x.h, r, x.w, l.state, l.cw];
-    inputs.extend(conv);
-    inputs.extend([l.ffn_norm, &m.gate.weight, &m.gate.scales, gb, m.bias, &m.gate_up.weight, &m.gate_up.scales, ub, &m.down.weight, &m.down.scales, db, ctr]);
-    let mut shapes = conv_outputs(d, c, w);
-    shapes.extend([(vec![ROUTE_SLOTS], Some(crate::mlx::Dtype::Uint32)), (vec![ROUTE_SLOTS], Some(crate::mlx::Dtype::Float32)), (vec![k, f], None)]);
-    let outs = call(kern, &inputs, &shapes, dt, grid, threads, &template)?;
-    Outputs::from(outs, "fused conv + MoE layer kernel")
+    Ok((inputs, spec, (f, k)))
+}
+
+/// Whether a joined kernel's MoE blocks (1,024 threads) stay within the 64
+/// registers a thread that allows, by ptxas on sm_90: rows of 1,024 and
+/// 2,048 (the 8B-A1B's: 56) with every projection 4-bit (`proj_four_bit`:
+/// the conv's or out_proj's), in bfloat16 or float16. Rows of 1,536 (a
+/// guarded last chunk) took 66, of 3,072 and 4,096 66-70, 8-bit
+/// projections 72 in float16: those layers keep the two launches.
+fn moe_fits(d: i32, dt: crate::mlx::Dtype, m: &Moe, proj_four_bit: bool) -> bool {
+    let four_bit = |q: &Quantized| q.spec.bits == 4;
+    matches!(d, 1024 | 2048)
+        && matches!(dt, crate::mlx::Dtype::Bfloat16 | crate::mlx::Dtype::Float16)
+        && proj_four_bit
+        && four_bit(m.gate)
+        && four_bit(m.gate_up)
+        && four_bit(m.down)
 }
 
 /// An attention layer's out_proj, as the out-only kernel reads it.
@@ -508,15 +533,8 @@ pub fn available_out(like: &Array, c: i32, out_proj: OutProj, ffn_norm: &Array, 
                 && super::add_rms_norm::block_for(d, 16 / dt.size() as i32) <= WARPS * 32
         }
         Tail::Moe(m) => {
-            let four_bit = |q: &Quantized| q.spec.bits == 4;
             let n = super::norm_gemv::NormIn { h: like, r: like, wn: ffn_norm, eps: eps_array, eps_value: None };
-            quant
-                && matches!(out_proj, OutProj::Quant(q) if four_bit(q))
-                && matches!(d, 1024 | 2048)
-                && matches!(dt, crate::mlx::Dtype::Bfloat16 | crate::mlx::Dtype::Float16)
-                && four_bit(m.gate)
-                && four_bit(m.gate_up)
-                && four_bit(m.down)
+            moe_fits(d, dt, &m, matches!(out_proj, OutProj::Quant(q) if q.spec.bits == 4))
                 && super::moe_fused::served(&n, m.gate, m.gate_up, m.down, m.k)
         }
     };
@@ -566,42 +584,16 @@ pub fn forward_out(l: &OutLayer, ctr: &Array) -> Result<Outputs> {
     let (warps, nb, mut shapes) = match l.tail {
         Tail::Ffn(p) => {
             let f = p.first_rows() / 2;
-            let (ffn, spec) = p.inputs()?;
+            let (ffn, spec) = ffn_operands(p)?;
             inputs.extend(ffn);
-            template.extend(spec.into_iter().map(|(name, v)| {
-                let renamed = match name {
-                    "IBITS" => "FBITS",
-                    "IGS" => "FGS",
-                    "OBITS" => "GBITS",
-                    "OGS" => "GGS",
-                    other => other,
-                };
-                (renamed, v)
-            }));
+            template.extend(spec);
             template.push(("F", TemplateArg::Int(f)));
             (WARPS, out_blocks(d, f, None), vec![(vec![f], None)])
         }
         Tail::Moe(m) => {
-            if !(1..=ROUTE_SLOTS as usize).contains(&m.k) {
-                return Err(Error::invalid(format!("{what}: {} experts a row (1 to {ROUTE_SLOTS} are served)", m.k)));
-            }
-            let missing = |part: &str| Error::invalid(format!("{what} needs affine biases ({part})"));
-            let gb = m.gate.biases.as_ref().ok_or_else(|| missing("the router gate"))?;
-            let ub = m.gate_up.biases.as_ref().ok_or_else(|| missing("the experts' gate/up"))?;
-            let db = m.down.biases.as_ref().ok_or_else(|| missing("the experts' down"))?;
-            let (e, f, k) = (m.gate.weight.dim(0), m.gate_up.weight.dim(1) / 2, m.k as i32);
-            inputs.extend([&m.gate.weight, &m.gate.scales, gb, m.bias, &m.gate_up.weight, &m.gate_up.scales, ub, &m.down.weight, &m.down.scales, db]);
-            template.extend([
-                ("F", TemplateArg::Int(f)),
-                ("E", TemplateArg::Int(e)),
-                ("TOPK", TemplateArg::Int(k)),
-                ("NORM", TemplateArg::Bool(m.norm)),
-                ("GBITS", TemplateArg::Int(m.gate.spec.bits)),
-                ("GGS", TemplateArg::Int(m.gate.spec.group_size)),
-                ("BITS", TemplateArg::Int(m.gate_up.spec.bits)),
-                ("GS", TemplateArg::Int(m.gate_up.spec.group_size)),
-                ("SCALE_BITS", TemplateArg::Int(m.scale.to_bits() as i32)),
-            ]);
+            let (experts, spec, (f, k)) = moe_operands(&m, what)?;
+            inputs.extend(experts);
+            template.extend(spec);
             let shapes = vec![
                 (vec![ROUTE_SLOTS], Some(crate::mlx::Dtype::Uint32)),
                 (vec![ROUTE_SLOTS], Some(crate::mlx::Dtype::Float32)),
