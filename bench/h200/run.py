@@ -2417,6 +2417,18 @@ def ratios(runs):
     return out
 
 
+class Stopped(BaseException):
+    """SIGTERM (`timeout`'s): not a SystemExit, which the rounds catch as
+    one engine's failure and go on to the next (session 31's rounds ran on
+    past their TERM until the call's own limit killed them, before
+    `finally` wrote raw.jsonl and logs.tgz: the round's figures were lost),
+    nor an Exception, which a step may catch."""
+
+
+def on_sigterm(*_):
+    raise Stopped("stopped by SIGTERM")
+
+
 def main():
     import signal
 
@@ -2424,7 +2436,7 @@ def main():
     # logs.tgz still reach $OUT (on 2026-12-03 a cut call left its loose
     # logs there instead, more files than a call brings back, and its
     # raw.jsonl was dropped with them).
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped by SIGTERM"))
+    signal.signal(signal.SIGTERM, on_sigterm)
     args = sys.argv[1:]
     if not args:
         print(__doc__)
@@ -2529,6 +2541,9 @@ def main():
             else:
                 raise SystemExit(f"unknown step {a}")
             i += 1
+    except Stopped as e:
+        record(engine="stopped", step=args[i] if i < len(args) else None, reason=str(e))
+        raise SystemExit(str(e))
     finally:
         if RAW.exists():
             shutil.copy(RAW, OUT / "raw.jsonl")

@@ -304,5 +304,50 @@ class GgufBackground(unittest.TestCase):
         self.assertEqual(records(self.run)[-1]["rc"], "ended without a verdict")
 
 
+class RoundsStop(unittest.TestCase):
+    """A SIGTERM ends the rounds at once; an engine's own failure does not."""
+
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.run = load_run(Path(self.tmp.name))
+        self.ran = []
+        for f in ("install", "checkpoints"):
+            setattr(self.run, f, lambda *a, **k: None)
+        self.run.wait_gguf = lambda: True
+        self.run.round_models = lambda: ["a", "b"]
+
+    def tearDown(self):
+        self.tmp.cleanup()
+
+    def engine(self, name, fails=None):
+        def f(model, rnd):
+            self.ran.append((name, model))
+            if fails:
+                raise fails
+        f.__name__ = name
+        return f
+
+    def test_an_engine_failure_goes_on(self):
+        self.run.run_llama = self.engine("run_llama", SystemExit("failed (1): llama-bench"))
+        self.run.run_ours = self.engine("run_ours")
+        self.run.run_mlx_lm = self.engine("run_mlx_lm")
+        self.run.rounds(1)
+        self.assertEqual(len(self.ran), 6)
+        self.assertIn("llama-bench", [r for r in records(self.run) if r.get("engine") == "run_llama"][0]["error"])
+
+    def test_sigterm_stops_the_rounds(self):
+        self.run.run_llama = self.engine("run_llama")
+        self.run.run_ours = self.engine("run_ours", self.run.Stopped("stopped by SIGTERM"))
+        self.run.run_mlx_lm = self.engine("run_mlx_lm")
+        with self.assertRaises(self.run.Stopped):
+            self.run.rounds(1)
+        self.assertEqual(self.ran, [("run_llama", "a"), ("run_ours", "a")])
+
+    def test_the_handler_raises_what_the_rounds_do_not_catch(self):
+        with self.assertRaises(self.run.Stopped):
+            self.run.on_sigterm(15, None)
+        self.assertFalse(issubclass(self.run.Stopped, (SystemExit, Exception)))
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)
