@@ -609,6 +609,10 @@ DEFINES_OF = {
     "qk_norm_rope.rs#qkv_fused@dense": "#define LFM_DENSE_PREFETCH 0\n",
 }
 
+# How many dtype values CudaKernel::new adds (src/mlx/kernel.rs IO_NAMES),
+# seven operands each: a kernel with more operands is refused there.
+IO_VALUES = len(re.findall(r'"LFM_IO\d+"', re.search(r"const IO_NAMES[^\n]*", (root / "src" / "mlx" / "kernel.rs").read_text()).group(0)))
+
 failed = 0
 for file, (ins, outs, targs, *only_dtypes) in KERNELS.items():
     if ONLY and file != ONLY:
@@ -646,6 +650,10 @@ for file, (ins, outs, targs, *only_dtypes) in KERNELS.items():
         # dtype_args, with_io_reads): packed codes, seven operands a value,
         # each read once at the top of the body.
         io = -(-len(ins + outs) // 7)
+        if io > IO_VALUES:
+            print(f"{file} T={dt}: FAILED: {len(ins + outs)} operands, CudaKernel takes at most {IO_VALUES * 7}")
+            failed += 1
+            continue
         consts += "".join(f"  constexpr int LFM_IO{i} = 0;\n" for i in range(io))
         body = "".join(f"(void)LFM_IO{i};" for i in range(io)) + "\n" + src
         code = (DEFINES + DEFINES_OF.get(file, "") + PRELUDE + hdr + "namespace cg = cooperative_groups;\n"

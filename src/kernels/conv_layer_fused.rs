@@ -91,15 +91,20 @@ pub fn built() -> usize {
     BUILT.get()
 }
 
-fn kernel(quant: bool) -> Option<&'static CudaKernel> {
-    static K: [Cells; 2] = [stages::cells(), stages::cells()];
+/// The conv + feed-forward kernel's operands' names (inputs, outputs).
+fn layer_names(quant: bool) -> (Vec<&'static str>, Vec<&'static str>) {
     let ffn: &[&str] = if quant { &["fw", "fscales", "fbiases", "gw", "gscales", "gbiases"] } else { &["fw", "gw"] };
     let mut inputs = vec!["h", "r", "wn", "state", "cw"];
     inputs.extend(Projections::input_names(quant));
     inputs.push("fwn");
     inputs.extend(ffn);
     inputs.push("ctr");
-    let outputs = ["s", "out", "next", "s1", "yn", "yc", "o1", "yn2", "hk"];
+    (inputs, vec!["s", "out", "next", "s1", "yn", "yc", "o1", "yn2", "hk"])
+}
+
+fn kernel(quant: bool) -> Option<&'static CudaKernel> {
+    static K: [Cells; 2] = [stages::cells(), stages::cells()];
+    let (inputs, outputs) = layer_names(quant);
     let name = if quant { "lfm_conv_layer_fused" } else { "lfm_conv_layer_fused_dense" };
     stages::kernel(&K[usize::from(quant)], name, &inputs, &outputs, stages::LAYER_SOURCE, || {
         stages::layer_header(quant, false, stages::layer_defines(true, stages::Tail::Ffn)) + ffn_rows(quant)
@@ -279,12 +284,17 @@ pub struct ConvMoeLayer<'a> {
     pub moe: Moe<'a>,
 }
 
-fn moe_kernel(quant: bool) -> Option<&'static CudaKernel> {
-    static K: [Cells; 2] = [stages::cells(), stages::cells()];
+/// The conv + MoE kernel's operands' names (inputs, outputs).
+fn moe_names(quant: bool) -> (Vec<&'static str>, Vec<&'static str>) {
     let mut inputs = vec!["h", "r", "wn", "state", "cw"];
     inputs.extend(Projections::input_names(quant));
     inputs.extend(["fwn", "gw", "gscales", "gbiases", "bias", "uw", "uscales", "ubiases", "dw", "dscales", "dbiases", "ctr"]);
-    let outputs = ["s", "out", "next", "s1", "yn", "yc", "o1", "yn2", "inds", "scores", "hk"];
+    (inputs, vec!["s", "out", "next", "s1", "yn", "yc", "o1", "yn2", "inds", "scores", "hk"])
+}
+
+fn moe_kernel(quant: bool) -> Option<&'static CudaKernel> {
+    static K: [Cells; 2] = [stages::cells(), stages::cells()];
+    let (inputs, outputs) = moe_names(quant);
     let name = if quant { "lfm_conv_moe_fused" } else { "lfm_conv_moe_fused_dense" };
     stages::kernel(&K[usize::from(quant)], name, &inputs, &outputs, stages::LAYER_SOURCE, || {
         stages::layer_header(quant, true, stages::layer_defines(true, stages::Tail::Moe))
@@ -467,20 +477,26 @@ pub struct OutLayer<'a> {
     pub eps_array: &'a Array,
 }
 
-fn out_kernel(quant: bool, moe: bool) -> Option<&'static CudaKernel> {
-    static K: [[Cells; 2]; 2] = [[stages::cells(), stages::cells()], [stages::cells(), stages::cells()]];
+/// The out_proj-joined kernel's operands' names (inputs, outputs).
+fn out_names(quant: bool, moe: bool) -> (Vec<&'static str>, Vec<&'static str>) {
     let mut inputs = vec!["yc", "r"];
     inputs.extend(if quant { &["ow", "oscales", "obiases"][..] } else { &["ow"][..] });
     inputs.push("fwn");
-    let (ffn, tail): (&[&str], _) = match (moe, quant) {
-        (true, _) => (&["gw", "gscales", "gbiases", "bias", "uw", "uscales", "ubiases", "dw", "dscales", "dbiases"], stages::Tail::Moe),
-        (false, true) => (&["fw", "fscales", "fbiases", "gw", "gscales", "gbiases"], stages::Tail::Ffn),
-        (false, false) => (&["fw", "gw"], stages::Tail::Ffn),
-    };
-    inputs.extend(ffn);
+    inputs.extend(match (moe, quant) {
+        (true, _) => &["gw", "gscales", "gbiases", "bias", "uw", "uscales", "ubiases", "dw", "dscales", "dbiases"][..],
+        (false, true) => &["fw", "fscales", "fbiases", "gw", "gscales", "gbiases"][..],
+        (false, false) => &["fw", "gw"][..],
+    });
     inputs.push("ctr");
     let mut outputs = vec!["s", "out", "o1", "yn2"];
     outputs.extend(if moe { &["inds", "scores", "hk"][..] } else { &["hk"][..] });
+    (inputs, outputs)
+}
+
+fn out_kernel(quant: bool, moe: bool) -> Option<&'static CudaKernel> {
+    static K: [[Cells; 2]; 2] = [[stages::cells(), stages::cells()], [stages::cells(), stages::cells()]];
+    let (inputs, outputs) = out_names(quant, moe);
+    let tail = if moe { stages::Tail::Moe } else { stages::Tail::Ffn };
     let name = match (moe, quant) {
         (true, true) => "lfm_out_moe_fused",
         (true, false) => "lfm_out_moe_fused_dense",
@@ -617,6 +633,22 @@ pub fn forward_out(l: &OutLayer, ctr: &Array) -> Result<Outputs> {
     let out = outs.pop().ok_or_else(missing)?;
     let s2 = outs.pop().ok_or_else(missing)?;
     Ok(Outputs { s1: l.r.clone(), s2, out, next: o1 })
+}
+
+/// Every form's name and operand names (inputs, then outputs), as its
+/// kernel function asks MLX for it.
+#[cfg(test)]
+pub(crate) fn every_operands() -> Vec<(String, Vec<&'static str>)> {
+    let mut all = Vec::new();
+    for quant in [false, true] {
+        let join = |(i, o): (Vec<&'static str>, Vec<&'static str>)| i.into_iter().chain(o).collect::<Vec<_>>();
+        all.push((format!("conv + feed-forward, quantized {quant}"), join(layer_names(quant))));
+        all.push((format!("conv + MoE, quantized {quant}"), join(moe_names(quant))));
+        for moe in [false, true] {
+            all.push((format!("out_proj + {}, quantized {quant}", if moe { "MoE" } else { "feed-forward" }), join(out_names(quant, moe))));
+        }
+    }
+    all
 }
 
 #[cfg(test)]

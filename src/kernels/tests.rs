@@ -2226,6 +2226,22 @@ fn same_as_the_two_kernels(what: &str, dt: Dtype, got: &[crate::mlx::Array], wan
     eprintln!("{what}: differing from the two kernels: {}", counts.join(", "));
 }
 
+/// Every joined layer's kernel within the operands a kernel may have
+/// (src/mlx/kernel.rs: their dtypes ride in template values), names once
+/// each: session 31's H200 run found the conv + MoE kernel (34 operands)
+/// refused at four values, so it never built, which no CPU test saw (the
+/// CPU never asks for the kernel). Runs everywhere.
+#[test]
+fn joined_layer_kernels_fit_their_operands() {
+    let all = crate::kernels::conv_layer_fused::every_operands();
+    assert_eq!(all.len(), 8);
+    for (what, names) in all {
+        assert!(names.len() <= crate::mlx::kernel::MAX_OPERANDS, "{what}: {} operands, at most {}", names.len(), crate::mlx::kernel::MAX_OPERANDS);
+        let unique: std::collections::HashSet<_> = names.iter().collect();
+        assert_eq!(unique.len(), names.len(), "{what}: a name twice in {names:?}");
+    }
+}
+
 /// The conv layer with its MoE in one launch (`MLX_LFM_CONV_LAYER_FUSED`,
 /// the 8B-A1B's conv layers) against the conv layer's and the MoE's
 /// one-launch kernels one after the other, as the dense one's test; then

@@ -53,9 +53,15 @@ pub fn module_name(name: &str, inputs: &[&str], outputs: &[&str], source: &str, 
 /// one's cubin. Each value packs seven operands' dtype codes, four bits
 /// each (inputs, then outputs): short, as MLX hashes and copies a kernel's
 /// name (these values in it) at every launch, on the host that bounds a
-/// decode step.
-const IO_NAMES: [&str; 4] = ["LFM_IO0", "LFM_IO1", "LFM_IO2", "LFM_IO3"];
+/// decode step. Six values, 42 operands: the conv layer joined to its MoE
+/// has 34 (its 4-bit form: 23 inputs, 11 outputs), which four refused, so
+/// on the GPU it never built (session 31) while the CPU, never asked to
+/// make it, could not tell.
+const IO_NAMES: [&str; 6] = ["LFM_IO0", "LFM_IO1", "LFM_IO2", "LFM_IO3", "LFM_IO4", "LFM_IO5"];
 const IO_PER_VALUE: usize = 7;
+
+/// The most operands (inputs and outputs) a kernel may have.
+pub(crate) const MAX_OPERANDS: usize = IO_NAMES.len() * IO_PER_VALUE;
 
 fn io_values(operands: usize) -> usize {
     operands.div_ceil(IO_PER_VALUE)
@@ -94,7 +100,7 @@ impl CudaKernel {
         let out_p: Vec<*const std::os::raw::c_char> = outs.iter().map(|c| c.as_ptr()).collect();
         let operands = inputs.len() + outputs.len();
         if io_values(operands) > IO_NAMES.len() {
-            return Err(Error::invalid(format!("kernel {name}: {operands} operands (at most {})", IO_NAMES.len() * IO_PER_VALUE)));
+            return Err(Error::invalid(format!("kernel {name}: {operands} operands (at most {MAX_OPERANDS})")));
         }
         let source = with_io_reads(source, operands);
         let (n, src, hdr) = (cs(&module_name(name, inputs, outputs, &source, header, &runtime::version()))?, cs(&source)?, cs(header)?);
