@@ -159,40 +159,50 @@ into one launch (`conv-layer-fused`: six stages; its test
 `conv_layer_fused_kernel_matches_the_two_kernels` holds it to the two
 kernels' bits, greedy sets `MLX_LFM_CONV_LAYER_FUSED` and
 `layers-fused-whole`, the variant of that name turning all five on).
-Next (`bash bench/h200/prepare.sh` here first; ~1,600 s planned; session
-30 ran the kernel tests of every one-launch layer and their greedy sets,
-passed but for the conv test's own reference, mended after: reuse those
-verdicts, `git diff --stat adba29c -- src/kernels src/mlx/kernel.rs cpp`
-showing what changed since: the tests, the conv, feed-forward and MoE
-kernels now one body with the new conv layer joined to its feed-forward
-or MoE (stages.rs LAYER_SOURCE: their tests run again), counters of any
-length):
+Session 31 (an H100) adopted the four one-launch layers as CUDA defaults
+from its A/B: the variants and greedy sets that turned them on are gone,
+`layers-fused-off` (greedy set and variant) and `moe-fused-off`,
+`conv-fused-off`, `ffn-fused-off`, `qkv-fused-off` measure them off, and
+the greedy test's default run checks it built each.
+Next (`bash bench/h200/prepare.sh` here first; ~1,500 s planned; session
+31 (an H100) made the one-launch layers CUDA defaults from its A/B, raised
+the kernels' operand limit that kept the conv + MoE layer from building,
+and lost its rounds to the SIGTERM bug fixed after; a call that finds no
+machine costs 90-180 s, so start only when `status` offers one):
   1. carry [.device/a, .device/llama]: `stage` (~100 s with the start).
   2. carry [.device/b, .device/tests]: with both variables set for the
      whole command, H200_KERNEL_JOBS=5
-     H200_KERNEL_TESTS=conv_fused_kernel_matches_stock_ops,ffn_fused_kernel_matches_stock_ops,moe_fused_kernel_matches_the_three_kernels,conv_layer_fused_kernel_matches_the_two_kernels,conv_moe_layer_fused_kernel_matches_the_two_kernels,out_layer_fused_kernel_matches_out_proj_and_the_kernel,short_conv_kernel_matches_stock_ops,greedy_tokens_with_kernels_equal_stock_ops
+     H200_KERNEL_TESTS=conv_fused_kernel_matches_stock_ops,ffn_fused_kernel_matches_stock_ops,qkv_fused_kernel_matches_stock_ops,moe_fused_kernel_matches_the_three_kernels,conv_moe_layer_fused_kernel_matches_the_two_kernels,stacked_rows_with_kernels_equal_each_row_alone,greedy_tokens_with_kernels_equal_stock_ops
      `timeout -s TERM 560 python3 bench/h200/run.py install verdicts-from
-     bench/results/2026-12-03-h200-session18.raw.jsonl,bench/results/2026-12-04-h200-session20.raw.jsonl,bench/results/2026-12-04-h200-session21.raw.jsonl,bench/results/2026-12-04-h200-session24.raw.jsonl,bench/results/2026-12-05-h200-session27.raw.jsonl,bench/results/2026-12-05-h200-session30.raw.jsonl
-     kernels save-ptx` (~400 s: session 30's record alone lacks most
-     default tests, this chain holds every one, passed, as checked here
-     with those tests named; the last name runs both greedy tests, for the
-     new sets MLX_LFM_CONV_LAYER_FUSED and layers-fused-whole; .device/ptx,
-     session 30's compiled kernels, only where the carry stays under 64 MiB).
-  3. carry [.device/bin]: H200_MODELS=lfm2-8b-a1b-q4
-     H200_AB_VARIANTS=moe-fused,conv-fused,moe-conv-fused,ffn-fused,qkv-fused,layers-fused,layers-fused-whole,router-scores-f32,router-scores-f32-early,position-table-off,eps-const-off
-     `ab pick` (~220 s with the 8B-A1B's checkpoints: whether the one-launch
-     layers, correct on the H200 since session 30, are faster).
-  4. carry [.device/bin]: H200_MODELS=lfm2-350m-bf16,lfm2-1.2b-bf16
-     H200_AB_VARIANTS=conv-fused,ffn-fused,conv-ffn-fused,conv-layer-fused,qkv-fused,layers-fused,layers-fused-whole,position-table-off,eps-const-off
-     `ab pick` (~220 s), then H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4
-     `profile-gaps` if time allows (the time between a step's kernels).
-  5. `round 1`, `round 2` (~300 s each) with H200_OURS_ENV setting the
-     one-launch layers the A/B found faster (then make them defaults here,
-     the rounds being what they measured).
-  6. if time is left, carry [.device/bin]:
-     H200_KERNEL_BENCH_ARMS=moe-layer-q4-three,moe-layer-q4-fused,conv-layer-q4-four,conv-layer-q4-fused,ffn-layer-q4-four,ffn-layer-q4-fused,conv-ffn-layer-bf16-two,conv-ffn-layer-bf16-joined,conv-moe-layer-q4-two,conv-moe-layer-q4-joined
-     `kernel-bench` (each layer alone under ncu: what a one-launch layer
-     costs on the GPU against the launches it replaces).
+     bench/results/2026-12-03-h200-session18.raw.jsonl,bench/results/2026-12-04-h200-session20.raw.jsonl,bench/results/2026-12-04-h200-session21.raw.jsonl,bench/results/2026-12-04-h200-session24.raw.jsonl,bench/results/2026-12-05-h200-session27.raw.jsonl,bench/results/2026-12-05-h200-session30.raw.jsonl,bench/results/2026-12-05-h100-session31.raw.jsonl
+     kernels save-ptx` (~420 s: the four new defaults' tests, whose
+     switches changed, the stacked rows' and both greedy tests, whose
+     default run now has the one-launch layers and checks it built each,
+     and the conv + MoE layer's test, never run to its end).
+  3. carry [.device/bin]: H200_OURS_ENV (mimalloc) and
+     H200_AB_VARIANTS=layers-fused-off,moe-fused-off,conv-fused-off,ffn-fused-off,qkv-fused-off,conv-layer-fused,router-scores-f32
+     `timeout -s TERM 400 python3 bench/h200/run.py ab pick gguf-bg`
+     (~230 s: every model's checkpoints, the new defaults each turned off,
+     the joined conv layers over them; `gguf-bg` then converts llama.cpp's
+     files in the background while the next call waits for them).
+  4. carry [.device/bin]: `timeout -s TERM 560 python3 bench/h200/run.py round 1`
+     with H200_OURS_ENV (~300 s), then the same with `round 2`: the
+     README's figures, measured with the one-launch layers for the first
+     time (each round its own call: two in one ran past 555 s in session
+     31, and only SIGTERM's fix lets a cut call keep its raw file).
+  5. if time is left: `profile-gaps` on the 1.2B and the 8B-A1B, or
+     kernel-bench's layer arms (H200_KERNEL_BENCH_ARMS=conv-moe-layer-q4-two,conv-moe-layer-q4-joined,conv-ffn-layer-bf16-two,conv-ffn-layer-bf16-joined).
+Session 30's plan, for the record (session 31 got an H100 on its third
+try and ran calls 1 (`stage`), 2 (the kernel tests, 413 s), 3 and 4 (the
+A/B of the one-launch layers on the 8B-A1B, 228 s, then the dense models,
+119 s, all three models' checkpoints included); its `round 1 round 2`
+call ran past its TERM, fixed after):
+  1. carry [.device/a, .device/llama]: `stage`.
+  2. carry [.device/b, .device/tests]: the one-launch layers' tests and
+     both greedy tests over the verdicts of sessions 18-30, `save-ptx`.
+  3. carry [.device/bin]: `ab pick` of the one-launch layers on the 8B-A1B,
+  4. then on the 350M and the 1.2B.
+  5. `round 1`, `round 2` with the winners set, then make them defaults.
 Session 29's plan, for the record (session 30 had half its device time
 left after its starts and ran calls 1 and 2, all nine tests in 392 s with
 H200_KERNEL_JOBS=5, then a kernel-bench cut at 140 s):
@@ -1583,7 +1593,10 @@ DEFAULT_KERNEL_TESTS = ["add_rms_norm_kernel_matches_stock_ops", "decode_attenti
                         "qk_norm_rope_kernel_matches_stock_ops", "stacked_rows_with_kernels_equal_each_row_alone",
                         "qkv_norm_rope_kernel_matches_stock_ops", "argmax_finite_kernel_matches_stock_ops",
                         "decode_attention_upto_kernel_matches_the_mask",
-                        "moe_router_norm_kernel_matches_the_norm_and_router_kernels"]
+                        "moe_router_norm_kernel_matches_the_norm_and_router_kernels",
+                        # (The one-launch layers, defaults since session 31.)
+                        "conv_fused_kernel_matches_stock_ops", "ffn_fused_kernel_matches_stock_ops",
+                        "qkv_fused_kernel_matches_stock_ops", "moe_fused_kernel_matches_the_three_kernels"]
 # (Not among them: `fused_gate_equals_the_ops`, the fused gate's claim of the
 # ops' bits, a default since session 25 and MLX's own compile, which the
 # compiled decode step has always run. A failure there is a rounding of
@@ -1807,41 +1820,33 @@ AB = {
     # (session 27's ncu source view); alone and with the early loads.
     "router-scores-f32": ({"MLX_LFM_ROUTER_SCORES_F32": "1"}, ["lfm2-8b-a1b-q4"]),
     "router-scores-f32-early": ({"MLX_LFM_ROUTER_SCORES_F32": "1", "MLX_LFM_MOE_DOWN_LOADS": "early"}, ["lfm2-8b-a1b-q4"]),
-    # A lone sequence's MoE layer in one launch (the router + norm, the
-    # experts' gate/up and down: 3 launches and nodes a MoE layer, 22
-    # layers), its stages handed on through counters its blocks take their
-    # parts by (src/kernels/moe_fused.rs).
-    "moe-fused": ({"MLX_LFM_MOE_FUSED": "1"}, ["lfm2-8b-a1b-q4"]),
-    # A lone sequence's short-conv layer in one launch (the add + RMSNorm,
-    # in_proj, the conv step, out_proj: 4 launches and nodes a layer; 18
-    # layers of the 8B-A1B's, quantized, ten of the dense models';
-    # src/kernels/conv_fused.rs), and on the 8B-A1B with the MoE layers'
-    # (the step's fewest nodes, ~105).
-    "conv-fused": ({"MLX_LFM_CONV_FUSED": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
-    "moe-conv-fused": ({"MLX_LFM_MOE_FUSED": "1", "MLX_LFM_CONV_FUSED": "1"}, ["lfm2-8b-a1b-q4"]),
-    # A lone sequence's feed-forward in one launch (the add + RMSNorm,
-    # the SwiGLU GEMV, w2: 2-3 launches and nodes a layer, 16 layers of the
-    # dense models'; 4-bit, the 8B-A1B's two dense layers, ~4 each;
-    # src/kernels/ffn_fused.rs), alone and with the conv layers' (the 1.2B's
-    # step: 138 nodes to ~76).
-    "ffn-fused": ({"MLX_LFM_FFN_FUSED": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
-    "conv-ffn-fused": ({"MLX_LFM_CONV_FUSED": "1", "MLX_LFM_FFN_FUSED": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
-    # An attention layer's q/k/v stage in one launch (the add + RMSNorm, the
-    # stacked projection, the heads' norm + RoPE: 3 launches and nodes a
-    # layer, six layers; src/kernels/qkv_fused.rs), and every one-launch
-    # layer of the session 29 at once (each model serves its own).
-    "qkv-fused": ({"MLX_LFM_QKV_FUSED": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
-    "layers-fused": ({"MLX_LFM_MOE_FUSED": "1", "MLX_LFM_CONV_FUSED": "1", "MLX_LFM_FFN_FUSED": "1", "MLX_LFM_QKV_FUSED": "1"},
-                     ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # The one-launch layers, CUDA defaults since session 31 (its paired A/B,
+    # on an H100, all four at once: decode 1.12x / 1.00x / 1.15x on the
+    # 350M / 1.2B / 8B-A1B; the MoE layer with the conv layers' alone
+    # 1.18x on the 8B-A1B): the MoE layer (the router + norm, the experts'
+    # gate/up and down: 3 launches a MoE layer, 22 layers;
+    # src/kernels/moe_fused.rs), the short-conv layer (the add + RMSNorm,
+    # in_proj, the conv step, out_proj: 4 launches a layer;
+    # src/kernels/conv_fused.rs), the feed-forward (the add + RMSNorm, the
+    # SwiGLU GEMV, w2; src/kernels/ffn_fused.rs) and an attention layer's
+    # q/k/v stage (the add + RMSNorm, the stacked projection, the heads'
+    # norm + RoPE; src/kernels/qkv_fused.rs): measured off here, all four
+    # (the path every session before 31 ran) and each alone.
+    "layers-fused-off": ({"MLX_LFM_MOE_FUSED": "0", "MLX_LFM_CONV_FUSED": "0", "MLX_LFM_FFN_FUSED": "0", "MLX_LFM_QKV_FUSED": "0"},
+                         ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    "moe-fused-off": ({"MLX_LFM_MOE_FUSED": "0"}, ["lfm2-8b-a1b-q4"]),
+    "conv-fused-off": ({"MLX_LFM_CONV_FUSED": "0"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    "ffn-fused-off": ({"MLX_LFM_FFN_FUSED": "0"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    "qkv-fused-off": ({"MLX_LFM_QKV_FUSED": "0"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     # A conv layer with its feed-forward or MoE in one launch (six stages:
     # the two kernels joined; src/kernels/conv_layer_fused.rs: the dense
     # models' ten conv layers after their first, the 8B-A1B's seventeen),
     # and an attention layer's out_proj with the feed-forward or MoE after
-    # it (the six attention layers), alone and with every other one-launch
-    # layer (the 1.2B's step ~48 nodes, the 8B-A1B's ~57).
+    # it (the six attention layers), over the one-launch layers of the
+    # defaults (the 1.2B's step ~48 nodes, the 8B-A1B's ~57). Session 31
+    # timed it before its MoE form could build (0.94-1.10x with the other
+    # one-launch layers off).
     "conv-layer-fused": ({"MLX_LFM_CONV_LAYER_FUSED": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
-    "layers-fused-whole": ({"MLX_LFM_MOE_FUSED": "1", "MLX_LFM_CONV_FUSED": "1", "MLX_LFM_FFN_FUSED": "1", "MLX_LFM_QKV_FUSED": "1",
-                            "MLX_LFM_CONV_LAYER_FUSED": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "router-norm-off": ({"MLX_LFM_ROUTER_NORM_KERNEL": "0"}, ["lfm2-8b-a1b-q4"]),
     "router-norm-narrow": ({"MLX_LFM_ROUTER_NORM_WIDE": "0"}, ["lfm2-8b-a1b-q4"]),
     # The quantized GEMVs in MLX's own qmv arithmetic (MLX_LFM_QGEMV_EXACT:
@@ -1980,22 +1985,11 @@ AB_TESTS = {
     "router-scores-f32-early": ["moe_router_norm_kernel_matches_the_norm_and_router_kernels", "moe_experts_kernels_match_stock_ops",
                                 "greedy:router-scores-f32", "greedy:moe-down-early"],
     "router-norm-narrow": ["moe_router_norm_kernel_matches_the_norm_and_router_kernels"],
-    "moe-fused": ["moe_fused_kernel_matches_the_three_kernels", "greedy:moe-fused"],
-    "conv-fused": ["conv_fused_kernel_matches_stock_ops", "greedy:MLX_LFM_CONV_FUSED"],
-    "ffn-fused": ["ffn_fused_kernel_matches_stock_ops", "greedy:MLX_LFM_FFN_FUSED"],
-    "qkv-fused": ["qkv_fused_kernel_matches_stock_ops", "greedy:MLX_LFM_QKV_FUSED"],
-    "layers-fused": ["moe_fused_kernel_matches_the_three_kernels", "conv_fused_kernel_matches_stock_ops",
-                     "ffn_fused_kernel_matches_stock_ops", "qkv_fused_kernel_matches_stock_ops", "greedy:layers-fused"],
+    # (Off: the path these defaults replaced, which every session before 31
+    # ran, and a batch's rows still run.)
+    **{v: [] for v in ("layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off")},
     "conv-layer-fused": ["conv_layer_fused_kernel_matches_the_two_kernels", "conv_moe_layer_fused_kernel_matches_the_two_kernels",
                          "out_layer_fused_kernel_matches_out_proj_and_the_kernel", "greedy:MLX_LFM_CONV_LAYER_FUSED"],
-    "layers-fused-whole": ["moe_fused_kernel_matches_the_three_kernels", "conv_fused_kernel_matches_stock_ops",
-                           "ffn_fused_kernel_matches_stock_ops", "qkv_fused_kernel_matches_stock_ops",
-                           "conv_layer_fused_kernel_matches_the_two_kernels", "conv_moe_layer_fused_kernel_matches_the_two_kernels",
-                           "out_layer_fused_kernel_matches_out_proj_and_the_kernel", "greedy:layers-fused-whole"],
-    "conv-ffn-fused": ["conv_fused_kernel_matches_stock_ops", "ffn_fused_kernel_matches_stock_ops",
-                       "greedy:MLX_LFM_CONV_FUSED", "greedy:MLX_LFM_FFN_FUSED", "greedy:conv-ffn-fused"],
-    "moe-conv-fused": ["moe_fused_kernel_matches_the_three_kernels", "conv_fused_kernel_matches_stock_ops",
-                       "greedy:moe-fused", "greedy:MLX_LFM_CONV_FUSED", "greedy:moe-conv-fused"],
     "qgemv-exact": ["quant_gemv_kernel_matches_stock_ops", "greedy:MLX_LFM_QGEMV_EXACT"],
     "quant-norm-exact": ["quant_gemv_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops", "greedy:MLX_LFM_QGEMV_EXACT",
                          "greedy:quant-norm-exact"],
@@ -2030,10 +2024,9 @@ PICK = [
     (["quant-embed"], "decode"),
     (["eps-const-off"], "decode"),
     (["position-table-off"], "decode"),
-    (["moe-down-early", "router-scores-f32", "router-scores-f32-early", "moe-fused"], "decode"),
-    (["conv-fused", "moe-conv-fused"], "decode"),
-    (["ffn-fused", "conv-ffn-fused", "conv-layer-fused"], "decode"),
-    (["qkv-fused", "layers-fused", "layers-fused-whole"], "decode"),
+    (["moe-down-early", "router-scores-f32", "router-scores-f32-early"], "decode"),
+    (["conv-layer-fused"], "decode"),
+    (["layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off"], "decode"),
     (["attention-smem", "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4"], "decode"),
     (["norm-runs-guarded"], "decode"),
     (["fold-early"], "decode"),
@@ -2060,8 +2053,8 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "gemv-max-k-2048-c4-early-guarded", "gemv-c2", "gemv-c4", "swiglu-gemv-1024", "attention-smem",
                "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4", "conv-gemv",
                "moe-down-early", "router-scores-f32", "router-scores-f32-early", "fold-eps-const", "position-table-off",
-               "fold-deferred", "moe-fused", "conv-fused", "moe-conv-fused", "ffn-fused", "conv-ffn-fused", "qkv-fused", "layers-fused",
-               "conv-layer-fused", "layers-fused-whole"}
+               "fold-deferred", "layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off",
+               "conv-layer-fused"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]

@@ -1,11 +1,14 @@
-//! A lone sequence's feed-forward in one launch (`MLX_LFM_FFN_FUSED=1`,
-//! opt-in until its H200 test and A/B): the residual add + RMSNorm before
-//! it, the stacked w1/w3 with the SwiGLU gate, and w2, dense (the 350M's
-//! and the 1.2B's) or 4/8-bit (the 8B-A1B's two dense layers); by default
-//! two to four launches (the add + RMSNorm kernel or its fold into the
-//! SwiGLU GEMV, the SwiGLU GEMV, MLX's GEMV of w2; quantized: MLX's `qmv`
-//! of w1/w3, the gate, `qmv` of w2): 32 of the 1.2B's 138 nodes a step
-//! over its 16 layers, 16 of the 350M's.
+//! A lone sequence's feed-forward in one launch (a CUDA default since
+//! session 31, `MLX_LFM_FFN_FUSED=0` off: its H200 test and greedy sets
+//! passed in sessions 30-31, and the one-launch layers together read decode
+//! 1.12x / 1.00x / 1.15x on the 350M / 1.2B / 8B-A1B in session 31's paired
+//! A/B, on an H100): the residual add + RMSNorm before it, the stacked
+//! w1/w3 with the SwiGLU gate, and w2, dense (the 350M's and the 1.2B's) or
+//! 4/8-bit (the 8B-A1B's two dense layers); otherwise two to four launches
+//! (the add + RMSNorm kernel or its fold into the SwiGLU GEMV, the SwiGLU
+//! GEMV, MLX's GEMV of w2; quantized: MLX's `qmv` of w1/w3, the gate, `qmv`
+//! of w2): 32 of the 1.2B's 138 nodes a step over its 16 layers, 16 of the
+//! 350M's.
 //!
 //! Stages handed on as in src/kernels/moe_fused.rs (read its note: a
 //! block's ticket from the layer's counters gives its part and its launch,
@@ -51,7 +54,7 @@ const MAX_WIDTH: i32 = 16_384;
 
 fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    super::opt_in("MLX_LFM_FFN_FUSED", &ON)
+    super::opt_out("MLX_LFM_FFN_FUSED", &ON)
 }
 
 static BUILT: Built = Built::new();

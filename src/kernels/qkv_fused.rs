@@ -1,10 +1,12 @@
-//! A lone sequence's q/k/v stage of an attention layer in one launch
-//! (`MLX_LFM_QKV_FUSED=1`, opt-in until its H200 test and A/B): the
-//! residual add + RMSNorm before it, the stacked q/k/v projection and the
-//! heads' norm + RoPE, by default three launches (the add + RMSNorm kernel,
-//! MLX's GEMV or `qmv`, src/kernels/qk_norm_rope.rs's q/k/v kernel): 12 of
-//! the 1.2B's and the 8B-A1B's nodes a step over their six attention
-//! layers.
+//! A lone sequence's q/k/v stage of an attention layer in one launch (a
+//! CUDA default since session 31, `MLX_LFM_QKV_FUSED=0` off: its H200 test
+//! and greedy sets passed in sessions 30-31, and the one-launch layers
+//! together read decode 1.12x / 1.00x / 1.15x on the 350M / 1.2B / 8B-A1B
+//! in session 31's paired A/B, on an H100): the residual add + RMSNorm
+//! before it, the stacked q/k/v projection and the heads' norm + RoPE,
+//! otherwise three launches (the add + RMSNorm kernel, MLX's GEMV or `qmv`,
+//! src/kernels/qk_norm_rope.rs's q/k/v kernel): 12 of the 1.2B's and the
+//! 8B-A1B's nodes a step over their six attention layers.
 //!
 //! Stages handed on as in src/kernels/moe_fused.rs (read its note): ticket
 //! 0 the add + RMSNorm as the add + RMSNorm kernel's block runs it; each
@@ -30,7 +32,7 @@ const MAX_HEAD: i32 = 128;
 
 fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    super::opt_in("MLX_LFM_QKV_FUSED", &ON)
+    super::opt_out("MLX_LFM_QKV_FUSED", &ON)
 }
 
 static BUILT: Built = Built::new();

@@ -440,7 +440,15 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     failures.push(format!("{what}: the stock ops' logits are not finite at step {i}"));
                     continue;
                 }
+                // (The one-launch layers, defaults since session 31, each
+                // counted as the default run builds them: checked below.)
+                let layers_built = || {
+                    use crate::kernels::{conv_fused, ffn_fused, moe_fused, qkv_fused};
+                    (conv_fused::built(), ffn_fused::built(), qkv_fused::built(), moe_fused::built())
+                };
+                let before_default = layers_built();
                 let mut runs = vec![("default", run(Some(&stock)).0)];
+                let after_default = layers_built();
                 runs.push(("every opt-in", crate::kernels::with_opt_in(|| run(Some(&stock))).0));
                 // Each opt-in switch this case's weights meet, alone: a
                 // departure of the set names its kernel, and `run.py pick`
@@ -454,19 +462,13 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     true => vec!["MLX_LFM_QGEMV_KERNEL", "MLX_LFM_NORM_GEMV_KERNEL", "MLX_LFM_QUANT_EMBED_KERNEL"],
                     false => vec![],
                 };
-                // The conv layer and the dense feed-forward each in one
-                // launch, over quantized or dense projections (a compiled
-                // step's rows only: an eager run would be the stock path's
-                // again); a MoE model's feed-forward where it has dense
-                // layers (the wide fixture's first, 4-bit as the 8B-A1B's).
+                // (The conv layer, the feed-forward, the q/k/v stage and the
+                // MoE layer each in one launch are defaults since session
+                // 31: the default run has them, in a compiled step's rows,
+                // and must build each where the fixture has such a layer;
+                // "layers-fused-off" below runs the path they replaced.)
                 let compiled = path == DecodePath::Compiled;
-                if compiled {
-                    alone.push("MLX_LFM_CONV_FUSED");
-                }
                 let dense_ffn = spec.shape.moe.as_ref().is_none_or(|m| m.num_dense_layers > 0);
-                if compiled && dense_ffn {
-                    alone.push("MLX_LFM_FFN_FUSED");
-                }
                 // A conv layer with its feed-forward in one launch: such a
                 // layer after the first (whose norm adds no residual), with a
                 // dense feed-forward or (the wide 4-bit MoE fixture's 2,048
@@ -477,12 +479,9 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 if compiled && conv_layer_fused {
                     alone.push("MLX_LFM_CONV_LAYER_FUSED");
                 }
-                // The q/k/v stage in one launch (an attention layer after
-                // the first: its norm adds a residual).
+                // (The q/k/v stage serves an attention layer after the
+                // first: its norm adds a residual.)
                 let attention_after_first = spec.shape.full_attn_idxs.iter().any(|&i| i > 0);
-                if compiled && attention_after_first {
-                    alone.push("MLX_LFM_QKV_FUSED");
-                }
                 // The split decode attention serves head sizes over 16: the
                 // wide fixtures' 64, not the tiny ones'.
                 if wide {
@@ -503,10 +502,6 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 if !q4 {
                     alone.push("MLX_LFM_FOLD_EPS_CONST");
                 }
-                let built = || {
-                    use crate::kernels::{conv_fused, conv_layer_fused, ffn_fused, qkv_fused};
-                    (conv_fused::built(), ffn_fused::built(), qkv_fused::built(), conv_layer_fused::built())
-                };
                 // Where the one-launch layers can serve at all: a compiled
                 // step's `[1, D]` rows (the eager decode's are `[1, 1, D]`),
                 // eps compiled in (an environment may turn either off).
@@ -523,47 +518,46 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     eprintln!("{what}: the {set} kernels FAILED: its run never built its one-launch layer");
                     failures.push(format!("{what}: the {set} run never built its one-launch layer"));
                 };
+                // The default run built each one-launch layer the fixture
+                // has (a layer that never served would pass as the stock
+                // path's tokens): a conv layer after the first (the first
+                // layer's norm has no residual to add), a dense
+                // feed-forward, an attention layer after the first, and
+                // the MoE layer the kernel serves (the wide 4-bit fixture's).
+                let conv_after_first = (1..spec.shape.num_hidden_layers).any(|i| !spec.shape.full_attn_idxs.contains(&i));
+                let moe_served = q4 && wide && moe;
+                let missing: Vec<&str> = [
+                    (conv_after_first, after_default.0 == before_default.0, "conv"),
+                    (dense_ffn, after_default.1 == before_default.1, "feed-forward"),
+                    (attention_after_first, after_default.2 == before_default.2, "q/k/v"),
+                    (moe_served, after_default.3 == before_default.3, "MoE"),
+                ]
+                .iter()
+                .filter(|(has, same, _)| *has && *same)
+                .map(|(_, _, name)| *name)
+                .collect();
+                if can_fuse && !missing.is_empty() {
+                    // (The line run.py reads as the default set's verdict.)
+                    let layers = missing.join(", ");
+                    eprintln!("{what}: the default kernels FAILED: its run never built its one-launch {layers} layers");
+                    failures.push(format!("{what}: the default run never built its one-launch {layers} layers"));
+                }
                 for var in alone {
-                    let before = built();
+                    let before = crate::kernels::conv_layer_fused::built();
                     runs.push((var, crate::kernels::with_opt_in_one(var, || run(Some(&stock))).0));
-                    // (A fused layer that never served would pass as the
-                    // stock path's tokens.)
-                    let after = built();
-                    // (A conv layer's add needs a layer before it: the first
-                    // layer's norm has no residual to add.)
-                    let conv_after_first = (1..spec.shape.num_hidden_layers).any(|i| !spec.shape.full_attn_idxs.contains(&i));
-                    let conv_unbuilt = var == "MLX_LFM_CONV_FUSED" && conv_after_first && after.0 == before.0;
-                    let qkv_unbuilt = var == "MLX_LFM_QKV_FUSED" && attention_after_first && after.2 == before.2;
-                    let layer_unbuilt = var == "MLX_LFM_CONV_LAYER_FUSED" && after.3 == before.3;
-                    if can_fuse && (conv_unbuilt || qkv_unbuilt || layer_unbuilt || (var == "MLX_LFM_FFN_FUSED" && after.1 == before.1)) {
+                    if can_fuse && var == "MLX_LFM_CONV_LAYER_FUSED" && crate::kernels::conv_layer_fused::built() == before {
                         unbuilt(var, &mut failures);
                     }
                 }
                 if compiled {
-                    // Every one-launch layer at once (run.py's `layers-fused`).
+                    // The path the one-launch layers replaced (run.py's
+                    // `layers-fused-off`), which every session before 31
+                    // ran by default and a batch's rows still run.
                     let set: Vec<(String, Option<String>)> = ["MLX_LFM_MOE_FUSED", "MLX_LFM_CONV_FUSED", "MLX_LFM_FFN_FUSED", "MLX_LFM_QKV_FUSED"]
                         .iter()
-                        .map(|v| (v.to_string(), Some("1".to_string())))
+                        .map(|v| (v.to_string(), Some("0".to_string())))
                         .collect();
-                    runs.push(("layers-fused", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
-                    // And the conv layers whole, with their feed-forwards
-                    // (run.py's `layers-fused-whole`).
-                    let mut set = set;
-                    set.push(("MLX_LFM_CONV_LAYER_FUSED".to_string(), Some("1".to_string())));
-                    let before = built();
-                    runs.push(("layers-fused-whole", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
-                    if can_fuse && conv_layer_fused && built().3 == before.3 {
-                        unbuilt("layers-fused-whole", &mut failures);
-                    }
-                }
-                if !q4 && compiled {
-                    // The conv layers and the feed-forwards each in one
-                    // launch (run.py's `conv-ffn-fused`).
-                    let set = [
-                        ("MLX_LFM_CONV_FUSED".to_string(), Some("1".to_string())),
-                        ("MLX_LFM_FFN_FUSED".to_string(), Some("1".to_string())),
-                    ];
-                    runs.push(("conv-ffn-fused", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
+                    runs.push(("layers-fused-off", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
                 }
                 if !q4 {
                     // The deferred folds over every dense norm + projection
@@ -608,26 +602,6 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     runs.push(("moe-down-early", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
                     let set = [("MLX_LFM_ROUTER_SCORES_F32".to_string(), Some("1".to_string()))];
                     runs.push(("router-scores-f32", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
-                }
-                if q4 && wide && moe && compiled {
-                    let built = || (crate::kernels::moe_fused::built(), crate::kernels::conv_fused::built());
-                    let before = built();
-                    let set = [("MLX_LFM_MOE_FUSED".to_string(), Some("1".to_string()))];
-                    runs.push(("moe-fused", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
-                    if can_fuse && built().0 == before.0 {
-                        unbuilt("moe-fused", &mut failures);
-                    }
-                    // And with the conv layers in one launch too (run.py's
-                    // `moe-conv-fused`: the 8B-A1B's step at its fewest nodes).
-                    let set = [
-                        ("MLX_LFM_MOE_FUSED".to_string(), Some("1".to_string())),
-                        ("MLX_LFM_CONV_FUSED".to_string(), Some("1".to_string())),
-                    ];
-                    let before = built();
-                    runs.push(("moe-conv-fused", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
-                    if can_fuse && (built().0 == before.0 || built().1 == before.1) {
-                        unbuilt("moe-conv-fused", &mut failures);
-                    }
                 }
                 if path == DecodePath::Compiled {
                     // A lone sequence's position as the host scalar (the
@@ -1947,9 +1921,13 @@ fn moe_fused_kernel_matches_the_three_kernels() {
     crate::knobs::with_overrides(&off, || {
         assert!(!with_opt_in_one("MLX_LFM_MOE_FUSED", || available(&one, &g, &gu, &dn, 4)), "served with eps read from its array");
     });
+    // A CUDA default since session 31: on without its switch, off with
+    // MLX_LFM_MOE_FUSED=0.
     if std::env::var_os("MLX_LFM_MOE_FUSED").is_none() {
-        assert!(!crate::knobs::with_overrides(&consts, || available(&one, &g, &gu, &dn, 4)), "on without its switch");
+        assert!(crate::knobs::with_overrides(&consts, || available(&one, &g, &gu, &dn, 4)), "off without its switch");
     }
+    let off = [consts[0].clone(), ("MLX_LFM_MOE_FUSED".to_string(), Some("0".to_string()))];
+    assert!(!crate::knobs::with_overrides(&off, || available(&one, &g, &gu, &dn, 4)), "on with MLX_LFM_MOE_FUSED=0");
 }
 
 /// The one-launch short-conv layer (`MLX_LFM_CONV_FUSED`) against the
@@ -2088,9 +2066,13 @@ fn conv_fused_kernel_matches_stock_ops() {
     crate::knobs::with_overrides(&off, || {
         assert!(!with_opt_in_one("MLX_LFM_CONV_FUSED", || available(&with_r, p, &state, &cw, false)), "served with eps read from its array");
     });
+    // A CUDA default since session 31: on without its switch, off with
+    // MLX_LFM_CONV_FUSED=0.
     if std::env::var_os("MLX_LFM_CONV_FUSED").is_none() {
-        assert!(!crate::knobs::with_overrides(&consts, || available(&with_r, p, &state, &cw, false)), "on without its switch");
+        assert!(crate::knobs::with_overrides(&consts, || available(&with_r, p, &state, &cw, false)), "off without its switch");
     }
+    let off = [consts[0].clone(), ("MLX_LFM_CONV_FUSED".to_string(), Some("0".to_string()))];
+    assert!(!crate::knobs::with_overrides(&off, || available(&with_r, p, &state, &cw, false)), "on with MLX_LFM_CONV_FUSED=0");
 }
 
 /// The whole conv layer in one launch (`MLX_LFM_CONV_LAYER_FUSED`) against
@@ -2563,9 +2545,13 @@ fn ffn_fused_kernel_matches_stock_ops() {
     crate::knobs::with_overrides(&off, || {
         assert!(!with_opt_in_one("MLX_LFM_FFN_FUSED", || available(&with_r, p)), "served with eps read from its array");
     });
+    // A CUDA default since session 31: on without its switch, off with
+    // MLX_LFM_FFN_FUSED=0.
     if std::env::var_os("MLX_LFM_FFN_FUSED").is_none() {
-        assert!(!crate::knobs::with_overrides(&consts, || available(&with_r, p)), "on without its switch");
+        assert!(crate::knobs::with_overrides(&consts, || available(&with_r, p)), "off without its switch");
     }
+    let off = [consts[0].clone(), ("MLX_LFM_FFN_FUSED".to_string(), Some("0".to_string()))];
+    assert!(!crate::knobs::with_overrides(&off, || available(&with_r, p)), "on with MLX_LFM_FFN_FUSED=0");
 }
 
 /// The one-launch q/k/v stage (`MLX_LFM_QKV_FUSED`) against the stock
@@ -2642,6 +2628,14 @@ fn qkv_fused_kernel_matches_stock_ops() {
                     })
                 };
                 let (s, gq, gk, gv) = run(&counters);
+                // A CUDA default since session 31: on without its switch,
+                // off with MLX_LFM_QKV_FUSED=0.
+                let served = || available(&x, p, &qw, &kw, (qh, kvh, hd), &offset);
+                if std::env::var_os("MLX_LFM_QKV_FUSED").is_none() {
+                    assert!(served(), "{what}: off without its switch");
+                }
+                let off = [("MLX_LFM_QKV_FUSED".to_string(), Some("0".to_string()))];
+                assert!(!crate::knobs::with_overrides(&off, served), "{what}: on with MLX_LFM_QKV_FUSED=0");
                 assert_eq!(differing(&s, &ws), 0, "{what}: the residual sum differs");
                 // (v is the product itself, rounded: where the walk is MLX's,
                 // its bits; printed with q and k below, asserted within two

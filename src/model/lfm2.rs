@@ -146,7 +146,7 @@ impl Attention {
             Offset::Array(_) => return Ok(None),
         };
         // The norm, the projection and the heads' norm + RoPE in one launch
-        // (decode on CUDA, MLX_LFM_QKV_FUSED=1).
+        // (a lone sequence's decode on CUDA; MLX_LFM_QKV_FUSED=0 off).
         if let (true, Projections::Stacked { linear: Linear { weight, bias: None, .. }, .. }) =
             (crate::kernels::qkv_fused::enabled_here() && x.h.ndim() == 2, &self.qkv)
         {
@@ -305,8 +305,8 @@ impl ShortConv {
             return Ok((s, self.conv_parts(&parts, &prev, layer, cache)?));
         }
         use crate::kernels::{conv_fused, short_conv};
-        // The whole layer in one launch (decode on CUDA,
-        // MLX_LFM_CONV_FUSED=1): the state is asked of the cache here, once,
+        // The whole layer in one launch (a lone sequence's decode on
+        // CUDA; MLX_LFM_CONV_FUSED=0 off): the state is asked of the cache here, once,
         // and kept for the paths below where it does not serve.
         let same = |a: &Array| a.dtype() == x.h.dtype();
         let whole = if conv_fused::enabled_here() { self.stage_projections(x) } else { None };
@@ -474,8 +474,8 @@ impl Mlp {
     /// serves them (a stacked dense w1/w3).
     pub fn forward_normed(&self, x: &Normed) -> Result<(Array, Array)> {
         use crate::kernels::{ffn_fused, norm_gemv};
-        // The whole feed-forward in one launch (decode on CUDA,
-        // MLX_LFM_FFN_FUSED=1).
+        // The whole feed-forward in one launch (a lone sequence's
+        // decode on CUDA; MLX_LFM_FFN_FUSED=0 off).
         if let Some(p) = self.stage_projections().filter(|&p| ffn_fused::available(x, p)) {
             let (s, out) = ffn_fused::forward(x, p, &self.fused_counters)?;
             return Ok((s, reduce(&self.shard, out)?));
