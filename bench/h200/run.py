@@ -171,11 +171,12 @@ and lost its rounds to the SIGTERM bug fixed after; a call that finds no
 machine costs 90-180 s, so start only when `status` offers one):
   1. carry [.device/a, .device/llama]: `stage` (~100 s with the start).
   2. carry [.device/b, .device/tests]: with both variables set for the
-     whole command, H200_KERNEL_JOBS=5
+     whole command, H200_KERNEL_JOBS=7 (the greedy test is four since
+     session 31, a process each, and three processes for the rest)
      H200_KERNEL_TESTS=conv_fused_kernel_matches_stock_ops,ffn_fused_kernel_matches_stock_ops,qkv_fused_kernel_matches_stock_ops,moe_fused_kernel_matches_the_three_kernels,conv_moe_layer_fused_kernel_matches_the_two_kernels,stacked_rows_with_kernels_equal_each_row_alone,greedy_tokens_with_kernels_equal_stock_ops
      `timeout -s TERM 560 python3 bench/h200/run.py install verdicts-from
      bench/results/2026-12-03-h200-session18.raw.jsonl,bench/results/2026-12-04-h200-session20.raw.jsonl,bench/results/2026-12-04-h200-session21.raw.jsonl,bench/results/2026-12-04-h200-session24.raw.jsonl,bench/results/2026-12-05-h200-session27.raw.jsonl,bench/results/2026-12-05-h200-session30.raw.jsonl,bench/results/2026-12-05-h100-session31.raw.jsonl
-     kernels save-ptx` (~420 s: the four new defaults' tests, whose
+     kernels save-ptx` (~300 s: the four new defaults' tests, whose
      switches changed, the stacked rows' and both greedy tests, whose
      default run now has the one-launch layers and checks it built each,
      and the conv + MoE layer's test, never run to its end).
@@ -1446,8 +1447,9 @@ def kernels():
                if f]
     # The whole suite took 578 s of a call's 600 in one process (NVRTC
     # compiles per shape and dtype, on the host's cores): H200_KERNEL_JOBS
-    # processes (3) share the GPU, each greedy test (the longest: the tiny
-    # fixtures' and the wide ones') alone in one.
+    # processes (3) share the GPU, each greedy test (the longest: four since
+    # session 31, a fixture each) alone in one, the rest over what is left
+    # of H200_KERNEL_JOBS (at least one process).
     listed = sh([tests[0], *filters, "--list"], check=False).stdout
     names = [l.split(": test")[0] for l in listed.splitlines() if l.endswith(": test")]
     jobs = max(1, int(os.environ.get("H200_KERNEL_JOBS", "3")))

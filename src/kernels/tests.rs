@@ -349,25 +349,68 @@ fn greedy_test_wide_fixtures_load() {
 /// does not send two runs down different texts): at every step the same
 /// choice as the stock path, or one its logits rank within [`NEAR_TIE`] of
 /// its own. A kernel that computes something else departs where one token
-/// clearly wins, and fails. The tiny fixtures here, the wide ones in
-/// [`greedy_tokens_with_kernels_equal_stock_ops_on_wide_rows`] (a test of
-/// its own, so the H200's run gives each a process: the longest test).
+/// clearly wins, and fails. The dense tiny fixture here; the tiny MoE one, the wide dense and the
+/// wide MoE one each in a test of their own below, so that the device's
+/// run (a process a greedy test: `bench/h200/run.py kernels`) spreads them
+/// over four processes (session 31: the tiny pair 403 s, the wide pair 341
+/// s, the longest of the call's 413).
 #[test]
 fn greedy_tokens_with_kernels_equal_stock_ops() {
     if skip("greedy_tokens_with_kernels_equal_stock_ops") {
         return;
     }
-    greedy_tokens_over(tiny_greedy_fixtures());
+    greedy_tokens_over(greedy_fixture(tiny_greedy_fixtures(), "Tiny"));
 }
 
-/// [`greedy_tokens_with_kernels_equal_stock_ops`] over the 2,048-wide
-/// fixtures ([`wide_greedy_fixtures`]).
+/// [`greedy_tokens_with_kernels_equal_stock_ops`] over the tiny MoE fixture.
+#[test]
+fn greedy_tokens_with_kernels_equal_stock_ops_on_moe() {
+    if skip("greedy_tokens_with_kernels_equal_stock_ops_on_moe") {
+        return;
+    }
+    greedy_tokens_over(greedy_fixture(tiny_greedy_fixtures(), "TinyMoe"));
+}
+
+/// [`greedy_tokens_with_kernels_equal_stock_ops`] over the 2,048-wide dense
+/// fixture ([`wide_greedy_fixtures`]).
 #[test]
 fn greedy_tokens_with_kernels_equal_stock_ops_on_wide_rows() {
     if skip("greedy_tokens_with_kernels_equal_stock_ops_on_wide_rows") {
         return;
     }
-    greedy_tokens_over(wide_greedy_fixtures());
+    greedy_tokens_over(greedy_fixture(wide_greedy_fixtures(), "WideDense"));
+}
+
+/// [`greedy_tokens_with_kernels_equal_stock_ops`] over the 2,048-wide MoE
+/// fixture (the 8B-A1B's rows, 4-bit).
+#[test]
+fn greedy_tokens_with_kernels_equal_stock_ops_on_wide_moe() {
+    if skip("greedy_tokens_with_kernels_equal_stock_ops_on_wide_moe") {
+        return;
+    }
+    greedy_tokens_over(greedy_fixture(wide_greedy_fixtures(), "WideMoe"));
+}
+
+/// The four greedy tests' fixtures are the two lists' four, each once (a
+/// label the device would find missing fails here first).
+#[test]
+fn greedy_tests_cover_each_fixture_once() {
+    let labels: Vec<&str> = tiny_greedy_fixtures().into_iter().chain(wide_greedy_fixtures()).map(|(l, _)| l).collect();
+    assert_eq!(labels, ["Tiny", "TinyMoe", "WideDense", "WideMoe"]);
+    for (all, label) in [(tiny_greedy_fixtures(), "Tiny"), (tiny_greedy_fixtures(), "TinyMoe")] {
+        assert_eq!(greedy_fixture(all, label)[0].0, label);
+    }
+    for label in ["WideDense", "WideMoe"] {
+        assert_eq!(greedy_fixture(wide_greedy_fixtures(), label)[0].0, label);
+    }
+}
+
+/// The one fixture of `all` labelled `label` (a test's own: a missing one
+/// fails rather than running nothing).
+fn greedy_fixture(all: Vec<(&'static str, FixtureSpec)>, label: &str) -> Vec<(&'static str, FixtureSpec)> {
+    let one: Vec<_> = all.into_iter().filter(|(l, _)| *l == label).collect();
+    assert_eq!(one.len(), 1, "the greedy fixture {label}");
+    one
 }
 
 fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
