@@ -553,8 +553,16 @@ def install():
 def install_wheels():
     b = ROOT / ".device" / "b"
     whl = Path("/tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl")
+    parts = [Path("/tmp/stage/cuda.part.aa"), b / "cuda.part.ab"]
+    missing = [str(p) for p in parts if not p.exists()]
+    if missing:
+        # (Session 31 spent a call on a traceback here: its first `ab` came
+        # before the call that carries .device/b.)
+        raise SystemExit(f"install: MLX's CUDA wheel is not on this machine yet and {', '.join(missing)} is missing: "
+                         "`stage` (carry .device/a) first, then a call that carries .device/b (the kernel tests' call) "
+                         "installs it; later calls need neither while the machine stays warm")
     with open(whl, "wb") as out:
-        for part in [Path("/tmp/stage/cuda.part.aa"), b / "cuda.part.ab"]:
+        for part in parts:
             out.write(part.read_bytes())
     wheels = [str(whl)] + [str(p) for p in b.glob("*.whl")]
     sh([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--target", SITE] + wheels,

@@ -349,5 +349,19 @@ class RoundsStop(unittest.TestCase):
         self.assertFalse(issubclass(self.run.Stopped, (SystemExit, Exception)))
 
 
+class Install(unittest.TestCase):
+    """A call that needs MLX before the wheel's halves are here says which."""
+
+    def test_a_missing_half_is_named(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            run = load_run(Path(tmp))
+            run.ROOT = Path(tmp)
+            run.SITE = Path(tmp) / "site"
+            with self.assertRaises(SystemExit) as e:
+                run.install_wheels()
+            self.assertIn(".device/b", str(e.exception))
+            self.assertIn("cuda.part.ab", str(e.exception))
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)
