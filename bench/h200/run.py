@@ -181,7 +181,7 @@ machine costs 90-180 s, so start only when `status` offers one):
      default run now has the one-launch layers and checks it built each,
      and the conv + MoE layer's test, never run to its end).
   3. carry [.device/bin]: H200_OURS_ENV (mimalloc) and
-     H200_AB_VARIANTS=layers-fused-off,moe-fused-off,conv-fused-off,ffn-fused-off,qkv-fused-off,conv-layer-fused,router-scores-f32
+     H200_AB_VARIANTS=layers-fused-off,moe-fused-off,conv-fused-off,ffn-fused-off,qkv-fused-off,conv-layer-fused
      `timeout -s TERM 400 python3 bench/h200/run.py ab pick gguf-bg`
      (~230 s: every model's checkpoints, the new defaults each turned off,
      the joined conv layers over them; `gguf-bg` then converts llama.cpp's
@@ -1828,6 +1828,9 @@ AB = {
     # The router's expert weights as float32, 16 bytes a row: out of MLX's
     # managed scalar pool, where the down kernel's every warp waited on them
     # (session 27's ncu source view); alone and with the early loads.
+    # (Since session 31 the one-launch MoE layer serves a lone sequence's
+    # MoE layers: these three change only a batch's step, which this A/B
+    # does not time; they read ~1.0 here.)
     "router-scores-f32": ({"MLX_LFM_ROUTER_SCORES_F32": "1"}, ["lfm2-8b-a1b-q4"]),
     "router-scores-f32-early": ({"MLX_LFM_ROUTER_SCORES_F32": "1", "MLX_LFM_MOE_DOWN_LOADS": "early"}, ["lfm2-8b-a1b-q4"]),
     # The one-launch layers, CUDA defaults since session 31 (its paired A/B,
@@ -2545,7 +2548,7 @@ def main():
                 raise SystemExit(f"unknown step {a}")
             i += 1
     except Stopped as e:
-        record(engine="stopped", step=args[i] if i < len(args) else None, reason=str(e))
+        record(engine="stopped", args=args, reason=str(e))
         raise SystemExit(str(e))
     finally:
         if RAW.exists():

@@ -611,7 +611,7 @@ DEFINES_OF = {
 
 # How many dtype values CudaKernel::new adds (src/mlx/kernel.rs IO_NAMES),
 # seven operands each: a kernel with more operands is refused there.
-IO_VALUES = len(re.findall(r'"LFM_IO\d+"', re.search(r"const IO_NAMES[^\n]*", (root / "src" / "mlx" / "kernel.rs").read_text()).group(0)))
+IO_VALUES = int(re.search(r"const IO_NAMES: \[&str; (\d+)\]", (root / "src" / "mlx" / "kernel.rs").read_text()).group(1))
 
 failed = 0
 for file, (ins, outs, targs, *only_dtypes) in KERNELS.items():

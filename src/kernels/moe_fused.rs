@@ -88,7 +88,7 @@ static BUILT: Built = Built::new();
 
 /// How many times [`forward`] has put the kernel into a graph in this
 /// process (a compiled step once, when it is traced): the greedy test's
-/// evidence that its `moe-fused` runs took this path at all.
+/// evidence that its default runs took this path at all.
 pub fn built() -> usize {
     BUILT.get()
 }

@@ -567,13 +567,18 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 // layer's norm has no residual to add), a dense
                 // feed-forward, an attention layer after the first, and
                 // the MoE layer the kernel serves (the wide 4-bit fixture's).
+                // (Not where the environment turned a layer off, nor the
+                // conv, feed-forward and MoE layers where it turned the
+                // joined layers on: those serve them first. run.py's
+                // `pick` may set either for a machine's later calls.)
                 let conv_after_first = (1..spec.shape.num_hidden_layers).any(|i| !spec.shape.full_attn_idxs.contains(&i));
                 let moe_served = q4 && wide && moe;
+                let joined = crate::knobs::var("MLX_LFM_CONV_LAYER_FUSED").as_deref() == Some("1");
                 let missing: Vec<&str> = [
-                    (conv_after_first, after_default.0 == before_default.0, "conv"),
-                    (dense_ffn, after_default.1 == before_default.1, "feed-forward"),
-                    (attention_after_first, after_default.2 == before_default.2, "q/k/v"),
-                    (moe_served, after_default.3 == before_default.3, "MoE"),
+                    (conv_after_first && !joined && !off("MLX_LFM_CONV_FUSED"), after_default.0 == before_default.0, "conv"),
+                    (dense_ffn && !joined && !off("MLX_LFM_FFN_FUSED"), after_default.1 == before_default.1, "feed-forward"),
+                    (attention_after_first && !off("MLX_LFM_QKV_FUSED"), after_default.2 == before_default.2, "q/k/v"),
+                    (moe_served && !joined && !off("MLX_LFM_MOE_FUSED"), after_default.3 == before_default.3, "MoE"),
                 ]
                 .iter()
                 .filter(|(has, same, _)| *has && *same)
@@ -639,11 +644,14 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 if q4 && wide && moe {
                     // The experts' down kernel with its loads issued first
                     // (MLX_LFM_MOE_DOWN_LOADS) and the router's weights as
-                    // float32 (MLX_LFM_ROUTER_SCORES_F32); below, the layer
-                    // in one launch (MLX_LFM_MOE_FUSED), compiled steps only.
-                    let set = [("MLX_LFM_MOE_DOWN_LOADS".to_string(), Some("early".to_string()))];
+                    // float32 (MLX_LFM_ROUTER_SCORES_F32), each with the
+                    // MoE layer's three launches (MLX_LFM_MOE_FUSED=0):
+                    // what a batch's rows run, and a compiled lone row
+                    // otherwise takes the one-launch layer instead.
+                    let three = ("MLX_LFM_MOE_FUSED".to_string(), Some("0".to_string()));
+                    let set = [("MLX_LFM_MOE_DOWN_LOADS".to_string(), Some("early".to_string())), three.clone()];
                     runs.push(("moe-down-early", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
-                    let set = [("MLX_LFM_ROUTER_SCORES_F32".to_string(), Some("1".to_string()))];
+                    let set = [("MLX_LFM_ROUTER_SCORES_F32".to_string(), Some("1".to_string())), three];
                     runs.push(("router-scores-f32", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
                 }
                 if path == DecodePath::Compiled {
