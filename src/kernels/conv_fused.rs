@@ -99,8 +99,25 @@ pub fn enabled_here() -> bool {
 /// kernel serves the row with a block no wider than this kernel's (the
 /// same grouping of its sums), and the staged rows within shared memory.
 pub fn available(x: &Normed, p: Projections, state: &Array, cw: &Array, has_bias: bool) -> bool {
+    if !enabled_here() || !part_served(x, p, state, cw, has_bias, WARPS) {
+        return false;
+    }
+    let bytes = |len: i32| len as usize * x.h.dtype().size();
+    bytes(x.h.dim(1)).max(bytes(cw.dim(0))) <= stages::MAX_STAGED && kernel(p.quant()).is_some()
+}
+
+/// The conv layer's operands as this kernel's stages serve them, in blocks
+/// of `warps` warps (also the joined kernels' conv part,
+/// src/kernels/conv_layer_fused.rs; callers ask for their switch and for
+/// CUDA): eps compiled in,
+/// no bias, one row `x` with a residual to add, its norm as the add +
+/// RMSNorm kernel serves it with a block no wider than ours, the
+/// projections as the products serve them, the state and weights in the
+/// row's dtype, the row and the channels within [`MAX_WIDTH`] and whole
+/// 16-byte runs.
+pub(crate) fn part_served(x: &Normed, p: Projections, state: &Array, cw: &Array, has_bias: bool, warps: i32) -> bool {
     let Some(r) = x.r else { return false };
-    if !enabled_here() || has_bias || !super::add_rms_norm::eps_const() || x.h.ndim() != 2 || x.h.dim(0) != 1 {
+    if has_bias || !super::add_rms_norm::eps_const() || x.h.ndim() != 2 || x.h.dim(0) != 1 {
         return false;
     }
     if state.ndim() != 3 || cw.ndim() != 2 {
@@ -110,7 +127,7 @@ pub fn available(x: &Normed, p: Projections, state: &Array, cw: &Array, has_bias
     let (c, l) = (cw.dim(0), cw.dim(1));
     let bytes = |len: i32| len as usize * dt.size();
     super::add_rms_norm::available(x.h, r, x.w)
-        && super::add_rms_norm::block_for(d, 16 / dt.size() as i32) <= WARPS * 32
+        && super::add_rms_norm::block_for(d, 16 / dt.size() as i32) <= warps * 32
         && c > 0
         && p.served(dt, 3 * c, d, c)
         && l >= 2
@@ -121,8 +138,6 @@ pub fn available(x: &Normed, p: Projections, state: &Array, cw: &Array, has_bias
         && c <= MAX_WIDTH
         && bytes(d) % 16 == 0
         && bytes(c) % 16 == 0
-        && bytes(d).max(bytes(c)) <= stages::MAX_STAGED
-        && kernel(p.quant()).is_some()
 }
 
 /// `(the residual sum [1, D], out_proj's output [1, D] (before a tensor

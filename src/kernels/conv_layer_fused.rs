@@ -138,36 +138,54 @@ pub struct ConvLayer<'a> {
 /// dense or both quantized, the staged rows within shared memory.
 pub fn available(l: &ConvLayer, has_bias: bool) -> bool {
     let x = l.x;
-    let Some(r) = x.r else { return false };
-    if !enabled_here() || has_bias || !super::add_rms_norm::eps_const() || x.h.ndim() != 2 || x.h.dim(0) != 1 {
+    if !enabled_here() || l.conv.quant() != l.ffn.quant() || !super::conv_fused::part_served(x, l.conv, l.state, l.cw, has_bias, WARPS) {
         return false;
     }
-    if l.state.ndim() != 3 || l.cw.ndim() != 2 || l.conv.quant() != l.ffn.quant() {
-        return false;
-    }
-    let (d, dt) = (x.h.dim(1), x.h.dtype());
-    let (c, w) = (l.cw.dim(0), l.cw.dim(1));
+    let (d, dt, c) = (x.h.dim(1), x.h.dtype(), l.cw.dim(0));
     let rows = l.ffn.first_rows();
     let f = rows / 2;
     let bytes = |len: i32| len as usize * dt.size();
-    super::add_rms_norm::available(x.h, r, x.w)
-        && super::add_rms_norm::available(x.h, x.h, l.ffn_norm)
-        && super::add_rms_norm::block_for(d, 16 / dt.size() as i32) <= WARPS * 32
-        && c > 0
-        && l.conv.served(dt, 3 * c, d, c)
+    super::add_rms_norm::available(x.h, x.h, l.ffn_norm)
         && rows % 2 == 0
         && f > 0
         && l.ffn.served(dt, 2 * f, d, f)
-        && w >= 2
-        && l.state.shape() == [1, w - 1, c]
-        && l.state.dtype() == dt
-        && l.cw.dtype() == dt
-        && d <= MAX_WIDTH
-        && c <= MAX_WIDTH
         && f <= MAX_WIDTH
-        && [d, c, f].iter().all(|&n| bytes(n) % 16 == 0)
+        && bytes(f) % 16 == 0
         && (3 * bytes(d)).max(bytes(c)).max(bytes(f)) <= stages::MAX_STAGED
         && kernel(l.conv.quant()).is_some()
+}
+
+/// The operands both joined kernels begin with (the row, its residual and
+/// norm weight, the conv's state, weights and projections, the second
+/// norm's weight) and their template constants (the conv part's, blocks
+/// of `warps` warps), for `what`'s errors.
+fn conv_part_operands<'a>(
+    x: &Normed<'a>,
+    conv: Projections<'a>,
+    state: &'a Array,
+    cw: &'a Array,
+    ffn_norm: &'a Array,
+    warps: i32,
+    what: &str,
+) -> Result<(Vec<&'a Array>, stages::Specs)> {
+    let r = x.r.ok_or_else(|| Error::invalid(format!("{what} needs a residual to add")))?;
+    let (d, dt) = (x.h.dim(1), x.h.dtype());
+    let (c, w) = (cw.dim(0), cw.dim(1));
+    let mut template = vec![
+        ("T", TemplateArg::Dtype(dt)),
+        ("D", TemplateArg::Int(d)),
+        ("C", TemplateArg::Int(c)),
+        ("KEEP", TemplateArg::Int(w - 1)),
+        ("NBLK", TemplateArg::Int(super::add_rms_norm::block_for(d, 16 / dt.size() as i32))),
+        ("WARPS", TemplateArg::Int(warps)),
+        ("EPS_BITS", TemplateArg::Int(x.eps.to_bits() as i32)),
+    ];
+    let (projections, spec) = conv.inputs()?;
+    template.extend(spec);
+    let mut inputs = vec![x.h, r, x.w, state, cw];
+    inputs.extend(projections);
+    inputs.push(ffn_norm);
+    Ok((inputs, template))
 }
 
 /// The launch's outputs: the residual sum after the conv (`s1`, what the
@@ -223,33 +241,20 @@ fn call(
 /// The layer in one launch (callers check [`available`]); `ctr` the
 /// layer's own ([`COUNTER_WORDS`] words, `stages::new_counters_of`).
 pub fn forward(l: &ConvLayer, ctr: &Array) -> Result<Outputs> {
+    const WHAT: &str = "the fused conv layer kernel";
     let x = l.x;
-    let kern = kernel(l.conv.quant()).ok_or_else(|| Error::mlx("the fused conv layer kernel is not available"))?;
-    let r = x.r.ok_or_else(|| Error::invalid("the fused conv layer kernel needs a residual to add"))?;
-    stages::check_counters_of(ctr, COUNTER_WORDS, "the fused conv layer kernel")?;
+    let kern = kernel(l.conv.quant()).ok_or_else(|| Error::mlx(format!("{WHAT} is not available")))?;
+    stages::check_counters_of(ctr, COUNTER_WORDS, WHAT)?;
+    let (mut inputs, mut template) = conv_part_operands(x, l.conv, l.state, l.cw, l.ffn_norm, WARPS, WHAT)?;
     let (d, dt) = (x.h.dim(1), x.h.dtype());
     let (c, w) = (l.cw.dim(0), l.cw.dim(1));
     let f = l.ffn.first_rows() / 2;
     let nb = blocks(d, c, f);
     let threads = WARPS * 32;
     let grid = i32::try_from(nb * threads as i64).map_err(|_| Error::invalid(format!("fused conv layer kernel: {nb} blocks")))?;
-    let mut template = vec![
-        ("T", TemplateArg::Dtype(dt)),
-        ("D", TemplateArg::Int(d)),
-        ("C", TemplateArg::Int(c)),
-        ("KEEP", TemplateArg::Int(w - 1)),
-        ("F", TemplateArg::Int(f)),
-        ("NBLK", TemplateArg::Int(super::add_rms_norm::block_for(d, 16 / dt.size() as i32))),
-        ("WARPS", TemplateArg::Int(WARPS)),
-        ("EPS_BITS", TemplateArg::Int(x.eps.to_bits() as i32)),
-    ];
-    let (conv, spec) = l.conv.inputs()?;
-    template.extend(spec);
+    template.push(("F", TemplateArg::Int(f)));
     let (ffn, spec) = ffn_operands(l.ffn)?;
     template.extend(spec);
-    let mut inputs = vec![x.h, r, x.w, l.state, l.cw];
-    inputs.extend(conv);
-    inputs.push(l.ffn_norm);
     inputs.extend(ffn);
     inputs.push(ctr);
     let mut shapes = conv_outputs(d, c, w);
@@ -317,15 +322,10 @@ fn moe_blocks(d: i32, c: i32, f: i32, k: i32) -> i64 {
 /// be on), and the staged rows within shared memory.
 pub fn available_moe(l: &ConvMoeLayer, has_bias: bool) -> bool {
     let x = l.x;
-    let Some(r) = x.r else { return false };
-    if !enabled_here() || has_bias || !super::add_rms_norm::eps_const() || x.h.ndim() != 2 || x.h.dim(0) != 1 {
+    if !enabled_here() || l.moe.gate_up.weight.ndim() != 3 || !super::conv_fused::part_served(x, l.conv, l.state, l.cw, has_bias, super::moe_fused::WARPS) {
         return false;
     }
-    if l.state.ndim() != 3 || l.cw.ndim() != 2 || l.moe.gate_up.weight.ndim() != 3 {
-        return false;
-    }
-    let (d, dt) = (x.h.dim(1), x.h.dtype());
-    let (c, w) = (l.cw.dim(0), l.cw.dim(1));
+    let (d, dt, c) = (x.h.dim(1), x.h.dtype(), l.cw.dim(0));
     let bytes = |len: i32| len as usize * dt.size();
     // (The MoE's norm reads out_proj's row and the conv's sum, of the
     // row's shape and dtype: `x.h` stands for both in the MoE's checks.)
@@ -333,18 +333,7 @@ pub fn available_moe(l: &ConvMoeLayer, has_bias: bool) -> bool {
     let m = l.moe;
     let conv_four_bit = matches!(l.conv, Projections::Quant(i, o) if i.spec.bits == 4 && o.spec.bits == 4);
     moe_fits(d, dt, &m, conv_four_bit)
-        && super::add_rms_norm::available(x.h, r, x.w)
-        && super::add_rms_norm::block_for(d, 16 / dt.size() as i32) <= super::moe_fused::WARPS * 32
-        && c > 0
-        && l.conv.served(dt, 3 * c, d, c)
         && super::moe_fused::served(&n, m.gate, m.gate_up, m.down, m.k)
-        && w >= 2
-        && l.state.shape() == [1, w - 1, c]
-        && l.state.dtype() == dt
-        && l.cw.dtype() == dt
-        && d <= MAX_WIDTH
-        && c <= MAX_WIDTH
-        && [d, c].iter().all(|&n| bytes(n) % 16 == 0)
         && (3 * bytes(d)).max(bytes(c)) <= stages::MAX_STAGED
         && moe_kernel(l.conv.quant()).is_some()
 }
@@ -353,32 +342,19 @@ pub fn available_moe(l: &ConvMoeLayer, has_bias: bool) -> bool {
 /// layer's own ([`COUNTER_WORDS`] words).
 pub fn forward_moe(l: &ConvMoeLayer, ctr: &Array) -> Result<Outputs> {
     use super::moe_fused::{ROUTE_SLOTS, WARPS as MOE_WARPS};
+    const WHAT: &str = "the fused conv + MoE layer kernel";
     let x = l.x;
     let m = l.moe;
-    let kern = moe_kernel(l.conv.quant()).ok_or_else(|| Error::mlx("the fused conv + MoE layer kernel is not available"))?;
-    let r = x.r.ok_or_else(|| Error::invalid("the fused conv + MoE layer kernel needs a residual to add"))?;
-    stages::check_counters_of(ctr, COUNTER_WORDS, "the fused conv + MoE layer kernel")?;
-    let (experts, moe_spec, (f, k)) = moe_operands(&m, "the fused conv + MoE layer kernel")?;
+    let kern = moe_kernel(l.conv.quant()).ok_or_else(|| Error::mlx(format!("{WHAT} is not available")))?;
+    stages::check_counters_of(ctr, COUNTER_WORDS, WHAT)?;
+    let (mut inputs, mut template) = conv_part_operands(x, l.conv, l.state, l.cw, l.ffn_norm, MOE_WARPS, WHAT)?;
+    let (experts, moe_spec, (f, k)) = moe_operands(&m, WHAT)?;
     let (d, dt) = (x.h.dim(1), x.h.dtype());
     let (c, w) = (l.cw.dim(0), l.cw.dim(1));
     let nb = moe_blocks(d, c, f, k);
     let threads = MOE_WARPS * 32;
     let grid = i32::try_from(nb * threads as i64).map_err(|_| Error::invalid(format!("fused conv + MoE layer kernel: {nb} blocks")))?;
-    let mut template = vec![
-        ("T", TemplateArg::Dtype(dt)),
-        ("D", TemplateArg::Int(d)),
-        ("C", TemplateArg::Int(c)),
-        ("KEEP", TemplateArg::Int(w - 1)),
-        ("NBLK", TemplateArg::Int(super::add_rms_norm::block_for(d, 16 / dt.size() as i32))),
-        ("WARPS", TemplateArg::Int(MOE_WARPS)),
-        ("EPS_BITS", TemplateArg::Int(x.eps.to_bits() as i32)),
-    ];
-    let (conv, spec) = l.conv.inputs()?;
-    template.extend(spec);
     template.extend(moe_spec);
-    let mut inputs = vec![x.h, r, x.w, l.state, l.cw];
-    inputs.extend(conv);
-    inputs.push(l.ffn_norm);
     inputs.extend(experts);
     inputs.push(ctr);
     let mut shapes = conv_outputs(d, c, w);
