@@ -351,7 +351,6 @@ impl ShortConv {
         Ok((s, self.conv(&bcx, &prev, layer, cache)?))
     }
 
-    /// The conv state before this pass, for inputs of `like`'s batch and dtype.
     /// in_proj and out_proj as the one-launch kernels read them (both
     /// quantized, or both dense in the activations' dtype), where the
     /// pending norm's residual and weight are of that dtype too.
@@ -374,6 +373,7 @@ impl ShortConv {
         self.conv_bias.is_some() || self.in_proj.bias.is_some() || self.out_proj.bias.is_some()
     }
 
+    /// The conv state before this pass, for inputs of `like`'s batch and dtype.
     fn prev_state(&self, like: &Array, layer: usize, cache: &mut dyn ForwardCache) -> Result<Array> {
         let shape = ConvShape { batch: like.dim(0), keep: self.kernel - 1, dim: self.dim, dtype: like.dtype() };
         cache.conv_state(layer, shape)
