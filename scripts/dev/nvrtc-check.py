@@ -338,6 +338,18 @@ KERNELS["conv_layer_fused.rs#out-moe"] = (
                 ("EPS_BITS", 925353388), ("SCALE_BITS", 1065353216), ("OBITS", 4), ("OGS", 64)],
     ["bfloat16", "float16"],
 )
+# The router as checkpoints hold it: mlx-lm's LFM2-MoE recipe (and our
+# convert) quantizes `feed_forward.gate` at 8 bits in groups of 64, the
+# experts and the rest at 4; the entries above take a 4-bit router.
+def router8(key):
+    ins, outs, targs, *dts = KERNELS[key]
+    g8 = lambda dt: [(k, 8 if k == "GBITS" else v) for k, v in targs(dt)]
+    return (ins, outs, g8, *dts)
+
+
+ROUTER8 = ["moe_fused.rs", "conv_layer_fused.rs#moe", "conv_layer_fused.rs#out-moe"]
+for key in ROUTER8:
+    KERNELS[key + "@g8"] = router8(key)
 # A lone sequence's q/k/v stage in one launch (MLX_LFM_QKV_FUSED): the 8B-A1B's
 # (4-bit) and, "@dense", the 1.2B's.
 KERNELS["qk_norm_rope.rs#qkv_fused"] = (
@@ -608,6 +620,8 @@ DEFINES_OF = {
     "qk_norm_rope.rs#qkv_fused": "#define LFM_QMLX_TILES 2\n",
     "qk_norm_rope.rs#qkv_fused@dense": "#define LFM_DENSE_PREFETCH 0\n",
 }
+# (The 8-bit router's variants take their kernel's defines.)
+DEFINES_OF.update({key + "@g8": DEFINES_OF[key] for key in ROUTER8})
 
 # How many dtype values CudaKernel::new adds (src/mlx/kernel.rs IO_NAMES),
 # seven operands each: a kernel with more operands is refused there.

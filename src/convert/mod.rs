@@ -380,7 +380,7 @@ pub struct ModuleDecision {
 
 /// The model class's own `quant_predicate` (mlx-lm): for lfm2_moe the router
 /// is quantized at group 64 / 8 bits, written without a `mode` (= affine).
-fn model_predicate(model_type: ModelType, path: &str) -> Option<Value> {
+pub(crate) fn model_predicate(model_type: ModelType, path: &str) -> Option<Value> {
     match model_type {
         ModelType::Lfm2Moe if path.ends_with("feed_forward.gate") => Some(json!({"group_size": 64, "bits": 8})),
         _ => None,

@@ -412,15 +412,20 @@ fn moe_operands<'a>(m: &Moe<'a>, what: &str) -> Result<(Vec<&'a Array>, stages::
 /// Whether a joined kernel's MoE blocks (1,024 threads) stay within the 64
 /// registers a thread that allows, by ptxas on sm_90: rows of 1,024 and
 /// 2,048 (the 8B-A1B's: 56) with every projection 4-bit (`proj_four_bit`:
-/// the conv's or out_proj's), in bfloat16 or float16. Rows of 1,536 (a
-/// guarded last chunk) took 66, of 3,072 and 4,096 66-70, 8-bit
-/// projections 72 in float16: those layers keep the two launches.
-fn moe_fits(d: i32, dt: crate::mlx::Dtype, m: &Moe, proj_four_bit: bool) -> bool {
+/// the conv's or out_proj's) and the router at 4 or 8 bits, in bfloat16 or
+/// float16. Rows of 1,536 (a guarded last chunk) took 66, of 3,072 and
+/// 4,096 66-70, 8-bit projections 72 in float16: those layers keep the two
+/// launches. (The router at 8 bits is how checkpoints hold it: mlx-lm's
+/// LFM2-MoE recipe and src/convert quantize `feed_forward.gate` at 8 bits
+/// in groups of 64. Until session 32 this took a 4-bit router only, so the
+/// joined MoE forms never served a converted checkpoint: the WideMoe
+/// greedy set and the 8B-A1B's A/B found them never built.)
+pub(crate) fn moe_fits(d: i32, dt: crate::mlx::Dtype, m: &Moe, proj_four_bit: bool) -> bool {
     let four_bit = |q: &Quantized| q.spec.bits == 4;
     matches!(d, 1024 | 2048)
         && matches!(dt, crate::mlx::Dtype::Bfloat16 | crate::mlx::Dtype::Float16)
         && proj_four_bit
-        && four_bit(m.gate)
+        && matches!(m.gate.spec.bits, 4 | 8)
         && four_bit(m.gate_up)
         && four_bit(m.down)
 }

@@ -2275,6 +2275,32 @@ fn joined_layer_kernels_fit_their_operands() {
     }
 }
 
+/// The joined MoE forms take the router as checkpoints hold it: src/convert
+/// (mlx-lm's LFM2-MoE recipe) quantizes `feed_forward.gate` at 8 bits, and
+/// until session 32 `moe_fits` took a 4-bit router only, so neither joined
+/// MoE form served a converted checkpoint (session 32's WideMoe greedy set
+/// found the conv + MoE layer never built, and the 8B-A1B's A/B ran 89
+/// nodes a step with the joined layers against the defaults' 90). The experts at 8 bits keep the two launches.
+/// Runs everywhere.
+#[test]
+fn joined_moe_forms_take_the_checkpoints_router() {
+    use crate::kernels::conv_layer_fused::{moe_fits, Moe};
+    use crate::mlx::random::normal;
+    let entry = crate::convert::model_predicate(crate::model::config::ModelType::Lfm2Moe, "model.layers.2.feed_forward.gate")
+        .expect("the LFM2-MoE recipe names the router");
+    let int = |k: &str| entry[k].as_i64().unwrap() as i32;
+    let (bits, gs) = (int("bits"), int("group_size"));
+    assert_eq!(bits, 8, "the recipe's router bits");
+    let (d, e, f) = (2048, 8, 256);
+    let q = |shape: &[i32], bits: i32, gs: i32| quantized(&normal(shape, Dtype::Float32, 0.0, 0.04, None).unwrap(), Dtype::Bfloat16, bits, gs);
+    let (gate, gu, dn, gu8) = (q(&[e, d], bits, gs), q(&[e, 2 * f, d], 4, 64), q(&[e, d, f], 4, 64), q(&[e, 2 * f, d], 8, 64));
+    let bias = normal(&[e], Dtype::Float32, 0.0, 0.05, None).unwrap();
+    let moe = |gate_up| Moe { gate: &gate, bias: &bias, gate_up, down: &dn, k: 2, norm: true, scale: 1.0 };
+    assert!(moe_fits(d, Dtype::Bfloat16, &moe(&gu), true), "the checkpoints' {bits}-bit router must fit a joined MoE");
+    assert!(!moe_fits(d, Dtype::Bfloat16, &moe(&gu8), true), "8-bit experts must keep the two launches");
+    assert!(!moe_fits(d, Dtype::Bfloat16, &moe(&gu), false), "an 8-bit conv or out_proj must keep the two launches");
+}
+
 /// The conv layer with its MoE in one launch (`MLX_LFM_CONV_LAYER_FUSED`,
 /// the 8B-A1B's conv layers) against the conv layer's and the MoE's
 /// one-launch kernels one after the other, as the dense one's test; then
@@ -2299,18 +2325,25 @@ fn conv_moe_layer_fused_kernel_matches_the_two_kernels() {
     let eps_value = 1e-5f32;
     let eps = Array::from_slice(&[eps_value], &[1]).unwrap();
     let consts = [("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string()))];
-    // (dtype, D, experts, k, expert width, group of every projection): the
-    // 8B-A1B's layer, a narrower one with two experts a row, float16.
+    // (dtype, D, experts, k, expert width, group of every projection, the
+    // router's bits): the 8B-A1B's layer with a 4-bit router and with the
+    // 8-bit one its checkpoints hold (src/convert's LFM2-MoE recipe), the
+    // greedy test's WideMoe layer (two of 8 experts 256 wide), float16.
+    // (Rows 2,048 wide: the router's norm fold, which the MoE kernel
+    // needs, serves a half-type row only where the add + RMSNorm kernel
+    // takes 256 threads; session 32's 1,024-wide case was not served.)
     let cases = [
-        (Dtype::Bfloat16, 2048, 32, 4, 1792, 64),
-        (Dtype::Bfloat16, 1024, 8, 2, 256, 32),
-        (Dtype::Float16, 2048, 32, 4, 1792, 64),
+        (Dtype::Bfloat16, 2048, 32, 4, 1792, 64, 4),
+        (Dtype::Bfloat16, 2048, 32, 4, 1792, 64, 8),
+        (Dtype::Bfloat16, 2048, 8, 2, 256, 64, 8),
+        (Dtype::Float16, 2048, 32, 4, 1792, 64, 8),
     ];
-    for (dt, d, e, k, f, gs) in cases {
-        let what = format!("{dt:?} {d} wide, {e} experts top-{k} of {f}, 4-bit g{gs}");
-        let q = |shape: &[i32]| quantized(&normal(shape, Dtype::Float32, 0.0, 0.04, None).unwrap(), dt, 4, gs);
+    for (dt, d, e, k, f, gs, gbits) in cases {
+        let what = format!("{dt:?} {d} wide, {e} experts top-{k} of {f}, 4-bit g{gs}, router {gbits}-bit");
+        let qb = |shape: &[i32], bits: i32| quantized(&normal(shape, Dtype::Float32, 0.0, 0.04, None).unwrap(), dt, bits, gs);
+        let q = |shape: &[i32]| qb(shape, 4);
         let (wi, wo) = (q(&[3 * d, d]), q(&[d, d]));
-        let (g, gu, dn) = (q(&[e, d]), q(&[e, 2 * f, d]), q(&[e, d, f]));
+        let (g, gu, dn) = (qb(&[e, d], gbits), q(&[e, 2 * f, d]), q(&[e, d, f]));
         let bias = normal(&[e], Dtype::Float32, 0.0, 0.05, None).unwrap();
         let scale = 2.5f32;
         let conv = Projections::Quant(&wi, &wo);
@@ -2395,25 +2428,36 @@ fn out_layer_fused_kernel_matches_out_proj_and_the_kernel() {
     let eps = Array::from_slice(&[eps_value], &[1]).unwrap();
     let consts = [("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string()))];
     // (dtype, D, heads' width, tail: 0 dense feed-forward, 4 its 4-bit
-    // form, 1 the 8B-A1B's MoE)
+    // form, 1 the 8B-A1B's MoE with a 4-bit router, 8 with the 8-bit one
+    // its checkpoints hold)
     let cases = [
         (Dtype::Bfloat16, 2048, 2048, 0),
         (Dtype::Bfloat16, 1024, 1024, 0),
         (Dtype::Float32, 1024, 1024, 0),
         (Dtype::Bfloat16, 2048, 2048, 4),
         (Dtype::Bfloat16, 2048, 2048, 1),
+        (Dtype::Bfloat16, 2048, 2048, 8),
         (Dtype::Float16, 2048, 2048, 1),
     ];
     for (dt, d, c, kind) in cases {
-        let what = format!("{dt:?} {d} wide, heads {c}, tail {}", ["dense", "MoE", "", "", "4-bit"][kind]);
+        let tail_name = match kind {
+            0 => "dense",
+            4 => "4-bit",
+            1 => "MoE, router 4-bit",
+            _ => "MoE, router 8-bit",
+        };
+        let what = format!("{dt:?} {d} wide, heads {c}, tail {tail_name}");
         let w = |rows: i32, cols: i32| normal(&[rows, cols], Dtype::Float32, 0.0, 0.04, None).unwrap().astype(dt).unwrap();
         let q = |shape: &[i32]| quantized(&normal(shape, Dtype::Float32, 0.0, 0.04, None).unwrap(), dt, 4, 64);
-        let f = if kind == 1 { 1792 } else if d == 2048 { 8192 } else { 4096 };
+        let moe_tail = kind == 1 || kind == 8;
+        let f = if moe_tail { 1792 } else if d == 2048 { 8192 } else { 4096 };
         let wo = w(d, c);
         let qo = q(&[d, c]);
         let (w13, w2) = (w(2 * f, d), w(d, f));
         let (q13, q2) = (q(&[2 * f, d]), q(&[d, f]));
-        let (g, gu, dn) = (q(&[32, d]), q(&[32, 2 * f, d]), q(&[32, d, f]));
+        let gate_bits = if kind == 8 { 8 } else { 4 };
+        let g = quantized(&normal(&[32, d], Dtype::Float32, 0.0, 0.04, None).unwrap(), dt, gate_bits, 64);
+        let (gu, dn) = (q(&[32, 2 * f, d]), q(&[32, d, f]));
         let bias = normal(&[32], Dtype::Float32, 0.0, 0.05, None).unwrap();
         let (out_proj, tail) = match kind {
             0 => (OutProj::Dense(&wo), Tail::Ffn(Projections::Dense(&w13, &w2))),
