@@ -438,13 +438,18 @@ PTX_CARRY = ROOT / ".device" / "ptx" / "ptx-cache.tgz"
 MLX_TEMP_PTX = Path(tempfile.gettempdir()) / "mlx"
 
 
-def gpu_capability():
-    """The GPU's compute capability ("9.0"), None where nvidia-smi cannot say."""
+def gpu_query(field):
+    """nvidia-smi's `field` of the first GPU, None where it cannot say."""
     try:
-        r = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True, text=True)
+        r = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"], capture_output=True, text=True)
     except OSError:
         return None
     return (r.stdout.split("\n")[0].strip() or None) if r.returncode == 0 else None
+
+
+def gpu_capability():
+    """The GPU's compute capability ("9.0"), None where nvidia-smi cannot say."""
+    return gpu_query("compute_cap")
 
 
 def mlx_version():
@@ -677,6 +682,17 @@ def run_llama(name, rnd):
                    prompt=int(cells[0]), samples=[float(cells[7])])
 
 
+def record_cold(engine, name, rnd, prompt, tps):
+    """The untimed first pass at a prompt length (MLX's per-shape setup,
+    ~100 ms on the GPU), which since session 32 precedes the timed reps of
+    ours and mlx-lm's as llama-bench's warm-up precedes its own: kept as
+    its own metric, so the rounds still show what a new length costs.
+    (Before, the median of three reps with a cold first was the lower of
+    the two warm ones.)"""
+    if tps:
+        record(engine=engine, model=name, round=rnd, metric="prefill_cold_tps", prompt=prompt, samples=[tps])
+
+
 def run_ours(name, rnd):
     _, _, _, prompts = MODELS[name]
     r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--prompts", ",".join(map(str, prompts)),
@@ -689,6 +705,7 @@ def run_ours(name, rnd):
         if "prompt" not in j:
             continue
         record(engine="mlx-lfm", model=name, round=rnd, metric="prefill_tps", prompt=j["prompt"], samples=j["prefill_tps_runs"])
+        record_cold("mlx-lfm", name, rnd, j["prompt"], j.get("cold_prefill_tps"))
         # Per token of each rep, µs: [host building the step, MLX encoding and
         # launching it, waiting for the token].
         record(engine="mlx-lfm", model=name, round=rnd, metric="decode_tps", prompt=j["prompt"], samples=j["decode_tps_runs"],
@@ -746,12 +763,13 @@ def run_mlx_lm(name, rnd):
     m = min(vocab, 60000) - 10
     ids = lambda n, salt: [((i * 2654435761 + salt * 40503) % (1 << 32)) % m + 5 for i in range(n)]
     req = {"op": "bench_suite", "model": str(ours_ck(name)), "gen": GEN, "reps": REPS,
-           "prompts": [ids(p, 7) for p in prompts], "warmup": {"prompt": ids(64, 1), "gen": 8}}
+           "prompts": [ids(p, 7) for p in prompts], "warmup": {"prompt": ids(64, 1), "gen": 8}, "shape_warmup": True}
     r = sh([sys.executable, ROOT / "scripts" / "ref" / "mlx_lm_ref.py"], f"mlx-lm-{name}", input=json.dumps(req))
     res = json.loads(r.stdout)
     for row in res["results"]:
         record(engine="mlx-lm", model=name, round=rnd, metric="prefill_tps", prompt=row["prompt_len"],
                samples=[x["prefill_tps"] for x in row["runs"]], device=res.get("default_device"))
+        record_cold("mlx-lm", name, rnd, row["prompt_len"], (row.get("cold") or {}).get("prefill_tps"))
         record(engine="mlx-lm", model=name, round=rnd, metric="decode_tps", prompt=row["prompt_len"],
                samples=[x["decode_tps"] for x in row["runs"]])
 
@@ -869,7 +887,8 @@ def rounds(rnd):
         # (Ours and mlx-lm still run; llama.cpp's files are not ready.)
         checkpoints(round_models(), gguf=False)
         skip_llama = True
-    record(engine="env", round=rnd, picked=picked_env(), kernels_off=(WORK / "kernels-off").exists(),
+    # (The device tool may lend an H100 for an H200: the round names its card.)
+    record(engine="env", round=rnd, gpu=gpu_query("name"), picked=picked_env(), kernels_off=(WORK / "kernels-off").exists(),
            ours_env=json.loads(os.environ.get("H200_OURS_ENV", "{}")))
     for name in round_models():
         # Alternate which engine goes first so neither always meets a cold
@@ -2347,9 +2366,18 @@ def collect(files):
             runs.append({"model": r["model"], "engine": r["engine"], "metric": r["metric"], "prompt": r["prompt"],
                          "round": r["round"], "value": statistics.median(r["samples"]), "samples": r["samples"]})
     head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    return {"commit": head, "date": time.strftime("%Y-%m-%d"), "device": "NVIDIA H200 (mlx-cuda-13 0.32.4)",
+    return {"commit": head, "date": time.strftime("%Y-%m-%d"), "device": f"{device_of(rows)} (mlx-cuda-13 0.32.4)",
             "gen": GEN, "reps_per_round": REPS, "value": "median of the round's repetitions",
             "runs": runs, "ratios": ratios(runs), "profiles": profiles, "errors": errors}
+
+
+def device_of(rows):
+    """The card the rounds ran on: the rounds' own records (their `env`
+    record names it since session 32), else H200_DEVICE (a raw file from
+    before: session 31 and 32 ran on an H100, the sessions before on an
+    H200), else the H200 the benchmark was written for."""
+    named = sorted({r["gpu"] for r in rows if r.get("engine") == "env" and r.get("gpu")})
+    return " + ".join(named) or os.environ.get("H200_DEVICE") or "NVIDIA H200"
 
 
 def merge_raw(out, commit, triples):

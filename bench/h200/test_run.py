@@ -363,5 +363,44 @@ class Install(unittest.TestCase):
             self.assertIn("cuda.part.ab", str(e.exception))
 
 
+class DeviceOf(unittest.TestCase):
+    """The rounds' figures name the card they ran on (the device tool may
+    lend an H100 where an H200 is asked for)."""
+
+    def test_the_rounds_name_their_card(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            run = load_run(Path(tmp))
+            rows = [{"engine": "env", "round": 1, "gpu": "NVIDIA H100 80GB HBM3"}, {"engine": "mlx-lfm"}]
+            self.assertEqual(run.device_of(rows), "NVIDIA H100 80GB HBM3")
+
+    def test_older_records_take_the_override_or_the_h200(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            run = load_run(Path(tmp))
+            rows = [{"engine": "env", "round": 1}]
+            old = os.environ.pop("H200_DEVICE", None)
+            try:
+                self.assertEqual(run.device_of(rows), "NVIDIA H200")
+                os.environ["H200_DEVICE"] = "NVIDIA H100 80GB HBM3"
+                self.assertEqual(run.device_of(rows), "NVIDIA H100 80GB HBM3")
+            finally:
+                os.environ.pop("H200_DEVICE", None)
+                if old is not None:
+                    os.environ["H200_DEVICE"] = old
+
+
+class ColdPass(unittest.TestCase):
+    """The untimed pass at a new prompt length is kept as its own metric,
+    and only where the engine reported one."""
+
+    def test_the_cold_pass_is_its_own_metric(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            run = load_run(Path(tmp))
+            run.record_cold("mlx-lfm", "lfm2-1.2b-bf16", 1, 512, 5252.0)
+            run.record_cold("mlx-lm", "lfm2-1.2b-bf16", 1, 512, None)
+            got = [r for r in records(run) if r.get("metric") == "prefill_cold_tps"]
+            self.assertEqual(len(got), 1)
+            self.assertEqual((got[0]["engine"], got[0]["prompt"], got[0]["samples"]), ("mlx-lfm", 512, [5252.0]))
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)

@@ -9,9 +9,9 @@ Reads one JSON request on stdin, writes one JSON answer on stdout.
   {"op": "bench", "model": DIR, "prompt_len": P, "gen": G, "reps": R}
       -> {"prefill_tps": ..., "decode_tps": ..., "ttft_ms": ...}
   {"op": "bench_suite", "model": DIR, "prompts": [[ids], ...], "gen": G, "reps": R,
-   "warmup": {"prompt": [ids], "gen": G2}, "prefill_step_size": 2048|null}
+   "warmup": {"prompt": [ids], "gen": G2}, "prefill_step_size": 2048|null, "shape_warmup": bool}
       -> {"mlx_version", "mlx_lm_version", "default_device", "dtype", "params", "load_ms",
-          "warmup": run, "results": [{"prompt_len": P, "runs": [run, ...]}]}
+          "warmup": run, "results": [{"prompt_len": P, "runs": [run, ...], "cold": run|null}]}
       where run = {"ttft_ms", "prefill_tps", "decode_tps", "decode_ms", "tokens",
                    "total_ms", "peak_mem_bytes", "out_tokens"}. Each run goes through mlx-lm's own
       generate_step (greedy, EOS never checked, so exactly G tokens), on a fresh cache.
@@ -177,10 +177,16 @@ def bench_suite(model, req, load_ms):
     results = []
     for ids in req["prompts"]:
         runs = []
+        # "shape_warmup": an untimed run at this length first (returned as
+        # "cold"), as mlx-lfm-bench and llama-bench warm up.
+        cold = None
+        if req.get("shape_warmup"):
+            warm_ids = [(i * 7 + 3) % max(2, min(model.args.vocab_size, 1000)) + 1 for i in ids]
+            cold = _timed_run(model, warm_ids, 2, step, f"P={len(ids)} warm-up")
         for r in range(reps):
             runs.append(_timed_run(model, ids, gen, step, f"P={len(ids)} rep {r + 1}/{reps}"))
             _progress(label=f"P={len(ids)} rep {r + 1}/{reps}", phase="done", run=runs[-1])
-        results.append({"prompt_len": len(ids), "runs": runs})
+        results.append({"prompt_len": len(ids), "runs": runs, "cold": cold})
     out["results"] = results
     return out
 

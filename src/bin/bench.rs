@@ -4,7 +4,10 @@
 //!   mlx-lfm-bench [--model DIR | --preset P --dtype D [--quantize MODE:BITS:GROUP [--from DIR]] --out DIR]
 //!                 [--device cpu|gpu]
 //!                 [--prompts 512,4096] [--gen 256] [--paths compiled,eager] [--reps 3]
-//!                 [--cache paged|flat]
+//!                 [--cache paged|flat] [--cold-first]
+//!     each prompt length after an untimed pass at that length (its
+//!     figures printed as `cold_prefill_tps` / `cold_ttft_ms`), as
+//!     llama-bench warms up; `--cold-first` times that pass as the first rep
 //!   mlx-lfm-bench --concurrent N [--prompts 128] [--gen 64] [--reps 2] [model args]
 //!     aggregate tok/s of N requests run together (continuous batching)
 //!     against the same N one after another, same run.
@@ -314,6 +317,20 @@ fn run() -> mlx_lfm::Result<()> {
                 runtime::synchronize()?;
                 cuda_profiler(false);
             }
+            // The first pass at a new prompt length pays MLX's per-shape
+            // setup (~100 ms on the H100/H200: 5-7k tok/s at P=512 against
+            // ~100k warm): untimed, as llama-bench's warm-up run, and
+            // reported apart (`cold_*`) so what a server pays for a length
+            // it has not seen stays in view (`--new-lengths` measures that
+            // over many lengths). `--cold-first` times it as the first rep,
+            // as runs before session 32's rounds did.
+            let cold = if args.iter().any(|a| a == "--cold-first") {
+                None
+            } else {
+                let params = GenerateParams { max_tokens: 2, ignore_eos: true, ..Default::default() };
+                let g = eng.generate(Prompt::Tokens(ids(p, vocab, 4)), params, &mut NoObserver)?;
+                Some((g.metrics.prefill_tokens_per_second, g.metrics.ttft_ms))
+            };
             let mut best_prefill = 0f64;
             let mut best_ttft = f64::MAX;
             let mut best_decode = 0f64;
@@ -361,6 +378,7 @@ fn run() -> mlx_lfm::Result<()> {
                     "decode_ms_per_token": 1000.0 / best_decode,
                     "prefill_tps_runs": prefills, "decode_tps_runs": decodes,
                     "host_build_dispatch_wait_us_runs": host,
+                    "cold_prefill_tps": cold.map(|c| c.0), "cold_ttft_ms": cold.map(|c| c.1),
                 })
             );
         }
