@@ -164,35 +164,43 @@ from its A/B: the variants and greedy sets that turned them on are gone,
 `layers-fused-off` (greedy set and variant) and `moe-fused-off`,
 `conv-fused-off`, `ffn-fused-off`, `qkv-fused-off` measure them off, and
 the greedy test's default run checks it built each.
-Next (`bash bench/h200/prepare.sh` here first; ~1,500 s planned; session
-31 (an H100) made the one-launch layers CUDA defaults from its A/B, raised
-the kernels' operand limit that kept the conv + MoE layer from building,
-and lost its rounds to the SIGTERM bug fixed after; a call that finds no
-machine costs 90-180 s, so start only when `status` offers one):
+Next (`bash bench/h200/prepare.sh` here first; ~1,400 s planned; session
+32 (an H100 again) ran the first rounds with the one-launch layers as
+defaults, both cut by the device time; after it the joined MoE forms take
+the checkpoints' 8-bit router, and the rounds time prefill after an
+untimed pass at each length; a call that finds no machine costs 90-180 s,
+so start only when `status` offers one):
   1. carry [.device/a, .device/llama]: `stage` (~100 s with the start).
-  2. carry [.device/b, .device/tests]: with both variables set for the
-     whole command, H200_KERNEL_JOBS=7 (the greedy test is four since
-     session 31, a process each, and three processes for the rest)
-     H200_KERNEL_TESTS=conv_fused_kernel_matches_stock_ops,ffn_fused_kernel_matches_stock_ops,qkv_fused_kernel_matches_stock_ops,moe_fused_kernel_matches_the_three_kernels,conv_moe_layer_fused_kernel_matches_the_two_kernels,stacked_rows_with_kernels_equal_each_row_alone,greedy_tokens_with_kernels_equal_stock_ops
+  2. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=7
+     H200_KERNEL_TESTS=conv_moe_layer_fused_kernel_matches_the_two_kernels,out_layer_fused_kernel_matches_out_proj_and_the_kernel,greedy_tokens_with_kernels_equal_stock_ops
      `timeout -s TERM 560 python3 bench/h200/run.py install verdicts-from
-     bench/results/2026-12-03-h200-session18.raw.jsonl,bench/results/2026-12-04-h200-session20.raw.jsonl,bench/results/2026-12-04-h200-session21.raw.jsonl,bench/results/2026-12-04-h200-session24.raw.jsonl,bench/results/2026-12-05-h200-session27.raw.jsonl,bench/results/2026-12-05-h200-session30.raw.jsonl,bench/results/2026-12-05-h100-session31.raw.jsonl
-     kernels save-ptx` (~300 s: the four new defaults' tests, whose
-     switches changed, the stacked rows' and both greedy tests, whose
-     default run now has the one-launch layers and checks it built each,
-     and the conv + MoE layer's test, never run to its end).
+     bench/results/2026-12-05-h100-session32.raw.jsonl,bench/results/2026-12-05-h100-session31.raw.jsonl,bench/results/2026-12-05-h200-session30.raw.jsonl,bench/results/2026-12-05-h200-session27.raw.jsonl,bench/results/2026-12-04-h200-session24.raw.jsonl,bench/results/2026-12-04-h200-session21.raw.jsonl,bench/results/2026-12-04-h200-session20.raw.jsonl,bench/results/2026-12-03-h200-session18.raw.jsonl
+     kernels save-ptx` (~400 s: the joined MoE forms with the 8-bit
+     router; the greedy sets, where `MLX_LFM_CONV_LAYER_FUSED` must now
+     build on the WideMoe fixture).
   3. carry [.device/bin]: H200_OURS_ENV (mimalloc) and
-     H200_AB_VARIANTS=layers-fused-off,moe-fused-off,conv-fused-off,ffn-fused-off,qkv-fused-off,conv-layer-fused
-     `timeout -s TERM 400 python3 bench/h200/run.py ab pick gguf-bg`
-     (~230 s: every model's checkpoints, the new defaults each turned off,
-     the joined conv layers over them; `gguf-bg` then converts llama.cpp's
-     files in the background while the next call waits for them).
-  4. carry [.device/bin]: `timeout -s TERM 560 python3 bench/h200/run.py round 1`
-     with H200_OURS_ENV (~300 s), then the same with `round 2`: the
-     README's figures, measured with the one-launch layers for the first
-     time (each round its own call: two in one ran past 555 s in session
-     31, and only SIGTERM's fix lets a cut call keep its raw file).
-  5. if time is left: `profile-gaps` on the 1.2B and the 8B-A1B, or
-     kernel-bench's layer arms (H200_KERNEL_BENCH_ARMS=conv-moe-layer-q4-two,conv-moe-layer-q4-joined,conv-ffn-layer-bf16-two,conv-ffn-layer-bf16-joined).
+     H200_AB_VARIANTS=conv-layer-fused,layers-fused-off
+     `timeout -s TERM 400 python3 bench/h200/run.py ab pick gguf-bg` (~300
+     s: the checkpoints, then whether the joined layers, now joining the
+     8B-A1B's MoE layers, are faster, `pick` setting them on for the
+     machine's later calls if so; `gguf-bg` converts llama.cpp's files
+     while the next call waits for them: ~200 s of session 32's round 1).
+  4. carry [.device/bin]: `timeout -s TERM 560 python3 bench/h200/run.py
+     round 1` with H200_OURS_ENV (~350 s: each prompt length now gets an
+     untimed pass first), then the same with `round 2` in its own call.
+  5. if time is left: `profile-gaps` on the 8B-A1B (its decode is bound
+     by the host's dispatch of the step's 90 nodes: ~1,500 µs a token).
+Session 31's plan, for the record (session 32 got an H100 on its second
+try and ran calls 1-3 as planned (call 3 with only `layers-fused-off` and
+`conv-layer-fused`, and no `pick`), then `round 1` (540 s, cut during the
+8B-A1B after a 201 s wait for the GGUF chain) and `round 2` over the 1.2B
+and the 8B-A1B (320 s, cut before the 8B-A1B's llama.cpp)):
+  1. carry [.device/a, .device/llama]: `stage`.
+  2. carry [.device/b, .device/tests]: the four new defaults' tests, the
+     stacked rows', the greedy tests and the conv + MoE layer's test.
+  3. carry [.device/bin]: `ab pick gguf-bg` of the defaults turned off and
+     of the joined conv layers over them.
+  4. `round 1`, then `round 2`, each its own call.
 Session 30's plan, for the record (session 31 got an H100 on its third
 try and ran calls 1 (`stage`), 2 (the kernel tests, 413 s), 3 and 4 (the
 A/B of the one-launch layers on the 8B-A1B, 228 s, then the dense models,
