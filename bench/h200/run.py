@@ -179,17 +179,21 @@ so start only when `status` offers one):
      router; the greedy sets, where `MLX_LFM_CONV_LAYER_FUSED` must now
      build on the WideMoe fixture).
   3. carry [.device/bin]: H200_OURS_ENV (mimalloc) and
-     H200_AB_VARIANTS=conv-layer-fused,layers-fused-off
+     H200_AB_VARIANTS=conv-layer-fused,layers-fused-off,gpu-time-per-step
      `timeout -s TERM 400 python3 bench/h200/run.py ab pick gguf-bg` (~300
      s: the checkpoints, then whether the joined layers, now joining the
      8B-A1B's MoE layers, are faster, `pick` setting them on for the
-     machine's later calls if so; `gguf-bg` converts llama.cpp's files
+     machine's later calls if so, and each model's step with the GPU idle
+     before it, whose wait is the step's GPU time (step 5's question);
+     `gguf-bg` converts llama.cpp's files
      while the next call waits for them: ~200 s of session 32's round 1).
   4. carry [.device/bin]: `timeout -s TERM 560 python3 bench/h200/run.py
      round 1` with H200_OURS_ENV (~350 s: each prompt length now gets an
      untimed pass first), then the same with `round 2` in its own call.
-  5. if time is left: `profile-gaps` on the 8B-A1B (its decode is bound
-     by the host's dispatch of the step's 90 nodes: ~1,500 µs a token).
+  5. if time is left: `profile-gaps` on the 8B-A1B (H200_MODELS), or the
+     `gpu-time-per-step` variant: its host dispatched a token in ~1,500
+     µs in session 32 while 115 nodes fewer saved only ~500, so whether
+     that dispatch holds a wait on the GPU decides where its 0.74x goes.
 Session 31's plan, for the record (session 32 got an H100 on its second
 try and ran calls 1-3 as planned (call 3 with only `layers-fused-off` and
 `conv-layer-fused`, and no `pick`), then `round 1` (540 s, cut during the
