@@ -2280,8 +2280,9 @@ fn joined_layer_kernels_fit_their_operands() {
 /// until session 32 `moe_fits` took a 4-bit router only, so neither joined
 /// MoE form served a converted checkpoint (session 32's WideMoe greedy set
 /// found the conv + MoE layer never built, and the 8B-A1B's A/B ran 89
-/// nodes a step with the joined layers against the defaults' 90). The experts at 8 bits keep the two launches.
-/// Runs everywhere.
+/// nodes a step with the joined layers against the defaults' 90). The
+/// experts, a conv or an out_proj at 8 bits keep the two launches. Runs
+/// everywhere.
 #[test]
 fn joined_moe_forms_take_the_checkpoints_router() {
     use crate::kernels::conv_layer_fused::{moe_fits, Moe};
