@@ -190,10 +190,12 @@ so start only when `status` offers one):
   4. carry [.device/bin]: `timeout -s TERM 560 python3 bench/h200/run.py
      round 1` with H200_OURS_ENV (~350 s: each prompt length now gets an
      untimed pass first), then the same with `round 2` in its own call.
-  5. if time is left: `profile-gaps` on the 8B-A1B (H200_MODELS), or the
-     `gpu-time-per-step` variant: its host dispatched a token in ~1,500
-     µs in session 32 while 115 nodes fewer saved only ~500, so whether
-     that dispatch holds a wait on the GPU decides where its 0.74x goes.
+  5. if time is left, with H200_MODELS=lfm2-8b-a1b-q4 and H200_OURS_ENV:
+     `host-profile profile-gaps` (~35 s + ~60 s): its host dispatched a
+     token in ~1,500 µs in session 32 (~1,900 under glibc: allocation
+     churn) while 115 nodes fewer saved only ~500; call 3's
+     `gpu-time-per-step` says whether a wait on the GPU hides in it, the
+     host profile where the rest of it goes.
 Session 31's plan, for the record (session 32 got an H100 on its second
 try and ran calls 1-3 as planned (call 3 with only `layers-fused-off` and
 `conv-layer-fused`, and no `pick`), then `round 1` (540 s, cut during the
