@@ -350,6 +350,18 @@ def router8(key):
 ROUTER8 = ["moe_fused.rs", "conv_layer_fused.rs#moe", "conv_layer_fused.rs#out-moe"]
 for key in ROUTER8:
     KERNELS[key + "@g8"] = router8(key)
+
+
+# The greedy test's WideMoe layers (src/kernels/tests.rs: two of 8 experts
+# 256 wide, every projection 4-bit in groups of 32, the router 8-bit g64).
+def wide_moe(key):
+    ins, outs, targs, *dts = KERNELS[key]
+    shape = {"F": 256, "E": 8, "TOPK": 2, "GBITS": 8, "GGS": 64, "GS": 32, "IGS": 32, "OGS": 32}
+    return (ins, outs, lambda dt: [(k, shape.get(k, v)) for k, v in targs(dt)], *dts)
+
+
+for key in ROUTER8:
+    KERNELS[key + "@widemoe"] = wide_moe(key)
 # A lone sequence's q/k/v stage in one launch (MLX_LFM_QKV_FUSED): the 8B-A1B's
 # (4-bit) and, "@dense", the 1.2B's.
 KERNELS["qk_norm_rope.rs#qkv_fused"] = (
@@ -620,8 +632,8 @@ DEFINES_OF = {
     "qk_norm_rope.rs#qkv_fused": "#define LFM_QMLX_TILES 2\n",
     "qk_norm_rope.rs#qkv_fused@dense": "#define LFM_DENSE_PREFETCH 0\n",
 }
-# (The 8-bit router's variants take their kernel's defines.)
-DEFINES_OF.update({key + "@g8": DEFINES_OF[key] for key in ROUTER8})
+# (The 8-bit router's and the WideMoe variants take their kernel's defines.)
+DEFINES_OF.update({key + variant: DEFINES_OF[key] for key in ROUTER8 for variant in ("@g8", "@widemoe")})
 
 # How many dtype values CudaKernel::new adds (src/mlx/kernel.rs IO_NAMES),
 # seven operands each: a kernel with more operands is refused there.
