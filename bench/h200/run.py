@@ -164,7 +164,7 @@ from its A/B: the variants and greedy sets that turned them on are gone,
 `layers-fused-off` (greedy set and variant) and `moe-fused-off`,
 `conv-fused-off`, `ffn-fused-off`, `qkv-fused-off` measure them off, and
 the greedy test's default run checks it built each.
-Next (`bash bench/h200/prepare.sh` here first; ~1,400 s planned; session
+Next (`bash bench/h200/prepare.sh` here first; ~1,450 s planned; session
 32 (an H100 again) ran the first rounds with the one-launch layers as
 defaults, both cut by the device time; after it the joined MoE forms take
 the checkpoints' 8-bit router, and the rounds time prefill after an
@@ -172,15 +172,17 @@ untimed pass at each length; a call that finds no machine costs 90-180 s,
 so start only when `status` offers one):
   1. carry [.device/a, .device/llama]: `stage` (~100 s with the start).
   2. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=7
-     H200_KERNEL_TESTS=conv_moe_layer_fused_kernel_matches_the_two_kernels,out_layer_fused_kernel_matches_out_proj_and_the_kernel,greedy_tokens_with_kernels_equal_stock_ops
+     H200_KERNEL_TESTS=conv_moe_layer_fused_kernel_matches_the_two_kernels,out_layer_fused_kernel_matches_out_proj_and_the_kernel,greedy_tokens_with_kernels_equal_stock_ops_on_wide_moe
      `timeout -s TERM 560 python3 bench/h200/run.py install verdicts-from
      bench/results/2026-12-05-h100-session32.raw.jsonl,bench/results/2026-12-05-h100-session31.raw.jsonl,bench/results/2026-12-05-h200-session30.raw.jsonl,bench/results/2026-12-05-h200-session27.raw.jsonl,bench/results/2026-12-04-h200-session24.raw.jsonl,bench/results/2026-12-04-h200-session21.raw.jsonl,bench/results/2026-12-04-h200-session20.raw.jsonl,bench/results/2026-12-03-h200-session18.raw.jsonl
-     kernels save-ptx` (~400 s: the joined MoE forms with the 8-bit
-     router; the greedy sets, where `MLX_LFM_CONV_LAYER_FUSED` must now
-     build on the WideMoe fixture).
+     kernels save-ptx` (~330 s: the joined MoE forms with the 8-bit
+     router; the WideMoe fixture's greedy sets, where
+     `MLX_LFM_CONV_LAYER_FUSED` must now build; the other three greedy
+     tests passed their default runs in session 32 and no default
+     kernel's text changed since).
   3. carry [.device/bin]: H200_OURS_ENV (mimalloc) and
-     H200_AB_VARIANTS=conv-layer-fused,layers-fused-off,gpu-time-per-step
-     `timeout -s TERM 400 python3 bench/h200/run.py ab pick gguf-bg` (~300
+     H200_AB_VARIANTS=conv-layer-fused,gpu-time-per-step
+     `timeout -s TERM 400 python3 bench/h200/run.py ab pick gguf-bg` (~260
      s: the checkpoints, then whether the joined layers, now joining the
      8B-A1B's MoE layers, are faster, `pick` setting them on for the
      machine's later calls if so, and each model's step with the GPU idle
@@ -188,8 +190,10 @@ so start only when `status` offers one):
      `gguf-bg` converts llama.cpp's files
      while the next call waits for them: ~200 s of session 32's round 1).
   4. carry [.device/bin]: `timeout -s TERM 560 python3 bench/h200/run.py
-     round 1` with H200_OURS_ENV (~350 s: each prompt length now gets an
-     untimed pass first), then the same with `round 2` in its own call.
+     round 1` with H200_OURS_ENV (~400 s: each prompt length now gets an
+     untimed pass first), then the same with `round 2` in its own call
+     (a failed start costs 90-180 s: if one does, run `round 2` with
+     H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4: session 32 had the 350M).
   5. if time is left, with H200_MODELS=lfm2-8b-a1b-q4 and H200_OURS_ENV:
      `host-profile profile-gaps` (~35 s + ~60 s): its host dispatched a
      token in ~1,500 µs in session 32 (~1,900 under glibc: allocation
