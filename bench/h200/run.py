@@ -174,8 +174,9 @@ so start only when `status` offers one):
   2. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=7
      H200_KERNEL_TESTS=conv_moe_layer_fused_kernel_matches_the_two_kernels,out_layer_fused_kernel_matches_out_proj_and_the_kernel,greedy_tokens_with_kernels_equal_stock_ops_on_wide_moe
      `timeout -s TERM 560 python3 bench/h200/run.py install verdicts-from
-     bench/results/2026-12-05-h100-session32.raw.jsonl,bench/results/2026-12-05-h100-session31.raw.jsonl,bench/results/2026-12-05-h200-session30.raw.jsonl,bench/results/2026-12-05-h200-session27.raw.jsonl,bench/results/2026-12-04-h200-session24.raw.jsonl,bench/results/2026-12-04-h200-session21.raw.jsonl,bench/results/2026-12-04-h200-session20.raw.jsonl,bench/results/2026-12-03-h200-session18.raw.jsonl
-     kernels save-ptx` (~330 s: the joined MoE forms with the 8-bit
+     bench/results/2026-12-03-h200-session18.raw.jsonl,bench/results/2026-12-04-h200-session20.raw.jsonl,bench/results/2026-12-04-h200-session21.raw.jsonl,bench/results/2026-12-04-h200-session24.raw.jsonl,bench/results/2026-12-05-h200-session27.raw.jsonl,bench/results/2026-12-05-h200-session30.raw.jsonl,bench/results/2026-12-05-h100-session31.raw.jsonl,bench/results/2026-12-05-h100-session32.raw.jsonl
+     kernels save-ptx` (oldest first: a later verdict replaces an earlier
+     one; ~330 s: the joined MoE forms with the 8-bit
      router; the WideMoe fixture's greedy sets, where
      `MLX_LFM_CONV_LAYER_FUSED` must now build; the other three greedy
      tests passed their default runs in session 32 and no default
