@@ -38,7 +38,8 @@
 //!   mlx-lfm-bench --dispatch-cost [--device gpu] [--reps 5]
 //!     no model: what one node of each kind costs the host (chains of 200
 //!     adds, views, GEMVs, 4-bit GEMVs, RMSNorms and, on CUDA, custom
-//!     kernels, each built, handed to MLX and waited for; µs per node).
+//!     kernels, alone, with 8 inputs and with 6 outputs, each built, handed
+//!     to MLX and waited for; µs per node).
 //!   mlx-lfm-bench --kernel-bench [--device gpu] [--reps 3] [--arms a,b]
 //!     no model: the decode step's dense GEMV shapes one product a launch,
 //!     MLX's GEMV and each walk of ours (for ncu to time each kernel
@@ -1121,18 +1122,24 @@ fn dispatch_cost(reps: usize) -> mlx_lfm::Result<()> {
         held.push(b);
     }
     mlx::eval(&held)?;
-    let add_kernel = |name: &str, inputs: &[&str]| -> mlx_lfm::Result<Option<CudaKernel>> {
+    let add_kernel = |name: &str, inputs: &[&str], outputs: &[&str]| -> mlx_lfm::Result<Option<CudaKernel>> {
         if !cuda_kernels_enabled() {
             return Ok(None);
         }
         let body = "const int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < x_shape[x_ndim - 1]) y[i] = x[i] + T(1.0f);";
-        Ok(Some(CudaKernel::new(name, inputs, &["y"], body, "")?))
+        Ok(Some(CudaKernel::new(name, inputs, outputs, body, "")?))
     };
-    let add_one = add_kernel("lfm_bench_add_one", &["x"])?;
+    let add_one = add_kernel("lfm_bench_add_one", &["x"], &["y"])?;
     // The same launch with seven more inputs it never reads (held weights,
     // as a fused kernel's are): whether MLX's cost is per node or grows
     // with its inputs (the 8B-A1B's step cut 23% of its nodes, dispatch 2%).
-    let add_one_wide = add_kernel("lfm_bench_add_one_wide", &["x", "a1", "a2", "a3", "a4", "a5", "a6", "a7"])?;
+    let add_one_wide = add_kernel("lfm_bench_add_one_wide", &["x", "a1", "a2", "a3", "a4", "a5", "a6", "a7"], &["y"])?;
+    // And with five more outputs it never writes, as the one-launch layers'
+    // scratch rows are outputs (the MoE layer's six, ~140 scratch arrays a
+    // step of the 8B-A1B, each allocated at dispatch): whether an output
+    // costs what a node does (session 32: its dispatch fell ~4.3 µs a node
+    // removed, yet ~1,500 µs a token remained).
+    let add_one_outs = add_kernel("lfm_bench_add_one_outs", &["x"], &["y", "z1", "z2", "z3", "z4", "z5"])?;
     let qb_or_w = qb.clone().unwrap_or_else(|| w.clone());
     let wide_inputs = [&w, &wt, &qw, &qs, &qb_or_w, &norm_w, &one];
     type Node<'a> = Box<dyn Fn(&Array) -> mlx_lfm::Result<Array> + 'a>;
@@ -1143,14 +1150,22 @@ fn dispatch_cost(reps: usize) -> mlx_lfm::Result<()> {
         ("quantized_matmul", Box::new(|x: &Array| mlx::quantized_matmul(x, &qw, &qs, qb.as_ref(), true, spec))),
         ("rms_norm", Box::new(|x: &Array| mlx::rms_norm(x, Some(&norm_w), 1e-5))),
     ];
-    for (name, kernel, extra) in [("custom_kernel", &add_one, &wide_inputs[..0]), ("custom_kernel_8_inputs", &add_one_wide, &wide_inputs[..])] {
+    for (name, kernel, extra, outs) in [
+        ("custom_kernel", &add_one, &wide_inputs[..0], 1),
+        ("custom_kernel_8_inputs", &add_one_wide, &wide_inputs[..], 1),
+        ("custom_kernel_6_outputs", &add_one_outs, &wide_inputs[..0], 6),
+    ] {
         if let Some(k) = kernel {
             kinds.push((
                 name,
                 Box::new(move |x: &Array| {
                     let shape = x.shape();
                     let ins: Vec<&Array> = std::iter::once(x).chain(extra.iter().copied()).collect();
-                    let mut out = k.call(&ins, &[(&shape, x.dtype())], [K, 1, 1], [256, 1, 1], &[("T", TemplateArg::Dtype(x.dtype()))])?;
+                    let specs: Vec<(&[i32], Dtype)> = (0..outs).map(|_| (&shape[..], x.dtype())).collect();
+                    let mut out = k.call(&ins, &specs, [K, 1, 1], [256, 1, 1], &[("T", TemplateArg::Dtype(x.dtype()))])?;
+                    // The chain goes on through the first output (the rest
+                    // are dropped here, as a layer's scratch rows are).
+                    out.truncate(1);
                     Ok(out.pop().expect("one output"))
                 }),
             ));
