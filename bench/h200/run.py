@@ -196,7 +196,7 @@ so start only when `status` offers one):
      (a failed start costs 90-180 s: if one does, run `round 2` with
      H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4: session 32 had the 350M).
   5. if time is left, with H200_MODELS=lfm2-8b-a1b-q4 and H200_OURS_ENV:
-     `dispatch-cost host-profile profile-gaps` (~15 + ~35 + ~60 s): its
+     `dispatch-cost host-profile profile-gaps` (~15 + ~35 + ~60 s): the 8B-A1B's
      host dispatched a token in ~1,500 µs in session 32 (~1,900 under
      glibc: allocation churn) while 115 nodes fewer saved only ~500; call
      3's `gpu-time-per-step` says whether a wait on the GPU hides in it,
@@ -204,7 +204,11 @@ so start only when `status` offers one):
      MLX a launch (its `custom_kernel_8_inputs` and `_6_outputs` arms
      have never run on a GPU: the one-launch layers take 10-23 inputs and
      give 4-6 outputs, most of them scratch rows), the host profile where
-     the rest goes.
+     the rest goes. Then `new-lengths` in a call without H200_MODELS
+     (both models, ~40 s): session 32's
+     rounds paid 68-137 ms for a prompt length never seen before against
+     4-60 ms warm, and a server meets new lengths all the time; it has
+     never run on a GPU.
 Session 31's plan, for the record (session 32 got an H100 on its second
 try and ran calls 1-3 as planned (call 3 with only `layers-fused-off` and
 `conv-layer-fused`, and no `pick`), then `round 1` (540 s, cut during the
