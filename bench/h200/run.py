@@ -204,11 +204,12 @@ so start only when `status` offers one):
      MLX a launch (its `custom_kernel_8_inputs` and `_6_outputs` arms
      have never run on a GPU: the one-launch layers take 10-23 inputs and
      give 4-6 outputs, most of them scratch rows), the host profile where
-     the rest goes. Then `new-lengths` in a call without H200_MODELS
-     (both models, ~40 s): session 32's
+     the rest goes. Then `shape-cost new-lengths` in a call without
+     H200_MODELS (~10 + ~40 s): session 32's
      rounds paid 68-137 ms for a prompt length never seen before against
-     4-60 ms warm, and a server meets new lengths all the time; it has
-     never run on a GPU.
+     4-60 ms warm, and a server meets new lengths all the time; neither
+     has run on a GPU (`shape-cost` says which op pays: MLX keys its
+     attention's cuDNN graphs and its matmuls' plans by the lengths).
 Session 31's plan, for the record (session 32 got an H100 on its second
 try and ran calls 1-3 as planned (call 3 with only `layers-fused-off` and
 `conv-layer-fused`, and no `pick`), then `round 1` (540 s, cut during the
@@ -312,7 +313,8 @@ less its kernels' ncu durations with warm caches, the time between them; `ab-bin
 the previous commit, against this one; `constrained` times constrained
 against free decode; `dispatch-cost` what a node of each kind costs the
 host; `new-lengths` times the first prefill at new prompt
-lengths; `kernel-bench` times each dense GEMV kernel alone under ncu, MLX's
+lengths, `shape-cost` which op of a prompt's pass pays for a new length;
+`kernel-bench` times each dense GEMV kernel alone under ncu, MLX's
 and each walk of ours on the same operands.)
 Each call leaves raw.jsonl (every measurement, tagged) and its logs (logs.tgz) in $OUT.
 Back here:
@@ -1334,6 +1336,19 @@ def dispatch_cost():
         j = json.loads(line)
         if "dispatch_cost" in j:
             record(engine="dispatch-cost", **j)
+
+
+def shape_cost():
+    """Which op of a prompt's pass pays for a length never seen before
+    (`mlx-lfm-bench --shape-cost`: causal attention, the bf16 and 4-bit
+    products, RMSNorm at the 1.2B's widths, each timed with its wait at 8
+    new lengths, then 8 times at a seen one). No checkpoint needed;
+    session 32's rounds paid 68-137 ms a new length against 4-60 warm."""
+    r = sh([BENCH, "--shape-cost", "--device", "gpu", "--reps", "8"], "shape-cost", check=False)
+    for line in r.stdout.splitlines():
+        j = json.loads(line) if line.startswith("{") else {}
+        if "shape_cost" in j:
+            record(engine="shape-cost", **j)
 
 
 def short_kernel(name):
@@ -2387,7 +2402,8 @@ def collect(files):
             errors.append(r)
         elif r.get("engine") in ("ncu", "ncu-prefill", "ab", "tests", "constrained", "new-lengths", "pick", "env", "step-ops",
                                  "prefill-ops", "batch-phases", "mlx-lfm-allocator", "kernel-bench", "kernel-detail",
-                                 "kernel-stalls", "kernel-source", "ncu-detail", "ncu-stalls", "ptx-cache", "gguf-bg"):
+                                 "kernel-stalls", "kernel-source", "ncu-detail", "ncu-stalls", "ptx-cache", "gguf-bg",
+                                 "dispatch-cost", "shape-cost"):
             profiles.append(r)
         elif r.get("samples"):
             runs.append({"model": r["model"], "engine": r["engine"], "metric": r["metric"], "prompt": r["prompt"],
@@ -2579,6 +2595,9 @@ def main():
             elif a == "dispatch-cost":
                 install()
                 dispatch_cost()
+            elif a == "shape-cost":
+                install()
+                shape_cost()
             elif a == "kernel-bench":
                 install()
                 kernel_bench()

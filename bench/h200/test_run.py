@@ -402,5 +402,21 @@ class ColdPass(unittest.TestCase):
             self.assertEqual((got[0]["engine"], got[0]["prompt"], got[0]["samples"]), ("mlx-lfm", 512, [5252.0]))
 
 
+class ShapeCost(unittest.TestCase):
+    """`shape-cost` keeps each kind's line from the bench, nothing else."""
+
+    def test_each_kind_is_recorded(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            run = load_run(Path(tmp))
+            lines = [{"shape_cost": "attention_causal", "from": 513, "new_ms": [60.0], "seen_ms": [1.0], "backend": "cuda"},
+                     {"shape_cost": "matmul", "from": 577, "new_ms": [2.0], "seen_ms": [0.5], "backend": "cuda"}]
+            out = "\n".join(json.dumps(l) for l in lines) + "\nmlx-lfm-bench: a note\n"
+            run.sh = lambda *a, **k: Result(out)
+            run.shape_cost()
+            got = [r for r in records(run) if r.get("engine") == "shape-cost"]
+            self.assertEqual([r["shape_cost"] for r in got], ["attention_causal", "matmul"])
+            self.assertEqual(got[0]["new_ms"], [60.0])
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)

@@ -40,6 +40,11 @@
 //!     adds, views, GEMVs, 4-bit GEMVs, RMSNorms and, on CUDA, custom
 //!     kernels, alone, with 8 inputs and with 6 outputs, each built, handed
 //!     to MLX and waited for; µs per node).
+//!   mlx-lfm-bench --shape-cost [--device gpu] [--reps 8]
+//!     no model: what a length never seen before costs one op of a
+//!     prompt's pass (causal attention, the bf16 and 4-bit products, RMSNorm,
+//!     at the 1.2B's widths): each timed with its wait at `--reps` new
+//!     lengths (512, 513, ...), then as often at 512 again (ms each).
 //!   mlx-lfm-bench --kernel-bench [--device gpu] [--reps 3] [--arms a,b]
 //!     no model: the decode step's dense GEMV shapes one product a launch,
 //!     MLX's GEMV and each walk of ours (for ncu to time each kernel
@@ -119,6 +124,8 @@ const FLAGS: &[(&str, bool)] = &[
     ("--block", true),
     ("--ab", true),
     ("--host-profile", true),
+    ("--cold-first", false),
+    ("--shape-cost", false),
 ];
 
 /// The usage (this file's opening comment), for `--help`.
@@ -161,6 +168,9 @@ fn run() -> mlx_lfm::Result<()> {
     }
     if args.iter().any(|a| a == "--dispatch-cost") {
         return dispatch_cost(arg(&args, "--reps").map(|s| s.parse().expect("--reps")).unwrap_or(5));
+    }
+    if args.iter().any(|a| a == "--shape-cost") {
+        return shape_cost(arg(&args, "--reps").map(|s| s.parse().expect("--reps")).unwrap_or(8));
     }
     if args.iter().any(|a| a == "--kernel-bench") {
         let arms: Option<Vec<String>> = arg(&args, "--arms").map(|s| s.split(',').map(|a| a.trim().to_string()).filter(|a| !a.is_empty()).collect());
@@ -888,6 +898,81 @@ fn new_lengths(
         serde_json::json!({"new_lengths": n, "from": base, "device": runtime::device_name(),
             "ttft_ms_new": new, "ttft_ms_seen": seen, "median_new_ms": median(&new), "median_seen_ms": median(&seen)})
     );
+    Ok(())
+}
+
+/// `--shape-cost`: a prompt length never seen before costs ~70-140 ms of
+/// TTFT on the GPU against 4-60 ms warm (session 32's rounds), a cost a
+/// server meets at every new length. Which op pays it: each of a prompt's
+/// kinds alone, at the 1.2B's widths, timed with its wait at `reps` new
+/// lengths and then at a seen one as often (MLX keeps per-shape plans:
+/// its attention's graphs and its matmuls' are keyed by the lengths).
+fn shape_cost(reps: usize) -> mlx_lfm::Result<()> {
+    if !(1..64).contains(&reps) {
+        return Err(mlx_lfm::Error::invalid(format!("--shape-cost: --reps {reps} (1 to 63: each kind has 64 lengths of its own)")));
+    }
+    use mlx_lfm::mlx::{self, random::normal, Array, Dtype, Mask, QuantMode, QuantSpec};
+    let bf = Dtype::Bfloat16;
+    let (d, heads, kv_heads, hd) = (2048, 32, 8, 64);
+    let w = normal(&[d, d], bf, 0.0, 0.02, None)?;
+    let wt = w.transpose(&[1, 0])?;
+    let spec = QuantSpec { mode: QuantMode::Affine, bits: 4, group_size: 64 };
+    let (qw, qs, qb) = mlx::quantize(&w, spec)?;
+    let norm_w = mlx::full(&[d], 1.0, bf)?;
+    let mut held = vec![&w, &wt, &qw, &qs, &norm_w];
+    if let Some(b) = &qb {
+        held.push(b);
+    }
+    mlx::eval(&held)?;
+    // Each kind: its inputs at a length (evaluated before the clock
+    // starts), then the op on them.
+    type Inputs = Box<dyn Fn(i32) -> mlx_lfm::Result<Vec<Array>>>;
+    type Op<'a> = Box<dyn Fn(&[Array]) -> mlx_lfm::Result<Array> + 'a>;
+    let rows = move |l: i32| -> mlx_lfm::Result<Vec<Array>> { Ok(vec![normal(&[l, d], bf, 0.0, 1.0, None)?]) };
+    let kinds: Vec<(&str, Inputs, Op)> = vec![
+        (
+            "attention_causal",
+            Box::new(move |l: i32| {
+                Ok(vec![
+                    normal(&[1, heads, l, hd], bf, 0.0, 1.0, None)?,
+                    normal(&[1, kv_heads, l, hd], bf, 0.0, 1.0, None)?,
+                    normal(&[1, kv_heads, l, hd], bf, 0.0, 1.0, None)?,
+                ])
+            }),
+            Box::new(|x: &[Array]| mlx::sdpa(&x[0], &x[1], &x[2], 0.125, Mask::Causal)),
+        ),
+        ("matmul", Box::new(rows), Box::new(|x: &[Array]| x[0].matmul(&wt))),
+        ("quantized_matmul", Box::new(rows), Box::new(|x: &[Array]| mlx::quantized_matmul(&x[0], &qw, &qs, qb.as_ref(), true, spec))),
+        ("rms_norm", Box::new(rows), Box::new(|x: &[Array]| mlx::rms_norm(&x[0], Some(&norm_w), 1e-5))),
+    ];
+    // Each kind first at a length no kind times, so that a first launch
+    // (a kernel's load) is not counted as a length's cost.
+    for (i, (_, inputs, op)) in kinds.iter().enumerate() {
+        op(&inputs(64 + i as i32)?)?.eval()?;
+    }
+    for (i, (name, inputs, op)) in kinds.iter().enumerate() {
+        // Lengths no kind has seen: this kind's own range, near 512 for
+        // every kind (64 lengths apart; at most 63 reps).
+        let base = 512 + 64 * i as i32;
+        let time = |l: i32| -> mlx_lfm::Result<f64> {
+            let x = inputs(l)?;
+            mlx::eval(&x.iter().collect::<Vec<_>>())?;
+            runtime::synchronize()?;
+            let t = Instant::now();
+            op(&x)?.eval()?;
+            runtime::synchronize()?;
+            Ok(t.elapsed().as_secs_f64() * 1e3)
+        };
+        let new: Vec<f64> = (0..reps as i32).map(|j| time(base + 1 + j)).collect::<mlx_lfm::Result<_>>()?;
+        time(base)?;
+        let seen: Vec<f64> = (0..reps).map(|_| time(base)).collect::<mlx_lfm::Result<_>>()?;
+        let round = |v: Vec<f64>| v.into_iter().map(|x| (x * 1000.0).round() / 1000.0).collect::<Vec<_>>();
+        println!(
+            "{}",
+            serde_json::json!({"shape_cost": name, "from": base + 1, "new_ms": round(new), "seen_ms": round(seen),
+                "backend": runtime::backend().name()})
+        );
+    }
     Ok(())
 }
 
