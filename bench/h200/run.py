@@ -209,7 +209,9 @@ so start only when `status` offers one):
      rounds paid 68-137 ms for a prompt length never seen before against
      4-60 ms warm, and a server meets new lengths all the time; neither
      has run on a GPU (`shape-cost` says which op pays: MLX keys its
-     attention's cuDNN graphs and its matmuls' plans by the lengths).
+     attention's cuDNN graphs and its matmuls' plans by the lengths;
+     `new-lengths` also times MLX_LFM_ATTENTION_BUCKET=128, an opt-in
+     that pads a prompt's attention to buckets, against the defaults).
 Session 31's plan, for the record (session 32 got an H100 on its second
 try and ran calls 1-3 as planned (call 3 with only `layers-fused-off` and
 `conv-layer-fused`, and no `pick`), then `round 1` (540 s, cut during the
@@ -1269,14 +1271,18 @@ def ab_binaries():
 
 def new_lengths():
     """TTFT at 8 never-seen prompt lengths (512-519) against 8 prompts of a
-    seen one: the per-shape setup a server pays on this backend."""
+    seen one: the per-shape setup a server pays on this backend; then the
+    same with a prompt's attention padded to buckets of 128
+    (MLX_LFM_ATTENTION_BUCKET, src/cache/bucket.rs: 512-519 all take the
+    640 bucket's graphs after the first), a process each."""
     for name in ab_models():
-        r = sh([BENCH, "--new-lengths", "8", "--prompts", "512", "--model", ours_ck(name), "--device", "gpu"],
-               f"new-lengths-{name}", check=False)
-        for line in r.stdout.splitlines():
-            j = json.loads(line)
-            if "new_lengths" in j:
-                record(engine="new-lengths", model=name, **j)
+        for variant, extra in [("defaults", {}), ("attention-bucket-128", {"MLX_LFM_ATTENTION_BUCKET": "128"})]:
+            r = sh([BENCH, "--new-lengths", "8", "--prompts", "512", "--model", ours_ck(name), "--device", "gpu"],
+                   f"new-lengths-{name}-{variant}", check=False, env={**ours_env(), **extra})
+            for line in r.stdout.splitlines():
+                j = json.loads(line) if line.startswith("{") else {}
+                if "new_lengths" in j:
+                    record(engine="new-lengths", model=name, variant=variant, **j)
 
 
 def step_ops():

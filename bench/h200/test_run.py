@@ -418,5 +418,30 @@ class ShapeCost(unittest.TestCase):
             self.assertEqual(got[0]["new_ms"], [60.0])
 
 
+class NewLengths(unittest.TestCase):
+    """`new-lengths` times the defaults and the attention's buckets, a
+    process each, the bucket in that process's environment only."""
+
+    def test_both_arms_are_recorded(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            run = load_run(Path(tmp))
+            run.ours_ck = lambda name: Path(tmp) / name
+            envs = []
+
+            def sh(cmd, *a, **k):
+                envs.append(k.get("env", {}).get("MLX_LFM_ATTENTION_BUCKET"))
+                return Result(json.dumps({"new_lengths": 8, "median_new_ms": 90.0, "median_seen_ms": 5.0}) + "\n")
+
+            run.sh = sh
+            os.environ["H200_MODELS"] = "lfm2-1.2b-bf16"
+            try:
+                run.new_lengths()
+            finally:
+                os.environ.pop("H200_MODELS", None)
+            got = [(r["model"], r["variant"]) for r in records(run) if r.get("engine") == "new-lengths"]
+            self.assertEqual(got, [("lfm2-1.2b-bf16", "defaults"), ("lfm2-1.2b-bf16", "attention-bucket-128")])
+            self.assertEqual(envs, [None, "128"])
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)

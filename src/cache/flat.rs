@@ -4,7 +4,7 @@
 //! codes of src/kvquant in their place.
 
 use crate::error::Result;
-use crate::mlx::{self, arange, concatenate, zeros, Array, Dtype, Mask};
+use crate::mlx::{arange, concatenate, zeros, Array, Dtype};
 
 /// Tokens added to a KV cache's capacity each time it fills up.
 pub const KV_STEP: usize = 256;
@@ -103,7 +103,9 @@ impl KvCache {
             qc.attend(q, k, v, scale)
         } else if q.dim(2) > 1 {
             let (k, v) = self.update_and_fetch(len, k, v)?;
-            mlx::sdpa(q, &k, &v, scale, Mask::Causal)
+            // (From position 0 the keys are the query's length: a bucket
+            // may pad both.)
+            super::bucket::causal(q, &k, &v, scale)
         } else {
             let (k, v, mask) = self.update_decode(len, k, v)?;
             crate::kernels::decode_attention::sdpa_masked(q, &k, &v, scale, &mask)

@@ -20,6 +20,7 @@
 //!   function (the compiled prefill's), and how its outputs reach a cache.
 
 pub mod batch;
+pub mod bucket;
 pub mod flat;
 pub mod fresh;
 pub mod paged;

@@ -8,7 +8,7 @@ use super::paged;
 use super::sequence::{ModelCache, SeqPass};
 use super::{ConvShape, ForwardCache, Offset};
 use crate::error::{Error, Result};
-use crate::mlx::{self, concatenate, Array, Mask};
+use crate::mlx::{self, concatenate, Array};
 
 /// One decode token for each of several sequences: row i of the batch is
 /// a [`SeqPass`] over `caches[i]`, so every row is stored and attended
@@ -150,7 +150,7 @@ impl ForwardCache for PrefillRows<'_, '_> {
     }
 
     fn attend(&mut self, layer: usize, q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Array> {
-        let o = mlx::sdpa(q, k, v, scale, Mask::Causal)?;
+        let o = super::bucket::causal(q, k, v, scale)?;
         for (i, c) in self.caches.iter_mut().enumerate() {
             let (r, n) = (i as i32, self.lens[i] as i32);
             let mine = |a: &Array| a.slice(&[r, 0, 0, 0], &[r + 1, a.dim(1), n, a.dim(3)], &[1, 1, 1, 1]);

@@ -320,7 +320,7 @@ impl SeqPass<'_> {
                 if start == 0 {
                     // From position 0 this call's K/V are the whole sequence:
                     // attend over them directly (the values the blocks now hold).
-                    return mlx::sdpa(q, k, v, scale, Mask::Causal);
+                    return super::bucket::causal(q, k, v, scale);
                 }
                 let end = (start + self.t) as i32;
                 let pool = seq.pool.lock();
