@@ -145,27 +145,15 @@ pub(crate) fn part_served(x: &Normed, p: Projections, state: &Array, cw: &Array,
 /// launch (callers check [`available`]); `ctr` the layer's own
 /// (`stages::new_counters`).
 pub fn forward(x: &Normed, p: Projections, state: &Array, cw: &Array, ctr: &Array) -> Result<(Array, Array, Array)> {
-    let kern = kernel(p.quant()).ok_or_else(|| Error::mlx("the fused short-conv layer kernel is not available"))?;
-    let r = x.r.ok_or_else(|| Error::invalid("the fused short-conv layer kernel needs a residual to add"))?;
-    stages::check_counters(ctr, "the fused short-conv layer kernel")?;
+    const WHAT: &str = "the fused short-conv layer kernel";
+    let kern = kernel(p.quant()).ok_or_else(|| Error::mlx(format!("{WHAT} is not available")))?;
+    stages::check_counters(ctr, WHAT)?;
     let (d, dt) = (x.h.dim(1), x.h.dtype());
     let (c, l) = (cw.dim(0), cw.dim(1));
     let nb = blocks(d, c);
     let threads = WARPS * 32;
     let grid = i32::try_from(nb * threads as i64).map_err(|_| Error::invalid(format!("fused short-conv layer kernel: {nb} blocks")))?;
-    let mut template = vec![
-        ("T", TemplateArg::Dtype(dt)),
-        ("D", TemplateArg::Int(d)),
-        ("C", TemplateArg::Int(c)),
-        ("KEEP", TemplateArg::Int(l - 1)),
-        ("NBLK", TemplateArg::Int(super::add_rms_norm::block_for(d, 16 / dt.size() as i32))),
-        ("WARPS", TemplateArg::Int(WARPS)),
-        ("EPS_BITS", TemplateArg::Int(x.eps.to_bits() as i32)),
-    ];
-    let (projections, spec) = p.inputs()?;
-    template.extend(spec);
-    let mut inputs = vec![x.h, r, x.w, state, cw];
-    inputs.extend(projections);
+    let (mut inputs, template) = part_operands(x, p, state, cw, WARPS, WHAT)?;
     inputs.push(ctr);
     let mut outs = kern.call(
         &inputs,
@@ -181,6 +169,38 @@ pub fn forward(x: &Normed, p: Projections, state: &Array, cw: &Array, ctr: &Arra
     let out = outs.pop().ok_or_else(missing)?;
     let s = outs.pop().ok_or_else(missing)?;
     Ok((s, out, next))
+}
+
+/// The operands a launch with the conv part begins with (the row, its
+/// residual and norm weight, the conv's state, weights and projections)
+/// and the conv part's template constants, blocks of `warps` warps: this
+/// kernel's, and the joined kernels' first (src/kernels/conv_layer_fused.rs),
+/// for `what`'s errors.
+pub(crate) fn part_operands<'a>(
+    x: &Normed<'a>,
+    p: Projections<'a>,
+    state: &'a Array,
+    cw: &'a Array,
+    warps: i32,
+    what: &str,
+) -> Result<(Vec<&'a Array>, stages::Specs)> {
+    let r = x.r.ok_or_else(|| Error::invalid(format!("{what} needs a residual to add")))?;
+    let (d, dt) = (x.h.dim(1), x.h.dtype());
+    let (c, w) = (cw.dim(0), cw.dim(1));
+    let mut template = vec![
+        ("T", TemplateArg::Dtype(dt)),
+        ("D", TemplateArg::Int(d)),
+        ("C", TemplateArg::Int(c)),
+        ("KEEP", TemplateArg::Int(w - 1)),
+        ("NBLK", TemplateArg::Int(super::add_rms_norm::block_for(d, 16 / dt.size() as i32))),
+        ("WARPS", TemplateArg::Int(warps)),
+        ("EPS_BITS", TemplateArg::Int(x.eps.to_bits() as i32)),
+    ];
+    let (projections, spec) = p.inputs()?;
+    template.extend(spec);
+    let mut inputs = vec![x.h, r, x.w, state, cw];
+    inputs.extend(projections);
+    Ok((inputs, template))
 }
 
 #[cfg(test)]

@@ -155,10 +155,9 @@ pub fn available(l: &ConvLayer, has_bias: bool) -> bool {
         && kernel(l.conv.quant()).is_some()
 }
 
-/// The operands both joined kernels begin with (the row, its residual and
-/// norm weight, the conv's state, weights and projections, the second
-/// norm's weight) and their template constants (the conv part's, blocks
-/// of `warps` warps), for `what`'s errors.
+/// The operands both joined kernels begin with (the conv kernel's, then
+/// the second norm's weight) and their template constants (the conv
+/// part's, blocks of `warps` warps), for `what`'s errors.
 fn conv_part_operands<'a>(
     x: &Normed<'a>,
     conv: Projections<'a>,
@@ -168,22 +167,7 @@ fn conv_part_operands<'a>(
     warps: i32,
     what: &str,
 ) -> Result<(Vec<&'a Array>, stages::Specs)> {
-    let r = x.r.ok_or_else(|| Error::invalid(format!("{what} needs a residual to add")))?;
-    let (d, dt) = (x.h.dim(1), x.h.dtype());
-    let (c, w) = (cw.dim(0), cw.dim(1));
-    let mut template = vec![
-        ("T", TemplateArg::Dtype(dt)),
-        ("D", TemplateArg::Int(d)),
-        ("C", TemplateArg::Int(c)),
-        ("KEEP", TemplateArg::Int(w - 1)),
-        ("NBLK", TemplateArg::Int(super::add_rms_norm::block_for(d, 16 / dt.size() as i32))),
-        ("WARPS", TemplateArg::Int(warps)),
-        ("EPS_BITS", TemplateArg::Int(x.eps.to_bits() as i32)),
-    ];
-    let (projections, spec) = conv.inputs()?;
-    template.extend(spec);
-    let mut inputs = vec![x.h, r, x.w, state, cw];
-    inputs.extend(projections);
+    let (mut inputs, template) = super::conv_fused::part_operands(x, conv, state, cw, warps, what)?;
     inputs.push(ffn_norm);
     Ok((inputs, template))
 }
