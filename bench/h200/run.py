@@ -1271,12 +1271,13 @@ def ab_binaries():
 
 def new_lengths():
     """TTFT at 8 never-seen prompt lengths (512-519) against 8 prompts of a
-    seen one: the per-shape setup a server pays on this backend; then the
-    same with a prompt's attention padded to buckets of 128
-    (MLX_LFM_ATTENTION_BUCKET, src/cache/bucket.rs: 512-519 all take the
-    640 bucket's graphs after the first), a process each."""
+    seen one: the per-shape setup a server pays on this backend; by default
+    (a prompt's attention padded to buckets of 128 on CUDA since session
+    33, src/cache/bucket.rs: 512-519 all take the 640 bucket's graphs after
+    the first) and with the buckets off (MLX_LFM_ATTENTION_BUCKET=0), a
+    process each."""
     for name in ab_models():
-        for variant, extra in [("defaults", {}), ("attention-bucket-128", {"MLX_LFM_ATTENTION_BUCKET": "128"})]:
+        for variant, extra in [("defaults", {}), ("attention-bucket-off", {"MLX_LFM_ATTENTION_BUCKET": "0"})]:
             r = sh([BENCH, "--new-lengths", "8", "--prompts", "512", "--model", ours_ck(name), "--device", "gpu"],
                    f"new-lengths-{name}-{variant}", check=False, env={**ours_env(), **extra})
             for line in r.stdout.splitlines():

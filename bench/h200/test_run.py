@@ -419,8 +419,8 @@ class ShapeCost(unittest.TestCase):
 
 
 class NewLengths(unittest.TestCase):
-    """`new-lengths` times the defaults and the attention's buckets, a
-    process each, the bucket in that process's environment only."""
+    """`new-lengths` times the defaults and the attention's buckets off, a
+    process each, the switch in that process's environment only."""
 
     def test_both_arms_are_recorded(self):
         with tempfile.TemporaryDirectory() as tmp:
@@ -439,8 +439,8 @@ class NewLengths(unittest.TestCase):
             finally:
                 os.environ.pop("H200_MODELS", None)
             got = [(r["model"], r["variant"]) for r in records(run) if r.get("engine") == "new-lengths"]
-            self.assertEqual(got, [("lfm2-1.2b-bf16", "defaults"), ("lfm2-1.2b-bf16", "attention-bucket-128")])
-            self.assertEqual(envs, [None, "128"])
+            self.assertEqual(got, [("lfm2-1.2b-bf16", "defaults"), ("lfm2-1.2b-bf16", "attention-bucket-off")])
+            self.assertEqual(envs, [None, "0"])
 
 
 if __name__ == "__main__":

@@ -103,8 +103,8 @@ impl KvCache {
             qc.attend(q, k, v, scale)
         } else if q.dim(2) > 1 {
             let (k, v) = self.update_and_fetch(len, k, v)?;
-            // (From position 0 the keys are the query's length: a bucket
-            // may pad both.)
+            // (The keys run from position 0, the query's rows are the last
+            // of them: a bucket pads both alike.)
             super::bucket::causal(q, &k, &v, scale)
         } else {
             let (k, v, mask) = self.update_decode(len, k, v)?;

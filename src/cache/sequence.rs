@@ -7,7 +7,7 @@ use super::flat::{decode_mask, KvCache};
 use super::paged::{self, PagedSeq, SharedPool};
 use super::{ConvShape, ForwardCache, Offset};
 use crate::error::{Error, Result};
-use crate::mlx::{self, eval, Array, Mask};
+use crate::mlx::{eval, Array};
 
 /// The conv layers' current states, in layer order.
 fn conv_states(layers: &[LayerCache]) -> Vec<&Array> {
@@ -327,7 +327,9 @@ impl SeqPass<'_> {
                 let kg = paged::gather(pool.keys(ord), tb)?.slice_axis(2, 0, end)?;
                 let vg = paged::gather(pool.values(ord), tb)?.slice_axis(2, 0, end)?;
                 drop(pool);
-                mlx::sdpa(q, &kg, &vg, scale, Mask::Causal)
+                // (A later chunk, or a prompt after a reused prefix: the
+                // bucket pads the keys and the query alike.)
+                super::bucket::causal(q, &kg, &vg, scale)
             }
             // One token: written into the decode mirror, attended with the
             // mask (the shapes and ops of the flat decode and the compiled
