@@ -164,54 +164,51 @@ from its A/B: the variants and greedy sets that turned them on are gone,
 `layers-fused-off` (greedy set and variant) and `moe-fused-off`,
 `conv-fused-off`, `ffn-fused-off`, `qkv-fused-off` measure them off, and
 the greedy test's default run checks it built each.
-Next (`bash bench/h200/prepare.sh` here first; ~1,450 s planned; session
-32 (an H100 again) ran the first rounds with the one-launch layers as
-defaults, both cut by the device time; after it the joined MoE forms take
-the checkpoints' 8-bit router, and the rounds time prefill after an
-untimed pass at each length; a call that finds no machine costs 90-180 s,
-so start only when `status` offers one):
-  1. carry [.device/a, .device/llama]: `stage` (~100 s with the start).
+Next (`bash bench/h200/prepare.sh` here first; ~1,500 s planned; session
+33 (an H100 again) ran the plan below through call 4's `round 1` and the
+8B-A1B's `round 2`, then `shape-cost new-lengths` and the 8B-A1B's
+`dispatch-cost host-profile profile-gaps`; after it, the attention
+buckets of 128 are a CUDA default, and kernels' texts can go into files
+that MLX includes (`MLX_LFM_KERNEL_TEXT=file`, opt-in): MLX hashes a
+custom kernel's whole text at every dispatch, 25% of the 8B-A1B's host
+samples):
+  1. carry [.device/a, .device/llama]: `stage`.
   2. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=7
-     H200_KERNEL_TESTS=conv_moe_layer_fused_kernel_matches_the_two_kernels,out_layer_fused_kernel_matches_out_proj_and_the_kernel,greedy_tokens_with_kernels_equal_stock_ops_on_wide_moe
+     H200_KERNEL_TESTS=a_kernel_from_files_gives_the_inline_bits,greedy_tokens_with_kernel_texts_in_files,moe_fused_kernel_matches_the_three_kernels,greedy_tokens_with_kernels_equal_stock_ops_on_wide_moe,greedy_tokens_with_kernels_equal_stock_ops_on_wide_rows,compiled_prefill_equals_the_eager_prefill
      `timeout -s TERM 560 python3 bench/h200/run.py install verdicts-from
-     bench/results/2026-12-03-h200-session18.raw.jsonl,bench/results/2026-12-04-h200-session20.raw.jsonl,bench/results/2026-12-04-h200-session21.raw.jsonl,bench/results/2026-12-04-h200-session24.raw.jsonl,bench/results/2026-12-05-h200-session27.raw.jsonl,bench/results/2026-12-05-h200-session30.raw.jsonl,bench/results/2026-12-05-h100-session31.raw.jsonl,bench/results/2026-12-05-h100-session32.raw.jsonl
-     kernels save-ptx` (oldest first: a later verdict replaces an earlier
-     one; ~330 s: the joined MoE forms with the 8-bit
-     router; the WideMoe fixture's greedy sets, where
-     `MLX_LFM_CONV_LAYER_FUSED` must now build; the other three greedy
-     tests passed their default runs in session 32 and no default
-     kernel's text changed since).
+     <sessions 18, 20, 21, 24, 27, 30, 31, 32, 33 raw files, oldest first>
+     kernels save-ptx` (~400 s: the kernel texts in files, bit for bit and
+     over the wide MoE fixture's greedy sets; the MoE layer's scratch rows
+     in its state, against its outputs' bits and as a greedy set; the
+     greedy sets and the compiled prefill with the attention buckets now
+     on by default).
   3. carry [.device/bin]: H200_OURS_ENV (mimalloc) and
-     H200_AB_VARIANTS=conv-layer-fused,gpu-time-per-step
-     `timeout -s TERM 400 python3 bench/h200/run.py ab pick gguf-bg` (~260
-     s: the checkpoints, then whether the joined layers, now joining the
-     8B-A1B's MoE layers, are faster, `pick` setting them on for the
-     machine's later calls if so, and each model's step with the GPU idle
-     before it, whose wait is the step's GPU time (step 5's question);
-     `gguf-bg` converts llama.cpp's files
-     while the next call waits for them: ~200 s of session 32's round 1).
-  4. carry [.device/bin]: `timeout -s TERM 560 python3 bench/h200/run.py
-     round 1` with H200_OURS_ENV (~400 s: each prompt length now gets an
-     untimed pass first), then the same with `round 2` in its own call
-     (a failed start costs 90-180 s: if one does, run `round 2` with
-     H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4: session 32 had the 350M).
-  5. if time is left, with H200_MODELS=lfm2-8b-a1b-q4 and H200_OURS_ENV:
-     `dispatch-cost host-profile profile-gaps` (~15 + ~35 + ~60 s): the 8B-A1B's
-     host dispatched a token in ~1,500 µs in session 32 (~1,900 under
-     glibc: allocation churn) while 115 nodes fewer saved only ~500; call
-     3's `gpu-time-per-step` says whether a wait on the GPU hides in it,
-     `dispatch-cost` what a custom kernel's extra inputs and outputs cost
-     MLX a launch (its `custom_kernel_8_inputs` and `_6_outputs` arms
-     have never run on a GPU: the one-launch layers take 10-23 inputs and
-     give 4-6 outputs, most of them scratch rows), the host profile where
-     the rest goes. Then `shape-cost new-lengths` in a call without
-     H200_MODELS (~10 + ~40 s): session 32's
-     rounds paid 68-137 ms for a prompt length never seen before against
-     4-60 ms warm, and a server meets new lengths all the time; neither
-     has run on a GPU (`shape-cost` says which op pays: MLX keys its
-     attention's cuDNN graphs and its matmuls' plans by the lengths;
-     `new-lengths` also times MLX_LFM_ATTENTION_BUCKET=128, an opt-in
-     that pads a prompt's attention to buckets, against the defaults).
+     H200_AB_VARIANTS=kernel-text-file,scratch-in-state `timeout -s TERM 400 python3
+     bench/h200/run.py ab pick gguf-bg` (~300 s: the texts as processes in
+     alternation on all three models, the scratch rows in process on the
+     8B-A1B; `pick` takes each only where call 2 passed its tests).
+  4. carry [.device/bin]: H200_OURS_ENV, `timeout -s TERM 560 python3
+     bench/h200/run.py round 1`, then `round 2` in its own call (with
+     H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4 if a start failed).
+  5. if time is left: H200_MODELS=lfm2-8b-a1b-q4 with H200_OURS_ENV and
+     the picked switches: `host-profile profile-gaps new-lengths` (where
+     the host's time goes once the texts are short; the step's GPU time,
+     1,696 µs in session 33, whose one-launch MoE layer took 40 µs a
+     layer at ~0.6 TB/s and is the GPU's next target).
+Session 32's plan, for the record (session 33 got an H100 at its first
+try and ran calls 1-4 as planned, `ab` cut at 400 s before its 8B-A1B
+gpu-time arm, `round 1` cut at 540 s before the 8B-A1B's 16 concurrent
+and mlx-lm runs; then `shape-cost new-lengths` with the 8B-A1B's
+`dispatch-cost host-profile profile-gaps` (142 s) and its `round 2`
+(197 s)):
+  1. carry [.device/a, .device/llama]: `stage` (~100 s with the start).
+  2. carry [.device/b, .device/tests]: the joined MoE forms' tests with
+     the 8-bit router and the wide MoE fixture's greedy sets.
+  3. carry [.device/bin]: `ab pick gguf-bg` of conv-layer-fused and
+     gpu-time-per-step.
+  4. `round 1`, then `round 2`, each its own call.
+  5. the 8B-A1B's `dispatch-cost host-profile profile-gaps`, then
+     `shape-cost new-lengths`.
 Session 31's plan, for the record (session 32 got an H100 on its second
 try and ran calls 1-3 as planned (call 3 with only `layers-fused-off` and
 `conv-layer-fused`, and no `pick`), then `round 1` (540 s, cut during the
@@ -2015,11 +2012,29 @@ AB = {
     # quarter. A user would preload it the same way (LD_PRELOAD for node).
     "mimalloc": ({"LD_PRELOAD": str(ROOT / ".device" / "bin" / "libmimalloc.so")},
                  ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # Session 33's host profile of the 8B-A1B put 25% of the decoding
+    # thread's samples in libstdc++'s _Hash_bytes: MLX 0.32.4 hashes a
+    # custom kernel's whole text at every dispatch (its CustomKernel::
+    # eval_gpu), ~47 one-launch layers of ~20-35 KB a step. With the texts
+    # in files MLX includes (src/mlx/kernel_text.rs), it hashes two
+    # #include lines. A switch read once a process (a kernel is built once
+    # a process): a process arm (PER_PROCESS).
+    "kernel-text-file": ({"MLX_LFM_KERNEL_TEXT": "file"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # The same profile's dispatch-cost: a custom kernel's dispatch and build
+    # grow by ~2.9 µs an output, and the 8B-A1B's 22 one-launch MoE layers
+    # give 88 scratch outputs a step; kept in the layer's state instead
+    # (src/kernels/moe_fused.rs), two outputs a launch.
+    "scratch-in-state": ({"MLX_LFM_SCRATCH_IN_STATE": "1"}, ["lfm2-8b-a1b-q4"]),
 }
+# Our switches that only a process of its own can time (each is read when
+# the process builds its kernels, which an in-process A/B's engines share).
+PER_PROCESS = {"MLX_LFM_KERNEL_TEXT"}
 AB_IN_ROUNDS = ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]
 GREEDY = "greedy_tokens_with_kernels_equal_stock_ops"
 # The tests an opt-in variant needs passed before `pick` adopts it.
 AB_TESTS = {
+    "kernel-text-file": ["a_kernel_from_files_gives_the_inline_bits", "greedy_tokens_with_kernel_texts_in_files"],
+    "scratch-in-state": ["moe_fused_kernel_matches_the_three_kernels", "greedy:MLX_LFM_SCRATCH_IN_STATE"],
     "gemv-kernel": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops", "greedy:default"],
     "gemv-norm-kernels": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops",
                           "norm_gemv_kernels_match_stock_ops", "greedy:default"],
@@ -2189,7 +2204,8 @@ def ab():
                      if all(k.startswith("MLX_LFM_") for k in e) and not set(e) & set(base)]
             ab_processes(name, timed, max(2, reps // 2), base=base, tag="@gpu-time")
             continue
-        inproc = [(v, extra) for v, extra in chosen if all(k.startswith("MLX_LFM_") for k in extra)]
+        inproc = [(v, extra) for v, extra in chosen
+                  if all(k.startswith("MLX_LFM_") and k not in PER_PROCESS for k in extra)]
         spec = ";".join(f"{v}:" + ",".join(f"{k}={x}" for k, x in extra.items()) for v, extra in inproc)
         # H200_AB_GEN tokens a rep (128): more averages a rep's host
         # hiccups (session 17's 350M reps of one variant ran 0.67-1.24).

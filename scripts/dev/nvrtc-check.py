@@ -10,11 +10,14 @@ proves the text compiles; correctness is src/kernels/tests.rs on a GPU.
 
 With --ptxas=PATH (ptxas from `pip install --target /tmp/nvcc
 "nvidia-cuda-nvcc==13.*"`), each kernel's registers, spills and shared
-memory on sm_90 too; --only and --sass below.
+memory on sm_90 too; --only and --sass below. With --files, each kernel
+also as it reaches MLX under MLX_LFM_KERNEL_TEXT=file (its texts in files
+that #include lines name): the same PTX, byte for byte, or it fails.
 """
 import ctypes
 import re
 import sys
+import tempfile
 from pathlib import Path
 
 root = Path(__file__).resolve().parents[2]
@@ -246,6 +249,12 @@ KERNELS["conv_fused.rs@dense"] = (
     lambda dt: [("D", 2048), ("C", 2048), ("KEEP", 2), ("NBLK", 256 if dt != "float32" else 512), ("WARPS", 16),
                 ("EPS_BITS", 925353388)],
 )
+# Its scratch rows in the layer's state (MLX_LFM_SCRATCH_IN_STATE): two
+# outputs, the rows' places as template values (the 8B-A1B's layout in bf16,
+# moe_fused.rs scratch_layout), the body after SCRATCH_PRELUDE (PRELUDE_OF).
+KERNELS["moe_fused.rs@scratch"] = (KERNELS["moe_fused.rs"][0], KERNELS["moe_fused.rs"][1][:2],
+                                   lambda dt: KERNELS["moe_fused.rs"][2](dt)
+                                   + [("SCR_YN", 256), ("SCR_INDS", 4352), ("SCR_SCORES", 4608), ("SCR_HK", 4864)])
 # Its most registers by ptxas: rows of 1,536 (the last chunk guarded), 4-bit
 # experts 8,192 wide in groups of 128 (64 in bf16, the limit at 1,024 threads).
 KERNELS["moe_fused.rs@d1536"] = (*KERNELS["moe_fused.rs"][:2],
@@ -573,6 +582,36 @@ def compile_one(name, code):
     return rc, log.value.decode(errors="replace")
 
 
+def ptx_of(name, code):
+    """The PTX NVRTC makes of `code` (None where it does not compile)."""
+    prog = ctypes.c_void_p()
+    assert nvrtc.nvrtcCreateProgram(ctypes.byref(prog), code.encode(), name.encode(), 0, None, None) == 0
+    opts = [b"--gpu-architecture=compute_90", b"-std=c++17", b"-I" + str(inc).encode(),
+            b"-I" + str(inc / "cccl").encode()]
+    arr = (ctypes.c_char_p * len(opts))(*opts)
+    if nvrtc.nvrtcCompileProgram(prog, len(opts), arr) != 0:
+        return None
+    size = ctypes.c_size_t()
+    nvrtc.nvrtcGetPTXSize(prog, ctypes.byref(size))
+    buf = ctypes.create_string_buffer(size.value)
+    nvrtc.nvrtcGetPTX(prog, buf)
+    return buf.raw
+
+
+# --files: each kernel also as CudaKernel hands it to MLX with
+# MLX_LFM_KERNEL_TEXT=file (src/mlx/kernel_text.rs): its header and body in
+# files that two #include lines name (the body's after a comment naming the
+# shapes it reads, where MLX looks for them); the PTX must be the inline
+# text's, byte for byte.
+FILES = "--files" in sys.argv
+FILES_DIR = Path(tempfile.mkdtemp(prefix="nvrtc-files-")) if FILES else None
+
+
+def shape_params(ins, src):
+    """The shape, strides and rank arguments MLX adds where `src` names them."""
+    return [(n, s) for n, _ in ins for s in ("_shape", "_strides", "_ndim") if f"{n}{s}" in src]
+
+
 # --define=NAME=VALUE (repeatable): a #define before every kernel's text,
 # as a kernel variant's Rust side prepends one (e.g. LFM_DENSE_PLAIN=1, the
 # GEMVs' MLX_LFM_GEMV_LOOP=plain walk).
@@ -617,6 +656,7 @@ DEFINES_OF = {
     "moe_fused.rs": LAYER_MOE,
     "moe_fused.rs@d1536": LAYER_MOE,
     "moe_fused.rs@no-wait": "#define LFM_SPIN_LIMIT 0\n" + LAYER_MOE,
+    "moe_fused.rs@scratch": LAYER_MOE,
     "conv_fused.rs": "#define LFM_QMLX_TILES 2\n" + LAYER_CONV,
     "conv_fused.rs@no-wait": "#define LFM_SPIN_LIMIT 0\n#define LFM_QMLX_TILES 2\n" + LAYER_CONV,
     "conv_fused.rs@dense": "#define LFM_DENSE_PREFETCH 0\n" + LAYER_CONV,
@@ -634,6 +674,9 @@ DEFINES_OF = {
 }
 # (The 8-bit router's and the WideMoe variants take their kernel's defines.)
 DEFINES_OF.update({key + variant: DEFINES_OF[key] for key in ROUTER8 for variant in ("@g8", "@widemoe")})
+
+# A variant's text before its kernel's body, as its Rust side puts it there.
+PRELUDE_OF = {"moe_fused.rs@scratch": named(root / "src" / "kernels" / "moe_fused.rs", "SCRATCH_PRELUDE")}
 
 # How many dtype values CudaKernel::new adds (src/mlx/kernel.rs IO_NAMES),
 # seven operands each: a kernel with more operands is refused there.
@@ -653,6 +696,7 @@ for file, (ins, outs, targs, *only_dtypes) in KERNELS.items():
     # "file.rs#name": the file's NAME_SOURCE (a second kernel in one file).
     fname, _, extra = file_key.partition("#")
     src, hdr = body_and_header(root / "src" / "kernels" / fname, "const " + (extra.upper() + "_" if extra else "") + "SOURCE")
+    src = PRELUDE_OF.get(file, "") + src
     for was, now in REPLACE_OF.get(file, []):
         assert was in src, f"{file}: {was!r} not in its source"
         src = src.replace(was, now)
@@ -685,6 +729,24 @@ for file, (ins, outs, targs, *only_dtypes) in KERNELS.items():
         code = (DEFINES + DEFINES_OF.get(file, "") + PRELUDE + hdr + "namespace cg = cooperative_groups;\n"
                 + f'extern "C" __global__ void k({", ".join(params)}) {{\n{consts}  using T = {ct};\n{body}\n}}\n')
         rc, log = compile_one(f"{file}-{dt}.cu", code)
+        if rc == 0 and FILES:
+            tag = re.sub(r"[^A-Za-z0-9_]", "_", f"{file}-{dt}")
+            (FILES_DIR / f"{tag}.head.cuh").write_text(hdr)
+            (FILES_DIR / f"{tag}.body.cuh").write_text(body)
+            reads = [f"{n}{x}" for n, x in shape_params(ins, src)]
+            inc_body = (f"// reads {' '.join(reads)}\n" if reads else "") + f'#include "{FILES_DIR}/{tag}.body.cuh"\n'
+            inc_hdr = f'#include "{FILES_DIR}/{tag}.head.cuh"\n' if hdr else ""
+            if shape_params(ins, inc_body) != shape_params(ins, src):
+                print(f"{file} T={dt}: FAILED: from files MLX would pass other shape arguments")
+                failed += 1
+            files_code = (DEFINES + DEFINES_OF.get(file, "") + PRELUDE + inc_hdr + "namespace cg = cooperative_groups;\n"
+                          + f'extern "C" __global__ void k({", ".join(params)}) {{\n{consts}  using T = {ct};\n{inc_body}\n}}\n')
+            inline_ptx, files_ptx = ptx_of(f"{file}-{dt}.cu", code), ptx_of(f"{file}-{dt}.cu", files_code)
+            if files_ptx is None or files_ptx != inline_ptx:
+                print(f"{file} T={dt}: FAILED: from files the PTX differs")
+                failed += 1
+            else:
+                print(f"{file} T={dt}: the same PTX from files")
         status = "ok" if rc == 0 else "FAILED"
         print(f"{file} T={dt}: {status}")
         if rc != 0 or "warning" in log:

@@ -84,6 +84,62 @@ fn enabled() -> bool {
     super::opt_out("MLX_LFM_MOE_FUSED", &ON)
 }
 
+/// `MLX_LFM_SCRATCH_IN_STATE=1` (opt-in, session 33): the launch's scratch
+/// rows (the normed row, the route's experts and weights, the gated rows)
+/// kept in the layer's state after its counters instead of four outputs
+/// MLX allocates at every launch. Session 33's `dispatch-cost` (an H100):
+/// a custom kernel's dispatch grows by ~1.8 µs and its build by ~1.1 µs an
+/// output (12.5 and 8.2 µs with six outputs, 3.6 and 2.6 with one), and
+/// the 8B-A1B's 22 MoE launches a step give 88 scratch outputs. The rows
+/// are written and read within one launch, as they were in the outputs
+/// (never read before this launch wrote them: an output's memory is not
+/// cleared either); a layer's launches run one after another, ordered by
+/// data, as its tickets already need.
+fn scratch_in_state() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    super::opt_in("MLX_LFM_SCRATCH_IN_STATE", &ON)
+}
+
+/// Where a launch's scratch rows live in the layer's state (bytes from its
+/// start): after the counters, each on a 256-byte boundary (the rows are
+/// staged 16 bytes a load), `elem` bytes an activation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ScratchLayout {
+    pub yn: i64,
+    pub inds: i64,
+    pub scores: i64,
+    pub hk: i64,
+    pub end: i64,
+}
+
+pub(crate) fn scratch_layout(d: i64, f: i64, k: i64, elem: i64) -> ScratchLayout {
+    let up = |x: i64| (x + 255) / 256 * 256;
+    let yn = up(stages::COUNTERS as i64 * 4);
+    let inds = up(yn + d * elem);
+    let scores = up(inds + ROUTE_SLOTS as i64 * 4);
+    let hk = up(scores + ROUTE_SLOTS as i64 * 4);
+    ScratchLayout { yn, inds, scores, hk, end: hk + k * f * elem }
+}
+
+/// The uint32 words of a MoE layer's state: its counters, and room for
+/// [`scratch_layout`]'s rows at up to 4 bytes an activation (made on every
+/// backend, so the switch may be turned on after the model's load; ~37 KB
+/// a layer of the 8B-A1B).
+pub fn state_words(d: usize, f: usize, k: usize) -> usize {
+    let l = scratch_layout(d as i64, f as i64, k.clamp(1, ROUTE_SLOTS as usize) as i64, 4);
+    (l.end as usize).div_ceil(4)
+}
+
+/// The scratch rows' pointers into the state, as the outputs of those
+/// names were (the body is the same text).
+const SCRATCH_PRELUDE: &str = r#"
+  unsigned char* lfm_scratch = reinterpret_cast<unsigned char*>(const_cast<uint32_t*>(ctr));
+  T* yn = reinterpret_cast<T*>(lfm_scratch + SCR_YN);
+  uint32_t* inds = reinterpret_cast<uint32_t*>(lfm_scratch + SCR_INDS);
+  float* scores = reinterpret_cast<float*>(lfm_scratch + SCR_SCORES);
+  T* hk = reinterpret_cast<T*>(lfm_scratch + SCR_HK);
+"#;
+
 static BUILT: Built = Built::new();
 
 /// How many times [`forward`] has put the kernel into a graph in this
@@ -93,16 +149,23 @@ pub fn built() -> usize {
     BUILT.get()
 }
 
+const INPUTS: [&str; 14] = ["h", "r", "wn", "gw", "gscales", "gbiases", "bias", "uw", "uscales", "ubiases", "dw", "dscales", "dbiases", "ctr"];
+
+fn header() -> String {
+    format!("{}{}{TICKET_HEADER}", stages::layer_defines(false, stages::Tail::Moe), moe_router::gate_norm_header())
+}
+
 fn kernel() -> Option<&'static CudaKernel> {
     static K: Cells = stages::cells();
-    stages::kernel(
-        &K,
-        "lfm_moe_fused",
-        &["h", "r", "wn", "gw", "gscales", "gbiases", "bias", "uw", "uscales", "ubiases", "dw", "dscales", "dbiases", "ctr"],
-        &["s", "out", "yn", "inds", "scores", "hk"],
-        stages::LAYER_SOURCE,
-        || format!("{}{}{TICKET_HEADER}", stages::layer_defines(false, stages::Tail::Moe), moe_router::gate_norm_header()),
-    )
+    stages::kernel(&K, "lfm_moe_fused", &INPUTS, &["s", "out", "yn", "inds", "scores", "hk"], stages::LAYER_SOURCE, header)
+}
+
+/// The kernel with its scratch rows in the state ([`scratch_in_state`]).
+fn kernel_scratch() -> Option<&'static CudaKernel> {
+    static K: Cells = stages::cells();
+    static SOURCE: OnceLock<String> = OnceLock::new();
+    let source = SOURCE.get_or_init(|| format!("{SCRATCH_PRELUDE}{}", stages::LAYER_SOURCE));
+    stages::kernel(&K, "lfm_moe_fused_scr", &INPUTS, &["s", "out"], source, header)
 }
 
 /// The blocks of one launch: the router's, the gate/up rows', the down
@@ -175,7 +238,9 @@ pub fn forward(
     let gb = g.biases.as_ref().ok_or_else(|| missing("the router gate"))?;
     let ub = gu.biases.as_ref().ok_or_else(|| missing("the experts' gate/up"))?;
     let db = down.biases.as_ref().ok_or_else(|| missing("the experts' down"))?;
-    stages::check_counters(state, "the fused MoE kernel")?;
+    if state.dtype() != Dtype::Uint32 || state.size() < stages::COUNTERS {
+        stages::check_counters(state, "the fused MoE kernel")?;
+    }
     if !(1..=ROUTE_SLOTS as usize).contains(&k) {
         return Err(Error::invalid(format!("the fused MoE kernel: {k} experts a row (1 to {ROUTE_SLOTS} are served)")));
     }
@@ -200,20 +265,34 @@ pub fn forward(
         ("EPS_BITS", TemplateArg::Int(eps.to_bits() as i32)),
         ("SCALE_BITS", TemplateArg::Int(scale.to_bits() as i32)),
     ];
-    let mut outs = kern.call(
-        &[n.h, n.r, n.wn, &g.weight, &g.scales, gb, bias, &gu.weight, &gu.scales, ub, &down.weight, &down.scales, db, state],
-        &[
-            (&[1, d], dt),
-            (&[1, d], dt),
-            (&[d], dt),
-            (&[ROUTE_SLOTS], Dtype::Uint32),
-            (&[ROUTE_SLOTS], Dtype::Float32),
-            (&[k, f], dt),
-        ],
-        [grid, 1, 1],
-        [threads, 1, 1],
-        &template,
-    )?;
+    let inputs = [n.h, n.r, n.wn, &g.weight, &g.scales, gb, bias, &gu.weight, &gu.scales, ub, &down.weight, &down.scales, db, state];
+    // The scratch rows in the state where it is switched on and the state
+    // holds them (a state made for fewer experts or narrower rows keeps the
+    // four outputs).
+    let layout = scratch_layout(d as i64, f as i64, k as i64, dt.size() as i64);
+    let in_state = scratch_in_state() && (state.size() as i64) * 4 >= layout.end;
+    let mut outs = match kernel_scratch().filter(|_| in_state) {
+        Some(ks) => {
+            let at = |v: i64| TemplateArg::Int(v as i32);
+            let scratch = [("SCR_YN", at(layout.yn)), ("SCR_INDS", at(layout.inds)), ("SCR_SCORES", at(layout.scores)), ("SCR_HK", at(layout.hk))];
+            let template: Vec<(&str, TemplateArg)> = template.iter().copied().chain(scratch).collect();
+            ks.call(&inputs, &[(&[1, d], dt), (&[1, d], dt)], [grid, 1, 1], [threads, 1, 1], &template)?
+        }
+        None => kern.call(
+            &inputs,
+            &[
+                (&[1, d], dt),
+                (&[1, d], dt),
+                (&[d], dt),
+                (&[ROUTE_SLOTS], Dtype::Uint32),
+                (&[ROUTE_SLOTS], Dtype::Float32),
+                (&[k, f], dt),
+            ],
+            [grid, 1, 1],
+            [threads, 1, 1],
+            &template,
+        )?,
+    };
     outs.truncate(2);
     BUILT.bump();
     let out = outs.pop().ok_or_else(|| Error::mlx("fused MoE kernel: missing output"))?;
@@ -224,4 +303,34 @@ pub fn forward(
 #[cfg(test)]
 pub(crate) fn launch_blocks(d: i32, f: i32, k: i32) -> i64 {
     blocks(d, f, k)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The scratch rows sit after the counters, each on a 256-byte
+    /// boundary, none over another, and the state a layer is made with
+    /// holds them at any activation size up to 4 bytes.
+    #[test]
+    fn the_scratch_rows_fit_the_state_apart() {
+        for (d, f, k) in [(2048, 1792, 4), (1536, 512, 3), (1024, 256, 8), (64, 32, 1)] {
+            let words = state_words(d as usize, f as usize, k as usize);
+            for elem in [2, 4] {
+                let l = scratch_layout(d, f, k, elem);
+                let rows = [(l.yn, d * elem), (l.inds, ROUTE_SLOTS as i64 * 4), (l.scores, ROUTE_SLOTS as i64 * 4), (l.hk, k * f * elem)];
+                assert!(l.yn >= stages::COUNTERS as i64 * 4, "{d} {f} {k}: over the counters");
+                for (i, (at, len)) in rows.iter().enumerate() {
+                    assert_eq!(at % 256, 0, "{d} {f} {k}: row {i} at {at}");
+                    if let Some((next, _)) = rows.get(i + 1) {
+                        assert!(at + len <= *next, "{d} {f} {k}: row {i} runs into the next");
+                    }
+                }
+                assert_eq!(l.end, l.hk + k * f * elem);
+                assert!(words as i64 * 4 >= l.end, "{d} {f} {k} ({elem}-byte): the state is short");
+            }
+        }
+        // The 8B-A1B's: ~37 KB a layer.
+        assert!(state_words(2048, 1792, 4) * 4 < 40 * 1024);
+    }
 }

@@ -632,7 +632,7 @@ pub fn new_counters() -> Result<Array> {
 }
 
 /// The uint32 words of [`new_counters`].
-const COUNTERS: usize = 8;
+pub(crate) const COUNTERS: usize = 8;
 
 /// `words` uint32 counters, zero, as [`new_counters`] makes them (a kernel
 /// of more stages, src/kernels/conv_layer_fused.rs, counts more).

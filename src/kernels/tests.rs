@@ -391,6 +391,66 @@ fn greedy_tokens_with_kernels_equal_stock_ops_on_wide_moe() {
     greedy_tokens_over(greedy_fixture(wide_greedy_fixtures(), "WideMoe"));
 }
 
+/// A kernel whose body reads an input's shape and calls its header's
+/// function gives the same bits from its texts in files
+/// (`MLX_LFM_KERNEL_TEXT=file`) as from its texts inline: MLX still passes
+/// the shape the body reads (named in a comment where MLX looks), and
+/// NVRTC reads both files.
+#[test]
+fn a_kernel_from_files_gives_the_inline_bits() {
+    if skip("a_kernel_from_files_gives_the_inline_bits") {
+        return;
+    }
+    use crate::mlx::kernel::{CudaKernel, TemplateArg};
+    use crate::mlx::Array;
+    let body = "  const int n = x_shape[1];\n  const int i = blockIdx.x * blockDim.x + threadIdx.x;\n  if (i < n) y[i] = lfm_twice(x[i]) + static_cast<float>(SHIFT);\n";
+    let header = "__device__ inline float lfm_twice(float v) { return v * 2.0f + 0.25f; }\n";
+    let data: Vec<f32> = (0..1000).map(|i| (i as f32 * 0.37).sin()).collect();
+    let x = Array::from_slice(&data, &[1, 1000]).unwrap();
+    let run = |mode: &str| -> Vec<f32> {
+        let set = [("MLX_LFM_KERNEL_TEXT".to_string(), Some(mode.to_string()))];
+        let k = crate::knobs::with_overrides(&set, || CudaKernel::new("lfm_text_test", &["x"], &["y"], body, header)).unwrap();
+        let y = k.call(&[&x], &[(&[1000], Dtype::Float32)], [1024, 1, 1], [256, 1, 1], &[("SHIFT", TemplateArg::Int(3))]).unwrap();
+        y[0].to_vec().unwrap()
+    };
+    let inline = run("inline");
+    let files = run("file");
+    assert_eq!(inline.len(), 1000);
+    assert!((inline[1] - ((0.37f32).sin() * 2.0 + 0.25 + 3.0)).abs() < 1e-6, "the inline kernel itself: {}", inline[1]);
+    assert_eq!(files.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), inline.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+    let dir = crate::mlx::kernel_text::folder().expect("a private folder for the kernels' texts");
+    let found = std::fs::read_dir(dir).unwrap().filter_map(|e| e.ok()).any(|e| e.file_name().to_string_lossy().starts_with("lfm_text_test"));
+    assert!(found, "no file of the test's kernel in {}", dir.display());
+}
+
+/// The kernels' texts in files that MLX includes (`MLX_LFM_KERNEL_TEXT=file`,
+/// src/mlx/kernel_text.rs, opt-in since session 33): the wide MoE
+/// fixture's greedy sets with every kernel of the process built so, and
+/// the MoE layer's text found in its file. Set for the whole process
+/// (each engine's worker thread builds kernels, and a kernel is built
+/// once a process), so it means something only as a process of its own,
+/// as `run.py kernels` runs each test; where a kernel was built inline
+/// before it in this process, it says so and checks nothing.
+#[test]
+fn greedy_tokens_with_kernel_texts_in_files() {
+    if skip("greedy_tokens_with_kernel_texts_in_files") {
+        return;
+    }
+    std::env::set_var("MLX_LFM_KERNEL_TEXT", "file");
+    if !crate::mlx::kernel_text::in_files() {
+        eprintln!("skipped greedy_tokens_with_kernel_texts_in_files: kernels were built inline earlier in this process; run it alone");
+        return;
+    }
+    let dir = crate::mlx::kernel_text::folder().expect("a private folder for the kernels' texts");
+    greedy_tokens_over(greedy_fixture(wide_greedy_fixtures(), "WideMoe"));
+    let moe = std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().starts_with("lfm_moe_fused"))
+        .count();
+    assert!(moe > 0, "no MoE layer's text in {}", dir.display());
+}
+
 /// The four greedy tests' fixtures are the two lists' four, each once (a
 /// label the device would find missing fails here first).
 #[test]
@@ -589,6 +649,11 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     let layers = missing.join(", ");
                     eprintln!("{what}: the default kernels FAILED: its run never built its one-launch {layers} layers");
                     failures.push(format!("{what}: the default run never built its one-launch {layers} layers"));
+                }
+                // The MoE layer's scratch rows in its state (opt-in, session
+                // 33): where the one-launch MoE layer serves the fixture.
+                if compiled && moe_served && !joined && !off("MLX_LFM_MOE_FUSED") {
+                    alone.push("MLX_LFM_SCRATCH_IN_STATE");
                 }
                 for var in alone {
                     let before = crate::kernels::conv_layer_fused::built();
@@ -1946,6 +2011,15 @@ fn moe_fused_kernel_matches_the_three_kernels() {
             let gap = worst_scaled(&out, &want);
             assert!(gap <= tol, "{what}: the output is {gap} from the three kernels' (over {tol}; {} of {d} differ)", differing(&out, &want));
             eprintln!("{what}: {} of {d} outputs differ from the three kernels' (worst {gap})", differing(&out, &want));
+            // The scratch rows in the layer's state (MLX_LFM_SCRATCH_IN_STATE):
+            // the same bits, twice over the same state (the second launch
+            // over the first one's rows and counters).
+            let big = crate::kernels::stages::new_counters_of(crate::kernels::moe_fused::state_words(d as usize, f as usize, k)).unwrap();
+            for turn in 0..2 {
+                let (s2, out2) = with_opt_in_one("MLX_LFM_SCRATCH_IN_STATE", || run(&big));
+                assert_eq!(differing(&s2, &s), 0, "{what}: scratch in the state, launch {turn}: the sum differs");
+                assert_eq!(differing(&out2, &out), 0, "{what}: scratch in the state, launch {turn}: the output differs");
+            }
             check_counters_in_step(&what, &state, &[true, true, false, true, false, false], &[s, out], |c| {
                 let (s, out) = run(c);
                 vec![s, out]

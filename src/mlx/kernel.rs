@@ -23,6 +23,9 @@ pub enum TemplateArg {
 pub struct CudaKernel {
     raw: KernelHandle,
     name: String,
+    /// Its texts' files, where MLX got include lines
+    /// (`MLX_LFM_KERNEL_TEXT=file`, src/mlx/kernel_text.rs).
+    files: Option<super::kernel_text::KernelFiles>,
 }
 
 /// The name MLX gets for a kernel: `name`, then a hash of its whole text
@@ -103,12 +106,26 @@ impl CudaKernel {
             return Err(Error::invalid(format!("kernel {name}: {operands} operands (at most {MAX_OPERANDS})")));
         }
         let source = with_io_reads(source, operands);
-        let (n, src, hdr) = (cs(&module_name(name, inputs, outputs, &source, header, &runtime::version()))?, cs(&source)?, cs(header)?);
+        let module = module_name(name, inputs, outputs, &source, header, &runtime::version());
+        let files = if super::kernel_text::in_files() {
+            super::kernel_text::folder().and_then(|dir| {
+                super::kernel_text::KernelFiles::write(dir, &module, inputs, &source, header)
+                    .map_err(|e| eprintln!("mlx-lfm: kernel {name}: its text stays inline: {e}"))
+                    .ok()
+            })
+        } else {
+            None
+        };
+        let (text, head) = match &files {
+            Some(f) => (f.source.as_str(), f.header_line.as_str()),
+            None => (source.as_str(), header),
+        };
+        let (n, src, hdr) = (cs(&module)?, cs(text)?, cs(head)?);
         let mut raw: KernelHandle = std::ptr::null_mut();
         check(unsafe {
             ffi::mlxb_cuda_kernel(n.as_ptr(), in_p.as_ptr(), in_p.len(), out_p.as_ptr(), out_p.len(), src.as_ptr(), hdr.as_ptr(), &mut raw)
         })?;
-        Ok(CudaKernel { raw, name: name.to_string() })
+        Ok(CudaKernel { raw, name: name.to_string(), files })
     }
 
     /// Runs the kernel (lazily, as any op): `outputs` are (shape, dtype),
@@ -121,6 +138,11 @@ impl CudaKernel {
         block: [i32; 3],
         template: &[(&str, TemplateArg)],
     ) -> Result<Vec<Array>> {
+        if let Some(f) = &self.files {
+            // (A template value never compiled before makes NVRTC read the
+            // files again, at this call's first evaluation.)
+            f.ensure().map_err(|e| Error::invalid(format!("kernel {}: its text's files: {e}", self.name)))?;
+        }
         let hs: Vec<Handle> = inputs.iter().map(|a| a.handle()).collect();
         let shapes: Vec<i32> = outputs.iter().flat_map(|(s, _)| s.iter().copied()).collect();
         let ndims: Vec<c_int> = outputs.iter().map(|(s, _)| s.len() as c_int).collect();

@@ -7,6 +7,7 @@ pub mod distributed;
 mod ffi;
 mod io;
 pub mod kernel;
+pub mod kernel_text;
 mod ops;
 pub mod runtime;
 

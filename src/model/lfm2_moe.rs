@@ -149,7 +149,13 @@ impl SparseMoe {
             },
             Array::from_slice(&[m.routed_scaling_factor], &[1])?,
         );
-        let fused_state = crate::kernels::stages::new_counters()?;
+        // (Counters, and room for the one-launch layer's scratch rows:
+        // MLX_LFM_SCRATCH_IN_STATE.)
+        let fused_state = crate::kernels::stages::new_counters_of(crate::kernels::moe_fused::state_words(
+            d as usize,
+            ff as usize,
+            m.experts_per_token,
+        ))?;
         Ok(SparseMoe {
             gate: Linear::load(st, reg, &format!("{p}.gate"), d as usize, e, false)?,
             expert_bias,
