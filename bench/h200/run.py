@@ -174,19 +174,21 @@ custom kernel's whole text at every dispatch, 25% of the 8B-A1B's host
 samples):
   1. carry [.device/a, .device/llama]: `stage`.
   2. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=7
-     H200_KERNEL_TESTS=a_kernel_from_files_gives_the_inline_bits,greedy_tokens_with_kernel_texts_in_files,moe_fused_kernel_matches_the_three_kernels,greedy_tokens_with_kernels_equal_stock_ops_on_wide_moe,greedy_tokens_with_kernels_equal_stock_ops_on_wide_rows,compiled_prefill_equals_the_eager_prefill
+     H200_KERNEL_TESTS=a_kernel_from_files_gives_the_inline_bits,greedy_tokens_with_kernel_texts_in_files,moe_fused_kernel_matches_the_three_kernels,conv_fused_kernel_matches_stock_ops,ffn_fused_kernel_matches_stock_ops,qkv_fused_kernel_matches_stock_ops,greedy_tokens_with_kernels_equal_stock_ops,compiled_prefill_equals_the_eager_prefill
+     (greedy_tokens_with_kernels_equal_stock_ops picks all four greedy
+     tests: a name picks every test that holds it)
      `timeout -s TERM 560 python3 bench/h200/run.py install verdicts-from
      <sessions 18, 20, 21, 24, 27, 30, 31, 32, 33 raw files, oldest first>
-     kernels save-ptx` (~400 s: the kernel texts in files, bit for bit and
-     over the wide MoE fixture's greedy sets; the MoE layer's scratch rows
-     in its state, against its outputs' bits and as a greedy set; the
-     greedy sets and the compiled prefill with the attention buckets now
-     on by default).
+     kernels save-ptx` (~450 s with 7 jobs: the kernel texts in files,
+     bit for bit and over the wide MoE fixture's greedy sets; the layers'
+     scratch rows in their state, against their outputs' bits and as a
+     greedy set; the greedy sets and the compiled prefill with the
+     attention buckets now on by default).
   3. carry [.device/bin]: H200_OURS_ENV (mimalloc) and
      H200_AB_VARIANTS=kernel-text-file,scratch-in-state `timeout -s TERM 400 python3
      bench/h200/run.py ab pick gguf-bg` (~300 s: the texts as processes in
-     alternation on all three models, the scratch rows in process on the
-     8B-A1B; `pick` takes each only where call 2 passed its tests).
+     alternation, the scratch rows in process, on all three models; `pick`
+     takes each only where call 2 passed its tests).
   4. carry [.device/bin]: H200_OURS_ENV, `timeout -s TERM 560 python3
      bench/h200/run.py round 1`, then `round 2` in its own call (with
      H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4 if a start failed).
@@ -2020,11 +2022,11 @@ AB = {
     # #include lines. A switch read once a process (a kernel is built once
     # a process): a process arm (PER_PROCESS).
     "kernel-text-file": ({"MLX_LFM_KERNEL_TEXT": "file"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
-    # The same profile's dispatch-cost: a custom kernel's dispatch and build
-    # grow by ~2.9 µs an output, and the 8B-A1B's 22 one-launch MoE layers
-    # give 88 scratch outputs a step; kept in the layer's state instead
-    # (src/kernels/moe_fused.rs), two outputs a launch.
-    "scratch-in-state": ({"MLX_LFM_SCRATCH_IN_STATE": "1"}, ["lfm2-8b-a1b-q4"]),
+    # The same session's dispatch-cost: a custom kernel's dispatch and build
+    # grow by ~2.9 µs an output, and the one-launch layers' scratch rows
+    # are 132 outputs a step of the 8B-A1B (58 of the 350M); kept in each
+    # layer's state instead (src/kernels/stages.rs).
+    "scratch-in-state": ({"MLX_LFM_SCRATCH_IN_STATE": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
 }
 # Our switches that only a process of its own can time (each is read when
 # the process builds its kernels, which an in-process A/B's engines share).
@@ -2034,7 +2036,9 @@ GREEDY = "greedy_tokens_with_kernels_equal_stock_ops"
 # The tests an opt-in variant needs passed before `pick` adopts it.
 AB_TESTS = {
     "kernel-text-file": ["a_kernel_from_files_gives_the_inline_bits", "greedy_tokens_with_kernel_texts_in_files"],
-    "scratch-in-state": ["moe_fused_kernel_matches_the_three_kernels", "greedy:MLX_LFM_SCRATCH_IN_STATE"],
+    "scratch-in-state": ["moe_fused_kernel_matches_the_three_kernels", "conv_fused_kernel_matches_stock_ops",
+                         "ffn_fused_kernel_matches_stock_ops", "qkv_fused_kernel_matches_stock_ops",
+                         "greedy:MLX_LFM_SCRATCH_IN_STATE"],
     "gemv-kernel": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops", "greedy:default"],
     "gemv-norm-kernels": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops",
                           "norm_gemv_kernels_match_stock_ops", "greedy:default"],

@@ -677,6 +677,21 @@ DEFINES_OF.update({key + variant: DEFINES_OF[key] for key in ROUTER8 for variant
 
 # A variant's text before its kernel's body, as its Rust side puts it there.
 PRELUDE_OF = {"moe_fused.rs@scratch": named(root / "src" / "kernels" / "moe_fused.rs", "SCRATCH_PRELUDE")}
+# The other one-launch layers with their scratch rows in the state
+# (MLX_LFM_SCRATCH_IN_STATE): outputs without the rows, their places (bf16,
+# 2,048 wide: stages.rs scratch_places) as template values.
+for key, rust, kept, places in [
+        ("conv_fused.rs", "conv_fused.rs", 3, [("SCR_YN", 256), ("SCR_YC", 4352)]),
+        ("conv_fused.rs@dense", "conv_fused.rs", 3, [("SCR_YN", 256), ("SCR_YC", 4352)]),
+        ("ffn_fused.rs", "ffn_fused.rs", 2, [("SCR_YN", 256), ("SCR_HK", 4352)]),
+        ("ffn_fused.rs@dense", "ffn_fused.rs", 2, [("SCR_YN", 256), ("SCR_HK", 4352)]),
+        ("qk_norm_rope.rs#qkv_fused", "qkv_fused.rs", 4, [("SCR_YN", 256)]),
+        ("qk_norm_rope.rs#qkv_fused@dense", "qkv_fused.rs", 4, [("SCR_YN", 256)])]:
+    ins, outs, targs, *rest = KERNELS[key]
+    name = key + ("-scratch" if "@" in key else "@scratch")
+    KERNELS[name] = (ins, outs[:kept], lambda dt, t=targs, p=places: t(dt) + p, *rest)
+    DEFINES_OF[name] = DEFINES_OF.get(key, "")
+    PRELUDE_OF[name] = named(root / "src" / "kernels" / rust, "SCRATCH_PRELUDE")
 
 # How many dtype values CudaKernel::new adds (src/mlx/kernel.rs IO_NAMES),
 # seven operands each: a kernel with more operands is refused there.

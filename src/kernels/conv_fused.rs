@@ -78,6 +78,35 @@ fn kernel(quant: bool) -> Option<&'static CudaKernel> {
     })
 }
 
+/// The scratch rows' pointers into the layer's state
+/// (`MLX_LFM_SCRATCH_IN_STATE`, src/kernels/stages.rs), as the outputs of
+/// those names were: the normed row and the gated channels.
+const SCRATCH_PRELUDE: &str = r#"
+  unsigned char* lfm_scratch = reinterpret_cast<unsigned char*>(const_cast<uint32_t*>(ctr));
+  T* yn = reinterpret_cast<T*>(lfm_scratch + SCR_YN);
+  T* yc = reinterpret_cast<T*>(lfm_scratch + SCR_YC);
+"#;
+
+/// The kernel with its scratch rows in the state (three outputs).
+fn kernel_scratch(quant: bool) -> Option<&'static CudaKernel> {
+    static K: [Cells; 2] = [stages::cells(), stages::cells()];
+    static SOURCE: OnceLock<String> = OnceLock::new();
+    let source = SOURCE.get_or_init(|| format!("{SCRATCH_PRELUDE}{}", stages::LAYER_SOURCE));
+    let mut inputs = vec!["h", "r", "wn", "state", "cw"];
+    inputs.extend(Projections::input_names(quant));
+    inputs.push("ctr");
+    let name = if quant { "lfm_conv_fused_scr" } else { "lfm_conv_fused_dense_scr" };
+    stages::kernel(&K[usize::from(quant)], name, &inputs, &["s", "out", "next"], source, || {
+        stages::layer_header(quant, false, stages::layer_defines(true, stages::Tail::None))
+    })
+}
+
+/// The uint32 words of a conv layer's state: its counters and room for
+/// its scratch rows (`d` wide and `c` channels, at up to 4 bytes each).
+pub fn state_words(d: usize, c: usize) -> usize {
+    stages::state_words(&[d as i64 * 4, c as i64 * 4])
+}
+
 /// The blocks of one launch: the norm's, the channels', out_proj's.
 fn blocks(d: i32, c: i32) -> i64 {
     let w = WARPS as i64;
@@ -147,21 +176,29 @@ pub(crate) fn part_served(x: &Normed, p: Projections, state: &Array, cw: &Array,
 pub fn forward(x: &Normed, p: Projections, state: &Array, cw: &Array, ctr: &Array) -> Result<(Array, Array, Array)> {
     const WHAT: &str = "the fused short-conv layer kernel";
     let kern = kernel(p.quant()).ok_or_else(|| Error::mlx(format!("{WHAT} is not available")))?;
-    stages::check_counters(ctr, WHAT)?;
+    stages::check_state(ctr, WHAT)?;
     let (d, dt) = (x.h.dim(1), x.h.dtype());
     let (c, l) = (cw.dim(0), cw.dim(1));
     let nb = blocks(d, c);
     let threads = WARPS * 32;
     let grid = i32::try_from(nb * threads as i64).map_err(|_| Error::invalid(format!("fused short-conv layer kernel: {nb} blocks")))?;
-    let (mut inputs, template) = part_operands(x, p, state, cw, WARPS, WHAT)?;
+    let (mut inputs, mut template) = part_operands(x, p, state, cw, WARPS, WHAT)?;
     inputs.push(ctr);
-    let mut outs = kern.call(
-        &inputs,
-        &[(&[1, d], dt), (&[1, d], dt), (&[1, l - 1, c], dt), (&[d], dt), (&[c], dt)],
-        [grid, 1, 1],
-        [threads, 1, 1],
-        &template,
-    )?;
+    let e = dt.size() as i64;
+    let scratch = stages::scratch_template(&["SCR_YN", "SCR_YC"], &[d as i64 * e, c as i64 * e], ctr);
+    let mut outs = match scratch.zip(kernel_scratch(p.quant())) {
+        Some((places, ks)) => {
+            template.extend(places);
+            ks.call(&inputs, &[(&[1, d], dt), (&[1, d], dt), (&[1, l - 1, c], dt)], [grid, 1, 1], [threads, 1, 1], &template)?
+        }
+        None => kern.call(
+            &inputs,
+            &[(&[1, d], dt), (&[1, d], dt), (&[1, l - 1, c], dt), (&[d], dt), (&[c], dt)],
+            [grid, 1, 1],
+            [threads, 1, 1],
+            &template,
+        )?,
+    };
     outs.truncate(3);
     BUILT.bump();
     let missing = || Error::mlx("fused short-conv layer kernel: missing output");

@@ -76,6 +76,35 @@ fn kernel(quant: bool) -> Option<&'static CudaKernel> {
     })
 }
 
+/// The scratch rows' pointers into the layer's state
+/// (`MLX_LFM_SCRATCH_IN_STATE`, src/kernels/stages.rs), as the outputs of
+/// those names were: the normed row and the gated rows.
+const SCRATCH_PRELUDE: &str = r#"
+  unsigned char* lfm_scratch = reinterpret_cast<unsigned char*>(const_cast<uint32_t*>(ctr));
+  T* yn = reinterpret_cast<T*>(lfm_scratch + SCR_YN);
+  T* hk = reinterpret_cast<T*>(lfm_scratch + SCR_HK);
+"#;
+
+/// The kernel with its scratch rows in the state (two outputs).
+fn kernel_scratch(quant: bool) -> Option<&'static CudaKernel> {
+    static K: [Cells; 2] = [stages::cells(), stages::cells()];
+    static SOURCE: OnceLock<String> = OnceLock::new();
+    let source = SOURCE.get_or_init(|| format!("{SCRATCH_PRELUDE}{}", stages::LAYER_SOURCE));
+    let mut inputs = vec!["h", "r", "wn"];
+    inputs.extend(Projections::input_names(quant));
+    inputs.push("ctr");
+    let name = if quant { "lfm_ffn_fused_q_scr" } else { "lfm_ffn_fused_scr" };
+    stages::kernel(&K[usize::from(quant)], name, &inputs, &["s", "out"], source, || {
+        stages::layer_header(quant, false, stages::layer_defines(false, stages::Tail::Ffn))
+    })
+}
+
+/// The uint32 words of a feed-forward's state: its counters and room for
+/// its scratch rows (`d` wide and `f` gated, at up to 4 bytes each).
+pub fn state_words(d: usize, f: usize) -> usize {
+    stages::state_words(&[d as i64 * 4, f as i64 * 4])
+}
+
 /// The blocks of one launch: the norm's, the gate's, w2's.
 fn blocks(d: i32, f: i32) -> i64 {
     let w = WARPS as i64;
@@ -117,7 +146,7 @@ pub fn available(x: &Normed, p: Projections) -> bool {
 pub fn forward(x: &Normed, p: Projections, ctr: &Array) -> Result<(Array, Array)> {
     let kern = kernel(p.quant()).ok_or_else(|| Error::mlx("the fused feed-forward kernel is not available"))?;
     let r = x.r.ok_or_else(|| Error::invalid("the fused feed-forward kernel needs a residual to add"))?;
-    stages::check_counters(ctr, "the fused feed-forward kernel")?;
+    stages::check_state(ctr, "the fused feed-forward kernel")?;
     let (d, dt) = (x.h.dim(1), x.h.dtype());
     let f = p.first_rows() / 2;
     let nb = blocks(d, f);
@@ -136,7 +165,15 @@ pub fn forward(x: &Normed, p: Projections, ctr: &Array) -> Result<(Array, Array)
     let mut inputs = vec![x.h, r, x.w];
     inputs.extend(projections);
     inputs.push(ctr);
-    let mut outs = kern.call(&inputs, &[(&[1, d], dt), (&[1, d], dt), (&[d], dt), (&[f], dt)], [grid, 1, 1], [threads, 1, 1], &template)?;
+    let e = dt.size() as i64;
+    let scratch = stages::scratch_template(&["SCR_YN", "SCR_HK"], &[d as i64 * e, f as i64 * e], ctr);
+    let mut outs = match scratch.zip(kernel_scratch(p.quant())) {
+        Some((places, ks)) => {
+            template.extend(places);
+            ks.call(&inputs, &[(&[1, d], dt), (&[1, d], dt)], [grid, 1, 1], [threads, 1, 1], &template)?
+        }
+        None => kern.call(&inputs, &[(&[1, d], dt), (&[1, d], dt), (&[d], dt), (&[f], dt)], [grid, 1, 1], [threads, 1, 1], &template)?,
+    };
     outs.truncate(2);
     BUILT.bump();
     let missing = || Error::mlx("fused feed-forward kernel: missing output");

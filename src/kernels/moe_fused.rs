@@ -84,50 +84,18 @@ fn enabled() -> bool {
     super::opt_out("MLX_LFM_MOE_FUSED", &ON)
 }
 
-/// `MLX_LFM_SCRATCH_IN_STATE=1` (opt-in, session 33): the launch's scratch
-/// rows (the normed row, the route's experts and weights, the gated rows)
-/// kept in the layer's state after its counters instead of four outputs
-/// MLX allocates at every launch. Session 33's `dispatch-cost` (an H100):
-/// a custom kernel's dispatch grows by ~1.8 µs and its build by ~1.1 µs an
-/// output (12.5 and 8.2 µs with six outputs, 3.6 and 2.6 with one), and
-/// the 8B-A1B's 22 MoE launches a step give 88 scratch outputs. The rows
-/// are written and read within one launch, as they were in the outputs
-/// (never read before this launch wrote them: an output's memory is not
-/// cleared either); a layer's launches run one after another, ordered by
-/// data, as its tickets already need.
-fn scratch_in_state() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    super::opt_in("MLX_LFM_SCRATCH_IN_STATE", &ON)
-}
-
-/// Where a launch's scratch rows live in the layer's state (bytes from its
-/// start): after the counters, each on a 256-byte boundary (the rows are
-/// staged 16 bytes a load), `elem` bytes an activation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct ScratchLayout {
-    pub yn: i64,
-    pub inds: i64,
-    pub scores: i64,
-    pub hk: i64,
-    pub end: i64,
-}
-
-pub(crate) fn scratch_layout(d: i64, f: i64, k: i64, elem: i64) -> ScratchLayout {
-    let up = |x: i64| (x + 255) / 256 * 256;
-    let yn = up(stages::COUNTERS as i64 * 4);
-    let inds = up(yn + d * elem);
-    let scores = up(inds + ROUTE_SLOTS as i64 * 4);
-    let hk = up(scores + ROUTE_SLOTS as i64 * 4);
-    ScratchLayout { yn, inds, scores, hk, end: hk + k * f * elem }
+/// The scratch rows' bytes (the normed row, the route's experts and
+/// weights, the gated rows) at `elem` bytes an activation, as the state
+/// keeps them (`MLX_LFM_SCRATCH_IN_STATE`, src/kernels/stages.rs).
+fn scratch_bytes(d: i64, f: i64, k: i64, elem: i64) -> [i64; 4] {
+    [d * elem, ROUTE_SLOTS as i64 * 4, ROUTE_SLOTS as i64 * 4, k * f * elem]
 }
 
 /// The uint32 words of a MoE layer's state: its counters, and room for
-/// [`scratch_layout`]'s rows at up to 4 bytes an activation (made on every
-/// backend, so the switch may be turned on after the model's load; ~37 KB
-/// a layer of the 8B-A1B).
+/// its scratch rows at up to 4 bytes an activation (~37 KB a layer of the
+/// 8B-A1B).
 pub fn state_words(d: usize, f: usize, k: usize) -> usize {
-    let l = scratch_layout(d as i64, f as i64, k.clamp(1, ROUTE_SLOTS as usize) as i64, 4);
-    (l.end as usize).div_ceil(4)
+    stages::state_words(&scratch_bytes(d as i64, f as i64, k.clamp(1, ROUTE_SLOTS as usize) as i64, 4))
 }
 
 /// The scratch rows' pointers into the state, as the outputs of those
@@ -238,9 +206,7 @@ pub fn forward(
     let gb = g.biases.as_ref().ok_or_else(|| missing("the router gate"))?;
     let ub = gu.biases.as_ref().ok_or_else(|| missing("the experts' gate/up"))?;
     let db = down.biases.as_ref().ok_or_else(|| missing("the experts' down"))?;
-    if state.dtype() != Dtype::Uint32 || state.size() < stages::COUNTERS {
-        stages::check_counters(state, "the fused MoE kernel")?;
-    }
+    stages::check_state(state, "the fused MoE kernel")?;
     if !(1..=ROUTE_SLOTS as usize).contains(&k) {
         return Err(Error::invalid(format!("the fused MoE kernel: {k} experts a row (1 to {ROUTE_SLOTS} are served)")));
     }
@@ -267,15 +233,12 @@ pub fn forward(
     ];
     let inputs = [n.h, n.r, n.wn, &g.weight, &g.scales, gb, bias, &gu.weight, &gu.scales, ub, &down.weight, &down.scales, db, state];
     // The scratch rows in the state where it is switched on and the state
-    // holds them (a state made for fewer experts or narrower rows keeps the
-    // four outputs).
-    let layout = scratch_layout(d as i64, f as i64, k as i64, dt.size() as i64);
-    let in_state = scratch_in_state() && (state.size() as i64) * 4 >= layout.end;
-    let mut outs = match kernel_scratch().filter(|_| in_state) {
-        Some(ks) => {
-            let at = |v: i64| TemplateArg::Int(v as i32);
-            let scratch = [("SCR_YN", at(layout.yn)), ("SCR_INDS", at(layout.inds)), ("SCR_SCORES", at(layout.scores)), ("SCR_HK", at(layout.hk))];
-            let template: Vec<(&str, TemplateArg)> = template.iter().copied().chain(scratch).collect();
+    // holds them (else the four outputs).
+    let bytes = scratch_bytes(d as i64, f as i64, k as i64, dt.size() as i64);
+    let scratch = stages::scratch_template(&["SCR_YN", "SCR_INDS", "SCR_SCORES", "SCR_HK"], &bytes, state);
+    let mut outs = match scratch.zip(kernel_scratch()) {
+        Some((places, ks)) => {
+            let template: Vec<(&str, TemplateArg)> = template.iter().copied().chain(places).collect();
             ks.call(&inputs, &[(&[1, d], dt), (&[1, d], dt)], [grid, 1, 1], [threads, 1, 1], &template)?
         }
         None => kern.call(
@@ -309,28 +272,19 @@ pub(crate) fn launch_blocks(d: i32, f: i32, k: i32) -> i64 {
 mod tests {
     use super::*;
 
-    /// The scratch rows sit after the counters, each on a 256-byte
-    /// boundary, none over another, and the state a layer is made with
-    /// holds them at any activation size up to 4 bytes.
+    /// A MoE layer's state holds its scratch rows at either activation
+    /// size (the 8B-A1B's: ~37 KB), and its rows sit where the kernel
+    /// expects them in bf16 (nvrtc-check's `moe_fused.rs@scratch` takes
+    /// these places).
     #[test]
-    fn the_scratch_rows_fit_the_state_apart() {
+    fn a_moe_state_holds_its_scratch_rows() {
         for (d, f, k) in [(2048, 1792, 4), (1536, 512, 3), (1024, 256, 8), (64, 32, 1)] {
-            let words = state_words(d as usize, f as usize, k as usize);
             for elem in [2, 4] {
-                let l = scratch_layout(d, f, k, elem);
-                let rows = [(l.yn, d * elem), (l.inds, ROUTE_SLOTS as i64 * 4), (l.scores, ROUTE_SLOTS as i64 * 4), (l.hk, k * f * elem)];
-                assert!(l.yn >= stages::COUNTERS as i64 * 4, "{d} {f} {k}: over the counters");
-                for (i, (at, len)) in rows.iter().enumerate() {
-                    assert_eq!(at % 256, 0, "{d} {f} {k}: row {i} at {at}");
-                    if let Some((next, _)) = rows.get(i + 1) {
-                        assert!(at + len <= *next, "{d} {f} {k}: row {i} runs into the next");
-                    }
-                }
-                assert_eq!(l.end, l.hk + k * f * elem);
-                assert!(words as i64 * 4 >= l.end, "{d} {f} {k} ({elem}-byte): the state is short");
+                let end = stages::scratch_places(&scratch_bytes(d, f, k, elem)).1;
+                assert!(state_words(d as usize, f as usize, k as usize) as i64 * 4 >= end, "{d} {f} {k} ({elem}-byte)");
             }
         }
-        // The 8B-A1B's: ~37 KB a layer.
         assert!(state_words(2048, 1792, 4) * 4 < 40 * 1024);
+        assert_eq!(stages::scratch_places(&scratch_bytes(2048, 1792, 4, 2)).0, vec![256, 4352, 4608, 4864]);
     }
 }

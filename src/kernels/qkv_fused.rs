@@ -63,6 +63,32 @@ fn kernel(quant: bool) -> Option<&'static CudaKernel> {
     stages::kernel(&K[usize::from(quant)], name, &inputs, &outputs, source, || stages::layer_header(quant, false, ""))
 }
 
+/// The scratch row's pointer into the layer's state
+/// (`MLX_LFM_SCRATCH_IN_STATE`, src/kernels/stages.rs), as the output of
+/// that name was: the normed row.
+const SCRATCH_PRELUDE: &str = r#"
+  unsigned char* lfm_scratch = reinterpret_cast<unsigned char*>(const_cast<uint32_t*>(ctr));
+  T* yn = reinterpret_cast<T*>(lfm_scratch + SCR_YN);
+"#;
+
+/// The kernel with its scratch row in the state (four outputs).
+fn kernel_scratch(quant: bool) -> Option<&'static CudaKernel> {
+    static K: [Cells; 2] = [stages::cells(), stages::cells()];
+    static SOURCE: OnceLock<String> = OnceLock::new();
+    let source = SOURCE.get_or_init(|| format!("{SCRATCH_PRELUDE}{}", super::qk_norm_rope::QKV_FUSED_SOURCE));
+    let name = if quant { "lfm_qkv_fused_scr" } else { "lfm_qkv_fused_dense_scr" };
+    let mut inputs = vec!["h", "r", "wn"];
+    inputs.extend(if quant { &["iw", "iscales", "ibiases"][..] } else { &["iw"][..] });
+    inputs.extend(["qw", "kw", "offset", "ctr"]);
+    stages::kernel(&K[usize::from(quant)], name, &inputs, &["s", "qo", "ko", "vo"], source, || stages::layer_header(quant, false, ""))
+}
+
+/// The uint32 words of an attention layer's state: its counters and room
+/// for its scratch row (`d` wide, at up to 4 bytes).
+pub fn state_words(d: usize) -> usize {
+    stages::state_words(&[d as i64 * 4])
+}
+
 /// Whether the switch is on where our CUDA kernels run.
 pub fn enabled_here() -> bool {
     enabled() && cuda_kernels_enabled()
@@ -131,7 +157,7 @@ pub fn forward(
 ) -> Result<(Array, Array, Array, Array)> {
     let kern = kernel(matches!(p, Projection::Quant(_))).ok_or_else(|| Error::mlx("the fused q/k/v kernel is not available"))?;
     let r = x.r.ok_or_else(|| Error::invalid("the fused q/k/v kernel needs a residual to add"))?;
-    stages::check_counters(ctr, "the fused q/k/v kernel")?;
+    stages::check_state(ctr, "the fused q/k/v kernel")?;
     let (d, dt) = (x.h.dim(1), x.h.dtype());
     let (qh, kvh, hd) = heads;
     let nb = 1 + qh as i64 + 2 * kvh as i64;
@@ -158,13 +184,18 @@ pub fn forward(
         }
         Projection::Dense(w) => vec![x.h, r, x.w, w, qw, kw, offset, ctr],
     };
-    let mut outs = kern.call(
-        &inputs,
-        &[(&[1, d], dt), (&[1, qh, 1, hd], dt), (&[1, kvh, 1, hd], dt), (&[1, kvh, 1, hd], dt), (&[d], dt)],
-        [grid, 1, 1],
-        [threads, 1, 1],
-        &template,
-    )?;
+    let rows: [(&[i32], Dtype); 4] = [(&[1, d], dt), (&[1, qh, 1, hd], dt), (&[1, kvh, 1, hd], dt), (&[1, kvh, 1, hd], dt)];
+    let scratch = stages::scratch_template(&["SCR_YN"], &[d as i64 * dt.size() as i64], ctr);
+    let mut outs = match scratch.zip(kernel_scratch(matches!(p, Projection::Quant(_)))) {
+        Some((places, ks)) => {
+            template.extend(places);
+            ks.call(&inputs, &rows, [grid, 1, 1], [threads, 1, 1], &template)?
+        }
+        None => {
+            let all = [rows[0], rows[1], rows[2], rows[3], (&[d][..], dt)];
+            kern.call(&inputs, &all, [grid, 1, 1], [threads, 1, 1], &template)?
+        }
+    };
     outs.truncate(4);
     BUILT.bump();
     let missing = || Error::mlx("fused q/k/v kernel: missing output");

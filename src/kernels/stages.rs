@@ -642,9 +642,69 @@ pub fn new_counters_of(words: usize) -> Result<Array> {
     Ok(counters)
 }
 
-/// That `ctr` is a layer's counters ([`new_counters`]), for `what`.
-pub(crate) fn check_counters(ctr: &Array, what: &str) -> Result<()> {
-    check_counters_of(ctr, COUNTERS, what)
+/// `MLX_LFM_SCRATCH_IN_STATE=1` (opt-in, session 33): a one-launch
+/// layer's scratch rows (the normed row, the gated rows, the route's
+/// experts and weights: what one stage hands the next within a launch)
+/// kept in the layer's state after its counters, instead of outputs MLX
+/// allocates at every launch and the caller drops. Session 33's
+/// `dispatch-cost` (an H100): a custom kernel's dispatch grows by ~1.8 µs
+/// and its build by ~1.1 µs an output (12.5 and 8.2 µs with six outputs,
+/// 3.6 and 2.6 with one); a step of the 8B-A1B gives 132 scratch outputs
+/// (22 MoE layers' four, 17 conv layers' two, 6 q/k/v stages' one, 2
+/// feed-forwards' two), the 350M's 58. The rows are written and read
+/// within one launch, as in the outputs (never read before the launch
+/// wrote them: an output's memory is not cleared either); a layer's
+/// launches run one after another, ordered by data, as its tickets already
+/// need.
+pub(crate) fn scratch_in_state() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    super::opt_in("MLX_LFM_SCRATCH_IN_STATE", &ON)
+}
+
+/// Where scratch rows of `bytes` each live in a layer's state (bytes from
+/// its start): after the counters, each on a 256-byte boundary (rows are
+/// staged 16 bytes a load); and where the last ends.
+pub(crate) fn scratch_places(bytes: &[i64]) -> (Vec<i64>, i64) {
+    let up = |x: i64| (x + 255) / 256 * 256;
+    let mut at = up(COUNTERS as i64 * 4);
+    let mut places = Vec::with_capacity(bytes.len());
+    for (i, b) in bytes.iter().enumerate() {
+        places.push(at);
+        at = if i + 1 < bytes.len() { up(at + b) } else { at + b };
+    }
+    (places, at)
+}
+
+/// The uint32 words of a layer's state: its counters and scratch rows of
+/// `bytes` each ([`scratch_places`]). Made on every backend at the
+/// model's load, so that the switch may be turned on later; callers size
+/// the rows at 4 bytes an activation, the widest dtype served.
+pub fn state_words(bytes: &[i64]) -> usize {
+    (scratch_places(bytes).1.max(COUNTERS as i64 * 4) as usize).div_ceil(4)
+}
+
+/// The template values naming a launch's scratch rows' places in `ctr`
+/// (`names[i]` at row `i`, `bytes` each), where the switch is on and the
+/// state holds them; `None`: the rows go to outputs (the switch off, or a
+/// state made for narrower rows).
+pub(crate) fn scratch_template(names: &[&'static str], bytes: &[i64], ctr: &Array) -> Option<Vec<(&'static str, TemplateArg)>> {
+    if !scratch_in_state() {
+        return None;
+    }
+    let (places, end) = scratch_places(bytes);
+    if ctr.dtype() != Dtype::Uint32 || (ctr.size() as i64) * 4 < end || places.iter().any(|p| *p > i32::MAX as i64) {
+        return None;
+    }
+    Some(names.iter().zip(places).map(|(n, p)| (*n, TemplateArg::Int(p as i32))).collect())
+}
+
+/// That `ctr` is a layer's state: uint32, at least its counters (and, past
+/// them, room for scratch rows: [`state_words`]), for `what`.
+pub(crate) fn check_state(ctr: &Array, what: &str) -> Result<()> {
+    if ctr.dtype() != Dtype::Uint32 || ctr.size() < COUNTERS {
+        return Err(Error::invalid(format!("{what}: its state must be at least {COUNTERS} uint32 (stages::state_words)")));
+    }
+    Ok(())
 }
 
 /// That `ctr` is `words` uint32 counters ([`new_counters_of`]), for `what`.
@@ -705,5 +765,30 @@ impl Built {
 
     pub(crate) fn get(&self) -> usize {
         self.0.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Scratch rows sit after the counters, each on a 256-byte boundary,
+    /// none over another, and the state's words hold the last.
+    #[test]
+    fn scratch_rows_sit_apart_after_the_counters() {
+        for bytes in [vec![4096i64, 32, 32, 14336], vec![4096, 4096], vec![2048], vec![1, 1, 1], vec![]] {
+            let (places, end) = scratch_places(&bytes);
+            assert_eq!(places.len(), bytes.len());
+            let mut last = COUNTERS as i64 * 4;
+            for (at, b) in places.iter().zip(&bytes) {
+                assert_eq!(at % 256, 0, "{bytes:?}: a row at {at}");
+                assert!(*at >= last, "{bytes:?}: a row at {at} over the one before (ending at {last})");
+                last = at + b;
+            }
+            assert_eq!(end, if bytes.is_empty() { 256 } else { last }, "{bytes:?}");
+            assert!(state_words(&bytes) as i64 * 4 >= end.max(COUNTERS as i64 * 4), "{bytes:?}");
+        }
+        assert_eq!(state_words(&[]), 64);
+        assert_eq!(scratch_places(&[4096, 32, 32, 14336]).0, vec![256, 4352, 4608, 4864]);
     }
 }

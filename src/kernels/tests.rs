@@ -18,6 +18,13 @@ fn skip(what: &str) -> bool {
     true
 }
 
+/// `f` with the one-launch layers' scratch rows in their state
+/// (`MLX_LFM_SCRATCH_IN_STATE`), every other switch as it is (a test's
+/// `with_opt_in_one` names one switch only, so the two do not nest).
+fn scratch_in_state<R>(f: impl FnOnce() -> R) -> R {
+    crate::knobs::with_overrides(&[("MLX_LFM_SCRATCH_IN_STATE".to_string(), Some("1".to_string()))], f)
+}
+
 /// `f` with the quantized GEMVs in MLX's own arithmetic (`MLX_LFM_QGEMV_EXACT`).
 fn in_mlx_arithmetic<R>(f: impl FnOnce() -> R) -> R {
     crate::knobs::with_overrides(&[("MLX_LFM_QGEMV_EXACT".to_string(), Some("1".to_string()))], f)
@@ -650,9 +657,9 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     eprintln!("{what}: the default kernels FAILED: its run never built its one-launch {layers} layers");
                     failures.push(format!("{what}: the default run never built its one-launch {layers} layers"));
                 }
-                // The MoE layer's scratch rows in its state (opt-in, session
-                // 33): where the one-launch MoE layer serves the fixture.
-                if compiled && moe_served && !joined && !off("MLX_LFM_MOE_FUSED") {
+                // The one-launch layers' scratch rows in their state
+                // (opt-in, session 33), in a compiled step's rows.
+                if compiled && !joined {
                     alone.push("MLX_LFM_SCRATCH_IN_STATE");
                 }
                 for var in alone {
@@ -2016,7 +2023,7 @@ fn moe_fused_kernel_matches_the_three_kernels() {
             // over the first one's rows and counters).
             let big = crate::kernels::stages::new_counters_of(crate::kernels::moe_fused::state_words(d as usize, f as usize, k)).unwrap();
             for turn in 0..2 {
-                let (s2, out2) = with_opt_in_one("MLX_LFM_SCRATCH_IN_STATE", || run(&big));
+                let (s2, out2) = scratch_in_state(|| run(&big));
                 assert_eq!(differing(&s2, &s), 0, "{what}: scratch in the state, launch {turn}: the sum differs");
                 assert_eq!(differing(&out2, &out), 0, "{what}: scratch in the state, launch {turn}: the output differs");
             }
@@ -2152,6 +2159,15 @@ fn conv_fused_kernel_matches_stock_ops() {
                 let n = got.size();
                 assert!(gap <= tol, "{what}: the {name} is {gap} from the stock ops' (over {tol}; {} of {n} differ)", differing(got, want));
                 eprintln!("{what}: {} of {n} values of the {name} differ from the stock ops' (worst {gap})", differing(got, want));
+            }
+            // The scratch rows in the layer's state (MLX_LFM_SCRATCH_IN_STATE):
+            // the same bits, twice over one state.
+            let big = crate::kernels::stages::new_counters_of(crate::kernels::conv_fused::state_words(d as usize, c as usize)).unwrap();
+            for turn in 0..2 {
+                let (s2, out2, next2) = scratch_in_state(|| run(&big));
+                for (name, got, want) in [("sum", &s2, &s), ("output", &out2, &out), ("state", &next2, &next)] {
+                    assert_eq!(differing(got, want), 0, "{what}: scratch in the state, launch {turn}: the {name} differs");
+                }
             }
             // (The output and the state after the token both poisoned when given up.)
             check_counters_in_step(&what, &counters, &[true, true, false, true, false], &[s, out, next], |c| {
@@ -2681,6 +2697,13 @@ fn ffn_fused_kernel_matches_stock_ops() {
             let gap = worst_scaled(&out, &want);
             assert!(gap <= tol, "{what}: the output is {gap} from the stock ops' (over {tol}; {} of {d} differ)", differing(&out, &want));
             eprintln!("{what}: {} of {d} outputs differ from the stock ops' (worst {gap})", differing(&out, &want));
+            // The scratch rows in the layer's state: the same bits, twice.
+            let big = crate::kernels::stages::new_counters_of(crate::kernels::ffn_fused::state_words(d as usize, f as usize)).unwrap();
+            for turn in 0..2 {
+                let (s2, out2) = scratch_in_state(|| run(&big));
+                assert_eq!(differing(&s2, &s), 0, "{what}: scratch in the state, launch {turn}: the sum differs");
+                assert_eq!(differing(&out2, &out), 0, "{what}: scratch in the state, launch {turn}: the output differs");
+            }
             check_counters_in_step(&what, &counters, &[true, true, false, true, false], &[s, out], |c| {
                 let (s, out) = run(c);
                 vec![s, out]
@@ -2818,6 +2841,14 @@ fn qkv_fused_kernel_matches_stock_ops() {
                     let n = got.size();
                     assert!(gap <= tol, "{what}: {name} is {gap} from the stock ops' (over {tol}; {} of {n} differ)", differing(got, want));
                     eprintln!("{what}: {} of {n} values of {name} differ from the stock ops' (worst {gap})", differing(got, want));
+                }
+                // The scratch row in the layer's state: the same bits, twice.
+                let big = crate::kernels::stages::new_counters_of(crate::kernels::qkv_fused::state_words(d as usize)).unwrap();
+                for turn in 0..2 {
+                    let (s2, q2, k2, v2) = scratch_in_state(|| run(&big));
+                    for (name, got, want) in [("sum", &s2, &s), ("q", &q2, &gq), ("k", &k2, &gk), ("v", &v2, &gv)] {
+                        assert_eq!(differing(got, want), 0, "{what}: scratch in the state, launch {turn}: {name} differs");
+                    }
                 }
                 check_counters_in_step(&what, &counters, &[true, false, true], &[s, gq, gk, gv], |c| {
                     let (s, q, k, v) = run(c);

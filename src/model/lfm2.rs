@@ -71,7 +71,9 @@ impl Attention {
             rope_theta: c.rope_theta,
             eps: c.norm_eps,
             shard: shard.cloned(),
-            fused_counters: crate::kernels::stages::new_counters()?,
+            // (Counters, and room for the q/k/v stage's scratch row:
+            // MLX_LFM_SCRATCH_IN_STATE.)
+            fused_counters: crate::kernels::stages::new_counters_of(crate::kernels::qkv_fused::state_words(d))?,
         })
     }
 
@@ -290,7 +292,9 @@ impl ShortConv {
             kernel: l,
             dim: local,
             shard: shard.cloned(),
-            fused_counters: crate::kernels::stages::new_counters()?,
+            // (Counters, and room for the one-launch conv layer's scratch
+            // rows: MLX_LFM_SCRATCH_IN_STATE.)
+            fused_counters: crate::kernels::stages::new_counters_of(crate::kernels::conv_fused::state_words(d as usize, local as usize))?,
         })
     }
 
@@ -457,7 +461,9 @@ impl Mlp {
             ])?,
             w2: Linear::load_split(st, reg, &format!("{p}.{}", names[1]), ff, d, false, rows)?,
             shard: shard.cloned(),
-            fused_counters: crate::kernels::stages::new_counters()?,
+            // (Counters, and room for the one-launch feed-forward's scratch
+            // rows: MLX_LFM_SCRATCH_IN_STATE.)
+            fused_counters: crate::kernels::stages::new_counters_of(crate::kernels::ffn_fused::state_words(d, ff))?,
         })
     }
 
