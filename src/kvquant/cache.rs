@@ -290,12 +290,21 @@ impl QuantKvCache {
             return self.codec.quantized_attention(q, &cut(&self.kq)?, &cut(&self.vq)?, scale);
         }
         let f = self.fetch(k.dtype())?;
-        let mask = if t > 1 { Mask::Causal } else { Mask::None };
+        // Several tokens: causal, through the attention buckets as the
+        // plain caches' prompts (src/cache/bucket.rs: on CUDA a new length
+        // would build a new cuDNN graph).
+        let attend = |q: &Array| {
+            if t > 1 {
+                crate::cache::bucket::causal(q, &f.keys, &f.values, scale)
+            } else {
+                sdpa(q, &f.keys, &f.values, scale, Mask::None)
+            }
+        };
         if f.rotated {
-            let o = sdpa(&self.codec.to_space(q)?, &f.keys, &f.values, scale, mask)?;
+            let o = attend(&self.codec.to_space(q)?)?;
             self.codec.from_space(&o)
         } else {
-            sdpa(q, &f.keys, &f.values, scale, mask)
+            attend(q)
         }
     }
 

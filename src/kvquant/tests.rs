@@ -283,6 +283,42 @@ fn t1_offset_advances_over_chunks() {
     assert_eq!(c.stats.quantized_tokens, 251);
 }
 
+/// A prompt's chunks over a quantized cache attend through the attention
+/// buckets (`MLX_LFM_ATTENTION_BUCKET`): the rows to rounding of the
+/// unbucketed attention's, for every codec, over the first chunk (keys of
+/// the query's length) and a later one (keys past it), and the padded
+/// path taken.
+#[test]
+fn prefill_chunks_take_the_attention_buckets() {
+    for kind in KINDS {
+        let chunks = [(37, 1u64), (21, 5)];
+        let run = |bucket: &str| -> Vec<Array> {
+            let set = [("MLX_LFM_ATTENTION_BUCKET".to_string(), Some(bucket.to_string()))];
+            crate::knobs::with_overrides(&set, || {
+                let mut c = QuantKvCache::new(Codec::new(kind, 64).unwrap());
+                chunks
+                    .iter()
+                    .map(|&(t, seed)| {
+                        let (q, k, v) = (randn(&[1, 4, t, 64], seed), randn(&[1, 2, t, 64], seed + 1), randn(&[1, 2, t, 64], seed + 2));
+                        let o = c.attend(&q, &k, &v, 0.125).unwrap();
+                        o.eval().unwrap();
+                        o
+                    })
+                    .collect()
+            })
+        };
+        let want = run("0");
+        let before = crate::cache::bucket::padded();
+        let got = run("16");
+        assert!(crate::cache::bucket::padded() >= before + 2, "{kind:?}: the chunks were not bucketed");
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g.shape(), w.shape(), "{kind:?}: chunk {i}");
+            let d = max_diff(g, w);
+            assert!(d <= 1e-4, "{kind:?}: chunk {i}: {d} from the unbucketed rows");
+        }
+    }
+}
+
 /// Test 2: a 1-token first call with nothing pending.
 #[test]
 fn t2_one_token_first_call() {
