@@ -178,7 +178,7 @@ samples):
      (greedy_tokens_with_kernels_equal_stock_ops picks all four greedy
      tests: a name picks every test that holds it)
      `timeout -s TERM 560 python3 bench/h200/run.py install verdicts-from
-     <sessions 18, 20, 21, 24, 27, 30, 31, 32, 33 raw files, oldest first>
+     bench/results/2026-12-03-h200-session18.raw.jsonl,bench/results/2026-12-04-h200-session20.raw.jsonl,bench/results/2026-12-04-h200-session21.raw.jsonl,bench/results/2026-12-04-h200-session24.raw.jsonl,bench/results/2026-12-05-h200-session27.raw.jsonl,bench/results/2026-12-05-h200-session30.raw.jsonl,bench/results/2026-12-05-h100-session31.raw.jsonl,bench/results/2026-12-05-h100-session32.raw.jsonl,bench/results/2026-12-05-h100-session33.raw.jsonl
      kernels save-ptx` (~450 s with 7 jobs: the kernel texts in files,
      bit for bit and over the wide MoE fixture's greedy sets; the layers'
      scratch rows in their state, against their outputs' bits and as a
