@@ -74,8 +74,12 @@ pub fn padded() -> usize {
 /// attention as it is otherwise.
 pub fn causal(q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Array> {
     let b = bucket();
+    // (Shapes checked before they are read: MLX's attention names a bad one.)
+    if b == 0 || q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4 {
+        return mlx::sdpa(q, k, v, scale, Mask::Causal);
+    }
     let (l, lk) = (q.dim(2), k.dim(2));
-    if b == 0 || q.ndim() != 4 || lk < l || v.dim(2) != lk || lk % b == 0 {
+    if lk < l || v.dim(2) != lk || lk % b == 0 {
         return mlx::sdpa(q, k, v, scale, Mask::Causal);
     }
     let rows = lk
