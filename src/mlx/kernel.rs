@@ -30,14 +30,18 @@ pub struct CudaKernel {
 
 /// The name MLX gets for a kernel: `name`, then a hash of its whole text
 /// (inputs, outputs, body, header) and of `mlx`, the MLX version that wraps
-/// it in its own signature and headers. MLX 0.32.4 keeps a compiled kernel
-/// under its name and template values alone, in memory for the process and
-/// on disk in its PTX cache (`MLX_PTX_CACHE_DIR`, else
-/// `$TMPDIR/mlx/<version>/ptx`, which outlives the process): without the
-/// hash, a kernel whose body changed (an upgrade of this package, a switch
-/// that rewrites its text) would run the cubin an earlier body left there,
-/// with another argument list or other arithmetic (and a cache folder set
-/// by `MLX_PTX_CACHE_DIR` is not per MLX version, as the default is). The
+/// it in its own signature and headers. MLX keeps a compiled kernel in
+/// memory for the process and on disk in its PTX cache
+/// (`MLX_PTX_CACHE_DIR`, else `$TMPDIR/mlx/<version>/ptx`, which outlives
+/// the process), under a module name: the MLX 0.32.4 wheel's
+/// `CustomKernel::eval_gpu` (its disassembly, session 33) makes that name
+/// from the kernel's name and a hash of the text it was given, at every
+/// dispatch; earlier MLX took the name and template values alone, and
+/// with the text in files (src/mlx/kernel_text.rs) MLX's text is include
+/// lines. This hash, in the name and in the files' names, is what keeps a
+/// kernel whose body changed (an upgrade of this package, a switch that
+/// rewrites its text) from running the cubin an earlier body left, with
+/// another argument list or other arithmetic, however MLX names it. The
 /// base name stays a prefix, so profilers still find a kernel by it.
 pub fn module_name(name: &str, inputs: &[&str], outputs: &[&str], source: &str, header: &str, mlx: &str) -> String {
     use std::hash::{Hash, Hasher};

@@ -107,11 +107,17 @@ impl KernelFiles {
         Ok(())
     }
 
-    /// Puts back any file that went missing (checked at most once a
-    /// [`RECHECK_SECS`]).
+    /// Puts back any file that went missing, in a folder checked again
+    /// (made anew if a cleaner took it; refused if it is no longer this
+    /// user's own and closed, since NVRTC would compile what another user
+    /// put there: the call then fails, naming why). Checked at most once a
+    /// [`RECHECK_SECS`] while all is well, at every call while it is not.
     pub fn ensure(&self) -> std::io::Result<()> {
         if now_secs().saturating_sub(self.checked.load(Ordering::Relaxed)) < RECHECK_SECS {
             return Ok(());
+        }
+        if let Some(dir) = self.body.0.parent() {
+            private_folder(dir)?;
         }
         self.ensure_now()
     }
@@ -170,11 +176,18 @@ fn user_id() -> Option<u32> {
 }
 
 /// `dir` made (mode 0700) or checked: a real folder (no link), this user's,
-/// closed to everyone else.
+/// closed to everyone else, in a parent others cannot rename it out of
+/// (not writable by them, or sticky as /tmp is).
 #[cfg(unix)]
 pub fn private_folder(dir: &Path) -> std::io::Result<()> {
     use std::os::unix::fs::{DirBuilderExt, MetadataExt};
     let refuse = |why: &str| std::io::Error::new(std::io::ErrorKind::PermissionDenied, why.to_string());
+    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        let mode = std::fs::metadata(parent)?.mode();
+        if mode & 0o022 != 0 && mode & 0o1000 == 0 {
+            return Err(refuse("its parent folder is writable by others and not sticky"));
+        }
+    }
     match std::fs::DirBuilder::new().mode(0o700).create(dir) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
@@ -260,6 +273,45 @@ mod tests {
         let left: Vec<_> = std::fs::read_dir(&dir).unwrap().filter_map(|e| e.ok()).map(|e| e.file_name()).collect();
         assert!(left.iter().all(|n| !n.to_string_lossy().contains(".tmp.")), "{left:?}");
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// A folder a cleaner removed is made anew by the next check and its
+    /// files written again; one that became open to others fails the check
+    /// (the kernel's call then fails) instead of being written into.
+    #[cfg(unix)]
+    #[test]
+    fn the_folder_is_checked_again_before_files_come_back() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = scratch("recheck");
+        private_folder(&dir).unwrap();
+        let f = KernelFiles::write(&dir, "lfm_w_03", &[], "out[0] = 3;\n", "__device__ int g() { return 3; }\n").unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        f.checked.store(0, Ordering::Relaxed);
+        f.ensure().unwrap();
+        assert_eq!(std::fs::read_to_string(dir.join("lfm_w_03.body.cuh")).unwrap(), "out[0] = 3;\n");
+        assert_eq!(std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777, 0o700);
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+        std::fs::remove_file(dir.join("lfm_w_03.body.cuh")).unwrap();
+        f.checked.store(0, Ordering::Relaxed);
+        assert!(f.ensure().is_err(), "an open folder written into");
+        assert!(!dir.join("lfm_w_03.body.cuh").exists());
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// A folder whose parent others may write into, without the sticky
+    /// bit, is refused (they could rename it away and put theirs there).
+    #[cfg(unix)]
+    #[test]
+    fn a_folder_in_an_open_parent_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let parent = scratch("parent");
+        std::fs::create_dir_all(&parent).unwrap();
+        std::fs::set_permissions(&parent, std::fs::Permissions::from_mode(0o777)).unwrap();
+        assert!(private_folder(&parent.join("k")).is_err(), "an open parent without the sticky bit");
+        std::fs::set_permissions(&parent, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        private_folder(&parent.join("k")).unwrap();
+        std::fs::remove_dir_all(&parent).ok();
     }
 
     /// The folder must be this user's and closed to others: one open to
