@@ -2017,7 +2017,7 @@ AB = {
     # Session 33's host profile of the 8B-A1B put 25% of the decoding
     # thread's samples in libstdc++'s _Hash_bytes: MLX 0.32.4 hashes a
     # custom kernel's whole text at every dispatch (its CustomKernel::
-    # eval_gpu), ~47 one-launch layers of ~20-35 KB a step. With the texts
+    # eval_gpu), 47 one-launch layers of 34-44 KB a step. With the texts
     # in files MLX includes (src/mlx/kernel_text.rs), it hashes two
     # #include lines. A switch read once a process (a kernel is built once
     # a process): a process arm (PER_PROCESS).

@@ -5,8 +5,9 @@
 //! Why: MLX 0.32.4's CUDA `CustomKernel::eval_gpu` names a kernel's module
 //! by its name and a hash of its whole generated source, at every dispatch
 //! (its disassembly in the wheel's libmlx.so: a `_Hash_bytes` over the
-//! source before `get_jit_module`). Our one-launch layers are ~20-35 KB of
-//! text each, ~47 of them a step of the 8B-A1B: session 33's host profile
+//! source before `get_jit_module`). Our one-launch layers are 34-44 KB of
+//! text each in their 4-bit forms (22-29 KB dense), 47 of them a step of
+//! the 8B-A1B, ~1.95 MB hashed a token: session 33's host profile
 //! put 25% of the decoding thread's samples in `_Hash_bytes`. With the body
 //! and the header in files, MLX holds and hashes two `#include` lines
 //! instead; NVRTC reads the files at the kernel's first compile (session
