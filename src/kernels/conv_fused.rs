@@ -66,14 +66,19 @@ pub fn built() -> usize {
     BUILT.get()
 }
 
-fn kernel(quant: bool) -> Option<&'static CudaKernel> {
-    static K: [Cells; 2] = [stages::cells(), stages::cells()];
+/// The kernel; with `scratch`, its form with the scratch rows (`yn`,
+/// `yc`) in the layer's state ([`stages::call_with_scratch`]).
+fn kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
+    static K: [[Cells; 2]; 2] = [[stages::cells(), stages::cells()], [stages::cells(), stages::cells()]];
+    static SOURCE: OnceLock<String> = OnceLock::new();
     let mut inputs = vec!["h", "r", "wn", "state", "cw"];
     inputs.extend(Projections::input_names(quant));
     inputs.push("ctr");
     let outputs = ["s", "out", "next", "yn", "yc"];
-    let name = if quant { "lfm_conv_fused" } else { "lfm_conv_fused_dense" };
-    stages::kernel(&K[usize::from(quant)], name, &inputs, &outputs, stages::LAYER_SOURCE, || {
+    let names = if quant { ["lfm_conv_fused", "lfm_conv_fused_scr"] } else { ["lfm_conv_fused_dense", "lfm_conv_fused_dense_scr"] };
+    let (outputs, source) =
+        if scratch { (&outputs[..3], stages::after_prelude(&SOURCE, SCRATCH_PRELUDE, stages::LAYER_SOURCE)) } else { (&outputs[..], stages::LAYER_SOURCE) };
+    stages::kernel(&K[usize::from(scratch)][usize::from(quant)], names[usize::from(scratch)], &inputs, outputs, source, || {
         stages::layer_header(quant, false, stages::layer_defines(true, stages::Tail::None))
     })
 }
@@ -86,20 +91,6 @@ const SCRATCH_PRELUDE: &str = r#"
   T* yn = reinterpret_cast<T*>(lfm_scratch + SCR_YN);
   T* yc = reinterpret_cast<T*>(lfm_scratch + SCR_YC);
 "#;
-
-/// The kernel with its scratch rows in the state (three outputs).
-fn kernel_scratch(quant: bool) -> Option<&'static CudaKernel> {
-    static K: [Cells; 2] = [stages::cells(), stages::cells()];
-    static SOURCE: OnceLock<String> = OnceLock::new();
-    let source = SOURCE.get_or_init(|| format!("{SCRATCH_PRELUDE}{}", stages::LAYER_SOURCE));
-    let mut inputs = vec!["h", "r", "wn", "state", "cw"];
-    inputs.extend(Projections::input_names(quant));
-    inputs.push("ctr");
-    let name = if quant { "lfm_conv_fused_scr" } else { "lfm_conv_fused_dense_scr" };
-    stages::kernel(&K[usize::from(quant)], name, &inputs, &["s", "out", "next"], source, || {
-        stages::layer_header(quant, false, stages::layer_defines(true, stages::Tail::None))
-    })
-}
 
 /// The uint32 words of a conv layer's state: its counters and room for
 /// its scratch rows (`d` wide and `c` channels, at up to 4 bytes each).
@@ -132,7 +123,7 @@ pub fn available(x: &Normed, p: Projections, state: &Array, cw: &Array, has_bias
         return false;
     }
     let bytes = |len: i32| len as usize * x.h.dtype().size();
-    bytes(x.h.dim(1)).max(bytes(cw.dim(0))) <= stages::MAX_STAGED && kernel(p.quant()).is_some()
+    bytes(x.h.dim(1)).max(bytes(cw.dim(0))) <= stages::MAX_STAGED && kernel(p.quant(), false).is_some()
 }
 
 /// The conv layer's operands as this kernel's stages serve them, in blocks
@@ -175,31 +166,26 @@ pub(crate) fn part_served(x: &Normed, p: Projections, state: &Array, cw: &Array,
 /// (`stages::new_counters`).
 pub fn forward(x: &Normed, p: Projections, state: &Array, cw: &Array, ctr: &Array) -> Result<(Array, Array, Array)> {
     const WHAT: &str = "the fused short-conv layer kernel";
-    let kern = kernel(p.quant()).ok_or_else(|| Error::mlx(format!("{WHAT} is not available")))?;
+    let kern = kernel(p.quant(), false).ok_or_else(|| Error::mlx(format!("{WHAT} is not available")))?;
     stages::check_state(ctr, WHAT)?;
     let (d, dt) = (x.h.dim(1), x.h.dtype());
     let (c, l) = (cw.dim(0), cw.dim(1));
     let nb = blocks(d, c);
     let threads = WARPS * 32;
     let grid = i32::try_from(nb * threads as i64).map_err(|_| Error::invalid(format!("fused short-conv layer kernel: {nb} blocks")))?;
-    let (mut inputs, mut template) = part_operands(x, p, state, cw, WARPS, WHAT)?;
+    let (mut inputs, template) = part_operands(x, p, state, cw, WARPS, WHAT)?;
     inputs.push(ctr);
-    let e = dt.size() as i64;
-    let scratch = stages::scratch_template(&["SCR_YN", "SCR_YC"], &[d as i64 * e, c as i64 * e], ctr);
-    let mut outs = match scratch.zip(kernel_scratch(p.quant())) {
-        Some((places, ks)) => {
-            template.extend(places);
-            ks.call(&inputs, &[(&[1, d], dt), (&[1, d], dt), (&[1, l - 1, c], dt)], [grid, 1, 1], [threads, 1, 1], &template)?
-        }
-        None => kern.call(
-            &inputs,
-            &[(&[1, d], dt), (&[1, d], dt), (&[1, l - 1, c], dt), (&[d], dt), (&[c], dt)],
-            [grid, 1, 1],
-            [threads, 1, 1],
-            &template,
-        )?,
-    };
-    outs.truncate(3);
+    let mut outs = stages::call_with_scratch(
+        kern,
+        || kernel(p.quant(), true),
+        &inputs,
+        &[(&[1, d], dt), (&[1, d], dt), (&[1, l - 1, c], dt), (&[d], dt), (&[c], dt)],
+        &["SCR_YN", "SCR_YC"],
+        ctr,
+        [grid, 1, 1],
+        [threads, 1, 1],
+        &template,
+    )?;
     BUILT.bump();
     let missing = || Error::mlx("fused short-conv layer kernel: missing output");
     let next = outs.pop().ok_or_else(missing)?;

@@ -65,13 +65,19 @@ pub fn built() -> usize {
     BUILT.get()
 }
 
-fn kernel(quant: bool) -> Option<&'static CudaKernel> {
-    static K: [Cells; 2] = [stages::cells(), stages::cells()];
+/// The kernel; with `scratch`, its form with the scratch rows (`yn`,
+/// `hk`) in the layer's state ([`stages::call_with_scratch`]).
+fn kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
+    static K: [[Cells; 2]; 2] = [[stages::cells(), stages::cells()], [stages::cells(), stages::cells()]];
+    static SOURCE: OnceLock<String> = OnceLock::new();
     let mut inputs = vec!["h", "r", "wn"];
     inputs.extend(Projections::input_names(quant));
     inputs.push("ctr");
-    let name = if quant { "lfm_ffn_fused_q" } else { "lfm_ffn_fused" };
-    stages::kernel(&K[usize::from(quant)], name, &inputs, &["s", "out", "yn", "hk"], stages::LAYER_SOURCE, || {
+    let outputs = ["s", "out", "yn", "hk"];
+    let names = if quant { ["lfm_ffn_fused_q", "lfm_ffn_fused_q_scr"] } else { ["lfm_ffn_fused", "lfm_ffn_fused_scr"] };
+    let (outputs, source) =
+        if scratch { (&outputs[..2], stages::after_prelude(&SOURCE, SCRATCH_PRELUDE, stages::LAYER_SOURCE)) } else { (&outputs[..], stages::LAYER_SOURCE) };
+    stages::kernel(&K[usize::from(scratch)][usize::from(quant)], names[usize::from(scratch)], &inputs, outputs, source, || {
         stages::layer_header(quant, false, stages::layer_defines(false, stages::Tail::Ffn))
     })
 }
@@ -84,20 +90,6 @@ const SCRATCH_PRELUDE: &str = r#"
   T* yn = reinterpret_cast<T*>(lfm_scratch + SCR_YN);
   T* hk = reinterpret_cast<T*>(lfm_scratch + SCR_HK);
 "#;
-
-/// The kernel with its scratch rows in the state (two outputs).
-fn kernel_scratch(quant: bool) -> Option<&'static CudaKernel> {
-    static K: [Cells; 2] = [stages::cells(), stages::cells()];
-    static SOURCE: OnceLock<String> = OnceLock::new();
-    let source = SOURCE.get_or_init(|| format!("{SCRATCH_PRELUDE}{}", stages::LAYER_SOURCE));
-    let mut inputs = vec!["h", "r", "wn"];
-    inputs.extend(Projections::input_names(quant));
-    inputs.push("ctr");
-    let name = if quant { "lfm_ffn_fused_q_scr" } else { "lfm_ffn_fused_scr" };
-    stages::kernel(&K[usize::from(quant)], name, &inputs, &["s", "out"], source, || {
-        stages::layer_header(quant, false, stages::layer_defines(false, stages::Tail::Ffn))
-    })
-}
 
 /// The uint32 words of a feed-forward's state: its counters and room for
 /// its scratch rows (`d` wide and `f` gated, at up to 4 bytes each).
@@ -137,14 +129,14 @@ pub fn available(x: &Normed, p: Projections) -> bool {
         && bytes(d) % 16 == 0
         && bytes(f) % 16 == 0
         && bytes(d).max(bytes(f)) <= stages::MAX_STAGED
-        && kernel(p.quant()).is_some()
+        && kernel(p.quant(), false).is_some()
 }
 
 /// `(the residual sum [1, D], w2's output [1, D] (before a tensor parallel
 /// reduce))` in one launch (callers check [`available`]); `ctr` the
 /// layer's own (`stages::new_counters`).
 pub fn forward(x: &Normed, p: Projections, ctr: &Array) -> Result<(Array, Array)> {
-    let kern = kernel(p.quant()).ok_or_else(|| Error::mlx("the fused feed-forward kernel is not available"))?;
+    let kern = kernel(p.quant(), false).ok_or_else(|| Error::mlx("the fused feed-forward kernel is not available"))?;
     let r = x.r.ok_or_else(|| Error::invalid("the fused feed-forward kernel needs a residual to add"))?;
     stages::check_state(ctr, "the fused feed-forward kernel")?;
     let (d, dt) = (x.h.dim(1), x.h.dtype());
@@ -165,16 +157,17 @@ pub fn forward(x: &Normed, p: Projections, ctr: &Array) -> Result<(Array, Array)
     let mut inputs = vec![x.h, r, x.w];
     inputs.extend(projections);
     inputs.push(ctr);
-    let e = dt.size() as i64;
-    let scratch = stages::scratch_template(&["SCR_YN", "SCR_HK"], &[d as i64 * e, f as i64 * e], ctr);
-    let mut outs = match scratch.zip(kernel_scratch(p.quant())) {
-        Some((places, ks)) => {
-            template.extend(places);
-            ks.call(&inputs, &[(&[1, d], dt), (&[1, d], dt)], [grid, 1, 1], [threads, 1, 1], &template)?
-        }
-        None => kern.call(&inputs, &[(&[1, d], dt), (&[1, d], dt), (&[d], dt), (&[f], dt)], [grid, 1, 1], [threads, 1, 1], &template)?,
-    };
-    outs.truncate(2);
+    let mut outs = stages::call_with_scratch(
+        kern,
+        || kernel(p.quant(), true),
+        &inputs,
+        &[(&[1, d], dt), (&[1, d], dt), (&[d], dt), (&[f], dt)],
+        &["SCR_YN", "SCR_HK"],
+        ctr,
+        [grid, 1, 1],
+        [threads, 1, 1],
+        &template,
+    )?;
     BUILT.bump();
     let missing = || Error::mlx("fused feed-forward kernel: missing output");
     let out = outs.pop().ok_or_else(missing)?;

@@ -85,8 +85,9 @@ fn enabled() -> bool {
 }
 
 /// The scratch rows' bytes (the normed row, the route's experts and
-/// weights, the gated rows) at `elem` bytes an activation, as the state
-/// keeps them (`MLX_LFM_SCRATCH_IN_STATE`, src/kernels/stages.rs).
+/// weights, the gated rows: the last four outputs of [`forward`]'s launch,
+/// whose sizes `stages::call_with_scratch` places) at `elem` bytes an
+/// activation: what a layer's state is sized for.
 fn scratch_bytes(d: i64, f: i64, k: i64, elem: i64) -> [i64; 4] {
     [d * elem, ROUTE_SLOTS as i64 * 4, ROUTE_SLOTS as i64 * 4, k * f * elem]
 }
@@ -123,17 +124,18 @@ fn header() -> String {
     format!("{}{}{TICKET_HEADER}", stages::layer_defines(false, stages::Tail::Moe), moe_router::gate_norm_header())
 }
 
-fn kernel() -> Option<&'static CudaKernel> {
-    static K: Cells = stages::cells();
-    stages::kernel(&K, "lfm_moe_fused", &INPUTS, &["s", "out", "yn", "inds", "scores", "hk"], stages::LAYER_SOURCE, header)
-}
-
-/// The kernel with its scratch rows in the state ([`scratch_in_state`]).
-fn kernel_scratch() -> Option<&'static CudaKernel> {
-    static K: Cells = stages::cells();
+/// The kernel; with `scratch`, its form with the scratch rows (`yn`,
+/// `inds`, `scores`, `hk`) in the layer's state
+/// ([`stages::call_with_scratch`]).
+fn kernel(scratch: bool) -> Option<&'static CudaKernel> {
+    static K: [Cells; 2] = [stages::cells(), stages::cells()];
     static SOURCE: OnceLock<String> = OnceLock::new();
-    let source = SOURCE.get_or_init(|| format!("{SCRATCH_PRELUDE}{}", stages::LAYER_SOURCE));
-    stages::kernel(&K, "lfm_moe_fused_scr", &INPUTS, &["s", "out"], source, header)
+    let outputs = ["s", "out", "yn", "inds", "scores", "hk"];
+    if scratch {
+        let source = stages::after_prelude(&SOURCE, SCRATCH_PRELUDE, stages::LAYER_SOURCE);
+        return stages::kernel(&K[1], "lfm_moe_fused_scr", &INPUTS, &outputs[..2], source, header);
+    }
+    stages::kernel(&K[0], "lfm_moe_fused", &INPUTS, &outputs, stages::LAYER_SOURCE, header)
 }
 
 /// The blocks of one launch: the router's, the gate/up rows', the down
@@ -154,7 +156,7 @@ fn blocks(d: i32, f: i32, k: i32) -> i64 {
 /// expert stacks of one specification, and the staged rows within shared
 /// memory.
 pub fn available(n: &NormIn, g: &Quantized, gu: &Quantized, down: &Quantized, k: usize) -> bool {
-    enabled() && served(n, g, gu, down, k) && kernel().is_some()
+    enabled() && served(n, g, gu, down, k) && kernel(false).is_some()
 }
 
 /// [`available`] but for the switch and the kernel: whether the layer's
@@ -201,7 +203,7 @@ pub fn forward(
     eps: f32,
     scale: f32,
 ) -> Result<(Array, Array)> {
-    let kern = kernel().ok_or_else(|| Error::mlx("the fused MoE kernel is not available"))?;
+    let kern = kernel(false).ok_or_else(|| Error::mlx("the fused MoE kernel is not available"))?;
     let missing = |what: &str| Error::invalid(format!("the fused MoE kernel needs affine biases ({what})"));
     let gb = g.biases.as_ref().ok_or_else(|| missing("the router gate"))?;
     let ub = gu.biases.as_ref().ok_or_else(|| missing("the experts' gate/up"))?;
@@ -232,31 +234,24 @@ pub fn forward(
         ("SCALE_BITS", TemplateArg::Int(scale.to_bits() as i32)),
     ];
     let inputs = [n.h, n.r, n.wn, &g.weight, &g.scales, gb, bias, &gu.weight, &gu.scales, ub, &down.weight, &down.scales, db, state];
-    // The scratch rows in the state where it is switched on and the state
-    // holds them (else the four outputs).
-    let bytes = scratch_bytes(d as i64, f as i64, k as i64, dt.size() as i64);
-    let scratch = stages::scratch_template(&["SCR_YN", "SCR_INDS", "SCR_SCORES", "SCR_HK"], &bytes, state);
-    let mut outs = match scratch.zip(kernel_scratch()) {
-        Some((places, ks)) => {
-            let template: Vec<(&str, TemplateArg)> = template.iter().copied().chain(places).collect();
-            ks.call(&inputs, &[(&[1, d], dt), (&[1, d], dt)], [grid, 1, 1], [threads, 1, 1], &template)?
-        }
-        None => kern.call(
-            &inputs,
-            &[
-                (&[1, d], dt),
-                (&[1, d], dt),
-                (&[d], dt),
-                (&[ROUTE_SLOTS], Dtype::Uint32),
-                (&[ROUTE_SLOTS], Dtype::Float32),
-                (&[k, f], dt),
-            ],
-            [grid, 1, 1],
-            [threads, 1, 1],
-            &template,
-        )?,
-    };
-    outs.truncate(2);
+    let mut outs = stages::call_with_scratch(
+        kern,
+        || kernel(true),
+        &inputs,
+        &[
+            (&[1, d], dt),
+            (&[1, d], dt),
+            (&[d], dt),
+            (&[ROUTE_SLOTS], Dtype::Uint32),
+            (&[ROUTE_SLOTS], Dtype::Float32),
+            (&[k, f], dt),
+        ],
+        &["SCR_YN", "SCR_INDS", "SCR_SCORES", "SCR_HK"],
+        state,
+        [grid, 1, 1],
+        [threads, 1, 1],
+        &template,
+    )?;
     BUILT.bump();
     let out = outs.pop().ok_or_else(|| Error::mlx("fused MoE kernel: missing output"))?;
     let s = outs.pop().ok_or_else(|| Error::mlx("fused MoE kernel: missing output"))?;

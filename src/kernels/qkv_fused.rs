@@ -50,17 +50,23 @@ pub enum Projection<'a> {
     Dense(&'a Array),
 }
 
-fn kernel(quant: bool) -> Option<&'static CudaKernel> {
-    static K: [Cells; 2] = [stages::cells(), stages::cells()];
+/// The kernel; with `scratch`, its form with the scratch row (`yn`) in
+/// the layer's state ([`stages::call_with_scratch`]).
+fn kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
+    static K: [[Cells; 2]; 2] = [[stages::cells(), stages::cells()], [stages::cells(), stages::cells()]];
+    static SOURCE: OnceLock<String> = OnceLock::new();
     let outputs = ["s", "qo", "ko", "vo", "yn"];
-    let source = super::qk_norm_rope::QKV_FUSED_SOURCE;
+    let body = super::qk_norm_rope::QKV_FUSED_SOURCE;
     // (The projection's rows as the first of a layer's two projections:
     // src/kernels/stages.rs's products and header.)
-    let name = if quant { "lfm_qkv_fused" } else { "lfm_qkv_fused_dense" };
+    let names = if quant { ["lfm_qkv_fused", "lfm_qkv_fused_scr"] } else { ["lfm_qkv_fused_dense", "lfm_qkv_fused_dense_scr"] };
+    let (outputs, source) = if scratch { (&outputs[..4], stages::after_prelude(&SOURCE, SCRATCH_PRELUDE, body)) } else { (&outputs[..], body) };
     let mut inputs = vec!["h", "r", "wn"];
     inputs.extend(if quant { &["iw", "iscales", "ibiases"][..] } else { &["iw"][..] });
     inputs.extend(["qw", "kw", "offset", "ctr"]);
-    stages::kernel(&K[usize::from(quant)], name, &inputs, &outputs, source, || stages::layer_header(quant, false, ""))
+    stages::kernel(&K[usize::from(scratch)][usize::from(quant)], names[usize::from(scratch)], &inputs, outputs, source, || {
+        stages::layer_header(quant, false, "")
+    })
 }
 
 /// The scratch row's pointer into the layer's state
@@ -70,18 +76,6 @@ const SCRATCH_PRELUDE: &str = r#"
   unsigned char* lfm_scratch = reinterpret_cast<unsigned char*>(const_cast<uint32_t*>(ctr));
   T* yn = reinterpret_cast<T*>(lfm_scratch + SCR_YN);
 "#;
-
-/// The kernel with its scratch row in the state (four outputs).
-fn kernel_scratch(quant: bool) -> Option<&'static CudaKernel> {
-    static K: [Cells; 2] = [stages::cells(), stages::cells()];
-    static SOURCE: OnceLock<String> = OnceLock::new();
-    let source = SOURCE.get_or_init(|| format!("{SCRATCH_PRELUDE}{}", super::qk_norm_rope::QKV_FUSED_SOURCE));
-    let name = if quant { "lfm_qkv_fused_scr" } else { "lfm_qkv_fused_dense_scr" };
-    let mut inputs = vec!["h", "r", "wn"];
-    inputs.extend(if quant { &["iw", "iscales", "ibiases"][..] } else { &["iw"][..] });
-    inputs.extend(["qw", "kw", "offset", "ctr"]);
-    stages::kernel(&K[usize::from(quant)], name, &inputs, &["s", "qo", "ko", "vo"], source, || stages::layer_header(quant, false, ""))
-}
 
 /// The uint32 words of an attention layer's state: its counters and room
 /// for its scratch row (`d` wide, at up to 4 bytes).
@@ -137,7 +131,7 @@ pub fn available(x: &Normed, p: Projection, qw: &Array, kw: &Array, heads: (i32,
         && offset.size() == 1
         && ((d as usize) * dt.size()).is_multiple_of(16)
         && (d as usize) * dt.size() <= stages::MAX_STAGED
-        && kernel(matches!(p, Projection::Quant(_))).is_some()
+        && kernel(matches!(p, Projection::Quant(_)), false).is_some()
 }
 
 /// `(the residual sum [1, D], q [1, H, 1, HD], k [1, KVH, 1, HD], v [1,
@@ -155,7 +149,8 @@ pub fn forward(
     (eps, theta): (f32, f32),
     ctr: &Array,
 ) -> Result<(Array, Array, Array, Array)> {
-    let kern = kernel(matches!(p, Projection::Quant(_))).ok_or_else(|| Error::mlx("the fused q/k/v kernel is not available"))?;
+    let quant = matches!(p, Projection::Quant(_));
+    let kern = kernel(quant, false).ok_or_else(|| Error::mlx("the fused q/k/v kernel is not available"))?;
     let r = x.r.ok_or_else(|| Error::invalid("the fused q/k/v kernel needs a residual to add"))?;
     stages::check_state(ctr, "the fused q/k/v kernel")?;
     let (d, dt) = (x.h.dim(1), x.h.dtype());
@@ -184,19 +179,17 @@ pub fn forward(
         }
         Projection::Dense(w) => vec![x.h, r, x.w, w, qw, kw, offset, ctr],
     };
-    let rows: [(&[i32], Dtype); 4] = [(&[1, d], dt), (&[1, qh, 1, hd], dt), (&[1, kvh, 1, hd], dt), (&[1, kvh, 1, hd], dt)];
-    let scratch = stages::scratch_template(&["SCR_YN"], &[d as i64 * dt.size() as i64], ctr);
-    let mut outs = match scratch.zip(kernel_scratch(matches!(p, Projection::Quant(_)))) {
-        Some((places, ks)) => {
-            template.extend(places);
-            ks.call(&inputs, &rows, [grid, 1, 1], [threads, 1, 1], &template)?
-        }
-        None => {
-            let all = [rows[0], rows[1], rows[2], rows[3], (&[d][..], dt)];
-            kern.call(&inputs, &all, [grid, 1, 1], [threads, 1, 1], &template)?
-        }
-    };
-    outs.truncate(4);
+    let mut outs = stages::call_with_scratch(
+        kern,
+        || kernel(quant, true),
+        &inputs,
+        &[(&[1, d], dt), (&[1, qh, 1, hd], dt), (&[1, kvh, 1, hd], dt), (&[1, kvh, 1, hd], dt), (&[d], dt)],
+        &["SCR_YN"],
+        ctr,
+        [grid, 1, 1],
+        [threads, 1, 1],
+        &template,
+    )?;
     BUILT.bump();
     let missing = || Error::mlx("fused q/k/v kernel: missing output");
     let v = outs.pop().ok_or_else(missing)?;

@@ -698,6 +698,43 @@ pub(crate) fn scratch_template(names: &[&'static str], bytes: &[i64], ctr: &Arra
     Some(names.iter().zip(places).map(|(n, p)| (*n, TemplateArg::Int(p as i32))).collect())
 }
 
+/// A one-launch kernel's launch whose last outputs are scratch rows (what
+/// one stage hands the next within the launch; the caller keeps only the
+/// outputs before them), named `scratch` for the kernel's template values:
+/// where [`scratch_in_state`] is on and the state `ctr` holds rows of
+/// those outputs' sizes, through `in_state` (the same body after a
+/// prelude placing the rows in `ctr`) without those outputs; else through
+/// `kern` with them. Either way, the outputs before the rows.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn call_with_scratch(
+    kern: &CudaKernel,
+    in_state: impl FnOnce() -> Option<&'static CudaKernel>,
+    inputs: &[&Array],
+    outputs: &[(&[i32], Dtype)],
+    scratch: &[&'static str],
+    ctr: &Array,
+    grid: [i32; 3],
+    block: [i32; 3],
+    template: &[(&str, TemplateArg)],
+) -> Result<Vec<Array>> {
+    let kept = outputs.len().checked_sub(scratch.len()).ok_or_else(|| Error::invalid("a launch with more scratch rows than outputs"))?;
+    let bytes: Vec<i64> =
+        outputs[kept..].iter().map(|(shape, dt)| shape.iter().map(|&n| n as i64).product::<i64>() * dt.size() as i64).collect();
+    if let Some((places, ks)) = scratch_template(scratch, &bytes, ctr).and_then(|p| in_state().map(|k| (p, k))) {
+        let template: Vec<(&str, TemplateArg)> = template.iter().copied().chain(places).collect();
+        return ks.call(inputs, &outputs[..kept], grid, block, &template);
+    }
+    let mut outs = kern.call(inputs, outputs, grid, block, template)?;
+    outs.truncate(kept);
+    Ok(outs)
+}
+
+/// A kernel's body with the scratch rows' prelude before it, made once
+/// into `cell` (the text of a kernel's [`call_with_scratch`] form).
+pub(crate) fn after_prelude(cell: &'static OnceLock<String>, prelude: &str, body: &str) -> &'static str {
+    cell.get_or_init(|| format!("{prelude}{body}"))
+}
+
 /// That `ctr` is a layer's state: uint32, at least its counters (and, past
 /// them, room for scratch rows: [`state_words`]), for `what`.
 pub(crate) fn check_state(ctr: &Array, what: &str) -> Result<()> {
