@@ -1357,6 +1357,23 @@ def shape_cost():
             record(engine="shape-cost", **j)
 
 
+def moe_timeline():
+    """Where the 8B-A1B's one-launch MoE layer spends its launch
+    (`mlx-lfm-bench --kernel-bench --arms moe-layer-q4-timeline`, no ncu:
+    its timeline form stamps the GPU's global timer as each block takes its
+    part, ends its wait, has its row staged and is done; L2 evicted before
+    each launch). Session 33's ncu had the launch at 40 µs in the step,
+    ~0.6 TB/s. No checkpoint needed."""
+    r = sh([BENCH, "--kernel-bench", "--device", "gpu", "--reps", "2", "--arms", "moe-layer-q4-timeline"], "moe-timeline",
+           check=False)
+    if r.returncode != 0:
+        record(engine="moe-timeline", error=r.stderr[-2000:])
+    for line in r.stdout.splitlines():
+        j = json.loads(line) if line.startswith("{") else {}
+        if "moe_timeline_summary" in j or "moe_timeline" in j:
+            record(engine="moe-timeline", **j)
+
+
 def short_kernel(name):
     """A kernel's name without the hash of its text our kernels carry
     (src/mlx/kernel.rs: module_name), keeping its template values (K, C,
@@ -2430,7 +2447,7 @@ def collect(files):
         elif r.get("engine") in ("ncu", "ncu-prefill", "ab", "tests", "constrained", "new-lengths", "pick", "env", "step-ops",
                                  "prefill-ops", "batch-phases", "mlx-lfm-allocator", "kernel-bench", "kernel-detail",
                                  "kernel-stalls", "kernel-source", "ncu-detail", "ncu-stalls", "ptx-cache", "gguf-bg",
-                                 "dispatch-cost", "shape-cost"):
+                                 "dispatch-cost", "shape-cost", "moe-timeline"):
             profiles.append(r)
         elif r.get("samples"):
             runs.append({"model": r["model"], "engine": r["engine"], "metric": r["metric"], "prompt": r["prompt"],
@@ -2625,6 +2642,9 @@ def main():
             elif a == "shape-cost":
                 install()
                 shape_cost()
+            elif a == "moe-timeline":
+                install()
+                moe_timeline()
             elif a == "kernel-bench":
                 install()
                 kernel_bench()

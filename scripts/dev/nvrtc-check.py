@@ -389,6 +389,9 @@ KERNELS["qk_norm_rope.rs#qkv_fused@dense"] = (
 )
 # Every wait given up at once (the tests' MLX_LFM_FUSED_NO_WAIT: DEFINES_OF).
 KERNELS["moe_fused.rs@no-wait"] = KERNELS["moe_fused.rs"]
+# The bench's timeline form: the stamps an extra int64 output (REPLACE_OF).
+KERNELS["moe_fused.rs@timeline"] = (KERNELS["moe_fused.rs"][0], KERNELS["moe_fused.rs"][1] + [("times", "long long")],
+                                    KERNELS["moe_fused.rs"][2])
 KERNELS["conv_fused.rs@no-wait"] = KERNELS["conv_fused.rs"]
 
 # The folds with their first column's rows prefetched before the prologue
@@ -635,6 +638,8 @@ REPLACE_OF = {
     "moe_router.rs#gate_norm@const": substitutions("moe_router.rs", "GATE_NORM_CONST_SUBSTITUTIONS"),
     "moe_experts.rs#down@loads": substitutions("moe_experts.rs", "DOWN_EARLY_SUBSTITUTIONS"),
     **{f"norm_gemv.rs#{f}@epsc": substitutions("add_rms_norm.rs", "EPS_CONST_SUBSTITUTIONS") for f in ("dense", "swiglu", "quant")},
+    # The bench's timeline form (stages.rs TIMELINE_HEADER): stamps in.
+    "moe_fused.rs@timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
 }
 # A kernel variant's own #define, as its Rust side prepends it.
 # The parts of stages.rs's LAYER_SOURCE each kernel compiles (its
@@ -657,6 +662,7 @@ DEFINES_OF = {
     "moe_fused.rs@d1536": LAYER_MOE,
     "moe_fused.rs@no-wait": "#define LFM_SPIN_LIMIT 0\n" + LAYER_MOE,
     "moe_fused.rs@scratch": LAYER_MOE,
+    "moe_fused.rs@timeline": named(root / "src" / "kernels" / "stages.rs", "TIMELINE_HEADER") + LAYER_MOE,
     "conv_fused.rs": "#define LFM_QMLX_TILES 2\n" + LAYER_CONV,
     "conv_fused.rs@no-wait": "#define LFM_SPIN_LIMIT 0\n#define LFM_QMLX_TILES 2\n" + LAYER_CONV,
     "conv_fused.rs@dense": "#define LFM_DENSE_PREFETCH 0\n" + LAYER_CONV,

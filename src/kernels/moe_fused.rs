@@ -203,7 +203,64 @@ pub fn forward(
     eps: f32,
     scale: f32,
 ) -> Result<(Array, Array)> {
-    let kern = kernel(false).ok_or_else(|| Error::mlx("the fused MoE kernel is not available"))?;
+    let mut outs = launch(n, g, bias, gu, down, state, k, norm, eps, scale, false)?;
+    let out = outs.pop().ok_or_else(|| Error::mlx("fused MoE kernel: missing output"))?;
+    let s = outs.pop().ok_or_else(|| Error::mlx("fused MoE kernel: missing output"))?;
+    Ok((s, out))
+}
+
+/// [`forward`]'s layer output through the kernel's timeline form (the
+/// bench's: `stages::TIMELINE_HEADER`), with its stamps `[NB * 4]` int64
+/// and the parts' bounds: the gate/up blocks are parts `1..=gate_up`, the
+/// down blocks `gate_up + 1..nb`.
+#[doc(hidden)]
+#[allow(clippy::too_many_arguments)]
+pub fn forward_timeline(
+    n: &NormIn,
+    g: &Quantized,
+    bias: &Array,
+    gu: &Quantized,
+    down: &Quantized,
+    state: &Array,
+    k: usize,
+    norm: bool,
+    eps: f32,
+    scale: f32,
+) -> Result<(Array, Array, usize, usize)> {
+    let mut outs = launch(n, g, bias, gu, down, state, k, norm, eps, scale, true)?;
+    let times = outs.pop().ok_or_else(|| Error::mlx("fused MoE kernel: missing output"))?;
+    let (d, f) = (n.h.dim(1), gu.weight.dim(1) / 2);
+    let gate_up = k as i64 * ((f as i64 + WARPS as i64 - 1) / WARPS as i64);
+    Ok((outs.swap_remove(1), times, gate_up as usize, blocks(d, f, k as i32) as usize))
+}
+
+/// The kernel's timeline form (outputs as [`kernel`]'s, then `times`).
+fn timeline_kernel() -> Option<&'static CudaKernel> {
+    static K: Cells = stages::cells();
+    static SOURCE: OnceLock<String> = OnceLock::new();
+    let source = SOURCE.get_or_init(|| super::substituted(stages::LAYER_SOURCE, &stages::TIMELINE_SUBSTITUTIONS));
+    let outputs = ["s", "out", "yn", "inds", "scores", "hk", "times"];
+    stages::kernel(&K, "lfm_moe_fused_timeline", &INPUTS, &outputs, source, || format!("{}{}", stages::TIMELINE_HEADER, header()))
+}
+
+/// The launch: `[s, out]`, or (`timeline`) every output of the timeline
+/// form, its stamps last.
+#[allow(clippy::too_many_arguments)]
+fn launch(
+    n: &NormIn,
+    g: &Quantized,
+    bias: &Array,
+    gu: &Quantized,
+    down: &Quantized,
+    state: &Array,
+    k: usize,
+    norm: bool,
+    eps: f32,
+    scale: f32,
+    timeline: bool,
+) -> Result<Vec<Array>> {
+    let unavailable = || Error::mlx("the fused MoE kernel is not available");
+    let kern = if timeline { timeline_kernel() } else { kernel(false) }.ok_or_else(unavailable)?;
     let missing = |what: &str| Error::invalid(format!("the fused MoE kernel needs affine biases ({what})"));
     let gb = g.biases.as_ref().ok_or_else(|| missing("the router gate"))?;
     let ub = gu.biases.as_ref().ok_or_else(|| missing("the experts' gate/up"))?;
@@ -234,28 +291,37 @@ pub fn forward(
         ("SCALE_BITS", TemplateArg::Int(scale.to_bits() as i32)),
     ];
     let inputs = [n.h, n.r, n.wn, &g.weight, &g.scales, gb, bias, &gu.weight, &gu.scales, ub, &down.weight, &down.scales, db, state];
-    let mut outs = stages::call_with_scratch(
-        kern,
-        || kernel(true),
-        &inputs,
-        &[
-            (&[1, d], dt),
-            (&[1, d], dt),
-            (&[d], dt),
-            (&[ROUTE_SLOTS], Dtype::Uint32),
-            (&[ROUTE_SLOTS], Dtype::Float32),
-            (&[k, f], dt),
-        ],
-        &["SCR_YN", "SCR_INDS", "SCR_SCORES", "SCR_HK"],
-        state,
-        [grid, 1, 1],
-        [threads, 1, 1],
-        &template,
-    )?;
-    BUILT.bump();
-    let out = outs.pop().ok_or_else(|| Error::mlx("fused MoE kernel: missing output"))?;
-    let s = outs.pop().ok_or_else(|| Error::mlx("fused MoE kernel: missing output"))?;
-    Ok((s, out))
+    let outputs: [(&[i32], Dtype); 6] = [
+        (&[1, d], dt),
+        (&[1, d], dt),
+        (&[d], dt),
+        (&[ROUTE_SLOTS], Dtype::Uint32),
+        (&[ROUTE_SLOTS], Dtype::Float32),
+        (&[k, f], dt),
+    ];
+    let outs = if timeline {
+        let stamps = i32::try_from(nb * 4).map_err(|_| Error::invalid(format!("fused MoE kernel: {nb} blocks")))?;
+        let stamp_shape = [stamps];
+        let mut all = outputs.to_vec();
+        all.push((&stamp_shape, Dtype::Int64));
+        kern.call(&inputs, &all, [grid, 1, 1], [threads, 1, 1], &template)?
+    } else {
+        stages::call_with_scratch(
+            kern,
+            || kernel(true),
+            &inputs,
+            &outputs,
+            &["SCR_YN", "SCR_INDS", "SCR_SCORES", "SCR_HK"],
+            state,
+            [grid, 1, 1],
+            [threads, 1, 1],
+            &template,
+        )?
+    };
+    if !timeline {
+        BUILT.bump();
+    }
+    Ok(outs)
 }
 
 #[cfg(test)]

@@ -398,6 +398,93 @@ pub(crate) const LAYER_SOURCE: &str = r#"
 #endif
 "#;
 
+/// A timeline form of a [`LAYER_SOURCE`] kernel (the bench's, never a
+/// step's): thread 0 of each block stamps the GPU's global timer into the
+/// extra output `times` (int64, four a block by its ticket's part) when
+/// the block takes its ticket (all four, so a stage a part never reaches
+/// reads as its start), when its wait ends, when its staged row is in
+/// shared memory and when its part is done: where a launch's time goes
+/// between the stages' handoffs, which ncu's one duration a launch does
+/// not say. The stamps go in by [`TIMELINE_SUBSTITUTIONS`], so the
+/// kernels the steps run keep their text.
+pub(crate) const TIMELINE_HEADER: &str = r#"
+__device__ inline long long lfm_now() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return static_cast<long long>(t);
+}
+#define LFM_STAMP(i) \
+  if (threadIdx.x == 0) times[static_cast<size_t>(role) * 4 + (i)] = lfm_now();
+#define LFM_STAMP_START() \
+  if (threadIdx.x == 0) { \
+    const long long t0_ = lfm_now(); \
+    for (int i_ = 0; i_ < 4; i_++) times[static_cast<size_t>(role) * 4 + i_] = t0_; \
+  }
+"#;
+
+/// Where the timeline form stamps (see [`TIMELINE_HEADER`]): `(text, the
+/// text with its stamp)`, each text found in [`LAYER_SOURCE`] (a test
+/// holds it). The feed-forward's part shares the gate stage's and w2's
+/// texts, so it is stamped too.
+pub(crate) const TIMELINE_SUBSTITUTIONS: [(&str, &str); 8] = [
+    (
+        "  const int role = lfm_take_part<NB>(st, launch);\n",
+        "  const int role = lfm_take_part<NB>(st, launch);\n  LFM_STAMP_START();\n",
+    ),
+    (
+        "    lfm_release_mark(st + FC + 1, launch + 1);\n    return;\n",
+        "    LFM_STAMP(3);\n    lfm_release_mark(st + FC + 1, launch + 1);\n    return;\n",
+    ),
+    (
+        "    const bool late = lfm_block_wait(st + FC + 1, launch + 1, nullptr, 0);\n",
+        "    const bool late = lfm_block_wait(st + FC + 1, launch + 1, nullptr, 0);\n    LFM_STAMP(1);\n",
+    ),
+    (
+        "    if (!late) lfm_stage16(sm, LFM_FFN_YN, XR);\n    __syncthreads();\n",
+        "    if (!late) lfm_stage16(sm, LFM_FFN_YN, XR);\n    __syncthreads();\n    LFM_STAMP(2);\n",
+    ),
+    (
+        "    lfm_release_count(st + FC + 2);\n    return;\n",
+        "    LFM_STAMP(3);\n    lfm_release_count(st + FC + 2);\n    return;\n",
+    ),
+    (
+        "  const bool late = lfm_block_wait(st + FC + 2, (launch + 1) * GB, st + FC + 1, launch + 1);\n",
+        "  const bool late = lfm_block_wait(st + FC + 2, (launch + 1) * GB, st + FC + 1, launch + 1);\n  LFM_STAMP(1);\n",
+    ),
+    ("  if (!late) lfm_stage16(sm, hk, HR);\n  __syncthreads();\n", "  if (!late) lfm_stage16(sm, hk, HR);\n  __syncthreads();\n  LFM_STAMP(2);\n"),
+    (
+        "    out[n] = late ? T(poison) : T(total);\n  }\n",
+        "    out[n] = late ? T(poison) : T(total);\n  }\n  LFM_STAMP(3);\n",
+    ),
+];
+
+/// A launch's stamps (`times`, four a block by part, nanoseconds of the
+/// GPU's global timer) summed up for parts `[first, end)`: from the
+/// launch's first stamp, in µs, the earliest and latest start, the latest
+/// end, and the medians of the blocks' wait, staging and work.
+pub fn timeline_summary(times: &[i64], first: usize, end: usize) -> Option<serde_json::Value> {
+    let t0 = times.iter().step_by(4).copied().min()?;
+    let blocks: Vec<&[i64]> = times.chunks_exact(4).skip(first).take(end.saturating_sub(first)).collect();
+    if blocks.is_empty() {
+        return None;
+    }
+    let us = |ns: i64| ns as f64 / 1000.0;
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let part = |a: usize, b: usize| median(blocks.iter().map(|t| us(t[b] - t[a])).collect());
+    Some(serde_json::json!({
+        "blocks": blocks.len(),
+        "first_start_us": us(blocks.iter().map(|t| t[0]).min()? - t0),
+        "last_start_us": us(blocks.iter().map(|t| t[0]).max()? - t0),
+        "last_end_us": us(blocks.iter().map(|t| t[3]).max()? - t0),
+        "wait_us_median": part(0, 1),
+        "stage_us_median": part(1, 2),
+        "work_us_median": part(2, 3),
+    }))
+}
+
 /// The defines that make [`LAYER_SOURCE`] the conv layer's kernel, the
 /// feed-forward's, or the two joined (their parts and the rows each
 /// writes); a kernel's header puts them before the source's.
@@ -808,6 +895,26 @@ impl Built {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each of the timeline form's stamps finds its place in the body
+    /// (a substitution that found nothing would leave a stage unstamped).
+    #[test]
+    fn every_timeline_stamp_finds_its_place() {
+        for (was, now) in TIMELINE_SUBSTITUTIONS {
+            assert!(LAYER_SOURCE.contains(was), "not in LAYER_SOURCE: {was:?}");
+            assert!(now.contains("LFM_STAMP") && now.contains(was.trim_end()));
+        }
+        let stamped = super::super::substituted(LAYER_SOURCE, &TIMELINE_SUBSTITUTIONS);
+        // (Eight in the MoE part, four in the feed-forward's gate and w2 stages.)
+        assert_eq!(stamped.matches("LFM_STAMP").count(), 12);
+        let times = [10_000i64, 11_000, 12_000, 15_000, 10_500, 16_000, 17_000, 20_000, 10_700, 21_000, 21_500, 30_000];
+        let s = timeline_summary(&times, 1, 3).unwrap();
+        assert_eq!(s["blocks"], 2);
+        assert_eq!(s["last_end_us"], 20.0);
+        assert_eq!(s["last_start_us"], 0.7);
+        assert_eq!(s["wait_us_median"], 10.3);
+        assert!(timeline_summary(&times, 3, 3).is_none());
+    }
 
     /// Scratch rows sit after the counters, each on a 256-byte boundary,
     /// none over another, and the state's words hold the last.

@@ -130,10 +130,20 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
             .chain(LAYER_ARMS.iter().map(|(n, ..)| *n))
             .chain(CONV_ARMS.iter().map(|(n, ..)| *n))
             .chain(FFN_ARMS.iter().map(|(n, ..)| *n))
+            .chain([TIMELINE_ARM])
             .collect();
         if let Some(bad) = a.iter().find(|x| !known.contains(&x.as_str())) {
             return Err(mlx_lfm::Error::invalid(format!("--arms: no arm named {bad:?} (the arms: {})", known.join(", "))));
         }
+    }
+    if only.is_some_and(|a| a.iter().any(|x| x == TIMELINE_ARM)) {
+        if !cuda {
+            return Err(mlx_lfm::Error::invalid(format!("--arms {TIMELINE_ARM}: the one-launch MoE kernel runs on CUDA only")));
+        }
+        if only.is_some_and(|a| a.len() > 1) {
+            return Err(mlx_lfm::Error::invalid(format!("--arms {TIMELINE_ARM} runs alone (no plan: it is not for ncu)")));
+        }
+        return timeline(reps);
     }
     let keep = |arms: Vec<(&'static str, Vec<(&'static str, &'static str)>)>| -> Vec<_> { arms.into_iter().filter(|(name, _)| chosen(name)).collect() };
     let (dense_arms, quant_arms) = (keep(arms()), keep(quant_arms()));
@@ -566,6 +576,70 @@ impl Layer {
         let (_, y, idx, scores) = moe_router::route_gate_norm(&n, g, &self.bias, &self.scale, k, true, Some((LAYER_EPS, 1.0)))?;
         moe_experts::down(&moe_experts::gate_up(&y, &idx, gu)?, &idx, &scores, down)
     }
+}
+
+/// `--arms moe-layer-q4-timeline` (alone, without ncu): the 8B-A1B's
+/// one-launch MoE layer through its timeline form
+/// (src/kernels/stages.rs `TIMELINE_HEADER`): for each launch, when the
+/// router's block ends, when the gate/up blocks start and end and when
+/// the down blocks do, from the launch's first block, with each kind's
+/// median wait, staging and work. Session 33's ncu had the launch at 40 µs
+/// in the step (~0.6 TB/s of its ~25 MB), and one duration cannot say
+/// whether the route, the blocks' waves or a stage's handoff takes it.
+/// Before each launch a read of 160 MB evicts L2, so the experts come
+/// from DRAM as a step's do. Each launch's output is checked against the
+/// plain kernel's on the same row (the stamps change no sum).
+const TIMELINE_ARM: &str = "moe-layer-q4-timeline";
+
+fn timeline(reps: usize) -> mlx_lfm::Result<()> {
+    use mlx_lfm::kernels::{moe_fused, norm_gemv::NormIn, stages::timeline_summary};
+    let layer = Layer::new()?;
+    let scrub = mlx::zeros(&[1, 80 << 20], Dtype::Bfloat16)?;
+    scrub.eval()?;
+    let (g, gu, down) = (&layer.gate, &layer.experts.gate_up, &layer.experts.down);
+    let k = EXPERTS_A_ROW as usize;
+    let mut lines = Vec::new();
+    for i in 0..reps.max(1) * LAYER_LAUNCHES {
+        let n = NormIn { h: &layer.hs[i % layer.hs.len()], r: &layer.r, wn: &layer.wn, eps: &layer.eps, eps_value: Some(LAYER_EPS) };
+        if !moe_fused::available(&n, g, gu, down, k) {
+            return Err(mlx_lfm::Error::invalid("kernel-bench: the one-launch MoE kernel does not serve the layer's operands"));
+        }
+        let plain = moe_fused::forward(&n, g, &layer.bias, gu, down, &layer.state, k, true, LAYER_EPS, 1.0)?.1;
+        plain.eval()?;
+        scrub.argmax(1, false)?.eval()?;
+        let t = Instant::now();
+        let (out, times, gate_up, nb) = moe_fused::forward_timeline(&n, g, &layer.bias, gu, down, &layer.state, k, true, LAYER_EPS, 1.0)?;
+        mlx::eval(&[&out, &times])?;
+        let wall = t.elapsed().as_secs_f64() * 1e6;
+        let same = out.astype(Dtype::Float32)?.to_vec::<f32>()? == plain.astype(Dtype::Float32)?.to_vec::<f32>()?;
+        let times = times.to_vec::<i64>()?;
+        let line = serde_json::json!({
+            "moe_timeline": i,
+            "wall_us": wall,
+            "same_as_plain": same,
+            "router": timeline_summary(&times, 0, 1),
+            "gate_up": timeline_summary(&times, 1, gate_up + 1),
+            "down": timeline_summary(&times, gate_up + 1, nb),
+        });
+        println!("{line}");
+        lines.push(line);
+    }
+    // The medians over the launches of each figure.
+    let mut summary = serde_json::Map::new();
+    for part in ["router", "gate_up", "down"] {
+        let mut fields = serde_json::Map::new();
+        for f in ["first_start_us", "last_start_us", "last_end_us", "wait_us_median", "stage_us_median", "work_us_median"] {
+            let mut v: Vec<f64> = lines.iter().filter_map(|l| l[part][f].as_f64()).collect();
+            v.sort_by(f64::total_cmp);
+            if let Some(m) = v.get(v.len() / 2) {
+                fields.insert(f.to_string(), (*m).into());
+            }
+        }
+        summary.insert(part.to_string(), fields.into());
+    }
+    let all_same = lines.iter().all(|l| l["same_as_plain"] == true);
+    println!("{}", serde_json::json!({"moe_timeline_summary": summary, "launches": lines.len(), "all_same_as_plain": all_same}));
+    Ok(())
 }
 
 /// The 8B-A1B's short-conv layer for one decode row, from the residual's
