@@ -2044,6 +2044,13 @@ AB = {
     # are 132 outputs a step of the 8B-A1B (58 of the 350M); kept in each
     # layer's state instead (src/kernels/stages.rs).
     "scratch-in-state": ({"MLX_LFM_SCRATCH_IN_STATE": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # The one-launch MoE layer at 2, 4 or 8 rows a warp (session 34,
+    # src/kernels/moe_fused.rs rows_a_warp): 241 / 121 / 61 blocks on the
+    # 8B-A1B where the default's 481 run in ~3.6 waves, each warp's rows
+    # asked of L2 once the route names their expert (the down blocks' while
+    # the gate/up blocks run). Session 33's ncu: the launch 40 µs in the
+    # step (~0.6 TB/s), 878 of the step's 1,696 µs. The default's bits.
+    **{f"moe-rows-{r}": ({"MLX_LFM_MOE_FUSED_ROWS": str(r)}, ["lfm2-8b-a1b-q4"]) for r in (2, 4, 8)},
 }
 # Our switches that only a process of its own can time (each is read when
 # the process builds its kernels, which an in-process A/B's engines share).
@@ -2056,6 +2063,9 @@ AB_TESTS = {
     "scratch-in-state": ["moe_fused_kernel_matches_the_three_kernels", "conv_fused_kernel_matches_stock_ops",
                          "ffn_fused_kernel_matches_stock_ops", "qkv_fused_kernel_matches_stock_ops",
                          "greedy:MLX_LFM_SCRATCH_IN_STATE"],
+    # (The kernel test holds every form to the default's bits; the greedy
+    # set runs four rows a warp.)
+    **{f"moe-rows-{r}": ["moe_fused_kernel_matches_the_three_kernels", "greedy:moe-rows-4"] for r in (2, 4, 8)},
     "gemv-kernel": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops", "greedy:default"],
     "gemv-norm-kernels": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops",
                           "norm_gemv_kernels_match_stock_ops", "greedy:default"],
@@ -2143,6 +2153,7 @@ PICK = [
     (["position-table-off"], "decode"),
     (["moe-down-early", "router-scores-f32", "router-scores-f32-early"], "decode"),
     (["conv-layer-fused"], "decode"),
+    (["moe-rows-2", "moe-rows-4", "moe-rows-8"], "decode"),
     (["layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off"], "decode"),
     (["attention-smem", "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4"], "decode"),
     (["norm-runs-guarded"], "decode"),
@@ -2171,7 +2182,7 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4", "conv-gemv",
                "moe-down-early", "router-scores-f32", "router-scores-f32-early", "fold-eps-const", "position-table-off",
                "fold-deferred", "layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off",
-               "conv-layer-fused"}
+               "conv-layer-fused", "moe-rows-2", "moe-rows-4", "moe-rows-8"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]

@@ -392,6 +392,14 @@ KERNELS["moe_fused.rs@no-wait"] = KERNELS["moe_fused.rs"]
 # The bench's timeline form: the stamps an extra int64 output (REPLACE_OF).
 KERNELS["moe_fused.rs@timeline"] = (KERNELS["moe_fused.rs"][0], KERNELS["moe_fused.rs"][1] + [("times", "long long")],
                                     KERNELS["moe_fused.rs"][2])
+# Several rows a warp (MLX_LFM_MOE_FUSED_ROWS: moe_fused.rs wide_source,
+# SPLICE_OF), at 4 and 8 rows, its scratch-rows form and its timeline form.
+KERNELS["moe_fused.rs@wide"] = (*KERNELS["moe_fused.rs"][:2], lambda dt: KERNELS["moe_fused.rs"][2](dt) + [("RPW", 4)])
+KERNELS["moe_fused.rs@wide8"] = (*KERNELS["moe_fused.rs"][:2], lambda dt: KERNELS["moe_fused.rs"][2](dt) + [("RPW", 8)])
+KERNELS["moe_fused.rs@wide-scratch"] = (KERNELS["moe_fused.rs"][0], KERNELS["moe_fused.rs"][1][:2],
+                                        lambda dt: KERNELS["moe_fused.rs@scratch"][2](dt) + [("RPW", 4)])
+KERNELS["moe_fused.rs@wide-timeline"] = (KERNELS["moe_fused.rs"][0], KERNELS["moe_fused.rs@timeline"][1],
+                                         KERNELS["moe_fused.rs@wide"][2])
 KERNELS["conv_fused.rs@no-wait"] = KERNELS["conv_fused.rs"]
 
 # The folds with their first column's rows prefetched before the prologue
@@ -640,7 +648,18 @@ REPLACE_OF = {
     **{f"norm_gemv.rs#{f}@epsc": substitutions("add_rms_norm.rs", "EPS_CONST_SUBSTITUTIONS") for f in ("dense", "swiglu", "quant")},
     # The bench's timeline form (stages.rs TIMELINE_HEADER): stamps in.
     "moe_fused.rs@timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
+    "moe_fused.rs@wide": substitutions("moe_fused.rs", "WIDE_SUBSTITUTIONS"),
+    "moe_fused.rs@wide8": substitutions("moe_fused.rs", "WIDE_SUBSTITUTIONS"),
+    "moe_fused.rs@wide-scratch": substitutions("moe_fused.rs", "WIDE_SUBSTITUTIONS"),
+    "moe_fused.rs@wide-timeline": (substitutions("moe_fused.rs", "WIDE_SUBSTITUTIONS")
+                                   + substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS")),
 }
+# A part of the body replaced whole before REPLACE_OF (from, through, with),
+# as moe_fused.rs wide_source splices it.
+_MOE = root / "src" / "kernels" / "moe_fused.rs"
+_WIDE = (named(_MOE, "WIDE_FROM"), named(_MOE, "WIDE_TO"), named(_MOE, "WIDE_EXPERTS"))
+SPLICE_OF = {key: _WIDE for key in ("moe_fused.rs@wide", "moe_fused.rs@wide8", "moe_fused.rs@wide-scratch",
+                                    "moe_fused.rs@wide-timeline")}
 # A kernel variant's own #define, as its Rust side prepends it.
 # The parts of stages.rs's LAYER_SOURCE each kernel compiles (its
 # layer_defines).
@@ -663,6 +682,11 @@ DEFINES_OF = {
     "moe_fused.rs@no-wait": "#define LFM_SPIN_LIMIT 0\n" + LAYER_MOE,
     "moe_fused.rs@scratch": LAYER_MOE,
     "moe_fused.rs@timeline": named(root / "src" / "kernels" / "stages.rs", "TIMELINE_HEADER") + LAYER_MOE,
+    "moe_fused.rs@wide": named(root / "src" / "kernels" / "moe_fused.rs", "WIDE_HEADER") + LAYER_MOE,
+    "moe_fused.rs@wide8": named(root / "src" / "kernels" / "moe_fused.rs", "WIDE_HEADER") + LAYER_MOE,
+    "moe_fused.rs@wide-scratch": named(root / "src" / "kernels" / "moe_fused.rs", "WIDE_HEADER") + LAYER_MOE,
+    "moe_fused.rs@wide-timeline": (named(root / "src" / "kernels" / "stages.rs", "TIMELINE_HEADER")
+                                   + named(root / "src" / "kernels" / "moe_fused.rs", "WIDE_HEADER") + LAYER_MOE),
     "conv_fused.rs": "#define LFM_QMLX_TILES 2\n" + LAYER_CONV,
     "conv_fused.rs@no-wait": "#define LFM_SPIN_LIMIT 0\n#define LFM_QMLX_TILES 2\n" + LAYER_CONV,
     "conv_fused.rs@dense": "#define LFM_DENSE_PREFETCH 0\n" + LAYER_CONV,
@@ -682,7 +706,8 @@ DEFINES_OF = {
 DEFINES_OF.update({key + variant: DEFINES_OF[key] for key in ROUTER8 for variant in ("@g8", "@widemoe")})
 
 # A variant's text before its kernel's body, as its Rust side puts it there.
-PRELUDE_OF = {"moe_fused.rs@scratch": named(root / "src" / "kernels" / "moe_fused.rs", "SCRATCH_PRELUDE")}
+PRELUDE_OF = {"moe_fused.rs@scratch": named(root / "src" / "kernels" / "moe_fused.rs", "SCRATCH_PRELUDE"),
+              "moe_fused.rs@wide-scratch": named(root / "src" / "kernels" / "moe_fused.rs", "SCRATCH_PRELUDE")}
 # The other one-launch layers with their scratch rows in the state
 # (MLX_LFM_SCRATCH_IN_STATE): outputs without the rows, their places (bf16,
 # 2,048 wide: stages.rs scratch_places) as template values.
@@ -717,6 +742,11 @@ for file, (ins, outs, targs, *only_dtypes) in KERNELS.items():
     # "file.rs#name": the file's NAME_SOURCE (a second kernel in one file).
     fname, _, extra = file_key.partition("#")
     src, hdr = body_and_header(root / "src" / "kernels" / fname, "const " + (extra.upper() + "_" if extra else "") + "SOURCE")
+    if file in SPLICE_OF:
+        start, through, spliced = SPLICE_OF[file]
+        a = src.index(start)
+        b = src.index(through, a) + len(through)
+        src = src[:a] + spliced + src[b:]
     src = PRELUDE_OF.get(file, "") + src
     for was, now in REPLACE_OF.get(file, []):
         assert was in src, f"{file}: {was!r} not in its source"

@@ -679,6 +679,17 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                         .collect();
                     runs.push(("layers-fused-off", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
                 }
+                if compiled && moe_served && !joined {
+                    // The one-launch MoE layer at four rows a warp
+                    // (MLX_LFM_MOE_FUSED_ROWS, opt-in, session 34; run.py's
+                    // `moe-rows-4`): the default's bits by its kernel test.
+                    let set = [("MLX_LFM_MOE_FUSED_ROWS".to_string(), Some("4".to_string()))];
+                    let before = crate::kernels::moe_fused::built();
+                    runs.push(("moe-rows-4", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
+                    if can_fuse && !off("MLX_LFM_MOE_FUSED") && crate::kernels::moe_fused::built() == before {
+                        unbuilt("moe-rows-4", &mut failures);
+                    }
+                }
                 if !q4 {
                     // The deferred folds over every dense norm + projection
                     // (any width: MLX_LFM_NORM_GEMV_KERNEL=1, as run.py's
@@ -2027,6 +2038,28 @@ fn moe_fused_kernel_matches_the_three_kernels() {
                 assert_eq!(differing(&s2, &s), 0, "{what}: scratch in the state, launch {turn}: the sum differs");
                 assert_eq!(differing(&out2, &out), 0, "{what}: scratch in the state, launch {turn}: the output differs");
             }
+            // Several rows a warp (MLX_LFM_MOE_FUSED_ROWS, opt-in): the
+            // default's bits, twice on a state of its own (its tickets'
+            // epochs), with its scratch rows in the state, and through its
+            // timeline form; then the default's timeline form.
+            for rows in [2, 4, 8] {
+                let wide = [("MLX_LFM_MOE_FUSED_ROWS".to_string(), Some(rows.to_string()))];
+                let what = format!("{what}, {rows} rows a warp");
+                let own = new_counters().unwrap();
+                for turn in 0..2 {
+                    let (s2, out2) = crate::knobs::with_overrides(&wide, || run(&own));
+                    assert_eq!(differing(&s2, &s), 0, "{what}, launch {turn}: the sum differs");
+                    assert_eq!(differing(&out2, &out), 0, "{what}, launch {turn}: the output differs");
+                }
+                // (A state of its own: a layer's state serves one form,
+                // whose block count its tickets' epochs are counted in.)
+                let big = crate::kernels::stages::new_counters_of(crate::kernels::moe_fused::state_words(d as usize, f as usize, k)).unwrap();
+                let (s2, out2) = crate::knobs::with_overrides(&wide, || scratch_in_state(|| run(&big)));
+                assert_eq!(differing(&s2, &s), 0, "{what}, scratch in the state: the sum differs");
+                assert_eq!(differing(&out2, &out), 0, "{what}, scratch in the state: the output differs");
+                crate::knobs::with_overrides(&wide, || check_timeline(&what, &n, &g, &bias, &gu, &dn, k, scale, &out));
+            }
+            check_timeline(&format!("{what}, one row a warp"), &n, &g, &bias, &gu, &dn, k, scale, &out);
             check_counters_in_step(&what, &state, &[true, true, false, true, false, false], &[s, out], |c| {
                 let (s, out) = run(c);
                 vec![s, out]
@@ -2060,6 +2093,48 @@ fn moe_fused_kernel_matches_the_three_kernels() {
     }
     let off = [consts[0].clone(), ("MLX_LFM_MOE_FUSED".to_string(), Some("0".to_string()))];
     assert!(!crate::knobs::with_overrides(&off, || available(&one, &g, &gu, &dn, 4)), "on with MLX_LFM_MOE_FUSED=0");
+}
+
+/// The one-launch MoE kernel's timeline form (the bench's,
+/// `moe_fused::forward_timeline`) on its own state: the plain form's
+/// output bits (`want`), and stamps that keep the stages' order: within a
+/// block, start <= wait's end <= staged <= done; every gate/up block's wait
+/// ends after the router's block is done, every down block's after the
+/// last gate/up block is done (each waited for the other's release, which
+/// comes after its stamp).
+#[allow(clippy::too_many_arguments)]
+fn check_timeline(
+    what: &str,
+    n: &crate::kernels::norm_gemv::NormIn,
+    g: &crate::model::linear::Quantized,
+    bias: &crate::mlx::Array,
+    gu: &crate::model::linear::Quantized,
+    dn: &crate::model::linear::Quantized,
+    k: usize,
+    scale: f32,
+    want: &crate::mlx::Array,
+) {
+    let state = crate::kernels::stages::new_counters().unwrap();
+    let (out, times, gate_up, nb) = crate::kernels::with_opt_in_one("MLX_LFM_MOE_FUSED", || {
+        crate::kernels::moe_fused::forward_timeline(n, g, bias, gu, dn, &state, k, true, 1e-5, scale).unwrap()
+    });
+    crate::mlx::eval(&[&out, &times]).unwrap();
+    assert_eq!(differing(&out, want), 0, "{what}: the timeline form's output differs");
+    let t: Vec<i64> = times.to_vec().unwrap();
+    assert_eq!(t.len(), nb * 4, "{what}: stamps");
+    for (b, s) in t.chunks_exact(4).enumerate() {
+        assert!(s[0] > 0 && s.windows(2).all(|w| w[0] <= w[1]), "{what}: block {b}'s stamps out of order: {s:?}");
+    }
+    let router_done = t[3];
+    let gate_up_done = (1..=gate_up).map(|b| t[b * 4 + 3]).max().unwrap();
+    assert!((1..=gate_up).all(|b| t[b * 4 + 1] >= router_done), "{what}: a gate/up block's wait ended before the route");
+    assert!((gate_up + 1..nb).all(|b| t[b * 4 + 1] >= gate_up_done), "{what}: a down block's wait ended before the gate/up blocks");
+    eprintln!(
+        "{what}: timeline: route done at {:.1} µs, gate/up at {:.1}, down at {:.1} ({nb} blocks)",
+        (router_done - t.iter().step_by(4).min().unwrap()) as f64 / 1e3,
+        (gate_up_done - t.iter().step_by(4).min().unwrap()) as f64 / 1e3,
+        (t.chunks_exact(4).map(|s| s[3]).max().unwrap() - t.iter().step_by(4).min().unwrap()) as f64 / 1e3
+    );
 }
 
 /// The one-launch short-conv layer (`MLX_LFM_CONV_FUSED`) against the

@@ -302,7 +302,7 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
     for (name, switches, _) in layer_arms {
         let layer = layer.as_ref().expect("made where a layer arm runs");
         let walls = timed(switches, reps * LAYER_LAUNCHES, |i| {
-            layer.launch(name.ends_with("-fused"), i).map_err(|e| mlx_lfm::Error::invalid(format!("{name}: {e}")))
+            layer.launch(name.contains("-fused"), i).map_err(|e| mlx_lfm::Error::invalid(format!("{name}: {e}")))
         });
         print_walls(name, LAYER_N, EXPERT_D, walls);
     }
@@ -511,9 +511,14 @@ impl Experts {
 /// down kernels) against the one of src/kernels/moe_fused.rs. `(arm, its
 /// switches, kernels a product)`. Each launch routes another of
 /// [`LAYER_ROWS`] rows, so the chosen experts change from one to the next.
-const LAYER_ARMS: [(&str, Switches, usize); 2] = [
+/// The `-rows-R` arms: the one launch at R rows a warp
+/// (`MLX_LFM_MOE_FUSED_ROWS`, src/kernels/moe_fused.rs `rows_a_warp`).
+const LAYER_ARMS: [(&str, Switches, usize); 5] = [
     ("moe-layer-q4-three", &[("MLX_LFM_MOE_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1")], 3),
     ("moe-layer-q4-fused", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
+    ("moe-layer-q4-fused-rows-2", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_MOE_FUSED_ROWS", "2")], 1),
+    ("moe-layer-q4-fused-rows-4", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_MOE_FUSED_ROWS", "4")], 1),
+    ("moe-layer-q4-fused-rows-8", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_MOE_FUSED_ROWS", "8")], 1),
 ];
 const LAYER_ROWS: usize = 8;
 const LAYER_LAUNCHES: usize = 16;
@@ -533,6 +538,8 @@ struct Layer {
     bias: Array,
     scale: Array,
     state: Array,
+    /// The one-launch forms' states, by rows a warp (1, 2, 4, 8).
+    states: [Array; 4],
 }
 
 impl Layer {
@@ -550,11 +557,13 @@ impl Layer {
         let bias = mlx::zeros(&[EXPERTS], Dtype::Float32)?;
         let scale = Array::from_slice(&[1.0f32], &[1])?;
         let state = mlx_lfm::kernels::stages::new_counters()?;
+        let new = mlx_lfm::kernels::stages::new_counters;
+        let states = [new()?, new()?, new()?, new()?];
         let mut held: Vec<&Array> = hs.iter().collect();
         held.extend([&gate.weight, &gate.scales, &r, &wn, &eps, &bias, &scale]);
         held.extend(gate.biases.iter());
         mlx::eval(&held)?;
-        Ok(Layer { experts, gate, hs, r, wn, eps, bias, scale, state })
+        Ok(Layer { experts, gate, hs, r, wn, eps, bias, scale, state, states })
     }
 
     /// The layer's output for launch `i`'s row, as the arm's switches say.
@@ -568,7 +577,9 @@ impl Layer {
             if !moe_fused::available(&n, g, gu, down, k) {
                 return Err(unserved());
             }
-            return Ok(moe_fused::forward(&n, g, &self.bias, gu, down, &self.state, k, true, LAYER_EPS, 1.0)?.1);
+            // (A state for each form: a layer's state serves one.)
+            let state = &self.states[moe_fused::rows_a_warp().trailing_zeros() as usize];
+            return Ok(moe_fused::forward(&n, g, &self.bias, gu, down, state, k, true, LAYER_EPS, 1.0)?.1);
         }
         if !moe_router::gate_norm_available(&n, g, k) || !moe_experts::available(1, k, Dtype::Bfloat16, gu, down) {
             return Err(unserved());
@@ -592,29 +603,48 @@ impl Layer {
 const TIMELINE_ARM: &str = "moe-layer-q4-timeline";
 
 fn timeline(reps: usize) -> mlx_lfm::Result<()> {
-    use mlx_lfm::kernels::{moe_fused, norm_gemv::NormIn, stages::timeline_summary};
     let layer = Layer::new()?;
     let scrub = mlx::zeros(&[1, 80 << 20], Dtype::Bfloat16)?;
     scrub.eval()?;
+    // The default form (one row a warp), then the wide ones.
+    for rows in ["1", "2", "4", "8"] {
+        let switches = [
+            ("MLX_LFM_MOE_FUSED".to_string(), Some("1".to_string())),
+            ("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string())),
+            ("MLX_LFM_MOE_FUSED_ROWS".to_string(), Some(rows.to_string())),
+        ];
+        mlx_lfm::knobs::with_overrides(&switches, || timeline_of(&layer, &scrub, rows, reps))?;
+    }
+    Ok(())
+}
+
+/// [`timeline`] of one form (`rows` a warp).
+fn timeline_of(layer: &Layer, scrub: &Array, rows: &str, reps: usize) -> mlx_lfm::Result<()> {
+    use mlx_lfm::kernels::{moe_fused, norm_gemv::NormIn, stages::timeline_summary};
     let (g, gu, down) = (&layer.gate, &layer.experts.gate_up, &layer.experts.down);
     let k = EXPERTS_A_ROW as usize;
+    // (Each form's plain and timeline launches on states of their own: a
+    // layer's state serves one form.)
+    let (plain_state, timed_state) = (mlx_lfm::kernels::stages::new_counters()?, mlx_lfm::kernels::stages::new_counters()?);
     let mut lines = Vec::new();
     for i in 0..reps.max(1) * LAYER_LAUNCHES {
         let n = NormIn { h: &layer.hs[i % layer.hs.len()], r: &layer.r, wn: &layer.wn, eps: &layer.eps, eps_value: Some(LAYER_EPS) };
         if !moe_fused::available(&n, g, gu, down, k) {
             return Err(mlx_lfm::Error::invalid("kernel-bench: the one-launch MoE kernel does not serve the layer's operands"));
         }
-        let plain = moe_fused::forward(&n, g, &layer.bias, gu, down, &layer.state, k, true, LAYER_EPS, 1.0)?.1;
+        let plain = moe_fused::forward(&n, g, &layer.bias, gu, down, &plain_state, k, true, LAYER_EPS, 1.0)?.1;
         plain.eval()?;
         scrub.argmax(1, false)?.eval()?;
         let t = Instant::now();
-        let (out, times, gate_up, nb) = moe_fused::forward_timeline(&n, g, &layer.bias, gu, down, &layer.state, k, true, LAYER_EPS, 1.0)?;
+        let (out, times, gate_up, nb) = moe_fused::forward_timeline(&n, g, &layer.bias, gu, down, &timed_state, k, true, LAYER_EPS, 1.0)?;
         mlx::eval(&[&out, &times])?;
         let wall = t.elapsed().as_secs_f64() * 1e6;
         let same = out.astype(Dtype::Float32)?.to_vec::<f32>()? == plain.astype(Dtype::Float32)?.to_vec::<f32>()?;
         let times = times.to_vec::<i64>()?;
         let line = serde_json::json!({
             "moe_timeline": i,
+            "rows_a_warp": rows,
+            "blocks": nb,
             "wall_us": wall,
             "same_as_plain": same,
             "router": timeline_summary(&times, 0, 1),
@@ -638,7 +668,10 @@ fn timeline(reps: usize) -> mlx_lfm::Result<()> {
         summary.insert(part.to_string(), fields.into());
     }
     let all_same = lines.iter().all(|l| l["same_as_plain"] == true);
-    println!("{}", serde_json::json!({"moe_timeline_summary": summary, "launches": lines.len(), "all_same_as_plain": all_same}));
+    println!(
+        "{}",
+        serde_json::json!({"moe_timeline_summary": summary, "rows_a_warp": rows, "launches": lines.len(), "all_same_as_plain": all_same})
+    );
     Ok(())
 }
 
