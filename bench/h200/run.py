@@ -2051,6 +2051,14 @@ AB = {
     # the gate/up blocks run). Session 33's ncu: the launch 40 µs in the
     # step (~0.6 TB/s), 878 of the step's 1,696 µs. The default's bits.
     **{f"moe-rows-{r}": ({"MLX_LFM_MOE_FUSED_ROWS": str(r)}, ["lfm2-8b-a1b-q4"]) for r in (2, 4, 8)},
+    # The one-launch conv layers' and feed-forwards' weight rows asked of
+    # L2 when a block takes its part, before it waits for the stage before
+    # (session 34, src/kernels/stages.rs early_prefetch): session 33's ncu
+    # had the 8B-A1B's conv layer at 25 µs for ~9.4 MB with all its blocks
+    # resident. Both, and the conv layers' alone (the 1.2B's feed-forward
+    # is 67 MB a layer, more than L2 holds at once).
+    "early-prefetch": ({"MLX_LFM_EARLY_PREFETCH": "all"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    "early-prefetch-conv": ({"MLX_LFM_EARLY_PREFETCH": "conv"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
 }
 # Our switches that only a process of its own can time (each is read when
 # the process builds its kernels, which an in-process A/B's engines share).
@@ -2066,6 +2074,8 @@ AB_TESTS = {
     # (The kernel test holds every form to the default's bits; the greedy
     # set runs four rows a warp.)
     **{f"moe-rows-{r}": ["moe_fused_kernel_matches_the_three_kernels", "greedy:moe-rows-4"] for r in (2, 4, 8)},
+    **{v: ["conv_fused_kernel_matches_stock_ops", "ffn_fused_kernel_matches_stock_ops", "greedy:early-prefetch"]
+       for v in ("early-prefetch", "early-prefetch-conv")},
     "gemv-kernel": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops", "greedy:default"],
     "gemv-norm-kernels": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops",
                           "norm_gemv_kernels_match_stock_ops", "greedy:default"],
@@ -2154,6 +2164,7 @@ PICK = [
     (["moe-down-early", "router-scores-f32", "router-scores-f32-early"], "decode"),
     (["conv-layer-fused"], "decode"),
     (["moe-rows-2", "moe-rows-4", "moe-rows-8"], "decode"),
+    (["early-prefetch", "early-prefetch-conv"], "decode"),
     (["layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off"], "decode"),
     (["attention-smem", "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4"], "decode"),
     (["norm-runs-guarded"], "decode"),
@@ -2182,7 +2193,7 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4", "conv-gemv",
                "moe-down-early", "router-scores-f32", "router-scores-f32-early", "fold-eps-const", "position-table-off",
                "fold-deferred", "layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off",
-               "conv-layer-fused", "moe-rows-2", "moe-rows-4", "moe-rows-8"}
+               "conv-layer-fused", "moe-rows-2", "moe-rows-4", "moe-rows-8", "early-prefetch", "early-prefetch-conv"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]

@@ -392,6 +392,11 @@ KERNELS["moe_fused.rs@no-wait"] = KERNELS["moe_fused.rs"]
 # The bench's timeline form: the stamps an extra int64 output (REPLACE_OF).
 KERNELS["moe_fused.rs@timeline"] = (KERNELS["moe_fused.rs"][0], KERNELS["moe_fused.rs"][1] + [("times", "long long")],
                                     KERNELS["moe_fused.rs"][2])
+# The conv layer's and feed-forward's rows asked of L2 before their waits
+# (MLX_LFM_EARLY_PREFETCH: stages.rs EARLY_SUBSTITUTIONS, early_header).
+for _k in ("conv_fused.rs", "ffn_fused.rs"):
+    KERNELS[_k + "@early"] = KERNELS[_k]
+    KERNELS[_k + "@dense-early"] = KERNELS[_k + "@dense"]
 # Several rows a warp (MLX_LFM_MOE_FUSED_ROWS: moe_fused.rs wide_source,
 # SPLICE_OF), at 4 and 8 rows, its scratch-rows form and its timeline form.
 KERNELS["moe_fused.rs@wide"] = (*KERNELS["moe_fused.rs"][:2], lambda dt: KERNELS["moe_fused.rs"][2](dt) + [("RPW", 4)])
@@ -648,6 +653,8 @@ REPLACE_OF = {
     **{f"norm_gemv.rs#{f}@epsc": substitutions("add_rms_norm.rs", "EPS_CONST_SUBSTITUTIONS") for f in ("dense", "swiglu", "quant")},
     # The bench's timeline form (stages.rs TIMELINE_HEADER): stamps in.
     "moe_fused.rs@timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
+    **{_k + v: substitutions("stages.rs", "EARLY_SUBSTITUTIONS") for _k in ("conv_fused.rs", "ffn_fused.rs")
+       for v in ("@early", "@dense-early")},
     "moe_fused.rs@wide": substitutions("moe_fused.rs", "WIDE_SUBSTITUTIONS"),
     "moe_fused.rs@wide8": substitutions("moe_fused.rs", "WIDE_SUBSTITUTIONS"),
     "moe_fused.rs@wide-scratch": substitutions("moe_fused.rs", "WIDE_SUBSTITUTIONS"),
@@ -682,11 +689,11 @@ DEFINES_OF = {
     "moe_fused.rs@no-wait": "#define LFM_SPIN_LIMIT 0\n" + LAYER_MOE,
     "moe_fused.rs@scratch": LAYER_MOE,
     "moe_fused.rs@timeline": named(root / "src" / "kernels" / "stages.rs", "TIMELINE_HEADER") + LAYER_MOE,
-    "moe_fused.rs@wide": named(root / "src" / "kernels" / "moe_fused.rs", "WIDE_HEADER") + LAYER_MOE,
-    "moe_fused.rs@wide8": named(root / "src" / "kernels" / "moe_fused.rs", "WIDE_HEADER") + LAYER_MOE,
-    "moe_fused.rs@wide-scratch": named(root / "src" / "kernels" / "moe_fused.rs", "WIDE_HEADER") + LAYER_MOE,
+    "moe_fused.rs@wide": named(root / "src" / "kernels" / "stages.rs", "PREFETCH_HEADER") + LAYER_MOE,
+    "moe_fused.rs@wide8": named(root / "src" / "kernels" / "stages.rs", "PREFETCH_HEADER") + LAYER_MOE,
+    "moe_fused.rs@wide-scratch": named(root / "src" / "kernels" / "stages.rs", "PREFETCH_HEADER") + LAYER_MOE,
     "moe_fused.rs@wide-timeline": (named(root / "src" / "kernels" / "stages.rs", "TIMELINE_HEADER")
-                                   + named(root / "src" / "kernels" / "moe_fused.rs", "WIDE_HEADER") + LAYER_MOE),
+                                   + named(root / "src" / "kernels" / "stages.rs", "PREFETCH_HEADER") + LAYER_MOE),
     "conv_fused.rs": "#define LFM_QMLX_TILES 2\n" + LAYER_CONV,
     "conv_fused.rs@no-wait": "#define LFM_SPIN_LIMIT 0\n#define LFM_QMLX_TILES 2\n" + LAYER_CONV,
     "conv_fused.rs@dense": "#define LFM_DENSE_PREFETCH 0\n" + LAYER_CONV,
@@ -705,6 +712,12 @@ DEFINES_OF = {
 # (The 8-bit router's and the WideMoe variants take their kernel's defines.)
 DEFINES_OF.update({key + variant: DEFINES_OF[key] for key in ROUTER8 for variant in ("@g8", "@widemoe")})
 
+_STAGES = root / "src" / "kernels" / "stages.rs"
+for _k in ("conv_fused.rs", "ffn_fused.rs"):
+    DEFINES_OF[_k + "@early"] = (named(_STAGES, "PREFETCH_HEADER") + named(_STAGES, "EARLY_QUANT_ROWS")
+                                 + DEFINES_OF[_k])
+    DEFINES_OF[_k + "@dense-early"] = (named(_STAGES, "PREFETCH_HEADER") + named(_STAGES, "EARLY_DENSE_ROWS")
+                                       + DEFINES_OF[_k + "@dense"])
 # A variant's text before its kernel's body, as its Rust side puts it there.
 PRELUDE_OF = {"moe_fused.rs@scratch": named(root / "src" / "kernels" / "moe_fused.rs", "SCRATCH_PRELUDE"),
               "moe_fused.rs@wide-scratch": named(root / "src" / "kernels" / "moe_fused.rs", "SCRATCH_PRELUDE")}

@@ -67,19 +67,25 @@ pub fn built() -> usize {
 }
 
 /// The kernel; with `scratch`, its form with the scratch rows (`yn`,
-/// `yc`) in the layer's state ([`stages::call_with_scratch`]).
+/// `yc`) in the layer's state ([`stages::call_with_scratch`]); under
+/// `MLX_LFM_EARLY_PREFETCH=conv`, its form that asks for its rows before
+/// its waits ([`stages::early_prefetch`]).
 fn kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
-    static K: [[Cells; 2]; 2] = [[stages::cells(), stages::cells()], [stages::cells(), stages::cells()]];
-    static SOURCE: OnceLock<String> = OnceLock::new();
+    static K: [[[Cells; 2]; 2]; 2] = [const { [const { [stages::cells(), stages::cells()] }; 2] }; 2];
+    static SOURCES: [[OnceLock<String>; 2]; 2] = [const { [const { OnceLock::new() }; 2] }; 2];
+    let early = stages::early_prefetch("conv");
     let mut inputs = vec!["h", "r", "wn", "state", "cw"];
     inputs.extend(Projections::input_names(quant));
     inputs.push("ctr");
     let outputs = ["s", "out", "next", "yn", "yc"];
-    let names = if quant { ["lfm_conv_fused", "lfm_conv_fused_scr"] } else { ["lfm_conv_fused_dense", "lfm_conv_fused_dense_scr"] };
-    let (outputs, source) =
-        if scratch { (&outputs[..3], stages::after_prelude(&SOURCE, SCRATCH_PRELUDE, stages::LAYER_SOURCE)) } else { (&outputs[..], stages::LAYER_SOURCE) };
-    stages::kernel(&K[usize::from(scratch)][usize::from(quant)], names[usize::from(scratch)], &inputs, outputs, source, || {
-        stages::layer_header(quant, false, stages::layer_defines(true, stages::Tail::None))
+    let base = if quant { "lfm_conv_fused" } else { "lfm_conv_fused_dense" };
+    let name = format!("{base}{}{}", if early { "_early" } else { "" }, if scratch { "_scr" } else { "" });
+    let prelude = if scratch { SCRATCH_PRELUDE } else { "" };
+    let source = stages::layer_source(&SOURCES[usize::from(early)][usize::from(scratch)], prelude, early);
+    let outputs = if scratch { &outputs[..3] } else { &outputs[..] };
+    stages::kernel(&K[usize::from(early)][usize::from(scratch)][usize::from(quant)], &name, &inputs, outputs, source, || {
+        let head = stages::layer_header(quant, false, stages::layer_defines(true, stages::Tail::None));
+        if early { format!("{}{head}", stages::early_header(quant)) } else { head }
     })
 }
 

@@ -264,24 +264,6 @@ const WIDE_SUBSTITUTIONS: [(&str, &str); 4] = [
     ),
 ];
 
-/// The wide form's own helpers (before the layer's header): L2 prefetches
-/// of a byte span by a warp's lanes and by a whole block, every 128-byte
-/// line the span touches.
-const WIDE_HEADER: &str = r#"
-__device__ inline void lfm_prefetch_span(const void* p, int bytes, int lane) {
-  const unsigned long long a = reinterpret_cast<unsigned long long>(p);
-  for (unsigned long long l = (a & ~127ull) + 128ull * lane; l < a + bytes; l += 32ull * 128ull) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(l));
-  }
-}
-__device__ inline void lfm_prefetch_block(const void* p, int bytes) {
-  const unsigned long long a = reinterpret_cast<unsigned long long>(p);
-  for (unsigned long long l = (a & ~127ull) + 128ull * threadIdx.x; l < a + bytes; l += 128ull * blockDim.x) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(l));
-  }
-}
-"#;
-
 /// `stages::LAYER_SOURCE` as the wide form runs it; `None` if a piece it
 /// replaces is not there (a test holds that each is).
 fn wide_source() -> Option<String> {
@@ -318,7 +300,7 @@ fn kernel(scratch: bool, wide: bool) -> Option<&'static CudaKernel> {
     let body: &'static str = if wide { SOURCES[0].get_or_init(wide_source).as_deref()? } else { stages::LAYER_SOURCE };
     let at = usize::from(scratch) + 2 * usize::from(wide);
     let name = ["lfm_moe_fused", "lfm_moe_fused_scr", "lfm_moe_fused_wide", "lfm_moe_fused_wide_scr"][at];
-    let head = move || if wide { format!("{WIDE_HEADER}{}", header()) } else { header() };
+    let head = move || if wide { format!("{}{}", stages::PREFETCH_HEADER, header()) } else { header() };
     if scratch {
         let source = SOURCES[1 + usize::from(wide)].get_or_init(|| Some(format!("{SCRATCH_PRELUDE}{body}"))).as_deref()?;
         return stages::kernel(&K[at], name, &INPUTS, &outputs[..2], source, head);
@@ -442,7 +424,7 @@ fn timeline_kernel(wide: bool) -> Option<&'static CudaKernel> {
         .as_deref()?;
     let outputs = ["s", "out", "yn", "inds", "scores", "hk", "times"];
     let name = if wide { "lfm_moe_fused_wide_timeline" } else { "lfm_moe_fused_timeline" };
-    let head = move || format!("{}{}{}", stages::TIMELINE_HEADER, if wide { WIDE_HEADER } else { "" }, header());
+    let head = move || format!("{}{}{}", stages::TIMELINE_HEADER, if wide { stages::PREFETCH_HEADER } else { "" }, header());
     stages::kernel(&K[usize::from(wide)], name, &INPUTS, &outputs, source, head)
 }
 

@@ -398,6 +398,102 @@ pub(crate) const LAYER_SOURCE: &str = r#"
 #endif
 "#;
 
+/// L2 prefetches of a byte span, every 128-byte line it touches: by a
+/// warp's lanes, and by a whole block (no register, no consumer: the
+/// lines' DRAM reads start at once and a later load waits on L2 at most).
+pub(crate) const PREFETCH_HEADER: &str = r#"
+__device__ inline void lfm_prefetch_span(const void* p, int bytes, int lane) {
+  const unsigned long long a = reinterpret_cast<unsigned long long>(p);
+  for (unsigned long long l = (a & ~127ull) + 128ull * lane; l < a + bytes; l += 32ull * 128ull) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(l));
+  }
+}
+__device__ inline void lfm_prefetch_block(const void* p, int bytes) {
+  const unsigned long long a = reinterpret_cast<unsigned long long>(p);
+  for (unsigned long long l = (a & ~127ull) + 128ull * threadIdx.x; l < a + bytes; l += 128ull * blockDim.x) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(l));
+  }
+}
+"#;
+
+/// `MLX_LFM_EARLY_PREFETCH=conv,ffn` (either or both, or `all`; opt-in,
+/// session 34, not yet run on a GPU): the one-launch conv layer's and
+/// feed-forward's blocks ask L2 for their weight rows when they take their
+/// part, before they wait for the stage before theirs (the weights depend
+/// on nothing the launch computes), so the rows' DRAM reads run during
+/// the norm's stage and the first projection's instead of after them.
+/// Session 33's ncu (an H100): the 8B-A1B's conv layer 25 µs a launch for
+/// ~9.4 MB (~0.37 TB/s), all its 257 blocks resident at once; its rows
+/// were asked for only after each wait. The same sums (a prefetch changes
+/// no value): the kernels' tests hold the forms to the same bits.
+pub(crate) fn early_prefetch(part: &str) -> bool {
+    static ON: OnceLock<(bool, bool)> = OnceLock::new();
+    let (conv, ffn) = crate::knobs::cached("MLX_LFM_EARLY_PREFETCH", &ON, |v| {
+        let parts: Vec<&str> = v.unwrap_or("").split(',').map(str::trim).collect();
+        let has = |p: &str| parts.contains(&p) || parts.contains(&"all");
+        (has("conv"), has("ffn"))
+    });
+    match part {
+        "conv" => conv,
+        "ffn" => ffn,
+        _ => false,
+    }
+}
+
+/// The early form's prefetch of a weight row (`LFM_EARLY_IN(K, row)` of
+/// the first projection, `LFM_EARLY_OUT` of the second; `K` its width):
+/// quantized, the row's words, scales and biases; dense, its values.
+const EARLY_QUANT_ROWS: &str = r#"
+#define LFM_EARLY_ROW_Q(w, sc, bi, K, B, GS_, row) { \
+  lfm_prefetch_span(w + static_cast<size_t>(row) * ((K) * (B) / 32), (K) * (B) / 8, lane); \
+  lfm_prefetch_span(sc + static_cast<size_t>(row) * ((K) / (GS_)), (K) / (GS_) * (int)sizeof(T), lane); \
+  lfm_prefetch_span(bi + static_cast<size_t>(row) * ((K) / (GS_)), (K) / (GS_) * (int)sizeof(T), lane); }
+#define LFM_EARLY_IN(K, row) LFM_EARLY_ROW_Q(iw, iscales, ibiases, K, IBITS, IGS, row)
+#define LFM_EARLY_OUT(K, row) LFM_EARLY_ROW_Q(ow, oscales, obiases, K, OBITS, OGS, row)
+"#;
+const EARLY_DENSE_ROWS: &str = r#"
+#define LFM_EARLY_IN(K, row) lfm_prefetch_span(iw + static_cast<size_t>(row) * (K), (K) * (int)sizeof(T), lane)
+#define LFM_EARLY_OUT(K, row) lfm_prefetch_span(ow + static_cast<size_t>(row) * (K), (K) * (int)sizeof(T), lane)
+"#;
+
+/// The early form's header, before the layer's own.
+pub(crate) fn early_header(quant: bool) -> String {
+    format!("{PREFETCH_HEADER}{}", if quant { EARLY_QUANT_ROWS } else { EARLY_DENSE_ROWS })
+}
+
+/// Where the early form asks for its rows: each stage's rows before its
+/// wait (in_proj's three rows of a channel, out_proj's output row; the
+/// feed-forward's w1 and w3 rows of an output, w2's row), each text found
+/// in [`LAYER_SOURCE`] (a test holds it).
+pub(crate) const EARLY_SUBSTITUTIONS: [(&str, &str); 4] = [
+    (
+        "    const int c = (role - 1) * WARPS + wid;\n    const bool late = lfm_block_wait(st + 1, launch + 1, nullptr, 0);\n",
+        "    const int c = (role - 1) * WARPS + wid;\n    if (c < C) {\n      LFM_EARLY_IN(D, c);\n      LFM_EARLY_IN(D, C + c);\n      LFM_EARLY_IN(D, 2 * C + c);\n    }\n    const bool late = lfm_block_wait(st + 1, launch + 1, nullptr, 0);\n",
+    ),
+    (
+        "    const int n = (role - 1 - IB) * WARPS + wid;\n    const bool late = lfm_block_wait(st + 2, (launch + 1) * IB, nullptr, 0);\n",
+        "    const int n = (role - 1 - IB) * WARPS + wid;\n    if (n < D) LFM_EARLY_OUT(C, n);\n    const bool late = lfm_block_wait(st + 2, (launch + 1) * IB, nullptr, 0);\n",
+    ),
+    (
+        "    const int j = (fr - 1) * WARPS + wid;\n    const bool late = lfm_block_wait(st + FC + 1, launch + 1, nullptr, 0);\n",
+        "    const int j = (fr - 1) * WARPS + wid;\n    if (j < F) {\n      LFM_EARLY_IN(D, j);\n      LFM_EARLY_IN(D, F + j);\n    }\n    const bool late = lfm_block_wait(st + FC + 1, launch + 1, nullptr, 0);\n",
+    ),
+    (
+        "  const int n = (fr - 1 - GB) * WARPS + wid;\n  const bool late = lfm_block_wait(st + FC + 2, (launch + 1) * GB, nullptr, 0);\n",
+        "  const int n = (fr - 1 - GB) * WARPS + wid;\n  if (n < D) LFM_EARLY_OUT(F, n);\n  const bool late = lfm_block_wait(st + FC + 2, (launch + 1) * GB, nullptr, 0);\n",
+    ),
+];
+
+/// [`LAYER_SOURCE`] as a one-launch kernel's form runs it: with `early`
+/// its rows asked for before its waits ([`EARLY_SUBSTITUTIONS`]), after
+/// `prelude` (a scratch-rows form's, or none); made once into `cell`.
+pub(crate) fn layer_source(cell: &'static OnceLock<String>, prelude: &str, early: bool) -> &'static str {
+    cell.get_or_init(|| {
+        let body = if early { super::substituted(LAYER_SOURCE, &EARLY_SUBSTITUTIONS) } else { LAYER_SOURCE.to_string() };
+        format!("{prelude}{body}")
+    })
+}
+
 /// A timeline form of a [`LAYER_SOURCE`] kernel (the bench's, never a
 /// step's): thread 0 of each block stamps the GPU's global timer into the
 /// extra output `times` (int64, four a block by its ticket's part) when
@@ -895,6 +991,23 @@ impl Built {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each of the early form's prefetches finds its place, once.
+    #[test]
+    fn every_early_prefetch_finds_its_place() {
+        for (was, now) in EARLY_SUBSTITUTIONS {
+            assert_eq!(LAYER_SOURCE.matches(was).count(), 1, "{was:?}");
+            let (first, last) = (was.lines().next().unwrap(), was.lines().last().unwrap());
+            assert!(now.contains("LFM_EARLY_") && now.starts_with(first) && now.ends_with(&format!("{last}\n")), "{now:?}");
+        }
+        let early = super::super::substituted(LAYER_SOURCE, &EARLY_SUBSTITUTIONS);
+        assert_eq!(early.matches("LFM_EARLY_IN(").count(), 5);
+        assert_eq!(early.matches("LFM_EARLY_OUT(").count(), 2);
+        for quant in [true, false] {
+            let h = early_header(quant);
+            assert!(h.contains("#define LFM_EARLY_IN(") && h.contains("#define LFM_EARLY_OUT(") && h.contains("lfm_prefetch_span"));
+        }
+    }
 
     /// Each of the timeline form's stamps finds its place in the body
     /// (a substitution that found nothing would leave a stage unstamped).

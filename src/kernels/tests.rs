@@ -679,6 +679,13 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                         .collect();
                     runs.push(("layers-fused-off", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
                 }
+                if compiled && !joined {
+                    // The conv layers' and feed-forwards' rows asked of L2
+                    // before their waits (MLX_LFM_EARLY_PREFETCH, opt-in,
+                    // session 34; run.py's `early-prefetch`).
+                    let set = [("MLX_LFM_EARLY_PREFETCH".to_string(), Some("all".to_string()))];
+                    runs.push(("early-prefetch", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
+                }
                 if compiled && moe_served && !joined {
                     // The one-launch MoE layer at four rows a warp
                     // (MLX_LFM_MOE_FUSED_ROWS, opt-in, session 34; run.py's
@@ -2244,6 +2251,17 @@ fn conv_fused_kernel_matches_stock_ops() {
                     assert_eq!(differing(got, want), 0, "{what}: scratch in the state, launch {turn}: the {name} differs");
                 }
             }
+            // Its rows asked of L2 before its waits (MLX_LFM_EARLY_PREFETCH,
+            // opt-in): the same bits, on the same counters (the same blocks
+            // a launch) and with its scratch rows in the state.
+            let early = [("MLX_LFM_EARLY_PREFETCH".to_string(), Some("conv".to_string()))];
+            for turn in 0..2 {
+                let (s2, out2, next2) =
+                    crate::knobs::with_overrides(&early, || if turn == 0 { run(&counters) } else { scratch_in_state(|| run(&big)) });
+                for (name, got, want) in [("sum", &s2, &s), ("output", &out2, &out), ("state", &next2, &next)] {
+                    assert_eq!(differing(got, want), 0, "{what}: rows asked for early, launch {turn}: the {name} differs");
+                }
+            }
             // (The output and the state after the token both poisoned when given up.)
             check_counters_in_step(&what, &counters, &[true, true, false, true, false], &[s, out, next], |c| {
                 let (s, out, next) = run(c);
@@ -2778,6 +2796,15 @@ fn ffn_fused_kernel_matches_stock_ops() {
                 let (s2, out2) = scratch_in_state(|| run(&big));
                 assert_eq!(differing(&s2, &s), 0, "{what}: scratch in the state, launch {turn}: the sum differs");
                 assert_eq!(differing(&out2, &out), 0, "{what}: scratch in the state, launch {turn}: the output differs");
+            }
+            // Its rows asked of L2 before its waits (MLX_LFM_EARLY_PREFETCH,
+            // opt-in): the same bits, on the same counters and with its
+            // scratch rows in the state.
+            let early = [("MLX_LFM_EARLY_PREFETCH".to_string(), Some("ffn".to_string()))];
+            for turn in 0..2 {
+                let (s2, out2) = crate::knobs::with_overrides(&early, || if turn == 0 { run(&counters) } else { scratch_in_state(|| run(&big)) });
+                assert_eq!(differing(&s2, &s), 0, "{what}: rows asked for early, launch {turn}: the sum differs");
+                assert_eq!(differing(&out2, &out), 0, "{what}: rows asked for early, launch {turn}: the output differs");
             }
             check_counters_in_step(&what, &counters, &[true, true, false, true, false], &[s, out], |c| {
                 let (s, out) = run(c);

@@ -309,14 +309,14 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
     for (name, switches, _) in conv_arms {
         let conv = conv.as_ref().expect("made where a conv arm runs");
         let walls = timed(switches, reps * CONV_LAUNCHES, |i| {
-            conv.launch(name.ends_with("-fused"), name.contains("-q4-"), i).map_err(|e| mlx_lfm::Error::invalid(format!("{name}: {e}")))
+            conv.launch(name.contains("-fused"), name.contains("-q4-"), i).map_err(|e| mlx_lfm::Error::invalid(format!("{name}: {e}")))
         });
         print_walls(name, 4 * CONV_D, CONV_D, walls);
     }
     for (name, switches, _) in ffn_arms {
         let ffn = ffn.as_ref().expect("made where a feed-forward arm runs");
         let walls = timed(switches, reps * FFN_LAUNCHES, |i| {
-            ffn.launch(name.ends_with("-fused"), name.contains("-q4-"), i).map_err(|e| mlx_lfm::Error::invalid(format!("{name}: {e}")))
+            ffn.launch(name.contains("-fused"), name.contains("-q4-"), i).map_err(|e| mlx_lfm::Error::invalid(format!("{name}: {e}")))
         });
         print_walls(name, 3 * ffn_width(name), FFN_D, walls);
     }
@@ -683,11 +683,15 @@ fn timeline_of(layer: &Layer, scrub: &Array, rows: &str, reps: usize) -> mlx_lfm
 /// Launches cycle through [`CONV_COPIES`] copies of the projections
 /// (~75 MB, over the H200's L2), so each reads its weights from DRAM.
 /// The `-bf16-` arms: the 1.2B's layer, its projections dense (MLX's GEMV).
-const CONV_ARMS: [(&str, Switches, usize); 4] = [
+/// The `-early` arms: the one launch with its rows asked of L2 before its
+/// waits (`MLX_LFM_EARLY_PREFETCH`, src/kernels/stages.rs `early_prefetch`).
+const CONV_ARMS: [(&str, Switches, usize); 6] = [
     ("conv-layer-q4-four", &[("MLX_LFM_CONV_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1")], 4),
     ("conv-layer-q4-fused", &[("MLX_LFM_CONV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
+    ("conv-layer-q4-fused-early", &[("MLX_LFM_CONV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_EARLY_PREFETCH", "conv")], 1),
     ("conv-layer-bf16-four", &[("MLX_LFM_CONV_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1")], 4),
     ("conv-layer-bf16-fused", &[("MLX_LFM_CONV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
+    ("conv-layer-bf16-fused-early", &[("MLX_LFM_CONV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_EARLY_PREFETCH", "conv")], 1),
 ];
 const CONV_COPIES: usize = 8;
 /// Dense copies (~33 MB each: three are over the L2 too).
@@ -786,11 +790,13 @@ impl ConvLayer {
 /// against the one. `(arm, its switches, kernels a product)`. Launches
 /// cycle through [`FFN_COPIES`] copies (~100 MB each dense, ~25 MB 4-bit,
 /// of which [`FFN_Q4_COPIES`]: every launch reads its weights from DRAM).
-const FFN_ARMS: [(&str, Switches, usize); 4] = [
+const FFN_ARMS: [(&str, Switches, usize); 6] = [
     ("ffn-layer-bf16-three", &[("MLX_LFM_FFN_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_GEMV_KERNEL", "1")], 3),
     ("ffn-layer-bf16-fused", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
+    ("ffn-layer-bf16-fused-early", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_EARLY_PREFETCH", "ffn")], 1),
     ("ffn-layer-q4-four", &[("MLX_LFM_FFN_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1")], 4),
     ("ffn-layer-q4-fused", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
+    ("ffn-layer-q4-fused-early", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_EARLY_PREFETCH", "ffn")], 1),
 ];
 const FFN_COPIES: usize = 2;
 const FFN_Q4_COPIES: usize = 4;
