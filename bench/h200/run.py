@@ -164,14 +164,41 @@ from its A/B: the variants and greedy sets that turned them on are gone,
 `layers-fused-off` (greedy set and variant) and `moe-fused-off`,
 `conv-fused-off`, `ffn-fused-off`, `qkv-fused-off` measure them off, and
 the greedy test's default run checks it built each.
-Next (`bash bench/h200/prepare.sh` here first; ~1,500 s planned; session
-33 (an H100 again) ran the plan below through call 4's `round 1` and the
-8B-A1B's `round 2`, then `shape-cost new-lengths` and the 8B-A1B's
-`dispatch-cost host-profile profile-gaps`; after it, the attention
-buckets of 128 are a CUDA default, and kernels' texts can go into files
-that MLX includes (`MLX_LFM_KERNEL_TEXT=file`, opt-in): MLX hashes a
-custom kernel's whole text at every dispatch, 25% of the 8B-A1B's host
-samples):
+Next (`bash bench/h200/prepare.sh` here first; ~1,500 s planned).
+Session 34 was lent no machine at all, so session 33's plan (for the
+record below) is still to run, with session 34's opt-ins added: the
+one-launch MoE layer at 2, 4 or 8 rows a warp (`moe-rows-*`, one wave of
+blocks instead of ~3.6), the conv / feed-forward / q/k/v layers' rows
+asked of L2 before their waits (`early-prefetch`, `early-prefetch-conv`),
+and `moe-timeline` (where the MoE launch's 40 µs go, block by block):
+  1. carry [.device/a, .device/llama]: `stage`.
+  2. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=7
+     H200_KERNEL_TESTS=a_kernel_from_files_gives_the_inline_bits,greedy_tokens_with_kernel_texts_in_files,moe_fused_kernel_matches_the_three_kernels,conv_fused_kernel_matches_stock_ops,ffn_fused_kernel_matches_stock_ops,qkv_fused_kernel_matches_stock_ops,greedy_tokens_with_kernels_equal_stock_ops,compiled_prefill_equals_the_eager_prefill
+     `timeout -s TERM 560 python3 bench/h200/run.py install verdicts-from
+     bench/results/2026-12-03-h200-session18.raw.jsonl,bench/results/2026-12-04-h200-session20.raw.jsonl,bench/results/2026-12-04-h200-session21.raw.jsonl,bench/results/2026-12-04-h200-session24.raw.jsonl,bench/results/2026-12-05-h200-session27.raw.jsonl,bench/results/2026-12-05-h200-session30.raw.jsonl,bench/results/2026-12-05-h100-session31.raw.jsonl,bench/results/2026-12-05-h100-session32.raw.jsonl,bench/results/2026-12-05-h100-session33.raw.jsonl
+     kernels save-ptx` (the kernel texts in files; the scratch rows in the
+     state; the MoE layer's wide forms and timeline form against the
+     default's bits; the early forms against theirs; the greedy sets
+     `moe-rows-4`, `early-prefetch`, `MLX_LFM_SCRATCH_IN_STATE` and the
+     default with the attention buckets on).
+  3. carry [.device/bin]: H200_KERNEL_BENCH_ARMS=moe-layer-q4-fused,moe-layer-q4-fused-rows-2,moe-layer-q4-fused-rows-4,moe-layer-q4-fused-rows-8,conv-layer-q4-fused,conv-layer-q4-fused-early,conv-layer-bf16-fused,conv-layer-bf16-fused-early,ffn-layer-q4-fused,ffn-layer-q4-fused-early,ffn-layer-bf16-fused,ffn-layer-bf16-fused-early
+     `timeout -s TERM 300 python3 bench/h200/run.py moe-timeline
+     kernel-bench` (~150 s: each form's GPU time alone under ncu, caches
+     flushed; the timeline without ncu). Only the forms that beat their
+     default there go on to call 4.
+  4. carry [.device/bin]: H200_OURS_ENV (mimalloc) and
+     H200_AB_VARIANTS=kernel-text-file,scratch-in-state plus call 3's
+     winners (`moe-rows-R`, `early-prefetch` or `early-prefetch-conv`)
+     `timeout -s TERM 560 python3 bench/h200/run.py ab pick gguf-bg`
+     (`pick` takes each only where call 2 passed its tests).
+  5. carry [.device/bin]: H200_OURS_ENV, `timeout -s TERM 560 python3
+     bench/h200/run.py round 1` with the picked switches, then `round 2`
+     in its own call if time is left.
+Session 33's plan, for the record (written after its own calls, which
+left the attention buckets of 128 a CUDA default and the kernels' texts
+in files that MLX includes an opt-in, `MLX_LFM_KERNEL_TEXT=file`: MLX
+hashes a custom kernel's whole text at every dispatch, 25% of the
+8B-A1B's host samples; none of it ran, session 34 being lent no machine):
   1. carry [.device/a, .device/llama]: `stage`.
   2. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=7
      H200_KERNEL_TESTS=a_kernel_from_files_gives_the_inline_bits,greedy_tokens_with_kernel_texts_in_files,moe_fused_kernel_matches_the_three_kernels,conv_fused_kernel_matches_stock_ops,ffn_fused_kernel_matches_stock_ops,qkv_fused_kernel_matches_stock_ops,greedy_tokens_with_kernels_equal_stock_ops,compiled_prefill_equals_the_eager_prefill
@@ -2051,12 +2078,13 @@ AB = {
     # the gate/up blocks run). Session 33's ncu: the launch 40 µs in the
     # step (~0.6 TB/s), 878 of the step's 1,696 µs. The default's bits.
     **{f"moe-rows-{r}": ({"MLX_LFM_MOE_FUSED_ROWS": str(r)}, ["lfm2-8b-a1b-q4"]) for r in (2, 4, 8)},
-    # The one-launch conv layers' and feed-forwards' weight rows asked of
-    # L2 when a block takes its part, before it waits for the stage before
-    # (session 34, src/kernels/stages.rs early_prefetch): session 33's ncu
-    # had the 8B-A1B's conv layer at 25 µs for ~9.4 MB with all its blocks
-    # resident. Both, and the conv layers' alone (the 1.2B's feed-forward
-    # is 67 MB a layer, more than L2 holds at once).
+    # The one-launch conv layers', feed-forwards' and q/k/v stages' weight
+    # rows asked of L2 when a block takes its part, before it waits for the
+    # stage before (session 34, src/kernels/stages.rs early_prefetch):
+    # session 33's ncu had the 8B-A1B's conv layer at 25 µs for ~9.4 MB
+    # with all its blocks resident, its q/k/v stage at ~18 µs for ~3.5 MB.
+    # All three, and the conv layers' alone (the 1.2B's feed-forward is
+    # 67 MB a layer, more than L2 holds at once).
     "early-prefetch": ({"MLX_LFM_EARLY_PREFETCH": "all"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "early-prefetch-conv": ({"MLX_LFM_EARLY_PREFETCH": "conv"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
 }
@@ -2074,8 +2102,8 @@ AB_TESTS = {
     # (The kernel test holds every form to the default's bits; the greedy
     # set runs four rows a warp.)
     **{f"moe-rows-{r}": ["moe_fused_kernel_matches_the_three_kernels", "greedy:moe-rows-4"] for r in (2, 4, 8)},
-    **{v: ["conv_fused_kernel_matches_stock_ops", "ffn_fused_kernel_matches_stock_ops", "greedy:early-prefetch"]
-       for v in ("early-prefetch", "early-prefetch-conv")},
+    **{v: ["conv_fused_kernel_matches_stock_ops", "ffn_fused_kernel_matches_stock_ops", "qkv_fused_kernel_matches_stock_ops",
+           "greedy:early-prefetch"] for v in ("early-prefetch", "early-prefetch-conv")},
     "gemv-kernel": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops", "greedy:default"],
     "gemv-norm-kernels": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops",
                           "norm_gemv_kernels_match_stock_ops", "greedy:default"],

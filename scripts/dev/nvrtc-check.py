@@ -394,7 +394,7 @@ KERNELS["moe_fused.rs@timeline"] = (KERNELS["moe_fused.rs"][0], KERNELS["moe_fus
                                     KERNELS["moe_fused.rs"][2])
 # The conv layer's and feed-forward's rows asked of L2 before their waits
 # (MLX_LFM_EARLY_PREFETCH: stages.rs EARLY_SUBSTITUTIONS, early_header).
-for _k in ("conv_fused.rs", "ffn_fused.rs"):
+for _k in ("conv_fused.rs", "ffn_fused.rs", "qk_norm_rope.rs#qkv_fused"):
     KERNELS[_k + "@early"] = KERNELS[_k]
     KERNELS[_k + "@dense-early"] = KERNELS[_k + "@dense"]
 # Several rows a warp (MLX_LFM_MOE_FUSED_ROWS: moe_fused.rs wide_source,
@@ -655,6 +655,7 @@ REPLACE_OF = {
     "moe_fused.rs@timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
     **{_k + v: substitutions("stages.rs", "EARLY_SUBSTITUTIONS") for _k in ("conv_fused.rs", "ffn_fused.rs")
        for v in ("@early", "@dense-early")},
+    **{"qk_norm_rope.rs#qkv_fused" + v: substitutions("qkv_fused.rs", "EARLY_SUBSTITUTIONS") for v in ("@early", "@dense-early")},
     "moe_fused.rs@wide": substitutions("moe_fused.rs", "WIDE_SUBSTITUTIONS"),
     "moe_fused.rs@wide8": substitutions("moe_fused.rs", "WIDE_SUBSTITUTIONS"),
     "moe_fused.rs@wide-scratch": substitutions("moe_fused.rs", "WIDE_SUBSTITUTIONS"),
@@ -713,7 +714,7 @@ DEFINES_OF = {
 DEFINES_OF.update({key + variant: DEFINES_OF[key] for key in ROUTER8 for variant in ("@g8", "@widemoe")})
 
 _STAGES = root / "src" / "kernels" / "stages.rs"
-for _k in ("conv_fused.rs", "ffn_fused.rs"):
+for _k in ("conv_fused.rs", "ffn_fused.rs", "qk_norm_rope.rs#qkv_fused"):
     DEFINES_OF[_k + "@early"] = (named(_STAGES, "PREFETCH_HEADER") + named(_STAGES, "EARLY_QUANT_ROWS")
                                  + DEFINES_OF[_k])
     DEFINES_OF[_k + "@dense-early"] = (named(_STAGES, "PREFETCH_HEADER") + named(_STAGES, "EARLY_DENSE_ROWS")

@@ -51,23 +51,41 @@ pub enum Projection<'a> {
 }
 
 /// The kernel; with `scratch`, its form with the scratch row (`yn`) in
-/// the layer's state ([`stages::call_with_scratch`]).
+/// the layer's state ([`stages::call_with_scratch`]); under
+/// `MLX_LFM_EARLY_PREFETCH=qkv`, its form that asks L2 for its head's rows
+/// before its wait ([`stages::early_prefetch`], [`EARLY_SUBSTITUTIONS`]).
 fn kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
-    static K: [[Cells; 2]; 2] = [[stages::cells(), stages::cells()], [stages::cells(), stages::cells()]];
-    static SOURCE: OnceLock<String> = OnceLock::new();
+    static K: [[[Cells; 2]; 2]; 2] = [const { [const { [stages::cells(), stages::cells()] }; 2] }; 2];
+    static SOURCES: [[OnceLock<String>; 2]; 2] = [const { [const { OnceLock::new() }; 2] }; 2];
+    let early = stages::early_prefetch("qkv");
     let outputs = ["s", "qo", "ko", "vo", "yn"];
-    let body = super::qk_norm_rope::QKV_FUSED_SOURCE;
     // (The projection's rows as the first of a layer's two projections:
     // src/kernels/stages.rs's products and header.)
-    let names = if quant { ["lfm_qkv_fused", "lfm_qkv_fused_scr"] } else { ["lfm_qkv_fused_dense", "lfm_qkv_fused_dense_scr"] };
-    let (outputs, source) = if scratch { (&outputs[..4], stages::after_prelude(&SOURCE, SCRATCH_PRELUDE, body)) } else { (&outputs[..], body) };
+    let base = if quant { "lfm_qkv_fused" } else { "lfm_qkv_fused_dense" };
+    let name = format!("{base}{}{}", if early { "_early" } else { "" }, if scratch { "_scr" } else { "" });
+    let source = SOURCES[usize::from(early)][usize::from(scratch)].get_or_init(|| {
+        let body = super::qk_norm_rope::QKV_FUSED_SOURCE;
+        let body = if early { super::substituted(body, &EARLY_SUBSTITUTIONS) } else { body.to_string() };
+        format!("{}{body}", if scratch { SCRATCH_PRELUDE } else { "" })
+    });
+    let outputs = if scratch { &outputs[..4] } else { &outputs[..] };
     let mut inputs = vec!["h", "r", "wn"];
     inputs.extend(if quant { &["iw", "iscales", "ibiases"][..] } else { &["iw"][..] });
     inputs.extend(["qw", "kw", "offset", "ctr"]);
-    stages::kernel(&K[usize::from(scratch)][usize::from(quant)], names[usize::from(scratch)], &inputs, outputs, source, || {
-        stages::layer_header(quant, false, "")
+    stages::kernel(&K[usize::from(early)][usize::from(scratch)][usize::from(quant)], &name, &inputs, outputs, source, || {
+        let head = stages::layer_header(quant, false, "");
+        if early { format!("{}{head}", stages::early_header(quant)) } else { head }
     })
 }
+
+/// Where the early form asks for its head's rows: before its wait for the
+/// norm (the head's `HD` rows are one run of the stacked projection).
+pub(crate) const EARLY_SUBSTITUTIONS: [(&str, &str); 1] = [
+    (
+        "  const int hh = role - 1;\n  const bool late = lfm_block_wait(st + 1, launch + 1, nullptr, 0);\n",
+        "  const int hh = role - 1;\n  LFM_EARLY_IN_BLOCK(D, static_cast<size_t>(hh) * HD, HD);\n  const bool late = lfm_block_wait(st + 1, launch + 1, nullptr, 0);\n",
+    ),
+];
 
 /// The scratch row's pointer into the layer's state
 /// (`MLX_LFM_SCRATCH_IN_STATE`, src/kernels/stages.rs), as the output of
@@ -197,4 +215,17 @@ pub fn forward(
     let q = outs.pop().ok_or_else(missing)?;
     let s = outs.pop().ok_or_else(missing)?;
     Ok((s, q, k, v))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The early form's prefetch finds its place in the body, once.
+    #[test]
+    fn the_early_prefetch_finds_its_place() {
+        let body = super::super::qk_norm_rope::QKV_FUSED_SOURCE;
+        assert_eq!(body.matches(EARLY_SUBSTITUTIONS[0].0).count(), 1);
+        assert!(super::super::substituted(body, &EARLY_SUBSTITUTIONS).contains("LFM_EARLY_IN_BLOCK(D,"));
+    }
 }

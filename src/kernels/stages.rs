@@ -416,33 +416,35 @@ __device__ inline void lfm_prefetch_block(const void* p, int bytes) {
 }
 "#;
 
-/// `MLX_LFM_EARLY_PREFETCH=conv,ffn` (either or both, or `all`; opt-in,
-/// session 34, not yet run on a GPU): the one-launch conv layer's and
-/// feed-forward's blocks ask L2 for their weight rows when they take their
-/// part, before they wait for the stage before theirs (the weights depend
-/// on nothing the launch computes), so the rows' DRAM reads run during
-/// the norm's stage and the first projection's instead of after them.
+/// The one-launch layers [`early_prefetch`] names.
+const EARLY_PARTS: [&str; 3] = ["conv", "ffn", "qkv"];
+
+/// `MLX_LFM_EARLY_PREFETCH=conv,ffn,qkv` (any of them, or `all`; opt-in,
+/// session 34, not yet run on a GPU): the one-launch conv layer's,
+/// feed-forward's and q/k/v stage's blocks ask L2 for their weight rows
+/// when they take their part, before they wait for the stage before
+/// theirs (the weights depend on nothing the launch computes), so the
+/// rows' DRAM reads run during the norm's stage and the first
+/// projection's instead of after them. (The q/k/v stage is 49 blocks on
+/// the 8B-A1B, a head each: 107 µs of session 33's step over six layers.)
 /// Session 33's ncu (an H100): the 8B-A1B's conv layer 25 µs a launch for
 /// ~9.4 MB (~0.37 TB/s), all its 257 blocks resident at once; its rows
 /// were asked for only after each wait. The same sums (a prefetch changes
 /// no value): the kernels' tests hold the forms to the same bits.
 pub(crate) fn early_prefetch(part: &str) -> bool {
-    static ON: OnceLock<(bool, bool)> = OnceLock::new();
-    let (conv, ffn) = crate::knobs::cached("MLX_LFM_EARLY_PREFETCH", &ON, |v| {
+    static ON: OnceLock<[bool; 3]> = OnceLock::new();
+    let on = crate::knobs::cached("MLX_LFM_EARLY_PREFETCH", &ON, |v| {
         let parts: Vec<&str> = v.unwrap_or("").split(',').map(str::trim).collect();
-        let has = |p: &str| parts.contains(&p) || parts.contains(&"all");
-        (has("conv"), has("ffn"))
+        EARLY_PARTS.map(|p| parts.contains(&p) || parts.contains(&"all"))
     });
-    match part {
-        "conv" => conv,
-        "ffn" => ffn,
-        _ => false,
-    }
+    EARLY_PARTS.iter().position(|p| *p == part).is_some_and(|i| on[i])
 }
 
 /// The early form's prefetch of a weight row (`LFM_EARLY_IN(K, row)` of
-/// the first projection, `LFM_EARLY_OUT` of the second; `K` its width):
-/// quantized, the row's words, scales and biases; dense, its values.
+/// the first projection by a warp, `LFM_EARLY_OUT` of the second;
+/// `LFM_EARLY_IN_BLOCK(K, row0, n)` the first's rows `row0..row0 + n` by
+/// the block; `K` their width): quantized, the rows' words, scales and
+/// biases; dense, their values.
 const EARLY_QUANT_ROWS: &str = r#"
 #define LFM_EARLY_ROW_Q(w, sc, bi, K, B, GS_, row) { \
   lfm_prefetch_span(w + static_cast<size_t>(row) * ((K) * (B) / 32), (K) * (B) / 8, lane); \
@@ -450,10 +452,15 @@ const EARLY_QUANT_ROWS: &str = r#"
   lfm_prefetch_span(bi + static_cast<size_t>(row) * ((K) / (GS_)), (K) / (GS_) * (int)sizeof(T), lane); }
 #define LFM_EARLY_IN(K, row) LFM_EARLY_ROW_Q(iw, iscales, ibiases, K, IBITS, IGS, row)
 #define LFM_EARLY_OUT(K, row) LFM_EARLY_ROW_Q(ow, oscales, obiases, K, OBITS, OGS, row)
+#define LFM_EARLY_IN_BLOCK(K, row0, n) { \
+  lfm_prefetch_block(iw + (row0) * ((K) * IBITS / 32), (n) * ((K) * IBITS / 8)); \
+  lfm_prefetch_block(iscales + (row0) * ((K) / IGS), (n) * ((K) / IGS) * (int)sizeof(T)); \
+  lfm_prefetch_block(ibiases + (row0) * ((K) / IGS), (n) * ((K) / IGS) * (int)sizeof(T)); }
 "#;
 const EARLY_DENSE_ROWS: &str = r#"
 #define LFM_EARLY_IN(K, row) lfm_prefetch_span(iw + static_cast<size_t>(row) * (K), (K) * (int)sizeof(T), lane)
 #define LFM_EARLY_OUT(K, row) lfm_prefetch_span(ow + static_cast<size_t>(row) * (K), (K) * (int)sizeof(T), lane)
+#define LFM_EARLY_IN_BLOCK(K, row0, n) lfm_prefetch_block(iw + (row0) * (K), (n) * (K) * (int)sizeof(T))
 "#;
 
 /// The early form's header, before the layer's own.
@@ -910,12 +917,6 @@ pub(crate) fn call_with_scratch(
     let mut outs = kern.call(inputs, outputs, grid, block, template)?;
     outs.truncate(kept);
     Ok(outs)
-}
-
-/// A kernel's body with the scratch rows' prelude before it, made once
-/// into `cell` (the text of a kernel's [`call_with_scratch`] form).
-pub(crate) fn after_prelude(cell: &'static OnceLock<String>, prelude: &str, body: &str) -> &'static str {
-    cell.get_or_init(|| format!("{prelude}{body}"))
 }
 
 /// That `ctr` is a layer's state: uint32, at least its counters (and, past

@@ -2952,6 +2952,17 @@ fn qkv_fused_kernel_matches_stock_ops() {
                         assert_eq!(differing(got, want), 0, "{what}: scratch in the state, launch {turn}: {name} differs");
                     }
                 }
+                // The head's rows asked of L2 before the wait
+                // (MLX_LFM_EARLY_PREFETCH=qkv, opt-in): the same bits, on
+                // the same counters and with the scratch row in the state.
+                let early = [("MLX_LFM_EARLY_PREFETCH".to_string(), Some("qkv".to_string()))];
+                for turn in 0..2 {
+                    let (s2, q2, k2, v2) =
+                        crate::knobs::with_overrides(&early, || if turn == 0 { run(&counters) } else { scratch_in_state(|| run(&big)) });
+                    for (name, got, want) in [("sum", &s2, &s), ("q", &q2, &gq), ("k", &k2, &gk), ("v", &v2, &gv)] {
+                        assert_eq!(differing(got, want), 0, "{what}: rows asked for early, launch {turn}: {name} differs");
+                    }
+                }
                 check_counters_in_step(&what, &counters, &[true, false, true], &[s, gq, gk, gv], |c| {
                     let (s, q, k, v) = run(c);
                     vec![s, q, k, v]
