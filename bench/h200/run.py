@@ -170,7 +170,8 @@ record below) is still to run, with session 34's opt-ins added: the
 one-launch MoE layer at 2, 4 or 8 rows a warp (`moe-rows-*`, one wave of
 blocks instead of ~3.6), the conv / feed-forward / q/k/v layers' rows
 asked of L2 before their waits (`early-prefetch`, `early-prefetch-conv`),
-and `moe-timeline` (where the MoE launch's 40 µs go, block by block):
+and `moe-timeline` (where the MoE and conv launches' 25-40 µs go, block
+by block):
   1. carry [.device/a, .device/llama]: `stage`.
   2. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=7
      H200_KERNEL_TESTS=a_kernel_from_files_gives_the_inline_bits,greedy_tokens_with_kernel_texts_in_files,moe_fused_kernel_matches_the_three_kernels,conv_fused_kernel_matches_stock_ops,ffn_fused_kernel_matches_stock_ops,qkv_fused_kernel_matches_stock_ops,greedy_tokens_with_kernels_equal_stock_ops,compiled_prefill_equals_the_eager_prefill
@@ -1385,19 +1386,22 @@ def shape_cost():
 
 
 def moe_timeline():
-    """Where the 8B-A1B's one-launch MoE layer spends its launch
-    (`mlx-lfm-bench --kernel-bench --arms moe-layer-q4-timeline`, no ncu:
-    its timeline form stamps the GPU's global timer as each block takes its
-    part, ends its wait, has its row staged and is done; L2 evicted before
-    each launch). Session 33's ncu had the launch at 40 µs in the step,
-    ~0.6 TB/s. No checkpoint needed."""
-    r = sh([BENCH, "--kernel-bench", "--device", "gpu", "--reps", "2", "--arms", "moe-layer-q4-timeline"], "moe-timeline",
-           check=False)
+    """Where the 8B-A1B's one-launch MoE layer spends its launch, at 1, 2,
+    4 and 8 rows a warp, and the one-launch conv layer (the 8B-A1B's 4-bit
+    and the 1.2B's dense, without and with its rows asked for early)
+    (`mlx-lfm-bench --kernel-bench --arms
+    moe-layer-q4-timeline,conv-layer-timeline`, no ncu: their timeline
+    forms stamp the GPU's global timer as each block takes its part, ends
+    its wait, has its row staged and is done; L2 evicted before each
+    launch). Session 33's ncu had the MoE launch at 40 µs in the step
+    (~0.6 TB/s), the conv launch at 25 (~0.37). No checkpoint needed."""
+    r = sh([BENCH, "--kernel-bench", "--device", "gpu", "--reps", "2", "--arms", "moe-layer-q4-timeline,conv-layer-timeline"],
+           "moe-timeline", check=False)
     if r.returncode != 0:
         record(engine="moe-timeline", error=r.stderr[-2000:])
     for line in r.stdout.splitlines():
         j = json.loads(line) if line.startswith("{") else {}
-        if "moe_timeline_summary" in j or "moe_timeline" in j:
+        if any(k in j for k in ("moe_timeline_summary", "moe_timeline", "conv_timeline_summary", "conv_timeline")):
             record(engine="moe-timeline", **j)
 
 

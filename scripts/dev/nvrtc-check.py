@@ -397,6 +397,10 @@ KERNELS["moe_fused.rs@timeline"] = (KERNELS["moe_fused.rs"][0], KERNELS["moe_fus
 for _k in ("conv_fused.rs", "ffn_fused.rs", "qk_norm_rope.rs#qkv_fused"):
     KERNELS[_k + "@early"] = KERNELS[_k]
     KERNELS[_k + "@dense-early"] = KERNELS[_k + "@dense"]
+# The conv layer's timeline forms (the bench's), by default and early.
+for _v in ("@timeline", "@early-timeline", "@dense-timeline", "@dense-early-timeline"):
+    _base = KERNELS["conv_fused.rs@dense" if "dense" in _v else "conv_fused.rs"]
+    KERNELS["conv_fused.rs" + _v] = (_base[0], _base[1] + [("times", "long long")], _base[2])
 # Several rows a warp (MLX_LFM_MOE_FUSED_ROWS: moe_fused.rs wide_source,
 # SPLICE_OF), at 4 and 8 rows, its scratch-rows form and its timeline form.
 KERNELS["moe_fused.rs@wide"] = (*KERNELS["moe_fused.rs"][:2], lambda dt: KERNELS["moe_fused.rs"][2](dt) + [("RPW", 4)])
@@ -656,6 +660,10 @@ REPLACE_OF = {
     **{_k + v: substitutions("stages.rs", "EARLY_SUBSTITUTIONS") for _k in ("conv_fused.rs", "ffn_fused.rs")
        for v in ("@early", "@dense-early")},
     **{"qk_norm_rope.rs#qkv_fused" + v: substitutions("qkv_fused.rs", "EARLY_SUBSTITUTIONS") for v in ("@early", "@dense-early")},
+    "conv_fused.rs@timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
+    "conv_fused.rs@dense-timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
+    **{"conv_fused.rs" + v: substitutions("stages.rs", "EARLY_SUBSTITUTIONS") + substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS")
+       for v in ("@early-timeline", "@dense-early-timeline")},
     "moe_fused.rs@wide": substitutions("moe_fused.rs", "WIDE_SUBSTITUTIONS"),
     "moe_fused.rs@wide8": substitutions("moe_fused.rs", "WIDE_SUBSTITUTIONS"),
     "moe_fused.rs@wide-scratch": substitutions("moe_fused.rs", "WIDE_SUBSTITUTIONS"),
@@ -719,6 +727,11 @@ for _k in ("conv_fused.rs", "ffn_fused.rs", "qk_norm_rope.rs#qkv_fused"):
                                  + DEFINES_OF[_k])
     DEFINES_OF[_k + "@dense-early"] = (named(_STAGES, "PREFETCH_HEADER") + named(_STAGES, "EARLY_DENSE_ROWS")
                                        + DEFINES_OF[_k + "@dense"])
+_TL = named(_STAGES, "TIMELINE_HEADER")
+DEFINES_OF["conv_fused.rs@timeline"] = _TL + DEFINES_OF["conv_fused.rs"]
+DEFINES_OF["conv_fused.rs@dense-timeline"] = _TL + DEFINES_OF["conv_fused.rs@dense"]
+DEFINES_OF["conv_fused.rs@early-timeline"] = _TL + DEFINES_OF["conv_fused.rs@early"]
+DEFINES_OF["conv_fused.rs@dense-early-timeline"] = _TL + DEFINES_OF["conv_fused.rs@dense-early"]
 # A variant's text before its kernel's body, as its Rust side puts it there.
 PRELUDE_OF = {"moe_fused.rs@scratch": named(root / "src" / "kernels" / "moe_fused.rs", "SCRATCH_PRELUDE"),
               "moe_fused.rs@wide-scratch": named(root / "src" / "kernels" / "moe_fused.rs", "SCRATCH_PRELUDE")}

@@ -32,7 +32,7 @@
 use super::stages::{self, Built, Cells};
 use crate::error::{Error, Result};
 use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
-use crate::mlx::Array;
+use crate::mlx::{Array, Dtype};
 use crate::model::linear::Normed;
 pub use super::stages::Projections;
 use std::sync::OnceLock;
@@ -171,8 +171,57 @@ pub(crate) fn part_served(x: &Normed, p: Projections, state: &Array, cw: &Array,
 /// launch (callers check [`available`]); `ctr` the layer's own
 /// (`stages::new_counters`).
 pub fn forward(x: &Normed, p: Projections, state: &Array, cw: &Array, ctr: &Array) -> Result<(Array, Array, Array)> {
+    let mut outs = launch(x, p, state, cw, ctr, false)?;
+    let missing = || Error::mlx("fused short-conv layer kernel: missing output");
+    let next = outs.pop().ok_or_else(missing)?;
+    let out = outs.pop().ok_or_else(missing)?;
+    let s = outs.pop().ok_or_else(missing)?;
+    Ok((s, out, next))
+}
+
+/// [`forward`]'s output and state after the token through the kernel's
+/// timeline form (the bench's: `stages::TIMELINE_HEADER`), with its stamps
+/// `[NB * 4]` int64 and the parts' bounds: the channels' blocks are parts
+/// `1..=channels`, out_proj's `channels + 1..nb`.
+#[doc(hidden)]
+pub fn forward_timeline(x: &Normed, p: Projections, state: &Array, cw: &Array, ctr: &Array) -> Result<(Array, Array, Array, usize, usize)> {
+    let mut outs = launch(x, p, state, cw, ctr, true)?;
+    let missing = || Error::mlx("fused short-conv layer kernel: missing output");
+    let times = outs.pop().ok_or_else(missing)?;
+    let (d, c) = (x.h.dim(1), cw.dim(0));
+    let channels = (c as i64 + WARPS as i64 - 1) / WARPS as i64;
+    let next = outs.swap_remove(2);
+    Ok((outs.swap_remove(1), next, times, channels as usize, blocks(d, c) as usize))
+}
+
+/// The kernel's timeline form (outputs as [`kernel`]'s, then `times`), of
+/// the default or (`MLX_LFM_EARLY_PREFETCH=conv`) the early form.
+fn timeline_kernel(quant: bool) -> Option<&'static CudaKernel> {
+    static K: [[Cells; 2]; 2] = [[stages::cells(), stages::cells()], [stages::cells(), stages::cells()]];
+    static SOURCES: [OnceLock<String>; 2] = [OnceLock::new(), OnceLock::new()];
+    static STAMPED: [OnceLock<String>; 2] = [OnceLock::new(), OnceLock::new()];
+    let early = stages::early_prefetch("conv");
+    let body = stages::layer_source(&SOURCES[usize::from(early)], "", early);
+    let source = STAMPED[usize::from(early)].get_or_init(|| super::substituted(body, &stages::TIMELINE_SUBSTITUTIONS));
+    let mut inputs = vec!["h", "r", "wn", "state", "cw"];
+    inputs.extend(Projections::input_names(quant));
+    inputs.push("ctr");
+    let outputs = ["s", "out", "next", "yn", "yc", "times"];
+    let base = if quant { "lfm_conv_fused_timeline" } else { "lfm_conv_fused_dense_timeline" };
+    let name = format!("{base}{}", if early { "_early" } else { "" });
+    stages::kernel(&K[usize::from(early)][usize::from(quant)], &name, &inputs, &outputs, source, || {
+        let head = stages::layer_header(quant, false, stages::layer_defines(true, stages::Tail::None));
+        let early = if early { stages::early_header(quant) } else { String::new() };
+        format!("{}{early}{head}", stages::TIMELINE_HEADER)
+    })
+}
+
+/// The launch: `[s, out, next]`, or (`timeline`) every output of the
+/// timeline form, its stamps last.
+fn launch(x: &Normed, p: Projections, state: &Array, cw: &Array, ctr: &Array, timeline: bool) -> Result<Vec<Array>> {
     const WHAT: &str = "the fused short-conv layer kernel";
-    let kern = kernel(p.quant(), false).ok_or_else(|| Error::mlx(format!("{WHAT} is not available")))?;
+    let kern = if timeline { timeline_kernel(p.quant()) } else { kernel(p.quant(), false) };
+    let kern = kern.ok_or_else(|| Error::mlx(format!("{WHAT} is not available")))?;
     stages::check_state(ctr, WHAT)?;
     let (d, dt) = (x.h.dim(1), x.h.dtype());
     let (c, l) = (cw.dim(0), cw.dim(1));
@@ -181,11 +230,18 @@ pub fn forward(x: &Normed, p: Projections, state: &Array, cw: &Array, ctr: &Arra
     let grid = i32::try_from(nb * threads as i64).map_err(|_| Error::invalid(format!("fused short-conv layer kernel: {nb} blocks")))?;
     let (mut inputs, template) = part_operands(x, p, state, cw, WARPS, WHAT)?;
     inputs.push(ctr);
-    let mut outs = stages::call_with_scratch(
+    let outputs: [(&[i32], Dtype); 5] = [(&[1, d], dt), (&[1, d], dt), (&[1, l - 1, c], dt), (&[d], dt), (&[c], dt)];
+    if timeline {
+        let stamps = [i32::try_from(nb * 4).map_err(|_| Error::invalid(format!("fused short-conv layer kernel: {nb} blocks")))?];
+        let mut all = outputs.to_vec();
+        all.push((&stamps, Dtype::Int64));
+        return kern.call(&inputs, &all, [grid, 1, 1], [threads, 1, 1], &template);
+    }
+    let outs = stages::call_with_scratch(
         kern,
         || kernel(p.quant(), true),
         &inputs,
-        &[(&[1, d], dt), (&[1, d], dt), (&[1, l - 1, c], dt), (&[d], dt), (&[c], dt)],
+        &outputs,
         &["SCR_YN", "SCR_YC"],
         ctr,
         [grid, 1, 1],
@@ -193,11 +249,7 @@ pub fn forward(x: &Normed, p: Projections, state: &Array, cw: &Array, ctr: &Arra
         &template,
     )?;
     BUILT.bump();
-    let missing = || Error::mlx("fused short-conv layer kernel: missing output");
-    let next = outs.pop().ok_or_else(missing)?;
-    let out = outs.pop().ok_or_else(missing)?;
-    let s = outs.pop().ok_or_else(missing)?;
-    Ok((s, out, next))
+    Ok(outs)
 }
 
 /// The operands a launch with the conv part begins with (the row, its

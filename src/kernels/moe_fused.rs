@@ -537,7 +537,7 @@ mod tests {
         // (The MoE part's stages end where the feed-forward's begin.)
         assert!(wide.contains("#else\n  if (fr <= GB) {\n    // The gate's output j"));
         let stamped = crate::kernels::substituted(&wide, &stages::TIMELINE_SUBSTITUTIONS);
-        assert_eq!(stamped.matches("LFM_STAMP").count(), 12);
+        assert_eq!(stamped.matches("LFM_STAMP").count(), 19);
         assert_eq!(parts(2048, 1792, 4, 1), (224, 256));
         assert_eq!(parts(2048, 1792, 4, 4), (56, 64));
         assert_eq!(blocks(2048, 1792, 4, 4), 121);

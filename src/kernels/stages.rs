@@ -528,12 +528,35 @@ __device__ inline long long lfm_now() {
 /// Where the timeline form stamps (see [`TIMELINE_HEADER`]): `(text, the
 /// text with its stamp)`, each text found in [`LAYER_SOURCE`] (a test
 /// holds it). The feed-forward's part shares the gate stage's and w2's
-/// texts, so it is stamped too.
-pub(crate) const TIMELINE_SUBSTITUTIONS: [(&str, &str); 8] = [
+/// texts with the MoE's, so it is stamped too. (The conv part's second
+/// stamp lands in its out_proj-only form's path too, where it is the
+/// block's start again.)
+pub(crate) const TIMELINE_SUBSTITUTIONS: [(&str, &str); 15] = [
     (
         "  const int role = lfm_take_part<NB>(st, launch);\n",
         "  const int role = lfm_take_part<NB>(st, launch);\n  LFM_STAMP_START();\n",
     ),
+    // The conv part: its norm, its channels' blocks, out_proj's blocks.
+    ("    lfm_release_mark(st + 1, launch + 1);\n    return;\n", "    LFM_STAMP(3);\n    lfm_release_mark(st + 1, launch + 1);\n    return;\n"),
+    (
+        "    const bool late = lfm_block_wait(st + 1, launch + 1, nullptr, 0);\n",
+        "    const bool late = lfm_block_wait(st + 1, launch + 1, nullptr, 0);\n    LFM_STAMP(1);\n",
+    ),
+    ("    if (!late) lfm_stage16(sm, yn, XR);\n    __syncthreads();\n", "    if (!late) lfm_stage16(sm, yn, XR);\n    __syncthreads();\n    LFM_STAMP(2);\n"),
+    ("    lfm_release_count(st + 2);\n    return;\n", "    LFM_STAMP(3);\n    lfm_release_count(st + 2);\n    return;\n"),
+    (
+        "    const bool late = lfm_block_wait(st + 2, (launch + 1) * IB, nullptr, 0);\n",
+        "    const bool late = lfm_block_wait(st + 2, (launch + 1) * IB, nullptr, 0);\n    LFM_STAMP(1);\n",
+    ),
+    (
+        "    if (!late) lfm_stage16(sm, yc, CR);\n#endif\n    __syncthreads();\n",
+        "    if (!late) lfm_stage16(sm, yc, CR);\n#endif\n    __syncthreads();\n    LFM_STAMP(2);\n",
+    ),
+    (
+        "      if (lane == 0) LFM_CONV_ROW[n] = late ? T(poison) : T(o[0]);\n    }\n",
+        "      if (lane == 0) LFM_CONV_ROW[n] = late ? T(poison) : T(o[0]);\n    }\n    LFM_STAMP(3);\n",
+    ),
+    // The feed-forward's or MoE's part.
     (
         "    lfm_release_mark(st + FC + 1, launch + 1);\n    return;\n",
         "    LFM_STAMP(3);\n    lfm_release_mark(st + FC + 1, launch + 1);\n    return;\n",
@@ -1019,8 +1042,12 @@ mod tests {
             assert!(now.contains("LFM_STAMP") && now.contains(was.trim_end()));
         }
         let stamped = super::super::substituted(LAYER_SOURCE, &TIMELINE_SUBSTITUTIONS);
-        // (Eight in the MoE part, four in the feed-forward's gate and w2 stages.)
-        assert_eq!(stamped.matches("LFM_STAMP").count(), 12);
+        // (Eight in the MoE part, four in the feed-forward's gate and w2
+        // stages, seven in the conv part.)
+        assert_eq!(stamped.matches("LFM_STAMP").count(), 19);
+        // (And over the early form's text: none lost.)
+        let early = super::super::substituted(LAYER_SOURCE, &EARLY_SUBSTITUTIONS);
+        assert_eq!(super::super::substituted(&early, &TIMELINE_SUBSTITUTIONS).matches("LFM_STAMP").count(), 19);
         let times = [10_000i64, 11_000, 12_000, 15_000, 10_500, 16_000, 17_000, 20_000, 10_700, 21_000, 21_500, 30_000];
         let s = timeline_summary(&times, 1, 3).unwrap();
         assert_eq!(s["blocks"], 2);

@@ -2104,11 +2104,7 @@ fn moe_fused_kernel_matches_the_three_kernels() {
 
 /// The one-launch MoE kernel's timeline form (the bench's,
 /// `moe_fused::forward_timeline`) on its own state: the plain form's
-/// output bits (`want`), and stamps that keep the stages' order: within a
-/// block, start <= wait's end <= staged <= done; every gate/up block's wait
-/// ends after the router's block is done, every down block's after the
-/// last gate/up block is done (each waited for the other's release, which
-/// comes after its stamp).
+/// output bits (`want`), and stamps in the stages' order ([`check_stamps`]).
 #[allow(clippy::too_many_arguments)]
 fn check_timeline(
     what: &str,
@@ -2127,20 +2123,33 @@ fn check_timeline(
     });
     crate::mlx::eval(&[&out, &times]).unwrap();
     assert_eq!(differing(&out, want), 0, "{what}: the timeline form's output differs");
+    check_stamps(what, &times, gate_up, nb);
+}
+
+/// A timeline form's stamps (`[nb * 4]`: a block's start, wait's end,
+/// staged row, end) keep the stages' order: within a block, start <=
+/// wait's end <= staged <= done; every block of the first stage after
+/// block 0 (parts `1..=first`: the channels, the gate/up rows) ends its
+/// wait after block 0 (the norm, the route) is done, every later block
+/// after the first stage's last is done (each waited for the other's
+/// release, which comes after its stamp). Prints the three ends.
+fn check_stamps(what: &str, times: &crate::mlx::Array, first: usize, nb: usize) {
     let t: Vec<i64> = times.to_vec().unwrap();
     assert_eq!(t.len(), nb * 4, "{what}: stamps");
     for (b, s) in t.chunks_exact(4).enumerate() {
         assert!(s[0] > 0 && s.windows(2).all(|w| w[0] <= w[1]), "{what}: block {b}'s stamps out of order: {s:?}");
     }
-    let router_done = t[3];
-    let gate_up_done = (1..=gate_up).map(|b| t[b * 4 + 3]).max().unwrap();
-    assert!((1..=gate_up).all(|b| t[b * 4 + 1] >= router_done), "{what}: a gate/up block's wait ended before the route");
-    assert!((gate_up + 1..nb).all(|b| t[b * 4 + 1] >= gate_up_done), "{what}: a down block's wait ended before the gate/up blocks");
+    let head_done = t[3];
+    let first_done = (1..=first).map(|b| t[b * 4 + 3]).max().unwrap();
+    assert!((1..=first).all(|b| t[b * 4 + 1] >= head_done), "{what}: a first-stage block's wait ended before block 0 was done");
+    assert!((first + 1..nb).all(|b| t[b * 4 + 1] >= first_done), "{what}: a last-stage block's wait ended before the first stage was done");
+    let t0 = t.iter().step_by(4).min().unwrap();
+    let last = t.chunks_exact(4).map(|s| s[3]).max().unwrap();
     eprintln!(
-        "{what}: timeline: route done at {:.1} µs, gate/up at {:.1}, down at {:.1} ({nb} blocks)",
-        (router_done - t.iter().step_by(4).min().unwrap()) as f64 / 1e3,
-        (gate_up_done - t.iter().step_by(4).min().unwrap()) as f64 / 1e3,
-        (t.chunks_exact(4).map(|s| s[3]).max().unwrap() - t.iter().step_by(4).min().unwrap()) as f64 / 1e3
+        "{what}: timeline: block 0 done at {:.1} µs, the first stage at {:.1}, the last at {:.1} ({nb} blocks)",
+        (head_done - t0) as f64 / 1e3,
+        (first_done - t0) as f64 / 1e3,
+        (last - t0) as f64 / 1e3
     );
 }
 
@@ -2261,6 +2270,20 @@ fn conv_fused_kernel_matches_stock_ops() {
                 for (name, got, want) in [("sum", &s2, &s), ("output", &out2, &out), ("state", &next2, &next)] {
                     assert_eq!(differing(got, want), 0, "{what}: rows asked for early, launch {turn}: the {name} differs");
                 }
+            }
+            // The timeline form (the bench's), of the default and the early
+            // form, on counters of its own: the same output and state, its
+            // stamps in the stages' order.
+            for early_too in [false, true] {
+                let set = if early_too { &early[..] } else { &[] };
+                let ctr = new_counters().unwrap();
+                let (out2, next2, times, channels, nb) = crate::knobs::with_overrides(set, || {
+                    with_opt_in_one("MLX_LFM_CONV_FUSED", || crate::kernels::conv_fused::forward_timeline(&x, p, &state, &cw, &ctr).unwrap())
+                });
+                crate::mlx::eval(&[&out2, &next2, &times]).unwrap();
+                assert_eq!(differing(&out2, &out), 0, "{what}: the timeline form's output differs (early: {early_too})");
+                assert_eq!(differing(&next2, &next), 0, "{what}: the timeline form's state differs (early: {early_too})");
+                check_stamps(&format!("{what} (early: {early_too})"), &times, channels, nb);
             }
             // (The output and the state after the token both poisoned when given up.)
             check_counters_in_step(&what, &counters, &[true, true, false, true, false], &[s, out, next], |c| {

@@ -130,20 +130,28 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
             .chain(LAYER_ARMS.iter().map(|(n, ..)| *n))
             .chain(CONV_ARMS.iter().map(|(n, ..)| *n))
             .chain(FFN_ARMS.iter().map(|(n, ..)| *n))
-            .chain([TIMELINE_ARM])
+            .chain([TIMELINE_ARM, CONV_TIMELINE_ARM])
             .collect();
         if let Some(bad) = a.iter().find(|x| !known.contains(&x.as_str())) {
             return Err(mlx_lfm::Error::invalid(format!("--arms: no arm named {bad:?} (the arms: {})", known.join(", "))));
         }
     }
-    if only.is_some_and(|a| a.iter().any(|x| x == TIMELINE_ARM)) {
+    let timelines: Vec<&String> = only.unwrap_or(&[]).iter().filter(|x| [TIMELINE_ARM, CONV_TIMELINE_ARM].contains(&x.as_str())).collect();
+    if !timelines.is_empty() {
         if !cuda {
-            return Err(mlx_lfm::Error::invalid(format!("--arms {TIMELINE_ARM}: the one-launch MoE kernel runs on CUDA only")));
+            return Err(mlx_lfm::Error::invalid("--arms: the timeline forms run on CUDA only".to_string()));
         }
-        if only.is_some_and(|a| a.len() > 1) {
-            return Err(mlx_lfm::Error::invalid(format!("--arms {TIMELINE_ARM} runs alone (no plan: it is not for ncu)")));
+        if only.is_some_and(|a| a.len() > timelines.len()) {
+            return Err(mlx_lfm::Error::invalid("--arms: the timeline arms run without the others (no plan: they are not for ncu)".to_string()));
         }
-        return timeline(reps);
+        for arm in timelines {
+            if arm == TIMELINE_ARM {
+                timeline(reps)?;
+            } else {
+                conv_timeline(reps)?;
+            }
+        }
+        return Ok(());
     }
     let keep = |arms: Vec<(&'static str, Vec<(&'static str, &'static str)>)>| -> Vec<_> { arms.into_iter().filter(|(name, _)| chosen(name)).collect() };
     let (dense_arms, quant_arms) = (keep(arms()), keep(quant_arms()));
@@ -654,12 +662,90 @@ fn timeline_of(layer: &Layer, scrub: &Array, rows: &str, reps: usize) -> mlx_lfm
         println!("{line}");
         lines.push(line);
     }
-    // The medians over the launches of each figure.
+    let summary = medians(&lines, &["router", "gate_up", "down"]);
+    let all_same = lines.iter().all(|l| l["same_as_plain"] == true);
+    println!(
+        "{}",
+        serde_json::json!({"moe_timeline_summary": summary, "rows_a_warp": rows, "launches": lines.len(), "all_same_as_plain": all_same})
+    );
+    Ok(())
+}
+
+/// `--arms conv-layer-timeline` (alone, without ncu): the 8B-A1B's 4-bit
+/// and the 1.2B's dense one-launch conv layer through its timeline form,
+/// by default and with its rows asked for before its waits
+/// (`MLX_LFM_EARLY_PREFETCH=conv`): when the norm's block ends, when the
+/// channels' blocks start and end, when out_proj's do (session 33's ncu:
+/// the 8B-A1B's launch 25 µs for ~9.4 MB, every block resident). L2 is
+/// evicted before each launch; each launch's output is checked against
+/// the plain form's.
+const CONV_TIMELINE_ARM: &str = "conv-layer-timeline";
+
+fn conv_timeline(reps: usize) -> mlx_lfm::Result<()> {
+    use mlx_lfm::kernels::{conv_fused, stages::timeline_summary};
+    use mlx_lfm::model::linear::Normed;
+    let conv = ConvLayer::new()?;
+    let scrub = mlx::zeros(&[1, 80 << 20], Dtype::Bfloat16)?;
+    scrub.eval()?;
+    for (form, quant, early) in [("q4", true, ""), ("q4-early", true, "conv"), ("bf16", false, ""), ("bf16-early", false, "conv")] {
+        let switches = [
+            ("MLX_LFM_CONV_FUSED".to_string(), Some("1".to_string())),
+            ("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string())),
+            ("MLX_LFM_EARLY_PREFETCH".to_string(), Some(early.to_string())),
+        ];
+        mlx_lfm::knobs::with_overrides(&switches, || -> mlx_lfm::Result<()> {
+            let (plain_ctr, timed_ctr) = (mlx_lfm::kernels::stages::new_counters()?, mlx_lfm::kernels::stages::new_counters()?);
+            let mut lines = Vec::new();
+            for i in 0..reps.max(1) * CONV_LAUNCHES {
+                let p = if quant {
+                    let (wi, wo) = &conv.projections[i % conv.projections.len()];
+                    conv_fused::Projections::Quant(wi, wo)
+                } else {
+                    let (wi, wo) = &conv.dense[i % conv.dense.len()];
+                    conv_fused::Projections::Dense(wi, wo)
+                };
+                let x = Normed { h: &conv.h, r: Some(&conv.r), w: &conv.wn, eps: LAYER_EPS, eps_array: &conv.eps };
+                if !conv_fused::available(&x, p, &conv.state, &conv.cw, false) {
+                    return Err(mlx_lfm::Error::invalid("kernel-bench: the one-launch conv kernel does not serve the layer's operands"));
+                }
+                let plain = conv_fused::forward(&x, p, &conv.state, &conv.cw, &plain_ctr)?.1;
+                plain.eval()?;
+                scrub.argmax(1, false)?.eval()?;
+                let t = Instant::now();
+                let (out, _, times, channels, nb) = conv_fused::forward_timeline(&x, p, &conv.state, &conv.cw, &timed_ctr)?;
+                mlx::eval(&[&out, &times])?;
+                let wall = t.elapsed().as_secs_f64() * 1e6;
+                let same = out.astype(Dtype::Float32)?.to_vec::<f32>()? == plain.astype(Dtype::Float32)?.to_vec::<f32>()?;
+                let times = times.to_vec::<i64>()?;
+                let line = serde_json::json!({
+                    "conv_timeline": i,
+                    "form": form,
+                    "blocks": nb,
+                    "wall_us": wall,
+                    "same_as_plain": same,
+                    "norm": timeline_summary(&times, 0, 1),
+                    "channels": timeline_summary(&times, 1, channels + 1),
+                    "out_proj": timeline_summary(&times, channels + 1, nb),
+                });
+                println!("{line}");
+                lines.push(line);
+            }
+            println!("{}", serde_json::json!({"conv_timeline_summary": medians(&lines, &["norm", "channels", "out_proj"]), "form": form,
+                                             "launches": lines.len(), "all_same_as_plain": lines.iter().all(|l| l["same_as_plain"] == true)}));
+            Ok(())
+        })?;
+    }
+    Ok(())
+}
+
+/// The medians over a timeline's launches (`lines`) of each figure of
+/// each of its `parts`.
+fn medians(lines: &[serde_json::Value], parts: &[&str]) -> serde_json::Value {
     let mut summary = serde_json::Map::new();
-    for part in ["router", "gate_up", "down"] {
+    for part in parts {
         let mut fields = serde_json::Map::new();
         for f in ["first_start_us", "last_start_us", "last_end_us", "wait_us_median", "stage_us_median", "work_us_median"] {
-            let mut v: Vec<f64> = lines.iter().filter_map(|l| l[part][f].as_f64()).collect();
+            let mut v: Vec<f64> = lines.iter().filter_map(|l| l[*part][f].as_f64()).collect();
             v.sort_by(f64::total_cmp);
             if let Some(m) = v.get(v.len() / 2) {
                 fields.insert(f.to_string(), (*m).into());
@@ -667,12 +753,7 @@ fn timeline_of(layer: &Layer, scrub: &Array, rows: &str, reps: usize) -> mlx_lfm
         }
         summary.insert(part.to_string(), fields.into());
     }
-    let all_same = lines.iter().all(|l| l["same_as_plain"] == true);
-    println!(
-        "{}",
-        serde_json::json!({"moe_timeline_summary": summary, "rows_a_warp": rows, "launches": lines.len(), "all_same_as_plain": all_same})
-    );
-    Ok(())
+    summary.into()
 }
 
 /// The 8B-A1B's short-conv layer for one decode row, from the residual's
