@@ -398,19 +398,22 @@ pub(crate) const LAYER_SOURCE: &str = r#"
 #endif
 "#;
 
-/// L2 prefetches of a byte span, every 128-byte line it touches: by a
-/// warp's lanes, and by a whole block (no register, no consumer: the
-/// lines' DRAM reads start at once and a later load waits on L2 at most).
+/// L2 prefetches of a byte span, by a warp's lanes and by a whole block
+/// (no register, no consumer: the DRAM reads start at once and a later
+/// load waits on L2 at most). One a 32-byte sector the span touches: PTX
+/// promises the line that holds the address, and L2 fills by sectors, so
+/// a prefetch a 128-byte line could bring a quarter of it (the span of a
+/// 1 KB row is then one prefetch a lane).
 pub(crate) const PREFETCH_HEADER: &str = r#"
 __device__ inline void lfm_prefetch_span(const void* p, int bytes, int lane) {
   const unsigned long long a = reinterpret_cast<unsigned long long>(p);
-  for (unsigned long long l = (a & ~127ull) + 128ull * lane; l < a + bytes; l += 32ull * 128ull) {
+  for (unsigned long long l = (a & ~31ull) + 32ull * lane; l < a + bytes; l += 32ull * 32ull) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(l));
   }
 }
 __device__ inline void lfm_prefetch_block(const void* p, int bytes) {
   const unsigned long long a = reinterpret_cast<unsigned long long>(p);
-  for (unsigned long long l = (a & ~127ull) + 128ull * threadIdx.x; l < a + bytes; l += 128ull * blockDim.x) {
+  for (unsigned long long l = (a & ~31ull) + 32ull * threadIdx.x; l < a + bytes; l += 32ull * blockDim.x) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(l));
   }
 }
