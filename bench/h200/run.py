@@ -2076,11 +2076,12 @@ AB = {
     # layer's state instead (src/kernels/stages.rs).
     "scratch-in-state": ({"MLX_LFM_SCRATCH_IN_STATE": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     # The one-launch MoE layer at 2, 4 or 8 rows a warp (session 34,
-    # src/kernels/moe_fused.rs rows_a_warp): 241 / 121 / 61 blocks on the
-    # 8B-A1B where the default's 481 run in ~3.6 waves, each warp's rows
-    # asked of L2 once the route names their expert (the down blocks' while
-    # the gate/up blocks run). Session 33's ncu: the launch 40 µs in the
-    # step (~0.6 TB/s), 878 of the step's 1,696 µs. The default's bits.
+    # src/kernels/moe_fused.rs rows_a_warp): 481 / 241 / 121 blocks of 512
+    # threads on the 8B-A1B (two an SM: ~1.8 waves, then one) where the
+    # default's 481 of 1,024 run in ~3.6 waves, each warp's rows asked of L2
+    # once the route names their expert (the down blocks' while the gate/up
+    # blocks run). Session 33's ncu: the launch 40 µs in the step (~0.6
+    # TB/s), 878 of the step's 1,696 µs. The default's bits.
     **{f"moe-rows-{r}": ({"MLX_LFM_MOE_FUSED_ROWS": str(r)}, ["lfm2-8b-a1b-q4"]) for r in (2, 4, 8)},
     # The one-launch conv layers', feed-forwards' and q/k/v stages' weight
     # rows asked of L2 when a block takes its part, before it waits for the

@@ -403,10 +403,17 @@ for _v in ("@timeline", "@early-timeline", "@dense-timeline", "@dense-early-time
     KERNELS["conv_fused.rs" + _v] = (_base[0], _base[1] + [("times", "long long")], _base[2])
 # Several rows a warp (MLX_LFM_MOE_FUSED_ROWS: moe_fused.rs wide_source,
 # SPLICE_OF), at 4 and 8 rows, its scratch-rows form and its timeline form.
-KERNELS["moe_fused.rs@wide"] = (*KERNELS["moe_fused.rs"][:2], lambda dt: KERNELS["moe_fused.rs"][2](dt) + [("RPW", 4)])
-KERNELS["moe_fused.rs@wide8"] = (*KERNELS["moe_fused.rs"][:2], lambda dt: KERNELS["moe_fused.rs"][2](dt) + [("RPW", 8)])
+# (Blocks of 16 warps: moe_fused.rs WIDE_WARPS.)
+_W16 = lambda targs: [(k, 16 if k == "WARPS" else v) for k, v in targs]
+KERNELS["moe_fused.rs@wide"] = (*KERNELS["moe_fused.rs"][:2], lambda dt: _W16(KERNELS["moe_fused.rs"][2](dt)) + [("RPW", 4)])
+KERNELS["moe_fused.rs@wide8"] = (*KERNELS["moe_fused.rs"][:2], lambda dt: _W16(KERNELS["moe_fused.rs"][2](dt)) + [("RPW", 8)])
+# Their most registers: the d1536 shapes (below) at 8 rows a warp.
+for _r in (4, 8):
+    KERNELS[f"moe_fused.rs@wide{_r}-d1536"] = (*KERNELS["moe_fused.rs"][:2],
+                                               lambda dt, r=_r: _W16(KERNELS["moe_fused.rs@d1536"][2](dt)) + [("RPW", r)],
+                                               ["bfloat16", "float16"])
 KERNELS["moe_fused.rs@wide-scratch"] = (KERNELS["moe_fused.rs"][0], KERNELS["moe_fused.rs"][1][:2],
-                                        lambda dt: KERNELS["moe_fused.rs@scratch"][2](dt) + [("RPW", 4)])
+                                        lambda dt: _W16(KERNELS["moe_fused.rs@scratch"][2](dt)) + [("RPW", 4)])
 KERNELS["moe_fused.rs@wide-timeline"] = (KERNELS["moe_fused.rs"][0], KERNELS["moe_fused.rs@timeline"][1],
                                          KERNELS["moe_fused.rs@wide"][2])
 KERNELS["conv_fused.rs@no-wait"] = KERNELS["conv_fused.rs"]
@@ -666,6 +673,8 @@ REPLACE_OF = {
        for v in ("@early-timeline", "@dense-early-timeline")},
     "moe_fused.rs@wide": substitutions("moe_fused.rs", "WIDE_SUBSTITUTIONS"),
     "moe_fused.rs@wide8": substitutions("moe_fused.rs", "WIDE_SUBSTITUTIONS"),
+    "moe_fused.rs@wide4-d1536": substitutions("moe_fused.rs", "WIDE_SUBSTITUTIONS"),
+    "moe_fused.rs@wide8-d1536": substitutions("moe_fused.rs", "WIDE_SUBSTITUTIONS"),
     "moe_fused.rs@wide-scratch": substitutions("moe_fused.rs", "WIDE_SUBSTITUTIONS"),
     "moe_fused.rs@wide-timeline": (substitutions("moe_fused.rs", "WIDE_SUBSTITUTIONS")
                                    + substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS")),
@@ -675,7 +684,7 @@ REPLACE_OF = {
 _MOE = root / "src" / "kernels" / "moe_fused.rs"
 _WIDE = (named(_MOE, "WIDE_FROM"), named(_MOE, "WIDE_TO"), named(_MOE, "WIDE_EXPERTS"))
 SPLICE_OF = {key: _WIDE for key in ("moe_fused.rs@wide", "moe_fused.rs@wide8", "moe_fused.rs@wide-scratch",
-                                    "moe_fused.rs@wide-timeline")}
+                                    "moe_fused.rs@wide-timeline", "moe_fused.rs@wide4-d1536", "moe_fused.rs@wide8-d1536")}
 # A kernel variant's own #define, as its Rust side prepends it.
 # The parts of stages.rs's LAYER_SOURCE each kernel compiles (its
 # layer_defines).
@@ -700,6 +709,8 @@ DEFINES_OF = {
     "moe_fused.rs@timeline": named(root / "src" / "kernels" / "stages.rs", "TIMELINE_HEADER") + LAYER_MOE,
     "moe_fused.rs@wide": named(root / "src" / "kernels" / "stages.rs", "PREFETCH_HEADER") + LAYER_MOE,
     "moe_fused.rs@wide8": named(root / "src" / "kernels" / "stages.rs", "PREFETCH_HEADER") + LAYER_MOE,
+    "moe_fused.rs@wide4-d1536": named(root / "src" / "kernels" / "stages.rs", "PREFETCH_HEADER") + LAYER_MOE,
+    "moe_fused.rs@wide8-d1536": named(root / "src" / "kernels" / "stages.rs", "PREFETCH_HEADER") + LAYER_MOE,
     "moe_fused.rs@wide-scratch": named(root / "src" / "kernels" / "stages.rs", "PREFETCH_HEADER") + LAYER_MOE,
     "moe_fused.rs@wide-timeline": (named(root / "src" / "kernels" / "stages.rs", "TIMELINE_HEADER")
                                    + named(root / "src" / "kernels" / "stages.rs", "PREFETCH_HEADER") + LAYER_MOE),

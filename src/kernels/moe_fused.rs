@@ -67,6 +67,15 @@ use std::sync::OnceLock;
 /// kernel's default), 32 experts a row on the 8B-A1B; ptxas keeps the
 /// kernel within the 64 registers a thread that 1,024 threads allow.
 pub(crate) const WARPS: i32 = 32;
+/// Warps a block of the wide form ([`rows_a_warp`]): 16, so that a block
+/// launches whatever registers ptxas gives a thread (up to 128 at 512
+/// threads; MLX gives a custom kernel no launch bounds). At 1,024 threads
+/// the wide form took 66-96 registers on some served shapes (rows of
+/// 1,536 or 4,096, 8-bit experts in groups of 32: nvrtc-check's probes),
+/// past the 64 that allow a launch; on the 8B-A1B's it takes 56 at 4 rows
+/// a warp and 64 at 8, two blocks an SM. The router's warps then take two experts each, each
+/// expert's dot still one warp's: the same bits.
+const WIDE_WARPS: i32 = 16;
 /// The router's scratch outputs hold this many entries whatever k is, so
 /// that they stay over 8 bytes (MLX 0.32.4 keeps smaller arrays in its
 /// managed scalar pool, slow for the GPU to read; `moe_router::scores_f32`).
@@ -112,12 +121,14 @@ const SCRATCH_PRELUDE: &str = r#"
 /// `MLX_LFM_MOE_FUSED_ROWS=R` (2, 4 or 8; opt-in, session 34, not yet
 /// run on a GPU): the launch's experts `R` rows a warp instead of one, in
 /// about one wave. The default launch is 481 blocks of 1,024 threads on the
-/// 8B-A1B, one block an SM at its 64 registers a thread, so ~3.6 waves of
+/// 8B-A1B, one block an SM at its 56 registers a thread, so ~3.6 waves of
 /// blocks one after another, each a few µs of a ticket, a wait, a staged
 /// row, one DRAM round trip for 1-2 KB a warp and a release: session 33's
-/// ncu had the launch at 40 µs in the step, ~0.6 TB/s of its ~25 MB. With
-/// R = 4 it is 121 blocks (the router's, 56 gate/up, 64 down), fewer than
-/// the H100's and H200's 132 SMs, and each warp asks L2 for all its rows'
+/// ncu had the launch at 40 µs in the step, ~0.6 TB/s of its ~25 MB. The
+/// wide form's blocks are 512 threads ([`WIDE_WARPS`]): with R = 4 it is
+/// 241 blocks (the router's, 112 gate/up, 128 down), two an SM at its 56
+/// registers, fewer than the 264 the H100's and H200's 132 SMs hold (R =
+/// 8: 121), and each warp asks L2 for all its rows'
 /// bytes (prefetch: no register) as soon as the route names their expert,
 /// then sums them one after another from L2: the down blocks, resident
 /// while the gate/up blocks run, fetch their rows during the gate/up
@@ -170,12 +181,15 @@ const WIDE_EXPERTS: &str = r#"    // Gate/up: RPW rows of one chosen expert a wa
     T* xs = reinterpret_cast<T*>(sm);
     if (!late) lfm_stage16(sm, LFM_FFN_YN, XR);
     __syncthreads();
+    // (The rows' results kept until every row is summed: no global store
+    // between one row's loads and the next's, so they may overlap.)
+    T res[RPW];
+#pragma unroll
     for (int q = 0; q < RPW; q++) {
       const int n = n0 + q;
-      if (n >= F) break;
       float ag = 0.0f;
       float au = 0.0f;
-      if (!bad) {
+      if (!bad && n < F) {
         const size_t gi = ex * (2 * F) + n;
         const size_t ui = ex * (2 * F) + F + n;
         if (lfm_aligned(uw)) {
@@ -188,7 +202,13 @@ const WIDE_EXPERTS: &str = r#"    // Gate/up: RPW rows of one chosen expert a wa
         ag = lfm_warp_sum(ag);
         au = lfm_warp_sum(au);
       }
-      if (lane == 0) hk[static_cast<size_t>(j) * F + n] = bad ? T(poison) : lfm_swiglu<T>(ag, au);
+      res[q] = bad ? T(poison) : lfm_swiglu<T>(ag, au);
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int q = 0; q < RPW; q++) {
+        if (n0 + q < F) hk[static_cast<size_t>(j) * F + n0 + q] = res[q];
+      }
     }
     lfm_release_count(st + FC + 2);
     return;
@@ -225,6 +245,7 @@ const WIDE_EXPERTS: &str = r#"    // Gate/up: RPW rows of one chosen expert a wa
   if (!late) lfm_stage16(sm, hk, HR);
   __syncthreads();
   const size_t ex = late ? 0 : __ldcg(inds + j);
+#pragma unroll
   for (int q = 0; q < RPW; q++) {
     const int n = n0 + q;
     if (col >= CPB || n >= D) break;
@@ -308,10 +329,19 @@ fn kernel(scratch: bool, wide: bool) -> Option<&'static CudaKernel> {
     stages::kernel(&K[at], name, &INPUTS, &outputs, body, head)
 }
 
+/// The warps a block of the form at `r` rows a warp.
+fn warps(r: i32) -> i32 {
+    if r > 1 {
+        WIDE_WARPS
+    } else {
+        WARPS
+    }
+}
+
 /// The gate/up blocks and the down blocks of one launch at `r` rows a
 /// warp (as the kernel counts them; `k` in 1..=8).
 fn parts(d: i32, f: i32, k: i32, r: i32) -> (i64, i64) {
-    let (w, k64, r) = (WARPS as i64, k as i64, r as i64);
+    let (w, k64, r) = (warps(r) as i64, k as i64, r as i64);
     let gate_up = k64 * ((f as i64 + w * r - 1) / (w * r));
     let per = w / k64 * r;
     (gate_up, (d as i64 + per - 1) / per)
@@ -460,7 +490,7 @@ fn launch(
     let (e, f) = (g.weight.dim(0), gu.weight.dim(1) / 2);
     let k = k as i32;
     let nb = blocks(d, f, k, r);
-    let threads = WARPS * 32;
+    let threads = warps(r) * 32;
     let grid = i32::try_from(nb * threads as i64).map_err(|_| Error::invalid(format!("fused MoE kernel: {nb} blocks")))?;
     let template = [
         ("T", TemplateArg::Dtype(dt)),
@@ -473,7 +503,7 @@ fn launch(
         ("GGS", TemplateArg::Int(g.spec.group_size)),
         ("BITS", TemplateArg::Int(gu.spec.bits)),
         ("GS", TemplateArg::Int(gu.spec.group_size)),
-        ("WARPS", TemplateArg::Int(WARPS)),
+        ("WARPS", TemplateArg::Int(warps(r))),
         ("EPS_BITS", TemplateArg::Int(eps.to_bits() as i32)),
         ("SCALE_BITS", TemplateArg::Int(scale.to_bits() as i32)),
     ];
@@ -525,8 +555,9 @@ mod tests {
 
     /// The wide form's text: its experts' part in place of the default's,
     /// its counts over RPW, the router's gate asked of L2, and every
-    /// timeline stamp still finding its place; its blocks on the 8B-A1B
-    /// fewer than the H100's and H200's 132 SMs at 4 rows a warp.
+    /// timeline stamp still finding its place; its blocks on the 8B-A1B at
+    /// 4 rows a warp fewer than the 264 of 512 threads the H100's and
+    /// H200's 132 SMs hold at its registers.
     #[test]
     fn the_wide_form_replaces_the_experts_stages() {
         let wide = wide_source().expect("the wide form's pieces are in LAYER_SOURCE");
@@ -538,11 +569,13 @@ mod tests {
         assert!(wide.contains("#else\n  if (fr <= GB) {\n    // The gate's output j"));
         let stamped = crate::kernels::substituted(&wide, &stages::TIMELINE_SUBSTITUTIONS);
         assert_eq!(stamped.matches("LFM_STAMP").count(), 19);
+        // (One row a warp: blocks of 32 warps; more: of 16.)
         assert_eq!(parts(2048, 1792, 4, 1), (224, 256));
-        assert_eq!(parts(2048, 1792, 4, 4), (56, 64));
-        assert_eq!(blocks(2048, 1792, 4, 4), 121);
-        assert_eq!(parts(2048, 256, 3, 8), (3, 26));
-        assert_eq!(parts(1024, 256, 4, 2), (16, 64));
+        assert_eq!(parts(2048, 1792, 4, 4), (112, 128));
+        assert_eq!(blocks(2048, 1792, 4, 4), 241);
+        assert_eq!(blocks(2048, 1792, 4, 8), 121);
+        assert_eq!(parts(2048, 256, 3, 8), (6, 52));
+        assert_eq!(parts(1024, 256, 4, 2), (32, 128));
     }
 
     /// A MoE layer's state holds its scratch rows at either activation
