@@ -612,8 +612,7 @@ const TIMELINE_ARM: &str = "moe-layer-q4-timeline";
 
 fn timeline(reps: usize) -> mlx_lfm::Result<()> {
     let layer = Layer::new()?;
-    let scrub = mlx::zeros(&[1, 80 << 20], Dtype::Bfloat16)?;
-    scrub.eval()?;
+    let scrub = scrub_rows()?;
     // The default form (one row a warp), then the wide ones.
     for rows in ["1", "2", "4", "8"] {
         let switches = [
@@ -624,6 +623,15 @@ fn timeline(reps: usize) -> mlx_lfm::Result<()> {
         mlx_lfm::knobs::with_overrides(&switches, || timeline_of(&layer, &scrub, rows, reps))?;
     }
     Ok(())
+}
+
+/// 160 MB of values read whole before each timed launch, so that L2 holds
+/// none of the launch's weights (drawn, not `zeros`: MLX makes a constant
+/// array a broadcast of one value, whose read touches one line).
+fn scrub_rows() -> mlx_lfm::Result<Array> {
+    let scrub = normal(&[1, 80 << 20], Dtype::Bfloat16, 0.0, 1.0, None)?;
+    scrub.eval()?;
+    Ok(scrub)
 }
 
 /// [`timeline`] of one form (`rows` a warp).
@@ -685,8 +693,7 @@ fn conv_timeline(reps: usize) -> mlx_lfm::Result<()> {
     use mlx_lfm::kernels::{conv_fused, stages::timeline_summary};
     use mlx_lfm::model::linear::Normed;
     let conv = ConvLayer::new()?;
-    let scrub = mlx::zeros(&[1, 80 << 20], Dtype::Bfloat16)?;
-    scrub.eval()?;
+    let scrub = scrub_rows()?;
     for (form, quant, early) in [("q4", true, ""), ("q4-early", true, "conv"), ("bf16", false, ""), ("bf16-early", false, "conv")] {
         let switches = [
             ("MLX_LFM_CONV_FUSED".to_string(), Some("1".to_string())),
