@@ -456,14 +456,14 @@ const EARLY_QUANT_ROWS: &str = r#"
 #define LFM_EARLY_IN(K, row) LFM_EARLY_ROW_Q(iw, iscales, ibiases, K, IBITS, IGS, row)
 #define LFM_EARLY_OUT(K, row) LFM_EARLY_ROW_Q(ow, oscales, obiases, K, OBITS, OGS, row)
 #define LFM_EARLY_IN_BLOCK(K, row0, n) { \
-  lfm_prefetch_block(iw + (row0) * ((K) * IBITS / 32), (n) * ((K) * IBITS / 8)); \
-  lfm_prefetch_block(iscales + (row0) * ((K) / IGS), (n) * ((K) / IGS) * (int)sizeof(T)); \
-  lfm_prefetch_block(ibiases + (row0) * ((K) / IGS), (n) * ((K) / IGS) * (int)sizeof(T)); }
+  lfm_prefetch_block(iw + static_cast<size_t>(row0) * ((K) * IBITS / 32), (n) * ((K) * IBITS / 8)); \
+  lfm_prefetch_block(iscales + static_cast<size_t>(row0) * ((K) / IGS), (n) * ((K) / IGS) * (int)sizeof(T)); \
+  lfm_prefetch_block(ibiases + static_cast<size_t>(row0) * ((K) / IGS), (n) * ((K) / IGS) * (int)sizeof(T)); }
 "#;
 const EARLY_DENSE_ROWS: &str = r#"
 #define LFM_EARLY_IN(K, row) lfm_prefetch_span(iw + static_cast<size_t>(row) * (K), (K) * (int)sizeof(T), lane)
 #define LFM_EARLY_OUT(K, row) lfm_prefetch_span(ow + static_cast<size_t>(row) * (K), (K) * (int)sizeof(T), lane)
-#define LFM_EARLY_IN_BLOCK(K, row0, n) lfm_prefetch_block(iw + (row0) * (K), (n) * (K) * (int)sizeof(T))
+#define LFM_EARLY_IN_BLOCK(K, row0, n) lfm_prefetch_block(iw + static_cast<size_t>(row0) * (K), (n) * (K) * (int)sizeof(T))
 "#;
 
 /// The early form's header, before the layer's own.
@@ -520,12 +520,16 @@ __device__ inline long long lfm_now() {
   return static_cast<long long>(t);
 }
 #define LFM_STAMP(i) \
-  if (threadIdx.x == 0) times[static_cast<size_t>(role) * 4 + (i)] = lfm_now();
+  do { \
+    if (threadIdx.x == 0) times[static_cast<size_t>(role) * 4 + (i)] = lfm_now(); \
+  } while (0)
 #define LFM_STAMP_START() \
-  if (threadIdx.x == 0) { \
-    const long long t0_ = lfm_now(); \
-    for (int i_ = 0; i_ < 4; i_++) times[static_cast<size_t>(role) * 4 + i_] = t0_; \
-  }
+  do { \
+    if (threadIdx.x == 0) { \
+      const long long t0_ = lfm_now(); \
+      for (int i_ = 0; i_ < 4; i_++) times[static_cast<size_t>(role) * 4 + i_] = t0_; \
+    } \
+  } while (0)
 "#;
 
 /// Where the timeline form stamps (see [`TIMELINE_HEADER`]): `(text, the
