@@ -1403,6 +1403,8 @@ def moe_timeline():
         j = json.loads(line) if line.startswith("{") else {}
         if any(k in j for k in ("moe_timeline_summary", "moe_timeline", "conv_timeline_summary", "conv_timeline")):
             record(engine="moe-timeline", **j)
+        elif "timeline_error" in j:
+            record(engine="moe-timeline", arm=j["timeline_error"], error=j["error"])
 
 
 def short_kernel(name):

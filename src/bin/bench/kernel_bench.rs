@@ -144,11 +144,11 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
         if only.is_some_and(|a| a.len() > timelines.len()) {
             return Err(mlx_lfm::Error::invalid("--arms: the timeline arms run without the others (no plan: they are not for ncu)".to_string()));
         }
+        // (One arm's failure is its line; the next still runs.)
         for arm in timelines {
-            if arm == TIMELINE_ARM {
-                timeline(reps)?;
-            } else {
-                conv_timeline(reps)?;
+            let done = if arm == TIMELINE_ARM { timeline(reps) } else { conv_timeline(reps) };
+            if let Err(e) = done {
+                println!("{}", serde_json::json!({"timeline_error": arm, "error": e.to_string()}));
             }
         }
         return Ok(());
