@@ -165,8 +165,13 @@ from its A/B: the variants and greedy sets that turned them on are gone,
 `conv-fused-off`, `ffn-fused-off`, `qkv-fused-off` measure them off, and
 the greedy test's default run checks it built each.
 Next (`bash bench/h200/prepare.sh` here first; ~1,500 s planned).
-Session 34 was lent no machine at all, so session 33's plan (for the
-record below) is still to run, with session 34's opt-ins added: the
+Session 34 got an H100 only in its last minutes (calls 1-3 below, call 2
+cut at 220 s after the conv and feed-forward tests passed): its
+kernel-bench turned down `moe-rows-*` (48.3 / 73.0 / 125.8 µs against the
+default's 41.8) and `early-prefetch` (no gain), so drop them from call 4;
+its timelines put the first one-block stage (router, norm) at 10-60 µs
+of a cold launch. Session 33's plan is otherwise still to run, with
+session 34's opt-ins added: the
 one-launch MoE layer at 2, 4 or 8 rows a warp (`moe-rows-*`, one wave of
 blocks instead of ~3.6), the conv / feed-forward / q/k/v layers' rows
 asked of L2 before their waits (`early-prefetch`, `early-prefetch-conv`),
