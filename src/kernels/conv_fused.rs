@@ -71,21 +71,15 @@ pub fn built() -> usize {
 /// `MLX_LFM_EARLY_PREFETCH=conv`, its form that asks for its rows before
 /// its waits ([`stages::early_prefetch`]).
 fn kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
-    static K: [[[Cells; 2]; 2]; 2] = [const { [const { [stages::cells(), stages::cells()] }; 2] }; 2];
-    static SOURCES: [[OnceLock<String>; 2]; 2] = [const { [const { OnceLock::new() }; 2] }; 2];
+    static FORMS: stages::Forms = stages::Forms::new();
     let early = stages::early_prefetch("conv");
     let mut inputs = vec!["h", "r", "wn", "state", "cw"];
     inputs.extend(Projections::input_names(quant));
     inputs.push("ctr");
-    let outputs = ["s", "out", "next", "yn", "yc"];
     let base = if quant { "lfm_conv_fused" } else { "lfm_conv_fused_dense" };
-    let name = format!("{base}{}{}", if early { "_early" } else { "" }, if scratch { "_scr" } else { "" });
-    let prelude = if scratch { SCRATCH_PRELUDE } else { "" };
-    let source = stages::layer_source(&SOURCES[usize::from(early)][usize::from(scratch)], prelude, early);
-    let outputs = if scratch { &outputs[..3] } else { &outputs[..] };
-    stages::kernel(&K[usize::from(early)][usize::from(scratch)][usize::from(quant)], &name, &inputs, outputs, source, || {
-        let head = stages::layer_header(quant, false, stages::layer_defines(true, stages::Tail::None));
-        if early { format!("{}{head}", stages::early_header(quant)) } else { head }
+    let outputs = ["s", "out", "next", "yn", "yc"];
+    FORMS.kernel(base, (quant, scratch, early), stages::LAYER_SOURCE, &stages::EARLY_SUBSTITUTIONS, SCRATCH_PRELUDE, &inputs, (&outputs, 3), || {
+        stages::layer_header(quant, false, stages::layer_defines(true, stages::Tail::None))
     })
 }
 

@@ -30,7 +30,7 @@
 //! blocks (MLX's GEMV spreads it over 128): what its A/B will show. Tests
 //! in src/kernels/tests.rs.
 
-use super::stages::{self, Built, Cells};
+use super::stages::{self, Built};
 use crate::error::{Error, Result};
 use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
 use crate::mlx::Array;
@@ -68,23 +68,17 @@ pub fn built() -> usize {
 /// The kernel; with `scratch`, its form with the scratch rows (`yn`,
 /// `hk`) in the layer's state ([`stages::call_with_scratch`]).
 fn kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
-    static K: [[[Cells; 2]; 2]; 2] = [const { [const { [stages::cells(), stages::cells()] }; 2] }; 2];
-    static SOURCES: [[OnceLock<String>; 2]; 2] = [const { [const { OnceLock::new() }; 2] }; 2];
+    static FORMS: stages::Forms = stages::Forms::new();
     // (MLX_LFM_EARLY_PREFETCH=ffn: its form that asks for its rows before
     // its waits, stages::early_prefetch.)
     let early = stages::early_prefetch("ffn");
     let mut inputs = vec!["h", "r", "wn"];
     inputs.extend(Projections::input_names(quant));
     inputs.push("ctr");
-    let outputs = ["s", "out", "yn", "hk"];
     let base = if quant { "lfm_ffn_fused_q" } else { "lfm_ffn_fused" };
-    let name = format!("{base}{}{}", if early { "_early" } else { "" }, if scratch { "_scr" } else { "" });
-    let prelude = if scratch { SCRATCH_PRELUDE } else { "" };
-    let source = stages::layer_source(&SOURCES[usize::from(early)][usize::from(scratch)], prelude, early);
-    let outputs = if scratch { &outputs[..2] } else { &outputs[..] };
-    stages::kernel(&K[usize::from(early)][usize::from(scratch)][usize::from(quant)], &name, &inputs, outputs, source, || {
-        let head = stages::layer_header(quant, false, stages::layer_defines(false, stages::Tail::Ffn));
-        if early { format!("{}{head}", stages::early_header(quant)) } else { head }
+    let outputs = ["s", "out", "yn", "hk"];
+    FORMS.kernel(base, (quant, scratch, early), stages::LAYER_SOURCE, &stages::EARLY_SUBSTITUTIONS, SCRATCH_PRELUDE, &inputs, (&outputs, 2), || {
+        stages::layer_header(quant, false, stages::layer_defines(false, stages::Tail::Ffn))
     })
 }
 

@@ -18,7 +18,7 @@
 //! int32 array (the compiled step's view into its position table). Tests in
 //! src/kernels/tests.rs.
 
-use super::stages::{self, Built, Cells};
+use super::stages::{self, Built};
 use crate::error::{Error, Result};
 use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
 use crate::mlx::{Array, Dtype};
@@ -55,26 +55,18 @@ pub enum Projection<'a> {
 /// `MLX_LFM_EARLY_PREFETCH=qkv`, its form that asks L2 for its head's rows
 /// before its wait ([`stages::early_prefetch`], [`EARLY_SUBSTITUTIONS`]).
 fn kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
-    static K: [[[Cells; 2]; 2]; 2] = [const { [const { [stages::cells(), stages::cells()] }; 2] }; 2];
-    static SOURCES: [[OnceLock<String>; 2]; 2] = [const { [const { OnceLock::new() }; 2] }; 2];
+    static FORMS: stages::Forms = stages::Forms::new();
     let early = stages::early_prefetch("qkv");
-    let outputs = ["s", "qo", "ko", "vo", "yn"];
-    // (The projection's rows as the first of a layer's two projections:
-    // src/kernels/stages.rs's products and header.)
-    let base = if quant { "lfm_qkv_fused" } else { "lfm_qkv_fused_dense" };
-    let name = format!("{base}{}{}", if early { "_early" } else { "" }, if scratch { "_scr" } else { "" });
-    let source = SOURCES[usize::from(early)][usize::from(scratch)].get_or_init(|| {
-        let body = super::qk_norm_rope::QKV_FUSED_SOURCE;
-        let body = if early { super::substituted(body, &EARLY_SUBSTITUTIONS) } else { body.to_string() };
-        format!("{}{body}", if scratch { SCRATCH_PRELUDE } else { "" })
-    });
-    let outputs = if scratch { &outputs[..4] } else { &outputs[..] };
     let mut inputs = vec!["h", "r", "wn"];
     inputs.extend(if quant { &["iw", "iscales", "ibiases"][..] } else { &["iw"][..] });
     inputs.extend(["qw", "kw", "offset", "ctr"]);
-    stages::kernel(&K[usize::from(early)][usize::from(scratch)][usize::from(quant)], &name, &inputs, outputs, source, || {
-        let head = stages::layer_header(quant, false, "");
-        if early { format!("{}{head}", stages::early_header(quant)) } else { head }
+    // (The projection's rows as the first of a layer's two projections:
+    // src/kernels/stages.rs's products and header.)
+    let base = if quant { "lfm_qkv_fused" } else { "lfm_qkv_fused_dense" };
+    let outputs = ["s", "qo", "ko", "vo", "yn"];
+    let body = super::qk_norm_rope::QKV_FUSED_SOURCE;
+    FORMS.kernel(base, (quant, scratch, early), body, &EARLY_SUBSTITUTIONS, SCRATCH_PRELUDE, &inputs, (&outputs, 4), || {
+        stages::layer_header(quant, false, "")
     })
 }
 

@@ -494,6 +494,49 @@ pub(crate) const EARLY_SUBSTITUTIONS: [(&str, &str); 4] = [
     ),
 ];
 
+/// A one-launch layer's kernels in their forms (dense or quantized, with
+/// or without the scratch rows in the state, the early prefetch or not):
+/// each form's cells and its text, made once.
+pub(crate) struct Forms {
+    cells: [[[Cells; 2]; 2]; 2],
+    texts: [[OnceLock<String>; 2]; 2],
+}
+
+impl Forms {
+    pub(crate) const fn new() -> Forms {
+        Forms { cells: [const { [const { [cells(), cells()] }; 2] }; 2], texts: [const { [const { OnceLock::new() }; 2] }; 2] }
+    }
+
+    /// The form's kernel: named `base` (`_early`, then `_scr`, after it
+    /// for those forms), over `body` (with `early`, `early_subs` made in;
+    /// with `scratch`, `prelude` before it) and `header()` (after the
+    /// early form's, [`early_header`]); with `scratch`, the first `kept`
+    /// of `outputs` (the scratch rows are the rest).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn kernel(
+        &'static self,
+        base: &str,
+        (quant, scratch, early): (bool, bool, bool),
+        body: &str,
+        early_subs: &[(&str, &str)],
+        prelude: &str,
+        inputs: &[&str],
+        (outputs, kept): (&[&str], usize),
+        header: impl FnOnce() -> String,
+    ) -> Option<&'static CudaKernel> {
+        let text = self.texts[usize::from(early)][usize::from(scratch)].get_or_init(|| {
+            let body = if early { super::substituted(body, early_subs) } else { body.to_string() };
+            format!("{}{body}", if scratch { prelude } else { "" })
+        });
+        let name = format!("{base}{}{}", if early { "_early" } else { "" }, if scratch { "_scr" } else { "" });
+        let outputs = if scratch { &outputs[..kept] } else { outputs };
+        kernel(&self.cells[usize::from(early)][usize::from(scratch)][usize::from(quant)], &name, inputs, outputs, text, || {
+            let head = header();
+            if early { format!("{}{head}", early_header(quant)) } else { head }
+        })
+    }
+}
+
 /// [`LAYER_SOURCE`] as a one-launch kernel's form runs it: with `early`
 /// its rows asked for before its waits ([`EARLY_SUBSTITUTIONS`]), after
 /// `prelude` (a scratch-rows form's, or none); made once into `cell`.
