@@ -165,38 +165,40 @@ from its A/B: the variants and greedy sets that turned them on are gone,
 `conv-fused-off`, `ffn-fused-off`, `qkv-fused-off` measure them off, and
 the greedy test's default run checks it built each.
 Next (`bash bench/h200/prepare.sh` here first; ~1,500 s planned).
-Session 34 got an H100 only in its last minutes (calls 1-3 below, call 2
-cut at 220 s after the conv and feed-forward tests passed): its
-kernel-bench turned down `moe-rows-*` (48.3 / 73.0 / 125.8 µs against the
-default's 41.8) and `early-prefetch` (no gain), so drop them from call 4;
-its timelines put the first one-block stage (router, norm) at 10-60 µs
-of a cold launch. Session 33's plan is otherwise still to run, with
-session 34's opt-ins added: the
-one-launch MoE layer at 2, 4 or 8 rows a warp (`moe-rows-*`, one wave of
-blocks instead of ~3.6), the conv / feed-forward / q/k/v layers' rows
-asked of L2 before their waits (`early-prefetch`, `early-prefetch-conv`),
-and `moe-timeline` (where the MoE and conv launches' 25-40 µs go, block
-by block):
+Session 34 got an H100 only in its last minutes: its kernel-bench turned
+down several rows a warp (48.3 / 73.0 / 125.8 µs against the default's
+41.8; the form is gone since session 35) and the conv / feed-forward
+early prefetch (no gain); its timelines put the MoE router's one block,
+which every other block waits on, at 7-10 µs of a 35-40 µs launch.
+Session 35 (no machine at first) wrote two MoE forms against that: the
+launch in blocks of 16 or 8 warps (`moe-warps-16`, `moe-warps-8`: two or
+four blocks an SM where the default's 1,024-thread blocks run one) and
+the router's rows asked of L2 by the first block before its ticket
+(`early-prefetch-moe`). The chain:
   1. carry [.device/a, .device/llama]: `stage`.
   2. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=7
      H200_KERNEL_TESTS=a_kernel_from_files_gives_the_inline_bits,greedy_tokens_with_kernel_texts_in_files,moe_fused_kernel_matches_the_three_kernels,conv_fused_kernel_matches_stock_ops,ffn_fused_kernel_matches_stock_ops,qkv_fused_kernel_matches_stock_ops,greedy_tokens_with_kernels_equal_stock_ops,compiled_prefill_equals_the_eager_prefill
      `timeout -s TERM 560 python3 bench/h200/run.py install verdicts-from
-     bench/results/2026-12-03-h200-session18.raw.jsonl,bench/results/2026-12-04-h200-session20.raw.jsonl,bench/results/2026-12-04-h200-session21.raw.jsonl,bench/results/2026-12-04-h200-session24.raw.jsonl,bench/results/2026-12-05-h200-session27.raw.jsonl,bench/results/2026-12-05-h200-session30.raw.jsonl,bench/results/2026-12-05-h100-session31.raw.jsonl,bench/results/2026-12-05-h100-session32.raw.jsonl,bench/results/2026-12-05-h100-session33.raw.jsonl
+     bench/results/2026-12-03-h200-session18.raw.jsonl,bench/results/2026-12-04-h200-session20.raw.jsonl,bench/results/2026-12-04-h200-session21.raw.jsonl,bench/results/2026-12-04-h200-session24.raw.jsonl,bench/results/2026-12-05-h200-session27.raw.jsonl,bench/results/2026-12-05-h200-session30.raw.jsonl,bench/results/2026-12-05-h100-session31.raw.jsonl,bench/results/2026-12-05-h100-session32.raw.jsonl,bench/results/2026-12-05-h100-session33.raw.jsonl,bench/results/2026-12-05-h100-session34.raw.jsonl
      kernels save-ptx` (the kernel texts in files; the scratch rows in the
-     state; the MoE layer's wide forms and timeline form against the
-     default's bits; the early forms against theirs; the greedy sets
-     `moe-rows-4`, `early-prefetch`, `MLX_LFM_SCRATCH_IN_STATE` and the
-     default with the attention buckets on).
-  3. carry [.device/bin]: H200_KERNEL_BENCH_ARMS=moe-layer-q4-fused,moe-layer-q4-fused-rows-2,moe-layer-q4-fused-rows-4,moe-layer-q4-fused-rows-8,conv-layer-q4-fused,conv-layer-q4-fused-early,conv-layer-bf16-fused,conv-layer-bf16-fused-early,ffn-layer-q4-fused,ffn-layer-q4-fused-early,ffn-layer-bf16-fused,ffn-layer-bf16-fused-early
+     state; the MoE layer's smaller blocks, early prefetch and timeline
+     forms against the default's bits; the early forms against theirs;
+     the greedy sets `moe-warps-8`, `early-prefetch`,
+     `MLX_LFM_SCRATCH_IN_STATE` and the default with the attention
+     buckets on).
+  3. carry [.device/bin]: H200_KERNEL_BENCH_ARMS=moe-layer-q4-fused,moe-layer-q4-fused-warps-16,moe-layer-q4-fused-warps-8,moe-layer-q4-fused-early,moe-layer-q4-fused-warps-16-early,moe-layer-q4-fused-warps-8-early
      `timeout -s TERM 300 python3 bench/h200/run.py moe-timeline
-     kernel-bench` (~150 s: each form's GPU time alone under ncu, caches
-     flushed; the timeline without ncu). Only the forms that beat their
-     default there go on to call 4.
+     kernel-bench` (~120 s: each form's GPU time alone under ncu, caches
+     flushed; the timelines without ncu, where the first launch of a form
+     and the fastest are the clean ones: session 34's median launch
+     stalled ~60 µs in one block). Only the forms that beat the default
+     there go on to call 4.
   4. carry [.device/bin]: H200_OURS_ENV (mimalloc) and
      H200_AB_VARIANTS=kernel-text-file,scratch-in-state plus call 3's
-     winners (`moe-rows-R`, `early-prefetch` or `early-prefetch-conv`)
-     `timeout -s TERM 560 python3 bench/h200/run.py ab pick gguf-bg`
-     (`pick` takes each only where call 2 passed its tests).
+     winners (`moe-warps-16`, `moe-warps-8`, `early-prefetch-moe`,
+     `moe-warps-8-early`) `timeout -s TERM 560 python3
+     bench/h200/run.py ab pick gguf-bg` (`pick` takes each only where
+     call 2 passed its tests).
   5. carry [.device/bin]: H200_OURS_ENV, `timeout -s TERM 560 python3
      bench/h200/run.py round 1` with the picked switches, then `round 2`
      in its own call if time is left.
@@ -2082,14 +2084,20 @@ AB = {
     # are 132 outputs a step of the 8B-A1B (58 of the 350M); kept in each
     # layer's state instead (src/kernels/stages.rs).
     "scratch-in-state": ({"MLX_LFM_SCRATCH_IN_STATE": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
-    # The one-launch MoE layer at 2, 4 or 8 rows a warp (session 34,
-    # src/kernels/moe_fused.rs rows_a_warp): 481 / 241 / 121 blocks of 512
-    # threads on the 8B-A1B (two an SM: ~1.8 waves, then one) where the
-    # default's 481 of 1,024 run in ~3.6 waves, each warp's rows asked of L2
-    # once the route names their expert (the down blocks' while the gate/up
-    # blocks run). Session 33's ncu: the launch 40 µs in the step (~0.6
-    # TB/s), 878 of the step's 1,696 µs. The default's bits.
-    **{f"moe-rows-{r}": ({"MLX_LFM_MOE_FUSED_ROWS": str(r)}, ["lfm2-8b-a1b-q4"]) for r in (2, 4, 8)},
+    # The one-launch MoE layer in blocks of 16 or 8 warps (session 35,
+    # src/kernels/moe_fused.rs block_warps): two or four an SM where the
+    # default's 481 blocks of 1,024 threads run one an SM in ~3.6 waves,
+    # so one block's ticket, wait and staging overlap another's loads.
+    # Session 33's ncu: the launch 40 µs in the step (~0.6 TB/s), 878 of
+    # the step's 1,696 µs. (Session 34's several rows a warp lost and are
+    # gone.) The default's bits.
+    **{f"moe-warps-{w}": ({"MLX_LFM_MOE_FUSED_WARPS": str(w)}, ["lfm2-8b-a1b-q4"]) for w in (8, 16)},
+    # The MoE router's rows asked of L2 by the launch's first block before
+    # its ticket (session 35, moe_fused.rs EARLY_SUBSTITUTIONS): session
+    # 34's timeline had the router's one block, which every other block
+    # waits on, at 7-10 µs of a 35-40 µs launch.
+    "early-prefetch-moe": ({"MLX_LFM_EARLY_PREFETCH": "moe"}, ["lfm2-8b-a1b-q4"]),
+    "moe-warps-8-early": ({"MLX_LFM_MOE_FUSED_WARPS": "8", "MLX_LFM_EARLY_PREFETCH": "moe"}, ["lfm2-8b-a1b-q4"]),
     # The one-launch conv layers', feed-forwards' and q/k/v stages' weight
     # rows asked of L2 when a block takes its part, before it waits for the
     # stage before (session 34, src/kernels/stages.rs early_prefetch):
@@ -2112,10 +2120,12 @@ AB_TESTS = {
                          "ffn_fused_kernel_matches_stock_ops", "qkv_fused_kernel_matches_stock_ops",
                          "greedy:MLX_LFM_SCRATCH_IN_STATE"],
     # (The kernel test holds every form to the default's bits; the greedy
-    # set runs four rows a warp.)
-    **{f"moe-rows-{r}": ["moe_fused_kernel_matches_the_three_kernels", "greedy:moe-rows-4"] for r in (2, 4, 8)},
+    # sets run blocks of 8 warps, and every early prefetch.)
+    **{f"moe-warps-{w}": ["moe_fused_kernel_matches_the_three_kernels", "greedy:moe-warps-8"] for w in (8, 16)},
+    "moe-warps-8-early": ["moe_fused_kernel_matches_the_three_kernels", "greedy:moe-warps-8", "greedy:early-prefetch"],
+    "early-prefetch-moe": ["moe_fused_kernel_matches_the_three_kernels", "greedy:early-prefetch"],
     **{v: ["conv_fused_kernel_matches_stock_ops", "ffn_fused_kernel_matches_stock_ops", "qkv_fused_kernel_matches_stock_ops",
-           "greedy:early-prefetch"] for v in ("early-prefetch", "early-prefetch-conv")},
+           "moe_fused_kernel_matches_the_three_kernels", "greedy:early-prefetch"] for v in ("early-prefetch", "early-prefetch-conv")},
     "gemv-kernel": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops", "greedy:default"],
     "gemv-norm-kernels": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops",
                           "norm_gemv_kernels_match_stock_ops", "greedy:default"],
@@ -2203,7 +2213,7 @@ PICK = [
     (["position-table-off"], "decode"),
     (["moe-down-early", "router-scores-f32", "router-scores-f32-early"], "decode"),
     (["conv-layer-fused"], "decode"),
-    (["moe-rows-2", "moe-rows-4", "moe-rows-8"], "decode"),
+    (["moe-warps-16", "moe-warps-8", "early-prefetch-moe", "moe-warps-8-early"], "decode"),
     (["early-prefetch", "early-prefetch-conv"], "decode"),
     (["layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off"], "decode"),
     (["attention-smem", "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4"], "decode"),
@@ -2233,7 +2243,8 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4", "conv-gemv",
                "moe-down-early", "router-scores-f32", "router-scores-f32-early", "fold-eps-const", "position-table-off",
                "fold-deferred", "layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off",
-               "conv-layer-fused", "moe-rows-2", "moe-rows-4", "moe-rows-8", "early-prefetch", "early-prefetch-conv"}
+               "conv-layer-fused", "moe-warps-16", "moe-warps-8", "early-prefetch-moe", "moe-warps-8-early", "early-prefetch",
+               "early-prefetch-conv"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]

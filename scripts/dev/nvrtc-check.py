@@ -401,21 +401,19 @@ for _k in ("conv_fused.rs", "ffn_fused.rs", "qk_norm_rope.rs#qkv_fused"):
 for _v in ("@timeline", "@early-timeline", "@dense-timeline", "@dense-early-timeline"):
     _base = KERNELS["conv_fused.rs@dense" if "dense" in _v else "conv_fused.rs"]
     KERNELS["conv_fused.rs" + _v] = (_base[0], _base[1] + [("times", "long long")], _base[2])
-# Several rows a warp (MLX_LFM_MOE_FUSED_ROWS: moe_fused.rs wide_source,
-# SPLICE_OF), at 4 and 8 rows, its scratch-rows form and its timeline form.
-# (Blocks of 16 warps: moe_fused.rs WIDE_WARPS.)
-_W16 = lambda targs: [(k, 16 if k == "WARPS" else v) for k, v in targs]
-KERNELS["moe_fused.rs@wide"] = (*KERNELS["moe_fused.rs"][:2], lambda dt: _W16(KERNELS["moe_fused.rs"][2](dt)) + [("RPW", 4)])
-KERNELS["moe_fused.rs@wide8"] = (*KERNELS["moe_fused.rs"][:2], lambda dt: _W16(KERNELS["moe_fused.rs"][2](dt)) + [("RPW", 8)])
-# Their most registers: the d1536 shapes (below) at 8 rows a warp.
-for _r in (4, 8):
-    KERNELS[f"moe_fused.rs@wide{_r}-d1536"] = (*KERNELS["moe_fused.rs"][:2],
-                                               lambda dt, r=_r: _W16(KERNELS["moe_fused.rs@d1536"][2](dt)) + [("RPW", r)],
-                                               ["bfloat16", "float16"])
-KERNELS["moe_fused.rs@wide-scratch"] = (KERNELS["moe_fused.rs"][0], KERNELS["moe_fused.rs"][1][:2],
-                                        lambda dt: _W16(KERNELS["moe_fused.rs@scratch"][2](dt)) + [("RPW", 4)])
-KERNELS["moe_fused.rs@wide-timeline"] = (KERNELS["moe_fused.rs"][0], KERNELS["moe_fused.rs@timeline"][1],
-                                         KERNELS["moe_fused.rs@wide"][2])
+# Smaller blocks (MLX_LFM_MOE_FUSED_WARPS: moe_fused.rs block_warps), and
+# at the most registers (the d1536 shapes, below) in blocks of 8 warps;
+# the router's rows asked of L2 first (MLX_LFM_EARLY_PREFETCH=moe:
+# moe_fused.rs EARLY_SUBSTITUTIONS), plain, with its scratch rows in the
+# state and as its timeline form.
+_WARPS = lambda targs, w: [(k, w if k == "WARPS" else v) for k, v in targs]
+KERNELS["moe_fused.rs@warps16"] = (*KERNELS["moe_fused.rs"][:2], lambda dt: _WARPS(KERNELS["moe_fused.rs"][2](dt), 16))
+KERNELS["moe_fused.rs@warps8"] = (*KERNELS["moe_fused.rs"][:2], lambda dt: _WARPS(KERNELS["moe_fused.rs"][2](dt), 8))
+KERNELS["moe_fused.rs@warps8-d1536"] = (*KERNELS["moe_fused.rs"][:2],
+                                        lambda dt: _WARPS(KERNELS["moe_fused.rs@d1536"][2](dt), 8), ["bfloat16", "float16"])
+KERNELS["moe_fused.rs@early"] = KERNELS["moe_fused.rs"]
+KERNELS["moe_fused.rs@early-scratch"] = KERNELS["moe_fused.rs@scratch"]
+KERNELS["moe_fused.rs@early-timeline"] = KERNELS["moe_fused.rs@timeline"]
 KERNELS["conv_fused.rs@no-wait"] = KERNELS["conv_fused.rs"]
 
 # The folds with their first column's rows prefetched before the prologue
@@ -671,20 +669,10 @@ REPLACE_OF = {
     "conv_fused.rs@dense-timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
     **{"conv_fused.rs" + v: substitutions("stages.rs", "EARLY_SUBSTITUTIONS") + substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS")
        for v in ("@early-timeline", "@dense-early-timeline")},
-    "moe_fused.rs@wide": substitutions("moe_fused.rs", "WIDE_SUBSTITUTIONS"),
-    "moe_fused.rs@wide8": substitutions("moe_fused.rs", "WIDE_SUBSTITUTIONS"),
-    "moe_fused.rs@wide4-d1536": substitutions("moe_fused.rs", "WIDE_SUBSTITUTIONS"),
-    "moe_fused.rs@wide8-d1536": substitutions("moe_fused.rs", "WIDE_SUBSTITUTIONS"),
-    "moe_fused.rs@wide-scratch": substitutions("moe_fused.rs", "WIDE_SUBSTITUTIONS"),
-    "moe_fused.rs@wide-timeline": (substitutions("moe_fused.rs", "WIDE_SUBSTITUTIONS")
-                                   + substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS")),
+    **{"moe_fused.rs" + v: substitutions("moe_fused.rs", "EARLY_SUBSTITUTIONS") for v in ("@early", "@early-scratch")},
+    "moe_fused.rs@early-timeline": (substitutions("moe_fused.rs", "EARLY_SUBSTITUTIONS")
+                                    + substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS")),
 }
-# A part of the body replaced whole before REPLACE_OF (from, through, with),
-# as moe_fused.rs wide_source splices it.
-_MOE = root / "src" / "kernels" / "moe_fused.rs"
-_WIDE = (named(_MOE, "WIDE_FROM"), named(_MOE, "WIDE_TO"), named(_MOE, "WIDE_EXPERTS"))
-SPLICE_OF = {key: _WIDE for key in ("moe_fused.rs@wide", "moe_fused.rs@wide8", "moe_fused.rs@wide-scratch",
-                                    "moe_fused.rs@wide-timeline", "moe_fused.rs@wide4-d1536", "moe_fused.rs@wide8-d1536")}
 # A kernel variant's own #define, as its Rust side prepends it.
 # The parts of stages.rs's LAYER_SOURCE each kernel compiles (its
 # layer_defines).
@@ -707,13 +695,13 @@ DEFINES_OF = {
     "moe_fused.rs@no-wait": "#define LFM_SPIN_LIMIT 0\n" + LAYER_MOE,
     "moe_fused.rs@scratch": LAYER_MOE,
     "moe_fused.rs@timeline": named(root / "src" / "kernels" / "stages.rs", "TIMELINE_HEADER") + LAYER_MOE,
-    "moe_fused.rs@wide": named(root / "src" / "kernels" / "stages.rs", "PREFETCH_HEADER") + LAYER_MOE,
-    "moe_fused.rs@wide8": named(root / "src" / "kernels" / "stages.rs", "PREFETCH_HEADER") + LAYER_MOE,
-    "moe_fused.rs@wide4-d1536": named(root / "src" / "kernels" / "stages.rs", "PREFETCH_HEADER") + LAYER_MOE,
-    "moe_fused.rs@wide8-d1536": named(root / "src" / "kernels" / "stages.rs", "PREFETCH_HEADER") + LAYER_MOE,
-    "moe_fused.rs@wide-scratch": named(root / "src" / "kernels" / "stages.rs", "PREFETCH_HEADER") + LAYER_MOE,
-    "moe_fused.rs@wide-timeline": (named(root / "src" / "kernels" / "stages.rs", "TIMELINE_HEADER")
-                                   + named(root / "src" / "kernels" / "stages.rs", "PREFETCH_HEADER") + LAYER_MOE),
+    "moe_fused.rs@warps16": LAYER_MOE,
+    "moe_fused.rs@warps8": LAYER_MOE,
+    "moe_fused.rs@warps8-d1536": LAYER_MOE,
+    "moe_fused.rs@early": named(root / "src" / "kernels" / "stages.rs", "PREFETCH_HEADER") + LAYER_MOE,
+    "moe_fused.rs@early-scratch": named(root / "src" / "kernels" / "stages.rs", "PREFETCH_HEADER") + LAYER_MOE,
+    "moe_fused.rs@early-timeline": (named(root / "src" / "kernels" / "stages.rs", "TIMELINE_HEADER")
+                                    + named(root / "src" / "kernels" / "stages.rs", "PREFETCH_HEADER") + LAYER_MOE),
     "conv_fused.rs": "#define LFM_QMLX_TILES 2\n" + LAYER_CONV,
     "conv_fused.rs@no-wait": "#define LFM_SPIN_LIMIT 0\n#define LFM_QMLX_TILES 2\n" + LAYER_CONV,
     "conv_fused.rs@dense": "#define LFM_DENSE_PREFETCH 0\n" + LAYER_CONV,
@@ -745,7 +733,7 @@ DEFINES_OF["conv_fused.rs@early-timeline"] = _TL + DEFINES_OF["conv_fused.rs@ear
 DEFINES_OF["conv_fused.rs@dense-early-timeline"] = _TL + DEFINES_OF["conv_fused.rs@dense-early"]
 # A variant's text before its kernel's body, as its Rust side puts it there.
 PRELUDE_OF = {"moe_fused.rs@scratch": named(root / "src" / "kernels" / "moe_fused.rs", "SCRATCH_PRELUDE"),
-              "moe_fused.rs@wide-scratch": named(root / "src" / "kernels" / "moe_fused.rs", "SCRATCH_PRELUDE")}
+              "moe_fused.rs@early-scratch": named(root / "src" / "kernels" / "moe_fused.rs", "SCRATCH_PRELUDE")}
 # The other one-launch layers with their scratch rows in the state
 # (MLX_LFM_SCRATCH_IN_STATE): outputs without the rows, their places (bf16,
 # 2,048 wide: stages.rs scratch_places) as template values.
@@ -780,11 +768,6 @@ for file, (ins, outs, targs, *only_dtypes) in KERNELS.items():
     # "file.rs#name": the file's NAME_SOURCE (a second kernel in one file).
     fname, _, extra = file_key.partition("#")
     src, hdr = body_and_header(root / "src" / "kernels" / fname, "const " + (extra.upper() + "_" if extra else "") + "SOURCE")
-    if file in SPLICE_OF:
-        start, through, spliced = SPLICE_OF[file]
-        a = src.index(start)
-        b = src.index(through, a) + len(through)
-        src = src[:a] + spliced + src[b:]
     src = PRELUDE_OF.get(file, "") + src
     for was, now in REPLACE_OF.get(file, []):
         assert was in src, f"{file}: {was!r} not in its source"

@@ -63,19 +63,11 @@ use std::sync::OnceLock;
 // router's launch mark, gate/up blocks done). The body: the MoE part of
 // src/kernels/stages.rs's `LAYER_SOURCE`.
 
-/// Warps a block: a warp an expert for the router (as the router + norm
-/// kernel's default), 32 experts a row on the 8B-A1B; ptxas keeps the
-/// kernel within the 64 registers a thread that 1,024 threads allow.
+/// Warps a block by default ([`block_warps`]): a warp an expert for the
+/// router (as the router + norm kernel's default), 32 experts a row on the
+/// 8B-A1B; ptxas keeps the kernel within the 64 registers a thread that
+/// 1,024 threads allow.
 pub(crate) const WARPS: i32 = 32;
-/// Warps a block of the wide form ([`rows_a_warp`]): 16, so that a block
-/// launches whatever registers ptxas gives a thread (up to 128 at 512
-/// threads; MLX gives a custom kernel no launch bounds). At 1,024 threads
-/// the wide form took 66-96 registers on some served shapes (rows of
-/// 1,536 or 4,096, 8-bit experts in groups of 32: nvrtc-check's probes),
-/// past the 64 that allow a launch; on the 8B-A1B's it takes 56 at 4 rows
-/// a warp and 64 at 8, two blocks an SM. The router's warps then take two experts each, each
-/// expert's dot still one warp's: the same bits.
-const WIDE_WARPS: i32 = 16;
 /// The router's scratch outputs hold this many entries whatever k is, so
 /// that they stay over 8 bytes (MLX 0.32.4 keeps smaller arrays in its
 /// managed scalar pool, slow for the GPU to read; `moe_router::scores_f32`).
@@ -118,181 +110,66 @@ const SCRATCH_PRELUDE: &str = r#"
   T* hk = reinterpret_cast<T*>(lfm_scratch + SCR_HK);
 "#;
 
-/// `MLX_LFM_MOE_FUSED_ROWS=R` (2, 4 or 8; opt-in, session 34, not yet
-/// run on a GPU): the launch's experts `R` rows a warp instead of one, in
-/// about one wave. The default launch is 481 blocks of 1,024 threads on the
-/// 8B-A1B, one block an SM at its 56 registers a thread, so ~3.6 waves of
-/// blocks one after another, each a few µs of a ticket, a wait, a staged
-/// row, one DRAM round trip for 1-2 KB a warp and a release: session 33's
-/// ncu had the launch at 40 µs in the step, ~0.6 TB/s of its ~25 MB. The
-/// wide form's blocks are 512 threads ([`WIDE_WARPS`]): with R = 4 it is
-/// 241 blocks (the router's, 112 gate/up, 128 down), two an SM at its 56
-/// registers, fewer than the 264 the H100's and H200's 132 SMs hold (R =
-/// 8: 121), and each warp asks L2 for all its rows'
-/// bytes (prefetch: no register) as soon as the route names their expert,
-/// then sums them one after another from L2: the down blocks, resident
-/// while the gate/up blocks run, fetch their rows during the gate/up
-/// stage instead of after it, and the router's block asks for the gate's
-/// rows before its norm. Each row is the same helper over the same values
-/// and each column's experts are summed in the same order, so the outputs
-/// are the default launch's bits (its test holds them to that).
+/// `MLX_LFM_MOE_FUSED_WARPS=16|8` (opt-in, session 35, not yet run on a
+/// GPU): the launch in blocks of 16 or 8 warps instead of 32, the same
+/// stages at one row a warp. The default's blocks of 1,024 threads at its
+/// 56 registers a thread fit one to an SM, so the 8B-A1B's 481 blocks run
+/// in ~3.6 waves, and within a wave each SM's one block takes its ticket,
+/// waits, stages its row and releases with none of its own loads in flight
+/// (session 34's timeline, an H100: a gate/up block's work ~5.5 µs for
+/// 64 KB, a down block's ~3.7 µs for 29 KB). Blocks of 512 threads fit two
+/// an SM, of 256 four (their shared rows ~15 KB each): as many warps, but
+/// one block's ticket, wait and staging overlap another's loads, and the
+/// last wave is finer. (Session 34's wide form, several rows a warp in
+/// blocks of 512, lost: 48-126 µs against 41.8, and is gone.) The same
+/// per-row and per-column code over the same values, each column's experts
+/// summed in their order, each expert's gate dot still one warp's (the
+/// router's warps take E / WARPS experts each): the default's bits, which
+/// its test holds. 8 warps is the fewest the stages allow (the norm takes
+/// 256 threads; a down block a column's TOPK <= 8 experts a warp each).
 ///
 /// A layer's state serves one form for its life (its tickets' epochs are
 /// counted in its launch's blocks): the switch is read once a process, or
 /// held by an engine's own switches.
-pub fn rows_a_warp() -> i32 {
-    static R: OnceLock<i32> = OnceLock::new();
-    crate::knobs::cached("MLX_LFM_MOE_FUSED_ROWS", &R, |v| {
-        v.map(str::trim).and_then(|s| s.parse::<i32>().ok()).filter(|r| [2, 4, 8].contains(r)).unwrap_or(1)
+pub fn block_warps() -> i32 {
+    static W: OnceLock<i32> = OnceLock::new();
+    crate::knobs::cached("MLX_LFM_MOE_FUSED_WARPS", &W, |v| {
+        v.map(str::trim).and_then(|s| s.parse::<i32>().ok()).filter(|w| [8, 16].contains(w)).unwrap_or(WARPS)
     })
 }
 
-/// The wide form's experts: the part of `stages::LAYER_SOURCE` from
-/// [`WIDE_FROM`] through [`WIDE_TO`] (the gate/up and down stages) in its
-/// place, and [`WIDE_SUBSTITUTIONS`] for the blocks' counts.
-const WIDE_FROM: &str = "    // Gate/up: a warp one row of one chosen expert, after the route.\n";
-const WIDE_TO: &str = "    out[n] = late ? T(poison) : T(total);\n  }\n";
-const WIDE_EXPERTS: &str = r#"    // Gate/up: RPW rows of one chosen expert a warp, asked of L2 once the
-    // route names the expert, then summed one after another.
-    const int j = (fr - 1) / RB;
-    const int n0 = ((fr - 1) % RB) * WARPS * RPW + wid * RPW;
-    const bool late = lfm_block_wait(st + FC + 1, launch + 1, nullptr, 0);
-    // (An expert id out of range, which the route never writes, poisons
-    // rather than reads past the stacks.)
-    const size_t ex = late ? 0 : __ldcg(inds + j);
-    const bool bad = late || ex >= E;
-    constexpr int G = D / GS;
-    constexpr int WORDS = D * BITS / 32;
-    if (!bad) {
-#pragma unroll
-      for (int q = 0; q < RPW; q++) {
-        if (n0 + q < F) {
-          const size_t gi = ex * (2 * F) + n0 + q;
-          const size_t ui = gi + F;
-          lfm_prefetch_span(uw + gi * WORDS, WORDS * 4, lane);
-          lfm_prefetch_span(uw + ui * WORDS, WORDS * 4, lane);
-          lfm_prefetch_span(uscales + gi * G, G * sizeof(T), lane);
-          lfm_prefetch_span(ubiases + gi * G, G * sizeof(T), lane);
-          lfm_prefetch_span(uscales + ui * G, G * sizeof(T), lane);
-          lfm_prefetch_span(ubiases + ui * G, G * sizeof(T), lane);
-        }
-      }
-    }
-    T* xs = reinterpret_cast<T*>(sm);
-    if (!late) lfm_stage16(sm, LFM_FFN_YN, XR);
-    __syncthreads();
-    // (The rows' results kept until every row is summed: no global store
-    // between one row's loads and the next's, so they may overlap.)
-    T res[RPW];
-#pragma unroll
-    for (int q = 0; q < RPW; q++) {
-      const int n = n0 + q;
-      float ag = 0.0f;
-      float au = 0.0f;
-      if (!bad && n < F) {
-        const size_t gi = ex * (2 * F) + n;
-        const size_t ui = ex * (2 * F) + F + n;
-        if (lfm_aligned(uw)) {
-          lfm_qdot2_a<T, D, BITS, GS, true>(xs, uw + gi * WORDS, uscales + gi * G, ubiases + gi * G, uw + ui * WORDS,
-                                            uscales + ui * G, ubiases + ui * G, lane, ag, au);
-        } else {
-          lfm_qdot2_a<T, D, BITS, GS, false>(xs, uw + gi * WORDS, uscales + gi * G, ubiases + gi * G, uw + ui * WORDS,
-                                             uscales + ui * G, ubiases + ui * G, lane, ag, au);
-        }
-        ag = lfm_warp_sum(ag);
-        au = lfm_warp_sum(au);
-      }
-      res[q] = bad ? T(poison) : lfm_swiglu<T>(ag, au);
-    }
-    if (lane == 0) {
-#pragma unroll
-      for (int q = 0; q < RPW; q++) {
-        if (n0 + q < F) hk[static_cast<size_t>(j) * F + n0 + q] = res[q];
-      }
-    }
-    lfm_release_count(st + FC + 2);
-    return;
-  }
-  // Down: RPW output columns of one chosen expert a warp, the columns'
-  // experts summed in their order. Their rows are asked of L2 once the
-  // route is known, while the gate/up blocks still run; the sums wait
-  // for every gate/up block of the launch.
-  const int db = fr - 1 - GB;
-  const int j = wid % KE;
-  const int col = wid / KE;
-  const int n0 = db * CPB * RPW + col * RPW;
-  constexpr int G = F / GS;
-  constexpr int WORDS = F * BITS / 32;
-  {
-    const bool unrouted = lfm_block_wait(st + FC + 1, launch + 1, nullptr, 0);
-    const size_t ex = unrouted ? E : __ldcg(inds + j);
-    if (ex < E && col < CPB) {
-#pragma unroll
-      for (int q = 0; q < RPW; q++) {
-        if (n0 + q < D) {
-          const size_t wi = ex * D + n0 + q;
-          lfm_prefetch_span(dw + wi * WORDS, WORDS * 4, lane);
-          lfm_prefetch_span(dscales + wi * G, G * sizeof(T), lane);
-          lfm_prefetch_span(dbiases + wi * G, G * sizeof(T), lane);
-        }
-      }
-    }
-  }
-  // The router's mark too: gate/up blocks that gave up still count
-  // themselves, and the route's outputs are only written once it is set.
-  const bool late = lfm_block_wait(st + FC + 2, (launch + 1) * GB, st + FC + 1, launch + 1);
-  const T* hs = reinterpret_cast<const T*>(sm);
-  if (!late) lfm_stage16(sm, hk, HR);
-  __syncthreads();
-  const size_t ex = late ? 0 : __ldcg(inds + j);
-#pragma unroll
-  for (int q = 0; q < RPW; q++) {
-    const int n = n0 + q;
-    if (col >= CPB || n >= D) break;
-    if ((late || ex >= E) && lane == 0) part[wid * RPW + q] = poison;
-    if (!late && ex < E) {
-      const size_t wi = ex * D + n;
-      const T* hr = hs + static_cast<size_t>(j) * F;
-      float a = 0.0f;
-      if (lfm_aligned(dw)) {
-        lfm_qdot_a<T, F, 1, BITS, GS, true>(hr, dw + wi * WORDS, dscales + wi * G, dbiases + wi * G, lane, &a);
-      } else {
-        lfm_qdot_a<T, F, 1, BITS, GS, false>(hr, dw + wi * WORDS, dscales + wi * G, dbiases + wi * G, lane, &a);
-      }
-      a = lfm_warp_sum(a);
-      if (lane == 0) part[wid * RPW + q] = static_cast<float>(T(static_cast<float>(T(a)) * __ldcg(scores + j)));
-    }
-  }
-  __syncthreads();
-  for (int q = 0; q < RPW; q++) {
-    const int n = n0 + q;
-    if (col >= CPB || n >= D || j != 0 || lane != 0) break;
-    float total = 0.0f;
-    for (int i = 0; i < KE; i++) total += part[(col * KE + i) * RPW + q];
-    out[n] = late ? T(poison) : T(total);
-  }
-"#;
-
-/// The wide form's counts (RPW rows a warp) and its router's gate asked of
-/// L2 before the norm, in `stages::LAYER_SOURCE`'s MoE part.
-const WIDE_SUBSTITUTIONS: [(&str, &str); 4] = [
-    ("  constexpr int RB = (F + WARPS - 1) / WARPS;\n", "  constexpr int RB = (F + WARPS * RPW - 1) / (WARPS * RPW);\n"),
-    ("  constexpr int DB = (D + CPB - 1) / CPB;\n", "  constexpr int DB = (D + CPB * RPW - 1) / (CPB * RPW);\n"),
-    ("  __shared__ float part[WARPS];\n", "  __shared__ float part[WARPS * RPW];\n"),
+/// `MLX_LFM_EARLY_PREFETCH=moe` (or `all`; opt-in, session 35, not yet
+/// run on a GPU): the router's rows (its norm's weight, the gate's words,
+/// scales and biases, the selection bias, the row and the residual) asked
+/// of L2 by the launch's first block before it takes its ticket. The
+/// router's block is the launch's first stage and every other block waits
+/// on it: session 34's timeline (an H100, L2 evicted) had it done at 7-10
+/// µs of a 35-40 µs launch, its ticket, its norm's loads, the gate's words
+/// and then its scales each a DRAM round trip after the one before (the
+/// SASS loads the scales after the words' products). Asked at once, the
+/// ticket's trip overlaps them all and the later loads find L2. L2 is
+/// shared, so whichever block takes the router's ticket finds them. A
+/// prefetch changes no value: the default's bits.
+const EARLY_SUBSTITUTIONS: [(&str, &str); 1] = [
     (
-        "      T* ys = reinterpret_cast<T*>(sm);\n      lfm_norm_stage<T, D, TN>(h, r, wn,",
-        "      T* ys = reinterpret_cast<T*>(sm);\n      lfm_prefetch_block(gw, E * D * GBITS / 8);\n      lfm_prefetch_block(gscales, E * (D / GGS) * sizeof(T));\n      lfm_prefetch_block(gbiases, E * (D / GGS) * sizeof(T));\n      lfm_norm_stage<T, D, TN>(h, r, wn,",
+        "  unsigned long long launch;\n  const int role = lfm_take_part<NB>(st, launch);\n",
+        "  if (blockIdx.x == 0) {\n    lfm_prefetch_block(h, D * (int)sizeof(T));\n    lfm_prefetch_block(r, D * (int)sizeof(T));\n    lfm_prefetch_block(wn, D * (int)sizeof(T));\n    lfm_prefetch_block(gw, E * (D * GBITS / 8));\n    lfm_prefetch_block(gscales, E * (D / GGS) * (int)sizeof(T));\n    lfm_prefetch_block(gbiases, E * (D / GGS) * (int)sizeof(T));\n    lfm_prefetch_block(bias, E * (int)sizeof(float));\n  }\n  unsigned long long launch;\n  const int role = lfm_take_part<NB>(st, launch);\n",
     ),
 ];
 
-/// `stages::LAYER_SOURCE` as the wide form runs it; `None` if a piece it
-/// replaces is not there (a test holds that each is).
-fn wide_source() -> Option<String> {
-    let src = stages::LAYER_SOURCE;
-    let from = src.find(WIDE_FROM)?;
-    let to = src[from..].find(WIDE_TO)? + from + WIDE_TO.len();
-    let spliced = format!("{}{WIDE_EXPERTS}{}", &src[..from], &src[to..]);
-    WIDE_SUBSTITUTIONS.iter().all(|(was, _)| spliced.contains(was)).then(|| super::substituted(&spliced, &WIDE_SUBSTITUTIONS))
+/// The kernel's body: `stages::LAYER_SOURCE`, or (`early`) with
+/// [`EARLY_SUBSTITUTIONS`].
+fn body(early: bool) -> String {
+    if early {
+        super::substituted(stages::LAYER_SOURCE, &EARLY_SUBSTITUTIONS)
+    } else {
+        stages::LAYER_SOURCE.to_string()
+    }
+}
+
+/// Whether this process's launches take the early form.
+fn early() -> bool {
+    stages::early_prefetch("moe")
 }
 
 static BUILT: Built = Built::new();
@@ -312,45 +189,33 @@ fn header() -> String {
 
 /// The kernel; with `scratch`, its form with the scratch rows (`yn`,
 /// `inds`, `scores`, `hk`) in the layer's state
-/// ([`stages::call_with_scratch`]); with `wide`, its form of several rows a
-/// warp ([`rows_a_warp`]).
-fn kernel(scratch: bool, wide: bool) -> Option<&'static CudaKernel> {
+/// ([`stages::call_with_scratch`]); with `early`, its router's rows asked
+/// of L2 first ([`EARLY_SUBSTITUTIONS`]). (The warps a block are a
+/// template value: the same texts.)
+fn kernel(scratch: bool, early: bool) -> Option<&'static CudaKernel> {
     static K: [Cells; 4] = [stages::cells(), stages::cells(), stages::cells(), stages::cells()];
-    static SOURCES: [OnceLock<Option<String>>; 3] = [OnceLock::new(), OnceLock::new(), OnceLock::new()];
+    static SOURCES: [OnceLock<String>; 4] = [OnceLock::new(), OnceLock::new(), OnceLock::new(), OnceLock::new()];
     let outputs = ["s", "out", "yn", "inds", "scores", "hk"];
-    let body: &'static str = if wide { SOURCES[0].get_or_init(wide_source).as_deref()? } else { stages::LAYER_SOURCE };
-    let at = usize::from(scratch) + 2 * usize::from(wide);
-    let name = ["lfm_moe_fused", "lfm_moe_fused_scr", "lfm_moe_fused_wide", "lfm_moe_fused_wide_scr"][at];
-    let head = move || if wide { format!("{}{}", stages::PREFETCH_HEADER, header()) } else { header() };
-    if scratch {
-        let source = SOURCES[1 + usize::from(wide)].get_or_init(|| Some(format!("{SCRATCH_PRELUDE}{body}"))).as_deref()?;
-        return stages::kernel(&K[at], name, &INPUTS, &outputs[..2], source, head);
-    }
-    stages::kernel(&K[at], name, &INPUTS, &outputs, body, head)
+    let at = usize::from(scratch) + 2 * usize::from(early);
+    let name = ["lfm_moe_fused", "lfm_moe_fused_scr", "lfm_moe_fused_early", "lfm_moe_fused_early_scr"][at];
+    let head = move || if early { format!("{}{}", stages::PREFETCH_HEADER, header()) } else { header() };
+    let source = SOURCES[at].get_or_init(|| if scratch { format!("{SCRATCH_PRELUDE}{}", body(early)) } else { body(early) });
+    stages::kernel(&K[at], name, &INPUTS, if scratch { &outputs[..2] } else { &outputs }, source, head)
 }
 
-/// The warps a block of the form at `r` rows a warp.
-fn warps(r: i32) -> i32 {
-    if r > 1 {
-        WIDE_WARPS
-    } else {
-        WARPS
-    }
-}
-
-/// The gate/up blocks and the down blocks of one launch at `r` rows a
-/// warp (as the kernel counts them; `k` in 1..=8).
-fn parts(d: i32, f: i32, k: i32, r: i32) -> (i64, i64) {
-    let (w, k64, r) = (warps(r) as i64, k as i64, r as i64);
-    let gate_up = k64 * ((f as i64 + w * r - 1) / (w * r));
-    let per = w / k64 * r;
+/// The gate/up blocks and the down blocks of one launch in blocks of `w`
+/// warps (as the kernel counts them; `k` in 1..=8, at most `w`).
+fn parts(d: i32, f: i32, k: i32, w: i32) -> (i64, i64) {
+    let (w, k64) = (w as i64, k as i64);
+    let gate_up = k64 * ((f as i64 + w - 1) / w);
+    let per = w / k64;
     (gate_up, (d as i64 + per - 1) / per)
 }
 
 /// The blocks of one launch: the router's, the gate/up rows', the down
 /// columns'.
-fn blocks(d: i32, f: i32, k: i32, r: i32) -> i64 {
-    let (gate_up, down) = parts(d, f, k, r);
+fn blocks(d: i32, f: i32, k: i32, w: i32) -> i64 {
+    let (gate_up, down) = parts(d, f, k, w);
     1 + gate_up + down
 }
 
@@ -363,7 +228,7 @@ fn blocks(d: i32, f: i32, k: i32, r: i32) -> i64 {
 /// expert stacks of one specification, and the staged rows within shared
 /// memory.
 pub fn available(n: &NormIn, g: &Quantized, gu: &Quantized, down: &Quantized, k: usize) -> bool {
-    enabled() && served(n, g, gu, down, k) && kernel(false, rows_a_warp() > 1).is_some()
+    enabled() && served(n, g, gu, down, k) && kernel(false, early()).is_some()
 }
 
 /// [`available`] but for the switch and the kernel: whether the layer's
@@ -436,26 +301,21 @@ pub fn forward_timeline(
 ) -> Result<(Array, Array, usize, usize)> {
     let mut outs = launch(n, g, bias, gu, down, state, k, norm, eps, scale, true)?;
     let times = outs.pop().ok_or_else(|| Error::mlx("fused MoE kernel: missing output"))?;
-    let (d, f, r) = (n.h.dim(1), gu.weight.dim(1) / 2, rows_a_warp());
-    let (gate_up, down) = parts(d, f, k as i32, r);
+    let (d, f) = (n.h.dim(1), gu.weight.dim(1) / 2);
+    let (gate_up, down) = parts(d, f, k as i32, block_warps());
     Ok((outs.swap_remove(1), times, gate_up as usize, (1 + gate_up + down) as usize))
 }
 
 /// The kernel's timeline form (outputs as [`kernel`]'s, then `times`), of
-/// the default or the `wide` form.
-fn timeline_kernel(wide: bool) -> Option<&'static CudaKernel> {
+/// the default or the `early` form.
+fn timeline_kernel(early: bool) -> Option<&'static CudaKernel> {
     static K: [Cells; 2] = [stages::cells(), stages::cells()];
-    static SOURCES: [OnceLock<Option<String>>; 2] = [OnceLock::new(), OnceLock::new()];
-    let source = SOURCES[usize::from(wide)]
-        .get_or_init(|| {
-            let body = if wide { wide_source()? } else { stages::LAYER_SOURCE.to_string() };
-            Some(super::substituted(&body, &stages::TIMELINE_SUBSTITUTIONS))
-        })
-        .as_deref()?;
+    static SOURCES: [OnceLock<String>; 2] = [OnceLock::new(), OnceLock::new()];
+    let source = SOURCES[usize::from(early)].get_or_init(|| super::substituted(&body(early), &stages::TIMELINE_SUBSTITUTIONS));
     let outputs = ["s", "out", "yn", "inds", "scores", "hk", "times"];
-    let name = if wide { "lfm_moe_fused_wide_timeline" } else { "lfm_moe_fused_timeline" };
-    let head = move || format!("{}{}{}", stages::TIMELINE_HEADER, if wide { stages::PREFETCH_HEADER } else { "" }, header());
-    stages::kernel(&K[usize::from(wide)], name, &INPUTS, &outputs, source, head)
+    let name = if early { "lfm_moe_fused_early_timeline" } else { "lfm_moe_fused_timeline" };
+    let head = move || format!("{}{}{}", stages::TIMELINE_HEADER, if early { stages::PREFETCH_HEADER } else { "" }, header());
+    stages::kernel(&K[usize::from(early)], name, &INPUTS, &outputs, source, head)
 }
 
 /// The launch: `[s, out]`, or (`timeline`) every output of the timeline
@@ -475,9 +335,8 @@ fn launch(
     timeline: bool,
 ) -> Result<Vec<Array>> {
     let unavailable = || Error::mlx("the fused MoE kernel is not available");
-    let r = rows_a_warp();
-    let wide = r > 1;
-    let kern = if timeline { timeline_kernel(wide) } else { kernel(false, wide) }.ok_or_else(unavailable)?;
+    let (w, early) = (block_warps(), early());
+    let kern = if timeline { timeline_kernel(early) } else { kernel(false, early) }.ok_or_else(unavailable)?;
     let missing = |what: &str| Error::invalid(format!("the fused MoE kernel needs affine biases ({what})"));
     let gb = g.biases.as_ref().ok_or_else(|| missing("the router gate"))?;
     let ub = gu.biases.as_ref().ok_or_else(|| missing("the experts' gate/up"))?;
@@ -489,8 +348,8 @@ fn launch(
     let (d, dt) = (n.h.dim(1), n.h.dtype());
     let (e, f) = (g.weight.dim(0), gu.weight.dim(1) / 2);
     let k = k as i32;
-    let nb = blocks(d, f, k, r);
-    let threads = warps(r) * 32;
+    let nb = blocks(d, f, k, w);
+    let threads = w * 32;
     let grid = i32::try_from(nb * threads as i64).map_err(|_| Error::invalid(format!("fused MoE kernel: {nb} blocks")))?;
     let template = [
         ("T", TemplateArg::Dtype(dt)),
@@ -503,13 +362,10 @@ fn launch(
         ("GGS", TemplateArg::Int(g.spec.group_size)),
         ("BITS", TemplateArg::Int(gu.spec.bits)),
         ("GS", TemplateArg::Int(gu.spec.group_size)),
-        ("WARPS", TemplateArg::Int(warps(r))),
+        ("WARPS", TemplateArg::Int(w)),
         ("EPS_BITS", TemplateArg::Int(eps.to_bits() as i32)),
         ("SCALE_BITS", TemplateArg::Int(scale.to_bits() as i32)),
     ];
-    // (RPW only in the wide form, so the default's text and values stay
-    // those its tests passed with.)
-    let template: Vec<(&str, TemplateArg)> = template.into_iter().chain(wide.then_some(("RPW", TemplateArg::Int(r)))).collect();
     let inputs = [n.h, n.r, n.wn, &g.weight, &g.scales, gb, bias, &gu.weight, &gu.scales, ub, &down.weight, &down.scales, db, state];
     let outputs: [(&[i32], Dtype); 6] = [
         (&[1, d], dt),
@@ -528,7 +384,7 @@ fn launch(
     } else {
         stages::call_with_scratch(
             kern,
-            || kernel(true, wide),
+            || kernel(true, early),
             &inputs,
             &outputs,
             &["SCR_YN", "SCR_INDS", "SCR_SCORES", "SCR_HK"],
@@ -546,36 +402,33 @@ fn launch(
 
 #[cfg(test)]
 pub(crate) fn launch_blocks(d: i32, f: i32, k: i32) -> i64 {
-    blocks(d, f, k, 1)
+    blocks(d, f, k, WARPS)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// The wide form's text: its experts' part in place of the default's,
-    /// its counts over RPW, the router's gate asked of L2, and every
-    /// timeline stamp still finding its place; its blocks on the 8B-A1B at
-    /// 4 rows a warp fewer than the 264 of 512 threads the H100's and
-    /// H200's 132 SMs hold at its registers.
+    /// The early form's text: its prefetch before the ticket, and every
+    /// timeline stamp still finding its place; the launch's blocks at 32,
+    /// 16 and 8 warps on the 8B-A1B (more, smaller blocks: two or four an
+    /// SM at its registers).
     #[test]
-    fn the_wide_form_replaces_the_experts_stages() {
-        let wide = wide_source().expect("the wide form's pieces are in LAYER_SOURCE");
-        assert!(!wide.contains(WIDE_FROM) && wide.contains(WIDE_EXPERTS));
-        for (was, now) in WIDE_SUBSTITUTIONS {
-            assert!(!wide.contains(was) && wide.contains(now), "{was:?}");
+    fn the_forms_keep_the_stages() {
+        let early = body(true);
+        for (was, now) in EARLY_SUBSTITUTIONS {
+            assert!(stages::LAYER_SOURCE.contains(was) && early.contains(now), "{was:?}");
         }
-        // (The MoE part's stages end where the feed-forward's begin.)
-        assert!(wide.contains("#else\n  if (fr <= GB) {\n    // The gate's output j"));
-        let stamped = crate::kernels::substituted(&wide, &stages::TIMELINE_SUBSTITUTIONS);
+        assert_eq!(early.matches("lfm_prefetch_block(").count(), 7);
+        let stamped = crate::kernels::substituted(&early, &stages::TIMELINE_SUBSTITUTIONS);
         assert_eq!(stamped.matches("LFM_STAMP").count(), 19);
-        // (One row a warp: blocks of 32 warps; more: of 16.)
-        assert_eq!(parts(2048, 1792, 4, 1), (224, 256));
-        assert_eq!(parts(2048, 1792, 4, 4), (112, 128));
-        assert_eq!(blocks(2048, 1792, 4, 4), 241);
-        assert_eq!(blocks(2048, 1792, 4, 8), 121);
-        assert_eq!(parts(2048, 256, 3, 8), (6, 52));
-        assert_eq!(parts(1024, 256, 4, 2), (32, 128));
+        assert_eq!(parts(2048, 1792, 4, 32), (224, 256));
+        assert_eq!(blocks(2048, 1792, 4, 32), 481);
+        assert_eq!(parts(2048, 1792, 4, 16), (448, 512));
+        assert_eq!(parts(2048, 1792, 4, 8), (896, 1024));
+        // (Eight experts a row in blocks of 8 warps: a column a block.)
+        assert_eq!(parts(2048, 256, 8, 8), (256, 2048));
+        assert_eq!(parts(1024, 256, 3, 16), (48, 205));
     }
 
     /// A MoE layer's state holds its scratch rows at either activation

@@ -519,14 +519,26 @@ impl Experts {
 /// down kernels) against the one of src/kernels/moe_fused.rs. `(arm, its
 /// switches, kernels a product)`. Each launch routes another of
 /// [`LAYER_ROWS`] rows, so the chosen experts change from one to the next.
-/// The `-rows-R` arms: the one launch at R rows a warp
-/// (`MLX_LFM_MOE_FUSED_ROWS`, src/kernels/moe_fused.rs `rows_a_warp`).
-const LAYER_ARMS: [(&str, Switches, usize); 5] = [
+/// The `-warps-W` arms: the one launch in blocks of W warps
+/// (`MLX_LFM_MOE_FUSED_WARPS`, src/kernels/moe_fused.rs `block_warps`);
+/// `-early`: the router's rows asked of L2 before the ticket
+/// (`MLX_LFM_EARLY_PREFETCH=moe`).
+const LAYER_ARMS: [(&str, Switches, usize); 7] = [
     ("moe-layer-q4-three", &[("MLX_LFM_MOE_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1")], 3),
     ("moe-layer-q4-fused", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
-    ("moe-layer-q4-fused-rows-2", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_MOE_FUSED_ROWS", "2")], 1),
-    ("moe-layer-q4-fused-rows-4", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_MOE_FUSED_ROWS", "4")], 1),
-    ("moe-layer-q4-fused-rows-8", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_MOE_FUSED_ROWS", "8")], 1),
+    ("moe-layer-q4-fused-warps-16", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_MOE_FUSED_WARPS", "16")], 1),
+    ("moe-layer-q4-fused-warps-8", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_MOE_FUSED_WARPS", "8")], 1),
+    ("moe-layer-q4-fused-early", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_EARLY_PREFETCH", "moe")], 1),
+    (
+        "moe-layer-q4-fused-warps-16-early",
+        &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_MOE_FUSED_WARPS", "16"), ("MLX_LFM_EARLY_PREFETCH", "moe")],
+        1,
+    ),
+    (
+        "moe-layer-q4-fused-warps-8-early",
+        &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_MOE_FUSED_WARPS", "8"), ("MLX_LFM_EARLY_PREFETCH", "moe")],
+        1,
+    ),
 ];
 const LAYER_ROWS: usize = 8;
 const LAYER_LAUNCHES: usize = 16;
@@ -546,8 +558,9 @@ struct Layer {
     bias: Array,
     scale: Array,
     state: Array,
-    /// The one-launch forms' states, by rows a warp (1, 2, 4, 8).
-    states: [Array; 4],
+    /// The one-launch forms' states, by warps a block (32, 16, 8: a
+    /// state serves one block count; the early form's is the same).
+    states: [Array; 3],
 }
 
 impl Layer {
@@ -566,7 +579,7 @@ impl Layer {
         let scale = Array::from_slice(&[1.0f32], &[1])?;
         let state = mlx_lfm::kernels::stages::new_counters()?;
         let new = mlx_lfm::kernels::stages::new_counters;
-        let states = [new()?, new()?, new()?, new()?];
+        let states = [new()?, new()?, new()?];
         let mut held: Vec<&Array> = hs.iter().collect();
         held.extend([&gate.weight, &gate.scales, &r, &wn, &eps, &bias, &scale]);
         held.extend(gate.biases.iter());
@@ -586,7 +599,11 @@ impl Layer {
                 return Err(unserved());
             }
             // (A state for each form: a layer's state serves one.)
-            let state = &self.states[moe_fused::rows_a_warp().trailing_zeros() as usize];
+            let state = &self.states[match moe_fused::block_warps() {
+                16 => 1,
+                8 => 2,
+                _ => 0,
+            }];
             return Ok(moe_fused::forward(&n, g, &self.bias, gu, down, state, k, true, LAYER_EPS, 1.0)?.1);
         }
         if !moe_router::gate_norm_available(&n, g, k) || !moe_experts::available(1, k, Dtype::Bfloat16, gu, down) {
@@ -613,14 +630,19 @@ const TIMELINE_ARM: &str = "moe-layer-q4-timeline";
 fn timeline(reps: usize) -> mlx_lfm::Result<()> {
     let layer = Layer::new()?;
     let scrub = scrub_rows()?;
-    // The default form (one row a warp), then the wide ones.
-    for rows in ["1", "2", "4", "8"] {
-        let switches = [
-            ("MLX_LFM_MOE_FUSED".to_string(), Some("1".to_string())),
-            ("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string())),
-            ("MLX_LFM_MOE_FUSED_ROWS".to_string(), Some(rows.to_string())),
-        ];
-        mlx_lfm::knobs::with_overrides(&switches, || timeline_of(&layer, &scrub, rows, reps))?;
+    // The default form (blocks of 32 warps), then smaller blocks, each
+    // without and with the router's early prefetch.
+    for early in ["", "moe"] {
+        for warps in ["32", "16", "8"] {
+            let switches = [
+                ("MLX_LFM_MOE_FUSED".to_string(), Some("1".to_string())),
+                ("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string())),
+                ("MLX_LFM_MOE_FUSED_WARPS".to_string(), Some(warps.to_string())),
+                ("MLX_LFM_EARLY_PREFETCH".to_string(), Some(early.to_string())),
+            ];
+            let form = format!("{warps}{}", if early.is_empty() { "" } else { "-early" });
+            mlx_lfm::knobs::with_overrides(&switches, || timeline_of(&layer, &scrub, &form, reps))?;
+        }
     }
     Ok(())
 }
@@ -634,8 +656,9 @@ fn scrub_rows() -> mlx_lfm::Result<Array> {
     Ok(scrub)
 }
 
-/// [`timeline`] of one form (`rows` a warp).
-fn timeline_of(layer: &Layer, scrub: &Array, rows: &str, reps: usize) -> mlx_lfm::Result<()> {
+/// [`timeline`] of one form (`form`: its warps a block, `-early` with the
+/// router's prefetch).
+fn timeline_of(layer: &Layer, scrub: &Array, form: &str, reps: usize) -> mlx_lfm::Result<()> {
     use mlx_lfm::kernels::{moe_fused, norm_gemv::NormIn, stages::timeline_summary};
     let (g, gu, down) = (&layer.gate, &layer.experts.gate_up, &layer.experts.down);
     let k = EXPERTS_A_ROW as usize;
@@ -659,7 +682,7 @@ fn timeline_of(layer: &Layer, scrub: &Array, rows: &str, reps: usize) -> mlx_lfm
         let times = times.to_vec::<i64>()?;
         let line = serde_json::json!({
             "moe_timeline": i,
-            "rows_a_warp": rows,
+            "form": form,
             "blocks": nb,
             "wall_us": wall,
             "same_as_plain": same,
@@ -674,7 +697,7 @@ fn timeline_of(layer: &Layer, scrub: &Array, rows: &str, reps: usize) -> mlx_lfm
     let all_same = lines.iter().all(|l| l["same_as_plain"] == true);
     println!(
         "{}",
-        serde_json::json!({"moe_timeline_summary": summary, "rows_a_warp": rows, "launches": lines.len(), "all_same_as_plain": all_same})
+        serde_json::json!({"moe_timeline_summary": summary, "form": form, "launches": lines.len(), "all_same_as_plain": all_same})
     );
     Ok(())
 }
