@@ -385,7 +385,9 @@ LLBIN = LLSRC / "build" / "bin"
 SITE = Path("/tmp/site")
 OUT = Path(os.environ.get("OUT", "/tmp/h200/out"))
 RAW = WORK / "raw.jsonl"
-BENCH = ROOT / ".device" / "bin" / "mlx-lfm-bench"
+# (H200_BENCH=PATH: another build of it, e.g. a branch's carried beside
+# main's for a same-call `kernel-bench`; each record then names it.)
+BENCH = Path(os.environ.get("H200_BENCH") or ROOT / ".device" / "bin" / "mlx-lfm-bench")
 TESTS = WORK / "tests"
 
 GEN = 256
@@ -459,6 +461,8 @@ def sh(cmd, log_name=None, check=True, **kw):
 
 def record(**kv):
     WORK.mkdir(parents=True, exist_ok=True)
+    if os.environ.get("H200_BENCH"):
+        kv.setdefault("bench", os.environ["H200_BENCH"])
     with open(RAW, "a") as f:
         f.write(json.dumps(kv) + "\n")
 
