@@ -218,11 +218,18 @@ struct lfm_qint_t<__nv_bfloat16, BITS> {
     }
   }
 };
+#ifndef LFM_QINT_BITS
+#define LFM_QINT_BITS 0
+#endif
 template <typename T, int BITS>
 __device__ inline T lfm_qdequant(uint32_t q, T s, T b) {
   // (float32's multiply and add contracted too, as nvcc builds them by
   // default.)
+#if LFM_QINT_BITS
   return lfm_qfma(lfm_qint_t<T, BITS>::of(q), s, b);
+#else
+  return lfm_qfma(T(static_cast<float>(q)), s, b);
+#endif
 }
 template <bool F, typename T>
 struct lfm_acc_t {
@@ -363,9 +370,27 @@ __device__ inline void lfm_qgemv_warp(const T* x, bool xa, const uint32_t* w, bo
 }
 ";
 
-/// Both headers, in the order the kernels need them.
+/// Both headers, in the order the kernels need them (with
+/// [`qint_bits`]'s define where it is on).
 pub(crate) fn header() -> String {
-    format!("{}{QUANT_HEADER}", super::gemv::header())
+    let define = if qint_bits() { "#define LFM_QINT_BITS 1\n" } else { "" };
+    format!("{define}{}{QUANT_HEADER}", super::gemv::header())
+}
+
+/// `MLX_LFM_QINT=bits` (opt-in, session 35, not yet run on a GPU): the
+/// MLX-exact quantized walk (`lfm_qdot_mlx`: the one-launch 4-bit conv,
+/// feed-forward and q/k/v layers, `MLX_LFM_QGEMV_EXACT`) makes q in T by
+/// its bits (`lfm_qint_t`: a LOP3 and an exact magic-number add, as MLX's
+/// own qmv does) instead of the conversion units' I2F and F2F, an I2FP
+/// and an F2FP a weight in the sm_90 SASS of the 8B-A1B's conv layer,
+/// whose 9.5 MB read at 0.36 TB/s in session 34's kernel-bench where the
+/// 1.2B's dense one (33.6 MB) read at 1.5. The same values, so the same
+/// bits (the kernels' GPU tests hold them to MLX's). Read once a process:
+/// every kernel built on this header is built once a process, so its A/B
+/// is of processes and its tests run in a process with it set.
+pub(crate) fn qint_bits() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("MLX_LFM_QINT").is_ok_and(|v| v.trim() == "bits"))
 }
 
 const SOURCE: &str = r#"
