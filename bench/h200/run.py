@@ -463,6 +463,10 @@ def record(**kv):
     WORK.mkdir(parents=True, exist_ok=True)
     if os.environ.get("H200_BENCH"):
         kv.setdefault("bench", os.environ["H200_BENCH"])
+    # (H200_TAG=text: a call's own label on each record, e.g. the process
+    # switch a second `kernel-bench` of the call ran under.)
+    if os.environ.get("H200_TAG"):
+        kv.setdefault("tag", os.environ["H200_TAG"])
     with open(RAW, "a") as f:
         f.write(json.dumps(kv) + "\n")
 
@@ -2088,6 +2092,12 @@ AB = {
     # are 132 outputs a step of the 8B-A1B (58 of the 350M); kept in each
     # layer's state instead (src/kernels/stages.rs).
     "scratch-in-state": ({"MLX_LFM_SCRATCH_IN_STATE": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # q in T by its bits in the MLX-exact quantized walk (session 35,
+    # src/kernels/quant_gemv.rs qint_bits): the 8B-A1B's one-launch 4-bit
+    # conv, feed-forward and q/k/v layers had an I2FP and an F2FP a weight
+    # (sm_90 SASS), its conv layer 0.36 TB/s where the 1.2B's dense one
+    # read 1.5. A process switch (PER_PROCESS).
+    "qint-bits": ({"MLX_LFM_QINT": "bits"}, ["lfm2-8b-a1b-q4"]),
     # The one-launch MoE layer in blocks of 16 or 8 warps (session 35,
     # src/kernels/moe_fused.rs block_warps): two or four an SM where the
     # default's 481 blocks of 1,024 threads run one an SM in ~3.6 waves,
@@ -2114,12 +2124,13 @@ AB = {
 }
 # Our switches that only a process of its own can time (each is read when
 # the process builds its kernels, which an in-process A/B's engines share).
-PER_PROCESS = {"MLX_LFM_KERNEL_TEXT"}
+PER_PROCESS = {"MLX_LFM_KERNEL_TEXT", "MLX_LFM_QINT"}
 AB_IN_ROUNDS = ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]
 GREEDY = "greedy_tokens_with_kernels_equal_stock_ops"
 # The tests an opt-in variant needs passed before `pick` adopts it.
 AB_TESTS = {
     "kernel-text-file": ["a_kernel_from_files_gives_the_inline_bits", "greedy_tokens_with_kernel_texts_in_files"],
+    "qint-bits": ["quantized_layers_with_q_by_its_bits_match_stock_ops"],
     "scratch-in-state": ["moe_fused_kernel_matches_the_three_kernels", "conv_fused_kernel_matches_stock_ops",
                          "ffn_fused_kernel_matches_stock_ops", "qkv_fused_kernel_matches_stock_ops",
                          "greedy:MLX_LFM_SCRATCH_IN_STATE"],
@@ -2219,6 +2230,7 @@ PICK = [
     (["conv-layer-fused"], "decode"),
     (["moe-warps-16", "moe-warps-8", "early-prefetch-moe", "moe-warps-8-early"], "decode"),
     (["early-prefetch", "early-prefetch-conv"], "decode"),
+    (["qint-bits"], "decode"),
     (["layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off"], "decode"),
     (["attention-smem", "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4"], "decode"),
     (["norm-runs-guarded"], "decode"),
@@ -2248,7 +2260,7 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "moe-down-early", "router-scores-f32", "router-scores-f32-early", "fold-eps-const", "position-table-off",
                "fold-deferred", "layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off",
                "conv-layer-fused", "moe-warps-16", "moe-warps-8", "early-prefetch-moe", "moe-warps-8-early", "early-prefetch",
-               "early-prefetch-conv"}
+               "early-prefetch-conv", "qint-bits"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]

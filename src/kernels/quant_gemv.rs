@@ -187,11 +187,49 @@ __device__ inline void lfm_qgemv_warp_a(const T* x, const uint32_t* w, const T* 
 __device__ inline __nv_bfloat16 lfm_qfma(__nv_bfloat16 a, __nv_bfloat16 b, __nv_bfloat16 c) { return __hfma(a, b, c); }
 __device__ inline __half lfm_qfma(__half a, __half b, __half c) { return __hfma(a, b, c); }
 __device__ inline float lfm_qfma(float a, float b, float c) { return fmaf(a, b, c); }
-template <typename T>
+// q (below 2^BITS, BITS <= 8) in T, by its bits as MLX's qmv makes it (a
+// LOP3 and an add of the magic number, both exact: every value is one T
+// holds), not by the conversion units' I2F and F2F, whose throughput
+// bounded the one-launch 4-bit layers (sm_90 SASS of conv_fused: an I2FP
+// and an F2FP a weight). The same value T(float(q)), so the same bits.
+template <typename T, int BITS>
+struct lfm_qint_t;
+template <int BITS>
+struct lfm_qint_t<float, BITS> {
+  static __device__ inline float of(uint32_t q) { return __uint_as_float(0x4B000000u | q) - 8388608.0f; }
+};
+template <int BITS>
+struct lfm_qint_t<__half, BITS> {
+  // (1024 + q, exact below 1,024, less 1024.)
+  static __device__ inline __half of(uint32_t q) {
+    return __hsub(__ushort_as_half(static_cast<unsigned short>(0x6400u | q)), __ushort_as_half(0x6400));
+  }
+};
+template <int BITS>
+struct lfm_qint_t<__nv_bfloat16, BITS> {
+  static __device__ inline __nv_bfloat16 of(uint32_t q) {
+    if constexpr (BITS <= 7) {
+      // (128 + q, exact below 128, less 128.)
+      return __hsub(__ushort_as_bfloat16(static_cast<unsigned short>(0x4300u | q)), __ushort_as_bfloat16(0x4300));
+    } else {
+      // (float(q) has at most 8 significant bits: its top half is bf16(q).)
+      const float f = lfm_qint_t<float, 8>::of(q);
+      return __ushort_as_bfloat16(static_cast<unsigned short>(__float_as_uint(f) >> 16));
+    }
+  }
+};
+#ifndef LFM_QINT_BITS
+#define LFM_QINT_BITS 0
+#endif
+template <typename T, int BITS>
 __device__ inline T lfm_qdequant(uint32_t q, T s, T b) {
-  // (q is exact in every T; float32's multiply and add contracted too, as
-  // nvcc builds them by default.)
+  // (float32's multiply and add contracted too, as nvcc builds them by
+  // default.)
+#if LFM_QINT_BITS
+  return lfm_qfma(lfm_qint_t<T, BITS>::of(q), s, b);
+#else
   return lfm_qfma(T(static_cast<float>(q)), s, b);
+#endif
 }
 template <bool F, typename T>
 struct lfm_acc_t {
@@ -242,7 +280,7 @@ __device__ inline float lfm_qdot_mlx(const T* x, const uint32_t* wr, const T* sr
 #pragma unroll
     for (int j = 0; j < E; j++) {
       const uint32_t q = (t.ww[j / VPW] >> (BITS * (j % VPW))) & ((1u << BITS) - 1u);
-      const T wq = lfm_qdequant<T>(q, t.s, t.b);
+      const T wq = lfm_qdequant<T, BITS>(q, t.s, t.b);
       if constexpr (BITS >= 8) {
         sums[j] = fmaf(static_cast<float>(xv[j]), static_cast<float>(wq), sums[j]);
       } else {
@@ -332,9 +370,27 @@ __device__ inline void lfm_qgemv_warp(const T* x, bool xa, const uint32_t* w, bo
 }
 ";
 
-/// Both headers, in the order the kernels need them.
+/// Both headers, in the order the kernels need them (with
+/// [`qint_bits`]'s define where it is on).
 pub(crate) fn header() -> String {
-    format!("{}{QUANT_HEADER}", super::gemv::header())
+    let define = if qint_bits() { "#define LFM_QINT_BITS 1\n" } else { "" };
+    format!("{define}{}{QUANT_HEADER}", super::gemv::header())
+}
+
+/// `MLX_LFM_QINT=bits` (opt-in, session 35, not yet run on a GPU): the
+/// MLX-exact quantized walk (`lfm_qdot_mlx`: the one-launch 4-bit conv,
+/// feed-forward and q/k/v layers, `MLX_LFM_QGEMV_EXACT`) makes q in T by
+/// its bits (`lfm_qint_t`: a LOP3 and an exact magic-number add, as MLX's
+/// own qmv does) instead of the conversion units' I2F and F2F, an I2FP
+/// and an F2FP a weight in the sm_90 SASS of the 8B-A1B's conv layer,
+/// whose 9.5 MB read at 0.36 TB/s in session 34's kernel-bench where the
+/// 1.2B's dense one (33.6 MB) read at 1.5. The same values, so the same
+/// bits (the kernels' GPU tests hold them to MLX's). Read once a process:
+/// every kernel built on this header is built once a process, so its A/B
+/// is of processes and its tests run in a process with it set.
+pub(crate) fn qint_bits() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("MLX_LFM_QINT").is_ok_and(|v| v.trim() == "bits"))
 }
 
 const SOURCE: &str = r#"
@@ -450,4 +506,41 @@ pub fn qgemv(x: &Array, q: &Quantized) -> Result<Array> {
         &template,
     )?;
     outs.pop().ok_or_else(|| Error::mlx("quantized GEMV kernel: missing output"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::QUANT_HEADER;
+
+    /// A float16 value from its bits (normal numbers: the magic ones).
+    fn f16_value(bits: u16) -> f32 {
+        let (e, m) = (((bits >> 10) & 0x1f) as i32, (bits & 0x3ff) as f32);
+        assert!(bits >> 15 == 0 && (1..31).contains(&e), "{bits:#x}: not a positive normal float16");
+        (1.0 + m / 1024.0) * 2f32.powi(e - 15)
+    }
+
+    /// The MLX-exact walk's q in T by its bits (`lfm_qint_t`) is the value
+    /// the conversion units made, T(float(q)), for every q of up to 8 bits:
+    /// the magic numbers' sums are exact and each result is one T holds,
+    /// so the same bits go into the same products.
+    #[test]
+    fn a_quantized_value_by_its_bits_is_its_conversion() {
+        for c in ["0x4B000000u | q) - 8388608.0f", "0x4300u | q", "__ushort_as_bfloat16(0x4300)", "0x6400u | q", "__ushort_as_half(0x6400)"] {
+            assert!(QUANT_HEADER.contains(c), "{c} not in the header");
+        }
+        for q in 0u32..256 {
+            // float32: 2^23 + q less 2^23.
+            assert_eq!(f32::from_bits(0x4B00_0000 | q) - 8_388_608.0, q as f32);
+            // bfloat16 at 8 bits: float(q)'s top half, its low half zero.
+            assert_eq!((q as f32).to_bits() & 0xffff, 0, "{q}: not a bfloat16");
+            if q < 128 {
+                // bfloat16 below 8 bits: 128 + q less 128, each a bfloat16.
+                assert_eq!(f32::from_bits((0x4300 | q) << 16) - 128.0, q as f32);
+            }
+            // float16: 1024 + q less 1024 (q below 1,024).
+            assert_eq!(f16_value(0x6400 | q as u16) - 1024.0, q as f32);
+        }
+        assert_eq!(f32::from_bits(0x4300 << 16), 128.0);
+        assert_eq!(f16_value(0x6400), 1024.0);
+    }
 }

@@ -458,6 +458,32 @@ fn greedy_tokens_with_kernel_texts_in_files() {
     assert!(moe > 0, "no MoE layer's text in {}", dir.display());
 }
 
+/// q made in T by its bits in the MLX-exact quantized walk
+/// (`MLX_LFM_QINT=bits`, src/kernels/quant_gemv.rs `qint_bits`, opt-in since
+/// session 35): the 4-bit one-launch conv, feed-forward and q/k/v layers
+/// and the quantized GEMV in MLX's arithmetic held to MLX's bits as their
+/// own tests hold the default, then the wide MoE fixture's greedy sets.
+/// Set for the whole process (a kernel is built once a process), so it
+/// means something only as a process of its own, as `run.py kernels` runs
+/// each test; where a kernel was built before it in this process, it says
+/// so and checks nothing.
+#[test]
+fn quantized_layers_with_q_by_its_bits_match_stock_ops() {
+    if skip("quantized_layers_with_q_by_its_bits_match_stock_ops") {
+        return;
+    }
+    std::env::set_var("MLX_LFM_QINT", "bits");
+    if !crate::kernels::quant_gemv::qint_bits() {
+        eprintln!("skipped quantized_layers_with_q_by_its_bits_match_stock_ops: kernels were built without it earlier in this process; run it alone");
+        return;
+    }
+    conv_fused_kernel_matches_stock_ops();
+    ffn_fused_kernel_matches_stock_ops();
+    qkv_fused_kernel_matches_stock_ops();
+    quant_gemv_kernel_matches_stock_ops();
+    greedy_tokens_over(greedy_fixture(wide_greedy_fixtures(), "WideMoe"));
+}
+
 /// The four greedy tests' fixtures are the two lists' four, each once (a
 /// label the device would find missing fails here first).
 #[test]
