@@ -174,29 +174,35 @@ Session 35 (no machine at first) wrote two MoE forms against that: the
 launch in blocks of 16 or 8 warps (`moe-warps-16`, `moe-warps-8`: two or
 four blocks an SM where the default's 1,024-thread blocks run one) and
 the router's rows asked of L2 by the first block before its ticket
-(`early-prefetch-moe`). The chain:
+(`early-prefetch-moe`), and q made by its bits in the MLX-exact
+quantized walk (`qint-bits`, a process switch: the 8B-A1B's 4-bit conv,
+feed-forward and q/k/v layers spent an I2FP and an F2FP a weight). The
+chain (with little device time: 1, 2 with the first four tests only,
+then 3):
   1. carry [.device/a, .device/llama]: `stage`.
   2. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=7
-     H200_KERNEL_TESTS=a_kernel_from_files_gives_the_inline_bits,greedy_tokens_with_kernel_texts_in_files,moe_fused_kernel_matches_the_three_kernels,conv_fused_kernel_matches_stock_ops,ffn_fused_kernel_matches_stock_ops,qkv_fused_kernel_matches_stock_ops,greedy_tokens_with_kernels_equal_stock_ops,compiled_prefill_equals_the_eager_prefill
+     H200_KERNEL_TESTS=quantized_layers_with_q_by_its_bits_match_stock_ops,moe_fused_kernel_matches_the_three_kernels,a_kernel_from_files_gives_the_inline_bits,greedy_tokens_with_kernel_texts_in_files,conv_fused_kernel_matches_stock_ops,ffn_fused_kernel_matches_stock_ops,qkv_fused_kernel_matches_stock_ops,greedy_tokens_with_kernels_equal_stock_ops,compiled_prefill_equals_the_eager_prefill
      `timeout -s TERM 560 python3 bench/h200/run.py install verdicts-from
      bench/results/2026-12-03-h200-session18.raw.jsonl,bench/results/2026-12-04-h200-session20.raw.jsonl,bench/results/2026-12-04-h200-session21.raw.jsonl,bench/results/2026-12-04-h200-session24.raw.jsonl,bench/results/2026-12-05-h200-session27.raw.jsonl,bench/results/2026-12-05-h200-session30.raw.jsonl,bench/results/2026-12-05-h100-session31.raw.jsonl,bench/results/2026-12-05-h100-session32.raw.jsonl,bench/results/2026-12-05-h100-session33.raw.jsonl,bench/results/2026-12-05-h100-session34.raw.jsonl
-     kernels save-ptx` (the kernel texts in files; the scratch rows in the
-     state; the MoE layer's smaller blocks, early prefetch and timeline
-     forms against the default's bits; the early forms against theirs;
-     the greedy sets `moe-warps-8`, `early-prefetch`,
-     `MLX_LFM_SCRATCH_IN_STATE` and the default with the attention
-     buckets on).
-  3. carry [.device/bin]: H200_KERNEL_BENCH_ARMS=moe-layer-q4-fused,moe-layer-q4-fused-warps-16,moe-layer-q4-fused-warps-8,moe-layer-q4-fused-early,moe-layer-q4-fused-warps-16-early,moe-layer-q4-fused-warps-8-early
-     `timeout -s TERM 300 python3 bench/h200/run.py moe-timeline
-     kernel-bench` (~120 s: each form's GPU time alone under ncu, caches
-     flushed; the timelines without ncu, where the first launch of a form
-     and the fastest are the clean ones: session 34's median launch
-     stalled ~60 µs in one block). Only the forms that beat the default
-     there go on to call 4.
+     kernels save-ptx` (q by its bits in its own process; the MoE layer's
+     smaller blocks, early prefetch and timeline forms against the
+     default's bits; the kernel texts in files; the scratch rows in the
+     state; the early forms against theirs; the greedy sets
+     `moe-warps-8`, `early-prefetch`, `MLX_LFM_SCRATCH_IN_STATE` and the
+     default with the attention buckets on).
+  3. carry [.device/bin]: H200_KERNEL_BENCH_ARMS=moe-layer-q4-fused,moe-layer-q4-fused-warps-16,moe-layer-q4-fused-warps-8,moe-layer-q4-fused-early,moe-layer-q4-fused-warps-16-early,moe-layer-q4-fused-warps-8-early,conv-layer-q4-fused,ffn-layer-q4-fused,ffn-layer-bf16-fused
+     `timeout -s TERM 400 sh -c 'python3 bench/h200/run.py moe-timeline
+     kernel-bench && H200_KERNEL_BENCH_ARMS=conv-layer-q4-fused,ffn-layer-q4-fused
+     MLX_LFM_QINT=bits H200_TAG=qint-bits python3 bench/h200/run.py
+     kernel-bench'` (~200 s: each form's GPU time alone under ncu, caches
+     flushed, the 4-bit layers again with q by its bits; the timelines
+     without ncu, where the first launch of a form and the fastest are the
+     clean ones: session 34's median launch stalled ~60 µs in one block).
+     Only the forms that beat the default there go on to call 4.
   4. carry [.device/bin]: H200_OURS_ENV (mimalloc) and
      H200_AB_VARIANTS=kernel-text-file,scratch-in-state plus call 3's
      winners (`moe-warps-16`, `moe-warps-8`, `early-prefetch-moe`,
-     `moe-warps-8-early`) `timeout -s TERM 560 python3
+     `moe-warps-8-early`, `qint-bits`) `timeout -s TERM 560 python3
      bench/h200/run.py ab pick gguf-bg` (`pick` takes each only where
      call 2 passed its tests).
   5. carry [.device/bin]: H200_OURS_ENV, `timeout -s TERM 560 python3
