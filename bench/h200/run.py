@@ -165,46 +165,36 @@ from its A/B: the variants and greedy sets that turned them on are gone,
 `conv-fused-off`, `ffn-fused-off`, `qkv-fused-off` measure them off, and
 the greedy test's default run checks it built each.
 Next (`bash bench/h200/prepare.sh` here first; ~1,500 s planned).
-Session 34 got an H100 only in its last minutes: its kernel-bench turned
-down several rows a warp (48.3 / 73.0 / 125.8 µs against the default's
-41.8; the form is gone since session 35) and the conv / feed-forward
-early prefetch (no gain); its timelines put the MoE router's one block,
-which every other block waits on, at 7-10 µs of a 35-40 µs launch.
-Session 35 (no machine at first) wrote two MoE forms against that: the
-launch in blocks of 16 or 8 warps (`moe-warps-16`, `moe-warps-8`: two or
-four blocks an SM where the default's 1,024-thread blocks run one) and
-the router's rows asked of L2 by the first block before its ticket
-(`early-prefetch-moe`), and q made by its bits in the MLX-exact
-quantized walk (`qint-bits`, a process switch: the 8B-A1B's 4-bit conv,
-feed-forward and q/k/v layers spent an I2FP and an F2FP a weight). The
-chain (with little device time: 1, 2 with the first four tests only,
-then 3):
+Session 35 got an H100 for ten minutes (nine starts found none): its
+kernel-bench turned down the MoE layer in blocks of 16 or 8 warps and its
+router's rows asked of L2 first (41.60 / 44.61 / 41.70 µs against 41.57;
+retired since), and read q made by its bits in the MLX-exact quantized
+walk (`qint-bits`, a process switch: the 4-bit layers spent an I2FP and
+an F2FP a weight) at 24.29 µs against 25.89 (conv) but 36.86 against
+31.30 (feed-forward, an arm that moved 31-41 µs between sessions); ncu's
+stalls put the one-launch kernels' time in barrier waits (the stages'
+handoffs), DRAM at 11-18%. Its greedy wide-MoE sets and kernel-text
+tests passed; the MoE kernel's and q by its bits' tests were cut. The
+chain (with little device time: 1, 2 with its first three tests, 4):
   1. carry [.device/a, .device/llama]: `stage`.
-  2. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=7
-     H200_KERNEL_TESTS=quantized_layers_with_q_by_its_bits_match_stock_ops,moe_fused_kernel_matches_the_three_kernels,a_kernel_from_files_gives_the_inline_bits,greedy_tokens_with_kernel_texts_in_files,conv_fused_kernel_matches_stock_ops,ffn_fused_kernel_matches_stock_ops,qkv_fused_kernel_matches_stock_ops,greedy_tokens_with_kernels_equal_stock_ops,compiled_prefill_equals_the_eager_prefill
+  2. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=4
+     H200_KERNEL_TESTS=quantized_layers_with_q_by_its_bits_match_stock_ops,conv_fused_kernel_matches_stock_ops,ffn_fused_kernel_matches_stock_ops,qkv_fused_kernel_matches_stock_ops,moe_fused_kernel_matches_the_three_kernels,compiled_prefill_equals_the_eager_prefill
      `timeout -s TERM 560 python3 bench/h200/run.py install verdicts-from
-     bench/results/2026-12-03-h200-session18.raw.jsonl,bench/results/2026-12-04-h200-session20.raw.jsonl,bench/results/2026-12-04-h200-session21.raw.jsonl,bench/results/2026-12-04-h200-session24.raw.jsonl,bench/results/2026-12-05-h200-session27.raw.jsonl,bench/results/2026-12-05-h200-session30.raw.jsonl,bench/results/2026-12-05-h100-session31.raw.jsonl,bench/results/2026-12-05-h100-session32.raw.jsonl,bench/results/2026-12-05-h100-session33.raw.jsonl,bench/results/2026-12-05-h100-session34.raw.jsonl
-     kernels save-ptx` (q by its bits in its own process; the MoE layer's
-     smaller blocks, early prefetch and timeline forms against the
-     default's bits; the kernel texts in files; the scratch rows in the
-     state; the early forms against theirs; the greedy sets
-     `moe-warps-8`, `early-prefetch`, `MLX_LFM_SCRATCH_IN_STATE` and the
-     default with the attention buckets on).
-  3. carry [.device/bin]: H200_KERNEL_BENCH_ARMS=moe-layer-q4-fused,moe-layer-q4-fused-warps-16,moe-layer-q4-fused-warps-8,moe-layer-q4-fused-early,moe-layer-q4-fused-warps-16-early,moe-layer-q4-fused-warps-8-early,conv-layer-q4-fused,ffn-layer-q4-fused,ffn-layer-bf16-fused
-     `timeout -s TERM 400 sh -c 'python3 bench/h200/run.py moe-timeline
-     kernel-bench && H200_KERNEL_BENCH_ARMS=conv-layer-q4-fused,ffn-layer-q4-fused
-     MLX_LFM_QINT=bits H200_TAG=qint-bits python3 bench/h200/run.py
-     kernel-bench'` (~200 s: each form's GPU time alone under ncu, caches
-     flushed, the 4-bit layers again with q by its bits; the timelines
-     without ncu, where the first launch of a form and the fastest are the
-     clean ones: session 34's median launch stalled ~60 µs in one block).
-     Only the forms that beat the default there go on to call 4.
+     bench/results/2026-12-03-h200-session18.raw.jsonl,bench/results/2026-12-04-h200-session20.raw.jsonl,bench/results/2026-12-04-h200-session21.raw.jsonl,bench/results/2026-12-04-h200-session24.raw.jsonl,bench/results/2026-12-05-h200-session27.raw.jsonl,bench/results/2026-12-05-h200-session30.raw.jsonl,bench/results/2026-12-05-h100-session31.raw.jsonl,bench/results/2026-12-05-h100-session32.raw.jsonl,bench/results/2026-12-05-h100-session33.raw.jsonl,bench/results/2026-12-05-h100-session34.raw.jsonl,bench/results/2026-12-06-h100-session35.raw.jsonl
+     kernels save-ptx` (q by its bits in its own process; the scratch
+     rows in the state, by each one-launch layer's test; the default's
+     compiled prefill with the attention buckets on. Session 35's file
+     holds the greedy wide-MoE sets' and the kernel texts' verdicts.)
+  3. carry [.device/bin]: H200_KERNEL_BENCH_ARMS=conv-layer-q4-fused,ffn-layer-q4-fused
+     `timeout -s TERM 200 sh -c 'python3 bench/h200/run.py kernel-bench
+     && MLX_LFM_QINT=bits H200_TAG=qint-bits python3 bench/h200/run.py
+     kernel-bench && python3 bench/h200/run.py kernel-bench'` (the
+     4-bit layers plain, with q by its bits, plain again: the feed-forward
+     arm moved 31-41 µs between processes).
   4. carry [.device/bin]: H200_OURS_ENV (mimalloc) and
-     H200_AB_VARIANTS=kernel-text-file,scratch-in-state plus call 3's
-     winners (`moe-warps-16`, `moe-warps-8`, `early-prefetch-moe`,
-     `moe-warps-8-early`, `qint-bits`) `timeout -s TERM 560 python3
-     bench/h200/run.py ab pick gguf-bg` (`pick` takes each only where
-     call 2 passed its tests).
+     H200_AB_VARIANTS=kernel-text-file,scratch-in-state,qint-bits
+     `timeout -s TERM 560 python3 bench/h200/run.py ab pick gguf-bg`
+     (`pick` takes each only where call 2 passed its tests).
   5. carry [.device/bin]: H200_OURS_ENV, `timeout -s TERM 560 python3
      bench/h200/run.py round 1` with the picked switches, then `round 2`
      in its own call if time is left.
@@ -2104,20 +2094,6 @@ AB = {
     # (sm_90 SASS), its conv layer 0.36 TB/s where the 1.2B's dense one
     # read 1.5. A process switch (PER_PROCESS).
     "qint-bits": ({"MLX_LFM_QINT": "bits"}, ["lfm2-8b-a1b-q4"]),
-    # The one-launch MoE layer in blocks of 16 or 8 warps (session 35,
-    # src/kernels/moe_fused.rs block_warps): two or four an SM where the
-    # default's 481 blocks of 1,024 threads run one an SM in ~3.6 waves,
-    # so one block's ticket, wait and staging overlap another's loads.
-    # Session 33's ncu: the launch 40 µs in the step (~0.6 TB/s), 878 of
-    # the step's 1,696 µs. (Session 34's several rows a warp lost and are
-    # gone.) The default's bits.
-    **{f"moe-warps-{w}": ({"MLX_LFM_MOE_FUSED_WARPS": str(w)}, ["lfm2-8b-a1b-q4"]) for w in (8, 16)},
-    # The MoE router's rows asked of L2 by the launch's first block before
-    # its ticket (session 35, moe_fused.rs EARLY_SUBSTITUTIONS): session
-    # 34's timeline had the router's one block, which every other block
-    # waits on, at 7-10 µs of a 35-40 µs launch.
-    "early-prefetch-moe": ({"MLX_LFM_EARLY_PREFETCH": "moe"}, ["lfm2-8b-a1b-q4"]),
-    "moe-warps-8-early": ({"MLX_LFM_MOE_FUSED_WARPS": "8", "MLX_LFM_EARLY_PREFETCH": "moe"}, ["lfm2-8b-a1b-q4"]),
     # The one-launch conv layers', feed-forwards' and q/k/v stages' weight
     # rows asked of L2 when a block takes its part, before it waits for the
     # stage before (session 34, src/kernels/stages.rs early_prefetch):
@@ -2140,13 +2116,8 @@ AB_TESTS = {
     "scratch-in-state": ["moe_fused_kernel_matches_the_three_kernels", "conv_fused_kernel_matches_stock_ops",
                          "ffn_fused_kernel_matches_stock_ops", "qkv_fused_kernel_matches_stock_ops",
                          "greedy:MLX_LFM_SCRATCH_IN_STATE"],
-    # (The kernel test holds every form to the default's bits; the greedy
-    # sets run blocks of 8 warps, and every early prefetch.)
-    **{f"moe-warps-{w}": ["moe_fused_kernel_matches_the_three_kernels", "greedy:moe-warps-8"] for w in (8, 16)},
-    "moe-warps-8-early": ["moe_fused_kernel_matches_the_three_kernels", "greedy:moe-warps-8", "greedy:early-prefetch"],
-    "early-prefetch-moe": ["moe_fused_kernel_matches_the_three_kernels", "greedy:early-prefetch"],
     **{v: ["conv_fused_kernel_matches_stock_ops", "ffn_fused_kernel_matches_stock_ops", "qkv_fused_kernel_matches_stock_ops",
-           "moe_fused_kernel_matches_the_three_kernels", "greedy:early-prefetch"] for v in ("early-prefetch", "early-prefetch-conv")},
+           "greedy:early-prefetch"] for v in ("early-prefetch", "early-prefetch-conv")},
     "gemv-kernel": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops", "greedy:default"],
     "gemv-norm-kernels": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops",
                           "norm_gemv_kernels_match_stock_ops", "greedy:default"],
@@ -2234,7 +2205,6 @@ PICK = [
     (["position-table-off"], "decode"),
     (["moe-down-early", "router-scores-f32", "router-scores-f32-early"], "decode"),
     (["conv-layer-fused"], "decode"),
-    (["moe-warps-16", "moe-warps-8", "early-prefetch-moe", "moe-warps-8-early"], "decode"),
     (["early-prefetch", "early-prefetch-conv"], "decode"),
     (["qint-bits"], "decode"),
     (["layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off"], "decode"),
@@ -2265,8 +2235,7 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4", "conv-gemv",
                "moe-down-early", "router-scores-f32", "router-scores-f32-early", "fold-eps-const", "position-table-off",
                "fold-deferred", "layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off",
-               "conv-layer-fused", "moe-warps-16", "moe-warps-8", "early-prefetch-moe", "moe-warps-8-early", "early-prefetch",
-               "early-prefetch-conv", "qint-bits"}
+               "conv-layer-fused", "early-prefetch", "early-prefetch-conv", "qint-bits"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]

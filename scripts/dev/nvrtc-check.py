@@ -401,19 +401,12 @@ for _k in ("conv_fused.rs", "ffn_fused.rs", "qk_norm_rope.rs#qkv_fused"):
 for _v in ("@timeline", "@early-timeline", "@dense-timeline", "@dense-early-timeline"):
     _base = KERNELS["conv_fused.rs@dense" if "dense" in _v else "conv_fused.rs"]
     KERNELS["conv_fused.rs" + _v] = (_base[0], _base[1] + [("times", "long long")], _base[2])
-# Smaller blocks (MLX_LFM_MOE_FUSED_WARPS: moe_fused.rs block_warps), and
-# at the most registers (the d1536 shapes, below) in blocks of 8 warps;
-# the router's rows asked of L2 first (MLX_LFM_EARLY_PREFETCH=moe:
-# moe_fused.rs EARLY_SUBSTITUTIONS), plain, with its scratch rows in the
-# state and as its timeline form.
-_WARPS = lambda targs, w: [(k, w if k == "WARPS" else v) for k, v in targs]
-KERNELS["moe_fused.rs@warps16"] = (*KERNELS["moe_fused.rs"][:2], lambda dt: _WARPS(KERNELS["moe_fused.rs"][2](dt), 16))
-KERNELS["moe_fused.rs@warps8"] = (*KERNELS["moe_fused.rs"][:2], lambda dt: _WARPS(KERNELS["moe_fused.rs"][2](dt), 8))
+# (The MoE layer in smaller blocks and its router's early prefetch,
+# session 35, retired: blocks of 8 warps at the d1536 shapes' most
+# registers kept as a probe of the block width's headroom.)
 KERNELS["moe_fused.rs@warps8-d1536"] = (*KERNELS["moe_fused.rs"][:2],
-                                        lambda dt: _WARPS(KERNELS["moe_fused.rs@d1536"][2](dt), 8), ["bfloat16", "float16"])
-KERNELS["moe_fused.rs@early"] = KERNELS["moe_fused.rs"]
-KERNELS["moe_fused.rs@early-scratch"] = KERNELS["moe_fused.rs@scratch"]
-KERNELS["moe_fused.rs@early-timeline"] = KERNELS["moe_fused.rs@timeline"]
+                                        lambda dt: [(k, 8 if k == "WARPS" else v) for k, v in KERNELS["moe_fused.rs@d1536"][2](dt)],
+                                        ["bfloat16", "float16"])
 KERNELS["conv_fused.rs@no-wait"] = KERNELS["conv_fused.rs"]
 
 # The folds with their first column's rows prefetched before the prologue
@@ -669,9 +662,6 @@ REPLACE_OF = {
     "conv_fused.rs@dense-timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
     **{"conv_fused.rs" + v: substitutions("stages.rs", "EARLY_SUBSTITUTIONS") + substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS")
        for v in ("@early-timeline", "@dense-early-timeline")},
-    **{"moe_fused.rs" + v: substitutions("moe_fused.rs", "EARLY_SUBSTITUTIONS") for v in ("@early", "@early-scratch")},
-    "moe_fused.rs@early-timeline": (substitutions("moe_fused.rs", "EARLY_SUBSTITUTIONS")
-                                    + substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS")),
 }
 # A kernel variant's own #define, as its Rust side prepends it.
 # The parts of stages.rs's LAYER_SOURCE each kernel compiles (its
@@ -695,13 +685,7 @@ DEFINES_OF = {
     "moe_fused.rs@no-wait": "#define LFM_SPIN_LIMIT 0\n" + LAYER_MOE,
     "moe_fused.rs@scratch": LAYER_MOE,
     "moe_fused.rs@timeline": named(root / "src" / "kernels" / "stages.rs", "TIMELINE_HEADER") + LAYER_MOE,
-    "moe_fused.rs@warps16": LAYER_MOE,
-    "moe_fused.rs@warps8": LAYER_MOE,
     "moe_fused.rs@warps8-d1536": LAYER_MOE,
-    "moe_fused.rs@early": named(root / "src" / "kernels" / "stages.rs", "PREFETCH_HEADER") + LAYER_MOE,
-    "moe_fused.rs@early-scratch": named(root / "src" / "kernels" / "stages.rs", "PREFETCH_HEADER") + LAYER_MOE,
-    "moe_fused.rs@early-timeline": (named(root / "src" / "kernels" / "stages.rs", "TIMELINE_HEADER")
-                                    + named(root / "src" / "kernels" / "stages.rs", "PREFETCH_HEADER") + LAYER_MOE),
     "conv_fused.rs": "#define LFM_QMLX_TILES 2\n" + LAYER_CONV,
     "conv_fused.rs@no-wait": "#define LFM_SPIN_LIMIT 0\n#define LFM_QMLX_TILES 2\n" + LAYER_CONV,
     "conv_fused.rs@dense": "#define LFM_DENSE_PREFETCH 0\n" + LAYER_CONV,
@@ -732,8 +716,7 @@ DEFINES_OF["conv_fused.rs@dense-timeline"] = _TL + DEFINES_OF["conv_fused.rs@den
 DEFINES_OF["conv_fused.rs@early-timeline"] = _TL + DEFINES_OF["conv_fused.rs@early"]
 DEFINES_OF["conv_fused.rs@dense-early-timeline"] = _TL + DEFINES_OF["conv_fused.rs@dense-early"]
 # A variant's text before its kernel's body, as its Rust side puts it there.
-PRELUDE_OF = {"moe_fused.rs@scratch": named(root / "src" / "kernels" / "moe_fused.rs", "SCRATCH_PRELUDE"),
-              "moe_fused.rs@early-scratch": named(root / "src" / "kernels" / "moe_fused.rs", "SCRATCH_PRELUDE")}
+PRELUDE_OF = {"moe_fused.rs@scratch": named(root / "src" / "kernels" / "moe_fused.rs", "SCRATCH_PRELUDE")}
 # The other one-launch layers with their scratch rows in the state
 # (MLX_LFM_SCRATCH_IN_STATE): outputs without the rows, their places (bf16,
 # 2,048 wide: stages.rs scratch_places) as template values.

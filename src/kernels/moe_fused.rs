@@ -63,10 +63,14 @@ use std::sync::OnceLock;
 // router's launch mark, gate/up blocks done). The body: the MoE part of
 // src/kernels/stages.rs's `LAYER_SOURCE`.
 
-/// Warps a block by default ([`block_warps`]): a warp an expert for the
-/// router (as the router + norm kernel's default), 32 experts a row on the
-/// 8B-A1B; ptxas keeps the kernel within the 64 registers a thread that
-/// 1,024 threads allow.
+/// Warps a block: a warp an expert for the router (as the router + norm
+/// kernel's default), 32 experts a row on the 8B-A1B; ptxas keeps the
+/// kernel within the 64 registers a thread that 1,024 threads allow. (One
+/// block an SM at its 56 registers, ~3.6 waves of the 8B-A1B's 481 blocks;
+/// blocks of 16 and 8 warps, two and four an SM, and the router's rows
+/// asked of L2 before the ticket were timed in session 35 on an H100:
+/// 41.60, 44.61 and 41.70 µs against 41.57 under ncu, and retired. Its
+/// ncu stalls: barrier waits lead, the stages' handoffs.)
 pub(crate) const WARPS: i32 = 32;
 /// The router's scratch outputs hold this many entries whatever k is, so
 /// that they stay over 8 bytes (MLX 0.32.4 keeps smaller arrays in its
@@ -110,68 +114,6 @@ const SCRATCH_PRELUDE: &str = r#"
   T* hk = reinterpret_cast<T*>(lfm_scratch + SCR_HK);
 "#;
 
-/// `MLX_LFM_MOE_FUSED_WARPS=16|8` (opt-in, session 35, not yet run on a
-/// GPU): the launch in blocks of 16 or 8 warps instead of 32, the same
-/// stages at one row a warp. The default's blocks of 1,024 threads at its
-/// 56 registers a thread fit one to an SM, so the 8B-A1B's 481 blocks run
-/// in ~3.6 waves, and within a wave each SM's one block takes its ticket,
-/// waits, stages its row and releases with none of its own loads in flight
-/// (session 34's timeline, an H100: a gate/up block's work ~5.5 µs for
-/// 64 KB, a down block's ~3.7 µs for 29 KB). Blocks of 512 threads fit two
-/// an SM, of 256 four (their shared rows ~15 KB each): as many warps, but
-/// one block's ticket, wait and staging overlap another's loads, and the
-/// last wave is finer. (Session 34's wide form, several rows a warp in
-/// blocks of 512, lost: 48-126 µs against 41.8, and is gone.) The same
-/// per-row and per-column code over the same values, each column's experts
-/// summed in their order, each expert's gate dot still one warp's (the
-/// router's warps take E / WARPS experts each): the default's bits, which
-/// its test holds. 8 warps is the fewest the stages allow (the norm takes
-/// 256 threads; a down block a column's TOPK <= 8 experts a warp each).
-///
-/// A layer's state serves one form for its life (its tickets' epochs are
-/// counted in its launch's blocks): the switch is read once a process, or
-/// held by an engine's own switches.
-pub fn block_warps() -> i32 {
-    static W: OnceLock<i32> = OnceLock::new();
-    crate::knobs::cached("MLX_LFM_MOE_FUSED_WARPS", &W, |v| {
-        v.map(str::trim).and_then(|s| s.parse::<i32>().ok()).filter(|w| [8, 16].contains(w)).unwrap_or(WARPS)
-    })
-}
-
-/// `MLX_LFM_EARLY_PREFETCH=moe` (or `all`; opt-in, session 35, not yet
-/// run on a GPU): the router's rows (its norm's weight, the gate's words,
-/// scales and biases, the selection bias, the row and the residual) asked
-/// of L2 by the launch's first block before it takes its ticket. The
-/// router's block is the launch's first stage and every other block waits
-/// on it: session 34's timeline (an H100, L2 evicted) had it done at 7-10
-/// µs of a 35-40 µs launch, its ticket, its norm's loads, the gate's words
-/// and then its scales each a DRAM round trip after the one before (the
-/// SASS loads the scales after the words' products). Asked at once, the
-/// ticket's trip overlaps them all and the later loads find L2. L2 is
-/// shared, so whichever block takes the router's ticket finds them. A
-/// prefetch changes no value: the default's bits.
-const EARLY_SUBSTITUTIONS: [(&str, &str); 1] = [
-    (
-        "  unsigned long long launch;\n  const int role = lfm_take_part<NB>(st, launch);\n",
-        "  if (blockIdx.x == 0) {\n    lfm_prefetch_block(h, D * (int)sizeof(T));\n    lfm_prefetch_block(r, D * (int)sizeof(T));\n    lfm_prefetch_block(wn, D * (int)sizeof(T));\n    lfm_prefetch_block(gw, E * (D * GBITS / 8));\n    lfm_prefetch_block(gscales, E * (D / GGS) * (int)sizeof(T));\n    lfm_prefetch_block(gbiases, E * (D / GGS) * (int)sizeof(T));\n    lfm_prefetch_block(bias, E * (int)sizeof(float));\n  }\n  unsigned long long launch;\n  const int role = lfm_take_part<NB>(st, launch);\n",
-    ),
-];
-
-/// The kernel's body: `stages::LAYER_SOURCE`, or (`early`) with
-/// [`EARLY_SUBSTITUTIONS`].
-fn body(early: bool) -> String {
-    if early {
-        super::substituted(stages::LAYER_SOURCE, &EARLY_SUBSTITUTIONS)
-    } else {
-        stages::LAYER_SOURCE.to_string()
-    }
-}
-
-/// Whether this process's launches take the early form.
-fn early() -> bool {
-    stages::early_prefetch("moe")
-}
-
 static BUILT: Built = Built::new();
 
 /// How many times [`forward`] has put the kernel into a graph in this
@@ -189,24 +131,22 @@ fn header() -> String {
 
 /// The kernel; with `scratch`, its form with the scratch rows (`yn`,
 /// `inds`, `scores`, `hk`) in the layer's state
-/// ([`stages::call_with_scratch`]); with `early`, its router's rows asked
-/// of L2 first ([`EARLY_SUBSTITUTIONS`]). (The warps a block are a
-/// template value: the same texts.)
-fn kernel(scratch: bool, early: bool) -> Option<&'static CudaKernel> {
-    static K: [Cells; 4] = [stages::cells(), stages::cells(), stages::cells(), stages::cells()];
-    static SOURCES: [OnceLock<String>; 4] = [OnceLock::new(), OnceLock::new(), OnceLock::new(), OnceLock::new()];
+/// ([`stages::call_with_scratch`]).
+fn kernel(scratch: bool) -> Option<&'static CudaKernel> {
+    static K: [Cells; 2] = [stages::cells(), stages::cells()];
+    static SCRATCH_SOURCE: OnceLock<String> = OnceLock::new();
     let outputs = ["s", "out", "yn", "inds", "scores", "hk"];
-    let at = usize::from(scratch) + 2 * usize::from(early);
-    let name = ["lfm_moe_fused", "lfm_moe_fused_scr", "lfm_moe_fused_early", "lfm_moe_fused_early_scr"][at];
-    let head = move || if early { format!("{}{}", stages::PREFETCH_HEADER, header()) } else { header() };
-    let source = SOURCES[at].get_or_init(|| if scratch { format!("{SCRATCH_PRELUDE}{}", body(early)) } else { body(early) });
-    stages::kernel(&K[at], name, &INPUTS, if scratch { &outputs[..2] } else { &outputs }, source, head)
+    if scratch {
+        let source = SCRATCH_SOURCE.get_or_init(|| format!("{SCRATCH_PRELUDE}{}", stages::LAYER_SOURCE));
+        return stages::kernel(&K[1], "lfm_moe_fused_scr", &INPUTS, &outputs[..2], source, header);
+    }
+    stages::kernel(&K[0], "lfm_moe_fused", &INPUTS, &outputs, stages::LAYER_SOURCE, header)
 }
 
-/// The gate/up blocks and the down blocks of one launch in blocks of `w`
-/// warps (as the kernel counts them; `k` in 1..=8, at most `w`).
-fn parts(d: i32, f: i32, k: i32, w: i32) -> (i64, i64) {
-    let (w, k64) = (w as i64, k as i64);
+/// The gate/up blocks and the down blocks of one launch (as the kernel
+/// counts them; `k` in 1..=8).
+fn parts(d: i32, f: i32, k: i32) -> (i64, i64) {
+    let (w, k64) = (WARPS as i64, k as i64);
     let gate_up = k64 * ((f as i64 + w - 1) / w);
     let per = w / k64;
     (gate_up, (d as i64 + per - 1) / per)
@@ -214,8 +154,8 @@ fn parts(d: i32, f: i32, k: i32, w: i32) -> (i64, i64) {
 
 /// The blocks of one launch: the router's, the gate/up rows', the down
 /// columns'.
-fn blocks(d: i32, f: i32, k: i32, w: i32) -> i64 {
-    let (gate_up, down) = parts(d, f, k, w);
+fn blocks(d: i32, f: i32, k: i32) -> i64 {
+    let (gate_up, down) = parts(d, f, k);
     1 + gate_up + down
 }
 
@@ -228,7 +168,7 @@ fn blocks(d: i32, f: i32, k: i32, w: i32) -> i64 {
 /// expert stacks of one specification, and the staged rows within shared
 /// memory.
 pub fn available(n: &NormIn, g: &Quantized, gu: &Quantized, down: &Quantized, k: usize) -> bool {
-    enabled() && served(n, g, gu, down, k) && kernel(false, early()).is_some()
+    enabled() && served(n, g, gu, down, k) && kernel(false).is_some()
 }
 
 /// [`available`] but for the switch and the kernel: whether the layer's
@@ -302,20 +242,17 @@ pub fn forward_timeline(
     let mut outs = launch(n, g, bias, gu, down, state, k, norm, eps, scale, true)?;
     let times = outs.pop().ok_or_else(|| Error::mlx("fused MoE kernel: missing output"))?;
     let (d, f) = (n.h.dim(1), gu.weight.dim(1) / 2);
-    let (gate_up, down) = parts(d, f, k as i32, block_warps());
+    let (gate_up, down) = parts(d, f, k as i32);
     Ok((outs.swap_remove(1), times, gate_up as usize, (1 + gate_up + down) as usize))
 }
 
-/// The kernel's timeline form (outputs as [`kernel`]'s, then `times`), of
-/// the default or the `early` form.
-fn timeline_kernel(early: bool) -> Option<&'static CudaKernel> {
-    static K: [Cells; 2] = [stages::cells(), stages::cells()];
-    static SOURCES: [OnceLock<String>; 2] = [OnceLock::new(), OnceLock::new()];
-    let source = SOURCES[usize::from(early)].get_or_init(|| super::substituted(&body(early), &stages::TIMELINE_SUBSTITUTIONS));
+/// The kernel's timeline form (outputs as [`kernel`]'s, then `times`).
+fn timeline_kernel() -> Option<&'static CudaKernel> {
+    static K: Cells = stages::cells();
+    static SOURCE: OnceLock<String> = OnceLock::new();
+    let source = SOURCE.get_or_init(|| super::substituted(stages::LAYER_SOURCE, &stages::TIMELINE_SUBSTITUTIONS));
     let outputs = ["s", "out", "yn", "inds", "scores", "hk", "times"];
-    let name = if early { "lfm_moe_fused_early_timeline" } else { "lfm_moe_fused_timeline" };
-    let head = move || format!("{}{}{}", stages::TIMELINE_HEADER, if early { stages::PREFETCH_HEADER } else { "" }, header());
-    stages::kernel(&K[usize::from(early)], name, &INPUTS, &outputs, source, head)
+    stages::kernel(&K, "lfm_moe_fused_timeline", &INPUTS, &outputs, source, || format!("{}{}", stages::TIMELINE_HEADER, header()))
 }
 
 /// The launch: `[s, out]`, or (`timeline`) every output of the timeline
@@ -335,8 +272,7 @@ fn launch(
     timeline: bool,
 ) -> Result<Vec<Array>> {
     let unavailable = || Error::mlx("the fused MoE kernel is not available");
-    let (w, early) = (block_warps(), early());
-    let kern = if timeline { timeline_kernel(early) } else { kernel(false, early) }.ok_or_else(unavailable)?;
+    let kern = if timeline { timeline_kernel() } else { kernel(false) }.ok_or_else(unavailable)?;
     let missing = |what: &str| Error::invalid(format!("the fused MoE kernel needs affine biases ({what})"));
     let gb = g.biases.as_ref().ok_or_else(|| missing("the router gate"))?;
     let ub = gu.biases.as_ref().ok_or_else(|| missing("the experts' gate/up"))?;
@@ -348,8 +284,8 @@ fn launch(
     let (d, dt) = (n.h.dim(1), n.h.dtype());
     let (e, f) = (g.weight.dim(0), gu.weight.dim(1) / 2);
     let k = k as i32;
-    let nb = blocks(d, f, k, w);
-    let threads = w * 32;
+    let nb = blocks(d, f, k);
+    let threads = WARPS * 32;
     let grid = i32::try_from(nb * threads as i64).map_err(|_| Error::invalid(format!("fused MoE kernel: {nb} blocks")))?;
     let template = [
         ("T", TemplateArg::Dtype(dt)),
@@ -362,7 +298,7 @@ fn launch(
         ("GGS", TemplateArg::Int(g.spec.group_size)),
         ("BITS", TemplateArg::Int(gu.spec.bits)),
         ("GS", TemplateArg::Int(gu.spec.group_size)),
-        ("WARPS", TemplateArg::Int(w)),
+        ("WARPS", TemplateArg::Int(WARPS)),
         ("EPS_BITS", TemplateArg::Int(eps.to_bits() as i32)),
         ("SCALE_BITS", TemplateArg::Int(scale.to_bits() as i32)),
     ];
@@ -384,7 +320,7 @@ fn launch(
     } else {
         stages::call_with_scratch(
             kern,
-            || kernel(true, early),
+            || kernel(true),
             &inputs,
             &outputs,
             &["SCR_YN", "SCR_INDS", "SCR_SCORES", "SCR_HK"],
@@ -402,33 +338,21 @@ fn launch(
 
 #[cfg(test)]
 pub(crate) fn launch_blocks(d: i32, f: i32, k: i32) -> i64 {
-    blocks(d, f, k, WARPS)
+    blocks(d, f, k)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// The early form's text: its prefetch before the ticket, and every
-    /// timeline stamp still finding its place; the launch's blocks at 32,
-    /// 16 and 8 warps on the 8B-A1B (more, smaller blocks: two or four an
-    /// SM at its registers).
+    /// The launch's parts: a block of 32 warps for 32 gate/up rows of one
+    /// chosen expert, for 32 / k down columns.
     #[test]
-    fn the_forms_keep_the_stages() {
-        let early = body(true);
-        for (was, now) in EARLY_SUBSTITUTIONS {
-            assert!(stages::LAYER_SOURCE.contains(was) && early.contains(now), "{was:?}");
-        }
-        assert_eq!(early.matches("lfm_prefetch_block(").count(), 7);
-        let stamped = crate::kernels::substituted(&early, &stages::TIMELINE_SUBSTITUTIONS);
-        assert_eq!(stamped.matches("LFM_STAMP").count(), 19);
-        assert_eq!(parts(2048, 1792, 4, 32), (224, 256));
-        assert_eq!(blocks(2048, 1792, 4, 32), 481);
-        assert_eq!(parts(2048, 1792, 4, 16), (448, 512));
-        assert_eq!(parts(2048, 1792, 4, 8), (896, 1024));
-        // (Eight experts a row in blocks of 8 warps: a column a block.)
-        assert_eq!(parts(2048, 256, 8, 8), (256, 2048));
-        assert_eq!(parts(1024, 256, 3, 16), (48, 205));
+    fn a_launch_counts_its_parts() {
+        assert_eq!(parts(2048, 1792, 4), (224, 256));
+        assert_eq!(blocks(2048, 1792, 4), 481);
+        assert_eq!(parts(2048, 256, 8), (64, 512));
+        assert_eq!(parts(1024, 256, 3), (24, 103));
     }
 
     /// A MoE layer's state holds its scratch rows at either activation

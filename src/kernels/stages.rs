@@ -420,12 +420,11 @@ __device__ inline void lfm_prefetch_block(const void* p, int bytes) {
 "#;
 
 /// The one-launch layers [`early_prefetch`] names.
-const EARLY_PARTS: [&str; 4] = ["conv", "ffn", "qkv", "moe"];
+const EARLY_PARTS: [&str; 3] = ["conv", "ffn", "qkv"];
 
-/// `MLX_LFM_EARLY_PREFETCH=conv,ffn,qkv,moe` (any of them, or `all`;
-/// opt-in, session 34; `moe`, the MoE router's rows before the ticket,
-/// session 35: src/kernels/moe_fused.rs `EARLY_SUBSTITUTIONS`): the
-/// one-launch conv layer's,
+/// `MLX_LFM_EARLY_PREFETCH=conv,ffn,qkv` (any of them, or `all`; opt-in,
+/// session 34; the MoE router's rows before its ticket, session 35, tied
+/// and was retired): the one-launch conv layer's,
 /// feed-forward's and q/k/v stage's blocks ask L2 for their weight rows
 /// when they take their part, before they wait for the stage before
 /// theirs (the weights depend on nothing the launch computes), so the
@@ -440,7 +439,7 @@ const EARLY_PARTS: [&str; 4] = ["conv", "ffn", "qkv", "moe"];
 /// against 26.1, bf16 23.4 against 21.9, the feed-forward 40.9 against
 /// 41.4: no gain where every block is resident and waits anyway.)
 pub(crate) fn early_prefetch(part: &str) -> bool {
-    static ON: OnceLock<[bool; 4]> = OnceLock::new();
+    static ON: OnceLock<[bool; 3]> = OnceLock::new();
     let on = crate::knobs::cached("MLX_LFM_EARLY_PREFETCH", &ON, |v| {
         let parts: Vec<&str> = v.unwrap_or("").split(',').map(str::trim).collect();
         EARLY_PARTS.map(|p| parts.contains(&p) || parts.contains(&"all"))

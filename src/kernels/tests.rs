@@ -707,22 +707,10 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 }
                 if compiled && !joined {
                     // The conv layers' and feed-forwards' rows asked of L2
-                    // before their waits, the MoE router's before its
-                    // ticket (MLX_LFM_EARLY_PREFETCH, opt-in, sessions
-                    // 34-35; run.py's `early-prefetch`).
+                    // before their waits (MLX_LFM_EARLY_PREFETCH, opt-in,
+                    // session 34; run.py's `early-prefetch`).
                     let set = [("MLX_LFM_EARLY_PREFETCH".to_string(), Some("all".to_string()))];
                     runs.push(("early-prefetch", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
-                }
-                if compiled && moe_served && !joined {
-                    // The one-launch MoE layer in blocks of 8 warps
-                    // (MLX_LFM_MOE_FUSED_WARPS, opt-in, session 35; run.py's
-                    // `moe-warps-8`): the default's bits by its kernel test.
-                    let set = [("MLX_LFM_MOE_FUSED_WARPS".to_string(), Some("8".to_string()))];
-                    let before = crate::kernels::moe_fused::built();
-                    runs.push(("moe-warps-8", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
-                    if can_fuse && !off("MLX_LFM_MOE_FUSED") && crate::kernels::moe_fused::built() == before {
-                        unbuilt("moe-warps-8", &mut failures);
-                    }
                 }
                 if !q4 {
                     // The deferred folds over every dense norm + projection
@@ -2072,33 +2060,9 @@ fn moe_fused_kernel_matches_the_three_kernels() {
                 assert_eq!(differing(&s2, &s), 0, "{what}: scratch in the state, launch {turn}: the sum differs");
                 assert_eq!(differing(&out2, &out), 0, "{what}: scratch in the state, launch {turn}: the output differs");
             }
-            // Smaller blocks (MLX_LFM_MOE_FUSED_WARPS, opt-in) and the
-            // router's rows asked of L2 first (MLX_LFM_EARLY_PREFETCH=moe,
-            // opt-in), alone and together: the default's bits, twice on a
-            // state of their own (their tickets' epochs), with their
-            // scratch rows in the state, and through their timeline forms;
-            // then the default's timeline form.
-            for (warps, early) in [("16", ""), ("8", ""), ("32", "moe"), ("8", "moe")] {
-                let wide = [
-                    ("MLX_LFM_MOE_FUSED_WARPS".to_string(), Some(warps.to_string())),
-                    ("MLX_LFM_EARLY_PREFETCH".to_string(), Some(early.to_string())),
-                ];
-                let what = format!("{what}, blocks of {warps} warps{}", if early.is_empty() { "" } else { ", early" });
-                let own = new_counters().unwrap();
-                for turn in 0..2 {
-                    let (s2, out2) = crate::knobs::with_overrides(&wide, || run(&own));
-                    assert_eq!(differing(&s2, &s), 0, "{what}, launch {turn}: the sum differs");
-                    assert_eq!(differing(&out2, &out), 0, "{what}, launch {turn}: the output differs");
-                }
-                // (A state of its own: a layer's state serves one form,
-                // whose block count its tickets' epochs are counted in.)
-                let big = crate::kernels::stages::new_counters_of(crate::kernels::moe_fused::state_words(d as usize, f as usize, k)).unwrap();
-                let (s2, out2) = crate::knobs::with_overrides(&wide, || scratch_in_state(|| run(&big)));
-                assert_eq!(differing(&s2, &s), 0, "{what}, scratch in the state: the sum differs");
-                assert_eq!(differing(&out2, &out), 0, "{what}, scratch in the state: the output differs");
-                crate::knobs::with_overrides(&wide, || check_timeline(&what, &n, &g, &bias, &gu, &dn, k, scale, &out));
-            }
-            check_timeline(&format!("{what}, the default form"), &n, &g, &bias, &gu, &dn, k, scale, &out);
+            // The timeline form (the bench's): the same bits, its stamps in
+            // the stages' order.
+            check_timeline(&what, &n, &g, &bias, &gu, &dn, k, scale, &out);
             check_counters_in_step(&what, &state, &[true, true, false, true, false, false], &[s, out], |c| {
                 let (s, out) = run(c);
                 vec![s, out]

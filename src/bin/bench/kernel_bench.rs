@@ -519,26 +519,12 @@ impl Experts {
 /// down kernels) against the one of src/kernels/moe_fused.rs. `(arm, its
 /// switches, kernels a product)`. Each launch routes another of
 /// [`LAYER_ROWS`] rows, so the chosen experts change from one to the next.
-/// The `-warps-W` arms: the one launch in blocks of W warps
-/// (`MLX_LFM_MOE_FUSED_WARPS`, src/kernels/moe_fused.rs `block_warps`);
-/// `-early`: the router's rows asked of L2 before the ticket
-/// (`MLX_LFM_EARLY_PREFETCH=moe`).
-const LAYER_ARMS: [(&str, Switches, usize); 7] = [
+/// (Session 35's arms of the one launch in blocks of 16 or 8 warps and
+/// of its router's rows asked of L2 first, 41.60 / 44.61 / 41.70 µs
+/// against 41.57 on an H100, retired.)
+const LAYER_ARMS: [(&str, Switches, usize); 2] = [
     ("moe-layer-q4-three", &[("MLX_LFM_MOE_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1")], 3),
     ("moe-layer-q4-fused", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
-    ("moe-layer-q4-fused-warps-16", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_MOE_FUSED_WARPS", "16")], 1),
-    ("moe-layer-q4-fused-warps-8", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_MOE_FUSED_WARPS", "8")], 1),
-    ("moe-layer-q4-fused-early", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_EARLY_PREFETCH", "moe")], 1),
-    (
-        "moe-layer-q4-fused-warps-16-early",
-        &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_MOE_FUSED_WARPS", "16"), ("MLX_LFM_EARLY_PREFETCH", "moe")],
-        1,
-    ),
-    (
-        "moe-layer-q4-fused-warps-8-early",
-        &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_MOE_FUSED_WARPS", "8"), ("MLX_LFM_EARLY_PREFETCH", "moe")],
-        1,
-    ),
 ];
 const LAYER_ROWS: usize = 8;
 const LAYER_LAUNCHES: usize = 16;
@@ -558,9 +544,8 @@ struct Layer {
     bias: Array,
     scale: Array,
     state: Array,
-    /// The one-launch forms' states, by warps a block (32, 16, 8: a
-    /// state serves one block count; the early form's is the same).
-    states: [Array; 3],
+    /// The one-launch kernel's state (a state serves one kernel's launches).
+    fused_state: Array,
 }
 
 impl Layer {
@@ -578,13 +563,12 @@ impl Layer {
         let bias = mlx::zeros(&[EXPERTS], Dtype::Float32)?;
         let scale = Array::from_slice(&[1.0f32], &[1])?;
         let state = mlx_lfm::kernels::stages::new_counters()?;
-        let new = mlx_lfm::kernels::stages::new_counters;
-        let states = [new()?, new()?, new()?];
+        let fused_state = mlx_lfm::kernels::stages::new_counters()?;
         let mut held: Vec<&Array> = hs.iter().collect();
         held.extend([&gate.weight, &gate.scales, &r, &wn, &eps, &bias, &scale]);
         held.extend(gate.biases.iter());
         mlx::eval(&held)?;
-        Ok(Layer { experts, gate, hs, r, wn, eps, bias, scale, state, states })
+        Ok(Layer { experts, gate, hs, r, wn, eps, bias, scale, state, fused_state })
     }
 
     /// The layer's output for launch `i`'s row, as the arm's switches say.
@@ -598,13 +582,7 @@ impl Layer {
             if !moe_fused::available(&n, g, gu, down, k) {
                 return Err(unserved());
             }
-            // (A state for each form: a layer's state serves one.)
-            let state = &self.states[match moe_fused::block_warps() {
-                16 => 1,
-                8 => 2,
-                _ => 0,
-            }];
-            return Ok(moe_fused::forward(&n, g, &self.bias, gu, down, state, k, true, LAYER_EPS, 1.0)?.1);
+            return Ok(moe_fused::forward(&n, g, &self.bias, gu, down, &self.fused_state, k, true, LAYER_EPS, 1.0)?.1);
         }
         if !moe_router::gate_norm_available(&n, g, k) || !moe_experts::available(1, k, Dtype::Bfloat16, gu, down) {
             return Err(unserved());
@@ -630,20 +608,11 @@ const TIMELINE_ARM: &str = "moe-layer-q4-timeline";
 fn timeline(reps: usize) -> mlx_lfm::Result<()> {
     let layer = Layer::new()?;
     let scrub = scrub_rows()?;
-    // The default form (blocks of 32 warps), then smaller blocks, each
-    // without and with the router's early prefetch.
-    for early in ["", "moe"] {
-        for warps in ["32", "16", "8"] {
-            let switches = [
-                ("MLX_LFM_MOE_FUSED".to_string(), Some("1".to_string())),
-                ("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string())),
-                ("MLX_LFM_MOE_FUSED_WARPS".to_string(), Some(warps.to_string())),
-                ("MLX_LFM_EARLY_PREFETCH".to_string(), Some(early.to_string())),
-            ];
-            let form = format!("{warps}{}", if early.is_empty() { "" } else { "-early" });
-            mlx_lfm::knobs::with_overrides(&switches, || timeline_of(&layer, &scrub, &form, reps))?;
-        }
-    }
+    let switches = [
+        ("MLX_LFM_MOE_FUSED".to_string(), Some("1".to_string())),
+        ("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string())),
+    ];
+    mlx_lfm::knobs::with_overrides(&switches, || timeline_of(&layer, &scrub, "default", reps))?;
     Ok(())
 }
 
@@ -656,8 +625,7 @@ fn scrub_rows() -> mlx_lfm::Result<Array> {
     Ok(scrub)
 }
 
-/// [`timeline`] of one form (`form`: its warps a block, `-early` with the
-/// router's prefetch).
+/// [`timeline`] of one form (`form` names it in the records).
 fn timeline_of(layer: &Layer, scrub: &Array, form: &str, reps: usize) -> mlx_lfm::Result<()> {
     use mlx_lfm::kernels::{moe_fused, norm_gemv::NormIn, stages::timeline_summary};
     let (g, gu, down) = (&layer.gate, &layer.experts.gate_up, &layer.experts.down);
