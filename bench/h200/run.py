@@ -165,7 +165,7 @@ from its A/B: the variants and greedy sets that turned them on are gone,
 `conv-fused-off`, `ffn-fused-off`, `qkv-fused-off` measure them off, and
 the greedy test's default run checks it built each.
 Next (`bash bench/h200/prepare.sh` here first; ~1,500 s planned).
-Session 35 got an H100 for ten minutes (nine starts found none): its
+Session 35 got an H100 for ten minutes (its other starts found none): its
 kernel-bench turned down the MoE layer in blocks of 16 or 8 warps and its
 router's rows asked of L2 first (41.60 / 44.61 / 41.70 µs against 41.57;
 retired since), and read q made by its bits in the MLX-exact quantized
