@@ -381,9 +381,7 @@ LLBIN = LLSRC / "build" / "bin"
 SITE = Path("/tmp/site")
 OUT = Path(os.environ.get("OUT", "/tmp/h200/out"))
 RAW = WORK / "raw.jsonl"
-# (H200_BENCH=PATH: another build of it, e.g. a branch's carried beside
-# main's for a same-call `kernel-bench`; each record then names it.)
-BENCH = Path(os.environ.get("H200_BENCH") or ROOT / ".device" / "bin" / "mlx-lfm-bench")
+BENCH = ROOT / ".device" / "bin" / "mlx-lfm-bench"
 TESTS = WORK / "tests"
 
 GEN = 256
@@ -457,8 +455,6 @@ def sh(cmd, log_name=None, check=True, **kw):
 
 def record(**kv):
     WORK.mkdir(parents=True, exist_ok=True)
-    if os.environ.get("H200_BENCH"):
-        kv.setdefault("bench", os.environ["H200_BENCH"])
     # (H200_TAG=text: a call's own label on each record, e.g. the process
     # switch a second `kernel-bench` of the call ran under.)
     if os.environ.get("H200_TAG"):

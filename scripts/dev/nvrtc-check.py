@@ -401,12 +401,6 @@ for _k in ("conv_fused.rs", "ffn_fused.rs", "qk_norm_rope.rs#qkv_fused"):
 for _v in ("@timeline", "@early-timeline", "@dense-timeline", "@dense-early-timeline"):
     _base = KERNELS["conv_fused.rs@dense" if "dense" in _v else "conv_fused.rs"]
     KERNELS["conv_fused.rs" + _v] = (_base[0], _base[1] + [("times", "long long")], _base[2])
-# (The MoE layer in smaller blocks and its router's early prefetch,
-# session 35, retired: blocks of 8 warps at the d1536 shapes' most
-# registers kept as a probe of the block width's headroom.)
-KERNELS["moe_fused.rs@warps8-d1536"] = (*KERNELS["moe_fused.rs"][:2],
-                                        lambda dt: [(k, 8 if k == "WARPS" else v) for k, v in KERNELS["moe_fused.rs@d1536"][2](dt)],
-                                        ["bfloat16", "float16"])
 KERNELS["conv_fused.rs@no-wait"] = KERNELS["conv_fused.rs"]
 
 # The folds with their first column's rows prefetched before the prologue
@@ -685,7 +679,6 @@ DEFINES_OF = {
     "moe_fused.rs@no-wait": "#define LFM_SPIN_LIMIT 0\n" + LAYER_MOE,
     "moe_fused.rs@scratch": LAYER_MOE,
     "moe_fused.rs@timeline": named(root / "src" / "kernels" / "stages.rs", "TIMELINE_HEADER") + LAYER_MOE,
-    "moe_fused.rs@warps8-d1536": LAYER_MOE,
     "conv_fused.rs": "#define LFM_QMLX_TILES 2\n" + LAYER_CONV,
     "conv_fused.rs@no-wait": "#define LFM_SPIN_LIMIT 0\n#define LFM_QMLX_TILES 2\n" + LAYER_CONV,
     "conv_fused.rs@dense": "#define LFM_DENSE_PREFETCH 0\n" + LAYER_CONV,

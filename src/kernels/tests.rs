@@ -440,12 +440,7 @@ fn a_kernel_from_files_gives_the_inline_bits() {
 /// before it in this process, it says so and checks nothing.
 #[test]
 fn greedy_tokens_with_kernel_texts_in_files() {
-    if skip("greedy_tokens_with_kernel_texts_in_files") {
-        return;
-    }
-    std::env::set_var("MLX_LFM_KERNEL_TEXT", "file");
-    if !crate::mlx::kernel_text::in_files() {
-        eprintln!("skipped greedy_tokens_with_kernel_texts_in_files: kernels were built inline earlier in this process; run it alone");
+    if !alone_with("greedy_tokens_with_kernel_texts_in_files", "MLX_LFM_KERNEL_TEXT", "file", crate::mlx::kernel_text::in_files) {
         return;
     }
     let dir = crate::mlx::kernel_text::folder().expect("a private folder for the kernels' texts");
@@ -469,12 +464,7 @@ fn greedy_tokens_with_kernel_texts_in_files() {
 /// so and checks nothing.
 #[test]
 fn quantized_layers_with_q_by_its_bits_match_stock_ops() {
-    if skip("quantized_layers_with_q_by_its_bits_match_stock_ops") {
-        return;
-    }
-    std::env::set_var("MLX_LFM_QINT", "bits");
-    if !crate::kernels::quant_gemv::qint_bits() {
-        eprintln!("skipped quantized_layers_with_q_by_its_bits_match_stock_ops: kernels were built without it earlier in this process; run it alone");
+    if !alone_with("quantized_layers_with_q_by_its_bits_match_stock_ops", "MLX_LFM_QINT", "bits", crate::kernels::quant_gemv::qint_bits) {
         return;
     }
     conv_fused_kernel_matches_stock_ops();
@@ -482,6 +472,22 @@ fn quantized_layers_with_q_by_its_bits_match_stock_ops() {
     qkv_fused_kernel_matches_stock_ops();
     quant_gemv_kernel_matches_stock_ops();
     greedy_tokens_over(greedy_fixture(wide_greedy_fixtures(), "WideMoe"));
+}
+
+/// Whether `test` runs: on CUDA, with `var=value` set for its whole
+/// process and `on()` (the switch as this process's kernels read it once)
+/// saying it took; where kernels were built without it earlier in this
+/// process, it says so and the test checks nothing.
+fn alone_with(test: &str, var: &str, value: &str, on: fn() -> bool) -> bool {
+    if skip(test) {
+        return false;
+    }
+    std::env::set_var(var, value);
+    if !on() {
+        eprintln!("skipped {test}: kernels were built without {var}={value} earlier in this process; run it alone");
+        return false;
+    }
+    true
 }
 
 /// The four greedy tests' fixtures are the two lists' four, each once (a

@@ -544,8 +544,6 @@ struct Layer {
     bias: Array,
     scale: Array,
     state: Array,
-    /// The one-launch kernel's state (a state serves one kernel's launches).
-    fused_state: Array,
 }
 
 impl Layer {
@@ -563,12 +561,11 @@ impl Layer {
         let bias = mlx::zeros(&[EXPERTS], Dtype::Float32)?;
         let scale = Array::from_slice(&[1.0f32], &[1])?;
         let state = mlx_lfm::kernels::stages::new_counters()?;
-        let fused_state = mlx_lfm::kernels::stages::new_counters()?;
         let mut held: Vec<&Array> = hs.iter().collect();
         held.extend([&gate.weight, &gate.scales, &r, &wn, &eps, &bias, &scale]);
         held.extend(gate.biases.iter());
         mlx::eval(&held)?;
-        Ok(Layer { experts, gate, hs, r, wn, eps, bias, scale, state, fused_state })
+        Ok(Layer { experts, gate, hs, r, wn, eps, bias, scale, state })
     }
 
     /// The layer's output for launch `i`'s row, as the arm's switches say.
@@ -582,7 +579,7 @@ impl Layer {
             if !moe_fused::available(&n, g, gu, down, k) {
                 return Err(unserved());
             }
-            return Ok(moe_fused::forward(&n, g, &self.bias, gu, down, &self.fused_state, k, true, LAYER_EPS, 1.0)?.1);
+            return Ok(moe_fused::forward(&n, g, &self.bias, gu, down, &self.state, k, true, LAYER_EPS, 1.0)?.1);
         }
         if !moe_router::gate_norm_available(&n, g, k) || !moe_experts::available(1, k, Dtype::Bfloat16, gu, down) {
             return Err(unserved());
