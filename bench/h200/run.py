@@ -2090,6 +2090,13 @@ AB = {
     # (sm_90 SASS), its conv layer 0.36 TB/s where the 1.2B's dense one
     # read 1.5. A process switch (PER_PROCESS).
     "qint-bits": ({"MLX_LFM_QINT": "bits"}, ["lfm2-8b-a1b-q4"]),
+    # The one-launch MoE layer's experts walking x staged in float32 at
+    # each value's place (session 36, src/kernels/moe_fused.rs staged_x):
+    # the sm_90 SASS of its gate/up loop spent ~7.6 instructions a weight,
+    # ~3.5 of them on the integer pipe (session 35's ncu: math-pipe
+    # throttle and not-selected stalls); staged, ~3.8, one LOP3 a weight.
+    # The same bits (its kernel test holds them). In process.
+    "moe-staged-x": ({"MLX_LFM_MOE_STAGED_X": "1"}, ["lfm2-8b-a1b-q4"]),
     # The one-launch conv layers', feed-forwards' and q/k/v stages' weight
     # rows asked of L2 when a block takes its part, before it waits for the
     # stage before (session 34, src/kernels/stages.rs early_prefetch):
@@ -2109,6 +2116,9 @@ GREEDY = "greedy_tokens_with_kernels_equal_stock_ops"
 AB_TESTS = {
     "kernel-text-file": ["a_kernel_from_files_gives_the_inline_bits", "greedy_tokens_with_kernel_texts_in_files"],
     "qint-bits": ["quantized_layers_with_q_by_its_bits_match_stock_ops"],
+    # (Its kernel test holds it to the default's bits, so the default's
+    # greedy verdict stands for it; the greedy test also runs it alone.)
+    "moe-staged-x": ["moe_fused_kernel_matches_the_three_kernels"],
     "scratch-in-state": ["moe_fused_kernel_matches_the_three_kernels", "conv_fused_kernel_matches_stock_ops",
                          "ffn_fused_kernel_matches_stock_ops", "qkv_fused_kernel_matches_stock_ops",
                          "greedy:MLX_LFM_SCRATCH_IN_STATE"],
@@ -2203,6 +2213,7 @@ PICK = [
     (["conv-layer-fused"], "decode"),
     (["early-prefetch", "early-prefetch-conv"], "decode"),
     (["qint-bits"], "decode"),
+    (["moe-staged-x"], "decode"),
     (["layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off"], "decode"),
     (["attention-smem", "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4"], "decode"),
     (["norm-runs-guarded"], "decode"),
@@ -2231,7 +2242,7 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4", "conv-gemv",
                "moe-down-early", "router-scores-f32", "router-scores-f32-early", "fold-eps-const", "position-table-off",
                "fold-deferred", "layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off",
-               "conv-layer-fused", "early-prefetch", "early-prefetch-conv", "qint-bits"}
+               "conv-layer-fused", "early-prefetch", "early-prefetch-conv", "qint-bits", "moe-staged-x"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]

@@ -25,6 +25,12 @@ fn scratch_in_state<R>(f: impl FnOnce() -> R) -> R {
     crate::knobs::with_overrides(&[("MLX_LFM_SCRATCH_IN_STATE".to_string(), Some("1".to_string()))], f)
 }
 
+/// `f` with the MoE layer's experts over x staged at each value's place
+/// (`MLX_LFM_MOE_STAGED_X`).
+fn staged_x<R>(f: impl FnOnce() -> R) -> R {
+    crate::knobs::with_overrides(&[("MLX_LFM_MOE_STAGED_X".to_string(), Some("1".to_string()))], f)
+}
+
 /// `f` with the quantized GEMVs in MLX's own arithmetic (`MLX_LFM_QGEMV_EXACT`).
 fn in_mlx_arithmetic<R>(f: impl FnOnce() -> R) -> R {
     crate::knobs::with_overrides(&[("MLX_LFM_QGEMV_EXACT".to_string(), Some("1".to_string()))], f)
@@ -690,9 +696,14 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     failures.push(format!("{what}: the default run never built its one-launch {layers} layers"));
                 }
                 // The one-launch layers' scratch rows in their state
-                // (opt-in, session 33), in a compiled step's rows.
+                // (opt-in, session 33), in a compiled step's rows; the
+                // MoE layer's experts over x staged at each value's place
+                // (opt-in, session 36).
                 if compiled && !joined {
                     alone.push("MLX_LFM_SCRATCH_IN_STATE");
+                    if moe_served && !off("MLX_LFM_MOE_FUSED") {
+                        alone.push("MLX_LFM_MOE_STAGED_X");
+                    }
                 }
                 for var in alone {
                     let before = crate::kernels::conv_layer_fused::built();
@@ -2066,6 +2077,14 @@ fn moe_fused_kernel_matches_the_three_kernels() {
                 assert_eq!(differing(&s2, &s), 0, "{what}: scratch in the state, launch {turn}: the sum differs");
                 assert_eq!(differing(&out2, &out), 0, "{what}: scratch in the state, launch {turn}: the output differs");
             }
+            // The experts over x staged at each value's place
+            // (MLX_LFM_MOE_STAGED_X): the default's bits, with its outputs
+            // and with the scratch rows in the state.
+            assert!(crate::kernels::moe_fused::staged_fits(d, f, k as i32), "{what}: the staged form does not serve it");
+            let (s3, out3) = staged_x(|| run(&state));
+            assert_eq!((differing(&s3, &s), differing(&out3, &out)), (0, 0), "{what}: the staged-x walk differs");
+            let (s4, out4) = staged_x(|| scratch_in_state(|| run(&big)));
+            assert_eq!((differing(&s4, &s), differing(&out4, &out)), (0, 0), "{what}: the staged-x walk, scratch in the state, differs");
             // The timeline form (the bench's): the same bits, its stamps in
             // the stages' order.
             check_timeline(&what, &n, &g, &bias, &gu, &dn, k, scale, &out);
