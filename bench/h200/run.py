@@ -2090,6 +2090,10 @@ AB = {
     # (sm_90 SASS), its conv layer 0.36 TB/s where the 1.2B's dense one
     # read 1.5. A process switch (PER_PROCESS).
     "qint-bits": ({"MLX_LFM_QINT": "bits"}, ["lfm2-8b-a1b-q4"]),
+    # The same walk's 4-bit rows two values an instruction (session 36,
+    # qint_mode's `pairs`): the conv layer's tile loop ~3 instructions a
+    # weight in the sm_90 SASS against ~6 by its bits. A process switch.
+    "qint-pairs": ({"MLX_LFM_QINT": "pairs"}, ["lfm2-8b-a1b-q4"]),
     # The one-launch MoE layer's experts walking x staged in float32 at
     # each value's place (session 36, src/kernels/moe_fused.rs staged_x):
     # the sm_90 SASS of its gate/up loop spent ~7.6 instructions a weight,
@@ -2116,6 +2120,7 @@ GREEDY = "greedy_tokens_with_kernels_equal_stock_ops"
 AB_TESTS = {
     "kernel-text-file": ["a_kernel_from_files_gives_the_inline_bits", "greedy_tokens_with_kernel_texts_in_files"],
     "qint-bits": ["quantized_layers_with_q_by_its_bits_match_stock_ops"],
+    "qint-pairs": ["quantized_layers_with_q_in_pairs_match_stock_ops"],
     # (Its kernel test holds it to the default's bits, so the default's
     # greedy verdict stands for it; the greedy test also runs it alone.)
     "moe-staged-x": ["moe_fused_kernel_matches_the_three_kernels"],
@@ -2212,7 +2217,7 @@ PICK = [
     (["moe-down-early", "router-scores-f32", "router-scores-f32-early"], "decode"),
     (["conv-layer-fused"], "decode"),
     (["early-prefetch", "early-prefetch-conv"], "decode"),
-    (["qint-bits"], "decode"),
+    (["qint-bits", "qint-pairs"], "decode"),
     (["moe-staged-x"], "decode"),
     (["layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off"], "decode"),
     (["attention-smem", "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4"], "decode"),
@@ -2242,7 +2247,7 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4", "conv-gemv",
                "moe-down-early", "router-scores-f32", "router-scores-f32-early", "fold-eps-const", "position-table-off",
                "fold-deferred", "layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off",
-               "conv-layer-fused", "early-prefetch", "early-prefetch-conv", "qint-bits", "moe-staged-x"}
+               "conv-layer-fused", "early-prefetch", "early-prefetch-conv", "qint-bits", "qint-pairs", "moe-staged-x"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]

@@ -220,6 +220,13 @@ __device__ inline void lfm_qgemv_warp_a(const T* x, const uint32_t* w, const T* 
 // x * w per element position in T (one fused rounding a step), 8-bit in
 // float; the E sums are added in order in float, then the warp's
 // butterfly, rounded to T once.
+// (a & mask) | bits in one LOP3 (ptxas takes one immediate a LOP3, so
+// with two constants it makes two).
+__device__ inline uint32_t lfm_and_or(uint32_t a, uint32_t mask, uint32_t bits) {
+  uint32_t d;
+  asm(\"lop3.b32 %0, %1, %2, %3, 0xEA;\" : \"=r\"(d) : \"r\"(a), \"r\"(mask), \"r\"(bits));
+  return d;
+}
 __device__ inline __nv_bfloat16 lfm_qfma(__nv_bfloat16 a, __nv_bfloat16 b, __nv_bfloat16 c) { return __hfma(a, b, c); }
 __device__ inline __half lfm_qfma(__half a, __half b, __half c) { return __hfma(a, b, c); }
 __device__ inline float lfm_qfma(float a, float b, float c) { return fmaf(a, b, c); }
@@ -281,15 +288,52 @@ struct lfm_acc_t<true, T> {
 #define LFM_QMLX_TILES 4
 #endif
 static_assert(LFM_QMLX_TILES >= 1, \"LFM_QMLX_TILES: at least one tile a batch\");
+#ifndef LFM_QINT_PAIRS
+#define LFM_QINT_PAIRS 0
+#endif
+// q in pairs (MLX_LFM_QINT=pairs): a 4-bit row of a 16-bit T walked two
+// values an instruction, each lane of a pair the scalar walk's operation
+// (HSUB2, HFMA2: one rounding a lane, as HSUB and HFMA), so the same bits.
+// A word's places v and v + 4 share a pair: their bits masked in place
+// under the magic's exponent (one LOP3 after one shift), x's two values
+// put beside each other by one PRMT. The pair type and magic of T (none
+// but for the 16-bit types).
+template <typename T>
+struct lfm_pair_t {
+  using P = uint32_t;
+  static constexpr uint32_t MAGIC = 0u;
+};
+template <>
+struct lfm_pair_t<__nv_bfloat16> {
+  using P = __nv_bfloat162;
+  static constexpr uint32_t MAGIC = 0x43004300u;
+};
+template <>
+struct lfm_pair_t<__half> {
+  using P = __half2;
+  static constexpr uint32_t MAGIC = 0x64006400u;
+};
+template <typename P>
+__device__ inline P lfm_as_pair(uint32_t v) {
+  return *reinterpret_cast<const P*>(&v);
+}
 template <typename T, int K, int BITS, int GS, bool XA>
 __device__ inline float lfm_qdot_mlx(const T* x, const uint32_t* wr, const T* sr, const T* br, int lane) {
   constexpr int E = (sizeof(T) <= 2 && BITS <= 4) ? 16 : 8;
   constexpr int EW = 32 * E;
   constexpr int VPW = 32 / BITS;
+  constexpr bool PAIRS = LFM_QINT_PAIRS && BITS == 4 && sizeof(T) == 2;
   using A = typename lfm_acc_t<(BITS >= 8), T>::type;
+  using PT = lfm_pair_t<T>;
+  using P = typename PT::P;
   A sums[E];
 #pragma unroll
   for (int j = 0; j < E; j++) sums[j] = A(0.0f);
+  // (Paired: element j's sum in pair 4 (j / 8) + j % 4, its low half where
+  // j % 8 < 4.)
+  P sp[PAIRS ? E / 2 : 1];
+#pragma unroll
+  for (int k = 0; k < (PAIRS ? E / 2 : 1); k++) sp[k] = lfm_as_pair<P>(0u);
   // A tile: this lane's E weights at idx (packed words), their scale and
   // bias; its E elements of x are read as it is summed (x is every warp's:
   // cache hits, where the weights come from DRAM).
@@ -313,14 +357,30 @@ __device__ inline float lfm_qdot_mlx(const T* x, const uint32_t* wr, const T* sr
       for (int j = 0; j < E; j++) reinterpret_cast<T*>(xraw)[j] = x[idx + j];
     }
     const T* xv = reinterpret_cast<const T*>(xraw);
+    if constexpr (PAIRS) {
+      const uint32_t* xw = reinterpret_cast<const uint32_t*>(xraw);
+      const P s2(t.s, t.s);
+      const P b2(t.b, t.b);
+      const P m2 = lfm_as_pair<P>(PT::MAGIC);
 #pragma unroll
-    for (int j = 0; j < E; j++) {
-      const uint32_t q = (t.ww[j / VPW] >> (BITS * (j % VPW))) & ((1u << BITS) - 1u);
-      const T wq = lfm_qdequant<T, BITS>(q, t.s, t.b);
-      if constexpr (BITS >= 8) {
-        sums[j] = fmaf(static_cast<float>(xv[j]), static_cast<float>(wq), sums[j]);
-      } else {
-        sums[j] = lfm_qfma(xv[j], wq, sums[j]);
+      for (int w = 0; w < 2; w++) {
+#pragma unroll
+        for (int v = 0; v < 4; v++) {
+          const P q2 = __hsub2(lfm_as_pair<P>(lfm_and_or(t.ww[w] >> (4 * v), 0x000F000Fu, PT::MAGIC)), m2);
+          const P x2 = lfm_as_pair<P>(__byte_perm(xw[4 * w + v / 2], xw[4 * w + 2 + v / 2], (v % 2) ? 0x7632 : 0x5410));
+          sp[4 * w + v] = __hfma2(x2, __hfma2(q2, s2, b2), sp[4 * w + v]);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < E; j++) {
+        const uint32_t q = (t.ww[j / VPW] >> (BITS * (j % VPW))) & ((1u << BITS) - 1u);
+        const T wq = lfm_qdequant<T, BITS>(q, t.s, t.b);
+        if constexpr (BITS >= 8) {
+          sums[j] = fmaf(static_cast<float>(xv[j]), static_cast<float>(wq), sums[j]);
+        } else {
+          sums[j] = lfm_qfma(xv[j], wq, sums[j]);
+        }
       }
     }
   };
@@ -353,8 +413,16 @@ __device__ inline float lfm_qdot_mlx(const T* x, const uint32_t* wr, const T* sr
     }
   }
   float sum = 0.0f;
+  if constexpr (PAIRS) {
 #pragma unroll
-  for (int j = 0; j < E; j++) sum += static_cast<float>(sums[j]);
+    for (int j = 0; j < E; j++) {
+      const P p = sp[4 * (j / 8) + j % 4];
+      sum += static_cast<float>(j % 8 < 4 ? p.x : p.y);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < E; j++) sum += static_cast<float>(sums[j]);
+  }
   return lfm_warp_sum(sum);
 }
 // The first BYTES bytes at p asked of L2, one 128-byte line a lane.
@@ -425,12 +493,6 @@ __device__ inline void lfm_qgemv_warp(const T* x, bool xa, const uint32_t* w, bo
 /// block, in lfm_xchunk's order. Exact wherever x times 2^-(BITS e) is a
 /// normal float32 (|x| over 2^-110).
 pub(crate) const STAGED_X_HEADER: &str = r#"
-// (a & mask) | bits in one LOP3.
-__device__ inline uint32_t lfm_and_or(uint32_t a, uint32_t mask, uint32_t bits) {
-  uint32_t d;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(mask), "r"(bits));
-  return d;
-}
 template <int BITS>
 struct lfm_sx_places {
   static constexpr int VPW = 32 / BITS;
@@ -491,27 +553,63 @@ __device__ inline void lfm_stage_qx(float* dst, float* sums, const T* src, int n
 }
 "#;
 
-/// Both headers, in the order the kernels need them (with
-/// [`qint_bits`]'s define where it is on).
+/// Both headers, in the order the kernels need them (with [`qint_mode`]'s
+/// defines where it is on).
 pub(crate) fn header() -> String {
-    let define = if qint_bits() { "#define LFM_QINT_BITS 1\n" } else { "" };
+    let define = match qint_mode() {
+        QintMode::Convert => "",
+        QintMode::Bits => "#define LFM_QINT_BITS 1\n",
+        QintMode::Pairs => "#define LFM_QINT_BITS 1\n#define LFM_QINT_PAIRS 1\n",
+    };
     format!("{define}{}{QUANT_HEADER}", super::gemv::header())
 }
 
-/// `MLX_LFM_QINT=bits` (opt-in, session 35, not yet run on a GPU): the
-/// MLX-exact quantized walk (`lfm_qdot_mlx`: the one-launch 4-bit conv,
-/// feed-forward and q/k/v layers, `MLX_LFM_QGEMV_EXACT`) makes q in T by
-/// its bits (`lfm_qint_t`: a LOP3 and an exact magic-number add, as MLX's
-/// own qmv does) instead of the conversion units' I2F and F2F, an I2FP
-/// and an F2FP a weight in the sm_90 SASS of the 8B-A1B's conv layer,
-/// whose 9.5 MB read at 0.36 TB/s in session 34's kernel-bench where the
-/// 1.2B's dense one (33.6 MB) read at 1.5. The same values, so the same
-/// bits (the kernels' GPU tests hold them to MLX's). Read once a process:
-/// every kernel built on this header is built once a process, so its A/B
-/// is of processes and its tests run in a process with it set.
+/// How the MLX-exact quantized walk (`lfm_qdot_mlx`: the one-launch 4-bit
+/// conv, feed-forward and q/k/v layers, `MLX_LFM_QGEMV_EXACT`) makes q in
+/// T: `MLX_LFM_QINT` unset, by the conversion units; `bits`, by its bits;
+/// `pairs`, by its bits two values an instruction.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum QintMode {
+    Convert,
+    Bits,
+    Pairs,
+}
+
+/// `MLX_LFM_QINT=bits` (opt-in, session 35, not yet run on a GPU): q in T
+/// by its bits (`lfm_qint_t`: a LOP3 and an exact magic-number add, as
+/// MLX's own qmv does) instead of the conversion units' I2F and F2F, an
+/// I2FP and an F2FP a weight in the sm_90 SASS of the 8B-A1B's conv
+/// layer, whose 9.5 MB read at 0.36 TB/s in session 34's kernel-bench
+/// where the 1.2B's dense one (33.6 MB) read at 1.5. `MLX_LFM_QINT=pairs`
+/// (opt-in, session 36): the same by its bits, and a 4-bit row of bf16 or
+/// half walked two values an instruction (`lfm_pair_t`: a word's places v
+/// and v + 4 masked in place in one LOP3 after one shift, x's two values
+/// beside each other by one PRMT, HSUB2 and two HFMA2 a pair): in the
+/// sm_90 SASS of the 4-bit conv layer, ~6 instructions a weight with
+/// `bits` against ~2.5. Each lane of a pair is the scalar walk's
+/// operation with its one rounding, so both give the same values and bits
+/// (the kernels' GPU tests hold them to MLX's). Read once a process: every
+/// kernel built on this header is built once a process, so its A/B is of
+/// processes and its tests run in a process with it set.
+pub(crate) fn qint_mode() -> QintMode {
+    static MODE: OnceLock<QintMode> = OnceLock::new();
+    *MODE.get_or_init(|| match std::env::var("MLX_LFM_QINT").as_deref().map(str::trim) {
+        Ok("bits") => QintMode::Bits,
+        Ok("pairs") => QintMode::Pairs,
+        _ => QintMode::Convert,
+    })
+}
+
+/// Whether [`qint_mode`] makes q by its bits (`bits`, or `pairs`).
+#[cfg(test)]
 pub(crate) fn qint_bits() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("MLX_LFM_QINT").is_ok_and(|v| v.trim() == "bits"))
+    qint_mode() != QintMode::Convert
+}
+
+/// Whether [`qint_mode`] walks 4-bit rows in pairs.
+#[cfg(test)]
+pub(crate) fn qint_pairs() -> bool {
+    qint_mode() == QintMode::Pairs
 }
 
 const SOURCE: &str = r#"
@@ -663,6 +761,52 @@ mod tests {
         }
         assert_eq!(f32::from_bits(0x4300 << 16), 128.0);
         assert_eq!(f16_value(0x6400), 1024.0);
+    }
+
+    /// The paired walk's places (`MLX_LFM_QINT=pairs`): for every word,
+    /// each of its four pairs holds places v and v + 4 as 128 + q (bf16)
+    /// or 1024 + q (half) by the mask and magic, x's PRMT pairs the same
+    /// two elements, and the final sum reads element j where the fold put
+    /// it, so each element's sum is the scalar walk's, in its order.
+    #[test]
+    fn a_pair_holds_the_places_and_the_x_its_sum_is_read_from() {
+        for c in ["lfm_and_or(t.ww[w] >> (4 * v), 0x000F000Fu, PT::MAGIC)", "(v % 2) ? 0x7632 : 0x5410", "sp[4 * (j / 8) + j % 4]", "j % 8 < 4 ? p.x : p.y"] {
+            assert!(QUANT_HEADER.contains(c), "{c} not in the header");
+        }
+        // __byte_perm(a, b, s): byte i of the result is byte s_i of b:a.
+        let perm = |a: u32, b: u32, sel: u32| -> u32 {
+            let bytes = ((b as u64) << 32) | a as u64;
+            (0..4).map(|i| (((bytes >> (8 * ((sel >> (4 * i)) & 7))) & 0xff) as u32) << (8 * i)).fold(0, |acc, v| acc | v)
+        };
+        let words = [0u32, 0xffff_ffff, 0x7654_3210, 0x0123_4567, 0x9e37_79b9, 0xdead_beef];
+        for w in words {
+            for v in 0..4 {
+                for (magic, base) in [(0x4300u32, 128u32), (0x6400, 1024)] {
+                    let pair = ((w >> (4 * v)) & 0x000F_000F) | (magic << 16 | magic);
+                    let (lo, hi) = (pair & 0xffff, pair >> 16);
+                    let q = |place: u32| (w >> (4 * place)) & 0xf;
+                    // The magic's value plus q, in its own bits (bf16 and
+                    // half both keep q under their mantissa's top bit).
+                    assert_eq!((lo - magic, hi - magic), (q(v), q(v + 4)), "word {w:#x} place {v}");
+                    assert!(q(v) < base && q(v + 4) < base);
+                }
+            }
+        }
+        // x: element e of a 16-value tile in word e / 2, half e % 2; pair
+        // 4 w + v takes elements 8 w + v (low) and 8 w + v + 4 (high).
+        let xw: Vec<u32> = (0..8u32).map(|k| ((2 * k + 1) << 16) | (2 * k)).collect();
+        for w in 0..2usize {
+            for v in 0..4usize {
+                let sel = if v % 2 == 1 { 0x7632 } else { 0x5410 };
+                let got = perm(xw[4 * w + v / 2], xw[4 * w + 2 + v / 2], sel);
+                assert_eq!((got & 0xffff, got >> 16), ((8 * w + v) as u32, (8 * w + v + 4) as u32), "pair {}", 4 * w + v);
+            }
+        }
+        for j in 0..16usize {
+            let (pair, low) = (4 * (j / 8) + j % 4, j % 8 < 4);
+            let (w, v) = (pair / 4, pair % 4);
+            assert_eq!(if low { 8 * w + v } else { 8 * w + v + 4 }, j, "element {j}");
+        }
     }
 
     /// The staged walk's arithmetic (`STAGED_X_HEADER`), for every value of

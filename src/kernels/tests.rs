@@ -480,6 +480,22 @@ fn quantized_layers_with_q_by_its_bits_match_stock_ops() {
     greedy_tokens_over(greedy_fixture(wide_greedy_fixtures(), "WideMoe"));
 }
 
+/// The 4-bit rows of the MLX-exact walk two values an instruction
+/// (`MLX_LFM_QINT=pairs`, src/kernels/quant_gemv.rs `qint_mode`, opt-in
+/// since session 36): the same layers, GEMV and greedy sets as q by its
+/// bits, held to MLX's bits, in a process of its own.
+#[test]
+fn quantized_layers_with_q_in_pairs_match_stock_ops() {
+    if !alone_with("quantized_layers_with_q_in_pairs_match_stock_ops", "MLX_LFM_QINT", "pairs", crate::kernels::quant_gemv::qint_pairs) {
+        return;
+    }
+    conv_fused_kernel_matches_stock_ops();
+    ffn_fused_kernel_matches_stock_ops();
+    qkv_fused_kernel_matches_stock_ops();
+    quant_gemv_kernel_matches_stock_ops();
+    greedy_tokens_over(greedy_fixture(wide_greedy_fixtures(), "WideMoe"));
+}
+
 /// Whether `test` runs: on CUDA, with `var=value` set for its whole
 /// process and `on()` (the switch as this process's kernels read it once)
 /// saying it took; where kernels were built without it earlier in this
