@@ -164,7 +164,35 @@ from its A/B: the variants and greedy sets that turned them on are gone,
 `layers-fused-off` (greedy set and variant) and `moe-fused-off`,
 `conv-fused-off`, `ffn-fused-off`, `qkv-fused-off` measure them off, and
 the greedy test's default run checks it built each.
-Next (`bash bench/h200/prepare.sh` here first; ~1,500 s planned).
+Next (`bash bench/h200/prepare.sh` here first; ~1,750 s planned; the
+working tree is ~7 MB, so .device/a and .device/llama no longer fit one
+call: stage and llama are two).
+Session 36 added two walks that do the same arithmetic in fewer
+instructions (sm_90 SASS read here; ncu had put the one-launch kernels'
+working blocks in math-pipe throttle and not-selected stalls): the MoE
+layer's experts over x staged in float32 at each value's place
+(`moe-staged-x`, in process; its kernel test holds it to the default's
+bits), and the MLX-exact walk's 4-bit rows two values an instruction
+(`qint-pairs`, a process switch like `qint-bits`: the conv, feed-forward,
+q/k/v layers and QGEMV_EXACT). The chain:
+  1. carry [.device/a]: `stage-mlx`.
+  2. carry [.device/llama]: `llama`.
+  3. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=4
+     H200_KERNEL_TESTS=quantized_layers_with_q_in_pairs_match_stock_ops,quantized_layers_with_q_by_its_bits_match_stock_ops,moe_fused_kernel_matches_the_three_kernels,conv_fused_kernel_matches_stock_ops,ffn_fused_kernel_matches_stock_ops,qkv_fused_kernel_matches_stock_ops,compiled_prefill_equals_the_eager_prefill
+     `timeout -s TERM 540 python3 bench/h200/run.py install verdicts-from
+     bench/results/2026-12-03-h200-session18.raw.jsonl,bench/results/2026-12-04-h200-session20.raw.jsonl,bench/results/2026-12-04-h200-session21.raw.jsonl,bench/results/2026-12-04-h200-session24.raw.jsonl,bench/results/2026-12-05-h200-session27.raw.jsonl,bench/results/2026-12-05-h200-session30.raw.jsonl,bench/results/2026-12-05-h100-session31.raw.jsonl,bench/results/2026-12-05-h100-session32.raw.jsonl,bench/results/2026-12-05-h100-session33.raw.jsonl,bench/results/2026-12-05-h100-session34.raw.jsonl,bench/results/2026-12-06-h100-session35.raw.jsonl
+     kernels save-ptx`.
+  4. carry [.device/bin]: H200_KERNEL_BENCH_ARMS=moe-layer-q4-fused,moe-layer-q4-staged,conv-layer-q4-fused,ffn-layer-q4-fused
+     `timeout -s TERM 240 sh -c 'python3 bench/h200/run.py kernel-bench
+     && MLX_LFM_QINT=pairs H200_TAG=qint-pairs python3 bench/h200/run.py
+     kernel-bench && MLX_LFM_QINT=bits H200_TAG=qint-bits python3
+     bench/h200/run.py kernel-bench'`.
+  5. carry [.device/bin]: H200_OURS_ENV (mimalloc) and
+     H200_AB_VARIANTS=kernel-text-file,scratch-in-state,qint-pairs,moe-staged-x
+     `timeout -s TERM 560 python3 bench/h200/run.py ab pick gguf-bg`.
+  6. carry [.device/bin]: H200_OURS_ENV, `timeout -s TERM 560 python3
+     bench/h200/run.py round 1` with the picked switches.
+Session 35's plan, for the record (its steps 1-3 became steps 1-4 above).
 Session 35 got an H100 for ten minutes (its other starts found none): its
 kernel-bench turned down the MoE layer in blocks of 16 or 8 warps and its
 router's rows asked of L2 first (41.60 / 44.61 / 41.70 µs against 41.57;
