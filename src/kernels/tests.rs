@@ -473,11 +473,7 @@ fn quantized_layers_with_q_by_its_bits_match_stock_ops() {
     if !alone_with("quantized_layers_with_q_by_its_bits_match_stock_ops", "MLX_LFM_QINT", "bits", crate::kernels::quant_gemv::qint_bits) {
         return;
     }
-    conv_fused_kernel_matches_stock_ops();
-    ffn_fused_kernel_matches_stock_ops();
-    qkv_fused_kernel_matches_stock_ops();
-    quant_gemv_kernel_matches_stock_ops();
-    greedy_tokens_over(greedy_fixture(wide_greedy_fixtures(), "WideMoe"));
+    mlx_exact_walk_users_match_stock_ops();
 }
 
 /// The 4-bit rows of the MLX-exact walk two values an instruction
@@ -489,6 +485,14 @@ fn quantized_layers_with_q_in_pairs_match_stock_ops() {
     if !alone_with("quantized_layers_with_q_in_pairs_match_stock_ops", "MLX_LFM_QINT", "pairs", crate::kernels::quant_gemv::qint_pairs) {
         return;
     }
+    mlx_exact_walk_users_match_stock_ops();
+}
+
+/// What the MLX-exact walk serves, each held to MLX's bits by its own
+/// test (the 4-bit one-launch conv, feed-forward and q/k/v layers, the
+/// quantized GEMV), then the wide MoE fixture's greedy sets: a process
+/// switch's test (`MLX_LFM_QINT`) in its own process.
+fn mlx_exact_walk_users_match_stock_ops() {
     conv_fused_kernel_matches_stock_ops();
     ffn_fused_kernel_matches_stock_ops();
     qkv_fused_kernel_matches_stock_ops();
