@@ -131,42 +131,16 @@ fn header() -> String {
 
 /// The kernel; with `scratch`, its form with the scratch rows (`yn`,
 /// `inds`, `scores`, `hk`) in the layer's state
-/// ([`stages::call_with_scratch`]); under [`staged_x`], the forms whose
-/// experts read x staged for the staged walk.
-fn kernel(scratch: bool, sx: bool) -> Option<&'static CudaKernel> {
-    static K: [[Cells; 2]; 2] = [[stages::cells(), stages::cells()], [stages::cells(), stages::cells()]];
+/// ([`stages::call_with_scratch`]).
+fn kernel(scratch: bool) -> Option<&'static CudaKernel> {
+    static K: [Cells; 2] = [stages::cells(), stages::cells()];
     static SCRATCH_SOURCE: OnceLock<String> = OnceLock::new();
     let outputs = ["s", "out", "yn", "inds", "scores", "hk"];
-    let cells = &K[usize::from(sx)];
-    let base = if sx { "lfm_moe_fused_sx" } else { "lfm_moe_fused" };
-    let head = move || if sx { format!("#define LFM_QX_STAGED 1\n{}{}", header(), super::quant_gemv::STAGED_X_HEADER) } else { header() };
     if scratch {
         let source = SCRATCH_SOURCE.get_or_init(|| format!("{SCRATCH_PRELUDE}{}", stages::LAYER_SOURCE));
-        return stages::kernel(&cells[1], &format!("{base}_scr"), &INPUTS, &outputs[..2], source, head);
+        return stages::kernel(&K[1], "lfm_moe_fused_scr", &INPUTS, &outputs[..2], source, header);
     }
-    stages::kernel(&cells[0], base, &INPUTS, &outputs, stages::LAYER_SOURCE, head)
-}
-
-/// Whether the staged form serves rows of `d` and `k` gated rows of `f`:
-/// their float32 copies within the staged rows' bound.
-pub(crate) fn staged_fits(d: i32, f: i32, k: i32) -> bool {
-    4 * (d as i64).max(k as i64 * f as i64) <= stages::MAX_STAGED as i64
-}
-
-/// `MLX_LFM_MOE_STAGED_X=1` (opt-in, session 36, not yet run on a GPU):
-/// the experts' gate/up and down warps walk x as staged by
-/// `lfm_stage_qx` (src/kernels/quant_gemv.rs `STAGED_X_HEADER`: each value
-/// read where it lies in its word, one LOP3 where the default spends a
-/// shift and two, the chunks' sums of x made once a block), about half the
-/// integer operations a weight. The same products and sums in the same
-/// order, so the same bits (the kernel's test holds them to the default's).
-/// Where the rows' float32 copies outgrow the staged bound
-/// ([`staged_fits`]: the 8B-A1B's 4 x 1,792 take 28 of its 32 KB) the
-/// default form runs. Read at each launch's build, so a process can time
-/// both forms.
-pub(crate) fn staged_x() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    super::opt_in("MLX_LFM_MOE_STAGED_X", &ON)
+    stages::kernel(&K[0], "lfm_moe_fused", &INPUTS, &outputs, stages::LAYER_SOURCE, header)
 }
 
 /// The gate/up blocks and the down blocks of one launch (as the kernel
@@ -194,7 +168,7 @@ fn blocks(d: i32, f: i32, k: i32) -> i64 {
 /// expert stacks of one specification, and the staged rows within shared
 /// memory.
 pub fn available(n: &NormIn, g: &Quantized, gu: &Quantized, down: &Quantized, k: usize) -> bool {
-    enabled() && served(n, g, gu, down, k) && kernel(false, false).is_some()
+    enabled() && served(n, g, gu, down, k) && kernel(false).is_some()
 }
 
 /// [`available`] but for the switch and the kernel: whether the layer's
@@ -298,9 +272,7 @@ fn launch(
     timeline: bool,
 ) -> Result<Vec<Array>> {
     let unavailable = || Error::mlx("the fused MoE kernel is not available");
-    let (d, f, k32) = (n.h.dim(1), gu.weight.dim(1) / 2, k as i32);
-    let sx = !timeline && staged_x() && staged_fits(d, f, k32);
-    let kern = if timeline { timeline_kernel() } else { kernel(false, sx) }.ok_or_else(unavailable)?;
+    let kern = if timeline { timeline_kernel() } else { kernel(false) }.ok_or_else(unavailable)?;
     let missing = |what: &str| Error::invalid(format!("the fused MoE kernel needs affine biases ({what})"));
     let gb = g.biases.as_ref().ok_or_else(|| missing("the router gate"))?;
     let ub = gu.biases.as_ref().ok_or_else(|| missing("the experts' gate/up"))?;
@@ -348,7 +320,7 @@ fn launch(
     } else {
         stages::call_with_scratch(
             kern,
-            || kernel(true, sx),
+            || kernel(true),
             &inputs,
             &outputs,
             &["SCR_YN", "SCR_INDS", "SCR_SCORES", "SCR_HK"],

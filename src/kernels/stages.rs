@@ -117,9 +117,6 @@ pub(crate) const LAYER_SOURCE: &str = r#"
 #ifndef LFM_OUT_ONLY
 #define LFM_OUT_ONLY 0
 #endif
-#ifndef LFM_QX_STAGED
-#define LFM_QX_STAGED 0
-#endif
 #if LFM_CONV_PART && LFM_OUT_ONLY
   // Only the conv part's out_proj stage, over a row an earlier launch
   // wrote (an attention layer's output: its out_proj joined to the
@@ -146,15 +143,6 @@ pub(crate) const LAYER_SOURCE: &str = r#"
   constexpr int TAIL_NB = 1 + GB + DB;
   __shared__ float probs_s[E];
   __shared__ float part[WARPS];
-#if LFM_QX_STAGED
-  // The staged-x form (src/kernels/moe_fused.rs `staged_x`): the experts'
-  // rows of x staged in float32 for lfm_qx_staged (in sm), their chunks'
-  // sums here.
-  constexpr int SXR = (KE * F > D ? KE * F : D) / 4;
-  __shared__ float sx_sums[(KE * F > D ? KE * F : D) / (128 / BITS)];
-#else
-  float* const sx_sums = nullptr;
-#endif
 #elif LFM_FFN_PART
   constexpr int GB = (F + WARPS - 1) / WARPS;
   constexpr int HR = F * sizeof(T) / 16;
@@ -171,12 +159,7 @@ pub(crate) const LAYER_SOURCE: &str = r#"
   constexpr int SB = SA > HR ? SA : HR;
   // (Joined: the second norm stages its two rows and writes its own.)
   constexpr int SN = (LFM_CONV_PART && TAIL_NB > 0) ? 3 * XR : 0;
-#if LFM_MOE_PART && LFM_QX_STAGED
-  constexpr int SM0 = SB > SN ? SB : SN;
-  __shared__ uint4 sm[SM0 > SXR ? SM0 : SXR];
-#else
   __shared__ uint4 sm[SB > SN ? SB : SN];
-#endif
   unsigned long long* st = reinterpret_cast<unsigned long long*>(const_cast<uint32_t*>(ctr));
   const int lane = threadIdx.x % 32;
   const int wid = threadIdx.x / 32;
@@ -320,13 +303,8 @@ pub(crate) const LAYER_SOURCE: &str = r#"
     const int n = ((fr - 1) % RB) * WARPS + wid;
     const bool late = lfm_block_wait(st + FC + 1, launch + 1, nullptr, 0);
     T* xs = reinterpret_cast<T*>(sm);
-#if LFM_QX_STAGED
-    if (!late) lfm_stage_qx<T, BITS>(reinterpret_cast<float*>(sm), sx_sums, LFM_FFN_YN, D);
-    __syncthreads();
-#else
     if (!late) lfm_stage16(sm, LFM_FFN_YN, XR);
     __syncthreads();
-#endif
     if (n < F) {
       float ag = 0.0f;
       float au = 0.0f;
@@ -340,13 +318,11 @@ pub(crate) const LAYER_SOURCE: &str = r#"
         const size_t gi = ex * (2 * F) + n;
         const size_t ui = ex * (2 * F) + F + n;
         if (lfm_aligned(uw)) {
-          lfm_qdot2_a<T, D, BITS, GS, true, LFM_QX_STAGED != 0>(xs, uw + gi * WORDS, uscales + gi * G, ubiases + gi * G,
-                                                                uw + ui * WORDS, uscales + ui * G, ubiases + ui * G, lane,
-                                                                ag, au, sx_sums);
+          lfm_qdot2_a<T, D, BITS, GS, true>(xs, uw + gi * WORDS, uscales + gi * G, ubiases + gi * G, uw + ui * WORDS,
+                                            uscales + ui * G, ubiases + ui * G, lane, ag, au);
         } else {
-          lfm_qdot2_a<T, D, BITS, GS, false, LFM_QX_STAGED != 0>(xs, uw + gi * WORDS, uscales + gi * G, ubiases + gi * G,
-                                                                 uw + ui * WORDS, uscales + ui * G, ubiases + ui * G, lane,
-                                                                 ag, au, sx_sums);
+          lfm_qdot2_a<T, D, BITS, GS, false>(xs, uw + gi * WORDS, uscales + gi * G, ubiases + gi * G, uw + ui * WORDS,
+                                             uscales + ui * G, ubiases + ui * G, lane, ag, au);
         }
         ag = lfm_warp_sum(ag);
         au = lfm_warp_sum(au);
@@ -362,13 +338,9 @@ pub(crate) const LAYER_SOURCE: &str = r#"
   // The router's mark too: gate/up blocks that gave up still count
   // themselves, and the route's outputs are only written once it is set.
   const bool late = lfm_block_wait(st + FC + 2, (launch + 1) * GB, st + FC + 1, launch + 1);
-#if LFM_QX_STAGED
-  if (!late) lfm_stage_qx<T, BITS>(reinterpret_cast<float*>(sm), sx_sums, hk, KE * F);
-  __syncthreads();
-#else
+  const T* hs = reinterpret_cast<const T*>(sm);
   if (!late) lfm_stage16(sm, hk, HR);
   __syncthreads();
-#endif
   const int j = wid % KE;
   const int col = wid / KE;
   const int n = db * CPB + col;
@@ -379,19 +351,12 @@ pub(crate) const LAYER_SOURCE: &str = r#"
     constexpr int G = F / GS;
     constexpr int WORDS = F * BITS / 32;
     const size_t wi = ex * D + n;
-#if LFM_QX_STAGED
-    // (Expert j's staged row, F floats, and its F / (128 / BITS) chunks' sums.)
-    const T* hr = reinterpret_cast<const T*>(reinterpret_cast<const float*>(sm) + static_cast<size_t>(j) * F);
-    const float* hsum = sx_sums + static_cast<size_t>(j) * (F / (128 / BITS));
-#else
-    const T* hr = reinterpret_cast<const T*>(sm) + static_cast<size_t>(j) * F;
-    const float* hsum = nullptr;
-#endif
+    const T* hr = hs + static_cast<size_t>(j) * F;
     float a = 0.0f;
     if (lfm_aligned(dw)) {
-      lfm_qdot_a<T, F, 1, BITS, GS, true, LFM_QX_STAGED != 0>(hr, dw + wi * WORDS, dscales + wi * G, dbiases + wi * G, lane, &a, hsum);
+      lfm_qdot_a<T, F, 1, BITS, GS, true>(hr, dw + wi * WORDS, dscales + wi * G, dbiases + wi * G, lane, &a);
     } else {
-      lfm_qdot_a<T, F, 1, BITS, GS, false, LFM_QX_STAGED != 0>(hr, dw + wi * WORDS, dscales + wi * G, dbiases + wi * G, lane, &a, hsum);
+      lfm_qdot_a<T, F, 1, BITS, GS, false>(hr, dw + wi * WORDS, dscales + wi * G, dbiases + wi * G, lane, &a);
     }
     a = lfm_warp_sum(a);
     if (lane == 0) part[wid] = static_cast<float>(T(static_cast<float>(T(a)) * __ldcg(scores + j)));
