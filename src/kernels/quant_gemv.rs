@@ -73,36 +73,12 @@ __device__ inline float lfm_qx(const uint4& wv, const float* xf) {
   }
   return acc;
 }
-// The staged-x form's (src/kernels/moe_fused.rs `staged_x`): the chunk as
-// lfm_stage_qx staged it (float32 in shared memory, each value at
-// 2^-(BITS e), e its place's shift in lfm_qx_staged); its sum is the
-// staged one.
-template <int BITS>
-__device__ inline float lfm_xchunk_staged(const float* xr, const float* sums, size_t c, float* xf) {
-  constexpr int VPC = 128 / BITS;
-#pragma unroll
-  for (int t = 0; t < VPC / 4; t++) {
-    const float4 v = reinterpret_cast<const float4*>(xr)[c * (VPC / 4) + t];
-    xf[4 * t] = v.x;
-    xf[4 * t + 1] = v.y;
-    xf[4 * t + 2] = v.z;
-    xf[4 * t + 3] = v.w;
-  }
-  return sums[c];
-}
-// (Defined by the staged-x form's header: a kernel without it never
-// instantiates the staged walk.)
-template <int BITS>
-__device__ inline float lfm_qx_staged(const uint4& wv, const float* xf);
 // acc[m] += this lane's share of one quantized row (words wr, scales sr,
 // biases br) dotted with row m of x; the chunks' words, scales and biases
 // loaded in batches before their sums and ALIGNED a template constant (see
 // lfm_dot_rows_a).
-// (XS: x is the float32 row lfm_stage_qx staged, its chunks' sums at
-// xsum, row m's at xsum + m * K / VPC.)
-template <typename T, int K, int M, int BITS, int GS, bool ALIGNED, bool XS = false>
-__device__ inline void lfm_qdot_a(const T* x, const uint32_t* wr, const T* sr, const T* br, int lane, float* acc,
-                                  const float* xsum = nullptr) {
+template <typename T, int K, int M, int BITS, int GS, bool ALIGNED>
+__device__ inline void lfm_qdot_a(const T* x, const uint32_t* wr, const T* sr, const T* br, int lane, float* acc) {
   constexpr int VPC = 128 / BITS;
   constexpr int C = K / VPC;
   constexpr int IT = (C + 31) / 32;
@@ -130,13 +106,8 @@ __device__ inline void lfm_qdot_a(const T* x, const uint32_t* wr, const T* sr, c
 #pragma unroll
         for (int m = 0; m < M; m++) {
           float xf[VPC];
-          if constexpr (XS) {
-            const float xs = lfm_xchunk_staged<BITS>(reinterpret_cast<const float*>(x) + static_cast<size_t>(m) * K, xsum + m * C, c, xf);
-            acc[m] += s[u] * lfm_qx_staged<BITS>(wv[u], xf) + b[u] * xs;
-          } else {
-            const float xs = lfm_xchunk<T, BITS>(x + static_cast<size_t>(m) * K, c, ALIGNED, xf);
-            acc[m] += s[u] * lfm_qx<BITS>(wv[u], xf) + b[u] * xs;
-          }
+          const float xs = lfm_xchunk<T, BITS>(x + static_cast<size_t>(m) * K, c, ALIGNED, xf);
+          acc[m] += s[u] * lfm_qx<BITS>(wv[u], xf) + b[u] * xs;
         }
       }
     }
@@ -144,10 +115,9 @@ __device__ inline void lfm_qdot_a(const T* x, const uint32_t* wr, const T* sr, c
 }
 // Two rows against one x (the SwiGLU's gate and up rows): both rows' loads
 // of a batch issued together, x read once.
-template <typename T, int K, int BITS, int GS, bool ALIGNED, bool XS = false>
+template <typename T, int K, int BITS, int GS, bool ALIGNED>
 __device__ inline void lfm_qdot2_a(const T* x, const uint32_t* gr, const T* gs, const T* gb, const uint32_t* ur,
-                                   const T* us, const T* ub, int lane, float& ag, float& au,
-                                   const float* xsum = nullptr) {
+                                   const T* us, const T* ub, int lane, float& ag, float& au) {
   constexpr int VPC = 128 / BITS;
   constexpr int C = K / VPC;
   constexpr int IT = (C + 31) / 32;
@@ -179,15 +149,9 @@ __device__ inline void lfm_qdot2_a(const T* x, const uint32_t* gr, const T* gs, 
       const int c = lane + (i0 + u) * 32;
       if (i0 + u < IT && (C % 32 == 0 || c < C)) {
         float xf[VPC];
-        if constexpr (XS) {
-          const float xs = lfm_xchunk_staged<BITS>(reinterpret_cast<const float*>(x), xsum, c, xf);
-          ag += sg[u] * lfm_qx_staged<BITS>(gv[u], xf) + bg[u] * xs;
-          au += su[u] * lfm_qx_staged<BITS>(uv[u], xf) + bu[u] * xs;
-        } else {
-          const float xs = lfm_xchunk<T, BITS>(x, c, ALIGNED, xf);
-          ag += sg[u] * lfm_qx<BITS>(gv[u], xf) + bg[u] * xs;
-          au += su[u] * lfm_qx<BITS>(uv[u], xf) + bu[u] * xs;
-        }
+        const float xs = lfm_xchunk<T, BITS>(x, c, ALIGNED, xf);
+        ag += sg[u] * lfm_qx<BITS>(gv[u], xf) + bg[u] * xs;
+        au += su[u] * lfm_qx<BITS>(uv[u], xf) + bu[u] * xs;
       }
     }
   }
@@ -474,85 +438,6 @@ __device__ inline void lfm_qgemv_warp(const T* x, bool xa, const uint32_t* w, bo
 }
 ";
 
-/// The staged-x walk's device code (a kernel's header after [`header`]'s,
-/// only in the forms that stage x so: src/kernels/moe_fused.rs
-/// `staged_x`). In the SASS of the MoE layer's float32 walk (`lfm_qx`) a
-/// 4-bit weight took a shift, two LOP3s (its mask, then the 2^23 magic:
-/// LOP3 takes one immediate), the FADD that takes 2^23 off and the FFMA,
-/// and each value of x a PRMT or an IMAD to float, made again for each of
-/// the gate's and the up's rows, and an FADD into its chunk's sum: ~7.6
-/// instructions a weight in the gate/up loop, ~3.5 of them on sm_90's
-/// integer pipe at half the FMA's rate (ncu: math-pipe throttle and
-/// not-selected stalls in the MoE kernel's working blocks). Here a weight
-/// is read where it lies in its word: one LOP3 of its bits under float32
-/// 2^23's exponent gives 2^23 + q 2^(BITS e) (e its place, less V0 for the
-/// places after the one shift a word: the bits must stay under bit 23),
-/// the FADD takes 2^23 off (exact), and the FFMA multiplies by x staged in
-/// float32 at 2^-(BITS e): the product is q x to the bit and the sums are
-/// lfm_qx's, in its order. The staged row's chunk sums are made once a
-/// block, in lfm_xchunk's order. Exact wherever x times 2^-(BITS e) is a
-/// normal float32 (|x| over 2^-110).
-pub(crate) const STAGED_X_HEADER: &str = r#"
-template <int BITS>
-struct lfm_sx_places {
-  static constexpr int VPW = 32 / BITS;
-  // Places read where they lie: their bits end at or below bit 22.
-  static constexpr int V0 = 23 / BITS;
-  static_assert(BITS * (VPW - V0) <= 23, "the places after the shift must fit under bit 23");
-  static __device__ constexpr int shift(int v) { return v < V0 ? v : v - V0; }
-};
-template <int BITS>
-__device__ inline float lfm_qx_staged(const uint4& wv, const float* xf) {
-  using P = lfm_sx_places<BITS>;
-  constexpr uint32_t MASK = (1u << BITS) - 1u;
-  const uint32_t* ww = reinterpret_cast<const uint32_t*>(&wv);
-  float acc = 0.0f;
-#pragma unroll
-  for (int j = 0; j < 4; j++) {
-    const uint32_t hi = ww[j] >> (BITS * P::V0);
-#pragma unroll
-    for (int v = 0; v < P::VPW; v++) {
-      const uint32_t q = lfm_and_or(v < P::V0 ? ww[j] : hi, MASK << (BITS * P::shift(v)), 0x4B000000u);
-      acc = fmaf(__uint_as_float(q) - 8388608.0f, xf[j * P::VPW + v], acc);
-    }
-  }
-  return acc;
-}
-// The n-value row src (16-byte aligned, written by other blocks of this
-// launch: read at L2) into shared memory as float32 for lfm_qx_staged, a
-// 128/BITS-value chunk a thread: each value times 2^-(BITS e) of its
-// place, and the chunk's sum of the values as given, in lfm_xchunk's
-// order, into sums.
-template <typename T, int BITS>
-__device__ inline void lfm_stage_qx(float* dst, float* sums, const T* src, int n) {
-  using P = lfm_sx_places<BITS>;
-  constexpr int VPC = 128 / BITS;
-  constexpr int E = 16 / sizeof(T);
-  constexpr int U = VPC / E;
-  const uint4* s = reinterpret_cast<const uint4*>(src);
-  float4* d = reinterpret_cast<float4*>(dst);
-  for (int c = threadIdx.x; c < n / VPC; c += blockDim.x) {
-    float sum = 0.0f;
-#pragma unroll
-    for (int u = 0; u < U; u++) {
-      const uint4 v = __ldcg(s + c * U + u);
-      const T* e = reinterpret_cast<const T*>(&v);
-      float f[E];
-#pragma unroll
-      for (int j = 0; j < E; j++) {
-        const float x = static_cast<float>(e[j]);
-        sum += x;
-        const int k = BITS * P::shift((u * E + j) % P::VPW);
-        f[j] = x * __uint_as_float(static_cast<uint32_t>(127 - k) << 23);
-      }
-#pragma unroll
-      for (int q = 0; q < E / 4; q++) d[(c * VPC + u * E) / 4 + q] = make_float4(f[4 * q], f[4 * q + 1], f[4 * q + 2], f[4 * q + 3]);
-    }
-    sums[c] = sum;
-  }
-}
-"#;
-
 /// Both headers, in the order the kernels need them (with [`qint_mode`]'s
 /// defines where it is on).
 pub(crate) fn header() -> String {
@@ -729,7 +614,7 @@ pub fn qgemv(x: &Array, q: &Quantized) -> Result<Array> {
 
 #[cfg(test)]
 mod tests {
-    use super::{QUANT_HEADER, STAGED_X_HEADER};
+    use super::QUANT_HEADER;
 
     /// A float16 value from its bits (normal numbers: the magic ones).
     fn f16_value(bits: u16) -> f32 {
@@ -806,42 +691,6 @@ mod tests {
             let (pair, low) = (4 * (j / 8) + j % 4, j % 8 < 4);
             let (w, v) = (pair / 4, pair % 4);
             assert_eq!(if low { 8 * w + v } else { 8 * w + v + 4 }, j, "element {j}");
-        }
-    }
-
-    /// The staged walk's arithmetic (`STAGED_X_HEADER`), for every value of
-    /// every place of a 4- and an 8-bit word: the bits where they lie under
-    /// 2^23's exponent, less 2^23, are q times the place's power of two,
-    /// and that times x staged at the inverse power is, fused into a sum,
-    /// the FFMA of q and x the plain walk makes (so the same sums, in the
-    /// same order, give the same bits).
-    #[test]
-    fn a_value_read_where_it_lies_times_its_staged_x_is_its_product() {
-        for c in ["constexpr int V0 = 23 / BITS", "v < V0 ? v : v - V0", "ww[j] >> (BITS * P::V0)", "__uint_as_float(q) - 8388608.0f, xf", "(127 - k) << 23"] {
-            assert!(STAGED_X_HEADER.contains(c), "{c} not in the staged header");
-        }
-        let xs: Vec<f32> = (0..97).map(|i| ((i as f32) * 0.731).sin() * 37.0 + (i as f32) * 1e-3).collect();
-        for bits in [4u32, 8] {
-            let (vpw, v0) = (32 / bits, 23 / bits);
-            assert!(bits * (vpw - v0) <= 23, "{bits}-bit: the shifted places pass bit 23");
-            for v in 0..vpw {
-                let e = if v < v0 { v } else { v - v0 };
-                let place = 2f32.powi((bits * e) as i32);
-                let staged = f32::from_bits((127 - bits * e) << 23);
-                assert_eq!(staged * place, 1.0, "{bits}-bit place {v}");
-                for q in 0..(1u32 << bits) {
-                    // The word with q at place v (other places' bits set
-                    // too: the mask must keep them out).
-                    let word = (q << (bits * v)) | !(((1u32 << bits) - 1) << (bits * v));
-                    let src = if v < v0 { word } else { word >> (bits * v0) };
-                    let read = f32::from_bits((src & (((1u32 << bits) - 1) << (bits * e))) | 0x4B00_0000) - 8_388_608.0;
-                    assert_eq!(read, q as f32 * place, "{bits}-bit place {v}, q {q}");
-                    for (i, x) in xs.iter().enumerate() {
-                        let acc = xs[(i * 7 + 3) % xs.len()] * 11.0;
-                        assert_eq!(read.mul_add(x * staged, acc).to_bits(), (q as f32).mul_add(*x, acc).to_bits(), "{bits}-bit place {v}, q {q}, x {x}");
-                    }
-                }
-            }
         }
     }
 }
