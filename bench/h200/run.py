@@ -173,21 +173,27 @@ a process switch: MLX_LFM_QINT=pairs) at 18.59 µs against 25.98 (conv)
 and 29.02 against 41.47 (feed-forward), and the MoE experts over x staged
 in float32 (retired since) at 59.36 against 41.63; the MoE kernel's test
 passed; the pairs test was stopped at 330 s twice (its greedy sets are
-gone from it since). The chain:
+gone from it since). After the call: the MoE experts' x chunk-interleaved
+(`moe-x-interleaved`, in process: the same bits, a warp's shared-memory
+loads without bank conflicts). The chain:
   1. carry [.device/a]: `stage-mlx`.
   2. carry [.device/llama]: `llama`.
   3. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=4
-     H200_KERNEL_TESTS=quantized_layers_with_q_in_pairs_match_stock_ops,quantized_layers_with_q_by_its_bits_match_stock_ops,conv_fused_kernel_matches_stock_ops,ffn_fused_kernel_matches_stock_ops,qkv_fused_kernel_matches_stock_ops,compiled_prefill_equals_the_eager_prefill
+     H200_KERNEL_TESTS=quantized_layers_with_q_in_pairs_match_stock_ops,quantized_layers_with_q_by_its_bits_match_stock_ops,moe_fused_kernel_matches_the_three_kernels,conv_fused_kernel_matches_stock_ops,ffn_fused_kernel_matches_stock_ops,qkv_fused_kernel_matches_stock_ops,compiled_prefill_equals_the_eager_prefill
      `timeout -s TERM 540 python3 bench/h200/run.py install verdicts-from
      bench/results/2026-12-03-h200-session18.raw.jsonl,bench/results/2026-12-04-h200-session20.raw.jsonl,bench/results/2026-12-04-h200-session21.raw.jsonl,bench/results/2026-12-04-h200-session24.raw.jsonl,bench/results/2026-12-05-h200-session27.raw.jsonl,bench/results/2026-12-05-h200-session30.raw.jsonl,bench/results/2026-12-05-h100-session31.raw.jsonl,bench/results/2026-12-05-h100-session32.raw.jsonl,bench/results/2026-12-05-h100-session33.raw.jsonl,bench/results/2026-12-05-h100-session34.raw.jsonl,bench/results/2026-12-06-h100-session35.raw.jsonl,bench/results/2026-12-06-h100-session36.raw.jsonl
      kernels save-ptx` (q in pairs and by its bits, each in its own
-     process; the scratch rows in the state, by each layer's test; the
-     compiled prefill with the attention buckets on).
-  4. carry [.device/bin]: H200_OURS_ENV (mimalloc) and
-     H200_AB_VARIANTS=kernel-text-file,scratch-in-state,qint-pairs
+     process; the MoE layer's interleaved x and the scratch rows in the
+     state, by each layer's test; the compiled prefill with the attention
+     buckets on).
+  4. carry [.device/bin]: H200_KERNEL_BENCH_ARMS=moe-layer-q4-fused,moe-layer-q4-il-fused
+     `timeout -s TERM 60 python3 bench/h200/run.py kernel-bench` (the
+     MoE layer with its experts' x chunk-interleaved, ~10 s).
+  5. carry [.device/bin]: H200_OURS_ENV (mimalloc) and
+     H200_AB_VARIANTS=kernel-text-file,scratch-in-state,qint-pairs,moe-x-interleaved
      `timeout -s TERM 560 python3 bench/h200/run.py ab pick gguf-bg`
      (`pick` takes each only where call 3 passed its tests).
-  5. carry [.device/bin]: H200_OURS_ENV, `timeout -s TERM 560 python3
+  6. carry [.device/bin]: H200_OURS_ENV, `timeout -s TERM 560 python3
      bench/h200/run.py round 1` with the picked switches.
 Session 35's plan, for the record (its steps 1-3 became steps 1-4 above).
 Session 35 got an H100 for ten minutes (its other starts found none): its
@@ -2119,6 +2125,13 @@ AB = {
     # qint_mode's `pairs`): the conv layer's tile loop ~3 instructions a
     # weight in the sm_90 SASS against ~6 by its bits. A process switch.
     "qint-pairs": ({"MLX_LFM_QINT": "pairs"}, ["lfm2-8b-a1b-q4"]),
+    # The one-launch MoE layer's experts reading their staged rows of x
+    # chunk-interleaved (session 36, src/kernels/moe_fused.rs
+    # x_interleaved): as given, a lane's chunk lies 64 bytes after the
+    # last lane's, so a warp's 16-byte shared-memory load takes four times
+    # the wavefronts (session 36's float32 staging, 128 bytes apart, ran
+    # 43% slower with half the instructions). The same bits. In process.
+    "moe-x-interleaved": ({"MLX_LFM_MOE_X_INTERLEAVED": "1"}, ["lfm2-8b-a1b-q4"]),
     # The one-launch conv layers', feed-forwards' and q/k/v stages' weight
     # rows asked of L2 when a block takes its part, before it waits for the
     # stage before (session 34, src/kernels/stages.rs early_prefetch):
@@ -2139,6 +2152,9 @@ AB_TESTS = {
     "kernel-text-file": ["a_kernel_from_files_gives_the_inline_bits", "greedy_tokens_with_kernel_texts_in_files"],
     "qint-bits": ["quantized_layers_with_q_by_its_bits_match_stock_ops"],
     "qint-pairs": ["quantized_layers_with_q_in_pairs_match_stock_ops"],
+    # (Its kernel test holds it to the default's bits, which the greedy
+    # test's default run holds to the stock ops' tokens.)
+    "moe-x-interleaved": ["moe_fused_kernel_matches_the_three_kernels"],
     "scratch-in-state": ["moe_fused_kernel_matches_the_three_kernels", "conv_fused_kernel_matches_stock_ops",
                          "ffn_fused_kernel_matches_stock_ops", "qkv_fused_kernel_matches_stock_ops",
                          "greedy:MLX_LFM_SCRATCH_IN_STATE"],
@@ -2233,6 +2249,7 @@ PICK = [
     (["conv-layer-fused"], "decode"),
     (["early-prefetch", "early-prefetch-conv"], "decode"),
     (["qint-bits", "qint-pairs"], "decode"),
+    (["moe-x-interleaved"], "decode"),
     (["layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off"], "decode"),
     (["attention-smem", "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4"], "decode"),
     (["norm-runs-guarded"], "decode"),
@@ -2261,7 +2278,7 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4", "conv-gemv",
                "moe-down-early", "router-scores-f32", "router-scores-f32-early", "fold-eps-const", "position-table-off",
                "fold-deferred", "layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off",
-               "conv-layer-fused", "early-prefetch", "early-prefetch-conv", "qint-bits", "qint-pairs"}
+               "conv-layer-fused", "early-prefetch", "early-prefetch-conv", "qint-bits", "qint-pairs", "moe-x-interleaved"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]
