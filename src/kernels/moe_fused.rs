@@ -291,7 +291,8 @@ fn launch(
     timeline: bool,
 ) -> Result<Vec<Array>> {
     let unavailable = || Error::mlx("the fused MoE kernel is not available");
-    let il = !timeline && x_interleaved();
+    // (Where the interleaved form does not build, the default runs.)
+    let il = !timeline && x_interleaved() && kernel(false, true).is_some();
     let kern = if timeline { timeline_kernel() } else { kernel(false, il) }.ok_or_else(unavailable)?;
     let missing = |what: &str| Error::invalid(format!("the fused MoE kernel needs affine biases ({what})"));
     let gb = g.biases.as_ref().ok_or_else(|| missing("the router gate"))?;

@@ -488,10 +488,11 @@ pub(crate) fn qint_mode() -> QintMode {
     })
 }
 
-/// Whether [`qint_mode`] makes q by its bits (`bits`, or `pairs`).
+/// Whether [`qint_mode`] is `bits` (its test's switch: under `pairs` that
+/// test would time the paired walk).
 #[cfg(test)]
 pub(crate) fn qint_bits() -> bool {
-    qint_mode() != QintMode::Convert
+    qint_mode() == QintMode::Bits
 }
 
 /// Whether [`qint_mode`] walks 4-bit rows in pairs.
@@ -658,7 +659,15 @@ mod tests {
     /// it, so each element's sum is the scalar walk's, in its order.
     #[test]
     fn a_pair_holds_the_places_and_the_x_its_sum_is_read_from() {
-        for c in ["lfm_and_or(t.ww[w] >> (4 * v), 0x000F000Fu, PT::MAGIC)", "(v % 2) ? 0x7632 : 0x5410", "sp[4 * (j / 8) + j % 4]", "j % 8 < 4 ? p.x : p.y"] {
+        for c in [
+            "lfm_and_or(t.ww[w] >> (4 * v), 0x000F000Fu, PT::MAGIC)",
+            "__byte_perm(xw[4 * w + v / 2], xw[4 * w + 2 + v / 2], (v % 2) ? 0x7632 : 0x5410)",
+            "const P q2 = __hsub2(",
+            "static constexpr uint32_t MAGIC = 0x43004300u;",
+            "static constexpr uint32_t MAGIC = 0x64006400u;",
+            "sp[4 * (j / 8) + j % 4]",
+            "j % 8 < 4 ? p.x : p.y",
+        ] {
             assert!(QUANT_HEADER.contains(c), "{c} not in the header");
         }
         // __byte_perm(a, b, s): byte i of the result is byte s_i of b:a.
@@ -676,7 +685,13 @@ mod tests {
                     // The magic's value plus q, in its own bits (bf16 and
                     // half both keep q under their mantissa's top bit).
                     assert_eq!((lo - magic, hi - magic), (q(v), q(v + 4)), "word {w:#x} place {v}");
-                    assert!(q(v) < base && q(v + 4) < base);
+                    // Each half is the magic's value plus q in its type
+                    // (bf16 128 + q, half 1024 + q): HSUB2 of the magic
+                    // leaves q exactly.
+                    for (half, q) in [(lo, q(v)), (hi, q(v + 4))] {
+                        let value = if magic == 0x4300 { f32::from_bits(half << 16) } else { f16_value(half as u16) };
+                        assert_eq!(value, (base + q) as f32, "word {w:#x} place {v}");
+                    }
                 }
             }
         }

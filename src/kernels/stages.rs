@@ -149,7 +149,9 @@ pub(crate) const LAYER_SOURCE: &str = r#"
   // The experts' rows of x chunk-interleaved (src/kernels/moe_fused.rs
   // `x_interleaved`): a chunk's 16-byte runs XU, its stride in runs the
   // row's (or the gated rows') chunks; 0 staged as given.
+#if LFM_X_INTERLEAVED
   constexpr int XU = (128 / BITS) * static_cast<int>(sizeof(T)) / 16;
+#endif
   constexpr int XIG = LFM_X_INTERLEAVED ? D / (128 / BITS) : 0;
   constexpr int XID = LFM_X_INTERLEAVED ? KE * F / (128 / BITS) : 0;
 #elif LFM_FFN_PART
@@ -427,7 +429,9 @@ pub(crate) const LAYER_SOURCE: &str = r#"
 /// bytes of shared memory (as given, a lane's chunk lies 64 bytes after
 /// the last lane's, 4-bit bf16: four lanes a bank group, four times the
 /// wavefronts a load). Thread i stores run i (stores without conflicts),
-/// its source read at L2 as `lfm_stage16` reads it.
+/// its source read at L2 as `lfm_stage16` reads it, but a warp's 32 reads
+/// lie 64 bytes apart (4-bit bf16): about twice the L2 sectors a warp
+/// fetches, once a block, which the A/B weighs against the walk's loads.
 pub(crate) const INTERLEAVED_HEADER: &str = r#"
 template <int U>
 __device__ inline void lfm_stage16_il(uint4* dst, const void* src, int n) {
