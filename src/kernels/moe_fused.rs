@@ -138,13 +138,14 @@ fn kernel(scratch: bool, il: bool) -> Option<&'static CudaKernel> {
     static SCRATCH_SOURCE: OnceLock<String> = OnceLock::new();
     let outputs = ["s", "out", "yn", "inds", "scores", "hk"];
     let cells = &K[usize::from(il)];
-    let base = if il { "lfm_moe_fused_il" } else { "lfm_moe_fused" };
     let head = move || if il { format!("#define LFM_X_INTERLEAVED 1\n{}{}", header(), stages::INTERLEAVED_HEADER) } else { header() };
     if scratch {
         let source = SCRATCH_SOURCE.get_or_init(|| format!("{SCRATCH_PRELUDE}{}", stages::LAYER_SOURCE));
-        return stages::kernel(&cells[1], &format!("{base}_scr"), &INPUTS, &outputs[..2], source, head);
+        let name = if il { "lfm_moe_fused_il_scr" } else { "lfm_moe_fused_scr" };
+        return stages::kernel(&cells[1], name, &INPUTS, &outputs[..2], source, head);
     }
-    stages::kernel(&cells[0], base, &INPUTS, &outputs, stages::LAYER_SOURCE, head)
+    let name = if il { "lfm_moe_fused_il" } else { "lfm_moe_fused" };
+    stages::kernel(&cells[0], name, &INPUTS, &outputs, stages::LAYER_SOURCE, head)
 }
 
 /// `MLX_LFM_MOE_X_INTERLEAVED=1` (opt-in, session 36, not yet run on a

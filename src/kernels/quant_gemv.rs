@@ -175,6 +175,13 @@ __device__ inline void lfm_qgemv_warp_a(const T* x, const uint32_t* w, const T* 
     if (lane == 0) y[static_cast<size_t>(m) * N + n] = T(s);
   }
 }
+// (a & mask) | bits in one LOP3 (ptxas takes one immediate a LOP3, so
+// with two constants it makes two).
+__device__ inline uint32_t lfm_and_or(uint32_t a, uint32_t mask, uint32_t bits) {
+  uint32_t d;
+  asm(\"lop3.b32 %0, %1, %2, %3, 0xEA;\" : \"=r\"(d) : \"r\"(a), \"r\"(mask), \"r\"(bits));
+  return d;
+}
 // MLX's own qmv arithmetic (MLX_LFM_QGEMV_EXACT, opt-in): what the pinned
 // 0.32.4 wheel's qmv_kernel<8, E, GS, true, residue, T, uint4|uint8, T>
 // computes, as the upstream source with that template signature does it,
@@ -187,13 +194,6 @@ __device__ inline void lfm_qgemv_warp_a(const T* x, const uint32_t* w, const T* 
 // x * w per element position in T (one fused rounding a step), 8-bit in
 // float; the E sums are added in order in float, then the warp's
 // butterfly, rounded to T once.
-// (a & mask) | bits in one LOP3 (ptxas takes one immediate a LOP3, so
-// with two constants it makes two).
-__device__ inline uint32_t lfm_and_or(uint32_t a, uint32_t mask, uint32_t bits) {
-  uint32_t d;
-  asm(\"lop3.b32 %0, %1, %2, %3, 0xEA;\" : \"=r\"(d) : \"r\"(a), \"r\"(mask), \"r\"(bits));
-  return d;
-}
 __device__ inline __nv_bfloat16 lfm_qfma(__nv_bfloat16 a, __nv_bfloat16 b, __nv_bfloat16 c) { return __hfma(a, b, c); }
 __device__ inline __half lfm_qfma(__half a, __half b, __half c) { return __hfma(a, b, c); }
 __device__ inline float lfm_qfma(float a, float b, float c) { return fmaf(a, b, c); }

@@ -463,10 +463,10 @@ fn greedy_tokens_with_kernel_texts_in_files() {
 /// (`MLX_LFM_QINT=bits`, src/kernels/quant_gemv.rs `qint_bits`, opt-in since
 /// session 35): the 4-bit one-launch conv, feed-forward and q/k/v layers
 /// and the quantized GEMV in MLX's arithmetic held to MLX's bits as their
-/// own tests hold the default. Set for the whole process (a kernel is built once a process), so it
-/// means something only as a process of its own, as `run.py kernels` runs
-/// each test; where a kernel was built before it in this process, it says
-/// so and checks nothing.
+/// own tests hold the default. Set for the whole process (a kernel is
+/// built once a process), so it means something only as a process of its
+/// own, as `run.py kernels` runs each test; where a kernel was built
+/// before it in this process, it says so and checks nothing.
 #[test]
 fn quantized_layers_with_q_by_its_bits_match_stock_ops() {
     if !alone_with("quantized_layers_with_q_by_its_bits_match_stock_ops", "MLX_LFM_QINT", "bits", crate::kernels::quant_gemv::qint_bits) {

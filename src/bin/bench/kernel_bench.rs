@@ -307,10 +307,10 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
         });
         print_walls(name, n, k, walls);
     }
-    for (name, switches, _) in layer_arms {
+    for (name, switches, kernels) in layer_arms {
         let layer = layer.as_ref().expect("made where a layer arm runs");
         let walls = timed(switches, reps * LAYER_LAUNCHES, |i| {
-            layer.launch(name.contains("-fused"), i).map_err(|e| mlx_lfm::Error::invalid(format!("{name}: {e}")))
+            layer.launch(*kernels == 1, i).map_err(|e| mlx_lfm::Error::invalid(format!("{name}: {e}")))
         });
         print_walls(name, LAYER_N, EXPERT_D, walls);
     }
@@ -524,8 +524,8 @@ impl Experts {
 /// against 41.57 on an H100, retired; session 36's experts over x staged
 /// in float32, 59.36 against 41.63, retired.) `moe-layer-q4-il-fused`:
 /// the one launch with its experts over x chunk-interleaved
-/// (`MLX_LFM_MOE_X_INTERLEAVED`, session 36). (An arm runs the one launch
-/// where its name holds "-fused".)
+/// (`MLX_LFM_MOE_X_INTERLEAVED`, session 36). An arm of one kernel a
+/// product runs the one launch.
 const LAYER_ARMS: [(&str, Switches, usize); 3] = [
     ("moe-layer-q4-three", &[("MLX_LFM_MOE_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1")], 3),
     ("moe-layer-q4-fused", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
