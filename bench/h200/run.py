@@ -1593,6 +1593,29 @@ def constrained():
                 record(engine="constrained", model=name, **j)
 
 
+def test_processes(names, jobs):
+    """The kernel tests' processes: `groups` (lists of names) and `exact`
+    (the compiled prefill's, run with TF32 off), from the listed names and
+    H200_KERNEL_JOBS."""
+    groups = [[n] for n in names if GREEDY in n] if jobs > 1 else []
+    # The MLX_LFM_QINT tests build their kernels under a process switch and
+    # skip where another test built kernels first in the same process
+    # (session 37: grouped with the conv test, both printed "skipped" and
+    # the whole call ran with the kernels off): each in a process of its own.
+    alone = [n for n in names if any(a in n for a in ALONE_TESTS)]
+    groups += [[n] for n in alone]
+    # The compiled prefill's test in a process of its own with MLX's TF32
+    # products off (read once per process), so its f32 cases are held to
+    # f32's tolerance (session 17: 8.9e-4 of the scale apart with TF32 on);
+    # one process more than H200_KERNEL_JOBS, beside the others.
+    exact = [n for n in names if "compiled_prefill" in n]
+    rest = [n for n in names if (jobs <= 1 or GREEDY not in n) and n not in exact and n not in alone]
+    slots = max(1, jobs - len(groups))
+    groups += [rest[i::slots] for i in range(slots)]
+    groups = [g for g in groups if g]
+    return groups, exact
+
+
 def kernels():
     """Each fused kernel's tests against the stock ops (src/kernels/tests.rs),
     on this GPU, each test's verdict recorded. If a default kernel's test
@@ -1615,17 +1638,7 @@ def kernels():
     # of H200_KERNEL_JOBS (at least one process).
     listed = sh([tests[0], *filters, "--list"], check=False).stdout
     names = [l.split(": test")[0] for l in listed.splitlines() if l.endswith(": test")]
-    jobs = max(1, int(os.environ.get("H200_KERNEL_JOBS", "3")))
-    groups = [[n] for n in names if GREEDY in n] if jobs > 1 else []
-    # The compiled prefill's test in a process of its own with MLX's TF32
-    # products off (read once per process), so its f32 cases are held to
-    # f32's tolerance (session 17: 8.9e-4 of the scale apart with TF32 on);
-    # one process more than H200_KERNEL_JOBS, beside the others.
-    exact = [n for n in names if "compiled_prefill" in n]
-    rest = [n for n in names if (not groups or GREEDY not in n) and n not in exact]
-    slots = max(1, jobs - len(groups))
-    groups += [rest[i::slots] for i in range(slots)]
-    groups = [g for g in groups if g]
+    groups, exact = test_processes(names, max(1, int(os.environ.get("H200_KERNEL_JOBS", "3"))))
     procs = []
     for i, g in enumerate(groups + ([exact] if exact else [])):
         cmd = [str(tests[0]), *g, "--exact", "--test-threads", "1", "--nocapture"]
@@ -1657,7 +1670,12 @@ def kernels():
             if m:
                 key = "greedy:" + m.group(1)
                 verdicts[key] = verdicts.get(key, True) and m.group(2) == "passed"
-    skipped = "skipped" in err
+    # A test that found kernels built before it in its process checked
+    # nothing (tests.rs `alone_with`): its verdict is a failure, not a
+    # GPU-less run's skip, which turns every kernel off.
+    for m in re.finditer(r"skipped (\w+): kernels were built without", err):
+        verdicts[m.group(1)] = False
+    skipped = "skipped" in re.sub(r"skipped \w+: kernels were built without", "", err)
     ok = bool(procs) and all(rc == 0 for rc in rcs) and not skipped
     record(engine="tests", suite="kernels::", passed=ok, verdicts=verdicts, skipped=skipped, tail=(out + err)[-3000:],
            sources=kernel_sources())
@@ -1753,6 +1771,10 @@ def verdicts_from(path):
 
 
 # (The stacked rows' test checks the defaults over a 16-row batch step.)
+# Tests that must be the first in their process to build kernels (parts
+# of names: the MLX_LFM_QINT tests, one a layer).
+ALONE_TESTS = ("q_by_its_bits_", "q_in_pairs_")
+QINT_LAYERS = ("conv_layer", "ffn_layer", "qkv_layer", "gemv")
 DEFAULT_KERNEL_TESTS = ["add_rms_norm_kernel_matches_stock_ops", "decode_attention_kernel_matches_stock_ops",
                         "moe_router_kernel_matches_stock_ops", "short_conv_kernel_matches_stock_ops",
                         "qk_norm_rope_kernel_matches_stock_ops", "stacked_rows_with_kernels_equal_each_row_alone",
@@ -2150,8 +2172,8 @@ GREEDY = "greedy_tokens_with_kernels_equal_stock_ops"
 # The tests an opt-in variant needs passed before `pick` adopts it.
 AB_TESTS = {
     "kernel-text-file": ["a_kernel_from_files_gives_the_inline_bits", "greedy_tokens_with_kernel_texts_in_files"],
-    "qint-bits": ["quantized_layers_with_q_by_its_bits_match_stock_ops"],
-    "qint-pairs": ["quantized_layers_with_q_in_pairs_match_stock_ops"],
+    "qint-bits": [f"q_by_its_bits_{l}_matches_stock_ops" for l in QINT_LAYERS],
+    "qint-pairs": [f"q_in_pairs_{l}_matches_stock_ops" for l in QINT_LAYERS],
     # (Its kernel test holds it to the default's bits, which the greedy
     # test's default run holds to the stock ops' tokens.)
     "moe-x-interleaved": ["moe_fused_kernel_matches_the_three_kernels"],

@@ -473,5 +473,70 @@ class PerProcessSwitch(unittest.TestCase):
                              ["a_kernel_from_files_gives_the_inline_bits", "greedy_tokens_with_kernel_texts_in_files"])
 
 
+class KernelTests(unittest.TestCase):
+    """The kernel tests' processes: the MLX_LFM_QINT tests each alone (their
+    switch is read once a process), and one that found kernels built before
+    it fails alone instead of reading as a GPU-less run (session 37: the
+    whole call ran with the kernels off)."""
+
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.run = load_run(Path(self.tmp.name))
+
+    def tearDown(self):
+        self.tmp.cleanup()
+
+    NAMES = ["kernels::tests::conv_fused_kernel_matches_stock_ops", "kernels::tests::q_in_pairs_conv_layer_matches_stock_ops",
+             "kernels::tests::q_by_its_bits_gemv_matches_stock_ops", "kernels::tests::ffn_fused_kernel_matches_stock_ops",
+             "kernels::tests::greedy_tokens_with_kernels_equal_stock_ops_on_moe", "kernels::tests::moe_fused_kernel_matches_the_three_kernels",
+             "compiled::tests::compiled_prefill_equals_the_eager_prefill"]
+
+    def test_each_qint_test_has_a_process(self):
+        for jobs in (1, 2, 4):
+            groups, exact = self.run.test_processes(self.NAMES, jobs)
+            self.assertEqual(exact, ["compiled::tests::compiled_prefill_equals_the_eager_prefill"])
+            for n in self.NAMES[1:3]:
+                self.assertIn([n], groups, f"jobs {jobs}")
+            ran = sorted(n for g in groups for n in g)
+            self.assertEqual(ran, sorted(self.NAMES[:-1]), f"jobs {jobs}: each test once")
+        groups, _ = self.run.test_processes(self.NAMES, 4)
+        self.assertIn(["kernels::tests::greedy_tokens_with_kernels_equal_stock_ops_on_moe"], groups)
+
+    def test_a_qint_test_that_could_not_run_fails_alone(self):
+        run = self.run
+        listing = "".join(n + ": test\n" for n in self.NAMES[:3])
+
+        class Proc:
+            def __init__(self, cmd, **_):
+                self.names = [c for c in cmd if "::" in c]
+                self.returncode = 0
+
+            def communicate(self):
+                out = "".join(f"test {n} ... ok\n" for n in self.names)
+                err = "".join(f"skipped {n.rsplit('::', 1)[-1]}: kernels were built without MLX_LFM_QINT=pairs earlier "
+                              "in this process; run it alone\n" for n in self.names if "q_in_pairs" in n)
+                return out, err
+
+        run.sh = lambda cmd, **k: Result(listing)
+        run.subprocess = type("S", (), {"Popen": Proc, "PIPE": None})
+        run.TESTS = Path(self.tmp.name) / "tests"
+        run.TESTS.mkdir()
+        (run.TESTS / "mlx_lfm-0").write_text("")
+        real_root = run.ROOT
+        run.ROOT = Path(self.tmp.name)
+        os.environ["H200_KERNEL_TESTS"] = "conv_fused,q_in_pairs,q_by_its_bits"
+        try:
+            run.kernels()
+        finally:
+            os.environ.pop("H200_KERNEL_TESTS")
+            run.ROOT = real_root
+        rec = [r for r in records(run) if r["engine"] == "tests"][-1]
+        self.assertFalse(rec["skipped"])
+        self.assertFalse(rec["verdicts"]["q_in_pairs_conv_layer_matches_stock_ops"])
+        self.assertTrue(rec["verdicts"]["conv_fused_kernel_matches_stock_ops"])
+        self.assertTrue(rec["verdicts"]["q_by_its_bits_gemv_matches_stock_ops"])
+        self.assertFalse((run.WORK / "kernels-off").exists(), "a default kernel's verdict stood")
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)
