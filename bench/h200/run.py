@@ -164,37 +164,47 @@ from its A/B: the variants and greedy sets that turned them on are gone,
 `layers-fused-off` (greedy set and variant) and `moe-fused-off`,
 `conv-fused-off`, `ffn-fused-off`, `qkv-fused-off` measure them off, and
 the greedy test's default run checks it built each.
-Next (`bash bench/h200/prepare.sh` here first; ~1,700 s planned; the
+Next (`bash bench/h200/prepare.sh` here first; ~1,500 s planned; the
 working tree is ~7 MB, so .device/a and .device/llama no longer fit one
-call: stage and llama are two).
+call: stage and llama are two; a fresh machine's `ab` first spends ~270 s
+generating the checkpoints).
+Session 37 got an H100 for ~28 minutes: the MoE experts over x
+chunk-interleaved passed their test and lost (42.40 µs against 41.47 in
+kernel-bench, decode A/B 1.03x within its noise; retired since); the
+QINT tests shared processes with other tests and checked nothing (each
+its own process since), then alone ran past 524 s (split one a layer,
+their quantized cases in the step's forms, since). The chain:
+  1. carry [.device/a]: `stage-mlx`.
+  2. carry [.device/llama]: `llama`.
+  3. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=4
+     H200_KERNEL_TESTS=q_in_pairs_ `timeout -s TERM 540 python3
+     bench/h200/run.py install verdicts-from committed kernels save-ptx`
+     (q in pairs, a process a layer; the default kernels' sm_90 SASS is
+     byte-identical to what session 37's call 4 tested, nvrtc-check).
+  4. carry [.device/bin]: H200_OURS_ENV (mimalloc),
+     H200_AB_VARIANTS=scratch-in-state,kernel-text-file,qint-pairs
+     H200_MODELS=lfm2-8b-a1b-q4 H200_AB_REPS=4 `timeout -s TERM 560
+     python3 bench/h200/run.py ab pick gguf-bg` (`pick` takes each only
+     where its tests passed: the two host-side switches' passed in session
+     35, their A/B owed since session 33; the 8B-A1B alone, whose step is
+     host-bound: ~270 s to generate it, ~30 s in process, then 3 arms x 2
+     reps of ~33 s processes).
+  5. carry [.device/bin]: H200_OURS_ENV, `timeout -s TERM 560 python3
+     bench/h200/run.py round 1` with the picked switches.
+Session 36's plan, for the record: its steps 1-2 as above; 3. the kernel
+tests (q in pairs and by its bits, the MoE kernel with the interleaved x,
+the conv, feed-forward and q/k/v tests, the compiled prefill) over the
+verdicts of sessions 18-36; 4. kernel-bench of `moe-layer-q4-fused`
+against the interleaved arm; 5. `ab pick gguf-bg` with
+`kernel-text-file`, `scratch-in-state`, `qint-pairs`,
+`moe-x-interleaved`; 6. `round 1`.
 Session 36 got an H100 for ~12 minutes (its failed starts took ~780 s):
 kernel-bench put the MLX-exact walk's 4-bit rows in pairs (`qint-pairs`,
 a process switch: MLX_LFM_QINT=pairs) at 18.59 µs against 25.98 (conv)
 and 29.02 against 41.47 (feed-forward), and the MoE experts over x staged
 in float32 (retired since) at 59.36 against 41.63; the MoE kernel's test
 passed; the pairs test was stopped at 330 s twice (its greedy sets are
-gone from it since). After the call: the MoE experts' x chunk-interleaved
-(`moe-x-interleaved`, in process: the same bits, a warp's shared-memory
-loads without bank conflicts). The chain:
-  1. carry [.device/a]: `stage-mlx`.
-  2. carry [.device/llama]: `llama`.
-  3. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=4
-     H200_KERNEL_TESTS=quantized_layers_with_q_in_pairs_match_stock_ops,quantized_layers_with_q_by_its_bits_match_stock_ops,moe_fused_kernel_matches_the_three_kernels,conv_fused_kernel_matches_stock_ops,ffn_fused_kernel_matches_stock_ops,qkv_fused_kernel_matches_stock_ops,compiled_prefill_equals_the_eager_prefill
-     `timeout -s TERM 540 python3 bench/h200/run.py install verdicts-from
-     bench/results/2026-12-03-h200-session18.raw.jsonl,bench/results/2026-12-04-h200-session20.raw.jsonl,bench/results/2026-12-04-h200-session21.raw.jsonl,bench/results/2026-12-04-h200-session24.raw.jsonl,bench/results/2026-12-05-h200-session27.raw.jsonl,bench/results/2026-12-05-h200-session30.raw.jsonl,bench/results/2026-12-05-h100-session31.raw.jsonl,bench/results/2026-12-05-h100-session32.raw.jsonl,bench/results/2026-12-05-h100-session33.raw.jsonl,bench/results/2026-12-05-h100-session34.raw.jsonl,bench/results/2026-12-06-h100-session35.raw.jsonl,bench/results/2026-12-06-h100-session36.raw.jsonl
-     kernels save-ptx` (q in pairs and by its bits, each in its own
-     process; the MoE layer's interleaved x and the scratch rows in the
-     state, by each layer's test; the compiled prefill with the attention
-     buckets on).
-  4. carry [.device/bin]: H200_KERNEL_BENCH_ARMS=moe-layer-q4-fused,moe-layer-q4-il-fused
-     `timeout -s TERM 60 python3 bench/h200/run.py kernel-bench` (the
-     MoE layer with its experts' x chunk-interleaved, ~10 s).
-  5. carry [.device/bin]: H200_OURS_ENV (mimalloc) and
-     H200_AB_VARIANTS=kernel-text-file,scratch-in-state,qint-pairs,moe-x-interleaved
-     `timeout -s TERM 560 python3 bench/h200/run.py ab pick gguf-bg`
-     (`pick` takes each only where call 3 passed its tests).
-  6. carry [.device/bin]: H200_OURS_ENV, `timeout -s TERM 560 python3
-     bench/h200/run.py round 1` with the picked switches.
+gone from it since).
 Session 35's plan, for the record (its steps 1-3 became steps 1-4 above).
 Session 35 got an H100 for ten minutes (its other starts found none): its
 kernel-bench turned down the MoE layer in blocks of 16 or 8 warps and its
@@ -1707,6 +1717,17 @@ def kernel_sources():
             if f.exists() and f.name != "tests.rs"}
 
 
+def committed_raw_files():
+    """Every committed raw file, in session order (`verdicts-from
+    committed`: a later session's verdict replaces an earlier one; the
+    names sort by date, then by session number, an h100 session 31 after an
+    h200 session 30 of the same day)."""
+    def key(p):
+        m = re.search(r"session(\d+)(\w*)", p.name)
+        return (p.name[:10], int(m.group(1)) if m else 0, m.group(2) if m else "", p.name)
+    return [str(p.relative_to(ROOT)) for p in sorted((ROOT / "bench" / "results").glob("*.raw.jsonl"), key=key)]
+
+
 def verdicts_from(path):
     """The kernel tests' verdicts of an earlier session (its committed raw
     file's last `tests` record) instead of running them again (~380 s of a
@@ -1716,7 +1737,8 @@ def verdicts_from(path):
     `git diff --stat COMMIT -- src/kernels src/mlx/kernel.rs cpp`."""
     # FILE,FILE...: each file's records in the order given (session 18 ran
     # only the tests whose kernels changed, over session 16's verdicts).
-    rows = [json.loads(l) for p in path.split(",") for l in (ROOT / p).read_text().splitlines()
+    paths = committed_raw_files() if path == "committed" else path.split(",")
+    rows = [json.loads(l) for p in paths for l in (ROOT / p).read_text().splitlines()
             if '"engine": "tests"' in l]
     if not rows:
         raise SystemExit(f"no kernel test record in {path}")
@@ -1725,7 +1747,7 @@ def verdicts_from(path):
     # test again, mended).
     verdicts, skipped = {}, False
     for r in rows:
-        verdicts.update(r["verdicts"])
+        verdicts.update(r.get("verdicts", {}))
         skipped = skipped or bool(r.get("skipped"))
     r = rows[-1]
     # (A test this call runs next, H200_KERNEL_TESTS set for both steps,
@@ -2147,13 +2169,6 @@ AB = {
     # qint_mode's `pairs`): the conv layer's tile loop ~3 instructions a
     # weight in the sm_90 SASS against ~6 by its bits. A process switch.
     "qint-pairs": ({"MLX_LFM_QINT": "pairs"}, ["lfm2-8b-a1b-q4"]),
-    # The one-launch MoE layer's experts reading their staged rows of x
-    # chunk-interleaved (session 36, src/kernels/moe_fused.rs
-    # x_interleaved): as given, a lane's chunk lies 64 bytes after the
-    # last lane's, so a warp's 16-byte shared-memory load takes four times
-    # the wavefronts (session 36's float32 staging, 128 bytes apart, ran
-    # 43% slower with half the instructions). The same bits. In process.
-    "moe-x-interleaved": ({"MLX_LFM_MOE_X_INTERLEAVED": "1"}, ["lfm2-8b-a1b-q4"]),
     # The one-launch conv layers', feed-forwards' and q/k/v stages' weight
     # rows asked of L2 when a block takes its part, before it waits for the
     # stage before (session 34, src/kernels/stages.rs early_prefetch):
@@ -2174,9 +2189,6 @@ AB_TESTS = {
     "kernel-text-file": ["a_kernel_from_files_gives_the_inline_bits", "greedy_tokens_with_kernel_texts_in_files"],
     "qint-bits": [f"q_by_its_bits_{l}_matches_stock_ops" for l in QINT_LAYERS],
     "qint-pairs": [f"q_in_pairs_{l}_matches_stock_ops" for l in QINT_LAYERS],
-    # (Its kernel test holds it to the default's bits, which the greedy
-    # test's default run holds to the stock ops' tokens.)
-    "moe-x-interleaved": ["moe_fused_kernel_matches_the_three_kernels"],
     "scratch-in-state": ["moe_fused_kernel_matches_the_three_kernels", "conv_fused_kernel_matches_stock_ops",
                          "ffn_fused_kernel_matches_stock_ops", "qkv_fused_kernel_matches_stock_ops",
                          "greedy:MLX_LFM_SCRATCH_IN_STATE"],
@@ -2271,7 +2283,6 @@ PICK = [
     (["conv-layer-fused"], "decode"),
     (["early-prefetch", "early-prefetch-conv"], "decode"),
     (["qint-bits", "qint-pairs"], "decode"),
-    (["moe-x-interleaved"], "decode"),
     (["layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off"], "decode"),
     (["attention-smem", "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4"], "decode"),
     (["norm-runs-guarded"], "decode"),
@@ -2300,7 +2311,7 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4", "conv-gemv",
                "moe-down-early", "router-scores-f32", "router-scores-f32-early", "fold-eps-const", "position-table-off",
                "fold-deferred", "layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off",
-               "conv-layer-fused", "early-prefetch", "early-prefetch-conv", "qint-bits", "qint-pairs", "moe-x-interleaved"}
+               "conv-layer-fused", "early-prefetch", "early-prefetch-conv", "qint-bits", "qint-pairs"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]

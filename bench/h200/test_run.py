@@ -502,6 +502,13 @@ class KernelTests(unittest.TestCase):
         groups, _ = self.run.test_processes(self.NAMES, 4)
         self.assertIn(["kernels::tests::greedy_tokens_with_kernels_equal_stock_ops_on_moe"], groups)
 
+    def test_committed_raw_files_run_in_session_order(self):
+        names = [Path(p).name for p in self.run.committed_raw_files()]
+        for before, after in [("2026-12-05-h200-session30.raw.jsonl", "2026-12-05-h100-session31.raw.jsonl"),
+                              ("2026-12-03-h200-session18.raw.jsonl", "2026-12-03-h200-session18b.raw.jsonl"),
+                              ("2026-12-02-h200-session9.raw.jsonl", "2026-12-02-h200-session10.raw.jsonl")]:
+            self.assertLess(names.index(before), names.index(after))
+
     def test_a_qint_test_that_could_not_run_fails_alone(self):
         run = self.run
         listing = "".join(n + ": test\n" for n in self.NAMES[:3])

@@ -389,14 +389,6 @@ KERNELS["qk_norm_rope.rs#qkv_fused@dense"] = (
 )
 # Every wait given up at once (the tests' MLX_LFM_FUSED_NO_WAIT: DEFINES_OF).
 KERNELS["moe_fused.rs@no-wait"] = KERNELS["moe_fused.rs"]
-# The experts' x chunk-interleaved (MLX_LFM_MOE_X_INTERLEAVED: its define,
-# DEFINES_OF, and stages.rs INTERLEAVED_HEADER after the header,
-# HEADER_AFTER), with 8-bit experts too, and with the scratch rows in the
-# state.
-KERNELS["moe_fused.rs@il"] = KERNELS["moe_fused.rs"]
-KERNELS["moe_fused.rs@il8"] = (*KERNELS["moe_fused.rs"][:2],
-                               lambda dt: [(n, 8 if n == "BITS" else v) for n, v in KERNELS["moe_fused.rs"][2](dt)])
-KERNELS["moe_fused.rs@il-scratch"] = KERNELS["moe_fused.rs@scratch"]
 # The bench's timeline form: the stamps an extra int64 output (REPLACE_OF).
 KERNELS["moe_fused.rs@timeline"] = (KERNELS["moe_fused.rs"][0], KERNELS["moe_fused.rs"][1] + [("times", "long long")],
                                     KERNELS["moe_fused.rs"][2])
@@ -718,12 +710,6 @@ DEFINES_OF["conv_fused.rs@early-timeline"] = _TL + DEFINES_OF["conv_fused.rs@ear
 DEFINES_OF["conv_fused.rs@dense-early-timeline"] = _TL + DEFINES_OF["conv_fused.rs@dense-early"]
 # A variant's text before its kernel's body, as its Rust side puts it there.
 PRELUDE_OF = {"moe_fused.rs@scratch": named(root / "src" / "kernels" / "moe_fused.rs", "SCRATCH_PRELUDE")}
-PRELUDE_OF["moe_fused.rs@il-scratch"] = PRELUDE_OF["moe_fused.rs@scratch"]
-# A variant's text after its kernel's header, as its Rust side puts it there.
-HEADER_AFTER = {}
-for _v in ("@il", "@il8", "@il-scratch"):
-    DEFINES_OF["moe_fused.rs" + _v] = "#define LFM_X_INTERLEAVED 1\n" + LAYER_MOE
-    HEADER_AFTER["moe_fused.rs" + _v] = named(_STAGES, "INTERLEAVED_HEADER")
 # The other one-launch layers with their scratch rows in the state
 # (MLX_LFM_SCRATCH_IN_STATE): outputs without the rows, their places (bf16,
 # 2,048 wide: stages.rs scratch_places) as template values.
@@ -759,7 +745,6 @@ for file, (ins, outs, targs, *only_dtypes) in KERNELS.items():
     fname, _, extra = file_key.partition("#")
     src, hdr = body_and_header(root / "src" / "kernels" / fname, "const " + (extra.upper() + "_" if extra else "") + "SOURCE")
     src = PRELUDE_OF.get(file, "") + src
-    hdr = hdr + HEADER_AFTER.get(file, "")
     for was, now in REPLACE_OF.get(file, []):
         assert was in src, f"{file}: {was!r} not in its source"
         src = src.replace(was, now)

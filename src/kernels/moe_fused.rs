@@ -131,36 +131,16 @@ fn header() -> String {
 
 /// The kernel; with `scratch`, its form with the scratch rows (`yn`,
 /// `inds`, `scores`, `hk`) in the layer's state
-/// ([`stages::call_with_scratch`]); with `il`, the forms whose experts
-/// read x chunk-interleaved ([`x_interleaved`]).
-fn kernel(scratch: bool, il: bool) -> Option<&'static CudaKernel> {
-    static K: [[Cells; 2]; 2] = [[stages::cells(), stages::cells()], [stages::cells(), stages::cells()]];
+/// ([`stages::call_with_scratch`]).
+fn kernel(scratch: bool) -> Option<&'static CudaKernel> {
+    static K: [Cells; 2] = [stages::cells(), stages::cells()];
     static SCRATCH_SOURCE: OnceLock<String> = OnceLock::new();
     let outputs = ["s", "out", "yn", "inds", "scores", "hk"];
-    let cells = &K[usize::from(il)];
-    let head = move || if il { format!("#define LFM_X_INTERLEAVED 1\n{}{}", header(), stages::INTERLEAVED_HEADER) } else { header() };
     if scratch {
         let source = SCRATCH_SOURCE.get_or_init(|| format!("{SCRATCH_PRELUDE}{}", stages::LAYER_SOURCE));
-        let name = if il { "lfm_moe_fused_il_scr" } else { "lfm_moe_fused_scr" };
-        return stages::kernel(&cells[1], name, &INPUTS, &outputs[..2], source, head);
+        return stages::kernel(&K[1], "lfm_moe_fused_scr", &INPUTS, &outputs[..2], source, header);
     }
-    let name = if il { "lfm_moe_fused_il" } else { "lfm_moe_fused" };
-    stages::kernel(&cells[0], name, &INPUTS, &outputs, stages::LAYER_SOURCE, head)
-}
-
-/// `MLX_LFM_MOE_X_INTERLEAVED=1` (opt-in, session 36, not yet run on a
-/// GPU): the experts' gate/up and down warps read their staged rows of x
-/// chunk-interleaved (src/kernels/stages.rs `INTERLEAVED_HEADER`), a
-/// warp's 16-byte loads 512 consecutive bytes, where as given a lane's
-/// chunk lies 64 bytes after the last lane's (4-bit bf16) and each load
-/// takes four times the shared-memory wavefronts. The same values in the
-/// same order, so the same bits (the kernel's test holds them to the
-/// default's). Session 36's float32 staging of x (retired) cut the walk's
-/// instructions by half and ran 43% slower, its chunks 128 bytes apart.
-/// Read at each launch's build, so a process can time both forms.
-pub(crate) fn x_interleaved() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    super::opt_in("MLX_LFM_MOE_X_INTERLEAVED", &ON)
+    stages::kernel(&K[0], "lfm_moe_fused", &INPUTS, &outputs, stages::LAYER_SOURCE, header)
 }
 
 /// The gate/up blocks and the down blocks of one launch (as the kernel
@@ -188,7 +168,7 @@ fn blocks(d: i32, f: i32, k: i32) -> i64 {
 /// expert stacks of one specification, and the staged rows within shared
 /// memory.
 pub fn available(n: &NormIn, g: &Quantized, gu: &Quantized, down: &Quantized, k: usize) -> bool {
-    enabled() && served(n, g, gu, down, k) && kernel(false, false).is_some()
+    enabled() && served(n, g, gu, down, k) && kernel(false).is_some()
 }
 
 /// [`available`] but for the switch and the kernel: whether the layer's
@@ -292,9 +272,7 @@ fn launch(
     timeline: bool,
 ) -> Result<Vec<Array>> {
     let unavailable = || Error::mlx("the fused MoE kernel is not available");
-    // (Where the interleaved form does not build, the default runs.)
-    let il = !timeline && x_interleaved() && kernel(false, true).is_some();
-    let kern = if timeline { timeline_kernel() } else { kernel(false, il) }.ok_or_else(unavailable)?;
+    let kern = if timeline { timeline_kernel() } else { kernel(false) }.ok_or_else(unavailable)?;
     let missing = |what: &str| Error::invalid(format!("the fused MoE kernel needs affine biases ({what})"));
     let gb = g.biases.as_ref().ok_or_else(|| missing("the router gate"))?;
     let ub = gu.biases.as_ref().ok_or_else(|| missing("the experts' gate/up"))?;
@@ -342,7 +320,7 @@ fn launch(
     } else {
         stages::call_with_scratch(
             kern,
-            || kernel(true, il),
+            || kernel(true),
             &inputs,
             &outputs,
             &["SCR_YN", "SCR_INDS", "SCR_SCORES", "SCR_HK"],

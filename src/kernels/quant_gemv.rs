@@ -37,16 +37,14 @@ pub const MAX_ROWS: usize = 8;
 /// sum of `q * x` over one packed 16-byte chunk (MLX packs the first value
 /// of a word in its lowest bits).
 pub(crate) const QUANT_HEADER: &str = "
-// (XI > 0: x staged chunk-interleaved, src/kernels/stages.rs
-// lfm_stage16_il: a chunk's t-th 16 bytes at t * XI + c.)
-template <typename T, int BITS, int XI = 0>
+template <typename T, int BITS>
 __device__ inline float lfm_xchunk(const T* xr, size_t c, bool aligned, float* xf) {
   constexpr int VPC = 128 / BITS;
   constexpr int E = 16 / sizeof(T);
   float xs = 0.0f;
 #pragma unroll
   for (int t = 0; t < VPC / E; t++) {
-    const uint4 v = XI > 0 ? reinterpret_cast<const uint4*>(xr)[t * XI + c] : lfm_load16(xr, c * (VPC / E) + t, aligned);
+    const uint4 v = lfm_load16(xr, c * (VPC / E) + t, aligned);
     const T* e = reinterpret_cast<const T*>(&v);
 #pragma unroll
     for (int j = 0; j < E; j++) {
@@ -79,9 +77,8 @@ __device__ inline float lfm_qx(const uint4& wv, const float* xf) {
 // biases br) dotted with row m of x; the chunks' words, scales and biases
 // loaded in batches before their sums and ALIGNED a template constant (see
 // lfm_dot_rows_a).
-template <typename T, int K, int M, int BITS, int GS, bool ALIGNED, int XI = 0>
+template <typename T, int K, int M, int BITS, int GS, bool ALIGNED>
 __device__ inline void lfm_qdot_a(const T* x, const uint32_t* wr, const T* sr, const T* br, int lane, float* acc) {
-  static_assert(XI == 0 || M == 1, \"an interleaved x is one row\");
   constexpr int VPC = 128 / BITS;
   constexpr int C = K / VPC;
   constexpr int IT = (C + 31) / 32;
@@ -109,7 +106,7 @@ __device__ inline void lfm_qdot_a(const T* x, const uint32_t* wr, const T* sr, c
 #pragma unroll
         for (int m = 0; m < M; m++) {
           float xf[VPC];
-          const float xs = lfm_xchunk<T, BITS, XI>(x + static_cast<size_t>(m) * K, c, ALIGNED, xf);
+          const float xs = lfm_xchunk<T, BITS>(x + static_cast<size_t>(m) * K, c, ALIGNED, xf);
           acc[m] += s[u] * lfm_qx<BITS>(wv[u], xf) + b[u] * xs;
         }
       }
@@ -118,7 +115,7 @@ __device__ inline void lfm_qdot_a(const T* x, const uint32_t* wr, const T* sr, c
 }
 // Two rows against one x (the SwiGLU's gate and up rows): both rows' loads
 // of a batch issued together, x read once.
-template <typename T, int K, int BITS, int GS, bool ALIGNED, int XI = 0>
+template <typename T, int K, int BITS, int GS, bool ALIGNED>
 __device__ inline void lfm_qdot2_a(const T* x, const uint32_t* gr, const T* gs, const T* gb, const uint32_t* ur,
                                    const T* us, const T* ub, int lane, float& ag, float& au) {
   constexpr int VPC = 128 / BITS;
@@ -152,7 +149,7 @@ __device__ inline void lfm_qdot2_a(const T* x, const uint32_t* gr, const T* gs, 
       const int c = lane + (i0 + u) * 32;
       if (i0 + u < IT && (C % 32 == 0 || c < C)) {
         float xf[VPC];
-        const float xs = lfm_xchunk<T, BITS, XI>(x, c, ALIGNED, xf);
+        const float xs = lfm_xchunk<T, BITS>(x, c, ALIGNED, xf);
         ag += sg[u] * lfm_qx<BITS>(gv[u], xf) + bg[u] * xs;
         au += su[u] * lfm_qx<BITS>(uv[u], xf) + bu[u] * xs;
       }

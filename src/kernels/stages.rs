@@ -117,9 +117,6 @@ pub(crate) const LAYER_SOURCE: &str = r#"
 #ifndef LFM_OUT_ONLY
 #define LFM_OUT_ONLY 0
 #endif
-#ifndef LFM_X_INTERLEAVED
-#define LFM_X_INTERLEAVED 0
-#endif
 #if LFM_CONV_PART && LFM_OUT_ONLY
   // Only the conv part's out_proj stage, over a row an earlier launch
   // wrote (an attention layer's output: its out_proj joined to the
@@ -146,14 +143,6 @@ pub(crate) const LAYER_SOURCE: &str = r#"
   constexpr int TAIL_NB = 1 + GB + DB;
   __shared__ float probs_s[E];
   __shared__ float part[WARPS];
-  // The experts' rows of x chunk-interleaved (src/kernels/moe_fused.rs
-  // `x_interleaved`): a chunk's 16-byte runs XU, its stride in runs the
-  // row's (or the gated rows') chunks; 0 staged as given.
-#if LFM_X_INTERLEAVED
-  constexpr int XU = (128 / BITS) * static_cast<int>(sizeof(T)) / 16;
-#endif
-  constexpr int XIG = LFM_X_INTERLEAVED ? D / (128 / BITS) : 0;
-  constexpr int XID = LFM_X_INTERLEAVED ? KE * F / (128 / BITS) : 0;
 #elif LFM_FFN_PART
   constexpr int GB = (F + WARPS - 1) / WARPS;
   constexpr int HR = F * sizeof(T) / 16;
@@ -314,13 +303,8 @@ pub(crate) const LAYER_SOURCE: &str = r#"
     const int n = ((fr - 1) % RB) * WARPS + wid;
     const bool late = lfm_block_wait(st + FC + 1, launch + 1, nullptr, 0);
     T* xs = reinterpret_cast<T*>(sm);
-#if LFM_X_INTERLEAVED
-    if (!late) lfm_stage16_il<XU>(sm, LFM_FFN_YN, XR);
-    __syncthreads();
-#else
     if (!late) lfm_stage16(sm, LFM_FFN_YN, XR);
     __syncthreads();
-#endif
     if (n < F) {
       float ag = 0.0f;
       float au = 0.0f;
@@ -334,11 +318,11 @@ pub(crate) const LAYER_SOURCE: &str = r#"
         const size_t gi = ex * (2 * F) + n;
         const size_t ui = ex * (2 * F) + F + n;
         if (lfm_aligned(uw)) {
-          lfm_qdot2_a<T, D, BITS, GS, true, XIG>(xs, uw + gi * WORDS, uscales + gi * G, ubiases + gi * G,
-                                                 uw + ui * WORDS, uscales + ui * G, ubiases + ui * G, lane, ag, au);
+          lfm_qdot2_a<T, D, BITS, GS, true>(xs, uw + gi * WORDS, uscales + gi * G, ubiases + gi * G, uw + ui * WORDS,
+                                            uscales + ui * G, ubiases + ui * G, lane, ag, au);
         } else {
-          lfm_qdot2_a<T, D, BITS, GS, false, XIG>(xs, uw + gi * WORDS, uscales + gi * G, ubiases + gi * G,
-                                                  uw + ui * WORDS, uscales + ui * G, ubiases + ui * G, lane, ag, au);
+          lfm_qdot2_a<T, D, BITS, GS, false>(xs, uw + gi * WORDS, uscales + gi * G, ubiases + gi * G, uw + ui * WORDS,
+                                             uscales + ui * G, ubiases + ui * G, lane, ag, au);
         }
         ag = lfm_warp_sum(ag);
         au = lfm_warp_sum(au);
@@ -355,13 +339,8 @@ pub(crate) const LAYER_SOURCE: &str = r#"
   // themselves, and the route's outputs are only written once it is set.
   const bool late = lfm_block_wait(st + FC + 2, (launch + 1) * GB, st + FC + 1, launch + 1);
   const T* hs = reinterpret_cast<const T*>(sm);
-#if LFM_X_INTERLEAVED
-  if (!late) lfm_stage16_il<XU>(sm, hk, HR);
-  __syncthreads();
-#else
   if (!late) lfm_stage16(sm, hk, HR);
   __syncthreads();
-#endif
   const int j = wid % KE;
   const int col = wid / KE;
   const int n = db * CPB + col;
@@ -372,14 +351,12 @@ pub(crate) const LAYER_SOURCE: &str = r#"
     constexpr int G = F / GS;
     constexpr int WORDS = F * BITS / 32;
     const size_t wi = ex * D + n;
-    // (Interleaved: expert j's chunks start at run j * F / (128 / BITS).)
-    const T* hr = XID ? reinterpret_cast<const T*>(sm + static_cast<size_t>(j) * (F / (128 / BITS)))
-                      : hs + static_cast<size_t>(j) * F;
+    const T* hr = hs + static_cast<size_t>(j) * F;
     float a = 0.0f;
     if (lfm_aligned(dw)) {
-      lfm_qdot_a<T, F, 1, BITS, GS, true, XID>(hr, dw + wi * WORDS, dscales + wi * G, dbiases + wi * G, lane, &a);
+      lfm_qdot_a<T, F, 1, BITS, GS, true>(hr, dw + wi * WORDS, dscales + wi * G, dbiases + wi * G, lane, &a);
     } else {
-      lfm_qdot_a<T, F, 1, BITS, GS, false, XID>(hr, dw + wi * WORDS, dscales + wi * G, dbiases + wi * G, lane, &a);
+      lfm_qdot_a<T, F, 1, BITS, GS, false>(hr, dw + wi * WORDS, dscales + wi * G, dbiases + wi * G, lane, &a);
     }
     a = lfm_warp_sum(a);
     if (lane == 0) part[wid] = static_cast<float>(T(static_cast<float>(T(a)) * __ldcg(scores + j)));
@@ -419,26 +396,6 @@ pub(crate) const LAYER_SOURCE: &str = r#"
   }
 #endif
 #endif
-"#;
-
-/// The chunk-interleaved staging of a row (`MLX_LFM_MOE_X_INTERLEAVED`, the
-/// MoE layer's form that takes it: src/kernels/moe_fused.rs): `n` 16-byte
-/// runs of `src`, chunks of `U` runs (a packed 16-byte word chunk's x),
-/// stored run t of chunk c at t * (n / U) + c, so that the 32 lanes of a
-/// warp reading run t of their chunks c .. c + 31 read 512 consecutive
-/// bytes of shared memory (as given, a lane's chunk lies 64 bytes after
-/// the last lane's, 4-bit bf16: four lanes a bank group, four times the
-/// wavefronts a load). Thread i stores run i (stores without conflicts),
-/// its source read at L2 as `lfm_stage16` reads it, but a warp's 32 reads
-/// lie 64 bytes apart (4-bit bf16): about twice the L2 sectors a warp
-/// fetches, once a block, which the A/B weighs against the walk's loads.
-pub(crate) const INTERLEAVED_HEADER: &str = r#"
-template <int U>
-__device__ inline void lfm_stage16_il(uint4* dst, const void* src, int n) {
-  const uint4* s = reinterpret_cast<const uint4*>(src);
-  const int chunks = n / U;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = __ldcg(s + (i % chunks) * U + i / chunks);
-}
 "#;
 
 /// L2 prefetches of a byte span, by a warp's lanes and by a whole block

@@ -25,12 +25,6 @@ fn scratch_in_state<R>(f: impl FnOnce() -> R) -> R {
     crate::knobs::with_overrides(&[("MLX_LFM_SCRATCH_IN_STATE".to_string(), Some("1".to_string()))], f)
 }
 
-/// `f` with the MoE layer's experts over x chunk-interleaved
-/// (`MLX_LFM_MOE_X_INTERLEAVED`).
-fn x_interleaved<R>(f: impl FnOnce() -> R) -> R {
-    crate::knobs::with_overrides(&[("MLX_LFM_MOE_X_INTERLEAVED".to_string(), Some("1".to_string()))], f)
-}
-
 /// `f` with the quantized GEMVs in MLX's own arithmetic (`MLX_LFM_QGEMV_EXACT`).
 fn in_mlx_arithmetic<R>(f: impl FnOnce() -> R) -> R {
     crate::knobs::with_overrides(&[("MLX_LFM_QGEMV_EXACT".to_string(), Some("1".to_string()))], f)
@@ -2095,13 +2089,6 @@ fn moe_fused_kernel_matches_the_three_kernels() {
                 assert_eq!(differing(&s2, &s), 0, "{what}: scratch in the state, launch {turn}: the sum differs");
                 assert_eq!(differing(&out2, &out), 0, "{what}: scratch in the state, launch {turn}: the output differs");
             }
-            // The experts over x chunk-interleaved
-            // (MLX_LFM_MOE_X_INTERLEAVED): the default's bits, with its
-            // outputs and with the scratch rows in the state.
-            let (s3, out3) = x_interleaved(|| run(&state));
-            assert_eq!((differing(&s3, &s), differing(&out3, &out)), (0, 0), "{what}: the interleaved x differs");
-            let (s4, out4) = x_interleaved(|| scratch_in_state(|| run(&big)));
-            assert_eq!((differing(&s4, &s), differing(&out4, &out)), (0, 0), "{what}: the interleaved x, scratch in the state, differs");
             // The timeline form (the bench's): the same bits, its stamps in
             // the stages' order.
             check_timeline(&what, &n, &g, &bias, &gu, &dn, k, scale, &out);
