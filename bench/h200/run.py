@@ -173,24 +173,42 @@ chunk-interleaved passed their test and lost (42.40 µs against 41.47 in
 kernel-bench, decode A/B 1.03x within its noise; retired since); the
 QINT tests shared processes with other tests and checked nothing (each
 its own process since), then alone ran past 524 s (split one a layer,
-their quantized cases in the step's forms, since). The chain:
+their quantized cases in the step's forms, since). After the call: the
+MoE layer's experts in MLX's qmv arithmetic (`moe-exact`, in process;
+`moe-exact-pairs` with MLX_LFM_QINT=pairs, a process switch), the walk
+pairs made 28-30% faster in the conv and feed-forward layers. The chain:
   1. carry [.device/a]: `stage-mlx`.
   2. carry [.device/llama]: `llama`.
   3. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=4
-     H200_KERNEL_TESTS=q_in_pairs_ `timeout -s TERM 540 python3
-     bench/h200/run.py install verdicts-from committed kernels save-ptx`
-     (q in pairs, a process a layer; the default kernels' sm_90 SASS is
+     H200_KERNEL_TESTS=q_in_pairs_,moe_fused_kernel_matches_the_three_kernels
+     `timeout -s TERM 540 python3 bench/h200/run.py install verdicts-from
+     committed kernels save-ptx` (q in pairs, a process a layer, the MoE
+     layer's with its experts exact; the MoE kernel's test, the experts
+     exact against the stock graph; the default kernels' sm_90 SASS is
      byte-identical to what session 37's call 4 tested, nvrtc-check).
-  4. carry [.device/bin]: H200_OURS_ENV (mimalloc),
-     H200_AB_VARIANTS=scratch-in-state,kernel-text-file,qint-pairs
+  4. carry [.device/bin]: H200_KERNEL_BENCH_ARMS=moe-layer-q4-fused,moe-layer-q4-exact-fused
+     `timeout -s TERM 200 sh -c 'python3 bench/h200/run.py kernel-bench &&
+     MLX_LFM_QINT=pairs H200_TAG=qint-pairs python3 bench/h200/run.py
+     kernel-bench'` (the MoE layer's experts exact, their rows plain and in
+     pairs, ~20 s each).
+  5. carry [.device/bin]: H200_OURS_ENV (mimalloc),
+     H200_AB_VARIANTS=scratch-in-state,moe-exact,qint-pairs,moe-exact-pairs
      H200_MODELS=lfm2-8b-a1b-q4 H200_AB_REPS=4 `timeout -s TERM 560
      python3 bench/h200/run.py ab pick gguf-bg` (`pick` takes each only
-     where its tests passed: the two host-side switches' passed in session
-     35, their A/B owed since session 33; the 8B-A1B alone, whose step is
-     host-bound: ~270 s to generate it, ~30 s in process, then 3 arms x 2
+     where its tests passed: scratch-in-state's in session 35, its A/B
+     owed since session 33; moe-exact's greedy set has not run on a GPU,
+     so it is timed, not taken; the 8B-A1B alone, whose step is
+     host-bound: ~270 s to generate it, ~40 s in process, then 3 arms x 2
      reps of ~33 s processes).
-  5. carry [.device/bin]: H200_OURS_ENV, `timeout -s TERM 560 python3
+  6. carry [.device/bin]: H200_OURS_ENV, H200_AB_VARIANTS=kernel-text-file
+     H200_MODELS=lfm2-8b-a1b-q4 H200_AB_REPS=4 `timeout -s TERM 300
+     python3 bench/h200/run.py ab pick` (the kernel texts in files: 2 arms
+     x 2 reps).
+  7. carry [.device/bin]: H200_OURS_ENV, `timeout -s TERM 560 python3
      bench/h200/run.py round 1` with the picked switches.
+  Then, if time is left: the wide MoE greedy test with the experts exact
+  (`H200_KERNEL_TESTS=greedy_tokens_with_kernels_equal_stock_ops_on_wide_moe`,
+  carry [.device/b, .device/tests], `kernels`: its `greedy:moe-exact`).
 Session 36's plan, for the record: its steps 1-2 as above; 3. the kernel
 tests (q in pairs and by its bits, the MoE kernel with the interleaved x,
 the conv, feed-forward and q/k/v tests, the compiled prefill) over the
@@ -1796,7 +1814,7 @@ def verdicts_from(path):
 # Tests that must be the first in their process to build kernels (parts
 # of names: the MLX_LFM_QINT tests, one a layer).
 ALONE_TESTS = ("q_by_its_bits_", "q_in_pairs_")
-QINT_LAYERS = ("conv_layer", "ffn_layer", "qkv_layer", "gemv")
+QINT_LAYERS = ("conv_layer", "ffn_layer", "qkv_layer", "gemv", "moe_layer")
 DEFAULT_KERNEL_TESTS = ["add_rms_norm_kernel_matches_stock_ops", "decode_attention_kernel_matches_stock_ops",
                         "moe_router_kernel_matches_stock_ops", "short_conv_kernel_matches_stock_ops",
                         "qk_norm_rope_kernel_matches_stock_ops", "stacked_rows_with_kernels_equal_each_row_alone",
@@ -2169,6 +2187,13 @@ AB = {
     # qint_mode's `pairs`): the conv layer's tile loop ~3 instructions a
     # weight in the sm_90 SASS against ~6 by its bits. A process switch.
     "qint-pairs": ({"MLX_LFM_QINT": "pairs"}, ["lfm2-8b-a1b-q4"]),
+    # The one-launch MoE layer's experts in MLX's qmv arithmetic (session
+    # 37, src/kernels/moe_fused.rs experts_exact), alone (in process) and
+    # with the 4-bit rows in pairs (a process switch): the experts are the
+    # 8B-A1B step's largest GPU share (878 of 1,696 µs in session 33), and
+    # pairs made the same walk 28-30% faster in the conv and feed-forward.
+    "moe-exact": ({"MLX_LFM_MOE_EXACT": "1"}, ["lfm2-8b-a1b-q4"]),
+    "moe-exact-pairs": ({"MLX_LFM_MOE_EXACT": "1", "MLX_LFM_QINT": "pairs"}, ["lfm2-8b-a1b-q4"]),
     # The one-launch conv layers', feed-forwards' and q/k/v stages' weight
     # rows asked of L2 when a block takes its part, before it waits for the
     # stage before (session 34, src/kernels/stages.rs early_prefetch):
@@ -2189,6 +2214,8 @@ AB_TESTS = {
     "kernel-text-file": ["a_kernel_from_files_gives_the_inline_bits", "greedy_tokens_with_kernel_texts_in_files"],
     "qint-bits": [f"q_by_its_bits_{l}_matches_stock_ops" for l in QINT_LAYERS],
     "qint-pairs": [f"q_in_pairs_{l}_matches_stock_ops" for l in QINT_LAYERS],
+    "moe-exact": ["moe_fused_kernel_matches_the_three_kernels", "greedy:moe-exact"],
+    "moe-exact-pairs": [f"q_in_pairs_{l}_matches_stock_ops" for l in QINT_LAYERS] + ["greedy:moe-exact"],
     "scratch-in-state": ["moe_fused_kernel_matches_the_three_kernels", "conv_fused_kernel_matches_stock_ops",
                          "ffn_fused_kernel_matches_stock_ops", "qkv_fused_kernel_matches_stock_ops",
                          "greedy:MLX_LFM_SCRATCH_IN_STATE"],
@@ -2282,7 +2309,7 @@ PICK = [
     (["moe-down-early", "router-scores-f32", "router-scores-f32-early"], "decode"),
     (["conv-layer-fused"], "decode"),
     (["early-prefetch", "early-prefetch-conv"], "decode"),
-    (["qint-bits", "qint-pairs"], "decode"),
+    (["qint-bits", "qint-pairs", "moe-exact", "moe-exact-pairs"], "decode"),
     (["layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off"], "decode"),
     (["attention-smem", "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4"], "decode"),
     (["norm-runs-guarded"], "decode"),
@@ -2311,7 +2338,8 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4", "conv-gemv",
                "moe-down-early", "router-scores-f32", "router-scores-f32-early", "fold-eps-const", "position-table-off",
                "fold-deferred", "layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off",
-               "conv-layer-fused", "early-prefetch", "early-prefetch-conv", "qint-bits", "qint-pairs"}
+               "conv-layer-fused", "early-prefetch", "early-prefetch-conv", "qint-bits", "qint-pairs",
+               "moe-exact", "moe-exact-pairs"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]

@@ -389,6 +389,14 @@ KERNELS["qk_norm_rope.rs#qkv_fused@dense"] = (
 )
 # Every wait given up at once (the tests' MLX_LFM_FUSED_NO_WAIT: DEFINES_OF).
 KERNELS["moe_fused.rs@no-wait"] = KERNELS["moe_fused.rs"]
+# The experts in MLX's arithmetic (MLX_LFM_MOE_EXACT: moe_fused.rs
+# EXACT_DEFINES, DEFINES_OF), with 8-bit experts, the scratch rows in the
+# state, and the most registers' shape.
+KERNELS["moe_fused.rs@exact"] = KERNELS["moe_fused.rs"]
+KERNELS["moe_fused.rs@exact8"] = (*KERNELS["moe_fused.rs"][:2],
+                                  lambda dt: [(n, 8 if n == "BITS" else v) for n, v in KERNELS["moe_fused.rs"][2](dt)])
+KERNELS["moe_fused.rs@exact-scratch"] = KERNELS["moe_fused.rs@scratch"]
+KERNELS["moe_fused.rs@exact-d1536"] = KERNELS["moe_fused.rs@d1536"]
 # The bench's timeline form: the stamps an extra int64 output (REPLACE_OF).
 KERNELS["moe_fused.rs@timeline"] = (KERNELS["moe_fused.rs"][0], KERNELS["moe_fused.rs"][1] + [("times", "long long")],
                                     KERNELS["moe_fused.rs"][2])
@@ -710,6 +718,10 @@ DEFINES_OF["conv_fused.rs@early-timeline"] = _TL + DEFINES_OF["conv_fused.rs@ear
 DEFINES_OF["conv_fused.rs@dense-early-timeline"] = _TL + DEFINES_OF["conv_fused.rs@dense-early"]
 # A variant's text before its kernel's body, as its Rust side puts it there.
 PRELUDE_OF = {"moe_fused.rs@scratch": named(root / "src" / "kernels" / "moe_fused.rs", "SCRATCH_PRELUDE")}
+PRELUDE_OF["moe_fused.rs@exact-scratch"] = PRELUDE_OF["moe_fused.rs@scratch"]
+for _v in ("@exact", "@exact8", "@exact-scratch", "@exact-d1536"):
+    DEFINES_OF["moe_fused.rs" + _v] = named(root / "src" / "kernels" / "moe_fused.rs", "EXACT_DEFINES") + LAYER_MOE
+assert "LFM_MOE_EXACT" in DEFINES_OF["moe_fused.rs@exact"], "moe_fused.rs EXACT_DEFINES"
 # The other one-launch layers with their scratch rows in the state
 # (MLX_LFM_SCRATCH_IN_STATE): outputs without the rows, their places (bf16,
 # 2,048 wide: stages.rs scratch_places) as template values.

@@ -47,6 +47,7 @@
 
 use super::moe_experts;
 use super::moe_router;
+use super::quant_gemv;
 use super::norm_gemv::NormIn;
 use super::stages::{self, Built, Cells, TICKET_HEADER};
 use crate::error::{Error, Result};
@@ -131,16 +132,47 @@ fn header() -> String {
 
 /// The kernel; with `scratch`, its form with the scratch rows (`yn`,
 /// `inds`, `scores`, `hk`) in the layer's state
-/// ([`stages::call_with_scratch`]).
-fn kernel(scratch: bool) -> Option<&'static CudaKernel> {
-    static K: [Cells; 2] = [stages::cells(), stages::cells()];
+/// ([`stages::call_with_scratch`]); with `exact`, the forms whose experts
+/// walk their rows in MLX's arithmetic ([`experts_exact`]).
+fn kernel(scratch: bool, exact: bool) -> Option<&'static CudaKernel> {
+    static K: [[Cells; 2]; 2] = [[stages::cells(), stages::cells()], [stages::cells(), stages::cells()]];
     static SCRATCH_SOURCE: OnceLock<String> = OnceLock::new();
     let outputs = ["s", "out", "yn", "inds", "scores", "hk"];
+    let cells = &K[usize::from(exact)];
+    let head = move || if exact { format!("{EXACT_DEFINES}{}", header()) } else { header() };
     if scratch {
         let source = SCRATCH_SOURCE.get_or_init(|| format!("{SCRATCH_PRELUDE}{}", stages::LAYER_SOURCE));
-        return stages::kernel(&K[1], "lfm_moe_fused_scr", &INPUTS, &outputs[..2], source, header);
+        let name = if exact { "lfm_moe_fused_exact_scr" } else { "lfm_moe_fused_scr" };
+        return stages::kernel(&cells[1], name, &INPUTS, &outputs[..2], source, head);
     }
-    stages::kernel(&K[0], "lfm_moe_fused", &INPUTS, &outputs, stages::LAYER_SOURCE, header)
+    let name = if exact { "lfm_moe_fused_exact" } else { "lfm_moe_fused" };
+    stages::kernel(&cells[0], name, &INPUTS, &outputs, stages::LAYER_SOURCE, head)
+}
+
+/// The experts-exact form's defines: MLX's walk for the experts, two
+/// tiles' loads a batch (the walk's default four took 92 registers a
+/// thread, bf16 on sm_90 by ptxas, past the 64 that the launch's 1,024
+/// threads allow, and MLX gives a custom kernel no launch bounds; two take
+/// 56, the default form's count; the batch is the loads only, not the
+/// arithmetic, and each row is asked of L2 whole first).
+const EXACT_DEFINES: &str = "#define LFM_MOE_EXACT 1\n#define LFM_QMLX_TILES 2\n";
+
+/// `MLX_LFM_MOE_EXACT=1` (opt-in, session 37, not yet run on a GPU): the
+/// experts' gate/up and down rows walked as the one-launch feed-forward
+/// walks its rows, in MLX's own `qmv` arithmetic (src/kernels/quant_gemv.rs
+/// `lfm_qdot_mlx`, each row asked of L2 first), where the default walks
+/// them in float32 as the three MoE kernels do. Under `MLX_LFM_QINT=pairs`
+/// that walk takes a 4-bit bf16/half row two values an instruction, which
+/// made the 4-bit conv and feed-forward layers 28-30% faster on the H100
+/// (session 36's kernel-bench): the same for the experts, ~25 MB a layer
+/// of the 8B-A1B read at ~0.6 TB/s, is what this is for. Not the three
+/// kernels' bits: its test holds it to the stock ops' graph within bf16's
+/// rounding, and the wide MoE fixture's greedy set to their tokens. Where
+/// the walk does not serve the experts' specification, the default runs.
+/// Read at each launch's build, so a process can time both forms.
+pub(crate) fn experts_exact() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    super::opt_in("MLX_LFM_MOE_EXACT", &ON)
 }
 
 /// The gate/up blocks and the down blocks of one launch (as the kernel
@@ -168,7 +200,7 @@ fn blocks(d: i32, f: i32, k: i32) -> i64 {
 /// expert stacks of one specification, and the staged rows within shared
 /// memory.
 pub fn available(n: &NormIn, g: &Quantized, gu: &Quantized, down: &Quantized, k: usize) -> bool {
-    enabled() && served(n, g, gu, down, k) && kernel(false).is_some()
+    enabled() && served(n, g, gu, down, k) && kernel(false, false).is_some()
 }
 
 /// [`available`] but for the switch and the kernel: whether the layer's
@@ -272,7 +304,16 @@ fn launch(
     timeline: bool,
 ) -> Result<Vec<Array>> {
     let unavailable = || Error::mlx("the fused MoE kernel is not available");
-    let kern = if timeline { timeline_kernel() } else { kernel(false) }.ok_or_else(unavailable)?;
+    let (d, dt) = (n.h.dim(1), n.h.dtype());
+    let (e, f) = (g.weight.dim(0), gu.weight.dim(1) / 2);
+    // (Where the MLX walk does not serve the experts, or its form does not
+    // build, the default runs.)
+    let exact = !timeline
+        && experts_exact()
+        && quant_gemv::spec_served(gu, dt, d)
+        && quant_gemv::spec_served(down, dt, f)
+        && kernel(false, true).is_some();
+    let kern = if timeline { timeline_kernel() } else { kernel(false, exact) }.ok_or_else(unavailable)?;
     let missing = |what: &str| Error::invalid(format!("the fused MoE kernel needs affine biases ({what})"));
     let gb = g.biases.as_ref().ok_or_else(|| missing("the router gate"))?;
     let ub = gu.biases.as_ref().ok_or_else(|| missing("the experts' gate/up"))?;
@@ -281,8 +322,6 @@ fn launch(
     if !(1..=ROUTE_SLOTS as usize).contains(&k) {
         return Err(Error::invalid(format!("the fused MoE kernel: {k} experts a row (1 to {ROUTE_SLOTS} are served)")));
     }
-    let (d, dt) = (n.h.dim(1), n.h.dtype());
-    let (e, f) = (g.weight.dim(0), gu.weight.dim(1) / 2);
     let k = k as i32;
     let nb = blocks(d, f, k);
     let threads = WARPS * 32;
@@ -320,7 +359,7 @@ fn launch(
     } else {
         stages::call_with_scratch(
             kern,
-            || kernel(true),
+            || kernel(true, exact),
             &inputs,
             &outputs,
             &["SCR_YN", "SCR_INDS", "SCR_SCORES", "SCR_HK"],

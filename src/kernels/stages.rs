@@ -117,6 +117,9 @@ pub(crate) const LAYER_SOURCE: &str = r#"
 #ifndef LFM_OUT_ONLY
 #define LFM_OUT_ONLY 0
 #endif
+#ifndef LFM_MOE_EXACT
+#define LFM_MOE_EXACT 0
+#endif
 #if LFM_CONV_PART && LFM_OUT_ONLY
   // Only the conv part's out_proj stage, over a row an earlier launch
   // wrote (an attention layer's output: its out_proj joined to the
@@ -317,6 +320,19 @@ pub(crate) const LAYER_SOURCE: &str = r#"
         constexpr int WORDS = D * BITS / 32;
         const size_t gi = ex * (2 * F) + n;
         const size_t ui = ex * (2 * F) + F + n;
+#if LFM_MOE_EXACT
+        // MLX's qmv arithmetic (src/kernels/moe_fused.rs experts_exact):
+        // both rows asked of L2, then each summed whole as the
+        // feed-forward's LFM_F_ROWS sums its pair.
+        lfm_prefetch_lines<D * BITS / 8>(uw + gi * WORDS, lane);
+        lfm_prefetch_lines<D * BITS / 8>(uw + ui * WORDS, lane);
+        lfm_prefetch_lines<G * (int)sizeof(T)>(uscales + gi * G, lane);
+        lfm_prefetch_lines<G * (int)sizeof(T)>(ubiases + gi * G, lane);
+        lfm_prefetch_lines<G * (int)sizeof(T)>(uscales + ui * G, lane);
+        lfm_prefetch_lines<G * (int)sizeof(T)>(ubiases + ui * G, lane);
+        ag = lfm_qdot_mlx<T, D, BITS, GS, true>(xs, uw + gi * WORDS, uscales + gi * G, ubiases + gi * G, lane);
+        au = lfm_qdot_mlx<T, D, BITS, GS, true>(xs, uw + ui * WORDS, uscales + ui * G, ubiases + ui * G, lane);
+#else
         if (lfm_aligned(uw)) {
           lfm_qdot2_a<T, D, BITS, GS, true>(xs, uw + gi * WORDS, uscales + gi * G, ubiases + gi * G, uw + ui * WORDS,
                                             uscales + ui * G, ubiases + ui * G, lane, ag, au);
@@ -326,6 +342,7 @@ pub(crate) const LAYER_SOURCE: &str = r#"
         }
         ag = lfm_warp_sum(ag);
         au = lfm_warp_sum(au);
+#endif
       }
       if (lane == 0) hk[static_cast<size_t>(j) * F + n] = bad ? T(poison) : lfm_swiglu<T>(ag, au);
     }
@@ -352,6 +369,12 @@ pub(crate) const LAYER_SOURCE: &str = r#"
     constexpr int WORDS = F * BITS / 32;
     const size_t wi = ex * D + n;
     const T* hr = hs + static_cast<size_t>(j) * F;
+#if LFM_MOE_EXACT
+    lfm_prefetch_lines<F * BITS / 8>(dw + wi * WORDS, lane);
+    lfm_prefetch_lines<G * (int)sizeof(T)>(dscales + wi * G, lane);
+    lfm_prefetch_lines<G * (int)sizeof(T)>(dbiases + wi * G, lane);
+    const float a = lfm_qdot_mlx<T, F, BITS, GS, true>(hr, dw + wi * WORDS, dscales + wi * G, dbiases + wi * G, lane);
+#else
     float a = 0.0f;
     if (lfm_aligned(dw)) {
       lfm_qdot_a<T, F, 1, BITS, GS, true>(hr, dw + wi * WORDS, dscales + wi * G, dbiases + wi * G, lane, &a);
@@ -359,6 +382,7 @@ pub(crate) const LAYER_SOURCE: &str = r#"
       lfm_qdot_a<T, F, 1, BITS, GS, false>(hr, dw + wi * WORDS, dscales + wi * G, dbiases + wi * G, lane, &a);
     }
     a = lfm_warp_sum(a);
+#endif
     if (lane == 0) part[wid] = static_cast<float>(T(static_cast<float>(T(a)) * __ldcg(scores + j)));
   }
   __syncthreads();

@@ -458,7 +458,9 @@ fn greedy_tokens_with_kernel_texts_in_files() {
 /// session 35) and the 4-bit bf16/half rows two values an instruction
 /// (`MLX_LFM_QINT=pairs`, opt-in since session 36): the one-launch conv,
 /// feed-forward and q/k/v layers and the quantized GEMV in MLX's arithmetic
-/// held to MLX's bits as their own tests hold the default. The switch is
+/// held to MLX's bits as their own tests hold the default, and the MoE
+/// layer's experts in that walk (`MLX_LFM_MOE_EXACT`) held to the stock
+/// ops' graph as its test holds them. The switch is
 /// read once a process (a kernel is built once a process), so each test
 /// means something only as a process of its own, as `run.py kernels` runs
 /// these (its ALONE_TESTS); where a kernel was built before it in this
@@ -480,10 +482,12 @@ qint_tests! {
     q_by_its_bits_ffn_layer_matches_stock_ops: "bits", crate::kernels::quant_gemv::qint_bits, ffn_fused_kernel_matches_stock_ops;
     q_by_its_bits_qkv_layer_matches_stock_ops: "bits", crate::kernels::quant_gemv::qint_bits, qkv_fused_kernel_matches_stock_ops;
     q_by_its_bits_gemv_matches_stock_ops: "bits", crate::kernels::quant_gemv::qint_bits, quant_gemv_kernel_matches_stock_ops;
+    q_by_its_bits_moe_layer_matches_stock_ops: "bits", crate::kernels::quant_gemv::qint_bits, moe_fused_kernel_matches_the_three_kernels;
     q_in_pairs_conv_layer_matches_stock_ops: "pairs", crate::kernels::quant_gemv::qint_pairs, conv_fused_kernel_matches_stock_ops;
     q_in_pairs_ffn_layer_matches_stock_ops: "pairs", crate::kernels::quant_gemv::qint_pairs, ffn_fused_kernel_matches_stock_ops;
     q_in_pairs_qkv_layer_matches_stock_ops: "pairs", crate::kernels::quant_gemv::qint_pairs, qkv_fused_kernel_matches_stock_ops;
     q_in_pairs_gemv_matches_stock_ops: "pairs", crate::kernels::quant_gemv::qint_pairs, quant_gemv_kernel_matches_stock_ops;
+    q_in_pairs_moe_layer_matches_stock_ops: "pairs", crate::kernels::quant_gemv::qint_pairs, moe_fused_kernel_matches_the_three_kernels;
 }
 
 /// Whether this process runs an `MLX_LFM_QINT` test. The switch changes
@@ -733,6 +737,13 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                         .map(|v| (v.to_string(), Some("0".to_string())))
                         .collect();
                     runs.push(("layers-fused-off", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
+                }
+                if compiled && !joined && moe_served {
+                    // The one-launch MoE layer's experts in MLX's own qmv
+                    // arithmetic (MLX_LFM_MOE_EXACT, opt-in, session 37;
+                    // run.py's `moe-exact`).
+                    let set = [("MLX_LFM_MOE_EXACT".to_string(), Some("1".to_string()))];
+                    runs.push(("moe-exact", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
                 }
                 if compiled && !joined {
                     // The conv layers' and feed-forwards' rows asked of L2
@@ -2089,6 +2100,16 @@ fn moe_fused_kernel_matches_the_three_kernels() {
                 assert_eq!(differing(&s2, &s), 0, "{what}: scratch in the state, launch {turn}: the sum differs");
                 assert_eq!(differing(&out2, &out), 0, "{what}: scratch in the state, launch {turn}: the output differs");
             }
+            check_experts_exact(&what, dt, &s, &out, &wy, &wi, &wsc, &gu, &dn, |state, scratch| {
+                if scratch {
+                    scratch_in_state(|| run(state))
+                } else {
+                    run(state)
+                }
+            });
+            if qint_lean() {
+                return;
+            }
             // The timeline form (the bench's): the same bits, its stamps in
             // the stages' order.
             check_timeline(&what, &n, &g, &bias, &gu, &dn, k, scale, &out);
@@ -2125,6 +2146,71 @@ fn moe_fused_kernel_matches_the_three_kernels() {
     }
     let off = [consts[0].clone(), ("MLX_LFM_MOE_FUSED".to_string(), Some("0".to_string()))];
     assert!(!crate::knobs::with_overrides(&off, || available(&one, &g, &gu, &dn, 4)), "on with MLX_LFM_MOE_FUSED=0");
+}
+
+/// The one-launch MoE layer with its experts in MLX's arithmetic
+/// (`MLX_LFM_MOE_EXACT`, opt-in; src/kernels/moe_fused.rs
+/// `experts_exact`) against the stock ops' graph over the same route (`wy`
+/// the normed row, `wi` / `wsc` the experts and their weights): MLX's
+/// gathered quantized products, the SwiGLU, the weights' multiply and the
+/// sum over the experts, within about a rounding of the dtype at the
+/// largest output (each product MLX's own walk; the ops between round as
+/// the three kernels do), finite, the residual sum the default's (`s`);
+/// its form with the scratch rows in the state the same bits, twice over
+/// one state (each form on states of its own: `run(state, scratch)`
+/// launches the layer's form). Prints how many
+/// outputs differ from the stock graph's, and the default's worst gap
+/// (`out`) beside its own.
+#[allow(clippy::too_many_arguments)]
+fn check_experts_exact(
+    what: &str,
+    dt: Dtype,
+    s: &crate::mlx::Array,
+    out: &crate::mlx::Array,
+    wy: &crate::mlx::Array,
+    wi: &crate::mlx::Array,
+    wsc: &crate::mlx::Array,
+    gu: &crate::model::linear::Quantized,
+    dn: &crate::model::linear::Quantized,
+    run: impl Fn(&crate::mlx::Array, bool) -> (crate::mlx::Array, crate::mlx::Array),
+) {
+    use crate::kernels::stages::{new_counters, new_counters_of};
+    use crate::mlx::gather_qmm;
+    let (d, k) = (wy.dim(-1), wi.dim(-1));
+    let gq = |w: &crate::model::linear::Quantized, a: &crate::mlx::Array| {
+        gather_qmm(a, &w.weight, &w.scales, w.biases.as_ref(), None, Some(wi), true, w.spec, false).unwrap()
+    };
+    let both = gq(gu, &wy.reshape(&[1, 1, 1, d]).unwrap()); // [1, k, 1, 2F]
+    let parts = both.split_equal(2, -1).unwrap();
+    let h = parts[0].silu().unwrap().mul(&parts[1]).unwrap();
+    let score = wsc.astype(dt).unwrap().expand_dims(-1).unwrap();
+    let stock = gq(dn, &h).squeeze(-2).unwrap().mul(&score).unwrap().sum(&[-2], false).unwrap(); // [1, D]
+    assert_eq!(stock.shape(), [1, d], "{what}: the stock graph's shape ({k} experts)");
+    let tol = match dt {
+        Dtype::Bfloat16 => 1.6e-2f32,
+        Dtype::Float16 => 4e-3,
+        _ => 1e-4,
+    };
+    let on = [("MLX_LFM_MOE_EXACT".to_string(), Some("1".to_string()))];
+    let (s3, out3) = crate::knobs::with_overrides(&on, || run(&new_counters().unwrap(), false));
+    assert_eq!(differing(&s3, s), 0, "{what}: experts in MLX's arithmetic: the residual sum differs");
+    let v: Vec<f32> = out3.astype(Dtype::Float32).unwrap().to_vec().unwrap();
+    assert!(v.iter().all(|v| v.is_finite()), "{what}: experts in MLX's arithmetic: {} outputs are not finite", v.iter().filter(|v| !v.is_finite()).count());
+    let gap = worst_scaled(&out3, &stock);
+    let n = stock.size();
+    assert!(gap <= tol, "{what}: experts in MLX's arithmetic: the output is {gap} from the stock ops' (over {tol}; {} of {n} differ)", differing(&out3, &stock));
+    eprintln!(
+        "{what}: experts in MLX's arithmetic: {} of {n} outputs differ from the stock ops' (worst {gap}; the default's worst {})",
+        differing(&out3, &stock),
+        worst_scaled(out, &stock)
+    );
+    let f = gu.weight.dim(1) as usize / 2;
+    let big = new_counters_of(crate::kernels::moe_fused::state_words(d as usize, f, k as usize)).unwrap();
+    for turn in 0..2 {
+        let (s4, out4) = crate::knobs::with_overrides(&on, || run(&big, true));
+        assert_eq!(differing(&s4, &s3), 0, "{what}: experts in MLX's arithmetic, scratch in the state, launch {turn}: the sum differs");
+        assert_eq!(differing(&out4, &out3), 0, "{what}: experts in MLX's arithmetic, scratch in the state, launch {turn}: the output differs");
+    }
 }
 
 /// The one-launch MoE kernel's timeline form (the bench's,
