@@ -397,6 +397,12 @@ KERNELS["moe_fused.rs@exact8"] = (*KERNELS["moe_fused.rs"][:2],
                                   lambda dt: [(n, 8 if n == "BITS" else v) for n, v in KERNELS["moe_fused.rs"][2](dt)])
 KERNELS["moe_fused.rs@exact-scratch"] = KERNELS["moe_fused.rs@scratch"]
 KERNELS["moe_fused.rs@exact-d1536"] = KERNELS["moe_fused.rs@d1536"]
+# 8-bit experts on rows of 1,536: the most registers under MLX_LFM_QINT
+# (64 of the 64 that 1,024 threads allow, session 37's sweep).
+KERNELS["moe_fused.rs@exact8-d1536"] = (*KERNELS["moe_fused.rs@d1536"][:2],
+                                        lambda dt: [(n, 8 if n == "BITS" else 64 if n == "GS" else v)
+                                                    for n, v in KERNELS["moe_fused.rs@d1536"][2](dt)],
+                                        KERNELS["moe_fused.rs@d1536"][3])
 # The bench's timeline form: the stamps an extra int64 output (REPLACE_OF).
 KERNELS["moe_fused.rs@timeline"] = (KERNELS["moe_fused.rs"][0], KERNELS["moe_fused.rs"][1] + [("times", "long long")],
                                     KERNELS["moe_fused.rs"][2])
@@ -719,7 +725,7 @@ DEFINES_OF["conv_fused.rs@dense-early-timeline"] = _TL + DEFINES_OF["conv_fused.
 # A variant's text before its kernel's body, as its Rust side puts it there.
 PRELUDE_OF = {"moe_fused.rs@scratch": named(root / "src" / "kernels" / "moe_fused.rs", "SCRATCH_PRELUDE")}
 PRELUDE_OF["moe_fused.rs@exact-scratch"] = PRELUDE_OF["moe_fused.rs@scratch"]
-for _v in ("@exact", "@exact8", "@exact-scratch", "@exact-d1536"):
+for _v in ("@exact", "@exact8", "@exact-scratch", "@exact-d1536", "@exact8-d1536"):
     DEFINES_OF["moe_fused.rs" + _v] = named(root / "src" / "kernels" / "moe_fused.rs", "EXACT_DEFINES") + LAYER_MOE
 assert "LFM_MOE_EXACT" in DEFINES_OF["moe_fused.rs@exact"], "moe_fused.rs EXACT_DEFINES"
 # The other one-launch layers with their scratch rows in the state

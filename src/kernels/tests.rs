@@ -741,9 +741,13 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 if compiled && !joined && moe_served {
                     // The one-launch MoE layer's experts in MLX's own qmv
                     // arithmetic (MLX_LFM_MOE_EXACT, opt-in, session 37;
-                    // run.py's `moe-exact`).
+                    // run.py's `moe-exact`), which must have run.
                     let set = [("MLX_LFM_MOE_EXACT".to_string(), Some("1".to_string()))];
+                    let before = crate::kernels::moe_fused::built_exact();
                     runs.push(("moe-exact", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
+                    if can_fuse && crate::kernels::moe_fused::built_exact() == before {
+                        unbuilt("moe-exact", &mut failures);
+                    }
                 }
                 if compiled && !joined {
                     // The conv layers' and feed-forwards' rows asked of L2
@@ -2044,7 +2048,13 @@ fn moe_fused_kernel_matches_the_three_kernels() {
     use crate::mlx::random::normal;
     use crate::mlx::Array;
     let eps = Array::from_slice(&[1e-5f32], &[1]).unwrap();
-    let consts = [("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string()))];
+    // (The default form's experts whatever the environment says: the
+    // experts-exact form, MLX_LFM_MOE_EXACT, has its own check below, and
+    // the timeline form is the default's.)
+    let consts = [
+        ("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string())),
+        ("MLX_LFM_MOE_EXACT".to_string(), Some("0".to_string())),
+    ];
     // (dtype, tolerance, experts, k, D, F, gate bits, gate group, experts' bits, group)
     let cases = [
         (Dtype::Bfloat16, 2.0f32.powi(-7), 32, 4, 2048, 1792, 4, 64, 4, 64),
@@ -2186,13 +2196,19 @@ fn check_experts_exact(
     let score = wsc.astype(dt).unwrap().expand_dims(-1).unwrap();
     let stock = gq(dn, &h).squeeze(-2).unwrap().mul(&score).unwrap().sum(&[-2], false).unwrap(); // [1, D]
     assert_eq!(stock.shape(), [1, d], "{what}: the stock graph's shape ({k} experts)");
+    // (About two roundings of bf16 and four of f16 at the largest output;
+    // float32 as the GEMV test holds MLX's walk there, its contraction not
+    // pinned down.)
     let tol = match dt {
         Dtype::Bfloat16 => 1.6e-2f32,
         Dtype::Float16 => 4e-3,
         _ => 1e-4,
     };
     let on = [("MLX_LFM_MOE_EXACT".to_string(), Some("1".to_string()))];
+    let built = crate::kernels::moe_fused::built_exact;
+    let before = built();
     let (s3, out3) = crate::knobs::with_overrides(&on, || run(&new_counters().unwrap(), false));
+    assert_eq!(built(), before + 1, "{what}: the experts-exact form did not run");
     assert_eq!(differing(&s3, s), 0, "{what}: experts in MLX's arithmetic: the residual sum differs");
     let v: Vec<f32> = out3.astype(Dtype::Float32).unwrap().to_vec().unwrap();
     assert!(v.iter().all(|v| v.is_finite()), "{what}: experts in MLX's arithmetic: {} outputs are not finite", v.iter().filter(|v| !v.is_finite()).count());
@@ -2207,7 +2223,9 @@ fn check_experts_exact(
     let f = gu.weight.dim(1) as usize / 2;
     let big = new_counters_of(crate::kernels::moe_fused::state_words(d as usize, f, k as usize)).unwrap();
     for turn in 0..2 {
+        let before = built();
         let (s4, out4) = crate::knobs::with_overrides(&on, || run(&big, true));
+        assert_eq!(built(), before + 1, "{what}: the experts-exact form, scratch in the state, did not run");
         assert_eq!(differing(&s4, &s3), 0, "{what}: experts in MLX's arithmetic, scratch in the state, launch {turn}: the sum differs");
         assert_eq!(differing(&out4, &out3), 0, "{what}: experts in MLX's arithmetic, scratch in the state, launch {turn}: the output differs");
     }
