@@ -176,7 +176,9 @@ its own process since), then alone ran past 524 s (split one a layer,
 their quantized cases in the step's forms, since). After the call: the
 MoE layer's experts in MLX's qmv arithmetic (`moe-exact`, in process;
 `moe-exact-pairs` with MLX_LFM_QINT=pairs, a process switch), the walk
-pairs made 28-30% faster in the conv and feed-forward layers. The chain:
+pairs made 28-30% faster in the conv and feed-forward layers; and its
+route in every gate/up block (`moe-local-route`, in process: the
+default's bits, no block waiting on the router's one). The chain:
   1. carry [.device/a]: `stage-mlx`.
   2. carry [.device/llama]: `llama`.
   3. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=4
@@ -186,19 +188,20 @@ pairs made 28-30% faster in the conv and feed-forward layers. The chain:
      layer's with its experts exact; the MoE kernel's test, the experts
      exact against the stock graph; the default kernels' sm_90 SASS is
      byte-identical to what session 37's call 4 tested, nvrtc-check).
-  4. carry [.device/bin]: H200_KERNEL_BENCH_ARMS=moe-layer-q4-fused,moe-layer-q4-exact-fused
+  4. carry [.device/bin]:
+     H200_KERNEL_BENCH_ARMS=moe-layer-q4-fused,moe-layer-q4-exact-fused,moe-layer-q4-local-fused,moe-layer-q4-exact-local-fused
      `timeout -s TERM 200 sh -c 'python3 bench/h200/run.py kernel-bench &&
      MLX_LFM_QINT=pairs H200_TAG=qint-pairs python3 bench/h200/run.py
-     kernel-bench'` (the MoE layer's experts exact, their rows plain and in
-     pairs, ~20 s each).
+     kernel-bench'` (the MoE layer's experts exact, its local route, both;
+     plain and in pairs, ~20 s each).
   5. carry [.device/bin]: H200_OURS_ENV (mimalloc),
-     H200_AB_VARIANTS=scratch-in-state,moe-exact,qint-pairs,moe-exact-pairs
+     H200_AB_VARIANTS=scratch-in-state,moe-exact,moe-local-route,qint-pairs,moe-exact-pairs
      H200_MODELS=lfm2-8b-a1b-q4 H200_AB_REPS=4 `timeout -s TERM 560
      python3 bench/h200/run.py ab pick gguf-bg` (`pick` takes each only
      where its tests passed: scratch-in-state's in session 35, its A/B
      owed since session 33; moe-exact's greedy set has not run on a GPU,
      so it is timed, not taken; the 8B-A1B alone, whose step is
-     host-bound: ~270 s to generate it, ~40 s in process, then 3 arms x 2
+     host-bound: ~270 s to generate it, ~50 s in process, then 3 arms x 2
      reps of ~33 s processes).
   6. carry [.device/bin]: H200_OURS_ENV, H200_AB_VARIANTS=kernel-text-file
      H200_MODELS=lfm2-8b-a1b-q4 H200_AB_REPS=4 `timeout -s TERM 300
@@ -2194,6 +2197,11 @@ AB = {
     # pairs made the same walk 28-30% faster in the conv and feed-forward.
     "moe-exact": ({"MLX_LFM_MOE_EXACT": "1"}, ["lfm2-8b-a1b-q4"]),
     "moe-exact-pairs": ({"MLX_LFM_MOE_EXACT": "1", "MLX_LFM_QINT": "pairs"}, ["lfm2-8b-a1b-q4"]),
+    # The one-launch MoE layer's route in every gate/up block (session 37,
+    # src/kernels/moe_fused.rs local_route): session 35's timelines had the
+    # router's one block done at 7.1 µs of a clean 35.4 µs launch, the
+    # gate/up blocks idle until then. The default's bits. In process.
+    "moe-local-route": ({"MLX_LFM_MOE_LOCAL_ROUTE": "1"}, ["lfm2-8b-a1b-q4"]),
     # The one-launch conv layers', feed-forwards' and q/k/v stages' weight
     # rows asked of L2 when a block takes its part, before it waits for the
     # stage before (session 34, src/kernels/stages.rs early_prefetch):
@@ -2215,6 +2223,8 @@ AB_TESTS = {
     "qint-bits": [f"q_by_its_bits_{l}_matches_stock_ops" for l in QINT_LAYERS],
     "qint-pairs": [f"q_in_pairs_{l}_matches_stock_ops" for l in QINT_LAYERS],
     "moe-exact": ["moe_fused_kernel_matches_the_three_kernels", "greedy:moe-exact"],
+    # (Its test holds it to the default's bits.)
+    "moe-local-route": ["moe_fused_kernel_matches_the_three_kernels"],
     # (The MoE layer's QINT test runs its experts-exact form: the switch
     # alone changes nothing in the MoE layer, whose default walk and router
     # do not take MLX's walk.)
@@ -2313,6 +2323,7 @@ PICK = [
     (["conv-layer-fused"], "decode"),
     (["early-prefetch", "early-prefetch-conv"], "decode"),
     (["qint-bits", "qint-pairs", "moe-exact", "moe-exact-pairs"], "decode"),
+    (["moe-local-route"], "decode"),
     (["layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off"], "decode"),
     (["attention-smem", "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4"], "decode"),
     (["norm-runs-guarded"], "decode"),
@@ -2342,7 +2353,7 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "moe-down-early", "router-scores-f32", "router-scores-f32-early", "fold-eps-const", "position-table-off",
                "fold-deferred", "layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off",
                "conv-layer-fused", "early-prefetch", "early-prefetch-conv", "qint-bits", "qint-pairs",
-               "moe-exact", "moe-exact-pairs"}
+               "moe-exact", "moe-exact-pairs", "moe-local-route"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]

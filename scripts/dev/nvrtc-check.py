@@ -403,6 +403,13 @@ KERNELS["moe_fused.rs@exact8-d1536"] = (*KERNELS["moe_fused.rs@d1536"][:2],
                                         lambda dt: [(n, 8 if n == "BITS" else 64 if n == "GS" else v)
                                                     for n, v in KERNELS["moe_fused.rs@d1536"][2](dt)],
                                         KERNELS["moe_fused.rs@d1536"][3])
+# The route in every gate/up block (MLX_LFM_MOE_LOCAL_ROUTE: its define,
+# DEFINES_OF), with the scratch rows in the state, with the experts exact,
+# and on the most registers' shape.
+KERNELS["moe_fused.rs@local"] = KERNELS["moe_fused.rs"]
+KERNELS["moe_fused.rs@local-scratch"] = KERNELS["moe_fused.rs@scratch"]
+KERNELS["moe_fused.rs@exact-local"] = KERNELS["moe_fused.rs"]
+KERNELS["moe_fused.rs@local-d1536"] = KERNELS["moe_fused.rs@d1536"]
 # The bench's timeline form: the stamps an extra int64 output (REPLACE_OF).
 KERNELS["moe_fused.rs@timeline"] = (KERNELS["moe_fused.rs"][0], KERNELS["moe_fused.rs"][1] + [("times", "long long")],
                                     KERNELS["moe_fused.rs"][2])
@@ -728,6 +735,10 @@ PRELUDE_OF["moe_fused.rs@exact-scratch"] = PRELUDE_OF["moe_fused.rs@scratch"]
 for _v in ("@exact", "@exact8", "@exact-scratch", "@exact-d1536", "@exact8-d1536"):
     DEFINES_OF["moe_fused.rs" + _v] = named(root / "src" / "kernels" / "moe_fused.rs", "EXACT_DEFINES") + LAYER_MOE
 assert "LFM_MOE_EXACT" in DEFINES_OF["moe_fused.rs@exact"], "moe_fused.rs EXACT_DEFINES"
+PRELUDE_OF["moe_fused.rs@local-scratch"] = PRELUDE_OF["moe_fused.rs@scratch"]
+for _v in ("@local", "@local-scratch", "@local-d1536"):
+    DEFINES_OF["moe_fused.rs" + _v] = "#define LFM_MOE_LOCAL_ROUTE 1\n" + LAYER_MOE
+DEFINES_OF["moe_fused.rs@exact-local"] = "#define LFM_MOE_LOCAL_ROUTE 1\n" + DEFINES_OF["moe_fused.rs@exact"]
 # The other one-launch layers with their scratch rows in the state
 # (MLX_LFM_SCRATCH_IN_STATE): outputs without the rows, their places (bf16,
 # 2,048 wide: stages.rs scratch_places) as template values.

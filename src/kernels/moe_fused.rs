@@ -117,6 +117,7 @@ const SCRATCH_PRELUDE: &str = r#"
 
 static BUILT: Built = Built::new();
 static BUILT_EXACT: Built = Built::new();
+static BUILT_LOCAL: Built = Built::new();
 
 /// How many times [`forward`] has put the kernel into a graph in this
 /// process (a compiled step once, when it is traced): the greedy test's
@@ -137,23 +138,81 @@ fn header() -> String {
     format!("{}{}{TICKET_HEADER}", stages::layer_defines(false, stages::Tail::Moe), moe_router::gate_norm_header())
 }
 
-/// The kernel; with `scratch`, its form with the scratch rows (`yn`,
-/// `inds`, `scores`, `hk`) in the layer's state
-/// ([`stages::call_with_scratch`]); with `exact`, the forms whose experts
-/// walk their rows in MLX's arithmetic ([`experts_exact`]).
-fn kernel(scratch: bool, exact: bool) -> Option<&'static CudaKernel> {
-    static K: [[Cells; 2]; 2] = [[stages::cells(), stages::cells()], [stages::cells(), stages::cells()]];
+/// Which form of the kernel a launch takes: its experts in MLX's
+/// arithmetic ([`experts_exact`]), its route in every gate/up block
+/// ([`local_route`]).
+#[derive(Clone, Copy)]
+struct Form {
+    exact: bool,
+    local: bool,
+}
+
+impl Form {
+    const DEFAULT: Form = Form { exact: false, local: false };
+
+    fn index(self) -> usize {
+        usize::from(self.exact) | usize::from(self.local) << 1
+    }
+
+    /// The kernel's names: the outputs form's, the scratch form's.
+    fn names(self) -> [&'static str; 2] {
+        match (self.exact, self.local) {
+            (false, false) => ["lfm_moe_fused", "lfm_moe_fused_scr"],
+            (true, false) => ["lfm_moe_fused_exact", "lfm_moe_fused_exact_scr"],
+            (false, true) => ["lfm_moe_fused_local", "lfm_moe_fused_local_scr"],
+            (true, true) => ["lfm_moe_fused_exact_local", "lfm_moe_fused_exact_local_scr"],
+        }
+    }
+
+    fn header(self) -> String {
+        let exact = if self.exact { EXACT_DEFINES } else { "" };
+        let local = if self.local { "#define LFM_MOE_LOCAL_ROUTE 1\n" } else { "" };
+        format!("{exact}{local}{}", header())
+    }
+}
+
+/// The kernel in `form`; with `scratch`, its form with the scratch rows
+/// (`yn`, `inds`, `scores`, `hk`) in the layer's state
+/// ([`stages::call_with_scratch`]).
+fn kernel(scratch: bool, form: Form) -> Option<&'static CudaKernel> {
+    static K: [[Cells; 2]; 4] = [
+        [stages::cells(), stages::cells()],
+        [stages::cells(), stages::cells()],
+        [stages::cells(), stages::cells()],
+        [stages::cells(), stages::cells()],
+    ];
     static SCRATCH_SOURCE: OnceLock<String> = OnceLock::new();
     let outputs = ["s", "out", "yn", "inds", "scores", "hk"];
-    let cells = &K[usize::from(exact)];
-    let head = move || if exact { format!("{EXACT_DEFINES}{}", header()) } else { header() };
+    let cells = &K[form.index()];
+    let [name, scratch_name] = form.names();
+    let head = move || form.header();
     if scratch {
         let source = SCRATCH_SOURCE.get_or_init(|| format!("{SCRATCH_PRELUDE}{}", stages::LAYER_SOURCE));
-        let name = if exact { "lfm_moe_fused_exact_scr" } else { "lfm_moe_fused_scr" };
-        return stages::kernel(&cells[1], name, &INPUTS, &outputs[..2], source, head);
+        return stages::kernel(&cells[1], scratch_name, &INPUTS, &outputs[..2], source, head);
     }
-    let name = if exact { "lfm_moe_fused_exact" } else { "lfm_moe_fused" };
     stages::kernel(&cells[0], name, &INPUTS, &outputs, stages::LAYER_SOURCE, head)
+}
+
+/// `MLX_LFM_MOE_LOCAL_ROUTE=1` (opt-in, session 37, not yet run on a GPU):
+/// every gate/up block of the one-launch MoE layer runs the add + RMSNorm
+/// and the route itself (the router block's functions on the same inputs:
+/// the same bits), instead of waiting for the one block that ran them.
+/// Session 35's timelines on the H100 had that block done at 7.1 µs of a
+/// clean 35.4 µs launch (10-12 µs of colder ones), the gate/up blocks
+/// idle until then; here each spends about a GEMV of the router's 32 KB
+/// (from L2 after the first) and the norm's 12 KB, and starts its experts'
+/// rows sooner. The first gate/up block writes the layer's sum, normed row
+/// and route; the router block only marks. Its test holds it to the
+/// default's bits. Read at each launch's build, so a process can time
+/// both forms.
+pub(crate) fn local_route() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    super::opt_in("MLX_LFM_MOE_LOCAL_ROUTE", &ON)
+}
+
+/// How many launches took the local route ([`local_route`]).
+pub fn built_local() -> usize {
+    BUILT_LOCAL.get()
 }
 
 /// The experts-exact form's defines: MLX's walk for the experts, two
@@ -207,7 +266,7 @@ fn blocks(d: i32, f: i32, k: i32) -> i64 {
 /// expert stacks of one specification, and the staged rows within shared
 /// memory.
 pub fn available(n: &NormIn, g: &Quantized, gu: &Quantized, down: &Quantized, k: usize) -> bool {
-    enabled() && served(n, g, gu, down, k) && kernel(false, false).is_some()
+    enabled() && served(n, g, gu, down, k) && kernel(false, Form::DEFAULT).is_some()
 }
 
 /// [`available`] but for the switch and the kernel: whether the layer's
@@ -318,7 +377,10 @@ fn launch(
     // hold it to the default's bits, so its callers run with the switch
     // off.)
     let exact = !timeline && experts_exact() && quant_gemv::spec_served(gu, dt, d) && quant_gemv::spec_served(down, dt, f);
-    let kern = if timeline { timeline_kernel() } else { kernel(false, exact) }.ok_or_else(unavailable)?;
+    // (The local route keeps the normed row and the sum in shared memory.)
+    let local = !timeline && local_route() && 2 * d as usize * dt.size() <= stages::MAX_STAGED;
+    let form = Form { exact, local };
+    let kern = if timeline { timeline_kernel() } else { kernel(false, form) }.ok_or_else(unavailable)?;
     let missing = |what: &str| Error::invalid(format!("the fused MoE kernel needs affine biases ({what})"));
     let gb = g.biases.as_ref().ok_or_else(|| missing("the router gate"))?;
     let ub = gu.biases.as_ref().ok_or_else(|| missing("the experts' gate/up"))?;
@@ -364,7 +426,7 @@ fn launch(
     } else {
         stages::call_with_scratch(
             kern,
-            || kernel(true, exact),
+            || kernel(true, form),
             &inputs,
             &outputs,
             &["SCR_YN", "SCR_INDS", "SCR_SCORES", "SCR_HK"],
@@ -379,6 +441,9 @@ fn launch(
     }
     if exact {
         BUILT_EXACT.bump();
+    }
+    if local {
+        BUILT_LOCAL.bump();
     }
     Ok(outs)
 }

@@ -97,6 +97,20 @@ __device__ inline void lfm_norm_stage(const T* h, const T* r, const T* wn, float
   for (int i = threadIdx.x; i < D; i += blockDim.x) yn[i] = ys[i];
   __syncthreads();
 }
+#if LFM_MOE_LOCAL_ROUTE
+// The MoE layer's local route (src/kernels/moe_fused.rs local_route): the
+// router block's norm and route, out of line, so that its registers do
+// not add to the experts' walk that follows in the same block.
+template <typename T, int D, int E, int BITS, int GS, int TOPK, bool NORM, int WARPS, typename BT>
+__device__ __noinline__ void lfm_local_route(const T* h, const T* r, const T* wn, float eps, T* s, T* ys, T* yn,
+                                             const uint32_t* w, const T* scales, const T* biases, const BT* bias,
+                                             float scale, uint32_t* inds, float* scores, float* probs_s) {
+  lfm_norm_stage<T, D, 256>(h, r, wn, eps, s, ys, yn);
+  const float sc[1] = {scale};
+  lfm_gate_route<T, D, E, BITS, GS, TOPK, NORM, WARPS>(ys, lfm_aligned(w), w, scales, biases, bias, sc, inds, scores,
+                                                      probs_s, 0);
+}
+#endif
 "#;
 
 /// The body of the short-conv layer's, the feed-forward's, the MoE's and
@@ -119,6 +133,12 @@ pub(crate) const LAYER_SOURCE: &str = r#"
 #endif
 #ifndef LFM_MOE_EXACT
 #define LFM_MOE_EXACT 0
+#endif
+#ifndef LFM_MOE_LOCAL_ROUTE
+#define LFM_MOE_LOCAL_ROUTE 0
+#endif
+#if LFM_MOE_LOCAL_ROUTE && (LFM_CONV_PART || !LFM_MOE_PART)
+#error "LFM_MOE_LOCAL_ROUTE: the MoE layer's own kernel only"
 #endif
 #if LFM_CONV_PART && LFM_OUT_ONLY
   // Only the conv part's out_proj stage, over a row an earlier launch
@@ -160,8 +180,9 @@ pub(crate) const LAYER_SOURCE: &str = r#"
   constexpr int XR = D * sizeof(T) / 16;
   constexpr int SA = XR > CR ? XR : CR;
   constexpr int SB = SA > HR ? SA : HR;
-  // (Joined: the second norm stages its two rows and writes its own.)
-  constexpr int SN = (LFM_CONV_PART && TAIL_NB > 0) ? 3 * XR : 0;
+  // (Joined: the second norm stages its two rows and writes its own. The
+  // MoE's local route: each gate/up block's normed row and sum.)
+  constexpr int SN = (LFM_CONV_PART && TAIL_NB > 0) ? 3 * XR : LFM_MOE_LOCAL_ROUTE ? 2 * XR : 0;
   __shared__ uint4 sm[SB > SN ? SB : SN];
   unsigned long long* st = reinterpret_cast<unsigned long long*>(const_cast<uint32_t*>(ctr));
   const int lane = threadIdx.x % 32;
@@ -241,6 +262,15 @@ pub(crate) const LAYER_SOURCE: &str = r#"
 #if LFM_FFN_PART || LFM_MOE_PART
   constexpr int FC = LFM_CONV_PART ? 3 : 0;
   const int fr = role - CONV_NB;
+#if LFM_MOE_LOCAL_ROUTE
+  if (fr == 0) {
+    // (Each gate/up block routes for itself, the first writing the
+    // layer's sum, normed row and route: this block only marks. Not the
+    // router block's text, which the timeline form stamps.)
+    lfm_release_mark(st + FC + 1, launch + 1);  // only marks
+    return;
+  }
+#endif
   if (fr == 0) {
     // The feed-forward's add + RMSNorm (a MoE's with 256 threads, as the
     // router + norm kernel runs it, then the route on the normed row).
@@ -304,16 +334,49 @@ pub(crate) const LAYER_SOURCE: &str = r#"
     // Gate/up: a warp one row of one chosen expert, after the route.
     const int j = (fr - 1) / RB;
     const int n = ((fr - 1) % RB) * WARPS + wid;
+#if LFM_MOE_LOCAL_ROUTE
+    // The route computed here (src/kernels/moe_fused.rs local_route): the
+    // router block's add + RMSNorm and route, the same functions on the
+    // same inputs (the same bits), in every gate/up block instead of one
+    // block that the others wait for. The first writes the layer's sum,
+    // normed row and route (the down blocks read them once every gate/up
+    // block is done); the others keep theirs in shared memory.
+    const bool late = false;
+    __shared__ uint32_t inds_l[8];
+    __shared__ float scores_l[8];
+    T* xs = reinterpret_cast<T*>(sm);
+    T* sl = xs + D;
+    const bool first = fr == 1;
+    {
+      lfm_local_route<T, D, E, GBITS, GGS, TOPK, NORM, WARPS>(h, r, wn, __int_as_float(EPS_BITS), first ? s : sl, xs,
+                                                             first ? LFM_FFN_YN : sl, gw, gscales, gbiases, bias,
+                                                             __int_as_float(SCALE_BITS), inds_l, scores_l, probs_s);
+      __syncthreads();
+      // (By the thread whose fence releases the block's count, as the
+      // router block's route is written by the thread that marks it.)
+      if (first && threadIdx.x == 0) {
+        for (int k = 0; k < KE; k++) {
+          inds[k] = inds_l[k];
+          scores[k] = scores_l[k];
+        }
+      }
+    }
+#else
     const bool late = lfm_block_wait(st + FC + 1, launch + 1, nullptr, 0);
     T* xs = reinterpret_cast<T*>(sm);
     if (!late) lfm_stage16(sm, LFM_FFN_YN, XR);
     __syncthreads();
+#endif
     if (n < F) {
       float ag = 0.0f;
       float au = 0.0f;
       // (An expert id out of range, which the route never writes, poisons
       // rather than reads past the stacks.)
+#if LFM_MOE_LOCAL_ROUTE
+      const size_t ex = inds_l[j];
+#else
       const size_t ex = late ? 0 : __ldcg(inds + j);
+#endif
       const bool bad = late || ex >= E;
       if (!bad) {
         constexpr int G = D / GS;

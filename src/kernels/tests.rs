@@ -2110,13 +2110,9 @@ fn moe_fused_kernel_matches_the_three_kernels() {
                 assert_eq!(differing(&s2, &s), 0, "{what}: scratch in the state, launch {turn}: the sum differs");
                 assert_eq!(differing(&out2, &out), 0, "{what}: scratch in the state, launch {turn}: the output differs");
             }
-            check_experts_exact(&what, dt, &s, &out, &wy, &wi, &wsc, &gu, &dn, |state, scratch| {
-                if scratch {
-                    scratch_in_state(|| run(state))
-                } else {
-                    run(state)
-                }
-            });
+            let run_form = |state: &Array, scratch: bool| if scratch { scratch_in_state(|| run(state)) } else { run(state) };
+            let exact_out = check_experts_exact(&what, dt, &s, &out, &wy, &wi, &wsc, &gu, &dn, run_form);
+            check_local_route(&what, &s, &out, &exact_out, d, f, k, run_form);
             if qint_lean() {
                 return;
             }
@@ -2183,7 +2179,7 @@ fn check_experts_exact(
     gu: &crate::model::linear::Quantized,
     dn: &crate::model::linear::Quantized,
     run: impl Fn(&crate::mlx::Array, bool) -> (crate::mlx::Array, crate::mlx::Array),
-) {
+) -> crate::mlx::Array {
     use crate::kernels::stages::{new_counters, new_counters_of};
     use crate::mlx::gather_qmm;
     let (d, k) = (wy.dim(-1), wi.dim(-1));
@@ -2229,6 +2225,54 @@ fn check_experts_exact(
         assert_eq!(differing(&s4, &s3), 0, "{what}: experts in MLX's arithmetic, scratch in the state, launch {turn}: the sum differs");
         assert_eq!(differing(&out4, &out3), 0, "{what}: experts in MLX's arithmetic, scratch in the state, launch {turn}: the output differs");
     }
+    out3
+}
+
+/// The one-launch MoE layer with the route in every gate/up block
+/// (`MLX_LFM_MOE_LOCAL_ROUTE`, opt-in; src/kernels/moe_fused.rs
+/// `local_route`): the same functions on the same inputs, so the default's
+/// bits (`s`, `out`), in its outputs form and its scratch form (twice over
+/// one state), and with the experts in MLX's arithmetic that form's bits
+/// (`exact_out`); each run counted (`built_local`), so a fallback to the
+/// default cannot pass.
+#[allow(clippy::too_many_arguments)]
+fn check_local_route(
+    what: &str,
+    s: &crate::mlx::Array,
+    out: &crate::mlx::Array,
+    exact_out: &crate::mlx::Array,
+    d: i32,
+    f: i32,
+    k: usize,
+    run: impl Fn(&crate::mlx::Array, bool) -> (crate::mlx::Array, crate::mlx::Array),
+) {
+    use crate::kernels::moe_fused::built_local;
+    use crate::kernels::stages::{new_counters, new_counters_of};
+    let on = |exact: bool| {
+        vec![
+            ("MLX_LFM_MOE_LOCAL_ROUTE".to_string(), Some("1".to_string())),
+            ("MLX_LFM_MOE_EXACT".to_string(), Some(if exact { "1" } else { "0" }.to_string())),
+        ]
+    };
+    let counted = |exact: bool, state: &crate::mlx::Array, scratch: bool, label: &str| {
+        let before = built_local();
+        let got = crate::knobs::with_overrides(&on(exact), || run(state, scratch));
+        assert_eq!(built_local(), before + 1, "{what}: the local route did not run ({label})");
+        got
+    };
+    let (s2, out2) = counted(false, &new_counters().unwrap(), false, "outputs");
+    assert_eq!(differing(&s2, s), 0, "{what}: the local route: the residual sum differs from the default's");
+    assert_eq!(differing(&out2, out), 0, "{what}: the local route: the output differs from the default's");
+    let big = new_counters_of(crate::kernels::moe_fused::state_words(d as usize, f as usize, k)).unwrap();
+    for turn in 0..2 {
+        let (s3, out3) = counted(false, &big, true, "scratch");
+        assert_eq!(differing(&s3, s), 0, "{what}: the local route, scratch in the state, launch {turn}: the sum differs");
+        assert_eq!(differing(&out3, out), 0, "{what}: the local route, scratch in the state, launch {turn}: the output differs");
+    }
+    let (s4, out4) = counted(true, &new_counters().unwrap(), false, "experts exact");
+    assert_eq!(differing(&s4, s), 0, "{what}: the local route, experts exact: the residual sum differs");
+    assert_eq!(differing(&out4, exact_out), 0, "{what}: the local route, experts exact: the output differs from the exact form's");
+    eprintln!("{what}: the local route gives the default's bits, and the exact form's with the experts exact");
 }
 
 /// The one-launch MoE kernel's timeline form (the bench's,

@@ -526,12 +526,20 @@ impl Experts {
 /// chunk-interleaved, 42.40 against 41.47, retired.) `moe-layer-q4-exact-fused`:
 /// the one launch with its experts in MLX's arithmetic
 /// (`MLX_LFM_MOE_EXACT`, session 37; with the rows in pairs as a process
-/// under `MLX_LFM_QINT=pairs`). An arm of one kernel a product runs the
-/// one launch.
-const LAYER_ARMS: [(&str, Switches, usize); 3] = [
+/// under `MLX_LFM_QINT=pairs`); `moe-layer-q4-local-fused`: its route in
+/// every gate/up block (`MLX_LFM_MOE_LOCAL_ROUTE`, session 37), alone and
+/// with the experts exact. An arm of one kernel a product runs the one
+/// launch.
+const LAYER_ARMS: [(&str, Switches, usize); 5] = [
     ("moe-layer-q4-three", &[("MLX_LFM_MOE_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1")], 3),
     ("moe-layer-q4-fused", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
     ("moe-layer-q4-exact-fused", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_EXACT", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
+    ("moe-layer-q4-local-fused", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_LOCAL_ROUTE", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
+    (
+        "moe-layer-q4-exact-local-fused",
+        &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_EXACT", "1"), ("MLX_LFM_MOE_LOCAL_ROUTE", "1"), ("MLX_LFM_EPS_CONST", "1")],
+        1,
+    ),
 ];
 const LAYER_ROWS: usize = 8;
 const LAYER_LAUNCHES: usize = 16;
