@@ -182,11 +182,12 @@ default's bits, no block waiting on the router's one). The chain:
   1. carry [.device/a]: `stage-mlx`.
   2. carry [.device/llama]: `llama`.
   3. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=4
-     H200_KERNEL_TESTS=q_in_pairs_,moe_fused_kernel_matches_the_three_kernels
+     H200_KERNEL_TESTS=q_in_pairs_,moe_fused_
      `timeout -s TERM 540 python3 bench/h200/run.py install verdicts-from
      committed kernels save-ptx` (q in pairs, a process a layer, the MoE
-     layer's with its experts exact; the MoE kernel's test, the experts
-     exact against the stock graph; the default kernels' sm_90 SASS is
+     layer's with its opt-in forms; the MoE kernel's default test and its
+     forms' test, the experts exact against the stock graph and the local
+     route against the default's bits; the default kernels' sm_90 SASS is
      byte-identical to what session 37's call 4 tested, nvrtc-check).
   4. carry [.device/bin]:
      H200_KERNEL_BENCH_ARMS=moe-layer-q4-fused,moe-layer-q4-exact-fused,moe-layer-q4-local-fused,moe-layer-q4-exact-local-fused
@@ -2222,9 +2223,9 @@ AB_TESTS = {
     "kernel-text-file": ["a_kernel_from_files_gives_the_inline_bits", "greedy_tokens_with_kernel_texts_in_files"],
     "qint-bits": [f"q_by_its_bits_{l}_matches_stock_ops" for l in QINT_LAYERS],
     "qint-pairs": [f"q_in_pairs_{l}_matches_stock_ops" for l in QINT_LAYERS],
-    "moe-exact": ["moe_fused_kernel_matches_the_three_kernels", "greedy:moe-exact"],
+    "moe-exact": ["moe_fused_forms_match_their_references", "greedy:moe-exact"],
     # (Its test holds it to the default's bits.)
-    "moe-local-route": ["moe_fused_kernel_matches_the_three_kernels"],
+    "moe-local-route": ["moe_fused_forms_match_their_references"],
     # (The MoE layer's QINT test runs its experts-exact form: the switch
     # alone changes nothing in the MoE layer, whose default walk and router
     # do not take MLX's walk.)

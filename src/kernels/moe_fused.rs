@@ -293,6 +293,20 @@ pub(crate) fn served(n: &NormIn, g: &Quantized, gu: &Quantized, down: &Quantized
         && bytes(d as i64) % 16 == 0
         && bytes(f) % 16 == 0
         && bytes(d as i64).max(bytes(k as i64 * f)) <= stages::MAX_STAGED
+        && registers_fit(gu.spec.bits, d, false)
+}
+
+/// Whether the launch's 1,024 threads fit the form's registers: MLX gives
+/// a custom kernel no launch bounds, and past 64 registers a thread it
+/// would not launch. A ptxas sweep for sm_90 (session 37, ~115 served
+/// shapes a form): 8-bit experts over rows that are not whole passes of
+/// the warps' 16-byte chunks (D not a multiple of 512: 1,056 to 1,920)
+/// took 72-80 in the default form, and the experts-exact form took 70 on
+/// 4-bit rows of 1,152 and 1,280. Those rows take the three kernels (or,
+/// for the exact form, the default form); the local route never took more
+/// than the form it varies.
+fn registers_fit(bits: i32, d: i32, exact: bool) -> bool {
+    (bits != 8 && !exact) || d % 512 == 0
 }
 
 /// The residual sum `s = h + r` and the layer's output (before a tensor
@@ -376,9 +390,12 @@ fn launch(
     // The timeline form is the default's alone: its test and the bench
     // hold it to the default's bits, so its callers run with the switch
     // off.)
-    let exact = !timeline && experts_exact() && quant_gemv::spec_served(gu, dt, d) && quant_gemv::spec_served(down, dt, f);
-    // (The local route keeps the normed row and the sum in shared memory.)
-    let local = !timeline && local_route() && 2 * d as usize * dt.size() <= stages::MAX_STAGED;
+    let exact = !timeline
+        && experts_exact()
+        && quant_gemv::spec_served(gu, dt, d)
+        && quant_gemv::spec_served(down, dt, f)
+        && registers_fit(gu.spec.bits, d, true);
+    let local = !timeline && local_route();
     let form = Form { exact, local };
     let kern = if timeline { timeline_kernel() } else { kernel(false, form) }.ok_or_else(unavailable)?;
     let missing = |what: &str| Error::invalid(format!("the fused MoE kernel needs affine biases ({what})"));
@@ -465,6 +482,20 @@ mod tests {
         assert_eq!(blocks(2048, 1792, 4), 481);
         assert_eq!(parts(2048, 256, 8), (64, 512));
         assert_eq!(parts(1024, 256, 3), (24, 103));
+    }
+
+    /// The rows whose registers fit the launch (`registers_fit`): the
+    /// 8B-A1B's and every shape of the kernel's test, not the 8-bit or
+    /// exact forms' rows that ptxas put past 64 registers.
+    #[test]
+    fn the_launch_fits_its_registers() {
+        for (bits, d, exact) in [(4, 2048, false), (4, 2048, true), (8, 2048, true), (8, 1536, false), (8, 1024, true), (4, 1536, true)] {
+            assert!(registers_fit(bits, d, exact), "{bits}-bit rows of {d}, exact {exact}");
+        }
+        assert!(registers_fit(4, 1152, false), "4-bit rows of 1,152: 64 registers or fewer in the default form");
+        for (bits, d, exact) in [(8, 1056, false), (8, 1280, false), (8, 1792, false), (8, 1920, false), (4, 1152, true), (4, 1280, true)] {
+            assert!(!registers_fit(bits, d, exact), "{bits}-bit rows of {d}, exact {exact}");
+        }
     }
 
     /// A MoE layer's state holds its scratch rows at either activation

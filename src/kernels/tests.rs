@@ -482,12 +482,12 @@ qint_tests! {
     q_by_its_bits_ffn_layer_matches_stock_ops: "bits", crate::kernels::quant_gemv::qint_bits, ffn_fused_kernel_matches_stock_ops;
     q_by_its_bits_qkv_layer_matches_stock_ops: "bits", crate::kernels::quant_gemv::qint_bits, qkv_fused_kernel_matches_stock_ops;
     q_by_its_bits_gemv_matches_stock_ops: "bits", crate::kernels::quant_gemv::qint_bits, quant_gemv_kernel_matches_stock_ops;
-    q_by_its_bits_moe_layer_matches_stock_ops: "bits", crate::kernels::quant_gemv::qint_bits, moe_fused_kernel_matches_the_three_kernels;
+    q_by_its_bits_moe_layer_matches_stock_ops: "bits", crate::kernels::quant_gemv::qint_bits, moe_fused_forms_match_their_references;
     q_in_pairs_conv_layer_matches_stock_ops: "pairs", crate::kernels::quant_gemv::qint_pairs, conv_fused_kernel_matches_stock_ops;
     q_in_pairs_ffn_layer_matches_stock_ops: "pairs", crate::kernels::quant_gemv::qint_pairs, ffn_fused_kernel_matches_stock_ops;
     q_in_pairs_qkv_layer_matches_stock_ops: "pairs", crate::kernels::quant_gemv::qint_pairs, qkv_fused_kernel_matches_stock_ops;
     q_in_pairs_gemv_matches_stock_ops: "pairs", crate::kernels::quant_gemv::qint_pairs, quant_gemv_kernel_matches_stock_ops;
-    q_in_pairs_moe_layer_matches_stock_ops: "pairs", crate::kernels::quant_gemv::qint_pairs, moe_fused_kernel_matches_the_three_kernels;
+    q_in_pairs_moe_layer_matches_stock_ops: "pairs", crate::kernels::quant_gemv::qint_pairs, moe_fused_forms_match_their_references;
 }
 
 /// Whether this process runs an `MLX_LFM_QINT` test. The switch changes
@@ -2029,6 +2029,24 @@ fn check_counters_in_step(what: &str, counters: &crate::mlx::Array, order: &[boo
 /// misread its epoch would wait out its bound and give NaN, or mix stages).
 #[test]
 fn moe_fused_kernel_matches_the_three_kernels() {
+    moe_fused_cases("moe_fused_kernel_matches_the_three_kernels", false);
+}
+
+/// The one-launch MoE layer's opt-in forms over the same cases (each
+/// case's default run first): its experts in MLX's arithmetic
+/// ([`check_experts_exact`]) and its local route ([`check_local_route`]). A
+/// test of its own, in a process of its own on a device call, beside the
+/// default's (their builds together ran past a call's share in session 37's
+/// estimate).
+#[test]
+fn moe_fused_forms_match_their_references() {
+    moe_fused_cases("moe_fused_forms_match_their_references", true);
+}
+
+/// The MoE kernel's cases: with `forms`, the opt-in forms' checks after
+/// each default run; without, the default's own (its scratch form, the
+/// timeline form, the counters through given-up waits).
+fn moe_fused_cases(test: &str, forms: bool) {
     use crate::kernels::moe_fused::{available, forward, launch_blocks};
     use crate::kernels::stages::new_counters;
     // The launch's block count, as the kernel counts its parts: the
@@ -2037,7 +2055,7 @@ fn moe_fused_kernel_matches_the_three_kernels() {
     assert_eq!(launch_blocks(2048, 1792, 4), 1 + 4 * 56 + 256);
     assert_eq!(launch_blocks(2048, 256, 3), 1 + 3 * 8 + 205);
     assert_eq!(launch_blocks(2048, 512, 8), 1 + 8 * 16 + 512);
-    if skip("moe_fused_kernel_matches_the_three_kernels") {
+    if skip(test) {
         return;
     }
     use crate::kernels::add_rms_norm::add_rms_norm;
@@ -2054,6 +2072,7 @@ fn moe_fused_kernel_matches_the_three_kernels() {
     let consts = [
         ("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string())),
         ("MLX_LFM_MOE_EXACT".to_string(), Some("0".to_string())),
+        ("MLX_LFM_MOE_LOCAL_ROUTE".to_string(), Some("0".to_string())),
     ];
     // (dtype, tolerance, experts, k, D, F, gate bits, gate group, experts' bits, group)
     let cases = [
@@ -2101,6 +2120,12 @@ fn moe_fused_kernel_matches_the_three_kernels() {
             let gap = worst_scaled(&out, &want);
             assert!(gap <= tol, "{what}: the output is {gap} from the three kernels' (over {tol}; {} of {d} differ)", differing(&out, &want));
             eprintln!("{what}: {} of {d} outputs differ from the three kernels' (worst {gap})", differing(&out, &want));
+            if forms {
+                let run_form = |state: &Array, scratch: bool| if scratch { scratch_in_state(|| run(state)) } else { run(state) };
+                let exact_out = check_experts_exact(&what, dt, &s, &out, &wy, &wi, &wsc, &gu, &dn, run_form);
+                check_local_route(&what, &s, &out, &exact_out, d, f, k, run_form);
+                return;
+            }
             // The scratch rows in the layer's state (MLX_LFM_SCRATCH_IN_STATE):
             // the same bits, twice over the same state (the second launch
             // over the first one's rows and counters).
@@ -2110,9 +2135,6 @@ fn moe_fused_kernel_matches_the_three_kernels() {
                 assert_eq!(differing(&s2, &s), 0, "{what}: scratch in the state, launch {turn}: the sum differs");
                 assert_eq!(differing(&out2, &out), 0, "{what}: scratch in the state, launch {turn}: the output differs");
             }
-            let run_form = |state: &Array, scratch: bool| if scratch { scratch_in_state(|| run(state)) } else { run(state) };
-            let exact_out = check_experts_exact(&what, dt, &s, &out, &wy, &wi, &wsc, &gu, &dn, run_form);
-            check_local_route(&what, &s, &out, &exact_out, d, f, k, run_form);
             if qint_lean() {
                 return;
             }
