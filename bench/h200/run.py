@@ -181,7 +181,8 @@ route in every gate/up block (`moe-local-route`, in process: the
 default's bits, no block waiting on the router's one). The chain:
   1. carry [.device/a]: `stage-mlx`.
   2. carry [.device/llama]: `llama`.
-  3. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=4
+  3. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=7 (the five
+     QINT tests alone, the two MoE tests in two more)
      H200_KERNEL_TESTS=q_in_pairs_,moe_fused_
      `timeout -s TERM 540 python3 bench/h200/run.py install verdicts-from
      committed kernels save-ptx` (q in pairs, a process a layer, the MoE
