@@ -732,13 +732,18 @@ DEFINES_OF["conv_fused.rs@dense-early-timeline"] = _TL + DEFINES_OF["conv_fused.
 # A variant's text before its kernel's body, as its Rust side puts it there.
 PRELUDE_OF = {"moe_fused.rs@scratch": named(root / "src" / "kernels" / "moe_fused.rs", "SCRATCH_PRELUDE")}
 PRELUDE_OF["moe_fused.rs@exact-scratch"] = PRELUDE_OF["moe_fused.rs@scratch"]
+# A variant's text after its kernel's header, as its Rust side puts it
+# there (the exact forms' row products: moe_fused.rs Form::header).
+HEADER_AFTER = {}
 for _v in ("@exact", "@exact8", "@exact-scratch", "@exact-d1536", "@exact8-d1536"):
     DEFINES_OF["moe_fused.rs" + _v] = named(root / "src" / "kernels" / "moe_fused.rs", "EXACT_DEFINES") + LAYER_MOE
+    HEADER_AFTER["moe_fused.rs" + _v] = named(_STAGES, "QUANT_PRODUCTS")
 assert "LFM_MOE_EXACT" in DEFINES_OF["moe_fused.rs@exact"], "moe_fused.rs EXACT_DEFINES"
 PRELUDE_OF["moe_fused.rs@local-scratch"] = PRELUDE_OF["moe_fused.rs@scratch"]
 for _v in ("@local", "@local-scratch", "@local-d1536"):
     DEFINES_OF["moe_fused.rs" + _v] = "#define LFM_MOE_LOCAL_ROUTE 1\n" + LAYER_MOE
 DEFINES_OF["moe_fused.rs@exact-local"] = "#define LFM_MOE_LOCAL_ROUTE 1\n" + DEFINES_OF["moe_fused.rs@exact"]
+HEADER_AFTER["moe_fused.rs@exact-local"] = HEADER_AFTER["moe_fused.rs@exact"]
 # The other one-launch layers with their scratch rows in the state
 # (MLX_LFM_SCRATCH_IN_STATE): outputs without the rows, their places (bf16,
 # 2,048 wide: stages.rs scratch_places) as template values.
@@ -774,6 +779,7 @@ for file, (ins, outs, targs, *only_dtypes) in KERNELS.items():
     fname, _, extra = file_key.partition("#")
     src, hdr = body_and_header(root / "src" / "kernels" / fname, "const " + (extra.upper() + "_" if extra else "") + "SOURCE")
     src = PRELUDE_OF.get(file, "") + src
+    hdr = hdr + HEADER_AFTER.get(file, "")
     for was, now in REPLACE_OF.get(file, []):
         assert was in src, f"{file}: {was!r} not in its source"
         src = src.replace(was, now)

@@ -164,10 +164,12 @@ impl Form {
         }
     }
 
+    /// The form's header: its defines first; the exact form's experts
+    /// walk their rows as the one-launch layers do (`stages::QUANT_PRODUCTS`).
     fn header(self) -> String {
-        let exact = if self.exact { EXACT_DEFINES } else { "" };
+        let (exact, products) = if self.exact { (EXACT_DEFINES, stages::QUANT_PRODUCTS) } else { ("", "") };
         let local = if self.local { "#define LFM_MOE_LOCAL_ROUTE 1\n" } else { "" };
-        format!("{exact}{local}{}", header())
+        format!("{exact}{local}{}{products}", header())
     }
 }
 

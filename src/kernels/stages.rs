@@ -379,23 +379,19 @@ pub(crate) const LAYER_SOURCE: &str = r#"
 #endif
       const bool bad = late || ex >= E;
       if (!bad) {
-        constexpr int G = D / GS;
-        constexpr int WORDS = D * BITS / 32;
         const size_t gi = ex * (2 * F) + n;
         const size_t ui = ex * (2 * F) + F + n;
 #if LFM_MOE_EXACT
-        // MLX's qmv arithmetic (src/kernels/moe_fused.rs experts_exact):
-        // both rows asked of L2, then each summed whole as the
-        // feed-forward's LFM_F_ROWS sums its pair.
-        lfm_prefetch_lines<D * BITS / 8>(uw + gi * WORDS, lane);
-        lfm_prefetch_lines<D * BITS / 8>(uw + ui * WORDS, lane);
-        lfm_prefetch_lines<G * (int)sizeof(T)>(uscales + gi * G, lane);
-        lfm_prefetch_lines<G * (int)sizeof(T)>(ubiases + gi * G, lane);
-        lfm_prefetch_lines<G * (int)sizeof(T)>(uscales + ui * G, lane);
-        lfm_prefetch_lines<G * (int)sizeof(T)>(ubiases + ui * G, lane);
-        ag = lfm_qdot_mlx<T, D, BITS, GS, true>(xs, uw + gi * WORDS, uscales + gi * G, ubiases + gi * G, lane);
-        au = lfm_qdot_mlx<T, D, BITS, GS, true>(xs, uw + ui * WORDS, uscales + ui * G, ubiases + ui * G, lane);
+        // MLX's qmv arithmetic (src/kernels/moe_fused.rs experts_exact),
+        // as the feed-forward's LFM_F_ROWS walks its pair.
+        const size_t rows[2] = {gi, ui};
+        float gu[2];
+        lfm_stage_qrows<T, D, BITS, GS, 2>(xs, uw, uscales, ubiases, rows, lane, gu);
+        ag = gu[0];
+        au = gu[1];
 #else
+        constexpr int G = D / GS;
+        constexpr int WORDS = D * BITS / 32;
         if (lfm_aligned(uw)) {
           lfm_qdot2_a<T, D, BITS, GS, true>(xs, uw + gi * WORDS, uscales + gi * G, ubiases + gi * G, uw + ui * WORDS,
                                             uscales + ui * G, ubiases + ui * G, lane, ag, au);
@@ -428,16 +424,15 @@ pub(crate) const LAYER_SOURCE: &str = r#"
   const size_t ex = late ? 0 : __ldcg(inds + j);
   if (active && (late || ex >= E) && lane == 0) part[wid] = poison;
   if (active && !late && ex < E) {
-    constexpr int G = F / GS;
-    constexpr int WORDS = F * BITS / 32;
     const size_t wi = ex * D + n;
     const T* hr = hs + static_cast<size_t>(j) * F;
 #if LFM_MOE_EXACT
-    lfm_prefetch_lines<F * BITS / 8>(dw + wi * WORDS, lane);
-    lfm_prefetch_lines<G * (int)sizeof(T)>(dscales + wi * G, lane);
-    lfm_prefetch_lines<G * (int)sizeof(T)>(dbiases + wi * G, lane);
-    const float a = lfm_qdot_mlx<T, F, BITS, GS, true>(hr, dw + wi * WORDS, dscales + wi * G, dbiases + wi * G, lane);
+    const size_t rows[1] = {wi};
+    float a;
+    lfm_stage_qrows<T, F, BITS, GS, 1>(hr, dw, dscales, dbiases, rows, lane, &a);
 #else
+    constexpr int G = F / GS;
+    constexpr int WORDS = F * BITS / 32;
     float a = 0.0f;
     if (lfm_aligned(dw)) {
       lfm_qdot_a<T, F, 1, BITS, GS, true>(hr, dw + wi * WORDS, dscales + wi * G, dbiases + wi * G, lane, &a);
