@@ -1818,7 +1818,7 @@ def verdicts_from(path):
 # (The stacked rows' test checks the defaults over a 16-row batch step.)
 # Tests that must be the first in their process to build kernels (parts
 # of names: the MLX_LFM_QINT tests, one a layer).
-ALONE_TESTS = ("q_by_its_bits_", "q_in_pairs_")
+ALONE_TESTS = ("q_by_its_bits_", "q_by_conversion_")
 QINT_LAYERS = ("conv_layer", "ffn_layer", "qkv_layer", "gemv")
 DEFAULT_KERNEL_TESTS = ["add_rms_norm_kernel_matches_stock_ops", "decode_attention_kernel_matches_stock_ops",
                         "moe_router_kernel_matches_stock_ops", "short_conv_kernel_matches_stock_ops",
@@ -1828,7 +1828,10 @@ DEFAULT_KERNEL_TESTS = ["add_rms_norm_kernel_matches_stock_ops", "decode_attenti
                         "moe_router_norm_kernel_matches_the_norm_and_router_kernels",
                         # (The one-launch layers, defaults since session 31.)
                         "conv_fused_kernel_matches_stock_ops", "ffn_fused_kernel_matches_stock_ops",
-                        "qkv_fused_kernel_matches_stock_ops", "moe_fused_kernel_matches_the_three_kernels"]
+                        "qkv_fused_kernel_matches_stock_ops", "moe_fused_kernel_matches_the_three_kernels",
+                        # (The MoE layer's experts in MLX's walk, the default
+                        # since session 38.)
+                        "moe_fused_forms_match_their_references"]
 # (Not among them: `fused_gate_equals_the_ops`, the fused gate's claim of the
 # ops' bits, a default since session 25 and MLX's own compile, which the
 # compiled decode step has always run. A failure there is a rounding of
@@ -2188,17 +2191,17 @@ AB = {
     # (sm_90 SASS), its conv layer 0.36 TB/s where the 1.2B's dense one
     # read 1.5. A process switch (PER_PROCESS).
     "qint-bits": ({"MLX_LFM_QINT": "bits"}, ["lfm2-8b-a1b-q4"]),
-    # The same walk's 4-bit rows two values an instruction (session 36,
-    # qint_mode's `pairs`): the conv layer's tile loop ~3 instructions a
-    # weight in the sm_90 SASS against ~6 by its bits. A process switch.
-    "qint-pairs": ({"MLX_LFM_QINT": "pairs"}, ["lfm2-8b-a1b-q4"]),
-    # The one-launch MoE layer's experts in MLX's qmv arithmetic (session
-    # 37, src/kernels/moe_fused.rs experts_exact), alone (in process) and
-    # with the 4-bit rows in pairs (a process switch): the experts are the
-    # 8B-A1B step's largest GPU share (878 of 1,696 µs in session 33), and
-    # pairs made the same walk 28-30% faster in the conv and feed-forward.
-    "moe-exact": ({"MLX_LFM_MOE_EXACT": "1"}, ["lfm2-8b-a1b-q4"]),
-    "moe-exact-pairs": ({"MLX_LFM_MOE_EXACT": "1", "MLX_LFM_QINT": "pairs"}, ["lfm2-8b-a1b-q4"]),
+    # The walk's q by the conversion units (qint_mode's `convert`), the
+    # default until session 38, when its 4-bit rows in pairs (session 36;
+    # the `qint-pairs` variant then, 1.10x on the 8B-A1B's decode) took its
+    # place, with the MoE experts in that walk. A process switch; under it
+    # the experts take the float form, as before.
+    "qint-convert": ({"MLX_LFM_QINT": "convert"}, ["lfm2-8b-a1b-q4"]),
+    # The one-launch MoE layer's experts in float32 (MLX_LFM_MOE_EXACT=0),
+    # the default until session 38, when MLX's qmv arithmetic in pairs took
+    # its place (`moe-exact-pairs` then: 1.145x against the conversion
+    # walk, 37.7 µs a launch against 41.6). In process.
+    "moe-float": ({"MLX_LFM_MOE_EXACT": "0"}, ["lfm2-8b-a1b-q4"]),
     # The one-launch MoE layer's route in every gate/up block (session 37,
     # src/kernels/moe_fused.rs local_route): session 35's timelines had the
     # router's one block done at 7.1 µs of a clean 35.4 µs launch, the
@@ -2223,14 +2226,12 @@ GREEDY = "greedy_tokens_with_kernels_equal_stock_ops"
 AB_TESTS = {
     "kernel-text-file": ["a_kernel_from_files_gives_the_inline_bits", "greedy_tokens_with_kernel_texts_in_files"],
     "qint-bits": [f"q_by_its_bits_{l}_matches_stock_ops" for l in QINT_LAYERS],
-    "qint-pairs": [f"q_in_pairs_{l}_matches_stock_ops" for l in QINT_LAYERS],
-    "moe-exact": ["moe_fused_forms_match_their_references", "greedy:moe-exact"],
+    # (Under it the MoE experts take the float form.)
+    "qint-convert": [f"q_by_conversion_{l}_matches_stock_ops" for l in QINT_LAYERS]
+    + ["moe_fused_kernel_matches_the_three_kernels", "greedy:moe-float"],
+    "moe-float": ["moe_fused_kernel_matches_the_three_kernels", "greedy:moe-float"],
     # (Its test holds it to the default's bits.)
     "moe-local-route": ["moe_fused_forms_match_their_references"],
-    # (The MoE layer's QINT test runs its experts-exact form: the switch
-    # alone changes nothing in the MoE layer, whose default walk and router
-    # do not take MLX's walk.)
-    "moe-exact-pairs": [f"q_in_pairs_{l}_matches_stock_ops" for l in QINT_LAYERS + ("moe_layer",)] + ["greedy:moe-exact"],
     "scratch-in-state": ["moe_fused_kernel_matches_the_three_kernels", "conv_fused_kernel_matches_stock_ops",
                          "ffn_fused_kernel_matches_stock_ops", "qkv_fused_kernel_matches_stock_ops",
                          "greedy:MLX_LFM_SCRATCH_IN_STATE"],
@@ -2324,7 +2325,7 @@ PICK = [
     (["moe-down-early", "router-scores-f32", "router-scores-f32-early"], "decode"),
     (["conv-layer-fused"], "decode"),
     (["early-prefetch", "early-prefetch-conv"], "decode"),
-    (["qint-bits", "qint-pairs", "moe-exact", "moe-exact-pairs"], "decode"),
+    (["qint-bits", "qint-convert", "moe-float"], "decode"),
     (["moe-local-route"], "decode"),
     (["layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off"], "decode"),
     (["attention-smem", "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4"], "decode"),
@@ -2354,8 +2355,8 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4", "conv-gemv",
                "moe-down-early", "router-scores-f32", "router-scores-f32-early", "fold-eps-const", "position-table-off",
                "fold-deferred", "layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off",
-               "conv-layer-fused", "early-prefetch", "early-prefetch-conv", "qint-bits", "qint-pairs",
-               "moe-exact", "moe-exact-pairs", "moe-local-route"}
+               "conv-layer-fused", "early-prefetch", "early-prefetch-conv", "qint-bits", "qint-convert",
+               "moe-float", "moe-local-route"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]

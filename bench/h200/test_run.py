@@ -486,7 +486,7 @@ class KernelTests(unittest.TestCase):
     def tearDown(self):
         self.tmp.cleanup()
 
-    NAMES = ["kernels::tests::conv_fused_kernel_matches_stock_ops", "kernels::tests::q_in_pairs_conv_layer_matches_stock_ops",
+    NAMES = ["kernels::tests::conv_fused_kernel_matches_stock_ops", "kernels::tests::q_by_conversion_conv_layer_matches_stock_ops",
              "kernels::tests::q_by_its_bits_gemv_matches_stock_ops", "kernels::tests::ffn_fused_kernel_matches_stock_ops",
              "kernels::tests::greedy_tokens_with_kernels_equal_stock_ops_on_moe", "kernels::tests::moe_fused_kernel_matches_the_three_kernels",
              "compiled::tests::compiled_prefill_equals_the_eager_prefill"]
@@ -520,8 +520,8 @@ class KernelTests(unittest.TestCase):
 
             def communicate(self):
                 out = "".join(f"test {n} ... ok\n" for n in self.names)
-                err = "".join(f"skipped {n.rsplit('::', 1)[-1]}: kernels were built without MLX_LFM_QINT=pairs earlier "
-                              "in this process; run it alone\n" for n in self.names if "q_in_pairs" in n)
+                err = "".join(f"skipped {n.rsplit('::', 1)[-1]}: kernels were built without MLX_LFM_QINT=convert earlier "
+                              "in this process; run it alone\n" for n in self.names if "q_by_conversion" in n)
                 return out, err
 
         run.sh = lambda cmd, **k: Result(listing)
@@ -531,7 +531,7 @@ class KernelTests(unittest.TestCase):
         (run.TESTS / "mlx_lfm-0").write_text("")
         real_root = run.ROOT
         run.ROOT = Path(self.tmp.name)
-        os.environ["H200_KERNEL_TESTS"] = "conv_fused,q_in_pairs,q_by_its_bits"
+        os.environ["H200_KERNEL_TESTS"] = "conv_fused,q_by_conversion,q_by_its_bits"
         try:
             run.kernels()
         finally:
@@ -539,7 +539,7 @@ class KernelTests(unittest.TestCase):
             run.ROOT = real_root
         rec = [r for r in records(run) if r["engine"] == "tests"][-1]
         self.assertFalse(rec["skipped"])
-        self.assertFalse(rec["verdicts"]["q_in_pairs_conv_layer_matches_stock_ops"])
+        self.assertFalse(rec["verdicts"]["q_by_conversion_conv_layer_matches_stock_ops"])
         self.assertTrue(rec["verdicts"]["conv_fused_kernel_matches_stock_ops"])
         self.assertTrue(rec["verdicts"]["q_by_its_bits_gemv_matches_stock_ops"])
         self.assertFalse((run.WORK / "kernels-off").exists(), "a default kernel's verdict stood")

@@ -12,7 +12,9 @@ With --ptxas=PATH (ptxas from `pip install --target /tmp/nvcc
 "nvidia-cuda-nvcc==13.*"`), each kernel's registers, spills and shared
 memory on sm_90 too; --only and --sass below. With --files, each kernel
 also as it reaches MLX under MLX_LFM_KERNEL_TEXT=file (its texts in files
-that #include lines name): the same PTX, byte for byte, or it fails.
+that #include lines name): the same PTX, byte for byte, or it fails. With
+--qint=bits|convert, the quantized walk's other forms (MLX_LFM_QINT; pairs
+by default, as the kernels ship).
 """
 import ctypes
 import re
@@ -649,6 +651,12 @@ def shape_params(ins, src):
 # as a kernel variant's Rust side prepends one (e.g. LFM_DENSE_PLAIN=1, the
 # GEMVs' MLX_LFM_GEMV_LOOP=plain walk).
 DEFINES = "".join(f"#define {a.split('=', 2)[1]} {a.split('=', 2)[2]}\n" for a in sys.argv if a.startswith("--define="))
+# --qint=pairs|bits|convert: how the MLX-exact quantized walk makes q, as
+# quant_gemv.rs `header()` defines it for MLX_LFM_QINT (pairs, the default
+# since session 38).
+QINT = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--qint=")), "pairs")
+DEFINES = {"pairs": "#define LFM_QINT_BITS 1\n#define LFM_QINT_PAIRS 1\n", "bits": "#define LFM_QINT_BITS 1\n",
+           "convert": ""}[QINT] + DEFINES
 VALIDITY = "MASK_VALID"
 EARLY = False
 LOADS = False

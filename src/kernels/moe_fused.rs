@@ -43,7 +43,10 @@
 //! `MLX_LFM_MOE_DOWN_LOADS=early` variant), so the result is the three
 //! launches' within NVVM's contraction choices (`moe_experts`'s note): the
 //! test holds the residual sum to the bits and the output within two
-//! roundings of them. Tests in src/kernels/tests.rs.
+//! roundings of them. That is the float form; since session 38 the
+//! experts' rows take MLX's own `qmv` arithmetic by default where the
+//! quantized walk takes its rows in pairs ([`experts_exact`]), held to the
+//! stock ops' graph. Tests in src/kernels/tests.rs.
 
 use super::moe_experts;
 use super::moe_router;
@@ -225,22 +228,24 @@ pub fn built_local() -> usize {
 /// arithmetic, and each row is asked of L2 whole first).
 const EXACT_DEFINES: &str = "#define LFM_MOE_EXACT 1\n#define LFM_QMLX_TILES 2\n";
 
-/// `MLX_LFM_MOE_EXACT=1` (opt-in, session 37, not yet run on a GPU): the
-/// experts' gate/up and down rows walked as the one-launch feed-forward
-/// walks its rows, in MLX's own `qmv` arithmetic (src/kernels/quant_gemv.rs
-/// `lfm_qdot_mlx`, each row asked of L2 first), where the default walks
-/// them in float32 as the three MoE kernels do. Under `MLX_LFM_QINT=pairs`
-/// that walk takes a 4-bit bf16/half row two values an instruction, which
-/// made the 4-bit conv and feed-forward layers 28-30% faster on the H100
-/// (session 36's kernel-bench): the same for the experts, ~25 MB a layer
-/// of the 8B-A1B read at ~0.6 TB/s, is what this is for. Not the three
-/// kernels' bits: its test holds it to the stock ops' graph within bf16's
-/// rounding, and the wide MoE fixture's greedy set to their tokens. Where
-/// the walk does not serve the experts' specification, the default runs.
+/// `MLX_LFM_MOE_EXACT` (session 37; the default since session 38 where the
+/// walk takes 4-bit rows in pairs, `MLX_LFM_QINT` unset; `=0` turns it off,
+/// `=1` on under any `MLX_LFM_QINT`): the experts' gate/up and down rows
+/// walked as the one-launch feed-forward walks its rows, in MLX's own `qmv`
+/// arithmetic (src/kernels/quant_gemv.rs `lfm_qdot_mlx`, each row asked of
+/// L2 first), where the float form walks them in float32 as the three MoE
+/// kernels do. In pairs this one-launch layer ran 37.7 µs against the
+/// float form's 41.6 on the H100 (session 38's kernel-bench, the 8B-A1B's
+/// shapes), and the 8B-A1B decoded 1.145x the conversion walk's rate with
+/// it (1.10x in pairs without it); by the conversion units it lost (47.1
+/// µs, 0.91x), so it follows the walk's default. Not the three kernels'
+/// bits: its test holds it to the stock ops' graph within bf16's rounding,
+/// and the wide MoE fixture's greedy tokens held (session 38). Where the
+/// walk does not serve the experts' specification, the float form runs.
 /// Read at each launch's build, so a process can time both forms.
 pub(crate) fn experts_exact() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    super::opt_in("MLX_LFM_MOE_EXACT", &ON)
+    static SET: OnceLock<Option<bool>> = OnceLock::new();
+    super::switch("MLX_LFM_MOE_EXACT", &SET).unwrap_or_else(|| quant_gemv::qint_mode() == quant_gemv::QintMode::Pairs)
 }
 
 /// The gate/up blocks and the down blocks of one launch (as the kernel
@@ -388,10 +393,9 @@ fn launch(
     let unavailable = || Error::mlx("the fused MoE kernel is not available");
     let (d, dt) = (n.h.dim(1), n.h.dtype());
     let (e, f) = (g.weight.dim(0), gu.weight.dim(1) / 2);
-    // (Where the MLX walk does not serve the experts, the default runs.
-    // The timeline form is the default's alone: its test and the bench
-    // hold it to the default's bits, so its callers run with the switch
-    // off.)
+    // (Where the MLX walk does not serve the experts, the float form runs.
+    // The timeline form is the float form's alone: its test and the bench
+    // hold it to that form's bits.)
     let exact = !timeline
         && experts_exact()
         && quant_gemv::spec_served(gu, dt, d)

@@ -255,7 +255,7 @@ static_assert(LFM_QMLX_TILES >= 1, \"LFM_QMLX_TILES: at least one tile a batch\"
 #ifndef LFM_QINT_PAIRS
 #define LFM_QINT_PAIRS 0
 #endif
-// q in pairs (MLX_LFM_QINT=pairs): a 4-bit row of a 16-bit T walked two
+// q in pairs (the default since session 38; MLX_LFM_QINT=pairs): a 4-bit row of a 16-bit T walked two
 // values an instruction, each lane of a pair the scalar walk's operation
 // (HSUB2, HFMA2: one rounding a lane, as HSUB and HFMA), so the same bits.
 // A word's places v and v + 4 share a pair: their bits masked in place
@@ -450,9 +450,10 @@ pub(crate) fn header() -> String {
 }
 
 /// How the MLX-exact quantized walk (`lfm_qdot_mlx`: the one-launch 4-bit
-/// conv, feed-forward and q/k/v layers, `MLX_LFM_QGEMV_EXACT`) makes q in
-/// T: `MLX_LFM_QINT` unset, by the conversion units; `bits`, by its bits;
-/// `pairs`, by its bits two values an instruction.
+/// conv, feed-forward and q/k/v layers and MoE experts, `MLX_LFM_QGEMV_EXACT`)
+/// makes q in T: by its bits, a 4-bit bf16/half row two values an
+/// instruction (the default, `pairs`); by its bits one at a time (`bits`);
+/// by the conversion units (`convert`, the default before session 38).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) enum QintMode {
     Convert,
@@ -460,42 +461,43 @@ pub(crate) enum QintMode {
     Pairs,
 }
 
-/// `MLX_LFM_QINT=bits` (opt-in, session 35, not yet run on a GPU): q in T
-/// by its bits (`lfm_qint_t`: a LOP3 and an exact magic-number add, as
-/// MLX's own qmv does) instead of the conversion units' I2F and F2F, an
-/// I2FP and an F2FP a weight in the sm_90 SASS of the 8B-A1B's conv
-/// layer, whose 9.5 MB read at 0.36 TB/s in session 34's kernel-bench
-/// where the 1.2B's dense one (33.6 MB) read at 1.5. `MLX_LFM_QINT=pairs`
-/// (opt-in, session 36): the same by its bits, and a 4-bit row of bf16 or
-/// half walked two values an instruction (`lfm_pair_t`: a word's places v
-/// and v + 4 masked in place in one LOP3 after one shift, x's two values
-/// beside each other by one PRMT, HSUB2 and two HFMA2 a pair): in the
-/// sm_90 SASS of the 4-bit conv layer, ~6 instructions a weight with
-/// `bits` against ~2.5. Each lane of a pair is the scalar walk's
-/// operation with its one rounding, so both give the same values and bits
-/// (the kernels' GPU tests hold them to MLX's). Read once a process: every
-/// kernel built on this header is built once a process, so its A/B is of
-/// processes and its tests run in a process with it set.
+/// `MLX_LFM_QINT`: how q is made in T (see [`QintMode`]). `pairs`, the
+/// default since session 38: q by its bits (`lfm_qint_t`: a LOP3 and an
+/// exact magic-number add, as MLX's own qmv does, where `convert` spent an
+/// I2FP and an F2FP a weight on the conversion units) and a 4-bit row of
+/// bf16 or half walked two values an instruction (`lfm_pair_t`: a word's
+/// places v and v + 4 masked in place in one LOP3 after one shift, x's two
+/// values beside each other by one PRMT, HSUB2 and two HFMA2 a pair). Each
+/// lane of a pair is the scalar walk's operation with its one rounding, so
+/// all three modes give the same values and bits (the kernels' GPU tests
+/// hold each to MLX's). Adopted on the H100 in session 38: its five layer
+/// tests passed, the 4-bit conv and feed-forward layers ran 28-30% faster
+/// in kernel-bench (session 36), and the 8B-A1B decoded 1.10x the
+/// conversion walk's rate in a paired A/B of processes. `bits` (session
+/// 35: kernel-bench mixed, its tests not yet finished on a GPU) and
+/// `convert` stay as opt-outs. Read once a process: every kernel built on
+/// this header is built once a process, so its A/B is of processes and its
+/// tests run in a process with it set.
 pub(crate) fn qint_mode() -> QintMode {
     static MODE: OnceLock<QintMode> = OnceLock::new();
     *MODE.get_or_init(|| match std::env::var("MLX_LFM_QINT").as_deref().map(str::trim) {
         Ok("bits") => QintMode::Bits,
-        Ok("pairs") => QintMode::Pairs,
-        _ => QintMode::Convert,
+        Ok("convert") => QintMode::Convert,
+        _ => QintMode::Pairs,
     })
 }
 
-/// Whether [`qint_mode`] is `bits` (its test's switch: under `pairs` that
-/// test would time the paired walk).
+/// Whether [`qint_mode`] is `bits` (its test's switch: under the default
+/// that test would check the paired walk).
 #[cfg(test)]
 pub(crate) fn qint_bits() -> bool {
     qint_mode() == QintMode::Bits
 }
 
-/// Whether [`qint_mode`] walks 4-bit rows in pairs.
+/// Whether [`qint_mode`] makes q by the conversion units (its test's switch).
 #[cfg(test)]
-pub(crate) fn qint_pairs() -> bool {
-    qint_mode() == QintMode::Pairs
+pub(crate) fn qint_convert() -> bool {
+    qint_mode() == QintMode::Convert
 }
 
 const SOURCE: &str = r#"

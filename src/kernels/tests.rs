@@ -453,19 +453,20 @@ fn greedy_tokens_with_kernel_texts_in_files() {
     assert!(moe > 0, "no MoE layer's text in {}", dir.display());
 }
 
-/// q made in T by its bits in the MLX-exact quantized walk
-/// (`MLX_LFM_QINT=bits`, src/kernels/quant_gemv.rs `qint_bits`, opt-in since
-/// session 35) and the 4-bit bf16/half rows two values an instruction
-/// (`MLX_LFM_QINT=pairs`, opt-in since session 36): the one-launch conv,
-/// feed-forward and q/k/v layers and the quantized GEMV in MLX's arithmetic
-/// held to MLX's bits as their own tests hold the default, and the MoE
-/// layer's experts in that walk (`MLX_LFM_MOE_EXACT`) held to the stock
-/// ops' graph as its test holds them. The switch is
-/// read once a process (a kernel is built once a process), so each test
-/// means something only as a process of its own, as `run.py kernels` runs
-/// these (its ALONE_TESTS); where a kernel was built before it in this
-/// process, it says so and checks nothing. One test a layer: the four in
-/// one process ran past 524 s on an H100 (session 37).
+/// The MLX-exact quantized walk's two other ways of making q in T
+/// (src/kernels/quant_gemv.rs `qint_mode`): by its bits one at a time
+/// (`MLX_LFM_QINT=bits`, opt-in since session 35) and by the conversion
+/// units (`MLX_LFM_QINT=convert`, the default until session 38, when the
+/// 4-bit rows in pairs took its place): the one-launch conv, feed-forward
+/// and q/k/v layers and the quantized GEMV in MLX's arithmetic held to
+/// MLX's bits as their own tests hold the default, and the MoE layer's
+/// experts in that walk (`MLX_LFM_MOE_EXACT`) held to the stock ops' graph
+/// as its test holds them. The switch is read once a process (a kernel is
+/// built once a process), so each test means something only as a process
+/// of its own, as `run.py kernels` runs these (its ALONE_TESTS); where a
+/// kernel was built before it in this process, it says so and checks
+/// nothing. One test a layer: the four in one process ran past 524 s on an
+/// H100 (session 37).
 macro_rules! qint_tests {
     ($($name:ident: $value:literal, $on:path, $body:ident;)*) => {$(
         #[test]
@@ -483,14 +484,14 @@ qint_tests! {
     q_by_its_bits_qkv_layer_matches_stock_ops: "bits", crate::kernels::quant_gemv::qint_bits, qkv_fused_kernel_matches_stock_ops;
     q_by_its_bits_gemv_matches_stock_ops: "bits", crate::kernels::quant_gemv::qint_bits, quant_gemv_kernel_matches_stock_ops;
     q_by_its_bits_moe_layer_matches_stock_ops: "bits", crate::kernels::quant_gemv::qint_bits, moe_fused_forms_match_their_references;
-    q_in_pairs_conv_layer_matches_stock_ops: "pairs", crate::kernels::quant_gemv::qint_pairs, conv_fused_kernel_matches_stock_ops;
-    q_in_pairs_ffn_layer_matches_stock_ops: "pairs", crate::kernels::quant_gemv::qint_pairs, ffn_fused_kernel_matches_stock_ops;
-    q_in_pairs_qkv_layer_matches_stock_ops: "pairs", crate::kernels::quant_gemv::qint_pairs, qkv_fused_kernel_matches_stock_ops;
-    q_in_pairs_gemv_matches_stock_ops: "pairs", crate::kernels::quant_gemv::qint_pairs, quant_gemv_kernel_matches_stock_ops;
-    q_in_pairs_moe_layer_matches_stock_ops: "pairs", crate::kernels::quant_gemv::qint_pairs, moe_fused_forms_match_their_references;
+    q_by_conversion_conv_layer_matches_stock_ops: "convert", crate::kernels::quant_gemv::qint_convert, conv_fused_kernel_matches_stock_ops;
+    q_by_conversion_ffn_layer_matches_stock_ops: "convert", crate::kernels::quant_gemv::qint_convert, ffn_fused_kernel_matches_stock_ops;
+    q_by_conversion_qkv_layer_matches_stock_ops: "convert", crate::kernels::quant_gemv::qint_convert, qkv_fused_kernel_matches_stock_ops;
+    q_by_conversion_gemv_matches_stock_ops: "convert", crate::kernels::quant_gemv::qint_convert, quant_gemv_kernel_matches_stock_ops;
+    q_by_conversion_moe_layer_matches_stock_ops: "convert", crate::kernels::quant_gemv::qint_convert, moe_fused_forms_match_their_references;
 }
 
-/// Whether this process runs an `MLX_LFM_QINT` test. The switch changes
+/// Whether this process runs an `MLX_LFM_QINT` opt-out's test. The switch changes
 /// only the MLX-exact walk of quantized rows, so there the layers' tests
 /// run their quantized cases in the forms a decode step runs (counters,
 /// scratch rows in the state) and leave the dense cases and the other
@@ -498,7 +499,7 @@ qint_tests! {
 /// share that walk and are held to the main form's bits by the default
 /// suite: what lets one layer's test finish within a device call.
 fn qint_lean() -> bool {
-    crate::kernels::quant_gemv::qint_mode() != crate::kernels::quant_gemv::QintMode::Convert
+    crate::kernels::quant_gemv::qint_mode() != crate::kernels::quant_gemv::QintMode::Pairs
 }
 
 /// Whether `test` runs: on CUDA, with `var=value` set for its whole
@@ -739,14 +740,16 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     runs.push(("layers-fused-off", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
                 }
                 if compiled && !joined && moe_served {
-                    // The one-launch MoE layer's experts in MLX's own qmv
-                    // arithmetic (MLX_LFM_MOE_EXACT, opt-in, session 37;
-                    // run.py's `moe-exact`), which must have run.
-                    let set = [("MLX_LFM_MOE_EXACT".to_string(), Some("1".to_string()))];
-                    let before = crate::kernels::moe_fused::built_exact();
-                    runs.push(("moe-exact", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
-                    if can_fuse && crate::kernels::moe_fused::built_exact() == before {
-                        unbuilt("moe-exact", &mut failures);
+                    // The one-launch MoE layer's experts in float32
+                    // (MLX_LFM_MOE_EXACT=0, the default until session 38,
+                    // when MLX's own qmv arithmetic took its place; run.py's
+                    // `moe-float`), which must have run in that form.
+                    let set = [("MLX_LFM_MOE_EXACT".to_string(), Some("0".to_string()))];
+                    use crate::kernels::moe_fused::{built, built_exact};
+                    let before = (built(), built_exact());
+                    runs.push(("moe-float", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
+                    if can_fuse && (built() == before.0 || built_exact() != before.1) {
+                        unbuilt("moe-float", &mut failures);
                     }
                 }
                 if compiled && !joined {
@@ -2032,9 +2035,10 @@ fn moe_fused_kernel_matches_the_three_kernels() {
     moe_fused_cases("moe_fused_kernel_matches_the_three_kernels", false);
 }
 
-/// The one-launch MoE layer's opt-in forms over the same cases (each
-/// case's default run first): its experts in MLX's arithmetic
-/// ([`check_experts_exact`]) and its local route ([`check_local_route`]). A
+/// The one-launch MoE layer's other forms over the same cases (each case's
+/// float-form run first): its experts in MLX's arithmetic
+/// ([`check_experts_exact`], the default since session 38) and its local
+/// route ([`check_local_route`], opt-in). A
 /// test of its own, in a process of its own on a device call, beside the
 /// default's (their builds together ran past a call's share in session 37's
 /// estimate).
@@ -2043,9 +2047,9 @@ fn moe_fused_forms_match_their_references() {
     moe_fused_cases("moe_fused_forms_match_their_references", true);
 }
 
-/// The MoE kernel's cases: with `forms`, the opt-in forms' checks after
-/// each default run; without, the default's own (its scratch form, the
-/// timeline form, the counters through given-up waits).
+/// The MoE kernel's cases: with `forms`, the other forms' checks after
+/// each float-form run; without, the float form's own (its scratch form,
+/// the timeline form, the counters through given-up waits).
 fn moe_fused_cases(test: &str, forms: bool) {
     use crate::kernels::moe_fused::{available, forward, launch_blocks};
     use crate::kernels::stages::new_counters;
@@ -2066,9 +2070,9 @@ fn moe_fused_cases(test: &str, forms: bool) {
     use crate::mlx::random::normal;
     use crate::mlx::Array;
     let eps = Array::from_slice(&[1e-5f32], &[1]).unwrap();
-    // (The default form's experts whatever the environment says: the
-    // experts-exact form, MLX_LFM_MOE_EXACT, has its own check below, and
-    // the timeline form is the default's.)
+    // (The float form's experts whatever the environment says: the
+    // experts-exact form, MLX_LFM_MOE_EXACT, the default since session 38,
+    // has its own check below, and the timeline form is the float one's.)
     let consts = [
         ("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string())),
         ("MLX_LFM_MOE_EXACT".to_string(), Some("0".to_string())),
@@ -2177,7 +2181,7 @@ fn moe_fused_cases(test: &str, forms: bool) {
 }
 
 /// The one-launch MoE layer with its experts in MLX's arithmetic
-/// (`MLX_LFM_MOE_EXACT`, opt-in; src/kernels/moe_fused.rs
+/// (`MLX_LFM_MOE_EXACT`, the default since session 38; src/kernels/moe_fused.rs
 /// `experts_exact`) against the stock ops' graph over the same route (`wy`
 /// the normed row, `wi` / `wsc` the experts and their weights): MLX's
 /// gathered quantized products, the SwiGLU, the weights' multiply and the

@@ -523,23 +523,18 @@ impl Experts {
 /// of its router's rows asked of L2 first, 41.60 / 44.61 / 41.70 µs
 /// against 41.57 on an H100, retired; session 36's experts over x staged
 /// in float32, 59.36 against 41.63, retired; session 37's over x
-/// chunk-interleaved, 42.40 against 41.47, retired.) `moe-layer-q4-exact-fused`:
-/// the one launch with its experts in MLX's arithmetic
-/// (`MLX_LFM_MOE_EXACT`, session 37; with the rows in pairs as a process
-/// under `MLX_LFM_QINT=pairs`); `moe-layer-q4-local-fused`: its route in
-/// every gate/up block (`MLX_LFM_MOE_LOCAL_ROUTE`, session 37), alone and
-/// with the experts exact. An arm of one kernel a product runs the one
-/// launch.
-const LAYER_ARMS: [(&str, Switches, usize); 5] = [
+/// chunk-interleaved, 42.40 against 41.47, retired.) `moe-layer-q4-fused`
+/// is the one launch as it ships: since session 38 its experts in MLX's
+/// arithmetic, their 4-bit rows in pairs (37.66 µs on the H100 there);
+/// `moe-layer-q4-float-fused` the float form before it
+/// (`MLX_LFM_MOE_EXACT=0`, 41.57); `moe-layer-q4-local-fused` its route in
+/// every gate/up block (`MLX_LFM_MOE_LOCAL_ROUTE`, session 37). An arm of
+/// one kernel a product runs the one launch.
+const LAYER_ARMS: [(&str, Switches, usize); 4] = [
     ("moe-layer-q4-three", &[("MLX_LFM_MOE_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1")], 3),
     ("moe-layer-q4-fused", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
-    ("moe-layer-q4-exact-fused", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_EXACT", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
+    ("moe-layer-q4-float-fused", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_EXACT", "0"), ("MLX_LFM_EPS_CONST", "1")], 1),
     ("moe-layer-q4-local-fused", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_LOCAL_ROUTE", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
-    (
-        "moe-layer-q4-exact-local-fused",
-        &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_EXACT", "1"), ("MLX_LFM_MOE_LOCAL_ROUTE", "1"), ("MLX_LFM_EPS_CONST", "1")],
-        1,
-    ),
 ];
 const LAYER_ROWS: usize = 8;
 const LAYER_LAUNCHES: usize = 16;
