@@ -2202,11 +2202,15 @@ AB = {
     # its place (`moe-exact-pairs` then: 1.145x against the conversion
     # walk, 37.7 µs a launch against 41.6). In process.
     "moe-float": ({"MLX_LFM_MOE_EXACT": "0"}, ["lfm2-8b-a1b-q4"]),
-    # The one-launch MoE layer's route in every gate/up block (session 37,
-    # src/kernels/moe_fused.rs local_route): session 35's timelines had the
-    # router's one block done at 7.1 µs of a clean 35.4 µs launch, the
-    # gate/up blocks idle until then. The default's bits. In process.
-    "moe-local-route": ({"MLX_LFM_MOE_LOCAL_ROUTE": "1"}, ["lfm2-8b-a1b-q4"]),
+    # The one-launch MoE layer's down rows asked of L2 by its gate/up
+    # blocks, before their own rows and after (session 38,
+    # src/kernels/moe_fused.rs down_prefetch): session 35's timelines had a
+    # clean launch's down stage take 12.8 of 35.4 µs for ~7.3 MB, none of it
+    # asked for before the gate/up stage ended. The same bits. In process.
+    # (Session 37's route in every gate/up block, `moe-local-route`, 0.97x
+    # in session 38's A/B and slower in its kernel-bench, is retired.)
+    "moe-down-prefetch": ({"MLX_LFM_MOE_DOWN_PREFETCH": "1"}, ["lfm2-8b-a1b-q4"]),
+    "moe-down-prefetch-after": ({"MLX_LFM_MOE_DOWN_PREFETCH": "after"}, ["lfm2-8b-a1b-q4"]),
     # The one-launch conv layers', feed-forwards' and q/k/v stages' weight
     # rows asked of L2 when a block takes its part, before it waits for the
     # stage before (session 34, src/kernels/stages.rs early_prefetch):
@@ -2230,8 +2234,8 @@ AB_TESTS = {
     "qint-convert": [f"q_by_conversion_{l}_matches_stock_ops" for l in QINT_LAYERS]
     + ["moe_fused_kernel_matches_the_three_kernels", "greedy:moe-float"],
     "moe-float": ["moe_fused_kernel_matches_the_three_kernels", "greedy:moe-float"],
-    # (Its test holds it to the default's bits.)
-    "moe-local-route": ["moe_fused_forms_match_their_references"],
+    # (Its test holds it to the bits of the form it varies.)
+    **{v: ["moe_fused_forms_match_their_references"] for v in ("moe-down-prefetch", "moe-down-prefetch-after")},
     "scratch-in-state": ["moe_fused_kernel_matches_the_three_kernels", "conv_fused_kernel_matches_stock_ops",
                          "ffn_fused_kernel_matches_stock_ops", "qkv_fused_kernel_matches_stock_ops",
                          "greedy:MLX_LFM_SCRATCH_IN_STATE"],
@@ -2326,7 +2330,7 @@ PICK = [
     (["conv-layer-fused"], "decode"),
     (["early-prefetch", "early-prefetch-conv"], "decode"),
     (["qint-bits", "qint-convert", "moe-float"], "decode"),
-    (["moe-local-route"], "decode"),
+    (["moe-down-prefetch", "moe-down-prefetch-after"], "decode"),
     (["layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off"], "decode"),
     (["attention-smem", "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4"], "decode"),
     (["norm-runs-guarded"], "decode"),
@@ -2356,7 +2360,7 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "moe-down-early", "router-scores-f32", "router-scores-f32-early", "fold-eps-const", "position-table-off",
                "fold-deferred", "layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off",
                "conv-layer-fused", "early-prefetch", "early-prefetch-conv", "qint-bits", "qint-convert",
-               "moe-float", "moe-local-route"}
+               "moe-float", "moe-down-prefetch", "moe-down-prefetch-after"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]

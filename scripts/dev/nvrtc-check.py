@@ -405,13 +405,18 @@ KERNELS["moe_fused.rs@exact8-d1536"] = (*KERNELS["moe_fused.rs@d1536"][:2],
                                         lambda dt: [(n, 8 if n == "BITS" else 64 if n == "GS" else v)
                                                     for n, v in KERNELS["moe_fused.rs@d1536"][2](dt)],
                                         KERNELS["moe_fused.rs@d1536"][3])
-# The route in every gate/up block (MLX_LFM_MOE_LOCAL_ROUTE: its define,
-# DEFINES_OF), with the scratch rows in the state, with the experts exact,
-# and on the most registers' shape.
-KERNELS["moe_fused.rs@local"] = KERNELS["moe_fused.rs"]
-KERNELS["moe_fused.rs@local-scratch"] = KERNELS["moe_fused.rs@scratch"]
-KERNELS["moe_fused.rs@exact-local"] = KERNELS["moe_fused.rs"]
-KERNELS["moe_fused.rs@local-d1536"] = KERNELS["moe_fused.rs@d1536"]
+# The down rows asked of L2 by the gate/up blocks (MLX_LFM_MOE_DOWN_PREFETCH:
+# its define and helpers, DEFINES_OF, HEADER_AFTER), before their rows
+# (pf) and after (pfa), with the scratch rows in the state, with the experts
+# exact (the default), and on the most registers' shapes.
+KERNELS["moe_fused.rs@pf"] = KERNELS["moe_fused.rs"]
+KERNELS["moe_fused.rs@pfa"] = KERNELS["moe_fused.rs"]
+KERNELS["moe_fused.rs@pf-scratch"] = KERNELS["moe_fused.rs@scratch"]
+KERNELS["moe_fused.rs@exact-pf"] = KERNELS["moe_fused.rs"]
+KERNELS["moe_fused.rs@exact-pfa"] = KERNELS["moe_fused.rs"]
+KERNELS["moe_fused.rs@exact-pf-scratch"] = KERNELS["moe_fused.rs@scratch"]
+KERNELS["moe_fused.rs@pf-d1536"] = KERNELS["moe_fused.rs@d1536"]
+KERNELS["moe_fused.rs@exact8-pf-d1536"] = KERNELS["moe_fused.rs@exact8-d1536"]
 # The bench's timeline form: the stamps an extra int64 output (REPLACE_OF).
 KERNELS["moe_fused.rs@timeline"] = (KERNELS["moe_fused.rs"][0], KERNELS["moe_fused.rs"][1] + [("times", "long long")],
                                     KERNELS["moe_fused.rs"][2])
@@ -747,11 +752,17 @@ for _v in ("@exact", "@exact8", "@exact-scratch", "@exact-d1536", "@exact8-d1536
     DEFINES_OF["moe_fused.rs" + _v] = named(root / "src" / "kernels" / "moe_fused.rs", "EXACT_DEFINES") + LAYER_MOE
     HEADER_AFTER["moe_fused.rs" + _v] = named(_STAGES, "QUANT_PRODUCTS")
 assert "LFM_MOE_EXACT" in DEFINES_OF["moe_fused.rs@exact"], "moe_fused.rs EXACT_DEFINES"
-PRELUDE_OF["moe_fused.rs@local-scratch"] = PRELUDE_OF["moe_fused.rs@scratch"]
-for _v in ("@local", "@local-scratch", "@local-d1536"):
-    DEFINES_OF["moe_fused.rs" + _v] = "#define LFM_MOE_LOCAL_ROUTE 1\n" + LAYER_MOE
-DEFINES_OF["moe_fused.rs@exact-local"] = "#define LFM_MOE_LOCAL_ROUTE 1\n" + DEFINES_OF["moe_fused.rs@exact"]
-HEADER_AFTER["moe_fused.rs@exact-local"] = HEADER_AFTER["moe_fused.rs@exact"]
+PRELUDE_OF["moe_fused.rs@pf-scratch"] = PRELUDE_OF["moe_fused.rs@scratch"]
+PRELUDE_OF["moe_fused.rs@exact-pf-scratch"] = PRELUDE_OF["moe_fused.rs@scratch"]
+_PF = named(_STAGES, "PREFETCH_HEADER") + named(_STAGES, "MOE_DOWN_PREFETCH_HEADER")
+assert "lfm_moe_down_prefetch" in _PF and "lfm_prefetch_block" in _PF, "stages.rs MOE_DOWN_PREFETCH_HEADER"
+for _v, _at in (("@pf", 1), ("@pfa", 2), ("@pf-scratch", 1), ("@pf-d1536", 1)):
+    DEFINES_OF["moe_fused.rs" + _v] = f"#define LFM_MOE_DOWN_PREFETCH {_at}\n" + LAYER_MOE
+    HEADER_AFTER["moe_fused.rs" + _v] = _PF
+for _v, _at, _of in (("@exact-pf", 1, "@exact"), ("@exact-pfa", 2, "@exact"), ("@exact-pf-scratch", 1, "@exact"),
+                     ("@exact8-pf-d1536", 1, "@exact8-d1536")):
+    DEFINES_OF["moe_fused.rs" + _v] = f"#define LFM_MOE_DOWN_PREFETCH {_at}\n" + DEFINES_OF["moe_fused.rs" + _of]
+    HEADER_AFTER["moe_fused.rs" + _v] = HEADER_AFTER["moe_fused.rs" + _of] + _PF
 # The other one-launch layers with their scratch rows in the state
 # (MLX_LFM_SCRATCH_IN_STATE): outputs without the rows, their places (bf16,
 # 2,048 wide: stages.rs scratch_places) as template values.

@@ -120,7 +120,7 @@ const SCRATCH_PRELUDE: &str = r#"
 
 static BUILT: Built = Built::new();
 static BUILT_EXACT: Built = Built::new();
-static BUILT_LOCAL: Built = Built::new();
+static BUILT_PREFETCH: Built = Built::new();
 
 /// How many times [`forward`] has put the kernel into a graph in this
 /// process (a compiled step once, when it is traced): the greedy test's
@@ -142,28 +142,30 @@ fn header() -> String {
 }
 
 /// Which form of the kernel a launch takes: its experts in MLX's
-/// arithmetic ([`experts_exact`]), its route in every gate/up block
-/// ([`local_route`]).
+/// arithmetic ([`experts_exact`]), its down rows asked of L2 by the
+/// gate/up blocks ([`down_prefetch`]: 0 not, 1 before their rows, 2 after).
 #[derive(Clone, Copy)]
 struct Form {
     exact: bool,
-    local: bool,
+    prefetch: u8,
 }
 
 impl Form {
-    const DEFAULT: Form = Form { exact: false, local: false };
+    const DEFAULT: Form = Form { exact: false, prefetch: 0 };
 
     fn index(self) -> usize {
-        usize::from(self.exact) | usize::from(self.local) << 1
+        usize::from(self.exact) | usize::from(self.prefetch) << 1
     }
 
     /// The kernel's names: the outputs form's, the scratch form's.
     fn names(self) -> [&'static str; 2] {
-        match (self.exact, self.local) {
-            (false, false) => ["lfm_moe_fused", "lfm_moe_fused_scr"],
-            (true, false) => ["lfm_moe_fused_exact", "lfm_moe_fused_exact_scr"],
-            (false, true) => ["lfm_moe_fused_local", "lfm_moe_fused_local_scr"],
-            (true, true) => ["lfm_moe_fused_exact_local", "lfm_moe_fused_exact_local_scr"],
+        match (self.exact, self.prefetch) {
+            (false, 0) => ["lfm_moe_fused", "lfm_moe_fused_scr"],
+            (true, 0) => ["lfm_moe_fused_exact", "lfm_moe_fused_exact_scr"],
+            (false, 1) => ["lfm_moe_fused_pf", "lfm_moe_fused_pf_scr"],
+            (true, 1) => ["lfm_moe_fused_exact_pf", "lfm_moe_fused_exact_pf_scr"],
+            (false, _) => ["lfm_moe_fused_pfa", "lfm_moe_fused_pfa_scr"],
+            (true, _) => ["lfm_moe_fused_exact_pfa", "lfm_moe_fused_exact_pfa_scr"],
         }
     }
 
@@ -171,8 +173,11 @@ impl Form {
     /// walk their rows as the one-launch layers do (`stages::QUANT_PRODUCTS`).
     fn header(self) -> String {
         let (exact, products) = if self.exact { (EXACT_DEFINES, stages::QUANT_PRODUCTS) } else { ("", "") };
-        let local = if self.local { "#define LFM_MOE_LOCAL_ROUTE 1\n" } else { "" };
-        format!("{exact}{local}{}{products}", header())
+        let prefetch = match self.prefetch {
+            0 => String::new(),
+            p => format!("#define LFM_MOE_DOWN_PREFETCH {p}\n{}{}", stages::PREFETCH_HEADER, stages::MOE_DOWN_PREFETCH_HEADER),
+        };
+        format!("{exact}{}{products}{prefetch}", header())
     }
 }
 
@@ -180,7 +185,9 @@ impl Form {
 /// (`yn`, `inds`, `scores`, `hk`) in the layer's state
 /// ([`stages::call_with_scratch`]).
 fn kernel(scratch: bool, form: Form) -> Option<&'static CudaKernel> {
-    static K: [[Cells; 2]; 4] = [
+    static K: [[Cells; 2]; 6] = [
+        [stages::cells(), stages::cells()],
+        [stages::cells(), stages::cells()],
         [stages::cells(), stages::cells()],
         [stages::cells(), stages::cells()],
         [stages::cells(), stages::cells()],
@@ -198,26 +205,31 @@ fn kernel(scratch: bool, form: Form) -> Option<&'static CudaKernel> {
     stages::kernel(&cells[0], name, &INPUTS, &outputs, stages::LAYER_SOURCE, head)
 }
 
-/// `MLX_LFM_MOE_LOCAL_ROUTE=1` (opt-in, session 37, not yet run on a GPU):
-/// every gate/up block of the one-launch MoE layer runs the add + RMSNorm
-/// and the route itself (the router block's functions on the same inputs:
-/// the same bits), instead of waiting for the one block that ran them.
-/// Session 35's timelines on the H100 had that block done at 7.1 µs of a
-/// clean 35.4 µs launch (10-12 µs of colder ones), the gate/up blocks
-/// idle until then; here each spends about a GEMV of the router's 32 KB
-/// (from L2 after the first) and the norm's 12 KB, and starts its experts'
-/// rows sooner. The first gate/up block writes the layer's sum, normed row
-/// and route; the router block only marks. Its test holds it to the
-/// default's bits. Read at each launch's build, so a process can time
-/// both forms.
-pub(crate) fn local_route() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    super::opt_in("MLX_LFM_MOE_LOCAL_ROUTE", &ON)
+/// `MLX_LFM_MOE_DOWN_PREFETCH=1` (or `after`; opt-in, session 38, not yet
+/// run on a GPU): each gate/up block of the one-launch MoE layer asks L2
+/// for its share of its expert's down rows (stages.rs
+/// `lfm_moe_down_prefetch`), before its own rows (`1`) or after them
+/// (`after`). Session 35's timelines on the H100 had a clean launch's
+/// down stage take 12.8 of its 35.4 µs for ~7.3 MB (~0.57 TB/s): its 256
+/// blocks start only as the gate/up blocks leave the SMs (one 1,024-thread
+/// block an SM), so no down row is asked for before the gate/up stage ends.
+/// A prefetch changes no value: its test holds it to the bits of the form
+/// it varies. Read at each launch's build, so a process can time the forms.
+pub(crate) fn down_prefetch() -> u8 {
+    static SET: OnceLock<u8> = OnceLock::new();
+    if super::forced("MLX_LFM_MOE_DOWN_PREFETCH") {
+        return 1;
+    }
+    crate::knobs::cached("MLX_LFM_MOE_DOWN_PREFETCH", &SET, |v| match v.map(str::trim) {
+        Some("1") => 1,
+        Some("after") => 2,
+        _ => 0,
+    })
 }
 
-/// How many launches took the local route ([`local_route`]).
-pub fn built_local() -> usize {
-    BUILT_LOCAL.get()
+/// How many launches asked L2 for the down rows ([`down_prefetch`]).
+pub fn built_prefetch() -> usize {
+    BUILT_PREFETCH.get()
 }
 
 /// The experts-exact form's defines: MLX's walk for the experts, two
@@ -310,8 +322,9 @@ pub(crate) fn served(n: &NormIn, g: &Quantized, gu: &Quantized, down: &Quantized
 /// the warps' 16-byte chunks (D not a multiple of 512: 1,056 to 1,920)
 /// took 72-80 in the default form, and the experts-exact form took 70 on
 /// 4-bit rows of 1,152 and 1,280. Those rows take the three kernels (or,
-/// for the exact form, the default form); the local route never took more
-/// than the form it varies.
+/// for the exact form, the float form); session 37's route in every
+/// gate/up block (retired in session 38) never took more than the form it
+/// varied, nor does the down rows' prefetch (nvrtc-check's `@pf` entries).
 fn registers_fit(bits: i32, d: i32, exact: bool) -> bool {
     (bits != 8 && !exact) || d % 512 == 0
 }
@@ -401,8 +414,8 @@ fn launch(
         && quant_gemv::spec_served(gu, dt, d)
         && quant_gemv::spec_served(down, dt, f)
         && registers_fit(gu.spec.bits, d, true);
-    let local = !timeline && local_route();
-    let form = Form { exact, local };
+    let prefetch = if timeline { 0 } else { down_prefetch() };
+    let form = Form { exact, prefetch };
     let kern = if timeline { timeline_kernel() } else { kernel(false, form) }.ok_or_else(unavailable)?;
     let missing = |what: &str| Error::invalid(format!("the fused MoE kernel needs affine biases ({what})"));
     let gb = g.biases.as_ref().ok_or_else(|| missing("the router gate"))?;
@@ -465,8 +478,8 @@ fn launch(
     if exact {
         BUILT_EXACT.bump();
     }
-    if local {
-        BUILT_LOCAL.bump();
+    if prefetch != 0 {
+        BUILT_PREFETCH.bump();
     }
     Ok(outs)
 }

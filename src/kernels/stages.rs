@@ -97,20 +97,6 @@ __device__ inline void lfm_norm_stage(const T* h, const T* r, const T* wn, float
   for (int i = threadIdx.x; i < D; i += blockDim.x) yn[i] = ys[i];
   __syncthreads();
 }
-#if LFM_MOE_LOCAL_ROUTE
-// The MoE layer's local route (src/kernels/moe_fused.rs local_route): the
-// router block's norm and route, out of line, so that its registers do
-// not add to the experts' walk that follows in the same block.
-template <typename T, int D, int E, int BITS, int GS, int TOPK, bool NORM, int WARPS, typename BT>
-__device__ __noinline__ void lfm_local_route(const T* h, const T* r, const T* wn, float eps, T* s, T* ys, T* yn,
-                                             const uint32_t* w, const T* scales, const T* biases, const BT* bias,
-                                             float scale, uint32_t* inds, float* scores, float* probs_s) {
-  lfm_norm_stage<T, D, 256>(h, r, wn, eps, s, ys, yn);
-  const float sc[1] = {scale};
-  lfm_gate_route<T, D, E, BITS, GS, TOPK, NORM, WARPS>(ys, lfm_aligned(w), w, scales, biases, bias, sc, inds, scores,
-                                                      probs_s, 0);
-}
-#endif
 "#;
 
 /// The body of the short-conv layer's, the feed-forward's, the MoE's and
@@ -134,11 +120,11 @@ pub(crate) const LAYER_SOURCE: &str = r#"
 #ifndef LFM_MOE_EXACT
 #define LFM_MOE_EXACT 0
 #endif
-#ifndef LFM_MOE_LOCAL_ROUTE
-#define LFM_MOE_LOCAL_ROUTE 0
+#ifndef LFM_MOE_DOWN_PREFETCH
+#define LFM_MOE_DOWN_PREFETCH 0
 #endif
-#if LFM_MOE_LOCAL_ROUTE && (LFM_CONV_PART || !LFM_MOE_PART)
-#error "LFM_MOE_LOCAL_ROUTE: the MoE layer's own kernel only"
+#if LFM_MOE_DOWN_PREFETCH && (LFM_CONV_PART || !LFM_MOE_PART)
+#error "LFM_MOE_DOWN_PREFETCH: the MoE layer's own kernel only"
 #endif
 #if LFM_CONV_PART && LFM_OUT_ONLY
   // Only the conv part's out_proj stage, over a row an earlier launch
@@ -180,9 +166,8 @@ pub(crate) const LAYER_SOURCE: &str = r#"
   constexpr int XR = D * sizeof(T) / 16;
   constexpr int SA = XR > CR ? XR : CR;
   constexpr int SB = SA > HR ? SA : HR;
-  // (Joined: the second norm stages its two rows and writes its own. The
-  // MoE's local route: each gate/up block's normed row and sum.)
-  constexpr int SN = (LFM_CONV_PART && TAIL_NB > 0) ? 3 * XR : LFM_MOE_LOCAL_ROUTE ? 2 * XR : 0;
+  // (Joined: the second norm stages its two rows and writes its own.)
+  constexpr int SN = (LFM_CONV_PART && TAIL_NB > 0) ? 3 * XR : 0;
   __shared__ uint4 sm[SB > SN ? SB : SN];
   unsigned long long* st = reinterpret_cast<unsigned long long*>(const_cast<uint32_t*>(ctr));
   const int lane = threadIdx.x % 32;
@@ -262,15 +247,6 @@ pub(crate) const LAYER_SOURCE: &str = r#"
 #if LFM_FFN_PART || LFM_MOE_PART
   constexpr int FC = LFM_CONV_PART ? 3 : 0;
   const int fr = role - CONV_NB;
-#if LFM_MOE_LOCAL_ROUTE
-  if (fr == 0) {
-    // (Each gate/up block routes for itself, the first writing the
-    // layer's sum, normed row and route: this block only marks. Not the
-    // router block's text, which the timeline form stamps.)
-    lfm_release_mark(st + FC + 1, launch + 1);  // only marks
-    return;
-  }
-#endif
   if (fr == 0) {
     // The feed-forward's add + RMSNorm (a MoE's with 256 threads, as the
     // router + norm kernel runs it, then the route on the normed row).
@@ -334,49 +310,19 @@ pub(crate) const LAYER_SOURCE: &str = r#"
     // Gate/up: a warp one row of one chosen expert, after the route.
     const int j = (fr - 1) / RB;
     const int n = ((fr - 1) % RB) * WARPS + wid;
-#if LFM_MOE_LOCAL_ROUTE
-    // The route computed here (src/kernels/moe_fused.rs local_route): the
-    // router block's add + RMSNorm and route, the same functions on the
-    // same inputs (the same bits), in every gate/up block instead of one
-    // block that the others wait for. The first writes the layer's sum,
-    // normed row and route (the down blocks read them once every gate/up
-    // block is done); the others keep theirs in shared memory.
-    const bool late = false;
-    __shared__ uint32_t inds_l[8];
-    __shared__ float scores_l[8];
-    T* xs = reinterpret_cast<T*>(sm);
-    T* sl = xs + D;
-    const bool first = fr == 1;
-    {
-      lfm_local_route<T, D, E, GBITS, GGS, TOPK, NORM, WARPS>(h, r, wn, __int_as_float(EPS_BITS), first ? s : sl, xs,
-                                                             first ? LFM_FFN_YN : sl, gw, gscales, gbiases, bias,
-                                                             __int_as_float(SCALE_BITS), inds_l, scores_l, probs_s);
-      __syncthreads();
-      // (By the thread whose fence releases the block's count, as the
-      // router block's route is written by the thread that marks it.)
-      if (first && threadIdx.x == 0) {
-        for (int k = 0; k < KE; k++) {
-          inds[k] = inds_l[k];
-          scores[k] = scores_l[k];
-        }
-      }
-    }
-#else
     const bool late = lfm_block_wait(st + FC + 1, launch + 1, nullptr, 0);
     T* xs = reinterpret_cast<T*>(sm);
     if (!late) lfm_stage16(sm, LFM_FFN_YN, XR);
     __syncthreads();
+#if LFM_MOE_DOWN_PREFETCH == 1
+    lfm_moe_down_prefetch<T, D, F, BITS, GS, RB>(dw, dscales, dbiases, late ? E : __ldcg(inds + j), E, (fr - 1) % RB);
 #endif
     if (n < F) {
       float ag = 0.0f;
       float au = 0.0f;
       // (An expert id out of range, which the route never writes, poisons
       // rather than reads past the stacks.)
-#if LFM_MOE_LOCAL_ROUTE
-      const size_t ex = inds_l[j];
-#else
       const size_t ex = late ? 0 : __ldcg(inds + j);
-#endif
       const bool bad = late || ex >= E;
       if (!bad) {
         const size_t gi = ex * (2 * F) + n;
@@ -405,6 +351,9 @@ pub(crate) const LAYER_SOURCE: &str = r#"
       }
       if (lane == 0) hk[static_cast<size_t>(j) * F + n] = bad ? T(poison) : lfm_swiglu<T>(ag, au);
     }
+#if LFM_MOE_DOWN_PREFETCH == 2
+    lfm_moe_down_prefetch<T, D, F, BITS, GS, RB>(dw, dscales, dbiases, late ? E : __ldcg(inds + j), E, (fr - 1) % RB);
+#endif
     lfm_release_count(st + FC + 2);
     return;
   }
@@ -498,6 +447,29 @@ __device__ inline void lfm_prefetch_block(const void* p, int bytes) {
   for (unsigned long long l = (a & ~31ull) + 32ull * threadIdx.x; l < a + bytes; l += 32ull * blockDim.x) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(l));
   }
+}
+"#;
+
+/// The MoE layer's down rows asked of L2 by its gate/up blocks
+/// (src/kernels/moe_fused.rs `down_prefetch`): gate/up block `q` of its
+/// expert's `RB` takes the `q`th share of that expert's `D` down rows (their
+/// words, scales and biases), so that every chosen expert's down matrix is
+/// asked for once, while the gate/up stage runs, and the down blocks after
+/// it find their rows in L2. Needs [`PREFETCH_HEADER`].
+pub(crate) const MOE_DOWN_PREFETCH_HEADER: &str = r#"
+template <typename T, int D, int F, int BITS, int GS, int RB>
+__device__ inline void lfm_moe_down_prefetch(const uint32_t* dw, const T* dsc, const T* dbi, uint32_t ex, uint32_t experts,
+                                             int q) {
+  constexpr int SHARE = (D + RB - 1) / RB;
+  constexpr int WORDS = F * BITS / 32;
+  constexpr int G = F / GS;
+  const int r0 = q * SHARE;
+  const int n = D - r0 < SHARE ? D - r0 : SHARE;
+  if (ex >= experts || n <= 0) return;
+  const size_t row0 = static_cast<size_t>(ex) * D + r0;
+  lfm_prefetch_block(dw + row0 * WORDS, n * WORDS * 4);
+  lfm_prefetch_block(dsc + row0 * G, n * G * (int)sizeof(T));
+  lfm_prefetch_block(dbi + row0 * G, n * G * (int)sizeof(T));
 }
 "#;
 

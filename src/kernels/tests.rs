@@ -2037,8 +2037,9 @@ fn moe_fused_kernel_matches_the_three_kernels() {
 
 /// The one-launch MoE layer's other forms over the same cases (each case's
 /// float-form run first): its experts in MLX's arithmetic
-/// ([`check_experts_exact`], the default since session 38) and its local
-/// route ([`check_local_route`], opt-in). A
+/// ([`check_experts_exact`], the default since session 38) and its down
+/// rows asked of L2 by the gate/up blocks ([`check_down_prefetch`],
+/// opt-in). A
 /// test of its own, in a process of its own on a device call, beside the
 /// default's (their builds together ran past a call's share in session 37's
 /// estimate).
@@ -2076,7 +2077,7 @@ fn moe_fused_cases(test: &str, forms: bool) {
     let consts = [
         ("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string())),
         ("MLX_LFM_MOE_EXACT".to_string(), Some("0".to_string())),
-        ("MLX_LFM_MOE_LOCAL_ROUTE".to_string(), Some("0".to_string())),
+        ("MLX_LFM_MOE_DOWN_PREFETCH".to_string(), Some("0".to_string())),
     ];
     // (dtype, tolerance, experts, k, D, F, gate bits, gate group, experts' bits, group)
     let cases = [
@@ -2127,7 +2128,7 @@ fn moe_fused_cases(test: &str, forms: bool) {
             if forms {
                 let run_form = |state: &Array, scratch: bool| if scratch { scratch_in_state(|| run(state)) } else { run(state) };
                 let exact_out = check_experts_exact(&what, dt, &s, &out, &wy, &wi, &wsc, &gu, &dn, run_form);
-                check_local_route(&what, &s, &out, &exact_out, d, f, k, run_form);
+                check_down_prefetch(&what, &s, &out, &exact_out, d, f, k, run_form);
                 return;
             }
             // The scratch rows in the layer's state (MLX_LFM_SCRATCH_IN_STATE):
@@ -2254,15 +2255,15 @@ fn check_experts_exact(
     out3
 }
 
-/// The one-launch MoE layer with the route in every gate/up block
-/// (`MLX_LFM_MOE_LOCAL_ROUTE`, opt-in; src/kernels/moe_fused.rs
-/// `local_route`): the same functions on the same inputs, so the default's
-/// bits (`s`, `out`), in its outputs form and its scratch form (twice over
-/// one state), and with the experts in MLX's arithmetic that form's bits
-/// (`exact_out`); each run counted (`built_local`), so a fallback to the
-/// default cannot pass.
+/// The one-launch MoE layer with its down rows asked of L2 by the gate/up
+/// blocks (`MLX_LFM_MOE_DOWN_PREFETCH`, opt-in; src/kernels/moe_fused.rs
+/// `down_prefetch`), before their own rows and after: a prefetch changes
+/// no value, so the float form's bits (`s`, `out`), in its outputs form and
+/// its scratch form (twice over one state), and with the experts in MLX's
+/// arithmetic that form's bits (`exact_out`); each run counted
+/// (`built_prefetch`), so a fallback to the form it varies cannot pass.
 #[allow(clippy::too_many_arguments)]
-fn check_local_route(
+fn check_down_prefetch(
     what: &str,
     s: &crate::mlx::Array,
     out: &crate::mlx::Array,
@@ -2272,33 +2273,35 @@ fn check_local_route(
     k: usize,
     run: impl Fn(&crate::mlx::Array, bool) -> (crate::mlx::Array, crate::mlx::Array),
 ) {
-    use crate::kernels::moe_fused::built_local;
+    use crate::kernels::moe_fused::built_prefetch;
     use crate::kernels::stages::{new_counters, new_counters_of};
-    let on = |exact: bool| {
-        vec![
-            ("MLX_LFM_MOE_LOCAL_ROUTE".to_string(), Some("1".to_string())),
-            ("MLX_LFM_MOE_EXACT".to_string(), Some(if exact { "1" } else { "0" }.to_string())),
-        ]
-    };
-    let counted = |exact: bool, state: &crate::mlx::Array, scratch: bool, label: &str| {
-        let before = built_local();
-        let got = crate::knobs::with_overrides(&on(exact), || run(state, scratch));
-        assert_eq!(built_local(), before + 1, "{what}: the local route did not run ({label})");
-        got
-    };
-    let (s2, out2) = counted(false, &new_counters().unwrap(), false, "outputs");
-    assert_eq!(differing(&s2, s), 0, "{what}: the local route: the residual sum differs from the default's");
-    assert_eq!(differing(&out2, out), 0, "{what}: the local route: the output differs from the default's");
-    let big = new_counters_of(crate::kernels::moe_fused::state_words(d as usize, f as usize, k)).unwrap();
-    for turn in 0..2 {
-        let (s3, out3) = counted(false, &big, true, "scratch");
-        assert_eq!(differing(&s3, s), 0, "{what}: the local route, scratch in the state, launch {turn}: the sum differs");
-        assert_eq!(differing(&out3, out), 0, "{what}: the local route, scratch in the state, launch {turn}: the output differs");
+    for at in ["1", "after"] {
+        let on = |exact: bool| {
+            vec![
+                ("MLX_LFM_MOE_DOWN_PREFETCH".to_string(), Some(at.to_string())),
+                ("MLX_LFM_MOE_EXACT".to_string(), Some(if exact { "1" } else { "0" }.to_string())),
+            ]
+        };
+        let counted = |exact: bool, state: &crate::mlx::Array, scratch: bool, label: &str| {
+            let before = built_prefetch();
+            let got = crate::knobs::with_overrides(&on(exact), || run(state, scratch));
+            assert_eq!(built_prefetch(), before + 1, "{what}: the down rows' prefetch ({at}) did not run ({label})");
+            got
+        };
+        let (s2, out2) = counted(false, &new_counters().unwrap(), false, "outputs");
+        assert_eq!(differing(&s2, s), 0, "{what}: the down rows' prefetch ({at}): the residual sum differs from the float form's");
+        assert_eq!(differing(&out2, out), 0, "{what}: the down rows' prefetch ({at}): the output differs from the float form's");
+        let big = new_counters_of(crate::kernels::moe_fused::state_words(d as usize, f as usize, k)).unwrap();
+        for turn in 0..2 {
+            let (s3, out3) = counted(false, &big, true, "scratch");
+            assert_eq!(differing(&s3, s), 0, "{what}: the down rows' prefetch ({at}), scratch in the state, launch {turn}: the sum differs");
+            assert_eq!(differing(&out3, out), 0, "{what}: the down rows' prefetch ({at}), scratch in the state, launch {turn}: the output differs");
+        }
+        let (s4, out4) = counted(true, &new_counters().unwrap(), false, "experts exact");
+        assert_eq!(differing(&s4, s), 0, "{what}: the down rows' prefetch ({at}), experts exact: the residual sum differs");
+        assert_eq!(differing(&out4, exact_out), 0, "{what}: the down rows' prefetch ({at}), experts exact: the output differs from the exact form's");
     }
-    let (s4, out4) = counted(true, &new_counters().unwrap(), false, "experts exact");
-    assert_eq!(differing(&s4, s), 0, "{what}: the local route, experts exact: the residual sum differs");
-    assert_eq!(differing(&out4, exact_out), 0, "{what}: the local route, experts exact: the output differs from the exact form's");
-    eprintln!("{what}: the local route gives the default's bits, and the exact form's with the experts exact");
+    eprintln!("{what}: the down rows' prefetch, before and after the rows, gives the float form's bits, and the exact form's with the experts exact");
 }
 
 /// The one-launch MoE kernel's timeline form (the bench's,

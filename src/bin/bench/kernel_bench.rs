@@ -527,14 +527,18 @@ impl Experts {
 /// is the one launch as it ships: since session 38 its experts in MLX's
 /// arithmetic, their 4-bit rows in pairs (37.66 µs on the H100 there);
 /// `moe-layer-q4-float-fused` the float form before it
-/// (`MLX_LFM_MOE_EXACT=0`, 41.57); `moe-layer-q4-local-fused` its route in
-/// every gate/up block (`MLX_LFM_MOE_LOCAL_ROUTE`, session 37). An arm of
-/// one kernel a product runs the one launch.
-const LAYER_ARMS: [(&str, Switches, usize); 4] = [
+/// (`MLX_LFM_MOE_EXACT=0`, 41.57); `moe-layer-q4-pf-fused` and
+/// `moe-layer-q4-pfa-fused` its down rows asked of L2 by the gate/up blocks
+/// before their own rows and after them (`MLX_LFM_MOE_DOWN_PREFETCH=1|after`,
+/// session 38). (Session 37's route in every gate/up block, 41.86 against
+/// 37.66 with the experts exact in pairs, retired.) An arm of one kernel a
+/// product runs the one launch.
+const LAYER_ARMS: [(&str, Switches, usize); 5] = [
     ("moe-layer-q4-three", &[("MLX_LFM_MOE_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1")], 3),
     ("moe-layer-q4-fused", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
     ("moe-layer-q4-float-fused", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_EXACT", "0"), ("MLX_LFM_EPS_CONST", "1")], 1),
-    ("moe-layer-q4-local-fused", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_LOCAL_ROUTE", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
+    ("moe-layer-q4-pf-fused", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_DOWN_PREFETCH", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
+    ("moe-layer-q4-pfa-fused", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_DOWN_PREFETCH", "after"), ("MLX_LFM_EPS_CONST", "1")], 1),
 ];
 const LAYER_ROWS: usize = 8;
 const LAYER_LAUNCHES: usize = 16;
