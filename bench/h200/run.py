@@ -168,52 +168,51 @@ Next (`bash bench/h200/prepare.sh` here first; ~1,500 s planned; the
 working tree is ~7 MB, so .device/a and .device/llama no longer fit one
 call: stage and llama are two; a fresh machine's `ab` first spends ~270 s
 generating the checkpoints).
-Session 37 got an H100 for ~28 minutes: the MoE experts over x
-chunk-interleaved passed their test and lost (42.40 µs against 41.47 in
-kernel-bench, decode A/B 1.03x within its noise; retired since); the
-QINT tests shared processes with other tests and checked nothing (each
-its own process since), then alone ran past 524 s (split one a layer,
-their quantized cases in the step's forms, since). After the call: the
-MoE layer's experts in MLX's qmv arithmetic (`moe-exact`, in process;
-`moe-exact-pairs` with MLX_LFM_QINT=pairs, a process switch), the walk
-pairs made 28-30% faster in the conv and feed-forward layers; and its
-route in every gate/up block (`moe-local-route`, in process: the
-default's bits, no block waiting on the router's one). The chain:
+Session 38 got an H100 for ~27 minutes and ran session 37's chain whole
+(tests passed, kernel-bench, A/B, three rounds, the 8B-A1B's profile): the
+4-bit rows in pairs and the MoE experts in MLX's walk were adopted as CUDA
+defaults after it (8B-A1B decode 0.97x llama.cpp, from 0.77-0.80), the
+local route retired; the 8B-A1B's step is now GPU-bound (1,597 µs of
+kernels, the MoE layers 847 of them at ~0.65 TB/s). After the call: the
+MoE layer's down rows asked of L2 by its gate/up blocks
+(`moe-down-prefetch`, `-after`, in process), and kernel-bench with warm
+caches (H200_KERNEL_BENCH_WARM=1). The chain:
   1. carry [.device/a]: `stage-mlx`.
   2. carry [.device/llama]: `llama`.
-  3. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=7 (the five
-     QINT tests alone, the two MoE tests in two more)
-     H200_KERNEL_TESTS=q_in_pairs_,moe_fused_
+  3. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=6
+     H200_KERNEL_TESTS=conv_fused_kernel,ffn_fused_kernel,qkv_fused_kernel,moe_fused_,quant_gemv_kernel,greedy_tokens_with_kernels_equal_stock_ops_on_wide_moe
      `timeout -s TERM 540 python3 bench/h200/run.py install verdicts-from
-     committed kernels save-ptx` (q in pairs, a process a layer, the MoE
-     layer's with its opt-in forms; the MoE kernel's default test and its
-     forms' test, the experts exact against the stock graph and the local
-     route against the default's bits; the default kernels' sm_90 SASS is
-     byte-identical to what session 37's call 4 tested, nvrtc-check).
+     committed kernels save-ptx` (the defaults' whole tests with the rows in
+     pairs, which session 38 ran in their quantized cases only; the MoE
+     forms' test with the down rows' prefetch; the wide MoE greedy sets,
+     `moe-float` among them).
   4. carry [.device/bin]:
-     H200_KERNEL_BENCH_ARMS=moe-layer-q4-fused,moe-layer-q4-exact-fused,moe-layer-q4-local-fused,moe-layer-q4-exact-local-fused
-     `timeout -s TERM 200 sh -c 'python3 bench/h200/run.py kernel-bench &&
-     MLX_LFM_QINT=pairs H200_TAG=qint-pairs python3 bench/h200/run.py
-     kernel-bench'` (the MoE layer's experts exact, its local route, both;
-     plain and in pairs, ~20 s each).
+     A=moe-layer-q4-fused,moe-layer-q4-float-fused,moe-layer-q4-pf-fused,moe-layer-q4-pfa-fused,conv-layer-q4-fused,conv-layer-bf16-fused,ffn-layer-bf16-fused,ffn-layer-q4-fused
+     `timeout -s TERM 300 sh -c "H200_KERNEL_BENCH_ARMS=$A python3
+     bench/h200/run.py kernel-bench && H200_KERNEL_BENCH_WARM=1 H200_TAG=warm
+     H200_KERNEL_BENCH_ARMS=$A python3 bench/h200/run.py kernel-bench &&
+     H200_DETAIL_ARMS=moe-layer-q4-fused,conv-layer-q4-fused python3
+     bench/h200/run.py kernel-detail"` (the down rows' prefetch; each
+     layer cold and with its weights in L2, the ceiling of asking for a
+     layer's weights during the launch before; the stalls of the layers as
+     they ship now).
   5. carry [.device/bin]: H200_OURS_ENV (mimalloc),
-     H200_AB_VARIANTS=scratch-in-state,moe-exact,moe-local-route,qint-pairs,moe-exact-pairs
-     H200_MODELS=lfm2-8b-a1b-q4 H200_AB_REPS=4 `timeout -s TERM 560
-     python3 bench/h200/run.py ab pick gguf-bg` (`pick` takes each only
-     where its tests passed: scratch-in-state's in session 35, its A/B
-     owed since session 33; moe-exact's greedy set has not run on a GPU,
-     so it is timed, not taken; the 8B-A1B alone, whose step is
-     host-bound: ~270 s to generate it, ~50 s in process, then 3 arms x 2
-     reps of ~33 s processes).
-  6. carry [.device/bin]: H200_OURS_ENV, H200_AB_VARIANTS=kernel-text-file
-     H200_MODELS=lfm2-8b-a1b-q4 H200_AB_REPS=4 `timeout -s TERM 300
-     python3 bench/h200/run.py ab pick` (the kernel texts in files: 2 arms
-     x 2 reps).
-  7. carry [.device/bin]: H200_OURS_ENV, `timeout -s TERM 560 python3
-     bench/h200/run.py round 1` with the picked switches.
-  Then, if time is left: the wide MoE greedy test with the experts exact
-  (`H200_KERNEL_TESTS=greedy_tokens_with_kernels_equal_stock_ops_on_wide_moe`,
-  carry [.device/b, .device/tests], `kernels`: its `greedy:moe-exact`).
+     H200_AB_VARIANTS=moe-down-prefetch,moe-down-prefetch-after,kernel-text-file,scratch-in-state
+     H200_MODELS=lfm2-8b-a1b-q4,lfm2-350m-bf16 H200_AB_REPS=4 `timeout -s
+     TERM 560 python3 bench/h200/run.py ab pick gguf-bg` (the host levers
+     on the host-bound 350M too).
+  6. carry [.device/bin]: H200_OURS_ENV, `timeout -s TERM 560 python3
+     bench/h200/run.py pick round 1`, then `pick round 2`.
+  7. carry [.device/bin]: H200_OURS_ENV, H200_MODELS=lfm2-1.2b-bf16
+     `timeout -s TERM 200 python3 bench/h200/run.py profile` (the 1.2B's
+     step on the H100 with the one-launch layers: where its 1.28 ms go;
+     1.2x llama.cpp needs ~1.13).
+Session 37's plan, for the record: its steps 1-2 as above; 3. the q in
+pairs and MoE tests, seven processes; 4. kernel-bench of the MoE forms
+(experts exact, local route, both), plain and in pairs; 5. `ab pick
+gguf-bg` on the 8B-A1B (`scratch-in-state`, `moe-exact`,
+`moe-local-route`, `qint-pairs`, `moe-exact-pairs`); 6. `ab pick`
+(`kernel-text-file`); 7. `round 1`; then the wide MoE greedy test.
 Session 36's plan, for the record: its steps 1-2 as above; 3. the kernel
 tests (q in pairs and by its bits, the MoE kernel with the interleaved x,
 the conv, feed-forward and q/k/v tests, the compiled prefill) over the
