@@ -191,11 +191,13 @@ caches (H200_KERNEL_BENCH_WARM=1). The chain:
      `timeout -s TERM 300 sh -c "H200_KERNEL_BENCH_ARMS=$A python3
      bench/h200/run.py kernel-bench && H200_KERNEL_BENCH_WARM=1 H200_TAG=warm
      H200_KERNEL_BENCH_ARMS=$A python3 bench/h200/run.py kernel-bench &&
-     H200_DETAIL_ARMS=moe-layer-q4-fused,conv-layer-q4-fused python3
-     bench/h200/run.py kernel-detail"` (the down rows' prefetch; each
+     python3 bench/h200/run.py moe-timeline &&
+     H200_DETAIL_ARMS=moe-layer-q4-fused,conv-layer-q4-fused,ffn-layer-bf16-fused
+     python3 bench/h200/run.py kernel-detail"` (the down rows' prefetch; each
      layer cold and with its weights in L2, the ceiling of asking for a
-     layer's weights during the launch before; the stalls of the layers as
-     they ship now).
+     layer's weights during the launch before; the MoE layer's stages as it
+     ships, in float32 and with the down rows' prefetch, and the conv
+     layer's; the stalls of the layers as they ship now).
   5. carry [.device/bin]: H200_OURS_ENV (mimalloc),
      H200_AB_VARIANTS=moe-down-prefetch,moe-down-prefetch-after,kernel-text-file,scratch-in-state
      H200_MODELS=lfm2-8b-a1b-q4,lfm2-350m-bf16 H200_AB_REPS=4 `timeout -s
@@ -1456,8 +1458,8 @@ def shape_cost():
 
 
 def moe_timeline():
-    """Where the 8B-A1B's one-launch MoE layer spends its launch, at 1, 2,
-    4 and 8 rows a warp, and the one-launch conv layer (the 8B-A1B's 4-bit
+    """Where the 8B-A1B's one-launch MoE layer spends its launch (as it
+    ships, in float32, with the down rows' prefetch), and the one-launch conv layer (the 8B-A1B's 4-bit
     and the 1.2B's dense, without and with its rows asked for early)
     (`mlx-lfm-bench --kernel-bench --arms
     moe-layer-q4-timeline,conv-layer-timeline`, no ncu: their timeline

@@ -420,6 +420,10 @@ KERNELS["moe_fused.rs@exact8-pf-d1536"] = KERNELS["moe_fused.rs@exact8-d1536"]
 # The bench's timeline form: the stamps an extra int64 output (REPLACE_OF).
 KERNELS["moe_fused.rs@timeline"] = (KERNELS["moe_fused.rs"][0], KERNELS["moe_fused.rs"][1] + [("times", "long long")],
                                     KERNELS["moe_fused.rs"][2])
+# ...of the form that ships (the experts exact) and with the down rows'
+# prefetch (moe_fused.rs timeline_kernel takes a plain launch's form).
+KERNELS["moe_fused.rs@exact-timeline"] = KERNELS["moe_fused.rs@timeline"]
+KERNELS["moe_fused.rs@exact-pf-timeline"] = KERNELS["moe_fused.rs@timeline"]
 # The conv layer's and feed-forward's rows asked of L2 before their waits
 # (MLX_LFM_EARLY_PREFETCH: stages.rs EARLY_SUBSTITUTIONS, early_header).
 for _k in ("conv_fused.rs", "ffn_fused.rs", "qk_norm_rope.rs#qkv_fused"):
@@ -683,6 +687,8 @@ REPLACE_OF = {
     **{f"norm_gemv.rs#{f}@epsc": substitutions("add_rms_norm.rs", "EPS_CONST_SUBSTITUTIONS") for f in ("dense", "swiglu", "quant")},
     # The bench's timeline form (stages.rs TIMELINE_HEADER): stamps in.
     "moe_fused.rs@timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
+    "moe_fused.rs@exact-timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
+    "moe_fused.rs@exact-pf-timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
     **{_k + v: substitutions("stages.rs", "EARLY_SUBSTITUTIONS") for _k in ("conv_fused.rs", "ffn_fused.rs")
        for v in ("@early", "@dense-early")},
     **{"qk_norm_rope.rs#qkv_fused" + v: substitutions("qkv_fused.rs", "EARLY_SUBSTITUTIONS") for v in ("@early", "@dense-early")},
@@ -763,6 +769,10 @@ for _v, _at, _of in (("@exact-pf", 1, "@exact"), ("@exact-pfa", 2, "@exact"), ("
                      ("@exact8-pf-d1536", 1, "@exact8-d1536")):
     DEFINES_OF["moe_fused.rs" + _v] = f"#define LFM_MOE_DOWN_PREFETCH {_at}\n" + DEFINES_OF["moe_fused.rs" + _of]
     HEADER_AFTER["moe_fused.rs" + _v] = HEADER_AFTER["moe_fused.rs" + _of] + _PF
+DEFINES_OF["moe_fused.rs@exact-timeline"] = _TL + DEFINES_OF["moe_fused.rs@exact"]
+HEADER_AFTER["moe_fused.rs@exact-timeline"] = HEADER_AFTER["moe_fused.rs@exact"]
+DEFINES_OF["moe_fused.rs@exact-pf-timeline"] = _TL + DEFINES_OF["moe_fused.rs@exact-pf"]
+HEADER_AFTER["moe_fused.rs@exact-pf-timeline"] = HEADER_AFTER["moe_fused.rs@exact-pf"]
 # The other one-launch layers with their scratch rows in the state
 # (MLX_LFM_SCRATCH_IN_STATE): outputs without the rows, their places (bf16,
 # 2,048 wide: stages.rs scratch_places) as template values.

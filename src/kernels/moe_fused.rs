@@ -379,12 +379,14 @@ pub fn forward_timeline(
 }
 
 /// The kernel's timeline form (outputs as [`kernel`]'s, then `times`).
-fn timeline_kernel() -> Option<&'static CudaKernel> {
-    static K: Cells = stages::cells();
+fn timeline_kernel(form: Form) -> Option<&'static CudaKernel> {
+    static K: [Cells; 6] = [stages::cells(), stages::cells(), stages::cells(), stages::cells(), stages::cells(), stages::cells()];
     static SOURCE: OnceLock<String> = OnceLock::new();
+    static NAMES: [OnceLock<String>; 6] = [OnceLock::new(), OnceLock::new(), OnceLock::new(), OnceLock::new(), OnceLock::new(), OnceLock::new()];
     let source = SOURCE.get_or_init(|| super::substituted(stages::LAYER_SOURCE, &stages::TIMELINE_SUBSTITUTIONS));
     let outputs = ["s", "out", "yn", "inds", "scores", "hk", "times"];
-    stages::kernel(&K, "lfm_moe_fused_timeline", &INPUTS, &outputs, source, || format!("{}{}", stages::TIMELINE_HEADER, header()))
+    let name = NAMES[form.index()].get_or_init(|| format!("{}_timeline", form.names()[0]));
+    stages::kernel(&K[form.index()], name, &INPUTS, &outputs, source, move || format!("{}{}", stages::TIMELINE_HEADER, form.header()))
 }
 
 /// The launch: `[s, out]`, or (`timeline`) every output of the timeline
@@ -407,16 +409,14 @@ fn launch(
     let (d, dt) = (n.h.dim(1), n.h.dtype());
     let (e, f) = (g.weight.dim(0), gu.weight.dim(1) / 2);
     // (Where the MLX walk does not serve the experts, the float form runs.
-    // The timeline form is the float form's alone: its test and the bench
-    // hold it to that form's bits.)
-    let exact = !timeline
-        && experts_exact()
+    // The timeline form takes the same form as a plain launch would: its
+    // test and the bench hold it to that form's bits.)
+    let exact = experts_exact()
         && quant_gemv::spec_served(gu, dt, d)
         && quant_gemv::spec_served(down, dt, f)
         && registers_fit(gu.spec.bits, d, true);
-    let prefetch = if timeline { 0 } else { down_prefetch() };
-    let form = Form { exact, prefetch };
-    let kern = if timeline { timeline_kernel() } else { kernel(false, form) }.ok_or_else(unavailable)?;
+    let form = Form { exact, prefetch: down_prefetch() };
+    let kern = if timeline { timeline_kernel(form) } else { kernel(false, form) }.ok_or_else(unavailable)?;
     let missing = |what: &str| Error::invalid(format!("the fused MoE kernel needs affine biases ({what})"));
     let gb = g.biases.as_ref().ok_or_else(|| missing("the router gate"))?;
     let ub = gu.biases.as_ref().ok_or_else(|| missing("the experts' gate/up"))?;
@@ -474,12 +474,12 @@ fn launch(
     };
     if !timeline {
         BUILT.bump();
-    }
-    if exact {
-        BUILT_EXACT.bump();
-    }
-    if prefetch != 0 {
-        BUILT_PREFETCH.bump();
+        if form.exact {
+            BUILT_EXACT.bump();
+        }
+        if form.prefetch != 0 {
+            BUILT_PREFETCH.bump();
+        }
     }
     Ok(outs)
 }

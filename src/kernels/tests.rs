@@ -2129,6 +2129,16 @@ fn moe_fused_cases(test: &str, forms: bool) {
                 let run_form = |state: &Array, scratch: bool| if scratch { scratch_in_state(|| run(state)) } else { run(state) };
                 let exact_out = check_experts_exact(&what, dt, &s, &out, &wy, &wi, &wsc, &gu, &dn, run_form);
                 check_down_prefetch(&what, &s, &out, &exact_out, d, f, k, run_form);
+                // The timeline form (the bench's) takes a plain launch's
+                // form: the experts exact, with the down rows' prefetch too.
+                for at in ["0", "1"] {
+                    let set = [
+                        ("MLX_LFM_MOE_EXACT".to_string(), Some("1".to_string())),
+                        ("MLX_LFM_MOE_DOWN_PREFETCH".to_string(), Some(at.to_string())),
+                    ];
+                    let label = format!("{what}, experts exact, down prefetch {at}");
+                    crate::knobs::with_overrides(&set, || check_timeline(&label, &n, &g, &bias, &gu, &dn, k, scale, &exact_out));
+                }
                 return;
             }
             // The scratch rows in the layer's state (MLX_LFM_SCRATCH_IN_STATE):

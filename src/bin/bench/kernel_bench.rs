@@ -613,7 +613,9 @@ impl Layer {
 /// whether the route, the blocks' waves or a stage's handoff takes it.
 /// Before each launch a read of 160 MB evicts L2, so the experts come
 /// from DRAM as a step's do. Each launch's output is checked against the
-/// plain kernel's on the same row (the stamps change no sum).
+/// plain kernel's on the same row (the stamps change no sum). Each form of
+/// the layer in turn (`form` in the records): as it ships, in float32,
+/// with the down rows' prefetch.
 const TIMELINE_ARM: &str = "moe-layer-q4-timeline";
 
 fn timeline(reps: usize) -> mlx_lfm::Result<()> {
@@ -623,7 +625,19 @@ fn timeline(reps: usize) -> mlx_lfm::Result<()> {
         ("MLX_LFM_MOE_FUSED".to_string(), Some("1".to_string())),
         ("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string())),
     ];
-    mlx_lfm::knobs::with_overrides(&switches, || timeline_of(&layer, &scrub, "default", reps))?;
+    // The layer as it ships (its experts in MLX's walk since session 38),
+    // in float32 as before, and with its down rows asked of L2 by the
+    // gate/up blocks before their rows and after them.
+    for (form, var, value) in [
+        ("default", "MLX_LFM_MOE_DOWN_PREFETCH", "0"),
+        ("float", "MLX_LFM_MOE_EXACT", "0"),
+        ("down-prefetch", "MLX_LFM_MOE_DOWN_PREFETCH", "1"),
+        ("down-prefetch-after", "MLX_LFM_MOE_DOWN_PREFETCH", "after"),
+    ] {
+        let mut set = switches.to_vec();
+        set.push((var.to_string(), Some(value.to_string())));
+        mlx_lfm::knobs::with_overrides(&set, || timeline_of(&layer, &scrub, form, reps))?;
+    }
     Ok(())
 }
 
