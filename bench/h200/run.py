@@ -1533,14 +1533,6 @@ def kernel_bench():
            "regex:gemv|qmv|gather_qmm|lfm_bench_scale|lfm_decode_attention|lfm_moe|lfm_add_rms_norm|lfm_short_conv|lfm_conv_fused|lfm_ffn_fused|lfm_conv_layer_fused|lfm_conv_moe_fused",
            "--metrics", "gpu__time_duration.sum,dram__bytes_read.sum",
            BENCH, "--kernel-bench", "--device", "gpu", "--reps", "3"]
-    # H200_KERNEL_BENCH_WARM=1: the caches left as the launch before left
-    # them (ncu's --cache-control none), so an arm that launches over the
-    # same weights each time (the conv and feed-forward layers; not the MoE
-    # layer, whose rows route to other experts) reads them from L2: the
-    # floor a layer whose weights an earlier launch asked of L2 could reach.
-    # With H200_TAG=warm, so its records stand apart from the cold ones.
-    if os.environ.get("H200_KERNEL_BENCH_WARM") == "1":
-        cmd[1:1] = ["--cache-control", "none"]
     # H200_KERNEL_BENCH_ARMS=a,b: those arms alone (the whole list ran past
     # 140 s under ncu in session 30).
     if os.environ.get("H200_KERNEL_BENCH_ARMS"):
