@@ -175,8 +175,11 @@ defaults after it (8B-A1B decode 0.97x llama.cpp, from 0.77-0.80), the
 local route retired; the 8B-A1B's step is now GPU-bound (1,597 µs of
 kernels, the MoE layers 847 of them at ~0.65 TB/s). After the call: the
 MoE layer's down rows asked of L2 by its gate/up blocks
-(`moe-down-prefetch`, `-after`, in process), and kernel-bench with warm
-caches (H200_KERNEL_BENCH_WARM=1). The chain:
+(`moe-down-prefetch`, `-after`, in process); timelines of the MoE layer
+in each of its forms, of the feed-forward (new), and of the conv and
+4-bit feed-forward layers with their weights already in L2 (`-warm`
+forms: the ceiling of asking for a layer's weights during the launch
+before). The chain:
   1. carry [.device/a]: `stage-mlx`.
   2. carry [.device/llama]: `llama`.
   3. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=6
@@ -189,15 +192,13 @@ caches (H200_KERNEL_BENCH_WARM=1). The chain:
   4. carry [.device/bin]:
      A=moe-layer-q4-fused,moe-layer-q4-float-fused,moe-layer-q4-pf-fused,moe-layer-q4-pfa-fused,conv-layer-q4-fused,conv-layer-bf16-fused,ffn-layer-bf16-fused,ffn-layer-q4-fused
      `timeout -s TERM 300 sh -c "H200_KERNEL_BENCH_ARMS=$A python3
-     bench/h200/run.py kernel-bench && H200_KERNEL_BENCH_WARM=1 H200_TAG=warm
-     H200_KERNEL_BENCH_ARMS=$A python3 bench/h200/run.py kernel-bench &&
-     python3 bench/h200/run.py moe-timeline &&
+     bench/h200/run.py kernel-bench && python3 bench/h200/run.py
+     moe-timeline &&
      H200_DETAIL_ARMS=moe-layer-q4-fused,conv-layer-q4-fused,ffn-layer-bf16-fused
-     python3 bench/h200/run.py kernel-detail"` (the down rows' prefetch; each
-     layer cold and with its weights in L2, the ceiling of asking for a
-     layer's weights during the launch before; the MoE layer's stages as it
-     ships, in float32 and with the down rows' prefetch, and the conv
-     layer's; the stalls of the layers as they ship now).
+     python3 bench/h200/run.py kernel-detail"` (the down rows' prefetch in
+     kernel-bench; the stages of the MoE layer as it ships, in float32 and
+     with the down rows' prefetch, of the feed-forwards and the conv layers,
+     cold and warm; the stalls of the layers as they ship now).
   5. carry [.device/bin]: H200_OURS_ENV (mimalloc),
      H200_AB_VARIANTS=moe-down-prefetch,moe-down-prefetch-after,kernel-text-file,scratch-in-state
      H200_MODELS=lfm2-8b-a1b-q4,lfm2-350m-bf16 H200_AB_REPS=4 `timeout -s
@@ -1459,21 +1460,24 @@ def shape_cost():
 
 def moe_timeline():
     """Where the 8B-A1B's one-launch MoE layer spends its launch (as it
-    ships, in float32, with the down rows' prefetch), and the one-launch conv layer (the 8B-A1B's 4-bit
-    and the 1.2B's dense, without and with its rows asked for early)
-    (`mlx-lfm-bench --kernel-bench --arms
-    moe-layer-q4-timeline,conv-layer-timeline`, no ncu: their timeline
-    forms stamp the GPU's global timer as each block takes its part, ends
-    its wait, has its row staged and is done; L2 evicted before each
-    launch). Session 33's ncu had the MoE launch at 40 µs in the step
+    ships, in float32, with the down rows' prefetch), the one-launch
+    feed-forward (the 1.2B's dense one, the 8B-A1B's 4-bit one cold and
+    with its weights in L2), and the one-launch conv layer (the 8B-A1B's 4-bit
+    and the 1.2B's dense, without and with its rows asked for early, and
+    warm) (`mlx-lfm-bench --kernel-bench --arms
+    moe-layer-q4-timeline,conv-layer-timeline,ffn-layer-timeline`, no ncu:
+    their timeline forms stamp the GPU's global timer as each block takes
+    its part, ends its wait, has its row staged and is done; L2 evicted
+    before each launch but the warm forms'). Session 33's ncu had the MoE launch at 40 µs in the step
     (~0.6 TB/s), the conv launch at 25 (~0.37). No checkpoint needed."""
-    r = sh([BENCH, "--kernel-bench", "--device", "gpu", "--reps", "2", "--arms", "moe-layer-q4-timeline,conv-layer-timeline"],
-           "moe-timeline", check=False)
+    r = sh([BENCH, "--kernel-bench", "--device", "gpu", "--reps", "2", "--arms",
+            "moe-layer-q4-timeline,conv-layer-timeline,ffn-layer-timeline"], "moe-timeline", check=False)
     if r.returncode != 0:
         record(engine="moe-timeline", error=r.stderr[-2000:])
     for line in r.stdout.splitlines():
         j = json.loads(line) if line.startswith("{") else {}
-        if any(k in j for k in ("moe_timeline_summary", "moe_timeline", "conv_timeline_summary", "conv_timeline")):
+        if any(k in j for k in ("moe_timeline_summary", "moe_timeline", "conv_timeline_summary", "conv_timeline",
+                                "ffn_timeline_summary", "ffn_timeline")):
             record(engine="moe-timeline", **j)
         elif "timeline_error" in j:
             record(engine="moe-timeline", arm=j["timeline_error"], error=j["error"])

@@ -434,6 +434,10 @@ for _v in ("@timeline", "@early-timeline", "@dense-timeline", "@dense-early-time
     _base = KERNELS["conv_fused.rs@dense" if "dense" in _v else "conv_fused.rs"]
     KERNELS["conv_fused.rs" + _v] = (_base[0], _base[1] + [("times", "long long")], _base[2])
 KERNELS["conv_fused.rs@no-wait"] = KERNELS["conv_fused.rs"]
+# The feed-forward's timeline forms (the bench's), 4-bit and dense.
+for _v in ("@timeline", "@dense-timeline"):
+    _base = KERNELS["ffn_fused.rs@dense" if "dense" in _v else "ffn_fused.rs"]
+    KERNELS["ffn_fused.rs" + _v] = (_base[0], _base[1] + [("times", "long long")], *_base[2:])
 
 # The folds with their first column's rows prefetched before the prologue
 # (MLX_LFM_NORM_GEMV_PREFETCH=early: NAME_EARLY before it), each as its fold.
@@ -693,6 +697,8 @@ REPLACE_OF = {
        for v in ("@early", "@dense-early")},
     **{"qk_norm_rope.rs#qkv_fused" + v: substitutions("qkv_fused.rs", "EARLY_SUBSTITUTIONS") for v in ("@early", "@dense-early")},
     "conv_fused.rs@timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
+    "ffn_fused.rs@timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
+    "ffn_fused.rs@dense-timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
     "conv_fused.rs@dense-timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
     **{"conv_fused.rs" + v: substitutions("stages.rs", "EARLY_SUBSTITUTIONS") + substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS")
        for v in ("@early-timeline", "@dense-early-timeline")},
@@ -745,6 +751,8 @@ for _k in ("conv_fused.rs", "ffn_fused.rs", "qk_norm_rope.rs#qkv_fused"):
                                        + DEFINES_OF[_k + "@dense"])
 _TL = named(_STAGES, "TIMELINE_HEADER")
 DEFINES_OF["conv_fused.rs@timeline"] = _TL + DEFINES_OF["conv_fused.rs"]
+DEFINES_OF["ffn_fused.rs@timeline"] = _TL + DEFINES_OF["ffn_fused.rs"]
+DEFINES_OF["ffn_fused.rs@dense-timeline"] = _TL + DEFINES_OF["ffn_fused.rs@dense"]
 DEFINES_OF["conv_fused.rs@dense-timeline"] = _TL + DEFINES_OF["conv_fused.rs@dense"]
 DEFINES_OF["conv_fused.rs@early-timeline"] = _TL + DEFINES_OF["conv_fused.rs@early"]
 DEFINES_OF["conv_fused.rs@dense-early-timeline"] = _TL + DEFINES_OF["conv_fused.rs@dense-early"]

@@ -33,7 +33,7 @@
 use super::stages::{self, Built};
 use crate::error::{Error, Result};
 use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
-use crate::mlx::Array;
+use crate::mlx::{Array, Dtype};
 use crate::model::linear::Normed;
 pub use super::stages::Projections;
 use std::sync::OnceLock;
@@ -136,7 +136,48 @@ pub fn available(x: &Normed, p: Projections) -> bool {
 /// reduce))` in one launch (callers check [`available`]); `ctr` the
 /// layer's own (`stages::new_counters`).
 pub fn forward(x: &Normed, p: Projections, ctr: &Array) -> Result<(Array, Array)> {
-    let kern = kernel(p.quant(), false).ok_or_else(|| Error::mlx("the fused feed-forward kernel is not available"))?;
+    let mut outs = launch(x, p, ctr, false)?;
+    let missing = || Error::mlx("fused feed-forward kernel: missing output");
+    let out = outs.pop().ok_or_else(missing)?;
+    let s = outs.pop().ok_or_else(missing)?;
+    Ok((s, out))
+}
+
+/// [`forward`]'s output through the kernel's timeline form (the bench's:
+/// `stages::TIMELINE_HEADER`), with its stamps `[NB * 4]` int64 and the
+/// parts' bounds: the gate's blocks are parts `1..=gate`, w2's
+/// `gate + 1..nb`.
+#[doc(hidden)]
+pub fn forward_timeline(x: &Normed, p: Projections, ctr: &Array) -> Result<(Array, Array, usize, usize)> {
+    let mut outs = launch(x, p, ctr, true)?;
+    let missing = || Error::mlx("fused feed-forward kernel: missing output");
+    let times = outs.pop().ok_or_else(missing)?;
+    let (d, f) = (x.h.dim(1), p.first_rows() / 2);
+    let gate = (f as i64 + WARPS as i64 - 1) / WARPS as i64;
+    Ok((outs.swap_remove(1), times, gate as usize, blocks(d, f) as usize))
+}
+
+/// The kernel's timeline form (outputs as [`kernel`]'s, then `times`).
+fn timeline_kernel(quant: bool) -> Option<&'static CudaKernel> {
+    static K: [stages::Cells; 2] = [stages::cells(), stages::cells()];
+    static SOURCE: OnceLock<String> = OnceLock::new();
+    let source = SOURCE.get_or_init(|| super::substituted(stages::LAYER_SOURCE, &stages::TIMELINE_SUBSTITUTIONS));
+    let mut inputs = vec!["h", "r", "wn"];
+    inputs.extend(Projections::input_names(quant));
+    inputs.push("ctr");
+    let outputs = ["s", "out", "yn", "hk", "times"];
+    let name = if quant { "lfm_ffn_fused_q_timeline" } else { "lfm_ffn_fused_timeline" };
+    stages::kernel(&K[usize::from(quant)], name, &inputs, &outputs, source, || {
+        let head = stages::layer_header(quant, false, stages::layer_defines(false, stages::Tail::Ffn));
+        format!("{}{head}", stages::TIMELINE_HEADER)
+    })
+}
+
+/// The launch: `[s, out]`, or (`timeline`) every output of the timeline
+/// form, its stamps last.
+fn launch(x: &Normed, p: Projections, ctr: &Array, timeline: bool) -> Result<Vec<Array>> {
+    let kern = if timeline { timeline_kernel(p.quant()) } else { kernel(p.quant(), false) };
+    let kern = kern.ok_or_else(|| Error::mlx("the fused feed-forward kernel is not available"))?;
     let r = x.r.ok_or_else(|| Error::invalid("the fused feed-forward kernel needs a residual to add"))?;
     stages::check_state(ctr, "the fused feed-forward kernel")?;
     let (d, dt) = (x.h.dim(1), x.h.dtype());
@@ -157,11 +198,18 @@ pub fn forward(x: &Normed, p: Projections, ctr: &Array) -> Result<(Array, Array)
     let mut inputs = vec![x.h, r, x.w];
     inputs.extend(projections);
     inputs.push(ctr);
-    let mut outs = stages::call_with_scratch(
+    let outputs: [(&[i32], Dtype); 4] = [(&[1, d], dt), (&[1, d], dt), (&[d], dt), (&[f], dt)];
+    if timeline {
+        let stamps = [i32::try_from(nb * 4).map_err(|_| Error::invalid(format!("fused feed-forward kernel: {nb} blocks")))?];
+        let mut all = outputs.to_vec();
+        all.push((&stamps, Dtype::Int64));
+        return kern.call(&inputs, &all, [grid, 1, 1], [threads, 1, 1], &template);
+    }
+    let outs = stages::call_with_scratch(
         kern,
         || kernel(p.quant(), true),
         &inputs,
-        &[(&[1, d], dt), (&[1, d], dt), (&[d], dt), (&[f], dt)],
+        &outputs,
         &["SCR_YN", "SCR_HK"],
         ctr,
         [grid, 1, 1],
@@ -169,10 +217,7 @@ pub fn forward(x: &Normed, p: Projections, ctr: &Array) -> Result<(Array, Array)
         &template,
     )?;
     BUILT.bump();
-    let missing = || Error::mlx("fused feed-forward kernel: missing output");
-    let out = outs.pop().ok_or_else(missing)?;
-    let s = outs.pop().ok_or_else(missing)?;
-    Ok((s, out))
+    Ok(outs)
 }
 
 #[cfg(test)]

@@ -635,11 +635,11 @@ __device__ inline long long lfm_now() {
 
 /// Where the timeline form stamps (see [`TIMELINE_HEADER`]): `(text, the
 /// text with its stamp)`, each text found in [`LAYER_SOURCE`] (a test
-/// holds it). The feed-forward's part shares the gate stage's and w2's
-/// texts with the MoE's, so it is stamped too. (The conv part's second
+/// holds it). The feed-forward's part shares the gate stage's texts and
+/// w2's staging with the MoE's; its w2's wait and end have their own. (The conv part's second
 /// stamp lands in its out_proj-only form's path too, where it is the
 /// block's start again.)
-pub(crate) const TIMELINE_SUBSTITUTIONS: [(&str, &str); 15] = [
+pub(crate) const TIMELINE_SUBSTITUTIONS: [(&str, &str); 17] = [
     (
         "  const int role = lfm_take_part<NB>(st, launch);\n",
         "  const int role = lfm_take_part<NB>(st, launch);\n  LFM_STAMP_START();\n",
@@ -689,6 +689,15 @@ pub(crate) const TIMELINE_SUBSTITUTIONS: [(&str, &str); 15] = [
     (
         "    out[n] = late ? T(poison) : T(total);\n  }\n",
         "    out[n] = late ? T(poison) : T(total);\n  }\n  LFM_STAMP(3);\n",
+    ),
+    // The feed-forward's w2 blocks (their staging is the MoE down blocks' text).
+    (
+        "  const bool late = lfm_block_wait(st + FC + 2, (launch + 1) * GB, nullptr, 0);\n",
+        "  const bool late = lfm_block_wait(st + FC + 2, (launch + 1) * GB, nullptr, 0);\n  LFM_STAMP(1);\n",
+    ),
+    (
+        "    if (lane == 0) out[n] = late ? T(poison) : T(o[0]);\n  }\n",
+        "    if (lane == 0) out[n] = late ? T(poison) : T(o[0]);\n  }\n  LFM_STAMP(3);\n",
     ),
 ];
 
@@ -1150,12 +1159,12 @@ mod tests {
             assert!(now.contains("LFM_STAMP") && now.contains(was.trim_end()));
         }
         let stamped = super::super::substituted(LAYER_SOURCE, &TIMELINE_SUBSTITUTIONS);
-        // (Eight in the MoE part, four in the feed-forward's gate and w2
+        // (Eight in the MoE part, six in the feed-forward's gate and w2
         // stages, seven in the conv part.)
-        assert_eq!(stamped.matches("LFM_STAMP").count(), 19);
+        assert_eq!(stamped.matches("LFM_STAMP").count(), 21);
         // (And over the early form's text: none lost.)
         let early = super::super::substituted(LAYER_SOURCE, &EARLY_SUBSTITUTIONS);
-        assert_eq!(super::super::substituted(&early, &TIMELINE_SUBSTITUTIONS).matches("LFM_STAMP").count(), 19);
+        assert_eq!(super::super::substituted(&early, &TIMELINE_SUBSTITUTIONS).matches("LFM_STAMP").count(), 21);
         let times = [10_000i64, 11_000, 12_000, 15_000, 10_500, 16_000, 17_000, 20_000, 10_700, 21_000, 21_500, 30_000];
         let s = timeline_summary(&times, 1, 3).unwrap();
         assert_eq!(s["blocks"], 2);

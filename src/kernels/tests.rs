@@ -2938,8 +2938,9 @@ fn out_layer_fused_kernel_matches_out_proj_and_the_kernel() {
 /// take (the add + RMSNorm kernel with eps compiled in, the SwiGLU GEMV
 /// kernel, MLX's GEMV of w2): the residual sum to the bits, the output
 /// finite and within two roundings of the dtype of its largest value (the
-/// same walks: how many values differ is printed). Then repeated launches
-/// on used counters, two layers' in turn, and every wait given up.
+/// same walks: how many values differ is printed). Then its timeline form
+/// (the bench's: the same bits, stamps in order), repeated launches on
+/// used counters, two layers' in turn, and every wait given up.
 #[test]
 fn ffn_fused_kernel_matches_stock_ops() {
     use crate::kernels::ffn_fused::{available, forward, launch_blocks, Projections};
@@ -3044,6 +3045,14 @@ fn ffn_fused_kernel_matches_stock_ops() {
             if qint_lean() {
                 return;
             }
+            // The timeline form (the bench's): the same bits, its stamps in
+            // the stages' order.
+            let (out_t, times, gate, nb) = with_opt_in_one("MLX_LFM_FFN_FUSED", || {
+                crate::kernels::ffn_fused::forward_timeline(&x, p, &new_counters().unwrap()).unwrap()
+            });
+            crate::mlx::eval(&[&out_t, &times]).unwrap();
+            assert_eq!(differing(&out_t, &out), 0, "{what}: the timeline form's output differs");
+            check_stamps(&what, &times, gate, nb);
             // Its rows asked of L2 before its waits (MLX_LFM_EARLY_PREFETCH,
             // opt-in): the same bits, on the same counters and with its
             // scratch rows in the state.

@@ -130,13 +130,14 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
             .chain(LAYER_ARMS.iter().map(|(n, ..)| *n))
             .chain(CONV_ARMS.iter().map(|(n, ..)| *n))
             .chain(FFN_ARMS.iter().map(|(n, ..)| *n))
-            .chain([TIMELINE_ARM, CONV_TIMELINE_ARM])
+            .chain([TIMELINE_ARM, CONV_TIMELINE_ARM, FFN_TIMELINE_ARM])
             .collect();
         if let Some(bad) = a.iter().find(|x| !known.contains(&x.as_str())) {
             return Err(mlx_lfm::Error::invalid(format!("--arms: no arm named {bad:?} (the arms: {})", known.join(", "))));
         }
     }
-    let timelines: Vec<&String> = only.unwrap_or(&[]).iter().filter(|x| [TIMELINE_ARM, CONV_TIMELINE_ARM].contains(&x.as_str())).collect();
+    let timelines: Vec<&String> =
+        only.unwrap_or(&[]).iter().filter(|x| [TIMELINE_ARM, CONV_TIMELINE_ARM, FFN_TIMELINE_ARM].contains(&x.as_str())).collect();
     if !timelines.is_empty() {
         if !cuda {
             return Err(mlx_lfm::Error::invalid("--arms: the timeline forms run on CUDA only".to_string()));
@@ -146,7 +147,11 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
         }
         // (One arm's failure is its line; the next still runs.)
         for arm in timelines {
-            let done = if arm == TIMELINE_ARM { timeline(reps) } else { conv_timeline(reps) };
+            let done = match arm.as_str() {
+                TIMELINE_ARM => timeline(reps),
+                CONV_TIMELINE_ARM => conv_timeline(reps),
+                _ => ffn_timeline(reps),
+            };
             if let Err(e) = done {
                 println!("{}", serde_json::json!({"timeline_error": arm, "error": e.to_string()}));
             }
@@ -701,8 +706,11 @@ fn timeline_of(layer: &Layer, scrub: &Array, form: &str, reps: usize) -> mlx_lfm
 /// (`MLX_LFM_EARLY_PREFETCH=conv`): when the norm's block ends, when the
 /// channels' blocks start and end, when out_proj's do (session 33's ncu:
 /// the 8B-A1B's launch 25 µs for ~9.4 MB, every block resident). L2 is
-/// evicted before each launch; each launch's output is checked against
-/// the plain form's.
+/// evicted before each launch, but for the `-warm` forms (session 38),
+/// whose launches read one copy of the weights, already in L2 from the
+/// plain launch just before: how fast the layer runs where its weights
+/// were asked for earlier, as a launch before it could. Each launch's
+/// output is checked against the plain form's.
 const CONV_TIMELINE_ARM: &str = "conv-layer-timeline";
 
 fn conv_timeline(reps: usize) -> mlx_lfm::Result<()> {
@@ -710,7 +718,14 @@ fn conv_timeline(reps: usize) -> mlx_lfm::Result<()> {
     use mlx_lfm::model::linear::Normed;
     let conv = ConvLayer::new()?;
     let scrub = scrub_rows()?;
-    for (form, quant, early) in [("q4", true, ""), ("q4-early", true, "conv"), ("bf16", false, ""), ("bf16-early", false, "conv")] {
+    for (form, quant, early, warm) in [
+        ("q4", true, "", false),
+        ("q4-early", true, "conv", false),
+        ("q4-warm", true, "", true),
+        ("bf16", false, "", false),
+        ("bf16-early", false, "conv", false),
+        ("bf16-warm", false, "", true),
+    ] {
         let switches = [
             ("MLX_LFM_CONV_FUSED".to_string(), Some("1".to_string())),
             ("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string())),
@@ -720,11 +735,14 @@ fn conv_timeline(reps: usize) -> mlx_lfm::Result<()> {
             let (plain_ctr, timed_ctr) = (mlx_lfm::kernels::stages::new_counters()?, mlx_lfm::kernels::stages::new_counters()?);
             let mut lines = Vec::new();
             for i in 0..reps.max(1) * CONV_LAUNCHES {
+                // (Warm: one copy, the plain launch just before having read
+                // it, and no eviction: its weights in L2.)
+                let c = if warm { 0 } else { i };
                 let p = if quant {
-                    let (wi, wo) = &conv.projections[i % conv.projections.len()];
+                    let (wi, wo) = &conv.projections[c % conv.projections.len()];
                     conv_fused::Projections::Quant(wi, wo)
                 } else {
-                    let (wi, wo) = &conv.dense[i % conv.dense.len()];
+                    let (wi, wo) = &conv.dense[c % conv.dense.len()];
                     conv_fused::Projections::Dense(wi, wo)
                 };
                 let x = Normed { h: &conv.h, r: Some(&conv.r), w: &conv.wn, eps: LAYER_EPS, eps_array: &conv.eps };
@@ -733,7 +751,9 @@ fn conv_timeline(reps: usize) -> mlx_lfm::Result<()> {
                 }
                 let plain = conv_fused::forward(&x, p, &conv.state, &conv.cw, &plain_ctr)?.1;
                 plain.eval()?;
-                scrub.argmax(1, false)?.eval()?;
+                if !warm {
+                    scrub.argmax(1, false)?.eval()?;
+                }
                 let t = Instant::now();
                 let (out, _, times, channels, nb) = conv_fused::forward_timeline(&x, p, &conv.state, &conv.cw, &timed_ctr)?;
                 mlx::eval(&[&out, &times])?;
@@ -754,6 +774,71 @@ fn conv_timeline(reps: usize) -> mlx_lfm::Result<()> {
                 lines.push(line);
             }
             println!("{}", serde_json::json!({"conv_timeline_summary": medians(&lines, &["norm", "channels", "out_proj"]), "form": form,
+                                             "launches": lines.len(), "all_same_as_plain": lines.iter().all(|l| l["same_as_plain"] == true)}));
+            Ok(())
+        })?;
+    }
+    Ok(())
+}
+
+/// `--arms ffn-layer-timeline` (alone, without ncu): the 1.2B's dense
+/// one-launch feed-forward (2,048 wide, a gate of 8,192: ~100 MB, more
+/// than L2 holds) and the 8B-A1B's 4-bit dense layers' (~25 MB), cold (L2
+/// evicted before each launch) and, the 4-bit one, warm (one copy, already
+/// in L2): when the norm's block ends, when the gate's blocks start and
+/// end, when w2's do. The 1.2B's feed-forwards are most of its step (16
+/// a token, ~47 µs each in kernel-bench on the H100, ~2.15 TB/s). Each
+/// launch's output is checked against the plain form's.
+const FFN_TIMELINE_ARM: &str = "ffn-layer-timeline";
+
+fn ffn_timeline(reps: usize) -> mlx_lfm::Result<()> {
+    use mlx_lfm::kernels::{ffn_fused, stages::timeline_summary};
+    use mlx_lfm::model::linear::Normed;
+    let ffn = FfnLayer::new()?;
+    let scrub = scrub_rows()?;
+    let switches = [("MLX_LFM_FFN_FUSED".to_string(), Some("1".to_string())), ("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string()))];
+    for (form, q4, warm) in [("bf16", false, false), ("q4", true, false), ("q4-warm", true, true)] {
+        mlx_lfm::knobs::with_overrides(&switches, || -> mlx_lfm::Result<()> {
+            let (plain_ctr, timed_ctr) = (mlx_lfm::kernels::stages::new_counters()?, mlx_lfm::kernels::stages::new_counters()?);
+            let mut lines = Vec::new();
+            for i in 0..reps.max(1) * FFN_LAUNCHES {
+                let c = if warm { 0 } else { i };
+                let p = if q4 {
+                    let (w13, w2) = &ffn.quant[c % ffn.quant.len()];
+                    ffn_fused::Projections::Quant(w13, w2)
+                } else {
+                    let (w13, w2) = &ffn.weights[c % ffn.weights.len()];
+                    ffn_fused::Projections::Dense(w13, w2)
+                };
+                let x = Normed { h: &ffn.h, r: Some(&ffn.r), w: &ffn.wn, eps: LAYER_EPS, eps_array: &ffn.eps };
+                if !ffn_fused::available(&x, p) {
+                    return Err(mlx_lfm::Error::invalid("kernel-bench: the one-launch feed-forward kernel does not serve the layer's operands"));
+                }
+                let plain = ffn_fused::forward(&x, p, &plain_ctr)?.1;
+                plain.eval()?;
+                if !warm {
+                    scrub.argmax(1, false)?.eval()?;
+                }
+                let t = Instant::now();
+                let (out, times, gate, nb) = ffn_fused::forward_timeline(&x, p, &timed_ctr)?;
+                mlx::eval(&[&out, &times])?;
+                let wall = t.elapsed().as_secs_f64() * 1e6;
+                let same = out.astype(Dtype::Float32)?.to_vec::<f32>()? == plain.astype(Dtype::Float32)?.to_vec::<f32>()?;
+                let times = times.to_vec::<i64>()?;
+                let line = serde_json::json!({
+                    "ffn_timeline": i,
+                    "form": form,
+                    "blocks": nb,
+                    "wall_us": wall,
+                    "same_as_plain": same,
+                    "norm": timeline_summary(&times, 0, 1),
+                    "gate": timeline_summary(&times, 1, gate + 1),
+                    "w2": timeline_summary(&times, gate + 1, nb),
+                });
+                println!("{line}");
+                lines.push(line);
+            }
+            println!("{}", serde_json::json!({"ffn_timeline_summary": medians(&lines, &["norm", "gate", "w2"]), "form": form,
                                              "launches": lines.len(), "all_same_as_plain": lines.iter().all(|l| l["same_as_plain"] == true)}));
             Ok(())
         })?;
