@@ -182,28 +182,34 @@ forms: the ceiling of asking for a layer's weights during the launch
 before). The chain:
   1. carry [.device/a]: `stage-mlx`.
   2. carry [.device/llama]: `llama`.
-  3. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=6
-     H200_KERNEL_TESTS=conv_fused_kernel,ffn_fused_kernel,qkv_fused_kernel,moe_fused_,quant_gemv_kernel,greedy_tokens_with_kernels_equal_stock_ops_on_wide_moe
+  3. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=7
+     H200_KERNEL_TESTS=conv_fused_kernel,ffn_fused_kernel,qkv_fused_kernel,moe_fused_,quant_gemv_kernel,norm_gemv_kernels,greedy_tokens_with_kernels_equal_stock_ops_on_wide_moe
      `timeout -s TERM 540 python3 bench/h200/run.py install verdicts-from
      committed kernels save-ptx` (the defaults' whole tests with the rows in
-     pairs, which session 38 ran in their quantized cases only; the MoE
+     pairs, which session 38 ran in their quantized cases only, the norm
+     folds' among them; the MoE
      forms' test with the down rows' prefetch; the wide MoE greedy sets,
      `moe-float` among them).
   4. carry [.device/bin]:
-     A=moe-layer-q4-fused,moe-layer-q4-float-fused,moe-layer-q4-pf-fused,moe-layer-q4-pfa-fused,conv-layer-q4-fused,conv-layer-bf16-fused,ffn-layer-bf16-fused,ffn-layer-q4-fused
+     A=moe-layer-q4-fused,moe-layer-q4-float-fused,moe-layer-q4-pf-fused,moe-layer-q4-pfa-fused,conv-layer-q4-fused,conv-layer-bf16-fused,ffn-layer-bf16-fused,ffn-layer-q4-fused,mlx-q4,ours-q4-exact
      `timeout -s TERM 300 sh -c "H200_KERNEL_BENCH_ARMS=$A python3
      bench/h200/run.py kernel-bench && python3 bench/h200/run.py
      moe-timeline &&
      H200_DETAIL_ARMS=moe-layer-q4-fused,conv-layer-q4-fused,ffn-layer-bf16-fused
      python3 bench/h200/run.py kernel-detail"` (the down rows' prefetch in
-     kernel-bench; the stages of the MoE layer as it ships, in float32 and
+     kernel-bench; the 8B-A1B's 4-bit GEMVs, its LM head among them now,
+     by MLX's qmv and by ours in MLX's arithmetic, in pairs since session
+     38; the stages of the MoE layer as it ships, in float32 and
      with the down rows' prefetch, of the feed-forwards and the conv layers,
      cold and warm; the stalls of the layers as they ship now).
   5. carry [.device/bin]: H200_OURS_ENV (mimalloc),
-     H200_AB_VARIANTS=moe-down-prefetch,moe-down-prefetch-after,kernel-text-file,scratch-in-state
+     H200_AB_VARIANTS=moe-down-prefetch,moe-down-prefetch-after,qgemv-exact,quant-norm-exact,kernel-text-file,scratch-in-state
      H200_MODELS=lfm2-8b-a1b-q4,lfm2-350m-bf16 H200_AB_REPS=4 `timeout -s
-     TERM 560 python3 bench/h200/run.py ab pick gguf-bg` (the host levers
-     on the host-bound 350M too).
+     TERM 560 python3 bench/h200/run.py ab pick gguf-bg` (the quantized
+     GEMV in MLX's arithmetic, in pairs now: session 38's profile had MLX's
+     qmv read the 8B-A1B's 75 MB LM head at ~0.97 TB/s, 77.9 µs of a
+     1,597 µs step, where 1.0x llama.cpp needs ~3% of the step;
+     the host levers on the host-bound 350M too).
   6. carry [.device/bin]: H200_OURS_ENV, `timeout -s TERM 560 python3
      bench/h200/run.py pick round 1`, then `pick round 2`.
   7. carry [.device/bin]: H200_OURS_ENV, H200_MODELS=lfm2-1.2b-bf16

@@ -56,8 +56,12 @@ const SWIGLU_SHAPES: [(i32, i32); 1] = [(16384, 2048)];
 const SWIGLU_ARMS: [&str; 2] = ["mlx-w13", "ours-swiglu"];
 
 /// The 8B-A1B's quantized decode GEMVs (affine 4-bit, groups of 64): its
-/// conv layers' in_proj and out_proj, and its dense layers' w2.
-const QUANT_SHAPES: [(i32, i32); 3] = [(6144, 2048), (2048, 2048), (2048, 7168)];
+/// conv layers' in_proj and out_proj, and its dense layers' w2; and (since
+/// session 38) its LM head, the tied embedding (65,536 x 2,048, ~75 MB),
+/// which MLX's `qmv` read at ~0.97 TB/s in that session's profile of the
+/// step (77.9 µs of its 1,597), the attention layers' out_proj (2,048 x
+/// 2,048) at ~0.38 in 6.2 µs each.
+const QUANT_SHAPES: [(i32, i32); 4] = [(6144, 2048), (2048, 2048), (2048, 7168), (65536, 2048)];
 
 /// The quantized arms: MLX's `quantized_matmul` (its qmv), our float32-sum
 /// kernel and ours in MLX's arithmetic (`MLX_LFM_QGEMV_EXACT`).
