@@ -203,16 +203,24 @@ before). The chain:
      with the down rows' prefetch, of the feed-forwards and the conv layers,
      cold and warm; the stalls of the layers as they ship now).
   5. carry [.device/bin]: H200_OURS_ENV (mimalloc),
-     H200_AB_VARIANTS=moe-down-prefetch,moe-down-prefetch-after,qgemv-exact,quant-norm-exact,kernel-text-file,scratch-in-state
-     H200_MODELS=lfm2-8b-a1b-q4,lfm2-350m-bf16 H200_AB_REPS=4 `timeout -s
-     TERM 560 python3 bench/h200/run.py ab pick gguf-bg` (the quantized
-     GEMV in MLX's arithmetic, in pairs now: session 38's profile had MLX's
-     qmv read the 8B-A1B's 75 MB LM head at ~0.97 TB/s, 77.9 µs of a
-     1,597 µs step, where 1.0x llama.cpp needs ~3% of the step;
-     the host levers on the host-bound 350M too).
-  6. carry [.device/bin]: H200_OURS_ENV, `timeout -s TERM 560 python3
-     bench/h200/run.py pick round 1`, then `pick round 2`.
-  7. carry [.device/bin]: H200_OURS_ENV, H200_MODELS=lfm2-1.2b-bf16
+     H200_AB_VARIANTS=moe-down-prefetch,moe-down-prefetch-after,qgemv-exact,quant-norm-exact,attention-split,attention-split-8,attention-chunks-4
+     H200_MODELS=lfm2-8b-a1b-q4 H200_AB_REPS=4 `timeout -s TERM 560
+     python3 bench/h200/run.py ab pick gguf-bg` (all in process: the
+     down rows' prefetch; the quantized GEMV in MLX's arithmetic, in pairs
+     now: session 38's profile had MLX's qmv read the 8B-A1B's 75 MB LM
+     head at ~0.97 TB/s, 77.9 µs of a 1,597 µs step, where 1.0x llama.cpp
+     needs ~3% of the step; the decode attention over more blocks, 11.3 µs
+     a layer there for ~1.2 MB: it lost 1-6% in session 24 when the host
+     bound the step, which the GPU now does).
+  6. carry [.device/bin]: H200_OURS_ENV,
+     H200_AB_VARIANTS=kernel-text-file,scratch-in-state,attention-split,attention-chunks-4
+     H200_MODELS=lfm2-350m-bf16,lfm2-1.2b-bf16 H200_AB_REPS=4 `timeout -s
+     TERM 560 python3 bench/h200/run.py ab pick` (the host levers on the
+     host-bound 350M; the attention on the GPU-bound 1.2B; `pick` keeps
+     call 5's picks for the 8B-A1B).
+  7. carry [.device/bin]: H200_OURS_ENV, `timeout -s TERM 560 python3
+     bench/h200/run.py pick round 1` (then `pick round 2` if time is left).
+  8. carry [.device/bin]: H200_OURS_ENV, H200_MODELS=lfm2-1.2b-bf16
      `timeout -s TERM 200 python3 bench/h200/run.py profile` (the 1.2B's
      step on the H100 with the one-launch layers: where its 1.28 ms go;
      1.2x llama.cpp needs ~1.13).
