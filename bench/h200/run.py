@@ -203,7 +203,7 @@ before). The chain:
      with the down rows' prefetch, of the feed-forwards and the conv layers,
      cold and warm; the stalls of the layers as they ship now).
   5. carry [.device/bin]: H200_OURS_ENV (mimalloc),
-     H200_AB_VARIANTS=moe-down-prefetch,moe-down-prefetch-after,qgemv-exact,quant-norm-exact,attention-split,attention-split-8,attention-chunks-4
+     H200_AB_VARIANTS=moe-down-prefetch,moe-down-prefetch-after,qgemv-exact,quant-norm-exact,attention-split,attention-split-8,attention-chunks-4,qkv-warps-32
      H200_MODELS=lfm2-8b-a1b-q4 H200_AB_REPS=4 `timeout -s TERM 560
      python3 bench/h200/run.py ab pick gguf-bg` (all in process: the
      down rows' prefetch; the quantized GEMV in MLX's arithmetic, in pairs
@@ -211,9 +211,10 @@ before). The chain:
      head at ~0.97 TB/s, 77.9 µs of a 1,597 µs step, where 1.0x llama.cpp
      needs ~3% of the step; the decode attention over more blocks, 11.3 µs
      a layer there for ~1.2 MB: it lost 1-6% in session 24 when the host
-     bound the step, which the GPU now does).
+     bound the step, which the GPU now does; the q/k/v stage with a head
+     over 32 warps, 14.4 µs a launch there for ~3.6 MB).
   6. carry [.device/bin]: H200_OURS_ENV,
-     H200_AB_VARIANTS=kernel-text-file,scratch-in-state,attention-split,attention-chunks-4
+     H200_AB_VARIANTS=kernel-text-file,scratch-in-state,attention-split,attention-chunks-4,qkv-warps-32
      H200_MODELS=lfm2-350m-bf16,lfm2-1.2b-bf16 H200_AB_REPS=4 `timeout -s
      TERM 560 python3 bench/h200/run.py ab pick` (the host levers on the
      host-bound 350M; the attention on the GPU-bound 1.2B; `pick` keeps
@@ -2229,6 +2230,11 @@ AB = {
     # (Session 37's route in every gate/up block, `moe-local-route`, 0.97x
     # in session 38's A/B and slower in its kernel-bench, is retired.)
     "moe-down-prefetch": ({"MLX_LFM_MOE_DOWN_PREFETCH": "1"}, ["lfm2-8b-a1b-q4"]),
+    # The one-launch q/k/v stage with a head over 32 warps (session 38,
+    # src/kernels/qkv_fused.rs warps): one block a head (49 on the 8B-A1B)
+    # left most SMs idle, 14.4 µs a launch for ~3.6 MB in session 38's
+    # profile. The same bits. In process.
+    "qkv-warps-32": ({"MLX_LFM_QKV_WARPS": "32"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "moe-down-prefetch-after": ({"MLX_LFM_MOE_DOWN_PREFETCH": "after"}, ["lfm2-8b-a1b-q4"]),
     # The one-launch conv layers', feed-forwards' and q/k/v stages' weight
     # rows asked of L2 when a block takes its part, before it waits for the
@@ -2255,6 +2261,8 @@ AB_TESTS = {
     "moe-float": ["moe_fused_kernel_matches_the_three_kernels", "greedy:moe-float"],
     # (Its test holds it to the bits of the form it varies.)
     **{v: ["moe_fused_forms_match_their_references"] for v in ("moe-down-prefetch", "moe-down-prefetch-after")},
+    # (Its test holds it to the default's bits.)
+    "qkv-warps-32": ["qkv_fused_kernel_matches_stock_ops"],
     "scratch-in-state": ["moe_fused_kernel_matches_the_three_kernels", "conv_fused_kernel_matches_stock_ops",
                          "ffn_fused_kernel_matches_stock_ops", "qkv_fused_kernel_matches_stock_ops",
                          "greedy:MLX_LFM_SCRATCH_IN_STATE"],
@@ -2350,6 +2358,7 @@ PICK = [
     (["early-prefetch", "early-prefetch-conv"], "decode"),
     (["qint-bits", "qint-convert", "moe-float"], "decode"),
     (["moe-down-prefetch", "moe-down-prefetch-after"], "decode"),
+    (["qkv-warps-32"], "decode"),
     (["layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off"], "decode"),
     (["attention-smem", "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4"], "decode"),
     (["norm-runs-guarded"], "decode"),
@@ -2379,7 +2388,7 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "moe-down-early", "router-scores-f32", "router-scores-f32-early", "fold-eps-const", "position-table-off",
                "fold-deferred", "layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off",
                "conv-layer-fused", "early-prefetch", "early-prefetch-conv", "qint-bits", "qint-convert",
-               "moe-float", "moe-down-prefetch", "moe-down-prefetch-after"}
+               "moe-float", "moe-down-prefetch", "moe-down-prefetch-after", "qkv-warps-32"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]
@@ -2393,7 +2402,7 @@ SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]
 # (the 1.2B's K = 2048 kernels without their columns are session 19's
 # 0.87x).
 SHARED_WHOLE = ["MLX_LFM_GEMV_COLS", "MLX_LFM_DECODE_ATTENTION_SMEM", "MLX_LFM_DECODE_ATTENTION_SPLIT",
-                "MLX_LFM_DECODE_ATTENTION_CHUNKS"]
+                "MLX_LFM_DECODE_ATTENTION_CHUNKS", "MLX_LFM_QKV_WARPS"]
 
 
 def ab_models():

@@ -389,6 +389,14 @@ KERNELS["qk_norm_rope.rs#qkv_fused@dense"] = (
     lambda dt: [("D", 2048 if dt != "float32" else 1024), ("HD", 64), ("QH", 32), ("KVH", 8), ("NBLK", 256),
                 ("WARPS", 16), ("EPS_NORM_BITS", 925353388), ("EPS_BITS", 925353388), ("BASE_BITS", 1100968922)],
 )
+# A head over 32 warps (MLX_LFM_QKV_WARPS=32): blocks of 1,024 threads, so
+# at most 64 registers; heads of 64 (the models') and of 128 (the widest
+# served), 4-bit and dense.
+for _k in ("qk_norm_rope.rs#qkv_fused", "qk_norm_rope.rs#qkv_fused@dense"):
+    for _hd in (64, 128):
+        KERNELS[_k + ("-" if "@" in _k else "@") + f"w32-hd{_hd}"] = (
+            *KERNELS[_k][:2], lambda dt, _k=_k, _hd=_hd: [(n, 32 if n == "WARPS" else _hd if n == "HD" else v)
+                                                        for n, v in KERNELS[_k][2](dt)])
 # Every wait given up at once (the tests' MLX_LFM_FUSED_NO_WAIT: DEFINES_OF).
 KERNELS["moe_fused.rs@no-wait"] = KERNELS["moe_fused.rs"]
 # The experts in MLX's arithmetic (MLX_LFM_MOE_EXACT: moe_fused.rs
@@ -740,6 +748,9 @@ DEFINES_OF = {
     "qk_norm_rope.rs#qkv_fused": "#define LFM_QMLX_TILES 2\n",
     "qk_norm_rope.rs#qkv_fused@dense": "#define LFM_DENSE_PREFETCH 0\n",
 }
+for _hd in (64, 128):
+    DEFINES_OF[f"qk_norm_rope.rs#qkv_fused@w32-hd{_hd}"] = DEFINES_OF["qk_norm_rope.rs#qkv_fused"]
+    DEFINES_OF[f"qk_norm_rope.rs#qkv_fused@dense-w32-hd{_hd}"] = DEFINES_OF["qk_norm_rope.rs#qkv_fused@dense"]
 # (The 8-bit router's and the WideMoe variants take their kernel's defines.)
 DEFINES_OF.update({key + variant: DEFINES_OF[key] for key in ROUTER8 for variant in ("@g8", "@widemoe")})
 

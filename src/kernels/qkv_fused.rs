@@ -25,10 +25,24 @@ use crate::mlx::{Array, Dtype};
 use crate::model::linear::{Normed, Quantized};
 use std::sync::OnceLock;
 
-/// Warps a block: a head's rows spread over them (HD a multiple of it).
+/// Warps a block by default: a head's rows spread over them (HD a multiple
+/// of it).
 const WARPS: i32 = 16;
 /// The widest head served (8 rows a warp).
 const MAX_HEAD: i32 = 128;
+
+/// `MLX_LFM_QKV_WARPS=32` (opt-in, session 38, not yet run on a GPU): a
+/// head's rows over 32 warps instead of 16 (blocks of 1,024 threads, 2 of a
+/// 64-wide head's rows a warp instead of 4). The launch is one block a
+/// head, 49 on the 8B-A1B, so most of the GPU's 132 SMs sit idle while
+/// each block's warps walk their rows in turn: session 38's profile had
+/// the stage at 14.4 µs a launch for ~3.6 MB (~0.25 TB/s), 86 µs of that
+/// step. Each row is the same walk, so the same bits (its test holds it
+/// to them). Read at each launch's build, so a process can time both.
+fn warps() -> i32 {
+    static SET: OnceLock<i32> = OnceLock::new();
+    crate::knobs::cached("MLX_LFM_QKV_WARPS", &SET, |v| if v.map(str::trim) == Some("32") { 32 } else { WARPS })
+}
 
 fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
@@ -124,11 +138,12 @@ pub fn available(x: &Normed, p: Projection, qw: &Array, kw: &Array, heads: (i32,
         }
         Projection::Dense(w) => w.ndim() == 2 && w.dtype() == dt && w.dim(0) as i64 == rows && w.dim(1) == d && d % 8 == 0,
     };
+    let warps = warps();
     super::add_rms_norm::available(x.h, r, x.w)
-        && super::add_rms_norm::block_for(d, 16 / dt.size() as i32) <= WARPS * 32
+        && super::add_rms_norm::block_for(d, 16 / dt.size() as i32) <= warps * 32
         && product
         && hd > 0
-        && hd % WARPS == 0
+        && hd % warps == 0
         // (By ptxas, dense rows of 3,072 and more with heads of 256 took
         // 164-168 registers a thread, past what 512 threads have; heads up
         // to 128 stay at or under 86.)
@@ -166,7 +181,8 @@ pub fn forward(
     let (d, dt) = (x.h.dim(1), x.h.dtype());
     let (qh, kvh, hd) = heads;
     let nb = 1 + qh as i64 + 2 * kvh as i64;
-    let threads = WARPS * 32;
+    let warps = warps();
+    let threads = warps * 32;
     let grid = i32::try_from(nb * threads as i64).map_err(|_| Error::invalid(format!("fused q/k/v kernel: {nb} blocks")))?;
     let mut template = vec![
         ("T", TemplateArg::Dtype(dt)),
@@ -175,7 +191,7 @@ pub fn forward(
         ("QH", TemplateArg::Int(qh)),
         ("KVH", TemplateArg::Int(kvh)),
         ("NBLK", TemplateArg::Int(super::add_rms_norm::block_for(d, 16 / dt.size() as i32))),
-        ("WARPS", TemplateArg::Int(WARPS)),
+        ("WARPS", TemplateArg::Int(warps)),
         ("EPS_NORM_BITS", TemplateArg::Int(x.eps.to_bits() as i32)),
         ("EPS_BITS", TemplateArg::Int(eps.to_bits() as i32)),
         // (As the q/k/v kernel takes it: log2 of the base, the host's.)

@@ -3225,6 +3225,21 @@ fn qkv_fused_kernel_matches_stock_ops() {
                         assert_eq!(differing(got, want), 0, "{what}: rows asked for early, launch {turn}: {name} differs");
                     }
                 }
+                // A head over 32 warps (MLX_LFM_QKV_WARPS=32, opt-in): each
+                // row the same walk, so the same bits, on the same counters
+                // and with the scratch row in the state; served wherever
+                // the head's rows tile 32 warps.
+                let wide = [("MLX_LFM_QKV_WARPS".to_string(), Some("32".to_string()))];
+                assert_eq!(crate::knobs::with_overrides(&wide, served), hd % 32 == 0, "{what}: served over 32 warps");
+                if hd % 32 == 0 {
+                    for turn in 0..2 {
+                        let (s2, q2, k2, v2) =
+                            crate::knobs::with_overrides(&wide, || if turn == 0 { run(&counters) } else { scratch_in_state(|| run(&big)) });
+                        for (name, got, want) in [("sum", &s2, &s), ("q", &q2, &gq), ("k", &k2, &gk), ("v", &v2, &gv)] {
+                            assert_eq!(differing(got, want), 0, "{what}: a head over 32 warps, launch {turn}: {name} differs");
+                        }
+                    }
+                }
                 check_counters_in_step(&what, &counters, &[true, false, true], &[s, gq, gk, gv], |c| {
                     let (s, q, k, v) = run(c);
                     vec![s, q, k, v]
