@@ -203,7 +203,7 @@ before). The chain:
      with the down rows' prefetch, of the feed-forwards and the conv layers,
      cold and warm; the stalls of the layers as they ship now).
   5. carry [.device/bin]: H200_OURS_ENV (mimalloc),
-     H200_AB_VARIANTS=moe-down-prefetch,moe-down-prefetch-after,qgemv-exact,quant-norm-exact,attention-split,attention-split-8,attention-chunks-4,qkv-warps-32
+     H200_AB_VARIANTS=moe-down-prefetch,moe-down-prefetch-after,qgemv-exact,quant-norm-exact,attention-split,attention-split-8,attention-chunks-4,qkv-warps-32,quant-embed
      H200_MODELS=lfm2-8b-a1b-q4 H200_AB_REPS=4 `timeout -s TERM 560
      python3 bench/h200/run.py ab pick gguf-bg` (all in process: the
      down rows' prefetch; the quantized GEMV in MLX's arithmetic, in pairs
@@ -212,7 +212,9 @@ before). The chain:
      needs ~3% of the step; the decode attention over more blocks, 11.3 µs
      a layer there for ~1.2 MB: it lost 1-6% in session 24 when the host
      bound the step, which the GPU now does; the q/k/v stage with a head
-     over 32 warps, 14.4 µs a launch there for ~3.6 MB).
+     over 32 warps, 14.4 µs a launch there for ~3.6 MB; the quantized
+     embedding in one launch, where the step's three gathers and
+     dequantize took 18 µs there).
   6. carry [.device/bin]: H200_OURS_ENV,
      H200_AB_VARIANTS=kernel-text-file,scratch-in-state,attention-split,attention-chunks-4,qkv-warps-32
      H200_MODELS=lfm2-350m-bf16,lfm2-1.2b-bf16 H200_AB_REPS=4 `timeout -s
