@@ -175,7 +175,9 @@ defaults after it (8B-A1B decode 0.97x llama.cpp, from 0.77-0.80), the
 local route retired; the 8B-A1B's step is now GPU-bound (1,597 µs of
 kernels, the MoE layers 847 of them at ~0.65 TB/s). After the call: the
 MoE layer's down rows asked of L2 by its gate/up blocks
-(`moe-down-prefetch`, `-after`, in process); timelines of the MoE layer
+(`moe-down-prefetch`, `-after`, in process), its down stage in one wave
+of blocks (`moe-down-rows-2`), the q/k/v stage's head over 32 warps
+(`qkv-warps-32`); timelines of the MoE layer
 in each of its forms, of the feed-forward (new), and of the conv and
 4-bit feed-forward layers with their weights already in L2 (`-warm`
 forms: the ceiling of asking for a layer's weights during the launch
@@ -191,19 +193,19 @@ before). The chain:
      forms' test with the down rows' prefetch; the wide MoE greedy sets,
      `moe-float` among them).
   4. carry [.device/bin]:
-     A=moe-layer-q4-fused,moe-layer-q4-float-fused,moe-layer-q4-pf-fused,moe-layer-q4-pfa-fused,conv-layer-q4-fused,conv-layer-bf16-fused,ffn-layer-bf16-fused,ffn-layer-q4-fused,mlx-q4,ours-q4-exact
+     A=moe-layer-q4-fused,moe-layer-q4-float-fused,moe-layer-q4-pf-fused,moe-layer-q4-pfa-fused,moe-layer-q4-d2-fused,conv-layer-q4-fused,conv-layer-bf16-fused,ffn-layer-bf16-fused,ffn-layer-q4-fused,mlx-q4,ours-q4-exact
      `timeout -s TERM 300 sh -c "H200_KERNEL_BENCH_ARMS=$A python3
      bench/h200/run.py kernel-bench && python3 bench/h200/run.py
      moe-timeline &&
      H200_DETAIL_ARMS=moe-layer-q4-fused,conv-layer-q4-fused,ffn-layer-bf16-fused
-     python3 bench/h200/run.py kernel-detail"` (the down rows' prefetch in
-     kernel-bench; the 8B-A1B's 4-bit GEMVs, its LM head among them now,
+     python3 bench/h200/run.py kernel-detail"` (the down rows' prefetch and
+     two down columns a warp in kernel-bench; the 8B-A1B's 4-bit GEMVs, its LM head among them now,
      by MLX's qmv and by ours in MLX's arithmetic, in pairs since session
      38; the stages of the MoE layer as it ships, in float32 and
      with the down rows' prefetch, of the feed-forwards and the conv layers,
      cold and warm; the stalls of the layers as they ship now).
   5. carry [.device/bin]: H200_OURS_ENV (mimalloc),
-     H200_AB_VARIANTS=moe-down-prefetch,moe-down-prefetch-after,qgemv-exact,quant-norm-exact,attention-split,attention-split-8,attention-chunks-4,qkv-warps-32,quant-embed
+     H200_AB_VARIANTS=moe-down-prefetch,moe-down-prefetch-after,moe-down-rows-2,qgemv-exact,quant-norm-exact,attention-split,attention-split-8,attention-chunks-4,qkv-warps-32,quant-embed
      H200_MODELS=lfm2-8b-a1b-q4 H200_AB_REPS=4 `timeout -s TERM 560
      python3 bench/h200/run.py ab pick gguf-bg` (all in process: the
      down rows' prefetch; the quantized GEMV in MLX's arithmetic, in pairs
@@ -2238,6 +2240,10 @@ AB = {
     # profile. The same bits. In process.
     "qkv-warps-32": ({"MLX_LFM_QKV_WARPS": "32"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "moe-down-prefetch-after": ({"MLX_LFM_MOE_DOWN_PREFETCH": "after"}, ["lfm2-8b-a1b-q4"]),
+    # Two down columns a warp (session 38, moe_fused.rs down_rows): the
+    # 8B-A1B's 256 down blocks, two waves of its 1,024-thread blocks, as
+    # 128, one wave. The exact form's bits. In process.
+    "moe-down-rows-2": ({"MLX_LFM_MOE_DOWN_ROWS": "2"}, ["lfm2-8b-a1b-q4"]),
     # The one-launch conv layers', feed-forwards' and q/k/v stages' weight
     # rows asked of L2 when a block takes its part, before it waits for the
     # stage before (session 34, src/kernels/stages.rs early_prefetch):
@@ -2262,7 +2268,7 @@ AB_TESTS = {
     + ["moe_fused_kernel_matches_the_three_kernels", "greedy:moe-float"],
     "moe-float": ["moe_fused_kernel_matches_the_three_kernels", "greedy:moe-float"],
     # (Its test holds it to the bits of the form it varies.)
-    **{v: ["moe_fused_forms_match_their_references"] for v in ("moe-down-prefetch", "moe-down-prefetch-after")},
+    **{v: ["moe_fused_forms_match_their_references"] for v in ("moe-down-prefetch", "moe-down-prefetch-after", "moe-down-rows-2")},
     # (Its test holds it to the default's bits.)
     "qkv-warps-32": ["qkv_fused_kernel_matches_stock_ops"],
     "scratch-in-state": ["moe_fused_kernel_matches_the_three_kernels", "conv_fused_kernel_matches_stock_ops",
@@ -2360,6 +2366,7 @@ PICK = [
     (["early-prefetch", "early-prefetch-conv"], "decode"),
     (["qint-bits", "qint-convert", "moe-float"], "decode"),
     (["moe-down-prefetch", "moe-down-prefetch-after"], "decode"),
+    (["moe-down-rows-2"], "decode"),
     (["qkv-warps-32"], "decode"),
     (["layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off"], "decode"),
     (["attention-smem", "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4"], "decode"),
@@ -2390,7 +2397,7 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "moe-down-early", "router-scores-f32", "router-scores-f32-early", "fold-eps-const", "position-table-off",
                "fold-deferred", "layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off",
                "conv-layer-fused", "early-prefetch", "early-prefetch-conv", "qint-bits", "qint-convert",
-               "moe-float", "moe-down-prefetch", "moe-down-prefetch-after", "qkv-warps-32"}
+               "moe-float", "moe-down-prefetch", "moe-down-prefetch-after", "qkv-warps-32", "moe-down-rows-2"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]

@@ -2129,14 +2129,17 @@ fn moe_fused_cases(test: &str, forms: bool) {
                 let run_form = |state: &Array, scratch: bool| if scratch { scratch_in_state(|| run(state)) } else { run(state) };
                 let exact_out = check_experts_exact(&what, dt, &s, &out, &wy, &wi, &wsc, &gu, &dn, run_form);
                 check_down_prefetch(&what, &s, &out, &exact_out, d, f, k, run_form);
+                check_down_rows(&what, &s, &exact_out, d, f, k, run_form);
                 // The timeline form (the bench's) takes a plain launch's
-                // form: the experts exact, with the down rows' prefetch too.
-                for at in ["0", "1"] {
+                // form: the experts exact, with the down rows' prefetch,
+                // with two down columns a warp.
+                for (at, rows) in [("0", "1"), ("1", "1"), ("0", "2")] {
                     let set = [
                         ("MLX_LFM_MOE_EXACT".to_string(), Some("1".to_string())),
                         ("MLX_LFM_MOE_DOWN_PREFETCH".to_string(), Some(at.to_string())),
+                        ("MLX_LFM_MOE_DOWN_ROWS".to_string(), Some(rows.to_string())),
                     ];
-                    let label = format!("{what}, experts exact, down prefetch {at}");
+                    let label = format!("{what}, experts exact, down prefetch {at}, down columns a warp {rows}");
                     crate::knobs::with_overrides(&set, || check_timeline(&label, &n, &g, &bias, &gu, &dn, k, scale, &exact_out));
                 }
                 return;
@@ -2312,6 +2315,47 @@ fn check_down_prefetch(
         assert_eq!(differing(&out4, exact_out), 0, "{what}: the down rows' prefetch ({at}), experts exact: the output differs from the exact form's");
     }
     eprintln!("{what}: the down rows' prefetch, before and after the rows, gives the float form's bits, and the exact form's with the experts exact");
+}
+
+/// The one-launch MoE layer with two down columns a warp
+/// (`MLX_LFM_MOE_DOWN_ROWS=2`, opt-in; src/kernels/moe_fused.rs
+/// `down_rows`): each column the one-column walk's, summed over its
+/// experts in their order, so the exact form's bits (`s`, `exact_out`), in
+/// its outputs form and its scratch form (twice over one state), where the
+/// columns tile its blocks (`d` a multiple of 64 / `k`'s share); else it
+/// must not run. Each run counted (`built_down_rows`).
+fn check_down_rows(
+    what: &str,
+    s: &crate::mlx::Array,
+    exact_out: &crate::mlx::Array,
+    d: i32,
+    f: i32,
+    k: usize,
+    run: impl Fn(&crate::mlx::Array, bool) -> (crate::mlx::Array, crate::mlx::Array),
+) {
+    use crate::kernels::moe_fused::built_down_rows;
+    use crate::kernels::stages::{new_counters, new_counters_of};
+    let on = [
+        ("MLX_LFM_MOE_DOWN_ROWS".to_string(), Some("2".to_string())),
+        ("MLX_LFM_MOE_EXACT".to_string(), Some("1".to_string())),
+    ];
+    let tiles = d % (32 / k as i32 * 2) == 0;
+    let counted = |state: &crate::mlx::Array, scratch: bool, label: &str| {
+        let before = built_down_rows();
+        let got = crate::knobs::with_overrides(&on, || run(state, scratch));
+        assert_eq!(built_down_rows(), before + usize::from(tiles), "{what}: two down columns a warp ({label}): ran {} times", built_down_rows() - before);
+        got
+    };
+    let (s2, out2) = counted(&new_counters().unwrap(), false, "outputs");
+    assert_eq!(differing(&s2, s), 0, "{what}: two down columns a warp: the residual sum differs");
+    assert_eq!(differing(&out2, exact_out), 0, "{what}: two down columns a warp: the output differs from the exact form's");
+    let big = new_counters_of(crate::kernels::moe_fused::state_words(d as usize, f as usize, k)).unwrap();
+    for turn in 0..2 {
+        let (s3, out3) = counted(&big, true, "scratch");
+        assert_eq!(differing(&s3, s), 0, "{what}: two down columns a warp, scratch in the state, launch {turn}: the sum differs");
+        assert_eq!(differing(&out3, exact_out), 0, "{what}: two down columns a warp, scratch in the state, launch {turn}: the output differs");
+    }
+    eprintln!("{what}: two down columns a warp {}", if tiles { "give the exact form's bits" } else { "do not tile these columns: one a warp" });
 }
 
 /// The one-launch MoE kernel's timeline form (the bench's,
