@@ -190,7 +190,8 @@ before). The chain:
      committed kernels save-ptx` (the defaults' whole tests with the rows in
      pairs, which session 38 ran in their quantized cases only, the norm
      folds' among them; the MoE
-     forms' test with the down rows' prefetch; the wide MoE greedy sets,
+     forms' test with the down rows' prefetch, two down columns a warp and
+     their timelines; the q/k/v test with a head over 32 warps; the wide MoE greedy sets,
      `moe-float` among them).
   4. carry [.device/bin]:
      A=moe-layer-q4-fused,moe-layer-q4-float-fused,moe-layer-q4-pf-fused,moe-layer-q4-pfa-fused,moe-layer-q4-d2-fused,conv-layer-q4-fused,conv-layer-bf16-fused,ffn-layer-bf16-fused,ffn-layer-q4-fused,mlx-q4,ours-q4-exact
