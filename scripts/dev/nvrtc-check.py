@@ -432,12 +432,12 @@ KERNELS["moe_fused.rs@timeline"] = (KERNELS["moe_fused.rs"][0], KERNELS["moe_fus
 # prefetch (moe_fused.rs timeline_kernel takes a plain launch's form).
 KERNELS["moe_fused.rs@exact-timeline"] = KERNELS["moe_fused.rs@timeline"]
 KERNELS["moe_fused.rs@exact-pf-timeline"] = KERNELS["moe_fused.rs@timeline"]
-# Two down columns a warp (MLX_LFM_MOE_DOWN_ROWS=2, the exact form's only),
-# with the scratch rows, the most registers' shape, the prefetch, the timeline.
+# Two down columns a warp (MLX_LFM_MOE_DOWN_ROWS=2, the exact form's 4-bit
+# experts only: 8-bit ones in group 32 at D 1,536 took 66 registers), with
+# the scratch rows, on rows of 1,536, with the prefetch, the timeline.
 KERNELS["moe_fused.rs@exact-d2"] = KERNELS["moe_fused.rs"]
-KERNELS["moe_fused.rs@exact8-d2"] = KERNELS["moe_fused.rs@exact8"]
 KERNELS["moe_fused.rs@exact-d2-scratch"] = KERNELS["moe_fused.rs@scratch"]
-KERNELS["moe_fused.rs@exact8-d1536-d2"] = KERNELS["moe_fused.rs@exact8-d1536"]
+KERNELS["moe_fused.rs@exact-d1536-d2"] = KERNELS["moe_fused.rs@exact-d1536"]
 KERNELS["moe_fused.rs@exact-pf-d2"] = KERNELS["moe_fused.rs"]
 KERNELS["moe_fused.rs@exact-d2-timeline"] = KERNELS["moe_fused.rs@timeline"]
 # The conv layer's and feed-forward's rows asked of L2 before their waits
@@ -801,8 +801,8 @@ DEFINES_OF["moe_fused.rs@exact-timeline"] = _TL + DEFINES_OF["moe_fused.rs@exact
 HEADER_AFTER["moe_fused.rs@exact-timeline"] = HEADER_AFTER["moe_fused.rs@exact"]
 DEFINES_OF["moe_fused.rs@exact-pf-timeline"] = _TL + DEFINES_OF["moe_fused.rs@exact-pf"]
 HEADER_AFTER["moe_fused.rs@exact-pf-timeline"] = HEADER_AFTER["moe_fused.rs@exact-pf"]
-for _v, _of in (("@exact-d2", "@exact"), ("@exact8-d2", "@exact8"), ("@exact-d2-scratch", "@exact-scratch"),
-                ("@exact8-d1536-d2", "@exact8-d1536"), ("@exact-pf-d2", "@exact-pf"), ("@exact-d2-timeline", "@exact-timeline")):
+for _v, _of in (("@exact-d2", "@exact"), ("@exact-d2-scratch", "@exact-scratch"), ("@exact-d1536-d2", "@exact-d1536"),
+                ("@exact-pf-d2", "@exact-pf"), ("@exact-d2-timeline", "@exact-timeline")):
     DEFINES_OF["moe_fused.rs" + _v] = "#define LFM_MOE_DOWN_ROWS 2\n" + DEFINES_OF["moe_fused.rs" + _of]
     HEADER_AFTER["moe_fused.rs" + _v] = HEADER_AFTER["moe_fused.rs" + _of]
 PRELUDE_OF["moe_fused.rs@exact-d2-scratch"] = PRELUDE_OF["moe_fused.rs@scratch"]

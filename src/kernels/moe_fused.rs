@@ -247,8 +247,9 @@ pub fn built_prefetch() -> usize {
 /// wave of its 1,024-thread blocks on the H100's 132 SMs, where it was 256
 /// in two. Each column is the one-column walk's, summed over its experts
 /// in their order: the exact form's bits (its test holds them). Where the
-/// experts are not exact, or the columns do not tile the blocks, one
-/// column a warp. Read at each launch's build, so a process can time both.
+/// experts are not exact or not 4-bit, or the columns do not tile the
+/// blocks, one column a warp. Read at each launch's build, so a process
+/// can time both.
 pub(crate) fn down_rows() -> i32 {
     static SET: OnceLock<i32> = OnceLock::new();
     if super::forced("MLX_LFM_MOE_DOWN_ROWS") {
@@ -270,7 +271,15 @@ fn form_of(gu: &Quantized, down: &Quantized, dt: Dtype, d: i32, f: i32, k: i32) 
         && quant_gemv::spec_served(gu, dt, d)
         && quant_gemv::spec_served(down, dt, f)
         && registers_fit(gu.spec.bits, d, true);
-    let rows2 = exact && down_rows() == 2 && (1..=ROUTE_SLOTS).contains(&k) && d % (WARPS / k * 2) == 0;
+    // (4-bit only: by ptxas, 8-bit experts in group 32 at D 1,536 took 66
+    // registers a thread in this form, past the 64 that 1,024 threads
+    // allow; 4-bit stayed at or under 64 in every shape a review tried.)
+    let rows2 = exact
+        && down_rows() == 2
+        && down.spec.bits == 4
+        && gu.spec.bits == 4
+        && (1..=ROUTE_SLOTS).contains(&k)
+        && d % (WARPS / k * 2) == 0;
     Form { exact, prefetch: down_prefetch(), rows2 }
 }
 

@@ -41,6 +41,9 @@ const MAX_HEAD: i32 = 128;
 /// to them). Read at each launch's build, so a process can time both.
 fn warps() -> i32 {
     static SET: OnceLock<i32> = OnceLock::new();
+    if super::forced("MLX_LFM_QKV_WARPS") {
+        return 32;
+    }
     crate::knobs::cached("MLX_LFM_QKV_WARPS", &SET, |v| if v.map(str::trim) == Some("32") { 32 } else { WARPS })
 }
 
@@ -139,8 +142,11 @@ pub fn available(x: &Normed, p: Projection, qw: &Array, kw: &Array, heads: (i32,
         Projection::Dense(w) => w.ndim() == 2 && w.dtype() == dt && w.dim(0) as i64 == rows && w.dim(1) == d && d % 8 == 0,
     };
     let warps = warps();
+    // (The rows the 16-warp form serves, in either form: over 32 warps the
+    // norm's block could take rows past them, where ptxas put f16 heads of
+    // 128 at 80 registers, past the 64 that 1,024 threads allow.)
     super::add_rms_norm::available(x.h, r, x.w)
-        && super::add_rms_norm::block_for(d, 16 / dt.size() as i32) <= warps * 32
+        && super::add_rms_norm::block_for(d, 16 / dt.size() as i32) <= WARPS * 32
         && product
         && hd > 0
         && hd % warps == 0

@@ -155,6 +155,7 @@ pub(crate) const LAYER_SOURCE: &str = r#"
   constexpr int DR = LFM_MOE_DOWN_ROWS;
   constexpr int CPB = WARPS / KE * DR;
   constexpr int DB = (D + CPB - 1) / CPB;
+  static_assert(DR == 1 || D % CPB == 0, "LFM_MOE_DOWN_ROWS: the columns tile the down blocks");
   constexpr int HR = KE * F * sizeof(T) / 16;
   constexpr int TAIL_NB = 1 + GB + DB;
   __shared__ float probs_s[E];

@@ -2087,6 +2087,10 @@ fn moe_fused_cases(test: &str, forms: bool) {
         // three (two of a down block's 32 warps idle), 8-bit experts.
         (Dtype::Bfloat16, 2.0f32.powi(-7), 8, 2, 2048, 256, 4, 64, 4, 32),
         (Dtype::Bfloat16, 2.0f32.powi(-7), 16, 3, 1536, 512, 4, 64, 8, 64),
+        // Five (two warps idle), 4-bit: the case whose idle warps two down
+        // columns a warp also meet (MLX_LFM_MOE_DOWN_ROWS, which takes
+        // 4-bit experts whose columns tile its blocks).
+        (Dtype::Bfloat16, 2.0f32.powi(-7), 16, 5, 1536, 256, 4, 64, 4, 64),
         // One expert a row, and eight of 128 (four a router lane).
         (Dtype::Bfloat16, 2.0f32.powi(-7), 8, 1, 2048, 512, 4, 64, 4, 64),
         (Dtype::Bfloat16, 2.0f32.powi(-7), 128, 8, 2048, 256, 4, 64, 4, 64),
@@ -2129,7 +2133,7 @@ fn moe_fused_cases(test: &str, forms: bool) {
                 let run_form = |state: &Array, scratch: bool| if scratch { scratch_in_state(|| run(state)) } else { run(state) };
                 let exact_out = check_experts_exact(&what, dt, &s, &out, &wy, &wi, &wsc, &gu, &dn, run_form);
                 check_down_prefetch(&what, &s, &out, &exact_out, d, f, k, run_form);
-                check_down_rows(&what, &s, &exact_out, d, f, k, run_form);
+                check_down_rows(&what, &s, &exact_out, d, f, k, &dn, run_form);
                 // The timeline form (the bench's) takes a plain launch's
                 // form: the experts exact, with the down rows' prefetch,
                 // with two down columns a warp.
@@ -2321,9 +2325,10 @@ fn check_down_prefetch(
 /// (`MLX_LFM_MOE_DOWN_ROWS=2`, opt-in; src/kernels/moe_fused.rs
 /// `down_rows`): each column the one-column walk's, summed over its
 /// experts in their order, so the exact form's bits (`s`, `exact_out`), in
-/// its outputs form and its scratch form (twice over one state), where the
-/// columns tile its blocks (`d` a multiple of 64 / `k`'s share); else it
-/// must not run. Each run counted (`built_down_rows`).
+/// its outputs form and its scratch form (twice over one state), where its
+/// 4-bit experts' columns tile its blocks (`d` a multiple of 32 / `k`'s
+/// share, doubled); else it must not run. Each run counted
+/// (`built_down_rows`).
 fn check_down_rows(
     what: &str,
     s: &crate::mlx::Array,
@@ -2331,6 +2336,7 @@ fn check_down_rows(
     d: i32,
     f: i32,
     k: usize,
+    dn: &crate::model::linear::Quantized,
     run: impl Fn(&crate::mlx::Array, bool) -> (crate::mlx::Array, crate::mlx::Array),
 ) {
     use crate::kernels::moe_fused::built_down_rows;
@@ -2339,7 +2345,7 @@ fn check_down_rows(
         ("MLX_LFM_MOE_DOWN_ROWS".to_string(), Some("2".to_string())),
         ("MLX_LFM_MOE_EXACT".to_string(), Some("1".to_string())),
     ];
-    let tiles = d % (32 / k as i32 * 2) == 0;
+    let tiles = d % (32 / k as i32 * 2) == 0 && dn.spec.bits == 4;
     let counted = |state: &crate::mlx::Array, scratch: bool, label: &str| {
         let before = built_down_rows();
         let got = crate::knobs::with_overrides(&on, || run(state, scratch));
