@@ -184,15 +184,20 @@ forms: the ceiling of asking for a layer's weights during the launch
 before). The chain:
   1. carry [.device/a]: `stage-mlx`.
   2. carry [.device/llama]: `llama`.
-  3. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=7
-     H200_KERNEL_TESTS=conv_fused_kernel,ffn_fused_kernel,qkv_fused_kernel,moe_fused_,quant_gemv_kernel,norm_gemv_kernels,greedy_tokens_with_kernels_equal_stock_ops_on_wide_moe
+  3. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=5
+     H200_KERNEL_TESTS=conv_fused_kernel,ffn_fused_kernel,qkv_fused_kernel,quant_gemv_kernel,norm_gemv_kernels
      `timeout -s TERM 540 python3 bench/h200/run.py install verdicts-from
      committed kernels save-ptx` (the defaults' whole tests with the rows in
      pairs, which session 38 ran in their quantized cases only, the norm
-     folds' among them; the MoE
-     forms' test with the down rows' prefetch, two down columns a warp and
-     their timelines; the q/k/v test with a head over 32 warps; the wide MoE greedy sets,
-     `moe-float` among them).
+     folds' among them; the q/k/v test with a head over 32 warps and the
+     feed-forward's with its timeline form). Then, carry the same:
+     H200_KERNEL_JOBS=3
+     H200_KERNEL_TESTS=moe_fused_,greedy_tokens_with_kernels_equal_stock_ops_on_wide_moe
+     `timeout -s TERM 540 python3 bench/h200/run.py kernels` (the MoE
+     tests: the forms' with the down rows' prefetch, two down columns a
+     warp and their timelines, a five-expert case; the wide MoE greedy
+     sets, `moe-float` among them). Two calls, so that a cut one loses
+     only its own verdicts (session 37 lost two tests' at 524 s).
   4. carry [.device/bin]:
      A=moe-layer-q4-fused,moe-layer-q4-float-fused,moe-layer-q4-pf-fused,moe-layer-q4-pfa-fused,moe-layer-q4-d2-fused,conv-layer-q4-fused,conv-layer-bf16-fused,ffn-layer-bf16-fused,ffn-layer-q4-fused,mlx-q4,ours-q4-exact
      `timeout -s TERM 300 sh -c "H200_KERNEL_BENCH_ARMS=$A python3
