@@ -157,8 +157,6 @@ struct Form {
 const FORMS: usize = 12;
 
 impl Form {
-    const DEFAULT: Form = Form { exact: false, prefetch: 0, rows2: false };
-
     fn index(self) -> usize {
         usize::from(self.exact) + 2 * usize::from(self.prefetch) + 6 * usize::from(self.rows2)
     }
@@ -336,7 +334,11 @@ fn blocks(d: i32, f: i32, k: i32, rows: i32) -> i64 {
 /// expert stacks of one specification, and the staged rows within shared
 /// memory.
 pub fn available(n: &NormIn, g: &Quantized, gu: &Quantized, down: &Quantized, k: usize) -> bool {
-    enabled() && served(n, g, gu, down, k) && kernel(false, Form::DEFAULT).is_some()
+    // (The form the launch will take, which since session 38 is the
+    // experts-exact one: a form that does not build is not available.)
+    enabled()
+        && served(n, g, gu, down, k)
+        && kernel(false, form_of(gu, down, n.h.dtype(), n.h.dim(1), gu.weight.dim(1) / 2, k as i32)).is_some()
 }
 
 /// [`available`] but for the switch and the kernel: whether the layer's
