@@ -664,45 +664,75 @@ fn scrub_rows() -> mlx_lfm::Result<Array> {
 
 /// [`timeline`] of one form (`form` names it in the records).
 fn timeline_of(layer: &Layer, scrub: &Array, form: &str, reps: usize) -> mlx_lfm::Result<()> {
-    use mlx_lfm::kernels::{moe_fused, norm_gemv::NormIn, stages::timeline_summary};
+    use mlx_lfm::kernels::{moe_fused, norm_gemv::NormIn};
     let (g, gu, down) = (&layer.gate, &layer.experts.gate_up, &layer.experts.down);
     let k = EXPERTS_A_ROW as usize;
     // (Each form's plain and timeline launches on states of their own: a
     // layer's state serves one form.)
     let (plain_state, timed_state) = (mlx_lfm::kernels::stages::new_counters()?, mlx_lfm::kernels::stages::new_counters()?);
+    let row = |i: usize| NormIn { h: &layer.hs[i % layer.hs.len()], r: &layer.r, wn: &layer.wn, eps: &layer.eps, eps_value: Some(LAYER_EPS) };
+    stamp_launches(
+        ("moe_timeline", form, ["router", "gate_up", "down"]),
+        reps.max(1) * LAYER_LAUNCHES,
+        false,
+        scrub,
+        |i| {
+            let n = row(i);
+            if !moe_fused::available(&n, g, gu, down, k) {
+                return Err(mlx_lfm::Error::invalid("kernel-bench: the one-launch MoE kernel does not serve the layer's operands"));
+            }
+            Ok(moe_fused::forward(&n, g, &layer.bias, gu, down, &plain_state, k, true, LAYER_EPS, 1.0)?.1)
+        },
+        |i| moe_fused::forward_timeline(&row(i), g, &layer.bias, gu, down, &timed_state, k, true, LAYER_EPS, 1.0),
+    )
+}
+
+/// `launches` launches of a layer through its timeline form, each after a
+/// plain launch of the same operands (`plain(i)`: its output is what the
+/// stamped one must equal; the stamps change no sum), L2 evicted between
+/// them unless `warm`: each launch's line and then the medians, printed
+/// under `key` (`key`, `{key}_summary`), the parts named `parts` (the
+/// first block's, the first stage's, the rest's). `timed(i)` gives the
+/// output, the stamps, the first stage's blocks and the launch's.
+fn stamp_launches(
+    (key, form, parts): (&str, &str, [&str; 3]),
+    launches: usize,
+    warm: bool,
+    scrub: &Array,
+    mut plain: impl FnMut(usize) -> mlx_lfm::Result<Array>,
+    mut timed: impl FnMut(usize) -> mlx_lfm::Result<(Array, Array, usize, usize)>,
+) -> mlx_lfm::Result<()> {
+    use mlx_lfm::kernels::stages::timeline_summary;
     let mut lines = Vec::new();
-    for i in 0..reps.max(1) * LAYER_LAUNCHES {
-        let n = NormIn { h: &layer.hs[i % layer.hs.len()], r: &layer.r, wn: &layer.wn, eps: &layer.eps, eps_value: Some(LAYER_EPS) };
-        if !moe_fused::available(&n, g, gu, down, k) {
-            return Err(mlx_lfm::Error::invalid("kernel-bench: the one-launch MoE kernel does not serve the layer's operands"));
+    for i in 0..launches {
+        let want = plain(i)?;
+        want.eval()?;
+        if !warm {
+            scrub.argmax(1, false)?.eval()?;
         }
-        let plain = moe_fused::forward(&n, g, &layer.bias, gu, down, &plain_state, k, true, LAYER_EPS, 1.0)?.1;
-        plain.eval()?;
-        scrub.argmax(1, false)?.eval()?;
         let t = Instant::now();
-        let (out, times, gate_up, nb) = moe_fused::forward_timeline(&n, g, &layer.bias, gu, down, &timed_state, k, true, LAYER_EPS, 1.0)?;
+        let (out, times, first, nb) = timed(i)?;
         mlx::eval(&[&out, &times])?;
         let wall = t.elapsed().as_secs_f64() * 1e6;
-        let same = out.astype(Dtype::Float32)?.to_vec::<f32>()? == plain.astype(Dtype::Float32)?.to_vec::<f32>()?;
+        let same = out.astype(Dtype::Float32)?.to_vec::<f32>()? == want.astype(Dtype::Float32)?.to_vec::<f32>()?;
         let times = times.to_vec::<i64>()?;
-        let line = serde_json::json!({
-            "moe_timeline": i,
+        let mut line = serde_json::json!({
+            key: i,
             "form": form,
             "blocks": nb,
             "wall_us": wall,
             "same_as_plain": same,
-            "router": timeline_summary(&times, 0, 1),
-            "gate_up": timeline_summary(&times, 1, gate_up + 1),
-            "down": timeline_summary(&times, gate_up + 1, nb),
         });
+        for (part, (from, to)) in parts.iter().zip([(0, 1), (1, first + 1), (first + 1, nb)]) {
+            line[*part] = timeline_summary(&times, from, to).into();
+        }
         println!("{line}");
         lines.push(line);
     }
-    let summary = medians(&lines, &["router", "gate_up", "down"]);
     let all_same = lines.iter().all(|l| l["same_as_plain"] == true);
     println!(
         "{}",
-        serde_json::json!({"moe_timeline_summary": summary, "form": form, "launches": lines.len(), "all_same_as_plain": all_same})
+        serde_json::json!({format!("{key}_summary"): medians(&lines, &parts), "form": form, "launches": lines.len(), "all_same_as_plain": all_same})
     );
     Ok(())
 }
@@ -721,7 +751,7 @@ fn timeline_of(layer: &Layer, scrub: &Array, form: &str, reps: usize) -> mlx_lfm
 const CONV_TIMELINE_ARM: &str = "conv-layer-timeline";
 
 fn conv_timeline(reps: usize) -> mlx_lfm::Result<()> {
-    use mlx_lfm::kernels::{conv_fused, stages::timeline_summary};
+    use mlx_lfm::kernels::conv_fused;
     use mlx_lfm::model::linear::Normed;
     let conv = ConvLayer::new()?;
     let scrub = scrub_rows()?;
@@ -740,49 +770,36 @@ fn conv_timeline(reps: usize) -> mlx_lfm::Result<()> {
         ];
         mlx_lfm::knobs::with_overrides(&switches, || -> mlx_lfm::Result<()> {
             let (plain_ctr, timed_ctr) = (mlx_lfm::kernels::stages::new_counters()?, mlx_lfm::kernels::stages::new_counters()?);
-            let mut lines = Vec::new();
-            for i in 0..reps.max(1) * CONV_LAUNCHES {
-                // (Warm: one copy, the plain launch just before having read
-                // it, and no eviction: its weights in L2.)
+            // (Warm: one copy, the plain launch just before having read it,
+            // and no eviction: its weights in L2.)
+            let projections = |i: usize| {
                 let c = if warm { 0 } else { i };
-                let p = if quant {
+                if quant {
                     let (wi, wo) = &conv.projections[c % conv.projections.len()];
                     conv_fused::Projections::Quant(wi, wo)
                 } else {
                     let (wi, wo) = &conv.dense[c % conv.dense.len()];
                     conv_fused::Projections::Dense(wi, wo)
-                };
-                let x = Normed { h: &conv.h, r: Some(&conv.r), w: &conv.wn, eps: LAYER_EPS, eps_array: &conv.eps };
-                if !conv_fused::available(&x, p, &conv.state, &conv.cw, false) {
-                    return Err(mlx_lfm::Error::invalid("kernel-bench: the one-launch conv kernel does not serve the layer's operands"));
                 }
-                let plain = conv_fused::forward(&x, p, &conv.state, &conv.cw, &plain_ctr)?.1;
-                plain.eval()?;
-                if !warm {
-                    scrub.argmax(1, false)?.eval()?;
-                }
-                let t = Instant::now();
-                let (out, _, times, channels, nb) = conv_fused::forward_timeline(&x, p, &conv.state, &conv.cw, &timed_ctr)?;
-                mlx::eval(&[&out, &times])?;
-                let wall = t.elapsed().as_secs_f64() * 1e6;
-                let same = out.astype(Dtype::Float32)?.to_vec::<f32>()? == plain.astype(Dtype::Float32)?.to_vec::<f32>()?;
-                let times = times.to_vec::<i64>()?;
-                let line = serde_json::json!({
-                    "conv_timeline": i,
-                    "form": form,
-                    "blocks": nb,
-                    "wall_us": wall,
-                    "same_as_plain": same,
-                    "norm": timeline_summary(&times, 0, 1),
-                    "channels": timeline_summary(&times, 1, channels + 1),
-                    "out_proj": timeline_summary(&times, channels + 1, nb),
-                });
-                println!("{line}");
-                lines.push(line);
-            }
-            println!("{}", serde_json::json!({"conv_timeline_summary": medians(&lines, &["norm", "channels", "out_proj"]), "form": form,
-                                             "launches": lines.len(), "all_same_as_plain": lines.iter().all(|l| l["same_as_plain"] == true)}));
-            Ok(())
+            };
+            let x = Normed { h: &conv.h, r: Some(&conv.r), w: &conv.wn, eps: LAYER_EPS, eps_array: &conv.eps };
+            stamp_launches(
+                ("conv_timeline", form, ["norm", "channels", "out_proj"]),
+                reps.max(1) * CONV_LAUNCHES,
+                warm,
+                &scrub,
+                |i| {
+                    let p = projections(i);
+                    if !conv_fused::available(&x, p, &conv.state, &conv.cw, false) {
+                        return Err(mlx_lfm::Error::invalid("kernel-bench: the one-launch conv kernel does not serve the layer's operands"));
+                    }
+                    Ok(conv_fused::forward(&x, p, &conv.state, &conv.cw, &plain_ctr)?.1)
+                },
+                |i| {
+                    let (out, _, times, channels, nb) = conv_fused::forward_timeline(&x, projections(i), &conv.state, &conv.cw, &timed_ctr)?;
+                    Ok((out, times, channels, nb))
+                },
+            )
         })?;
     }
     Ok(())
@@ -799,7 +816,7 @@ fn conv_timeline(reps: usize) -> mlx_lfm::Result<()> {
 const FFN_TIMELINE_ARM: &str = "ffn-layer-timeline";
 
 fn ffn_timeline(reps: usize) -> mlx_lfm::Result<()> {
-    use mlx_lfm::kernels::{ffn_fused, stages::timeline_summary};
+    use mlx_lfm::kernels::ffn_fused;
     use mlx_lfm::model::linear::Normed;
     let ffn = FfnLayer::new()?;
     let scrub = scrub_rows()?;
@@ -807,47 +824,31 @@ fn ffn_timeline(reps: usize) -> mlx_lfm::Result<()> {
     for (form, q4, warm) in [("bf16", false, false), ("q4", true, false), ("q4-warm", true, true)] {
         mlx_lfm::knobs::with_overrides(&switches, || -> mlx_lfm::Result<()> {
             let (plain_ctr, timed_ctr) = (mlx_lfm::kernels::stages::new_counters()?, mlx_lfm::kernels::stages::new_counters()?);
-            let mut lines = Vec::new();
-            for i in 0..reps.max(1) * FFN_LAUNCHES {
+            let projections = |i: usize| {
                 let c = if warm { 0 } else { i };
-                let p = if q4 {
+                if q4 {
                     let (w13, w2) = &ffn.quant[c % ffn.quant.len()];
                     ffn_fused::Projections::Quant(w13, w2)
                 } else {
                     let (w13, w2) = &ffn.weights[c % ffn.weights.len()];
                     ffn_fused::Projections::Dense(w13, w2)
-                };
-                let x = Normed { h: &ffn.h, r: Some(&ffn.r), w: &ffn.wn, eps: LAYER_EPS, eps_array: &ffn.eps };
-                if !ffn_fused::available(&x, p) {
-                    return Err(mlx_lfm::Error::invalid("kernel-bench: the one-launch feed-forward kernel does not serve the layer's operands"));
                 }
-                let plain = ffn_fused::forward(&x, p, &plain_ctr)?.1;
-                plain.eval()?;
-                if !warm {
-                    scrub.argmax(1, false)?.eval()?;
-                }
-                let t = Instant::now();
-                let (out, times, gate, nb) = ffn_fused::forward_timeline(&x, p, &timed_ctr)?;
-                mlx::eval(&[&out, &times])?;
-                let wall = t.elapsed().as_secs_f64() * 1e6;
-                let same = out.astype(Dtype::Float32)?.to_vec::<f32>()? == plain.astype(Dtype::Float32)?.to_vec::<f32>()?;
-                let times = times.to_vec::<i64>()?;
-                let line = serde_json::json!({
-                    "ffn_timeline": i,
-                    "form": form,
-                    "blocks": nb,
-                    "wall_us": wall,
-                    "same_as_plain": same,
-                    "norm": timeline_summary(&times, 0, 1),
-                    "gate": timeline_summary(&times, 1, gate + 1),
-                    "w2": timeline_summary(&times, gate + 1, nb),
-                });
-                println!("{line}");
-                lines.push(line);
-            }
-            println!("{}", serde_json::json!({"ffn_timeline_summary": medians(&lines, &["norm", "gate", "w2"]), "form": form,
-                                             "launches": lines.len(), "all_same_as_plain": lines.iter().all(|l| l["same_as_plain"] == true)}));
-            Ok(())
+            };
+            let x = Normed { h: &ffn.h, r: Some(&ffn.r), w: &ffn.wn, eps: LAYER_EPS, eps_array: &ffn.eps };
+            stamp_launches(
+                ("ffn_timeline", form, ["norm", "gate", "w2"]),
+                reps.max(1) * FFN_LAUNCHES,
+                warm,
+                &scrub,
+                |i| {
+                    let p = projections(i);
+                    if !ffn_fused::available(&x, p) {
+                        return Err(mlx_lfm::Error::invalid("kernel-bench: the one-launch feed-forward kernel does not serve the layer's operands"));
+                    }
+                    Ok(ffn_fused::forward(&x, p, &plain_ctr)?.1)
+                },
+                |i| ffn_fused::forward_timeline(&x, projections(i), &timed_ctr),
+            )
         })?;
     }
     Ok(())
