@@ -2133,7 +2133,21 @@ fn moe_fused_cases(test: &str, forms: bool) {
                 let run_form = |state: &Array, scratch: bool| if scratch { scratch_in_state(|| run(state)) } else { run(state) };
                 let exact_out = check_experts_exact(&what, dt, &s, &out, &wy, &wi, &wsc, &gu, &dn, run_form);
                 check_down_prefetch(&what, &s, &out, &exact_out, d, f, k, run_form);
-                check_down_rows(&what, &s, &exact_out, d, f, k, &dn, run_form);
+                // Two down columns a warp (MLX_LFM_MOE_DOWN_ROWS=2, opt-in;
+                // src/kernels/moe_fused.rs down_rows): each column the
+                // one-column walk's, summed over its experts in their order,
+                // so the exact form's bits, where its 4-bit experts' columns
+                // tile its blocks (`d` a multiple of 32 / `k`'s share,
+                // doubled); else it must not run.
+                let rows2 = [
+                    ("MLX_LFM_MOE_DOWN_ROWS".to_string(), Some("2".to_string())),
+                    ("MLX_LFM_MOE_EXACT".to_string(), Some("1".to_string())),
+                ];
+                let tiles = d % (32 / k as i32 * 2) == 0 && dn.spec.bits == 4;
+                let words = crate::kernels::moe_fused::state_words(d as usize, f as usize, k);
+                let built = crate::kernels::moe_fused::built_down_rows;
+                check_form_bits(&format!("{what}: two down columns a warp"), &rows2, built, usize::from(tiles), (&s, &exact_out), Some(words), &run_form);
+                eprintln!("{what}: two down columns a warp {}", if tiles { "give the exact form's bits" } else { "do not tile these columns: one a warp" });
                 // The timeline form (the bench's) takes a plain launch's
                 // form: the experts exact, with the down rows' prefetch,
                 // with two down columns a warp.
@@ -2291,7 +2305,7 @@ fn check_down_prefetch(
     run: impl Fn(&crate::mlx::Array, bool) -> (crate::mlx::Array, crate::mlx::Array),
 ) {
     use crate::kernels::moe_fused::built_prefetch;
-    use crate::kernels::stages::{new_counters, new_counters_of};
+    let words = crate::kernels::moe_fused::state_words(d as usize, f as usize, k);
     for at in ["1", "after"] {
         let on = |exact: bool| {
             vec![
@@ -2299,69 +2313,46 @@ fn check_down_prefetch(
                 ("MLX_LFM_MOE_EXACT".to_string(), Some(if exact { "1" } else { "0" }.to_string())),
             ]
         };
-        let counted = |exact: bool, state: &crate::mlx::Array, scratch: bool, label: &str| {
-            let before = built_prefetch();
-            let got = crate::knobs::with_overrides(&on(exact), || run(state, scratch));
-            assert_eq!(built_prefetch(), before + 1, "{what}: the down rows' prefetch ({at}) did not run ({label})");
-            got
-        };
-        let (s2, out2) = counted(false, &new_counters().unwrap(), false, "outputs");
-        assert_eq!(differing(&s2, s), 0, "{what}: the down rows' prefetch ({at}): the residual sum differs from the float form's");
-        assert_eq!(differing(&out2, out), 0, "{what}: the down rows' prefetch ({at}): the output differs from the float form's");
-        let big = new_counters_of(crate::kernels::moe_fused::state_words(d as usize, f as usize, k)).unwrap();
-        for turn in 0..2 {
-            let (s3, out3) = counted(false, &big, true, "scratch");
-            assert_eq!(differing(&s3, s), 0, "{what}: the down rows' prefetch ({at}), scratch in the state, launch {turn}: the sum differs");
-            assert_eq!(differing(&out3, out), 0, "{what}: the down rows' prefetch ({at}), scratch in the state, launch {turn}: the output differs");
-        }
-        let (s4, out4) = counted(true, &new_counters().unwrap(), false, "experts exact");
-        assert_eq!(differing(&s4, s), 0, "{what}: the down rows' prefetch ({at}), experts exact: the residual sum differs");
-        assert_eq!(differing(&out4, exact_out), 0, "{what}: the down rows' prefetch ({at}), experts exact: the output differs from the exact form's");
+        let form = format!("{what}: the down rows' prefetch ({at})");
+        check_form_bits(&form, &on(false), built_prefetch, 1, (s, out), Some(words), &run);
+        check_form_bits(&format!("{form}, experts exact"), &on(true), built_prefetch, 1, (s, exact_out), None, &run);
     }
     eprintln!("{what}: the down rows' prefetch, before and after the rows, gives the float form's bits, and the exact form's with the experts exact");
 }
 
-/// The one-launch MoE layer with two down columns a warp
-/// (`MLX_LFM_MOE_DOWN_ROWS=2`, opt-in; src/kernels/moe_fused.rs
-/// `down_rows`): each column the one-column walk's, summed over its
-/// experts in their order, so the exact form's bits (`s`, `exact_out`), in
-/// its outputs form and its scratch form (twice over one state), where its
-/// 4-bit experts' columns tile its blocks (`d` a multiple of 32 / `k`'s
-/// share, doubled); else it must not run. Each run counted
-/// (`built_down_rows`).
-fn check_down_rows(
-    what: &str,
-    s: &crate::mlx::Array,
-    exact_out: &crate::mlx::Array,
-    d: i32,
-    f: i32,
-    k: usize,
-    dn: &crate::model::linear::Quantized,
-    run: impl Fn(&crate::mlx::Array, bool) -> (crate::mlx::Array, crate::mlx::Array),
+/// A form of the one-launch MoE layer under the switches `set` that must
+/// give another form's bits (`s` the residual sum, `want` the output): on
+/// fresh counters and, with `words`, its scratch form twice over one state
+/// of that many words (the second launch over the first one's rows and
+/// counters); each launch counted by `built`, `runs` times (0 where the
+/// form must not serve), so a fallback to the form it varies cannot pass.
+fn check_form_bits(
+    form: &str,
+    set: &[(String, Option<String>)],
+    built: fn() -> usize,
+    runs: usize,
+    (s, want): (&crate::mlx::Array, &crate::mlx::Array),
+    words: Option<usize>,
+    run: &impl Fn(&crate::mlx::Array, bool) -> (crate::mlx::Array, crate::mlx::Array),
 ) {
-    use crate::kernels::moe_fused::built_down_rows;
     use crate::kernels::stages::{new_counters, new_counters_of};
-    let on = [
-        ("MLX_LFM_MOE_DOWN_ROWS".to_string(), Some("2".to_string())),
-        ("MLX_LFM_MOE_EXACT".to_string(), Some("1".to_string())),
-    ];
-    let tiles = d % (32 / k as i32 * 2) == 0 && dn.spec.bits == 4;
     let counted = |state: &crate::mlx::Array, scratch: bool, label: &str| {
-        let before = built_down_rows();
-        let got = crate::knobs::with_overrides(&on, || run(state, scratch));
-        assert_eq!(built_down_rows(), before + usize::from(tiles), "{what}: two down columns a warp ({label}): ran {} times", built_down_rows() - before);
+        let before = built();
+        let got = crate::knobs::with_overrides(set, || run(state, scratch));
+        assert_eq!(built(), before + runs, "{form} ({label}): ran {} times, not {runs}", built() - before);
         got
     };
     let (s2, out2) = counted(&new_counters().unwrap(), false, "outputs");
-    assert_eq!(differing(&s2, s), 0, "{what}: two down columns a warp: the residual sum differs");
-    assert_eq!(differing(&out2, exact_out), 0, "{what}: two down columns a warp: the output differs from the exact form's");
-    let big = new_counters_of(crate::kernels::moe_fused::state_words(d as usize, f as usize, k)).unwrap();
-    for turn in 0..2 {
-        let (s3, out3) = counted(&big, true, "scratch");
-        assert_eq!(differing(&s3, s), 0, "{what}: two down columns a warp, scratch in the state, launch {turn}: the sum differs");
-        assert_eq!(differing(&out3, exact_out), 0, "{what}: two down columns a warp, scratch in the state, launch {turn}: the output differs");
+    assert_eq!(differing(&s2, s), 0, "{form}: the residual sum differs");
+    assert_eq!(differing(&out2, want), 0, "{form}: the output differs");
+    if let Some(words) = words {
+        let big = new_counters_of(words).unwrap();
+        for turn in 0..2 {
+            let (s3, out3) = counted(&big, true, "scratch");
+            assert_eq!(differing(&s3, s), 0, "{form}, scratch in the state, launch {turn}: the sum differs");
+            assert_eq!(differing(&out3, want), 0, "{form}, scratch in the state, launch {turn}: the output differs");
+        }
     }
-    eprintln!("{what}: two down columns a warp {}", if tiles { "give the exact form's bits" } else { "do not tile these columns: one a warp" });
 }
 
 /// The one-launch MoE kernel's timeline form (the bench's,
