@@ -3354,8 +3354,18 @@ fn norm_gemv_kernels_match_stock_ops() {
                     let (cs, cy) = with_cols(c, || deferred(|| norm_gemv(&nc, &w).unwrap()));
                     assert_eq!((differing(&cs, &ds), differing(&cy, &dy)), (0, 0), "{what}: the deferred fold, {c} columns a warp, differs");
                 }
-                check("dense deferred", (ds, dy), x.matmul(&w.t().unwrap()).unwrap(), tol);
-                check("dense", dense, x.matmul(&w.t().unwrap()).unwrap(), tol);
+                // The deferred fold never rounds the normed row to the dtype,
+                // as the stock ops do before their product: against the stock
+                // ops it carries their rounding of x too, which at bf16 and K
+                // 2,048 reached 0.0176 on the H100 (session 39, over 0.016).
+                // So it is held to the exact product of the row normed in
+                // float32, at least as close as the stock ops (or within the
+                // dtype's rounding), as the quantized GEMV is.
+                let x32 = rms_norm(&s_want.astype(Dtype::Float32).unwrap(), Some(&wn.astype(Dtype::Float32).unwrap()), 1e-5).unwrap();
+                let exact = f32_products(&x32.reshape(&[rows, k]).unwrap(), &w).reshape(&[rows, 1, n]).unwrap();
+                let stock = x.matmul(&w.t().unwrap()).unwrap();
+                check_against_reference(&format!("{what} dense deferred"), &dy, &stock, &exact, tol);
+                check("dense", dense, stock.clone(), tol);
                 if n % 2 == 0 {
                     assert!(swiglu_available(&ni, &w), "{what}");
                     let parts = x.matmul(&w.t().unwrap()).unwrap().split_equal(2, -1).unwrap();
@@ -3377,7 +3387,9 @@ fn norm_gemv_kernels_match_stock_ops() {
                         let (cs, cy) = with_cols(c, || deferred(|| norm_gemv_swiglu(&nc, &w).unwrap()));
                         assert_eq!((differing(&cs, &ds), differing(&cy, &dy)), (0, 0), "{what} swiglu: the deferred fold, {c} columns a warp, differs");
                     }
-                    check("swiglu deferred", (ds, dy), want.clone(), tol * 1.5);
+                    let halves = exact.split_equal(2, -1).unwrap();
+                    let exact_gated = halves[0].silu().unwrap().mul(&halves[1]).unwrap();
+                    check_against_reference(&format!("{what} swiglu deferred"), &dy, &want, &exact_gated, tol * 1.5);
                     check("swiglu", got, want, tol * 1.5);
                 }
                 if k % 64 == 0 {
