@@ -444,11 +444,11 @@ class NewLengths(unittest.TestCase):
 
 
 class PerProcessSwitch(unittest.TestCase):
-    """A switch read when a process builds its kernels (kernel-text-file's
+    """A switch read when a process builds its kernels (kernel-text-inline's
     MLX_LFM_KERNEL_TEXT) is timed as processes in alternation with the
     defaults, never as an engine of the defaults' process."""
 
-    def test_kernel_text_file_runs_as_processes(self):
+    def test_kernel_text_inline_runs_as_processes(self):
         with tempfile.TemporaryDirectory() as tmp:
             run = load_run(Path(tmp))
             run.ours_ck = lambda name: Path(tmp) / name
@@ -461,16 +461,16 @@ class PerProcessSwitch(unittest.TestCase):
                 return Result(json.dumps(row) + "\n")
 
             run.sh = sh
-            os.environ.update(H200_MODELS="lfm2-1.2b-bf16", H200_AB_VARIANTS="kernel-text-file", H200_AB_REPS="2")
+            os.environ.update(H200_MODELS="lfm2-1.2b-bf16", H200_AB_VARIANTS="kernel-text-inline", H200_AB_REPS="2")
             try:
                 run.ab()
             finally:
                 for k in ("H200_MODELS", "H200_AB_VARIANTS", "H200_AB_REPS"):
                     os.environ.pop(k, None)
             self.assertFalse([c for c, _ in calls if "--ab" in c], "an in-process --ab run")
-            self.assertEqual(sorted({e for _, e in calls}, key=str), [None, "file"])
-            self.assertEqual(run.AB_TESTS["kernel-text-file"],
-                             ["a_kernel_from_files_gives_the_inline_bits", "greedy_tokens_with_kernel_texts_in_files"])
+            self.assertEqual(sorted({e for _, e in calls}, key=str), [None, "inline"])
+            # (An opt-out: the path every session before 39 ran by default.)
+            self.assertEqual(run.AB_TESTS["kernel-text-inline"], [])
 
 
 class KernelTests(unittest.TestCase):

@@ -11,7 +11,7 @@ proves the text compiles; correctness is src/kernels/tests.rs on a GPU.
 With --ptxas=PATH (ptxas from `pip install --target /tmp/nvcc
 "nvidia-cuda-nvcc==13.*"`), each kernel's registers, spills and shared
 memory on sm_90 too; --only and --sass below. With --files, each kernel
-also as it reaches MLX under MLX_LFM_KERNEL_TEXT=file (its texts in files
+also as it reaches MLX by default (MLX_LFM_KERNEL_TEXT unset since session 39; its texts in files
 that #include lines name): the same PTX, byte for byte, or it fails. With
 --qint=bits|convert, the quantized walk's other forms (MLX_LFM_QINT; pairs
 by default, as the kernels ship).
@@ -663,7 +663,7 @@ def ptx_of(name, code):
 
 
 # --files: each kernel also as CudaKernel hands it to MLX with
-# MLX_LFM_KERNEL_TEXT=file (src/mlx/kernel_text.rs): its header and body in
+# its texts in files, the default since session 39 (src/mlx/kernel_text.rs): its header and body in
 # files that two #include lines name (the body's after a comment naming the
 # shapes it reads, where MLX looks for them); the PTX must be the inline
 # text's, byte for byte.

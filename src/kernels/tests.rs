@@ -25,9 +25,16 @@ fn scratch_in_state<R>(f: impl FnOnce() -> R) -> R {
     crate::knobs::with_overrides(&[("MLX_LFM_SCRATCH_IN_STATE".to_string(), Some("1".to_string()))], f)
 }
 
-/// `f` with the quantized GEMVs in MLX's own arithmetic (`MLX_LFM_QGEMV_EXACT`).
+/// `f` with the quantized GEMVs in MLX's own arithmetic (`MLX_LFM_QGEMV_EXACT`,
+/// the default since session 39, whatever the environment says).
 fn in_mlx_arithmetic<R>(f: impl FnOnce() -> R) -> R {
     crate::knobs::with_overrides(&[("MLX_LFM_QGEMV_EXACT".to_string(), Some("1".to_string()))], f)
+}
+
+/// `f` with the quantized GEMVs summing in float32 (`MLX_LFM_QGEMV_EXACT=0`,
+/// the form before session 39, closer to the exact product than MLX's).
+fn in_float_sums<R>(f: impl FnOnce() -> R) -> R {
+    crate::knobs::with_overrides(&[("MLX_LFM_QGEMV_EXACT".to_string(), Some("0".to_string()))], f)
 }
 
 /// The largest difference between `got` and `want`, relative to the value
@@ -430,8 +437,9 @@ fn a_kernel_from_files_gives_the_inline_bits() {
     assert!(found, "no file of the test's kernel in {}", dir.display());
 }
 
-/// The kernels' texts in files that MLX includes (`MLX_LFM_KERNEL_TEXT=file`,
-/// src/mlx/kernel_text.rs, opt-in since session 33): the wide MoE
+/// The kernels' texts in files that MLX includes (src/mlx/kernel_text.rs,
+/// opt-in since session 33, the default since session 39, set here
+/// whatever the environment says): the wide MoE
 /// fixture's greedy sets with every kernel of the process built so, and
 /// the MoE layer's text found in its file. Set for the whole process
 /// (each engine's worker thread builds kernels, and a kernel is built
@@ -770,10 +778,12 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     runs.push(("norm-gemv-deferred", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
                 }
                 if q4 {
-                    // The quantized GEMVs and their norm folds in MLX's own
-                    // arithmetic (MLX_LFM_QGEMV_EXACT), the set an A/B adopts.
-                    let got = in_mlx_arithmetic(|| crate::kernels::with_opt_in_one("MLX_LFM_QGEMV_KERNEL", || run(Some(&stock))).0);
-                    runs.push(("MLX_LFM_QGEMV_EXACT", got));
+                    // The quantized GEMVs summing in float32
+                    // (MLX_LFM_QGEMV_EXACT=0, run.py's `qgemv-float`): MLX's
+                    // own arithmetic is the default since session 39, which
+                    // the default run and the kernel's own run above take.
+                    let got = in_float_sums(|| crate::kernels::with_opt_in_one("MLX_LFM_QGEMV_KERNEL", || run(Some(&stock))).0);
+                    runs.push(("qgemv-float", got));
                     // And with the layers' norms folded into those GEMVs
                     // (run.py's `quant-norm-exact`): reached on the wide
                     // fixture only.
@@ -1826,7 +1836,7 @@ fn quant_gemv_kernel_matches_stock_ops() {
                     let x = normal(&[rows, k], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
                     let what = format!("{dt:?} {bits}-bit g{gs} {rows}x{k} @ {n}x{k}");
                     assert!(available(&x, &q), "{what}");
-                    let got = qgemv(&x, &q).unwrap();
+                    let got = in_float_sums(|| qgemv(&x, &q).unwrap());
                     let stock = quantized_matmul(&x, &q.weight, &q.scales, q.biases.as_ref(), true, q.spec).unwrap();
                     let wd = exact_weights(&q);
                     check_against_reference(&what, &got, &stock, &f32_products(&x, &wd), tol);
@@ -1886,7 +1896,7 @@ fn quant_gemv_kernel_matches_stock_ops() {
         assert!(available(&off, &q));
         let stock = quantized_matmul(&off, &q.weight, &q.scales, q.biases.as_ref(), true, q.spec).unwrap();
         let wd = exact_weights(&q);
-        check_against_reference("an unaligned view", &qgemv(&off, &q).unwrap(), &stock, &f32_products(&off, &wd), 4e-3);
+        check_against_reference("an unaligned view", &in_float_sums(|| qgemv(&off, &q).unwrap()), &stock, &f32_products(&off, &wd), 4e-3);
     });
 }
 
@@ -3396,12 +3406,13 @@ fn norm_gemv_kernels_match_stock_ops() {
                     let q = quantized(&w, dt, 4, 64);
                     assert!(quant_available(&ni, &q), "{what}");
                     let stock = quantized_matmul(&x, &q.weight, &q.scales, q.biases.as_ref(), true, q.spec).unwrap();
-                    let (s, got) = norm_qgemv(&ni, &q).unwrap();
-                    let (gs, gy) = guarded(|| norm_qgemv(&ni, &q).unwrap());
+                    // (The float32 sums here; MLX's arithmetic, the default, below.)
+                    let (s, got) = in_float_sums(|| norm_qgemv(&ni, &q).unwrap());
+                    let (gs, gy) = in_float_sums(|| guarded(|| norm_qgemv(&ni, &q).unwrap()));
                     assert_eq!((differing(&gs, &s), differing(&gy, &got)), (0, 0), "{what} 4-bit: the guarded walk differs");
-                    let (es, ey) = early(|| norm_qgemv(&ni, &q).unwrap());
+                    let (es, ey) = in_float_sums(|| early(|| norm_qgemv(&ni, &q).unwrap()));
                     assert_eq!((differing(&es, &s), differing(&ey, &got)), (0, 0), "{what} 4-bit: the early prefetch differs");
-                    let (cs, cy) = norm_qgemv(&nc, &q).unwrap();
+                    let (cs, cy) = in_float_sums(|| norm_qgemv(&nc, &q).unwrap());
                     assert_eq!((differing(&cs, &s), differing(&cy, &got)), (0, 0), "{what} 4-bit: eps compiled in differs");
                     // MLX's arithmetic (MLX_LFM_QGEMV_EXACT): one row in a half
                     // type is MLX's qmv over the fused norm's output, to the bit.

@@ -24,7 +24,7 @@ pub struct CudaKernel {
     raw: KernelHandle,
     name: String,
     /// Its texts' files, where MLX got include lines
-    /// (`MLX_LFM_KERNEL_TEXT=file`, src/mlx/kernel_text.rs).
+    /// (by default; `MLX_LFM_KERNEL_TEXT=inline` keeps them inline, src/mlx/kernel_text.rs).
     files: Option<super::kernel_text::KernelFiles>,
 }
 

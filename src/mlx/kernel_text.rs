@@ -1,5 +1,5 @@
-//! A custom kernel's text kept in files that MLX's compile includes
-//! (`MLX_LFM_KERNEL_TEXT=file`, opt-in; unset or `inline`: the text itself,
+//! A custom kernel's text kept in files that MLX's compile includes (the
+//! default since session 39; `MLX_LFM_KERNEL_TEXT=inline`: the text itself,
 //! as before).
 //!
 //! Why: MLX 0.32.4's CUDA `CustomKernel::eval_gpu` names a kernel's module
@@ -21,7 +21,19 @@
 //! folder of the user's own (`$TMPDIR/mlx-lfm-kernels-<uid>`, mode 0700,
 //! refused if it is anyone else's or open to others: a kernel's text is
 //! code the GPU runs), written whole under a temporary name and renamed.
-//! Where that fails, the text goes inline, as by default.
+//! Where that fails, the text goes inline.
+//!
+//! Adopted in session 39 (an H100) because it changes nothing the GPU
+//! runs and only cuts the host's work: NVRTC makes the same PTX of every
+//! kernel build, byte for byte, either way (`nvrtc-check.py --files`,
+//! session 33), its GPU tests passed (a kernel's bits both ways; the wide
+//! MoE fixture's greedy sets with every kernel so), and session 38's A/B
+//! measured the 8B-A1B's host dispatch at 553-560 µs a token with the
+//! files against 1,014-1,020 inline. That A/B's decode (0.94 / 1.13, two
+//! reps) could not tell, its host being fast enough for the GPU to bound
+//! the step; session 39's host was not (the 8B-A1B's step waited 12-230 µs
+//! a token on the GPU after 1.1-1.5 ms of dispatch), and there the host's
+//! time is the step's.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -29,10 +41,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-/// Whether kernels' texts go into files (`MLX_LFM_KERNEL_TEXT=file`).
+/// Whether kernels' texts go into files: unless `MLX_LFM_KERNEL_TEXT=inline`.
 pub fn in_files() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    crate::knobs::cached("MLX_LFM_KERNEL_TEXT", &ON, |v| matches!(v.map(str::trim), Some("file")))
+    crate::knobs::cached("MLX_LFM_KERNEL_TEXT", &ON, |v| !matches!(v.map(str::trim), Some("inline")))
 }
 
 /// A kernel's texts in their files, and what MLX gets instead.
