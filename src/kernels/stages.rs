@@ -1017,7 +1017,8 @@ pub fn new_counters_of(words: usize) -> Result<Array> {
     Ok(counters)
 }
 
-/// `MLX_LFM_SCRATCH_IN_STATE=1` (opt-in, session 33): a one-launch
+/// `MLX_LFM_SCRATCH_IN_STATE` (session 33; a default since session 39,
+/// `=0` turns it off): a one-launch
 /// layer's scratch rows (the normed row, the gated rows, the route's
 /// experts and weights: what one stage hands the next within a launch)
 /// kept in the layer's state after its counters, instead of outputs MLX
@@ -1030,10 +1031,17 @@ pub fn new_counters_of(words: usize) -> Result<Array> {
 /// within one launch, as in the outputs (never read before the launch
 /// wrote them: an output's memory is not cleared either); a layer's
 /// launches run one after another, ordered by data, as its tickets already
-/// need.
+/// need. Adopted on the H100 in session 39: its layer tests (the same
+/// bits as the outputs, twice over one state) passed in session 35 and
+/// its greedy set on the wide MoE fixture in sessions 35-39; session 38's
+/// A/B on the 8B-A1B cut the host's build by ~75 µs a token and its
+/// dispatch by ~120 with the decode unchanged (1.003) where the GPU
+/// bounded the step, and session 39's host bounded it (1.1-1.5 ms of
+/// dispatch a token). A state made without room for the rows still takes
+/// the outputs (`scratch_template`).
 pub(crate) fn scratch_in_state() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    super::opt_in("MLX_LFM_SCRATCH_IN_STATE", &ON)
+    super::opt_out("MLX_LFM_SCRATCH_IN_STATE", &ON)
 }
 
 /// Where scratch rows of `bytes` each live in a layer's state (bytes from

@@ -19,8 +19,11 @@ fn skip(what: &str) -> bool {
 }
 
 /// `f` with the one-launch layers' scratch rows in their state
-/// (`MLX_LFM_SCRATCH_IN_STATE`), every other switch as it is (a test's
-/// `with_opt_in_one` names one switch only, so the two do not nest).
+/// (`MLX_LFM_SCRATCH_IN_STATE`, a default since session 39, set here
+/// whatever the environment says), every other switch as it is (a test's
+/// `with_opt_in_one` names one switch only, so the two do not nest). A
+/// state of the counters alone still takes the outputs, so the tests run
+/// both forms by the state they hand a launch.
 fn scratch_in_state<R>(f: impl FnOnce() -> R) -> R {
     crate::knobs::with_overrides(&[("MLX_LFM_SCRATCH_IN_STATE".to_string(), Some("1".to_string()))], f)
 }
@@ -725,17 +728,21 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     eprintln!("{what}: the default kernels FAILED: its run never built its one-launch {layers} layers");
                     failures.push(format!("{what}: the default run never built its one-launch {layers} layers"));
                 }
-                // The one-launch layers' scratch rows in their state
-                // (opt-in, session 33), in a compiled step's rows.
-                if compiled && !joined {
-                    alone.push("MLX_LFM_SCRATCH_IN_STATE");
-                }
+
                 for var in alone {
                     let before = crate::kernels::conv_layer_fused::built();
                     runs.push((var, crate::kernels::with_opt_in_one(var, || run(Some(&stock))).0));
                     if can_fuse && var == "MLX_LFM_CONV_LAYER_FUSED" && crate::kernels::conv_layer_fused::built() == before {
                         unbuilt(var, &mut failures);
                     }
+                }
+                if compiled && !joined {
+                    // The one-launch layers' scratch rows as outputs MLX
+                    // allocates (MLX_LFM_SCRATCH_IN_STATE=0, run.py's
+                    // `scratch-outputs`): the default until session 39,
+                    // when the rows moved into each layer's state.
+                    let set = [("MLX_LFM_SCRATCH_IN_STATE".to_string(), Some("0".to_string()))];
+                    runs.push(("scratch-outputs", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
                 }
                 if compiled {
                     // The path the one-launch layers replaced (run.py's
