@@ -432,14 +432,6 @@ KERNELS["moe_fused.rs@timeline"] = (KERNELS["moe_fused.rs"][0], KERNELS["moe_fus
 # prefetch (moe_fused.rs timeline_kernel takes a plain launch's form).
 KERNELS["moe_fused.rs@exact-timeline"] = KERNELS["moe_fused.rs@timeline"]
 KERNELS["moe_fused.rs@exact-pf-timeline"] = KERNELS["moe_fused.rs@timeline"]
-# Two down columns a warp (MLX_LFM_MOE_DOWN_ROWS=2, the exact form's 4-bit
-# experts only: 8-bit ones in group 32 at D 1,536 took 66 registers), with
-# the scratch rows, on rows of 1,536, with the prefetch, the timeline.
-KERNELS["moe_fused.rs@exact-d2"] = KERNELS["moe_fused.rs"]
-KERNELS["moe_fused.rs@exact-d2-scratch"] = KERNELS["moe_fused.rs@scratch"]
-KERNELS["moe_fused.rs@exact-d1536-d2"] = KERNELS["moe_fused.rs@exact-d1536"]
-KERNELS["moe_fused.rs@exact-pf-d2"] = KERNELS["moe_fused.rs"]
-KERNELS["moe_fused.rs@exact-d2-timeline"] = KERNELS["moe_fused.rs@timeline"]
 # The conv layer's and feed-forward's rows asked of L2 before their waits
 # (MLX_LFM_EARLY_PREFETCH: stages.rs EARLY_SUBSTITUTIONS, early_header).
 for _k in ("conv_fused.rs", "ffn_fused.rs", "qk_norm_rope.rs#qkv_fused"):
@@ -709,7 +701,6 @@ REPLACE_OF = {
     "moe_fused.rs@timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
     "moe_fused.rs@exact-timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
     "moe_fused.rs@exact-pf-timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
-    "moe_fused.rs@exact-d2-timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
     **{_k + v: substitutions("stages.rs", "EARLY_SUBSTITUTIONS") for _k in ("conv_fused.rs", "ffn_fused.rs")
        for v in ("@early", "@dense-early")},
     **{"qk_norm_rope.rs#qkv_fused" + v: substitutions("qkv_fused.rs", "EARLY_SUBSTITUTIONS") for v in ("@early", "@dense-early")},
@@ -801,11 +792,6 @@ DEFINES_OF["moe_fused.rs@exact-timeline"] = _TL + DEFINES_OF["moe_fused.rs@exact
 HEADER_AFTER["moe_fused.rs@exact-timeline"] = HEADER_AFTER["moe_fused.rs@exact"]
 DEFINES_OF["moe_fused.rs@exact-pf-timeline"] = _TL + DEFINES_OF["moe_fused.rs@exact-pf"]
 HEADER_AFTER["moe_fused.rs@exact-pf-timeline"] = HEADER_AFTER["moe_fused.rs@exact-pf"]
-for _v, _of in (("@exact-d2", "@exact"), ("@exact-d2-scratch", "@exact-scratch"), ("@exact-d1536-d2", "@exact-d1536"),
-                ("@exact-pf-d2", "@exact-pf"), ("@exact-d2-timeline", "@exact-timeline")):
-    DEFINES_OF["moe_fused.rs" + _v] = "#define LFM_MOE_DOWN_ROWS 2\n" + DEFINES_OF["moe_fused.rs" + _of]
-    HEADER_AFTER["moe_fused.rs" + _v] = HEADER_AFTER["moe_fused.rs" + _of]
-PRELUDE_OF["moe_fused.rs@exact-d2-scratch"] = PRELUDE_OF["moe_fused.rs@scratch"]
 # The other one-launch layers with their scratch rows in the state
 # (MLX_LFM_SCRATCH_IN_STATE): outputs without the rows, their places (bf16,
 # 2,048 wide: stages.rs scratch_places) as template values.

@@ -121,7 +121,6 @@ const SCRATCH_PRELUDE: &str = r#"
 static BUILT: Built = Built::new();
 static BUILT_EXACT: Built = Built::new();
 static BUILT_PREFETCH: Built = Built::new();
-static BUILT_DOWN_ROWS: Built = Built::new();
 
 /// How many times [`forward`] has put the kernel into a graph in this
 /// process (a compiled step once, when it is traced): the greedy test's
@@ -144,30 +143,22 @@ fn header() -> String {
 
 /// Which form of the kernel a launch takes: its experts in MLX's
 /// arithmetic ([`experts_exact`]), its down rows asked of L2 by the
-/// gate/up blocks ([`down_prefetch`]: 0 not, 1 before their rows, 2 after),
-/// two down columns a warp ([`down_rows`]: the exact form's only).
+/// gate/up blocks ([`down_prefetch`]: 0 not, 1 before their rows, 2 after).
+/// (Session 38's two down columns a warp, `MLX_LFM_MOE_DOWN_ROWS=2`, were
+/// retired in session 39: 0.974x in the 8B-A1B's A/B, and its launch alone
+/// under ncu ran 268 ms, its waits giving up.)
 #[derive(Clone, Copy)]
 struct Form {
     exact: bool,
     prefetch: u8,
-    rows2: bool,
 }
 
 /// How many forms [`Form::index`] tells apart.
-const FORMS: usize = 12;
+const FORMS: usize = 6;
 
 impl Form {
     fn index(self) -> usize {
-        usize::from(self.exact) + 2 * usize::from(self.prefetch) + 6 * usize::from(self.rows2)
-    }
-
-    /// Down columns a warp.
-    fn down_rows(self) -> i32 {
-        if self.rows2 {
-            2
-        } else {
-            1
-        }
+        usize::from(self.exact) + 2 * usize::from(self.prefetch)
     }
 
     /// The kernel's names: the outputs form's, the scratch form's.
@@ -175,7 +166,7 @@ impl Form {
         static NAMES: [OnceLock<[String; 2]>; FORMS] = [const { OnceLock::new() }; FORMS];
         NAMES[self.index()].get_or_init(|| {
             let pf = ["", "_pf", "_pfa"][usize::from(self.prefetch.min(2))];
-            let base = format!("lfm_moe_fused{}{pf}{}", if self.exact { "_exact" } else { "" }, if self.rows2 { "_d2" } else { "" });
+            let base = format!("lfm_moe_fused{}{pf}", if self.exact { "_exact" } else { "" });
             [base.clone(), format!("{base}_scr")]
         })
     }
@@ -188,8 +179,7 @@ impl Form {
             0 => String::new(),
             p => format!("#define LFM_MOE_DOWN_PREFETCH {p}\n{}{}", stages::PREFETCH_HEADER, stages::MOE_DOWN_PREFETCH_HEADER),
         };
-        let rows = if self.rows2 { "#define LFM_MOE_DOWN_ROWS 2\n" } else { "" };
-        format!("{exact}{rows}{}{products}{prefetch}", header())
+        format!("{exact}{}{products}{prefetch}", header())
     }
 }
 
@@ -238,47 +228,15 @@ pub fn built_prefetch() -> usize {
     BUILT_PREFETCH.get()
 }
 
-/// `MLX_LFM_MOE_DOWN_ROWS=2` (opt-in, session 38, not yet run on a GPU):
-/// the experts-exact form's down blocks with two output columns a warp,
-/// their two rows of the expert's down walked together (as the gate/up
-/// blocks walk their pair), so the 8B-A1B's down stage is 128 blocks, one
-/// wave of its 1,024-thread blocks on the H100's 132 SMs, where it was 256
-/// in two. Each column is the one-column walk's, summed over its experts
-/// in their order: the exact form's bits (its test holds them). Where the
-/// experts are not exact or not 4-bit, or the columns do not tile the
-/// blocks, one column a warp. Read at each launch's build, so a process
-/// can time both.
-pub(crate) fn down_rows() -> i32 {
-    static SET: OnceLock<i32> = OnceLock::new();
-    if super::forced("MLX_LFM_MOE_DOWN_ROWS") {
-        return 2;
-    }
-    crate::knobs::cached("MLX_LFM_MOE_DOWN_ROWS", &SET, |v| if v.map(str::trim) == Some("2") { 2 } else { 1 })
-}
-
-/// How many launches took two down columns a warp ([`down_rows`]).
-pub fn built_down_rows() -> usize {
-    BUILT_DOWN_ROWS.get()
-}
-
 /// The form a launch of these operands takes (the timeline form's too:
 /// its test and the bench hold it to that form's bits). Where the MLX walk
 /// does not serve the experts, the float form runs.
-fn form_of(gu: &Quantized, down: &Quantized, dt: Dtype, d: i32, f: i32, k: i32) -> Form {
+fn form_of(gu: &Quantized, down: &Quantized, dt: Dtype, d: i32, f: i32) -> Form {
     let exact = experts_exact()
         && quant_gemv::spec_served(gu, dt, d)
         && quant_gemv::spec_served(down, dt, f)
         && registers_fit(gu.spec.bits, d, true);
-    // (4-bit only: by ptxas, 8-bit experts in group 32 at D 1,536 took 66
-    // registers a thread in this form, past the 64 that 1,024 threads
-    // allow; 4-bit stayed at or under 64 in every shape a review tried.)
-    let rows2 = exact
-        && down_rows() == 2
-        && down.spec.bits == 4
-        && gu.spec.bits == 4
-        && (1..=ROUTE_SLOTS).contains(&k)
-        && d % (WARPS / k * 2) == 0;
-    Form { exact, prefetch: down_prefetch(), rows2 }
+    Form { exact, prefetch: down_prefetch() }
 }
 
 /// The experts-exact form's defines: MLX's walk for the experts, two
@@ -311,17 +269,17 @@ pub(crate) fn experts_exact() -> bool {
 
 /// The gate/up blocks and the down blocks of one launch (as the kernel
 /// counts them; `k` in 1..=8).
-fn parts(d: i32, f: i32, k: i32, rows: i32) -> (i64, i64) {
+fn parts(d: i32, f: i32, k: i32) -> (i64, i64) {
     let (w, k64) = (WARPS as i64, k as i64);
     let gate_up = k64 * ((f as i64 + w - 1) / w);
-    let per = w / k64 * rows as i64;
+    let per = w / k64;
     (gate_up, (d as i64 + per - 1) / per)
 }
 
 /// The blocks of one launch: the router's, the gate/up rows', the down
 /// columns'.
-fn blocks(d: i32, f: i32, k: i32, rows: i32) -> i64 {
-    let (gate_up, down) = parts(d, f, k, rows);
+fn blocks(d: i32, f: i32, k: i32) -> i64 {
+    let (gate_up, down) = parts(d, f, k);
     1 + gate_up + down
 }
 
@@ -338,7 +296,7 @@ pub fn available(n: &NormIn, g: &Quantized, gu: &Quantized, down: &Quantized, k:
     // experts-exact one: a form that does not build is not available.)
     enabled()
         && served(n, g, gu, down, k)
-        && kernel(false, form_of(gu, down, n.h.dtype(), n.h.dim(1), gu.weight.dim(1) / 2, k as i32)).is_some()
+        && kernel(false, form_of(gu, down, n.h.dtype(), n.h.dim(1), gu.weight.dim(1) / 2)).is_some()
 }
 
 /// [`available`] but for the switch and the kernel: whether the layer's
@@ -427,8 +385,7 @@ pub fn forward_timeline(
     let mut outs = launch(n, g, bias, gu, down, state, k, norm, eps, scale, true)?;
     let times = outs.pop().ok_or_else(|| Error::mlx("fused MoE kernel: missing output"))?;
     let (d, f) = (n.h.dim(1), gu.weight.dim(1) / 2);
-    let rows = form_of(gu, down, n.h.dtype(), d, f, k as i32).down_rows();
-    let (gate_up, down) = parts(d, f, k as i32, rows);
+    let (gate_up, down) = parts(d, f, k as i32);
     Ok((outs.swap_remove(1), times, gate_up as usize, (1 + gate_up + down) as usize))
 }
 
@@ -462,7 +419,7 @@ fn launch(
     let unavailable = || Error::mlx("the fused MoE kernel is not available");
     let (d, dt) = (n.h.dim(1), n.h.dtype());
     let (e, f) = (g.weight.dim(0), gu.weight.dim(1) / 2);
-    let form = form_of(gu, down, dt, d, f, k.min(ROUTE_SLOTS as usize) as i32);
+    let form = form_of(gu, down, dt, d, f);
     let kern = if timeline { timeline_kernel(form) } else { kernel(false, form) }.ok_or_else(unavailable)?;
     let missing = |what: &str| Error::invalid(format!("the fused MoE kernel needs affine biases ({what})"));
     let gb = g.biases.as_ref().ok_or_else(|| missing("the router gate"))?;
@@ -473,7 +430,7 @@ fn launch(
         return Err(Error::invalid(format!("the fused MoE kernel: {k} experts a row (1 to {ROUTE_SLOTS} are served)")));
     }
     let k = k as i32;
-    let nb = blocks(d, f, k, form.down_rows());
+    let nb = blocks(d, f, k);
     let threads = WARPS * 32;
     let grid = i32::try_from(nb * threads as i64).map_err(|_| Error::invalid(format!("fused MoE kernel: {nb} blocks")))?;
     let template = [
@@ -527,16 +484,13 @@ fn launch(
         if form.prefetch != 0 {
             BUILT_PREFETCH.bump();
         }
-        if form.rows2 {
-            BUILT_DOWN_ROWS.bump();
-        }
     }
     Ok(outs)
 }
 
 #[cfg(test)]
 pub(crate) fn launch_blocks(d: i32, f: i32, k: i32) -> i64 {
-    blocks(d, f, k, 1)
+    blocks(d, f, k)
 }
 
 #[cfg(test)]
@@ -547,13 +501,10 @@ mod tests {
     /// chosen expert, for 32 / k down columns.
     #[test]
     fn a_launch_counts_its_parts() {
-        assert_eq!(parts(2048, 1792, 4, 1), (224, 256));
-        assert_eq!(blocks(2048, 1792, 4, 1), 481);
-        assert_eq!(parts(2048, 256, 8, 1), (64, 512));
-        assert_eq!(parts(1024, 256, 3, 1), (24, 103));
-        // Two down columns a warp: half the down blocks.
-        assert_eq!(parts(2048, 1792, 4, 2), (224, 128));
-        assert_eq!(parts(1024, 256, 3, 2), (24, 52));
+        assert_eq!(parts(2048, 1792, 4), (224, 256));
+        assert_eq!(blocks(2048, 1792, 4), 481);
+        assert_eq!(parts(2048, 256, 8), (64, 512));
+        assert_eq!(parts(1024, 256, 3), (24, 103));
     }
 
     /// The rows whose registers fit the launch (`registers_fit`): the

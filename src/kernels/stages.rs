@@ -123,12 +123,6 @@ pub(crate) const LAYER_SOURCE: &str = r#"
 #ifndef LFM_MOE_DOWN_PREFETCH
 #define LFM_MOE_DOWN_PREFETCH 0
 #endif
-#ifndef LFM_MOE_DOWN_ROWS
-#define LFM_MOE_DOWN_ROWS 1
-#endif
-#if LFM_MOE_DOWN_ROWS != 1 && (LFM_CONV_PART || !LFM_MOE_PART || !LFM_MOE_EXACT)
-#error "LFM_MOE_DOWN_ROWS: the MoE layer's own kernel, its experts in MLX's walk"
-#endif
 #if LFM_MOE_DOWN_PREFETCH && (LFM_CONV_PART || !LFM_MOE_PART)
 #error "LFM_MOE_DOWN_PREFETCH: the MoE layer's own kernel only"
 #endif
@@ -152,14 +146,12 @@ pub(crate) const LAYER_SOURCE: &str = r#"
   constexpr int KE = TOPK;
   constexpr int RB = (F + WARPS - 1) / WARPS;
   constexpr int GB = KE * RB;
-  constexpr int DR = LFM_MOE_DOWN_ROWS;
-  constexpr int CPB = WARPS / KE * DR;
+  constexpr int CPB = WARPS / KE;
   constexpr int DB = (D + CPB - 1) / CPB;
-  static_assert(DR == 1 || D % CPB == 0, "LFM_MOE_DOWN_ROWS: the columns tile the down blocks");
   constexpr int HR = KE * F * sizeof(T) / 16;
   constexpr int TAIL_NB = 1 + GB + DB;
   __shared__ float probs_s[E];
-  __shared__ float part[WARPS * DR];
+  __shared__ float part[WARPS];
 #elif LFM_FFN_PART
   constexpr int GB = (F + WARPS - 1) / WARPS;
   constexpr int HR = F * sizeof(T) / 16;
@@ -376,7 +368,6 @@ pub(crate) const LAYER_SOURCE: &str = r#"
   __syncthreads();
   const int j = wid % KE;
   const int col = wid / KE;
-#if LFM_MOE_DOWN_ROWS == 1
   const int n = db * CPB + col;
   const bool active = col < CPB && n < D;
   const size_t ex = late ? 0 : __ldcg(inds + j);
@@ -407,42 +398,6 @@ pub(crate) const LAYER_SOURCE: &str = r#"
     for (int i = 0; i < KE; i++) total += part[col * KE + i];
     out[n] = late ? T(poison) : T(total);
   }
-#else
-  // DR columns a warp (src/kernels/moe_fused.rs down_rows): their rows of
-  // the expert's down walked together, each as the one-column walk walks
-  // it, and each column's experts summed in their order, as above (D a
-  // multiple of CPB: every column in range).
-  const int n0 = db * CPB + col * DR;
-  const bool active = col < WARPS / KE && n0 < D;
-  const size_t ex = late ? 0 : __ldcg(inds + j);
-  if (active && (late || ex >= E) && lane == 0) {
-    for (int r = 0; r < DR; r++) part[(col * DR + r) * KE + j] = poison;
-  }
-  if (active && !late && ex < E) {
-    const T* hr = hs + static_cast<size_t>(j) * F;
-    size_t rows[DR];
-#pragma unroll
-    for (int r = 0; r < DR; r++) rows[r] = ex * D + n0 + r;
-    float a[DR];
-    lfm_stage_qrows<T, F, BITS, GS, DR>(hr, dw, dscales, dbiases, rows, lane, a);
-    if (lane == 0) {
-      const float sc = __ldcg(scores + j);
-#pragma unroll
-      for (int r = 0; r < DR; r++) part[(col * DR + r) * KE + j] = static_cast<float>(T(static_cast<float>(T(a[r])) * sc));
-    }
-  }
-  __syncthreads();
-  if (active && j == 0 && lane == 0) {
-    for (int r = 0; r < DR; r++) {
-      float total = 0.0f;
-      for (int i = 0; i < KE; i++) total += part[(col * DR + r) * KE + i];
-      out[n0 + r] = late ? T(poison) : T(total);
-    }
-  }
-#ifdef LFM_STAMP
-  LFM_STAMP(3);
-#endif
-#endif
 #else
   if (fr <= GB) {
     // The gate's output j: w1's row j and w3's row F + j.
@@ -1212,13 +1167,12 @@ mod tests {
             assert!(now.contains("LFM_STAMP") && now.contains(was.trim_end()));
         }
         let stamped = super::super::substituted(LAYER_SOURCE, &TIMELINE_SUBSTITUTIONS);
-        // (Eight in the MoE part and two more in its two-columns down
-        // form's own, six in the feed-forward's gate and w2 stages, seven
-        // in the conv part.)
-        assert_eq!(stamped.matches("LFM_STAMP").count(), 23);
+        // (Eight in the MoE part, six in the feed-forward's gate and w2
+        // stages, seven in the conv part.)
+        assert_eq!(stamped.matches("LFM_STAMP").count(), 21);
         // (And over the early form's text: none lost.)
         let early = super::super::substituted(LAYER_SOURCE, &EARLY_SUBSTITUTIONS);
-        assert_eq!(super::super::substituted(&early, &TIMELINE_SUBSTITUTIONS).matches("LFM_STAMP").count(), 23);
+        assert_eq!(super::super::substituted(&early, &TIMELINE_SUBSTITUTIONS).matches("LFM_STAMP").count(), 21);
         let times = [10_000i64, 11_000, 12_000, 15_000, 10_500, 16_000, 17_000, 20_000, 10_700, 21_000, 21_500, 30_000];
         let s = timeline_summary(&times, 1, 3).unwrap();
         assert_eq!(s["blocks"], 2);

@@ -2104,9 +2104,7 @@ fn moe_fused_cases(test: &str, forms: bool) {
         // three (two of a down block's 32 warps idle), 8-bit experts.
         (Dtype::Bfloat16, 2.0f32.powi(-7), 8, 2, 2048, 256, 4, 64, 4, 32),
         (Dtype::Bfloat16, 2.0f32.powi(-7), 16, 3, 1536, 512, 4, 64, 8, 64),
-        // Five (two warps idle), 4-bit: the case whose idle warps two down
-        // columns a warp also meet (MLX_LFM_MOE_DOWN_ROWS, which takes
-        // 4-bit experts whose columns tile its blocks).
+        // Five (two of a down block's warps idle), 4-bit.
         (Dtype::Bfloat16, 2.0f32.powi(-7), 16, 5, 1536, 256, 4, 64, 4, 64),
         // One expert a row, and eight of 128 (four a router lane).
         (Dtype::Bfloat16, 2.0f32.powi(-7), 8, 1, 2048, 512, 4, 64, 4, 64),
@@ -2150,31 +2148,14 @@ fn moe_fused_cases(test: &str, forms: bool) {
                 let run_form = |state: &Array, scratch: bool| if scratch { scratch_in_state(|| run(state)) } else { run(state) };
                 let exact_out = check_experts_exact(&what, dt, &s, &out, &wy, &wi, &wsc, &gu, &dn, run_form);
                 check_down_prefetch(&what, &s, &out, &exact_out, d, f, k, run_form);
-                // Two down columns a warp (MLX_LFM_MOE_DOWN_ROWS=2, opt-in;
-                // src/kernels/moe_fused.rs down_rows): each column the
-                // one-column walk's, summed over its experts in their order,
-                // so the exact form's bits, where its 4-bit experts' columns
-                // tile its blocks (`d` a multiple of 32 / `k`'s share,
-                // doubled); else it must not run.
-                let rows2 = [
-                    ("MLX_LFM_MOE_DOWN_ROWS".to_string(), Some("2".to_string())),
-                    ("MLX_LFM_MOE_EXACT".to_string(), Some("1".to_string())),
-                ];
-                let tiles = d % (32 / k as i32 * 2) == 0 && dn.spec.bits == 4;
-                let words = crate::kernels::moe_fused::state_words(d as usize, f as usize, k);
-                let built = crate::kernels::moe_fused::built_down_rows;
-                check_form_bits(&format!("{what}: two down columns a warp"), &rows2, built, usize::from(tiles), (&s, &exact_out), Some(words), &run_form);
-                eprintln!("{what}: two down columns a warp {}", if tiles { "give the exact form's bits" } else { "do not tile these columns: one a warp" });
                 // The timeline form (the bench's) takes a plain launch's
-                // form: the experts exact, with the down rows' prefetch,
-                // with two down columns a warp.
-                for (at, rows) in [("0", "1"), ("1", "1"), ("0", "2")] {
+                // form: the experts exact, with the down rows' prefetch.
+                for at in ["0", "1"] {
                     let set = [
                         ("MLX_LFM_MOE_EXACT".to_string(), Some("1".to_string())),
                         ("MLX_LFM_MOE_DOWN_PREFETCH".to_string(), Some(at.to_string())),
-                        ("MLX_LFM_MOE_DOWN_ROWS".to_string(), Some(rows.to_string())),
                     ];
-                    let label = format!("{what}, experts exact, down prefetch {at}, down columns a warp {rows}");
+                    let label = format!("{what}, experts exact, down prefetch {at}");
                     crate::knobs::with_overrides(&set, || check_timeline(&label, &n, &g, &bias, &gu, &dn, k, scale, &exact_out));
                 }
                 return;

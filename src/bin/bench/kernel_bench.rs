@@ -545,17 +545,17 @@ impl Experts {
 /// (`MLX_LFM_MOE_EXACT=0`, 41.57); `moe-layer-q4-pf-fused` and
 /// `moe-layer-q4-pfa-fused` its down rows asked of L2 by the gate/up blocks
 /// before their own rows and after them (`MLX_LFM_MOE_DOWN_PREFETCH=1|after`,
-/// session 38); `moe-layer-q4-d2-fused` two down columns a warp
-/// (`MLX_LFM_MOE_DOWN_ROWS=2`, session 38). (Session 37's route in every gate/up block, 41.86 against
-/// 37.66 with the experts exact in pairs, retired.) An arm of one kernel a
+/// session 38; 39.68 and 37.73 against 37.31 in session 39). (Session 37's
+/// route in every gate/up block, 41.86 against 37.66 with the experts exact
+/// in pairs, retired; session 38's two down columns a warp, 268 ms in
+/// session 39, its waits giving up, retired.) An arm of one kernel a
 /// product runs the one launch.
-const LAYER_ARMS: [(&str, Switches, usize); 6] = [
+const LAYER_ARMS: [(&str, Switches, usize); 5] = [
     ("moe-layer-q4-three", &[("MLX_LFM_MOE_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1")], 3),
     ("moe-layer-q4-fused", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
     ("moe-layer-q4-float-fused", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_EXACT", "0"), ("MLX_LFM_EPS_CONST", "1")], 1),
     ("moe-layer-q4-pf-fused", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_DOWN_PREFETCH", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
     ("moe-layer-q4-pfa-fused", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_DOWN_PREFETCH", "after"), ("MLX_LFM_EPS_CONST", "1")], 1),
-    ("moe-layer-q4-d2-fused", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_DOWN_ROWS", "2"), ("MLX_LFM_EPS_CONST", "1")], 1),
 ];
 const LAYER_ROWS: usize = 8;
 const LAYER_LAUNCHES: usize = 16;
@@ -650,7 +650,6 @@ fn timeline(reps: usize) -> mlx_lfm::Result<()> {
         ("float", "MLX_LFM_MOE_EXACT", "0"),
         ("down-prefetch", "MLX_LFM_MOE_DOWN_PREFETCH", "1"),
         ("down-prefetch-after", "MLX_LFM_MOE_DOWN_PREFETCH", "after"),
-        ("down-rows-2", "MLX_LFM_MOE_DOWN_ROWS", "2"),
     ] {
         let mut set = switches.to_vec();
         set.push((var.to_string(), Some(value.to_string())));
