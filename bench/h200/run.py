@@ -184,15 +184,16 @@ layers' state (`scratch-outputs`). The chain:
   1. carry [.device/a]: `stage-mlx`.
   2. carry [.device/llama]: `llama`.
   3. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=5
-     H200_KERNEL_TESTS=norm_gemv_kernels,quant_gemv_kernel,greedy_tokens_with_kernels_equal_stock_ops,stacked_rows_with_kernels_equal_each_row_alone
+     H200_KERNEL_TESTS=norm_gemv_kernels,quant_gemv_kernel,argmax_finite_kernel,greedy_tokens_with_kernels_equal_stock_ops,stacked_rows_with_kernels_equal_each_row_alone
      `timeout -s TERM 540 python3 bench/h200/run.py install verdicts-from
      committed kernels save-ptx` (the norm folds' test as mended; the
      quantized GEMV's with its float32 sums set explicitly; the four
      greedy tests, a name picks each test that holds it, with the three
      new defaults and their sets `qgemv-float` and `scratch-outputs`; the
-     16 rows with the GEMV in MLX's arithmetic up to 8 rows).
+     16 rows with the GEMV in MLX's arithmetic up to 8 rows; the argmax
+     over 16-byte chunks, `MLX_LFM_ARGMAX_VEC`).
   4. carry [.device/bin]: H200_OURS_ENV (mimalloc),
-     H200_AB_VARIANTS=kernel-text-inline,scratch-outputs,qgemv-off,moe-down-prefetch,attention-chunks-4
+     H200_AB_VARIANTS=kernel-text-inline,scratch-outputs,qgemv-off,moe-down-prefetch,attention-chunks-4,argmax-vec
      H200_MODELS=lfm2-350m-bf16,lfm2-8b-a1b-q4 H200_AB_REPS=4 `timeout -s
      TERM 560 python3 bench/h200/run.py ab pick gguf-bg` (the new defaults
      measured off, on the host-bound 350M and on the 8B-A1B; the two GPU
@@ -200,6 +201,10 @@ layers' state (`scratch-outputs`). The chain:
   5. carry [.device/bin]: H200_OURS_ENV, `timeout -s TERM 560 python3
      bench/h200/run.py pick round 1`, then `pick round 2` in its own call
      if time is left (the targets with the three host defaults).
+  6. if time is left, carry [.device/bin]: H200_OURS_ENV,
+     MLX_LFM_ARGMAX_VEC=1 H200_MODELS=lfm2-1.2b-bf16 `timeout -s TERM 200
+     python3 bench/h200/run.py profile` (the draw's µs over 16-byte
+     chunks, 12.6 by values in session 39: too little for an A/B to see).
 Session 38's plan, for the record: its steps 1-2 as above; 3. the
 defaults' whole kernel tests in pairs, then the MoE tests and the wide
 MoE greedy sets; 4. kernel-bench of the MoE forms, the feed-forwards and
@@ -1916,6 +1921,11 @@ AB = {
     # and two views of a step as one; a default on CUDA since session 18,
     # paired decode 0.99x / 1.01x / 1.06x), measured off.
     "argmax-off": ({"MLX_LFM_ARGMAX_KERNEL": "0"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # The same kernel's scan over 16-byte chunks (session 39,
+    # argmax_finite.rs VEC_SOURCE): session 39's profile of the 1.2B's step
+    # had the draw at 12.6 µs a token, 64 two-byte loads a thread one after
+    # another. In process; its test holds it to MLX's argmax.
+    "argmax-vec": ({"MLX_LFM_ARGMAX_VEC": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     # The compiled step's attention bounded by the position (no mask built:
     # three nodes a step), a default on CUDA since session 19.
     "attention-upto-off": ({"MLX_LFM_ATTENTION_UPTO": "0"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
@@ -2258,6 +2268,7 @@ AB_TESTS = {
     **{v: ["moe_fused_forms_match_their_references"] for v in ("moe-down-prefetch", "moe-down-prefetch-after")},
     # (Its test holds it to the default's bits.)
     "qkv-warps-32": ["qkv_fused_kernel_matches_stock_ops"],
+    "argmax-vec": ["argmax_finite_kernel_matches_stock_ops"],
     "scratch-outputs": [],
     **{v: ["conv_fused_kernel_matches_stock_ops", "ffn_fused_kernel_matches_stock_ops", "qkv_fused_kernel_matches_stock_ops",
            "greedy:early-prefetch"] for v in ("early-prefetch", "early-prefetch-conv")},
@@ -2352,6 +2363,7 @@ PICK = [
     (["qint-bits", "qint-convert", "moe-float"], "decode"),
     (["moe-down-prefetch", "moe-down-prefetch-after"], "decode"),
     (["qkv-warps-32"], "decode"),
+    (["argmax-vec"], "decode"),
     (["layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off"], "decode"),
     (["attention-smem", "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4"], "decode"),
     (["norm-runs-guarded"], "decode"),
@@ -2381,7 +2393,7 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "moe-down-early", "router-scores-f32", "router-scores-f32-early", "fold-eps-const", "position-table-off",
                "fold-deferred", "layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off",
                "conv-layer-fused", "early-prefetch", "early-prefetch-conv", "qint-bits", "qint-convert",
-               "moe-float", "moe-down-prefetch", "moe-down-prefetch-after", "qkv-warps-32"}
+               "moe-float", "moe-down-prefetch", "moe-down-prefetch-after", "qkv-warps-32", "argmax-vec"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]

@@ -155,6 +155,12 @@ KERNELS = {
         [("token", "uint32_t"), ("finite", "uint32_t")],
         lambda dt: [],
     ),
+    # ...over 16-byte chunks (MLX_LFM_ARGMAX_VEC, opt-in).
+    "argmax_finite.rs#vec": (
+        [("logits", "T")],
+        [("token", "uint32_t"), ("finite", "uint32_t")],
+        lambda dt: [],
+    ),
     # A quantized embedding's rows (MLX_LFM_QUANT_EMBED_KERNEL).
     "quant_embed.rs": (
         [("ids", "uint32_t"), ("w", "uint32_t"), ("scales", "T"), ("biases", "T")],
@@ -583,6 +589,9 @@ def body_and_header(path, which="SOURCE"):
         return src, header_of(path.parent / "gemv.rs")
     if path.name == "moe_experts.rs" and "DOWN" in which and LOADS:
         return src, header_of(path) + named(path, "DOWN_EARLY_HEADER")
+    if path.name == "argmax_finite.rs" and "VEC" in which:
+        # The chunked scan: its block reduction as a helper after the header.
+        return src, header_of(path) + named(path, "BLOCK_HEADER")
     return src, header_of(path)
 
 

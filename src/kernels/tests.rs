@@ -3478,7 +3478,7 @@ fn argmax_finite_kernel_matches_stock_ops() {
     use crate::mlx::Array;
     with_opt_in_one("MLX_LFM_ARGMAX_KERNEL", || {
         for dt in [Dtype::Bfloat16, Dtype::Float16, Dtype::Float32] {
-            for (b, v) in [(1, 65536), (3, 1000), (2, 5), (4, 70001)] {
+            for (b, v) in [(5, 65536), (3, 1000), (2, 5), (4, 70001)] {
                 let what = format!("{dt:?} {b}x{v}");
                 let mut vals: Vec<f32> = normal(&[b, v], Dtype::Float32, 0.0, 3.0, None).unwrap().to_vec().unwrap();
                 let row = |r: i32| (r * v) as usize;
@@ -3488,7 +3488,12 @@ fn argmax_finite_kernel_matches_stock_ops() {
                 // (5 and 1029, both thread 5's); a short row's pair. The
                 // last row (of several): a NaN, and before it an infinity.
                 let vu = v as usize;
+                // A real vocabulary's rows (aligned, so the chunked scan's
+                // too): the tie across threads; within a thread in either
+                // scan (16 and 8,208: thread 16's values, thread 2's
+                // chunks); within a chunk (32 and 33).
                 let ties: Vec<(i32, usize, usize)> = match (vu > 1030, b > 3) {
+                    _ if vu == 65536 => vec![(0, 1023, 1024), (1, 16, 8208), (2, 32, 33)],
                     (true, true) => vec![(0, 1023, 1024), (1, 5, 1029)],
                     (true, false) => vec![(0, 1023, 1024)],
                     _ => vec![(0, vu / 2, vu - 1)],
@@ -3503,18 +3508,25 @@ fn argmax_finite_kernel_matches_stock_ops() {
                     vals[row(b - 2)] = f32::INFINITY;
                 }
                 let logits = Array::from_slice(&vals, &[b, v]).unwrap().astype(dt).unwrap();
-                let (tok, fin) = argmax_finite(&logits).unwrap().expect("served");
                 let (want_tok, want_fin) = (logits.argmax(-1, false).unwrap(), finite_rows(&logits).unwrap());
-                let (tok, fin): (Vec<u32>, Vec<u32>) = (tok.to_vec().unwrap(), fin.to_vec().unwrap());
                 let (want_tok, want_fin): (Vec<u32>, Vec<u32>) = (want_tok.to_vec().unwrap(), want_fin.to_vec().unwrap());
-                assert_eq!(fin, want_fin, "{what}: finite flags");
-                for r in 0..b as usize {
-                    if fin[r] == 1 {
-                        assert_eq!(tok[r], want_tok[r], "{what}: row {r}'s token");
+                // The scan by values and over 16-byte chunks
+                // (MLX_LFM_ARGMAX_VEC; its rows of 70,001 and of 5 start
+                // off a boundary after the first, and take the scalar scan).
+                for vec in ["0", "1"] {
+                    let what = format!("{what}, chunks {vec}");
+                    let set = [("MLX_LFM_ARGMAX_VEC".to_string(), Some(vec.to_string()))];
+                    let (tok, fin) = crate::knobs::with_overrides(&set, || argmax_finite(&logits).unwrap().expect("served"));
+                    let (tok, fin): (Vec<u32>, Vec<u32>) = (tok.to_vec().unwrap(), fin.to_vec().unwrap());
+                    assert_eq!(fin, want_fin, "{what}: finite flags");
+                    for r in 0..b as usize {
+                        if fin[r] == 1 {
+                            assert_eq!(tok[r], want_tok[r], "{what}: row {r}'s token");
+                        }
                     }
-                }
-                for &(r, i, j) in &ties {
-                    assert_eq!(tok[r as usize], i as u32, "{what}: row {r}'s tie of {i} and {j} goes to the first maximum");
+                    for &(r, i, j) in &ties {
+                        assert_eq!(tok[r as usize], i as u32, "{what}: row {r}'s tie of {i} and {j} goes to the first maximum");
+                    }
                 }
             }
         }
