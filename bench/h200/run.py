@@ -1838,6 +1838,9 @@ DEFAULT_KERNEL_TESTS = ["add_rms_norm_kernel_matches_stock_ops", "decode_attenti
                         # (The one-launch layers, defaults since session 31.)
                         "conv_fused_kernel_matches_stock_ops", "ffn_fused_kernel_matches_stock_ops",
                         "qkv_fused_kernel_matches_stock_ops", "moe_fused_kernel_matches_the_three_kernels",
+                        # (The quantized GEMV in MLX's arithmetic and the
+                        # kernels' texts in files, defaults since session 39.)
+                        "quant_gemv_kernel_matches_stock_ops", "a_kernel_from_files_gives_the_inline_bits",
                         # (The MoE layer's experts in MLX's walk, the default
                         # since session 38.)
                         "moe_fused_forms_match_their_references"]
@@ -2277,7 +2280,7 @@ AB_TESTS = {
                           "norm_gemv_kernels_match_stock_ops", "greedy:default"],
     "qgemv-float": ["quant_gemv_kernel_matches_stock_ops", "greedy:qgemv-float"],
     "quant-norm-kernels": ["quant_gemv_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops",
-                           "greedy:qgemv-float"],
+                           "greedy:quant-norm-float"],
     "norm-kernel-all-rows": ["add_rms_norm_kernel_matches_stock_ops"],
     # The GEMV kernels' own tests cover K = 2048 and 8192; the greedy
     # test's fixtures are narrower, so its default run stands for the rest.

@@ -135,8 +135,9 @@ const QUANT_SOURCE: &str = r#"
 /// The price: every warp reads `h`, `r` and `wn` (L1 after its block's
 /// first warp) and the normed row is no longer rounded to T before the
 /// product, so the sums are within a rounding of the stock ops', not
-/// theirs to the bit (its test holds it to the prologue fold's tolerance,
-/// and its residual sum to the bit; the greedy tests' set
+/// theirs to the bit (its test holds it to the exact product of the row
+/// normed in float32, at least as close as the stock ops, and its residual
+/// sum to the bit; the greedy tests' set
 /// `norm-gemv-deferred`). The warp of the first column writes `s`. Eps is
 /// compiled in (`EPS_BITS`): the fold is taken only where the caller gives
 /// its value.

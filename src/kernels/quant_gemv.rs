@@ -545,7 +545,7 @@ fn enabled() -> bool {
     super::cuda_default("MLX_LFM_QGEMV_KERNEL", &ON)
 }
 
-/// Whether `MLX_LFM_QGEMV_KERNEL` (or a test) turned the quantized GEMVs on.
+/// Whether the quantized GEMVs are on (a CUDA default; `MLX_LFM_QGEMV_KERNEL`).
 pub(crate) fn switched_on() -> bool {
     enabled()
 }

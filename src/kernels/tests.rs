@@ -640,7 +640,9 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 // kernel since session 17, its q/k/v form since session 18,
                 // the router + norm fold since session 23: "default" runs them.)
                 let mut alone: Vec<&'static str> = match q4 {
-                    true => vec!["MLX_LFM_QGEMV_KERNEL", "MLX_LFM_NORM_GEMV_KERNEL", "MLX_LFM_QUANT_EMBED_KERNEL"],
+                    // (The quantized GEMV is a default since session 39: the
+                    // default run has it.)
+                    true => vec!["MLX_LFM_NORM_GEMV_KERNEL", "MLX_LFM_QUANT_EMBED_KERNEL"],
                     false => vec![],
                 };
                 // (The conv layer, the feed-forward, the q/k/v stage and the
@@ -791,6 +793,14 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     // the default run and the kernel's own run above take.
                     let got = in_float_sums(|| crate::kernels::with_opt_in_one("MLX_LFM_QGEMV_KERNEL", || run(Some(&stock))).0);
                     runs.push(("qgemv-float", got));
+                    // And with the layers' norms folded into them (run.py's
+                    // `quant-norm-kernels`).
+                    let folded_float = [
+                        ("MLX_LFM_QGEMV_KERNEL".to_string(), Some("1".to_string())),
+                        ("MLX_LFM_NORM_GEMV_KERNEL".to_string(), Some("1".to_string())),
+                    ];
+                    let got = in_float_sums(|| crate::knobs::with_overrides(&folded_float, || run(Some(&stock))).0);
+                    runs.push(("quant-norm-float", got));
                     // And with the layers' norms folded into those GEMVs
                     // (run.py's `quant-norm-exact`): reached on the wide
                     // fixture only.
@@ -1904,6 +1914,10 @@ fn quant_gemv_kernel_matches_stock_ops() {
         let stock = quantized_matmul(&off, &q.weight, &q.scales, q.biases.as_ref(), true, q.spec).unwrap();
         let wd = exact_weights(&q);
         check_against_reference("an unaligned view", &in_float_sums(|| qgemv(&off, &q).unwrap()), &stock, &f32_products(&off, &wd), 4e-3);
+        // The default, MLX's arithmetic, reads the view element by element
+        // and sums as over aligned rows: MLX's one-row product to the bit.
+        let exact = in_mlx_arithmetic(|| qgemv(&off, &q).unwrap());
+        assert_eq!(differing(&exact, &stock), 0, "an unaligned view in MLX's arithmetic differs from MLX's qmv");
     });
 }
 
@@ -3344,7 +3358,7 @@ fn norm_gemv_kernels_match_stock_ops() {
                     assert_eq!((differing(&cs, &dense.0), differing(&cy, &dense.1)), (0, 0), "{what}: {c} columns a warp, early and guarded, differ");
                 }
                 // The deferred fold: the residual sum to the bit, the
-                // projection within the same tolerance of the stock ops.
+                // projection held to the exact product below.
                 let (ds, dy) = deferred(|| norm_gemv(&nc, &w).unwrap());
                 assert_eq!(differing(&ds, &dense.0), 0, "{what}: the deferred fold's residual sum differs");
                 // (Its columns a warp each sum in the same order: the same bits.)
@@ -3359,7 +3373,7 @@ fn norm_gemv_kernels_match_stock_ops() {
                 // So it is held to the exact product of the row normed in
                 // float32, at least as close as the stock ops (or within the
                 // dtype's rounding), as the quantized GEMV is.
-                let x32 = rms_norm(&s_want.astype(Dtype::Float32).unwrap(), Some(&wn.astype(Dtype::Float32).unwrap()), 1e-5).unwrap();
+                let x32 = rms_norm(&ds.astype(Dtype::Float32).unwrap(), Some(&wn.astype(Dtype::Float32).unwrap()), 1e-5).unwrap();
                 let exact = f32_products(&x32.reshape(&[rows, k]).unwrap(), &w).reshape(&[rows, 1, n]).unwrap();
                 let stock = x.matmul(&w.t().unwrap()).unwrap();
                 check_against_reference(&format!("{what} dense deferred"), &dy, &stock, &exact, tol);

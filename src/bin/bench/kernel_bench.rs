@@ -591,7 +591,10 @@ impl Layer {
         let eps = Array::from_slice(&[LAYER_EPS], &[1])?;
         let bias = mlx::zeros(&[EXPERTS], Dtype::Float32)?;
         let scale = Array::from_slice(&[1.0f32], &[1])?;
-        let state = mlx_lfm::kernels::stages::new_counters()?;
+        // (With room for the scratch rows, as the model's layers are made:
+        // the form a step runs, its rows in the state since session 39.)
+        let words = mlx_lfm::kernels::moe_fused::state_words(EXPERT_D as usize, EXPERT_F as usize, EXPERTS_A_ROW as usize);
+        let state = mlx_lfm::kernels::stages::new_counters_of(words)?;
         let mut held: Vec<&Array> = hs.iter().collect();
         held.extend([&gate.weight, &gate.scales, &r, &wn, &eps, &bias, &scale]);
         held.extend(gate.biases.iter());
@@ -935,7 +938,8 @@ impl ConvLayer {
         let eps = Array::from_slice(&[LAYER_EPS], &[1])?;
         let state = normal(&[1, CONV_WINDOW - 1, CONV_D], bf, 0.0, 1.0, None)?;
         let cw = normal(&[CONV_D, CONV_WINDOW], bf, 0.0, 0.5, None)?;
-        let counters = mlx_lfm::kernels::stages::new_counters()?;
+        // (With room for the scratch rows, as the model's layers are made.)
+        let counters = mlx_lfm::kernels::stages::new_counters_of(mlx_lfm::kernels::conv_fused::state_words(CONV_D as usize, CONV_D as usize))?;
         let mut held: Vec<&Array> = vec![&h, &r, &wn, &eps, &state, &cw];
         for (i, o) in &projections {
             held.extend([&i.weight, &i.scales, &o.weight, &o.scales]);
@@ -1052,7 +1056,10 @@ impl FfnLayer {
         let r = normal(&[1, FFN_D], bf, 0.0, 1.0, None)?;
         let wn = normal(&[FFN_D], Dtype::Float32, 1.0, 0.2, None)?.astype(bf)?;
         let eps = Array::from_slice(&[LAYER_EPS], &[1])?;
-        let counters = mlx_lfm::kernels::stages::new_counters()?;
+        // (With room for the scratch rows of the wider of the two forms, as
+        // the model's layers are made.)
+        let words = mlx_lfm::kernels::ffn_fused::state_words(FFN_D as usize, FFN_F.max(FFN_Q4_F) as usize);
+        let counters = mlx_lfm::kernels::stages::new_counters_of(words)?;
         let mut held: Vec<&Array> = weights.iter().flat_map(|(a, b)| [a, b]).collect();
         for (i, o) in &quant {
             held.extend([&i.weight, &i.scales, &o.weight, &o.scales]);
@@ -1096,8 +1103,9 @@ impl FfnLayer {
                 gate.matmul(&w2.transpose(&[1, 0])?)
             }
             ffn_fused::Projections::Quant(w13, w2) => {
-                // (As the step runs a 4-bit layer by default: MLX's qmv of
-                // the stacked w1/w3, the compiled gate on its halves, qmv.)
+                // (MLX's qmv of the stacked w1/w3, the compiled gate on its
+                // halves, qmv: the step's 4-bit layer before the one-launch
+                // layer and our quantized GEMV became CUDA defaults.)
                 let gu = mlx::quantized_matmul(&y, &w13.weight, &w13.scales, w13.biases.as_ref(), true, w13.spec)?;
                 let halves = gu.split_equal(2, -1)?;
                 let gate = mlx_lfm::model::activations::swiglu(&halves[0], &halves[1])?;
