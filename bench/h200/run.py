@@ -193,11 +193,12 @@ layers' state (`scratch-outputs`). The chain:
      16 rows with the GEMV in MLX's arithmetic up to 8 rows; the argmax
      over 16-byte chunks, `MLX_LFM_ARGMAX_VEC`).
   4. carry [.device/bin]: H200_OURS_ENV (mimalloc),
-     H200_AB_VARIANTS=kernel-text-inline,scratch-outputs,qgemv-off,moe-down-prefetch,attention-chunks-4,argmax-vec
+     H200_AB_VARIANTS=kernel-text-inline,scratch-outputs,qgemv-off,moe-down-prefetch,attention-chunks-4,argmax-vec,conv-first-fused
      H200_MODELS=lfm2-350m-bf16,lfm2-8b-a1b-q4 H200_AB_REPS=4 `timeout -s
      TERM 560 python3 bench/h200/run.py ab pick gguf-bg` (the new defaults
      measured off, on the host-bound 350M and on the 8B-A1B; the two GPU
-     levers whose session 39 A/B was noise).
+     levers whose session 39 A/B was noise; the first layer's conv in one
+     launch, which the greedy sets of step 3 hold).
   5. carry [.device/bin]: H200_OURS_ENV, `timeout -s TERM 560 python3
      bench/h200/run.py pick round 1`, then `pick round 2` in its own call
      if time is left (the targets with the three host defaults).
@@ -1929,6 +1930,11 @@ AB = {
     # had the draw at 12.6 µs a token, 64 two-byte loads a thread one after
     # another. In process; its test holds it to MLX's argmax.
     "argmax-vec": ({"MLX_LFM_ARGMAX_VEC": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # The first layer's conv in the one-launch kernel over a residual of
+    # zeros (session 39, conv_fused.rs first_layer): four launches as one,
+    # three nodes a token fewer for the host-bound 350M; ~24 µs against
+    # ~18 on the 8B-A1B by session 38's profile. In process.
+    "conv-first-fused": ({"MLX_LFM_CONV_FIRST_FUSED": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     # The compiled step's attention bounded by the position (no mask built:
     # three nodes a step), a default on CUDA since session 19.
     "attention-upto-off": ({"MLX_LFM_ATTENTION_UPTO": "0"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
@@ -2272,6 +2278,7 @@ AB_TESTS = {
     # (Its test holds it to the default's bits.)
     "qkv-warps-32": ["qkv_fused_kernel_matches_stock_ops"],
     "argmax-vec": ["argmax_finite_kernel_matches_stock_ops"],
+    "conv-first-fused": ["conv_fused_kernel_matches_stock_ops", "greedy:MLX_LFM_CONV_FIRST_FUSED"],
     "scratch-outputs": [],
     **{v: ["conv_fused_kernel_matches_stock_ops", "ffn_fused_kernel_matches_stock_ops", "qkv_fused_kernel_matches_stock_ops",
            "greedy:early-prefetch"] for v in ("early-prefetch", "early-prefetch-conv")},
@@ -2367,6 +2374,7 @@ PICK = [
     (["moe-down-prefetch", "moe-down-prefetch-after"], "decode"),
     (["qkv-warps-32"], "decode"),
     (["argmax-vec"], "decode"),
+    (["conv-first-fused"], "decode"),
     (["layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off"], "decode"),
     (["attention-smem", "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4"], "decode"),
     (["norm-runs-guarded"], "decode"),
@@ -2396,7 +2404,8 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "moe-down-early", "router-scores-f32", "router-scores-f32-early", "fold-eps-const", "position-table-off",
                "fold-deferred", "layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off",
                "conv-layer-fused", "early-prefetch", "early-prefetch-conv", "qint-bits", "qint-convert",
-               "moe-float", "moe-down-prefetch", "moe-down-prefetch-after", "qkv-warps-32", "argmax-vec"}
+               "moe-float", "moe-down-prefetch", "moe-down-prefetch-after", "qkv-warps-32", "argmax-vec",
+               "conv-first-fused"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]

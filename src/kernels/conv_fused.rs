@@ -110,6 +110,19 @@ pub fn enabled_here() -> bool {
     enabled() && cuda_kernels_enabled()
 }
 
+/// `MLX_LFM_CONV_FIRST_FUSED=1` (opt-in, session 39): the first layer's
+/// conv through this kernel too, over a residual of zeros (the model's
+/// `zero_row`, made once at load: `h + 0` is `h`, so the residual sum and
+/// the norm are the ones the layer computes without it). The first layer
+/// has no residual to add, so without it the layer runs its norm, in_proj,
+/// conv step and out_proj as four launches: on session 38's profile of the
+/// 8B-A1B ~24 µs of GPU time against this kernel's ~18, and three more
+/// nodes a token for a host that bounds the step (the 350M's).
+pub fn first_layer() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    super::opt_in("MLX_LFM_CONV_FIRST_FUSED", &ON)
+}
+
 /// Whether [`forward`] serves the pending norm `x` (one row, with a
 /// residual to add), the projections `p` (in_proj `[3C, D]`, out_proj
 /// `[D, C]`; quantized: specifications the MLX walk serves; dense: the

@@ -662,6 +662,13 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 if compiled && conv_layer_fused {
                     alone.push("MLX_LFM_CONV_LAYER_FUSED");
                 }
+                // The first layer's conv in one launch over a residual of
+                // zeros (MLX_LFM_CONV_FIRST_FUSED): where the first layer is
+                // a conv layer.
+                let first_conv = !spec.shape.full_attn_idxs.contains(&0);
+                if compiled && first_conv {
+                    alone.push("MLX_LFM_CONV_FIRST_FUSED");
+                }
                 // (The q/k/v stage serves an attention layer after the
                 // first: its norm adds a residual.)
                 let attention_after_first = spec.shape.full_attn_idxs.iter().any(|&i| i > 0);
@@ -732,9 +739,15 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 }
 
                 for var in alone {
-                    let before = crate::kernels::conv_layer_fused::built();
+                    let before = (crate::kernels::conv_layer_fused::built(), crate::kernels::conv_fused::built());
                     runs.push((var, crate::kernels::with_opt_in_one(var, || run(Some(&stock))).0));
-                    if can_fuse && var == "MLX_LFM_CONV_LAYER_FUSED" && crate::kernels::conv_layer_fused::built() == before {
+                    if can_fuse && var == "MLX_LFM_CONV_LAYER_FUSED" && crate::kernels::conv_layer_fused::built() == before.0 {
+                        unbuilt(var, &mut failures);
+                    }
+                    // (One conv launch more than the default run built: the
+                    // first layer's.)
+                    let default_conv = after_default.0 - before_default.0;
+                    if can_fuse && !joined && !off("MLX_LFM_CONV_FUSED") && var == "MLX_LFM_CONV_FIRST_FUSED" && crate::kernels::conv_fused::built() - before.1 <= default_conv {
                         unbuilt(var, &mut failures);
                     }
                 }

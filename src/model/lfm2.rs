@@ -300,7 +300,9 @@ impl ShortConv {
 
     /// Conv layer `layer` on the pending norm `x`: `(its residual sum, the
     /// output)`; the conv state comes from and goes back to the cache.
-    fn forward(&self, x: &Normed, layer: usize, cache: &mut dyn ForwardCache) -> Result<(Array, Array)> {
+    /// `zero`: a row of zeros the one-launch layer may take as the residual
+    /// where `x` has none (the first layer, `conv_fused::first_layer`).
+    fn forward(&self, x: &Normed, layer: usize, cache: &mut dyn ForwardCache, zero: Option<&Array>) -> Result<(Array, Array)> {
         if crate::model::linear::split_products(x.h) {
             // A prompt: B, C and x as three products, each contiguous.
             let (s, y) = x.compute()?;
@@ -313,12 +315,22 @@ impl ShortConv {
         // CUDA; MLX_LFM_CONV_FUSED=0 off): the state is asked of the cache here, once,
         // and kept for the paths below where it does not serve.
         let same = |a: &Array| a.dtype() == x.h.dtype();
-        let whole = if conv_fused::enabled_here() { self.stage_projections(x) } else { None };
+        // (The first layer over a residual of zeros, where that is on: only
+        // the one-launch kernel takes it; the paths below keep `x`.)
+        let zeroed;
+        let xf = match (x.r, zero) {
+            (None, Some(z)) if conv_fused::first_layer() => {
+                zeroed = Normed { h: x.h, r: Some(z), w: x.w, eps: x.eps, eps_array: x.eps_array };
+                &zeroed
+            }
+            _ => x,
+        };
+        let whole = if conv_fused::enabled_here() { self.stage_projections(xf) } else { None };
         let mut asked = None;
         if let Some(p) = whole {
             let prev = self.prev_state(x.h, layer, cache)?;
-            if conv_fused::available(x, p, &prev, &self.conv_weight_dl, self.has_bias()) {
-                let (s, out, next) = conv_fused::forward(x, p, &prev, &self.conv_weight_dl, &self.fused_counters)?;
+            if conv_fused::available(xf, p, &prev, &self.conv_weight_dl, self.has_bias()) {
+                let (s, out, next) = conv_fused::forward(xf, p, &prev, &self.conv_weight_dl, &self.fused_counters)?;
                 cache.conv_step_update(layer, &prev, &next)?;
                 return Ok((s, reduce(&self.shard, out)?));
             }
@@ -675,10 +687,10 @@ impl Layer {
 
     /// The operator (short conv or attention) of decoder layer `index` on
     /// its normed input.
-    fn operator(&self, x: &Normed, index: usize, cache: &mut dyn ForwardCache) -> Result<(Array, Array)> {
+    fn operator(&self, x: &Normed, index: usize, cache: &mut dyn ForwardCache, zero: Option<&Array>) -> Result<(Array, Array)> {
         match &self.operator {
             Operator::Attention(a) => a.forward(x, index, cache),
-            Operator::Conv(c) => c.forward(x, index, cache),
+            Operator::Conv(c) => c.forward(x, index, cache, zero),
         }
     }
 
@@ -725,6 +737,11 @@ pub struct Lfm2Model {
     /// `config.norm_eps` as a float32 `[1]` array, for the fused add +
     /// RMSNorm kernel.
     pub norm_eps: Array,
+    /// `[1, hidden_size]` zeros in the activations' dtype, made whole once
+    /// (not a broadcast, which a kernel's input would copy at each step):
+    /// the first layer's residual for the one-launch conv layer
+    /// (`MLX_LFM_CONV_FIRST_FUSED`).
+    pub zero_row: Array,
     /// The paged KV pool every new cache draws from; None: flat caches.
     /// Set with [`Lfm2Model::use_paged_cache`].
     pub paged: Option<SharedPool>,
@@ -792,6 +809,8 @@ impl Lfm2Model {
         let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let context_length = config.max_position_embeddings;
         let norm_eps = Array::from_slice(&[config.norm_eps], &[1])?;
+        let zero_row = Array::from_slice(&vec![0f32; d], &[1, d as i32])?.astype(dtype)?;
+        zero_row.eval()?;
         Ok(Lfm2Model {
             id,
             config,
@@ -804,6 +823,7 @@ impl Lfm2Model {
             kv_codecs: vec![],
             context_length,
             norm_eps,
+            zero_row,
             paged: None,
             shard,
             prefill_overlap: prefill_overlap_layers(moe),
@@ -848,7 +868,7 @@ impl Lfm2Model {
             let (h2, f) = match joined {
                 Some(done) => done,
                 None => {
-                    let (h1, r) = layer.operator(&x, i, cache)?;
+                    let (h1, r) = layer.operator(&x, i, cache, Some(&self.zero_row))?;
                     let x = Normed { h: &h1, r: Some(&r), w: &layer.ffn_norm, eps, eps_array };
                     layer.feed_forward(&x)?
                 }
