@@ -112,8 +112,10 @@ pub fn enabled_here() -> bool {
 
 /// `MLX_LFM_CONV_FIRST_FUSED=1` (opt-in, session 39): the first layer's
 /// conv through this kernel too, over a residual of zeros (the model's
-/// `zero_row`, made once at load: `h + 0` is `h`, so the residual sum and
-/// the norm are the ones the layer computes without it). The first layer
+/// `zero_row`, made once at load: `h + 0` is `h`, but for a zero's sign,
+/// so the residual sum is the one the layer computes without it; its norm
+/// is this kernel's reduction, as in every later layer, where MLX's
+/// `rms_norm` ran: within a rounding of it, not its bits). The first layer
 /// has no residual to add, so without it the layer runs its norm, in_proj,
 /// conv step and out_proj as four launches: on session 38's profile of the
 /// 8B-A1B ~24 µs of GPU time against this kernel's ~18, and three more

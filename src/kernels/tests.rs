@@ -738,6 +738,7 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     failures.push(format!("{what}: the default run never built its one-launch {layers} layers"));
                 }
 
+                let first_on = crate::knobs::var("MLX_LFM_CONV_FIRST_FUSED").as_deref() == Some("1");
                 for var in alone {
                     let before = (crate::kernels::conv_layer_fused::built(), crate::kernels::conv_fused::built());
                     runs.push((var, crate::kernels::with_opt_in_one(var, || run(Some(&stock))).0));
@@ -745,9 +746,10 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                         unbuilt(var, &mut failures);
                     }
                     // (One conv launch more than the default run built: the
-                    // first layer's.)
+                    // first layer's; unless the environment, a picked
+                    // switch, put it in the default run too.)
                     let default_conv = after_default.0 - before_default.0;
-                    if can_fuse && !joined && !off("MLX_LFM_CONV_FUSED") && var == "MLX_LFM_CONV_FIRST_FUSED" && crate::kernels::conv_fused::built() - before.1 <= default_conv {
+                    if can_fuse && !joined && !off("MLX_LFM_CONV_FUSED") && !first_on && var == "MLX_LFM_CONV_FIRST_FUSED" && crate::kernels::conv_fused::built() - before.1 <= default_conv {
                         unbuilt(var, &mut failures);
                     }
                 }
@@ -3505,7 +3507,7 @@ fn argmax_finite_kernel_matches_stock_ops() {
     use crate::mlx::Array;
     with_opt_in_one("MLX_LFM_ARGMAX_KERNEL", || {
         for dt in [Dtype::Bfloat16, Dtype::Float16, Dtype::Float32] {
-            for (b, v) in [(5, 65536), (3, 1000), (2, 5), (4, 70001)] {
+            for (b, v) in [(6, 65536), (3, 1000), (2, 5), (4, 70001)] {
                 let what = format!("{dt:?} {b}x{v}");
                 let mut vals: Vec<f32> = normal(&[b, v], Dtype::Float32, 0.0, 3.0, None).unwrap().to_vec().unwrap();
                 let row = |r: i32| (r * v) as usize;
@@ -3516,11 +3518,15 @@ fn argmax_finite_kernel_matches_stock_ops() {
                 // last row (of several): a NaN, and before it an infinity.
                 let vu = v as usize;
                 // A real vocabulary's rows (aligned, so the chunked scan's
-                // too): the tie across threads; within a thread in either
-                // scan (16 and 8,208: thread 16's values, thread 2's
-                // chunks); within a chunk (32 and 33).
+                // too; E values a chunk, 8 in bf16 and f16, 4 in f32): the
+                // tie across threads, the lower index in the lower thread;
+                // within a thread in either scan (16 and 8,208: thread 16's
+                // values, one thread's chunks); within a chunk (32 and 33);
+                // the lower index in the higher thread of either scan
+                // (1,023 E and 1,024 E: chunks of threads 1,023 and 0).
+                let e = 16 / dt.size();
                 let ties: Vec<(i32, usize, usize)> = match (vu > 1030, b > 3) {
-                    _ if vu == 65536 => vec![(0, 1023, 1024), (1, 16, 8208), (2, 32, 33)],
+                    _ if vu == 65536 => vec![(0, 1023, 1024), (1, 16, 8208), (2, 32, 33), (3, 1023 * e, 1024 * e)],
                     (true, true) => vec![(0, 1023, 1024), (1, 5, 1029)],
                     (true, false) => vec![(0, 1023, 1024)],
                     _ => vec![(0, vu / 2, vu - 1)],
