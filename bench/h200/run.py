@@ -183,15 +183,21 @@ kernels' texts in files (`kernel-text-inline`), the scratch rows in the
 layers' state (`scratch-outputs`). The chain:
   1. carry [.device/a]: `stage-mlx`.
   2. carry [.device/llama]: `llama`.
-  3. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=5
-     H200_KERNEL_TESTS=norm_gemv_kernels,quant_gemv_kernel,argmax_finite_kernel,greedy_tokens_with_kernels_equal_stock_ops,stacked_rows_with_kernels_equal_each_row_alone
+  3. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=4
+     H200_KERNEL_TESTS=norm_gemv_kernels,quant_gemv_kernel,argmax_finite_kernel,stacked_rows_with_kernels_equal_each_row_alone
      `timeout -s TERM 540 python3 bench/h200/run.py install verdicts-from
      committed kernels save-ptx` (the norm folds' test as mended; the
-     quantized GEMV's with its float32 sums set explicitly; the four
-     greedy tests, a name picks each test that holds it, with the three
-     new defaults and their sets `qgemv-float` and `scratch-outputs`; the
-     16 rows with the GEMV in MLX's arithmetic up to 8 rows; the argmax
-     over 16-byte chunks, `MLX_LFM_ARGMAX_VEC`).
+     quantized GEMV's with its float32 sums set explicitly and an unaligned
+     view in MLX's arithmetic; the argmax over 16-byte chunks,
+     `MLX_LFM_ARGMAX_VEC`, with its new ties; the 16 stacked rows with the
+     GEMV in MLX's arithmetic up to 8 rows). Then, carry the same:
+     H200_KERNEL_JOBS=4 H200_KERNEL_TESTS=greedy_tokens_with_kernels_equal_stock_ops
+     `timeout -s TERM 540 python3 bench/h200/run.py kernels` (the four
+     greedy tests, a name picking each test that holds it, with the three
+     new defaults and their sets `qgemv-float`, `quant-norm-float`,
+     `scratch-outputs`, and the first layer's conv in one launch,
+     `MLX_LFM_CONV_FIRST_FUSED`). Two calls, so that a cut one loses only
+     its own verdicts.
   4. carry [.device/bin]: H200_OURS_ENV (mimalloc),
      H200_AB_VARIANTS=kernel-text-inline,scratch-outputs,qgemv-off,moe-down-prefetch,attention-chunks-4,argmax-vec,conv-first-fused
      H200_MODELS=lfm2-350m-bf16,lfm2-8b-a1b-q4 H200_AB_REPS=4 `timeout -s
