@@ -208,6 +208,12 @@ layers' state (`scratch-outputs`). The chain:
   5. carry [.device/bin]: H200_OURS_ENV, `timeout -s TERM 560 python3
      bench/h200/run.py pick round 1`, then `pick round 2` in its own call
      if time is left (the targets with the three host defaults).
+  (Not planned: the timelines. Session 39's read most launches 5-9x
+  their ncu times, stages ending 100-200 µs late even warm; a guess, not
+  tested: the SM clock, 345 MHz idle against a 1,980 boost, with the
+  timeline loop leaving the GPU idle or on one SM between its syncs.
+  Before reading timelines again, keep the GPU busy just before each
+  stamped launch.)
   6. if time is left, carry [.device/bin]: H200_OURS_ENV,
      MLX_LFM_ARGMAX_VEC=1 H200_MODELS=lfm2-1.2b-bf16 `timeout -s TERM 200
      python3 bench/h200/run.py profile` (the draw's µs over 16-byte
