@@ -734,7 +734,13 @@ LAYER_OUT_FFN = ("#define LFM_CONV_PART 1\n#define LFM_OUT_ONLY 1\n#define LFM_F
                  "#define LFM_CONV_ROW o1\n#define LFM_FFN_YN yn2\n#define LFM_TAIL_RESIDUAL r\n")
 LAYER_OUT_MOE = ("#define LFM_CONV_PART 1\n#define LFM_OUT_ONLY 1\n#define LFM_FFN_PART 0\n#define LFM_MOE_PART 1\n"
                  "#define LFM_CONV_ROW o1\n#define LFM_FFN_YN yn2\n#define LFM_TAIL_RESIDUAL r\n")
+# The quantized GEMV in MLX's arithmetic (MLX_LFM_QGEMV_EXACT, a CUDA
+# default since session 39): two rows, and one row of an LM head's width.
+KERNELS["quant_gemv.rs@mlx"] = KERNELS["quant_gemv.rs"]
+KERNELS["quant_gemv.rs@mlx-m1"] = (*KERNELS["quant_gemv.rs"][:2], lambda dt: [("K", 2048), ("BITS", 4), ("GS", 64), ("M", 1)])
 DEFINES_OF = {
+    "quant_gemv.rs@mlx": "#define LFM_QGEMV_MLX 1\n",
+    "quant_gemv.rs@mlx-m1": "#define LFM_QGEMV_MLX 1\n",
     "decode_attention.rs@upto-split16": "#define LFM_ATT_DPB 16\n",
     "decode_attention.rs@upto-split8": "#define LFM_ATT_DPB 8\n",
     "moe_fused.rs": LAYER_MOE,
