@@ -241,10 +241,7 @@ fn launch(x: &Normed, p: Projections, state: &Array, cw: &Array, ctr: &Array, ti
     inputs.push(ctr);
     let outputs: [(&[i32], Dtype); 5] = [(&[1, d], dt), (&[1, d], dt), (&[1, l - 1, c], dt), (&[d], dt), (&[c], dt)];
     if timeline {
-        let stamps = [i32::try_from(nb * 4).map_err(|_| Error::invalid(format!("fused short-conv layer kernel: {nb} blocks")))?];
-        let mut all = outputs.to_vec();
-        all.push((&stamps, Dtype::Int64));
-        return kern.call(&inputs, &all, [grid, 1, 1], [threads, 1, 1], &template);
+        return stages::call_stamped(kern, &inputs, &outputs, nb, [grid, 1, 1], [threads, 1, 1], &template, "fused short-conv layer kernel");
     }
     let outs = stages::call_with_scratch(
         kern,

@@ -200,10 +200,7 @@ fn launch(x: &Normed, p: Projections, ctr: &Array, timeline: bool) -> Result<Vec
     inputs.push(ctr);
     let outputs: [(&[i32], Dtype); 4] = [(&[1, d], dt), (&[1, d], dt), (&[d], dt), (&[f], dt)];
     if timeline {
-        let stamps = [i32::try_from(nb * 4).map_err(|_| Error::invalid(format!("fused feed-forward kernel: {nb} blocks")))?];
-        let mut all = outputs.to_vec();
-        all.push((&stamps, Dtype::Int64));
-        return kern.call(&inputs, &all, [grid, 1, 1], [threads, 1, 1], &template);
+        return stages::call_stamped(kern, &inputs, &outputs, nb, [grid, 1, 1], [threads, 1, 1], &template, "fused feed-forward kernel");
     }
     let outs = stages::call_with_scratch(
         kern,

@@ -458,11 +458,7 @@ fn launch(
         (&[k, f], dt),
     ];
     let outs = if timeline {
-        let stamps = i32::try_from(nb * 4).map_err(|_| Error::invalid(format!("fused MoE kernel: {nb} blocks")))?;
-        let stamp_shape = [stamps];
-        let mut all = outputs.to_vec();
-        all.push((&stamp_shape, Dtype::Int64));
-        kern.call(&inputs, &all, [grid, 1, 1], [threads, 1, 1], &template)?
+        stages::call_stamped(kern, &inputs, &outputs, nb, [grid, 1, 1], [threads, 1, 1], &template, "fused MoE kernel")?
     } else {
         stages::call_with_scratch(
             kern,

@@ -1036,6 +1036,26 @@ pub(crate) fn scratch_template(names: &[&'static str], bytes: &[i64], ctr: &Arra
     Some(names.iter().zip(places).map(|(n, p)| (*n, TemplateArg::Int(p as i32))).collect())
 }
 
+/// A timeline form's launch: `outputs`, then the stamps, four int64 a block
+/// of the launch's `nb` ([`TIMELINE_HEADER`]); `what` names the kernel in
+/// the error where `nb` blocks' stamps would not fit an i32 shape.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn call_stamped(
+    kern: &CudaKernel,
+    inputs: &[&Array],
+    outputs: &[(&[i32], Dtype)],
+    nb: i64,
+    grid: [i32; 3],
+    block: [i32; 3],
+    template: &[(&str, TemplateArg)],
+    what: &str,
+) -> Result<Vec<Array>> {
+    let stamps = [i32::try_from(nb * 4).map_err(|_| Error::invalid(format!("{what}: {nb} blocks")))?];
+    let mut all = outputs.to_vec();
+    all.push((&stamps, Dtype::Int64));
+    kern.call(inputs, &all, grid, block, template)
+}
+
 /// A one-launch kernel's launch whose last outputs are scratch rows (what
 /// one stage hands the next within the launch; the caller keeps only the
 /// outputs before them), named `scratch` for the kernel's template values:
