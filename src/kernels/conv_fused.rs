@@ -110,7 +110,8 @@ pub fn enabled_here() -> bool {
     enabled() && cuda_kernels_enabled()
 }
 
-/// `MLX_LFM_CONV_FIRST_FUSED=1` (opt-in, session 39): the first layer's
+/// `MLX_LFM_CONV_FIRST_FUSED` (a CUDA default since session 40, `=0`
+/// off; written in session 39): the first layer's
 /// conv through this kernel too, over a residual of zeros (the model's
 /// `zero_row`, made once at load: `h + 0` is `h`, but for a zero's sign,
 /// so the residual sum is the one the layer computes without it; its norm
@@ -119,10 +120,13 @@ pub fn enabled_here() -> bool {
 /// has no residual to add, so without it the layer runs its norm, in_proj,
 /// conv step and out_proj as four launches: on session 38's profile of the
 /// 8B-A1B ~24 µs of GPU time against this kernel's ~18, and three more
-/// nodes a token for a host that bounds the step (the 350M's).
+/// nodes a token for a host that bounds the step (the 350M's). Session
+/// 40's paired A/B on an H100 read decode 1.015x on the 8B-A1B (four reps
+/// 1.008-1.017, where its all-default arm spread 0.5%) and 1.026x on the
+/// 350M; its greedy sets kept the stock tokens on every fixture.
 pub fn first_layer() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    super::opt_in("MLX_LFM_CONV_FIRST_FUSED", &ON)
+    super::opt_out("MLX_LFM_CONV_FIRST_FUSED", &ON)
 }
 
 /// Whether [`forward`] serves the pending norm `x` (one row, with a

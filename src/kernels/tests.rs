@@ -662,13 +662,11 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 if compiled && conv_layer_fused {
                     alone.push("MLX_LFM_CONV_LAYER_FUSED");
                 }
-                // The first layer's conv in one launch over a residual of
-                // zeros (MLX_LFM_CONV_FIRST_FUSED): where the first layer is
-                // a conv layer.
+                // (The first layer's conv in one launch over a residual of
+                // zeros, MLX_LFM_CONV_FIRST_FUSED, is a default since
+                // session 40: the default run has it, and `conv-first-off`
+                // below runs the four launches it replaced.)
                 let first_conv = !spec.shape.full_attn_idxs.contains(&0);
-                if compiled && first_conv {
-                    alone.push("MLX_LFM_CONV_FIRST_FUSED");
-                }
                 // (The q/k/v stage serves an attention layer after the
                 // first: its norm adds a residual.)
                 let attention_after_first = spec.shape.full_attn_idxs.iter().any(|&i| i > 0);
@@ -738,19 +736,27 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     failures.push(format!("{what}: the default run never built its one-launch {layers} layers"));
                 }
 
-                let first_on = crate::knobs::var("MLX_LFM_CONV_FIRST_FUSED").as_deref() == Some("1");
                 for var in alone {
-                    let before = (crate::kernels::conv_layer_fused::built(), crate::kernels::conv_fused::built());
+                    let before = crate::kernels::conv_layer_fused::built();
                     runs.push((var, crate::kernels::with_opt_in_one(var, || run(Some(&stock))).0));
-                    if can_fuse && var == "MLX_LFM_CONV_LAYER_FUSED" && crate::kernels::conv_layer_fused::built() == before.0 {
+                    if can_fuse && var == "MLX_LFM_CONV_LAYER_FUSED" && crate::kernels::conv_layer_fused::built() == before {
                         unbuilt(var, &mut failures);
                     }
-                    // (One conv launch more than the default run built: the
-                    // first layer's; unless the environment, a picked
-                    // switch, put it in the default run too.)
+                }
+                if compiled && first_conv {
+                    // The first layer's norm, in_proj, conv step and
+                    // out_proj as four launches (MLX_LFM_CONV_FIRST_FUSED=0,
+                    // run.py's `conv-first-off`), the default until session
+                    // 40: one conv launch fewer than the default run built
+                    // (unless the environment turned the first layer's
+                    // launch off for the default run too).
+                    let set = [("MLX_LFM_CONV_FIRST_FUSED".to_string(), Some("0".to_string()))];
+                    let before = crate::kernels::conv_fused::built();
+                    runs.push(("conv-first-off", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
                     let default_conv = after_default.0 - before_default.0;
-                    if can_fuse && !joined && !off("MLX_LFM_CONV_FUSED") && !first_on && var == "MLX_LFM_CONV_FIRST_FUSED" && crate::kernels::conv_fused::built() - before.1 <= default_conv {
-                        unbuilt(var, &mut failures);
+                    if can_fuse && !joined && !off("MLX_LFM_CONV_FUSED") && !off("MLX_LFM_CONV_FIRST_FUSED") && crate::kernels::conv_fused::built() - before >= default_conv {
+                        eprintln!("{what}: the conv-first-off kernels FAILED: its run built the first layer's one-launch conv");
+                        failures.push(format!("{what}: the conv-first-off run built as many one-launch conv layers as the default run"));
                     }
                 }
                 if compiled && !joined {
@@ -3999,3 +4005,4 @@ fn moe_grouped_prefill_kernel_matches_stock_ops() {
     std::fs::remove_dir_all(&dir).ok();
     std::fs::remove_dir_all(&q).ok();
 }
+
