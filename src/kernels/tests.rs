@@ -4005,4 +4005,3 @@ fn moe_grouped_prefill_kernel_matches_stock_ops() {
     std::fs::remove_dir_all(&dir).ok();
     std::fs::remove_dir_all(&q).ok();
 }
-
