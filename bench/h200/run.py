@@ -2867,6 +2867,7 @@ def main():
                 profile_gaps()
             elif a == "profile-prefill":
                 install()
+                checkpoints(ab_models(), gguf=False)
                 profile_prefill()
             elif a == "ab-binaries":
                 install()
