@@ -823,6 +823,23 @@ for key, rust, kept, places in [
     DEFINES_OF[name] = DEFINES_OF.get(key, "")
     PRELUDE_OF[name] = named(root / "src" / "kernels" / rust, "SCRATCH_PRELUDE")
 
+# The dense feed-forward's w2 asked of L2 by its gate blocks
+# (MLX_LFM_FFN_W2_PREFETCH: ffn_fused.rs W2_PREFETCH_SUBSTITUTIONS and
+# W2_PREFETCH_HEADER), plainly and with evict-last, and with the early form
+# too, each with the scratch rows in the state as a step runs it.
+_FFN = root / "src" / "kernels" / "ffn_fused.rs"
+_W2 = substitutions("ffn_fused.rs", "W2_PREFETCH_SUBSTITUTIONS")
+assert len(_W2) == 1 and "LFM_W2_PREFETCH" in _W2[0][1], "ffn_fused.rs W2_PREFETCH_SUBSTITUTIONS"
+assert "lfm_ffn_w2_prefetch" in named(_FFN, "W2_PREFETCH_HEADER"), "ffn_fused.rs W2_PREFETCH_HEADER"
+for _v, _last, _early in (("@dense-w2", 0, False), ("@dense-w2last", 1, False), ("@dense-w2-early", 0, True)):
+    KERNELS["ffn_fused.rs" + _v] = KERNELS["ffn_fused.rs@dense-scratch"]
+    _head = f"#define LFM_W2_LAST {_last}\n" + named(_FFN, "W2_PREFETCH_HEADER")
+    if _early:
+        _head = named(_STAGES, "PREFETCH_HEADER") + named(_STAGES, "EARLY_DENSE_ROWS") + _head
+    DEFINES_OF["ffn_fused.rs" + _v] = _head + DEFINES_OF["ffn_fused.rs@dense"]
+    PRELUDE_OF["ffn_fused.rs" + _v] = PRELUDE_OF["ffn_fused.rs@dense-scratch"]
+    REPLACE_OF["ffn_fused.rs" + _v] = (substitutions("stages.rs", "EARLY_SUBSTITUTIONS") if _early else []) + _W2
+
 # How many dtype values CudaKernel::new adds (src/mlx/kernel.rs IO_NAMES),
 # seven operands each: a kernel with more operands is refused there.
 IO_VALUES = int(re.search(r"const IO_NAMES: \[&str; (\d+)\]", (root / "src" / "mlx" / "kernel.rs").read_text()).group(1))

@@ -69,18 +69,92 @@ pub fn built() -> usize {
 /// `hk`) in the layer's state ([`stages::call_with_scratch`]).
 fn kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
     static FORMS: stages::Forms = stages::Forms::new();
+    static W2_FORMS: [stages::Forms; 2] = [stages::Forms::new(), stages::Forms::new()];
+    static W2_BODY: OnceLock<String> = OnceLock::new();
     // (MLX_LFM_EARLY_PREFETCH=ffn: its form that asks for its rows before
     // its waits, stages::early_prefetch.)
     let early = stages::early_prefetch("ffn");
     let mut inputs = vec!["h", "r", "wn"];
     inputs.extend(Projections::input_names(quant));
     inputs.push("ctr");
-    let base = if quant { "lfm_ffn_fused_q" } else { "lfm_ffn_fused" };
     let outputs = ["s", "out", "yn", "hk"];
-    FORMS.kernel(base, (quant, scratch, early), stages::LAYER_SOURCE, &stages::EARLY_SUBSTITUTIONS, SCRATCH_PRELUDE, &inputs, (&outputs, 2), || {
-        stages::layer_header(quant, false, stages::layer_defines(false, stages::Tail::Ffn))
+    let header = || stages::layer_header(quant, false, stages::layer_defines(false, stages::Tail::Ffn));
+    let w2 = if quant { W2Prefetch::Off } else { w2_prefetch() };
+    if w2 != W2Prefetch::Off {
+        let body = W2_BODY.get_or_init(|| super::substituted(stages::LAYER_SOURCE, &W2_PREFETCH_SUBSTITUTIONS));
+        let (forms, base, last) = match w2 {
+            W2Prefetch::Last => (&W2_FORMS[1], "lfm_ffn_fused_w2last", 1),
+            _ => (&W2_FORMS[0], "lfm_ffn_fused_w2", 0),
+        };
+        return forms.kernel(base, (quant, scratch, early), body, &stages::EARLY_SUBSTITUTIONS, SCRATCH_PRELUDE, &inputs, (&outputs, 2), || {
+            format!("#define LFM_W2_LAST {last}\n{W2_PREFETCH_HEADER}{}", header())
+        });
+    }
+    let base = if quant { "lfm_ffn_fused_q" } else { "lfm_ffn_fused" };
+    FORMS.kernel(base, (quant, scratch, early), stages::LAYER_SOURCE, &stages::EARLY_SUBSTITUTIONS, SCRATCH_PRELUDE, &inputs, (&outputs, 2), header)
+}
+
+/// `MLX_LFM_FFN_W2_PREFETCH` (opt-in, session 40; dense weights, the
+/// 1.2B's and the 350M's): each gate block, once its own w1/w3 rows are
+/// summed and its part released, asks L2 for its share of w2 (1/GB of the
+/// matrix, 64 KB a block on the 1.2B), so that w2's rows are on their way
+/// from DRAM while the gate stage's last blocks still run and the w2
+/// blocks, which start only when every gate output is done, read them at
+/// L2. Session 39's ncu read the 1.2B's feed-forward at 46.5 µs for 101 MB
+/// (~2.17 TB/s, 64% of DRAM's peak, where MLX's `gemv_single` read the LM
+/// head's 268 MB at ~3.1 TB/s): the w2 stage is one block of 16 warps on
+/// each of 128 SMs, each warp with 2 KB in flight (8 loads of 8 bytes a
+/// lane; these kernels ask L2 for no whole rows), and it begins only after
+/// the gate stage ends. `=last` asks with L2's evict-last priority, so
+/// that the gate stage's own rows, read once, leave L2 before w2's. The
+/// same bits (a prefetch writes nothing); its test holds it to them.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum W2Prefetch {
+    Off,
+    Normal,
+    Last,
+}
+
+pub(crate) fn w2_prefetch() -> W2Prefetch {
+    static MODE: OnceLock<W2Prefetch> = OnceLock::new();
+    crate::knobs::cached("MLX_LFM_FFN_W2_PREFETCH", &MODE, |v| match v.map(str::trim) {
+        Some("1") => W2Prefetch::Normal,
+        Some("last") => W2Prefetch::Last,
+        _ => W2Prefetch::Off,
     })
 }
+
+/// Gate block `q` of `GB` asks L2 for the `q`th share of w2 (`[D, F]`,
+/// dense): one prefetch a 32-byte sector, by the whole block. Its own
+/// loop, not `stages::PREFETCH_HEADER`'s, which the early form includes.
+const W2_PREFETCH_HEADER: &str = r#"
+template <typename T, int D, int F, int GB>
+__device__ inline void lfm_ffn_w2_prefetch(const T* w2, int q) {
+  constexpr long long BYTES = static_cast<long long>(D) * F * sizeof(T);
+  constexpr long long SHARE = (BYTES / GB + 31) / 32 * 32;
+  const long long b0 = static_cast<long long>(q) * SHARE;
+  if (b0 >= BYTES) return;
+  const long long n = BYTES - b0 < SHARE ? BYTES - b0 : SHARE;
+  const unsigned long long a = reinterpret_cast<unsigned long long>(w2) + b0;
+  for (unsigned long long l = (a & ~31ull) + 32ull * threadIdx.x; l < a + n; l += 32ull * blockDim.x) {
+#if LFM_W2_LAST
+    asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(l));
+#else
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(l));
+#endif
+  }
+}
+#define LFM_W2_PREFETCH(q) lfm_ffn_w2_prefetch<T, D, F, GB>(ow, q)
+"#;
+
+/// Where the gate blocks ask for w2 ([`W2_PREFETCH_HEADER`]): after their
+/// part's release, so that the w2 blocks never wait on it.
+pub(crate) const W2_PREFETCH_SUBSTITUTIONS: [(&str, &str); 1] = [
+    (
+        "      if (lane == 0) hk[j] = late ? T(poison) : lfm_swiglu<T>(gu[0], gu[1]);\n    }\n    lfm_release_count(st + FC + 2);\n    return;\n",
+        "      if (lane == 0) hk[j] = late ? T(poison) : lfm_swiglu<T>(gu[0], gu[1]);\n    }\n    lfm_release_count(st + FC + 2);\n    if (!late) LFM_W2_PREFETCH(fr - 1);\n    return;\n",
+    ),
+];
 
 /// The scratch rows' pointers into the layer's state
 /// (`MLX_LFM_SCRATCH_IN_STATE`, src/kernels/stages.rs), as the outputs of

@@ -996,10 +996,17 @@ impl ConvLayer {
 /// against the one. `(arm, its switches, kernels a product)`. Launches
 /// cycle through [`FFN_COPIES`] copies (~100 MB each dense, ~25 MB 4-bit,
 /// of which [`FFN_Q4_COPIES`]: every launch reads its weights from DRAM).
-const FFN_ARMS: [(&str, Switches, usize); 6] = [
+const FFN_ARMS: [(&str, Switches, usize); 9] = [
     ("ffn-layer-bf16-three", &[("MLX_LFM_FFN_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_GEMV_KERNEL", "1")], 3),
     ("ffn-layer-bf16-fused", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
     ("ffn-layer-bf16-fused-early", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_EARLY_PREFETCH", "ffn")], 1),
+    ("ffn-layer-bf16-fused-w2", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_FFN_W2_PREFETCH", "1")], 1),
+    ("ffn-layer-bf16-fused-w2last", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_FFN_W2_PREFETCH", "last")], 1),
+    (
+        "ffn-layer-bf16-fused-w2-early",
+        &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_FFN_W2_PREFETCH", "1"), ("MLX_LFM_EARLY_PREFETCH", "ffn")],
+        1,
+    ),
     ("ffn-layer-q4-four", &[("MLX_LFM_FFN_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1")], 4),
     ("ffn-layer-q4-fused", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
     ("ffn-layer-q4-fused-early", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_EARLY_PREFETCH", "ffn")], 1),
