@@ -164,60 +164,67 @@ from its A/B: the variants and greedy sets that turned them on are gone,
 `layers-fused-off` (greedy set and variant) and `moe-fused-off`,
 `conv-fused-off`, `ffn-fused-off`, `qkv-fused-off` measure them off, and
 the greedy test's default run checks it built each.
-Next (`bash bench/h200/prepare.sh` here first; ~1,600 s planned; the
+Next (`bash bench/h200/prepare.sh` here first; ~1,550 s planned; the
 working tree is ~7 MB, so .device/a and .device/llama no longer fit one
 call: stage and llama are two; a fresh machine's `ab` first spends ~270 s
 generating the checkpoints, and its first round waits ~150 s for the GGUF
 chain).
-Session 39 got an H100 for ~29 minutes and ran session 38's chain but its
-step 6. All tests passed except the norm folds' (the opt-in deferred
-fold's tolerance against the stock ops; held to the exact product since).
-Kernel-bench had ours read the 8B-A1B's LM head in 33.5 µs against MLX's
-qmv's 78.6, and two down columns a warp ran 268 ms, its waits giving up
-(retired). Its host's CPU was slower than session 38's: the 8B-A1B's step
-was host-bound (1.1-1.5 ms of dispatch a token), the A/B's reps spread
-±15%, and the round read 0.94x / 1.10x / 0.69-0.80x decode where llama.cpp
-held its figures. After the call, three CUDA defaults: the quantized GEMV
-in MLX's arithmetic (`qgemv-off`, `qgemv-float` measure it off), the
-kernels' texts in files (`kernel-text-inline`), the scratch rows in the
-layers' state (`scratch-outputs`). The chain:
+Session 40 got an H100 for ~27 minutes and ran session 39's chain but its
+step 6: the mended norm and GEMV tests, the argmax over chunks and the
+stacked rows passed; the greedy sets passed but the tiny MoE fixture's nine
+opt-in departures of every session since 32; `ab` read the first layer's
+conv in one launch 1.015x (8B-A1B, every rep) and 1.026x (350M), the
+attention over 4 chunks 1.020x / 1.016x, the qgemv default 4% (`qgemv-off`
+0.962); the rounds read decode 1.29x / 1.08-1.09x / 1.02x (350M / 1.2B /
+8B-A1B), the 8B-A1B's P=512 prefill 0.97-0.99x. After the call: the first
+layer's conv in one launch became a CUDA default (`conv-first-off`
+measures it off); the greedy test reports a MoE step whose stock route
+was within a rounding as a route near-tie (`stock_route_margins...`, a CPU
+test too); `MLX_LFM_FFN_W2_PREFETCH=1|last` (opt-in), the dense
+feed-forward's w2 asked of L2 by its gate blocks. The chain:
   1. carry [.device/a]: `stage-mlx`.
   2. carry [.device/llama]: `llama`.
   3. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=4
-     H200_KERNEL_TESTS=norm_gemv_kernels,quant_gemv_kernel,argmax_finite_kernel,stacked_rows_with_kernels_equal_each_row_alone
+     H200_KERNEL_TESTS=ffn_fused_kernel,stock_route_margins,greedy_tokens_with_kernels_equal_stock_ops
      `timeout -s TERM 540 python3 bench/h200/run.py install verdicts-from
-     committed kernels save-ptx` (the norm folds' test as mended; the
-     quantized GEMV's with its float32 sums set explicitly and an unaligned
-     view in MLX's arithmetic; the argmax over 16-byte chunks,
-     `MLX_LFM_ARGMAX_VEC`, with its new ties; the 16 stacked rows with the
-     GEMV in MLX's arithmetic up to 8 rows). Then, carry the same:
-     H200_KERNEL_JOBS=4 H200_KERNEL_TESTS=greedy_tokens_with_kernels_equal_stock_ops
-     `timeout -s TERM 540 python3 bench/h200/run.py kernels` (the four
-     greedy tests, a name picking each test that holds it, with the three
-     new defaults and their sets `qgemv-float`, `quant-norm-float`,
-     `scratch-outputs`, and the first layer's conv in one launch,
-     `MLX_LFM_CONV_FIRST_FUSED`). Two calls, so that a cut one loses only
-     its own verdicts.
-  4. carry [.device/bin]: H200_OURS_ENV (mimalloc),
-     H200_AB_VARIANTS=kernel-text-inline,scratch-outputs,qgemv-off,moe-down-prefetch,attention-chunks-4,argmax-vec,conv-first-fused
-     H200_MODELS=lfm2-350m-bf16,lfm2-8b-a1b-q4 H200_AB_REPS=4 `timeout -s
-     TERM 560 python3 bench/h200/run.py ab pick gguf-bg` (the new defaults
-     measured off, on the host-bound 350M and on the 8B-A1B; the two GPU
-     levers whose session 39 A/B was noise; the first layer's conv in one
-     launch, which the greedy sets of step 3 hold).
-  5. carry [.device/bin]: H200_OURS_ENV, `timeout -s TERM 560 python3
-     bench/h200/run.py pick round 1`, then `pick round 2` in its own call
-     if time is left (the targets with the three host defaults).
+     committed kernels save-ptx` (the w2 prefetch forms held to the
+     default's bits; the route margins on the GPU's stock path; the four
+     greedy tests with the route near-ties, `conv-first-off` and the first
+     layer's conv in the default run: do the tiny MoE fixture's 4-bit
+     departures, steps 26-34 of the float32-sum sets, fall on route
+     near-ties too?).
+  4. carry [.device/bin]: H200_KERNEL_BENCH_ARMS=ffn-layer-bf16-fused,ffn-layer-bf16-fused-early,ffn-layer-bf16-fused-w2,ffn-layer-bf16-fused-w2last,ffn-layer-bf16-fused-w2-early,ffn-layer-bf16-three
+     `timeout -s TERM 240 python3 bench/h200/run.py kernel-bench` (the
+     1.2B's feed-forward, 46.5 µs for 101 MB: does w2 asked of L2 during
+     the gate stage take the w2 stage's start off its time?).
+  5. carry [.device/bin]: H200_OURS_ENV (mimalloc),
+     H200_AB_VARIANTS=ffn-w2-prefetch,ffn-w2-prefetch-last,attention-chunks-4,conv-first-off,argmax-vec
+     H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4 H200_AB_REPS=4 `timeout -s
+     TERM 560 python3 bench/h200/run.py ab pick gguf-bg` (the w2 prefetch
+     on the 1.2B whatever step 4 read; the attention over 4 chunks on the
+     1.2B, whose six attention layers it changes, before it is adopted; the
+     new default measured off).
+  6. carry [.device/bin]: H200_OURS_ENV, H200_MODELS=lfm2-8b-a1b-q4
+     `timeout -s TERM 240 python3 bench/h200/run.py profile-prefill` (the
+     8B-A1B's 512-token prefill, 1-3% under llama.cpp's: ours fits ~9.4 ms
+     a pass plus ~25 µs a token over P=512 and 2048, llama.cpp's ~46 µs a
+     token and no fixed part, so a fixed ~9 ms is the place to look; no
+     profile of it since the grouped expert GEMMs).
+  7. carry [.device/bin]: H200_OURS_ENV, `timeout -s TERM 560 python3
+     bench/h200/run.py pick round 1` (the targets with the new default and
+     whatever step 5 picked).
   (Not planned: the timelines. Session 39's read most launches 5-9x
   their ncu times, stages ending 100-200 µs late even warm; a guess, not
   tested: the SM clock, 345 MHz idle against a 1,980 boost, with the
-  timeline loop leaving the GPU idle or on one SM between its syncs.
-  Before reading timelines again, keep the GPU busy just before each
-  stamped launch.)
-  6. if time is left, carry [.device/bin]: H200_OURS_ENV,
-     MLX_LFM_ARGMAX_VEC=1 H200_MODELS=lfm2-1.2b-bf16 `timeout -s TERM 200
-     python3 bench/h200/run.py profile` (the draw's µs over 16-byte
-     chunks, 12.6 by values in session 39: too little for an A/B to see).
+  timeline loop leaving the GPU idle between its syncs. Before reading
+  timelines again, keep the GPU busy just before each stamped launch.)
+Session 39's plan, for the record: its steps 1-2 as above; 3. the mended
+norm and GEMV tests, the argmax over chunks and the stacked rows, then the
+four greedy tests; 4. `ab pick gguf-bg` of session 39's defaults off and
+three opt-ins on the 350M and the 8B-A1B; 5. `pick round 1`, `round 2`;
+6. a profile of the 1.2B with the argmax over chunks (not run).
+Session 39 got an H100 for ~29 minutes and ran session 38's chain but its
+step 6 (its records: bench/results/2026-12-06-h100-session39.raw.jsonl).
 Session 38's plan, for the record: its steps 1-2 as above; 3. the
 defaults' whole kernel tests in pairs, then the MoE tests and the wide
 MoE greedy sets; 4. kernel-bench of the MoE forms, the feed-forwards and
@@ -2272,6 +2279,12 @@ AB = {
     # 67 MB a layer, more than L2 holds at once).
     "early-prefetch": ({"MLX_LFM_EARLY_PREFETCH": "all"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "early-prefetch-conv": ({"MLX_LFM_EARLY_PREFETCH": "conv"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # The dense feed-forward's w2 asked of L2 by its gate blocks after their
+    # part (session 40, ffn_fused.rs W2Prefetch): the 1.2B's w2 stage
+    # starts only when the gate stage ends, 16 warps an SM with 2 KB each
+    # in flight. Plainly and with L2's evict-last priority. In process.
+    "ffn-w2-prefetch": ({"MLX_LFM_FFN_W2_PREFETCH": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
+    "ffn-w2-prefetch-last": ({"MLX_LFM_FFN_W2_PREFETCH": "last"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
 }
 # Our switches that only a process of its own can time (each is read when
 # the process builds its kernels, which an in-process A/B's engines share).
@@ -2295,6 +2308,8 @@ AB_TESTS = {
     "scratch-outputs": [],
     **{v: ["conv_fused_kernel_matches_stock_ops", "ffn_fused_kernel_matches_stock_ops", "qkv_fused_kernel_matches_stock_ops",
            "greedy:early-prefetch"] for v in ("early-prefetch", "early-prefetch-conv")},
+    # (Its test holds it to the default form's bits.)
+    **{v: ["ffn_fused_kernel_matches_stock_ops"] for v in ("ffn-w2-prefetch", "ffn-w2-prefetch-last")},
     "gemv-kernel": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops", "greedy:default"],
     "gemv-norm-kernels": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops",
                           "norm_gemv_kernels_match_stock_ops", "greedy:default"],
@@ -2383,6 +2398,7 @@ PICK = [
     (["moe-down-early", "router-scores-f32", "router-scores-f32-early"], "decode"),
     (["conv-layer-fused"], "decode"),
     (["early-prefetch", "early-prefetch-conv"], "decode"),
+    (["ffn-w2-prefetch", "ffn-w2-prefetch-last"], "decode"),
     (["qint-bits", "qint-convert", "moe-float"], "decode"),
     (["moe-down-prefetch", "moe-down-prefetch-after"], "decode"),
     (["qkv-warps-32"], "decode"),
@@ -2416,7 +2432,8 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4", "conv-gemv",
                "moe-down-early", "router-scores-f32", "router-scores-f32-early", "fold-eps-const", "position-table-off",
                "fold-deferred", "layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off",
-               "conv-layer-fused", "early-prefetch", "early-prefetch-conv", "qint-bits", "qint-convert",
+               "conv-layer-fused", "early-prefetch", "early-prefetch-conv", "ffn-w2-prefetch",
+               "ffn-w2-prefetch-last", "qint-bits", "qint-convert",
                "moe-float", "moe-down-prefetch", "moe-down-prefetch-after", "qkv-warps-32", "argmax-vec",
                "conv-first-off"}
 # Switches that change both models' steps: adopted only where every decode
