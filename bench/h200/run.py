@@ -2283,8 +2283,13 @@ AB = {
     # part (session 40, ffn_fused.rs W2Prefetch): the 1.2B's w2 stage
     # starts only when the gate stage ends, 16 warps an SM with 2 KB each
     # in flight. Plainly and with L2's evict-last priority. In process.
-    "ffn-w2-prefetch": ({"MLX_LFM_FFN_W2_PREFETCH": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
-    "ffn-w2-prefetch-last": ({"MLX_LFM_FFN_W2_PREFETCH": "last"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
+    "ffn-w2-prefetch": ({"MLX_LFM_FFN_W2_PREFETCH": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    "ffn-w2-prefetch-last": ({"MLX_LFM_FFN_W2_PREFETCH": "last"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # The conv layers' out_proj asked of L2 by their channel blocks after
+    # their part (session 40, conv_fused.rs out_prefetch): the 1.2B's conv
+    # layers read ~1.5 TB/s, the 8B-A1B's 4-bit ones ~0.5. In process.
+    "conv-out-prefetch": ({"MLX_LFM_CONV_OUT_PREFETCH": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    "conv-out-prefetch-last": ({"MLX_LFM_CONV_OUT_PREFETCH": "last"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
 }
 # Our switches that only a process of its own can time (each is read when
 # the process builds its kernels, which an in-process A/B's engines share).
@@ -2310,6 +2315,7 @@ AB_TESTS = {
            "greedy:early-prefetch"] for v in ("early-prefetch", "early-prefetch-conv")},
     # (Its test holds it to the default form's bits.)
     **{v: ["ffn_fused_kernel_matches_stock_ops"] for v in ("ffn-w2-prefetch", "ffn-w2-prefetch-last")},
+    **{v: ["conv_fused_kernel_matches_stock_ops"] for v in ("conv-out-prefetch", "conv-out-prefetch-last")},
     "gemv-kernel": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops", "greedy:default"],
     "gemv-norm-kernels": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops",
                           "norm_gemv_kernels_match_stock_ops", "greedy:default"],
@@ -2399,6 +2405,7 @@ PICK = [
     (["conv-layer-fused"], "decode"),
     (["early-prefetch", "early-prefetch-conv"], "decode"),
     (["ffn-w2-prefetch", "ffn-w2-prefetch-last"], "decode"),
+    (["conv-out-prefetch", "conv-out-prefetch-last"], "decode"),
     (["qint-bits", "qint-convert", "moe-float"], "decode"),
     (["moe-down-prefetch", "moe-down-prefetch-after"], "decode"),
     (["qkv-warps-32"], "decode"),
@@ -2433,7 +2440,7 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "moe-down-early", "router-scores-f32", "router-scores-f32-early", "fold-eps-const", "position-table-off",
                "fold-deferred", "layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off",
                "conv-layer-fused", "early-prefetch", "early-prefetch-conv", "ffn-w2-prefetch",
-               "ffn-w2-prefetch-last", "qint-bits", "qint-convert",
+               "ffn-w2-prefetch-last", "conv-out-prefetch", "conv-out-prefetch-last", "qint-bits", "qint-convert",
                "moe-float", "moe-down-prefetch", "moe-down-prefetch-after", "qkv-warps-32", "argmax-vec",
                "conv-first-off"}
 # Switches that change both models' steps: adopted only where every decode

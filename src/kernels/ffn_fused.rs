@@ -30,7 +30,7 @@
 //! blocks (MLX's GEMV spreads it over 128): what its A/B will show. Tests
 //! in src/kernels/tests.rs.
 
-use super::stages::{self, Built};
+use super::stages::{self, Built, SecondPrefetch};
 use crate::error::{Error, Result};
 use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
 use crate::mlx::{Array, Dtype};
@@ -79,80 +79,48 @@ fn kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
     inputs.push("ctr");
     let outputs = ["s", "out", "yn", "hk"];
     let header = || stages::layer_header(quant, false, stages::layer_defines(false, stages::Tail::Ffn));
-    let w2 = if quant { W2Prefetch::Off } else { w2_prefetch() };
-    if w2 != W2Prefetch::Off {
+    let w2 = w2_prefetch();
+    if w2 != SecondPrefetch::Off {
         let body = W2_BODY.get_or_init(|| super::substituted(stages::LAYER_SOURCE, &W2_PREFETCH_SUBSTITUTIONS));
-        let (forms, base, last) = match w2 {
-            W2Prefetch::Last => (&W2_FORMS[1], "lfm_ffn_fused_w2last", 1),
-            _ => (&W2_FORMS[0], "lfm_ffn_fused_w2", 0),
+        let (forms, last) = match w2 {
+            SecondPrefetch::Last => (&W2_FORMS[1], "last"),
+            _ => (&W2_FORMS[0], ""),
         };
-        return forms.kernel(base, (quant, scratch, early), body, &stages::EARLY_SUBSTITUTIONS, SCRATCH_PRELUDE, &inputs, (&outputs, 2), || {
-            format!("#define LFM_W2_LAST {last}\n{W2_PREFETCH_HEADER}{}", header())
+        let base = format!("{}_w2{last}", if quant { "lfm_ffn_fused_q" } else { "lfm_ffn_fused" });
+        return forms.kernel(&base, (quant, scratch, early), body, &stages::EARLY_SUBSTITUTIONS, SCRATCH_PRELUDE, &inputs, (&outputs, 2), || {
+            format!("{}{}", stages::second_prefetch_header(quant, w2), header())
         });
     }
     let base = if quant { "lfm_ffn_fused_q" } else { "lfm_ffn_fused" };
     FORMS.kernel(base, (quant, scratch, early), stages::LAYER_SOURCE, &stages::EARLY_SUBSTITUTIONS, SCRATCH_PRELUDE, &inputs, (&outputs, 2), header)
 }
 
-/// `MLX_LFM_FFN_W2_PREFETCH` (opt-in, session 40; dense weights, the
-/// 1.2B's and the 350M's): each gate block, once its own w1/w3 rows are
-/// summed and its part released, asks L2 for its share of w2 (1/GB of the
-/// matrix, 64 KB a block on the 1.2B), so that w2's rows are on their way
-/// from DRAM while the gate stage's last blocks still run and the w2
-/// blocks, which start only when every gate output is done, read them at
-/// L2. Session 39's ncu read the 1.2B's feed-forward at 46.5 µs for 101 MB
-/// (~2.17 TB/s, 64% of DRAM's peak, where MLX's `gemv_single` read the LM
-/// head's 268 MB at ~3.1 TB/s): the w2 stage is one block of 16 warps on
-/// each of 128 SMs, each warp with 2 KB in flight (8 loads of 8 bytes a
-/// lane; these kernels ask L2 for no whole rows), and it begins only after
-/// the gate stage ends. `=last` asks with L2's evict-last priority, so
-/// that the gate stage's own rows, read once, leave L2 before w2's. The
-/// same bits (a prefetch writes nothing); its test holds it to them.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(crate) enum W2Prefetch {
-    Off,
-    Normal,
-    Last,
+/// `MLX_LFM_FFN_W2_PREFETCH=1|last` (opt-in, session 40): each gate
+/// block, once its own w1/w3 rows are summed and its part released, asks
+/// L2 for its share of w2 (1/GB of the matrix, 64 KB a block on the 1.2B;
+/// quantized, of its words, scales and biases), so that w2's rows are on
+/// their way from DRAM while the gate stage's last blocks still run and
+/// the w2 blocks, which start only when every gate output is done, read
+/// them at L2 (`stages::SecondPrefetch`). Session 39's ncu read the 1.2B's
+/// feed-forward at 46.5 µs for 101 MB (~2.17 TB/s, 64% of DRAM's peak,
+/// where MLX's `gemv_single` read the LM head's 268 MB at ~3.1 TB/s): its
+/// w2 stage is one block of 16 warps on each of 128 SMs, each warp with 2
+/// KB in flight (8 loads of 8 bytes a lane; these kernels ask L2 for no
+/// whole rows), and it begins only after the gate stage ends. `=last` asks
+/// with L2's evict-last priority, so that the gate stage's own rows, read
+/// once, leave L2 before w2's. The same bits (a prefetch writes nothing);
+/// its test holds it to them.
+pub(crate) fn w2_prefetch() -> SecondPrefetch {
+    static MODE: OnceLock<SecondPrefetch> = OnceLock::new();
+    stages::second_prefetch("MLX_LFM_FFN_W2_PREFETCH", &MODE)
 }
 
-pub(crate) fn w2_prefetch() -> W2Prefetch {
-    static MODE: OnceLock<W2Prefetch> = OnceLock::new();
-    crate::knobs::cached("MLX_LFM_FFN_W2_PREFETCH", &MODE, |v| match v.map(str::trim) {
-        Some("1") => W2Prefetch::Normal,
-        Some("last") => W2Prefetch::Last,
-        _ => W2Prefetch::Off,
-    })
-}
-
-/// Gate block `q` of `GB` asks L2 for the `q`th share of w2 (`[D, F]`,
-/// dense): one prefetch a 32-byte sector, by the whole block. Its own
-/// loop, not `stages::PREFETCH_HEADER`'s, which the early form includes.
-const W2_PREFETCH_HEADER: &str = r#"
-template <typename T, int D, int F, int GB>
-__device__ inline void lfm_ffn_w2_prefetch(const T* w2, int q) {
-  constexpr long long BYTES = static_cast<long long>(D) * F * sizeof(T);
-  constexpr long long SHARE = (BYTES / GB + 31) / 32 * 32;
-  const long long b0 = static_cast<long long>(q) * SHARE;
-  if (b0 >= BYTES) return;
-  const long long n = BYTES - b0 < SHARE ? BYTES - b0 : SHARE;
-  const unsigned long long a = reinterpret_cast<unsigned long long>(w2) + b0;
-  for (unsigned long long l = (a & ~31ull) + 32ull * threadIdx.x; l < a + n; l += 32ull * blockDim.x) {
-#if LFM_W2_LAST
-    asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(l));
-#else
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(l));
-#endif
-  }
-}
-#define LFM_W2_PREFETCH(q) lfm_ffn_w2_prefetch<T, D, F, GB>(ow, q)
-"#;
-
-/// Where the gate blocks ask for w2 ([`W2_PREFETCH_HEADER`]): after their
+/// Where the gate blocks ask for w2 (`LFM_SECOND_PREFETCH`): after their
 /// part's release, so that the w2 blocks never wait on it.
 pub(crate) const W2_PREFETCH_SUBSTITUTIONS: [(&str, &str); 1] = [
     (
         "      if (lane == 0) hk[j] = late ? T(poison) : lfm_swiglu<T>(gu[0], gu[1]);\n    }\n    lfm_release_count(st + FC + 2);\n    return;\n",
-        "      if (lane == 0) hk[j] = late ? T(poison) : lfm_swiglu<T>(gu[0], gu[1]);\n    }\n    lfm_release_count(st + FC + 2);\n    if (!late) LFM_W2_PREFETCH(fr - 1);\n    return;\n",
+        "      if (lane == 0) hk[j] = late ? T(poison) : lfm_swiglu<T>(gu[0], gu[1]);\n    }\n    lfm_release_count(st + FC + 2);\n    if (!late) LFM_SECOND_PREFETCH(fr - 1, GB, D, F);\n    return;\n",
     ),
 ];
 

@@ -450,6 +450,72 @@ __device__ inline void lfm_prefetch_block(const void* p, int bytes) {
 }
 "#;
 
+/// A one-launch layer's second projection (the conv's out_proj, the
+/// feed-forward's w2) asked of L2 by its first projection's blocks once
+/// their part is released (`MLX_LFM_CONV_OUT_PREFETCH`,
+/// `MLX_LFM_FFN_W2_PREFETCH`; src/kernels/conv_fused.rs, ffn_fused.rs):
+/// `LFM_SECOND_PREFETCH(q, parts, ROWS, K)` has block `q` of `parts` ask
+/// for its share of the `[ROWS, K]` projection (quantized: of its words,
+/// scales and biases), one prefetch a 32-byte sector by the whole block;
+/// `LFM_SECOND_LAST` 1: with L2's evict-last priority. Its own loop, not
+/// [`PREFETCH_HEADER`]'s, which the early form includes.
+const SECOND_PREFETCH_HEADER: &str = r#"
+template <int LAST>
+__device__ inline void lfm_share_prefetch(const void* base, long long bytes, int q, int parts) {
+  const long long share = (bytes / parts + 31) / 32 * 32;
+  const long long b0 = static_cast<long long>(q) * share;
+  if (b0 >= bytes) return;
+  const long long n = bytes - b0 < share ? bytes - b0 : share;
+  const unsigned long long a = reinterpret_cast<unsigned long long>(base) + b0;
+  for (unsigned long long l = (a & ~31ull) + 32ull * threadIdx.x; l < a + n; l += 32ull * blockDim.x) {
+    if (LAST) {
+      asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(l));
+    } else {
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(l));
+    }
+  }
+}
+"#;
+
+/// [`SECOND_PREFETCH_HEADER`]'s macro for dense projections.
+const SECOND_PREFETCH_DENSE: &str = r#"
+#define LFM_SECOND_PREFETCH(q, parts, ROWS, K) \
+  lfm_share_prefetch<LFM_SECOND_LAST>(ow, static_cast<long long>(ROWS) * (K) * (long long)sizeof(T), q, parts)
+"#;
+
+/// [`SECOND_PREFETCH_HEADER`]'s macro for quantized projections.
+const SECOND_PREFETCH_QUANT: &str = r#"
+#define LFM_SECOND_PREFETCH(q, parts, ROWS, K) { \
+  lfm_share_prefetch<LFM_SECOND_LAST>(ow, static_cast<long long>(ROWS) * (K) * OBITS / 8, q, parts); \
+  lfm_share_prefetch<LFM_SECOND_LAST>(oscales, static_cast<long long>(ROWS) * ((K) / OGS) * (long long)sizeof(T), q, parts); \
+  lfm_share_prefetch<LFM_SECOND_LAST>(obiases, static_cast<long long>(ROWS) * ((K) / OGS) * (long long)sizeof(T), q, parts); }
+"#;
+
+/// Whether and how a one-launch layer asks L2 for its second projection
+/// ([`SECOND_PREFETCH_HEADER`]): `=1` plainly, `=last` with evict-last.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum SecondPrefetch {
+    Off,
+    Normal,
+    Last,
+}
+
+/// The switch `var`'s [`SecondPrefetch`] (read once into `cell`).
+pub(crate) fn second_prefetch(var: &str, cell: &OnceLock<SecondPrefetch>) -> SecondPrefetch {
+    crate::knobs::cached(var, cell, |v| match v.map(str::trim) {
+        Some("1") => SecondPrefetch::Normal,
+        Some("last") => SecondPrefetch::Last,
+        _ => SecondPrefetch::Off,
+    })
+}
+
+/// The text a kernel's header starts with where `mode` is on.
+pub(crate) fn second_prefetch_header(quant: bool, mode: SecondPrefetch) -> String {
+    let last = i32::from(mode == SecondPrefetch::Last);
+    let rows = if quant { SECOND_PREFETCH_QUANT } else { SECOND_PREFETCH_DENSE };
+    format!("#define LFM_SECOND_LAST {last}\n{SECOND_PREFETCH_HEADER}{rows}")
+}
+
 /// The MoE layer's down rows asked of L2 by its gate/up blocks
 /// (src/kernels/moe_fused.rs `down_prefetch`): gate/up block `q` of its
 /// expert's `RB` takes the `q`th share of that expert's `D` down rows (their
