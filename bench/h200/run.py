@@ -181,27 +181,33 @@ layer's conv in one launch became a CUDA default (`conv-first-off`
 measures it off); the greedy test reports a MoE step whose stock route
 was within a rounding as a route near-tie (`stock_route_margins...`, a CPU
 test too); `MLX_LFM_FFN_W2_PREFETCH=1|last` (opt-in), the dense
-feed-forward's w2 asked of L2 by its gate blocks. The chain:
+feed-forward's w2 asked of L2 by its gate blocks, and
+`MLX_LFM_CONV_OUT_PREFETCH=1|last`, the conv layer's out_proj by its
+channel blocks. The chain:
   1. carry [.device/a]: `stage-mlx`.
   2. carry [.device/llama]: `llama`.
   3. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=4
-     H200_KERNEL_TESTS=ffn_fused_kernel,stock_route_margins,greedy_tokens_with_kernels_equal_stock_ops
+     H200_KERNEL_TESTS=ffn_fused_kernel,conv_fused_kernel,stock_route_margins,greedy_tokens_with_kernels_equal_stock_ops
      `timeout -s TERM 540 python3 bench/h200/run.py install verdicts-from
-     committed kernels save-ptx` (the w2 prefetch forms held to the
-     default's bits; the route margins on the GPU's stock path; the four
+     committed kernels save-ptx` (the w2 and out_proj prefetch forms held
+     to the default's bits; the route margins on the GPU's stock path; the four
      greedy tests with the route near-ties, `conv-first-off` and the first
      layer's conv in the default run: do the tiny MoE fixture's 4-bit
      departures, steps 26-34 of the float32-sum sets, fall on route
      near-ties too?).
-  4. carry [.device/bin]: H200_KERNEL_BENCH_ARMS=ffn-layer-bf16-fused,ffn-layer-bf16-fused-early,ffn-layer-bf16-fused-w2,ffn-layer-bf16-fused-w2last,ffn-layer-bf16-fused-w2-early,ffn-layer-bf16-three
-     `timeout -s TERM 240 python3 bench/h200/run.py kernel-bench` (the
-     1.2B's feed-forward, 46.5 µs for 101 MB: does w2 asked of L2 during
-     the gate stage take the w2 stage's start off its time?).
+  4. carry [.device/bin]: H200_KERNEL_BENCH_ARMS=ffn-layer-bf16-fused,ffn-layer-bf16-fused-early,ffn-layer-bf16-fused-w2,ffn-layer-bf16-fused-w2last,ffn-layer-bf16-fused-w2-early,ffn-layer-bf16-three,ffn-layer-q4-fused,ffn-layer-q4-fused-w2,conv-layer-q4-fused,conv-layer-q4-fused-out,conv-layer-q4-fused-outlast,conv-layer-bf16-fused,conv-layer-bf16-fused-out,conv-layer-bf16-fused-outlast
+     `timeout -s TERM 300 python3 bench/h200/run.py kernel-bench` (the
+     1.2B's feed-forward, 46.5 µs for 101 MB, and the conv layers, 22 µs
+     for 34 MB and 18.5 for 9.4 MB 4-bit: does the second projection asked
+     of L2 during the first stage take the second stage's start off their
+     time?).
   5. carry [.device/bin]: H200_OURS_ENV (mimalloc),
-     H200_AB_VARIANTS=ffn-w2-prefetch,ffn-w2-prefetch-last,attention-chunks-4,conv-first-off,argmax-vec
-     H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4 H200_AB_REPS=4 `timeout -s
-     TERM 560 python3 bench/h200/run.py ab pick gguf-bg` (the w2 prefetch
-     on the 1.2B whatever step 4 read; the attention over 4 chunks on the
+     H200_AB_VARIANTS=ffn-w2-prefetch,ffn-w2-prefetch-last,conv-out-prefetch,conv-out-prefetch-last,attention-chunks-4,conv-first-off
+     H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4 H200_AB_REPS=3 `timeout -s
+     TERM 560 python3 bench/h200/run.py ab pick gguf-bg` (three reps: the
+     two models' checkpoints take ~270 s of a fresh machine's call; the two
+     prefetches whatever step 4 read, or those of their forms that won
+     there; the attention over 4 chunks on the
      1.2B, whose six attention layers it changes, before it is adopted; the
      new default measured off).
   6. carry [.device/bin]: H200_OURS_ENV, H200_MODELS=lfm2-8b-a1b-q4
