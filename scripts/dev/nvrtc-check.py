@@ -161,6 +161,21 @@ KERNELS = {
         [("token", "uint32_t"), ("finite", "uint32_t")],
         lambda dt: [],
     ),
+    # A MoE prefill's rows sorted by expert (MLX_LFM_MOE_SORT_KERNEL): the
+    # 8B-A1B's 32 experts, top-4, and the most experts served (no T: one
+    # dtype's build).
+    "moe_sort.rs": (
+        [("ids", "uint32_t")],
+        [("src", "int32_t"), ("inv", "int32_t"), ("offsets", "int32_t")],
+        lambda dt: [("K", 4), ("E", 32)],
+        ["bfloat16"],
+    ),
+    "moe_sort.rs@e128": (
+        [("ids", "uint32_t")],
+        [("src", "int32_t"), ("inv", "int32_t"), ("offsets", "int32_t")],
+        lambda dt: [("K", 2), ("E", 128)],
+        ["bfloat16"],
+    ),
     # A quantized embedding's rows (MLX_LFM_QUANT_EMBED_KERNEL).
     "quant_embed.rs": (
         [("ids", "uint32_t"), ("w", "uint32_t"), ("scales", "T"), ("biases", "T")],

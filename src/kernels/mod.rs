@@ -15,6 +15,7 @@ pub mod moe_experts;
 pub mod moe_fused;
 pub mod moe_gemm;
 pub mod moe_router;
+pub mod moe_sort;
 pub mod norm_gemv;
 pub mod qk_norm_rope;
 pub mod quant_embed;

@@ -4101,6 +4101,84 @@ fn experts_reference(moe: &crate::model::lfm2_moe::SparseMoe, x: &crate::mlx::Ar
     y.reshape(&[b, t, k, d]).unwrap()
 }
 
+/// The MoE prefill's sort by expert in one launch
+/// (`MLX_LFM_MOE_SORT_KERNEL`, src/kernels/moe_sort.rs) against a host's
+/// stable sort by (expert, index), exactly: each entry's row at its sorted
+/// place, each entry's place and the experts' offsets; entry counts under
+/// one tile, whole tiles and a tile and a few (the 8B-A1B's 512-token
+/// chunk: 2,048), 2 to 128 experts, every entry of one expert, ids past the
+/// expert count (counted as the last), and the bounds `available` keeps.
+#[test]
+fn moe_sort_kernel_matches_a_stable_sort() {
+    use crate::kernels::moe_sort::{available, sort_rows, MAX_EXPERTS};
+    use crate::kernels::with_opt_in_one;
+    use crate::mlx::Array;
+    if skip("moe_sort_kernel_matches_a_stable_sort") {
+        return;
+    }
+    // (rows, k, experts, how the ids are drawn)
+    let cases: [(i32, i32, i32, &str); 9] = [
+        (2, 4, 32, "random"),
+        (512, 4, 32, "random"),
+        (513, 4, 32, "random"),
+        (2049, 4, 32, "random"),
+        (300, 2, 8, "random"),
+        (1000, 1, 2, "random"),
+        (700, 4, MAX_EXPERTS, "random"),
+        (256, 4, 32, "one expert"),
+        (256, 4, 32, "past the count"),
+    ];
+    let mut seed = 0x2545f491u64;
+    for (rows, k, experts, how) in cases {
+        let n = (rows * k) as usize;
+        let ids: Vec<u32> = (0..n)
+            .map(|_| {
+                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                let r = (seed >> 33) as u32;
+                match how {
+                    "one expert" => 7,
+                    "past the count" => r % (experts as u32 + 3),
+                    _ => r % experts as u32,
+                }
+            })
+            .collect();
+        let what = format!("{rows} rows x {k} over {experts} experts ({how})");
+        let arr = Array::from_slice(&ids, &[n as i32]).unwrap();
+        let (src, inv, offsets) = with_opt_in_one("MLX_LFM_MOE_SORT_KERNEL", || {
+            assert!(available(&arr, k, experts), "{what}: not served");
+            sort_rows(&arr, k, experts).unwrap()
+        });
+        crate::mlx::eval(&[&src, &inv, &offsets]).unwrap();
+        // The host's stable sort, ids past the count as the last expert.
+        let e_of = |i: usize| ids[i].min(experts as u32 - 1);
+        let mut order: Vec<usize> = (0..n).collect();
+        order.sort_by_key(|&i| e_of(i));
+        let mut want_inv = vec![0i32; n];
+        for (p, &i) in order.iter().enumerate() {
+            want_inv[i] = p as i32;
+        }
+        let want_src: Vec<i32> = order.iter().map(|&i| i as i32 / k).collect();
+        let want_offsets: Vec<i32> = (0..=experts as u32).map(|e| (0..n).filter(|&i| e_of(i) < e).count() as i32).collect();
+        assert_eq!(offsets.to_vec::<i32>().unwrap(), want_offsets, "{what}: the offsets");
+        assert_eq!(inv.to_vec::<i32>().unwrap(), want_inv, "{what}: the places");
+        assert_eq!(src.to_vec::<i32>().unwrap(), want_src, "{what}: the rows");
+        eprintln!("{what}: the same as the host's stable sort");
+    }
+    // Not served: over the experts' bound, int32 ids, k not dividing them,
+    // the switch off.
+    let ids = Array::from_slice(&[0u32; 8], &[8]).unwrap();
+    with_opt_in_one("MLX_LFM_MOE_SORT_KERNEL", || {
+        assert!(available(&ids, 4, 32));
+        assert!(!available(&ids, 4, MAX_EXPERTS + 1), "served more experts than its shared memory holds");
+        assert!(!available(&ids, 3, 32), "served ids that are not whole rows");
+        let as_int = ids.astype(Dtype::Int32).unwrap();
+        assert!(!available(&as_int, 4, 32), "served int32 ids");
+    });
+    if std::env::var_os("MLX_LFM_MOE_SORT_KERNEL").is_none() {
+        assert!(!available(&ids, 4, 32), "on without its switch");
+    }
+}
+
 /// The grouped GEMM where the model runs it: a MoE layer's experts over a
 /// prefill's rows (the sort by expert, the gather, both projections, the
 /// SwiGLU and the un-sort, `SparseMoe::grouped_kernel`) against the same
@@ -4132,6 +4210,12 @@ fn moe_grouped_prefill_kernel_matches_stock_ops() {
             .expect("the grouped GEMM serves 4-bit experts 64 wide");
         let want = with_stock_ops(|| moe.experts(&x, &inds)).unwrap();
         assert_eq!(got.shape(), want.shape());
+        // The sort by expert in one launch (MLX_LFM_MOE_SORT_KERNEL,
+        // opt-in) against MLX's argsorts: the same bits (each row's sums
+        // are its own, wherever the sort puts it).
+        let sorted = crate::kernels::with_opt_in_one("MLX_LFM_MOE_SORT_KERNEL", || moe.grouped_kernel(&x, &inds)).unwrap().expect("served");
+        let argsorted = moe.grouped_kernel(&x, &inds).unwrap().expect("served");
+        assert_eq!(differing(&sorted, &argsorted), 0, "grouped prefill [{b}, {t}]: the sort kernel's rows differ from the argsorts'");
         // Both against the exact product (float32 weights and sums, the
         // SwiGLU unrounded): on the H200 the two were 0.036 apart at
         // [2, 97] where MLX's per-expert kernels accumulate in bf16, and

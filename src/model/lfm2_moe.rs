@@ -430,7 +430,7 @@ impl SparseMoe {
     /// and no count read back to the host: for quantized experts with gate
     /// and up stacked; None where the kernel does not serve.
     pub(crate) fn grouped_kernel(&self, x: &Array, inds: &Array) -> Result<Option<Array>> {
-        use crate::kernels::moe_gemm;
+        use crate::kernels::{moe_gemm, moe_sort};
         let (b, t, d) = (x.dim(0), x.dim(1), x.dim(2));
         if !self.grouped_serves(b * t, d, x.dtype()) {
             return Ok(None);
@@ -442,10 +442,17 @@ impl SparseMoe {
         let experts = gu.weight.dim(0);
         let x2 = x.reshape(&[b * t, d])?;
         let flat = inds.reshape(&[-1])?;
-        let order = flat.argsort(0)?;
-        let inv = order.argsort(0)?;
-        let xs = x2.take(&order.floor_divide_scalar(k as f64)?, 0)?;
-        let offsets = moe_gemm::offsets(&flat.take(&order, 0)?, experts)?;
+        // The sort by expert in one launch where that is on
+        // (src/kernels/moe_sort.rs), else MLX's argsorts and the offsets' ops.
+        let (xs, offsets, inv) = if moe_sort::available(&flat, k, experts) {
+            let (src, inv, offsets) = moe_sort::sort_rows(&flat, k, experts)?;
+            (x2.take(&src, 0)?, offsets, inv)
+        } else {
+            let order = flat.argsort(0)?;
+            let inv = order.argsort(0)?;
+            let xs = x2.take(&order.floor_divide_scalar(k as f64)?, 0)?;
+            (xs, moe_gemm::offsets(&flat.take(&order, 0)?, experts)?, inv)
+        };
         let mut p = split_widths(&moe_gemm::grouped_gemm(&xs, &offsets, gu)?, &[*ff, *ff])?;
         let u = p.pop().expect("two widths");
         let g = p.pop().expect("two widths");
