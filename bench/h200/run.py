@@ -164,7 +164,8 @@ from its A/B: the variants and greedy sets that turned them on are gone,
 `layers-fused-off` (greedy set and variant) and `moe-fused-off`,
 `conv-fused-off`, `ffn-fused-off`, `qkv-fused-off` measure them off, and
 the greedy test's default run checks it built each.
-Next (`bash bench/h200/prepare.sh` here first; ~1,550 s planned; the
+Next (`bash bench/h200/prepare.sh` here first; ~1,700 s planned, step 7
+last and only if ~450 s are left; the
 working tree is ~7 MB, so .device/a and .device/llama no longer fit one
 call: stage and llama are two; a fresh machine's `ab` first spends ~270 s
 generating the checkpoints, and its first round waits ~150 s for the GGUF
@@ -183,18 +184,24 @@ was within a rounding as a route near-tie (`stock_route_margins...`, a CPU
 test too); `MLX_LFM_FFN_W2_PREFETCH=1|last` (opt-in), the dense
 feed-forward's w2 asked of L2 by its gate blocks, and
 `MLX_LFM_CONV_OUT_PREFETCH=1|last`, the conv layer's out_proj by its
-channel blocks. The chain:
+channel blocks; `MLX_LFM_MOE_SORT_KERNEL=1`, a prefill's MoE rows sorted
+by expert in one launch (eight kernel nodes fewer a MoE layer). The chain:
   1. carry [.device/a]: `stage-mlx`.
   2. carry [.device/llama]: `llama`.
   3. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=4
-     H200_KERNEL_TESTS=ffn_fused_kernel,conv_fused_kernel,stock_route_margins,greedy_tokens_with_kernels_equal_stock_ops
+     H200_KERNEL_TESTS=ffn_fused_kernel,conv_fused_kernel,moe_sort_kernel,moe_grouped_prefill,stock_route_margins
      `timeout -s TERM 540 python3 bench/h200/run.py install verdicts-from
      committed kernels save-ptx` (the w2 and out_proj prefetch forms held
-     to the default's bits; the route margins on the GPU's stock path; the four
+     to the default's bits; the sort by expert held to a host's stable
+     sort, and the grouped prefill to the argsorts' bits; the route margins
+     on the GPU's stock path). Then, carry the same: H200_KERNEL_JOBS=4
+     H200_KERNEL_TESTS=greedy_tokens_with_kernels_equal_stock_ops
+     `timeout -s TERM 540 python3 bench/h200/run.py kernels` (the four
      greedy tests with the route near-ties, `conv-first-off` and the first
      layer's conv in the default run: do the tiny MoE fixture's 4-bit
      departures, steps 26-34 of the float32-sum sets, fall on route
-     near-ties too?).
+     near-ties too?). Two calls, so that a cut one loses only its own
+     verdicts.
   4. carry [.device/bin]: H200_KERNEL_BENCH_ARMS=ffn-layer-bf16-fused,ffn-layer-bf16-fused-early,ffn-layer-bf16-fused-w2,ffn-layer-bf16-fused-w2last,ffn-layer-bf16-fused-w2-early,ffn-layer-bf16-three,ffn-layer-q4-fused,ffn-layer-q4-fused-w2,conv-layer-q4-fused,conv-layer-q4-fused-out,conv-layer-q4-fused-outlast,conv-layer-bf16-fused,conv-layer-bf16-fused-out,conv-layer-bf16-fused-outlast
      `timeout -s TERM 300 python3 bench/h200/run.py kernel-bench` (the
      1.2B's feed-forward, 46.5 µs for 101 MB, and the conv layers, 22 µs
@@ -202,14 +209,14 @@ channel blocks. The chain:
      of L2 during the first stage take the second stage's start off their
      time?).
   5. carry [.device/bin]: H200_OURS_ENV (mimalloc),
-     H200_AB_VARIANTS=ffn-w2-prefetch,ffn-w2-prefetch-last,conv-out-prefetch,conv-out-prefetch-last,attention-chunks-4,conv-first-off
+     H200_AB_VARIANTS=ffn-w2-prefetch,ffn-w2-prefetch-last,conv-out-prefetch,conv-out-prefetch-last,attention-chunks-4,conv-first-off,moe-sort-kernel
      H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4 H200_AB_REPS=3 `timeout -s
      TERM 560 python3 bench/h200/run.py ab pick gguf-bg` (three reps: the
      two models' checkpoints take ~270 s of a fresh machine's call; the two
      prefetches whatever step 4 read, or those of their forms that won
-     there; the attention over 4 chunks on the
-     1.2B, whose six attention layers it changes, before it is adopted; the
-     new default measured off).
+     there; the attention over 4 chunks on the 1.2B, whose six attention
+     layers it changes, before it is adopted; the new default measured
+     off; the sort by expert on the 8B-A1B's P=512 prefill).
   6. carry [.device/bin]: H200_OURS_ENV, H200_MODELS=lfm2-8b-a1b-q4
      `timeout -s TERM 240 python3 bench/h200/run.py profile-prefill` (the
      8B-A1B's 512-token prefill, 1-3% under llama.cpp's: ours fits ~9.4 ms
