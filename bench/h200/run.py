@@ -185,7 +185,8 @@ test too); `MLX_LFM_FFN_W2_PREFETCH=1|last` (opt-in), the dense
 feed-forward's w2 asked of L2 by its gate blocks, and
 `MLX_LFM_CONV_OUT_PREFETCH=1|last`, the conv layer's out_proj by its
 channel blocks; `MLX_LFM_MOE_SORT_KERNEL=1`, a prefill's MoE rows sorted
-by expert in one launch (eight kernel nodes fewer a MoE layer). The chain:
+by expert in one launch (eight kernel nodes fewer a MoE layer), and
+`MLX_LFM_MOE_COMBINE_KERNEL=1` over it, their weighted sum (three more). The chain:
   1. carry [.device/a]: `stage-mlx`.
   2. carry [.device/llama]: `llama`.
   3. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=4
@@ -209,14 +210,15 @@ by expert in one launch (eight kernel nodes fewer a MoE layer). The chain:
      of L2 during the first stage take the second stage's start off their
      time?).
   5. carry [.device/bin]: H200_OURS_ENV (mimalloc),
-     H200_AB_VARIANTS=ffn-w2-prefetch,ffn-w2-prefetch-last,conv-out-prefetch,conv-out-prefetch-last,attention-chunks-4,conv-first-off,moe-sort-kernel
+     H200_AB_VARIANTS=ffn-w2-prefetch,conv-out-prefetch,attention-chunks-4,conv-first-off,moe-sort-kernel,moe-sort-combine
      H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4 H200_AB_REPS=3 `timeout -s
      TERM 560 python3 bench/h200/run.py ab pick gguf-bg` (three reps: the
      two models' checkpoints take ~270 s of a fresh machine's call; the two
-     prefetches whatever step 4 read, or those of their forms that won
+     prefetches whatever step 4 read, each as `-last` where that form won
      there; the attention over 4 chunks on the 1.2B, whose six attention
      layers it changes, before it is adopted; the new default measured
-     off; the sort by expert on the 8B-A1B's P=512 prefill).
+     off; the sort by expert, alone and with the combine, on the 8B-A1B's
+     P=512 prefill).
   6. carry [.device/bin]: H200_OURS_ENV, H200_MODELS=lfm2-8b-a1b-q4
      `timeout -s TERM 240 python3 bench/h200/run.py profile-prefill` (the
      8B-A1B's 512-token prefill, 1-3% under llama.cpp's: ours fits ~9.4 ms
@@ -1978,6 +1980,9 @@ AB = {
     # 512-token prefill of the 8B-A1B, whose P=512 stays 1-3% under
     # llama.cpp's. In process.
     "moe-sort-kernel": ({"MLX_LFM_MOE_SORT_KERNEL": "1"}, ["lfm2-8b-a1b-q4"]),
+    # ...and the rows back in token order, weighted and summed, in one
+    # launch too (moe_sort.rs combine: a take, a multiply and a sum less).
+    "moe-sort-combine": ({"MLX_LFM_MOE_SORT_KERNEL": "1", "MLX_LFM_MOE_COMBINE_KERNEL": "1"}, ["lfm2-8b-a1b-q4"]),
     "moe-dequant-from-64-rows": ({"MLX_LFM_MOE_DEQUANT_ROWS": "64", "MLX_LFM_MOE_GEMM_KERNEL": "0"}, ["lfm2-8b-a1b-q4"]),
     # The quantized GEMV summing in float32 (MLX_LFM_QGEMV_EXACT=0: the
     # kernel's form before session 39, when it became a CUDA default in
@@ -2335,7 +2340,8 @@ AB_TESTS = {
     # (Its test holds it to the default form's bits.)
     **{v: ["ffn_fused_kernel_matches_stock_ops"] for v in ("ffn-w2-prefetch", "ffn-w2-prefetch-last")},
     **{v: ["conv_fused_kernel_matches_stock_ops"] for v in ("conv-out-prefetch", "conv-out-prefetch-last")},
-    "moe-sort-kernel": ["moe_sort_kernel_matches_a_stable_sort", "moe_grouped_prefill_kernel_matches_stock_ops"],
+    **{v: ["moe_sort_kernel_matches_a_stable_sort", "moe_grouped_prefill_kernel_matches_stock_ops"]
+       for v in ("moe-sort-kernel", "moe-sort-combine")},
     "gemv-kernel": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops", "greedy:default"],
     "gemv-norm-kernels": ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops",
                           "norm_gemv_kernels_match_stock_ops", "greedy:default"],
@@ -2445,7 +2451,7 @@ PICK = [
     (["batch1-matmul-prompts-off"], "prefill"),
     (["fused-swiglu-off"], "prefill"),
     (["moe-dequant-from-16-rows", "moe-dequant-from-64-rows"], "prefill"),
-    (["moe-sort-kernel"], "prefill"),
+    (["moe-sort-kernel", "moe-sort-combine"], "prefill"),
     (["prefill-overlap-2", "prefill-overlap-4", "prefill-split", "prefill-split-overlap-4"], "prefill"),
     (["compiled-prefill"], "prefill"),
 ]

@@ -176,6 +176,13 @@ KERNELS = {
         lambda dt: [("K", 2), ("E", 128)],
         ["bfloat16"],
     ),
+    # ...and the experts' rows back in token order, weighted and summed
+    # (MLX_LFM_MOE_COMBINE_KERNEL).
+    "moe_sort.rs#combine": (
+        [("y", "T"), ("inv", "int32_t"), ("scores", "T")],
+        [("out", "T")],
+        lambda dt: [("K", 4), ("D", 2048)],
+    ),
     # A quantized embedding's rows (MLX_LFM_QUANT_EMBED_KERNEL).
     "quant_embed.rs": (
         [("ids", "uint32_t"), ("w", "uint32_t"), ("scales", "T"), ("biases", "T")],

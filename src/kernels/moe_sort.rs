@@ -18,7 +18,15 @@
 //! grouped GEMM's rows do not depend on their order within an expert
 //! anyway: each output is one row's own sums). Ids at or past the expert
 //! count (which the router never gives) are counted as the last expert, so
-//! that no write leaves the arrays. Tests in src/kernels/tests.rs.
+//! that no write leaves the arrays.
+//!
+//! `MLX_LFM_MOE_COMBINE_KERNEL=1` (opt-in, session 40; over the sort
+//! kernel's int32 places): the experts' rows back in token order and
+//! weighted, in one launch, where the stock graph takes them back (a take),
+//! reshapes them, multiplies each by its weight and sums a token's `k`
+//! (two more kernels and two views): each product rounded to the dtype as
+//! MLX's multiply rounds it, the `k` of a token summed in float32 in
+//! order and rounded once. Tests in src/kernels/tests.rs.
 
 use crate::error::{Error, Result};
 use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
@@ -139,4 +147,79 @@ pub fn sort_rows(ids: &Array, k: i32, experts: i32) -> Result<(Array, Array, Arr
     let inv = outs.pop().ok_or_else(missing)?;
     let src = outs.pop().ok_or_else(missing)?;
     Ok((src, inv, offsets))
+}
+
+/// A block's threads take 8 values each of a row (16 bytes of bf16).
+const COMBINE_SOURCE: &str = r#"
+  const int r = blockIdx.y;
+  const int c = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
+  if (c >= D) return;
+  float acc[8];
+#pragma unroll
+  for (int u = 0; u < 8; u++) acc[u] = 0.0f;
+  for (int j = 0; j < K; j++) {
+    const int p = inv[r * K + j];
+    const float s = static_cast<float>(scores[r * K + j]);
+    const T* yr = y + static_cast<size_t>(p) * D + c;
+#pragma unroll
+    for (int u = 0; u < 8; u++) acc[u] += static_cast<float>(T(static_cast<float>(yr[u]) * s));
+  }
+  T* o = out + static_cast<size_t>(r) * D + c;
+#pragma unroll
+  for (int u = 0; u < 8; u++) o[u] = T(acc[u]);
+"#;
+
+const COMBINE_THREADS: i32 = 256;
+
+fn combine_enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    super::opt_in("MLX_LFM_MOE_COMBINE_KERNEL", &ON)
+}
+
+fn combine_kernel() -> Option<&'static CudaKernel> {
+    static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
+    K.get_or_init(|| CudaKernel::new("lfm_moe_combine", &["y", "inv", "scores"], &["out"], COMBINE_SOURCE, "").ok()).as_ref()
+}
+
+/// Whether [`combine`] can serve rows `d` wide of dtype `dt` weighted by
+/// scores of dtype `st` (what a caller asks before it builds the rows).
+pub fn combine_serves(d: i32, dt: Dtype, st: Dtype) -> bool {
+    combine_enabled()
+        && cuda_kernels_enabled()
+        && matches!(dt, Dtype::Bfloat16 | Dtype::Float16 | Dtype::Float32)
+        && d % 8 == 0
+        && st == dt
+        && combine_kernel().is_some()
+}
+
+/// Whether [`combine`] serves the sorted rows `y` (`[N, D]`), the places
+/// `inv` (`[N]` int32, [`sort_rows`]'s) and the weights `scores` (`[N /
+/// k, k]`, `y`'s dtype): on, on CUDA, a float `y` with `D` a multiple of 8.
+pub fn combine_available(y: &Array, inv: &Array, scores: &Array, k: i32) -> bool {
+    y.ndim() == 2
+        && combine_serves(y.dim(1), y.dtype(), scores.dtype())
+        && k >= 1
+        && y.dim(0) % k == 0
+        && (1..=MAX_ENTRIES).contains(&y.dim(0))
+        && inv.shape() == [y.dim(0)]
+        && inv.dtype() == Dtype::Int32
+        && scores.shape() == [y.dim(0) / k, k]
+}
+
+/// `out[r] = sum_j y[inv[r k + j]] * scores[r, j]`, `[N / k, D]` (callers
+/// check [`combine_available`]).
+pub fn combine(y: &Array, inv: &Array, scores: &Array, k: i32) -> Result<Array> {
+    let kern = combine_kernel().ok_or_else(|| Error::mlx("the MoE combine kernel is not available"))?;
+    let (n, d) = (y.dim(0), y.dim(1));
+    let rows = n / k;
+    let per_block = COMBINE_THREADS * 8;
+    let blocks = (d + per_block - 1) / per_block;
+    let mut outs = kern.call(
+        &[y, inv, scores],
+        &[(&[rows, d], y.dtype())],
+        [blocks * COMBINE_THREADS, rows, 1],
+        [COMBINE_THREADS, 1, 1],
+        &[("K", TemplateArg::Int(k)), ("D", TemplateArg::Int(d)), ("T", TemplateArg::Dtype(y.dtype()))],
+    )?;
+    outs.pop().ok_or_else(|| Error::mlx("MoE combine kernel: missing output"))
 }

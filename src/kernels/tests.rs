@@ -4204,7 +4204,7 @@ fn moe_grouped_prefill_kernel_matches_stock_ops() {
     let d = m.config.hidden_size as i32;
     for (b, t) in [(1, 40), (2, 97)] {
         let x = normal(&[b, t, d], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(Dtype::Bfloat16).unwrap();
-        let (inds, _) = with_stock_ops(|| moe.route(&x)).unwrap();
+        let (inds, scores) = with_stock_ops(|| moe.route(&x)).unwrap();
         let got = crate::kernels::with_opt_in(|| moe.grouped_kernel(&x, &inds))
             .unwrap()
             .expect("the grouped GEMM serves 4-bit experts 64 wide");
@@ -4216,6 +4216,21 @@ fn moe_grouped_prefill_kernel_matches_stock_ops() {
         let sorted = crate::kernels::with_opt_in_one("MLX_LFM_MOE_SORT_KERNEL", || moe.grouped_kernel(&x, &inds)).unwrap().expect("served");
         let argsorted = moe.grouped_kernel(&x, &inds).unwrap().expect("served");
         assert_eq!(differing(&sorted, &argsorted), 0, "grouped prefill [{b}, {t}]: the sort kernel's rows differ from the argsorts'");
+        // And weighted and summed a token in one launch
+        // (MLX_LFM_MOE_COMBINE_KERNEL, over the sort kernel): within a
+        // rounding of the stock multiply and sum of the same rows (each
+        // product rounded as MLX's multiply; the k summed in float32).
+        let both = [
+            ("MLX_LFM_MOE_SORT_KERNEL".to_string(), Some("1".to_string())),
+            ("MLX_LFM_MOE_COMBINE_KERNEL".to_string(), Some("1".to_string())),
+        ];
+        let combined = crate::knobs::with_overrides(&both, || moe.grouped_combined(&x, &inds, &scores).unwrap())
+            .expect("the combine serves the fixture's rows");
+        let stock_sum = sorted.mul(&scores.expand_dims(-1).unwrap()).unwrap().sum(&[-2], false).unwrap();
+        assert_eq!(combined.shape(), stock_sum.shape());
+        let gap = worst_scaled(&combined, &stock_sum);
+        eprintln!("grouped prefill [{b}, {t}]: the combine: {} of {} values differ from the stock ops' (worst {gap})", differing(&combined, &stock_sum), combined.size());
+        assert!(gap <= 2.0f32.powi(-7), "grouped prefill [{b}, {t}]: the combine is {gap} from the stock multiply and sum");
         // Both against the exact product (float32 weights and sums, the
         // SwiGLU unrounded): on the H200 the two were 0.036 apart at
         // [2, 97] where MLX's per-expert kernels accumulate in bf16, and

@@ -241,6 +241,9 @@ impl SparseMoe {
             return self.forward(&x.expand_dims(1)?)?.squeeze(1);
         }
         let (inds, scores) = self.route(x)?;
+        if let Some(y) = self.grouped_combined(x, &inds, &scores)? {
+            return reduce(&self.shard, y);
+        }
         let y = self.experts(x, &inds)?;
         reduce(&self.shard, y.mul(&scores.expand_dims(-1)?)?.sum(&[-2], false)?)
     }
@@ -430,6 +433,44 @@ impl SparseMoe {
     /// and no count read back to the host: for quantized experts with gate
     /// and up stacked; None where the kernel does not serve.
     pub(crate) fn grouped_kernel(&self, x: &Array, inds: &Array) -> Result<Option<Array>> {
+        let (b, t, d) = (x.dim(0), x.dim(1), x.dim(2));
+        let k = self.top_k as i32;
+        let Some((y, inv)) = self.grouped_sorted(x, inds)? else { return Ok(None) };
+        Ok(Some(y.take(&inv, 0)?.reshape(&[b, t, k, d])?))
+    }
+
+    /// [`Self::grouped_kernel`]'s rows weighted by `scores` and summed a
+    /// token, `[B, T, D]`, in one launch after the GEMMs
+    /// (src/kernels/moe_sort.rs `combine`, `MLX_LFM_MOE_COMBINE_KERNEL`);
+    /// None where that does not serve.
+    pub(crate) fn grouped_combined(&self, x: &Array, inds: &Array, scores: &Array) -> Result<Option<Array>> {
+        use crate::kernels::moe_sort;
+        let (b, t, d) = (x.dim(0), x.dim(1), x.dim(2));
+        let k = self.top_k as i32;
+        if self.cpu_non_f32 || !self.grouped_prefill || t <= 1 || ((b * t * k) as usize) < SORT_THRESHOLD {
+            return Ok(None);
+        }
+        // (Asked before any node is built: the places must be the sort
+        // kernel's, int32.)
+        let experts = match &self.gate_up {
+            GateUp::Stacked(Weight::Quant(gu), _) => gu.weight.dim(0),
+            _ => return Ok(None),
+        };
+        if !moe_sort::combine_serves(d, x.dtype(), scores.dtype()) || !moe_sort::available(&inds.reshape(&[-1])?, k, experts) {
+            return Ok(None);
+        }
+        let Some((y, inv)) = self.grouped_sorted(x, inds)? else { return Ok(None) };
+        let w = scores.reshape(&[b * t, k])?;
+        if !moe_sort::combine_available(&y, &inv, &w, k) {
+            return Err(Error::mlx(format!("MoE combine: rows {:?}, places {:?}, weights {:?} not served", y.shape(), inv.shape(), w.shape())));
+        }
+        Ok(Some(moe_sort::combine(&y, &inv, &w, k)?.reshape(&[b, t, d])?))
+    }
+
+    /// The grouped GEMMs' output rows in expert order (`[B T k, D]`) and
+    /// each entry's place among them, or None where the kernel does not
+    /// serve.
+    fn grouped_sorted(&self, x: &Array, inds: &Array) -> Result<Option<(Array, Array)>> {
         use crate::kernels::{moe_gemm, moe_sort};
         let (b, t, d) = (x.dim(0), x.dim(1), x.dim(2));
         if !self.grouped_serves(b * t, d, x.dtype()) {
@@ -457,7 +498,7 @@ impl SparseMoe {
         let u = p.pop().expect("two widths");
         let g = p.pop().expect("two widths");
         let y = moe_gemm::grouped_gemm(&swiglu(&g, &u)?, &offsets, down)?;
-        Ok(Some(y.take(&inv, 0)?.reshape(&[b, t, k, d])?))
+        Ok(Some((y, inv)))
     }
 
     /// Whether the grouped GEMM kernel serves `rows` rows `d` wide in dtype
