@@ -225,6 +225,14 @@ KERNELS = {
         # Tensor cores take half types only (available() serves no other).
         ["bfloat16", "float16"],
     ),
+    # ...reading its sorted rows through their places in x (the MoE sort
+    # kernel's src: moe_gemm.rs GATHERED_SUBSTITUTIONS).
+    "moe_gemm.rs@gathered": (
+        [("x", "T"), ("src", "int32_t"), ("offsets", "int32_t"), ("w", "uint32_t"), ("scales", "T"), ("biases", "T")],
+        [("y", "T")],
+        lambda dt: [("K", 2048), ("BITS", 4), ("GS", 64)],
+        ["bfloat16", "float16"],
+    ),
     "moe_router.rs#gate": (
         [("x", "T"), ("w", "uint32_t"), ("scales", "T"), ("biases", "T"), ("bias", "float"), ("scale", "float")],
         [("inds", "uint32_t"), ("scores", "T")],
@@ -727,6 +735,7 @@ REPLACE_OF = {
     "add_rms_norm.rs@epsc": substitutions("add_rms_norm.rs", "EPS_CONST_SUBSTITUTIONS"),
     "moe_router.rs#gate_norm@const": substitutions("moe_router.rs", "GATE_NORM_CONST_SUBSTITUTIONS"),
     "moe_experts.rs#down@loads": substitutions("moe_experts.rs", "DOWN_EARLY_SUBSTITUTIONS"),
+    "moe_gemm.rs@gathered": substitutions("moe_gemm.rs", "GATHERED_SUBSTITUTIONS"),
     **{f"norm_gemv.rs#{f}@epsc": substitutions("add_rms_norm.rs", "EPS_CONST_SUBSTITUTIONS") for f in ("dense", "swiglu", "quant")},
     # The bench's timeline form (stages.rs TIMELINE_HEADER): stamps in.
     "moe_fused.rs@timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),

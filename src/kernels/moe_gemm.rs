@@ -64,7 +64,7 @@ __device__ inline uint32_t lfm_pair(const void* p) {
 /// cut into tiles of 64 in expert order; blocks past the last tile return)
 /// against 64 output columns of that expert's `w` `[E, N, K * BITS / 32]`;
 /// 4 warps, each 32 rows x 32 columns.
-const SOURCE: &str = r#"
+pub(crate) const SOURCE: &str = r#"
   constexpr int TM = 64;
   constexpr int TN = 64;
   constexpr int TK = 64;
@@ -199,6 +199,26 @@ fn kernel() -> Option<&'static CudaKernel> {
     .as_ref()
 }
 
+/// The form that reads each sorted row through its token's row of the
+/// unsorted `x` (`src`, src/kernels/moe_sort.rs), in place of a take that
+/// writes the sorted rows first: the same values, so the same bits.
+pub(crate) const GATHERED_SUBSTITUTIONS: [(&str, &str); 1] = [
+    (
+        "      if (r < rows) v = lfm_load16(x + static_cast<size_t>(r0 + r) * K, (k0 + kc) / 8, xa);\n",
+        "      if (r < rows) v = lfm_load16(x + static_cast<size_t>(src[r0 + r]) * K, (k0 + kc) / 8, xa);\n",
+    ),
+];
+
+fn gathered_kernel() -> Option<&'static CudaKernel> {
+    static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
+    K.get_or_init(|| {
+        let header = format!("{}{MMA_HEADER}", super::gemv::header());
+        let source = super::substituted(SOURCE, &GATHERED_SUBSTITUTIONS);
+        CudaKernel::new("lfm_moe_gemm_gathered", &["x", "src", "offsets", "w", "scales", "biases"], &["y"], &source, &header).ok()
+    })
+    .as_ref()
+}
+
 fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     super::opt_out("MLX_LFM_MOE_GEMM_KERNEL", &ON)
@@ -253,9 +273,24 @@ pub fn offsets(ids: &Array, experts: i32) -> Result<Array> {
 /// expert, `offsets` from [`offsets`] over the same rows: `[R, N]`
 /// (callers check [`available`] and [`fits`]).
 pub fn grouped_gemm(x: &Array, offsets: &Array, w: &Quantized) -> Result<Array> {
-    let kern = kernel().ok_or_else(|| Error::mlx("the MoE grouped GEMM kernel is not available"))?;
+    launch(x, None, offsets, w)
+}
+
+/// [`grouped_gemm`] of the rows `x[src[p]]` (`src` `[R]` int32, the rows
+/// of `x` `[rows, K]` in expert order: [`crate::kernels::moe_sort::sort_rows`]'s),
+/// without writing them out first: `[R, N]`.
+pub fn grouped_gemm_gathered(x: &Array, src: &Array, offsets: &Array, w: &Quantized) -> Result<Array> {
+    if src.ndim() != 1 || src.dtype() != Dtype::Int32 {
+        return Err(Error::invalid(format!("MoE grouped GEMM: rows {:?} of {:?}, not [R] int32", src.shape(), src.dtype())));
+    }
+    launch(x, Some(src), offsets, w)
+}
+
+fn launch(x: &Array, src: Option<&Array>, offsets: &Array, w: &Quantized) -> Result<Array> {
+    let kern = if src.is_some() { gathered_kernel() } else { kernel() };
+    let kern = kern.ok_or_else(|| Error::mlx("the MoE grouped GEMM kernel is not available"))?;
     let biases = w.biases.as_ref().ok_or_else(|| Error::invalid("the MoE grouped GEMM kernel needs affine biases"))?;
-    let (r, k) = (x.dim(0), x.dim(1));
+    let (r, k) = (src.map_or(x.dim(0), |s| s.dim(0)), x.dim(1));
     let (e, n) = (w.weight.dim(0), w.weight.dim(1));
     if !fits(r, e) {
         return Err(Error::invalid(format!("MoE grouped GEMM: {r} rows over {e} experts exceed a launch")));
@@ -269,8 +304,12 @@ pub fn grouped_gemm(x: &Array, offsets: &Array, w: &Quantized) -> Result<Array> 
         ("GS", TemplateArg::Int(w.spec.group_size)),
         ("T", TemplateArg::Dtype(x.dtype())),
     ];
+    let inputs: Vec<&Array> = match src {
+        Some(src) => vec![x, src, offsets, &w.weight, &w.scales, biases],
+        None => vec![x, offsets, &w.weight, &w.scales, biases],
+    };
     let mut outs = kern.call(
-        &[x, offsets, &w.weight, &w.scales, biases],
+        &inputs,
         &[(&[r, n], x.dtype())],
         [(n / TILE_COLS) * THREADS, tile_bound(r, e) as i32, 1],
         [THREADS, 1, 1],

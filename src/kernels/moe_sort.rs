@@ -16,7 +16,11 @@
 //! (expert, index) is, and its outputs are the same arrays the stock
 //! bookkeeping gives wherever MLX's argsort keeps ties in index order (the
 //! grouped GEMM's rows do not depend on their order within an expert
-//! anyway: each output is one row's own sums). Ids at or past the expert
+//! anyway: each output is one row's own sums). Its `src` goes to the
+//! gate/up GEMM, which reads each sorted row through it
+//! (`moe_gemm::grouped_gemm_gathered`), so no take writes the sorted rows
+//! first: a ninth node, and the rows' 8 MB written and read again at
+//! P=512 on the 8B-A1B. Ids at or past the expert
 //! count (which the router never gives) are counted as the last expert, so
 //! that no write leaves the arrays.
 //!

@@ -1569,10 +1569,11 @@ fn decode_attention_kernel_matches_stock_ops() {
 fn kernel_variant_substitutions_each_land() {
     use crate::kernels::{add_rms_norm as an, moe_experts as me, moe_router as mr, norm_gemv as ng};
     type Subs = [(&'static str, &'static str)];
-    let sets: [(&str, &str, &Subs); 6] = [
+    let sets: [(&str, &str, &Subs); 7] = [
         ("the down kernel's early loads", me::DOWN_SOURCE, &me::DOWN_EARLY_SUBSTITUTIONS),
         ("the feed-forward's w2 asked of L2", crate::kernels::stages::LAYER_SOURCE, &crate::kernels::ffn_fused::W2_PREFETCH_SUBSTITUTIONS),
         ("the conv layer's out_proj asked of L2", crate::kernels::stages::LAYER_SOURCE, &crate::kernels::conv_fused::OUT_PREFETCH_SUBSTITUTIONS),
+        ("the grouped GEMM's rows read through their places", crate::kernels::moe_gemm::SOURCE, &crate::kernels::moe_gemm::GATHERED_SUBSTITUTIONS),
         ("the router + norm kernel's constants", mr::GATE_NORM_SOURCE, &mr::GATE_NORM_CONST_SUBSTITUTIONS),
         ("the add + RMSNorm kernel's eps", an::SOURCE, &an::EPS_CONST_SUBSTITUTIONS),
         ("the norm folds' eps", ng::PROLOGUE, &an::EPS_CONST_SUBSTITUTIONS),

@@ -485,16 +485,19 @@ impl SparseMoe {
         let flat = inds.reshape(&[-1])?;
         // The sort by expert in one launch where that is on
         // (src/kernels/moe_sort.rs), else MLX's argsorts and the offsets' ops.
-        let (xs, offsets, inv) = if moe_sort::available(&flat, k, experts) {
+        // (The sort kernel's rows go to the gate/up GEMM as places in x2,
+        // which it reads through: no take writes them sorted first.)
+        let (gate_up, offsets, inv) = if moe_sort::available(&flat, k, experts) {
             let (src, inv, offsets) = moe_sort::sort_rows(&flat, k, experts)?;
-            (x2.take(&src, 0)?, offsets, inv)
+            (moe_gemm::grouped_gemm_gathered(&x2, &src, &offsets, gu)?, offsets, inv)
         } else {
             let order = flat.argsort(0)?;
             let inv = order.argsort(0)?;
             let xs = x2.take(&order.floor_divide_scalar(k as f64)?, 0)?;
-            (xs, moe_gemm::offsets(&flat.take(&order, 0)?, experts)?, inv)
+            let offsets = moe_gemm::offsets(&flat.take(&order, 0)?, experts)?;
+            (moe_gemm::grouped_gemm(&xs, &offsets, gu)?, offsets, inv)
         };
-        let mut p = split_widths(&moe_gemm::grouped_gemm(&xs, &offsets, gu)?, &[*ff, *ff])?;
+        let mut p = split_widths(&gate_up, &[*ff, *ff])?;
         let u = p.pop().expect("two widths");
         let g = p.pop().expect("two widths");
         let y = moe_gemm::grouped_gemm(&swiglu(&g, &u)?, &offsets, down)?;
