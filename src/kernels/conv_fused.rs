@@ -72,8 +72,7 @@ pub fn built() -> usize {
 /// its waits ([`stages::early_prefetch`]).
 fn kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
     static FORMS: stages::Forms = stages::Forms::new();
-    static OUT_FORMS: [stages::Forms; 2] = [stages::Forms::new(), stages::Forms::new()];
-    static OUT_BODY: OnceLock<String> = OnceLock::new();
+    static OUT_FORMS: stages::SecondForms = stages::SecondForms::new();
     let early = stages::early_prefetch("conv");
     let mut inputs = vec!["h", "r", "wn", "state", "cw"];
     inputs.extend(Projections::input_names(quant));
@@ -83,14 +82,8 @@ fn kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
     let header = || stages::layer_header(quant, false, stages::layer_defines(true, stages::Tail::None));
     let pf = out_prefetch();
     if pf != SecondPrefetch::Off {
-        let body = OUT_BODY.get_or_init(|| super::substituted(stages::LAYER_SOURCE, &OUT_PREFETCH_SUBSTITUTIONS));
-        let (forms, last) = match pf {
-            SecondPrefetch::Last => (&OUT_FORMS[1], "last"),
-            _ => (&OUT_FORMS[0], ""),
-        };
-        return forms.kernel(&format!("{base}_out{last}"), (quant, scratch, early), body, &stages::EARLY_SUBSTITUTIONS, SCRATCH_PRELUDE, &inputs, (&outputs, 3), || {
-            format!("{}{}", stages::second_prefetch_header(quant, pf), header())
-        });
+        let key = (quant, scratch, early);
+        return OUT_FORMS.kernel(pf, &format!("{base}_out"), key, &OUT_PREFETCH_SUBSTITUTIONS, SCRATCH_PRELUDE, &inputs, (&outputs, 3), header);
     }
     FORMS.kernel(base, (quant, scratch, early), stages::LAYER_SOURCE, &stages::EARLY_SUBSTITUTIONS, SCRATCH_PRELUDE, &inputs, (&outputs, 3), header)
 }

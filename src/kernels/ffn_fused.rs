@@ -69,8 +69,7 @@ pub fn built() -> usize {
 /// `hk`) in the layer's state ([`stages::call_with_scratch`]).
 fn kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
     static FORMS: stages::Forms = stages::Forms::new();
-    static W2_FORMS: [stages::Forms; 2] = [stages::Forms::new(), stages::Forms::new()];
-    static W2_BODY: OnceLock<String> = OnceLock::new();
+    static W2_FORMS: stages::SecondForms = stages::SecondForms::new();
     // (MLX_LFM_EARLY_PREFETCH=ffn: its form that asks for its rows before
     // its waits, stages::early_prefetch.)
     let early = stages::early_prefetch("ffn");
@@ -79,19 +78,12 @@ fn kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
     inputs.push("ctr");
     let outputs = ["s", "out", "yn", "hk"];
     let header = || stages::layer_header(quant, false, stages::layer_defines(false, stages::Tail::Ffn));
+    let base = if quant { "lfm_ffn_fused_q" } else { "lfm_ffn_fused" };
     let w2 = w2_prefetch();
     if w2 != SecondPrefetch::Off {
-        let body = W2_BODY.get_or_init(|| super::substituted(stages::LAYER_SOURCE, &W2_PREFETCH_SUBSTITUTIONS));
-        let (forms, last) = match w2 {
-            SecondPrefetch::Last => (&W2_FORMS[1], "last"),
-            _ => (&W2_FORMS[0], ""),
-        };
-        let base = format!("{}_w2{last}", if quant { "lfm_ffn_fused_q" } else { "lfm_ffn_fused" });
-        return forms.kernel(&base, (quant, scratch, early), body, &stages::EARLY_SUBSTITUTIONS, SCRATCH_PRELUDE, &inputs, (&outputs, 2), || {
-            format!("{}{}", stages::second_prefetch_header(quant, w2), header())
-        });
+        let key = (quant, scratch, early);
+        return W2_FORMS.kernel(w2, &format!("{base}_w2"), key, &W2_PREFETCH_SUBSTITUTIONS, SCRATCH_PRELUDE, &inputs, (&outputs, 2), header);
     }
-    let base = if quant { "lfm_ffn_fused_q" } else { "lfm_ffn_fused" };
     FORMS.kernel(base, (quant, scratch, early), stages::LAYER_SOURCE, &stages::EARLY_SUBSTITUTIONS, SCRATCH_PRELUDE, &inputs, (&outputs, 2), header)
 }
 

@@ -516,6 +516,45 @@ pub(crate) fn second_prefetch_header(quant: bool, mode: SecondPrefetch) -> Strin
     format!("#define LFM_SECOND_LAST {last}\n{SECOND_PREFETCH_HEADER}{rows}")
 }
 
+/// A one-launch layer's forms that ask L2 for its second projection
+/// ([`SecondPrefetch`]): each mode's [`Forms`], over [`LAYER_SOURCE`] with
+/// the layer's substitutions made in once.
+pub(crate) struct SecondForms {
+    forms: [Forms; 2],
+    body: OnceLock<String>,
+}
+
+impl SecondForms {
+    pub(crate) const fn new() -> SecondForms {
+        SecondForms { forms: [Forms::new(), Forms::new()], body: OnceLock::new() }
+    }
+
+    /// [`Forms::kernel`] of `mode`'s form (on: callers ask), named `base`
+    /// (then `last` for that mode), its header after
+    /// [`second_prefetch_header`].
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn kernel(
+        &'static self,
+        mode: SecondPrefetch,
+        base: &str,
+        (quant, scratch, early): (bool, bool, bool),
+        subs: &[(&str, &str)],
+        prelude: &str,
+        inputs: &[&str],
+        outputs: (&[&str], usize),
+        header: impl FnOnce() -> String,
+    ) -> Option<&'static CudaKernel> {
+        let body = self.body.get_or_init(|| super::substituted(LAYER_SOURCE, subs));
+        let (forms, suffix) = match mode {
+            SecondPrefetch::Last => (&self.forms[1], "last"),
+            _ => (&self.forms[0], ""),
+        };
+        forms.kernel(&format!("{base}{suffix}"), (quant, scratch, early), body, &EARLY_SUBSTITUTIONS, prelude, inputs, outputs, || {
+            format!("{}{}", second_prefetch_header(quant, mode), header())
+        })
+    }
+}
+
 /// The MoE layer's down rows asked of L2 by its gate/up blocks
 /// (src/kernels/moe_fused.rs `down_prefetch`): gate/up block `q` of its
 /// expert's `RB` takes the `q`th share of that expert's `D` down rows (their
