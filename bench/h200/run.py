@@ -210,15 +210,17 @@ by expert in one launch (eight kernel nodes fewer a MoE layer), and
      of L2 during the first stage take the second stage's start off their
      time?).
   5. carry [.device/bin]: H200_OURS_ENV (mimalloc),
-     H200_AB_VARIANTS=ffn-w2-prefetch,conv-out-prefetch,attention-chunks-4,conv-first-off,moe-sort-kernel,moe-sort-combine
+     H200_AB_VARIANTS=ffn-w2-prefetch,conv-out-prefetch,early-prefetch-qkv,attention-chunks-4,conv-first-off,moe-sort-combine
      H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4 H200_AB_REPS=3 `timeout -s
      TERM 560 python3 bench/h200/run.py ab pick gguf-bg` (three reps: the
      two models' checkpoints take ~270 s of a fresh machine's call; the two
      prefetches whatever step 4 read, each as `-last` where that form won
      there; the attention over 4 chunks on the 1.2B, whose six attention
-     layers it changes, before it is adopted; the new default measured
-     off; the sort by expert, alone and with the combine, on the 8B-A1B's
-     P=512 prefill).
+     layers it changes, before it is adopted; the q/k/v stage's head rows
+     asked of L2 early, never timed on its own: its 48 head blocks of the
+     1.2B's, one an SM, each read 256 KB, 15 µs for 12.7 MB; the
+     new default measured off; the sort by expert with the combine on the
+     8B-A1B's P=512 prefill, whose tests cover each alone).
   6. carry [.device/bin]: H200_OURS_ENV, H200_MODELS=lfm2-8b-a1b-q4
      `timeout -s TERM 240 python3 bench/h200/run.py profile-prefill` (the
      8B-A1B's 512-token prefill, 1-3% under llama.cpp's: ours fits ~9.4 ms
@@ -2303,6 +2305,11 @@ AB = {
     # 67 MB a layer, more than L2 holds at once).
     "early-prefetch": ({"MLX_LFM_EARLY_PREFETCH": "all"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "early-prefetch-conv": ({"MLX_LFM_EARLY_PREFETCH": "conv"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # The q/k/v stage's head rows asked of L2 before the norm's wait: its
+    # 48 head blocks (the 1.2B's), one an SM, each read 256 KB through 16
+    # warps, 15 µs for 12.7 MB in session 39's profile (~0.84 TB/s); asked
+    # whole at once, the head's reads wait on L2.
+    "early-prefetch-qkv": ({"MLX_LFM_EARLY_PREFETCH": "qkv"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     # The dense feed-forward's w2 asked of L2 by its gate blocks after their
     # part (session 40, ffn_fused.rs W2Prefetch): the 1.2B's w2 stage
     # starts only when the gate stage ends, 16 warps an SM with 2 KB each
@@ -2336,7 +2343,7 @@ AB_TESTS = {
     "conv-first-off": ["greedy:conv-first-off"],
     "scratch-outputs": [],
     **{v: ["conv_fused_kernel_matches_stock_ops", "ffn_fused_kernel_matches_stock_ops", "qkv_fused_kernel_matches_stock_ops",
-           "greedy:early-prefetch"] for v in ("early-prefetch", "early-prefetch-conv")},
+           "greedy:early-prefetch"] for v in ("early-prefetch", "early-prefetch-conv", "early-prefetch-qkv")},
     # (Its test holds it to the default form's bits.)
     **{v: ["ffn_fused_kernel_matches_stock_ops"] for v in ("ffn-w2-prefetch", "ffn-w2-prefetch-last")},
     **{v: ["conv_fused_kernel_matches_stock_ops"] for v in ("conv-out-prefetch", "conv-out-prefetch-last")},
@@ -2429,7 +2436,7 @@ PICK = [
     (["position-table-off"], "decode"),
     (["moe-down-early", "router-scores-f32", "router-scores-f32-early"], "decode"),
     (["conv-layer-fused"], "decode"),
-    (["early-prefetch", "early-prefetch-conv"], "decode"),
+    (["early-prefetch", "early-prefetch-conv", "early-prefetch-qkv"], "decode"),
     (["ffn-w2-prefetch", "ffn-w2-prefetch-last"], "decode"),
     (["conv-out-prefetch", "conv-out-prefetch-last"], "decode"),
     (["qint-bits", "qint-convert", "moe-float"], "decode"),
@@ -2466,7 +2473,7 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4", "conv-gemv",
                "moe-down-early", "router-scores-f32", "router-scores-f32-early", "fold-eps-const", "position-table-off",
                "fold-deferred", "layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off",
-               "conv-layer-fused", "early-prefetch", "early-prefetch-conv", "ffn-w2-prefetch",
+               "conv-layer-fused", "early-prefetch", "early-prefetch-conv", "early-prefetch-qkv", "ffn-w2-prefetch",
                "ffn-w2-prefetch-last", "conv-out-prefetch", "conv-out-prefetch-last", "qint-bits", "qint-convert",
                "moe-float", "moe-down-prefetch", "moe-down-prefetch-after", "qkv-warps-32", "argmax-vec",
                "conv-first-off"}
