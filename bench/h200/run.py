@@ -210,7 +210,7 @@ by expert in one launch (eight kernel nodes fewer a MoE layer), and
      of L2 during the first stage take the second stage's start off their
      time?).
   5. carry [.device/bin]: H200_OURS_ENV (mimalloc),
-     H200_AB_VARIANTS=ffn-w2-prefetch,conv-out-prefetch,early-prefetch-qkv,attention-chunks-4,conv-first-off,moe-sort-combine
+     H200_AB_VARIANTS=ffn-w2-prefetch,conv-out-prefetch,early-prefetch-qkv,qkv-warps-32,attention-chunks-4,conv-first-off,moe-sort-combine
      H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4 H200_AB_REPS=3 `timeout -s
      TERM 560 python3 bench/h200/run.py ab pick gguf-bg` (three reps: the
      two models' checkpoints take ~270 s of a fresh machine's call; the two
@@ -218,7 +218,8 @@ by expert in one launch (eight kernel nodes fewer a MoE layer), and
      there; the attention over 4 chunks on the 1.2B, whose six attention
      layers it changes, before it is adopted; the q/k/v stage's head rows
      asked of L2 early, never timed on its own: its 48 head blocks of the
-     1.2B's, one an SM, each read 256 KB, 15 µs for 12.7 MB; the
+     1.2B's, one an SM, each read 256 KB, 15 µs for 12.7 MB, and the same
+     stage's head over 32 warps, whose test passed in session 39; the
      new default measured off; the sort by expert with the combine on the
      8B-A1B's P=512 prefill, whose tests cover each alone).
   6. carry [.device/bin]: H200_OURS_ENV, H200_MODELS=lfm2-8b-a1b-q4
