@@ -208,7 +208,12 @@ pub fn combine_available(y: &Array, inv: &Array, scores: &Array, k: i32) -> bool
         && inv.shape() == [y.dim(0)]
         && inv.dtype() == Dtype::Int32
         && scores.shape() == [y.dim(0) / k, k]
+        && y.dim(0) / k <= MAX_COMBINE_ROWS
 }
+
+/// The most rows (tokens) one combine launch serves: a block row each
+/// along the grid's y, whose bound is 65,535 blocks.
+pub const MAX_COMBINE_ROWS: i32 = 65_535;
 
 /// `out[r] = sum_j y[inv[r k + j]] * scores[r, j]`, `[N / k, D]` (callers
 /// check [`combine_available`]).

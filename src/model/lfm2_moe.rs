@@ -219,7 +219,7 @@ impl SparseMoe {
         let inds = select.argpartition(e - k, -1)?.slice_axis(-1, e - k, e)?.stop_gradient()?;
         #[cfg(test)]
         if route_margins::recording() {
-            route_margins::record(&select, k as usize, probs.dtype())?;
+            route_margins::record(&select, &probs, k as usize)?;
         }
         let mut scores = probs.take_along_axis(&inds, -1)?;
         if self.norm_topk_prob {
@@ -456,7 +456,7 @@ impl SparseMoe {
             GateUp::Stacked(Weight::Quant(gu), _) => gu.weight.dim(0),
             _ => return Ok(None),
         };
-        if !moe_sort::combine_serves(d, x.dtype(), scores.dtype()) || !moe_sort::available(&inds.reshape(&[-1])?, k, experts) {
+        if !moe_sort::combine_serves(d, x.dtype(), scores.dtype()) || b * t > moe_sort::MAX_COMBINE_ROWS || !moe_sort::available(&inds.reshape(&[-1])?, k, experts) {
             return Ok(None);
         }
         let Some((y, inv)) = self.grouped_sorted(x, inds)? else { return Ok(None) };
@@ -660,8 +660,10 @@ pub(crate) mod route_margins {
         CLOSEST.with(|c| c.borrow().is_some())
     }
 
-    /// The smallest margin (in roundings of `dtype` at the k-th score) over
-    /// every router call `f` makes, every row of each; infinity if none.
+    /// The smallest margin (in roundings of the probabilities' dtype at the
+    /// k-th expert's probability) over every router call `f` makes, of
+    /// each call's last row (the row behind the logits a step gives: a
+    /// prompt's last); infinity if none.
     pub(crate) fn closest<R>(f: impl FnOnce() -> R) -> (R, f32) {
         let outer = CLOSEST.with(|c| c.replace(Some(f32::INFINITY)));
         let r = f();
@@ -669,26 +671,30 @@ pub(crate) mod route_margins {
         (r, got)
     }
 
-    /// One call's scores `select` (`[.., E]`, any float dtype).
-    pub(crate) fn record(select: &Array, k: usize, dtype: Dtype) -> Result<()> {
+    /// One call's selection scores `select` (`[.., E]`: the probabilities
+    /// `probs`, plus any expert bias), its last row.
+    pub(crate) fn record(select: &Array, probs: &Array, k: usize) -> Result<()> {
         let e = select.dim(-1) as usize;
-        if k == 0 || k >= e {
+        if k == 0 || k >= e || select.size() < e || probs.size() != select.size() {
             return Ok(());
         }
-        let v: Vec<f32> = select.astype(Dtype::Float32)?.to_vec()?;
-        let bits = match dtype {
+        let last = |a: &Array| -> Result<Vec<f32>> {
+            let v: Vec<f32> = a.astype(Dtype::Float32)?.to_vec()?;
+            Ok(v[v.len() - e..].to_vec())
+        };
+        let (sel, p) = (last(select)?, last(probs)?);
+        let bits = match probs.dtype() {
             Dtype::Bfloat16 => 7,
             Dtype::Float16 => 10,
             _ => 23,
         };
-        let mut least = f32::INFINITY;
-        for row in v.chunks(e) {
-            let mut r = row.to_vec();
-            r.sort_by(|a, b| b.total_cmp(a));
-            let kth = r[k - 1].abs().max(f32::MIN_POSITIVE);
-            let ulp = 2f32.powi(kth.log2().floor() as i32 - bits);
-            least = least.min((r[k - 1] - r[k]) / ulp);
-        }
+        let mut order: Vec<usize> = (0..e).collect();
+        order.sort_by(|&a, &b| sel[b].total_cmp(&sel[a]));
+        // (A rounding of the probability is what may move the k-th expert's
+        // score: its step at that probability's magnitude.)
+        let kth = p[order[k - 1]].abs().max(f32::MIN_POSITIVE);
+        let ulp = 2f32.powi(kth.log2().floor() as i32 - bits);
+        let least = (sel[order[k - 1]] - sel[order[k]]) / ulp;
         CLOSEST.with(|c| {
             if let Some(m) = c.borrow_mut().as_mut() {
                 *m = m.min(least);
