@@ -435,7 +435,7 @@ impl SparseMoe {
     pub(crate) fn grouped_kernel(&self, x: &Array, inds: &Array) -> Result<Option<Array>> {
         let (b, t, d) = (x.dim(0), x.dim(1), x.dim(2));
         let k = self.top_k as i32;
-        let Some((y, inv)) = self.grouped_sorted(x, inds)? else { return Ok(None) };
+        let Some((y, inv)) = self.grouped_sorted(x, &inds.reshape(&[-1])?)? else { return Ok(None) };
         Ok(Some(y.take(&inv, 0)?.reshape(&[b, t, k, d])?))
     }
 
@@ -456,10 +456,14 @@ impl SparseMoe {
             GateUp::Stacked(Weight::Quant(gu), _) => gu.weight.dim(0),
             _ => return Ok(None),
         };
-        if !moe_sort::combine_serves(d, x.dtype(), scores.dtype()) || b * t > moe_sort::MAX_COMBINE_ROWS || !moe_sort::available(&inds.reshape(&[-1])?, k, experts) {
+        if !moe_sort::combine_serves(d, x.dtype(), scores.dtype()) || b * t > moe_sort::MAX_COMBINE_ROWS {
             return Ok(None);
         }
-        let Some((y, inv)) = self.grouped_sorted(x, inds)? else { return Ok(None) };
+        let flat = inds.reshape(&[-1])?;
+        if !moe_sort::available(&flat, k, experts) {
+            return Ok(None);
+        }
+        let Some((y, inv)) = self.grouped_sorted(x, &flat)? else { return Ok(None) };
         let w = scores.reshape(&[b * t, k])?;
         if !moe_sort::combine_available(&y, &inv, &w, k) {
             return Err(Error::mlx(format!("MoE combine: rows {:?}, places {:?}, weights {:?} not served", y.shape(), inv.shape(), w.shape())));
@@ -468,9 +472,9 @@ impl SparseMoe {
     }
 
     /// The grouped GEMMs' output rows in expert order (`[B T k, D]`) and
-    /// each entry's place among them, or None where the kernel does not
-    /// serve.
-    fn grouped_sorted(&self, x: &Array, inds: &Array) -> Result<Option<(Array, Array)>> {
+    /// each entry's place among them, for the experts `flat` (`[B T k]`, a
+    /// token's k in a row), or None where the kernel does not serve.
+    fn grouped_sorted(&self, x: &Array, flat: &Array) -> Result<Option<(Array, Array)>> {
         use crate::kernels::{moe_gemm, moe_sort};
         let (b, t, d) = (x.dim(0), x.dim(1), x.dim(2));
         if !self.grouped_serves(b * t, d, x.dtype()) {
@@ -482,13 +486,12 @@ impl SparseMoe {
         let k = self.top_k as i32;
         let experts = gu.weight.dim(0);
         let x2 = x.reshape(&[b * t, d])?;
-        let flat = inds.reshape(&[-1])?;
         // The sort by expert in one launch where that is on
         // (src/kernels/moe_sort.rs), else MLX's argsorts and the offsets' ops.
         // (The sort kernel's rows go to the gate/up GEMM as places in x2,
         // which it reads through: no take writes them sorted first.)
-        let (gate_up, offsets, inv) = if moe_sort::available(&flat, k, experts) {
-            let (src, inv, offsets) = moe_sort::sort_rows(&flat, k, experts)?;
+        let (gate_up, offsets, inv) = if moe_sort::available(flat, k, experts) {
+            let (src, inv, offsets) = moe_sort::sort_rows(flat, k, experts)?;
             (moe_gemm::grouped_gemm_gathered(&x2, &src, &offsets, gu)?, offsets, inv)
         } else {
             let order = flat.argsort(0)?;
