@@ -2293,6 +2293,12 @@ AB = {
     # left most SMs idle, 14.4 µs a launch for ~3.6 MB in session 38's
     # profile. The same bits. In process.
     "qkv-warps-32": ({"MLX_LFM_QKV_WARPS": "32"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # The same stage with each head's rows over 2 or 4 blocks (session 41,
+    # src/kernels/qkv_fused.rs split): session 40's profile had the 1.2B's at
+    # ~15 µs for 12.7 MB a launch (~0.85 TB/s), 1 + 48 blocks. The same bits.
+    # In process (a process keeps one split).
+    "qkv-split-2": ({"MLX_LFM_QKV_SPLIT": "2"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    "qkv-split-4": ({"MLX_LFM_QKV_SPLIT": "4"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "moe-down-prefetch-after": ({"MLX_LFM_MOE_DOWN_PREFETCH": "after"}, ["lfm2-8b-a1b-q4"]),
     # (Session 38's two down columns a warp, `moe-down-rows-2`, 0.974x in
     # session 39's A/B and 268 ms a launch in its kernel-bench, its waits
@@ -2340,6 +2346,7 @@ AB_TESTS = {
     **{v: ["moe_fused_forms_match_their_references"] for v in ("moe-down-prefetch", "moe-down-prefetch-after")},
     # (Its test holds it to the default's bits.)
     "qkv-warps-32": ["qkv_fused_kernel_matches_stock_ops"],
+    **{v: ["qkv_fused_kernel_matches_stock_ops"] for v in ("qkv-split-2", "qkv-split-4")},
     "argmax-vec": ["argmax_finite_kernel_matches_stock_ops"],
     "conv-first-off": ["greedy:conv-first-off"],
     "scratch-outputs": [],
@@ -2442,7 +2449,7 @@ PICK = [
     (["conv-out-prefetch", "conv-out-prefetch-last"], "decode"),
     (["qint-bits", "qint-convert", "moe-float"], "decode"),
     (["moe-down-prefetch", "moe-down-prefetch-after"], "decode"),
-    (["qkv-warps-32"], "decode"),
+    (["qkv-warps-32", "qkv-split-2", "qkv-split-4"], "decode"),
     (["argmax-vec"], "decode"),
     (["conv-first-off"], "decode"),
     (["layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off"], "decode"),
@@ -2477,7 +2484,7 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "conv-layer-fused", "early-prefetch", "early-prefetch-conv", "early-prefetch-qkv", "ffn-w2-prefetch",
                "ffn-w2-prefetch-last", "conv-out-prefetch", "conv-out-prefetch-last", "qint-bits", "qint-convert",
                "moe-float", "moe-down-prefetch", "moe-down-prefetch-after", "qkv-warps-32", "argmax-vec",
-               "conv-first-off"}
+               "conv-first-off", "qkv-split-2", "qkv-split-4"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]

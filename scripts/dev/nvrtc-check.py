@@ -882,6 +882,29 @@ for _rs, _subs in (("ffn_fused.rs", "W2_PREFETCH_SUBSTITUTIONS"), ("conv_fused.r
             PRELUDE_OF[_rs + _v] = PRELUDE_OF[_of]
             REPLACE_OF[_rs + _v] = (substitutions("stages.rs", "EARLY_SUBSTITUTIONS") if _early else []) + _pf
 
+# A head's rows over SPLIT blocks (MLX_LFM_QKV_SPLIT: qkv_fused.rs
+# SPLIT_SUBSTITUTIONS, then SPLIT_MEET), 2 and 4, 4-bit and dense, with the
+# scratch row in the state as a step runs it and without; the dense one
+# over 32 warps and early too (SPLIT_EARLY_SUBSTITUTIONS).
+_QKV_RS = (root / "src" / "kernels" / "qkv_fused.rs").read_text()
+_meet = re.search(r'const SPLIT_MEET: \(&str, &str\) = \(\s*"((?:[^"\\]|\\.)*)",\s*r#"(.*?)"#,', _QKV_RS, re.S)
+assert _meet, "qkv_fused.rs SPLIT_MEET"
+_SPLIT = substitutions("qkv_fused.rs", "SPLIT_SUBSTITUTIONS") + [(_meet.group(1).replace("\\n", "\n"), _meet.group(2))]
+assert len(_SPLIT) == 7, "qkv_fused.rs SPLIT_SUBSTITUTIONS"
+for _n, _dense, _scratch, _form in ((2, False, True, ""), (4, False, True, ""), (2, False, False, ""), (2, True, True, ""),
+                                    (4, True, True, ""), (2, True, False, "w32"), (2, True, True, "early")):
+    _of = "qk_norm_rope.rs#qkv_fused" + ("@dense" if _dense else "") + ("-scratch" if _dense and _scratch else "@scratch" if _scratch else "")
+    _v = "qk_norm_rope.rs#qkv_fused@" + ("dense-" if _dense else "") + f"split{_n}" + ("-scratch" if _scratch else "") + (f"-{_form}" if _form else "")
+    _ins, _outs, _targs, *_rest = KERNELS[_of]
+    _place = 8448  # (scratch_places([2048 * 4, 0])[1]; only compiled here)
+    KERNELS[_v] = (_ins, _outs, lambda dt, t=_targs, n=_n, w=32 if _form == "w32" else 16:
+                   [(k, w if k == "WARPS" else v) for k, v in t(dt)] + [("SPLIT", n), ("HEAD_ST", _place)], *_rest)
+    _def = "qk_norm_rope.rs#qkv_fused" + ("@dense" if _dense else "")
+    DEFINES_OF[_v] = DEFINES_OF[_def + ("-early" if _form == "early" else "")]
+    if _scratch:
+        PRELUDE_OF[_v] = PRELUDE_OF[_of]
+    REPLACE_OF[_v] = _SPLIT + (substitutions("qkv_fused.rs", "SPLIT_EARLY_SUBSTITUTIONS") if _form == "early" else [])
+
 # How many dtype values CudaKernel::new adds (src/mlx/kernel.rs IO_NAMES),
 # seven operands each: a kernel with more operands is refused there.
 IO_VALUES = int(re.search(r"const IO_NAMES: \[&str; (\d+)\]", (root / "src" / "mlx" / "kernel.rs").read_text()).group(1))

@@ -47,6 +47,30 @@ fn warps() -> i32 {
     crate::knobs::cached("MLX_LFM_QKV_WARPS", &SET, |v| if v.map(str::trim) == Some("32") { 32 } else { WARPS })
 }
 
+/// `MLX_LFM_QKV_SPLIT=2|4` (opt-in, session 41, not yet run on a GPU):
+/// each head's rows over that many blocks instead of one. The stage is one
+/// block a head (48 on the 1.2B, 1 + 48 launched), so on a GPU of 132 SMs
+/// most sit idle: session 40's profile of the 1.2B had it at ~15 µs for
+/// 12.7 MB (~0.85 TB/s) a launch, six a step. A head's parts meet at its
+/// last (the heads' norm needs all its rows): the others hand their rows,
+/// rounded to the dtype as before, through the head's place in the output
+/// and count themselves on the head's counter, which the last waits for
+/// (their tickets come first, so they are running) and takes back down to
+/// zero; v's rows are final where each part writes them. The same walk of
+/// each row, so the same bits (its test holds it to them). Read once a
+/// process (a test's override aside): a launch's tickets count its blocks,
+/// so the launches on one layer's state keep one split; the split form
+/// takes its tickets from its own words ([`split_place`]), so the one-block
+/// form may run on the same state.
+fn split() -> i32 {
+    static SET: OnceLock<i32> = OnceLock::new();
+    crate::knobs::cached("MLX_LFM_QKV_SPLIT", &SET, |v| match v.map(str::trim) {
+        Some("2") => 2,
+        Some("4") => 4,
+        _ => 1,
+    })
+}
+
 fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     super::opt_out("MLX_LFM_QKV_FUSED", &ON)
@@ -87,6 +111,118 @@ fn kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
     })
 }
 
+/// The split form's text ([`split`]): the one-block form's with a head's
+/// rows over `SPLIT` blocks, its tickets and norm mark (`st`) at `HEAD_ST`
+/// (bytes into the state) and its heads' counters after them.
+pub(crate) const SPLIT_SUBSTITUTIONS: [(&str, &str); 6] = [
+    (
+        "  constexpr int NB = 1 + NHEADS;\n",
+        "  constexpr int NB = 1 + NHEADS * SPLIT;\n  constexpr int HP = HD / SPLIT;\n  static_assert(HP % WARPS == 0 && HP * sizeof(T) % 16 == 0, \"a part's rows tile the warps and 16-byte runs\");\n",
+    ),
+    (
+        "  unsigned long long* st = reinterpret_cast<unsigned long long*>(const_cast<uint32_t*>(ctr));\n",
+        "  unsigned long long* st = reinterpret_cast<unsigned long long*>(reinterpret_cast<unsigned char*>(const_cast<uint32_t*>(ctr)) + HEAD_ST);\n",
+    ),
+    ("  const int hh = role - 1;\n", "  const int hh = (role - 1) / SPLIT;\n  const int part = (role - 1) % SPLIT;\n"),
+    ("    constexpr int RPW = HD / WARPS;\n", "    constexpr int RPW = HP / WARPS;\n"),
+    (
+        "rows[i] = static_cast<size_t>(hh) * HD + wid * RPW + i;",
+        "rows[i] = static_cast<size_t>(hh) * HD + part * HP + wid * RPW + i;",
+    ),
+    ("hv[wid * RPW + i] = late", "hv[part * HP + wid * RPW + i] = late"),
+];
+
+/// Where a split head's parts meet (after [`SPLIT_SUBSTITUTIONS`], in
+/// place of the one-block form's barrier before its head's norm): every
+/// part but the last, and every part of a v head, writes its rows to the
+/// head's place in the output; the others count themselves on the head's
+/// counter; the last waits for them, takes the count back down and stages
+/// their rows (a prefix of the head: its own are the last) beside its own.
+const SPLIT_MEET: (&str, &str) = (
+    "  __syncthreads();\n  if (threadIdx.x >= 32) return;\n",
+    r#"  __syncthreads();
+  {
+    const bool vh = hh >= QH + KVH;
+    T* hdst = hh < QH ? qo + static_cast<size_t>(hh) * HD
+            : vh ? vo + static_cast<size_t>(hh - QH - KVH) * HD
+                 : ko + static_cast<size_t>(hh - QH) * HD;
+    unsigned long long* hc = st + 2 + hh;
+    if (vh || part != SPLIT - 1) {
+      for (int i = threadIdx.x; i < HP; i += blockDim.x) hdst[part * HP + i] = hv[part * HP + i];
+      if (!vh) lfm_release_count(hc);
+      return;
+    }
+    const bool hlate = lfm_block_wait(hc, SPLIT - 1, nullptr, 0);
+    if (threadIdx.x == 0) atomicAdd(hc, 0ull - static_cast<unsigned long long>(SPLIT - 1));
+    if (hlate) {
+      for (int i = threadIdx.x; i < (SPLIT - 1) * HP; i += blockDim.x) hv[i] = T(__int_as_float(0x7fc00000));
+    } else {
+      lfm_stage16(hv_store, hdst, static_cast<int>((SPLIT - 1) * HP * sizeof(T) / 16));
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x >= 32) return;
+"#,
+);
+
+/// The split form's text, made once.
+fn split_source() -> &'static str {
+    static TEXT: OnceLock<String> = OnceLock::new();
+    TEXT.get_or_init(|| {
+        let body = super::substituted(super::qk_norm_rope::QKV_FUSED_SOURCE, &SPLIT_SUBSTITUTIONS);
+        super::substituted(&body, &[SPLIT_MEET])
+    })
+}
+
+/// The split form's early prefetch: its part's rows.
+pub(crate) const SPLIT_EARLY_SUBSTITUTIONS: [(&str, &str); 1] = [
+    (
+        "  const int part = (role - 1) % SPLIT;\n  const bool late",
+        "  const int part = (role - 1) % SPLIT;\n  LFM_EARLY_IN_BLOCK(D, static_cast<size_t>(hh) * HD + part * HP, HP);\n  const bool late",
+    ),
+];
+
+/// The split form's kernel ([`kernel`]'s forms).
+fn split_kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
+    static FORMS: stages::Forms = stages::Forms::new();
+    let early = stages::early_prefetch("qkv");
+    let mut inputs = vec!["h", "r", "wn"];
+    inputs.extend(if quant { &["iw", "iscales", "ibiases"][..] } else { &["iw"][..] });
+    inputs.extend(["qw", "kw", "offset", "ctr"]);
+    let base = if quant { "lfm_qkv_split" } else { "lfm_qkv_split_dense" };
+    let outputs = ["s", "qo", "ko", "vo", "yn"];
+    FORMS.kernel(base, (quant, scratch, early), split_source(), &SPLIT_EARLY_SUBSTITUTIONS, SCRATCH_PRELUDE, &inputs, (&outputs, 4), || {
+        stages::layer_header(quant, false, "")
+    })
+}
+
+/// Where a layer's state holds the split form's words (bytes in): its
+/// tickets, its norm's mark, then a counter a head; `d` the model's width.
+fn split_place(d: usize) -> i64 {
+    stages::scratch_places(&[d as i64 * 4, 0]).0[1]
+}
+
+/// The split form's words' bytes for `heads` q, k and v heads.
+fn split_bytes(heads: usize) -> i64 {
+    (2 + heads as i64) * 8
+}
+
+/// The split [`forward`] launches for these operands on `ctr`: 1 (the
+/// one-block form) unless `MLX_LFM_QKV_SPLIT` asks for more, each part's
+/// rows tile the warps and 16-byte runs, and the state has the split's
+/// words.
+pub(crate) fn split_for(ctr: &Array, dt: Dtype, d: i32, heads: (i32, i32, i32)) -> i32 {
+    let n = split();
+    let (qh, kvh, hd) = heads;
+    let hp = hd / n;
+    let room = split_place(d as usize) + split_bytes((qh + 2 * kvh) as usize);
+    if n > 1 && hd % n == 0 && hp % warps() == 0 && (hp as usize * dt.size()).is_multiple_of(16) && (ctr.size() as i64) * 4 >= room {
+        n
+    } else {
+        1
+    }
+}
+
 /// Where the early form asks for its head's rows: before its wait for the
 /// norm (the head's `HD` rows are one run of the stacked projection).
 pub(crate) const EARLY_SUBSTITUTIONS: [(&str, &str); 1] = [
@@ -104,10 +240,11 @@ const SCRATCH_PRELUDE: &str = r#"
   T* yn = reinterpret_cast<T*>(lfm_scratch + SCR_YN);
 "#;
 
-/// The uint32 words of an attention layer's state: its counters and room
-/// for its scratch row (`d` wide, at up to 4 bytes).
-pub fn state_words(d: usize) -> usize {
-    stages::state_words(&[d as i64 * 4])
+/// The uint32 words of an attention layer's state: its counters, room
+/// for its scratch row (`d` wide, at up to 4 bytes) and the split form's
+/// words for `heads` q, k and v heads ([`split`]).
+pub fn state_words(d: usize, heads: usize) -> usize {
+    stages::state_words(&[d as i64 * 4, split_bytes(heads)])
 }
 
 /// Whether the switch is on where our CUDA kernels run.
@@ -181,12 +318,14 @@ pub fn forward(
     ctr: &Array,
 ) -> Result<(Array, Array, Array, Array)> {
     let quant = matches!(p, Projection::Quant(_));
-    let kern = kernel(quant, false).ok_or_else(|| Error::mlx("the fused q/k/v kernel is not available"))?;
     let r = x.r.ok_or_else(|| Error::invalid("the fused q/k/v kernel needs a residual to add"))?;
     stages::check_state(ctr, "the fused q/k/v kernel")?;
     let (d, dt) = (x.h.dim(1), x.h.dtype());
     let (qh, kvh, hd) = heads;
-    let nb = 1 + qh as i64 + 2 * kvh as i64;
+    let parts = split_for(ctr, dt, d, heads);
+    let form = |scratch: bool| if parts > 1 { split_kernel(quant, scratch) } else { kernel(quant, scratch) };
+    let kern = form(false).ok_or_else(|| Error::mlx("the fused q/k/v kernel is not available"))?;
+    let nb = 1 + (qh as i64 + 2 * kvh as i64) * parts as i64;
     let warps = warps();
     let threads = warps * 32;
     let grid = i32::try_from(nb * threads as i64).map_err(|_| Error::invalid(format!("fused q/k/v kernel: {nb} blocks")))?;
@@ -203,6 +342,10 @@ pub fn forward(
         // (As the q/k/v kernel takes it: log2 of the base, the host's.)
         ("BASE_BITS", TemplateArg::Int(theta.log2().to_bits() as i32)),
     ];
+    if parts > 1 {
+        let place = i32::try_from(split_place(d as usize)).map_err(|_| Error::invalid(format!("fused q/k/v kernel: a state {d} wide")))?;
+        template.extend([("SPLIT", TemplateArg::Int(parts)), ("HEAD_ST", TemplateArg::Int(place))]);
+    }
     let inputs: Vec<&Array> = match p {
         Projection::Quant(q) => {
             template.extend([("IBITS", TemplateArg::Int(q.spec.bits)), ("IGS", TemplateArg::Int(q.spec.group_size))]);
@@ -213,7 +356,7 @@ pub fn forward(
     };
     let mut outs = stages::call_with_scratch(
         kern,
-        || kernel(quant, true),
+        || form(true),
         &inputs,
         &[(&[1, d], dt), (&[1, qh, 1, hd], dt), (&[1, kvh, 1, hd], dt), (&[1, kvh, 1, hd], dt), (&[d], dt)],
         &["SCR_YN"],
@@ -241,5 +384,23 @@ mod tests {
         let body = super::super::qk_norm_rope::QKV_FUSED_SOURCE;
         assert_eq!(body.matches(EARLY_SUBSTITUTIONS[0].0).count(), 1);
         assert!(super::super::substituted(body, &EARLY_SUBSTITUTIONS).contains("LFM_EARLY_IN_BLOCK(D,"));
+    }
+
+    /// The split form's substitutions each find their place once, in
+    /// turn, and its early prefetch finds its place in the split text.
+    #[test]
+    fn the_split_form_finds_its_places() {
+        let mut body = super::super::qk_norm_rope::QKV_FUSED_SOURCE.to_string();
+        for (was, now) in SPLIT_SUBSTITUTIONS.iter().chain([&SPLIT_MEET]) {
+            assert_eq!(body.matches(was).count(), 1, "{was}");
+            body = body.replace(was, now);
+        }
+        assert_eq!(body, split_source());
+        assert!(body.contains("ctr)) + HEAD_ST);"), "the split form takes the one-block form's tickets");
+        assert_eq!(body.matches(SPLIT_EARLY_SUBSTITUTIONS[0].0).count(), 1);
+        // (The state's words: the split's after the scratch row, 256-aligned.)
+        assert_eq!(split_place(2048) % 256, 0);
+        assert!(split_place(2048) >= stages::scratch_places(&[2048 * 4]).1);
+        assert_eq!(state_words(2048, 48) as i64 * 4, split_place(2048) + split_bytes(48));
     }
 }

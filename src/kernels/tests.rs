@@ -3415,7 +3415,7 @@ fn qkv_fused_kernel_matches_stock_ops() {
                     eprintln!("{what}: {} of {n} values of {name} differ from the stock ops' (worst {gap})", differing(got, want));
                 }
                 // The scratch row in the layer's state: the same bits, twice.
-                let big = crate::kernels::stages::new_counters_of(crate::kernels::qkv_fused::state_words(d as usize)).unwrap();
+                let big = crate::kernels::stages::new_counters_of(crate::kernels::qkv_fused::state_words(d as usize, rows as usize / hd as usize)).unwrap();
                 for turn in 0..2 {
                     let (s2, q2, k2, v2) = scratch_in_state(|| run(&big));
                     for (name, got, want) in [("sum", &s2, &s), ("q", &q2, &gq), ("k", &k2, &gk), ("v", &v2, &gv)] {
@@ -3450,6 +3450,43 @@ fn qkv_fused_kernel_matches_stock_ops() {
                             assert_eq!(differing(got, want), 0, "{what}: a head over 32 warps, launch {turn}: {name} differs");
                         }
                     }
+                }
+                // A head's rows over 2 or 4 blocks (MLX_LFM_QKV_SPLIT,
+                // opt-in), also over 32 warps: each row the same walk, so
+                // the same bits. A fresh state for each split (a launch's
+                // tickets count its blocks): three launches, the second
+                // with the scratch row in the state, then the early form,
+                // then the counters through given-up waits. Served wherever
+                // a part's rows tile the warps and 16-byte runs and the
+                // state has the split's words (not the bare counters').
+                for (n, warps) in [(2, 16), (4, 16), (2, 32)] {
+                    use crate::kernels::qkv_fused::split_for;
+                    let mut set = vec![("MLX_LFM_QKV_SPLIT".to_string(), Some(n.to_string()))];
+                    if warps == 32 {
+                        set.push(("MLX_LFM_QKV_WARPS".to_string(), Some("32".to_string())));
+                    }
+                    let what = format!("{what}, a head over {n} blocks of {warps} warps");
+                    let hp = hd / n;
+                    let fits = hp % warps == 0 && (hp as usize * dt.size()).is_multiple_of(16);
+                    let split = crate::kernels::stages::new_counters_of(crate::kernels::qkv_fused::state_words(d as usize, rows as usize / hd as usize)).unwrap();
+                    crate::knobs::with_overrides(&set, || {
+                        assert_eq!(split_for(&split, dt, d, (qh, kvh, hd)), if fits { n } else { 1 }, "{what}: the split served");
+                        assert_eq!(split_for(&counters, dt, d, (qh, kvh, hd)), 1, "{what}: split on the bare counters");
+                        for turn in 0..3 {
+                            let (s2, q2, k2, v2) = if turn == 1 { scratch_in_state(|| run(&split)) } else { run(&split) };
+                            for (name, got, want) in [("sum", &s2, &s), ("q", &q2, &gq), ("k", &k2, &gk), ("v", &v2, &gv)] {
+                                assert_eq!(differing(got, want), 0, "{what}, launch {turn}: {name} differs");
+                            }
+                        }
+                        let (s2, q2, k2, v2) = crate::knobs::with_overrides(&early, || run(&split));
+                        for (name, got, want) in [("sum", &s2, &s), ("q", &q2, &gq), ("k", &k2, &gk), ("v", &v2, &gv)] {
+                            assert_eq!(differing(got, want), 0, "{what}, rows asked for early: {name} differs");
+                        }
+                        check_counters_in_step(&what, &split, &[true, false, true], &[s.clone(), gq.clone(), gk.clone(), gv.clone()], |c| {
+                            let (s, q, k, v) = run(c);
+                            vec![s, q, k, v]
+                        });
+                    });
                 }
                 check_counters_in_step(&what, &counters, &[true, false, true], &[s, gq, gk, gv], |c| {
                     let (s, q, k, v) = run(c);

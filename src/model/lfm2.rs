@@ -71,9 +71,13 @@ impl Attention {
             rope_theta: c.rope_theta,
             eps: c.norm_eps,
             shard: shard.cloned(),
-            // (Counters, and room for the q/k/v stage's scratch row:
-            // MLX_LFM_SCRATCH_IN_STATE.)
-            fused_counters: crate::kernels::stages::new_counters_of(crate::kernels::qkv_fused::state_words(d))?,
+            // (Counters, and room for the q/k/v stage's scratch row,
+            // MLX_LFM_SCRATCH_IN_STATE, and its split form's words,
+            // MLX_LFM_QKV_SPLIT.)
+            fused_counters: crate::kernels::stages::new_counters_of(crate::kernels::qkv_fused::state_words(
+                d,
+                c.num_heads / ranks + 2 * (c.num_kv_heads / ranks),
+            ))?,
         })
     }
 
