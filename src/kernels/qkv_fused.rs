@@ -322,7 +322,12 @@ pub fn forward(
     stages::check_state(ctr, "the fused q/k/v kernel")?;
     let (d, dt) = (x.h.dim(1), x.h.dtype());
     let (qh, kvh, hd) = heads;
-    let parts = split_for(ctr, dt, d, heads);
+    // (Where the split form would not build, the one-block form: its
+    // tickets are its own words, so the state stays in step.)
+    let parts = match split_for(ctr, dt, d, heads) {
+        n if n > 1 && split_kernel(quant, false).is_some() => n,
+        _ => 1,
+    };
     let form = |scratch: bool| if parts > 1 { split_kernel(quant, scratch) } else { kernel(quant, scratch) };
     let kern = form(false).ok_or_else(|| Error::mlx("the fused q/k/v kernel is not available"))?;
     let nb = 1 + (qh as i64 + 2 * kvh as i64) * parts as i64;
