@@ -1576,7 +1576,7 @@ def kernel_bench():
     with H200_KERNEL_BENCH_ARMS)."""
     rep = WORK / "kernel-bench"
     cmd = ["ncu", "--clock-control", "none", "-f", "-o", rep, "--kernel-name",
-           "regex:gemv|qmv|gather_qmm|lfm_bench_scale|lfm_decode_attention|lfm_moe|lfm_add_rms_norm|lfm_short_conv|lfm_conv_fused|lfm_ffn_fused|lfm_conv_layer_fused|lfm_conv_moe_fused",
+           "regex:gemv|qmv|gather_qmm|lfm_bench_scale|lfm_decode_attention|lfm_moe|lfm_add_rms_norm|lfm_short_conv|lfm_conv_fused|lfm_ffn_fused|lfm_conv_layer_fused|lfm_conv_moe_fused|lfm_qkv_",
            "--metrics", "gpu__time_duration.sum,dram__bytes_read.sum",
            BENCH, "--kernel-bench", "--device", "gpu", "--reps", "3"]
     # H200_KERNEL_BENCH_ARMS=a,b: those arms alone (the whole list ran past

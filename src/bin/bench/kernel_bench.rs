@@ -140,6 +140,7 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
             .chain(LAYER_ARMS.iter().map(|(n, ..)| *n))
             .chain(CONV_ARMS.iter().map(|(n, ..)| *n))
             .chain(FFN_ARMS.iter().map(|(n, ..)| *n))
+            .chain(QKV_ARMS.iter().map(|(n, _)| *n))
             .chain([TIMELINE_ARM, CONV_TIMELINE_ARM, FFN_TIMELINE_ARM])
             .collect();
         if let Some(bad) = a.iter().find(|x| !known.contains(&x.as_str())) {
@@ -277,11 +278,18 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
     };
     let ffn = if ffn_arms.is_empty() && joined_arms.is_empty() { None } else { Some(FfnLayer::new()?) };
     let joined_counters = mlx_lfm::kernels::stages::new_counters_of(mlx_lfm::kernels::conv_layer_fused::COUNTER_WORDS)?;
-    for (name, _, kernels) in &joined_arms {
-        plan.push(serde_json::json!({"arm": name, "n": 4 * CONV_D, "k": CONV_D, "launches": JOINED_LAUNCHES * reps * kernels}));
-    }
+    // (The plan in the order the arms run below: ncu lists their kernels so.)
     for (name, _, kernels) in &ffn_arms {
         plan.push(serde_json::json!({"arm": name, "n": 3 * ffn_width(name), "k": FFN_D, "launches": FFN_LAUNCHES * reps * kernels}));
+    }
+    let qkv_arms: Vec<_> = QKV_ARMS.iter().filter(|(name, _)| chosen(name)).collect();
+    let qkv = if qkv_arms.is_empty() { None } else { Some(QkvLayer::new()?) };
+    for (name, _) in &qkv_arms {
+        let (qh, kvh, hd) = QKV_HEADS;
+        plan.push(serde_json::json!({"arm": name, "n": (qh + 2 * kvh) * hd, "k": QKV_D, "launches": QKV_LAUNCHES * reps}));
+    }
+    for (name, _, kernels) in &joined_arms {
+        plan.push(serde_json::json!({"arm": name, "n": 4 * CONV_D, "k": CONV_D, "launches": JOINED_LAUNCHES * reps * kernels}));
     }
     println!("{}", serde_json::json!({"kernel_bench_plan": plan}));
     for (n, k, x, weights, arms) in &sets {
@@ -343,6 +351,17 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
         });
         print_walls(name, 3 * ffn_width(name), FFN_D, walls);
     }
+    for (name, switches) in qkv_arms {
+        let qkv = qkv.as_ref().expect("made where a q/k/v arm runs");
+        let (qh, kvh, hd) = QKV_HEADS;
+        let walls = match QkvLayer::state() {
+            Ok(ctr) => timed(switches, reps * QKV_LAUNCHES, |i| {
+                qkv.launch(name.contains("-q4-"), &ctr, i).map_err(|e| mlx_lfm::Error::invalid(format!("{name}: {e}")))
+            }),
+            Err(e) => (vec![], Some(e)),
+        };
+        print_walls(name, (qh + 2 * kvh) * hd, QKV_D, walls);
+    }
     for (name, switches, _) in joined_arms {
         let (conv, ffn, moe) = (conv.as_ref(), ffn.as_ref(), layer.as_ref());
         let (Some(conv), Some(ffn), Some(moe)) = (conv, ffn, moe) else { unreachable!("made where a joined arm runs") };
@@ -367,6 +386,98 @@ const JOINED_ARMS: [(&str, Switches, usize); 4] = [
     ("conv-moe-layer-q4-joined", &[("MLX_LFM_CONV_LAYER_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
 ];
 const JOINED_LAUNCHES: usize = 16;
+
+/// The one-launch q/k/v stage (src/kernels/qkv_fused.rs) of the 1.2B
+/// (`-bf16-`: 32 query heads and 8 KV heads of 64 over 2,048-wide rows,
+/// 12.6 MB a launch) and the 8B-A1B (`-q4-`: the same heads, 4-bit, group
+/// 64), a launch a product: one block a head (`-fused`; `-w32`: a head
+/// over 32 warps, `MLX_LFM_QKV_WARPS`) against each head's rows over 2 or
+/// 4 blocks (`-split2`, `-split4`: `MLX_LFM_QKV_SPLIT`). Session 40's
+/// profile had the 1.2B's at ~15 µs a launch (~0.85 TB/s). Each arm on a
+/// state of its own (a launch's tickets count its blocks). `(arm, its
+/// switches)`.
+const QKV_ARMS: [(&str, Switches); 8] = [
+    ("qkv-bf16-fused", &[("MLX_LFM_QKV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_QKV_WARPS", "16"), ("MLX_LFM_QKV_SPLIT", "1")]),
+    ("qkv-bf16-fused-w32", &[("MLX_LFM_QKV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_QKV_WARPS", "32"), ("MLX_LFM_QKV_SPLIT", "1")]),
+    ("qkv-bf16-split2", &[("MLX_LFM_QKV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_QKV_WARPS", "16"), ("MLX_LFM_QKV_SPLIT", "2")]),
+    ("qkv-bf16-split4", &[("MLX_LFM_QKV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_QKV_WARPS", "16"), ("MLX_LFM_QKV_SPLIT", "4")]),
+    ("qkv-bf16-split2-w32", &[("MLX_LFM_QKV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_QKV_WARPS", "32"), ("MLX_LFM_QKV_SPLIT", "2")]),
+    ("qkv-q4-fused", &[("MLX_LFM_QKV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_QKV_WARPS", "16"), ("MLX_LFM_QKV_SPLIT", "1")]),
+    ("qkv-q4-split2", &[("MLX_LFM_QKV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_QKV_WARPS", "16"), ("MLX_LFM_QKV_SPLIT", "2")]),
+    ("qkv-q4-split4", &[("MLX_LFM_QKV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_QKV_WARPS", "16"), ("MLX_LFM_QKV_SPLIT", "4")]),
+];
+const QKV_LAUNCHES: usize = 16;
+const QKV_D: i32 = 2048;
+const QKV_HEADS: (i32, i32, i32) = (32, 8, 64);
+/// Copies (~100 MB dense, ~28 MB 4-bit: over the L2 either way).
+const QKV_COPIES: usize = 8;
+
+struct QkvLayer {
+    /// The stacked q/k/v projection `[(H + 2 KVH) HD, D]`, each copy,
+    /// dense and 4-bit.
+    dense: Vec<Array>,
+    quant: Vec<mlx_lfm::model::linear::Quantized>,
+    h: Array,
+    r: Array,
+    wn: Array,
+    eps: Array,
+    qw: Array,
+    kw: Array,
+    offset: Array,
+}
+
+impl QkvLayer {
+    fn new() -> mlx_lfm::Result<QkvLayer> {
+        use mlx_lfm::mlx::{QuantMode, QuantSpec};
+        let bf = Dtype::Bfloat16;
+        let (qh, kvh, hd) = QKV_HEADS;
+        let rows = (qh + 2 * kvh) * hd;
+        let scale = 1.0 / (QKV_D as f32).sqrt();
+        let dense = (0..QKV_COPIES).map(|_| normal(&[rows, QKV_D], bf, 0.0, scale, None)).collect::<mlx_lfm::Result<Vec<_>>>()?;
+        let spec = QuantSpec { mode: QuantMode::Affine, bits: 4, group_size: 64 };
+        let quant = (0..QKV_COPIES)
+            .map(|_| {
+                let (weight, scales, biases) = mlx::quantize(&normal(&[rows, QKV_D], bf, 0.0, scale, None)?, spec)?;
+                Ok(mlx_lfm::model::linear::Quantized { weight, scales, biases, spec })
+            })
+            .collect::<mlx_lfm::Result<Vec<_>>>()?;
+        let h = normal(&[1, QKV_D], bf, 0.0, 4.0, None)?;
+        let r = normal(&[1, QKV_D], bf, 0.0, 1.0, None)?;
+        let wn = normal(&[QKV_D], Dtype::Float32, 1.0, 0.2, None)?.astype(bf)?;
+        let qw = normal(&[hd], Dtype::Float32, 1.0, 0.2, None)?.astype(bf)?;
+        let kw = normal(&[hd], Dtype::Float32, 1.0, 0.2, None)?.astype(bf)?;
+        let eps = Array::from_slice(&[LAYER_EPS], &[1])?;
+        let offset = Array::from_slice(&[550i32], &[1])?;
+        let mut held: Vec<&Array> = dense.iter().collect();
+        for q in &quant {
+            held.extend([&q.weight, &q.scales]);
+            held.extend(q.biases.iter());
+        }
+        held.extend([&h, &r, &wn, &eps, &qw, &kw, &offset]);
+        mlx::eval(&held)?;
+        Ok(QkvLayer { dense, quant, h, r, wn, eps, qw, kw, offset })
+    }
+
+    /// A state for one arm's launches (the model's size: counters, the
+    /// scratch row, the split form's words).
+    fn state() -> mlx_lfm::Result<Array> {
+        let (qh, kvh, _) = QKV_HEADS;
+        mlx_lfm::kernels::stages::new_counters_of(mlx_lfm::kernels::qkv_fused::state_words(QKV_D as usize, (qh + 2 * kvh) as usize))
+    }
+
+    /// The stage's q for launch `i` (copy `i` of the dense or the 4-bit
+    /// projection, in turn) on `ctr`.
+    fn launch(&self, q4: bool, ctr: &Array, i: usize) -> mlx_lfm::Result<Array> {
+        use mlx_lfm::kernels::qkv_fused::{self, Projection};
+        use mlx_lfm::model::linear::Normed;
+        let p = if q4 { Projection::Quant(&self.quant[i % self.quant.len()]) } else { Projection::Dense(&self.dense[i % self.dense.len()]) };
+        let x = Normed { h: &self.h, r: Some(&self.r), w: &self.wn, eps: LAYER_EPS, eps_array: &self.eps };
+        if !qkv_fused::available(&x, p, &self.qw, &self.kw, QKV_HEADS, &self.offset) {
+            return Err(mlx_lfm::Error::invalid("kernel-bench: the q/k/v stage's kernel does not serve its operands here"));
+        }
+        Ok(qkv_fused::forward(&x, p, &self.qw, &self.kw, QKV_HEADS, &self.offset, (1e-6, 1_000_000.0), ctr)?.1)
+    }
+}
 
 /// The joined arm `name`'s output for launch `i` (the conv's copy `i`, the
 /// feed-forward's or the MoE layer's row `i`, in turn).
