@@ -84,6 +84,13 @@ pub fn built() -> usize {
     BUILT.get()
 }
 
+static SPLIT_BUILT: Built = Built::new();
+
+/// How many of [`built`]'s graphs took the split form ([`split`]).
+pub fn split_built() -> usize {
+    SPLIT_BUILT.get()
+}
+
 /// The stacked q/k/v projection `[(H + 2 KVH) HD, D]`, as the kernel reads it.
 #[derive(Clone, Copy)]
 pub enum Projection<'a> {
@@ -198,7 +205,7 @@ fn split_kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
 
 /// Where a layer's state holds the split form's words (bytes in): its
 /// tickets, its norm's mark, then a counter a head; `d` the model's width.
-fn split_place(d: usize) -> i64 {
+pub(crate) fn split_place(d: usize) -> i64 {
     stages::scratch_places(&[d as i64 * 4, 0]).0[1]
 }
 
@@ -322,8 +329,10 @@ pub fn forward(
     stages::check_state(ctr, "the fused q/k/v kernel")?;
     let (d, dt) = (x.h.dim(1), x.h.dtype());
     let (qh, kvh, hd) = heads;
-    // (Where the split form would not build, the one-block form: its
-    // tickets are its own words, so the state stays in step.)
+    // (Where the split form's kernel object would not be made, the
+    // one-block form: its tickets are its own words, so the state stays in
+    // step. NVRTC compiles at the graph's eval, so a text that fails there
+    // fails the step, as the one-block form's would.)
     let parts = match split_for(ctr, dt, d, heads) {
         n if n > 1 && split_kernel(quant, false).is_some() => n,
         _ => 1,
@@ -371,6 +380,9 @@ pub fn forward(
         &template,
     )?;
     BUILT.bump();
+    if parts > 1 {
+        SPLIT_BUILT.bump();
+    }
     let missing = || Error::mlx("fused q/k/v kernel: missing output");
     let v = outs.pop().ok_or_else(missing)?;
     let k = outs.pop().ok_or_else(missing)?;

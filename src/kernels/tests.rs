@@ -3455,25 +3455,36 @@ fn qkv_fused_kernel_matches_stock_ops() {
                 // opt-in), also over 32 warps: each row the same walk, so
                 // the same bits. A fresh state for each split (a launch's
                 // tickets count its blocks): three launches, the second
-                // with the scratch row in the state, then the early form,
-                // then the counters through given-up waits. Served wherever
-                // a part's rows tile the warps and 16-byte runs and the
-                // state has the split's words (not the bare counters').
+                // with the scratch row in the state (the others without),
+                // then the early form, then the counters through given-up
+                // waits; then the state's words read back: the split's
+                // tickets all its launches' blocks, each head's counter
+                // taken back to zero, the one-block form's tickets none.
+                // Served wherever a part's rows tile the warps and 16-byte
+                // runs and the state has the split's words (not the bare
+                // counters').
                 for (n, warps) in [(2, 16), (4, 16), (2, 32)] {
-                    use crate::kernels::qkv_fused::split_for;
-                    let mut set = vec![("MLX_LFM_QKV_SPLIT".to_string(), Some(n.to_string()))];
-                    if warps == 32 {
-                        set.push(("MLX_LFM_QKV_WARPS".to_string(), Some("32".to_string())));
-                    }
+                    use crate::kernels::qkv_fused::{split_built, split_for, split_place};
+                    let set = vec![
+                        ("MLX_LFM_QKV_SPLIT".to_string(), Some(n.to_string())),
+                        ("MLX_LFM_QKV_WARPS".to_string(), Some(warps.to_string())),
+                    ];
                     let what = format!("{what}, a head over {n} blocks of {warps} warps");
                     let hp = hd / n;
                     let fits = hp % warps == 0 && (hp as usize * dt.size()).is_multiple_of(16);
-                    let split = crate::kernels::stages::new_counters_of(crate::kernels::qkv_fused::state_words(d as usize, rows as usize / hd as usize)).unwrap();
+                    let heads = rows as usize / hd as usize;
+                    let split = crate::kernels::stages::new_counters_of(crate::kernels::qkv_fused::state_words(d as usize, heads)).unwrap();
+                    let no_scratch = [("MLX_LFM_SCRATCH_IN_STATE".to_string(), Some("0".to_string()))];
+                    let split_before = split_built();
                     crate::knobs::with_overrides(&set, || {
                         assert_eq!(split_for(&split, dt, d, (qh, kvh, hd)), if fits { n } else { 1 }, "{what}: the split served");
                         assert_eq!(split_for(&counters, dt, d, (qh, kvh, hd)), 1, "{what}: split on the bare counters");
                         for turn in 0..3 {
-                            let (s2, q2, k2, v2) = if turn == 1 { scratch_in_state(|| run(&split)) } else { run(&split) };
+                            let (s2, q2, k2, v2) = if turn == 1 {
+                                scratch_in_state(|| run(&split))
+                            } else {
+                                crate::knobs::with_overrides(&no_scratch, || run(&split))
+                            };
                             for (name, got, want) in [("sum", &s2, &s), ("q", &q2, &gq), ("k", &k2, &gk), ("v", &v2, &gv)] {
                                 assert_eq!(differing(got, want), 0, "{what}, launch {turn}: {name} differs");
                             }
@@ -3487,6 +3498,19 @@ fn qkv_fused_kernel_matches_stock_ops() {
                             vec![s, q, k, v]
                         });
                     });
+                    // (Eight launches on `split`: three, the early one, two
+                    // in step, the given-up one and the one after it; a
+                    // ninth graph on the other state in step.)
+                    let words: Vec<u32> = split.to_vec().unwrap();
+                    let word = |byte: usize| words[byte / 4] as u64 | (words[byte / 4 + 1] as u64) << 32;
+                    let at = split_place(d as usize) as usize;
+                    let (split_tickets, own_tickets) = if fits { (8 * (1 + heads as u64 * n as u64), 0) } else { (0, 8 * (1 + heads as u64)) };
+                    assert_eq!(word(at), split_tickets, "{what}: the split form's tickets");
+                    assert_eq!(word(0), own_tickets, "{what}: the one-block form's tickets");
+                    assert_eq!(word(at + 8), if fits { 8 } else { 0 }, "{what}: the split form's norm mark");
+                    let counts: Vec<u64> = (0..heads).map(|h| word(at + 16 + 8 * h)).collect();
+                    assert!(counts.iter().all(|c| *c == 0), "{what}: heads' counters not taken back to zero: {counts:?}");
+                    assert_eq!(split_built() - split_before, if fits { 9 } else { 0 }, "{what}: graphs of the split form");
                 }
                 check_counters_in_step(&what, &counters, &[true, false, true], &[s, gq, gk, gv], |c| {
                     let (s, q, k, v) = run(c);
