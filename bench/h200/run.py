@@ -164,12 +164,55 @@ from its A/B: the variants and greedy sets that turned them on are gone,
 `layers-fused-off` (greedy set and variant) and `moe-fused-off`,
 `conv-fused-off`, `ffn-fused-off`, `qkv-fused-off` measure them off, and
 the greedy test's default run checks it built each.
-Next (`bash bench/h200/prepare.sh` here first; ~1,700 s planned, step 7
-last and only if ~450 s are left; the
-working tree is ~7 MB, so .device/a and .device/llama no longer fit one
-call: stage and llama are two; a fresh machine's `ab` first spends ~270 s
-generating the checkpoints, and its first round waits ~150 s for the GGUF
-chain).
+Next (`bash bench/h200/prepare.sh` here first; session 41 got no machine:
+nine starts refused or failed over ~50 minutes, ~630 device-seconds gone,
+so its chain below is session 40's with the q/k/v split put first and the
+calls ordered by what each answers alone; ~1,600 s planned, steps 6-7 only
+where ~450 s are left; a fresh machine's `ab` first spends ~270 s
+generating the checkpoints, and a round waits ~150 s for the GGUF chain).
+Session 41 added `MLX_LFM_QKV_SPLIT=2|4` (opt-in): the one-launch q/k/v
+stage with each head's rows over 2 or 4 blocks (1 + 48 blocks on the 1.2B
+and the 8B-A1B, ~15 µs a launch for 12.6 MB in session 40's profile), its
+test cases in `qkv_fused_kernel_matches_stock_ops` (the same bits, the
+state's words read back), kernel-bench arms `qkv-*` and the variants
+`qkv-split-2`, `qkv-split-4`. The chain:
+  1. carry [.device/a]: `stage-mlx`.
+  2. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=4
+     H200_KERNEL_TESTS=qkv_fused_kernel,ffn_fused_kernel,conv_fused_kernel,moe_sort_kernel,moe_grouped_prefill,stock_route_margins
+     `timeout -s TERM 540 python3 bench/h200/run.py install verdicts-from
+     committed kernels save-ptx` (the split held to the one-block form's
+     bits; the w2 and out_proj prefetch forms to the default's; the sort
+     by expert to a host's stable sort, the grouped prefill to the
+     argsorts' bits; the route margins on the GPU's stock path).
+  3. carry [.device/bin]: H200_KERNEL_BENCH_ARMS=qkv-bf16-fused,qkv-bf16-fused-w32,qkv-bf16-split2,qkv-bf16-split4,qkv-bf16-split2-w32,qkv-q4-fused,qkv-q4-split2,qkv-q4-split4,ffn-layer-bf16-fused,ffn-layer-bf16-fused-w2,ffn-layer-bf16-fused-w2last,conv-layer-bf16-fused,conv-layer-bf16-fused-out,conv-layer-bf16-fused-outlast
+     `timeout -s TERM 300 python3 bench/h200/run.py kernel-bench` (µs a
+     launch under ncu: does the split take the q/k/v stage toward the
+     bandwidth, and does the second projection asked of L2 shorten the
+     1.2B's feed-forward, 46.5 µs for 101 MB, and conv layer, 22 µs for
+     34 MB?).
+  4. carry [.device/llama]: `llama` (only for the rounds: skip it where
+     steps 6-7 will not fit).
+  5. carry [.device/bin]: H200_OURS_ENV (mimalloc),
+     H200_AB_VARIANTS=qkv-split-2,qkv-split-4,qkv-warps-32,ffn-w2-prefetch,conv-out-prefetch,attention-chunks-4,moe-sort-combine
+     H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4 H200_AB_REPS=3 `timeout -s
+     TERM 560 python3 bench/h200/run.py ab pick gguf-bg` (the split forms
+     and the prefetches as step 3 read them, each prefetch as `-last`
+     where that form won there; the attention over 4 chunks on the 1.2B
+     before it is adopted; the sort by expert with the combine on the
+     8B-A1B's P=512 prefill; gguf-bg only where step 4 ran).
+  6. carry [.device/bin]: H200_OURS_ENV, H200_MODELS=lfm2-8b-a1b-q4
+     `timeout -s TERM 240 python3 bench/h200/run.py profile-prefill` (the
+     8B-A1B's 512-token prefill, 1-3% under llama.cpp's: ours fits ~9.4 ms
+     a pass plus ~25 µs a token, llama.cpp's ~46 µs a token).
+  7. carry [.device/bin]: H200_OURS_ENV, `timeout -s TERM 560 python3
+     bench/h200/run.py pick round 1` (the targets with whatever step 5
+     picked).
+  (Then, as session 40 planned: the four greedy tests with the route
+  near-ties, H200_KERNEL_TESTS=greedy_tokens_with_kernels_equal_stock_ops
+  `kernels`: do the tiny MoE fixture's 4-bit departures fall on route
+  near-ties too? Not planned: the timelines; session 39's read most
+  launches 5-9x their ncu times; before reading them again, keep the GPU
+  busy just before each stamped launch.)
 Session 40 got an H100 for ~27 minutes and ran session 39's chain but its
 step 6: the mended norm and GEMV tests, the argmax over chunks and the
 stacked rows passed; the greedy sets passed but the tiny MoE fixture's nine
@@ -186,56 +229,12 @@ feed-forward's w2 asked of L2 by its gate blocks, and
 `MLX_LFM_CONV_OUT_PREFETCH=1|last`, the conv layer's out_proj by its
 channel blocks; `MLX_LFM_MOE_SORT_KERNEL=1`, a prefill's MoE rows sorted
 by expert in one launch (eight kernel nodes fewer a MoE layer), and
-`MLX_LFM_MOE_COMBINE_KERNEL=1` over it, their weighted sum (three more). The chain:
-  1. carry [.device/a]: `stage-mlx`.
-  2. carry [.device/llama]: `llama`.
-  3. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=4
-     H200_KERNEL_TESTS=ffn_fused_kernel,conv_fused_kernel,moe_sort_kernel,moe_grouped_prefill,stock_route_margins
-     `timeout -s TERM 540 python3 bench/h200/run.py install verdicts-from
-     committed kernels save-ptx` (the w2 and out_proj prefetch forms held
-     to the default's bits; the sort by expert held to a host's stable
-     sort, and the grouped prefill to the argsorts' bits; the route margins
-     on the GPU's stock path). Then, carry the same: H200_KERNEL_JOBS=4
-     H200_KERNEL_TESTS=greedy_tokens_with_kernels_equal_stock_ops
-     `timeout -s TERM 540 python3 bench/h200/run.py kernels` (the four
-     greedy tests with the route near-ties, `conv-first-off` and the first
-     layer's conv in the default run: do the tiny MoE fixture's 4-bit
-     departures, steps 26-34 of the float32-sum sets, fall on route
-     near-ties too?). Two calls, so that a cut one loses only its own
-     verdicts.
-  4. carry [.device/bin]: H200_KERNEL_BENCH_ARMS=ffn-layer-bf16-fused,ffn-layer-bf16-fused-early,ffn-layer-bf16-fused-w2,ffn-layer-bf16-fused-w2last,ffn-layer-bf16-fused-w2-early,ffn-layer-bf16-three,ffn-layer-q4-fused,ffn-layer-q4-fused-w2,conv-layer-q4-fused,conv-layer-q4-fused-out,conv-layer-q4-fused-outlast,conv-layer-bf16-fused,conv-layer-bf16-fused-out,conv-layer-bf16-fused-outlast
-     `timeout -s TERM 300 python3 bench/h200/run.py kernel-bench` (the
-     1.2B's feed-forward, 46.5 µs for 101 MB, and the conv layers, 22 µs
-     for 34 MB and 18.5 for 9.4 MB 4-bit: does the second projection asked
-     of L2 during the first stage take the second stage's start off their
-     time?).
-  5. carry [.device/bin]: H200_OURS_ENV (mimalloc),
-     H200_AB_VARIANTS=ffn-w2-prefetch,conv-out-prefetch,early-prefetch-qkv,qkv-warps-32,attention-chunks-4,conv-first-off,moe-sort-combine
-     H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4 H200_AB_REPS=3 `timeout -s
-     TERM 560 python3 bench/h200/run.py ab pick gguf-bg` (three reps: the
-     two models' checkpoints take ~270 s of a fresh machine's call; the two
-     prefetches whatever step 4 read, each as `-last` where that form won
-     there; the attention over 4 chunks on the 1.2B, whose six attention
-     layers it changes, before it is adopted; the q/k/v stage's head rows
-     asked of L2 early, never timed on its own: its 48 head blocks of the
-     1.2B's, one an SM, each read 256 KB, 15 µs for 12.7 MB, and the same
-     stage's head over 32 warps, whose test passed in session 39; the
-     new default measured off; the sort by expert with the combine on the
-     8B-A1B's P=512 prefill, whose tests cover each alone).
-  6. carry [.device/bin]: H200_OURS_ENV, H200_MODELS=lfm2-8b-a1b-q4
-     `timeout -s TERM 240 python3 bench/h200/run.py profile-prefill` (the
-     8B-A1B's 512-token prefill, 1-3% under llama.cpp's: ours fits ~9.4 ms
-     a pass plus ~25 µs a token over P=512 and 2048, llama.cpp's ~46 µs a
-     token and no fixed part, so a fixed ~9 ms is the place to look; no
-     profile of it since the grouped expert GEMMs).
-  7. carry [.device/bin]: H200_OURS_ENV, `timeout -s TERM 560 python3
-     bench/h200/run.py pick round 1` (the targets with the new default and
-     whatever step 5 picked).
-  (Not planned: the timelines. Session 39's read most launches 5-9x
-  their ncu times, stages ending 100-200 µs late even warm; a guess, not
-  tested: the SM clock, 345 MHz idle against a 1,980 boost, with the
-  timeline loop leaving the GPU idle between its syncs. Before reading
-  timelines again, keep the GPU busy just before each stamped launch.)
+`MLX_LFM_MOE_COMBINE_KERNEL=1` over it, their weighted sum (three more).
+Session 40's plan, for the record: its steps 1-2 as above; 3. the
+prefetch forms' and the sort's kernel tests, then the four greedy tests;
+4. kernel-bench of the feed-forward and conv prefetch forms; 5. `ab pick
+gguf-bg` of seven variants on the 1.2B and the 8B-A1B; 6. the 8B-A1B's
+prefill profile; 7. `pick round 1`. Session 41 ran none of it (no machine).
 Session 39's plan, for the record: its steps 1-2 as above; 3. the mended
 norm and GEMV tests, the argmax over chunks and the stacked rows, then the
 four greedy tests; 4. `ab pick gguf-bg` of session 39's defaults off and
