@@ -104,16 +104,28 @@ pub enum Projection<'a> {
 /// before its wait ([`stages::early_prefetch`], [`EARLY_SUBSTITUTIONS`]).
 fn kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
     static FORMS: stages::Forms = stages::Forms::new();
+    let base = if quant { "lfm_qkv_fused" } else { "lfm_qkv_fused_dense" };
+    form(&FORMS, base, super::qk_norm_rope::QKV_FUSED_SOURCE, &EARLY_SUBSTITUTIONS, quant, scratch)
+}
+
+/// A form of `forms` named `base` over `body` (`early_subs` its early
+/// form's), with the stage's operands.
+fn form(
+    forms: &'static stages::Forms,
+    base: &str,
+    body: &str,
+    early_subs: &[(&str, &str)],
+    quant: bool,
+    scratch: bool,
+) -> Option<&'static CudaKernel> {
     let early = stages::early_prefetch("qkv");
     let mut inputs = vec!["h", "r", "wn"];
     inputs.extend(if quant { &["iw", "iscales", "ibiases"][..] } else { &["iw"][..] });
     inputs.extend(["qw", "kw", "offset", "ctr"]);
     // (The projection's rows as the first of a layer's two projections:
     // src/kernels/stages.rs's products and header.)
-    let base = if quant { "lfm_qkv_fused" } else { "lfm_qkv_fused_dense" };
     let outputs = ["s", "qo", "ko", "vo", "yn"];
-    let body = super::qk_norm_rope::QKV_FUSED_SOURCE;
-    FORMS.kernel(base, (quant, scratch, early), body, &EARLY_SUBSTITUTIONS, SCRATCH_PRELUDE, &inputs, (&outputs, 4), || {
+    forms.kernel(base, (quant, scratch, early), body, early_subs, SCRATCH_PRELUDE, &inputs, (&outputs, 4), || {
         stages::layer_header(quant, false, "")
     })
 }
@@ -192,15 +204,8 @@ pub(crate) const SPLIT_EARLY_SUBSTITUTIONS: [(&str, &str); 1] = [
 /// The split form's kernel ([`kernel`]'s forms).
 fn split_kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
     static FORMS: stages::Forms = stages::Forms::new();
-    let early = stages::early_prefetch("qkv");
-    let mut inputs = vec!["h", "r", "wn"];
-    inputs.extend(if quant { &["iw", "iscales", "ibiases"][..] } else { &["iw"][..] });
-    inputs.extend(["qw", "kw", "offset", "ctr"]);
     let base = if quant { "lfm_qkv_split" } else { "lfm_qkv_split_dense" };
-    let outputs = ["s", "qo", "ko", "vo", "yn"];
-    FORMS.kernel(base, (quant, scratch, early), split_source(), &SPLIT_EARLY_SUBSTITUTIONS, SCRATCH_PRELUDE, &inputs, (&outputs, 4), || {
-        stages::layer_header(quant, false, "")
-    })
+    form(&FORMS, base, split_source(), &SPLIT_EARLY_SUBSTITUTIONS, quant, scratch)
 }
 
 /// Where a layer's state holds the split form's words (bytes in): its
