@@ -8,7 +8,12 @@
 //! host's cost is ~6-8 µs a kernel node (session 33's `dispatch-cost`) and
 //! the 8B-A1B's P=512 prefill stays 1-3% under llama.cpp's (session 40).
 //!
-//! `MLX_LFM_MOE_SORT_KERNEL=1` (opt-in, session 40): one block of 1,024
+//! `MLX_LFM_MOE_SORT_KERNEL` (written in session 40, a CUDA default since
+//! session 41, `=0` off: its H100 test gave a host's stable sort exactly,
+//! the grouped prefill the argsorts' bits, and with the combine below its
+//! paired A/B read the 8B-A1B's P=512 prefill 1.094-1.098x, every rep,
+//! the sort alone 1.038-1.058x; decode unchanged,
+//! `bench/results/2026-12-06-h100-session41.raw.jsonl`): one block of 1,024
 //! threads counts the ids by expert (the offsets), then places each entry
 //! a tile of 1,024 at a time: its expert's base, the counts of the warps
 //! before its own in the tile, its rank among its warp's lanes of the same
@@ -24,7 +29,9 @@
 //! count (which the router never gives) are counted as the last expert, so
 //! that no write leaves the arrays.
 //!
-//! `MLX_LFM_MOE_COMBINE_KERNEL=1` (opt-in, session 40; over the sort
+//! `MLX_LFM_MOE_COMBINE_KERNEL` (session 40, a CUDA default since session
+//! 41, `=0` off; its H100 test gave the stock multiply and sum's bits, 0
+//! of 14,976 values apart; over the sort
 //! kernel's int32 places): the experts' rows back in token order and
 //! weighted, in one launch, where the stock graph takes them back (a take),
 //! reshapes them, multiplies each by its weight and sums a token's `k`
@@ -110,7 +117,7 @@ const SOURCE: &str = r#"
 
 fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    super::opt_in("MLX_LFM_MOE_SORT_KERNEL", &ON)
+    super::opt_out("MLX_LFM_MOE_SORT_KERNEL", &ON)
 }
 
 fn kernel() -> Option<&'static CudaKernel> {
@@ -177,7 +184,7 @@ const COMBINE_THREADS: i32 = 256;
 
 fn combine_enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    super::opt_in("MLX_LFM_MOE_COMBINE_KERNEL", &ON)
+    super::opt_out("MLX_LFM_MOE_COMBINE_KERNEL", &ON)
 }
 
 fn combine_kernel() -> Option<&'static CudaKernel> {
