@@ -1369,10 +1369,12 @@ def summarize_ncu(text):
 def profile_prefill():
     """ncu over one 512-token prefill (and its first token) of each model in
     ab_models(), after an unmeasured prefill of the same shape, and the same
-    prefill's wall time without ncu (the bench's TTFT)."""
+    prefill's wall time without ncu (the bench's TTFT). Both under
+    H200_OURS_ENV's switches (session 41 profiled the defaults twice for
+    want of them), which the record names."""
     for name in ab_models():
         rep = WORK / f"prof-prefill-{name}"
-        e = env()
+        e = ours_env()
         e["MLXLFM_PROFILE_PREFILL"] = "1"
         cmd = ["ncu", "--clock-control", "none", "--profile-from-start", "off", "-f", "-o", rep,
                "--metrics", "gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum",
@@ -1386,9 +1388,10 @@ def profile_prefill():
                   "--print-kernel-base", "function"], check=False)
         (OUT / f"ncu-prefill-{name}.csv").write_text(csv.stdout)
         r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--prompts", "512", "--gen", "1", "--reps", "5",
-                "--paths", "compiled"], f"prefill-wall-{name}", check=False)
+                "--paths", "compiled"], f"prefill-wall-{name}", check=False, env=ours_env())
         ttft = [json.loads(l)["ttft_ms"] for l in r.stdout.splitlines() if "ttft_ms" in l]
-        record(engine="ncu-prefill", model=name, prompt=512, kernels=summarize_ncu(csv.stdout), ttft_ms=ttft)
+        record(engine="ncu-prefill", model=name, prompt=512, kernels=summarize_ncu(csv.stdout), ttft_ms=ttft,
+               ours_env=json.loads(os.environ.get("H200_OURS_ENV", "{}")))
 
 
 def ab_binaries():
