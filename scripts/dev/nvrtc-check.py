@@ -854,34 +854,6 @@ for key, rust, kept, places in [
     DEFINES_OF[name] = DEFINES_OF.get(key, "")
     PRELUDE_OF[name] = named(root / "src" / "kernels" / rust, "SCRATCH_PRELUDE")
 
-# A one-launch layer's second projection asked of L2 by its first stage's
-# blocks (stages.rs SECOND_PREFETCH_HEADER): the feed-forward's w2
-# (MLX_LFM_FFN_W2_PREFETCH, ffn_fused.rs W2_PREFETCH_SUBSTITUTIONS) and the
-# conv layer's out_proj (MLX_LFM_CONV_OUT_PREFETCH, conv_fused.rs
-# OUT_PREFETCH_SUBSTITUTIONS), dense and 4-bit, plainly and with
-# evict-last, the dense ones with the early form too, each with the
-# scratch rows in the state as a step runs it.
-_SECOND = named(_STAGES, "SECOND_PREFETCH_HEADER")
-assert "lfm_share_prefetch" in _SECOND, "stages.rs SECOND_PREFETCH_HEADER"
-for _rs, _subs in (("ffn_fused.rs", "W2_PREFETCH_SUBSTITUTIONS"), ("conv_fused.rs", "OUT_PREFETCH_SUBSTITUTIONS")):
-    _pf = substitutions(_rs, _subs)
-    assert len(_pf) == 1 and "LFM_SECOND_PREFETCH" in _pf[0][1], f"{_rs} {_subs}"
-    _tag = "w2" if _rs == "ffn_fused.rs" else "out"
-    for _dense in (True, False):
-        for _last, _early in ((0, False), (1, False), (0, True)):
-            if _early and not _dense:
-                continue
-            _of = f"{_rs}@dense-scratch" if _dense else f"{_rs}@scratch"
-            _v = ("@dense-" if _dense else "@") + _tag + ("last" if _last else "") + ("-early" if _early else "")
-            _rows = named(_STAGES, "SECOND_PREFETCH_DENSE" if _dense else "SECOND_PREFETCH_QUANT")
-            _head = f"#define LFM_SECOND_LAST {_last}\n" + _SECOND + _rows
-            if _early:
-                _head = named(_STAGES, "PREFETCH_HEADER") + named(_STAGES, "EARLY_DENSE_ROWS") + _head
-            KERNELS[_rs + _v] = KERNELS[_of]
-            DEFINES_OF[_rs + _v] = _head + DEFINES_OF[_rs + ("@dense" if _dense else "")]
-            PRELUDE_OF[_rs + _v] = PRELUDE_OF[_of]
-            REPLACE_OF[_rs + _v] = (substitutions("stages.rs", "EARLY_SUBSTITUTIONS") if _early else []) + _pf
-
 # A head's rows over SPLIT blocks (MLX_LFM_QKV_SPLIT: qkv_fused.rs
 # SPLIT_SUBSTITUTIONS, then SPLIT_MEET), 2 and 4, 4-bit and dense, with the
 # scratch row in the state as a step runs it and without; the dense one

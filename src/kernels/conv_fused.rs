@@ -29,7 +29,7 @@
 //! sequence's later steps stay NaN and fail the finiteness check as well:
 //! no silently wrong state. Tests in src/kernels/tests.rs.
 
-use super::stages::{self, Built, Cells, SecondPrefetch};
+use super::stages::{self, Built, Cells};
 use crate::error::{Error, Result};
 use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
 use crate::mlx::{Array, Dtype};
@@ -72,7 +72,6 @@ pub fn built() -> usize {
 /// its waits ([`stages::early_prefetch`]).
 fn kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
     static FORMS: stages::Forms = stages::Forms::new();
-    static OUT_FORMS: stages::SecondForms = stages::SecondForms::new();
     let early = stages::early_prefetch("conv");
     let mut inputs = vec!["h", "r", "wn", "state", "cw"];
     inputs.extend(Projections::input_names(quant));
@@ -80,38 +79,8 @@ fn kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
     let base = if quant { "lfm_conv_fused" } else { "lfm_conv_fused_dense" };
     let outputs = ["s", "out", "next", "yn", "yc"];
     let header = || stages::layer_header(quant, false, stages::layer_defines(true, stages::Tail::None));
-    let pf = out_prefetch();
-    if pf != SecondPrefetch::Off {
-        let key = (quant, scratch, early);
-        return OUT_FORMS.kernel(pf, &format!("{base}_out"), key, &OUT_PREFETCH_SUBSTITUTIONS, SCRATCH_PRELUDE, &inputs, (&outputs, 3), header);
-    }
     FORMS.kernel(base, (quant, scratch, early), stages::LAYER_SOURCE, &stages::EARLY_SUBSTITUTIONS, SCRATCH_PRELUDE, &inputs, (&outputs, 3), header)
 }
-
-/// `MLX_LFM_CONV_OUT_PREFETCH=1|last` (opt-in, session 40): each channel
-/// block, once its in_proj rows and conv step are done and its part
-/// released, asks L2 for its share of out_proj (1/IB of it; quantized, of
-/// its words, scales and biases), so that out_proj's rows are on their way
-/// while the channel stage's last blocks run, and out_proj's blocks, which
-/// wait for every channel, read them at L2 (`stages::SecondPrefetch`; as
-/// the feed-forward's `MLX_LFM_FFN_W2_PREFETCH`). Session 39's ncu read the
-/// 1.2B's conv layer at 22 µs for 34 MB (~1.5 TB/s) and the 8B-A1B's 4-bit
-/// one at 18.5 µs for 9.4 MB (~0.5 TB/s): out_proj's stage is a short
-/// one of 128 blocks that starts only after the channels. `=last`: with
-/// L2's evict-last priority. The same bits; its test holds it to them.
-pub(crate) fn out_prefetch() -> SecondPrefetch {
-    static MODE: OnceLock<SecondPrefetch> = OnceLock::new();
-    stages::second_prefetch("MLX_LFM_CONV_OUT_PREFETCH", &MODE)
-}
-
-/// Where the channel blocks ask for out_proj (`LFM_SECOND_PREFETCH`):
-/// after their part's release, so that out_proj's blocks never wait on it.
-pub(crate) const OUT_PREFETCH_SUBSTITUTIONS: [(&str, &str); 1] = [
-    (
-        "        yc[c] = late ? T(poison) : T(static_cast<float>(ct) * static_cast<float>(T(acc)));\n      }\n    }\n    lfm_release_count(st + 2);\n    return;\n",
-        "        yc[c] = late ? T(poison) : T(static_cast<float>(ct) * static_cast<float>(T(acc)));\n      }\n    }\n    lfm_release_count(st + 2);\n    if (!late) LFM_SECOND_PREFETCH(role - 1, IB, D, C);\n    return;\n",
-    ),
-];
 
 /// The scratch rows' pointers into the layer's state
 /// (`MLX_LFM_SCRATCH_IN_STATE`, src/kernels/stages.rs), as the outputs of

@@ -30,7 +30,7 @@
 //! blocks (MLX's GEMV spreads it over 128): what its A/B will show. Tests
 //! in src/kernels/tests.rs.
 
-use super::stages::{self, Built, SecondPrefetch};
+use super::stages::{self, Built};
 use crate::error::{Error, Result};
 use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
 use crate::mlx::{Array, Dtype};
@@ -69,7 +69,6 @@ pub fn built() -> usize {
 /// `hk`) in the layer's state ([`stages::call_with_scratch`]).
 fn kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
     static FORMS: stages::Forms = stages::Forms::new();
-    static W2_FORMS: stages::SecondForms = stages::SecondForms::new();
     // (MLX_LFM_EARLY_PREFETCH=ffn: its form that asks for its rows before
     // its waits, stages::early_prefetch.)
     let early = stages::early_prefetch("ffn");
@@ -79,42 +78,8 @@ fn kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
     let outputs = ["s", "out", "yn", "hk"];
     let header = || stages::layer_header(quant, false, stages::layer_defines(false, stages::Tail::Ffn));
     let base = if quant { "lfm_ffn_fused_q" } else { "lfm_ffn_fused" };
-    let w2 = w2_prefetch();
-    if w2 != SecondPrefetch::Off {
-        let key = (quant, scratch, early);
-        return W2_FORMS.kernel(w2, &format!("{base}_w2"), key, &W2_PREFETCH_SUBSTITUTIONS, SCRATCH_PRELUDE, &inputs, (&outputs, 2), header);
-    }
     FORMS.kernel(base, (quant, scratch, early), stages::LAYER_SOURCE, &stages::EARLY_SUBSTITUTIONS, SCRATCH_PRELUDE, &inputs, (&outputs, 2), header)
 }
-
-/// `MLX_LFM_FFN_W2_PREFETCH=1|last` (opt-in, session 40): each gate
-/// block, once its own w1/w3 rows are summed and its part released, asks
-/// L2 for its share of w2 (1/GB of the matrix, 64 KB a block on the 1.2B;
-/// quantized, of its words, scales and biases), so that w2's rows are on
-/// their way from DRAM while the gate stage's last blocks still run and
-/// the w2 blocks, which start only when every gate output is done, read
-/// them at L2 (`stages::SecondPrefetch`). Session 39's ncu read the 1.2B's
-/// feed-forward at 46.5 µs for 101 MB (~2.17 TB/s, 64% of DRAM's peak,
-/// where MLX's `gemv_single` read the LM head's 268 MB at ~3.1 TB/s): its
-/// w2 stage is one block of 16 warps on each of 128 SMs, each warp with 2
-/// KB in flight (8 loads of 8 bytes a lane; these kernels ask L2 for no
-/// whole rows), and it begins only after the gate stage ends. `=last` asks
-/// with L2's evict-last priority, so that the gate stage's own rows, read
-/// once, leave L2 before w2's. The same bits (a prefetch writes nothing);
-/// its test holds it to them.
-pub(crate) fn w2_prefetch() -> SecondPrefetch {
-    static MODE: OnceLock<SecondPrefetch> = OnceLock::new();
-    stages::second_prefetch("MLX_LFM_FFN_W2_PREFETCH", &MODE)
-}
-
-/// Where the gate blocks ask for w2 (`LFM_SECOND_PREFETCH`): after their
-/// part's release, so that the w2 blocks never wait on it.
-pub(crate) const W2_PREFETCH_SUBSTITUTIONS: [(&str, &str); 1] = [
-    (
-        "      if (lane == 0) hk[j] = late ? T(poison) : lfm_swiglu<T>(gu[0], gu[1]);\n    }\n    lfm_release_count(st + FC + 2);\n    return;\n",
-        "      if (lane == 0) hk[j] = late ? T(poison) : lfm_swiglu<T>(gu[0], gu[1]);\n    }\n    lfm_release_count(st + FC + 2);\n    if (!late) LFM_SECOND_PREFETCH(fr - 1, GB, D, F);\n    return;\n",
-    ),
-];
 
 /// The scratch rows' pointers into the layer's state
 /// (`MLX_LFM_SCRATCH_IN_STATE`, src/kernels/stages.rs), as the outputs of

@@ -1569,10 +1569,8 @@ fn decode_attention_kernel_matches_stock_ops() {
 fn kernel_variant_substitutions_each_land() {
     use crate::kernels::{add_rms_norm as an, moe_experts as me, moe_router as mr, norm_gemv as ng};
     type Subs = [(&'static str, &'static str)];
-    let sets: [(&str, &str, &Subs); 7] = [
+    let sets: [(&str, &str, &Subs); 5] = [
         ("the down kernel's early loads", me::DOWN_SOURCE, &me::DOWN_EARLY_SUBSTITUTIONS),
-        ("the feed-forward's w2 asked of L2", crate::kernels::stages::LAYER_SOURCE, &crate::kernels::ffn_fused::W2_PREFETCH_SUBSTITUTIONS),
-        ("the conv layer's out_proj asked of L2", crate::kernels::stages::LAYER_SOURCE, &crate::kernels::conv_fused::OUT_PREFETCH_SUBSTITUTIONS),
         ("the grouped GEMM's rows read through their places", crate::kernels::moe_gemm::SOURCE, &crate::kernels::moe_gemm::GATHERED_SUBSTITUTIONS),
         ("the router + norm kernel's constants", mr::GATE_NORM_SOURCE, &mr::GATE_NORM_CONST_SUBSTITUTIONS),
         ("the add + RMSNorm kernel's eps", an::SOURCE, &an::EPS_CONST_SUBSTITUTIONS),
@@ -2663,25 +2661,6 @@ fn conv_fused_kernel_matches_stock_ops() {
                     assert_eq!(differing(got, want), 0, "{what}: rows asked for early, launch {turn}: the {name} differs");
                 }
             }
-            // out_proj asked of L2 by the channel blocks
-            // (MLX_LFM_CONV_OUT_PREFETCH, opt-in), plainly and with
-            // evict-last, alone and with the early form: the same bits, on
-            // the same counters and with the scratch rows in the state.
-            for mode in ["1", "last"] {
-                for with_early in [false, true] {
-                    let mut set = vec![("MLX_LFM_CONV_OUT_PREFETCH".to_string(), Some(mode.to_string()))];
-                    if with_early {
-                        set.extend(early.iter().cloned());
-                    }
-                    for turn in 0..2 {
-                        let (s2, out2, next2) =
-                            crate::knobs::with_overrides(&set, || if turn == 0 { run(&counters) } else { scratch_in_state(|| run(&big)) });
-                        for (name, got, want) in [("sum", &s2, &s), ("output", &out2, &out), ("state", &next2, &next)] {
-                            assert_eq!(differing(got, want), 0, "{what}: out_proj asked of L2 ({mode}, early: {with_early}), launch {turn}: the {name} differs");
-                        }
-                    }
-                }
-            }
             // The timeline form (the bench's), of the default and the early
             // form, on counters of its own: the same output and state, its
             // stamps in the stages' order.
@@ -3254,24 +3233,6 @@ fn ffn_fused_kernel_matches_stock_ops() {
                 let (s2, out2) = crate::knobs::with_overrides(&early, || if turn == 0 { run(&counters) } else { scratch_in_state(|| run(&big)) });
                 assert_eq!(differing(&s2, &s), 0, "{what}: rows asked for early, launch {turn}: the sum differs");
                 assert_eq!(differing(&out2, &out), 0, "{what}: rows asked for early, launch {turn}: the output differs");
-            }
-            // w2 asked of L2 by the gate blocks (MLX_LFM_FFN_W2_PREFETCH,
-            // opt-in), plainly and with evict-last, alone and with the
-            // early form: the same bits, on the same counters and with the
-            // scratch rows in the state.
-            for mode in ["1", "last"] {
-                for with_early in [false, true] {
-                    let mut set = vec![("MLX_LFM_FFN_W2_PREFETCH".to_string(), Some(mode.to_string()))];
-                    if with_early {
-                        set.extend(early.iter().cloned());
-                    }
-                    for turn in 0..2 {
-                        let (s2, out2) = crate::knobs::with_overrides(&set, || if turn == 0 { run(&counters) } else { scratch_in_state(|| run(&big)) });
-                        let form = format!("w2 asked of L2 ({mode}, early: {with_early}), launch {turn}");
-                        assert_eq!(differing(&s2, &s), 0, "{what}: {form}: the sum differs");
-                        assert_eq!(differing(&out2, &out), 0, "{what}: {form}: the output differs");
-                    }
-                }
             }
             check_counters_in_step(&what, &counters, &[true, true, false, true, false], &[s, out], |c| {
                 let (s, out) = run(c);

@@ -1001,19 +1001,15 @@ fn medians(lines: &[serde_json::Value], parts: &[&str]) -> serde_json::Value {
 /// The `-bf16-` arms: the 1.2B's layer, its projections dense (MLX's GEMV).
 /// The `-early` arms: the one launch with its rows asked of L2 before its
 /// waits (`MLX_LFM_EARLY_PREFETCH`, src/kernels/stages.rs `early_prefetch`);
-/// the `-out` arms: out_proj asked of L2 by the channel blocks
-/// (`MLX_LFM_CONV_OUT_PREFETCH`, `-outlast` with evict-last).
-const CONV_ARMS: [(&str, Switches, usize); 10] = [
+/// (Session 40's `-out` arms, out_proj asked of L2 by the channel
+/// blocks, read no faster in session 41 and are retired with their switch.)
+const CONV_ARMS: [(&str, Switches, usize); 6] = [
     ("conv-layer-q4-four", &[("MLX_LFM_CONV_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1")], 4),
     ("conv-layer-q4-fused", &[("MLX_LFM_CONV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
     ("conv-layer-q4-fused-early", &[("MLX_LFM_CONV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_EARLY_PREFETCH", "conv")], 1),
     ("conv-layer-bf16-four", &[("MLX_LFM_CONV_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1")], 4),
     ("conv-layer-bf16-fused", &[("MLX_LFM_CONV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
     ("conv-layer-bf16-fused-early", &[("MLX_LFM_CONV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_EARLY_PREFETCH", "conv")], 1),
-    ("conv-layer-q4-fused-out", &[("MLX_LFM_CONV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_CONV_OUT_PREFETCH", "1")], 1),
-    ("conv-layer-q4-fused-outlast", &[("MLX_LFM_CONV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_CONV_OUT_PREFETCH", "last")], 1),
-    ("conv-layer-bf16-fused-out", &[("MLX_LFM_CONV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_CONV_OUT_PREFETCH", "1")], 1),
-    ("conv-layer-bf16-fused-outlast", &[("MLX_LFM_CONV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_CONV_OUT_PREFETCH", "last")], 1),
 ];
 const CONV_COPIES: usize = 8;
 /// Dense copies (~33 MB each: three are over the L2 too).
@@ -1113,24 +1109,15 @@ impl ConvLayer {
 /// against the one. `(arm, its switches, kernels a product)`. Launches
 /// cycle through [`FFN_COPIES`] copies (~100 MB each dense, ~25 MB 4-bit,
 /// of which [`FFN_Q4_COPIES`]: every launch reads its weights from DRAM).
-/// The `-w2` arms: w2 asked of L2 by the gate blocks
-/// (`MLX_LFM_FFN_W2_PREFETCH`; `-w2last` with evict-last, `-w2-early`
-/// with the early form too).
-const FFN_ARMS: [(&str, Switches, usize); 10] = [
+/// (Session 40's `-w2` arms, w2 asked of L2 by the gate blocks, read 5-8
+/// µs slower in session 41 and are retired with their switch.)
+const FFN_ARMS: [(&str, Switches, usize); 6] = [
     ("ffn-layer-bf16-three", &[("MLX_LFM_FFN_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_GEMV_KERNEL", "1")], 3),
     ("ffn-layer-bf16-fused", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
     ("ffn-layer-bf16-fused-early", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_EARLY_PREFETCH", "ffn")], 1),
-    ("ffn-layer-bf16-fused-w2", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_FFN_W2_PREFETCH", "1")], 1),
-    ("ffn-layer-bf16-fused-w2last", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_FFN_W2_PREFETCH", "last")], 1),
-    (
-        "ffn-layer-bf16-fused-w2-early",
-        &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_FFN_W2_PREFETCH", "1"), ("MLX_LFM_EARLY_PREFETCH", "ffn")],
-        1,
-    ),
     ("ffn-layer-q4-four", &[("MLX_LFM_FFN_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1")], 4),
     ("ffn-layer-q4-fused", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
     ("ffn-layer-q4-fused-early", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_EARLY_PREFETCH", "ffn")], 1),
-    ("ffn-layer-q4-fused-w2", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_FFN_W2_PREFETCH", "1")], 1),
 ];
 const FFN_COPIES: usize = 2;
 const FFN_Q4_COPIES: usize = 4;
