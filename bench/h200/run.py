@@ -164,55 +164,60 @@ from its A/B: the variants and greedy sets that turned them on are gone,
 `layers-fused-off` (greedy set and variant) and `moe-fused-off`,
 `conv-fused-off`, `ffn-fused-off`, `qkv-fused-off` measure them off, and
 the greedy test's default run checks it built each.
-Next (`bash bench/h200/prepare.sh` here first; session 41 got no machine:
-nine starts refused or failed over ~50 minutes, ~630 device-seconds gone,
-so its chain below is session 40's with the q/k/v split put first and the
-calls ordered by what each answers alone; ~1,600 s planned, steps 6-7 only
-where ~450 s are left; a fresh machine's `ab` first spends ~270 s
-generating the checkpoints, and a round waits ~150 s for the GGUF chain).
-Session 41 added `MLX_LFM_QKV_SPLIT=2|4` (opt-in): the one-launch q/k/v
-stage with each head's rows over 2 or 4 blocks (1 + 48 blocks on the 1.2B
-and the 8B-A1B, ~15 µs a launch for 12.6 MB in session 40's profile), its
-test cases in `qkv_fused_kernel_matches_stock_ops` (the same bits, the
-state's words read back), kernel-bench arms `qkv-*` and the variants
-`qkv-split-2`, `qkv-split-4`. The chain:
+Next (`bash bench/h200/prepare.sh` here first; ~1,550 s planned, step 5
+only where ~450 s are left; a fresh machine's `ab` first spends ~270 s
+generating the checkpoints, and a round waits ~150 s for the GGUF chain;
+the whole q/k/v test took 528 s in session 41 with its split cases on
+every shape, fewer now).
+Session 41 got an H100 for ~17 minutes after ~50 minutes of failed and
+refused starts (~630 device-seconds): its tests passed the prefetch forms,
+the sort by expert (a host's stable sort, exactly) and the grouped
+prefill with the combine (the stock bits); the q/k/v test stopped on its
+own assertion after its first five cases, the new split among them,
+had passed (mended since); kernel-bench read the q/k/v stage at ~19-20
+µs a launch however split (its time is fixed, not bytes), the w2 and
+out_proj prefetches slower or no faster (retired); `ab` read the sort
+and combine 1.094-1.098x on the 8B-A1B's P=512 prefill (now CUDA
+defaults), the attention over 4 chunks 1.000x on the 1.2B; the 8B-A1B's
+prefill profile: GPU-bound, 22.5 ms of kernels for a 21.1-21.5 ms TTFT,
+the grouped expert GEMMs 12.1 ms of it. The chain:
   1. carry [.device/a]: `stage-mlx`.
-  2. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=4
-     H200_KERNEL_TESTS=qkv_fused_kernel,ffn_fused_kernel,conv_fused_kernel,moe_sort_kernel,moe_grouped_prefill,stock_route_margins
+  2. carry [.device/llama]: `llama`.
+  3. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=4
+     H200_KERNEL_TESTS=qkv_fused_kernel,greedy_tokens_with_kernels_equal_stock_ops
      `timeout -s TERM 540 python3 bench/h200/run.py install verdicts-from
-     committed kernels save-ptx` (the split held to the one-block form's
-     bits; the w2 and out_proj prefetch forms to the default's; the sort
-     by expert to a host's stable sort, the grouped prefill to the
-     argsorts' bits; the route margins on the GPU's stock path).
-  3. carry [.device/bin]: H200_KERNEL_BENCH_ARMS=qkv-bf16-fused,qkv-bf16-fused-w32,qkv-bf16-split2,qkv-bf16-split4,qkv-bf16-split2-w32,qkv-q4-fused,qkv-q4-split2,qkv-q4-split4,ffn-layer-bf16-fused,ffn-layer-bf16-fused-w2,ffn-layer-bf16-fused-w2last,conv-layer-bf16-fused,conv-layer-bf16-fused-out,conv-layer-bf16-fused-outlast
-     `timeout -s TERM 300 python3 bench/h200/run.py kernel-bench` (µs a
-     launch under ncu: does the split take the q/k/v stage toward the
-     bandwidth, and does the second projection asked of L2 shorten the
-     1.2B's feed-forward, 46.5 µs for 101 MB, and conv layer, 22 µs for
-     34 MB?).
-  4. carry [.device/llama]: `llama` (only for the rounds: skip it where
-     steps 6-7 will not fit).
-  5. carry [.device/bin]: H200_OURS_ENV (mimalloc),
-     H200_AB_VARIANTS=qkv-split-2,qkv-split-4,qkv-warps-32,attention-chunks-4,moe-sort-combine
-     H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4 H200_AB_REPS=3 `timeout -s
-     TERM 560 python3 bench/h200/run.py ab pick gguf-bg` (the split forms
-     and the prefetches as step 3 read them, each prefetch as `-last`
-     where that form won there; the attention over 4 chunks on the 1.2B
-     before it is adopted; the sort by expert with the combine on the
-     8B-A1B's P=512 prefill; gguf-bg only where step 4 ran).
-  6. carry [.device/bin]: H200_OURS_ENV, H200_MODELS=lfm2-8b-a1b-q4
-     `timeout -s TERM 240 python3 bench/h200/run.py profile-prefill` (the
-     8B-A1B's 512-token prefill, 1-3% under llama.cpp's: ours fits ~9.4 ms
-     a pass plus ~25 µs a token, llama.cpp's ~46 µs a token).
-  7. carry [.device/bin]: H200_OURS_ENV, `timeout -s TERM 560 python3
-     bench/h200/run.py pick round 1` (the targets with whatever step 5
-     picked).
-  (Then, as session 40 planned: the four greedy tests with the route
-  near-ties, H200_KERNEL_TESTS=greedy_tokens_with_kernels_equal_stock_ops
-  `kernels`: do the tiny MoE fixture's 4-bit departures fall on route
-  near-ties too? Not planned: the timelines; session 39's read most
-  launches 5-9x their ncu times; before reading them again, keep the GPU
-  busy just before each stamped launch.)
+     committed kernels save-ptx` (the q/k/v test first: session 41's
+     record has it failed, on the test's own assertion, and a default's
+     failed verdict turns every kernel off for the benchmarks; its split
+     cases now only on the models' shapes and float32. The four greedy
+     tests with the sort and combine in every run's prompt: do the tiny
+     MoE fixture's 4-bit departures, steps 26-34 of the float32-sum sets,
+     fall on route near-ties? The sort's and grouped prefill's verdicts
+     are session 41's.)
+  4. carry [.device/bin]: H200_OURS_ENV (mimalloc), `timeout -s TERM 560
+     python3 bench/h200/run.py pick round 1` (the targets with the sort
+     and combine: is the 8B-A1B's P=512 prefill past llama.cpp's now, as
+     the A/B's 1.096x over session 40's 0.97-0.99x says it should be?).
+  5. carry [.device/bin]: H200_OURS_ENV,
+     H200_AB_VARIANTS=moe-sort-off,moe-combine-off,attention-chunks-4,qkv-split-4
+     H200_MODELS=lfm2-8b-a1b-q4,lfm2-350m-bf16 H200_AB_REPS=4 `timeout -s
+     TERM 560 python3 bench/h200/run.py ab pick gguf-bg` (the new defaults
+     measured off; the attention over 4 chunks, 1.016-1.020x on the 350M
+     and 8B-A1B in session 40 and 1.000x on the 1.2B in session 41).
+  (Not planned: the timelines; session 39's read most launches 5-9x
+  their ncu times; before reading them again, keep the GPU busy just
+  before each stamped launch. The levers the profiles point at next: the
+  8B-A1B prefill's grouped expert GEMMs, 12.1 ms of its 22.5 (gate/up
+  3.1 GB read in 8.0 ms: neither its bandwidth nor its tensor cores are
+  near their bounds), its 22 `qmm_naive` launches (0.85 ms: the router's
+  gate over a prompt's rows, 32 experts wide), and the 1.2B's
+  feed-forward at ~2.17 TB/s.)
+Session 41's plan, for the record: 1. `stage-mlx`; 2. the q/k/v split's,
+prefetch forms', sort's and grouped prefill's tests; 3. kernel-bench of
+the q/k/v forms and the prefetch forms; 4. `llama`; 5. `ab pick gguf-bg`
+on the 1.2B and 8B-A1B; 6. the 8B-A1B's prefill profile; 7. `pick round
+1`. It ran 1-3, the A/B as two calls without `pick` and `gguf-bg`, and
+the profile; no round.
 Session 40 got an H100 for ~27 minutes and ran session 39's chain but its
 step 6: the mended norm and GEMV tests, the argmax over chunks and the
 stacked rows passed; the greedy sets passed but the tiny MoE fixture's nine
