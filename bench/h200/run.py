@@ -210,7 +210,11 @@ the grouped expert GEMMs 12.1 ms of it. The chain:
   8B-A1B prefill's grouped expert GEMMs, 12.1 ms of its 22.5 (gate/up
   3.1 GB read in 8.0 ms: neither its bandwidth nor its tensor cores are
   near their bounds), its 22 `qmm_naive` launches (0.85 ms: the router's
-  gate over a prompt's rows, 32 experts wide), and the 1.2B's
+  gate over a prompt's rows, 32 experts wide; the gate dequantized once
+  and multiplied densely moved 599-617 of 776 logits of the tiny MoE
+  fixture's 4-bit gate by up to 0.014-0.028 of their scale on the CPU, so
+  it needs the exact product's verdict and the route ties' before it is
+  an opt-in), and the 1.2B's
   feed-forward at ~2.17 TB/s.)
 Session 41's plan, for the record: 1. `stage-mlx`; 2. the q/k/v split's,
 prefetch forms', sort's and grouped prefill's tests; 3. kernel-bench of
