@@ -215,7 +215,14 @@ the grouped expert GEMMs 12.1 ms of it. The chain:
   fixture's 4-bit gate by up to 0.014-0.028 of their scale on the CPU, so
   it needs the exact product's verdict and the route ties' before it is
   an opt-in), and the 1.2B's
-  feed-forward at ~2.17 TB/s.)
+  feed-forward at ~2.17 TB/s. One question under all the one-launch
+  layers: the q/k/v stage took ~19-20 µs however its 12.6 MB were split,
+  and the conv layer's 21.7 µs for 34 MB and the feed-forward's 46.6 for
+  101 MB sit ~10-13 µs over their bytes at 3 TB/s too; if that is fixed
+  a launch (the norm stage's handoff, the waits) and not ncu's idle
+  clocks between kernel-bench's synced launches, it is ~190 µs of the
+  1.2B's 1,335 µs step, more than its 1.2x target needs: time one layer
+  back to back, without ncu, against its bytes.)
 Session 41's plan, for the record: 1. `stage-mlx`; 2. the q/k/v split's,
 prefetch forms', sort's and grouped prefill's tests; 3. kernel-bench of
 the q/k/v forms and the prefetch forms; 4. `llama`; 5. `ab pick gguf-bg`
