@@ -81,6 +81,19 @@ fn quant_arms() -> Vec<(&'static str, Vec<(&'static str, &'static str)>)> {
 /// step's do (ncu flushes the caches itself; the wall times need this).
 const CYCLE_BYTES: usize = 96 << 20;
 
+/// `w` quantized as the 8B-A1B's projections are: affine 4-bit, groups of 64.
+fn q4_of(w: &Array) -> mlx_lfm::Result<mlx_lfm::model::linear::Quantized> {
+    use mlx_lfm::mlx::{QuantMode, QuantSpec};
+    let spec = QuantSpec { mode: QuantMode::Affine, bits: 4, group_size: 64 };
+    let (weight, scales, biases) = mlx::quantize(w, spec)?;
+    Ok(mlx_lfm::model::linear::Quantized { weight, scales, biases, spec })
+}
+
+/// A random bf16 weight of `shape` (normal, deviation `std`), [`q4_of`].
+fn q4_random(shape: &[i32], std: f32) -> mlx_lfm::Result<mlx_lfm::model::linear::Quantized> {
+    q4_of(&normal(shape, Dtype::Bfloat16, 0.0, std, None)?)
+}
+
 /// One shape's operands: the row and the weights it cycles through.
 enum Weights {
     Dense(Vec<Array>),
@@ -122,7 +135,6 @@ impl Weights {
 /// `only`: the arms so named (`--arms a,b`, e.g. for ncu's detail
 /// sections over a few launches); None runs them all.
 pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
-    use mlx_lfm::mlx::{QuantMode, QuantSpec};
     let bf = Dtype::Bfloat16;
     let cuda = cuda_kernels_enabled();
     // (Our kernels' arms only where they run; the stock arms everywhere.)
@@ -174,7 +186,6 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
     // (Ours under its switch, as the dense arms are, so a picked setting of
     // the session cannot leave it unserved.)
     let swiglu_arms = keep(SWIGLU_ARMS.iter().map(|n| (*n, if n.starts_with("ours") { vec![("MLX_LFM_GEMV_KERNEL", "1")] } else { vec![] })).collect());
-    let spec = QuantSpec { mode: QuantMode::Affine, bits: 4, group_size: 64 };
     let mut plan = vec![];
     let mut sets = vec![];
     #[derive(Clone, Copy, PartialEq)]
@@ -205,13 +216,7 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
             .map(|_| normal(&[n, k], bf, 0.0, 1.0 / (k as f32).sqrt(), None))
             .collect::<mlx_lfm::Result<Vec<Array>>>()?;
         let weights = if quant {
-            let q = dense
-                .iter()
-                .map(|w| {
-                    let (weight, scales, biases) = mlx::quantize(w, spec)?;
-                    Ok(mlx_lfm::model::linear::Quantized { weight, scales, biases, spec })
-                })
-                .collect::<mlx_lfm::Result<Vec<_>>>()?;
+            let q = dense.iter().map(q4_of).collect::<mlx_lfm::Result<Vec<_>>>()?;
             let mut held: Vec<&Array> = q.iter().flat_map(|q| [&q.weight, &q.scales]).collect();
             held.extend(q.iter().filter_map(|q| q.biases.as_ref()));
             held.push(&x);
@@ -428,19 +433,12 @@ struct QkvLayer {
 
 impl QkvLayer {
     fn new() -> mlx_lfm::Result<QkvLayer> {
-        use mlx_lfm::mlx::{QuantMode, QuantSpec};
         let bf = Dtype::Bfloat16;
         let (qh, kvh, hd) = QKV_HEADS;
         let rows = (qh + 2 * kvh) * hd;
         let scale = 1.0 / (QKV_D as f32).sqrt();
         let dense = (0..QKV_COPIES).map(|_| normal(&[rows, QKV_D], bf, 0.0, scale, None)).collect::<mlx_lfm::Result<Vec<_>>>()?;
-        let spec = QuantSpec { mode: QuantMode::Affine, bits: 4, group_size: 64 };
-        let quant = (0..QKV_COPIES)
-            .map(|_| {
-                let (weight, scales, biases) = mlx::quantize(&normal(&[rows, QKV_D], bf, 0.0, scale, None)?, spec)?;
-                Ok(mlx_lfm::model::linear::Quantized { weight, scales, biases, spec })
-            })
-            .collect::<mlx_lfm::Result<Vec<_>>>()?;
+        let quant = (0..QKV_COPIES).map(|_| q4_random(&[rows, QKV_D], scale)).collect::<mlx_lfm::Result<Vec<_>>>()?;
         let h = normal(&[1, QKV_D], bf, 0.0, 4.0, None)?;
         let r = normal(&[1, QKV_D], bf, 0.0, 1.0, None)?;
         let wn = normal(&[QKV_D], Dtype::Float32, 1.0, 0.2, None)?.astype(bf)?;
@@ -580,14 +578,8 @@ struct Experts {
 
 impl Experts {
     fn new() -> mlx_lfm::Result<Experts> {
-        use mlx_lfm::mlx::{QuantMode, QuantSpec};
         let bf = Dtype::Bfloat16;
-        let spec = QuantSpec { mode: QuantMode::Affine, bits: 4, group_size: 64 };
-        let quant = |rows: i32, width: i32| -> mlx_lfm::Result<mlx_lfm::model::linear::Quantized> {
-            let w = normal(&[EXPERTS, rows, width], bf, 0.0, 1.0 / (width as f32).sqrt(), None)?;
-            let (weight, scales, biases) = mlx::quantize(&w, spec)?;
-            Ok(mlx_lfm::model::linear::Quantized { weight, scales, biases, spec })
-        };
+        let quant = |rows: i32, width: i32| q4_random(&[EXPERTS, rows, width], 1.0 / (width as f32).sqrt());
         let gate_up = quant(2 * EXPERT_F, EXPERT_D)?;
         let down = quant(EXPERT_D, EXPERT_F)?;
         let x = normal(&[1, EXPERT_D], bf, 0.0, 1.0, None)?;
@@ -690,12 +682,9 @@ struct Layer {
 
 impl Layer {
     fn new() -> mlx_lfm::Result<Layer> {
-        use mlx_lfm::mlx::{QuantMode, QuantSpec};
         let bf = Dtype::Bfloat16;
-        let spec = QuantSpec { mode: QuantMode::Affine, bits: 4, group_size: 64 };
         let experts = Experts::new()?;
-        let (weight, scales, biases) = mlx::quantize(&normal(&[EXPERTS, EXPERT_D], bf, 0.0, 0.04, None)?, spec)?;
-        let gate = mlx_lfm::model::linear::Quantized { weight, scales, biases, spec };
+        let gate = q4_random(&[EXPERTS, EXPERT_D], 0.04)?;
         let hs = (0..LAYER_ROWS).map(|_| normal(&[1, EXPERT_D], bf, 0.0, 4.0, None)).collect::<mlx_lfm::Result<Vec<_>>>()?;
         let r = normal(&[1, EXPERT_D], bf, 0.0, 1.0, None)?;
         let wn = normal(&[EXPERT_D], Dtype::Float32, 1.0, 0.2, None)?.astype(bf)?;
@@ -1033,13 +1022,8 @@ struct ConvLayer {
 
 impl ConvLayer {
     fn new() -> mlx_lfm::Result<ConvLayer> {
-        use mlx_lfm::mlx::{QuantMode, QuantSpec};
         let bf = Dtype::Bfloat16;
-        let spec = QuantSpec { mode: QuantMode::Affine, bits: 4, group_size: 64 };
-        let quant = |rows: i32| -> mlx_lfm::Result<mlx_lfm::model::linear::Quantized> {
-            let (weight, scales, biases) = mlx::quantize(&normal(&[rows, CONV_D], bf, 0.0, 1.0 / (CONV_D as f32).sqrt(), None)?, spec)?;
-            Ok(mlx_lfm::model::linear::Quantized { weight, scales, biases, spec })
-        };
+        let quant = |rows: i32| q4_random(&[rows, CONV_D], 1.0 / (CONV_D as f32).sqrt());
         let projections = (0..CONV_COPIES).map(|_| Ok((quant(3 * CONV_D)?, quant(CONV_D)?))).collect::<mlx_lfm::Result<Vec<_>>>()?;
         let scale = 1.0 / (CONV_D as f32).sqrt();
         let dense = (0..CONV_DENSE_COPIES)
@@ -1149,7 +1133,6 @@ struct FfnLayer {
 
 impl FfnLayer {
     fn new() -> mlx_lfm::Result<FfnLayer> {
-        use mlx_lfm::mlx::{QuantMode, QuantSpec};
         let bf = Dtype::Bfloat16;
         let weights = (0..FFN_COPIES)
             .map(|_| {
@@ -1159,11 +1142,7 @@ impl FfnLayer {
                 ))
             })
             .collect::<mlx_lfm::Result<Vec<_>>>()?;
-        let spec = QuantSpec { mode: QuantMode::Affine, bits: 4, group_size: 64 };
-        let quant = |rows: i32, cols: i32| -> mlx_lfm::Result<mlx_lfm::model::linear::Quantized> {
-            let (weight, scales, biases) = mlx::quantize(&normal(&[rows, cols], bf, 0.0, 1.0 / (cols as f32).sqrt(), None)?, spec)?;
-            Ok(mlx_lfm::model::linear::Quantized { weight, scales, biases, spec })
-        };
+        let quant = |rows: i32, cols: i32| q4_random(&[rows, cols], 1.0 / (cols as f32).sqrt());
         let quant = (0..FFN_Q4_COPIES)
             .map(|_| Ok((quant(2 * FFN_Q4_F, FFN_D)?, quant(FFN_D, FFN_Q4_F)?)))
             .collect::<mlx_lfm::Result<Vec<_>>>()?;
