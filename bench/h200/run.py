@@ -1543,6 +1543,26 @@ def moe_timeline():
             record(engine="moe-timeline", arm=j["timeline_error"], error=j["error"])
 
 
+def layer_chains():
+    """The one-launch layers back to back in one stream, each launch's
+    row the one before's output, as a step runs them (`mlx-lfm-bench
+    --kernel-bench --arms layer-chains`, no ncu): a launch's time as the
+    slope of two chains' walls, against the stock launches each replaces
+    and MLX's GEMV of the q/k/v rows, then the conv layer's and the
+    feed-forward's timeline forms chained (each launch's span on the GPU's
+    global timer, the gap to the next). The question (session 41): is the
+    ~10-15 µs that ncu's lone launches read over these layers' bytes fixed
+    a launch, ~190 µs of the 1.2B's step, or ncu's idle clocks? No
+    checkpoint needed."""
+    r = sh([BENCH, "--kernel-bench", "--device", "gpu", "--reps", "5", "--arms", "layer-chains"], "layer-chains", check=False)
+    if r.returncode != 0:
+        record(engine="layer-chains", error=r.stderr[-2000:])
+    for line in r.stdout.splitlines():
+        j = json.loads(line) if line.startswith("{") else {}
+        if "layer_chain" in j or "layer_chain_timeline" in j:
+            record(engine="layer-chains", **j)
+
+
 def short_kernel(name):
     """A kernel's name without the hash of its text our kernels carry
     (src/mlx/kernel.rs: module_name), keeping its template values (K, C,
@@ -2769,7 +2789,7 @@ def collect(files):
         elif r.get("engine") in ("ncu", "ncu-prefill", "ab", "tests", "constrained", "new-lengths", "pick", "env", "step-ops",
                                  "prefill-ops", "batch-phases", "mlx-lfm-allocator", "kernel-bench", "kernel-detail",
                                  "kernel-stalls", "kernel-source", "ncu-detail", "ncu-stalls", "ptx-cache", "gguf-bg",
-                                 "dispatch-cost", "shape-cost", "moe-timeline"):
+                                 "dispatch-cost", "shape-cost", "moe-timeline", "layer-chains"):
             profiles.append(r)
         elif r.get("samples"):
             runs.append({"model": r["model"], "engine": r["engine"], "metric": r["metric"], "prompt": r["prompt"],
@@ -2968,6 +2988,9 @@ def main():
             elif a == "moe-timeline":
                 install()
                 moe_timeline()
+            elif a == "layer-chains":
+                install()
+                layer_chains()
             elif a == "kernel-bench":
                 install()
                 kernel_bench()

@@ -153,16 +153,18 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
             .chain(CONV_ARMS.iter().map(|(n, ..)| *n))
             .chain(FFN_ARMS.iter().map(|(n, ..)| *n))
             .chain(QKV_ARMS.iter().map(|(n, _)| *n))
-            .chain([TIMELINE_ARM, CONV_TIMELINE_ARM, FFN_TIMELINE_ARM])
+            .chain([TIMELINE_ARM, CONV_TIMELINE_ARM, FFN_TIMELINE_ARM, CHAIN_ARM])
             .collect();
         if let Some(bad) = a.iter().find(|x| !known.contains(&x.as_str())) {
             return Err(mlx_lfm::Error::invalid(format!("--arms: no arm named {bad:?} (the arms: {})", known.join(", "))));
         }
     }
     let timelines: Vec<&String> =
-        only.unwrap_or(&[]).iter().filter(|x| [TIMELINE_ARM, CONV_TIMELINE_ARM, FFN_TIMELINE_ARM].contains(&x.as_str())).collect();
+        only.unwrap_or(&[]).iter().filter(|x| [TIMELINE_ARM, CONV_TIMELINE_ARM, FFN_TIMELINE_ARM, CHAIN_ARM].contains(&x.as_str())).collect();
     if !timelines.is_empty() {
-        if !cuda {
+        // (The chains' stock forms run anywhere; their kernels' forms say
+        // they are unserved where they are not CUDA's.)
+        if !cuda && timelines.iter().any(|a| a.as_str() != CHAIN_ARM) {
             return Err(mlx_lfm::Error::invalid("--arms: the timeline forms run on CUDA only".to_string()));
         }
         if only.is_some_and(|a| a.len() > timelines.len()) {
@@ -173,6 +175,7 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
             let done = match arm.as_str() {
                 TIMELINE_ARM => timeline(reps),
                 CONV_TIMELINE_ARM => conv_timeline(reps),
+                CHAIN_ARM => layer_chains(reps),
                 _ => ffn_timeline(reps),
             };
             if let Err(e) = done {
@@ -466,10 +469,15 @@ impl QkvLayer {
     /// The stage's q for launch `i` (copy `i` of the dense or the 4-bit
     /// projection, in turn) on `ctr`.
     fn launch(&self, q4: bool, ctr: &Array, i: usize) -> mlx_lfm::Result<Array> {
+        self.launch_on(&self.h, q4, ctr, i)
+    }
+
+    /// [`QkvLayer::launch`] on the row `h` (a chain's previous output).
+    fn launch_on(&self, h: &Array, q4: bool, ctr: &Array, i: usize) -> mlx_lfm::Result<Array> {
         use mlx_lfm::kernels::qkv_fused::{self, Projection};
         use mlx_lfm::model::linear::Normed;
         let p = if q4 { Projection::Quant(&self.quant[i % self.quant.len()]) } else { Projection::Dense(&self.dense[i % self.dense.len()]) };
-        let x = Normed { h: &self.h, r: Some(&self.r), w: &self.wn, eps: LAYER_EPS, eps_array: &self.eps };
+        let x = Normed { h, r: Some(&self.r), w: &self.wn, eps: LAYER_EPS, eps_array: &self.eps };
         if !qkv_fused::available(&x, p, &self.qw, &self.kw, QKV_HEADS, &self.offset) {
             return Err(mlx_lfm::Error::invalid("kernel-bench: the q/k/v stage's kernel does not serve its operands here"));
         }
@@ -962,6 +970,209 @@ fn ffn_timeline(reps: usize) -> mlx_lfm::Result<()> {
     Ok(())
 }
 
+/// `--arms layer-chains` (alone, without ncu): the one-launch layers as
+/// a decode step runs them, back to back in one stream, each launch's row
+/// the one before's output (the step's own dependence), against the stock
+/// launches they replace and MLX's GEMV of the q/k/v rows. ncu times each
+/// launch alone at its locked clocks after an idle gap, and the
+/// kernel-bench arms read the q/k/v stage at ~19-20 µs however its 12.6 MB
+/// were split (session 41, an H100), the conv layer ~10 and the
+/// feed-forward ~13 µs over their bytes at 3 TB/s: a cost fixed a launch
+/// (the norm's handoff, the waits) would be ~190 µs of the 1.2B's 1,335
+/// µs step, an artifact of timing launches alone nothing. Each chain's
+/// wall at two lengths, a launch's time the slope between them (the
+/// eval's fixed host cost cancels; the host builds a launch in far less
+/// than these layers' GPU time, which `floor-mul`, one multiply over the
+/// row a launch, bounds). Then the conv layer's and the feed-forward's
+/// timeline forms in a chain: each launch's span from its first block's
+/// start to its last block's end on the GPU's global timer, the gap to
+/// the next launch's first block, and the parts' medians, launch 0 (an
+/// idle GPU's) left out.
+const CHAIN_ARM: &str = "layer-chains";
+const CHAIN_LENGTHS: [usize; 2] = [8, 40];
+
+type ChainStep<'a> = Box<dyn Fn(&Array, usize) -> mlx_lfm::Result<Array> + 'a>;
+
+fn layer_chains(reps: usize) -> mlx_lfm::Result<()> {
+    use mlx_lfm::model::linear::Quantized;
+    let (conv, ffn, qkv) = (ConvLayer::new()?, FfnLayer::new()?, QkvLayer::new()?);
+    let scrub = scrub_rows()?;
+    let qkv_states = [QkvLayer::state()?, QkvLayer::state()?];
+    let qb = |q: &Quantized| q.weight.nbytes() + q.scales.nbytes() + q.biases.as_ref().map_or(0, |b| b.nbytes());
+    let (conv_q4, conv_bf16) = (qb(&conv.projections[0].0) + qb(&conv.projections[0].1), conv.dense[0].0.nbytes() + conv.dense[0].1.nbytes());
+    let (ffn_q4, ffn_bf16) = (qb(&ffn.quant[0].0) + qb(&ffn.quant[0].1), ffn.weights[0].0.nbytes() + ffn.weights[0].1.nbytes());
+    let (qkv_q4, qkv_bf16) = (qb(&qkv.quant[0]), qkv.dense[0].nbytes());
+    let switches_of = |arms: &[(&'static str, Switches, usize)], name: &str| arms.iter().find(|(n, ..)| *n == name).map_or(&[][..], |a| a.1);
+    let qkv_switches = |name: &str| QKV_ARMS.iter().find(|(n, _)| *n == name).map_or(&[][..], |a| a.1);
+    let row = |a: Array| a.reshape(&[1, QKV_D]);
+    let forms: Vec<(&str, Switches, usize, ChainStep)> = vec![
+        ("floor-mul", &[], 2 * conv.h.nbytes(), Box::new(|h: &Array, _| h.mul_scalar(1.0))),
+        (
+            "gemv-bf16-qkv-rows",
+            &[],
+            qkv_bf16,
+            Box::new(|h: &Array, i| h.matmul(&qkv.dense[i % qkv.dense.len()].t()?)?.slice_axis(1, 0, QKV_D)),
+        ),
+        ("qkv-bf16-fused", qkv_switches("qkv-bf16-fused"), qkv_bf16, Box::new(|h: &Array, i| row(qkv.launch_on(h, false, &qkv_states[0], i)?))),
+        ("qkv-q4-fused", qkv_switches("qkv-q4-fused"), qkv_q4, Box::new(|h: &Array, i| row(qkv.launch_on(h, true, &qkv_states[1], i)?))),
+        ("conv-layer-bf16-four", switches_of(&CONV_ARMS, "conv-layer-bf16-four"), conv_bf16, Box::new(|h: &Array, i| conv.launch_on(h, false, false, i))),
+        ("conv-layer-bf16-fused", switches_of(&CONV_ARMS, "conv-layer-bf16-fused"), conv_bf16, Box::new(|h: &Array, i| conv.launch_on(h, true, false, i))),
+        ("conv-layer-q4-four", switches_of(&CONV_ARMS, "conv-layer-q4-four"), conv_q4, Box::new(|h: &Array, i| conv.launch_on(h, false, true, i))),
+        ("conv-layer-q4-fused", switches_of(&CONV_ARMS, "conv-layer-q4-fused"), conv_q4, Box::new(|h: &Array, i| conv.launch_on(h, true, true, i))),
+        ("ffn-layer-bf16-three", switches_of(&FFN_ARMS, "ffn-layer-bf16-three"), ffn_bf16, Box::new(|h: &Array, i| ffn.launch_on(h, false, false, i))),
+        ("ffn-layer-bf16-fused", switches_of(&FFN_ARMS, "ffn-layer-bf16-fused"), ffn_bf16, Box::new(|h: &Array, i| ffn.launch_on(h, true, false, i))),
+        ("ffn-layer-q4-four", switches_of(&FFN_ARMS, "ffn-layer-q4-four"), ffn_q4, Box::new(|h: &Array, i| ffn.launch_on(h, false, true, i))),
+        ("ffn-layer-q4-fused", switches_of(&FFN_ARMS, "ffn-layer-q4-fused"), ffn_q4, Box::new(|h: &Array, i| ffn.launch_on(h, true, true, i))),
+    ];
+    let start = conv.h.clone();
+    for (name, switches, bytes, step) in &forms {
+        let overrides: mlx_lfm::knobs::Overrides = switches.iter().map(|(k, v)| (k.to_string(), Some(v.to_string()))).collect();
+        let done = mlx_lfm::knobs::with_overrides(&overrides, || -> mlx_lfm::Result<serde_json::Value> {
+            let mut walls = [vec![], vec![]];
+            // (Rep 0 warms up: NVRTC's compile, MLX's graph caches.)
+            for rep in 0..=reps.max(3) {
+                for (w, len) in walls.iter_mut().zip(CHAIN_LENGTHS) {
+                    scrub.argmax(1, false)?.eval()?;
+                    let t = Instant::now();
+                    let mut h = start.clone();
+                    for i in 0..len {
+                        h = step(&h, i)?;
+                    }
+                    h.eval()?;
+                    if rep > 0 {
+                        w.push(t.elapsed().as_secs_f64() * 1e6);
+                    }
+                }
+            }
+            let med = |v: &mut Vec<f64>| {
+                v.sort_by(f64::total_cmp);
+                v[v.len() / 2]
+            };
+            let (a, b) = (med(&mut walls[0]), med(&mut walls[1]));
+            let launch = (b - a) / (CHAIN_LENGTHS[1] - CHAIN_LENGTHS[0]) as f64;
+            Ok(serde_json::json!({
+                "layer_chain": name,
+                "lengths": CHAIN_LENGTHS,
+                "wall_us_median": [a, b],
+                "launch_us": launch,
+                "bytes": bytes,
+                "tb_s": *bytes as f64 / launch / 1e6,
+                "chains_a_length": walls[0].len(),
+            }))
+        });
+        match done {
+            Ok(line) => println!("{line}"),
+            Err(e) => println!("{}", serde_json::json!({"layer_chain": name, "error": e.to_string()})),
+        }
+    }
+    chain_timelines(&conv, &ffn, [conv_q4, conv_bf16, ffn_bf16, ffn_q4], reps)
+}
+
+/// [`layer_chains`]' timeline chains: the conv layer's (4-bit, dense) and
+/// the feed-forward's (dense, 4-bit) timeline forms, `CHAIN_LENGTHS[1]`
+/// launches a chain, `reps` chains each.
+fn chain_timelines(conv: &ConvLayer, ffn: &FfnLayer, bytes: [usize; 4], reps: usize) -> mlx_lfm::Result<()> {
+    use mlx_lfm::kernels::{conv_fused, ffn_fused, stages::timeline_summary};
+    use mlx_lfm::model::linear::Normed;
+    let len = CHAIN_LENGTHS[1];
+    for (k, (form, is_conv, q4)) in [("conv-q4", true, true), ("conv-bf16", true, false), ("ffn-bf16", false, false), ("ffn-q4", false, true)].into_iter().enumerate() {
+        let switches: mlx_lfm::knobs::Overrides = [
+            ((if is_conv { "MLX_LFM_CONV_FUSED" } else { "MLX_LFM_FFN_FUSED" }).to_string(), Some("1".to_string())),
+            ("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string())),
+            ("MLX_LFM_EARLY_PREFETCH".to_string(), Some(String::new())),
+        ]
+        .to_vec();
+        let parts = if is_conv { ["norm", "channels", "out_proj"] } else { ["norm", "gate", "w2"] };
+        let done = mlx_lfm::knobs::with_overrides(&switches, || -> mlx_lfm::Result<serde_json::Value> {
+            let ctr = mlx_lfm::kernels::stages::new_counters_of(if is_conv {
+                conv_fused::state_words(CONV_D as usize, CONV_D as usize)
+            } else {
+                ffn_fused::state_words(FFN_D as usize, FFN_F.max(FFN_Q4_F) as usize)
+            })?;
+            let (mut spans, mut gaps, mut lines) = (vec![], vec![], vec![]);
+            for _ in 0..reps.max(1) {
+                let mut h = conv.h.clone();
+                let mut stamps = vec![];
+                for i in 0..len {
+                    let (r, wn, eps) = if is_conv { (&conv.r, &conv.wn, &conv.eps) } else { (&ffn.r, &ffn.wn, &ffn.eps) };
+                    let x = Normed { h: &h, r: Some(r), w: wn, eps: LAYER_EPS, eps_array: eps };
+                    let (out, times, first, nb) = if is_conv {
+                        let p = if q4 {
+                            let (wi, wo) = &conv.projections[i % conv.projections.len()];
+                            conv_fused::Projections::Quant(wi, wo)
+                        } else {
+                            let (wi, wo) = &conv.dense[i % conv.dense.len()];
+                            conv_fused::Projections::Dense(wi, wo)
+                        };
+                        if !conv_fused::available(&x, p, &conv.state, &conv.cw, false) {
+                            return Err(mlx_lfm::Error::invalid("kernel-bench: the one-launch conv kernel does not serve the layer's operands"));
+                        }
+                        let (out, _, times, channels, nb) = conv_fused::forward_timeline(&x, p, &conv.state, &conv.cw, &ctr)?;
+                        (out, times, channels, nb)
+                    } else {
+                        let p = if q4 {
+                            let (w13, w2) = &ffn.quant[i % ffn.quant.len()];
+                            ffn_fused::Projections::Quant(w13, w2)
+                        } else {
+                            let (w13, w2) = &ffn.weights[i % ffn.weights.len()];
+                            ffn_fused::Projections::Dense(w13, w2)
+                        };
+                        if !ffn_fused::available(&x, p) {
+                            return Err(mlx_lfm::Error::invalid("kernel-bench: the one-launch feed-forward kernel does not serve the layer's operands"));
+                        }
+                        ffn_fused::forward_timeline(&x, p, &ctr)?
+                    };
+                    stamps.push((times, first, nb));
+                    h = out;
+                }
+                let mut held: Vec<&Array> = stamps.iter().map(|(t, ..)| t).collect();
+                held.push(&h);
+                mlx::eval(&held)?;
+                let mut bounds = vec![];
+                for (i, (times, first, nb)) in stamps.iter().enumerate() {
+                    let t = times.to_vec::<i64>()?;
+                    let start = t.iter().step_by(4).copied().min().unwrap_or(0);
+                    let end = t.chunks_exact(4).map(|b| b[3]).max().unwrap_or(0);
+                    bounds.push((start, end));
+                    if i > 0 {
+                        let mut line = serde_json::json!({});
+                        for (part, (from, to)) in parts.iter().zip([(0, 1), (1, first + 1), (first + 1, *nb)]) {
+                            line[*part] = timeline_summary(&t, from, to).into();
+                        }
+                        lines.push(line);
+                    }
+                }
+                // (Launch 0 follows an idle GPU: its span is left out.)
+                for w in bounds.windows(2) {
+                    spans.push((w[1].1 - w[1].0) as f64 / 1000.0);
+                    gaps.push((w[1].0 - w[0].1) as f64 / 1000.0);
+                }
+            }
+            let med = |mut v: Vec<f64>| {
+                v.sort_by(f64::total_cmp);
+                (v.first().copied(), v.get(v.len() / 2).copied())
+            };
+            let ((span_min, span), (gap_min, gap)) = (med(spans.clone()), med(gaps.clone()));
+            Ok(serde_json::json!({
+                "layer_chain_timeline": form,
+                "launches": spans.len(),
+                "bytes": bytes[k],
+                "span_us_median": span,
+                "span_us_min": span_min,
+                "gap_us_median": gap,
+                "gap_us_min": gap_min,
+                "tb_s_at_span": span.map(|s| bytes[k] as f64 / s / 1e6),
+                "parts": medians(&lines, &parts),
+            }))
+        });
+        match done {
+            Ok(line) => println!("{line}"),
+            Err(e) => println!("{}", serde_json::json!({"layer_chain_timeline": form, "error": e.to_string()})),
+        }
+    }
+    Ok(())
+}
+
 /// The medians over a timeline's launches (`lines`) of each figure of
 /// each of its `parts`.
 fn medians(lines: &[serde_json::Value], parts: &[&str]) -> serde_json::Value {
@@ -1050,6 +1261,11 @@ impl ConvLayer {
     /// The layer's output for launch `i` (copy `i` of the quantized or the
     /// dense projections, in turn).
     fn launch(&self, fused: bool, quant: bool, i: usize) -> mlx_lfm::Result<Array> {
+        self.launch_on(&self.h, fused, quant, i)
+    }
+
+    /// [`ConvLayer::launch`] on the row `h` (a chain's previous output).
+    fn launch_on(&self, h: &Array, fused: bool, quant: bool, i: usize) -> mlx_lfm::Result<Array> {
         use mlx_lfm::kernels::{add_rms_norm, conv_fused, short_conv};
         use mlx_lfm::model::linear::Normed;
         let p = if quant {
@@ -1059,7 +1275,7 @@ impl ConvLayer {
             let (wi, wo) = &self.dense[i % self.dense.len()];
             conv_fused::Projections::Dense(wi, wo)
         };
-        let x = Normed { h: &self.h, r: Some(&self.r), w: &self.wn, eps: LAYER_EPS, eps_array: &self.eps };
+        let x = Normed { h, r: Some(&self.r), w: &self.wn, eps: LAYER_EPS, eps_array: &self.eps };
         let unserved = || mlx_lfm::Error::invalid("kernel-bench: the conv layer's kernels do not serve their operands here");
         if fused {
             if !conv_fused::available(&x, p, &self.state, &self.cw, false) {
@@ -1074,7 +1290,7 @@ impl ConvLayer {
             }
             conv_fused::Projections::Dense(wi, wo) => a.matmul(&(if which == 0 { wi } else { wo }).transpose(&[1, 0])?),
         };
-        let (_, y) = add_rms_norm::add_rms_norm_with(&self.h, &self.r, &self.wn, &self.eps, LAYER_EPS)?;
+        let (_, y) = add_rms_norm::add_rms_norm_with(h, &self.r, &self.wn, &self.eps, LAYER_EPS)?;
         let bcx = product(&y, 0)?;
         if !short_conv::available(&bcx, &self.state, &self.cw, false) {
             return Err(unserved());
@@ -1167,6 +1383,11 @@ impl FfnLayer {
     /// The layer's output for launch `i` (copy `i` of the dense or the
     /// 4-bit weights, in turn).
     fn launch(&self, fused: bool, q4: bool, i: usize) -> mlx_lfm::Result<Array> {
+        self.launch_on(&self.h, fused, q4, i)
+    }
+
+    /// [`FfnLayer::launch`] on the row `h` (a chain's previous output).
+    fn launch_on(&self, h: &Array, fused: bool, q4: bool, i: usize) -> mlx_lfm::Result<Array> {
         use mlx_lfm::kernels::{add_rms_norm, ffn_fused, gemv};
         use mlx_lfm::model::linear::Normed;
         let p = if q4 {
@@ -1178,13 +1399,13 @@ impl FfnLayer {
         };
         let unserved = || mlx_lfm::Error::invalid("kernel-bench: the feed-forward's kernels do not serve their operands here");
         if fused {
-            let x = Normed { h: &self.h, r: Some(&self.r), w: &self.wn, eps: LAYER_EPS, eps_array: &self.eps };
+            let x = Normed { h, r: Some(&self.r), w: &self.wn, eps: LAYER_EPS, eps_array: &self.eps };
             if !ffn_fused::available(&x, p) {
                 return Err(unserved());
             }
             return Ok(ffn_fused::forward(&x, p, &self.counters)?.1);
         }
-        let (_, y) = add_rms_norm::add_rms_norm_with(&self.h, &self.r, &self.wn, &self.eps, LAYER_EPS)?;
+        let (_, y) = add_rms_norm::add_rms_norm_with(h, &self.r, &self.wn, &self.eps, LAYER_EPS)?;
         match p {
             ffn_fused::Projections::Dense(w13, w2) => {
                 if !gemv::swiglu_available(&y, w13) {
