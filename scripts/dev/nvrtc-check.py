@@ -483,6 +483,14 @@ for _v in ("@timeline", "@dense-timeline"):
     _base = KERNELS["ffn_fused.rs@dense" if "dense" in _v else "ffn_fused.rs"]
     KERNELS["ffn_fused.rs" + _v] = (_base[0], _base[1] + [("times", "long long")], *_base[2:])
 
+# Two gate outputs a warp (MLX_LFM_FFN_GATE_ROWS=2: ffn_fused.rs gate_outs),
+# 4-bit and dense, plain, early and the bench's timeline form.
+for _v in ("@g2", "@g2-early", "@g2-timeline", "@dense-g2", "@dense-g2-early", "@dense-g2-timeline", "@dense-g2-early-timeline"):
+    _base = "ffn_fused.rs" + ("@dense" if "dense" in _v else "")
+    if "timeline" in _v:
+        _base += "-timeline" if "dense" in _v else "@timeline"
+    KERNELS["ffn_fused.rs" + _v] = KERNELS[_base]
+
 # The folds with their first column's rows prefetched before the prologue
 # (MLX_LFM_NORM_GEMV_PREFETCH=early: NAME_EARLY before it), each as its fold.
 for _fold in ("dense", "swiglu", "quant"):
@@ -750,6 +758,9 @@ REPLACE_OF = {
     "conv_fused.rs@dense-timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
     **{"conv_fused.rs" + v: substitutions("stages.rs", "EARLY_SUBSTITUTIONS") + substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS")
        for v in ("@early-timeline", "@dense-early-timeline")},
+    **{"ffn_fused.rs" + v: substitutions("stages.rs", "EARLY_SUBSTITUTIONS") for v in ("@g2-early", "@dense-g2-early")},
+    **{"ffn_fused.rs" + v: substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS") for v in ("@g2-timeline", "@dense-g2-timeline")},
+    "ffn_fused.rs@dense-g2-early-timeline": substitutions("stages.rs", "EARLY_SUBSTITUTIONS") + substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
 }
 # A kernel variant's own #define, as its Rust side prepends it.
 # The parts of stages.rs's LAYER_SOURCE each kernel compiles (its
@@ -813,6 +824,14 @@ DEFINES_OF["ffn_fused.rs@dense-timeline"] = _TL + DEFINES_OF["ffn_fused.rs@dense
 DEFINES_OF["conv_fused.rs@dense-timeline"] = _TL + DEFINES_OF["conv_fused.rs@dense"]
 DEFINES_OF["conv_fused.rs@early-timeline"] = _TL + DEFINES_OF["conv_fused.rs@early"]
 DEFINES_OF["conv_fused.rs@dense-early-timeline"] = _TL + DEFINES_OF["conv_fused.rs@dense-early"]
+_G2 = "#define LFM_GATE_OUTS 2\n"
+DEFINES_OF["ffn_fused.rs@g2"] = _G2 + DEFINES_OF["ffn_fused.rs"]
+DEFINES_OF["ffn_fused.rs@dense-g2"] = _G2 + DEFINES_OF["ffn_fused.rs@dense"]
+DEFINES_OF["ffn_fused.rs@g2-early"] = DEFINES_OF["ffn_fused.rs@early"] + _G2
+DEFINES_OF["ffn_fused.rs@dense-g2-early"] = DEFINES_OF["ffn_fused.rs@dense-early"] + _G2
+DEFINES_OF["ffn_fused.rs@g2-timeline"] = _TL + _G2 + DEFINES_OF["ffn_fused.rs"]
+DEFINES_OF["ffn_fused.rs@dense-g2-timeline"] = _TL + _G2 + DEFINES_OF["ffn_fused.rs@dense"]
+DEFINES_OF["ffn_fused.rs@dense-g2-early-timeline"] = _TL + DEFINES_OF["ffn_fused.rs@dense-early"] + _G2
 # A variant's text before its kernel's body, as its Rust side puts it there.
 PRELUDE_OF = {"moe_fused.rs@scratch": named(root / "src" / "kernels" / "moe_fused.rs", "SCRATCH_PRELUDE")}
 PRELUDE_OF["moe_fused.rs@exact-scratch"] = PRELUDE_OF["moe_fused.rs@scratch"]

@@ -52,6 +52,25 @@ const WARPS: i32 = 16;
 /// within 64 registers a thread: `scripts/dev/nvrtc-check.py`).
 const MAX_WIDTH: i32 = 16_384;
 
+/// `MLX_LFM_FFN_GATE_ROWS=2` (opt-in, session 42, not yet run on a GPU):
+/// each gate warp two outputs, `j` and `j + GB * WARPS`, their w1 and w3
+/// rows walked together (four rows a warp), so the gate takes half the
+/// blocks. Session 42's chained timelines (an H100) had the 1.2B's launch
+/// at 42.4 µs for 101 MB: the gate (67 MB) done at 26.0 µs, w2 (33.5 MB)
+/// 16.4 µs after it at ~2.0 TB/s, and the last w2 block starting at 25.0 µs.
+/// 641 blocks of 512 threads are more than 132 SMs hold at once (64
+/// warps each), so w2's blocks wait for the gate's to leave before they
+/// even start; with 385 every block is resident from the start, and
+/// under `MLX_LFM_EARLY_PREFETCH=ffn` w2's rows can be asked for while the
+/// gate runs. Each row is the same walk, so the same bits (its test holds
+/// it to them). Read once a process (a test's or bench's override aside):
+/// a launch's tickets count its blocks, so the launches on one layer's
+/// state keep one form.
+fn gate_outs() -> i32 {
+    static SET: OnceLock<i32> = OnceLock::new();
+    crate::knobs::cached("MLX_LFM_FFN_GATE_ROWS", &SET, |v| if v.map(str::trim) == Some("2") { 2 } else { 1 })
+}
+
 fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     super::opt_out("MLX_LFM_FFN_FUSED", &ON)
@@ -67,8 +86,8 @@ pub fn built() -> usize {
 
 /// The kernel; with `scratch`, its form with the scratch rows (`yn`,
 /// `hk`) in the layer's state ([`stages::call_with_scratch`]).
-fn kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
-    static FORMS: stages::Forms = stages::Forms::new();
+fn kernel(quant: bool, scratch: bool, gate: i32) -> Option<&'static CudaKernel> {
+    static FORMS: [stages::Forms; 2] = [stages::Forms::new(), stages::Forms::new()];
     // (MLX_LFM_EARLY_PREFETCH=ffn: its form that asks for its rows before
     // its waits, stages::early_prefetch.)
     let early = stages::early_prefetch("ffn");
@@ -76,9 +95,34 @@ fn kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
     inputs.extend(Projections::input_names(quant));
     inputs.push("ctr");
     let outputs = ["s", "out", "yn", "hk"];
-    let header = || stages::layer_header(quant, false, stages::layer_defines(false, stages::Tail::Ffn));
-    let base = if quant { "lfm_ffn_fused_q" } else { "lfm_ffn_fused" };
-    FORMS.kernel(base, (quant, scratch, early), stages::LAYER_SOURCE, &stages::EARLY_SUBSTITUTIONS, SCRATCH_PRELUDE, &inputs, (&outputs, 2), header)
+    let pairs = gate == 2;
+    let header = || format!("{}{}", gate_define(pairs), stages::layer_header(quant, false, stages::layer_defines(false, stages::Tail::Ffn)));
+    let base = match (quant, pairs) {
+        (true, false) => "lfm_ffn_fused_q",
+        (false, false) => "lfm_ffn_fused",
+        (true, true) => "lfm_ffn_fused_q_g2",
+        (false, true) => "lfm_ffn_fused_g2",
+    };
+    FORMS[usize::from(pairs)].kernel(
+        base,
+        (quant, scratch, early),
+        stages::LAYER_SOURCE,
+        &stages::EARLY_SUBSTITUTIONS,
+        SCRATCH_PRELUDE,
+        &inputs,
+        (&outputs, 2),
+        header,
+    )
+}
+
+/// The define of [`gate_outs`]'s form (none for the default's, whose
+/// text is as before).
+fn gate_define(pairs: bool) -> &'static str {
+    if pairs {
+        "#define LFM_GATE_OUTS 2\n"
+    } else {
+        ""
+    }
 }
 
 /// The scratch rows' pointers into the layer's state
@@ -96,10 +140,17 @@ pub fn state_words(d: usize, f: usize) -> usize {
     stages::state_words(&[d as i64 * 4, f as i64 * 4])
 }
 
-/// The blocks of one launch: the norm's, the gate's, w2's.
-fn blocks(d: i32, f: i32) -> i64 {
+/// The blocks of one launch: the norm's, the gate's (`gate` outputs a
+/// warp), w2's.
+fn blocks(d: i32, f: i32, gate: i32) -> i64 {
     let w = WARPS as i64;
-    1 + (f as i64 + w - 1) / w + (d as i64 + w - 1) / w
+    1 + gate_blocks(f, gate) + (d as i64 + w - 1) / w
+}
+
+/// The gate's blocks, `gate` outputs a warp.
+fn gate_blocks(f: i32, gate: i32) -> i64 {
+    let w = WARPS as i64 * gate as i64;
+    (f as i64 + w - 1) / w
 }
 
 /// Whether [`forward`] serves the pending norm `x` (one row, with a
@@ -128,14 +179,14 @@ pub fn available(x: &Normed, p: Projections) -> bool {
         && bytes(d) % 16 == 0
         && bytes(f) % 16 == 0
         && bytes(d).max(bytes(f)) <= stages::MAX_STAGED
-        && kernel(p.quant(), false).is_some()
+        && kernel(p.quant(), false, gate_outs()).is_some()
 }
 
 /// `(the residual sum [1, D], w2's output [1, D] (before a tensor parallel
 /// reduce))` in one launch (callers check [`available`]); `ctr` the
 /// layer's own (`stages::new_counters`).
 pub fn forward(x: &Normed, p: Projections, ctr: &Array) -> Result<(Array, Array)> {
-    let mut outs = launch(x, p, ctr, false)?;
+    let mut outs = launch(x, p, ctr, false, gate_outs())?;
     let missing = || Error::mlx("fused feed-forward kernel: missing output");
     let out = outs.pop().ok_or_else(missing)?;
     let s = outs.pop().ok_or_else(missing)?;
@@ -148,40 +199,52 @@ pub fn forward(x: &Normed, p: Projections, ctr: &Array) -> Result<(Array, Array)
 /// `gate + 1..nb`.
 #[doc(hidden)]
 pub fn forward_timeline(x: &Normed, p: Projections, ctr: &Array) -> Result<(Array, Array, usize, usize)> {
-    let mut outs = launch(x, p, ctr, true)?;
+    let g = gate_outs();
+    let mut outs = launch(x, p, ctr, true, g)?;
     let missing = || Error::mlx("fused feed-forward kernel: missing output");
     let times = outs.pop().ok_or_else(missing)?;
     let (d, f) = (x.h.dim(1), p.first_rows() / 2);
-    let gate = (f as i64 + WARPS as i64 - 1) / WARPS as i64;
-    Ok((outs.swap_remove(1), times, gate as usize, blocks(d, f) as usize))
+    Ok((outs.swap_remove(1), times, gate_blocks(f, g) as usize, blocks(d, f, g) as usize))
 }
 
 /// The kernel's timeline form (outputs as [`kernel`]'s, then `times`).
-fn timeline_kernel(quant: bool) -> Option<&'static CudaKernel> {
-    static K: [stages::Cells; 2] = [stages::cells(), stages::cells()];
-    static SOURCE: OnceLock<String> = OnceLock::new();
-    let source = SOURCE.get_or_init(|| super::substituted(stages::LAYER_SOURCE, &stages::TIMELINE_SUBSTITUTIONS));
+fn timeline_kernel(quant: bool, gate: i32) -> Option<&'static CudaKernel> {
+    // (By rows asked for early, two gate outputs a warp, 4-bit.)
+    static K: [[[stages::Cells; 2]; 2]; 2] = [const { [const { [stages::cells(), stages::cells()] }; 2] }; 2];
+    static SOURCES: [OnceLock<String>; 2] = [OnceLock::new(), OnceLock::new()];
+    static STAMPED: [OnceLock<String>; 2] = [OnceLock::new(), OnceLock::new()];
+    let early = stages::early_prefetch("ffn");
+    let body = stages::layer_source(&SOURCES[usize::from(early)], "", early);
+    let source = STAMPED[usize::from(early)].get_or_init(|| super::substituted(body, &stages::TIMELINE_SUBSTITUTIONS));
     let mut inputs = vec!["h", "r", "wn"];
     inputs.extend(Projections::input_names(quant));
     inputs.push("ctr");
     let outputs = ["s", "out", "yn", "hk", "times"];
-    let name = if quant { "lfm_ffn_fused_q_timeline" } else { "lfm_ffn_fused_timeline" };
-    stages::kernel(&K[usize::from(quant)], name, &inputs, &outputs, source, || {
+    let pairs = gate == 2;
+    let base = match (quant, pairs) {
+        (true, false) => "lfm_ffn_fused_q_timeline",
+        (false, false) => "lfm_ffn_fused_timeline",
+        (true, true) => "lfm_ffn_fused_q_g2_timeline",
+        (false, true) => "lfm_ffn_fused_g2_timeline",
+    };
+    let name = format!("{base}{}", if early { "_early" } else { "" });
+    stages::kernel(&K[usize::from(early)][usize::from(pairs)][usize::from(quant)], &name, &inputs, &outputs, source, || {
         let head = stages::layer_header(quant, false, stages::layer_defines(false, stages::Tail::Ffn));
-        format!("{}{head}", stages::TIMELINE_HEADER)
+        let early = if early { stages::early_header(quant) } else { String::new() };
+        format!("{}{early}{}{head}", stages::TIMELINE_HEADER, gate_define(pairs))
     })
 }
 
 /// The launch: `[s, out]`, or (`timeline`) every output of the timeline
 /// form, its stamps last.
-fn launch(x: &Normed, p: Projections, ctr: &Array, timeline: bool) -> Result<Vec<Array>> {
-    let kern = if timeline { timeline_kernel(p.quant()) } else { kernel(p.quant(), false) };
+fn launch(x: &Normed, p: Projections, ctr: &Array, timeline: bool, gate: i32) -> Result<Vec<Array>> {
+    let kern = if timeline { timeline_kernel(p.quant(), gate) } else { kernel(p.quant(), false, gate) };
     let kern = kern.ok_or_else(|| Error::mlx("the fused feed-forward kernel is not available"))?;
     let r = x.r.ok_or_else(|| Error::invalid("the fused feed-forward kernel needs a residual to add"))?;
     stages::check_state(ctr, "the fused feed-forward kernel")?;
     let (d, dt) = (x.h.dim(1), x.h.dtype());
     let f = p.first_rows() / 2;
-    let nb = blocks(d, f);
+    let nb = blocks(d, f, gate);
     let threads = WARPS * 32;
     let grid = i32::try_from(nb * threads as i64).map_err(|_| Error::invalid(format!("fused feed-forward kernel: {nb} blocks")))?;
     let mut template = vec![
@@ -203,7 +266,7 @@ fn launch(x: &Normed, p: Projections, ctr: &Array, timeline: bool) -> Result<Vec
     }
     let outs = stages::call_with_scratch(
         kern,
-        || kernel(p.quant(), true),
+        || kernel(p.quant(), true, gate),
         &inputs,
         &outputs,
         &["SCR_YN", "SCR_HK"],
@@ -217,6 +280,6 @@ fn launch(x: &Normed, p: Projections, ctr: &Array, timeline: bool) -> Result<Vec
 }
 
 #[cfg(test)]
-pub(crate) fn launch_blocks(d: i32, f: i32) -> i64 {
-    blocks(d, f)
+pub(crate) fn launch_blocks(d: i32, f: i32, gate: i32) -> i64 {
+    blocks(d, f, gate)
 }

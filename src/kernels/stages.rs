@@ -123,6 +123,12 @@ pub(crate) const LAYER_SOURCE: &str = r#"
 #ifndef LFM_MOE_DOWN_PREFETCH
 #define LFM_MOE_DOWN_PREFETCH 0
 #endif
+#ifndef LFM_GATE_OUTS
+#define LFM_GATE_OUTS 1
+#endif
+#if LFM_GATE_OUTS == 2 && (LFM_CONV_PART || !LFM_FFN_PART)
+#error "LFM_GATE_OUTS: the feed-forward's own kernel only"
+#endif
 #if LFM_MOE_DOWN_PREFETCH && (LFM_CONV_PART || !LFM_MOE_PART)
 #error "LFM_MOE_DOWN_PREFETCH: the MoE layer's own kernel only"
 #endif
@@ -153,7 +159,9 @@ pub(crate) const LAYER_SOURCE: &str = r#"
   __shared__ float probs_s[E];
   __shared__ float part[WARPS];
 #elif LFM_FFN_PART
-  constexpr int GB = (F + WARPS - 1) / WARPS;
+  // (Two gate outputs a warp, src/kernels/ffn_fused.rs gate_outs: half the
+  // gate's blocks.)
+  constexpr int GB = (F + LFM_GATE_OUTS * WARPS - 1) / (LFM_GATE_OUTS * WARPS);
   constexpr int HR = F * sizeof(T) / 16;
   constexpr int TAIL_NB = 1 + GB + OB;
 #else
@@ -405,6 +413,21 @@ pub(crate) const LAYER_SOURCE: &str = r#"
     const bool late = lfm_block_wait(st + FC + 1, launch + 1, nullptr, 0);
     if (!late) lfm_stage16(sm, LFM_FFN_YN, XR);
     __syncthreads();
+#if LFM_GATE_OUTS == 2
+    // And output j + GB * WARPS: the two outputs' four rows walked
+    // together, each row's sum the walk it takes alone.
+    const int j2 = j + GB * WARPS;
+    if (j2 < F) {
+      float gu[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      const size_t rows[4] = {static_cast<size_t>(j), static_cast<size_t>(F) + j, static_cast<size_t>(j2),
+                              static_cast<size_t>(F) + j2};
+      if (!late) LFM_F_ROWS(D, 4, rows, reinterpret_cast<const T*>(sm), lane, gu);
+      if (lane == 0) {
+        hk[j] = late ? T(poison) : lfm_swiglu<T>(gu[0], gu[1]);
+        hk[j2] = late ? T(poison) : lfm_swiglu<T>(gu[2], gu[3]);
+      }
+    } else
+#endif
     if (j < F) {
       float gu[2] = {0.0f, 0.0f};
       const size_t rows[2] = {static_cast<size_t>(j), static_cast<size_t>(F) + j};

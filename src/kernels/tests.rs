@@ -3117,9 +3117,13 @@ fn out_layer_fused_kernel_matches_out_proj_and_the_kernel() {
 fn ffn_fused_kernel_matches_stock_ops() {
     use crate::kernels::ffn_fused::{available, forward, launch_blocks, Projections};
     use crate::kernels::stages::new_counters;
-    // The norm's block, a block of 16 warps per 16 gate outputs, per 16 outputs.
-    assert_eq!(launch_blocks(2048, 8192), 1 + 512 + 128);
-    assert_eq!(launch_blocks(1024, 4608), 1 + 288 + 64);
+    // The norm's block, a block of 16 warps per 16 gate outputs (32 with
+    // two a warp), per 16 outputs.
+    assert_eq!(launch_blocks(2048, 8192, 1), 1 + 512 + 128);
+    assert_eq!(launch_blocks(1024, 4608, 1), 1 + 288 + 64);
+    assert_eq!(launch_blocks(2048, 8192, 2), 1 + 256 + 128);
+    assert_eq!(launch_blocks(2048, 1000, 2), 1 + 32 + 128);
+    assert_eq!(launch_blocks(64, 192, 2), 1 + 6 + 4);
     if skip("ffn_fused_kernel_matches_stock_ops") {
         return;
     }
@@ -3234,6 +3238,33 @@ fn ffn_fused_kernel_matches_stock_ops() {
                 assert_eq!(differing(&s2, &s), 0, "{what}: rows asked for early, launch {turn}: the sum differs");
                 assert_eq!(differing(&out2, &out), 0, "{what}: rows asked for early, launch {turn}: the output differs");
             }
+            // Two gate outputs a warp (MLX_LFM_FFN_GATE_ROWS=2, opt-in): the
+            // same bits, on counters of its own (its tickets count fewer
+            // blocks), with its scratch rows in the state, its rows asked
+            // for early, and its timeline form's stamps in order.
+            let pairs = [("MLX_LFM_FFN_GATE_ROWS".to_string(), Some("2".to_string()))];
+            crate::knobs::with_overrides(&pairs, || {
+                let (own, own_big) = (
+                    new_counters().unwrap(),
+                    crate::kernels::stages::new_counters_of(crate::kernels::ffn_fused::state_words(d as usize, f as usize)).unwrap(),
+                );
+                for turn in 0..3 {
+                    let (s2, out2) = match turn {
+                        0 => run(&own),
+                        1 => scratch_in_state(|| run(&own_big)),
+                        _ => crate::knobs::with_overrides(&early, || run(&own)),
+                    };
+                    assert_eq!(differing(&s2, &s), 0, "{what}: two gate outputs a warp, launch {turn}: the sum differs");
+                    assert_eq!(differing(&out2, &out), 0, "{what}: two gate outputs a warp, launch {turn}: the output differs");
+                }
+                let (out_t, times, gate, nb) = with_opt_in_one("MLX_LFM_FFN_FUSED", || {
+                    crate::kernels::ffn_fused::forward_timeline(&x, p, &new_counters().unwrap()).unwrap()
+                });
+                crate::mlx::eval(&[&out_t, &times]).unwrap();
+                assert_eq!(gate as i64, launch_blocks(d, f, 2) - 1 - (d as i64 + 15) / 16, "{what}: two gate outputs a warp: its gate's blocks");
+                assert_eq!(differing(&out_t, &out), 0, "{what}: two gate outputs a warp: the timeline form's output differs");
+                check_stamps(&what, &times, gate, nb);
+            });
             check_counters_in_step(&what, &counters, &[true, true, false, true, false], &[s, out], |c| {
                 let (s, out) = run(c);
                 vec![s, out]

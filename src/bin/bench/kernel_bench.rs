@@ -355,7 +355,8 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
     for (name, switches, _) in ffn_arms {
         let ffn = ffn.as_ref().expect("made where a feed-forward arm runs");
         let walls = timed(switches, reps * FFN_LAUNCHES, |i| {
-            ffn.launch(name.contains("-fused"), name.contains("-q4-"), i).map_err(|e| mlx_lfm::Error::invalid(format!("{name}: {e}")))
+            ffn.launch(name.contains("-fused"), name.contains("-q4-"), name.contains("-g2"), i)
+                .map_err(|e| mlx_lfm::Error::invalid(format!("{name}: {e}")))
         });
         print_walls(name, 3 * ffn_width(name), FFN_D, walls);
     }
@@ -888,16 +889,7 @@ fn conv_timeline(reps: usize) -> mlx_lfm::Result<()> {
             let (plain_ctr, timed_ctr) = (mlx_lfm::kernels::stages::new_counters()?, mlx_lfm::kernels::stages::new_counters()?);
             // (Warm: one copy, the plain launch just before having read it,
             // and no eviction: its weights in L2.)
-            let projections = |i: usize| {
-                let c = if warm { 0 } else { i };
-                if quant {
-                    let (wi, wo) = &conv.projections[c % conv.projections.len()];
-                    conv_fused::Projections::Quant(wi, wo)
-                } else {
-                    let (wi, wo) = &conv.dense[c % conv.dense.len()];
-                    conv_fused::Projections::Dense(wi, wo)
-                }
-            };
+            let projections = |i: usize| conv.projections(quant, if warm { 0 } else { i });
             let x = Normed { h: &conv.h, r: Some(&conv.r), w: &conv.wn, eps: LAYER_EPS, eps_array: &conv.eps };
             stamp_launches(
                 ("conv_timeline", form, ["norm", "channels", "out_proj"]),
@@ -940,16 +932,7 @@ fn ffn_timeline(reps: usize) -> mlx_lfm::Result<()> {
     for (form, q4, warm) in [("bf16", false, false), ("q4", true, false), ("q4-warm", true, true)] {
         mlx_lfm::knobs::with_overrides(&switches, || -> mlx_lfm::Result<()> {
             let (plain_ctr, timed_ctr) = (mlx_lfm::kernels::stages::new_counters()?, mlx_lfm::kernels::stages::new_counters()?);
-            let projections = |i: usize| {
-                let c = if warm { 0 } else { i };
-                if q4 {
-                    let (w13, w2) = &ffn.quant[c % ffn.quant.len()];
-                    ffn_fused::Projections::Quant(w13, w2)
-                } else {
-                    let (w13, w2) = &ffn.weights[c % ffn.weights.len()];
-                    ffn_fused::Projections::Dense(w13, w2)
-                }
-            };
+            let projections = |i: usize| ffn.projections(q4, if warm { 0 } else { i });
             let x = Normed { h: &ffn.h, r: Some(&ffn.r), w: &ffn.wn, eps: LAYER_EPS, eps_array: &ffn.eps };
             stamp_launches(
                 ("ffn_timeline", form, ["norm", "gate", "w2"]),
@@ -1019,10 +1002,11 @@ fn layer_chains(reps: usize) -> mlx_lfm::Result<()> {
         ("conv-layer-bf16-fused", switches_of(&CONV_ARMS, "conv-layer-bf16-fused"), conv_bf16, Box::new(|h: &Array, i| conv.launch_on(h, true, false, i))),
         ("conv-layer-q4-four", switches_of(&CONV_ARMS, "conv-layer-q4-four"), conv_q4, Box::new(|h: &Array, i| conv.launch_on(h, false, true, i))),
         ("conv-layer-q4-fused", switches_of(&CONV_ARMS, "conv-layer-q4-fused"), conv_q4, Box::new(|h: &Array, i| conv.launch_on(h, true, true, i))),
-        ("ffn-layer-bf16-three", switches_of(&FFN_ARMS, "ffn-layer-bf16-three"), ffn_bf16, Box::new(|h: &Array, i| ffn.launch_on(h, false, false, i))),
-        ("ffn-layer-bf16-fused", switches_of(&FFN_ARMS, "ffn-layer-bf16-fused"), ffn_bf16, Box::new(|h: &Array, i| ffn.launch_on(h, true, false, i))),
-        ("ffn-layer-q4-four", switches_of(&FFN_ARMS, "ffn-layer-q4-four"), ffn_q4, Box::new(|h: &Array, i| ffn.launch_on(h, false, true, i))),
-        ("ffn-layer-q4-fused", switches_of(&FFN_ARMS, "ffn-layer-q4-fused"), ffn_q4, Box::new(|h: &Array, i| ffn.launch_on(h, true, true, i))),
+        ("ffn-layer-bf16-three", switches_of(&FFN_ARMS, "ffn-layer-bf16-three"), ffn_bf16, Box::new(|h: &Array, i| ffn.launch_on(h, false, false, false, i))),
+        ("ffn-layer-bf16-fused", switches_of(&FFN_ARMS, "ffn-layer-bf16-fused"), ffn_bf16, Box::new(|h: &Array, i| ffn.launch_on(h, true, false, false, i))),
+        ("ffn-layer-bf16-fused-g2", switches_of(&FFN_ARMS, "ffn-layer-bf16-fused-g2"), ffn_bf16, Box::new(|h: &Array, i| ffn.launch_on(h, true, false, true, i))),
+        ("ffn-layer-q4-four", switches_of(&FFN_ARMS, "ffn-layer-q4-four"), ffn_q4, Box::new(|h: &Array, i| ffn.launch_on(h, false, true, false, i))),
+        ("ffn-layer-q4-fused", switches_of(&FFN_ARMS, "ffn-layer-q4-fused"), ffn_q4, Box::new(|h: &Array, i| ffn.launch_on(h, true, true, false, i))),
     ];
     let start = conv.h.clone();
     for (name, switches, bytes, step) in &forms {
@@ -1069,17 +1053,30 @@ fn layer_chains(reps: usize) -> mlx_lfm::Result<()> {
 }
 
 /// [`layer_chains`]' timeline chains: the conv layer's (4-bit, dense) and
-/// the feed-forward's (dense, 4-bit) timeline forms, `CHAIN_LENGTHS[1]`
-/// launches a chain, `reps` chains each.
+/// the feed-forward's (dense, 4-bit; and the dense one with two gate
+/// outputs a warp, `MLX_LFM_FFN_GATE_ROWS=2`, then with its rows asked
+/// for early too) timeline forms, `CHAIN_LENGTHS[1]` launches a chain,
+/// `reps` chains each, each form on counters of its own.
 fn chain_timelines(conv: &ConvLayer, ffn: &FfnLayer, bytes: [usize; 4], reps: usize) -> mlx_lfm::Result<()> {
     use mlx_lfm::kernels::{conv_fused, ffn_fused, stages::timeline_summary};
     use mlx_lfm::model::linear::Normed;
     let len = CHAIN_LENGTHS[1];
-    for (k, (form, is_conv, q4)) in [("conv-q4", true, true), ("conv-bf16", true, false), ("ffn-bf16", false, false), ("ffn-q4", false, true)].into_iter().enumerate() {
+    // (form, conv, 4-bit, two gate outputs a warp, rows asked for early;
+    // `bytes`' index)
+    let forms = [
+        ("conv-q4", true, true, false, false, 0),
+        ("conv-bf16", true, false, false, false, 1),
+        ("ffn-bf16", false, false, false, false, 2),
+        ("ffn-q4", false, true, false, false, 3),
+        ("ffn-bf16-g2", false, false, true, false, 2),
+        ("ffn-bf16-g2-early", false, false, true, true, 2),
+    ];
+    for (form, is_conv, q4, g2, early, k) in forms {
         let switches: mlx_lfm::knobs::Overrides = [
             ((if is_conv { "MLX_LFM_CONV_FUSED" } else { "MLX_LFM_FFN_FUSED" }).to_string(), Some("1".to_string())),
             ("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string())),
-            ("MLX_LFM_EARLY_PREFETCH".to_string(), Some(String::new())),
+            ("MLX_LFM_EARLY_PREFETCH".to_string(), Some((if early { "ffn" } else { "" }).to_string())),
+            ("MLX_LFM_FFN_GATE_ROWS".to_string(), Some((if g2 { "2" } else { "1" }).to_string())),
         ]
         .to_vec();
         let parts = if is_conv { ["norm", "channels", "out_proj"] } else { ["norm", "gate", "w2"] };
@@ -1097,26 +1094,14 @@ fn chain_timelines(conv: &ConvLayer, ffn: &FfnLayer, bytes: [usize; 4], reps: us
                     let (r, wn, eps) = if is_conv { (&conv.r, &conv.wn, &conv.eps) } else { (&ffn.r, &ffn.wn, &ffn.eps) };
                     let x = Normed { h: &h, r: Some(r), w: wn, eps: LAYER_EPS, eps_array: eps };
                     let (out, times, first, nb) = if is_conv {
-                        let p = if q4 {
-                            let (wi, wo) = &conv.projections[i % conv.projections.len()];
-                            conv_fused::Projections::Quant(wi, wo)
-                        } else {
-                            let (wi, wo) = &conv.dense[i % conv.dense.len()];
-                            conv_fused::Projections::Dense(wi, wo)
-                        };
+                        let p = conv.projections(q4, i);
                         if !conv_fused::available(&x, p, &conv.state, &conv.cw, false) {
                             return Err(mlx_lfm::Error::invalid("kernel-bench: the one-launch conv kernel does not serve the layer's operands"));
                         }
                         let (out, _, times, channels, nb) = conv_fused::forward_timeline(&x, p, &conv.state, &conv.cw, &ctr)?;
                         (out, times, channels, nb)
                     } else {
-                        let p = if q4 {
-                            let (w13, w2) = &ffn.quant[i % ffn.quant.len()];
-                            ffn_fused::Projections::Quant(w13, w2)
-                        } else {
-                            let (w13, w2) = &ffn.weights[i % ffn.weights.len()];
-                            ffn_fused::Projections::Dense(w13, w2)
-                        };
+                        let p = ffn.projections(q4, i);
                         if !ffn_fused::available(&x, p) {
                             return Err(mlx_lfm::Error::invalid("kernel-bench: the one-launch feed-forward kernel does not serve the layer's operands"));
                         }
@@ -1258,6 +1243,18 @@ impl ConvLayer {
         Ok(ConvLayer { projections, dense, h, r, wn, eps, state, cw, counters })
     }
 
+    /// Copy `i` (in turn) of the quantized or the dense projections.
+    fn projections(&self, quant: bool, i: usize) -> mlx_lfm::kernels::conv_fused::Projections<'_> {
+        use mlx_lfm::kernels::conv_fused::Projections;
+        if quant {
+            let (wi, wo) = &self.projections[i % self.projections.len()];
+            Projections::Quant(wi, wo)
+        } else {
+            let (wi, wo) = &self.dense[i % self.dense.len()];
+            Projections::Dense(wi, wo)
+        }
+    }
+
     /// The layer's output for launch `i` (copy `i` of the quantized or the
     /// dense projections, in turn).
     fn launch(&self, fused: bool, quant: bool, i: usize) -> mlx_lfm::Result<Array> {
@@ -1268,13 +1265,7 @@ impl ConvLayer {
     fn launch_on(&self, h: &Array, fused: bool, quant: bool, i: usize) -> mlx_lfm::Result<Array> {
         use mlx_lfm::kernels::{add_rms_norm, conv_fused, short_conv};
         use mlx_lfm::model::linear::Normed;
-        let p = if quant {
-            let (wi, wo) = &self.projections[i % self.projections.len()];
-            conv_fused::Projections::Quant(wi, wo)
-        } else {
-            let (wi, wo) = &self.dense[i % self.dense.len()];
-            conv_fused::Projections::Dense(wi, wo)
-        };
+        let p = self.projections(quant, i);
         let x = Normed { h, r: Some(&self.r), w: &self.wn, eps: LAYER_EPS, eps_array: &self.eps };
         let unserved = || mlx_lfm::Error::invalid("kernel-bench: the conv layer's kernels do not serve their operands here");
         if fused {
@@ -1311,13 +1302,20 @@ impl ConvLayer {
 /// of which [`FFN_Q4_COPIES`]: every launch reads its weights from DRAM).
 /// (Session 40's `-w2` arms, w2 asked of L2 by the gate blocks, read 5-8
 /// µs slower in session 41 and are retired with their switch.)
-const FFN_ARMS: [(&str, Switches, usize); 6] = [
+const FFN_ARMS: [(&str, Switches, usize); 9] = [
     ("ffn-layer-bf16-three", &[("MLX_LFM_FFN_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_GEMV_KERNEL", "1")], 3),
     ("ffn-layer-bf16-fused", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
     ("ffn-layer-bf16-fused-early", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_EARLY_PREFETCH", "ffn")], 1),
     ("ffn-layer-q4-four", &[("MLX_LFM_FFN_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1")], 4),
     ("ffn-layer-q4-fused", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
     ("ffn-layer-q4-fused-early", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_EARLY_PREFETCH", "ffn")], 1),
+    ("ffn-layer-bf16-fused-g2", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_FFN_GATE_ROWS", "2")], 1),
+    (
+        "ffn-layer-bf16-fused-g2-early",
+        &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_FFN_GATE_ROWS", "2"), ("MLX_LFM_EARLY_PREFETCH", "ffn")],
+        1,
+    ),
+    ("ffn-layer-q4-fused-g2", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_FFN_GATE_ROWS", "2")], 1),
 ];
 const FFN_COPIES: usize = 2;
 const FFN_Q4_COPIES: usize = 4;
@@ -1345,6 +1343,9 @@ struct FfnLayer {
     wn: Array,
     eps: Array,
     counters: Array,
+    /// The two-gate-outputs-a-warp form's (`MLX_LFM_FFN_GATE_ROWS=2`): a
+    /// launch's tickets count its blocks, so each form keeps its own.
+    counters_g2: Array,
 }
 
 impl FfnLayer {
@@ -1370,6 +1371,7 @@ impl FfnLayer {
         // the model's layers are made.)
         let words = mlx_lfm::kernels::ffn_fused::state_words(FFN_D as usize, FFN_F.max(FFN_Q4_F) as usize);
         let counters = mlx_lfm::kernels::stages::new_counters_of(words)?;
+        let counters_g2 = mlx_lfm::kernels::stages::new_counters_of(words)?;
         let mut held: Vec<&Array> = weights.iter().flat_map(|(a, b)| [a, b]).collect();
         for (i, o) in &quant {
             held.extend([&i.weight, &i.scales, &o.weight, &o.scales]);
@@ -1377,33 +1379,41 @@ impl FfnLayer {
         }
         held.extend([&h, &r, &wn, &eps]);
         mlx::eval(&held)?;
-        Ok(FfnLayer { weights, quant, h, r, wn, eps, counters })
+        Ok(FfnLayer { weights, quant, h, r, wn, eps, counters, counters_g2 })
     }
 
     /// The layer's output for launch `i` (copy `i` of the dense or the
     /// 4-bit weights, in turn).
-    fn launch(&self, fused: bool, q4: bool, i: usize) -> mlx_lfm::Result<Array> {
-        self.launch_on(&self.h, fused, q4, i)
+    /// Copy `i` (in turn) of the dense or the 4-bit weights.
+    fn projections(&self, q4: bool, i: usize) -> mlx_lfm::kernels::ffn_fused::Projections<'_> {
+        use mlx_lfm::kernels::ffn_fused::Projections;
+        if q4 {
+            let (w13, w2) = &self.quant[i % self.quant.len()];
+            Projections::Quant(w13, w2)
+        } else {
+            let (w13, w2) = &self.weights[i % self.weights.len()];
+            Projections::Dense(w13, w2)
+        }
+    }
+
+    /// (`g2`: the two-gate-outputs-a-warp form's counters, which its
+    /// switch must be set for.)
+    fn launch(&self, fused: bool, q4: bool, g2: bool, i: usize) -> mlx_lfm::Result<Array> {
+        self.launch_on(&self.h, fused, q4, g2, i)
     }
 
     /// [`FfnLayer::launch`] on the row `h` (a chain's previous output).
-    fn launch_on(&self, h: &Array, fused: bool, q4: bool, i: usize) -> mlx_lfm::Result<Array> {
+    fn launch_on(&self, h: &Array, fused: bool, q4: bool, g2: bool, i: usize) -> mlx_lfm::Result<Array> {
         use mlx_lfm::kernels::{add_rms_norm, ffn_fused, gemv};
         use mlx_lfm::model::linear::Normed;
-        let p = if q4 {
-            let (w13, w2) = &self.quant[i % self.quant.len()];
-            ffn_fused::Projections::Quant(w13, w2)
-        } else {
-            let (w13, w2) = &self.weights[i % self.weights.len()];
-            ffn_fused::Projections::Dense(w13, w2)
-        };
+        let p = self.projections(q4, i);
         let unserved = || mlx_lfm::Error::invalid("kernel-bench: the feed-forward's kernels do not serve their operands here");
         if fused {
             let x = Normed { h, r: Some(&self.r), w: &self.wn, eps: LAYER_EPS, eps_array: &self.eps };
             if !ffn_fused::available(&x, p) {
                 return Err(unserved());
             }
-            return Ok(ffn_fused::forward(&x, p, &self.counters)?.1);
+            return Ok(ffn_fused::forward(&x, p, if g2 { &self.counters_g2 } else { &self.counters })?.1);
         }
         let (_, y) = add_rms_norm::add_rms_norm_with(h, &self.r, &self.wn, &self.eps, LAYER_EPS)?;
         match p {
