@@ -164,11 +164,65 @@ from its A/B: the variants and greedy sets that turned them on are gone,
 `layers-fused-off` (greedy set and variant) and `moe-fused-off`,
 `conv-fused-off`, `ffn-fused-off`, `qkv-fused-off` measure them off, and
 the greedy test's default run checks it built each.
-Next (`bash bench/h200/prepare.sh` here first; ~1,550 s planned, step 5
-only where ~450 s are left; a fresh machine's `ab` first spends ~270 s
-generating the checkpoints, and a round waits ~150 s for the GGUF chain;
-the whole q/k/v test took 528 s in session 41 with its split cases on
-every shape, fewer now).
+Next (`bash bench/h200/prepare.sh` here first; ~1,300 s planned; a
+fresh machine's `ab` first spends ~270 s generating the checkpoints, and
+a round waits ~150 s for the GGUF chain; take an H100 when the H200 is
+refused: every round since session 31 ran on one).
+Session 42 got an H100 for ~23 minutes after ~20 minutes of failed and
+refused starts (~300 device-seconds): the mended q/k/v test passed whole;
+the greedy sets passed with the sort and combine in every prompt, but for
+the tiny MoE fixture's float32-sum opt-ins (not on route near-ties: the
+stock route's closest calls were 1.37-1.68 roundings); two rounds read
+every H100 target met but the 1.2B's decode (1.00-1.09x against 1.2x),
+the 8B-A1B's P=512 prefill 1.09x for the first time; `ab` held the sort
+(0.909 off) and the combine (0.965 off); `layer-chains` (new) answered
+session 41's question: in a busy stream the one-launch layers run only
+3-4 µs shorter than ncu's lone launches, launches 1.5-1.8 µs apart, and
+the excess is the second stage: the 1.2B's w2 done 16.4 µs after its
+gate (~2.0 TB/s), its last block starting at 25.0 µs (641 blocks, more
+than the SMs hold), its conv layer's out_proj 5.5 µs after its channels
+(~1.5 TB/s). After the calls: `MLX_LFM_FFN_GATE_ROWS=2` (opt-in, not yet
+run on a GPU), the gate two outputs a warp, 385 blocks instead of 641, so
+that w2's blocks are resident from the start (and, with
+`MLX_LFM_EARLY_PREFETCH=ffn`, ask for their rows during the gate);
+ptxas here puts the dense form at 42 registers a thread against the
+default's 38 (MLX's JIT may differ: the default's gate blocks all started
+at once, so ~4 blocks an SM were resident). The chain:
+  1. carry [.device/a]: `stage-mlx`.
+  2. carry [.device/llama]: `llama` (its build runs in the background).
+  3. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=4
+     H200_KERNEL_TESTS=ffn_fused_kernel,conv_fused_kernel `timeout -s TERM
+     400 python3 bench/h200/run.py install verdicts-from committed kernels
+     save-ptx` (the feed-forward's test holds the two-outputs form, plain,
+     with scratch, early and its timeline form, to the default's bits;
+     LAYER_SOURCE's other parts only gained preprocessor lines; the greedy
+     verdicts are session 42's).
+  4. carry [.device/bin]: `timeout -s TERM 200 python3 bench/h200/run.py
+     layer-chains` (the `ffn-bf16-g2` and `-g2-early` timelines: do w2's
+     blocks start at once now, and does the launch fall from 42.4 µs
+     toward the ~34 its 101 MB take at 3 TB/s?).
+  5. carry [.device/bin]: H200_OURS_ENV (mimalloc),
+     H200_AB_VARIANTS=ffn-gate-2,ffn-gate-2-early
+     H200_MODELS=lfm2-1.2b-bf16,lfm2-350m-bf16 H200_AB_REPS=4 `timeout
+     -s TERM 500 python3 bench/h200/run.py ab pick` (pick adopts at most
+     one, where decode gains 3%).
+  6. carry [.device/bin]: H200_OURS_ENV, `timeout -s TERM 560 python3
+     bench/h200/run.py pick round 1` (the 1.2B's decode with what `pick`
+     took).
+  (Then, where the two-outputs form works: the same for the conv layer's
+  out_proj, 5.5 µs after its channels; and the q/k/v stage has no
+  timeline form yet. Not planned: the 8B-A1B prefill's grouped expert
+  GEMMs, 12.1 ms of its 22.5 in session 41's profile, and its 22
+  `qmm_naive` launches (the router's gate over the prompt's rows; a dense
+  gate moved its logits on the CPU, so it needs the exact product's
+  verdict first). The chains' walls are host-bound in eager mode (one
+  multiply a launch 10.8 µs, a layer 37-66): read only the timelines.)
+Session 42's plan, for the record: 1. `stage-mlx`; 2. `llama`; 3. the
+q/k/v test and the greedy sets; 4. `pick round 1`; 5. `ab pick gguf-bg`
+of the sort and combine off, the attention over 4 chunks and the q/k/v
+split on the 8B-A1B and the 350M. It ran all of it (the A/B without
+`pick` and `gguf-bg`, three reps), `layer-chains` between 3 and 4, and
+`round 2` after 5.
 Session 41 got an H100 for ~17 minutes after ~50 minutes of failed and
 refused starts (~630 device-seconds): its tests passed the prefetch forms,
 the sort by expert (a host's stable sort, exactly) and the grouped
@@ -180,49 +234,7 @@ out_proj prefetches slower or no faster (retired); `ab` read the sort
 and combine 1.094-1.098x on the 8B-A1B's P=512 prefill (now CUDA
 defaults), the attention over 4 chunks 1.000x on the 1.2B; the 8B-A1B's
 prefill profile: GPU-bound, 22.5 ms of kernels for a 21.1-21.5 ms TTFT,
-the grouped expert GEMMs 12.1 ms of it. The chain:
-  1. carry [.device/a]: `stage-mlx`.
-  2. carry [.device/llama]: `llama`.
-  3. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=4
-     H200_KERNEL_TESTS=qkv_fused_kernel,greedy_tokens_with_kernels_equal_stock_ops
-     `timeout -s TERM 540 python3 bench/h200/run.py install verdicts-from
-     committed kernels save-ptx` (the q/k/v test first: session 41's
-     record has it failed, on the test's own assertion, and a default's
-     failed verdict turns every kernel off for the benchmarks; its split
-     cases now only on the models' shapes and float32. The four greedy
-     tests with the sort and combine in every run's prompt: do the tiny
-     MoE fixture's 4-bit departures, steps 26-34 of the float32-sum sets,
-     fall on route near-ties? The sort's and grouped prefill's verdicts
-     are session 41's.)
-  4. carry [.device/bin]: H200_OURS_ENV (mimalloc), `timeout -s TERM 560
-     python3 bench/h200/run.py pick round 1` (the targets with the sort
-     and combine: is the 8B-A1B's P=512 prefill past llama.cpp's now, as
-     the A/B's 1.096x over session 40's 0.97-0.99x says it should be?).
-  5. carry [.device/bin]: H200_OURS_ENV,
-     H200_AB_VARIANTS=moe-sort-off,moe-combine-off,attention-chunks-4,qkv-split-4
-     H200_MODELS=lfm2-8b-a1b-q4,lfm2-350m-bf16 H200_AB_REPS=4 `timeout -s
-     TERM 560 python3 bench/h200/run.py ab pick gguf-bg` (the new defaults
-     measured off; the attention over 4 chunks, 1.016-1.020x on the 350M
-     and 8B-A1B in session 40 and 1.000x on the 1.2B in session 41).
-  (Not planned: the timelines; session 39's read most launches 5-9x
-  their ncu times; before reading them again, keep the GPU busy just
-  before each stamped launch. The levers the profiles point at next: the
-  8B-A1B prefill's grouped expert GEMMs, 12.1 ms of its 22.5 (gate/up
-  3.1 GB read in 8.0 ms: neither its bandwidth nor its tensor cores are
-  near their bounds), its 22 `qmm_naive` launches (0.85 ms: the router's
-  gate over a prompt's rows, 32 experts wide; the gate dequantized once
-  and multiplied densely moved 599-617 of 776 logits of the tiny MoE
-  fixture's 4-bit gate by up to 0.014-0.028 of their scale on the CPU, so
-  it needs the exact product's verdict and the route ties' before it is
-  an opt-in), and the 1.2B's
-  feed-forward at ~2.17 TB/s. One question under all the one-launch
-  layers: the q/k/v stage took ~19-20 µs however its 12.6 MB were split,
-  and the conv layer's 21.7 µs for 34 MB and the feed-forward's 46.6 for
-  101 MB sit ~10-13 µs over their bytes at 3 TB/s too; if that is fixed
-  a launch (the norm stage's handoff, the waits) and not ncu's idle
-  clocks between kernel-bench's synced launches, it is ~190 µs of the
-  1.2B's 1,335 µs step, more than its 1.2x target needs: time one layer
-  back to back, without ncu, against its bytes.)
+the grouped expert GEMMs 12.1 ms of it..
 Session 41's plan, for the record: 1. `stage-mlx`; 2. the q/k/v split's,
 prefetch forms', sort's and grouped prefill's tests; 3. kernel-bench of
 the q/k/v forms and the prefetch forms; 4. `llama`; 5. `ab pick gguf-bg`
@@ -2358,6 +2370,16 @@ AB = {
     # warps, 15 µs for 12.7 MB in session 39's profile (~0.84 TB/s); asked
     # whole at once, the head's reads wait on L2.
     "early-prefetch-qkv": ({"MLX_LFM_EARLY_PREFETCH": "qkv"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # The dense feed-forward's gate two outputs a warp (session 42,
+    # src/kernels/ffn_fused.rs gate_outs): half the gate's blocks, so that
+    # w2's blocks are resident from the start (session 42's chained
+    # timelines: the 1.2B's w2 done 16.4 µs after the gate, at ~2.0 TB/s,
+    # its last block starting at 25.0 µs); and with w2's rows asked of L2
+    # before their wait. The same bits. In process (each engine its own
+    # counters).
+    "ffn-gate-2": ({"MLX_LFM_FFN_GATE_ROWS": "2"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    "ffn-gate-2-early": ({"MLX_LFM_FFN_GATE_ROWS": "2", "MLX_LFM_EARLY_PREFETCH": "ffn"},
+                         ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     # (Session 40's second projections asked of L2 by the first stage's
     # blocks, `ffn-w2-prefetch` and `conv-out-prefetch` with their `-last`
     # forms, read 5-8 µs slower on the 1.2B's feed-forward and no faster on
@@ -2381,6 +2403,9 @@ AB_TESTS = {
     # (Its test holds it to the default's bits.)
     "qkv-warps-32": ["qkv_fused_kernel_matches_stock_ops"],
     **{v: ["qkv_fused_kernel_matches_stock_ops"] for v in ("qkv-split-2", "qkv-split-4")},
+    # (Its test holds both forms to the default's bits.)
+    "ffn-gate-2": ["ffn_fused_kernel_matches_stock_ops"],
+    "ffn-gate-2-early": ["ffn_fused_kernel_matches_stock_ops", "greedy:early-prefetch"],
     "argmax-vec": ["argmax_finite_kernel_matches_stock_ops"],
     "conv-first-off": ["greedy:conv-first-off"],
     "scratch-outputs": [],
@@ -2479,6 +2504,7 @@ PICK = [
     (["qint-bits", "qint-convert", "moe-float"], "decode"),
     (["moe-down-prefetch", "moe-down-prefetch-after"], "decode"),
     (["qkv-warps-32", "qkv-split-2", "qkv-split-4"], "decode"),
+    (["ffn-gate-2", "ffn-gate-2-early"], "decode"),
     (["argmax-vec"], "decode"),
     (["conv-first-off"], "decode"),
     (["layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off"], "decode"),
