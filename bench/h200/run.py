@@ -184,10 +184,10 @@ than the SMs hold), its conv layer's out_proj 5.5 µs after its channels
 (~1.5 TB/s). After the calls: `MLX_LFM_FFN_GATE_ROWS=2` (opt-in, not yet
 run on a GPU), the gate two outputs a warp, 385 blocks instead of 641, so
 that w2's blocks are resident from the start (and, with
-`MLX_LFM_EARLY_PREFETCH=ffn`, ask for their rows during the gate);
-ptxas here puts the dense form at 42 registers a thread against the
-default's 38 (MLX's JIT may differ: the default's gate blocks all started
-at once, so ~4 blocks an SM were resident). The chain:
+`MLX_LFM_EARLY_PREFETCH=ffn`, ask for their rows during the gate;
+NVRTC 13 and ptxas here put both bf16 forms at 32 registers a thread, 4
+blocks of 512 an SM, 528 on an H100: the default's 641 leave 113 of w2's
+blocks a second wave, the new form's 385 all fit). The chain:
   1. carry [.device/a]: `stage-mlx`.
   2. carry [.device/llama]: `llama` (its build runs in the background).
   3. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=4

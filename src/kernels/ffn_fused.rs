@@ -58,9 +58,10 @@ const MAX_WIDTH: i32 = 16_384;
 /// blocks. Session 42's chained timelines (an H100) had the 1.2B's launch
 /// at 42.4 µs for 101 MB: the gate (67 MB) done at 26.0 µs, w2 (33.5 MB)
 /// 16.4 µs after it at ~2.0 TB/s, and the last w2 block starting at 25.0 µs.
-/// 641 blocks of 512 threads are more than 132 SMs hold at once (64
-/// warps each), so w2's blocks wait for the gate's to leave before they
-/// even start; with 385 every block is resident from the start, and
+/// NVRTC 13 and ptxas for sm_90 put the bf16 kernel at 32 registers a
+/// thread (either form), so an SM holds 4 blocks of 512 threads, an H100
+/// 528: of the default's 641, 113 of w2's start only as the gate's blocks
+/// leave; the two-outputs form's 385 are all resident from the start, and
 /// under `MLX_LFM_EARLY_PREFETCH=ffn` w2's rows can be asked for while the
 /// gate runs. Each row is the same walk, so the same bits (its test holds
 /// it to them). Read once a process (a test's or bench's override aside):
