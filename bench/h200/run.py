@@ -191,11 +191,14 @@ blocks a second wave, the new form's 385 all fit). The chain:
   1. carry [.device/a]: `stage-mlx`.
   2. carry [.device/llama]: `llama` (its build runs in the background).
   3. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=4
-     H200_KERNEL_TESTS=ffn_fused_kernel,conv_fused_kernel `timeout -s TERM
-     400 python3 bench/h200/run.py install verdicts-from committed kernels
-     save-ptx` (the feed-forward's test holds the two-outputs form, plain,
-     with scratch, early and its timeline form, to the default's bits;
-     LAYER_SOURCE's other parts only gained preprocessor lines; the greedy
+     H200_KERNEL_TESTS=ffn_fused_kernel,conv_fused_kernel,qkv_fused_kernel
+     `timeout -s TERM 500 python3 bench/h200/run.py install verdicts-from
+     committed kernels save-ptx` (the feed-forward's test holds the
+     two-outputs form, plain, with scratch, early and its timeline form,
+     to the default's bits; LAYER_SOURCE's other parts only gained
+     preprocessor lines; the q/k/v stage's launch was refactored on the
+     Rust side for its new timeline form, which its test holds to the
+     same q with its stamps in order (~290 s of the call); the greedy
      verdicts are session 42's).
   4. carry [.device/bin]: `timeout -s TERM 200 python3 bench/h200/run.py
      layer-chains` (the `ffn-bf16-g2` and `-g2-early` timelines: do w2's
@@ -209,9 +212,12 @@ blocks a second wave, the new form's 385 all fit). The chain:
   6. carry [.device/bin]: H200_OURS_ENV, `timeout -s TERM 560 python3
      bench/h200/run.py pick round 1` (the 1.2B's decode with what `pick`
      took).
+     The chains now stamp the q/k/v stage too (`qkv-bf16`, `qkv-q4`, its
+     new timeline form, one block a head): session 41's kernel-bench read
+     it at ~19-20 µs a launch however its 12.6 MB were split; where do they
+     go: the norm's block, the heads' wait, their rows?
   (Then, where the two-outputs form works: the same for the conv layer's
-  out_proj, 5.5 µs after its channels; and the q/k/v stage has no
-  timeline form yet. Not planned: the 8B-A1B prefill's grouped expert
+  out_proj, 5.5 µs after its channels. Not planned: the 8B-A1B prefill's grouped expert
   GEMMs, 12.1 ms of its 22.5 in session 41's profile, and its 22
   `qmm_naive` launches (the router's gate over the prompt's rows; a dense
   gate moved its logits on the CPU, so it needs the exact product's
@@ -1561,8 +1567,8 @@ def layer_chains():
     --kernel-bench --arms layer-chains`, no ncu): a launch's time as the
     slope of two chains' walls, against the stock launches each replaces
     and MLX's GEMV of the q/k/v rows, then the conv layer's and the
-    feed-forward's timeline forms chained (each launch's span on the GPU's
-    global timer, the gap to the next). The question (session 41): is the
+    feed-forward's and the q/k/v stage's timeline forms chained (each
+    launch's span on the GPU's global timer, the gap to the next). The question (session 41): is the
     ~10-15 µs that ncu's lone launches read over these layers' bytes fixed
     a launch, ~190 µs of the 1.2B's step, or ncu's idle clocks? No
     checkpoint needed."""

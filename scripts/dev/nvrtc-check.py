@@ -896,6 +896,14 @@ for _n, _dense, _scratch, _form in ((2, False, True, ""), (4, False, True, ""), 
         PRELUDE_OF[_v] = PRELUDE_OF[_of]
     REPLACE_OF[_v] = _SPLIT + (substitutions("qkv_fused.rs", "SPLIT_EARLY_SUBSTITUTIONS") if _form == "early" else [])
 
+# The q/k/v stage's timeline form (the bench's, one block a head:
+# qkv_fused.rs TIMELINE_SUBSTITUTIONS), 4-bit and dense.
+for _k in ("qk_norm_rope.rs#qkv_fused", "qk_norm_rope.rs#qkv_fused@dense"):
+    _v = _k + ("-timeline" if "@" in _k else "@timeline")
+    KERNELS[_v] = (KERNELS[_k][0], KERNELS[_k][1] + [("times", "long long")], *KERNELS[_k][2:])
+    DEFINES_OF[_v] = _TL + DEFINES_OF[_k]
+    REPLACE_OF[_v] = substitutions("qkv_fused.rs", "TIMELINE_SUBSTITUTIONS")
+
 # How many dtype values CudaKernel::new adds (src/mlx/kernel.rs IO_NAMES),
 # seven operands each: a kernel with more operands is refused there.
 IO_VALUES = int(re.search(r"const IO_NAMES: \[&str; (\d+)\]", (root / "src" / "mlx" / "kernel.rs").read_text()).group(1))

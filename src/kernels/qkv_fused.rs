@@ -331,6 +331,52 @@ pub fn forward(
     (eps, theta): (f32, f32),
     ctr: &Array,
 ) -> Result<(Array, Array, Array, Array)> {
+    let mut outs = launch(x, p, qw, kw, heads, offset, (eps, theta), ctr, false)?;
+    let missing = || Error::mlx("fused q/k/v kernel: missing output");
+    let v = outs.pop().ok_or_else(missing)?;
+    let k = outs.pop().ok_or_else(missing)?;
+    let q = outs.pop().ok_or_else(missing)?;
+    let s = outs.pop().ok_or_else(missing)?;
+    Ok((s, q, k, v))
+}
+
+/// [`forward`]'s q through the one-block stage's timeline form (the
+/// bench's: `stages::TIMELINE_HEADER`, [`TIMELINE_SUBSTITUTIONS`]; never
+/// split), with its stamps `[NB * 4]` int64 and its blocks: block 0 the
+/// norm's, the rest a head each (`1..nb`).
+#[doc(hidden)]
+#[allow(clippy::too_many_arguments)]
+pub fn forward_timeline(
+    x: &Normed,
+    p: Projection,
+    qw: &Array,
+    kw: &Array,
+    heads: (i32, i32, i32),
+    offset: &Array,
+    consts: (f32, f32),
+    ctr: &Array,
+) -> Result<(Array, Array, usize)> {
+    let mut outs = launch(x, p, qw, kw, heads, offset, consts, ctr, true)?;
+    let missing = || Error::mlx("fused q/k/v kernel: missing output");
+    let times = outs.pop().ok_or_else(missing)?;
+    let (qh, kvh, _) = heads;
+    Ok((outs.swap_remove(1), times, 1 + (qh + 2 * kvh) as usize))
+}
+
+/// The launch: `[s, q, k, v]`, or (`timeline`) the timeline form's every
+/// output, its stamps last.
+#[allow(clippy::too_many_arguments)]
+fn launch(
+    x: &Normed,
+    p: Projection,
+    qw: &Array,
+    kw: &Array,
+    heads: (i32, i32, i32),
+    offset: &Array,
+    (eps, theta): (f32, f32),
+    ctr: &Array,
+    timeline: bool,
+) -> Result<Vec<Array>> {
     let quant = matches!(p, Projection::Quant(_));
     let r = x.r.ok_or_else(|| Error::invalid("the fused q/k/v kernel needs a residual to add"))?;
     stages::check_state(ctr, "the fused q/k/v kernel")?;
@@ -341,11 +387,12 @@ pub fn forward(
     // step. NVRTC compiles at the graph's eval, so a text that fails there
     // fails the step, as the one-block form's would.)
     let parts = match split_for(ctr, dt, d, heads) {
-        n if n > 1 && split_kernel(quant, false).is_some() => n,
+        n if n > 1 && !timeline && split_kernel(quant, false).is_some() => n,
         _ => 1,
     };
     let form = |scratch: bool| if parts > 1 { split_kernel(quant, scratch) } else { kernel(quant, scratch) };
-    let kern = form(false).ok_or_else(|| Error::mlx("the fused q/k/v kernel is not available"))?;
+    let kern = if timeline { timeline_kernel(quant) } else { form(false) };
+    let kern = kern.ok_or_else(|| Error::mlx("the fused q/k/v kernel is not available"))?;
     let nb = 1 + (qh as i64 + 2 * kvh as i64) * parts as i64;
     let warps = warps();
     let threads = warps * 32;
@@ -375,32 +422,69 @@ pub fn forward(
         }
         Projection::Dense(w) => vec![x.h, r, x.w, w, qw, kw, offset, ctr],
     };
-    let mut outs = stages::call_with_scratch(
-        kern,
-        || form(true),
-        &inputs,
-        &[(&[1, d], dt), (&[1, qh, 1, hd], dt), (&[1, kvh, 1, hd], dt), (&[1, kvh, 1, hd], dt), (&[d], dt)],
-        &["SCR_YN"],
-        ctr,
-        [grid, 1, 1],
-        [threads, 1, 1],
-        &template,
-    )?;
+    let outputs: [(&[i32], Dtype); 5] = [(&[1, d], dt), (&[1, qh, 1, hd], dt), (&[1, kvh, 1, hd], dt), (&[1, kvh, 1, hd], dt), (&[d], dt)];
+    if timeline {
+        return stages::call_stamped(kern, &inputs, &outputs, nb, [grid, 1, 1], [threads, 1, 1], &template, "fused q/k/v kernel");
+    }
+    let mut outs =
+        stages::call_with_scratch(kern, || form(true), &inputs, &outputs, &["SCR_YN"], ctr, [grid, 1, 1], [threads, 1, 1], &template)?;
     BUILT.bump();
     if parts > 1 {
         SPLIT_BUILT.bump();
     }
-    let missing = || Error::mlx("fused q/k/v kernel: missing output");
-    let v = outs.pop().ok_or_else(missing)?;
-    let k = outs.pop().ok_or_else(missing)?;
-    let q = outs.pop().ok_or_else(missing)?;
-    let s = outs.pop().ok_or_else(missing)?;
-    Ok((s, q, k, v))
+    outs.truncate(4);
+    Ok(outs)
+}
+
+/// Where the one-block stage's timeline form stamps ([`forward_timeline`]):
+/// each block when it takes its ticket; the norm's block when it is done;
+/// a head's when its wait ends, when the normed row is staged and when its
+/// rows' products are in (before its norm and RoPE on the first warp).
+/// Each text found once in the body (a test holds it).
+pub(crate) const TIMELINE_SUBSTITUTIONS: [(&str, &str); 5] = [
+    (
+        "  const int role = lfm_take_part<NB>(st, launch);\n",
+        "  const int role = lfm_take_part<NB>(st, launch);\n  LFM_STAMP_START();\n",
+    ),
+    ("    lfm_release_mark(st + 1, launch + 1);\n    return;\n", "    LFM_STAMP(3);\n    lfm_release_mark(st + 1, launch + 1);\n    return;\n"),
+    (
+        "  const bool late = lfm_block_wait(st + 1, launch + 1, nullptr, 0);\n",
+        "  const bool late = lfm_block_wait(st + 1, launch + 1, nullptr, 0);\n  LFM_STAMP(1);\n",
+    ),
+    ("  if (!late) lfm_stage16(sm, yn, XR);\n  __syncthreads();\n", "  if (!late) lfm_stage16(sm, yn, XR);\n  __syncthreads();\n  LFM_STAMP(2);\n"),
+    ("  __syncthreads();\n  if (threadIdx.x >= 32) return;\n", "  __syncthreads();\n  LFM_STAMP(3);\n  if (threadIdx.x >= 32) return;\n"),
+];
+
+/// The one-block stage's timeline form, dense or 4-bit.
+fn timeline_kernel(quant: bool) -> Option<&'static CudaKernel> {
+    static K: [stages::Cells; 2] = [stages::cells(), stages::cells()];
+    static SOURCE: OnceLock<String> = OnceLock::new();
+    let source = SOURCE.get_or_init(|| super::substituted(super::qk_norm_rope::QKV_FUSED_SOURCE, &TIMELINE_SUBSTITUTIONS));
+    let mut inputs = vec!["h", "r", "wn"];
+    inputs.extend(if quant { &["iw", "iscales", "ibiases"][..] } else { &["iw"][..] });
+    inputs.extend(["qw", "kw", "offset", "ctr"]);
+    let outputs = ["s", "qo", "ko", "vo", "yn", "times"];
+    let name = if quant { "lfm_qkv_fused_timeline" } else { "lfm_qkv_fused_dense_timeline" };
+    stages::kernel(&K[usize::from(quant)], name, &inputs, &outputs, source, || {
+        format!("{}{}", stages::TIMELINE_HEADER, stages::layer_header(quant, false, ""))
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The timeline form's stamps each find their place in the body, once.
+    #[test]
+    fn every_timeline_stamp_finds_its_place() {
+        let body = super::super::qk_norm_rope::QKV_FUSED_SOURCE;
+        for (was, _) in TIMELINE_SUBSTITUTIONS {
+            assert_eq!(body.matches(was).count(), 1, "{was}");
+        }
+        let stamped = super::super::substituted(body, &TIMELINE_SUBSTITUTIONS);
+        assert_eq!(stamped.matches("LFM_STAMP(").count(), 4);
+        assert_eq!(stamped.matches("LFM_STAMP_START();").count(), 1);
+    }
 
     /// The early form's prefetch finds its place in the body, once.
     #[test]

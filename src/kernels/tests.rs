@@ -3428,6 +3428,16 @@ fn qkv_fused_kernel_matches_stock_ops() {
                         assert_eq!(differing(got, want), 0, "{what}: rows asked for early, launch {turn}: {name} differs");
                     }
                 }
+                // The bench's timeline form (one block a head, never split):
+                // the same q, its stamps in the stages' order.
+                let (q_t, times, nb) = with_opt_in_one("MLX_LFM_QKV_FUSED", || {
+                    let ctr = new_counters().unwrap();
+                    crate::kernels::qkv_fused::forward_timeline(&x, p, &qw, &kw, (qh, kvh, hd), &offset, (head_eps, theta), &ctr).unwrap()
+                });
+                crate::mlx::eval(&[&q_t, &times]).unwrap();
+                assert_eq!(nb as i32, 1 + qh + 2 * kvh, "{what}: the timeline form's blocks");
+                assert_eq!(differing(&q_t, &gq), 0, "{what}: the timeline form's q differs");
+                check_stamps(&what, &times, nb - 1, nb);
                 // A head over 32 warps (MLX_LFM_QKV_WARPS=32, opt-in): each
                 // row the same walk, so the same bits, on the same counters
                 // and with the scratch row in the state; served wherever

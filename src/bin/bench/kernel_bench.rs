@@ -467,6 +467,16 @@ impl QkvLayer {
         mlx_lfm::kernels::stages::new_counters_of(mlx_lfm::kernels::qkv_fused::state_words(QKV_D as usize, (qh + 2 * kvh) as usize))
     }
 
+    /// Copy `i` (in turn) of the dense or the 4-bit projection.
+    fn projection(&self, q4: bool, i: usize) -> mlx_lfm::kernels::qkv_fused::Projection<'_> {
+        use mlx_lfm::kernels::qkv_fused::Projection;
+        if q4 {
+            Projection::Quant(&self.quant[i % self.quant.len()])
+        } else {
+            Projection::Dense(&self.dense[i % self.dense.len()])
+        }
+    }
+
     /// The stage's q for launch `i` (copy `i` of the dense or the 4-bit
     /// projection, in turn) on `ctr`.
     fn launch(&self, q4: bool, ctr: &Array, i: usize) -> mlx_lfm::Result<Array> {
@@ -475,9 +485,9 @@ impl QkvLayer {
 
     /// [`QkvLayer::launch`] on the row `h` (a chain's previous output).
     fn launch_on(&self, h: &Array, q4: bool, ctr: &Array, i: usize) -> mlx_lfm::Result<Array> {
-        use mlx_lfm::kernels::qkv_fused::{self, Projection};
+        use mlx_lfm::kernels::qkv_fused;
         use mlx_lfm::model::linear::Normed;
-        let p = if q4 { Projection::Quant(&self.quant[i % self.quant.len()]) } else { Projection::Dense(&self.dense[i % self.dense.len()]) };
+        let p = self.projection(q4, i);
         let x = Normed { h, r: Some(&self.r), w: &self.wn, eps: LAYER_EPS, eps_array: &self.eps };
         if !qkv_fused::available(&x, p, &self.qw, &self.kw, QKV_HEADS, &self.offset) {
             return Err(mlx_lfm::Error::invalid("kernel-bench: the q/k/v stage's kernel does not serve its operands here"));
@@ -966,8 +976,8 @@ fn ffn_timeline(reps: usize) -> mlx_lfm::Result<()> {
 /// wall at two lengths, a launch's time the slope between them (the
 /// eval's fixed host cost cancels; the host builds a launch in far less
 /// than these layers' GPU time, which `floor-mul`, one multiply over the
-/// row a launch, bounds). Then the conv layer's and the feed-forward's
-/// timeline forms in a chain: each launch's span from its first block's
+/// row a launch, bounds). Then the conv layer's, the feed-forward's and
+/// the q/k/v stage's timeline forms in a chain: each launch's span from its first block's
 /// start to its last block's end on the GPU's global timer, the gap to
 /// the next launch's first block, and the parts' medians, launch 0 (an
 /// idle GPU's) left out.
@@ -1049,63 +1059,100 @@ fn layer_chains(reps: usize) -> mlx_lfm::Result<()> {
             Err(e) => println!("{}", serde_json::json!({"layer_chain": name, "error": e.to_string()})),
         }
     }
-    chain_timelines(&conv, &ffn, [conv_q4, conv_bf16, ffn_bf16, ffn_q4], reps)
+    chain_timelines(&conv, &ffn, &qkv, [conv_q4, conv_bf16, ffn_bf16, ffn_q4, qkv_bf16, qkv_q4], reps)
 }
 
-/// [`layer_chains`]' timeline chains: the conv layer's (4-bit, dense) and
-/// the feed-forward's (dense, 4-bit; and the dense one with two gate
-/// outputs a warp, `MLX_LFM_FFN_GATE_ROWS=2`, then with its rows asked
-/// for early too) timeline forms, `CHAIN_LENGTHS[1]` launches a chain,
-/// `reps` chains each, each form on counters of its own.
-fn chain_timelines(conv: &ConvLayer, ffn: &FfnLayer, bytes: [usize; 4], reps: usize) -> mlx_lfm::Result<()> {
-    use mlx_lfm::kernels::{conv_fused, ffn_fused, stages::timeline_summary};
+/// [`layer_chains`]' timeline chains: the conv layer's (4-bit, dense), the
+/// feed-forward's (dense, 4-bit; and the dense one with two gate outputs
+/// a warp, `MLX_LFM_FFN_GATE_ROWS=2`, then with its rows asked for early
+/// too) and the q/k/v stage's (dense, 4-bit: one block a head) timeline
+/// forms, `CHAIN_LENGTHS[1]` launches a chain, `reps` chains each, each
+/// form on a state of its own. `bytes`: the conv layer's 4-bit and dense,
+/// the feed-forward's dense and 4-bit, the q/k/v stage's dense and 4-bit.
+fn chain_timelines(conv: &ConvLayer, ffn: &FfnLayer, qkv: &QkvLayer, bytes: [usize; 6], reps: usize) -> mlx_lfm::Result<()> {
+    use mlx_lfm::kernels::{conv_fused, ffn_fused, qkv_fused, stages::timeline_summary};
     use mlx_lfm::model::linear::Normed;
+    #[derive(Clone, Copy, PartialEq)]
+    enum Kind {
+        Conv,
+        Ffn,
+        Qkv,
+    }
     let len = CHAIN_LENGTHS[1];
-    // (form, conv, 4-bit, two gate outputs a warp, rows asked for early;
+    // (form, layer, 4-bit, two gate outputs a warp, rows asked for early;
     // `bytes`' index)
     let forms = [
-        ("conv-q4", true, true, false, false, 0),
-        ("conv-bf16", true, false, false, false, 1),
-        ("ffn-bf16", false, false, false, false, 2),
-        ("ffn-q4", false, true, false, false, 3),
-        ("ffn-bf16-g2", false, false, true, false, 2),
-        ("ffn-bf16-g2-early", false, false, true, true, 2),
+        ("conv-q4", Kind::Conv, true, false, false, 0),
+        ("conv-bf16", Kind::Conv, false, false, false, 1),
+        ("ffn-bf16", Kind::Ffn, false, false, false, 2),
+        ("ffn-q4", Kind::Ffn, true, false, false, 3),
+        ("ffn-bf16-g2", Kind::Ffn, false, true, false, 2),
+        ("ffn-bf16-g2-early", Kind::Ffn, false, true, true, 2),
+        ("qkv-bf16", Kind::Qkv, false, false, false, 4),
+        ("qkv-q4", Kind::Qkv, true, false, false, 5),
     ];
-    for (form, is_conv, q4, g2, early, k) in forms {
+    for (form, kind, q4, g2, early, k) in forms {
+        let on = match kind {
+            Kind::Conv => "MLX_LFM_CONV_FUSED",
+            Kind::Ffn => "MLX_LFM_FFN_FUSED",
+            Kind::Qkv => "MLX_LFM_QKV_FUSED",
+        };
         let switches: mlx_lfm::knobs::Overrides = [
-            ((if is_conv { "MLX_LFM_CONV_FUSED" } else { "MLX_LFM_FFN_FUSED" }).to_string(), Some("1".to_string())),
+            (on.to_string(), Some("1".to_string())),
             ("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string())),
             ("MLX_LFM_EARLY_PREFETCH".to_string(), Some((if early { "ffn" } else { "" }).to_string())),
             ("MLX_LFM_FFN_GATE_ROWS".to_string(), Some((if g2 { "2" } else { "1" }).to_string())),
+            ("MLX_LFM_QKV_WARPS".to_string(), Some("16".to_string())),
         ]
         .to_vec();
-        let parts = if is_conv { ["norm", "channels", "out_proj"] } else { ["norm", "gate", "w2"] };
+        let parts = match kind {
+            Kind::Conv => ["norm", "channels", "out_proj"],
+            Kind::Ffn => ["norm", "gate", "w2"],
+            Kind::Qkv => ["norm", "heads", "none"],
+        };
         let done = mlx_lfm::knobs::with_overrides(&switches, || -> mlx_lfm::Result<serde_json::Value> {
-            let ctr = mlx_lfm::kernels::stages::new_counters_of(if is_conv {
-                conv_fused::state_words(CONV_D as usize, CONV_D as usize)
-            } else {
-                ffn_fused::state_words(FFN_D as usize, FFN_F.max(FFN_Q4_F) as usize)
-            })?;
+            let ctr = match kind {
+                Kind::Conv => mlx_lfm::kernels::stages::new_counters_of(conv_fused::state_words(CONV_D as usize, CONV_D as usize))?,
+                Kind::Ffn => mlx_lfm::kernels::stages::new_counters_of(ffn_fused::state_words(FFN_D as usize, FFN_F.max(FFN_Q4_F) as usize))?,
+                Kind::Qkv => QkvLayer::state()?,
+            };
             let (mut spans, mut gaps, mut lines) = (vec![], vec![], vec![]);
             for _ in 0..reps.max(1) {
                 let mut h = conv.h.clone();
                 let mut stamps = vec![];
                 for i in 0..len {
-                    let (r, wn, eps) = if is_conv { (&conv.r, &conv.wn, &conv.eps) } else { (&ffn.r, &ffn.wn, &ffn.eps) };
+                    let (r, wn, eps) = match kind {
+                        Kind::Conv => (&conv.r, &conv.wn, &conv.eps),
+                        Kind::Ffn => (&ffn.r, &ffn.wn, &ffn.eps),
+                        Kind::Qkv => (&qkv.r, &qkv.wn, &qkv.eps),
+                    };
                     let x = Normed { h: &h, r: Some(r), w: wn, eps: LAYER_EPS, eps_array: eps };
-                    let (out, times, first, nb) = if is_conv {
-                        let p = conv.projections(q4, i);
-                        if !conv_fused::available(&x, p, &conv.state, &conv.cw, false) {
-                            return Err(mlx_lfm::Error::invalid("kernel-bench: the one-launch conv kernel does not serve the layer's operands"));
+                    let unserved = || mlx_lfm::Error::invalid(format!("kernel-bench: the {form} timeline's kernel does not serve its operands"));
+                    let (out, times, first, nb) = match kind {
+                        Kind::Conv => {
+                            let p = conv.projections(q4, i);
+                            if !conv_fused::available(&x, p, &conv.state, &conv.cw, false) {
+                                return Err(unserved());
+                            }
+                            let (out, _, times, channels, nb) = conv_fused::forward_timeline(&x, p, &conv.state, &conv.cw, &ctr)?;
+                            (out, times, channels, nb)
                         }
-                        let (out, _, times, channels, nb) = conv_fused::forward_timeline(&x, p, &conv.state, &conv.cw, &ctr)?;
-                        (out, times, channels, nb)
-                    } else {
-                        let p = ffn.projections(q4, i);
-                        if !ffn_fused::available(&x, p) {
-                            return Err(mlx_lfm::Error::invalid("kernel-bench: the one-launch feed-forward kernel does not serve the layer's operands"));
+                        Kind::Ffn => {
+                            let p = ffn.projections(q4, i);
+                            if !ffn_fused::available(&x, p) {
+                                return Err(unserved());
+                            }
+                            ffn_fused::forward_timeline(&x, p, &ctr)?
                         }
-                        ffn_fused::forward_timeline(&x, p, &ctr)?
+                        Kind::Qkv => {
+                            let p = qkv.projection(q4, i);
+                            if !qkv_fused::available(&x, p, &qkv.qw, &qkv.kw, QKV_HEADS, &qkv.offset) {
+                                return Err(unserved());
+                            }
+                            let (q, times, nb) =
+                                qkv_fused::forward_timeline(&x, p, &qkv.qw, &qkv.kw, QKV_HEADS, &qkv.offset, (1e-6, 1_000_000.0), &ctr)?;
+                            (q.reshape(&[1, QKV_D])?, times, nb - 1, nb)
+                        }
                     };
                     stamps.push((times, first, nb));
                     h = out;
