@@ -902,7 +902,9 @@ for _k in ("qk_norm_rope.rs#qkv_fused", "qk_norm_rope.rs#qkv_fused@dense"):
     _v = _k + ("-timeline" if "@" in _k else "@timeline")
     KERNELS[_v] = (KERNELS[_k][0], KERNELS[_k][1] + [("times", "long long")], *KERNELS[_k][2:])
     DEFINES_OF[_v] = _TL + DEFINES_OF[_k]
-    REPLACE_OF[_v] = substitutions("qkv_fused.rs", "TIMELINE_SUBSTITUTIONS")
+    # (Its first two are stages.rs's: qkv_fused.rs names them by index.)
+    REPLACE_OF[_v] = substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS")[:2] + substitutions("qkv_fused.rs", "TIMELINE_SUBSTITUTIONS")
+    assert len(REPLACE_OF[_v]) == 5, "qkv_fused.rs TIMELINE_SUBSTITUTIONS"
 
 # How many dtype values CudaKernel::new adds (src/mlx/kernel.rs IO_NAMES),
 # seven operands each: a kernel with more operands is refused there.

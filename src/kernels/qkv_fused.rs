@@ -440,13 +440,11 @@ fn launch(
 /// each block when it takes its ticket; the norm's block when it is done;
 /// a head's when its wait ends, when the normed row is staged and when its
 /// rows' products are in (before its norm and RoPE on the first warp).
-/// Each text found once in the body (a test holds it).
+/// Each text found once in the body (a test holds it); the ticket's and
+/// the norm's are the layers' own ([`stages::TIMELINE_SUBSTITUTIONS`]).
 pub(crate) const TIMELINE_SUBSTITUTIONS: [(&str, &str); 5] = [
-    (
-        "  const int role = lfm_take_part<NB>(st, launch);\n",
-        "  const int role = lfm_take_part<NB>(st, launch);\n  LFM_STAMP_START();\n",
-    ),
-    ("    lfm_release_mark(st + 1, launch + 1);\n    return;\n", "    LFM_STAMP(3);\n    lfm_release_mark(st + 1, launch + 1);\n    return;\n"),
+    stages::TIMELINE_SUBSTITUTIONS[0],
+    stages::TIMELINE_SUBSTITUTIONS[1],
     (
         "  const bool late = lfm_block_wait(st + 1, launch + 1, nullptr, 0);\n",
         "  const bool late = lfm_block_wait(st + 1, launch + 1, nullptr, 0);\n  LFM_STAMP(1);\n",
