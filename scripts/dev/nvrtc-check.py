@@ -733,7 +733,9 @@ DENSE = False
 def substitutions(path, name):
     """A Rust `const NAME: [(&str, &str); N]` of (was, now) string pairs."""
     text = (root / "src" / "kernels" / path).read_text()
-    body = re.search(name + r": \[\(&str, &str\); \d+\] = \[(.*?)\n\];", text, re.S).group(1)
+    # ("const NAME", so that a NAME ending another's, SPLIT_EARLY_ for
+    # EARLY_, is not taken for it.)
+    body = re.search(r"const " + name + r": \[\(&str, &str\); \d+\] = \[(.*?)\n\];", text, re.S).group(1)
     lit = r'"((?:[^"\\]|\\.)*)"'
     unescape = lambda t: t.replace("\\n", "\n").replace('\\"', '"')
     return [(unescape(a), unescape(b)) for a, b in re.findall(r"\(\s*" + lit + r",\s*" + lit + r",?\s*\)", body)]
