@@ -485,7 +485,8 @@ for _v in ("@timeline", "@dense-timeline"):
 
 # Two gate outputs a warp (MLX_LFM_FFN_GATE_ROWS=2: ffn_fused.rs gate_outs),
 # 4-bit and dense, plain, early and the bench's timeline form.
-for _v in ("@g2", "@g2-early", "@g2-timeline", "@dense-g2", "@dense-g2-early", "@dense-g2-timeline", "@dense-g2-early-timeline"):
+for _v in ("@g2", "@g2-early", "@g2-timeline", "@g2-early-timeline", "@dense-g2", "@dense-g2-early", "@dense-g2-timeline",
+           "@dense-g2-early-timeline"):
     _base = "ffn_fused.rs" + ("@dense" if "dense" in _v else "")
     if "timeline" in _v:
         _base += "-timeline" if "dense" in _v else "@timeline"
@@ -762,7 +763,8 @@ REPLACE_OF = {
        for v in ("@early-timeline", "@dense-early-timeline")},
     **{"ffn_fused.rs" + v: substitutions("stages.rs", "EARLY_SUBSTITUTIONS") for v in ("@g2-early", "@dense-g2-early")},
     **{"ffn_fused.rs" + v: substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS") for v in ("@g2-timeline", "@dense-g2-timeline")},
-    "ffn_fused.rs@dense-g2-early-timeline": substitutions("stages.rs", "EARLY_SUBSTITUTIONS") + substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
+    **{"ffn_fused.rs" + v: substitutions("stages.rs", "EARLY_SUBSTITUTIONS") + substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS")
+       for v in ("@g2-early-timeline", "@dense-g2-early-timeline")},
 }
 # A kernel variant's own #define, as its Rust side prepends it.
 # The parts of stages.rs's LAYER_SOURCE each kernel compiles (its
@@ -834,6 +836,7 @@ DEFINES_OF["ffn_fused.rs@dense-g2-early"] = DEFINES_OF["ffn_fused.rs@dense-early
 DEFINES_OF["ffn_fused.rs@g2-timeline"] = _TL + _G2 + DEFINES_OF["ffn_fused.rs"]
 DEFINES_OF["ffn_fused.rs@dense-g2-timeline"] = _TL + _G2 + DEFINES_OF["ffn_fused.rs@dense"]
 DEFINES_OF["ffn_fused.rs@dense-g2-early-timeline"] = _TL + DEFINES_OF["ffn_fused.rs@dense-early"] + _G2
+DEFINES_OF["ffn_fused.rs@g2-early-timeline"] = _TL + DEFINES_OF["ffn_fused.rs@early"] + _G2
 # A variant's text before its kernel's body, as its Rust side puts it there.
 PRELUDE_OF = {"moe_fused.rs@scratch": named(root / "src" / "kernels" / "moe_fused.rs", "SCRATCH_PRELUDE")}
 PRELUDE_OF["moe_fused.rs@exact-scratch"] = PRELUDE_OF["moe_fused.rs@scratch"]
@@ -867,6 +870,8 @@ for key, rust, kept, places in [
         ("conv_fused.rs@dense", "conv_fused.rs", 3, [("SCR_YN", 256), ("SCR_YC", 4352)]),
         ("ffn_fused.rs", "ffn_fused.rs", 2, [("SCR_YN", 256), ("SCR_HK", 4352)]),
         ("ffn_fused.rs@dense", "ffn_fused.rs", 2, [("SCR_YN", 256), ("SCR_HK", 4352)]),
+        ("ffn_fused.rs@g2", "ffn_fused.rs", 2, [("SCR_YN", 256), ("SCR_HK", 4352)]),
+        ("ffn_fused.rs@dense-g2", "ffn_fused.rs", 2, [("SCR_YN", 256), ("SCR_HK", 4352)]),
         ("qk_norm_rope.rs#qkv_fused", "qkv_fused.rs", 4, [("SCR_YN", 256)]),
         ("qk_norm_rope.rs#qkv_fused@dense", "qkv_fused.rs", 4, [("SCR_YN", 256)])]:
     ins, outs, targs, *rest = KERNELS[key]

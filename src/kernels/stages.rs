@@ -567,7 +567,7 @@ pub(crate) const EARLY_SUBSTITUTIONS: [(&str, &str); 4] = [
     ),
     (
         "    const int j = (fr - 1) * WARPS + wid;\n    const bool late = lfm_block_wait(st + FC + 1, launch + 1, nullptr, 0);\n",
-        "    const int j = (fr - 1) * WARPS + wid;\n    if (j < F) {\n      LFM_EARLY_IN(D, j);\n      LFM_EARLY_IN(D, F + j);\n    }\n    const bool late = lfm_block_wait(st + FC + 1, launch + 1, nullptr, 0);\n",
+        "    const int j = (fr - 1) * WARPS + wid;\n    if (j < F) {\n      LFM_EARLY_IN(D, j);\n      LFM_EARLY_IN(D, F + j);\n    }\n#if LFM_GATE_OUTS == 2\n    if (j + GB * WARPS < F) {\n      LFM_EARLY_IN(D, j + GB * WARPS);\n      LFM_EARLY_IN(D, F + j + GB * WARPS);\n    }\n#endif\n    const bool late = lfm_block_wait(st + FC + 1, launch + 1, nullptr, 0);\n",
     ),
     (
         "  const int n = (fr - 1 - GB) * WARPS + wid;\n  const bool late = lfm_block_wait(st + FC + 2, (launch + 1) * GB, nullptr, 0);\n",
@@ -1193,7 +1193,8 @@ mod tests {
             assert!(now.contains("LFM_EARLY_") && now.starts_with(first) && now.ends_with(&format!("{last}\n")), "{now:?}");
         }
         let early = super::super::substituted(LAYER_SOURCE, &EARLY_SUBSTITUTIONS);
-        assert_eq!(early.matches("LFM_EARLY_IN(").count(), 5);
+        // (Two of them the two-gate-outputs form's, behind its #if.)
+        assert_eq!(early.matches("LFM_EARLY_IN(").count(), 7);
         assert_eq!(early.matches("LFM_EARLY_OUT(").count(), 2);
         for quant in [true, false] {
             let h = early_header(quant);

@@ -3435,7 +3435,6 @@ fn qkv_fused_kernel_matches_stock_ops() {
                     crate::kernels::qkv_fused::forward_timeline(&x, p, &qw, &kw, (qh, kvh, hd), &offset, (head_eps, theta), &ctr).unwrap()
                 });
                 crate::mlx::eval(&[&q_t, &times]).unwrap();
-                assert_eq!(nb as i32, 1 + qh + 2 * kvh, "{what}: the timeline form's blocks");
                 assert_eq!(differing(&q_t, &gq), 0, "{what}: the timeline form's q differs");
                 check_stamps(&what, &times, nb - 1, nb);
                 // A head over 32 warps (MLX_LFM_QKV_WARPS=32, opt-in): each

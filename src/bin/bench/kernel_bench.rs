@@ -547,7 +547,7 @@ fn joined_launch(name: &str, conv: &ConvLayer, ffn: &FfnLayer, moe: &Layer, ctr:
     if !ffn_fused::available(&x2, tail) {
         return Err(unserved());
     }
-    Ok(ffn_fused::forward(&x2, tail, &ffn.counters)?.1)
+    Ok(ffn_fused::forward(&x2, tail, &ffn.counters[usize::from(matches!(tail, ffn_fused::Projections::Quant(..)))][0])?.1)
 }
 
 /// The 8B-A1B's routed experts for one decode row: `(arm, its switches,
@@ -1389,10 +1389,11 @@ struct FfnLayer {
     r: Array,
     wn: Array,
     eps: Array,
-    counters: Array,
-    /// The two-gate-outputs-a-warp form's (`MLX_LFM_FFN_GATE_ROWS=2`): a
-    /// launch's tickets count its blocks, so each form keeps its own.
-    counters_g2: Array,
+    /// The counters of each form, `[4-bit][two gate outputs a warp]`: a
+    /// launch's tickets count its blocks (641 dense, 577 4-bit; 385 and
+    /// 353 with `MLX_LFM_FFN_GATE_ROWS=2`), so launches of another count
+    /// must not run on them.
+    counters: [[Array; 2]; 2],
 }
 
 impl FfnLayer {
@@ -1417,8 +1418,8 @@ impl FfnLayer {
         // (With room for the scratch rows of the wider of the two forms, as
         // the model's layers are made.)
         let words = mlx_lfm::kernels::ffn_fused::state_words(FFN_D as usize, FFN_F.max(FFN_Q4_F) as usize);
-        let counters = mlx_lfm::kernels::stages::new_counters_of(words)?;
-        let counters_g2 = mlx_lfm::kernels::stages::new_counters_of(words)?;
+        let state = || mlx_lfm::kernels::stages::new_counters_of(words);
+        let counters = [[state()?, state()?], [state()?, state()?]];
         let mut held: Vec<&Array> = weights.iter().flat_map(|(a, b)| [a, b]).collect();
         for (i, o) in &quant {
             held.extend([&i.weight, &i.scales, &o.weight, &o.scales]);
@@ -1426,11 +1427,9 @@ impl FfnLayer {
         }
         held.extend([&h, &r, &wn, &eps]);
         mlx::eval(&held)?;
-        Ok(FfnLayer { weights, quant, h, r, wn, eps, counters, counters_g2 })
+        Ok(FfnLayer { weights, quant, h, r, wn, eps, counters })
     }
 
-    /// The layer's output for launch `i` (copy `i` of the dense or the
-    /// 4-bit weights, in turn).
     /// Copy `i` (in turn) of the dense or the 4-bit weights.
     fn projections(&self, q4: bool, i: usize) -> mlx_lfm::kernels::ffn_fused::Projections<'_> {
         use mlx_lfm::kernels::ffn_fused::Projections;
@@ -1443,8 +1442,9 @@ impl FfnLayer {
         }
     }
 
-    /// (`g2`: the two-gate-outputs-a-warp form's counters, which its
-    /// switch must be set for.)
+    /// The layer's output for launch `i` (copy `i` of the dense or the
+    /// 4-bit weights, in turn). (`g2`: the two-gate-outputs-a-warp form's
+    /// counters, which its switch must be set for.)
     fn launch(&self, fused: bool, q4: bool, g2: bool, i: usize) -> mlx_lfm::Result<Array> {
         self.launch_on(&self.h, fused, q4, g2, i)
     }
@@ -1460,7 +1460,7 @@ impl FfnLayer {
             if !ffn_fused::available(&x, p) {
                 return Err(unserved());
             }
-            return Ok(ffn_fused::forward(&x, p, if g2 { &self.counters_g2 } else { &self.counters })?.1);
+            return Ok(ffn_fused::forward(&x, p, &self.counters[usize::from(q4)][usize::from(g2)])?.1);
         }
         let (_, y) = add_rms_norm::add_rms_norm_with(h, &self.r, &self.wn, &self.eps, LAYER_EPS)?;
         match p {
