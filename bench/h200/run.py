@@ -216,7 +216,10 @@ blocks a second wave, the new form's 385 all fit). The chain:
      new timeline form, one block a head): session 41's kernel-bench read
      it at ~19-20 µs a launch however its 12.6 MB were split; where do they
      go: the norm's block, the heads' wait, their rows?
-  (Then, where the two-outputs form works: the same for the conv layer's
+  (kernel-bench's 4-bit feed-forward arms ran on the dense arms' state
+  until session 42's review: a figure of theirs taken after the dense
+  arms in one process had w2 not waiting for its gate; do not read one.
+  Then, where the two-outputs form works: the same for the conv layer's
   out_proj, 5.5 µs after its channels. Not planned: the 8B-A1B prefill's grouped expert
   GEMMs, 12.1 ms of its 22.5 in session 41's profile, and its 22
   `qmm_naive` launches (the router's gate over the prompt's rows; a dense
