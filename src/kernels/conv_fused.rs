@@ -210,11 +210,8 @@ pub fn forward_timeline(x: &Normed, p: Projections, state: &Array, cw: &Array, c
 /// the default or (`MLX_LFM_EARLY_PREFETCH=conv`) the early form.
 fn timeline_kernel(quant: bool) -> Option<&'static CudaKernel> {
     static K: [[Cells; 2]; 2] = [[stages::cells(), stages::cells()], [stages::cells(), stages::cells()]];
-    static SOURCES: [OnceLock<String>; 2] = [OnceLock::new(), OnceLock::new()];
-    static STAMPED: [OnceLock<String>; 2] = [OnceLock::new(), OnceLock::new()];
     let early = stages::early_prefetch("conv");
-    let body = stages::layer_source(&SOURCES[usize::from(early)], "", early);
-    let source = STAMPED[usize::from(early)].get_or_init(|| super::substituted(body, &stages::TIMELINE_SUBSTITUTIONS));
+    let source = stages::stamped_layer_source(early);
     let mut inputs = vec!["h", "r", "wn", "state", "cw"];
     inputs.extend(Projections::input_names(quant));
     inputs.push("ctr");

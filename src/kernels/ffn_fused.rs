@@ -98,14 +98,8 @@ fn kernel(quant: bool, scratch: bool, gate: i32) -> Option<&'static CudaKernel> 
     let outputs = ["s", "out", "yn", "hk"];
     let pairs = gate == 2;
     let header = || format!("{}{}", gate_define(pairs), stages::layer_header(quant, false, stages::layer_defines(false, stages::Tail::Ffn)));
-    let base = match (quant, pairs) {
-        (true, false) => "lfm_ffn_fused_q",
-        (false, false) => "lfm_ffn_fused",
-        (true, true) => "lfm_ffn_fused_q_g2",
-        (false, true) => "lfm_ffn_fused_g2",
-    };
     FORMS[usize::from(pairs)].kernel(
-        base,
+        &base_name(quant, pairs),
         (quant, scratch, early),
         stages::LAYER_SOURCE,
         &stages::EARLY_SUBSTITUTIONS,
@@ -114,6 +108,12 @@ fn kernel(quant: bool, scratch: bool, gate: i32) -> Option<&'static CudaKernel> 
         (&outputs, 2),
         header,
     )
+}
+
+/// A form's kernel name: `lfm_ffn_fused`, then `_q` (4-bit), then `_g2`
+/// ([`gate_outs`]'s two outputs a warp).
+fn base_name(quant: bool, pairs: bool) -> String {
+    format!("lfm_ffn_fused{}{}", if quant { "_q" } else { "" }, if pairs { "_g2" } else { "" })
 }
 
 /// The define of [`gate_outs`]'s form (none for the default's, whose
@@ -212,23 +212,14 @@ pub fn forward_timeline(x: &Normed, p: Projections, ctr: &Array) -> Result<(Arra
 fn timeline_kernel(quant: bool, gate: i32) -> Option<&'static CudaKernel> {
     // (By rows asked for early, two gate outputs a warp, 4-bit.)
     static K: [[[stages::Cells; 2]; 2]; 2] = [const { [const { [stages::cells(), stages::cells()] }; 2] }; 2];
-    static SOURCES: [OnceLock<String>; 2] = [OnceLock::new(), OnceLock::new()];
-    static STAMPED: [OnceLock<String>; 2] = [OnceLock::new(), OnceLock::new()];
     let early = stages::early_prefetch("ffn");
-    let body = stages::layer_source(&SOURCES[usize::from(early)], "", early);
-    let source = STAMPED[usize::from(early)].get_or_init(|| super::substituted(body, &stages::TIMELINE_SUBSTITUTIONS));
+    let source = stages::stamped_layer_source(early);
     let mut inputs = vec!["h", "r", "wn"];
     inputs.extend(Projections::input_names(quant));
     inputs.push("ctr");
     let outputs = ["s", "out", "yn", "hk", "times"];
     let pairs = gate == 2;
-    let base = match (quant, pairs) {
-        (true, false) => "lfm_ffn_fused_q_timeline",
-        (false, false) => "lfm_ffn_fused_timeline",
-        (true, true) => "lfm_ffn_fused_q_g2_timeline",
-        (false, true) => "lfm_ffn_fused_g2_timeline",
-    };
-    let name = format!("{base}{}", if early { "_early" } else { "" });
+    let name = format!("{}_timeline{}", base_name(quant, pairs), if early { "_early" } else { "" });
     stages::kernel(&K[usize::from(early)][usize::from(pairs)][usize::from(quant)], &name, &inputs, &outputs, source, || {
         let head = stages::layer_header(quant, false, stages::layer_defines(false, stages::Tail::Ffn));
         let early = if early { stages::early_header(quant) } else { String::new() };

@@ -392,9 +392,8 @@ pub fn forward_timeline(
 /// The kernel's timeline form (outputs as [`kernel`]'s, then `times`).
 fn timeline_kernel(form: Form) -> Option<&'static CudaKernel> {
     static K: [Cells; FORMS] = [const { stages::cells() }; FORMS];
-    static SOURCE: OnceLock<String> = OnceLock::new();
     static NAMES: [OnceLock<String>; FORMS] = [const { OnceLock::new() }; FORMS];
-    let source = SOURCE.get_or_init(|| super::substituted(stages::LAYER_SOURCE, &stages::TIMELINE_SUBSTITUTIONS));
+    let source = stages::stamped_layer_source(false);
     let outputs = ["s", "out", "yn", "inds", "scores", "hk", "times"];
     let name = NAMES[form.index()].get_or_init(|| format!("{}_timeline", form.names()[0]));
     stages::kernel(&K[form.index()], name, &INPUTS, &outputs, source, move || format!("{}{}", stages::TIMELINE_HEADER, form.header()))

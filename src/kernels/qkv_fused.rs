@@ -318,7 +318,7 @@ pub fn available(x: &Normed, p: Projection, qw: &Array, kw: &Array, heads: (i32,
 
 /// `(the residual sum [1, D], q [1, H, 1, HD], k [1, KVH, 1, HD], v [1,
 /// KVH, 1, HD])` in one launch, as the q/k/v kernel lays them out (callers
-/// check [`available`]); `eps` the heads' norm's, `theta` RoPE's base,
+/// check [`available`]); `consts` the heads' norm's eps and RoPE's base,
 /// `ctr` the layer's own (`stages::new_counters`).
 #[allow(clippy::too_many_arguments)]
 pub fn forward(
@@ -328,10 +328,10 @@ pub fn forward(
     kw: &Array,
     heads: (i32, i32, i32),
     offset: &Array,
-    (eps, theta): (f32, f32),
+    consts: (f32, f32),
     ctr: &Array,
 ) -> Result<(Array, Array, Array, Array)> {
-    let mut outs = launch(x, p, qw, kw, heads, offset, (eps, theta), ctr, false)?;
+    let mut outs = launch(x, p, qw, kw, heads, offset, consts, ctr, false)?;
     let missing = || Error::mlx("fused q/k/v kernel: missing output");
     let v = outs.pop().ok_or_else(missing)?;
     let k = outs.pop().ok_or_else(missing)?;

@@ -628,6 +628,16 @@ pub(crate) fn layer_source(cell: &'static OnceLock<String>, prelude: &str, early
     })
 }
 
+/// [`LAYER_SOURCE`] with its timeline stamps in ([`TIMELINE_SUBSTITUTIONS`]),
+/// its rows asked for early or not: one text each, made once, for every
+/// one-launch layer's timeline form.
+pub(crate) fn stamped_layer_source(early: bool) -> &'static str {
+    static SOURCES: [OnceLock<String>; 2] = [OnceLock::new(), OnceLock::new()];
+    static STAMPED: [OnceLock<String>; 2] = [OnceLock::new(), OnceLock::new()];
+    let body = layer_source(&SOURCES[usize::from(early)], "", early);
+    STAMPED[usize::from(early)].get_or_init(|| super::substituted(body, &TIMELINE_SUBSTITUTIONS))
+}
+
 /// A timeline form of a [`LAYER_SOURCE`] kernel (the bench's, never a
 /// step's): thread 0 of each block stamps the GPU's global timer into the
 /// extra output `times` (int64, four a block by its ticket's part) when
