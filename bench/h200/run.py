@@ -2389,16 +2389,12 @@ AB = {
     "ffn-gate-2": ({"MLX_LFM_FFN_GATE_ROWS": "2"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "ffn-gate-2-early": ({"MLX_LFM_FFN_GATE_ROWS": "2", "MLX_LFM_EARLY_PREFETCH": "ffn"},
                          ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
-    # A stage's rows asked of L2 at once, block-wide, as its wait ends
-    # (session 43, src/kernels/stages.rs stage_prefetch): every stage of
-    # the conv layers and feed-forwards, their second stages only (w2,
-    # out_proj: ~32 KB asked for an SM in flight, against the gate's
-    # ~190 KB), and every stage with the gate two outputs a warp. The same
-    # bits. In process.
-    "stage-prefetch": ({"MLX_LFM_STAGE_PREFETCH": "all"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
-    "stage-prefetch-out": ({"MLX_LFM_STAGE_PREFETCH": "conv-out,ffn-out"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
-    "stage-prefetch-g2": ({"MLX_LFM_STAGE_PREFETCH": "all", "MLX_LFM_FFN_GATE_ROWS": "2"},
-                          ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # (Session 43's `MLX_LFM_STAGE_PREFETCH`, each stage's block asking L2
+    # for all its rows at once as its wait ends, read slower in every
+    # chained timeline on an H100: the 1.2B's feed-forward 46.2 µs with
+    # w2's rows so, 52.4 with every stage's, against 41.8; its conv layer
+    # 18.8 / 22.1 against 18.1: issuing a w2 block's 8,192 prefetches took
+    # 4.4 µs, its walk after them 2.5 µs less. Retired, with its variants.)
     # (Session 40's second projections asked of L2 by the first stage's
     # blocks, `ffn-w2-prefetch` and `conv-out-prefetch` with their `-last`
     # forms, read 5-8 µs slower on the 1.2B's feed-forward and no faster on
@@ -2425,8 +2421,6 @@ AB_TESTS = {
     # (Its test holds both forms to the default's bits.)
     "ffn-gate-2": ["ffn_fused_kernel_matches_stock_ops"],
     "ffn-gate-2-early": ["ffn_fused_kernel_matches_stock_ops", "greedy:early-prefetch"],
-    **{v: ["conv_fused_kernel_matches_stock_ops", "ffn_fused_kernel_matches_stock_ops"]
-       for v in ("stage-prefetch", "stage-prefetch-out", "stage-prefetch-g2")},
     "argmax-vec": ["argmax_finite_kernel_matches_stock_ops"],
     "conv-first-off": ["greedy:conv-first-off"],
     "scratch-outputs": [],
@@ -2526,7 +2520,6 @@ PICK = [
     (["moe-down-prefetch", "moe-down-prefetch-after"], "decode"),
     (["qkv-warps-32", "qkv-split-2", "qkv-split-4"], "decode"),
     (["ffn-gate-2", "ffn-gate-2-early"], "decode"),
-    (["stage-prefetch", "stage-prefetch-out", "stage-prefetch-g2"], "decode"),
     (["argmax-vec"], "decode"),
     (["conv-first-off"], "decode"),
     (["layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off"], "decode"),

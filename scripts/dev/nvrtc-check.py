@@ -492,16 +492,6 @@ for _v in ("@g2", "@g2-early", "@g2-timeline", "@g2-early-timeline", "@dense-g2"
         _base += "-timeline" if "dense" in _v else "@timeline"
     KERNELS["ffn_fused.rs" + _v] = KERNELS[_base]
 
-# A stage's rows asked for at once as its wait ends (MLX_LFM_STAGE_PREFETCH:
-# stages.rs stage_prefetch_header), in and out, 4-bit and dense; the
-# feed-forward's two-outputs form and its dense timeline form too.
-for _k in ("conv_fused.rs", "ffn_fused.rs"):
-    KERNELS[_k + "@pf"] = KERNELS[_k]
-    KERNELS[_k + "@dense-pf"] = KERNELS[_k + "@dense"]
-KERNELS["ffn_fused.rs@dense-g2-pf"] = KERNELS["ffn_fused.rs@dense"]
-KERNELS["ffn_fused.rs@dense-pf-timeline"] = KERNELS["ffn_fused.rs@dense-timeline"]
-KERNELS["conv_fused.rs@dense-pf-timeline"] = KERNELS["conv_fused.rs@dense-timeline"]
-
 # The folds with their first column's rows prefetched before the prologue
 # (MLX_LFM_NORM_GEMV_PREFETCH=early: NAME_EARLY before it), each as its fold.
 for _fold in ("dense", "swiglu", "quant"):
@@ -768,8 +758,6 @@ REPLACE_OF = {
     "conv_fused.rs@timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
     "ffn_fused.rs@timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
     "ffn_fused.rs@dense-timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
-    "ffn_fused.rs@dense-pf-timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
-    "conv_fused.rs@dense-pf-timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
     "conv_fused.rs@dense-timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
     **{"conv_fused.rs" + v: substitutions("stages.rs", "EARLY_SUBSTITUTIONS") + substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS")
        for v in ("@early-timeline", "@dense-early-timeline")},
@@ -849,13 +837,6 @@ DEFINES_OF["ffn_fused.rs@g2-timeline"] = _TL + _G2 + DEFINES_OF["ffn_fused.rs"]
 DEFINES_OF["ffn_fused.rs@dense-g2-timeline"] = _TL + _G2 + DEFINES_OF["ffn_fused.rs@dense"]
 DEFINES_OF["ffn_fused.rs@dense-g2-early-timeline"] = _TL + DEFINES_OF["ffn_fused.rs@dense-early"] + _G2
 DEFINES_OF["ffn_fused.rs@g2-early-timeline"] = _TL + DEFINES_OF["ffn_fused.rs@early"] + _G2
-_PF = "#define LFM_PF_IN 1\n#define LFM_PF_OUT 1\n"
-for _k in ("conv_fused.rs", "ffn_fused.rs"):
-    DEFINES_OF[_k + "@pf"] = DEFINES_OF[_k + "@early"] + _PF
-    DEFINES_OF[_k + "@dense-pf"] = DEFINES_OF[_k + "@dense-early"] + _PF
-DEFINES_OF["ffn_fused.rs@dense-g2-pf"] = _G2 + DEFINES_OF["ffn_fused.rs@dense-pf"]
-DEFINES_OF["ffn_fused.rs@dense-pf-timeline"] = _TL + DEFINES_OF["ffn_fused.rs@dense-pf"]
-DEFINES_OF["conv_fused.rs@dense-pf-timeline"] = _TL + DEFINES_OF["conv_fused.rs@dense-pf"]
 # A variant's text before its kernel's body, as its Rust side puts it there.
 PRELUDE_OF = {"moe_fused.rs@scratch": named(root / "src" / "kernels" / "moe_fused.rs", "SCRATCH_PRELUDE")}
 PRELUDE_OF["moe_fused.rs@exact-scratch"] = PRELUDE_OF["moe_fused.rs@scratch"]

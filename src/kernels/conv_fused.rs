@@ -71,20 +71,15 @@ pub fn built() -> usize {
 /// `MLX_LFM_EARLY_PREFETCH=conv`, its form that asks for its rows before
 /// its waits ([`stages::early_prefetch`]).
 fn kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
-    // (By stages::stage_prefetch's bits.)
-    static FORMS: [stages::Forms; 4] = [const { stages::Forms::new() }; 4];
+    static FORMS: stages::Forms = stages::Forms::new();
     let early = stages::early_prefetch("conv");
-    let pf = stages::stage_prefetch("conv");
     let mut inputs = vec!["h", "r", "wn", "state", "cw"];
     inputs.extend(Projections::input_names(quant));
     inputs.push("ctr");
-    let base = format!("{}{}", if quant { "lfm_conv_fused" } else { "lfm_conv_fused_dense" }, stages::stage_prefetch_suffix(pf));
+    let base = if quant { "lfm_conv_fused" } else { "lfm_conv_fused_dense" };
     let outputs = ["s", "out", "next", "yn", "yc"];
-    let header = || {
-        let head = stages::layer_header(quant, false, stages::layer_defines(true, stages::Tail::None));
-        format!("{}{head}", stages::stage_prefetch_header(quant, pf, early))
-    };
-    FORMS[usize::from(pf)].kernel(&base, (quant, scratch, early), stages::LAYER_SOURCE, &stages::EARLY_SUBSTITUTIONS, SCRATCH_PRELUDE, &inputs, (&outputs, 3), header)
+    let header = || stages::layer_header(quant, false, stages::layer_defines(true, stages::Tail::None));
+    FORMS.kernel(base, (quant, scratch, early), stages::LAYER_SOURCE, &stages::EARLY_SUBSTITUTIONS, SCRATCH_PRELUDE, &inputs, (&outputs, 3), header)
 }
 
 /// The scratch rows' pointers into the layer's state
@@ -214,22 +209,19 @@ pub fn forward_timeline(x: &Normed, p: Projections, state: &Array, cw: &Array, c
 /// The kernel's timeline form (outputs as [`kernel`]'s, then `times`), of
 /// the default or (`MLX_LFM_EARLY_PREFETCH=conv`) the early form.
 fn timeline_kernel(quant: bool) -> Option<&'static CudaKernel> {
-    // (By stages::stage_prefetch's bits, rows asked for early, 4-bit.)
-    static K: [[[Cells; 2]; 2]; 4] = [const { [[stages::cells(), stages::cells()], [stages::cells(), stages::cells()]] }; 4];
+    static K: [[Cells; 2]; 2] = [[stages::cells(), stages::cells()], [stages::cells(), stages::cells()]];
     let early = stages::early_prefetch("conv");
-    let pf = stages::stage_prefetch("conv");
     let source = stages::stamped_layer_source(early);
     let mut inputs = vec!["h", "r", "wn", "state", "cw"];
     inputs.extend(Projections::input_names(quant));
     inputs.push("ctr");
     let outputs = ["s", "out", "next", "yn", "yc", "times"];
     let base = if quant { "lfm_conv_fused_timeline" } else { "lfm_conv_fused_dense_timeline" };
-    let name = format!("{base}{}{}", stages::stage_prefetch_suffix(pf), if early { "_early" } else { "" });
-    stages::kernel(&K[usize::from(pf)][usize::from(early)][usize::from(quant)], &name, &inputs, &outputs, source, || {
+    let name = format!("{base}{}", if early { "_early" } else { "" });
+    stages::kernel(&K[usize::from(early)][usize::from(quant)], &name, &inputs, &outputs, source, || {
         let head = stages::layer_header(quant, false, stages::layer_defines(true, stages::Tail::None));
-        let staged = stages::stage_prefetch_header(quant, pf, early);
         let early = if early { stages::early_header(quant) } else { String::new() };
-        format!("{}{early}{staged}{head}", stages::TIMELINE_HEADER)
+        format!("{}{early}{head}", stages::TIMELINE_HEADER)
     })
 }
 

@@ -88,24 +88,18 @@ pub fn built() -> usize {
 /// The kernel; with `scratch`, its form with the scratch rows (`yn`,
 /// `hk`) in the layer's state ([`stages::call_with_scratch`]).
 fn kernel(quant: bool, scratch: bool, gate: i32) -> Option<&'static CudaKernel> {
-    // (By stages::stage_prefetch's bits, then one or two gate outputs a
-    // warp.)
-    static FORMS: [[stages::Forms; 2]; 4] = [const { [stages::Forms::new(), stages::Forms::new()] }; 4];
+    static FORMS: [stages::Forms; 2] = [stages::Forms::new(), stages::Forms::new()];
     // (MLX_LFM_EARLY_PREFETCH=ffn: its form that asks for its rows before
     // its waits, stages::early_prefetch.)
     let early = stages::early_prefetch("ffn");
-    let pf = stages::stage_prefetch("ffn");
     let mut inputs = vec!["h", "r", "wn"];
     inputs.extend(Projections::input_names(quant));
     inputs.push("ctr");
     let outputs = ["s", "out", "yn", "hk"];
     let pairs = gate == 2;
-    let header = || {
-        let head = stages::layer_header(quant, false, stages::layer_defines(false, stages::Tail::Ffn));
-        format!("{}{}{head}", gate_define(pairs), stages::stage_prefetch_header(quant, pf, early))
-    };
-    FORMS[usize::from(pf)][usize::from(pairs)].kernel(
-        &base_name(quant, pairs, pf),
+    let header = || format!("{}{}", gate_define(pairs), stages::layer_header(quant, false, stages::layer_defines(false, stages::Tail::Ffn)));
+    FORMS[usize::from(pairs)].kernel(
+        &base_name(quant, pairs),
         (quant, scratch, early),
         stages::LAYER_SOURCE,
         &stages::EARLY_SUBSTITUTIONS,
@@ -117,10 +111,9 @@ fn kernel(quant: bool, scratch: bool, gate: i32) -> Option<&'static CudaKernel> 
 }
 
 /// A form's kernel name: `lfm_ffn_fused`, then `_q` (4-bit), then `_g2`
-/// ([`gate_outs`]'s two outputs a warp), then `_pf1`.. (its
-/// [`stages::stage_prefetch`] bits).
-fn base_name(quant: bool, pairs: bool, pf: u8) -> String {
-    format!("lfm_ffn_fused{}{}{}", if quant { "_q" } else { "" }, if pairs { "_g2" } else { "" }, stages::stage_prefetch_suffix(pf))
+/// ([`gate_outs`]'s two outputs a warp).
+fn base_name(quant: bool, pairs: bool) -> String {
+    format!("lfm_ffn_fused{}{}", if quant { "_q" } else { "" }, if pairs { "_g2" } else { "" })
 }
 
 /// The define of [`gate_outs`]'s form (none for the default's, whose
@@ -217,23 +210,20 @@ pub fn forward_timeline(x: &Normed, p: Projections, ctr: &Array) -> Result<(Arra
 
 /// The kernel's timeline form (outputs as [`kernel`]'s, then `times`).
 fn timeline_kernel(quant: bool, gate: i32) -> Option<&'static CudaKernel> {
-    // (By stages::stage_prefetch's bits, rows asked for early, two gate
-    // outputs a warp, 4-bit.)
-    static K: [[[[stages::Cells; 2]; 2]; 2]; 4] = [const { [const { [const { [stages::cells(), stages::cells()] }; 2] }; 2] }; 4];
+    // (By rows asked for early, two gate outputs a warp, 4-bit.)
+    static K: [[[stages::Cells; 2]; 2]; 2] = [const { [const { [stages::cells(), stages::cells()] }; 2] }; 2];
     let early = stages::early_prefetch("ffn");
-    let pf = stages::stage_prefetch("ffn");
     let source = stages::stamped_layer_source(early);
     let mut inputs = vec!["h", "r", "wn"];
     inputs.extend(Projections::input_names(quant));
     inputs.push("ctr");
     let outputs = ["s", "out", "yn", "hk", "times"];
     let pairs = gate == 2;
-    let name = format!("{}_timeline{}", base_name(quant, pairs, pf), if early { "_early" } else { "" });
-    stages::kernel(&K[usize::from(pf)][usize::from(early)][usize::from(pairs)][usize::from(quant)], &name, &inputs, &outputs, source, || {
+    let name = format!("{}_timeline{}", base_name(quant, pairs), if early { "_early" } else { "" });
+    stages::kernel(&K[usize::from(early)][usize::from(pairs)][usize::from(quant)], &name, &inputs, &outputs, source, || {
         let head = stages::layer_header(quant, false, stages::layer_defines(false, stages::Tail::Ffn));
-        let staged = stages::stage_prefetch_header(quant, pf, early);
         let early = if early { stages::early_header(quant) } else { String::new() };
-        format!("{}{early}{}{staged}{head}", stages::TIMELINE_HEADER, gate_define(pairs))
+        format!("{}{early}{}{head}", stages::TIMELINE_HEADER, gate_define(pairs))
     })
 }
 

@@ -126,15 +126,6 @@ pub(crate) const LAYER_SOURCE: &str = r#"
 #ifndef LFM_GATE_OUTS
 #define LFM_GATE_OUTS 1
 #endif
-#ifndef LFM_PF_IN
-#define LFM_PF_IN 0
-#endif
-#ifndef LFM_PF_OUT
-#define LFM_PF_OUT 0
-#endif
-#if (LFM_PF_IN || LFM_PF_OUT) && (LFM_MOE_PART || (LFM_CONV_PART && LFM_FFN_PART))
-#error "LFM_PF_IN / LFM_PF_OUT: the conv layer's and the feed-forward's own kernels only"
-#endif
 #if LFM_GATE_OUTS == 2 && (LFM_CONV_PART || !LFM_FFN_PART)
 #error "LFM_GATE_OUTS: the feed-forward's own kernel only"
 #endif
@@ -202,17 +193,6 @@ pub(crate) const LAYER_SOURCE: &str = r#"
     // in_proj's three rows of channel c, then the conv step on them.
     const int c = (role - 1) * WARPS + wid;
     const bool late = lfm_block_wait(st + 1, launch + 1, nullptr, 0);
-#if LFM_PF_IN
-    // (Its three rows of each of its channels asked of L2 at once,
-    // stages::stage_prefetch.)
-    if (!late) {
-      const int c0 = (role - 1) * WARPS;
-      const int nc = C - c0 < WARPS ? C - c0 : WARPS;
-      LFM_EARLY_IN_BLOCK(D, c0, nc);
-      LFM_EARLY_IN_BLOCK(D, C + c0, nc);
-      LFM_EARLY_IN_BLOCK(D, 2 * C + c0, nc);
-    }
-#endif
     if (!late) lfm_stage16(sm, yn, XR);
     __syncthreads();
     if (c < C) {
@@ -257,12 +237,6 @@ pub(crate) const LAYER_SOURCE: &str = r#"
 #else
     const int n = (role - 1 - IB) * WARPS + wid;
     const bool late = lfm_block_wait(st + 2, (launch + 1) * IB, nullptr, 0);
-#if LFM_PF_OUT
-    if (!late) {
-      const int n0 = (role - 1 - IB) * WARPS;
-      LFM_EARLY_OUT_BLOCK(C, n0, D - n0 < WARPS ? D - n0 : WARPS);
-    }
-#endif
     if (!late) lfm_stage16(sm, yc, CR);
 #endif
     __syncthreads();
@@ -437,24 +411,6 @@ pub(crate) const LAYER_SOURCE: &str = r#"
     // The gate's output j: w1's row j and w3's row F + j.
     const int j = (fr - 1) * WARPS + wid;
     const bool late = lfm_block_wait(st + FC + 1, launch + 1, nullptr, 0);
-#if LFM_PF_IN
-    if (!late) {
-      const int j0 = (fr - 1) * WARPS;
-      const int nj = F - j0 < WARPS ? F - j0 : WARPS;
-      if (nj > 0) {
-        LFM_EARLY_IN_BLOCK(D, j0, nj);
-        LFM_EARLY_IN_BLOCK(D, F + j0, nj);
-      }
-#if LFM_GATE_OUTS == 2
-      const int j2 = j0 + GB * WARPS;
-      const int n2 = F - j2 < WARPS ? F - j2 : WARPS;
-      if (n2 > 0) {
-        LFM_EARLY_IN_BLOCK(D, j2, n2);
-        LFM_EARLY_IN_BLOCK(D, F + j2, n2);
-      }
-#endif
-    }
-#endif
     if (!late) lfm_stage16(sm, LFM_FFN_YN, XR);
     __syncthreads();
 #if LFM_GATE_OUTS == 2
@@ -484,12 +440,6 @@ pub(crate) const LAYER_SOURCE: &str = r#"
   // w2's output n, once every gate output of the launch is done.
   const int n = (fr - 1 - GB) * WARPS + wid;
   const bool late = lfm_block_wait(st + FC + 2, (launch + 1) * GB, nullptr, 0);
-#if LFM_PF_OUT
-  if (!late) {
-    const int n0 = (fr - 1 - GB) * WARPS;
-    LFM_EARLY_OUT_BLOCK(F, n0, D - n0 < WARPS ? D - n0 : WARPS);
-  }
-#endif
   if (!late) lfm_stage16(sm, hk, HR);
   __syncthreads();
   if (n < D) {
@@ -574,56 +524,6 @@ pub(crate) fn early_prefetch(part: &str) -> bool {
     EARLY_PARTS.iter().position(|p| *p == part).is_some_and(|i| on[i])
 }
 
-/// `MLX_LFM_STAGE_PREFETCH` (opt-in, session 43): `conv-in`, `conv-out`,
-/// `ffn-in`, `ffn-out` (any of them; `conv` or `ffn` both of that layer's,
-/// `all` every one): a stage's blocks ask L2 for all their rows at once
-/// (block-wide, `LFM_EARLY_IN_BLOCK` / `LFM_EARLY_OUT_BLOCK`) as their wait
-/// ends, before they stage their input row and walk the rows. Session 42's
-/// chained timelines (an H100) put the 1.2B's w2 stage at ~2.0 TB/s after
-/// its gate at ~2.8: w2 is one block of 16 warps an SM, each lane with 8
-/// loads of 8 bytes in flight (a gate warp walks two rows, and three gate
-/// blocks share an SM), ~32 KB asked for an SM against the gate's ~190 KB;
-/// a prefetch holds no register. Unlike [`early_prefetch`] nothing is asked
-/// for before the stage before it is done, so the norm's and the gate's
-/// reads do not queue behind the next stage's rows. The same sums (a
-/// prefetch changes no value). Returns the layer's bits: 1 in, 2 out.
-pub(crate) fn stage_prefetch(layer: &str) -> u8 {
-    static ON: OnceLock<[u8; 2]> = OnceLock::new();
-    let on = crate::knobs::cached("MLX_LFM_STAGE_PREFETCH", &ON, |v| {
-        let parts: Vec<&str> = v.unwrap_or("").split(',').map(str::trim).collect();
-        let has = |p: &str| parts.contains(&p) || parts.contains(&"all");
-        ["conv", "ffn"].map(|l| {
-            let whole = has(l);
-            u8::from(whole || has(&format!("{l}-in"))) | (u8::from(whole || has(&format!("{l}-out"))) << 1)
-        })
-    });
-    match layer {
-        "conv" => on[0],
-        "ffn" => on[1],
-        _ => 0,
-    }
-}
-
-/// The header lines of [`stage_prefetch`]'s form `bits` (none for 0, whose
-/// text is as before): its defines, and the prefetch helpers where the
-/// early form's header (`early`) does not bring them already.
-pub(crate) fn stage_prefetch_header(quant: bool, bits: u8, early: bool) -> String {
-    if bits == 0 {
-        return String::new();
-    }
-    let helpers = if early { String::new() } else { early_header(quant) };
-    format!("{helpers}#define LFM_PF_IN {}\n#define LFM_PF_OUT {}\n", bits & 1, (bits >> 1) & 1)
-}
-
-/// A [`stage_prefetch`] form's kernel-name suffix.
-pub(crate) fn stage_prefetch_suffix(bits: u8) -> String {
-    if bits == 0 {
-        String::new()
-    } else {
-        format!("_pf{bits}")
-    }
-}
-
 /// The early form's prefetch of a weight row (`LFM_EARLY_IN(K, row)` of
 /// the first projection by a warp, `LFM_EARLY_OUT` of the second;
 /// `LFM_EARLY_IN_BLOCK(K, row0, n)` the first's rows `row0..row0 + n` by
@@ -640,16 +540,11 @@ const EARLY_QUANT_ROWS: &str = r#"
   lfm_prefetch_block(iw + static_cast<size_t>(row0) * ((K) * IBITS / 32), (n) * ((K) * IBITS / 8)); \
   lfm_prefetch_block(iscales + static_cast<size_t>(row0) * ((K) / IGS), (n) * ((K) / IGS) * (int)sizeof(T)); \
   lfm_prefetch_block(ibiases + static_cast<size_t>(row0) * ((K) / IGS), (n) * ((K) / IGS) * (int)sizeof(T)); }
-#define LFM_EARLY_OUT_BLOCK(K, row0, n) { \
-  lfm_prefetch_block(ow + static_cast<size_t>(row0) * ((K) * OBITS / 32), (n) * ((K) * OBITS / 8)); \
-  lfm_prefetch_block(oscales + static_cast<size_t>(row0) * ((K) / OGS), (n) * ((K) / OGS) * (int)sizeof(T)); \
-  lfm_prefetch_block(obiases + static_cast<size_t>(row0) * ((K) / OGS), (n) * ((K) / OGS) * (int)sizeof(T)); }
 "#;
 const EARLY_DENSE_ROWS: &str = r#"
 #define LFM_EARLY_IN(K, row) lfm_prefetch_span(iw + static_cast<size_t>(row) * (K), (K) * (int)sizeof(T), lane)
 #define LFM_EARLY_OUT(K, row) lfm_prefetch_span(ow + static_cast<size_t>(row) * (K), (K) * (int)sizeof(T), lane)
 #define LFM_EARLY_IN_BLOCK(K, row0, n) lfm_prefetch_block(iw + static_cast<size_t>(row0) * (K), (n) * (K) * (int)sizeof(T))
-#define LFM_EARLY_OUT_BLOCK(K, row0, n) lfm_prefetch_block(ow + static_cast<size_t>(row0) * (K), (n) * (K) * (int)sizeof(T))
 "#;
 
 /// The early form's header, before the layer's own.

@@ -2661,33 +2661,19 @@ fn conv_fused_kernel_matches_stock_ops() {
                     assert_eq!(differing(got, want), 0, "{what}: rows asked for early, launch {turn}: the {name} differs");
                 }
             }
-            // A stage's rows asked for at once as its wait ends
-            // (MLX_LFM_STAGE_PREFETCH, opt-in; in_proj's, out_proj's, both):
-            // the same bits, on the same counters and with its scratch rows
-            // in the state.
-            let staged = |v: &str| [("MLX_LFM_STAGE_PREFETCH".to_string(), Some(v.to_string()))];
-            for v in ["conv-in", "conv-out", "conv"] {
-                for turn in 0..2 {
-                    let (s2, out2, next2) =
-                        crate::knobs::with_overrides(&staged(v), || if turn == 0 { run(&counters) } else { scratch_in_state(|| run(&big)) });
-                    for (name, got, want) in [("sum", &s2, &s), ("output", &out2, &out), ("state", &next2, &next)] {
-                        assert_eq!(differing(got, want), 0, "{what}: {v} rows asked for at once, launch {turn}: the {name} differs");
-                    }
-                }
-            }
-            // The timeline form (the bench's), of the default, the early form
-            // and the rows asked for at once, on counters of its own: the
-            // same output and state, its stamps in the stages' order.
-            let staged_all = staged("conv");
-            for (form, set) in [("default", &[][..]), ("early", &early[..]), ("rows at once", &staged_all[..])] {
+            // The timeline form (the bench's), of the default and the early
+            // form, on counters of its own: the same output and state, its
+            // stamps in the stages' order.
+            for early_too in [false, true] {
+                let set = if early_too { &early[..] } else { &[] };
                 let ctr = new_counters().unwrap();
                 let (out2, next2, times, channels, nb) = crate::knobs::with_overrides(set, || {
                     with_opt_in_one("MLX_LFM_CONV_FUSED", || crate::kernels::conv_fused::forward_timeline(&x, p, &state, &cw, &ctr).unwrap())
                 });
                 crate::mlx::eval(&[&out2, &next2, &times]).unwrap();
-                assert_eq!(differing(&out2, &out), 0, "{what}: the timeline form's output differs ({form})");
-                assert_eq!(differing(&next2, &next), 0, "{what}: the timeline form's state differs ({form})");
-                check_stamps(&format!("{what} ({form})"), &times, channels, nb);
+                assert_eq!(differing(&out2, &out), 0, "{what}: the timeline form's output differs (early: {early_too})");
+                assert_eq!(differing(&next2, &next), 0, "{what}: the timeline form's state differs (early: {early_too})");
+                check_stamps(&format!("{what} (early: {early_too})"), &times, channels, nb);
             }
             // (The output and the state after the token both poisoned when given up.)
             check_counters_in_step(&what, &counters, &[true, true, false, true, false], &[s, out, next], |c| {
@@ -3252,27 +3238,6 @@ fn ffn_fused_kernel_matches_stock_ops() {
                 assert_eq!(differing(&s2, &s), 0, "{what}: rows asked for early, launch {turn}: the sum differs");
                 assert_eq!(differing(&out2, &out), 0, "{what}: rows asked for early, launch {turn}: the output differs");
             }
-            // A stage's rows asked for at once as its wait ends
-            // (MLX_LFM_STAGE_PREFETCH, opt-in; the gate's, w2's, both): the
-            // same bits, on the same counters, with its scratch rows in the
-            // state, and its timeline form's.
-            let staged = |v: &str| [("MLX_LFM_STAGE_PREFETCH".to_string(), Some(v.to_string()))];
-            for v in ["ffn-in", "ffn-out", "ffn"] {
-                for turn in 0..2 {
-                    let (s2, out2) =
-                        crate::knobs::with_overrides(&staged(v), || if turn == 0 { run(&counters) } else { scratch_in_state(|| run(&big)) });
-                    assert_eq!(differing(&s2, &s), 0, "{what}: {v} rows asked for at once, launch {turn}: the sum differs");
-                    assert_eq!(differing(&out2, &out), 0, "{what}: {v} rows asked for at once, launch {turn}: the output differs");
-                }
-            }
-            let (out_t, times, gate, nb) = crate::knobs::with_overrides(&staged("ffn"), || {
-                with_opt_in_one("MLX_LFM_FFN_FUSED", || {
-                    crate::kernels::ffn_fused::forward_timeline(&x, p, &new_counters().unwrap()).unwrap()
-                })
-            });
-            crate::mlx::eval(&[&out_t, &times]).unwrap();
-            assert_eq!(differing(&out_t, &out), 0, "{what}: rows asked for at once: the timeline form's output differs");
-            check_stamps(&what, &times, gate, nb);
             // Two gate outputs a warp (MLX_LFM_FFN_GATE_ROWS=2, opt-in): the
             // same bits, on counters of its own (its tickets count fewer
             // blocks), with its scratch rows in the state, its rows asked
@@ -3283,12 +3248,11 @@ fn ffn_fused_kernel_matches_stock_ops() {
                     new_counters().unwrap(),
                     crate::kernels::stages::new_counters_of(crate::kernels::ffn_fused::state_words(d as usize, f as usize)).unwrap(),
                 );
-                for turn in 0..4 {
+                for turn in 0..3 {
                     let (s2, out2) = match turn {
                         0 => run(&own),
                         1 => scratch_in_state(|| run(&own_big)),
-                        2 => crate::knobs::with_overrides(&early, || run(&own)),
-                        _ => crate::knobs::with_overrides(&staged("ffn"), || run(&own)),
+                        _ => crate::knobs::with_overrides(&early, || run(&own)),
                     };
                     assert_eq!(differing(&s2, &s), 0, "{what}: two gate outputs a warp, launch {turn}: the sum differs");
                     assert_eq!(differing(&out2, &out), 0, "{what}: two gate outputs a warp, launch {turn}: the output differs");

@@ -1064,9 +1064,8 @@ fn layer_chains(reps: usize) -> mlx_lfm::Result<()> {
 
 /// [`layer_chains`]' timeline chains: the conv layer's (4-bit, dense), the
 /// feed-forward's (dense, 4-bit; and the dense one with two gate outputs
-/// a warp, `MLX_LFM_FFN_GATE_ROWS=2`), each of those but the q/k/v stage's
-/// again with a stage's rows asked for at once as its wait ends
-/// (`MLX_LFM_STAGE_PREFETCH`), and the q/k/v stage's (dense, 4-bit: one block a head) timeline
+/// a warp, `MLX_LFM_FFN_GATE_ROWS=2`, then with its rows asked for early
+/// too) and the q/k/v stage's (dense, 4-bit: one block a head) timeline
 /// forms, `CHAIN_LENGTHS[1]` launches a chain, `reps` chains each, each
 /// form on a state of its own. `bytes`: the conv layer's 4-bit and dense,
 /// the feed-forward's dense and 4-bit, the q/k/v stage's dense and 4-bit.
@@ -1081,25 +1080,18 @@ fn chain_timelines(conv: &ConvLayer, ffn: &FfnLayer, qkv: &QkvLayer, bytes: [usi
     }
     let len = CHAIN_LENGTHS[1];
     // (form, layer, 4-bit, two gate outputs a warp, rows asked for early;
-    // `bytes`' index; MLX_LFM_STAGE_PREFETCH)
+    // `bytes`' index)
     let forms = [
-        ("conv-q4", Kind::Conv, true, false, false, 0, ""),
-        ("conv-bf16", Kind::Conv, false, false, false, 1, ""),
-        ("ffn-bf16", Kind::Ffn, false, false, false, 2, ""),
-        ("ffn-q4", Kind::Ffn, true, false, false, 3, ""),
-        ("ffn-bf16-g2", Kind::Ffn, false, true, false, 2, ""),
-        ("conv-q4-pf", Kind::Conv, true, false, false, 0, "conv"),
-        ("conv-bf16-pf-out", Kind::Conv, false, false, false, 1, "conv-out"),
-        ("conv-bf16-pf", Kind::Conv, false, false, false, 1, "conv"),
-        ("ffn-bf16-pf-out", Kind::Ffn, false, false, false, 2, "ffn-out"),
-        ("ffn-bf16-pf", Kind::Ffn, false, false, false, 2, "ffn"),
-        ("ffn-q4-pf", Kind::Ffn, true, false, false, 3, "ffn"),
-        ("ffn-bf16-g2-pf-out", Kind::Ffn, false, true, false, 2, "ffn-out"),
-        ("ffn-bf16-g2-pf", Kind::Ffn, false, true, false, 2, "ffn"),
-        ("qkv-bf16", Kind::Qkv, false, false, false, 4, ""),
-        ("qkv-q4", Kind::Qkv, true, false, false, 5, ""),
+        ("conv-q4", Kind::Conv, true, false, false, 0),
+        ("conv-bf16", Kind::Conv, false, false, false, 1),
+        ("ffn-bf16", Kind::Ffn, false, false, false, 2),
+        ("ffn-q4", Kind::Ffn, true, false, false, 3),
+        ("ffn-bf16-g2", Kind::Ffn, false, true, false, 2),
+        ("ffn-bf16-g2-early", Kind::Ffn, false, true, true, 2),
+        ("qkv-bf16", Kind::Qkv, false, false, false, 4),
+        ("qkv-q4", Kind::Qkv, true, false, false, 5),
     ];
-    for (form, kind, q4, g2, early, k, pf) in forms {
+    for (form, kind, q4, g2, early, k) in forms {
         let on = match kind {
             Kind::Conv => "MLX_LFM_CONV_FUSED",
             Kind::Ffn => "MLX_LFM_FFN_FUSED",
@@ -1110,7 +1102,6 @@ fn chain_timelines(conv: &ConvLayer, ffn: &FfnLayer, qkv: &QkvLayer, bytes: [usi
             ("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string())),
             ("MLX_LFM_EARLY_PREFETCH".to_string(), Some((if early { "ffn" } else { "" }).to_string())),
             ("MLX_LFM_FFN_GATE_ROWS".to_string(), Some((if g2 { "2" } else { "1" }).to_string())),
-            ("MLX_LFM_STAGE_PREFETCH".to_string(), Some(pf.to_string())),
             ("MLX_LFM_QKV_WARPS".to_string(), Some("16".to_string())),
         ]
         .to_vec();
