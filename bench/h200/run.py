@@ -2389,6 +2389,10 @@ AB = {
     "ffn-gate-2": ({"MLX_LFM_FFN_GATE_ROWS": "2"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "ffn-gate-2-early": ({"MLX_LFM_FFN_GATE_ROWS": "2", "MLX_LFM_EARLY_PREFETCH": "ffn"},
                          ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # The two outputs a warp in rounds (session 43, ffn_fused.rs rounds_on):
+    # w2's blocks walk their rows' first half while the gate makes the
+    # gated row's second. The same bits. Dense rows only.
+    "ffn-gate-rounds": ({"MLX_LFM_FFN_GATE_ROWS": "2", "MLX_LFM_FFN_GATE_ROUNDS": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
     # (Session 43's `MLX_LFM_STAGE_PREFETCH`, each stage's block asking L2
     # for all its rows at once as its wait ends, read slower in every
     # chained timeline on an H100: the 1.2B's feed-forward 46.2 µs with
@@ -2421,6 +2425,7 @@ AB_TESTS = {
     # (Its test holds both forms to the default's bits.)
     "ffn-gate-2": ["ffn_fused_kernel_matches_stock_ops"],
     "ffn-gate-2-early": ["ffn_fused_kernel_matches_stock_ops", "greedy:early-prefetch"],
+    "ffn-gate-rounds": ["ffn_fused_kernel_matches_stock_ops"],
     "argmax-vec": ["argmax_finite_kernel_matches_stock_ops"],
     "conv-first-off": ["greedy:conv-first-off"],
     "scratch-outputs": [],
@@ -2519,7 +2524,7 @@ PICK = [
     (["qint-bits", "qint-convert", "moe-float"], "decode"),
     (["moe-down-prefetch", "moe-down-prefetch-after"], "decode"),
     (["qkv-warps-32", "qkv-split-2", "qkv-split-4"], "decode"),
-    (["ffn-gate-2", "ffn-gate-2-early"], "decode"),
+    (["ffn-gate-2", "ffn-gate-2-early", "ffn-gate-rounds"], "decode"),
     (["argmax-vec"], "decode"),
     (["conv-first-off"], "decode"),
     (["layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off"], "decode"),

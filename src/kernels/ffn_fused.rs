@@ -72,6 +72,39 @@ fn gate_outs() -> i32 {
     crate::knobs::cached("MLX_LFM_FFN_GATE_ROWS", &SET, |v| if v.map(str::trim) == Some("2") { 2 } else { 1 })
 }
 
+/// `MLX_LFM_FFN_GATE_ROUNDS=1` (opt-in, session 43, with
+/// `MLX_LFM_FFN_GATE_ROWS=2`; dense rows only): each gate warp makes its
+/// two outputs one after the other, counting its block's first outputs
+/// (the gated row's first `GB * WARPS`) done before it walks the second's
+/// rows, and w2's blocks (all resident) walk their rows' first half as
+/// soon as every gate block's first outputs are done, the second after.
+/// So w2's reads of the first half run beside the gate's of the second
+/// instead of after them (session 42's chained timelines, an H100: the
+/// 1.2B's w2 done 16.4 µs after its gate). Each row is the same walk,
+/// its lanes' columns in the same order (`lfm_drow_span`), so the same
+/// bits; one more counter (the round-1 count, `ctr`'s fourth word pair).
+/// Served where both halves are whole steps of a warp's walk (128
+/// columns).
+fn rounds_on() -> bool {
+    static SET: OnceLock<bool> = OnceLock::new();
+    crate::knobs::cached("MLX_LFM_FFN_GATE_ROUNDS", &SET, |v| v.map(str::trim) == Some("1"))
+}
+
+/// The form a launch takes: 0 one gate output a warp, 1 two ([`gate_outs`]),
+/// 2 two in rounds ([`rounds_on`], where it serves `f` dense).
+fn form(quant: bool, f: i32) -> usize {
+    if gate_outs() != 2 {
+        return 0;
+    }
+    let half = gate_blocks(f, 2) * WARPS as i64;
+    let whole_steps = f % 128 == 0 && half % 128 == 0 && half < f as i64;
+    if rounds_on() && !quant && whole_steps {
+        2
+    } else {
+        1
+    }
+}
+
 fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     super::opt_out("MLX_LFM_FFN_FUSED", &ON)
@@ -87,8 +120,8 @@ pub fn built() -> usize {
 
 /// The kernel; with `scratch`, its form with the scratch rows (`yn`,
 /// `hk`) in the layer's state ([`stages::call_with_scratch`]).
-fn kernel(quant: bool, scratch: bool, gate: i32) -> Option<&'static CudaKernel> {
-    static FORMS: [stages::Forms; 2] = [stages::Forms::new(), stages::Forms::new()];
+fn kernel(quant: bool, scratch: bool, form: usize) -> Option<&'static CudaKernel> {
+    static FORMS: [stages::Forms; 3] = [const { stages::Forms::new() }; 3];
     // (MLX_LFM_EARLY_PREFETCH=ffn: its form that asks for its rows before
     // its waits, stages::early_prefetch.)
     let early = stages::early_prefetch("ffn");
@@ -96,10 +129,12 @@ fn kernel(quant: bool, scratch: bool, gate: i32) -> Option<&'static CudaKernel> 
     inputs.extend(Projections::input_names(quant));
     inputs.push("ctr");
     let outputs = ["s", "out", "yn", "hk"];
-    let pairs = gate == 2;
-    let header = || format!("{}{}", gate_define(pairs), stages::layer_header(quant, false, stages::layer_defines(false, stages::Tail::Ffn)));
-    FORMS[usize::from(pairs)].kernel(
-        &base_name(quant, pairs),
+    let header = || {
+        let head = stages::layer_header(quant, false, stages::layer_defines(false, stages::Tail::Ffn));
+        format!("{}{head}{}", gate_define(form), form_code(form))
+    };
+    FORMS[form].kernel(
+        &base_name(quant, form),
         (quant, scratch, early),
         stages::LAYER_SOURCE,
         &stages::EARLY_SUBSTITUTIONS,
@@ -111,16 +146,22 @@ fn kernel(quant: bool, scratch: bool, gate: i32) -> Option<&'static CudaKernel> 
 }
 
 /// A form's kernel name: `lfm_ffn_fused`, then `_q` (4-bit), then `_g2`
-/// ([`gate_outs`]'s two outputs a warp).
-fn base_name(quant: bool, pairs: bool) -> String {
-    format!("lfm_ffn_fused{}{}", if quant { "_q" } else { "" }, if pairs { "_g2" } else { "" })
+/// ([`gate_outs`]'s two outputs a warp) or `_g2r` (in rounds).
+fn base_name(quant: bool, form: usize) -> String {
+    format!("lfm_ffn_fused{}{}", if quant { "_q" } else { "" }, ["", "_g2", "_g2r"][form])
 }
 
-/// The define of [`gate_outs`]'s form (none for the default's, whose
-/// text is as before).
-fn gate_define(pairs: bool) -> &'static str {
-    if pairs {
-        "#define LFM_GATE_OUTS 2\n"
+/// The defines of a [`form`] (none for the default's, whose text is as
+/// before), before the layer's header.
+fn gate_define(form: usize) -> &'static str {
+    ["", "#define LFM_GATE_OUTS 2\n", "#define LFM_GATE_OUTS 2\n#define LFM_GATE_ROUNDS 1\n"][form]
+}
+
+/// A [`form`]'s code after the layer's header (the rounds' w2 walk, on
+/// the dense walk's helpers).
+fn form_code(form: usize) -> &'static str {
+    if form == 2 {
+        stages::ROUNDS_HEADER
     } else {
         ""
     }
@@ -180,14 +221,14 @@ pub fn available(x: &Normed, p: Projections) -> bool {
         && bytes(d) % 16 == 0
         && bytes(f) % 16 == 0
         && bytes(d).max(bytes(f)) <= stages::MAX_STAGED
-        && kernel(p.quant(), false, gate_outs()).is_some()
+        && kernel(p.quant(), false, form(p.quant(), f)).is_some()
 }
 
 /// `(the residual sum [1, D], w2's output [1, D] (before a tensor parallel
 /// reduce))` in one launch (callers check [`available`]); `ctr` the
 /// layer's own (`stages::new_counters`).
 pub fn forward(x: &Normed, p: Projections, ctr: &Array) -> Result<(Array, Array)> {
-    let mut outs = launch(x, p, ctr, false, gate_outs())?;
+    let mut outs = launch(x, p, ctr, false)?;
     let missing = || Error::mlx("fused feed-forward kernel: missing output");
     let out = outs.pop().ok_or_else(missing)?;
     let s = outs.pop().ok_or_else(missing)?;
@@ -201,7 +242,7 @@ pub fn forward(x: &Normed, p: Projections, ctr: &Array) -> Result<(Array, Array)
 #[doc(hidden)]
 pub fn forward_timeline(x: &Normed, p: Projections, ctr: &Array) -> Result<(Array, Array, usize, usize)> {
     let g = gate_outs();
-    let mut outs = launch(x, p, ctr, true, g)?;
+    let mut outs = launch(x, p, ctr, true)?;
     let missing = || Error::mlx("fused feed-forward kernel: missing output");
     let times = outs.pop().ok_or_else(missing)?;
     let (d, f) = (x.h.dim(1), p.first_rows() / 2);
@@ -209,33 +250,34 @@ pub fn forward_timeline(x: &Normed, p: Projections, ctr: &Array) -> Result<(Arra
 }
 
 /// The kernel's timeline form (outputs as [`kernel`]'s, then `times`).
-fn timeline_kernel(quant: bool, gate: i32) -> Option<&'static CudaKernel> {
-    // (By rows asked for early, two gate outputs a warp, 4-bit.)
-    static K: [[[stages::Cells; 2]; 2]; 2] = [const { [const { [stages::cells(), stages::cells()] }; 2] }; 2];
+fn timeline_kernel(quant: bool, form: usize) -> Option<&'static CudaKernel> {
+    // (By rows asked for early, the form, 4-bit.)
+    static K: [[[stages::Cells; 2]; 3]; 2] = [const { [const { [stages::cells(), stages::cells()] }; 3] }; 2];
     let early = stages::early_prefetch("ffn");
     let source = stages::stamped_layer_source(early);
     let mut inputs = vec!["h", "r", "wn"];
     inputs.extend(Projections::input_names(quant));
     inputs.push("ctr");
     let outputs = ["s", "out", "yn", "hk", "times"];
-    let pairs = gate == 2;
-    let name = format!("{}_timeline{}", base_name(quant, pairs), if early { "_early" } else { "" });
-    stages::kernel(&K[usize::from(early)][usize::from(pairs)][usize::from(quant)], &name, &inputs, &outputs, source, || {
+    let name = format!("{}_timeline{}", base_name(quant, form), if early { "_early" } else { "" });
+    stages::kernel(&K[usize::from(early)][form][usize::from(quant)], &name, &inputs, &outputs, source, || {
         let head = stages::layer_header(quant, false, stages::layer_defines(false, stages::Tail::Ffn));
         let early = if early { stages::early_header(quant) } else { String::new() };
-        format!("{}{early}{}{head}", stages::TIMELINE_HEADER, gate_define(pairs))
+        format!("{}{early}{}{head}{}", stages::TIMELINE_HEADER, gate_define(form), form_code(form))
     })
 }
 
 /// The launch: `[s, out]`, or (`timeline`) every output of the timeline
 /// form, its stamps last.
-fn launch(x: &Normed, p: Projections, ctr: &Array, timeline: bool, gate: i32) -> Result<Vec<Array>> {
-    let kern = if timeline { timeline_kernel(p.quant(), gate) } else { kernel(p.quant(), false, gate) };
+fn launch(x: &Normed, p: Projections, ctr: &Array, timeline: bool) -> Result<Vec<Array>> {
+    let f = p.first_rows() / 2;
+    let form = form(p.quant(), f);
+    let gate = if form == 0 { 1 } else { 2 };
+    let kern = if timeline { timeline_kernel(p.quant(), form) } else { kernel(p.quant(), false, form) };
     let kern = kern.ok_or_else(|| Error::mlx("the fused feed-forward kernel is not available"))?;
     let r = x.r.ok_or_else(|| Error::invalid("the fused feed-forward kernel needs a residual to add"))?;
     stages::check_state(ctr, "the fused feed-forward kernel")?;
     let (d, dt) = (x.h.dim(1), x.h.dtype());
-    let f = p.first_rows() / 2;
     let nb = blocks(d, f, gate);
     let threads = WARPS * 32;
     let grid = i32::try_from(nb * threads as i64).map_err(|_| Error::invalid(format!("fused feed-forward kernel: {nb} blocks")))?;
@@ -258,7 +300,7 @@ fn launch(x: &Normed, p: Projections, ctr: &Array, timeline: bool, gate: i32) ->
     }
     let outs = stages::call_with_scratch(
         kern,
-        || kernel(p.quant(), true, gate),
+        || kernel(p.quant(), true, form),
         &inputs,
         &outputs,
         &["SCR_YN", "SCR_HK"],

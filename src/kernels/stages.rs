@@ -126,8 +126,14 @@ pub(crate) const LAYER_SOURCE: &str = r#"
 #ifndef LFM_GATE_OUTS
 #define LFM_GATE_OUTS 1
 #endif
+#ifndef LFM_GATE_ROUNDS
+#define LFM_GATE_ROUNDS 0
+#endif
 #if LFM_GATE_OUTS == 2 && (LFM_CONV_PART || !LFM_FFN_PART)
 #error "LFM_GATE_OUTS: the feed-forward's own kernel only"
+#endif
+#if LFM_GATE_ROUNDS && LFM_GATE_OUTS != 2
+#error "LFM_GATE_ROUNDS: the two-outputs form only"
 #endif
 #if LFM_MOE_DOWN_PREFETCH && (LFM_CONV_PART || !LFM_MOE_PART)
 #error "LFM_MOE_DOWN_PREFETCH: the MoE layer's own kernel only"
@@ -413,7 +419,25 @@ pub(crate) const LAYER_SOURCE: &str = r#"
     const bool late = lfm_block_wait(st + FC + 1, launch + 1, nullptr, 0);
     if (!late) lfm_stage16(sm, LFM_FFN_YN, XR);
     __syncthreads();
-#if LFM_GATE_OUTS == 2
+#if LFM_GATE_ROUNDS
+    // Output j (round 0: the gated row's first GB * WARPS), counted done
+    // before output j + GB * WARPS (round 1), so that w2's blocks walk the
+    // first half while the second is made (ffn_fused.rs rounds).
+    for (int k = 0; k < 2; k++) {
+      const int jk = j + k * GB * WARPS;
+      if (jk < F) {
+        float gu[2] = {0.0f, 0.0f};
+        const size_t rows[2] = {static_cast<size_t>(jk), static_cast<size_t>(F) + jk};
+        if (!late) LFM_F_ROWS(D, 2, rows, reinterpret_cast<const T*>(sm), lane, gu);
+        if (lane == 0) hk[jk] = late ? T(poison) : lfm_swiglu<T>(gu[0], gu[1]);
+      }
+      lfm_release_count(st + FC + 2 + k);
+    }
+#ifdef LFM_STAMP
+    LFM_STAMP(3);
+#endif
+    return;
+#elif LFM_GATE_OUTS == 2
     // And output j + GB * WARPS: the two outputs' four rows walked
     // together, each row's sum the walk it takes alone.
     const int j2 = j + GB * WARPS;
@@ -437,6 +461,37 @@ pub(crate) const LAYER_SOURCE: &str = r#"
     lfm_release_count(st + FC + 2);
     return;
   }
+#if LFM_GATE_ROUNDS
+  {
+    // w2's output n: the gated row's first half once every gate block has
+    // done its round 0, then the second after round 1; each lane's
+    // columns in the one walk's order (lfm_drow_span), so the same sum.
+    const int n = (fr - 1 - GB) * WARPS + wid;
+    constexpr int H0 = GB * WARPS;
+    bool late = lfm_block_wait(st + FC + 2, (launch + 1) * GB, nullptr, 0);
+#ifdef LFM_STAMP
+    LFM_STAMP(1);
+#endif
+    if (!late) lfm_stage16(sm, hk, H0 * static_cast<int>(sizeof(T)) / 16);
+    __syncthreads();
+#ifdef LFM_STAMP
+    LFM_STAMP(2);
+#endif
+    const T* xs = reinterpret_cast<const T*>(sm);
+    const T* wr = ow + static_cast<size_t>(n < D ? n : 0) * F;
+    float o = 0.0f;
+    if (n < D && !late) lfm_drow_span<T, F, 0, H0>(xs, wr, lfm_aligned(ow), lane, &o);
+    if (!late) late = lfm_block_wait(st + FC + 3, (launch + 1) * GB, nullptr, 0);
+    if (!late) lfm_stage16(sm + H0 * sizeof(T) / 16, hk + H0, (F - H0) * static_cast<int>(sizeof(T)) / 16);
+    __syncthreads();
+    if (n < D && !late) lfm_drow_span<T, F, H0, F>(xs, wr, lfm_aligned(ow), lane, &o);
+    o = lfm_warp_sum(o);
+    if (n < D && lane == 0) out[n] = late ? T(poison) : T(o);
+#ifdef LFM_STAMP
+    LFM_STAMP(3);
+#endif
+  }
+#else
   // w2's output n, once every gate output of the launch is done.
   const int n = (fr - 1 - GB) * WARPS + wid;
   const bool late = lfm_block_wait(st + FC + 2, (launch + 1) * GB, nullptr, 0);
@@ -448,6 +503,7 @@ pub(crate) const LAYER_SOURCE: &str = r#"
     if (!late) LFM_G_ROWS(F, 1, rows, reinterpret_cast<const T*>(sm), lane, o);
     if (lane == 0) out[n] = late ? T(poison) : T(o[0]);
   }
+#endif
 #endif
 #endif
 "#;
@@ -859,6 +915,44 @@ __device__ inline void lfm_stage_drows(const T* xs, const T* w, const size_t* ro
 }
 #define LFM_IN_ROWS(K, R, rows, xs, lane, out) lfm_stage_drows<T, K, R>(xs, iw, rows, lane, out)
 #define LFM_OUT_ROWS(K, R, rows, xs, lane, out) lfm_stage_drows<T, K, R>(xs, ow, rows, lane, out)
+"#;
+
+/// The two-rounds feed-forward's w2 walk (`LFM_GATE_ROUNDS`,
+/// src/kernels/ffn_fused.rs rounds): one dense row's columns `LO..HI`
+/// (whole steps of a warp) walked as src/kernels/gemv.rs `lfm_dot_rows`
+/// walks them, its batches of loads before their sums, into `acc`, neither
+/// reset nor summed over the warp: a row's walk in two spans is its walk
+/// in one, each lane's columns in the same order.
+pub(crate) const ROUNDS_HEADER: &str = r#"
+template <typename T, int K, int LO, int HI, bool ALIGNED>
+__device__ inline void lfm_drow_span_a(const T* x, const T* w, int lane, float* acc) {
+  constexpr int N = lfm_npt<K>::v;
+  constexpr int STEP = 32 * N;
+  static_assert(LO % STEP == 0 && HI % STEP == 0 && LO < HI && HI <= K, "a span of whole steps of the row");
+  constexpr int I0 = LO / STEP;
+  constexpr int IT = HI / STEP;
+  constexpr int B = IT - I0 < LFM_BATCH ? IT - I0 : LFM_BATCH;
+#pragma unroll
+  for (int i0 = I0; i0 < IT; i0 += B) {
+    lfm_vec<T, N> wv[B];
+#pragma unroll
+    for (int u = 0; u < B; u++) {
+      if (i0 + u < IT) wv[u] = lfm_loadv<T, N, ALIGNED>(w + N * lane + (i0 + u) * STEP);
+    }
+#pragma unroll
+    for (int u = 0; u < B; u++) {
+      if (i0 + u < IT) lfm_dot_step<T, K, 1, 1, N, ALIGNED>(x, N * lane + (i0 + u) * STEP, wv + u, acc);
+    }
+  }
+}
+template <typename T, int K, int LO, int HI>
+__device__ inline void lfm_drow_span(const T* x, const T* w, bool wa, int lane, float* acc) {
+  if (wa) {
+    lfm_drow_span_a<T, K, LO, HI, true>(x, w, lane, acc);
+  } else {
+    lfm_drow_span_a<T, K, LO, HI, false>(x, w, lane, acc);
+  }
+}
 "#;
 
 /// Template constants a kernel's projections add (their specifications).

@@ -3265,6 +3265,45 @@ fn ffn_fused_kernel_matches_stock_ops() {
                 assert_eq!(differing(&out_t, &out), 0, "{what}: two gate outputs a warp: the timeline form's output differs");
                 check_stamps(&what, &times, gate, nb);
             });
+            // In rounds (MLX_LFM_FFN_GATE_ROUNDS=1, opt-in, dense rows whose
+            // halves are whole steps of the walk): the same bits, on counters
+            // of its own (it counts a fourth word pair), with its scratch rows
+            // in the state, its rows asked for early, its timeline form's
+            // stamps in order, and five launches on one state.
+            let rounds = [
+                ("MLX_LFM_FFN_GATE_ROWS".to_string(), Some("2".to_string())),
+                ("MLX_LFM_FFN_GATE_ROUNDS".to_string(), Some("1".to_string())),
+            ];
+            let halves = f % 128 == 0 && ((f as i64 + 31) / 32 * 16) % 128 == 0;
+            if !p.quant() && halves {
+                crate::knobs::with_overrides(&rounds, || {
+                    let (own, own_big) = (
+                        new_counters().unwrap(),
+                        crate::kernels::stages::new_counters_of(crate::kernels::ffn_fused::state_words(d as usize, f as usize)).unwrap(),
+                    );
+                    for turn in 0..6 {
+                        let (s2, out2) = match turn {
+                            0 | 3 | 4 | 5 => run(&own),
+                            1 => scratch_in_state(|| run(&own_big)),
+                            _ => crate::knobs::with_overrides(&early, || run(&new_counters().unwrap())),
+                        };
+                        assert_eq!(differing(&s2, &s), 0, "{what}: in rounds, launch {turn}: the sum differs");
+                        assert_eq!(differing(&out2, &out), 0, "{what}: in rounds, launch {turn}: the output differs");
+                    }
+                    let (out_t, times, gate, nb) = with_opt_in_one("MLX_LFM_FFN_FUSED", || {
+                        crate::kernels::ffn_fused::forward_timeline(&x, p, &new_counters().unwrap()).unwrap()
+                    });
+                    crate::mlx::eval(&[&out_t, &times]).unwrap();
+                    assert_eq!(differing(&out_t, &out), 0, "{what}: in rounds: the timeline form's output differs");
+                    check_stamps(&what, &times, gate, nb);
+                    let stuck = [("MLX_LFM_FUSED_NO_WAIT".to_string(), Some("1".to_string()))];
+                    let (_, given_up) = crate::knobs::with_overrides(&stuck, || run(&own));
+                    let v: Vec<f32> = given_up.astype(Dtype::Float32).unwrap().to_vec().unwrap();
+                    assert!(v.iter().all(|v| v.is_nan()), "{what}: in rounds, with the waits given up, {} values are not NaN", v.iter().filter(|v| !v.is_nan()).count());
+                    let (s2, out2) = run(&own);
+                    assert_eq!((differing(&s2, &s), differing(&out2, &out)), (0, 0), "{what}: in rounds, the launch after the given-up one differs");
+                });
+            }
             check_counters_in_step(&what, &counters, &[true, true, false, true, false], &[s, out], |c| {
                 let (s, out) = run(c);
                 vec![s, out]

@@ -1064,8 +1064,8 @@ fn layer_chains(reps: usize) -> mlx_lfm::Result<()> {
 
 /// [`layer_chains`]' timeline chains: the conv layer's (4-bit, dense), the
 /// feed-forward's (dense, 4-bit; and the dense one with two gate outputs
-/// a warp, `MLX_LFM_FFN_GATE_ROWS=2`, then with its rows asked for early
-/// too) and the q/k/v stage's (dense, 4-bit: one block a head) timeline
+/// a warp, `MLX_LFM_FFN_GATE_ROWS=2`, and in rounds,
+/// `MLX_LFM_FFN_GATE_ROUNDS=1`, plain and with its rows asked for early) and the q/k/v stage's (dense, 4-bit: one block a head) timeline
 /// forms, `CHAIN_LENGTHS[1]` launches a chain, `reps` chains each, each
 /// form on a state of its own. `bytes`: the conv layer's 4-bit and dense,
 /// the feed-forward's dense and 4-bit, the q/k/v stage's dense and 4-bit.
@@ -1079,17 +1079,18 @@ fn chain_timelines(conv: &ConvLayer, ffn: &FfnLayer, qkv: &QkvLayer, bytes: [usi
         Qkv,
     }
     let len = CHAIN_LENGTHS[1];
-    // (form, layer, 4-bit, two gate outputs a warp, rows asked for early;
-    // `bytes`' index)
+    // (form, layer, 4-bit, two gate outputs a warp (2: in rounds), rows
+    // asked for early; `bytes`' index)
     let forms = [
-        ("conv-q4", Kind::Conv, true, false, false, 0),
-        ("conv-bf16", Kind::Conv, false, false, false, 1),
-        ("ffn-bf16", Kind::Ffn, false, false, false, 2),
-        ("ffn-q4", Kind::Ffn, true, false, false, 3),
-        ("ffn-bf16-g2", Kind::Ffn, false, true, false, 2),
-        ("ffn-bf16-g2-early", Kind::Ffn, false, true, true, 2),
-        ("qkv-bf16", Kind::Qkv, false, false, false, 4),
-        ("qkv-q4", Kind::Qkv, true, false, false, 5),
+        ("conv-q4", Kind::Conv, true, 0, false, 0),
+        ("conv-bf16", Kind::Conv, false, 0, false, 1),
+        ("ffn-bf16", Kind::Ffn, false, 0, false, 2),
+        ("ffn-q4", Kind::Ffn, true, 0, false, 3),
+        ("ffn-bf16-g2", Kind::Ffn, false, 1, false, 2),
+        ("ffn-bf16-g2r", Kind::Ffn, false, 2, false, 2),
+        ("ffn-bf16-g2r-early", Kind::Ffn, false, 2, true, 2),
+        ("qkv-bf16", Kind::Qkv, false, 0, false, 4),
+        ("qkv-q4", Kind::Qkv, true, 0, false, 5),
     ];
     for (form, kind, q4, g2, early, k) in forms {
         let on = match kind {
@@ -1101,7 +1102,8 @@ fn chain_timelines(conv: &ConvLayer, ffn: &FfnLayer, qkv: &QkvLayer, bytes: [usi
             (on.to_string(), Some("1".to_string())),
             ("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string())),
             ("MLX_LFM_EARLY_PREFETCH".to_string(), Some((if early { "ffn" } else { "" }).to_string())),
-            ("MLX_LFM_FFN_GATE_ROWS".to_string(), Some((if g2 { "2" } else { "1" }).to_string())),
+            ("MLX_LFM_FFN_GATE_ROWS".to_string(), Some((if g2 > 0 { "2" } else { "1" }).to_string())),
+            ("MLX_LFM_FFN_GATE_ROUNDS".to_string(), Some((if g2 == 2 { "1" } else { "0" }).to_string())),
             ("MLX_LFM_QKV_WARPS".to_string(), Some("16".to_string())),
         ]
         .to_vec();
