@@ -494,6 +494,7 @@ for _v in ("@g2", "@g2-early", "@g2-timeline", "@g2-early-timeline", "@dense-g2"
 
 KERNELS["ffn_fused.rs@dense-g2r"] = KERNELS["ffn_fused.rs@dense"]
 KERNELS["ffn_fused.rs@dense-g2r-timeline"] = KERNELS["ffn_fused.rs@dense-timeline"]
+KERNELS["ffn_fused.rs@dense-g2r-early"] = KERNELS["ffn_fused.rs@dense"]
 
 # The folds with their first column's rows prefetched before the prologue
 # (MLX_LFM_NORM_GEMV_PREFETCH=early: NAME_EARLY before it), each as its fold.
@@ -762,6 +763,7 @@ REPLACE_OF = {
     "ffn_fused.rs@timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
     "ffn_fused.rs@dense-timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
     "ffn_fused.rs@dense-g2r-timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
+    "ffn_fused.rs@dense-g2r-early": substitutions("stages.rs", "EARLY_SUBSTITUTIONS"),
     "conv_fused.rs@dense-timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
     **{"conv_fused.rs" + v: substitutions("stages.rs", "EARLY_SUBSTITUTIONS") + substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS")
        for v in ("@early-timeline", "@dense-early-timeline")},
@@ -847,6 +849,7 @@ DEFINES_OF["ffn_fused.rs@g2-early-timeline"] = _TL + DEFINES_OF["ffn_fused.rs@ea
 _G2R = _G2 + "#define LFM_GATE_ROUNDS 1\n"
 DEFINES_OF["ffn_fused.rs@dense-g2r"] = _G2R + DEFINES_OF["ffn_fused.rs@dense"]
 DEFINES_OF["ffn_fused.rs@dense-g2r-timeline"] = _TL + _G2R + DEFINES_OF["ffn_fused.rs@dense"]
+DEFINES_OF["ffn_fused.rs@dense-g2r-early"] = DEFINES_OF["ffn_fused.rs@dense-early"] + _G2R
 # A variant's text before its kernel's body, as its Rust side puts it there.
 PRELUDE_OF = {"moe_fused.rs@scratch": named(root / "src" / "kernels" / "moe_fused.rs", "SCRATCH_PRELUDE")}
 PRELUDE_OF["moe_fused.rs@exact-scratch"] = PRELUDE_OF["moe_fused.rs@scratch"]
@@ -857,7 +860,7 @@ for _v in ("@exact", "@exact8", "@exact-scratch", "@exact-d1536", "@exact8-d1536
     DEFINES_OF["moe_fused.rs" + _v] = named(root / "src" / "kernels" / "moe_fused.rs", "EXACT_DEFINES") + LAYER_MOE
     HEADER_AFTER["moe_fused.rs" + _v] = named(_STAGES, "QUANT_PRODUCTS")
 assert "LFM_MOE_EXACT" in DEFINES_OF["moe_fused.rs@exact"], "moe_fused.rs EXACT_DEFINES"
-for _v in ("@dense-g2r", "@dense-g2r-timeline"):
+for _v in ("@dense-g2r", "@dense-g2r-timeline", "@dense-g2r-early"):
     HEADER_AFTER["ffn_fused.rs" + _v] = named(_STAGES, "ROUNDS_HEADER")
 PRELUDE_OF["moe_fused.rs@pf-scratch"] = PRELUDE_OF["moe_fused.rs@scratch"]
 PRELUDE_OF["moe_fused.rs@exact-pf-scratch"] = PRELUDE_OF["moe_fused.rs@scratch"]

@@ -42,7 +42,7 @@ use std::sync::OnceLock;
 // RMSNorm kernel's block for this row), WARPS, EPS_BITS, and quantized,
 // IBITS / IGS and OBITS / OGS (w1/w3's and w2's specifications). `ctr`:
 // the layer's counters (tickets, the norm's launch mark, gate blocks
-// done); `iw`..: the projections as src/kernels/stages.rs's products name
+// done; in rounds, their first round, then their second); `iw`..: the projections as src/kernels/stages.rs's products name
 // them (w1/w3 stacked, then w2). The body: the feed-forward part of
 // src/kernels/stages.rs's `LAYER_SOURCE`.
 
@@ -52,7 +52,9 @@ const WARPS: i32 = 16;
 /// within 64 registers a thread: `scripts/dev/nvrtc-check.py`).
 const MAX_WIDTH: i32 = 16_384;
 
-/// `MLX_LFM_FFN_GATE_ROWS=2` (opt-in, session 42, not yet run on a GPU):
+/// `MLX_LFM_FFN_GATE_ROWS=2` (opt-in, session 42; its test passed on an
+/// H100 in session 43, which timed it no faster: decode 1.014x on the
+/// 1.2B, its gate done later and w2 still 17-18 µs after it):
 /// each gate warp two outputs, `j` and `j + GB * WARPS`, their w1 and w3
 /// rows walked together (four rows a warp), so the gate takes half the
 /// blocks. Session 42's chained timelines (an H100) had the 1.2B's launch
@@ -111,6 +113,13 @@ fn enabled() -> bool {
 }
 
 static BUILT: Built = Built::new();
+static BUILT_ROUNDS: Built = Built::new();
+
+/// How many of [`built`]'s launches took the rounds form ([`rounds_on`]):
+/// the greedy set's evidence that its runs did.
+pub fn built_rounds() -> usize {
+    BUILT_ROUNDS.get()
+}
 
 /// How many times [`forward`] has put the kernel into a graph in this
 /// process: the greedy test's evidence that its runs took this path.
@@ -310,6 +319,9 @@ fn launch(x: &Normed, p: Projections, ctr: &Array, timeline: bool) -> Result<Vec
         &template,
     )?;
     BUILT.bump();
+    if form == 2 {
+        BUILT_ROUNDS.bump();
+    }
     Ok(outs)
 }
 

@@ -112,7 +112,8 @@ __device__ inline void lfm_norm_stage(const T* h, const T* r, const T* wn, float
 /// `LFM_FFN_YN`), the gate a warp an output (`LFM_F_ROWS`), w2 a warp an
 /// output (`LFM_G_ROWS`). Counters: tickets; the conv's norm mark, its
 /// channel blocks done and (joined) its out_proj blocks done; then the
-/// feed-forward's norm mark and gate blocks done.
+/// feed-forward's norm mark and gate blocks done (in rounds,
+/// `LFM_GATE_ROUNDS`: their first round, then their second).
 pub(crate) const LAYER_SOURCE: &str = r#"
 #ifndef LFM_OUT_ONLY
 #define LFM_OUT_ONLY 0
@@ -431,11 +432,12 @@ pub(crate) const LAYER_SOURCE: &str = r#"
         if (!late) LFM_F_ROWS(D, 2, rows, reinterpret_cast<const T*>(sm), lane, gu);
         if (lane == 0) hk[jk] = late ? T(poison) : lfm_swiglu<T>(gu[0], gu[1]);
       }
+#ifdef LFM_STAMP
+      // (Done before its last release, as every stage's stamp.)
+      if (k == 1) LFM_STAMP(3);
+#endif
       lfm_release_count(st + FC + 2 + k);
     }
-#ifdef LFM_STAMP
-    LFM_STAMP(3);
-#endif
     return;
 #elif LFM_GATE_OUTS == 2
     // And output j + GB * WARPS: the two outputs' four rows walked
@@ -462,35 +464,33 @@ pub(crate) const LAYER_SOURCE: &str = r#"
     return;
   }
 #if LFM_GATE_ROUNDS
-  {
-    // w2's output n: the gated row's first half once every gate block has
-    // done its round 0, then the second after round 1; each lane's
-    // columns in the one walk's order (lfm_drow_span), so the same sum.
-    const int n = (fr - 1 - GB) * WARPS + wid;
-    constexpr int H0 = GB * WARPS;
-    bool late = lfm_block_wait(st + FC + 2, (launch + 1) * GB, nullptr, 0);
+  // w2's output n: the gated row's first half once every gate block has
+  // done its round 0, then the second after round 1; each lane's columns
+  // in the one walk's order (lfm_drow_span), so the same sum. (Its first
+  // two lines are the other form's, so that the early and timeline forms'
+  // substitutions land in both.)
+  const int n = (fr - 1 - GB) * WARPS + wid;
+  const bool late = lfm_block_wait(st + FC + 2, (launch + 1) * GB, nullptr, 0);
+  constexpr int H0 = GB * WARPS;
+  if (!late) lfm_stage16(sm, hk, H0 * static_cast<int>(sizeof(T)) / 16);
+  __syncthreads();
 #ifdef LFM_STAMP
-    LFM_STAMP(1);
+  LFM_STAMP(2);
 #endif
-    if (!late) lfm_stage16(sm, hk, H0 * static_cast<int>(sizeof(T)) / 16);
-    __syncthreads();
+  const T* xs = reinterpret_cast<const T*>(sm);
+  const T* wr = ow + static_cast<size_t>(n < D ? n : 0) * F;
+  float o = 0.0f;
+  if (n < D && !late) lfm_drow_span<T, F, 0, H0>(xs, wr, lfm_aligned(ow), lane, &o);
+  // (late is the block's: every thread calls the wait or none does.)
+  const bool late2 = late || lfm_block_wait(st + FC + 3, (launch + 1) * GB, nullptr, 0);
+  if (!late2) lfm_stage16(sm + H0 * sizeof(T) / 16, hk + H0, (F - H0) * static_cast<int>(sizeof(T)) / 16);
+  __syncthreads();
+  if (n < D && !late2) lfm_drow_span<T, F, H0, F>(xs, wr, lfm_aligned(ow), lane, &o);
+  o = lfm_warp_sum(o);
+  if (n < D && lane == 0) out[n] = late2 ? T(poison) : T(o);
 #ifdef LFM_STAMP
-    LFM_STAMP(2);
+  LFM_STAMP(3);
 #endif
-    const T* xs = reinterpret_cast<const T*>(sm);
-    const T* wr = ow + static_cast<size_t>(n < D ? n : 0) * F;
-    float o = 0.0f;
-    if (n < D && !late) lfm_drow_span<T, F, 0, H0>(xs, wr, lfm_aligned(ow), lane, &o);
-    if (!late) late = lfm_block_wait(st + FC + 3, (launch + 1) * GB, nullptr, 0);
-    if (!late) lfm_stage16(sm + H0 * sizeof(T) / 16, hk + H0, (F - H0) * static_cast<int>(sizeof(T)) / 16);
-    __syncthreads();
-    if (n < D && !late) lfm_drow_span<T, F, H0, F>(xs, wr, lfm_aligned(ow), lane, &o);
-    o = lfm_warp_sum(o);
-    if (n < D && lane == 0) out[n] = late ? T(poison) : T(o);
-#ifdef LFM_STAMP
-    LFM_STAMP(3);
-#endif
-  }
 #else
   // w2's output n, once every gate output of the launch is done.
   const int n = (fr - 1 - GB) * WARPS + wid;
@@ -1288,18 +1288,22 @@ impl Built {
 mod tests {
     use super::*;
 
-    /// Each of the early form's prefetches finds its place, once.
+    /// Each of the early form's prefetches finds its place, once (w2's
+    /// twice: the feed-forward's rounds form starts its w2 stage as the
+    /// other form does, behind its own #if).
     #[test]
     fn every_early_prefetch_finds_its_place() {
         for (was, now) in EARLY_SUBSTITUTIONS {
-            assert_eq!(LAYER_SOURCE.matches(was).count(), 1, "{was:?}");
+            let places = if was.contains("(launch + 1) * GB, nullptr") { 2 } else { 1 };
+            assert_eq!(LAYER_SOURCE.matches(was).count(), places, "{was:?}");
             let (first, last) = (was.lines().next().unwrap(), was.lines().last().unwrap());
             assert!(now.contains("LFM_EARLY_") && now.starts_with(first) && now.ends_with(&format!("{last}\n")), "{now:?}");
         }
         let early = super::super::substituted(LAYER_SOURCE, &EARLY_SUBSTITUTIONS);
         // (Two of them the two-gate-outputs form's, behind its #if.)
         assert_eq!(early.matches("LFM_EARLY_IN(").count(), 7);
-        assert_eq!(early.matches("LFM_EARLY_OUT(").count(), 2);
+        // (And w2's in the rounds form, which starts as the other's.)
+        assert_eq!(early.matches("LFM_EARLY_OUT(").count(), 3);
         for quant in [true, false] {
             let h = early_header(quant);
             assert!(h.contains("#define LFM_EARLY_IN(") && h.contains("#define LFM_EARLY_OUT(") && h.contains("lfm_prefetch_span"));
@@ -1316,11 +1320,14 @@ mod tests {
         }
         let stamped = super::super::substituted(LAYER_SOURCE, &TIMELINE_SUBSTITUTIONS);
         // (Eight in the MoE part, six in the feed-forward's gate and w2
-        // stages, seven in the conv part.)
-        assert_eq!(stamped.matches("LFM_STAMP").count(), 21);
+        // stages, seven in the conv part; and the feed-forward's rounds
+        // form: its w2 wait's as the other form's, and three of its own,
+        // each behind an `#ifdef LFM_STAMP`: seven more.)
+        assert_eq!(LAYER_SOURCE.matches("LFM_STAMP").count(), 6);
+        assert_eq!(stamped.matches("LFM_STAMP").count(), 28);
         // (And over the early form's text: none lost.)
         let early = super::super::substituted(LAYER_SOURCE, &EARLY_SUBSTITUTIONS);
-        assert_eq!(super::super::substituted(&early, &TIMELINE_SUBSTITUTIONS).matches("LFM_STAMP").count(), 21);
+        assert_eq!(super::super::substituted(&early, &TIMELINE_SUBSTITUTIONS).matches("LFM_STAMP").count(), 28);
         let times = [10_000i64, 11_000, 12_000, 15_000, 10_500, 16_000, 17_000, 20_000, 10_700, 21_000, 21_500, 30_000];
         let s = timeline_summary(&times, 1, 3).unwrap();
         assert_eq!(s["blocks"], 2);

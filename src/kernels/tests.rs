@@ -889,6 +889,24 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     let set = [("MLX_LFM_EARLY_PREFETCH".to_string(), Some("all".to_string()))];
                     runs.push(("early-prefetch", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
                 }
+                if compiled && !q4 && dense_ffn && !joined {
+                    // The feed-forward's gate two outputs a warp, in rounds
+                    // (MLX_LFM_FFN_GATE_ROUNDS, opt-in, session 43; run.py's
+                    // `ffn-gate-rounds`), which its run must have built
+                    // where the fixture's gate halves are whole steps of the
+                    // walk.
+                    let set = [
+                        ("MLX_LFM_FFN_GATE_ROWS".to_string(), Some("2".to_string())),
+                        ("MLX_LFM_FFN_GATE_ROUNDS".to_string(), Some("1".to_string())),
+                    ];
+                    let before = crate::kernels::ffn_fused::built_rounds();
+                    runs.push(("ffn-gate-rounds", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
+                    let f = spec.shape.dense_ff_dim() as i64;
+                    let halves = f % 128 == 0 && ((f + 31) / 32 * 16) % 128 == 0;
+                    if can_fuse && halves && !off("MLX_LFM_FFN_FUSED") && crate::kernels::ffn_fused::built_rounds() == before {
+                        unbuilt("ffn-gate-rounds", &mut failures);
+                    }
+                }
                 if !q4 {
                     // The deferred folds over every dense norm + projection
                     // (any width: MLX_LFM_NORM_GEMV_KERNEL=1, as run.py's
@@ -3247,70 +3265,74 @@ fn ffn_fused_kernel_matches_stock_ops() {
                 assert_eq!(differing(&s2, &s), 0, "{what}: rows asked for early, launch {turn}: the sum differs");
                 assert_eq!(differing(&out2, &out), 0, "{what}: rows asked for early, launch {turn}: the output differs");
             }
-            // Two gate outputs a warp (MLX_LFM_FFN_GATE_ROWS=2, opt-in): the
-            // same bits, on counters of its own (its tickets count fewer
-            // blocks), with its scratch rows in the state, its rows asked
-            // for early, and its timeline form's stamps in order.
-            let pairs = [("MLX_LFM_FFN_GATE_ROWS".to_string(), Some("2".to_string()))];
-            crate::knobs::with_overrides(&pairs, || {
-                let (own, own_big) = (
-                    new_counters().unwrap(),
-                    crate::kernels::stages::new_counters_of(crate::kernels::ffn_fused::state_words(d as usize, f as usize)).unwrap(),
-                );
-                for turn in 0..3 {
-                    let (s2, out2) = match turn {
-                        0 => run(&own),
-                        1 => scratch_in_state(|| run(&own_big)),
-                        _ => crate::knobs::with_overrides(&early, || run(&own)),
-                    };
-                    assert_eq!(differing(&s2, &s), 0, "{what}: two gate outputs a warp, launch {turn}: the sum differs");
-                    assert_eq!(differing(&out2, &out), 0, "{what}: two gate outputs a warp, launch {turn}: the output differs");
-                }
-                let (out_t, times, gate, nb) = with_opt_in_one("MLX_LFM_FFN_FUSED", || {
-                    crate::kernels::ffn_fused::forward_timeline(&x, p, &new_counters().unwrap()).unwrap()
-                });
-                crate::mlx::eval(&[&out_t, &times]).unwrap();
-                assert_eq!(gate as i64, launch_blocks(d, f, 2) - 1 - (d as i64 + 15) / 16, "{what}: two gate outputs a warp: its gate's blocks");
-                assert_eq!(differing(&out_t, &out), 0, "{what}: two gate outputs a warp: the timeline form's output differs");
-                check_stamps(&what, &times, gate, nb);
-            });
-            // In rounds (MLX_LFM_FFN_GATE_ROUNDS=1, opt-in, dense rows whose
-            // halves are whole steps of the walk): the same bits, on counters
-            // of its own (it counts a fourth word pair), with its scratch rows
-            // in the state, its rows asked for early, its timeline form's
-            // stamps in order, and five launches on one state.
-            let rounds = [
-                ("MLX_LFM_FFN_GATE_ROWS".to_string(), Some("2".to_string())),
-                ("MLX_LFM_FFN_GATE_ROUNDS".to_string(), Some("1".to_string())),
-            ];
+            // Two gate outputs a warp (MLX_LFM_FFN_GATE_ROWS=2, opt-in), and
+            // those two in rounds (MLX_LFM_FFN_GATE_ROUNDS=1, opt-in, dense
+            // rows whose halves are whole steps of the walk): the same bits,
+            // on counters of their own (their tickets count fewer blocks, and
+            // the rounds a fourth word pair), with the scratch rows in the
+            // state, the rows asked for early, four more launches on one
+            // state, the waits given up and the launch after; their timeline
+            // forms' stamps in order (in rounds, w2's waits end after the
+            // gate's first round only).
+            let pairs = ("MLX_LFM_FFN_GATE_ROWS".to_string(), Some("2".to_string()));
+            let rounds = ("MLX_LFM_FFN_GATE_ROUNDS".to_string(), Some("1".to_string()));
             let halves = f % 128 == 0 && ((f as i64 + 31) / 32 * 16) % 128 == 0;
+            let mut forms = vec![("two gate outputs a warp", vec![pairs.clone()], false)];
             if !p.quant() && halves {
-                crate::knobs::with_overrides(&rounds, || {
+                forms.push(("in rounds", vec![pairs, rounds], true));
+            }
+            // (Each compared launch after one over another row on the same
+            // state, so that a stage that read its input row before it was
+            // written would read the other row's values: in the state's
+            // scratch rows, or in a buffer MLX hands on.)
+            let h_other = h.mul_scalar(-0.5).unwrap();
+            let x_other = Normed { h: &h_other, r: Some(&r), w: &wn, eps: eps_value, eps_array: &eps };
+            let other = |ctr: &Array| {
+                with_opt_in_one("MLX_LFM_FFN_FUSED", || {
+                    let (s, out) = forward(&x_other, p, ctr).unwrap();
+                    crate::mlx::eval(&[&s, &out]).unwrap();
+                })
+            };
+            for (form, set, in_rounds) in forms {
+                crate::knobs::with_overrides(&set, || {
                     let (own, own_big) = (
                         new_counters().unwrap(),
                         crate::kernels::stages::new_counters_of(crate::kernels::ffn_fused::state_words(d as usize, f as usize)).unwrap(),
                     );
                     for turn in 0..6 {
+                        let before = crate::kernels::ffn_fused::built_rounds();
                         let (s2, out2) = match turn {
-                            0 | 3 | 4 | 5 => run(&own),
-                            1 => scratch_in_state(|| run(&own_big)),
-                            _ => crate::knobs::with_overrides(&early, || run(&new_counters().unwrap())),
+                            1 => scratch_in_state(|| {
+                                other(&own_big);
+                                run(&own_big)
+                            }),
+                            2 => crate::knobs::with_overrides(&early, || {
+                                other(&own);
+                                run(&own)
+                            }),
+                            _ => {
+                                other(&own);
+                                run(&own)
+                            }
                         };
-                        assert_eq!(differing(&s2, &s), 0, "{what}: in rounds, launch {turn}: the sum differs");
-                        assert_eq!(differing(&out2, &out), 0, "{what}: in rounds, launch {turn}: the output differs");
+                        assert_eq!(differing(&s2, &s), 0, "{what}: {form}, launch {turn}: the sum differs");
+                        assert_eq!(differing(&out2, &out), 0, "{what}: {form}, launch {turn}: the output differs");
+                        let rounds_built = crate::kernels::ffn_fused::built_rounds() - before;
+                        assert_eq!(rounds_built, if in_rounds { 2 } else { 0 }, "{what}: {form}, launch {turn}: rounds forms built");
                     }
+                    let stuck = [("MLX_LFM_FUSED_NO_WAIT".to_string(), Some("1".to_string()))];
+                    let (_, given_up) = crate::knobs::with_overrides(&stuck, || run(&own));
+                    let v: Vec<f32> = given_up.astype(Dtype::Float32).unwrap().to_vec().unwrap();
+                    assert!(v.iter().all(|v| v.is_nan()), "{what}: {form}, waits given up: {} values are not NaN", v.iter().filter(|v| !v.is_nan()).count());
+                    let (s2, out2) = run(&own);
+                    assert_eq!((differing(&s2, &s), differing(&out2, &out)), (0, 0), "{what}: {form}: the launch after the given-up one differs");
                     let (out_t, times, gate, nb) = with_opt_in_one("MLX_LFM_FFN_FUSED", || {
                         crate::kernels::ffn_fused::forward_timeline(&x, p, &new_counters().unwrap()).unwrap()
                     });
                     crate::mlx::eval(&[&out_t, &times]).unwrap();
-                    assert_eq!(differing(&out_t, &out), 0, "{what}: in rounds: the timeline form's output differs");
-                    check_stamps_of(&what, &times, gate, nb, false);
-                    let stuck = [("MLX_LFM_FUSED_NO_WAIT".to_string(), Some("1".to_string()))];
-                    let (_, given_up) = crate::knobs::with_overrides(&stuck, || run(&own));
-                    let v: Vec<f32> = given_up.astype(Dtype::Float32).unwrap().to_vec().unwrap();
-                    assert!(v.iter().all(|v| v.is_nan()), "{what}: in rounds, with the waits given up, {} values are not NaN", v.iter().filter(|v| !v.is_nan()).count());
-                    let (s2, out2) = run(&own);
-                    assert_eq!((differing(&s2, &s), differing(&out2, &out)), (0, 0), "{what}: in rounds, the launch after the given-up one differs");
+                    assert_eq!(gate as i64, launch_blocks(d, f, 2) - 1 - (d as i64 + 15) / 16, "{what}: {form}: its gate's blocks");
+                    assert_eq!(differing(&out_t, &out), 0, "{what}: {form}: the timeline form's output differs");
+                    check_stamps_of(&format!("{what} ({form})"), &times, gate, nb, !in_rounds);
                 });
             }
             check_counters_in_step(&what, &counters, &[true, true, false, true, false], &[s, out], |c| {
