@@ -190,11 +190,13 @@ machine needs `install` before any benchmark):
      .device/tests]: H200_KERNEL_JOBS=4
      H200_KERNEL_TESTS=ffn_fused_kernel,greedy_tokens_with_kernels
      `timeout -s TERM 560 python3 bench/h200/run.py install verdicts-from
-     committed kernels save-ptx` (the rounds form's test and its greedy
-     set `ffn-gate-rounds`, which must build the form on the dense
-     fixtures).
+     committed kernels save-ptx` (the rounds forms' test, two and four
+     rounds, and their greedy sets `ffn-gate-rounds`, `ffn-gate-rounds-4`,
+     which must build them on the dense fixtures); then, in the same
+     loan, carry [.device/bin]: `layer-chains` (`ffn-bf16-r4` beside
+     `-g2r`).
   4. carry [.device/b/mlx_lm-*.whl, .device/bin]: H200_OURS_ENV (mimalloc),
-     H200_AB_VARIANTS=ffn-gate-rounds
+     H200_AB_VARIANTS=ffn-gate-rounds,ffn-gate-rounds-4
      H200_MODELS=lfm2-1.2b-bf16,lfm2-350m-bf16 H200_AB_REPS=4 `timeout
      -s TERM 400 python3 bench/h200/run.py install ab pick` (pick adopts
      it where its tests passed and decode gains 3%: then make it the
@@ -2385,6 +2387,9 @@ AB = {
     # w2's blocks walk their rows' first half while the gate makes the
     # gated row's second. The same bits. Dense rows only.
     "ffn-gate-rounds": ({"MLX_LFM_FFN_GATE_ROWS": "2", "MLX_LFM_FFN_GATE_ROUNDS": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
+    # (Four rounds: 257 blocks on the 1.2B, each gate warp four outputs;
+    # the part w2 walks alone after the gate a quarter of its rows.)
+    "ffn-gate-rounds-4": ({"MLX_LFM_FFN_GATE_ROUNDS": "4"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
     # (Session 43's `MLX_LFM_STAGE_PREFETCH`, each stage's block asking L2
     # for all its rows at once as its wait ends, read slower in every
     # chained timeline on an H100: the 1.2B's feed-forward 46.2 µs with
@@ -2418,6 +2423,7 @@ AB_TESTS = {
     "ffn-gate-2": ["ffn_fused_kernel_matches_stock_ops"],
     "ffn-gate-2-early": ["ffn_fused_kernel_matches_stock_ops", "greedy:early-prefetch"],
     "ffn-gate-rounds": ["ffn_fused_kernel_matches_stock_ops", "greedy:ffn-gate-rounds"],
+    "ffn-gate-rounds-4": ["ffn_fused_kernel_matches_stock_ops", "greedy:ffn-gate-rounds-4"],
     "argmax-vec": ["argmax_finite_kernel_matches_stock_ops"],
     "conv-first-off": ["greedy:conv-first-off"],
     "scratch-outputs": [],
@@ -2516,7 +2522,7 @@ PICK = [
     (["qint-bits", "qint-convert", "moe-float"], "decode"),
     (["moe-down-prefetch", "moe-down-prefetch-after"], "decode"),
     (["qkv-warps-32", "qkv-split-2", "qkv-split-4"], "decode"),
-    (["ffn-gate-2", "ffn-gate-2-early", "ffn-gate-rounds"], "decode"),
+    (["ffn-gate-2", "ffn-gate-2-early", "ffn-gate-rounds", "ffn-gate-rounds-4"], "decode"),
     (["argmax-vec"], "decode"),
     (["conv-first-off"], "decode"),
     (["layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off"], "decode"),

@@ -495,6 +495,7 @@ for _v in ("@g2", "@g2-early", "@g2-timeline", "@g2-early-timeline", "@dense-g2"
 KERNELS["ffn_fused.rs@dense-g2r"] = KERNELS["ffn_fused.rs@dense"]
 KERNELS["ffn_fused.rs@dense-g2r-timeline"] = KERNELS["ffn_fused.rs@dense-timeline"]
 KERNELS["ffn_fused.rs@dense-g2r-early"] = KERNELS["ffn_fused.rs@dense"]
+KERNELS["ffn_fused.rs@dense-r4"] = KERNELS["ffn_fused.rs@dense"]
 
 # The folds with their first column's rows prefetched before the prologue
 # (MLX_LFM_NORM_GEMV_PREFETCH=early: NAME_EARLY before it), each as its fold.
@@ -846,7 +847,8 @@ DEFINES_OF["ffn_fused.rs@g2-early-timeline"] = _TL + DEFINES_OF["ffn_fused.rs@ea
 # The two-outputs form in rounds (MLX_LFM_FFN_GATE_ROUNDS: ffn_fused.rs
 # rounds_on), dense, plain and the bench's timeline form; its w2 walk
 # (stages.rs ROUNDS_HEADER) after the header (HEADER_AFTER, below).
-_G2R = _G2 + "#define LFM_GATE_ROUNDS 1\n"
+_G2R = _G2 + "#define LFM_GATE_ROUNDS 2\n"
+DEFINES_OF["ffn_fused.rs@dense-r4"] = "#define LFM_GATE_OUTS 4\n#define LFM_GATE_ROUNDS 4\n" + DEFINES_OF["ffn_fused.rs@dense"]
 DEFINES_OF["ffn_fused.rs@dense-g2r"] = _G2R + DEFINES_OF["ffn_fused.rs@dense"]
 DEFINES_OF["ffn_fused.rs@dense-g2r-timeline"] = _TL + _G2R + DEFINES_OF["ffn_fused.rs@dense"]
 DEFINES_OF["ffn_fused.rs@dense-g2r-early"] = DEFINES_OF["ffn_fused.rs@dense-early"] + _G2R
@@ -860,7 +862,7 @@ for _v in ("@exact", "@exact8", "@exact-scratch", "@exact-d1536", "@exact8-d1536
     DEFINES_OF["moe_fused.rs" + _v] = named(root / "src" / "kernels" / "moe_fused.rs", "EXACT_DEFINES") + LAYER_MOE
     HEADER_AFTER["moe_fused.rs" + _v] = named(_STAGES, "QUANT_PRODUCTS")
 assert "LFM_MOE_EXACT" in DEFINES_OF["moe_fused.rs@exact"], "moe_fused.rs EXACT_DEFINES"
-for _v in ("@dense-g2r", "@dense-g2r-timeline", "@dense-g2r-early"):
+for _v in ("@dense-g2r", "@dense-g2r-timeline", "@dense-g2r-early", "@dense-r4"):
     HEADER_AFTER["ffn_fused.rs" + _v] = named(_STAGES, "ROUNDS_HEADER")
 PRELUDE_OF["moe_fused.rs@pf-scratch"] = PRELUDE_OF["moe_fused.rs@scratch"]
 PRELUDE_OF["moe_fused.rs@exact-pf-scratch"] = PRELUDE_OF["moe_fused.rs@scratch"]

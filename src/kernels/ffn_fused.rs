@@ -74,37 +74,52 @@ fn gate_outs() -> i32 {
     crate::knobs::cached("MLX_LFM_FFN_GATE_ROWS", &SET, |v| if v.map(str::trim) == Some("2") { 2 } else { 1 })
 }
 
-/// `MLX_LFM_FFN_GATE_ROUNDS=1` (opt-in, session 43, with
-/// `MLX_LFM_FFN_GATE_ROWS=2`; dense rows only): each gate warp makes its
-/// two outputs one after the other, counting its block's first outputs
-/// (the gated row's first `GB * WARPS`) done before it walks the second's
-/// rows, and w2's blocks (all resident) walk their rows' first half as
-/// soon as every gate block's first outputs are done, the second after.
-/// So w2's reads of the first half run beside the gate's of the second
-/// instead of after them (session 42's chained timelines, an H100: the
-/// 1.2B's w2 done 16.4 µs after its gate). Each row is the same walk,
-/// its lanes' columns in the same order (`lfm_drow_span`), so the same
-/// bits; one more counter (the round-1 count, `ctr`'s fourth word pair).
-/// Served where both halves are whole steps of a warp's walk (128
-/// columns).
-fn rounds_on() -> bool {
-    static SET: OnceLock<bool> = OnceLock::new();
-    crate::knobs::cached("MLX_LFM_FFN_GATE_ROUNDS", &SET, |v| v.map(str::trim) == Some("1"))
+/// `MLX_LFM_FFN_GATE_ROUNDS=1` (opt-in, session 43; `=2` the same, `=3`
+/// and `=4` that many rounds; dense rows only): each gate warp makes its
+/// outputs one after the other, its block counting each round's output
+/// (the gated row's first `GB * WARPS`, then the next) done before it
+/// walks the next one's rows, and w2's blocks (all resident: 1 + GB + D /
+/// 16 blocks) walk each round's part of their rows as soon as every gate
+/// block has done that round. So w2's reads run beside the gate's instead
+/// of after them (session 42's chained timelines, an H100: the 1.2B's w2
+/// done 16.4 µs after its gate). Each row is the same walk, its lanes'
+/// columns in the same order (`lfm_drow_span`), so the same bits; a
+/// counter a round (`ctr`'s third word pair on). Session 43 (an H100):
+/// two rounds, the 1.2B's launch 38.5 µs against 41.9, decode 1.043-1.048x;
+/// three and four rounds (fewer gate blocks, a smaller last part alone)
+/// not yet run on a GPU. Served where every round's part is whole steps
+/// of a warp's walk (128 columns).
+fn rounds() -> i32 {
+    static SET: OnceLock<i32> = OnceLock::new();
+    crate::knobs::cached("MLX_LFM_FFN_GATE_ROUNDS", &SET, |v| match v.map(str::trim) {
+        Some("1") | Some("2") => 2,
+        Some("3") => 3,
+        Some("4") => 4,
+        _ => 0,
+    })
+}
+
+/// Whether `g` rounds serve a gate `f` wide: each round's part (`GB *
+/// WARPS` outputs, the last what is left) whole steps of the walk, and
+/// every round some.
+fn rounds_serve(f: i32, g: i32) -> bool {
+    let part = gate_blocks(f, g) * WARPS as i64;
+    f % 128 == 0 && part % 128 == 0 && part * (g as i64 - 1) < f as i64
 }
 
 /// The form a launch takes: 0 one gate output a warp, 1 two ([`gate_outs`]),
-/// 2 two in rounds ([`rounds_on`], where it serves `f` dense).
+/// 2 to 4 that many in rounds ([`rounds`], where they serve `f` dense).
 fn form(quant: bool, f: i32) -> usize {
-    if gate_outs() != 2 {
-        return 0;
+    let g = rounds();
+    if g > 0 && !quant && rounds_serve(f, g) {
+        return g as usize;
     }
-    let half = gate_blocks(f, 2) * WARPS as i64;
-    let whole_steps = f % 128 == 0 && half % 128 == 0 && half < f as i64;
-    if rounds_on() && !quant && whole_steps {
-        2
-    } else {
-        1
-    }
+    usize::from(gate_outs() == 2)
+}
+
+/// A [`form`]'s gate outputs a warp.
+fn outs_of(form: usize) -> i32 {
+    form.max(1) as i32
 }
 
 fn enabled() -> bool {
@@ -115,7 +130,7 @@ fn enabled() -> bool {
 static BUILT: Built = Built::new();
 static BUILT_ROUNDS: Built = Built::new();
 
-/// How many of [`built`]'s launches took the rounds form ([`rounds_on`]):
+/// How many of [`built`]'s launches took a rounds form ([`rounds`]):
 /// the greedy set's evidence that its runs did.
 pub fn built_rounds() -> usize {
     BUILT_ROUNDS.get()
@@ -130,7 +145,7 @@ pub fn built() -> usize {
 /// The kernel; with `scratch`, its form with the scratch rows (`yn`,
 /// `hk`) in the layer's state ([`stages::call_with_scratch`]).
 fn kernel(quant: bool, scratch: bool, form: usize) -> Option<&'static CudaKernel> {
-    static FORMS: [stages::Forms; 3] = [const { stages::Forms::new() }; 3];
+    static FORMS: [stages::Forms; 5] = [const { stages::Forms::new() }; 5];
     // (MLX_LFM_EARLY_PREFETCH=ffn: its form that asks for its rows before
     // its waits, stages::early_prefetch.)
     let early = stages::early_prefetch("ffn");
@@ -155,21 +170,25 @@ fn kernel(quant: bool, scratch: bool, form: usize) -> Option<&'static CudaKernel
 }
 
 /// A form's kernel name: `lfm_ffn_fused`, then `_q` (4-bit), then `_g2`
-/// ([`gate_outs`]'s two outputs a warp) or `_g2r` (in rounds).
+/// ([`gate_outs`]'s two outputs a warp) or `_r2`.. (in rounds).
 fn base_name(quant: bool, form: usize) -> String {
-    format!("lfm_ffn_fused{}{}", if quant { "_q" } else { "" }, ["", "_g2", "_g2r"][form])
+    format!("lfm_ffn_fused{}{}", if quant { "_q" } else { "" }, ["", "_g2", "_r2", "_r3", "_r4"][form])
 }
 
 /// The defines of a [`form`] (none for the default's, whose text is as
 /// before), before the layer's header.
-fn gate_define(form: usize) -> &'static str {
-    ["", "#define LFM_GATE_OUTS 2\n", "#define LFM_GATE_OUTS 2\n#define LFM_GATE_ROUNDS 1\n"][form]
+fn gate_define(form: usize) -> String {
+    match form {
+        0 => String::new(),
+        1 => "#define LFM_GATE_OUTS 2\n".to_string(),
+        g => format!("#define LFM_GATE_OUTS {g}\n#define LFM_GATE_ROUNDS {g}\n"),
+    }
 }
 
 /// A [`form`]'s code after the layer's header (the rounds' w2 walk, on
 /// the dense walk's helpers).
 fn form_code(form: usize) -> &'static str {
-    if form == 2 {
+    if form >= 2 {
         stages::ROUNDS_HEADER
     } else {
         ""
@@ -250,18 +269,18 @@ pub fn forward(x: &Normed, p: Projections, ctr: &Array) -> Result<(Array, Array)
 /// `gate + 1..nb`.
 #[doc(hidden)]
 pub fn forward_timeline(x: &Normed, p: Projections, ctr: &Array) -> Result<(Array, Array, usize, usize)> {
-    let g = gate_outs();
     let mut outs = launch(x, p, ctr, true)?;
     let missing = || Error::mlx("fused feed-forward kernel: missing output");
     let times = outs.pop().ok_or_else(missing)?;
     let (d, f) = (x.h.dim(1), p.first_rows() / 2);
+    let g = outs_of(form(p.quant(), f));
     Ok((outs.swap_remove(1), times, gate_blocks(f, g) as usize, blocks(d, f, g) as usize))
 }
 
 /// The kernel's timeline form (outputs as [`kernel`]'s, then `times`).
 fn timeline_kernel(quant: bool, form: usize) -> Option<&'static CudaKernel> {
     // (By rows asked for early, the form, 4-bit.)
-    static K: [[[stages::Cells; 2]; 3]; 2] = [const { [const { [stages::cells(), stages::cells()] }; 3] }; 2];
+    static K: [[[stages::Cells; 2]; 5]; 2] = [const { [const { [stages::cells(), stages::cells()] }; 5] }; 2];
     let early = stages::early_prefetch("ffn");
     let source = stages::stamped_layer_source(early);
     let mut inputs = vec!["h", "r", "wn"];
@@ -281,11 +300,16 @@ fn timeline_kernel(quant: bool, form: usize) -> Option<&'static CudaKernel> {
 fn launch(x: &Normed, p: Projections, ctr: &Array, timeline: bool) -> Result<Vec<Array>> {
     let f = p.first_rows() / 2;
     let form = form(p.quant(), f);
-    let gate = if form == 0 { 1 } else { 2 };
+    let gate = outs_of(form);
     let kern = if timeline { timeline_kernel(p.quant(), form) } else { kernel(p.quant(), false, form) };
     let kern = kern.ok_or_else(|| Error::mlx("the fused feed-forward kernel is not available"))?;
     let r = x.r.ok_or_else(|| Error::invalid("the fused feed-forward kernel needs a residual to add"))?;
     stages::check_state(ctr, "the fused feed-forward kernel")?;
+    // (A round's count each: word pairs 2 to 1 + rounds.)
+    let words = 2 * (2 + gate as usize);
+    if ctr.size() < words {
+        return Err(Error::invalid(format!("the fused feed-forward kernel in {gate} rounds: its state must be at least {words} uint32")));
+    }
     let (d, dt) = (x.h.dim(1), x.h.dtype());
     let nb = blocks(d, f, gate);
     let threads = WARPS * 32;

@@ -113,7 +113,7 @@ __device__ inline void lfm_norm_stage(const T* h, const T* r, const T* wn, float
 /// output (`LFM_G_ROWS`). Counters: tickets; the conv's norm mark, its
 /// channel blocks done and (joined) its out_proj blocks done; then the
 /// feed-forward's norm mark and gate blocks done (in rounds,
-/// `LFM_GATE_ROUNDS`: their first round, then their second).
+/// `LFM_GATE_ROUNDS`: their first round, then each next round's).
 pub(crate) const LAYER_SOURCE: &str = r#"
 #ifndef LFM_OUT_ONLY
 #define LFM_OUT_ONLY 0
@@ -130,11 +130,11 @@ pub(crate) const LAYER_SOURCE: &str = r#"
 #ifndef LFM_GATE_ROUNDS
 #define LFM_GATE_ROUNDS 0
 #endif
-#if LFM_GATE_OUTS == 2 && (LFM_CONV_PART || !LFM_FFN_PART)
+#if LFM_GATE_OUTS > 1 && (LFM_CONV_PART || !LFM_FFN_PART)
 #error "LFM_GATE_OUTS: the feed-forward's own kernel only"
 #endif
-#if LFM_GATE_ROUNDS && LFM_GATE_OUTS != 2
-#error "LFM_GATE_ROUNDS: the two-outputs form only"
+#if (LFM_GATE_ROUNDS && LFM_GATE_OUTS != LFM_GATE_ROUNDS) || (!LFM_GATE_ROUNDS && LFM_GATE_OUTS > 2)
+#error "LFM_GATE_ROUNDS: as many gate outputs a warp as rounds (and more than two only in rounds)"
 #endif
 #if LFM_MOE_DOWN_PREFETCH && (LFM_CONV_PART || !LFM_MOE_PART)
 #error "LFM_MOE_DOWN_PREFETCH: the MoE layer's own kernel only"
@@ -422,9 +422,10 @@ pub(crate) const LAYER_SOURCE: &str = r#"
     __syncthreads();
 #if LFM_GATE_ROUNDS
     // Output j (round 0: the gated row's first GB * WARPS), counted done
-    // before output j + GB * WARPS (round 1), so that w2's blocks walk the
-    // first half while the second is made (ffn_fused.rs rounds).
-    for (int k = 0; k < 2; k++) {
+    // before output j + GB * WARPS (round 1), and so on, so that w2's
+    // blocks walk each round's part of the row while the next is made
+    // (ffn_fused.rs rounds).
+    for (int k = 0; k < LFM_GATE_ROUNDS; k++) {
       const int jk = j + k * GB * WARPS;
       if (jk < F) {
         float gu[2] = {0.0f, 0.0f};
@@ -434,7 +435,7 @@ pub(crate) const LAYER_SOURCE: &str = r#"
       }
 #ifdef LFM_STAMP
       // (Done before its last release, as every stage's stamp.)
-      if (k == 1) LFM_STAMP(3);
+      if (k == LFM_GATE_ROUNDS - 1) LFM_STAMP(3);
 #endif
       lfm_release_count(st + FC + 2 + k);
     }
@@ -464,30 +465,32 @@ pub(crate) const LAYER_SOURCE: &str = r#"
     return;
   }
 #if LFM_GATE_ROUNDS
-  // w2's output n: the gated row's first half once every gate block has
-  // done its round 0, then the second after round 1; each lane's columns
-  // in the one walk's order (lfm_drow_span), so the same sum. (Its first
-  // two lines are the other form's, so that the early and timeline forms'
-  // substitutions land in both.)
+  // w2's output n: the gated row's first round's part once every gate
+  // block has done its round 0, then each next part after its round;
+  // each lane's columns in the one walk's order (lfm_drow_span), so the
+  // same sum. (Its first two lines are the other form's, so that the
+  // early and timeline forms' substitutions land in both.)
   const int n = (fr - 1 - GB) * WARPS + wid;
   const bool late = lfm_block_wait(st + FC + 2, (launch + 1) * GB, nullptr, 0);
-  constexpr int H0 = GB * WARPS;
-  if (!late) lfm_stage16(sm, hk, H0 * static_cast<int>(sizeof(T)) / 16);
-  __syncthreads();
-#ifdef LFM_STAMP
-  LFM_STAMP(2);
-#endif
+  constexpr int H = GB * WARPS;
   const T* xs = reinterpret_cast<const T*>(sm);
   const T* wr = ow + static_cast<size_t>(n < D ? n : 0) * F;
   float o = 0.0f;
-  if (n < D && !late) lfm_drow_span<T, F, 0, H0>(xs, wr, lfm_aligned(ow), lane, &o);
-  // (late is the block's: every thread calls the wait or none does.)
-  const bool late2 = late || lfm_block_wait(st + FC + 3, (launch + 1) * GB, nullptr, 0);
-  if (!late2) lfm_stage16(sm + H0 * sizeof(T) / 16, hk + H0, (F - H0) * static_cast<int>(sizeof(T)) / 16);
-  __syncthreads();
-  if (n < D && !late2) lfm_drow_span<T, F, H0, F>(xs, wr, lfm_aligned(ow), lane, &o);
+  bool gone = late;
+  for (int k = 0; k < LFM_GATE_ROUNDS; k++) {
+    const int lo = k * H;
+    const int hi = lo + H < F ? lo + H : F;
+    // (gone is the block's: every thread calls the wait or none does.)
+    if (k > 0) gone = gone || lfm_block_wait(st + FC + 2 + k, (launch + 1) * GB, nullptr, 0);
+    if (!gone && lo < hi) lfm_stage16(sm + lo * sizeof(T) / 16, hk + lo, (hi - lo) * static_cast<int>(sizeof(T)) / 16);
+    __syncthreads();
+#ifdef LFM_STAMP
+    if (k == 0) LFM_STAMP(2);
+#endif
+    if (n < D && !gone) lfm_drow_round<T, F, H, LFM_GATE_ROUNDS>(xs, wr, lfm_aligned(ow), lane, k, &o);
+  }
   o = lfm_warp_sum(o);
-  if (n < D && lane == 0) out[n] = late2 ? T(poison) : T(o);
+  if (n < D && lane == 0) out[n] = gone ? T(poison) : T(o);
 #ifdef LFM_STAMP
   LFM_STAMP(3);
 #endif
@@ -917,12 +920,14 @@ __device__ inline void lfm_stage_drows(const T* xs, const T* w, const size_t* ro
 #define LFM_OUT_ROWS(K, R, rows, xs, lane, out) lfm_stage_drows<T, K, R>(xs, ow, rows, lane, out)
 "#;
 
-/// The two-rounds feed-forward's w2 walk (`LFM_GATE_ROUNDS`,
+/// The rounds feed-forward's w2 walk (`LFM_GATE_ROUNDS`,
 /// src/kernels/ffn_fused.rs rounds): one dense row's columns `LO..HI`
-/// (whole steps of a warp) walked as src/kernels/gemv.rs `lfm_dot_rows`
-/// walks them, its batches of loads before their sums, into `acc`, neither
-/// reset nor summed over the warp: a row's walk in two spans is its walk
-/// in one, each lane's columns in the same order.
+/// (whole steps of a warp: the Rust side serves only such rounds) walked
+/// as src/kernels/gemv.rs `lfm_dot_rows` walks them, its batches of loads
+/// before their sums, into `acc`, neither reset nor summed over the warp:
+/// a row's walk in spans is its walk in one, each lane's columns in the
+/// same order. (Bounds known at run time put the form at 60-66 registers
+/// a thread by ptxas, against 32: hence one walk a round.)
 pub(crate) const ROUNDS_HEADER: &str = r#"
 template <typename T, int K, int LO, int HI, bool ALIGNED>
 __device__ inline void lfm_drow_span_a(const T* x, const T* w, int lane, float* acc) {
@@ -945,12 +950,25 @@ __device__ inline void lfm_drow_span_a(const T* x, const T* w, int lane, float* 
     }
   }
 }
-template <typename T, int K, int LO, int HI>
-__device__ inline void lfm_drow_span(const T* x, const T* w, bool wa, int lane, float* acc) {
-  if (wa) {
-    lfm_drow_span_a<T, K, LO, HI, true>(x, w, lane, acc);
-  } else {
-    lfm_drow_span_a<T, K, LO, HI, false>(x, w, lane, acc);
+// Round k's span, k * H up to (k + 1) * H or the row's end, of G rounds:
+// each span its own unrolled walk (a span with bounds known at compile
+// time keeps a lane's loads in its registers).
+template <typename T, int K, int H, int G, int K0 = 0>
+__device__ inline void lfm_drow_round(const T* x, const T* w, bool wa, int lane, int k, float* acc) {
+  if constexpr (K0 < G) {
+    constexpr int LO = K0 * H;
+    constexpr int HI = LO + H < K ? LO + H : K;
+    if (k == K0) {
+      if constexpr (LO < HI) {
+        if (wa) {
+          lfm_drow_span_a<T, K, LO, HI, true>(x, w, lane, acc);
+        } else {
+          lfm_drow_span_a<T, K, LO, HI, false>(x, w, lane, acc);
+        }
+      }
+      return;
+    }
+    lfm_drow_round<T, K, H, G, K0 + 1>(x, w, wa, lane, k, acc);
   }
 }
 "#;

@@ -890,21 +890,21 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     runs.push(("early-prefetch", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
                 }
                 if compiled && !q4 && dense_ffn && !joined {
-                    // The feed-forward's gate two outputs a warp, in rounds
-                    // (MLX_LFM_FFN_GATE_ROUNDS, opt-in, session 43; run.py's
-                    // `ffn-gate-rounds`), which its run must have built
-                    // where the fixture's gate halves are whole steps of the
-                    // walk.
-                    let set = [
-                        ("MLX_LFM_FFN_GATE_ROWS".to_string(), Some("2".to_string())),
-                        ("MLX_LFM_FFN_GATE_ROUNDS".to_string(), Some("1".to_string())),
-                    ];
-                    let before = crate::kernels::ffn_fused::built_rounds();
-                    runs.push(("ffn-gate-rounds", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
+                    // The feed-forward's gate outputs in two and in four
+                    // rounds (MLX_LFM_FFN_GATE_ROUNDS, opt-in, session 43;
+                    // run.py's `ffn-gate-rounds`, `ffn-gate-rounds-4`), which
+                    // a run must have built where each round's part of the
+                    // fixture's gated row is whole steps of the walk.
                     let f = spec.shape.dense_ff_dim() as i64;
-                    let halves = f % 128 == 0 && ((f + 31) / 32 * 16) % 128 == 0;
-                    if can_fuse && halves && !off("MLX_LFM_FFN_FUSED") && crate::kernels::ffn_fused::built_rounds() == before {
-                        unbuilt("ffn-gate-rounds", &mut failures);
+                    for (g, name) in [(2i64, "ffn-gate-rounds"), (4, "ffn-gate-rounds-4")] {
+                        let set = [("MLX_LFM_FFN_GATE_ROUNDS".to_string(), Some(g.to_string()))];
+                        let before = crate::kernels::ffn_fused::built_rounds();
+                        runs.push((name, crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
+                        let part = (f + 16 * g - 1) / (16 * g) * 16;
+                        let serves = f % 128 == 0 && part % 128 == 0 && part * (g - 1) < f;
+                        if can_fuse && serves && !off("MLX_LFM_FFN_FUSED") && crate::kernels::ffn_fused::built_rounds() == before {
+                            unbuilt(name, &mut failures);
+                        }
                     }
                 }
                 if !q4 {
@@ -3275,11 +3275,18 @@ fn ffn_fused_kernel_matches_stock_ops() {
             // forms' stamps in order (in rounds, w2's waits end after the
             // gate's first round only).
             let pairs = ("MLX_LFM_FFN_GATE_ROWS".to_string(), Some("2".to_string()));
-            let rounds = ("MLX_LFM_FFN_GATE_ROUNDS".to_string(), Some("1".to_string()));
-            let halves = f % 128 == 0 && ((f as i64 + 31) / 32 * 16) % 128 == 0;
-            let mut forms = vec![("two gate outputs a warp", vec![pairs.clone()], false)];
-            if !p.quant() && halves {
-                forms.push(("in rounds", vec![pairs, rounds], true));
+            let rounds = |g: &str| ("MLX_LFM_FFN_GATE_ROUNDS".to_string(), Some(g.to_string()));
+            // (Each round's part of the gated row whole steps of the walk,
+            // as ffn_fused.rs rounds_serve.)
+            let serves = |g: i64| {
+                let part = (f as i64 + 16 * g - 1) / (16 * g) * 16;
+                f % 128 == 0 && part % 128 == 0 && part * (g - 1) < f as i64
+            };
+            let mut forms = vec![("two gate outputs a warp", vec![pairs.clone()], 2)];
+            for (g, form) in [(2, "in two rounds"), (3, "in three rounds"), (4, "in four rounds")] {
+                if !p.quant() && serves(g) {
+                    forms.push((form, vec![pairs.clone(), rounds(&g.to_string())], g));
+                }
             }
             // (Each compared launch after one over another row on the same
             // state, so that a stage that read its input row before it was
@@ -3293,10 +3300,12 @@ fn ffn_fused_kernel_matches_stock_ops() {
                     crate::mlx::eval(&[&s, &out]).unwrap();
                 })
             };
-            for (form, set, in_rounds) in forms {
+            for (form, set, g) in forms {
+                let in_rounds = set.len() > 1;
                 crate::knobs::with_overrides(&set, || {
+                    // (A round's count each: as many words as four rounds take.)
                     let (own, own_big) = (
-                        new_counters().unwrap(),
+                        crate::kernels::stages::new_counters_of(12).unwrap(),
                         crate::kernels::stages::new_counters_of(crate::kernels::ffn_fused::state_words(d as usize, f as usize)).unwrap(),
                     );
                     for turn in 0..6 {
@@ -3327,10 +3336,10 @@ fn ffn_fused_kernel_matches_stock_ops() {
                     let (s2, out2) = run(&own);
                     assert_eq!((differing(&s2, &s), differing(&out2, &out)), (0, 0), "{what}: {form}: the launch after the given-up one differs");
                     let (out_t, times, gate, nb) = with_opt_in_one("MLX_LFM_FFN_FUSED", || {
-                        crate::kernels::ffn_fused::forward_timeline(&x, p, &new_counters().unwrap()).unwrap()
+                        crate::kernels::ffn_fused::forward_timeline(&x, p, &crate::kernels::stages::new_counters_of(12).unwrap()).unwrap()
                     });
                     crate::mlx::eval(&[&out_t, &times]).unwrap();
-                    assert_eq!(gate as i64, launch_blocks(d, f, 2) - 1 - (d as i64 + 15) / 16, "{what}: {form}: its gate's blocks");
+                    assert_eq!(gate as i64, launch_blocks(d, f, g as i32) - 1 - (d as i64 + 15) / 16, "{what}: {form}: its gate's blocks");
                     assert_eq!(differing(&out_t, &out), 0, "{what}: {form}: the timeline form's output differs");
                     check_stamps_of(&format!("{what} ({form})"), &times, gate, nb, !in_rounds);
                 });

@@ -1064,8 +1064,9 @@ fn layer_chains(reps: usize) -> mlx_lfm::Result<()> {
 
 /// [`layer_chains`]' timeline chains: the conv layer's (4-bit, dense), the
 /// feed-forward's (dense, 4-bit; and the dense one with two gate outputs
-/// a warp, `MLX_LFM_FFN_GATE_ROWS=2`, and in rounds,
-/// `MLX_LFM_FFN_GATE_ROUNDS=1`, plain and with its rows asked for early) and the q/k/v stage's (dense, 4-bit: one block a head) timeline
+/// a warp, `MLX_LFM_FFN_GATE_ROWS=2`, and in two rounds,
+/// `MLX_LFM_FFN_GATE_ROUNDS=2`, plain and with its rows asked for early, and
+/// in four) and the q/k/v stage's (dense, 4-bit: one block a head) timeline
 /// forms, `CHAIN_LENGTHS[1]` launches a chain, `reps` chains each, each
 /// form on a state of its own. `bytes`: the conv layer's 4-bit and dense,
 /// the feed-forward's dense and 4-bit, the q/k/v stage's dense and 4-bit.
@@ -1079,20 +1080,21 @@ fn chain_timelines(conv: &ConvLayer, ffn: &FfnLayer, qkv: &QkvLayer, bytes: [usi
         Qkv,
     }
     let len = CHAIN_LENGTHS[1];
-    // (form, layer, 4-bit, two gate outputs a warp (2: in rounds), rows
-    // asked for early; `bytes`' index)
+    // (form, layer, 4-bit, MLX_LFM_FFN_GATE_ROWS, MLX_LFM_FFN_GATE_ROUNDS,
+    // rows asked for early; `bytes`' index)
     let forms = [
-        ("conv-q4", Kind::Conv, true, 0, false, 0),
-        ("conv-bf16", Kind::Conv, false, 0, false, 1),
-        ("ffn-bf16", Kind::Ffn, false, 0, false, 2),
-        ("ffn-q4", Kind::Ffn, true, 0, false, 3),
-        ("ffn-bf16-g2", Kind::Ffn, false, 1, false, 2),
-        ("ffn-bf16-g2r", Kind::Ffn, false, 2, false, 2),
-        ("ffn-bf16-g2r-early", Kind::Ffn, false, 2, true, 2),
-        ("qkv-bf16", Kind::Qkv, false, 0, false, 4),
-        ("qkv-q4", Kind::Qkv, true, 0, false, 5),
+        ("conv-q4", Kind::Conv, true, "1", "0", false, 0),
+        ("conv-bf16", Kind::Conv, false, "1", "0", false, 1),
+        ("ffn-bf16", Kind::Ffn, false, "1", "0", false, 2),
+        ("ffn-q4", Kind::Ffn, true, "1", "0", false, 3),
+        ("ffn-bf16-g2", Kind::Ffn, false, "2", "0", false, 2),
+        ("ffn-bf16-g2r", Kind::Ffn, false, "2", "2", false, 2),
+        ("ffn-bf16-g2r-early", Kind::Ffn, false, "2", "2", true, 2),
+        ("ffn-bf16-r4", Kind::Ffn, false, "1", "4", false, 2),
+        ("qkv-bf16", Kind::Qkv, false, "1", "0", false, 4),
+        ("qkv-q4", Kind::Qkv, true, "1", "0", false, 5),
     ];
-    for (form, kind, q4, g2, early, k) in forms {
+    for (form, kind, q4, rows, rounds, early, k) in forms {
         let on = match kind {
             Kind::Conv => "MLX_LFM_CONV_FUSED",
             Kind::Ffn => "MLX_LFM_FFN_FUSED",
@@ -1102,8 +1104,8 @@ fn chain_timelines(conv: &ConvLayer, ffn: &FfnLayer, qkv: &QkvLayer, bytes: [usi
             (on.to_string(), Some("1".to_string())),
             ("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string())),
             ("MLX_LFM_EARLY_PREFETCH".to_string(), Some((if early { "ffn" } else { "" }).to_string())),
-            ("MLX_LFM_FFN_GATE_ROWS".to_string(), Some((if g2 > 0 { "2" } else { "1" }).to_string())),
-            ("MLX_LFM_FFN_GATE_ROUNDS".to_string(), Some((if g2 == 2 { "1" } else { "0" }).to_string())),
+            ("MLX_LFM_FFN_GATE_ROWS".to_string(), Some(rows.to_string())),
+            ("MLX_LFM_FFN_GATE_ROUNDS".to_string(), Some(rounds.to_string())),
             ("MLX_LFM_QKV_WARPS".to_string(), Some("16".to_string())),
         ]
         .to_vec();
