@@ -9,6 +9,9 @@ top=$(git rev-parse --show-toplevel); cd "$top"
 shared=${MLX_LFM_SHARED:-$top/../shared}
 [ -f .device/a/cuda.part.aa ] || bash "$shared/tools/stage-mlx-cuda.sh"
 [ -f .device/llama/llsrc.tgz ] || bash "$shared/tools/llama-anchor/prepare.sh"
+# mlx-lm's wheel apart from MLX's (only the rounds' mlx-lm needs it), so
+# that the kernel tests' call, .device/b with .device/tests, fits 64 MiB.
+if ls .device/b/mlx_lm-*.whl > /dev/null 2>&1; then mkdir -p .device/lm && mv .device/b/mlx_lm-*.whl .device/lm/; fi
 cargo build --release --target x86_64-unknown-linux-gnu --bin mlx-lfm-bench
 mkdir -p .device/bin
 cp target/x86_64-unknown-linux-gnu/release/mlx-lfm-bench .device/bin/ && strip .device/bin/mlx-lfm-bench
@@ -21,6 +24,6 @@ mkdir -p .device/tests && rm -f .device/tests/mlx_lfm-*
 t=$(cargo test --release --target x86_64-unknown-linux-gnu --lib --no-run --message-format=json 2>/dev/null |
   python3 -c 'import sys, json; print([j["executable"] for j in map(json.loads, sys.stdin) if j.get("executable")][0])')
 cp "$t" .device/tests/ && strip .device/tests/mlx_lfm-*
-du -sh .device/a .device/b .device/llama .device/bin .device/tests
+du -sh .device/a .device/b .device/lm .device/llama .device/bin .device/tests
 # A session's compiled kernels, brought back by run.py's save-ptx (see restore_ptx).
 [ -d .device/ptx ] && du -sh .device/ptx || true

@@ -17,6 +17,9 @@ call carries at most 64 MiB with the working tree, so .device/b, .device/bin
 and .device/llama do not fit together; a call runs 10 minutes at most):
     1. carry [".device/a", ".device/tests"]: python3 bench/h200/run.py stage-mlx
     2. carry [".device/b", ".device/llama"]: H200_KERNEL_JOBS=3 python3 bench/h200/run.py llama install kernels
+       (mlx-lm's wheel sits in .device/lm since session 43: carry it in a call that runs
+       `install` before the rounds, e.g. [".device/lm", ".device/bin"] with `install round 1`;
+       on a warm machine `install` needs .device/b no more)
        (or, where no kernel's code changed since session 16's binaries, check with
        `git diff --stat 9bf0d7b -- src/kernels src/mlx/kernel.rs cpp`, ~60 s instead of ~500:
        `python3 bench/h200/run.py llama install verdicts-from bench/results/2026-12-03-h200-session16.raw.jsonl
@@ -180,14 +183,13 @@ second, the same bits) read 38.5 µs a launch against 41.9 and decode
 1.043-1.048x on the 1.2B in all four reps; its test gave the default's
 bits in six launches on the 1.2B's shape, then failed a timeline check
 that did not fit it (mended after); its other cases and greedy set did
-not run. The chain (a loan's first call carries .device/a; a call that
-carries .device/b with .device/tests must leave out b's mlx_lm wheel,
-which only the rounds need: with it the tree is over 64 MiB; a fresh
-machine needs `install` before any benchmark):
+not run. The chain (a loan's first call carries .device/a; prepare.sh now
+keeps mlx-lm's wheel in .device/lm, so that .device/b with .device/tests
+fits 64 MiB; a fresh machine needs `install` before any benchmark, and
+the rounds need .device/lm carried with an `install`):
   1. carry [.device/a]: `stage-mlx`.
   2. carry [.device/llama]: `llama` (its build runs in the background).
-  3. carry [.device/b/cuda.part.ab, .device/b/env.sh, .device/b/mlx-*.whl,
-     .device/tests]: H200_KERNEL_JOBS=4
+  3. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=4
      H200_KERNEL_TESTS=ffn_fused_kernel,greedy_tokens_with_kernels
      `timeout -s TERM 560 python3 bench/h200/run.py install verdicts-from
      committed kernels save-ptx` (the rounds forms' test, two and four
@@ -195,7 +197,7 @@ machine needs `install` before any benchmark):
      which must build them on the dense fixtures); then, in the same
      loan, carry [.device/bin]: `layer-chains` (`ffn-bf16-r4` beside
      `-g2r`).
-  4. carry [.device/b/mlx_lm-*.whl, .device/bin]: H200_OURS_ENV (mimalloc),
+  4. carry [.device/lm, .device/bin]: H200_OURS_ENV (mimalloc),
      H200_AB_VARIANTS=ffn-gate-rounds,ffn-gate-rounds-4
      H200_MODELS=lfm2-1.2b-bf16,lfm2-350m-bf16 H200_AB_REPS=4 `timeout
      -s TERM 400 python3 bench/h200/run.py install ab pick` (pick adopts
@@ -763,16 +765,24 @@ def install_wheels():
     whl = Path("/tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl")
     parts = [Path("/tmp/stage/cuda.part.aa"), b / "cuda.part.ab"]
     missing = [str(p) for p in parts if not p.exists()]
+    if missing and whl.exists():
+        # (A warm machine's earlier install made the wheel: a later call
+        # carries only what it adds, e.g. .device/lm's mlx-lm for a round.)
+        missing = []
+        parts = []
     if missing:
         # (Session 31 spent a call on a traceback here: its first `ab` came
         # before the call that carries .device/b.)
         raise SystemExit(f"install: MLX's CUDA wheel is not on this machine yet and {', '.join(missing)} is missing: "
                          "`stage` (carry .device/a) first, then a call that carries .device/b (the kernel tests' call) "
                          "installs it; later calls need neither while the machine stays warm")
-    with open(whl, "wb") as out:
-        for part in parts:
-            out.write(part.read_bytes())
-    wheels = [str(whl)] + [str(p) for p in b.glob("*.whl")]
+    if parts:
+        with open(whl, "wb") as out:
+            for part in parts:
+                out.write(part.read_bytes())
+    # (mlx-lm's wheel sits in .device/lm since session 43, so that the
+    # kernel tests' call, .device/b with .device/tests, fits 64 MiB.)
+    wheels = [str(whl)] + [str(p) for d in (b, ROOT / ".device" / "lm") for p in d.glob("*.whl")]
     sh([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--target", SITE] + wheels,
        env=dict(os.environ))
 
