@@ -24,6 +24,7 @@ mkdir -p .device/tests && rm -f .device/tests/mlx_lfm-*
 t=$(cargo test --release --target x86_64-unknown-linux-gnu --lib --no-run --message-format=json 2>/dev/null |
   python3 -c 'import sys, json; print([j["executable"] for j in map(json.loads, sys.stdin) if j.get("executable")][0])')
 cp "$t" .device/tests/ && strip .device/tests/mlx_lfm-*
-du -sh .device/a .device/b .device/lm .device/llama .device/bin .device/tests
+du -sh .device/a .device/b .device/llama .device/bin .device/tests
+[ -d .device/lm ] && du -sh .device/lm || true
 # A session's compiled kernels, brought back by run.py's save-ptx (see restore_ptx).
 [ -d .device/ptx ] && du -sh .device/ptx || true

@@ -17,9 +17,10 @@ call carries at most 64 MiB with the working tree, so .device/b, .device/bin
 and .device/llama do not fit together; a call runs 10 minutes at most):
     1. carry [".device/a", ".device/tests"]: python3 bench/h200/run.py stage-mlx
     2. carry [".device/b", ".device/llama"]: H200_KERNEL_JOBS=3 python3 bench/h200/run.py llama install kernels
-       (mlx-lm's wheel sits in .device/lm since session 43: carry it in a call that runs
-       `install` before the rounds, e.g. [".device/lm", ".device/bin"] with `install round 1`;
-       on a warm machine `install` needs .device/b no more)
+       (mlx-lm's wheel sits in .device/lm since session 43: carry it with .device/b, or
+       later in a call that runs `install` before the rounds, e.g. [".device/lm",
+       ".device/bin"] with `install round 1`: on a warm machine whose MLX is in, `install`
+       then adds mlx-lm alone)
        (or, where no kernel's code changed since session 16's binaries, check with
        `git diff --stat 9bf0d7b -- src/kernels src/mlx/kernel.rs cpp`, ~60 s instead of ~500:
        `python3 bench/h200/run.py llama install verdicts-from bench/results/2026-12-03-h200-session16.raw.jsonl
@@ -755,8 +756,14 @@ def save_ptx(limit=None):
 def install():
     """Call 2: the second half of the wheel, then MLX CUDA, MLX and mlx-lm
     into /tmp/site."""
+    lm = ROOT / ".device" / "lm"
     if not (SITE / "mlx" / "lib" / "libmlx.so").exists():
         install_wheels()
+    elif not (SITE / "mlx_lm").exists() and any(lm.glob("*.whl")):
+        # (MLX is in from an earlier call of this warm machine; mlx-lm's
+        # wheel came with this one: .device/lm.)
+        sh([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--target", SITE]
+           + [str(p) for p in lm.glob("*.whl")], env=dict(os.environ))
     restore_ptx()
 
 
@@ -765,21 +772,15 @@ def install_wheels():
     whl = Path("/tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl")
     parts = [Path("/tmp/stage/cuda.part.aa"), b / "cuda.part.ab"]
     missing = [str(p) for p in parts if not p.exists()]
-    if missing and whl.exists():
-        # (A warm machine's earlier install made the wheel: a later call
-        # carries only what it adds, e.g. .device/lm's mlx-lm for a round.)
-        missing = []
-        parts = []
     if missing:
         # (Session 31 spent a call on a traceback here: its first `ab` came
         # before the call that carries .device/b.)
         raise SystemExit(f"install: MLX's CUDA wheel is not on this machine yet and {', '.join(missing)} is missing: "
                          "`stage` (carry .device/a) first, then a call that carries .device/b (the kernel tests' call) "
                          "installs it; later calls need neither while the machine stays warm")
-    if parts:
-        with open(whl, "wb") as out:
-            for part in parts:
-                out.write(part.read_bytes())
+    with open(whl, "wb") as out:
+        for part in parts:
+            out.write(part.read_bytes())
     # (mlx-lm's wheel sits in .device/lm since session 43, so that the
     # kernel tests' call, .device/b with .device/tests, fits 64 MiB.)
     wheels = [str(whl)] + [str(p) for d in (b, ROOT / ".device" / "lm") for p in d.glob("*.whl")]
@@ -2393,7 +2394,7 @@ AB = {
     "ffn-gate-2": ({"MLX_LFM_FFN_GATE_ROWS": "2"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "ffn-gate-2-early": ({"MLX_LFM_FFN_GATE_ROWS": "2", "MLX_LFM_EARLY_PREFETCH": "ffn"},
                          ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
-    # The two outputs a warp in rounds (session 43, ffn_fused.rs rounds_on):
+    # The gate outputs in rounds (session 43, ffn_fused.rs rounds):
     # w2's blocks walk their rows' first half while the gate makes the
     # gated row's second. The same bits. Dense rows only.
     "ffn-gate-rounds": ({"MLX_LFM_FFN_GATE_ROWS": "2", "MLX_LFM_FFN_GATE_ROUNDS": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),

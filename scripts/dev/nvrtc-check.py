@@ -845,7 +845,7 @@ DEFINES_OF["ffn_fused.rs@dense-g2-timeline"] = _TL + _G2 + DEFINES_OF["ffn_fused
 DEFINES_OF["ffn_fused.rs@dense-g2-early-timeline"] = _TL + DEFINES_OF["ffn_fused.rs@dense-early"] + _G2
 DEFINES_OF["ffn_fused.rs@g2-early-timeline"] = _TL + DEFINES_OF["ffn_fused.rs@early"] + _G2
 # The two-outputs form in rounds (MLX_LFM_FFN_GATE_ROUNDS: ffn_fused.rs
-# rounds_on), dense, plain and the bench's timeline form; its w2 walk
+# rounds), dense, plain and the bench's timeline form; its w2 walk
 # (stages.rs ROUNDS_HEADER) after the header (HEADER_AFTER, below).
 _G2R = _G2 + "#define LFM_GATE_ROUNDS 2\n"
 DEFINES_OF["ffn_fused.rs@dense-r4"] = "#define LFM_GATE_OUTS 4\n#define LFM_GATE_ROUNDS 4\n" + DEFINES_OF["ffn_fused.rs@dense"]

@@ -467,7 +467,7 @@ pub(crate) const LAYER_SOURCE: &str = r#"
 #if LFM_GATE_ROUNDS
   // w2's output n: the gated row's first round's part once every gate
   // block has done its round 0, then each next part after its round;
-  // each lane's columns in the one walk's order (lfm_drow_span), so the
+  // each lane's columns in the one walk's order (lfm_drow_round), so the
   // same sum. (Its first two lines are the other form's, so that the
   // early and timeline forms' substitutions land in both.)
   const int n = (fr - 1 - GB) * WARPS + wid;
@@ -1106,8 +1106,10 @@ pub fn new_counters() -> Result<Array> {
     new_counters_of(COUNTERS)
 }
 
-/// The uint32 words of [`new_counters`].
-pub(crate) const COUNTERS: usize = 8;
+/// The uint32 words of [`new_counters`]: six word pairs, the feed-forward
+/// in four rounds' most (tickets, the norm's mark, a count a round;
+/// src/kernels/ffn_fused.rs rounds), 48 bytes before the scratch rows' 256.
+pub(crate) const COUNTERS: usize = 12;
 
 /// `words` uint32 counters, zero, as [`new_counters`] makes them (a kernel
 /// of more stages, src/kernels/conv_layer_fused.rs, counts more).
