@@ -191,11 +191,12 @@ the rounds need .device/lm carried with an `install`):
   1. carry [.device/a]: `stage-mlx`.
   2. carry [.device/llama]: `llama` (its build runs in the background).
   3. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=4
-     H200_KERNEL_TESTS=ffn_fused_kernel,greedy_tokens_with_kernels
+     H200_KERNEL_TESTS=ffn_fused_kernel,greedy_tokens_with_kernels_equal_stock_ops_on_wide_rows
      `timeout -s TERM 560 python3 bench/h200/run.py install verdicts-from
-     committed kernels save-ptx` (the rounds forms' test, two and four
-     rounds, and their greedy sets `ffn-gate-rounds`, `ffn-gate-rounds-4`,
-     which must build them on the dense fixtures); then, in the same
+     committed kernels save-ptx` (the rounds forms' test, two, three and
+     four rounds where served, and their greedy sets `ffn-gate-rounds`,
+     `ffn-gate-rounds-4`, which must build them on the wide rows' 2,048-wide
+     gate: the tiny fixtures' gates are not served); then, in the same
      loan, carry [.device/bin]: `layer-chains` (`ffn-bf16-r4` beside
      `-g2r`).
   4. carry [.device/lm, .device/bin]: H200_OURS_ENV (mimalloc),
