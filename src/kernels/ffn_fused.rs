@@ -106,7 +106,7 @@ fn rounds() -> i32 {
 /// Whether `g` rounds serve a gate `f` wide: each round's part (`GB *
 /// WARPS` outputs, the last what is left) whole steps of the walk, and
 /// every round some.
-fn rounds_serve(f: i32, g: i32) -> bool {
+pub(crate) fn rounds_serve(f: i32, g: i32) -> bool {
     let part = gate_blocks(f, g) * WARPS as i64;
     f % 128 == 0 && part % 128 == 0 && part * (g as i64 - 1) < f as i64
 }
@@ -354,4 +354,28 @@ fn launch(x: &Normed, p: Projections, ctr: &Array, timeline: bool) -> Result<Vec
 #[cfg(test)]
 pub(crate) fn launch_blocks(d: i32, f: i32, gate: i32) -> i64 {
     blocks(d, f, gate)
+}
+
+#[cfg(test)]
+mod tests {
+    /// Rounds serve a gate only where every round's part is whole steps
+    /// of the walk (128 columns) and every round has some: the 1.2B's
+    /// 8,192 in two and four, the 350M's 4,608 in two, three and four.
+    #[test]
+    fn rounds_serve_whole_steps_only() {
+        for (f, g, served) in [
+            (8192, 2, true),
+            (8192, 3, false),
+            (8192, 4, true),
+            (4608, 2, true),
+            (4608, 3, true),
+            (4608, 4, true),
+            (2048, 4, true),
+            (192, 2, false),
+            (128, 2, false),
+            (8320, 2, false),
+        ] {
+            assert_eq!(super::rounds_serve(f, g), served, "a gate {f} wide in {g} rounds");
+        }
+    }
 }

@@ -895,13 +895,12 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     // run.py's `ffn-gate-rounds`, `ffn-gate-rounds-4`), which
                     // a run must have built where each round's part of the
                     // fixture's gated row is whole steps of the walk.
-                    let f = spec.shape.dense_ff_dim() as i64;
-                    for (g, name) in [(2i64, "ffn-gate-rounds"), (4, "ffn-gate-rounds-4")] {
+                    let f = spec.shape.dense_ff_dim() as i32;
+                    for (g, name) in [(2i32, "ffn-gate-rounds"), (4, "ffn-gate-rounds-4")] {
                         let set = [("MLX_LFM_FFN_GATE_ROUNDS".to_string(), Some(g.to_string()))];
                         let before = crate::kernels::ffn_fused::built_rounds(g as usize);
                         runs.push((name, crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
-                        let part = (f + 16 * g - 1) / (16 * g) * 16;
-                        let serves = f % 128 == 0 && part % 128 == 0 && part * (g - 1) < f;
+                        let serves = crate::kernels::ffn_fused::rounds_serve(f, g);
                         if can_fuse && serves && !off("MLX_LFM_FFN_FUSED") && crate::kernels::ffn_fused::built_rounds(g as usize) == before {
                             unbuilt(name, &mut failures);
                         }
@@ -3276,17 +3275,11 @@ fn ffn_fused_kernel_matches_stock_ops() {
             // waits end after the gate's first round only).
             let pairs = ("MLX_LFM_FFN_GATE_ROWS".to_string(), Some("2".to_string()));
             let rounds = |g: &str| ("MLX_LFM_FFN_GATE_ROUNDS".to_string(), Some(g.to_string()));
-            // (Each round's part of the gated row whole steps of the walk,
-            // as ffn_fused.rs rounds_serve.)
-            let serves = |g: i64| {
-                let part = (f as i64 + 16 * g - 1) / (16 * g) * 16;
-                f % 128 == 0 && part % 128 == 0 && part * (g - 1) < f as i64
-            };
             // (Rounds off for the two-outputs form, whatever the
             // environment holds: rounds take its place where they serve.)
             let mut forms = vec![("two gate outputs a warp", vec![pairs.clone(), rounds("0")], 2)];
             for (g, form) in [(2, "in two rounds"), (3, "in three rounds"), (4, "in four rounds")] {
-                if !p.quant() && serves(g) {
+                if !p.quant() && crate::kernels::ffn_fused::rounds_serve(f, g) {
                     forms.push((form, vec![pairs.clone(), rounds(&g.to_string())], g));
                 }
             }
@@ -3340,7 +3333,7 @@ fn ffn_fused_kernel_matches_stock_ops() {
                         crate::kernels::ffn_fused::forward_timeline(&x, p, &new_counters().unwrap()).unwrap()
                     });
                     crate::mlx::eval(&[&out_t, &times]).unwrap();
-                    assert_eq!(gate as i64, launch_blocks(d, f, g as i32) - 1 - (d as i64 + 15) / 16, "{what}: {form}: its gate's blocks");
+                    assert_eq!(gate as i64, launch_blocks(d, f, g) - 1 - (d as i64 + 15) / 16, "{what}: {form}: its gate's blocks");
                     assert_eq!(differing(&out_t, &out), 0, "{what}: {form}: the timeline form's output differs");
                     check_stamps_of(&format!("{what} ({form})"), &times, gate, nb, !in_rounds);
                 });
