@@ -162,7 +162,7 @@ fn kernel(quant: bool, scratch: bool, form: usize) -> Option<&'static CudaKernel
         format!("{}{head}{}", gate_define(form), form_code(form))
     };
     FORMS[form].kernel(
-        &base_name(quant, form),
+        base_name(quant, form),
         (quant, scratch, early),
         stages::LAYER_SOURCE,
         &stages::EARLY_SUBSTITUTIONS,
@@ -175,8 +175,12 @@ fn kernel(quant: bool, scratch: bool, form: usize) -> Option<&'static CudaKernel
 
 /// A form's kernel name: `lfm_ffn_fused`, then `_q` (4-bit), then `_g2`
 /// ([`gate_outs`]'s two outputs a warp) or `_r2`.. (in rounds).
-fn base_name(quant: bool, form: usize) -> String {
-    format!("lfm_ffn_fused{}{}", if quant { "_q" } else { "" }, ["", "_g2", "_r2", "_r3", "_r4"][form])
+fn base_name(quant: bool, form: usize) -> &'static str {
+    const NAMES: [[&str; 5]; 2] = [
+        ["lfm_ffn_fused", "lfm_ffn_fused_g2", "lfm_ffn_fused_r2", "lfm_ffn_fused_r3", "lfm_ffn_fused_r4"],
+        ["lfm_ffn_fused_q", "lfm_ffn_fused_q_g2", "lfm_ffn_fused_q_r2", "lfm_ffn_fused_q_r3", "lfm_ffn_fused_q_r4"],
+    ];
+    NAMES[usize::from(quant)][form]
 }
 
 /// The defines of a [`form`] (none for the default's, whose text is as

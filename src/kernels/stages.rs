@@ -668,9 +668,11 @@ impl Forms {
             let body = if early { super::substituted(body, early_subs) } else { body.to_string() };
             format!("{}{body}", if scratch { prelude } else { "" })
         });
-        let name = format!("{base}{}{}", if early { "_early" } else { "" }, if scratch { "_scr" } else { "" });
+        // (The name only where the form is first made: a step looks its
+        // kernels up every token.)
+        let name = || format!("{base}{}{}", if early { "_early" } else { "" }, if scratch { "_scr" } else { "" });
         let outputs = if scratch { &outputs[..kept] } else { outputs };
-        kernel(&self.cells[usize::from(early)][usize::from(scratch)][usize::from(quant)], &name, inputs, outputs, text, || {
+        kernel_named(&self.cells[usize::from(early)][usize::from(scratch)][usize::from(quant)], name, inputs, outputs, text, || {
             let head = header();
             if early { format!("{}{head}", early_header(quant)) } else { head }
         })
@@ -1279,9 +1281,22 @@ pub(crate) fn kernel(
     source: &str,
     header: impl FnOnce() -> String,
 ) -> Option<&'static CudaKernel> {
+    kernel_named(cells, || name.to_string(), inputs, outputs, source, header)
+}
+
+/// [`kernel`], its name made only where the kernel is.
+fn kernel_named(
+    cells: &'static Cells,
+    name: impl FnOnce() -> String,
+    inputs: &[&str],
+    outputs: &[&str],
+    source: &str,
+    header: impl FnOnce() -> String,
+) -> Option<&'static CudaKernel> {
     let stuck = no_wait();
     super::add_rms_norm::for_walk(&cells[usize::from(stuck)], || {
-        let (name, wait) = if stuck { (format!("{name}_no_wait"), "#define LFM_SPIN_LIMIT 0\n") } else { (name.to_string(), "") };
+        let name = name();
+        let (name, wait) = if stuck { (format!("{name}_no_wait"), "#define LFM_SPIN_LIMIT 0\n") } else { (name, "") };
         CudaKernel::new(&super::add_rms_norm::kernel_name(&name), inputs, outputs, source, &format!("{wait}{}", header())).ok()
     })
 }
