@@ -121,9 +121,15 @@ fn form(quant: bool, f: i32) -> usize {
     usize::from(gate_outs() == 2)
 }
 
-/// A [`form`]'s gate outputs a warp.
+/// A [`form`]'s gate outputs a warp: its `LFM_GATE_OUTS` (the grid's
+/// blocks follow from it, and must be the kernel's `NB`: a grid of other
+/// blocks shifts every later launch's tickets on the same state).
 fn outs_of(form: usize) -> i32 {
-    form.max(1) as i32
+    match form {
+        0 => 1,
+        1 => 2,
+        g => g as i32,
+    }
 }
 
 fn enabled() -> bool {
@@ -188,8 +194,8 @@ fn base_name(quant: bool, form: usize) -> &'static str {
 fn gate_define(form: usize) -> String {
     match form {
         0 => String::new(),
-        1 => "#define LFM_GATE_OUTS 2\n".to_string(),
-        g => format!("#define LFM_GATE_OUTS {g}\n#define LFM_GATE_ROUNDS {g}\n"),
+        1 => format!("#define LFM_GATE_OUTS {}\n", outs_of(1)),
+        g => format!("#define LFM_GATE_OUTS {}\n#define LFM_GATE_ROUNDS {g}\n", outs_of(g)),
     }
 }
 
@@ -380,6 +386,24 @@ mod tests {
             (8320, 2, false),
         ] {
             assert_eq!(super::rounds_serve(f, g), served, "a gate {f} wide in {g} rounds");
+        }
+    }
+
+    /// Each form's grid counts the gate outputs its kernel text makes a
+    /// warp (session 44: the two-outputs form's grid counted one, so its
+    /// launches after the first on a state took each other's tickets).
+    #[test]
+    fn grid_counts_the_kernels_gate_outputs() {
+        for (form, outs) in [(0, 1), (1, 2), (2, 2), (3, 3), (4, 4)] {
+            assert_eq!(super::outs_of(form), outs, "form {form}");
+            let text = super::gate_define(form);
+            let defined = text
+                .lines()
+                .find_map(|l| l.strip_prefix("#define LFM_GATE_OUTS "))
+                .map_or(1, |v| v.trim().parse::<i32>().unwrap());
+            assert_eq!(defined, outs, "form {form}: {text:?}");
+            let w = 16 * outs as i64;
+            assert_eq!(super::blocks(2048, 8192, outs), 1 + (8192 + w - 1) / w + 128, "form {form}");
         }
     }
 }
