@@ -2402,6 +2402,11 @@ AB = {
     # (Four rounds: 257 blocks on the 1.2B, each gate warp four outputs;
     # the part w2 walks alone after the gate a quarter of its rows.)
     "ffn-gate-rounds-4": ({"MLX_LFM_FFN_GATE_ROUNDS": "4"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
+    # The conv layer's channels in rounds (session 44, conv_fused.rs
+    # rounds): out_proj's blocks walk each round's part of their rows while
+    # the next round's channels are made. The same bits. Dense only.
+    "conv-rounds": ({"MLX_LFM_CONV_ROUNDS": "2"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
+    "conv-rounds-4": ({"MLX_LFM_CONV_ROUNDS": "4"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
     # (Session 43's `MLX_LFM_STAGE_PREFETCH`, each stage's block asking L2
     # for all its rows at once as its wait ends, read slower in every
     # chained timeline on an H100: the 1.2B's feed-forward 46.2 µs with
@@ -2436,6 +2441,8 @@ AB_TESTS = {
     "ffn-gate-2-early": ["ffn_fused_kernel_matches_stock_ops", "greedy:early-prefetch"],
     "ffn-gate-rounds": ["ffn_fused_kernel_matches_stock_ops", "greedy:ffn-gate-rounds"],
     "ffn-gate-rounds-4": ["ffn_fused_kernel_matches_stock_ops", "greedy:ffn-gate-rounds-4"],
+    "conv-rounds": ["conv_fused_kernel_matches_stock_ops", "greedy:conv-rounds"],
+    "conv-rounds-4": ["conv_fused_kernel_matches_stock_ops", "greedy:conv-rounds-4"],
     "argmax-vec": ["argmax_finite_kernel_matches_stock_ops"],
     "conv-first-off": ["greedy:conv-first-off"],
     "scratch-outputs": [],
@@ -2535,6 +2542,7 @@ PICK = [
     (["moe-down-prefetch", "moe-down-prefetch-after"], "decode"),
     (["qkv-warps-32", "qkv-split-2", "qkv-split-4"], "decode"),
     (["ffn-gate-2", "ffn-gate-2-early", "ffn-gate-rounds", "ffn-gate-rounds-4"], "decode"),
+    (["conv-rounds", "conv-rounds-4"], "decode"),
     (["argmax-vec"], "decode"),
     (["conv-first-off"], "decode"),
     (["layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off"], "decode"),

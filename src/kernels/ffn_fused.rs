@@ -107,8 +107,7 @@ fn rounds() -> i32 {
 /// WARPS` outputs, the last what is left) whole steps of the walk, and
 /// every round some.
 pub(crate) fn rounds_serve(f: i32, g: i32) -> bool {
-    let part = gate_blocks(f, g) * WARPS as i64;
-    f % 128 == 0 && part % 128 == 0 && part * (g as i64 - 1) < f as i64
+    stages::rounds_serve(f, g, gate_blocks(f, g) * WARPS as i64)
 }
 
 /// The form a launch takes: 0 one gate output a warp, 1 two ([`gate_outs`]),
