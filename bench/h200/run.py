@@ -1822,8 +1822,10 @@ def kernels():
         verdicts[m.group(1)] = False
     skipped = "skipped" in re.sub(r"skipped \w+: kernels were built without", "", err)
     ok = bool(procs) and all(rc == 0 for rc in rcs) and not skipped
+    # (MLX_LFM_TEST_CASES narrows the layer tests to the cases named: a
+    # verdict of those cases only, recorded as such.)
     record(engine="tests", suite="kernels::", passed=ok, verdicts=verdicts, skipped=skipped, tail=(out + err)[-3000:],
-           sources=kernel_sources())
+           sources=kernel_sources(), cases=os.environ.get("MLX_LFM_TEST_CASES") or "all")
     mine = {k: v and not skipped for k, v in verdicts.items()}
     verdicts_file = WORK / "kernel-verdicts.json"
     partial = "H200_KERNEL_TESTS" in os.environ

@@ -595,6 +595,20 @@ qint_tests! {
 /// forms (early prefetch, the bench's timeline, given-up waits), which
 /// share that walk and are held to the main form's bits by the default
 /// suite: what lets one layer's test finish within a device call.
+/// Whether a layer test's case `what` runs: every case, or (with
+/// `MLX_LFM_TEST_CASES=A;B`, a device call short of time) those whose
+/// name holds one of those texts; a case left out says so.
+fn case_chosen(what: &str) -> bool {
+    let Some(only) = std::env::var("MLX_LFM_TEST_CASES").ok().filter(|v| !v.trim().is_empty()) else {
+        return true;
+    };
+    let chosen = only.split(';').map(str::trim).any(|t| !t.is_empty() && what.contains(t));
+    if !chosen {
+        eprintln!("{what}: left out (MLX_LFM_TEST_CASES={only})");
+    }
+    chosen
+}
+
 fn qint_lean() -> bool {
     crate::kernels::quant_gemv::qint_mode() != crate::kernels::quant_gemv::QintMode::Pairs
 }
@@ -2640,6 +2654,9 @@ fn conv_fused_kernel_matches_stock_ops() {
         }
         let kind = if dense { "dense".to_string() } else { format!("in_proj {ib}-bit g{ig}, out_proj {ob}-bit g{og}") };
         let what = format!("{dt:?} {d} wide, {c} channels, window {l}, {kind}");
+        if !case_chosen(&what) {
+            continue;
+        }
         let win = normal(&[3 * c, d], Dtype::Float32, 0.0, 0.04, None).unwrap().astype(dt).unwrap();
         let won = normal(&[d, c], Dtype::Float32, 0.0, 0.04, None).unwrap().astype(dt).unwrap();
         let (qi, qo): (Option<Quantized>, Option<Quantized>) =
@@ -3287,6 +3304,9 @@ fn ffn_fused_kernel_matches_stock_ops() {
         }
         let kind = if dense { "dense".to_string() } else { format!("w1/w3 {ib}-bit g{ig}, w2 {ob}-bit g{og}") };
         let what = format!("{dt:?} {d} wide, gate {f}, {kind}");
+        if !case_chosen(&what) {
+            continue;
+        }
         let w13 = normal(&[2 * f, d], Dtype::Float32, 0.0, 0.04, None).unwrap().astype(dt).unwrap();
         let w2 = normal(&[d, f], Dtype::Float32, 0.0, 0.04, None).unwrap().astype(dt).unwrap();
         let (q13, q2): (Option<Quantized>, Option<Quantized>) =
