@@ -2399,16 +2399,22 @@ AB = {
                          ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     # The gate outputs in rounds (session 43, ffn_fused.rs rounds):
     # w2's blocks walk their rows' first half while the gate makes the
-    # gated row's second. The same bits. Dense rows only.
+    # gated row's second. The same bits. Dense rows only. A CUDA default
+    # since session 44 (decode 1.052-1.056x on the 1.2B, 1.038-1.050x on
+    # the 350M in its A/B on an H100): this variant is now the default's
+    # own settings, and `ffn-rounds-off` times the form before it.
     "ffn-gate-rounds": ({"MLX_LFM_FFN_GATE_ROWS": "2", "MLX_LFM_FFN_GATE_ROUNDS": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
+    "ffn-rounds-off": ({"MLX_LFM_FFN_GATE_ROUNDS": "0"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
     # (Four rounds: 257 blocks on the 1.2B, each gate warp four outputs;
     # the part w2 walks alone after the gate a quarter of its rows.)
     "ffn-gate-rounds-4": ({"MLX_LFM_FFN_GATE_ROUNDS": "4"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
-    # The conv layer's channels in rounds (session 44, conv_fused.rs
-    # rounds): out_proj's blocks walk each round's part of their rows while
-    # the next round's channels are made. The same bits. Dense only.
-    "conv-rounds": ({"MLX_LFM_CONV_ROUNDS": "2"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
-    "conv-rounds-4": ({"MLX_LFM_CONV_ROUNDS": "4"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
+    # (Session 44's conv layer in rounds, `MLX_LFM_CONV_ROUNDS`: each
+    # channel warp a channel a round, out_proj walking each round's part
+    # after it. Its test and greedy sets passed on an H100, but halving the
+    # channels' blocks slowed in_proj more than the overlap gained: the
+    # 1.2B's chained launch 22.5 µs against 18.5 (its channels 18.8 against
+    # 13.0), decode 0.97x in two rounds and 0.88-0.90x in four. Retired,
+    # with its variants.)
     # (Session 43's `MLX_LFM_STAGE_PREFETCH`, each stage's block asking L2
     # for all its rows at once as its wait ends, read slower in every
     # chained timeline on an H100: the 1.2B's feed-forward 46.2 µs with
@@ -2443,8 +2449,7 @@ AB_TESTS = {
     "ffn-gate-2-early": ["ffn_fused_kernel_matches_stock_ops", "greedy:early-prefetch"],
     "ffn-gate-rounds": ["ffn_fused_kernel_matches_stock_ops", "greedy:ffn-gate-rounds"],
     "ffn-gate-rounds-4": ["ffn_fused_kernel_matches_stock_ops", "greedy:ffn-gate-rounds-4"],
-    "conv-rounds": ["conv_fused_kernel_matches_stock_ops", "greedy:conv-rounds"],
-    "conv-rounds-4": ["conv_fused_kernel_matches_stock_ops", "greedy:conv-rounds-4"],
+    "ffn-rounds-off": ["ffn_fused_kernel_matches_stock_ops", "greedy:ffn-rounds-off"],
     "argmax-vec": ["argmax_finite_kernel_matches_stock_ops"],
     "conv-first-off": ["greedy:conv-first-off"],
     "scratch-outputs": [],
@@ -2543,8 +2548,7 @@ PICK = [
     (["qint-bits", "qint-convert", "moe-float"], "decode"),
     (["moe-down-prefetch", "moe-down-prefetch-after"], "decode"),
     (["qkv-warps-32", "qkv-split-2", "qkv-split-4"], "decode"),
-    (["ffn-gate-2", "ffn-gate-2-early", "ffn-gate-rounds", "ffn-gate-rounds-4"], "decode"),
-    (["conv-rounds", "conv-rounds-4"], "decode"),
+    (["ffn-gate-2", "ffn-gate-2-early", "ffn-gate-rounds", "ffn-gate-rounds-4", "ffn-rounds-off"], "decode"),
     (["argmax-vec"], "decode"),
     (["conv-first-off"], "decode"),
     (["layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off"], "decode"),
@@ -2579,7 +2583,11 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "conv-layer-fused", "early-prefetch", "early-prefetch-conv", "early-prefetch-qkv",
                "qint-bits", "qint-convert",
                "moe-float", "moe-down-prefetch", "moe-down-prefetch-after", "qkv-warps-32", "argmax-vec",
-               "conv-first-off", "qkv-split-2", "qkv-split-4"}
+               "conv-first-off", "qkv-split-2", "qkv-split-4",
+               # (A lone sequence's decode kernels: session 44's pick of the
+               # feed-forward in rounds fell on the 350M's prefill figure,
+               # 0.908, whose paired reps spread 0.84-1.05.)
+               "ffn-gate-2", "ffn-gate-2-early", "ffn-gate-rounds", "ffn-gate-rounds-4", "ffn-rounds-off"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]

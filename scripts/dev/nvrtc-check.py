@@ -496,11 +496,6 @@ KERNELS["ffn_fused.rs@dense-g2r"] = KERNELS["ffn_fused.rs@dense"]
 KERNELS["ffn_fused.rs@dense-g2r-timeline"] = KERNELS["ffn_fused.rs@dense-timeline"]
 KERNELS["ffn_fused.rs@dense-g2r-early"] = KERNELS["ffn_fused.rs@dense"]
 KERNELS["ffn_fused.rs@dense-r4"] = KERNELS["ffn_fused.rs@dense"]
-# The conv layer's channels in rounds (MLX_LFM_CONV_ROUNDS: conv_fused.rs
-# rounds), dense: two and four rounds, early, the bench's timeline form.
-for _v in ("@dense-r2", "@dense-r4", "@dense-r2-early"):
-    KERNELS["conv_fused.rs" + _v] = KERNELS["conv_fused.rs@dense"]
-KERNELS["conv_fused.rs@dense-r2-timeline"] = KERNELS["conv_fused.rs@dense-timeline"]
 
 # The folds with their first column's rows prefetched before the prologue
 # (MLX_LFM_NORM_GEMV_PREFETCH=early: NAME_EARLY before it), each as its fold.
@@ -770,8 +765,6 @@ REPLACE_OF = {
     "ffn_fused.rs@dense-timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
     "ffn_fused.rs@dense-g2r-timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
     "ffn_fused.rs@dense-g2r-early": substitutions("stages.rs", "EARLY_SUBSTITUTIONS"),
-    "conv_fused.rs@dense-r2-timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
-    "conv_fused.rs@dense-r2-early": substitutions("stages.rs", "EARLY_SUBSTITUTIONS"),
     "conv_fused.rs@dense-timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
     **{"conv_fused.rs" + v: substitutions("stages.rs", "EARLY_SUBSTITUTIONS") + substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS")
        for v in ("@early-timeline", "@dense-early-timeline")},
@@ -871,12 +864,6 @@ for _v in ("@exact", "@exact8", "@exact-scratch", "@exact-d1536", "@exact8-d1536
 assert "LFM_MOE_EXACT" in DEFINES_OF["moe_fused.rs@exact"], "moe_fused.rs EXACT_DEFINES"
 for _v in ("@dense-g2r", "@dense-g2r-timeline", "@dense-g2r-early", "@dense-r4"):
     HEADER_AFTER["ffn_fused.rs" + _v] = named(_STAGES, "ROUNDS_HEADER")
-DEFINES_OF["conv_fused.rs@dense-r2"] = "#define LFM_CONV_ROUNDS 2\n" + DEFINES_OF["conv_fused.rs@dense"]
-DEFINES_OF["conv_fused.rs@dense-r4"] = "#define LFM_CONV_ROUNDS 4\n" + DEFINES_OF["conv_fused.rs@dense"]
-DEFINES_OF["conv_fused.rs@dense-r2-timeline"] = _TL + DEFINES_OF["conv_fused.rs@dense-r2"]
-DEFINES_OF["conv_fused.rs@dense-r2-early"] = DEFINES_OF["conv_fused.rs@dense-early"] + "#define LFM_CONV_ROUNDS 2\n"
-for _v in ("@dense-r2", "@dense-r4", "@dense-r2-timeline", "@dense-r2-early"):
-    HEADER_AFTER["conv_fused.rs" + _v] = named(_STAGES, "ROUNDS_HEADER")
 PRELUDE_OF["moe_fused.rs@pf-scratch"] = PRELUDE_OF["moe_fused.rs@scratch"]
 PRELUDE_OF["moe_fused.rs@exact-pf-scratch"] = PRELUDE_OF["moe_fused.rs@scratch"]
 _PF = named(_STAGES, "PREFETCH_HEADER") + named(_STAGES, "MOE_DOWN_PREFETCH_HEADER")

@@ -58,64 +58,7 @@ fn enabled() -> bool {
     super::opt_out("MLX_LFM_CONV_FUSED", &ON)
 }
 
-/// `MLX_LFM_CONV_ROUNDS=2` (opt-in, session 44; `=1` the same, `=3` and
-/// `=4` that many rounds; dense rows only): the feed-forward's rounds
-/// (src/kernels/ffn_fused.rs `rounds`) in the conv layer: each channel
-/// warp makes its channels one after the other (channel `c + k * IB *
-/// WARPS` in round `k`), its block counting each round done before it
-/// walks the next one's in_proj rows, and out_proj's blocks walk each
-/// round's part of their rows as soon as every channel block has done
-/// that round, so that out_proj's reads run beside in_proj's instead of
-/// after them (session 43's chained timelines, an H100: the 1.2B's
-/// out_proj done ~5.5 µs after its last channel, of an 18.1 µs launch).
-/// The price: half the channel blocks in two rounds (64 of the 1.2B's
-/// 2,048 channels' 128), so fewer in_proj rows in flight. Each row is the
-/// same walk, its lanes' columns in the same order (`lfm_drow_round`), so
-/// the same bits; a counter a round (the state's third word pair on,
-/// within [`stages::COUNTERS`]). Served where every round's part is whole
-/// steps of a warp's walk (128 columns).
-fn rounds() -> i32 {
-    static SET: OnceLock<i32> = OnceLock::new();
-    crate::knobs::cached("MLX_LFM_CONV_ROUNDS", &SET, |v| match v.map(str::trim) {
-        Some("1") | Some("2") => 2,
-        Some("3") => 3,
-        Some("4") => 4,
-        _ => 0,
-    })
-}
-
-/// Whether `g` rounds serve `c` channels (each round's part whole steps
-/// of the walk, every round some).
-pub(crate) fn rounds_serve(c: i32, g: i32) -> bool {
-    stages::rounds_serve(c, g, channel_blocks(c, g) * WARPS as i64)
-}
-
-/// The form a launch takes: 0 a channel a warp, 2 to 4 that many rounds
-/// ([`rounds`], where they serve `c` dense): also its channels a warp
-/// (at least one).
-fn form(quant: bool, c: i32) -> usize {
-    let g = rounds();
-    if g > 0 && !quant && rounds_serve(c, g) {
-        g as usize
-    } else {
-        0
-    }
-}
-
-/// A [`form`]'s channels a warp: its `LFM_CONV_OUTS` (the grid's blocks
-/// follow from it, and must be the kernel's `NB`).
-fn outs_of(form: usize) -> i32 {
-    form.max(1) as i32
-}
-
 static BUILT: Built = Built::new();
-static BUILT_ROUNDS: [Built; 5] = [const { Built::new() }; 5];
-
-/// How many of [`forward`]'s launches took the form of `g` rounds
-/// ([`rounds`], 2 to 4): the tests' evidence that their runs did.
-pub fn built_rounds(g: usize) -> usize {
-    BUILT_ROUNDS.get(g).map_or(0, Built::get)
-}
 
 /// How many times [`forward`] has put the kernel into a graph in this
 /// process: the greedy test's evidence that its runs took this path.
@@ -127,45 +70,16 @@ pub fn built() -> usize {
 /// `yc`) in the layer's state ([`stages::call_with_scratch`]); under
 /// `MLX_LFM_EARLY_PREFETCH=conv`, its form that asks for its rows before
 /// its waits ([`stages::early_prefetch`]).
-fn kernel(quant: bool, scratch: bool, form: usize) -> Option<&'static CudaKernel> {
-    static FORMS: [stages::Forms; 5] = [const { stages::Forms::new() }; 5];
+fn kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
+    static FORMS: stages::Forms = stages::Forms::new();
     let early = stages::early_prefetch("conv");
     let mut inputs = vec!["h", "r", "wn", "state", "cw"];
     inputs.extend(Projections::input_names(quant));
     inputs.push("ctr");
+    let base = if quant { "lfm_conv_fused" } else { "lfm_conv_fused_dense" };
     let outputs = ["s", "out", "next", "yn", "yc"];
-    let header = || header(quant, form);
-    FORMS[form].kernel(
-        base_name(quant, form),
-        (quant, scratch, early),
-        stages::LAYER_SOURCE,
-        &stages::EARLY_SUBSTITUTIONS,
-        SCRATCH_PRELUDE,
-        &inputs,
-        (&outputs, 3),
-        header,
-    )
-}
-
-/// A form's kernel name: `lfm_conv_fused` (4-bit) or `_dense`, then `_r2`..
-/// (in rounds).
-fn base_name(quant: bool, form: usize) -> &'static str {
-    const NAMES: [[&str; 5]; 2] = [
-        ["lfm_conv_fused_dense", "", "lfm_conv_fused_dense_r2", "lfm_conv_fused_dense_r3", "lfm_conv_fused_dense_r4"],
-        ["lfm_conv_fused", "", "lfm_conv_fused_r2", "lfm_conv_fused_r3", "lfm_conv_fused_r4"],
-    ];
-    NAMES[usize::from(quant)][form]
-}
-
-/// A form's header: the layer's, after the rounds' define and with the
-/// rounds' walk after it (none for the default's, whose text is as before).
-fn header(quant: bool, form: usize) -> String {
-    let head = stages::layer_header(quant, false, stages::layer_defines(true, stages::Tail::None));
-    if form >= 2 {
-        format!("#define LFM_CONV_ROUNDS {form}\n{head}{}", stages::ROUNDS_HEADER)
-    } else {
-        head
-    }
+    let header = || stages::layer_header(quant, false, stages::layer_defines(true, stages::Tail::None));
+    FORMS.kernel(base, (quant, scratch, early), stages::LAYER_SOURCE, &stages::EARLY_SUBSTITUTIONS, SCRATCH_PRELUDE, &inputs, (&outputs, 3), header)
 }
 
 /// The scratch rows' pointers into the layer's state
@@ -183,17 +97,10 @@ pub fn state_words(d: usize, c: usize) -> usize {
     stages::state_words(&[d as i64 * 4, c as i64 * 4])
 }
 
-/// The blocks of one launch: the norm's, the channels' (`outs` a warp),
-/// out_proj's.
-fn blocks(d: i32, c: i32, outs: i32) -> i64 {
+/// The blocks of one launch: the norm's, the channels', out_proj's.
+fn blocks(d: i32, c: i32) -> i64 {
     let w = WARPS as i64;
-    1 + channel_blocks(c, outs) + (d as i64 + w - 1) / w
-}
-
-/// The channels' blocks, `outs` a warp.
-fn channel_blocks(c: i32, outs: i32) -> i64 {
-    let w = WARPS as i64 * outs as i64;
-    (c as i64 + w - 1) / w
+    1 + (c as i64 + w - 1) / w + (d as i64 + w - 1) / w
 }
 
 /// Whether the switch is on where our CUDA kernels run (what the layer
@@ -234,7 +141,7 @@ pub fn available(x: &Normed, p: Projections, state: &Array, cw: &Array, has_bias
         return false;
     }
     let bytes = |len: i32| len as usize * x.h.dtype().size();
-    bytes(x.h.dim(1)).max(bytes(cw.dim(0))) <= stages::MAX_STAGED && kernel(p.quant(), false, form(p.quant(), cw.dim(0))).is_some()
+    bytes(x.h.dim(1)).max(bytes(cw.dim(0))) <= stages::MAX_STAGED && kernel(p.quant(), false).is_some()
 }
 
 /// The conv layer's operands as this kernel's stages serve them, in blocks
@@ -294,27 +201,27 @@ pub fn forward_timeline(x: &Normed, p: Projections, state: &Array, cw: &Array, c
     let missing = || Error::mlx("fused short-conv layer kernel: missing output");
     let times = outs.pop().ok_or_else(missing)?;
     let (d, c) = (x.h.dim(1), cw.dim(0));
-    let outs_a_warp = outs_of(form(p.quant(), c));
-    let channels = channel_blocks(c, outs_a_warp);
+    let channels = (c as i64 + WARPS as i64 - 1) / WARPS as i64;
     let next = outs.swap_remove(2);
-    Ok((outs.swap_remove(1), next, times, channels as usize, blocks(d, c, outs_a_warp) as usize))
+    Ok((outs.swap_remove(1), next, times, channels as usize, blocks(d, c) as usize))
 }
 
 /// The kernel's timeline form (outputs as [`kernel`]'s, then `times`), of
 /// the default or (`MLX_LFM_EARLY_PREFETCH=conv`) the early form.
-fn timeline_kernel(quant: bool, form: usize) -> Option<&'static CudaKernel> {
-    // (By rows asked for early, the form, 4-bit.)
-    static K: [[[Cells; 2]; 5]; 2] = [const { [const { [stages::cells(), stages::cells()] }; 5] }; 2];
+fn timeline_kernel(quant: bool) -> Option<&'static CudaKernel> {
+    static K: [[Cells; 2]; 2] = [[stages::cells(), stages::cells()], [stages::cells(), stages::cells()]];
     let early = stages::early_prefetch("conv");
     let source = stages::stamped_layer_source(early);
     let mut inputs = vec!["h", "r", "wn", "state", "cw"];
     inputs.extend(Projections::input_names(quant));
     inputs.push("ctr");
     let outputs = ["s", "out", "next", "yn", "yc", "times"];
-    let name = format!("{}_timeline{}", base_name(quant, form), if early { "_early" } else { "" });
-    stages::kernel(&K[usize::from(early)][form][usize::from(quant)], &name, &inputs, &outputs, source, || {
+    let base = if quant { "lfm_conv_fused_timeline" } else { "lfm_conv_fused_dense_timeline" };
+    let name = format!("{base}{}", if early { "_early" } else { "" });
+    stages::kernel(&K[usize::from(early)][usize::from(quant)], &name, &inputs, &outputs, source, || {
+        let head = stages::layer_header(quant, false, stages::layer_defines(true, stages::Tail::None));
         let early = if early { stages::early_header(quant) } else { String::new() };
-        format!("{}{early}{}", stages::TIMELINE_HEADER, header(quant, form))
+        format!("{}{early}{head}", stages::TIMELINE_HEADER)
     })
 }
 
@@ -322,13 +229,12 @@ fn timeline_kernel(quant: bool, form: usize) -> Option<&'static CudaKernel> {
 /// timeline form, its stamps last.
 fn launch(x: &Normed, p: Projections, state: &Array, cw: &Array, ctr: &Array, timeline: bool) -> Result<Vec<Array>> {
     const WHAT: &str = "the fused short-conv layer kernel";
-    let form = form(p.quant(), cw.dim(0));
-    let kern = if timeline { timeline_kernel(p.quant(), form) } else { kernel(p.quant(), false, form) };
+    let kern = if timeline { timeline_kernel(p.quant()) } else { kernel(p.quant(), false) };
     let kern = kern.ok_or_else(|| Error::mlx(format!("{WHAT} is not available")))?;
     stages::check_state(ctr, WHAT)?;
     let (d, dt) = (x.h.dim(1), x.h.dtype());
     let (c, l) = (cw.dim(0), cw.dim(1));
-    let nb = blocks(d, c, outs_of(form));
+    let nb = blocks(d, c);
     let threads = WARPS * 32;
     let grid = i32::try_from(nb * threads as i64).map_err(|_| Error::invalid(format!("fused short-conv layer kernel: {nb} blocks")))?;
     let (mut inputs, template) = part_operands(x, p, state, cw, WARPS, WHAT)?;
@@ -339,7 +245,7 @@ fn launch(x: &Normed, p: Projections, state: &Array, cw: &Array, ctr: &Array, ti
     }
     let outs = stages::call_with_scratch(
         kern,
-        || kernel(p.quant(), true, form),
+        || kernel(p.quant(), true),
         &inputs,
         &outputs,
         &["SCR_YN", "SCR_YC"],
@@ -349,9 +255,6 @@ fn launch(x: &Normed, p: Projections, state: &Array, cw: &Array, ctr: &Array, ti
         &template,
     )?;
     BUILT.bump();
-    if form >= 2 {
-        BUILT_ROUNDS[form].bump();
-    }
     Ok(outs)
 }
 
@@ -388,28 +291,6 @@ pub(crate) fn part_operands<'a>(
 }
 
 #[cfg(test)]
-pub(crate) fn launch_blocks(d: i32, c: i32, outs: i32) -> i64 {
-    blocks(d, c, outs)
-}
-
-#[cfg(test)]
-mod tests {
-    /// Rounds serve only where every round's part is whole steps of the
-    /// walk (128 columns) and every round has some: the 1.2B's 2,048
-    /// channels in two and four rounds, the 350M's 1,024 too; and each
-    /// form's grid counts the channels its kernel text makes a warp.
-    #[test]
-    fn rounds_serve_whole_steps_only() {
-        for (c, g, served) in [(2048, 2, true), (2048, 3, false), (2048, 4, true), (1024, 2, true), (1024, 4, true), (1536, 3, true), (192, 2, false), (4096, 5, false)] {
-            assert_eq!(super::rounds_serve(c, g), served, "{c} channels in {g} rounds");
-        }
-        for form in [0usize, 2, 3, 4] {
-            let text = super::header(false, form);
-            let rounds = text.lines().find_map(|l| l.strip_prefix("#define LFM_CONV_ROUNDS ")).map_or(0, |v| v.trim().parse::<usize>().unwrap());
-            assert_eq!(rounds, form, "form {form}");
-            assert_eq!(super::outs_of(form) as usize, form.max(1));
-            assert_eq!(text.contains("lfm_drow_round"), form >= 2, "form {form}");
-        }
-        assert_eq!(super::blocks(2048, 2048, 2), 1 + 64 + 128);
-    }
+pub(crate) fn launch_blocks(d: i32, c: i32) -> i64 {
+    blocks(d, c)
 }

@@ -74,9 +74,10 @@ fn gate_outs() -> i32 {
     crate::knobs::cached("MLX_LFM_FFN_GATE_ROWS", &SET, |v| if v.map(str::trim) == Some("2") { 2 } else { 1 })
 }
 
-/// `MLX_LFM_FFN_GATE_ROUNDS=1` (opt-in, session 43; `=2` the same, `=3`
-/// and `=4` that many rounds; dense rows only; it takes the place of
-/// [`gate_outs`]'s form where it serves): each gate warp makes its
+/// `MLX_LFM_FFN_GATE_ROUNDS` (a CUDA default in two rounds since session
+/// 44, `=0` off; `=1` or `=2` two rounds, `=3` and `=4` that many; dense
+/// rows only; it takes the place of [`gate_outs`]'s form where it
+/// serves; written in session 43): each gate warp makes its
 /// outputs one after the other, its block counting each round's output
 /// (the gated row's first `GB * WARPS`, then the next) done before it
 /// walks the next one's rows, and w2's blocks walk each round's part of
@@ -88,18 +89,26 @@ fn gate_outs() -> i32 {
 /// done 16.4 µs after its gate). Each row is the same walk, its lanes'
 /// columns in the same order (`lfm_drow_round`), so the same bits; a
 /// counter a round (`ctr`'s third word pair on, within
-/// [`stages::COUNTERS`]). Session 43 (an H100):
-/// two rounds, the 1.2B's launch 38.5 µs against 41.9, decode 1.043-1.048x;
-/// three and four rounds (fewer gate blocks, a smaller last part alone)
-/// not yet run on a GPU. Served where every round's part is whole steps
-/// of a warp's walk (128 columns).
-fn rounds() -> i32 {
-    static SET: OnceLock<i32> = OnceLock::new();
+/// [`stages::COUNTERS`]). Session 43 (an H100): two rounds, the 1.2B's
+/// launch 38.5 µs against 41.9, decode 1.043-1.048x. Session 44 (an H100):
+/// its test (each launch after one over another input, on the 1.2B's and
+/// the 350M's gates) and greedy sets passed; two rounds read decode
+/// 1.052-1.056x on the 1.2B and 1.038-1.050x on the 350M in five and three
+/// reps of its A/B, four rounds 1.007-1.011x and 0.995-1.005x (the gate's
+/// blocks a quarter of the default's: its walk slower than the overlap
+/// gains). Served where every round's part is whole steps of a warp's walk
+/// (128 columns); elsewhere (the 4-bit rows, gates of other widths) the
+/// form before it. By default on bf16 rows only, the dtype its tests and
+/// A/B ran on (float16 and float32 where the switch is set). An unknown
+/// value is the default's, not off. `(rounds, whether the switch is set)`.
+fn rounds() -> (i32, bool) {
+    static SET: OnceLock<(i32, bool)> = OnceLock::new();
     crate::knobs::cached("MLX_LFM_FFN_GATE_ROUNDS", &SET, |v| match v.map(str::trim) {
-        Some("1") | Some("2") => 2,
-        Some("3") => 3,
-        Some("4") => 4,
-        _ => 0,
+        None => (2, false),
+        Some("0") => (0, true),
+        Some("3") => (3, true),
+        Some("4") => (4, true),
+        Some(_) => (2, true),
     })
 }
 
@@ -107,14 +116,15 @@ fn rounds() -> i32 {
 /// WARPS` outputs, the last what is left) whole steps of the walk, and
 /// every round some.
 pub(crate) fn rounds_serve(f: i32, g: i32) -> bool {
-    stages::rounds_serve(f, g, gate_blocks(f, g) * WARPS as i64)
+    let part = gate_blocks(f, g) * WARPS as i64;
+    g >= 2 && f % 128 == 0 && part % 128 == 0 && part * (g as i64 - 1) < f as i64
 }
 
 /// The form a launch takes: 0 one gate output a warp, 1 two ([`gate_outs`]),
 /// 2 to 4 that many in rounds ([`rounds`], where they serve `f` dense).
-fn form(quant: bool, f: i32) -> usize {
-    let g = rounds();
-    if g > 0 && !quant && rounds_serve(f, g) {
+fn form(quant: bool, f: i32, dt: Dtype) -> usize {
+    let (g, asked) = rounds();
+    if g > 0 && !quant && rounds_serve(f, g) && (asked || dt == Dtype::Bfloat16) {
         return g as usize;
     }
     usize::from(gate_outs() == 2)
@@ -262,7 +272,7 @@ pub fn available(x: &Normed, p: Projections) -> bool {
         && bytes(d) % 16 == 0
         && bytes(f) % 16 == 0
         && bytes(d).max(bytes(f)) <= stages::MAX_STAGED
-        && kernel(p.quant(), false, form(p.quant(), f)).is_some()
+        && kernel(p.quant(), false, form(p.quant(), f, dt)).is_some()
 }
 
 /// `(the residual sum [1, D], w2's output [1, D] (before a tensor parallel
@@ -286,7 +296,7 @@ pub fn forward_timeline(x: &Normed, p: Projections, ctr: &Array) -> Result<(Arra
     let missing = || Error::mlx("fused feed-forward kernel: missing output");
     let times = outs.pop().ok_or_else(missing)?;
     let (d, f) = (x.h.dim(1), p.first_rows() / 2);
-    let g = outs_of(form(p.quant(), f));
+    let g = outs_of(form(p.quant(), f, x.h.dtype()));
     Ok((outs.swap_remove(1), times, gate_blocks(f, g) as usize, blocks(d, f, g) as usize))
 }
 
@@ -312,7 +322,7 @@ fn timeline_kernel(quant: bool, form: usize) -> Option<&'static CudaKernel> {
 /// form, its stamps last.
 fn launch(x: &Normed, p: Projections, ctr: &Array, timeline: bool) -> Result<Vec<Array>> {
     let f = p.first_rows() / 2;
-    let form = form(p.quant(), f);
+    let form = form(p.quant(), f, x.h.dtype());
     let gate = outs_of(form);
     let kern = if timeline { timeline_kernel(p.quant(), form) } else { kernel(p.quant(), false, form) };
     let kern = kern.ok_or_else(|| Error::mlx("the fused feed-forward kernel is not available"))?;
@@ -365,6 +375,13 @@ pub(crate) fn launch_blocks(d: i32, f: i32, gate: i32) -> i64 {
     blocks(d, f, gate)
 }
 
+/// Whether a launch over a gate `f` wide takes a rounds form as the
+/// switches stand (a timeline's w2 waits then end after the first round).
+#[cfg(test)]
+pub(crate) fn in_rounds(quant: bool, f: i32, dt: Dtype) -> bool {
+    form(quant, f, dt) >= 2
+}
+
 #[cfg(test)]
 mod tests {
     /// Rounds serve a gate only where every round's part is whole steps
@@ -386,6 +403,31 @@ mod tests {
         ] {
             assert_eq!(super::rounds_serve(f, g), served, "a gate {f} wide in {g} rounds");
         }
+    }
+
+    /// Two rounds by default on bf16 dense gates they serve (session 44);
+    /// float16 and float32 only where the switch asks; never 4-bit rows;
+    /// `=0` off, `=3`/`=4` that many where they serve.
+    #[test]
+    fn rounds_by_default_on_bf16_dense_gates() {
+        use crate::mlx::Dtype::{Bfloat16, Float16, Float32};
+        let with = |v: Option<&str>, f: &dyn Fn() -> usize| {
+            let set = [
+                ("MLX_LFM_FFN_GATE_ROUNDS".to_string(), v.map(str::to_string)),
+                ("MLX_LFM_FFN_GATE_ROWS".to_string(), Some("1".to_string())),
+            ];
+            crate::knobs::with_overrides(&set, f)
+        };
+        assert_eq!(with(None, &|| super::form(false, 8192, Bfloat16)), 2);
+        assert_eq!(with(None, &|| super::form(false, 4608, Bfloat16)), 2);
+        assert_eq!(with(None, &|| super::form(false, 8192, Float16)), 0);
+        assert_eq!(with(None, &|| super::form(true, 8192, Bfloat16)), 0);
+        assert_eq!(with(None, &|| super::form(false, 192, Bfloat16)), 0);
+        assert_eq!(with(Some("0"), &|| super::form(false, 8192, Bfloat16)), 0);
+        assert_eq!(with(Some("1"), &|| super::form(false, 8192, Float32)), 2);
+        assert_eq!(with(Some("4"), &|| super::form(false, 8192, Float16)), 4);
+        assert_eq!(with(Some("3"), &|| super::form(false, 8192, Bfloat16)), 0);
+        assert_eq!(with(Some("3"), &|| super::form(false, 4608, Bfloat16)), 3);
     }
 
     /// Each form's grid counts the gate outputs its kernel text makes a

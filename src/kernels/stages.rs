@@ -139,14 +139,6 @@ pub(crate) const LAYER_SOURCE: &str = r#"
 #if LFM_MOE_DOWN_PREFETCH && (LFM_CONV_PART || !LFM_MOE_PART)
 #error "LFM_MOE_DOWN_PREFETCH: the MoE layer's own kernel only"
 #endif
-#ifndef LFM_CONV_ROUNDS
-#define LFM_CONV_ROUNDS 0
-#endif
-#if LFM_CONV_ROUNDS && (!LFM_CONV_PART || LFM_OUT_ONLY || LFM_FFN_PART || LFM_MOE_PART)
-#error "LFM_CONV_ROUNDS: the conv layer's own kernel only"
-#endif
-// (A channel warp's channels: one, or one a round.)
-#define LFM_CONV_OUTS (LFM_CONV_ROUNDS ? LFM_CONV_ROUNDS : 1)
 #if LFM_CONV_PART && LFM_OUT_ONLY
   // Only the conv part's out_proj stage, over a row an earlier launch
   // wrote (an attention layer's output: its out_proj joined to the
@@ -154,7 +146,7 @@ pub(crate) const LAYER_SOURCE: &str = r#"
   constexpr int IB = 0;
   constexpr int CR = C * sizeof(T) / 16;
 #elif LFM_CONV_PART
-  constexpr int IB = (C + LFM_CONV_OUTS * WARPS - 1) / (LFM_CONV_OUTS * WARPS);
+  constexpr int IB = (C + WARPS - 1) / WARPS;
   constexpr int CR = C * sizeof(T) / 16;
 #else
   constexpr int IB = 0;
@@ -210,80 +202,33 @@ pub(crate) const LAYER_SOURCE: &str = r#"
     const bool late = lfm_block_wait(st + 1, launch + 1, nullptr, 0);
     if (!late) lfm_stage16(sm, yn, XR);
     __syncthreads();
-    // (In rounds, LFM_CONV_ROUNDS: channel c + k * IB * WARPS in round k,
-    // each round counted done before the next is made, so that out_proj's
-    // blocks walk each round's part of their rows while the next is made;
-    // src/kernels/conv_fused.rs rounds.)
-    for (int k = 0; k < LFM_CONV_OUTS; k++) {
-      const int ck = c + k * IB * WARPS;
-      if (ck < C) {
-        float s3[3] = {0.0f, 0.0f, 0.0f};
-        const size_t rows[3] = {static_cast<size_t>(ck), static_cast<size_t>(C) + ck, 2 * static_cast<size_t>(C) + ck};
-        if (!late) LFM_IN_ROWS(D, 3, rows, reinterpret_cast<const T*>(sm), lane, s3);
-        if (lane == 0) {
-          const T* wd = cw + static_cast<size_t>(ck) * (KEEP + 1);
-          float acc = 0.0f;
-          for (int j = 0; j < KEEP; j++) {
-            const T v = state[j * C + ck];
-            if (j > 0) next[(j - 1) * C + ck] = late ? T(poison) : v;
-            acc += static_cast<float>(wd[j]) * static_cast<float>(v);
-          }
-          const T bt = T(s3[0]);
-          const T ct = T(s3[1]);
-          const T xt = T(s3[2]);
-          const T bx = T(static_cast<float>(bt) * static_cast<float>(xt));
-          next[(KEEP - 1) * C + ck] = late ? T(poison) : bx;
-          acc += static_cast<float>(wd[KEEP]) * static_cast<float>(bx);
-          yc[ck] = late ? T(poison) : T(static_cast<float>(ct) * static_cast<float>(T(acc)));
+    if (c < C) {
+      float s3[3] = {0.0f, 0.0f, 0.0f};
+      const size_t rows[3] = {static_cast<size_t>(c), static_cast<size_t>(C) + c, 2 * static_cast<size_t>(C) + c};
+      if (!late) LFM_IN_ROWS(D, 3, rows, reinterpret_cast<const T*>(sm), lane, s3);
+      if (lane == 0) {
+        const T* wd = cw + static_cast<size_t>(c) * (KEEP + 1);
+        float acc = 0.0f;
+        for (int j = 0; j < KEEP; j++) {
+          const T v = state[j * C + c];
+          if (j > 0) next[(j - 1) * C + c] = late ? T(poison) : v;
+          acc += static_cast<float>(wd[j]) * static_cast<float>(v);
         }
+        const T bt = T(s3[0]);
+        const T ct = T(s3[1]);
+        const T xt = T(s3[2]);
+        const T bx = T(static_cast<float>(bt) * static_cast<float>(xt));
+        next[(KEEP - 1) * C + c] = late ? T(poison) : bx;
+        acc += static_cast<float>(wd[KEEP]) * static_cast<float>(bx);
+        yc[c] = late ? T(poison) : T(static_cast<float>(ct) * static_cast<float>(T(acc)));
       }
-#if LFM_CONV_ROUNDS
-#ifdef LFM_STAMP
-      // (Done before its last release, as every stage's stamp.)
-      if (k == LFM_CONV_ROUNDS - 1) LFM_STAMP(3);
-#endif
-      lfm_release_count(st + 2 + k);
-#endif
     }
-#if !LFM_CONV_ROUNDS
     lfm_release_count(st + 2);
-#endif
     return;
   }
 #endif
 #if LFM_CONV_PART
   if (role < CONV_NB) {
-#if LFM_CONV_ROUNDS
-    // out_proj's output n: the channels' first round's part once every
-    // channel block has done its round 0, then each next part after its
-    // round; each lane's columns in the one walk's order (lfm_drow_round),
-    // so the same sum. (Its first two lines are the other form's, so that
-    // the early and timeline forms' substitutions land in both.)
-    const int n = (role - 1 - IB) * WARPS + wid;
-    const bool late = lfm_block_wait(st + 2, (launch + 1) * IB, nullptr, 0);
-    constexpr int H = IB * WARPS;
-    const T* xs = reinterpret_cast<const T*>(sm);
-    const T* wr = ow + static_cast<size_t>(n < D ? n : 0) * C;
-    float o = 0.0f;
-    bool gone = late;
-    for (int k = 0; k < LFM_CONV_ROUNDS; k++) {
-      const int lo = k * H;
-      const int hi = lo + H < C ? lo + H : C;
-      // (gone is the block's: every thread calls the wait or none does.)
-      if (k > 0) gone = gone || lfm_block_wait(st + 2 + k, (launch + 1) * IB, nullptr, 0);
-      if (!gone && lo < hi) lfm_stage16(sm + lo * sizeof(T) / 16, yc + lo, (hi - lo) * static_cast<int>(sizeof(T)) / 16);
-      __syncthreads();
-#ifdef LFM_STAMP
-      if (k == 0) LFM_STAMP(2);
-#endif
-      if (n < D && !gone) lfm_drow_round<T, C, H, LFM_CONV_ROUNDS>(xs, wr, lfm_aligned(ow), lane, k, &o);
-    }
-    o = lfm_warp_sum(o);
-    if (n < D && lane == 0) LFM_CONV_ROW[n] = gone ? T(poison) : T(o);
-#ifdef LFM_STAMP
-    LFM_STAMP(3);
-#endif
-#else
     // out_proj's output n, once every channel of the launch is done (its
     // row from an earlier launch: at once).
 #if LFM_OUT_ONLY
@@ -310,7 +255,6 @@ pub(crate) const LAYER_SOURCE: &str = r#"
     }
 #if LFM_FFN_PART || LFM_MOE_PART
     lfm_release_count(st + 3);
-#endif
 #endif
     return;
   }
@@ -801,10 +745,7 @@ pub(crate) const TIMELINE_SUBSTITUTIONS: [(&str, &str); 17] = [
         "    const bool late = lfm_block_wait(st + 1, launch + 1, nullptr, 0);\n    LFM_STAMP(1);\n",
     ),
     ("    if (!late) lfm_stage16(sm, yn, XR);\n    __syncthreads();\n", "    if (!late) lfm_stage16(sm, yn, XR);\n    __syncthreads();\n    LFM_STAMP(2);\n"),
-    (
-        "    lfm_release_count(st + 2);\n#endif\n    return;\n",
-        "    LFM_STAMP(3);\n    lfm_release_count(st + 2);\n#endif\n    return;\n",
-    ),
+    ("    lfm_release_count(st + 2);\n    return;\n", "    LFM_STAMP(3);\n    lfm_release_count(st + 2);\n    return;\n"),
     (
         "    const bool late = lfm_block_wait(st + 2, (launch + 1) * IB, nullptr, 0);\n",
         "    const bool late = lfm_block_wait(st + 2, (launch + 1) * IB, nullptr, 0);\n    LFM_STAMP(1);\n",
@@ -1033,13 +974,6 @@ __device__ inline void lfm_drow_round(const T* x, const T* w, bool wa, int lane,
   }
 }
 "#;
-
-/// Whether `g` rounds of `part` outputs each (the last what is left) serve
-/// a dense row `width` wide in [`ROUNDS_HEADER`]'s walk: each part whole
-/// steps of a warp's walk (128 columns), and every round some.
-pub(crate) fn rounds_serve(width: i32, g: i32, part: i64) -> bool {
-    g >= 2 && width % 128 == 0 && part % 128 == 0 && part * (g as i64 - 1) < width as i64
-}
 
 /// Template constants a kernel's projections add (their specifications).
 pub(crate) type Specs = Vec<(&'static str, TemplateArg)>;
@@ -1395,8 +1329,7 @@ mod tests {
     #[test]
     fn every_early_prefetch_finds_its_place() {
         for (was, now) in EARLY_SUBSTITUTIONS {
-            // (w2's and out_proj's rounds forms start as the others do.)
-            let places = if was.contains("(launch + 1) * GB, nullptr") || was.contains("(launch + 1) * IB, nullptr") { 2 } else { 1 };
+            let places = if was.contains("(launch + 1) * GB, nullptr") { 2 } else { 1 };
             assert_eq!(LAYER_SOURCE.matches(was).count(), places, "{was:?}");
             let (first, last) = (was.lines().next().unwrap(), was.lines().last().unwrap());
             assert!(now.contains("LFM_EARLY_") && now.starts_with(first) && now.ends_with(&format!("{last}\n")), "{now:?}");
@@ -1404,9 +1337,8 @@ mod tests {
         let early = super::super::substituted(LAYER_SOURCE, &EARLY_SUBSTITUTIONS);
         // (Two of them the two-gate-outputs form's, behind its #if.)
         assert_eq!(early.matches("LFM_EARLY_IN(").count(), 7);
-        // (And w2's and out_proj's in their rounds forms, which start as
-        // the others.)
-        assert_eq!(early.matches("LFM_EARLY_OUT(").count(), 4);
+        // (And w2's in the rounds form, which starts as the other's.)
+        assert_eq!(early.matches("LFM_EARLY_OUT(").count(), 3);
         for quant in [true, false] {
             let h = early_header(quant);
             assert!(h.contains("#define LFM_EARLY_IN(") && h.contains("#define LFM_EARLY_OUT(") && h.contains("lfm_prefetch_span"));
@@ -1425,14 +1357,12 @@ mod tests {
         // (Eight in the MoE part, six in the feed-forward's gate and w2
         // stages, seven in the conv part; and the feed-forward's rounds
         // form: its w2 wait's as the other form's, and three of its own,
-        // each behind an `#ifdef LFM_STAMP`: seven more; the conv's rounds
-        // form: its out_proj wait's, and three of its own, each behind an
-        // `#ifdef LFM_STAMP`: seven more.)
-        assert_eq!(LAYER_SOURCE.matches("LFM_STAMP").count(), 12);
-        assert_eq!(stamped.matches("LFM_STAMP").count(), 35);
+        // each behind an `#ifdef LFM_STAMP`: seven more.)
+        assert_eq!(LAYER_SOURCE.matches("LFM_STAMP").count(), 6);
+        assert_eq!(stamped.matches("LFM_STAMP").count(), 28);
         // (And over the early form's text: none lost.)
         let early = super::super::substituted(LAYER_SOURCE, &EARLY_SUBSTITUTIONS);
-        assert_eq!(super::super::substituted(&early, &TIMELINE_SUBSTITUTIONS).matches("LFM_STAMP").count(), 35);
+        assert_eq!(super::super::substituted(&early, &TIMELINE_SUBSTITUTIONS).matches("LFM_STAMP").count(), 28);
         let times = [10_000i64, 11_000, 12_000, 15_000, 10_500, 16_000, 17_000, 20_000, 10_700, 21_000, 21_500, 30_000];
         let s = timeline_summary(&times, 1, 3).unwrap();
         assert_eq!(s["blocks"], 2);

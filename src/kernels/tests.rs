@@ -904,11 +904,16 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     runs.push(("early-prefetch", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
                 }
                 if compiled && !q4 && dense_ffn && !joined {
-                    // The feed-forward's gate outputs in two and in four
-                    // rounds (MLX_LFM_FFN_GATE_ROUNDS, opt-in, session 43;
-                    // run.py's `ffn-gate-rounds`, `ffn-gate-rounds-4`), which
-                    // a run must have built where each round's part of the
-                    // fixture's gated row is whole steps of the walk.
+                    // The feed-forward's gate outputs in two (the CUDA
+                    // default since session 44, asked for by name here) and
+                    // in four rounds (MLX_LFM_FFN_GATE_ROUNDS, session 43;
+                    // run.py's `ffn-gate-rounds`, `ffn-gate-rounds-4`),
+                    // which a run must have built where each round's part of
+                    // the fixture's gated row is whole steps of the walk;
+                    // and rounds off (`=0`, run.py's `ffn-rounds-off`), the
+                    // form before them.
+                    let off_set = [("MLX_LFM_FFN_GATE_ROUNDS".to_string(), Some("0".to_string()))];
+                    runs.push(("ffn-rounds-off", crate::knobs::with_overrides(&off_set, || run(Some(&stock))).0));
                     let f = spec.shape.dense_ff_dim() as i32;
                     for (g, name) in [(2i32, "ffn-gate-rounds"), (4, "ffn-gate-rounds-4")] {
                         let set = [("MLX_LFM_FFN_GATE_ROUNDS".to_string(), Some(g.to_string()))];
@@ -916,24 +921,6 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                         runs.push((name, crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
                         let serves = crate::kernels::ffn_fused::rounds_serve(f, g);
                         if can_fuse && serves && !off("MLX_LFM_FFN_FUSED") && crate::kernels::ffn_fused::built_rounds(g as usize) == before {
-                            unbuilt(name, &mut failures);
-                        }
-                    }
-                }
-                if compiled && !q4 && !joined {
-                    // The conv layers' channels in two and in four rounds
-                    // (MLX_LFM_CONV_ROUNDS, opt-in, session 44; run.py's
-                    // `conv-rounds`, `conv-rounds-4`), which a run must have
-                    // built where each round's part of the fixture's
-                    // channels is whole steps of the walk (its conv layers
-                    // dense: every one but the 8B-A1B's).
-                    let c = spec.shape.hidden_size as i32;
-                    for (g, name) in [(2i32, "conv-rounds"), (4, "conv-rounds-4")] {
-                        let set = [("MLX_LFM_CONV_ROUNDS".to_string(), Some(g.to_string()))];
-                        let before = crate::kernels::conv_fused::built_rounds(g as usize);
-                        runs.push((name, crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
-                        let serves = crate::kernels::conv_fused::rounds_serve(c, g);
-                        if can_fuse && serves && conv_after_first && !off("MLX_LFM_CONV_FUSED") && crate::kernels::conv_fused::built_rounds(g as usize) == before {
                             unbuilt(name, &mut failures);
                         }
                     }
@@ -2610,11 +2597,8 @@ fn conv_fused_kernel_matches_stock_ops() {
     use crate::kernels::conv_fused::{available, forward, launch_blocks, Projections};
     use crate::kernels::stages::new_counters;
     // The norm's block, a block of 16 warps per 16 channels, per 16 outputs.
-    assert_eq!(launch_blocks(2048, 2048, 1), 1 + 128 + 128);
-    assert_eq!(launch_blocks(2048, 1000, 1), 1 + 63 + 128);
-    // In rounds: a warp's channel a round, so the channels' blocks a round's share.
-    assert_eq!(launch_blocks(2048, 2048, 2), 1 + 64 + 128);
-    assert_eq!(launch_blocks(1024, 1024, 4), 1 + 16 + 64);
+    assert_eq!(launch_blocks(2048, 2048), 1 + 128 + 128);
+    assert_eq!(launch_blocks(2048, 1000), 1 + 63 + 128);
     if skip("conv_fused_kernel_matches_stock_ops") {
         return;
     }
@@ -2739,28 +2723,13 @@ fn conv_fused_kernel_matches_stock_ops() {
                 assert_eq!(differing(&next2, &next), 0, "{what}: the timeline form's state differs (early: {early_too})");
                 check_stamps(&format!("{what} (early: {early_too})"), &times, channels, nb);
             }
-            // A channel a warp (rounds off, whatever the environment holds),
-            // and the channels in two, three or four rounds
-            // (MLX_LFM_CONV_ROUNDS, opt-in, dense channels whose rounds'
-            // parts are whole steps of the walk): the same bits, each
-            // compared launch after one over another row on the same state
-            // (a stage that read its input before it was written would read
-            // the other row's values, in the state's scratch rows or in a
-            // buffer MLX hands on), on counters of their own (their tickets
-            // count fewer blocks, and the rounds a count a round), with the
-            // scratch rows in the state, the rows asked for early, the waits
-            // given up and the launch after; their timeline forms' stamps in
-            // order (in rounds, out_proj's waits end after the channels'
-            // first round only).
-            let rounds = |g: &str| vec![("MLX_LFM_CONV_ROUNDS".to_string(), Some(g.to_string()))];
-            // (Rounds on the bf16 cases only: each form is five more
-            // kernels to build a case.)
-            let mut forms = vec![("a channel a warp", rounds("0"), 0usize)];
-            for (g, form) in [(2, "in two rounds"), (3, "in three rounds"), (4, "in four rounds")] {
-                if dense && dt == Dtype::Bfloat16 && crate::kernels::conv_fused::rounds_serve(c, g) {
-                    forms.push((form, rounds(&g.to_string()), g as usize));
-                }
-            }
+            // Each compared launch after one over another row on the same
+            // state (a stage that read its input before it was written
+            // would read the other row's values, in the state's scratch rows
+            // or in a buffer MLX hands on): plain, with the scratch rows in
+            // the state, with the rows asked for early. (Session 44's conv
+            // layer in rounds, MLX_LFM_CONV_ROUNDS, held to these and
+            // retired after its A/B, left them.)
             let h_other = h.mul_scalar(-0.5).unwrap();
             let x_other = Normed { h: &h_other, r: Some(&r), w: &wn, eps: eps_value, eps_array: &eps };
             let other = |ctr: &Array| {
@@ -2769,50 +2738,24 @@ fn conv_fused_kernel_matches_stock_ops() {
                     crate::mlx::eval(&[&s, &out, &next]).unwrap();
                 })
             };
-            for (form, set, g) in forms {
-                crate::knobs::with_overrides(&set, || {
-                    let (own, own_big) = (
-                        new_counters().unwrap(),
-                        crate::kernels::stages::new_counters_of(crate::kernels::conv_fused::state_words(d as usize, c as usize)).unwrap(),
-                    );
-                    for turn in 0..4 {
-                        let before = crate::kernels::conv_fused::built_rounds(g);
-                        let (s2, out2, next2) = match turn {
-                            1 => scratch_in_state(|| {
-                                other(&own_big);
-                                run(&own_big)
-                            }),
-                            2 => crate::knobs::with_overrides(&early, || {
-                                other(&own);
-                                run(&own)
-                            }),
-                            _ => {
-                                other(&own);
-                                run(&own)
-                            }
-                        };
-                        for (name, got, want) in [("sum", &s2, &s), ("output", &out2, &out), ("state", &next2, &next)] {
-                            assert_eq!(differing(got, want), 0, "{what}: {form}, launch {turn}: the {name} differs");
-                        }
-                        let built = crate::kernels::conv_fused::built_rounds(g) - before;
-                        assert_eq!(built, if g > 0 { 2 } else { 0 }, "{what}: {form}, launch {turn}: rounds forms built");
+            for turn in 0..3 {
+                let (s2, out2, next2) = match turn {
+                    1 => scratch_in_state(|| {
+                        other(&big);
+                        run(&big)
+                    }),
+                    2 => crate::knobs::with_overrides(&early, || {
+                        other(&counters);
+                        run(&counters)
+                    }),
+                    _ => {
+                        other(&counters);
+                        run(&counters)
                     }
-                    let stuck = [("MLX_LFM_FUSED_NO_WAIT".to_string(), Some("1".to_string()))];
-                    let (_, given_up, next_given_up) = crate::knobs::with_overrides(&stuck, || run(&own));
-                    for (name, got) in [("output", &given_up), ("state", &next_given_up)] {
-                        let v: Vec<f32> = got.astype(Dtype::Float32).unwrap().to_vec().unwrap();
-                        assert!(v.iter().all(|v| v.is_nan()), "{what}: {form}, waits given up: {} values of the {name} are not NaN", v.iter().filter(|v| !v.is_nan()).count());
-                    }
-                    let (s2, out2, next2) = run(&own);
-                    assert_eq!((differing(&s2, &s), differing(&out2, &out), differing(&next2, &next)), (0, 0, 0), "{what}: {form}: the launch after the given-up one differs");
-                    let ctr = new_counters().unwrap();
-                    let (out_t, next_t, times, channels, nb) =
-                        with_opt_in_one("MLX_LFM_CONV_FUSED", || crate::kernels::conv_fused::forward_timeline(&x, p, &state, &cw, &ctr).unwrap());
-                    crate::mlx::eval(&[&out_t, &next_t, &times]).unwrap();
-                    assert_eq!(channels as i64, launch_blocks(d, c, g.max(1) as i32) - 1 - (d as i64 + 15) / 16, "{what}: {form}: its channels' blocks");
-                    assert_eq!((differing(&out_t, &out), differing(&next_t, &next)), (0, 0), "{what}: {form}: the timeline form differs");
-                    check_stamps_of(&format!("{what} ({form})"), &times, channels, nb, g == 0);
-                });
+                };
+                for (name, got, want) in [("sum", &s2, &s), ("output", &out2, &out), ("state", &next2, &next)] {
+                    assert_eq!(differing(got, want), 0, "{what}: after a launch over another row, launch {turn}: the {name} differs");
+                }
             }
             // (The output and the state after the token both poisoned when given up.)
             check_counters_in_step(&what, &counters, &[true, true, false, true, false], &[s, out, next], |c| {
@@ -3370,7 +3313,9 @@ fn ffn_fused_kernel_matches_stock_ops() {
             });
             crate::mlx::eval(&[&out_t, &times]).unwrap();
             assert_eq!(differing(&out_t, &out), 0, "{what}: the timeline form's output differs");
-            check_stamps(&what, &times, gate, nb);
+            // (In rounds, the CUDA default where they serve since session
+            // 44, w2's waits end after the gate's first round.)
+            check_stamps_of(&what, &times, gate, nb, !crate::kernels::ffn_fused::in_rounds(p.quant(), f, dt));
             // Its rows asked of L2 before its waits (MLX_LFM_EARLY_PREFETCH,
             // opt-in): the same bits, on the same counters and with its
             // scratch rows in the state.
@@ -3380,10 +3325,11 @@ fn ffn_fused_kernel_matches_stock_ops() {
                 assert_eq!(differing(&s2, &s), 0, "{what}: rows asked for early, launch {turn}: the sum differs");
                 assert_eq!(differing(&out2, &out), 0, "{what}: rows asked for early, launch {turn}: the output differs");
             }
-            // Two gate outputs a warp (MLX_LFM_FFN_GATE_ROWS=2, opt-in), and
-            // the gate in two, three or four rounds (MLX_LFM_FFN_GATE_ROUNDS,
-            // opt-in, dense rows whose rounds' parts are whole steps of the
-            // walk): the same bits, on counters of their own (their tickets
+            // One gate output a warp and two (MLX_LFM_FFN_GATE_ROWS=2,
+            // opt-in), rounds off, and the gate in two (the CUDA default
+            // since session 44), three or four rounds
+            // (MLX_LFM_FFN_GATE_ROUNDS, dense rows whose rounds' parts are
+            // whole steps of the walk): the same bits, on counters of their own (their tickets
             // count fewer blocks, and the rounds a count a round), with the
             // scratch rows in the state, the rows asked for early, four more
             // launches on one state, the waits given up and the launch
@@ -3391,14 +3337,18 @@ fn ffn_fused_kernel_matches_stock_ops() {
             // waits end after the gate's first round only).
             let pairs = ("MLX_LFM_FFN_GATE_ROWS".to_string(), Some("2".to_string()));
             let rounds = |g: &str| ("MLX_LFM_FFN_GATE_ROUNDS".to_string(), Some(g.to_string()));
-            // (Rounds off for the two-outputs form, whatever the
-            // environment holds: rounds take its place where they serve.)
+            // (Rounds off for the one- and two-outputs forms: rounds take
+            // their place where they serve.)
             // (On the bf16 cases of the models' gates only, the 1.2B's, the
             // 350M's and the 8B-A1B's: each form is five more kernels to
             // build a case, and session 44's run of every form on every
             // case passed 400 s on an H100.)
             let mut forms = vec![];
             if dt == Dtype::Bfloat16 && matches!(f, 8192 | 4608 | 7168) {
+                // (One output a warp: the default before session 44, and
+                // still where rounds do not serve.)
+                let one = ("MLX_LFM_FFN_GATE_ROWS".to_string(), Some("1".to_string()));
+                forms.push(("one gate output a warp", vec![one, rounds("0")], 1, false));
                 forms.push(("two gate outputs a warp", vec![pairs.clone(), rounds("0")], 2, false));
                 for (g, form) in [(2, "in two rounds"), (3, "in three rounds"), (4, "in four rounds")] {
                     if !p.quant() && crate::kernels::ffn_fused::rounds_serve(f, g) {

@@ -1066,8 +1066,7 @@ fn layer_chains(reps: usize) -> mlx_lfm::Result<()> {
 /// feed-forward's (dense, 4-bit; and the dense one with two gate outputs
 /// a warp, `MLX_LFM_FFN_GATE_ROWS=2`, and in two rounds,
 /// `MLX_LFM_FFN_GATE_ROUNDS=2`, plain and with its rows asked for early, and
-/// in four; the dense conv layer's in two and four rounds,
-/// `MLX_LFM_CONV_ROUNDS`) and the q/k/v stage's (dense, 4-bit: one block a head) timeline
+/// in four) and the q/k/v stage's (dense, 4-bit: one block a head) timeline
 /// forms, `CHAIN_LENGTHS[1]` launches a chain, `reps` chains each, each
 /// form on a state of its own. `bytes`: the conv layer's 4-bit and dense,
 /// the feed-forward's dense and 4-bit, the q/k/v stage's dense and 4-bit.
@@ -1081,14 +1080,11 @@ fn chain_timelines(conv: &ConvLayer, ffn: &FfnLayer, qkv: &QkvLayer, bytes: [usi
         Qkv,
     }
     let len = CHAIN_LENGTHS[1];
-    // (form, layer, 4-bit, MLX_LFM_FFN_GATE_ROWS, MLX_LFM_FFN_GATE_ROUNDS
-    // or (the conv layer's) MLX_LFM_CONV_ROUNDS, rows asked for early;
-    // `bytes`' index)
+    // (form, layer, 4-bit, MLX_LFM_FFN_GATE_ROWS, MLX_LFM_FFN_GATE_ROUNDS,
+    // rows asked for early; `bytes`' index)
     let forms = [
         ("conv-q4", Kind::Conv, true, "1", "0", false, 0),
         ("conv-bf16", Kind::Conv, false, "1", "0", false, 1),
-        ("conv-bf16-r2", Kind::Conv, false, "1", "2", false, 1),
-        ("conv-bf16-r4", Kind::Conv, false, "1", "4", false, 1),
         ("ffn-bf16", Kind::Ffn, false, "1", "0", false, 2),
         ("ffn-q4", Kind::Ffn, true, "1", "0", false, 3),
         ("ffn-bf16-g2", Kind::Ffn, false, "2", "0", false, 2),
@@ -1109,8 +1105,7 @@ fn chain_timelines(conv: &ConvLayer, ffn: &FfnLayer, qkv: &QkvLayer, bytes: [usi
             ("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string())),
             ("MLX_LFM_EARLY_PREFETCH".to_string(), Some((if early { "ffn" } else { "" }).to_string())),
             ("MLX_LFM_FFN_GATE_ROWS".to_string(), Some(rows.to_string())),
-            ("MLX_LFM_FFN_GATE_ROUNDS".to_string(), Some((if kind == Kind::Ffn { rounds } else { "0" }).to_string())),
-            ("MLX_LFM_CONV_ROUNDS".to_string(), Some((if kind == Kind::Conv { rounds } else { "0" }).to_string())),
+            ("MLX_LFM_FFN_GATE_ROUNDS".to_string(), Some(rounds.to_string())),
             ("MLX_LFM_QKV_WARPS".to_string(), Some("16".to_string())),
         ]
         .to_vec();
