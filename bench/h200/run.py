@@ -168,58 +168,68 @@ from its A/B: the variants and greedy sets that turned them on are gone,
 `layers-fused-off` (greedy set and variant) and `moe-fused-off`,
 `conv-fused-off`, `ffn-fused-off`, `qkv-fused-off` measure them off, and
 the greedy test's default run checks it built each.
-Next (`bash bench/h200/prepare.sh` here first; ~1,300 s planned; a
-fresh machine's `ab` first spends ~270 s generating the checkpoints, and
-a round waits ~150 s for the GGUF chain; take an H100 when the H200 is
-refused: every round since session 31 ran on one).
-Session 43 got an H100 for ~24 minutes in three loans (~270 s of it
-starts): the feed-forward, conv and q/k/v tests passed whole (fd4e521);
-the two-outputs form read decode 1.014x on the 1.2B (its gate slower, w2
-still 17-18 µs after it); each stage's rows asked of L2 at once as its
-wait ends (`MLX_LFM_STAGE_PREFETCH`) read slower in every chained
-timeline (issuing a w2 block's 8,192 prefetches took 4.4 µs) and was
-retired; the feed-forward in rounds (`MLX_LFM_FFN_GATE_ROUNDS=1`, new:
-w2 walks its rows' first half while the gate makes the gated row's
-second, the same bits) read 38.5 µs a launch against 41.9 and decode
-1.043-1.048x on the 1.2B in all four reps; its test gave the default's
-bits in six launches on the 1.2B's shape, then failed a timeline check
-that did not fit it (mended after); its other cases and greedy set did
-not run. The chain (a loan's first call carries .device/a; prepare.sh now
-keeps mlx-lm's wheel in .device/lm, so that .device/b with .device/tests
-fits 64 MiB; a fresh machine needs `install` before any benchmark, and
-the rounds need .device/lm carried with an `install`):
+Next (`bash bench/h200/prepare.sh` here first; ~1,100 s planned; a
+fresh machine's `ab` first generates the checkpoints it times (~15 s
+each on an H100), and a round waits ~150 s for the GGUF chain; take an
+H100 when the H200 is refused: every round since session 31 ran on one;
+a failed start costs 90-120 device-seconds, so ask `status` before each
+retry and call only once its `none_now` window has passed).
+Session 44 got an H100 in three loans (~600 device-seconds lost to
+failed starts and refusals between them): the two-outputs form's grid
+bug (fixed, 43ba79c); the feed-forward and conv tests on the 1.2B's and
+350M's bf16 shapes (`MLX_LFM_TEST_CASES`, new: the whole feed-forward
+test ran past 400 s) and the wide rows' greedy sets passed; the
+feed-forward in two rounds read decode 1.052-1.056x on the 1.2B and
+1.038-1.050x on the 350M and is a CUDA default on bf16 dense gates now
+(bbac07c: its test's one-output form and greedy set `ffn-rounds-off`
+keep the form before it covered); the conv layer in rounds read
+0.97x / 0.90x and was retired. No round ran with the new default. The
+chain:
   1. carry [.device/a]: `stage-mlx`.
   2. carry [.device/llama]: `llama` (its build runs in the background).
   3. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=4
-     H200_KERNEL_TESTS=ffn_fused_kernel,greedy_tokens_with_kernels_equal_stock_ops_on_wide_rows
+     H200_KERNEL_TESTS=ffn_fused_kernel,conv_fused_kernel,greedy_tokens_with_kernels_equal_stock_ops
      `timeout -s TERM 560 python3 bench/h200/run.py install verdicts-from
-     committed kernels save-ptx` (the rounds forms' test, two, three and
-     four rounds where served, and their greedy sets `ffn-gate-rounds`,
-     `ffn-gate-rounds-4`, which must build them on the wide rows' 2,048-wide
-     gate: the tiny fixtures' gates are not served); then, in the same
-     loan, carry [.device/bin]: `layer-chains` (`ffn-bf16-r4` beside
-     `-g2r`).
-  4. carry [.device/lm, .device/bin]: H200_OURS_ENV (mimalloc),
-     H200_AB_VARIANTS=ffn-gate-rounds,ffn-gate-rounds-4
-     H200_MODELS=lfm2-1.2b-bf16,lfm2-350m-bf16 H200_AB_REPS=4 `timeout
-     -s TERM 400 python3 bench/h200/run.py install ab pick` (pick adopts
-     it where its tests passed and decode gains 3%: then make it the
-     default in ffn_fused.rs, its test and greedy set kept).
-  5. carry [.device/bin]: H200_OURS_ENV, `timeout -s TERM 560 python3
-     bench/h200/run.py pick round 1`.
-  Then, the same overlap elsewhere: the MoE layer's down stage waits for
-  every gate/up block (moe_fused.rs; its down walk is quantized, so a
-  split must fall on a group's boundary); the conv layer's out_proj waits
-  for every channel (5.5 µs after them), but its channels are one a warp
-  over 128 blocks, so two rounds a warp would halve its blocks and the
-  channels' bytes in flight. The q/k/v chain's 9 µs gaps are not
-  explained. (kernel-bench's 4-bit feed-forward arms ran on the dense
-  arms' state until session 42's review: do not read an older figure of
-  theirs. Not planned: the 8B-A1B prefill's grouped expert GEMMs, 12.1 ms
-  of its 22.5 in session 41's profile, and its 22 `qmm_naive` launches
-  (the router's gate over the prompt's rows; a dense gate moved its
-  logits on the CPU, so it needs the exact product's verdict first). The
+     committed kernels save-ptx` (the feed-forward test whole, ~6 min
+     before session 44's narrowing of its forms, now the forms on the
+     models' bf16 gates only: the other cases with the rounds default;
+     the conv test's default after a launch over another row, new; the
+     tiny fixtures' greedy sets, whose float16/float32 gates the default
+     leaves in one output a warp). If it cannot fit, narrow with
+     MLX_LFM_TEST_CASES and say so.
+  4. carry [.device/bin]: H200_OURS_ENV (mimalloc), `timeout -s TERM 560
+     python3 bench/h200/run.py pick round 1` (the 1.2B's decode against
+     llama.cpp with the rounds default: ~1.05x over session 42's
+     1.00-1.09x if the A/B holds; 1.2x is the target).
+  5. If time is left: `layer-chains` (the attention layer's q/k/v gaps)
+     and `round 2`.
+  Then, the attention layers' small launches (~55 µs of a 1.2B token's
+  ~1.2 ms): a lone sequence's compiled step writes each attention
+  layer's new K and V with two MLX scatters (~4.6 µs each, batch.rs
+  `StackedPass::attend_as`); the one-launch q/k/v kernel could write
+  them into the cache's buffers itself (its head blocks already hold the
+  rows, and it already writes its state in place), saving both launches.
+  Hazards a design must meet: the buffers are the compiled step's inputs
+  and outputs (the in-place write makes the output its input); only q
+  orders the attention kernel after the write (nothing else may read the
+  buffer in that graph: paged mirrors are copied out later, so serve
+  flat caches only); `ModelCache::try_clone` shares buffers (make it
+  copy); MLX copies a non-contiguous input (the write would vanish);
+  the capacity is a run-time shape (`kc_shape[2]`), the position the
+  offset array's. The MoE layer's down stage could overlap its gate/up
+  stage as the feed-forward's rounds do (quantized: a split must fall on
+  a group's boundary); the conv layer's rounds lost because the channels
+  are one a warp over 128 blocks (half the blocks in two rounds), so a
+  conv overlap needs more channels in flight a block, not fewer blocks.
+  (kernel-bench's `ffn-bf16` chain is the one-output form, rounds off;
+  `ffn-bf16-g2r` the default now. Not planned: the 8B-A1B prefill's
+  grouped expert GEMMs and its router's `qmv_naive` launches. The
   chains' walls are host-bound in eager mode: read only the timelines.)
+Session 44's plan, for the record: 1-3. `stage-mlx`, `llama`, the
+feed-forward test and the wide rows' greedy sets; then `layer-chains`;
+4. `ab pick` of the rounds forms; 5. `pick round 1`. It ran 1-4 (the
+tests twice more after the grid fix, narrowed the second time; the A/B
+in two calls, with the conv layer's rounds), not 5.
 Session 43's plan, for the record: 1-3. `stage-mlx`, `llama`, the
 feed-forward, conv and q/k/v tests; 4. `layer-chains`; 5. `ab pick` of
 the two-outputs form; 6. `pick round 1`. It ran 1-5 (then two more loans
