@@ -104,7 +104,7 @@ fn gate_outs() -> i32 {
 fn rounds() -> (i32, bool) {
     static SET: OnceLock<(i32, bool)> = OnceLock::new();
     crate::knobs::cached("MLX_LFM_FFN_GATE_ROUNDS", &SET, |v| match v.map(str::trim) {
-        None => (2, false),
+        None | Some("") => (2, false),
         Some("0") => (0, true),
         Some("3") => (3, true),
         Some("4") => (4, true),
@@ -428,6 +428,7 @@ mod tests {
         assert_eq!(with(Some("4"), &|| super::form(false, 8192, Float16)), 4);
         assert_eq!(with(Some("3"), &|| super::form(false, 8192, Bfloat16)), 0);
         assert_eq!(with(Some("3"), &|| super::form(false, 4608, Bfloat16)), 3);
+        assert_eq!(with(Some(""), &|| super::form(false, 8192, Float16)), 0);
     }
 
     /// Each form's grid counts the gate outputs its kernel text makes a

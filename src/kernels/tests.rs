@@ -588,13 +588,6 @@ qint_tests! {
     q_by_conversion_moe_layer_matches_stock_ops: "convert", crate::kernels::quant_gemv::qint_convert, moe_fused_forms_match_their_references;
 }
 
-/// Whether this process runs an `MLX_LFM_QINT` opt-out's test. The switch changes
-/// only the MLX-exact walk of quantized rows, so there the layers' tests
-/// run their quantized cases in the forms a decode step runs (counters,
-/// scratch rows in the state) and leave the dense cases and the other
-/// forms (early prefetch, the bench's timeline, given-up waits), which
-/// share that walk and are held to the main form's bits by the default
-/// suite: what lets one layer's test finish within a device call.
 /// Whether a layer test's case `what` runs: every case, or (with
 /// `MLX_LFM_TEST_CASES=A;B`, a device call short of time) those whose
 /// name holds one of those texts; a case left out says so.
@@ -609,6 +602,13 @@ fn case_chosen(what: &str) -> bool {
     chosen
 }
 
+/// Whether this process runs an `MLX_LFM_QINT` opt-out's test. The switch changes
+/// only the MLX-exact walk of quantized rows, so there the layers' tests
+/// run their quantized cases in the forms a decode step runs (counters,
+/// scratch rows in the state) and leave the dense cases and the other
+/// forms (early prefetch, the bench's timeline, given-up waits), which
+/// share that walk and are held to the main form's bits by the default
+/// suite: what lets one layer's test finish within a device call.
 fn qint_lean() -> bool {
     crate::kernels::quant_gemv::qint_mode() != crate::kernels::quant_gemv::QintMode::Pairs
 }
@@ -913,7 +913,12 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     // and rounds off (`=0`, run.py's `ffn-rounds-off`), the
                     // form before them.
                     let off_set = [("MLX_LFM_FFN_GATE_ROUNDS".to_string(), Some("0".to_string()))];
+                    let before = crate::kernels::ffn_fused::built_rounds(2);
                     runs.push(("ffn-rounds-off", crate::knobs::with_overrides(&off_set, || run(Some(&stock))).0));
+                    if crate::kernels::ffn_fused::built_rounds(2) != before {
+                        eprintln!("{what}: the ffn-rounds-off kernels FAILED: its run built the rounds form");
+                        failures.push(format!("{what}: ffn-rounds-off built the rounds form"));
+                    }
                     let f = spec.shape.dense_ff_dim() as i32;
                     for (g, name) in [(2i32, "ffn-gate-rounds"), (4, "ffn-gate-rounds-4")] {
                         let set = [("MLX_LFM_FFN_GATE_ROUNDS".to_string(), Some(g.to_string()))];
@@ -3234,6 +3239,8 @@ fn ffn_fused_kernel_matches_stock_ops() {
         (Dtype::Float16, 2.0f32.powi(-10), 2048, 8192, 0, 0, 0, 0),
         (Dtype::Float32, 1e-5, 1024, 4096, 0, 0, 0, 0),
         (Dtype::Bfloat16, 2.0f32.powi(-7), 2048, 7168, 4, 64, 4, 64),
+        // (The 8B-A1B's dense layers in bf16: two rounds by default.)
+        (Dtype::Bfloat16, 2.0f32.powi(-7), 2048, 7168, 0, 0, 0, 0),
         (Dtype::Bfloat16, 2.0f32.powi(-7), 1024, 3072, 8, 32, 4, 128),
         // w2 768 wide: a walk's last tile short (4-bit bf16 tiles are 512).
         (Dtype::Bfloat16, 2.0f32.powi(-7), 1536, 768, 4, 64, 4, 64),

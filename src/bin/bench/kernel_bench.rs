@@ -1353,17 +1353,35 @@ impl ConvLayer {
 /// of which [`FFN_Q4_COPIES`]: every launch reads its weights from DRAM).
 /// (Session 40's `-w2` arms, w2 asked of L2 by the gate blocks, read 5-8
 /// µs slower in session 41 and are retired with their switch.)
+/// (Every fused arm with the gate's rounds off, `MLX_LFM_FFN_GATE_ROUNDS=0`:
+/// the CUDA default since session 44 on the dense gate, which a counters
+/// slot here would mix with these forms; `layer-chains`' `ffn-bf16-g2r`
+/// times the rounds form.)
 const FFN_ARMS: [(&str, Switches, usize); 9] = [
     ("ffn-layer-bf16-three", &[("MLX_LFM_FFN_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_GEMV_KERNEL", "1")], 3),
-    ("ffn-layer-bf16-fused", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
-    ("ffn-layer-bf16-fused-early", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_EARLY_PREFETCH", "ffn")], 1),
+    ("ffn-layer-bf16-fused", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_FFN_GATE_ROUNDS", "0")], 1),
+    (
+        "ffn-layer-bf16-fused-early",
+        &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_EARLY_PREFETCH", "ffn"), ("MLX_LFM_FFN_GATE_ROUNDS", "0")],
+        1,
+    ),
     ("ffn-layer-q4-four", &[("MLX_LFM_FFN_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1")], 4),
     ("ffn-layer-q4-fused", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
     ("ffn-layer-q4-fused-early", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_EARLY_PREFETCH", "ffn")], 1),
-    ("ffn-layer-bf16-fused-g2", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_FFN_GATE_ROWS", "2")], 1),
+    (
+        "ffn-layer-bf16-fused-g2",
+        &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_FFN_GATE_ROWS", "2"), ("MLX_LFM_FFN_GATE_ROUNDS", "0")],
+        1,
+    ),
     (
         "ffn-layer-bf16-fused-g2-early",
-        &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_FFN_GATE_ROWS", "2"), ("MLX_LFM_EARLY_PREFETCH", "ffn")],
+        &[
+            ("MLX_LFM_FFN_FUSED", "1"),
+            ("MLX_LFM_EPS_CONST", "1"),
+            ("MLX_LFM_FFN_GATE_ROWS", "2"),
+            ("MLX_LFM_EARLY_PREFETCH", "ffn"),
+            ("MLX_LFM_FFN_GATE_ROUNDS", "0"),
+        ],
         1,
     ),
     ("ffn-layer-q4-fused-g2", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_FFN_GATE_ROWS", "2")], 1),
