@@ -920,6 +920,24 @@ for _n, _dense, _scratch, _form in ((2, False, True, ""), (4, False, True, ""), 
         PRELUDE_OF[_v] = PRELUDE_OF[_of]
     REPLACE_OF[_v] = _SPLIT + (substitutions("qkv_fused.rs", "SPLIT_EARLY_SUBSTITUTIONS") if _form == "early" else [])
 
+# The q/k/v stage writing k's and v's heads into the layer's K/V buffers in
+# place (MLX_LFM_KV_IN_PLACE: qkv_fused.rs KV_SUBSTITUTION), 4-bit and
+# dense, with the scratch row in the state as a step runs it and without.
+_kv = re.search(r'const KV_SUBSTITUTION: \(&str, &str\) = \(\s*r#"(.*?)"#,\s*r#"(.*?)"#,', _QKV_RS, re.S)
+assert _kv and "kc_shape" in _kv.group(2), "qkv_fused.rs KV_SUBSTITUTION"
+for _dense in (False, True):
+    for _scratch in (False, True):
+        _of = "qk_norm_rope.rs#qkv_fused" + ("@dense" if _dense else "")
+        _v = "qk_norm_rope.rs#qkv_fused@" + ("dense-" if _dense else "") + "kv" + ("-scratch" if _scratch else "")
+        _ins, _outs, _targs, *_rest = KERNELS[_of]
+        _outs = [o for o in _outs if o[0] not in ("ko", "vo")]
+        _t = (lambda dt, t=_targs: t(dt) + [("SCR_YN", 256)]) if _scratch else _targs
+        KERNELS[_v] = (_ins + [("kc", "T"), ("vc", "T")], _outs[:2] if _scratch else _outs, _t, *_rest)
+        DEFINES_OF[_v] = DEFINES_OF[_of]
+        if _scratch:
+            PRELUDE_OF[_v] = named(root / "src" / "kernels" / "qkv_fused.rs", "SCRATCH_PRELUDE")
+        REPLACE_OF[_v] = [(_kv.group(1), _kv.group(2))]
+
 # The q/k/v stage's timeline form (the bench's, one block a head:
 # qkv_fused.rs TIMELINE_SUBSTITUTIONS), 4-bit and dense.
 for _k in ("qk_norm_rope.rs#qkv_fused", "qk_norm_rope.rs#qkv_fused@dense"):

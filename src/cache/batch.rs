@@ -426,6 +426,9 @@ pub struct StackedPass {
     start: Option<Array>,
     /// A batch's row indices `0..B`, made once per pass.
     rows: Option<Array>,
+    /// Whether a kernel may write the token's K/V into the buffers in
+    /// place ([`StackedPass::writing_in_place`]).
+    in_place: bool,
 }
 
 impl StackedPass {
@@ -442,7 +445,17 @@ impl StackedPass {
         if pos.ndim() > 1 {
             return Err(Error::invalid("decode positions must be a scalar or one per row"));
         }
-        Ok(StackedPass { pos, slots, state, mask: None, start: None, rows: None })
+        Ok(StackedPass { pos, slots, state, mask: None, start: None, rows: None, in_place: false })
+    }
+
+    /// This pass hands its K/V buffers to a kernel that writes the token's
+    /// K and V into them in place ([`ForwardCache::kv_buffers`]): a lone
+    /// sequence (a scalar position) whose buffers nothing else holds or
+    /// reads in the pass (the compiled step's caller's promise: a flat
+    /// cache's buffers, src/compiled/mod.rs).
+    pub fn writing_in_place(mut self) -> StackedPass {
+        self.in_place = !self.per_row();
+        self
     }
 
     /// The new state, in input order.
@@ -534,6 +547,23 @@ impl StackedPass {
         self.state[slot + 1] = vn;
         Ok(o)
     }
+
+    /// The attention over buffers a kernel wrote this token's K/V into
+    /// (the state unchanged: the buffers are the step's outputs as they
+    /// came in).
+    fn attend_written(&mut self, layer: usize, q: &Array, scale: f32) -> Result<Array> {
+        let slot = self.slots[layer];
+        let (kbuf, vbuf) = (&self.state[slot], &self.state[slot + 1]);
+        use crate::kernels::decode_attention;
+        if decode_attention::upto_available(q, kbuf, vbuf, &self.pos) {
+            return decode_attention::sdpa_upto(q, kbuf, vbuf, scale, &self.pos, true);
+        }
+        let (b, cap) = (kbuf.dim(0), kbuf.dim(2));
+        let mask = self.mask(b, cap)?;
+        let (kbuf, vbuf) = (self.state[slot].clone(), self.state[slot + 1].clone());
+        let o = decode_attention::sdpa_masked(q, &kbuf, &vbuf, scale, &mask)?;
+        o.reshape(&[b, o.dim(1) * o.dim(3)])
+    }
 }
 
 impl ForwardCache for StackedPass {
@@ -547,6 +577,18 @@ impl ForwardCache for StackedPass {
 
     fn attend_rows(&mut self, layer: usize, q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Array> {
         self.attend_as(layer, q, k, v, scale, true)
+    }
+
+    fn kv_buffers(&mut self, layer: usize) -> Option<(Array, Array)> {
+        let slot = *self.slots.get(layer)?;
+        (self.in_place && slot + 1 < self.state.len()).then(|| (self.state[slot].clone(), self.state[slot + 1].clone()))
+    }
+
+    fn attend_written_rows(&mut self, layer: usize, q: &Array, scale: f32) -> Result<Array> {
+        if !self.in_place {
+            return Err(Error::invalid("this decode pass does not hand its K/V buffers to a kernel"));
+        }
+        self.attend_written(layer, q, scale)
     }
 
     fn conv_state(&mut self, layer: usize, _shape: ConvShape) -> Result<Array> {

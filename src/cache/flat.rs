@@ -127,6 +127,15 @@ impl KvCache {
         Ok((self.keys.clone().unwrap(), self.values.clone().unwrap()))
     }
 
+    /// A copy whose K/V buffers are its own (`x * 1`: every value's bits,
+    /// a new buffer): a kernel may write a buffer in place
+    /// (src/kernels/qkv_fused.rs `kv_in_place`), which a shared one would
+    /// show the other cache too.
+    pub fn deep_clone(&self) -> Result<KvCache> {
+        let own = |b: &Option<Array>| b.as_ref().map(|b| b.mul_scalar(1.0)).transpose();
+        Ok(KvCache { keys: own(&self.keys)?, values: own(&self.values)?, quant: self.quant.clone() })
+    }
+
     /// Takes back the buffers the compiled step wrote one token into.
     pub fn commit_step(&mut self, keys: Array, values: Array) {
         self.keys = Some(keys);

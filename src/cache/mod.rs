@@ -146,6 +146,23 @@ pub trait ForwardCache {
         o.reshape(&[o.dim(0), o.dim(1) * o.dim(3)])
     }
 
+    /// Attention layer `layer`'s K/V buffers (`[1, kv_heads, cap,
+    /// head_dim]`, room made for this call's token) for a kernel that writes
+    /// the token's K and V into them itself, in place, at the offset
+    /// (src/kernels/qkv_fused.rs `kv_in_place`): only a cache whose buffers
+    /// nothing else reads in the pass (a lone sequence's compiled step over
+    /// a flat cache); `None` elsewhere. After such a write the layer calls
+    /// [`ForwardCache::attend_written_rows`], not `attend`.
+    fn kv_buffers(&mut self, _layer: usize) -> Option<(Array, Array)> {
+        None
+    }
+
+    /// [`ForwardCache::attend_rows`] over buffers a kernel already wrote
+    /// this call's K and V into ([`ForwardCache::kv_buffers`]).
+    fn attend_written_rows(&mut self, _layer: usize, _q: &Array, _scale: f32) -> Result<Array> {
+        Err(Error::invalid("this cache does not hand its K/V buffers to a kernel"))
+    }
+
     /// Conv layer `layer`'s state before this call (`[B, keep, D]`; zeros
     /// before the first token).
     fn conv_state(&mut self, layer: usize, shape: ConvShape) -> Result<Array>;

@@ -91,7 +91,15 @@ impl ModelCache {
         if self.paged.is_some() {
             return Err(crate::error::Error::invalid("a paged cache cannot be copied; share its prefix instead"));
         }
-        Ok(ModelCache { layers: self.layers.clone(), pos: self.pos, paged: None, fresh: vec![], restored: self.restored })
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| match l {
+                LayerCache::Attention(kv) => kv.deep_clone().map(LayerCache::Attention),
+                other => Ok(other.clone()),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(ModelCache { layers, pos: self.pos, paged: None, fresh: vec![], restored: self.restored })
     }
 
     /// On an empty paged cache: takes the longest cached prefix of

@@ -89,6 +89,10 @@ impl ModelFn {
 /// worker thread, like every other MLX object of that model.
 pub struct CompiledStep {
     f: ModelFn,
+    /// The step that writes a flat cache's K/V buffers in place
+    /// (`MLX_LFM_KV_IN_PLACE`, src/kernels/qkv_fused.rs `kv_in_place`):
+    /// its own traces, since a paged cache's mirrors take the other.
+    f_kv: Option<ModelFn>,
     /// The compiled pass of a fresh prompt, where it is switched on
     /// ([`prefill`]).
     pub fresh: Option<CompiledPrefill>,
@@ -115,7 +119,10 @@ impl CompiledStep {
                 ins.push(mlx::zeros(&[1, c.conv_kernel as i32 - 1, model.local_conv_dim()], model.dtype)?);
             }
         }
-        step.run(model, &ins, true)?;
+        step.run(model, &ins, true, false)?;
+        if step.f_kv.is_some() {
+            step.run(model, &ins, true, true)?;
+        }
         let fresh = CompiledPrefill::for_model(model)?;
         Ok(CompiledStep { fresh, ..step })
     }
@@ -129,17 +136,32 @@ impl CompiledStep {
             }
             m.decode_step(ins)
         })?;
-        Ok(CompiledStep { f, fresh: None, positions: Positions::default() })
+        let f_kv = if crate::kernels::qkv_fused::kv_in_place() {
+            Some(ModelFn::new(model, "the compiled decode step writing K/V in place", max_traces, move |m, ins| {
+                if fail {
+                    return Err(Error::mlx("compiled decode: failure injected by a test"));
+                }
+                m.decode_step_writing_kv(ins)
+            })?)
+        } else {
+            None
+        };
+        Ok(CompiledStep { f, f_kv, fresh: None, positions: Positions::default() })
     }
 
     /// Runs the step: compiled, or (`compiled = false`, to prove the
     /// compiled step exact) the same function called directly.
-    fn run(&self, model: &Lfm2Model, ins: &[Array], compiled: bool) -> Result<Vec<Array>> {
+    /// (`kv_in_place`: the step that writes the K/V buffers itself,
+    /// [`CompiledStep::f_kv`].)
+    fn run(&self, model: &Lfm2Model, ins: &[Array], compiled: bool, kv_in_place: bool) -> Result<Vec<Array>> {
         if !compiled {
-            return model.decode_step(ins);
+            return if kv_in_place { model.decode_step_writing_kv(ins) } else { model.decode_step(ins) };
         }
         let refs: Vec<&Array> = ins.iter().collect();
-        self.f.call(model, &refs)
+        match (&self.f_kv, kv_in_place) {
+            (Some(f), true) => f.call(model, &refs),
+            _ => self.f.call(model, &refs),
+        }
     }
 
     /// Input shapes traced now.
@@ -177,11 +199,14 @@ impl CompiledStep {
             }
         }
         let n = ins.len();
+        // (Every attention layer's buffers a flat cache's own: a paged
+        // sequence's mirrors are read again after the step.)
+        let kv_in_place = self.f_kv.is_some() && cache.paged.is_none() && cache.layers.iter().all(|l| !matches!(l, LayerCache::Paged(_)));
         // The inputs are dropped and the cache's old buffers replaced
         // below, before anything is evaluated (the token is queued by the
         // caller), so MLX can update the buffers in place. The cache's state
         // is only replaced once the whole step is built.
-        let outs = self.run(model, &ins, compiled);
+        let outs = self.run(model, &ins, compiled, kv_in_place);
         drop(ins);
         let outs = outs?;
         if outs.len() != n - 1 {
@@ -220,7 +245,9 @@ impl CompiledStep {
         let n = state.len();
         let mut ins: Vec<Array> = vec![ids.clone(), positions.clone()];
         ins.extend(state);
-        let outs = match self.run(model, &ins, compiled) {
+        // (A batch writes its rows' K/V by scatter: its buffers are the
+        // batch's, and each row has its own position.)
+        let outs = match self.run(model, &ins, compiled, false) {
             Ok(o) if o.len() == n + 1 => o,
             // Nothing ran: the batch gets its state back untouched.
             Ok(o) => {

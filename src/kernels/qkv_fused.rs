@@ -107,11 +107,12 @@ pub enum Projection<'a> {
 fn kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
     static FORMS: stages::Forms = stages::Forms::new();
     let base = if quant { "lfm_qkv_fused" } else { "lfm_qkv_fused_dense" };
-    form(&FORMS, base, super::qk_norm_rope::QKV_FUSED_SOURCE, &EARLY_SUBSTITUTIONS, quant, scratch)
+    form(&FORMS, base, super::qk_norm_rope::QKV_FUSED_SOURCE, &EARLY_SUBSTITUTIONS, quant, scratch, false)
 }
 
 /// A form of `forms` named `base` over `body` (`early_subs` its early
-/// form's), with the stage's operands.
+/// form's), with the stage's operands (`kv`: the K/V buffers it writes in
+/// place after them, and no k or v output: [`kv_kernel`]).
 fn form(
     forms: &'static stages::Forms,
     base: &str,
@@ -119,17 +120,79 @@ fn form(
     early_subs: &[(&str, &str)],
     quant: bool,
     scratch: bool,
+    kv: bool,
 ) -> Option<&'static CudaKernel> {
     let early = stages::early_prefetch("qkv");
     let mut inputs = vec!["h", "r", "wn"];
     inputs.extend(if quant { &["iw", "iscales", "ibiases"][..] } else { &["iw"][..] });
     inputs.extend(["qw", "kw", "offset", "ctr"]);
+    if kv {
+        inputs.extend(["kc", "vc"]);
+    }
     // (The projection's rows as the first of a layer's two projections:
     // src/kernels/stages.rs's products and header.)
-    let outputs = ["s", "qo", "ko", "vo", "yn"];
-    forms.kernel(base, (quant, scratch, early), body, early_subs, SCRATCH_PRELUDE, &inputs, (&outputs, 4), || {
+    let outputs: &[&str] = if kv { &["s", "qo", "yn"] } else { &["s", "qo", "ko", "vo", "yn"] };
+    forms.kernel(base, (quant, scratch, early), body, early_subs, SCRATCH_PRELUDE, &inputs, (outputs, outputs.len() - 1), || {
         stages::layer_header(quant, false, "")
     })
+}
+
+/// `MLX_LFM_KV_IN_PLACE=1` (opt-in, session 44; not yet run on a GPU): a
+/// lone sequence's compiled decode step writes each attention layer's new
+/// K and V rows into the layer's cache buffers from this kernel's k and v
+/// head blocks, in place, at the position, instead of two MLX scatters a
+/// layer after it (~4.6 µs each on the H200's profile of the 1.2B:
+/// src/cache/batch.rs `kv_write_scatter`; 12 launches of a 1.2B token,
+/// ~55 µs). The same values (the head's rows as the k and v outputs held
+/// them). The step's K/V buffers are then its outputs as they came in:
+/// the attention kernel after it reads them ordered by q, its output, and
+/// nothing else in the step reads them (served only over a flat cache's
+/// buffers, made by `zeros`/`concatenate`, row-contiguous, so MLX hands
+/// the kernel the buffers themselves: src/compiled/mod.rs).
+pub fn kv_in_place() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    super::opt_in("MLX_LFM_KV_IN_PLACE", &ON)
+}
+
+static KV_BUILT: Built = Built::new();
+
+/// How many of [`built`]'s graphs wrote the K/V buffers in place
+/// ([`kv_in_place`]): the greedy test's evidence.
+pub fn kv_built() -> usize {
+    KV_BUILT.get()
+}
+
+/// The one-block form's text writing k's and v's heads at the position of
+/// the layer's K/V buffers (`kc`, `vc`: `[1, KVH, cap, HD]`, inputs written
+/// in place, as the counters are) instead of the k and v outputs; a
+/// position past the buffers' capacity writes nothing (the caller makes
+/// room first: a write past them would land in another allocation).
+const KV_SUBSTITUTION: (&str, &str) = (
+    r#"  T* dst = is_q ? qo + static_cast<size_t>(hh) * HD
+         : is_v ? vo + static_cast<size_t>(hh - QH - KVH) * HD
+                : ko + static_cast<size_t>(hh - QH) * HD;
+"#,
+    r#"  const size_t lfm_cap = static_cast<size_t>(kc_shape[2]);
+  const size_t lfm_at = static_cast<size_t>(static_cast<unsigned int>(offset[0]));
+  if (!is_q && lfm_at >= lfm_cap) return;
+  T* dst = is_q ? qo + static_cast<size_t>(hh) * HD
+         : is_v ? const_cast<T*>(vc) + (static_cast<size_t>(hh - QH - KVH) * lfm_cap + lfm_at) * HD
+                : const_cast<T*>(kc) + (static_cast<size_t>(hh - QH) * lfm_cap + lfm_at) * HD;
+"#,
+);
+
+/// The K/V-writing form's text ([`KV_SUBSTITUTION`]), made once.
+fn kv_source() -> &'static str {
+    static TEXT: OnceLock<String> = OnceLock::new();
+    TEXT.get_or_init(|| super::substituted(super::qk_norm_rope::QKV_FUSED_SOURCE, &[KV_SUBSTITUTION]))
+}
+
+/// The K/V-writing form's kernel ([`kernel`]'s forms: the one-block
+/// form's blocks and tickets, so either may run on a state the other ran on).
+fn kv_kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
+    static FORMS: stages::Forms = stages::Forms::new();
+    let base = if quant { "lfm_qkv_fused_kv" } else { "lfm_qkv_fused_kv_dense" };
+    form(&FORMS, base, kv_source(), &EARLY_SUBSTITUTIONS, quant, scratch, true)
 }
 
 /// The split form's text ([`split`]): the one-block form's with a head's
@@ -207,7 +270,7 @@ pub(crate) const SPLIT_EARLY_SUBSTITUTIONS: [(&str, &str); 1] = [
 fn split_kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
     static FORMS: stages::Forms = stages::Forms::new();
     let base = if quant { "lfm_qkv_split" } else { "lfm_qkv_split_dense" };
-    form(&FORMS, base, split_source(), &SPLIT_EARLY_SUBSTITUTIONS, quant, scratch)
+    form(&FORMS, base, split_source(), &SPLIT_EARLY_SUBSTITUTIONS, quant, scratch, false)
 }
 
 /// Where a layer's state holds the split form's words (bytes in): its
@@ -331,13 +394,51 @@ pub fn forward(
     consts: (f32, f32),
     ctr: &Array,
 ) -> Result<(Array, Array, Array, Array)> {
-    let mut outs = launch(x, p, qw, kw, heads, offset, consts, ctr, false)?;
+    let mut outs = launch(x, p, qw, kw, heads, offset, consts, ctr, false, None)?;
     let missing = || Error::mlx("fused q/k/v kernel: missing output");
     let v = outs.pop().ok_or_else(missing)?;
     let k = outs.pop().ok_or_else(missing)?;
     let q = outs.pop().ok_or_else(missing)?;
     let s = outs.pop().ok_or_else(missing)?;
     Ok((s, q, k, v))
+}
+
+/// Whether [`forward_into`] serves these operands: [`available`]'s, on
+/// ([`kv_in_place`]), and the K/V buffers `kc` / `vc` `[1, KVH, cap, HD]`
+/// in the row's dtype.
+#[allow(clippy::too_many_arguments)]
+pub fn available_into(x: &Normed, p: Projection, qw: &Array, kw: &Array, heads: (i32, i32, i32), offset: &Array, kc: &Array, vc: &Array) -> bool {
+    let (_, kvh, hd) = heads;
+    let fits = |b: &Array| b.ndim() == 4 && b.dtype() == x.h.dtype() && b.dim(0) == 1 && b.dim(1) == kvh && b.dim(2) > 0 && b.dim(3) == hd;
+    kv_in_place()
+        && fits(kc)
+        && fits(vc)
+        && kc.shape() == vc.shape()
+        && available(x, p, qw, kw, heads, offset)
+        && kv_kernel(matches!(p, Projection::Quant(_)), false).is_some()
+}
+
+/// `(the residual sum [1, D], q [1, H, 1, HD])` in one launch that also
+/// writes k's and v's heads into the layer's K/V buffers `kv` at the
+/// position, in place ([`kv_in_place`]; callers check [`available_into`]
+/// and make room for the position first).
+#[allow(clippy::too_many_arguments)]
+pub fn forward_into(
+    x: &Normed,
+    p: Projection,
+    qw: &Array,
+    kw: &Array,
+    heads: (i32, i32, i32),
+    offset: &Array,
+    consts: (f32, f32),
+    ctr: &Array,
+    kv: (&Array, &Array),
+) -> Result<(Array, Array)> {
+    let mut outs = launch(x, p, qw, kw, heads, offset, consts, ctr, false, Some(kv))?;
+    let missing = || Error::mlx("fused q/k/v kernel: missing output");
+    let q = outs.pop().ok_or_else(missing)?;
+    let s = outs.pop().ok_or_else(missing)?;
+    Ok((s, q))
 }
 
 /// [`forward`]'s q through the one-block stage's timeline form (the
@@ -356,7 +457,7 @@ pub fn forward_timeline(
     consts: (f32, f32),
     ctr: &Array,
 ) -> Result<(Array, Array, usize)> {
-    let mut outs = launch(x, p, qw, kw, heads, offset, consts, ctr, true)?;
+    let mut outs = launch(x, p, qw, kw, heads, offset, consts, ctr, true, None)?;
     let missing = || Error::mlx("fused q/k/v kernel: missing output");
     let times = outs.pop().ok_or_else(missing)?;
     let (qh, kvh, _) = heads;
@@ -364,7 +465,8 @@ pub fn forward_timeline(
 }
 
 /// The launch: `[s, q, k, v]`, or (`timeline`) the timeline form's every
-/// output, its stamps last.
+/// output, its stamps last, or (`kv`, the K/V buffers written in place)
+/// `[s, q]`.
 #[allow(clippy::too_many_arguments)]
 fn launch(
     x: &Normed,
@@ -376,6 +478,7 @@ fn launch(
     (eps, theta): (f32, f32),
     ctr: &Array,
     timeline: bool,
+    kv: Option<(&Array, &Array)>,
 ) -> Result<Vec<Array>> {
     let quant = matches!(p, Projection::Quant(_));
     let r = x.r.ok_or_else(|| Error::invalid("the fused q/k/v kernel needs a residual to add"))?;
@@ -386,11 +489,16 @@ fn launch(
     // one-block form: its tickets are its own words, so the state stays in
     // step. NVRTC compiles at the graph's eval, so a text that fails there
     // fails the step, as the one-block form's would.)
+    // (The K/V-writing form is the one-block form's.)
     let parts = match split_for(ctr, dt, d, heads) {
-        n if n > 1 && !timeline && split_kernel(quant, false).is_some() => n,
+        n if n > 1 && !timeline && kv.is_none() && split_kernel(quant, false).is_some() => n,
         _ => 1,
     };
-    let form = |scratch: bool| if parts > 1 { split_kernel(quant, scratch) } else { kernel(quant, scratch) };
+    let form = |scratch: bool| match (kv, parts) {
+        (Some(_), _) => kv_kernel(quant, scratch),
+        (None, 1) => kernel(quant, scratch),
+        _ => split_kernel(quant, scratch),
+    };
     let kern = if timeline { timeline_kernel(quant) } else { form(false) };
     let kern = kern.ok_or_else(|| Error::mlx("the fused q/k/v kernel is not available"))?;
     let nb = 1 + (qh as i64 + 2 * kvh as i64) * parts as i64;
@@ -414,7 +522,7 @@ fn launch(
         let place = i32::try_from(split_place(d as usize)).map_err(|_| Error::invalid(format!("fused q/k/v kernel: a state {d} wide")))?;
         template.extend([("SPLIT", TemplateArg::Int(parts)), ("HEAD_ST", TemplateArg::Int(place))]);
     }
-    let inputs: Vec<&Array> = match p {
+    let mut inputs: Vec<&Array> = match p {
         Projection::Quant(q) => {
             template.extend([("IBITS", TemplateArg::Int(q.spec.bits)), ("IGS", TemplateArg::Int(q.spec.group_size))]);
             let b = q.biases.as_ref().ok_or_else(|| Error::invalid("the fused q/k/v kernel needs affine biases"))?;
@@ -422,7 +530,14 @@ fn launch(
         }
         Projection::Dense(w) => vec![x.h, r, x.w, w, qw, kw, offset, ctr],
     };
-    let outputs: [(&[i32], Dtype); 5] = [(&[1, d], dt), (&[1, qh, 1, hd], dt), (&[1, kvh, 1, hd], dt), (&[1, kvh, 1, hd], dt), (&[d], dt)];
+    let (s_out, q_out, kv_out, yn_out): (&[i32], &[i32], &[i32], &[i32]) = (&[1, d], &[1, qh, 1, hd], &[1, kvh, 1, hd], &[d]);
+    let outputs: Vec<(&[i32], Dtype)> = match kv {
+        Some((kc, vc)) => {
+            inputs.extend([kc, vc]);
+            vec![(s_out, dt), (q_out, dt), (yn_out, dt)]
+        }
+        None => vec![(s_out, dt), (q_out, dt), (kv_out, dt), (kv_out, dt), (yn_out, dt)],
+    };
     if timeline {
         return stages::call_stamped(kern, &inputs, &outputs, nb, [grid, 1, 1], [threads, 1, 1], &template, "fused q/k/v kernel");
     }
@@ -432,7 +547,10 @@ fn launch(
     if parts > 1 {
         SPLIT_BUILT.bump();
     }
-    outs.truncate(4);
+    if kv.is_some() {
+        KV_BUILT.bump();
+    }
+    outs.truncate(outputs.len() - 1);
     Ok(outs)
 }
 
@@ -482,6 +600,18 @@ mod tests {
         let stamped = super::super::substituted(body, &TIMELINE_SUBSTITUTIONS);
         assert_eq!(stamped.matches("LFM_STAMP(").count(), 4);
         assert_eq!(stamped.matches("LFM_STAMP_START();").count(), 1);
+    }
+
+    /// The K/V-writing form's substitution finds its place once, and its
+    /// text writes k and v through the buffers, not the outputs.
+    #[test]
+    fn the_kv_form_finds_its_place() {
+        let body = super::super::qk_norm_rope::QKV_FUSED_SOURCE;
+        assert_eq!(body.matches(KV_SUBSTITUTION.0).count(), 1);
+        let text = kv_source();
+        assert!(text.contains("const_cast<T*>(kc)") && text.contains("const_cast<T*>(vc)") && text.contains("kc_shape[2]"));
+        assert!(!text.contains(": ko +") && !text.contains("? vo +"), "the K/V form still writes the k or v output");
+        assert_eq!(text.matches(EARLY_SUBSTITUTIONS[0].0).count(), 1, "the early form's place");
     }
 
     /// The early form's prefetch finds its place in the body, once.

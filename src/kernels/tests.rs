@@ -930,6 +930,19 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                         }
                     }
                 }
+                if compiled && !joined {
+                    // The attention layers' K/V written into the flat
+                    // cache's buffers by the q/k/v stage itself
+                    // (MLX_LFM_KV_IN_PLACE, opt-in, session 44; run.py's
+                    // `kv-in-place`), which a run must have built where that
+                    // stage serves (an attention layer after the first).
+                    let set = [("MLX_LFM_KV_IN_PLACE".to_string(), Some("1".to_string()))];
+                    let before = crate::kernels::qkv_fused::kv_built();
+                    runs.push(("kv-in-place", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
+                    if can_fuse && attention_after_first && !off("MLX_LFM_QKV_FUSED") && crate::kernels::qkv_fused::kv_built() == before {
+                        unbuilt("kv-in-place", &mut failures);
+                    }
+                }
                 if !q4 {
                     // The deferred folds over every dense norm + projection
                     // (any width: MLX_LFM_NORM_GEMV_KERNEL=1, as run.py's
@@ -3467,6 +3480,111 @@ fn ffn_fused_kernel_matches_stock_ops() {
 /// of the dtype of their largest value (how many differ is printed), at
 /// positions 0 and 517; then repeated launches on used counters and every
 /// wait given up.
+/// The one-launch q/k/v stage writing the token's K and V into the
+/// layer's K/V buffers in place (`MLX_LFM_KV_IN_PLACE`, session 44):
+/// the same sum and q as the stage's outputs, the buffers' row at the
+/// position its k and v to the bit and every other row as it was; with
+/// the scratch row in the state, after a launch of the other form on the
+/// same state (the two share their tickets); a position past the buffers
+/// writes nothing.
+#[test]
+fn qkv_fused_kernel_writes_kv_in_place() {
+    use crate::kernels::qkv_fused::{available_into, forward, forward_into, kv_built, Projection};
+    use crate::kernels::stages::new_counters_of;
+    if skip("qkv_fused_kernel_writes_kv_in_place") {
+        return;
+    }
+    use crate::kernels::with_opt_in_one;
+    use crate::mlx::random::normal;
+    use crate::mlx::Array;
+    use crate::model::linear::{Normed, Quantized};
+    let eps_value = 1e-5f32;
+    let eps = Array::from_slice(&[eps_value], &[1]).unwrap();
+    let on = [
+        ("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string())),
+        ("MLX_LFM_KV_IN_PLACE".to_string(), Some("1".to_string())),
+    ];
+    let (head_eps, theta) = (1e-6f32, 1_000_000.0f32);
+    let cap = 768;
+    // (dtype, D, heads, KV heads, head width, bits / group; bits 0: dense)
+    for (dt, d, qh, kvh, hd, bits, gs) in
+        [(Dtype::Bfloat16, 2048, 32, 8, 64, 0, 0), (Dtype::Bfloat16, 2048, 32, 8, 64, 4, 64), (Dtype::Float32, 1024, 8, 2, 64, 0, 0)]
+    {
+        let what = format!("{dt:?} {d} wide, {qh}/{kvh} heads of {hd}, {bits}-bit");
+        let w = normal(&[(qh + 2 * kvh) * hd, d], Dtype::Float32, 0.0, 0.04, None).unwrap().astype(dt).unwrap();
+        let q: Option<Quantized> = (bits != 0).then(|| quantized(&w, dt, bits, gs));
+        let p = match &q {
+            Some(q) => Projection::Quant(q),
+            None => Projection::Dense(&w),
+        };
+        let qw = normal(&[hd], Dtype::Float32, 1.0, 0.2, None).unwrap().astype(dt).unwrap();
+        let kw = normal(&[hd], Dtype::Float32, 1.0, 0.2, None).unwrap().astype(dt).unwrap();
+        let h = normal(&[1, d], Dtype::Float32, 0.0, 4.0, None).unwrap().astype(dt).unwrap();
+        let r = normal(&[1, d], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
+        let wn = normal(&[d], Dtype::Float32, 1.0, 0.2, None).unwrap().astype(dt).unwrap();
+        let x = Normed { h: &h, r: Some(&r), w: &wn, eps: eps_value, eps_array: &eps };
+        let heads = (qh, kvh, hd);
+        let state = new_counters_of(crate::kernels::qkv_fused::state_words(d as usize, (qh + 2 * kvh) as usize)).unwrap();
+        for (turn, position) in [(0, 0i32), (1, 517), (2, cap - 1), (3, cap)] {
+            let what = format!("{what}, position {position}");
+            let offset = Array::from_slice(&[position], &[1]).unwrap();
+            crate::knobs::with_overrides(&on, || {
+                with_opt_in_one("MLX_LFM_QKV_FUSED", || {
+                    // (The other form first, on the same state.)
+                    let (s, gq, gk, gv) = forward(&x, p, &qw, &kw, heads, &offset, (head_eps, theta), &state).unwrap();
+                    crate::mlx::eval(&[&s, &gq, &gk, &gv]).unwrap();
+                    let buffer = || normal(&[1, kvh, cap, hd], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
+                    let (kc, vc) = (buffer(), buffer());
+                    crate::mlx::eval(&[&kc, &vc]).unwrap();
+                    // (Copies of what the buffers held, in buffers of their own.)
+                    let (k0, v0) = (kc.mul_scalar(1.0).unwrap(), vc.mul_scalar(1.0).unwrap());
+                    crate::mlx::eval(&[&k0, &v0]).unwrap();
+                    assert!(available_into(&x, p, &qw, &kw, heads, &offset, &kc, &vc), "{what}: not served");
+                    let before = kv_built();
+                    let launch = || {
+                        let (s2, q2) = forward_into(&x, p, &qw, &kw, heads, &offset, (head_eps, theta), &state, (&kc, &vc)).unwrap();
+                        crate::mlx::eval(&[&s2, &q2]).unwrap();
+                        (s2, q2)
+                    };
+                    let (s2, q2) = if turn % 2 == 1 { scratch_in_state(launch) } else { launch() };
+                    assert_eq!(kv_built(), before + 1, "{what}: the in-place form was not built");
+                    assert_eq!((differing(&s2, &s), differing(&q2, &gq)), (0, 0), "{what}: the sum or q differs");
+                    for (name, buf, was, row) in [("K", &kc, &k0, &gk), ("V", &vc, &v0, &gv)] {
+                        if position < cap {
+                            let at = buf.slice_axis(2, position, position + 1).unwrap();
+                            assert_eq!(differing(&at, row), 0, "{what}: the {name} buffer's row at the position is not the stage's");
+                        }
+                        let below = position.min(cap);
+                        if below > 0 {
+                            let (a, b) = (buf.slice_axis(2, 0, below).unwrap(), was.slice_axis(2, 0, below).unwrap());
+                            assert_eq!(differing(&a, &b), 0, "{what}: the {name} buffer changed before the position");
+                        }
+                        if position + 1 < cap {
+                            let (a, b) = (buf.slice_axis(2, position + 1, cap).unwrap(), was.slice_axis(2, position + 1, cap).unwrap());
+                            assert_eq!(differing(&a, &b), 0, "{what}: the {name} buffer changed after the position");
+                        }
+                    }
+                })
+            });
+        }
+        // Not served: the switch off, buffers of another dtype or shape.
+        let offset = Array::from_slice(&[3i32], &[1]).unwrap();
+        let kc = crate::mlx::zeros(&[1, kvh, cap, hd], dt).unwrap();
+        let other = crate::mlx::zeros(&[1, kvh, cap, hd], if dt == Dtype::Float32 { Dtype::Bfloat16 } else { Dtype::Float32 }).unwrap();
+        let short = crate::mlx::zeros(&[1, kvh, cap, hd / 2], dt).unwrap();
+        crate::knobs::with_overrides(&on, || {
+            with_opt_in_one("MLX_LFM_QKV_FUSED", || {
+                assert!(!available_into(&x, p, &qw, &kw, heads, &offset, &kc, &other), "{what}: served buffers of another dtype");
+                assert!(!available_into(&x, p, &qw, &kw, heads, &offset, &short, &short), "{what}: served buffers of another head width");
+            })
+        });
+        let off = [("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string())), ("MLX_LFM_KV_IN_PLACE".to_string(), Some("0".to_string()))];
+        crate::knobs::with_overrides(&off, || {
+            assert!(!with_opt_in_one("MLX_LFM_QKV_FUSED", || available_into(&x, p, &qw, &kw, heads, &offset, &kc, &kc)), "{what}: served with the switch off");
+        });
+    }
+}
+
 #[test]
 fn qkv_fused_kernel_matches_stock_ops() {
     use crate::kernels::qkv_fused::{available, forward, Projection};

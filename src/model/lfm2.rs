@@ -146,21 +146,11 @@ impl Attention {
         if !self.qkv.stacked_widths().is_some_and(stacked) || !wanted(x.h) {
             return Ok(None);
         }
-        let offsets = match offset {
-            Offset::Int(off) => Array::from_slice(&[off], &[1])?,
-            Offset::Array(offs) if qk_norm_rope::offset_served(offs, x.h.dim(0)) => offs.clone(),
-            Offset::Array(_) => return Ok(None),
-        };
+        let Some(offsets) = Self::offsets(x, &offset)? else { return Ok(None) };
         // The norm, the projection and the heads' norm + RoPE in one launch
         // (a lone sequence's decode on CUDA; MLX_LFM_QKV_FUSED=0 off).
-        if let (true, Projections::Stacked { linear: Linear { weight, bias: None, .. }, .. }) =
-            (crate::kernels::qkv_fused::enabled_here() && x.h.ndim() == 2, &self.qkv)
-        {
-            use crate::kernels::qkv_fused::{self, Projection};
-            let p = match weight {
-                Weight::Quant(q) => Projection::Quant(q),
-                Weight::Dense(w) => Projection::Dense(w),
-            };
+        if let Some(p) = self.fused_projection(x) {
+            use crate::kernels::qkv_fused;
             if qkv_fused::available(x, p, &self.q_norm, &self.k_norm, heads, &offsets) {
                 let consts = (self.eps, self.rope_theta);
                 let (s, q, k, v) = qkv_fused::forward(x, p, &self.q_norm, &self.k_norm, heads, &offsets, consts, &self.fused_counters)?;
@@ -175,6 +165,57 @@ impl Attention {
         }
         let qkv = qk_norm_rope::qkv_norm_rope(&y, &self.q_norm, &self.k_norm, &offsets, heads, self.eps, self.rope_theta)?;
         Ok(Some((s, qkv)))
+    }
+
+    /// The RoPE offset as the q/k/v kernels read it (`[1]` or one a row,
+    /// int32); None where they do not serve it.
+    fn offsets(x: &Normed, offset: &Offset) -> Result<Option<Array>> {
+        use crate::kernels::qk_norm_rope;
+        Ok(match *offset {
+            Offset::Int(off) => Some(Array::from_slice(&[off], &[1])?),
+            Offset::Array(offs) if qk_norm_rope::offset_served(offs, x.h.dim(0)) => Some(offs.clone()),
+            Offset::Array(_) => None,
+        })
+    }
+
+    /// The stacked projection as the one-launch q/k/v stage reads it,
+    /// where that stage is on and `x` is a decode step's rows.
+    fn fused_projection(&self, x: &Normed) -> Option<crate::kernels::qkv_fused::Projection<'_>> {
+        use crate::kernels::qkv_fused::{self, Projection};
+        let stacked = |w: &[i32]| w == [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim];
+        match &self.qkv {
+            Projections::Stacked { linear: Linear { weight, bias: None, .. }, .. }
+                if qkv_fused::enabled_here() && x.h.ndim() == 2 && self.qkv.stacked_widths().is_some_and(stacked) =>
+            {
+                Some(match weight {
+                    Weight::Quant(q) => Projection::Quant(q),
+                    Weight::Dense(w) => Projection::Dense(w),
+                })
+            }
+            _ => None,
+        }
+    }
+
+    /// A lone sequence's decode row whose new K and V the one-launch q/k/v
+    /// stage writes into the cache's buffers itself
+    /// (`MLX_LFM_KV_IN_PLACE`, src/kernels/qkv_fused.rs `kv_in_place`):
+    /// `(the residual sum, the heads' output [1, heads * head_dim])`, or
+    /// None where the cache or the kernel does not serve it.
+    fn attend_written(&self, x: &Normed, layer: usize, cache: &mut dyn ForwardCache) -> Result<Option<(Array, Array)>> {
+        use crate::kernels::qkv_fused;
+        if !qkv_fused::kv_in_place() {
+            return Ok(None);
+        }
+        let Some(p) = self.fused_projection(x) else { return Ok(None) };
+        let Some(offsets) = Self::offsets(x, &cache.offset())? else { return Ok(None) };
+        let Some((kc, vc)) = cache.kv_buffers(layer) else { return Ok(None) };
+        let heads = (self.n_heads, self.n_kv_heads, self.head_dim);
+        if !qkv_fused::available_into(x, p, &self.q_norm, &self.k_norm, heads, &offsets, &kc, &vc) {
+            return Ok(None);
+        }
+        let consts = (self.eps, self.rope_theta);
+        let (s, q) = qkv_fused::forward_into(x, p, &self.q_norm, &self.k_norm, heads, &offsets, consts, &self.fused_counters, (&kc, &vc))?;
+        Ok(Some((s, cache.attend_written_rows(layer, &q, self.scale)?)))
     }
 
     /// `[B, heads, T, head_dim]` attention output back to `[B, T, D]`
@@ -193,6 +234,9 @@ impl Attention {
     /// Attention layer `layer` over whatever cache the pass runs on, on
     /// the pending norm `x`: `(its residual sum, the output)`.
     fn forward(&self, x: &Normed, layer: usize, cache: &mut dyn ForwardCache) -> Result<(Array, Array)> {
+        if let Some((s, o)) = self.attend_written(x, layer, cache)? {
+            return Ok((s, reduce(&self.shard, self.out_proj.forward(&o)?)?));
+        }
         let (s, (q, k, v)) = match self.project_stacked(x, cache.offset())? {
             Some(done) => done,
             None => {
@@ -213,6 +257,9 @@ impl Attention {
     /// sum, the heads' output [B, heads * head_dim])`, for a launch that
     /// joins out_proj to what follows.
     fn attend_rows_raw(&self, x: &Normed, layer: usize, cache: &mut dyn ForwardCache) -> Result<(Array, Array)> {
+        if let Some(done) = self.attend_written(x, layer, cache)? {
+            return Ok(done);
+        }
         let (s, (q, k, v)) = match self.project_stacked(x, cache.offset())? {
             Some(done) => done,
             None => {
@@ -986,11 +1033,27 @@ impl Lfm2Model {
     /// [`StackedPass`] state in layer order; outputs the logits `[B, V]`
     /// and the new state in the same order.
     pub fn decode_step(&self, ins: &[Array]) -> Result<Vec<Array>> {
+        self.decode_step_as(ins, false)
+    }
+
+    /// [`Lfm2Model::decode_step`] for a lone sequence over a flat cache
+    /// whose K/V buffers nothing else holds or reads in the step: its
+    /// attention layers' q/k/v kernel writes the token's K and V into them
+    /// in place (src/kernels/qkv_fused.rs `kv_in_place`), and the step
+    /// returns them as they came in.
+    pub fn decode_step_writing_kv(&self, ins: &[Array]) -> Result<Vec<Array>> {
+        self.decode_step_as(ins, true)
+    }
+
+    fn decode_step_as(&self, ins: &[Array], kv_in_place: bool) -> Result<Vec<Array>> {
         if ins.len() < 2 {
             return Err(Error::invalid("a decode step takes ids, positions and the state"));
         }
         let ids = &ins[0];
         let mut pass = StackedPass::new(&self.config.attn_layers, ins[1].clone(), ins[2..].to_vec())?;
+        if kv_in_place {
+            pass = pass.writing_in_place();
+        }
         let rows = ids.ndim() == 2 && ids.dim(1) == 1 && decode_rows();
         let h = self.hidden_as(ids, &mut pass, rows, 0)?;
         let logits = self.head(&h)?;
