@@ -188,35 +188,28 @@ chain:
   1. carry [.device/a]: `stage-mlx`.
   2. carry [.device/llama]: `llama` (its build runs in the background).
   3. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=4
-     H200_KERNEL_TESTS=ffn_fused_kernel,conv_fused_kernel,greedy_tokens_with_kernels_equal_stock_ops
+     H200_KERNEL_TESTS=ffn_fused_kernel,conv_fused_kernel,qkv_fused_kernel,greedy_tokens_with_kernels_equal_stock_ops
      `timeout -s TERM 560 python3 bench/h200/run.py install verdicts-from
-     committed kernels save-ptx` (the feed-forward test whole, ~6 min
-     before session 44's narrowing of its forms, now the forms on the
-     models' bf16 gates only: the other cases with the rounds default;
-     the conv test's default after a launch over another row, new; the
-     tiny fixtures' greedy sets, whose float16/float32 gates the default
-     leaves in one output a warp). If it cannot fit, narrow with
+     committed kernels save-ptx` (the feed-forward test whole: its
+     other cases with the rounds default, the 8B-A1B's dense bf16 gate
+     new; the conv test's default after a launch over another row, new;
+     `qkv_fused_kernel_writes_kv_in_place`, new, and the greedy sets'
+     `kv-in-place`; the tiny fixtures' greedy sets). A failure in an
+     opt-in's greedy set fails the whole greedy test, and with it the
+     defaults' verdict (the benchmarks then run with MLX_LFM_KERNELS=0):
+     read which set failed before step 4. If it cannot fit, narrow with
      MLX_LFM_TEST_CASES and say so.
   4. carry [.device/bin]: H200_OURS_ENV (mimalloc), `timeout -s TERM 560
      python3 bench/h200/run.py pick round 1` (the 1.2B's decode against
      llama.cpp with the rounds default: ~1.05x over session 42's
      1.00-1.09x if the A/B holds; 1.2x is the target).
-  5. If time is left: `layer-chains` (the attention layer's q/k/v gaps)
-     and `round 2`.
-  Then, the attention layers' small launches (~55 µs of a 1.2B token's
-  ~1.2 ms): a lone sequence's compiled step writes each attention
-  layer's new K and V with two MLX scatters (~4.6 µs each, batch.rs
-  `StackedPass::attend_as`); the one-launch q/k/v kernel could write
-  them into the cache's buffers itself (its head blocks already hold the
-  rows, and it already writes its state in place), saving both launches.
-  Hazards a design must meet: the buffers are the compiled step's inputs
-  and outputs (the in-place write makes the output its input); only q
-  orders the attention kernel after the write (nothing else may read the
-  buffer in that graph: paged mirrors are copied out later, so serve
-  flat caches only); `ModelCache::try_clone` shares buffers (make it
-  copy); MLX copies a non-contiguous input (the write would vanish);
-  the capacity is a run-time shape (`kc_shape[2]`), the position the
-  offset array's. The MoE layer's down stage could overlap its gate/up
+  5. carry [.device/bin]: H200_OURS_ENV, H200_AB_VARIANTS=kv-in-place
+     H200_MODELS=lfm2-1.2b-bf16,lfm2-350m-bf16,lfm2-8b-a1b-q4
+     H200_AB_REPS=3 `timeout -s TERM 400 python3 bench/h200/run.py ab
+     pick` (its test and greedy set passed: adopt it where decode gains
+     3%, as a CUDA default in qkv_fused.rs `kv_in_place`); then `round 2`
+     if time is left.
+  Then: the MoE layer's down stage could overlap its gate/up
   stage as the feed-forward's rounds do (quantized: a split must fall on
   a group's boundary); the conv layer's rounds lost because the channels
   are one a warp over 128 blocks (half the blocks in two rounds), so a
