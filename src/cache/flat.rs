@@ -131,9 +131,16 @@ impl KvCache {
     /// a new buffer): a kernel may write a buffer in place
     /// (src/kernels/qkv_fused.rs `kv_in_place`), which a shared one would
     /// show the other cache too.
+    /// (Evaluated here: a lazy copy would be taken only where it is first
+    /// read, after the buffers it copies may have been written again.)
     pub fn deep_clone(&self) -> Result<KvCache> {
         let own = |b: &Option<Array>| b.as_ref().map(|b| b.mul_scalar(1.0)).transpose();
-        Ok(KvCache { keys: own(&self.keys)?, values: own(&self.values)?, quant: self.quant.clone() })
+        let (keys, values) = (own(&self.keys)?, own(&self.values)?);
+        let made: Vec<&Array> = keys.iter().chain(values.iter()).collect();
+        if !made.is_empty() {
+            crate::mlx::eval(&made)?;
+        }
+        Ok(KvCache { keys, values, quant: self.quant.clone() })
     }
 
     /// Takes back the buffers the compiled step wrote one token into.

@@ -85,6 +85,14 @@ impl ModelFn {
     }
 }
 
+static KV_IN_PLACE_STEPS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// How many lone steps took the step that writes the K/V buffers in place
+/// ([`CompiledStep::step`]): the greedy test's evidence that its run did.
+pub fn kv_in_place_steps() -> usize {
+    KV_IN_PLACE_STEPS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// The compiled step of one loaded model. Not Send: it lives on the model's
 /// worker thread, like every other MLX object of that model.
 pub struct CompiledStep {
@@ -201,7 +209,16 @@ impl CompiledStep {
         let n = ins.len();
         // (Every attention layer's buffers a flat cache's own: a paged
         // sequence's mirrors are read again after the step.)
+        // The kernel's writes are no node MLX orders anything by: the
+        // attention after it reads the buffers through q, and whatever
+        // reads them after the step (the next step, a growth's
+        // concatenate, a batch's join) is in a later graph, after this
+        // step's token is queued for evaluation (src/generate: every lone
+        // step's is), so the stream runs it after this one.
         let kv_in_place = self.f_kv.is_some() && cache.paged.is_none() && cache.layers.iter().all(|l| !matches!(l, LayerCache::Paged(_)));
+        if kv_in_place {
+            KV_IN_PLACE_STEPS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         // The inputs are dropped and the cache's old buffers replaced
         // below, before anything is evaluated (the token is queued by the
         // caller), so MLX can update the buffers in place. The cache's state
