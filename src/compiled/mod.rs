@@ -144,7 +144,9 @@ impl CompiledStep {
             }
             m.decode_step(ins)
         })?;
-        let f_kv = if crate::kernels::qkv_fused::kv_in_place() {
+        // (Where the q/k/v stage runs: on CUDA. Elsewhere its trace would
+        // be the other one's, a second trace at load for nothing.)
+        let f_kv = if crate::kernels::qkv_fused::kv_in_place() && crate::kernels::qkv_fused::enabled_here() {
             Some(ModelFn::new(model, "the compiled decode step writing K/V in place", max_traces, move |m, ins| {
                 if fail {
                     return Err(Error::mlx("compiled decode: failure injected by a test"));
