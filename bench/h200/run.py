@@ -194,11 +194,12 @@ chain:
      other cases with the rounds default, the 8B-A1B's dense bf16 gate
      new; the conv test's default after a launch over another row, new;
      `qkv_fused_kernel_writes_kv_in_place`, new, and the greedy sets'
-     `kv-in-place`; the tiny fixtures' greedy sets). A failure in an
-     opt-in's greedy set fails the whole greedy test, and with it the
-     defaults' verdict (the benchmarks then run with MLX_LFM_KERNELS=0):
-     read which set failed before step 4. If it cannot fit, narrow with
-     MLX_LFM_TEST_CASES and say so.
+     `kv-in-place`; the tiny fixtures' greedy sets). A failed layer test
+     among DEFAULT_KERNEL_TESTS turns every kernel off for the benchmarks
+     after it (MLX_LFM_KERNELS=0), as session 44's first test call did:
+     read the verdicts before step 4. If it cannot fit, narrow with
+     MLX_LFM_TEST_CASES and say so (verdicts-from then keeps the whole
+     test's earlier verdict, not the narrowed one).
   4. carry [.device/bin]: H200_OURS_ENV (mimalloc), `timeout -s TERM 560
      python3 bench/h200/run.py pick round 1` (the 1.2B's decode against
      llama.cpp with the rounds default: ~1.05x over session 42's
