@@ -514,7 +514,7 @@ impl StackedPass {
         let start = if self.per_row() || kv_write_scatter() { None } else { Some(self.start()?) };
         let rows = if self.per_row() { Some(self.rows(b)?) } else { None };
         let (kbuf, vbuf) = (&self.state[slot], &self.state[slot + 1]);
-        let (h, cap, hd) = (kbuf.dim(1), kbuf.dim(2), kbuf.dim(3));
+        let (h, hd) = (kbuf.dim(1), kbuf.dim(3));
         let (kn, vn) = if let Some(rows) = rows {
             let upd = |x: &Array| x.reshape(&[b, 1, h, 1, hd]);
             (
@@ -530,22 +530,28 @@ impl StackedPass {
             let start = start.expect("made above for the slice update");
             (kbuf.slice_update_dyn(k, &start, &[2])?, vbuf.slice_update_dyn(v, &start, &[2])?)
         };
-        use crate::kernels::decode_attention;
-        let o = if decode_attention::upto_available(q, &kn, &vn, &self.pos) {
-            // (As rows: the kernel writes `[B, heads * head_dim]` itself.)
-            decode_attention::sdpa_upto(q, &kn, &vn, scale, &self.pos, rows_out)?
-        } else {
-            let mask = self.mask(b, cap)?;
-            let o = decode_attention::sdpa_masked(q, &kn, &vn, scale, &mask)?;
-            if rows_out {
-                o.reshape(&[b, o.dim(1) * o.dim(3)])?
-            } else {
-                o
-            }
-        };
+        let o = self.attention(q, &kn, &vn, scale, rows_out)?;
         self.state[slot] = kn;
         self.state[slot + 1] = vn;
         Ok(o)
+    }
+
+    /// `q` over the buffers `kn` / `vn` that hold this token's K/V
+    /// (`rows_out`: as [`ForwardCache::attend_rows`]).
+    fn attention(&mut self, q: &Array, kn: &Array, vn: &Array, scale: f32, rows_out: bool) -> Result<Array> {
+        use crate::kernels::decode_attention;
+        if decode_attention::upto_available(q, kn, vn, &self.pos) {
+            // (As rows: the kernel writes `[B, heads * head_dim]` itself.)
+            return decode_attention::sdpa_upto(q, kn, vn, scale, &self.pos, rows_out);
+        }
+        let (b, cap) = (kn.dim(0), kn.dim(2));
+        let mask = self.mask(b, cap)?;
+        let o = decode_attention::sdpa_masked(q, kn, vn, scale, &mask)?;
+        if rows_out {
+            o.reshape(&[b, o.dim(1) * o.dim(3)])
+        } else {
+            Ok(o)
+        }
     }
 
     /// The attention over buffers a kernel wrote this token's K/V into
@@ -553,16 +559,8 @@ impl StackedPass {
     /// came in).
     fn attend_written(&mut self, layer: usize, q: &Array, scale: f32) -> Result<Array> {
         let slot = self.slots[layer];
-        let (kbuf, vbuf) = (&self.state[slot], &self.state[slot + 1]);
-        use crate::kernels::decode_attention;
-        if decode_attention::upto_available(q, kbuf, vbuf, &self.pos) {
-            return decode_attention::sdpa_upto(q, kbuf, vbuf, scale, &self.pos, true);
-        }
-        let (b, cap) = (kbuf.dim(0), kbuf.dim(2));
-        let mask = self.mask(b, cap)?;
         let (kbuf, vbuf) = (self.state[slot].clone(), self.state[slot + 1].clone());
-        let o = decode_attention::sdpa_masked(q, &kbuf, &vbuf, scale, &mask)?;
-        o.reshape(&[b, o.dim(1) * o.dim(3)])
+        self.attention(q, &kbuf, &vbuf, scale, true)
     }
 }
 

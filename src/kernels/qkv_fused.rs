@@ -531,18 +531,20 @@ fn launch(
         Projection::Dense(w) => vec![x.h, r, x.w, w, qw, kw, offset, ctr],
     };
     let (s_out, q_out, kv_out, yn_out): (&[i32], &[i32], &[i32], &[i32]) = (&[1, d], &[1, qh, 1, hd], &[1, kvh, 1, hd], &[d]);
-    let outputs: Vec<(&[i32], Dtype)> = match kv {
+    let all = [(s_out, dt), (q_out, dt), (kv_out, dt), (kv_out, dt), (yn_out, dt)];
+    let written = [(s_out, dt), (q_out, dt), (yn_out, dt)];
+    let outputs: &[(&[i32], Dtype)] = match kv {
         Some((kc, vc)) => {
             inputs.extend([kc, vc]);
-            vec![(s_out, dt), (q_out, dt), (yn_out, dt)]
+            &written
         }
-        None => vec![(s_out, dt), (q_out, dt), (kv_out, dt), (kv_out, dt), (yn_out, dt)],
+        None => &all,
     };
     if timeline {
-        return stages::call_stamped(kern, &inputs, &outputs, nb, [grid, 1, 1], [threads, 1, 1], &template, "fused q/k/v kernel");
+        return stages::call_stamped(kern, &inputs, outputs, nb, [grid, 1, 1], [threads, 1, 1], &template, "fused q/k/v kernel");
     }
     let mut outs =
-        stages::call_with_scratch(kern, || form(true), &inputs, &outputs, &["SCR_YN"], ctr, [grid, 1, 1], [threads, 1, 1], &template)?;
+        stages::call_with_scratch(kern, || form(true), &inputs, outputs, &["SCR_YN"], ctr, [grid, 1, 1], [threads, 1, 1], &template)?;
     BUILT.bump();
     if parts > 1 {
         SPLIT_BUILT.bump();
