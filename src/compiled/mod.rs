@@ -174,6 +174,12 @@ impl CompiledStep {
         }
     }
 
+    /// Whether a lone step over a flat cache takes the step that writes
+    /// the K/V buffers in place ([`CompiledStep::f_kv`]).
+    pub fn writes_kv_in_place(&self) -> bool {
+        self.f_kv.is_some()
+    }
+
     /// Input shapes traced now.
     pub fn traces(&self) -> usize {
         self.f.traces()

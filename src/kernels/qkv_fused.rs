@@ -408,14 +408,38 @@ pub fn forward(
 /// in the row's dtype.
 #[allow(clippy::too_many_arguments)]
 pub fn available_into(x: &Normed, p: Projection, qw: &Array, kw: &Array, heads: (i32, i32, i32), offset: &Array, kc: &Array, vc: &Array) -> bool {
+    refusal_into(x, p, qw, kw, heads, offset, kc, vc).is_none()
+}
+
+/// Why [`available_into`] does not serve these operands (None: it does).
+#[allow(clippy::too_many_arguments)]
+pub fn refusal_into(x: &Normed, p: Projection, qw: &Array, kw: &Array, heads: (i32, i32, i32), offset: &Array, kc: &Array, vc: &Array) -> Option<&'static str> {
     let (_, kvh, hd) = heads;
     let fits = |b: &Array| b.ndim() == 4 && b.dtype() == x.h.dtype() && b.dim(0) == 1 && b.dim(1) == kvh && b.dim(2) > 0 && b.dim(3) == hd;
-    kv_in_place()
-        && fits(kc)
-        && fits(vc)
-        && kc.shape() == vc.shape()
-        && available(x, p, qw, kw, heads, offset)
-        && kv_kernel(matches!(p, Projection::Quant(_)), false).is_some()
+    if !kv_in_place() {
+        Some("MLX_LFM_KV_IN_PLACE is off")
+    } else if !fits(kc) || !fits(vc) || kc.shape() != vc.shape() {
+        Some("the K/V buffers are not [1, kv heads, cap, head_dim] in the row's dtype")
+    } else if !available(x, p, qw, kw, heads, offset) {
+        Some("the one-launch q/k/v stage does not serve the row")
+    } else if kv_kernel(matches!(p, Projection::Quant(_)), false).is_none() {
+        Some("the K/V-writing kernel could not be made")
+    } else {
+        None
+    }
+}
+
+/// The last reason a layer's in-place K/V write was refused
+/// ([`note_refusal`]): what the greedy test's evidence reports where a
+/// run never took it.
+static REFUSED: parking_lot::Mutex<Option<&'static str>> = parking_lot::Mutex::new(None);
+
+pub fn note_refusal(why: &'static str) {
+    *REFUSED.lock() = Some(why);
+}
+
+pub fn last_refusal() -> Option<&'static str> {
+    *REFUSED.lock()
 }
 
 /// `(the residual sum [1, D], q [1, H, 1, HD])` in one launch that also

@@ -943,6 +943,12 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     runs.push(("kv-in-place", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
                     let after = (crate::kernels::qkv_fused::kv_built(), crate::compiled::kv_in_place_steps());
                     if can_fuse && attention_after_first && !off("MLX_LFM_QKV_FUSED") && (after.0 == before.0 || after.1 == before.1) {
+                        eprintln!(
+                            "{what}: kv-in-place: {} in-place graphs, {} in-place steps; the last refusal: {:?}",
+                            after.0 - before.0,
+                            after.1 - before.1,
+                            crate::kernels::qkv_fused::last_refusal()
+                        );
                         unbuilt("kv-in-place", &mut failures);
                     }
                 }
@@ -3474,6 +3480,68 @@ fn ffn_fused_kernel_matches_stock_ops() {
     }
     let off = [consts[0].clone(), ("MLX_LFM_FFN_FUSED".to_string(), Some("0".to_string()))];
     assert!(!crate::knobs::with_overrides(&off, || available(&with_r, p)), "on with MLX_LFM_FFN_FUSED=0");
+}
+
+/// A model's compiled step writing its attention layers' K/V in place
+/// (`MLX_LFM_KV_IN_PLACE=1`) on the tiny fixtures, dense and 4-bit: the
+/// engine built the in-place step, every step after the prompt took it and
+/// built the in-place stage where it was traced, and each step's logits are
+/// the default step's to the bit (the same values reach the same buffers).
+/// Session 45's greedy sets passed on its tokens but found no in-place
+/// stage built on the dense fixtures (4-bit ones did): this says which
+/// condition refused it, in seconds, where the greedy sets take minutes.
+#[test]
+fn compiled_step_writes_kv_in_place_on_tiny_models() {
+    use crate::convert::{convert, ConvertRecipe};
+    use crate::generate::{prefill, Stepper};
+    use crate::kernels::qkv_fused::{kv_built, last_refusal};
+    use crate::mlx::{Array, QuantMode};
+    if skip("compiled_step_writes_kv_in_place_on_tiny_models") {
+        return;
+    }
+    let prompt: Vec<u32> = (0..37).map(|i| (i * 29 + 11) % 700 + 3).collect();
+    let mut failures = Vec::new();
+    for (dtype, q4) in [(DType::BF16, false), (DType::F32, false), (DType::BF16, true)] {
+        let what = format!("Tiny {dtype:?} (4-bit: {q4})");
+        let mut dir = generated(FixtureSpec::new(Preset::Tiny), &format!("kv-in-place-{dtype:?}"), dtype);
+        if q4 {
+            let q = dir.with_extension("q4");
+            convert(&dir, &q, &ConvertRecipe::quantized(QuantMode::Affine, Some(4), Some(32)).unwrap()).unwrap();
+            std::fs::remove_dir_all(&dir).ok();
+            dir = q;
+        }
+        // The logits of 8 steps after the prompt, each fed token 5 + i, and
+        // whether the loaded step writes in place.
+        let run = || -> (Vec<Vec<f32>>, bool) {
+            let eng = Engine::load(&dir, &EngineOptions { decode_path: Some(DecodePath::Compiled), ..Default::default() }).unwrap();
+            let writes = eng.compiled.as_ref().is_some_and(|c| c.writes_kv_in_place());
+            let mut cache = eng.model.new_cache();
+            prefill(&eng.model, &mut cache, &prompt, eng.prefill_chunk).unwrap();
+            let mut stepper = Stepper::new(&eng.model, eng.compiled.as_ref());
+            let mut out = Vec::new();
+            for i in 0..8u32 {
+                let l = stepper.step(&Array::from_slice(&[5 + i], &[1, 1]).unwrap(), &mut cache).unwrap();
+                out.push(l.astype(Dtype::Float32).unwrap().to_vec().unwrap());
+            }
+            assert!(stepper.failure.is_none(), "{what}: the compiled step failed: {:?}", stepper.failure);
+            (out, writes)
+        };
+        let (want, _) = run();
+        let set = [("MLX_LFM_KV_IN_PLACE".to_string(), Some("1".to_string()))];
+        let before = (kv_built(), crate::compiled::kv_in_place_steps());
+        let (got, writes) = crate::knobs::with_overrides(&set, run);
+        let (graphs, steps) = (kv_built() - before.0, crate::compiled::kv_in_place_steps() - before.1);
+        eprintln!("{what}: in-place step built: {writes}; {graphs} in-place graphs, {steps} in-place steps; the last refusal: {:?}", last_refusal());
+        if !writes || graphs == 0 || steps != 8 {
+            failures.push(format!("{what}: the in-place step was not taken (built {writes}, {graphs} graphs, {steps} of 8 steps; {:?})", last_refusal()));
+        }
+        let differ: Vec<usize> = (0..8).filter(|&i| want[i].iter().zip(&got[i]).any(|(a, b)| a.to_bits() != b.to_bits())).collect();
+        if !differ.is_empty() {
+            failures.push(format!("{what}: the logits differ from the default step's at steps {differ:?}"));
+        }
+        std::fs::remove_dir_all(&dir).ok();
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 /// The one-launch q/k/v stage writing the token's K and V into the

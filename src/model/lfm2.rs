@@ -206,12 +206,16 @@ impl Attention {
         if !qkv_fused::kv_in_place() {
             return Ok(None);
         }
-        let Some(p) = self.fused_projection(x) else { return Ok(None) };
-        let Some(offsets) = Self::offsets(x, &cache.offset())? else { return Ok(None) };
-        let Some((kc, vc)) = cache.kv_buffers(layer) else { return Ok(None) };
+        let refused = |why: &'static str| {
+            qkv_fused::note_refusal(why);
+            Ok(None)
+        };
+        let Some(p) = self.fused_projection(x) else { return refused("the projection is not the q/k/v stage's") };
+        let Some(offsets) = Self::offsets(x, &cache.offset())? else { return refused("the offset is not the stage's") };
+        let Some((kc, vc)) = cache.kv_buffers(layer) else { return refused("the cache hands no K/V buffers") };
         let heads = (self.n_heads, self.n_kv_heads, self.head_dim);
-        if !qkv_fused::available_into(x, p, &self.q_norm, &self.k_norm, heads, &offsets, &kc, &vc) {
-            return Ok(None);
+        if let Some(why) = qkv_fused::refusal_into(x, p, &self.q_norm, &self.k_norm, heads, &offsets, &kc, &vc) {
+            return refused(why);
         }
         let consts = (self.eps, self.rope_theta);
         let (s, q) = qkv_fused::forward_into(x, p, &self.q_norm, &self.k_norm, heads, &offsets, consts, &self.fused_counters, (&kc, &vc))?;
