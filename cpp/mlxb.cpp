@@ -296,6 +296,15 @@ int mlxb_concatenate(const mlxb_array* arrs, size_t n, int axis, mlxb_array* out
 int mlxb_stack(const mlxb_array* arrs, size_t n, int axis, mlxb_array* out) {
   MLXB_TRY({ *out = wrap(mx::stack(vec_of(arrs, n), axis)); })
 }
+// `inputs` as new arrays (the same buffers, no copy) evaluated only after
+// `deps`: an order MLX's graph does not otherwise see, e.g. a buffer a
+// kernel wrote in place while producing another output.
+int mlxb_depends(const mlxb_array* inputs, size_t n, const mlxb_array* deps, size_t m, mlxb_array* outs) {
+  MLXB_TRY({
+    auto v = mx::depends(vec_of(inputs, n), vec_of(deps, m));
+    for (size_t i = 0; i < v.size() && i < n; ++i) outs[i] = wrap(v[i]);
+  })
+}
 int mlxb_split_equal(mlxb_array a, int parts, int axis, mlxb_array* outs) {
   MLXB_TRY({
     auto v = mx::split(A(a), parts, axis);

@@ -85,6 +85,7 @@ int mlxb_slice_update_dyn(mlxb_array src, mlxb_array update, mlxb_array start, c
 int mlxb_scatter(mlxb_array a, const mlxb_array* indices, const int32_t* axes, int n, mlxb_array updates,
                  mlxb_array* out);
 int mlxb_concatenate(const mlxb_array* arrs, size_t n, int axis, mlxb_array* out);
+int mlxb_depends(const mlxb_array* inputs, size_t n, const mlxb_array* deps, size_t m, mlxb_array* outs);
 int mlxb_stack(const mlxb_array* arrs, size_t n, int axis, mlxb_array* out);
 int mlxb_split_equal(mlxb_array a, int parts, int axis, mlxb_array* outs);
 // `a` cut along `axis` before each of the `n` ascending `indices`: n + 1

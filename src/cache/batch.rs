@@ -452,7 +452,8 @@ impl StackedPass {
     /// K and V into them in place ([`ForwardCache::kv_buffers`]): a lone
     /// sequence (a scalar position) whose buffers nothing else holds or
     /// reads in the pass (the compiled step's caller's promise: a flat
-    /// cache's buffers, src/compiled/mod.rs).
+    /// cache's buffers or a paged sequence's decode mirrors, each its own,
+    /// src/compiled/mod.rs).
     pub fn writing_in_place(mut self) -> StackedPass {
         self.in_place = !self.per_row();
         self
@@ -554,13 +555,21 @@ impl StackedPass {
         }
     }
 
-    /// The attention over buffers a kernel wrote this token's K/V into
-    /// (the state unchanged: the buffers are the step's outputs as they
-    /// came in).
+    /// The attention over buffers a kernel wrote this token's K/V into,
+    /// in the launch that made `q`. The buffers go back as the step's
+    /// outputs the same (no copy), but as arrays MLX evaluates after `q`:
+    /// the write is no node of its graph, so whatever reads them after the
+    /// step (a paged sequence's block copied into its pool in the same
+    /// token's graph, a growth's concatenate, the next step) must be told.
     fn attend_written(&mut self, layer: usize, q: &Array, scale: f32) -> Result<Array> {
         let slot = self.slots[layer];
         let (kbuf, vbuf) = (self.state[slot].clone(), self.state[slot + 1].clone());
-        self.attention(q, &kbuf, &vbuf, scale, true)
+        let o = self.attention(q, &kbuf, &vbuf, scale, true)?;
+        let mut after = crate::mlx::depends(&[&kbuf, &vbuf], &[q])?.into_iter();
+        let missing = || Error::mlx("depends: missing output");
+        self.state[slot] = after.next().ok_or_else(missing)?;
+        self.state[slot + 1] = after.next().ok_or_else(missing)?;
+        Ok(o)
     }
 }
 

@@ -97,9 +97,10 @@ pub fn kv_in_place_steps() -> usize {
 /// worker thread, like every other MLX object of that model.
 pub struct CompiledStep {
     f: ModelFn,
-    /// The step that writes a flat cache's K/V buffers in place
-    /// (`MLX_LFM_KV_IN_PLACE`, src/kernels/qkv_fused.rs `kv_in_place`):
-    /// its own traces, since a paged cache's mirrors take the other.
+    /// The step that writes a lone sequence's K/V buffers in place (a flat
+    /// cache's, or a paged sequence's decode mirrors: `MLX_LFM_KV_IN_PLACE`,
+    /// src/kernels/qkv_fused.rs `kv_in_place`): its own traces, since a
+    /// batch's rows take the other.
     f_kv: Option<ModelFn>,
     /// The compiled pass of a fresh prompt, where it is switched on
     /// ([`prefill`]).
@@ -215,15 +216,16 @@ impl CompiledStep {
             }
         }
         let n = ins.len();
-        // (Every attention layer's buffers a flat cache's own: a paged
-        // sequence's mirrors are read again after the step.)
+        // (Every attention layer's buffers this sequence's own: a flat
+        // cache's, or a paged sequence's decode mirrors, gathered for it.)
         // The kernel's writes are no node MLX orders anything by: the
-        // attention after it reads the buffers through q, and whatever
-        // reads them after the step (the next step, a growth's
-        // concatenate, a batch's join) is in a later graph, after this
-        // step's token is queued for evaluation (src/generate: every lone
-        // step's is), so the stream runs it after this one.
-        let kv_in_place = self.f_kv.is_some() && cache.paged.is_none() && cache.layers.iter().all(|l| !matches!(l, LayerCache::Paged(_)));
+        // attention after it reads the buffers through q, and the step
+        // hands them back as arrays evaluated after q (`depends`,
+        // src/cache/batch.rs `attend_written`), so whatever reads them
+        // after the step (a filled block copied into the pool in this
+        // token's graph, a growth's concatenate, the next step) reads the
+        // row written.
+        let kv_in_place = self.f_kv.is_some();
         if kv_in_place {
             KV_IN_PLACE_STEPS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }

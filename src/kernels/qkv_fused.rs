@@ -137,18 +137,20 @@ fn form(
     })
 }
 
-/// `MLX_LFM_KV_IN_PLACE=1` (opt-in, session 44; not yet run on a GPU): a
-/// lone sequence's compiled decode step writes each attention layer's new
-/// K and V rows into the layer's cache buffers from this kernel's k and v
-/// head blocks, in place, at the position, instead of two MLX scatters a
-/// layer after it (~4.6 µs each on the H200's profile of the 1.2B:
-/// src/cache/batch.rs `kv_write_scatter`; 12 launches of a 1.2B token,
-/// ~55 µs). The same values (the head's rows as the k and v outputs held
-/// them). The step's K/V buffers are then its outputs as they came in:
-/// the attention kernel after it reads them ordered by q, its output, and
-/// nothing else in the step reads them (served only over a flat cache's
-/// buffers, made by `zeros`/`concatenate`, row-contiguous, so MLX hands
-/// the kernel the buffers themselves: src/compiled/mod.rs).
+/// `MLX_LFM_KV_IN_PLACE=1` (opt-in, session 44; its kernel test passed on
+/// an H100 in session 45): a lone sequence's compiled decode step writes
+/// each attention layer's new K and V rows into the layer's cache buffers
+/// from this kernel's k and v head blocks, in place, at the position,
+/// instead of two MLX scatters a layer after it (~4.6 µs each on the
+/// H200's profile of the 1.2B: src/cache/batch.rs `kv_write_scatter`; 12
+/// launches of a 1.2B token, ~55 µs). The same values (the head's rows as
+/// the k and v outputs held them). The step's K/V buffers are then its
+/// outputs the same, evaluated after q (`depends`): the attention kernel
+/// after it reads them ordered by q, its output, and nothing else in the
+/// step reads them. Served over the buffers a sequence owns, row-
+/// contiguous, so MLX hands the kernel the buffers themselves: a flat
+/// cache's (`zeros`/`concatenate`) and a paged sequence's decode mirrors
+/// (a `take` reshaped), src/compiled/mod.rs; a batch keeps the scatters.
 pub fn kv_in_place() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     super::opt_in("MLX_LFM_KV_IN_PLACE", &ON)

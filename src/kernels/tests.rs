@@ -3483,13 +3483,17 @@ fn ffn_fused_kernel_matches_stock_ops() {
 }
 
 /// A model's compiled step writing its attention layers' K/V in place
-/// (`MLX_LFM_KV_IN_PLACE=1`) on the tiny fixtures, dense and 4-bit: the
-/// engine built the in-place step, every step after the prompt took it and
-/// built the in-place stage where it was traced, and each step's logits are
-/// the default step's to the bit (the same values reach the same buffers).
-/// Session 45's greedy sets passed on its tokens but found no in-place
-/// stage built on the dense fixtures (4-bit ones did): this says which
-/// condition refused it, in seconds, where the greedy sets take minutes.
+/// (`MLX_LFM_KV_IN_PLACE=1`) on the tiny fixtures, dense and 4-bit, over a
+/// flat cache and a paged one (its decode mirrors): the engine built the
+/// in-place step, every step after the prompt took it and built the
+/// in-place stage where it was traced, and each step's logits are the
+/// default step's to the bit (the same values reach the same buffers). 32
+/// steps after a 37-token prompt cross a paged block's end (32 tokens a
+/// block): the filled block is copied from the mirrors into the pool in
+/// that token's graph, after the write (`depends`). Session 45's greedy
+/// sets passed on their tokens but found the in-place stage never built on
+/// the dense fixtures, whose engines default to a paged cache, which the
+/// step then left to the scatters.
 #[test]
 fn compiled_step_writes_kv_in_place_on_tiny_models() {
     use crate::convert::{convert, ConvertRecipe};
@@ -3499,10 +3503,10 @@ fn compiled_step_writes_kv_in_place_on_tiny_models() {
     if skip("compiled_step_writes_kv_in_place_on_tiny_models") {
         return;
     }
+    const STEPS: usize = 32;
     let prompt: Vec<u32> = (0..37).map(|i| (i * 29 + 11) % 700 + 3).collect();
     let mut failures = Vec::new();
     for (dtype, q4) in [(DType::BF16, false), (DType::F32, false), (DType::BF16, true)] {
-        let what = format!("Tiny {dtype:?} (4-bit: {q4})");
         let mut dir = generated(FixtureSpec::new(Preset::Tiny), &format!("kv-in-place-{dtype:?}"), dtype);
         if q4 {
             let q = dir.with_extension("q4");
@@ -3510,34 +3514,39 @@ fn compiled_step_writes_kv_in_place_on_tiny_models() {
             std::fs::remove_dir_all(&dir).ok();
             dir = q;
         }
-        // The logits of 8 steps after the prompt, each fed token 5 + i, and
-        // whether the loaded step writes in place.
-        let run = || -> (Vec<Vec<f32>>, bool) {
-            let eng = Engine::load(&dir, &EngineOptions { decode_path: Some(DecodePath::Compiled), ..Default::default() }).unwrap();
-            let writes = eng.compiled.as_ref().is_some_and(|c| c.writes_kv_in_place());
-            let mut cache = eng.model.new_cache();
-            prefill(&eng.model, &mut cache, &prompt, eng.prefill_chunk).unwrap();
-            let mut stepper = Stepper::new(&eng.model, eng.compiled.as_ref());
-            let mut out = Vec::new();
-            for i in 0..8u32 {
-                let l = stepper.step(&Array::from_slice(&[5 + i], &[1, 1]).unwrap(), &mut cache).unwrap();
-                out.push(l.astype(Dtype::Float32).unwrap().to_vec().unwrap());
+        for paged in [false, true] {
+            let what = format!("Tiny {dtype:?} (4-bit: {q4}, paged: {paged})");
+            // The logits of each step after the prompt, each fed token 5 +
+            // i, and whether the loaded step writes in place.
+            let run = || -> (Vec<Vec<f32>>, bool) {
+                let opts = EngineOptions { decode_path: Some(DecodePath::Compiled), paged_cache: Some(paged), ..Default::default() };
+                let eng = Engine::load(&dir, &opts).unwrap();
+                let writes = eng.compiled.as_ref().is_some_and(|c| c.writes_kv_in_place());
+                let mut cache = eng.model.new_cache();
+                assert_eq!(cache.paged.is_some(), paged, "{what}: not the cache asked for");
+                prefill(&eng.model, &mut cache, &prompt, eng.prefill_chunk).unwrap();
+                let mut stepper = Stepper::new(&eng.model, eng.compiled.as_ref());
+                let mut out = Vec::new();
+                for i in 0..STEPS as u32 {
+                    let l = stepper.step(&Array::from_slice(&[5 + i], &[1, 1]).unwrap(), &mut cache).unwrap();
+                    out.push(l.astype(Dtype::Float32).unwrap().to_vec().unwrap());
+                }
+                assert!(stepper.failure.is_none(), "{what}: the compiled step failed: {:?}", stepper.failure);
+                (out, writes)
+            };
+            let (want, _) = run();
+            let set = [("MLX_LFM_KV_IN_PLACE".to_string(), Some("1".to_string()))];
+            let before = (kv_built(), crate::compiled::kv_in_place_steps());
+            let (got, writes) = crate::knobs::with_overrides(&set, run);
+            let (graphs, steps) = (kv_built() - before.0, crate::compiled::kv_in_place_steps() - before.1);
+            eprintln!("{what}: in-place step built: {writes}; {graphs} in-place graphs, {steps} in-place steps; the last refusal: {:?}", last_refusal());
+            if !writes || graphs == 0 || steps != STEPS {
+                failures.push(format!("{what}: the in-place step was not taken (built {writes}, {graphs} graphs, {steps} of {STEPS} steps; {:?})", last_refusal()));
             }
-            assert!(stepper.failure.is_none(), "{what}: the compiled step failed: {:?}", stepper.failure);
-            (out, writes)
-        };
-        let (want, _) = run();
-        let set = [("MLX_LFM_KV_IN_PLACE".to_string(), Some("1".to_string()))];
-        let before = (kv_built(), crate::compiled::kv_in_place_steps());
-        let (got, writes) = crate::knobs::with_overrides(&set, run);
-        let (graphs, steps) = (kv_built() - before.0, crate::compiled::kv_in_place_steps() - before.1);
-        eprintln!("{what}: in-place step built: {writes}; {graphs} in-place graphs, {steps} in-place steps; the last refusal: {:?}", last_refusal());
-        if !writes || graphs == 0 || steps != 8 {
-            failures.push(format!("{what}: the in-place step was not taken (built {writes}, {graphs} graphs, {steps} of 8 steps; {:?})", last_refusal()));
-        }
-        let differ: Vec<usize> = (0..8).filter(|&i| want[i].iter().zip(&got[i]).any(|(a, b)| a.to_bits() != b.to_bits())).collect();
-        if !differ.is_empty() {
-            failures.push(format!("{what}: the logits differ from the default step's at steps {differ:?}"));
+            let differ: Vec<usize> = (0..STEPS).filter(|&i| want[i].iter().zip(&got[i]).any(|(a, b)| a.to_bits() != b.to_bits())).collect();
+            if !differ.is_empty() {
+                failures.push(format!("{what}: the logits differ from the default step's at steps {differ:?}"));
+            }
         }
         std::fs::remove_dir_all(&dir).ok();
     }

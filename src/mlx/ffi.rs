@@ -87,6 +87,7 @@ extern "C" {
     pub fn mlxb_slice_update_dyn(src: Handle, upd: Handle, start: Handle, axes: *const i32, n: c_int, out: *mut Handle) -> c_int;
     pub fn mlxb_scatter(a: Handle, indices: *const Handle, axes: *const i32, n: c_int, updates: Handle, out: *mut Handle) -> c_int;
     pub fn mlxb_concatenate(arrs: *const Handle, n: usize, axis: c_int, out: *mut Handle) -> c_int;
+    pub fn mlxb_depends(inputs: *const Handle, n: usize, deps: *const Handle, m: usize, outs: *mut Handle) -> c_int;
     pub fn mlxb_stack(arrs: *const Handle, n: usize, axis: c_int, out: *mut Handle) -> c_int;
     pub fn mlxb_split_equal(a: Handle, parts: c_int, axis: c_int, outs: *mut Handle) -> c_int;
     pub fn mlxb_split_at(a: Handle, indices: *const c_int, n: c_int, axis: c_int, outs: *mut Handle) -> c_int;

@@ -253,6 +253,21 @@ pub fn concatenate(arrs: &[&Array], axis: i32) -> Result<Array> {
     let hs = handles(arrs);
     make(|o| unsafe { ffi::mlxb_concatenate(hs.as_ptr(), hs.len(), axis, o) })
 }
+/// `inputs` again (the same buffers, no copy), evaluated only after
+/// `deps`: for a buffer a kernel wrote in place while making one of `deps`,
+/// so that whatever reads it later reads it after the write.
+pub fn depends(inputs: &[&Array], deps: &[&Array]) -> Result<Vec<Array>> {
+    if inputs.is_empty() || deps.is_empty() {
+        return Err(Error::invalid("depends takes at least one input and one dependency"));
+    }
+    let (hs, ds) = (handles(inputs), handles(deps));
+    let mut outs: Vec<Handle> = vec![std::ptr::null_mut(); inputs.len()];
+    check(unsafe { ffi::mlxb_depends(hs.as_ptr(), hs.len(), ds.as_ptr(), ds.len(), outs.as_mut_ptr()) })?;
+    if outs.iter().any(|h| h.is_null()) {
+        return Err(Error::mlx("depends returned fewer arrays than it was given"));
+    }
+    Ok(outs.into_iter().map(Array).collect())
+}
 pub fn stack(arrs: &[&Array], axis: i32) -> Result<Array> {
     let hs = handles(arrs);
     make(|o| unsafe { ffi::mlxb_stack(hs.as_ptr(), hs.len(), axis, o) })

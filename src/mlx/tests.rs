@@ -321,3 +321,45 @@ fn kernel_calls_name_their_operands_dtypes() {
     let two: Vec<_> = kernel::dtype_args(&eight, &[(&[4][..], Dtype::Float32)]).collect();
     assert!(matches!(two.as_slice(), [("LFM_IO0", _), ("LFM_IO1", kernel::TemplateArg::Int(10))]), "{two:?}");
 }
+
+/// `depends` hands back its inputs' values, as nodes of their own after
+/// the dependencies (a Depends node in the graph, not the inputs
+/// themselves), and refuses an empty list.
+#[test]
+fn depends_gives_the_inputs_after_the_dependencies() {
+    let a = arr(&[1.0, 2.0, 3.0], &[3]);
+    let b = arr(&[4.0, 5.0], &[2]);
+    let d = a.add(&a).unwrap();
+    let out = depends(&[&a, &b], &[&d]).unwrap();
+    assert_eq!(out.len(), 2);
+    let ops = graph_ops(&[&out[0]]).unwrap();
+    assert!(ops.iter().any(|(n, _)| n == "Depends"), "no Depends node: {ops:?}");
+    assert!(ops.iter().any(|(n, _)| n == "Add"), "the dependency is not in the graph: {ops:?}");
+    assert_eq!(out[0].to_vec::<f32>().unwrap(), vec![1.0, 2.0, 3.0]);
+    assert_eq!(out[1].to_vec::<f32>().unwrap(), vec![4.0, 5.0]);
+    assert_eq!(out[1].shape(), vec![2]);
+    assert!(depends(&[], &[&d]).is_err());
+    assert!(depends(&[&a], &[]).is_err());
+}
+
+/// A compiled function may hand an input back through `depends` (the
+/// compiled decode step that writes K/V in place does): the same values
+/// come out, beside the dependency's.
+#[test]
+fn depends_inside_a_compiled_function() {
+    let f = Compiled::new(
+        |ins| {
+            let y = ins[1].mul_scalar(2.0)?;
+            let mut out = depends(&[&ins[0]], &[&y])?;
+            out.insert(0, y);
+            Ok(out)
+        },
+        false,
+    )
+    .unwrap();
+    let (a, b) = (arr(&[1.0, 2.0], &[2]), arr(&[3.0], &[1]));
+    let outs = f.call(&[&a, &b]).unwrap();
+    assert_eq!(outs.len(), 2);
+    assert_eq!(outs[0].to_vec::<f32>().unwrap(), vec![6.0]);
+    assert_eq!(outs[1].to_vec::<f32>().unwrap(), vec![1.0, 2.0]);
+}
