@@ -557,10 +557,13 @@ impl StackedPass {
 
     /// The attention over buffers a kernel wrote this token's K/V into,
     /// in the launch that made `q`. The buffers go back as the step's
-    /// outputs the same (no copy), but as arrays MLX evaluates after `q`:
-    /// the write is no node of its graph, so whatever reads them after the
-    /// step (a paged sequence's block copied into its pool in the same
-    /// token's graph, a growth's concatenate, the next step) must be told.
+    /// outputs the same (no copy), as arrays MLX evaluates after `q`: the
+    /// write is no node of its graph. (That orders MLX's own evaluation,
+    /// not the kernels of one CUDA graph, which MLX orders only by the
+    /// buffers a kernel names as outputs: a reader of the written row must
+    /// be in a later evaluation, as src/generate `queue_tokens` puts a
+    /// paged block's copy into the pool, or take `q`, as the attention
+    /// here does.)
     fn attend_written(&mut self, layer: usize, q: &Array, scale: f32) -> Result<Array> {
         let slot = self.slots[layer];
         let (kbuf, vbuf) = (self.state[slot].clone(), self.state[slot + 1].clone());

@@ -46,7 +46,8 @@ pub struct ModelCache {
 }
 
 /// A decode step that filled a block copied it from the mirror into the
-/// pool; the pool's arrays are evaluated with the next token. Left lazy,
+/// pool; the pool's arrays are evaluated with the token, right after it
+/// (src/generate `queue_tokens`: a later graph than the step's). Left lazy,
 /// each pool array would chain every flush of the request, each holding the
 /// decode mirror of its step alive (memory quadratic in the reply's length,
 /// kept until the next prefill happened to evaluate the pool).

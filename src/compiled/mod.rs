@@ -175,8 +175,8 @@ impl CompiledStep {
         }
     }
 
-    /// Whether a lone step over a flat cache takes the step that writes
-    /// the K/V buffers in place ([`CompiledStep::f_kv`]).
+    /// Whether a lone sequence's step takes the step that writes the K/V
+    /// buffers in place ([`CompiledStep::f_kv`]).
     pub fn writes_kv_in_place(&self) -> bool {
         self.f_kv.is_some()
     }
@@ -221,10 +221,11 @@ impl CompiledStep {
         // The kernel's writes are no node MLX orders anything by: the
         // attention after it reads the buffers through q, and the step
         // hands them back as arrays evaluated after q (`depends`,
-        // src/cache/batch.rs `attend_written`), so whatever reads them
-        // after the step (a filled block copied into the pool in this
-        // token's graph, a growth's concatenate, the next step) reads the
-        // row written.
+        // src/cache/batch.rs `attend_written`). Within one CUDA graph MLX
+        // orders kernels only by their outputs, so whatever reads the
+        // written row after the step is in a later evaluation: the next
+        // step, a growth's concatenate, and a filled block's copy into the
+        // pool, which src/generate `queue_tokens` evaluates after the token.
         let kv_in_place = self.f_kv.is_some();
         if kv_in_place {
             KV_IN_PLACE_STEPS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);

@@ -1004,14 +1004,25 @@ pub(crate) fn dispatch_step(tokens: &[&Array], caches: &mut [&mut ModelCache], c
     Ok(())
 }
 
-/// Queues the evaluation of drawn tokens together with whatever their
-/// caches built alongside (conv snapshots, rows written back), so nothing
-/// is left as an unevaluated graph.
+/// Queues the evaluation of drawn tokens, then of whatever their caches
+/// built alongside (conv snapshots, rows written back, a filled paged
+/// block copied into the pool), so nothing is left as an unevaluated graph.
+/// Two evaluations, not one: a step that wrote its K/V rows in place
+/// (src/kernels/qkv_fused.rs `kv_in_place`) did so in a kernel that names
+/// the buffers as inputs, and MLX's CUDA backend orders the kernels of one
+/// graph only by the buffers they name as outputs, so a block copy in the
+/// token's graph could read the block's last row before the kernel wrote
+/// it; each evaluation commits its own graph, which the stream runs in
+/// order. (The copies come only at a block's end: 32 tokens by default.)
 pub fn queue_tokens(tokens: &[&Array], caches: &mut [&mut ModelCache]) -> Result<()> {
     let fresh: Vec<Array> = caches.iter_mut().flat_map(|c| c.take_fresh()).collect();
-    let mut all: Vec<&Array> = tokens.to_vec();
-    all.extend(fresh.iter());
-    async_eval(&all)
+    if !tokens.is_empty() || fresh.is_empty() {
+        async_eval(tokens)?;
+    }
+    if fresh.is_empty() {
+        return Ok(());
+    }
+    async_eval(&fresh.iter().collect::<Vec<_>>())
 }
 
 /// The result of a request cancelled before its first token: no text, and

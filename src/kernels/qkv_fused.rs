@@ -147,7 +147,8 @@ fn form(
 /// the k and v outputs held them). The step's K/V buffers are then its
 /// outputs the same, evaluated after q (`depends`): the attention kernel
 /// after it reads them ordered by q, its output, and nothing else in the
-/// step reads them. Served over the buffers a sequence owns, row-
+/// step reads them; what reads them after the step is evaluated after it
+/// (src/compiled/mod.rs `step`). Served over the buffers a sequence owns, row-
 /// contiguous, so MLX hands the kernel the buffers themselves: a flat
 /// cache's (`zeros`/`concatenate`) and a paged sequence's decode mirrors
 /// (a `take` reshaped), src/compiled/mod.rs; a batch keeps the scatters.

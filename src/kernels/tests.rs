@@ -3487,10 +3487,12 @@ fn ffn_fused_kernel_matches_stock_ops() {
 /// flat cache and a paged one (its decode mirrors): the engine built the
 /// in-place step, every step after the prompt took it and built the
 /// in-place stage where it was traced, and each step's logits are the
-/// default step's to the bit (the same values reach the same buffers). 32
-/// steps after a 37-token prompt cross a paged block's end (32 tokens a
-/// block): the filled block is copied from the mirrors into the pool in
-/// that token's graph, after the write (`depends`). Session 45's greedy
+/// default step's to the bit (the same values reach the same buffers), and
+/// so are a continuation prompt's after them. The 32 steps after a
+/// 37-token prompt, queued as a reply queues them, cross a paged block's
+/// end (32 tokens a block): the filled block is copied from the mirrors
+/// into the pool after the step's graph (src/generate `queue_tokens`), and
+/// the continuation reads it from there. Session 45's greedy
 /// sets passed on their tokens but found the in-place stage never built on
 /// the dense fixtures, whose engines default to a paged cache, which the
 /// step then left to the scatters.
@@ -3529,9 +3531,17 @@ fn compiled_step_writes_kv_in_place_on_tiny_models() {
                 let mut out = Vec::new();
                 for i in 0..STEPS as u32 {
                     let l = stepper.step(&Array::from_slice(&[5 + i], &[1, 1]).unwrap(), &mut cache).unwrap();
+                    // (Queued as a reply queues its tokens: with what the
+                    // cache built beside the step, a filled block's copy.)
+                    crate::generate::queue_tokens(&[&l], &mut [&mut cache]).unwrap();
                     out.push(l.astype(Dtype::Float32).unwrap().to_vec().unwrap());
                 }
                 assert!(stepper.failure.is_none(), "{what}: the compiled step failed: {:?}", stepper.failure);
+                // A continuation's prompt after the reply reads the K/V
+                // from the cache again (a paged one from its pool, the
+                // filled block copied at position 64 among them).
+                let next = prefill(&eng.model, &mut cache, &[9, 10, 11], eng.prefill_chunk).unwrap();
+                out.push(next.astype(Dtype::Float32).unwrap().to_vec().unwrap());
                 (out, writes)
             };
             let (want, _) = run();
@@ -3543,9 +3553,10 @@ fn compiled_step_writes_kv_in_place_on_tiny_models() {
             if !writes || graphs == 0 || steps != STEPS {
                 failures.push(format!("{what}: the in-place step was not taken (built {writes}, {graphs} graphs, {steps} of {STEPS} steps; {:?})", last_refusal()));
             }
-            let differ: Vec<usize> = (0..STEPS).filter(|&i| want[i].iter().zip(&got[i]).any(|(a, b)| a.to_bits() != b.to_bits())).collect();
+            // (The last: the continuation's.)
+            let differ: Vec<usize> = (0..=STEPS).filter(|&i| want[i].iter().zip(&got[i]).any(|(a, b)| a.to_bits() != b.to_bits())).collect();
             if !differ.is_empty() {
-                failures.push(format!("{what}: the logits differ from the default step's at steps {differ:?}"));
+                failures.push(format!("{what}: the logits differ from the default step's at steps {differ:?} ({STEPS}: the continuation's prompt)"));
             }
         }
         std::fs::remove_dir_all(&dir).ok();

@@ -203,7 +203,9 @@ impl Attention {
     /// None where the cache or the kernel does not serve it.
     fn attend_written(&self, x: &Normed, layer: usize, cache: &mut dyn ForwardCache) -> Result<Option<(Array, Array)>> {
         use crate::kernels::qkv_fused;
-        if !qkv_fused::kv_in_place() {
+        // (A prompt's pass or a batch's rows: not the in-place step's, and
+        // no refusal worth noting.)
+        if !qkv_fused::kv_in_place() || x.h.ndim() != 2 || x.h.dim(0) != 1 {
             return Ok(None);
         }
         let refused = |why: &'static str| {
@@ -1040,11 +1042,12 @@ impl Lfm2Model {
         self.decode_step_as(ins, false)
     }
 
-    /// [`Lfm2Model::decode_step`] for a lone sequence over a flat cache
-    /// whose K/V buffers nothing else holds or reads in the step: its
-    /// attention layers' q/k/v kernel writes the token's K and V into them
-    /// in place (src/kernels/qkv_fused.rs `kv_in_place`), and the step
-    /// returns them as they came in.
+    /// [`Lfm2Model::decode_step`] for a lone sequence whose K/V buffers (a
+    /// flat cache's, or a paged sequence's decode mirrors) nothing else
+    /// holds or reads in the step: its attention layers' q/k/v kernel
+    /// writes the token's K and V into them in place
+    /// (src/kernels/qkv_fused.rs `kv_in_place`), and the step returns them
+    /// the same, evaluated after that kernel.
     pub fn decode_step_writing_kv(&self, ins: &[Array]) -> Result<Vec<Array>> {
         self.decode_step_as(ins, true)
     }
