@@ -168,57 +168,64 @@ from its A/B: the variants and greedy sets that turned them on are gone,
 `layers-fused-off` (greedy set and variant) and `moe-fused-off`,
 `conv-fused-off`, `ffn-fused-off`, `qkv-fused-off` measure them off, and
 the greedy test's default run checks it built each.
-Next (`bash bench/h200/prepare.sh` here first; ~1,100 s planned; a
+Next (`bash bench/h200/prepare.sh` here first; ~700 s planned; a
 fresh machine's `ab` first generates the checkpoints it times (~15 s
 each on an H100), and a round waits ~150 s for the GGUF chain; take an
 H100 when the H200 is refused: every round since session 31 ran on one;
-a failed start costs 90-120 device-seconds, so ask `status` before each
-retry and call only once its `none_now` window has passed).
-Session 44 got an H100 in three loans (~600 device-seconds lost to
-failed starts and refusals between them): the two-outputs form's grid
-bug (fixed, 43ba79c); the feed-forward and conv tests on the 1.2B's and
-350M's bf16 shapes (`MLX_LFM_TEST_CASES`, new: the whole feed-forward
-test ran past 400 s) and the wide rows' greedy sets passed; the
-feed-forward in two rounds read decode 1.052-1.056x on the 1.2B and
-1.038-1.050x on the 350M and is a CUDA default on bf16 dense gates now
-(bbac07c: its test's one-output form and greedy set `ffn-rounds-off`
-keep the form before it covered); the conv layer in rounds read
-0.97x / 0.90x and was retired. No round ran with the new default. The
-chain:
+a failed start costs 90-180 device-seconds, so ask `status` before each
+retry and call only once its `none_now` window has passed; a call that
+names no kind after a failed H100 start asks for an H200 only).
+Session 45 got an H100 for ~15 minutes (after ~5 minutes of failed
+starts) and ran `pick round 1` and `install pick round 2` with the
+feed-forward's rounds default: decode 1.34x (350M), **1.12-1.13x
+(1.2B; 1.2x needs ~75 µs less a token)**, 1.02x (8B-A1B); every other
+target met. `MLX_LFM_KV_IN_PLACE`'s kernel test passed, but its greedy
+sets found the in-place stage never taken on the dense fixtures: an
+unquantized checkpoint's engine defaults to a paged cache, which the
+step left to the scatters (so on the bf16 models the switch did
+nothing). Since then, on this CPU machine, not yet on a GPU: the step
+writes a paged sequence's decode mirrors in place too, returning the
+buffers through `depends`, and `queue_tokens` evaluates a filled
+block's copy into the pool after the token (one CUDA graph orders its
+kernels only by their outputs); a quick test
+(`compiled_step_writes_kv_in_place_on_tiny_models`: flat and paged,
+32 steps across a block's end, then a continuation prompt, logits to
+the default's bits). Later device calls of session 45 found no machine.
+The chain:
   1. carry [.device/a]: `stage-mlx`.
   2. carry [.device/llama]: `llama` (its build runs in the background).
   3. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=4
-     H200_KERNEL_TESTS=ffn_fused_kernel,conv_fused_kernel,qkv_fused_kernel,greedy_tokens_with_kernels_equal_stock_ops
-     `timeout -s TERM 560 python3 bench/h200/run.py install verdicts-from
-     committed kernels save-ptx` (the feed-forward test whole: its
-     other cases with the rounds default, the 8B-A1B's dense bf16 gate
-     new; the conv test's default after a launch over another row, new;
-     `qkv_fused_kernel_writes_kv_in_place`, new, and the greedy sets'
-     `kv-in-place`; the tiny fixtures' greedy sets). A failed layer test
-     among DEFAULT_KERNEL_TESTS turns every kernel off for the benchmarks
-     after it (MLX_LFM_KERNELS=0), as session 44's first test call did:
-     read the verdicts before step 4. If it cannot fit, narrow with
-     MLX_LFM_TEST_CASES and say so (verdicts-from then keeps the whole
-     test's earlier verdict, not the narrowed one).
-  4. carry [.device/bin]: H200_OURS_ENV (mimalloc), `timeout -s TERM 560
-     python3 bench/h200/run.py pick round 1` (the 1.2B's decode against
-     llama.cpp with the rounds default: ~1.05x over session 42's
-     1.00-1.09x if the A/B holds; 1.2x is the target).
-  5. carry [.device/bin]: H200_OURS_ENV, H200_AB_VARIANTS=kv-in-place
+     H200_KERNEL_TESTS=compiled_step_writes_kv_in_place_on_tiny_models,greedy_tokens_with_kernels_equal_stock_ops
+     `timeout -s TERM 400 python3 bench/h200/run.py install verdicts-from
+     committed kernels save-ptx` (~250 s: the four greedy tests in
+     parallel; the kv-in-place sets now take the paged path on dense
+     fixtures and the flat one on 4-bit ones; the default sets cover
+     `queue_tokens`' two evaluations). Read the verdicts before step 4.
+  4. carry [.device/bin]: H200_OURS_ENV (mimalloc),
+     H200_AB_VARIANTS=kv-in-place
      H200_MODELS=lfm2-1.2b-bf16,lfm2-350m-bf16,lfm2-8b-a1b-q4
      H200_AB_REPS=3 `timeout -s TERM 400 python3 bench/h200/run.py ab
-     pick` (its test and greedy set passed: adopt it where decode gains
-     3%, as a CUDA default in qkv_fused.rs `kv_in_place`); then `round 2`
-     if time is left.
-  Then: the MoE layer's down stage could overlap its gate/up
-  stage as the feed-forward's rounds do (quantized: a split must fall on
-  a group's boundary); the conv layer's rounds lost because the channels
-  are one a warp over 128 blocks (half the blocks in two rounds), so a
-  conv overlap needs more channels in flight a block, not fewer blocks.
-  (kernel-bench's `ffn-bf16` chain is the one-output form, rounds off;
-  `ffn-bf16-g2r` the default now. Not planned: the 8B-A1B prefill's
-  grouped expert GEMMs and its router's `qmv_naive` launches. The
-  chains' walls are host-bound in eager mode: read only the timelines.)
+     pick` (its tests passed: adopt it where decode gains 3%, as a CUDA
+     default in qkv_fused.rs `kv_in_place`; ~55 µs of a 1.2B token's
+     ~1,215 if the scatters' ~4.6 µs hold).
+  5. carry [.device/bin]: H200_OURS_ENV, `timeout -s TERM 560 python3
+     bench/h200/run.py pick round 1` (with the picked switch: the 1.2B's
+     decode against llama.cpp).
+  Then: the attention layers, ~40 µs each against ~6 µs of bytes (the
+  q/k/v stage 11 µs with ~9 µs gaps after it in the chained timelines,
+  the attention kernel ~15.7 µs on 32 of 132 SMs); the MoE layer's down
+  stage could overlap its gate/up stage as the feed-forward's rounds do
+  (quantized: a split must fall on a group's boundary); a conv overlap
+  needs more channels in flight a block, not fewer blocks. (kernel-bench's
+  `ffn-bf16` chain is the one-output form, rounds off; `ffn-bf16-g2r` the
+  default. Not planned: the 8B-A1B prefill's grouped expert GEMMs and its
+  router's `qmv_naive` launches. The chains' walls are host-bound in
+  eager mode: read only the timelines.)
+Session 45's plan, for the record: 1-3. `stage-mlx`, `llama`, the
+feed-forward, conv and q/k/v tests (run narrowed: the in-place test, the
+greedy sets, the feed-forward's 7,168-gate case); 4. `pick round 1`;
+5. the kv-in-place A/B. It ran 1-4 and `round 2` instead of 5 (the
+greedy sets had failed it).
 Session 44's plan, for the record: 1-3. `stage-mlx`, `llama`, the
 feed-forward test and the wide rows' greedy sets; then `layer-chains`;
 4. `ab pick` of the rounds forms; 5. `pick round 1`. It ran 1-4 (the
@@ -2470,7 +2477,7 @@ AB_TESTS = {
     "ffn-gate-rounds": ["ffn_fused_kernel_matches_stock_ops", "greedy:ffn-gate-rounds"],
     "ffn-gate-rounds-4": ["ffn_fused_kernel_matches_stock_ops", "greedy:ffn-gate-rounds-4"],
     "ffn-rounds-off": ["ffn_fused_kernel_matches_stock_ops", "greedy:ffn-rounds-off"],
-    "kv-in-place": ["qkv_fused_kernel_writes_kv_in_place", "greedy:kv-in-place"],
+    "kv-in-place": ["qkv_fused_kernel_writes_kv_in_place", "compiled_step_writes_kv_in_place_on_tiny_models", "greedy:kv-in-place"],
     "argmax-vec": ["argmax_finite_kernel_matches_stock_ops"],
     "conv-first-off": ["greedy:conv-first-off"],
     "scratch-outputs": [],
