@@ -133,7 +133,14 @@ impl KvCache {
     /// show the other cache too.
     /// (Evaluated here: a lazy copy would be taken only where it is first
     /// read, after the buffers it copies may have been written again.)
+    /// (The buffers first, in an evaluation of their own: one a step
+    /// wrote in place is an array MLX orders after that step's q/k/v
+    /// launch, but within one CUDA graph a copy of it would not be.)
     pub fn deep_clone(&self) -> Result<KvCache> {
+        let held: Vec<&Array> = self.keys.iter().chain(self.values.iter()).collect();
+        if !held.is_empty() {
+            crate::mlx::eval(&held)?;
+        }
         let own = |b: &Option<Array>| b.as_ref().map(|b| b.mul_scalar(1.0)).transpose();
         let (keys, values) = (own(&self.keys)?, own(&self.values)?);
         let made: Vec<&Array> = keys.iter().chain(values.iter()).collect();
