@@ -213,7 +213,10 @@ The chain:
      decode against llama.cpp).
   Then: the attention layers, ~40 µs each against ~6 µs of bytes (the
   q/k/v stage 11 µs with ~9 µs gaps after it in the chained timelines,
-  the attention kernel ~15.7 µs on 32 of 132 SMs); the MoE layer's down
+  the attention kernel ~15.7 µs on 32 of 132 SMs; the 1.2B decoded 823
+  tok/s after 512 tokens, 678 after 4,096: the attention's chunks,
+  `attention-chunks-4`/`-8`, A/B'd only at 512, may win at length:
+  H200_AB_PROMPT=4096, read, not picked from); the MoE layer's down
   stage could overlap its gate/up stage as the feed-forward's rounds do
   (quantized: a split must fall on a group's boundary); a conv overlap
   needs more channels in flight a block, not fewer blocks. (kernel-bench's
@@ -2640,6 +2643,18 @@ def ab_models():
     return names.split(",") if names else ["lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]
 
 
+def ab_prompt():
+    """The prompt an A/B's decode runs after: H200_AB_PROMPT (16 to 32,768;
+    512, the targets' depth, unless set). Session 45's rounds decoded the
+    1.2B at 823 tok/s after 512 tokens and 678 after 4,096: variants of the
+    decode attention, whose cost grows with the positions, are worth
+    timing at long prompts too. `pick` reads only A/Bs at 512."""
+    v = os.environ.get("H200_AB_PROMPT", "512").strip()
+    if not v.isdigit() or not 16 <= int(v) <= 32768:
+        raise SystemExit(f"H200_AB_PROMPT={v!r}: a whole number of tokens from 16 to 32768")
+    return int(v)
+
+
 def ab():
     """Each variant against the defaults, as engines of one process run in
     alternation (`mlx-lfm-bench --ab`): a rep's figure is taken beside the
@@ -2678,13 +2693,13 @@ def ab():
         # hiccups (session 17's 350M reps of one variant ran 0.67-1.24).
         # (Only process variants chosen: no in-process run of the defaults
         # alone, which would time nothing against them.)
-        r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--prompts", "512",
+        r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--prompts", str(ab_prompt()),
                 "--gen", os.environ.get("H200_AB_GEN", "128"), "--reps", str(reps), "--ab", spec], f"ab-{name}",
                check=False, env=ours_env()) if inproc else None
         for line in (r.stdout.splitlines() if r else []):
             j = json.loads(line)
             if "ab_variant" in j:
-                record(engine="ab", model=name, variant=j["ab_variant"], prefill=j["prefill_tps_runs"],
+                record(engine="ab", model=name, variant=j["ab_variant"], prompt=ab_prompt(), prefill=j["prefill_tps_runs"],
                        decode=j["decode_tps_runs"], host_us=j.get("host_build_dispatch_wait_us_runs"),
                        decode_ratio=j["decode_ratio_runs"], prefill_ratio=j["prefill_ratio_runs"],
                        step_ops=j.get("step_ops"), paired=True)
@@ -2719,7 +2734,7 @@ def ab_processes(name, knobs, reps, base=None, tag=""):
             e = ours_env()
             e.update(base or {})
             e.update(extra)
-            r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--prompts", "512", "--gen", "128",
+            r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--prompts", str(ab_prompt()), "--gen", "128",
                     "--reps", "2", "--paths", "compiled"], f"ab-procs-{name}", check=False, env=e)
             rows = [json.loads(l) for l in r.stdout.splitlines() if l.startswith("{") and '"prompt"' in l]
             # The bench's first line names the allocator that served its
@@ -2742,7 +2757,7 @@ def ab_processes(name, knobs, reps, base=None, tag=""):
     base = got["all"]
     for v, _ in arms:
         ratio = {f: [x / b for x, b in zip(got[v][f], base[f]) if x and b] for f in ("decode", "prefill")}
-        record(engine="ab", model=name, variant=v + tag, prefill=[x for x in got[v]["prefill"] if x],
+        record(engine="ab", model=name, variant=v + tag, prompt=ab_prompt(), prefill=[x for x in got[v]["prefill"] if x],
                decode=[x for x in got[v]["decode"] if x], host_us=got[v]["host_us"], decode_ratio=ratio["decode"],
                prefill_ratio=ratio["prefill"], paired=True, processes=True)
 
@@ -2776,6 +2791,9 @@ def pick():
     other figure does not fall by 3%, and whose tests passed here; written to
     picked-env.json for the later steps (rounds, profile)."""
     rows = [json.loads(l) for l in RAW.read_text().splitlines() if '"engine": "ab"' in l]
+    # (The targets' depth only: an A/B after a longer prompt, H200_AB_PROMPT,
+    # is read, not picked from; records before it carry no prompt.)
+    rows = [r for r in rows if r.get("prompt", 512) == 512]
     samples = {}
     for r in rows:
         d = samples.setdefault((r["variant"], r["model"]), {"decode": [], "prefill": []})

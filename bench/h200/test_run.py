@@ -32,6 +32,7 @@ def load_run(work):
     run.GGUF_PID = work / "gguf.pid"
     run.GGUF_RC = work / "gguf.rc"
     run.GGUF_OUT = work / "gguf-out"
+    run.PICKED = work / "picked-env.json"
     run.OUT.mkdir(parents=True, exist_ok=True)
     return run
 
@@ -544,6 +545,47 @@ class KernelTests(unittest.TestCase):
         self.assertTrue(rec["verdicts"]["q_by_its_bits_gemv_matches_stock_ops"])
         self.assertFalse((run.WORK / "kernels-off").exists(), "a default kernel's verdict stood")
 
+
+
+class AbPrompt(unittest.TestCase):
+    """H200_AB_PROMPT sets the A/B's prompt, range-checked, and `pick` takes
+    no switch from an A/B at another depth than the targets' 512."""
+
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.run = load_run(Path(self.tmp.name))
+
+    def tearDown(self):
+        os.environ.pop("H200_AB_PROMPT", None)
+        self.tmp.cleanup()
+
+    def test_the_prompt_is_checked(self):
+        self.assertEqual(self.run.ab_prompt(), 512)
+        os.environ["H200_AB_PROMPT"] = "4096"
+        self.assertEqual(self.run.ab_prompt(), 4096)
+        for bad in ("0", "8", "40000", "2k", "-5"):
+            os.environ["H200_AB_PROMPT"] = bad
+            with self.assertRaises(SystemExit):
+                self.run.ab_prompt()
+
+    def ab_rows(self, prompt):
+        for variant, decode in (("all", 100.0), ("kv-in-place", 110.0)):
+            self.run.record(engine="ab", model="lfm2-1.2b-bf16", variant=variant, prompt=prompt,
+                            prefill=[1000.0, 1000.0], decode=[decode] * 3, decode_ratio=[decode / 100.0] * 3,
+                            prefill_ratio=[1.0] * 3, paired=True)
+
+    def picked(self):
+        (self.run.WORK / "kernel-verdicts.json").write_text(json.dumps({t: True for t in self.run.AB_TESTS["kv-in-place"]}))
+        self.run.pick()
+        return json.loads((self.run.WORK / "picked-env.json").read_text())
+
+    def test_a_long_prompt_ab_is_not_picked_from(self):
+        self.ab_rows(4096)
+        self.assertNotIn("MLX_LFM_KV_IN_PLACE", self.picked())
+
+    def test_the_targets_depth_is(self):
+        self.ab_rows(512)
+        self.assertEqual(self.picked().get("MLX_LFM_KV_IN_PLACE"), "1")
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)
