@@ -321,6 +321,10 @@ pub fn decode_step_ops(model: &Lfm2Model, compiled: Option<&CompiledStep>, promp
         outs.extend(fresh.iter());
         outs.extend(cache.arrays());
         let ops = if count { crate::mlx::graph_ops(&outs)? } else { vec![] };
+        // (The token's graph first, as `queue_tokens` queues it: a block's
+        // copy into the pool must not share a graph with a step that wrote
+        // its rows in place.)
+        crate::mlx::eval(&[&next, &finite])?;
         crate::mlx::eval(&outs)?;
         drop(outs);
         Ok((next, ops))
