@@ -445,6 +445,11 @@ pub fn last_refusal() -> Option<&'static str> {
     *REFUSED.lock()
 }
 
+/// [`last_refusal`], cleared: a test's run then reports only its own.
+pub fn take_refusal() -> Option<&'static str> {
+    REFUSED.lock().take()
+}
+
 /// `(the residual sum [1, D], q [1, H, 1, HD])` in one launch that also
 /// writes k's and v's heads into the layer's K/V buffers `kv` at the
 /// position, in place ([`kv_in_place`]; callers check [`available_into`]

@@ -203,9 +203,10 @@ impl Attention {
     /// None where the cache or the kernel does not serve it.
     fn attend_written(&self, x: &Normed, layer: usize, cache: &mut dyn ForwardCache) -> Result<Option<(Array, Array)>> {
         use crate::kernels::qkv_fused;
-        // (A prompt's pass or a batch's rows: not the in-place step's, and
-        // no refusal worth noting.)
-        if !qkv_fused::kv_in_place() || x.h.ndim() != 2 || x.h.dim(0) != 1 {
+        // (A prompt's pass, a batch's rows, or the first layer's norm with
+        // no residual to add, which the one-launch stage never serves: not
+        // the in-place step's, and no refusal worth noting.)
+        if !qkv_fused::kv_in_place() || x.h.ndim() != 2 || x.h.dim(0) != 1 || x.r.is_none() {
             return Ok(None);
         }
         let refused = |why: &'static str| {
