@@ -199,8 +199,9 @@ The chain:
      `timeout -s TERM 400 python3 bench/h200/run.py install verdicts-from
      committed kernels save-ptx` (~250 s: the four greedy tests in
      parallel; the kv-in-place sets now take the paged path on dense
-     fixtures and the flat one on 4-bit ones; the default sets cover
-     `queue_tokens`' two evaluations). Read the verdicts before step 4.
+     fixtures and the flat one on 4-bit ones; only the quick test reads a
+     block copied into the pool back: the greedy sets never queue their
+     steps through `queue_tokens`). Read the verdicts before step 4.
   4. carry [.device/bin]: H200_OURS_ENV (mimalloc),
      H200_AB_VARIANTS=kv-in-place
      H200_MODELS=lfm2-1.2b-bf16,lfm2-350m-bf16,lfm2-8b-a1b-q4

@@ -209,13 +209,21 @@ impl Attention {
         if !qkv_fused::kv_in_place() || x.h.ndim() != 2 || x.h.dim(0) != 1 || x.r.is_none() {
             return Ok(None);
         }
+        // (A pass that hands out no buffers is not the in-place step: the
+        // other step's trace, made beside it at load, asks too.)
+        let Some((kc, vc)) = cache.kv_buffers(layer) else { return Ok(None) };
         let refused = |why: &'static str| {
             qkv_fused::note_refusal(why);
             Ok(None)
         };
+        // (As `project_stacked` asks before the one-launch stage: with the
+        // q/k/v norm + RoPE kernel off, the other step keeps the stock
+        // path, and so does this one.)
+        if !crate::kernels::qk_norm_rope::qkv_wanted(x.h, self.n_heads, self.n_kv_heads, self.head_dim) {
+            return refused("the q/k/v norm + RoPE kernel does not serve the row");
+        }
         let Some(p) = self.fused_projection(x) else { return refused("the projection is not the q/k/v stage's") };
         let Some(offsets) = Self::offsets(x, &cache.offset())? else { return refused("the offset is not the stage's") };
-        let Some((kc, vc)) = cache.kv_buffers(layer) else { return refused("the cache hands no K/V buffers") };
         let heads = (self.n_heads, self.n_kv_heads, self.head_dim);
         if let Some(why) = qkv_fused::refusal_into(x, p, &self.q_norm, &self.k_norm, heads, &offsets, &kc, &vc) {
             return refused(why);
