@@ -637,14 +637,17 @@ pub fn available(q: &Array, k: &Array, v: &Array, mask: &Array) -> bool {
 
 /// q, K and V as the kernel takes them (the dtype checked by the caller).
 fn operands_served(q: &Array, k: &Array, v: &Array) -> bool {
-    let dt = q.dtype();
-    if q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4 {
+    q.ndim() == 4 && q.dim(2) == 1 && dims_served(q.dtype(), (q.dim(0), q.dim(1), q.dim(3)), k, v)
+}
+
+/// [`operands_served`] for a query of `dt` and `(rows, heads, head_dim)`
+/// (one token a row), before the query is made.
+fn dims_served(dt: Dtype, (b, h, hd): (i32, i32, i32), k: &Array, v: &Array) -> bool {
+    if k.ndim() != 4 || v.ndim() != 4 {
         return false;
     }
-    let (b, h, hd) = (q.dim(0), q.dim(1), q.dim(3));
     let (kvh, n) = (k.dim(1), k.dim(2));
-    q.dim(2) == 1
-        && k.dtype() == dt
+    k.dtype() == dt
         && v.dtype() == dt
         && k.shape() == v.shape()
         && k.dim(0) == b
@@ -659,6 +662,14 @@ fn operands_served(q: &Array, k: &Array, v: &Array) -> bool {
 /// [`available`], with `upto` an int32 scalar (every row) or one a row.
 /// `MLX_LFM_ATTENTION_UPTO=0` keeps the mask (its A/B and test).
 pub fn upto_available(q: &Array, k: &Array, v: &Array, upto: &Array) -> bool {
+    q.ndim() == 4 && q.dim(2) == 1 && upto_serves(q.dtype(), (q.dim(0), q.dim(1), q.dim(3)), k, v, upto)
+}
+
+/// [`upto_available`] for a query of `dt` and `(rows, heads, head_dim)`,
+/// before the query is made: a step that has its q/k/v kernel write K/V
+/// in place asks first, since only a kernel that takes q reads the
+/// written row in order (src/cache/batch.rs `kv_buffers`).
+pub fn upto_serves(dt: Dtype, q_dims: (i32, i32, i32), k: &Array, v: &Array, upto: &Array) -> bool {
     static ON: OnceLock<Option<bool>> = OnceLock::new();
     if !super::cuda_default("MLX_LFM_ATTENTION_UPTO", &ON) {
         return false;
@@ -667,12 +678,11 @@ pub fn upto_available(q: &Array, k: &Array, v: &Array, upto: &Array) -> bool {
     if !crate::knobs::cached("MLX_LFM_DECODE_ATTENTION_KERNEL", &KERNEL_ON, |v| v != Some("0")) {
         return false;
     }
-    let dt = q.dtype();
-    if !cuda_kernels_enabled() || !dt.is_float() || dt == Dtype::Float64 || !operands_served(q, k, v) {
+    if !cuda_kernels_enabled() || !dt.is_float() || dt == Dtype::Float64 || !dims_served(dt, q_dims, k, v) {
         return false;
     }
     upto.dtype() == Dtype::Int32
-        && (upto.ndim() == 0 || (upto.ndim() == 1 && upto.dim(0) == q.dim(0)))
+        && (upto.ndim() == 0 || (upto.ndim() == 1 && upto.dim(0) == q_dims.0))
         && upto_kernel(Variant::Plain).is_some()
 }
 

@@ -931,8 +931,10 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     }
                 }
                 if compiled && !joined {
-                    // The attention layers' K/V written into the flat
-                    // cache's buffers by the q/k/v stage itself
+                    // The attention layers' K/V written into the cache's
+                    // buffers (a flat cache's, or a paged sequence's decode
+                    // mirrors, the dense fixtures' default) by the q/k/v
+                    // stage itself
                     // (MLX_LFM_KV_IN_PLACE, opt-in, session 44; run.py's
                     // `kv-in-place`), which a run must have built where that
                     // stage serves (an attention layer after the first).
@@ -3509,8 +3511,14 @@ fn compiled_step_writes_kv_in_place_on_tiny_models() {
     // (The one-launch q/k/v stage the in-place write is part of serves a
     // step's `[1, D]` rows with eps compiled in: an environment may turn
     // either off.)
-    if !crate::model::lfm2::decode_rows() || !crate::kernels::add_rms_norm::eps_const() {
-        eprintln!("skipped compiled_step_writes_kv_in_place_on_tiny_models: the environment turned the decode rows or eps compiled in off");
+    let off = |var: &str| crate::knobs::var(var).as_deref() == Some("0");
+    if !crate::model::lfm2::decode_rows()
+        || !crate::kernels::add_rms_norm::eps_const()
+        || ["MLX_LFM_QKV_FUSED", "MLX_LFM_QKV_NORM_ROPE_KERNEL", "MLX_LFM_FUSE_PROJECTIONS", "MLX_LFM_DECODE_ATTENTION_KERNEL", "MLX_LFM_ATTENTION_UPTO"]
+            .iter()
+            .any(|v| off(v))
+    {
+        eprintln!("skipped compiled_step_writes_kv_in_place_on_tiny_models: the environment turned off a part of the one-launch q/k/v stage or the attention kernel it needs");
         return;
     }
     const STEPS: usize = 32;
@@ -3554,9 +3562,12 @@ fn compiled_step_writes_kv_in_place_on_tiny_models() {
             };
             // (The default step pinned: an environment, e.g. a device's
             // picked switches, may have turned the in-place write on.)
-            let off = [("MLX_LFM_KV_IN_PLACE".to_string(), Some("0".to_string()))];
-            let (want, _) = crate::knobs::with_overrides(&off, run);
-            let set = [("MLX_LFM_KV_IN_PLACE".to_string(), Some("1".to_string()))];
+            // (Both with the q/k/v stage's 16 warps a head, whatever the
+            // environment says: 32 serve no head of 16 rows.)
+            let warps = ("MLX_LFM_QKV_WARPS".to_string(), None);
+            let unset = [("MLX_LFM_KV_IN_PLACE".to_string(), Some("0".to_string())), warps.clone()];
+            let (want, _) = crate::knobs::with_overrides(&unset, run);
+            let set = [("MLX_LFM_KV_IN_PLACE".to_string(), Some("1".to_string())), warps];
             let before = (kv_built(), crate::compiled::kv_in_place_steps());
             take_refusal();
             let (got, writes) = crate::knobs::with_overrides(&set, run);

@@ -225,6 +225,14 @@ impl Attention {
         let Some(p) = self.fused_projection(x) else { return refused("the projection is not the q/k/v stage's") };
         let Some(offsets) = Self::offsets(x, &cache.offset())? else { return refused("the offset is not the stage's") };
         let heads = (self.n_heads, self.n_kv_heads, self.head_dim);
+        // (Only a kernel that takes q reads the written row in order: MLX's
+        // CUDA graphs order a kernel after another only by the buffers it
+        // names as outputs, and the write names none. The masked fallback
+        // may copy the buffers first.)
+        let q_dims = (1, self.n_heads, self.head_dim);
+        if !crate::kernels::decode_attention::upto_serves(x.h.dtype(), q_dims, &kc, &vc, &offsets) {
+            return refused("the position-bounded attention kernel does not serve the buffers");
+        }
         if let Some(why) = qkv_fused::refusal_into(x, p, &self.q_norm, &self.k_norm, heads, &offsets, &kc, &vc) {
             return refused(why);
         }
