@@ -151,7 +151,8 @@ pub trait ForwardCache {
     /// the token's K and V into them itself, in place, at the offset
     /// (src/kernels/qkv_fused.rs `kv_in_place`): only a cache whose buffers
     /// nothing else reads in the pass (a lone sequence's compiled step over
-    /// a flat cache or a paged sequence's decode mirrors); `None` elsewhere. After such a write the layer calls
+    /// a flat cache or a paged sequence's decode mirrors); `None`
+    /// elsewhere. After such a write the layer calls
     /// [`ForwardCache::attend_written_rows`], not `attend`.
     fn kv_buffers(&mut self, _layer: usize) -> Option<(Array, Array)> {
         None

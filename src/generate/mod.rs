@@ -1020,9 +1020,7 @@ pub(crate) fn dispatch_step(tokens: &[&Array], caches: &mut [&mut ModelCache], c
 /// order. (The copies come only at a block's end: 32 tokens by default.)
 pub fn queue_tokens(tokens: &[&Array], caches: &mut [&mut ModelCache]) -> Result<()> {
     let fresh: Vec<Array> = caches.iter_mut().flat_map(|c| c.take_fresh()).collect();
-    if !tokens.is_empty() || fresh.is_empty() {
-        async_eval(tokens)?;
-    }
+    async_eval(tokens)?;
     if fresh.is_empty() {
         return Ok(());
     }

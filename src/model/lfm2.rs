@@ -139,11 +139,10 @@ impl Attention {
     fn project_stacked(&self, x: &Normed, offset: Offset) -> Result<Option<(Array, (Array, Array, Array))>> {
         use crate::kernels::qk_norm_rope;
         let heads = (self.n_heads, self.n_kv_heads, self.head_dim);
-        let stacked = |w: &[i32]| w == [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim];
         let wanted = |h: &Array| {
             qk_norm_rope::qkv_wanted(h, heads.0, heads.1, heads.2) || qk_norm_rope::qkv_prefill_wanted(h, heads.0, heads.1, heads.2)
         };
-        if !self.qkv.stacked_widths().is_some_and(stacked) || !wanted(x.h) {
+        if !self.stacked_qkv() || !wanted(x.h) {
             return Ok(None);
         }
         let Some(offsets) = Self::offsets(x, &offset)? else { return Ok(None) };
@@ -178,14 +177,20 @@ impl Attention {
         })
     }
 
+    /// Whether q, k and v are one stacked projection, in that order and
+    /// these heads' widths.
+    fn stacked_qkv(&self) -> bool {
+        let (q, kv) = (self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim);
+        self.qkv.stacked_widths().is_some_and(|w| w == [q, kv, kv])
+    }
+
     /// The stacked projection as the one-launch q/k/v stage reads it,
     /// where that stage is on and `x` is a decode step's rows.
     fn fused_projection(&self, x: &Normed) -> Option<crate::kernels::qkv_fused::Projection<'_>> {
         use crate::kernels::qkv_fused::{self, Projection};
-        let stacked = |w: &[i32]| w == [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim];
         match &self.qkv {
             Projections::Stacked { linear: Linear { weight, bias: None, .. }, .. }
-                if qkv_fused::enabled_here() && x.h.ndim() == 2 && self.qkv.stacked_widths().is_some_and(stacked) =>
+                if qkv_fused::enabled_here() && x.h.ndim() == 2 && self.stacked_qkv() =>
             {
                 Some(match weight {
                     Weight::Quant(q) => Projection::Quant(q),
