@@ -2195,6 +2195,9 @@ AB = {
     # step): for the 1.2B, whose GPU bounds its step.
     "attention-chunks-8": ({"MLX_LFM_DECODE_ATTENTION_CHUNKS": "8"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "attention-chunks-4": ({"MLX_LFM_DECODE_ATTENTION_CHUNKS": "4"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # (Session 46: a row over 8 lanes, 8 rows' K and V loads a lane in
+    # flight; src/kernels/decode_attention.rs WIDE_SOURCE.)
+    "attention-wide": ({"MLX_LFM_DECODE_ATTENTION_WIDE": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     # The conv layer's in_proj GEMV folded in front of its step (a warp a
     # channel walks its B, C and x rows in MLX's GEMV order, the same bits):
     # a launch fewer a conv layer and token, the [1, 3D] product never
@@ -2521,6 +2524,7 @@ AB_TESTS = {
     "attention-split-8": ["decode_attention_kernel_matches_stock_ops", "greedy:attention-split-8"],
     "attention-chunks-8": ["decode_attention_kernel_matches_stock_ops", "greedy:MLX_LFM_DECODE_ATTENTION_CHUNKS"],
     "attention-chunks-4": ["decode_attention_kernel_matches_stock_ops", "greedy:attention-chunks-4"],
+    "attention-wide": ["decode_attention_kernel_matches_stock_ops", "greedy:MLX_LFM_DECODE_ATTENTION_WIDE"],
     **{v: ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops",
            "greedy:default"] for v in ("gemv-max-k-2048-c2", "gemv-max-k-2048-c4", "gemv-c2", "gemv-c4")},
     **{v: ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops",
@@ -2585,7 +2589,7 @@ PICK = [
     (["argmax-vec"], "decode"),
     (["conv-first-off"], "decode"),
     (["layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off"], "decode"),
-    (["attention-smem", "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4"], "decode"),
+    (["attention-smem", "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4", "attention-wide"], "decode"),
     (["norm-runs-guarded"], "decode"),
     (["fold-early"], "decode"),
     (["fold-deferred"], "decode"),
@@ -2610,7 +2614,7 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "gemv-max-k-2048-no-fold", "gemv-max-k-2048-early", "gemv-max-k-2048-early-guarded", "fold-early",
                "gemv-max-k-2048-c2", "gemv-max-k-2048-c4", "gemv-max-k-2048-c2-early-guarded",
                "gemv-max-k-2048-c4-early-guarded", "gemv-c2", "gemv-c4", "swiglu-gemv-1024", "attention-smem",
-               "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4", "conv-gemv",
+               "attention-split", "attention-split-8", "attention-chunks-8", "attention-chunks-4", "attention-wide", "conv-gemv",
                "moe-down-early", "router-scores-f32", "router-scores-f32-early", "fold-eps-const", "position-table-off",
                "fold-deferred", "layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off",
                "conv-layer-fused", "early-prefetch", "early-prefetch-conv", "early-prefetch-qkv",

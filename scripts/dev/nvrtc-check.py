@@ -87,6 +87,19 @@ KERNELS = {
         [("out", "T"), ("sc", "float")],
         lambda dt: [("HD", 64), ("SCALE_BITS", 1040187392), ("PER_ROW", 1)],
     ),
+    # The wide variant (MLX_LFM_DECODE_ATTENTION_WIDE): a row over several
+    # lanes, its scores in shared memory; head sizes 64 and 256 (a row's
+    # loads one warp).
+    "decode_attention.rs#wide": (
+        [("q", "T"), ("k", "T"), ("v", "T"), ("mask", "bool")],
+        [("out", "T"), ("sc", "float")],
+        lambda dt: [("HD", 64), ("SCALE_BITS", 1040187392), ("SN", 8192)],
+    ),
+    "decode_attention.rs#wide@upto": (
+        [("q", "T"), ("k", "T"), ("v", "T"), ("upto", "int")],
+        [("out", "T"), ("sc", "float")],
+        lambda dt: [("HD", 256 if dt != "float32" else 128), ("SCALE_BITS", 1040187392), ("PER_ROW", 1), ("SN", 8192)],
+    ),
     # The same body bounded by the position (`UPTO_VALID` for `__VALIDITY__`).
     "decode_attention.rs@upto": (
         [("q", "T"), ("k", "T"), ("v", "T"), ("upto", "int")],

@@ -211,6 +211,155 @@ const SOURCE: &str = r#"
 #endif
 "#;
 
+/// The wide variant (`MLX_LFM_DECODE_ATTENTION_WIDE=1`, opt-in until its
+/// GPU test and A/B): one block a query head as the default, but a row's
+/// HD elements over LPR = HD / (16 / sizeof(T)) lanes, one 16-byte load
+/// each, so a block loads 256 / LPR rows at once, CK of them a lane before
+/// any is summed, and the first CK rows of V with the first of K (V's
+/// loads wait on nothing). The default walks a position a thread and then
+/// V a lane group, its passes each a few dependent round trips to L2 or
+/// DRAM (~10.7 µs a launch over ~550 positions in session 33's warm ncu
+/// of the 8B-A1B's step, six a token, for ~140 KB); here ~550 positions
+/// take three rounds of K's loads and two of V's. The scores stay in
+/// shared memory (capacity [`SMEM_MAX`]); the probabilities are computed
+/// as the V rows are summed, rounded as the default rounds them. A score
+/// sums its row's products in lane slices joined by shuffles, and the
+/// output its rows in another order: the stock ops' tolerance, not the
+/// default's bits.
+const WIDE_SOURCE: &str = r#"
+  constexpr int E = 16 / sizeof(T);
+  constexpr int LPR = HD / E;
+  static_assert(LPR >= 1 && LPR <= 32 && 32 % LPR == 0, "a row's loads tile a warp");
+  constexpr int SLOTS = 256 / LPR;
+  constexpr int CK = 8;
+  constexpr int CHUNK = SLOTS * CK;
+  const int h = blockIdx.x;
+  const int b = blockIdx.y;
+  const int H = q_shape[1];
+  const int KVH = k_shape[1];
+  const int N = k_shape[2];
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int slot = tid / LPR;
+  const int lane = tid % LPR;
+  const float scale = __int_as_float(SCALE_BITS);
+  const size_t head = static_cast<size_t>(b) * KVH + h / (H / KVH);
+  const T* qp = q + (static_cast<size_t>(b) * H + h) * HD + lane * E;
+  const uint4* kp = reinterpret_cast<const uint4*>(k + head * N * HD) + lane;
+  const uint4* vp = reinterpret_cast<const uint4*>(v + head * N * HD) + lane;
+  // `NV`, the positions the loops run to, and `valid(n)`:
+  __VALIDITY__
+  __shared__ float ssc[SN];
+  __shared__ float red[8];
+  __shared__ float accs[8 * HD];
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  // Every loop runs to the same bound on every thread (rows past NV load
+  // nothing and sum zeros), so a slot's shuffles always have their lanes.
+  // A row past the position bound is never loaded; a masked one may be
+  // (inside the buffer), and is never summed.
+  uint4 vr[CK];
+  uint4 kr[CK];
+#pragma unroll
+  for (int u = 0; u < CK; u++) {
+    const int n = u * SLOTS + slot;
+    kr[u] = n < NV ? kp[static_cast<size_t>(n) * LPR] : zero;
+    vr[u] = n < NV ? vp[static_cast<size_t>(n) * LPR] : zero;
+  }
+  // This lane's E query values, scaled and rounded as the fallback's multiply.
+  float qv[E];
+#pragma unroll
+  for (int j = 0; j < E; j++) qv[j] = static_cast<float>(T(static_cast<float>(qp[j]) * scale));
+  const float neg_inf = -__int_as_float(0x7f800000);
+  auto block_reduce = [&](float x, bool is_max) {
+    for (int off = 16; off > 0; off >>= 1) {
+      const float y = __shfl_xor_sync(0xffffffff, x, off);
+      x = is_max ? fmaxf(x, y) : x + y;
+    }
+    __syncthreads();
+    if (tid % 32 == 0) red[warp] = x;
+    __syncthreads();
+    x = red[0];
+    for (int w = 1; w < 8; w++) {
+      x = is_max ? fmaxf(x, red[w]) : x + red[w];
+    }
+    return x;
+  };
+  float m = neg_inf;
+  for (int base = 0; base < NV; base += CHUNK) {
+    if (base > 0) {
+#pragma unroll
+      for (int u = 0; u < CK; u++) {
+        const int n = base + u * SLOTS + slot;
+        kr[u] = n < NV ? kp[static_cast<size_t>(n) * LPR] : zero;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < CK; u++) {
+      const T* e = reinterpret_cast<const T*>(&kr[u]);
+      float s = 0.0f;
+#pragma unroll
+      for (int j = 0; j < E; j++) s += qv[j] * static_cast<float>(e[j]);
+#pragma unroll
+      for (int off = LPR / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffff, s, off);
+      s = static_cast<float>(T(s));
+      const int n = base + u * SLOTS + slot;
+      if (n < NV) {
+        const bool ok = valid(n);
+        if (lane == 0) ssc[n] = ok ? s : neg_inf;
+        if (ok) m = fmaxf(m, s);
+      }
+    }
+  }
+  m = block_reduce(m, true);
+  float l = 0.0f;
+  if (m != neg_inf) {
+    for (int n = tid; n < NV; n += 256) l += expf(ssc[n] - m);
+  }
+  l = block_reduce(l, false);
+  float acc[E];
+#pragma unroll
+  for (int j = 0; j < E; j++) acc[j] = 0.0f;
+  for (int base = 0; base < NV; base += CHUNK) {
+    if (base > 0) {
+#pragma unroll
+      for (int u = 0; u < CK; u++) {
+        const int n = base + u * SLOTS + slot;
+        vr[u] = n < NV ? vp[static_cast<size_t>(n) * LPR] : zero;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < CK; u++) {
+      const int n = base + u * SLOTS + slot;
+      const float s = n < NV ? ssc[n] : neg_inf;
+      // 0 for a masked position or a row with none valid, as the default.
+      const float p = (s != neg_inf && m != neg_inf) ? static_cast<float>(T(expf(s - m) / l)) : 0.0f;
+      if (p != 0.0f) {
+        const T* e = reinterpret_cast<const T*>(&vr[u]);
+#pragma unroll
+        for (int j = 0; j < E; j++) acc[j] += p * static_cast<float>(e[j]);
+      }
+    }
+  }
+  // A warp's slots joined (the lanes holding one slice of HD), then the
+  // warps in order.
+#pragma unroll
+  for (int off = LPR; off < 32; off <<= 1) {
+#pragma unroll
+    for (int j = 0; j < E; j++) acc[j] += __shfl_xor_sync(0xffffffff, acc[j], off);
+  }
+  if (tid % 32 < LPR) {
+#pragma unroll
+    for (int j = 0; j < E; j++) accs[warp * HD + lane * E + j] = acc[j];
+  }
+  __syncthreads();
+  T* op = out + (static_cast<size_t>(b) * H + h) * HD;
+  for (int d = tid; d < HD; d += 256) {
+    float o = 0.0f;
+    for (int w = 0; w < 8; w++) o += accs[w * HD + d];
+    op[d] = T(o);
+  }
+"#;
+
 /// The positions split over CHUNKS blocks a KV head
 /// (`MLX_LFM_DECODE_ATTENTION_CHUNKS=N`, opt-in until its H200 test and
 /// A/B), each block scoring its chunk for the R query heads that read that
@@ -420,14 +569,18 @@ enum Variant {
     Smem,
     /// [`split_dims`] output elements a block (several blocks a head).
     Split(i32),
+    /// A row over several lanes, many rows' loads in flight ([`WIDE_SOURCE`]).
+    Wide,
 }
 
 /// The kernel in `cell`: the body with `validity`, its fourth input
 /// `bound`, built as `variant` lays it out.
 fn made(cell: &'static OnceLock<Option<CudaKernel>>, name: &str, bound: &str, validity: &str, variant: Variant) -> Option<&'static CudaKernel> {
     cell.get_or_init(|| {
-        let src = SOURCE.replace("__VALIDITY__", validity);
+        let body = if variant == Variant::Wide { WIDE_SOURCE } else { SOURCE };
+        let src = body.replace("__VALIDITY__", validity);
         let (name, header) = match variant {
+            Variant::Wide => (format!("{name}_wide"), String::new()),
             Variant::Plain => (name.to_string(), HEADER.to_string()),
             Variant::Smem => (format!("{name}_smem"), format!("#define LFM_ATT_SMEM 1\n{HEADER}")),
             Variant::Split(d) => (format!("{name}_split{d}"), format!("#define LFM_ATT_DPB {d}\n{HEADER}")),
@@ -580,9 +733,25 @@ fn launch_chunked(
     Ok(Some(outs.pop().ok_or_else(|| Error::mlx("decode attention join: missing output"))?))
 }
 
-/// The variant a launch over `n` positions of head size `hd` takes (the
-/// split first, then the shared scores).
-fn variant(n: i32, hd: i32) -> Variant {
+/// `MLX_LFM_DECODE_ATTENTION_WIDE=1` (opt-in until its GPU test and A/B):
+/// [`WIDE_SOURCE`] where it serves `n` positions of head size `hd` in
+/// `dt` (the scores within [`SMEM_MAX`], a row's 16-byte loads within a
+/// warp). Under a test's every-opt-in run the split and the shared scores
+/// keep their turn: only the switch's own opt-in takes it.
+fn wide(n: i32, hd: i32, dt: Dtype) -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    let on = super::forced_alone("MLX_LFM_DECODE_ATTENTION_WIDE")
+        || crate::knobs::cached("MLX_LFM_DECODE_ATTENTION_WIDE", &ON, |v| v == Some("1"));
+    let per_load = (16 / dt.size().max(1)) as i32;
+    on && n <= SMEM_MAX && hd >= per_load && (1..=32).contains(&(hd / per_load))
+}
+
+/// The variant a launch over `n` positions of head size `hd` in `dt` takes
+/// (the wide one first, then the split, then the shared scores).
+fn variant(n: i32, hd: i32, dt: Dtype) -> Variant {
+    if wide(n, hd, dt) {
+        return Variant::Wide;
+    }
     match split_dims() {
         Some(d) if hd > d => Variant::Split(d),
         _ if smem_capacity(n).is_some() => Variant::Smem,
@@ -597,16 +766,17 @@ fn slot(variant: Variant) -> usize {
         Variant::Smem => 1,
         Variant::Split(16) => 2,
         Variant::Split(_) => 3,
+        Variant::Wide => 4,
     }
 }
 
 fn kernel(variant: Variant) -> Option<&'static CudaKernel> {
-    static K: [OnceLock<Option<CudaKernel>>; 4] = [const { OnceLock::new() }; 4];
+    static K: [OnceLock<Option<CudaKernel>>; 5] = [const { OnceLock::new() }; 5];
     made(&K[slot(variant)], "lfm_decode_attention", "mask", MASK_VALID, variant)
 }
 
 fn upto_kernel(variant: Variant) -> Option<&'static CudaKernel> {
-    static K: [OnceLock<Option<CudaKernel>>; 4] = [const { OnceLock::new() }; 4];
+    static K: [OnceLock<Option<CudaKernel>>; 5] = [const { OnceLock::new() }; 5];
     made(&K[slot(variant)], "lfm_decode_attention_upto", "upto", UPTO_VALID, variant)
 }
 
@@ -728,12 +898,12 @@ fn launch(
 ) -> Result<Array> {
     let (b, h, hd) = (q.dim(0), q.dim(1), q.dim(3));
     let n = k.dim(2);
-    let want = variant(n, hd);
+    let want = variant(n, hd, q.dtype());
     let chosen = if made(want).is_some() { want } else { Variant::Plain };
     let kern = made(chosen).ok_or_else(|| Error::mlx("the decode attention kernel is not available"))?;
     let parts = match chosen {
         Variant::Split(d) => hd / d,
-        Variant::Smem => {
+        Variant::Smem | Variant::Wide => {
             extra.push(("SN", TemplateArg::Int(SMEM_MAX)));
             1
         }
@@ -750,9 +920,11 @@ fn launch(
     template.extend(extra);
     let width = h.checked_mul(hd).ok_or_else(|| Error::invalid("too many heads for the decode attention kernel"))?;
     let out_shape = if rows { vec![b, width] } else { vec![b, h, 1, hd] };
+    // (The wide variant keeps its scores in shared memory: a token scratch.)
+    let scratch = if chosen == Variant::Wide { vec![1] } else { vec![b, blocks, n] };
     let outs = kern.call(
         &[q, k, v, bound],
-        &[(&out_shape, q.dtype()), (&[b, blocks, n], Dtype::Float32)],
+        &[(&out_shape, q.dtype()), (&scratch, Dtype::Float32)],
         [gx, b, 1],
         [THREADS, 1, 1],
         &template,
@@ -764,6 +936,7 @@ fn launch(
 #[cfg(test)]
 mod tests {
     use super::{chunks, variant, Variant};
+    use crate::mlx::Dtype;
     use crate::knobs::with_overrides;
 
     fn with(vars: &[(&str, &str)], f: impl FnOnce()) {
@@ -771,29 +944,54 @@ mod tests {
         with_overrides(&v, f)
     }
 
+    const WIDE_OFF: (&str, &str) = ("MLX_LFM_DECODE_ATTENTION_WIDE", "0");
+
     /// Which layout a launch takes: the split only where a head has more
     /// output elements than a block sums, before the shared scores.
     #[test]
     fn the_split_serves_heads_wider_than_a_block() {
         // (The shared scores set off, so the environment does not decide.)
-        with(&[("MLX_LFM_DECODE_ATTENTION_SPLIT", "1"), ("MLX_LFM_DECODE_ATTENTION_SMEM", "0")], || {
-            assert_eq!(variant(768, 64), Variant::Split(16));
-            assert_eq!(variant(768, 256), Variant::Split(16));
-            assert_eq!(variant(768, 32), Variant::Split(16));
-            assert_eq!(variant(768, 16), Variant::Plain);
+        with(&[("MLX_LFM_DECODE_ATTENTION_SPLIT", "1"), ("MLX_LFM_DECODE_ATTENTION_SMEM", "0"), WIDE_OFF], || {
+            assert_eq!(variant(768, 64, Dtype::Bfloat16), Variant::Split(16));
+            assert_eq!(variant(768, 256, Dtype::Bfloat16), Variant::Split(16));
+            assert_eq!(variant(768, 32, Dtype::Bfloat16), Variant::Split(16));
+            assert_eq!(variant(768, 16, Dtype::Bfloat16), Variant::Plain);
         });
-        with(&[("MLX_LFM_DECODE_ATTENTION_SPLIT", "8"), ("MLX_LFM_DECODE_ATTENTION_SMEM", "0")], || {
-            assert_eq!(variant(768, 64), Variant::Split(8));
-            assert_eq!(variant(768, 8), Variant::Plain);
+        with(&[("MLX_LFM_DECODE_ATTENTION_SPLIT", "8"), ("MLX_LFM_DECODE_ATTENTION_SMEM", "0"), WIDE_OFF], || {
+            assert_eq!(variant(768, 64, Dtype::Bfloat16), Variant::Split(8));
+            assert_eq!(variant(768, 8, Dtype::Bfloat16), Variant::Plain);
         });
-        with(&[("MLX_LFM_DECODE_ATTENTION_SPLIT", "1"), ("MLX_LFM_DECODE_ATTENTION_SMEM", "1")], || {
-            assert_eq!(variant(768, 64), Variant::Split(16));
-            assert_eq!(variant(768, 16), Variant::Smem);
-            assert_eq!(variant(9000, 16), Variant::Plain);
+        with(&[("MLX_LFM_DECODE_ATTENTION_SPLIT", "1"), ("MLX_LFM_DECODE_ATTENTION_SMEM", "1"), WIDE_OFF], || {
+            assert_eq!(variant(768, 64, Dtype::Bfloat16), Variant::Split(16));
+            assert_eq!(variant(768, 16, Dtype::Bfloat16), Variant::Smem);
+            assert_eq!(variant(9000, 16, Dtype::Bfloat16), Variant::Plain);
         });
-        let off = |v| [("MLX_LFM_DECODE_ATTENTION_SPLIT", v), ("MLX_LFM_DECODE_ATTENTION_SMEM", "0")];
-        with(&off("0"), || assert_eq!(variant(768, 64), Variant::Plain));
-        with(&off("2"), || assert_eq!(variant(768, 64), Variant::Plain));
+        let off = |v| [("MLX_LFM_DECODE_ATTENTION_SPLIT", v), ("MLX_LFM_DECODE_ATTENTION_SMEM", "0"), WIDE_OFF];
+        with(&off("0"), || assert_eq!(variant(768, 64, Dtype::Bfloat16), Variant::Plain));
+        with(&off("2"), || assert_eq!(variant(768, 64, Dtype::Bfloat16), Variant::Plain));
+    }
+
+    /// The wide variant before the split, where its scores fit shared
+    /// memory and a row's 16-byte loads fit a warp (bf16 heads of 8 to 256,
+    /// float32 of 4 to 128); elsewhere what the other switches say.
+    #[test]
+    fn the_wide_variant_serves_rows_within_a_warp_and_its_scores() {
+        let on = [("MLX_LFM_DECODE_ATTENTION_WIDE", "1"), ("MLX_LFM_DECODE_ATTENTION_SPLIT", "1"), ("MLX_LFM_DECODE_ATTENTION_SMEM", "0")];
+        with(&on, || {
+            assert_eq!(variant(768, 64, Dtype::Bfloat16), Variant::Wide);
+            assert_eq!(variant(8192, 256, Dtype::Bfloat16), Variant::Wide);
+            assert_eq!(variant(8192, 8, Dtype::Float16), Variant::Wide);
+            assert_eq!(variant(768, 128, Dtype::Float32), Variant::Wide);
+            assert_eq!(variant(8193, 64, Dtype::Bfloat16), Variant::Split(16));
+            assert_eq!(variant(768, 256, Dtype::Float32), Variant::Split(16));
+            assert_eq!(variant(768, 4, Dtype::Bfloat16), Variant::Plain);
+        });
+        for v in ["0", "2", "yes"] {
+            with(&[("MLX_LFM_DECODE_ATTENTION_WIDE", v), ("MLX_LFM_DECODE_ATTENTION_SPLIT", "0"), ("MLX_LFM_DECODE_ATTENTION_SMEM", "0")], || {
+                assert_eq!(variant(768, 64, Dtype::Bfloat16), Variant::Plain, "{v:?}")
+            });
+        }
+        crate::kernels::with_opt_in_one("MLX_LFM_DECODE_ATTENTION_WIDE", || assert_eq!(variant(768, 64, Dtype::Bfloat16), Variant::Wide));
     }
 
     /// The chunked variant's count: 2 to 64 chunks, anything else off.

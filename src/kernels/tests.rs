@@ -790,6 +790,8 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 // decode attention over position chunks (8 a KV head under
                 // the opt-in).
                 alone.push("MLX_LFM_DECODE_ATTENTION_CHUNKS");
+                // The decode attention a row over several lanes.
+                alone.push("MLX_LFM_DECODE_ATTENTION_WIDE");
                 // The norm folds with eps compiled in (the folds serve the
                 // dense weights up to 1,024 wide: the bf16 and f32
                 // fixtures'; a 4-bit one's projections are not dense).
@@ -1496,6 +1498,11 @@ fn decode_attention_kernel_matches_stock_ops() {
     fn with_chunks<R>(n: &str, f: impl FnOnce() -> R) -> R {
         crate::knobs::with_overrides(&[("MLX_LFM_DECODE_ATTENTION_CHUNKS".to_string(), Some(n.to_string()))], f)
     }
+    // The wide variant (MLX_LFM_DECODE_ATTENTION_WIDE=1: a row over several
+    // lanes, its scores in shared memory).
+    fn with_wide<R>(f: impl FnOnce() -> R) -> R {
+        crate::kernels::with_opt_in_one("MLX_LFM_DECODE_ATTENTION_WIDE", f)
+    }
     use crate::kernels::decode_attention::{available, sdpa_masked};
     use crate::mlx::random::normal;
     use crate::mlx::{arange, sdpa, Array, Mask};
@@ -1537,6 +1544,12 @@ fn decode_attention_kernel_matches_stock_ops() {
                 let worst = worst_relative(&split, &want);
                 assert!(worst <= tol, "{dt:?} {b}x{h}/{kvh}x{hd} over {n} ({filled:?}): the split variant ({dims}) differs by {worst}, over {tol}");
             }
+            // The wide variant: scores and sums in another order, so held to
+            // MLX's within the same bound.
+            let wide = with_wide(|| sdpa_masked(&q, &k, &v, scale, &mask).unwrap());
+            assert_eq!(wide.shape(), want.shape());
+            let worst = worst_relative(&wide, &want);
+            assert!(worst <= tol, "{dt:?} {b}x{h}/{kvh}x{hd} over {n} ({filled:?}): the wide variant differs by {worst}, over {tol}");
             // The chunked variant: probabilities unrounded and normalised
             // after the join, so held to MLX's within the same bound.
             for c in CHUNKS {
@@ -1562,6 +1575,14 @@ fn decode_attention_kernel_matches_stock_ops() {
                     let worst = worst_relative(&split, &want);
                     assert!(worst <= tol, "{dt:?} {b}x{h}/{kvh}x{hd} up to {filled:?}: the split variant ({dims}) differs from MLX's by {worst}, over {tol}");
                 }
+                let (wide, wide_rows) = with_wide(|| {
+                    let up = |rows| crate::kernels::decode_attention::sdpa_upto(&q, &k, &v, scale, &last, rows).unwrap();
+                    (up(false), up(true))
+                });
+                let worst = worst_relative(&wide, &want);
+                assert!(worst <= tol, "{dt:?} {b}x{h}/{kvh}x{hd} up to {filled:?}: the wide variant differs from MLX's by {worst}, over {tol}");
+                assert_eq!(wide_rows.shape(), [b, h * hd], "{dt:?} {b}x{h}/{kvh}x{hd}: the wide variant's rows");
+                assert_eq!(differing(&wide_rows, &wide.reshape(&[b, h * hd]).unwrap()), 0, "{dt:?}: the wide variant's rows differ");
                 for c in CHUNKS {
                     let (chunked, chunked_rows) = with_chunks(c, || {
                         let up = |rows| crate::kernels::decode_attention::sdpa_upto(&q, &k, &v, scale, &last, rows).unwrap();
@@ -1602,6 +1623,14 @@ fn decode_attention_kernel_matches_stock_ops() {
             let worst = worst_relative(&chunked, &want);
             assert!(worst <= 1.6e-2, "head size {hd}, {n} positions: {c} chunks differ from MLX's by {worst}");
         }
+        // The wide variant at its capacity, and one past it (the default
+        // kernel runs).
+        let wide = with_wide(|| sdpa_masked(&q, &k, &v, scale, &mask).unwrap());
+        let worst = worst_relative(&wide, &want);
+        assert!(worst <= 1.6e-2, "head size {hd}, {n} positions: the wide variant differs from MLX's by {worst}");
+        if n > 8192 {
+            assert_eq!(differing(&wide, &plain), 0, "head size {hd}, {n} positions: past its capacity the wide switch left the default");
+        }
     }
     // The chunked variant where a row has no valid position (the default
     // kernel gives 0 there; MLX's softmax over nothing is NaN) and where a
@@ -1624,6 +1653,10 @@ fn decode_attention_kernel_matches_stock_ops() {
         assert!(p[..row].iter().all(|&x| x == 0.0) && c[..row].iter().all(|&x| x == 0.0), "{what}: a row with no position gives 0");
         let worst = worst_relative(&chunked.slice_axis(0, 1, 2).unwrap(), &plain.slice_axis(0, 1, 2).unwrap());
         assert!(worst <= 1.6e-2, "{what}: the chunked row differs from the default kernel's by {worst}");
+        let wide = with_wide(|| crate::kernels::decode_attention::sdpa_upto(q, k, v, 0.125, &none, false).unwrap());
+        assert!(f(&wide)[..row].iter().all(|&x| x == 0.0), "{what}: a row with no position gives 0 in the wide variant");
+        let worst = worst_relative(&wide.slice_axis(0, 1, 2).unwrap(), &plain.slice_axis(0, 1, 2).unwrap());
+        assert!(worst <= 1.6e-2, "{what}: the wide variant's row differs from the default kernel's by {worst}");
     }
 }
 

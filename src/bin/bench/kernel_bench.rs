@@ -1598,12 +1598,13 @@ impl Folds {
     }
 }
 const FOLD_LAUNCHES: usize = 16;
-const ATT_ARMS: [(&str, Switches, usize); 5] = [
+const ATT_ARMS: [(&str, Switches, usize); 6] = [
     ("att-default", &[], 1),
     ("att-smem", &[("MLX_LFM_DECODE_ATTENTION_SMEM", "1")], 1),
     ("att-split", &[("MLX_LFM_DECODE_ATTENTION_SPLIT", "1")], 1),
     ("att-chunks-8", &[("MLX_LFM_DECODE_ATTENTION_CHUNKS", "8")], 2),
     ("att-chunks-4", &[("MLX_LFM_DECODE_ATTENTION_CHUNKS", "4")], 2),
+    ("att-wide", &[("MLX_LFM_DECODE_ATTENTION_WIDE", "1")], 1),
 ];
 const ATT_POSITIONS: i32 = 550;
 const ATT_HD: i32 = 64;
