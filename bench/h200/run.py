@@ -2435,10 +2435,15 @@ AB = {
     # own settings, and `ffn-rounds-off` times the form before it.
     "ffn-gate-rounds": ({"MLX_LFM_FFN_GATE_ROWS": "2", "MLX_LFM_FFN_GATE_ROUNDS": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
     "ffn-rounds-off": ({"MLX_LFM_FFN_GATE_ROUNDS": "0"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
-    # The attention layers' new K and V written into a flat cache's buffers
-    # by the q/k/v stage itself (session 44, qkv_fused.rs kv_in_place):
-    # two MLX scatters an attention layer fewer (~4.6 µs each).
+    # The attention layers' new K and V written into a lone sequence's
+    # buffers (flat, or a paged one's decode mirrors) by the q/k/v stage
+    # itself (session 44, qkv_fused.rs kv_in_place): two MLX scatters an
+    # attention layer fewer (~4.6 µs each). A CUDA default since session 46
+    # (decode 1.065-1.070x on the 1.2B in its A/B on an H100; the 350M's
+    # and 8B-A1B's not yet timed): this variant is now the default's own
+    # settings, and `kv-in-place-off` times the scatters.
     "kv-in-place": ({"MLX_LFM_KV_IN_PLACE": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    "kv-in-place-off": ({"MLX_LFM_KV_IN_PLACE": "0"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     # (Four rounds: 257 blocks on the 1.2B, each gate warp four outputs;
     # the part w2 walks alone after the gate a quarter of its rows.)
     "ffn-gate-rounds-4": ({"MLX_LFM_FFN_GATE_ROUNDS": "4"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
@@ -2485,6 +2490,7 @@ AB_TESTS = {
     "ffn-gate-rounds-4": ["ffn_fused_kernel_matches_stock_ops", "greedy:ffn-gate-rounds-4"],
     "ffn-rounds-off": ["ffn_fused_kernel_matches_stock_ops", "greedy:ffn-rounds-off"],
     "kv-in-place": ["qkv_fused_kernel_writes_kv_in_place", "compiled_step_writes_kv_in_place_on_tiny_models", "greedy:kv-in-place"],
+    "kv-in-place-off": ["greedy:kv-in-place-off"],
     "argmax-vec": ["argmax_finite_kernel_matches_stock_ops"],
     "conv-first-off": ["greedy:conv-first-off"],
     "scratch-outputs": [],
@@ -2585,7 +2591,7 @@ PICK = [
     (["moe-down-prefetch", "moe-down-prefetch-after"], "decode"),
     (["qkv-warps-32", "qkv-split-2", "qkv-split-4"], "decode"),
     (["ffn-gate-2", "ffn-gate-2-early", "ffn-gate-rounds", "ffn-gate-rounds-4", "ffn-rounds-off"], "decode"),
-    (["kv-in-place"], "decode"),
+    (["kv-in-place", "kv-in-place-off"], "decode"),
     (["argmax-vec"], "decode"),
     (["conv-first-off"], "decode"),
     (["layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off"], "decode"),
@@ -2625,7 +2631,7 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                # feed-forward in rounds fell on the 350M's prefill figure,
                # 0.908, whose paired reps spread 0.84-1.05.)
                "ffn-gate-2", "ffn-gate-2-early", "ffn-gate-rounds", "ffn-gate-rounds-4", "ffn-rounds-off",
-               "kv-in-place"}
+               "kv-in-place", "kv-in-place-off"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]

@@ -137,8 +137,12 @@ fn form(
     })
 }
 
-/// `MLX_LFM_KV_IN_PLACE=1` (opt-in, session 44; its kernel test passed on
-/// an H100 in session 45): a lone sequence's compiled decode step writes
+/// `MLX_LFM_KV_IN_PLACE` (a CUDA default since session 46, `=0` off: its
+/// kernel test passed on an H100 in session 45, its step's test and every
+/// greedy set on all four fixtures in session 46, and its A/B read the
+/// 1.2B's decode 1.065-1.070x there, 864-868 tok/s against 807-814;
+/// `bench/results/2026-12-07-h100-session46.raw.jsonl`; the 350M's and
+/// the 8B-A1B's not yet timed): a lone sequence's compiled decode step writes
 /// each attention layer's new K and V rows into the layer's cache buffers
 /// from this kernel's k and v head blocks, in place, at the position,
 /// instead of two MLX scatters a layer after it (~4.6 µs each on the
@@ -154,7 +158,7 @@ fn form(
 /// (a `take` reshaped), src/compiled/mod.rs; a batch keeps the scatters.
 pub fn kv_in_place() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    super::opt_in("MLX_LFM_KV_IN_PLACE", &ON)
+    super::opt_out("MLX_LFM_KV_IN_PLACE", &ON)
 }
 
 static KV_BUILT: Built = Built::new();

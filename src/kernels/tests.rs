@@ -933,11 +933,21 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     }
                 }
                 if compiled && !joined {
+                    // The scatters after the q/k/v stage (MLX_LFM_KV_IN_PLACE=0,
+                    // run.py's `kv-in-place-off`: the form before session
+                    // 46), which must not have written in place.
+                    let off_set = [("MLX_LFM_KV_IN_PLACE".to_string(), Some("0".to_string()))];
+                    let before = crate::compiled::kv_in_place_steps();
+                    runs.push(("kv-in-place-off", crate::knobs::with_overrides(&off_set, || run(Some(&stock))).0));
+                    if crate::compiled::kv_in_place_steps() != before {
+                        eprintln!("{what}: the kv-in-place-off kernels FAILED: its run wrote K/V in place");
+                        failures.push(format!("{what}: kv-in-place-off wrote K/V in place"));
+                    }
                     // The attention layers' K/V written into the cache's
                     // buffers (a flat cache's, or a paged sequence's decode
                     // mirrors, the dense fixtures' default) by the q/k/v
-                    // stage itself
-                    // (MLX_LFM_KV_IN_PLACE, opt-in, session 44; run.py's
+                    // stage itself (MLX_LFM_KV_IN_PLACE, a CUDA default
+                    // since session 46, asked for by name here; run.py's
                     // `kv-in-place`), which a run must have built where that
                     // stage serves (an attention layer after the first).
                     // (Both counts: the kernel's is made where the step is
