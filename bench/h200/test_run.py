@@ -545,6 +545,38 @@ class KernelTests(unittest.TestCase):
         self.assertTrue(rec["verdicts"]["q_by_its_bits_gemv_matches_stock_ops"])
         self.assertFalse((run.WORK / "kernels-off").exists(), "a default kernel's verdict stood")
 
+    def test_a_kernels_off_file_does_not_reach_the_tests(self):
+        run = self.run
+        listing = "kernels::tests::conv_fused_kernel_matches_stock_ops: test\n"
+        envs = []
+
+        class Proc:
+            def __init__(self, cmd, env=None, **_):
+                envs.append(env)
+                self.returncode = 0
+
+            def communicate(self):
+                return "test kernels::tests::conv_fused_kernel_matches_stock_ops ... ok\n", ""
+
+        run.sh = lambda cmd, **k: Result(listing)
+        run.subprocess = type("S", (), {"Popen": Proc, "PIPE": None})
+        run.TESTS = Path(self.tmp.name) / "tests"
+        run.TESTS.mkdir()
+        (run.TESTS / "mlx_lfm-0").write_text("")
+        real_root = run.ROOT
+        run.ROOT = Path(self.tmp.name)
+        run.WORK.mkdir(parents=True, exist_ok=True)
+        (run.WORK / "kernels-off").write_text("1")
+        os.environ["H200_KERNEL_TESTS"] = "conv_fused"
+        try:
+            self.assertEqual(run.env().get("MLX_LFM_KERNELS"), "0", "the benchmarks' environment keeps the file's word")
+            run.kernels()
+        finally:
+            os.environ.pop("H200_KERNEL_TESTS")
+            run.ROOT = real_root
+        self.assertTrue(envs)
+        self.assertTrue(all("MLX_LFM_KERNELS" not in e for e in envs), "the tests ran with the kernels off")
+
 
 
 class AbPrompt(unittest.TestCase):
