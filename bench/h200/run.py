@@ -2450,6 +2450,14 @@ AB = {
     # settings, and `kv-in-place-off` times the scatters.
     "kv-in-place": ({"MLX_LFM_KV_IN_PLACE": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "kv-in-place-off": ({"MLX_LFM_KV_IN_PLACE": "0"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # The dense feed-forward's first rows (16 MB: 8 of w1's, 8 of w3's)
+    # asked of L2 while the layer's operator runs (session 46,
+    # src/kernels/l2_prefetch.rs): after attention layers, whose launches
+    # leave DRAM mostly idle, or after every layer (`-all`). Dense
+    # feed-forwards only (the 8B-A1B's two are 4-bit).
+    "ffn-prefetch": ({"MLX_LFM_FFN_PREFETCH": "attention"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
+    "ffn-prefetch-all": ({"MLX_LFM_FFN_PREFETCH": "all"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
+    "ffn-prefetch-32": ({"MLX_LFM_FFN_PREFETCH": "attention", "MLX_LFM_FFN_PREFETCH_MB": "32"}, ["lfm2-1.2b-bf16"]),
     # (Four rounds: 257 blocks on the 1.2B, each gate warp four outputs;
     # the part w2 walks alone after the gate a quarter of its rows.)
     "ffn-gate-rounds-4": ({"MLX_LFM_FFN_GATE_ROUNDS": "4"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
@@ -2497,6 +2505,7 @@ AB_TESTS = {
     "ffn-rounds-off": ["ffn_fused_kernel_matches_stock_ops", "greedy:ffn-rounds-off"],
     "kv-in-place": ["qkv_fused_kernel_writes_kv_in_place", "compiled_step_writes_kv_in_place_on_tiny_models", "greedy:kv-in-place"],
     "kv-in-place-off": ["greedy:kv-in-place-off"],
+    **{v: ["greedy:MLX_LFM_FFN_PREFETCH"] for v in ("ffn-prefetch", "ffn-prefetch-all", "ffn-prefetch-32")},
     "argmax-vec": ["argmax_finite_kernel_matches_stock_ops"],
     "conv-first-off": ["greedy:conv-first-off"],
     "scratch-outputs": [],
@@ -2598,6 +2607,7 @@ PICK = [
     (["qkv-warps-32", "qkv-split-2", "qkv-split-4"], "decode"),
     (["ffn-gate-2", "ffn-gate-2-early", "ffn-gate-rounds", "ffn-gate-rounds-4", "ffn-rounds-off"], "decode"),
     (["kv-in-place", "kv-in-place-off"], "decode"),
+    (["ffn-prefetch", "ffn-prefetch-all", "ffn-prefetch-32"], "decode"),
     (["argmax-vec"], "decode"),
     (["conv-first-off"], "decode"),
     (["layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off"], "decode"),
@@ -2637,7 +2647,7 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                # feed-forward in rounds fell on the 350M's prefill figure,
                # 0.908, whose paired reps spread 0.84-1.05.)
                "ffn-gate-2", "ffn-gate-2-early", "ffn-gate-rounds", "ffn-gate-rounds-4", "ffn-rounds-off",
-               "kv-in-place", "kv-in-place-off"}
+               "kv-in-place", "kv-in-place-off", "ffn-prefetch", "ffn-prefetch-all", "ffn-prefetch-32"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]

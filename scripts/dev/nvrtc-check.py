@@ -88,8 +88,8 @@ KERNELS = {
         lambda dt: [("HD", 64), ("SCALE_BITS", 1040187392), ("PER_ROW", 1)],
     ),
     # The wide variant (MLX_LFM_DECODE_ATTENTION_WIDE): a row over several
-    # lanes, its scores in shared memory; head sizes 64 and 256 (a row's
-    # loads one warp).
+    # lanes, its scores in shared memory; head sizes 64, and 256 (128 in
+    # float32: a row's loads one warp).
     "decode_attention.rs#wide": (
         [("q", "T"), ("k", "T"), ("v", "T"), ("mask", "bool")],
         [("out", "T"), ("sc", "float")],
@@ -105,6 +105,13 @@ KERNELS = {
         [("q", "T"), ("k", "T"), ("v", "T"), ("upto", "int")],
         [("out", "T"), ("sc", "float")],
         lambda dt: [("HD", 64), ("SCALE_BITS", 1040187392), ("PER_ROW", 1)],
+    ),
+    # The feed-forward's first rows asked of L2 (MLX_LFM_FFN_PREFETCH): the
+    # 1.2B's stacked w1/w3, 8 MB of each half.
+    "l2_prefetch.rs": (
+        [("after", "T"), ("w", "T")],
+        [("done", "int")],
+        lambda dt: [("OFF1_16", 2097152), ("LEN_16", 524288), ("CHUNK", 65536)],
     ),
     "gemv.rs": (
         [("x", "T"), ("w", "T")],

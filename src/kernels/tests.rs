@@ -792,6 +792,18 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 alone.push("MLX_LFM_DECODE_ATTENTION_CHUNKS");
                 // The decode attention a row over several lanes.
                 alone.push("MLX_LFM_DECODE_ATTENTION_WIDE");
+                // The dense feed-forward's first rows asked of L2 while the
+                // layer's operator runs (the opt-in's run: after every
+                // layer); its launches must have been built where a
+                // compiled step's rows meet a dense feed-forward.
+                let prefetch_served = compiled
+                    && !q4
+                    && dense_ffn
+                    && crate::knobs::var("MLX_LFM_CONV_LAYER_FUSED").as_deref() != Some("1")
+                    && crate::model::lfm2::decode_rows();
+                if !q4 && dense_ffn {
+                    alone.push("MLX_LFM_FFN_PREFETCH");
+                }
                 // The norm folds with eps compiled in (the folds serve the
                 // dense weights up to 1,024 wide: the bf16 and f32
                 // fixtures'; a 4-bit one's projections are not dense).
@@ -845,9 +857,12 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 }
 
                 for var in alone {
-                    let before = crate::kernels::conv_layer_fused::built();
+                    let before = (crate::kernels::conv_layer_fused::built(), crate::kernels::l2_prefetch::built());
                     runs.push((var, crate::kernels::with_opt_in_one(var, || run(Some(&stock))).0));
-                    if can_fuse && var == "MLX_LFM_CONV_LAYER_FUSED" && crate::kernels::conv_layer_fused::built() == before {
+                    if can_fuse && var == "MLX_LFM_CONV_LAYER_FUSED" && crate::kernels::conv_layer_fused::built() == before.0 {
+                        unbuilt(var, &mut failures);
+                    }
+                    if prefetch_served && var == "MLX_LFM_FFN_PREFETCH" && crate::kernels::l2_prefetch::built() == before.1 {
                         unbuilt(var, &mut failures);
                     }
                 }

@@ -766,6 +766,20 @@ impl Layer {
 
     /// The operator (short conv or attention) of decoder layer `index` on
     /// its normed input.
+    /// A lone sequence's decode row: the first rows of the dense
+    /// feed-forward after this layer's operator asked of L2 while the
+    /// operator runs (`MLX_LFM_FFN_PREFETCH`, src/kernels/l2_prefetch.rs),
+    /// the launch's output for the feed-forward's input to depend on; None
+    /// where it does not serve.
+    fn ffn_prefetch(&self, x: &Normed) -> Result<Option<Array>> {
+        if x.h.ndim() != 2 || x.h.dim(0) != 1 {
+            return Ok(None);
+        }
+        let FeedForward::Dense(m) = &self.feed_forward else { return Ok(None) };
+        let Some(w13) = m.stacked_dense_w13().filter(|_| m.shard.is_none()) else { return Ok(None) };
+        crate::kernels::l2_prefetch::launch(x.h, w13, matches!(self.operator, Operator::Attention(_)))
+    }
+
     fn operator(&self, x: &Normed, index: usize, cache: &mut dyn ForwardCache, zero: Option<&Array>) -> Result<(Array, Array)> {
         match &self.operator {
             Operator::Attention(a) => a.forward(x, index, cache),
@@ -947,7 +961,9 @@ impl Lfm2Model {
             let (h2, f) = match joined {
                 Some(done) => done,
                 None => {
+                    let prefetch = layer.ffn_prefetch(&x)?;
                     let (h1, r) = layer.operator(&x, i, cache, Some(&self.zero_row))?;
+                    let r = crate::kernels::l2_prefetch::after(r, prefetch)?;
                     let x = Normed { h: &h1, r: Some(&r), w: &layer.ffn_norm, eps, eps_array };
                     layer.feed_forward(&x)?
                 }
