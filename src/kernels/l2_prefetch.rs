@@ -9,10 +9,13 @@
 //! `cp.async.bulk.prefetch.L2`: no registers, no waiting) for the start of
 //! w1's and of w3's rows in the stacked `[2F, D]` weight, the rows the
 //! feed-forward's first gate blocks walk first (src/kernels/stages.rs:
-//! output j reads rows j and F + j, the tickets in order), and ends; the
-//! feed-forward's residual input then depends on it (`depends`), so the
-//! graph keeps it. Nothing read changes: the step's bits are the same.
-//! Below sm_90 the launch asks nothing.
+//! output j reads rows j and F + j, the tickets in order), and ends. The
+//! operator's input depends on it (`depends`), which keeps it in the graph
+//! and puts it before the operator in MLX's order; MLX's CUDA graph links
+//! nodes only by the buffers they read and write, so nothing waits for it:
+//! it runs once the layer's input is made, beside the operator. Nothing
+//! read changes: the step's bits are the same. Below sm_90, or where the
+//! weight is not 16-byte aligned, the launch asks nothing.
 
 use crate::error::{Error, Result};
 use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
@@ -28,13 +31,15 @@ const CHUNK: i64 = 64 * 1024;
 
 const SOURCE: &str = r#"
 #if __CUDA_ARCH__ >= 900
-  const char* base = reinterpret_cast<const char*>(w);
+  const unsigned long long base = static_cast<unsigned long long>(__cvta_generic_to_global(w));
   const long long offs[2] = {0ll, static_cast<long long>(OFF1_16) * 16};
   const long long len = static_cast<long long>(LEN_16) * 16;
-  for (int r = 0; r < 2; r++) {
-    for (long long c = static_cast<long long>(threadIdx.x) * CHUNK; c < len; c += static_cast<long long>(blockDim.x) * CHUNK) {
-      const unsigned n = static_cast<unsigned>(len - c < CHUNK ? len - c : CHUNK);
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(base + offs[r] + c), "r"(n) : "memory");
+  if ((base & 15ull) == 0) {
+    for (int r = 0; r < 2; r++) {
+      for (long long c = static_cast<long long>(threadIdx.x) * CHUNK; c < len; c += static_cast<long long>(blockDim.x) * CHUNK) {
+        const unsigned n = static_cast<unsigned>(len - c < CHUNK ? len - c : CHUNK);
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(base + offs[r] + c), "r"(n) : "memory");
+      }
     }
   }
 #endif
@@ -129,7 +134,12 @@ pub fn launch(after: &Array, w13: &Array, attention: bool) -> Result<Option<Arra
         ("LEN_16", TemplateArg::Int(each)),
         ("CHUNK", TemplateArg::Int(CHUNK as i32)),
     ];
-    let mut outs = k.call(&[after, w13], &[(&[1], Dtype::Int32)], [THREADS, 1, 1], [THREADS, 1, 1], &template)?;
+    // (The weight's first row stands for it: the kernel reads the pointer
+    // only, and MLX counts an input's elements toward cutting its graphs.
+    // A row of a row-contiguous weight is a view, not a copy. The output is
+    // 16 bytes: MLX keeps arrays under 16 bytes in managed memory.)
+    let row = w13.slice_axis(0, 0, 1)?;
+    let mut outs = k.call(&[after, &row], &[(&[4], Dtype::Int32)], [THREADS, 1, 1], [THREADS, 1, 1], &template)?;
     BUILT.fetch_add(1, Ordering::Relaxed);
     Ok(Some(outs.pop().ok_or_else(|| Error::mlx("the L2 prefetch: missing output"))?))
 }

@@ -796,12 +796,16 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 // layer's operator runs (the opt-in's run: after every
                 // layer); its launches must have been built where a
                 // compiled step's rows meet a dense feed-forward.
+                // (Where w1 and w3 are one stacked weight: not under
+                // MLX_LFM_FUSE_PROJECTIONS=0; and only a compiled step's
+                // `[1, D]` rows, so no eager run.)
                 let prefetch_served = compiled
                     && !q4
                     && dense_ffn
                     && crate::knobs::var("MLX_LFM_CONV_LAYER_FUSED").as_deref() != Some("1")
+                    && crate::knobs::var("MLX_LFM_FUSE_PROJECTIONS").as_deref() != Some("0")
                     && crate::model::lfm2::decode_rows();
-                if !q4 && dense_ffn {
+                if compiled && !q4 && dense_ffn {
                     alone.push("MLX_LFM_FFN_PREFETCH");
                 }
                 // The norm folds with eps compiled in (the folds serve the

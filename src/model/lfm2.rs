@@ -764,13 +764,12 @@ impl Layer {
         }
     }
 
-    /// The operator (short conv or attention) of decoder layer `index` on
-    /// its normed input.
     /// A lone sequence's decode row: the first rows of the dense
     /// feed-forward after this layer's operator asked of L2 while the
     /// operator runs (`MLX_LFM_FFN_PREFETCH`, src/kernels/l2_prefetch.rs),
-    /// the launch's output for the feed-forward's input to depend on; None
-    /// where it does not serve.
+    /// the launch's output for the operator's input to depend on (which
+    /// keeps it in the graph, before the operator); None where it does not
+    /// serve.
     fn ffn_prefetch(&self, x: &Normed) -> Result<Option<Array>> {
         if x.h.ndim() != 2 || x.h.dim(0) != 1 {
             return Ok(None);
@@ -780,6 +779,8 @@ impl Layer {
         crate::kernels::l2_prefetch::launch(x.h, w13, matches!(self.operator, Operator::Attention(_)))
     }
 
+    /// The operator (short conv or attention) of decoder layer `index` on
+    /// its normed input.
     fn operator(&self, x: &Normed, index: usize, cache: &mut dyn ForwardCache, zero: Option<&Array>) -> Result<(Array, Array)> {
         match &self.operator {
             Operator::Attention(a) => a.forward(x, index, cache),
@@ -962,8 +963,14 @@ impl Lfm2Model {
                 Some(done) => done,
                 None => {
                     let prefetch = layer.ffn_prefetch(&x)?;
-                    let (h1, r) = layer.operator(&x, i, cache, Some(&self.zero_row))?;
-                    let r = crate::kernels::l2_prefetch::after(r, prefetch)?;
+                    let (h1, r) = match prefetch {
+                        Some(p) => {
+                            let h_in = crate::kernels::l2_prefetch::after(h.clone(), Some(p))?;
+                            let x = Normed { h: &h_in, ..x };
+                            layer.operator(&x, i, cache, Some(&self.zero_row))?
+                        }
+                        None => layer.operator(&x, i, cache, Some(&self.zero_row))?,
+                    };
                     let x = Normed { h: &h1, r: Some(&r), w: &layer.ffn_norm, eps, eps_array };
                     layer.feed_forward(&x)?
                 }
