@@ -192,7 +192,10 @@ times the scatters); the wide attention (`attention-wide`) read
 limits): `decode_attention_kernel_matches_stock_ops` (its wide cases;
 slow: many NVRTC compiles, give it a process of its own) and
 `ffn_fused_kernel_matches_stock_ops` whole (>170 s alone). Written
-after the calls, not yet on a GPU: `MLX_LFM_FFN_PREFETCH`
+after the calls, not yet on a GPU: the decode attention's block
+reduction one header function for the default and wide kernels (the
+same operations; the default kernel's text changed, so its test runs
+again in step 3); `MLX_LFM_FFN_PREFETCH`
 (src/kernels/l2_prefetch.rs), the feed-forward's first rows asked of L2
 while the layer's operator runs.
 The chain:

@@ -492,6 +492,24 @@ class KernelTests(unittest.TestCase):
              "kernels::tests::greedy_tokens_with_kernels_equal_stock_ops_on_moe", "kernels::tests::moe_fused_kernel_matches_the_three_kernels",
              "compiled::tests::compiled_prefill_equals_the_eager_prefill"]
 
+    def run_kernels(self, proc, listing, tests):
+        """run.kernels() over a test binary listing `listing`, its processes
+        made by `proc`, with H200_KERNEL_TESTS=`tests`."""
+        run = self.run
+        run.sh = lambda cmd, **k: Result(listing)
+        run.subprocess = type("S", (), {"Popen": proc, "PIPE": None})
+        run.TESTS = Path(self.tmp.name) / "tests"
+        run.TESTS.mkdir()
+        (run.TESTS / "mlx_lfm-0").write_text("")
+        real_root = run.ROOT
+        run.ROOT = Path(self.tmp.name)
+        os.environ["H200_KERNEL_TESTS"] = tests
+        try:
+            run.kernels()
+        finally:
+            os.environ.pop("H200_KERNEL_TESTS")
+            run.ROOT = real_root
+
     def test_each_qint_test_has_a_process(self):
         for jobs in (1, 2, 4):
             groups, exact = self.run.test_processes(self.NAMES, jobs)
@@ -525,19 +543,7 @@ class KernelTests(unittest.TestCase):
                               "in this process; run it alone\n" for n in self.names if "q_by_conversion" in n)
                 return out, err
 
-        run.sh = lambda cmd, **k: Result(listing)
-        run.subprocess = type("S", (), {"Popen": Proc, "PIPE": None})
-        run.TESTS = Path(self.tmp.name) / "tests"
-        run.TESTS.mkdir()
-        (run.TESTS / "mlx_lfm-0").write_text("")
-        real_root = run.ROOT
-        run.ROOT = Path(self.tmp.name)
-        os.environ["H200_KERNEL_TESTS"] = "conv_fused,q_by_conversion,q_by_its_bits"
-        try:
-            run.kernels()
-        finally:
-            os.environ.pop("H200_KERNEL_TESTS")
-            run.ROOT = real_root
+        self.run_kernels(Proc, listing, "conv_fused,q_by_conversion,q_by_its_bits")
         rec = [r for r in records(run) if r["engine"] == "tests"][-1]
         self.assertFalse(rec["skipped"])
         self.assertFalse(rec["verdicts"]["q_by_conversion_conv_layer_matches_stock_ops"])
@@ -558,22 +564,10 @@ class KernelTests(unittest.TestCase):
             def communicate(self):
                 return "test kernels::tests::conv_fused_kernel_matches_stock_ops ... ok\n", ""
 
-        run.sh = lambda cmd, **k: Result(listing)
-        run.subprocess = type("S", (), {"Popen": Proc, "PIPE": None})
-        run.TESTS = Path(self.tmp.name) / "tests"
-        run.TESTS.mkdir()
-        (run.TESTS / "mlx_lfm-0").write_text("")
-        real_root = run.ROOT
-        run.ROOT = Path(self.tmp.name)
         run.WORK.mkdir(parents=True, exist_ok=True)
         (run.WORK / "kernels-off").write_text("1")
-        os.environ["H200_KERNEL_TESTS"] = "conv_fused"
-        try:
-            self.assertEqual(run.env().get("MLX_LFM_KERNELS"), "0", "the benchmarks' environment keeps the file's word")
-            run.kernels()
-        finally:
-            os.environ.pop("H200_KERNEL_TESTS")
-            run.ROOT = real_root
+        self.assertEqual(run.env().get("MLX_LFM_KERNELS"), "0", "the benchmarks' environment keeps the file's word")
+        self.run_kernels(Proc, listing, "conv_fused")
         self.assertTrue(envs)
         self.assertTrue(all("MLX_LFM_KERNELS" not in e for e in envs), "the tests ran with the kernels off")
 

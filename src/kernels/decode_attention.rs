@@ -54,7 +54,6 @@ const SOURCE: &str = r#"
   const int tid = threadIdx.x;
   const int grp = tid / G;
   const int lane = tid % G;
-  const int warp = tid / 32;
   const float scale = __int_as_float(SCALE_BITS);
   const size_t head = static_cast<size_t>(b) * KVH + h / (H / KVH);
   const T* qp = q + (static_cast<size_t>(b) * H + h) * HD;
@@ -79,20 +78,7 @@ const SOURCE: &str = r#"
     qs[i] = static_cast<float>(T(static_cast<float>(qp[i]) * scale));
   }
   __syncthreads();
-  auto block_reduce = [&](float x, bool is_max) {
-    for (int off = 16; off > 0; off >>= 1) {
-      const float y = __shfl_xor_sync(0xffffffff, x, off);
-      x = is_max ? fmaxf(x, y) : x + y;
-    }
-    __syncthreads();
-    if (tid % 32 == 0) red[warp] = x;
-    __syncthreads();
-    x = red[0];
-    for (int w = 1; w < 8; w++) {
-      x = is_max ? fmaxf(x, red[w]) : x + red[w];
-    }
-    return x;
-  };
+  auto block_reduce = [&](float x, bool is_max) { return lfm_att_block_reduce(x, is_max, red); };
 
   const float neg_inf = -__int_as_float(0x7f800000);
   float m = neg_inf;
@@ -270,20 +256,7 @@ const WIDE_SOURCE: &str = r#"
 #pragma unroll
   for (int j = 0; j < E; j++) qv[j] = static_cast<float>(T(static_cast<float>(qp[j]) * scale));
   const float neg_inf = -__int_as_float(0x7f800000);
-  auto block_reduce = [&](float x, bool is_max) {
-    for (int off = 16; off > 0; off >>= 1) {
-      const float y = __shfl_xor_sync(0xffffffff, x, off);
-      x = is_max ? fmaxf(x, y) : x + y;
-    }
-    __syncthreads();
-    if (tid % 32 == 0) red[warp] = x;
-    __syncthreads();
-    x = red[0];
-    for (int w = 1; w < 8; w++) {
-      x = is_max ? fmaxf(x, red[w]) : x + red[w];
-    }
-    return x;
-  };
+  auto block_reduce = [&](float x, bool is_max) { return lfm_att_block_reduce(x, is_max, red); };
   float m = neg_inf;
   for (int base = 0; base < NV; base += CHUNK) {
     if (base > 0) {
@@ -580,7 +553,7 @@ fn made(cell: &'static OnceLock<Option<CudaKernel>>, name: &str, bound: &str, va
         let body = if variant == Variant::Wide { WIDE_SOURCE } else { SOURCE };
         let src = body.replace("__VALIDITY__", validity);
         let (name, header) = match variant {
-            Variant::Wide => (format!("{name}_wide"), String::new()),
+            Variant::Wide => (format!("{name}_wide"), HEADER.to_string()),
             Variant::Plain => (name.to_string(), HEADER.to_string()),
             Variant::Smem => (format!("{name}_smem"), format!("#define LFM_ATT_SMEM 1\n{HEADER}")),
             Variant::Split(d) => (format!("{name}_split{d}"), format!("#define LFM_ATT_DPB {d}\n{HEADER}")),
@@ -590,7 +563,26 @@ fn made(cell: &'static OnceLock<Option<CudaKernel>>, name: &str, bound: &str, va
     .as_ref()
 }
 
-const HEADER: &str = "#ifndef LFM_ATT_SMEM\n#define LFM_ATT_SMEM 0\n#endif\n";
+const HEADER: &str = r#"#ifndef LFM_ATT_SMEM
+#define LFM_ATT_SMEM 0
+#endif
+// The max or sum of x over a block of 256 threads (8 warps), every thread
+// given it; `red` is 8 floats of shared memory, free again on return.
+__device__ inline float lfm_att_block_reduce(float x, bool is_max, float* red) {
+  for (int off = 16; off > 0; off >>= 1) {
+    const float y = __shfl_xor_sync(0xffffffff, x, off);
+    x = is_max ? fmaxf(x, y) : x + y;
+  }
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = x;
+  __syncthreads();
+  x = red[0];
+  for (int w = 1; w < 8; w++) {
+    x = is_max ? fmaxf(x, red[w]) : x + red[w];
+  }
+  return x;
+}
+"#;
 
 /// The most positions whose scores the shared-memory variant holds (32 KiB
 /// of float32 beside the 8 KiB of the p * v partial sums: within the 48 KiB
