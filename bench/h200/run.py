@@ -197,23 +197,29 @@ reduction one header function for the default and wide kernels (the
 same operations; the default kernel's text changed, so its test runs
 again in step 3); `MLX_LFM_FFN_PREFETCH`
 (src/kernels/l2_prefetch.rs), the feed-forward's first rows asked of L2
-while the layer's operator runs.
+while the layer's operator runs; `MLX_LFM_QKV_EVERY_NORM`
+(qkv_fused.rs), every head's block of the q/k/v stage computing the
+norm itself instead of waiting for the first block's (the stage's ~15 µs
+of fixed time, session 41's suspect).
 The chain:
   1. carry [.device/a]: `stage-mlx`.
   2. carry [.device/llama]: `llama` (its build runs in the background).
-  3. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=6
-     H200_KERNEL_TESTS=greedy_tokens_with_kernels_equal_stock_ops,ffn_fused_kernel_matches_stock_ops,decode_attention_kernel_matches_stock_ops
+  3. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=7
+     H200_KERNEL_TESTS=greedy_tokens_with_kernels_equal_stock_ops,ffn_fused_kernel_matches_stock_ops,decode_attention_kernel_matches_stock_ops,qkv_fused_kernel_matches_stock_ops
      `timeout -s TERM 560 python3 bench/h200/run.py install verdicts-from
-     committed kernels save-ptx` (six processes: the four greedy tests,
-     the feed-forward's and the attention's tests each alone; ~300-450
-     s). The feed-forward's whole verdict ends the kernels-off trap for
-     later sessions' `verdicts-from`.
+     committed kernels save-ptx` (seven processes: the four greedy tests,
+     the feed-forward's, the attention's and the q/k/v stage's tests each
+     alone; ~300-450 s). The feed-forward's whole verdict ends the
+     kernels-off trap for later sessions' `verdicts-from`.
   4. carry [.device/bin]: H200_OURS_ENV (mimalloc),
-     H200_AB_VARIANTS=ffn-prefetch,ffn-prefetch-all,ffn-prefetch-32,kv-in-place-off
+     H200_AB_VARIANTS=ffn-prefetch,ffn-prefetch-all,ffn-prefetch-32,qkv-every-norm,kv-in-place-off
      H200_MODELS=lfm2-1.2b-bf16,lfm2-350m-bf16,lfm2-8b-a1b-q4
-     H200_AB_REPS=3 `timeout -s TERM 500 python3 bench/h200/run.py ab
-     pick` (the prefetch: adopt where decode gains 3%; kv-in-place-off
-     gives the 350M's and 8B-A1B's figures for the new default).
+     H200_AB_REPS=3
+     H200_KERNEL_BENCH_ARMS=qkv-bf16-fused,qkv-bf16-every-norm,qkv-q4-fused,qkv-q4-every-norm,att-default,att-wide
+     `timeout -s TERM 560 python3 bench/h200/run.py ab pick kernel-bench`
+     (adopt where decode gains 3%; kv-in-place-off gives the 350M's and
+     8B-A1B's figures for the new default; kernel-bench says whether the
+     every-norm stage and the wide attention are faster alone).
   5. carry [.device/bin]: H200_OURS_ENV, `timeout -s TERM 560 python3
      bench/h200/run.py pick round 1` (the 1.2B's decode against
      llama.cpp with the K/V in place: session 46's A/B put it at ~1.18x
@@ -2466,6 +2472,10 @@ AB = {
     "ffn-prefetch": ({"MLX_LFM_FFN_PREFETCH": "attention"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
     "ffn-prefetch-all": ({"MLX_LFM_FFN_PREFETCH": "all"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
     "ffn-prefetch-32": ({"MLX_LFM_FFN_PREFETCH": "attention", "MLX_LFM_FFN_PREFETCH_MB": "32"}, ["lfm2-1.2b-bf16"]),
+    # Every head's block of the q/k/v stage computing the norm itself, no
+    # wait for the first block's (session 46, qkv_fused.rs every_norm;
+    # kernel-bench's `qkv-bf16-every-norm`, `qkv-q4-every-norm`).
+    "qkv-every-norm": ({"MLX_LFM_QKV_EVERY_NORM": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     # (Four rounds: 257 blocks on the 1.2B, each gate warp four outputs;
     # the part w2 walks alone after the gate a quarter of its rows.)
     "ffn-gate-rounds-4": ({"MLX_LFM_FFN_GATE_ROUNDS": "4"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
@@ -2514,6 +2524,7 @@ AB_TESTS = {
     "kv-in-place": ["qkv_fused_kernel_writes_kv_in_place", "compiled_step_writes_kv_in_place_on_tiny_models", "greedy:kv-in-place"],
     "kv-in-place-off": ["greedy:kv-in-place-off"],
     **{v: ["greedy:MLX_LFM_FFN_PREFETCH"] for v in ("ffn-prefetch", "ffn-prefetch-all", "ffn-prefetch-32")},
+    "qkv-every-norm": ["qkv_fused_kernel_matches_stock_ops", "greedy:MLX_LFM_QKV_EVERY_NORM"],
     "argmax-vec": ["argmax_finite_kernel_matches_stock_ops"],
     "conv-first-off": ["greedy:conv-first-off"],
     "scratch-outputs": [],
@@ -2612,7 +2623,7 @@ PICK = [
     (["early-prefetch", "early-prefetch-conv", "early-prefetch-qkv"], "decode"),
     (["qint-bits", "qint-convert", "moe-float"], "decode"),
     (["moe-down-prefetch", "moe-down-prefetch-after"], "decode"),
-    (["qkv-warps-32", "qkv-split-2", "qkv-split-4"], "decode"),
+    (["qkv-warps-32", "qkv-split-2", "qkv-split-4", "qkv-every-norm"], "decode"),
     (["ffn-gate-2", "ffn-gate-2-early", "ffn-gate-rounds", "ffn-gate-rounds-4", "ffn-rounds-off"], "decode"),
     (["kv-in-place", "kv-in-place-off"], "decode"),
     (["ffn-prefetch", "ffn-prefetch-all", "ffn-prefetch-32"], "decode"),
@@ -2655,7 +2666,7 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                # feed-forward in rounds fell on the 350M's prefill figure,
                # 0.908, whose paired reps spread 0.84-1.05.)
                "ffn-gate-2", "ffn-gate-2-early", "ffn-gate-rounds", "ffn-gate-rounds-4", "ffn-rounds-off",
-               "kv-in-place", "kv-in-place-off", "ffn-prefetch", "ffn-prefetch-all", "ffn-prefetch-32"}
+               "kv-in-place", "kv-in-place-off", "ffn-prefetch", "ffn-prefetch-all", "ffn-prefetch-32", "qkv-every-norm"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]

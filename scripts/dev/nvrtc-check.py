@@ -958,6 +958,22 @@ for _dense in (False, True):
             PRELUDE_OF[_v] = named(root / "src" / "kernels" / "qkv_fused.rs", "SCRATCH_PRELUDE")
         REPLACE_OF[_v] = [(_kv.group(1), _kv.group(2))]
 
+# Every head's block computing the norm itself (MLX_LFM_QKV_EVERY_NORM:
+# qkv_fused.rs EVERY_NORM_SUBSTITUTION), over the one-block form and its
+# K/V-writing form, 4-bit and dense, with the scratch row in the state.
+_en = re.search(r'const EVERY_NORM_SUBSTITUTION: \(&str, &str\) = \(\s*"((?:[^"\\]|\\.)*)",\s*r#"(.*?)"#,', _QKV_RS, re.S)
+assert _en and "lfm_add_rms_row" in _en.group(2), "qkv_fused.rs EVERY_NORM_SUBSTITUTION"
+_EN = [(_en.group(1).replace("\\n", "\n"), _en.group(2))]
+for _dense in (False, True):
+    for _kvf in (False, True):
+        _of = "qk_norm_rope.rs#qkv_fused@" + ("dense-" if _dense else "") + "kv-scratch" if _kvf else \
+            "qk_norm_rope.rs#qkv_fused" + ("@dense-scratch" if _dense else "@scratch")
+        _v = "qk_norm_rope.rs#qkv_fused@" + ("dense-" if _dense else "") + ("kv-" if _kvf else "") + "every-norm"
+        KERNELS[_v] = KERNELS[_of]
+        DEFINES_OF[_v] = DEFINES_OF.get(_of, "")
+        PRELUDE_OF[_v] = PRELUDE_OF[_of]
+        REPLACE_OF[_v] = REPLACE_OF.get(_of, []) + _EN
+
 # The q/k/v stage's timeline form (the bench's, one block a head:
 # qkv_fused.rs TIMELINE_SUBSTITUTIONS), 4-bit and dense.
 for _k in ("qk_norm_rope.rs#qkv_fused", "qk_norm_rope.rs#qkv_fused@dense"):

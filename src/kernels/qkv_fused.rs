@@ -105,6 +105,13 @@ pub enum Projection<'a> {
 /// `MLX_LFM_EARLY_PREFETCH=qkv`, its form that asks L2 for its head's rows
 /// before its wait ([`stages::early_prefetch`], [`EARLY_SUBSTITUTIONS`]).
 fn kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
+    if every_norm() {
+        static FORMS: stages::Forms = stages::Forms::new();
+        static TEXT: OnceLock<String> = OnceLock::new();
+        let body = TEXT.get_or_init(|| super::substituted(super::qk_norm_rope::QKV_FUSED_SOURCE, &[EVERY_NORM_SUBSTITUTION]));
+        let base = if quant { "lfm_qkv_fused_en" } else { "lfm_qkv_fused_en_dense" };
+        return form(&FORMS, base, body, &EARLY_SUBSTITUTIONS, quant, scratch, false);
+    }
     static FORMS: stages::Forms = stages::Forms::new();
     let base = if quant { "lfm_qkv_fused" } else { "lfm_qkv_fused_dense" };
     form(&FORMS, base, super::qk_norm_rope::QKV_FUSED_SOURCE, &EARLY_SUBSTITUTIONS, quant, scratch, false)
@@ -122,7 +129,9 @@ fn form(
     scratch: bool,
     kv: bool,
 ) -> Option<&'static CudaKernel> {
-    let early = stages::early_prefetch("qkv");
+    // (The every-norm forms wait for nothing, so they have no early form:
+    // its text asks for the rows before the wait they replaced.)
+    let early = stages::early_prefetch("qkv") && early_subs.iter().all(|(was, _)| body.contains(was));
     let mut inputs = vec!["h", "r", "wn"];
     inputs.extend(if quant { &["iw", "iscales", "ibiases"][..] } else { &["iw"][..] });
     inputs.extend(["qw", "kw", "offset", "ctr"]);
@@ -197,9 +206,53 @@ fn kv_source() -> &'static str {
 /// The K/V-writing form's kernel ([`kernel`]'s forms: the one-block
 /// form's blocks and tickets, so either may run on a state the other ran on).
 fn kv_kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
+    if every_norm() {
+        static FORMS: stages::Forms = stages::Forms::new();
+        static TEXT: OnceLock<String> = OnceLock::new();
+        let body = TEXT.get_or_init(|| super::substituted(kv_source(), &[EVERY_NORM_SUBSTITUTION]));
+        let base = if quant { "lfm_qkv_fused_kv_en" } else { "lfm_qkv_fused_kv_en_dense" };
+        return form(&FORMS, base, body, &EARLY_SUBSTITUTIONS, quant, scratch, true);
+    }
     static FORMS: stages::Forms = stages::Forms::new();
     let base = if quant { "lfm_qkv_fused_kv" } else { "lfm_qkv_fused_kv_dense" };
     form(&FORMS, base, kv_source(), &EARLY_SUBSTITUTIONS, quant, scratch, true)
+}
+
+/// `MLX_LFM_QKV_EVERY_NORM=1` (opt-in, session 46, not yet run on a GPU):
+/// every head's block computes the layer's add + RMSNorm itself, into its
+/// shared row, instead of waiting for the first block's (its release, a
+/// fence and an atomic, the waiters' poll, then the row read back from
+/// L2). Session 41's kernel-bench read the stage at 19-20 µs a launch
+/// however its 12.6 MB were split (and 19.2 µs for the 8B-A1B's 3.2 MB of
+/// 4-bit rows): mostly fixed time, the handoff its first suspect. The same
+/// norm code on the same values in every block (the first block's own
+/// call, which still writes the sum the layer hands on), so the same bits;
+/// each block reads the row's three vectors (12 KB at 2,048 wide) from L2.
+/// The one-block form and its K/V-writing form; not the split.
+fn every_norm() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    super::opt_in("MLX_LFM_QKV_EVERY_NORM", &ON)
+}
+
+/// The every-norm forms' text for a head's block in place of its wait for
+/// the norm and its read of the normed row ([`every_norm`]).
+pub(crate) const EVERY_NORM_SUBSTITUTION: (&str, &str) = (
+    "  const bool late = lfm_block_wait(st + 1, launch + 1, nullptr, 0);\n  if (!late) lfm_stage16(sm, yn, XR);\n",
+    r#"  constexpr bool late = false;
+  if (lfm_aligned(h) && lfm_aligned(r) && lfm_aligned(wn)) {
+    lfm_add_rms_row<T, D, NBLK, true>(h, r, wn, __int_as_float(EPS_NORM_BITS), static_cast<T*>(nullptr), reinterpret_cast<T*>(sm));
+  } else {
+    lfm_add_rms_row<T, D, NBLK, false>(h, r, wn, __int_as_float(EPS_NORM_BITS), static_cast<T*>(nullptr), reinterpret_cast<T*>(sm));
+  }
+"#,
+);
+
+static EVERY_BUILT: Built = Built::new();
+
+/// How many of [`built`]'s graphs took an every-norm form: the greedy
+/// test's evidence.
+pub fn every_norm_built() -> usize {
+    EVERY_BUILT.get()
 }
 
 /// The split form's text ([`split`]): the one-block form's with a head's
@@ -587,6 +640,9 @@ fn launch(
     }
     if kv.is_some() {
         KV_BUILT.bump();
+    }
+    if every_norm() && (kv.is_some() || parts == 1) {
+        EVERY_BUILT.bump();
     }
     outs.truncate(outputs.len() - 1);
     Ok(outs)

@@ -792,6 +792,11 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 alone.push("MLX_LFM_DECODE_ATTENTION_CHUNKS");
                 // The decode attention a row over several lanes.
                 alone.push("MLX_LFM_DECODE_ATTENTION_WIDE");
+                // Every head's block of the q/k/v stage computing the norm
+                // itself (built where the stage serves: checked below).
+                if compiled {
+                    alone.push("MLX_LFM_QKV_EVERY_NORM");
+                }
                 // The dense feed-forward's first rows asked of L2 while the
                 // layer's operator runs (the opt-in's run: after every
                 // layer); its launches must have been built where a
@@ -860,13 +865,21 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     failures.push(format!("{what}: the default run never built its one-launch {layers} layers"));
                 }
 
+                let every_norm_served = can_fuse && !joined && attention_after_first && !off("MLX_LFM_QKV_FUSED");
                 for var in alone {
-                    let before = (crate::kernels::conv_layer_fused::built(), crate::kernels::l2_prefetch::built());
+                    let before = (
+                        crate::kernels::conv_layer_fused::built(),
+                        crate::kernels::l2_prefetch::built(),
+                        crate::kernels::qkv_fused::every_norm_built(),
+                    );
                     runs.push((var, crate::kernels::with_opt_in_one(var, || run(Some(&stock))).0));
                     if can_fuse && var == "MLX_LFM_CONV_LAYER_FUSED" && crate::kernels::conv_layer_fused::built() == before.0 {
                         unbuilt(var, &mut failures);
                     }
                     if prefetch_served && var == "MLX_LFM_FFN_PREFETCH" && crate::kernels::l2_prefetch::built() == before.1 {
+                        unbuilt(var, &mut failures);
+                    }
+                    if every_norm_served && var == "MLX_LFM_QKV_EVERY_NORM" && crate::kernels::qkv_fused::every_norm_built() == before.2 {
                         unbuilt(var, &mut failures);
                     }
                 }
@@ -1697,12 +1710,14 @@ fn decode_attention_kernel_matches_stock_ops() {
 fn kernel_variant_substitutions_each_land() {
     use crate::kernels::{add_rms_norm as an, moe_experts as me, moe_router as mr, norm_gemv as ng};
     type Subs = [(&'static str, &'static str)];
-    let sets: [(&str, &str, &Subs); 5] = [
+    let every_norm = [crate::kernels::qkv_fused::EVERY_NORM_SUBSTITUTION];
+    let sets: [(&str, &str, &Subs); 6] = [
         ("the down kernel's early loads", me::DOWN_SOURCE, &me::DOWN_EARLY_SUBSTITUTIONS),
         ("the grouped GEMM's rows read through their places", crate::kernels::moe_gemm::SOURCE, &crate::kernels::moe_gemm::GATHERED_SUBSTITUTIONS),
         ("the router + norm kernel's constants", mr::GATE_NORM_SOURCE, &mr::GATE_NORM_CONST_SUBSTITUTIONS),
         ("the add + RMSNorm kernel's eps", an::SOURCE, &an::EPS_CONST_SUBSTITUTIONS),
         ("the norm folds' eps", ng::PROLOGUE, &an::EPS_CONST_SUBSTITUTIONS),
+        ("the q/k/v stage's every-norm form", crate::kernels::qk_norm_rope::QKV_FUSED_SOURCE, &every_norm),
     ];
     for (what, source, subs) in sets {
         // (Each against the text the earlier ones left, as `substituted` makes them.)
@@ -3876,6 +3891,19 @@ fn qkv_fused_kernel_matches_stock_ops() {
                         crate::knobs::with_overrides(&early, || if turn == 0 { run(&counters) } else { scratch_in_state(|| run(&big)) });
                     for (name, got, want) in [("sum", &s2, &s), ("q", &q2, &gq), ("k", &k2, &gk), ("v", &v2, &gv)] {
                         assert_eq!(differing(got, want), 0, "{what}: rows asked for early, launch {turn}: {name} differs");
+                    }
+                }
+                // Every head's block computing the norm itself
+                // (MLX_LFM_QKV_EVERY_NORM=1, opt-in): the same bits, on the
+                // same counters and with the scratch row in the state.
+                let every = [("MLX_LFM_QKV_EVERY_NORM".to_string(), Some("1".to_string()))];
+                for turn in 0..2 {
+                    let before = crate::kernels::qkv_fused::every_norm_built();
+                    let (s2, q2, k2, v2) =
+                        crate::knobs::with_overrides(&every, || if turn == 0 { run(&counters) } else { scratch_in_state(|| run(&big)) });
+                    assert!(crate::kernels::qkv_fused::every_norm_built() > before, "{what}: the every-norm form was not built");
+                    for (name, got, want) in [("sum", &s2, &s), ("q", &q2, &gq), ("k", &k2, &gk), ("v", &v2, &gv)] {
+                        assert_eq!(differing(got, want), 0, "{what}: every block's norm, launch {turn}: {name} differs");
                     }
                 }
                 // The bench's timeline form (one block a head, never split):

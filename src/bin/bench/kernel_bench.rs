@@ -404,8 +404,9 @@ const JOINED_LAUNCHES: usize = 16;
 /// 4 blocks (`-split2`, `-split4`: `MLX_LFM_QKV_SPLIT`). Session 40's
 /// profile had the 1.2B's at ~15 µs a launch (~0.85 TB/s). Each arm on a
 /// state of its own (a launch's tickets count its blocks). `(arm, its
-/// switches)`.
-const QKV_ARMS: [(&str, Switches); 8] = [
+/// switches)`. `-every-norm`: every head's block computes the norm itself
+/// (`MLX_LFM_QKV_EVERY_NORM`, session 46), no handoff.
+const QKV_ARMS: [(&str, Switches); 10] = [
     ("qkv-bf16-fused", &[("MLX_LFM_QKV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_QKV_WARPS", "16"), ("MLX_LFM_QKV_SPLIT", "1")]),
     ("qkv-bf16-fused-w32", &[("MLX_LFM_QKV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_QKV_WARPS", "32"), ("MLX_LFM_QKV_SPLIT", "1")]),
     ("qkv-bf16-split2", &[("MLX_LFM_QKV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_QKV_WARPS", "16"), ("MLX_LFM_QKV_SPLIT", "2")]),
@@ -414,6 +415,14 @@ const QKV_ARMS: [(&str, Switches); 8] = [
     ("qkv-q4-fused", &[("MLX_LFM_QKV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_QKV_WARPS", "16"), ("MLX_LFM_QKV_SPLIT", "1")]),
     ("qkv-q4-split2", &[("MLX_LFM_QKV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_QKV_WARPS", "16"), ("MLX_LFM_QKV_SPLIT", "2")]),
     ("qkv-q4-split4", &[("MLX_LFM_QKV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_QKV_WARPS", "16"), ("MLX_LFM_QKV_SPLIT", "4")]),
+    (
+        "qkv-bf16-every-norm",
+        &[("MLX_LFM_QKV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_QKV_WARPS", "16"), ("MLX_LFM_QKV_SPLIT", "1"), ("MLX_LFM_QKV_EVERY_NORM", "1")],
+    ),
+    (
+        "qkv-q4-every-norm",
+        &[("MLX_LFM_QKV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_QKV_WARPS", "16"), ("MLX_LFM_QKV_SPLIT", "1"), ("MLX_LFM_QKV_EVERY_NORM", "1")],
+    ),
 ];
 const QKV_LAUNCHES: usize = 16;
 const QKV_D: i32 = 2048;
