@@ -205,11 +205,11 @@ The chain:
   1. carry [.device/a]: `stage-mlx`.
   2. carry [.device/llama]: `llama` (its build runs in the background).
   3. carry [.device/b, .device/tests]: H200_KERNEL_JOBS=7
-     H200_KERNEL_TESTS=greedy_tokens_with_kernels_equal_stock_ops,ffn_fused_kernel_matches_stock_ops,decode_attention_kernel_matches_stock_ops,qkv_fused_kernel_matches_stock_ops
+     H200_KERNEL_TESTS=greedy_tokens_with_kernels_equal_stock_ops,ffn_fused_kernel_matches_stock_ops,decode_attention_kernel_matches_stock_ops,qkv_fused_kernel_matches_stock_ops,qkv_fused_kernel_writes_kv_in_place
      `timeout -s TERM 560 python3 bench/h200/run.py install verdicts-from
      committed kernels save-ptx` (seven processes: the four greedy tests,
      the feed-forward's, the attention's and the q/k/v stage's tests each
-     alone; ~300-450 s). The feed-forward's whole verdict ends the
+     alone, the in-place K/V kernel test beside one; ~300-450 s). The feed-forward's whole verdict ends the
      kernels-off trap for later sessions' `verdicts-from`.
   4. carry [.device/bin]: H200_OURS_ENV (mimalloc),
      H200_AB_VARIANTS=ffn-prefetch,ffn-prefetch-all,ffn-prefetch-32,qkv-every-norm,kv-in-place-off
@@ -2524,7 +2524,7 @@ AB_TESTS = {
     "kv-in-place": ["qkv_fused_kernel_writes_kv_in_place", "compiled_step_writes_kv_in_place_on_tiny_models", "greedy:kv-in-place"],
     "kv-in-place-off": ["greedy:kv-in-place-off"],
     **{v: ["greedy:MLX_LFM_FFN_PREFETCH"] for v in ("ffn-prefetch", "ffn-prefetch-all", "ffn-prefetch-32")},
-    "qkv-every-norm": ["qkv_fused_kernel_matches_stock_ops", "greedy:MLX_LFM_QKV_EVERY_NORM"],
+    "qkv-every-norm": ["qkv_fused_kernel_matches_stock_ops", "qkv_fused_kernel_writes_kv_in_place", "greedy:MLX_LFM_QKV_EVERY_NORM"],
     "argmax-vec": ["argmax_finite_kernel_matches_stock_ops"],
     "conv-first-off": ["greedy:conv-first-off"],
     "scratch-outputs": [],

@@ -865,7 +865,10 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     failures.push(format!("{what}: the default run never built its one-launch {layers} layers"));
                 }
 
-                let every_norm_served = can_fuse && !joined && attention_after_first && !off("MLX_LFM_QKV_FUSED");
+                // (The one-block forms: not where the environment splits the
+                // stage's heads, which a step may take.)
+                let split_env = matches!(crate::knobs::var("MLX_LFM_QKV_SPLIT").as_deref().map(str::trim), Some("2") | Some("4"));
+                let every_norm_served = can_fuse && attention_after_first && !off("MLX_LFM_QKV_FUSED") && !split_env;
                 for var in alone {
                     let before = (
                         crate::kernels::conv_layer_fused::built(),
@@ -3713,9 +3716,14 @@ fn qkv_fused_kernel_writes_kv_in_place() {
         let x = Normed { h: &h, r: Some(&r), w: &wn, eps: eps_value, eps_array: &eps };
         let heads = (qh, kvh, hd);
         let state = new_counters_of(crate::kernels::qkv_fused::state_words(d as usize, (qh + 2 * kvh) as usize)).unwrap();
-        for (turn, position) in [(0, 0i32), (1, 517), (2, cap - 1), (3, cap)] {
-            let what = format!("{what}, position {position}");
+        // (Both with the wait for the first block's norm and with every
+        // block's own, MLX_LFM_QKV_EVERY_NORM, opt-in; one block a head.)
+        for (turn, position, every) in [(0, 0i32, "0"), (1, 517, "0"), (2, cap - 1, "0"), (3, cap, "0"), (4, 517, "1"), (5, cap - 1, "1")] {
+            let what = format!("{what}, position {position}, every block's norm: {every}");
             let offset = Array::from_slice(&[position], &[1]).unwrap();
+            let mut on = on.to_vec();
+            on.push(("MLX_LFM_QKV_EVERY_NORM".to_string(), Some(every.to_string())));
+            on.push(("MLX_LFM_QKV_SPLIT".to_string(), Some("1".to_string())));
             crate::knobs::with_overrides(&on, || {
                 with_opt_in_one("MLX_LFM_QKV_FUSED", || {
                     // (The other form first, on the same state.)
@@ -3896,7 +3904,11 @@ fn qkv_fused_kernel_matches_stock_ops() {
                 // Every head's block computing the norm itself
                 // (MLX_LFM_QKV_EVERY_NORM=1, opt-in): the same bits, on the
                 // same counters and with the scratch row in the state.
-                let every = [("MLX_LFM_QKV_EVERY_NORM".to_string(), Some("1".to_string()))];
+                // (The one-block form, whatever the environment's split.)
+                let every = [
+                    ("MLX_LFM_QKV_EVERY_NORM".to_string(), Some("1".to_string())),
+                    ("MLX_LFM_QKV_SPLIT".to_string(), Some("1".to_string())),
+                ];
                 for turn in 0..2 {
                     let before = crate::kernels::qkv_fused::every_norm_built();
                     let (s2, q2, k2, v2) =
@@ -3928,6 +3940,13 @@ fn qkv_fused_kernel_matches_stock_ops() {
                         for (name, got, want) in [("sum", &s2, &s), ("q", &q2, &gq), ("k", &k2, &gk), ("v", &v2, &gv)] {
                             assert_eq!(differing(got, want), 0, "{what}: a head over 32 warps, launch {turn}: {name} differs");
                         }
+                    }
+                    // And every block's own norm over those 32 warps (the
+                    // norm's block narrower than the head's).
+                    let wide_every: Vec<_> = wide.iter().chain(every.iter()).cloned().collect();
+                    let (s2, q2, k2, v2) = crate::knobs::with_overrides(&wide_every, || run(&counters));
+                    for (name, got, want) in [("sum", &s2, &s), ("q", &q2, &gq), ("k", &k2, &gk), ("v", &v2, &gv)] {
+                        assert_eq!(differing(got, want), 0, "{what}: every block's norm over 32 warps: {name} differs");
                     }
                 }
                 // A head's rows over 2 or 4 blocks (MLX_LFM_QKV_SPLIT,
@@ -4002,9 +4021,14 @@ fn qkv_fused_kernel_matches_stock_ops() {
                     assert!(counts.iter().all(|c| *c == 0), "{what}: heads' counters not taken back to zero: {counts:?}");
                     assert_eq!(split_built() - split_before, if fits { 9 } else { 0 }, "{what}: graphs of the split form");
                 }
-                check_counters_in_step(&what, &counters, &[true, false, true], &[s, gq, gk, gv], |c| {
-                    let (s, q, k, v) = run(c);
-                    vec![s, q, k, v]
+                // (The waiting form: an every-norm form, which an environment
+                // may pick, has no wait to give up.)
+                let waiting = [("MLX_LFM_QKV_EVERY_NORM".to_string(), Some("0".to_string()))];
+                crate::knobs::with_overrides(&waiting, || {
+                    check_counters_in_step(&what, &counters, &[true, false, true], &[s, gq, gk, gv], |c| {
+                        let (s, q, k, v) = run(c);
+                        vec![s, q, k, v]
+                    })
                 });
             });
         }

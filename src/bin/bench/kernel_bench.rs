@@ -407,14 +407,14 @@ const JOINED_LAUNCHES: usize = 16;
 /// switches)`. `-every-norm`: every head's block computes the norm itself
 /// (`MLX_LFM_QKV_EVERY_NORM`, session 46), no handoff.
 const QKV_ARMS: [(&str, Switches); 10] = [
-    ("qkv-bf16-fused", &[("MLX_LFM_QKV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_QKV_WARPS", "16"), ("MLX_LFM_QKV_SPLIT", "1")]),
-    ("qkv-bf16-fused-w32", &[("MLX_LFM_QKV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_QKV_WARPS", "32"), ("MLX_LFM_QKV_SPLIT", "1")]),
-    ("qkv-bf16-split2", &[("MLX_LFM_QKV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_QKV_WARPS", "16"), ("MLX_LFM_QKV_SPLIT", "2")]),
-    ("qkv-bf16-split4", &[("MLX_LFM_QKV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_QKV_WARPS", "16"), ("MLX_LFM_QKV_SPLIT", "4")]),
-    ("qkv-bf16-split2-w32", &[("MLX_LFM_QKV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_QKV_WARPS", "32"), ("MLX_LFM_QKV_SPLIT", "2")]),
-    ("qkv-q4-fused", &[("MLX_LFM_QKV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_QKV_WARPS", "16"), ("MLX_LFM_QKV_SPLIT", "1")]),
-    ("qkv-q4-split2", &[("MLX_LFM_QKV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_QKV_WARPS", "16"), ("MLX_LFM_QKV_SPLIT", "2")]),
-    ("qkv-q4-split4", &[("MLX_LFM_QKV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_QKV_WARPS", "16"), ("MLX_LFM_QKV_SPLIT", "4")]),
+    ("qkv-bf16-fused", &[("MLX_LFM_QKV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_QKV_WARPS", "16"), ("MLX_LFM_QKV_SPLIT", "1"), ("MLX_LFM_QKV_EVERY_NORM", "0")]),
+    ("qkv-bf16-fused-w32", &[("MLX_LFM_QKV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_QKV_WARPS", "32"), ("MLX_LFM_QKV_SPLIT", "1"), ("MLX_LFM_QKV_EVERY_NORM", "0")]),
+    ("qkv-bf16-split2", &[("MLX_LFM_QKV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_QKV_WARPS", "16"), ("MLX_LFM_QKV_SPLIT", "2"), ("MLX_LFM_QKV_EVERY_NORM", "0")]),
+    ("qkv-bf16-split4", &[("MLX_LFM_QKV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_QKV_WARPS", "16"), ("MLX_LFM_QKV_SPLIT", "4"), ("MLX_LFM_QKV_EVERY_NORM", "0")]),
+    ("qkv-bf16-split2-w32", &[("MLX_LFM_QKV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_QKV_WARPS", "32"), ("MLX_LFM_QKV_SPLIT", "2"), ("MLX_LFM_QKV_EVERY_NORM", "0")]),
+    ("qkv-q4-fused", &[("MLX_LFM_QKV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_QKV_WARPS", "16"), ("MLX_LFM_QKV_SPLIT", "1"), ("MLX_LFM_QKV_EVERY_NORM", "0")]),
+    ("qkv-q4-split2", &[("MLX_LFM_QKV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_QKV_WARPS", "16"), ("MLX_LFM_QKV_SPLIT", "2"), ("MLX_LFM_QKV_EVERY_NORM", "0")]),
+    ("qkv-q4-split4", &[("MLX_LFM_QKV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_QKV_WARPS", "16"), ("MLX_LFM_QKV_SPLIT", "4"), ("MLX_LFM_QKV_EVERY_NORM", "0")]),
     (
         "qkv-bf16-every-norm",
         &[("MLX_LFM_QKV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_QKV_WARPS", "16"), ("MLX_LFM_QKV_SPLIT", "1"), ("MLX_LFM_QKV_EVERY_NORM", "1")],
