@@ -225,7 +225,11 @@ The chain:
      llama.cpp with the K/V in place: session 46's A/B put it at ~1.18x
      of session 45's llama.cpp figure; 1.2x needs ~878 tok/s).
   Then: `profile-gaps` of the 1.2B (H200_MODELS=lfm2-1.2b-bf16) for the
-  step's kernels after these changes; the conv layers (~22 µs each for
+  step's kernels after these changes; if the prefetch wins, the attention
+  layer's out_proj (8.4 MB on the 1.2B, MLX's GEMV right after the
+  attention) asked of L2 with the feed-forward's rows; if every-norm
+  wins, the same for the conv and feed-forward layers' waits (stages.rs:
+  every stage kernel's text, so every layer test runs again); the conv layers (~22 µs each for
   34 MB, session 40's profile: the largest gap to their bytes after the
   feed-forwards); the MoE layer's down stage overlapping its gate/up
   stage as the feed-forward's rounds do (quantized: a split must fall on
