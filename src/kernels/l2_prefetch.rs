@@ -144,12 +144,9 @@ pub fn launch(after: &Array, w13: &Array, attention: bool) -> Result<Option<Arra
     Ok(Some(outs.pop().ok_or_else(|| Error::mlx("the L2 prefetch: missing output"))?))
 }
 
-/// `x` depending on `done` (the prefetch launch's output), where there is one.
-pub fn after(x: Array, done: Option<Array>) -> Result<Array> {
-    match done {
-        Some(d) => mlx::depends(&[&x], &[&d])?.pop().ok_or_else(|| Error::mlx("depends: missing output")),
-        None => Ok(x),
-    }
+/// `x` (the same buffer) depending on `done`, the prefetch launch's output.
+pub fn after(x: &Array, done: &Array) -> Result<Array> {
+    mlx::depends(&[x], &[done])?.pop().ok_or_else(|| Error::mlx("depends: missing output"))
 }
 
 #[cfg(test)]

@@ -108,9 +108,8 @@ fn kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
     if every_norm() {
         static FORMS: stages::Forms = stages::Forms::new();
         static TEXT: OnceLock<String> = OnceLock::new();
-        let body = TEXT.get_or_init(|| super::substituted(super::qk_norm_rope::QKV_FUSED_SOURCE, &[EVERY_NORM_SUBSTITUTION]));
         let base = if quant { "lfm_qkv_fused_en" } else { "lfm_qkv_fused_en_dense" };
-        return form(&FORMS, base, body, &EARLY_SUBSTITUTIONS, quant, scratch, false);
+        return every_norm_form(&FORMS, &TEXT, super::qk_norm_rope::QKV_FUSED_SOURCE, base, quant, scratch, false);
     }
     static FORMS: stages::Forms = stages::Forms::new();
     let base = if quant { "lfm_qkv_fused" } else { "lfm_qkv_fused_dense" };
@@ -129,9 +128,8 @@ fn form(
     scratch: bool,
     kv: bool,
 ) -> Option<&'static CudaKernel> {
-    // (The every-norm forms wait for nothing, so they have no early form:
-    // its text asks for the rows before the wait they replaced.)
-    let early = stages::early_prefetch("qkv") && early_subs.iter().all(|(was, _)| body.contains(was));
+    // (A form without early substitutions has no early form.)
+    let early = !early_subs.is_empty() && stages::early_prefetch("qkv");
     let mut inputs = vec!["h", "r", "wn"];
     inputs.extend(if quant { &["iw", "iscales", "ibiases"][..] } else { &["iw"][..] });
     inputs.extend(["qw", "kw", "offset", "ctr"]);
@@ -209,9 +207,8 @@ fn kv_kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
     if every_norm() {
         static FORMS: stages::Forms = stages::Forms::new();
         static TEXT: OnceLock<String> = OnceLock::new();
-        let body = TEXT.get_or_init(|| super::substituted(kv_source(), &[EVERY_NORM_SUBSTITUTION]));
         let base = if quant { "lfm_qkv_fused_kv_en" } else { "lfm_qkv_fused_kv_en_dense" };
-        return form(&FORMS, base, body, &EARLY_SUBSTITUTIONS, quant, scratch, true);
+        return every_norm_form(&FORMS, &TEXT, kv_source(), base, quant, scratch, true);
     }
     static FORMS: stages::Forms = stages::Forms::new();
     let base = if quant { "lfm_qkv_fused_kv" } else { "lfm_qkv_fused_kv_dense" };
@@ -246,6 +243,23 @@ pub(crate) const EVERY_NORM_SUBSTITUTION: (&str, &str) = (
   }
 "#,
 );
+
+/// The every-norm form of `source` ([`EVERY_NORM_SUBSTITUTION`], its text
+/// made once into `text`) among `forms`: no early form, since the early
+/// text asks for a head's rows before the wait this one has not.
+#[allow(clippy::too_many_arguments)]
+fn every_norm_form(
+    forms: &'static stages::Forms,
+    text: &'static OnceLock<String>,
+    source: &str,
+    base: &str,
+    quant: bool,
+    scratch: bool,
+    kv: bool,
+) -> Option<&'static CudaKernel> {
+    let body = text.get_or_init(|| super::substituted(source, &[EVERY_NORM_SUBSTITUTION]));
+    form(forms, base, body, &[], quant, scratch, kv)
+}
 
 static EVERY_BUILT: Built = Built::new();
 

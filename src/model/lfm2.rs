@@ -962,15 +962,12 @@ impl Lfm2Model {
             let (h2, f) = match joined {
                 Some(done) => done,
                 None => {
-                    let prefetch = layer.ffn_prefetch(&x)?;
-                    let (h1, r) = match prefetch {
-                        Some(p) => {
-                            let h_in = crate::kernels::l2_prefetch::after(h.clone(), Some(p))?;
-                            let x = Normed { h: &h_in, ..x };
-                            layer.operator(&x, i, cache, Some(&self.zero_row))?
-                        }
-                        None => layer.operator(&x, i, cache, Some(&self.zero_row))?,
+                    let h_in = match layer.ffn_prefetch(&x)? {
+                        Some(done) => Some(crate::kernels::l2_prefetch::after(x.h, &done)?),
+                        None => None,
                     };
+                    let x = Normed { h: h_in.as_ref().unwrap_or(x.h), ..x };
+                    let (h1, r) = layer.operator(&x, i, cache, Some(&self.zero_row))?;
                     let x = Normed { h: &h1, r: Some(&r), w: &layer.ffn_norm, eps, eps_array };
                     layer.feed_forward(&x)?
                 }
