@@ -177,8 +177,8 @@ so ask `status` before each retry and call only once its `none_now`
 window has passed; a call that names no kind after a failed H100 start
 asks for an H200 only. Never let a helper use the device: session 46's
 reviewer started the machine and ran ~150 s on it).
-Session 47 got no GPU (02:12-04:22 UTC on 2026-12-07: ten starts
-failed, eight calls refused, ~1,100 device-seconds, nothing run): the
+Session 47 got no GPU (02:12-04:34 UTC on 2026-12-07: eleven starts
+failed, nine calls refused, ~1,200 device-seconds, nothing run): the
 chain below is still session 46's plan, untouched.
 Session 46 got an H100 for ~17 minutes after ~480 device-seconds of
 failed starts. Its first three test calls all skipped: `verdicts-from
