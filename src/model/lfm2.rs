@@ -771,7 +771,9 @@ impl Layer {
     /// keeps it in the graph, before the operator); None where it does not
     /// serve.
     fn ffn_prefetch(&self, x: &Normed) -> Result<Option<Array>> {
-        if x.h.ndim() != 2 || x.h.dim(0) != 1 {
+        // (The switch first: off, as it ships, a layer's pass asks MLX
+        // nothing more.)
+        if crate::kernels::l2_prefetch::reach().is_none() || x.h.ndim() != 2 || x.h.dim(0) != 1 {
             return Ok(None);
         }
         let FeedForward::Dense(m) = &self.feed_forward else { return Ok(None) };
