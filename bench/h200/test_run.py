@@ -510,6 +510,27 @@ class KernelTests(unittest.TestCase):
             os.environ.pop("H200_KERNEL_TESTS")
             run.ROOT = real_root
 
+    def test_a_gzipped_test_binary_is_unpacked_and_preferred(self):
+        import gzip
+
+        run = self.run
+        real_root, real_tests = run.ROOT, run.TESTS
+        run.ROOT, run.TESTS = Path(self.tmp.name), Path(self.tmp.name) / "work-tests"
+        try:
+            carried = run.ROOT / ".device" / "tests"
+            carried.mkdir(parents=True)
+            (carried / "mlx_lfm-old").write_text("an older plain build")
+            with gzip.open(carried / "mlx_lfm-new.gz", "wb") as f:
+                f.write(b"the new build")
+            got = run.test_binary()
+            self.assertEqual(got, run.TESTS / "mlx_lfm-new")
+            self.assertEqual(got.read_bytes(), b"the new build")
+            self.assertTrue(os.access(got, os.X_OK), "the unpacked binary must be executable")
+            (carried / "mlx_lfm-new.gz").unlink()
+            self.assertEqual(run.test_binary(), carried / "mlx_lfm-old", "a plain binary alone is used as it is")
+        finally:
+            run.ROOT, run.TESTS = real_root, real_tests
+
     def test_each_qint_test_has_a_process(self):
         for jobs in (1, 2, 4):
             groups, exact = self.run.test_processes(self.NAMES, jobs)
