@@ -186,7 +186,8 @@ the H100, the 1.2B's decode 1.23 / 1.22x (870 tok/s against 704 / 716);
 the 350M and 8B-A1B ran one round (1.48x, 1.12x decode), cut in the
 8B-A1B's 16 concurrent; mlx-lm did not run (.device/lm not carried).
 Its A/B: `ffn-prefetch` 0.975-0.983x, `ffn-prefetch-all` 0.964-0.967x,
-`qkv-every-norm` 1.014-1.021x: all stay opt-in. After it: prepare.sh
+`qkv-every-norm` 1.014-1.021x: every-norm stays opt-in, the prefetch
+was retired (l2_prefetch.rs, its variants and greedy set). After it: prepare.sh
 gzips the test binary (the plain one with .device/b was refused as over
 64 MiB) and .device/ptx holds its 33 compiled kernels.
 Session 47 got no GPU (02:12-04:34 UTC on 2026-12-07: eleven starts
@@ -2495,14 +2496,6 @@ AB = {
     # settings, and `kv-in-place-off` times the scatters.
     "kv-in-place": ({"MLX_LFM_KV_IN_PLACE": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "kv-in-place-off": ({"MLX_LFM_KV_IN_PLACE": "0"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
-    # The dense feed-forward's first rows (16 MB: 8 of w1's, 8 of w3's)
-    # asked of L2 while the layer's operator runs (session 46,
-    # src/kernels/l2_prefetch.rs): after attention layers, whose launches
-    # leave DRAM mostly idle, or after every layer (`-all`). Dense
-    # feed-forwards only (the 8B-A1B's two are 4-bit).
-    "ffn-prefetch": ({"MLX_LFM_FFN_PREFETCH": "attention"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
-    "ffn-prefetch-all": ({"MLX_LFM_FFN_PREFETCH": "all"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
-    "ffn-prefetch-32": ({"MLX_LFM_FFN_PREFETCH": "attention", "MLX_LFM_FFN_PREFETCH_MB": "32"}, ["lfm2-1.2b-bf16"]),
     # Every head's block of the q/k/v stage computing the norm itself, no
     # wait for the first block's (session 46, qkv_fused.rs every_norm;
     # kernel-bench's `qkv-bf16-every-norm`, `qkv-q4-every-norm`).
@@ -2554,7 +2547,6 @@ AB_TESTS = {
     "ffn-rounds-off": ["ffn_fused_kernel_matches_stock_ops", "greedy:ffn-rounds-off"],
     "kv-in-place": ["qkv_fused_kernel_writes_kv_in_place", "compiled_step_writes_kv_in_place_on_tiny_models", "greedy:kv-in-place"],
     "kv-in-place-off": ["greedy:kv-in-place-off"],
-    **{v: ["greedy:MLX_LFM_FFN_PREFETCH"] for v in ("ffn-prefetch", "ffn-prefetch-all", "ffn-prefetch-32")},
     "qkv-every-norm": ["qkv_fused_kernel_matches_stock_ops", "qkv_fused_kernel_writes_kv_in_place", "greedy:MLX_LFM_QKV_EVERY_NORM"],
     "argmax-vec": ["argmax_finite_kernel_matches_stock_ops"],
     "conv-first-off": ["greedy:conv-first-off"],
@@ -2657,7 +2649,6 @@ PICK = [
     (["qkv-warps-32", "qkv-split-2", "qkv-split-4", "qkv-every-norm"], "decode"),
     (["ffn-gate-2", "ffn-gate-2-early", "ffn-gate-rounds", "ffn-gate-rounds-4", "ffn-rounds-off"], "decode"),
     (["kv-in-place", "kv-in-place-off"], "decode"),
-    (["ffn-prefetch", "ffn-prefetch-all", "ffn-prefetch-32"], "decode"),
     (["argmax-vec"], "decode"),
     (["conv-first-off"], "decode"),
     (["layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off"], "decode"),
@@ -2697,7 +2688,7 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                # feed-forward in rounds fell on the 350M's prefill figure,
                # 0.908, whose paired reps spread 0.84-1.05.)
                "ffn-gate-2", "ffn-gate-2-early", "ffn-gate-rounds", "ffn-gate-rounds-4", "ffn-rounds-off",
-               "kv-in-place", "kv-in-place-off", "ffn-prefetch", "ffn-prefetch-all", "ffn-prefetch-32", "qkv-every-norm"}
+               "kv-in-place", "kv-in-place-off", "qkv-every-norm"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]

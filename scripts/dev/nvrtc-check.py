@@ -106,13 +106,6 @@ KERNELS = {
         [("out", "T"), ("sc", "float")],
         lambda dt: [("HD", 64), ("SCALE_BITS", 1040187392), ("PER_ROW", 1)],
     ),
-    # The feed-forward's first rows asked of L2 (MLX_LFM_FFN_PREFETCH): the
-    # 1.2B's stacked w1/w3, 8 MB of each half.
-    "l2_prefetch.rs": (
-        [("after", "T"), ("w", "T")],
-        [("done", "int")],
-        lambda dt: [("OFF1_16", 2097152), ("LEN_16", 524288), ("CHUNK", 65536)],
-    ),
     "gemv.rs": (
         [("x", "T"), ("w", "T")],
         [("y", "T")],

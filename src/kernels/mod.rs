@@ -11,7 +11,6 @@ pub mod conv_layer_fused;
 pub mod decode_attention;
 pub mod ffn_fused;
 pub mod gemv;
-pub mod l2_prefetch;
 pub mod moe_experts;
 pub mod moe_fused;
 pub mod moe_gemm;

@@ -797,22 +797,6 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 if compiled {
                     alone.push("MLX_LFM_QKV_EVERY_NORM");
                 }
-                // The dense feed-forward's first rows asked of L2 while the
-                // layer's operator runs (the opt-in's run: after every
-                // layer); its launches must have been built where a
-                // compiled step's rows meet a dense feed-forward.
-                // (Where w1 and w3 are one stacked weight: not under
-                // MLX_LFM_FUSE_PROJECTIONS=0; and only a compiled step's
-                // `[1, D]` rows, so no eager run.)
-                let prefetch_served = compiled
-                    && !q4
-                    && dense_ffn
-                    && crate::knobs::var("MLX_LFM_CONV_LAYER_FUSED").as_deref() != Some("1")
-                    && crate::knobs::var("MLX_LFM_FUSE_PROJECTIONS").as_deref() != Some("0")
-                    && crate::model::lfm2::decode_rows();
-                if compiled && !q4 && dense_ffn {
-                    alone.push("MLX_LFM_FFN_PREFETCH");
-                }
                 // The norm folds with eps compiled in (the folds serve the
                 // dense weights up to 1,024 wide: the bf16 and f32
                 // fixtures'; a 4-bit one's projections are not dense).
@@ -872,17 +856,13 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 for var in alone {
                     let before = (
                         crate::kernels::conv_layer_fused::built(),
-                        crate::kernels::l2_prefetch::built(),
                         crate::kernels::qkv_fused::every_norm_built(),
                     );
                     runs.push((var, crate::kernels::with_opt_in_one(var, || run(Some(&stock))).0));
                     if can_fuse && var == "MLX_LFM_CONV_LAYER_FUSED" && crate::kernels::conv_layer_fused::built() == before.0 {
                         unbuilt(var, &mut failures);
                     }
-                    if prefetch_served && var == "MLX_LFM_FFN_PREFETCH" && crate::kernels::l2_prefetch::built() == before.1 {
-                        unbuilt(var, &mut failures);
-                    }
-                    if every_norm_served && var == "MLX_LFM_QKV_EVERY_NORM" && crate::kernels::qkv_fused::every_norm_built() == before.2 {
+                    if every_norm_served && var == "MLX_LFM_QKV_EVERY_NORM" && crate::kernels::qkv_fused::every_norm_built() == before.1 {
                         unbuilt(var, &mut failures);
                     }
                 }

@@ -764,23 +764,6 @@ impl Layer {
         }
     }
 
-    /// A lone sequence's decode row: the first rows of the dense
-    /// feed-forward after this layer's operator asked of L2 while the
-    /// operator runs (`MLX_LFM_FFN_PREFETCH`, src/kernels/l2_prefetch.rs),
-    /// the launch's output for the operator's input to depend on (which
-    /// keeps it in the graph, before the operator); None where it does not
-    /// serve.
-    fn ffn_prefetch(&self, x: &Normed) -> Result<Option<Array>> {
-        // (The switch first: off, as it ships, a layer's pass asks MLX
-        // nothing more.)
-        if crate::kernels::l2_prefetch::reach().is_none() || x.h.ndim() != 2 || x.h.dim(0) != 1 {
-            return Ok(None);
-        }
-        let FeedForward::Dense(m) = &self.feed_forward else { return Ok(None) };
-        let Some(w13) = m.stacked_dense_w13().filter(|_| m.shard.is_none()) else { return Ok(None) };
-        crate::kernels::l2_prefetch::launch(x.h, w13, matches!(self.operator, Operator::Attention(_)))
-    }
-
     /// The operator (short conv or attention) of decoder layer `index` on
     /// its normed input.
     fn operator(&self, x: &Normed, index: usize, cache: &mut dyn ForwardCache, zero: Option<&Array>) -> Result<(Array, Array)> {
@@ -964,11 +947,6 @@ impl Lfm2Model {
             let (h2, f) = match joined {
                 Some(done) => done,
                 None => {
-                    let h_in = match layer.ffn_prefetch(&x)? {
-                        Some(done) => Some(crate::kernels::l2_prefetch::after(x.h, &done)?),
-                        None => None,
-                    };
-                    let x = Normed { h: h_in.as_ref().unwrap_or(x.h), ..x };
                     let (h1, r) = layer.operator(&x, i, cache, Some(&self.zero_row))?;
                     let x = Normed { h: &h1, r: Some(&r), w: &layer.ffn_norm, eps, eps_array };
                     layer.feed_forward(&x)?
