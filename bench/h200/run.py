@@ -211,21 +211,30 @@ benchmark call must `rm -f /tmp/h200/kernels-off` after a greedy pass):
   2. carry [.device/llama]: `llama` (its build runs in the background).
   3. carry [.device/b, .device/tests, .device/ptx, .device/lm] (~61.5 MB
      with the tree): H200_KERNEL_JOBS=4
-     H200_KERNEL_TESTS=ffn_fused_kernel_matches_stock_ops,decode_attention_kernel_matches_stock_ops,qkv_fused_kernel_matches_stock_ops,qkv_fused_kernel_writes_kv_in_place
+     H200_KERNEL_TESTS=ffn_fused_kernel_matches_stock_ops,conv_fused_kernel_matches_stock_ops,decode_attention_kernel_matches_stock_ops,qkv_fused_kernel_matches_stock_ops,qkv_fused_kernel_writes_kv_in_place
      `timeout -s TERM 560 python3 bench/h200/run.py install verdicts-from
-     committed kernels save-ptx` (the tests session 46 changed, each in a
-     process of its own; the greedy sets passed in session 48 at
-     f15bd14: if a kernel file changes before this call, add
-     greedy_tokens_with_kernels_equal_stock_ops).
-  4. carry [.device/bin]: H200_OURS_ENV (mimalloc), `timeout -s TERM 560
-     python3 bench/h200/run.py round 1` then the same with `round 2`:
-     the three models with mlx-lm (installed in step 3 from .device/lm);
-     session 48's call of two models' round was cut at 420 s, so give
-     the 8B-A1B (~330 s: its checkpoints, GGUF chain and benches) a call
-     of its own on a fresh machine (H200_MODELS).
-  5. With what is left: `profile-gaps` of the 1.2B (H200_MODELS=lfm2-1.2b-bf16)
-     for the step's kernels with the K/V in place, and an A/B of
-     `qkv-every-norm` on the 350M and 8B-A1B.
+     committed kernels save-ptx` (the tests session 46 changed and the
+     conv's and feed-forward's with session 48's every-norm cases, each
+     in a process of its own), then in the next call (carry .device/tests
+     and .device/ptx again) H200_KERNEL_TESTS=greedy_tokens_with_kernels_equal_stock_ops
+     `kernels save-ptx` (~200 s: the every-norm sets of the conv and
+     feed-forward are new since session 48's pass).
+  4. carry [.device/bin]: H200_OURS_ENV (mimalloc),
+     H200_AB_VARIANTS=conv-every-norm,ffn-every-norm,stages-every-norm,qkv-every-norm
+     H200_MODELS=lfm2-1.2b-bf16,lfm2-350m-bf16 H200_AB_REPS=3
+     `timeout -s TERM 560 python3 bench/h200/run.py ab pick` (adopt at
+     3%; where the stages' pair and the q/k/v form each fall short, a
+     call with the three switches set together in H200_OURS_ENV tells
+     whether they clear it together).
+  5. carry [.device/bin]: H200_OURS_ENV, H200_MODELS=lfm2-1.2b-bf16,lfm2-350m-bf16
+     `timeout -s TERM 560 python3 bench/h200/run.py pick round 1`, then
+     `round 2`: with mlx-lm (installed in step 3 from .device/lm).
+  6. carry [.device/bin]: the 8B-A1B's rounds in a call of their own
+     (H200_MODELS=lfm2-8b-a1b-q4: ~330 s a round on a machine that has
+     not made its checkpoints; session 48's call of it and the 350M was
+     cut at 420 s).
+  7. With what is left: `profile-gaps` of the 1.2B (H200_MODELS=lfm2-1.2b-bf16)
+     for the step's kernels with the K/V in place.
   Then: the conv layers (~22 µs each for
   34 MB, session 40's profile: the largest gap to their bytes after the
   feed-forwards); the MoE layer's down stage overlapping its gate/up
@@ -2500,6 +2509,15 @@ AB = {
     # wait for the first block's (session 46, qkv_fused.rs every_norm;
     # kernel-bench's `qkv-bf16-every-norm`, `qkv-q4-every-norm`).
     "qkv-every-norm": ({"MLX_LFM_QKV_EVERY_NORM": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    # The same for the conv layer's in_proj blocks and the feed-forward's
+    # gate blocks (session 48, stages.rs CONV_/FFN_EVERY_NORM_SUBSTITUTION),
+    # each alone and both (`stages-`): the q/k/v stage's read 1.014-1.021x
+    # on the 1.2B in session 48 over its 6 attention layers; these reach
+    # its 10 conv layers and 16 feed-forwards.
+    "conv-every-norm": ({"MLX_LFM_CONV_EVERY_NORM": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
+    "ffn-every-norm": ({"MLX_LFM_FFN_EVERY_NORM": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
+    "stages-every-norm": ({"MLX_LFM_CONV_EVERY_NORM": "1", "MLX_LFM_FFN_EVERY_NORM": "1"},
+                          ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     # (Four rounds: 257 blocks on the 1.2B, each gate warp four outputs;
     # the part w2 walks alone after the gate a quarter of its rows.)
     "ffn-gate-rounds-4": ({"MLX_LFM_FFN_GATE_ROUNDS": "4"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
@@ -2548,6 +2566,10 @@ AB_TESTS = {
     "kv-in-place": ["qkv_fused_kernel_writes_kv_in_place", "compiled_step_writes_kv_in_place_on_tiny_models", "greedy:kv-in-place"],
     "kv-in-place-off": ["greedy:kv-in-place-off"],
     "qkv-every-norm": ["qkv_fused_kernel_matches_stock_ops", "qkv_fused_kernel_writes_kv_in_place", "greedy:MLX_LFM_QKV_EVERY_NORM"],
+    "conv-every-norm": ["conv_fused_kernel_matches_stock_ops", "greedy:MLX_LFM_CONV_EVERY_NORM"],
+    "ffn-every-norm": ["ffn_fused_kernel_matches_stock_ops", "greedy:MLX_LFM_FFN_EVERY_NORM"],
+    "stages-every-norm": ["conv_fused_kernel_matches_stock_ops", "ffn_fused_kernel_matches_stock_ops",
+                          "greedy:MLX_LFM_CONV_EVERY_NORM", "greedy:MLX_LFM_FFN_EVERY_NORM"],
     "argmax-vec": ["argmax_finite_kernel_matches_stock_ops"],
     "conv-first-off": ["greedy:conv-first-off"],
     "scratch-outputs": [],
@@ -2649,6 +2671,7 @@ PICK = [
     (["qkv-warps-32", "qkv-split-2", "qkv-split-4", "qkv-every-norm"], "decode"),
     (["ffn-gate-2", "ffn-gate-2-early", "ffn-gate-rounds", "ffn-gate-rounds-4", "ffn-rounds-off"], "decode"),
     (["kv-in-place", "kv-in-place-off"], "decode"),
+    (["conv-every-norm", "ffn-every-norm", "stages-every-norm"], "decode"),
     (["argmax-vec"], "decode"),
     (["conv-first-off"], "decode"),
     (["layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off"], "decode"),
@@ -2688,7 +2711,8 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                # feed-forward in rounds fell on the 350M's prefill figure,
                # 0.908, whose paired reps spread 0.84-1.05.)
                "ffn-gate-2", "ffn-gate-2-early", "ffn-gate-rounds", "ffn-gate-rounds-4", "ffn-rounds-off",
-               "kv-in-place", "kv-in-place-off", "qkv-every-norm"}
+               "kv-in-place", "kv-in-place-off", "qkv-every-norm",
+               "conv-every-norm", "ffn-every-norm", "stages-every-norm"}
 # Switches that change both models' steps: adopted only where every decode
 # group's pick holds them (each was measured with them on).
 SHARED_SWITCHES = ["MLX_LFM_NORM_GEMV_KERNEL"]

@@ -760,6 +760,77 @@ def substitutions(path, name):
     return [(unescape(a), unescape(b)) for a, b in re.findall(r"\(\s*" + lit + r",\s*" + lit + r",?\s*\)", body)]
 
 
+def rust_tokens(text):
+    """String literals ("..." and r#"..."#, unescaped), names (paths and
+    macro variables whole), and the punctuation between them."""
+    out, i = [], 0
+    while i < len(text):
+        c = text[i]
+        if c.isspace():
+            i += 1
+        elif text.startswith('r#"', i):
+            j = text.index('"#', i + 3)
+            out.append(("s", text[i + 3:j]))
+            i = j + 2
+        elif c == '"':
+            j = i + 1
+            while text[j] != '"':
+                j += 2 if text[j] == "\\" else 1
+            out.append(("s", text[i + 1:j].replace("\\n", "\n").replace('\\"', '"').replace("\\\\", "\\")))
+            i = j + 1
+        elif c.isalnum() or c in "_$:":
+            j = i
+            while j < len(text) and (text[j].isalnum() or text[j] in "_$:"):
+                j += 1
+            out.append(("n", text[i:j]))
+            i = j
+        else:
+            out.append((c, c))
+            i += 1
+    return out
+
+
+def own_norm(eps):
+    """stages.rs's `own_norm!(eps)`: its `concat!` with `$eps` put in."""
+    text = (root / "src" / "kernels" / "stages.rs").read_text()
+    body = re.search(r"macro_rules! own_norm \{.*?=> \{\s*(concat!\(.*?\n\s*\))\s*\};", text, re.S).group(1)
+    toks = [("s", eps) if t == ("n", "$eps") else t for t in rust_tokens(body)]
+    return rust_value(toks, 0)[0]
+
+
+def rust_value(toks, i):
+    """The string the expression at toks[i] makes (a literal, `concat!` of
+    such, `own_norm!`), and the index after it."""
+    kind, val = toks[i]
+    if kind == "s":
+        return val, i + 1
+    assert kind == "n" and toks[i + 1][0] == "!" and toks[i + 2][0] == "(", f"not a string expression: {toks[i:i + 3]}"
+    args, i = [], i + 3
+    while toks[i][0] != ")":
+        v, i = rust_value(toks, i)
+        args.append(v)
+        if toks[i][0] == ",":
+            i += 1
+    name = val.rsplit("::", 1)[-1]
+    if name == "concat":
+        return "".join(args), i + 1
+    if name == "own_norm":
+        return own_norm(args[0]), i + 1
+    raise AssertionError(f"unknown macro {val}!")
+
+
+def pair_const(path, name):
+    """A Rust `const NAME: (&str, &str) = (was, now);` of literals,
+    `concat!` and `own_norm!`."""
+    text = (root / "src" / "kernels" / path).read_text()
+    start = re.search(r"const " + name + r": \(&str, &str\) = \(", text).end()
+    toks = rust_tokens(text[start:text.index("\n);", start)])
+    was, i = rust_value(toks, 0)
+    assert toks[i][0] == ",", f"{path} {name}"
+    now, _ = rust_value(toks, i + 1)
+    return was, now
+
+
 REPLACE_OF = {
     "add_rms_norm.rs@epsc": substitutions("add_rms_norm.rs", "EPS_CONST_SUBSTITUTIONS"),
     "moe_router.rs#gate_norm@const": substitutions("moe_router.rs", "GATE_NORM_CONST_SUBSTITUTIONS"),
@@ -954,9 +1025,8 @@ for _dense in (False, True):
 # Every head's block computing the norm itself (MLX_LFM_QKV_EVERY_NORM:
 # qkv_fused.rs EVERY_NORM_SUBSTITUTION), over the one-block form and its
 # K/V-writing form, 4-bit and dense, with the scratch row in the state.
-_en = re.search(r'const EVERY_NORM_SUBSTITUTION: \(&str, &str\) = \(\s*"((?:[^"\\]|\\.)*)",\s*r#"(.*?)"#,', _QKV_RS, re.S)
-assert _en and "lfm_add_rms_row" in _en.group(2), "qkv_fused.rs EVERY_NORM_SUBSTITUTION"
-_EN = [(_en.group(1).replace("\\n", "\n"), _en.group(2))]
+_EN = [pair_const("qkv_fused.rs", "EVERY_NORM_SUBSTITUTION")]
+assert "lfm_add_rms_row" in _EN[0][1], "qkv_fused.rs EVERY_NORM_SUBSTITUTION"
 for _dense in (False, True):
     for _kvf in (False, True):
         _of = "qk_norm_rope.rs#qkv_fused@" + ("dense-" if _dense else "") + "kv-scratch" if _kvf else \
@@ -966,6 +1036,21 @@ for _dense in (False, True):
         DEFINES_OF[_v] = DEFINES_OF.get(_of, "")
         PRELUDE_OF[_v] = PRELUDE_OF[_of]
         REPLACE_OF[_v] = REPLACE_OF.get(_of, []) + _EN
+
+# The conv layer's in_proj blocks and the feed-forward's gate blocks each
+# computing the layer's norm (MLX_LFM_CONV_EVERY_NORM, MLX_LFM_FFN_EVERY_NORM:
+# stages.rs CONV_EVERY_NORM_SUBSTITUTION, FFN_EVERY_NORM_SUBSTITUTION),
+# 4-bit and dense, the feed-forward's also in rounds (the bf16 default's).
+for _of, _sub in (("conv_fused.rs", "CONV"), ("conv_fused.rs@dense", "CONV"), ("ffn_fused.rs", "FFN"),
+                  ("ffn_fused.rs@dense", "FFN"), ("ffn_fused.rs@dense-g2r", "FFN")):
+    _v = _of + ("-" if "@" in _of else "@") + "every-norm"
+    KERNELS[_v] = KERNELS[_of]
+    DEFINES_OF[_v] = DEFINES_OF[_of]
+    if _of in HEADER_AFTER:
+        HEADER_AFTER[_v] = HEADER_AFTER[_of]
+    _pair = pair_const("stages.rs", f"{_sub}_EVERY_NORM_SUBSTITUTION")
+    assert "lfm_add_rms_row" in _pair[1], f"stages.rs {_sub}_EVERY_NORM_SUBSTITUTION"
+    REPLACE_OF[_v] = REPLACE_OF.get(_of, []) + [_pair]
 
 # The q/k/v stage's timeline form (the bench's, one block a head:
 # qkv_fused.rs TIMELINE_SUBSTITUTIONS), 4-bit and dense.

@@ -59,11 +59,33 @@ fn enabled() -> bool {
 }
 
 static BUILT: Built = Built::new();
+static EVERY_BUILT: Built = Built::new();
 
 /// How many times [`forward`] has put the kernel into a graph in this
 /// process: the greedy test's evidence that its runs took this path.
 pub fn built() -> usize {
     BUILT.get()
+}
+
+/// How many of [`built`]'s graphs took the every-norm form
+/// ([`every_norm`]): the tests' evidence.
+pub fn every_norm_built() -> usize {
+    EVERY_BUILT.get()
+}
+
+/// `MLX_LFM_CONV_EVERY_NORM=1` (opt-in, session 48, not yet run on a GPU):
+/// in_proj's blocks each compute the layer's add + RMSNorm
+/// ([`stages::CONV_EVERY_NORM_SUBSTITUTION`]) instead of waiting for the
+/// first block's mark and reading its row back, as the q/k/v stage's
+/// every-norm form does (`MLX_LFM_QKV_EVERY_NORM`, which read the 1.2B's
+/// decode 1.014-1.021x over its six attention layers in session 48's A/B
+/// on an H100): the same code on the same values, so the same bits; each
+/// block reads the row's three vectors (12 KB at 2,048 wide) from L2. No
+/// early form (its text asks for in_proj's rows before the wait this one
+/// has not).
+fn every_norm() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    super::opt_in("MLX_LFM_CONV_EVERY_NORM", &ON)
 }
 
 /// The kernel; with `scratch`, its form with the scratch rows (`yn`,
@@ -72,13 +94,20 @@ pub fn built() -> usize {
 /// its waits ([`stages::early_prefetch`]).
 fn kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
     static FORMS: stages::Forms = stages::Forms::new();
-    let early = stages::early_prefetch("conv");
+    static EVERY_FORMS: stages::Forms = stages::Forms::new();
+    static EVERY_TEXT: OnceLock<String> = OnceLock::new();
     let mut inputs = vec!["h", "r", "wn", "state", "cw"];
     inputs.extend(Projections::input_names(quant));
     inputs.push("ctr");
-    let base = if quant { "lfm_conv_fused" } else { "lfm_conv_fused_dense" };
     let outputs = ["s", "out", "next", "yn", "yc"];
     let header = || stages::layer_header(quant, false, stages::layer_defines(true, stages::Tail::None));
+    if every_norm() {
+        let body = EVERY_TEXT.get_or_init(|| super::substituted(stages::LAYER_SOURCE, &[stages::CONV_EVERY_NORM_SUBSTITUTION]));
+        let base = if quant { "lfm_conv_fused_en" } else { "lfm_conv_fused_dense_en" };
+        return EVERY_FORMS.kernel(base, (quant, scratch, false), body, &[], SCRATCH_PRELUDE, &inputs, (&outputs, 3), header);
+    }
+    let early = stages::early_prefetch("conv");
+    let base = if quant { "lfm_conv_fused" } else { "lfm_conv_fused_dense" };
     FORMS.kernel(base, (quant, scratch, early), stages::LAYER_SOURCE, &stages::EARLY_SUBSTITUTIONS, SCRATCH_PRELUDE, &inputs, (&outputs, 3), header)
 }
 
@@ -255,6 +284,9 @@ fn launch(x: &Normed, p: Projections, state: &Array, cw: &Array, ctr: &Array, ti
         &template,
     )?;
     BUILT.bump();
+    if every_norm() {
+        EVERY_BUILT.bump();
+    }
     Ok(outs)
 }
 

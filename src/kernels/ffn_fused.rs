@@ -161,13 +161,40 @@ pub fn built() -> usize {
     BUILT.get()
 }
 
+static EVERY_BUILT: Built = Built::new();
+
+/// How many of [`built`]'s graphs took the every-norm form
+/// ([`every_norm`]): the tests' evidence.
+pub fn every_norm_built() -> usize {
+    EVERY_BUILT.get()
+}
+
+/// `MLX_LFM_FFN_EVERY_NORM=1` (opt-in, session 48, not yet run on a GPU):
+/// the gate's blocks each compute the feed-forward's add + RMSNorm
+/// ([`stages::FFN_EVERY_NORM_SUBSTITUTION`]) instead of waiting for the
+/// first block's mark and reading its row back, as the q/k/v stage's
+/// every-norm form does (`MLX_LFM_QKV_EVERY_NORM`: the 1.2B's decode
+/// 1.014-1.021x over its six attention layers in session 48's A/B on an
+/// H100; the feed-forward runs in all 16): the same code on the same
+/// values, so the same bits; each gate block reads the row's three vectors
+/// (12 KB at 2,048 wide) from L2, ~2-3 MB a launch in all. Every form
+/// ([`form`]'s); no early form (its text asks for the gate's rows before
+/// the wait this one has not).
+fn every_norm() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    super::opt_in("MLX_LFM_FFN_EVERY_NORM", &ON)
+}
+
 /// The kernel; with `scratch`, its form with the scratch rows (`yn`,
 /// `hk`) in the layer's state ([`stages::call_with_scratch`]).
 fn kernel(quant: bool, scratch: bool, form: usize) -> Option<&'static CudaKernel> {
     static FORMS: [stages::Forms; 5] = [const { stages::Forms::new() }; 5];
+    static EVERY_FORMS: [stages::Forms; 5] = [const { stages::Forms::new() }; 5];
+    static EVERY_TEXT: OnceLock<String> = OnceLock::new();
+    let every = every_norm();
     // (MLX_LFM_EARLY_PREFETCH=ffn: its form that asks for its rows before
     // its waits, stages::early_prefetch.)
-    let early = stages::early_prefetch("ffn");
+    let early = !every && stages::early_prefetch("ffn");
     let mut inputs = vec!["h", "r", "wn"];
     inputs.extend(Projections::input_names(quant));
     inputs.push("ctr");
@@ -176,6 +203,15 @@ fn kernel(quant: bool, scratch: bool, form: usize) -> Option<&'static CudaKernel
         let head = stages::layer_header(quant, false, stages::layer_defines(false, stages::Tail::Ffn));
         format!("{}{head}{}", gate_define(form), form_code(form))
     };
+    if every {
+        let body = EVERY_TEXT.get_or_init(|| super::substituted(stages::LAYER_SOURCE, &[stages::FFN_EVERY_NORM_SUBSTITUTION]));
+        const NAMES: [[&str; 5]; 2] = [
+            ["lfm_ffn_fused_en", "lfm_ffn_fused_g2_en", "lfm_ffn_fused_r2_en", "lfm_ffn_fused_r3_en", "lfm_ffn_fused_r4_en"],
+            ["lfm_ffn_fused_q_en", "lfm_ffn_fused_q_g2_en", "lfm_ffn_fused_q_r2_en", "lfm_ffn_fused_q_r3_en", "lfm_ffn_fused_q_r4_en"],
+        ];
+        let base = NAMES[usize::from(quant)][form];
+        return EVERY_FORMS[form].kernel(base, (quant, scratch, false), body, &[], SCRATCH_PRELUDE, &inputs, (&outputs, 2), header);
+    }
     FORMS[form].kernel(
         base_name(quant, form),
         (quant, scratch, early),
@@ -366,6 +402,9 @@ fn launch(x: &Normed, p: Projections, ctr: &Array, timeline: bool) -> Result<Vec
     BUILT.bump();
     if form >= 2 {
         BUILT_ROUNDS[form].bump();
+    }
+    if every_norm() {
+        EVERY_BUILT.bump();
     }
     Ok(outs)
 }

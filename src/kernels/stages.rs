@@ -634,6 +634,53 @@ pub(crate) const EARLY_SUBSTITUTIONS: [(&str, &str); 4] = [
     ),
 ];
 
+/// A block's own add + RMSNorm of the layer's row into its shared row
+/// (`sm`), `eps` the template constant that holds it: the norm stage's
+/// code on the same operands (`lfm_add_rms_row` groups its sums by `NBLK`
+/// whatever the block's width, and its aligned and element-wise loads sum
+/// in one order), so the first block's bits, without waiting for its mark
+/// and reading its row back from L2. The every-norm forms' text: the q/k/v
+/// stage's (qkv_fused.rs) and the conv's and feed-forward's
+/// ([`CONV_EVERY_NORM_SUBSTITUTION`], [`FFN_EVERY_NORM_SUBSTITUTION`]).
+macro_rules! own_norm {
+    ($eps:literal) => {
+        concat!(
+            "  if (lfm_aligned(h) && lfm_aligned(r) && lfm_aligned(wn)) {\n",
+            "    lfm_add_rms_row<T, D, NBLK, true>(h, r, wn, __int_as_float(",
+            $eps,
+            "), static_cast<T*>(nullptr), reinterpret_cast<T*>(sm));\n",
+            "  } else {\n",
+            "    lfm_add_rms_row<T, D, NBLK, false>(h, r, wn, __int_as_float(",
+            $eps,
+            "), static_cast<T*>(nullptr), reinterpret_cast<T*>(sm));\n",
+            "  }\n"
+        )
+    };
+}
+pub(crate) use own_norm;
+
+/// `MLX_LFM_CONV_EVERY_NORM=1` (opt-in, session 48, not yet run on a GPU):
+/// in_proj's blocks each compute the layer's add + RMSNorm ([`own_norm`])
+/// instead of waiting for the first block's. The short-conv layer's own
+/// kernel (conv_fused.rs) only.
+pub(crate) const CONV_EVERY_NORM_SUBSTITUTION: (&str, &str) = (
+    "    const int c = (role - 1) * WARPS + wid;\n    const bool late = lfm_block_wait(st + 1, launch + 1, nullptr, 0);\n    if (!late) lfm_stage16(sm, yn, XR);\n",
+    concat!("    const int c = (role - 1) * WARPS + wid;\n    constexpr bool late = false;\n", own_norm!("EPS_BITS")),
+);
+
+/// `MLX_LFM_FFN_EVERY_NORM=1` (opt-in, session 48, not yet run on a GPU):
+/// the gate's blocks each compute the feed-forward's add + RMSNorm
+/// ([`own_norm`]) instead of waiting for the first block's. The
+/// feed-forward's own kernel (ffn_fused.rs) only: joined to a conv layer,
+/// its norm's rows come from the same launch.
+pub(crate) const FFN_EVERY_NORM_SUBSTITUTION: (&str, &str) = (
+    "    const int j = (fr - 1) * WARPS + wid;\n    const bool late = lfm_block_wait(st + FC + 1, launch + 1, nullptr, 0);\n    if (!late) lfm_stage16(sm, LFM_FFN_YN, XR);\n",
+    concat!(
+        "    const int j = (fr - 1) * WARPS + wid;\n#if LFM_CONV_PART\n#error \"the feed-forward's every-norm form: its own kernel only\"\n#endif\n    constexpr bool late = false;\n",
+        own_norm!("EPS_BITS")
+    ),
+);
+
 /// A one-launch layer's kernels in their forms (dense or quantized, with
 /// or without the scratch rows in the state, the early prefetch or not):
 /// each form's cells and its text, made once.

@@ -794,8 +794,12 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 alone.push("MLX_LFM_DECODE_ATTENTION_WIDE");
                 // Every head's block of the q/k/v stage computing the norm
                 // itself (built where the stage serves: checked below).
+                // And the conv layer's in_proj blocks and the feed-forward's
+                // gate blocks each computing theirs (likewise checked).
                 if compiled {
                     alone.push("MLX_LFM_QKV_EVERY_NORM");
+                    alone.push("MLX_LFM_CONV_EVERY_NORM");
+                    alone.push("MLX_LFM_FFN_EVERY_NORM");
                 }
                 // The norm folds with eps compiled in (the folds serve the
                 // dense weights up to 1,024 wide: the bf16 and f32
@@ -853,16 +857,28 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 // stage's heads, which a step may take.)
                 let split_env = matches!(crate::knobs::var("MLX_LFM_QKV_SPLIT").as_deref().map(str::trim), Some("2") | Some("4"));
                 let every_norm_served = can_fuse && attention_after_first && !off("MLX_LFM_QKV_FUSED") && !split_env;
+                // (Where the default run must build the conv's and the
+                // feed-forward's one-launch layers: above.)
+                let conv_every_served = can_fuse && conv_after_first && !joined && !off("MLX_LFM_CONV_FUSED");
+                let ffn_every_served = can_fuse && dense_ffn && !joined && !off("MLX_LFM_FFN_FUSED");
                 for var in alone {
                     let before = (
                         crate::kernels::conv_layer_fused::built(),
                         crate::kernels::qkv_fused::every_norm_built(),
+                        crate::kernels::conv_fused::every_norm_built(),
+                        crate::kernels::ffn_fused::every_norm_built(),
                     );
                     runs.push((var, crate::kernels::with_opt_in_one(var, || run(Some(&stock))).0));
                     if can_fuse && var == "MLX_LFM_CONV_LAYER_FUSED" && crate::kernels::conv_layer_fused::built() == before.0 {
                         unbuilt(var, &mut failures);
                     }
                     if every_norm_served && var == "MLX_LFM_QKV_EVERY_NORM" && crate::kernels::qkv_fused::every_norm_built() == before.1 {
+                        unbuilt(var, &mut failures);
+                    }
+                    if conv_every_served && var == "MLX_LFM_CONV_EVERY_NORM" && crate::kernels::conv_fused::every_norm_built() == before.2 {
+                        unbuilt(var, &mut failures);
+                    }
+                    if ffn_every_served && var == "MLX_LFM_FFN_EVERY_NORM" && crate::kernels::ffn_fused::every_norm_built() == before.3 {
                         unbuilt(var, &mut failures);
                     }
                 }
@@ -1694,13 +1710,22 @@ fn kernel_variant_substitutions_each_land() {
     use crate::kernels::{add_rms_norm as an, moe_experts as me, moe_router as mr, norm_gemv as ng};
     type Subs = [(&'static str, &'static str)];
     let every_norm = [crate::kernels::qkv_fused::EVERY_NORM_SUBSTITUTION];
-    let sets: [(&str, &str, &Subs); 6] = [
+    let conv_every_norm = [crate::kernels::stages::CONV_EVERY_NORM_SUBSTITUTION];
+    let ffn_every_norm = [crate::kernels::stages::FFN_EVERY_NORM_SUBSTITUTION];
+    // (The conv's and the feed-forward's each in one place of the layers'
+    // one text: in_proj's wait, the dense gate's; not the MoE's.)
+    for (what, (was, _)) in [("conv", conv_every_norm[0]), ("feed-forward", ffn_every_norm[0])] {
+        assert_eq!(crate::kernels::stages::LAYER_SOURCE.matches(was).count(), 1, "the {what}'s every-norm text");
+    }
+    let sets: [(&str, &str, &Subs); 8] = [
         ("the down kernel's early loads", me::DOWN_SOURCE, &me::DOWN_EARLY_SUBSTITUTIONS),
         ("the grouped GEMM's rows read through their places", crate::kernels::moe_gemm::SOURCE, &crate::kernels::moe_gemm::GATHERED_SUBSTITUTIONS),
         ("the router + norm kernel's constants", mr::GATE_NORM_SOURCE, &mr::GATE_NORM_CONST_SUBSTITUTIONS),
         ("the add + RMSNorm kernel's eps", an::SOURCE, &an::EPS_CONST_SUBSTITUTIONS),
         ("the norm folds' eps", ng::PROLOGUE, &an::EPS_CONST_SUBSTITUTIONS),
         ("the q/k/v stage's every-norm form", crate::kernels::qk_norm_rope::QKV_FUSED_SOURCE, &every_norm),
+        ("the conv layer's every-norm form", crate::kernels::stages::LAYER_SOURCE, &conv_every_norm),
+        ("the feed-forward's every-norm form", crate::kernels::stages::LAYER_SOURCE, &ffn_every_norm),
     ];
     for (what, source, subs) in sets {
         // (Each against the text the earlier ones left, as `substituted` makes them.)
@@ -2799,6 +2824,19 @@ fn conv_fused_kernel_matches_stock_ops() {
                     assert_eq!(differing(got, want), 0, "{what}: rows asked for early, launch {turn}: the {name} differs");
                 }
             }
+            // in_proj's blocks each computing the norm itself
+            // (MLX_LFM_CONV_EVERY_NORM=1, opt-in): the same bits, on the
+            // same counters and with the scratch rows in the state.
+            let every = [("MLX_LFM_CONV_EVERY_NORM".to_string(), Some("1".to_string()))];
+            for turn in 0..2 {
+                let before = crate::kernels::conv_fused::every_norm_built();
+                let (s2, out2, next2) =
+                    crate::knobs::with_overrides(&every, || if turn == 0 { run(&counters) } else { scratch_in_state(|| run(&big)) });
+                assert!(crate::kernels::conv_fused::every_norm_built() > before, "{what}: the every-norm form was not built");
+                for (name, got, want) in [("sum", &s2, &s), ("output", &out2, &out), ("state", &next2, &next)] {
+                    assert_eq!(differing(got, want), 0, "{what}: every block's norm, launch {turn}: the {name} differs");
+                }
+            }
             // The timeline form (the bench's), of the default and the early
             // form, on counters of its own: the same output and state, its
             // stamps in the stages' order.
@@ -3416,6 +3454,25 @@ fn ffn_fused_kernel_matches_stock_ops() {
                 let (s2, out2) = crate::knobs::with_overrides(&early, || if turn == 0 { run(&counters) } else { scratch_in_state(|| run(&big)) });
                 assert_eq!(differing(&s2, &s), 0, "{what}: rows asked for early, launch {turn}: the sum differs");
                 assert_eq!(differing(&out2, &out), 0, "{what}: rows asked for early, launch {turn}: the output differs");
+            }
+            // The gate's blocks each computing the norm itself
+            // (MLX_LFM_FFN_EVERY_NORM=1, opt-in): the same bits, on the
+            // same counters, with the scratch rows in the state, and (on
+            // counters of its own: fewer blocks) in the one-output form,
+            // rounds off.
+            let every = [("MLX_LFM_FFN_EVERY_NORM".to_string(), Some("1".to_string()))];
+            for turn in 0..3 {
+                let before = crate::kernels::ffn_fused::every_norm_built();
+                let (s2, out2) = crate::knobs::with_overrides(&every, || match turn {
+                    0 => run(&counters),
+                    1 => scratch_in_state(|| run(&big)),
+                    _ => crate::knobs::with_overrides(&[("MLX_LFM_FFN_GATE_ROUNDS".to_string(), Some("0".to_string()))], || {
+                        run(&new_counters().unwrap())
+                    }),
+                });
+                assert!(crate::kernels::ffn_fused::every_norm_built() > before, "{what}: the every-norm form was not built (launch {turn})");
+                assert_eq!(differing(&s2, &s), 0, "{what}: every block's norm, launch {turn}: the sum differs");
+                assert_eq!(differing(&out2, &out), 0, "{what}: every block's norm, launch {turn}: the output differs");
             }
             // One gate output a warp and two (MLX_LFM_FFN_GATE_ROWS=2,
             // opt-in), rounds off, and the gate in two (the CUDA default
