@@ -221,9 +221,10 @@ benchmark call must `rm -f /tmp/h200/kernels-off` after a greedy pass):
      feed-forward are new since session 48's pass).
   4. carry [.device/bin]: H200_OURS_ENV (mimalloc),
      H200_AB_VARIANTS=conv-every-norm,ffn-every-norm,stages-every-norm,qkv-every-norm
-     H200_MODELS=lfm2-1.2b-bf16,lfm2-350m-bf16 H200_AB_REPS=3
-     `timeout -s TERM 560 python3 bench/h200/run.py ab pick` (adopt at
-     3%; where the stages' pair and the q/k/v form each fall short, a
+     H200_MODELS=lfm2-1.2b-bf16,lfm2-350m-bf16,lfm2-8b-a1b-q4 H200_AB_REPS=3
+     `timeout -s TERM 560 python3 bench/h200/run.py ab pick` (every
+     model the switches reach, or `pick` adopts them for one it did not
+     time; adopt at 3%; where the stages' pair and the q/k/v form each fall short, a
      call with the three switches set together in H200_OURS_ENV tells
      whether they clear it together).
   5. carry [.device/bin]: H200_OURS_ENV, H200_MODELS=lfm2-1.2b-bf16,lfm2-350m-bf16
@@ -2515,7 +2516,7 @@ AB = {
     # on the 1.2B in session 48 over its 6 attention layers; these reach
     # its 10 conv layers and 16 feed-forwards.
     "conv-every-norm": ({"MLX_LFM_CONV_EVERY_NORM": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
-    "ffn-every-norm": ({"MLX_LFM_FFN_EVERY_NORM": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16"]),
+    "ffn-every-norm": ({"MLX_LFM_FFN_EVERY_NORM": "1"}, ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     "stages-every-norm": ({"MLX_LFM_CONV_EVERY_NORM": "1", "MLX_LFM_FFN_EVERY_NORM": "1"},
                           ["lfm2-350m-bf16", "lfm2-1.2b-bf16", "lfm2-8b-a1b-q4"]),
     # (Four rounds: 257 blocks on the 1.2B, each gate warp four outputs;

@@ -1040,9 +1040,11 @@ for _dense in (False, True):
 # The conv layer's in_proj blocks and the feed-forward's gate blocks each
 # computing the layer's norm (MLX_LFM_CONV_EVERY_NORM, MLX_LFM_FFN_EVERY_NORM:
 # stages.rs CONV_EVERY_NORM_SUBSTITUTION, FFN_EVERY_NORM_SUBSTITUTION),
-# 4-bit and dense, the feed-forward's also in rounds (the bf16 default's).
+# 4-bit and dense, the feed-forward's also in rounds (the bf16 default's,
+# and four) and two gate outputs a warp.
 for _of, _sub in (("conv_fused.rs", "CONV"), ("conv_fused.rs@dense", "CONV"), ("ffn_fused.rs", "FFN"),
-                  ("ffn_fused.rs@dense", "FFN"), ("ffn_fused.rs@dense-g2r", "FFN")):
+                  ("ffn_fused.rs@dense", "FFN"), ("ffn_fused.rs@dense-g2r", "FFN"), ("ffn_fused.rs@g2", "FFN"),
+                  ("ffn_fused.rs@dense-g2", "FFN"), ("ffn_fused.rs@dense-r4", "FFN")):
     _v = _of + ("-" if "@" in _of else "@") + "every-norm"
     KERNELS[_v] = KERNELS[_of]
     DEFINES_OF[_v] = DEFINES_OF[_of]

@@ -27,7 +27,8 @@
 //! output within two roundings of the stock ops'. A stage that gives up
 //! poisons the state after the token too (not only the output), so that
 //! sequence's later steps stay NaN and fail the finiteness check as well:
-//! no silently wrong state. Tests in src/kernels/tests.rs.
+//! no silently wrong state (the every-norm form's in_proj has no wait to
+//! give up: its state is the token's). Tests in src/kernels/tests.rs.
 
 use super::stages::{self, Built, Cells};
 use crate::error::{Error, Result};
@@ -82,7 +83,9 @@ pub fn every_norm_built() -> usize {
 /// on an H100): the same code on the same values, so the same bits; each
 /// block reads the row's three vectors (12 KB at 2,048 wide) from L2. No
 /// early form (its text asks for in_proj's rows before the wait this one
-/// has not).
+/// has not); the bench's timeline form stays the waiting one. With no wait
+/// before it, in_proj never gives up here, so the state after the token is
+/// the token's, not poisoned (out_proj's wait still poisons the output).
 fn every_norm() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     super::opt_in("MLX_LFM_CONV_EVERY_NORM", &ON)

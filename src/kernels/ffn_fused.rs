@@ -179,7 +179,8 @@ pub fn every_norm_built() -> usize {
 /// values, so the same bits; each gate block reads the row's three vectors
 /// (12 KB at 2,048 wide) from L2, ~2-3 MB a launch in all. Every form
 /// ([`form`]'s); no early form (its text asks for the gate's rows before
-/// the wait this one has not).
+/// the wait this one has not); the bench's timeline form stays the waiting
+/// one.
 fn every_norm() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     super::opt_in("MLX_LFM_FFN_EVERY_NORM", &ON)

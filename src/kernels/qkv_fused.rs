@@ -240,7 +240,6 @@ pub(crate) const EVERY_NORM_SUBSTITUTION: (&str, &str) = (
     concat!("  constexpr bool late = false;\n", stages::own_norm!("EPS_NORM_BITS")),
 );
 
-
 /// The every-norm form of `source` ([`EVERY_NORM_SUBSTITUTION`], its text
 /// made once into `text`) among `forms`: no early form, since the early
 /// text asks for a head's rows before the wait this one has not.

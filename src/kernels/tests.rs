@@ -2885,10 +2885,15 @@ fn conv_fused_kernel_matches_stock_ops() {
                     assert_eq!(differing(got, want), 0, "{what}: after a launch over another row, launch {turn}: the {name} differs");
                 }
             }
-            // (The output and the state after the token both poisoned when given up.)
-            check_counters_in_step(&what, &counters, &[true, true, false, true, false], &[s, out, next], |c| {
-                let (s, out, next) = run(c);
-                vec![s, out, next]
+            // (The output and the state after the token both poisoned when
+            // given up; the waiting form: the every-norm form, which an
+            // environment may pick, has no wait before the state to give up.)
+            let waiting = [("MLX_LFM_CONV_EVERY_NORM".to_string(), Some("0".to_string()))];
+            crate::knobs::with_overrides(&waiting, || {
+                check_counters_in_step(&what, &counters, &[true, true, false, true, false], &[s, out, next], |c| {
+                    let (s, out, next) = run(c);
+                    vec![s, out, next]
+                })
             });
         });
     }
@@ -3457,16 +3462,19 @@ fn ffn_fused_kernel_matches_stock_ops() {
             }
             // The gate's blocks each computing the norm itself
             // (MLX_LFM_FFN_EVERY_NORM=1, opt-in): the same bits, on the
-            // same counters, with the scratch rows in the state, and (on
-            // counters of its own: fewer blocks) in the one-output form,
-            // rounds off.
+            // same counters, with the scratch rows in the state, and (each
+            // on counters of its own: its tickets count other blocks) in
+            // the one-output form and the two-outputs form, rounds off
+            // (where rounds do not serve, the first is the default's).
             let every = [("MLX_LFM_FFN_EVERY_NORM".to_string(), Some("1".to_string()))];
-            for turn in 0..3 {
+            let set = |var: &str, v: &str| (var.to_string(), Some(v.to_string()));
+            for turn in 0..4 {
                 let before = crate::kernels::ffn_fused::every_norm_built();
                 let (s2, out2) = crate::knobs::with_overrides(&every, || match turn {
                     0 => run(&counters),
                     1 => scratch_in_state(|| run(&big)),
-                    _ => crate::knobs::with_overrides(&[("MLX_LFM_FFN_GATE_ROUNDS".to_string(), Some("0".to_string()))], || {
+                    2 => crate::knobs::with_overrides(&[set("MLX_LFM_FFN_GATE_ROUNDS", "0")], || run(&new_counters().unwrap())),
+                    _ => crate::knobs::with_overrides(&[set("MLX_LFM_FFN_GATE_ROUNDS", "0"), set("MLX_LFM_FFN_GATE_ROWS", "2")], || {
                         run(&new_counters().unwrap())
                     }),
                 });
@@ -3559,9 +3567,13 @@ fn ffn_fused_kernel_matches_stock_ops() {
                     check_stamps_of(&format!("{what} ({form})"), &times, gate, nb, !in_rounds);
                 });
             }
-            check_counters_in_step(&what, &counters, &[true, true, false, true, false], &[s, out], |c| {
-                let (s, out) = run(c);
-                vec![s, out]
+            // (The waiting form, as the conv test's.)
+            let waiting = [("MLX_LFM_FFN_EVERY_NORM".to_string(), Some("0".to_string()))];
+            crate::knobs::with_overrides(&waiting, || {
+                check_counters_in_step(&what, &counters, &[true, true, false, true, false], &[s, out], |c| {
+                    let (s, out) = run(c);
+                    vec![s, out]
+                })
             });
         });
     }
