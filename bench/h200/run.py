@@ -222,7 +222,10 @@ benchmark call must `rm -f /tmp/h200/kernels-off` after a greedy pass):
   4. carry [.device/bin]: H200_OURS_ENV (mimalloc),
      H200_AB_VARIANTS=conv-every-norm,ffn-every-norm,stages-every-norm,qkv-every-norm
      H200_MODELS=lfm2-1.2b-bf16,lfm2-350m-bf16,lfm2-8b-a1b-q4 H200_AB_REPS=3
-     `timeout -s TERM 560 python3 bench/h200/run.py ab pick` (every
+     H200_KERNEL_BENCH_ARMS=conv-layer-bf16-fused,conv-layer-bf16-fused-every-norm,ffn-layer-bf16-fused,ffn-layer-bf16-fused-every-norm,qkv-bf16-fused,qkv-bf16-every-norm
+     `timeout -s TERM 560 python3 bench/h200/run.py ab pick kernel-bench`
+     (kernel-bench: each layer's launch alone, waiting form against
+     every-norm; the A/B: every
      model the switches reach, or `pick` adopts them for one it did not
      time; adopt at 3%; where the stages' pair and the q/k/v form each fall short, a
      call with the three switches set together in H200_OURS_ENV tells

@@ -1248,13 +1248,17 @@ fn medians(lines: &[serde_json::Value], parts: &[&str]) -> serde_json::Value {
 /// waits (`MLX_LFM_EARLY_PREFETCH`, src/kernels/stages.rs `early_prefetch`);
 /// (Session 40's `-out` arms, out_proj asked of L2 by the channel
 /// blocks, read no faster in session 41 and are retired with their switch.)
-const CONV_ARMS: [(&str, Switches, usize); 6] = [
+/// The `-every-norm` arms: in_proj's blocks each computing the norm
+/// (`MLX_LFM_CONV_EVERY_NORM`, session 48), against `-fused`.
+const CONV_ARMS: [(&str, Switches, usize); 8] = [
     ("conv-layer-q4-four", &[("MLX_LFM_CONV_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1")], 4),
     ("conv-layer-q4-fused", &[("MLX_LFM_CONV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
     ("conv-layer-q4-fused-early", &[("MLX_LFM_CONV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_EARLY_PREFETCH", "conv")], 1),
     ("conv-layer-bf16-four", &[("MLX_LFM_CONV_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1")], 4),
     ("conv-layer-bf16-fused", &[("MLX_LFM_CONV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
     ("conv-layer-bf16-fused-early", &[("MLX_LFM_CONV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_EARLY_PREFETCH", "conv")], 1),
+    ("conv-layer-q4-fused-every-norm", &[("MLX_LFM_CONV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_CONV_EVERY_NORM", "1")], 1),
+    ("conv-layer-bf16-fused-every-norm", &[("MLX_LFM_CONV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_CONV_EVERY_NORM", "1")], 1),
 ];
 const CONV_COPIES: usize = 8;
 /// Dense copies (~33 MB each: three are over the L2 too).
@@ -1366,7 +1370,7 @@ impl ConvLayer {
 /// the CUDA default since session 44 on the dense gate, which a counters
 /// slot here would mix with these forms; `layer-chains`' `ffn-bf16-g2r`
 /// times the rounds form.)
-const FFN_ARMS: [(&str, Switches, usize); 9] = [
+const FFN_ARMS: [(&str, Switches, usize); 11] = [
     ("ffn-layer-bf16-three", &[("MLX_LFM_FFN_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_GEMV_KERNEL", "1")], 3),
     ("ffn-layer-bf16-fused", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_FFN_GATE_ROUNDS", "0")], 1),
     (
@@ -1394,6 +1398,14 @@ const FFN_ARMS: [(&str, Switches, usize); 9] = [
         1,
     ),
     ("ffn-layer-q4-fused-g2", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_FFN_GATE_ROWS", "2")], 1),
+    // (The gate's blocks each computing the norm, MLX_LFM_FFN_EVERY_NORM,
+    // session 48: against `-fused`, the same form otherwise.)
+    (
+        "ffn-layer-bf16-fused-every-norm",
+        &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_FFN_GATE_ROUNDS", "0"), ("MLX_LFM_FFN_EVERY_NORM", "1")],
+        1,
+    ),
+    ("ffn-layer-q4-fused-every-norm", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_FFN_EVERY_NORM", "1")], 1),
 ];
 const FFN_COPIES: usize = 2;
 const FFN_Q4_COPIES: usize = 4;
