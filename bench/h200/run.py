@@ -1859,6 +1859,12 @@ def kernels():
     names = [l.split(": test")[0] for l in listed.splitlines() if l.endswith(": test")]
     groups, exact = test_processes(names, max(1, int(os.environ.get("H200_KERNEL_JOBS", "3"))))
     procs = []
+    # Each process writes into files of its own as it runs, not into pipes
+    # read at its end: a call cut by its TERM (session 48's seven processes
+    # at 560 s) still records the tests that had finished in it.
+    logs = WORK / "kernel-test-logs"
+    shutil.rmtree(logs, ignore_errors=True)
+    logs.mkdir(parents=True)
     for i, g in enumerate(groups + ([exact] if exact else [])):
         cmd = [str(tests[0]), *g, "--exact", "--test-threads", "1", "--nocapture"]
         e = env()
@@ -1874,38 +1880,44 @@ def kernels():
         else:
             cmd_env = ""
         log("$", cmd_env + " ".join(cmd))
-        procs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e)))
+        o, er = open(logs / f"{i}.out", "w"), open(logs / f"{i}.err", "w")
+        procs.append((cmd, subprocess.Popen(cmd, stdout=o, stderr=er, text=True, env=e), logs / f"{i}.out", logs / f"{i}.err"))
+        o.close()
+        er.close()
+    cut, killed = False, set()
+    try:
+        for _, p, _, _ in procs:
+            p.wait()
+    except Stopped:
+        cut = True
+        for _, p, _, _ in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+                killed.add(p.pid)
     verdicts, out, err, rcs = {}, "", "", []
-    for cmd, p in procs:
-        o, e = p.communicate()
+    for cmd, p, out_file, err_file in procs:
+        o, e = out_file.read_text(errors="replace"), err_file.read_text(errors="replace")
         OUT.mkdir(parents=True, exist_ok=True)
         with open(OUT / "kernel-tests.log", "a") as f:
             f.write(f"$ {' '.join(cmd)}\n{o}\n--- stderr\n{e[-20000:]}\n")
         out, err = out + o, err + e
         rcs.append(p.returncode)
-        for line in o.splitlines():
-            parts = line.split()
-            if len(parts) >= 4 and parts[0] == "test" and parts[2] == "...":
-                verdicts[parts[1].rsplit("::", 1)[-1]] = parts[3] == "ok"
-        # The greedy test's line per case and kernel set ("...: the
-        # MLX_LFM_QGEMV_KERNEL kernels passed; near-ties: [...]"): a set's
-        # verdict "greedy:<set>" holds where every case it ran passed.
-        for line in e.splitlines():
-            m = re.search(r": the (.+?) kernels (passed|FAILED)", line)
-            if m:
-                key = "greedy:" + m.group(1)
-                verdicts[key] = verdicts.get(key, True) and m.group(2) == "passed"
+        # A killed process's greedy sets ran on only some of their fixtures:
+        # only its finished tests count.
+        verdicts.update({k: v for k, v in test_verdicts(o, e).items()
+                         if p.pid not in killed or not k.startswith("greedy:")})
     # A test that found kernels built before it in its process checked
     # nothing (tests.rs `alone_with`): its verdict is a failure, not a
     # GPU-less run's skip, which turns every kernel off.
     for m in re.finditer(r"skipped (\w+): kernels were built without", err):
         verdicts[m.group(1)] = False
     skipped = "skipped" in re.sub(r"skipped \w+: kernels were built without", "", err)
-    ok = bool(procs) and all(rc == 0 for rc in rcs) and not skipped
+    ok = bool(procs) and all(rc == 0 for rc in rcs) and not skipped and not cut
     # (MLX_LFM_TEST_CASES narrows the layer tests to the cases named: a
     # verdict of those cases only, recorded as such.)
     record(engine="tests", suite="kernels::", passed=ok, verdicts=verdicts, skipped=skipped, tail=(out + err)[-3000:],
-           sources=kernel_sources(), cases=os.environ.get("MLX_LFM_TEST_CASES") or "all")
+           sources=kernel_sources(), cases=os.environ.get("MLX_LFM_TEST_CASES") or "all", cut=cut)
     mine = {k: v and not skipped for k, v in verdicts.items()}
     verdicts_file = WORK / "kernel-verdicts.json"
     partial = "H200_KERNEL_TESTS" in os.environ
@@ -1921,6 +1933,28 @@ def kernels():
     else:
         (WORK / "kernels-off").write_text("1")
     log("kernel tests", verdicts, "" if default_ok else "- a default kernel FAILED or did not run: benchmark runs with MLX_LFM_KERNELS=0")
+    if cut:
+        raise Stopped("stopped by SIGTERM during the kernel tests (the finished ones recorded)")
+
+
+def test_verdicts(out, err):
+    """The verdicts in one test process's output: libtest's line per
+    finished test ("test kernels::tests::x ... ok"), and the greedy test's
+    line per case and kernel set ("...: the MLX_LFM_QGEMV_KERNEL kernels
+    passed; near-ties: [...]"), a set's verdict "greedy:<set>" holding where
+    every case it ran passed. A test a cut process had not finished has
+    none."""
+    verdicts = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) >= 4 and parts[0] == "test" and parts[2] == "...":
+            verdicts[parts[1].rsplit("::", 1)[-1]] = parts[3] == "ok"
+    for line in err.splitlines():
+        m = re.search(r": the (.+?) kernels (passed|FAILED)", line)
+        if m:
+            key = "greedy:" + m.group(1)
+            verdicts[key] = verdicts.get(key, True) and m.group(2) == "passed"
+    return verdicts
 
 
 def kernel_sources():

@@ -474,6 +474,31 @@ class PerProcessSwitch(unittest.TestCase):
             self.assertEqual(run.AB_TESTS["kernel-text-inline"], [])
 
 
+class FakeTestProcess:
+    """A test process for run.kernels(): writes output(names) into the
+    files it was given, as the test binary does while it runs."""
+
+    def __init__(self, cmd, stdout=None, stderr=None, env=None, **_):
+        self.env = env
+        self.returncode = 0
+        self.pid = id(self)
+        out, err = self.output([c for c in cmd if "::" in c])
+        stdout.write(out)
+        stderr.write(err)
+
+    def output(self, names):
+        return "", ""
+
+    def wait(self):
+        return self.returncode
+
+    def poll(self):
+        return self.returncode
+
+    def kill(self):
+        pass
+
+
 class KernelTests(unittest.TestCase):
     """The kernel tests' processes: the MLX_LFM_QINT tests each alone (their
     switch is read once a process), and one that found kernels built before
@@ -553,15 +578,11 @@ class KernelTests(unittest.TestCase):
         run = self.run
         listing = "".join(n + ": test\n" for n in self.NAMES[:3])
 
-        class Proc:
-            def __init__(self, cmd, **_):
-                self.names = [c for c in cmd if "::" in c]
-                self.returncode = 0
-
-            def communicate(self):
-                out = "".join(f"test {n} ... ok\n" for n in self.names)
+        class Proc(FakeTestProcess):
+            def output(self, names):
+                out = "".join(f"test {n} ... ok\n" for n in names)
                 err = "".join(f"skipped {n.rsplit('::', 1)[-1]}: kernels were built without MLX_LFM_QINT=convert earlier "
-                              "in this process; run it alone\n" for n in self.names if "q_by_conversion" in n)
+                              "in this process; run it alone\n" for n in names if "q_by_conversion" in n)
                 return out, err
 
         self.run_kernels(Proc, listing, "conv_fused,q_by_conversion,q_by_its_bits")
@@ -577,12 +598,9 @@ class KernelTests(unittest.TestCase):
         listing = "kernels::tests::conv_fused_kernel_matches_stock_ops: test\n"
         envs = []
 
-        class Proc:
-            def __init__(self, cmd, env=None, **_):
-                envs.append(env)
-                self.returncode = 0
-
-            def communicate(self):
+        class Proc(FakeTestProcess):
+            def output(self, names):
+                envs.append(self.env)
                 return "test kernels::tests::conv_fused_kernel_matches_stock_ops ... ok\n", ""
 
         run.WORK.mkdir(parents=True, exist_ok=True)
@@ -591,6 +609,45 @@ class KernelTests(unittest.TestCase):
         self.run_kernels(Proc, listing, "conv_fused")
         self.assertTrue(envs)
         self.assertTrue(all("MLX_LFM_KERNELS" not in e for e in envs), "the tests ran with the kernels off")
+
+    def test_a_cut_call_records_the_finished_tests(self):
+        """Session 48's test call was cut at its TERM with nothing recorded:
+        the finished processes' verdicts stand, a killed greedy process's
+        sets do not, and the call still stops."""
+        run = self.run
+        names = ["kernels::tests::conv_fused_kernel_matches_stock_ops", "kernels::tests::ffn_fused_kernel_matches_stock_ops",
+                 "kernels::tests::greedy_tokens_with_kernels_equal_stock_ops"]
+        listing = "".join(n + ": test\n" for n in names)
+        procs = []
+
+        class Proc(FakeTestProcess):
+            def output(self, names):
+                procs.append(self)
+                if any("greedy" in n for n in names):
+                    # Still running when the TERM comes: one fixture's line only.
+                    self.returncode = None
+                    return "running 1 test\n", "TinyBF16: the default kernels passed\n"
+                if any("ffn" in n for n in names):
+                    self.returncode = None
+                    return "running 1 test\n", ""
+                return "".join(f"test {n} ... ok\n" for n in names), ""
+
+            def wait(self):
+                if self.returncode is None:
+                    raise run.Stopped("stopped by SIGTERM")
+                return self.returncode
+
+            def kill(self):
+                self.returncode = -9
+
+        with self.assertRaises(run.Stopped):
+            self.run_kernels(Proc, listing, "conv_fused,ffn_fused,greedy_tokens")
+        rec = [r for r in records(run) if r["engine"] == "tests"][-1]
+        self.assertTrue(rec["cut"])
+        self.assertFalse(rec["passed"])
+        self.assertEqual(rec["verdicts"], {"conv_fused_kernel_matches_stock_ops": True})
+        self.assertTrue(all(p.returncode is not None for p in procs), "every process was ended")
+        self.assertIn("TinyBF16", (run.OUT / "kernel-tests.log").read_text(), "the cut process's output is kept")
 
 
 
