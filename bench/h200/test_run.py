@@ -610,6 +610,24 @@ class KernelTests(unittest.TestCase):
         self.assertTrue(envs)
         self.assertTrue(all("MLX_LFM_KERNELS" not in e for e in envs), "the tests ran with the kernels off")
 
+    def test_a_greedy_set_failed_on_one_fixture_fails(self):
+        """Session 49: the MoE fixture's float32-sum sets FAILED, and the
+        wide fixture's process, read after it, wrote its passes over them."""
+        run = self.run
+        names = ["kernels::tests::greedy_tokens_with_kernels_equal_stock_ops_on_moe",
+                 "kernels::tests::greedy_tokens_with_kernels_equal_stock_ops_on_wide_moe"]
+        listing = "".join(n + ": test\n" for n in names)
+
+        class Proc(FakeTestProcess):
+            def output(self, names):
+                word = "passed" if any("wide" in n for n in names) else "FAILED"
+                return "", f"TinyMoe: the qgemv-float kernels {word} after near-ties: []\nTinyMoe: the default kernels passed\n"
+
+        self.run_kernels(Proc, listing, "greedy_tokens")
+        rec = [r for r in records(run) if r["engine"] == "tests"][-1]
+        self.assertFalse(rec["verdicts"]["greedy:qgemv-float"])
+        self.assertTrue(rec["verdicts"]["greedy:default"])
+
     def test_a_cut_call_records_the_finished_tests(self):
         """Session 48's test call was cut at its TERM with nothing recorded:
         the finished processes' verdicts stand, a killed greedy process's
