@@ -177,6 +177,19 @@ so ask `status` before each retry and call only once its `none_now`
 window has passed; a call that names no kind after a failed H100 start
 asks for an H200 only. Never let a helper use the device: session 46's
 reviewer started the machine and ran ~150 s on it).
+Session 49 got an H100 for ~21 minutes (07:40-08:01 UTC on
+2026-12-07; its README block): the conv, q/k/v and q/k/v-in-place
+kernel tests passed; the feed-forward's whole test (eleven of fourteen
+cases done) and decode attention's were cut at 400 s and again at 320 s;
+every greedy set passed on all four fixtures (the float32-sum opt-ins on
+TinyMoe aside), the three every-norm sets among them; A/B, decode:
+every-norm-all (MLX_LFM_QKV/CONV/FFN_EVERY_NORM together) 1.034-1.037x
+on the 1.2B, 1.079-1.116x on the 350M, 1.017-1.037x on the 8B-A1B, each
+switch alone 1.003-1.025x. After it, the three long tests run in parts
+(KERNEL_TEST_PARTS: the feed-forward's in 4 processes, decode
+attention's in 3, the conv layer's in 2; tests.rs case_chosen takes
+every n-th case under MLX_LFM_TEST_PART=i/n) and a cut call records the
+tests that finished.
 Session 48 got an H100 for ~25 minutes (05:27-05:52 UTC on
 2026-12-07; its README block): step 3 (seven test processes, no
 compiled kernels carried) was cut at 560 s with nothing finished; the
@@ -206,37 +219,32 @@ times the scatters); the wide attention (`attention-wide`) read
 0.984-1.006x and stays opt-in.
 The chain (the whole feed-forward test ends the kernels-off trap: until
 it passes whole, `verdicts-from` and `kernels` write kernels-off, and a
-benchmark call must `rm -f /tmp/h200/kernels-off` after a greedy pass):
+benchmark call must `rm -f /tmp/h200/kernels-off` after a greedy pass;
+session 49's records give the conv, q/k/v and greedy verdicts):
   1. carry [.device/a]: `stage-mlx`.
   2. carry [.device/llama]: `llama` (its build runs in the background).
   3. carry [.device/b, .device/tests, .device/ptx, .device/lm] (~61.5 MB
-     with the tree): H200_KERNEL_JOBS=4
-     H200_KERNEL_TESTS=ffn_fused_kernel_matches_stock_ops,conv_fused_kernel_matches_stock_ops,decode_attention_kernel_matches_stock_ops,qkv_fused_kernel_matches_stock_ops,qkv_fused_kernel_writes_kv_in_place
-     `timeout -s TERM 560 python3 bench/h200/run.py install verdicts-from
-     committed kernels save-ptx` (the tests session 46 changed and the
-     conv's and feed-forward's with session 48's every-norm cases, each
-     in a process of its own), then in the next call (carry .device/tests
-     and .device/ptx again) H200_KERNEL_TESTS=greedy_tokens_with_kernels_equal_stock_ops
-     `kernels save-ptx` (~200 s: the every-norm sets of the conv and
-     feed-forward are new since session 48's pass).
+     with the tree):
+     H200_KERNEL_TESTS=ffn_fused_kernel_matches_stock_ops,decode_attention_kernel_matches_stock_ops
+     `timeout -s TERM 400 python3 bench/h200/run.py install verdicts-from
+     committed kernels save-ptx` (seven processes: the parts; ~500 s
+     whole on one process was the feed-forward's, so ~130 s a part if
+     the compiles split evenly; a cut call keeps the parts' output in
+     its log, but a test's verdict needs every part).
   4. carry [.device/bin]: H200_OURS_ENV (mimalloc),
-     H200_AB_VARIANTS=conv-every-norm,ffn-every-norm,stages-every-norm,qkv-every-norm
-     H200_MODELS=lfm2-1.2b-bf16,lfm2-350m-bf16,lfm2-8b-a1b-q4 H200_AB_REPS=3
-     H200_KERNEL_BENCH_ARMS=conv-layer-bf16-fused,conv-layer-bf16-fused-every-norm,ffn-layer-bf16-fused,ffn-layer-bf16-fused-every-norm,qkv-bf16-fused,qkv-bf16-every-norm
-     `timeout -s TERM 560 python3 bench/h200/run.py ab pick kernel-bench`
-     (kernel-bench: each layer's launch alone, waiting form against
-     every-norm; the A/B: every
-     model the switches reach, or `pick` adopts them for one it did not
-     time; adopt at 3%; where the stages' pair and the q/k/v form each fall short, a
-     call with the three switches set together in H200_OURS_ENV tells
-     whether they clear it together).
+     H200_AB_VARIANTS=every-norm-all H200_MODELS=lfm2-1.2b-bf16,lfm2-350m-bf16,lfm2-8b-a1b-q4
+     H200_AB_REPS=3 `timeout -s TERM 300 python3 bench/h200/run.py ab
+     pick` (~230 s with the checkpoints made: session 49's read 1.034x
+     and 1.079x+ on the dense models; with step 3's feed-forward pass,
+     pick adopts it at 3% for the rounds; then make the three switches
+     CUDA defaults in the code, as kv-in-place was, with an
+     `every-norm-off` variant and greedy set timing them off).
   5. carry [.device/bin]: H200_OURS_ENV, H200_MODELS=lfm2-1.2b-bf16,lfm2-350m-bf16
      `timeout -s TERM 560 python3 bench/h200/run.py pick round 1`, then
      `round 2`: with mlx-lm (installed in step 3 from .device/lm).
   6. carry [.device/bin]: the 8B-A1B's rounds in a call of their own
      (H200_MODELS=lfm2-8b-a1b-q4: ~330 s a round on a machine that has
-     not made its checkpoints; session 48's call of it and the 350M was
-     cut at 420 s).
+     not made its checkpoints).
   7. With what is left: `profile-gaps` of the 1.2B (H200_MODELS=lfm2-1.2b-bf16)
      for the step's kernels with the K/V in place.
   Then: the conv layers (~22 µs each for
@@ -248,6 +256,12 @@ benchmark call must `rm -f /tmp/h200/kernels-off` after a greedy pass):
   the 8B-A1B prefill's grouped expert GEMMs and its router's `qmv_naive`
   launches. The chains' walls are host-bound in eager mode: read only
   the timelines.)
+Session 48's plan, for the record: 1-2. `stage-mlx`, `llama`; 3. the
+five layer tests, then the greedy tests; 4. `ab pick kernel-bench` of
+the every-norm variants on the three models; 5-6. rounds; 7.
+profile-gaps. Session 49 ran 1-3 (the feed-forward's and attention's
+tests cut twice), the greedy tests, and the A/B (without kernel-bench or
+pick) with every-norm-all added.
 Session 47's plan (session 46's chain), for the record: 1-2.
 `stage-mlx`, `llama`; 3. the greedy, feed-forward, attention and q/k/v
 tests; 4. `ab pick kernel-bench` of the prefetch, every-norm and
@@ -1858,6 +1872,9 @@ def kernels():
     listed = sh([tests[0], *filters, "--list"], check=False).stdout
     names = [l.split(": test")[0] for l in listed.splitlines() if l.endswith(": test")]
     groups, exact = test_processes(names, max(1, int(os.environ.get("H200_KERNEL_JOBS", "3"))))
+    runs = parted_runs(groups, kernel_test_parts())
+    if exact:
+        runs.append((exact, None))
     procs = []
     # Each process writes into files of its own as it runs, not into pipes
     # read at its end: a call cut by its TERM (session 48's seven processes
@@ -1865,7 +1882,7 @@ def kernels():
     logs = WORK / "kernel-test-logs"
     shutil.rmtree(logs, ignore_errors=True)
     logs.mkdir(parents=True)
-    for i, g in enumerate(groups + ([exact] if exact else [])):
+    for i, (g, part) in enumerate(runs):
         cmd = [str(tests[0]), *g, "--exact", "--test-threads", "1", "--nocapture"]
         e = env()
         # The tests decide whether the kernels work: a kernels-off file left
@@ -1879,40 +1896,54 @@ def kernels():
             cmd_env = "MLX_ENABLE_TF32=0 "
         else:
             cmd_env = ""
+        if part:
+            e["MLX_LFM_TEST_PART"] = f"{part[0]}/{part[1]}"
+            cmd_env += f"MLX_LFM_TEST_PART={part[0]}/{part[1]} "
         log("$", cmd_env + " ".join(cmd))
         o, er = open(logs / f"{i}.out", "w"), open(logs / f"{i}.err", "w")
-        procs.append((cmd, subprocess.Popen(cmd, stdout=o, stderr=er, text=True, env=e), logs / f"{i}.out", logs / f"{i}.err"))
+        procs.append((cmd_env + " ".join(cmd), subprocess.Popen(cmd, stdout=o, stderr=er, text=True, env=e),
+                      logs / f"{i}.out", logs / f"{i}.err", part))
         o.close()
         er.close()
     cut, killed = False, set()
     try:
-        for _, p, _, _ in procs:
+        for _, p, _, _, _ in procs:
             p.wait()
     except Stopped:
         cut = True
-        for _, p, _, _ in procs:
+        for _, p, _, _, _ in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
                 killed.add(p.pid)
     verdicts, out, err, rcs = {}, "", "", []
-    for cmd, p, out_file, err_file in procs:
+    part_verdicts = {}
+    for cmd, p, out_file, err_file, part in procs:
         o, e = out_file.read_text(errors="replace"), err_file.read_text(errors="replace")
         OUT.mkdir(parents=True, exist_ok=True)
         with open(OUT / "kernel-tests.log", "a") as f:
-            f.write(f"$ {' '.join(cmd)}\n{o}\n--- stderr\n{e[-20000:]}\n")
+            f.write(f"$ {cmd}\n{o}\n--- stderr\n{e[-20000:]}\n")
         out, err = out + o, err + e
         rcs.append(p.returncode)
-        # A killed process's greedy sets ran on only some of their fixtures:
-        # only its finished tests count.
         # A greedy set's verdict holds where it passed on every fixture,
-        # over all the processes.
+        # over all the processes (a killed process's sets ran on only some
+        # of its fixtures: only its finished tests count).
         for k, v in test_verdicts(o, e).items():
             if k.startswith("greedy:"):
                 if p.pid not in killed:
                     verdicts[k] = verdicts.get(k, True) and v
+            elif part:
+                part_verdicts.setdefault(k, {})[part] = v
             else:
                 verdicts[k] = v
+    # A test run in parts has a verdict once every part finished: one part's
+    # pass is a pass of its cases only.
+    for k, got in part_verdicts.items():
+        n = next(iter(got))[1]
+        if len(got) == n:
+            verdicts[k] = all(got.values())
+        else:
+            log(f"{k}: {len(got)} of its {n} parts finished, no verdict")
     # A test that found kernels built before it in its process checked
     # nothing (tests.rs `alone_with`): its verdict is a failure, not a
     # GPU-less run's skip, which turns every kernel off.
@@ -1923,7 +1954,8 @@ def kernels():
     # (MLX_LFM_TEST_CASES narrows the layer tests to the cases named: a
     # verdict of those cases only, recorded as such.)
     record(engine="tests", suite="kernels::", passed=ok, verdicts=verdicts, skipped=skipped, tail=(out + err)[-3000:],
-           sources=kernel_sources(), cases=os.environ.get("MLX_LFM_TEST_CASES") or "all", cut=cut)
+           sources=kernel_sources(), cases=os.environ.get("MLX_LFM_TEST_CASES") or "all", cut=cut,
+           parts={k: sorted(f"{i}/{n}" for i, n in got) for k, got in part_verdicts.items()})
     mine = {k: v and not skipped for k, v in verdicts.items()}
     verdicts_file = WORK / "kernel-verdicts.json"
     partial = "H200_KERNEL_TESTS" in os.environ
@@ -1941,6 +1973,46 @@ def kernels():
     log("kernel tests", verdicts, "" if default_ok else "- a default kernel FAILED or did not run: benchmark runs with MLX_LFM_KERNELS=0")
     if cut:
         raise Stopped("stopped by SIGTERM during the kernel tests (the finished ones recorded)")
+
+
+# Tests too long for one process within a call, run as that many processes
+# (tests.rs case_chosen: MLX_LFM_TEST_PART=i/n takes every n-th case):
+# session 49's H100 left the feed-forward's (~500 s whole) unfinished at
+# 400 s and decode attention's (~20 compiles a case) at 320 s; the conv
+# layer's took ~300 s. H200_KERNEL_PARTS=name=n,... replaces these.
+KERNEL_TEST_PARTS = {"ffn_fused_kernel_matches_stock_ops": 4, "decode_attention_kernel_matches_stock_ops": 3,
+                     "conv_fused_kernel_matches_stock_ops": 2}
+
+
+def kernel_test_parts():
+    """KERNEL_TEST_PARTS, or H200_KERNEL_PARTS's (`name=n,...`; n 1 runs a
+    test whole)."""
+    v = os.environ.get("H200_KERNEL_PARTS")
+    if v is None:
+        return dict(KERNEL_TEST_PARTS)
+    parts = {}
+    for item in filter(None, (x.strip() for x in v.split(","))):
+        name, _, n = item.partition("=")
+        if not n.strip().isdigit() or int(n) < 1:
+            raise SystemExit(f"H200_KERNEL_PARTS: {item!r} is not name=n with n at least 1")
+        parts[name.strip()] = int(n)
+    return parts
+
+
+def parted_runs(groups, parts):
+    """The processes to start, each (names, part): a test of `parts` (by
+    its short name) leaves its group for n processes of its own, part
+    (i, n) each; the rest run as grouped, part None."""
+    runs = []
+    for g in groups:
+        n_of = {name: parts.get(name.rsplit("::", 1)[-1], 1) for name in g}
+        rest = [name for name in g if n_of[name] == 1]
+        if rest:
+            runs.append((rest, None))
+        for name in g:
+            if n_of[name] > 1:
+                runs += [([name], (i, n_of[name])) for i in range(n_of[name])]
+    return runs
 
 
 def test_verdicts(out, err):

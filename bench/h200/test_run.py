@@ -524,7 +524,7 @@ class KernelTests(unittest.TestCase):
         run.sh = lambda cmd, **k: Result(listing)
         run.subprocess = type("S", (), {"Popen": proc, "PIPE": None})
         run.TESTS = Path(self.tmp.name) / "tests"
-        run.TESTS.mkdir()
+        run.TESTS.mkdir(exist_ok=True)
         (run.TESTS / "mlx_lfm-0").write_text("")
         real_root = run.ROOT
         run.ROOT = Path(self.tmp.name)
@@ -627,6 +627,58 @@ class KernelTests(unittest.TestCase):
         rec = [r for r in records(run) if r["engine"] == "tests"][-1]
         self.assertFalse(rec["verdicts"]["greedy:qgemv-float"])
         self.assertTrue(rec["verdicts"]["greedy:default"])
+
+    def test_a_long_test_runs_in_parts(self):
+        """The feed-forward's test as n processes, MLX_LFM_TEST_PART=i/n
+        each: its verdict is every part's, and only once all finished."""
+        run = self.run
+        names = ["kernels::tests::ffn_fused_kernel_matches_stock_ops", "kernels::tests::qkv_fused_kernel_matches_stock_ops"]
+        listing = "".join(n + ": test\n" for n in names)
+        seen = []
+
+        def proc(fail_part=None, cut_part=None):
+            class Proc(FakeTestProcess):
+                def output(self, names):
+                    part = self.env.get("MLX_LFM_TEST_PART")
+                    seen.append((tuple(names), part))
+                    if cut_part is not None and part == cut_part:
+                        self.returncode = None
+                        return "running 1 test\n", ""
+                    word = "FAILED" if part == fail_part else "ok"
+                    return "".join(f"test {n} ... {word}\n" for n in names), ""
+
+                def wait(self):
+                    if self.returncode is None:
+                        raise run.Stopped("stopped by SIGTERM")
+                    return self.returncode
+
+                def kill(self):
+                    self.returncode = -9
+            return Proc
+
+        os.environ["H200_KERNEL_PARTS"] = "ffn_fused_kernel_matches_stock_ops=3"
+        try:
+            self.run_kernels(proc(), listing, "ffn_fused,qkv_fused")
+            self.assertEqual(sorted(p for n, p in seen if "ffn" in n[0]), ["0/3", "1/3", "2/3"])
+            self.assertEqual([p for n, p in seen if "qkv" in n[0]], [None], "a test not listed runs whole")
+            rec = [r for r in records(run) if r["engine"] == "tests"][-1]
+            self.assertTrue(rec["verdicts"]["ffn_fused_kernel_matches_stock_ops"])
+            self.assertEqual(rec["parts"], {"ffn_fused_kernel_matches_stock_ops": ["0/3", "1/3", "2/3"]})
+
+            self.run_kernels(proc(fail_part="1/3"), listing, "ffn_fused")
+            rec = [r for r in records(run) if r["engine"] == "tests"][-1]
+            self.assertFalse(rec["verdicts"]["ffn_fused_kernel_matches_stock_ops"], "one part failed")
+
+            with self.assertRaises(run.Stopped):
+                self.run_kernels(proc(cut_part="2/3"), listing, "ffn_fused")
+            rec = [r for r in records(run) if r["engine"] == "tests"][-1]
+            self.assertNotIn("ffn_fused_kernel_matches_stock_ops", rec["verdicts"], "two parts of three are no verdict")
+
+            os.environ["H200_KERNEL_PARTS"] = "ffn_fused_kernel_matches_stock_ops=0"
+            with self.assertRaises(SystemExit):
+                run.kernel_test_parts()
+        finally:
+            os.environ.pop("H200_KERNEL_PARTS")
 
     def test_a_cut_call_records_the_finished_tests(self):
         """Session 48's test call was cut at its TERM with nothing recorded:

@@ -588,18 +588,69 @@ qint_tests! {
     q_by_conversion_moe_layer_matches_stock_ops: "convert", crate::kernels::quant_gemv::qint_convert, moe_fused_forms_match_their_references;
 }
 
-/// Whether a layer test's case `what` runs: every case, or (with
-/// `MLX_LFM_TEST_CASES=A;B`, a device call short of time) those whose
-/// name holds one of those texts; a case left out says so.
-fn case_chosen(what: &str) -> bool {
-    let Some(only) = std::env::var("MLX_LFM_TEST_CASES").ok().filter(|v| !v.trim().is_empty()) else {
-        return true;
-    };
-    let chosen = only.split(';').map(str::trim).any(|t| !t.is_empty() && what.contains(t));
-    if !chosen {
-        eprintln!("{what}: left out (MLX_LFM_TEST_CASES={only})");
+/// Whether a long test's case `what`, the `index`-th of its cases, runs:
+/// every case, or (with `MLX_LFM_TEST_CASES=A;B`, a device call short of
+/// time) those whose name holds one of those texts; and of those, with
+/// `MLX_LFM_TEST_PART=i/n`, every n-th from the i-th (run.py runs a test
+/// too long for one process within a call, the feed-forward's ~500 s on
+/// an H100, as n processes: each case in exactly one). A case left out
+/// says so.
+fn case_chosen(index: usize, what: &str) -> bool {
+    let var = |name| std::env::var(name).ok().filter(|v: &String| !v.trim().is_empty());
+    match case_chosen_by(index, what, var("MLX_LFM_TEST_CASES").as_deref(), var("MLX_LFM_TEST_PART").as_deref()) {
+        Ok(true) => true,
+        Ok(false) => false,
+        Err(e) => panic!("{e}"),
     }
-    chosen
+}
+
+/// case_chosen's rule over the two switches' values: a part that is not two
+/// numbers with i below n is an error, so a mistyped value fails the test
+/// rather than run every case or none in silence.
+fn case_chosen_by(index: usize, what: &str, only: Option<&str>, part: Option<&str>) -> Result<bool, String> {
+    if let Some(only) = only {
+        if !only.split(';').map(str::trim).any(|t| !t.is_empty() && what.contains(t)) {
+            eprintln!("{what}: left out (MLX_LFM_TEST_CASES={only})");
+            return Ok(false);
+        }
+    }
+    if let Some(v) = part {
+        let parsed = v.trim().split_once('/').and_then(|(i, n)| Some((i.trim().parse::<usize>().ok()?, n.trim().parse::<usize>().ok()?)));
+        let Some((i, n)) = parsed.filter(|(i, n)| i < n) else {
+            return Err(format!("MLX_LFM_TEST_PART={v:?}: expected i/n with i below n, e.g. 0/3"));
+        };
+        if index % n != i {
+            eprintln!("{what}: left to part {} of {n}", index % n);
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// Runs on any backend: a long test's parts take each case exactly once,
+/// narrowed by name as before, and a mistyped part is refused.
+#[test]
+fn test_parts_take_each_case_once() {
+    let names = ["Bfloat16 2048 wide", "Bfloat16 1024 wide", "Float16 2048 wide", "Float32 1024 wide", "Bfloat16 64 wide"];
+    for n in 1..=4 {
+        let mut taken = vec![0; names.len()];
+        for i in 0..n {
+            let part = format!("{i}/{n}");
+            for (index, what) in names.iter().enumerate() {
+                if case_chosen_by(index, what, None, Some(&part)).unwrap() {
+                    taken[index] += 1;
+                }
+            }
+        }
+        assert_eq!(taken, vec![1; names.len()], "{n} parts");
+    }
+    let chosen: Vec<_> = (0..names.len()).filter(|&k| case_chosen_by(k, names[k], Some("Bfloat16"), Some("1/2")).unwrap()).collect();
+    assert_eq!(chosen, vec![1], "the narrowed cases of part 1 of 2");
+    assert_eq!(case_chosen_by(0, names[0], None, None), Ok(true));
+    for bad in ["3/3", "1", "a/2", "1/0", "-1/2"] {
+        let e = case_chosen_by(0, names[0], None, Some(bad)).unwrap_err();
+        assert!(e.contains("MLX_LFM_TEST_PART") && e.contains(bad), "{bad}: {e}");
+    }
 }
 
 /// Whether this process runs an `MLX_LFM_QINT` opt-out's test. The switch changes
@@ -1547,6 +1598,10 @@ fn decode_attention_kernel_matches_stock_ops() {
     use crate::kernels::decode_attention::{available, sdpa_masked};
     use crate::mlx::random::normal;
     use crate::mlx::{arange, sdpa, Array, Mask};
+    // (Each case's variants compile kernels of their own: ~20 NVRTC
+    // compiles a case, the test too long for one process in a call, so
+    // run.py may run it in parts; see case_chosen.)
+    let mut index = 0;
     for (dt, tol) in [(Dtype::Bfloat16, 1.6e-2f32), (Dtype::Float16, 2e-3), (Dtype::Float32, 4e-3)] {
         // (rows, heads, kv heads, head size, buffer, filled per row)
         // (Head size 16 is one block a head in the split too; 32 splits
@@ -1559,6 +1614,11 @@ fn decode_attention_kernel_matches_stock_ops() {
             (2, 6, 3, 32, 512, &[300, 511]),
         ];
         for (b, h, kvh, hd, n, filled) in cases {
+            index += 1;
+            let what = format!("{dt:?} {b}x{h}/{kvh}x{hd} over {n} ({filled:?})");
+            if !case_chosen(index - 1, &what) {
+                continue;
+            }
             let q = normal(&[b, h, 1, hd], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
             let k = normal(&[b, kvh, n, hd], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
             let v = normal(&[b, kvh, n, hd], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
@@ -1635,6 +1695,7 @@ fn decode_attention_kernel_matches_stock_ops() {
                     assert_eq!(differing(&chunked_rows, &chunked.reshape(&[b, h * hd]).unwrap()), 0, "{dt:?}: {c} chunks' rows differ");
                 }
             }
+            eprintln!("{what}: every variant within {tol} of MLX's");
         }
     }
     // At the shared scores' capacity (8,192 positions, the largest shared
@@ -1642,6 +1703,11 @@ fn decode_attention_kernel_matches_stock_ops() {
     // position past it, it keeps the scratch row and still matches MLX's.
     let dt = Dtype::Bfloat16;
     for (hd, n, filled) in [(8, 8192, 8190), (256, 8192, 8192), (64, 8193, 8193)] {
+        index += 1;
+        let what = format!("head size {hd}, {n} positions");
+        if !case_chosen(index - 1, &what) {
+            continue;
+        }
         let q = normal(&[1, 4, 1, hd], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
         let k = normal(&[1, 2, n, hd], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
         let v = normal(&[1, 2, n, hd], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
@@ -1676,7 +1742,10 @@ fn decode_attention_kernel_matches_stock_ops() {
     // The chunked variant where a row has no valid position (the default
     // kernel gives 0 there; MLX's softmax over nothing is NaN) and where a
     // KV head serves more query heads than it takes (8: the default kernel
-    // runs), against the default kernel.
+    // runs), against the default kernel. (The test's last case.)
+    if !case_chosen(index, "rows with no position") {
+        return;
+    }
     let q = normal(&[2, 16, 1, 64], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap();
     let (k8, v8) = (
         normal(&[2, 2, 256, 64], Dtype::Float32, 0.0, 1.0, None).unwrap().astype(dt).unwrap(),
@@ -2746,14 +2815,14 @@ fn conv_fused_kernel_matches_stock_ops() {
         (Dtype::Bfloat16, 2.0f32.powi(-7), 2048, 1000, 3, 0, 0, 0, 0),
         (Dtype::Float32, 1e-5, 1024, 1024, 3, 0, 0, 0, 0),
     ];
-    for (dt, tol, d, c, l, ib, ig, ob, og) in cases {
+    for (index, (dt, tol, d, c, l, ib, ig, ob, og)) in cases.into_iter().enumerate() {
         let dense = ib == 0;
         if dense && qint_lean() {
             continue;
         }
         let kind = if dense { "dense".to_string() } else { format!("in_proj {ib}-bit g{ig}, out_proj {ob}-bit g{og}") };
         let what = format!("{dt:?} {d} wide, {c} channels, window {l}, {kind}");
-        if !case_chosen(&what) {
+        if !case_chosen(index, &what) {
             continue;
         }
         let win = normal(&[3 * c, d], Dtype::Float32, 0.0, 0.04, None).unwrap().astype(dt).unwrap();
@@ -3375,14 +3444,14 @@ fn ffn_fused_kernel_matches_stock_ops() {
         (Dtype::Float16, 2.0f32.powi(-10), 2048, 7168, 4, 64, 4, 64),
         (Dtype::Float32, 1e-5, 1024, 2048, 8, 64, 8, 64),
     ];
-    for (dt, tol, d, f, ib, ig, ob, og) in cases {
+    for (index, (dt, tol, d, f, ib, ig, ob, og)) in cases.into_iter().enumerate() {
         let dense = ib == 0;
         if dense && qint_lean() {
             continue;
         }
         let kind = if dense { "dense".to_string() } else { format!("w1/w3 {ib}-bit g{ig}, w2 {ob}-bit g{og}") };
         let what = format!("{dt:?} {d} wide, gate {f}, {kind}");
-        if !case_chosen(&what) {
+        if !case_chosen(index, &what) {
             continue;
         }
         let w13 = normal(&[2 * f, d], Dtype::Float32, 0.0, 0.04, None).unwrap().astype(dt).unwrap();
