@@ -486,17 +486,24 @@ class FakeTestProcess:
         stdout.write(out)
         stderr.write(err)
 
+    # output() may leave returncode None: still running when the call's
+    # TERM comes, so wait() raises what run.py's TERM handler raises
+    # (`stopped`, set to the loaded run.Stopped by such a process).
+    stopped = None
+
     def output(self, names):
         return "", ""
 
     def wait(self):
+        if self.returncode is None:
+            raise self.stopped("stopped by SIGTERM")
         return self.returncode
 
     def poll(self):
         return self.returncode
 
     def kill(self):
-        pass
+        self.returncode = -9
 
 
 class KernelTests(unittest.TestCase):
@@ -646,14 +653,7 @@ class KernelTests(unittest.TestCase):
                         return "running 1 test\n", ""
                     word = "FAILED" if part == fail_part else "ok"
                     return "".join(f"test {n} ... {word}\n" for n in names), ""
-
-                def wait(self):
-                    if self.returncode is None:
-                        raise run.Stopped("stopped by SIGTERM")
-                    return self.returncode
-
-                def kill(self):
-                    self.returncode = -9
+            Proc.stopped = run.Stopped
             return Proc
 
         os.environ["H200_KERNEL_PARTS"] = "ffn_fused_kernel_matches_stock_ops=3"
@@ -701,14 +701,7 @@ class KernelTests(unittest.TestCase):
                     self.returncode = None
                     return "running 1 test\n", ""
                 return "".join(f"test {n} ... ok\n" for n in names), ""
-
-            def wait(self):
-                if self.returncode is None:
-                    raise run.Stopped("stopped by SIGTERM")
-                return self.returncode
-
-            def kill(self):
-                self.returncode = -9
+        Proc.stopped = run.Stopped
 
         with self.assertRaises(run.Stopped):
             self.run_kernels(Proc, listing, "conv_fused,ffn_fused,greedy_tokens")
