@@ -12,6 +12,7 @@ import io
 import json
 import os
 import tarfile
+import sys
 import tempfile
 import unittest
 from pathlib import Path
@@ -343,6 +344,27 @@ class RoundsStop(unittest.TestCase):
         with self.assertRaises(self.run.Stopped):
             self.run.rounds(1)
         self.assertEqual(self.ran, [("run_llama", "a"), ("run_ours", "a")])
+
+    def test_a_cut_test_call_still_saves_the_compiled_kernels(self):
+        """`kernels save-ptx` cut in its tests still saves what they
+        compiled; a call without save-ptx saves nothing."""
+        saved = []
+        self.run.save_ptx = lambda *a: saved.append(1)
+        self.run.pack_logs = lambda: None
+
+        def cut():
+            raise self.run.Stopped("stopped by SIGTERM")
+        self.run.kernels = cut
+        argv = sys.argv
+        try:
+            for args, want in ((["kernels", "save-ptx"], [1]), (["kernels"], [])):
+                saved.clear()
+                sys.argv = ["run.py", *args]
+                with self.assertRaises(SystemExit):
+                    self.run.main()
+                self.assertEqual(saved, want, args)
+        finally:
+            sys.argv = argv
 
     def test_the_handler_raises_what_the_rounds_do_not_catch(self):
         with self.assertRaises(self.run.Stopped):
