@@ -795,6 +795,17 @@ def save_ptx(limit=None):
     for _, p in found:
         suffixes[p.suffix or "(none)"] = suffixes.get(p.suffix or "(none)", 0) + 1
     rel = lambda p: str(p.relative_to(root_of(p)))
+
+    # MLX writes a module's compiled code, then its kernel names, then its
+    # source, none atomically: a test process killed at a TERM may leave a
+    # module half written, which the next session would load and fail on
+    # ("There is no kernel named ..."). Only whole ones are kept.
+    def whole(p):
+        code, names = p.with_suffix(".ptx"), p.with_suffix(".txt")
+        return (code.exists() and code.stat().st_size > 0 and names.exists()
+                and "\t" in names.read_text(errors="replace"))
+    torn = sorted({rel(p.with_suffix("")) for p in files if not whole(p)})
+    files = [p for p in files if rel(p.with_suffix("")) not in torn]
     modules = sorted({rel(p.with_suffix("")) for p in files}, key=lambda m: (not Path(m).name.startswith("custom_kernel_"), m))
     out = OUT / "ptx-cache.tgz"
     keep = len(modules)
@@ -814,7 +825,7 @@ def save_ptx(limit=None):
         if out.stat().st_size <= limit or keep == 0:
             break
         keep = keep * 3 // 4
-    record(engine="ptx-cache", saved=keep, of=len(modules), bytes=out.stat().st_size,
+    record(engine="ptx-cache", saved=keep, of=len(modules), bytes=out.stat().st_size, torn=torn,
            folders={str(f): sum(1 for g, _ in found if g == f) for f in folders},
            found=suffixes, env=os.environ.get("MLX_PTX_CACHE_DIR"))
 

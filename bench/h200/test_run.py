@@ -184,6 +184,18 @@ class PtxCache(unittest.TestCase):
         self.run.restore_ptx()
         self.assertEqual(records(self.run)[-1]["restored"], 10)
 
+    def test_a_half_written_module_is_left_out(self):
+        # A test process killed at a TERM between MLX's writes.
+        (self.run.PTX / "custom_kernel_lfm_torn.ptx").write_bytes(b"cubin")
+        (self.run.PTX / "custom_kernel_lfm_empty.ptx").write_bytes(b"cubin")
+        (self.run.PTX / "custom_kernel_lfm_empty.txt").write_text("")
+        (self.run.PTX / "custom_kernel_lfm_nocode.ptx").write_bytes(b"")
+        (self.run.PTX / "custom_kernel_lfm_nocode.txt").write_text("n\t_Zn\n")
+        self.run.save_ptx()
+        self.assertEqual(len(self.saved()), 9, "the whole modules only")
+        self.assertEqual(records(self.run)[-1]["torn"],
+                         ["custom_kernel_lfm_empty", "custom_kernel_lfm_nocode", "custom_kernel_lfm_torn"])
+
     def test_too_large_keeps_ours_first(self):
         self.run.save_ptx(limit=100_000)
         names = self.saved()
