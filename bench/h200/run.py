@@ -187,7 +187,7 @@ every-norm-all (MLX_LFM_QKV/CONV/FFN_EVERY_NORM together) 1.034-1.037x
 on the 1.2B, 1.079-1.116x on the 350M, 1.017-1.037x on the 8B-A1B, each
 switch alone 1.003-1.025x. After it, the three long tests run in parts
 (KERNEL_TEST_PARTS: the feed-forward's in 4 processes, decode
-attention's in 3, the conv layer's in 2; tests.rs case_chosen takes
+attention's in 4, the conv layer's in 2; tests.rs case_chosen takes
 every n-th case under MLX_LFM_TEST_PART=i/n) and a cut call records the
 tests that finished.
 Session 48 got an H100 for ~25 minutes (05:27-05:52 UTC on
@@ -227,7 +227,7 @@ session 49's records give the conv, q/k/v and greedy verdicts):
      with the tree):
      H200_KERNEL_TESTS=ffn_fused_kernel_matches_stock_ops,decode_attention_kernel_matches_stock_ops
      `timeout -s TERM 400 python3 bench/h200/run.py install verdicts-from
-     committed kernels save-ptx` (seven processes: the parts; ~500 s
+     committed kernels save-ptx` (eight processes: the parts; ~500 s
      whole on one process was the feed-forward's, so ~130 s a part if
      the compiles split evenly; a cut call keeps the parts' output in
      its log, but a test's verdict needs every part).
@@ -1992,7 +1992,7 @@ def kernels():
 # session 49's H100 left the feed-forward's (~500 s whole) unfinished at
 # 400 s and decode attention's (~20 compiles a case) at 320 s; the conv
 # layer's took ~300 s. H200_KERNEL_PARTS=name=n,... replaces these.
-KERNEL_TEST_PARTS = {"ffn_fused_kernel_matches_stock_ops": 4, "decode_attention_kernel_matches_stock_ops": 3,
+KERNEL_TEST_PARTS = {"ffn_fused_kernel_matches_stock_ops": 4, "decode_attention_kernel_matches_stock_ops": 4,
                      "conv_fused_kernel_matches_stock_ops": 2}
 
 
