@@ -2073,6 +2073,27 @@ def committed_raw_files():
     return [str(p.relative_to(ROOT)) for p in sorted((ROOT / "bench" / "results").glob("*.raw.jsonl"), key=key)]
 
 
+def record_verdicts(r):
+    """A `tests` record's verdicts that stand for their whole tests: a run
+    narrowed by MLX_LFM_TEST_CASES judged those cases only, so its layer
+    tests' verdicts do not (an earlier whole run's stand, or the test runs
+    again)."""
+    got = dict(r.get("verdicts", {}))
+    if r.get("cases", "all") != "all":
+        got = {t: v for t, v in got.items() if t not in NARROWED_TESTS}
+    return got
+
+
+def verdict_sources(rows):
+    """Each test's latest verdict's kernel source hashes (None: a record
+    from before they were kept), over `tests` records in order."""
+    sources = {}
+    for r in rows:
+        for t in record_verdicts(r):
+            sources[t] = r.get("sources")
+    return sources
+
+
 def verdicts_from(path):
     """The kernel tests' verdicts of an earlier session (its committed raw
     file's last `tests` record) instead of running them again (~380 s of a
@@ -2092,15 +2113,18 @@ def verdicts_from(path):
     # test again, mended).
     verdicts, skipped = {}, False
     for r in rows:
-        got = dict(r.get("verdicts", {}))
-        if r.get("cases", "all") != "all":
-            # (A run narrowed by MLX_LFM_TEST_CASES judged those cases
-            # only: its layer tests' verdicts do not stand for the whole
-            # test; an earlier whole run's stand, or the test runs again.)
-            got = {t: v for t, v in got.items() if t not in NARROWED_TESTS}
-        verdicts.update(got)
+        verdicts.update(record_verdicts(r))
         skipped = skipped or bool(r.get("skipped"))
     r = rows[-1]
+    # Verdicts given to binaries whose kernel code differs from this tree's
+    # (by the hashes their records carry): they stand as before, but the
+    # record names them, so a closing note can say which tests have not run
+    # on the code that ships (session 49 found decode attention's standing
+    # from session 24, its kernel changed in session 46).
+    now = kernel_sources()
+    stale = sorted(t for t, src in verdict_sources(rows).items() if src is not None and src != now)
+    if stale:
+        log(f"{len(stale)} reused verdicts were given to other kernel code than this tree's:", ", ".join(stale))
     # (A test this call runs next, H200_KERNEL_TESTS set for both steps,
     # may be missing: its verdict comes with the run. The names filter as
     # the test binary filters them: a test runs where one is part of its name.)
@@ -2139,7 +2163,7 @@ def verdicts_from(path):
     if skipped or not all(verdicts.get(t, False) for t in DEFAULT_KERNEL_TESTS if not runs_next(t)):
         (WORK / "kernels-off").write_text("1")
     commit = r.get("commit") or r.get("binaries_commit")
-    record(engine="tests-reused", source=str(path), commit=commit, verdicts=verdicts, skipped=skipped)
+    record(engine="tests-reused", source=str(path), commit=commit, verdicts=verdicts, skipped=skipped, stale=stale)
     log("kernel verdicts reused from", path, commit)
 
 

@@ -714,6 +714,29 @@ class KernelTests(unittest.TestCase):
         finally:
             os.environ.pop("H200_KERNEL_PARTS")
 
+    def test_reused_verdicts_of_other_kernel_code_are_named(self):
+        run = self.run
+        real_root = run.ROOT
+        run.ROOT = Path(self.tmp.name)
+        (run.ROOT / "r").mkdir()
+        old = {"engine": "tests", "verdicts": {"decode_attention_kernel_matches_stock_ops": True,
+                                               "conv_fused_kernel_matches_stock_ops": False},
+               "sources": {"src/kernels/stages.rs": "old"}}
+        new = {"engine": "tests", "verdicts": {"conv_fused_kernel_matches_stock_ops": True},
+               "sources": {"src/kernels/stages.rs": "now"}}
+        (run.ROOT / "r" / "a.raw.jsonl").write_text(json.dumps(old) + "\n")
+        (run.ROOT / "r" / "b.raw.jsonl").write_text(json.dumps(new) + "\n")
+        run.kernel_sources = lambda: {"src/kernels/stages.rs": "now"}
+        os.environ["H200_KERNEL_TESTS"] = "_"
+        try:
+            run.verdicts_from("r/a.raw.jsonl,r/b.raw.jsonl")
+        finally:
+            os.environ.pop("H200_KERNEL_TESTS")
+            run.ROOT = real_root
+        rec = [r for r in records(run) if r["engine"] == "tests-reused"][-1]
+        self.assertEqual(rec["stale"], ["decode_attention_kernel_matches_stock_ops"])
+        self.assertTrue(rec["verdicts"]["conv_fused_kernel_matches_stock_ops"], "the later verdict stands")
+
     def test_a_cut_call_records_the_finished_tests(self):
         """Session 48's test call was cut at its TERM with nothing recorded:
         the finished processes' verdicts stand, a killed greedy process's
