@@ -247,6 +247,17 @@ session 49's records give the conv, q/k/v and greedy verdicts):
      not made its checkpoints).
   7. With what is left: `profile-gaps` of the 1.2B (H200_MODELS=lfm2-1.2b-bf16)
      for the step's kernels with the K/V in place.
+  On an H200 (none lent since session 30; the issue's targets and tests
+  are the H200's): step 3 as the whole suite instead, over two calls
+  (~6,000 process-seconds in the logs' longest runs, NVRTC's; the
+  compiled kernels carried cut that): carry as step 3,
+  H200_KERNEL_JOBS=14 `timeout -s TERM 540 python3 bench/h200/run.py
+  install kernels save-ptx`, then (carry .device/tests and .device/ptx)
+  H200_KERNEL_TESTS=unrun H200_KERNEL_JOBS=14 `timeout -s TERM 540
+  python3 bench/h200/run.py kernels save-ptx` (the tests the first call's
+  TERM cut); then steps 4-6. verdicts-from names 53 verdicts given to
+  older kernel code than the tree's (session 49): the whole suite is what
+  retires them, on whichever GPU comes when a session can spare it.
   Then: the conv layers (~22 µs each for
   34 MB, session 40's profile: the largest gap to their bytes after the
   feed-forwards); the MoE layer's down stage overlapping its gate/up
@@ -1874,8 +1885,13 @@ def kernels():
     # are absent, so `pick` does not adopt a variant that needs them.
     # (With the fused kernels' tests, the compiled prefill's: an opt-in
     # switch `pick` may adopt only where it passed on this GPU.)
-    filters = [f for f in os.environ.get("H200_KERNEL_TESTS", "kernels::,compiled_prefill_equals_the_eager_prefill").split(",")
-               if f]
+    # H200_KERNEL_TESTS=unrun: the whole suite's tests this machine has no
+    # verdict of yet (kernel-ran.json): the suite over two calls, the second
+    # running what the first's TERM cut.
+    whole = "kernels::,compiled_prefill_equals_the_eager_prefill"
+    chosen = os.environ.get("H200_KERNEL_TESTS", whole)
+    unrun = chosen == "unrun"
+    filters = [f for f in (whole if unrun else chosen).split(",") if f]
     # The whole suite took 578 s of a call's 600 in one process (NVRTC
     # compiles per shape and dtype, on the host's cores): H200_KERNEL_JOBS
     # processes (3) share the GPU, each greedy test (the longest: four since
@@ -1883,6 +1899,13 @@ def kernels():
     # of H200_KERNEL_JOBS (at least one process).
     listed = sh([tests[0], *filters, "--list"], check=False).stdout
     names = [l.split(": test")[0] for l in listed.splitlines() if l.endswith(": test")]
+    ran_file = WORK / "kernel-ran.json"
+    ran = json.loads(ran_file.read_text()) if ran_file.exists() else {}
+    if unrun:
+        names = [n for n in names if n.rsplit("::", 1)[-1] not in ran]
+        log(f"{len(names)} tests without a verdict on this machine yet ({len(ran)} with one)")
+        if not names:
+            return
     groups, exact = test_processes(names, max(1, int(os.environ.get("H200_KERNEL_JOBS", "3"))))
     runs = parted_runs(groups, kernel_test_parts())
     if exact:
@@ -1969,6 +1992,9 @@ def kernels():
            sources=kernel_sources(), cases=os.environ.get("MLX_LFM_TEST_CASES") or "all", cut=cut,
            parts={k: sorted(f"{i}/{n}" for i, n in got) for k, got in part_verdicts.items()})
     mine = {k: v and not skipped for k, v in verdicts.items()}
+    if not skipped:
+        WORK.mkdir(parents=True, exist_ok=True)
+        ran_file.write_text(json.dumps({**ran, **{k: v for k, v in mine.items() if not k.startswith("greedy:")}}))
     verdicts_file = WORK / "kernel-verdicts.json"
     partial = "H200_KERNEL_TESTS" in os.environ
     if partial and verdicts_file.exists():

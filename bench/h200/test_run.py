@@ -737,6 +737,34 @@ class KernelTests(unittest.TestCase):
         self.assertEqual(rec["stale"], ["decode_attention_kernel_matches_stock_ops"])
         self.assertTrue(rec["verdicts"]["conv_fused_kernel_matches_stock_ops"], "the later verdict stands")
 
+    def test_unrun_runs_what_an_earlier_call_did_not_finish(self):
+        run = self.run
+        names = ["kernels::tests::conv_fused_kernel_matches_stock_ops", "kernels::tests::ffn_fused_kernel_matches_stock_ops",
+                 "compiled::tests::compiled_prefill_equals_the_eager_prefill"]
+        listing = "".join(n + ": test\n" for n in names)
+        seen = []
+
+        class Proc(FakeTestProcess):
+            def output(self, names):
+                seen.append(names)
+                if any("ffn" in n for n in names) and len(seen) <= 3:
+                    self.returncode = None
+                    return "running 1 test\n", ""
+                return "".join(f"test {n} ... ok\n" for n in names), ""
+        Proc.stopped = run.Stopped
+        os.environ["H200_KERNEL_PARTS"] = ""
+        try:
+            with self.assertRaises(run.Stopped):
+                self.run_kernels(Proc, listing, "conv_fused,ffn_fused,compiled_prefill")
+            first = len(seen)
+            self.run_kernels(Proc, listing, "unrun")
+        finally:
+            os.environ.pop("H200_KERNEL_PARTS")
+        self.assertEqual([n for g in seen[first:] for n in g], ["kernels::tests::ffn_fused_kernel_matches_stock_ops"])
+        ran = json.loads((run.WORK / "kernel-ran.json").read_text())
+        self.assertEqual(sorted(ran), ["compiled_prefill_equals_the_eager_prefill", "conv_fused_kernel_matches_stock_ops",
+                                       "ffn_fused_kernel_matches_stock_ops"])
+
     def test_a_cut_call_records_the_finished_tests(self):
         """Session 48's test call was cut at its TERM with nothing recorded:
         the finished processes' verdicts stand, a killed greedy process's
