@@ -1917,31 +1917,30 @@ def kernels():
     logs = WORK / "kernel-test-logs"
     shutil.rmtree(logs, ignore_errors=True)
     logs.mkdir(parents=True)
-    for i, (g, part) in enumerate(runs):
-        cmd = [str(tests[0]), *g, "--exact", "--test-threads", "1", "--nocapture"]
-        e = env()
-        # The tests decide whether the kernels work: a kernels-off file left
-        # by `verdicts-from` or an earlier call must not turn them off here
-        # (session 46: three calls' tests all skipped so, each writing the
-        # file again). Only the caller's own MLX_LFM_KERNELS=0 stands.
-        if "MLX_LFM_KERNELS" not in os.environ:
-            e.pop("MLX_LFM_KERNELS", None)
-        if g is exact:
-            e["MLX_ENABLE_TF32"] = "0"
-            cmd_env = "MLX_ENABLE_TF32=0 "
-        else:
-            cmd_env = ""
-        if part:
-            e["MLX_LFM_TEST_PART"] = f"{part[0]}/{part[1]}"
-            cmd_env += f"MLX_LFM_TEST_PART={part[0]}/{part[1]} "
-        log("$", cmd_env + " ".join(cmd))
-        o, er = open(logs / f"{i}.out", "w"), open(logs / f"{i}.err", "w")
-        procs.append((cmd_env + " ".join(cmd), subprocess.Popen(cmd, stdout=o, stderr=er, text=True, env=e),
-                      logs / f"{i}.out", logs / f"{i}.err", part))
-        o.close()
-        er.close()
-    cut, killed = False, set()
+    cut = False
     try:
+        for i, (g, part) in enumerate(runs):
+            cmd = [str(tests[0]), *g, "--exact", "--test-threads", "1", "--nocapture"]
+            e = env()
+            # The tests decide whether the kernels work: a kernels-off file
+            # left by `verdicts-from` or an earlier call must not turn them
+            # off here (session 46: three calls' tests all skipped so, each
+            # writing the file again). Only the caller's own
+            # MLX_LFM_KERNELS=0 stands.
+            if "MLX_LFM_KERNELS" not in os.environ:
+                e.pop("MLX_LFM_KERNELS", None)
+            if g is exact:
+                e["MLX_ENABLE_TF32"] = "0"
+                cmd_env = "MLX_ENABLE_TF32=0 "
+            else:
+                cmd_env = ""
+            if part:
+                e["MLX_LFM_TEST_PART"] = f"{part[0]}/{part[1]}"
+                cmd_env += f"MLX_LFM_TEST_PART={part[0]}/{part[1]} "
+            log("$", cmd_env + " ".join(cmd))
+            with open(logs / f"{i}.out", "w") as o, open(logs / f"{i}.err", "w") as er:
+                procs.append((cmd_env + " ".join(cmd), subprocess.Popen(cmd, stdout=o, stderr=er, text=True, env=e),
+                              logs / f"{i}.out", logs / f"{i}.err", part))
         for _, p, _, _, _ in procs:
             p.wait()
     except Stopped:
@@ -1950,7 +1949,6 @@ def kernels():
             if p.poll() is None:
                 p.kill()
                 p.wait()
-                killed.add(p.pid)
     verdicts, out, err, rcs = {}, "", "", []
     part_verdicts = {}
     for cmd, p, out_file, err_file, part in procs:
@@ -1961,11 +1959,14 @@ def kernels():
         out, err = out + o, err + e
         rcs.append(p.returncode)
         # A greedy set's verdict holds where it passed on every fixture,
-        # over all the processes (a killed process's sets ran on only some
-        # of its fixtures: only its finished tests count).
+        # over all the processes. A process that ended by a signal (killed
+        # here, or the TERM `timeout` sends its whole group, or a crash) ran
+        # its sets on only some fixtures: its FAILED lines count, its passes
+        # do not; only its finished tests' libtest lines stand.
+        ended = p.returncode is not None and p.returncode >= 0
         for k, v in test_verdicts(o, e).items():
             if k.startswith("greedy:"):
-                if p.pid not in killed:
+                if ended or not v:
                     verdicts[k] = verdicts.get(k, True) and v
             elif part:
                 part_verdicts.setdefault(k, {})[part] = v
@@ -1985,6 +1986,14 @@ def kernels():
     for m in re.finditer(r"skipped (\w+): kernels were built without", err):
         verdicts[m.group(1)] = False
     skipped = "skipped" in re.sub(r"skipped \w+: kernels were built without", "", err)
+    narrowed = bool(os.environ.get("MLX_LFM_TEST_CASES"))
+    if unrun:
+        # The tests the earlier call ran are not run again, but its greedy
+        # sets' fixtures are this call's too: a set FAILED on one fixture
+        # there stays failed whatever the fixture run here says.
+        for k, v in verdicts.items():
+            if k.startswith("greedy:") and k in ran:
+                verdicts[k] = ran[k] and v
     ok = bool(procs) and all(rc == 0 for rc in rcs) and not skipped and not cut
     # (MLX_LFM_TEST_CASES narrows the layer tests to the cases named: a
     # verdict of those cases only, recorded as such.)
@@ -1993,8 +2002,12 @@ def kernels():
            parts={k: sorted(f"{i}/{n}" for i, n in got) for k, got in part_verdicts.items()})
     mine = {k: v and not skipped for k, v in verdicts.items()}
     if not skipped:
+        # (A narrowed run's layer tests judged some cases only: `unrun`
+        # runs them again.)
         WORK.mkdir(parents=True, exist_ok=True)
-        ran_file.write_text(json.dumps({**ran, **{k: v for k, v in mine.items() if not k.startswith("greedy:")}}))
+        # (Its greedy sets' verdicts are kept too, for `unrun` to join.)
+        this = {k: v for k, v in mine.items() if not (narrowed and k in NARROWED_TESTS)}
+        ran_file.write_text(json.dumps({**ran, **this}))
     verdicts_file = WORK / "kernel-verdicts.json"
     partial = "H200_KERNEL_TESTS" in os.environ
     if partial and verdicts_file.exists():
@@ -2085,7 +2098,8 @@ def kernel_sources():
 
 
 # The tests MLX_LFM_TEST_CASES narrows (src/kernels/tests.rs case_chosen).
-NARROWED_TESTS = ("ffn_fused_kernel_matches_stock_ops", "conv_fused_kernel_matches_stock_ops")
+NARROWED_TESTS = ("ffn_fused_kernel_matches_stock_ops", "conv_fused_kernel_matches_stock_ops",
+                  "decode_attention_kernel_matches_stock_ops")
 
 
 def committed_raw_files():
@@ -2150,7 +2164,8 @@ def verdicts_from(path):
     now = kernel_sources()
     stale = sorted(t for t, src in verdict_sources(rows).items() if src is not None and src != now)
     if stale:
-        log(f"{len(stale)} reused verdicts were given to other kernel code than this tree's:", ", ".join(stale))
+        log(f"{len(stale)} reused verdicts were given to binaries whose kernel files (any of them) differ from "
+            "this tree's:", ", ".join(stale))
     # (A test this call runs next, H200_KERNEL_TESTS set for both steps,
     # may be missing: its verdict comes with the run. The names filter as
     # the test binary filters them: a test runs where one is part of its name.)
@@ -3421,6 +3436,8 @@ def main():
         # two cut test calls saved nothing).
         if "save-ptx" in args[i:]:
             try:
+                if RAW.exists():
+                    shutil.copy(RAW, OUT / "raw.jsonl")
                 save_ptx()
             except Exception as err:
                 log(f"save-ptx after the TERM failed: {err}")

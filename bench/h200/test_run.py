@@ -765,6 +765,59 @@ class KernelTests(unittest.TestCase):
         self.assertEqual(sorted(ran), ["compiled_prefill_equals_the_eager_prefill", "conv_fused_kernel_matches_stock_ops",
                                        "ffn_fused_kernel_matches_stock_ops"])
 
+    def test_a_greedy_process_ended_by_a_signal_gives_its_failures_only(self):
+        """`timeout` sends its TERM to the whole group: a greedy process
+        may have died of it before run.py's handler looks, its passes on
+        some fixtures only; a FAILED line is a failure wherever it comes."""
+        run = self.run
+        names = ["kernels::tests::greedy_tokens_with_kernels_equal_stock_ops_on_moe",
+                 "kernels::tests::greedy_tokens_with_kernels_equal_stock_ops_on_wide_moe"]
+        listing = "".join(n + ": test\n" for n in names)
+
+        class Proc(FakeTestProcess):
+            def output(self, names):
+                if any("wide" in n for n in names):
+                    self.returncode = -15
+                    return "running 1 test\n", "W: the qgemv-float kernels passed\nW: the moe-float kernels FAILED\n"
+                return "".join(f"test {n} ... ok\n" for n in names), "M: the default kernels passed\n"
+        self.run_kernels(Proc, listing, "greedy_tokens")
+        rec = [r for r in records(run) if r["engine"] == "tests"][-1]
+        self.assertNotIn("greedy:qgemv-float", rec["verdicts"])
+        self.assertFalse(rec["verdicts"]["greedy:moe-float"])
+        self.assertTrue(rec["verdicts"]["greedy:default"])
+        self.assertNotIn("greedy_tokens_with_kernels_equal_stock_ops_on_wide_moe", rec["verdicts"])
+
+    def test_unrun_keeps_a_greedy_set_failed_on_an_earlier_fixture(self):
+        run = self.run
+        names = ["kernels::tests::greedy_tokens_with_kernels_equal_stock_ops_on_moe",
+                 "kernels::tests::greedy_tokens_with_kernels_equal_stock_ops_on_wide_moe"]
+        listing = "".join(n + ": test\n" for n in names)
+        calls = []
+
+        class Proc(FakeTestProcess):
+            def output(self, names):
+                calls.append(names)
+                if any("wide" in n for n in names) and len(calls) <= 2:
+                    self.returncode = None
+                    return "running 1 test\n", ""
+                word = "passed" if any("wide" in n for n in names) else "FAILED"
+                ok = "ok" if word == "passed" else "FAILED"
+                return "".join(f"test {n} ... {ok}\n" for n in names), f"X: the qgemv-float kernels {word}\n"
+        Proc.stopped = run.Stopped
+        with self.assertRaises(run.Stopped):
+            self.run_kernels(Proc, listing, "greedy_tokens")
+        self.run_kernels(Proc, listing, "unrun")
+        rec = [r for r in records(run) if r["engine"] == "tests"][-1]
+        self.assertEqual([n for g in calls[2:] for n in g], [names[1]], "only the cut fixture ran again")
+        self.assertFalse(rec["verdicts"]["greedy:qgemv-float"], "the earlier fixture's FAILED stands")
+        self.assertFalse(json.loads((run.WORK / "kernel-verdicts.json").read_text())["greedy:qgemv-float"])
+
+    def test_a_narrowed_run_speaks_for_its_cases_only(self):
+        r = {"engine": "tests", "cases": "Bfloat16 2048", "verdicts": {"decode_attention_kernel_matches_stock_ops": True,
+                                                                         "ffn_fused_kernel_matches_stock_ops": True,
+                                                                         "gemv_kernel_matches_stock_ops": True}}
+        self.assertEqual(self.run.record_verdicts(r), {"gemv_kernel_matches_stock_ops": True})
+
     def test_a_cut_call_records_the_finished_tests(self):
         """Session 48's test call was cut at its TERM with nothing recorded:
         the finished processes' verdicts stand, a killed greedy process's

@@ -590,10 +590,11 @@ qint_tests! {
 
 /// Whether a long test's case `what`, the `index`-th of its cases, runs:
 /// every case, or (with `MLX_LFM_TEST_CASES=A;B`, a device call short of
-/// time) those whose name holds one of those texts; and of those, with
-/// `MLX_LFM_TEST_PART=i/n`, every n-th from the i-th (run.py runs a test
-/// too long for one process within a call, the feed-forward's ~500 s on
-/// an H100, as n processes: each case in exactly one). A case left out
+/// time) those whose name holds one of those texts; and with
+/// `MLX_LFM_TEST_PART=i/n`, those whose place in the test's list is i
+/// modulo n (run.py runs a test too long for one process within a call,
+/// the feed-forward's ~500 s on an H100, as n processes: each case in
+/// exactly one; narrowed too, the parts may be uneven). A case left out
 /// says so.
 fn case_chosen(index: usize, what: &str) -> bool {
     let var = |name| std::env::var(name).ok().filter(|v: &String| !v.trim().is_empty());
