@@ -508,6 +508,11 @@ class PerProcessSwitch(unittest.TestCase):
             self.assertEqual(run.AB_TESTS["kernel-text-inline"], [])
 
 
+def listing_of(names):
+    """The test binary's `--list` of `names`."""
+    return "".join(n + ": test\n" for n in names)
+
+
 class FakeTestProcess:
     """A test process for run.kernels(): writes output(names) into the
     files it was given, as the test binary does while it runs."""
@@ -527,6 +532,11 @@ class FakeTestProcess:
 
     def output(self, names):
         return "", ""
+
+    def still_running(self, err=""):
+        """output()'s answer for a process the TERM finds running."""
+        self.returncode = None
+        return "running 1 test\n", err
 
     def wait(self):
         if self.returncode is None:
@@ -657,7 +667,7 @@ class KernelTests(unittest.TestCase):
         run = self.run
         names = ["kernels::tests::greedy_tokens_with_kernels_equal_stock_ops_on_moe",
                  "kernels::tests::greedy_tokens_with_kernels_equal_stock_ops_on_wide_moe"]
-        listing = "".join(n + ": test\n" for n in names)
+        listing = listing_of(names)
 
         class Proc(FakeTestProcess):
             def output(self, names):
@@ -674,7 +684,7 @@ class KernelTests(unittest.TestCase):
         each: its verdict is every part's, and only once all finished."""
         run = self.run
         names = ["kernels::tests::ffn_fused_kernel_matches_stock_ops", "kernels::tests::qkv_fused_kernel_matches_stock_ops"]
-        listing = "".join(n + ": test\n" for n in names)
+        listing = listing_of(names)
         seen = []
 
         def proc(fail_part=None, cut_part=None):
@@ -683,8 +693,7 @@ class KernelTests(unittest.TestCase):
                     part = self.env.get("MLX_LFM_TEST_PART")
                     seen.append((tuple(names), part))
                     if cut_part is not None and part == cut_part:
-                        self.returncode = None
-                        return "running 1 test\n", ""
+                        return self.still_running()
                     word = "FAILED" if part == fail_part else "ok"
                     return "".join(f"test {n} ... {word}\n" for n in names), ""
             Proc.stopped = run.Stopped
@@ -741,15 +750,14 @@ class KernelTests(unittest.TestCase):
         run = self.run
         names = ["kernels::tests::conv_fused_kernel_matches_stock_ops", "kernels::tests::ffn_fused_kernel_matches_stock_ops",
                  "compiled::tests::compiled_prefill_equals_the_eager_prefill"]
-        listing = "".join(n + ": test\n" for n in names)
+        listing = listing_of(names)
         seen = []
 
         class Proc(FakeTestProcess):
             def output(self, names):
                 seen.append(names)
                 if any("ffn" in n for n in names) and len(seen) <= 3:
-                    self.returncode = None
-                    return "running 1 test\n", ""
+                    return self.still_running()
                 return "".join(f"test {n} ... ok\n" for n in names), ""
         Proc.stopped = run.Stopped
         os.environ["H200_KERNEL_PARTS"] = ""
@@ -772,7 +780,7 @@ class KernelTests(unittest.TestCase):
         run = self.run
         names = ["kernels::tests::greedy_tokens_with_kernels_equal_stock_ops_on_moe",
                  "kernels::tests::greedy_tokens_with_kernels_equal_stock_ops_on_wide_moe"]
-        listing = "".join(n + ": test\n" for n in names)
+        listing = listing_of(names)
 
         class Proc(FakeTestProcess):
             def output(self, names):
@@ -791,15 +799,14 @@ class KernelTests(unittest.TestCase):
         run = self.run
         names = ["kernels::tests::greedy_tokens_with_kernels_equal_stock_ops_on_moe",
                  "kernels::tests::greedy_tokens_with_kernels_equal_stock_ops_on_wide_moe"]
-        listing = "".join(n + ": test\n" for n in names)
+        listing = listing_of(names)
         calls = []
 
         class Proc(FakeTestProcess):
             def output(self, names):
                 calls.append(names)
                 if any("wide" in n for n in names) and len(calls) <= 2:
-                    self.returncode = None
-                    return "running 1 test\n", ""
+                    return self.still_running()
                 word = "passed" if any("wide" in n for n in names) else "FAILED"
                 ok = "ok" if word == "passed" else "FAILED"
                 return "".join(f"test {n} ... {ok}\n" for n in names), f"X: the qgemv-float kernels {word}\n"
@@ -825,7 +832,7 @@ class KernelTests(unittest.TestCase):
         run = self.run
         names = ["kernels::tests::conv_fused_kernel_matches_stock_ops", "kernels::tests::ffn_fused_kernel_matches_stock_ops",
                  "kernels::tests::greedy_tokens_with_kernels_equal_stock_ops"]
-        listing = "".join(n + ": test\n" for n in names)
+        listing = listing_of(names)
         procs = []
 
         class Proc(FakeTestProcess):
@@ -833,11 +840,9 @@ class KernelTests(unittest.TestCase):
                 procs.append(self)
                 if any("greedy" in n for n in names):
                     # Still running when the TERM comes: one fixture's line only.
-                    self.returncode = None
-                    return "running 1 test\n", "TinyBF16: the default kernels passed\n"
+                    return self.still_running("TinyBF16: the default kernels passed\n")
                 if any("ffn" in n for n in names):
-                    self.returncode = None
-                    return "running 1 test\n", ""
+                    return self.still_running()
                 return "".join(f"test {n} ... ok\n" for n in names), ""
         Proc.stopped = run.Stopped
 
