@@ -187,7 +187,7 @@ every-norm-all (MLX_LFM_QKV/CONV/FFN_EVERY_NORM together) 1.034-1.037x
 on the 1.2B, 1.079-1.116x on the 350M, 1.017-1.037x on the 8B-A1B, each
 switch alone 1.003-1.025x. After it, the three long tests run in parts
 (KERNEL_TEST_PARTS: the feed-forward's in 4 processes, decode
-attention's in 4, the conv layer's in 2; tests.rs case_chosen takes
+attention's in 2 (its variants' in 4), the conv layer's in 2; tests.rs case_chosen takes
 every n-th case under MLX_LFM_TEST_PART=i/n) and a cut call records the
 tests that finished.
 Session 48 got an H100 for ~25 minutes (05:27-05:52 UTC on
@@ -227,10 +227,13 @@ session 49's records give the conv, q/k/v and greedy verdicts):
      with the tree):
      H200_KERNEL_TESTS=ffn_fused_kernel_matches_stock_ops,decode_attention_kernel_matches_stock_ops
      `timeout -s TERM 400 python3 bench/h200/run.py install verdicts-from
-     committed kernels save-ptx` (eight processes: the parts; ~500 s
+     committed kernels save-ptx` (six processes: the parts; ~500 s
      whole on one process was the feed-forward's, so ~130 s a part if
-     the compiles split evenly; a cut call keeps the parts' output in
-     its log, but a test's verdict needs every part).
+     the compiles split evenly; decode attention's test is the default
+     kernel's alone since session 49, a few compiles a case, its
+     variants in decode_attention_variants_match_stock_ops; a cut call
+     keeps the parts' output in its log, but a test's verdict needs
+     every part).
   4. carry [.device/bin]: H200_OURS_ENV (mimalloc),
      H200_AB_VARIANTS=every-norm-all H200_MODELS=lfm2-1.2b-bf16,lfm2-350m-bf16,lfm2-8b-a1b-q4
      H200_AB_REPS=3 `timeout -s TERM 300 python3 bench/h200/run.py ab
@@ -2029,10 +2032,11 @@ def kernels():
 # Tests too long for one process within a call, run as that many processes
 # (tests.rs case_chosen: MLX_LFM_TEST_PART=i/n takes every n-th case):
 # session 49's H100 left the feed-forward's (~500 s whole) unfinished at
-# 400 s and decode attention's (~20 compiles a case) at 320 s; the conv
-# layer's took ~300 s. H200_KERNEL_PARTS=name=n,... replaces these.
-KERNEL_TEST_PARTS = {"ffn_fused_kernel_matches_stock_ops": 4, "decode_attention_kernel_matches_stock_ops": 4,
-                     "conv_fused_kernel_matches_stock_ops": 2}
+# 400 s and decode attention's (~20 compiles a case, since split into the
+# default kernel's test and its variants') at 320 s; the conv layer's took
+# ~300 s. H200_KERNEL_PARTS=name=n,... replaces these.
+KERNEL_TEST_PARTS = {"ffn_fused_kernel_matches_stock_ops": 4, "decode_attention_kernel_matches_stock_ops": 2,
+                     "decode_attention_variants_match_stock_ops": 4, "conv_fused_kernel_matches_stock_ops": 2}
 
 
 def kernel_test_parts():
@@ -2099,7 +2103,7 @@ def kernel_sources():
 
 # The tests MLX_LFM_TEST_CASES narrows (src/kernels/tests.rs case_chosen).
 NARROWED_TESTS = ("ffn_fused_kernel_matches_stock_ops", "conv_fused_kernel_matches_stock_ops",
-                  "decode_attention_kernel_matches_stock_ops")
+                  "decode_attention_kernel_matches_stock_ops", "decode_attention_variants_match_stock_ops")
 
 
 def committed_raw_files():
@@ -2804,12 +2808,12 @@ AB_TESTS = {
     # (Off: the path these defaults replaced, which every earlier session's
     # tests ran. The greedy test's fixtures, 64 wide, reach neither.)
     "swiglu-gemv-1024": [],
-    "attention-smem": ["decode_attention_kernel_matches_stock_ops"],
-    "attention-split": ["decode_attention_kernel_matches_stock_ops", "greedy:MLX_LFM_DECODE_ATTENTION_SPLIT"],
-    "attention-split-8": ["decode_attention_kernel_matches_stock_ops", "greedy:attention-split-8"],
-    "attention-chunks-8": ["decode_attention_kernel_matches_stock_ops", "greedy:MLX_LFM_DECODE_ATTENTION_CHUNKS"],
-    "attention-chunks-4": ["decode_attention_kernel_matches_stock_ops", "greedy:attention-chunks-4"],
-    "attention-wide": ["decode_attention_kernel_matches_stock_ops", "greedy:MLX_LFM_DECODE_ATTENTION_WIDE"],
+    "attention-smem": ["decode_attention_variants_match_stock_ops"],
+    "attention-split": ["decode_attention_variants_match_stock_ops", "greedy:MLX_LFM_DECODE_ATTENTION_SPLIT"],
+    "attention-split-8": ["decode_attention_variants_match_stock_ops", "greedy:attention-split-8"],
+    "attention-chunks-8": ["decode_attention_variants_match_stock_ops", "greedy:MLX_LFM_DECODE_ATTENTION_CHUNKS"],
+    "attention-chunks-4": ["decode_attention_variants_match_stock_ops", "greedy:attention-chunks-4"],
+    "attention-wide": ["decode_attention_variants_match_stock_ops", "greedy:MLX_LFM_DECODE_ATTENTION_WIDE"],
     **{v: ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops",
            "greedy:default"] for v in ("gemv-max-k-2048-c2", "gemv-max-k-2048-c4", "gemv-c2", "gemv-c4")},
     **{v: ["gemv_kernel_matches_stock_ops", "gemv_swiglu_kernel_matches_stock_ops", "norm_gemv_kernels_match_stock_ops",
