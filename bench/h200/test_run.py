@@ -556,6 +556,14 @@ class KernelTests(unittest.TestCase):
     it fails alone instead of reading as a GPU-less run (session 37: the
     whole call ran with the kernels off)."""
 
+    CONV = "kernels::tests::conv_fused_kernel_matches_stock_ops"
+    FFN = "kernels::tests::ffn_fused_kernel_matches_stock_ops"
+    QKV = "kernels::tests::qkv_fused_kernel_matches_stock_ops"
+    GREEDY = "kernels::tests::greedy_tokens_with_kernels_equal_stock_ops"
+    GREEDY_MOE = GREEDY + "_on_moe"
+    GREEDY_WIDE_MOE = GREEDY + "_on_wide_moe"
+    PREFILL = "compiled::tests::compiled_prefill_equals_the_eager_prefill"
+
     def setUp(self):
         self.tmp = tempfile.TemporaryDirectory()
         self.run = load_run(Path(self.tmp.name))
@@ -665,8 +673,7 @@ class KernelTests(unittest.TestCase):
         """Session 49: the MoE fixture's float32-sum sets FAILED, and the
         wide fixture's process, read after it, wrote its passes over them."""
         run = self.run
-        names = ["kernels::tests::greedy_tokens_with_kernels_equal_stock_ops_on_moe",
-                 "kernels::tests::greedy_tokens_with_kernels_equal_stock_ops_on_wide_moe"]
+        names = [self.GREEDY_MOE, self.GREEDY_WIDE_MOE]
         listing = listing_of(names)
 
         class Proc(FakeTestProcess):
@@ -683,7 +690,7 @@ class KernelTests(unittest.TestCase):
         """The feed-forward's test as n processes, MLX_LFM_TEST_PART=i/n
         each: its verdict is every part's, and only once all finished."""
         run = self.run
-        names = ["kernels::tests::ffn_fused_kernel_matches_stock_ops", "kernels::tests::qkv_fused_kernel_matches_stock_ops"]
+        names = [self.FFN, self.QKV]
         listing = listing_of(names)
         seen = []
 
@@ -748,8 +755,7 @@ class KernelTests(unittest.TestCase):
 
     def test_unrun_runs_what_an_earlier_call_did_not_finish(self):
         run = self.run
-        names = ["kernels::tests::conv_fused_kernel_matches_stock_ops", "kernels::tests::ffn_fused_kernel_matches_stock_ops",
-                 "compiled::tests::compiled_prefill_equals_the_eager_prefill"]
+        names = [self.CONV, self.FFN, self.PREFILL]
         listing = listing_of(names)
         seen = []
 
@@ -768,7 +774,7 @@ class KernelTests(unittest.TestCase):
             self.run_kernels(Proc, listing, "unrun")
         finally:
             os.environ.pop("H200_KERNEL_PARTS")
-        self.assertEqual([n for g in seen[first:] for n in g], ["kernels::tests::ffn_fused_kernel_matches_stock_ops"])
+        self.assertEqual([n for g in seen[first:] for n in g], [self.FFN])
         ran = json.loads((run.WORK / "kernel-ran.json").read_text())
         self.assertEqual(sorted(ran), ["compiled_prefill_equals_the_eager_prefill", "conv_fused_kernel_matches_stock_ops",
                                        "ffn_fused_kernel_matches_stock_ops"])
@@ -778,8 +784,7 @@ class KernelTests(unittest.TestCase):
         may have died of it before run.py's handler looks, its passes on
         some fixtures only; a FAILED line is a failure wherever it comes."""
         run = self.run
-        names = ["kernels::tests::greedy_tokens_with_kernels_equal_stock_ops_on_moe",
-                 "kernels::tests::greedy_tokens_with_kernels_equal_stock_ops_on_wide_moe"]
+        names = [self.GREEDY_MOE, self.GREEDY_WIDE_MOE]
         listing = listing_of(names)
 
         class Proc(FakeTestProcess):
@@ -797,8 +802,7 @@ class KernelTests(unittest.TestCase):
 
     def test_unrun_keeps_a_greedy_set_failed_on_an_earlier_fixture(self):
         run = self.run
-        names = ["kernels::tests::greedy_tokens_with_kernels_equal_stock_ops_on_moe",
-                 "kernels::tests::greedy_tokens_with_kernels_equal_stock_ops_on_wide_moe"]
+        names = [self.GREEDY_MOE, self.GREEDY_WIDE_MOE]
         listing = listing_of(names)
         calls = []
 
@@ -830,8 +834,7 @@ class KernelTests(unittest.TestCase):
         the finished processes' verdicts stand, a killed greedy process's
         sets do not, and the call still stops."""
         run = self.run
-        names = ["kernels::tests::conv_fused_kernel_matches_stock_ops", "kernels::tests::ffn_fused_kernel_matches_stock_ops",
-                 "kernels::tests::greedy_tokens_with_kernels_equal_stock_ops"]
+        names = [self.CONV, self.FFN, self.GREEDY]
         listing = listing_of(names)
         procs = []
 
