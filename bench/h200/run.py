@@ -2005,10 +2005,9 @@ def kernels():
            parts={k: sorted(f"{i}/{n}" for i, n in got) for k, got in part_verdicts.items()})
     mine = {k: v and not skipped for k, v in verdicts.items()}
     if not skipped:
-        # (A narrowed run's layer tests judged some cases only: `unrun`
-        # runs them again.)
+        # What this machine has run, for `unrun`: its greedy sets too (to
+        # join), not a narrowed run's layer tests (some cases only).
         WORK.mkdir(parents=True, exist_ok=True)
-        # (Its greedy sets' verdicts are kept too, for `unrun` to join.)
         this = {k: v for k, v in mine.items() if not (narrowed and k in NARROWED_TESTS)}
         ran_file.write_text(json.dumps({**ran, **this}))
     verdicts_file = WORK / "kernel-verdicts.json"

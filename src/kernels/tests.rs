@@ -40,12 +40,16 @@ fn in_float_sums<R>(f: impl FnOnce() -> R) -> R {
     crate::knobs::with_overrides(&[("MLX_LFM_QGEMV_EXACT".to_string(), Some("0".to_string()))], f)
 }
 
+/// An array's values as float32 (each dtype the tests run converts exactly).
+fn values_f32(a: &crate::mlx::Array) -> Vec<f32> {
+    a.astype(Dtype::Float32).unwrap().to_vec().unwrap()
+}
+
 /// The largest difference between `got` and `want`, relative to the value
 /// or 1, whichever is larger: values near zero come from cancelling terms of
 /// size ~1, whose rounding is what is compared.
 fn worst_relative(got: &crate::mlx::Array, want: &crate::mlx::Array) -> f32 {
-    let f = |a: &crate::mlx::Array| -> Vec<f32> { a.astype(Dtype::Float32).unwrap().to_vec().unwrap() };
-    f(got).iter().zip(&f(want)).map(|(x, y)| (x - y).abs() / y.abs().max(1.0)).fold(0f32, f32::max)
+    values_f32(got).iter().zip(&values_f32(want)).map(|(x, y)| (x - y).abs() / y.abs().max(1.0)).fold(0f32, f32::max)
 }
 
 /// Whether MLX runs `[rows, k] @ w.T` as its gemv_single (one row, K a
@@ -89,8 +93,7 @@ fn prologue<R>(f: impl FnOnce() -> R) -> R {
 
 /// How many values of `got` and `want` differ at all.
 fn differing(got: &crate::mlx::Array, want: &crate::mlx::Array) -> usize {
-    let f = |a: &crate::mlx::Array| -> Vec<f32> { a.astype(Dtype::Float32).unwrap().to_vec().unwrap() };
-    f(got).iter().zip(&f(want)).filter(|(x, y)| x != y).count()
+    values_f32(got).iter().zip(&values_f32(want)).filter(|(x, y)| x != y).count()
 }
 
 /// Whether a test runs case `i` of `n` for its `d`-th dtype: every case for
@@ -1654,11 +1657,6 @@ fn each_rows_without_position(mut f: impl FnMut(&str, &crate::mlx::Array, &crate
     for (what, q, k, v) in [("4 query heads a KV head", &q4, &k4, &v4), ("8 query heads a KV head", &q, &k8, &v8)] {
         f(what, q, k, v, &none);
     }
-}
-
-/// A bf16 array's values as float32, for the rows-without-position checks.
-fn values_f32(a: &crate::mlx::Array) -> Vec<f32> {
-    a.astype(Dtype::Float32).unwrap().to_vec().unwrap()
 }
 
 /// The default decode-attention kernel (each row's masked positions, and
