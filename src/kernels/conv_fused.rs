@@ -74,8 +74,11 @@ pub fn every_norm_built() -> usize {
     EVERY_BUILT.get()
 }
 
-/// `MLX_LFM_CONV_EVERY_NORM=1` (opt-in, session 48, not yet run on a GPU):
-/// in_proj's blocks each compute the layer's add + RMSNorm
+/// `MLX_LFM_CONV_EVERY_NORM` (written in session 48; a CUDA default since
+/// session 50, `=0` off: its test cases passed on an H100 in session 49,
+/// its greedy sets on all four fixtures there; with the q/k/v stage's and
+/// the feed-forward's forms, decode 1.035x on the 1.2B and 1.066x on the
+/// 350M in session 50's A/B): in_proj's blocks each compute the layer's add + RMSNorm
 /// ([`stages::CONV_EVERY_NORM_SUBSTITUTION`]) instead of waiting for the
 /// first block's mark and reading its row back, as the q/k/v stage's
 /// every-norm form does (`MLX_LFM_QKV_EVERY_NORM`, which read the 1.2B's
@@ -88,7 +91,7 @@ pub fn every_norm_built() -> usize {
 /// the token's, not poisoned (out_proj's wait still poisons the output).
 fn every_norm() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    super::opt_in("MLX_LFM_CONV_EVERY_NORM", &ON)
+    super::opt_out("MLX_LFM_CONV_EVERY_NORM", &ON)
 }
 
 /// The kernel; with `scratch`, its form with the scratch rows (`yn`,

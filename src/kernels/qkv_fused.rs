@@ -215,10 +215,13 @@ fn kv_kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
     form(&FORMS, base, kv_source(), &EARLY_SUBSTITUTIONS, quant, scratch, true)
 }
 
-/// `MLX_LFM_QKV_EVERY_NORM=1` (opt-in, session 46; its greedy sets passed
-/// on all four fixtures on an H100 in session 48, whose A/B read the
-/// 1.2B's decode 1.014-1.021x; its own test has not yet run to its end):
-/// every head's block computes the layer's add + RMSNorm itself, into its
+/// `MLX_LFM_QKV_EVERY_NORM` (written in session 46; a CUDA default since
+/// session 50 with the conv's and feed-forward's forms, `=0` off: its
+/// test passed on an H100 in session 49, its greedy sets on all four
+/// fixtures there and in session 48, and the three forms together read
+/// decode 1.035x on the 1.2B, 1.066x on the 350M and 1.022x on the
+/// 8B-A1B in session 50's A/B on an H100,
+/// `bench/results/2026-12-07-h100-session50.raw.jsonl`): every head's block computes the layer's add + RMSNorm itself, into its
 /// shared row, instead of waiting for the first block's (its release, a
 /// fence and an atomic, the waiters' poll, then the row read back from
 /// L2). Session 41's kernel-bench read the stage at 19-20 µs a launch
@@ -230,7 +233,7 @@ fn kv_kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
 /// The one-block form and its K/V-writing form; not the split.
 fn every_norm() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    super::opt_in("MLX_LFM_QKV_EVERY_NORM", &ON)
+    super::opt_out("MLX_LFM_QKV_EVERY_NORM", &ON)
 }
 
 /// The every-norm forms' text for a head's block in place of its wait for

@@ -659,7 +659,7 @@ macro_rules! own_norm {
 }
 pub(crate) use own_norm;
 
-/// `MLX_LFM_CONV_EVERY_NORM=1` (opt-in, session 48, not yet run on a GPU):
+/// `MLX_LFM_CONV_EVERY_NORM` (a CUDA default since session 50, `=0` off):
 /// in_proj's blocks each compute the layer's add + RMSNorm ([`own_norm`])
 /// instead of waiting for the first block's. The short-conv layer's own
 /// kernel (conv_fused.rs) only.
@@ -668,7 +668,7 @@ pub(crate) const CONV_EVERY_NORM_SUBSTITUTION: (&str, &str) = (
     concat!("    const int c = (role - 1) * WARPS + wid;\n    constexpr bool late = false;\n", own_norm!("EPS_BITS")),
 );
 
-/// `MLX_LFM_FFN_EVERY_NORM=1` (opt-in, session 48, not yet run on a GPU):
+/// `MLX_LFM_FFN_EVERY_NORM` (a CUDA default since session 50, `=0` off):
 /// the gate's blocks each compute the feed-forward's add + RMSNorm
 /// ([`own_norm`]) instead of waiting for the first block's. The
 /// feed-forward's own kernel (ffn_fused.rs) only: joined to a conv layer,

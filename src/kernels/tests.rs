@@ -788,9 +788,16 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     use crate::kernels::{conv_fused, ffn_fused, moe_fused, qkv_fused};
                     (conv_fused::built(), ffn_fused::built(), qkv_fused::built(), moe_fused::built())
                 };
+                // (And their every-norm forms: checked below.)
+                let every_norm_built = || {
+                    use crate::kernels::{conv_fused, ffn_fused, qkv_fused};
+                    (qkv_fused::every_norm_built(), conv_fused::every_norm_built(), ffn_fused::every_norm_built())
+                };
                 let before_default = layers_built();
+                let every_before_default = every_norm_built();
                 let mut runs = vec![("default", run(Some(&stock)).0)];
                 let after_default = layers_built();
+                let every_after_default = every_norm_built();
                 runs.push(("every opt-in", crate::kernels::with_opt_in(|| run(Some(&stock))).0));
                 // Each opt-in switch this case's weights meet, alone: a
                 // departure of the set names its kernel, and `run.py pick`
@@ -847,15 +854,11 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 alone.push("MLX_LFM_DECODE_ATTENTION_CHUNKS");
                 // The decode attention a row over several lanes.
                 alone.push("MLX_LFM_DECODE_ATTENTION_WIDE");
-                // Every head's block of the q/k/v stage computing the norm
-                // itself (built where the stage serves: checked below).
-                // And the conv layer's in_proj blocks and the feed-forward's
-                // gate blocks each computing theirs (likewise checked).
-                if compiled {
-                    alone.push("MLX_LFM_QKV_EVERY_NORM");
-                    alone.push("MLX_LFM_CONV_EVERY_NORM");
-                    alone.push("MLX_LFM_FFN_EVERY_NORM");
-                }
+                // (Every head's block of the q/k/v stage, the conv layer's
+                // in_proj blocks and the feed-forward's gate blocks each
+                // computing the layer's norm are CUDA defaults since session
+                // 50: the default run must build them where they serve, and
+                // `every-norm-off` below runs the waiting forms.)
                 // The norm folds with eps compiled in (the folds serve the
                 // dense weights up to 1,024 wide: the bf16 and f32
                 // fixtures'; a 4-bit one's projections are not dense).
@@ -916,25 +919,43 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 // feed-forward's one-launch layers: above.)
                 let conv_every_served = can_fuse && conv_after_first && !joined && !off("MLX_LFM_CONV_FUSED");
                 let ffn_every_served = can_fuse && dense_ffn && !joined && !off("MLX_LFM_FFN_FUSED");
+                // The default run built each every-norm form where its stage
+                // serves (unless the environment turned it off).
+                let every_missing: Vec<&str> = [
+                    (every_norm_served && !off("MLX_LFM_QKV_EVERY_NORM"), every_after_default.0 == every_before_default.0, "q/k/v"),
+                    (conv_every_served && !off("MLX_LFM_CONV_EVERY_NORM"), every_after_default.1 == every_before_default.1, "conv"),
+                    (ffn_every_served && !off("MLX_LFM_FFN_EVERY_NORM"), every_after_default.2 == every_before_default.2, "feed-forward"),
+                ]
+                .iter()
+                .filter(|(has, same, _)| *has && *same)
+                .map(|(_, _, name)| *name)
+                .collect();
+                if !every_missing.is_empty() {
+                    let stages = every_missing.join(", ");
+                    eprintln!("{what}: the default kernels FAILED: its run never built the every-norm {stages} forms");
+                    failures.push(format!("{what}: the default run never built the every-norm {stages} forms"));
+                }
                 for var in alone {
-                    let before = (
-                        crate::kernels::conv_layer_fused::built(),
-                        crate::kernels::qkv_fused::every_norm_built(),
-                        crate::kernels::conv_fused::every_norm_built(),
-                        crate::kernels::ffn_fused::every_norm_built(),
-                    );
+                    let before = crate::kernels::conv_layer_fused::built();
                     runs.push((var, crate::kernels::with_opt_in_one(var, || run(Some(&stock))).0));
-                    if can_fuse && var == "MLX_LFM_CONV_LAYER_FUSED" && crate::kernels::conv_layer_fused::built() == before.0 {
+                    if can_fuse && var == "MLX_LFM_CONV_LAYER_FUSED" && crate::kernels::conv_layer_fused::built() == before {
                         unbuilt(var, &mut failures);
                     }
-                    if every_norm_served && var == "MLX_LFM_QKV_EVERY_NORM" && crate::kernels::qkv_fused::every_norm_built() == before.1 {
-                        unbuilt(var, &mut failures);
-                    }
-                    if conv_every_served && var == "MLX_LFM_CONV_EVERY_NORM" && crate::kernels::conv_fused::every_norm_built() == before.2 {
-                        unbuilt(var, &mut failures);
-                    }
-                    if ffn_every_served && var == "MLX_LFM_FFN_EVERY_NORM" && crate::kernels::ffn_fused::every_norm_built() == before.3 {
-                        unbuilt(var, &mut failures);
+                }
+                if compiled {
+                    // The three stages waiting for their first block's norm
+                    // (MLX_LFM_QKV/CONV/FFN_EVERY_NORM=0, run.py's
+                    // `every-norm-off`: the forms before session 50), which
+                    // must have built no every-norm form.
+                    let off_set: Vec<(String, Option<String>)> = ["MLX_LFM_QKV_EVERY_NORM", "MLX_LFM_CONV_EVERY_NORM", "MLX_LFM_FFN_EVERY_NORM"]
+                        .iter()
+                        .map(|v| (v.to_string(), Some("0".to_string())))
+                        .collect();
+                    let before = every_norm_built();
+                    runs.push(("every-norm-off", crate::knobs::with_overrides(&off_set, || run(Some(&stock))).0));
+                    if every_norm_built() != before {
+                        eprintln!("{what}: the every-norm-off kernels FAILED: its run built an every-norm form");
+                        failures.push(format!("{what}: every-norm-off built an every-norm form"));
                     }
                 }
                 if compiled && first_conv {
@@ -987,8 +1008,14 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 if compiled && !joined {
                     // The conv layers' and feed-forwards' rows asked of L2
                     // before their waits (MLX_LFM_EARLY_PREFETCH, opt-in,
-                    // session 34; run.py's `early-prefetch`).
-                    let set = [("MLX_LFM_EARLY_PREFETCH".to_string(), Some("all".to_string()))];
+                    // session 34; run.py's `early-prefetch`): forms of the
+                    // waiting kernels, so every-norm off.
+                    let set = [
+                        ("MLX_LFM_EARLY_PREFETCH".to_string(), Some("all".to_string())),
+                        ("MLX_LFM_QKV_EVERY_NORM".to_string(), Some("0".to_string())),
+                        ("MLX_LFM_CONV_EVERY_NORM".to_string(), Some("0".to_string())),
+                        ("MLX_LFM_FFN_EVERY_NORM".to_string(), Some("0".to_string())),
+                    ];
                     runs.push(("early-prefetch", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
                 }
                 if compiled && !q4 && dense_ffn && !joined {
@@ -2956,9 +2983,13 @@ fn conv_fused_kernel_matches_stock_ops() {
                 return;
             }
             // Its rows asked of L2 before its waits (MLX_LFM_EARLY_PREFETCH,
-            // opt-in): the same bits, on the same counters (the same blocks
-            // a launch) and with its scratch rows in the state.
-            let early = [("MLX_LFM_EARLY_PREFETCH".to_string(), Some("conv".to_string()))];
+            // opt-in; a form of the waiting kernel, so every-norm off): the
+            // same bits, on the same counters (the same blocks a launch)
+            // and with its scratch rows in the state.
+            let early = [
+                ("MLX_LFM_EARLY_PREFETCH".to_string(), Some("conv".to_string())),
+                ("MLX_LFM_CONV_EVERY_NORM".to_string(), Some("0".to_string())),
+            ];
             for turn in 0..2 {
                 let (s2, out2, next2) =
                     crate::knobs::with_overrides(&early, || if turn == 0 { run(&counters) } else { scratch_in_state(|| run(&big)) });
@@ -2967,16 +2998,21 @@ fn conv_fused_kernel_matches_stock_ops() {
                 }
             }
             // in_proj's blocks each computing the norm itself
-            // (MLX_LFM_CONV_EVERY_NORM=1, opt-in): the same bits, on the
-            // same counters and with the scratch rows in the state.
-            let every = [("MLX_LFM_CONV_EVERY_NORM".to_string(), Some("1".to_string()))];
-            for turn in 0..2 {
-                let before = crate::kernels::conv_fused::every_norm_built();
-                let (s2, out2, next2) =
-                    crate::knobs::with_overrides(&every, || if turn == 0 { run(&counters) } else { scratch_in_state(|| run(&big)) });
-                assert!(crate::kernels::conv_fused::every_norm_built() > before, "{what}: the every-norm form was not built");
-                for (name, got, want) in [("sum", &s2, &s), ("output", &out2, &out), ("state", &next2, &next)] {
-                    assert_eq!(differing(got, want), 0, "{what}: every block's norm, launch {turn}: the {name} differs");
+            // (MLX_LFM_CONV_EVERY_NORM, the CUDA default since session 50)
+            // and waiting for the first block's (`=0`), each asked for by
+            // name whatever the environment's default: the same bits, on
+            // the same counters and with the scratch rows in the state.
+            for (every, form) in [("1", "every block's norm"), ("0", "the waiting form")] {
+                let set = [("MLX_LFM_CONV_EVERY_NORM".to_string(), Some(every.to_string()))];
+                for turn in 0..2 {
+                    let before = crate::kernels::conv_fused::every_norm_built();
+                    let (s2, out2, next2) =
+                        crate::knobs::with_overrides(&set, || if turn == 0 { run(&counters) } else { scratch_in_state(|| run(&big)) });
+                    let took = crate::kernels::conv_fused::every_norm_built() > before;
+                    assert_eq!(took, every == "1", "{what}: {form}, launch {turn}: the every-norm form built: {took}");
+                    for (name, got, want) in [("sum", &s2, &s), ("output", &out2, &out), ("state", &next2, &next)] {
+                        assert_eq!(differing(got, want), 0, "{what}: {form}, launch {turn}: the {name} differs");
+                    }
                 }
             }
             // The timeline form (the bench's), of the default and the early
@@ -3028,8 +3064,8 @@ fn conv_fused_kernel_matches_stock_ops() {
                 }
             }
             // (The output and the state after the token both poisoned when
-            // given up; the waiting form: the every-norm form, which an
-            // environment may pick, has no wait before the state to give up.)
+            // given up; the waiting form: the every-norm form, the CUDA
+            // default since session 50, has no wait before the state to give up.)
             let waiting = [("MLX_LFM_CONV_EVERY_NORM".to_string(), Some("0".to_string()))];
             crate::knobs::with_overrides(&waiting, || {
                 check_counters_in_step(&what, &counters, &[true, true, false, true, false], &[s, out, next], |c| {
@@ -3594,35 +3630,46 @@ fn ffn_fused_kernel_matches_stock_ops() {
             // 44, w2's waits end after the gate's first round.)
             check_stamps_of(&what, &times, gate, nb, !crate::kernels::ffn_fused::in_rounds(p.quant(), f, dt));
             // Its rows asked of L2 before its waits (MLX_LFM_EARLY_PREFETCH,
-            // opt-in): the same bits, on the same counters and with its
-            // scratch rows in the state.
-            let early = [("MLX_LFM_EARLY_PREFETCH".to_string(), Some("ffn".to_string()))];
+            // opt-in; a form of the waiting kernel, so every-norm off): the
+            // same bits, on the same counters and with its scratch rows in
+            // the state.
+            let early = [
+                ("MLX_LFM_EARLY_PREFETCH".to_string(), Some("ffn".to_string())),
+                ("MLX_LFM_FFN_EVERY_NORM".to_string(), Some("0".to_string())),
+            ];
             for turn in 0..2 {
                 let (s2, out2) = crate::knobs::with_overrides(&early, || if turn == 0 { run(&counters) } else { scratch_in_state(|| run(&big)) });
                 assert_eq!(differing(&s2, &s), 0, "{what}: rows asked for early, launch {turn}: the sum differs");
                 assert_eq!(differing(&out2, &out), 0, "{what}: rows asked for early, launch {turn}: the output differs");
             }
             // The gate's blocks each computing the norm itself
-            // (MLX_LFM_FFN_EVERY_NORM=1, opt-in): the same bits, on the
-            // same counters, with the scratch rows in the state, and (each
-            // on counters of its own: its tickets count other blocks) in
-            // the one-output form and the two-outputs form, rounds off
-            // (where rounds do not serve, the first is the default's).
-            let every = [("MLX_LFM_FFN_EVERY_NORM".to_string(), Some("1".to_string()))];
+            // (MLX_LFM_FFN_EVERY_NORM, the CUDA default since session 50)
+            // and waiting for the first block's (`=0`), each asked for by
+            // name whatever the environment's default: the same bits, on
+            // the same counters and with the scratch rows in the state;
+            // every-norm also (each on counters of its own: its tickets
+            // count other blocks) in the one-output form and the
+            // two-outputs form, rounds off (where rounds do not serve, the
+            // first is the default's; the waiting form's rows in those
+            // forms: the forms' loop below, its rows asked for early).
             let set = |var: &str, v: &str| (var.to_string(), Some(v.to_string()));
-            for turn in 0..4 {
-                let before = crate::kernels::ffn_fused::every_norm_built();
-                let (s2, out2) = crate::knobs::with_overrides(&every, || match turn {
-                    0 => run(&counters),
-                    1 => scratch_in_state(|| run(&big)),
-                    2 => crate::knobs::with_overrides(&[set("MLX_LFM_FFN_GATE_ROUNDS", "0")], || run(&new_counters().unwrap())),
-                    _ => crate::knobs::with_overrides(&[set("MLX_LFM_FFN_GATE_ROUNDS", "0"), set("MLX_LFM_FFN_GATE_ROWS", "2")], || {
-                        run(&new_counters().unwrap())
-                    }),
-                });
-                assert!(crate::kernels::ffn_fused::every_norm_built() > before, "{what}: the every-norm form was not built (launch {turn})");
-                assert_eq!(differing(&s2, &s), 0, "{what}: every block's norm, launch {turn}: the sum differs");
-                assert_eq!(differing(&out2, &out), 0, "{what}: every block's norm, launch {turn}: the output differs");
+            for (every, form, turns) in [("1", "every block's norm", 4), ("0", "the waiting form", 2)] {
+                let every_set = [set("MLX_LFM_FFN_EVERY_NORM", every)];
+                for turn in 0..turns {
+                    let before = crate::kernels::ffn_fused::every_norm_built();
+                    let (s2, out2) = crate::knobs::with_overrides(&every_set, || match turn {
+                        0 => run(&counters),
+                        1 => scratch_in_state(|| run(&big)),
+                        2 => crate::knobs::with_overrides(&[set("MLX_LFM_FFN_GATE_ROUNDS", "0")], || run(&new_counters().unwrap())),
+                        _ => crate::knobs::with_overrides(&[set("MLX_LFM_FFN_GATE_ROUNDS", "0"), set("MLX_LFM_FFN_GATE_ROWS", "2")], || {
+                            run(&new_counters().unwrap())
+                        }),
+                    });
+                    let took = crate::kernels::ffn_fused::every_norm_built() > before;
+                    assert_eq!(took, every == "1", "{what}: {form}, launch {turn}: the every-norm form built: {took}");
+                    assert_eq!(differing(&s2, &s), 0, "{what}: {form}, launch {turn}: the sum differs");
+                    assert_eq!(differing(&out2, &out), 0, "{what}: {form}, launch {turn}: the output differs");
+                }
             }
             // One gate output a warp and two (MLX_LFM_FFN_GATE_ROWS=2,
             // opt-in), rounds off, and the gate in two (the CUDA default
@@ -3908,7 +3955,7 @@ fn qkv_fused_kernel_writes_kv_in_place() {
         let heads = (qh, kvh, hd);
         let state = new_counters_of(crate::kernels::qkv_fused::state_words(d as usize, (qh + 2 * kvh) as usize)).unwrap();
         // (Both with the wait for the first block's norm and with every
-        // block's own, MLX_LFM_QKV_EVERY_NORM, opt-in; one block a head.)
+        // block's own, MLX_LFM_QKV_EVERY_NORM, the CUDA default; one block a head.)
         for (turn, position, every) in [(0, 0i32, "0"), (1, 517, "0"), (2, cap - 1, "0"), (3, cap, "0"), (4, 517, "1"), (5, cap - 1, "1")] {
             let what = format!("{what}, position {position}, every block's norm: {every}");
             let offset = Array::from_slice(&[position], &[1]).unwrap();
@@ -4082,9 +4129,13 @@ fn qkv_fused_kernel_matches_stock_ops() {
                     return;
                 }
                 // The head's rows asked of L2 before the wait
-                // (MLX_LFM_EARLY_PREFETCH=qkv, opt-in): the same bits, on
-                // the same counters and with the scratch row in the state.
-                let early = [("MLX_LFM_EARLY_PREFETCH".to_string(), Some("qkv".to_string()))];
+                // (MLX_LFM_EARLY_PREFETCH=qkv, opt-in; a form of the waiting
+                // kernel, so every-norm off): the same bits, on the same
+                // counters and with the scratch row in the state.
+                let early = [
+                    ("MLX_LFM_EARLY_PREFETCH".to_string(), Some("qkv".to_string())),
+                    ("MLX_LFM_QKV_EVERY_NORM".to_string(), Some("0".to_string())),
+                ];
                 for turn in 0..2 {
                     let (s2, q2, k2, v2) =
                         crate::knobs::with_overrides(&early, || if turn == 0 { run(&counters) } else { scratch_in_state(|| run(&big)) });
@@ -4093,20 +4144,25 @@ fn qkv_fused_kernel_matches_stock_ops() {
                     }
                 }
                 // Every head's block computing the norm itself
-                // (MLX_LFM_QKV_EVERY_NORM=1, opt-in): the same bits, on the
-                // same counters and with the scratch row in the state.
+                // (MLX_LFM_QKV_EVERY_NORM, the CUDA default since session 50)
+                // and waiting for the first block's (`=0`), each asked for by
+                // name whatever the environment's default: the same bits, on
+                // the same counters and with the scratch row in the state.
                 // (The one-block form, whatever the environment's split.)
-                let every = [
-                    ("MLX_LFM_QKV_EVERY_NORM".to_string(), Some("1".to_string())),
-                    ("MLX_LFM_QKV_SPLIT".to_string(), Some("1".to_string())),
-                ];
-                for turn in 0..2 {
-                    let before = crate::kernels::qkv_fused::every_norm_built();
-                    let (s2, q2, k2, v2) =
-                        crate::knobs::with_overrides(&every, || if turn == 0 { run(&counters) } else { scratch_in_state(|| run(&big)) });
-                    assert!(crate::kernels::qkv_fused::every_norm_built() > before, "{what}: the every-norm form was not built");
-                    for (name, got, want) in [("sum", &s2, &s), ("q", &q2, &gq), ("k", &k2, &gk), ("v", &v2, &gv)] {
-                        assert_eq!(differing(got, want), 0, "{what}: every block's norm, launch {turn}: {name} differs");
+                for (every, form) in [("1", "every block's norm"), ("0", "the waiting form")] {
+                    let set = [
+                        ("MLX_LFM_QKV_EVERY_NORM".to_string(), Some(every.to_string())),
+                        ("MLX_LFM_QKV_SPLIT".to_string(), Some("1".to_string())),
+                    ];
+                    for turn in 0..2 {
+                        let before = crate::kernels::qkv_fused::every_norm_built();
+                        let (s2, q2, k2, v2) =
+                            crate::knobs::with_overrides(&set, || if turn == 0 { run(&counters) } else { scratch_in_state(|| run(&big)) });
+                        let took = crate::kernels::qkv_fused::every_norm_built() > before;
+                        assert_eq!(took, every == "1", "{what}: {form}, launch {turn}: the every-norm form built: {took}");
+                        for (name, got, want) in [("sum", &s2, &s), ("q", &q2, &gq), ("k", &k2, &gk), ("v", &v2, &gv)] {
+                            assert_eq!(differing(got, want), 0, "{what}: {form}, launch {turn}: {name} differs");
+                        }
                     }
                 }
                 // The bench's timeline form (one block a head, never split):
@@ -4132,12 +4188,17 @@ fn qkv_fused_kernel_matches_stock_ops() {
                             assert_eq!(differing(got, want), 0, "{what}: a head over 32 warps, launch {turn}: {name} differs");
                         }
                     }
-                    // And every block's own norm over those 32 warps (the
-                    // norm's block narrower than the head's).
-                    let wide_every: Vec<_> = wide.iter().chain(every.iter()).cloned().collect();
-                    let (s2, q2, k2, v2) = crate::knobs::with_overrides(&wide_every, || run(&counters));
-                    for (name, got, want) in [("sum", &s2, &s), ("q", &q2, &gq), ("k", &k2, &gk), ("v", &v2, &gv)] {
-                        assert_eq!(differing(got, want), 0, "{what}: every block's norm over 32 warps: {name} differs");
+                    // And each norm form over those 32 warps, asked for by
+                    // name (every block's own: its norm's block narrower
+                    // than the head's; the waiting form), one block a head.
+                    for (every, form) in [("1", "every block's norm"), ("0", "the waiting form")] {
+                        let mut set = wide.to_vec();
+                        set.push(("MLX_LFM_QKV_EVERY_NORM".to_string(), Some(every.to_string())));
+                        set.push(("MLX_LFM_QKV_SPLIT".to_string(), Some("1".to_string())));
+                        let (s2, q2, k2, v2) = crate::knobs::with_overrides(&set, || run(&counters));
+                        for (name, got, want) in [("sum", &s2, &s), ("q", &q2, &gq), ("k", &k2, &gk), ("v", &v2, &gv)] {
+                            assert_eq!(differing(got, want), 0, "{what}: {form} over 32 warps: {name} differs");
+                        }
                     }
                 }
                 // A head's rows over 2 or 4 blocks (MLX_LFM_QKV_SPLIT,
@@ -4212,8 +4273,8 @@ fn qkv_fused_kernel_matches_stock_ops() {
                     assert!(counts.iter().all(|c| *c == 0), "{what}: heads' counters not taken back to zero: {counts:?}");
                     assert_eq!(split_built() - split_before, if fits { 9 } else { 0 }, "{what}: graphs of the split form");
                 }
-                // (The waiting form: an every-norm form, which an environment
-                // may pick, has no wait to give up.)
+                // (The waiting form: an every-norm form, the CUDA default
+                // since session 50, has no wait to give up.)
                 let waiting = [("MLX_LFM_QKV_EVERY_NORM".to_string(), Some("0".to_string()))];
                 crate::knobs::with_overrides(&waiting, || {
                     check_counters_in_step(&what, &counters, &[true, false, true], &[s, gq, gk, gv], |c| {

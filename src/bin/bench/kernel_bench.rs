@@ -1249,14 +1249,15 @@ fn medians(lines: &[serde_json::Value], parts: &[&str]) -> serde_json::Value {
 /// (Session 40's `-out` arms, out_proj asked of L2 by the channel
 /// blocks, read no faster in session 41 and are retired with their switch.)
 /// The `-every-norm` arms: in_proj's blocks each computing the norm
-/// (`MLX_LFM_CONV_EVERY_NORM`, session 48), against `-fused`.
+/// (`MLX_LFM_CONV_EVERY_NORM`, session 48, the CUDA default since session
+/// 50), against `-fused` (the waiting form, `=0`, as the `-early` arms).
 const CONV_ARMS: [(&str, Switches, usize); 8] = [
     ("conv-layer-q4-four", &[("MLX_LFM_CONV_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1")], 4),
-    ("conv-layer-q4-fused", &[("MLX_LFM_CONV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
-    ("conv-layer-q4-fused-early", &[("MLX_LFM_CONV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_EARLY_PREFETCH", "conv")], 1),
+    ("conv-layer-q4-fused", &[("MLX_LFM_CONV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_CONV_EVERY_NORM", "0")], 1),
+    ("conv-layer-q4-fused-early", &[("MLX_LFM_CONV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_EARLY_PREFETCH", "conv"), ("MLX_LFM_CONV_EVERY_NORM", "0")], 1),
     ("conv-layer-bf16-four", &[("MLX_LFM_CONV_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1")], 4),
-    ("conv-layer-bf16-fused", &[("MLX_LFM_CONV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
-    ("conv-layer-bf16-fused-early", &[("MLX_LFM_CONV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_EARLY_PREFETCH", "conv")], 1),
+    ("conv-layer-bf16-fused", &[("MLX_LFM_CONV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_CONV_EVERY_NORM", "0")], 1),
+    ("conv-layer-bf16-fused-early", &[("MLX_LFM_CONV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_EARLY_PREFETCH", "conv"), ("MLX_LFM_CONV_EVERY_NORM", "0")], 1),
     ("conv-layer-q4-fused-every-norm", &[("MLX_LFM_CONV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_CONV_EVERY_NORM", "1")], 1),
     ("conv-layer-bf16-fused-every-norm", &[("MLX_LFM_CONV_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_CONV_EVERY_NORM", "1")], 1),
 ];
@@ -1372,18 +1373,18 @@ impl ConvLayer {
 /// times the rounds form.)
 const FFN_ARMS: [(&str, Switches, usize); 11] = [
     ("ffn-layer-bf16-three", &[("MLX_LFM_FFN_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_GEMV_KERNEL", "1")], 3),
-    ("ffn-layer-bf16-fused", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_FFN_GATE_ROUNDS", "0")], 1),
+    ("ffn-layer-bf16-fused", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_FFN_GATE_ROUNDS", "0"), ("MLX_LFM_FFN_EVERY_NORM", "0")], 1),
     (
         "ffn-layer-bf16-fused-early",
-        &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_EARLY_PREFETCH", "ffn"), ("MLX_LFM_FFN_GATE_ROUNDS", "0")],
+        &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_EARLY_PREFETCH", "ffn"), ("MLX_LFM_FFN_GATE_ROUNDS", "0"), ("MLX_LFM_FFN_EVERY_NORM", "0")],
         1,
     ),
     ("ffn-layer-q4-four", &[("MLX_LFM_FFN_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1")], 4),
-    ("ffn-layer-q4-fused", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
-    ("ffn-layer-q4-fused-early", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_EARLY_PREFETCH", "ffn")], 1),
+    ("ffn-layer-q4-fused", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_FFN_EVERY_NORM", "0")], 1),
+    ("ffn-layer-q4-fused-early", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_EARLY_PREFETCH", "ffn"), ("MLX_LFM_FFN_EVERY_NORM", "0")], 1),
     (
         "ffn-layer-bf16-fused-g2",
-        &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_FFN_GATE_ROWS", "2"), ("MLX_LFM_FFN_GATE_ROUNDS", "0")],
+        &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_FFN_GATE_ROWS", "2"), ("MLX_LFM_FFN_GATE_ROUNDS", "0"), ("MLX_LFM_FFN_EVERY_NORM", "0")],
         1,
     ),
     (
@@ -1394,10 +1395,11 @@ const FFN_ARMS: [(&str, Switches, usize); 11] = [
             ("MLX_LFM_FFN_GATE_ROWS", "2"),
             ("MLX_LFM_EARLY_PREFETCH", "ffn"),
             ("MLX_LFM_FFN_GATE_ROUNDS", "0"),
+            ("MLX_LFM_FFN_EVERY_NORM", "0"),
         ],
         1,
     ),
-    ("ffn-layer-q4-fused-g2", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_FFN_GATE_ROWS", "2")], 1),
+    ("ffn-layer-q4-fused-g2", &[("MLX_LFM_FFN_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1"), ("MLX_LFM_FFN_GATE_ROWS", "2"), ("MLX_LFM_FFN_EVERY_NORM", "0")], 1),
     // (The gate's blocks each computing the norm, MLX_LFM_FFN_EVERY_NORM,
     // session 48: against `-fused`, the same form otherwise.)
     (
