@@ -3008,8 +3008,11 @@ fn conv_fused_kernel_matches_stock_ops() {
                     let before = crate::kernels::conv_fused::every_norm_built();
                     let (s2, out2, next2) =
                         crate::knobs::with_overrides(&set, || if turn == 0 { run(&counters) } else { scratch_in_state(|| run(&big)) });
-                    let took = crate::kernels::conv_fused::every_norm_built() > before;
-                    assert_eq!(took, every == "1", "{what}: {form}, launch {turn}: the every-norm form built: {took}");
+                    // (Built where asked for; the waiting form's count is not held
+                    // to zero: a test beside this one in the process may build.)
+                    if every == "1" {
+                        assert!(crate::kernels::conv_fused::every_norm_built() > before, "{what}: {form}, launch {turn}: the every-norm form was not built");
+                    }
                     for (name, got, want) in [("sum", &s2, &s), ("output", &out2, &out), ("state", &next2, &next)] {
                         assert_eq!(differing(got, want), 0, "{what}: {form}, launch {turn}: the {name} differs");
                     }
@@ -3665,8 +3668,11 @@ fn ffn_fused_kernel_matches_stock_ops() {
                             run(&new_counters().unwrap())
                         }),
                     });
-                    let took = crate::kernels::ffn_fused::every_norm_built() > before;
-                    assert_eq!(took, every == "1", "{what}: {form}, launch {turn}: the every-norm form built: {took}");
+                    // (Built where asked for; the waiting form's count is not held
+                    // to zero: a test beside this one in the process may build.)
+                    if every == "1" {
+                        assert!(crate::kernels::ffn_fused::every_norm_built() > before, "{what}: {form}, launch {turn}: the every-norm form was not built");
+                    }
                     assert_eq!(differing(&s2, &s), 0, "{what}: {form}, launch {turn}: the sum differs");
                     assert_eq!(differing(&out2, &out), 0, "{what}: {form}, launch {turn}: the output differs");
                 }
@@ -4158,8 +4164,11 @@ fn qkv_fused_kernel_matches_stock_ops() {
                         let before = crate::kernels::qkv_fused::every_norm_built();
                         let (s2, q2, k2, v2) =
                             crate::knobs::with_overrides(&set, || if turn == 0 { run(&counters) } else { scratch_in_state(|| run(&big)) });
-                        let took = crate::kernels::qkv_fused::every_norm_built() > before;
-                        assert_eq!(took, every == "1", "{what}: {form}, launch {turn}: the every-norm form built: {took}");
+                        // (Built where asked for; the waiting form's count is not held
+                        // to zero: a test beside this one in the process may build.)
+                        if every == "1" {
+                            assert!(crate::kernels::qkv_fused::every_norm_built() > before, "{what}: {form}, launch {turn}: the every-norm form was not built");
+                        }
                         for (name, got, want) in [("sum", &s2, &s), ("q", &q2, &gq), ("k", &k2, &gk), ("v", &v2, &gv)] {
                             assert_eq!(differing(got, want), 0, "{what}: {form}, launch {turn}: {name} differs");
                         }
