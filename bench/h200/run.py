@@ -208,10 +208,15 @@ suite runs again; verdicts-from still reuses them):
      (the default with the forms in the code, against them off: expect
      ~0.97x, 0.94x, 0.98x).
   5. The feed-forward at ~1.6 TB/s of the H100's ~3.35 is 58% of the
-     1.2B's step: kernel-bench's `ffn-layer-bf16-*` and `layer-chains`
-     arms (H200_MODELS=lfm2-1.2b-bf16 `kernel-bench`) for where its
-     launch waits (the gate's and w2's walks, the rounds' hand-off);
-     the MoE layer (38 µs a launch, 59% of the 8B-A1B's step) likewise.
+     1.2B's step (41.6 µs a launch for ~67 MB; the conv layer ~1.7 TB/s,
+     20.2 µs for ~34 MB): carry [.device/bin],
+     H200_NCU_KERNELS='lfm_ffn_fused|lfm_conv_fused|lfm_moe_fused'
+     H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4 `timeout -s TERM 400
+     python3 bench/h200/run.py profile-kernels` (ncu's sections: its
+     memory throughput, occupancy and warp stalls, for why the walks read
+     at half the bandwidth), then kernel-bench's `layer-chains` timelines
+     (the gate done at, w2 done after) with what is left. The MoE layer
+     (38 µs a launch, 59% of the 8B-A1B's step) likewise.
   6. Rounds only if a default changes (session 50's stand).
   On an H200 (none lent since session 30; the issue's targets and tests
   are the H200's): the whole suite first over two calls
