@@ -900,5 +900,48 @@ class AbPrompt(unittest.TestCase):
         self.ab_rows(512)
         self.assertEqual(self.picked().get("MLX_LFM_KV_IN_PLACE"), "1")
 
+
+class AbTables(unittest.TestCase):
+    """The A/B tables name what exists: every variant `pick` reads or
+    DECODE_ONLY lists is in AB, every variant AB_TESTS gates is, every
+    test it needs is a test of the suite, and every greedy set it needs is
+    one the greedy test prints (a set renamed or dropped in tests.rs would
+    leave a variant unpickable, or gated by nothing)."""
+
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.run = load_run(Path(self.tmp.name))
+        self.tests_rs = (HERE.parents[1] / "src" / "kernels" / "tests.rs").read_text()
+
+    def tearDown(self):
+        self.tmp.cleanup()
+
+    def test_every_named_variant_exists(self):
+        picked = {v for group, _ in self.run.PICK for v in group}
+        for name in sorted(picked | set(self.run.DECODE_ONLY) | set(self.run.AB_TESTS)):
+            self.assertTrue(name in self.run.AB, f"{name}: not an A/B variant")
+
+    def test_every_needed_test_and_greedy_set_exists(self):
+        import re
+        # (Test functions anywhere in src/, and the ones tests.rs's macro
+        # makes, one `name: ...;` line each.)
+        src = "".join(f.read_text() for f in (HERE.parents[1] / "src").rglob("*.rs"))
+        tests = set(re.findall(r"fn (\w+)\(\)", src)) | set(re.findall(r"(?m)^\s*(\w+): \"", self.tests_rs))
+        literals = set(re.findall(r'"([\w.:-]+)"', self.tests_rs))
+        for variant, needs in self.run.AB_TESTS.items():
+            for need in needs:
+                if need.startswith("greedy:"):
+                    # ("default" is the greedy test's first run.)
+                    self.assertTrue(need[len("greedy:"):] in literals, f"{variant}: {need} is no set tests.rs runs")
+                else:
+                    self.assertTrue(need in tests, f"{variant}: {need} is no test in src/")
+
+    def test_every_norm_off_turns_all_three_off(self):
+        self.assertEqual(self.run.AB["every-norm-off"][0], self.run.EVERY_NORM_OFF)
+        self.assertEqual(set(self.run.EVERY_NORM_OFF.values()), {"0"})
+        for var in self.run.EVERY_NORM_OFF:
+            self.assertIn(var, self.tests_rs)
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)

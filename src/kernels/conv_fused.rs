@@ -61,6 +61,7 @@ fn enabled() -> bool {
 
 static BUILT: Built = Built::new();
 static EVERY_BUILT: Built = Built::new();
+static WAIT_BUILT: Built = Built::new();
 
 /// How many times [`forward`] has put the kernel into a graph in this
 /// process: the greedy test's evidence that its runs took this path.
@@ -72,6 +73,13 @@ pub fn built() -> usize {
 /// ([`every_norm`]): the tests' evidence.
 pub fn every_norm_built() -> usize {
     EVERY_BUILT.get()
+}
+
+/// How many of [`built`]'s graphs took the waiting form (every-norm off):
+/// the tests' evidence that `=0` reached the kernel (a count that only
+/// rises, so a test beside it in the process cannot fail the check).
+pub fn waiting_built() -> usize {
+    WAIT_BUILT.get()
 }
 
 /// `MLX_LFM_CONV_EVERY_NORM` (written in session 48; a CUDA default since
@@ -292,6 +300,8 @@ fn launch(x: &Normed, p: Projections, state: &Array, cw: &Array, ctr: &Array, ti
     BUILT.bump();
     if every_norm() {
         EVERY_BUILT.bump();
+    } else {
+        WAIT_BUILT.bump();
     }
     Ok(outs)
 }

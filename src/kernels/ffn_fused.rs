@@ -162,11 +162,18 @@ pub fn built() -> usize {
 }
 
 static EVERY_BUILT: Built = Built::new();
+static WAIT_BUILT: Built = Built::new();
 
 /// How many of [`built`]'s graphs took the every-norm form
 /// ([`every_norm`]): the tests' evidence.
 pub fn every_norm_built() -> usize {
     EVERY_BUILT.get()
+}
+
+/// How many of [`built`]'s graphs took the waiting form (every-norm off):
+/// the tests' evidence that `=0` reached the kernel.
+pub fn waiting_built() -> usize {
+    WAIT_BUILT.get()
 }
 
 /// `MLX_LFM_FFN_EVERY_NORM` (written in session 48; a CUDA default since
@@ -409,6 +416,8 @@ fn launch(x: &Normed, p: Projections, ctr: &Array, timeline: bool) -> Result<Vec
     }
     if every_norm() {
         EVERY_BUILT.bump();
+    } else {
+        WAIT_BUILT.bump();
     }
     Ok(outs)
 }

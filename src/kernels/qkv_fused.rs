@@ -261,11 +261,19 @@ fn every_norm_form(
 }
 
 static EVERY_BUILT: Built = Built::new();
+static WAIT_BUILT: Built = Built::new();
 
 /// How many of [`built`]'s graphs took an every-norm form: the greedy
 /// test's evidence.
 pub fn every_norm_built() -> usize {
     EVERY_BUILT.get()
+}
+
+/// How many of [`built`]'s graphs took a waiting form (every-norm off, or
+/// the split form, which has none): the tests' evidence that `=0` reached
+/// the kernel.
+pub fn waiting_built() -> usize {
+    WAIT_BUILT.get()
 }
 
 /// The split form's text ([`split`]): the one-block form's with a head's
@@ -656,6 +664,8 @@ fn launch(
     }
     if every_norm() && (kv.is_some() || parts == 1) {
         EVERY_BUILT.bump();
+    } else {
+        WAIT_BUILT.bump();
     }
     outs.truncate(outputs.len() - 1);
     Ok(outs)

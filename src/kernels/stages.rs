@@ -574,6 +574,10 @@ const EARLY_PARTS: [&str; 3] = ["conv", "ffn", "qkv"];
 /// (Session 34's kernel-bench, an H100: the conv layer 26.9 µs early
 /// against 26.1, bf16 23.4 against 21.9, the feed-forward 40.9 against
 /// 41.4: no gain where every block is resident and waits anyway.)
+/// Forms of the waiting kernels: since session 50, when each stage's
+/// every-norm form became a CUDA default, a stage takes its early form
+/// only with its every-norm switch `=0` (`MLX_LFM_QKV_EVERY_NORM`,
+/// `MLX_LFM_CONV_EVERY_NORM`, `MLX_LFM_FFN_EVERY_NORM`).
 pub(crate) fn early_prefetch(part: &str) -> bool {
     static ON: OnceLock<[bool; 3]> = OnceLock::new();
     let on = crate::knobs::cached("MLX_LFM_EARLY_PREFETCH", &ON, |v| {

@@ -946,16 +946,33 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     // The three stages waiting for their first block's norm
                     // (MLX_LFM_QKV/CONV/FFN_EVERY_NORM=0, run.py's
                     // `every-norm-off`: the forms before session 50), which
-                    // must have built no every-norm form.
+                    // must have built each waiting form where its stage
+                    // serves. (The waiting counts, which only rise: a test
+                    // beside this one in the process cannot fail the check.)
                     let off_set: Vec<(String, Option<String>)> = ["MLX_LFM_QKV_EVERY_NORM", "MLX_LFM_CONV_EVERY_NORM", "MLX_LFM_FFN_EVERY_NORM"]
                         .iter()
                         .map(|v| (v.to_string(), Some("0".to_string())))
                         .collect();
-                    let before = every_norm_built();
+                    let waiting_built = || {
+                        use crate::kernels::{conv_fused, ffn_fused, qkv_fused};
+                        (qkv_fused::waiting_built(), conv_fused::waiting_built(), ffn_fused::waiting_built())
+                    };
+                    let before = waiting_built();
                     runs.push(("every-norm-off", crate::knobs::with_overrides(&off_set, || run(Some(&stock))).0));
-                    if every_norm_built() != before {
-                        eprintln!("{what}: the every-norm-off kernels FAILED: its run built an every-norm form");
-                        failures.push(format!("{what}: every-norm-off built an every-norm form"));
+                    let after = waiting_built();
+                    let missing: Vec<&str> = [
+                        (every_norm_served, after.0 == before.0, "q/k/v"),
+                        (conv_every_served, after.1 == before.1, "conv"),
+                        (ffn_every_served, after.2 == before.2, "feed-forward"),
+                    ]
+                    .iter()
+                    .filter(|(has, same, _)| *has && *same)
+                    .map(|(_, _, name)| *name)
+                    .collect();
+                    if !missing.is_empty() {
+                        let stages = missing.join(", ");
+                        eprintln!("{what}: the every-norm-off kernels FAILED: its run never built the waiting {stages} forms");
+                        failures.push(format!("{what}: every-norm-off never built the waiting {stages} forms"));
                     }
                 }
                 if compiled && first_conv {
@@ -3004,15 +3021,14 @@ fn conv_fused_kernel_matches_stock_ops() {
             // the same counters and with the scratch rows in the state.
             for (every, form) in [("1", "every block's norm"), ("0", "the waiting form")] {
                 let set = [("MLX_LFM_CONV_EVERY_NORM".to_string(), Some(every.to_string()))];
+                // (Each form's own count, which only rises: a test beside
+                // this one in the process cannot fail the check.)
+                let count = || if every == "1" { crate::kernels::conv_fused::every_norm_built() } else { crate::kernels::conv_fused::waiting_built() };
                 for turn in 0..2 {
-                    let before = crate::kernels::conv_fused::every_norm_built();
+                    let before = count();
                     let (s2, out2, next2) =
                         crate::knobs::with_overrides(&set, || if turn == 0 { run(&counters) } else { scratch_in_state(|| run(&big)) });
-                    // (Built where asked for; the waiting form's count is not held
-                    // to zero: a test beside this one in the process may build.)
-                    if every == "1" {
-                        assert!(crate::kernels::conv_fused::every_norm_built() > before, "{what}: {form}, launch {turn}: the every-norm form was not built");
-                    }
+                    assert!(count() > before, "{what}: {form}, launch {turn}: that form was not built");
                     for (name, got, want) in [("sum", &s2, &s), ("output", &out2, &out), ("state", &next2, &next)] {
                         assert_eq!(differing(got, want), 0, "{what}: {form}, launch {turn}: the {name} differs");
                     }
@@ -3658,8 +3674,11 @@ fn ffn_fused_kernel_matches_stock_ops() {
             let set = |var: &str, v: &str| (var.to_string(), Some(v.to_string()));
             for (every, form, turns) in [("1", "every block's norm", 4), ("0", "the waiting form", 2)] {
                 let every_set = [set("MLX_LFM_FFN_EVERY_NORM", every)];
+                // (Each form's own count, which only rises: a test beside
+                // this one in the process cannot fail the check.)
+                let count = || if every == "1" { crate::kernels::ffn_fused::every_norm_built() } else { crate::kernels::ffn_fused::waiting_built() };
                 for turn in 0..turns {
-                    let before = crate::kernels::ffn_fused::every_norm_built();
+                    let before = count();
                     let (s2, out2) = crate::knobs::with_overrides(&every_set, || match turn {
                         0 => run(&counters),
                         1 => scratch_in_state(|| run(&big)),
@@ -3668,11 +3687,7 @@ fn ffn_fused_kernel_matches_stock_ops() {
                             run(&new_counters().unwrap())
                         }),
                     });
-                    // (Built where asked for; the waiting form's count is not held
-                    // to zero: a test beside this one in the process may build.)
-                    if every == "1" {
-                        assert!(crate::kernels::ffn_fused::every_norm_built() > before, "{what}: {form}, launch {turn}: the every-norm form was not built");
-                    }
+                    assert!(count() > before, "{what}: {form}, launch {turn}: that form was not built");
                     assert_eq!(differing(&s2, &s), 0, "{what}: {form}, launch {turn}: the sum differs");
                     assert_eq!(differing(&out2, &out), 0, "{what}: {form}, launch {turn}: the output differs");
                 }
@@ -3747,12 +3762,22 @@ fn ffn_fused_kernel_matches_stock_ops() {
                         let rounds_built = crate::kernels::ffn_fused::built_rounds(g as usize) - before;
                         assert_eq!(rounds_built, if in_rounds { 2 } else { 0 }, "{what}: {form}, launch {turn}: rounds forms built");
                     }
-                    let stuck = [("MLX_LFM_FUSED_NO_WAIT".to_string(), Some("1".to_string()))];
-                    let (_, given_up) = crate::knobs::with_overrides(&stuck, || run(&own));
-                    let v: Vec<f32> = given_up.astype(Dtype::Float32).unwrap().to_vec().unwrap();
-                    assert!(v.iter().all(|v| v.is_nan()), "{what}: {form}, waits given up: {} values are not NaN", v.iter().filter(|v| !v.is_nan()).count());
-                    let (s2, out2) = run(&own);
-                    assert_eq!((differing(&s2, &s), differing(&out2, &out)), (0, 0), "{what}: {form}: the launch after the given-up one differs");
+                    // Its waits given up, and the launch after, in each norm
+                    // form asked for by name (every-norm's gate blocks have
+                    // no wait to give up; w2's blocks have theirs in both).
+                    for every in ["1", "0"] {
+                        let norm = [("MLX_LFM_FFN_EVERY_NORM".to_string(), Some(every.to_string()))];
+                        crate::knobs::with_overrides(&norm, || {
+                            let stuck = [("MLX_LFM_FUSED_NO_WAIT".to_string(), Some("1".to_string()))];
+                            let (_, given_up) = crate::knobs::with_overrides(&stuck, || run(&own));
+                            let v: Vec<f32> = given_up.astype(Dtype::Float32).unwrap().to_vec().unwrap();
+                            let not_nan = v.iter().filter(|v| !v.is_nan()).count();
+                            assert_eq!(not_nan, 0, "{what}: {form}, every-norm {every}, waits given up: {not_nan} values are not NaN");
+                            let (s2, out2) = run(&own);
+                            let apart = (differing(&s2, &s), differing(&out2, &out));
+                            assert_eq!(apart, (0, 0), "{what}: {form}, every-norm {every}: the launch after the given-up one differs");
+                        });
+                    }
                     let (out_t, times, gate, nb) = with_opt_in_one("MLX_LFM_FFN_FUSED", || {
                         crate::kernels::ffn_fused::forward_timeline(&x, p, &new_counters().unwrap()).unwrap()
                     });
@@ -4160,15 +4185,14 @@ fn qkv_fused_kernel_matches_stock_ops() {
                         ("MLX_LFM_QKV_EVERY_NORM".to_string(), Some(every.to_string())),
                         ("MLX_LFM_QKV_SPLIT".to_string(), Some("1".to_string())),
                     ];
+                    // (Each form's own count, which only rises: a test beside
+                    // this one in the process cannot fail the check.)
+                    let count = || if every == "1" { crate::kernels::qkv_fused::every_norm_built() } else { crate::kernels::qkv_fused::waiting_built() };
                     for turn in 0..2 {
-                        let before = crate::kernels::qkv_fused::every_norm_built();
+                        let before = count();
                         let (s2, q2, k2, v2) =
                             crate::knobs::with_overrides(&set, || if turn == 0 { run(&counters) } else { scratch_in_state(|| run(&big)) });
-                        // (Built where asked for; the waiting form's count is not held
-                        // to zero: a test beside this one in the process may build.)
-                        if every == "1" {
-                            assert!(crate::kernels::qkv_fused::every_norm_built() > before, "{what}: {form}, launch {turn}: the every-norm form was not built");
-                        }
+                        assert!(count() > before, "{what}: {form}, launch {turn}: that form was not built");
                         for (name, got, want) in [("sum", &s2, &s), ("q", &q2, &gq), ("k", &k2, &gk), ("v", &v2, &gv)] {
                             assert_eq!(differing(got, want), 0, "{what}: {form}, launch {turn}: {name} differs");
                         }
@@ -4204,7 +4228,10 @@ fn qkv_fused_kernel_matches_stock_ops() {
                         let mut set = wide.to_vec();
                         set.push(("MLX_LFM_QKV_EVERY_NORM".to_string(), Some(every.to_string())));
                         set.push(("MLX_LFM_QKV_SPLIT".to_string(), Some("1".to_string())));
+                        let count = || if every == "1" { crate::kernels::qkv_fused::every_norm_built() } else { crate::kernels::qkv_fused::waiting_built() };
+                        let before = count();
                         let (s2, q2, k2, v2) = crate::knobs::with_overrides(&set, || run(&counters));
+                        assert!(count() > before, "{what}: {form} over 32 warps was not built");
                         for (name, got, want) in [("sum", &s2, &s), ("q", &q2, &gq), ("k", &k2, &gk), ("v", &v2, &gv)] {
                             assert_eq!(differing(got, want), 0, "{what}: {form} over 32 warps: {name} differs");
                         }
@@ -4235,9 +4262,13 @@ fn qkv_fused_kernel_matches_stock_ops() {
                         // assertion.)
                         continue;
                     }
+                    // (Every-norm off: where the split does not fit, the
+                    // one-block form runs, and its given-up check below
+                    // needs the wait the every-norm form has not.)
                     let set = vec![
                         ("MLX_LFM_QKV_SPLIT".to_string(), Some(n.to_string())),
                         ("MLX_LFM_QKV_WARPS".to_string(), Some(warps.to_string())),
+                        ("MLX_LFM_QKV_EVERY_NORM".to_string(), Some("0".to_string())),
                     ];
                     let what = format!("{what}, a head over {n} blocks of {warps} warps");
                     let hp = hd / n;
