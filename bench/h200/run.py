@@ -190,7 +190,7 @@ feed-forward 58% of it at ~1.6 TB/s), 68 on the 8B-A1B (the MoE layer
 (`every-norm-off` the variant and greedy set timing them off); the
 layer tests now hold both norm forms by name and run the early forms
 with every-norm off: those test changes have not run on a GPU.
-The chain (binaries of the commit after c636a56: the kernel files'
+The chain (.device built at ee6dd34 or later: the kernel files'
 hashes changed, so every committed verdict reads stale until the
 suite runs again; verdicts-from still reuses them):
   1. carry [.device/a]: `stage-mlx`.
