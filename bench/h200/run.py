@@ -185,8 +185,8 @@ read decode 1.034-1.036x (1.2B), 1.051-1.067x (350M), 1.018-1.024x
 met every target (decode 1.24-1.25x on the 1.2B, 1.51-1.61x on the
 350M, 1.09-1.11x on the 8B-A1B); profile-gaps: 49 kernels a token on
 the dense models (1.2B 1,154 µs of kernels in a 1,174 µs step, the
-feed-forward 58% of it at ~1.6 TB/s), 68 on the 8B-A1B (the MoE layer
-59%). After the calls the three every-norm forms became CUDA defaults
+feed-forward 58% of it at ~2.4 TB/s, the conv layer at ~1.7), 68 on
+the 8B-A1B (the MoE layer 59%, ~0.65 TB/s). After the calls the three every-norm forms became CUDA defaults
 (`every-norm-off` the variant and greedy set timing them off); the
 layer tests now hold both norm forms by name and run the early forms
 with every-norm off: those test changes have not run on a GPU.
@@ -207,18 +207,18 @@ suite runs again; verdicts-from still reuses them):
      H200_AB_REPS=3 `timeout -s TERM 300 python3 bench/h200/run.py ab`
      (the default with the forms in the code, against them off: expect
      ~0.97x, 0.94x, 0.98x).
-  5. The feed-forward at ~1.6 TB/s of the H100's ~3.35 is 58% of the
-     1.2B's step (41.6 µs a launch for ~67 MB; the conv layer ~1.7 TB/s,
-     20.2 µs for ~34 MB): carry [.device/bin],
+  5. The MoE layer reads ~0.65 TB/s (38 µs a launch for its experts'
+     ~25 MB, 59% of the 8B-A1B's step) and the conv layer ~1.7 (20.2 µs
+     for 33.5 MB on the 1.2B; 16.3 µs for ~9.4 MB 4-bit), against the
+     1.2B's feed-forward at ~2.4 (41.6 µs for 100.7 MB): carry [.device/bin],
      H200_NCU_KERNELS='lfm_ffn_fused|lfm_conv_fused|lfm_moe_fused'
      H200_MODELS=lfm2-1.2b-bf16,lfm2-8b-a1b-q4 `timeout -s TERM 400
      python3 bench/h200/run.py profile-kernels` (ncu's sections: its
      memory throughput, occupancy and warp stalls, for why the walks read
-     at half the bandwidth), then kernel-bench's `-every-norm` arms (the
-     forms that ship; `layer-chains` and the timeline forms are the
-     waiting kernels', and their `-fused` arms now ask for `=0`) with what
-     is left. The MoE layer (38 µs a launch, 59% of the 8B-A1B's step)
-     likewise.
+     below their bytes' pace), then kernel-bench's `-every-norm` arms
+     (the forms that ship; `layer-chains` and the timeline forms are the
+     waiting kernels', and their `-fused` arms now ask for `=0`) with
+     what is left.
   6. Rounds only if a default changes (session 50's stand).
   On an H200 (none lent since session 30; the issue's targets and tests
   are the H200's): the whole suite first over two calls
