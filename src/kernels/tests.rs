@@ -706,6 +706,12 @@ fn greedy_fixture(all: Vec<(&'static str, FixtureSpec)>, label: &str) -> Vec<(&'
     one
 }
 
+/// The names of the layers a run should have built (`.0`: the fixture
+/// has such a layer where it serves) but whose count did not move (`.1`).
+fn unbuilt_of<'a>(layers: &[(bool, bool, &'a str)]) -> Vec<&'a str> {
+    layers.iter().filter(|(has, same, _)| *has && *same).map(|(_, _, name)| *name).collect()
+}
+
 fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
     use crate::convert::{convert, ConvertRecipe};
     use crate::generate::{prefill, Stepper};
@@ -894,16 +900,12 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 let conv_after_first = (1..spec.shape.num_hidden_layers).any(|i| !spec.shape.full_attn_idxs.contains(&i));
                 let moe_served = q4 && wide && moe;
                 let joined = crate::knobs::var("MLX_LFM_CONV_LAYER_FUSED").as_deref() == Some("1");
-                let missing: Vec<&str> = [
+                let missing = unbuilt_of(&[
                     (conv_after_first && !joined && !off("MLX_LFM_CONV_FUSED"), after_default.0 == before_default.0, "conv"),
                     (dense_ffn && !joined && !off("MLX_LFM_FFN_FUSED"), after_default.1 == before_default.1, "feed-forward"),
                     (attention_after_first && !off("MLX_LFM_QKV_FUSED"), after_default.2 == before_default.2, "q/k/v"),
                     (moe_served && !joined && !off("MLX_LFM_MOE_FUSED"), after_default.3 == before_default.3, "MoE"),
-                ]
-                .iter()
-                .filter(|(has, same, _)| *has && *same)
-                .map(|(_, _, name)| *name)
-                .collect();
+                ]);
                 if can_fuse && !missing.is_empty() {
                     // (The line run.py reads as the default set's verdict.)
                     let layers = missing.join(", ");
@@ -921,15 +923,11 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 let ffn_every_served = can_fuse && dense_ffn && !joined && !off("MLX_LFM_FFN_FUSED");
                 // The default run built each every-norm form where its stage
                 // serves (unless the environment turned it off).
-                let every_missing: Vec<&str> = [
+                let every_missing = unbuilt_of(&[
                     (every_norm_served && !off("MLX_LFM_QKV_EVERY_NORM"), every_after_default.0 == every_before_default.0, "q/k/v"),
                     (conv_every_served && !off("MLX_LFM_CONV_EVERY_NORM"), every_after_default.1 == every_before_default.1, "conv"),
                     (ffn_every_served && !off("MLX_LFM_FFN_EVERY_NORM"), every_after_default.2 == every_before_default.2, "feed-forward"),
-                ]
-                .iter()
-                .filter(|(has, same, _)| *has && *same)
-                .map(|(_, _, name)| *name)
-                .collect();
+                ]);
                 if !every_missing.is_empty() {
                     let stages = every_missing.join(", ");
                     eprintln!("{what}: the default kernels FAILED: its run never built the every-norm {stages} forms");
@@ -960,15 +958,11 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     let before = waiting_built();
                     runs.push(("every-norm-off", crate::knobs::with_overrides(&off_set, || run(Some(&stock))).0));
                     let after = waiting_built();
-                    let missing: Vec<&str> = [
+                    let missing = unbuilt_of(&[
                         (every_norm_served, after.0 == before.0, "q/k/v"),
                         (conv_every_served, after.1 == before.1, "conv"),
                         (ffn_every_served, after.2 == before.2, "feed-forward"),
-                    ]
-                    .iter()
-                    .filter(|(has, same, _)| *has && *same)
-                    .map(|(_, _, name)| *name)
-                    .collect();
+                    ]);
                     if !missing.is_empty() {
                         let stages = missing.join(", ");
                         eprintln!("{what}: the every-norm-off kernels FAILED: its run never built the waiting {stages} forms");
