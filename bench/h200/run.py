@@ -190,7 +190,7 @@ the 8B-A1B (the MoE layer 59%, ~0.65 TB/s). After the calls the three every-norm
 (`every-norm-off` the variant and greedy set timing them off); the
 layer tests now hold both norm forms by name and run the early forms
 with every-norm off: those test changes have not run on a GPU.
-The chain (.device built at ee6dd34 or later: the kernel files'
+The chain (.device built at its COMMIT, this commit or later: the kernel files'
 hashes changed, so every committed verdict reads stale until the
 suite runs again; verdicts-from still reuses them):
   1. carry [.device/a]: `stage-mlx`.
