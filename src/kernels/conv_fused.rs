@@ -86,7 +86,8 @@ pub fn waiting_built() -> usize {
 /// session 50, `=0` off: its test cases passed on an H100 in session 49,
 /// its greedy sets on all four fixtures there; with the q/k/v stage's and
 /// the feed-forward's forms, decode 1.035x on the 1.2B and 1.066x on the
-/// 350M in session 50's A/B): in_proj's blocks each compute the layer's add + RMSNorm
+/// 350M in session 50's A/B): in_proj's blocks each compute the layer's
+/// add + RMSNorm
 /// ([`stages::CONV_EVERY_NORM_SUBSTITUTION`]) instead of waiting for the
 /// first block's mark and reading its row back, as the q/k/v stage's
 /// every-norm form does (`MLX_LFM_QKV_EVERY_NORM`, which read the 1.2B's

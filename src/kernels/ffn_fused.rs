@@ -180,7 +180,8 @@ pub fn waiting_built() -> usize {
 /// session 50, `=0` off: its test cases passed on an H100 in session 50
 /// with the whole test, its greedy sets on all four fixtures in session
 /// 49; with the q/k/v stage's and the conv's forms, decode 1.035x on the
-/// 1.2B and 1.066x on the 350M in session 50's A/B): the gate's blocks each compute the feed-forward's add + RMSNorm
+/// 1.2B and 1.066x on the 350M in session 50's A/B): the gate's blocks each
+/// compute the feed-forward's add + RMSNorm
 /// ([`stages::FFN_EVERY_NORM_SUBSTITUTION`]) instead of waiting for the
 /// first block's mark and reading its row back, as the q/k/v stage's
 /// every-norm form does (`MLX_LFM_QKV_EVERY_NORM`: the 1.2B's decode

@@ -221,16 +221,17 @@ fn kv_kernel(quant: bool, scratch: bool) -> Option<&'static CudaKernel> {
 /// fixtures there and in session 48, and the three forms together read
 /// decode 1.035x on the 1.2B, 1.066x on the 350M and 1.022x on the
 /// 8B-A1B in session 50's A/B on an H100,
-/// `bench/results/2026-12-07-h100-session50.raw.jsonl`): every head's block computes the layer's add + RMSNorm itself, into its
-/// shared row, instead of waiting for the first block's (its release, a
-/// fence and an atomic, the waiters' poll, then the row read back from
-/// L2). Session 41's kernel-bench read the stage at 19-20 µs a launch
-/// however its 12.6 MB were split (and 19.2 µs for the 8B-A1B's 3.2 MB of
-/// 4-bit rows): mostly fixed time, the handoff its first suspect. The same
-/// norm code on the same values in every block (the first block's own
-/// call, which still writes the sum the layer hands on), so the same bits;
-/// each block reads the row's three vectors (12 KB at 2,048 wide) from L2.
-/// The one-block form and its K/V-writing form; not the split.
+/// `bench/results/2026-12-07-h100-session50.raw.jsonl`): every head's block
+/// computes the layer's add + RMSNorm itself, into its shared row, instead
+/// of waiting for the first block's (its release, a fence and an atomic,
+/// the waiters' poll, then the row read back from L2). Session 41's
+/// kernel-bench read the stage at 19-20 µs a launch however its 12.6 MB
+/// were split (and 19.2 µs for the 8B-A1B's 3.2 MB of 4-bit rows): mostly
+/// fixed time, the handoff its first suspect. The same norm code on the
+/// same values in every block (the first block's own call, which still
+/// writes the sum the layer hands on), so the same bits; each block reads
+/// the row's three vectors (12 KB at 2,048 wide) from L2. The one-block
+/// form and its K/V-writing form; not the split.
 fn every_norm() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     super::opt_out("MLX_LFM_QKV_EVERY_NORM", &ON)

@@ -712,6 +712,13 @@ fn unbuilt_of<'a>(layers: &[(bool, bool, &'a str)]) -> Vec<&'a str> {
     layers.iter().filter(|(has, same, _)| *has && *same).map(|(_, _, name)| *name).collect()
 }
 
+/// The three stages' every-norm switches off (CUDA defaults since session
+/// 50): run.py's `every-norm-off`, and under the early-prefetch forms,
+/// which are forms of the waiting kernels.
+fn every_norm_off() -> Vec<(String, Option<String>)> {
+    ["MLX_LFM_QKV_EVERY_NORM", "MLX_LFM_CONV_EVERY_NORM", "MLX_LFM_FFN_EVERY_NORM"].iter().map(|v| (v.to_string(), Some("0".to_string()))).collect()
+}
+
 fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
     use crate::convert::{convert, ConvertRecipe};
     use crate::generate::{prefill, Stepper};
@@ -947,10 +954,7 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     // must have built each waiting form where its stage
                     // serves. (The waiting counts, which only rise: a test
                     // beside this one in the process cannot fail the check.)
-                    let off_set: Vec<(String, Option<String>)> = ["MLX_LFM_QKV_EVERY_NORM", "MLX_LFM_CONV_EVERY_NORM", "MLX_LFM_FFN_EVERY_NORM"]
-                        .iter()
-                        .map(|v| (v.to_string(), Some("0".to_string())))
-                        .collect();
+                    let off_set = every_norm_off();
                     let waiting_built = || {
                         use crate::kernels::{conv_fused, ffn_fused, qkv_fused};
                         (qkv_fused::waiting_built(), conv_fused::waiting_built(), ffn_fused::waiting_built())
@@ -1021,12 +1025,8 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     // before their waits (MLX_LFM_EARLY_PREFETCH, opt-in,
                     // session 34; run.py's `early-prefetch`): forms of the
                     // waiting kernels, so every-norm off.
-                    let set = [
-                        ("MLX_LFM_EARLY_PREFETCH".to_string(), Some("all".to_string())),
-                        ("MLX_LFM_QKV_EVERY_NORM".to_string(), Some("0".to_string())),
-                        ("MLX_LFM_CONV_EVERY_NORM".to_string(), Some("0".to_string())),
-                        ("MLX_LFM_FFN_EVERY_NORM".to_string(), Some("0".to_string())),
-                    ];
+                    let mut set = every_norm_off();
+                    set.push(("MLX_LFM_EARLY_PREFETCH".to_string(), Some("all".to_string())));
                     runs.push(("early-prefetch", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
                 }
                 if compiled && !q4 && dense_ffn && !joined {
