@@ -227,7 +227,7 @@ suite runs again; verdicts-from still reuses them):
   H200_KERNEL_JOBS=14 `... kernels save-ptx`), then rounds 1-2 of the
   three models with mlx-lm (.device/lm carried in the tests' call).
 Session 49 got an H100 for ~21 minutes (07:40-08:01 UTC on
-2026-12-07; its README block): the conv, q/k/v and q/k/v-in-place
+2026-12-07; its block in bench/h200/HISTORY.md): the conv, q/k/v and q/k/v-in-place
 kernel tests passed; the feed-forward's whole test (eleven of fourteen
 cases done) and decode attention's were cut at 400 s and again at 320 s;
 every greedy set passed on all four fixtures (the float32-sum opt-ins on
@@ -240,7 +240,7 @@ attention's in 2 (its variants' in 4), the conv layer's in 2; tests.rs case_chos
 every n-th case under MLX_LFM_TEST_PART=i/n) and a cut call records the
 tests that finished.
 Session 48 got an H100 for ~25 minutes (05:27-05:52 UTC on
-2026-12-07; its README block): step 3 (seven test processes, no
+2026-12-07; its block in bench/h200/HISTORY.md): step 3 (seven test processes, no
 compiled kernels carried) was cut at 560 s with nothing finished; the
 four greedy tests alone then passed (but the known float32-sum opt-ins
 on TinyMoe); rounds with every default as it ships met every target on
