@@ -611,7 +611,8 @@ tests passed (picked-env.json), which every later step of the session runs
 with; the repository's defaults are then set to match, so the rounds
 measure what ships. (`profile-prefill` profiles a 512-token prefill the
 same way; `profile-kernels` records ncu's detail sections for the kernels
-H200_NCU_KERNELS matches; `profile-gaps` the step's GPU time as one graph
+H200_NCU_KERNELS matches, the first H200_NCU_COUNT of them in the step
+where it is set; `profile-gaps` the step's GPU time as one graph
 less its kernels' ncu durations with warm caches, the time between them; `ab-binaries` times .device/prev/mlx-lfm-bench-prev, a build of
 the previous commit, against this one; `constrained` times constrained
 against free decode; `dispatch-cost` what a node of each kind costs the
@@ -1263,12 +1264,27 @@ def rounds(rnd):
                 record(engine=f.__name__, model=name, round=rnd, error=str(e)[-2000:])
 
 
+def ncu_count():
+    """`--launch-count N` from H200_NCU_COUNT (a positive whole number;
+    unset, every matching launch of the step): ncu's detail sections replay
+    each launch ~18 times, saving and restoring the memory it may write, and
+    session 51's 8B-A1B step (22 MoE and 18 conv launches) ran past 330 s
+    of a call without finishing where the 1.2B's 26 launches took ~100 s.
+    A few launches of each kernel say as much as all of a step's."""
+    v = os.environ.get("H200_NCU_COUNT", "").strip()
+    if not v:
+        return []
+    if not v.isdigit() or int(v) < 1:
+        raise SystemExit(f"H200_NCU_COUNT={v!r}: a positive whole number of launches")
+    return ["--launch-count", str(int(v))]
+
+
 def ncu_step(name, tag, args, page, e):
     """ncu (with `args`) over step 32 of a 512-token prompt on the compiled
     single-sequence path of model `name`, environment `e`; its `page` as
     CSV (kept in $OUT as TAG-NAME.csv), or None after recording the error."""
     rep = WORK / f"{tag}-{name}"
-    cmd = ["ncu", "--clock-control", "none", "--profile-from-start", "off", "-f", "-o", rep, *args,
+    cmd = ["ncu", "--clock-control", "none", "--profile-from-start", "off", "-f", "-o", rep, *ncu_count(), *args,
            BENCH, "--model", ours_ck(name), "--device", "gpu", "--concurrent", "1", "--prompts", "512",
            "--gen", "40", "--reps", "1"]
     e["MLXLFM_PROFILE_STEP"] = "32"

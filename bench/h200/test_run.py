@@ -276,6 +276,64 @@ class ProfileGaps(unittest.TestCase):
         self.assertIsNone(rec["gaps_us"])
 
 
+class ProfileKernels(unittest.TestCase):
+    """profile-kernels: H200_NCU_COUNT bounds the launches ncu replays in
+    both of its runs (session 51's 8B-A1B step outran its call)."""
+
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.run = load_run(Path(self.tmp.name))
+        self.run.ab_models = lambda: ["lfm2-8b-a1b-q4"]
+        self.run.ours_ck = lambda name: "/ck/" + name
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=["ID", "Kernel Name", "Metric Name", "Metric Value"])
+        w.writeheader()
+        w.writerow({"ID": "0", "Kernel Name": "custom_kernel_lfm_moe_fused_0123456789abcdef", "Metric Name": "Duration",
+                    "Metric Value": "38,000"})
+        self.csv = buf.getvalue()
+        self.ncu = []
+
+        def sh(cmd, *a, **k):
+            cmd = list(map(str, cmd))
+            if "--import" in cmd:
+                return Result(self.csv)
+            self.ncu.append(cmd)
+            return Result()
+        self.run.sh = sh
+        self.saved = os.environ.get("H200_NCU_COUNT")
+
+    def tearDown(self):
+        if self.saved is None:
+            os.environ.pop("H200_NCU_COUNT", None)
+        else:
+            os.environ["H200_NCU_COUNT"] = self.saved
+        self.tmp.cleanup()
+
+    def test_the_count_reaches_both_runs(self):
+        os.environ["H200_NCU_COUNT"] = "8"
+        self.run.profile_kernels()
+        self.assertEqual(len(self.ncu), 2)
+        for cmd in self.ncu:
+            i = cmd.index("--launch-count")
+            self.assertEqual(cmd[i + 1], "8")
+            # (Before the program's own arguments, which ncu would pass on.)
+            self.assertLess(i, cmd.index("--model"))
+        detail = [r for r in records(self.run) if r.get("engine") == "ncu-detail"]
+        self.assertEqual(detail[0]["kernels"]["custom_kernel_lfm_moe_fused_0123456789abcdef"]["Duration"], "38,000")
+
+    def test_unset_replays_every_launch(self):
+        os.environ.pop("H200_NCU_COUNT", None)
+        self.run.profile_kernels()
+        self.assertTrue(self.ncu and all("--launch-count" not in cmd for cmd in self.ncu))
+
+    def test_a_count_that_is_not_a_number_stops_before_ncu(self):
+        for bad in ("0", "-3", "all", "2.5"):
+            os.environ["H200_NCU_COUNT"] = bad
+            with self.assertRaises(SystemExit):
+                self.run.profile_kernels()
+        self.assertEqual(self.ncu, [])
+
+
 class GgufBackground(unittest.TestCase):
     """What a round does about a GGUF chain started in the background."""
 
