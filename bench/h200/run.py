@@ -177,6 +177,42 @@ so ask `status` before each retry and call only once its `none_now`
 window has passed; a call that names no kind after a failed H100 start
 asks for an H200 only. Never let a helper use the device: session 46's
 reviewer started the machine and ran ~150 s on it).
+Session 51 got an H100 for ~22 minutes (11:18-11:40 UTC on
+2026-12-07, after three failed starts; its README block): the layer
+tests as changed after session 50 (conv, feed-forward, q/k/v, q/k/v in
+place) and the greedy sets on all four fixtures passed, `every-norm-off`
+among them (the tiny MoE fixture's known float32-sum opt-ins aside);
+`every-norm-off` A/B'd 0.963-0.969x (1.2B), 0.911-0.926x (350M),
+0.968-0.969x (8B-A1B): the defaults hold; ncu's detail on the 1.2B: the
+conv layer 20.96 µs at 1.70 TB/s, barrier stalls first, 46% of a
+possible 75% occupancy; the feed-forward 42.59 µs at 2.47 TB/s, load
+stalls first. The 8B-A1B's detail outran two calls (~225 and 330 s):
+`profile-kernels` now takes H200_NCU_COUNT (ncu's --launch-count).
+Session 50's chain below ran but for its profile of the 8B-A1B.
+The chain (.device built at its COMMIT, this commit or later; .device/ptx
+holds session 51's 32 compiled kernels of cf502a5):
+  1. carry [.device/a]: `stage-mlx`.
+  2. The whole kernel suite at one commit, which has not run whole
+     since session 16's 18 tests (each session ran what its changes
+     needed and reused the other verdicts, most of them given to earlier
+     kernel texts): carry [.device/b,
+     .device/tests, .device/ptx, .device/lm]: H200_KERNEL_JOBS=14
+     `timeout -s TERM 540 python3 bench/h200/run.py install kernels
+     save-ptx`, then, in the next call with the same carry on the
+     warm machine (`unrun` reads its kernel-ran.json),
+     H200_KERNEL_TESTS=unrun H200_KERNEL_JOBS=14 `timeout -s TERM 540
+     python3 bench/h200/run.py install kernels save-ptx` until nothing
+     is left (a cut call records what finished; save each ptx-cache.tgz
+     into .device/ptx).
+  3. carry [.device/bin]: H200_OURS_ENV (mimalloc),
+     H200_NCU_KERNELS='lfm_moe_fused|lfm_conv_fused' H200_NCU_COUNT=6
+     H200_MODELS=lfm2-8b-a1b-q4 `timeout -s TERM 300 python3
+     bench/h200/run.py profile-kernels` (the 4-bit layers: the MoE layer
+     ~0.65 TB/s, 59% of the step; the conv layer ~0.6; why they read at a
+     quarter to a third of the bf16 layers' pace).
+  4. On an H200: carry [.device/llama] `llama`, then rounds 1-2 of the
+     three models with mlx-lm (the issue's targets are the H200's). On
+     an H100: rounds only if a default changed.
 Session 50 got an H100 for ~29 minutes (09:24-09:53 UTC on
 2026-12-07; its README block): the feed-forward's whole test (four
 parts) and decode attention's (two) passed; `ab pick` of every-norm-all
@@ -189,10 +225,8 @@ feed-forward 58% of it at ~2.4 TB/s, the conv layer at ~1.7), 68 on
 the 8B-A1B (the MoE layer 59%, ~0.65 TB/s). After the calls the three every-norm forms became CUDA defaults
 (`every-norm-off` the variant and greedy set timing them off); the
 layer tests now hold both norm forms by name and run the early forms
-with every-norm off: those test changes have not run on a GPU.
-The chain (.device built at its COMMIT, this commit or later: the kernel files'
-hashes changed, so every committed verdict reads stale until the
-suite runs again; verdicts-from still reuses them):
+with every-norm off (they passed in session 51).
+Its chain was:
   1. carry [.device/a]: `stage-mlx`.
   2. carry [.device/llama]: `llama`.
   3. carry [.device/b, .device/tests, .device/ptx, .device/lm]:
