@@ -222,18 +222,26 @@ class PtxCache(unittest.TestCase):
         self.assertEqual(sorted(p.name for p in self.run.OUT.iterdir()), ["logs.tgz", "ptx-cache.tgz", "raw.jsonl"])
 
 
+def step_run(case, model, fields):
+    """A run.py over a temporary folder (case.tmp, case.run) whose step
+    profiles take `model` alone from its checkpoint under /ck; and a CSV
+    writer of ncu's page with `fields`, header written, over its buffer."""
+    case.tmp = tempfile.TemporaryDirectory()
+    case.run = load_run(Path(case.tmp.name))
+    case.run.ab_models = lambda: [model]
+    case.run.ours_ck = lambda name: "/ck/" + name
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=fields)
+    w.writeheader()
+    return buf, w
+
+
 class ProfileGaps(unittest.TestCase):
     """profile-gaps: the step's GPU time as one graph less its kernels' warm
     ncu durations."""
 
     def setUp(self):
-        self.tmp = tempfile.TemporaryDirectory()
-        self.run = load_run(Path(self.tmp.name))
-        self.run.ab_models = lambda: ["lfm2-1.2b-bf16"]
-        self.run.ours_ck = lambda name: "/ck/" + name
-        buf = io.StringIO()
-        w = csv.DictWriter(buf, fieldnames=["ID", "Kernel Name", "gpu__time_duration.sum"])
-        w.writeheader()
+        buf, w = step_run(self, "lfm2-1.2b-bf16", ["ID", "Kernel Name", "gpu__time_duration.sum"])
         for i, (k, ns) in enumerate([("gemv_single", "8,000"), ("custom_kernel_lfm_add_rms_norm_0123456789abcdef", "3000"),
                                      ("gemv_single", "6000")]):
             w.writerow({"ID": str(i), "Kernel Name": k, "gpu__time_duration.sum": ns})
@@ -281,13 +289,7 @@ class ProfileKernels(unittest.TestCase):
     both of its runs (session 51's 8B-A1B step outran its call)."""
 
     def setUp(self):
-        self.tmp = tempfile.TemporaryDirectory()
-        self.run = load_run(Path(self.tmp.name))
-        self.run.ab_models = lambda: ["lfm2-8b-a1b-q4"]
-        self.run.ours_ck = lambda name: "/ck/" + name
-        buf = io.StringIO()
-        w = csv.DictWriter(buf, fieldnames=["ID", "Kernel Name", "Metric Name", "Metric Value"])
-        w.writeheader()
+        buf, w = step_run(self, "lfm2-8b-a1b-q4", ["ID", "Kernel Name", "Metric Name", "Metric Value"])
         w.writerow({"ID": "0", "Kernel Name": "custom_kernel_lfm_moe_fused_0123456789abcdef", "Metric Name": "Duration",
                     "Metric Value": "38,000"})
         self.csv = buf.getvalue()
