@@ -209,7 +209,12 @@ holds session 51's 32 compiled kernels of cf502a5):
      H200_MODELS=lfm2-8b-a1b-q4 `timeout -s TERM 300 python3
      bench/h200/run.py profile-kernels` (the 4-bit layers: the MoE layer
      ~0.65 TB/s, 59% of the step; the conv layer ~0.6; why they read at a
-     quarter to a third of the bf16 layers' pace).
+     quarter to a third of the bf16 layers' pace), then `layer-chains`
+     (since session 51 it chains the MoE layer too, its
+     timeline at a busy GPU's clocks: when the router's block ends, when
+     the gate/up and down stages do). The conv, feed-forward and q/k/v
+     chains are the waiting forms' (no every-norm timeline form); the
+     MoE layer's is the form that ships.
   4. On an H200: carry [.device/llama] `llama`, then rounds 1-2 of the
      three models with mlx-lm (the issue's targets are the H200's). On
      an H100: rounds only if a default changed.
@@ -1766,9 +1771,11 @@ def layer_chains():
     row the one before's output, as a step runs them (`mlx-lfm-bench
     --kernel-bench --arms layer-chains`, no ncu): a launch's time as the
     slope of two chains' walls, against the stock launches each replaces
-    and MLX's GEMV of the q/k/v rows, then the conv layer's and the
-    feed-forward's and the q/k/v stage's timeline forms chained (each
-    launch's span on the GPU's global timer, the gap to the next). The question (session 41): is the
+    and MLX's GEMV of the q/k/v rows, and the 8B-A1B's one-launch MoE
+    layer (since session 51), then the conv layer's, the feed-forward's,
+    the q/k/v stage's and the MoE layer's timeline forms chained (each
+    launch's span on the GPU's global timer, the gap to the next, and
+    where each stage ends). The question (session 41): is the
     ~10-15 µs that ncu's lone launches read over these layers' bytes fixed
     a launch, ~190 µs of the 1.2B's step, or ncu's idle clocks? No
     checkpoint needed."""

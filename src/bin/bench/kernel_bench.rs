@@ -695,6 +695,10 @@ const LAYER_EPS: f32 = 1e-5;
 /// gate/up and down rows and the router's gate), so the GB/s compare.
 const LAYER_N: i32 = EXPERTS_A_ROW * 2 * EXPERT_F + EXPERTS_A_ROW * EXPERT_F + EXPERTS;
 
+/// A timeline launch's stamps, the index after its first stage's parts
+/// and its block count (as `moe_fused::forward_timeline` gives them).
+type Stamps = (Array, usize, usize);
+
 struct Layer {
     experts: Experts,
     gate: mlx_lfm::model::linear::Quantized,
@@ -728,6 +732,54 @@ impl Layer {
         held.extend(gate.biases.iter());
         mlx::eval(&held)?;
         Ok(Layer { experts, gate, hs, r, wn, eps, bias, scale, state })
+    }
+
+    /// One selection bias `[E]` a set of [`EXPERTS_A_ROW`] experts, as
+    /// [`Experts::sets`] takes them in turn: +8 on the set's experts, 0
+    /// elsewhere (a routing probability is at most 1, so the set is chosen
+    /// whatever the row). A chained launch's row is the launch before's
+    /// output, which would choose whatever experts it happened to; with
+    /// these, launch `i` reads set `i % 8`, and none finds its experts'
+    /// rows in L2 from the launch before (the 8B-A1B's 4 experts are ~22
+    /// MB, within the H100's L2; a step's layers never share them).
+    fn set_biases() -> mlx_lfm::Result<Vec<Array>> {
+        let biases = (0..EXPERTS / EXPERTS_A_ROW)
+            .map(|s| {
+                let v: Vec<f32> = (0..EXPERTS).map(|e| if e / EXPERTS_A_ROW == s { 8.0 } else { 0.0 }).collect();
+                Array::from_slice(&v, &[EXPERTS])
+            })
+            .collect::<mlx_lfm::Result<Vec<_>>>()?;
+        mlx::eval(&biases.iter().collect::<Vec<_>>())?;
+        Ok(biases)
+    }
+
+    /// The bytes a launch reads: its experts' gate/up and down rows with
+    /// their scales and biases, and the router's gate.
+    fn launch_bytes(&self) -> usize {
+        use mlx_lfm::model::linear::Quantized;
+        let qb = |q: &Quantized| q.weight.nbytes() + q.scales.nbytes() + q.biases.as_ref().map_or(0, |b| b.nbytes());
+        let per_expert = (qb(&self.experts.gate_up) + qb(&self.experts.down)) / EXPERTS as usize;
+        EXPERTS_A_ROW as usize * per_expert + qb(&self.gate)
+    }
+
+    /// The one-launch layer over row `h` (chained: the launch before's
+    /// output) with selection bias `bias` ([`Layer::set_biases`]), on
+    /// `state`; with `timeline`, through the kernel's timeline form (its
+    /// stamps and the gate/up blocks' and all blocks' counts, as
+    /// `moe_fused::forward_timeline` gives them).
+    fn chained(&self, h: &Array, bias: &Array, state: &Array, timeline: bool) -> mlx_lfm::Result<(Array, Option<Stamps>)> {
+        use mlx_lfm::kernels::{moe_fused, norm_gemv::NormIn};
+        let n = NormIn { h, r: &self.r, wn: &self.wn, eps: &self.eps, eps_value: Some(LAYER_EPS) };
+        let (g, gu, down) = (&self.gate, &self.experts.gate_up, &self.experts.down);
+        let k = EXPERTS_A_ROW as usize;
+        if !moe_fused::available(&n, g, gu, down, k) {
+            return Err(mlx_lfm::Error::invalid("kernel-bench: the one-launch MoE kernel does not serve the layer's operands"));
+        }
+        if timeline {
+            let (out, times, gate_up, nb) = moe_fused::forward_timeline(&n, g, bias, gu, down, state, k, true, LAYER_EPS, 1.0)?;
+            return Ok((out, Some((times, gate_up, nb))));
+        }
+        Ok((moe_fused::forward(&n, g, bias, gu, down, state, k, true, LAYER_EPS, 1.0)?.1, None))
     }
 
     /// The layer's output for launch `i`'s row, as the arm's switches say.
@@ -985,8 +1037,11 @@ fn ffn_timeline(reps: usize) -> mlx_lfm::Result<()> {
 /// wall at two lengths, a launch's time the slope between them (the
 /// eval's fixed host cost cancels; the host builds a launch in far less
 /// than these layers' GPU time, which `floor-mul`, one multiply over the
-/// row a launch, bounds). Then the conv layer's, the feed-forward's and
-/// the q/k/v stage's timeline forms in a chain: each launch's span from its first block's
+/// row a launch, bounds). The 8B-A1B's one-launch MoE layer too (since
+/// session 51: ~59% of that model's step, ~38 µs a launch in ncu's
+/// profile of the step for its ~25 MB), each launch reading the next of
+/// eight disjoint expert sets. Then the conv layer's, the feed-forward's,
+/// the q/k/v stage's and the MoE layer's timeline forms in a chain: each launch's span from its first block's
 /// start to its last block's end on the GPU's global timer, the gap to
 /// the next launch's first block, and the parts' medians, launch 0 (an
 /// idle GPU's) left out.
@@ -998,6 +1053,12 @@ type ChainStep<'a> = Box<dyn Fn(&Array, usize) -> mlx_lfm::Result<Array> + 'a>;
 fn layer_chains(reps: usize) -> mlx_lfm::Result<()> {
     use mlx_lfm::model::linear::Quantized;
     let (conv, ffn, qkv) = (ConvLayer::new()?, FfnLayer::new()?, QkvLayer::new()?);
+    let (moe, moe_biases) = (Layer::new()?, Layer::set_biases()?);
+    let moe_state = mlx_lfm::kernels::stages::new_counters_of(mlx_lfm::kernels::moe_fused::state_words(
+        EXPERT_D as usize,
+        EXPERT_F as usize,
+        EXPERTS_A_ROW as usize,
+    ))?;
     let scrub = scrub_rows()?;
     let qkv_states = [QkvLayer::state()?, QkvLayer::state()?];
     let qb = |q: &Quantized| q.weight.nbytes() + q.scales.nbytes() + q.biases.as_ref().map_or(0, |b| b.nbytes());
@@ -1026,6 +1087,14 @@ fn layer_chains(reps: usize) -> mlx_lfm::Result<()> {
         ("ffn-layer-bf16-fused-g2", switches_of(&FFN_ARMS, "ffn-layer-bf16-fused-g2"), ffn_bf16, Box::new(|h: &Array, i| ffn.launch_on(h, true, false, true, i))),
         ("ffn-layer-q4-four", switches_of(&FFN_ARMS, "ffn-layer-q4-four"), ffn_q4, Box::new(|h: &Array, i| ffn.launch_on(h, false, true, false, i))),
         ("ffn-layer-q4-fused", switches_of(&FFN_ARMS, "ffn-layer-q4-fused"), ffn_q4, Box::new(|h: &Array, i| ffn.launch_on(h, true, true, false, i))),
+        // (The MoE layer's row is the conv layer's width; each launch reads
+        // the next of eight disjoint expert sets: `Layer::set_biases`.)
+        (
+            "moe-layer-q4-fused",
+            switches_of(&LAYER_ARMS, "moe-layer-q4-fused"),
+            moe.launch_bytes(),
+            Box::new(|h: &Array, i| Ok(moe.chained(h, &moe_biases[i % moe_biases.len()], &moe_state, false)?.0)),
+        ),
     ];
     let start = conv.h.clone();
     for (name, switches, bytes, step) in &forms {
@@ -1068,18 +1137,30 @@ fn layer_chains(reps: usize) -> mlx_lfm::Result<()> {
             Err(e) => println!("{}", serde_json::json!({"layer_chain": name, "error": e.to_string()})),
         }
     }
-    chain_timelines(&conv, &ffn, &qkv, [conv_q4, conv_bf16, ffn_bf16, ffn_q4, qkv_bf16, qkv_q4], reps)
+    chain_timelines(&conv, &ffn, &qkv, (&moe, &moe_biases), [conv_q4, conv_bf16, ffn_bf16, ffn_q4, qkv_bf16, qkv_q4, moe.launch_bytes()], reps)
 }
 
 /// [`layer_chains`]' timeline chains: the conv layer's (4-bit, dense), the
 /// feed-forward's (dense, 4-bit; and the dense one with two gate outputs
 /// a warp, `MLX_LFM_FFN_GATE_ROWS=2`, and in two rounds,
 /// `MLX_LFM_FFN_GATE_ROUNDS=2`, plain and with its rows asked for early, and
-/// in four) and the q/k/v stage's (dense, 4-bit: one block a head) timeline
-/// forms, `CHAIN_LENGTHS[1]` launches a chain, `reps` chains each, each
-/// form on a state of its own. `bytes`: the conv layer's 4-bit and dense,
-/// the feed-forward's dense and 4-bit, the q/k/v stage's dense and 4-bit.
-fn chain_timelines(conv: &ConvLayer, ffn: &FfnLayer, qkv: &QkvLayer, bytes: [usize; 6], reps: usize) -> mlx_lfm::Result<()> {
+/// in four), the q/k/v stage's (dense, 4-bit: one block a head) and the
+/// 8B-A1B's MoE layer's (as it ships: it has no every-norm form; each
+/// launch the next of eight disjoint expert sets, [`Layer::set_biases`])
+/// timeline forms, `CHAIN_LENGTHS[1]` launches a chain, `reps` chains
+/// each, each form on a state of its own. `bytes`: the conv layer's 4-bit
+/// and dense, the feed-forward's dense and 4-bit, the q/k/v stage's dense
+/// and 4-bit, the MoE layer's. (Session 35's timelines of the MoE layer,
+/// each launch after an idle wait, ran at idle clocks and were not read:
+/// in a chain its stages' times are a step's.)
+fn chain_timelines(
+    conv: &ConvLayer,
+    ffn: &FfnLayer,
+    qkv: &QkvLayer,
+    (moe, moe_biases): (&Layer, &[Array]),
+    bytes: [usize; 7],
+    reps: usize,
+) -> mlx_lfm::Result<()> {
     use mlx_lfm::kernels::{conv_fused, ffn_fused, qkv_fused, stages::timeline_summary};
     use mlx_lfm::model::linear::Normed;
     #[derive(Clone, Copy, PartialEq)]
@@ -1087,6 +1168,7 @@ fn chain_timelines(conv: &ConvLayer, ffn: &FfnLayer, qkv: &QkvLayer, bytes: [usi
         Conv,
         Ffn,
         Qkv,
+        Moe,
     }
     let len = CHAIN_LENGTHS[1];
     // (form, layer, 4-bit, MLX_LFM_FFN_GATE_ROWS, MLX_LFM_FFN_GATE_ROUNDS,
@@ -1102,12 +1184,14 @@ fn chain_timelines(conv: &ConvLayer, ffn: &FfnLayer, qkv: &QkvLayer, bytes: [usi
         ("ffn-bf16-r4", Kind::Ffn, false, "1", "4", false, 2),
         ("qkv-bf16", Kind::Qkv, false, "1", "0", false, 4),
         ("qkv-q4", Kind::Qkv, true, "1", "0", false, 5),
+        ("moe-q4", Kind::Moe, true, "1", "0", false, 6),
     ];
     for (form, kind, q4, rows, rounds, early, k) in forms {
         let on = match kind {
             Kind::Conv => "MLX_LFM_CONV_FUSED",
             Kind::Ffn => "MLX_LFM_FFN_FUSED",
             Kind::Qkv => "MLX_LFM_QKV_FUSED",
+            Kind::Moe => "MLX_LFM_MOE_FUSED",
         };
         let switches: mlx_lfm::knobs::Overrides = [
             (on.to_string(), Some("1".to_string())),
@@ -1122,12 +1206,18 @@ fn chain_timelines(conv: &ConvLayer, ffn: &FfnLayer, qkv: &QkvLayer, bytes: [usi
             Kind::Conv => ["norm", "channels", "out_proj"],
             Kind::Ffn => ["norm", "gate", "w2"],
             Kind::Qkv => ["norm", "heads", "none"],
+            Kind::Moe => ["router", "gate_up", "down"],
         };
         let done = mlx_lfm::knobs::with_overrides(&switches, || -> mlx_lfm::Result<serde_json::Value> {
             let ctr = match kind {
                 Kind::Conv => mlx_lfm::kernels::stages::new_counters_of(conv_fused::state_words(CONV_D as usize, CONV_D as usize))?,
                 Kind::Ffn => mlx_lfm::kernels::stages::new_counters_of(ffn_fused::state_words(FFN_D as usize, FFN_F.max(FFN_Q4_F) as usize))?,
                 Kind::Qkv => QkvLayer::state()?,
+                Kind::Moe => mlx_lfm::kernels::stages::new_counters_of(mlx_lfm::kernels::moe_fused::state_words(
+                    EXPERT_D as usize,
+                    EXPERT_F as usize,
+                    EXPERTS_A_ROW as usize,
+                ))?,
             };
             let (mut spans, mut gaps, mut lines) = (vec![], vec![], vec![]);
             for _ in 0..reps.max(1) {
@@ -1138,6 +1228,7 @@ fn chain_timelines(conv: &ConvLayer, ffn: &FfnLayer, qkv: &QkvLayer, bytes: [usi
                         Kind::Conv => (&conv.r, &conv.wn, &conv.eps),
                         Kind::Ffn => (&ffn.r, &ffn.wn, &ffn.eps),
                         Kind::Qkv => (&qkv.r, &qkv.wn, &qkv.eps),
+                        Kind::Moe => (&moe.r, &moe.wn, &moe.eps),
                     };
                     let x = Normed { h: &h, r: Some(r), w: wn, eps: LAYER_EPS, eps_array: eps };
                     let unserved = || mlx_lfm::Error::invalid(format!("kernel-bench: the {form} timeline's kernel does not serve its operands"));
@@ -1166,6 +1257,10 @@ fn chain_timelines(conv: &ConvLayer, ffn: &FfnLayer, qkv: &QkvLayer, bytes: [usi
                                 qkv_fused::forward_timeline(&x, p, &qkv.qw, &qkv.kw, QKV_HEADS, &qkv.offset, (1e-6, 1_000_000.0), &ctr)?;
                             (q.reshape(&[1, QKV_D])?, times, nb - 1, nb)
                         }
+                        Kind::Moe => match moe.chained(&h, &moe_biases[i % moe_biases.len()], &ctr, true)? {
+                            (out, Some((times, gate_up, nb))) => (out, times, gate_up, nb),
+                            (_, None) => return Err(unserved()),
+                        },
                     };
                     stamps.push((times, first, nb));
                     h = out;
@@ -1173,6 +1268,12 @@ fn chain_timelines(conv: &ConvLayer, ffn: &FfnLayer, qkv: &QkvLayer, bytes: [usi
                 let mut held: Vec<&Array> = stamps.iter().map(|(t, ..)| t).collect();
                 held.push(&h);
                 mlx::eval(&held)?;
+                // (A stage whose wait gave up poisons its output with NaN,
+                // and a poisoned MoE route reads no expert: such a chain's
+                // times are not a layer's.)
+                if h.astype(Dtype::Float32)?.to_vec::<f32>()?.iter().any(|v| !v.is_finite()) {
+                    return Err(mlx_lfm::Error::invalid(format!("kernel-bench: the {form} chain's last output is not finite")));
+                }
                 let mut bounds = vec![];
                 for (i, (times, first, nb)) in stamps.iter().enumerate() {
                     let t = times.to_vec::<i64>()?;
