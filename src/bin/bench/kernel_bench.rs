@@ -723,15 +723,20 @@ impl Layer {
         let eps = Array::from_slice(&[LAYER_EPS], &[1])?;
         let bias = mlx::zeros(&[EXPERTS], Dtype::Float32)?;
         let scale = Array::from_slice(&[1.0f32], &[1])?;
-        // (With room for the scratch rows, as the model's layers are made:
-        // the form a step runs, its rows in the state since session 39.)
-        let words = mlx_lfm::kernels::moe_fused::state_words(EXPERT_D as usize, EXPERT_F as usize, EXPERTS_A_ROW as usize);
-        let state = mlx_lfm::kernels::stages::new_counters_of(words)?;
+        let state = Layer::new_state()?;
         let mut held: Vec<&Array> = hs.iter().collect();
         held.extend([&gate.weight, &gate.scales, &r, &wn, &eps, &bias, &scale]);
         held.extend(gate.biases.iter());
         mlx::eval(&held)?;
         Ok(Layer { experts, gate, hs, r, wn, eps, bias, scale, state })
+    }
+
+    /// A layer's state (its counters), with room for the scratch rows, as
+    /// the model's layers are made: the form a step runs, its rows in the
+    /// state since session 39.
+    fn new_state() -> mlx_lfm::Result<Array> {
+        let words = mlx_lfm::kernels::moe_fused::state_words(EXPERT_D as usize, EXPERT_F as usize, EXPERTS_A_ROW as usize);
+        mlx_lfm::kernels::stages::new_counters_of(words)
     }
 
     /// One selection bias `[E]` a set of [`EXPERTS_A_ROW`] experts, as
@@ -1054,11 +1059,7 @@ fn layer_chains(reps: usize) -> mlx_lfm::Result<()> {
     use mlx_lfm::model::linear::Quantized;
     let (conv, ffn, qkv) = (ConvLayer::new()?, FfnLayer::new()?, QkvLayer::new()?);
     let (moe, moe_biases) = (Layer::new()?, Layer::set_biases()?);
-    let moe_state = mlx_lfm::kernels::stages::new_counters_of(mlx_lfm::kernels::moe_fused::state_words(
-        EXPERT_D as usize,
-        EXPERT_F as usize,
-        EXPERTS_A_ROW as usize,
-    ))?;
+    let moe_state = Layer::new_state()?;
     let scrub = scrub_rows()?;
     let qkv_states = [QkvLayer::state()?, QkvLayer::state()?];
     let qb = |q: &Quantized| q.weight.nbytes() + q.scales.nbytes() + q.biases.as_ref().map_or(0, |b| b.nbytes());
@@ -1213,11 +1214,7 @@ fn chain_timelines(
                 Kind::Conv => mlx_lfm::kernels::stages::new_counters_of(conv_fused::state_words(CONV_D as usize, CONV_D as usize))?,
                 Kind::Ffn => mlx_lfm::kernels::stages::new_counters_of(ffn_fused::state_words(FFN_D as usize, FFN_F.max(FFN_Q4_F) as usize))?,
                 Kind::Qkv => QkvLayer::state()?,
-                Kind::Moe => mlx_lfm::kernels::stages::new_counters_of(mlx_lfm::kernels::moe_fused::state_words(
-                    EXPERT_D as usize,
-                    EXPERT_F as usize,
-                    EXPERTS_A_ROW as usize,
-                ))?,
+                Kind::Moe => Layer::new_state()?,
             };
             let (mut spans, mut gaps, mut lines) = (vec![], vec![], vec![]);
             for _ in 0..reps.max(1) {
