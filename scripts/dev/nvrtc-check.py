@@ -474,6 +474,13 @@ KERNELS["moe_fused.rs@exact-pfa"] = KERNELS["moe_fused.rs"]
 KERNELS["moe_fused.rs@exact-pf-scratch"] = KERNELS["moe_fused.rs@scratch"]
 KERNELS["moe_fused.rs@pf-d1536"] = KERNELS["moe_fused.rs@d1536"]
 KERNELS["moe_fused.rs@exact8-pf-d1536"] = KERNELS["moe_fused.rs@exact8-d1536"]
+# Two gate/up outputs a warp (MLX_LFM_MOE_GATE_ROWS=2: moe_fused.rs
+# gate_rows, Form::header; the experts exact only), with the scratch rows
+# in the state and the down rows' prefetch: within the 64 registers 1,024
+# threads allow (moe_fused.rs registers_fit_gate_rows has the sweep).
+_MOE_G2 = (("@exact-g2", "@exact"), ("@exact-g2-scratch", "@exact-scratch"), ("@exact-pf-g2", "@exact-pf"))
+for _v, _of in _MOE_G2:
+    KERNELS["moe_fused.rs" + _v] = KERNELS["moe_fused.rs" + _of]
 # The bench's timeline form: the stamps an extra int64 output (REPLACE_OF).
 KERNELS["moe_fused.rs@timeline"] = (KERNELS["moe_fused.rs"][0], KERNELS["moe_fused.rs"][1] + [("times", "long long")],
                                     KERNELS["moe_fused.rs"][2])
@@ -959,6 +966,12 @@ for _v, _at, _of in (("@exact-pf", 1, "@exact"), ("@exact-pfa", 2, "@exact"), ("
                      ("@exact8-pf-d1536", 1, "@exact8-d1536")):
     DEFINES_OF["moe_fused.rs" + _v] = f"#define LFM_MOE_DOWN_PREFETCH {_at}\n" + DEFINES_OF["moe_fused.rs" + _of]
     HEADER_AFTER["moe_fused.rs" + _v] = HEADER_AFTER["moe_fused.rs" + _of] + _PF
+for _v, _of in _MOE_G2:
+    DEFINES_OF["moe_fused.rs" + _v] = "#define LFM_MOE_GATE_ROWS 2\n" + DEFINES_OF["moe_fused.rs" + _of]
+    if "moe_fused.rs" + _of in HEADER_AFTER:
+        HEADER_AFTER["moe_fused.rs" + _v] = HEADER_AFTER["moe_fused.rs" + _of]
+    if "moe_fused.rs" + _of in PRELUDE_OF:
+        PRELUDE_OF["moe_fused.rs" + _v] = PRELUDE_OF["moe_fused.rs" + _of]
 DEFINES_OF["moe_fused.rs@exact-timeline"] = _TL + DEFINES_OF["moe_fused.rs@exact"]
 HEADER_AFTER["moe_fused.rs@exact-timeline"] = HEADER_AFTER["moe_fused.rs@exact"]
 DEFINES_OF["moe_fused.rs@exact-pf-timeline"] = _TL + DEFINES_OF["moe_fused.rs@exact-pf"]

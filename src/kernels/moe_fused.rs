@@ -121,6 +121,7 @@ const SCRATCH_PRELUDE: &str = r#"
 static BUILT: Built = Built::new();
 static BUILT_EXACT: Built = Built::new();
 static BUILT_PREFETCH: Built = Built::new();
+static BUILT_GATE_ROWS: Built = Built::new();
 
 /// How many times [`forward`] has put the kernel into a graph in this
 /// process (a compiled step once, when it is traced): the greedy test's
@@ -143,7 +144,8 @@ fn header() -> String {
 
 /// Which form of the kernel a launch takes: its experts in MLX's
 /// arithmetic ([`experts_exact`]), its down rows asked of L2 by the
-/// gate/up blocks ([`down_prefetch`]: 0 not, 1 before their rows, 2 after).
+/// gate/up blocks ([`down_prefetch`]: 0 not, 1 before their rows, 2 after),
+/// its gate/up outputs a warp ([`gate_rows`]: 1 or 2).
 /// (Session 38's two down columns a warp, `MLX_LFM_MOE_DOWN_ROWS=2`, were
 /// retired in session 39: 0.974x in the 8B-A1B's A/B, and its launch alone
 /// under ncu ran 268 ms, its waits giving up.)
@@ -151,14 +153,15 @@ fn header() -> String {
 struct Form {
     exact: bool,
     prefetch: u8,
+    gate_rows: u8,
 }
 
 /// How many forms [`Form::index`] tells apart.
-const FORMS: usize = 6;
+const FORMS: usize = 12;
 
 impl Form {
     fn index(self) -> usize {
-        usize::from(self.exact) + 2 * usize::from(self.prefetch)
+        usize::from(self.exact) + 2 * usize::from(self.prefetch.min(2)) + 6 * usize::from(self.gate_rows == 2)
     }
 
     /// The kernel's names: the outputs form's, the scratch form's.
@@ -166,7 +169,8 @@ impl Form {
         static NAMES: [OnceLock<[String; 2]>; FORMS] = [const { OnceLock::new() }; FORMS];
         NAMES[self.index()].get_or_init(|| {
             let pf = ["", "_pf", "_pfa"][usize::from(self.prefetch.min(2))];
-            let base = format!("lfm_moe_fused{}{pf}", if self.exact { "_exact" } else { "" });
+            let g2 = if self.gate_rows == 2 { "_g2" } else { "" };
+            let base = format!("lfm_moe_fused{}{pf}{g2}", if self.exact { "_exact" } else { "" });
             [base.clone(), format!("{base}_scr")]
         })
     }
@@ -179,7 +183,8 @@ impl Form {
             0 => String::new(),
             p => format!("#define LFM_MOE_DOWN_PREFETCH {p}\n{}{}", stages::PREFETCH_HEADER, stages::MOE_DOWN_PREFETCH_HEADER),
         };
-        format!("{exact}{}{products}{prefetch}", header())
+        let rows = if self.gate_rows == 2 { "#define LFM_MOE_GATE_ROWS 2\n" } else { "" };
+        format!("{exact}{rows}{}{products}{prefetch}", header())
     }
 }
 
@@ -228,6 +233,31 @@ pub fn built_prefetch() -> usize {
     BUILT_PREFETCH.get()
 }
 
+/// `MLX_LFM_MOE_GATE_ROWS=2` (opt-in, session 51, not yet run on a GPU;
+/// with the experts exact, where [`registers_fit_gate_rows`] says):
+/// each gate/up warp makes two outputs of its expert, `n` and
+/// `n + RB * 32` (RB the expert's blocks), its four rows asked of L2
+/// together, so that the gate/up stage takes half the blocks: the
+/// 8B-A1B's 224 gate/up blocks of 1,024 threads, one an SM at the
+/// kernel's 56 registers, are two waves on an H100's 132 SMs, and 112 are
+/// one. Each row is walked as it is alone, so the same bits (its test
+/// holds it to the form it varies). Session 35's blocks of 16 and 8 warps
+/// kept two waves (two and four an SM); session 38's two down columns a
+/// warp halved the down blocks instead, and its waits gave up. Read at
+/// each launch's build, so a process can time both forms.
+pub(crate) fn gate_rows() -> u8 {
+    static SET: OnceLock<u8> = OnceLock::new();
+    if super::forced("MLX_LFM_MOE_GATE_ROWS") {
+        return 2;
+    }
+    crate::knobs::cached("MLX_LFM_MOE_GATE_ROWS", &SET, |v| if v.map(str::trim) == Some("2") { 2 } else { 1 })
+}
+
+/// How many launches took two gate/up outputs a warp ([`gate_rows`]).
+pub fn built_gate_rows() -> usize {
+    BUILT_GATE_ROWS.get()
+}
+
 /// The form a launch of these operands takes (the timeline form's too:
 /// its test and the bench hold it to that form's bits). Where the MLX walk
 /// does not serve the experts, the float form runs.
@@ -236,7 +266,8 @@ fn form_of(gu: &Quantized, down: &Quantized, dt: Dtype, d: i32, f: i32) -> Form 
         && quant_gemv::spec_served(gu, dt, d)
         && quant_gemv::spec_served(down, dt, f)
         && registers_fit(gu.spec.bits, d, true);
-    Form { exact, prefetch: down_prefetch() }
+    let gate_rows = if gate_rows() == 2 && registers_fit_gate_rows(gu.spec.bits, d, exact) { 2 } else { 1 };
+    Form { exact, prefetch: down_prefetch(), gate_rows }
 }
 
 /// The experts-exact form's defines: MLX's walk for the experts, two
@@ -268,18 +299,19 @@ pub(crate) fn experts_exact() -> bool {
 }
 
 /// The gate/up blocks and the down blocks of one launch (as the kernel
-/// counts them; `k` in 1..=8).
-fn parts(d: i32, f: i32, k: i32) -> (i64, i64) {
+/// counts them; `k` in 1..=8, `rows` the gate/up outputs a warp).
+fn parts(d: i32, f: i32, k: i32, rows: u8) -> (i64, i64) {
     let (w, k64) = (WARPS as i64, k as i64);
-    let gate_up = k64 * ((f as i64 + w - 1) / w);
+    let per_block = w * i64::from(rows.max(1));
+    let gate_up = k64 * ((f as i64 + per_block - 1) / per_block);
     let per = w / k64;
     (gate_up, (d as i64 + per - 1) / per)
 }
 
 /// The blocks of one launch: the router's, the gate/up rows', the down
 /// columns'.
-fn blocks(d: i32, f: i32, k: i32) -> i64 {
-    let (gate_up, down) = parts(d, f, k);
+fn blocks(d: i32, f: i32, k: i32, rows: u8) -> i64 {
+    let (gate_up, down) = parts(d, f, k, rows);
     1 + gate_up + down
 }
 
@@ -336,6 +368,19 @@ pub(crate) fn served(n: &NormIn, g: &Quantized, gu: &Quantized, down: &Quantized
 /// for the exact form, the float form); session 37's route in every
 /// gate/up block (retired in session 38) never took more than the form it
 /// varied, nor does the down rows' prefetch (nvrtc-check's `@pf` entries).
+/// Where a launch takes the form of two gate/up outputs a warp
+/// ([`gate_rows`]); elsewhere the form of one. Its experts exact (the
+/// default), 4-bit, rows of 1,024 or 2,048: by ptxas (sm_90, CUDA 13 here;
+/// a sweep of session 51 over D, the experts' and the router's bits and
+/// groups, k up to 8, F to 8,192, each dtype) those stay within the 64
+/// registers 1,024 threads allow (the 8B-A1B's bf16: 56, against 52 with
+/// one output; 64 at the most, k = 8), where 8-bit experts took up to 71,
+/// rows of 1,536 up to 79, rows of 3,072 and 4,096 up to 72, and the float
+/// form up to 92 (79 on 4-bit rows of 2,048 in groups of 32).
+fn registers_fit_gate_rows(bits: i32, d: i32, exact: bool) -> bool {
+    exact && bits == 4 && matches!(d, 1024 | 2048)
+}
+
 fn registers_fit(bits: i32, d: i32, exact: bool) -> bool {
     (bits != 8 && !exact) || d % 512 == 0
 }
@@ -385,7 +430,8 @@ pub fn forward_timeline(
     let mut outs = launch(n, g, bias, gu, down, state, k, norm, eps, scale, true)?;
     let times = outs.pop().ok_or_else(|| Error::mlx("fused MoE kernel: missing output"))?;
     let (d, f) = (n.h.dim(1), gu.weight.dim(1) / 2);
-    let (gate_up, down) = parts(d, f, k as i32);
+    let rows = form_of(gu, down, n.h.dtype(), d, f).gate_rows;
+    let (gate_up, down) = parts(d, f, k as i32, rows);
     Ok((outs.swap_remove(1), times, gate_up as usize, (1 + gate_up + down) as usize))
 }
 
@@ -429,7 +475,7 @@ fn launch(
         return Err(Error::invalid(format!("the fused MoE kernel: {k} experts a row (1 to {ROUTE_SLOTS} are served)")));
     }
     let k = k as i32;
-    let nb = blocks(d, f, k);
+    let nb = blocks(d, f, k, form.gate_rows);
     let threads = WARPS * 32;
     let grid = i32::try_from(nb * threads as i64).map_err(|_| Error::invalid(format!("fused MoE kernel: {nb} blocks")))?;
     let template = [
@@ -479,13 +525,16 @@ fn launch(
         if form.prefetch != 0 {
             BUILT_PREFETCH.bump();
         }
+        if form.gate_rows == 2 {
+            BUILT_GATE_ROWS.bump();
+        }
     }
     Ok(outs)
 }
 
 #[cfg(test)]
 pub(crate) fn launch_blocks(d: i32, f: i32, k: i32) -> i64 {
-    blocks(d, f, k)
+    blocks(d, f, k, 1)
 }
 
 #[cfg(test)]
@@ -496,10 +545,15 @@ mod tests {
     /// chosen expert, for 32 / k down columns.
     #[test]
     fn a_launch_counts_its_parts() {
-        assert_eq!(parts(2048, 1792, 4), (224, 256));
-        assert_eq!(blocks(2048, 1792, 4), 481);
-        assert_eq!(parts(2048, 256, 8), (64, 512));
-        assert_eq!(parts(1024, 256, 3), (24, 103));
+        assert_eq!(parts(2048, 1792, 4, 1), (224, 256));
+        assert_eq!(blocks(2048, 1792, 4, 1), 481);
+        assert_eq!(parts(2048, 256, 8, 1), (64, 512));
+        assert_eq!(parts(1024, 256, 3, 1), (24, 103));
+        // Two gate/up outputs a warp: half the gate/up blocks (rounded up
+        // an expert), the 8B-A1B's 112 within an H100's 132 SMs.
+        assert_eq!(parts(2048, 1792, 4, 2), (112, 256));
+        assert_eq!(parts(2048, 256, 8, 2), (32, 512));
+        assert_eq!(parts(1536, 544, 3, 2), (27, 154));
     }
 
     /// The rows whose registers fit the launch (`registers_fit`): the
@@ -513,6 +567,12 @@ mod tests {
         assert!(registers_fit(4, 1152, false), "4-bit rows of 1,152: 64 registers or fewer in the default form");
         for (bits, d, exact) in [(8, 1056, false), (8, 1280, false), (8, 1792, false), (8, 1920, false), (4, 1152, true), (4, 1280, true)] {
             assert!(!registers_fit(bits, d, exact), "{bits}-bit rows of {d}, exact {exact}");
+        }
+        // Two gate/up outputs a warp: the 8B-A1B's rows with the experts
+        // exact, not the forms and rows that ptxas put past 64.
+        assert!(registers_fit_gate_rows(4, 2048, true) && registers_fit_gate_rows(4, 1024, true));
+        for (bits, d, exact) in [(4, 2048, false), (8, 2048, true), (4, 1536, true), (4, 3072, true), (4, 4096, true)] {
+            assert!(!registers_fit_gate_rows(bits, d, exact), "{bits}-bit rows of {d}, exact {exact}, two outputs");
         }
     }
 

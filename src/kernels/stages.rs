@@ -124,6 +124,12 @@ pub(crate) const LAYER_SOURCE: &str = r#"
 #ifndef LFM_MOE_DOWN_PREFETCH
 #define LFM_MOE_DOWN_PREFETCH 0
 #endif
+#ifndef LFM_MOE_GATE_ROWS
+#define LFM_MOE_GATE_ROWS 1
+#endif
+#if LFM_MOE_GATE_ROWS != 1 && (LFM_MOE_GATE_ROWS != 2 || LFM_CONV_PART || !LFM_MOE_PART || !LFM_MOE_EXACT)
+#error "LFM_MOE_GATE_ROWS: 1, or 2 in the MoE layer's own kernel with its experts exact"
+#endif
 #ifndef LFM_GATE_OUTS
 #define LFM_GATE_OUTS 1
 #endif
@@ -154,10 +160,11 @@ pub(crate) const LAYER_SOURCE: &str = r#"
 #endif
   constexpr int OB = (D + WARPS - 1) / WARPS;
 #if LFM_MOE_PART
-  // The experts: gate/up a warp a row of one chosen expert, down a warp
-  // one chosen expert of one output column (CPB columns a block).
+  // The experts: gate/up a warp a row of one chosen expert
+  // (LFM_MOE_GATE_ROWS of them: src/kernels/moe_fused.rs gate_rows), down
+  // a warp one chosen expert of one output column (CPB columns a block).
   constexpr int KE = TOPK;
-  constexpr int RB = (F + WARPS - 1) / WARPS;
+  constexpr int RB = (F + LFM_MOE_GATE_ROWS * WARPS - 1) / (LFM_MOE_GATE_ROWS * WARPS);
   constexpr int GB = KE * RB;
   constexpr int CPB = WARPS / KE;
   constexpr int DB = (D + CPB - 1) / CPB;
@@ -332,6 +339,27 @@ pub(crate) const LAYER_SOURCE: &str = r#"
 #if LFM_MOE_DOWN_PREFETCH == 1
     lfm_moe_down_prefetch<T, D, F, BITS, GS, RB>(dw, dscales, dbiases, late ? E : __ldcg(inds + j), E, (fr - 1) % RB);
 #endif
+#if LFM_MOE_GATE_ROWS == 2
+    {
+      // The warp's second output n2 = n + RB * WARPS too, its four rows
+      // asked of L2 first and then walked in turn, each as it is alone
+      // (MLX's walk: the same sums). (Past F, on the last blocks of a
+      // width that is no multiple of 2 * WARPS, n2 walks n's rows again
+      // and writes nothing.)
+      const int n2 = n + RB * WARPS;
+      const int m2 = n2 < F ? n2 : n;
+      const size_t ex = late ? 0 : __ldcg(inds + j);
+      const bool bad = late || ex >= E;
+      float g4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      if (!bad && n < F) {
+        const size_t base = ex * (2 * F);
+        const size_t rows[4] = {base + n, base + F + n, base + m2, base + F + m2};
+        lfm_stage_qrows<T, D, BITS, GS, 4>(xs, uw, uscales, ubiases, rows, lane, g4);
+      }
+      if (lane == 0 && n < F) hk[static_cast<size_t>(j) * F + n] = bad ? T(poison) : lfm_swiglu<T>(g4[0], g4[1]);
+      if (lane == 0 && n2 < F) hk[static_cast<size_t>(j) * F + n2] = bad ? T(poison) : lfm_swiglu<T>(g4[2], g4[3]);
+    }
+#else
     if (n < F) {
       float ag = 0.0f;
       float au = 0.0f;
@@ -366,6 +394,7 @@ pub(crate) const LAYER_SOURCE: &str = r#"
       }
       if (lane == 0) hk[static_cast<size_t>(j) * F + n] = bad ? T(poison) : lfm_swiglu<T>(ag, au);
     }
+#endif
 #if LFM_MOE_DOWN_PREFETCH == 2
     lfm_moe_down_prefetch<T, D, F, BITS, GS, RB>(dw, dscales, dbiases, late ? E : __ldcg(inds + j), E, (fr - 1) % RB);
 #endif

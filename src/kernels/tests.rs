@@ -2560,6 +2560,7 @@ fn moe_fused_cases(test: &str, forms: bool) {
         ("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string())),
         ("MLX_LFM_MOE_EXACT".to_string(), Some("0".to_string())),
         ("MLX_LFM_MOE_DOWN_PREFETCH".to_string(), Some("0".to_string())),
+        ("MLX_LFM_MOE_GATE_ROWS".to_string(), Some("1".to_string())),
     ];
     // (dtype, tolerance, experts, k, D, F, gate bits, gate group, experts' bits, group)
     let cases = [
@@ -2577,7 +2578,11 @@ fn moe_fused_cases(test: &str, forms: bool) {
         (Dtype::Float16, 2.0f32.powi(-10), 32, 4, 2048, 1792, 4, 64, 4, 64),
         (Dtype::Float32, 1e-5, 32, 4, 1024, 256, 8, 64, 8, 64),
     ];
-    for (dt, tol, e, k, d, f, gbits, ggs, bits, gs) in cases {
+    // The forms' test only: an expert 1,760 wide (no multiple of 64), where
+    // the last gate/up blocks of two outputs a warp have second outputs
+    // past F (MLX_LFM_MOE_GATE_ROWS=2, check_gate_rows).
+    let form_cases = [(Dtype::Bfloat16, 2.0f32.powi(-7), 16, 4, 2048, 1760, 4, 64, 4, 32)];
+    for (dt, tol, e, k, d, f, gbits, ggs, bits, gs) in cases.into_iter().chain(form_cases.into_iter().filter(|_| forms)) {
         let what = format!("{dt:?} {e} experts top-{k}, {d} -> {f}, gate {gbits}-bit g{ggs}, experts {bits}-bit g{gs}");
         let g = quantized(&normal(&[e, d], Dtype::Float32, 0.0, 0.04, None).unwrap(), dt, gbits, ggs);
         let gu = quantized(&normal(&[e, 2 * f, d], Dtype::Float32, 0.0, 0.05, None).unwrap(), dt, bits, gs);
@@ -2612,15 +2617,23 @@ fn moe_fused_cases(test: &str, forms: bool) {
             if forms {
                 let run_form = |state: &Array, scratch: bool| if scratch { scratch_in_state(|| run(state)) } else { run(state) };
                 let exact_out = check_experts_exact(&what, dt, &s, &out, &wy, &wi, &wsc, &gu, &dn, run_form);
-                check_down_prefetch(&what, &s, &out, &exact_out, d, f, k, run_form);
+                check_down_prefetch(&what, &s, &out, &exact_out, d, f, k, &run_form);
+                check_gate_rows(&what, &s, &out, &exact_out, (d, f, k, bits), &run_form);
                 // The timeline form (the bench's) takes a plain launch's
-                // form: the experts exact, with the down rows' prefetch.
-                for at in ["0", "1"] {
+                // form: the experts exact, with the down rows' prefetch,
+                // with two gate/up outputs a warp where that serves (its
+                // parts counted as the launch counts them).
+                let two_rows = bits == 4 && matches!(d, 1024 | 2048);
+                for (at, rows) in [("0", "1"), ("1", "1"), ("0", "2")] {
+                    if rows == "2" && !two_rows {
+                        continue;
+                    }
                     let set = [
                         ("MLX_LFM_MOE_EXACT".to_string(), Some("1".to_string())),
                         ("MLX_LFM_MOE_DOWN_PREFETCH".to_string(), Some(at.to_string())),
+                        ("MLX_LFM_MOE_GATE_ROWS".to_string(), Some(rows.to_string())),
                     ];
-                    let label = format!("{what}, experts exact, down prefetch {at}");
+                    let label = format!("{what}, experts exact, down prefetch {at}, gate/up outputs a warp {rows}");
                     crate::knobs::with_overrides(&set, || check_timeline(&label, &n, &g, &bias, &gu, &dn, k, scale, &exact_out));
                 }
                 return;
@@ -2765,7 +2778,7 @@ fn check_down_prefetch(
     d: i32,
     f: i32,
     k: usize,
-    run: impl Fn(&crate::mlx::Array, bool) -> (crate::mlx::Array, crate::mlx::Array),
+    run: &impl Fn(&crate::mlx::Array, bool) -> (crate::mlx::Array, crate::mlx::Array),
 ) {
     use crate::kernels::moe_fused::built_prefetch;
     let words = crate::kernels::moe_fused::state_words(d as usize, f as usize, k);
@@ -2777,10 +2790,54 @@ fn check_down_prefetch(
             ]
         };
         let form = format!("{what}: the down rows' prefetch ({at})");
-        check_form_bits(&form, &on(false), built_prefetch, (s, out), Some(words), &run);
-        check_form_bits(&format!("{form}, experts exact"), &on(true), built_prefetch, (s, exact_out), None, &run);
+        check_form_bits(&form, &on(false), built_prefetch, (s, out), Some(words), run);
+        check_form_bits(&format!("{form}, experts exact"), &on(true), built_prefetch, (s, exact_out), None, run);
     }
     eprintln!("{what}: the down rows' prefetch, before and after the rows, gives the float form's bits, and the exact form's with the experts exact");
+}
+
+/// The one-launch MoE layer with two gate/up outputs a warp
+/// (`MLX_LFM_MOE_GATE_ROWS=2`, moe_fused.rs gate_rows): where it serves
+/// (the experts exact, 4-bit, rows of 1,024 or 2,048), the exact form's
+/// bits (`exact_out`: each row walked as it is alone) on fresh counters,
+/// its scratch form twice over one state, and with the down rows' prefetch
+/// too, each launch counted; elsewhere, and with the experts in float32,
+/// the switch takes no launch of the form and changes no bit (`out` the
+/// float form's output).
+fn check_gate_rows(
+    what: &str,
+    s: &crate::mlx::Array,
+    out: &crate::mlx::Array,
+    exact_out: &crate::mlx::Array,
+    (d, f, k, bits): (i32, i32, usize, i32),
+    run: &impl Fn(&crate::mlx::Array, bool) -> (crate::mlx::Array, crate::mlx::Array),
+) {
+    use crate::kernels::moe_fused::built_gate_rows;
+    use crate::kernels::stages::new_counters;
+    let on = |exact: bool, prefetch: &str| {
+        vec![
+            ("MLX_LFM_MOE_GATE_ROWS".to_string(), Some("2".to_string())),
+            ("MLX_LFM_MOE_EXACT".to_string(), Some(if exact { "1" } else { "0" }.to_string())),
+            ("MLX_LFM_MOE_DOWN_PREFETCH".to_string(), Some(prefetch.to_string())),
+        ]
+    };
+    let form = format!("{what}: two gate/up outputs a warp");
+    let untaken = |set: &[(String, Option<String>)], want: &crate::mlx::Array, label: &str| {
+        let before = built_gate_rows();
+        let (s2, out2) = crate::knobs::with_overrides(set, || run(&new_counters().unwrap(), false));
+        assert_eq!(built_gate_rows(), before, "{form} ({label}): the form ran where it does not serve");
+        assert_eq!(differing(&s2, s), 0, "{form} ({label}): the residual sum differs");
+        assert_eq!(differing(&out2, want), 0, "{form} ({label}): the output differs");
+    };
+    if bits == 4 && matches!(d, 1024 | 2048) {
+        let words = crate::kernels::moe_fused::state_words(d as usize, f as usize, k);
+        check_form_bits(&format!("{form}, experts exact"), &on(true, "0"), built_gate_rows, (s, exact_out), Some(words), run);
+        check_form_bits(&format!("{form}, experts exact, down prefetch"), &on(true, "1"), built_gate_rows, (s, exact_out), None, run);
+        eprintln!("{what}: two gate/up outputs a warp give the exact form's bits");
+    } else {
+        untaken(&on(true, "0"), exact_out, "experts exact, not served here");
+    }
+    untaken(&on(false, "0"), out, "experts in float32");
 }
 
 /// A form of the one-launch MoE layer under the switches `set` that must

@@ -676,17 +676,21 @@ impl Experts {
 /// (`MLX_LFM_MOE_EXACT=0`, 41.57); `moe-layer-q4-pf-fused` and
 /// `moe-layer-q4-pfa-fused` its down rows asked of L2 by the gate/up blocks
 /// before their own rows and after them (`MLX_LFM_MOE_DOWN_PREFETCH=1|after`,
-/// session 38; 39.68 and 37.73 against 37.31 in session 39). (Session 37's
+/// session 38; 39.68 and 37.73 against 37.31 in session 39);
+/// `moe-layer-q4-g2-fused` its gate/up warps two outputs each
+/// (`MLX_LFM_MOE_GATE_ROWS=2`, session 51: half the gate/up blocks, one
+/// wave on an H100). (Session 37's
 /// route in every gate/up block, 41.86 against 37.66 with the experts exact
 /// in pairs, retired; session 38's two down columns a warp, 268 ms in
 /// session 39, its waits giving up, retired.) An arm of one kernel a
 /// product runs the one launch.
-const LAYER_ARMS: [(&str, Switches, usize); 5] = [
+const LAYER_ARMS: [(&str, Switches, usize); 6] = [
     ("moe-layer-q4-three", &[("MLX_LFM_MOE_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1")], 3),
     ("moe-layer-q4-fused", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
     ("moe-layer-q4-float-fused", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_EXACT", "0"), ("MLX_LFM_EPS_CONST", "1")], 1),
     ("moe-layer-q4-pf-fused", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_DOWN_PREFETCH", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
     ("moe-layer-q4-pfa-fused", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_DOWN_PREFETCH", "after"), ("MLX_LFM_EPS_CONST", "1")], 1),
+    ("moe-layer-q4-g2-fused", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_GATE_ROWS", "2"), ("MLX_LFM_EPS_CONST", "1")], 1),
 ];
 const LAYER_ROWS: usize = 8;
 const LAYER_LAUNCHES: usize = 16;
@@ -831,13 +835,15 @@ fn timeline(reps: usize) -> mlx_lfm::Result<()> {
         ("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string())),
     ];
     // The layer as it ships (its experts in MLX's walk since session 38),
-    // in float32 as before, and with its down rows asked of L2 by the
-    // gate/up blocks before their rows and after them.
+    // in float32 as before, with its down rows asked of L2 by the gate/up
+    // blocks before their rows and after them, and with two gate/up
+    // outputs a warp (session 51).
     for (form, var, value) in [
         ("default", "MLX_LFM_MOE_DOWN_PREFETCH", "0"),
         ("float", "MLX_LFM_MOE_EXACT", "0"),
         ("down-prefetch", "MLX_LFM_MOE_DOWN_PREFETCH", "1"),
         ("down-prefetch-after", "MLX_LFM_MOE_DOWN_PREFETCH", "after"),
+        ("gate-rows-2", "MLX_LFM_MOE_GATE_ROWS", "2"),
     ] {
         let mut set = switches.to_vec();
         set.push((var.to_string(), Some(value.to_string())));
@@ -1059,7 +1065,8 @@ fn layer_chains(reps: usize) -> mlx_lfm::Result<()> {
     use mlx_lfm::model::linear::Quantized;
     let (conv, ffn, qkv) = (ConvLayer::new()?, FfnLayer::new()?, QkvLayer::new()?);
     let (moe, moe_biases) = (Layer::new()?, Layer::set_biases()?);
-    let moe_state = Layer::new_state()?;
+    // (A state each form: its launches count their own tickets.)
+    let (moe_state, moe_g2_state) = (Layer::new_state()?, Layer::new_state()?);
     let scrub = scrub_rows()?;
     let qkv_states = [QkvLayer::state()?, QkvLayer::state()?];
     let qb = |q: &Quantized| q.weight.nbytes() + q.scales.nbytes() + q.biases.as_ref().map_or(0, |b| b.nbytes());
@@ -1095,6 +1102,12 @@ fn layer_chains(reps: usize) -> mlx_lfm::Result<()> {
             switches_of(&LAYER_ARMS, "moe-layer-q4-fused"),
             moe.launch_bytes(),
             Box::new(|h: &Array, i| Ok(moe.chained(h, &moe_biases[i % moe_biases.len()], &moe_state, false)?.0)),
+        ),
+        (
+            "moe-layer-q4-g2-fused",
+            switches_of(&LAYER_ARMS, "moe-layer-q4-g2-fused"),
+            moe.launch_bytes(),
+            Box::new(|h: &Array, i| Ok(moe.chained(h, &moe_biases[i % moe_biases.len()], &moe_g2_state, false)?.0)),
         ),
     ];
     let start = conv.h.clone();
@@ -1172,8 +1185,9 @@ fn chain_timelines(
         Moe,
     }
     let len = CHAIN_LENGTHS[1];
-    // (form, layer, 4-bit, MLX_LFM_FFN_GATE_ROWS, MLX_LFM_FFN_GATE_ROUNDS,
-    // rows asked for early; `bytes`' index)
+    // (form, layer, 4-bit, MLX_LFM_FFN_GATE_ROWS or for the MoE layer
+    // MLX_LFM_MOE_GATE_ROWS, MLX_LFM_FFN_GATE_ROUNDS, rows asked for early;
+    // `bytes`' index)
     let forms = [
         ("conv-q4", Kind::Conv, true, "1", "0", false, 0),
         ("conv-bf16", Kind::Conv, false, "1", "0", false, 1),
@@ -1186,6 +1200,7 @@ fn chain_timelines(
         ("qkv-bf16", Kind::Qkv, false, "1", "0", false, 4),
         ("qkv-q4", Kind::Qkv, true, "1", "0", false, 5),
         ("moe-q4", Kind::Moe, true, "1", "0", false, 6),
+        ("moe-q4-g2", Kind::Moe, true, "2", "0", false, 6),
     ];
     for (form, kind, q4, rows, rounds, early, k) in forms {
         let on = match kind {
@@ -1198,7 +1213,8 @@ fn chain_timelines(
             (on.to_string(), Some("1".to_string())),
             ("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string())),
             ("MLX_LFM_EARLY_PREFETCH".to_string(), Some((if early { "ffn" } else { "" }).to_string())),
-            ("MLX_LFM_FFN_GATE_ROWS".to_string(), Some(rows.to_string())),
+            ("MLX_LFM_FFN_GATE_ROWS".to_string(), Some((if kind == Kind::Ffn { rows } else { "1" }).to_string())),
+            ("MLX_LFM_MOE_GATE_ROWS".to_string(), Some((if kind == Kind::Moe { rows } else { "1" }).to_string())),
             ("MLX_LFM_FFN_GATE_ROUNDS".to_string(), Some(rounds.to_string())),
             ("MLX_LFM_QKV_WARPS".to_string(), Some("16".to_string())),
         ]
