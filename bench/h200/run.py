@@ -217,7 +217,7 @@ holds session 51's 32 compiled kernels of cf502a5):
      MoE layer's is the form that ships.
   4. `MLX_LFM_MOE_GATE_ROWS=2` (session 51, opt-in, compiled here only:
      the MoE layer's gate/up stage in one wave of blocks), once its test
-     (`moe_fused_forms_match_their_references`, in step 2's suite) has
+     (`moe_fused_gate_rows_match_the_exact_form`, in step 2's suite) has
      passed: carry [.device/bin], H200_KERNEL_BENCH_ARMS=moe-layer-q4-fused,moe-layer-q4-g2-fused
      `timeout -s TERM 200 python3 bench/h200/run.py kernel-bench`, and in
      the same call H200_OURS_ENV, H200_AB_VARIANTS=moe-gate-rows-2
@@ -2889,7 +2889,10 @@ AB_TESTS = {
     + ["moe_fused_kernel_matches_the_three_kernels", "greedy:moe-float"],
     "moe-float": ["moe_fused_kernel_matches_the_three_kernels", "greedy:moe-float"],
     # (Its test holds it to the bits of the form it varies.)
-    **{v: ["moe_fused_forms_match_their_references"] for v in ("moe-down-prefetch", "moe-down-prefetch-after", "moe-gate-rows-2")},
+    **{v: ["moe_fused_forms_match_their_references"] for v in ("moe-down-prefetch", "moe-down-prefetch-after")},
+    # (A test of its own, not the default's: its fault never turns the
+    # kernels off.)
+    "moe-gate-rows-2": ["moe_fused_gate_rows_match_the_exact_form"],
     # (Its test holds it to the default's bits.)
     "qkv-warps-32": ["qkv_fused_kernel_matches_stock_ops"],
     **{v: ["qkv_fused_kernel_matches_stock_ops"] for v in ("qkv-split-2", "qkv-split-4")},
@@ -3007,7 +3010,8 @@ PICK = [
     (["conv-layer-fused"], "decode"),
     (["early-prefetch", "early-prefetch-conv", "early-prefetch-qkv"], "decode"),
     (["qint-bits", "qint-convert", "moe-float"], "decode"),
-    (["moe-down-prefetch", "moe-down-prefetch-after", "moe-gate-rows-2"], "decode"),
+    (["moe-down-prefetch", "moe-down-prefetch-after"], "decode"),
+    (["moe-gate-rows-2"], "decode"),
     (["qkv-warps-32", "qkv-split-2", "qkv-split-4"], "decode"),
     (["ffn-gate-2", "ffn-gate-2-early", "ffn-gate-rounds", "ffn-gate-rounds-4", "ffn-rounds-off"], "decode"),
     (["kv-in-place", "kv-in-place-off"], "decode"),

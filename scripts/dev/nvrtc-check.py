@@ -488,6 +488,7 @@ KERNELS["moe_fused.rs@timeline"] = (KERNELS["moe_fused.rs"][0], KERNELS["moe_fus
 # prefetch (moe_fused.rs timeline_kernel takes a plain launch's form).
 KERNELS["moe_fused.rs@exact-timeline"] = KERNELS["moe_fused.rs@timeline"]
 KERNELS["moe_fused.rs@exact-pf-timeline"] = KERNELS["moe_fused.rs@timeline"]
+KERNELS["moe_fused.rs@exact-g2-timeline"] = KERNELS["moe_fused.rs@timeline"]
 # The conv layer's and feed-forward's rows asked of L2 before their waits
 # (MLX_LFM_EARLY_PREFETCH: stages.rs EARLY_SUBSTITUTIONS, early_header).
 for _k in ("conv_fused.rs", "ffn_fused.rs", "qk_norm_rope.rs#qkv_fused"):
@@ -848,6 +849,7 @@ REPLACE_OF = {
     "moe_fused.rs@timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
     "moe_fused.rs@exact-timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
     "moe_fused.rs@exact-pf-timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
+    "moe_fused.rs@exact-g2-timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
     **{_k + v: substitutions("stages.rs", "EARLY_SUBSTITUTIONS") for _k in ("conv_fused.rs", "ffn_fused.rs")
        for v in ("@early", "@dense-early")},
     **{"qk_norm_rope.rs#qkv_fused" + v: substitutions("qkv_fused.rs", "EARLY_SUBSTITUTIONS") for v in ("@early", "@dense-early")},
@@ -976,6 +978,8 @@ DEFINES_OF["moe_fused.rs@exact-timeline"] = _TL + DEFINES_OF["moe_fused.rs@exact
 HEADER_AFTER["moe_fused.rs@exact-timeline"] = HEADER_AFTER["moe_fused.rs@exact"]
 DEFINES_OF["moe_fused.rs@exact-pf-timeline"] = _TL + DEFINES_OF["moe_fused.rs@exact-pf"]
 HEADER_AFTER["moe_fused.rs@exact-pf-timeline"] = HEADER_AFTER["moe_fused.rs@exact-pf"]
+DEFINES_OF["moe_fused.rs@exact-g2-timeline"] = _TL + DEFINES_OF["moe_fused.rs@exact-g2"]
+HEADER_AFTER["moe_fused.rs@exact-g2-timeline"] = HEADER_AFTER["moe_fused.rs@exact-g2"]
 # The other one-launch layers with their scratch rows in the state
 # (MLX_LFM_SCRATCH_IN_STATE): outputs without the rows, their places (bf16,
 # 2,048 wide: stages.rs scratch_places) as template values.

@@ -244,7 +244,10 @@ pub fn built_prefetch() -> usize {
 /// holds it to the form it varies). Session 35's blocks of 16 and 8 warps
 /// kept two waves (two and four an SM); session 38's two down columns a
 /// warp halved the down blocks instead, and its waits gave up. Read at
-/// each launch's build, so a process can time both forms.
+/// each launch's build, so a process can time both forms, each on a state
+/// of its own: a block finds its launch and part from its ticket over the
+/// launch's block count, which this form changes (a state that served the
+/// other form would put its blocks out of step, their waits giving up).
 pub(crate) fn gate_rows() -> u8 {
     static SET: OnceLock<u8> = OnceLock::new();
     if super::forced("MLX_LFM_MOE_GATE_ROWS") {
@@ -261,12 +264,12 @@ pub fn built_gate_rows() -> usize {
 /// The form a launch of these operands takes (the timeline form's too:
 /// its test and the bench hold it to that form's bits). Where the MLX walk
 /// does not serve the experts, the float form runs.
-fn form_of(gu: &Quantized, down: &Quantized, dt: Dtype, d: i32, f: i32) -> Form {
+fn form_of(gu: &Quantized, down: &Quantized, dt: Dtype, d: i32, f: i32, k: usize) -> Form {
     let exact = experts_exact()
         && quant_gemv::spec_served(gu, dt, d)
         && quant_gemv::spec_served(down, dt, f)
         && registers_fit(gu.spec.bits, d, true);
-    let gate_rows = if gate_rows() == 2 && registers_fit_gate_rows(gu.spec.bits, d, exact) { 2 } else { 1 };
+    let gate_rows = if gate_rows() == 2 && registers_fit_gate_rows(gu.spec.bits, d, exact, k) { 2 } else { 1 };
     Form { exact, prefetch: down_prefetch(), gate_rows }
 }
 
@@ -328,7 +331,7 @@ pub fn available(n: &NormIn, g: &Quantized, gu: &Quantized, down: &Quantized, k:
     // experts-exact one: a form that does not build is not available.)
     enabled()
         && served(n, g, gu, down, k)
-        && kernel(false, form_of(gu, down, n.h.dtype(), n.h.dim(1), gu.weight.dim(1) / 2)).is_some()
+        && kernel(false, form_of(gu, down, n.h.dtype(), n.h.dim(1), gu.weight.dim(1) / 2, k)).is_some()
 }
 
 /// [`available`] but for the switch and the kernel: whether the layer's
@@ -370,15 +373,17 @@ pub(crate) fn served(n: &NormIn, g: &Quantized, gu: &Quantized, down: &Quantized
 /// varied, nor does the down rows' prefetch (nvrtc-check's `@pf` entries).
 /// Where a launch takes the form of two gate/up outputs a warp
 /// ([`gate_rows`]); elsewhere the form of one. Its experts exact (the
-/// default), 4-bit, rows of 1,024 or 2,048: by ptxas (sm_90, CUDA 13 here;
-/// a sweep of session 51 over D, the experts' and the router's bits and
-/// groups, k up to 8, F to 8,192, each dtype) those stay within the 64
-/// registers 1,024 threads allow (the 8B-A1B's bf16: 56, against 52 with
-/// one output; 64 at the most, k = 8), where 8-bit experts took up to 71,
-/// rows of 1,536 up to 79, rows of 3,072 and 4,096 up to 72, and the float
-/// form up to 92 (79 on 4-bit rows of 2,048 in groups of 32).
-fn registers_fit_gate_rows(bits: i32, d: i32, exact: bool) -> bool {
-    exact && bits == 4 && matches!(d, 1024 | 2048)
+/// default), 4-bit, rows of 1,024 or 2,048, up to 4 experts a row: by
+/// ptxas (sm_90, CUDA 13 here; a sweep of session 51 over D, the experts'
+/// and the router's bits and groups, k up to 8, F to 8,192, each dtype)
+/// those stay within the 64 registers 1,024 threads allow with room (the
+/// 8B-A1B's bf16: 56, against 52 with one output; 62 at the most), where
+/// 8 experts a row took 63-64 (no room for another compiler's choices
+/// until it has run on a GPU), 8-bit experts up to 71, rows of 1,536 up
+/// to 79, rows of 3,072 and 4,096 up to 72, and the float form up to 92
+/// (79 on 4-bit rows of 2,048 in groups of 32).
+fn registers_fit_gate_rows(bits: i32, d: i32, exact: bool, k: usize) -> bool {
+    exact && bits == 4 && matches!(d, 1024 | 2048) && k <= 4
 }
 
 fn registers_fit(bits: i32, d: i32, exact: bool) -> bool {
@@ -430,7 +435,7 @@ pub fn forward_timeline(
     let mut outs = launch(n, g, bias, gu, down, state, k, norm, eps, scale, true)?;
     let times = outs.pop().ok_or_else(|| Error::mlx("fused MoE kernel: missing output"))?;
     let (d, f) = (n.h.dim(1), gu.weight.dim(1) / 2);
-    let rows = form_of(gu, down, n.h.dtype(), d, f).gate_rows;
+    let rows = form_of(gu, down, n.h.dtype(), d, f, k).gate_rows;
     let (gate_up, down) = parts(d, f, k as i32, rows);
     Ok((outs.swap_remove(1), times, gate_up as usize, (1 + gate_up + down) as usize))
 }
@@ -464,7 +469,7 @@ fn launch(
     let unavailable = || Error::mlx("the fused MoE kernel is not available");
     let (d, dt) = (n.h.dim(1), n.h.dtype());
     let (e, f) = (g.weight.dim(0), gu.weight.dim(1) / 2);
-    let form = form_of(gu, down, dt, d, f);
+    let form = form_of(gu, down, dt, d, f, k);
     let kern = if timeline { timeline_kernel(form) } else { kernel(false, form) }.ok_or_else(unavailable)?;
     let missing = |what: &str| Error::invalid(format!("the fused MoE kernel needs affine biases ({what})"));
     let gb = g.biases.as_ref().ok_or_else(|| missing("the router gate"))?;
@@ -570,9 +575,9 @@ mod tests {
         }
         // Two gate/up outputs a warp: the 8B-A1B's rows with the experts
         // exact, not the forms and rows that ptxas put past 64.
-        assert!(registers_fit_gate_rows(4, 2048, true) && registers_fit_gate_rows(4, 1024, true));
-        for (bits, d, exact) in [(4, 2048, false), (8, 2048, true), (4, 1536, true), (4, 3072, true), (4, 4096, true)] {
-            assert!(!registers_fit_gate_rows(bits, d, exact), "{bits}-bit rows of {d}, exact {exact}, two outputs");
+        assert!(registers_fit_gate_rows(4, 2048, true, 4) && registers_fit_gate_rows(4, 1024, true, 1));
+        for (bits, d, exact, k) in [(4, 2048, false, 4), (8, 2048, true, 4), (4, 1536, true, 4), (4, 3072, true, 4), (4, 4096, true, 4), (4, 2048, true, 8)] {
+            assert!(!registers_fit_gate_rows(bits, d, exact, k), "{bits}-bit rows of {d}, exact {exact}, {k} experts, two outputs");
         }
     }
 

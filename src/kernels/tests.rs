@@ -2514,7 +2514,7 @@ fn check_counters_in_step(what: &str, counters: &crate::mlx::Array, order: &[boo
 /// misread its epoch would wait out its bound and give NaN, or mix stages).
 #[test]
 fn moe_fused_kernel_matches_the_three_kernels() {
-    moe_fused_cases("moe_fused_kernel_matches_the_three_kernels", false);
+    moe_fused_cases("moe_fused_kernel_matches_the_three_kernels", MoeChecks::Default);
 }
 
 /// The one-launch MoE layer's other forms over the same cases (each case's
@@ -2527,13 +2527,37 @@ fn moe_fused_kernel_matches_the_three_kernels() {
 /// estimate).
 #[test]
 fn moe_fused_forms_match_their_references() {
-    moe_fused_cases("moe_fused_forms_match_their_references", true);
+    moe_fused_cases("moe_fused_forms_match_their_references", MoeChecks::Forms);
 }
 
-/// The MoE kernel's cases: with `forms`, the other forms' checks after
-/// each float-form run; without, the float form's own (its scratch form,
-/// the timeline form, the counters through given-up waits).
-fn moe_fused_cases(test: &str, forms: bool) {
+/// The one-launch MoE layer with two gate/up outputs a warp
+/// (`MLX_LFM_MOE_GATE_ROWS=2`, opt-in since session 51): the experts-exact
+/// form's bits where it serves, no launch of it where it does not
+/// ([`check_gate_rows`]), its timeline form. A test of its own, apart
+/// from the forms' test that the default needs (run.py's
+/// DEFAULT_KERNEL_TESTS), so that a fault of this opt-in never turns a
+/// session's kernels off; with cases of its own too (a width of 1,760,
+/// where the last blocks' second outputs fall past it; float32 rows of
+/// 1,024).
+#[test]
+fn moe_fused_gate_rows_match_the_exact_form() {
+    moe_fused_cases("moe_fused_gate_rows_match_the_exact_form", MoeChecks::GateRows);
+}
+
+/// What [`moe_fused_cases`] checks after each case's float-form run.
+#[derive(Clone, Copy, PartialEq)]
+enum MoeChecks {
+    /// The float form's own: its scratch form, the timeline form, the
+    /// counters through given-up waits.
+    Default,
+    /// The other forms: the experts exact, the down rows' prefetch.
+    Forms,
+    /// Two gate/up outputs a warp.
+    GateRows,
+}
+
+/// The MoE kernel's cases, each checked as `checks` says.
+fn moe_fused_cases(test: &str, checks: MoeChecks) {
     use crate::kernels::moe_fused::{available, forward, launch_blocks};
     use crate::kernels::stages::new_counters;
     // The launch's block count, as the kernel counts its parts: the
@@ -2578,11 +2602,14 @@ fn moe_fused_cases(test: &str, forms: bool) {
         (Dtype::Float16, 2.0f32.powi(-10), 32, 4, 2048, 1792, 4, 64, 4, 64),
         (Dtype::Float32, 1e-5, 32, 4, 1024, 256, 8, 64, 8, 64),
     ];
-    // The forms' test only: an expert 1,760 wide (no multiple of 64), where
-    // the last gate/up blocks of two outputs a warp have second outputs
-    // past F (MLX_LFM_MOE_GATE_ROWS=2, check_gate_rows).
-    let form_cases = [(Dtype::Bfloat16, 2.0f32.powi(-7), 16, 4, 2048, 1760, 4, 64, 4, 32)];
-    for (dt, tol, e, k, d, f, gbits, ggs, bits, gs) in cases.into_iter().chain(form_cases.into_iter().filter(|_| forms)) {
+    // Two gate/up outputs a warp's own: an expert 1,760 wide (no multiple
+    // of 64), where the last gate/up blocks' second outputs fall past F,
+    // and float32 4-bit rows of 1,024 (a dtype the others serve it in
+    // bf16 and f16 only).
+    let gate_rows_cases =
+        [(Dtype::Bfloat16, 2.0f32.powi(-7), 16, 4, 2048, 1760, 4, 64, 4, 32), (Dtype::Float32, 1e-5, 32, 4, 1024, 256, 8, 64, 4, 64)];
+    let own = gate_rows_cases.into_iter().filter(|_| checks == MoeChecks::GateRows);
+    for (dt, tol, e, k, d, f, gbits, ggs, bits, gs) in cases.into_iter().chain(own) {
         let what = format!("{dt:?} {e} experts top-{k}, {d} -> {f}, gate {gbits}-bit g{ggs}, experts {bits}-bit g{gs}");
         let g = quantized(&normal(&[e, d], Dtype::Float32, 0.0, 0.04, None).unwrap(), dt, gbits, ggs);
         let gu = quantized(&normal(&[e, 2 * f, d], Dtype::Float32, 0.0, 0.05, None).unwrap(), dt, bits, gs);
@@ -2614,27 +2641,38 @@ fn moe_fused_cases(test: &str, forms: bool) {
             let gap = worst_scaled(&out, &want);
             assert!(gap <= tol, "{what}: the output is {gap} from the three kernels' (over {tol}; {} of {d} differ)", differing(&out, &want));
             eprintln!("{what}: {} of {d} outputs differ from the three kernels' (worst {gap})", differing(&out, &want));
-            if forms {
-                let run_form = |state: &Array, scratch: bool| if scratch { scratch_in_state(|| run(state)) } else { run(state) };
+            let run_form = |state: &Array, scratch: bool| if scratch { scratch_in_state(|| run(state)) } else { run(state) };
+            let timeline_of = |at: &str, rows: &str, want: &Array| {
+                let set = [
+                    ("MLX_LFM_MOE_EXACT".to_string(), Some("1".to_string())),
+                    ("MLX_LFM_MOE_DOWN_PREFETCH".to_string(), Some(at.to_string())),
+                    ("MLX_LFM_MOE_GATE_ROWS".to_string(), Some(rows.to_string())),
+                ];
+                let label = format!("{what}, experts exact, down prefetch {at}, gate/up outputs a warp {rows}");
+                crate::knobs::with_overrides(&set, || check_timeline(&label, &n, &g, &bias, &gu, &dn, k, scale, want));
+            };
+            if checks == MoeChecks::Forms {
                 let exact_out = check_experts_exact(&what, dt, &s, &out, &wy, &wi, &wsc, &gu, &dn, run_form);
                 check_down_prefetch(&what, &s, &out, &exact_out, d, f, k, &run_form);
-                check_gate_rows(&what, &s, &out, &exact_out, (d, f, k, bits), &run_form);
                 // The timeline form (the bench's) takes a plain launch's
-                // form: the experts exact, with the down rows' prefetch,
-                // with two gate/up outputs a warp where that serves (its
-                // parts counted as the launch counts them).
-                let two_rows = bits == 4 && matches!(d, 1024 | 2048);
-                for (at, rows) in [("0", "1"), ("1", "1"), ("0", "2")] {
-                    if rows == "2" && !two_rows {
-                        continue;
-                    }
-                    let set = [
-                        ("MLX_LFM_MOE_EXACT".to_string(), Some("1".to_string())),
-                        ("MLX_LFM_MOE_DOWN_PREFETCH".to_string(), Some(at.to_string())),
-                        ("MLX_LFM_MOE_GATE_ROWS".to_string(), Some(rows.to_string())),
-                    ];
-                    let label = format!("{what}, experts exact, down prefetch {at}, gate/up outputs a warp {rows}");
-                    crate::knobs::with_overrides(&set, || check_timeline(&label, &n, &g, &bias, &gu, &dn, k, scale, &exact_out));
+                // form: the experts exact, with the down rows' prefetch.
+                for at in ["0", "1"] {
+                    timeline_of(at, "1", &exact_out);
+                }
+                return;
+            }
+            if checks == MoeChecks::GateRows {
+                // The reference: the experts-exact form of one output a
+                // warp (its own test holds it to the stock ops).
+                let exact_on = [("MLX_LFM_MOE_EXACT".to_string(), Some("1".to_string()))];
+                let before = crate::kernels::moe_fused::built_exact();
+                let (s3, exact_out) = crate::knobs::with_overrides(&exact_on, || run(&new_counters().unwrap()));
+                assert_eq!(crate::kernels::moe_fused::built_exact(), before + 1, "{what}: the experts-exact form did not run");
+                assert_eq!(differing(&s3, &s), 0, "{what}: experts exact: the residual sum differs");
+                if check_gate_rows(&what, &s, &out, &exact_out, (d, f, k, bits), &run_form) {
+                    // Its timeline form, its parts counted as its launch
+                    // counts them.
+                    timeline_of("0", "2", &exact_out);
                 }
                 return;
             }
@@ -2798,12 +2836,13 @@ fn check_down_prefetch(
 
 /// The one-launch MoE layer with two gate/up outputs a warp
 /// (`MLX_LFM_MOE_GATE_ROWS=2`, moe_fused.rs gate_rows): where it serves
-/// (the experts exact, 4-bit, rows of 1,024 or 2,048), the exact form's
+/// (the experts exact, 4-bit, rows of 1,024 or 2,048, up to 4 experts a
+/// row: moe_fused.rs registers_fit_gate_rows), the exact form's
 /// bits (`exact_out`: each row walked as it is alone) on fresh counters,
 /// its scratch form twice over one state, and with the down rows' prefetch
 /// too, each launch counted; elsewhere, and with the experts in float32,
 /// the switch takes no launch of the form and changes no bit (`out` the
-/// float form's output).
+/// float form's output). Whether it served.
 fn check_gate_rows(
     what: &str,
     s: &crate::mlx::Array,
@@ -2811,7 +2850,7 @@ fn check_gate_rows(
     exact_out: &crate::mlx::Array,
     (d, f, k, bits): (i32, i32, usize, i32),
     run: &impl Fn(&crate::mlx::Array, bool) -> (crate::mlx::Array, crate::mlx::Array),
-) {
+) -> bool {
     use crate::kernels::moe_fused::built_gate_rows;
     use crate::kernels::stages::new_counters;
     let on = |exact: bool, prefetch: &str| {
@@ -2829,7 +2868,8 @@ fn check_gate_rows(
         assert_eq!(differing(&s2, s), 0, "{form} ({label}): the residual sum differs");
         assert_eq!(differing(&out2, want), 0, "{form} ({label}): the output differs");
     };
-    if bits == 4 && matches!(d, 1024 | 2048) {
+    let served = bits == 4 && matches!(d, 1024 | 2048) && k <= 4;
+    if served {
         let words = crate::kernels::moe_fused::state_words(d as usize, f as usize, k);
         check_form_bits(&format!("{form}, experts exact"), &on(true, "0"), built_gate_rows, (s, exact_out), Some(words), run);
         check_form_bits(&format!("{form}, experts exact, down prefetch"), &on(true, "1"), built_gate_rows, (s, exact_out), None, run);
@@ -2838,6 +2878,7 @@ fn check_gate_rows(
         untaken(&on(true, "0"), exact_out, "experts exact, not served here");
     }
     untaken(&on(false, "0"), out, "experts in float32");
+    served
 }
 
 /// A form of the one-launch MoE layer under the switches `set` that must

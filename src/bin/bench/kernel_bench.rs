@@ -340,9 +340,15 @@ pub fn run(reps: usize, only: Option<&[String]>) -> mlx_lfm::Result<()> {
     }
     for (name, switches, kernels) in layer_arms {
         let layer = layer.as_ref().expect("made where a layer arm runs");
-        let walls = timed(switches, reps * LAYER_LAUNCHES, |i| {
-            layer.launch(*kernels == 1, i).map_err(|e| mlx_lfm::Error::invalid(format!("{name}: {e}")))
-        });
+        // (A state of its own an arm: the kernel finds its launch and part
+        // from a ticket over its block count, which two gate/up outputs a
+        // warp change; the joined arms keep the layer's own.)
+        let walls = match Layer::new_state() {
+            Ok(state) => timed(switches, reps * LAYER_LAUNCHES, |i| {
+                layer.launch(*kernels == 1, &state, i).map_err(|e| mlx_lfm::Error::invalid(format!("{name}: {e}")))
+            }),
+            Err(e) => (vec![], Some(e)),
+        };
         print_walls(name, LAYER_N, EXPERT_D, walls);
     }
     for (name, switches, _) in conv_arms {
@@ -686,10 +692,22 @@ impl Experts {
 /// product runs the one launch.
 const LAYER_ARMS: [(&str, Switches, usize); 6] = [
     ("moe-layer-q4-three", &[("MLX_LFM_MOE_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1")], 3),
-    ("moe-layer-q4-fused", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
-    ("moe-layer-q4-float-fused", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_EXACT", "0"), ("MLX_LFM_EPS_CONST", "1")], 1),
-    ("moe-layer-q4-pf-fused", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_DOWN_PREFETCH", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
-    ("moe-layer-q4-pfa-fused", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_DOWN_PREFETCH", "after"), ("MLX_LFM_EPS_CONST", "1")], 1),
+    ("moe-layer-q4-fused", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_GATE_ROWS", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
+    (
+        "moe-layer-q4-float-fused",
+        &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_EXACT", "0"), ("MLX_LFM_MOE_GATE_ROWS", "1"), ("MLX_LFM_EPS_CONST", "1")],
+        1,
+    ),
+    (
+        "moe-layer-q4-pf-fused",
+        &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_DOWN_PREFETCH", "1"), ("MLX_LFM_MOE_GATE_ROWS", "1"), ("MLX_LFM_EPS_CONST", "1")],
+        1,
+    ),
+    (
+        "moe-layer-q4-pfa-fused",
+        &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_DOWN_PREFETCH", "after"), ("MLX_LFM_MOE_GATE_ROWS", "1"), ("MLX_LFM_EPS_CONST", "1")],
+        1,
+    ),
     ("moe-layer-q4-g2-fused", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_GATE_ROWS", "2"), ("MLX_LFM_EPS_CONST", "1")], 1),
 ];
 const LAYER_ROWS: usize = 8;
@@ -791,8 +809,9 @@ impl Layer {
         Ok((moe_fused::forward(&n, g, bias, gu, down, state, k, true, LAYER_EPS, 1.0)?.1, None))
     }
 
-    /// The layer's output for launch `i`'s row, as the arm's switches say.
-    fn launch(&self, fused: bool, i: usize) -> mlx_lfm::Result<Array> {
+    /// The layer's output for launch `i`'s row, as the arm's switches say,
+    /// the one-launch form on `state` (the arm's: [`Layer::new_state`]).
+    fn launch(&self, fused: bool, state: &Array, i: usize) -> mlx_lfm::Result<Array> {
         use mlx_lfm::kernels::{moe_experts, moe_fused, moe_router, norm_gemv::NormIn};
         let n = NormIn { h: &self.hs[i % self.hs.len()], r: &self.r, wn: &self.wn, eps: &self.eps, eps_value: Some(LAYER_EPS) };
         let (g, gu, down) = (&self.gate, &self.experts.gate_up, &self.experts.down);
@@ -802,7 +821,7 @@ impl Layer {
             if !moe_fused::available(&n, g, gu, down, k) {
                 return Err(unserved());
             }
-            return Ok(moe_fused::forward(&n, g, &self.bias, gu, down, &self.state, k, true, LAYER_EPS, 1.0)?.1);
+            return Ok(moe_fused::forward(&n, g, &self.bias, gu, down, state, k, true, LAYER_EPS, 1.0)?.1);
         }
         if !moe_router::gate_norm_available(&n, g, k) || !moe_experts::available(1, k, Dtype::Bfloat16, gu, down) {
             return Err(unserved());
@@ -846,6 +865,9 @@ fn timeline(reps: usize) -> mlx_lfm::Result<()> {
         ("gate-rows-2", "MLX_LFM_MOE_GATE_ROWS", "2"),
     ] {
         let mut set = switches.to_vec();
+        if var != "MLX_LFM_MOE_GATE_ROWS" {
+            set.push(("MLX_LFM_MOE_GATE_ROWS".to_string(), Some("1".to_string())));
+        }
         set.push((var.to_string(), Some(value.to_string())));
         mlx_lfm::knobs::with_overrides(&set, || timeline_of(&layer, &scrub, form, reps))?;
     }
