@@ -189,8 +189,10 @@ possible 75% occupancy; the feed-forward 42.59 µs at 2.47 TB/s, load
 stalls first. The 8B-A1B's detail outran two calls (~225 and 330 s):
 `profile-kernels` now takes H200_NCU_COUNT (ncu's --launch-count).
 Session 50's chain below ran but for its profile of the 8B-A1B.
-The chain (.device built at its COMMIT, this commit or later; .device/ptx
-holds session 51's 32 compiled kernels of cf502a5):
+The chain (.device built by prepare.sh at its COMMIT, this commit or
+later; a new checkout has no .device/ptx, and session 51's compiled
+kernels would not serve: the one-launch layers' text changed after its
+calls, which renames every such kernel):
   1. carry [.device/a]: `stage-mlx`.
   2. The whole kernel suite at one commit, which has not run whole
      since session 16's 18 tests (each session ran what its changes
