@@ -217,14 +217,17 @@ calls, which renames every such kernel):
      the gate/up and down stages do). The conv, feed-forward and q/k/v
      chains are the waiting forms' (no every-norm timeline form); the
      MoE layer's is the form that ships.
-  4. `MLX_LFM_MOE_GATE_ROWS=2` (session 51, opt-in, compiled here only:
-     the MoE layer's gate/up stage in one wave of blocks), once its test
+  4. `MLX_LFM_MOE_GATE_ROWS=2` and `MLX_LFM_MOE_DOWN_COLS=2` (session 51,
+     opt-in, compiled here only: the MoE layer's gate/up and down stages
+     in half the blocks each), once their test
      (`moe_fused_gate_rows_match_the_exact_form`, in step 2's suite) has
-     passed: carry [.device/bin], H200_KERNEL_BENCH_ARMS=moe-layer-q4-fused,moe-layer-q4-g2-fused
+     passed: carry [.device/bin],
+     H200_KERNEL_BENCH_ARMS=moe-layer-q4-fused,moe-layer-q4-g2-fused,moe-layer-q4-d2-fused,moe-layer-q4-g2d2-fused
      `timeout -s TERM 200 python3 bench/h200/run.py kernel-bench`, and in
-     the same call H200_OURS_ENV, H200_AB_VARIANTS=moe-gate-rows-2
+     the same call H200_OURS_ENV,
+     H200_AB_VARIANTS=moe-gate-rows-2,moe-down-cols-2,moe-two-outputs
      H200_MODELS=lfm2-8b-a1b-q4 H200_AB_REPS=3 `... ab pick`
-     (`layer-chains` of step 3 chains it too, `moe-q4-g2`).
+     (`layer-chains` of step 3 chains them too, `moe-q4-g2`, `moe-q4-g2d2`).
   5. On an H200: carry [.device/llama] `llama`, then rounds 1-2 of the
      three models with mlx-lm (the issue's targets are the H200's). On
      an H100: rounds only if a default changed.
@@ -2771,6 +2774,10 @@ AB = {
     # 1,024 threads, one an SM, were two waves on an H100; 112 are one.
     # The same bits.
     "moe-gate-rows-2": ({"MLX_LFM_MOE_GATE_ROWS": "2"}, ["lfm2-8b-a1b-q4"]),
+    # Its down warps two columns each (src/kernels/moe_fused.rs down_cols):
+    # 128 down blocks instead of 256; and both, 241 blocks a launch.
+    "moe-down-cols-2": ({"MLX_LFM_MOE_DOWN_COLS": "2"}, ["lfm2-8b-a1b-q4"]),
+    "moe-two-outputs": ({"MLX_LFM_MOE_GATE_ROWS": "2", "MLX_LFM_MOE_DOWN_COLS": "2"}, ["lfm2-8b-a1b-q4"]),
     # The one-launch q/k/v stage with a head over 32 warps (session 38,
     # src/kernels/qkv_fused.rs warps): one block a head (49 on the 8B-A1B)
     # left most SMs idle, 14.4 µs a launch for ~3.6 MB in session 38's
@@ -2894,7 +2901,7 @@ AB_TESTS = {
     **{v: ["moe_fused_forms_match_their_references"] for v in ("moe-down-prefetch", "moe-down-prefetch-after")},
     # (A test of its own, not the default's: its fault never turns the
     # kernels off.)
-    "moe-gate-rows-2": ["moe_fused_gate_rows_match_the_exact_form"],
+    **{v: ["moe_fused_gate_rows_match_the_exact_form"] for v in ("moe-gate-rows-2", "moe-down-cols-2", "moe-two-outputs")},
     # (Its test holds it to the default's bits.)
     "qkv-warps-32": ["qkv_fused_kernel_matches_stock_ops"],
     **{v: ["qkv_fused_kernel_matches_stock_ops"] for v in ("qkv-split-2", "qkv-split-4")},
@@ -3013,7 +3020,7 @@ PICK = [
     (["early-prefetch", "early-prefetch-conv", "early-prefetch-qkv"], "decode"),
     (["qint-bits", "qint-convert", "moe-float"], "decode"),
     (["moe-down-prefetch", "moe-down-prefetch-after"], "decode"),
-    (["moe-gate-rows-2"], "decode"),
+    (["moe-gate-rows-2", "moe-down-cols-2", "moe-two-outputs"], "decode"),
     (["qkv-warps-32", "qkv-split-2", "qkv-split-4"], "decode"),
     (["ffn-gate-2", "ffn-gate-2-early", "ffn-gate-rounds", "ffn-gate-rounds-4", "ffn-rounds-off"], "decode"),
     (["kv-in-place", "kv-in-place-off"], "decode"),
@@ -3054,7 +3061,8 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "fold-deferred", "layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off",
                "conv-layer-fused", "early-prefetch", "early-prefetch-conv", "early-prefetch-qkv",
                "qint-bits", "qint-convert",
-               "moe-float", "moe-down-prefetch", "moe-down-prefetch-after", "moe-gate-rows-2", "qkv-warps-32", "argmax-vec",
+               "moe-float", "moe-down-prefetch", "moe-down-prefetch-after", "moe-gate-rows-2", "moe-down-cols-2", "moe-two-outputs",
+               "qkv-warps-32", "argmax-vec",
                "conv-first-off", "qkv-split-2", "qkv-split-4",
                # (A lone sequence's decode kernels: session 44's pick of the
                # feed-forward in rounds fell on the 350M's prefill figure,

@@ -479,7 +479,11 @@ KERNELS["moe_fused.rs@exact8-pf-d1536"] = KERNELS["moe_fused.rs@exact8-d1536"]
 # in the state and the down rows' prefetch: within the 64 registers 1,024
 # threads allow (moe_fused.rs registers_fit_gate_rows has the sweep).
 _MOE_G2 = (("@exact-g2", "@exact"), ("@exact-g2-scratch", "@exact-scratch"), ("@exact-pf-g2", "@exact-pf"))
-for _v, _of in _MOE_G2:
+# ...and two down columns a warp (MLX_LFM_MOE_DOWN_COLS=2: moe_fused.rs
+# down_cols), alone and with two gate/up outputs.
+_MOE_D2 = (("@exact-d2", "@exact"), ("@exact-d2-scratch", "@exact-scratch"), ("@exact-pf-d2", "@exact-pf"),
+           ("@exact-g2-d2", "@exact"), ("@exact-g2-d2-scratch", "@exact-scratch"))
+for _v, _of in _MOE_G2 + _MOE_D2:
     KERNELS["moe_fused.rs" + _v] = KERNELS["moe_fused.rs" + _of]
 # The bench's timeline form: the stamps an extra int64 output (REPLACE_OF).
 KERNELS["moe_fused.rs@timeline"] = (KERNELS["moe_fused.rs"][0], KERNELS["moe_fused.rs"][1] + [("times", "long long")],
@@ -489,6 +493,7 @@ KERNELS["moe_fused.rs@timeline"] = (KERNELS["moe_fused.rs"][0], KERNELS["moe_fus
 KERNELS["moe_fused.rs@exact-timeline"] = KERNELS["moe_fused.rs@timeline"]
 KERNELS["moe_fused.rs@exact-pf-timeline"] = KERNELS["moe_fused.rs@timeline"]
 KERNELS["moe_fused.rs@exact-g2-timeline"] = KERNELS["moe_fused.rs@timeline"]
+KERNELS["moe_fused.rs@exact-g2-d2-timeline"] = KERNELS["moe_fused.rs@timeline"]
 # The conv layer's and feed-forward's rows asked of L2 before their waits
 # (MLX_LFM_EARLY_PREFETCH: stages.rs EARLY_SUBSTITUTIONS, early_header).
 for _k in ("conv_fused.rs", "ffn_fused.rs", "qk_norm_rope.rs#qkv_fused"):
@@ -850,6 +855,7 @@ REPLACE_OF = {
     "moe_fused.rs@exact-timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
     "moe_fused.rs@exact-pf-timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
     "moe_fused.rs@exact-g2-timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
+    "moe_fused.rs@exact-g2-d2-timeline": substitutions("stages.rs", "TIMELINE_SUBSTITUTIONS"),
     **{_k + v: substitutions("stages.rs", "EARLY_SUBSTITUTIONS") for _k in ("conv_fused.rs", "ffn_fused.rs")
        for v in ("@early", "@dense-early")},
     **{"qk_norm_rope.rs#qkv_fused" + v: substitutions("qkv_fused.rs", "EARLY_SUBSTITUTIONS") for v in ("@early", "@dense-early")},
@@ -968,8 +974,9 @@ for _v, _at, _of in (("@exact-pf", 1, "@exact"), ("@exact-pfa", 2, "@exact"), ("
                      ("@exact8-pf-d1536", 1, "@exact8-d1536")):
     DEFINES_OF["moe_fused.rs" + _v] = f"#define LFM_MOE_DOWN_PREFETCH {_at}\n" + DEFINES_OF["moe_fused.rs" + _of]
     HEADER_AFTER["moe_fused.rs" + _v] = HEADER_AFTER["moe_fused.rs" + _of] + _PF
-for _v, _of in _MOE_G2:
-    DEFINES_OF["moe_fused.rs" + _v] = "#define LFM_MOE_GATE_ROWS 2\n" + DEFINES_OF["moe_fused.rs" + _of]
+for _v, _of in _MOE_G2 + _MOE_D2:
+    DEFINES_OF["moe_fused.rs" + _v] = (("#define LFM_MOE_GATE_ROWS 2\n" if "g2" in _v else "")
+                                       + ("#define LFM_MOE_DOWN_COLS 2\n" if "d2" in _v else "") + DEFINES_OF["moe_fused.rs" + _of])
     if "moe_fused.rs" + _of in HEADER_AFTER:
         HEADER_AFTER["moe_fused.rs" + _v] = HEADER_AFTER["moe_fused.rs" + _of]
     if "moe_fused.rs" + _of in PRELUDE_OF:
@@ -980,6 +987,8 @@ DEFINES_OF["moe_fused.rs@exact-pf-timeline"] = _TL + DEFINES_OF["moe_fused.rs@ex
 HEADER_AFTER["moe_fused.rs@exact-pf-timeline"] = HEADER_AFTER["moe_fused.rs@exact-pf"]
 DEFINES_OF["moe_fused.rs@exact-g2-timeline"] = _TL + DEFINES_OF["moe_fused.rs@exact-g2"]
 HEADER_AFTER["moe_fused.rs@exact-g2-timeline"] = HEADER_AFTER["moe_fused.rs@exact-g2"]
+DEFINES_OF["moe_fused.rs@exact-g2-d2-timeline"] = _TL + DEFINES_OF["moe_fused.rs@exact-g2-d2"]
+HEADER_AFTER["moe_fused.rs@exact-g2-d2-timeline"] = HEADER_AFTER["moe_fused.rs@exact-g2-d2"]
 # The other one-launch layers with their scratch rows in the state
 # (MLX_LFM_SCRATCH_IN_STATE): outputs without the rows, their places (bf16,
 # 2,048 wide: stages.rs scratch_places) as template values.

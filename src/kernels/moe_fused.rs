@@ -122,6 +122,7 @@ static BUILT: Built = Built::new();
 static BUILT_EXACT: Built = Built::new();
 static BUILT_PREFETCH: Built = Built::new();
 static BUILT_GATE_ROWS: Built = Built::new();
+static BUILT_DOWN_COLS: Built = Built::new();
 
 /// How many times [`forward`] has put the kernel into a graph in this
 /// process (a compiled step once, when it is traced): the greedy test's
@@ -145,7 +146,8 @@ fn header() -> String {
 /// Which form of the kernel a launch takes: its experts in MLX's
 /// arithmetic ([`experts_exact`]), its down rows asked of L2 by the
 /// gate/up blocks ([`down_prefetch`]: 0 not, 1 before their rows, 2 after),
-/// its gate/up outputs a warp ([`gate_rows`]: 1 or 2).
+/// its gate/up outputs a warp ([`gate_rows`]: 1 or 2), its down columns a
+/// warp ([`down_cols`]: 1 or 2).
 /// (Session 38's two down columns a warp, `MLX_LFM_MOE_DOWN_ROWS=2`, were
 /// retired in session 39: 0.974x in the 8B-A1B's A/B, and its launch alone
 /// under ncu ran 268 ms, its waits giving up.)
@@ -154,14 +156,18 @@ struct Form {
     exact: bool,
     prefetch: u8,
     gate_rows: u8,
+    down_cols: u8,
 }
 
 /// How many forms [`Form::index`] tells apart.
-const FORMS: usize = 12;
+const FORMS: usize = 24;
 
 impl Form {
     fn index(self) -> usize {
-        usize::from(self.exact) + 2 * usize::from(self.prefetch.min(2)) + 6 * usize::from(self.gate_rows == 2)
+        usize::from(self.exact)
+            + 2 * usize::from(self.prefetch.min(2))
+            + 6 * usize::from(self.gate_rows == 2)
+            + 12 * usize::from(self.down_cols == 2)
     }
 
     /// The kernel's names: the outputs form's, the scratch form's.
@@ -170,7 +176,8 @@ impl Form {
         NAMES[self.index()].get_or_init(|| {
             let pf = ["", "_pf", "_pfa"][usize::from(self.prefetch.min(2))];
             let g2 = if self.gate_rows == 2 { "_g2" } else { "" };
-            let base = format!("lfm_moe_fused{}{pf}{g2}", if self.exact { "_exact" } else { "" });
+            let d2 = if self.down_cols == 2 { "_d2" } else { "" };
+            let base = format!("lfm_moe_fused{}{pf}{g2}{d2}", if self.exact { "_exact" } else { "" });
             [base.clone(), format!("{base}_scr")]
         })
     }
@@ -184,7 +191,8 @@ impl Form {
             p => format!("#define LFM_MOE_DOWN_PREFETCH {p}\n{}{}", stages::PREFETCH_HEADER, stages::MOE_DOWN_PREFETCH_HEADER),
         };
         let rows = if self.gate_rows == 2 { "#define LFM_MOE_GATE_ROWS 2\n" } else { "" };
-        format!("{exact}{rows}{}{products}{prefetch}", header())
+        let cols = if self.down_cols == 2 { "#define LFM_MOE_DOWN_COLS 2\n" } else { "" };
+        format!("{exact}{rows}{cols}{}{products}{prefetch}", header())
     }
 }
 
@@ -234,7 +242,7 @@ pub fn built_prefetch() -> usize {
 }
 
 /// `MLX_LFM_MOE_GATE_ROWS=2` (opt-in, session 51, not yet run on a GPU;
-/// with the experts exact, where [`registers_fit_gate_rows`] says):
+/// with the experts exact, where [`registers_fit_two`] says):
 /// each gate/up warp makes two outputs of its expert, `n` and
 /// `n + RB * 32` (RB the expert's blocks), its four rows asked of L2
 /// together, so that the gate/up stage takes half the blocks: the
@@ -261,6 +269,33 @@ pub fn built_gate_rows() -> usize {
     BUILT_GATE_ROWS.get()
 }
 
+/// `MLX_LFM_MOE_DOWN_COLS=2` (opt-in, session 51, not yet run on a GPU;
+/// where [`registers_fit_two`] says, as [`gate_rows`]): each down warp
+/// makes two output columns of its expert, `n` and `n + DB * 32 / k` (DB
+/// the down blocks), both rows asked of L2 first, so that the down stage
+/// takes half the blocks (the 8B-A1B's 256 to 128: with [`gate_rows`]'s
+/// 112 gate/up blocks, the launch's 241 blocks fit an H100's 132 SMs in
+/// two turns). Each row is walked as it is alone and each column's
+/// experts summed in their order, so the same bits. Session 38's two down
+/// columns a warp (`MLX_LFM_MOE_DOWN_ROWS=2`) were retired on a
+/// kernel-bench launch that ran 268 ms, its waits giving up; that arm
+/// shared one layer state with forms of other block counts, which puts
+/// every ticket out of step (the fault session 51's review found in the
+/// gate rows' first arm), so that reading said nothing of the form. Read
+/// at each launch's build; each form on a state of its own.
+pub(crate) fn down_cols() -> u8 {
+    static SET: OnceLock<u8> = OnceLock::new();
+    if super::forced("MLX_LFM_MOE_DOWN_COLS") {
+        return 2;
+    }
+    crate::knobs::cached("MLX_LFM_MOE_DOWN_COLS", &SET, |v| if v.map(str::trim) == Some("2") { 2 } else { 1 })
+}
+
+/// How many launches took two down columns a warp ([`down_cols`]).
+pub fn built_down_cols() -> usize {
+    BUILT_DOWN_COLS.get()
+}
+
 /// The form a launch of these operands takes (the timeline form's too:
 /// its test and the bench hold it to that form's bits). Where the MLX walk
 /// does not serve the experts, the float form runs.
@@ -269,8 +304,10 @@ fn form_of(gu: &Quantized, down: &Quantized, dt: Dtype, d: i32, f: i32, k: usize
         && quant_gemv::spec_served(gu, dt, d)
         && quant_gemv::spec_served(down, dt, f)
         && registers_fit(gu.spec.bits, d, true);
-    let gate_rows = if gate_rows() == 2 && registers_fit_gate_rows(gu.spec.bits, d, exact, k) { 2 } else { 1 };
-    Form { exact, prefetch: down_prefetch(), gate_rows }
+    let two = registers_fit_two(gu.spec.bits, d, exact, k);
+    let gate_rows = if gate_rows() == 2 && two { 2 } else { 1 };
+    let down_cols = if down_cols() == 2 && two { 2 } else { 1 };
+    Form { exact, prefetch: down_prefetch(), gate_rows, down_cols }
 }
 
 /// The experts-exact form's defines: MLX's walk for the experts, two
@@ -302,19 +339,20 @@ pub(crate) fn experts_exact() -> bool {
 }
 
 /// The gate/up blocks and the down blocks of one launch (as the kernel
-/// counts them; `k` in 1..=8, `rows` the gate/up outputs a warp).
-fn parts(d: i32, f: i32, k: i32, rows: u8) -> (i64, i64) {
+/// counts them; `k` in 1..=8, `form`'s gate/up outputs and down columns a
+/// warp).
+fn parts(d: i32, f: i32, k: i32, form: Form) -> (i64, i64) {
     let (w, k64) = (WARPS as i64, k as i64);
-    let per_block = w * i64::from(rows.max(1));
+    let per_block = w * i64::from(form.gate_rows.max(1));
     let gate_up = k64 * ((f as i64 + per_block - 1) / per_block);
-    let per = w / k64;
+    let per = w / k64 * i64::from(form.down_cols.max(1));
     (gate_up, (d as i64 + per - 1) / per)
 }
 
 /// The blocks of one launch: the router's, the gate/up rows', the down
 /// columns'.
-fn blocks(d: i32, f: i32, k: i32, rows: u8) -> i64 {
-    let (gate_up, down) = parts(d, f, k, rows);
+fn blocks(d: i32, f: i32, k: i32, form: Form) -> i64 {
+    let (gate_up, down) = parts(d, f, k, form);
     1 + gate_up + down
 }
 
@@ -371,18 +409,20 @@ pub(crate) fn served(n: &NormIn, g: &Quantized, gu: &Quantized, down: &Quantized
 /// for the exact form, the float form); session 37's route in every
 /// gate/up block (retired in session 38) never took more than the form it
 /// varied, nor does the down rows' prefetch (nvrtc-check's `@pf` entries).
-/// Where a launch takes the form of two gate/up outputs a warp
-/// ([`gate_rows`]); elsewhere the form of one. Its experts exact (the
+/// Where a launch takes the forms of two gate/up outputs or down columns a
+/// warp ([`gate_rows`], [`down_cols`]); elsewhere the forms of one. Its experts exact (the
 /// default), 4-bit, rows of 1,024 or 2,048, up to 4 experts a row: by
 /// ptxas (sm_90, CUDA 13 here; a sweep of session 51 over D, the experts'
 /// and the router's bits and groups, k up to 8, F to 8,192, each dtype)
 /// those stay within the 64 registers 1,024 threads allow with room (the
-/// 8B-A1B's bf16: 56, against 52 with one output; 62 at the most), where
+/// 8B-A1B's bf16: 56, against 52 with one output; 62 at the most; both
+/// forms together, 288 shapes, 64 at the most, on k = 2 with F = 1,792,
+/// and 56 on the 8B-A1B's), where
 /// 8 experts a row took 63-64 (no room for another compiler's choices
 /// until it has run on a GPU), 8-bit experts up to 71, rows of 1,536 up
 /// to 79, rows of 3,072 and 4,096 up to 72, and the float form up to 92
 /// (79 on 4-bit rows of 2,048 in groups of 32).
-fn registers_fit_gate_rows(bits: i32, d: i32, exact: bool, k: usize) -> bool {
+fn registers_fit_two(bits: i32, d: i32, exact: bool, k: usize) -> bool {
     exact && bits == 4 && matches!(d, 1024 | 2048) && k <= 4
 }
 
@@ -435,8 +475,8 @@ pub fn forward_timeline(
     let mut outs = launch(n, g, bias, gu, down, state, k, norm, eps, scale, true)?;
     let times = outs.pop().ok_or_else(|| Error::mlx("fused MoE kernel: missing output"))?;
     let (d, f) = (n.h.dim(1), gu.weight.dim(1) / 2);
-    let rows = form_of(gu, down, n.h.dtype(), d, f, k).gate_rows;
-    let (gate_up, down) = parts(d, f, k as i32, rows);
+    let form = form_of(gu, down, n.h.dtype(), d, f, k);
+    let (gate_up, down) = parts(d, f, k as i32, form);
     Ok((outs.swap_remove(1), times, gate_up as usize, (1 + gate_up + down) as usize))
 }
 
@@ -480,7 +520,7 @@ fn launch(
         return Err(Error::invalid(format!("the fused MoE kernel: {k} experts a row (1 to {ROUTE_SLOTS} are served)")));
     }
     let k = k as i32;
-    let nb = blocks(d, f, k, form.gate_rows);
+    let nb = blocks(d, f, k, form);
     let threads = WARPS * 32;
     let grid = i32::try_from(nb * threads as i64).map_err(|_| Error::invalid(format!("fused MoE kernel: {nb} blocks")))?;
     let template = [
@@ -533,13 +573,16 @@ fn launch(
         if form.gate_rows == 2 {
             BUILT_GATE_ROWS.bump();
         }
+        if form.down_cols == 2 {
+            BUILT_DOWN_COLS.bump();
+        }
     }
     Ok(outs)
 }
 
 #[cfg(test)]
 pub(crate) fn launch_blocks(d: i32, f: i32, k: i32) -> i64 {
-    blocks(d, f, k, 1)
+    blocks(d, f, k, Form { exact: true, prefetch: 0, gate_rows: 1, down_cols: 1 })
 }
 
 #[cfg(test)]
@@ -550,15 +593,21 @@ mod tests {
     /// chosen expert, for 32 / k down columns.
     #[test]
     fn a_launch_counts_its_parts() {
-        assert_eq!(parts(2048, 1792, 4, 1), (224, 256));
-        assert_eq!(blocks(2048, 1792, 4, 1), 481);
-        assert_eq!(parts(2048, 256, 8, 1), (64, 512));
-        assert_eq!(parts(1024, 256, 3, 1), (24, 103));
+        let form = |gate_rows: u8, down_cols: u8| Form { exact: true, prefetch: 0, gate_rows, down_cols };
+        assert_eq!(parts(2048, 1792, 4, form(1, 1)), (224, 256));
+        assert_eq!(blocks(2048, 1792, 4, form(1, 1)), 481);
+        assert_eq!(parts(2048, 256, 8, form(1, 1)), (64, 512));
+        assert_eq!(parts(1024, 256, 3, form(1, 1)), (24, 103));
         // Two gate/up outputs a warp: half the gate/up blocks (rounded up
-        // an expert), the 8B-A1B's 112 within an H100's 132 SMs.
-        assert_eq!(parts(2048, 1792, 4, 2), (112, 256));
-        assert_eq!(parts(2048, 256, 8, 2), (32, 512));
-        assert_eq!(parts(1536, 544, 3, 2), (27, 154));
+        // an expert), the 8B-A1B's 112 within an H100's 132 SMs; two down
+        // columns a warp: half the down blocks (32 / k columns a block).
+        assert_eq!(parts(2048, 1792, 4, form(2, 1)), (112, 256));
+        assert_eq!(parts(2048, 256, 8, form(2, 1)), (32, 512));
+        assert_eq!(parts(1536, 544, 3, form(2, 1)), (27, 154));
+        assert_eq!(parts(2048, 1792, 4, form(1, 2)), (224, 128));
+        assert_eq!(blocks(2048, 1792, 4, form(2, 2)), 241);
+        assert_eq!(parts(1024, 256, 3, form(1, 2)), (24, 52));
+        assert_eq!(parts(2048, 256, 1, form(1, 2)), (8, 32));
     }
 
     /// The rows whose registers fit the launch (`registers_fit`): the
@@ -575,9 +624,9 @@ mod tests {
         }
         // Two gate/up outputs a warp: the 8B-A1B's rows with the experts
         // exact, not the forms and rows that ptxas put past 64.
-        assert!(registers_fit_gate_rows(4, 2048, true, 4) && registers_fit_gate_rows(4, 1024, true, 1));
+        assert!(registers_fit_two(4, 2048, true, 4) && registers_fit_two(4, 1024, true, 1));
         for (bits, d, exact, k) in [(4, 2048, false, 4), (8, 2048, true, 4), (4, 1536, true, 4), (4, 3072, true, 4), (4, 4096, true, 4), (4, 2048, true, 8)] {
-            assert!(!registers_fit_gate_rows(bits, d, exact, k), "{bits}-bit rows of {d}, exact {exact}, {k} experts, two outputs");
+            assert!(!registers_fit_two(bits, d, exact, k), "{bits}-bit rows of {d}, exact {exact}, {k} experts, two outputs");
         }
     }
 

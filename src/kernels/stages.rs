@@ -130,6 +130,12 @@ pub(crate) const LAYER_SOURCE: &str = r#"
 #if LFM_MOE_GATE_ROWS != 1 && (LFM_MOE_GATE_ROWS != 2 || LFM_CONV_PART || !LFM_MOE_PART || !LFM_MOE_EXACT)
 #error "LFM_MOE_GATE_ROWS: 1, or 2 in the MoE layer's own kernel with its experts exact"
 #endif
+#ifndef LFM_MOE_DOWN_COLS
+#define LFM_MOE_DOWN_COLS 1
+#endif
+#if LFM_MOE_DOWN_COLS != 1 && (LFM_MOE_DOWN_COLS != 2 || LFM_CONV_PART || !LFM_MOE_PART || !LFM_MOE_EXACT)
+#error "LFM_MOE_DOWN_COLS: 1, or 2 in the MoE layer's own kernel with its experts exact"
+#endif
 #ifndef LFM_GATE_OUTS
 #define LFM_GATE_OUTS 1
 #endif
@@ -162,16 +168,20 @@ pub(crate) const LAYER_SOURCE: &str = r#"
 #if LFM_MOE_PART
   // The experts: gate/up a warp a row of one chosen expert
   // (LFM_MOE_GATE_ROWS of them: src/kernels/moe_fused.rs gate_rows), down
-  // a warp one chosen expert of one output column (CPB columns a block).
+  // a warp one chosen expert of one output column (CPB columns a block;
+  // LFM_MOE_DOWN_COLS of them, moe_fused.rs down_cols).
   constexpr int KE = TOPK;
   constexpr int RB = (F + LFM_MOE_GATE_ROWS * WARPS - 1) / (LFM_MOE_GATE_ROWS * WARPS);
   constexpr int GB = KE * RB;
   constexpr int CPB = WARPS / KE;
-  constexpr int DB = (D + CPB - 1) / CPB;
+  constexpr int DB = (D + LFM_MOE_DOWN_COLS * CPB - 1) / (LFM_MOE_DOWN_COLS * CPB);
   constexpr int HR = KE * F * sizeof(T) / 16;
   constexpr int TAIL_NB = 1 + GB + DB;
   __shared__ float probs_s[E];
   __shared__ float part[WARPS];
+#if LFM_MOE_DOWN_COLS == 2
+  __shared__ float part2[WARPS];
+#endif
 #elif LFM_FFN_PART
   // (Two gate outputs a warp, src/kernels/ffn_fused.rs gate_outs: half the
   // gate's blocks.)
@@ -416,10 +426,24 @@ pub(crate) const LAYER_SOURCE: &str = r#"
   const bool active = col < CPB && n < D;
   const size_t ex = late ? 0 : __ldcg(inds + j);
   if (active && (late || ex >= E) && lane == 0) part[wid] = poison;
+#if LFM_MOE_DOWN_COLS == 2
+  // And column n2 = n + DB * CPB of the same expert: both rows asked of L2
+  // first, then each walked as it is alone (the same sums). (Past D, on
+  // the last blocks, n2 walks n's row again and writes nothing.)
+  const int n2 = n + DB * CPB;
+  const bool active2 = col < CPB && n2 < D;
+  if (active2 && (late || ex >= E) && lane == 0) part2[wid] = poison;
+#endif
   if (active && !late && ex < E) {
     const size_t wi = ex * D + n;
     const T* hr = hs + static_cast<size_t>(j) * F;
-#if LFM_MOE_EXACT
+#if LFM_MOE_EXACT && LFM_MOE_DOWN_COLS == 2
+    const size_t rows[2] = {wi, ex * D + (active2 ? n2 : n)};
+    float a2[2];
+    lfm_stage_qrows<T, F, BITS, GS, 2>(hr, dw, dscales, dbiases, rows, lane, a2);
+    const float a = a2[0];
+    if (active2 && lane == 0) part2[wid] = static_cast<float>(T(static_cast<float>(T(a2[1])) * __ldcg(scores + j)));
+#elif LFM_MOE_EXACT
     const size_t rows[1] = {wi};
     float a;
     lfm_stage_qrows<T, F, BITS, GS, 1>(hr, dw, dscales, dbiases, rows, lane, &a);
@@ -437,6 +461,13 @@ pub(crate) const LAYER_SOURCE: &str = r#"
     if (lane == 0) part[wid] = static_cast<float>(T(static_cast<float>(T(a)) * __ldcg(scores + j)));
   }
   __syncthreads();
+#if LFM_MOE_DOWN_COLS == 2
+  if (active2 && j == 0 && lane == 0) {
+    float total2 = 0.0f;
+    for (int i = 0; i < KE; i++) total2 += part2[col * KE + i];
+    out[n2] = late ? T(poison) : T(total2);
+  }
+#endif
   if (active && j == 0 && lane == 0) {
     float total = 0.0f;
     for (int i = 0; i < KE; i++) total += part[col * KE + i];

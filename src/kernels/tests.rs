@@ -2585,6 +2585,7 @@ fn moe_fused_cases(test: &str, checks: MoeChecks) {
         ("MLX_LFM_MOE_EXACT".to_string(), Some("0".to_string())),
         ("MLX_LFM_MOE_DOWN_PREFETCH".to_string(), Some("0".to_string())),
         ("MLX_LFM_MOE_GATE_ROWS".to_string(), Some("1".to_string())),
+        ("MLX_LFM_MOE_DOWN_COLS".to_string(), Some("1".to_string())),
     ];
     // (dtype, tolerance, experts, k, D, F, gate bits, gate group, experts' bits, group)
     let cases = [
@@ -2642,13 +2643,14 @@ fn moe_fused_cases(test: &str, checks: MoeChecks) {
             assert!(gap <= tol, "{what}: the output is {gap} from the three kernels' (over {tol}; {} of {d} differ)", differing(&out, &want));
             eprintln!("{what}: {} of {d} outputs differ from the three kernels' (worst {gap})", differing(&out, &want));
             let run_form = |state: &Array, scratch: bool| if scratch { scratch_in_state(|| run(state)) } else { run(state) };
-            let timeline_of = |at: &str, rows: &str, want: &Array| {
+            let timeline_of = |at: &str, (rows, cols): (&str, &str), want: &Array| {
                 let set = [
                     ("MLX_LFM_MOE_EXACT".to_string(), Some("1".to_string())),
                     ("MLX_LFM_MOE_DOWN_PREFETCH".to_string(), Some(at.to_string())),
                     ("MLX_LFM_MOE_GATE_ROWS".to_string(), Some(rows.to_string())),
+                    ("MLX_LFM_MOE_DOWN_COLS".to_string(), Some(cols.to_string())),
                 ];
-                let label = format!("{what}, experts exact, down prefetch {at}, gate/up outputs a warp {rows}");
+                let label = format!("{what}, experts exact, down prefetch {at}, gate/up outputs {rows} and down columns {cols} a warp");
                 crate::knobs::with_overrides(&set, || check_timeline(&label, &n, &g, &bias, &gu, &dn, k, scale, want));
             };
             if checks == MoeChecks::Forms {
@@ -2657,7 +2659,7 @@ fn moe_fused_cases(test: &str, checks: MoeChecks) {
                 // The timeline form (the bench's) takes a plain launch's
                 // form: the experts exact, with the down rows' prefetch.
                 for at in ["0", "1"] {
-                    timeline_of(at, "1", &exact_out);
+                    timeline_of(at, ("1", "1"), &exact_out);
                 }
                 return;
             }
@@ -2670,9 +2672,11 @@ fn moe_fused_cases(test: &str, checks: MoeChecks) {
                 assert_eq!(crate::kernels::moe_fused::built_exact(), before + 1, "{what}: the experts-exact form did not run");
                 assert_eq!(differing(&s3, &s), 0, "{what}: experts exact: the residual sum differs");
                 if check_gate_rows(&what, &s, &out, &exact_out, (d, f, k, bits), &run_form) {
-                    // Its timeline form, its parts counted as its launch
-                    // counts them.
-                    timeline_of("0", "2", &exact_out);
+                    // Their timeline forms, their parts counted as their
+                    // launches count them.
+                    for two in [("2", "1"), ("1", "2"), ("2", "2")] {
+                        timeline_of("0", two, &exact_out);
+                    }
                 }
                 return;
             }
@@ -2835,14 +2839,16 @@ fn check_down_prefetch(
 }
 
 /// The one-launch MoE layer with two gate/up outputs a warp
-/// (`MLX_LFM_MOE_GATE_ROWS=2`, moe_fused.rs gate_rows): where it serves
+/// (`MLX_LFM_MOE_GATE_ROWS=2`, moe_fused.rs gate_rows), two down columns a
+/// warp (`MLX_LFM_MOE_DOWN_COLS=2`, down_cols) and both: where they serve
 /// (the experts exact, 4-bit, rows of 1,024 or 2,048, up to 4 experts a
-/// row: moe_fused.rs registers_fit_gate_rows), the exact form's
-/// bits (`exact_out`: each row walked as it is alone) on fresh counters,
-/// its scratch form twice over one state, and with the down rows' prefetch
-/// too, each launch counted; elsewhere, and with the experts in float32,
-/// the switch takes no launch of the form and changes no bit (`out` the
-/// float form's output). Whether it served.
+/// row: moe_fused.rs registers_fit_two), the exact form's bits
+/// (`exact_out`: each row walked as it is alone, each column's experts
+/// summed in their order) on fresh counters, each form's scratch form
+/// twice over one state, and with the down rows' prefetch too, each launch
+/// counted; elsewhere, and with the experts in float32, the switches take
+/// no launch of either form and change no bit (`out` the float form's
+/// output). Whether they served.
 fn check_gate_rows(
     what: &str,
     s: &crate::mlx::Array,
@@ -2851,33 +2857,46 @@ fn check_gate_rows(
     (d, f, k, bits): (i32, i32, usize, i32),
     run: &impl Fn(&crate::mlx::Array, bool) -> (crate::mlx::Array, crate::mlx::Array),
 ) -> bool {
-    use crate::kernels::moe_fused::built_gate_rows;
+    use crate::kernels::moe_fused::{built_down_cols, built_gate_rows};
     use crate::kernels::stages::new_counters;
-    let on = |exact: bool, prefetch: &str| {
+    let on = |exact: bool, prefetch: &str, (rows, cols): (&str, &str)| {
         vec![
-            ("MLX_LFM_MOE_GATE_ROWS".to_string(), Some("2".to_string())),
+            ("MLX_LFM_MOE_GATE_ROWS".to_string(), Some(rows.to_string())),
+            ("MLX_LFM_MOE_DOWN_COLS".to_string(), Some(cols.to_string())),
             ("MLX_LFM_MOE_EXACT".to_string(), Some(if exact { "1" } else { "0" }.to_string())),
             ("MLX_LFM_MOE_DOWN_PREFETCH".to_string(), Some(prefetch.to_string())),
         ]
     };
-    let form = format!("{what}: two gate/up outputs a warp");
-    let untaken = |set: &[(String, Option<String>)], want: &crate::mlx::Array, label: &str| {
-        let before = built_gate_rows();
-        let (s2, out2) = crate::knobs::with_overrides(set, || run(&new_counters().unwrap(), false));
-        assert_eq!(built_gate_rows(), before, "{form} ({label}): the form ran where it does not serve");
-        assert_eq!(differing(&s2, s), 0, "{form} ({label}): the residual sum differs");
-        assert_eq!(differing(&out2, want), 0, "{form} ({label}): the output differs");
-    };
     let served = bits == 4 && matches!(d, 1024 | 2048) && k <= 4;
-    if served {
-        let words = crate::kernels::moe_fused::state_words(d as usize, f as usize, k);
-        check_form_bits(&format!("{form}, experts exact"), &on(true, "0"), built_gate_rows, (s, exact_out), Some(words), run);
-        check_form_bits(&format!("{form}, experts exact, down prefetch"), &on(true, "1"), built_gate_rows, (s, exact_out), None, run);
-        eprintln!("{what}: two gate/up outputs a warp give the exact form's bits");
-    } else {
-        untaken(&on(true, "0"), exact_out, "experts exact, not served here");
+    for (two, name, built) in [
+        (("2", "1"), "two gate/up outputs a warp", built_gate_rows as fn() -> usize),
+        (("1", "2"), "two down columns a warp", built_down_cols),
+        (("2", "2"), "two gate/up outputs and two down columns a warp", built_down_cols),
+    ] {
+        let form = format!("{what}: {name}");
+        let untaken = |set: &[(String, Option<String>)], want: &crate::mlx::Array, label: &str| {
+            let before = (built_gate_rows(), built_down_cols());
+            let (s2, out2) = crate::knobs::with_overrides(set, || run(&new_counters().unwrap(), false));
+            assert_eq!((built_gate_rows(), built_down_cols()), before, "{form} ({label}): a form ran where it does not serve");
+            assert_eq!(differing(&s2, s), 0, "{form} ({label}): the residual sum differs");
+            assert_eq!(differing(&out2, want), 0, "{form} ({label}): the output differs");
+        };
+        if served {
+            let words = crate::kernels::moe_fused::state_words(d as usize, f as usize, k);
+            // (Both forms at once count one launch each: the gate rows'
+            // three here, the fresh launch and the scratch form's two.)
+            let rows_before = built_gate_rows();
+            check_form_bits(&format!("{form}, experts exact"), &on(true, "0", two), built, (s, exact_out), Some(words), run);
+            if two == ("2", "2") {
+                assert_eq!(built_gate_rows(), rows_before + 3, "{form}: the gate rows' form did not run with the down columns'");
+            }
+            check_form_bits(&format!("{form}, experts exact, down prefetch"), &on(true, "1", two), built, (s, exact_out), None, run);
+            eprintln!("{what}: {name} give the exact form's bits");
+        } else {
+            untaken(&on(true, "0", two), exact_out, "experts exact, not served here");
+        }
+        untaken(&on(false, "0", two), out, "experts in float32");
     }
-    untaken(&on(false, "0"), out, "experts in float32");
     served
 }
 

@@ -685,30 +685,46 @@ impl Experts {
 /// session 38; 39.68 and 37.73 against 37.31 in session 39);
 /// `moe-layer-q4-g2-fused` its gate/up warps two outputs each
 /// (`MLX_LFM_MOE_GATE_ROWS=2`, session 51: half the gate/up blocks, one
-/// wave on an H100). (Session 37's
+/// wave on an H100), `moe-layer-q4-d2-fused` its down warps two columns
+/// each (`MLX_LFM_MOE_DOWN_COLS=2`), `moe-layer-q4-g2d2-fused` both.
+/// (Session 37's
 /// route in every gate/up block, 41.86 against 37.66 with the experts exact
 /// in pairs, retired; session 38's two down columns a warp, 268 ms in
 /// session 39, its waits giving up, retired.) An arm of one kernel a
 /// product runs the one launch.
-const LAYER_ARMS: [(&str, Switches, usize); 6] = [
+const LAYER_ARMS: [(&str, Switches, usize); 8] = [
     ("moe-layer-q4-three", &[("MLX_LFM_MOE_FUSED", "0"), ("MLX_LFM_EPS_CONST", "1")], 3),
-    ("moe-layer-q4-fused", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_GATE_ROWS", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
+    ("moe-layer-q4-fused", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_GATE_ROWS", "1"), ("MLX_LFM_MOE_DOWN_COLS", "1"), ("MLX_LFM_EPS_CONST", "1")], 1),
     (
         "moe-layer-q4-float-fused",
-        &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_EXACT", "0"), ("MLX_LFM_MOE_GATE_ROWS", "1"), ("MLX_LFM_EPS_CONST", "1")],
+        &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_EXACT", "0"), ("MLX_LFM_MOE_GATE_ROWS", "1"), ("MLX_LFM_MOE_DOWN_COLS", "1"), ("MLX_LFM_EPS_CONST", "1")],
         1,
     ),
     (
         "moe-layer-q4-pf-fused",
-        &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_DOWN_PREFETCH", "1"), ("MLX_LFM_MOE_GATE_ROWS", "1"), ("MLX_LFM_EPS_CONST", "1")],
+        &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_DOWN_PREFETCH", "1"), ("MLX_LFM_MOE_GATE_ROWS", "1"), ("MLX_LFM_MOE_DOWN_COLS", "1"), ("MLX_LFM_EPS_CONST", "1")],
         1,
     ),
     (
         "moe-layer-q4-pfa-fused",
-        &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_DOWN_PREFETCH", "after"), ("MLX_LFM_MOE_GATE_ROWS", "1"), ("MLX_LFM_EPS_CONST", "1")],
+        &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_DOWN_PREFETCH", "after"), ("MLX_LFM_MOE_GATE_ROWS", "1"), ("MLX_LFM_MOE_DOWN_COLS", "1"), ("MLX_LFM_EPS_CONST", "1")],
         1,
     ),
-    ("moe-layer-q4-g2-fused", &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_GATE_ROWS", "2"), ("MLX_LFM_EPS_CONST", "1")], 1),
+    (
+        "moe-layer-q4-g2-fused",
+        &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_GATE_ROWS", "2"), ("MLX_LFM_MOE_DOWN_COLS", "1"), ("MLX_LFM_EPS_CONST", "1")],
+        1,
+    ),
+    (
+        "moe-layer-q4-d2-fused",
+        &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_GATE_ROWS", "1"), ("MLX_LFM_MOE_DOWN_COLS", "2"), ("MLX_LFM_EPS_CONST", "1")],
+        1,
+    ),
+    (
+        "moe-layer-q4-g2d2-fused",
+        &[("MLX_LFM_MOE_FUSED", "1"), ("MLX_LFM_MOE_GATE_ROWS", "2"), ("MLX_LFM_MOE_DOWN_COLS", "2"), ("MLX_LFM_EPS_CONST", "1")],
+        1,
+    ),
 ];
 const LAYER_ROWS: usize = 8;
 const LAYER_LAUNCHES: usize = 16;
@@ -863,10 +879,13 @@ fn timeline(reps: usize) -> mlx_lfm::Result<()> {
         ("down-prefetch", "MLX_LFM_MOE_DOWN_PREFETCH", "1"),
         ("down-prefetch-after", "MLX_LFM_MOE_DOWN_PREFETCH", "after"),
         ("gate-rows-2", "MLX_LFM_MOE_GATE_ROWS", "2"),
+        ("down-cols-2", "MLX_LFM_MOE_DOWN_COLS", "2"),
     ] {
         let mut set = switches.to_vec();
-        if var != "MLX_LFM_MOE_GATE_ROWS" {
-            set.push(("MLX_LFM_MOE_GATE_ROWS".to_string(), Some("1".to_string())));
+        for two in ["MLX_LFM_MOE_GATE_ROWS", "MLX_LFM_MOE_DOWN_COLS"] {
+            if var != two {
+                set.push((two.to_string(), Some("1".to_string())));
+            }
         }
         set.push((var.to_string(), Some(value.to_string())));
         mlx_lfm::knobs::with_overrides(&set, || timeline_of(&layer, &scrub, form, reps))?;
@@ -1088,7 +1107,7 @@ fn layer_chains(reps: usize) -> mlx_lfm::Result<()> {
     let (conv, ffn, qkv) = (ConvLayer::new()?, FfnLayer::new()?, QkvLayer::new()?);
     let (moe, moe_biases) = (Layer::new()?, Layer::set_biases()?);
     // (A state each form: its launches count their own tickets.)
-    let (moe_state, moe_g2_state) = (Layer::new_state()?, Layer::new_state()?);
+    let (moe_state, moe_g2_state, moe_g2d2_state) = (Layer::new_state()?, Layer::new_state()?, Layer::new_state()?);
     let scrub = scrub_rows()?;
     let qkv_states = [QkvLayer::state()?, QkvLayer::state()?];
     let qb = |q: &Quantized| q.weight.nbytes() + q.scales.nbytes() + q.biases.as_ref().map_or(0, |b| b.nbytes());
@@ -1130,6 +1149,12 @@ fn layer_chains(reps: usize) -> mlx_lfm::Result<()> {
             switches_of(&LAYER_ARMS, "moe-layer-q4-g2-fused"),
             moe.launch_bytes(),
             Box::new(|h: &Array, i| Ok(moe.chained(h, &moe_biases[i % moe_biases.len()], &moe_g2_state, false)?.0)),
+        ),
+        (
+            "moe-layer-q4-g2d2-fused",
+            switches_of(&LAYER_ARMS, "moe-layer-q4-g2d2-fused"),
+            moe.launch_bytes(),
+            Box::new(|h: &Array, i| Ok(moe.chained(h, &moe_biases[i % moe_biases.len()], &moe_g2d2_state, false)?.0)),
         ),
     ];
     let start = conv.h.clone();
@@ -1208,8 +1233,8 @@ fn chain_timelines(
     }
     let len = CHAIN_LENGTHS[1];
     // (form, layer, 4-bit, MLX_LFM_FFN_GATE_ROWS or for the MoE layer
-    // MLX_LFM_MOE_GATE_ROWS, MLX_LFM_FFN_GATE_ROUNDS, rows asked for early;
-    // `bytes`' index)
+    // MLX_LFM_MOE_GATE_ROWS, with "d2" MLX_LFM_MOE_DOWN_COLS=2,
+    // MLX_LFM_FFN_GATE_ROUNDS, rows asked for early; `bytes`' index)
     let forms = [
         ("conv-q4", Kind::Conv, true, "1", "0", false, 0),
         ("conv-bf16", Kind::Conv, false, "1", "0", false, 1),
@@ -1223,6 +1248,7 @@ fn chain_timelines(
         ("qkv-q4", Kind::Qkv, true, "1", "0", false, 5),
         ("moe-q4", Kind::Moe, true, "1", "0", false, 6),
         ("moe-q4-g2", Kind::Moe, true, "2", "0", false, 6),
+        ("moe-q4-g2d2", Kind::Moe, true, "2d2", "0", false, 6),
     ];
     for (form, kind, q4, rows, rounds, early, k) in forms {
         let on = match kind {
@@ -1236,7 +1262,8 @@ fn chain_timelines(
             ("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string())),
             ("MLX_LFM_EARLY_PREFETCH".to_string(), Some((if early { "ffn" } else { "" }).to_string())),
             ("MLX_LFM_FFN_GATE_ROWS".to_string(), Some((if kind == Kind::Ffn { rows } else { "1" }).to_string())),
-            ("MLX_LFM_MOE_GATE_ROWS".to_string(), Some((if kind == Kind::Moe { rows } else { "1" }).to_string())),
+            ("MLX_LFM_MOE_GATE_ROWS".to_string(), Some((if kind == Kind::Moe { &rows[..1] } else { "1" }).to_string())),
+            ("MLX_LFM_MOE_DOWN_COLS".to_string(), Some((if kind == Kind::Moe && rows.ends_with("d2") { "2" } else { "1" }).to_string())),
             ("MLX_LFM_FFN_GATE_ROUNDS".to_string(), Some(rounds.to_string())),
             ("MLX_LFM_QKV_WARPS".to_string(), Some("16".to_string())),
         ]
