@@ -258,10 +258,16 @@ pub fn built_prefetch() -> usize {
 /// other form would put its blocks out of step, their waits giving up).
 pub(crate) fn gate_rows() -> u8 {
     static SET: OnceLock<u8> = OnceLock::new();
-    if super::forced("MLX_LFM_MOE_GATE_ROWS") {
+    one_or_two("MLX_LFM_MOE_GATE_ROWS", &SET)
+}
+
+/// A two-outputs switch ([`gate_rows`], [`down_cols`]): 2 where `var=2`
+/// or a test turned every opt-in on, else 1.
+fn one_or_two(var: &str, cell: &'static OnceLock<u8>) -> u8 {
+    if super::forced(var) {
         return 2;
     }
-    crate::knobs::cached("MLX_LFM_MOE_GATE_ROWS", &SET, |v| if v.map(str::trim) == Some("2") { 2 } else { 1 })
+    crate::knobs::cached(var, cell, |v| if v.map(str::trim) == Some("2") { 2 } else { 1 })
 }
 
 /// How many launches took two gate/up outputs a warp ([`gate_rows`]).
@@ -285,10 +291,7 @@ pub fn built_gate_rows() -> usize {
 /// at each launch's build; each form on a state of its own.
 pub(crate) fn down_cols() -> u8 {
     static SET: OnceLock<u8> = OnceLock::new();
-    if super::forced("MLX_LFM_MOE_DOWN_COLS") {
-        return 2;
-    }
-    crate::knobs::cached("MLX_LFM_MOE_DOWN_COLS", &SET, |v| if v.map(str::trim) == Some("2") { 2 } else { 1 })
+    one_or_two("MLX_LFM_MOE_DOWN_COLS", &SET)
 }
 
 /// How many launches took two down columns a warp ([`down_cols`]).
