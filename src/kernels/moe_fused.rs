@@ -419,8 +419,9 @@ pub(crate) fn served(n: &NormIn, g: &Quantized, gu: &Quantized, down: &Quantized
 /// and the router's bits and groups, k up to 8, F to 8,192, each dtype)
 /// those stay within the 64 registers 1,024 threads allow with room (the
 /// 8B-A1B's bf16: 56, against 52 with one output; 62 at the most; both
-/// forms together, 288 shapes, 64 at the most, on k = 2 with F = 1,792,
-/// and 56 on the 8B-A1B's), where
+/// forms together, 288 shapes, 63-64 at the most for each k, and 56 on
+/// the 8B-A1B's: at the limit, so a device compiler that took more would
+/// fail such a launch, which their test's cases would show), where
 /// 8 experts a row took 63-64 (no room for another compiler's choices
 /// until it has run on a GPU), 8-bit experts up to 71, rows of 1,536 up
 /// to 79, rows of 3,072 and 4,096 up to 72, and the float form up to 92

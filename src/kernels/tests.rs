@@ -2607,8 +2607,13 @@ fn moe_fused_cases(test: &str, checks: MoeChecks) {
     // of 64), where the last gate/up blocks' second outputs fall past F,
     // and float32 4-bit rows of 1,024 (a dtype the others serve it in
     // bf16 and f16 only).
-    let gate_rows_cases =
-        [(Dtype::Bfloat16, 2.0f32.powi(-7), 16, 4, 2048, 1760, 4, 64, 4, 32), (Dtype::Float32, 1e-5, 32, 4, 1024, 256, 8, 64, 4, 64)];
+    // And three experts a row (32 / 3 columns a down block, two warps
+    // idle), where the last down blocks' second columns fall past D.
+    let gate_rows_cases = [
+        (Dtype::Bfloat16, 2.0f32.powi(-7), 16, 4, 2048, 1760, 4, 64, 4, 32),
+        (Dtype::Float32, 1e-5, 32, 4, 1024, 256, 8, 64, 4, 64),
+        (Dtype::Bfloat16, 2.0f32.powi(-7), 16, 3, 2048, 512, 4, 64, 4, 64),
+    ];
     let own = gate_rows_cases.into_iter().filter(|_| checks == MoeChecks::GateRows);
     for (dt, tol, e, k, d, f, gbits, ggs, bits, gs) in cases.into_iter().chain(own) {
         let what = format!("{dt:?} {e} experts top-{k}, {d} -> {f}, gate {gbits}-bit g{ggs}, experts {bits}-bit g{gs}");
@@ -2651,7 +2656,7 @@ fn moe_fused_cases(test: &str, checks: MoeChecks) {
                     ("MLX_LFM_MOE_DOWN_COLS".to_string(), Some(cols.to_string())),
                 ];
                 let label = format!("{what}, experts exact, down prefetch {at}, gate/up outputs {rows} and down columns {cols} a warp");
-                crate::knobs::with_overrides(&set, || check_timeline(&label, &n, &g, &bias, &gu, &dn, k, scale, want));
+                crate::knobs::with_overrides(&set, || check_timeline(&label, &n, &g, &bias, &gu, &dn, k, scale, want))
             };
             if checks == MoeChecks::Forms {
                 let exact_out = check_experts_exact(&what, dt, &s, &out, &wy, &wi, &wsc, &gu, &dn, run_form);
@@ -2673,9 +2678,13 @@ fn moe_fused_cases(test: &str, checks: MoeChecks) {
                 assert_eq!(differing(&s3, &s), 0, "{what}: experts exact: the residual sum differs");
                 if check_gate_rows(&what, &s, &out, &exact_out, (d, f, k, bits), &run_form) {
                     // Their timeline forms, their parts counted as their
-                    // launches count them.
-                    for two in [("2", "1"), ("1", "2"), ("2", "2")] {
-                        timeline_of("0", two, &exact_out);
+                    // launches count them: the blocks of the form asked
+                    // for (so that a fallback to another cannot pass).
+                    for (rows, cols) in [(1, 2), (2, 1), (2, 2)] {
+                        let (gate_up, nb) = timeline_of("0", (&rows.to_string(), &cols.to_string()), &exact_out);
+                        let (k64, f64_, d64) = (k, f as usize, d as usize);
+                        let want_gate_up = k64 * f64_.div_ceil(32 * rows);
+                        assert_eq!((gate_up, nb), (want_gate_up, 1 + want_gate_up + d64.div_ceil(32 / k64 * cols)), "{what}: the timeline form of {rows} gate/up outputs and {cols} down columns a warp");
                     }
                 }
                 return;
@@ -2885,11 +2894,17 @@ fn check_gate_rows(
             let words = crate::kernels::moe_fused::state_words(d as usize, f as usize, k);
             // (Both forms at once count one launch each: the gate rows'
             // three here, the fresh launch and the scratch form's two.)
-            let rows_before = built_gate_rows();
+            // (The other form's count: up with it by the three launches
+            // of check_form_bits, the fresh one and the scratch form's
+            // two, where both are asked for; still otherwise.)
+            let (rows_before, cols_before) = (built_gate_rows(), built_down_cols());
             check_form_bits(&format!("{form}, experts exact"), &on(true, "0", two), built, (s, exact_out), Some(words), run);
-            if two == ("2", "2") {
-                assert_eq!(built_gate_rows(), rows_before + 3, "{form}: the gate rows' form did not run with the down columns'");
-            }
+            let others = match two {
+                ("2", "2") => (built_gate_rows(), rows_before + 3),
+                ("2", _) => (built_down_cols(), cols_before),
+                _ => (built_gate_rows(), rows_before),
+            };
+            assert_eq!(others.0, others.1, "{form}: the other two-outputs form ran, or did not, against its switch");
             check_form_bits(&format!("{form}, experts exact, down prefetch"), &on(true, "1", two), built, (s, exact_out), None, run);
             eprintln!("{what}: {name} give the exact form's bits");
         } else {
@@ -2937,6 +2952,7 @@ fn check_form_bits(
 /// The one-launch MoE kernel's timeline form (the bench's,
 /// `moe_fused::forward_timeline`) on its own state: the plain form's
 /// output bits (`want`), and stamps in the stages' order ([`check_stamps`]).
+/// Its gate/up blocks and all its blocks, as the launch counted them.
 #[allow(clippy::too_many_arguments)]
 fn check_timeline(
     what: &str,
@@ -2948,7 +2964,7 @@ fn check_timeline(
     k: usize,
     scale: f32,
     want: &crate::mlx::Array,
-) {
+) -> (usize, usize) {
     let state = crate::kernels::stages::new_counters().unwrap();
     let (out, times, gate_up, nb) = crate::kernels::with_opt_in_one("MLX_LFM_MOE_FUSED", || {
         crate::kernels::moe_fused::forward_timeline(n, g, bias, gu, dn, &state, k, true, 1e-5, scale).unwrap()
@@ -2956,6 +2972,7 @@ fn check_timeline(
     crate::mlx::eval(&[&out, &times]).unwrap();
     assert_eq!(differing(&out, want), 0, "{what}: the timeline form's output differs");
     check_stamps(what, &times, gate_up, nb);
+    (gate_up, nb)
 }
 
 /// A timeline form's stamps (`[nb * 4]`: a block's start, wait's end,
