@@ -147,10 +147,8 @@ fn header() -> String {
 /// arithmetic ([`experts_exact`]), its down rows asked of L2 by the
 /// gate/up blocks ([`down_prefetch`]: 0 not, 1 before their rows, 2 after),
 /// its gate/up outputs a warp ([`gate_rows`]: 1 or 2), its down columns a
-/// warp ([`down_cols`]: 1 or 2).
-/// (Session 38's two down columns a warp, `MLX_LFM_MOE_DOWN_ROWS=2`, were
-/// retired in session 39: 0.974x in the 8B-A1B's A/B, and its launch alone
-/// under ncu ran 268 ms, its waits giving up.)
+/// warp ([`down_cols`]: 1 or 2; session 38's first form of it is in
+/// [`down_cols`]'s note).
 #[derive(Clone, Copy)]
 struct Form {
     exact: bool,
@@ -412,26 +410,24 @@ pub(crate) fn served(n: &NormIn, g: &Quantized, gu: &Quantized, down: &Quantized
 /// for the exact form, the float form); session 37's route in every
 /// gate/up block (retired in session 38) never took more than the form it
 /// varied, nor does the down rows' prefetch (nvrtc-check's `@pf` entries).
-/// Where a launch takes the forms of two gate/up outputs or down columns a
-/// warp ([`gate_rows`], [`down_cols`]); elsewhere the forms of one. Its experts exact (the
-/// default), 4-bit, rows of 1,024 or 2,048, up to 4 experts a row: by
-/// ptxas (sm_90, CUDA 13 here; a sweep of session 51 over D, the experts'
-/// and the router's bits and groups, k up to 8, F to 8,192, each dtype)
-/// those stay within the 64 registers 1,024 threads allow with room (the
-/// 8B-A1B's bf16: 56, against 52 with one output; 62 at the most; both
-/// forms together, 288 shapes, 63-64 at the most for each k, and 56 on
-/// the 8B-A1B's: at the limit, so a device compiler that took more would
-/// fail such a launch, which their test's cases would show), where
-/// 8 experts a row took 63-64 (no room for another compiler's choices
-/// until it has run on a GPU), 8-bit experts up to 71, rows of 1,536 up
-/// to 79, rows of 3,072 and 4,096 up to 72, and the float form up to 92
-/// (79 on 4-bit rows of 2,048 in groups of 32).
-fn registers_fit_two(bits: i32, d: i32, exact: bool, k: usize) -> bool {
-    exact && bits == 4 && matches!(d, 1024 | 2048) && k <= 4
-}
-
 fn registers_fit(bits: i32, d: i32, exact: bool) -> bool {
     (bits != 8 && !exact) || d % 512 == 0
+}
+
+/// Where a launch takes the forms of two gate/up outputs or down columns a
+/// warp ([`gate_rows`], [`down_cols`]); elsewhere the forms of one: the
+/// experts exact (the default), 4-bit, rows of 1,024 or 2,048, up to 4
+/// experts a row. By ptxas (sm_90, CUDA 13 here; session 51's sweeps over
+/// D, the experts' and the router's bits and groups, k, F to 8,192 and
+/// each dtype) those stay within the 64 registers that 1,024 threads
+/// allow: the 8B-A1B's bf16 kernel 56 (52 with one output), the two forms
+/// together 63-64 at the most on some shapes of each k (at the limit: a
+/// device compiler that took more would fail such a launch, as the forms'
+/// test would show). Outside them: 8 experts a row 63-64 for the gate
+/// rows' form alone, 8-bit experts up to 71, rows of 1,536 up to 79, rows
+/// of 3,072 and 4,096 up to 72, the float form up to 92.
+fn registers_fit_two(bits: i32, d: i32, exact: bool, k: usize) -> bool {
+    exact && bits == 4 && matches!(d, 1024 | 2048) && k <= 4
 }
 
 /// The residual sum `s = h + r` and the layer's output (before a tensor
@@ -452,7 +448,7 @@ pub fn forward(
     eps: f32,
     scale: f32,
 ) -> Result<(Array, Array)> {
-    let mut outs = launch(n, g, bias, gu, down, state, k, norm, eps, scale, false)?;
+    let (mut outs, _) = launch(n, g, bias, gu, down, state, k, norm, eps, scale, false)?;
     let out = outs.pop().ok_or_else(|| Error::mlx("fused MoE kernel: missing output"))?;
     let s = outs.pop().ok_or_else(|| Error::mlx("fused MoE kernel: missing output"))?;
     Ok((s, out))
@@ -476,10 +472,9 @@ pub fn forward_timeline(
     eps: f32,
     scale: f32,
 ) -> Result<(Array, Array, usize, usize)> {
-    let mut outs = launch(n, g, bias, gu, down, state, k, norm, eps, scale, true)?;
+    let (mut outs, form) = launch(n, g, bias, gu, down, state, k, norm, eps, scale, true)?;
     let times = outs.pop().ok_or_else(|| Error::mlx("fused MoE kernel: missing output"))?;
     let (d, f) = (n.h.dim(1), gu.weight.dim(1) / 2);
-    let form = form_of(gu, down, n.h.dtype(), d, f, k);
     let (gate_up, down) = parts(d, f, k as i32, form);
     Ok((outs.swap_remove(1), times, gate_up as usize, (1 + gate_up + down) as usize))
 }
@@ -495,7 +490,7 @@ fn timeline_kernel(form: Form) -> Option<&'static CudaKernel> {
 }
 
 /// The launch: `[s, out]`, or (`timeline`) every output of the timeline
-/// form, its stamps last.
+/// form, its stamps last; and the form it took (its block count).
 #[allow(clippy::too_many_arguments)]
 fn launch(
     n: &NormIn,
@@ -509,7 +504,7 @@ fn launch(
     eps: f32,
     scale: f32,
     timeline: bool,
-) -> Result<Vec<Array>> {
+) -> Result<(Vec<Array>, Form)> {
     let unavailable = || Error::mlx("the fused MoE kernel is not available");
     let (d, dt) = (n.h.dim(1), n.h.dtype());
     let (e, f) = (g.weight.dim(0), gu.weight.dim(1) / 2);
@@ -581,7 +576,7 @@ fn launch(
             BUILT_DOWN_COLS.bump();
         }
     }
-    Ok(outs)
+    Ok((outs, form))
 }
 
 #[cfg(test)]

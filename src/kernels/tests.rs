@@ -2682,9 +2682,9 @@ fn moe_fused_cases(test: &str, checks: MoeChecks) {
                     // for (so that a fallback to another cannot pass).
                     for (rows, cols) in [(1, 2), (2, 1), (2, 2)] {
                         let (gate_up, nb) = timeline_of("0", (&rows.to_string(), &cols.to_string()), &exact_out);
-                        let (k64, f64_, d64) = (k, f as usize, d as usize);
-                        let want_gate_up = k64 * f64_.div_ceil(32 * rows);
-                        assert_eq!((gate_up, nb), (want_gate_up, 1 + want_gate_up + d64.div_ceil(32 / k64 * cols)), "{what}: the timeline form of {rows} gate/up outputs and {cols} down columns a warp");
+                        let want_gate_up = k * (f as usize).div_ceil(32 * rows);
+                        let want_down = (d as usize).div_ceil(32 / k * cols);
+                        assert_eq!((gate_up, nb), (want_gate_up, 1 + want_gate_up + want_down), "{what}: the timeline form of {rows} gate/up outputs and {cols} down columns a warp");
                     }
                 }
                 return;

@@ -1106,8 +1106,6 @@ fn layer_chains(reps: usize) -> mlx_lfm::Result<()> {
     use mlx_lfm::model::linear::Quantized;
     let (conv, ffn, qkv) = (ConvLayer::new()?, FfnLayer::new()?, QkvLayer::new()?);
     let (moe, moe_biases) = (Layer::new()?, Layer::set_biases()?);
-    // (A state each form: its launches count their own tickets.)
-    let (moe_state, moe_g2_state, moe_g2d2_state) = (Layer::new_state()?, Layer::new_state()?, Layer::new_state()?);
     let scrub = scrub_rows()?;
     let qkv_states = [QkvLayer::state()?, QkvLayer::state()?];
     let qb = |q: &Quantized| q.weight.nbytes() + q.scales.nbytes() + q.biases.as_ref().map_or(0, |b| b.nbytes());
@@ -1115,6 +1113,16 @@ fn layer_chains(reps: usize) -> mlx_lfm::Result<()> {
     let (ffn_q4, ffn_bf16) = (qb(&ffn.quant[0].0) + qb(&ffn.quant[0].1), ffn.weights[0].0.nbytes() + ffn.weights[0].1.nbytes());
     let (qkv_q4, qkv_bf16) = (qb(&qkv.quant[0]), qkv.dense[0].nbytes());
     let switches_of = |arms: &[(&'static str, Switches, usize)], name: &str| arms.iter().find(|(n, ..)| *n == name).map_or(&[][..], |a| a.1);
+    // The MoE layer's chain in the arm's form, on a state of its own (a
+    // form's launches count their own tickets); the row is the conv
+    // layer's width, and each launch reads the next of eight disjoint
+    // expert sets (`Layer::set_biases`).
+    let moe_chain = |name: &'static str| -> mlx_lfm::Result<(&'static str, Switches, usize, ChainStep)> {
+        let state = Layer::new_state()?;
+        let (moe, biases) = (&moe, &moe_biases);
+        let step: ChainStep = Box::new(move |h: &Array, i| Ok(moe.chained(h, &biases[i % biases.len()], &state, false)?.0));
+        Ok((name, switches_of(&LAYER_ARMS, name), moe.launch_bytes(), step))
+    };
     let qkv_switches = |name: &str| QKV_ARMS.iter().find(|(n, _)| *n == name).map_or(&[][..], |a| a.1);
     let row = |a: Array| a.reshape(&[1, QKV_D]);
     let forms: Vec<(&str, Switches, usize, ChainStep)> = vec![
@@ -1136,26 +1144,9 @@ fn layer_chains(reps: usize) -> mlx_lfm::Result<()> {
         ("ffn-layer-bf16-fused-g2", switches_of(&FFN_ARMS, "ffn-layer-bf16-fused-g2"), ffn_bf16, Box::new(|h: &Array, i| ffn.launch_on(h, true, false, true, i))),
         ("ffn-layer-q4-four", switches_of(&FFN_ARMS, "ffn-layer-q4-four"), ffn_q4, Box::new(|h: &Array, i| ffn.launch_on(h, false, true, false, i))),
         ("ffn-layer-q4-fused", switches_of(&FFN_ARMS, "ffn-layer-q4-fused"), ffn_q4, Box::new(|h: &Array, i| ffn.launch_on(h, true, true, false, i))),
-        // (The MoE layer's row is the conv layer's width; each launch reads
-        // the next of eight disjoint expert sets: `Layer::set_biases`.)
-        (
-            "moe-layer-q4-fused",
-            switches_of(&LAYER_ARMS, "moe-layer-q4-fused"),
-            moe.launch_bytes(),
-            Box::new(|h: &Array, i| Ok(moe.chained(h, &moe_biases[i % moe_biases.len()], &moe_state, false)?.0)),
-        ),
-        (
-            "moe-layer-q4-g2-fused",
-            switches_of(&LAYER_ARMS, "moe-layer-q4-g2-fused"),
-            moe.launch_bytes(),
-            Box::new(|h: &Array, i| Ok(moe.chained(h, &moe_biases[i % moe_biases.len()], &moe_g2_state, false)?.0)),
-        ),
-        (
-            "moe-layer-q4-g2d2-fused",
-            switches_of(&LAYER_ARMS, "moe-layer-q4-g2d2-fused"),
-            moe.launch_bytes(),
-            Box::new(|h: &Array, i| Ok(moe.chained(h, &moe_biases[i % moe_biases.len()], &moe_g2d2_state, false)?.0)),
-        ),
+        moe_chain("moe-layer-q4-fused")?,
+        moe_chain("moe-layer-q4-g2-fused")?,
+        moe_chain("moe-layer-q4-g2d2-fused")?,
     ];
     let start = conv.h.clone();
     for (name, switches, bytes, step) in &forms {
@@ -1232,25 +1223,26 @@ fn chain_timelines(
         Moe,
     }
     let len = CHAIN_LENGTHS[1];
-    // (form, layer, 4-bit, MLX_LFM_FFN_GATE_ROWS or for the MoE layer
-    // MLX_LFM_MOE_GATE_ROWS, with "d2" MLX_LFM_MOE_DOWN_COLS=2,
-    // MLX_LFM_FFN_GATE_ROUNDS, rows asked for early; `bytes`' index)
+    // (form, layer, 4-bit, its gate outputs a warp (MLX_LFM_FFN_GATE_ROWS,
+    // or the MoE layer's MLX_LFM_MOE_GATE_ROWS), MLX_LFM_FFN_GATE_ROUNDS,
+    // rows asked for early, `bytes`' index, the MoE layer's down columns a
+    // warp (MLX_LFM_MOE_DOWN_COLS))
     let forms = [
-        ("conv-q4", Kind::Conv, true, "1", "0", false, 0),
-        ("conv-bf16", Kind::Conv, false, "1", "0", false, 1),
-        ("ffn-bf16", Kind::Ffn, false, "1", "0", false, 2),
-        ("ffn-q4", Kind::Ffn, true, "1", "0", false, 3),
-        ("ffn-bf16-g2", Kind::Ffn, false, "2", "0", false, 2),
-        ("ffn-bf16-g2r", Kind::Ffn, false, "2", "2", false, 2),
-        ("ffn-bf16-g2r-early", Kind::Ffn, false, "2", "2", true, 2),
-        ("ffn-bf16-r4", Kind::Ffn, false, "1", "4", false, 2),
-        ("qkv-bf16", Kind::Qkv, false, "1", "0", false, 4),
-        ("qkv-q4", Kind::Qkv, true, "1", "0", false, 5),
-        ("moe-q4", Kind::Moe, true, "1", "0", false, 6),
-        ("moe-q4-g2", Kind::Moe, true, "2", "0", false, 6),
-        ("moe-q4-g2d2", Kind::Moe, true, "2d2", "0", false, 6),
+        ("conv-q4", Kind::Conv, true, "1", "0", false, 0, "1"),
+        ("conv-bf16", Kind::Conv, false, "1", "0", false, 1, "1"),
+        ("ffn-bf16", Kind::Ffn, false, "1", "0", false, 2, "1"),
+        ("ffn-q4", Kind::Ffn, true, "1", "0", false, 3, "1"),
+        ("ffn-bf16-g2", Kind::Ffn, false, "2", "0", false, 2, "1"),
+        ("ffn-bf16-g2r", Kind::Ffn, false, "2", "2", false, 2, "1"),
+        ("ffn-bf16-g2r-early", Kind::Ffn, false, "2", "2", true, 2, "1"),
+        ("ffn-bf16-r4", Kind::Ffn, false, "1", "4", false, 2, "1"),
+        ("qkv-bf16", Kind::Qkv, false, "1", "0", false, 4, "1"),
+        ("qkv-q4", Kind::Qkv, true, "1", "0", false, 5, "1"),
+        ("moe-q4", Kind::Moe, true, "1", "0", false, 6, "1"),
+        ("moe-q4-g2", Kind::Moe, true, "2", "0", false, 6, "1"),
+        ("moe-q4-g2d2", Kind::Moe, true, "2", "0", false, 6, "2"),
     ];
-    for (form, kind, q4, rows, rounds, early, k) in forms {
+    for (form, kind, q4, rows, rounds, early, k, cols) in forms {
         let on = match kind {
             Kind::Conv => "MLX_LFM_CONV_FUSED",
             Kind::Ffn => "MLX_LFM_FFN_FUSED",
@@ -1262,8 +1254,8 @@ fn chain_timelines(
             ("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string())),
             ("MLX_LFM_EARLY_PREFETCH".to_string(), Some((if early { "ffn" } else { "" }).to_string())),
             ("MLX_LFM_FFN_GATE_ROWS".to_string(), Some((if kind == Kind::Ffn { rows } else { "1" }).to_string())),
-            ("MLX_LFM_MOE_GATE_ROWS".to_string(), Some((if kind == Kind::Moe { &rows[..1] } else { "1" }).to_string())),
-            ("MLX_LFM_MOE_DOWN_COLS".to_string(), Some((if kind == Kind::Moe && rows.ends_with("d2") { "2" } else { "1" }).to_string())),
+            ("MLX_LFM_MOE_GATE_ROWS".to_string(), Some((if kind == Kind::Moe { rows } else { "1" }).to_string())),
+            ("MLX_LFM_MOE_DOWN_COLS".to_string(), Some(cols.to_string())),
             ("MLX_LFM_FFN_GATE_ROUNDS".to_string(), Some(rounds.to_string())),
             ("MLX_LFM_QKV_WARPS".to_string(), Some("16".to_string())),
         ]
