@@ -1972,6 +1972,22 @@ def test_processes(names, jobs):
     return groups, exact
 
 
+def stale_first(names):
+    """The listed tests, those no committed raw file has a verdict of first,
+    then the rest from the oldest verdict to the newest (ties keep the
+    binary's order). Each process runs its tests in turn, so a call cut by
+    its TERM (the whole suite outran every call since session 16) has given
+    the verdicts that were missing or stalest, not the ones a session
+    before had just given."""
+    last = {}
+    for i, path in enumerate(committed_raw_files()):
+        for line in (ROOT / path).read_text().splitlines():
+            if '"engine": "tests"' in line:
+                for t in record_verdicts(json.loads(line)):
+                    last[t] = i
+    return sorted(names, key=lambda n: last.get(n.rsplit("::", 1)[-1], -1))
+
+
 def test_binary():
     """The library's test binary, unpacked where prepare.sh gzipped it: the
     stripped binary (~15 MB) beside .device/b and the tree came within
@@ -2030,6 +2046,7 @@ def kernels():
         log(f"{len(names)} tests without a verdict on this machine yet ({len(ran)} with one)")
         if not names:
             return
+    names = stale_first(names)
     groups, exact = test_processes(names, max(1, int(os.environ.get("H200_KERNEL_JOBS", "3"))))
     runs = parted_runs(groups, kernel_test_parts())
     if exact:

@@ -693,6 +693,40 @@ class KernelTests(unittest.TestCase):
                               ("2026-12-02-h200-session9.raw.jsonl", "2026-12-02-h200-session10.raw.jsonl")]:
             self.assertLess(names.index(before), names.index(after))
 
+    def test_tests_without_a_verdict_then_the_stalest_run_first(self):
+        run = self.run
+        results = Path(self.tmp.name) / "bench" / "results"
+        results.mkdir(parents=True)
+        rec = lambda **v: json.dumps({"engine": "tests", "verdicts": v}) + "\n"
+        short = lambda n: n.rsplit("::", 1)[-1]
+        (results / "2026-12-05-h200-session30.raw.jsonl").write_text(
+            rec(**{short(self.CONV): True, short(self.FFN): True}))
+        (results / "2026-12-07-h100-session51.raw.jsonl").write_text(rec(**{short(self.FFN): True}))
+        (results / "2026-12-06-h100-session40.raw.jsonl").write_text(rec(**{short(self.QKV): False}))
+        names = [self.FFN, self.QKV, self.CONV, self.GREEDY_MOE]
+        real_root = run.ROOT
+        run.ROOT = Path(self.tmp.name)
+        try:
+            # The MoE greedy set has no verdict; the conv's is session 30's,
+            # the q/k/v's session 40's, the feed-forward's session 51's.
+            self.assertEqual(run.stale_first(names), [self.GREEDY_MOE, self.CONV, self.QKV, self.FFN])
+        finally:
+            run.ROOT = real_root
+        seen = []
+
+        class Proc(FakeTestProcess):
+            def output(self, names):
+                seen.append(names)
+                return "".join(f"test {n} ... ok\n" for n in names), ""
+        os.environ["H200_KERNEL_PARTS"] = ""
+        os.environ["H200_KERNEL_JOBS"] = "1"
+        try:
+            self.run_kernels(Proc, listing_of(names), "kernels::")
+        finally:
+            os.environ.pop("H200_KERNEL_PARTS")
+            os.environ.pop("H200_KERNEL_JOBS")
+        self.assertEqual(seen, [[self.GREEDY_MOE, self.CONV, self.QKV, self.FFN]], "one process, the stalest first")
+
     def test_a_qint_test_that_could_not_run_fails_alone(self):
         run = self.run
         listing = "".join(n + ": test\n" for n in self.NAMES[:3])
