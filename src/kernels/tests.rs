@@ -1595,7 +1595,15 @@ fn conv_gemv_kernel_matches_stock_ops() {
                 assert_eq!(differing(&y3.reshape(&[1, d]).unwrap(), &y), 0, "{what}: a [1, 1, K] row differs");
                 assert_eq!(differing(&next3, &next), 0, "{what}: a [1, 1, K] row's state differs");
                 let bcx = x.matmul(&w.t().unwrap()).unwrap();
-                let (want_next, want_y) = conv_step(&bcx, &state, &cw).unwrap();
+                // The short-conv kernel serves widths of whole warps only: at
+                // 100 channels the model (and so the reference) takes the
+                // stock ops (session 52's H100 found the reference refused).
+                let (want_next, want_y) = if crate::kernels::short_conv::available(&bcx, &state, &cw, false) {
+                    conv_step(&bcx, &state, &cw).unwrap()
+                } else {
+                    assert_ne!(d % 32, 0, "{what}: a whole-warp width the short-conv kernel refused");
+                    stock_conv_step(&bcx, &state, &cw)
+                };
                 assert_eq!(next.shape(), want_next.shape(), "{what}");
                 assert_eq!(y.shape(), want_y.shape(), "{what}");
                 let worst = worst_relative(&y, &want_y);
@@ -2615,8 +2623,14 @@ fn moe_fused_cases(test: &str, checks: MoeChecks) {
         (Dtype::Bfloat16, 2.0f32.powi(-7), 16, 3, 2048, 512, 4, 64, 4, 64),
     ];
     let own = gate_rows_cases.into_iter().filter(|_| checks == MoeChecks::GateRows);
-    for (dt, tol, e, k, d, f, gbits, ggs, bits, gs) in cases.into_iter().chain(own) {
+    for (index, (dt, tol, e, k, d, f, gbits, ggs, bits, gs)) in cases.into_iter().chain(own).enumerate() {
         let what = format!("{dt:?} {e} experts top-{k}, {d} -> {f}, gate {gbits}-bit g{ggs}, experts {bits}-bit g{gs}");
+        // (In parts across processes, MLX_LFM_TEST_PART: session 52's H100
+        // ran nine of the two-outputs test's twelve cases in 230 s, its
+        // forms compiled for each.)
+        if !case_chosen(index, &what) {
+            continue;
+        }
         let g = quantized(&normal(&[e, d], Dtype::Float32, 0.0, 0.04, None).unwrap(), dt, gbits, ggs);
         let gu = quantized(&normal(&[e, 2 * f, d], Dtype::Float32, 0.0, 0.05, None).unwrap(), dt, bits, gs);
         let dn = quantized(&normal(&[e, d, f], Dtype::Float32, 0.0, 0.05, None).unwrap(), dt, bits, gs);
@@ -3461,7 +3475,16 @@ fn conv_moe_layer_fused_kernel_matches_the_two_kernels() {
     use crate::model::linear::Normed;
     let eps_value = 1e-5f32;
     let eps = Array::from_slice(&[eps_value], &[1]).unwrap();
-    let consts = [("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string()))];
+    // (The MoE kernel's float form for the reference: the joined kernels
+    // compile the experts' float walk, and the experts-exact form, the MoE
+    // kernel's default since session 38, differs from it in most outputs,
+    // near two roundings; session 52's H100 found the conv + MoE case just
+    // past them, 0.0079-0.0087 of the scale, where session 33 had passed it
+    // against the float form, then the default.)
+    let consts = [
+        ("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string())),
+        ("MLX_LFM_MOE_EXACT".to_string(), Some("0".to_string())),
+    ];
     // (dtype, D, experts, k, expert width, group of every projection, the
     // router's bits): the 8B-A1B's layer with a 4-bit router and with the
     // 8-bit one its checkpoints hold (src/convert's LFM2-MoE recipe), the
@@ -3563,7 +3586,12 @@ fn out_layer_fused_kernel_matches_out_proj_and_the_kernel() {
     use crate::model::linear::Normed;
     let eps_value = 1e-5f32;
     let eps = Array::from_slice(&[eps_value], &[1]).unwrap();
-    let consts = [("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string()))];
+    // (The MoE kernel's float form for the reference, as the joined kernels
+    // compile it: see conv_moe_layer_fused_kernel_matches_the_two_kernels.)
+    let consts = [
+        ("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string())),
+        ("MLX_LFM_MOE_EXACT".to_string(), Some("0".to_string())),
+    ];
     // (dtype, D, heads' width, tail: 0 dense feed-forward, 4 its 4-bit
     // form, 1 the 8B-A1B's MoE with a 4-bit router, 8 with the 8-bit one
     // its checkpoints hold)
