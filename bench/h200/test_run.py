@@ -693,23 +693,24 @@ class KernelTests(unittest.TestCase):
                               ("2026-12-02-h200-session9.raw.jsonl", "2026-12-02-h200-session10.raw.jsonl")]:
             self.assertLess(names.index(before), names.index(after))
 
-    def test_tests_without_a_verdict_then_the_stalest_run_first(self):
+    def test_a_gpu_test_no_session_judged_runs_alone(self):
+        """Session 52's new test sat in the process of ~40 others, which
+        libtest runs by name, and never started before the call's TERM."""
         run = self.run
         results = Path(self.tmp.name) / "bench" / "results"
         results.mkdir(parents=True)
-        rec = lambda **v: json.dumps({"engine": "tests", "verdicts": v}) + "\n"
         short = lambda n: n.rsplit("::", 1)[-1]
         (results / "2026-12-05-h200-session30.raw.jsonl").write_text(
-            rec(**{short(self.CONV): True, short(self.FFN): True}))
-        (results / "2026-12-07-h100-session51.raw.jsonl").write_text(rec(**{short(self.FFN): True}))
-        (results / "2026-12-06-h100-session40.raw.jsonl").write_text(rec(**{short(self.QKV): False}))
-        names = [self.FFN, self.QKV, self.CONV, self.GREEDY_MOE]
+            json.dumps({"engine": "tests", "verdicts": {short(self.CONV): True, short(self.FFN): True}}) + "\n")
+        new_gpu = "kernels::tests::moe_fused_gate_rows_match_the_exact_form"
+        new_cpu = "kernels::moe_fused::tests::a_launch_counts_its_parts"
+        names = [self.CONV, self.FFN, new_gpu, new_cpu, self.GREEDY_MOE, self.PREFILL]
         real_root = run.ROOT
         run.ROOT = Path(self.tmp.name)
         try:
-            # The MoE greedy set has no verdict; the conv's is session 30's,
-            # the q/k/v's session 40's, the feed-forward's session 51's.
-            self.assertEqual(run.stale_first(names), [self.GREEDY_MOE, self.CONV, self.QKV, self.FFN])
+            # (The greedy sets and the compiled prefill have processes of
+            # their own already.)
+            self.assertEqual(run.never_judged(names), [new_gpu, self.GREEDY_MOE, self.PREFILL])
         finally:
             run.ROOT = real_root
         seen = []
@@ -719,13 +720,15 @@ class KernelTests(unittest.TestCase):
                 seen.append(names)
                 return "".join(f"test {n} ... ok\n" for n in names), ""
         os.environ["H200_KERNEL_PARTS"] = ""
-        os.environ["H200_KERNEL_JOBS"] = "1"
+        os.environ["H200_KERNEL_JOBS"] = "3"
         try:
-            self.run_kernels(Proc, listing_of(names), "kernels::")
+            self.run_kernels(Proc, listing_of(names), "kernels::,compiled_prefill")
         finally:
             os.environ.pop("H200_KERNEL_PARTS")
             os.environ.pop("H200_KERNEL_JOBS")
-        self.assertEqual(seen, [[self.GREEDY_MOE, self.CONV, self.QKV, self.FFN]], "one process, the stalest first")
+        self.assertIn([new_gpu], seen)
+        self.assertNotIn([new_cpu], seen, "a module's CPU test keeps to the shared process")
+        self.assertEqual(sorted(n for g in seen for n in g), sorted(names), "each test once")
 
     def test_a_qint_test_that_could_not_run_fails_alone(self):
         run = self.run
@@ -951,6 +954,35 @@ class KernelTests(unittest.TestCase):
         self.assertEqual(rec["verdicts"], {"conv_fused_kernel_matches_stock_ops": True})
         self.assertTrue(all(p.returncode is not None for p in procs), "every process was ended")
         self.assertIn("TinyBF16", (run.OUT / "kernel-tests.log").read_text(), "the cut process's output is kept")
+
+
+    def test_the_group_copy_of_the_term_does_not_cut_the_record(self):
+        """`timeout` sends its TERM to run.py, then to its process group:
+        session 52's call took the second inside the first's wrap-up and
+        recorded nothing of the tests it had finished."""
+        run = self.run
+        names = [self.CONV, self.FFN]
+        listing = listing_of(names)
+
+        class Proc(FakeTestProcess):
+            def output(self, names):
+                if any("ffn" in n for n in names):
+                    return self.still_running()
+                return "".join(f"test {n} ... ok\n" for n in names), ""
+
+            def wait(self):
+                if self.returncode is None:
+                    run.on_sigterm(15, None)  # the TERM to run.py
+                return self.returncode
+
+            def kill(self):
+                run.on_sigterm(15, None)  # its copy to the group, in the wrap-up
+                self.returncode = -15
+        with self.assertRaises(run.Stopped):
+            self.run_kernels(Proc, listing, "conv_fused,ffn_fused")
+        rec = [r for r in records(run) if r["engine"] == "tests"][-1]
+        self.assertTrue(rec["cut"])
+        self.assertEqual(rec["verdicts"], {"conv_fused_kernel_matches_stock_ops": True})
 
 
 
