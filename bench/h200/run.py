@@ -1975,6 +1975,16 @@ def test_processes(names, jobs, new=()):
     return groups, exact
 
 
+def passed_in(paths):
+    """The tests that passed in these committed raw files' test records."""
+    got = set()
+    for path in paths:
+        for line in (ROOT / path).read_text().splitlines():
+            if '"engine": "tests"' in line:
+                got.update(t for t, v in record_verdicts(json.loads(line)).items() if v)
+    return got
+
+
 def never_judged(names):
     """The listed GPU tests (`kernels::tests`, `compiled::tests`; the
     modules' own tests are the CPU's) that no committed raw file has a
@@ -2031,10 +2041,14 @@ def kernels():
     # switch `pick` may adopt only where it passed on this GPU.)
     # H200_KERNEL_TESTS=unrun: the whole suite's tests this machine has no
     # verdict of yet (kernel-ran.json): the suite over two calls, the second
-    # running what the first's TERM cut.
+    # running what the first's TERM cut. H200_KERNEL_TESTS=unpassed:FILE,..
+    # (committed raw files): of those, the ones that did not pass in FILE
+    # (cut, failed or never reached there), the same command in each call
+    # until none is left: session 52's suite finished about half its tests.
     whole = "kernels::,compiled_prefill_equals_the_eager_prefill"
     chosen = os.environ.get("H200_KERNEL_TESTS", whole)
-    unrun = chosen == "unrun"
+    unpassed = chosen.startswith("unpassed:")
+    unrun = chosen == "unrun" or unpassed
     filters = [f for f in (whole if unrun else chosen).split(",") if f]
     # The whole suite took 578 s of a call's 600 in one process (NVRTC
     # compiles per shape and dtype, on the host's cores): H200_KERNEL_JOBS
@@ -2048,6 +2062,10 @@ def kernels():
     if unrun:
         names = [n for n in names if n.rsplit("::", 1)[-1] not in ran]
         log(f"{len(names)} tests without a verdict on this machine yet ({len(ran)} with one)")
+        if unpassed:
+            passed = passed_in(chosen.split(":", 1)[1].split(","))
+            names = [n for n in names if n.rsplit("::", 1)[-1] not in passed]
+            log(f"{len(names)} of them did not pass in {chosen.split(':', 1)[1]}")
         if not names:
             return
     groups, exact = test_processes(names, max(1, int(os.environ.get("H200_KERNEL_JOBS", "3"))), never_judged(names))

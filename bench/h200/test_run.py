@@ -730,6 +730,31 @@ class KernelTests(unittest.TestCase):
         self.assertNotIn([new_cpu], seen, "a module's CPU test keeps to the shared process")
         self.assertEqual(sorted(n for g in seen for n in g), sorted(names), "each test once")
 
+    def test_unpassed_runs_what_a_session_did_not_pass_until_none_is_left(self):
+        run = self.run
+        results = Path(self.tmp.name) / "bench" / "results"
+        results.mkdir(parents=True)
+        raw = results / "2026-12-07-h100-session52.raw.jsonl"
+        short = lambda n: n.rsplit("::", 1)[-1]
+        raw.write_text(json.dumps({"engine": "tests", "verdicts": {short(self.CONV): True, short(self.FFN): False}}) + "\n")
+        names = [self.CONV, self.FFN, self.QKV]
+        seen = []
+
+        class Proc(FakeTestProcess):
+            def output(self, names):
+                seen.append(names)
+                return "".join(f"test {n} ... ok\n" for n in names), ""
+        os.environ["H200_KERNEL_PARTS"] = ""
+        try:
+            chosen = "unpassed:bench/results/2026-12-07-h100-session52.raw.jsonl"
+            self.run_kernels(Proc, listing_of(names), chosen)
+            first = [n for g in seen for n in g]
+            self.run_kernels(Proc, listing_of(names), chosen)
+        finally:
+            os.environ.pop("H200_KERNEL_PARTS")
+        self.assertEqual(sorted(first), sorted([self.FFN, self.QKV]), "the failed and the unreached, not the passed")
+        self.assertEqual([n for g in seen for n in g], first, "the second call finds none left")
+
     def test_a_qint_test_that_could_not_run_fails_alone(self):
         run = self.run
         listing = "".join(n + ": test\n" for n in self.NAMES[:3])
