@@ -610,6 +610,16 @@ class FakeTestProcess:
         self.returncode = -9
 
 
+def passing_process(seen):
+    """A FakeTestProcess class whose tests all pass, each process's test
+    names appended to `seen`."""
+    class Proc(FakeTestProcess):
+        def output(self, names):
+            seen.append(names)
+            return "".join(f"test {n} ... ok\n" for n in names), ""
+    return Proc
+
+
 class KernelTests(unittest.TestCase):
     """The kernel tests' processes: the MLX_LFM_QINT tests each alone (their
     switch is read once a process), and one that found kernels built before
@@ -635,6 +645,14 @@ class KernelTests(unittest.TestCase):
              "kernels::tests::q_by_its_bits_gemv_matches_stock_ops", "kernels::tests::ffn_fused_kernel_matches_stock_ops",
              "kernels::tests::greedy_tokens_with_kernels_equal_stock_ops_on_moe", "kernels::tests::moe_fused_kernel_matches_the_three_kernels",
              "compiled::tests::compiled_prefill_equals_the_eager_prefill"]
+
+    def committed(self, name, verdicts):
+        """A committed raw file `name` under this test's root holding one
+        tests record of `verdicts` (full test names to verdicts)."""
+        results = Path(self.tmp.name) / "bench" / "results"
+        results.mkdir(parents=True, exist_ok=True)
+        got = {n.rsplit("::", 1)[-1]: v for n, v in verdicts.items()}
+        (results / name).write_text(json.dumps({"engine": "tests", "verdicts": got}) + "\n")
 
     def run_kernels(self, proc, listing, tests):
         """run.kernels() over a test binary listing `listing`, its processes
@@ -697,11 +715,7 @@ class KernelTests(unittest.TestCase):
         """Session 52's new test sat in the process of ~40 others, which
         libtest runs by name, and never started before the call's TERM."""
         run = self.run
-        results = Path(self.tmp.name) / "bench" / "results"
-        results.mkdir(parents=True)
-        short = lambda n: n.rsplit("::", 1)[-1]
-        (results / "2026-12-05-h200-session30.raw.jsonl").write_text(
-            json.dumps({"engine": "tests", "verdicts": {short(self.CONV): True, short(self.FFN): True}}) + "\n")
+        self.committed("2026-12-05-h200-session30.raw.jsonl", {self.CONV: True, self.FFN: True})
         new_gpu = "kernels::tests::moe_fused_gate_rows_match_the_exact_form"
         new_cpu = "kernels::moe_fused::tests::a_launch_counts_its_parts"
         names = [self.CONV, self.FFN, new_gpu, new_cpu, self.GREEDY_MOE, self.PREFILL]
@@ -714,11 +728,7 @@ class KernelTests(unittest.TestCase):
         finally:
             run.ROOT = real_root
         seen = []
-
-        class Proc(FakeTestProcess):
-            def output(self, names):
-                seen.append(names)
-                return "".join(f"test {n} ... ok\n" for n in names), ""
+        Proc = passing_process(seen)
         os.environ["H200_KERNEL_PARTS"] = ""
         os.environ["H200_KERNEL_JOBS"] = "3"
         try:
@@ -732,18 +742,10 @@ class KernelTests(unittest.TestCase):
 
     def test_unpassed_runs_what_a_session_did_not_pass_until_none_is_left(self):
         run = self.run
-        results = Path(self.tmp.name) / "bench" / "results"
-        results.mkdir(parents=True)
-        raw = results / "2026-12-07-h100-session52.raw.jsonl"
-        short = lambda n: n.rsplit("::", 1)[-1]
-        raw.write_text(json.dumps({"engine": "tests", "verdicts": {short(self.CONV): True, short(self.FFN): False}}) + "\n")
+        self.committed("2026-12-07-h100-session52.raw.jsonl", {self.CONV: True, self.FFN: False})
         names = [self.CONV, self.FFN, self.QKV]
         seen = []
-
-        class Proc(FakeTestProcess):
-            def output(self, names):
-                seen.append(names)
-                return "".join(f"test {n} ... ok\n" for n in names), ""
+        Proc = passing_process(seen)
         os.environ["H200_KERNEL_PARTS"] = ""
         try:
             chosen = "unpassed:bench/results/2026-12-07-h100-session52.raw.jsonl"
