@@ -219,10 +219,11 @@ session 52's cache):
      timelines above say ~5 µs of the layer's ~38 in a step, ~8% of the
      8B-A1B's decode if it carries over: a guess until this runs).
   4. `layer-chains` (the MoE layer's stage ends at a busy GPU's clocks:
-     does the route's block take ~6.5 µs of every layer there too? If it
-     does, every gate/up block routing for itself, as the every-norm forms
-     norm for themselves, is the next form to write) and the 8B-A1B's
-     `profile-kernels` with H200_NCU_COUNT=6.
+     does the route's block take ~6.5 µs of every layer there too?
+     Session 38's local route, every gate/up block routing for itself,
+     lost 44.4 µs against 41.6 and was retired, so a slow route block
+     asks for a faster route in that block, not for more of them) and the
+     8B-A1B's `profile-kernels` with H200_NCU_COUNT=6.
   5. On an H200: `llama`, then rounds 1-2 of the three models with
      mlx-lm. On an H100: rounds once a default changes.
 Session 51 got an H100 for ~22 minutes (11:18-11:40 UTC on
