@@ -704,6 +704,7 @@ import subprocess
 import sys
 import time
 import tempfile
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -776,6 +777,11 @@ def ours_env():
 
 
 def sh(cmd, log_name=None, check=True, **kw):
+    # (After the TERM a worker thread starts nothing more: checkpoints'
+    # GGUF chain would otherwise run on past the call's limit, its `finally`
+    # with raw.jsonl never reached. The main thread's wrap-up still may.)
+    if TERM_SEEN and threading.current_thread() is not threading.main_thread():
+        raise Stopped(f"stopped by SIGTERM before {Path(str(cmd[0])).name}")
     log("$", " ".join(map(str, cmd)))
     r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=kw.pop("env", env()), **kw)
     if log_name:
@@ -1005,29 +1011,42 @@ def checkpoints(names=None, gguf=True):
 
     CK.mkdir(parents=True, exist_ok=True)
     with ThreadPoolExecutor(max_workers=1) as conv:
-        pending = []
-        for name, (preset, quant, lq, _) in MODELS.items():
-            if names and name not in names:
-                continue
-            src = CK / f"{preset}-bf16"
-            # (The bf16 files of a quantized model too, without GGUF: our
-            # quantization reads them, and a later GGUF chain, gguf-bg's in
-            # the background, then needs the GPU for nothing.)
-            if not (src / "config.json").exists():
-                sh([BENCH, "--preset", preset, "--dtype", "bf16", "--out", src, "--device", "gpu",
-                    "--prompts", "16", "--gen", "2", "--reps", "1", "--paths", "compiled"], "generate")
-            g = GGUF / f"{name}.gguf"
-            if gguf and not g.exists():
-                pending.append(conv.submit(gguf_of, name, preset, lq, src))
-            if quant and not (CK / name / "config.json").exists():
-                # Our converter quantizes the very bf16 files llama.cpp converts
-                # (without them, the deterministic generator makes them again).
-                frm = ["--from", src] if (src / "config.json").exists() else []
-                sh([BENCH, "--preset", preset, "--dtype", "bf16", "--quantize", quant, "--out", CK / name] + frm +
-                   ["--device", "gpu", "--prompts", "16", "--gen", "2", "--reps", "1", "--paths", "compiled"], "generate")
-        # (A failed conversion raises here, as it did inline.)
-        for f in pending:
-            f.result()
+        try:
+            checkpoint_chain(conv, names, gguf)
+        except BaseException:
+            # (The TERM: the queued GGUF chains never start; leaving the
+            # `with` waits for the running one only, whose converter the
+            # TERM to the process group has ended.)
+            conv.shutdown(wait=False, cancel_futures=True)
+            raise
+
+
+def checkpoint_chain(conv, names, gguf):
+    """checkpoints' body: each model's checkpoints here, its GGUF chain
+    queued on `conv`."""
+    pending = []
+    for name, (preset, quant, lq, _) in MODELS.items():
+        if names and name not in names:
+            continue
+        src = CK / f"{preset}-bf16"
+        # (The bf16 files of a quantized model too, without GGUF: our
+        # quantization reads them, and a later GGUF chain, gguf-bg's in
+        # the background, then needs the GPU for nothing.)
+        if not (src / "config.json").exists():
+            sh([BENCH, "--preset", preset, "--dtype", "bf16", "--out", src, "--device", "gpu",
+                "--prompts", "16", "--gen", "2", "--reps", "1", "--paths", "compiled"], "generate")
+        g = GGUF / f"{name}.gguf"
+        if gguf and not g.exists():
+            pending.append(conv.submit(gguf_of, name, preset, lq, src))
+        if quant and not (CK / name / "config.json").exists():
+            # Our converter quantizes the very bf16 files llama.cpp converts
+            # (without them, the deterministic generator makes them again).
+            frm = ["--from", src] if (src / "config.json").exists() else []
+            sh([BENCH, "--preset", preset, "--dtype", "bf16", "--quantize", quant, "--out", CK / name] + frm +
+               ["--device", "gpu", "--prompts", "16", "--gen", "2", "--reps", "1", "--paths", "compiled"], "generate")
+    # (A failed conversion raises here, as it did inline.)
+    for f in pending:
+        f.result()
 
 
 def gguf_of(name, preset, lq, src):
@@ -1054,15 +1073,18 @@ def gguf_of(name, preset, lq, src):
 
 
 def wait_llama():
-    rc = Path("/tmp/h200/llbuild.rc")
+    # (WORK is /tmp/h200, where stage()'s build script writes these.)
+    rc = WORK / "llbuild.rc"
     t = time.time()
     while not rc.exists():
+        if TERM_SEEN:
+            raise Stopped("stopped by SIGTERM waiting for llama.cpp's build")
         if time.time() - t > 480:
             raise SystemExit("llama.cpp build did not finish in 8 minutes")
         time.sleep(5)
     if rc.read_text().strip() != "0":
-        shutil.copy("/tmp/h200/llbuild.log", OUT / "llbuild.log") if OUT.exists() else None
-        raise SystemExit("llama.cpp build failed:\n" + Path("/tmp/h200/llbuild.log").read_text()[-3000:])
+        shutil.copy(WORK / "llbuild.log", OUT / "llbuild.log") if OUT.exists() else None
+        raise SystemExit("llama.cpp build failed:\n" + (WORK / "llbuild.log").read_text()[-3000:])
 
 
 def ours_ck(name):
@@ -1969,42 +1991,51 @@ def test_processes(names, jobs, new=()):
     # (session 37: grouped with the conv test, both printed "skipped" and
     # the whole call ran with the kernels off): each in a process of its own.
     alone = [n for n in names if any(a in n for a in ALONE_TESTS)]
-    # (And a test no session has judged, which a libtest process would run
-    # in its place by name, maybe after the call's TERM: never_judged.)
-    alone += [n for n in new if n not in alone and GREEDY not in n and "compiled_prefill" not in n]
     groups += [[n] for n in alone]
+    # A test no session has judged (never_judged), which a shared libtest
+    # process would run in its place by name, maybe after the call's TERM:
+    # together in one process more (the backend-free ones among them take
+    # seconds), not counted against the slots the rest share.
+    fresh = [n for n in new if n not in alone and GREEDY not in n and "compiled_prefill" not in n]
     # The compiled prefill's test in a process of its own with MLX's TF32
     # products off (read once per process), so its f32 cases are held to
     # f32's tolerance (session 17: 8.9e-4 of the scale apart with TF32 on);
     # one process more than H200_KERNEL_JOBS, beside the others.
     exact = [n for n in names if "compiled_prefill" in n]
-    rest = [n for n in names if (jobs <= 1 or GREEDY not in n) and n not in exact and n not in alone]
+    rest = [n for n in names if (jobs <= 1 or GREEDY not in n) and n not in exact and n not in alone and n not in fresh]
     slots = max(1, jobs - len(groups))
-    groups += [rest[i::slots] for i in range(slots)]
+    groups += [rest[i::slots] for i in range(slots)] + [fresh]
     groups = [g for g in groups if g]
     return groups, exact
 
 
 def passed_in(paths):
-    """The tests that passed in these committed raw files' test records."""
-    got = set()
+    """The tests whose last verdict in these committed raw files' test
+    records (in the order given, a later one replacing an earlier, as
+    `verdicts-from` reads them) is a pass."""
+    last = {}
     for path in paths:
         for line in (ROOT / path).read_text().splitlines():
             if '"engine": "tests"' in line:
-                got.update(t for t, v in record_verdicts(json.loads(line)).items() if v)
-    return got
+                last.update(record_verdicts(json.loads(line)))
+    return {t for t, v in last.items() if v}
 
 
 def never_judged(names):
     """The listed GPU tests (`kernels::tests`, `compiled::tests`; the
     modules' own tests are the CPU's) that no committed raw file has a
-    verdict of: each gets a process of its own, so that a call cut by its
-    TERM (every whole-suite call since session 16) has run the tests never
-    run anywhere. (Within a process libtest runs its tests by name, whatever
+    verdict of: they share a process of their own (test_processes), so
+    that a call cut by its TERM (every whole-suite call since session 16)
+    has run the tests never run anywhere. (Within a process libtest runs its tests by name, whatever
     order they are given in: session 52's new test waited behind ~40
     others and did not start before the TERM.)"""
+    # (Without any committed raw file there is no history to be new to: the
+    # suite's usual grouping.)
+    paths = committed_raw_files()
+    if not paths:
+        return []
     judged = set()
-    for path in committed_raw_files():
+    for path in paths:
         for line in (ROOT / path).read_text().splitlines():
             if '"engine": "tests"' in line:
                 judged.update(record_verdicts(json.loads(line)))
@@ -2274,7 +2305,8 @@ def kernel_sources():
 # The tests MLX_LFM_TEST_CASES narrows (src/kernels/tests.rs case_chosen).
 NARROWED_TESTS = ("ffn_fused_kernel_matches_stock_ops", "conv_fused_kernel_matches_stock_ops",
                   "decode_attention_kernel_matches_stock_ops", "decode_attention_variants_match_stock_ops",
-                  "moe_fused_forms_match_their_references", "moe_fused_gate_rows_match_the_exact_form")
+                  "moe_fused_forms_match_their_references", "moe_fused_gate_rows_match_the_exact_form",
+                  "moe_fused_kernel_matches_the_three_kernels")
 
 
 def committed_raw_files():

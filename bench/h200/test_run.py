@@ -11,9 +11,11 @@ import importlib.util
 import io
 import json
 import os
+import re
 import tarfile
 import sys
 import tempfile
+import time
 import unittest
 from pathlib import Path
 
@@ -444,6 +446,76 @@ class RoundsStop(unittest.TestCase):
         self.assertFalse(issubclass(self.run.Stopped, (SystemExit, Exception)))
 
 
+class AfterTheTerm(unittest.TestCase):
+    """After the first SIGTERM (the second, timeout's copy to the process
+    group, is taken as the same one) nothing starts that could keep the
+    call past its limit, and `finally` still packs raw.jsonl and logs."""
+
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.run = load_run(Path(self.tmp.name))
+
+    def tearDown(self):
+        self.tmp.cleanup()
+
+    def term(self):
+        with self.assertRaises(self.run.Stopped):
+            self.run.on_sigterm(15, None)
+        self.assertIsNone(self.run.on_sigterm(15, None), "the group's copy is the same TERM")
+
+    def test_a_worker_starts_no_command_after_it(self):
+        import threading
+
+        self.term()
+        got = []
+        t = threading.Thread(target=lambda: got.append(self.catch(lambda: self.run.sh(["true"]))))
+        t.start()
+        t.join()
+        self.assertIsInstance(got[0], self.run.Stopped)
+        self.assertEqual(self.run.sh(["true"]).returncode, 0, "the main thread's wrap-up still runs commands")
+
+    def catch(self, f):
+        try:
+            return f()
+        except BaseException as e:
+            return e
+
+    def test_the_wait_for_llama_cpp_ends_at_it(self):
+        self.term()
+        t = time.time()
+        with self.assertRaises(self.run.Stopped):
+            self.run.wait_llama()
+        self.assertLess(time.time() - t, 1)
+
+    def test_the_queued_gguf_chains_do_not_start(self):
+        run = self.run
+        run.CK = Path(self.tmp.name) / "ck"
+        run.GGUF = Path(self.tmp.name) / "gguf"
+        started = []
+
+        def gguf_of(name, *_):
+            started.append(name)
+            time.sleep(0.3)
+        run.gguf_of = gguf_of
+        names = list(run.MODELS)
+
+        def sh(cmd, *a, **k):
+            # Each model's generation; the third's meets the TERM, with the
+            # first model's chain running and the second's queued.
+            out = Path(str(cmd[cmd.index("--out") + 1]))
+            if names[2] in str(out) or out.name.startswith(run.MODELS[names[2]][0]):
+                time.sleep(0.05)
+                run.on_sigterm(15, None)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.json").write_text("{}")
+            return Result("")
+        run.sh = sh
+        with self.assertRaises(run.Stopped):
+            run.checkpoints()
+        time.sleep(0.5)
+        self.assertEqual(started, [names[0]], "the queued chain never started")
+
+
 class Install(unittest.TestCase):
     """A call that needs MLX before the wheel's halves are here says which."""
 
@@ -738,6 +810,10 @@ class KernelTests(unittest.TestCase):
             os.environ.pop("H200_KERNEL_JOBS")
         self.assertIn([new_gpu], seen)
         self.assertNotIn([new_cpu], seen, "a module's CPU test keeps to the shared process")
+        # The greedy set's, two shared by the rest (the new test's process
+        # takes none of H200_KERNEL_JOBS's three), the new test's, the
+        # compiled prefill's.
+        self.assertEqual(len(seen), 5, seen)
         self.assertEqual(sorted(n for g in seen for n in g), sorted(names), "each test once")
 
     def test_unpassed_runs_what_a_session_did_not_pass_until_none_is_left(self):
@@ -756,6 +832,34 @@ class KernelTests(unittest.TestCase):
             os.environ.pop("H200_KERNEL_PARTS")
         self.assertEqual(sorted(first), sorted([self.FFN, self.QKV]), "the failed and the unreached, not the passed")
         self.assertEqual([n for g in seen for n in g], first, "the second call finds none left")
+
+    def test_a_later_verdict_replaces_an_earlier_for_unpassed(self):
+        results = Path(self.tmp.name) / "bench" / "results"
+        results.mkdir(parents=True)
+        rec = lambda v: json.dumps({"engine": "tests", "verdicts": v}) + "\n"
+        (results / "a.raw.jsonl").write_text(rec({"conv": True, "ffn": False}) + rec({"conv": False}))
+        (results / "b.raw.jsonl").write_text(rec({"ffn": True}))
+        real_root = self.run.ROOT
+        self.run.ROOT = Path(self.tmp.name)
+        try:
+            self.assertEqual(self.run.passed_in(["bench/results/a.raw.jsonl"]), set())
+            self.assertEqual(self.run.passed_in(["bench/results/a.raw.jsonl", "bench/results/b.raw.jsonl"]), {"ffn"})
+        finally:
+            self.run.ROOT = real_root
+
+    def test_every_test_that_narrows_its_cases_is_in_narrowed_tests(self):
+        """A test whose cases case_chosen picks (itself or through a helper)
+        speaks for its chosen cases only under MLX_LFM_TEST_CASES: its
+        verdict of such a run must not stand for the whole test (session
+        52's review: the MoE layer's default test had joined them unnamed)."""
+        src = (HERE.parents[1] / "src" / "kernels" / "tests.rs").read_text()
+        starts = [(m.start(), m.group(1)) for m in re.finditer(r"^(?:pub(?:\(crate\))? )?fn (\w+)", src, re.M)]
+        bodies = {n: src[a:b] for (a, n), (b, _) in zip(starts, starts[1:] + [(len(src), None)])}
+        tests = set(re.findall(r"^#\[test\]\n(?:pub )?fn (\w+)", src, re.M))
+        helpers = {n for n, b in bodies.items() if "case_chosen(" in b and n not in ("case_chosen", "case_chosen_by")}
+        narrowing = {t for t in tests if t in helpers or any(re.search(rf"\b{h}\(", bodies[t]) for h in helpers)}
+        self.assertGreaterEqual(len(narrowing), 7)
+        self.assertEqual(narrowing, set(self.run.NARROWED_TESTS))
 
     def test_a_qint_test_that_could_not_run_fails_alone(self):
         run = self.run
