@@ -208,8 +208,8 @@ session 52's cache):
      save-ptx`; the same command again on the warm machine until it logs
      none left (~34 tests: the MoE layer's, the router's, the sort's, the
      q/k/v's, the quantized GEMV's, the stacked rows', the two mended ones;
-     the two-outputs test in three parts; a test no session has judged
-     runs in a process of its own).
+     the two-outputs test in three parts; the tests no session has
+     judged run in a process apart).
   3. Once `moe_fused_gate_rows_match_the_exact_form` has passed: carry
      [.device/bin], H200_KERNEL_BENCH_ARMS=moe-layer-q4-fused,moe-layer-q4-g2-fused,moe-layer-q4-d2-fused,moe-layer-q4-g2d2-fused
      `timeout -s TERM 200 python3 bench/h200/run.py kernel-bench`, and in
