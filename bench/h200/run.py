@@ -2017,10 +2017,8 @@ def passed_in(paths):
     records (in the order given, a later one replacing an earlier, as
     `verdicts-from` reads them) is a pass."""
     last = {}
-    for path in paths:
-        for line in (ROOT / path).read_text().splitlines():
-            if '"engine": "tests"' in line:
-                last.update(record_verdicts(json.loads(line)))
+    for r in test_records(paths):
+        last.update(record_verdicts(r))
     return {t for t, v in last.items() if v}
 
 
@@ -2038,10 +2036,8 @@ def never_judged(names):
     if not paths:
         return []
     judged = set()
-    for path in paths:
-        for line in (ROOT / path).read_text().splitlines():
-            if '"engine": "tests"' in line:
-                judged.update(record_verdicts(json.loads(line)))
+    for r in test_records(paths):
+        judged.update(record_verdicts(r))
     return [n for n in names if n.startswith(("kernels::tests::", "compiled::tests::"))
             and n.rsplit("::", 1)[-1] not in judged]
 
@@ -2327,6 +2323,12 @@ def committed_raw_files():
     return [str(p.relative_to(ROOT)) for p in sorted((ROOT / "bench" / "results").glob("*.raw.jsonl"), key=key)]
 
 
+def test_records(paths):
+    """The kernel tests' records of these committed raw files (paths under
+    the repository's root), in the order given and as written."""
+    return [json.loads(l) for p in paths for l in (ROOT / p).read_text().splitlines() if '"engine": "tests"' in l]
+
+
 def record_verdicts(r):
     """A `tests` record's verdicts that stand for their whole tests: a run
     narrowed by MLX_LFM_TEST_CASES judged those cases only, so its layer
@@ -2358,8 +2360,7 @@ def verdicts_from(path):
     # FILE,FILE...: each file's records in the order given (session 18 ran
     # only the tests whose kernels changed, over session 16's verdicts).
     paths = committed_raw_files() if path == "committed" else path.split(",")
-    rows = [json.loads(l) for p in paths for l in (ROOT / p).read_text().splitlines()
-            if '"engine": "tests"' in l]
+    rows = test_records(paths)
     if not rows:
         raise SystemExit(f"no kernel test record in {path}")
     # Every kernel call of that session in order, a later verdict replacing

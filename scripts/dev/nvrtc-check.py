@@ -477,7 +477,7 @@ KERNELS["moe_fused.rs@exact8-pf-d1536"] = KERNELS["moe_fused.rs@exact8-d1536"]
 # Two gate/up outputs a warp (MLX_LFM_MOE_GATE_ROWS=2: moe_fused.rs
 # gate_rows, Form::header; the experts exact only), with the scratch rows
 # in the state and the down rows' prefetch: within the 64 registers 1,024
-# threads allow (moe_fused.rs registers_fit_gate_rows has the sweep).
+# threads allow (moe_fused.rs registers_fit_two has the sweep).
 _MOE_G2 = (("@exact-g2", "@exact"), ("@exact-g2-scratch", "@exact-scratch"), ("@exact-pf-g2", "@exact-pf"))
 # ...and two down columns a warp (MLX_LFM_MOE_DOWN_COLS=2: moe_fused.rs
 # down_cols), alone and with two gate/up outputs.

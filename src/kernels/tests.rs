@@ -2906,11 +2906,9 @@ fn check_gate_rows(
         };
         if served {
             let words = crate::kernels::moe_fused::state_words(d as usize, f as usize, k);
-            // (Both forms at once count one launch each: the gate rows'
-            // three here, the fresh launch and the scratch form's two.)
-            // (The other form's count: up with it by the three launches
-            // of check_form_bits, the fresh one and the scratch form's
-            // two, where both are asked for; still otherwise.)
+            // (check_form_bits counts three launches of the form: the fresh
+            // one and the scratch form's two. The other form's count moves
+            // with them where both are asked for, and stays otherwise.)
             let (rows_before, cols_before) = (built_gate_rows(), built_down_cols());
             check_form_bits(&format!("{form}, experts exact"), &on(true, "0", two), built, (s, exact_out), Some(words), run);
             let others = match two {
