@@ -259,13 +259,13 @@ pub(crate) fn gate_rows() -> u8 {
     one_or_two("MLX_LFM_MOE_GATE_ROWS", &SET)
 }
 
-/// A two-outputs switch ([`gate_rows`], [`down_cols`]): 2 where `var=2`
-/// or a test turned every opt-in on, else 1.
+/// A two-outputs switch ([`gate_rows`], [`down_cols`]): 1 where `var=1`,
+/// else 2 (the default since session 53) where the form serves.
 fn one_or_two(var: &str, cell: &'static OnceLock<u8>) -> u8 {
     if super::forced(var) {
         return 2;
     }
-    crate::knobs::cached(var, cell, |v| if v.map(str::trim) == Some("2") { 2 } else { 1 })
+    crate::knobs::cached(var, cell, |v| if v.map(str::trim) == Some("1") { 1 } else { 2 })
 }
 
 /// How many launches took two gate/up outputs a warp ([`gate_rows`]).
