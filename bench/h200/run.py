@@ -2860,15 +2860,15 @@ AB = {
     # (Session 37's route in every gate/up block, `moe-local-route`, 0.97x
     # in session 38's A/B and slower in its kernel-bench, is retired.)
     "moe-down-prefetch": ({"MLX_LFM_MOE_DOWN_PREFETCH": "1"}, ["lfm2-8b-a1b-q4"]),
-    # The one-launch MoE layer's gate/up warps two outputs each (session
-    # 51, src/kernels/moe_fused.rs gate_rows): its 224 gate/up blocks of
-    # 1,024 threads, one an SM, were two waves on an H100; 112 are one.
-    # The same bits.
-    "moe-gate-rows-2": ({"MLX_LFM_MOE_GATE_ROWS": "2"}, ["lfm2-8b-a1b-q4"]),
-    # Its down warps two columns each (src/kernels/moe_fused.rs down_cols):
-    # 128 down blocks instead of 256; and both, 241 blocks a launch.
-    "moe-down-cols-2": ({"MLX_LFM_MOE_DOWN_COLS": "2"}, ["lfm2-8b-a1b-q4"]),
-    "moe-two-outputs": ({"MLX_LFM_MOE_GATE_ROWS": "2", "MLX_LFM_MOE_DOWN_COLS": "2"}, ["lfm2-8b-a1b-q4"]),
+    # The one-launch MoE layer's gate/up warps one output each, and its
+    # down warps one column each, and both (src/kernels/moe_fused.rs
+    # gate_rows, down_cols): the forms before session 53, whose A/B on an
+    # H100 picked two a warp for both (the 8B-A1B's decode 1.045-1.056x
+    # paired; 224 gate/up blocks of 1,024 threads, one an SM, two waves on
+    # an H100, against 112; 256 down blocks against 128). The same bits.
+    "moe-gate-rows-1": ({"MLX_LFM_MOE_GATE_ROWS": "1"}, ["lfm2-8b-a1b-q4"]),
+    "moe-down-cols-1": ({"MLX_LFM_MOE_DOWN_COLS": "1"}, ["lfm2-8b-a1b-q4"]),
+    "moe-one-output": ({"MLX_LFM_MOE_GATE_ROWS": "1", "MLX_LFM_MOE_DOWN_COLS": "1"}, ["lfm2-8b-a1b-q4"]),
     # The one-launch q/k/v stage with a head over 32 warps (session 38,
     # src/kernels/qkv_fused.rs warps): one block a head (49 on the 8B-A1B)
     # left most SMs idle, 14.4 µs a launch for ~3.6 MB in session 38's
@@ -2992,7 +2992,8 @@ AB_TESTS = {
     **{v: ["moe_fused_forms_match_their_references"] for v in ("moe-down-prefetch", "moe-down-prefetch-after")},
     # (A test of its own, not the default's: its fault never turns the
     # kernels off.)
-    **{v: ["moe_fused_gate_rows_match_the_exact_form"] for v in ("moe-gate-rows-2", "moe-down-cols-2", "moe-two-outputs")},
+    **{v: ["moe_fused_gate_rows_match_the_exact_form", "greedy:moe-one-output"]
+       for v in ("moe-gate-rows-1", "moe-down-cols-1", "moe-one-output")},
     # (Its test holds it to the default's bits.)
     "qkv-warps-32": ["qkv_fused_kernel_matches_stock_ops"],
     **{v: ["qkv_fused_kernel_matches_stock_ops"] for v in ("qkv-split-2", "qkv-split-4")},
@@ -3111,7 +3112,7 @@ PICK = [
     (["early-prefetch", "early-prefetch-conv", "early-prefetch-qkv"], "decode"),
     (["qint-bits", "qint-convert", "moe-float"], "decode"),
     (["moe-down-prefetch", "moe-down-prefetch-after"], "decode"),
-    (["moe-gate-rows-2", "moe-down-cols-2", "moe-two-outputs"], "decode"),
+    (["moe-gate-rows-1", "moe-down-cols-1", "moe-one-output"], "decode"),
     (["qkv-warps-32", "qkv-split-2", "qkv-split-4"], "decode"),
     (["ffn-gate-2", "ffn-gate-2-early", "ffn-gate-rounds", "ffn-gate-rounds-4", "ffn-rounds-off"], "decode"),
     (["kv-in-place", "kv-in-place-off"], "decode"),
@@ -3152,7 +3153,7 @@ DECODE_ONLY = {"gemv-max-k-2048", "gemv-max-k-8192", "gemv-max-k-2048-no-prefetc
                "fold-deferred", "layers-fused-off", "moe-fused-off", "conv-fused-off", "ffn-fused-off", "qkv-fused-off",
                "conv-layer-fused", "early-prefetch", "early-prefetch-conv", "early-prefetch-qkv",
                "qint-bits", "qint-convert",
-               "moe-float", "moe-down-prefetch", "moe-down-prefetch-after", "moe-gate-rows-2", "moe-down-cols-2", "moe-two-outputs",
+               "moe-float", "moe-down-prefetch", "moe-down-prefetch-after", "moe-gate-rows-1", "moe-down-cols-1", "moe-one-output",
                "qkv-warps-32", "argmax-vec",
                "conv-first-off", "qkv-split-2", "qkv-split-4",
                # (A lone sequence's decode kernels: session 44's pick of the

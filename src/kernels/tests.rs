@@ -1147,6 +1147,14 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     runs.push(("moe-down-early", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
                     let set = [("MLX_LFM_ROUTER_SCORES_F32".to_string(), Some("1".to_string())), three];
                     runs.push(("router-scores-f32", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
+                    // The one-launch MoE layer one gate/up output and one
+                    // down column a warp (the form before session 53's
+                    // two-outputs default; run.py's `moe-one-output`).
+                    let set = [
+                        ("MLX_LFM_MOE_GATE_ROWS".to_string(), Some("1".to_string())),
+                        ("MLX_LFM_MOE_DOWN_COLS".to_string(), Some("1".to_string())),
+                    ];
+                    runs.push(("moe-one-output", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
                 }
                 if path == DecodePath::Compiled {
                     // A lone sequence's position as the host scalar (the
