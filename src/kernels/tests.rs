@@ -2279,6 +2279,22 @@ fn check_measured(
     tol: f32,
     measure: fn(&crate::mlx::Array, &crate::mlx::Array) -> f32,
 ) {
+    check_within_roundings(what, got, stock, reference, tol, measure, 1.0)
+}
+
+/// [`check_measured`] with `roundings` of the output's dtype as the floor
+/// under which the error says nothing of the kernel: more than one where
+/// the kernel's input is a rounding of its own apart from the stock ops'
+/// (the experts' sum over each path's own gate/up output).
+fn check_within_roundings(
+    what: &str,
+    got: &crate::mlx::Array,
+    stock: &crate::mlx::Array,
+    reference: &crate::mlx::Array,
+    tol: f32,
+    measure: fn(&crate::mlx::Array, &crate::mlx::Array) -> f32,
+    roundings: f32,
+) {
     assert_eq!(got.shape(), stock.shape(), "{what}");
     let (ek, es) = (measure(got, reference), measure(stock, reference));
     eprintln!("{what}: kernel {ek}, stock ops {es} from the exact product; {} apart", measure(got, stock));
@@ -2291,7 +2307,7 @@ fn check_measured(
         Dtype::Bfloat16 => 2f32.powi(-8),
         _ => 0.0,
     };
-    assert!(ek <= (1.25 * es).max(roundoff) + 1e-5, "{what}: {ek} from the exact product, the stock ops {es}");
+    assert!(ek <= (1.25 * es).max(roundings * roundoff) + 1e-5, "{what}: {ek} from the exact product, the stock ops {es}");
     assert!(ek <= tol, "{what}: {ek} from the exact product, over {tol}");
 }
 
@@ -2463,7 +2479,38 @@ fn moe_experts_kernels_match_stock_ops() {
                     .sum(&[-2], false)
                     .unwrap();
                 check_against_reference(&format!("{what} gate/up"), &h, &stock_h, &h_ref, tol_h);
-                check_measured(&format!("{what} experts' sum"), &y, &stock, &y_ref, tol_y, worst_scaled);
+                // The down kernel alone: the stock ops and the float32
+                // reference over the kernel's own gate/up output, so that
+                // only the down arithmetic differs (one rounding of the
+                // dtype is the floor).
+                let stock_over_h = gq(&wd, &h.expand_dims(-2).unwrap())
+                    .squeeze(-2)
+                    .unwrap()
+                    .mul(&score.expand_dims(-1).unwrap())
+                    .unwrap()
+                    .sum(&[-2], false)
+                    .unwrap();
+                let ref_over_h = h
+                    .astype(Dtype::Float32)
+                    .unwrap()
+                    .expand_dims(-2)
+                    .unwrap()
+                    .mul(&deq(&wd))
+                    .unwrap()
+                    .sum(&[-1], false)
+                    .unwrap()
+                    .mul(&score.astype(Dtype::Float32).unwrap().expand_dims(-1).unwrap())
+                    .unwrap()
+                    .sum(&[-2], false)
+                    .unwrap();
+                check_measured(&format!("{what} experts' sum over the kernel's gate/up"), &y, &stock_over_h, &ref_over_h, tol_y, worst_scaled);
+                // The two launches end to end, each path over its own
+                // gate/up output: those are a rounding of the dtype apart,
+                // each carried into the sum (session 53's H100 had a bf16
+                // case 0.0051 from the exact product where the stock ops'
+                // draw came to 0.0029, and 0.0024 against 0.0035 in the next
+                // call's draw), so two roundings are the floor.
+                check_within_roundings(&format!("{what} experts' sum"), &y, &stock, &y_ref, tol_y, worst_scaled, 2.0);
                 // Every load first (MLX_LFM_MOE_DOWN_LOADS=early, an A/B's
                 // knob): the same chunks, order and expression as the
                 // default, but NVVM contracts `s * qx + b * xs` into an FMA
@@ -2477,7 +2524,7 @@ fn moe_experts_kernels_match_stock_ops() {
                 });
                 let gap = worst_scaled(&early, &y);
                 assert!(gap <= tol_y, "{what}: the down kernel with its loads first is {gap} from the default, over {tol_y}");
-                check_measured(&format!("{what} experts' sum, loads first"), &early, &stock, &y_ref, tol_y, worst_scaled);
+                check_within_roundings(&format!("{what} experts' sum, loads first"), &early, &stock, &y_ref, tol_y, worst_scaled, 2.0);
                 // The weights as float32 (what the router writes under
                 // MLX_LFM_ROUTER_SCORES_F32): the same values, so the same
                 // bits, in either down kernel.
@@ -5100,7 +5147,13 @@ fn moe_gemm_kernel_matches_stock_ops() {
             let one = |a: &Array| a.slice_axis(0, j, j + 1).unwrap().squeeze(0).unwrap();
             let b = q.biases.as_ref().map(one);
             stock.push(quantized_matmul(&seg, &one(&q.weight), &one(&q.scales), b.as_ref(), true, q.spec).unwrap());
-            reference.push(f32_products(&seg, &one(&exact)));
+            // (Evaluated a segment at a time: the products are
+            // [rows, N, K] in float32 before their sum, ~4.4 GB for 149 rows
+            // of the 8B-A1B's gate/up, ~70 GB for all of them at once,
+            // which ran out of an H100's memory in session 53.)
+            let r = f32_products(&seg, &one(&exact));
+            r.eval().unwrap();
+            reference.push(r);
             start = end;
         }
         let stock = concatenate(&stock.iter().collect::<Vec<_>>(), 0).unwrap();
