@@ -2012,6 +2012,10 @@ def test_processes(names, jobs, new=()):
     return groups, exact
 
 
+# MLX's buffer cache in each of several test processes sharing a GPU, MiB.
+TEST_CACHE_LIMIT_MB = 1024
+
+
 def passed_in(paths):
     """The tests whose last verdict in these committed raw files' test
     records (in the order given, a later one replacing an earlier, as
@@ -2139,6 +2143,12 @@ def kernels():
             if part:
                 e["MLX_LFM_TEST_PART"] = f"{part[0]}/{part[1]}"
                 cmd_env += f"MLX_LFM_TEST_PART={part[0]}/{part[1]} "
+            if len(runs) > 1:
+                # Processes sharing the GPU each hold MLX's buffer cache to
+                # a share of it (src/kernels/tests.rs test_cache_limit):
+                # session 53's fourteen ran an H100 out of memory, eight
+                # tests failing on cudaMallocAsync that passed alone.
+                e["MLX_LFM_TEST_CACHE_LIMIT_MB"] = str(TEST_CACHE_LIMIT_MB)
             log("$", cmd_env + " ".join(cmd))
             with open(logs / f"{i}.out", "w") as o, open(logs / f"{i}.err", "w") as er:
                 procs.append((cmd_env + " ".join(cmd), subprocess.Popen(cmd, stdout=o, stderr=er, text=True, env=e),

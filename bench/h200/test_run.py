@@ -929,6 +929,33 @@ class KernelTests(unittest.TestCase):
         self.assertFalse(rec["verdicts"]["greedy:qgemv-float"])
         self.assertTrue(rec["verdicts"]["greedy:default"])
 
+    def test_processes_sharing_the_gpu_hold_their_cache(self):
+        """Several test processes each get MLX_LFM_TEST_CACHE_LIMIT_MB
+        (session 53: fourteen ran an H100 out of memory); a process alone
+        keeps MLX's own cache."""
+        limits = []
+
+        class Proc(FakeTestProcess):
+            def output(self, names):
+                limits.append(self.env.get("MLX_LFM_TEST_CACHE_LIMIT_MB"))
+                return "".join(f"test {n} ... ok\n" for n in names), ""
+
+        names = [self.FFN, self.QKV, self.CONV]
+        os.environ["H200_KERNEL_JOBS"] = "3"
+        try:
+            self.run_kernels(Proc, listing_of(names), "fused")
+        finally:
+            os.environ.pop("H200_KERNEL_JOBS")
+        self.assertGreater(len(limits), 1)
+        self.assertEqual(set(limits), {str(self.run.TEST_CACHE_LIMIT_MB)})
+        limits.clear()
+        os.environ["H200_KERNEL_JOBS"] = "1"
+        try:
+            self.run_kernels(Proc, listing_of([self.QKV]), "qkv_fused")
+        finally:
+            os.environ.pop("H200_KERNEL_JOBS")
+        self.assertEqual(limits, [None])
+
     def test_a_long_test_runs_in_parts(self):
         """The feed-forward's test as n processes, MLX_LFM_TEST_PART=i/n
         each: its verdict is every part's, and only once all finished."""

@@ -12,10 +12,26 @@ use crate::model::{load_model, LoadOptions};
 
 fn skip(what: &str) -> bool {
     if cuda_kernels_enabled() {
+        test_cache_limit();
         return false;
     }
     eprintln!("skipped {what}: the fused kernels run only on MLX's CUDA backend (this is {:?})", crate::mlx::runtime::backend());
     true
+}
+
+/// `MLX_LFM_TEST_CACHE_LIMIT_MB` (run.py sets it where several test
+/// processes share a GPU): MLX's buffer cache held to that many MiB in
+/// this process. Each process's cache keeps the buffers its tests freed,
+/// and session 53's fourteen processes on an H100 ran its 80 GB out: eight
+/// tests failed on `cudaMallocAsync` and passed alone.
+fn test_cache_limit() {
+    static SET: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+    SET.get_or_init(|| {
+        let Ok(v) = std::env::var("MLX_LFM_TEST_CACHE_LIMIT_MB") else { return };
+        let mib: usize = v.trim().parse().unwrap_or_else(|_| panic!("MLX_LFM_TEST_CACHE_LIMIT_MB={v:?}: not a whole number of MiB"));
+        let bytes = mib.checked_mul(1 << 20).unwrap_or_else(|| panic!("MLX_LFM_TEST_CACHE_LIMIT_MB={mib}: too large"));
+        crate::mlx::runtime::set_cache_limit(bytes).unwrap();
+    });
 }
 
 /// `f` with the one-launch layers' scratch rows in their state
