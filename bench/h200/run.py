@@ -2455,7 +2455,10 @@ DEFAULT_KERNEL_TESTS = ["add_rms_norm_kernel_matches_stock_ops", "decode_attenti
                         "moe_fused_forms_match_their_references",
                         # (A prefill's MoE rows sorted by expert and combined
                         # in one launch each, defaults since session 41.)
-                        "moe_sort_kernel_matches_a_stable_sort", "moe_grouped_prefill_kernel_matches_stock_ops"]
+                        "moe_sort_kernel_matches_a_stable_sort", "moe_grouped_prefill_kernel_matches_stock_ops",
+                        # (The MoE layer's two gate/up outputs and two down
+                        # columns a warp, defaults since session 53.)
+                        "moe_fused_gate_rows_match_the_exact_form"]
 # (Not among them: `fused_gate_equals_the_ops`, the fused gate's claim of the
 # ops' bits, a default since session 25 and MLX's own compile, which the
 # compiled decode step has always run. A failure there is a rounding of
@@ -3000,8 +3003,8 @@ AB_TESTS = {
     "moe-float": ["moe_fused_kernel_matches_the_three_kernels", "greedy:moe-float"],
     # (Its test holds it to the bits of the form it varies.)
     **{v: ["moe_fused_forms_match_their_references"] for v in ("moe-down-prefetch", "moe-down-prefetch-after")},
-    # (A test of its own, not the default's: its fault never turns the
-    # kernels off.)
+    # (The test of the two-outputs default holds the one-output forms'
+    # bits too.)
     **{v: ["moe_fused_gate_rows_match_the_exact_form", "greedy:moe-one-output"]
        for v in ("moe-gate-rows-1", "moe-down-cols-1", "moe-one-output")},
     # (Its test holds it to the default's bits.)

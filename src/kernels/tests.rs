@@ -2610,12 +2610,12 @@ fn moe_fused_forms_match_their_references() {
 }
 
 /// The one-launch MoE layer with two gate/up outputs a warp
-/// (`MLX_LFM_MOE_GATE_ROWS=2`, opt-in since session 51): the experts-exact
-/// form's bits where it serves, no launch of it where it does not
-/// ([`check_gate_rows`]), its timeline form. A test of its own, apart
-/// from the forms' test that the default needs (run.py's
-/// DEFAULT_KERNEL_TESTS), so that a fault of this opt-in never turns a
-/// session's kernels off; with cases of its own too (a width of 1,760,
+/// (`MLX_LFM_MOE_GATE_ROWS`) and two down columns (`MLX_LFM_MOE_DOWN_COLS`),
+/// each and both (defaults since session 53): the one-output experts-exact
+/// form's bits where they serve, no launch of them where they do not
+/// ([`check_gate_rows`]), their timeline form. A test of its own (among
+/// run.py's DEFAULT_KERNEL_TESTS since session 53), with cases of its
+/// own too (a width of 1,760,
 /// where the last blocks' second outputs fall past it; float32 rows of
 /// 1,024).
 #[test]

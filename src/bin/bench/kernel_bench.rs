@@ -686,7 +686,9 @@ impl Experts {
 /// `moe-layer-q4-g2-fused` its gate/up warps two outputs each
 /// (`MLX_LFM_MOE_GATE_ROWS=2`, session 51: half the gate/up blocks, one
 /// wave on an H100), `moe-layer-q4-d2-fused` its down warps two columns
-/// each (`MLX_LFM_MOE_DOWN_COLS=2`), `moe-layer-q4-g2d2-fused` both.
+/// each (`MLX_LFM_MOE_DOWN_COLS=2`), `moe-layer-q4-g2d2-fused` both (the
+/// default since session 53: 35.20, 35.52 and 34.78 µs against 37.66 on
+/// the H100 there; `moe-layer-q4-fused` pins the one-output form).
 /// (Session 37's
 /// route in every gate/up block, 41.86 against 37.66 with the experts exact
 /// in pairs, retired; session 38's two down columns a warp, 268 ms in
