@@ -177,6 +177,39 @@ so ask `status` before each retry and call only once its `none_now`
 window has passed; a call that names no kind after a failed H100 start
 asks for an H200 only. Never let a helper use the device: session 46's
 reviewer started the machine and ran ~150 s on it).
+Session 53 got an H100 at once (16:25-16:58 UTC on 2026-12-07; its
+README block): the 38 tests session 52 had not passed ran (fourteen
+processes): all passed but seven out of GPU memory (each test process
+sharing the GPU now holds MLX's cache to TEST_CACHE_LIMIT_MB) and
+`moe_experts_kernels_match_stock_ops` on one random draw (mended); those
+passed in calls 3 and 10, the grouped GEMM's after its reference was made
+a segment at a time. The MoE layer's two-outputs forms: kernel-bench
+34.78 µs against 37.66, the 8B-A1B's decode 1.045-1.056x in the paired
+A/B: defaults since (`moe-gate-rows-1`, `moe-down-cols-1`,
+`moe-one-output` time the old forms; their test among
+DEFAULT_KERNEL_TESTS). Call 11 (the MoE greedy test alone, TERM at 195 s)
+was cut after the bf16 and float32 fixtures.
+The chain (.device built by prepare.sh at this commit; .device/ptx holds
+session 53's cache):
+  1. carry [.device/a]: `stage-mlx`.
+  2. carry [.device/b, .device/tests, .device/ptx, .device/lm]:
+     H200_KERNEL_JOBS=2 H200_KERNEL_TESTS=greedy_tokens_with_kernels_equal_stock_ops_on_moe,greedy_tokens_with_kernels_equal_stock_ops_on_wide_moe
+     `timeout -s TERM 400 python3 bench/h200/run.py install kernels
+     save-ptx` (the MoE greedy tests with the two-outputs default and the
+     new `moe-one-output` set; ~240 s alone each).
+  3. carry [.device/bin], H200_OURS_ENV (mimalloc): `layer-chains`, and
+     H200_NCU_KERNELS='lfm_moe_fused|lfm_conv_fused' H200_NCU_COUNT=6
+     H200_MODELS=lfm2-8b-a1b-q4 `timeout -s TERM 300 python3
+     bench/h200/run.py profile-kernels` (does the route's block take
+     ~6.5 µs of every MoE layer in a busy step? Session 38's local route,
+     every gate/up block routing for itself, lost 44.4 µs against 41.6
+     and was retired: a slow route block asks for a faster route in that
+     block, not for more of them).
+  4. On an H200: carry [.device/llama] `llama`, then rounds 1-2 of the
+     three models with mlx-lm. On an H100: rounds 1-2 too (the 8B-A1B's
+     default changed: session 50's rounds predate it).
+  5. The whole suite at one commit (H200_KERNEL_JOBS=8, the cache limit
+     now on), never yet done: `H200_KERNEL_TESTS=unrun` over two calls.
 Session 52 got an H100 for ~10 minutes (15:15-15:26 UTC on 2026-12-07),
 after ten starts over ~80 minutes found no machine (~1,000
 device-seconds; its README block): the whole suite (H200_KERNEL_JOBS=14,
