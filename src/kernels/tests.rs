@@ -2283,26 +2283,15 @@ fn worst_scaled(got: &crate::mlx::Array, want: &crate::mlx::Array) -> f32 {
 /// ours in float32, so they do not round alike (src/kernels/quant_gemv.rs):
 /// how far apart the two are is MLX's error more than ours, and is printed.
 fn check_against_reference(what: &str, got: &crate::mlx::Array, stock: &crate::mlx::Array, reference: &crate::mlx::Array, tol: f32) {
-    check_measured(what, got, stock, reference, tol, worst_relative)
+    check_measured(what, got, stock, reference, tol, worst_relative, 1.0)
 }
 
-/// [`check_against_reference`] with the difference measured by `measure`.
+/// [`check_against_reference`] with the difference measured by `measure`
+/// and `roundings` of the output's dtype as the floor under which the
+/// error says nothing of the kernel: one, or more where the kernel's input
+/// is a rounding of its own apart from the stock ops' (the experts' sum
+/// over each path's own gate/up output).
 fn check_measured(
-    what: &str,
-    got: &crate::mlx::Array,
-    stock: &crate::mlx::Array,
-    reference: &crate::mlx::Array,
-    tol: f32,
-    measure: fn(&crate::mlx::Array, &crate::mlx::Array) -> f32,
-) {
-    check_within_roundings(what, got, stock, reference, tol, measure, 1.0)
-}
-
-/// [`check_measured`] with `roundings` of the output's dtype as the floor
-/// under which the error says nothing of the kernel: more than one where
-/// the kernel's input is a rounding of its own apart from the stock ops'
-/// (the experts' sum over each path's own gate/up output).
-fn check_within_roundings(
     what: &str,
     got: &crate::mlx::Array,
     stock: &crate::mlx::Array,
@@ -2474,7 +2463,10 @@ fn moe_experts_kernels_match_stock_ops() {
                 let parts = gu.split_equal(2, -1).unwrap();
                 let sh = parts[0].silu().unwrap().mul(&parts[1]).unwrap();
                 let stock_h = sh.squeeze(-2).unwrap();
-                let stock = gq(&wd, &sh).squeeze(-2).unwrap().mul(&score.expand_dims(-1).unwrap()).unwrap().sum(&[-2], false).unwrap();
+                // The stock ops' down and weighted sum over a gate/up
+                // output `[r, k, 1, f]`.
+                let stock_down = |h: &Array| gq(&wd, h).squeeze(-2).unwrap().mul(&score.expand_dims(-1).unwrap()).unwrap().sum(&[-2], false).unwrap();
+                let stock = stock_down(&sh);
                 // The float32 reference: each row's experts dequantized.
                 let deq = |w: &crate::model::linear::Quantized| -> Array {
                     exact_weights(w).take(&idx, 0).unwrap()
@@ -2483,50 +2475,38 @@ fn moe_experts_kernels_match_stock_ops() {
                 let gu_ref = x4.mul(&deq(&wgu)).unwrap().sum(&[-1], false).unwrap(); // [r, k, 2f]
                 let p = gu_ref.split_equal(2, -1).unwrap();
                 let h_ref = p[0].silu().unwrap().mul(&p[1]).unwrap();
-                let y_ref = h_ref
-                    .expand_dims(-2)
-                    .unwrap()
-                    .mul(&deq(&wd))
-                    .unwrap()
-                    .sum(&[-1], false)
-                    .unwrap()
-                    .mul(&score.astype(Dtype::Float32).unwrap().expand_dims(-1).unwrap())
-                    .unwrap()
-                    .sum(&[-2], false)
-                    .unwrap();
+                // The float32 down and weighted sum over a gate/up output
+                // `[r, k, f]`.
+                let down_ref = |h: &Array| {
+                    h.astype(Dtype::Float32)
+                        .unwrap()
+                        .expand_dims(-2)
+                        .unwrap()
+                        .mul(&deq(&wd))
+                        .unwrap()
+                        .sum(&[-1], false)
+                        .unwrap()
+                        .mul(&score.astype(Dtype::Float32).unwrap().expand_dims(-1).unwrap())
+                        .unwrap()
+                        .sum(&[-2], false)
+                        .unwrap()
+                };
+                let y_ref = down_ref(&h_ref);
                 check_against_reference(&format!("{what} gate/up"), &h, &stock_h, &h_ref, tol_h);
                 // The down kernel alone: the stock ops and the float32
                 // reference over the kernel's own gate/up output, so that
                 // only the down arithmetic differs (one rounding of the
                 // dtype is the floor).
-                let stock_over_h = gq(&wd, &h.expand_dims(-2).unwrap())
-                    .squeeze(-2)
-                    .unwrap()
-                    .mul(&score.expand_dims(-1).unwrap())
-                    .unwrap()
-                    .sum(&[-2], false)
-                    .unwrap();
-                let ref_over_h = h
-                    .astype(Dtype::Float32)
-                    .unwrap()
-                    .expand_dims(-2)
-                    .unwrap()
-                    .mul(&deq(&wd))
-                    .unwrap()
-                    .sum(&[-1], false)
-                    .unwrap()
-                    .mul(&score.astype(Dtype::Float32).unwrap().expand_dims(-1).unwrap())
-                    .unwrap()
-                    .sum(&[-2], false)
-                    .unwrap();
-                check_measured(&format!("{what} experts' sum over the kernel's gate/up"), &y, &stock_over_h, &ref_over_h, tol_y, worst_scaled);
+                let stock_over_h = stock_down(&h.expand_dims(-2).unwrap());
+                let ref_over_h = down_ref(&h);
+                check_measured(&format!("{what} experts' sum over the kernel's gate/up"), &y, &stock_over_h, &ref_over_h, tol_y, worst_scaled, 1.0);
                 // The two launches end to end, each path over its own
                 // gate/up output: those are a rounding of the dtype apart,
                 // each carried into the sum (session 53's H100 had a bf16
                 // case 0.0051 from the exact product where the stock ops'
                 // draw came to 0.0029, and 0.0024 against 0.0035 in the next
                 // call's draw), so two roundings are the floor.
-                check_within_roundings(&format!("{what} experts' sum"), &y, &stock, &y_ref, tol_y, worst_scaled, 2.0);
+                check_measured(&format!("{what} experts' sum"), &y, &stock, &y_ref, tol_y, worst_scaled, 2.0);
                 // Every load first (MLX_LFM_MOE_DOWN_LOADS=early, an A/B's
                 // knob): the same chunks, order and expression as the
                 // default, but NVVM contracts `s * qx + b * xs` into an FMA
@@ -2540,7 +2520,7 @@ fn moe_experts_kernels_match_stock_ops() {
                 });
                 let gap = worst_scaled(&early, &y);
                 assert!(gap <= tol_y, "{what}: the down kernel with its loads first is {gap} from the default, over {tol_y}");
-                check_within_roundings(&format!("{what} experts' sum, loads first"), &early, &stock, &y_ref, tol_y, worst_scaled, 2.0);
+                check_measured(&format!("{what} experts' sum, loads first"), &early, &stock, &y_ref, tol_y, worst_scaled, 2.0);
                 // The weights as float32 (what the router writes under
                 // MLX_LFM_ROUTER_SCORES_F32): the same values, so the same
                 // bits, in either down kernel.
@@ -5338,7 +5318,7 @@ fn moe_grouped_prefill_kernel_matches_stock_ops() {
         // [2, 97] where MLX's per-expert kernels accumulate in bf16, and
         // which of the two is off says only the exact product.
         let reference = experts_reference(moe, &x, &inds);
-        check_measured(&format!("grouped prefill [{b}, {t}]"), &got, &want, &reference, 1.6e-2, worst_scaled);
+        check_measured(&format!("grouped prefill [{b}, {t}]"), &got, &want, &reference, 1.6e-2, worst_scaled, 1.0);
     }
     std::fs::remove_dir_all(&dir).ok();
     std::fs::remove_dir_all(&q).ok();
