@@ -179,11 +179,12 @@ asks for an H200 only. Never let a helper use the device: session 46's
 reviewer started the machine and ran ~150 s on it).
 Session 53 got an H100 at once (16:25-16:58 UTC on 2026-12-07; its
 README block): the 38 tests session 52 had not passed ran (fourteen
-processes): all passed but seven out of GPU memory (each test process
-sharing the GPU now holds MLX's cache to TEST_CACHE_LIMIT_MB) and
-`moe_experts_kernels_match_stock_ops` on one random draw (mended); those
-passed in calls 3 and 10, the grouped GEMM's after its reference was made
-a segment at a time. The MoE layer's two-outputs forms: kernel-bench
+processes): 29 passed; six failed out of GPU memory (each test process
+sharing the GPU now holds MLX's cache to TEST_CACHE_LIMIT_MB),
+`moe_experts_kernels_match_stock_ops` on one random draw (mended), the
+compiled prefill (opt-in) as since session 17, and the tiny MoE greedy
+test on its known float32-sum sets; those passed in calls 3 and 10, the
+grouped GEMM's after its reference was made a segment at a time. The MoE layer's two-outputs forms: kernel-bench
 34.78 µs against 37.66, the 8B-A1B's decode 1.045-1.056x in the paired
 A/B: defaults since (`moe-gate-rows-1`, `moe-down-cols-1`,
 `moe-one-output` time the old forms; their test among
@@ -195,8 +196,10 @@ session 53's cache):
   2. carry [.device/b, .device/tests, .device/ptx, .device/lm]:
      H200_KERNEL_JOBS=2 H200_KERNEL_TESTS=greedy_tokens_with_kernels_equal_stock_ops_on_moe,greedy_tokens_with_kernels_equal_stock_ops_on_wide_moe
      `timeout -s TERM 400 python3 bench/h200/run.py install kernels
-     save-ptx` (the MoE greedy tests with the two-outputs default and the
-     new `moe-one-output` set; ~240 s alone each).
+     save-ptx` (the wide MoE fixture's is the one where the two-outputs
+     default serves: its default run must build both forms and the new
+     `moe-one-output` set neither; the tiny one's was cut in call 11;
+     ~240 s alone each).
   3. carry [.device/bin], H200_OURS_ENV (mimalloc): `layer-chains`, and
      H200_NCU_KERNELS='lfm_moe_fused|lfm_conv_fused' H200_NCU_COUNT=6
      H200_MODELS=lfm2-8b-a1b-q4 `timeout -s TERM 300 python3
@@ -2179,9 +2182,11 @@ def kernels():
             if len(runs) > 1:
                 # Processes sharing the GPU each hold MLX's buffer cache to
                 # a share of it (src/kernels/tests.rs test_cache_limit):
-                # session 53's fourteen ran an H100 out of memory, eight
-                # tests failing on cudaMallocAsync that passed alone.
+                # session 53's fourteen ran an H100 out of memory, six
+                # tests failing on cudaMallocAsync that passed in a call of
+                # five processes.
                 e["MLX_LFM_TEST_CACHE_LIMIT_MB"] = str(TEST_CACHE_LIMIT_MB)
+                cmd_env += f"MLX_LFM_TEST_CACHE_LIMIT_MB={TEST_CACHE_LIMIT_MB} "
             log("$", cmd_env + " ".join(cmd))
             with open(logs / f"{i}.out", "w") as o, open(logs / f"{i}.err", "w") as er:
                 procs.append((cmd_env + " ".join(cmd), subprocess.Popen(cmd, stdout=o, stderr=er, text=True, env=e),

@@ -341,6 +341,7 @@ fn a_failing_compiled_step_falls_back_to_eager_once() {
 fn compiled_prefill_equals_the_eager_prefill() {
     use crate::cache::paged::PagedConfig;
     use crate::generate::PrefillRun;
+    crate::kernels::tests::test_cache_limit();
     // Byte for byte where MLX computes a fused elementwise chain as the
     // separate ops do (the CPU); on a GPU its fused kernels may keep an
     // intermediate unrounded: within bf16's rounding of the scale there

@@ -25,7 +25,7 @@ pub mod short_conv;
 pub mod stages;
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 use std::sync::OnceLock;
 

@@ -262,13 +262,14 @@ pub(crate) fn gate_rows() -> u8 {
     one_or_two("MLX_LFM_MOE_GATE_ROWS", &SET)
 }
 
-/// A two-outputs switch ([`gate_rows`], [`down_cols`]): 1 where `var=1`,
-/// else 2 (the default since session 53) where the form serves.
+/// A two-outputs switch ([`gate_rows`], [`down_cols`]): 1 where `var=1`
+/// (or `=0`, off as every default's switch), else 2 (the default since
+/// session 53) where the form serves.
 fn one_or_two(var: &str, cell: &'static OnceLock<u8>) -> u8 {
     if super::forced(var) {
         return 2;
     }
-    crate::knobs::cached(var, cell, |v| if v.map(str::trim) == Some("1") { 1 } else { 2 })
+    crate::knobs::cached(var, cell, |v| if matches!(v.map(str::trim), Some("0") | Some("1")) { 1 } else { 2 })
 }
 
 /// How many launches took two gate/up outputs a warp ([`gate_rows`]).

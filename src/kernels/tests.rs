@@ -22,9 +22,11 @@ fn skip(what: &str) -> bool {
 /// `MLX_LFM_TEST_CACHE_LIMIT_MB` (run.py sets it where several test
 /// processes share a GPU): MLX's buffer cache held to that many MiB in
 /// this process. Each process's cache keeps the buffers its tests freed,
-/// and session 53's fourteen processes on an H100 ran its 80 GB out: eight
-/// tests failed on `cudaMallocAsync` and passed alone.
-fn test_cache_limit() {
+/// and session 53's fourteen processes on an H100 ran its 80 GB out: six
+/// tests failed on `cudaMallocAsync` and passed in a call of five
+/// processes. Called first by every test that may run on the GPU
+/// ([`skip`] for the kernels' own).
+pub(crate) fn test_cache_limit() {
     static SET: std::sync::OnceLock<()> = std::sync::OnceLock::new();
     SET.get_or_init(|| {
         let Ok(v) = std::env::var("MLX_LFM_TEST_CACHE_LIMIT_MB") else { return };
@@ -402,6 +404,7 @@ fn stock_route_margins(dir: &std::path::Path, prompt: &[u32], tokens: &[u32]) ->
 #[test]
 fn stock_route_margins_find_the_fixtures_near_ties() {
     use crate::generate::{prefill, Stepper};
+    test_cache_limit();
     let spec = greedy_fixture(tiny_greedy_fixtures(), "TinyMoe")[0].1.clone();
     let prompt: Vec<u32> = (0..37).map(|i| (i * 29 + 11) % 700 + 3).collect();
     for dtype in [DType::BF16, DType::F32] {
@@ -824,9 +827,15 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                 };
                 let before_default = layers_built();
                 let every_before_default = every_norm_built();
+                let two_outputs_built = || {
+                    use crate::kernels::moe_fused::{built_down_cols, built_exact, built_gate_rows};
+                    (built_exact(), built_gate_rows(), built_down_cols())
+                };
+                let two_before_default = two_outputs_built();
                 let mut runs = vec![("default", run(Some(&stock)).0)];
                 let after_default = layers_built();
                 let every_after_default = every_norm_built();
+                let two_after_default = two_outputs_built();
                 runs.push(("every opt-in", crate::kernels::with_opt_in(|| run(Some(&stock))).0));
                 // Each opt-in switch this case's weights meet, alone: a
                 // departure of the set names its kernel, and `run.py pick`
@@ -1035,6 +1044,32 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     if can_fuse && (built() == before.0 || built_exact() != before.1) {
                         unbuilt("moe-float", &mut failures);
                     }
+                    // The default run's experts-exact layer took two gate/up
+                    // outputs and two down columns a warp (the defaults
+                    // since session 53, where they serve: this fixture's
+                    // 2,048-wide 4-bit rows, two experts a row), unless the
+                    // environment set either form.
+                    let set_either = ["MLX_LFM_MOE_GATE_ROWS", "MLX_LFM_MOE_DOWN_COLS"].iter().any(|v| crate::knobs::var(v).is_some());
+                    let (e0, g0, d0) = two_before_default;
+                    let (e1, g1, d1) = two_after_default;
+                    if can_fuse && !set_either && e1 > e0 && (g1 == g0 || d1 == d0) {
+                        eprintln!("{what}: the default kernels FAILED: its experts-exact MoE layer never took two outputs a warp");
+                        failures.push(format!("{what}: the default run's MoE layer never took two outputs a warp"));
+                    }
+                    // The one-launch MoE layer one gate/up output and one
+                    // down column a warp (the form before session 53's
+                    // default; run.py's `moe-one-output`): built, and not
+                    // in either two-outputs form.
+                    use crate::kernels::moe_fused::{built_down_cols, built_gate_rows};
+                    let set = [
+                        ("MLX_LFM_MOE_GATE_ROWS".to_string(), Some("1".to_string())),
+                        ("MLX_LFM_MOE_DOWN_COLS".to_string(), Some("1".to_string())),
+                    ];
+                    let before = (built(), built_gate_rows(), built_down_cols());
+                    runs.push(("moe-one-output", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
+                    if can_fuse && (built() == before.0 || built_gate_rows() != before.1 || built_down_cols() != before.2) {
+                        unbuilt("moe-one-output", &mut failures);
+                    }
                 }
                 if compiled && !joined {
                     // The conv layers' and feed-forwards' rows asked of L2
@@ -1163,14 +1198,6 @@ fn greedy_tokens_over(fixtures: Vec<(&'static str, FixtureSpec)>) {
                     runs.push(("moe-down-early", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
                     let set = [("MLX_LFM_ROUTER_SCORES_F32".to_string(), Some("1".to_string())), three];
                     runs.push(("router-scores-f32", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
-                    // The one-launch MoE layer one gate/up output and one
-                    // down column a warp (the form before session 53's
-                    // two-outputs default; run.py's `moe-one-output`).
-                    let set = [
-                        ("MLX_LFM_MOE_GATE_ROWS".to_string(), Some("1".to_string())),
-                        ("MLX_LFM_MOE_DOWN_COLS".to_string(), Some("1".to_string())),
-                    ];
-                    runs.push(("moe-one-output", crate::knobs::with_overrides(&set, || run(Some(&stock))).0));
                 }
                 if path == DecodePath::Compiled {
                     // A lone sequence's position as the host scalar (the
@@ -1250,6 +1277,7 @@ fn stacked_rows_with_kernels_equal_each_row_alone() {
     use crate::convert::{convert, ConvertRecipe};
     use crate::generate::prefill;
     use crate::mlx::{Array, QuantMode};
+    test_cache_limit();
     let cuda = cuda_kernels_enabled();
     if !cuda {
         eprintln!(
@@ -2495,11 +2523,14 @@ fn moe_experts_kernels_match_stock_ops() {
                 check_against_reference(&format!("{what} gate/up"), &h, &stock_h, &h_ref, tol_h);
                 // The down kernel alone: the stock ops and the float32
                 // reference over the kernel's own gate/up output, so that
-                // only the down arithmetic differs (one rounding of the
-                // dtype is the floor).
+                // only the down arithmetic differs. Each expert's product
+                // is rounded to the dtype before the weighted sum, in the
+                // kernel as in the stock graph, and the sum once more: two
+                // roundings are the floor (session 53's H100 had a bf16
+                // case at 0.00385 here, one rounding being 0.0039).
                 let stock_over_h = stock_down(&h.expand_dims(-2).unwrap());
                 let ref_over_h = down_ref(&h);
-                check_measured(&format!("{what} experts' sum over the kernel's gate/up"), &y, &stock_over_h, &ref_over_h, tol_y, worst_scaled, 1.0);
+                check_measured(&format!("{what} experts' sum over the kernel's gate/up"), &y, &stock_over_h, &ref_over_h, tol_y, worst_scaled, 2.0);
                 // The two launches end to end, each path over its own
                 // gate/up output: those are a rounding of the dtype apart,
                 // each carried into the sum (session 53's H100 had a bf16

@@ -860,8 +860,9 @@ impl Layer {
 /// Before each launch a read of 160 MB evicts L2, so the experts come
 /// from DRAM as a step's do. Each launch's output is checked against the
 /// plain kernel's on the same row (the stamps change no sum). Each form of
-/// the layer in turn (`form` in the records): as it ships, in float32,
-/// with the down rows' prefetch.
+/// the layer in turn (`form` in the records): as it ships, one output a
+/// warp, in float32, with the down rows' prefetch, each two-outputs form
+/// alone.
 const TIMELINE_ARM: &str = "moe-layer-q4-timeline";
 
 fn timeline(reps: usize) -> mlx_lfm::Result<()> {
@@ -871,25 +872,26 @@ fn timeline(reps: usize) -> mlx_lfm::Result<()> {
         ("MLX_LFM_MOE_FUSED".to_string(), Some("1".to_string())),
         ("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string())),
     ];
-    // The layer as it ships (its experts in MLX's walk since session 38),
-    // in float32 as before, with its down rows asked of L2 by the gate/up
-    // blocks before their rows and after them, and with two gate/up
-    // outputs a warp (session 51).
-    for (form, var, value) in [
-        ("default", "MLX_LFM_MOE_DOWN_PREFETCH", "0"),
-        ("float", "MLX_LFM_MOE_EXACT", "0"),
-        ("down-prefetch", "MLX_LFM_MOE_DOWN_PREFETCH", "1"),
-        ("down-prefetch-after", "MLX_LFM_MOE_DOWN_PREFETCH", "after"),
-        ("gate-rows-2", "MLX_LFM_MOE_GATE_ROWS", "2"),
-        ("down-cols-2", "MLX_LFM_MOE_DOWN_COLS", "2"),
+    // The layer as it ships (its experts in MLX's walk since session 38,
+    // two gate/up outputs and two down columns a warp since session 53),
+    // and in one output and one column a warp, the form each other form
+    // varies: in float32 as before, with its down rows asked of L2 by the
+    // gate/up blocks before their rows and after them, and with one of the
+    // two-outputs forms alone.
+    let one = |var: &str| (var.to_string(), Some("1".to_string()));
+    let set_to = |var: &str, value: &str| (var.to_string(), Some(value.to_string()));
+    let (rows, cols) = ("MLX_LFM_MOE_GATE_ROWS", "MLX_LFM_MOE_DOWN_COLS");
+    for (form, vars) in [
+        ("default", vec![set_to("MLX_LFM_MOE_DOWN_PREFETCH", "0"), set_to(rows, "2"), set_to(cols, "2")]),
+        ("one-output", vec![one(rows), one(cols)]),
+        ("float", vec![set_to("MLX_LFM_MOE_EXACT", "0"), one(rows), one(cols)]),
+        ("down-prefetch", vec![set_to("MLX_LFM_MOE_DOWN_PREFETCH", "1"), one(rows), one(cols)]),
+        ("down-prefetch-after", vec![set_to("MLX_LFM_MOE_DOWN_PREFETCH", "after"), one(rows), one(cols)]),
+        ("gate-rows-2", vec![set_to(rows, "2"), one(cols)]),
+        ("down-cols-2", vec![one(rows), set_to(cols, "2")]),
     ] {
         let mut set = switches.to_vec();
-        for two in ["MLX_LFM_MOE_GATE_ROWS", "MLX_LFM_MOE_DOWN_COLS"] {
-            if var != two {
-                set.push((two.to_string(), Some("1".to_string())));
-            }
-        }
-        set.push((var.to_string(), Some(value.to_string())));
+        set.extend(vars);
         mlx_lfm::knobs::with_overrides(&set, || timeline_of(&layer, &scrub, form, reps))?;
     }
     Ok(())
