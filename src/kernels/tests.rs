@@ -3532,6 +3532,20 @@ fn joined_moe_forms_take_the_checkpoints_router() {
     assert!(!moe_fits(d, Dtype::Bfloat16, &moe(&gu), false), "an 8-bit conv or out_proj must keep the two launches");
 }
 
+/// The switches the joined layers' tests run under: eps compiled in, and
+/// the MoE kernel's float form for the reference. The joined kernels
+/// compile the experts' float walk, and the experts-exact form, the MoE
+/// kernel's default since session 38, differs from it in most outputs,
+/// near two roundings; session 52's H100 found the conv + MoE case just
+/// past them, 0.0079-0.0087 of the scale, where session 33 had passed it
+/// against the float form, then the default.
+fn joined_layer_consts() -> [(String, Option<String>); 2] {
+    [
+        ("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string())),
+        ("MLX_LFM_MOE_EXACT".to_string(), Some("0".to_string())),
+    ]
+}
+
 /// The conv layer with its MoE in one launch (`MLX_LFM_CONV_LAYER_FUSED`,
 /// the 8B-A1B's conv layers) against the conv layer's and the MoE's
 /// one-launch kernels one after the other, as the dense one's test; then
@@ -3555,16 +3569,7 @@ fn conv_moe_layer_fused_kernel_matches_the_two_kernels() {
     use crate::model::linear::Normed;
     let eps_value = 1e-5f32;
     let eps = Array::from_slice(&[eps_value], &[1]).unwrap();
-    // (The MoE kernel's float form for the reference: the joined kernels
-    // compile the experts' float walk, and the experts-exact form, the MoE
-    // kernel's default since session 38, differs from it in most outputs,
-    // near two roundings; session 52's H100 found the conv + MoE case just
-    // past them, 0.0079-0.0087 of the scale, where session 33 had passed it
-    // against the float form, then the default.)
-    let consts = [
-        ("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string())),
-        ("MLX_LFM_MOE_EXACT".to_string(), Some("0".to_string())),
-    ];
+    let consts = joined_layer_consts();
     // (dtype, D, experts, k, expert width, group of every projection, the
     // router's bits): the 8B-A1B's layer with a 4-bit router and with the
     // 8-bit one its checkpoints hold (src/convert's LFM2-MoE recipe), the
@@ -3666,12 +3671,7 @@ fn out_layer_fused_kernel_matches_out_proj_and_the_kernel() {
     use crate::model::linear::Normed;
     let eps_value = 1e-5f32;
     let eps = Array::from_slice(&[eps_value], &[1]).unwrap();
-    // (The MoE kernel's float form for the reference, as the joined kernels
-    // compile it: see conv_moe_layer_fused_kernel_matches_the_two_kernels.)
-    let consts = [
-        ("MLX_LFM_EPS_CONST".to_string(), Some("1".to_string())),
-        ("MLX_LFM_MOE_EXACT".to_string(), Some("0".to_string())),
-    ];
+    let consts = joined_layer_consts();
     // (dtype, D, heads' width, tail: 0 dense feed-forward, 4 its 4-bit
     // form, 1 the 8B-A1B's MoE with a 4-bit router, 8 with the 8-bit one
     // its checkpoints hold)
