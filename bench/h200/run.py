@@ -178,12 +178,12 @@ window has passed; a call that names no kind after a failed H100 start
 asks for an H200 only. Never let a helper use the device: session 46's
 reviewer started the machine and ran ~150 s on it).
 Session 54 (17:43-20:43 UTC on 2026-12-07) was lent no machine:
-fourteen starts (stage-mlx: eight naming nvidia-h100-x1, six
-nvidia-h200), spaced ~12 minutes apart after the fourth, found none and
-cost 1,428 of its 1,800 device-seconds (75-90 s a failed start; ~180 s
-twice, when a nvidia-h200 call tried both cards). It stopped at
-372 s: too little for stage-mlx and the wide MoE greedy test (~240 s
-alone). Nothing changed in the code; session 53's chain below stands
+fifteen starts (stage-mlx: nine naming nvidia-h100-x1, six
+nvidia-h200), spaced ~12 minutes apart after the fourth, found none;
+with one call refused inside a `none_now` window (15 s) they cost 1,533
+of its 1,800 device-seconds (75-90 s a failed start; ~180 s twice, when
+a nvidia-h200 call tried both cards). It stopped at 267 s: too little
+for a start (~90 s) and the wide MoE greedy test (~240 s alone). Nothing changed in the code; session 53's chain below stands
 as it is (the .device at 6860147, session 53's PTX cache). Ask `status`
 first, and name nvidia-h100-x1 while its `kind` says so: a
 nvidia-h200 call that tries both cards costs twice as much when it fails.
