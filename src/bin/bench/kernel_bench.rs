@@ -878,8 +878,8 @@ fn timeline(reps: usize) -> mlx_lfm::Result<()> {
     // varies: in float32 as before, with its down rows asked of L2 by the
     // gate/up blocks before their rows and after them, and with one of the
     // two-outputs forms alone.
-    let one = |var: &str| (var.to_string(), Some("1".to_string()));
     let set_to = |var: &str, value: &str| (var.to_string(), Some(value.to_string()));
+    let one = |var: &str| set_to(var, "1");
     let (rows, cols) = ("MLX_LFM_MOE_GATE_ROWS", "MLX_LFM_MOE_DOWN_COLS");
     for (form, vars) in [
         ("default", vec![set_to("MLX_LFM_MOE_DOWN_PREFETCH", "0"), set_to(rows, "2"), set_to(cols, "2")]),
