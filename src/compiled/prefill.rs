@@ -76,11 +76,7 @@ impl CompiledPrefill {
             if fail {
                 return Err(Error::mlx("compiled prefill: failure injected by a test"));
             }
-            let mut pass = FreshPass::default();
-            let h = m.hidden_traced(&ins[0], &mut pass)?;
-            let mut out = vec![h];
-            out.extend(pass.stored);
-            Ok(out)
+            fresh_pass(m, &ins[0])
         })?;
         Ok(Some(CompiledPrefill { f, max, failed: RefCell::new(HashSet::new()), runs: Cell::new(0) }))
     }
@@ -103,27 +99,37 @@ impl CompiledPrefill {
     /// built (reported once; its bucket stays off from then on): nothing
     /// was written and the caller runs the eager pass.
     pub fn run(&self, model: &Lfm2Model, cache: &mut ModelCache, prompt: &[u32]) -> Result<Option<Array>> {
+        let (t, ids) = self.padded(prompt)?;
+        let outs = match self.f.call(model, &[&ids]) {
+            Ok(o) if !o.is_empty() => o,
+            Ok(_) => return Ok(self.fail(t, Error::mlx("the compiled prefill returned nothing"))),
+            Err(e) => return Ok(self.fail(t, e)),
+        };
+        let last = store(model, cache, prompt, outs)?;
+        self.runs.set(self.runs.get() + 1);
+        Ok(Some(last))
+    }
+
+    /// What [`Self::run`] computes, over the same padded rows, op by op
+    /// (not compiled, not counted): a GPU test's reference with the
+    /// compiled pass's row count, where MLX may pick other kernels for the
+    /// bucket's rows than for the prompt's own (a 5-token prompt pads to 16).
+    #[cfg(test)]
+    pub(crate) fn run_uncompiled(&self, model: &Lfm2Model, cache: &mut ModelCache, prompt: &[u32]) -> Result<Array> {
+        let (_, ids) = self.padded(prompt)?;
+        let outs = fresh_pass(model, &ids)?;
+        store(model, cache, prompt, outs)
+    }
+
+    /// The prompt's bucket and its ids padded to it `[1, bucket]`.
+    fn padded(&self, prompt: &[u32]) -> Result<(usize, Array)> {
         let n = prompt.len();
         let t = bucket(n, self.max).ok_or_else(|| Error::invalid(format!("a prompt of {n} tokens has no bucket")))?;
         let mut ids = prompt.to_vec();
         // (Padding with token 0, a valid id: it follows the prompt, so no
         // real position sees it.)
         ids.resize(t, 0);
-        let ids = Array::from_slice(&ids, &[1, t as i32])?;
-        let mut outs = match self.f.call(model, &[&ids]) {
-            Ok(o) if !o.is_empty() => o,
-            Ok(_) => return Ok(self.fail(t, Error::mlx("the compiled prefill returned nothing"))),
-            Err(e) => return Ok(self.fail(t, e)),
-        };
-        let stored = outs.split_off(1);
-        let h = outs.pop().expect("checked above");
-        let keep = model.config.conv_kernel as i32 - 1;
-        let pass = cache.pass(n)?;
-        store_fresh(pass, &model.config.attn_layers, stored, n, keep)?;
-        cache.note_tokens(prompt);
-        self.runs.set(self.runs.get() + 1);
-        let last = h.slice_axis(1, n as i32 - 1, n as i32)?;
-        Ok(Some(model.head(&last)?.reshape(&[1, -1])?))
+        Ok((t, Array::from_slice(&ids, &[1, t as i32])?))
     }
 
     fn fail(&self, bucket: usize, e: Error) -> Option<Array> {
@@ -145,4 +151,31 @@ impl CompiledPrefill {
     pub fn traces(&self) -> usize {
         self.f.traces()
     }
+}
+
+/// The function each bucket traces: the padded rows' hidden states, then
+/// what each layer keeps for the cache ([`FreshPass`]'s order).
+fn fresh_pass(m: &Lfm2Model, ids: &Array) -> Result<Vec<Array>> {
+    let mut pass = FreshPass::default();
+    let h = m.hidden_traced(ids, &mut pass)?;
+    let mut out = vec![h];
+    out.extend(pass.stored);
+    Ok(out)
+}
+
+/// Writes a fresh pass's outputs `outs` (from [`fresh_pass`]) for the
+/// prompt's `n` real rows into `cache`: the last row's logits `[1, V]`.
+fn store(model: &Lfm2Model, cache: &mut ModelCache, prompt: &[u32], mut outs: Vec<Array>) -> Result<Array> {
+    let n = prompt.len();
+    if outs.is_empty() {
+        return Err(Error::mlx("the prefill pass returned nothing"));
+    }
+    let stored = outs.split_off(1);
+    let h = outs.pop().expect("checked above");
+    let keep = model.config.conv_kernel as i32 - 1;
+    let pass = cache.pass(n)?;
+    store_fresh(pass, &model.config.attn_layers, stored, n, keep)?;
+    cache.note_tokens(prompt);
+    let last = h.slice_axis(1, n as i32 - 1, n as i32)?;
+    model.head(&last)?.reshape(&[1, -1])
 }

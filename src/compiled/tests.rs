@@ -333,7 +333,8 @@ fn a_failing_compiled_step_falls_back_to_eager_once() {
 /// its own so the compiled one attaches no prefix: its K/V land in the
 /// pool, partial last block included, and its conv snapshots serve a later
 /// prompt's prefix), for prompts padded to their bucket and exactly a
-/// bucket long. The dense fixture in bf16 and f32; the MoE one in f32, in
+/// bucket long; on a GPU, padded prompts within a tolerance of what the
+/// bucket's rows give op by op (see `near`). The dense fixture in bf16 and f32; the MoE one in f32, in
 /// 4-bit, and with bf16 experts, whose prompts of more than 16 tokens group
 /// rows by expert on the CPU's host and so take the eager pass, as one
 /// past the largest bucket does.
@@ -356,23 +357,51 @@ fn compiled_prefill_equals_the_eager_prefill() {
     // On a GPU every comparison is made and reported before the verdict
     // (a device call is too dear to learn one case per run).
     let departed = std::cell::RefCell::new(Vec::<String>::new());
+    // How far `got` lies from `want`, in `want`'s largest magnitude.
+    let apart = |got: &Array, want: &Array| -> f32 {
+        let f = |a: &Array| -> Vec<f32> { a.astype(Dtype::Float32).unwrap().to_vec().unwrap() };
+        let (g, w) = (f(got), f(want));
+        let scale = w.iter().fold(0f32, |a, v| a.max(v.abs())).max(1e-6);
+        g.iter().zip(&w).fold(0f32, |a, (x, y)| a.max((x - y).abs())) / scale
+    };
+    let tolerance = |want: &Array| match (want.dtype() == Dtype::Float32, tf32) {
+        (true, false) => 1e-4,
+        (true, true) => 1e-2,
+        _ => 3e-2,
+    };
     let same = |got: &Array, want: &Array, what: &str| {
         if !gpu {
             assert_eq!(bytes(got), bytes(want), "{what}: differ");
             return;
         }
-        let f = |a: &Array| -> Vec<f32> { a.astype(Dtype::Float32).unwrap().to_vec().unwrap() };
-        let (g, w) = (f(got), f(want));
-        let scale = w.iter().fold(0f32, |a, v| a.max(v.abs())).max(1e-6);
-        let diff = g.iter().zip(&w).fold(0f32, |a, (x, y)| a.max((x - y).abs())) / scale;
-        let tol = match (want.dtype() == Dtype::Float32, tf32) {
-            (true, false) => 1e-4,
-            (true, true) => 1e-2,
-            _ => 3e-2,
-        };
+        let (diff, tol) = (apart(got, want), tolerance(want));
         eprintln!("{what}: {diff} of the scale apart (tolerance {tol})");
         if diff.is_nan() || diff > tol {
             departed.borrow_mut().push(format!("{what}: {diff} of the scale apart (over {tol})"));
+        }
+    };
+    // A served prompt against the eager prefill of its own rows, on a GPU:
+    // within the tolerance of how far the same bucket's rows run op by op
+    // (`twin`, `CompiledPrefill::run_uncompiled`) lie from it. There MLX
+    // may take other kernels for the bucket's rows than for the prompt's
+    // (a quantized product's per-row form for 5 rows, its tiled form for
+    // 16), and on the tiny random MoE a route's near-tie can turn on that
+    // rounding: the H100s of sessions 52-53 put the 4-bit MoE fixture's
+    // 5-token prompt 0.119 of the scale from its eager prefill, while its
+    // 16-token prompt (no padding) gave the eager bits. What the compiling
+    // adds is judged against the twin itself (`same`); the padding's own
+    // logic (which rows are stored, the conv state at the prompt's end) is
+    // held to the eager bits on the CPU, where every row count computes
+    // alike.
+    let near = |got: &Array, twin: &Array, want: &Array, what: &str| {
+        if !gpu {
+            assert_eq!(bytes(got), bytes(want), "{what}: differ");
+            return;
+        }
+        let (diff, base, tol) = (apart(got, want), apart(twin, want), tolerance(want));
+        eprintln!("{what}: {diff} of the scale apart (the bucket's rows op by op: {base}; tolerance {tol} beyond that)");
+        if diff.is_nan() || base.is_nan() || diff > base + tol {
+            departed.borrow_mut().push(format!("{what}: {diff} of the scale apart (the bucket's rows op by op: {base}; over {tol} beyond that)"));
         }
     };
     let cfg = PagedConfig { block_size: 8, budget_bytes: 64 << 20 };
@@ -431,15 +460,44 @@ fn compiled_prefill_equals_the_eager_prefill() {
                 // Each bucket (16, 32, 64) is traced once, at its first prompt.
                 let new_bucket = served && buckets.insert(super::prefill::bucket(n, 64).unwrap());
                 assert_eq!(fresh.traces(), traces + usize::from(new_bucket), "{what}: traces");
-                same(&lc, &le, &format!("{what}: the last logits against the eager prefill's"));
+                // The bucket's rows op by op, into a cache of their own.
+                let mut twin = match served {
+                    true => {
+                        if paged {
+                            m.use_paged_cache(cfg, 7).unwrap();
+                        }
+                        let mut ct = m.new_cache();
+                        let lt = fresh.run_uncompiled(&m, &mut ct, &prompt).unwrap();
+                        assert_eq!(ct.pos, ce.pos, "{what}: the uncompiled pass's position");
+                        Some((lt, ct))
+                    }
+                    false => None,
+                };
+                let last = format!("{what}: the last logits against the eager prefill's");
+                match &twin {
+                    Some((lt, _)) => {
+                        same(&lc, lt, &format!("{what}: the last logits against the bucket's rows op by op"));
+                        near(&lc, lt, &le, &last);
+                    }
+                    None => same(&lc, &le, &last),
+                }
                 assert_eq!(cc.pos, ce.pos, "{what}: position");
                 let mut tok = argmax(&le);
                 for step in 0..6 {
                     let a = dec.step(&m, &tok, &mut ce, true).unwrap();
                     let b = dec.step(&m, &tok, &mut cc, true).unwrap();
-                    same(&b, &a, &format!("{what}: decode step {step} after the prefill"));
+                    let after = format!("{what}: decode step {step} after the prefill");
+                    match twin.as_mut() {
+                        Some((_, ct)) => {
+                            let t = dec.step(&m, &tok, ct, true).unwrap();
+                            same(&b, &t, &format!("{after}, against the bucket's rows op by op"));
+                            near(&b, &t, &a, &after);
+                        }
+                        None => same(&b, &a, &after),
+                    }
                     tok = argmax(&a);
                 }
+                drop(twin);
                 if paged && served && n >= 16 {
                     // A later prompt that starts with this one takes its
                     // blocks and conv snapshots: in a pool of its own, where
