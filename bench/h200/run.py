@@ -229,7 +229,11 @@ session 53's cache):
      ~6.5 µs of every MoE layer in a busy step? Session 38's local route,
      every gate/up block routing for itself, lost 44.4 µs against 41.6
      and was retired: a slow route block asks for a faster route in that
-     block, not for more of them).
+     block, not for more of them). If the compiled prefill's test passed
+     in step 2: H200_AB_VARIANTS=compiled-prefill
+     H200_MODELS=lfm2-350m-bf16,lfm2-8b-a1b-q4 `ab` (its P=512 prefill
+     read 0.99x on the H200 in session 17, before every kernel since; the
+     350M's and the 8B-A1B's P=512 are the H200 targets last missed).
   4. On an H200: carry [.device/llama] `llama`, then rounds 1-2 of the
      three models with mlx-lm. On an H100: rounds 1-2 too (the 8B-A1B's
      default changed: session 50's rounds predate it).
