@@ -177,26 +177,51 @@ so ask `status` before each retry and call only once its `none_now`
 window has passed; a call that names no kind after a failed H100 start
 asks for an H200 only. Never let a helper use the device: session 46's
 reviewer started the machine and ran ~150 s on it).
-Session 55 (20:24-23:24 UTC on 2026-12-07) was lent none either: two
-failed starts (nvidia-h100-x1, then nvidia-h200, 271 device-seconds),
-then `status` said new loans were paused for the session. On this CPU it
-changed the compiled prefill's test (655f0d2): on a GPU a padded prompt is
-judged against the same bucket's rows run op by op
-(`CompiledPrefill::run_uncompiled`) at the tolerance, and against the
-eager prefill of its own rows within the tolerance of how far that twin
-lies from it; sessions 52-53's one failure (the 4-bit MoE fixture's
-5-token prompt, 0.119 of the scale) was the padding's row count (its
-16-token prompt gave the eager bits), and the twin's distance will show
-whether that holds. Chain step 2 below now runs it too
-(H200_KERNEL_JOBS=3, the three tests' names; ~110 s alone in session 53).
+Session 55 got an H100 late (21:09-21:25 UTC on 2026-12-07; its README
+block; binaries of 415e4c7): a first machine (20:54) was taken back
+during its second call; three failed starts, one refused call and a
+pause of new loans cost ~470 device-seconds. It ran session 53's steps
+2-3 (chain below): the compiled prefill's test, judged since 655f0d2
+against its uncompiled twin on a GPU, passed (its first pass on a GPU
+since it was written in session 16; the 5-token lines were cut from the kept tail: 0c23904 now
+reports the farthest padded case last); the wide MoE greedy test passed
+with the two-outputs default (both forms built, `moe-one-output`
+neither); the tiny MoE one failed only on `qgemv-float` and
+`quant-norm-float`, as always; the compiled prefill's A/B read P=512
+0.87-1.23x (350M, median 1.02) and 0.91-1.01x (8B-A1B, median 0.95):
+still opt-in; `layer-chains`: the MoE layer 50.1 µs a layer (default)
+against 56.4 (g2) and 58.7 (one output), the route's block done
+6.1-6.2 µs into each; ncu: the MoE layer 35.0-36.1 µs, the conv layer
+16.2-16.5 (stalls cut by the call's TERM at 300 s). The chain:
+  1. carry [.device/a]: `stage-mlx`.
+  2. carry [.device/llama]: `llama` (its build runs in the background).
+  3. carry [.device/b, .device/tests, .device/ptx, .device/lm]:
+     H200_KERNEL_JOBS=8 `timeout -s TERM 540 python3 bench/h200/run.py
+     install kernels save-ptx` (the whole suite at one commit, never yet
+     done; installs mlx-lm for the rounds), then H200_KERNEL_TESTS=unrun
+     H200_KERNEL_JOBS=8 `... kernels save-ptx` on the warm machine for
+     what the first call's TERM cut. The compiled prefill's last line
+     names its farthest padded case and the twin's distance there.
+  4. carry [.device/bin]: H200_OURS_ENV (mimalloc),
+     H200_MODELS=lfm2-1.2b-bf16,lfm2-350m-bf16 `timeout -s TERM 560
+     python3 bench/h200/run.py round 1`, then `round 2`; the 8B-A1B's
+     in calls of their own (H200_MODELS=lfm2-8b-a1b-q4, ~330 s a round
+     on a machine without its checkpoints): session 50's rounds predate
+     the 8B-A1B's two-outputs default (its decode ~5% up in session 53's
+     A/B). On an H200 the same, with the rounds first (none since
+     session 30; the issue's targets are the H200's).
+  5. With what is left: the MoE and conv layers' stalls
+     (H200_NCU_KERNELS='lfm_moe_fused|lfm_conv_fused' H200_NCU_COUNT=6
+     H200_MODELS=lfm2-8b-a1b-q4 `profile-kernels`, TERM at 400 s: its
+     sections took 165 s and the stalls pass was cut at 300).
 Session 54 (17:43-20:43 UTC on 2026-12-07) was lent no machine:
 fifteen starts (stage-mlx: nine naming nvidia-h100-x1, six
 nvidia-h200), spaced ~12 minutes apart after the fourth, found none;
 with one call refused inside a `none_now` window (15 s) they cost 1,533
 of its 1,800 device-seconds (75-90 s a failed start; ~180 s twice, when
 a nvidia-h200 call tried both cards). It stopped at 267 s: too little
-for a start (~90 s) and the wide MoE greedy test (~240 s alone). Nothing changed in the code; session 53's chain below stands
-as it is (the .device at 6860147, session 53's PTX cache). Ask `status`
+for a start (~90 s) and the wide MoE greedy test (~240 s alone). Nothing changed in the code; session 53's chain below stood
+as it was (the .device at 6860147, session 53's PTX cache). Ask `status`
 first, and name nvidia-h100-x1 while its `kind` says so: a
 nvidia-h200 call that tries both cards costs twice as much when it fails.
 Session 53 got an H100 at once (16:25-16:58 UTC on 2026-12-07; its
@@ -212,8 +237,7 @@ A/B: defaults since (`moe-gate-rows-1`, `moe-down-cols-1`,
 `moe-one-output` time the old forms; their test among
 DEFAULT_KERNEL_TESTS). Call 11 (the MoE greedy test alone, TERM at 195 s)
 was cut after the bf16 and float32 fixtures.
-The chain (.device built by prepare.sh at this commit; .device/ptx holds
-session 53's cache):
+Its chain, which session 55 ran but for steps 4-5:
   1. carry [.device/a]: `stage-mlx`.
   2. carry [.device/b, .device/tests, .device/ptx, .device/lm]:
      H200_KERNEL_JOBS=3 H200_KERNEL_TESTS=greedy_tokens_with_kernels_equal_stock_ops_on_moe,greedy_tokens_with_kernels_equal_stock_ops_on_wide_moe,compiled_prefill_equals_the_eager_prefill
