@@ -170,8 +170,8 @@ fn store(model: &Lfm2Model, cache: &mut ModelCache, prompt: &[u32], mut outs: Ve
     if outs.is_empty() {
         return Err(Error::mlx("the prefill pass returned nothing"));
     }
-    let stored = outs.split_off(1);
-    let h = outs.pop().expect("checked above");
+    let h = outs.remove(0);
+    let stored = outs;
     let keep = model.config.conv_kernel as i32 - 1;
     let pass = cache.pass(n)?;
     store_fresh(pass, &model.config.attn_layers, stored, n, keep)?;
