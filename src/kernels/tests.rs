@@ -2314,6 +2314,19 @@ fn check_against_reference(what: &str, got: &crate::mlx::Array, stock: &crate::m
     check_measured(what, got, stock, reference, tol, worst_relative, 1.0)
 }
 
+/// [`check_against_reference`] for a SwiGLU output, which kernel and stock
+/// ops both round as the stock graph does (`lfm_swiglu`: the gate and up
+/// values to the dtype, the sigmoid's steps, then two products), so each
+/// carries at least three roundings of the dtype from the exact product
+/// whatever its sums: three are the floor. One was too few on small
+/// shapes, where the worst of a few outputs is a draw: session 56's H100
+/// had the bf16 experts' gate/up at 64->32 1.26 roundings from the exact
+/// product (the stock ops' draw 0.53) and the deferred norm's SwiGLU at
+/// 256->40 1.42 (the stock ops' 0.65); each passed in the next call's draw.
+fn check_swiglu_against_reference(what: &str, got: &crate::mlx::Array, stock: &crate::mlx::Array, reference: &crate::mlx::Array, tol: f32) {
+    check_measured(what, got, stock, reference, tol, worst_relative, 3.0)
+}
+
 /// [`check_against_reference`] with the difference measured by `measure`
 /// and `roundings` of the output's dtype as the floor under which the
 /// error says nothing of the kernel: one, or more where the kernel's input
@@ -2520,7 +2533,7 @@ fn moe_experts_kernels_match_stock_ops() {
                         .unwrap()
                 };
                 let y_ref = down_ref(&h_ref);
-                check_against_reference(&format!("{what} gate/up"), &h, &stock_h, &h_ref, tol_h);
+                check_swiglu_against_reference(&format!("{what} gate/up"), &h, &stock_h, &h_ref, tol_h);
                 // The down kernel alone: the stock ops and the float32
                 // reference over the kernel's own gate/up output, so that
                 // only the down arithmetic differs. Each expert's product
@@ -4662,7 +4675,7 @@ fn norm_gemv_kernels_match_stock_ops() {
                     }
                     let halves = exact.split_equal(2, -1).unwrap();
                     let exact_gated = halves[0].silu().unwrap().mul(&halves[1]).unwrap();
-                    check_against_reference(&format!("{what} swiglu deferred"), &dy, &want, &exact_gated, tol * 1.5);
+                    check_swiglu_against_reference(&format!("{what} swiglu deferred"), &dy, &want, &exact_gated, tol * 1.5);
                     check("swiglu", got, want, tol * 1.5);
                 }
                 if k % 64 == 0 {
