@@ -10,7 +10,12 @@ proves the text compiles; correctness is src/kernels/tests.rs on a GPU.
 
 With --ptxas=PATH (ptxas from `pip install --target /tmp/nvcc
 "nvidia-cuda-nvcc==13.*"`), each kernel's registers, spills and shared
-memory on sm_90 too; --only and --sass below. With --files, each kernel
+memory on sm_90 too; --only and --sass below. With --ptx-dir=DIR, each
+kernel's PTX into DIR (FILE-DTYPE.ptx), to diff two trees' kernels byte for
+byte (a header's edit that must leave the default kernels as they were);
+--dtypes=bfloat16,float16 compiles only those (each tree's whole set takes
+~40 minutes on two cores).
+With --files, each kernel
 also as it reaches MLX by default (MLX_LFM_KERNEL_TEXT unset since session 39; its texts in files
 that #include lines name): the same PTX, byte for byte, or it fails. With
 --qint=bits|convert, the quantized walk's other forms (MLX_LFM_QINT; pairs
@@ -677,6 +682,8 @@ PTXAS = opt("ptxas")
 ONLY = opt("only")
 SASS = opt("sass")
 CUOBJDUMP = opt("cuobjdump")
+PTX_DIR = Path(opt("ptx-dir")) if opt("ptx-dir") else None
+DTYPES = opt("dtypes").split(",") if opt("dtypes") else None
 
 
 def resources(name, prog):
@@ -700,7 +707,7 @@ def resources(name, prog):
     return " ".join(l.split("ptxas info    : ", 1)[-1] for l in r.stderr.splitlines() if "Used" in l or "spill" in l)
 
 
-def compile_one(name, code):
+def compile_one(name, code, ptx_to=None):
     prog = ctypes.c_void_p()
     rc = nvrtc.nvrtcCreateProgram(ctypes.byref(prog), code.encode(), name.encode(), 0, None, None)
     assert rc == 0, rc
@@ -714,6 +721,13 @@ def compile_one(name, code):
     nvrtc.nvrtcGetProgramLog(prog, log)
     if rc == 0 and PTXAS:
         print("   ", resources(name, prog))
+    if rc == 0 and ptx_to:
+        size = ctypes.c_size_t()
+        nvrtc.nvrtcGetPTXSize(prog, ctypes.byref(size))
+        buf = ctypes.create_string_buffer(size.value)
+        nvrtc.nvrtcGetPTX(prog, buf)
+        ptx_to.parent.mkdir(parents=True, exist_ok=True)
+        ptx_to.write_bytes(buf.raw)
     return rc, log.value.decode(errors="replace")
 
 
@@ -886,13 +900,10 @@ LAYER_OUT_FFN = ("#define LFM_CONV_PART 1\n#define LFM_OUT_ONLY 1\n#define LFM_F
                  "#define LFM_CONV_ROW o1\n#define LFM_FFN_YN yn2\n#define LFM_TAIL_RESIDUAL r\n")
 LAYER_OUT_MOE = ("#define LFM_CONV_PART 1\n#define LFM_OUT_ONLY 1\n#define LFM_FFN_PART 0\n#define LFM_MOE_PART 1\n"
                  "#define LFM_CONV_ROW o1\n#define LFM_FFN_YN yn2\n#define LFM_TAIL_RESIDUAL r\n")
-# The quantized GEMV in MLX's arithmetic (MLX_LFM_QGEMV_EXACT, a CUDA
-# default since session 39): two rows, and one row of an LM head's width.
-KERNELS["quant_gemv.rs@mlx"] = KERNELS["quant_gemv.rs"]
-KERNELS["quant_gemv.rs@mlx-m1"] = (*KERNELS["quant_gemv.rs"][:2], lambda dt: [("K", 2048), ("BITS", 4), ("GS", 64), ("M", 1)])
+# The quantized GEMV (MLX's arithmetic, its only walk since session 56)
+# over one row too.
+KERNELS["quant_gemv.rs@m1"] = (*KERNELS["quant_gemv.rs"][:2], lambda dt: [("K", 2048), ("BITS", 4), ("GS", 64), ("M", 1)])
 DEFINES_OF = {
-    "quant_gemv.rs@mlx": "#define LFM_QGEMV_MLX 1\n",
-    "quant_gemv.rs@mlx-m1": "#define LFM_QGEMV_MLX 1\n",
     "decode_attention.rs@upto-split16": "#define LFM_ATT_DPB 16\n",
     "decode_attention.rs@upto-split8": "#define LFM_ATT_DPB 8\n",
     "moe_fused.rs": LAYER_MOE,
@@ -1114,7 +1125,7 @@ for file, (ins, outs, targs, *only_dtypes) in KERNELS.items():
         assert was in src, f"{file}: {was!r} not in its source"
         src = src.replace(was, now)
     for dt, ct in CTYPE.items():
-        if only_dtypes and dt not in only_dtypes[0]:
+        if only_dtypes and dt not in only_dtypes[0] or DTYPES and dt not in DTYPES:
             continue
         params = []
         for n, t in ins:
@@ -1141,7 +1152,8 @@ for file, (ins, outs, targs, *only_dtypes) in KERNELS.items():
         body = "".join(f"(void)LFM_IO{i};" for i in range(io)) + "\n" + src
         code = (DEFINES + DEFINES_OF.get(file, "") + PRELUDE + hdr + "namespace cg = cooperative_groups;\n"
                 + f'extern "C" __global__ void k({", ".join(params)}) {{\n{consts}  using T = {ct};\n{body}\n}}\n')
-        rc, log = compile_one(f"{file}-{dt}.cu", code)
+        ptx_to = PTX_DIR / (re.sub(r"[^A-Za-z0-9_.@#-]", "_", f"{file}-{dt}") + ".ptx") if PTX_DIR else None
+        rc, log = compile_one(f"{file}-{dt}.cu", code, ptx_to)
         if rc == 0 and FILES:
             tag = re.sub(r"[^A-Za-z0-9_]", "_", f"{file}-{dt}")
             (FILES_DIR / f"{tag}.head.cuh").write_text(hdr)
