@@ -21,7 +21,7 @@
 //! (src/kernels/stages.rs's, shared with the feed-forward and q/k/v
 //! kernels) walk a row as MLX's own kernels do, so that each is MLX's one-row product: the
 //! quantized ones in its `qmv` arithmetic (src/kernels/quant_gemv.rs
-//! `lfm_qdot_mlx`, the `MLX_LFM_QGEMV_EXACT` walk), the dense ones in its
+//! `lfm_qdot_mlx`, the quantized GEMV's walk), the dense ones in its
 //! `gemv_single` order (src/kernels/gemv.rs `lfm_dot_rows`, as the fold of
 //! in_proj into the conv step does). The test holds the sum to the bits and the state and
 //! output within two roundings of the stock ops'. A stage that gives up

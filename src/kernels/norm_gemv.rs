@@ -118,7 +118,7 @@ const SWIGLU_SOURCE: &str = r#"
 const QUANT_SOURCE: &str = r#"
   const int N = w_shape[0];
   for (int n = first; n < N; n += stride) {
-    lfm_qgemv_warp<T, K, M, BITS, GS>(ys, true, w, lfm_aligned(w), scales, biases, y, N, n, lane);
+    lfm_qgemv_warp<T, K, M, BITS, GS>(ys, true, w, scales, biases, y, N, n, lane);
   }
 "#;
 
@@ -308,9 +308,9 @@ fn fold_cols(quant: bool) -> i32 {
 
 fn make(cells: &'static Variants, name: &str, inputs: &[&str], early: &str, body: &str, quant: bool, eps_const: bool) -> Option<&'static CudaKernel> {
     let early_on = early_prefetch();
-    // (The quantized fold: one column a warp, in either arithmetic; its
-    // exact variant in the cells the dense folds' column counts use.)
-    let (c, csuffix, cdefine) = if quant { super::quant_gemv::exact_variant() } else { super::gemv::cols_variant() };
+    // (The quantized fold: one column a warp, in MLX's arithmetic, in the
+    // first of the cells the dense folds' column counts use.)
+    let (c, csuffix, cdefine) = if quant { (0, super::quant_gemv::MLX_SUFFIX, "") } else { super::gemv::cols_variant() };
     for_walk(&cells[c][usize::from(early_on)][usize::from(eps_const)], || {
         let mut name = super::add_rms_norm::kernel_name(name);
         let prologue = if eps_const {

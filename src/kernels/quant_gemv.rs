@@ -2,27 +2,25 @@
 //! quantized projection (4 or 8 bits, groups of 32, 64 or 128, scales and
 //! biases in the activations' dtype). By the H200 profile the 8B-A1B's
 //! quantized GEMVs (MLX's `qmv` and `gather_qmv`) are 45% of its decode GPU
-//! time at 0.5-0.7 TB/s; this reads each weight row once with 16-byte loads,
-//! one warp per output column, as the bf16 GEMV (src/kernels/gemv.rs) does.
+//! time at 0.5-0.7 TB/s; this reads each weight row once, one warp per
+//! output column, the row asked of L2 before its sums, and sums as MLX's
+//! own `qmv` does (`lfm_qdot_mlx`, below): a row in a half type is MLX's
+//! product to the bit, read in less than half of MLX's time on an LM
+//! head's width ([`MLX_SUFFIX`] has the figures).
 //!
-//! A 16-byte chunk of packed words holds `128 / BITS` values of one group,
-//! so per chunk `sum((s * q + b) * x) = s * sum(q * x) + b * sum(x)`, summed
-//! in float32 and rounded to the dtype once.
+//! Its first form (session 9 to 56) summed each 16-byte chunk of packed
+//! words in float32 (`s * sum(q * x) + b * sum(x)`, rounded once): closer
+//! to the exact product than MLX's bf16 accumulation (on the H200 within
+//! one bf16 rounding where MLX's `quantized_matmul` stood 0.006-0.053
+//! away, `bench/results/2026-12-02-h200-session9-logs.tgz`, call 6), but
+//! for that reason never the stock tokens (retired: [`MLX_SUFFIX`]). Its
+//! chunk helpers (`lfm_xchunk`, `lfm_qx`, `lfm_qdot_a`, `lfm_qdot2_a`)
+//! stay in the header for the MoE router, the experts' kernels
+//! (src/kernels/moe_experts.rs) and the layers' stages, whose tests hold
+//! them to their own references.
 //!
-//! Not equal to the stock ops, and closer to the exact product: MLX
-//! 0.32.4's 4-bit kernels accumulate in bf16 (a version of this one
-//! mimicking the newest upstream `qmv` still differed from it by 0.049, so
-//! its partition of the sums is not pinned down here). On the H200
-//! (2026-12-02, `bench/results/2026-12-02-h200-session9-logs.tgz`, call 6)
-//! against the exact product over the same weights this kernel was within
-//! one bf16 rounding (0.0028-0.0039 relative) and MLX's
-//! `quantized_matmul` 0.006-0.053, for every shape and spec of its test,
-//! which holds the kernel to being at least as close as MLX's.
-//!
-//! A CUDA default since session 39, in MLX's own arithmetic
-//! (`MLX_LFM_QGEMV_EXACT`, below): `MLX_LFM_QGEMV_KERNEL=0` turns it off.
-//! Its test is in src/kernels/tests.rs. The MoE experts' kernels
-//! (src/kernels/moe_experts.rs) share this file's chunk helpers.
+//! A CUDA default since session 39: `MLX_LFM_QGEMV_KERNEL=0` turns it off.
+//! Its test is in src/kernels/tests.rs.
 
 use crate::error::{Error, Result};
 use crate::mlx::kernel::{cuda_kernels_enabled, CudaKernel, TemplateArg};
@@ -157,22 +155,6 @@ __device__ inline void lfm_qdot2_a(const T* x, const uint32_t* gr, const T* gs, 
     }
   }
 }
-// Output column n (this warp's) of x @ dequantize(w).T for M rows.
-template <typename T, int K, int M, int BITS, int GS, bool ALIGNED>
-__device__ inline void lfm_qgemv_warp_a(const T* x, const uint32_t* w, const T* scales, const T* biases,
-                                        T* y, int N, int n, int lane) {
-  constexpr int G = K / GS;
-  float acc[M];
-#pragma unroll
-  for (int m = 0; m < M; m++) acc[m] = 0.0f;
-  lfm_qdot_a<T, K, M, BITS, GS, ALIGNED>(x, w + static_cast<size_t>(n) * (K * BITS / 32), scales + static_cast<size_t>(n) * G,
-                                         biases + static_cast<size_t>(n) * G, lane, acc);
-#pragma unroll
-  for (int m = 0; m < M; m++) {
-    const float s = lfm_warp_sum(acc[m]);
-    if (lane == 0) y[static_cast<size_t>(m) * N + n] = T(s);
-  }
-}
 // (a & mask) | bits in one LOP3 (ptxas takes one immediate a LOP3, so
 // with two constants it makes two).
 __device__ inline uint32_t lfm_and_or(uint32_t a, uint32_t mask, uint32_t bits) {
@@ -180,7 +162,7 @@ __device__ inline uint32_t lfm_and_or(uint32_t a, uint32_t mask, uint32_t bits) 
   asm(\"lop3.b32 %0, %1, %2, %3, 0xEA;\" : \"=r\"(d) : \"r\"(a), \"r\"(mask), \"r\"(bits));
   return d;
 }
-// MLX's own qmv arithmetic (MLX_LFM_QGEMV_EXACT, opt-in): what the pinned
+// MLX's own qmv arithmetic (the quantized GEMV's, since session 39): what the pinned
 // 0.32.4 wheel's qmv_kernel<8, E, GS, true, residue, T, uint4|uint8, T>
 // computes, as the upstream source with that template signature does it,
 // read against the wheel's sm_90 SASS (bf16 4-bit: HADD2 with -128 after a
@@ -417,24 +399,13 @@ __device__ inline void lfm_qgemv_mlx_warp(const T* x, const uint32_t* w, const T
     if (lane == 0) y[static_cast<size_t>(m) * N + n] = T(s);
   }
 }
-#ifndef LFM_QGEMV_MLX
-#define LFM_QGEMV_MLX 0
-#endif
 template <typename T, int K, int M, int BITS, int GS>
-__device__ inline void lfm_qgemv_warp(const T* x, bool xa, const uint32_t* w, bool wa, const T* scales, const T* biases,
-                                      T* y, int N, int n, int lane) {
-  if constexpr (LFM_QGEMV_MLX) {
-    if (xa) {
-      lfm_qgemv_mlx_warp<T, K, M, BITS, GS, true>(x, w, scales, biases, y, N, n, lane);
-    } else {
-      lfm_qgemv_mlx_warp<T, K, M, BITS, GS, false>(x, w, scales, biases, y, N, n, lane);
-    }
-    return;
-  }
-  if (xa && wa) {
-    lfm_qgemv_warp_a<T, K, M, BITS, GS, true>(x, w, scales, biases, y, N, n, lane);
+__device__ inline void lfm_qgemv_warp(const T* x, bool xa, const uint32_t* w, const T* scales, const T* biases, T* y,
+                                      int N, int n, int lane) {
+  if (xa) {
+    lfm_qgemv_mlx_warp<T, K, M, BITS, GS, true>(x, w, scales, biases, y, N, n, lane);
   } else {
-    lfm_qgemv_warp_a<T, K, M, BITS, GS, false>(x, w, scales, biases, y, N, n, lane);
+    lfm_qgemv_mlx_warp<T, K, M, BITS, GS, false>(x, w, scales, biases, y, N, n, lane);
   }
 }
 ";
@@ -451,7 +422,7 @@ pub(crate) fn header() -> String {
 }
 
 /// How the MLX-exact quantized walk (`lfm_qdot_mlx`: the one-launch 4-bit
-/// conv, feed-forward and q/k/v layers and MoE experts, `MLX_LFM_QGEMV_EXACT`)
+/// conv, feed-forward and q/k/v layers and MoE experts, the quantized GEMV)
 /// makes q in T: by its bits, a 4-bit bf16/half row two values an
 /// instruction (the default, `pairs`); by its bits one at a time (`bits`);
 /// by the conversion units (`convert`, the default before session 38).
@@ -505,41 +476,34 @@ const SOURCE: &str = r#"
   const int N = w_shape[0];
   const int n = blockIdx.x * (256 / 32) + threadIdx.x / 32;
   if (n >= N) return;
-  lfm_qgemv_warp<T, K, M, BITS, GS>(x, lfm_aligned(x), w, lfm_aligned(w), scales, biases, y, N, n, threadIdx.x % 32);
+  lfm_qgemv_warp<T, K, M, BITS, GS>(x, lfm_aligned(x), w, scales, biases, y, N, n, threadIdx.x % 32);
 "#;
 
 fn kernel() -> Option<&'static CudaKernel> {
-    static K: [OnceLock<Option<CudaKernel>>; 2] = [OnceLock::new(), OnceLock::new()];
-    let (i, suffix, define) = exact_variant();
-    K[i].get_or_init(|| {
-        CudaKernel::new(&format!("lfm_qgemv{suffix}"), &["x", "w", "scales", "biases"], &["y"], SOURCE, &format!("{define}{}", header())).ok()
+    static K: OnceLock<Option<CudaKernel>> = OnceLock::new();
+    K.get_or_init(|| {
+        CudaKernel::new(&format!("lfm_qgemv{MLX_SUFFIX}"), &["x", "w", "scales", "biases"], &["y"], SOURCE, &header()).ok()
     })
     .as_ref()
 }
 
-/// `MLX_LFM_QGEMV_EXACT` (the default since session 39; `=0` for the
-/// float32 sums): the quantized GEMV and its norm fold sum as MLX's own
-/// `qmv` does (`lfm_qdot_mlx`), so a row in a half type is MLX's product
-/// to the bit and the greedy test's departures (the float32 form alone
-/// departed in every session) have nothing left to come from; the float32
-/// sums are closer to the exact product. Adopted with the kernel on the
-/// H100 in session 39: its test and greedy sets passed, and kernel-bench
-/// (ncu, each launch alone) had it read the 8B-A1B's 4-bit LM head
-/// (65,536 x 2,048, 75 MB) in 33.5 µs against MLX's `qmv`'s 78.6, and its
-/// 6,144 x 2,048 projection in 7.6 against 10.9. As (an index of the
-/// kernel's variants, its name's suffix, the define its source is compiled
-/// with).
-pub(crate) fn exact_variant() -> (usize, &'static str, &'static str) {
-    static ON: OnceLock<bool> = OnceLock::new();
-    if crate::knobs::cached("MLX_LFM_QGEMV_EXACT", &ON, |v| v != Some("0")) {
-        (1, "_mlx", "#define LFM_QGEMV_MLX 1\n")
-    } else {
-        (0, "", "")
-    }
-}
+/// The quantized GEMV and its norm fold sum as MLX's own `qmv` does
+/// (`lfm_qdot_mlx`), so a row in a half type is MLX's product to the bit
+/// and the greedy test has no departure left to come from them. Adopted on
+/// the H100 in session 39 (then `MLX_LFM_QGEMV_EXACT`): its test and
+/// greedy sets passed, and kernel-bench (ncu, each launch alone) had it
+/// read the 8B-A1B's 4-bit LM head (65,536 x 2,048, 75 MB) in 33.5 µs
+/// against MLX's `qmv`'s 78.6, and its 6,144 x 2,048 projection in 7.6
+/// against 10.9. Session 56 retired the float32 sums it replaced
+/// (`MLX_LFM_QGEMV_EXACT=0`): closer to the exact product, but the tiny
+/// MoE fixture's 4-bit greedy run departed from the stock tokens with them
+/// in every session from 32 to 56, so they could never be adopted. The
+/// kernels keep the suffix their names took then (MLX keeps compiled
+/// kernels by name; the device's PTX cache too).
+pub(crate) const MLX_SUFFIX: &str = "_mlx";
 
 /// On where our CUDA kernels run unless `MLX_LFM_QGEMV_KERNEL=0`
-/// ([`exact_variant`] says why).
+/// ([`MLX_SUFFIX`] says why).
 fn enabled() -> bool {
     static ON: OnceLock<Option<bool>> = OnceLock::new();
     super::cuda_default("MLX_LFM_QGEMV_KERNEL", &ON)

@@ -986,8 +986,8 @@ pub(crate) enum Tail {
 /// (`LFM_IN_ROWS(K, R, rows, xs, lane, out)`: the first projection's rows
 /// `rows[0..R]` with the staged `K`-wide row `xs`, each summed whole into
 /// `out`; `LFM_OUT_ROWS` the same of the second), in MLX's own `qmv`
-/// arithmetic (src/kernels/quant_gemv.rs `lfm_qdot_mlx`, the
-/// `MLX_LFM_QGEMV_EXACT` walk: MLX's one-row product to the bit), every row
+/// arithmetic (src/kernels/quant_gemv.rs `lfm_qdot_mlx`, the quantized
+/// GEMV's walk: MLX's one-row product to the bit), every row
 /// asked of L2 first (a warp's later rows then wait on L2, not DRAM).
 pub(crate) const QUANT_PRODUCTS: &str = r#"
 template <typename T, int K, int BITS, int GS, int R>
