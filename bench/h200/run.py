@@ -189,7 +189,7 @@ stacked_rows_with_kernels_equal_each_row_alone), the 8B-A1B's rounds 1
 llama.cpp, every target met; and moe_experts_kernels_match_stock_ops and
 norm_gemv_kernels_match_stock_ops alone (216 s, passed: each had failed
 in call 4 on a small SwiGLU case's one-rounding floor, three since
-0c49f9f). The compiled prefill's farthest padded case: 0.1218 of the
+bf969be). The compiled prefill's farthest padded case: 0.1218 of the
 scale from the eager prefill, its uncompiled twin exactly as far (the
 padding's, not the compiling's). After it the float32-sum quantized GEMV
 was retired (step 0 of the chain below): its variants `qgemv-float` and
