@@ -206,8 +206,11 @@ The chain now:
      assertions changed after it, and the tiny MoE greedy test, which
      should now pass whole (507 s beside seven other processes in
      session 56: the call's long pole). With the other
-     72 verdicts of a3d5c25 (the kernels' PTX unchanged since), the
-     suite is then whole.
+     72 verdicts of a3d5c25 (the kernels' PTX unchanged since, but for
+     the opt-in quantized norm fold's, which makes q in pairs since
+     session 56), the suite is then whole. Every kernel on the quantized
+     header has new text, so a new module name: none of them comes from
+     .device/ptx, each compiles once in the call.
   4. carry [.device/bin], H200_OURS_ENV (mimalloc):
      H200_MODELS=lfm2-1.2b-bf16,lfm2-350m-bf16 `timeout -s TERM 560
      python3 bench/h200/run.py round 1`, then `round 2` (their latest

@@ -683,7 +683,9 @@ ONLY = opt("only")
 SASS = opt("sass")
 CUOBJDUMP = opt("cuobjdump")
 PTX_DIR = Path(opt("ptx-dir")) if opt("ptx-dir") else None
-DTYPES = opt("dtypes").split(",") if opt("dtypes") else None
+DTYPES = [d.strip() for d in opt("dtypes").split(",")] if opt("dtypes") else None
+# (A name it does not know would skip every kernel and pass.)
+assert DTYPES is None or set(DTYPES) <= set(CTYPE), f"--dtypes: one of {sorted(CTYPE)}, not {DTYPES}"
 
 
 def resources(name, prog):
@@ -721,6 +723,9 @@ def compile_one(name, code, ptx_to=None):
     nvrtc.nvrtcGetProgramLog(prog, log)
     if rc == 0 and PTXAS:
         print("   ", resources(name, prog))
+    if ptx_to and rc != 0:
+        # (No file where it failed: a previous run's would read as this one's.)
+        ptx_to.unlink(missing_ok=True)
     if rc == 0 and ptx_to:
         size = ctypes.c_size_t()
         nvrtc.nvrtcGetPTXSize(prog, ctypes.byref(size))

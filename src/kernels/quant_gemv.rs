@@ -413,12 +413,17 @@ __device__ inline void lfm_qgemv_warp(const T* x, bool xa, const uint32_t* w, co
 /// Both headers, in the order the kernels need them (with [`qint_mode`]'s
 /// defines where it is on).
 pub(crate) fn header() -> String {
-    let define = match qint_mode() {
+    format!("{}{}{QUANT_HEADER}", qint_defines(), super::gemv::header())
+}
+
+/// The defines that make [`qint_mode`]'s walk of q, to precede
+/// [`QUANT_HEADER`] in every kernel built on it.
+pub(crate) fn qint_defines() -> &'static str {
+    match qint_mode() {
         QintMode::Convert => "",
         QintMode::Bits => "#define LFM_QINT_BITS 1\n",
         QintMode::Pairs => "#define LFM_QINT_BITS 1\n#define LFM_QINT_PAIRS 1\n",
-    };
-    format!("{define}{}{QUANT_HEADER}", super::gemv::header())
+    }
 }
 
 /// How the MLX-exact quantized walk (`lfm_qdot_mlx`: the one-launch 4-bit
@@ -498,8 +503,8 @@ fn kernel() -> Option<&'static CudaKernel> {
 /// (`MLX_LFM_QGEMV_EXACT=0`): closer to the exact product, but the tiny
 /// MoE fixture's 4-bit greedy run departed from the stock tokens with them
 /// in every session from 32 to 56, so they could never be adopted. The
-/// kernels keep the suffix their names took then (MLX keeps compiled
-/// kernels by name; the device's PTX cache too).
+/// kernels keep the suffix their names took then, so that their names in
+/// ncu's and kernel-bench's records since session 39 still find them.
 pub(crate) const MLX_SUFFIX: &str = "_mlx";
 
 /// On where our CUDA kernels run unless `MLX_LFM_QGEMV_KERNEL=0`
