@@ -194,8 +194,10 @@ scale from the eager prefill, its uncompiled twin exactly as far (the
 padding's, not the compiling's). After it the float32-sum quantized GEMV
 was retired (step 0 of the chain below): its variants `qgemv-float` and
 `quant-norm-kernels` and greedy sets `qgemv-float` and
-`quant-norm-float` are gone; NVRTC held every kernel's bf16 PTX to the
-byte across the header's edit (scripts/dev/nvrtc-check.py --ptx-dir).
+`quant-norm-float` are gone; NVRTC held all 468 kernel forms' and
+dtypes' PTX to the byte across the header's edit
+(scripts/dev/nvrtc-check.py --ptx-dir; --define=LFM_QGEMV_MLX=1 on the
+tree before, its default).
 The chain now:
   1. carry [.device/a]: `stage-mlx`.
   2. carry [.device/llama]: `llama` (its build runs in the background).
