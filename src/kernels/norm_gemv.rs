@@ -279,13 +279,14 @@ const SWIGLU_DEFERRED_SOURCE: &str = r#"
 /// block recomputes costs one round trip since its loads were batched.
 const MAX_BLOCKS: i32 = 1056;
 
-/// The norm's code and the GEMVs' headers; the quantized fold's with
-/// [`super::quant_gemv::qint_defines`] first, so it makes q as the other
-/// quantized kernels do (it took the conversion units' walk, the default
-/// before session 38, until session 56: the same bits, more time).
+/// The norm's code and the GEMVs' headers; the quantized fold's through
+/// [`super::quant_gemv::header`], so it makes q as the other quantized
+/// kernels do (it took the raw header, and with it the conversion units'
+/// walk, the default before session 38, until session 56: the same bits,
+/// more time).
 fn header(quant: bool) -> String {
-    let (defines, q) = if quant { (super::quant_gemv::qint_defines(), super::quant_gemv::QUANT_HEADER) } else { ("", "") };
-    format!("{defines}{}{}{q}", super::add_rms_norm::device_code(), super::gemv::header())
+    let gemvs = if quant { super::quant_gemv::header() } else { super::gemv::header() };
+    format!("{}{gemvs}", super::add_rms_norm::device_code())
 }
 
 /// Whether the folds prefetch their first column's rows before the

@@ -413,17 +413,12 @@ __device__ inline void lfm_qgemv_warp(const T* x, bool xa, const uint32_t* w, co
 /// Both headers, in the order the kernels need them (with [`qint_mode`]'s
 /// defines where it is on).
 pub(crate) fn header() -> String {
-    format!("{}{}{QUANT_HEADER}", qint_defines(), super::gemv::header())
-}
-
-/// The defines that make [`qint_mode`]'s walk of q, to precede
-/// [`QUANT_HEADER`] in every kernel built on it.
-pub(crate) fn qint_defines() -> &'static str {
-    match qint_mode() {
+    let define = match qint_mode() {
         QintMode::Convert => "",
         QintMode::Bits => "#define LFM_QINT_BITS 1\n",
         QintMode::Pairs => "#define LFM_QINT_BITS 1\n#define LFM_QINT_PAIRS 1\n",
-    }
+    };
+    format!("{define}{}{QUANT_HEADER}", super::gemv::header())
 }
 
 /// How the MLX-exact quantized walk (`lfm_qdot_mlx`: the one-launch 4-bit

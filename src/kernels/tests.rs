@@ -2291,6 +2291,19 @@ fn check_against_reference(what: &str, got: &crate::mlx::Array, stock: &crate::m
     check_measured(what, got, stock, reference, tol, worst_relative, 1.0)
 }
 
+/// MLX's `quantized_matmul` of each row of `x` `[rows, K]` alone (its
+/// one-row qmv, which MLX's arithmetic in our kernels matches to the bit
+/// in the half types), stacked `[rows, N]`.
+fn one_row_products(x: &crate::mlx::Array, q: &crate::model::linear::Quantized) -> crate::mlx::Array {
+    let rows: Vec<crate::mlx::Array> = (0..x.dim(0))
+        .map(|i| {
+            let row = x.slice_axis(0, i, i + 1).unwrap();
+            crate::mlx::quantized_matmul(&row, &q.weight, &q.scales, q.biases.as_ref(), true, q.spec).unwrap()
+        })
+        .collect();
+    crate::mlx::concatenate(&rows.iter().collect::<Vec<_>>(), 0).unwrap()
+}
+
 /// [`check_against_reference`] for a SwiGLU output, which kernel and stock
 /// ops both round as the stock graph does (`lfm_swiglu`: the gate and up
 /// values to the dtype, the sigmoid's steps, then two products), so each
@@ -2374,13 +2387,7 @@ fn quant_gemv_kernel_matches_stock_ops() {
                     let differ = differing(&exact, &stock);
                     eprintln!("{what}: MLX's arithmetic, {differ} of {} values apart from MLX's quantized_matmul", stock.size());
                     if dt != Dtype::Float32 {
-                        let alone: Vec<crate::mlx::Array> = (0..rows)
-                            .map(|i| {
-                                let row = x.slice_axis(0, i, i + 1).unwrap();
-                                quantized_matmul(&row, &q.weight, &q.scales, q.biases.as_ref(), true, q.spec).unwrap()
-                            })
-                            .collect();
-                        let alone = crate::mlx::concatenate(&alone.iter().collect::<Vec<_>>(), 0).unwrap();
+                        let alone = one_row_products(&x, &q);
                         let differ = differing(&exact, &alone);
                         assert_eq!(differ, 0, "{what}: MLX's arithmetic differs from MLX's one-row qmv in {differ} values");
                     } else {
@@ -4676,14 +4683,7 @@ fn norm_gemv_kernels_match_stock_ops() {
                     // exact product, as the float32 sums were.
                     let (_, normed) = crate::kernels::add_rms_norm::add_rms_norm(&h, &r, &wn, &eps).unwrap();
                     if dt != Dtype::Float32 {
-                        let normed = normed.reshape(&[rows, k]).unwrap();
-                        let alone: Vec<crate::mlx::Array> = (0..rows)
-                            .map(|i| {
-                                let row = normed.slice_axis(0, i, i + 1).unwrap();
-                                quantized_matmul(&row, &q.weight, &q.scales, q.biases.as_ref(), true, q.spec).unwrap()
-                            })
-                            .collect();
-                        let want = crate::mlx::concatenate(&alone.iter().collect::<Vec<_>>(), 0).unwrap().reshape(&got.shape()).unwrap();
+                        let want = one_row_products(&normed.reshape(&[rows, k]).unwrap(), &q).reshape(&got.shape()).unwrap();
                         assert_eq!(differing(&got, &want), 0, "{what} 4-bit: MLX's arithmetic differs from MLX's one-row qmv over the fused norm");
                     } else {
                         let wd = exact_weights(&q);
