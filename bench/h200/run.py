@@ -54,7 +54,11 @@ and .device/llama do not fit together; a call runs 10 minutes at most):
        (H200_MODELS=a,b narrows the rounds and their checkpoints; with
        H200_OURS_ENV='{"LD_PRELOAD": "<ROOT>/.device/bin/libmimalloc.so"}', ours runs
        under the allocator the CLI preloads on Linux, and each round also times the
-       same bench with glibc's, engine "mlx-lfm-glibc", right after)
+       same bench with glibc's, engine "mlx-lfm-glibc", right after; run.py puts the
+       checkout's root for `<ROOT>` (since session 57: sessions 56 and 57 passed it on
+       as it was, and the loader ignored the preload), stops a round whose preload
+       names no file, and records an error where the bench says another allocator
+       served it; H200_GLIBC_BATCHED=1 also times the 16-sequence step under glibc)
     6. carry [".device/bin"]:                python3 bench/h200/run.py profile new-lengths
 Session 17 spent 65 s starting the machine, 88 s on call 2 (one test), 590
 on call 3 (checkpoints and GGUF alone ~400 s of it), 358 on `ab pick` (four
@@ -445,12 +449,27 @@ def picked_env():
     return json.loads(PICKED.read_text()) if PICKED.exists() else {}
 
 
+def ours_extra():
+    """H200_OURS_ENV as a dict, `<ROOT>` in a value standing for the
+    checkout's root on the device (the docstring's form). Sessions 56 and 57
+    passed `<ROOT>` on as it was: the loader ignored the preload with a
+    line in ours' log, the allocator record said libc's, and their rounds,
+    meant under mimalloc, ran under glibc. So a preload that names no file
+    stops the rounds before any engine runs."""
+    extra = {k: str(v).replace("<ROOT>", str(ROOT)) for k, v in json.loads(os.environ.get("H200_OURS_ENV", "{}")).items()}
+    pre = extra.get("LD_PRELOAD")
+    if pre and not all(Path(f).is_file() for f in pre.replace(":", " ").split()):
+        raise SystemExit(f"H200_OURS_ENV: LD_PRELOAD={pre} names no file here (bench/h200/prepare.sh builds "
+                         f".device/bin/libmimalloc.so; carry .device/bin)")
+    return extra
+
+
 def ours_env():
     """env() plus H200_OURS_ENV (a JSON object) for our engine alone in the
     rounds: an MLX knob (read once per process) that won its process A/B
     this session, measured in the rounds without reaching mlx-lm's MLX."""
     e = env()
-    e.update({k: str(v) for k, v in json.loads(os.environ.get("H200_OURS_ENV", "{}")).items()})
+    e.update(ours_extra())
     return e
 
 
@@ -824,6 +843,12 @@ def run_ours(name, rnd):
         if "allocator" in j:
             # Which allocator served our malloc (the loader's answer).
             record(engine="mlx-lfm-allocator", model=name, round=rnd, allocator=j["allocator"])
+            pre = ours_extra().get("LD_PRELOAD")
+            if pre and Path(pre).name not in j["allocator"]:
+                # (An error, so `collect` lists it: the round's "mlx-lfm"
+                # figures are then not the preloaded allocator's.)
+                record(engine="run_ours", model=name, round=rnd,
+                       error=f"malloc served by {j['allocator']}, not the preloaded {pre}")
         if "prompt" not in j:
             continue
         record(engine="mlx-lfm", model=name, round=rnd, metric="prefill_tps", prompt=j["prompt"], samples=j["prefill_tps_runs"])
@@ -832,7 +857,7 @@ def run_ours(name, rnd):
         # launching it, waiting for the token].
         record(engine="mlx-lfm", model=name, round=rnd, metric="decode_tps", prompt=j["prompt"], samples=j["decode_tps_runs"],
                cache=j["cache"], host_us=j.get("host_build_dispatch_wait_us_runs"))
-    if "LD_PRELOAD" in json.loads(os.environ.get("H200_OURS_ENV", "{}")):
+    if "LD_PRELOAD" in ours_extra():
         # Ours with the allocator the CLI preloads, and here the same bench
         # with glibc's (what a program that requires the package gets
         # unless it preloads too), same round, right after.
@@ -859,12 +884,23 @@ def run_ours(name, rnd):
                        samples=j["decode_tps_runs"])
                 record(engine="mlx-lfm-stock-ops", model=name, round=rnd, metric="prefill_tps", prompt=j["prompt"],
                        samples=j["prefill_tps_runs"])
+    run_batched(name, rnd, "mlx-lfm", ours_env())
+    if "LD_PRELOAD" in ours_extra() and os.environ.get("H200_GLIBC_BATCHED") == "1":
+        # The 16-sequence step under glibc too, right after: session 57's
+        # rounds, which ran it under glibc unawares, read 24-43% below
+        # session 50's under mimalloc, where the one-sequence decode moved
+        # by under 1%.
+        run_batched(name, rnd, "mlx-lfm-glibc", env(), log_name=f"ours-glibc-batched-{name}")
+
+
+def run_batched(name, rnd, engine, e, log_name=None):
     b = BATCH
     r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--concurrent", str(b["n"]), "--prompts", str(b["prompt"]),
-            "--gen", str(b["gen"]), "--reps", "2"], f"ours-batched-{name}", env=ours_env())
+            "--gen", str(b["gen"]), "--reps", "2"], log_name or f"ours-batched-{name}", env=e,
+           check=engine == "mlx-lfm")
     steps, solo, agg, phases = [], [], [], []
     for line in r.stdout.splitlines():
-        j = json.loads(line)
+        j = json.loads(line) if line.startswith("{") else {}
         if "median_step_ms" in j:
             steps.append(b["n"] * 1000.0 / j["median_step_ms"])
             solo.append(1000.0 / j["solo_step_ms"])
@@ -872,10 +908,10 @@ def run_ours(name, rnd):
             phases.append(j.get("batch_build_dispatch_sync_accept_us"))
     # (phases: µs a stacked step, build / dispatch / sync / the rows'
     # reads and deliveries: where the batched step's host time goes.)
-    record(engine="mlx-lfm", model=name, round=rnd, metric=f"batch{b['n']}_decode_tps", prompt=b["prompt"], samples=steps,
+    record(engine=engine, model=name, round=rnd, metric=f"batch{b['n']}_decode_tps", prompt=b["prompt"], samples=steps,
            phases_us=phases)
-    record(engine="mlx-lfm", model=name, round=rnd, metric="batch1_decode_tps", prompt=b["prompt"], samples=solo)
-    record(engine="mlx-lfm", model=name, round=rnd, metric=f"batch{b['n']}_end_to_end_tps", prompt=b["prompt"], samples=agg)
+    record(engine=engine, model=name, round=rnd, metric="batch1_decode_tps", prompt=b["prompt"], samples=solo)
+    record(engine=engine, model=name, round=rnd, metric=f"batch{b['n']}_end_to_end_tps", prompt=b["prompt"], samples=agg)
 
 
 def run_mlx_lm(name, rnd):
@@ -1001,6 +1037,7 @@ def wait_gguf():
 
 
 def rounds(rnd):
+    ours_extra()
     install()
     if wait_gguf():
         checkpoints(round_models())
@@ -1011,7 +1048,7 @@ def rounds(rnd):
         skip_llama = True
     # (The device tool may lend an H100 for an H200: the round names its card.)
     record(engine="env", round=rnd, gpu=gpu_query("name"), picked=picked_env(), kernels_off=(WORK / "kernels-off").exists(),
-           ours_env=json.loads(os.environ.get("H200_OURS_ENV", "{}")))
+           ours_env=ours_extra())
     for name in round_models():
         # Alternate which engine goes first so neither always meets a cold
         # (or a warm) machine.

@@ -559,6 +559,87 @@ class DeviceOf(unittest.TestCase):
                     os.environ["H200_DEVICE"] = old
 
 
+class OursPreload(unittest.TestCase):
+    """H200_OURS_ENV's preload: `<ROOT>` is the checkout's root, a preload
+    that names no file stops the round, and a bench that says another
+    allocator served it leaves an error (sessions 56 and 57 ran glibc
+    believing they ran mimalloc)."""
+
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.run = load_run(Path(self.tmp.name))
+        self.run.ROOT = Path(self.tmp.name)
+        self.run.ours_ck = lambda name: Path(self.tmp.name) / name
+        self.lib = Path(self.tmp.name) / ".device" / "bin" / "libmimalloc.so"
+        self.saved = {k: os.environ.pop(k, None) for k in ("H200_OURS_ENV", "H200_GLIBC_BATCHED")}
+        os.environ["H200_OURS_ENV"] = json.dumps({"LD_PRELOAD": "<ROOT>/.device/bin/libmimalloc.so"})
+
+    def tearDown(self):
+        for k, v in self.saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
+        self.tmp.cleanup()
+
+    def bench(self, served_by_preload):
+        """A fake bench: its allocator line names the preload when the
+        process's environment has it and `served_by_preload`."""
+        calls = []
+
+        def sh(cmd, log_name=None, check=True, env=None, **k):
+            pre = (env or {}).get("LD_PRELOAD")
+            calls.append((log_name, pre))
+            alloc = pre if pre and served_by_preload else "/lib/x86_64-linux-gnu/libc.so.6"
+            if "--concurrent" in map(str, cmd):
+                out = {"median_step_ms": 4.0, "solo_step_ms": 1.0, "concurrent_tps": 3000.0}
+            else:
+                out = {"prompt": 512, "prefill_tps_runs": [1.0], "decode_tps_runs": [2.0], "cache": "paged"}
+            return Result("\n".join([json.dumps({"allocator": alloc}), json.dumps(out)]) + "\n")
+
+        self.run.sh = sh
+        return calls
+
+    def test_root_is_the_checkouts_and_a_missing_file_stops(self):
+        with self.assertRaises(SystemExit) as e:
+            self.run.ours_extra()
+        self.assertIn(str(self.lib), str(e.exception))
+        self.lib.parent.mkdir(parents=True)
+        self.lib.write_bytes(b"")
+        self.assertEqual(self.run.ours_extra(), {"LD_PRELOAD": str(self.lib)})
+
+    def test_the_round_stops_before_any_engine(self):
+        ran = []
+        self.run.install = lambda: ran.append("install")
+        with self.assertRaises(SystemExit):
+            self.run.rounds(1)
+        self.assertEqual(ran, [])
+
+    def test_a_preload_the_bench_did_not_get_is_an_error(self):
+        self.lib.parent.mkdir(parents=True)
+        self.lib.write_bytes(b"")
+        self.bench(served_by_preload=False)
+        self.run.run_ours("lfm2-350m-bf16", 1)
+        errors = [r for r in records(self.run) if r.get("error")]
+        self.assertTrue(errors and "not the preloaded" in errors[0]["error"], errors)
+        self.assertEqual(errors[0]["engine"], "run_ours")
+
+    def test_a_served_preload_is_no_error_and_glibc_batched_is_opt_in(self):
+        self.lib.parent.mkdir(parents=True)
+        self.lib.write_bytes(b"")
+        calls = self.bench(served_by_preload=True)
+        self.run.run_ours("lfm2-350m-bf16", 1)
+        self.assertFalse([r for r in records(self.run) if r.get("error")])
+        batched = lambda: [(r["engine"], r["metric"]) for r in records(self.run) if r.get("metric", "").startswith("batch16_decode")]
+        self.assertEqual(batched(), [("mlx-lfm", "batch16_decode_tps")])
+        os.environ["H200_GLIBC_BATCHED"] = "1"
+        calls.clear()
+        self.run.RAW.unlink()
+        self.run.run_ours("lfm2-350m-bf16", 1)
+        self.assertEqual(batched(), [("mlx-lfm", "batch16_decode_tps"), ("mlx-lfm-glibc", "batch16_decode_tps")])
+        glibc = [pre for name, pre in calls if name == "ours-glibc-batched-lfm2-350m-bf16"]
+        self.assertEqual(glibc, [None])
+
+
 class ColdPass(unittest.TestCase):
     """The untimed pass at a new prompt length is kept as its own metric,
     and only where the engine reported one."""
