@@ -181,6 +181,40 @@ so ask `status` before each retry and call only once its `none_now`
 window has passed; a call that names no kind after a failed H100 start
 asks for an H200 only. Never let a helper use the device: session 46's
 reviewer started the machine and ran ~150 s on it).
+Session 57 got an H100 at once (23:49 UTC on 2026-12-07 to 00:16 on the
+8th; its README block; binaries of 6b1e045) and ran session 56's chain:
+step 3 passed all nine tests (517 s; the tiny MoE greedy test whole for
+the first time since session 32), so every GPU test has passed with the
+kernels as they are; step 4's rounds (350M and 1.2B, 242 and 187 s) and
+a round of the 8B-A1B (194 s, after call 7 made its checkpoints and
+GGUF) met every decode and prefill target, but under glibc: the
+preload was passed as `<ROOT>/...` word for word, the loader ignored it
+(so it went in session 56's rounds too), and run.py fills the root in
+and stops on a preload naming no file since. Step 5 first found no
+checkpoint on the fresh machine (`profile-kernels` makes them since),
+then got ncu's detail sections (180 s) and lost the stall pass to its
+TERM (H200_NCU_STALLS_ONLY=1 runs that pass alone since).
+The chain now:
+  1. carry [.device/a]: `stage-mlx`.
+  2. carry [.device/llama]: `llama` (its build runs in the background).
+  3. carry [.device/bin], H200_OURS_ENV='{"LD_PRELOAD":
+     "<ROOT>/.device/bin/libmimalloc.so"}' H200_GLIBC_BATCHED=1
+     H200_MODELS=lfm2-1.2b-bf16,lfm2-350m-bf16 `timeout -s TERM 560
+     python3 bench/h200/run.py round 1`, then `round 2`: check the
+     record's allocator says libmimalloc (and no run_ours error); the
+     16-sequence step under both allocators in one round decides what
+     session 57's 18-43% drop was (the allocator, or a change since
+     c636a56). ~280 and ~230 s.
+  4. Same env, H200_MODELS=lfm2-8b-a1b-q4 `timeout -s TERM 560 python3
+     bench/h200/run.py round 1` (~350 s with its checkpoints and GGUF on
+     a fresh machine).
+  5. With what is left: H200_NCU_STALLS_ONLY=1
+     H200_NCU_KERNELS='lfm_moe_fused|lfm_conv_fused' H200_NCU_COUNT=6
+     H200_MODELS=lfm2-8b-a1b-q4 `timeout -s TERM 300 python3
+     bench/h200/run.py profile-kernels` (the checkpoint is there after
+     step 4).
+  On an H200: the three models' rounds first (none since session 30;
+  the issue's targets are the H200's).
 Session 56 got an H100 at once (22:02-22:29 UTC on 2026-12-07; its
 README block; binaries of a3d5c25) and ran session 55's chain but its
 step 5: `stage-mlx`, `llama`, the suite (H200_KERNEL_JOBS=8, TERM 540,
@@ -202,7 +236,7 @@ was retired (step 0 of the chain below): its variants `qgemv-float` and
 dtypes' PTX to the byte across the header's edit
 (scripts/dev/nvrtc-check.py --ptx-dir; --define=LFM_QGEMV_MLX=1 on the
 tree before, its default).
-The chain now:
+Its chain, which session 57 ran (above):
   1. carry [.device/a]: `stage-mlx`.
   2. carry [.device/llama]: `llama` (its build runs in the background).
   3. carry [.device/b, .device/tests, .device/ptx, .device/lm]:
@@ -1185,21 +1219,26 @@ def profile_kernels():
     # 0.07 TB/s, beside MLX's own GEMV at 3.0 TB/s.)
     pattern = os.environ.get("H200_NCU_KERNELS", "lfm_moe_down|lfm_moe_gate_up|lfm_moe_router|lfm_decode_attention|"
                                                  "lfm_add_rms_norm|gemv_single|qmv_kernel")
+    # (H200_NCU_STALLS_ONLY=1: the stall pass alone, where an earlier call
+    # has the detail sections: session 57's took 180 s of the 8B-A1B's and
+    # left the stall pass to its TERM.)
+    stalls_only = os.environ.get("H200_NCU_STALLS_ONLY") == "1"
     for name in ab_models():
         e = env()
-        args = ["--kernel-name", f"regex:{pattern}", *NCU_SECTIONS]
-        csv = ncu_step(name, "ncu-detail", args, "details", e)
-        if csv is None:
-            continue
-        import csv as _csv
-        import io
-        per = {}
-        for row in _csv.DictReader(io.StringIO(csv)):
-            k = row.get("Kernel Name")
-            if k:
-                per.setdefault(k, {})[row.get("Metric Name", "")] = row.get("Metric Value", "")
         switches = {k: v for k, v in e.items() if k.startswith("MLX_LFM_")}
-        record(engine="ncu-detail", model=name, switches=switches, kernels=per)
+        if not stalls_only:
+            args = ["--kernel-name", f"regex:{pattern}", *NCU_SECTIONS]
+            csv = ncu_step(name, "ncu-detail", args, "details", e)
+            if csv is None:
+                continue
+            import csv as _csv
+            import io
+            per = {}
+            for row in _csv.DictReader(io.StringIO(csv)):
+                k = row.get("Kernel Name")
+                if k:
+                    per.setdefault(k, {})[row.get("Metric Name", "")] = row.get("Metric Value", "")
+            record(engine="ncu-detail", model=name, switches=switches, kernels=per)
         # Where the warps wait, per issued instruction, by reason (long
         # scoreboard: a global load; barrier; not selected; ...): session 21
         # and 22 left the folds, the experts' down kernel, the router and the
@@ -3354,6 +3393,9 @@ def main():
                 profile()
             elif a == "profile-kernels":
                 install()
+                # (Session 57's call 6 found no checkpoint on its machine:
+                # it recorded a load error and ended in 2 s.)
+                checkpoints(ab_models(), gguf=False)
                 profile_kernels()
             elif a == "profile-gaps":
                 install()

@@ -325,6 +325,16 @@ class ProfileKernels(unittest.TestCase):
         detail = [r for r in records(self.run) if r.get("engine") == "ncu-detail"]
         self.assertEqual(detail[0]["kernels"]["custom_kernel_lfm_moe_fused_0123456789abcdef"]["Duration"], "38,000")
 
+    def test_stalls_only_skips_the_detail_pass(self):
+        os.environ["H200_NCU_STALLS_ONLY"] = "1"
+        try:
+            self.run.profile_kernels()
+        finally:
+            os.environ.pop("H200_NCU_STALLS_ONLY", None)
+        self.assertEqual(len(self.ncu), 1)
+        self.assertTrue(any("ncu-stalls" in c for c in self.ncu[0]), self.ncu[0])
+        self.assertFalse([r for r in records(self.run) if r.get("engine") == "ncu-detail"])
+
     def test_unset_replays_every_launch(self):
         os.environ.pop("H200_NCU_COUNT", None)
         self.run.profile_kernels()
