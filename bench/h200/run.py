@@ -3076,19 +3076,27 @@ def batch_phases():
     3.0-4.5 ms on the 350M against ~1.9 ms in session 12, more than its
     single-sequence step slowed)."""
     b = BATCH
+    # (Then one process with the nodes of each stacked step counted,
+    # MLX_LFM_COUNT_STEP_NODES=1: session 57 read the 16-row step's dispatch
+    # at ~5x the one-row step's, which `step-ops` counts at ~60 nodes.
+    # H200_BATCH_NODES_ONLY=1 runs that process alone.)
+    arms = [] if os.environ.get("H200_BATCH_NODES_ONLY") == "1" else [(rep, sync) for rep in range(2) for sync in ("0", "1")]
     for name in ab_models():
-        for rep in range(2):
-            for sync in ("0", "1"):
-                e = env()
+        for rep, sync in arms + [(0, "nodes")]:
+            e = env()
+            if sync == "nodes":
+                e["MLX_LFM_COUNT_STEP_NODES"] = "1"
+            else:
                 e["MLX_LFM_SYNC_STEPS"] = sync
-                r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--concurrent", str(b["n"]), "--prompts",
-                        str(b["prompt"]), "--gen", str(b["gen"]), "--reps", "1"], f"batch-phases-{name}", check=False, env=e)
-                for line in r.stdout.splitlines():
-                    j = json.loads(line) if line.startswith("{") else {}
-                    if "median_step_ms" in j:
-                        record(engine="batch-phases", model=name, sync=sync == "1", rep=rep,
-                               median_step_ms=j["median_step_ms"], solo_step_ms=j["solo_step_ms"],
-                               phases_us=j.get("batch_build_dispatch_sync_accept_us"))
+            r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--concurrent", str(b["n"]), "--prompts",
+                    str(b["prompt"]), "--gen", str(b["gen"]), "--reps", "1"], f"batch-phases-{name}", check=False, env=e)
+            for line in r.stdout.splitlines():
+                j = json.loads(line) if line.startswith("{") else {}
+                if "median_step_ms" in j:
+                    extra = {"nodes": j.get("batch_step_nodes")} if sync == "nodes" else {"sync": sync == "1"}
+                    record(engine="batch-phases", model=name, rep=rep, **extra,
+                           median_step_ms=j["median_step_ms"], solo_step_ms=j["solo_step_ms"],
+                           phases_us=j.get("batch_build_dispatch_sync_accept_us"))
 
 
 def pick():

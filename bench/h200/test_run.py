@@ -650,6 +650,45 @@ class OursPreload(unittest.TestCase):
         self.assertEqual(glibc, [None])
 
 
+class BatchPhases(unittest.TestCase):
+    """`batch-phases` times the 16-row step pipelined and synced, then
+    counts its nodes in a process of its own (the count's walk is host
+    time a step, so never in a timed arm)."""
+
+    def test_the_nodes_come_from_their_own_process(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            run = load_run(Path(tmp))
+            run.ours_ck = lambda name: Path(tmp) / name
+            envs = []
+
+            def sh(cmd, *a, env=None, **k):
+                counted = env.get("MLX_LFM_COUNT_STEP_NODES") == "1"
+                envs.append((env.get("MLX_LFM_SYNC_STEPS"), counted))
+                j = {"median_step_ms": 2.0, "solo_step_ms": 1.0, "batch_build_dispatch_sync_accept_us": [1, 2, 0, 3]}
+                if counted:
+                    j["batch_step_nodes"] = {"steps": 63, "min": 220, "mean": 260.0, "max": 2700}
+                return Result(json.dumps(j) + "\n")
+
+            run.sh = sh
+            saved = {k: os.environ.pop(k, None) for k in ("H200_MODELS", "H200_BATCH_NODES_ONLY")}
+            os.environ["H200_MODELS"] = "lfm2-350m-bf16"
+            try:
+                run.batch_phases()
+                self.assertEqual(envs, [("0", False), ("1", False), ("0", False), ("1", False), (None, True)])
+                got = [r for r in records(run) if r.get("engine") == "batch-phases"]
+                self.assertEqual([r.get("sync") for r in got], [False, True, False, True, None])
+                self.assertEqual(got[-1]["nodes"]["min"], 220)
+                envs.clear()
+                os.environ["H200_BATCH_NODES_ONLY"] = "1"
+                run.batch_phases()
+                self.assertEqual(envs, [(None, True)])
+            finally:
+                for k, v in saved.items():
+                    os.environ.pop(k, None)
+                    if v is not None:
+                        os.environ[k] = v
+
+
 class ColdPass(unittest.TestCase):
     """The untimed pass at a new prompt length is kept as its own metric,
     and only where the engine reported one."""

@@ -10,7 +10,8 @@
 //!     llama-bench warms up; `--cold-first` times that pass as the first rep
 //!   mlx-lfm-bench --concurrent N [--prompts 128] [--gen 64] [--reps 2] [model args]
 //!     aggregate tok/s of N requests run together (continuous batching)
-//!     against the same N one after another, same run.
+//!     against the same N one after another, same run; with
+//!     MLX_LFM_COUNT_STEP_NODES=1 also the nodes a stacked step hands MLX.
 //!   mlx-lfm-bench --constrained [--gen 128] [--reps 3] [--batch 4] [model args]
 //!     decode tok/s under a JSON schema and a regex (llguidance masks)
 //!     against free sampling, same engine, same run: one request alone,
@@ -841,9 +842,11 @@ fn concurrent(
         eng.clear_prefix_cache();
         profiling.set(r == 0);
         mlx_lfm::generate::timing::take_batch();
+        mlx_lfm::generate::timing::take_batch_nodes();
         let t = Instant::now();
         let steps = run_together(&mut eng, &prompts)?;
         let times = mlx_lfm::generate::timing::take_batch();
+        let nodes = mlx_lfm::generate::timing::take_batch_nodes();
         profiling.set(false);
         let par_s = t.elapsed().as_secs_f64();
         let total = (n * gen) as f64;
@@ -861,6 +864,11 @@ fn concurrent(
                 // reads and deliveries (`generate::timing::BatchTimes`).
                 "batch_build_dispatch_sync_accept_us": times.per_step_us().map(|x| (x * 10.0).round() / 10.0),
                 "stacked_steps": times.stacked,
+                // Nodes a stacked step handed MLX (MLX_LFM_COUNT_STEP_NODES=1
+                // only; the least is a steady step's).
+                "batch_step_nodes": (nodes.steps > 0).then(|| serde_json::json!({
+                    "steps": nodes.steps, "min": nodes.min, "mean": (nodes.mean() * 10.0).round() / 10.0, "max": nodes.max,
+                })),
             })
         );
     }

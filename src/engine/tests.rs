@@ -948,6 +948,29 @@ fn engines_built_under_overrides_keep_their_own_switches() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// `prompts` submitted to one scheduler, `max_tokens` each past EOS,
+/// stepped (stacked where it can) until idle: each request's tokens, in
+/// the prompts' order.
+fn scheduled_tokens(e: &mut Engine, prompts: &[Vec<u32>], max_tokens: usize) -> Vec<Vec<u32>> {
+    use super::{Request, Scheduler};
+    use std::sync::{Arc, Mutex};
+    type Done = Arc<Mutex<Vec<(usize, Vec<u32>)>>>;
+    let got: Done = Arc::new(Mutex::new(vec![]));
+    let mut s = Scheduler::new();
+    for (i, p) in prompts.iter().enumerate() {
+        let got = got.clone();
+        let params = GenerateParams { max_tokens, ignore_eos: true, ..Default::default() };
+        s.submit(e, Request::tokens(p.clone(), params, move |r| got.lock().unwrap().push((i, r.unwrap().tokens))));
+    }
+    while !s.is_idle() {
+        s.prefill_next(e);
+        s.step_active(e);
+    }
+    let mut got = std::mem::take(&mut *got.lock().unwrap());
+    got.sort();
+    got.into_iter().map(|(_, t)| t).collect()
+}
+
 /// `MLX_LFM_SYNC_STEPS=1` (a measurement switch: each decode step waited
 /// for right after its dispatch) gives the same tokens and counts that
 /// wait, which the pipelined loop does not.
@@ -970,25 +993,8 @@ fn synchronous_steps_give_the_same_tokens_and_count_their_wait() {
     }
     // And the scheduler's stacked batch step: the same tokens per request,
     // its phases counted, its sync only under the switch.
-    use super::{Request, Scheduler};
-    use std::sync::{Arc, Mutex};
     let prompts = [prompt(9, 1), prompt(14, 2), prompt(11, 3)];
-    let batched = |e: &mut Engine| -> Vec<Vec<u32>> {
-        let got: Arc<Mutex<Vec<(usize, Vec<u32>)>>> = Arc::new(Mutex::new(vec![]));
-        let mut s = Scheduler::new();
-        for (i, p) in prompts.iter().enumerate() {
-            let got = got.clone();
-            let params = GenerateParams { max_tokens: 12, ignore_eos: true, ..Default::default() };
-            s.submit(e, Request::tokens(p.clone(), params, move |r| got.lock().unwrap().push((i, r.unwrap().tokens))));
-        }
-        while !s.is_idle() {
-            s.prefill_next(e);
-            s.step_active(e);
-        }
-        let mut got = std::mem::take(&mut *got.lock().unwrap());
-        got.sort();
-        got.into_iter().map(|(_, t)| t).collect()
-    };
+    let batched = |e: &mut Engine| scheduled_tokens(e, &prompts, 12);
     crate::generate::timing::take_batch();
     let want = batched(&mut e);
     let plain = crate::generate::timing::take_batch();
@@ -1000,6 +1006,52 @@ fn synchronous_steps_give_the_same_tokens_and_count_their_wait() {
     if std::env::var_os("MLX_LFM_SYNC_STEPS").is_none() {
         assert_eq!(plain.sync_ns, 0, "{plain:?}");
     }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// `MLX_LFM_COUNT_STEP_NODES=1` (a measurement switch: each decode step's
+/// dispatched graph walked and its nodes counted) gives the same tokens,
+/// counts every step of the loop it is on for and only those, and a
+/// stacked step of three rows hands MLX more nodes than a one-row step.
+#[test]
+fn counted_steps_give_the_same_tokens_and_their_nodes() {
+    // (Not `take_batch`: the sync test beside it reads and resets those
+    // counters; the node counts are this test's and the bench's alone.)
+    use crate::generate::timing::{take_batch_nodes, take_single_nodes};
+    let dir = fixture_dir("count-nodes", Preset::Tiny);
+    let mut e = engine(&dir, false, 16, 64, Some(DecodePath::Compiled));
+    let count = vec![("MLX_LFM_COUNT_STEP_NODES".to_string(), Some("1".to_string()))];
+    let unset = std::env::var_os("MLX_LFM_COUNT_STEP_NODES").is_none();
+    let p = prompt(20, 6);
+    take_single_nodes();
+    let want = run(&mut e, &p, 24).tokens;
+    let plain = take_single_nodes();
+    let got = crate::knobs::with_overrides(&count, || run(&mut e, &p, 24)).tokens;
+    let single = take_single_nodes();
+    assert_eq!(got, want, "counting the nodes changed the tokens");
+    if unset {
+        // (Only this thread's override turns it on: no other test's steps count.)
+        assert_eq!(plain.steps, 0, "{plain:?}");
+    }
+    // A step a token after the first (the prefill's draw), each with a graph.
+    assert!(single.steps >= 20 && single.min > 0 && single.max >= single.min, "{single:?}");
+    let prompts = [prompt(9, 1), prompt(14, 2), prompt(11, 3)];
+    let batched = |e: &mut Engine| scheduled_tokens(e, &prompts, 12);
+    take_batch_nodes();
+    let want = batched(&mut e);
+    let plain = take_batch_nodes();
+    let got = crate::knobs::with_overrides(&count, || batched(&mut e));
+    let nodes = take_batch_nodes();
+    assert_eq!(got, want, "counting the nodes changed a request's tokens");
+    if unset {
+        assert_eq!(plain.steps, 0, "{plain:?}");
+    }
+    // (Three requests of 12 tokens, the first of each from its prefill: at
+    // most 11 stacked steps a row.)
+    assert!(nodes.steps > 0 && nodes.steps <= 33, "{nodes:?}");
+    // Three rows' step: more nodes than one row's (each row's token and
+    // finiteness flag are their own slices), however the layers serve.
+    assert!(nodes.min > single.min, "{nodes:?} against one row's {single:?}");
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -997,8 +997,18 @@ pub fn prepare_constrained<'a>(rows: impl Iterator<Item = (&'a mut Sequence, boo
 /// [`timing::sync_steps`], waits for them; `clock` counts both phases (the
 /// single-sequence loop's or the stacked batch's).
 pub(crate) fn dispatch_step(tokens: &[&Array], caches: &mut [&mut ModelCache], clock: &timing::Clock) -> Result<()> {
-    let t = Instant::now();
-    queue_tokens(tokens, caches)?;
+    let mut t = Instant::now();
+    let fresh: Vec<Array> = caches.iter_mut().flat_map(|c| c.take_fresh()).collect();
+    if timing::count_nodes() {
+        let walk = Instant::now();
+        let mut all: Vec<&Array> = tokens.to_vec();
+        all.extend(fresh.iter());
+        let n: usize = crate::mlx::graph_ops(&all)?.iter().map(|(_, n)| n).sum();
+        clock.nodes(n as u64);
+        // (The walk is the count's time, not the dispatch's.)
+        t += walk.elapsed();
+    }
+    queue_graphs(tokens, &fresh)?;
     clock.dispatch(t);
     if timing::sync_steps() {
         let t = Instant::now();
@@ -1020,6 +1030,10 @@ pub(crate) fn dispatch_step(tokens: &[&Array], caches: &mut [&mut ModelCache], c
 /// order. (The copies come only at a block's end: 32 tokens by default.)
 pub fn queue_tokens(tokens: &[&Array], caches: &mut [&mut ModelCache]) -> Result<()> {
     let fresh: Vec<Array> = caches.iter_mut().flat_map(|c| c.take_fresh()).collect();
+    queue_graphs(tokens, &fresh)
+}
+
+fn queue_graphs(tokens: &[&Array], fresh: &[Array]) -> Result<()> {
     async_eval(tokens)?;
     if fresh.is_empty() {
         return Ok(());

@@ -61,6 +61,79 @@ pub fn sync_steps() -> bool {
     crate::knobs::cached("MLX_LFM_SYNC_STEPS", &ON, |v| v == Some("1"))
 }
 
+/// A measurement switch (`MLX_LFM_COUNT_STEP_NODES=1`, per engine through
+/// `knobs`): each decode step's graph, as dispatched (the tokens' and what
+/// the caches built beside them), is walked and its nodes counted into
+/// [`StepNodes`], outside the dispatch's clock. What MLX's dispatch costs
+/// grows with the nodes (each one's `eval_gpu`): session 57's H100 read
+/// the stacked 16-row step's dispatch at ~5x the one-row step's, and this
+/// says how many nodes each hands MLX. Never on by default (the walk is
+/// host time a step).
+pub fn count_nodes() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    crate::knobs::cached("MLX_LFM_COUNT_STEP_NODES", &ON, |v| v == Some("1"))
+}
+
+/// One loop's node counts under [`count_nodes`].
+pub(crate) struct NodeCounts {
+    steps: AtomicU64,
+    sum: AtomicU64,
+    min: AtomicU64,
+    max: AtomicU64,
+}
+
+impl NodeCounts {
+    const fn new() -> Self {
+        NodeCounts { steps: AtomicU64::new(0), sum: AtomicU64::new(0), min: AtomicU64::new(u64::MAX), max: AtomicU64::new(0) }
+    }
+
+    fn add(&self, n: u64) {
+        self.steps.fetch_add(1, Relaxed);
+        self.sum.fetch_add(n, Relaxed);
+        self.min.fetch_min(n, Relaxed);
+        self.max.fetch_max(n, Relaxed);
+    }
+
+    fn take(&self) -> StepNodes {
+        let steps = self.steps.swap(0, Relaxed);
+        let (sum, min, max) = (self.sum.swap(0, Relaxed), self.min.swap(u64::MAX, Relaxed), self.max.swap(0, Relaxed));
+        if steps == 0 {
+            return StepNodes::default();
+        }
+        StepNodes { steps, sum, min, max }
+    }
+}
+
+/// Nodes a counted step handed MLX: the least (a steady step), the most (a
+/// step that also joined rows or copied filled blocks) and their sum.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepNodes {
+    pub steps: u64,
+    pub sum: u64,
+    pub min: u64,
+    pub max: u64,
+}
+
+impl StepNodes {
+    pub fn mean(&self) -> f64 {
+        self.sum as f64 / self.steps.max(1) as f64
+    }
+}
+
+static SINGLE_NODES: NodeCounts = NodeCounts::new();
+static BATCH_NODES: NodeCounts = NodeCounts::new();
+
+/// The single-sequence loop's node counts so far, reset (apart from
+/// [`take`], which other measurements reset on their own schedule).
+pub fn take_single_nodes() -> StepNodes {
+    SINGLE_NODES.take()
+}
+
+/// The stacked batch step's node counts so far, reset.
+pub fn take_batch_nodes() -> StepNodes {
+    BATCH_NODES.take()
+}
+
 fn add(counter: &AtomicU64, since: Instant) {
     counter.fetch_add(since.elapsed().as_nanos() as u64, Relaxed);
 }
@@ -90,9 +163,14 @@ pub fn take() -> StepTimes {
 pub(crate) struct Clock {
     dispatch: &'static AtomicU64,
     sync: &'static AtomicU64,
+    nodes: &'static NodeCounts,
 }
 
 impl Clock {
+    pub(crate) fn nodes(&self, n: u64) {
+        self.nodes.add(n);
+    }
+
     pub(crate) fn dispatch(&self, since: Instant) {
         add(self.dispatch, since);
     }
@@ -103,9 +181,9 @@ impl Clock {
 }
 
 /// The single-sequence loop's counters ([`StepTimes`]).
-pub(crate) static SINGLE: Clock = Clock { dispatch: &DISPATCH_NS, sync: &SYNC_NS };
+pub(crate) static SINGLE: Clock = Clock { dispatch: &DISPATCH_NS, sync: &SYNC_NS, nodes: &SINGLE_NODES };
 /// The stacked batch step's counters ([`BatchTimes`]).
-pub(crate) static BATCH: Clock = Clock { dispatch: &BATCH_DISPATCH_NS, sync: &BATCH_SYNC_NS };
+pub(crate) static BATCH: Clock = Clock { dispatch: &BATCH_DISPATCH_NS, sync: &BATCH_SYNC_NS, nodes: &BATCH_NODES };
 
 /// The same phases for the scheduler's stacked batch step (all rows in one
 /// compiled call): per step, not per token.
