@@ -204,7 +204,11 @@ The chain now:
      record's allocator says libmimalloc (and no run_ours error); the
      16-sequence step under both allocators in one round decides what
      session 57's 18-43% drop was (the allocator, or a change since
-     c636a56). ~280 and ~230 s.
+     c636a56). ~280 and ~230 s. Then, in `round 2`'s call or its own:
+     H200_BATCH_NODES_ONLY=1 H200_MODELS=lfm2-350m-bf16,lfm2-1.2b-bf16
+     `batch-phases` (~60 s): the nodes a 16-row step hands MLX
+     (MLX_LFM_COUNT_STEP_NODES, new in session 57), against the one-row
+     step's ~60 (`step-ops`): every one-launch layer kernel takes one row.
   4. Same env, H200_MODELS=lfm2-8b-a1b-q4 `timeout -s TERM 560 python3
      bench/h200/run.py round 1` (~350 s with its checkpoints and GGUF on
      a fresh machine).
