@@ -496,10 +496,23 @@ def ours_extra():
     stops the rounds before any engine runs."""
     extra = {k: str(v).replace("<ROOT>", str(ROOT)) for k, v in json.loads(os.environ.get("H200_OURS_ENV", "{}")).items()}
     pre = extra.get("LD_PRELOAD")
-    if pre and not all(Path(f).is_file() for f in pre.replace(":", " ").split()):
+    # (A bare name is the loader's to find on its path; a path must be there.)
+    if pre and not all(Path(f).is_file() for f in preloads(pre) if "/" in f):
         raise SystemExit(f"H200_OURS_ENV: LD_PRELOAD={pre} names no file here (bench/h200/prepare.sh builds "
                          f".device/bin/libmimalloc.so; carry .device/bin)")
     return extra
+
+
+def preloads(value):
+    """The libraries an LD_PRELOAD value names (colons or spaces apart)."""
+    return value.replace(":", " ").split()
+
+
+def glibc_env():
+    """ours_env() without its preload: the allocator alone differs."""
+    e = ours_env()
+    e.pop("LD_PRELOAD", None)
+    return e
 
 
 def ours_env():
@@ -882,9 +895,11 @@ def run_ours(name, rnd):
             # Which allocator served our malloc (the loader's answer).
             record(engine="mlx-lfm-allocator", model=name, round=rnd, allocator=j["allocator"])
             pre = ours_extra().get("LD_PRELOAD")
-            if pre and Path(pre).name not in j["allocator"]:
+            served = j["allocator"] or ""
+            if pre and not any(Path(f).name in served for f in preloads(pre)):
                 # (An error, so `collect` lists it: the round's "mlx-lfm"
-                # figures are then not the preloaded allocator's.)
+                # figures are then not the preloaded allocator's. The bench
+                # gives null where the loader names no library.)
                 record(engine="run_ours", model=name, round=rnd,
                        error=f"malloc served by {j['allocator']}, not the preloaded {pre}")
         if "prompt" not in j:
@@ -900,7 +915,8 @@ def run_ours(name, rnd):
         # with glibc's (what a program that requires the package gets
         # unless it preloads too), same round, right after.
         r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--prompts", ",".join(map(str, prompts)),
-                "--gen", str(GEN), "--reps", str(REPS), "--paths", "compiled"], f"ours-glibc-{name}", check=False)
+                "--gen", str(GEN), "--reps", str(REPS), "--paths", "compiled"], f"ours-glibc-{name}", check=False,
+               env=glibc_env())
         for line in r.stdout.splitlines():
             j = json.loads(line) if line.startswith("{") else {}
             if "prompt" in j:
@@ -925,10 +941,10 @@ def run_ours(name, rnd):
     run_batched(name, rnd, "mlx-lfm", ours_env())
     if "LD_PRELOAD" in ours_extra() and os.environ.get("H200_GLIBC_BATCHED") == "1":
         # The 16-sequence step under glibc too, right after: session 57's
-        # rounds, which ran it under glibc unawares, read 24-43% below
-        # session 50's under mimalloc, where the one-sequence decode moved
-        # by under 1%.
-        run_batched(name, rnd, "mlx-lfm-glibc", env(), log_name=f"ours-glibc-batched-{name}")
+        # rounds, which ran it under glibc unawares, read 18-43% below
+        # session 50's under mimalloc, where the 1.2B's one-sequence decode
+        # held.
+        run_batched(name, rnd, "mlx-lfm-glibc", glibc_env(), log_name=f"ours-glibc-batched-{name}")
 
 
 def run_batched(name, rnd, engine, e, log_name=None):
@@ -936,6 +952,11 @@ def run_batched(name, rnd, engine, e, log_name=None):
     r = sh([BENCH, "--model", ours_ck(name), "--device", "gpu", "--concurrent", str(b["n"]), "--prompts", str(b["prompt"]),
             "--gen", str(b["gen"]), "--reps", "2"], log_name or f"ours-batched-{name}", env=e,
            check=engine == "mlx-lfm")
+    if r.returncode != 0:
+        # (The glibc twin's failure: its own error record, not empty samples
+        # that `collect` drops without a word.)
+        record(engine=engine, model=name, round=rnd, error=f"batched bench failed ({r.returncode}): {r.stderr[-2000:]}")
+        return
     steps, solo, agg, phases = [], [], [], []
     for line in r.stdout.splitlines():
         j = json.loads(line) if line.startswith("{") else {}
@@ -1436,7 +1457,7 @@ def profile_prefill():
                 "--paths", "compiled"], f"prefill-wall-{name}", check=False, env=ours_env())
         ttft = [json.loads(l)["ttft_ms"] for l in r.stdout.splitlines() if "ttft_ms" in l]
         record(engine="ncu-prefill", model=name, prompt=512, kernels=summarize_ncu(csv.stdout), ttft_ms=ttft,
-               ours_env=json.loads(os.environ.get("H200_OURS_ENV", "{}")))
+               ours_env=ours_extra())
 
 
 def ab_binaries():

@@ -633,6 +633,39 @@ class OursPreload(unittest.TestCase):
         self.assertTrue(errors and "not the preloaded" in errors[0]["error"], errors)
         self.assertEqual(errors[0]["engine"], "run_ours")
 
+    def test_a_null_allocator_is_an_error_not_a_crash(self):
+        self.lib.parent.mkdir(parents=True)
+        self.lib.write_bytes(b"")
+        self.run.sh = lambda cmd, *a, **k: Result(json.dumps({"allocator": None}) + "\n")
+        self.run.run_ours("lfm2-1.2b-bf16", 1)
+        self.assertTrue([r for r in records(self.run) if "not the preloaded" in r.get("error", "")])
+
+    def test_a_bare_library_name_is_the_loaders_to_find(self):
+        os.environ["H200_OURS_ENV"] = json.dumps({"LD_PRELOAD": "libjemalloc.so.2"})
+        self.assertEqual(self.run.ours_extra(), {"LD_PRELOAD": "libjemalloc.so.2"})
+
+    def test_the_glibc_twin_keeps_the_other_switches_and_a_failure_is_recorded(self):
+        self.lib.parent.mkdir(parents=True)
+        self.lib.write_bytes(b"")
+        os.environ["H200_OURS_ENV"] = json.dumps({"LD_PRELOAD": "<ROOT>/.device/bin/libmimalloc.so", "MLX_LFM_X": "1"})
+        os.environ["H200_GLIBC_BATCHED"] = "1"
+        seen = []
+
+        def sh(cmd, log_name=None, check=True, env=None, **k):
+            seen.append((log_name, env.get("LD_PRELOAD"), env.get("MLX_LFM_X")))
+            if log_name == "ours-glibc-batched-lfm2-1.2b-bf16":
+                return Result("", returncode=1, stderr="boom")
+            if "--concurrent" in map(str, cmd):
+                return Result(json.dumps({"median_step_ms": 4.0, "solo_step_ms": 1.0, "concurrent_tps": 3000.0}) + "\n")
+            return Result(json.dumps({"allocator": env.get("LD_PRELOAD") or "libc.so.6"}) + "\n")
+
+        self.run.sh = sh
+        self.run.run_ours("lfm2-1.2b-bf16", 1)
+        glibc = [x for x in seen if x[0] and "glibc" in x[0]]
+        self.assertEqual([(p, x) for _, p, x in glibc], [(None, "1"), (None, "1")])
+        errors = [r for r in records(self.run) if r.get("engine") == "mlx-lfm-glibc" and "error" in r]
+        self.assertTrue(errors and "boom" in errors[0]["error"], errors)
+
     def test_a_served_preload_is_no_error_and_glibc_batched_is_opt_in(self):
         self.lib.parent.mkdir(parents=True)
         self.lib.write_bytes(b"")

@@ -993,9 +993,11 @@ pub fn prepare_constrained<'a>(rows: impl Iterator<Item = (&'a mut Sequence, boo
     true
 }
 
-/// Queues a decode step's tokens ([`queue_tokens`]) and, under
-/// [`timing::sync_steps`], waits for them; `clock` counts both phases (the
-/// single-sequence loop's or the stacked batch's).
+/// Queues a decode step's tokens and what its caches built beside them (as
+/// [`queue_tokens`] does) and, under [`timing::sync_steps`], waits for
+/// them; `clock` counts both phases (the single-sequence loop's or the
+/// stacked batch's), and under [`timing::count_nodes`] the nodes handed
+/// MLX, walked outside the dispatch's time.
 pub(crate) fn dispatch_step(tokens: &[&Array], caches: &mut [&mut ModelCache], clock: &timing::Clock) -> Result<()> {
     let mut t = Instant::now();
     let fresh: Vec<Array> = caches.iter_mut().flat_map(|c| c.take_fresh()).collect();
