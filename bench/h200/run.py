@@ -209,6 +209,9 @@ The chain now:
      `batch-phases` (~60 s): the nodes a 16-row step hands MLX
      (MLX_LFM_COUNT_STEP_NODES, new in session 57), against the one-row
      step's ~60 (`step-ops`): every one-launch layer kernel takes one row.
+     With it, `dispatch-cost` (no checkpoint; session 13 ran it on the
+     H200): what a node costs at one row and at 16 (MLX's GEMMs there),
+     so that the count says what fusing 16-row layers would save.
   4. Same env, H200_MODELS=lfm2-8b-a1b-q4 `timeout -s TERM 560 python3
      bench/h200/run.py round 1` (~350 s with its checkpoints and GGUF on
      a fresh machine).
@@ -1547,7 +1550,8 @@ def dispatch_cost():
     """What one node of each kind costs the host on this machine
     (`mlx-lfm-bench --dispatch-cost`: chains of 200 adds, views, GEMVs,
     4-bit GEMVs, RMSNorms and custom kernels; µs per node to build, to
-    dispatch, to wait for). No checkpoint needed."""
+    dispatch, to wait for; since session 57 the adds, products and norms
+    at 16 rows too, a stacked step's). No checkpoint needed."""
     r = sh([BENCH, "--dispatch-cost", "--device", "gpu", "--reps", "5"], "dispatch-cost", check=False)
     for line in r.stdout.splitlines():
         j = json.loads(line)

@@ -36,7 +36,7 @@
 //!     over the measured reps (a SIGPROF timer, Linux x86_64): the
 //!     decoding thread's samples by function (nearest exported symbol) and
 //!     by library, and the other threads' by library, as one JSON line.
-//!   mlx-lfm-bench --dispatch-cost [--device gpu] [--reps 5]
+//!   mlx-lfm-bench --dispatch-cost [--device gpu] [--reps 5]   (one row, and 16 rows for the products, adds and norms)
 //!     no model: what one node of each kind costs the host (chains of 200
 //!     adds, views, GEMVs, 4-bit GEMVs, RMSNorms and, on CUDA, custom
 //!     kernels, alone, with 8 inputs and with 6 outputs, each built, handed
@@ -1203,6 +1203,10 @@ fn dispatch_cost(reps: usize) -> mlx_lfm::Result<()> {
     const K: i32 = 2048;
     let bf = Dtype::Bfloat16;
     let x0 = normal(&[1, 1, K], bf, 0.0, 1.0, None)?;
+    // And 16 rows, as a stacked 16-sequence step's nodes are: at 16 rows no
+    // one-launch layer serves, and MLX's products run as GEMMs (session
+    // 57: that step's dispatch ~5x the one-row step's).
+    let x16 = normal(&[16, 1, K], bf, 0.0, 1.0, None)?;
     let w = normal(&[K, K], bf, 0.0, 1.0 / (K as f32).sqrt(), None)?;
     // Held as the model holds a dense weight: its transpose, evaluated.
     let wt = w.transpose(&[1, 0])?;
@@ -1210,7 +1214,7 @@ fn dispatch_cost(reps: usize) -> mlx_lfm::Result<()> {
     let (qw, qs, qb) = mlx::quantize(&w, spec)?;
     let norm_w = mlx::full(&[K], 1.0, bf)?;
     let one = Array::scalar(1.0, bf)?;
-    let mut held = vec![&x0, &w, &wt, &qw, &qs, &norm_w, &one];
+    let mut held = vec![&x0, &x16, &w, &wt, &qw, &qs, &norm_w, &one];
     if let Some(b) = &qb {
         held.push(b);
     }
@@ -1236,12 +1240,17 @@ fn dispatch_cost(reps: usize) -> mlx_lfm::Result<()> {
     let qb_or_w = qb.clone().unwrap_or_else(|| w.clone());
     let wide_inputs = [&w, &wt, &qw, &qs, &qb_or_w, &norm_w, &one];
     type Node<'a> = Box<dyn Fn(&Array) -> mlx_lfm::Result<Array> + 'a>;
-    let mut kinds: Vec<(&str, Node)> = vec![
-        ("add", Box::new(|x: &Array| x.add(&one))),
-        ("reshape", Box::new(|x: &Array| x.reshape(&[1, K, 1])?.reshape(&[1, 1, K]))),
-        ("matmul", Box::new(|x: &Array| x.matmul(&wt))),
-        ("quantized_matmul", Box::new(|x: &Array| mlx::quantized_matmul(x, &qw, &qs, qb.as_ref(), true, spec))),
-        ("rms_norm", Box::new(|x: &Array| mlx::rms_norm(x, Some(&norm_w), 1e-5))),
+    // (Each kind with the activation its chain starts from.)
+    let mut kinds: Vec<(&str, &Array, Node)> = vec![
+        ("add", &x0, Box::new(|x: &Array| x.add(&one))),
+        ("reshape", &x0, Box::new(|x: &Array| x.reshape(&[1, K, 1])?.reshape(&[1, 1, K]))),
+        ("matmul", &x0, Box::new(|x: &Array| x.matmul(&wt))),
+        ("quantized_matmul", &x0, Box::new(|x: &Array| mlx::quantized_matmul(x, &qw, &qs, qb.as_ref(), true, spec))),
+        ("rms_norm", &x0, Box::new(|x: &Array| mlx::rms_norm(x, Some(&norm_w), 1e-5))),
+        ("add_16_rows", &x16, Box::new(|x: &Array| x.add(&one))),
+        ("matmul_16_rows", &x16, Box::new(|x: &Array| x.matmul(&wt))),
+        ("quantized_matmul_16_rows", &x16, Box::new(|x: &Array| mlx::quantized_matmul(x, &qw, &qs, qb.as_ref(), true, spec))),
+        ("rms_norm_16_rows", &x16, Box::new(|x: &Array| mlx::rms_norm(x, Some(&norm_w), 1e-5))),
     ];
     for (name, kernel, extra, outs) in [
         ("custom_kernel", &add_one, &wide_inputs[..0], 1),
@@ -1251,6 +1260,7 @@ fn dispatch_cost(reps: usize) -> mlx_lfm::Result<()> {
         if let Some(k) = kernel {
             kinds.push((
                 name,
+                &x0,
                 Box::new(move |x: &Array| {
                     let shape = x.shape();
                     let ins: Vec<&Array> = std::iter::once(x).chain(extra.iter().copied()).collect();
@@ -1264,13 +1274,13 @@ fn dispatch_cost(reps: usize) -> mlx_lfm::Result<()> {
             ));
         }
     }
-    for (name, node) in &kinds {
+    for (name, start, node) in &kinds {
         // The reshape pair is two nodes a link.
         let per_link = if *name == "reshape" { 2.0 } else { 1.0 };
         let mut samples: Vec<[f64; 3]> = Vec::new();
         for rep in 0..reps + 1 {
             let t0 = Instant::now();
-            let mut x = x0.clone();
+            let mut x = (*start).clone();
             for _ in 0..N {
                 x = node(&x)?;
             }
