@@ -193,7 +193,11 @@ preload was passed as `<ROOT>/...` word for word, the loader ignored it
 and stops on a preload naming no file since. Step 5 first found no
 checkpoint on the fresh machine (`profile-kernels` makes them since),
 then got ncu's detail sections (180 s) and lost the stall pass to its
-TERM (H200_NCU_STALLS_ONLY=1 runs that pass alone since).
+TERM (H200_NCU_STALLS_ONLY=1 runs that pass alone since). Here, after
+it: one `split` of the stacked step's [16] tokens in place of a slice a
+row saves nothing (MLX 0.32.4 makes 16 Slices of it where 4 rows get one
+Split node; counted on the CPU with MLX_LFM_COUNT_STEP_NODES and
+MLXB_GRAPH_DUMP), so it was not kept.
 The chain now:
   1. carry [.device/a]: `stage-mlx`.
   2. carry [.device/llama]: `llama` (its build runs in the background).
