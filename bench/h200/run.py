@@ -515,6 +515,12 @@ def preloads(value):
     return value.replace(":", " ").split()
 
 
+def preload_served(value, served):
+    """Whether the bench's allocator line (`served`, the library the loader
+    says serves malloc) is one of the LD_PRELOAD value's libraries."""
+    return any(Path(f).name in (served or "") for f in preloads(value))
+
+
 def glibc_env():
     """ours_env() without its preload: the allocator alone differs."""
     e = ours_env()
@@ -902,8 +908,7 @@ def run_ours(name, rnd):
             # Which allocator served our malloc (the loader's answer).
             record(engine="mlx-lfm-allocator", model=name, round=rnd, allocator=j["allocator"])
             pre = ours_extra().get("LD_PRELOAD")
-            served = j["allocator"] or ""
-            if pre and not any(Path(f).name in served for f in preloads(pre)):
+            if pre and not preload_served(pre, j["allocator"]):
                 # (An error, so `collect` lists it: the round's "mlx-lfm"
                 # figures are then not the preloaded allocator's. The bench
                 # gives null where the loader names no library.)
@@ -3081,7 +3086,7 @@ def ab_processes(name, knobs, reps, base=None, tag=""):
             # would time glibc under the variant's name.
             head = [json.loads(l) for l in r.stdout.splitlines() if l.startswith("{") and '"allocator"' in l]
             served = head[0].get("allocator") if head else None
-            if "LD_PRELOAD" in extra and served and Path(extra["LD_PRELOAD"]).name not in served:
+            if "LD_PRELOAD" in extra and served and not preload_served(extra["LD_PRELOAD"], served):
                 log(f"ab-procs {name} {v}: malloc served by {served}, not {extra['LD_PRELOAD']}: no sample")
                 rows = []
             if not rows or len(rows[-1].get("decode_tps_runs", [])) < 2:
