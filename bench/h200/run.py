@@ -3116,7 +3116,7 @@ def batch_phases():
     b = BATCH
     # (Then one process with the nodes of each stacked step counted,
     # MLX_LFM_COUNT_STEP_NODES=1: session 57 read the 16-row step's dispatch
-    # at 3-9x the one-row step's, which `step-ops` counts at ~60 nodes.
+    # at 4-10x the one-row step's, which `step-ops` counts at ~60 nodes.
     # H200_BATCH_NODES_ONLY=1 runs that process alone.)
     arms = [] if os.environ.get("H200_BATCH_NODES_ONLY") == "1" else [(rep, sync) for rep in range(2) for sync in ("0", "1")]
     for name in ab_models():

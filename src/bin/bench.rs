@@ -1205,7 +1205,7 @@ fn dispatch_cost(reps: usize) -> mlx_lfm::Result<()> {
     let x0 = normal(&[1, 1, K], bf, 0.0, 1.0, None)?;
     // And 16 rows, as a stacked 16-sequence step's nodes are: at 16 rows no
     // one-launch layer serves, and MLX's products run as GEMMs (session
-    // 57: that step's dispatch 3-9x the one-row step's).
+    // 57: that step's dispatch 4-10x the one-row step's).
     let x16 = normal(&[16, 1, K], bf, 0.0, 1.0, None)?;
     let w = normal(&[K, K], bf, 0.0, 1.0 / (K as f32).sqrt(), None)?;
     // Held as the model holds a dense weight: its transpose, evaluated.

@@ -66,7 +66,7 @@ pub fn sync_steps() -> bool {
 /// the caches built beside them), is walked and its nodes counted into
 /// [`StepNodes`], outside the dispatch's clock. What MLX's dispatch costs
 /// grows with the nodes (each one's `eval_gpu`): session 57's H100 read
-/// the stacked 16-row step's dispatch at 3-9x the one-row step's, and this
+/// the stacked 16-row step's dispatch at 4-10x the one-row step's, and this
 /// says how many nodes each hands MLX. Never on by default (the walk is
 /// host time a step).
 pub fn count_nodes() -> bool {
